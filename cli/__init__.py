@@ -1,0 +1,1 @@
+"""fsdpkit's command-line interface (installed as the package `fsdpkit_cli`)."""

@@ -1,0 +1,69 @@
+"""The one compatibility layer for the flat collectives FSDP needs.
+
+torch >= 2.13 names them `all_gather_single` / `reduce_scatter_single`; older releases
+`all_gather_into_tensor` / `reduce_scatter_tensor`. Every collective the engine issues goes
+through `Collectives`, which also counts calls and bytes (so tests can check what each
+sharding strategy sends) and can record events in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Calls and bytes per collective kind, for one engine instance (never global)."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+    events: list[tuple[str, str]] | None = None  # (kind, label) in issue order, when recording
+
+    def add(self, kind: str, num_bytes: int, label: str = "") -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + num_bytes
+        if self.events is not None:
+            self.events.append((kind, label))
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+        if self.events is not None:
+            self.events.clear()
+
+
+class Collectives:
+    """Flat collectives on explicit process groups, counted in `stats`."""
+
+    def __init__(self, stats: CommStats | None = None) -> None:
+        self.stats = stats if stats is not None else CommStats()
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group: Any, *, async_op: bool = False, label: str = ""):
+        """Concatenate every rank's equal `shard` into `output` (numel = shard.numel * group size)."""
+        self.stats.add("all_gather", output.numel() * output.element_size(), label)
+        return _all_gather_flat(output, shard, group=group, async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, group: Any, *, async_op: bool = False, label: str = ""):
+        """Sum `full` over the group and leave chunk `rank` of the sum in `output`."""
+        self.stats.add("reduce_scatter", full.numel() * full.element_size(), label)
+        return _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any, *, op: Any = dist.ReduceOp.SUM, async_op: bool = False, label: str = ""):
+        self.stats.add("all_reduce", tensor.numel() * tensor.element_size(), label)
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any, *, async_op: bool = False, label: str = ""):
+        self.stats.add("broadcast", tensor.numel() * tensor.element_size(), label)
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"

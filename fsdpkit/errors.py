@@ -1,0 +1,22 @@
+"""Exception types and the exit codes the CLI maps them to.
+
+UsageError: the user asked for something that cannot work (exit 2).
+RunError: a run failed, e.g. a worker died (exit 1).
+DataCheckError: data failed a check: a corrupt checkpoint, a wrong benchmark result (exit 3).
+"""
+
+
+class FsdpkitError(Exception):
+    exit_code = 1
+
+
+class UsageError(FsdpkitError, ValueError):
+    exit_code = 2
+
+
+class RunError(FsdpkitError, RuntimeError):
+    exit_code = 1
+
+
+class DataCheckError(FsdpkitError):
+    exit_code = 3
