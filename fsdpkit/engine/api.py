@@ -1,0 +1,129 @@
+"""The public engine API: shard a module in place, and the helpers users need around it."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..comm import Collectives, CommStats
+from ..errors import UsageError
+from .config import MixedPrecision, ShardingConfig
+from .flat_unit import NAME_ATTR, SHAPE_ATTR
+from .mesh import build_mesh
+from .plan import WrapPolicy, plan_units
+from .sharded import STATE_ATTR, ShardedState, get_state
+
+WrapSpec = WrapPolicy | tuple[type[nn.Module], ...] | list[type[nn.Module]] | type[nn.Module] | Callable[[str, nn.Module], bool] | None
+
+
+def _as_policy(wrap: WrapSpec) -> WrapPolicy:
+    if wrap is None:
+        return WrapPolicy()
+    if isinstance(wrap, WrapPolicy):
+        return wrap
+    if isinstance(wrap, type) and issubclass(wrap, nn.Module):
+        return WrapPolicy(module_classes=(wrap,))
+    if isinstance(wrap, (tuple, list)):
+        return WrapPolicy(module_classes=tuple(wrap))
+    if callable(wrap):
+        return WrapPolicy(predicate=wrap)
+    raise UsageError(f"wrap must be a WrapPolicy, module classes or a predicate, got {type(wrap).__name__}")
+
+
+def shard(
+    module: nn.Module,
+    *,
+    wrap: WrapSpec = None,
+    strategy: str = "full",
+    shard_group_size: int | None = None,
+    mixed_precision: MixedPrecision | str | None = None,
+    group: Any = None,
+    device: torch.device | str | None = None,
+    comm_stats: CommStats | None = None,
+) -> nn.Module:
+    """Shard `module` in place across the ranks of `group` and return it.
+
+    Every rank must call this with an identically initialised module. Afterwards
+    `named_parameters()` yields the model's own names, each a 1-D fragment of this rank's
+    chunk of its unit's flat parameter; a standard torch optimizer can train them.
+    """
+    if hasattr(module, STATE_ATTR):
+        raise UsageError(f"{type(module).__name__} is already sharded")
+    if not dist.is_initialized():
+        raise UsageError("fsdpkit.shard() needs an initialised process group (torch.distributed.init_process_group)")
+    if isinstance(mixed_precision, str):
+        mixed_precision = MixedPrecision.from_name(mixed_precision)
+    config = ShardingConfig(strategy=strategy, shard_group_size=shard_group_size, mixed_precision=mixed_precision or MixedPrecision())
+    mesh = build_mesh(config, group)
+    device = torch.device(device) if device is not None else _default_device()
+    for buffer_owner in module.modules():
+        for name, buffer in buffer_owner._buffers.items():
+            if buffer is not None:
+                buffer_owner._buffers[name] = _place_buffer(buffer, device, config.mixed_precision)
+    plans = plan_units(module, _as_policy(wrap))
+    state = ShardedState(module, plans, mesh, config, Collectives(comm_stats), device)
+    object.__setattr__(module, STATE_ATTR, state)
+    return module
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _place_buffer(buffer: torch.Tensor, device: torch.device, mixed_precision: MixedPrecision) -> torch.Tensor:
+    if buffer.is_floating_point() and mixed_precision.buffer_dtype is not None:
+        return buffer.to(device=device, dtype=mixed_precision.buffer_dtype)
+    return buffer.to(device)
+
+
+@contextlib.contextmanager
+def full_params(module: nn.Module, *, writeback: bool = True) -> Iterator[nn.Module]:
+    """Gather the full parameters (master dtype) for evaluation, generation or export.
+
+    Inside, `named_parameters()` and `state_dict()` show full tensors with their original
+    shapes; with writeback, changes to them are kept. Every rank must enter it.
+    """
+    with get_state(module).full_params(writeback=writeback):
+        yield module
+
+
+def original_shape(param: torch.Tensor) -> torch.Size:
+    """The shape a sharded parameter had before sharding (`p.dim()` of a fragment is 1)."""
+    return getattr(param, SHAPE_ATTR, param.shape)
+
+
+def param_groups(module: nn.Module, *, weight_decay: float) -> list[dict[str, Any]]:
+    """nanoGPT's optimizer groups: weight decay on matrices and embeddings (original
+    dim >= 2), none on biases and norms. Works on sharded and plain modules."""
+    decay, no_decay = [], []
+    for _, param in module.named_parameters():
+        if param.requires_grad:
+            (decay if len(original_shape(param)) >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def comm_stats(module: nn.Module) -> CommStats:
+    return get_state(module).comms.stats
+
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return hasattr(module, STATE_ATTR)
+
+
+
+def local_shard_bytes(module: nn.Module) -> int:
+    """Bytes of this rank's sharded parameters (master dtype)."""
+    return sum(unit.flat_shard.numel() * unit.flat_shard.element_size() for unit in get_state(module).units)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict (model's own names, original shapes) on every rank; for small models."""
+    with full_params(module, writeback=False):
+        return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}

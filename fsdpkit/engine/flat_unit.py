@@ -1,0 +1,197 @@
+"""One unit's FlatParameter: the sharded master chunk, the unsharded buffer the unit computes
+with, and the reduction of its gradient back into the chunk.
+
+Sharded state: each original parameter is an nn.Parameter that is a 1-D view of its own
+fragment of `flat_shard` (possibly empty); the optimizer updates those views in place.
+Unsharded state: `full_flat` (a leaf that autograd accumulates into) holds the whole padded
+flat parameter, and each original parameter is a view of it with its original shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..comm import Collectives
+from ..layout import FlatLayout
+from .config import MixedPrecision
+from .mesh import ShardMesh
+from .plan import UnitPlan
+
+SHAPE_ATTR = "_fsdpkit_shape"
+NAME_ATTR = "_fsdpkit_name"
+
+
+@dataclass
+class PendingReduction:
+    unit: "FlatUnit"
+    output: torch.Tensor
+    source: torch.Tensor  # kept alive until the asynchronous collective completes
+    work: Any
+
+
+class FlatUnit:
+    def __init__(
+        self,
+        plan: UnitPlan,
+        modules: dict[str, nn.Module],
+        mesh: ShardMesh,
+        comms: Collectives,
+        mixed_precision: MixedPrecision,
+        *,
+        is_root: bool,
+        reshard_after_forward: bool,
+        device: torch.device,
+    ) -> None:
+        self.name = plan.name
+        self.plan = plan
+        self.mesh = mesh
+        self.comms = comms
+        self.is_root = is_root
+        self.reshard_after_forward = reshard_after_forward and not is_root
+        self.layout: FlatLayout = plan.layout(mesh.shard_factor)
+        self.fragments = self.layout.fragments(mesh.shard_rank)
+        self.uses = [[(modules[m], attr) for m, attr in p.uses] for p in plan.params]
+        originals = [getattr(uses[0][0], uses[0][1]) for uses in self.uses]
+        dtypes = {t.dtype for t in originals}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise ValueError(f"unit {self.name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; one floating dtype per unit is required")
+        self.master_dtype = dtypes.pop()
+        self.compute_dtype = mixed_precision.param_dtype or self.master_dtype
+        self.reduce_dtype = mixed_precision.reduce_dtype or self.compute_dtype
+        self.device = device
+
+        self.flat_shard = torch.zeros(self.layout.chunk_numel, dtype=self.master_dtype, device=device)
+        with torch.no_grad():
+            for fragment, original in zip(self.fragments, originals):
+                piece = self._local(fragment)
+                source = original.detach().reshape(-1)[fragment.param_range.start:fragment.param_range.end]
+                piece.copy_(source)
+        self.params: list[nn.Parameter] = []
+        for fragment, param_plan in zip(self.fragments, plan.params):
+            param = nn.Parameter(self._local(fragment), requires_grad=param_plan.requires_grad)
+            setattr(param, SHAPE_ATTR, torch.Size(param_plan.shape))
+            setattr(param, NAME_ATTR, param_plan.name)
+            self.params.append(param)
+        self.trainable = any(p.requires_grad for p in self.params)
+        self.grad_shard: torch.Tensor | None = None
+
+        self.aliases_shard = mesh.shard_factor == 1 and self.compute_dtype == self.master_dtype
+        if self.aliases_shard:
+            self.full_flat = self.flat_shard.detach()
+        else:
+            self.full_flat = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=device)
+            self.full_flat.untyped_storage().resize_(0)
+        self.full_flat.requires_grad_(self.trainable)
+        self.is_unsharded = False
+        self.used = torch.zeros(len(self.params), dtype=torch.int32)
+        self.reset_backward_state()
+        self._show_fragments()
+
+    # ----- layout helpers
+    def _local(self, fragment) -> torch.Tensor:
+        return self.flat_shard[fragment.local_offset:fragment.local_offset + fragment.param_range.size]
+
+    def _set_params(self, tensors: list[torch.Tensor]) -> None:
+        for uses, tensor in zip(self.uses, tensors):
+            for module, attr in uses:
+                module._parameters[attr] = tensor
+
+    def _show_fragments(self) -> None:
+        self._set_params(self.params)
+
+    def reset_backward_state(self) -> None:
+        self.backward_prepared = False
+        self.reduced_this_backward = False
+        self.used.zero_()
+
+    # ----- unshard / reshard
+    def unshard(self) -> None:
+        """All-gather the unit's parameters into `full_flat` (in the compute dtype)."""
+        if self.is_unsharded:
+            return
+        self.is_unsharded = True
+        if self.aliases_shard:
+            return
+        full = self.full_flat
+        if full.untyped_storage().size() == 0:
+            full.untyped_storage().resize_(self.layout.padded_numel * full.element_size())
+        source = self.flat_shard if self.compute_dtype == self.master_dtype else self.flat_shard.to(self.compute_dtype)
+        # `.data`: fills the buffer without bumping the version counter autograd checks on saved views.
+        if self.mesh.shard_factor > 1:
+            self.comms.all_gather(full.data, source, self.mesh.shard_group, label=self.name)
+        else:
+            full.data.copy_(source)
+
+    def show_unsharded(self, *, track_grad: bool) -> None:
+        """Point every original parameter at its view of `full_flat`, with its own shape."""
+        base = self.full_flat if (track_grad and self.trainable) else self.full_flat.detach()
+        pieces = torch.split(base, self.layout.split_sizes())
+        views = [
+            (piece if param_plan.requires_grad else piece.detach()).view(param_plan.shape)
+            for piece, param_plan in zip(pieces, self.plan.params)
+        ]
+        if base.requires_grad:
+            for index, view in enumerate(views):
+                if view.requires_grad:
+                    view.register_hook(self._usage_hook(index))
+        self._set_params(views)
+
+    def _usage_hook(self, index: int):
+        def mark_used(grad: torch.Tensor) -> None:
+            self.used[index] = 1
+
+        return mark_used
+
+    def reshard(self) -> None:
+        """Back to the sharded state: original names show the fragments; free the full buffer."""
+        self._show_fragments()
+        if not self.is_unsharded:
+            return
+        self.is_unsharded = False
+        if not self.aliases_shard:
+            self.full_flat.untyped_storage().resize_(0)
+
+    # ----- gradient reduction
+    def issue_reduction(self, full_grad: torch.Tensor) -> PendingReduction:
+        """Start reducing a full padded gradient: reduce-scatter in the shard group (or
+        all-reduce when F = 1)."""
+        grad = full_grad if full_grad.dtype == self.reduce_dtype else full_grad.to(self.reduce_dtype)
+        if self.mesh.shard_factor > 1:
+            output = torch.empty(self.layout.chunk_numel, dtype=self.reduce_dtype, device=self.device)
+            work = self.comms.reduce_scatter(output, grad, self.mesh.shard_group, async_op=True, label=self.name)
+        else:
+            output = grad
+            work = None
+            if self.mesh.replicate_group is not None:
+                work = self.comms.all_reduce(output, self.mesh.replicate_group, async_op=True, label=self.name)
+        self.reduced_this_backward = True
+        return PendingReduction(self, output, grad, work)
+
+    def finish_reduction(self, pending: PendingReduction, used: torch.Tensor) -> None:
+        """Wait, all-reduce across replicas (hybrid), average, and accumulate into the
+        sharded gradient of every parameter that some rank gave a gradient."""
+        if pending.work is not None:
+            pending.work.wait()
+        reduced = pending.output
+        if self.mesh.shard_factor > 1 and self.mesh.replicate_group is not None:
+            self.comms.all_reduce(reduced, self.mesh.replicate_group, label=self.name)
+        reduced = reduced.to(self.master_dtype).div_(self.mesh.world_size)
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros_like(self.flat_shard)
+        for index, (fragment, param) in enumerate(zip(self.fragments, self.params)):
+            if not param.requires_grad or not used[index]:
+                continue
+            start, size = fragment.local_offset, fragment.param_range.size
+            target = self.grad_shard[start:start + size]
+            piece = reduced[start:start + size]
+            if param.grad is None:
+                target.copy_(piece)
+            else:
+                if size and param.grad.data_ptr() != target.data_ptr():
+                    target.copy_(param.grad)
+                target.add_(piece)
+            param.grad = target

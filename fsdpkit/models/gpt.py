@@ -1,0 +1,105 @@
+"""A decoder-only GPT in the GPT-2 shape, small enough to read in ten minutes.
+
+    fsdpkit train --model gpt-tiny --nproc-per-node 2
+
+Each `Block` is one FSDP unit under the default wrap policy; the root keeps the embeddings,
+the final norm and the output head, whose weight is tied to the token embedding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, channels = x.shape
+        q, k, v = self.c_attn(x).split(channels, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(batch, seq, channels))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * n_layer)."""
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj") else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _, seq = idx.shape
+        if seq > self.config.block_size:
+            raise ValueError(f"sequence length {seq} exceeds the model's block size {self.config.block_size}")
+        positions = torch.arange(seq, device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))

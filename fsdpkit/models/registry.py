@@ -1,0 +1,71 @@
+"""Built-in models by name, and user models given as `package.module:factory`."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..errors import UsageError
+from .gpt import GPT, Block, GPTConfig
+
+GPT_CONFIGS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64),
+    "gpt-small": GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256),
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+}
+DEFAULT_MODEL = "gpt-tiny"
+
+
+def is_builtin(name: str) -> bool:
+    return name in GPT_CONFIGS
+
+
+def load_object(spec: str, *, what: str) -> object:
+    """Import `package.module:attr`, looking in the current directory too (as `python -m` does)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"{what} {spec!r} is neither a built-in model ({', '.join(GPT_CONFIGS)}) nor of the form package.module:name")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # an import error inside the user's module is the user's to see
+        raise UsageError(f"cannot import {what} module {module_name!r}: {type(error).__name__}: {error}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise UsageError(f"module {module_name!r} has no attribute {attr!r} ({what} {spec!r})") from None
+
+
+def model_factory(name: str) -> Callable[[], nn.Module]:
+    """A zero-argument callable that builds the model `name` (validated now, built later)."""
+    if name in GPT_CONFIGS:
+        config = GPT_CONFIGS[name]
+        return lambda: GPT(config)
+    factory = load_object(name, what="model factory")
+    if not callable(factory):
+        raise UsageError(f"model factory {name!r} is not callable")
+    return factory
+
+
+def build_model(name: str, *, device: str | torch.device = "cpu") -> nn.Module:
+    """Build a model by name on `device` (use 'meta' to build nothing real)."""
+    factory = model_factory(name)
+    with torch.device(device):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model factory {name!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def default_unit_classes(name: str) -> tuple[type[nn.Module], ...] | None:
+    """The classes that form units for a built-in model (None: use the ModuleList rule)."""
+    return (Block,) if name in GPT_CONFIGS else None
