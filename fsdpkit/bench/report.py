@@ -1,0 +1,141 @@
+"""Benchmark results as people already read them: the nccl-tests table, one JSON document, CSV."""
+
+from __future__ import annotations
+
+import csv
+from typing import Any, TextIO
+
+from .busbw import MODES
+from .results import BenchReport, CollectiveResult, ModeResult
+
+_MODE_HEADER = f"{'time':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>7}"
+_MODE_UNITS = f"{'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7}"
+_NOT_AVAILABLE = f"{'N/A':>9} {'N/A':>7} {'N/A':>7} {'N/A':>7}"
+
+
+def format_report(report: BenchReport) -> str:
+    """Every collective's table, one after another; a flat/list comparison when both ran."""
+    parts = [format_table(report, result) for result in report.results]
+    comparison = format_variant_comparison(report)
+    if comparison:
+        parts.append(comparison)
+    return "\n".join(parts)
+
+
+def format_table(report: BenchReport, result: CollectiveResult) -> str:
+    lines = [
+        f"# fsdpkit bench {result.title}: {report.world_size} ranks, backend {report.backend}, "
+        f"iters {report.iters}, warmup {report.warmup}",
+        f"# {result.algbw_formula} ; {result.busbw_formula} ({result.busbw_factor:g} for n={report.world_size}) ; "
+        "time = max over ranks of each rank's mean",
+    ]
+    if result.note:
+        lines.append(f"# note: {result.note}")
+    lines += [
+        "#",
+        f"# {'':>11} {'':>12} {'':>9}  {'out-of-place':^33}  {'in-place':^33}",
+        f"# {'size':>11} {'count':>12} {'type':>9}  {_MODE_HEADER}  {_MODE_HEADER}",
+        f"# {'(B)':>11} {'(elements)':>12} {'':>9}  {_MODE_UNITS}  {_MODE_UNITS}",
+    ]
+    for row in result.rows:
+        cells = "  ".join(_format_mode(mode) for _, mode in row.modes())
+        lines.append(f"  {row.size_bytes:>11} {row.count:>12} {report.dtype:>9}  {cells}")
+    if report.check:
+        lines.append(f"# Out of bounds values : {result.wrong_total} {'OK' if not result.wrong_total else 'FAILED'}")
+    lines.append(f"# Avg bus bandwidth    : {result.avg_busbw_gbps:.6g}")
+    lines.append("#")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _format_mode(mode: ModeResult | None) -> str:
+    if mode is None:
+        return _NOT_AVAILABLE
+    wrong = "N/A" if mode.wrong is None else str(mode.wrong)
+    return f"{_format_time(mode.time_us):>9} {mode.algbw_gbps:>7.2f} {mode.busbw_gbps:>7.2f} {wrong:>7}"
+
+
+def _format_time(time_us: float) -> str:
+    return f"{time_us:.1f}" if time_us < 1e6 else f"{time_us:.0f}"
+
+
+def format_variant_comparison(report: BenchReport) -> str | None:
+    """Flat vs list all-gather at each size, when both variants ran."""
+    by_variant = {result.variant: result for result in report.results if result.collective == "allgather"}
+    if not {"flat", "list"} <= by_variant.keys():
+        return None
+    lines = [
+        "# all-gather: flat (all_gather_single, FSDP's) vs list (all_gather into separate tensors)",
+        f"# {'size(B)':>11} {'mode':>13} {'flat(us)':>10} {'list(us)':>10} {'list/flat':>10}",
+    ]
+    for flat_row, list_row in zip(by_variant["flat"].rows, by_variant["list"].rows):
+        for mode in MODES:
+            flat_mode, list_mode = getattr(flat_row, mode), getattr(list_row, mode)
+            ratio = list_mode.time_us / flat_mode.time_us
+            lines.append(
+                f"  {flat_row.size_bytes:>11} {mode.replace('_', '-'):>13} "
+                f"{flat_mode.time_us:>10.1f} {list_mode.time_us:>10.1f} {ratio:>10.2f}"
+            )
+    lines.append("#")
+    return "\n".join(lines)
+
+
+def report_document(report: BenchReport) -> dict[str, Any]:
+    """The --json document."""
+    return {
+        "command": "bench",
+        "backend": report.backend,
+        "world_size": report.world_size,
+        "dtype": report.dtype,
+        "iters": report.iters,
+        "warmup": report.warmup,
+        "check": report.check,
+        "time": "max over ranks of each rank's mean time per call, in microseconds",
+        "units": {"size": "bytes", "time": "us", "algbw": "GB/s (1e9 bytes/s)", "busbw": "GB/s (1e9 bytes/s)"},
+        "wrong_total": report.wrong_total,
+        "results": [_result_document(result) for result in report.results],
+    }
+
+
+def _result_document(result: CollectiveResult) -> dict[str, Any]:
+    return {
+        "collective": result.collective,
+        "variant": result.variant or None,
+        "algbw_formula": result.algbw_formula,
+        "busbw_formula": result.busbw_formula,
+        "busbw_factor": result.busbw_factor,
+        "note": result.note,
+        "avg_busbw_gbps": result.avg_busbw_gbps,
+        "wrong_total": result.wrong_total,
+        "rows": [
+            {"size_bytes": row.size_bytes, "count": row.count, **{mode: _mode_document(value) for mode, value in row.modes()}}
+            for row in result.rows
+        ],
+    }
+
+
+def _mode_document(mode: ModeResult | None) -> dict[str, Any] | None:
+    if mode is None:
+        return None
+    return {"time_us": mode.time_us, "algbw_gbps": mode.algbw_gbps, "busbw_gbps": mode.busbw_gbps, "wrong": mode.wrong}
+
+
+CSV_COLUMNS = (
+    "collective", "variant", "backend", "world_size", "size_bytes", "count", "type", "mode",
+    "time_us", "algbw_gbps", "busbw_gbps", "busbw_factor", "wrong",
+)
+
+
+def write_csv(report: BenchReport, stream: TextIO) -> None:
+    """One row per collective, size and mode that ran."""
+    writer = csv.writer(stream)
+    writer.writerow(CSV_COLUMNS)
+    for result in report.results:
+        for row in result.rows:
+            for mode, value in row.modes():
+                if value is None:
+                    continue
+                writer.writerow([
+                    result.collective, result.variant, report.backend, report.world_size, row.size_bytes, row.count,
+                    report.dtype, mode, f"{value.time_us:.3f}", f"{value.algbw_gbps:.6g}", f"{value.busbw_gbps:.6g}",
+                    f"{result.busbw_factor:g}", "" if value.wrong is None else value.wrong,
+                ])

@@ -1,0 +1,78 @@
+"""Run a benchmark from the launching process: validate, plan sizes, launch ranks, combine.
+
+    from fsdpkit.bench.options import BenchOptions
+    from fsdpkit.bench.runner import run_bench
+    from fsdpkit.launch import LaunchOptions
+    report = run_bench(BenchOptions(collectives=("allgather",), max_bytes=1 << 20),
+                       launch_options=LaunchOptions(nproc_per_node=2))
+
+Everything a user can get wrong is checked here, before a process starts (UsageError).
+"""
+
+from __future__ import annotations
+
+from ..errors import DataCheckError
+from ..launch import LaunchOptions, launch
+from .busbw import bench_sizes, busbw_factor
+from .notes import backend_note
+from .options import BenchOptions, element_size, resolve_backend
+from .results import BenchReport, CollectiveResult, size_result
+from .worker import BenchEntry, BenchPlan, bench_worker
+
+
+def plan_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> BenchPlan:
+    """The sizes each collective runs at, rounded to valid counts for this world size."""
+    backend = resolve_backend(options.backend, nproc_per_node=launch_options.nproc_per_node)
+    world_size = launch_options.world_size
+    requested = options.requested_sizes()
+    item_size = element_size(options.dtype)
+    entries = tuple(
+        BenchEntry(collective=collective, variant=variant, sizes=tuple(bench_sizes(collective, requested, world_size, item_size)))
+        for collective, variant in options.entries()
+    )
+    return BenchPlan(
+        entries=entries, backend=backend, dtype=options.dtype,
+        iters=options.iters, warmup=options.warmup, check=options.check,
+    )
+
+
+def run_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> BenchReport:
+    plan = plan_bench(options, launch_options=launch_options)
+    returned = launch(bench_worker, plan, options=launch_options)
+    # Every rank returns the same combined numbers; take the lowest rank this node ran.
+    measured = returned[min(returned)]
+    return build_report(plan, measured, world_size=launch_options.world_size)
+
+
+def build_report(plan: BenchPlan, measured: list, *, world_size: int) -> BenchReport:
+    results = []
+    for entry, rows in zip(plan.entries, measured):
+        size_results = tuple(
+            size_result(
+                entry.collective, world_size, size,
+                {mode: None if m is None else (m.seconds, m.wrong) for mode, m in row.items()},
+            )
+            for size, row in zip(entry.sizes, rows)
+        )
+        results.append(CollectiveResult(
+            collective=entry.collective, variant=entry.variant, world_size=world_size,
+            busbw_factor=busbw_factor(entry.collective, world_size), rows=size_results,
+            note=backend_note(plan.backend, entry.collective, entry.variant),
+        ))
+    return BenchReport(
+        backend=plan.backend, world_size=world_size, dtype=plan.dtype,
+        iters=plan.iters, warmup=plan.warmup, check=plan.check, results=tuple(results),
+    )
+
+
+def raise_if_wrong(report: BenchReport) -> None:
+    """DataCheckError naming where the wrong elements are, if --check found any."""
+    if not report.wrong_total:
+        return
+    places = [
+        f"{result.title} {row.size_bytes} B {mode.replace('_', '-')}: {value.wrong}"
+        for result in report.results for row in result.rows for mode, value in row.modes()
+        if value is not None and value.wrong
+    ]
+    shown = "; ".join(places[:3]) + (f"; and {len(places) - 3} more" if len(places) > 3 else "")
+    raise DataCheckError(f"--check found {report.wrong_total} wrong result elements ({shown})")

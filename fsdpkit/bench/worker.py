@@ -1,0 +1,160 @@
+"""The process that runs inside each rank: time every collective at every size, check results.
+
+Per size, as nccl-tests does: the out-of-place run, then the in-place run. Each run is
+`warmup` untimed calls, a barrier, then `iters` calls between two host timestamps (with a
+device synchronize on CUDA); this rank's time is their mean. The launching process gets,
+from every rank, the maximum of those means over all ranks, and with --check the number of
+wrong elements summed over all ranks (one extra run on fresh inputs, compared element by
+element against the expected values).
+
+Test hooks: with FSDPKIT_BENCH_CORRUPT_RANK=R in the environment, rank R overwrites the first
+element of every checked result with -1 (no correct value is negative) before counting; with
+FSDPKIT_BENCH_FAIL_RANK=R, rank R raises before joining the process group.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from .busbw import BenchSize
+from .collectives import MODES, Placement, PreparedCollective, prepare, supports_mode
+from .options import torch_dtype
+
+CORRUPT_RANK_ENV = "FSDPKIT_BENCH_CORRUPT_RANK"
+FAIL_RANK_ENV = "FSDPKIT_BENCH_FAIL_RANK"
+
+
+@dataclass(frozen=True)
+class BenchEntry:
+    collective: str
+    variant: str
+    sizes: tuple[BenchSize, ...]
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    entries: tuple[BenchEntry, ...]
+    backend: str
+    dtype: str
+    iters: int
+    warmup: int
+    check: bool
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One size, one mode, combined over ranks."""
+
+    seconds: float  # max over ranks of each rank's mean time per call
+    wrong: int | None  # wrong elements summed over ranks; None without --check
+
+
+SizeMeasurements = dict[str, Measurement | None]  # mode -> measurement (None: the mode does not exist)
+
+
+@record
+def bench_worker(plan: BenchPlan) -> list[list[SizeMeasurements]]:
+    """Entry point for fsdpkit.launch: returns, per entry and size, the combined measurements."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if os.environ.get(FAIL_RANK_ENV, "") == os.environ.get("RANK"):
+        raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={os.environ['RANK']})")
+    if plan.backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(plan.backend)
+    group = dist.group.WORLD
+    try:
+        where = Placement(
+            rank=dist.get_rank(group), world_size=dist.get_world_size(group),
+            dtype=torch_dtype(plan.dtype), device=device, group=group,
+        )
+        corrupt = os.environ.get(CORRUPT_RANK_ENV, "") == str(dist.get_rank())
+        return _run_plan(plan, where, corrupt=corrupt)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_plan(plan: BenchPlan, where: Placement, *, corrupt: bool) -> list[list[SizeMeasurements]]:
+    from tqdm import tqdm
+
+    total = sum(len(entry.sizes) for entry in plan.entries)
+    progress = tqdm(total=total, desc="bench", unit="size", file=sys.stderr, disable=True if where.rank != 0 else None, leave=False)
+    results = []
+    with progress:
+        for entry in plan.entries:
+            rows = []
+            for size in entry.sizes:
+                progress.set_postfix_str(f"{entry.collective} {size.size_bytes} B")
+                rows.append(_measure_size(entry, size, plan, where, corrupt=corrupt))
+                progress.update(1)
+            results.append(rows)
+    return results
+
+
+def _measure_size(entry: BenchEntry, size: BenchSize, plan: BenchPlan, where: Placement, *, corrupt: bool) -> SizeMeasurements:
+    modes = [mode for mode in MODES if supports_mode(entry.collective, mode)]
+    seconds = []
+    wrong = []
+    for mode in modes:
+        prepared = prepare(entry.collective, entry.variant, mode, size.count, where)
+        seconds.append(_time_calls(prepared, plan, where))
+        wrong.append(_count_wrong(prepared, where, corrupt=corrupt) if plan.check else 0)
+        del prepared
+    # Two tiny collectives combine the ranks: the slowest rank's mean, the sum of wrong elements.
+    slowest = torch.tensor(seconds, dtype=torch.float64, device=where.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=where.group)
+    wrong_total = torch.tensor(wrong, dtype=torch.int64, device=where.device)
+    dist.all_reduce(wrong_total, op=dist.ReduceOp.SUM, group=where.group)
+    measured = {
+        mode: Measurement(seconds=float(slowest[i]), wrong=int(wrong_total[i]) if plan.check else None)
+        for i, mode in enumerate(modes)
+    }
+    return {mode: measured.get(mode) for mode in MODES}
+
+
+def _time_calls(prepared: PreparedCollective, plan: BenchPlan, where: Placement) -> float:
+    for _ in range(plan.warmup):
+        prepared.run()
+    _synchronize(where)
+    _barrier(where)
+    start = time.perf_counter()
+    for _ in range(plan.iters):
+        prepared.run()
+    _synchronize(where)
+    return (time.perf_counter() - start) / plan.iters
+
+
+def _count_wrong(prepared: PreparedCollective, where: Placement, *, corrupt: bool) -> int:
+    from .patterns import count_wrong
+
+    prepared.reset()
+    _barrier(where)
+    prepared.run()
+    _synchronize(where)
+    result = prepared.result()
+    if corrupt:
+        result = result.clone()
+        result.view(-1)[0] = -1
+    return count_wrong(result, prepared.expected(), rtol=prepared.rtol)
+
+
+def _synchronize(where: Placement) -> None:
+    if where.device.type == "cuda":
+        torch.cuda.synchronize(where.device)
+
+
+def _barrier(where: Placement) -> None:
+    if where.device.type == "cuda":
+        dist.barrier(group=where.group, device_ids=[where.device.index])
+    else:
+        dist.barrier(group=where.group)
