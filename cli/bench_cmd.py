@@ -20,7 +20,8 @@ _FORMULAS_HELP = (
     "allreduce 2(n-1)/n; allgather, reducescatter, alltoall (n-1)/n; broadcast 1 (n = ranks). "
     "time = max over ranks of each rank's mean. For allgather and reducescatter, size is the "
     "full tensor and count is per rank; sizes are rounded down to valid counts as nccl-tests "
-    "does (per-rank share a multiple of 16 bytes)."
+    "does (per-rank share a multiple of 16 bytes). torch's all_reduce and broadcast exist only in "
+    "place and all-to-all runs out of place only: the other columns read N/A."
 )
 
 
@@ -127,9 +128,11 @@ _DESCRIPTIONS = {
 }
 
 for _name in COLLECTIVES:
-    bench_app.command(_name, help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]} (n = ranks). {_FORMULAS_HELP}")(
+    bench_app.command(_name, short_help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]}.",
+                      help=f"{_DESCRIPTIONS[_name]} {_FORMULAS_HELP}")(
         _command((_name,), with_variant=_name == "allgather")
     )
-bench_app.command("all", help=f"Every collective, one table after another (allgather: flat). {_FORMULAS_HELP}")(
+bench_app.command("all", short_help="Every collective, one table after another (allgather: flat).",
+                  help=f"Every collective, one table after another (allgather: flat). {_FORMULAS_HELP}")(
     _command(COLLECTIVES, with_variant=False)
 )

@@ -1,0 +1,135 @@
+"""`fsdpkit bench` through the CLI: real 2-process gloo runs (three launches), and bad input.
+
+Each launch costs ~3 s, so each one checks many things; bad input is rejected before any
+launch (the launcher is replaced by one that fails the test if it is ever called).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fsdpkit.bench import runner as bench_runner
+from fsdpkit_cli.app import app
+
+SMALL = ["--nproc-per-node", "2", "--backend", "gloo", "--min-bytes", "1K", "--max-bytes", "4K", "--iters", "2", "--warmup", "1"]
+
+
+def _invoke(args, env=None):
+    return CliRunner().invoke(app, ["bench", *args], env=env)
+
+
+def test_all_collectives_json_check_passes_and_csv(tmp_path):
+    csv_path = tmp_path / "bench.csv"
+    result = _invoke(["all", *SMALL, "--check", "--json", "--csv", str(csv_path)])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)  # exactly one JSON document on stdout
+    assert result.stdout.count("\n") == 1
+    assert document["backend"] == "gloo" and document["world_size"] == 2 and document["dtype"] == "float32"
+    assert document["check"] is True and document["wrong_total"] == 0
+    by_name = {entry["collective"]: entry for entry in document["results"]}
+    assert list(by_name) == ["allgather", "reducescatter", "allreduce", "broadcast", "alltoall"]
+    assert by_name["allreduce"]["busbw_formula"] == "busbw = algbw * 2(n-1)/n" and by_name["allreduce"]["busbw_factor"] == 1.0
+    assert by_name["broadcast"]["busbw_factor"] == 1.0 and by_name["allgather"]["busbw_factor"] == 0.5
+    assert "emulated" in by_name["reducescatter"]["note"]
+    for name, entry in by_name.items():
+        assert [row["size_bytes"] for row in entry["rows"]] == [1024, 2048, 4096]
+        for row in entry["rows"]:
+            measured = [mode for mode in ("out_of_place", "in_place") if row[mode] is not None]
+            expected_modes = {"allreduce": ["in_place"], "broadcast": ["in_place"], "alltoall": ["out_of_place"]}
+            assert measured == expected_modes.get(name, ["out_of_place", "in_place"])
+            for mode in measured:
+                values = row[mode]
+                assert values["wrong"] == 0 and values["time_us"] > 0
+                assert values["algbw_gbps"] == pytest.approx(row["size_bytes"] / values["time_us"] / 1e3)
+                assert values["busbw_gbps"] == pytest.approx(values["algbw_gbps"] * entry["busbw_factor"])
+    # size is the full tensor, count per rank, for the sharded collectives
+    assert by_name["allgather"]["rows"][0]["count"] == 1024 // 4 // 2
+    assert by_name["allreduce"]["rows"][0]["count"] == 1024 // 4
+    with open(csv_path, newline="") as stream:
+        rows = list(csv.DictReader(stream))
+    assert len(rows) == 3 * (2 + 2 + 1 + 1 + 1)
+    assert {row["wrong"] for row in rows} == {"0"}
+
+
+def test_table_counts_a_corrupted_result_as_wrong_and_exits_3():
+    args = ["allgather", *SMALL, "--variant", "both", "--dtype", "bfloat16", "--check"]
+    result = _invoke(args, env={"FSDPKIT_BENCH_CORRUPT_RANK": "1"})
+    assert result.exit_code == 3, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("# fsdpkit bench allgather (flat): 2 ranks, backend gloo")
+    header = next(line for line in lines if "#wrong" in line)
+    assert header.split()[1:] == ["size", "count", "type"] + ["time", "algbw", "busbw", "#wrong"] * 2
+    rows = [line.split() for line in lines if line.startswith("  ") and "float" in line]
+    assert len(rows) == 2 * 3  # flat and list tables, three sizes each
+    for row in rows:
+        assert row[2] == "bfloat16" and len(row) == 11
+        assert row[6] == "1" and row[10] == "1"  # rank 1 corrupted one element per run
+    assert [row[:2] for row in rows[:3]] == [["1024", "256"], ["2048", "512"], ["4096", "1024"]]
+    assert sum(line.startswith("# Avg bus bandwidth") for line in lines) == 2
+    assert any(line.startswith("# all-gather: flat") for line in lines)  # side by side
+    assert result.stderr.strip().splitlines() == [
+        "error: --check found 12 wrong result elements (allgather (flat) 1024 B out-of-place: 1; "
+        "allgather (flat) 1024 B in-place: 1; allgather (flat) 2048 B out-of-place: 1; and 9 more)"
+    ]
+
+
+def test_worker_failure_exits_1_with_rank_and_reason():
+    result = _invoke(["allreduce", *SMALL], env={"FSDPKIT_BENCH_FAIL_RANK": "1"})
+    assert result.exit_code == 1
+    assert result.stderr.strip() == "error: worker rank 1 failed: RuntimeError: injected failure (FSDPKIT_BENCH_FAIL_RANK=1)"
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def launch(*args, **kwargs):
+        raise AssertionError("bad input must be rejected before launching")
+
+    monkeypatch.setattr(bench_runner, "launch", launch)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["allgather", "--min-bytes", "2M", "--max-bytes", "1M"], "error: --min-bytes 2097152 (2.0 MiB) is larger than --max-bytes 1048576 (1.0 MiB)"),
+    (["allgather", "--factor", "1"], "error: --factor must be an integer >= 2, got 1"),
+    (["allreduce", "--iters", "0"], "error: --iters must be >= 1, got 0"),
+    (["gather"], "error: unknown collective 'gather': choose from allgather, reducescatter, allreduce, broadcast, alltoall, all"),
+    (["broadcast", "--dtype", "int8"], "error: unknown --dtype 'int8': choose from float32, bfloat16, float16"),
+    (["allgather", "--variant", "ring"], "error: unknown --variant 'ring': choose from flat, list, both"),
+    (["all", "--min-bytes", "12Q"], "error: unknown size unit 'Q' in '12Q': use K/M/G (=KiB/MiB/GiB, powers of 1024) or KB/MB/GB (powers of 1000)"),
+    (["alltoall", "--nproc-per-node", "65"], "error: --nproc-per-node 65 is more than this launcher allows per node (64)"),
+    (["allgather", "--nproc-per-node", "4", "--min-bytes", "16", "--max-bytes", "32"],
+     "error: --max-bytes 32 is too small for allgather over 4 ranks with 4-byte elements: the smallest valid size is 64 bytes"),
+])
+def test_bad_input_is_one_line_and_exit_2(no_launch, args, message):
+    result = _invoke(args)
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [message]
+
+
+def test_nccl_requests_are_checked_before_launching(no_launch, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    result = _invoke(["allgather", "--backend", "nccl", "--nproc-per-node", "1"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == ["error: --backend nccl needs CUDA, but torch sees no CUDA device here: use --backend gloo"]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    result = _invoke(["allgather", "--backend", "nccl", "--nproc-per-node", "2"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        "error: --nproc-per-node 2 is more than nccl can run here: one process per GPU and this node has 1"
+    ]
+
+
+def test_help_shows_the_bandwidth_formulas():
+    result = _invoke(["allreduce", "--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.stdout.split())
+    assert "busbw = algbw * 2(n-1)/n" in text
+    assert "allgather, reducescatter, alltoall (n-1)/n; broadcast 1" in text
