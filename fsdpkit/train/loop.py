@@ -1,0 +1,156 @@
+"""The training worker: one process of a sharded run. Started by `fsdpkit train` through
+the elastic launcher, or directly under torchrun (`torchrun -m fsdpkit.train ...`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import fsdpkit
+
+from .config import TrainConfig
+from .data import TokenSource, local_rows
+from .model_setup import build_for_training, inspect_model, wrap_policy
+from .schedule import lr_at
+
+
+def pick_device(config: TrainConfig) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    groups = fsdpkit.param_groups(model, weight_decay=config.weight_decay)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
+    return torch.optim.SGD(groups, lr=config.lr)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        config.validate_world_size(self.world_size)
+        self.device = pick_device(config)
+        info = inspect_model(config.model, config.vocab_size, config.wrap)
+        self.vocab_size = info.vocab_size
+        model = build_for_training(config.model, config.seed)
+        self.model = fsdpkit.shard(
+            model,
+            wrap=wrap_policy(config.model, config.wrap),
+            strategy=config.strategy,
+            shard_group_size=config.shard_group_size,
+            mixed_precision=config.mixed_precision,
+            device=self.device,
+        )
+        self.num_params = info.num_params
+        self.optimizer = build_optimizer(self.model, config)
+        self.data = TokenSource(config.data, vocab_size=self.vocab_size, seq_len=config.seq_len, seed=config.seed)
+        self.step = 0
+
+    def _loss_on(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.to(self.device)
+        logits = self.model(tokens[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+    def _global_mean(self, value: float) -> float:
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return total.item() / self.world_size
+
+    def train_step(self) -> float:
+        config = self.config
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, base_lr=config.lr, warmup_steps=config.warmup_steps, total_steps=config.steps, schedule=config.lr_schedule)
+        batch = self.data.global_batch(self.step, config.global_batch_size)
+        micro_rows = config.global_batch_size // config.grad_accum
+        local_loss = 0.0
+        for micro in range(config.grad_accum):
+            micro_batch = local_rows(batch[micro * micro_rows:(micro + 1) * micro_rows], self.rank, self.world_size)
+            loss = self._loss_on(micro_batch) / config.grad_accum
+            loss.backward()
+            local_loss += loss.item()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return self._global_mean(local_loss)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        losses = []
+        for index in range(self.config.eval_batches):
+            batch = self.data.global_batch(index, self.config.global_batch_size, held_out=True)
+            losses.append(self._loss_on(local_rows(batch, self.rank, self.world_size)).item())
+        return self._global_mean(sum(losses) / len(losses))
+
+
+def train_worker(config: TrainConfig) -> dict[str, Any] | None:
+    """Run a whole training on this rank; rank 0 returns the summary, others None."""
+    trainer = Trainer(config)
+    rank0 = trainer.rank == 0
+    metrics = open(config.metrics, "a", encoding="utf-8") if (rank0 and config.metrics) else None
+    tokens_per_step = config.global_batch_size * config.seq_len
+    losses, eval_losses = [], []
+    progress = tqdm(total=config.steps, initial=trainer.step, desc="train", unit="step", disable=not rank0, dynamic_ncols=True)
+    started = time.perf_counter()
+    try:
+        while trainer.step < config.steps:
+            step_start = time.perf_counter()
+            loss = trainer.train_step()
+            step_time = time.perf_counter() - step_start
+            losses.append(loss)
+            record: dict[str, Any] = {"step": trainer.step, "loss": loss, "lr": trainer.optimizer.param_groups[0]["lr"],
+                                      "step_time_s": step_time, "tokens_per_second": tokens_per_step / step_time}
+            if config.eval_every and trainer.step % config.eval_every == 0:
+                record["eval_loss"] = trainer.evaluate()
+                eval_losses.append({"step": trainer.step, "loss": record["eval_loss"]})
+            if metrics:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
+            progress.update(1)
+    finally:
+        progress.close()
+        if metrics:
+            metrics.close()
+    elapsed = time.perf_counter() - started
+    peak = torch.tensor([peak_memory_bytes(trainer.device)], dtype=torch.float64, device=trainer.device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if not rank0:
+        return None
+    return {
+        "model": config.model,
+        "num_params": trainer.num_params,
+        "world_size": trainer.world_size,
+        "strategy": config.strategy,
+        "mixed_precision": config.mixed_precision,
+        "device": trainer.device.type,
+        "steps": trainer.step,
+        "global_batch_size": config.global_batch_size,
+        "seq_len": config.seq_len,
+        "losses": losses,
+        "final_loss": losses[-1] if losses else None,
+        "eval_losses": eval_losses,
+        "tokens_per_second": tokens_per_step * len(losses) / elapsed if elapsed > 0 else None,
+        "elapsed_seconds": elapsed,
+        "peak_memory_bytes": int(peak.item()),
+        "checkpoint": None,
+    }
