@@ -22,6 +22,7 @@ def _register_commands() -> None:
     # Each command lives in its own module; importing it registers it on `app`.
     from . import train_cmd  # noqa: F401
     from . import bench_cmd  # noqa: F401
+    from . import checkpoint_cmd  # noqa: F401
 
 
 _register_commands()

@@ -1,0 +1,188 @@
+"""`fsdpkit convert`, `reshard`, `inspect`, `verify`: offline checkpoint commands.
+
+None of these imports torch: they are byte-level copies over fragments (fsdpkit/checkpoint),
+so peak memory stays bounded by --chunk-size plus a constant. Results go to stdout (a short
+text summary, or one JSON document with --json); the progress bar (bytes) goes to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+
+from fsdpkit.checkpoint.format import CAST_TARGETS
+from fsdpkit.errors import UsageError
+from fsdpkit.sizes import format_size, parse_size
+
+from .app import app
+from .common import handle_errors, print_json
+
+CHUNK_HELP = "Bytes copied at a time; bounds memory (K/M/G = powers of 1024, KB/MB/GB = powers of 1000)."
+
+
+@contextlib.contextmanager
+def _progress_bar(desc: str, enabled: bool) -> Iterator:
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, disable=None, leave=False)
+
+    def update(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+            bar.refresh()
+        if done:
+            bar.update(done)
+
+    try:
+        yield update
+    finally:
+        bar.close()
+
+
+def _cast(dtype: Optional[str]) -> Optional[str]:
+    if dtype is None:
+        return None
+    try:
+        return CAST_TARGETS[dtype.lower()]
+    except KeyError:
+        raise UsageError(f"unknown --dtype {dtype!r}: use bf16, fp16 or fp32") from None
+
+
+def _chunk(text: str) -> int:
+    size = parse_size(text)
+    if size < 1024:
+        raise UsageError(f"--chunk-size {text!r} is {size} bytes; use at least 1K")
+    return size
+
+
+def _world(world_size: Optional[int]) -> int:
+    if world_size is None:
+        raise UsageError("--world-size is required")
+    if world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world_size}")
+    return world_size
+
+
+def _print_result(result: dict, as_json: bool) -> None:
+    if as_json:
+        print_json(result)
+        return
+    typer.echo(f"wrote {result['dst']}: {len(result['files'])} files, {result['tensors']} tensors, "
+               f"{format_size(result['bytes'])}")
+
+
+@app.command("convert")
+@handle_errors
+def convert(
+    src: Path = typer.Argument(..., help="Source checkpoint: sharded (run or step dir) for --to full; full safetensors for --to sharded."),
+    dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
+    to: str = typer.Option(..., "--to", help="full or sharded."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks of the sharded output (--to sharded)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Lay out by this model's flat-parameter plan (--to sharded); default: even split per tensor."),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="Split full output into files of at most this size, e.g. 5GB (with model.safetensors.index.json)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating tensors: bf16, fp16 or fp32 (ints and bools are kept)."),
+    with_optimizer: bool = typer.Option(False, "--with-optimizer", help="Also convert the optimizer state (optimizer*.safetensors)."),
+    chunk_size: str = typer.Option("64M", "--chunk-size", help=CHUNK_HELP),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
+) -> None:
+    """Convert between sharded fsdpkit checkpoints and full Hugging Face-style safetensors."""
+    from fsdpkit.checkpoint.convert import convert_to_full, convert_to_sharded
+
+    cast_to, chunk = _cast(dtype), _chunk(chunk_size)
+    if to == "full":
+        if world_size is not None or model is not None:
+            raise UsageError("--world-size and --model apply to --to sharded only")
+        limit = parse_size(max_shard_size) if max_shard_size is not None else None
+        if limit is not None and limit < 1:
+            raise UsageError(f"--max-shard-size must be positive, got {max_shard_size!r}")
+        with _progress_bar("convert", True) as progress:
+            result = convert_to_full(src, dst, max_shard_size=limit, cast_to=cast_to, with_optimizer=with_optimizer,
+                                     chunk_size=chunk, overwrite=overwrite, progress=progress)
+    elif to == "sharded":
+        if max_shard_size is not None:
+            raise UsageError("--max-shard-size applies to --to full only")
+        ranks = _world(world_size)
+        with _progress_bar("convert", True) as progress:
+            result = convert_to_sharded(src, dst, world_size=ranks, model=model, cast_to=cast_to,
+                                        with_optimizer=with_optimizer, chunk_size=chunk, overwrite=overwrite, progress=progress)
+    else:
+        raise UsageError(f"unknown --to {to!r}: use full or sharded")
+    _print_result(result, as_json)
+
+
+@app.command("reshard")
+@handle_errors
+def reshard(
+    src: Path = typer.Argument(..., help="Sharded checkpoint (run or step directory)."),
+    dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="Number of ranks of the new layout."),
+    chunk_size: str = typer.Option("64M", "--chunk-size", help=CHUNK_HELP),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
+) -> None:
+    """Lay a sharded checkpoint out for another world size, offline (model and optimizer state)."""
+    from fsdpkit.checkpoint.reshard import reshard as reshard_checkpoint
+
+    ranks, chunk = _world(world_size), _chunk(chunk_size)
+    with _progress_bar("reshard", True) as progress:
+        result = reshard_checkpoint(src, dst, world_size=ranks, chunk_size=chunk, overwrite=overwrite, progress=progress,
+                                    warn=lambda line: typer.echo(f"warning: {line}", err=True))
+    _print_result(result, as_json)
+
+
+@app.command("inspect")
+@handle_errors
+def inspect(
+    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir) or full safetensors."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
+) -> None:
+    """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
+    from fsdpkit.checkpoint.summary import summarize
+
+    summary = summarize(ckpt)
+    if as_json:
+        print_json(summary)
+        return
+    lines = [f"path        {summary['path']}", f"format      {summary['format']}" + (f" v{summary['version']}" if "version" in summary else "")]
+    if "world_size" in summary:
+        lines += [f"world size  {summary['world_size']}  strategy {summary['strategy']}  plan {summary['plan']} ({summary['units']} units)",
+                  f"step        {summary['step']}  samples {summary['samples']}"]
+    lines += [f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, {format_size(summary['model']['bytes'])}",
+              f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
+              "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
+              "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
+              f"files       {len(summary['files'])}, {format_size(sum(f['size'] for f in summary['files']))}"]
+    if summary["aliases"]:
+        lines.append("tied        " + ", ".join(f"{a} -> {t}" for a, t in summary["aliases"].items()))
+    typer.echo("\n".join(lines))
+
+
+@app.command("verify")
+@handle_errors
+def verify(
+    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir) or full safetensors."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
+) -> None:
+    """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
+    from fsdpkit.checkpoint.verify import verify_checkpoint
+
+    with _progress_bar("verify", True) as progress:
+        report = verify_checkpoint(ckpt, progress=progress)
+    if as_json:
+        print_json(report)
+    elif report["ok"]:
+        typer.echo(f"ok {report['path']}: {report['tensors']} tensors, {report['fragments']} fragments checked, "
+                   f"{format_size(report['bytes'])}")
+    else:
+        typer.echo("\n".join(report["problems"]))
+    if not report["ok"]:
+        typer.echo(f"error: {len(report['problems'])} problems in {report['path']}", err=True)
+        raise typer.Exit(3)

@@ -1,0 +1,58 @@
+"""Casting float bytes between F64/F32/F16/BF16 without torch, in bounded memory.
+
+Works block by block (`BLOCK` elements) with numpy, so temporaries stay a few MB whatever
+the input size. Rounding matches torch: round to nearest even; BF16 is produced from F32
+bits exactly like c10's `round_to_nearest_even` (NaN -> 0x7FC0); F64 -> BF16 goes through
+F32 as torch does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .format import dtype_info
+
+BLOCK = 1 << 20  # elements per block
+
+_NUMPY = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
+
+
+def _to_f32(src: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return (src.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return src.view(_NUMPY[dtype]).astype(np.float32)
+
+
+def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
+    bits = values.view(np.uint32)
+    rounded = ((bits + (((bits >> 16) & 1) + np.uint32(0x7FFF))) >> 16).astype(np.uint16)
+    rounded[np.isnan(values)] = 0x7FC0
+    return rounded
+
+
+def _cast_block(src: np.ndarray, src_dtype: str, dst_dtype: str) -> np.ndarray:
+    if src_dtype == "BF16" or dst_dtype == "BF16":
+        values = src.view(np.float64).astype(np.float32) if src_dtype == "F64" else _to_f32(src, src_dtype)
+        if dst_dtype == "BF16":
+            return _f32_to_bf16(values)
+        return values.astype(_NUMPY[dst_dtype])
+    return src.view(_NUMPY[src_dtype]).astype(_NUMPY[dst_dtype])
+
+
+def cast_into(src: memoryview, src_dtype: str, dst_dtype: str, out: bytearray | memoryview) -> memoryview:
+    """Cast the elements in `src` (bytes of `src_dtype`) into `out`; returns the used part of `out`."""
+    src_size, dst_size = dtype_info(src_dtype).itemsize, dtype_info(dst_dtype).itemsize
+    count = src.nbytes // src_size
+    if src.nbytes % src_size:
+        raise ValueError(f"{src.nbytes} bytes is not a whole number of {src_dtype} elements")
+    out_view = memoryview(out)[: count * dst_size]
+    if src_dtype == dst_dtype:
+        out_view[:] = src
+        return out_view
+    src_array = np.frombuffer(src, dtype=np.uint8)
+    out_array = np.frombuffer(out_view, dtype=np.uint8)
+    for first in range(0, count, BLOCK):
+        last = min(first + BLOCK, count)
+        block = src_array[first * src_size: last * src_size]
+        out_array[first * dst_size: last * dst_size] = _cast_block(block, src_dtype, dst_dtype).view(np.uint8)
+    return out_view

@@ -1,0 +1,130 @@
+"""Names, constants and dtype facts of the fsdpkit checkpoint format (no I/O, no torch).
+
+The spec is docs/checkpoint-format.md. Everything here is pure and shared by the writer,
+the readers, convert, reshard, verify and inspect.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+FORMAT_NAME = "fsdpkit-checkpoint"
+FORMAT_VERSION = 1
+
+MANIFEST_NAME = "manifest.json"
+LATEST_NAME = "latest"
+STEP_PREFIX = "step-"
+TMP_PREFIX = ".tmp-"  # in-progress directories: never a checkpoint until renamed
+
+# Full (Hugging Face style) checkpoints.
+MODEL_SINGLE = "model.safetensors"
+MODEL_INDEX = "model.safetensors.index.json"
+OPTIM_SINGLE = "optimizer.safetensors"
+OPTIM_INDEX = "optimizer.safetensors.index.json"
+TIED_METADATA_KEY = "fsdpkit_tied_weights"  # __metadata__ key: JSON {alias: stored name}
+
+OPTIM_PREFIX = "optim."  # optimizer state tensors: optim.<state>.<param name>
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+MAX_MANIFEST_BYTES = 1_000_000_000
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+_STEP_NAME = re.compile(r"^step-(\d{8,})$")
+
+
+@dataclass(frozen=True)
+class DtypeInfo:
+    name: str  # the safetensors spelling: F32, BF16, I64, BOOL...
+    itemsize: int
+    castable: bool  # a float that --dtype may cast (F16, BF16, F32, F64)
+
+
+_DTYPES = {
+    "BOOL": DtypeInfo("BOOL", 1, False),
+    "U8": DtypeInfo("U8", 1, False),
+    "I8": DtypeInfo("I8", 1, False),
+    "I16": DtypeInfo("I16", 2, False),
+    "U16": DtypeInfo("U16", 2, False),
+    "I32": DtypeInfo("I32", 4, False),
+    "U32": DtypeInfo("U32", 4, False),
+    "I64": DtypeInfo("I64", 8, False),
+    "U64": DtypeInfo("U64", 8, False),
+    "F8_E5M2": DtypeInfo("F8_E5M2", 1, False),
+    "F8_E4M3": DtypeInfo("F8_E4M3", 1, False),
+    "F16": DtypeInfo("F16", 2, True),
+    "BF16": DtypeInfo("BF16", 2, True),
+    "F32": DtypeInfo("F32", 4, True),
+    "F64": DtypeInfo("F64", 8, True),
+}
+
+# --dtype spellings accepted by the CLI.
+CAST_TARGETS = {"bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16", "half": "F16",
+                "fp32": "F32", "float32": "F32", "float": "F32"}
+
+
+def dtype_info(name: str) -> DtypeInfo:
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown dtype {name!r} (known: {', '.join(_DTYPES)})") from None
+
+
+def is_known_dtype(name: object) -> bool:
+    return isinstance(name, str) and name in _DTYPES
+
+
+def numel(shape: tuple[int, ...] | list[int]) -> int:
+    return math.prod(shape)
+
+
+def nbytes(shape: tuple[int, ...] | list[int], dtype: str) -> int:
+    return numel(shape) * dtype_info(dtype).itemsize
+
+
+def output_dtype(dtype: str, cast_to: str | None) -> str:
+    """The dtype a tensor gets on the way out: floats are cast, ints/bools/fp8 are kept."""
+    if cast_to is None or not dtype_info(dtype).castable:
+        return dtype
+    return cast_to
+
+
+def rank_file_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def step_dir_name(step: int) -> str:
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    match = _STEP_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def is_safe_file_name(name: object) -> bool:
+    """A plain name inside the checkpoint directory: no separators, no '..', no leading dot."""
+    return isinstance(name, str) and len(name) <= 255 and bool(_SAFE_NAME.match(name)) and ".." not in name
+
+
+def is_optimizer_tensor(name: str) -> bool:
+    return name.startswith(OPTIM_PREFIX)
+
+
+def optim_tensor_name(state: str, param_name: str) -> str:
+    """`optim.<state>.<param>`, e.g. optim.exp_avg.h.0.attn.weight. State names have no dots."""
+    if "." in state or not state:
+        raise ValueError(f"optimizer state name {state!r} must be non-empty and contain no '.'")
+    return f"{OPTIM_PREFIX}{state}.{param_name}"
+
+
+def split_optim_tensor_name(name: str) -> tuple[str, str] | None:
+    """(state, param name) of `optim.<state>.<param>`, or None for a scalar/other tensor."""
+    if not is_optimizer_tensor(name):
+        return None
+    rest = name[len(OPTIM_PREFIX):]
+    state, dot, param = rest.partition(".")
+    return (state, param) if dot and state and param else None

@@ -1,0 +1,144 @@
+"""Bounded-memory byte copies from source fragments to an output stream (no torch).
+
+A `SourceTensor` says where each element range of a tensor lies: (range, file, byte offset,
+crc32 or None). Sharded checkpoints give one piece per fragment (with its checksum); full
+safetensors files give one piece per tensor (no checksum).
+
+`ByteCopier.copy(tensor, wanted_range, out_dtype, sink)` reads the overlapping pieces into
+one reused buffer of `chunk_size` bytes with `os.preadv`, updates the running crc32 of
+every source fragment it reads, casts floats when `out_dtype` differs, and hands each
+filled view to `sink`. Callers must read each fragment front to back (any number of calls,
+increasing ranges), which the plans in `plan.py` guarantee; when a fragment's last byte has
+been read its crc32 is compared with the manifest and a mismatch is a `DataCheckError`.
+Peak memory: the chunk buffer, a cast buffer of the same order, a few MB of cast temporaries.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import DataCheckError
+from ..layout import ElementRange
+from .cast import cast_into
+from .format import dtype_info, numel
+
+MAX_OPEN_FILES = 64
+
+
+@dataclass(frozen=True)
+class SourcePiece:
+    range: ElementRange  # elements of the tensor this piece holds
+    path: Path
+    offset: int  # absolute byte offset in `path` of element range.start
+    nbytes: int  # bytes of the whole piece
+    crc32: int | None  # of the whole piece's bytes; None when the source has no checksum
+    label: str  # how to name it in an error (file and key)
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[SourcePiece, ...]
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_info(self.dtype).itemsize
+
+
+class _OpenFiles:
+    """A small LRU of read-only file descriptors."""
+
+    def __init__(self) -> None:
+        self._fds: OrderedDict[Path, int] = OrderedDict()
+
+    def fd(self, path: Path) -> int:
+        if path in self._fds:
+            self._fds.move_to_end(path)
+            return self._fds[path]
+        if len(self._fds) >= MAX_OPEN_FILES:
+            _, old = self._fds.popitem(last=False)
+            os.close(old)
+        self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+
+class ByteCopier:
+    def __init__(self, *, chunk_size: int, progress: Callable[[int], None] | None = None):
+        if chunk_size < 64:
+            raise ValueError(f"chunk size must be at least 64 bytes, got {chunk_size}")
+        self.chunk_size = chunk_size
+        self._buffer = bytearray(chunk_size)
+        self._cast_buffer: bytearray | None = None
+        self._files = _OpenFiles()
+        self._crc: dict[tuple[Path, int], tuple[int, int]] = {}  # piece -> (bytes read, running crc)
+        self._progress = progress
+
+    def copy(self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None]) -> None:
+        itemsize = dtype_info(tensor.dtype).itemsize
+        step = max(1, self.chunk_size // itemsize)
+        for piece in tensor.pieces:
+            part = piece.range.intersect(wanted)
+            if not part.size:
+                continue
+            for first in range(part.start, part.end, step):
+                last = min(first + step, part.end)
+                offset = (first - piece.range.start) * itemsize
+                view = memoryview(self._buffer)[: (last - first) * itemsize]
+                self._read(piece, offset, view)
+                sink(self._cast(view, tensor.dtype, out_dtype))
+                if self._progress:
+                    self._progress(view.nbytes)
+
+    def _read(self, piece: SourcePiece, offset: int, view: memoryview) -> None:
+        fd = self._files.fd(piece.path)
+        done = 0
+        while done < view.nbytes:
+            count = os.preadv(fd, [view[done:]], piece.offset + offset + done)
+            if count == 0:
+                raise DataCheckError(f"{piece.path}: file ends before {piece.label} does (truncated)")
+            done += count
+        if piece.crc32 is None:
+            return
+        key = (piece.path, piece.offset)
+        position, crc = self._crc.pop(key, (0, 0))
+        if offset != position:
+            raise AssertionError(f"{piece.label}: read at byte {offset}, expected {position} (fragments must be read in order)")
+        position, crc = position + view.nbytes, zlib.crc32(view, crc)
+        if position < piece.nbytes:
+            self._crc[key] = (position, crc)
+        elif crc != piece.crc32:
+            raise DataCheckError(f"{piece.path}: checksum mismatch in {piece.label}: "
+                                 f"stored crc32 {piece.crc32:08x}, data gives {crc:08x} (corrupt file)")
+
+    def _cast(self, view: memoryview, src_dtype: str, out_dtype: str) -> memoryview:
+        if src_dtype == out_dtype:
+            return view
+        needed = len(self._buffer) * dtype_info(out_dtype).itemsize // dtype_info(src_dtype).itemsize + 8
+        if self._cast_buffer is None or len(self._cast_buffer) < needed:
+            self._cast_buffer = bytearray(needed)
+        return cast_into(view, src_dtype, out_dtype, self._cast_buffer)
+
+    def finish(self) -> None:
+        """Check that every fragment that was started was read to its end; close files."""
+        self._files.close()
+        if self._crc:
+            (path, _), (position, _) = next(iter(self._crc.items()))
+            raise AssertionError(f"{path}: a fragment was read only up to byte {position}")
+
+    def close(self) -> None:
+        self._files.close()
