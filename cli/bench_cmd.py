@@ -129,7 +129,7 @@ _DESCRIPTIONS = {
 
 for _name in COLLECTIVES:
     bench_app.command(_name, short_help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]}.",
-                      help=f"{_DESCRIPTIONS[_name]} {_FORMULAS_HELP}")(
+                      help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]} (n = ranks). {_FORMULAS_HELP}")(
         _command((_name,), with_variant=_name == "allgather")
     )
 bench_app.command("all", short_help="Every collective, one table after another (allgather: flat).",
