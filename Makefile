@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 train: install
-	$(VENV)/bin/fsdpkit train --nproc-per-node 2
+	$(VENV)/bin/fsdpkit train --nproc-per-node 2 --steps 500 --global-batch-size 16 --seq-len 128 --eval-every 100 --lr-schedule cosine --warmup-steps 20
 
 test: install
 	$(PY) -m pytest -q tests

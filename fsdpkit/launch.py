@@ -77,7 +77,7 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
     try:
         return elastic_launch(config, worker_fn)(*args)
     except ChildFailedError as failed:
-        rank, failure = min(failed.failures.items())
+        rank, failure = failed.get_first_failure()  # the root cause: the others usually fail because it did
         raise RunError(f"worker rank {rank} failed: {_failure_reason(failure)}") from None
 
 
