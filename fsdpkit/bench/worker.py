@@ -95,13 +95,14 @@ def _run_plan(plan: BenchPlan, where: Placement, *, corrupt: bool) -> list[list[
             rows = []
             for size in entry.sizes:
                 progress.set_postfix_str(f"{entry.collective} {size.size_bytes} B")
-                rows.append(_measure_size(entry, size, plan, where, corrupt=corrupt))
+                rows.append(measure_size(entry, size, plan, where, corrupt=corrupt))
                 progress.update(1)
             results.append(rows)
     return results
 
 
-def _measure_size(entry: BenchEntry, size: BenchSize, plan: BenchPlan, where: Placement, *, corrupt: bool) -> SizeMeasurements:
+def measure_size(entry: BenchEntry, size: BenchSize, plan: BenchPlan, where: Placement, *, corrupt: bool = False) -> SizeMeasurements:
+    """Every mode of one collective at one size, combined over the ranks of `where.group`."""
     modes = [mode for mode in MODES if supports_mode(entry.collective, mode)]
     seconds = []
     wrong = []
