@@ -184,5 +184,6 @@ def verify(
     else:
         typer.echo("\n".join(report["problems"]))
     if not report["ok"]:
-        typer.echo(f"error: {len(report['problems'])} problems in {report['path']}", err=True)
+        more = len(report["problems"]) - 1
+        typer.echo(f"error: {report['problems'][0]}" + (f" (+{more} more problems)" if more else ""), err=True)
         raise typer.Exit(3)

@@ -51,8 +51,9 @@ def cast_into(src: memoryview, src_dtype: str, dst_dtype: str, out: bytearray | 
         return out_view
     src_array = np.frombuffer(src, dtype=np.uint8)
     out_array = np.frombuffer(out_view, dtype=np.uint8)
-    for first in range(0, count, BLOCK):
-        last = min(first + BLOCK, count)
-        block = src_array[first * src_size: last * src_size]
-        out_array[first * dst_size: last * dst_size] = _cast_block(block, src_dtype, dst_dtype).view(np.uint8)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is the intended result, as in torch
+        for first in range(0, count, BLOCK):
+            last = min(first + BLOCK, count)
+            block = src_array[first * src_size: last * src_size]
+            out_array[first * dst_size: last * dst_size] = _cast_block(block, src_dtype, dst_dtype).view(np.uint8)
     return out_view

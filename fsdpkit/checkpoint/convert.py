@@ -59,7 +59,7 @@ def convert_to_full(src: str | Path, dst: str | Path, *, max_shard_size: int | N
         metadata[TIED_METADATA_KEY] = json.dumps(checkpoint.manifest.aliases, sort_keys=True)
     by_name = {t.name: t for _, tensors in outputs for t in tensors}
     written = []
-    with staged_output(dst, src=checkpoint.step_dir, overwrite=overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
+    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
         copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
         for prefix, files in plans:
             for file_name, group in files:

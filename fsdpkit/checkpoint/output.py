@@ -43,7 +43,7 @@ def fsync_tree(path: Path) -> None:
 
 
 def check_destination(dst: Path, *, src: Path, overwrite: bool) -> None:
-    src_root = os.path.realpath(src if src.is_dir() else src.parent)
+    src_root = os.path.realpath(src)  # a directory, or a single file (a full checkpoint's .safetensors or index)
     dst_real = os.path.realpath(dst)
     if dst_real == src_root or dst_real.startswith(src_root + os.sep):
         raise UsageError(f"destination {dst} is inside the source {src}; choose a directory outside it")

@@ -32,7 +32,7 @@ def reshard(src: str | Path, dst: str | Path, *, world_size: int, chunk_size: in
             warn(line)
     sources = checkpoint.sources()
     total = sum(s.nbytes for s in sources)
-    with staged_output(dst, src=checkpoint.step_dir, overwrite=overwrite, needed_bytes=total + world_size * 65536) as tmp:
+    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=total + world_size * 65536) as tmp:
         copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
         manifest = write_sharded(tmp, sources=sources, plan=old.plan, world_size=world_size, strategy=old.strategy,
                                  training_state=state, aliases=old.aliases, cast_to=None, copier=copier)

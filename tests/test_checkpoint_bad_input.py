@@ -1,0 +1,235 @@
+"""Every bad input is detected before any weight is used: one line, the right exit code,
+SRC untouched, no partial DST (issue 5 "Bad input, never silent", issue 6 "Bad input")."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections import namedtuple
+
+import pytest
+
+from fsdpkit.checkpoint import output as output_mod
+from fsdpkit.checkpoint.compat import check_compatible
+from fsdpkit.checkpoint.reader import CheckpointReader
+from fsdpkit.checkpoint.safetensors_io import read_header
+from fsdpkit.errors import DataCheckError
+
+from _checkpoint_helpers import (SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors,
+                                 save_checkpoint, tree_snapshot)
+
+RANK1 = "rank-00001-of-00002.safetensors"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pristine")
+    params = sample_tensors()
+    tensors = {**params, **sample_buffers(), **sample_optimizer(params)}
+    return save_checkpoint(root / "run", 4, tensors, world_size=2, units=SAMPLE_UNITS)
+
+
+@pytest.fixture
+def ckpt(pristine, tmp_path):
+    """A fresh copy of a good W=2 checkpoint (run dir) to damage."""
+    run = tmp_path / "src"
+    shutil.copytree(pristine.parent, run)
+    return run
+
+
+def _step(run):
+    return run / "step-00000004"
+
+
+def _manifest_edit(run, change):
+    path = _step(run) / "manifest.json"
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+
+
+def _flip_data_byte(run):
+    """One bit of a model tensor's fragment in rank 1's file (headers and sizes stay valid)."""
+    path = _step(run) / RANK1
+    header = read_header(path)
+    info = header.tensors["h.1.mlp.weight"]
+    raw = bytearray(path.read_bytes())
+    raw[header.data_start + info.begin + 5] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def _truncate(run):
+    path = _step(run) / RANK1
+    path.write_bytes(path.read_bytes()[:-9])
+
+
+def _huge_header(run):
+    path = _step(run) / RANK1
+    raw = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", 2**63) + raw[8:])
+
+
+def _outside(run):
+    (run.parent / "evil.safetensors").write_bytes(b"x")
+    _manifest_edit(run, lambda d: d["files"][1].update(name="../evil.safetensors"))
+
+
+def _symlink_out(run):
+    target = run.parent / "elsewhere.safetensors"
+    shutil.copy(_step(run) / RANK1, target)
+    (_step(run) / RANK1).unlink()
+    (_step(run) / RANK1).symlink_to(target)
+
+
+def _gap(run):
+    def change(document):
+        tensor = next(t for t in document["tensors"] if len(t["fragments"]) == 2)
+        tensor["fragments"][1]["start"] += 1
+    _manifest_edit(run, change)
+
+
+def _header_dtype(run):
+    def change(document):
+        tensor = next(t for t in document["tensors"] if t["dtype"] == "F32")
+        tensor["dtype"] = "F16"
+    _manifest_edit(run, change)
+
+
+Case = namedtuple("Case", "damage message")
+CASES = {
+    "flipped byte": Case(_flip_data_byte, "checksum mismatch"),
+    "truncated file": Case(_truncate, RANK1),
+    "missing rank file": Case(lambda run: (_step(run) / RANK1).unlink(), f"{RANK1}: file is missing"),
+    "path outside": Case(_outside, "'../evil.safetensors' is not a plain file name"),
+    "symlink outside": Case(_symlink_out, "symlink points outside"),
+    "huge header": Case(_huge_header, "header claims 9223372036854775808 bytes"),
+    "manifest not json": Case(lambda run: (_step(run) / "manifest.json").write_text("{oops"), "not valid JSON"),
+    "unknown version": Case(lambda run: _manifest_edit(run, lambda d: d.update(version=99)), "format version 99"),
+    "coverage gap": Case(_gap, "gap, overlap or empty"),
+    "dtype disagrees": Case(_header_dtype, "has dtype F32, the manifest says F16"),
+    "file size edited": Case(lambda run: _manifest_edit(run, lambda d: d["files"][0].update(size=5)), "the manifest says 5"),
+    "latest garbage": Case(lambda run: (run / "latest").write_text("../../etc"), "expected a step directory name"),
+    "latest dangling": Case(lambda run: shutil.rmtree(_step(run)), "names step-00000004, which is missing"),
+    "empty dir": Case(lambda run: [shutil.rmtree(run), run.mkdir()], "not an fsdpkit checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_every_command_rejects_bad_checkpoint(ckpt, tmp_path, case):
+    damage, message = CASES[case]
+    damage(ckpt)
+    before = tree_snapshot(ckpt)
+    commands = [("verify", ckpt), ("inspect", ckpt), ("convert", ckpt, tmp_path / "out", "--to", "full"),
+                ("reshard", ckpt, tmp_path / "out", "--world-size", "3")]
+    if case == "flipped byte":
+        commands.remove(("inspect", ckpt))  # inspect reads headers only; checksums are verify's and every reader's job
+    for command in commands:
+        result = run_cli(*command)
+        assert result.exit_code == 3, (command, result.output)
+        line = result.stderr.strip()
+        assert line.startswith("error: ") and "\n" not in line and message in line, (command, line)
+        assert "Traceback" not in result.output
+    assert tree_snapshot(ckpt) == before
+    extra = {"symlink outside": ["elsewhere.safetensors"], "path outside": ["evil.safetensors"]}.get(case, [])
+    _no_leftovers(tmp_path, ["src"] + extra)
+
+
+def test_reader_detects_flipped_byte_before_use(ckpt):
+    _flip_data_byte(ckpt)
+    reader = CheckpointReader(ckpt)  # headers and sizes are fine
+    corrupt = [t.name for t in reader.manifest.tensors if any(f.file == RANK1 for f in t.fragments)]
+    with pytest.raises(DataCheckError, match="checksum mismatch"):
+        for name in corrupt:
+            reader.read_tensor(name)
+
+
+def test_verify_lists_every_problem(ckpt):
+    _flip_data_byte(ckpt)
+    (_step(ckpt) / "rank-00000-of-00002.safetensors").write_bytes(b"")
+    result = run_cli("verify", ckpt, "--json")
+    assert result.exit_code == 3
+    report = json.loads(result.stdout)
+    assert report["ok"] is False and len(report["problems"]) == 2
+    assert any("checksum mismatch" in p for p in report["problems"]) and any("truncated" in p for p in report["problems"])
+
+
+def test_checkpoint_of_another_model(pristine):
+    manifest = CheckpointReader(pristine).manifest
+    shapes = {t.name: t.shape for t in manifest.tensors}
+    with pytest.raises(DataCheckError, match=r"shapes differ from the model: wte.weight \[17, 8\] vs model \[18, 8\]"):
+        check_compatible(manifest, {**shapes, "wte.weight": (18, 8)})
+    with pytest.raises(DataCheckError, match=r"missing model tensors \['h.2.attn.weight'\]"):
+        check_compatible(manifest, {**shapes, "h.2.attn.weight": (8, 8)})
+    with pytest.raises(DataCheckError, match=r"does not have: \['ln_f.weight'\]"):
+        check_compatible(manifest, {n: s for n, s in shapes.items() if n != "ln_f.weight"})
+    optim = {**shapes, "optim.momentum_buffer.wte.weight": (17, 8)}
+    with pytest.raises(DataCheckError, match="missing optimizer state"):
+        check_compatible(manifest, optim, strict=True)
+    assert check_compatible(manifest, optim, strict=False) == ["optim.momentum_buffer.wte.weight"]
+
+
+def _no_leftovers(directory, allowed):
+    assert sorted(p.name for p in directory.iterdir()) == sorted(allowed)
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (("convert", "{src}", "{src}/inner", "--to", "full"), 2, "is inside the source"),
+    (("reshard", "{src}", "{src}/step-00000004/x", "--world-size", "2"), 2, "is inside the source"),
+    (("convert", "{src}", "{tmp}/out", "--to", "fuller"), 2, "unknown --to 'fuller'"),
+    (("reshard", "{src}", "{tmp}/out", "--world-size", "0"), 2, "--world-size must be >= 1, got 0"),
+    (("reshard", "{src}", "{tmp}/out", "--world-size", "-3"), 2, "--world-size must be >= 1, got -3"),
+    (("reshard", "{src}", "{tmp}/out"), 2, "--world-size is required"),
+    (("convert", "{src}", "{tmp}/out", "--to", "full", "--chunk-size", "12Q"), 2, "unknown size unit"),
+    (("convert", "{tmp}/nothing", "{tmp}/out", "--to", "full"), 3, "does not exist"),
+    (("convert", "{src}", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "not a full safetensors checkpoint"),
+    (("convert", "{src}/step-00000004/manifest.json", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "no weight_map"),
+])
+def test_usage_errors(ckpt, tmp_path, args, code, message):
+    before = tree_snapshot(ckpt)
+    result = run_cli(*(a.format(src=ckpt, tmp=tmp_path) for a in args))
+    assert result.exit_code == code, result.output
+    assert message in result.stderr and result.stderr.count("\n") == 1
+    assert tree_snapshot(ckpt) == before
+    _no_leftovers(tmp_path, ["src"])
+
+
+def test_existing_destination_needs_overwrite(ckpt, tmp_path):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("keep me")
+    result = run_cli("reshard", ckpt, dst, "--world-size", "3")
+    assert result.exit_code == 2 and "already exists; pass --overwrite" in result.stderr
+    assert (dst / "old.txt").read_text() == "keep me"
+    assert run_cli("reshard", ckpt, dst, "--world-size", "3", "--overwrite").exit_code == 0
+    assert not (dst / "old.txt").exists() and (dst / "manifest.json").exists()
+    _no_leftovers(tmp_path, ["src", "out"])
+    assert run_cli("reshard", dst, ckpt, "--world-size", "1", "--overwrite").exit_code == 0  # replacing SRC's own run is fine
+    bad = run_cli("reshard", dst, tmp_path, "--world-size", "1", "--overwrite")
+    assert bad.exit_code == 2 and "contains the source" in bad.stderr
+
+
+def test_not_enough_disk_space(ckpt, tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(output_mod.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 100, 100))
+    result = run_cli("convert", ckpt, tmp_path / "out", "--to", "full")
+    assert result.exit_code == 1 and "not enough disk space" in result.stderr and "100 B free" in result.stderr
+    _no_leftovers(tmp_path, ["src"])
+
+
+def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch):
+    from fsdpkit.checkpoint import streamcopy
+
+    calls = {"n": 0}
+    original = streamcopy.ByteCopier._read
+
+    def failing(self, piece, offset, view):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise KeyboardInterrupt
+        return original(self, piece, offset, view)
+
+    monkeypatch.setattr(streamcopy.ByteCopier, "_read", failing)
+    result = run_cli("convert", ckpt, tmp_path / "out", "--to", "full")
+    assert result.exit_code == 130
+    _no_leftovers(tmp_path, ["src"])

@@ -1,0 +1,142 @@
+"""Atomic commit: step directories appear complete or not at all, `latest` always names a
+loadable checkpoint, keep-last prunes only after success, crashes leave the previous one."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdpkit.checkpoint import commit as commit_mod
+from fsdpkit.checkpoint.manifest import build_manifest, save_manifest
+from fsdpkit.checkpoint.paths import resolve_checkpoint
+from fsdpkit.checkpoint.plan import Plan
+from fsdpkit.checkpoint.reader import CheckpointReader
+from fsdpkit.checkpoint.verify import verify_checkpoint
+from fsdpkit.checkpoint.writer import write_rank_file
+from fsdpkit.errors import DataCheckError, RunError
+
+from _checkpoint_helpers import SAMPLE_UNITS, rank_fragments, sample_tensors, save_checkpoint
+
+TESTS = Path(__file__).parent
+
+
+def _tensors(step):
+    return {n: t * step for n, t in sample_tensors().items()}
+
+
+def _assert_loads_step(run, step):
+    reader = CheckpointReader(run)
+    assert reader.step_dir.name == f"step-{step:08d}" and reader.training_state["step"] == step
+    for name, tensor in _tensors(step).items():
+        assert torch.equal(reader.read_tensor(name), tensor), name
+
+
+def test_keep_last_and_latest(tmp_path):
+    run = tmp_path / "run"
+    for step in (1, 2, 3, 4):
+        save_checkpoint(run, step, _tensors(step), world_size=2, units=SAMPLE_UNITS, keep_last=2)
+        assert (run / "latest").read_text().strip() == f"step-{step:08d}"
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "step-00000003", "step-00000004"]
+    _assert_loads_step(run, 4)
+    _assert_loads_step(run / "step-00000003", 3)
+
+
+def test_crash_before_commit_leaves_previous(tmp_path):
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS)
+    tmp = commit_mod.begin(run, 2)  # every rank wrote its file, then the process died before commit
+    records = [write_rank_file(tmp, rank=rank, world_size=2, fragments=frags)
+               for rank, frags in enumerate(rank_fragments(_tensors(2), SAMPLE_UNITS, 2))]
+    _assert_loads_step(run, 1)
+    assert resolve_checkpoint(run) == run / "step-00000001"
+    # crash after the manifest and the rename, before `latest` moved: still the previous one
+    save_manifest(tmp, build_manifest(world_size=2, strategy="full_shard", plan=Plan.even(), records=records,
+                                      training_state={"step": 2}))
+    os.rename(tmp, run / "step-00000002")
+    _assert_loads_step(run, 1)
+    # the next successful save with keep_last cleans up
+    stale = commit_mod.begin(run, 3)
+    save_checkpoint(run, 3, _tensors(3), world_size=2, units=SAMPLE_UNITS, keep_last=1)
+    assert not stale.exists() and sorted(p.name for p in run.iterdir()) == ["latest", "step-00000003"]
+
+
+def test_tmp_directories_are_never_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    tmp = commit_mod.begin(run, 5)
+    for rank, frags in enumerate(rank_fragments(_tensors(5), SAMPLE_UNITS, 2)):
+        write_rank_file(tmp, rank=rank, world_size=2, fragments=frags)
+    with pytest.raises(DataCheckError, match="not an fsdpkit checkpoint"):
+        resolve_checkpoint(run)
+    save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS)
+    (run / "latest").unlink()  # crash before the first `latest`: the newest complete step is taken
+    _assert_loads_step(run, 1)
+
+
+def test_commit_refuses_missing_rank_file(tmp_path):
+    run = tmp_path / "run"
+    tmp = commit_mod.begin(run, 1)
+    records = [write_rank_file(tmp, rank=r, world_size=2, fragments=f)
+               for r, f in enumerate(rank_fragments(_tensors(1), SAMPLE_UNITS, 2))]
+    (tmp / records[1]["file"]).unlink()  # another node wrote it to a directory this one cannot see
+    manifest = build_manifest(world_size=2, strategy="full_shard", plan=Plan.flat(
+        [[(n, tuple(_tensors(1)[n].shape)) for n in u] for u in SAMPLE_UNITS]), records=records)
+    with pytest.raises(RunError, match="shared filesystem|filesystem all nodes share"):
+        commit_mod.commit(tmp, run, 1, manifest)
+    assert not (run / "latest").exists() and not (run / "step-00000001").exists()
+
+
+def test_resaving_a_step_replaces_it(tmp_path):
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS)
+    save_checkpoint(run, 2, _tensors(2), world_size=2, units=SAMPLE_UNITS)
+    save_checkpoint(run, 2, _tensors(7) | {}, world_size=4, units=SAMPLE_UNITS, training_state={"step": 2, "again": True})
+    reader = CheckpointReader(run)
+    assert reader.manifest.world_size == 4 and reader.training_state["again"] is True
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "step-00000001", "step-00000002"]
+
+
+SAVER = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from _checkpoint_helpers import SAMPLE_UNITS, sample_tensors, save_checkpoint
+    base = {{n: t.repeat_interleave(200, dim=0) for n, t in sample_tensors().items()}}  # ~1.5 MB per checkpoint
+    step = {start}
+    while True:
+        save_checkpoint(sys.argv[1], step, {{n: t * step for n, t in base.items()}}, world_size=3,
+                        units=SAMPLE_UNITS, keep_last=2)
+        print(step, flush=True)
+        step += 1
+""")
+
+
+def test_killed_saver_always_leaves_a_loadable_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    rng = random.Random(0)
+    base = {n: t.repeat_interleave(200, dim=0) for n, t in sample_tensors().items()}
+    start = 1
+    for round_ in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", SAVER.format(tests=str(TESTS), start=start), str(run)],
+                                stdout=subprocess.PIPE, text=True)
+        last = int(proc.stdout.readline())  # at least one save of this round is complete
+        time.sleep(rng.uniform(0.0, 0.15))
+        proc.send_signal(signal.SIGKILL)
+        rest = proc.stdout.read().split()
+        proc.wait()
+        last = int(rest[-1]) if rest else last
+        report = verify_checkpoint(run)
+        assert report["ok"], report["problems"]
+        reader = CheckpointReader(run)
+        step = reader.training_state["step"]
+        assert step in (last, last + 1)  # the one it reported, or one committed just before the kill
+        for name in ("h.0.attn.weight", "wte.weight"):
+            assert torch.equal(reader.read_tensor(name), base[name] * step)
+        start = step + 1

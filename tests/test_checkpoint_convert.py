@@ -1,0 +1,216 @@
+"""convert / reshard / inspect / verify on checkpoints built in the test, compared exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from fsdpkit.checkpoint.reader import CheckpointReader
+from fsdpkit.layout import ElementRange, FlatLayout
+from fsdpkit.models.registry import build_model
+from fsdpkit.engine.plan import unit_plan_for_model
+
+from _checkpoint_helpers import (SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors,
+                                 save_checkpoint, tree_snapshot)
+
+ALIASES = {"lm_head.weight": "wte.weight"}
+
+
+def everything():
+    params = sample_tensors()
+    return params, {**params, **sample_buffers(), **sample_optimizer(params)}
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """W=2 and W=4 checkpoints with the flat plan, and W=3 with an even split."""
+    root = tmp_path_factory.mktemp("sharded")
+    params, tensors = everything()
+    state = {"step": 12, "samples": 384, "optimizer": {"type": "AdamW", "lr": 3e-4}, "per_rank": [{"rng": 1}, {"rng": 2}]}
+    runs = {}
+    for world, units in ((2, SAMPLE_UNITS), (4, SAMPLE_UNITS), (3, None)):
+        runs[world] = save_checkpoint(root / f"run{world}", 12, tensors, world_size=world, units=units,
+                                      training_state=state, aliases=ALIASES)
+    return root, tensors, runs
+
+
+def _model_tensors(tensors):
+    return {n: t for n, t in tensors.items() if not n.startswith("optim.")}
+
+
+def _assert_full_equal(directory, expected, prefix="model"):
+    index = directory / f"{prefix}.safetensors.index.json"
+    files = sorted({*json.loads(index.read_text())["weight_map"].values()}) if index.exists() else [f"{prefix}.safetensors"]
+    loaded = {}
+    for name in files:
+        loaded.update(load_file(directory / name))
+        with safe_open(directory / name, framework="pt") as f:
+            assert f.metadata()["format"] == "pt"
+    assert set(loaded) == set(expected)
+    for name, tensor in expected.items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape, name
+        assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.parametrize("world", [2, 4, 3])
+def test_convert_to_full_equals_original(sharded, tmp_path, world):
+    root, tensors, runs = sharded
+    before = tree_snapshot(runs[world].parent)
+    result = run_cli("convert", runs[world].parent, tmp_path / "full", "--to", "full", "--with-optimizer", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["files"] == ["model.safetensors", "optimizer.safetensors"]
+    _assert_full_equal(tmp_path / "full", _model_tensors(tensors))
+    _assert_full_equal(tmp_path / "full", {n: t for n, t in tensors.items() if n.startswith("optim.")}, prefix="optimizer")
+    with safe_open(tmp_path / "full" / "model.safetensors", framework="pt") as f:
+        assert json.loads(f.metadata()["fsdpkit_tied_weights"]) == ALIASES
+    assert tree_snapshot(runs[world].parent) == before
+
+
+def test_max_shard_size_writes_index(sharded, tmp_path):
+    _, tensors, runs = sharded
+    result = run_cli("convert", runs[2], tmp_path / "full", "--to", "full", "--max-shard-size", "600B")
+    assert result.exit_code == 0, result.output
+    index = json.loads((tmp_path / "full" / "model.safetensors.index.json").read_text())
+    model = _model_tensors(tensors)
+    assert set(index["weight_map"]) == set(model)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in model.values())
+    files = sorted(p.name for p in (tmp_path / "full").glob("model-*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    for name in files:
+        part = load_file(tmp_path / "full" / name)
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 600 or len(part) == 1
+    _assert_full_equal(tmp_path / "full", model)
+    assert not (tmp_path / "full" / "optimizer.safetensors").exists()
+
+
+def test_dtype_cast_on_the_way_out(sharded, tmp_path):
+    _, tensors, runs = sharded
+    result = run_cli("convert", runs[4], tmp_path / "bf16", "--to", "full", "--dtype", "bf16", "--chunk-size", "1K")
+    assert result.exit_code == 0, result.output
+    expected = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in _model_tensors(tensors).items()}
+    _assert_full_equal(tmp_path / "bf16", expected)
+    assert run_cli("convert", runs[4], tmp_path / "x", "--to", "full", "--dtype", "int8").exit_code == 2
+
+
+def test_full_to_sharded_to_full_round_trip(sharded, tmp_path):
+    _, tensors, runs = sharded
+    assert run_cli("convert", runs[2], tmp_path / "full", "--to", "full", "--with-optimizer").exit_code == 0
+    for world in (1, 3, 5):
+        out = tmp_path / f"s{world}"
+        result = run_cli("convert", tmp_path / "full", out, "--to", "sharded", "--world-size", world, "--with-optimizer", "--json")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["plan"] == "even"
+        assert run_cli("verify", out).exit_code == 0
+        reader = CheckpointReader(out)
+        assert reader.manifest.world_size == world and reader.aliases == ALIASES
+        for name, tensor in tensors.items():
+            assert torch.equal(reader.read_tensor(name), tensor), name
+        assert torch.equal(reader.read_tensor("lm_head.weight"), tensors["wte.weight"])
+        back = tmp_path / f"back{world}"
+        assert run_cli("convert", out, back, "--to", "full", "--with-optimizer", "--chunk-size", "2K").exit_code == 0
+        _assert_full_equal(back, _model_tensors(tensors))
+
+
+@pytest.mark.parametrize("target", [1, 3, 4, 64])
+def test_reshard_then_read_equals_original(sharded, tmp_path, target):
+    _, tensors, runs = sharded
+    out = tmp_path / f"m{target}"
+    result = run_cli("reshard", runs[2].parent, out, "--world-size", target, "--chunk-size", "1K", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["from_world_size"] == 2 and len(summary["files"]) == target
+    assert ("per_rank" in summary["warnings"][0]) if target != 2 else not summary["warnings"]
+    assert run_cli("verify", out).exit_code == 0
+    reader = CheckpointReader(out)
+    assert reader.manifest.world_size == target and reader.manifest.plan.kind == "flat"
+    assert "per_rank" not in reader.training_state and reader.training_state["step"] == 12
+    for name, tensor in tensors.items():
+        assert torch.equal(reader.read_tensor(name), tensor), name
+    # each new rank's own chunk is in its own file, and only there
+    for unit in SAMPLE_UNITS:
+        layout = FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in unit], target)
+        for rank in range(target):
+            for frag in layout.fragments(rank):
+                if not frag.param_range.size:
+                    continue
+                for name in (frag.name, f"optim.exp_avg.{frag.name}"):
+                    entry = reader.tensor(name)
+                    holders = [f.file for f in entry.fragments if f.range.intersect(frag.param_range).size]
+                    assert holders == [f"rank-{rank:05d}-of-{target:05d}.safetensors"]
+                    got = reader.read_range(name, frag.param_range)
+                    assert torch.equal(got, tensors[name].reshape(-1)[frag.param_range.start:frag.param_range.end])
+    assert run_cli("convert", out, tmp_path / "full", "--to", "full", "--with-optimizer").exit_code == 0
+    _assert_full_equal(tmp_path / "full", _model_tensors(tensors))
+
+
+def test_reshard_even_plan_and_back(sharded, tmp_path):
+    _, tensors, runs = sharded
+    assert run_cli("reshard", runs[3], tmp_path / "e7", "--world-size", 7).exit_code == 0
+    assert run_cli("reshard", tmp_path / "e7", tmp_path / "e2", "--world-size", 2).exit_code == 0
+    reader = CheckpointReader(tmp_path / "e2")
+    assert reader.manifest.plan.kind == "even"
+    for name, tensor in tensors.items():
+        assert torch.equal(reader.read_tensor(name), tensor), name
+
+
+def test_read_range_across_fragments(sharded):
+    _, tensors, runs = sharded
+    reader = CheckpointReader(runs[4])
+    flat = tensors["wte.weight"].reshape(-1)
+    for start, end in [(0, 136), (5, 6), (30, 101), (135, 136), (40, 40)]:
+        assert torch.equal(reader.read_range("wte.weight", ElementRange(start, end)), flat[start:end])
+    with pytest.raises(ValueError, match="outside"):
+        reader.read_range("wte.weight", ElementRange(0, 137))
+
+
+def test_inspect_and_verify_report(sharded):
+    _, tensors, runs = sharded
+    result = run_cli("inspect", runs[4].parent, "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["world_size"] == 4 and summary["step"] == 12 and summary["samples"] == 384
+    model = _model_tensors(tensors)
+    assert summary["model"]["tensors"] == len(model)
+    assert summary["model"]["bytes"] == sum(t.numel() * t.element_size() for t in model.values())
+    assert summary["optimizer"]["tensors"] == len(tensors) - len(model)
+    assert summary["dtypes"]["BOOL"] == 1 and len(summary["files"]) == 4 and summary["aliases"] == ALIASES
+    text = run_cli("inspect", runs[4])
+    assert text.exit_code == 0 and "world size  4" in text.stdout
+    report = run_cli("verify", runs[4], "--json")
+    assert report.exit_code == 0 and json.loads(report.stdout)["ok"] is True
+    assert "ok" in run_cli("verify", runs[4]).stdout
+
+
+def test_convert_to_sharded_with_model_plan(tmp_path):
+    torch.manual_seed(0)
+    model = build_model("gpt-tiny")
+    state = model.state_dict()
+    stored = {n: t.contiguous() for n, t in state.items() if n != "lm_head.weight"}
+    assert torch.equal(state["lm_head.weight"], state["wte.weight"])
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt", "fsdpkit_tied_weights": json.dumps({"lm_head.weight": "wte.weight"})})
+    result = run_cli("convert", tmp_path / "model.safetensors", tmp_path / "s2", "--to", "sharded", "--world-size", 2,
+                     "--model", "gpt-tiny", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["plan"] == "flat"
+    reader = CheckpointReader(tmp_path / "s2")
+    units = unit_plan_for_model("gpt-tiny", 2)
+    assert [[p for p, _ in u] for u in reader.manifest.plan.units] == [[p for p, _ in u] for u in units]
+    for unit in units:  # rank r finds its FlatLayout chunk in its own file
+        layout = FlatLayout.from_shapes(unit, 2)
+        for rank in range(2):
+            for frag in layout.fragments(rank):
+                if frag.param_range.size:
+                    files = [f.file for f in reader.tensor(frag.name).fragments if f.range.intersect(frag.param_range).size]
+                    assert files == [f"rank-{rank:05d}-of-00002.safetensors"]
+    for name, tensor in state.items():
+        assert torch.equal(reader.read_tensor(name), tensor), name
+    other = build_model("gpt-small").state_dict()
+    save_file({n: t.contiguous() for n, t in other.items() if n != "lm_head.weight"}, tmp_path / "other.safetensors")
+    bad = run_cli("convert", tmp_path / "other.safetensors", tmp_path / "s3", "--to", "sharded", "--world-size", 2, "--model", "gpt-tiny")
+    assert bad.exit_code == 3 and "does not match model 'gpt-tiny'" in bad.stderr
+    assert not (tmp_path / "s3").exists()
