@@ -13,8 +13,10 @@ from .engine.api import (
     full_state_dict,
     is_sharded,
     local_shard_bytes,
+    memory_stats,
     original_shape,
     param_groups,
+    reset_peak_memory,
     shard,
 )
 from .engine.config import MixedPrecision, ShardingConfig
@@ -31,7 +33,9 @@ __all__ = [
     "full_state_dict",
     "is_sharded",
     "local_shard_bytes",
+    "memory_stats",
     "original_shape",
     "param_groups",
+    "reset_peak_memory",
     "shard",
 ]

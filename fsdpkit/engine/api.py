@@ -13,6 +13,7 @@ from ..comm import Collectives, CommStats
 from ..errors import UsageError
 from .config import MixedPrecision, ShardingConfig
 from .flat_unit import NAME_ATTR, SHAPE_ATTR
+from .memory import optimizer_state_bytes
 from .mesh import build_mesh
 from .plan import WrapPolicy, plan_units
 from .sharded import STATE_ATTR, ShardedState, get_state
@@ -121,6 +122,24 @@ def is_sharded(module: nn.Module) -> bool:
 def local_shard_bytes(module: nn.Module) -> int:
     """Bytes of this rank's sharded parameters (master dtype)."""
     return sum(unit.flat_shard.numel() * unit.flat_shard.element_size() for unit in get_state(module).units)
+
+
+def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank's engine holds now, and peaks since sharding (or reset_peak_memory)."""
+    counter = get_state(module).memory
+    return {
+        "sharded_params": counter.sharded_params,
+        "sharded_grads": counter.sharded_grads,
+        "optimizer_state": optimizer_state_bytes(optimizer),
+        "unsharded_params": counter.unsharded_params,
+        "unsharded_grads": counter.unsharded_grads,
+        "peak_unsharded": counter.peak_unsharded,
+        "peak_total": counter.peak_total + optimizer_state_bytes(optimizer),
+    }
+
+
+def reset_peak_memory(module: nn.Module) -> None:
+    get_state(module).memory.reset_peaks()
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

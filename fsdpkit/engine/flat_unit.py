@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..comm import Collectives
 from ..layout import FlatLayout
 from .config import MixedPrecision
+from .memory import MemoryCounter, tensor_bytes
 from .mesh import ShardMesh
 from .plan import UnitPlan
 
@@ -41,6 +42,7 @@ class FlatUnit:
         mesh: ShardMesh,
         comms: Collectives,
         mixed_precision: MixedPrecision,
+        memory: MemoryCounter,
         *,
         is_root: bool,
         reshard_after_forward: bool,
@@ -50,6 +52,7 @@ class FlatUnit:
         self.plan = plan
         self.mesh = mesh
         self.comms = comms
+        self.memory = memory
         self.is_root = is_root
         self.reshard_after_forward = reshard_after_forward and not is_root
         self.layout: FlatLayout = plan.layout(mesh.shard_factor)
@@ -77,6 +80,7 @@ class FlatUnit:
             setattr(param, NAME_ATTR, param_plan.name)
             self.params.append(param)
         self.trainable = any(p.requires_grad for p in self.params)
+        memory.add("sharded_params", tensor_bytes(self.flat_shard))
         self.grad_shard: torch.Tensor | None = None
 
         self.aliases_shard = mesh.shard_factor == 1 and self.compute_dtype == self.master_dtype
@@ -119,6 +123,7 @@ class FlatUnit:
         full = self.full_flat
         if full.untyped_storage().size() == 0:
             full.untyped_storage().resize_(self.layout.padded_numel * full.element_size())
+            self.memory.add("unsharded_params", tensor_bytes(full))
         source = self.flat_shard if self.compute_dtype == self.master_dtype else self.flat_shard.to(self.compute_dtype)
         # `.data`: fills the buffer without bumping the version counter autograd checks on saved views.
         if self.mesh.shard_factor > 1:
@@ -152,8 +157,9 @@ class FlatUnit:
         if not self.is_unsharded:
             return
         self.is_unsharded = False
-        if not self.aliases_shard:
+        if not self.aliases_shard and self.full_flat.untyped_storage().size():
             self.full_flat.untyped_storage().resize_(0)
+            self.memory.add("unsharded_params", -tensor_bytes(self.full_flat))
 
     # ----- gradient reduction
     def issue_reduction(self, full_grad: torch.Tensor) -> PendingReduction:
@@ -182,6 +188,7 @@ class FlatUnit:
         reduced = reduced.to(self.master_dtype).div_(self.mesh.world_size)
         if self.grad_shard is None:
             self.grad_shard = torch.zeros_like(self.flat_shard)
+            self.memory.add("sharded_grads", tensor_bytes(self.grad_shard))
         for index, (fragment, param) in enumerate(zip(self.fragments, self.params)):
             if not param.requires_grad or not used[index]:
                 continue

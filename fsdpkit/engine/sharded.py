@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from ..comm import Collectives
 from .config import ShardingConfig
 from .flat_unit import FlatUnit, PendingReduction
+from .memory import MemoryCounter, tensor_bytes
 from .mesh import ShardMesh
 from .plan import UnitPlan
 
@@ -37,10 +38,11 @@ class ShardedState:
         self.config = config
         self.comms = comms
         self.device = device
+        self.memory = MemoryCounter()
         modules = dict(module.named_modules(remove_duplicate=False))
         self.units = [
             FlatUnit(
-                plan, modules, mesh, comms, config.mixed_precision,
+                plan, modules, mesh, comms, config.mixed_precision, self.memory,
                 is_root=plan.name == "",
                 reshard_after_forward=config.reshard_after_forward,
                 device=device,
@@ -99,16 +101,21 @@ class ShardedState:
     def _post_backward_hook(self, unit: FlatUnit):
         def post_backward(full_flat: torch.Tensor) -> None:
             grad, full_flat.grad = full_flat.grad, None
-            self.pending.append(unit.issue_reduction(grad))
+            self._issue_reduction(unit, grad)
             unit.reshard()
 
         return post_backward
+
+    def _issue_reduction(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+        pending = unit.issue_reduction(grad)
+        self.memory.add("unsharded_grads", tensor_bytes(pending.source))
+        self.pending.append(pending)
 
     def _end_of_backward(self) -> None:
         for unit in self.units:
             if unit.trainable and not unit.reduced_this_backward:
                 zeros = torch.zeros(unit.layout.padded_numel, dtype=unit.reduce_dtype, device=self.device)
-                self.pending.append(unit.issue_reduction(zeros))
+                self._issue_reduction(unit, zeros)
         used = torch.cat([unit.used for unit in self.units]) if self.units else torch.zeros(0, dtype=torch.int32)
         if self.mesh.world_size > 1 and used.numel():
             self.comms.all_reduce(used, self.mesh.group, op=dist.ReduceOp.MAX, label="grad-flags")
@@ -118,6 +125,7 @@ class ShardedState:
             start += len(unit.params)
         for pending in self.pending:
             pending.unit.finish_reduction(pending, offsets[id(pending.unit)])
+            self.memory.add("unsharded_grads", -tensor_bytes(pending.source))
         self.pending.clear()
         for unit in self.units:
             unit.reshard()
