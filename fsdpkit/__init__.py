@@ -15,17 +15,23 @@ from .engine.api import (
     local_shard_bytes,
     memory_stats,
     original_shape,
+    no_sync,
     param_groups,
+    recorded_events,
     reset_peak_memory,
     shard,
 )
+from .engine.clip import clip_grad_norm_
 from .engine.config import MixedPrecision, ShardingConfig
+from .engine.grad_scaler import ShardedGradScaler
 from .engine.plan import WrapPolicy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MixedPrecision",
+    "ShardedGradScaler",
+    "clip_grad_norm_",
     "ShardingConfig",
     "WrapPolicy",
     "comm_stats",
@@ -35,7 +41,9 @@ __all__ = [
     "local_shard_bytes",
     "memory_stats",
     "original_shape",
+    "no_sync",
     "param_groups",
+    "recorded_events",
     "reset_peak_memory",
     "shard",
 ]

@@ -8,13 +8,16 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..comm import Collectives, CommStats
 from ..errors import UsageError
 from .config import MixedPrecision, ShardingConfig
 from .flat_unit import NAME_ATTR, SHAPE_ATTR
 from .memory import optimizer_state_bytes
+from .deferred_init import has_meta_tensors, materialize_buffers, unit_materializer
 from .mesh import build_mesh
+from .precision import keep_in_fp32
 from .plan import WrapPolicy, plan_units
 from .sharded import STATE_ATTR, ShardedState, get_state
 
@@ -42,13 +45,20 @@ def shard(
     strategy: str = "full",
     shard_group_size: int | None = None,
     mixed_precision: MixedPrecision | str | None = None,
+    backward_prefetch: str = "pre",
+    forward_prefetch: bool = False,
+    limit_all_gathers: int = 2,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
     group: Any = None,
     device: torch.device | str | None = None,
     comm_stats: CommStats | None = None,
+    record_events: bool = False,
 ) -> nn.Module:
     """Shard `module` in place across the ranks of `group` and return it.
 
-    Every rank must call this with an identically initialised module. Afterwards
+    Every rank must call this with an identically initialised module, or with a module
+    built on the meta device (materialised here one unit at a time). Afterwards
     `named_parameters()` yields the model's own names, each a 1-D fragment of this rank's
     chunk of its unit's flat parameter; a standard torch optimizer can train them.
     """
@@ -58,17 +68,52 @@ def shard(
         raise UsageError("fsdpkit.shard() needs an initialised process group (torch.distributed.init_process_group)")
     if isinstance(mixed_precision, str):
         mixed_precision = MixedPrecision.from_name(mixed_precision)
-    config = ShardingConfig(strategy=strategy, shard_group_size=shard_group_size, mixed_precision=mixed_precision or MixedPrecision())
+    config = ShardingConfig(
+        strategy=strategy, shard_group_size=shard_group_size, mixed_precision=mixed_precision or MixedPrecision(),
+        backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+        cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
+    )
     mesh = build_mesh(config, group)
     device = torch.device(device) if device is not None else _default_device()
+    deferred = has_meta_tensors(module)
+    if deferred:
+        materialize_buffers(module, device)
     for buffer_owner in module.modules():
         for name, buffer in buffer_owner._buffers.items():
             if buffer is not None:
                 buffer_owner._buffers[name] = _place_buffer(buffer, device, config.mixed_precision)
     plans = plan_units(module, _as_policy(wrap))
-    state = ShardedState(module, plans, mesh, config, Collectives(comm_stats), device)
+    state = ShardedState(
+        module, plans, mesh, config, Collectives(comm_stats), device,
+        materialize=unit_materializer(module, device) if deferred else None, record_events=record_events,
+    )
     object.__setattr__(module, STATE_ATTR, state)
+    if config.mixed_precision.enabled:
+        state.handles += keep_in_fp32(module, config.mixed_precision.param_dtype)
+    if activation_checkpointing:
+        _checkpoint_leaf_units(module, state)
     return module
+
+
+def _checkpoint_leaf_units(module: nn.Module, state: ShardedState) -> None:
+    """Recompute each non-root unit's activations in backward (units with no nested units)."""
+    member_names = [name for unit in state.units for name in unit.plan.members]
+    for unit in state.units:
+        if unit.is_root:
+            continue
+        if any(other != name and other.startswith(name + ".") for name in unit.plan.members for other in member_names):
+            continue
+        for member in unit.members:
+            member.forward = _checkpointed(member.forward)
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch_checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 def _default_device() -> torch.device:
@@ -92,6 +137,23 @@ def full_params(module: nn.Module, *, writeback: bool = True) -> Iterator[nn.Mod
     """
     with get_state(module).full_params(writeback=writeback):
         yield module
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module) -> Iterator[nn.Module]:
+    """Accumulate gradients locally, unsharded, without communication; the first backward
+    outside the context reduces the sum once. Costs one full gradient per unit per rank."""
+    with get_state(module).no_sync():
+        yield module
+
+
+def recorded_events(module: nn.Module) -> list[tuple[str, str]]:
+    """The engine's events in order (shard(..., record_events=True)): hook firings and
+    collectives, each as (kind, unit name)."""
+    events = get_state(module).events
+    if events is None:
+        raise ValueError("events were not recorded: shard the module with record_events=True")
+    return events
 
 
 def original_shape(param: torch.Tensor) -> torch.Size:

@@ -9,6 +9,7 @@ import torch
 from ..errors import UsageError
 
 STRATEGIES = ("full", "grad-op", "hybrid", "none")
+BACKWARD_PREFETCH = ("pre", "post", "none")
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,17 @@ class ShardingConfig:
     strategy: str = "full"
     shard_group_size: int | None = None
     mixed_precision: MixedPrecision = MixedPrecision()
+    backward_prefetch: str = "pre"
+    forward_prefetch: bool = False
+    limit_all_gathers: int = 2
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        if self.backward_prefetch not in BACKWARD_PREFETCH:
+            raise UsageError(f"unknown backward prefetch {self.backward_prefetch!r}: use one of {', '.join(BACKWARD_PREFETCH)}")
+        if self.limit_all_gathers < 0:
+            raise UsageError(f"limit on in-flight all-gathers must be >= 0 (0: no limit), got {self.limit_all_gathers}")
         if self.strategy not in STRATEGIES:
             raise UsageError(f"unknown sharding strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
         if self.strategy == "hybrid" and self.shard_group_size is None:

@@ -4,7 +4,8 @@ with, and the reduction of its gradient back into the chunk.
 Sharded state: each original parameter is an nn.Parameter that is a 1-D view of its own
 fragment of `flat_shard` (possibly empty); the optimizer updates those views in place.
 Unsharded state: `full_flat` (a leaf that autograd accumulates into) holds the whole padded
-flat parameter, and each original parameter is a view of it with its original shape.
+flat parameter in the compute dtype, and each original parameter is a view of it with its
+original shape.
 """
 
 from __future__ import annotations
@@ -44,17 +45,18 @@ class FlatUnit:
         mixed_precision: MixedPrecision,
         memory: MemoryCounter,
         *,
-        is_root: bool,
         reshard_after_forward: bool,
         device: torch.device,
+        offload: bool = False,
     ) -> None:
         self.name = plan.name
         self.plan = plan
         self.mesh = mesh
         self.comms = comms
         self.memory = memory
-        self.is_root = is_root
-        self.reshard_after_forward = reshard_after_forward and not is_root
+        self.is_root = plan.members == ("",)
+        self.reshard_after_forward = reshard_after_forward and not self.is_root
+        self.members = [modules[name] for name in plan.members]
         self.layout: FlatLayout = plan.layout(mesh.shard_factor)
         self.fragments = self.layout.fragments(mesh.shard_rank)
         self.uses = [[(modules[m], attr) for m, attr in p.uses] for p in plan.params]
@@ -66,24 +68,25 @@ class FlatUnit:
         self.compute_dtype = mixed_precision.param_dtype or self.master_dtype
         self.reduce_dtype = mixed_precision.reduce_dtype or self.compute_dtype
         self.device = device
+        self.offload = offload
+        self.host = torch.device("cpu") if offload else device
 
-        self.flat_shard = torch.zeros(self.layout.chunk_numel, dtype=self.master_dtype, device=device)
+        self.flat_shard = torch.zeros(self.layout.chunk_numel, dtype=self.master_dtype, device=self.host)
         with torch.no_grad():
             for fragment, original in zip(self.fragments, originals):
-                piece = self._local(fragment)
                 source = original.detach().reshape(-1)[fragment.param_range.start:fragment.param_range.end]
-                piece.copy_(source)
+                self._local(self.flat_shard, fragment).copy_(source)
         self.params: list[nn.Parameter] = []
         for fragment, param_plan in zip(self.fragments, plan.params):
-            param = nn.Parameter(self._local(fragment), requires_grad=param_plan.requires_grad)
+            param = nn.Parameter(self._local(self.flat_shard, fragment), requires_grad=param_plan.requires_grad)
             setattr(param, SHAPE_ATTR, torch.Size(param_plan.shape))
             setattr(param, NAME_ATTR, param_plan.name)
             self.params.append(param)
         self.trainable = any(p.requires_grad for p in self.params)
-        memory.add("sharded_params", tensor_bytes(self.flat_shard))
         self.grad_shard: torch.Tensor | None = None
+        memory.add("sharded_params", tensor_bytes(self.flat_shard))
 
-        self.aliases_shard = mesh.shard_factor == 1 and self.compute_dtype == self.master_dtype
+        self.aliases_shard = mesh.shard_factor == 1 and self.compute_dtype == self.master_dtype and not offload
         if self.aliases_shard:
             self.full_flat = self.flat_shard.detach()
         else:
@@ -91,48 +94,63 @@ class FlatUnit:
             self.full_flat.untyped_storage().resize_(0)
         self.full_flat.requires_grad_(self.trainable)
         self.is_unsharded = False
+        self.gather_work: Any = None
+        self.views_shown = False
         self.used = torch.zeros(len(self.params), dtype=torch.int32)
-        self.reset_backward_state()
-        self._show_fragments()
+        self.holds_unsynced_grad = False
+        self.reset_backward_state(keep_usage=False)
+        self._set_params(self.params)
 
     # ----- layout helpers
-    def _local(self, fragment) -> torch.Tensor:
-        return self.flat_shard[fragment.local_offset:fragment.local_offset + fragment.param_range.size]
+    @staticmethod
+    def _local(flat: torch.Tensor, fragment) -> torch.Tensor:
+        return flat[fragment.local_offset:fragment.local_offset + fragment.param_range.size]
 
     def _set_params(self, tensors: list[torch.Tensor]) -> None:
         for uses, tensor in zip(self.uses, tensors):
             for module, attr in uses:
                 module._parameters[attr] = tensor
 
-    def _show_fragments(self) -> None:
-        self._set_params(self.params)
-
-    def reset_backward_state(self) -> None:
+    def reset_backward_state(self, *, keep_usage: bool) -> None:
         self.backward_prepared = False
+        self.backward_done = False
         self.reduced_this_backward = False
-        self.used.zero_()
+        if not keep_usage:
+            self.used.zero_()
 
     # ----- unshard / reshard
-    def unshard(self) -> None:
-        """All-gather the unit's parameters into `full_flat` (in the compute dtype)."""
+    def unshard(self, *, async_op: bool = False) -> Any:
+        """Start (or do) the all-gather of the unit into `full_flat` in the compute dtype.
+
+        Returns the work handle when asynchronous; `wait_unshard()` before using the data.
+        """
         if self.is_unsharded:
-            return
+            return None
         self.is_unsharded = True
         if self.aliases_shard:
-            return
+            return None
         full = self.full_flat
         if full.untyped_storage().size() == 0:
             full.untyped_storage().resize_(self.layout.padded_numel * full.element_size())
             self.memory.add("unsharded_params", tensor_bytes(full))
-        source = self.flat_shard if self.compute_dtype == self.master_dtype else self.flat_shard.to(self.compute_dtype)
+        source = self.flat_shard.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
         # `.data`: fills the buffer without bumping the version counter autograd checks on saved views.
         if self.mesh.shard_factor > 1:
-            self.comms.all_gather(full.data, source, self.mesh.shard_group, label=self.name)
+            self.gather_work = self.comms.all_gather(full.data, source, self.mesh.shard_group, async_op=async_op, label=self.name)
+            if not async_op:
+                self.gather_work = None
         else:
             full.data.copy_(source)
+        return self.gather_work
+
+    def wait_unshard(self) -> None:
+        if self.gather_work is not None:
+            work, self.gather_work = self.gather_work, None
+            work.wait()
 
     def show_unsharded(self, *, track_grad: bool) -> None:
         """Point every original parameter at its view of `full_flat`, with its own shape."""
+        self.wait_unshard()
         base = self.full_flat if (track_grad and self.trainable) else self.full_flat.detach()
         pieces = torch.split(base, self.layout.split_sizes())
         views = [
@@ -153,9 +171,10 @@ class FlatUnit:
 
     def reshard(self) -> None:
         """Back to the sharded state: original names show the fragments; free the full buffer."""
-        self._show_fragments()
+        self._set_params(self.params)
         if not self.is_unsharded:
             return
+        self.wait_unshard()
         self.is_unsharded = False
         if not self.aliases_shard and self.full_flat.untyped_storage().size():
             self.full_flat.untyped_storage().resize_(0)
@@ -164,7 +183,7 @@ class FlatUnit:
     # ----- gradient reduction
     def issue_reduction(self, full_grad: torch.Tensor) -> PendingReduction:
         """Start reducing a full padded gradient: reduce-scatter in the shard group (or
-        all-reduce when F = 1)."""
+        all-reduce across replicas when F = 1)."""
         grad = full_grad if full_grad.dtype == self.reduce_dtype else full_grad.to(self.reduce_dtype)
         if self.mesh.shard_factor > 1:
             output = torch.empty(self.layout.chunk_numel, dtype=self.reduce_dtype, device=self.device)
@@ -175,7 +194,7 @@ class FlatUnit:
             if self.mesh.replicate_group is not None:
                 work = self.comms.all_reduce(output, self.mesh.replicate_group, async_op=True, label=self.name)
         self.reduced_this_backward = True
-        return PendingReduction(self, output, grad, work)
+        return PendingReduction(self, output, full_grad, work)
 
     def finish_reduction(self, pending: PendingReduction, used: torch.Tensor) -> None:
         """Wait, all-reduce across replicas (hybrid), average, and accumulate into the
@@ -185,20 +204,19 @@ class FlatUnit:
         reduced = pending.output
         if self.mesh.shard_factor > 1 and self.mesh.replicate_group is not None:
             self.comms.all_reduce(reduced, self.mesh.replicate_group, label=self.name)
-        reduced = reduced.to(self.master_dtype).div_(self.mesh.world_size)
+        reduced = reduced.to(device=self.host, dtype=self.master_dtype).div_(self.mesh.world_size)
         if self.grad_shard is None:
             self.grad_shard = torch.zeros_like(self.flat_shard)
             self.memory.add("sharded_grads", tensor_bytes(self.grad_shard))
         for index, (fragment, param) in enumerate(zip(self.fragments, self.params)):
             if not param.requires_grad or not used[index]:
                 continue
-            start, size = fragment.local_offset, fragment.param_range.size
-            target = self.grad_shard[start:start + size]
-            piece = reduced[start:start + size]
+            target = self._local(self.grad_shard, fragment)
+            piece = self._local(reduced, fragment)
             if param.grad is None:
                 target.copy_(piece)
             else:
-                if size and param.grad.data_ptr() != target.data_ptr():
+                if target.numel() and param.grad.data_ptr() != target.data_ptr():
                     target.copy_(param.grad)
                 target.add_(piece)
             param.grad = target

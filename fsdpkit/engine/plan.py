@@ -20,16 +20,23 @@ from ..layout import FlatLayout
 class WrapPolicy:
     """Picks the modules that become units. The root is always a unit and takes the rest.
 
-    With no rule given, each element of every nn.ModuleList is a unit.
+    module_classes / predicate: modules of those classes, or for which predicate(name,
+    module) is true. min_params: bottom-up, a module whose parameters not already in a
+    nested unit number at least min_params (torch's size-based policy). With none of these
+    given, each element of every nn.ModuleList is a unit. every: K consecutive selected
+    siblings (e.g. transformer blocks) form one unit.
     """
 
     module_classes: tuple[type[nn.Module], ...] = ()
     predicate: Callable[[str, nn.Module], bool] | None = None
     min_params: int | None = None
+    every: int = 1
 
     def __post_init__(self) -> None:
         if self.min_params is not None and self.min_params < 1:
             raise UsageError(f"wrap min_params must be >= 1, got {self.min_params}")
+        if self.every < 1:
+            raise UsageError(f"wrap every must be >= 1, got {self.every}")
 
     @property
     def uses_module_list_rule(self) -> bool:
@@ -40,9 +47,6 @@ class WrapPolicy:
             return True
         if self.predicate is not None and self.predicate(name, module):
             return True
-        if self.min_params is not None and not isinstance(module, nn.ModuleList):
-            if sum(p.numel() for p in module.parameters()) >= self.min_params:
-                return True
         return self.uses_module_list_rule and isinstance(parent, nn.ModuleList)
 
 
@@ -56,15 +60,62 @@ class ParamPlan:
 
 @dataclass(frozen=True)
 class UnitPlan:
-    name: str  # module name, "" for the root
+    """One unit: its member modules (one, or K consecutive siblings) and its parameters."""
+
+    members: tuple[str, ...]  # module names, "" for the root
     params: tuple[ParamPlan, ...] = field(default_factory=tuple)
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.members)
 
     def layout(self, shard_factor: int) -> FlatLayout:
         return FlatLayout.from_shapes([(p.name, p.shape) for p in self.params], shard_factor)
 
+    def contains_module(self, module_name: str) -> bool:
+        return any(_within(module_name, member) for member in self.members)
+
 
 def _within(module_name: str, unit_name: str) -> bool:
     return unit_name == "" or module_name == unit_name or module_name.startswith(unit_name + ".")
+
+
+def _depth(name: str) -> int:
+    return name.count(".") + 1 if name else 0
+
+
+def _select_modules(root: nn.Module, policy: WrapPolicy) -> list[str]:
+    parents: dict[str, nn.Module | None] = {"": None}
+    for name, module in root.named_modules():
+        for child_name, child in module.named_children():
+            parents[f"{name}.{child_name}" if name else child_name] = module
+    selected = [name for name, module in root.named_modules() if name and policy.selects(name, module, parents.get(name))]
+    if policy.min_params is not None:
+        selected_set = set(selected)
+        claimed: set[int] = set()
+        order = list(root.named_modules())
+        for name, module in reversed(order):  # children before parents
+            if not name or isinstance(module, nn.ModuleList):
+                continue
+            own = [p for p in module.parameters() if id(p) not in claimed]
+            if name in selected_set or sum(p.numel() for p in own) >= policy.min_params:
+                selected_set.add(name)
+                claimed.update(id(p) for p in own)
+        selected = [name for name, _ in order if name in selected_set]
+    return selected
+
+
+def _group_consecutive(selected: list[str], every: int) -> list[tuple[str, ...]]:
+    """Group K consecutive siblings (same parent, adjacent in the selection) into one unit."""
+    groups: list[list[str]] = []
+    for name in selected:
+        parent = name.rpartition(".")[0]
+        last = groups[-1] if groups else None
+        if last and len(last) < every and last[-1].rpartition(".")[0] == parent and not _within(name, last[-1]):
+            last.append(name)
+        else:
+            groups.append([name])
+    return [tuple(group) for group in groups]
 
 
 def plan_units(root: nn.Module, policy: WrapPolicy) -> list[UnitPlan]:
@@ -72,14 +123,7 @@ def plan_units(root: nn.Module, policy: WrapPolicy) -> list[UnitPlan]:
 
     Units that end up with no parameters are left out.
     """
-    parents: dict[str, nn.Module | None] = {"": None}
-    unit_names = [""]
-    for name, module in root.named_modules():
-        for child_name, child in module.named_children():
-            parents[f"{name}.{child_name}" if name else child_name] = module
-    for name, module in root.named_modules():
-        if name and policy.selects(name, module, parents.get(name)):
-            unit_names.append(name)
+    members_of = [("",)] + _group_consecutive(_select_modules(root, policy), policy.every)
 
     uses: dict[int, list[tuple[str, str]]] = {}
     for module_name, module in root.named_modules(remove_duplicate=False):
@@ -87,15 +131,19 @@ def plan_units(root: nn.Module, policy: WrapPolicy) -> list[UnitPlan]:
             if param is not None and (module_name, attr) not in uses.setdefault(id(param), []):
                 uses[id(param)].append((module_name, attr))
 
-    members: dict[str, list[ParamPlan]] = {name: [] for name in unit_names}
+    def owner_depth(members: tuple[str, ...]) -> tuple[int, int]:
+        return (max(_depth(m) for m in members), len(members[0]))
+
+    params_of: dict[tuple[str, ...], list[ParamPlan]] = {members: [] for members in members_of}
     for name, param in root.named_parameters():
         param_uses = uses[id(param)]
         owner = max(
-            (unit for unit in unit_names if all(_within(m, unit) for m, _ in param_uses)),
-            key=lambda unit: (unit.count(".") + (unit != ""), len(unit)),
+            (members for members in members_of
+             if all(any(_within(m, member) for member in members) for m, _ in param_uses)),
+            key=owner_depth,
         )
-        members[owner].append(ParamPlan(name, tuple(param.shape), tuple(param_uses), param.requires_grad))
-    return [UnitPlan(name, tuple(members[name])) for name in unit_names if members[name]]
+        params_of[owner].append(ParamPlan(name, tuple(param.shape), tuple(param_uses), param.requires_grad))
+    return [UnitPlan(members, tuple(params_of[members])) for members in members_of if params_of[members]]
 
 
 def default_policy_for_model(model_name: str) -> WrapPolicy:

@@ -1,11 +1,14 @@
 """The state machine that drives every unit of one sharded model through forward and
-backward: hooks, the end-of-backward callback, and gathering full parameters on demand.
+backward: hooks, prefetching, the end-of-backward callback, full parameters on demand.
 
-    pre-forward   unshard the unit, show the unsharded views
-    post-forward  reshard (FULL_SHARD / HYBRID, non-root units; every unit under no_grad);
+    pre-forward   unshard the unit (or wait for its prefetch), show the unsharded views;
+                  forward prefetch: start the next unit's all-gather (previous iteration's order)
+    post-forward  reshard (FULL_SHARD / HYBRID non-root units; every unit under no_grad);
                   register the pre-backward hook on the outputs
-    pre-backward  unshard again if resharded
-    post-backward reduce-scatter the unit's gradient (asynchronously), reshard
+    pre-backward  unshard again if resharded; backward prefetch "pre": start the next
+                  unit's all-gather before this unit's gradients are computed
+    post-backward backward prefetch "post"; reduce-scatter the gradient (asynchronously,
+                  so it overlaps the next unit's backward), reshard
     end of backward  reduce the units that got no gradient (every rank must take part),
                   agree on which parameters got a gradient anywhere, wait for every
                   reduction, accumulate into the sharded gradients, reshard everything
@@ -13,6 +16,7 @@ backward: hooks, the end-of-backward callback, and gathering full parameters on 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Iterator
 
@@ -23,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..comm import Collectives
 from .config import ShardingConfig
-from .flat_unit import FlatUnit, PendingReduction
+from .flat_unit import FlatUnit
 from .memory import MemoryCounter, tensor_bytes
 from .mesh import ShardMesh
 from .plan import UnitPlan
@@ -32,57 +36,110 @@ STATE_ATTR = "_fsdpkit_state"
 
 
 class ShardedState:
-    def __init__(self, module: nn.Module, plans: list[UnitPlan], mesh: ShardMesh, config: ShardingConfig, comms: Collectives, device: torch.device) -> None:
+    def __init__(self, module: nn.Module, plans: list[UnitPlan], mesh: ShardMesh, config: ShardingConfig,
+                 comms: Collectives, device: torch.device, *, materialize=None, record_events: bool = False) -> None:
         self.module = module
         self.mesh = mesh
         self.config = config
         self.comms = comms
         self.device = device
         self.memory = MemoryCounter()
+        self.events: list[tuple[str, str]] | None = [] if record_events else None
+        if record_events:
+            comms.stats.events = self.events
         modules = dict(module.named_modules(remove_duplicate=False))
-        self.units = [
-            FlatUnit(
+        self.units: list[FlatUnit] = []
+        for plan in plans:
+            if materialize is not None:
+                materialize(plan)
+            self.units.append(FlatUnit(
                 plan, modules, mesh, comms, config.mixed_precision, self.memory,
-                is_root=plan.name == "",
-                reshard_after_forward=config.reshard_after_forward,
-                device=device,
-            )
-            for plan in plans
-        ]
-        self.pending: list[PendingReduction] = []
+                reshard_after_forward=config.reshard_after_forward, device=device, offload=config.cpu_offload,
+            ))
+        self.pending = []
+        self.inflight_gathers: collections.deque[FlatUnit] = collections.deque()
+        self.forward_order: list[FlatUnit] = []
+        self.previous_forward_order: list[FlatUnit] = []
         self.callback_queued = False
         self.summoned = False
+        self.sync_gradients = True
         self.handles = []
         for unit in self.units:
-            owner = modules[unit.name]
-            self.handles.append(owner.register_forward_pre_hook(self._pre_forward_hook(unit)))
-            self.handles.append(owner.register_forward_hook(self._post_forward_hook(unit)))
+            for index, member in enumerate(unit.members):
+                self.handles.append(member.register_forward_pre_hook(self._pre_forward_hook(unit)))
+                last = index == len(unit.members) - 1
+                self.handles.append(member.register_forward_hook(self._post_forward_hook(unit if last else None, unit)))
             if unit.trainable:
                 self.handles.append(unit.full_flat.register_post_accumulate_grad_hook(self._post_backward_hook(unit)))
         if not any(unit.is_root for unit in self.units):
-            self.handles.append(module.register_forward_hook(self._post_forward_hook(None)))
+            self.handles.append(module.register_forward_hook(self._post_forward_hook(None, None)))
+
+    def _record(self, kind: str, unit: FlatUnit | None) -> None:
+        if self.events is not None:
+            self.events.append((kind, unit.name if unit is not None else ""))
+
+    # ----- prefetching
+    def _start_gather(self, unit: FlatUnit | None) -> None:
+        if unit is None or unit.is_unsharded:
+            return
+        limit = self.config.limit_all_gathers
+        while limit and len(self.inflight_gathers) >= limit:
+            self.inflight_gathers.popleft().wait_unshard()
+        self._record("prefetch", unit)
+        if unit.unshard(async_op=True) is not None:
+            self.inflight_gathers.append(unit)
+
+    def _ensure_unsharded(self, unit: FlatUnit) -> None:
+        unit.unshard()
+        unit.wait_unshard()
+        if unit in self.inflight_gathers:
+            self.inflight_gathers.remove(unit)
+
+    def _next_in_backward(self, unit: FlatUnit) -> FlatUnit | None:
+        order = self.forward_order[::-1]
+        if unit not in order:
+            return None
+        waiting = [u for u in order[order.index(unit) + 1:] + order if u is not unit and not u.backward_prepared and u.trainable]
+        return waiting[0] if waiting else None
+
+    def _next_in_forward(self, unit: FlatUnit) -> FlatUnit | None:
+        order = self.previous_forward_order
+        if unit in order and order.index(unit) + 1 < len(order):
+            return order[order.index(unit) + 1]
+        return None
 
     # ----- hooks
     def _pre_forward_hook(self, unit: FlatUnit):
         def pre_forward(module: nn.Module, args: Any) -> None:
             if self.summoned:
                 return
-            unit.unshard()
-            unit.show_unsharded(track_grad=torch.is_grad_enabled())
+            training = torch.is_grad_enabled()
+            if training and unit not in self.forward_order:
+                self.forward_order.append(unit)
+            if unit.is_unsharded and unit.views_shown:
+                return
+            self._record("pre_forward", unit)
+            self._ensure_unsharded(unit)
+            unit.show_unsharded(track_grad=training)
+            unit.views_shown = True
+            if training and self.config.forward_prefetch:
+                self._start_gather(self._next_in_forward(unit))
 
         return pre_forward
 
-    def _post_forward_hook(self, unit: FlatUnit | None):
+    def _post_forward_hook(self, unit: FlatUnit | None, member_of: FlatUnit | None):
         def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
             if self.summoned:
                 return output
             training = torch.is_grad_enabled()
-            if unit is not None and (not training or unit.reshard_after_forward):
-                unit.reshard()
+            if unit is not None:
+                self._record("post_forward", unit)
+                if not training or unit.reshard_after_forward:
+                    self._reshard(unit)
             if training:
                 for tensor in tree_flatten(output)[0]:
                     if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                        tensor.register_hook(self._pre_backward_hook(unit))
+                        tensor.register_hook(self._pre_backward_hook(member_of))
             return output
 
         return post_forward
@@ -92,19 +149,43 @@ class ShardedState:
             if not self.callback_queued:
                 self.callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            if unit is not None and not unit.backward_prepared:
-                unit.backward_prepared = True
-                unit.unshard()
+            if unit is None or unit.backward_prepared:
+                return
+            unit.backward_prepared = True
+            self._record("pre_backward", unit)
+            self._ensure_unsharded(unit)
+            if self.config.activation_checkpointing and not unit.views_shown:
+                unit.show_unsharded(track_grad=True)  # recomputation reads the parameters again
+                unit.views_shown = True
+            if self.config.backward_prefetch == "pre":
+                self._start_gather(self._next_in_backward(unit))
 
         return pre_backward
 
     def _post_backward_hook(self, unit: FlatUnit):
         def post_backward(full_flat: torch.Tensor) -> None:
-            grad, full_flat.grad = full_flat.grad, None
-            self._issue_reduction(unit, grad)
-            unit.reshard()
+            self._record("post_backward", unit)
+            if self.config.backward_prefetch == "post":
+                self._start_gather(self._next_in_backward(unit))
+            if self.sync_gradients:
+                grad, full_flat.grad = full_flat.grad, None
+                if unit.holds_unsynced_grad:
+                    self.memory.add("unsharded_grads", -tensor_bytes(grad))
+                    unit.holds_unsynced_grad = False
+                self._issue_reduction(unit, grad)
+            elif not unit.holds_unsynced_grad:
+                unit.holds_unsynced_grad = True
+                self.memory.add("unsharded_grads", tensor_bytes(full_flat.grad))
+            unit.backward_done = True
+            self._reshard(unit)
 
         return post_backward
+
+    def _reshard(self, unit: FlatUnit) -> None:
+        if unit in self.inflight_gathers:
+            self.inflight_gathers.remove(unit)
+        unit.reshard()
+        unit.views_shown = False
 
     def _issue_reduction(self, unit: FlatUnit, grad: torch.Tensor) -> None:
         pending = unit.issue_reduction(grad)
@@ -112,24 +193,32 @@ class ShardedState:
         self.pending.append(pending)
 
     def _end_of_backward(self) -> None:
+        if self.sync_gradients:
+            for unit in self.units:
+                if unit.trainable and not unit.reduced_this_backward:
+                    grad, unit.full_flat.grad = unit.full_flat.grad, None
+                    if grad is None:
+                        grad = torch.zeros(unit.layout.padded_numel, dtype=unit.compute_dtype, device=self.device)
+                    elif unit.holds_unsynced_grad:
+                        self.memory.add("unsharded_grads", -tensor_bytes(grad))
+                        unit.holds_unsynced_grad = False
+                    self._issue_reduction(unit, grad)
+            used = torch.cat([unit.used for unit in self.units]) if self.units else torch.zeros(0, dtype=torch.int32)
+            if self.mesh.world_size > 1 and used.numel():
+                self.comms.all_reduce(used, self.mesh.group, op=dist.ReduceOp.MAX, label="grad-flags")
+            start = 0
+            used_of = {}
+            for unit in self.units:
+                used_of[id(unit)] = used[start:start + len(unit.params)]
+                start += len(unit.params)
+            for pending in self.pending:
+                pending.unit.finish_reduction(pending, used_of[id(pending.unit)])
+                self.memory.add("unsharded_grads", -tensor_bytes(pending.source))
+            self.pending.clear()
         for unit in self.units:
-            if unit.trainable and not unit.reduced_this_backward:
-                zeros = torch.zeros(unit.layout.padded_numel, dtype=unit.reduce_dtype, device=self.device)
-                self._issue_reduction(unit, zeros)
-        used = torch.cat([unit.used for unit in self.units]) if self.units else torch.zeros(0, dtype=torch.int32)
-        if self.mesh.world_size > 1 and used.numel():
-            self.comms.all_reduce(used, self.mesh.group, op=dist.ReduceOp.MAX, label="grad-flags")
-        offsets, start = {}, 0
-        for unit in self.units:
-            offsets[id(unit)] = used[start:start + len(unit.params)]
-            start += len(unit.params)
-        for pending in self.pending:
-            pending.unit.finish_reduction(pending, offsets[id(pending.unit)])
-            self.memory.add("unsharded_grads", -tensor_bytes(pending.source))
-        self.pending.clear()
-        for unit in self.units:
-            unit.reshard()
-            unit.reset_backward_state()
+            self._reshard(unit)
+            unit.reset_backward_state(keep_usage=not self.sync_gradients)
+        self.previous_forward_order, self.forward_order = self.forward_order, []
         self.callback_queued = False
 
     # ----- full parameters on demand
@@ -140,14 +229,15 @@ class ShardedState:
         if self.pending or self.callback_queued:
             raise RuntimeError("full_params() cannot be used during backward")
         for unit in self.units:
-            unit.reshard()
+            self._reshard(unit)
         buffers = []
         for unit in self.units:
             if unit.mesh.shard_factor == 1:
                 full = unit.flat_shard
             else:
                 full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=self.device)
-                self.comms.all_gather(full, unit.flat_shard, unit.mesh.shard_group, label=f"full_params:{unit.name}")
+                source = unit.flat_shard.to(self.device)
+                self.comms.all_gather(full, source, unit.mesh.shard_group, label=f"full_params:{unit.name}")
             buffers.append(full)
             pieces = torch.split(full, unit.layout.split_sizes())
             unit._set_params([
@@ -164,7 +254,15 @@ class ShardedState:
                     if writeback and full is not unit.flat_shard:
                         chunk = unit.layout.chunk_range(unit.mesh.shard_rank)
                         unit.flat_shard.copy_(full[chunk.start:chunk.end])
-                    unit.reshard()
+                    self._reshard(unit)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self.sync_gradients = self.sync_gradients, False
+        try:
+            yield
+        finally:
+            self.sync_gradients = previous
 
 
 def get_state(module: nn.Module) -> ShardedState:
