@@ -23,6 +23,7 @@ def _register_commands() -> None:
     from . import train_cmd  # noqa: F401
     from . import bench_cmd  # noqa: F401
     from . import checkpoint_cmd  # noqa: F401
+    from . import plan_cmd  # noqa: F401
 
 
 _register_commands()

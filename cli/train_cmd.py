@@ -50,6 +50,16 @@ def train(
     shard_group_size: Annotated[Optional[int], typer.Option(help="Ranks per shard group with --strategy hybrid.")] = None,
     mixed_precision: Annotated[str, typer.Option(help="bf16, fp16 or none.")] = "none",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    wrap_min_params: Annotated[Optional[int], typer.Option(help="Also make a unit of every module holding at least N parameters not already in a nested unit.")] = None,
+    wrap_every: Annotated[int, typer.Option(help="K consecutive blocks per unit.")] = 1,
+    no_sync: Annotated[bool, typer.Option("--no-sync", help="With --grad-accum: accumulate unsharded gradients locally, reduce once on the last micro-batch.")] = False,
+    max_grad_norm: Annotated[Optional[float], typer.Option(help="Clip the global gradient norm to this value.")] = None,
+    cpu_offload: Annotated[bool, typer.Option("--cpu-offload", help="Keep sharded parameters, gradients and optimizer state in host memory; step there.")] = False,
+    activation_checkpointing: Annotated[bool, typer.Option("--activation-checkpointing", help="Recompute each unit's activations in backward.")] = False,
+    deferred_init: Annotated[Optional[bool], typer.Option("--deferred-init/--eager-init", help="Build on the meta device and materialise unit by unit (default for built-in models).", show_default=False)] = None,
+    backward_prefetch: Annotated[str, typer.Option(help="pre, post or none: when the next unit's all-gather is issued in backward.")] = "pre",
+    forward_prefetch: Annotated[bool, typer.Option("--forward-prefetch", help="Issue the next unit's all-gather before the current unit's forward.")] = False,
+    limit_all_gathers: Annotated[int, typer.Option(help="Most all-gathers in flight (0: no limit).")] = 2,
     nproc_per_node: NprocOption = 2,
     nnodes: NnodesOption = 1,
     node_rank: NodeRankOption = 0,
@@ -66,6 +76,9 @@ def train(
         optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=_parse_betas(betas),
         warmup_steps=warmup_steps, lr_schedule=lr_schedule, eval_every=eval_every, metrics=metrics,
         strategy=strategy, shard_group_size=shard_group_size, mixed_precision=mixed_precision, device=device,
+        wrap_min_params=wrap_min_params, wrap_every=wrap_every, no_sync=no_sync, max_grad_norm=max_grad_norm,
+        cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing, deferred_init=deferred_init,
+        backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
     )
     if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
         summary = run_in_process_group(config)  # already a worker, started by torchrun

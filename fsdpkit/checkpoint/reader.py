@@ -33,6 +33,7 @@ from .writer import SAFETENSORS_TO_TORCH, tensor_bytes
 class CheckpointReader:
     def __init__(self, path: str | Path):
         self._checkpoint = open_sharded(path)
+        self._entries = self._checkpoint.manifest.tensor_map()
         self._handles: dict[str, object] = {}
         self._verified: set[tuple[str, str]] = set()
 
@@ -57,10 +58,10 @@ class CheckpointReader:
 
     def tensor(self, name: str) -> TensorEntry:
         """The manifest entry of `name` (an alias resolves to its stored tensor)."""
-        try:
-            return self.manifest.tensor(name)
-        except KeyError:
-            raise KeyError(f"{self.step_dir}: no tensor {name!r} in the checkpoint") from None
+        entry = self._entries.get(self.manifest.aliases.get(name, name))
+        if entry is None:
+            raise KeyError(f"{self.step_dir}: no tensor {name!r} in the checkpoint")
+        return entry
 
     def _file(self, name: str):
         if name not in self._handles:

@@ -23,23 +23,35 @@ class ShardedGradScaler:
         self.growth_interval = growth_interval
         self.good_steps = 0
         self.last_step_skipped = False
+        self.unscaled = False
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale_value
 
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the sharded gradients by the scale (once per step; step() does it if needed)."""
+        if self.unscaled:
+            return
+        for unit in self.state.units:
+            for param in unit.params:
+                if param.grad is not None:
+                    param.grad.mul_(1.0 / self.scale_value)
+        self.unscaled = True
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale the sharded gradients; step unless any rank found inf/nan. True if stepped."""
-        grads = [p.grad for unit in self.state.units for p in unit.params if p.grad is not None]
+        """Step unless any rank found inf/nan in its gradients. True if the optimizer stepped."""
+        self.unscale_(optimizer)
         found = torch.tensor([0.0], device=self.state.device)
-        for grad in grads:
-            grad.mul_(1.0 / self.scale_value)
-            if grad.numel() and not torch.isfinite(grad).all():
-                found.fill_(1.0)
+        for unit in self.state.units:
+            for param in unit.params:
+                if param.grad is not None and param.grad.numel() and not torch.isfinite(param.grad).all():
+                    found.fill_(1.0)
         if self.state.mesh.world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.state.mesh.group)
         self.last_step_skipped = bool(found.item())
         if not self.last_step_skipped:
             optimizer.step()
+        self.unscaled = False
         return not self.last_step_skipped
 
     def update(self) -> None:

@@ -9,6 +9,7 @@ the final norm and the output head, whose weight is tied to the token embedding.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -78,21 +79,29 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
+        self.init_seed = torch.initial_seed()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * n_layer)."""
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj") else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                self.init_parameter(name, param)
+
+    def init_parameter(self, name: str, param: torch.Tensor) -> None:
+        """GPT-2 initialisation of one parameter, from a generator seeded by the model seed
+        and the parameter's name: the same values eagerly, on the meta device then
+        materialised unit by unit (fsdpkit.shard), or in any order."""
+        if param.is_meta:
+            return  # nothing to draw: fsdpkit.shard calls this again once the tensor is real
+        if name.endswith("bias"):
+            nn.init.zeros_(param)
+            return
+        if name.startswith("ln") or ".ln_" in name:
+            nn.init.ones_(param)
+            return
+        std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 0.02
+        generator = torch.Generator(device=param.device).manual_seed((self.init_seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        nn.init.normal_(param, mean=0.0, std=std, generator=generator)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         _, seq = idx.shape

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from ..engine.config import STRATEGIES, MixedPrecision, ShardingConfig
 from ..errors import UsageError
@@ -35,7 +35,16 @@ class TrainConfig:
     shard_group_size: int | None = None
     mixed_precision: str = "none"
     device: str = "auto"
-    extra: dict = field(default_factory=dict)
+    wrap_min_params: int | None = None
+    wrap_every: int = 1
+    no_sync: bool = False
+    max_grad_norm: float | None = None
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    deferred_init: bool | None = None  # None: on for built-in models, off for user factories
+    backward_prefetch: str = "pre"
+    forward_prefetch: bool = False
+    limit_all_gathers: int = 2
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -62,7 +71,13 @@ class TrainConfig:
             raise UsageError(f"unknown --strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"unknown --device {self.device!r}: use auto, cpu or cuda")
-        self.sharding  # validates strategy / group size / mixed precision
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise UsageError(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
+        if self.no_sync and self.grad_accum == 1:
+            raise UsageError("--no-sync accumulates gradients over micro-batches: it needs --grad-accum > 1")
+        if self.wrap and (self.wrap_min_params is not None):
+            pass  # both rules apply: classes and size
+        self.sharding  # validates strategy / group size / mixed precision / overlap settings
 
     @property
     def sharding(self) -> ShardingConfig:
@@ -70,6 +85,11 @@ class TrainConfig:
             strategy=self.strategy,
             shard_group_size=self.shard_group_size,
             mixed_precision=MixedPrecision.from_name(self.mixed_precision),
+            backward_prefetch=self.backward_prefetch,
+            forward_prefetch=self.forward_prefetch,
+            limit_all_gathers=self.limit_all_gathers,
+            cpu_offload=self.cpu_offload,
+            activation_checkpointing=self.activation_checkpointing,
         )
 
     def validate_world_size(self, world_size: int) -> None:

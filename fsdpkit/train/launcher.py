@@ -20,7 +20,7 @@ from .model_setup import inspect_model
 def validate(config: TrainConfig, world_size: int) -> None:
     """Every check that does not need a process group: exit 2 before launching."""
     config.validate_world_size(world_size)
-    info = inspect_model(config.model, config.vocab_size, config.wrap)
+    info = inspect_model(config.model, config.vocab_size, config.wrap, min_params=config.wrap_min_params, every=config.wrap_every)
     if info.block_size is not None and config.seq_len > info.block_size:
         raise UsageError(f"--seq-len {config.seq_len} exceeds model {config.model!r} block size {info.block_size}")
     if config.data != "synthetic":

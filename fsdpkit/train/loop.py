@@ -3,6 +3,7 @@ the elastic launcher, or directly under torchrun (`torchrun -m fsdpkit.train ...
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -50,21 +51,31 @@ class Trainer:
         self.world_size = dist.get_world_size()
         config.validate_world_size(self.world_size)
         self.device = pick_device(config)
-        info = inspect_model(config.model, config.vocab_size, config.wrap)
+        policy = wrap_policy(config.model, config.wrap, min_params=config.wrap_min_params, every=config.wrap_every)
+        info = inspect_model(config.model, config.vocab_size, config.wrap, min_params=config.wrap_min_params, every=config.wrap_every)
         self.vocab_size = info.vocab_size
-        model = build_for_training(config.model, config.seed)
+        model = build_for_training(config.model, config.seed, deferred=config.deferred_init)
+        sharding = config.sharding
         self.model = fsdpkit.shard(
             model,
-            wrap=wrap_policy(config.model, config.wrap),
-            strategy=config.strategy,
-            shard_group_size=config.shard_group_size,
-            mixed_precision=config.mixed_precision,
+            wrap=policy,
+            strategy=sharding.strategy,
+            shard_group_size=sharding.shard_group_size,
+            mixed_precision=sharding.mixed_precision,
+            backward_prefetch=sharding.backward_prefetch,
+            forward_prefetch=sharding.forward_prefetch,
+            limit_all_gathers=sharding.limit_all_gathers,
+            cpu_offload=sharding.cpu_offload,
+            activation_checkpointing=sharding.activation_checkpointing,
             device=self.device,
         )
         self.num_params = info.num_params
         self.optimizer = build_optimizer(self.model, config)
+        self.scaler = fsdpkit.ShardedGradScaler(self.model) if config.mixed_precision == "fp16" else None
         self.data = TokenSource(config.data, vocab_size=self.vocab_size, seq_len=config.seq_len, seed=config.seed)
-        self.step = 0
+        self.step = 0  # training steps run (batches consumed)
+        self.optimizer_steps = 0  # steps the optimizer took (fp16 skips do not count)
+        self.last_grad_norm: float | None = None
 
     def _loss_on(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.to(self.device)
@@ -79,18 +90,27 @@ class Trainer:
     def train_step(self) -> float:
         config = self.config
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, base_lr=config.lr, warmup_steps=config.warmup_steps, total_steps=config.steps, schedule=config.lr_schedule)
+            group["lr"] = lr_at(self.optimizer_steps, base_lr=config.lr, warmup_steps=config.warmup_steps, total_steps=config.steps, schedule=config.lr_schedule)
         batch = self.data.global_batch(self.step, config.global_batch_size)
         micro_rows = config.global_batch_size // config.grad_accum
         local_loss = 0.0
         for micro in range(config.grad_accum):
             micro_batch = local_rows(batch[micro * micro_rows:(micro + 1) * micro_rows], self.rank, self.world_size)
-            loss = self._loss_on(micro_batch) / config.grad_accum
-            loss.backward()
+            last = micro == config.grad_accum - 1
+            with contextlib.nullcontext() if (last or not config.no_sync) else fsdpkit.no_sync(self.model):
+                loss = self._loss_on(micro_batch) / config.grad_accum
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
             local_loss += loss.item()
-        self.optimizer.step()
+        if config.max_grad_norm is not None:
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            self.last_grad_norm = fsdpkit.clip_grad_norm_(self.model, config.max_grad_norm).item()
+        stepped = self.scaler.step(self.optimizer) if self.scaler else (self.optimizer.step() or True)
+        if self.scaler:
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.optimizer_steps += int(stepped)
         return self._global_mean(local_loss)
 
     @torch.no_grad()
@@ -119,6 +139,10 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
             losses.append(loss)
             record: dict[str, Any] = {"step": trainer.step, "loss": loss, "lr": trainer.optimizer.param_groups[0]["lr"],
                                       "step_time_s": step_time, "tokens_per_second": tokens_per_step / step_time}
+            if trainer.last_grad_norm is not None:
+                record["grad_norm"] = trainer.last_grad_norm
+            if trainer.scaler is not None:
+                record["loss_scale"] = trainer.scaler.scale_value
             if config.eval_every and trainer.step % config.eval_every == 0:
                 record["eval_loss"] = trainer.evaluate()
                 eval_losses.append({"step": trainer.step, "loss": record["eval_loss"]})
@@ -144,6 +168,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         "mixed_precision": config.mixed_precision,
         "device": trainer.device.type,
         "steps": trainer.step,
+        "optimizer_steps": trainer.optimizer_steps,
         "global_batch_size": config.global_batch_size,
         "seq_len": config.seq_len,
         "losses": losses,

@@ -1,0 +1,228 @@
+"""Per-rank memory of a sharded run, computed before launch: `fsdpkit plan`.
+
+Builds the model on the meta device (nothing real), lays out every unit's flat parameter
+with the engine's own plan (fsdpkit.engine.plan) and counts the bytes the engine holds:
+
+    sharded parameters  every unit's chunk, master dtype (fp32), for the whole run
+    sharded gradients   the same size, master dtype, from the first backward on
+    optimizer state     AdamW: exp_avg + exp_avg_sq over the rank's real elements (padding
+                        has no parameter), plus a 4-byte `step` per parameter; SGD: none
+    unsharded in flight the full padded flat parameters (compute dtype) of the units
+                        gathered at once, plus full gradients until their reduction
+                        completes (memory_timeline.py replays the schedule)
+    no_sync gradients   with --no-sync, a full unsharded gradient per unit on every rank
+
+Activations, the temporary buffers of collectives and the allocator's caching are left
+out. With CPU offload the sharded parameters, gradients and optimizer state live on the
+host; the device holds the unsharded bytes. Rank 0 of a shard group is reported: the
+padding sits at the end, so it holds the most real elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .engine.config import MixedPrecision, ShardingConfig
+from .engine.plan import UnitPlan
+from .errors import UsageError
+from .memory_timeline import Peak, Schedule, UnitFootprint, peak_unsharded
+
+OPTIMIZERS = ("adamw", "sgd")
+BACKWARD_PREFETCH = ("pre", "post", "none")
+ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
+# The engine waits for its gradient reductions at the end of backward (None: hold them all).
+ENGINE_PENDING_REDUCTIONS: int | None = None
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    world_size: int
+    strategy: str = "full"
+    shard_group_size: int | None = None
+    mixed_precision: str = "none"
+    cpu_offload: bool = False
+    optimizer: str = "adamw"
+    no_sync: bool = False
+    backward_prefetch: str = "pre"
+    forward_prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+        if self.backward_prefetch not in BACKWARD_PREFETCH:
+            raise UsageError(f"unknown backward prefetch {self.backward_prefetch!r}: use one of {', '.join(BACKWARD_PREFETCH)}")
+        self.sharding.shard_factor(self.world_size)  # validates the world size against the strategy
+
+    @property
+    def sharding(self) -> ShardingConfig:
+        return ShardingConfig(strategy=self.strategy, shard_group_size=self.shard_group_size,
+                              mixed_precision=MixedPrecision.from_name(self.mixed_precision))
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule(
+            reshard_after_forward=self.sharding.reshard_after_forward,
+            forward_prefetch=self.forward_prefetch,
+            backward_prefetch=self.backward_prefetch != "none",
+            pending_reductions=ENGINE_PENDING_REDUCTIONS,
+        )
+
+
+@dataclass(frozen=True)
+class UnitSizes:
+    """One unit's flat parameter in elements, for one rank of its shard group."""
+
+    name: str
+    numel: int
+    padded_numel: int
+    chunk_numel: int
+    local_numel: int  # real (non-padding) elements in this rank's chunk
+    trainable_params: int
+    master_bytes: int  # bytes per element of the master (sharded) parameters
+
+    @property
+    def trainable(self) -> bool:
+        return self.trainable_params > 0
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    request: PlanRequest
+    num_params: int
+    shard_factor: int
+    units: tuple[UnitSizes, ...]
+    sharded_params: int
+    sharded_grads: int
+    optimizer_state: int
+    no_sync_grads: int
+    largest_unit: UnitFootprint
+    peak: Peak
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def persistent(self) -> int:
+        return self.sharded_params + self.sharded_grads + self.optimizer_state
+
+    @property
+    def device_total(self) -> int:
+        on_device = self.no_sync_grads + self.peak.bytes
+        return on_device if self.request.cpu_offload else on_device + self.persistent
+
+    @property
+    def host_total(self) -> int:
+        return self.persistent if self.request.cpu_offload else 0
+
+    @property
+    def total(self) -> int:
+        return self.device_total + self.host_total
+
+    def to_document(self) -> dict[str, Any]:
+        request = self.request
+        return {
+            "model": request.model,
+            "num_params": self.num_params,
+            "units": len(self.units),
+            "world_size": request.world_size,
+            "strategy": request.strategy,
+            "shard_factor": self.shard_factor,
+            "replicas": request.world_size // self.shard_factor,
+            "mixed_precision": request.mixed_precision,
+            "optimizer": request.optimizer,
+            "cpu_offload": request.cpu_offload,
+            "no_sync": request.no_sync,
+            "backward_prefetch": request.backward_prefetch,
+            "forward_prefetch": request.forward_prefetch,
+            "bytes": {
+                "sharded_params": self.sharded_params,
+                "sharded_grads": self.sharded_grads,
+                "optimizer_state": self.optimizer_state,
+                "no_sync_grads": self.no_sync_grads,
+                "largest_unit_unsharded": self.largest_unit.param_bytes,
+                "peak_unsharded": self.peak.bytes,
+                "device_total": self.device_total,
+                "host_total": self.host_total,
+                "total": self.total,
+            },
+            "largest_unit": self.largest_unit.name,
+            "in_flight_at_peak": {"params": list(self.peak.params), "grads": list(self.peak.grads), "phase": self.peak.phase},
+            "notes": list(self.notes),
+        }
+
+
+def unit_sizes(plans: list[UnitPlan], shard_factor: int, *, shard_rank: int = 0, master_bytes: int = 4) -> list[UnitSizes]:
+    """Each unit's element counts for `shard_rank` (0 holds the most real elements)."""
+    sizes = []
+    for plan in plans:
+        layout = plan.layout(shard_factor)
+        local = sum(fragment.param_range.size for fragment in layout.fragments(shard_rank))
+        sizes.append(UnitSizes(
+            name=plan.name, numel=layout.numel, padded_numel=layout.padded_numel, chunk_numel=layout.chunk_numel,
+            local_numel=local, trainable_params=sum(p.requires_grad for p in plan.params), master_bytes=master_bytes,
+        ))
+    return sizes
+
+
+def footprint(unit: UnitSizes, request: PlanRequest, shard_factor: int) -> UnitFootprint:
+    """What `unit` holds on the device while unsharded: parameters in the compute dtype
+    (nothing extra when F = 1 without a cast: the full parameter is the shard), and during
+    backward a gradient in the compute dtype plus a copy in the reduce dtype if it differs."""
+    mixed = MixedPrecision.from_name(request.mixed_precision)
+    compute = _itemsize(mixed.param_dtype, unit.master_bytes)
+    reduce = _itemsize(mixed.reduce_dtype, compute)
+    aliases = shard_factor == 1 and compute == unit.master_bytes and not request.cpu_offload
+    param_bytes = 0 if aliases else unit.padded_numel * compute
+    grad_bytes = unit.padded_numel * compute + (unit.padded_numel * reduce if reduce != compute else 0) if unit.trainable else 0
+    return UnitFootprint(unit.name, param_bytes, grad_bytes, unit.trainable)
+
+
+def plan_from_sizes(units: list[UnitSizes], request: PlanRequest, *, num_params: int) -> MemoryPlan:
+    """The arithmetic: per-rank bytes from the units' sizes (root first, forward order)."""
+    factor = request.sharding.shard_factor(request.world_size)
+    trainable = [unit for unit in units if unit.trainable]
+    optimizer_state = 0
+    if request.optimizer == "adamw":
+        optimizer_state = sum(2 * unit.local_numel * unit.master_bytes + ADAM_STEP_BYTES * unit.trainable_params for unit in trainable)
+    footprints = [footprint(unit, request, factor) for unit in units]
+    largest = max(footprints, key=lambda f: f.param_bytes, default=UnitFootprint("", 0, 0))
+    notes = ["activations, collective buffers and allocator caching are not included"]
+    if request.cpu_offload:
+        notes.append("cpu offload: sharded parameters, gradients and optimizer state are host memory")
+    return MemoryPlan(
+        request=request,
+        num_params=num_params,
+        shard_factor=factor,
+        units=tuple(units),
+        sharded_params=sum(unit.chunk_numel * unit.master_bytes for unit in units),
+        sharded_grads=sum(unit.chunk_numel * unit.master_bytes for unit in trainable),
+        optimizer_state=optimizer_state,
+        no_sync_grads=sum(f.grad_bytes for f in footprints) if request.no_sync else 0,
+        largest_unit=largest,
+        peak=peak_unsharded(footprints, request.schedule),
+        notes=tuple(notes),
+    )
+
+
+def plan_memory(request: PlanRequest, *, shard_rank: int = 0) -> MemoryPlan:
+    """Build `request.model` on the meta device and plan its per-rank memory."""
+    from .engine.plan import default_policy_for_model, plan_units
+    from .models.registry import build_model
+
+    factor = request.sharding.shard_factor(request.world_size)
+    if not 0 <= shard_rank < factor:
+        raise UsageError(f"shard rank {shard_rank} is outside the shard group of {factor} ranks")
+    model = build_model(request.model, device="meta")
+    dtypes = {param.dtype for param in model.parameters()}
+    if len(dtypes) != 1:
+        raise UsageError(f"model {request.model!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
+    master_bytes = torch.empty(0, dtype=dtypes.pop()).element_size()
+    plans = plan_units(model, default_policy_for_model(request.model))
+    sizes = unit_sizes(plans, factor, shard_rank=shard_rank, master_bytes=master_bytes)
+    return plan_from_sizes(sizes, request, num_params=sum(p.numel() for p in model.parameters()))
+
+
+def _itemsize(dtype: torch.dtype | None, default: int) -> int:
+    return default if dtype is None else torch.empty(0, dtype=dtype).element_size()
