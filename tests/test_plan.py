@@ -1,0 +1,214 @@
+"""`fsdpkit plan`: the memory arithmetic against numbers computed by hand, the CLI (table,
+--json, bad input), and one 2-process run in which the engine's own byte counters
+(fsdpkit.memory_stats) must equal the plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+import fsdpkit
+from fsdpkit.errors import UsageError
+from fsdpkit.memory_plan import PlanRequest, plan_memory
+from fsdpkit.memory_timeline import Schedule, UnitFootprint, peak_unsharded
+from fsdpkit_cli.app import app
+
+from distributed import run_distributed
+
+# tests/models.py EdgeCaseNet under the ModuleList rule: root (inp 5x7+7, branch 3x3+3,
+# head 3x2+2) = 62 elements in 6 tensors; layers.0 = 7x7+7+1 = 57 (3 tensors);
+# layers.1 = 7x3+3+1 = 25 (3 tensors); layers.2 = 1 (1 tensor). 13 tensors, 145 elements.
+EDGE = "models:EdgeCaseNet"
+EDGE_TENSORS = 13
+# gpt-tiny: root wte 256x64 + wpe 128x64 + ln_f 2x64 = 24704 (4 tensors); each of 2 blocks
+# 49984 (12 tensors): 124672 elements, 28 tensors.
+GPT_ROOT, GPT_BLOCK, GPT_TENSORS = 24704, 49984, 28
+
+
+def _bytes(model: str, world_size: int, **options) -> dict:
+    return plan_memory(PlanRequest(model=model, world_size=world_size, **options)).to_document()["bytes"]
+
+
+def test_edge_case_model_by_hand_at_world_sizes_1_2_4():
+    # W=1: nothing to gather (the full parameter is the shard); every gradient is held to the end of backward.
+    one = _bytes(EDGE, 1)
+    assert one["sharded_params"] == one["sharded_grads"] == 145 * 4
+    assert one["optimizer_state"] == 2 * 145 * 4 + 4 * EDGE_TENSORS
+    assert one["largest_unit_unsharded"] == 0 and one["peak_unsharded"] == 145 * 4
+    assert one["total"] == 5 * 145 * 4 + 4 * EDGE_TENSORS  # params, grads, 2 states, all gradients
+
+    # W=2: padded 62, 58, 26, 2 -> chunks 31, 29, 13, 1; rank 0 holds 74 real elements, rank 1 holds 71.
+    two = _bytes(EDGE, 2)
+    assert two["sharded_params"] == two["sharded_grads"] == 74 * 4
+    assert two["optimizer_state"] == 2 * 74 * 4 + 4 * EDGE_TENSORS
+    rank1 = plan_memory(PlanRequest(model=EDGE, world_size=2), shard_rank=1)
+    assert rank1.optimizer_state == 2 * (31 + 28 + 12 + 0) * 4 + 4 * EDGE_TENSORS
+    # Peak at the end of backward: the root's parameters plus every unit's full gradient.
+    assert two["largest_unit_unsharded"] == 62 * 4
+    assert two["peak_unsharded"] == 62 * 4 + (62 + 58 + 26 + 2) * 4
+    assert two["total"] == 2 * 74 * 4 + two["optimizer_state"] + two["peak_unsharded"]
+
+    # W=4: padded 64, 60, 28, 4 -> chunks 16, 15, 7, 1 (rank 0: all real).
+    four = _bytes(EDGE, 4)
+    assert four["sharded_params"] == (16 + 15 + 7 + 1) * 4
+    assert four["optimizer_state"] == 2 * 39 * 4 + 4 * EDGE_TENSORS
+    assert four["peak_unsharded"] == 64 * 4 + (64 + 60 + 28 + 4) * 4
+    assert four["total"] == 2 * 39 * 4 + four["optimizer_state"] + four["peak_unsharded"]
+
+
+def test_gpt_tiny_by_hand_at_world_sizes_1_2_4():
+    total = GPT_ROOT + 2 * GPT_BLOCK
+    assert plan_memory(PlanRequest(model="gpt-tiny", world_size=1)).num_params == total
+    for world in (1, 2, 4):
+        got = _bytes("gpt-tiny", world)
+        shard = total // world  # every unit divides by 4: no padding
+        assert got["sharded_params"] == got["sharded_grads"] == shard * 4, world
+        assert got["optimizer_state"] == 2 * shard * 4 + 4 * GPT_TENSORS, world
+        if world == 1:
+            assert got["peak_unsharded"] == total * 4  # all gradients, no gathered parameters
+        else:
+            # backward of h.1 with h.0 prefetched: root + h.1 + h.0 parameters and h.1's gradient
+            assert got["peak_unsharded"] == (GPT_ROOT + 3 * GPT_BLOCK) * 4, world
+        assert got["total"] == 2 * shard * 4 + got["optimizer_state"] + got["peak_unsharded"]
+
+
+def test_strategies_precision_offload_and_no_sync():
+    full4 = _bytes("gpt-tiny", 4)
+    # none = F 1 at any world size; hybrid shards like full over its group
+    assert _bytes("gpt-tiny", 4, strategy="none") == _bytes("gpt-tiny", 1)
+    hybrid = _bytes("gpt-tiny", 8, strategy="hybrid", shard_group_size=4)
+    assert hybrid == full4
+    # grad-op keeps every unit gathered from forward to its backward: the peak is h.1's
+    # backward with everything gathered (with full, h.0 is there only as h.1's prefetch)
+    grad_op = plan_memory(PlanRequest(model="gpt-tiny", world_size=4, strategy="grad-op")).peak
+    assert grad_op.bytes == (GPT_ROOT + 3 * GPT_BLOCK) * 4 and grad_op.params == ("", "h.0", "h.1")
+    # no prefetch: h.0 is gathered only after h.1 is freed; h.0's backward (two gradients held) is the peak
+    no_prefetch = plan_memory(PlanRequest(model="gpt-tiny", world_size=2, backward_prefetch="none")).peak
+    assert no_prefetch.bytes == (GPT_ROOT + 3 * GPT_BLOCK) * 4 and no_prefetch.params == ("", "h.0")
+    assert no_prefetch.grads == ("h.1", "h.0")
+    # bf16: parameters and gradients in flight halve; fp16 reduces in fp32 (a 4-byte copy too)
+    bf16 = _bytes("gpt-tiny", 2, mixed_precision="bf16")
+    assert bf16["peak_unsharded"] == full4["peak_unsharded"] // 2 and bf16["sharded_params"] == full4["sharded_params"] * 2
+    # fp16 at the end of backward: root parameters (2 bytes) and every gradient in fp16 + fp32 (6 bytes)
+    assert _bytes("gpt-tiny", 2, mixed_precision="fp16")["peak_unsharded"] == GPT_ROOT * 2 + (GPT_ROOT + 2 * GPT_BLOCK) * 6
+    # sgd keeps no state; cpu offload moves the sharded state to the host
+    assert _bytes("gpt-tiny", 2, optimizer="sgd")["optimizer_state"] == 0
+    offload = _bytes("gpt-tiny", 2, cpu_offload=True)
+    plain = _bytes("gpt-tiny", 2)
+    assert offload["device_total"] == plain["peak_unsharded"]
+    assert offload["host_total"] == plain["sharded_params"] + plain["sharded_grads"] + plain["optimizer_state"]
+    assert offload["total"] == plain["total"] and plain["host_total"] == 0
+    # with offload, F = 1 no longer aliases: the device holds a gathered copy
+    assert _bytes("gpt-tiny", 1, cpu_offload=True)["largest_unit_unsharded"] == GPT_BLOCK * 4
+    no_sync = _bytes("gpt-tiny", 2, no_sync=True)
+    assert no_sync["no_sync_grads"] == (GPT_ROOT + 2 * GPT_BLOCK) * 4
+    assert no_sync["total"] == plain["total"] + no_sync["no_sync_grads"]
+
+
+def test_gpt2_xl_at_64_ranks_builds_nothing_real():
+    plan = plan_memory(PlanRequest(model="gpt2-xl", world_size=64, mixed_precision="bf16"))
+    assert plan.num_params == 1_557_611_200 and len(plan.units) == 49
+    assert plan.num_params * 4 / 64 <= plan.sharded_params <= (plan.num_params + 49 * 63) * 4 / 64
+    assert plan.largest_unit.name == "" and plan.largest_unit.param_bytes == plan.units[0].padded_numel * 2
+
+
+def test_timeline_pending_reductions_and_forward_prefetch():
+    units = [UnitFootprint("", 10, 10), UnitFootprint("a", 100, 100), UnitFootprint("b", 100, 100), UnitFootprint("c", 100, 100)]
+    held = peak_unsharded(units, Schedule())  # b's backward: root, b, a (prefetched); grads of c and b
+    assert held.bytes == 10 + 200 + 200 and held.params == ("", "b", "a") and held.grads == ("c", "b")
+    last = peak_unsharded(units[:1] + [UnitFootprint("a", 1, 1000)], Schedule())  # end of backward: all grads
+    assert last.bytes == 10 + 1000 + 10 and last.grads == ("a", "")
+    freed = peak_unsharded(units, Schedule(pending_reductions=1))
+    assert freed.bytes == 10 + 200 + 200  # b computing, a prefetched, grads of c and b
+    forward = peak_unsharded(units, Schedule(forward_prefetch=True, backward_prefetch=False, pending_reductions=1))
+    assert forward.bytes == 10 + 100 + 200 and forward.phase == "backward"
+    grad_op = peak_unsharded(units, Schedule(reshard_after_forward=False, pending_reductions=1))
+    assert grad_op.bytes == 10 + 300 + 100 and set(grad_op.params) == {"", "a", "b", "c"}
+
+
+def test_request_rejects_bad_values_with_the_value():
+    with pytest.raises(UsageError, match="world size must be >= 1, got 0"):
+        PlanRequest(model="gpt2", world_size=0)
+    with pytest.raises(UsageError, match="world size 6 is not divisible by shard group size 4"):
+        PlanRequest(model="gpt2", world_size=6, strategy="hybrid", shard_group_size=4)
+    with pytest.raises(UsageError, match="'adam'"):
+        PlanRequest(model="gpt2", world_size=2, optimizer="adam")
+
+
+def _invoke(args):
+    return CliRunner().invoke(app, ["plan", *args])
+
+
+def test_cli_table_and_json():
+    table = _invoke(["--model", "gpt-tiny", "--world-size", "2"])
+    assert table.exit_code == 0, table.output
+    for label in ("sharded parameters", "sharded gradients", "optimizer state (adamw)", "largest unit unsharded", "unsharded in flight", "total"):
+        assert label in table.stdout
+    assert "1,696,112" in table.stdout  # the total computed by hand above: 2*249344 + 498800 + 698624
+
+    result = _invoke(["--model", "gpt2-xl", "--world-size", "64", "--strategy", "full", "--mixed-precision", "bf16", "--cpu-offload", "--json"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("\n") == 1
+    document = json.loads(result.stdout)
+    assert document["model"] == "gpt2-xl" and document["shard_factor"] == 64 and document["cpu_offload"] is True
+    parts = document["bytes"]
+    assert parts["host_total"] == parts["sharded_params"] + parts["sharded_grads"] + parts["optimizer_state"]
+    assert parts["device_total"] == parts["peak_unsharded"] and parts["total"] == parts["host_total"] + parts["device_total"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt2", "--world-size", "0"], "world size must be >= 1, got 0"),
+    (["--model", "gpt2", "--world-size", "6", "--strategy", "hybrid", "--shard-group-size", "4"], "world size 6 is not divisible by shard group size 4"),
+    (["--model", "gpt-nope", "--world-size", "2"], "'gpt-nope'"),
+    (["--model", "gpt2", "--world-size", "2", "--strategy", "zero3"], "'zero3'"),
+    (["--model", "gpt2", "--world-size", "2", "--mixed-precision", "fp8"], "'fp8'"),
+])
+def test_cli_bad_input_is_one_line_exit_2(args, message):
+    result = _invoke(args)
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr and "Traceback" not in result.output
+
+
+CONFIGS = [{}, {"strategy": "grad-op"}, {"mixed_precision": "bf16"}]
+
+
+def engine_memory_worker(steps: int) -> list[dict]:
+    """Train gpt-tiny for `steps` AdamW steps under each config; the engine's counters after them."""
+    from fsdpkit.models.gpt import Block
+    from fsdpkit.models.registry import build_model
+    from fsdpkit.train.data import TokenSource, local_rows
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = TokenSource("synthetic", vocab_size=256, seq_len=32, seed=0)
+    results = []
+    for config in CONFIGS:
+        torch.manual_seed(0)
+        model = fsdpkit.shard(build_model("gpt-tiny"), wrap=(Block,), **config)
+        optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=0.1), lr=1e-3)
+        for step in range(steps):
+            batch = local_rows(data.global_batch(step, 4), rank, world)
+            loss = F.cross_entropy(model(batch[:, :-1]).float().flatten(0, 1), batch[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        results.append(fsdpkit.memory_stats(model, optimizer))
+    return results
+
+
+def test_plan_matches_the_engine_counters_at_world_size_2():
+    results = run_distributed(engine_memory_worker, 2, 2)
+    for rank, stats_per_config in results.items():
+        for config, stats in zip(CONFIGS, stats_per_config):
+            plan = plan_memory(PlanRequest(model="gpt-tiny", world_size=2, **config), shard_rank=rank)
+            where = f"rank {rank} {config}"
+            assert stats["sharded_params"] == plan.sharded_params, where
+            assert stats["sharded_grads"] == plan.sharded_grads, where
+            assert stats["optimizer_state"] == plan.optimizer_state, where
+            assert stats["unsharded_params"] == stats["unsharded_grads"] == 0, where  # all freed after the step
+            assert abs(stats["peak_total"] - plan.device_total) <= 0.15 * plan.device_total, (where, stats["peak_total"], plan.device_total)
+            assert abs(stats["peak_unsharded"] - plan.peak.bytes) <= 0.15 * plan.peak.bytes, (where, stats["peak_unsharded"], plan.peak.bytes)
