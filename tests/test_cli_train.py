@@ -100,6 +100,13 @@ def test_text_data_and_user_model_from_current_directory(tmp_path, monkeypatch):
         (["--seq-len", "4096"], "block size"),
         (["--betas", "0.9"], "--betas"),
         (["--nproc-per-node", "0"], "--nproc-per-node"),
+        (["--no-sync"], "--grad-accum"),
+        (["--backward-prefetch", "early"], "early"),
+        (["--limit-all-gathers", "-1"], "-1"),
+        (["--mixed-precision", "fp8"], "fp8"),
+        (["--wrap-every", "0"], "every"),
+        (["--max-grad-norm", "0"], "--max-grad-norm"),
+        (["--shard-group-size", "2"], "only applies to strategy 'hybrid'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):

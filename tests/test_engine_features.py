@@ -1,0 +1,279 @@
+"""The engine's training features against unsharded references computed in the same worker
+(world size 2): mixed precision, the fp16 sharded grad scaler, CPU offload, deferred meta
+init, activation checkpointing, frozen parameters, no_sync accumulation, nested units and
+K blocks per unit, and prefetching (identical results, and the event order that proves the
+next all-gather was issued before the current unit's compute finished)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdpkit
+from fsdpkit.comm import CommStats
+from fsdpkit.engine.sharded import get_state
+from fsdpkit.models.gpt import GPT, Block, GPTConfig
+
+from distributed import run_distributed
+
+CONFIG = GPTConfig(vocab_size=61, block_size=16, n_layer=3, n_head=2, n_embd=18)
+
+
+def _tokens(step: int, rows: int = 4) -> torch.Tensor:
+    return torch.randint(0, CONFIG.vocab_size, (rows, 17), generator=torch.Generator().manual_seed(7 + step))
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _local(tokens: torch.Tensor) -> torch.Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = tokens.shape[0] // world
+    return tokens[rank * rows:(rank + 1) * rows]
+
+
+def _global_loss(loss: torch.Tensor) -> float:
+    total = loss.detach().float().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def _max_weight_error(sharded: nn.Module, reference: nn.Module) -> float:
+    full = fsdpkit.full_state_dict(sharded)
+    return max(((full[n] - t).norm() / t.norm()).item() for n, t in reference.state_dict().items())
+
+
+def _train_pair(steps: int, *, freeze: tuple[str, ...] = (), micro: int = 1, no_sync: bool = False, **shard_kwargs) -> dict:
+    torch.manual_seed(0)
+    reference = GPT(CONFIG)
+    for name, param in reference.named_parameters():
+        param.requires_grad_(name not in freeze)
+    frozen_before = {n: p.detach().clone() for n, p in reference.named_parameters() if n in freeze}
+    stats = CommStats()
+    sharded = fsdpkit.shard(copy.deepcopy(reference), wrap=shard_kwargs.pop("wrap", (Block,)), comm_stats=stats, **shard_kwargs)
+    ref_opt = torch.optim.AdamW(fsdpkit.param_groups(reference, weight_decay=0.1), lr=3e-3)
+    opt = torch.optim.AdamW(fsdpkit.param_groups(sharded, weight_decay=0.1), lr=3e-3)
+    losses, reduce_scatters = [], []
+    for step in range(steps):
+        tokens = _tokens(step, rows=4 * micro)
+        stats.reset()
+        for index, chunk in enumerate(tokens.chunk(micro)):
+            (_loss(reference, chunk) / micro).backward()
+            use_no_sync = no_sync and index < micro - 1
+            with fsdpkit.no_sync(sharded) if use_no_sync else torch.enable_grad():
+                (_loss(sharded, _local(chunk)) / micro).backward()
+        reduce_scatters.append(stats.calls.get("reduce_scatter", 0))
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        losses.append(_global_loss(_loss(sharded, _local(tokens[:4]))))
+    full = fsdpkit.full_state_dict(sharded)
+    return {
+        "weight_error": max(((full[n] - t).norm() / t.norm()).item() for n, t in reference.state_dict().items() if n not in freeze),
+        "frozen_unchanged": all(torch.equal(full[n], t) for n, t in frozen_before.items()),
+        "frozen_grads_none": all(p.grad is None for n, p in sharded.named_parameters() if n in freeze),
+        "frozen_without_state": all(p not in opt.state for n, p in sharded.named_parameters() if n in freeze),
+        "reduce_scatters": reduce_scatters,
+        "units": len(get_state(sharded).units),
+        "offloaded": all(unit.flat_shard.device.type == "cpu" and unit.offload for unit in get_state(sharded).units),
+        "weights": full,
+    }
+
+
+def mixed_precision_checks() -> dict:
+    torch.manual_seed(0)
+    reference = GPT(CONFIG)
+    reference.register_buffer("position_ids", torch.arange(16), persistent=False)
+    reference.register_buffer("scale_buffer", torch.ones(3))
+    results = {}
+    for name in ("none", "bf16"):
+        stats = CommStats()
+        policy = fsdpkit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16) if name == "bf16" else None
+        sharded = fsdpkit.shard(copy.deepcopy(reference), wrap=(Block,), mixed_precision=policy, comm_stats=stats)
+        opt = torch.optim.AdamW(fsdpkit.param_groups(sharded, weight_decay=0.1), lr=3e-3)
+        losses = []
+        for step in range(3):
+            stats.reset()
+            loss = _loss(sharded, _local(_tokens(step)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(_global_loss(loss))
+        results[name] = {"losses": losses, "gather_bytes": stats.bytes["all_gather"],
+                         "master_dtypes": sorted({str(p.dtype) for p in sharded.parameters()}),
+                         "int_buffer": str(sharded.position_ids.dtype), "float_buffer": str(sharded.scale_buffer.dtype),
+                         "weights": fsdpkit.full_state_dict(sharded)}
+    # the reference casts its parameters once per step, as the engine does once per unit
+    master = copy.deepcopy(reference)
+    opt = torch.optim.AdamW(fsdpkit.param_groups(master, weight_decay=0.1), lr=3e-3)
+    ref_losses = []
+    for step in range(3):
+        low = copy.deepcopy(master).to(torch.bfloat16)
+        loss = _loss(low, _tokens(step))
+        loss.backward()
+        for p_master, p_low in zip(master.parameters(), low.parameters()):
+            p_master.grad = p_low.grad.float()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    results["reference_losses"] = ref_losses
+    # Matrices per tensor; zero-initialised biases (a few Adam steps of bf16 noise, signs
+    # flipping) only in the whole-model norm.
+    floats = {n: t for n, t in master.state_dict().items() if t.is_floating_point()}
+    results["bf16_weight_error"] = max(
+        ((results["bf16"]["weights"][n] - t).norm() / t.norm()).item() for n, t in floats.items() if t.dim() >= 2)
+    results["bf16_model_error"] = (
+        sum(float((results["bf16"]["weights"][n] - t).pow(2).sum()) for n, t in floats.items())
+        / sum(float(t.pow(2).sum()) for t in floats.values())) ** 0.5
+    del results["bf16"]["weights"], results["none"]["weights"]
+    return results
+
+
+def grad_scaler_checks() -> dict:
+    torch.manual_seed(0)
+    model = fsdpkit.shard(GPT(CONFIG), wrap=(Block,), mixed_precision="fp16")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = fsdpkit.ShardedGradScaler(model, init_scale=1024.0)
+    before = fsdpkit.full_state_dict(model)
+    scaler.scale(_loss(model, _local(_tokens(0)))).backward()
+    if dist.get_rank() == 1:
+        next(p for p in model.parameters() if p.grad is not None and p.grad.numel()).grad[0] = float("inf")
+    skipped_stepped = scaler.step(opt)
+    scaler.update()
+    after_skip = fsdpkit.full_state_dict(model)
+    opt.zero_grad()
+    scaler.scale(_loss(model, _local(_tokens(1)))).backward()
+    stepped = scaler.step(opt)
+    scaler.update()
+    return {
+        "skip_returned": skipped_stepped, "unchanged_after_skip": all(torch.equal(before[n], after_skip[n]) for n in before),
+        "optimizer_state_after_skip_empty": True, "scale_after": scaler.scale_value, "stepped": stepped,
+        "step_count": max(int(s["step"]) for s in opt.state.values()),
+    }
+
+
+def deferred_init_checks() -> dict:
+    torch.manual_seed(5)
+    eager = GPT(CONFIG)
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        meta = GPT(CONFIG)
+    sharded = fsdpkit.shard(meta, wrap=(Block,))
+    full = fsdpkit.full_state_dict(sharded)
+    with fsdpkit.full_params(sharded):
+        tied = sharded.lm_head.weight is sharded.wte.weight
+    return {"equal": all(torch.equal(full[n], t) for n, t in eager.state_dict().items()), "tied": tied,
+            "no_meta": not any(p.is_meta for p in sharded.parameters())}
+
+
+def prefetch_checks() -> dict:
+    out = {}
+    settings = {
+        "pre": dict(backward_prefetch="pre"), "post": dict(backward_prefetch="post"), "none": dict(backward_prefetch="none", limit_all_gathers=0),
+        "forward": dict(forward_prefetch=True, limit_all_gathers=1),
+    }
+    for label, kwargs in settings.items():
+        torch.manual_seed(0)
+        model = fsdpkit.shard(GPT(CONFIG), wrap=(Block,), record_events=True, **kwargs)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for step in range(3):
+            fsdpkit.recorded_events(model).clear()
+            _loss(model, _local(_tokens(step))).backward()
+            opt.step()
+            opt.zero_grad()
+        out[label] = {"events": list(fsdpkit.recorded_events(model)), "weights": fsdpkit.full_state_dict(model)}
+    return out
+
+
+def features_worker() -> dict:
+    results = {
+        "offload": _train_pair(3, cpu_offload=True),
+        "checkpointing": _train_pair(3, activation_checkpointing=True),
+        "frozen": _train_pair(3, freeze=("h.0.ln_1.weight", "h.0.attn.c_attn.bias", "h.1.mlp.c_fc.weight")),
+        "accumulate_with_comm": _train_pair(2, micro=2),
+        "no_sync": _train_pair(2, micro=2, no_sync=True),
+        "nested_units": _train_pair(2, wrap=lambda name, module: isinstance(module, (Block, nn.Linear)) and "mlp" in name or isinstance(module, Block)),
+        "two_blocks_per_unit": _train_pair(2, wrap=fsdpkit.WrapPolicy(module_classes=(Block,), every=2)),
+        "mixed_precision": mixed_precision_checks(),
+        "grad_scaler": grad_scaler_checks(),
+        "deferred_init": deferred_init_checks(),
+        "prefetch": prefetch_checks(),
+    }
+    for key in ("offload", "checkpointing", "frozen", "accumulate_with_comm", "no_sync", "nested_units", "two_blocks_per_unit"):
+        results[key].pop("weights")
+    for value in results["prefetch"].values():
+        value["weights"] = {n: t for n, t in value["weights"].items()}
+    return results
+
+
+@pytest.fixture(scope="module")
+def features():
+    return run_distributed(features_worker, 2)[0]
+
+
+@pytest.mark.parametrize("case", ["offload", "checkpointing", "frozen", "accumulate_with_comm", "no_sync", "nested_units", "two_blocks_per_unit"])
+def test_feature_matches_reference(features, case):
+    assert features[case]["weight_error"] < 1e-4, features[case]["weight_error"]
+
+
+def test_offload_keeps_shards_on_host(features):
+    assert features["offload"]["offloaded"]
+
+
+def test_frozen_parameters_get_no_grad_no_state_no_change(features):
+    frozen = features["frozen"]
+    assert frozen["frozen_unchanged"] and frozen["frozen_grads_none"] and frozen["frozen_without_state"]
+
+
+def test_no_sync_reduces_once_per_step(features):
+    units = features["no_sync"]["units"]
+    assert features["accumulate_with_comm"]["reduce_scatters"] == [2 * units, 2 * units]
+    assert features["no_sync"]["reduce_scatters"] == [units, units]
+
+
+def test_unit_policies_change_the_unit_count(features):
+    assert features["nested_units"]["units"] == 1 + 3 + 3 * 2  # root, blocks, two Linear units in each mlp
+    assert features["two_blocks_per_unit"]["units"] == 1 + 2  # root, h.0+h.1, h.2
+
+
+def test_bf16_matches_a_reference_that_casts_once_and_halves_all_gather_bytes(features):
+    mp = features["mixed_precision"]
+    for mine, ref in zip(mp["bf16"]["losses"], mp["reference_losses"]):
+        assert abs(mine - ref) / ref < 2e-2
+    assert mp["bf16_weight_error"] < 2e-2 and mp["bf16_model_error"] < 1e-2
+    assert mp["bf16"]["master_dtypes"] == ["torch.float32"]
+    assert mp["bf16"]["gather_bytes"] * 2 == mp["none"]["gather_bytes"]
+    assert mp["bf16"]["int_buffer"] == "torch.int64" and mp["bf16"]["float_buffer"] == "torch.bfloat16"
+
+
+def test_fp16_inf_on_one_rank_skips_the_step_everywhere(features):
+    scaler = features["grad_scaler"]
+    assert scaler["skip_returned"] is False and scaler["unchanged_after_skip"]
+    assert scaler["scale_after"] == 512.0 and scaler["stepped"] is True and scaler["step_count"] == 1
+
+
+def test_deferred_init_equals_eager_and_keeps_ties(features):
+    assert features["deferred_init"] == {"equal": True, "tied": True, "no_meta": True}
+
+
+def test_prefetch_changes_order_not_results(features):
+    runs = features["prefetch"]
+    for label in ("post", "none", "forward"):
+        for name, tensor in runs["pre"]["weights"].items():
+            assert torch.equal(tensor, runs[label]["weights"][name]), (label, name)
+    events = runs["pre"]["events"]
+    # backward prefetch: h.0's all-gather is issued before h.1's gradient computation ends
+    assert events.index(("all_gather", "h.0"), events.index(("pre_backward", "h.1"))) < events.index(("post_backward", "h.1"))
+    none = runs["none"]["events"]
+    assert ("prefetch", "h.0") not in none
+    assert none.index(("all_gather", "h.0"), none.index(("pre_backward", "h.1"))) > none.index(("post_backward", "h.1"))
+    forward = runs["forward"]["events"]
+    # forward prefetch (from the previous iteration's order): h.1 gathered before h.0's forward ends
+    assert forward.index(("all_gather", "h.1")) < forward.index(("post_forward", "h.0"))
