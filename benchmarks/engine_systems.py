@@ -1,0 +1,122 @@
+"""The systems benchmarks/engine.py compares, each built the same way from the same seed:
+fsdpkit's engine, torch's fully_shard (FSDP2), torch's FullyShardedDataParallel (FSDP1)
+and DistributedDataParallel, each with AdamW over nanoGPT's weight-decay groups."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdpkit
+from fsdpkit.models.gpt import Block
+from fsdpkit.models.registry import build_model
+from fsdpkit.train.data import TokenSource, local_rows
+
+SYSTEMS = ("fsdpkit", "fsdp2", "fsdp1", "ddp")
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module.")
+LR, WEIGHT_DECAY, BETAS = 1e-3, 0.1, (0.9, 0.95)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    model: str
+    batch: int  # global batch (rows), split evenly over ranks
+    seq_len: int
+    seed: int = 0
+    mixed_precision: str = "none"  # none | bf16
+    engine_options: dict = field(default_factory=dict)  # extra fsdpkit.shard keyword arguments
+
+
+@dataclass
+class System:
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    autocast: bool = False
+    step: int = 0
+    last_loss: float = float("nan")
+
+
+def supported_engine_options(options: dict) -> tuple[dict, list[str]]:
+    """The fsdpkit.shard keyword arguments this engine accepts, and the names it does not."""
+    accepted = inspect.signature(fsdpkit.shard).parameters
+    return {k: v for k, v in options.items() if k in accepted}, [k for k in options if k not in accepted]
+
+
+def _name_groups(model: nn.Module, plain_decay: set[str]) -> list[dict[str, Any]]:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        for prefix in WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        (decay if name in plain_decay else no_decay).append(param)
+    return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_system(kind: str, settings: RunSettings, device: torch.device, *, label: str | None = None) -> System:
+    torch.manual_seed(settings.seed)
+    model = build_model(settings.model).to(device)
+    decay = {name for name, param in model.named_parameters() if param.dim() >= 2}
+    bf16 = settings.mixed_precision == "bf16"
+    autocast = False
+    if kind == "fsdpkit":
+        options, _ = supported_engine_options(settings.engine_options)
+        model = fsdpkit.shard(model, wrap=(Block,), mixed_precision=settings.mixed_precision, device=device, **options)
+        groups = fsdpkit.param_groups(model, weight_decay=WEIGHT_DECAY)
+    elif kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+        for block in model.h:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        groups = _name_groups(model, decay)
+    elif kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else None
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
+                                         device_id=device, mixed_precision=precision)
+        groups = _name_groups(model, decay)
+    elif kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                        gradient_as_bucket_view=True)
+        groups = _name_groups(model, decay)
+        autocast = bf16
+    else:
+        raise ValueError(f"unknown system {kind!r}: use one of {', '.join(SYSTEMS)}")
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
+    return System(label or kind, model, optimizer, autocast=autocast)
+
+
+def train_steps(system: System, data: TokenSource, settings: RunSettings, device: torch.device, steps: int) -> None:
+    """`steps` optimizer steps on this system's next batches (the same batches for every system)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for _ in range(steps):
+        batch = local_rows(data.global_batch(system.step, settings.batch), rank, world).to(device)
+        cast = torch.autocast(device.type, dtype=torch.bfloat16) if system.autocast else contextlib.nullcontext()
+        with cast:
+            logits = system.model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        system.optimizer.step()
+        system.optimizer.zero_grad(set_to_none=True)
+        system.step += 1
+        system.last_loss = loss.detach()
+
+
+def global_loss(system: System, device: torch.device) -> float:
+    total = torch.as_tensor(system.last_loss, dtype=torch.float64, device=device).reshape(1).clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
