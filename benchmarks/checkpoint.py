@@ -16,7 +16,7 @@ process, timed with a final `sync` included, peak RSS from wait4:
 - torch consolidate_safetensors_files (DCP HF shards -> consolidated safetensors)
 - cp -r + sync of the fsdpkit checkpoint (the disk's limit)
 
-and prints them side by side with ratios to `cp -r` + `sync`. Free disk is checked first;
+and prints them side by side (median of --repeat interleaved runs) with ratios to `cp -r` + `sync`. Free disk is checked first;
 outputs are deleted as soon as measured. Peak RSS is GNU time's %M (needs /usr/bin/time).
 The DCP sources are single-process saves (no process group needed); fsdpkit's has W ranks.
 """
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reshard-to", type=int, default=4, help="ranks of the reshard output")
     parser.add_argument("--chunk-size", default="64M", help="fsdpkit --chunk-size")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each tool, interleaved; the median time is reported")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
 
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                                env=env)
         if setup.returncode:
             return 1
+        subprocess.run(["sync"], check=True)  # the setup's dirty pages must not slow the first tool down
         info = json.loads((work / "setup.json").read_text())
         src = work / "fsdpkit"
         mapping = work / "mapping.json"
@@ -140,14 +142,22 @@ def main(argv: list[str] | None = None) -> int:
             ("torch consolidate_safetensors_files", [python, "-c", CONSOLIDATE, str(hf_src), str(work / "out"), str(mapping)]),
             ("cp -r + sync", ["cp", "-r", str(src), str(work / "out")]),
         ]
+        trials: dict[str, list[dict]] = {name: [] for name, _ in runs}
+        for repeat in range(args.repeat):
+            for name, command in runs:
+                print(f"running {name} ({repeat + 1}/{args.repeat}) ...", file=sys.stderr)
+                trials[name].append(measure(command, env))
+                shutil.rmtree(work / "out", ignore_errors=True)
+                (work / "out.pt").unlink(missing_ok=True)
+                subprocess.run(["sync"], check=True)
+                time.sleep(1.0)  # let the freed blocks' discards settle before the next tool
         results = []
-        for name, command in runs:
-            print(f"running {name} ...", file=sys.stderr)
-            result = measure(command, env)
-            result["name"] = name
-            results.append(result)
-            shutil.rmtree(work / "out", ignore_errors=True)
-            (work / "out.pt").unlink(missing_ok=True)
+        for name, _ in runs:
+            runs_of = trials[name]
+            ordered = sorted(r["seconds"] for r in runs_of)
+            results.append({"name": name, "seconds": ordered[len(ordered) // 2], "all_seconds": [r["seconds"] for r in runs_of],
+                            "peak_rss": max(r["peak_rss"] for r in runs_of), "ok": all(r["ok"] for r in runs_of),
+                            "error": next((r["error"] for r in runs_of if r["error"]), None)})
         baseline = next(r["seconds"] for r in results if r["name"] == "cp -r + sync")
         for r in results:
             r["vs_cp"] = r["seconds"] / baseline
@@ -160,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"# {args.model}{' + Adam state' if args.with_optimizer else ''}: {info['tensors']} tensors, "
                   f"{format_size(info['bytes'])}; source W={args.world_size}; chunk {args.chunk_size}")
-            print(f"{'tool':<40}{'time s':>9}{'GB/s':>8}{'peak RSS':>12}{'x cp+sync':>11}")
+            print(f"{'tool':<40}{'time s':>9}{'GB/s':>8}{'peak RSS':>12}{'x cp+sync':>11}  all runs (s)")
             for r in results:
                 status = "" if r["ok"] else f"  FAILED: {r['error']}"
-                print(f"{r['name']:<40}{r['seconds']:>9.2f}{r['gb_per_s']:>8.2f}{format_size(r['peak_rss']):>12}{r['vs_cp']:>11.2f}{status}")
+                print(f"{r['name']:<40}{r['seconds']:>9.2f}{r['gb_per_s']:>8.2f}{format_size(r['peak_rss']):>12}{r['vs_cp']:>11.2f}  {' '.join(f'{x:.1f}' for x in r['all_seconds'])}{status}")
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
