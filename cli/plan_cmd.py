@@ -28,11 +28,11 @@ def format_plan(plan) -> str:
         f"mixed precision {request.mixed_precision}; {request.optimizer}"
         + ("; cpu offload" if request.cpu_offload else "") + ("; no_sync" if request.no_sync else ""),
         "# per-rank bytes (rank 0 of a shard group holds the most: padding sits at the end)",
-        f"  {'component':<34} {'bytes':>17} {'size':>11}  where",
+        f"  {'component':<42} {'bytes':>17} {'size':>11}  where",
     ]
 
     def row(label: str, value: int, place: str, detail: str = "") -> None:
-        lines.append(f"  {label:<34} {value:>17,} {format_size(value):>11}  {place}{'  ' + detail if detail else ''}")
+        lines.append(f"  {label:<42} {value:>17,} {format_size(value):>11}  {place}{'  ' + detail if detail else ''}")
 
     row("sharded parameters (fp32)", plan.sharded_params, where)
     row("sharded gradients (fp32)", plan.sharded_grads, where)
