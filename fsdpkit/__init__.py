@@ -21,6 +21,7 @@ from .engine.api import (
     reset_peak_memory,
     shard,
 )
+from .engine.checkpoint_io import Checkpointer, load, save
 from .engine.clip import clip_grad_norm_
 from .engine.config import MixedPrecision, ShardingConfig
 from .engine.grad_scaler import ShardedGradScaler
@@ -29,7 +30,10 @@ from .engine.plan import WrapPolicy
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpointer",
     "MixedPrecision",
+    "load",
+    "save",
     "ShardedGradScaler",
     "clip_grad_norm_",
     "ShardingConfig",

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import RunError, UsageError
+from .errors import DataCheckError, RunError, UsageError
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,10 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         return elastic_launch(config, worker_fn)(*args)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()  # the root cause: the others usually fail because it did
-        raise RunError(f"worker rank {rank} failed: {_failure_reason(failure)}") from None
+        reason = _failure_reason(failure)
+        if reason.startswith(DataCheckError.__name__ + ":"):  # a corrupt input found by a worker: exit 3 as anywhere
+            raise DataCheckError(f"worker rank {rank}: {reason.split(':', 1)[1].strip()}") from None
+        raise RunError(f"worker rank {rank} failed: {reason}") from None
 
 
 def _failure_reason(failure: Any) -> str:

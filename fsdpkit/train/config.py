@@ -28,6 +28,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 0
     lr_schedule: str = "constant"
+    lr_decay_steps: int | None = None  # cosine horizon; None: --steps
     eval_every: int = 0
     eval_batches: int = 1
     metrics: str | None = None
@@ -45,6 +46,13 @@ class TrainConfig:
     backward_prefetch: str = "pre"
     forward_prefetch: bool = False
     limit_all_gathers: int = 2
+    save_dir: str | None = None
+    save_every: int = 0
+    keep_last: int | None = None
+    async_save: bool = False
+    resume: str | None = None
+    strict: bool = True
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -71,6 +79,16 @@ class TrainConfig:
             raise UsageError(f"unknown --strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"unknown --device {self.device!r}: use auto, cpu or cuda")
+        if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
+            raise UsageError(f"--lr-decay-steps must be >= 1, got {self.lr_decay_steps}")
+        if self.save_every < 0:
+            raise UsageError(f"--save-every must be >= 0, got {self.save_every}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise UsageError(f"--keep-last must be >= 1, got {self.keep_last}")
+        if (self.save_every or self.keep_last or self.async_save) and not self.save_dir:
+            raise UsageError("--save-every, --keep-last and --async-save need --save-dir")
+        if self.resume and self.init_from:
+            raise UsageError("--resume and --init-from exclude each other: resume continues a run, init-from starts one from weights")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise UsageError(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
         if self.no_sync and self.grad_accum == 1:
@@ -99,6 +117,10 @@ class TrainConfig:
                 f"--global-batch-size {self.global_batch_size} is not divisible by world size {world_size}"
                 f" x --grad-accum {self.grad_accum} = {world_size * self.grad_accum}"
             )
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.lr_decay_steps or self.steps
 
     def micro_batch_size(self, world_size: int) -> int:
         return self.global_batch_size // (world_size * self.grad_accum)

@@ -13,6 +13,7 @@ from ..errors import UsageError
 from ..launch import LaunchOptions, launch
 from .config import TrainConfig
 from .data import read_byte_tokens
+from .checkpointing import check_before_launch
 from .loop import train_worker
 from .model_setup import inspect_model
 
@@ -27,6 +28,12 @@ def validate(config: TrainConfig, world_size: int) -> None:
         read_byte_tokens(config.data, seq_len=config.seq_len, vocab_size=info.vocab_size)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")
+    if config.resume:
+        check_before_launch(config, config.resume, with_optimizer=True)
+    if config.init_from:
+        check_before_launch(config, config.init_from, with_optimizer=False)
+    if config.save_dir and os.path.exists(config.save_dir) and not os.path.isdir(config.save_dir):
+        raise UsageError(f"--save-dir {config.save_dir!r} exists and is not a directory")
     if config.metrics:
         directory = os.path.dirname(os.path.abspath(config.metrics))
         if not os.path.isdir(directory):

@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ import fsdpkit
 from .config import TrainConfig
 from .data import TokenSource, local_rows
 from .model_setup import build_for_training, inspect_model, wrap_policy
+from .checkpointing import apply_training_state, init_weights_from, training_state
 from .schedule import lr_at
 
 
@@ -76,6 +78,17 @@ class Trainer:
         self.step = 0  # training steps run (batches consumed)
         self.optimizer_steps = 0  # steps the optimizer took (fp16 skips do not count)
         self.last_grad_norm: float | None = None
+        self.checkpointer = fsdpkit.Checkpointer(self.model, self.optimizer, async_save=config.async_save) if config.save_dir else None
+        if config.resume:
+            state = fsdpkit.Checkpointer(self.model, self.optimizer).load(config.resume, strict=config.strict)
+            if state.get("world_size") not in (None, self.world_size) and self.rank == 0:
+                warnings.warn(f"resuming a run saved at world size {state.get('world_size')} at world size {self.world_size}")
+            apply_training_state(self, state)
+        elif config.init_from:
+            init_weights_from(self.model, config.init_from)
+
+    def save(self) -> None:
+        self.checkpointer.save(self.config.save_dir, step=self.step, training_state=training_state(self), keep_last=self.config.keep_last)
 
     def _loss_on(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.to(self.device)
@@ -90,7 +103,7 @@ class Trainer:
     def train_step(self) -> float:
         config = self.config
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.optimizer_steps, base_lr=config.lr, warmup_steps=config.warmup_steps, total_steps=config.steps, schedule=config.lr_schedule)
+            group["lr"] = lr_at(self.optimizer_steps, base_lr=config.lr, warmup_steps=config.warmup_steps, total_steps=config.schedule_steps, schedule=config.lr_schedule)
         batch = self.data.global_batch(self.step, config.global_batch_size)
         micro_rows = config.global_batch_size // config.grad_accum
         local_loss = 0.0
@@ -151,6 +164,12 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
                 metrics.flush()
             progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
             progress.update(1)
+            if trainer.checkpointer and config.save_every and trainer.step % config.save_every == 0:
+                trainer.save()
+        if trainer.checkpointer:
+            if not (config.save_every and trainer.step % config.save_every == 0 and losses):
+                trainer.save()
+            trainer.checkpointer.wait()
     finally:
         progress.close()
         if metrics:
@@ -177,5 +196,5 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         "tokens_per_second": tokens_per_step * len(losses) / elapsed if elapsed > 0 else None,
         "elapsed_seconds": elapsed,
         "peak_memory_bytes": int(peak.item()),
-        "checkpoint": None,
+        "checkpoint": trainer.checkpointer.last_saved if trainer.checkpointer else None,
     }
