@@ -34,7 +34,7 @@ OPTIMIZERS = ("adamw", "sgd")
 BACKWARD_PREFETCH = ("pre", "post", "none")
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
 # The engine waits for its gradient reductions at the end of backward (None: hold them all).
-ENGINE_PENDING_REDUCTIONS: int | None = None
+ENGINE_PENDING_REDUCTIONS: int | None = 1
 
 
 @dataclass(frozen=True)

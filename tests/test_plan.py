@@ -35,12 +35,14 @@ def _bytes(model: str, world_size: int, **options) -> dict:
 
 
 def test_edge_case_model_by_hand_at_world_sizes_1_2_4():
-    # W=1: nothing to gather (the full parameter is the shard); every gradient is held to the end of backward.
+    # W=1: nothing to gather (the full parameter is the shard). A unit's full gradient lives
+    # until the next unit's arrives (its reduction completes then): backward order layers.2,
+    # layers.1, layers.0, root -> the peak pair is layers.0 (57) + root (62).
     one = _bytes(EDGE, 1)
     assert one["sharded_params"] == one["sharded_grads"] == 145 * 4
     assert one["optimizer_state"] == 2 * 145 * 4 + 4 * EDGE_TENSORS
-    assert one["largest_unit_unsharded"] == 0 and one["peak_unsharded"] == 145 * 4
-    assert one["total"] == 5 * 145 * 4 + 4 * EDGE_TENSORS  # params, grads, 2 states, all gradients
+    assert one["largest_unit_unsharded"] == 0 and one["peak_unsharded"] == (57 + 62) * 4
+    assert one["total"] == 2 * 145 * 4 + one["optimizer_state"] + (57 + 62) * 4
 
     # W=2: padded 62, 58, 26, 2 -> chunks 31, 29, 13, 1; rank 0 holds 74 real elements, rank 1 holds 71.
     two = _bytes(EDGE, 2)
@@ -48,16 +50,17 @@ def test_edge_case_model_by_hand_at_world_sizes_1_2_4():
     assert two["optimizer_state"] == 2 * 74 * 4 + 4 * EDGE_TENSORS
     rank1 = plan_memory(PlanRequest(model=EDGE, world_size=2), shard_rank=1)
     assert rank1.optimizer_state == 2 * (31 + 28 + 12 + 0) * 4 + 4 * EDGE_TENSORS
-    # Peak at the end of backward: the root's parameters plus every unit's full gradient.
+    # Peak in layers.0's backward: parameters of the root (kept) and layers.0 (prefetched),
+    # gradients of layers.1 (still reducing) and layers.0.
     assert two["largest_unit_unsharded"] == 62 * 4
-    assert two["peak_unsharded"] == 62 * 4 + (62 + 58 + 26 + 2) * 4
+    assert two["peak_unsharded"] == (62 + 58) * 4 + (26 + 58) * 4
     assert two["total"] == 2 * 74 * 4 + two["optimizer_state"] + two["peak_unsharded"]
 
     # W=4: padded 64, 60, 28, 4 -> chunks 16, 15, 7, 1 (rank 0: all real).
     four = _bytes(EDGE, 4)
     assert four["sharded_params"] == (16 + 15 + 7 + 1) * 4
     assert four["optimizer_state"] == 2 * 39 * 4 + 4 * EDGE_TENSORS
-    assert four["peak_unsharded"] == 64 * 4 + (64 + 60 + 28 + 4) * 4
+    assert four["peak_unsharded"] == (64 + 60) * 4 + (28 + 60) * 4
     assert four["total"] == 2 * 39 * 4 + four["optimizer_state"] + four["peak_unsharded"]
 
 
@@ -70,7 +73,7 @@ def test_gpt_tiny_by_hand_at_world_sizes_1_2_4():
         assert got["sharded_params"] == got["sharded_grads"] == shard * 4, world
         assert got["optimizer_state"] == 2 * shard * 4 + 4 * GPT_TENSORS, world
         if world == 1:
-            assert got["peak_unsharded"] == total * 4  # all gradients, no gathered parameters
+            assert got["peak_unsharded"] == 2 * GPT_BLOCK * 4  # h.1's gradient still reducing as h.0's arrives
         else:
             # backward of h.1 with h.0 prefetched: root + h.1 + h.0 parameters and h.1's gradient
             assert got["peak_unsharded"] == (GPT_ROOT + 3 * GPT_BLOCK) * 4, world
@@ -94,8 +97,8 @@ def test_strategies_precision_offload_and_no_sync():
     # bf16: parameters and gradients in flight halve; fp16 reduces in fp32 (a 4-byte copy too)
     bf16 = _bytes("gpt-tiny", 2, mixed_precision="bf16")
     assert bf16["peak_unsharded"] == full4["peak_unsharded"] // 2 and bf16["sharded_params"] == full4["sharded_params"] * 2
-    # fp16 at the end of backward: root parameters (2 bytes) and every gradient in fp16 + fp32 (6 bytes)
-    assert _bytes("gpt-tiny", 2, mixed_precision="fp16")["peak_unsharded"] == GPT_ROOT * 2 + (GPT_ROOT + 2 * GPT_BLOCK) * 6
+    # fp16 in h.0's backward: root and h.0 parameters (2 bytes), h.1's and h.0's gradients in fp16 + fp32 (6 bytes)
+    assert _bytes("gpt-tiny", 2, mixed_precision="fp16")["peak_unsharded"] == (GPT_ROOT + GPT_BLOCK) * 2 + 2 * GPT_BLOCK * 6
     # sgd keeps no state; cpu offload moves the sharded state to the host
     assert _bytes("gpt-tiny", 2, optimizer="sgd")["optimizer_state"] == 0
     offload = _bytes("gpt-tiny", 2, cpu_offload=True)

@@ -31,7 +31,7 @@ NAME_ATTR = "_fsdpkit_name"
 class PendingReduction:
     unit: "FlatUnit"
     output: torch.Tensor
-    source: torch.Tensor  # kept alive until the asynchronous collective completes
+    source: torch.Tensor | None  # the full gradient, kept alive until the collective completes
     work: Any
 
 
@@ -196,15 +196,22 @@ class FlatUnit:
         self.reduced_this_backward = True
         return PendingReduction(self, output, full_grad, work)
 
-    def finish_reduction(self, pending: PendingReduction, used: torch.Tensor) -> None:
-        """Wait, all-reduce across replicas (hybrid), average, and accumulate into the
-        sharded gradient of every parameter that some rank gave a gradient."""
+    def complete_reduction(self, pending: PendingReduction) -> None:
+        """Wait for the reduction, all-reduce across replicas (hybrid) and average; the full
+        gradient it read from is released (pending.source = None)."""
         if pending.work is not None:
             pending.work.wait()
+            pending.work = None
         reduced = pending.output
         if self.mesh.shard_factor > 1 and self.mesh.replicate_group is not None:
             self.comms.all_reduce(reduced, self.mesh.replicate_group, label=self.name)
-        reduced = reduced.to(device=self.host, dtype=self.master_dtype).div_(self.mesh.world_size)
+        pending.output = reduced.to(device=self.host, dtype=self.master_dtype).div_(self.mesh.world_size)
+        pending.source = None
+
+    def accumulate(self, pending: PendingReduction, used: torch.Tensor) -> None:
+        """Add a completed reduction into the sharded gradient of every parameter that some
+        rank gave a gradient (the others keep grad None, as an unused parameter should)."""
+        reduced = pending.output
         if self.grad_shard is None:
             self.grad_shard = torch.zeros_like(self.flat_shard)
             self.memory.add("sharded_grads", tensor_bytes(self.grad_shard))

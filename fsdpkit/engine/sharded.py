@@ -188,9 +188,19 @@ class ShardedState:
         unit.views_shown = False
 
     def _issue_reduction(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+        # Complete the earlier reductions first (they ran while this unit's backward computed),
+        # so at most one full gradient waits on the network at a time, as in torch FSDP.
+        self._complete_pending()
         pending = unit.issue_reduction(grad)
         self.memory.add("unsharded_grads", tensor_bytes(pending.source))
         self.pending.append(pending)
+
+    def _complete_pending(self) -> None:
+        for pending in self.pending:
+            if pending.source is not None:
+                source_bytes = tensor_bytes(pending.source)
+                pending.unit.complete_reduction(pending)
+                self.memory.add("unsharded_grads", -source_bytes)
 
     def _end_of_backward(self) -> None:
         if self.sync_gradients:
@@ -211,9 +221,9 @@ class ShardedState:
             for unit in self.units:
                 used_of[id(unit)] = used[start:start + len(unit.params)]
                 start += len(unit.params)
+            self._complete_pending()
             for pending in self.pending:
-                pending.unit.finish_reduction(pending, used_of[id(pending.unit)])
-                self.memory.add("unsharded_grads", -tensor_bytes(pending.source))
+                pending.unit.accumulate(pending, used_of[id(pending.unit)])
             self.pending.clear()
         for unit in self.units:
             self._reshard(unit)
