@@ -78,7 +78,7 @@ def test_text_data_and_user_model_from_current_directory(tmp_path, monkeypatch):
     (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     monkeypatch.chdir(tmp_path)
     result = invoke("train", "--model", "usermodel:factory", "--wrap", "usermodel:Layer", "--data", "corpus.txt",
-                    "--steps", "3", "--seq-len", "16", "--json")
+                    "--steps", "3", "--seq-len", "16", "--wrap-every", "2", "--wrap-min-params", "1000", "--json")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["steps"] == 3 and summary["world_size"] == 2

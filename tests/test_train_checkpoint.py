@@ -146,3 +146,16 @@ def test_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
     resumed = train("--model", "gpt-small", "--resume", str(run_dir), "--steps", "300", "--nproc-per-node", "1",
                     "--global-batch-size", "2")
     assert resumed["steps"] == 300 or resumed["steps"] >= 1
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_offline_reshard_then_resume_matches_resuming_the_original(runs, tmp_path, world):
+    root, _, _ = runs
+    resharded = tmp_path / f"w{world}"
+    result = runner.invoke(app, ["reshard", str(root / "half"), str(resharded), "--world-size", str(world)])
+    assert result.exit_code == 0, result.output
+    with CheckpointReader(resharded) as reader:
+        assert reader.manifest.world_size == world
+    from_original = train("--steps", "8", "--resume", str(root / "half"), "--nproc-per-node", str(world))
+    from_resharded = train("--steps", "8", "--resume", str(resharded), "--nproc-per-node", str(world))
+    assert from_resharded["losses"] == from_original["losses"]

@@ -204,7 +204,10 @@ def reset_peak_memory(module: nn.Module) -> None:
     get_state(module).memory.reset_peaks()
 
 
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict (model's own names, original shapes) on every rank; for small models."""
+def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The full state dict (model's own names, original shapes, on CPU); with rank0_only,
+    other ranks get {}. Every rank must call it. For models that fit in one host's memory."""
     with full_params(module, writeback=False):
-        return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+        if rank0_only and get_state(module).mesh.rank != 0:
+            return {}
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}

@@ -10,6 +10,7 @@ original shape.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ class FlatUnit:
         reshard_after_forward: bool,
         device: torch.device,
         offload: bool = False,
+        gather_stream: "torch.cuda.Stream | None" = None,
     ) -> None:
         self.name = plan.name
         self.plan = plan
@@ -70,6 +72,7 @@ class FlatUnit:
         self.device = device
         self.offload = offload
         self.host = torch.device("cpu") if offload else device
+        self.gather_stream = gather_stream
 
         self.flat_shard = torch.zeros(self.layout.chunk_numel, dtype=self.master_dtype, device=self.host)
         with torch.no_grad():
@@ -133,14 +136,20 @@ class FlatUnit:
         if full.untyped_storage().size() == 0:
             full.untyped_storage().resize_(self.layout.padded_numel * full.element_size())
             self.memory.add("unsharded_params", tensor_bytes(full))
-        source = self.flat_shard.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
-        # `.data`: fills the buffer without bumping the version counter autograd checks on saved views.
-        if self.mesh.shard_factor > 1:
-            self.gather_work = self.comms.all_gather(full.data, source, self.mesh.shard_group, async_op=async_op, label=self.name)
-            if not async_op:
-                self.gather_work = None
-        else:
-            full.data.copy_(source)
+        # On CUDA a prefetch runs on its own stream (the paper's section 3.3: issued from the
+        # compute stream, NCCL would wait for compute queued before it); wait() joins it back.
+        on_side_stream = async_op and self.gather_stream is not None and self.mesh.shard_factor > 1
+        with torch.cuda.stream(self.gather_stream) if on_side_stream else contextlib.nullcontext():
+            if on_side_stream:
+                self.gather_stream.wait_stream(torch.cuda.default_stream(self.device))
+            source = self.flat_shard.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
+            # `.data`: fills the buffer without bumping the version counter autograd checks on saved views.
+            if self.mesh.shard_factor > 1:
+                self.gather_work = self.comms.all_gather(full.data, source, self.mesh.shard_group, async_op=async_op, label=self.name)
+                if not async_op:
+                    self.gather_work = None
+            else:
+                full.data.copy_(source)
         return self.gather_work
 
     def wait_unshard(self) -> None:

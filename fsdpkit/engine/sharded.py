@@ -48,6 +48,7 @@ class ShardedState:
         if record_events:
             comms.stats.events = self.events
         modules = dict(module.named_modules(remove_duplicate=False))
+        gather_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.units: list[FlatUnit] = []
         for plan in plans:
             if materialize is not None:
@@ -55,6 +56,7 @@ class ShardedState:
             self.units.append(FlatUnit(
                 plan, modules, mesh, comms, config.mixed_precision, self.memory,
                 reshard_after_forward=config.reshard_after_forward, device=device, offload=config.cpu_offload,
+                gather_stream=gather_stream,
             ))
         self.pending = []
         self.inflight_gathers: collections.deque[FlatUnit] = collections.deque()
