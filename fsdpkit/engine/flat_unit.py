@@ -139,9 +139,10 @@ class FlatUnit:
         # On CUDA a prefetch runs on its own stream (the paper's section 3.3: issued from the
         # compute stream, NCCL would wait for compute queued before it); wait() joins it back.
         on_side_stream = async_op and self.gather_stream is not None and self.mesh.shard_factor > 1
+        compute_stream = torch.cuda.current_stream(self.device) if on_side_stream else None
         with torch.cuda.stream(self.gather_stream) if on_side_stream else contextlib.nullcontext():
             if on_side_stream:
-                self.gather_stream.wait_stream(torch.cuda.default_stream(self.device))
+                self.gather_stream.wait_stream(compute_stream)  # the optimizer may have just updated the shard
             source = self.flat_shard.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
             # `.data`: fills the buffer without bumping the version counter autograd checks on saved views.
             if self.mesh.shard_factor > 1:
