@@ -36,7 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fsdpkit.sizes import format_size, parse_size  # noqa: E402  (torch-free imports only here)
+from fsdpkit.checkpoint.streamcopy import DEFAULT_CHUNK_SIZE  # noqa: E402  (torch-free imports only here)
+from fsdpkit.sizes import format_size, parse_size  # noqa: E402
 
 SETUP = r"""
 import json, sys, torch
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-optimizer", action="store_true", help="add Adam moments (3x the bytes)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks of the source checkpoint")
     parser.add_argument("--reshard-to", type=int, default=4, help="ranks of the reshard output")
-    parser.add_argument("--chunk-size", default="64M", help="fsdpkit --chunk-size")
+    parser.add_argument("--chunk-size", default=None, help="fsdpkit --chunk-size (default: fsdpkit's own default)")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each tool, interleaved; the median time is reported")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
@@ -135,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         hf_src = work / "dcp_hf" / "sharded" if (work / "dcp_hf" / "sharded").is_dir() else work / "dcp_hf"
         header_names = _hf_tensor_names(hf_src)
         mapping.write_text(json.dumps({n: 1 for n in header_names}))
+        chunk = ["--chunk-size", args.chunk_size] if args.chunk_size else []
         runs = [
-            ("fsdpkit convert --to full", fsdpkit_cli + ["convert", str(src), str(work / "out"), "--to", "full", "--chunk-size", args.chunk_size]),
-            (f"fsdpkit reshard {args.world_size}->{args.reshard_to}", fsdpkit_cli + ["reshard", str(src), str(work / "out"), "--world-size", str(args.reshard_to), "--chunk-size", args.chunk_size]),
+            ("fsdpkit convert --to full", fsdpkit_cli + ["convert", str(src), str(work / "out"), "--to", "full", *chunk]),
+            (f"fsdpkit reshard {args.world_size}->{args.reshard_to}", fsdpkit_cli + ["reshard", str(src), str(work / "out"), "--world-size", str(args.reshard_to), *chunk]),
             ("torch dcp_to_torch_save", [python, "-c", DCP_TO_TORCH, str(work / "dcp"), str(work / "out.pt")]),
             ("torch consolidate_safetensors_files", [python, "-c", CONSOLIDATE, str(hf_src), str(work / "out"), str(mapping)]),
             ("cp -r + sync", ["cp", "-r", str(src), str(work / "out")]),
@@ -164,12 +166,12 @@ def main(argv: list[str] | None = None) -> int:
             r["gb_per_s"] = info["bytes"] / r["seconds"] / 1e9
         document = {"model": args.model, "with_optimizer": args.with_optimizer, "bytes": info["bytes"],
                     "tensors": info["tensors"], "world_size": args.world_size, "reshard_to": args.reshard_to,
-                    "chunk_size": parse_size(args.chunk_size), "results": results}
+                    "chunk_size": parse_size(args.chunk_size or str(DEFAULT_CHUNK_SIZE)), "results": results}
         if args.json:
             print(json.dumps(document))
         else:
             print(f"# {args.model}{' + Adam state' if args.with_optimizer else ''}: {info['tensors']} tensors, "
-                  f"{format_size(info['bytes'])}; source W={args.world_size}; chunk {args.chunk_size}")
+                  f"{format_size(info['bytes'])}; source W={args.world_size}; chunk {args.chunk_size or format_size(DEFAULT_CHUNK_SIZE)}")
             print(f"{'tool':<40}{'time s':>9}{'GB/s':>8}{'peak RSS':>12}{'x cp+sync':>11}  all runs (s)")
             for r in results:
                 status = "" if r["ok"] else f"  FAILED: {r['error']}"

@@ -21,7 +21,8 @@ from fsdpkit.sizes import format_size, parse_size
 from .app import app
 from .common import handle_errors, print_json
 
-CHUNK_HELP = "Bytes copied at a time; bounds memory (K/M/G = powers of 1024, KB/MB/GB = powers of 1000)."
+CHUNK_HELP = ("Bytes read, checked and written at a time; bounds memory. The default (512K) stays in the CPU cache, "
+              "which is fastest on local disks (K/M/G = powers of 1024, KB/MB/GB = powers of 1000).")
 
 
 @contextlib.contextmanager
@@ -89,7 +90,7 @@ def convert(
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="Split full output into files of at most this size, e.g. 5GB (with model.safetensors.index.json)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating tensors: bf16, fp16 or fp32 (ints and bools are kept)."),
     with_optimizer: bool = typer.Option(False, "--with-optimizer", help="Also convert the optimizer state (optimizer*.safetensors)."),
-    chunk_size: str = typer.Option("64M", "--chunk-size", help=CHUNK_HELP),
+    chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
@@ -124,7 +125,7 @@ def reshard(
     src: Path = typer.Argument(..., help="Sharded checkpoint (run or step directory)."),
     dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
     world_size: Optional[int] = typer.Option(None, "--world-size", help="Number of ranks of the new layout."),
-    chunk_size: str = typer.Option("64M", "--chunk-size", help=CHUNK_HELP),
+    chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import random
 import struct
+import zlib
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fsdpkit.checkpoint.cast import cast_into
+from fsdpkit.checkpoint.crc import CrcShifter
 from fsdpkit.checkpoint.format import split_optim_tensor_name
 from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.paths import resolve_checkpoint
@@ -162,3 +165,12 @@ def test_manifest_json_round_trip(tmp_path):
         FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in unit], 4).padding for unit in SAMPLE_UNITS]
     assert manifest.training_state == {"step": 3, "samples": 96, "config": {"lr": 0.1}}
     assert resolve_checkpoint(tmp_path / "run") == step_dir
+
+
+def test_crc_combine_and_split_match_zlib():
+    shifter, rng = CrcShifter(), random.Random(0)
+    for _ in range(200):
+        a = rng.randbytes(rng.randrange(0, 3000))
+        b = rng.randbytes(rng.choice([0, 1, 7, 4096, rng.randrange(0, 3000)]))
+        assert shifter.combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        assert zlib.crc32(b, zlib.crc32(a)) ^ shifter.shift(zlib.crc32(a), len(b)) == zlib.crc32(b)  # a block's own crc

@@ -18,25 +18,37 @@ _NUMPY = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 
 
 def _to_f32(src: np.ndarray, dtype: str) -> np.ndarray:
+    """F32 values of `src` (raw bytes): a view when already F32, else a new array."""
     if dtype == "BF16":
         return (src.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F32":
+        return src.view(np.float32)
     return src.view(_NUMPY[dtype]).astype(np.float32)
 
 
-def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
+def _f32_to_bf16_into(values: np.ndarray, out: np.ndarray) -> None:
+    """Round F32 `values` to nearest even BF16 bits in `out` (uint16), NaN -> 0x7FC0; one temporary."""
     bits = values.view(np.uint32)
-    rounded = ((bits + (((bits >> 16) & 1) + np.uint32(0x7FFF))) >> 16).astype(np.uint16)
-    rounded[np.isnan(values)] = 0x7FC0
-    return rounded
+    rounded = bits >> 16
+    rounded &= 1
+    rounded += np.uint32(0x7FFF)
+    rounded += bits  # wraps only for negative NaNs, fixed below
+    rounded >>= 16
+    np.copyto(out, rounded, casting="unsafe")
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = 0x7FC0
 
 
-def _cast_block(src: np.ndarray, src_dtype: str, dst_dtype: str) -> np.ndarray:
-    if src_dtype == "BF16" or dst_dtype == "BF16":
+def _cast_block(src: np.ndarray, src_dtype: str, dst_dtype: str, out: np.ndarray) -> None:
+    """Cast raw bytes `src` into raw bytes `out` (both uint8 arrays of matching element counts)."""
+    if dst_dtype == "BF16":
         values = src.view(np.float64).astype(np.float32) if src_dtype == "F64" else _to_f32(src, src_dtype)
-        if dst_dtype == "BF16":
-            return _f32_to_bf16(values)
-        return values.astype(_NUMPY[dst_dtype])
-    return src.view(_NUMPY[src_dtype]).astype(_NUMPY[dst_dtype])
+        _f32_to_bf16_into(values, out.view(np.uint16))
+    elif src_dtype == "BF16":
+        np.copyto(out.view(_NUMPY[dst_dtype]), _to_f32(src, src_dtype), casting="unsafe")
+    else:
+        np.copyto(out.view(_NUMPY[dst_dtype]), src.view(_NUMPY[src_dtype]), casting="unsafe")
 
 
 def cast_into(src: memoryview, src_dtype: str, dst_dtype: str, out: bytearray | memoryview) -> memoryview:
@@ -55,5 +67,5 @@ def cast_into(src: memoryview, src_dtype: str, dst_dtype: str, out: bytearray | 
         for first in range(0, count, BLOCK):
             last = min(first + BLOCK, count)
             block = src_array[first * src_size: last * src_size]
-            out_array[first * dst_size: last * dst_size] = _cast_block(block, src_dtype, dst_dtype).view(np.uint8)
+            _cast_block(block, src_dtype, dst_dtype, out_array[first * dst_size: last * dst_size])
     return out_view

@@ -26,11 +26,9 @@ from .plan import Plan
 from .safetensors_io import StreamingWriter
 from .sharded import open_sharded
 from .sharded_out import write_sharded
-from .streamcopy import ByteCopier, SourceTensor
+from .streamcopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
-
-DEFAULT_CHUNK_SIZE = 64 * 1024 * 1024
 
 
 def _progress_callback(progress: Progress | None, total: int):
@@ -75,7 +73,7 @@ def convert_to_full(src: str | Path, dst: str | Path, *, max_shard_size: int | N
 
 
 def _write_full_file(path: Path, group, by_name: dict[str, SourceTensor], copier: ByteCopier, metadata: dict) -> None:
-    with StreamingWriter(path, group, metadata=metadata) as writer:
+    with StreamingWriter(path, group, metadata=metadata, write_behind=True) as writer:
         for name, info in writer.order:
             source = by_name[name]
             copier.copy(source, ElementRange(0, source.numel), info.dtype, writer.write)

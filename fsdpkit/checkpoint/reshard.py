@@ -12,12 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UsageError
-from .convert import DEFAULT_CHUNK_SIZE, Progress, _progress_callback
+from .convert import Progress, _progress_callback
 from .manifest import resharded_training_state
 from .output import staged_output
 from .sharded import open_sharded
 from .sharded_out import write_sharded
-from .streamcopy import ByteCopier
+from .streamcopy import DEFAULT_CHUNK_SIZE, ByteCopier
 
 
 def reshard(src: str | Path, dst: str | Path, *, world_size: int, chunk_size: int = DEFAULT_CHUNK_SIZE,

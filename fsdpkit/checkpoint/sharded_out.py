@@ -4,12 +4,12 @@ Used by `convert --to sharded` (sources: a full checkpoint) and `reshard` (sourc
 sharded checkpoint). For each rank of the new world size, the ranges `plan.rank_contents`
 assigns are copied through one `ByteCopier` (bounded memory, source checksums verified on
 the way) into `rank-0000r-of-0000M.safetensors`, each fragment's crc32 computed from the
-bytes written; then `manifest.json`. Every rank gets a file, possibly with no tensors.
+bytes written (`ByteCopier.copy(..., checksum=True)`); then `manifest.json`. Every rank
+gets a file, possibly with no tensors.
 """
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 from .format import output_dtype, rank_file_name
@@ -29,12 +29,11 @@ def write_sharded(directory: Path, *, sources: list[SourceTensor], plan: Plan, w
         file_name = rank_file_name(rank, world_size)
         ranges = dict(contents[rank])
         entries = [(name, output_dtype(by_name[name].dtype, cast_to), (rng.size,)) for name, rng in contents[rank]]
-        with StreamingWriter(directory / file_name, entries, metadata={"format": "pt"}) as writer:
+        with StreamingWriter(directory / file_name, entries, metadata={"format": "pt"}, write_behind=True) as writer:
             for name, info in writer.order:
-                crc = _CrcSink(writer.write)
-                copier.copy(by_name[name], ranges[name], info.dtype, crc)
+                crc = copier.copy(by_name[name], ranges[name], info.dtype, writer.write, checksum=True)
                 rng = ranges[name]
-                fragments[name].append(FragmentEntry(file_name, name, rng.start, rng.end, crc.value))
+                fragments[name].append(FragmentEntry(file_name, name, rng.start, rng.end, crc))
         files.append(FileEntry(file_name, writer.size))
     tensors = tuple(TensorEntry(s.name, s.shape, output_dtype(s.dtype, cast_to),
                                 tuple(sorted(fragments[s.name], key=lambda f: f.start))) for s in sources)
@@ -46,14 +45,3 @@ def write_sharded(directory: Path, *, sources: list[SourceTensor], plan: Plan, w
     save_manifest(directory, manifest)
     return manifest
 
-
-class _CrcSink:
-    """Passes bytes on to `write` and keeps their running crc32."""
-
-    def __init__(self, write) -> None:
-        self._write = write
-        self.value = 0
-
-    def __call__(self, view: memoryview) -> None:
-        self.value = zlib.crc32(view, self.value)
-        self._write(view)
