@@ -223,13 +223,35 @@ def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monke
     calls = {"n": 0}
     original = streamcopy.ByteCopier._read
 
-    def failing(self, piece, offset, view):
+    def failing(self, *args):
         calls["n"] += 1
         if calls["n"] == 10:
             raise KeyboardInterrupt
-        return original(self, piece, offset, view)
+        return original(self, *args)
 
     monkeypatch.setattr(streamcopy.ByteCopier, "_read", failing)
     result = run_cli("convert", ckpt, tmp_path / "out", "--to", "full")
     assert result.exit_code == 130
+    _no_leftovers(tmp_path, ["src"])
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, DataCheckError])
+def test_error_in_the_reading_thread_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch, error):
+    """With 64-byte chunks every tensor takes several blocks, read ahead in a second thread:
+    an error there reaches the caller and the staged output is removed."""
+    from fsdpkit.checkpoint import streamcopy
+    from fsdpkit.checkpoint.convert import convert_to_full
+
+    calls = {"n": 0}
+    original = streamcopy.ByteCopier._read
+
+    def failing(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 25:
+            raise error("injected")
+        return original(self, *args)
+
+    monkeypatch.setattr(streamcopy.ByteCopier, "_read", failing)
+    with pytest.raises(error):
+        convert_to_full(ckpt, tmp_path / "out", chunk_size=64)
     _no_leftovers(tmp_path, ["src"])
