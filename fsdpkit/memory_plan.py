@@ -109,8 +109,8 @@ class MemoryPlan:
 
     @property
     def device_total(self) -> int:
-        on_device = self.no_sync_grads + self.peak.bytes
-        return on_device if self.request.cpu_offload else on_device + self.persistent
+        on_device = self.no_sync_grads + self.peak.bytes  # the peak includes the sharded gradients
+        return on_device if self.request.cpu_offload else on_device + self.sharded_params + self.optimizer_state
 
     @property
     def host_total(self) -> int:
@@ -176,7 +176,11 @@ def footprint(unit: UnitSizes, request: PlanRequest, shard_factor: int) -> UnitF
     aliases = shard_factor == 1 and compute == unit.master_bytes and not request.cpu_offload
     param_bytes = 0 if aliases else unit.padded_numel * compute
     grad_bytes = unit.padded_numel * compute + (unit.padded_numel * reduce if reduce != compute else 0) if unit.trainable else 0
-    return UnitFootprint(unit.name, param_bytes, grad_bytes, unit.trainable)
+    on_device = unit.trainable and not request.cpu_offload
+    return UnitFootprint(unit.name, param_bytes, grad_bytes, unit.trainable,
+                         reduced_bytes=unit.chunk_numel * unit.master_bytes if on_device else 0,
+                         issued_bytes=unit.chunk_numel * reduce if on_device else 0,
+                         reduced_on_completion=shard_factor == 1)
 
 
 def plan_from_sizes(units: list[UnitSizes], request: PlanRequest, *, num_params: int) -> MemoryPlan:

@@ -33,6 +33,9 @@ class UnitFootprint:
     param_bytes: int  # the full padded flat parameter (0 when it aliases the shard)
     grad_bytes: int  # the full padded gradient (+ a reduce-dtype copy), until reduced
     trainable: bool = True
+    reduced_bytes: int = 0  # the sharded gradient the reduction leaves (master dtype, device)
+    issued_bytes: int = 0  # the reduction's output buffer from its issue (reduce dtype) until it completes
+    reduced_on_completion: bool = False  # F = 1: the reduction works in place on the full gradient
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,11 @@ class _Tracker:
         self.units = {unit.name: unit for unit in units}
         self.params: dict[str, int] = {}
         self.grads: dict[str, int] = {}
+        self.reduced: dict[str, int] = {}
         self.peak = Peak(0, (), (), "forward")
 
     def total(self) -> int:
-        return sum(self.params.values()) + sum(self.grads.values())
+        return sum(self.params.values()) + sum(self.grads.values()) + sum(self.reduced.values())
 
     def observe(self, phase: str) -> None:
         if self.total() > self.peak.bytes:
@@ -75,9 +79,15 @@ class _Tracker:
     def reshard(self, name: str) -> None:
         self.params.pop(name, None)
 
+    def complete(self, name: str) -> None:
+        self.grads.pop(name, None)
+        self.reduced[name] = self.units[name].reduced_bytes
+
 
 def peak_unsharded(units: list[UnitFootprint], schedule: Schedule) -> Peak:
-    """The largest sum of unsharded parameters and gradients held at any point of a step.
+    """The largest sum of unsharded parameters and gradients held at any point of a step,
+    with the sharded gradients produced so far (the engine frees them when the optimizer
+    clears .grad, and rebuilds them during backward).
 
     `units[0]` is the root; the rest are in forward order.
     """
@@ -108,12 +118,18 @@ def peak_unsharded(units: list[UnitFootprint], schedule: Schedule) -> Peak:
             prefetch([n for n in backward_order[index + 1:] if n != root])
         tracker.observe("backward")
         if tracker.units[name].trainable:
+            # the engine's order: the gradient arrives, earlier reductions complete, this one starts
             tracker.grads[name] = tracker.units[name].grad_bytes
-            pending.append(name)
             tracker.observe("backward")
-            if schedule.pending_reductions is not None and len(pending) > schedule.pending_reductions:
-                tracker.grads.pop(pending.pop(0))
+            pending.append(name)
+            while schedule.pending_reductions is not None and len(pending) > schedule.pending_reductions:
+                tracker.complete(pending.pop(0))
+            if not tracker.units[name].reduced_on_completion:
+                tracker.reduced[name] = tracker.units[name].issued_bytes
+            tracker.observe("backward")
         if name != root:
             tracker.reshard(name)
+    for name in pending:  # the end of backward waits for the rest
+        tracker.complete(name)
     tracker.observe("backward")
     return tracker.peak

@@ -175,10 +175,8 @@ def comm_stats(module: nn.Module) -> CommStats:
     return get_state(module).comms.stats
 
 
-
 def is_sharded(module: nn.Module) -> bool:
     return hasattr(module, STATE_ATTR)
-
 
 
 def local_shard_bytes(module: nn.Module) -> int:

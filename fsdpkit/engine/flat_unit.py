@@ -190,6 +190,13 @@ class FlatUnit:
             self.full_flat.untyped_storage().resize_(0)
             self.memory.add("unsharded_params", -tensor_bytes(self.full_flat))
 
+    def release_cleared_grads(self) -> None:
+        """Free the sharded gradient once the optimizer cleared every .grad (zero_grad with
+        set_to_none), so it is not held through the next forward and backward."""
+        if self.grad_shard is not None and all(param.grad is None for param in self.params):
+            self.memory.add("sharded_grads", -tensor_bytes(self.grad_shard))
+            self.grad_shard = None
+
     # ----- gradient reduction
     def issue_reduction(self, full_grad: torch.Tensor) -> PendingReduction:
         """Start reducing a full padded gradient: reduce-scatter in the shard group (or
@@ -223,8 +230,14 @@ class FlatUnit:
         rank gave a gradient (the others keep grad None, as an unused parameter should)."""
         reduced = pending.output
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.flat_shard)
-            self.memory.add("sharded_grads", tensor_bytes(self.grad_shard))
+            # The reduction's output becomes the sharded gradient: no copy, no second buffer
+            # (the memory counter already holds it since the reduction was issued).
+            self.grad_shard = reduced
+            for index, (fragment, param) in enumerate(zip(self.fragments, self.params)):
+                if param.requires_grad and used[index]:
+                    param.grad = self._local(self.grad_shard, fragment)
+            return
+        self.memory.add("sharded_grads", -tensor_bytes(reduced))  # added into grad_shard, then dropped
         for index, (fragment, param) in enumerate(zip(self.fragments, self.params)):
             if not param.requires_grad or not used[index]:
                 continue

@@ -115,6 +115,7 @@ class ShardedState:
         def pre_forward(module: nn.Module, args: Any) -> None:
             if self.summoned:
                 return
+            unit.release_cleared_grads()
             training = torch.is_grad_enabled()
             if training and unit not in self.forward_order:
                 self.forward_order.append(unit)
@@ -190,19 +191,24 @@ class ShardedState:
         unit.views_shown = False
 
     def _issue_reduction(self, unit: FlatUnit, grad: torch.Tensor) -> None:
-        # Complete the earlier reductions first (they ran while this unit's backward computed),
-        # so at most one full gradient waits on the network at a time, as in torch FSDP.
+        # The new gradient exists now; complete the earlier reductions (they ran while this
+        # unit's backward computed), so at most one full gradient waits on the network at a
+        # time, as in torch FSDP; then start this one.
+        self.memory.add("unsharded_grads", tensor_bytes(grad))
         self._complete_pending()
         pending = unit.issue_reduction(grad)
-        self.memory.add("unsharded_grads", tensor_bytes(pending.source))
+        if pending.output is not pending.source:
+            self.memory.add("sharded_grads", tensor_bytes(pending.output))  # the reduce-scatter's output chunk
         self.pending.append(pending)
 
     def _complete_pending(self) -> None:
         for pending in self.pending:
             if pending.source is not None:
                 source_bytes = tensor_bytes(pending.source)
+                output_bytes = 0 if pending.output is pending.source else tensor_bytes(pending.output)
                 pending.unit.complete_reduction(pending)
                 self.memory.add("unsharded_grads", -source_bytes)
+                self.memory.add("sharded_grads", tensor_bytes(pending.output) - output_bytes)
 
     def _end_of_backward(self) -> None:
         if self.sync_gradients:
