@@ -93,8 +93,6 @@ class TrainConfig:
             raise UsageError(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
         if self.no_sync and self.grad_accum == 1:
             raise UsageError("--no-sync accumulates gradients over micro-batches: it needs --grad-accum > 1")
-        if self.wrap and (self.wrap_min_params is not None):
-            pass  # both rules apply: classes and size
         self.sharding  # validates strategy / group size / mixed precision / overlap settings
 
     @property
