@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fsdpkit-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install train test bench clean
+.PHONY: install train test clean
 
 install: $(STAMP)
 
