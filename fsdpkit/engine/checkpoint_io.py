@@ -55,15 +55,23 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in module.state_dict().items() if name not in params and "." + name not in params}
 
 
-def expected_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, tuple[int, ...]]:
+def expected_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None, *, stateless: set[str] = frozenset()) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must have to load into `module` (and `optimizer`): names to shapes."""
     state = get_state(module)
     buffers = {name: tuple(t.shape) for name, t in persistent_buffers(module).items()}
-    return expected_for_plans([unit.plan for unit in state.units], buffers, type(optimizer).__name__ if optimizer is not None else None)
+    return expected_for_plans([unit.plan for unit in state.units], buffers, type(optimizer).__name__ if optimizer is not None else None,
+                              stateless=stateless)
 
 
-def expected_for_plans(plans: list[UnitPlan], buffers: dict[str, tuple[int, ...]], optimizer_type: str | None) -> dict[str, tuple[int, ...]]:
-    """The same from unit plans (works on a model built on the meta device, before launch)."""
+def stateless_params(training_state: dict) -> set[str]:
+    """Trainable parameters the saved optimizer held no state for (it never stepped them)."""
+    return set((training_state.get("optimizer") or {}).get("stateless", []))
+
+
+def expected_for_plans(plans: list[UnitPlan], buffers: dict[str, tuple[int, ...]], optimizer_type: str | None,
+                       *, stateless: set[str] = frozenset()) -> dict[str, tuple[int, ...]]:
+    """The same from unit plans (works on a model built on the meta device, before launch).
+    `stateless`: parameters whose optimizer state the checkpoint rightly lacks."""
     expected: dict[str, tuple[int, ...]] = {}
     for plan in plans:
         for param in plan.params:
@@ -72,7 +80,7 @@ def expected_for_plans(plans: list[UnitPlan], buffers: dict[str, tuple[int, ...]
     for key in OPTIMIZER_STATE_KEYS.get(optimizer_type or "", ()):
         for plan in plans:
             for param in plan.params:
-                if param.requires_grad:
+                if param.requires_grad and param.name not in stateless:
                     expected[_optimizer_name(key, param.name)] = () if key == "step" else tuple(param.shape)
     return expected
 
@@ -103,12 +111,13 @@ def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimize
     if optimizer is None:
         return None
     names = {id(p): name for name, p in module.named_parameters()}
+    stateless = [names.get(id(p), "?") for group in optimizer.param_groups for p in group["params"] if not optimizer.state.get(p)]
     groups = []
     for group in optimizer.param_groups:
         settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
                     if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))}
         groups.append({"settings": settings, "params": [names.get(id(p), "?") for p in group["params"]]})
-    return {"type": type(optimizer).__name__, "groups": groups}
+    return {"type": type(optimizer).__name__, "groups": groups, "stateless": stateless}
 
 
 class Checkpointer:
@@ -188,7 +197,8 @@ class Checkpointer:
         """Load weights (and optimizer state) from a checkpoint saved at any world size;
         returns its training state. Every chunk's fragments are checksum-verified as read."""
         with CheckpointReader(path) as reader:
-            expected = expected_tensors(self.module, self.optimizer)
+            stateless = stateless_params(reader.training_state)
+            expected = expected_tensors(self.module, self.optimizer, stateless=stateless)
             missing_optim = check_compatible(reader.manifest, expected, strict=strict, where=str(reader.step_dir))
             if missing_optim and self.state.mesh.rank == 0:
                 warnings.warn(f"{reader.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh")
@@ -221,6 +231,8 @@ class Checkpointer:
                         param_state[key] = reader.read_range(name, fragment.param_range).to(param.device)
                 if param_state:
                     self.optimizer.state[param] = param_state
+                else:
+                    self.optimizer.state.pop(param, None)
         saved = (reader.training_state.get("optimizer") or {}).get("groups") or []
         for group, saved_group in zip(self.optimizer.param_groups, saved):
             for key, value in saved_group.get("settings", {}).items():

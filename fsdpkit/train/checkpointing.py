@@ -12,7 +12,7 @@ import torch
 from ..checkpoint.compat import check_compatible
 from ..checkpoint.full import is_full_checkpoint, open_full
 from ..checkpoint.reader import CheckpointReader
-from ..engine.checkpoint_io import Checkpointer, expected_for_plans, persistent_buffers
+from ..engine.checkpoint_io import Checkpointer, expected_for_plans, persistent_buffers, stateless_params
 from ..engine.plan import plan_units
 from ..engine.sharded import get_state
 from ..errors import DataCheckError
@@ -117,5 +117,6 @@ def check_before_launch(config: "TrainConfig", path: str, *, with_optimizer: boo
         return
     with CheckpointReader(path) as reader:
         optimizer_type = OPTIMIZER_CLASS.get(config.optimizer) if with_optimizer else None
-        check_compatible(reader.manifest, expected_for_plans(plans, buffers, optimizer_type),
+        stateless = stateless_params(reader.training_state)
+        check_compatible(reader.manifest, expected_for_plans(plans, buffers, optimizer_type, stateless=stateless),
                          strict=config.strict and with_optimizer, where=str(reader.step_dir))

@@ -1,0 +1,90 @@
+"""fsdpkit.save / fsdpkit.load from Python: an optimizer that never stepped some parameters
+(or any), saved at one world size and loaded strictly at another, restores exactly the
+state it had: compared with the unsharded reference's own AdamW state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fsdpkit
+from fsdpkit.engine.sharded import get_state
+
+from distributed import run_distributed
+from models import EdgeCaseNet
+
+
+def _step(model, optimizer, x, y) -> None:
+    F.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def save_worker(directory: str) -> None:
+    torch.manual_seed(0)
+    model = EdgeCaseNet()
+    model.use_branch = False  # the branch never gets a gradient: AdamW keeps no state for it
+    model = fsdpkit.shard(model)
+    optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=0.1), lr=1e-2)
+    fsdpkit.save(model, optimizer, directory + "/never-stepped", step=0)
+    generator = torch.Generator().manual_seed(3)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for _ in range(2):
+        x, y = torch.randn(4, 5, generator=generator), torch.randn(4, 2, generator=generator)
+        rows = 4 // world
+        _step(model, optimizer, x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
+    fsdpkit.save(model, optimizer, directory + "/stepped", step=2)
+
+
+def load_worker(directory: str) -> dict:
+    torch.manual_seed(1)
+    model = EdgeCaseNet()
+    model.use_branch = False
+    model = fsdpkit.shard(model)
+    optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=0.1), lr=1e-2)
+    fsdpkit.load(model, optimizer, directory + "/never-stepped")
+    empty_after_first = len(optimizer.state) == 0
+    fsdpkit.load(model, optimizer, directory + "/stepped")
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {}
+    for unit in get_state(model).units:
+        for fragment, param in zip(unit.fragments, unit.params):
+            if param in optimizer.state:
+                st = optimizer.state[param]
+                state[names[id(param)]] = (fragment.param_range.start, st["exp_avg"].clone(), float(st["step"]))
+    return {"empty": empty_after_first, "weights": fsdpkit.full_state_dict(model), "state": state}
+
+
+def reference() -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    model = EdgeCaseNet()
+    model.use_branch = False
+    optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=0.1), lr=1e-2)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        _step(model, optimizer, torch.randn(4, 5, generator=generator), torch.randn(4, 2, generator=generator))
+    names = {id(p): n for n, p in model.named_parameters()}
+    return model.state_dict(), {names[id(p)]: s for p, s in optimizer.state.items()}
+
+
+@pytest.mark.parametrize("save_world, load_world", [(2, 4), (4, 1)])
+def test_save_at_one_world_size_load_strictly_at_another(tmp_path, save_world, load_world):
+    run_distributed(save_worker, save_world, str(tmp_path))
+    results = run_distributed(load_worker, load_world, str(tmp_path))
+    ref_weights, ref_state = reference()
+    assert results[0]["empty"]
+    for name, tensor in ref_weights.items():
+        assert ((results[0]["weights"][name] - tensor).norm() / tensor.norm()).item() < 1e-5, name
+    assert not any(name.startswith("branch.") for name in ref_state)
+    seen = set()
+    for result in results.values():
+        for name, (start, exp_avg, step) in result["state"].items():
+            assert not name.startswith("branch.")
+            flat = ref_state[name]["exp_avg"].reshape(-1)[start:start + exp_avg.numel()]
+            assert torch.allclose(exp_avg, flat, rtol=1e-4, atol=1e-7) and step == 2.0, name
+            seen.add(name)
+    assert seen == set(ref_state)
