@@ -192,8 +192,36 @@ def prefetch_checks() -> dict:
     return out
 
 
+def batch_norm_checks() -> dict:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU())]), nn.Linear(8, 2))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.blocks, self.out = net[0], net[1], net[2]
+
+        def forward(self, x):
+            x = self.inp(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.out(x)
+
+    model = fsdpkit.shard(Net(), mixed_precision="bf16")
+    seen = {}
+    bn = model.blocks[0][1]
+    bn.register_forward_hook(lambda m, args, out: seen.update(input=str(args[0].dtype), weight=str(m.weight.dtype), output=str(out.dtype)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    loss = F.mse_loss(model(_local(x)).float(), torch.zeros(8 // dist.get_world_size(), 2))
+    loss.backward()
+    opt.step()
+    return {**seen, "running_mean": str(bn.running_mean.dtype), "finite": bool(torch.isfinite(loss).item())}
+
+
 def features_worker() -> dict:
     results = {
+        "batch_norm": batch_norm_checks(),
         "offload": _train_pair(3, cpu_offload=True),
         "checkpointing": _train_pair(3, activation_checkpointing=True),
         "frozen": _train_pair(3, freeze=("h.0.ln_1.weight", "h.0.attn.c_attn.bias", "h.1.mlp.c_fc.weight")),
@@ -257,6 +285,11 @@ def test_fp16_inf_on_one_rank_skips_the_step_everywhere(features):
     scaler = features["grad_scaler"]
     assert scaler["skip_returned"] is False and scaler["unchanged_after_skip"]
     assert scaler["scale_after"] == 512.0 and scaler["stepped"] is True and scaler["step_count"] == 1
+
+
+def test_batch_norm_runs_in_fp32_under_bf16(features):
+    bn = features["batch_norm"]
+    assert bn["input"] == bn["weight"] == bn["running_mean"] == "torch.float32" and bn["finite"]
 
 
 def test_deferred_init_equals_eager_and_keeps_ties(features):

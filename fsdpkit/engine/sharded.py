@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..comm import Collectives
 from .config import ShardingConfig
@@ -112,23 +112,29 @@ class ShardedState:
 
     # ----- hooks
     def _pre_forward_hook(self, unit: FlatUnit):
-        def pre_forward(module: nn.Module, args: Any) -> None:
+        def pre_forward(module: nn.Module, args: Any) -> Any:
             if self.summoned:
-                return
+                return None
             unit.release_cleared_grads()
-            training = torch.is_grad_enabled()
-            if training and unit not in self.forward_order:
-                self.forward_order.append(unit)
-            if unit.is_unsharded and unit.views_shown:
-                return
-            self._record("pre_forward", unit)
-            self._ensure_unsharded(unit)
-            unit.show_unsharded(track_grad=training)
-            unit.views_shown = True
-            if training and self.config.forward_prefetch:
-                self._start_gather(self._next_in_forward(unit))
+            self._unshard_for_forward(unit)
+            if unit.compute_dtype != unit.master_dtype:  # mixed precision: floating inputs in the unit's dtype
+                return tree_map(lambda t: t.to(unit.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args)
+            return None
 
         return pre_forward
+
+    def _unshard_for_forward(self, unit: FlatUnit) -> None:
+        training = torch.is_grad_enabled()
+        if training and unit not in self.forward_order:
+            self.forward_order.append(unit)
+        if unit.is_unsharded and unit.views_shown:
+            return
+        self._record("pre_forward", unit)
+        self._ensure_unsharded(unit)
+        unit.show_unsharded(track_grad=training)
+        unit.views_shown = True
+        if training and self.config.forward_prefetch:
+            self._start_gather(self._next_in_forward(unit))
 
     def _post_forward_hook(self, unit: FlatUnit | None, member_of: FlatUnit | None):
         def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
