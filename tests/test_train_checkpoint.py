@@ -143,9 +143,10 @@ def test_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
         process.wait()
         verified = runner.invoke(app, ["verify", str(run_dir), "--json"])
         assert verified.exit_code == 0, verified.output
-    resumed = train("--model", "gpt-small", "--resume", str(run_dir), "--steps", "300", "--nproc-per-node", "1",
-                    "--global-batch-size", "2")
-    assert resumed["steps"] == 300 or resumed["steps"] >= 1
+    latest_step = int((run_dir / "latest").read_text().strip().split("-")[1])
+    resumed = train("--model", "gpt-small", "--resume", str(run_dir), "--steps", str(latest_step + 2),
+                    "--nproc-per-node", "1", "--global-batch-size", "2")
+    assert resumed["steps"] == latest_step + 2 and len(resumed["losses"]) == 2  # continued from the latest step
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
