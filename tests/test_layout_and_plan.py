@@ -99,7 +99,7 @@ def test_wrap_rules_class_size_predicate_every():
     assert [u.name for u in plan_units(model, WrapPolicy())] == ["", "h.0", "h.1", "h.2", "h.3"]  # ModuleList rule
     assert [u.name for u in plan_units(model, WrapPolicy(module_classes=(Block,), every=3))] == ["", "h.0+h.1+h.2", "h.3"]
     by_size = plan_units(model, WrapPolicy(min_params=16 * 64))
-    assert all(sum(p.numel if False else torch.Size(p.shape).numel() for p in u.params) >= 16 * 64 for u in by_size if u.name)
+    assert all(sum(torch.Size(p.shape).numel() for p in u.params) >= 16 * 64 for u in by_size if u.name)
     assert "h.0.mlp.c_fc" in [u.name for u in by_size]
     pred = plan_units(model, WrapPolicy(predicate=lambda name, m: name in ("h.1", "h.3")))
     assert [u.name for u in pred] == ["", "h.1", "h.3"]

@@ -118,7 +118,11 @@ class Trainer:
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
             self.last_grad_norm = fsdpkit.clip_grad_norm_(self.model, config.max_grad_norm).item()
-        stepped = self.scaler.step(self.optimizer) if self.scaler else (self.optimizer.step() or True)
+        if self.scaler:
+            stepped = self.scaler.step(self.optimizer)
+        else:
+            self.optimizer.step()
+            stepped = True
         if self.scaler:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
