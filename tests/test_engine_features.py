@@ -219,8 +219,42 @@ def batch_norm_checks() -> dict:
     return {**seen, "running_mean": str(bn.running_mean.dtype), "finite": bool(torch.isfinite(loss).item())}
 
 
+def recovery_checks() -> dict:
+    """A backward that raises half-way (an OOM, say) must leave the model trainable."""
+    torch.manual_seed(0)
+    reference = GPT(CONFIG)
+    sharded = fsdpkit.shard(copy.deepcopy(reference), wrap=(Block,))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=3e-3)
+
+    def fail(grad):
+        raise RuntimeError("simulated failure in backward")
+
+    def arm(module, args, output) -> None:
+        output.register_hook(fail)
+
+    handle = sharded.h[0].register_forward_hook(arm)
+    raised = False
+    try:
+        _loss(sharded, _local(_tokens(0))).backward()
+    except RuntimeError:
+        raised = True
+    handle.remove()
+    half_done = len(get_state(sharded).pending) > 0
+    opt.zero_grad(set_to_none=True)
+    for step in range(1, 3):
+        _loss(reference, _tokens(step)).backward()
+        _loss(sharded, _local(_tokens(step))).backward()
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    return {"raised": raised, "half_done": half_done, "weight_error": _max_weight_error(sharded, reference)}
+
+
 def features_worker() -> dict:
     results = {
+        "recovery": recovery_checks(),
         "batch_norm": batch_norm_checks(),
         "offload": _train_pair(3, cpu_offload=True),
         "checkpointing": _train_pair(3, activation_checkpointing=True),
@@ -285,6 +319,11 @@ def test_fp16_inf_on_one_rank_skips_the_step_everywhere(features):
     scaler = features["grad_scaler"]
     assert scaler["skip_returned"] is False and scaler["unchanged_after_skip"]
     assert scaler["scale_after"] == 512.0 and scaler["stepped"] is True and scaler["step_count"] == 1
+
+
+def test_training_goes_on_after_a_backward_that_raised(features):
+    recovery = features["recovery"]
+    assert recovery["raised"] and recovery["half_done"] and recovery["weight_error"] < 1e-4
 
 
 def test_batch_norm_runs_in_fp32_under_bf16(features):

@@ -162,7 +162,8 @@ class Checkpointer:
         holder = [str(commit_ops.begin(run_dir, step)) if mesh.rank == 0 else None]
         dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group)
         tmp = Path(holder[0])
-        visible = torch.tensor([1 if tmp.is_dir() else 0])
+        device = torch.device("cpu") if self.async_save else self.state.device  # NCCL groups reduce device tensors
+        visible = torch.tensor([1 if tmp.is_dir() else 0], device=device)
         dist.all_reduce(visible, op=dist.ReduceOp.MIN, group=self.group)
         if not visible.item():
             if mesh.rank == 0:

@@ -63,6 +63,7 @@ class ShardedState:
         self.forward_order: list[FlatUnit] = []
         self.previous_forward_order: list[FlatUnit] = []
         self.callback_queued = False
+        self.backward_task = -1  # the autograd graph task whose end-of-backward callback is queued
         self.summoned = False
         self.sync_gradients = True
         self.handles = []
@@ -115,6 +116,8 @@ class ShardedState:
         def pre_forward(module: nn.Module, args: Any) -> Any:
             if self.summoned:
                 return None
+            if self.callback_queued and torch._C._current_graph_task_id() == -1:
+                self._recover_from_failed_backward()
             unit.release_cleared_grads()
             self._unshard_for_forward(unit)
             if unit.compute_dtype != unit.master_dtype:  # mixed precision: floating inputs in the unit's dtype
@@ -155,8 +158,12 @@ class ShardedState:
 
     def _pre_backward_hook(self, unit: FlatUnit | None):
         def pre_backward(grad: torch.Tensor) -> None:
+            task = torch._C._current_graph_task_id()
+            if self.callback_queued and task != self.backward_task:
+                self._recover_from_failed_backward()
             if not self.callback_queued:
                 self.callback_queued = True
+                self.backward_task = task
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             if unit is None or unit.backward_prepared:
                 return
@@ -229,7 +236,9 @@ class ShardedState:
                     self._issue_reduction(unit, grad)
             used = torch.cat([unit.used for unit in self.units]) if self.units else torch.zeros(0, dtype=torch.int32)
             if self.mesh.world_size > 1 and used.numel():
-                self.comms.all_reduce(used, self.mesh.group, op=dist.ReduceOp.MAX, label="grad-flags")
+                flags = used.to(self.device)  # NCCL reduces device tensors only
+                self.comms.all_reduce(flags, self.mesh.group, op=dist.ReduceOp.MAX, label="grad-flags")
+                used = flags.cpu()
             start = 0
             used_of = {}
             for unit in self.units:
@@ -245,11 +254,36 @@ class ShardedState:
         self.previous_forward_order, self.forward_order = self.forward_order, []
         self.callback_queued = False
 
+    def _recover_from_failed_backward(self) -> None:
+        """A backward raised before its end: autograd dropped the queued callback. Drop its
+        half-done work (every rank issued the same reductions, so waiting is safe) and
+        return every unit to the sharded state, so training can go on."""
+        for pending in self.pending:
+            if pending.work is not None:
+                pending.work.wait()
+            if pending.source is not None:
+                self.memory.add("unsharded_grads", -tensor_bytes(pending.source))
+            if pending.output is not pending.source:
+                self.memory.add("sharded_grads", -tensor_bytes(pending.output))
+        self.pending.clear()
+        for unit in self.units:
+            if unit.holds_unsynced_grad and unit.full_flat.grad is not None:
+                self.memory.add("unsharded_grads", -tensor_bytes(unit.full_flat.grad))
+            unit.full_flat.grad = None
+            unit.holds_unsynced_grad = False
+            self._reshard(unit)
+            unit.reset_backward_state(keep_usage=False)
+        self.inflight_gathers.clear()
+        self.forward_order = []
+        self.callback_queued = False
+
     # ----- full parameters on demand
     @contextlib.contextmanager
     def full_params(self, *, writeback: bool = True) -> Iterator[None]:
         if self.summoned:
             raise RuntimeError("full_params() is already active for this model")
+        if self.callback_queued and torch._C._current_graph_task_id() == -1:
+            self._recover_from_failed_backward()
         if self.pending or self.callback_queued:
             raise RuntimeError("full_params() cannot be used during backward")
         for unit in self.units:
