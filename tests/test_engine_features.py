@@ -173,6 +173,38 @@ def deferred_init_checks() -> dict:
             "no_meta": not any(p.is_meta for p in sharded.parameters())}
 
 
+def deferred_generic_checks() -> dict:
+    """Models without init_parameter: each module's reset_parameters(); anything left
+    uninitialised, or a buffer that cannot be recomputed, is an error, never garbage."""
+    from models import EdgeCaseNet
+
+    def layers():
+        return nn.Sequential(nn.Linear(4, 8), nn.ModuleList([nn.Linear(8, 8), nn.LayerNorm(8)]), nn.Linear(8, 2))
+
+    with torch.device("meta"):
+        plain = layers()
+    sharded = fsdpkit.shard(plain, wrap=lambda name, module: name == "1.0")
+    full = fsdpkit.full_state_dict(sharded)
+    outcome = {"initialised": all(torch.isfinite(t).all() for t in full.values()),
+               "bias_in_kaiming_bound": bool(full["1.0.bias"].abs().max() <= 8 ** -0.5)}
+    with torch.device("meta"):
+        odd = EdgeCaseNet()  # OddUnit.scale has no module that can reset it
+    try:
+        fsdpkit.shard(odd)
+        outcome["odd"] = "no error"
+    except Exception as error:
+        outcome["odd"] = str(error)
+    with torch.device("meta"):
+        masked = layers()
+        masked.register_buffer("mask", torch.ones(3))
+    try:
+        fsdpkit.shard(masked)
+        outcome["buffer"] = "no error"
+    except Exception as error:
+        outcome["buffer"] = str(error)
+    return outcome
+
+
 def prefetch_checks() -> dict:
     out = {}
     settings = {
@@ -266,6 +298,7 @@ def features_worker() -> dict:
         "mixed_precision": mixed_precision_checks(),
         "grad_scaler": grad_scaler_checks(),
         "deferred_init": deferred_init_checks(),
+        "deferred_generic": deferred_generic_checks(),
         "prefetch": prefetch_checks(),
     }
     for key in ("offload", "checkpointing", "frozen", "accumulate_with_comm", "no_sync", "nested_units", "two_blocks_per_unit"):
@@ -333,6 +366,13 @@ def test_batch_norm_runs_in_fp32_under_bf16(features):
 
 def test_deferred_init_equals_eager_and_keeps_ties(features):
     assert features["deferred_init"] == {"equal": True, "tied": True, "no_meta": True}
+
+
+def test_deferred_init_without_init_parameter_initialises_or_refuses(features):
+    generic = features["deferred_generic"]
+    assert generic["initialised"] and generic["bias_in_kaiming_bound"]
+    assert "nothing initialises parameter" in generic["odd"] and "scale" in generic["odd"]
+    assert "buffer 'mask'" in generic["buffer"] and "--eager-init" in generic["buffer"]
 
 
 def test_prefetch_changes_order_not_results(features):

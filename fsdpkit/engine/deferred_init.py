@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..errors import UsageError
 from .plan import UnitPlan
 
 
@@ -23,14 +24,19 @@ def has_meta_tensors(module: nn.Module) -> bool:
 
 
 def materialize_buffers(module: nn.Module, device: torch.device) -> None:
-    for owner in module.modules():
+    """Running statistics (batch norms) are recomputed; any other buffer on the meta device
+    could only be guessed, so it is an error."""
+    for owner_name, owner in module.named_modules():
         meta = [name for name, buffer in owner._buffers.items() if buffer is not None and buffer.is_meta]
         if not meta:
             continue
+        if not hasattr(owner, "reset_running_stats"):
+            where = f"{owner_name}.{meta[0]}" if owner_name else meta[0]
+            raise UsageError(f"buffer {where!r} is on the meta device and fsdpkit cannot recompute it: "
+                             "build the model eagerly (--eager-init) or give the buffer real values")
         for name in meta:
             owner._buffers[name] = torch.zeros_like(owner._buffers[name], device=device)
-        if hasattr(owner, "reset_running_stats"):
-            owner.reset_running_stats()
+        owner.reset_running_stats()
 
 
 def unit_materializer(root: nn.Module, device: torch.device) -> Callable[[UnitPlan], None]:
@@ -55,10 +61,27 @@ def unit_materializer(root: nn.Module, device: torch.device) -> Callable[[UnitPl
                 for name, param in fresh:
                     init_parameter(name, param)
             else:
-                owners = {use_module for p in plan.params for use_module, _ in p.uses}
-                for name in sorted(owners, key=lambda n: list(modules).index(n)):
-                    reset = getattr(modules[name], "reset_parameters", None)
-                    if callable(reset):
-                        reset()
+                _reset_owners(plan, modules, fresh)
 
     return materialize
+
+
+def _reset_owners(plan: UnitPlan, modules: dict[str, nn.Module], fresh: list[tuple[str, nn.Parameter]]) -> None:
+    """torch FSDP's convention: reset_parameters() of each module holding this unit's
+    parameters, when every parameter it holds is one just materialised (a module that also
+    holds an already sharded parameter cannot be reset). A parameter no reset touched is an
+    error, never silently uninitialised memory."""
+    fresh_ids = {id(param) for _, param in fresh}
+    for _, param in fresh:
+        param.fill_(float("nan"))
+    owners = {use_module for p in plan.params for use_module, _ in p.uses}
+    for name in sorted(owners, key=lambda n: list(modules).index(n)):
+        module = modules[name]
+        reset = getattr(module, "reset_parameters", None)
+        own = [p for p in module.parameters(recurse=False)]
+        if callable(reset) and own and all(id(p) in fresh_ids for p in own):
+            reset()
+    untouched = [name for name, param in fresh if param.numel() and torch.isnan(param).all()]
+    if untouched:
+        raise UsageError(f"deferred init: nothing initialises parameter {untouched[0]!r} (its module has no reset_parameters()); "
+                         "give the model init_parameter(name, tensor), or build it eagerly (--eager-init)")
