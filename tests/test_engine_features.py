@@ -284,8 +284,27 @@ def recovery_checks() -> dict:
     return {"raised": raised, "half_done": half_done, "weight_error": _max_weight_error(sharded, reference)}
 
 
+def frozen_units_memory() -> dict:
+    """Units with no trainable parameter still reshard right after their backward."""
+    peaks = {}
+    for label, frozen in (("trainable", False), ("frozen", True)):
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
+        for name, param in model.named_parameters():
+            param.requires_grad_(not (frozen and name.startswith("h.")))
+        model = fsdpkit.shard(model, wrap=(Block,))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        _loss(model, _local(_tokens(0))).backward()
+        opt.step()
+        peaks[label] = fsdpkit.memory_stats(model)["peak_unsharded"]
+        peaks[label + "_all_resharded"] = all(not unit.is_unsharded for unit in get_state(model).units)
+        peaks["unit_bytes"] = [unit.layout.padded_numel * 4 for unit in get_state(model).units]
+    return peaks
+
+
 def features_worker() -> dict:
     results = {
+        "frozen_units": frozen_units_memory(),
         "recovery": recovery_checks(),
         "batch_norm": batch_norm_checks(),
         "offload": _train_pair(3, cpu_offload=True),
@@ -357,6 +376,15 @@ def test_fp16_inf_on_one_rank_skips_the_step_everywhere(features):
 def test_training_goes_on_after_a_backward_that_raised(features):
     recovery = features["recovery"]
     assert recovery["raised"] and recovery["half_done"] and recovery["weight_error"] < 1e-4
+
+
+def test_frozen_units_do_not_stay_gathered_through_backward(features):
+    peaks = features["frozen_units"]
+    root, *blocks = peaks["unit_bytes"]
+    # the root stays gathered; of the three frozen blocks at most the current one and the
+    # prefetched next one are gathered at once (without resharding all three would be)
+    assert peaks["frozen"] <= root + 2 * max(blocks) < root + sum(blocks)
+    assert peaks["frozen_all_resharded"]
 
 
 def test_batch_norm_runs_in_fp32_under_bf16(features):

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..comm import Collectives
 from .config import ShardingConfig
@@ -121,8 +121,12 @@ class ShardedState:
             unit.release_cleared_grads()
             self._unshard_for_forward(unit)
             if unit.compute_dtype != unit.master_dtype:  # mixed precision: floating inputs in the unit's dtype
-                return tree_map(lambda t: t.to(unit.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args)
-            return None
+                args = tree_map(lambda t: t.to(unit.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args)
+            if not unit.trainable and not unit.is_root and torch.is_grad_enabled():
+                # No gradient of its own fires a post-backward hook: reshard once the
+                # gradients of its inputs are computed (its backward is then done).
+                args = _after_backward_of_inputs(args, lambda: self._reshard(unit))
+            return args
 
         return pre_forward
 
@@ -321,6 +325,31 @@ class ShardedState:
             yield
         finally:
             self.sync_gradients = previous
+
+
+class _CallAfterBackward(torch.autograd.Function):
+    """Identity on tensors; calls `callback` once when all their gradients are computed."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def _after_backward_of_inputs(args: Any, callback) -> Any:
+    flat, spec = tree_flatten(args)
+    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return args
+    wrapped = _CallAfterBackward.apply(callback, *(flat[i] for i in positions))
+    for position, tensor in zip(positions, wrapped):
+        flat[position] = tensor
+    return spec.unflatten(flat) if hasattr(spec, "unflatten") else tree_unflatten(flat, spec)
 
 
 def get_state(module: nn.Module) -> ShardedState:
