@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdpkit.bench.busbw import bench_sizes, size_sweep
 from fsdpkit.bench.collectives import Placement
-from fsdpkit.bench.worker import BenchEntry, BenchPlan, measure_size
+from fsdpkit.bench.worker import BenchEntry, BenchPlan, measure_size, start_process_group
 from fsdpkit.comm import _all_gather_flat, _reduce_scatter_flat
 from fsdpkit.launch import LaunchOptions, launch
 from fsdpkit.sizes import parse_size
@@ -76,13 +76,7 @@ def plain_loop_seconds(collective: str, count: int, *, world_size: int, iters: i
 @record
 def overhead_worker(plan: BenchPlan, repeats: int) -> list[tuple[str, int, list[float], list[float]]]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if plan.backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group(plan.backend)
+    device = start_process_group(plan.backend, local_rank)
     try:
         where = Placement(rank=dist.get_rank(), world_size=dist.get_world_size(), dtype=getattr(torch, plan.dtype),
                           device=device, group=dist.group.WORLD)

@@ -65,13 +65,7 @@ def bench_worker(plan: BenchPlan) -> list[list[SizeMeasurements]]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if os.environ.get(FAIL_RANK_ENV, "") == os.environ.get("RANK"):
         raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={os.environ['RANK']})")
-    if plan.backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group(plan.backend)
+    device = start_process_group(plan.backend, local_rank)
     group = dist.group.WORLD
     try:
         where = Placement(
@@ -159,3 +153,14 @@ def _barrier(where: Placement) -> None:
         dist.barrier(group=where.group, device_ids=[where.device.index])
     else:
         dist.barrier(group=where.group)
+
+
+def start_process_group(backend: str, local_rank: int) -> torch.device:
+    """Init the default group for `backend`; return the device its tensors live on."""
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group(backend)
+    return torch.device("cpu")

@@ -62,14 +62,20 @@ def init_weights_from(model: torch.nn.Module, path: str) -> None:
         Checkpointer(model, None).load(path, strict=False)
 
 
-def _load_full(model: torch.nn.Module, path: str) -> None:
+def _full_tensors(path: str) -> dict:
+    """A full checkpoint's tensors by name, tied aliases resolved to their stored tensor."""
     full = open_full(path)
     tensors = {t.name: t for t in full.tensors}
     for alias, stored in full.aliases.items():
         tensors.setdefault(alias, tensors.get(stored))
+    return tensors
+
+
+def _load_full(model: torch.nn.Module, path: str) -> None:
+    tensors = _full_tensors(path)
     state = get_state(model)
     expected = expected_for_plans([u.plan for u in state.units], {n: tuple(t.shape) for n, t in persistent_buffers(model).items()}, None)
-    _check_full(full, tensors, expected, path)
+    _check_full(tensors, expected, path)
     with torch.no_grad():
         for unit in state.units:
             for fragment, param, plan in zip(unit.fragments, unit.params, unit.plan.params):
@@ -79,7 +85,7 @@ def _load_full(model: torch.nn.Module, path: str) -> None:
             buffer.copy_(_read_full_range(tensors[name], 0, buffer.numel()).reshape(buffer.shape).to(buffer.dtype))
 
 
-def _check_full(full, tensors: dict, expected: dict, path: str) -> None:
+def _check_full(tensors: dict, expected: dict, path: str) -> None:
     for name, shape in expected.items():
         if name not in tensors or tensors[name] is None:
             raise DataCheckError(f"{path}: no tensor {name!r} (a checkpoint of another model?)")
@@ -109,11 +115,7 @@ def check_before_launch(config: "TrainConfig", path: str, *, with_optimizer: boo
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     buffers = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in params}
     if is_full_checkpoint(Path(path)) and not with_optimizer:
-        full = open_full(path)
-        tensors = {t.name: t for t in full.tensors}
-        for alias, stored in full.aliases.items():
-            tensors.setdefault(alias, tensors.get(stored))
-        _check_full(full, tensors, expected_for_plans(plans, buffers, None), path)
+        _check_full(_full_tensors(path), expected_for_plans(plans, buffers, None), path)
         return
     with CheckpointReader(path) as reader:
         optimizer_type = OPTIMIZER_CLASS.get(config.optimizer) if with_optimizer else None
