@@ -63,6 +63,20 @@ class Collectives:
         self.stats.add("broadcast", tensor.numel() * tensor.element_size(), label)
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
+    def broadcast_object(self, value: Any, src: int, group: Any, *, label: str = "") -> Any:
+        """`value` of rank `src` (a rank of `group`, not a global rank) on every rank."""
+        self.stats.add("broadcast_object", 0, label)
+        holder = [value]
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+        return holder[0]
+
+    def all_gather_object(self, value: Any, group: Any, *, label: str = "") -> list[Any]:
+        """Every rank's `value`, in group rank order."""
+        self.stats.add("all_gather_object", 0, label)
+        values: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(values, value, group=group)
+        return values
+
 
 def backend_for(device: torch.device) -> str:
     """NCCL for CUDA tensors, gloo for CPU."""

@@ -111,3 +111,17 @@ def test_unit_plan_for_model_is_built_on_meta():
     units = unit_plan_for_model("gpt2-xl", 64)
     assert len(units) == 49 and units[1][0][0] == "h.0.ln_1.weight"
     assert sum(torch.Size(shape).numel() for unit in units for _, shape in unit) == 1_557_611_200
+
+
+def test_shard_options_override_the_config_and_unknown_ones_are_named():
+    from fsdpkit.engine.api import _with_options
+    from fsdpkit.engine.config import MixedPrecision, ShardingConfig
+    from fsdpkit.errors import UsageError
+
+    base = ShardingConfig(strategy="grad-op", limit_all_gathers=3)
+    merged = _with_options(base, {"mixed_precision": "bf16", "strategy": "full"})
+    assert merged.strategy == "full" and merged.limit_all_gathers == 3
+    assert merged.mixed_precision == MixedPrecision.from_name("bf16")
+    assert _with_options(base, {}) is base
+    with pytest.raises(UsageError, match="'stratgy'"):
+        _with_options(base, {"stratgy": "full"})

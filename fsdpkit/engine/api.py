@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator
 
 import torch
@@ -40,23 +41,19 @@ def _as_policy(wrap: WrapSpec) -> WrapPolicy:
 
 def shard(
     module: nn.Module,
+    config: ShardingConfig | None = None,
     *,
     wrap: WrapSpec = None,
-    strategy: str = "full",
-    shard_group_size: int | None = None,
-    mixed_precision: MixedPrecision | str | None = None,
-    backward_prefetch: str = "pre",
-    forward_prefetch: bool = False,
-    limit_all_gathers: int = 2,
-    cpu_offload: bool = False,
-    activation_checkpointing: bool = False,
     group: Any = None,
     device: torch.device | str | None = None,
     comm_stats: CommStats | None = None,
     record_events: bool = False,
+    **options: Any,
 ) -> nn.Module:
     """Shard `module` in place across the ranks of `group` and return it.
 
+    `config` says how (a ShardingConfig); keyword `options` are shortcuts for its fields
+    (`shard(model, strategy="grad-op", mixed_precision="bf16")`) and override `config`.
     Every rank must call this with an identically initialised module, or with a module
     built on the meta device (materialised here one unit at a time). Afterwards
     `named_parameters()` yields the model's own names, each a 1-D fragment of this rank's
@@ -66,13 +63,7 @@ def shard(
         raise UsageError(f"{type(module).__name__} is already sharded")
     if not dist.is_initialized():
         raise UsageError("fsdpkit.shard() needs an initialised process group (torch.distributed.init_process_group)")
-    if isinstance(mixed_precision, str):
-        mixed_precision = MixedPrecision.from_name(mixed_precision)
-    config = ShardingConfig(
-        strategy=strategy, shard_group_size=shard_group_size, mixed_precision=mixed_precision or MixedPrecision(),
-        backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-        cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
-    )
+    config = _with_options(config or ShardingConfig(), options)
     mesh = build_mesh(config, group)
     device = torch.device(device) if device is not None else _default_device()
     deferred = has_meta_tensors(module)
@@ -90,9 +81,21 @@ def shard(
     object.__setattr__(module, STATE_ATTR, state)
     if config.mixed_precision.enabled:
         state.handles += keep_in_fp32(module, config.mixed_precision.param_dtype)
-    if activation_checkpointing:
+    if config.activation_checkpointing:
         _checkpoint_leaf_units(module, state)
     return module
+
+
+def _with_options(config: ShardingConfig, options: dict[str, Any]) -> ShardingConfig:
+    known = {f.name for f in dataclasses.fields(ShardingConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise UsageError(f"fsdpkit.shard() got unknown option {unknown[0]!r}: use one of {', '.join(sorted(known))}")
+    if isinstance(options.get("mixed_precision"), str):
+        options["mixed_precision"] = MixedPrecision.from_name(options["mixed_precision"])
+    if options.get("mixed_precision", config.mixed_precision) is None:
+        options["mixed_precision"] = MixedPrecision()
+    return dataclasses.replace(config, **options) if options else config
 
 
 def _checkpoint_leaf_units(module: nn.Module, state: ShardedState) -> None:

@@ -57,20 +57,7 @@ class Trainer:
         info = inspect_model(config.model, config.vocab_size, config.wrap, min_params=config.wrap_min_params, every=config.wrap_every)
         self.vocab_size = info.vocab_size
         model = build_for_training(config.model, config.seed, deferred=config.deferred_init)
-        sharding = config.sharding
-        self.model = fsdpkit.shard(
-            model,
-            wrap=policy,
-            strategy=sharding.strategy,
-            shard_group_size=sharding.shard_group_size,
-            mixed_precision=sharding.mixed_precision,
-            backward_prefetch=sharding.backward_prefetch,
-            forward_prefetch=sharding.forward_prefetch,
-            limit_all_gathers=sharding.limit_all_gathers,
-            cpu_offload=sharding.cpu_offload,
-            activation_checkpointing=sharding.activation_checkpointing,
-            device=self.device,
-        )
+        self.model = fsdpkit.shard(model, config.sharding, wrap=policy, device=self.device)
         self.num_params = info.num_params
         self.optimizer = build_optimizer(self.model, config)
         self.scaler = fsdpkit.ShardedGradScaler(self.model) if config.mixed_precision == "fp16" else None

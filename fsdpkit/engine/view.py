@@ -1,0 +1,60 @@
+"""A read-only description of a sharded model, for code outside the engine (checkpoints,
+export): which units exist, which parameters each holds, and which fragment of each this
+rank keeps. Checkpoint code reads the engine through this, never through its internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..layout import FlatLayout, Fragment
+from .sharded import get_state
+
+
+@dataclass(frozen=True)
+class ParamView:
+    name: str  # canonical name (first in named_parameters() order)
+    shape: tuple[int, ...]
+    requires_grad: bool
+    aliases: tuple[str, ...]  # further names of a tied parameter
+    fragment: Fragment  # this rank's piece of the parameter's flat form
+    tensor: nn.Parameter  # the 1-D sharded parameter (fragment.param_range.size elements)
+
+
+@dataclass(frozen=True)
+class UnitView:
+    name: str
+    layout: FlatLayout
+    params: tuple[ParamView, ...]
+
+
+@dataclass(frozen=True)
+class ShardedModelView:
+    units: tuple[UnitView, ...]
+    strategy: str
+    world_size: int  # ranks in the data-parallel group
+    rank: int
+    shard_factor: int  # ranks one flat parameter is split over
+    shard_rank: int
+    writes_shards: bool  # the first replica: the ranks that hold what a checkpoint stores
+    group: Any  # the data-parallel process group
+    device: torch.device
+
+
+def describe(module: nn.Module) -> ShardedModelView:
+    state = get_state(module)
+    units = []
+    for unit in state.units:
+        params = []
+        for plan, fragment, param in zip(unit.plan.params, unit.fragments, unit.params):
+            names = [f"{m}.{a}" if m else a for m, a in plan.uses]
+            params.append(ParamView(plan.name, tuple(plan.shape), plan.requires_grad,
+                                    tuple(n for n in names if n != plan.name), fragment, param))
+        units.append(UnitView(unit.name, unit.layout, tuple(params)))
+    mesh = state.mesh
+    return ShardedModelView(tuple(units), str(state.config.strategy), mesh.world_size, mesh.rank, mesh.shard_factor,
+                            mesh.shard_rank, mesh.is_replica_leader, mesh.group, state.device)
