@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import fsdpkit
 from fsdpkit.comm import CommStats
+from fsdpkit.engine.flat_unit import UnitState
 from fsdpkit.engine.sharded import get_state
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
 
@@ -297,7 +298,7 @@ def frozen_units_memory() -> dict:
         _loss(model, _local(_tokens(0))).backward()
         opt.step()
         peaks[label] = fsdpkit.memory_stats(model)["peak_unsharded"]
-        peaks[label + "_all_resharded"] = all(not unit.is_unsharded for unit in get_state(model).units)
+        peaks[label + "_all_resharded"] = all(unit.state is UnitState.SHARDED for unit in get_state(model).units)
         peaks["unit_bytes"] = [unit.layout.padded_numel * 4 for unit in get_state(model).units]
     return peaks
 
