@@ -99,9 +99,12 @@ class FlatUnit:
         self.host = torch.device("cpu") if offload else device
         self.gather_stream = gather_stream
 
-        # Parameters still on the meta device are filled later (deferred_init) through fill_parameter().
-        self.flat_shard = torch.zeros(self.layout.chunk_numel, dtype=self.master_dtype, device=self.host)
+        # Parameters still on the meta device are filled later (deferred_init) through
+        # fill_parameter(); until then their pages are not touched, so deferred init holds
+        # memory only for what it has materialised. The padding after them is zero.
+        self.flat_shard = torch.empty(self.layout.chunk_numel, dtype=self.master_dtype, device=self.host)
         with torch.no_grad():
+            self.flat_shard[sum(fragment.param_range.size for fragment in self.fragments):].zero_()
             for fragment, original in zip(self.fragments, originals):
                 if not original.is_meta:
                     source = original.detach().reshape(-1)[fragment.param_range.start:fragment.param_range.end]
