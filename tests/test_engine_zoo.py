@@ -10,7 +10,6 @@ tests below each assert one feature, so a broken feature fails its own tests onl
 
 from __future__ import annotations
 
-import copy
 import traceback
 from dataclasses import dataclass, field
 
@@ -102,10 +101,14 @@ def _batch(step: int, index: int) -> torch.Tensor:
 
 
 def _local(tokens: torch.Tensor) -> torch.Tensor:
-    if not dist.is_initialized():
-        return tokens
     rows = ROWS // dist.get_world_size()
     return tokens[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]
+
+
+def _mean_over_ranks(loss: torch.Tensor) -> float:
+    total = loss.detach().float().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -128,11 +131,7 @@ def _train(model: nn.Module, case: Case, *, shard_local: bool) -> list[float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        total = loss.detach().float().clone()
-        if shard_local and dist.get_world_size() > 1:
-            dist.all_reduce(total)
-            total /= dist.get_world_size()
-        losses.append(total.item())
+        losses.append(_mean_over_ranks(loss) if shard_local else loss.item())
     return losses
 
 
@@ -324,13 +323,9 @@ def failed_forward_check() -> RecoveryResult:
                     handle.remove()
                 optimizer.step()
                 optimizer.zero_grad()
-                total = loss.detach().clone()
-                if local and dist.get_world_size() > 1:
-                    dist.all_reduce(total)
-                    total /= dist.get_world_size()
-                losses[label].append(total.item())
-        weights = {n: t for n, t in fsdpkit.full_state_dict(sharded).items()}
-        error = _relative(losses["mine"], losses["ref"], weights, {n: t.detach() for n, t in reference.state_dict().items()})
+                losses[label].append(_mean_over_ranks(loss) if local else loss.item())
+        error = _relative(losses["mine"], losses["ref"], fsdpkit.full_state_dict(sharded),
+                          {n: t.detach() for n, t in reference.state_dict().items()})
         return RecoveryResult(None, raised, error)
     except Exception as error:
         return RecoveryResult(_short(error), False, None)

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from ..comm import Collectives, _all_gather_flat, _reduce_scatter_flat
 from . import patterns
-from .busbw import MODES
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ..comm import Collectives, CommStats
 from ..errors import UsageError
 from .config import MixedPrecision, ShardingConfig
-from .flat_unit import NAME_ATTR, SHAPE_ATTR
+from .flat_unit import SHAPE_ATTR
 from .memory import optimizer_state_bytes
 from .deferred_init import has_meta_tensors, initialize_meta_parameters, materialize_buffers, meta_parameter_names
 from .mesh import build_mesh
