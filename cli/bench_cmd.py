@@ -8,7 +8,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 from typer.core import TyperGroup
 
-from fsdpkit.bench.busbw import BUSBW_FORMULAS, COLLECTIVES
+from fsdpkit.bench.busbw import BUSBW_FORMULAS, COLLECTIVES, VARIANTS
 from fsdpkit.errors import UsageError
 from fsdpkit.sizes import parse_size
 
@@ -56,10 +56,10 @@ DtypeOption = Annotated[str, typer.Option("--dtype", help="float32|bfloat16|floa
 CheckOption = Annotated[bool, typer.Option("--check", help="Verify every result element; wrong ones are counted, and any exits 3.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of the table.")]
 CsvOption = Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per collective, size and mode to FILE.")]
-VariantOption = Annotated[str, typer.Option("--variant", help="allgather only: flat (all_gather_single, FSDP's), list (all_gather into separate tensors) or both, side by side.")]
+VariantOption = Annotated[Optional[str], typer.Option("--variant", help="allgather: flat (all_gather_single, FSDP's; default), list (all_gather into separate tensors); reducescatter: torch (reduce_scatter_single, an all-reduce on gloo; default), fsdpkit (the engine's: all-to-all + local sum on gloo); both: side by side.")]
 
 
-def _run(collectives: tuple[str, ...], *, variant: str, nproc_per_node: int | None, nnodes: int, node_rank: int,
+def _run(collectives: tuple[str, ...], *, variant: str | None, nproc_per_node: int | None, nnodes: int, node_rank: int,
          rdzv_endpoint: str | None, backend: str, min_bytes: str, max_bytes: str, factor: int, iters: int,
          warmup: int, dtype: str, check: bool, json_output: bool, csv_file: Path | None) -> None:
     import torch
@@ -91,14 +91,14 @@ def _run(collectives: tuple[str, ...], *, variant: str, nproc_per_node: int | No
 
 
 def _command(collectives: tuple[str, ...], *, with_variant: bool) -> Callable[..., None]:
-    """A command function with the shared options (and --variant when all-gather is alone)."""
+    """A command function with the shared options (and --variant for a collective that has variants)."""
 
     def command(
         nproc_per_node: NprocOption = None, nnodes: NnodesOption = 1, node_rank: NodeRankOption = 0,
         rdzv_endpoint: RdzvOption = None, backend: BackendOption = "auto", min_bytes: MinBytesOption = "1K",
         max_bytes: MaxBytesOption = "64M", factor: FactorOption = 2, iters: ItersOption = 20,
         warmup: WarmupOption = 5, dtype: DtypeOption = "float32", check: CheckOption = False,
-        json_output: JsonOption = False, csv_file: CsvOption = None, variant: VariantOption = "flat",
+        json_output: JsonOption = False, csv_file: CsvOption = None, variant: VariantOption = None,
     ) -> None:
         _run(collectives, variant=variant, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
              rdzv_endpoint=rdzv_endpoint, backend=backend, min_bytes=min_bytes, max_bytes=max_bytes, factor=factor,
@@ -130,7 +130,7 @@ _DESCRIPTIONS = {
 for _name in COLLECTIVES:
     bench_app.command(_name, short_help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]}.",
                       help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]} (n = ranks). {_FORMULAS_HELP}")(
-        _command((_name,), with_variant=_name == "allgather")
+        _command((_name,), with_variant=_name in VARIANTS)
     )
 bench_app.command("all", short_help="Every collective, one table after another (allgather: flat).",
                   help=f"Every collective, one table after another (allgather: flat). {_FORMULAS_HELP}")(

@@ -6,7 +6,6 @@ agrees which parameters got a gradient)."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

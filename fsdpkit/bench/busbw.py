@@ -29,6 +29,11 @@ from ..errors import UsageError
 from ..sizes import format_size
 
 COLLECTIVES = ("allgather", "reducescatter", "allreduce", "broadcast", "alltoall")
+# Collectives with two implementations to compare; the first is the default, "both" runs both.
+VARIANTS = {
+    "allgather": ("flat", "list"),  # all_gather_single (FSDP's) / all_gather into a list of tensors
+    "reducescatter": ("torch", "fsdpkit"),  # torch's reduce_scatter_single / fsdpkit's Collectives.reduce_scatter
+}
 SHARDED_COLLECTIVES = frozenset({"allgather", "reducescatter", "alltoall"})
 MODES = ("out_of_place", "in_place")  # nccl-tests: separate buffers, or send inside receive
 ALIGNMENT_BYTES = 16  # nccl-tests rounds each rank's share down to this many bytes

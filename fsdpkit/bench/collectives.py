@@ -7,7 +7,10 @@ exist only in place, and all_to_all_single is only benchmarked out of place (NCC
 run it in place), so those modes are reported as N/A instead of timing a copy as well.
 
 All-gather has two variants: `flat` (one output tensor, all_gather_single, what FSDP uses)
-and `list` (dist.all_gather into a list of separate tensors).
+and `list` (dist.all_gather into a list of separate tensors). Reduce-scatter has two: `torch`
+(reduce_scatter_single; gloo runs it as an all-reduce) and `fsdpkit` (what the engine runs:
+fsdpkit.comm.Collectives.reduce_scatter, an all-to-all and a local sum where the backend
+has no reduce-scatter, the native collective elsewhere).
 """
 
 from __future__ import annotations
@@ -18,9 +21,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..comm import _all_gather_flat, _reduce_scatter_flat
+from ..comm import Collectives, _all_gather_flat, _reduce_scatter_flat
 from . import patterns
-from .busbw import MODES
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def prepare(collective: str, variant: str, mode: str, count: int, where: Placeme
         raise ValueError(f"{collective} has no {mode} form")
     builders = {
         "allgather": _prepare_allgather_list if variant == "list" else _prepare_allgather_flat,
-        "reducescatter": _prepare_reducescatter,
+        "reducescatter": _prepare_reducescatter_fsdpkit if variant == "fsdpkit" else _prepare_reducescatter,
         "allreduce": _prepare_allreduce,
         "broadcast": _prepare_broadcast,
         "alltoall": _prepare_alltoall,
@@ -111,8 +113,15 @@ def _prepare_allgather_list(in_place: bool, count: int, where: Placement) -> Pre
     )
 
 
-def _prepare_reducescatter(in_place: bool, count: int, where: Placement) -> PreparedCollective:
+def _prepare_reducescatter_fsdpkit(in_place: bool, count: int, where: Placement) -> PreparedCollective:
+    comms = Collectives()
+    return _prepare_reducescatter(in_place, count, where, run=lambda output, full: comms.reduce_scatter(output, full, where.group))
+
+
+def _prepare_reducescatter(in_place: bool, count: int, where: Placement, *,
+                           run: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> PreparedCollective:
     rank, n = where.rank, where.world_size
+    run = run or (lambda output, full: _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=where.group))
     full = _empty(count * n, where)
     output = full[rank * count : (rank + 1) * count] if in_place else _empty(count, where)
 
@@ -122,7 +131,7 @@ def _prepare_reducescatter(in_place: bool, count: int, where: Placement) -> Prep
 
     reset()
     return PreparedCollective(
-        run=lambda: _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=where.group),
+        run=lambda: run(output, full),
         reset=reset,
         result=lambda: output,
         expected=lambda: patterns.sum_over_ranks(rank * count, count, n, device=where.device),

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UsageError
-from .busbw import COLLECTIVES, check_collective, size_sweep
+from .busbw import COLLECTIVES, VARIANTS, check_collective, size_sweep
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("auto", "gloo", "nccl")
-VARIANTS = ("flat", "list", "both")  # all-gather only
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -34,7 +33,7 @@ class BenchOptions:
     warmup: int = 5
     dtype: str = "float32"
     backend: str = "auto"
-    variant: str = "flat"
+    variant: str | None = None  # for the collectives in VARIANTS: one of theirs or "both"; None: the first
     check: bool = False
 
     def __post_init__(self) -> None:
@@ -45,8 +44,13 @@ class BenchOptions:
         torch_dtype(self.dtype)
         if self.backend not in BACKENDS:
             raise UsageError(f"unknown --backend {self.backend!r}: choose from {', '.join(BACKENDS)}")
-        if self.variant not in VARIANTS:
-            raise UsageError(f"unknown --variant {self.variant!r}: choose from {', '.join(VARIANTS)}")
+        if self.variant is not None:
+            with_variants = [c for c in self.collectives if c in VARIANTS]
+            if not with_variants:
+                raise UsageError(f"--variant only applies to {', '.join(VARIANTS)}")
+            for collective in with_variants:
+                if self.variant not in (*VARIANTS[collective], "both"):
+                    raise UsageError(f"unknown --variant {self.variant!r}: choose from {', '.join(VARIANTS[collective])}, both")
         if self.iters < 1:
             raise UsageError(f"--iters must be >= 1, got {self.iters}")
         if self.warmup < 0:
@@ -57,15 +61,16 @@ class BenchOptions:
         return size_sweep(self.min_bytes, self.max_bytes, self.factor)
 
     def entries(self) -> list[tuple[str, str]]:
-        """(collective, variant) pairs to run, in order; variant is '' except for all-gather."""
+        """(collective, variant) pairs to run, in order; variant is '' for collectives without variants."""
         pairs: list[tuple[str, str]] = []
         for collective in self.collectives:
-            if collective != "allgather":
+            variants = VARIANTS.get(collective)
+            if variants is None:
                 pairs.append((collective, ""))
             elif self.variant == "both":
-                pairs += [("allgather", "flat"), ("allgather", "list")]
+                pairs += [(collective, variant) for variant in variants]
             else:
-                pairs.append(("allgather", self.variant))
+                pairs.append((collective, self.variant or variants[0]))
         return pairs
 
 

@@ -14,7 +14,7 @@ _NOT_AVAILABLE = f"{'N/A':>9} {'N/A':>7} {'N/A':>7} {'N/A':>7}"
 
 
 def format_report(report: BenchReport) -> str:
-    """Every collective's table, one after another; a flat/list comparison when both ran."""
+    """Every collective's table, one after another; the variants side by side when both ran."""
     parts = [format_table(report, result) for result in report.results]
     comparison = format_variant_comparison(report)
     if comparison:
@@ -58,25 +58,35 @@ def _format_time(time_us: float) -> str:
     return f"{time_us:.1f}" if time_us < 1e6 else f"{time_us:.0f}"
 
 
+_COMPARISONS = {  # collective -> (title, baseline variant, other variant)
+    "allgather": ("all-gather: flat (all_gather_single, FSDP's) vs list (all_gather into separate tensors)", "flat", "list"),
+    "reducescatter": ("reduce-scatter: torch (reduce_scatter_single) vs fsdpkit (the engine's Collectives.reduce_scatter)",
+                      "torch", "fsdpkit"),
+}
+
+
 def format_variant_comparison(report: BenchReport) -> str | None:
-    """Flat vs list all-gather at each size, when both variants ran."""
-    by_variant = {result.variant: result for result in report.results if result.collective == "allgather"}
-    if not {"flat", "list"} <= by_variant.keys():
-        return None
-    lines = [
-        "# all-gather: flat (all_gather_single, FSDP's) vs list (all_gather into separate tensors)",
-        f"# {'size(B)':>11} {'mode':>13} {'flat(us)':>10} {'list(us)':>10} {'list/flat':>10}",
-    ]
-    for flat_row, list_row in zip(by_variant["flat"].rows, by_variant["list"].rows):
-        for mode in MODES:
-            flat_mode, list_mode = getattr(flat_row, mode), getattr(list_row, mode)
-            ratio = list_mode.time_us / flat_mode.time_us
-            lines.append(
-                f"  {flat_row.size_bytes:>11} {mode.replace('_', '-'):>13} "
-                f"{flat_mode.time_us:>10.1f} {list_mode.time_us:>10.1f} {ratio:>10.2f}"
-            )
-    lines.append("#")
-    return "\n".join(lines)
+    """Each collective's two variants side by side at each size, when both ran."""
+    parts = []
+    for collective, (title, base, other) in _COMPARISONS.items():
+        by_variant = {result.variant: result for result in report.results if result.collective == collective}
+        if not {base, other} <= by_variant.keys():
+            continue
+        ratio_header = f"{other}/{base}"
+        lines = [
+            f"# {title}",
+            f"# {'size(B)':>11} {'mode':>13} {base + '(us)':>12} {other + '(us)':>12} {ratio_header:>13}",
+        ]
+        for base_row, other_row in zip(by_variant[base].rows, by_variant[other].rows):
+            for mode in MODES:
+                base_mode, other_mode = getattr(base_row, mode), getattr(other_row, mode)
+                lines.append(
+                    f"  {base_row.size_bytes:>11} {mode.replace('_', '-'):>13} "
+                    f"{base_mode.time_us:>12.1f} {other_mode.time_us:>12.1f} {other_mode.time_us / base_mode.time_us:>13.2f}"
+                )
+        lines.append("#")
+        parts.append("\n".join(lines))
+    return "\n".join(parts) or None
 
 
 def report_document(report: BenchReport) -> dict[str, Any]:

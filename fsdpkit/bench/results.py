@@ -29,7 +29,7 @@ class SizeResult:
 @dataclass(frozen=True)
 class CollectiveResult:
     collective: str
-    variant: str  # "flat" or "list" for all-gather, else ""
+    variant: str  # all-gather: flat|list; reduce-scatter: torch|fsdpkit; else ""
     world_size: int
     busbw_factor: float
     rows: tuple[SizeResult, ...]

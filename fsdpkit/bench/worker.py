@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .busbw import BenchSize
-from .collectives import MODES, Placement, PreparedCollective, prepare, supports_mode
+from .busbw import MODES, BenchSize
+from .collectives import Placement, PreparedCollective, prepare, supports_mode
 from .options import torch_dtype
 
 CORRUPT_RANK_ENV = "FSDPKIT_BENCH_CORRUPT_RANK"

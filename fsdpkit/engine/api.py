@@ -14,11 +14,11 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ..comm import Collectives, CommStats
 from ..errors import UsageError
 from .config import MixedPrecision, ShardingConfig
-from .flat_unit import NAME_ATTR, SHAPE_ATTR
+from .flat_unit import SHAPE_ATTR
 from .memory import optimizer_state_bytes
-from .deferred_init import has_meta_tensors, materialize_buffers, unit_materializer
+from .deferred_init import has_meta_tensors, initialize_meta_parameters, materialize_buffers, meta_parameter_names
 from .mesh import build_mesh
-from .precision import keep_in_fp32
+from .precision import FP32_MODULE_CLASSES, keep_in_fp32
 from .plan import WrapPolicy, plan_units
 from .sharded import STATE_ATTR, ShardedState, get_state
 
@@ -72,12 +72,12 @@ def shard(
     for buffer_owner in module.modules():
         for name, buffer in buffer_owner._buffers.items():
             if buffer is not None:
-                buffer_owner._buffers[name] = _place_buffer(buffer, device, config.mixed_precision)
+                buffer_owner._buffers[name] = _place_buffer(buffer, buffer_owner, device, config.mixed_precision)
     plans = plan_units(module, _as_policy(wrap))
-    state = ShardedState(
-        module, plans, mesh, config, Collectives(comm_stats), device,
-        materialize=unit_materializer(module, device) if deferred else None, record_events=record_events,
-    )
+    meta_names = meta_parameter_names(module) if deferred else set()
+    state = ShardedState(module, plans, mesh, config, Collectives(comm_stats), device, record_events=record_events)
+    if meta_names:
+        initialize_meta_parameters(module, state.units, meta_names, device)
     object.__setattr__(module, STATE_ATTR, state)
     if config.mixed_precision.enabled:
         state.handles += keep_in_fp32(module, config.mixed_precision.param_dtype)
@@ -125,8 +125,9 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _place_buffer(buffer: torch.Tensor, device: torch.device, mixed_precision: MixedPrecision) -> torch.Tensor:
-    if buffer.is_floating_point() and mixed_precision.buffer_dtype is not None:
+def _place_buffer(buffer: torch.Tensor, owner: nn.Module, device: torch.device, mixed_precision: MixedPrecision) -> torch.Tensor:
+    """On `device`; floating buffers in buffer_dtype, except batch-norm statistics (fp32)."""
+    if buffer.is_floating_point() and mixed_precision.buffer_dtype is not None and not isinstance(owner, FP32_MODULE_CLASSES):
         return buffer.to(device=device, dtype=mixed_precision.buffer_dtype)
     return buffer.to(device)
 

@@ -25,12 +25,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=torch.tensor(0.0))
         total = torch.as_tensor(local, dtype=torch.float32, device=state.device).clone()
         if state.mesh.shard_group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=state.mesh.shard_group)
+            state.comms.all_reduce(total, state.mesh.shard_group, op=dist.ReduceOp.MAX, label="clip_grad_norm")
     else:
         local = sum((g.detach().float().abs().pow(norm_type).sum() for g in grads), torch.tensor(0.0))
         total = torch.as_tensor(local, dtype=torch.float32, device=state.device).clone()
         if state.mesh.shard_group is not None:
-            dist.all_reduce(total, group=state.mesh.shard_group)
+            state.comms.all_reduce(total, state.mesh.shard_group, label="clip_grad_norm")
         total = total.pow(1.0 / norm_type)
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0).to(host)
     for grad in grads:

@@ -2,21 +2,50 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import UsageError
 
-STRATEGIES = ("full", "grad-op", "hybrid", "none")
-BACKWARD_PREFETCH = ("pre", "post", "none")
+
+class Strategy(enum.StrEnum):
+    """How parameters are sharded. Members equal their strings ("full" == Strategy.FULL)."""
+
+    FULL = "full"  # FULL_SHARD: shard over every rank, reshard after forward
+    GRAD_OP = "grad-op"  # SHARD_GRAD_OP (ZeRO-2): shard over every rank, keep unsharded from forward to backward
+    HYBRID = "hybrid"  # HYBRID_SHARD: FULL_SHARD inside groups of shard_group_size ranks, replicate across them
+    NONE = "none"  # NO_SHARD: replicate (DDP)
+
+
+class BackwardPrefetch(enum.StrEnum):
+    """When backward issues the next unit's all-gather (torch FSDP's BACKWARD_PRE / BACKWARD_POST)."""
+
+    PRE = "pre"  # before this unit's gradients are computed: most overlap, one more unit gathered
+    POST = "post"  # after them, before their reduction
+    NONE = "none"
+
+
+STRATEGIES = tuple(Strategy)
+BACKWARD_PREFETCH = tuple(BackwardPrefetch)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _enum_value(kind: type[enum.StrEnum], value: str, what: str) -> enum.StrEnum:
+    try:
+        return kind(value)
+    except ValueError:
+        raise UsageError(f"unknown {what} {value!r}: use one of {', '.join(kind)}") from None
 
 
 @dataclass(frozen=True)
 class MixedPrecision:
     """Dtypes for the unsharded parameters, the gradient reduction and the buffers.
 
-    None means: keep the master dtype (fp32).
+    None means: keep the master dtype (fp32). Batch-norm statistics stay fp32 whatever
+    buffer_dtype says (torch FSDP's choice: they are unsafe in 16 bits).
     """
 
     param_dtype: torch.dtype | None = None
@@ -24,13 +53,28 @@ class MixedPrecision:
     buffer_dtype: torch.dtype | None = None
 
     @classmethod
-    def from_name(cls, name: str) -> "MixedPrecision":
-        dtypes = {"none": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-        if name not in dtypes:
-            raise UsageError(f"unknown mixed precision {name!r}: use one of bf16, fp16, none")
-        dtype = dtypes[name]
-        # bf16 keeps the reduction in bf16 (as the paper's runs); fp16 reduces in fp32 to avoid overflow.
-        return cls(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is torch.float16 else dtype, buffer_dtype=None)
+    def from_name(cls, name: str, *, reduce_dtype: str | None = None) -> "MixedPrecision":
+        """The preset `name` (bf16, fp16, fp32 or none): compute and float buffers in that
+        dtype. `reduce_dtype` (bf16, fp16, fp32) overrides the preset's reduction dtype.
+
+        Default reduction: bf16 under bf16, as in the paper's runs (section 4.4: the
+        collectives run in the low precision too, halving their bytes, while the sharded
+        master weights and the optimizer stay fp32); fp32 under fp16, whose narrow range
+        overflows when gradients are summed over ranks. reduce_dtype="fp32" costs twice the
+        reduce-scatter bytes and is bitwise what torch FSDP2 computes with
+        MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
+        """
+        presets = {"none": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+        if name not in presets:
+            raise UsageError(f"unknown mixed precision {name!r}: use one of bf16, fp16, fp32, none")
+        if reduce_dtype is not None and reduce_dtype not in _DTYPES:
+            raise UsageError(f"unknown reduce dtype {reduce_dtype!r}: use one of {', '.join(_DTYPES)}")
+        dtype = presets[name]
+        default_reduce = torch.float32 if dtype is torch.float16 else dtype
+        reduce = _DTYPES[reduce_dtype] if reduce_dtype is not None else default_reduce
+        if reduce is torch.float32 and dtype is None:
+            reduce = None  # fp32 everywhere: nothing to cast
+        return cls(param_dtype=dtype, reduce_dtype=reduce, buffer_dtype=dtype)
 
     @property
     def enabled(self) -> bool:
@@ -41,43 +85,43 @@ class MixedPrecision:
 class ShardingConfig:
     """How a model is sharded.
 
-    strategy: full (FULL_SHARD), grad-op (SHARD_GRAD_OP), hybrid (HYBRID_SHARD), none (NO_SHARD).
-    shard_group_size: ranks a parameter is sharded over with `hybrid`.
+    strategy: full (FULL_SHARD), grad-op (SHARD_GRAD_OP), hybrid (HYBRID_SHARD), none (NO_SHARD);
+    a Strategy or its string. shard_group_size: ranks a parameter is sharded over with `hybrid`.
     """
 
-    strategy: str = "full"
+    strategy: Strategy = Strategy.FULL
     shard_group_size: int | None = None
     mixed_precision: MixedPrecision = MixedPrecision()
-    backward_prefetch: str = "pre"
+    backward_prefetch: BackwardPrefetch = BackwardPrefetch.PRE
     forward_prefetch: bool = False
     limit_all_gathers: int = 2
     cpu_offload: bool = False
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        if self.backward_prefetch not in BACKWARD_PREFETCH:
-            raise UsageError(f"unknown backward prefetch {self.backward_prefetch!r}: use one of {', '.join(BACKWARD_PREFETCH)}")
+        object.__setattr__(self, "backward_prefetch", _enum_value(BackwardPrefetch, self.backward_prefetch, "backward prefetch"))
+        object.__setattr__(self, "strategy", _enum_value(Strategy, self.strategy, "sharding strategy"))
         if self.limit_all_gathers < 0:
             raise UsageError(f"limit on in-flight all-gathers must be >= 0 (0: no limit), got {self.limit_all_gathers}")
-        if self.strategy not in STRATEGIES:
-            raise UsageError(f"unknown sharding strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
-        if self.strategy == "hybrid" and self.shard_group_size is None:
+        if self.strategy is Strategy.HYBRID and self.shard_group_size is None:
             raise UsageError("strategy 'hybrid' needs a shard group size (--shard-group-size)")
-        if self.strategy != "hybrid" and self.shard_group_size is not None:
-            raise UsageError(f"--shard-group-size {self.shard_group_size} only applies to strategy 'hybrid', not {self.strategy!r}")
+        if self.strategy is not Strategy.HYBRID and self.shard_group_size is not None:
+            raise UsageError(f"--shard-group-size {self.shard_group_size} only applies to strategy 'hybrid', not '{self.strategy}'")
         if self.shard_group_size is not None and self.shard_group_size < 1:
             raise UsageError(f"shard group size must be >= 1, got {self.shard_group_size}")
 
     def validate_world_size(self, world_size: int) -> None:
         if world_size < 1:
             raise UsageError(f"world size must be >= 1, got {world_size}")
-        if self.strategy == "hybrid" and world_size % self.shard_group_size:
+        if self.strategy is Strategy.HYBRID and world_size % self.shard_group_size:
             raise UsageError(f"world size {world_size} is not divisible by shard group size {self.shard_group_size}")
 
     def shard_factor(self, world_size: int) -> int:
         self.validate_world_size(world_size)
-        return {"full": world_size, "grad-op": world_size, "none": 1}.get(self.strategy) or self.shard_group_size
+        if self.strategy is Strategy.HYBRID:
+            return self.shard_group_size
+        return 1 if self.strategy is Strategy.NONE else world_size
 
     @property
     def reshard_after_forward(self) -> bool:
-        return self.strategy in ("full", "hybrid")
+        return self.strategy in (Strategy.FULL, Strategy.HYBRID)

@@ -1,26 +1,41 @@
-"""Deferred initialisation: a model built on the meta device is materialised one unit at a
-time; each rank keeps only its shard before the next unit is built.
+"""Deferred initialisation: a model built on the meta device gets its values after its units
+exist, one module at a time; each rank keeps only its fragments, so the peak is one module's
+parameters plus the shards, never the model.
 
 A parameter is initialised by the model's `init_parameter(name, tensor)` when it has one
-(fsdpkit's GPT does: each parameter draws from a generator seeded by the model seed and
-its name, so the result equals eager initialisation whatever the order), otherwise by
-`reset_parameters()` of each module holding the unit's parameters (torch FSDP's
-convention). Tied weights are materialised once and stay tied.
+(fsdpkit's GPT does: each parameter draws from a generator seeded by the model seed and its
+name, so the result equals eager initialisation whatever the order). Otherwise by
+`reset_parameters()` of the module that owns it, so that the result equals eager
+construction under the same seed:
+
+- modules are reset in the order eager construction runs their resets: children before
+  parents, siblings in registration order (each module resets at the end of its __init__,
+  as torch's modules do);
+- each module's reset sees its own parameters at full size; a tied parameter belongs to the
+  first module holding it (its canonical name), and another module sharing it draws into a
+  scratch copy, so the random stream advances as in eager construction but the owner's
+  values are the ones kept.
+
+What cannot reproduce eager init is an error naming the parameter: one that no
+reset_parameters() initialises, or a reset that writes a parameter of another module.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UsageError
-from .plan import UnitPlan
+from .flat_unit import SHAPE_ATTR, FlatUnit
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def meta_parameter_names(module: nn.Module) -> set[str]:
+    return {name for name, param in module.named_parameters() if param.is_meta}
 
 
 def materialize_buffers(module: nn.Module, device: torch.device) -> None:
@@ -39,49 +54,115 @@ def materialize_buffers(module: nn.Module, device: torch.device) -> None:
         owner.reset_running_stats()
 
 
-def unit_materializer(root: nn.Module, device: torch.device) -> Callable[[UnitPlan], None]:
-    modules = dict(root.named_modules(remove_duplicate=False))
+def initialize_meta_parameters(root: nn.Module, units: list[FlatUnit], names: set[str], device: torch.device) -> None:
+    """Fill the shards of the parameters `names` (those that were on the meta device)."""
+    slots = {}  # (module name, attribute) -> (unit, parameter index), for every use of a meta parameter
+    for unit in units:
+        for index, plan in enumerate(unit.plan.params):
+            if plan.name in names:
+                slots.update({use: (unit, index) for use in plan.uses})
     init_parameter = getattr(root, "init_parameter", None)
-
-    def materialize(plan: UnitPlan) -> None:
-        fresh: list[tuple[str, nn.Parameter]] = []
-        for param_plan in plan.params:
-            module, attr = param_plan.uses[0]
-            current = modules[module]._parameters[attr]
-            if not current.is_meta:
-                continue
-            param = nn.Parameter(torch.empty(param_plan.shape, dtype=current.dtype, device=device), requires_grad=param_plan.requires_grad)
-            for use_module, use_attr in param_plan.uses:
-                modules[use_module]._parameters[use_attr] = param
-            fresh.append((param_plan.name, param))
-        if not fresh:
-            return
+    if callable(init_parameter):
         with torch.no_grad():
-            if callable(init_parameter):
-                for name, param in fresh:
-                    init_parameter(name, param)
-            else:
-                _reset_owners(plan, modules, fresh)
+            for unit in units:
+                for index, plan in enumerate(unit.plan.params):
+                    if plan.name in names:
+                        full = torch.empty(plan.shape, dtype=unit.master_dtype, device=device)
+                        init_parameter(plan.name, full)
+                        unit.fill_parameter(index, full)
+        return
+    modules = dict(root.named_modules(remove_duplicate=False))
+    # While modules reset, every meta parameter shows as a meta tensor of its full shape: a
+    # reset that reaches into another module's parameter writes nothing, and is caught.
+    placeholder_names: dict[int, str] = {}
+    for unit in units:
+        for plan in unit.plan.params:
+            if plan.name in names:
+                placeholder = nn.Parameter(torch.empty(plan.shape, dtype=unit.master_dtype, device="meta"),
+                                           requires_grad=plan.requires_grad)
+                placeholder_names[id(placeholder)] = plan.name
+                for module_name, attr in plan.uses:
+                    modules[module_name]._parameters[attr] = placeholder
+    done: set[str] = set()
+    try:
+        for module_name in _construction_order(root):
+            _reset_module(module_name, modules[module_name], slots, device, done, placeholder_names)
+    finally:
+        for unit in units:
+            unit.reshard()  # the attributes show the sharded fragments again
+    missing = [name for unit in units for name in (p.name for p in unit.plan.params) if name in names and name not in done]
+    if missing:
+        raise UsageError(f"deferred init: nothing initialises parameter {missing[0]!r} (its module has no reset_parameters() "
+                         "that sets it); give the model init_parameter(name, tensor), or build it eagerly (--eager-init)")
 
-    return materialize
+
+def _construction_order(root: nn.Module) -> list[str]:
+    """Module names, children before their parent, each module once (its first name)."""
+    order: list[str] = []
+    seen: set[int] = set()
+
+    def visit(name: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+        order.append(name)
+
+    visit("", root)
+    return order
 
 
-def _reset_owners(plan: UnitPlan, modules: dict[str, nn.Module], fresh: list[tuple[str, nn.Parameter]]) -> None:
-    """torch FSDP's convention: reset_parameters() of each module holding this unit's
-    parameters, when every parameter it holds is one just materialised (a module that also
-    holds an already sharded parameter cannot be reset). A parameter no reset touched is an
-    error, never silently uninitialised memory."""
-    fresh_ids = {id(param) for _, param in fresh}
-    for _, param in fresh:
-        param.fill_(float("nan"))
-    owners = {use_module for p in plan.params for use_module, _ in p.uses}
-    for name in sorted(owners, key=lambda n: list(modules).index(n)):
-        module = modules[name]
-        reset = getattr(module, "reset_parameters", None)
-        own = [p for p in module.parameters(recurse=False)]
-        if callable(reset) and own and all(id(p) in fresh_ids for p in own):
+def _reset_module(module_name: str, module: nn.Module, slots: dict, device: torch.device, done: set[str],
+                  placeholder_names: dict[int, str]) -> None:
+    own = {attr: slots[(module_name, attr)] for attr in module._parameters if (module_name, attr) in slots}
+    reset = getattr(module, "reset_parameters", None)
+    if not own or not callable(reset):
+        return
+    placeholders = dict(module._parameters)
+    owned: dict[str, torch.Tensor] = {}
+    for attr, param in placeholders.items():
+        if param is None:
+            continue
+        # Parameters this module does not own (tied, or already real) get a scratch copy.
+        tensor = torch.empty(getattr(param, SHAPE_ATTR, param.shape), dtype=param.dtype, device=device)
+        if attr in own:
+            unit, index = own[attr]
+            if unit.plan.params[index].uses[0] == (module_name, attr):
+                owned[attr] = tensor.fill_(float("nan"))
+        module._parameters[attr] = nn.Parameter(tensor, requires_grad=param.requires_grad)
+    guard = _MetaWriteGuard()
+    try:
+        with torch.no_grad(), guard:
             reset()
-    untouched = [name for name, param in fresh if param.numel() and torch.isnan(param).all()]
-    if untouched:
-        raise UsageError(f"deferred init: nothing initialises parameter {untouched[0]!r} (its module has no reset_parameters()); "
-                         "give the model init_parameter(name, tensor), or build it eagerly (--eager-init)")
+    finally:
+        module._parameters.update(placeholders)
+    if guard.written:
+        where = f"{module_name}.reset_parameters()" if module_name else f"{type(module).__name__}.reset_parameters()"
+        written = placeholder_names.get(id(guard.written[0]), "a parameter")
+        raise UsageError(f"deferred init: {where} writes parameter {written!r} of another module, so the order of "
+                         "random draws cannot follow eager construction; give the model init_parameter(name, tensor), "
+                         "or build it eagerly (--eager-init)")
+    for attr, tensor in owned.items():
+        unit, index = own[attr]
+        if tensor.numel() and torch.isnan(tensor).all():
+            continue  # not set by this reset
+        unit.fill_parameter(index, tensor)
+        done.add(unit.plan.params[index].name)
+
+
+class _MetaWriteGuard(TorchDispatchMode):
+    """Records in-place writes to meta tensors (another module's parameter placeholders)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for position, argument in enumerate(func._schema.arguments):
+            value = args[position] if position < len(args) else kwargs.get(argument.name)
+            if (argument.alias_info is not None and argument.alias_info.is_write
+                    and isinstance(value, torch.Tensor) and value.is_meta):
+                self.written.append(value)
+        return func(*args, **kwargs)

@@ -1,16 +1,24 @@
 """One unit's FlatParameter: the sharded master chunk, the unsharded buffer the unit computes
-with, and the reduction of its gradient back into the chunk.
+with, the reduction of its gradient back into the chunk, and the unit's lifecycle.
 
 Sharded state: each original parameter is an nn.Parameter that is a 1-D view of its own
 fragment of `flat_shard` (possibly empty); the optimizer updates those views in place.
 Unsharded state: `full_flat` (a leaf that autograd accumulates into) holds the whole padded
 flat parameter in the compute dtype, and each original parameter is a view of it with its
 original shape.
+
+    SHARDED --unshard(async)--> GATHERING --wait--> GATHERED --show--> UNSHARDED
+       ^                                                                   |
+       +-------------------------------- reshard --------------------------+
+
+Per backward, separately: PENDING -> PREPARED (gathered for its gradient computation) ->
+REDUCED (its gradient reduction issued), back to PENDING at the end of backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +34,23 @@ from .plan import UnitPlan
 
 SHAPE_ATTR = "_fsdpkit_shape"
 NAME_ATTR = "_fsdpkit_name"
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameters are."""
+
+    SHARDED = "sharded"  # only this rank's chunk exists; the module attributes are its 1-D fragments
+    GATHERING = "gathering"  # an all-gather into the full buffer is in flight
+    GATHERED = "gathered"  # the full buffer holds the unit; the attributes still show the fragments
+    UNSHARDED = "unsharded"  # the attributes are views of the full buffer, with their original shapes
+
+
+class BackwardState(enum.Enum):
+    """How far the current backward has got with a unit."""
+
+    PENDING = "pending"  # not reached yet
+    PREPARED = "prepared"  # its pre-backward hook ran: gathered for its gradient computation
+    REDUCED = "reduced"  # its gradient reduction was issued
 
 
 @dataclass
@@ -74,11 +99,16 @@ class FlatUnit:
         self.host = torch.device("cpu") if offload else device
         self.gather_stream = gather_stream
 
-        self.flat_shard = torch.zeros(self.layout.chunk_numel, dtype=self.master_dtype, device=self.host)
+        # Parameters still on the meta device are filled later (deferred_init) through
+        # fill_parameter(); until then their pages are not touched, so deferred init holds
+        # memory only for what it has materialised. The padding after them is zero.
+        self.flat_shard = torch.empty(self.layout.chunk_numel, dtype=self.master_dtype, device=self.host)
         with torch.no_grad():
+            self.flat_shard[sum(fragment.param_range.size for fragment in self.fragments):].zero_()
             for fragment, original in zip(self.fragments, originals):
-                source = original.detach().reshape(-1)[fragment.param_range.start:fragment.param_range.end]
-                self._local(self.flat_shard, fragment).copy_(source)
+                if not original.is_meta:
+                    source = original.detach().reshape(-1)[fragment.param_range.start:fragment.param_range.end]
+                    self._local(self.flat_shard, fragment).copy_(source)
         self.params: list[nn.Parameter] = []
         for fragment, param_plan in zip(self.fragments, plan.params):
             param = nn.Parameter(self._local(self.flat_shard, fragment), requires_grad=param_plan.requires_grad)
@@ -96,12 +126,12 @@ class FlatUnit:
             self.full_flat = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=device)
             self.full_flat.untyped_storage().resize_(0)
         self.full_flat.requires_grad_(self.trainable)
-        self.is_unsharded = False
-        self.gather_work: Any = None
-        self.views_shown = False
+        self.state = UnitState.SHARDED
+        self.backward = BackwardState.PENDING
+        self.frozen_uses = 0  # uses of a frozen unit whose backward is still to come
+        self._gather_work: Any = None
         self.used = torch.zeros(len(self.params), dtype=torch.int32)
-        self.holds_unsynced_grad = False
-        self.reset_backward_state(keep_usage=False)
+        self._holds_unsynced_grad = False  # full_flat.grad accumulates across no_sync backwards
         self._set_params(self.params)
 
     # ----- layout helpers
@@ -114,23 +144,33 @@ class FlatUnit:
             for module, attr in uses:
                 module._parameters[attr] = tensor
 
-    def reset_backward_state(self, *, keep_usage: bool) -> None:
-        self.backward_prepared = False
-        self.backward_done = False
-        self.reduced_this_backward = False
+    def fill_parameter(self, index: int, full: torch.Tensor) -> None:
+        """Copy this rank's fragment of parameter `index` from its full (unsharded) value."""
+        span = self.fragments[index].param_range
+        with torch.no_grad():
+            self.params[index].copy_(full.reshape(-1)[span.start:span.end])
+
+    def end_backward(self, *, keep_usage: bool) -> None:
+        self.backward = BackwardState.PENDING
+        self.frozen_uses = 0
         if not keep_usage:
             self.used.zero_()
 
     # ----- unshard / reshard
+    @property
+    def is_gathered(self) -> bool:
+        """The all-gather was at least issued: the full buffer is (or will be) filled."""
+        return self.state is not UnitState.SHARDED
+
     def unshard(self, *, async_op: bool = False) -> Any:
         """Start (or do) the all-gather of the unit into `full_flat` in the compute dtype.
 
         Returns the work handle when asynchronous; `wait_unshard()` before using the data.
         """
-        if self.is_unsharded:
+        if self.is_gathered:
             return None
-        self.is_unsharded = True
         if self.aliases_shard:
+            self.state = UnitState.GATHERED
             return None
         full = self.full_flat
         if full.untyped_storage().size() == 0:
@@ -146,32 +186,43 @@ class FlatUnit:
             source = self.flat_shard.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
             # `.data`: fills the buffer without bumping the version counter autograd checks on saved views.
             if self.mesh.shard_factor > 1:
-                self.gather_work = self.comms.all_gather(full.data, source, self.mesh.shard_group, async_op=async_op, label=self.name)
-                if not async_op:
-                    self.gather_work = None
+                work = self.comms.all_gather(full.data, source, self.mesh.shard_group, async_op=async_op, label=self.name)
+                if async_op:
+                    self._gather_work = work
+                    self.state = UnitState.GATHERING
+                    return work
             else:
                 full.data.copy_(source)
-        return self.gather_work
+        self.state = UnitState.GATHERED
+        return None
 
     def wait_unshard(self) -> None:
-        if self.gather_work is not None:
-            work, self.gather_work = self.gather_work, None
+        if self.state is UnitState.GATHERING:
+            work, self._gather_work = self._gather_work, None
             work.wait()
+            self.state = UnitState.GATHERED
 
     def show_unsharded(self, *, track_grad: bool) -> None:
-        """Point every original parameter at its view of `full_flat`, with its own shape."""
+        """Point every original parameter at its view of `full_flat`, with its own shape.
+
+        With track_grad the views are built under grad mode even where autograd turned it off
+        (a pre-backward hook): recomputation under activation checkpointing must see views
+        that carry a grad_fn, or it saves other tensors than the original forward did.
+        """
         self.wait_unshard()
-        base = self.full_flat if (track_grad and self.trainable) else self.full_flat.detach()
-        pieces = torch.split(base, self.layout.split_sizes())
-        views = [
-            (piece if param_plan.requires_grad else piece.detach()).view(param_plan.shape)
-            for piece, param_plan in zip(pieces, self.plan.params)
-        ]
+        with torch.enable_grad() if track_grad else contextlib.nullcontext():
+            base = self.full_flat if (track_grad and self.trainable) else self.full_flat.detach()
+            pieces = torch.split(base, self.layout.split_sizes())
+            views = [
+                (piece if param_plan.requires_grad else piece.detach()).view(param_plan.shape)
+                for piece, param_plan in zip(pieces, self.plan.params)
+            ]
         if base.requires_grad:
             for index, view in enumerate(views):
                 if view.requires_grad:
                     view.register_hook(self._usage_hook(index))
         self._set_params(views)
+        self.state = UnitState.UNSHARDED
 
     def _usage_hook(self, index: int):
         def mark_used(grad: torch.Tensor) -> None:
@@ -182,14 +233,15 @@ class FlatUnit:
     def reshard(self) -> None:
         """Back to the sharded state: original names show the fragments; free the full buffer."""
         self._set_params(self.params)
-        if not self.is_unsharded:
+        if not self.is_gathered:
             return
         self.wait_unshard()
-        self.is_unsharded = False
+        self.state = UnitState.SHARDED
         if not self.aliases_shard and self.full_flat.untyped_storage().size():
             self.full_flat.untyped_storage().resize_(0)
             self.memory.add("unsharded_params", -tensor_bytes(self.full_flat))
 
+    # ----- gradients
     def release_cleared_grads(self) -> None:
         """Free the sharded gradient once the optimizer cleared every .grad (zero_grad with
         set_to_none), so it is not held through the next forward and backward."""
@@ -197,10 +249,33 @@ class FlatUnit:
             self.memory.add("sharded_grads", -tensor_bytes(self.grad_shard))
             self.grad_shard = None
 
-    # ----- gradient reduction
+    def keep_grad_unsynced(self) -> None:
+        """no_sync: leave the unsharded gradient in full_flat.grad, where the next backward adds to it."""
+        if not self._holds_unsynced_grad:
+            self._holds_unsynced_grad = True
+            self.memory.add("unsharded_grads", tensor_bytes(self.full_flat.grad))
+
+    def take_grad(self) -> torch.Tensor:
+        """Take the unsharded gradient out of full_flat.grad to reduce it: zeros when this
+        rank computed none (every rank must still take part in the reduction)."""
+        grad, self.full_flat.grad = self.full_flat.grad, None
+        if grad is None:
+            grad = torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+        if not self._holds_unsynced_grad:
+            self.memory.add("unsharded_grads", tensor_bytes(grad))
+        self._holds_unsynced_grad = False
+        return grad
+
+    def drop_unsynced_grad(self) -> None:
+        """Discard a gradient a failed backward may have half-accumulated."""
+        if self._holds_unsynced_grad and self.full_flat.grad is not None:
+            self.memory.add("unsharded_grads", -tensor_bytes(self.full_flat.grad))
+        self.full_flat.grad = None
+        self._holds_unsynced_grad = False
+
     def issue_reduction(self, full_grad: torch.Tensor) -> PendingReduction:
-        """Start reducing a full padded gradient: reduce-scatter in the shard group (or
-        all-reduce across replicas when F = 1)."""
+        """Start reducing a full padded gradient (from take_grad): reduce-scatter in the shard
+        group (or all-reduce across replicas when F = 1)."""
         grad = full_grad if full_grad.dtype == self.reduce_dtype else full_grad.to(self.reduce_dtype)
         if self.mesh.shard_factor > 1:
             output = torch.empty(self.layout.chunk_numel, dtype=self.reduce_dtype, device=self.device)
@@ -210,12 +285,18 @@ class FlatUnit:
             work = None
             if self.mesh.replicate_group is not None:
                 work = self.comms.all_reduce(output, self.mesh.replicate_group, async_op=True, label=self.name)
-        self.reduced_this_backward = True
+        if output is not full_grad:
+            self.memory.add("sharded_grads", tensor_bytes(output))  # the reduce-scatter's output chunk
+        self.backward = BackwardState.REDUCED
         return PendingReduction(self, output, full_grad, work)
 
     def complete_reduction(self, pending: PendingReduction) -> None:
         """Wait for the reduction, all-reduce across replicas (hybrid) and average; the full
         gradient it read from is released (pending.source = None)."""
+        if pending.source is None:
+            return
+        source_bytes = tensor_bytes(pending.source)
+        output_bytes = 0 if pending.output is pending.source else tensor_bytes(pending.output)
         if pending.work is not None:
             pending.work.wait()
             pending.work = None
@@ -224,6 +305,17 @@ class FlatUnit:
             self.comms.all_reduce(reduced, self.mesh.replicate_group, label=self.name)
         pending.output = reduced.to(device=self.host, dtype=self.master_dtype).div_(self.mesh.world_size)
         pending.source = None
+        self.memory.add("unsharded_grads", -source_bytes)
+        self.memory.add("sharded_grads", tensor_bytes(pending.output) - output_bytes)
+
+    def drop_reduction(self, pending: PendingReduction) -> None:
+        """A failed backward: wait for the collective (every rank issued it) and forget it."""
+        if pending.work is not None:
+            pending.work.wait()
+        if pending.source is not None:
+            self.memory.add("unsharded_grads", -tensor_bytes(pending.source))
+        if pending.output is not pending.source:
+            self.memory.add("sharded_grads", -tensor_bytes(pending.output))
 
     def accumulate(self, pending: PendingReduction, used: torch.Tensor) -> None:
         """Add a completed reduction into the sharded gradient of every parameter that some

@@ -47,7 +47,7 @@ class ShardedGradScaler:
                 if param.grad is not None and param.grad.numel() and not torch.isfinite(param.grad).all():
                     found.fill_(1.0)
         if self.state.mesh.world_size > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.state.mesh.group)
+            self.state.comms.all_reduce(found, self.state.mesh.group, op=dist.ReduceOp.MAX, label="grad_scaler")
         self.last_step_skipped = bool(found.item())
         if not self.last_step_skipped:
             optimizer.step()

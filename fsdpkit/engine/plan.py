@@ -72,9 +72,6 @@ class UnitPlan:
     def layout(self, shard_factor: int) -> FlatLayout:
         return FlatLayout.from_shapes([(p.name, p.shape) for p in self.params], shard_factor)
 
-    def contains_module(self, module_name: str) -> bool:
-        return any(_within(module_name, member) for member in self.members)
-
 
 def _within(module_name: str, unit_name: str) -> bool:
     return unit_name == "" or module_name == unit_name or module_name.startswith(unit_name + ".")

@@ -12,13 +12,18 @@ backward: hooks, prefetching, the end-of-backward callback, full parameters on d
     end of backward  reduce the units that got no gradient (every rank must take part),
                   agree on which parameters got a gradient anywhere, wait for every
                   reduction, accumulate into the sharded gradients, reshard everything
+
+A forward or backward that raised (caught by the user) is noticed when the next one starts,
+and its leftovers are dropped: every unit back to sharded, so no later forward reads stale
+gathered weights.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Iterator
+import enum
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,18 +31,32 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..comm import Collectives
-from .config import ShardingConfig
-from .flat_unit import FlatUnit
-from .memory import MemoryCounter, tensor_bytes
+from .config import BackwardPrefetch, ShardingConfig
+from .flat_unit import BackwardState, FlatUnit, PendingReduction, UnitState
+from .memory import MemoryCounter
 from .mesh import ShardMesh
 from .plan import UnitPlan
 
 STATE_ATTR = "_fsdpkit_state"
 
 
+class Phase(enum.Enum):
+    """What the whole model is doing."""
+
+    IDLE = "idle"  # between forwards and backwards
+    FORWARD = "forward"  # inside the root's forward
+    BACKWARD = "backward"  # a backward reached the model; its end-of-backward callback is queued
+    SUMMONED = "summoned"  # full_params(): every unit holds its full master parameters
+
+
+class GradientSync(enum.Enum):
+    REDUCE = "reduce"  # every backward reduces the gradients
+    ACCUMULATE = "accumulate"  # no_sync(): gradients stay unsharded and local
+
+
 class ShardedState:
     def __init__(self, module: nn.Module, plans: list[UnitPlan], mesh: ShardMesh, config: ShardingConfig,
-                 comms: Collectives, device: torch.device, *, materialize=None, record_events: bool = False) -> None:
+                 comms: Collectives, device: torch.device, *, record_events: bool = False) -> None:
         self.module = module
         self.mesh = mesh
         self.config = config
@@ -49,33 +68,29 @@ class ShardedState:
             comms.stats.events = self.events
         modules = dict(module.named_modules(remove_duplicate=False))
         gather_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self.units: list[FlatUnit] = []
-        for plan in plans:
-            if materialize is not None:
-                materialize(plan)
-            self.units.append(FlatUnit(
-                plan, modules, mesh, comms, config.mixed_precision, self.memory,
-                reshard_after_forward=config.reshard_after_forward, device=device, offload=config.cpu_offload,
-                gather_stream=gather_stream,
-            ))
-        self.pending = []
+        self.units: list[FlatUnit] = [
+            FlatUnit(plan, modules, mesh, comms, config.mixed_precision, self.memory,
+                     reshard_after_forward=config.reshard_after_forward, device=device, offload=config.cpu_offload,
+                     gather_stream=gather_stream)
+            for plan in plans
+        ]
+        self.phase = Phase.IDLE
+        self.gradient_sync = GradientSync.REDUCE
+        self.backward_task = -1  # the autograd graph task whose end-of-backward callback is queued
+        self.pending: list[PendingReduction] = []
         self.inflight_gathers: collections.deque[FlatUnit] = collections.deque()
         self.forward_order: list[FlatUnit] = []
         self.previous_forward_order: list[FlatUnit] = []
-        self.callback_queued = False
-        self.backward_task = -1  # the autograd graph task whose end-of-backward callback is queued
-        self.summoned = False
-        self.sync_gradients = True
-        self.handles = []
+        self.has_root_unit = any(unit.is_root for unit in self.units)
+        self.handles = [module.register_forward_pre_hook(self._model_pre_forward)]
         for unit in self.units:
             for index, member in enumerate(unit.members):
-                self.handles.append(member.register_forward_pre_hook(self._pre_forward_hook(unit)))
+                self.handles.append(member.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True))
                 last = index == len(unit.members) - 1
                 self.handles.append(member.register_forward_hook(self._post_forward_hook(unit if last else None, unit)))
             if unit.trainable:
                 self.handles.append(unit.full_flat.register_post_accumulate_grad_hook(self._post_backward_hook(unit)))
-        if not any(unit.is_root for unit in self.units):
-            self.handles.append(module.register_forward_hook(self._post_forward_hook(None, None)))
+        self.handles.append(module.register_forward_hook(self._model_post_forward))
 
     def _record(self, kind: str, unit: FlatUnit | None) -> None:
         if self.events is not None:
@@ -83,7 +98,7 @@ class ShardedState:
 
     # ----- prefetching
     def _start_gather(self, unit: FlatUnit | None) -> None:
-        if unit is None or unit.is_unsharded:
+        if unit is None or unit.is_gathered:
             return
         limit = self.config.limit_all_gathers
         while limit and len(self.inflight_gathers) >= limit:
@@ -102,7 +117,8 @@ class ShardedState:
         order = self.forward_order[::-1]
         if unit not in order:
             return None
-        waiting = [u for u in order[order.index(unit) + 1:] + order if u is not unit and not u.backward_prepared and u.trainable]
+        waiting = [u for u in order[order.index(unit) + 1:] + order
+                   if u is not unit and u.backward is BackwardState.PENDING and u.trainable]
         return waiting[0] if waiting else None
 
     def _next_in_forward(self, unit: FlatUnit) -> FlatUnit | None:
@@ -112,40 +128,61 @@ class ShardedState:
         return None
 
     # ----- hooks
+    def _model_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.phase is Phase.SUMMONED:
+            return
+        if self.phase is Phase.FORWARD:  # the previous forward raised before it ended
+            self._recover_from_failed_forward()
+        self._recover_if_backward_failed()
+        if self.phase is Phase.IDLE:
+            self.phase = Phase.FORWARD
+
+    def _model_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.phase is Phase.FORWARD:
+            self.phase = Phase.IDLE
+        if not self.has_root_unit and self.phase is not Phase.SUMMONED and torch.is_grad_enabled():
+            self._register_pre_backward(output, None)  # queues the end-of-backward callback
+
     def _pre_forward_hook(self, unit: FlatUnit):
-        def pre_forward(module: nn.Module, args: Any) -> Any:
-            if self.summoned:
-                return None
-            if self.callback_queued and torch._C._current_graph_task_id() == -1:
-                self._recover_from_failed_backward()
+        def pre_forward(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            if self.phase is Phase.SUMMONED:
+                return args, kwargs
+            self._recover_if_backward_failed()
             unit.release_cleared_grads()
             self._unshard_for_forward(unit)
             if unit.compute_dtype != unit.master_dtype:  # mixed precision: floating inputs in the unit's dtype
-                args = tree_map(lambda t: t.to(unit.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args)
+                args, kwargs = tree_map(
+                    lambda t: t.to(unit.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                    (args, kwargs))
             if not unit.trainable and not unit.is_root and torch.is_grad_enabled():
                 # No gradient of its own fires a post-backward hook: reshard once the
-                # gradients of its inputs are computed (its backward is then done).
-                args = _after_backward_of_inputs(args, lambda: self._reshard(unit))
-            return args
+                # gradients of its inputs are computed for every use (its backward is then done).
+                (args, kwargs), wrapped = _call_after_backward((args, kwargs), lambda: self._frozen_use_done(unit))
+                unit.frozen_uses += wrapped
+            return args, kwargs
 
         return pre_forward
+
+    def _frozen_use_done(self, unit: FlatUnit) -> None:
+        unit.frozen_uses -= 1
+        if unit.frozen_uses == 0:
+            self._reshard(unit)
 
     def _unshard_for_forward(self, unit: FlatUnit) -> None:
         training = torch.is_grad_enabled()
         if training and unit not in self.forward_order:
             self.forward_order.append(unit)
-        if unit.is_unsharded and unit.views_shown:
+        if unit.state is UnitState.UNSHARDED:
             return
         self._record("pre_forward", unit)
         self._ensure_unsharded(unit)
         unit.show_unsharded(track_grad=training)
-        unit.views_shown = True
         if training and self.config.forward_prefetch:
             self._start_gather(self._next_in_forward(unit))
 
-    def _post_forward_hook(self, unit: FlatUnit | None, member_of: FlatUnit | None):
+    def _post_forward_hook(self, unit: FlatUnit | None, member_of: FlatUnit):
         def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
-            if self.summoned:
+            if self.phase is Phase.SUMMONED:
                 return output
             training = torch.is_grad_enabled()
             if unit is not None:
@@ -153,31 +190,33 @@ class ShardedState:
                 if not training or unit.reshard_after_forward:
                     self._reshard(unit)
             if training:
-                for tensor in tree_flatten(output)[0]:
-                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                        tensor.register_hook(self._pre_backward_hook(member_of))
+                self._register_pre_backward(output, member_of)
             return output
 
         return post_forward
 
+    def _register_pre_backward(self, output: Any, unit: FlatUnit | None) -> None:
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self._pre_backward_hook(unit))
+
     def _pre_backward_hook(self, unit: FlatUnit | None):
         def pre_backward(grad: torch.Tensor) -> None:
             task = torch._C._current_graph_task_id()
-            if self.callback_queued and task != self.backward_task:
+            if self.phase is Phase.BACKWARD and task != self.backward_task:
                 self._recover_from_failed_backward()
-            if not self.callback_queued:
-                self.callback_queued = True
+            if self.phase is not Phase.BACKWARD:
+                self.phase = Phase.BACKWARD
                 self.backward_task = task
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            if unit is None or unit.backward_prepared:
+            if unit is None or unit.backward is not BackwardState.PENDING:
                 return
-            unit.backward_prepared = True
+            unit.backward = BackwardState.PREPARED
             self._record("pre_backward", unit)
             self._ensure_unsharded(unit)
-            if self.config.activation_checkpointing and not unit.views_shown:
+            if self.config.activation_checkpointing and unit.state is not UnitState.UNSHARDED:
                 unit.show_unsharded(track_grad=True)  # recomputation reads the parameters again
-                unit.views_shown = True
-            if self.config.backward_prefetch == "pre":
+            if self.config.backward_prefetch is BackwardPrefetch.PRE:
                 self._start_gather(self._next_in_backward(unit))
 
         return pre_backward
@@ -185,18 +224,12 @@ class ShardedState:
     def _post_backward_hook(self, unit: FlatUnit):
         def post_backward(full_flat: torch.Tensor) -> None:
             self._record("post_backward", unit)
-            if self.config.backward_prefetch == "post":
+            if self.config.backward_prefetch is BackwardPrefetch.POST:
                 self._start_gather(self._next_in_backward(unit))
-            if self.sync_gradients:
-                grad, full_flat.grad = full_flat.grad, None
-                if unit.holds_unsynced_grad:
-                    self.memory.add("unsharded_grads", -tensor_bytes(grad))
-                    unit.holds_unsynced_grad = False
-                self._issue_reduction(unit, grad)
-            elif not unit.holds_unsynced_grad:
-                unit.holds_unsynced_grad = True
-                self.memory.add("unsharded_grads", tensor_bytes(full_flat.grad))
-            unit.backward_done = True
+            if self.gradient_sync is GradientSync.REDUCE:
+                self._reduce(unit)
+            else:
+                unit.keep_grad_unsynced()
             self._reshard(unit)
 
         return post_backward
@@ -205,90 +238,78 @@ class ShardedState:
         if unit in self.inflight_gathers:
             self.inflight_gathers.remove(unit)
         unit.reshard()
-        unit.views_shown = False
 
-    def _issue_reduction(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+    def _reduce(self, unit: FlatUnit) -> None:
         # The new gradient exists now; complete the earlier reductions (they ran while this
         # unit's backward computed), so at most one full gradient waits on the network at a
         # time, as in torch FSDP; then start this one.
-        self.memory.add("unsharded_grads", tensor_bytes(grad))
-        self._complete_pending()
-        pending = unit.issue_reduction(grad)
-        if pending.output is not pending.source:
-            self.memory.add("sharded_grads", tensor_bytes(pending.output))  # the reduce-scatter's output chunk
-        self.pending.append(pending)
-
-    def _complete_pending(self) -> None:
+        grad = unit.take_grad()
         for pending in self.pending:
-            if pending.source is not None:
-                source_bytes = tensor_bytes(pending.source)
-                output_bytes = 0 if pending.output is pending.source else tensor_bytes(pending.output)
-                pending.unit.complete_reduction(pending)
-                self.memory.add("unsharded_grads", -source_bytes)
-                self.memory.add("sharded_grads", tensor_bytes(pending.output) - output_bytes)
+            pending.unit.complete_reduction(pending)
+        self.pending.append(unit.issue_reduction(grad))
 
     def _end_of_backward(self) -> None:
-        if self.sync_gradients:
+        syncing = self.gradient_sync is GradientSync.REDUCE
+        if syncing:
             for unit in self.units:
-                if unit.trainable and not unit.reduced_this_backward:
-                    grad, unit.full_flat.grad = unit.full_flat.grad, None
-                    if grad is None:
-                        grad = torch.zeros(unit.layout.padded_numel, dtype=unit.compute_dtype, device=self.device)
-                    elif unit.holds_unsynced_grad:
-                        self.memory.add("unsharded_grads", -tensor_bytes(grad))
-                        unit.holds_unsynced_grad = False
-                    self._issue_reduction(unit, grad)
+                if unit.trainable and unit.backward is not BackwardState.REDUCED:
+                    self._reduce(unit)
             used = torch.cat([unit.used for unit in self.units]) if self.units else torch.zeros(0, dtype=torch.int32)
             if self.mesh.world_size > 1 and used.numel():
                 flags = used.to(self.device)  # NCCL reduces device tensors only
                 self.comms.all_reduce(flags, self.mesh.group, op=dist.ReduceOp.MAX, label="grad-flags")
                 used = flags.cpu()
-            start = 0
-            used_of = {}
-            for unit in self.units:
-                used_of[id(unit)] = used[start:start + len(unit.params)]
-                start += len(unit.params)
-            self._complete_pending()
+            used_of = dict(zip(map(id, self.units), torch.split(used, [len(unit.params) for unit in self.units])))
+            for pending in self.pending:
+                pending.unit.complete_reduction(pending)
             for pending in self.pending:
                 pending.unit.accumulate(pending, used_of[id(pending.unit)])
             self.pending.clear()
         for unit in self.units:
             self._reshard(unit)
-            unit.reset_backward_state(keep_usage=not self.sync_gradients)
+            unit.end_backward(keep_usage=not syncing)
         self.previous_forward_order, self.forward_order = self.forward_order, []
-        self.callback_queued = False
+        self.phase = Phase.IDLE
+
+    # ----- recovery from a forward or backward that raised
+    def _recover_if_backward_failed(self) -> None:
+        if self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1:
+            self._recover_from_failed_backward()
 
     def _recover_from_failed_backward(self) -> None:
         """A backward raised before its end: autograd dropped the queued callback. Drop its
         half-done work (every rank issued the same reductions, so waiting is safe) and
         return every unit to the sharded state, so training can go on."""
         for pending in self.pending:
-            if pending.work is not None:
-                pending.work.wait()
-            if pending.source is not None:
-                self.memory.add("unsharded_grads", -tensor_bytes(pending.source))
-            if pending.output is not pending.source:
-                self.memory.add("sharded_grads", -tensor_bytes(pending.output))
+            pending.unit.drop_reduction(pending)
         self.pending.clear()
         for unit in self.units:
-            if unit.holds_unsynced_grad and unit.full_flat.grad is not None:
-                self.memory.add("unsharded_grads", -tensor_bytes(unit.full_flat.grad))
-            unit.full_flat.grad = None
-            unit.holds_unsynced_grad = False
+            unit.drop_unsynced_grad()
             self._reshard(unit)
-            unit.reset_backward_state(keep_usage=False)
+            unit.end_backward(keep_usage=False)
         self.inflight_gathers.clear()
         self.forward_order = []
-        self.callback_queued = False
+        self.phase = Phase.IDLE
+
+    def _recover_from_failed_forward(self) -> None:
+        """A forward raised before its end: the units it gathered would otherwise keep the
+        weights of that moment (stale once the optimizer steps). Gradients a backward
+        already accumulated are kept."""
+        for unit in self.units:
+            self._reshard(unit)
+            unit.frozen_uses = 0
+        self.inflight_gathers.clear()
+        self.phase = Phase.IDLE
 
     # ----- full parameters on demand
     @contextlib.contextmanager
     def full_params(self, *, writeback: bool = True) -> Iterator[None]:
-        if self.summoned:
+        if self.phase is Phase.SUMMONED:
             raise RuntimeError("full_params() is already active for this model")
-        if self.callback_queued and torch._C._current_graph_task_id() == -1:
-            self._recover_from_failed_backward()
-        if self.pending or self.callback_queued:
+        self._recover_if_backward_failed()
+        if self.phase is Phase.FORWARD:
+            self._recover_from_failed_forward()
+        if self.phase is Phase.BACKWARD:
             raise RuntimeError("full_params() cannot be used during backward")
         for unit in self.units:
             self._reshard(unit)
@@ -306,11 +327,11 @@ class ShardedState:
                 nn.Parameter(piece.view(plan.shape), requires_grad=plan.requires_grad)
                 for piece, plan in zip(pieces, unit.plan.params)
             ])
-        self.summoned = True
+        self.phase = Phase.SUMMONED
         try:
             yield
         finally:
-            self.summoned = False
+            self.phase = Phase.IDLE
             with torch.no_grad():
                 for unit, full in zip(self.units, buffers):
                     if writeback and full is not unit.flat_shard:
@@ -320,11 +341,11 @@ class ShardedState:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        previous, self.sync_gradients = self.sync_gradients, False
+        previous, self.gradient_sync = self.gradient_sync, GradientSync.ACCUMULATE
         try:
             yield
         finally:
-            self.sync_gradients = previous
+            self.gradient_sync = previous
 
 
 class _CallAfterBackward(torch.autograd.Function):
@@ -341,15 +362,17 @@ class _CallAfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def _after_backward_of_inputs(args: Any, callback) -> Any:
-    flat, spec = tree_flatten(args)
+def _call_after_backward(inputs: Any, callback: Callable[[], None]) -> tuple[Any, bool]:
+    """`inputs` with every tensor that requires grad routed through one _CallAfterBackward;
+    False (and `inputs` unchanged) when none does, so `callback` will never run."""
+    flat, spec = tree_flatten(inputs)
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
-        return args
+        return inputs, False
     wrapped = _CallAfterBackward.apply(callback, *(flat[i] for i in positions))
     for position, tensor in zip(positions, wrapped):
         flat[position] = tensor
-    return spec.unflatten(flat) if hasattr(spec, "unflatten") else tree_unflatten(flat, spec)
+    return tree_unflatten(flat, spec), True
 
 
 def get_state(module: nn.Module) -> ShardedState:
