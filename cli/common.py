@@ -8,8 +8,27 @@ import sys
 from typing import Any, Callable
 
 import typer
+from typer.core import TyperCommand
 
 from fsdpkit.errors import FsdpkitError
+
+
+class FsdpkitCommand(TyperCommand):
+    """Accepts torchrun's underscore spellings of every flag: --nproc_per_node is --nproc-per-node."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        known = {name for param in self.get_params(ctx) for name in (*param.opts, *param.secondary_opts)}
+        rewritten = []
+        for index, arg in enumerate(args):
+            if arg == "--":
+                rewritten += args[index:]
+                break
+            flag, equals, value = arg.partition("=")
+            dashed = flag.replace("_", "-")
+            if flag.startswith("--") and flag not in known and dashed in known:
+                arg = dashed + equals + value
+            rewritten.append(arg)
+        return super().parse_args(ctx, rewritten)
 
 
 def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
