@@ -30,18 +30,23 @@ def _hide_flag_types(command: Any, ctx: Any) -> None:
             param.metavar = ""
 
 
-def one_line(message: str) -> str:
-    return " ".join(message.split())
+def click_message(message: str) -> str:
+    """Typer's usage message as one line in fsdpkit's style: 'missing argument 'src''."""
+    text = " ".join(message.replace("Value error, ", "").split()).rstrip(".")
+    return text[:1].lower() + text[1:]
 
 
 class FsdpkitGroup(TyperGroup):
     """Typer's group with one-line usage errors, lazily loaded commands and flag-type-free help."""
 
+    lazy_commands: dict[str, tuple[str, str]] = {}
     listing = False  # while listing commands (help, completion), lazy commands are not imported
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
         from typer._click.exceptions import ClickException, NoArgsIsHelpError
+
+        from fsdpkit.errors import FsdpkitError
 
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
@@ -51,7 +56,10 @@ class FsdpkitGroup(TyperGroup):
         except ClickException as error:
             ctx = getattr(error, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None and error.exit_code == 2 else ""
-            typer.echo(f"error: {one_line(error.format_message())}{hint}", err=True)
+            typer.echo(f"error: {click_message(error.format_message())}{hint}", err=True)
+            code = error.exit_code
+        except FsdpkitError as error:  # raised while parsing, e.g. an unknown bench collective
+            typer.echo(f"error: {error}", err=True)
             code = error.exit_code
         code = code if isinstance(code, int) else 0
         if standalone_mode:
@@ -59,11 +67,11 @@ class FsdpkitGroup(TyperGroup):
         return code
 
     def list_commands(self, ctx: Any) -> list[str]:
-        return [*LAZY_COMMANDS, *(name for name in super().list_commands(ctx) if name not in LAZY_COMMANDS)]
+        return [*self.lazy_commands, *(name for name in super().list_commands(ctx) if name not in self.lazy_commands)]
 
     def get_command(self, ctx: Any, name: str) -> Any:
-        if name in LAZY_COMMANDS:
-            module_name, short_help = LAZY_COMMANDS[name]
+        if name in self.lazy_commands:
+            module_name, short_help = self.lazy_commands[name]
             if FsdpkitGroup.listing:
                 return TyperCommand(name, short_help=short_help, help=short_help)
             command = typer.main.get_command(importlib.import_module(module_name).command_app)
@@ -90,6 +98,10 @@ class FsdpkitGroup(TyperGroup):
             FsdpkitGroup.listing = False
 
 
+class RootGroup(FsdpkitGroup):
+    lazy_commands = LAZY_COMMANDS
+
+
 def _set_help_width() -> None:
     import shutil
 
@@ -102,7 +114,7 @@ _set_help_width()
 
 app = typer.Typer(
     name="fsdpkit",
-    cls=FsdpkitGroup,
+    cls=RootGroup,
     help="Fully Sharded Data Parallel training, sharded safetensors checkpoints and collective benchmarks.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

@@ -133,6 +133,8 @@ def escape(text: str) -> str:
 def _default(spec: Setting) -> Any:
     """The option's default as Typer shows it (never used as a value: see given_values)."""
     value = spec.default
+    if spec.shown_default:
+        return spec.shown_default
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple):

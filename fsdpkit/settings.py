@@ -41,6 +41,7 @@ class Setting:
     short: str = ""  # a one-letter alias, e.g. -b
     choices: tuple[str, ...] = ()  # for a str setting: the values it takes (the config checks them)
     metavar: str = ""  # what the help shows for the value ("" = its type)
+    shown_default: str = ""  # the default as the help shows it ("" = the default itself)
     parse: Callable[[str], Any] | None = None  # text (a flag or a string in a file) -> value
 
     @property
