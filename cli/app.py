@@ -127,7 +127,9 @@ def _print_version(value: bool) -> None:
             torch_version = f" (torch {metadata.version('torch')})"
         except metadata.PackageNotFoundError:
             torch_version = ""
-        typer.echo(f"fsdpkit {metadata.version('fsdpkit')}{torch_version}")
+        from fsdpkit import __version__
+
+        typer.echo(f"fsdpkit {__version__}{torch_version}")
         raise typer.Exit(0)
 
 

@@ -14,7 +14,7 @@ from .app import app
 from .common import handle_errors
 
 
-@app.command("report")
+@app.command("report", short_help="Draw train --metrics (loss, tokens/s, lr, memory) or bench --json (busbw) as a PNG.")
 @handle_errors
 def report(
     source: Annotated[Path, typer.Argument(help="A train --metrics file (JSON lines) or a bench --json document.",
@@ -24,7 +24,7 @@ def report(
 ) -> None:
     """Draw loss (train and eval), tokens/s, learning rate and memory against step from train
     --metrics; or busbw against size per collective, and list against flat all-gather, from
-    bench --json. Needs matplotlib: pip install 'fsdpkit[plot]'."""
+    bench --json. Needs matplotlib: pip install 'fsdpkit\\[plot]'."""
     from fsdpkit.plots import plot_bench, plot_metrics, read_report_input
 
     if not source.is_file():
