@@ -21,18 +21,18 @@ from ..launch import LaunchOptions
 from ..settings import Section, Setting, setting, settings_of
 
 
-class Device(str, enum.Enum):
+class Device(enum.StrEnum):
     AUTO = "auto"
     CPU = "cpu"
     CUDA = "cuda"
 
 
-class Optimizer(str, enum.Enum):
+class Optimizer(enum.StrEnum):
     ADAMW = "adamw"
     SGD = "sgd"
 
 
-class Schedule(str, enum.Enum):
+class Schedule(enum.StrEnum):
     CONSTANT = "constant"
     COSINE = "cosine"
 

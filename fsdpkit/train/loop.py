@@ -213,7 +213,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         "model": config.model.name,
         "num_params": trainer.num_params,
         "world_size": trainer.world_size,
-        "strategy": str(config.sharding.strategy),
+        "strategy": getattr(config.sharding.strategy, "value", config.sharding.strategy),
         "mixed_precision": precision_names(config.sharding.mixed_precision)[0],
         "device": trainer.device.type,
         "steps": trainer.step,
