@@ -126,7 +126,7 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         nproc_per_node=options.local_processes,
         run_id=options.rdzv_id or ("fsdpkit-" + uuid.uuid4().hex[:8] if single_node else "fsdpkit"),
         rdzv_backend=options.rdzv_backend,
-        rdzv_endpoint=("localhost:0" if single_node else options.endpoint) or "",
+        rdzv_endpoint=(_local_endpoint(options.rdzv_backend) if single_node else options.endpoint) or "",
         rdzv_configs={"rank": options.node_rank} if options.rdzv_backend == "static" else {},
         max_restarts=0,
         monitor_interval=0.1,
@@ -140,6 +140,17 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         if reason.startswith(DataCheckError.__name__ + ":"):  # a corrupt input found by a worker: exit 3 as anywhere
             raise DataCheckError(f"worker rank {rank}: {reason.split(':', 1)[1].strip()}") from None
         raise RunError(f"worker rank {rank} failed: {reason}") from None
+
+
+def _local_endpoint(backend: str) -> str:
+    """c10d binds port 0 itself; the static backend needs a port its store can be told."""
+    if backend != "static":
+        return "localhost:0"
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
 
 
 def _failure_reason(failure: Any) -> str:
