@@ -56,7 +56,8 @@ LAUNCH = Section.of("launch", LaunchOptions, panel="Launch")
 
 def _bench_section(collectives: tuple[str, ...], *, with_variant: bool) -> Section:
     settings = tuple(s for s in settings_of(BenchOptions) if with_variant or s.key != "variant")
-    return Section("", "Benchmark", settings, functools.partial(BenchOptions, collectives), lambda options: {})
+    return Section("", "Benchmark", settings, functools.partial(BenchOptions, collectives),
+                   lambda options: {s.key: getattr(options, s.key) for s in settings})
 
 
 def _run(
