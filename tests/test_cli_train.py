@@ -370,3 +370,11 @@ def test_report_bad_input(tmp_path):
     assert result.exit_code == 2 and "line 1 is not a metrics record" in result.stderr
     result = invoke("report", str(tmp_path / "missing.jsonl"))
     assert result.exit_code == 2 and "is not a file" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["convert", "src", "dst", "--to", "full"], ["reshard", "src", "dst", "--world-size", "2"]])
+def test_chunk_size_beyond_memory_is_refused_before_reading(command, tmp_path):
+    result = invoke(*command, "--chunk-size", "1000T")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: --chunk-size '1000T' needs two 1000.0 TiB buffers, more than half the ")
+    assert len(result.stderr.strip().splitlines()) == 1
