@@ -38,9 +38,9 @@ step() {  # step NAME TIMEOUT_S COMMAND... : stdout to NAME.out, stderr to NAME.
 }
 
 step allgather_nccl 120 "$FSDPKIT" bench allgather --backend nccl --nproc-per-node "$GPUS" \
-    --min-bytes 1M --max-bytes 1G --factor 4 --iters 20 --warmup 5 --dtype bfloat16 --check
+    --min-bytes 1M --max-bytes 1G --factor 4 --iters 20 --warmup 5 --dtype bfloat16 --check 1
 step allgather_nccl_json 120 "$FSDPKIT" bench all --backend nccl --nproc-per-node "$GPUS" \
-    --min-bytes 1M --max-bytes 256M --factor 16 --iters 10 --warmup 3 --check --json
+    --min-bytes 1M --max-bytes 256M --factor 16 --iters 10 --warmup 3 --check 1 --json
 step train_bf16 240 "$FSDPKIT" train --device cuda --mixed-precision bf16 --nproc-per-node "$GPUS" \
     --model gpt-small --steps 50 --global-batch-size $((8 * GPUS)) --seq-len 256 --json
 step train_offload_fp32 240 "$FSDPKIT" train --device cuda --nproc-per-node "$GPUS" --cpu-offload \

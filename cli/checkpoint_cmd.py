@@ -8,43 +8,26 @@ text summary, or one JSON document with --json); the progress bar (bytes) goes t
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import typer
 
 from fsdpkit.checkpoint.format import CAST_TARGETS
 from fsdpkit.errors import UsageError
+from fsdpkit.host import available_memory_bytes
 from fsdpkit.sizes import format_size, parse_size
 
 from .app import app
-from .common import handle_errors, print_json
+from .common import byte_progress, handle_errors, print_json
 
 CHUNK_HELP = ("Bytes read, checked and written at a time; bounds memory. The default (512K) stays in the CPU cache, "
               "which is fastest on local disks (K/M/G = powers of 1024, KB/MB/GB = powers of 1000).")
 
 
-@contextlib.contextmanager
-def _progress_bar(desc: str, enabled: bool) -> Iterator:
-    if not enabled:
-        yield None
-        return
-    from tqdm import tqdm
-
-    bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, disable=None, leave=False)
-
-    def update(done: int, total: int) -> None:
-        if bar.total != total:
-            bar.total = total
-            bar.refresh()
-        if done:
-            bar.update(done)
-
-    try:
-        yield update
-    finally:
-        bar.close()
+def _progress_bar(desc: str, enabled: bool) -> contextlib.AbstractContextManager:
+    """A bar when stderr is a terminal, else a plain line now and then (common.byte_progress)."""
+    return byte_progress(desc) if enabled else contextlib.nullcontext()
 
 
 def _cast(dtype: Optional[str]) -> Optional[str]:
@@ -60,6 +43,10 @@ def _chunk(text: str) -> int:
     size = parse_size(text)
     if size < 1024:
         raise UsageError(f"--chunk-size {text!r} is {size} bytes; use at least 1K")
+    available = available_memory_bytes()
+    if 2 * size > available // 2:  # a chunk read ahead while one is written: two buffers
+        raise UsageError(f"--chunk-size {text!r} needs two {format_size(size)} buffers, more than half the "
+                         f"{format_size(available)} of memory available: use at most {format_size(available // 4)}")
     return size
 
 

@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterator
 
 import typer
+from typer.core import TyperCommand
 
 from fsdpkit.errors import FsdpkitError
+
+
+class FsdpkitCommand(TyperCommand):
+    """Accepts torchrun's underscore spellings of every flag: --nproc_per_node is --nproc-per-node."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        known = {name for param in self.get_params(ctx) for name in (*param.opts, *param.secondary_opts)}
+        rewritten = []
+        for index, arg in enumerate(args):
+            if arg == "--":
+                rewritten += args[index:]
+                break
+            flag, equals, value = arg.partition("=")
+            dashed = flag.replace("_", "-")
+            if flag.startswith("--") and flag not in known and dashed in known:
+                arg = dashed + equals + value
+            rewritten.append(arg)
+        return super().parse_args(ctx, rewritten)
 
 
 def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -27,6 +48,46 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+PROGRESS_LINE_SECONDS = 10.0
+
+
+@contextlib.contextmanager
+def byte_progress(desc: str) -> Iterator[Callable[[int, int], None]]:
+    """progress(done_bytes, total_bytes) callbacks shown on stderr: a tqdm bar on a terminal,
+    otherwise one plain line every PROGRESS_LINE_SECONDS (a log gets no carriage returns)."""
+    from fsdpkit.sizes import format_size
+
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, leave=False)
+
+        def update(done: int, total: int) -> None:
+            if bar.total != total:
+                bar.total = total
+                bar.refresh()
+            if done:
+                bar.update(done)
+
+        try:
+            yield update
+        finally:
+            bar.close()
+        return
+    state = {"done": 0, "last": time.monotonic()}
+
+    def log(done: int, total: int) -> None:
+        state["done"] += done
+        now = time.monotonic()
+        if now - state["last"] >= PROGRESS_LINE_SECONDS:
+            state["last"] = now
+            share = f" ({100 * state['done'] / total:.0f}%)" if total else ""
+            sys.stderr.write(f"{desc}: {format_size(state['done'])} of {format_size(total)}{share}\n")
+            sys.stderr.flush()
+
+    yield log
 
 
 def print_json(document: Any) -> None:

@@ -52,7 +52,7 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
-@app.command("plan")
+@app.command("plan", short_help="Per-rank memory of a sharded run before launching it (meta device, no GPU needed).")
 @handle_errors
 def plan_command(
     model: Annotated[str, typer.Option("--model", help="A built-in model (gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or package.module:factory.")],

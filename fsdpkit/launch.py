@@ -17,36 +17,94 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import DataCheckError, RunError, UsageError
+from .settings import setting
+
+
+MAX_PROCESSES_PER_NODE = 64
+RDZV_BACKENDS = ("c10d", "static")
+
+
+def parse_nproc(text: str) -> int:
+    """torchrun's --nproc-per-node values: a number, gpu (one per GPU), cpu (one per core), auto
+    (gpu if there is one, else cpu)."""
+    if text.strip().isdigit():
+        return int(text)
+    if text not in ("gpu", "cpu", "auto"):
+        raise UsageError(f"--nproc-per-node {text!r}: use a number, gpu, cpu or auto")
+    gpus = _cuda_devices()
+    if text == "gpu" and not gpus:
+        raise UsageError("--nproc-per-node gpu: torch sees no CUDA device here")
+    return gpus if text == "gpu" or (text == "auto" and gpus) else (os.cpu_count() or 1)
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @dataclass(frozen=True)
 class LaunchOptions:
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None
-    rdzv_id: str | None = None
-    max_processes_per_node: int = 64
+    """Where the workers run: torchrun's flags, with torchrun's meanings."""
+
+    nproc_per_node: int | None = setting(None, "Processes on this node: a number, gpu, cpu or auto "
+                                         "(default: one per GPU, or 2 without a GPU).", parse=parse_nproc,
+                                         metavar="N|gpu|cpu|auto")
+    nnodes: int = setting(1, "Number of nodes (a fixed number: no MIN:MAX ranges).")
+    node_rank: int = setting(0, "This node's rank, 0..nnodes-1.")
+    rdzv_endpoint: str | None = setting(None, "HOST:PORT of the rendezvous that every node can reach "
+                                        "(needed with --nnodes > 1).", metavar="HOST:PORT")
+    rdzv_backend: str = setting("c10d", "c10d (a store on the endpoint) or static (ranks from --node-rank).",
+                                choices=RDZV_BACKENDS)
+    rdzv_id: str | None = setting(None, "The job id every node of one run shares (default: a new one per run "
+                                  "on one node, 'fsdpkit' on several).", metavar="ID")
+    standalone: bool = setting(False, "One node, a rendezvous on a free local port: what fsdpkit does on one "
+                               "node anyway (accepted for torchrun's sake).")
+    master_addr: str | None = setting(None, "torchrun's shortcut: --master-addr A --master-port P is "
+                                      "--rdzv-endpoint A:P.", metavar="HOST")
+    master_port: int | None = setting(None, "See --master-addr (default port 29500 when only the address is given).",
+                                      metavar="PORT")
 
     def __post_init__(self) -> None:
-        if self.nproc_per_node < 1:
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
-        if self.nproc_per_node > self.max_processes_per_node:
+        if self.nproc_per_node is not None and self.nproc_per_node > MAX_PROCESSES_PER_NODE:
             raise UsageError(
-                f"--nproc-per-node {self.nproc_per_node} is more than this launcher allows per node ({self.max_processes_per_node})"
+                f"--nproc-per-node {self.nproc_per_node} is more than this launcher allows per node ({MAX_PROCESSES_PER_NODE})"
             )
         if self.nnodes < 1:
             raise UsageError(f"--nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise UsageError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
+        if self.rdzv_backend not in RDZV_BACKENDS:
+            raise UsageError(f"unknown --rdzv-backend {self.rdzv_backend!r}: use one of {', '.join(RDZV_BACKENDS)} (no etcd)")
+        if self.rdzv_endpoint and (self.master_addr or self.master_port):
+            raise UsageError("--rdzv-endpoint and --master-addr/--master-port name the same thing: give one of them")
+        if self.standalone and (self.nnodes > 1 or self.endpoint):
+            raise UsageError("--standalone runs on one node with a local rendezvous: it excludes --nnodes > 1, "
+                             "--rdzv-endpoint and --master-addr/--master-port")
+        if self.nnodes > 1 and not self.endpoint:
             raise UsageError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT that every node can reach")
-        if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:
-            raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint!r} must be HOST:PORT")
+        if self.endpoint:
+            host, _, port = self.endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise UsageError(f"--rdzv-endpoint {self.endpoint!r} must be HOST:PORT")
+
+    @property
+    def endpoint(self) -> str | None:
+        if self.master_addr or self.master_port:
+            return f"{self.master_addr or '127.0.0.1'}:{self.master_port or 29500}"
+        return self.rdzv_endpoint
+
+    @property
+    def local_processes(self) -> int:
+        if self.nproc_per_node is not None:
+            return self.nproc_per_node
+        return _cuda_devices() or 2
 
     @property
     def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
+        return self.local_processes * self.nnodes
 
 
 def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) -> dict[int, Any]:
@@ -61,15 +119,15 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun does this; elastic_launch does not
-    single_node = options.nnodes == 1 and not options.rdzv_endpoint
+    single_node = options.nnodes == 1 and not options.endpoint
     config = LaunchConfig(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,
-        nproc_per_node=options.nproc_per_node,
+        nproc_per_node=options.local_processes,
         run_id=options.rdzv_id or ("fsdpkit-" + uuid.uuid4().hex[:8] if single_node else "fsdpkit"),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0" if single_node else options.rdzv_endpoint,
-        rdzv_configs={"rank": options.node_rank} if not single_node else {},
+        rdzv_backend=options.rdzv_backend,
+        rdzv_endpoint=(_local_endpoint(options.rdzv_backend) if single_node else options.endpoint) or "",
+        rdzv_configs={"rank": options.node_rank} if options.rdzv_backend == "static" else {},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -82,6 +140,17 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         if reason.startswith(DataCheckError.__name__ + ":"):  # a corrupt input found by a worker: exit 3 as anywhere
             raise DataCheckError(f"worker rank {rank}: {reason.split(':', 1)[1].strip()}") from None
         raise RunError(f"worker rank {rank} failed: {reason}") from None
+
+
+def _local_endpoint(backend: str) -> str:
+    """c10d binds port 0 itself; the static backend needs a port its store can be told."""
+    if backend != "static":
+        return "localhost:0"
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
 
 
 def _failure_reason(failure: Any) -> str:

@@ -1,4 +1,5 @@
-"""`fsdpkit bench` through the CLI: real 2-process gloo runs (three launches), and bad input.
+"""`fsdpkit bench` through the CLI: real 2-process gloo runs (three launches), nccl-tests'
+short flags, and bad input.
 
 Each launch costs ~3 s, so each one checks many things; bad input is rejected before any
 launch (the launcher is replaced by one that fails the test if it is ever called).
@@ -13,10 +14,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from fsdpkit.bench import patterns
 from fsdpkit.bench import runner as bench_runner
+from fsdpkit.bench.options import BenchOptions, parse_dtype
 from fsdpkit_cli.app import app
 
 SMALL = ["--nproc-per-node", "2", "--backend", "gloo", "--min-bytes", "1K", "--max-bytes", "4K", "--iters", "2", "--warmup", "1"]
+SHORT = ["--nproc_per_node", "2", "--backend", "gloo", "-b", "1K", "-e", "4K", "-f", "2", "-n", "2", "-w", "1"]  # nccl-tests, torchrun
 
 
 def _invoke(args, env=None):
@@ -25,17 +29,20 @@ def _invoke(args, env=None):
 
 def test_all_collectives_json_check_passes_and_csv(tmp_path):
     csv_path = tmp_path / "bench.csv"
-    result = _invoke(["all", *SMALL, "--check", "--json", "--csv", str(csv_path)])
+    result = _invoke(["all", *SHORT, "-c", "1", "-o", "max", "-d", "float", "--json", "--csv", str(csv_path)])
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)  # exactly one JSON document on stdout
     assert result.stdout.count("\n") == 1
     assert document["backend"] == "gloo" and document["world_size"] == 2 and document["dtype"] == "float32"
-    assert document["check"] is True and document["wrong_total"] == 0
+    assert document["check"] == 1 and document["wrong_total"] == 0
     by_name = {entry["collective"]: entry for entry in document["results"]}
     assert list(by_name) == ["allgather", "reducescatter", "allreduce", "broadcast", "alltoall"]
     assert by_name["allreduce"]["busbw_formula"] == "busbw = algbw * 2(n-1)/n" and by_name["allreduce"]["busbw_factor"] == 1.0
     assert by_name["broadcast"]["busbw_factor"] == 1.0 and by_name["allgather"]["busbw_factor"] == 0.5
     assert "emulated" in by_name["reducescatter"]["note"]
+    assert by_name["allreduce"]["op"] == "max" and by_name["allgather"]["op"] is None  # checked against max over ranks
+    assert by_name["allreduce"]["nccl_tests"] == "mpirun -np 2 all_reduce_perf -b 1024 -e 4096 -f 2 -n 2 -w 1 -c 1 -d float -o max -g 1"
+    assert by_name["alltoall"]["nccl_tests"] == "mpirun -np 2 alltoall_perf -b 1024 -e 4096 -f 2 -n 2 -w 1 -c 1 -d float -g 1"
     for name, entry in by_name.items():
         assert [row["size_bytes"] for row in entry["rows"]] == [1024, 2048, 4096]
         for row in entry["rows"]:
@@ -57,24 +64,25 @@ def test_all_collectives_json_check_passes_and_csv(tmp_path):
 
 
 def test_table_counts_a_corrupted_result_as_wrong_and_exits_3():
-    args = ["allgather", *SMALL, "--variant", "both", "--dtype", "bfloat16", "--check"]
+    args = ["allgather", *SMALL, "--variant", "both", "--dtype", "bfloat16", "--check", "2"]
     result = _invoke(args, env={"FSDPKIT_BENCH_CORRUPT_RANK": "1"})
     assert result.exit_code == 3, result.output
     lines = result.stdout.splitlines()
     assert lines[0].startswith("# fsdpkit bench allgather (flat): 2 ranks, backend gloo")
+    assert lines[1] == "# nccl-tests: mpirun -np 2 all_gather_perf -b 1024 -e 4096 -f 2 -n 2 -w 1 -c 2 -d bfloat16 -g 1"
     header = next(line for line in lines if "#wrong" in line)
     assert header.split()[1:] == ["size", "count", "type"] + ["time", "algbw", "busbw", "#wrong"] * 2
     rows = [line.split() for line in lines if line.startswith("  ") and "float" in line]
     assert len(rows) == 2 * 3  # flat and list tables, three sizes each
     for row in rows:
         assert row[2] == "bfloat16" and len(row) == 11
-        assert row[6] == "1" and row[10] == "1"  # rank 1 corrupted one element per run
+        assert row[6] == "2" and row[10] == "2"  # rank 1 corrupted one element in each of the 2 checked runs
     assert [row[:2] for row in rows[:3]] == [["1024", "256"], ["2048", "512"], ["4096", "1024"]]
     assert sum(line.startswith("# Avg bus bandwidth") for line in lines) == 2
     assert any(line.startswith("# all-gather: flat") for line in lines)  # side by side
     assert result.stderr.strip().splitlines() == [
-        "error: --check found 12 wrong result elements (allgather (flat) 1024 B out-of-place: 1; "
-        "allgather (flat) 1024 B in-place: 1; allgather (flat) 2048 B out-of-place: 1; and 9 more)"
+        "error: --check found 24 wrong result elements (allgather (flat) 1024 B out-of-place: 2; "
+        "allgather (flat) 1024 B in-place: 2; allgather (flat) 2048 B out-of-place: 2; and 9 more)"
     ]
 
 
@@ -97,7 +105,16 @@ def no_launch(monkeypatch):
     (["allgather", "--factor", "1"], "error: --factor must be an integer >= 2, got 1"),
     (["allreduce", "--iters", "0"], "error: --iters must be >= 1, got 0"),
     (["gather"], "error: unknown collective 'gather': choose from allgather, reducescatter, allreduce, broadcast, alltoall, all"),
-    (["broadcast", "--dtype", "int8"], "error: unknown --dtype 'int8': choose from float32, bfloat16, float16"),
+    (["broadcast", "--dtype", "int8"], "error: unknown --dtype 'int8': choose from float32, bfloat16, float16 (nccl-tests: float, half, bfloat16)"),
+    (["allreduce", "-o", "avg", "--backend", "gloo"], "error: --op avg needs nccl: gloo has no average reduction"),
+    (["allreduce", "-o", "prod", "-c", "1", "-d", "half", "--nproc-per-node", "8", "--backend", "gloo"],
+     "error: --op prod --check overflows float16 on 8 ranks: use float32 or no --check"),
+    (["allgather", "-e", "1000T", "--backend", "gloo"], "error: --max-bytes 1099511627776000 (1000.0 TiB) needs about 4000.0 TiB of host memory for 2 processes, more than"),
+    (["allgather", "-c", "-1"], "error: --check must be >= 0, got -1"),
+    (["allgather", "--nnodes", "2"], "error: --nnodes 2 needs --rdzv-endpoint HOST:PORT that every node can reach"),
+    (["allgather", "--standalone", "--rdzv-endpoint", "h:1"], "error: --standalone runs on one node with a local rendezvous"),
+    (["allgather", "--bogus"], "error: no such option: --bogus (see 'fsdpkit bench allgather --help')"),
+    (["allgather", "-n", "x"], "error: invalid value for '--iters' / '-n'"),
     (["allgather", "--variant", "ring"], "error: unknown --variant 'ring': choose from flat, list, both"),
     (["all", "--min-bytes", "12Q"], "error: unknown size unit 'Q' in '12Q': use K/M/G (=KiB/MiB/GiB, powers of 1024) or KB/MB/GB (powers of 1000)"),
     (["alltoall", "--nproc-per-node", "65"], "error: --nproc-per-node 65 is more than this launcher allows per node (64)"),
@@ -108,7 +125,8 @@ def test_bad_input_is_one_line_and_exit_2(no_launch, args, message):
     result = _invoke(args)
     assert result.exit_code == 2
     assert result.stdout == ""
-    assert result.stderr.splitlines() == [message]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), lines
 
 
 def test_nccl_requests_are_checked_before_launching(no_launch, monkeypatch):
@@ -133,3 +151,23 @@ def test_help_shows_the_bandwidth_formulas():
     text = " ".join(result.stdout.split())
     assert "busbw = algbw * 2(n-1)/n" in text
     assert "allgather, reducescatter, alltoall (n-1)/n; broadcast 1" in text
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "avg"])
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_expected_reductions_match_a_single_process_reference(op, n):
+    cpu = torch.device("cpu")
+    inputs = torch.stack([patterns.summed_values(rank, 0, 40, dtype=torch.float64, device=cpu) for rank in range(n)])
+    reference = {"sum": inputs.sum(0), "prod": inputs.prod(0), "min": inputs.min(0).values,
+                 "max": inputs.max(0).values, "avg": inputs.mean(0)}[op]
+    assert torch.allclose(patterns.reduced_over_ranks(op, 0, 40, n, device=cpu), reference, rtol=1e-15)
+    assert torch.allclose(patterns.reduced_over_ranks(op, 10, 20, n, device=cpu), reference[10:30], rtol=1e-15)
+
+
+def test_nccl_tests_dtype_names_and_command_line():
+    options = BenchOptions(collectives=("allgather", "reducescatter"), dtype=parse_dtype("half"), min_bytes=8, max_bytes=1024,
+                           factor=4, iters=3, warmup=0, check=1, op="min")
+    assert options.dtype == "float16" and parse_dtype("float") == "float32" and parse_dtype("bfloat16") == "bfloat16"
+    assert options.nccl_tests_command("allgather", nproc_per_node=8, nnodes=2) == \
+        "mpirun -np 16 all_gather_perf -b 8 -e 1024 -f 4 -n 3 -w 0 -c 1 -d half -g 1"
+    assert options.nccl_tests_command("reducescatter", nproc_per_node=1, nnodes=1).endswith("-d half -o min -g 1")

@@ -48,6 +48,7 @@ def test_resume_is_bitwise_exact_at_the_same_world_size(runs):
     resumed = train("--steps", "10", "--resume", str(root / "half"), "--save-dir", str(root / "resumed"))
     assert half["losses"] == full["losses"][:5]
     assert resumed["losses"] == full["losses"][5:]
+    assert resumed["resumed_from_step"] == 5 and full["resumed_from_step"] is None
     reference, mine = weights(root / "full"), weights(root / "resumed")
     assert reference.keys() == mine.keys() and all(torch.equal(reference[n], mine[n]) for n in reference)
     assert any(n.startswith("optim.exp_avg.") for n in mine)

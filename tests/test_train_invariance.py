@@ -11,15 +11,15 @@ import torch.nn.functional as F
 
 import fsdpkit
 from fsdpkit.models.registry import build_model
-from fsdpkit.train.config import TrainConfig
+from fsdpkit.train.config import DataConfig, OptimizerConfig, Schedule, TrainConfig
 from fsdpkit.train.data import TokenSource
 from fsdpkit.train.loop import Trainer
 from fsdpkit.train.schedule import lr_at
 
 from distributed import run_distributed
 
-CONFIG = TrainConfig(model="gpt-tiny", steps=10, global_batch_size=8, grad_accum=2, seq_len=32, lr=3e-3,
-                     warmup_steps=2, lr_schedule="cosine", weight_decay=0.1)
+CONFIG = TrainConfig(steps=10, data=DataConfig(global_batch_size=8, grad_accum=2, seq_len=32),
+                     optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2, schedule=Schedule.COSINE, weight_decay=0.1))
 
 
 def training_worker(config: TrainConfig) -> dict | None:
@@ -32,17 +32,18 @@ def training_worker(config: TrainConfig) -> dict | None:
 
 def reference_run(config: TrainConfig) -> dict:
     torch.manual_seed(config.seed)
-    model = build_model(config.model)
-    optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=config.weight_decay), lr=config.lr, betas=config.betas)
-    data = TokenSource(config.data, vocab_size=model.vocab_size, seq_len=config.seq_len, seed=config.seed)
+    model = build_model(config.model.name)
+    hyper = config.optimizer
+    optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=hyper.weight_decay), lr=hyper.lr, betas=hyper.betas)
+    data = TokenSource(config.data.source, vocab_size=model.vocab_size, seq_len=config.data.seq_len, seed=config.seed)
     losses = []
     for step in range(config.steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, base_lr=config.lr, warmup_steps=config.warmup_steps, total_steps=config.steps, schedule=config.lr_schedule)
-        tokens = data.global_batch(step, config.global_batch_size)
+            group["lr"] = lr_at(step, base_lr=hyper.lr, warmup_steps=hyper.warmup_steps, total_steps=config.steps, schedule=hyper.schedule)
+        tokens = data.global_batch(step, config.data.global_batch_size)
         step_loss = 0.0
-        for micro in tokens.chunk(config.grad_accum):
-            loss = F.cross_entropy(model(micro[:, :-1]).flatten(0, 1), micro[:, 1:].flatten()) / config.grad_accum
+        for micro in tokens.chunk(config.data.grad_accum):
+            loss = F.cross_entropy(model(micro[:, :-1]).flatten(0, 1), micro[:, 1:].flatten()) / config.data.grad_accum
             loss.backward()
             step_loss += loss.item()
         optimizer.step()

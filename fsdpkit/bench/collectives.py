@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..comm import Collectives, _all_gather_flat, _reduce_scatter_flat
 from . import patterns
+from .busbw import MODES
 
 
 @dataclass(frozen=True)
@@ -53,18 +54,25 @@ def supports_mode(collective: str, mode: str) -> bool:
     return True
 
 
-def prepare(collective: str, variant: str, mode: str, count: int, where: Placement) -> PreparedCollective:
-    """Allocate buffers for `collective` with `count` elements (per rank for the sharded ones)."""
+REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
+
+
+def prepare(collective: str, variant: str, mode: str, count: int, where: Placement, *, op: str = "sum") -> PreparedCollective:
+    """Allocate buffers for `collective` with `count` elements (per rank for the sharded ones);
+    `op` is the reduction of all-reduce and reduce-scatter."""
     if not supports_mode(collective, mode):
         raise ValueError(f"{collective} has no {mode} form")
+    in_place = mode == "in_place"
+    if collective == "reducescatter":
+        return _prepare_reducescatter(in_place, count, where, op, engine=variant == "fsdpkit")
+    if collective == "allreduce":
+        return _prepare_allreduce(in_place, count, where, op)
     builders = {
         "allgather": _prepare_allgather_list if variant == "list" else _prepare_allgather_flat,
-        "reducescatter": _prepare_reducescatter_fsdpkit if variant == "fsdpkit" else _prepare_reducescatter,
-        "allreduce": _prepare_allreduce,
         "broadcast": _prepare_broadcast,
         "alltoall": _prepare_alltoall,
     }
-    return builders[collective](mode == "in_place", count, where)
+    return builders[collective](in_place, count, where)
 
 
 def _empty(numel: int, where: Placement) -> torch.Tensor:
@@ -113,15 +121,10 @@ def _prepare_allgather_list(in_place: bool, count: int, where: Placement) -> Pre
     )
 
 
-def _prepare_reducescatter_fsdpkit(in_place: bool, count: int, where: Placement) -> PreparedCollective:
-    comms = Collectives()
-    return _prepare_reducescatter(in_place, count, where, run=lambda output, full: comms.reduce_scatter(output, full, where.group))
-
-
-def _prepare_reducescatter(in_place: bool, count: int, where: Placement, *,
-                           run: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> PreparedCollective:
+def _prepare_reducescatter(in_place: bool, count: int, where: Placement, op: str, *, engine: bool) -> PreparedCollective:
+    """torch's reduce_scatter_single, or (engine) the engine's Collectives.reduce_scatter (sum only)."""
     rank, n = where.rank, where.world_size
-    run = run or (lambda output, full: _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=where.group))
+    comms = Collectives()
     full = _empty(count * n, where)
     output = full[rank * count : (rank + 1) * count] if in_place else _empty(count, where)
 
@@ -131,15 +134,16 @@ def _prepare_reducescatter(in_place: bool, count: int, where: Placement, *,
 
     reset()
     return PreparedCollective(
-        run=lambda: run(output, full),
+        run=(lambda: comms.reduce_scatter(output, full, where.group)) if engine
+        else (lambda: _reduce_scatter_flat(output, full, op=getattr(dist.ReduceOp, REDUCE_OPS[op]), group=where.group)),
         reset=reset,
         result=lambda: output,
-        expected=lambda: patterns.sum_over_ranks(rank * count, count, n, device=where.device),
-        rtol=patterns.tolerance(where.dtype, n),
+        expected=lambda: patterns.reduced_over_ranks(op, rank * count, count, n, device=where.device),
+        rtol=patterns.tolerance(where.dtype, n, op),
     )
 
 
-def _prepare_allreduce(in_place: bool, count: int, where: Placement) -> PreparedCollective:
+def _prepare_allreduce(in_place: bool, count: int, where: Placement, op: str) -> PreparedCollective:
     rank, n = where.rank, where.world_size
     buffer = _empty(count, where)
 
@@ -148,11 +152,11 @@ def _prepare_allreduce(in_place: bool, count: int, where: Placement) -> Prepared
 
     reset()
     return PreparedCollective(
-        run=lambda: dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=where.group),
+        run=lambda: dist.all_reduce(buffer, op=getattr(dist.ReduceOp, REDUCE_OPS[op]), group=where.group),
         reset=reset,
         result=lambda: buffer,
-        expected=lambda: patterns.sum_over_ranks(0, count, n, device=where.device),
-        rtol=patterns.tolerance(where.dtype, n),
+        expected=lambda: patterns.reduced_over_ranks(op, 0, count, n, device=where.device),
+        rtol=patterns.tolerance(where.dtype, n, op),
     )
 
 

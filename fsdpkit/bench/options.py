@@ -1,47 +1,69 @@
-"""What a benchmark run was asked to do, validated before any process starts."""
+"""What a benchmark run was asked to do, validated before any process starts. Every field is a
+setting (fsdpkit.settings): its long flag and nccl-tests' short one (-b -e -f -n -w -c -d -o).
+No torch here: `fsdpkit bench --help` stays fast."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import UsageError
+from ..settings import setting
+from ..sizes import format_size, parse_size
 from .busbw import COLLECTIVES, VARIANTS, check_collective, size_sweep
 
 DTYPES = ("float32", "bfloat16", "float16")
+NCCL_TESTS_DTYPES = {"float32": "float", "float16": "half", "bfloat16": "bfloat16"}
+DTYPE_NAMES = {**{name: name for name in DTYPES}, **{v: k for k, v in NCCL_TESTS_DTYPES.items()}}
+ELEMENT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 BACKENDS = ("auto", "gloo", "nccl")
+OPS = ("sum", "prod", "min", "max", "avg")  # all-reduce and reduce-scatter only
+REDUCING = ("allreduce", "reducescatter")
+NCCL_TESTS_BINARIES = {"allgather": "all_gather_perf", "reducescatter": "reduce_scatter_perf",
+                       "allreduce": "all_reduce_perf", "broadcast": "broadcast_perf", "alltoall": "alltoall_perf"}
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise UsageError(f"unknown --dtype {name!r}: choose from {', '.join(DTYPES)}")
-    return getattr(torch, name)
+def parse_dtype(text: str) -> str:
+    if text not in DTYPE_NAMES:
+        raise UsageError(f"unknown --dtype {text!r}: choose from {', '.join(DTYPES)} (nccl-tests: float, half, bfloat16)")
+    return DTYPE_NAMES[text]
+
+
+def torch_dtype(name: str):  # -> torch.dtype
+    import torch
+
+    return getattr(torch, parse_dtype(name))
 
 
 def element_size(dtype_name: str) -> int:
-    return torch.empty(0, dtype=torch_dtype(dtype_name)).element_size()
+    return ELEMENT_SIZES[parse_dtype(dtype_name)]
 
 
 @dataclass(frozen=True)
 class BenchOptions:
     collectives: tuple[str, ...]
-    min_bytes: int = 1024
-    max_bytes: int = 64 * 1024**2
-    factor: int = 2
-    iters: int = 20
-    warmup: int = 5
-    dtype: str = "float32"
-    backend: str = "auto"
-    variant: str | None = None  # for the collectives in VARIANTS: one of theirs or "both"; None: the first
-    check: bool = False
+    min_bytes: int = setting(1024, "Smallest size: K/M/G = KiB/MiB/GiB (1024), KB/MB/GB (1000).", short="-b",
+                             parse=parse_size, metavar="SIZE", shown_default="1K")
+    max_bytes: int = setting(64 * 1024**2, "Largest size, same units.", short="-e", parse=parse_size, metavar="SIZE",
+                             shown_default="64M")
+    factor: int = setting(2, "Multiply the size by this between rows (>= 2).", short="-f")
+    iters: int = setting(20, "Timed calls per size and mode.", short="-n")
+    warmup: int = setting(5, "Untimed calls before each timed run.", short="-w")
+    check: int = setting(0, "Verify every result element of N more runs on fresh inputs; wrong ones are counted, "
+                         "and any exits 3 (0: no check).", short="-c", metavar="N")
+    dtype: str = setting("float32", "float32 (float), bfloat16 or float16 (half).", short="-d", parse=parse_dtype,
+                         metavar="TYPE")
+    op: str = setting("sum", "Reduction of allreduce and reducescatter (avg: nccl only).", short="-o", choices=OPS)
+    backend: str = setting("auto", "auto: nccl with a GPU per process, else gloo.", choices=BACKENDS)
+    variant: str | None = setting(None, "allgather: flat (all_gather_single, FSDP's; default) or list (all_gather into "
+                                  "separate tensors); reducescatter: torch (reduce_scatter_single, an all-reduce on gloo; "
+                                  "default) or fsdpkit (the engine's: all-to-all + local sum on gloo); both: side by side.", metavar="NAME")
 
     def __post_init__(self) -> None:
         if not self.collectives:
             raise UsageError(f"no collective given: choose from {', '.join(COLLECTIVES)}")
         for collective in self.collectives:
             check_collective(collective)
-        torch_dtype(self.dtype)
+        parse_dtype(self.dtype)
         if self.backend not in BACKENDS:
             raise UsageError(f"unknown --backend {self.backend!r}: choose from {', '.join(BACKENDS)}")
         if self.variant is not None:
@@ -51,10 +73,16 @@ class BenchOptions:
             for collective in with_variants:
                 if self.variant not in (*VARIANTS[collective], "both"):
                     raise UsageError(f"unknown --variant {self.variant!r}: choose from {', '.join(VARIANTS[collective])}, both")
+            if self.variant in ("fsdpkit", "both") and "reducescatter" in with_variants and self.op != "sum":
+                raise UsageError(f"--variant {self.variant} of reducescatter sums only (the engine reduces gradients); got --op {self.op}")
+        if self.op not in OPS:
+            raise UsageError(f"unknown --op {self.op!r}: choose from {', '.join(OPS)}")
         if self.iters < 1:
             raise UsageError(f"--iters must be >= 1, got {self.iters}")
         if self.warmup < 0:
             raise UsageError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.check < 0:
+            raise UsageError(f"--check must be >= 0, got {self.check}")
         size_sweep(self.min_bytes, self.max_bytes, self.factor)  # raises on a bad range or factor
 
     def requested_sizes(self) -> list[int]:
@@ -73,9 +101,32 @@ class BenchOptions:
                 pairs.append((collective, self.variant or variants[0]))
         return pairs
 
+    def nccl_tests_command(self, collective: str, *, nproc_per_node: int, nnodes: int) -> str:
+        """The nccl-tests command line that measures the same thing (one process per GPU)."""
+        flags = (f"-b {self.min_bytes} -e {self.max_bytes} -f {self.factor} -n {self.iters} -w {self.warmup} "
+                 f"-c {self.check} -d {NCCL_TESTS_DTYPES[self.dtype]}")
+        if collective in REDUCING:
+            flags += f" -o {self.op}"
+        return f"mpirun -np {nproc_per_node * nnodes} {NCCL_TESTS_BINARIES[collective]} {flags} -g 1"
+
+
+def check_memory(options: BenchOptions, *, processes: int, available_bytes: int, where: str) -> None:
+    """The largest size's buffers must fit in the memory `processes` share: about twice the
+    size per process (send and receive), and with --check its expected and received values
+    in float64 (16 bytes per element)."""
+    elements = options.max_bytes // ELEMENT_SIZES[options.dtype]
+    needed = processes * (2 * options.max_bytes + (16 * elements if options.check else 0))
+    if needed > available_bytes:
+        raise UsageError(
+            f"--max-bytes {options.max_bytes} ({format_size(options.max_bytes)}) needs about {format_size(needed)} of "
+            f"{where} for {processes} process{'es' * (processes > 1)}, more than the {format_size(available_bytes)} available"
+        )
+
 
 def resolve_backend(requested: str, *, nproc_per_node: int) -> str:
     """auto -> nccl when this node has a GPU for every local process, else gloo."""
+    import torch
+
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "auto":
         return "nccl" if cuda_devices >= nproc_per_node else "gloo"

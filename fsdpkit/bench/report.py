@@ -25,7 +25,8 @@ def format_report(report: BenchReport) -> str:
 def format_table(report: BenchReport, result: CollectiveResult) -> str:
     lines = [
         f"# fsdpkit bench {result.title}: {report.world_size} ranks, backend {report.backend}, "
-        f"iters {report.iters}, warmup {report.warmup}",
+        f"iters {report.iters}, warmup {report.warmup}" + (f", op {result.op}" if result.op else ""),
+        f"# nccl-tests: {result.nccl_tests}",
         f"# {result.algbw_formula} ; {result.busbw_formula} ({result.busbw_factor:g} for n={report.world_size}) ; "
         "time = max over ranks of each rank's mean",
     ]
@@ -110,6 +111,8 @@ def _result_document(result: CollectiveResult) -> dict[str, Any]:
     return {
         "collective": result.collective,
         "variant": result.variant or None,
+        "op": result.op,
+        "nccl_tests": result.nccl_tests,
         "algbw_formula": result.algbw_formula,
         "busbw_formula": result.busbw_formula,
         "busbw_factor": result.busbw_factor,

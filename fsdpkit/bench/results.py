@@ -34,6 +34,8 @@ class CollectiveResult:
     busbw_factor: float
     rows: tuple[SizeResult, ...]
     note: str | None = None  # what the backend really runs, where that matters
+    op: str | None = None  # the reduction, for all-reduce and reduce-scatter
+    nccl_tests: str = ""  # the nccl-tests command line that measures the same thing
 
     @property
     def title(self) -> str:
@@ -66,7 +68,7 @@ class BenchReport:
     dtype: str
     iters: int
     warmup: int
-    check: bool
+    check: int  # result checks per size and mode (0: none)
     results: tuple[CollectiveResult, ...]
 
     @property

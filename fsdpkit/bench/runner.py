@@ -11,28 +11,43 @@ Everything a user can get wrong is checked here, before a process starts (UsageE
 
 from __future__ import annotations
 
-from ..errors import DataCheckError
+from ..errors import DataCheckError, UsageError
+from ..host import available_memory_bytes
 from ..launch import LaunchOptions, launch
 from .busbw import bench_sizes, busbw_factor
 from .notes import backend_note
-from .options import BenchOptions, element_size, resolve_backend
+from .options import REDUCING, BenchOptions, check_memory, element_size, resolve_backend
+from .patterns import check_op_range
 from .results import BenchReport, CollectiveResult, size_result
 from .worker import BenchEntry, BenchPlan, bench_worker
 
 
 def plan_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> BenchPlan:
     """The sizes each collective runs at, rounded to valid counts for this world size."""
-    backend = resolve_backend(options.backend, nproc_per_node=launch_options.nproc_per_node)
+    local = launch_options.local_processes
+    backend = resolve_backend(options.backend, nproc_per_node=local)
     world_size = launch_options.world_size
+    reduces = any(collective in REDUCING for collective in options.collectives)
+    if reduces and options.op == "avg" and backend != "nccl":
+        raise UsageError("--op avg needs nccl: gloo has no average reduction")
+    if reduces and options.check:
+        check_op_range(options.op, world_size, options.dtype)
+    if backend == "nccl":
+        import torch
+
+        check_memory(options, processes=1, available_bytes=torch.cuda.get_device_properties(0).total_memory, where="GPU memory")
+    else:
+        check_memory(options, processes=local, available_bytes=available_memory_bytes(), where="host memory")
     requested = options.requested_sizes()
     item_size = element_size(options.dtype)
     entries = tuple(
-        BenchEntry(collective=collective, variant=variant, sizes=tuple(bench_sizes(collective, requested, world_size, item_size)))
+        BenchEntry(collective=collective, variant=variant, sizes=tuple(bench_sizes(collective, requested, world_size, item_size)),
+                   nccl_tests=options.nccl_tests_command(collective, nproc_per_node=local, nnodes=launch_options.nnodes))
         for collective, variant in options.entries()
     )
     return BenchPlan(
         entries=entries, backend=backend, dtype=options.dtype,
-        iters=options.iters, warmup=options.warmup, check=options.check,
+        iters=options.iters, warmup=options.warmup, check=options.check, op=options.op,
     )
 
 
@@ -58,6 +73,7 @@ def build_report(plan: BenchPlan, measured: list, *, world_size: int) -> BenchRe
             collective=entry.collective, variant=entry.variant, world_size=world_size,
             busbw_factor=busbw_factor(entry.collective, world_size), rows=size_results,
             note=backend_note(plan.backend, entry.collective, entry.variant),
+            op=plan.op if entry.collective in REDUCING else None, nccl_tests=entry.nccl_tests,
         ))
     return BenchReport(
         backend=plan.backend, world_size=world_size, dtype=plan.dtype,

@@ -4,8 +4,8 @@ Per size, as nccl-tests does: the out-of-place run, then the in-place run. Each 
 `warmup` untimed calls, a barrier, then `iters` calls between two host timestamps (with a
 device synchronize on CUDA); this rank's time is their mean. The launching process gets,
 from every rank, the maximum of those means over all ranks, and with --check the number of
-wrong elements summed over all ranks (one extra run on fresh inputs, compared element by
-element against the expected values).
+wrong elements summed over all ranks (--check N: N more runs on fresh inputs, each compared
+element by element against the expected values).
 
 Test hooks: with FSDPKIT_BENCH_CORRUPT_RANK=R in the environment, rank R overwrites the first
 element of every checked result with -1 (no correct value is negative) before counting; with
@@ -36,6 +36,7 @@ class BenchEntry:
     collective: str
     variant: str
     sizes: tuple[BenchSize, ...]
+    nccl_tests: str = ""
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class BenchPlan:
     dtype: str
     iters: int
     warmup: int
-    check: bool
+    check: int  # result checks per size and mode
+    op: str = "sum"
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,9 @@ def measure_size(entry: BenchEntry, size: BenchSize, plan: BenchPlan, where: Pla
     seconds = []
     wrong = []
     for mode in modes:
-        prepared = prepare(entry.collective, entry.variant, mode, size.count, where)
+        prepared = prepare(entry.collective, entry.variant, mode, size.count, where, op=plan.op)
         seconds.append(_time_calls(prepared, plan, where))
-        wrong.append(_count_wrong(prepared, where, corrupt=corrupt) if plan.check else 0)
+        wrong.append(sum(_count_wrong(prepared, where, corrupt=corrupt) for _ in range(plan.check)))
         del prepared
     # Two tiny collectives combine the ranks: the slowest rank's mean, the sum of wrong elements.
     slowest = torch.tensor(seconds, dtype=torch.float64, device=where.device)

@@ -1,11 +1,9 @@
-"""Checkpoints in training: what the training state holds, resuming exactly, starting from
-full or sharded weights (`--init-from`), and checking a checkpoint before any process starts."""
+"""Checkpoints in training: starting from full or sharded weights (`--init-from`), and checking
+a checkpoint before any process starts. (What the training state holds is the Trainer's.)"""
 
 from __future__ import annotations
 
-import base64
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,45 +11,12 @@ from ..checkpoint.compat import check_compatible
 from ..checkpoint.full import is_full_checkpoint, open_full
 from ..checkpoint.reader import CheckpointReader
 from ..engine.checkpoint_io import Checkpointer, expected_for_plans, persistent_buffers, stateless_params
-from ..engine.plan import plan_units
+from ..engine.plan import WrapPolicy, plan_units
 from ..engine.sharded import get_state
 from ..errors import DataCheckError
 from ..models.registry import build_model
-from .model_setup import wrap_policy
-
-if TYPE_CHECKING:
-    from .config import TrainConfig
-    from .loop import Trainer
 
 OPTIMIZER_CLASS = {"adamw": "AdamW", "sgd": "SGD"}
-
-
-def training_state(trainer: "Trainer") -> dict:
-    """World-size independent: the data stream is a function of (seed, step), the learning
-    rate of the optimizer step count; the RNG state is the same on every rank."""
-    config = trainer.config
-    return {
-        "step": trainer.step,
-        "optimizer_steps": trainer.optimizer_steps,
-        "samples": trainer.step * config.global_batch_size,
-        "lr_schedule": {"kind": config.lr_schedule, "position": trainer.optimizer_steps,
-                        "warmup_steps": config.warmup_steps, "base_lr": config.lr,
-                        "decay_steps": config.schedule_steps},
-        "grad_scaler": trainer.scaler.state_dict() if trainer.scaler else None,
-        "rng": {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")},
-        "world_size": trainer.world_size,
-        "config": config.to_json(),
-    }
-
-
-def apply_training_state(trainer: "Trainer", state: dict) -> None:
-    trainer.step = int(state.get("step", 0))
-    trainer.optimizer_steps = int(state.get("optimizer_steps", trainer.step))
-    if trainer.scaler is not None and state.get("grad_scaler"):
-        trainer.scaler.load_state_dict(state["grad_scaler"])
-    rng = (state.get("rng") or {}).get("torch_cpu")
-    if rng:
-        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8))
 
 
 def init_weights_from(model: torch.nn.Module, path: str) -> None:
@@ -107,18 +72,19 @@ def _read_full_range(source, start: int, end: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=SAFETENSORS_TO_TORCH[source.dtype])
 
 
-def check_before_launch(config: "TrainConfig", path: str, *, with_optimizer: bool) -> None:
-    """Validate a --resume / --init-from checkpoint against the model, on the meta device:
-    any problem is a DataCheckError (exit 3) before a process starts."""
-    model = build_model(config.model, device="meta")
-    plans = plan_units(model, wrap_policy(config.model, config.wrap, min_params=config.wrap_min_params, every=config.wrap_every))
+def check_before_launch(path: str, *, model_name: str, policy: WrapPolicy, optimizer: str | None, strict: bool) -> None:
+    """Validate a --resume (optimizer: its name) or --init-from (optimizer None) checkpoint
+    against the model, on the meta device: any problem is a DataCheckError (exit 3) before a
+    process starts."""
+    model = build_model(model_name, device="meta")
+    plans = plan_units(model, policy)
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     buffers = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in params}
-    if is_full_checkpoint(Path(path)) and not with_optimizer:
+    if is_full_checkpoint(Path(path)) and optimizer is None:
         _check_full(_full_tensors(path), expected_for_plans(plans, buffers, None), path)
         return
     with CheckpointReader(path) as reader:
-        optimizer_type = OPTIMIZER_CLASS.get(config.optimizer) if with_optimizer else None
+        optimizer_type = OPTIMIZER_CLASS.get(optimizer) if optimizer else None
         stateless = stateless_params(reader.training_state)
         check_compatible(reader.manifest, expected_for_plans(plans, buffers, optimizer_type, stateless=stateless),
-                         strict=config.strict and with_optimizer, where=str(reader.step_dir))
+                         strict=strict and optimizer is not None, where=str(reader.step_dir))

@@ -1,127 +1,287 @@
-"""The training configuration: one frozen dataclass, validated before any process starts."""
+"""The training configuration: a tree of frozen dataclasses, validated at construction.
+
+    TrainConfig(steps, seed, device,
+                model, data, sharding (the engine's ShardingConfig, passed whole to
+                fsdpkit.shard), optimizer, checkpoint, logging, launch)
+
+Every field is a setting (fsdpkit.settings): it carries its own help text and flag, so the
+command line, `--config run.toml` and `--print-config` are all derived from the fields below.
+Checks that need the world size are in `check_world_size`, called once before training starts.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
-from ..engine.config import STRATEGIES, MixedPrecision, ShardingConfig
+from ..engine.config import BACKWARD_PREFETCH, STRATEGIES, MixedPrecision, ShardingConfig
 from ..errors import UsageError
+from ..launch import LaunchOptions
+from ..settings import Section, Setting, setting, settings_of
 
-OPTIMIZERS = ("adamw", "sgd")
-SCHEDULES = ("constant", "cosine")
+
+class Device(enum.StrEnum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Optimizer(enum.StrEnum):
+    ADAMW = "adamw"
+    SGD = "sgd"
+
+
+class Schedule(enum.StrEnum):
+    CONSTANT = "constant"
+    COSINE = "cosine"
+
+
+def parse_pair(text: str) -> tuple[float, float]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 2:
+        raise UsageError(f"--betas {text!r} must be two numbers separated by a comma, e.g. 0.9,0.95")
+    return values  # type: ignore[return-value]
+
+
+def _at_least(value: int | float | None, minimum: int | float, flag: str) -> None:
+    if value is not None and value < minimum:
+        raise UsageError(f"{flag} must be >= {minimum}, got {value}")
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    model: str = "gpt-tiny"
-    vocab_size: int | None = None
-    wrap: tuple[str, ...] = ()
-    data: str = "synthetic"
-    steps: int = 20
-    global_batch_size: int = 8
-    grad_accum: int = 1
-    seq_len: int = 64
-    seed: int = 0
-    optimizer: str = "adamw"
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"
-    lr_decay_steps: int | None = None  # cosine horizon; None: --steps
-    eval_every: int = 0
-    eval_batches: int = 1
-    metrics: str | None = None
-    strategy: str = "full"
-    shard_group_size: int | None = None
-    mixed_precision: str = "none"
-    device: str = "auto"
-    wrap_min_params: int | None = None
-    wrap_every: int = 1
-    no_sync: bool = False
-    max_grad_norm: float | None = None
-    cpu_offload: bool = False
-    activation_checkpointing: bool = False
-    deferred_init: bool | None = None  # None: on for built-in models, off for user factories
-    backward_prefetch: str = "pre"
-    forward_prefetch: bool = False
-    limit_all_gathers: int = 2
-    save_dir: str | None = None
-    save_every: int = 0
-    keep_last: int | None = None
-    async_save: bool = False
-    resume: str | None = None
-    strict: bool = True
-    init_from: str | None = None
+class ModelConfig:
+    name: str = setting("gpt-tiny", "gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl, or "
+                        "package.module:factory (a zero-argument function returning the nn.Module).", flag="--model",
+                        metavar="NAME")
+    vocab_size: int | None = setting(None, "Vocabulary size, if the model has no vocab_size attribute.")
+    wrap: tuple[str, ...] = setting((), "package.module:ClassName whose instances are units (repeatable); "
+                                    "default: each transformer block, or each element of every nn.ModuleList.",
+                                    metavar="CLASS")
+    wrap_min_params: int | None = setting(None, "Also make a unit of every module holding at least N parameters "
+                                          "not already in a nested unit.")
+    wrap_every: int = setting(1, "K consecutive blocks per unit.")
+    deferred_init: bool | None = setting(None, "Build on the meta device and materialise one unit at a time "
+                                         "(default: on for built-in models).", panel="Memory",
+                                         off_flag="--eager-init")
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise UsageError(f"--steps must be >= 1, got {self.steps}")
-        if self.global_batch_size < 1:
-            raise UsageError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
-        if self.grad_accum < 1:
-            raise UsageError(f"--grad-accum must be >= 1, got {self.grad_accum}")
-        if self.seq_len < 1:
-            raise UsageError(f"--seq-len must be >= 1, got {self.seq_len}")
-        if self.optimizer not in OPTIMIZERS:
-            raise UsageError(f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-        if self.lr_schedule not in SCHEDULES:
-            raise UsageError(f"unknown --lr-schedule {self.lr_schedule!r}: use one of {', '.join(SCHEDULES)}")
+        _at_least(self.vocab_size, 1, "--vocab-size")
+        _at_least(self.wrap_min_params, 1, "--wrap-min-params")
+        _at_least(self.wrap_every, 1, "--wrap-every")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = setting("synthetic", "'synthetic' (seeded, learnable) or a text file, read as bytes "
+                          "(90% train, 10% held out).", flag="--data", metavar="FILE")
+    seq_len: int = setting(64, "Tokens per sequence.")
+    global_batch_size: int = setting(8, "Sequences per optimizer step, over all ranks and micro-batches.")
+    grad_accum: int = setting(1, "Micro-batches per optimizer step.")
+    no_sync: bool = setting(False, "With --grad-accum: accumulate unsharded gradients locally and reduce once, "
+                            "on the last micro-batch.", panel="Memory")
+    eval_every: int = setting(0, "Held-out loss every N steps (0: never).")
+    eval_batches: int = setting(1, "Held-out global batches per evaluation.")
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--seq-len", self.seq_len), ("--global-batch-size", self.global_batch_size),
+                            ("--grad-accum", self.grad_accum), ("--eval-batches", self.eval_batches)):
+            _at_least(value, 1, flag)
+        _at_least(self.eval_every, 0, "--eval-every")
+        if self.no_sync and self.grad_accum == 1:
+            raise UsageError("--no-sync accumulates gradients over micro-batches: it needs --grad-accum > 1")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Optimizer = setting(Optimizer.ADAMW, "The optimizer.", flag="--optimizer")
+    lr: float = setting(3e-3, "Peak learning rate.")
+    weight_decay: float = setting(0.1, "Weight decay on matrices and embeddings (not on biases or norms).")
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas, two numbers: 0.9,0.95.", parse=parse_pair,
+                                         metavar="B1,B2")
+    max_grad_norm: float | None = setting(None, "Clip the global gradient norm to this value.")
+    schedule: Schedule = setting(Schedule.CONSTANT, "Learning rate after the warm-up.", flag="--lr-schedule")
+    warmup_steps: int = setting(0, "Linear warm-up steps.")
+    decay_steps: int | None = setting(None, "Steps the cosine schedule decays over (default: --steps; "
+                                      "set it to extend a run exactly).", flag="--lr-decay-steps")
+
+    def __post_init__(self) -> None:
         if not self.lr > 0:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
-        if self.weight_decay < 0:
-            raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise UsageError(f"--betas must be two numbers in [0, 1), got {self.betas}")
-        if self.warmup_steps < 0 or self.eval_every < 0 or self.eval_batches < 1:
-            raise UsageError(f"--warmup-steps and --eval-every must be >= 0 (got {self.warmup_steps}, {self.eval_every})")
-        if self.strategy not in STRATEGIES:
-            raise UsageError(f"unknown --strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"unknown --device {self.device!r}: use auto, cpu or cuda")
-        if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
-            raise UsageError(f"--lr-decay-steps must be >= 1, got {self.lr_decay_steps}")
-        if self.save_every < 0:
-            raise UsageError(f"--save-every must be >= 0, got {self.save_every}")
-        if self.keep_last is not None and self.keep_last < 1:
-            raise UsageError(f"--keep-last must be >= 1, got {self.keep_last}")
+        _at_least(self.weight_decay, 0, "--weight-decay")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise UsageError(f"--betas must be two numbers in [0, 1), got {','.join(map(str, self.betas))}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise UsageError(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
+        _at_least(self.warmup_steps, 0, "--warmup-steps")
+        _at_least(self.decay_steps, 1, "--lr-decay-steps")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_dir: str | None = setting(None, "Run directory for sharded checkpoints (step-NNNNNNNN/ and latest); "
+                                   "on several nodes, a filesystem every node sees.", metavar="DIR")
+    save_every: int = setting(0, "Save every N steps (0: only at the end).")
+    keep_last: int | None = setting(None, "Keep only the newest K complete checkpoints.")
+    async_save: bool = setting(False, "Write checkpoints in a background thread while training goes on.")
+    resume: str | None = setting(None, "Resume from a run directory (its latest) or a step-* directory, "
+                                 "at any world size and strategy.", metavar="DIR")
+    strict: bool = setting(True, "Missing optimizer state in --resume is an error (--no-strict: start it fresh).")
+    init_from: str | None = setting(None, "Start from the weights of a full safetensors or a sharded checkpoint.",
+                                    metavar="PATH")
+
+    def __post_init__(self) -> None:
+        _at_least(self.save_every, 0, "--save-every")
+        _at_least(self.keep_last, 1, "--keep-last")
         if (self.save_every or self.keep_last or self.async_save) and not self.save_dir:
             raise UsageError("--save-every, --keep-last and --async-save need --save-dir")
         if self.resume and self.init_from:
             raise UsageError("--resume and --init-from exclude each other: resume continues a run, init-from starts one from weights")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise UsageError(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
-        if self.no_sync and self.grad_accum == 1:
-            raise UsageError("--no-sync accumulates gradients over micro-batches: it needs --grad-accum > 1")
-        self.sharding  # validates strategy / group size / mixed precision / overlap settings
 
-    @property
-    def sharding(self) -> ShardingConfig:
-        return ShardingConfig(
-            strategy=self.strategy,
-            shard_group_size=self.shard_group_size,
-            mixed_precision=MixedPrecision.from_name(self.mixed_precision),
-            backward_prefetch=self.backward_prefetch,
-            forward_prefetch=self.forward_prefetch,
-            limit_all_gathers=self.limit_all_gathers,
-            cpu_offload=self.cpu_offload,
-            activation_checkpointing=self.activation_checkpointing,
-        )
 
-    def validate_world_size(self, world_size: int) -> None:
-        self.sharding.validate_world_size(world_size)
-        if self.global_batch_size % (world_size * self.grad_accum):
-            raise UsageError(
-                f"--global-batch-size {self.global_batch_size} is not divisible by world size {world_size}"
-                f" x --grad-accum {self.grad_accum} = {world_size * self.grad_accum}"
-            )
+@dataclass(frozen=True)
+class LoggingConfig:
+    metrics: str | None = setting(None, "Append one JSON line per step to this file (fsdpkit report draws it).",
+                                  metavar="FILE")
+    tensorboard: str | None = setting(None, "Also write the same scalars as TensorBoard event files into this "
+                                      "directory (needs the [tensorboard] extra).", metavar="DIR")
+    log_every: int = setting(10, "Without a terminal on stderr: one progress line every N steps ...")
+    log_seconds: float = setting(30.0, "... or every S seconds, whichever comes first (with a terminal: a bar).")
+    quiet: bool = setting(False, "No progress bar or progress lines (errors and the summary only).")
+
+    def __post_init__(self) -> None:
+        _at_least(self.log_every, 1, "--log-every")
+        if not self.log_seconds > 0:
+            raise UsageError(f"--log-seconds must be > 0, got {self.log_seconds}")
+
+
+# The engine's ShardingConfig is a section as it is; only mixed precision is given by name
+# (plus an optional reduction dtype) instead of as a MixedPrecision of torch dtypes.
+PRECISIONS = ("none", "bf16", "fp16")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+_SHARDING_DEFAULT = ShardingConfig()
+
+
+def precision_policy(name: str, reduce_dtype: str | None = None) -> MixedPrecision:
+    if name not in PRECISIONS:
+        raise UsageError(f"unknown --mixed-precision {name!r}: use one of {', '.join(PRECISIONS)}")
+    if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
+        raise UsageError(f"unknown --reduce-dtype {reduce_dtype!r}: use one of {', '.join(REDUCE_DTYPES)}")
+    return MixedPrecision.from_name(name, reduce_dtype=reduce_dtype)
+
+
+def precision_names(policy: MixedPrecision) -> tuple[str, str | None]:
+    """(name, reduce dtype or None when it is the name's default): the inverse of precision_policy."""
+    import torch
+
+    names = {None: "none", torch.float32: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    name = names[policy.param_dtype]
+    if policy.reduce_dtype == precision_policy(name).reduce_dtype:
+        return name, None
+    return name, {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[policy.reduce_dtype]
+
+
+def _build_sharding(*, mixed_precision: str = "none", reduce_dtype: str | None = None, **fields: Any) -> ShardingConfig:
+    return ShardingConfig(mixed_precision=precision_policy(mixed_precision, reduce_dtype), **fields)
+
+
+def _sharding_values(config: ShardingConfig) -> dict[str, Any]:
+    name, reduce_dtype = precision_names(config.mixed_precision)
+    by_name = {"mixed_precision": name, "reduce_dtype": reduce_dtype}
+    return {s.key: by_name[s.key] if s.key in by_name else getattr(config, s.key) for s in SHARDING_SETTINGS}
+
+
+def _engine_setting(key: str, kind: Any, help: str, panel: str, **options: Any) -> Setting:
+    return Setting(key=key, type=kind, default=getattr(_SHARDING_DEFAULT, key), help=help, panel=panel, **options)
+
+
+SHARDING_SETTINGS = (
+    _engine_setting("strategy", str, "full (FULL_SHARD), grad-op (SHARD_GRAD_OP, ZeRO-2), hybrid (HYBRID_SHARD: "
+                    "shard in groups of --shard-group-size ranks, replicate across) or none (NO_SHARD, like DDP).",
+                    "Sharding", choices=tuple(STRATEGIES)),
+    _engine_setting("shard_group_size", int | None, "Ranks per shard group with --strategy hybrid.", "Sharding"),
+    Setting(key="mixed_precision", type=str, default="none", panel="Precision", choices=PRECISIONS,
+            help="Unsharded parameters and gradients in this dtype; fp32 sharded master weights "
+                 "(fp16 adds a sharded gradient scaler)."),
+    Setting(key="reduce_dtype", type=str | None, default=None, panel="Precision", choices=REDUCE_DTYPES,
+            help="Reduce gradients in this dtype (default: bf16 with bf16, fp32 with fp16)."),
+    _engine_setting("cpu_offload", bool, "Keep sharded parameters, gradients and optimizer state in host memory; "
+                    "the optimizer steps there.", "Memory"),
+    _engine_setting("activation_checkpointing", bool, "Recompute each unit's activations in backward.", "Memory"),
+    _engine_setting("backward_prefetch", str, "When the next unit's all-gather is issued in backward: before "
+                    "(pre) or after (post) the current reduce-scatter, or not early (none).", "Overlap",
+                    choices=tuple(str(p) for p in BACKWARD_PREFETCH)),
+    _engine_setting("forward_prefetch", bool, "Issue the next unit's all-gather before the current unit's forward.", "Overlap"),
+    _engine_setting("limit_all_gathers", int, "Most all-gathers in flight (0: no limit).", "Overlap"),
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = setting(20, "The step count the run ends at (a resumed run continues up to it).", panel="Optimizer")
+    seed: int = setting(0, "Seed for the weights and the data.", panel="Data")
+    device: Device = setting(Device.AUTO, "auto: CUDA with NCCL when there is a GPU, else CPU with gloo.", panel="Launch")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
+
+    def __post_init__(self) -> None:
+        _at_least(self.steps, 1, "--steps")
 
     @property
     def schedule_steps(self) -> int:
-        return self.lr_decay_steps or self.steps
+        """The cosine schedule's horizon."""
+        return self.optimizer.decay_steps or self.steps
 
-    def micro_batch_size(self, world_size: int) -> int:
-        return self.global_batch_size // (world_size * self.grad_accum)
+    @property
+    def tokens_per_step(self) -> int:
+        return self.data.global_batch_size * self.data.seq_len
 
-    def to_json(self) -> dict:
-        return asdict(self)
+    def check_world_size(self, world_size: int) -> None:
+        """Everything that depends on the number of ranks; called once, before training."""
+        self.sharding.validate_world_size(world_size)
+        ranks_and_micro = world_size * self.data.grad_accum
+        if self.data.global_batch_size % ranks_and_micro:
+            raise UsageError(
+                f"--global-batch-size {self.data.global_batch_size} is not divisible by world size {world_size}"
+                f" x --grad-accum {self.data.grad_accum} = {ranks_and_micro}"
+            )
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any], *, where: str = "") -> "TrainConfig":
+        """From plain values nested as in a config file: {"steps": 10, "optimizer": {"lr": 1e-3}}.
+        Absent keys take their defaults; an unknown key is a UsageError naming it (and `where`)."""
+        sections = {section.name: section for section in SECTIONS}
+        top = {}
+        for key, value in values.items():
+            if isinstance(value, Mapping) and key in sections:
+                continue
+            if key in sections:
+                keys = ", ".join(s.key for s in sections[key].settings)
+                raise UsageError(f"setting {key!r}{where} is a section: write [{key}] with keys {keys}")
+            top[key] = value
+        built = {name: section.from_values(values.get(name, {}), where=where) for name, section in sections.items()}
+        return cls(**TOP.from_values(top, where=where), **built)
+
+    def to_values(self) -> dict[str, Any]:
+        """The inverse of from_values: plain values a config file holds."""
+        return {**TOP.plain_values(self), **{s.name: s.plain_values(getattr(self, s.name)) for s in SECTIONS}}
+
+
+TOP = Section("", "", settings_of(TrainConfig), dict, lambda config: {s.key: getattr(config, s.key) for s in TOP.settings})
+SECTIONS = (
+    Section.of("model", ModelConfig, panel="Model"),
+    Section.of("data", DataConfig, panel="Data"),
+    Section("sharding", "Sharding", SHARDING_SETTINGS, _build_sharding, _sharding_values),
+    Section.of("optimizer", OptimizerConfig, panel="Optimizer"),
+    Section.of("checkpoint", CheckpointConfig, panel="Checkpoints"),
+    Section.of("logging", LoggingConfig, panel="Output"),
+    Section.of("launch", LaunchOptions, panel="Launch"),
+)

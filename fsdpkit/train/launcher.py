@@ -1,4 +1,5 @@
-"""Starting a training run: validate everything before a process starts, then launch."""
+"""Starting a training run: check everything that can be checked before a process starts
+(exit 2, or 3 for a bad checkpoint), then launch the workers, or, under torchrun, be one."""
 
 from __future__ import annotations
 
@@ -10,41 +11,84 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..errors import UsageError
-from ..launch import LaunchOptions, launch
-from .config import TrainConfig
-from .data import read_byte_tokens
+from ..launch import launch
 from .checkpointing import check_before_launch
+from .config import Device, TrainConfig
+from .data import read_byte_tokens
 from .loop import train_worker
-from .model_setup import inspect_model
+from .metrics import check_tensorboard_installed
+from .model_setup import inspect_model, wrap_policy
+
+
+def under_torchrun() -> bool:
+    """True in a process that torchrun (or another elastic agent) started as a worker."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
 def validate(config: TrainConfig, world_size: int) -> None:
-    """Every check that does not need a process group: exit 2 before launching."""
-    config.validate_world_size(world_size)
-    info = inspect_model(config.model, config.vocab_size, config.wrap, min_params=config.wrap_min_params, every=config.wrap_every)
-    if info.block_size is not None and config.seq_len > info.block_size:
-        raise UsageError(f"--seq-len {config.seq_len} exceeds model {config.model!r} block size {info.block_size}")
-    if config.data != "synthetic":
-        read_byte_tokens(config.data, seq_len=config.seq_len, vocab_size=info.vocab_size)
-    if config.device == "cuda" and not torch.cuda.is_available():
+    """Every check that needs no process group; the only place the world size is checked."""
+    config.check_world_size(world_size)
+    info = inspect_model(config.model)
+    if info.block_size is not None and config.data.seq_len > info.block_size:
+        raise UsageError(f"--seq-len {config.data.seq_len} exceeds model {config.model.name!r} block size {info.block_size}")
+    if config.data.source != "synthetic":
+        read_byte_tokens(config.data.source, seq_len=config.data.seq_len, vocab_size=info.vocab_size)
+    if config.device is Device.CUDA and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")
-    if config.resume:
-        check_before_launch(config, config.resume, with_optimizer=True)
-    if config.init_from:
-        check_before_launch(config, config.init_from, with_optimizer=False)
-    if config.save_dir and os.path.exists(config.save_dir) and not os.path.isdir(config.save_dir):
-        raise UsageError(f"--save-dir {config.save_dir!r} exists and is not a directory")
-    if config.metrics:
-        directory = os.path.dirname(os.path.abspath(config.metrics))
-        if not os.path.isdir(directory):
-            raise UsageError(f"--metrics {config.metrics!r}: directory {directory!r} does not exist")
+    checkpoint = config.checkpoint
+    if checkpoint.save_dir:
+        check_writable_directory(checkpoint.save_dir, "--save-dir")
+    if config.logging.metrics:
+        check_writable_file(config.logging.metrics, "--metrics")
+    if config.logging.tensorboard:
+        check_tensorboard_installed()
+        check_writable_directory(config.logging.tensorboard, "--tensorboard")
+    policy = wrap_policy(config.model)
+    if checkpoint.resume:
+        check_before_launch(checkpoint.resume, model_name=config.model.name, policy=policy,
+                            optimizer=config.optimizer.name.value, strict=checkpoint.strict)
+    if checkpoint.init_from:
+        check_before_launch(checkpoint.init_from, model_name=config.model.name, policy=policy, optimizer=None, strict=False)
 
 
-def run_training(config: TrainConfig, options: LaunchOptions) -> dict[str, Any] | None:
-    """Validate, launch the workers, and return rank 0's summary (None on other nodes)."""
-    validate(config, options.world_size)
-    results = launch(_worker_entry, config, options=options)
-    return results.get(0)
+def check_writable_directory(path: str, flag: str) -> None:
+    """`path` is a writable directory, or can be created as one (its nearest existing parent
+    is a writable directory)."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise UsageError(f"{flag} {path!r} exists and is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {path!r} is not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path!r} cannot be created: {parent!r} is not a writable directory")
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a directory, expected a file name")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"{flag} {path!r} is not writable")
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"{flag} {path!r}: directory {directory!r} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path!r}: directory {directory!r} is not writable")
+
+
+def run_training(config: TrainConfig) -> dict[str, Any] | None:
+    """Validate, then train: launch config.launch's workers, or, under torchrun, be one.
+    Returns rank 0's summary (None on the other ranks and nodes)."""
+    if under_torchrun():
+        validate(config, int(os.environ["WORLD_SIZE"]))
+        return run_in_process_group(config)
+    validate(config, config.launch.world_size)
+    return launch(_worker_entry, config, options=config.launch).get(0)
 
 
 @record
@@ -55,7 +99,7 @@ def _worker_entry(config: TrainConfig) -> dict[str, Any] | None:
 def run_in_process_group(config: TrainConfig) -> dict[str, Any] | None:
     """Init the process group from the launcher's environment (elastic launcher or torchrun),
     train, tear down."""
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    use_cuda = config.device is Device.CUDA or (config.device is Device.AUTO and torch.cuda.is_available())
     dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
         return train_worker(config)

@@ -1,12 +1,13 @@
 """The training worker: one process of a sharded run. Started by `fsdpkit train` through
-the elastic launcher, or directly under torchrun (`torchrun -m fsdpkit.train ...`)."""
+the elastic launcher, or directly under torchrun (`torchrun -m fsdpkit_cli train ...`)."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
-import json
 import os
 import resource
+import sys
 import time
 import warnings
 from typing import Any
@@ -14,28 +15,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import fsdpkit
 
-from .config import TrainConfig
+from .checkpointing import init_weights_from
+from .config import Device, Optimizer, OptimizerConfig, TrainConfig, precision_names
 from .data import TokenSource, local_rows
+from .metrics import MetricsLog
 from .model_setup import build_for_training, inspect_model, wrap_policy
-from .checkpointing import apply_training_state, init_weights_from, training_state
+from .progress import Progress, Throughput, progress_mode
 from .schedule import lr_at
 
 
-def pick_device(config: TrainConfig) -> torch.device:
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+def pick_device(device: Device) -> torch.device:
+    if device is Device.CUDA or (device is Device.AUTO and torch.cuda.is_available()):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
-def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
     groups = fsdpkit.param_groups(model, weight_decay=config.weight_decay)
-    if config.optimizer == "adamw":
+    if config.name is Optimizer.ADAMW:
         return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
     return torch.optim.SGD(groups, lr=config.lr)
 
@@ -47,35 +49,66 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Trainer:
+    """A sharded model, its optimizer and data, and the training state that a checkpoint keeps.
+    Assumes the config was checked against the world size (TrainConfig.check_world_size)."""
+
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        config.validate_world_size(self.world_size)
-        self.device = pick_device(config)
-        policy = wrap_policy(config.model, config.wrap, min_params=config.wrap_min_params, every=config.wrap_every)
-        info = inspect_model(config.model, config.vocab_size, config.wrap, min_params=config.wrap_min_params, every=config.wrap_every)
+        self.device = pick_device(config.device)
+        info = inspect_model(config.model)
         self.vocab_size = info.vocab_size
-        model = build_for_training(config.model, config.seed, deferred=config.deferred_init)
-        self.model = fsdpkit.shard(model, config.sharding, wrap=policy, device=self.device)
         self.num_params = info.num_params
-        self.optimizer = build_optimizer(self.model, config)
-        self.scaler = fsdpkit.ShardedGradScaler(self.model) if config.mixed_precision == "fp16" else None
-        self.data = TokenSource(config.data, vocab_size=self.vocab_size, seq_len=config.seq_len, seed=config.seed)
+        model = build_for_training(config.model, config.seed)
+        self.model = fsdpkit.shard(model, config.sharding, wrap=wrap_policy(config.model), device=self.device)
+        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.scaler = fsdpkit.ShardedGradScaler(self.model) if config.sharding.mixed_precision.param_dtype is torch.float16 else None
+        self.data = TokenSource(config.data.source, vocab_size=self.vocab_size, seq_len=config.data.seq_len, seed=config.seed)
         self.step = 0  # training steps run (batches consumed)
         self.optimizer_steps = 0  # steps the optimizer took (fp16 skips do not count)
         self.last_grad_norm: float | None = None
-        self.checkpointer = fsdpkit.Checkpointer(self.model, self.optimizer, async_save=config.async_save) if config.save_dir else None
-        if config.resume:
-            state = fsdpkit.Checkpointer(self.model, self.optimizer).load(config.resume, strict=config.strict)
-            if state.get("world_size") not in (None, self.world_size) and self.rank == 0:
-                warnings.warn(f"resuming a run saved at world size {state.get('world_size')} at world size {self.world_size}")
-            apply_training_state(self, state)
-        elif config.init_from:
-            init_weights_from(self.model, config.init_from)
+        self.resumed_from_step: int | None = None
+        checkpoint = config.checkpoint
+        self.checkpointer = fsdpkit.Checkpointer(self.model, self.optimizer, async_save=checkpoint.async_save) if checkpoint.save_dir else None
+        if checkpoint.resume:
+            self.restore(fsdpkit.Checkpointer(self.model, self.optimizer).load(checkpoint.resume, strict=checkpoint.strict))
+        elif checkpoint.init_from:
+            init_weights_from(self.model, checkpoint.init_from)
+
+    def training_state(self) -> dict[str, Any]:
+        """World-size independent: the data stream is a function of (seed, step), the learning
+        rate of the optimizer step count; the RNG state is the same on every rank."""
+        optimizer = self.config.optimizer
+        return {
+            "step": self.step,
+            "optimizer_steps": self.optimizer_steps,
+            "samples": self.step * self.config.data.global_batch_size,
+            "lr_schedule": {"kind": optimizer.schedule.value, "position": self.optimizer_steps,
+                            "warmup_steps": optimizer.warmup_steps, "base_lr": optimizer.lr,
+                            "decay_steps": self.config.schedule_steps},
+            "grad_scaler": self.scaler.state_dict() if self.scaler else None,
+            "rng": {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")},
+            "world_size": self.world_size,
+            "config": self.config.to_values(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's training state (the inverse of training_state)."""
+        if state.get("world_size") not in (None, self.world_size) and self.rank == 0:
+            warnings.warn(f"resuming a run saved at world size {state.get('world_size')} at world size {self.world_size}")
+        self.step = int(state.get("step", 0))
+        self.optimizer_steps = int(state.get("optimizer_steps", self.step))
+        self.resumed_from_step = self.step
+        if self.scaler is not None and state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])
+        rng = (state.get("rng") or {}).get("torch_cpu")
+        if rng:
+            torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8))
 
     def save(self) -> None:
-        self.checkpointer.save(self.config.save_dir, step=self.step, training_state=training_state(self), keep_last=self.config.keep_last)
+        checkpoint = self.config.checkpoint
+        self.checkpointer.save(checkpoint.save_dir, step=self.step, training_state=self.training_state(), keep_last=checkpoint.keep_last)
 
     def _loss_on(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.to(self.device)
@@ -88,30 +121,32 @@ class Trainer:
         return total.item() / self.world_size
 
     def train_step(self) -> float:
-        config = self.config
+        """One optimizer step over the global batch; returns its loss (mean over all tokens)."""
+        optimizer, data = self.config.optimizer, self.config.data
+        lr = lr_at(self.optimizer_steps, base_lr=optimizer.lr, warmup_steps=optimizer.warmup_steps,
+                   total_steps=self.config.schedule_steps, schedule=optimizer.schedule)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.optimizer_steps, base_lr=config.lr, warmup_steps=config.warmup_steps, total_steps=config.schedule_steps, schedule=config.lr_schedule)
-        batch = self.data.global_batch(self.step, config.global_batch_size)
-        micro_rows = config.global_batch_size // config.grad_accum
+            group["lr"] = lr
+        batch = self.data.global_batch(self.step, data.global_batch_size)
+        micro_rows = data.global_batch_size // data.grad_accum
         local_loss = 0.0
-        for micro in range(config.grad_accum):
+        for micro in range(data.grad_accum):
             micro_batch = local_rows(batch[micro * micro_rows:(micro + 1) * micro_rows], self.rank, self.world_size)
-            last = micro == config.grad_accum - 1
-            with contextlib.nullcontext() if (last or not config.no_sync) else fsdpkit.no_sync(self.model):
-                loss = self._loss_on(micro_batch) / config.grad_accum
+            last = micro == data.grad_accum - 1
+            with contextlib.nullcontext() if (last or not data.no_sync) else fsdpkit.no_sync(self.model):
+                loss = self._loss_on(micro_batch) / data.grad_accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             local_loss += loss.item()
-        if config.max_grad_norm is not None:
+        if optimizer.max_grad_norm is not None:
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
-            self.last_grad_norm = fsdpkit.clip_grad_norm_(self.model, config.max_grad_norm).item()
+            self.last_grad_norm = fsdpkit.clip_grad_norm_(self.model, optimizer.max_grad_norm).item()
         if self.scaler:
             stepped = self.scaler.step(self.optimizer)
+            self.scaler.update()
         else:
             self.optimizer.step()
             stepped = True
-        if self.scaler:
-            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.optimizer_steps += int(stepped)
@@ -119,9 +154,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        data = self.config.data
         losses = []
-        for index in range(self.config.eval_batches):
-            batch = self.data.global_batch(index, self.config.global_batch_size, held_out=True)
+        for index in range(data.eval_batches):
+            batch = self.data.global_batch(index, data.global_batch_size, held_out=True)
             losses.append(self._loss_on(local_rows(batch, self.rank, self.world_size)).item())
         return self._global_mean(sum(losses) / len(losses))
 
@@ -130,35 +166,38 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     """Run a whole training on this rank; rank 0 returns the summary, others None."""
     trainer = Trainer(config)
     rank0 = trainer.rank == 0
-    metrics = open(config.metrics, "a", encoding="utf-8") if (rank0 and config.metrics) else None
-    tokens_per_step = config.global_batch_size * config.seq_len
+    logging = config.logging
+    metrics = MetricsLog(jsonl_path=logging.metrics, tensorboard_dir=logging.tensorboard) if rank0 else None
+    throughput = Throughput(config.tokens_per_step)
+    progress = Progress(progress_mode(quiet=logging.quiet, shown=rank0, stream=sys.stderr), total=config.steps,
+                        initial=trainer.step, every_steps=logging.log_every, every_seconds=logging.log_seconds)
+    saving = config.checkpoint.save_every
     losses, eval_losses = [], []
-    progress = tqdm(total=config.steps, initial=trainer.step, desc="train", unit="step", disable=not rank0, dynamic_ncols=True)
     started = time.perf_counter()
     try:
         while trainer.step < config.steps:
             step_start = time.perf_counter()
             loss = trainer.train_step()
             step_time = time.perf_counter() - step_start
+            throughput.add(step_time)
             losses.append(loss)
             record: dict[str, Any] = {"step": trainer.step, "loss": loss, "lr": trainer.optimizer.param_groups[0]["lr"],
-                                      "step_time_s": step_time, "tokens_per_second": tokens_per_step / step_time}
+                                      "step_time_s": step_time, "tokens_per_second": config.tokens_per_step / step_time,
+                                      "peak_memory_bytes": peak_memory_bytes(trainer.device)}
             if trainer.last_grad_norm is not None:
                 record["grad_norm"] = trainer.last_grad_norm
             if trainer.scaler is not None:
                 record["loss_scale"] = trainer.scaler.scale_value
-            if config.eval_every and trainer.step % config.eval_every == 0:
+            if config.data.eval_every and trainer.step % config.data.eval_every == 0:
                 record["eval_loss"] = trainer.evaluate()
                 eval_losses.append({"step": trainer.step, "loss": record["eval_loss"]})
             if metrics:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
-            progress.update(1)
-            if trainer.checkpointer and config.save_every and trainer.step % config.save_every == 0:
+                metrics.write(record)
+            progress.update(trainer.step, loss=loss, tokens_per_second=throughput.tokens_per_second)
+            if trainer.checkpointer and saving and trainer.step % saving == 0:
                 trainer.save()
         if trainer.checkpointer:
-            if not (config.save_every and trainer.step % config.save_every == 0 and losses):
+            if not (saving and trainer.step % saving == 0 and losses):
                 trainer.save()
             trainer.checkpointer.wait()
     finally:
@@ -171,20 +210,21 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     if not rank0:
         return None
     return {
-        "model": config.model,
+        "model": config.model.name,
         "num_params": trainer.num_params,
         "world_size": trainer.world_size,
-        "strategy": config.strategy,
-        "mixed_precision": config.mixed_precision,
+        "strategy": getattr(config.sharding.strategy, "value", config.sharding.strategy),
+        "mixed_precision": precision_names(config.sharding.mixed_precision)[0],
         "device": trainer.device.type,
         "steps": trainer.step,
+        "resumed_from_step": trainer.resumed_from_step,
         "optimizer_steps": trainer.optimizer_steps,
-        "global_batch_size": config.global_batch_size,
-        "seq_len": config.seq_len,
+        "global_batch_size": config.data.global_batch_size,
+        "seq_len": config.data.seq_len,
         "losses": losses,
         "final_loss": losses[-1] if losses else None,
         "eval_losses": eval_losses,
-        "tokens_per_second": tokens_per_step * len(losses) / elapsed if elapsed > 0 else None,
+        "tokens_per_second": throughput.tokens_per_second,
         "elapsed_seconds": elapsed,
         "peak_memory_bytes": int(peak.item()),
         "checkpoint": trainer.checkpointer.last_saved if trainer.checkpointer else None,

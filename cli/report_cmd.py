@@ -1,0 +1,37 @@
+"""`fsdpkit report FILE [--out PNG]`: draw a training run's metrics or a benchmark. Parse, call
+fsdpkit.plots, say where the picture is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fsdpkit.errors import UsageError
+
+from .app import app
+from .common import handle_errors
+
+
+@app.command("report", short_help="Draw train --metrics (loss, tokens/s, lr, memory) or bench --json (busbw) as a PNG.")
+@handle_errors
+def report(
+    source: Annotated[Path, typer.Argument(help="A train --metrics file (JSON lines) or a bench --json document.",
+                                           metavar="FILE")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="The PNG to write (default: FILE with .png).",
+                                                metavar="PNG")] = None,
+) -> None:
+    """Draw loss (train and eval), tokens/s, learning rate and memory against step from train
+    --metrics; or busbw against size per collective, and list against flat all-gather, from
+    bench --json. Needs matplotlib: pip install 'fsdpkit\\[plot]'."""
+    from fsdpkit.plots import plot_bench, plot_metrics, read_report_input
+
+    if not source.is_file():
+        raise UsageError(f"{str(source)!r} is not a file")
+    target = out if out is not None else source.with_suffix(".png")
+    if target.is_dir() or not target.resolve().parent.is_dir():
+        raise UsageError(f"--out {str(target)!r} must be a file in an existing directory")
+    kind, data = read_report_input(source)
+    (plot_bench if kind == "bench" else plot_metrics)(data, target)
+    typer.echo(f"wrote {target}")
