@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from fsdpkit.checkpoint import commit as commit_mod
+from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import build_manifest
-from fsdpkit.checkpoint.plan import Plan
-from fsdpkit.checkpoint.writer import FragmentData, write_rank_file
+from fsdpkit.checkpoint.placement import Placement
+from fsdpkit.checkpoint.state import safetensors_dtype, tensor_bytes
+from fsdpkit.checkpoint.writer import FragmentBytes, write_rank_file
 from fsdpkit.layout import ElementRange, FlatLayout, even_split_ranges
 
 
@@ -55,8 +56,8 @@ def sample_buffers() -> dict[str, torch.Tensor]:
             "empty": torch.zeros(0, 4)}
 
 
-def rank_fragments(tensors: dict[str, torch.Tensor], units: list[list[str]] | None, world_size: int) -> list[list[FragmentData]]:
-    per_rank: list[list[FragmentData]] = [[] for _ in range(world_size)]
+def rank_fragments(tensors: dict[str, torch.Tensor], units: list[list[str]] | None, world_size: int) -> list[list[FragmentBytes]]:
+    per_rank: list[list[FragmentBytes]] = [[] for _ in range(world_size)]
     placed: dict[str, list[tuple[int, ElementRange]]] = {}
     for unit in units or []:
         layout = FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in unit], world_size)
@@ -75,21 +76,22 @@ def rank_fragments(tensors: dict[str, torch.Tensor], units: list[list[str]] | No
             pieces = list(enumerate(even_split_ranges(tensor.numel(), world_size)))
         flat = tensor.reshape(-1)
         for rank, rng in pieces:
-            per_rank[rank].append(FragmentData(name, tuple(tensor.shape), rng, flat[rng.start:rng.end]))
+            per_rank[rank].append(FragmentBytes(name, tuple(tensor.shape), rng, safetensors_dtype(tensor.dtype),
+                                                tensor_bytes(flat[rng.start:rng.end])))
     return per_rank
 
 
 def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], *, world_size: int,
                     units: list[list[str]] | None = None, training_state: dict | None = None,
                     aliases: dict[str, str] | None = None, keep_last: int | None = None) -> Path:
-    tmp = commit_mod.begin(run_dir, step)
-    records = [write_rank_file(tmp, rank=r, world_size=world_size, fragments=frags)
+    tmp = storage.begin(run_dir, step)
+    files = [write_rank_file(tmp, rank=r, world_size=world_size, fragments=frags)
                for r, frags in enumerate(rank_fragments(tensors, units, world_size))]
-    plan = Plan.flat([[(n, tuple(tensors[n].shape)) for n in unit] for unit in units]) if units else Plan.even()
-    manifest = build_manifest(world_size=world_size, strategy="full_shard", plan=plan, records=records,
+    placement = Placement.flat([[(n, tuple(tensors[n].shape)) for n in unit] for unit in units]) if units else Placement.even()
+    manifest = build_manifest(world_size=world_size, strategy="full", placement=placement, files=files,
                               training_state=training_state or {"step": step}, aliases=aliases,
                               tensor_order=list(tensors))
-    return commit_mod.commit(tmp, run_dir, step, manifest, keep_last=keep_last)
+    return storage.commit(tmp, run_dir, step, manifest, keep_last=keep_last)
 
 
 def run_cli(*args: str):

@@ -10,10 +10,10 @@ from collections import namedtuple
 
 import pytest
 
-from fsdpkit.checkpoint import output as output_mod
-from fsdpkit.checkpoint.compat import check_compatible
-from fsdpkit.checkpoint.reader import CheckpointReader
-from fsdpkit.checkpoint.safetensors_io import read_header
+from fsdpkit.checkpoint import storage
+from fsdpkit.checkpoint.manifest import check_compatible
+from fsdpkit.checkpoint.reader import read_header
+from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.errors import DataCheckError
 
 from _checkpoint_helpers import (SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors,
@@ -211,17 +211,17 @@ def test_existing_destination_needs_overwrite(ckpt, tmp_path):
 
 def test_not_enough_disk_space(ckpt, tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(output_mod.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 100, 100))
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 100, 100))
     result = run_cli("convert", ckpt, tmp_path / "out", "--to", "full")
     assert result.exit_code == 1 and "not enough disk space" in result.stderr and "100 B free" in result.stderr
     _no_leftovers(tmp_path, ["src"])
 
 
 def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch):
-    from fsdpkit.checkpoint import streamcopy
+    from fsdpkit.checkpoint import bytecopy
 
     calls = {"n": 0}
-    original = streamcopy.ByteCopier._read
+    original = bytecopy.ByteCopier._read
 
     def failing(self, *args):
         calls["n"] += 1
@@ -229,7 +229,7 @@ def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monke
             raise KeyboardInterrupt
         return original(self, *args)
 
-    monkeypatch.setattr(streamcopy.ByteCopier, "_read", failing)
+    monkeypatch.setattr(bytecopy.ByteCopier, "_read", failing)
     result = run_cli("convert", ckpt, tmp_path / "out", "--to", "full")
     assert result.exit_code == 130
     _no_leftovers(tmp_path, ["src"])
@@ -239,11 +239,11 @@ def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monke
 def test_error_in_the_reading_thread_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch, error):
     """With 64-byte chunks every tensor takes several blocks, read ahead in a second thread:
     an error there reaches the caller and the staged output is removed."""
-    from fsdpkit.checkpoint import streamcopy
-    from fsdpkit.checkpoint.convert import convert_to_full
+    from fsdpkit.checkpoint import bytecopy
+    from fsdpkit.checkpoint.offline.convert import convert_to_full
 
     calls = {"n": 0}
-    original = streamcopy.ByteCopier._read
+    original = bytecopy.ByteCopier._read
 
     def failing(self, *args):
         calls["n"] += 1
@@ -251,7 +251,7 @@ def test_error_in_the_reading_thread_leaves_no_partial_destination(ckpt, tmp_pat
             raise error("injected")
         return original(self, *args)
 
-    monkeypatch.setattr(streamcopy.ByteCopier, "_read", failing)
+    monkeypatch.setattr(bytecopy.ByteCopier, "_read", failing)
     with pytest.raises(error):
         convert_to_full(ckpt, tmp_path / "out", chunk_size=64)
     _no_leftovers(tmp_path, ["src"])

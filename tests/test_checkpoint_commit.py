@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdpkit.checkpoint import commit as commit_mod
+from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import build_manifest, save_manifest
-from fsdpkit.checkpoint.paths import resolve_checkpoint
-from fsdpkit.checkpoint.plan import Plan
-from fsdpkit.checkpoint.reader import CheckpointReader
-from fsdpkit.checkpoint.verify import verify_checkpoint
+from fsdpkit.checkpoint.offline.verify import verify_checkpoint
+from fsdpkit.checkpoint.placement import Placement
+from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.checkpoint.storage import resolve_checkpoint
 from fsdpkit.checkpoint.writer import write_rank_file
 from fsdpkit.errors import DataCheckError, RunError
 
@@ -53,25 +53,25 @@ def test_keep_last_and_latest(tmp_path):
 def test_crash_before_commit_leaves_previous(tmp_path):
     run = tmp_path / "run"
     save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS)
-    tmp = commit_mod.begin(run, 2)  # every rank wrote its file, then the process died before commit
-    records = [write_rank_file(tmp, rank=rank, world_size=2, fragments=frags)
-               for rank, frags in enumerate(rank_fragments(_tensors(2), SAMPLE_UNITS, 2))]
+    tmp = storage.begin(run, 2)  # every rank wrote its file, then the process died before commit
+    files = [write_rank_file(tmp, rank=rank, world_size=2, fragments=frags)
+             for rank, frags in enumerate(rank_fragments(_tensors(2), SAMPLE_UNITS, 2))]
     _assert_loads_step(run, 1)
     assert resolve_checkpoint(run) == run / "step-00000001"
     # crash after the manifest and the rename, before `latest` moved: still the previous one
-    save_manifest(tmp, build_manifest(world_size=2, strategy="full_shard", plan=Plan.even(), records=records,
+    save_manifest(tmp, build_manifest(world_size=2, strategy="full", placement=Placement.even(), files=files,
                                       training_state={"step": 2}))
     os.rename(tmp, run / "step-00000002")
     _assert_loads_step(run, 1)
     # the next successful save with keep_last cleans up
-    stale = commit_mod.begin(run, 3)
+    stale = storage.begin(run, 3)
     save_checkpoint(run, 3, _tensors(3), world_size=2, units=SAMPLE_UNITS, keep_last=1)
     assert not stale.exists() and sorted(p.name for p in run.iterdir()) == ["latest", "step-00000003"]
 
 
 def test_tmp_directories_are_never_checkpoints(tmp_path):
     run = tmp_path / "run"
-    tmp = commit_mod.begin(run, 5)
+    tmp = storage.begin(run, 5)
     for rank, frags in enumerate(rank_fragments(_tensors(5), SAMPLE_UNITS, 2)):
         write_rank_file(tmp, rank=rank, world_size=2, fragments=frags)
     with pytest.raises(DataCheckError, match="not an fsdpkit checkpoint"):
@@ -83,14 +83,14 @@ def test_tmp_directories_are_never_checkpoints(tmp_path):
 
 def test_commit_refuses_missing_rank_file(tmp_path):
     run = tmp_path / "run"
-    tmp = commit_mod.begin(run, 1)
-    records = [write_rank_file(tmp, rank=r, world_size=2, fragments=f)
-               for r, f in enumerate(rank_fragments(_tensors(1), SAMPLE_UNITS, 2))]
-    (tmp / records[1]["file"]).unlink()  # another node wrote it to a directory this one cannot see
-    manifest = build_manifest(world_size=2, strategy="full_shard", plan=Plan.flat(
-        [[(n, tuple(_tensors(1)[n].shape)) for n in u] for u in SAMPLE_UNITS]), records=records)
+    tmp = storage.begin(run, 1)
+    files = [write_rank_file(tmp, rank=r, world_size=2, fragments=f)
+             for r, f in enumerate(rank_fragments(_tensors(1), SAMPLE_UNITS, 2))]
+    (tmp / files[1].name).unlink()  # another node wrote it to a directory this one cannot see
+    manifest = build_manifest(world_size=2, strategy="full", placement=Placement.flat(
+        [[(n, tuple(_tensors(1)[n].shape)) for n in u] for u in SAMPLE_UNITS]), files=files)
     with pytest.raises(RunError, match="shared filesystem|filesystem all nodes share"):
-        commit_mod.commit(tmp, run, 1, manifest)
+        storage.commit(tmp, run, 1, manifest)
     assert not (run / "latest").exists() and not (run / "step-00000001").exists()
 
 

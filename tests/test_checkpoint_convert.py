@@ -9,10 +9,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fsdpkit.checkpoint.reader import CheckpointReader
+from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.layout import ElementRange, FlatLayout
 from fsdpkit.models.registry import build_model
-from fsdpkit.engine.plan import unit_plan_for_model
+from fsdpkit.models.units import unit_plan_for_model
 
 from _checkpoint_helpers import (SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors,
                                  save_checkpoint, tree_snapshot)
@@ -127,7 +127,7 @@ def test_reshard_then_read_equals_original(sharded, tmp_path, target):
     assert ("per_rank" in summary["warnings"][0]) if target != 2 else not summary["warnings"]
     assert run_cli("verify", out).exit_code == 0
     reader = CheckpointReader(out)
-    assert reader.manifest.world_size == target and reader.manifest.plan.kind == "flat"
+    assert reader.manifest.world_size == target and reader.manifest.placement.kind == "flat"
     assert "per_rank" not in reader.training_state and reader.training_state["step"] == 12
     for name, tensor in tensors.items():
         assert torch.equal(reader.read_tensor(name), tensor), name
@@ -153,7 +153,7 @@ def test_reshard_even_plan_and_back(sharded, tmp_path):
     assert run_cli("reshard", runs[3], tmp_path / "e7", "--world-size", 7).exit_code == 0
     assert run_cli("reshard", tmp_path / "e7", tmp_path / "e2", "--world-size", 2).exit_code == 0
     reader = CheckpointReader(tmp_path / "e2")
-    assert reader.manifest.plan.kind == "even"
+    assert reader.manifest.placement.kind == "even"
     for name, tensor in tensors.items():
         assert torch.equal(reader.read_tensor(name), tensor), name
 
@@ -198,8 +198,8 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["plan"] == "flat"
     reader = CheckpointReader(tmp_path / "s2")
-    units = unit_plan_for_model("gpt-tiny", 2)
-    assert [[p for p, _ in u] for u in reader.manifest.plan.units] == [[p for p, _ in u] for u in units]
+    units = unit_plan_for_model("gpt-tiny")
+    assert [[p for p, _ in u] for u in reader.manifest.placement.units] == [[p for p, _ in u] for u in units]
     for unit in units:  # rank r finds its FlatLayout chunk in its own file
         layout = FlatLayout.from_shapes(unit, 2)
         for rank in range(2):
@@ -220,9 +220,9 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
 def test_many_small_blocks_read_ahead(sharded, tmp_path, chunk):
     """Chunks far smaller than the tensors: every copy takes many blocks, read ahead in a
     second thread, output checksums combined block by block; results stay exact."""
-    from fsdpkit.checkpoint.convert import convert_to_full
-    from fsdpkit.checkpoint.reshard import reshard
-    from fsdpkit.checkpoint.verify import verify_checkpoint
+    from fsdpkit.checkpoint.offline.convert import convert_to_full
+    from fsdpkit.checkpoint.offline.reshard import reshard
+    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
     _, tensors, runs = sharded
     reshard(runs[2].parent, tmp_path / "r3", world_size=3, chunk_size=chunk)

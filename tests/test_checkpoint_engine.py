@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdpkit
-from fsdpkit.engine.sharded import get_state
+from fsdpkit.engine.view import describe
 
 from distributed import run_distributed
 from models import EdgeCaseNet
@@ -51,11 +51,11 @@ def load_worker(directory: str) -> dict:
     fsdpkit.load(model, optimizer, directory + "/stepped")
     names = {id(p): n for n, p in model.named_parameters()}
     state = {}
-    for unit in get_state(model).units:
-        for fragment, param in zip(unit.fragments, unit.params):
-            if param in optimizer.state:
-                st = optimizer.state[param]
-                state[names[id(param)]] = (fragment.param_range.start, st["exp_avg"].clone(), float(st["step"]))
+    for unit in describe(model).units:
+        for param in unit.params:
+            if param.tensor in optimizer.state:
+                st = optimizer.state[param.tensor]
+                state[names[id(param.tensor)]] = (param.fragment.param_range.start, st["exp_avg"].clone(), float(st["step"]))
     return {"empty": empty_after_first, "weights": fsdpkit.full_state_dict(model), "state": state}
 
 

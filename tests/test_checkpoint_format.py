@@ -12,14 +12,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fsdpkit.checkpoint.cast import cast_into
-from fsdpkit.checkpoint.crc import CrcShifter
+from fsdpkit.checkpoint.bytecopy import CrcShifter, cast_into
 from fsdpkit.checkpoint.format import split_optim_tensor_name
 from fsdpkit.checkpoint.manifest import Manifest
-from fsdpkit.checkpoint.paths import resolve_checkpoint
-from fsdpkit.checkpoint.plan import Plan, placements, rank_contents
-from fsdpkit.checkpoint.safetensors_io import StreamingWriter, read_header
-from fsdpkit.checkpoint.writer import SAFETENSORS_TO_TORCH, safetensors_dtype, tensor_bytes
+from fsdpkit.checkpoint.placement import Placement, placements, rank_contents
+from fsdpkit.checkpoint.reader import read_header
+from fsdpkit.checkpoint.state import SAFETENSORS_TO_TORCH, safetensors_dtype, tensor_bytes
+from fsdpkit.checkpoint.storage import resolve_checkpoint
+from fsdpkit.checkpoint.writer import StreamingWriter
 from fsdpkit.errors import DataCheckError
 from fsdpkit.layout import ElementRange, FlatLayout
 
@@ -118,14 +118,14 @@ def test_cast_matches_torch(src, dst):
     assert torch.isnan(got_nan).all()
 
 
-def test_flat_plan_placements_follow_flat_layout():
+def test_flat_placement_follows_flat_layout():
     tensors = sample_tensors()
     units = [[(n, tuple(tensors[n].shape)) for n in unit] for unit in SAMPLE_UNITS]
-    plan = Plan.flat(units)
+    placement = Placement.flat(units)
     names = [(n, tuple(t.shape)) for n, t in tensors.items()] + [
         ("optim.exp_avg.h.0.attn.weight", (8, 8)), ("optim.step", ()), ("buf", (5,))]
     for world in (1, 2, 3, 4, 7, 64):
-        result = placements(plan, names, world)
+        result = placements(placement, names, world)
         for unit in units:
             layout = FlatLayout.from_shapes(unit, world)
             for rank in range(world):
@@ -142,7 +142,7 @@ def test_flat_plan_placements_follow_flat_layout():
             assert position == torch.empty(shape).numel()
         assert result["optim.exp_avg.h.0.attn.weight"] == result["h.0.attn.weight"]
         assert result["optim.step"] == [(0, ElementRange(0, 1))] and result["buf"] == [(0, ElementRange(0, 5))]
-    contents = rank_contents(Plan.even(), [("a", (10,)), ("b", (2,))], 4)
+    contents = rank_contents(Placement.even(), [("a", (10,)), ("b", (2,))], 4)
     assert contents == [[("a", ElementRange(0, 3)), ("b", ElementRange(0, 1))], [("a", ElementRange(3, 6)), ("b", ElementRange(1, 2))],
                         [("a", ElementRange(6, 9))], [("a", ElementRange(9, 10))]]
 

@@ -25,6 +25,10 @@ OPTIM_SINGLE = "optimizer.safetensors"
 OPTIM_INDEX = "optimizer.safetensors.index.json"
 TIED_METADATA_KEY = "fsdpkit_tied_weights"  # __metadata__ key: JSON {alias: stored name}
 
+# The sharding strategy of the run that saved a checkpoint, spelled as the engine spells it.
+STRATEGIES = ("full", "grad-op", "hybrid", "none")
+LEGACY_STRATEGIES = {"full_shard": "full"}  # how convert spelled "full" before
+
 OPTIM_PREFIX = "optim."  # optimizer state tensors: optim.<state>.<param name>
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit

@@ -6,8 +6,9 @@ plan consistent with the tensors, aliases pointing at stored tensors); anything 
 `DataCheckError` naming `where` and the wrong value. `load_manifest(step_dir)` reads
 `manifest.json` and does the same.
 
-`build_manifest(...)` merges the records that `writer.write_rank_file` returned on every
-rank into a validated `Manifest`; `commit.commit` then writes it. JSON layout: see
+`build_manifest(...)` merges the `WrittenFile`s that `writer.write_rank_file` returned on every
+rank into a validated `Manifest`; `storage.commit` then writes it. `check_compatible` says
+whether a checkpoint fits a model, before any weight is read. JSON layout: see
 docs/checkpoint-format.md.
 """
 
@@ -20,9 +21,9 @@ from pathlib import Path
 
 from ..errors import DataCheckError
 from ..layout import ElementRange
-from .format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, MAX_MANIFEST_BYTES, is_known_dtype,
-                     is_optimizer_tensor, is_safe_file_name, numel)
-from .plan import Plan
+from .format import (FORMAT_NAME, FORMAT_VERSION, LEGACY_STRATEGIES, MANIFEST_NAME, MAX_MANIFEST_BYTES, STRATEGIES,
+                     is_known_dtype, is_optimizer_tensor, is_safe_file_name, numel)
+from .placement import Placement
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,6 @@ class TensorEntry:
     def numel(self) -> int:
         return numel(self.shape)
 
-    @property
-    def is_optimizer(self) -> bool:
-        return is_optimizer_tensor(self.name)
-
 
 @dataclass(frozen=True)
 class FileEntry:
@@ -64,7 +61,7 @@ class FileEntry:
 class Manifest:
     world_size: int
     strategy: str
-    plan: Plan
+    placement: Placement
     files: tuple[FileEntry, ...]
     tensors: tuple[TensorEntry, ...]
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> stored tensor name
@@ -85,7 +82,7 @@ class Manifest:
         return {
             "format": FORMAT_NAME, "version": FORMAT_VERSION,
             "world_size": self.world_size, "strategy": self.strategy,
-            "plan": self.plan.to_json(self.world_size),
+            "plan": self.placement.to_json(self.world_size),
             "files": [{"name": f.name, "size": f.size} for f in self.files],
             "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
                          "fragments": [{"file": index[f.file], "key": f.key, "start": f.start, "end": f.end, "crc32": f.crc32}
@@ -128,9 +125,9 @@ def _parse(doc: object, where: str) -> Manifest:
     if doc.get("version") != FORMAT_VERSION:
         raise DataCheckError(f"{where}: format version {doc.get('version')!r} is not supported (this fsdpkit reads {FORMAT_VERSION})")
     world_size = _int(doc.get("world_size"), "world_size", where, minimum=1)
-    strategy = doc.get("strategy")
-    if not isinstance(strategy, str):
-        raise DataCheckError(f"{where}: strategy must be a string, got {strategy!r}")
+    strategy = LEGACY_STRATEGIES.get(doc.get("strategy"), doc.get("strategy"))
+    if strategy not in STRATEGIES:
+        raise DataCheckError(f"{where}: strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
     files_doc = doc.get("files")
     if not isinstance(files_doc, list):
         raise DataCheckError(f"{where}: files must be a list")
@@ -149,8 +146,8 @@ def _parse(doc: object, where: str) -> Manifest:
     training_state = doc.get("training_state", {})
     if not isinstance(training_state, dict):
         raise DataCheckError(f"{where}: training_state must be an object")
-    plan = Plan.from_json(doc.get("plan"), world_size=world_size, where=where)
-    manifest = Manifest(world_size, strategy, plan, tuple(files), tuple(tensors), dict(aliases), training_state)
+    placement = Placement.from_json(doc.get("plan"), world_size=world_size, where=where)
+    manifest = Manifest(world_size, strategy, placement, tuple(files), tuple(tensors), dict(aliases), training_state)
     problems = manifest_problems(manifest)
     if problems:
         raise DataCheckError(f"{where}: {problems[0]}" + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
@@ -221,33 +218,32 @@ def manifest_problems(manifest: Manifest) -> list[str]:
         if alias in stored or target not in stored:
             problems.append(f"alias {alias!r} -> {target!r} must name a stored tensor and not be one")
     shapes = {t.name: t.shape for t in manifest.tensors}
-    for name, shape in manifest.plan.param_shapes().items():
+    for name, shape in manifest.placement.param_shapes().items():
         if shapes.get(name) != shape:
             problems.append(f"plan parameter {name!r} has shape {list(shape)}, the tensor table has "
                             f"{list(shapes[name]) if name in shapes else 'no such tensor'}")
     return problems
 
 
-def build_manifest(*, world_size: int, strategy: str, plan: Plan, records: list[dict], training_state: dict | None = None,
+def build_manifest(*, world_size: int, strategy: str, placement: Placement, files: list, training_state: dict | None = None,
                    aliases: dict[str, str] | None = None, tensor_order: list[str] | None = None) -> Manifest:
-    """Merge every rank's `write_rank_file` record into a validated manifest.
+    """Merge every rank's `writer.WrittenFile` into a validated manifest.
 
     Tensor order: `tensor_order` when given, else model tensors before optimizer tensors,
     each by first appearance in rank order.
     """
-    files, merged, seen_order = [], {}, []
-    for record in records:
-        files.append(FileEntry(record["file"], record["size"]))
-        for frag in record["fragments"]:
-            name = frag["name"]
-            if name not in merged:
-                merged[name] = (tuple(frag["shape"]), frag["dtype"], [])
-                seen_order.append(name)
-            shape, dtype, fragments = merged[name]
-            if tuple(frag["shape"]) != shape or frag["dtype"] != dtype:
-                raise ValueError(f"tensor {name!r}: {record['file']} says {frag['dtype']}{list(frag['shape'])}, "
+    entries, merged, seen_order = [], {}, []
+    for written in files:
+        entries.append(FileEntry(written.name, written.size))
+        for frag in written.fragments:
+            if frag.name not in merged:
+                merged[frag.name] = (frag.shape, frag.dtype, [])
+                seen_order.append(frag.name)
+            shape, dtype, fragments = merged[frag.name]
+            if frag.shape != shape or frag.dtype != dtype:
+                raise ValueError(f"tensor {frag.name!r}: {written.name} says {frag.dtype}{list(frag.shape)}, "
                                  f"another rank said {dtype}{list(shape)}")
-            fragments.append(FragmentEntry(record["file"], frag.get("key", name), frag["start"], frag["end"], frag["crc32"]))
+            fragments.append(FragmentEntry(written.name, frag.name, frag.range.start, frag.range.end, frag.crc32))
     if tensor_order is not None:
         missing = [n for n in seen_order if n not in tensor_order]
         order = [n for n in tensor_order if n in merged] + missing
@@ -258,7 +254,7 @@ def build_manifest(*, world_size: int, strategy: str, plan: Plan, records: list[
     tensors = tuple(TensorEntry(n, merged[n][0], merged[n][1],
                                 tuple(sorted((f for f in merged[n][2] if f.end > f.start), key=lambda f: f.start)))
                     for n in order)
-    manifest = Manifest(world_size, strategy, plan, tuple(files), tensors, dict(aliases or {}), dict(training_state or {}))
+    manifest = Manifest(world_size, strategy, placement, tuple(entries), tensors, dict(aliases or {}), dict(training_state or {}))
     json.dumps(manifest.training_state)  # fails now, with the caller's traceback, if not JSON-able
     problems = manifest_problems(manifest)
     if problems:
@@ -290,3 +286,34 @@ def resharded_training_state(state: dict, *, old_world_size: int, new_world_size
     kept = {k: v for k, v in state.items() if k != PER_RANK_KEY}
     return kept, [f"training_state.{PER_RANK_KEY} (per-rank state for {old_world_size} ranks) dropped: "
                   f"it cannot be resharded to {new_world_size} ranks"]
+
+
+def check_compatible(manifest: Manifest, expected: dict[str, tuple[int, ...]], *, strict: bool = True,
+                     where: str = "checkpoint") -> list[str]:
+    """Does the checkpoint fit a model? `expected` maps each tensor the loader wants (model
+    parameters and buffers, `optim.<state>.<param>` names) to its shape. A missing or extra
+    model tensor, or a shape difference, is a `DataCheckError` naming the first offenders;
+    missing optimizer state is fatal only with `strict`. Returns the missing optimizer tensors."""
+    stored = {t.name: t.shape for t in manifest.tensors}
+    for alias, target in manifest.aliases.items():
+        stored.setdefault(alias, stored.get(target))
+    wrong = [f"{name} {list(stored[name])} vs model {list(shape)}" for name, shape in expected.items()
+             if name in stored and stored[name] is not None and tuple(stored[name]) != tuple(shape)]
+    if wrong:
+        raise DataCheckError(f"{where}: shapes differ from the model: {', '.join(wrong[:3])}"
+                             + (f" (+{len(wrong) - 3} more)" if len(wrong) > 3 else ""))
+    missing_model = [n for n in expected if n not in stored and not is_optimizer_tensor(n)]
+    if missing_model:
+        raise DataCheckError(f"{where}: missing model tensors {missing_model[:3]}"
+                             + (f" (+{len(missing_model) - 3} more)" if len(missing_model) > 3 else "")
+                             + " (a checkpoint of another model?)")
+    extra = [n for n in stored if n not in expected and not is_optimizer_tensor(n) and n not in manifest.aliases]
+    if extra:
+        raise DataCheckError(f"{where}: tensors the model does not have: {extra[:3]}"
+                             + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "") + " (a checkpoint of another model?)")
+    missing_optim = [n for n in expected if n not in stored and is_optimizer_tensor(n)]
+    if missing_optim and strict:
+        raise DataCheckError(f"{where}: missing optimizer state {missing_optim[:3]}"
+                             + (f" (+{len(missing_optim) - 3} more)" if len(missing_optim) > 3 else "")
+                             + "; pass --no-strict to start the optimizer fresh")
+    return missing_optim

@@ -21,7 +21,8 @@ import fsdpkit
 from .config import TrainConfig
 from .data import TokenSource, local_rows
 from .model_setup import build_for_training, inspect_model, wrap_policy
-from .checkpointing import apply_training_state, init_weights_from, training_state
+from ..checkpoint.state import init_weights_from
+from .checkpointing import apply_training_state, training_state
 from .schedule import lr_at
 
 

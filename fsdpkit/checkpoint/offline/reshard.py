@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import UsageError
+from ...errors import UsageError
+from ..bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier
+from ..manifest import resharded_training_state
+from ..reader import open_sharded
+from ..storage import staged_output
+from ..writer import write_sharded
 from .convert import Progress, _progress_callback
-from .manifest import resharded_training_state
-from .output import staged_output
-from .sharded import open_sharded
-from .sharded_out import write_sharded
-from .streamcopy import DEFAULT_CHUNK_SIZE, ByteCopier
 
 
 def reshard(src: str | Path, dst: str | Path, *, world_size: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -34,8 +34,8 @@ def reshard(src: str | Path, dst: str | Path, *, world_size: int, chunk_size: in
     total = sum(s.nbytes for s in sources)
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=total + world_size * 65536) as tmp:
         copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
-        manifest = write_sharded(tmp, sources=sources, plan=old.plan, world_size=world_size, strategy=old.strategy,
+        manifest = write_sharded(tmp, sources=sources, placement=old.placement, world_size=world_size, strategy=old.strategy,
                                  training_state=state, aliases=old.aliases, cast_to=None, copier=copier)
     return {"src": str(checkpoint.step_dir), "dst": str(dst), "from_world_size": old.world_size,
-            "world_size": world_size, "plan": old.plan.kind, "files": [f.name for f in manifest.files],
+            "world_size": world_size, "plan": old.placement.kind, "files": [f.name for f in manifest.files],
             "tensors": len(manifest.tensors), "bytes": sum(f.size for f in manifest.files), "warnings": warnings}

@@ -1,4 +1,5 @@
-"""Bounded-memory byte copies from source fragments to an output stream (no torch).
+"""The one byte path of the checkpoint package: bounded-memory reads of fragments with their
+crc32 checked, casts between float dtypes, and crc32 arithmetic (no torch).
 
 A `SourceTensor` says where each element range of a tensor lies: (range, file, byte offset,
 crc32 or None). Sharded checkpoints give one piece per fragment (with its checksum); full
@@ -12,9 +13,9 @@ crc32 of every source fragment it reads, casts floats when `out_dtype` differs, 
 each filled view to `sink`; with `checksum=True` it returns the crc32 of all the bytes it
 handed on. Each block is checksummed once, on the bytes that are written: when both a
 source and an output checksum run over uncast bytes, the block's own crc is derived from
-the source's running one (`crc.py`) instead of a second pass. Callers must read each
+the source's running one (`CrcShifter`, below) instead of a second pass. Callers must read each
 fragment front to back (any number of calls, increasing ranges), which the plans in
-`plan.py` guarantee; when a fragment's last byte has been read its crc32 is compared with
+`placement.py` guarantee; when a fragment's last byte has been read its crc32 is compared with
 the manifest and a mismatch is a `DataCheckError`.
 Peak memory: two chunk buffers, a cast buffer of the same order, cast temporaries of the same
 order.
@@ -23,6 +24,13 @@ Speed: the default chunk (`DEFAULT_CHUNK_SIZE`, 512 KiB) is deliberately small. 
 read, checksummed and written while it is still in the CPU's L2 cache; with 4-64 MiB chunks
 the same copy spent 3-10x longer in `write` (measured on a 2-core Xeon with a 2 MiB L2, page
 cache to page cache, see benchmarks/checkpoint.py). Larger chunks only bound memory higher.
+
+crc32 arithmetic: `zlib.crc32` is affine in its input, so for byte strings A and B
+`crc(A + B) = shift(crc(A), len(B)) ^ crc(B)` (zlib's crc32_combine), where `shift(c, n)`
+multiplies `c` by x^(8n) modulo the crc polynomial; `CrcShifter` caches the multiplier per
+length. Casts (`cast_into`) work block by block with numpy (imported on first cast only),
+rounding as torch does: round to nearest even, BF16 from F32 bits like c10's
+`round_to_nearest_even` (NaN -> 0x7FC0), F64 -> BF16 through F32.
 """
 
 from __future__ import annotations
@@ -37,7 +45,6 @@ from typing import Callable
 
 from ..errors import DataCheckError
 from ..layout import ElementRange
-from .crc import CrcShifter
 from .format import dtype_info, numel
 
 MAX_OPEN_FILES = 64
@@ -103,6 +110,7 @@ class ByteCopier:
         self._cast_buffer: bytearray | None = None
         self._files = _OpenFiles()
         self._crc: dict[tuple[Path, int], tuple[int, int]] = {}  # piece -> (bytes read, running crc)
+        self._verified: set[tuple[Path, int]] = set()  # pieces read whole and checked (read_into)
         self._read_shifter = CrcShifter()  # used by the reading thread
         self._write_shifter = CrcShifter()  # used by the calling thread
         self._progress = progress
@@ -130,6 +138,31 @@ class ByteCopier:
                     self._progress(view.nbytes)
         return out_crc if checksum else None
 
+    def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
+        """Random access (loading): the bytes of elements `wanted` of `tensor` into `out`. A piece
+        with a checksum is read whole, and its crc32 checked, the first time any part of it is
+        wanted; later reads of it take only the bytes wanted."""
+        itemsize = dtype_info(tensor.dtype).itemsize
+        if out.nbytes != wanted.size * itemsize:
+            raise ValueError(f"{tensor.name}: {out.nbytes} bytes of room for {wanted.size} elements of {tensor.dtype}")
+        for piece in tensor.pieces:
+            part = piece.range.intersect(wanted)
+            if not part.size:
+                continue
+            if piece.crc32 is not None and (piece.path, piece.offset) not in self._verified:
+                for first in range(0, piece.nbytes, self.chunk_size):
+                    nbytes = min(self.chunk_size, piece.nbytes - first)
+                    view, _ = self._read(piece, first, nbytes, self._buffers[0])
+                    lo = max(piece.range.start * itemsize + first, part.start * itemsize)
+                    hi = min(piece.range.start * itemsize + first + nbytes, part.end * itemsize)
+                    if lo < hi:
+                        base = piece.range.start * itemsize + first
+                        out[lo - wanted.start * itemsize: hi - wanted.start * itemsize] = view[lo - base: hi - base]
+                self._verified.add((piece.path, piece.offset))
+            else:
+                start = (part.start - piece.range.start) * itemsize
+                self._pread(piece, start, out[(part.start - wanted.start) * itemsize: (part.end - wanted.start) * itemsize])
+
     def _blocks(self, tensor: SourceTensor, wanted: ElementRange) -> list[tuple[SourcePiece, int, int]]:
         """(piece, byte offset in the piece, bytes) of each chunk to read, in order."""
         itemsize = dtype_info(tensor.dtype).itemsize
@@ -146,13 +179,7 @@ class ByteCopier:
         """Read `nbytes` of `piece` from byte `offset` into `buffer`; advance and check the piece's
         crc32. Returns the filled view and its own crc32 (None when the piece has no checksum)."""
         view = memoryview(buffer)[:nbytes]
-        fd = self._files.fd(piece.path)
-        done = 0
-        while done < view.nbytes:
-            count = os.preadv(fd, [view[done:]], piece.offset + offset + done)
-            if count == 0:
-                raise DataCheckError(f"{piece.path}: file ends before {piece.label} does (truncated)")
-            done += count
+        self._pread(piece, offset, view)
         if piece.crc32 is None:
             return view, None
         key = (piece.path, piece.offset)
@@ -169,14 +196,22 @@ class ByteCopier:
                                  f"stored crc32 {piece.crc32:08x}, data gives {running:08x} (corrupt file)")
         return view, block_crc
 
+    def _pread(self, piece: SourcePiece, offset: int, view: memoryview) -> None:
+        """Fill `view` from byte `offset` of `piece`."""
+        fd = self._files.fd(piece.path)
+        done = 0
+        while done < view.nbytes:
+            count = os.preadv(fd, [view[done:]], piece.offset + offset + done)
+            if count == 0:
+                raise DataCheckError(f"{piece.path}: file ends before {piece.label} does (truncated)")
+            done += count
+
     def _cast(self, view: memoryview, src_dtype: str, out_dtype: str) -> memoryview:
         if src_dtype == out_dtype:
             return view
         needed = self.chunk_size * dtype_info(out_dtype).itemsize // dtype_info(src_dtype).itemsize + 8
         if self._cast_buffer is None or len(self._cast_buffer) < needed:
             self._cast_buffer = bytearray(needed)
-        from .cast import cast_into  # numpy: imported only when casting (a tenth of a second of startup)
-
         return cast_into(view, src_dtype, out_dtype, self._cast_buffer)
 
     def finish(self) -> None:
@@ -206,3 +241,124 @@ class _Inline:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+# ----- crc32 arithmetic
+POLY = 0xEDB88320  # zlib's reflected crc32 polynomial
+_TOP = 1 << 31  # the polynomial "1" in reflected bit order
+
+
+def multmodp(a: int, b: int) -> int:
+    """a * b modulo the crc polynomial (reflected bit order, as zlib)."""
+    mask, product = _TOP, 0
+    while a:
+        if a & mask:
+            product ^= b
+            a ^= mask
+        mask >>= 1
+        b = (b >> 1) ^ POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers() -> tuple[int, ...]:
+    """x^(2^k) mod P for k = 0..31."""
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = multmodp(p, p)
+    return tuple(table)
+
+
+X2N = _powers()
+
+
+def x8n(nbytes: int) -> int:
+    """x^(8 * nbytes) mod P."""
+    result, k, n = _TOP, 3, nbytes
+    while n:
+        if n & 1:
+            result = multmodp(X2N[k & 31], result)
+        n >>= 1
+        k += 1
+    return result
+
+
+class CrcShifter:
+    """`shift(crc, n)` = crc * x^(8n) mod P, with the multiplier of each length cached."""
+
+    def __init__(self) -> None:
+        self._multipliers: dict[int, int] = {}
+
+    def shift(self, crc: int, nbytes: int) -> int:
+        multiplier = self._multipliers.get(nbytes)
+        if multiplier is None:
+            multiplier = self._multipliers[nbytes] = x8n(nbytes)
+        return multmodp(multiplier, crc)
+
+    def combine(self, crc_a: int, crc_b: int, len_b: int) -> int:
+        """crc(A + B) from crc(A), crc(B) and len(B)."""
+        return self.shift(crc_a, len_b) ^ crc_b
+
+
+# ----- float casts (numpy, imported on first use: a tenth of a second of startup)
+CAST_BLOCK = 1 << 20  # elements per block
+
+
+def cast_into(src: memoryview, src_dtype: str, dst_dtype: str, out: bytearray | memoryview) -> memoryview:
+    """Cast the elements in `src` (bytes of `src_dtype`) into `out`; returns the used part of `out`."""
+    import numpy as np
+
+    src_size, dst_size = dtype_info(src_dtype).itemsize, dtype_info(dst_dtype).itemsize
+    count = src.nbytes // src_size
+    if src.nbytes % src_size:
+        raise ValueError(f"{src.nbytes} bytes is not a whole number of {src_dtype} elements")
+    out_view = memoryview(out)[: count * dst_size]
+    if src_dtype == dst_dtype:
+        out_view[:] = src
+        return out_view
+    src_array = np.frombuffer(src, dtype=np.uint8)
+    out_array = np.frombuffer(out_view, dtype=np.uint8)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is the intended result, as in torch
+        for first in range(0, count, CAST_BLOCK):
+            last = min(first + CAST_BLOCK, count)
+            block = src_array[first * src_size: last * src_size]
+            _cast_block(np, block, src_dtype, dst_dtype, out_array[first * dst_size: last * dst_size])
+    return out_view
+
+
+def _to_f32(np, src, dtype: str):
+    """F32 values of `src` (raw bytes): a view when already F32, else a new array."""
+    if dtype == "BF16":
+        return (src.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F32":
+        return src.view(np.float32)
+    return src.view(_numpy_float(np, dtype)).astype(np.float32)
+
+
+def _numpy_float(np, dtype: str):
+    return {"F16": np.float16, "F32": np.float32, "F64": np.float64}[dtype]
+
+
+def _f32_to_bf16_into(np, values, out) -> None:
+    """Round F32 `values` to nearest even BF16 bits in `out` (uint16), NaN -> 0x7FC0; one temporary."""
+    bits = values.view(np.uint32)
+    rounded = bits >> 16
+    rounded &= 1
+    rounded += np.uint32(0x7FFF)
+    rounded += bits  # wraps only for negative NaNs, fixed below
+    rounded >>= 16
+    np.copyto(out, rounded, casting="unsafe")
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = 0x7FC0
+
+
+def _cast_block(np, src, src_dtype: str, dst_dtype: str, out) -> None:
+    """Cast raw bytes `src` into raw bytes `out` (both uint8 arrays of matching element counts)."""
+    if dst_dtype == "BF16":
+        values = src.view(np.float64).astype(np.float32) if src_dtype == "F64" else _to_f32(np, src, src_dtype)
+        _f32_to_bf16_into(np, values, out.view(np.uint16))
+    elif src_dtype == "BF16":
+        np.copyto(out.view(_numpy_float(np, dst_dtype)), _to_f32(np, src, src_dtype), casting="unsafe")
+    else:
+        np.copyto(out.view(_numpy_float(np, dst_dtype)), src.view(_numpy_float(np, src_dtype)), casting="unsafe")

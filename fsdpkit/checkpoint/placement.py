@@ -1,6 +1,6 @@
 """Where each tensor's elements live at a given world size: pure range arithmetic.
 
-A checkpoint's plan is either
+A checkpoint's placement is either
 
 - "flat": the model's flat-parameter plan, a list of units, each an ordered list of
   (param name, shape), laid out with `FlatLayout` at shard factor = world size; or
@@ -31,22 +31,22 @@ UnitSpec = tuple[tuple[str, Shape], ...]
 
 
 @dataclass(frozen=True)
-class Plan:
+class Placement:
     kind: str  # "flat" or "even"
     units: tuple[UnitSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("flat", "even"):
-            raise ValueError(f"plan kind must be 'flat' or 'even', got {self.kind!r}")
+            raise ValueError(f"placement kind must be 'flat' or 'even', got {self.kind!r}")
         if self.kind == "even" and self.units:
-            raise ValueError("an even plan has no units")
+            raise ValueError("an even placement has no units")
 
     @classmethod
-    def even(cls) -> "Plan":
+    def even(cls) -> "Placement":
         return cls("even")
 
     @classmethod
-    def flat(cls, units) -> "Plan":
+    def flat(cls, units) -> "Placement":
         """From a list of units, each a list of (param name, shape)."""
         return cls("flat", tuple(tuple((str(n), tuple(int(d) for d in s)) for n, s in unit) for unit in units))
 
@@ -62,7 +62,7 @@ class Plan:
             for unit in self.units]}
 
     @classmethod
-    def from_json(cls, document: object, *, world_size: int, where: str) -> "Plan":
+    def from_json(cls, document: object, *, world_size: int, where: str) -> "Placement":
         if not isinstance(document, dict) or document.get("kind") not in ("flat", "even"):
             raise DataCheckError(f"{where}: plan must be {{'kind': 'flat'|'even', ...}}, got {_short(document)}")
         if document["kind"] == "even":
@@ -93,12 +93,12 @@ class Plan:
         return cls("flat", tuple(units))
 
 
-def placements(plan: Plan, tensors: list[tuple[str, Shape]], world_size: int) -> dict[str, list[tuple[int, ElementRange]]]:
+def placements(placement: Placement, tensors: list[tuple[str, Shape]], world_size: int) -> dict[str, list[tuple[int, ElementRange]]]:
     """For each tensor, the (rank, range) pieces that tile [0, numel) in increasing order."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     param_pieces: dict[str, list[tuple[int, ElementRange]]] = {}
-    for unit in plan.units:
+    for unit in placement.units:
         layout = FlatLayout.from_shapes(list(unit), world_size)
         chunk = layout.chunk_numel
         for slot in layout.slots:
@@ -108,7 +108,7 @@ def placements(plan: Plan, tensors: list[tuple[str, Shape]], world_size: int) ->
                     piece = slot.flat_range.intersect(layout.chunk_range(rank))
                     pieces.append((rank, piece.shift(-slot.offset)))
             param_pieces[slot.name] = pieces
-    shapes = plan.param_shapes()
+    shapes = placement.param_shapes()
     result = {}
     for name, shape in tensors:
         count = numel(shape)
@@ -118,17 +118,17 @@ def placements(plan: Plan, tensors: list[tuple[str, Shape]], world_size: int) ->
         owner = split_optim_tensor_name(name)
         if owner and owner[1] in param_pieces and numel(shapes[owner[1]]) == count:
             result[name] = param_pieces[owner[1]]
-        elif plan.kind == "flat":
+        elif placement.kind == "flat":
             result[name] = [(0, ElementRange(0, count))] if count else []
         else:
             result[name] = [(r, rng) for r, rng in enumerate(even_split_ranges(count, world_size)) if rng.size]
     return result
 
 
-def rank_contents(plan: Plan, tensors: list[tuple[str, Shape]], world_size: int) -> list[list[tuple[str, ElementRange]]]:
+def rank_contents(placement: Placement, tensors: list[tuple[str, Shape]], world_size: int) -> list[list[tuple[str, ElementRange]]]:
     """For each rank, the (tensor name, range) pieces its file holds, in tensor order."""
     per_rank: list[list[tuple[str, ElementRange]]] = [[] for _ in range(world_size)]
-    for name, pieces in placements(plan, tensors, world_size).items():
+    for name, pieces in placements(placement, tensors, world_size).items():
         for rank, rng in pieces:
             per_rank[rank].append((name, rng))
     return per_rank

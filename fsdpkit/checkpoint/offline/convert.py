@@ -4,8 +4,8 @@
 Face-style directory (`model.safetensors` or `model-0000k-of-0000N.safetensors` + index;
 with `with_optimizer`, `optimizer*` files likewise). `convert_to_sharded(src, dst, ...)`: a
 full checkpoint -> an fsdpkit sharded checkpoint for `world_size` ranks, laid out by the
-flat-parameter plan of `model` (from `fsdpkit.engine.plan.unit_plan_for_model`) or, without
-one, an even split per tensor. Both validate SRC completely first, check free disk, write
+placement given (a model's flat-parameter units: `fsdpkit.models.units.placement_for_model`) or,
+without one, an even split per tensor. Both validate SRC completely first, check free disk, write
 under a temporary name and rename (see `output.py`), copy through a `ByteCopier` (memory
 bounded by `chunk_size`), verify source checksums as they read, and cast floats to
 `cast_to` ("F32", "F16", "BF16") on the way out. They return a JSON-able summary.
@@ -17,16 +17,14 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..errors import DataCheckError, UsageError
-from ..layout import ElementRange
-from .format import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, dtype_info, nbytes, output_dtype
-from .full import index_document, model_and_optimizer, open_full, split_into_files
-from .output import staged_output
-from .plan import Plan
-from .safetensors_io import StreamingWriter
-from .sharded import open_sharded
-from .sharded_out import write_sharded
-from .streamcopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
+from ...errors import DataCheckError, UsageError
+from ...layout import ElementRange
+from ..bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
+from ..format import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, dtype_info, is_optimizer_tensor, nbytes, output_dtype
+from ..placement import Placement
+from ..reader import open_full, open_sharded
+from ..storage import staged_output
+from ..writer import StreamingWriter, write_sharded
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 
@@ -42,7 +40,9 @@ def convert_to_full(src: str | Path, dst: str | Path, *, max_shard_size: int | N
                     with_optimizer: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False,
                     progress: Progress | None = None) -> dict:
     checkpoint = open_sharded(src)
-    model, optim = model_and_optimizer(checkpoint.sources())
+    sources = checkpoint.sources()
+    model = [t for t in sources if not is_optimizer_tensor(t.name)]
+    optim = [t for t in sources if is_optimizer_tensor(t.name)]
     if with_optimizer and not optim:
         raise DataCheckError(f"{checkpoint.step_dir}: --with-optimizer given but the checkpoint has no optimizer state")
     outputs = [("model", model)] + ([("optimizer", optim)] if with_optimizer else [])
@@ -79,43 +79,57 @@ def _write_full_file(path: Path, group, by_name: dict[str, SourceTensor], copier
             copier.copy(source, ElementRange(0, source.numel), info.dtype, writer.write)
 
 
-def load_unit_plan(model: str, world_size: int) -> list:
-    """The flat-parameter plan of a named model, from the engine."""
-    try:
-        from ..engine.plan import unit_plan_for_model
-    except ImportError as error:
-        raise UsageError(f"--model {model}: this fsdpkit has no model plans ({error})") from None
-    return unit_plan_for_model(model, world_size)
-
-
-def check_plan_matches(plan: Plan, sources: list[SourceTensor], *, model: str, where: Path) -> None:
+def check_placement_matches(placement: Placement, sources: list[SourceTensor], *, where: Path, source: str) -> None:
     shapes = {s.name: s.shape for s in sources}
-    missing = [name for name in plan.param_shapes() if name not in shapes]
+    missing = [name for name in placement.param_shapes() if name not in shapes]
     wrong = [f"{name} {list(shapes[name])} (model: {list(shape)})"
-             for name, shape in plan.param_shapes().items() if name in shapes and shapes[name] != shape]
+             for name, shape in placement.param_shapes().items() if name in shapes and shapes[name] != shape]
     if missing or wrong:
         detail = f"missing {missing[:3]}" if missing else f"different shapes {wrong[:3]}"
-        raise DataCheckError(f"{where}: does not match model {model!r}: {detail}")
+        raise DataCheckError(f"{where}: does not match {source}: {detail}")
 
 
-def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, model: str | None = None,
-                       cast_to: str | None = None, with_optimizer: bool = False, strategy: str = "full_shard",
+def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, placement: Placement | None = None,
+                       placement_source: str = "the placement", cast_to: str | None = None, with_optimizer: bool = False, strategy: str = "full",
                        chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False, progress: Progress | None = None) -> dict:
     if world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
     full = open_full(src, with_optimizer=with_optimizer)
     sources = list(full.tensors)
-    if model is not None:
-        plan = Plan.flat(load_unit_plan(model, world_size))
-        check_plan_matches(plan, sources, model=model, where=Path(src))
+    if placement is None:
+        placement = Placement.even()
     else:
-        plan = Plan.even()
+        check_placement_matches(placement, sources, where=Path(src), source=placement_source)
     total = sum(s.nbytes for s in sources)
     out_total = sum(s.numel * dtype_info(output_dtype(s.dtype, cast_to)).itemsize for s in sources)
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + world_size * 65536) as tmp:
         copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
-        manifest = write_sharded(tmp, sources=sources, plan=plan, world_size=world_size, strategy=strategy,
+        manifest = write_sharded(tmp, sources=sources, placement=placement, world_size=world_size, strategy=strategy,
                                  training_state={}, aliases=full.aliases, cast_to=cast_to, copier=copier)
-    return {"src": str(src), "dst": str(dst), "to": "sharded", "world_size": world_size, "plan": plan.kind,
+    return {"src": str(src), "dst": str(dst), "to": "sharded", "world_size": world_size, "plan": placement.kind,
             "files": [f.name for f in manifest.files], "tensors": len(manifest.tensors),
             "bytes": sum(f.size for f in manifest.files), "dtype": cast_to}
+
+
+def split_into_files(tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+    """Greedy split of (name, dtype, shape) in order into files of at most `max_shard_size` bytes
+    (a tensor larger than that gets a file of its own). One file is `<prefix>.safetensors`."""
+    groups: list[list] = [[]]
+    size = 0
+    for entry in tensors:
+        tensor_bytes = nbytes(entry[2], entry[1])
+        if max_shard_size is not None and groups[-1] and size + tensor_bytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += tensor_bytes
+    if len(groups) == 1:
+        return [(f"{prefix}.safetensors", groups[0])]
+    count = len(groups)
+    return [(f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors", group) for i, group in enumerate(groups)]
+
+
+def index_document(files: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> dict:
+    total = sum(nbytes(shape, dtype) for _, group in files for _, dtype, shape in group)
+    return {"metadata": {"total_size": total},
+            "weight_map": {name: file for file, group in files for name, _, _ in group}}

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, dtype_info, is_optimizer_tensor, numel
-from .full import is_full_checkpoint, open_full
-from .sharded import open_sharded
+from ..format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, dtype_info, is_optimizer_tensor, numel
+from ..reader import is_full_checkpoint, open_full, open_sharded
 
 LARGEST = 5
 
@@ -46,7 +45,7 @@ def summarize(path: str | Path) -> dict:
     summary = {
         "path": str(checkpoint.step_dir), "format": FORMAT_NAME, "version": FORMAT_VERSION,
         "world_size": manifest.world_size, "strategy": manifest.strategy,
-        "plan": manifest.plan.kind, "units": len(manifest.plan.units),
+        "plan": manifest.placement.kind, "units": len(manifest.placement.units),
         "step": state.get("step"), "samples": state.get("samples"),
         "fragments": sum(len(t.fragments) for t in manifest.tensors),
         "files": [{"name": f.name, "size": f.size} for f in manifest.files],

@@ -16,17 +16,15 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
-from ..errors import DataCheckError
-from .format import MANIFEST_NAME, dtype_info
-from .full import is_full_checkpoint, open_full
-from .manifest import load_manifest
-from .paths import resolve_checkpoint
-from .sharded import check_files
-
-DEFAULT_CHUNK = 512 * 1024  # read and checksummed while in L2 cache (see streamcopy.py)
+from ...errors import DataCheckError
+from ..bytecopy import DEFAULT_CHUNK_SIZE
+from ..format import MANIFEST_NAME, dtype_info
+from ..manifest import load_manifest
+from ..reader import check_files, is_full_checkpoint, open_full
+from ..storage import resolve_checkpoint
 
 
-def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK, progress: Callable[[int, int], None] | None = None) -> dict:
+def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, progress: Callable[[int, int], None] | None = None) -> dict:
     path = Path(path)
     if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         return _verify_full(path)

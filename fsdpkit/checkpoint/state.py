@@ -1,0 +1,390 @@
+"""A sharded model and its optimizer <-> checkpoint fragments (the torch side).
+
+The engine is read only through `fsdpkit.engine.view.describe`: its units, each parameter's
+name, shape and this rank's fragment. Saving: every rank writes only what it owns, no gather
+to rank 0. Loading: each local fragment is read from whichever files hold the overlapping
+fragments, so a checkpoint saved at W ranks loads at any W' and under any strategy.
+
+Optimizer state tensors are `optim.<state>.<param name>`, fragmented like their parameter;
+scalar state (Adam's step) is stored once, by rank 0. Tied weights are stored once with
+their alias recorded. With hybrid or no sharding, only the first replica writes.
+
+Also here: starting from a full or sharded checkpoint's weights (`init_weights_from`), and the
+check, on a model built on the meta device, that a checkpoint fits it (`check_before_launch`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..comm import Collectives
+from ..engine.view import ShardedModelView, describe
+from ..errors import DataCheckError, RunError
+from ..layout import ElementRange
+from . import storage
+from .bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
+from .format import optim_tensor_name
+from .manifest import Manifest, TensorEntry, build_manifest, check_compatible
+from .placement import Placement
+from .reader import is_full_checkpoint, open_full, open_sharded
+from .writer import FragmentBytes, write_rank_file
+
+OPTIMIZER_STATE_KEYS = {"AdamW": ("exp_avg", "exp_avg_sq", "step"), "Adam": ("exp_avg", "exp_avg_sq", "step")}
+
+TORCH_TO_SAFETENSORS = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fn: "F8_E4M3",
+}
+SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in TORCH_TO_SAFETENSORS.items()}
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    try:
+        return TORCH_TO_SAFETENSORS[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be stored in a checkpoint") from None
+
+
+def tensor_bytes(data: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a tensor, copied to CPU if needed."""
+    flat = data.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous()
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+# ----- reading tensors by element ranges
+class TensorReader:
+    """Element ranges of named tensors as torch tensors, through the one `ByteCopier` (every
+    checksummed piece verified the first time it is touched)."""
+
+    def __init__(self, sources: list[SourceTensor], aliases: dict[str, str]):
+        self._sources = {source.name: source for source in sources}
+        self.aliases = dict(aliases)
+        self._copier = ByteCopier(chunk_size=DEFAULT_CHUNK_SIZE)
+
+    def source(self, name: str) -> SourceTensor:
+        source = self._sources.get(self.aliases.get(name, name))
+        if source is None:
+            raise KeyError(f"no tensor {name!r} in the checkpoint")
+        return source
+
+    def tensor_names(self) -> list[str]:
+        return list(self._sources)
+
+    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
+        """Elements `wanted` of the flat form of tensor `name` (an alias reads its stored tensor)."""
+        source = self.source(name)
+        if wanted.end > source.numel:
+            raise ValueError(f"range [{wanted.start}, {wanted.end}) outside {source.name!r} of {source.numel} elements")
+        out = torch.empty(wanted.size, dtype=SAFETENSORS_TO_TORCH[source.dtype])
+        if wanted.size:
+            self._copier.read_into(source, wanted, memoryview(out.view(torch.uint8).numpy()))
+        return out
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        source = self.source(name)
+        return self.read_range(name, ElementRange(0, source.numel)).reshape(source.shape)
+
+    def close(self) -> None:
+        self._copier.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class CheckpointReader(TensorReader):
+    """A sharded checkpoint (run dir, following `latest`, or step dir), validated on opening:
+    manifest, every file's size and header, fragment coverage."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.checkpoint = open_sharded(path)
+        super().__init__(self.checkpoint.sources(), self.checkpoint.manifest.aliases)
+
+    @property
+    def step_dir(self) -> Path:
+        return self.checkpoint.step_dir
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.checkpoint.manifest
+
+    @property
+    def training_state(self) -> dict:
+        return self.manifest.training_state
+
+    def tensor(self, name: str) -> TensorEntry:
+        """The manifest entry of `name` (an alias resolves to its stored tensor)."""
+        return self.manifest.tensor(name)
+
+
+def full_reader(path: str | os.PathLike) -> TensorReader:
+    """A full (Hugging Face style) checkpoint's tensors, tied aliases resolved."""
+    full = open_full(path)
+    return TensorReader(list(full.tensors), full.aliases)
+
+
+# ----- what a model expects
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return {name: tensor for name, tensor in module.state_dict().items() if name not in params and "." + name not in params}
+
+
+def stateless_params(training_state: dict) -> set[str]:
+    """Trainable parameters the saved optimizer held no state for (it never stepped them)."""
+    return set((training_state.get("optimizer") or {}).get("stateless", []))
+
+
+def expected_tensors(params: list[tuple[str, tuple[int, ...], bool]], buffers: dict[str, tuple[int, ...]],
+                     optimizer_type: str | None, *, stateless: set[str] = frozenset()) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must hold for a model: (name, shape, requires_grad) of each
+    parameter under its canonical name, the buffers, and the optimizer state of trainable
+    parameters (`stateless`: those whose state the checkpoint rightly lacks)."""
+    expected = {name: tuple(shape) for name, shape, _ in params}
+    expected.update(buffers)
+    for key in OPTIMIZER_STATE_KEYS.get(optimizer_type or "", ()):
+        for name, shape, trainable in params:
+            if trainable and name not in stateless:
+                expected[optim_tensor_name(key, name)] = () if key == "step" else tuple(shape)
+    return expected
+
+
+def _view_params(view: ShardedModelView) -> list[tuple[str, tuple[int, ...], bool]]:
+    return [(p.name, p.shape, p.requires_grad) for unit in view.units for p in unit.params]
+
+
+def _model_params(model: nn.Module) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Canonical names (first in named_parameters order, as the engine's unit plan) of an unsharded model."""
+    return [(name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()]
+
+
+def _buffer_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in persistent_buffers(module).items()}
+
+
+# ----- saving
+def _local_fragments(view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool) -> list[FragmentBytes]:
+    take = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach())
+    fragments = []
+
+    def add(name: str, shape: tuple[int, ...], rng: ElementRange, data: torch.Tensor) -> None:
+        data = take(data).reshape(-1)
+        fragments.append(FragmentBytes(name, tuple(shape), rng, safetensors_dtype(data.dtype), tensor_bytes(data)))
+
+    rank0 = view.rank == 0
+    for unit in view.units:
+        for param in unit.params:
+            add(param.name, param.shape, param.fragment.param_range, param.tensor)
+            param_state = optimizer.state.get(param.tensor, {}) if optimizer is not None else {}
+            for key, value in param_state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.shape == param.tensor.shape and value.dim() == 1:
+                    add(optim_tensor_name(key, param.name), param.shape, param.fragment.param_range, value)
+                elif value.numel() == 1 and rank0:
+                    add(optim_tensor_name(key, param.name), tuple(value.shape), ElementRange(0, 1), value)
+    if rank0:
+        for name, tensor in persistent_buffers(module).items():
+            add(name, tuple(tensor.shape), ElementRange(0, tensor.numel()), tensor)
+    return fragments
+
+
+def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:
+    if optimizer is None:
+        return None
+    names = {id(p): name for name, p in module.named_parameters()}
+    stateless = [names.get(id(p), "?") for group in optimizer.param_groups for p in group["params"] if not optimizer.state.get(p)]
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
+                    if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))}
+        groups.append({"settings": settings, "params": [names.get(id(p), "?") for p in group["params"]]})
+    return {"type": type(optimizer).__name__, "groups": groups, "stateless": stateless}
+
+
+class Checkpointer:
+    """Saves and loads one sharded model with its optimizer. With async_save, a background
+    thread writes while training goes on; at most one save is in flight, and the next save
+    (or wait()) waits for it. Every rank must call save/load/wait."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        view = describe(module)
+        self.async_save = async_save
+        self.comm = Collectives()
+        # background saves coordinate on their own group, so they never interleave with training's collectives
+        self.group = dist.new_group(backend="gloo") if async_save else view.group
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.last_saved: str | None = None
+
+    # ----- saving
+    def save(self, run_dir: str | os.PathLike, *, step: int, training_state: dict | None = None, keep_last: int | None = None) -> None:
+        self.wait()
+        view = describe(self.module)
+        fragments = _local_fragments(view, self.module, self.optimizer, copy=self.async_save) if view.writes_shards else []
+        state = dict(training_state or {})
+        state["optimizer"] = optimizer_hyperparameters(self.module, self.optimizer)
+        job = (view, Path(run_dir), step, fragments, state, keep_last)
+        if self.async_save:
+            self.thread = threading.Thread(target=self._run_save, args=job, name="fsdpkit-async-save", daemon=True)
+            self.thread.start()
+        else:
+            self._save(*job)
+
+    def _run_save(self, *job: Any) -> None:
+        try:
+            self._save(*job)
+        except BaseException as error:  # re-raised in the training thread by wait()
+            self.error = error
+
+    def _save(self, view: ShardedModelView, run_dir: Path, step: int, fragments: list[FragmentBytes], state: dict,
+              keep_last: int | None) -> None:
+        tmp = Path(self.comm.broadcast_object(str(storage.begin(run_dir, step)) if view.rank == 0 else None, 0, self.group,
+                                              label="checkpoint directory"))
+        device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
+        visible = torch.tensor([1 if tmp.is_dir() else 0], device=device)
+        self.comm.all_reduce(visible, self.group, op=dist.ReduceOp.MIN, label="checkpoint directory visible")
+        if not visible.item():
+            if view.rank == 0:
+                storage.abort(tmp)
+            raise RunError(f"save directory {tmp} is not visible to every rank: --save-dir must be on a filesystem every node sees")
+        written = (write_rank_file(tmp, rank=view.shard_rank, world_size=view.shard_factor, fragments=fragments)
+                   if view.writes_shards else None)
+        files = self.comm.all_gather_object(written, self.group, label="checkpoint files")
+        if view.rank == 0:
+            manifest = build_manifest(
+                world_size=view.shard_factor, strategy=view.strategy,
+                placement=Placement.flat([[(p.name, p.shape) for p in unit.params] for unit in view.units]),
+                files=sorted((f for f in files if f is not None), key=lambda f: f.name),
+                training_state=state, aliases={alias: p.name for unit in view.units for p in unit.params for alias in p.aliases},
+            )
+            self.last_saved = str(storage.commit(tmp, run_dir, step, manifest, keep_last=keep_last))
+        self.last_saved = self.comm.broadcast_object(self.last_saved, 0, self.group, label="checkpoint committed")
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    # ----- loading
+    def load(self, path: str | os.PathLike, *, strict: bool = True) -> dict:
+        """Load weights (and optimizer state) from a checkpoint saved at any world size;
+        returns its training state. Every chunk's fragments are checksum-verified as read."""
+        view = describe(self.module)
+        with CheckpointReader(path) as reader:
+            stateless = stateless_params(reader.training_state)
+            optimizer_type = type(self.optimizer).__name__ if self.optimizer is not None else None
+            expected = expected_tensors(_view_params(view), _buffer_shapes(self.module), optimizer_type, stateless=stateless)
+            missing_optim = check_compatible(reader.manifest, expected, strict=strict, where=str(reader.step_dir))
+            if missing_optim and view.rank == 0:
+                warnings.warn(f"{reader.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh")
+            load_weights(view, self.module, reader)
+            if self.optimizer is not None and not missing_optim:
+                self._load_optimizer(view, reader)
+            return reader.training_state
+
+    def _load_optimizer(self, view: ShardedModelView, reader: CheckpointReader) -> None:
+        stored = set(reader.tensor_names())
+        for unit in view.units:
+            for param in unit.params:
+                if not param.requires_grad:
+                    continue
+                param_state = {}
+                for key in OPTIMIZER_STATE_KEYS.get(type(self.optimizer).__name__, ()):
+                    name = optim_tensor_name(key, param.name)
+                    if name not in stored:
+                        continue
+                    entry = reader.tensor(name)
+                    if key == "step" or entry.shape != tuple(param.shape):
+                        param_state[key] = reader.read_tensor(name).to(torch.float32).reshape(())
+                    else:
+                        param_state[key] = reader.read_range(name, param.fragment.param_range).to(param.tensor.device)
+                if param_state:
+                    self.optimizer.state[param.tensor] = param_state
+                else:
+                    self.optimizer.state.pop(param.tensor, None)
+        saved = (reader.training_state.get("optimizer") or {}).get("groups") or []
+        for group, saved_group in zip(self.optimizer.param_groups, saved):
+            for key, value in saved_group.get("settings", {}).items():
+                if key in group and key != "lr":
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
+
+
+def load_weights(view: ShardedModelView, module: nn.Module, reader: TensorReader) -> None:
+    """Copy this rank's fragment of every parameter, and every buffer, from `reader`."""
+    with torch.no_grad():
+        for unit in view.units:
+            for param in unit.params:
+                if param.fragment.param_range.size:
+                    param.tensor.copy_(reader.read_range(param.name, param.fragment.param_range))
+        for name, buffer in persistent_buffers(module).items():
+            buffer.copy_(reader.read_tensor(name).to(buffer.dtype))
+
+
+def save(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *, step: int = 0,
+         training_state: dict | None = None, keep_last: int | None = None) -> str:
+    """Save a sharded checkpoint into run directory `path` as step-<step>; returns its path."""
+    checkpointer = Checkpointer(module, optimizer)
+    checkpointer.save(path, step=step, training_state=training_state, keep_last=keep_last)
+    return checkpointer.last_saved
+
+
+def load(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *, strict: bool = True) -> dict:
+    """Load a checkpoint (run directory or step directory) saved at any world size."""
+    return Checkpointer(module, optimizer).load(path, strict=strict)
+
+
+# ----- weights only, and checks before launch
+def init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
+    """Load weights only, from a sharded checkpoint or a full (Hugging Face style) one."""
+    if not is_full_checkpoint(Path(path)):
+        Checkpointer(module, None).load(path, strict=False)
+        return
+    view = describe(module)
+    with full_reader(path) as reader:
+        _check_full(reader, expected_tensors(_view_params(view), _buffer_shapes(module), None), path)
+        load_weights(view, module, reader)
+
+
+def _check_full(reader: TensorReader, expected: dict[str, tuple[int, ...]], path: str | os.PathLike) -> None:
+    for name, shape in expected.items():
+        try:
+            source = reader.source(name)
+        except KeyError:
+            raise DataCheckError(f"{path}: no tensor {name!r} (a checkpoint of another model?)") from None
+        if tuple(source.shape) != tuple(shape):
+            raise DataCheckError(f"{path}: tensor {name!r} has shape {list(source.shape)}, the model {list(shape)}")
+
+
+def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer_type: str | None, strict: bool) -> None:
+    """Validate a checkpoint against an unsharded model (built on the meta device) before any
+    process starts: any problem is a DataCheckError (exit 3). `optimizer_type` (e.g. "AdamW")
+    when resuming, None when only the weights are wanted."""
+    params, buffers = _model_params(model), _buffer_shapes(model)
+    if is_full_checkpoint(Path(path)) and optimizer_type is None:
+        with full_reader(path) as reader:
+            _check_full(reader, expected_tensors(params, buffers, None), path)
+        return
+    with CheckpointReader(path) as reader:
+        stateless = stateless_params(reader.training_state)
+        check_compatible(reader.manifest, expected_tensors(params, buffers, optimizer_type, stateless=stateless),
+                         strict=strict and optimizer_type is not None, where=str(reader.step_dir))
