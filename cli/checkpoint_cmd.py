@@ -159,7 +159,7 @@ def inspect(
         return
     lines = [f"path        {summary['path']}", f"format      {summary['format']}" + (f" v{summary['version']}" if "version" in summary else "")]
     if "world_size" in summary:
-        lines += [f"world size  {summary['world_size']}  strategy {summary['strategy']}  plan {summary['plan']} ({summary['units']} units)",
+        lines += [f"world size  {summary['world_size']}  strategy {summary['strategy']}  placement {summary['placement']} ({summary['units']} units)",
                   f"step        {summary['step']}  samples {summary['samples']}"]
     lines += [f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, {format_size(summary['model']['bytes'])}",
               f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",

@@ -4,6 +4,7 @@ SRC untouched, no partial DST (issue 5 "Bad input, never silent", issue 6 "Bad i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from collections import namedtuple
@@ -18,24 +19,37 @@ from fsdpkit.errors import DataCheckError
 
 from _checkpoint_helpers import (SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors,
                                  save_checkpoint, tree_snapshot)
+from _checkpoint_v1 import write_v1
 
 RANK1 = "rank-00001-of-00002.safetensors"
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
+def pristines(tmp_path_factory):
+    """The same W=2 checkpoint in format 2 and format 1 (step directories)."""
     root = tmp_path_factory.mktemp("pristine")
     params = sample_tensors()
     tensors = {**params, **sample_buffers(), **sample_optimizer(params)}
-    return save_checkpoint(root / "run", 4, tensors, world_size=2, units=SAMPLE_UNITS)
+    v1 = write_v1(root / "v1" / "step-00000004", tensors, world_size=2, units=SAMPLE_UNITS, training_state={"step": 4})
+    (root / "v1" / "latest").write_text("step-00000004\n")
+    return {2: save_checkpoint(root / "run", 4, tensors, world_size=2, units=SAMPLE_UNITS), 1: v1}
+
+
+@pytest.fixture
+def pristine(pristines):
+    return pristines[2]
+
+
+def _copy(pristine, tmp_path):
+    run = tmp_path / "src"
+    shutil.copytree(pristine.parent, run)
+    return run
 
 
 @pytest.fixture
 def ckpt(pristine, tmp_path):
     """A fresh copy of a good W=2 checkpoint (run dir) to damage."""
-    run = tmp_path / "src"
-    shutil.copytree(pristine.parent, run)
-    return run
+    return _copy(pristine, tmp_path)
 
 
 def _step(run):
@@ -96,28 +110,66 @@ def _header_dtype(run):
     _manifest_edit(run, change)
 
 
+def _table_dtype(run):
+    _manifest_edit(run, lambda d: d["tensors"][0].__setitem__(1, "F16"))
+
+
+def _fifo(run):
+    (_step(run) / RANK1).unlink()
+    os.mkfifo(_step(run) / RANK1)
+
+
+def _nested_manifest(run):
+    (_step(run) / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _move_param(run):
+    """Move a parameter to another unit: the layout the plan gives no longer matches the files."""
+    def change(document):
+        units = document["placement"]["units"]
+        units[1].append(units[0].pop())
+    _manifest_edit(run, change)
+
+
 Case = namedtuple("Case", "damage message")
-CASES = {
+COMMON = {
     "flipped byte": Case(_flip_data_byte, "checksum mismatch"),
     "truncated file": Case(_truncate, RANK1),
     "missing rank file": Case(lambda run: (_step(run) / RANK1).unlink(), f"{RANK1}: file is missing"),
-    "path outside": Case(_outside, "'../evil.safetensors' is not a plain file name"),
     "symlink outside": Case(_symlink_out, "symlink points outside"),
     "huge header": Case(_huge_header, "header claims 9223372036854775808 bytes"),
+    "fifo": Case(_fifo, f"{RANK1}: not a regular file"),
+    "extra file": Case(lambda run: (_step(run) / "rank-00002-of-00002.safetensors").write_bytes(b"x"), "does not account for"),
     "manifest not json": Case(lambda run: (_step(run) / "manifest.json").write_text("{oops"), "not valid JSON"),
+    "manifest nested": Case(_nested_manifest, "nested deeper than 64 levels"),
     "unknown version": Case(lambda run: _manifest_edit(run, lambda d: d.update(version=99)), "format version 99"),
-    "coverage gap": Case(_gap, "gap, overlap or empty"),
-    "dtype disagrees": Case(_header_dtype, "has dtype F32, the manifest says F16"),
-    "file size edited": Case(lambda run: _manifest_edit(run, lambda d: d["files"][0].update(size=5)), "the manifest says 5"),
     "latest garbage": Case(lambda run: (run / "latest").write_text("../../etc"), "expected a step directory name"),
     "latest dangling": Case(lambda run: shutil.rmtree(_step(run)), "names step-00000004, which is missing"),
     "empty dir": Case(lambda run: [shutil.rmtree(run), run.mkdir()], "not an fsdpkit checkpoint"),
 }
+CASES = {
+    2: {**COMMON,
+        "naming rule outside": Case(lambda run: _manifest_edit(run, lambda d: d.update(files="../evil-{rank}")),
+                                    "file naming rule '../evil-{rank}' is not"),
+        "edited plan": Case(_move_param, "the layout the manifest gives"),
+        "dtype edited": Case(_table_dtype, "the layout the manifest gives"),
+        "world size edited": Case(lambda run: _manifest_edit(run, lambda d: d.update(world_size=3)),
+                                  "rank-00000-of-00003.safetensors: file is missing"),
+        "shape edited": Case(lambda run: _manifest_edit(run, lambda d: d["tensors"][1][2].__setitem__(0, 4)),
+                             "the layout the manifest gives")},
+    1: {**COMMON,
+        "path outside": Case(_outside, "'../evil.safetensors' is not a plain file name"),
+        "coverage gap": Case(_gap, "gap, overlap or empty"),
+        "dtype disagrees": Case(_header_dtype, "has dtype F32, the manifest says F16"),
+        "file size edited": Case(lambda run: _manifest_edit(run, lambda d: d["files"][0].update(size=5)), "the manifest says 5")},
+}
 
 
-@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_every_command_rejects_bad_checkpoint(ckpt, tmp_path, case):
-    damage, message = CASES[case]
+@pytest.mark.parametrize("version, case", [(v, name) for v in CASES for name in CASES[v]],
+                         ids=[f"v{v}-{name}" for v in CASES for name in CASES[v]])
+def test_every_command_rejects_bad_checkpoint(pristines, tmp_path, version, case):
+    ckpt = _copy(pristines[version], tmp_path)
+    damage, message = CASES[version][case]
     damage(ckpt)
     before = tree_snapshot(ckpt)
     commands = [("verify", ckpt), ("inspect", ckpt), ("convert", ckpt, tmp_path / "out", "--to", "full"),
@@ -138,7 +190,7 @@ def test_every_command_rejects_bad_checkpoint(ckpt, tmp_path, case):
 def test_reader_detects_flipped_byte_before_use(ckpt):
     _flip_data_byte(ckpt)
     reader = CheckpointReader(ckpt)  # headers and sizes are fine
-    corrupt = [t.name for t in reader.manifest.tensors if any(f.file == RANK1 for f in t.fragments)]
+    corrupt = [t.name for t in reader.manifest.tensors if any(file == RANK1 for file, _ in reader.fragments(t.name))]
     with pytest.raises(DataCheckError, match="checksum mismatch"):
         for name in corrupt:
             reader.read_tensor(name)
@@ -181,7 +233,7 @@ def _no_leftovers(directory, allowed):
     (("reshard", "{src}", "{tmp}/out", "--world-size", "-3"), 2, "--world-size must be >= 1, got -3"),
     (("reshard", "{src}", "{tmp}/out"), 2, "--world-size is required"),
     (("convert", "{src}", "{tmp}/out", "--to", "full", "--chunk-size", "12Q"), 2, "unknown size unit"),
-    (("convert", "{tmp}/nothing", "{tmp}/out", "--to", "full"), 3, "does not exist"),
+    (("convert", "{tmp}/nothing", "{tmp}/out", "--to", "full"), 2, "does not exist"),
     (("convert", "{src}", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "not a full safetensors checkpoint"),
     (("convert", "{src}/step-00000004/manifest.json", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "no weight_map"),
 ])
@@ -221,7 +273,7 @@ def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monke
     from fsdpkit.checkpoint import bytecopy
 
     calls = {"n": 0}
-    original = bytecopy.ByteCopier._read
+    original = bytecopy.ByteCopier._pread
 
     def failing(self, *args):
         calls["n"] += 1
@@ -229,7 +281,7 @@ def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monke
             raise KeyboardInterrupt
         return original(self, *args)
 
-    monkeypatch.setattr(bytecopy.ByteCopier, "_read", failing)
+    monkeypatch.setattr(bytecopy.ByteCopier, "_pread", failing)
     result = run_cli("convert", ckpt, tmp_path / "out", "--to", "full")
     assert result.exit_code == 130
     _no_leftovers(tmp_path, ["src"])

@@ -16,15 +16,13 @@ import pytest
 import torch
 
 from fsdpkit.checkpoint import storage
-from fsdpkit.checkpoint.manifest import build_manifest, save_manifest
+from fsdpkit.checkpoint.manifest import save_manifest
 from fsdpkit.checkpoint.offline.verify import verify_checkpoint
-from fsdpkit.checkpoint.placement import Placement
 from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.checkpoint.storage import resolve_checkpoint
-from fsdpkit.checkpoint.writer import write_rank_file
 from fsdpkit.errors import DataCheckError, RunError
 
-from _checkpoint_helpers import SAMPLE_UNITS, rank_fragments, sample_tensors, save_checkpoint
+from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
 TESTS = Path(__file__).parent
 
@@ -54,13 +52,12 @@ def test_crash_before_commit_leaves_previous(tmp_path):
     run = tmp_path / "run"
     save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS)
     tmp = storage.begin(run, 2)  # every rank wrote its file, then the process died before commit
-    files = [write_rank_file(tmp, rank=rank, world_size=2, fragments=frags)
-             for rank, frags in enumerate(rank_fragments(_tensors(2), SAMPLE_UNITS, 2))]
+    manifest = make_manifest(_tensors(2), world_size=2, units=SAMPLE_UNITS, training_state={"step": 2})
+    write_ranks(tmp, manifest, _tensors(2))
     _assert_loads_step(run, 1)
     assert resolve_checkpoint(run) == run / "step-00000001"
     # crash after the manifest and the rename, before `latest` moved: still the previous one
-    save_manifest(tmp, build_manifest(world_size=2, strategy="full", placement=Placement.even(), files=files,
-                                      training_state={"step": 2}))
+    save_manifest(tmp, manifest)
     os.rename(tmp, run / "step-00000002")
     _assert_loads_step(run, 1)
     # the next successful save with keep_last cleans up
@@ -72,8 +69,7 @@ def test_crash_before_commit_leaves_previous(tmp_path):
 def test_tmp_directories_are_never_checkpoints(tmp_path):
     run = tmp_path / "run"
     tmp = storage.begin(run, 5)
-    for rank, frags in enumerate(rank_fragments(_tensors(5), SAMPLE_UNITS, 2)):
-        write_rank_file(tmp, rank=rank, world_size=2, fragments=frags)
+    write_ranks(tmp, make_manifest(_tensors(5), world_size=2, units=SAMPLE_UNITS), _tensors(5))
     with pytest.raises(DataCheckError, match="not an fsdpkit checkpoint"):
         resolve_checkpoint(run)
     save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS)
@@ -84,11 +80,9 @@ def test_tmp_directories_are_never_checkpoints(tmp_path):
 def test_commit_refuses_missing_rank_file(tmp_path):
     run = tmp_path / "run"
     tmp = storage.begin(run, 1)
-    files = [write_rank_file(tmp, rank=r, world_size=2, fragments=f)
-             for r, f in enumerate(rank_fragments(_tensors(1), SAMPLE_UNITS, 2))]
-    (tmp / files[1].name).unlink()  # another node wrote it to a directory this one cannot see
-    manifest = build_manifest(world_size=2, strategy="full", placement=Placement.flat(
-        [[(n, tuple(_tensors(1)[n].shape)) for n in u] for u in SAMPLE_UNITS]), files=files)
+    manifest = make_manifest(_tensors(1), world_size=2, units=SAMPLE_UNITS)
+    write_ranks(tmp, manifest, _tensors(1))
+    (tmp / "rank-00001-of-00002.safetensors").unlink()  # another node wrote it to a directory this one cannot see
     with pytest.raises(RunError, match="shared filesystem|filesystem all nodes share"):
         storage.commit(tmp, run, 1, manifest)
     assert not (run / "latest").exists() and not (run / "step-00000001").exists()

@@ -104,7 +104,7 @@ def test_full_to_sharded_to_full_round_trip(sharded, tmp_path):
         out = tmp_path / f"s{world}"
         result = run_cli("convert", tmp_path / "full", out, "--to", "sharded", "--world-size", world, "--with-optimizer", "--json")
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["plan"] == "even"
+        assert json.loads(result.stdout)["placement"] == "even"
         assert run_cli("verify", out).exit_code == 0
         reader = CheckpointReader(out)
         assert reader.manifest.world_size == world and reader.aliases == ALIASES
@@ -139,8 +139,7 @@ def test_reshard_then_read_equals_original(sharded, tmp_path, target):
                 if not frag.param_range.size:
                     continue
                 for name in (frag.name, f"optim.exp_avg.{frag.name}"):
-                    entry = reader.tensor(name)
-                    holders = [f.file for f in entry.fragments if f.range.intersect(frag.param_range).size]
+                    holders = [file for file, rng in reader.fragments(name) if rng.intersect(frag.param_range).size]
                     assert holders == [f"rank-{rank:05d}-of-{target:05d}.safetensors"]
                     got = reader.read_range(name, frag.param_range)
                     assert torch.equal(got, tensors[name].reshape(-1)[frag.param_range.start:frag.param_range.end])
@@ -196,7 +195,7 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
     result = run_cli("convert", tmp_path / "model.safetensors", tmp_path / "s2", "--to", "sharded", "--world-size", 2,
                      "--model", "gpt-tiny", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["plan"] == "flat"
+    assert json.loads(result.stdout)["placement"] == "flat"
     reader = CheckpointReader(tmp_path / "s2")
     units = unit_plan_for_model("gpt-tiny")
     assert [[p for p, _ in u] for u in reader.manifest.placement.units] == [[p for p, _ in u] for u in units]
@@ -205,7 +204,7 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
         for rank in range(2):
             for frag in layout.fragments(rank):
                 if frag.param_range.size:
-                    files = [f.file for f in reader.tensor(frag.name).fragments if f.range.intersect(frag.param_range).size]
+                    files = [file for file, rng in reader.fragments(frag.name) if rng.intersect(frag.param_range).size]
                     assert files == [f"rank-{rank:05d}-of-00002.safetensors"]
     for name, tensor in state.items():
         assert torch.equal(reader.read_tensor(name), tensor), name

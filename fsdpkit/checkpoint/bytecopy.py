@@ -30,18 +30,19 @@ crc32 arithmetic: `zlib.crc32` is affine in its input, so for byte strings A and
 multiplies `c` by x^(8n) modulo the crc polynomial; `CrcShifter` caches the multiplier per
 length. Casts (`cast_into`) work block by block with numpy (imported on first cast only),
 rounding as torch does: round to nearest even, BF16 from F32 bits like c10's
-`round_to_nearest_even` (NaN -> 0x7FC0), F64 -> BF16 through F32.
+`round_to_nearest_even` (NaN -> 0x7FC0), F64 -> BF16 or F16 through F32.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..errors import DataCheckError
 from ..layout import ElementRange
@@ -49,24 +50,34 @@ from .format import dtype_info, numel
 
 MAX_OPEN_FILES = 64
 DEFAULT_CHUNK_SIZE = 512 * 1024
+WINDOW_BYTES = 256 * 1024  # small reads are served from a window read ahead in their piece
+MAX_WINDOWS = 256  # at most 64 MiB of windows
+SMALL_READ = 64 * 1024
+PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
 
 
-@dataclass(frozen=True)
-class SourcePiece:
+class SourcePiece(NamedTuple):
     range: ElementRange  # elements of the tensor this piece holds
     path: Path
     offset: int  # absolute byte offset in `path` of element range.start
     nbytes: int  # bytes of the whole piece
     crc32: int | None  # of the whole piece's bytes; None when the source has no checksum
-    label: str  # how to name it in an error (file and key)
+    key: str  # the tensor it belongs to (for messages)
+
+    @property
+    def label(self) -> str:
+        return f"{self.path.name} tensor {self.key!r} [{self.range.start}, {self.range.end})"
 
 
 @dataclass(frozen=True)
 class SourceTensor:
+    """A tensor and where its elements lie. `pieces_in(wanted)` gives, in order, the pieces that
+    meet a range; subclasses compute them on demand (sharded checkpoints)."""
+
     name: str
     shape: tuple[int, ...]
     dtype: str
-    pieces: tuple[SourcePiece, ...]
+    pieces: tuple[SourcePiece, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -76,9 +87,12 @@ class SourceTensor:
     def nbytes(self) -> int:
         return self.numel * dtype_info(self.dtype).itemsize
 
+    def pieces_in(self, wanted: ElementRange) -> list[SourcePiece]:
+        return [p for p in self.pieces if p.range.start < wanted.end and wanted.start < p.range.end]
+
 
 class _OpenFiles:
-    """A small LRU of read-only file descriptors."""
+    """A small LRU of read-only file descriptors (regular files only; never blocks on a FIFO)."""
 
     def __init__(self) -> None:
         self._fds: OrderedDict[Path, int] = OrderedDict()
@@ -90,7 +104,13 @@ class _OpenFiles:
         if len(self._fds) >= MAX_OPEN_FILES:
             _, old = self._fds.popitem(last=False)
             os.close(old)
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError as error:
+            raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise DataCheckError(f"{path}: not a regular file")
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger readahead when not cached
         self._fds[path] = fd
@@ -109,17 +129,22 @@ class ByteCopier:
         self._buffers = (bytearray(chunk_size), bytearray(chunk_size))  # one being read, one being written
         self._cast_buffer: bytearray | None = None
         self._files = _OpenFiles()
-        self._crc: dict[tuple[Path, int], tuple[int, int]] = {}  # piece -> (bytes read, running crc)
+        self._crc: dict[tuple[Path, int], tuple[int, int]] = {}  # piece -> (bytes checksummed, running crc)
         self._verified: set[tuple[Path, int]] = set()  # pieces read whole and checked (read_into)
+        self._windows: OrderedDict[tuple[Path, int], tuple[int, bytearray]] = OrderedDict()  # piece -> (offset, bytes)
         self._read_shifter = CrcShifter()  # used by the reading thread
         self._write_shifter = CrcShifter()  # used by the calling thread
         self._progress = progress
+        self._unreported = 0
 
     def copy(self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None],
              *, checksum: bool = False) -> int | None:
-        blocks = self._blocks(tensor, wanted)
-        if not blocks:
-            return 0 if checksum else None
+        """Stream elements `wanted` of `tensor`, cast to `out_dtype`, into `sink`; with `checksum`,
+        return the crc32 of what was handed on."""
+        itemsize = dtype_info(tensor.dtype).itemsize
+        if wanted.size * itemsize <= min(SMALL_READ, self.chunk_size):
+            return self._copy_small(tensor, wanted, itemsize, out_dtype, sink, checksum)
+        blocks = self._blocks(tensor, wanted, itemsize)
         out_crc = 0
         with ThreadPoolExecutor(max_workers=1) if len(blocks) > 1 else _Inline() as reader:
             pending = reader.submit(self._read, *blocks[0], self._buffers[0])
@@ -134,9 +159,59 @@ class ByteCopier:
                         out_crc = self._write_shifter.combine(out_crc, block_crc, out.nbytes)
                     else:
                         out_crc = zlib.crc32(out, out_crc)
-                if self._progress:
-                    self._progress(view.nbytes)
+                self._report(view.nbytes)
         return out_crc if checksum else None
+
+    def _copy_small(self, tensor: SourceTensor, wanted: ElementRange, itemsize: int, out_dtype: str,
+                    sink: Callable[[memoryview], None], checksum: bool) -> int | None:
+        """A range of at most SMALL_READ bytes (the many small fragments of a large world size):
+        served from windows read ahead in each piece, so most such copies make no system call."""
+        out_crc = 0
+        for piece in tensor.pieces_in(wanted):
+            first, start, end = piece.range.start, max(piece.range.start, wanted.start), min(piece.range.end, wanted.end)
+            view = self._window(piece, (start - first) * itemsize, (end - start) * itemsize)
+            out = self._cast(view, tensor.dtype, out_dtype)
+            sink(out)
+            if checksum:
+                out_crc = zlib.crc32(out, out_crc)
+            self._report(view.nbytes)
+        return out_crc if checksum else None
+
+    def read_checked(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> int:
+        """Streaming (like `copy`, no cast) into `out`; returns the crc32 of the bytes. Small
+        ranges come from the windows, larger ones through `copy`."""
+        itemsize = dtype_info(tensor.dtype).itemsize
+        if wanted.size * itemsize > min(SMALL_READ, self.chunk_size):
+            position = 0
+
+            def sink(view: memoryview) -> None:
+                nonlocal position
+                out[position:position + view.nbytes] = view
+                position += view.nbytes
+
+            return self.copy(tensor, wanted, tensor.dtype, sink, checksum=True)
+        position = 0
+        for piece in tensor.pieces_in(wanted):
+            first, start, end = piece.range.start, max(piece.range.start, wanted.start), min(piece.range.end, wanted.end)
+            nbytes = (end - start) * itemsize
+            out[position:position + nbytes] = self._window(piece, (start - first) * itemsize, nbytes)
+            position += nbytes
+        self._report(position)
+        return zlib.crc32(out)
+
+    def _window(self, piece: SourcePiece, offset: int, nbytes: int) -> memoryview:
+        key = (piece.path, piece.offset)
+        window = self._windows.get(key)
+        if window is not None and window[0] <= offset and offset + nbytes <= window[0] + len(window[1]):
+            self._windows.move_to_end(key)
+        else:
+            buffer = bytearray(min(max(WINDOW_BYTES, nbytes), piece.nbytes - offset))
+            self._pread(piece, offset, memoryview(buffer))
+            self._advance_crc(piece, offset, memoryview(buffer), self._write_shifter, block_crc=False)
+            window = self._windows[key] = (offset, buffer)
+            if len(self._windows) > MAX_WINDOWS:
+                self._windows.popitem(last=False)
+        return memoryview(window[1])[offset - window[0]: offset - window[0] + nbytes]
 
     def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
         """Random access (loading): the bytes of elements `wanted` of `tensor` into `out`. A piece
@@ -145,30 +220,26 @@ class ByteCopier:
         itemsize = dtype_info(tensor.dtype).itemsize
         if out.nbytes != wanted.size * itemsize:
             raise ValueError(f"{tensor.name}: {out.nbytes} bytes of room for {wanted.size} elements of {tensor.dtype}")
-        for piece in tensor.pieces:
+        for piece in tensor.pieces_in(wanted):
             part = piece.range.intersect(wanted)
-            if not part.size:
-                continue
             if piece.crc32 is not None and (piece.path, piece.offset) not in self._verified:
+                base = piece.range.start * itemsize
                 for first in range(0, piece.nbytes, self.chunk_size):
-                    nbytes = min(self.chunk_size, piece.nbytes - first)
-                    view, _ = self._read(piece, first, nbytes, self._buffers[0])
-                    lo = max(piece.range.start * itemsize + first, part.start * itemsize)
-                    hi = min(piece.range.start * itemsize + first + nbytes, part.end * itemsize)
+                    view, _ = self._read(piece, first, min(self.chunk_size, piece.nbytes - first), self._buffers[0])
+                    lo = max(base + first, part.start * itemsize)
+                    hi = min(base + first + view.nbytes, part.end * itemsize)
                     if lo < hi:
-                        base = piece.range.start * itemsize + first
-                        out[lo - wanted.start * itemsize: hi - wanted.start * itemsize] = view[lo - base: hi - base]
+                        out[lo - wanted.start * itemsize: hi - wanted.start * itemsize] = view[lo - base - first: hi - base - first]
                 self._verified.add((piece.path, piece.offset))
             else:
                 start = (part.start - piece.range.start) * itemsize
                 self._pread(piece, start, out[(part.start - wanted.start) * itemsize: (part.end - wanted.start) * itemsize])
 
-    def _blocks(self, tensor: SourceTensor, wanted: ElementRange) -> list[tuple[SourcePiece, int, int]]:
+    def _blocks(self, tensor: SourceTensor, wanted: ElementRange, itemsize: int) -> list[tuple[SourcePiece, int, int]]:
         """(piece, byte offset in the piece, bytes) of each chunk to read, in order."""
-        itemsize = dtype_info(tensor.dtype).itemsize
         step = max(1, self.chunk_size // itemsize)
         blocks = []
-        for piece in tensor.pieces:
+        for piece in tensor.pieces_in(wanted):
             part = piece.range.intersect(wanted)
             for first in range(part.start, part.end, step):
                 last = min(first + step, part.end)
@@ -177,24 +248,35 @@ class ByteCopier:
 
     def _read(self, piece: SourcePiece, offset: int, nbytes: int, buffer: bytearray) -> tuple[memoryview, int | None]:
         """Read `nbytes` of `piece` from byte `offset` into `buffer`; advance and check the piece's
-        crc32. Returns the filled view and its own crc32 (None when the piece has no checksum)."""
+        crc32. Returns the filled view and its own crc32 when known."""
         view = memoryview(buffer)[:nbytes]
         self._pread(piece, offset, view)
+        return view, self._advance_crc(piece, offset, view, self._read_shifter, block_crc=True)
+
+    def _advance_crc(self, piece: SourcePiece, offset: int, view: memoryview, shifter: "CrcShifter", *,
+                     block_crc: bool) -> int | None:
+        """Feed the bytes of `view` (at `offset` in the piece) not yet checksummed into the piece's
+        running crc32; compare it with the stored one at the piece's end. Returns the crc32 of
+        `view` itself when `block_crc` asks and it comes for free."""
         if piece.crc32 is None:
-            return view, None
+            return None
         key = (piece.path, piece.offset)
         position, crc = self._crc.pop(key, (0, 0))
-        if offset != position:
+        if offset > position:
             raise AssertionError(f"{piece.label}: read at byte {offset}, expected {position} (fragments must be read in order)")
-        running = zlib.crc32(view, crc)
-        block_crc = running ^ self._read_shifter.shift(crc, view.nbytes)  # crc(A + B) = shift(crc(A), |B|) ^ crc(B)
-        position += view.nbytes
+        fresh = view[position - offset:]
+        if not fresh.nbytes:
+            self._crc[key] = (position, crc)
+            return None
+        running = zlib.crc32(fresh, crc)
+        own = running ^ shifter.shift(crc, fresh.nbytes) if block_crc and fresh.nbytes == view.nbytes else None
+        position += fresh.nbytes
         if position < piece.nbytes:
             self._crc[key] = (position, running)
         elif running != piece.crc32:
             raise DataCheckError(f"{piece.path}: checksum mismatch in {piece.label}: "
                                  f"stored crc32 {piece.crc32:08x}, data gives {running:08x} (corrupt file)")
-        return view, block_crc
+        return own
 
     def _pread(self, piece: SourcePiece, offset: int, view: memoryview) -> None:
         """Fill `view` from byte `offset` of `piece`."""
@@ -214,14 +296,25 @@ class ByteCopier:
             self._cast_buffer = bytearray(needed)
         return cast_into(view, src_dtype, out_dtype, self._cast_buffer)
 
+    def _report(self, nbytes: int) -> None:
+        if self._progress is not None:
+            self._unreported += nbytes
+            if self._unreported >= PROGRESS_BYTES:
+                self._progress(self._unreported)
+                self._unreported = 0
+
     def finish(self) -> None:
         """Check that every fragment that was started was read to its end; close files."""
-        self._files.close()
+        self.close()
         if self._crc:
             (path, _), (position, _) = next(iter(self._crc.items()))
             raise AssertionError(f"{path}: a fragment was read only up to byte {position}")
 
     def close(self) -> None:
+        if self._progress is not None and self._unreported:
+            self._progress(self._unreported)
+            self._unreported = 0
+        self._windows.clear()
         self._files.close()
 
 
@@ -360,5 +453,7 @@ def _cast_block(np, src, src_dtype: str, dst_dtype: str, out) -> None:
         _f32_to_bf16_into(np, values, out.view(np.uint16))
     elif src_dtype == "BF16":
         np.copyto(out.view(_numpy_float(np, dst_dtype)), _to_f32(np, src, src_dtype), casting="unsafe")
+    elif src_dtype == "F64" and dst_dtype == "F16":  # through F32, as torch rounds (twice)
+        np.copyto(out.view(np.float16), src.view(np.float64).astype(np.float32), casting="unsafe")
     else:
         np.copyto(out.view(_numpy_float(np, dst_dtype)), src.view(_numpy_float(np, src_dtype)), casting="unsafe")

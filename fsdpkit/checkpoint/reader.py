@@ -1,47 +1,89 @@
-"""The one reader of checkpoint files (no torch): safetensors headers, sharded checkpoints,
-full (Hugging Face style) checkpoints, each validated before a data byte is used.
+"""The one reader of checkpoint files (no torch): safetensors headers, sharded checkpoints of
+format v2 (and v1), full Hugging Face style checkpoints; every file validated before a data
+byte of it is used. Bytes themselves are read by `bytecopy.ByteCopier` from the
+`SourceTensor`s this module describes.
+
+Every file is opened with `open_regular`: O_NONBLOCK (a FIFO in place of a file cannot
+block), then fstat, and anything but a regular file is refused. Nothing outside the checkpoint
+directory is read (`storage.checkpoint_file`). Every problem is a one-line `DataCheckError`
+naming the file.
+
+Sharded, v2: each rank file's size and whole header are derived from the manifest
+(`placement.Layout`); the file must have exactly that size and that header, except the crc32
+hex digits in its `__metadata__`, which give each fragment's checksum. v1: the manifest lists
+files, sizes and fragments; headers are parsed and checked against the listing.
+`open_checkpoint(path)` validates files as they are first touched (a loading rank touches
+only the files its chunk overlaps); `open_sharded(path)` validates every file first (the
+offline commands). `ShardedCheckpoint.source(name)` gives the pieces of a tensor, computed on
+demand, so memory does not grow with world size x tensors.
 
 Safetensors (huggingface/safetensors): 8 bytes little-endian u64 N, N bytes of JSON header
 (`{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`),
-then the byte buffer, which the offsets index with no holes. `read_header(path)` checks
-header length against the file size and the 100 MB limit, the JSON, every dtype, that each
-tensor's byte span equals numel * itemsize, that the spans tile the buffer exactly and that
+then the byte buffer, which the offsets index with no holes. `read_header(path)` (full and
+v1 files) checks the length against the file size and the 100 MB limit, the JSON (nesting
+capped), every dtype, spans equal to numel * itemsize tiling the buffer exactly, and that
 the file ends where the buffer does.
 
-Sharded: `open_sharded(path)` resolves `path` (run or step directory), loads the manifest,
-reads and validates every data file's header (size equal to the manifest's, spans tiling the
-file) and checks each fragment against its file (key present, dtype equal, shape equal to
-[end - start], no unreferenced keys). `check_files` returns the same findings as a list (for
-`verify`). `ShardedCheckpoint.sources()` gives the `SourceTensor`s that `ByteCopier` reads.
-
 Full: `model.safetensors`, or `model-0000k-of-0000N.safetensors` plus
-`model.safetensors.index.json` = `{"metadata": {"total_size": N}, "weight_map": {name: file}}`;
-optimizer state likewise under `optimizer*`; tied weights stored once, with
-`{"fsdpkit_tied_weights": JSON {alias: stored name}}` in the metadata. `open_full(path)`
-accepts a directory holding either layout, a `.safetensors` file or an index file, validates
-every header and the index, and returns the tensors as `SourceTensor`s (no checksums: full
-files carry none).
-
-Every problem is a `DataCheckError` naming the file.
+`model.safetensors.index.json`; optimizer state likewise under `optimizer*`; tied weights
+stored once, with `{"fsdpkit_tied_weights": JSON {alias: stored name}}` in the metadata.
+`open_full(path)` accepts a directory holding either layout, a `.safetensors` file or an
+index file (no checksums: full files carry none).
 """
 
 from __future__ import annotations
 
-import json
+import bisect
+import os
+import re
+import stat
 import struct
+import sys
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import DataCheckError
+from ..errors import DataCheckError, UsageError
 from ..layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
-from .format import (MAX_HEADER_BYTES, MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX, OPTIM_SINGLE, TIED_METADATA_KEY,
-                     dtype_info, is_known_dtype, is_safe_file_name, numel)
+from .format import (CRC_METADATA_KEY, MANIFEST_NAME, MAX_HEADER_BYTES, MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX, OPTIM_SINGLE,
+                     TIED_METADATA_KEY, dtype_info, is_known_dtype, is_safe_file_name, numel, parse_json, rank_file_name)
 from .manifest import Manifest, load_manifest
+from .placement import Layout, TensorSpec
 from .storage import checkpoint_file, resolve_checkpoint
 
+_HEX = re.compile(rb"[0-9a-f]*")
+CACHED_PIECES = 256
 
-# ----- safetensors headers
+
+def open_regular(path: Path) -> tuple[int, int]:
+    """(fd, size) of a regular file opened read-only without blocking, else a DataCheckError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise DataCheckError(f"{path}: file is missing") from None
+    except IsADirectoryError:
+        raise DataCheckError(f"{path}: is a directory, expected a safetensors file") from None
+    except OSError as error:
+        raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise DataCheckError(f"{path}: not a regular file")
+    return fd, info.st_size
+
+
+def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:
+    data = os.pread(fd, count, offset)
+    while len(data) < count:
+        more = os.pread(fd, count - len(data), offset + len(data))
+        if not more:
+            raise DataCheckError(f"{path}: file ends at byte {offset + len(data)}, {count - len(data)} bytes early")
+        data += more
+    return data
+
+
+# ----- safetensors headers (full and v1 files)
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str
@@ -69,26 +111,21 @@ class Header:
 def read_header(path: str | Path, *, expected_size: int | None = None) -> Header:
     """Parse and validate the header of a safetensors file (see the module docstring)."""
     path = Path(path)
+    fd, size = open_regular(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise DataCheckError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES:
-                raise DataCheckError(f"{path}: header claims {header_len} bytes, over the {MAX_HEADER_BYTES}-byte limit")
-            if 8 + header_len > size:
-                raise DataCheckError(f"{path}: header claims {header_len} bytes but the file has only {size} bytes")
-            raw = f.read(header_len)
-    except FileNotFoundError:
-        raise DataCheckError(f"{path}: file is missing") from None
-    except IsADirectoryError:
-        raise DataCheckError(f"{path}: is a directory, expected a safetensors file") from None
-    except PermissionError as error:
-        raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
-    if expected_size is not None and size != expected_size:
-        raise DataCheckError(f"{path}: file is {size} bytes, the manifest says {expected_size}")
+        if expected_size is not None and size != expected_size:
+            raise DataCheckError(f"{path}: file is {size} bytes, the manifest says {expected_size}")
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise DataCheckError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise DataCheckError(f"{path}: header claims {header_len} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+        if 8 + header_len > size:
+            raise DataCheckError(f"{path}: header claims {header_len} bytes but the file has only {size} bytes")
+        raw = read_exactly(fd, header_len, 8, path)
+    finally:
+        os.close(fd)
     header = parse_header_bytes(raw, path=path)
     end = header.file_size
     if end != size:
@@ -97,10 +134,7 @@ def read_header(path: str | Path, *, expected_size: int | None = None) -> Header
 
 
 def parse_header_bytes(raw: bytes, *, path: Path) -> Header:
-    try:
-        document = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as error:
-        raise DataCheckError(f"{path}: safetensors header is not valid JSON ({error})") from None
+    document = parse_json(raw, where=str(path), what="safetensors header")
     if not isinstance(document, dict):
         raise DataCheckError(f"{path}: safetensors header is a {type(document).__name__}, expected an object")
     metadata = document.pop("__metadata__", None) or {}
@@ -118,14 +152,6 @@ def parse_header_bytes(raw: bytes, *, path: Path) -> Header:
     return Header(path=path, data_start=8 + len(raw), tensors=tensors, metadata=dict(metadata))
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):
-        duplicates = sorted({key for key in keys if keys.count(key) > 1})
-        raise ValueError(f"duplicate keys {duplicates[:3]}")
-    return dict(pairs)
-
-
 def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
     if not isinstance(entry, dict):
         raise DataCheckError(f"{path}: header entry {name!r} is not an object")
@@ -133,10 +159,10 @@ def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
     if not is_known_dtype(dtype):
         raise DataCheckError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise DataCheckError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
+        raise DataCheckError(f"{path}: tensor {name!r} has invalid shape {str(shape)[:80]}")
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
-        raise DataCheckError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+        raise DataCheckError(f"{path}: tensor {name!r} has invalid data_offsets {str(offsets)[:80]}")
     expected = numel(shape) * dtype_info(dtype).itemsize
     if offsets[1] - offsets[0] != expected:
         raise DataCheckError(
@@ -145,69 +171,207 @@ def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
 
 
 # ----- sharded checkpoints
-@dataclass(frozen=True)
-class ShardedCheckpoint:
-    step_dir: Path
-    manifest: Manifest
-    headers: dict[str, Header]  # file name -> validated header
+class RankFile:
+    """A validated rank file: its fragments in data order (tensor index, byte span, crc32) in
+    compact arrays (a few dozen bytes per fragment), and a lookup by tensor."""
 
-    def sources(self, *, include=lambda entry: True) -> list[SourceTensor]:
-        result = []
-        for tensor in self.manifest.tensors:
-            if not include(tensor):
-                continue
-            itemsize = dtype_info(tensor.dtype).itemsize
-            pieces = []
-            for frag in tensor.fragments:
-                header = self.headers[frag.file]
-                info = header.tensors[frag.key]
-                pieces.append(SourcePiece(range=frag.range, path=header.path, offset=header.data_start + info.begin,
-                                          nbytes=frag.range.size * itemsize, crc32=frag.crc32,
-                                          label=f"{frag.file} key {frag.key!r} [{frag.start}, {frag.end})"))
-            result.append(SourceTensor(tensor.name, tensor.shape, tensor.dtype, tuple(pieces)))
-        return result
+    def __init__(self, path: Path, size: int, data_start: int, tensors: list[int], spans: list[tuple[int, int]], crcs: list[int]):
+        self.path, self.size, self.data_start = path, size, data_start
+        self.tensors = array("q", tensors)
+        self.begins = array("q", [begin for begin, _ in spans])
+        self.ends = array("q", [end for _, end in spans])
+        self.crcs = array("I", crcs)
+        self._sorted: array | None = None  # tensor indices in increasing order, and where each sits (made on first find)
+        self._position: array | None = None
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def find(self, tensor: int) -> tuple[int, int]:
+        """(absolute file offset, crc32) of `tensor`'s fragment in this file."""
+        if self._sorted is None:
+            order = sorted(range(len(self.tensors)), key=self.tensors.__getitem__)
+            self._sorted, self._position = array("q", [self.tensors[i] for i in order]), array("q", order)
+        i = bisect.bisect_left(self._sorted, tensor)
+        if i == len(self._sorted) or self._sorted[i] != tensor:
+            raise KeyError(tensor)
+        position = self._position[i]
+        return self.data_start + self.begins[position], self.crcs[position]
+
+
+class ShardedCheckpoint:
+    def __init__(self, step_dir: Path, manifest: Manifest):
+        self.step_dir, self.manifest = step_dir, manifest
+        self.layout = manifest.layout() if manifest.listing is None else None
+        self._files: dict[int, RankFile] = {}
+        self._v1_index: dict[str, tuple[int, list]] | None = None  # v1: file name -> (position, [(tensor, fragment)])
+        self._pieces: dict[int, list[SourcePiece]] = {}  # tensor -> all its pieces, for tensors of few fragments
+
+    # ----- files
+    def file_names(self) -> list[str]:
+        if self.manifest.listing is not None:
+            return [name for name, _ in self.manifest.listing.files]
+        return [rank_file_name(rank, self.manifest.world_size) for rank in range(self.manifest.world_size)]
+
+    def rank_file(self, index: int, *, cache: bool = True) -> RankFile:
+        """File `index` (a rank in v2, a position in the listing in v1), validated on first use."""
+        found = self._files.get(index)
+        if found is None:
+            found = self._validate_v2(index) if self.layout is not None else self._validate_v1(index)
+            if cache:
+                self._files[index] = found
+        return found
+
+    def _validate_v2(self, rank: int) -> RankFile:
+        expected = self.layout.file_layout(rank)
+        path = checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.world_size))
+        fd, size = open_regular(path)
+        try:
+            if size != expected.size:
+                raise DataCheckError(f"{path}: file is {size} bytes, the layout the manifest gives has {expected.size} "
+                                     f"(truncated, extended or from another checkpoint)")
+            raw = read_exactly(fd, len(expected.header), 0, path)
+        finally:
+            os.close(fd)
+        if raw[:8] != expected.header[:8]:
+            raise DataCheckError(f"{path}: header claims {struct.unpack('<Q', raw[:8])[0]} bytes, the layout the manifest "
+                                 f"gives has {len(expected.header) - 8}")
+        crc_end = expected.crc_offset + 8 * len(expected.fragments)
+        if raw[:expected.crc_offset] != expected.header[:expected.crc_offset] or raw[crc_end:] != expected.header[crc_end:]:
+            at = next(i for i, (a, b) in enumerate(zip(raw, expected.header)) if a != b and not expected.crc_offset <= i < crc_end)
+            raise DataCheckError(f"{path}: header differs from the layout the manifest gives at byte {at} "
+                                 f"({raw[max(at - 20, 0):at + 20].decode('ascii', 'replace')!r})")
+        digits = raw[expected.crc_offset:crc_end]
+        if not _HEX.fullmatch(digits):
+            raise DataCheckError(f"{path}: {CRC_METADATA_KEY} holds characters other than lowercase hex digits")
+        crcs = array("I", bytes.fromhex(digits.decode("ascii")))
+        if sys.byteorder == "little":
+            crcs.byteswap()
+        return RankFile(path, size, expected.data_start, [f.tensor for f in expected.fragments], list(expected.spans), list(crcs))
+
+    def _validate_v1(self, index: int) -> RankFile:
+        name, size = self.manifest.listing.files[index]
+        header = read_header(checkpoint_file(self.step_dir, name), expected_size=size)
+        tensors, spans, crcs, keys = [], [], [], set()
+        for t, frag in self._v1_files()[name][1]:
+            spec = self.manifest.tensors[t]
+            keys.add(frag.key)
+            info = header.tensors.get(frag.key)
+            where = f"{header.path}: key {frag.key!r} (tensor {spec.name!r} [{frag.start}, {frag.end}))"
+            if info is None:
+                raise DataCheckError(f"{where} is missing from the file")
+            if info.dtype != spec.dtype:
+                raise DataCheckError(f"{where} has dtype {info.dtype}, the manifest says {spec.dtype}")
+            if info.shape != (frag.end - frag.start,):
+                raise DataCheckError(f"{where} has shape {list(info.shape)}, the manifest says [{frag.end - frag.start}]")
+            tensors.append(t)
+            spans.append((info.begin, info.end))
+            crcs.append(frag.crc32)
+        extra = sorted(set(header.tensors) - keys)
+        if extra:
+            raise DataCheckError(f"{header.path}: keys {extra[:3]} are not in the manifest")
+        order = sorted(range(len(spans)), key=lambda i: spans[i])
+        return RankFile(header.path, size, header.data_start, [tensors[i] for i in order], [spans[i] for i in order],
+                        [crcs[i] for i in order])
+
+    def _v1_files(self) -> dict[str, tuple[int, list]]:
+        if self._v1_index is None:
+            self._v1_index = {name: (i, []) for i, name in enumerate(self.file_names())}
+            for t, spec in enumerate(self.manifest.tensors):
+                for frag in self.manifest.listing.fragments[spec.name]:
+                    self._v1_index[frag.file][1].append((t, frag))
+        return self._v1_index
+
+    def check_files(self) -> list[str]:
+        """Validate every file (and that the directory holds nothing else); one line per problem."""
+        problems = []
+        for index in range(len(self.file_names())):
+            try:
+                self.rank_file(index)
+            except DataCheckError as error:
+                problems.append(str(error))
+        return problems + self.unexpected_files()
+
+    def unexpected_files(self) -> list[str]:
+        expected = set(self.file_names()) | {MANIFEST_NAME}
+        extra = sorted(entry.name for entry in os.scandir(self.step_dir) if entry.name not in expected)
+        if not extra:
+            return []
+        return [f"{self.step_dir}: holds files the manifest does not account for: {extra[:3]}"
+                + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")]
+
+    # ----- tensors
+    def source(self, name: str) -> SourceTensor:
+        index = self.manifest.tensor_index(name)
+        spec = self.manifest.tensors[index]
+        return _Source(spec.name, spec.shape, spec.dtype, self, index)
+
+    def sources(self) -> list[SourceTensor]:
+        return [self.source(t.name) for t in self.manifest.tensors]
+
+    def pieces(self, tensor: int, wanted: ElementRange) -> list[SourcePiece]:
+        """The pieces of `tensor` that meet `wanted`, in order. A tensor of few fragments has
+        them all computed once; one of many (a large world size) only those asked for."""
+        cached = self._pieces.get(tensor)
+        if cached is None and self._fragment_count(tensor) <= CACHED_PIECES:
+            cached = self._pieces[tensor] = self._find_pieces(tensor, None)
+        if cached is None:
+            return self._find_pieces(tensor, wanted)
+        if len(cached) <= 8:
+            return [p for p in cached if p.range.start < wanted.end and wanted.start < p.range.end]
+        first = max(bisect.bisect_right(cached, wanted.start, key=lambda p: p.range.start) - 1, 0)
+        last = bisect.bisect_left(cached, wanted.end, key=lambda p: p.range.start)
+        return cached[first:last]
+
+    def _fragment_count(self, tensor: int) -> int:
+        if self.layout is None:
+            return len(self.manifest.listing.fragments[self.manifest.tensors[tensor].name])
+        return self.layout.piece_count(tensor)
+
+    def _find_pieces(self, tensor: int, wanted: ElementRange | None) -> list[SourcePiece]:
+        spec = self.manifest.tensors[tensor]
+        itemsize = dtype_info(spec.dtype).itemsize
+        if self.layout is None:
+            files = self._v1_files()
+            found = [(files[f.file][0], f.range) for f in self.manifest.listing.fragments[spec.name]
+                     if wanted is None or (f.start < wanted.end and wanted.start < f.end)]
+        else:
+            found = self.layout.pieces(tensor, wanted)
+        pieces = []
+        for index, rng in found:
+            rank_file = self.rank_file(index)
+            offset, crc = rank_file.find(tensor)
+            pieces.append(SourcePiece(rng, rank_file.path, offset, rng.size * itemsize, crc, spec.name))
+        return pieces
+
+
+class _Source(SourceTensor):
+    """A tensor of a sharded checkpoint; its pieces are found when a range is asked for."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, checkpoint: ShardedCheckpoint, index: int):
+        super().__init__(name, shape, dtype)
+        object.__setattr__(self, "_checkpoint", checkpoint)
+        object.__setattr__(self, "_index", index)
+
+    def pieces_in(self, wanted: ElementRange) -> list[SourcePiece]:
+        return self._checkpoint.pieces(self._index, wanted) if wanted.size else []
+
+
+def open_checkpoint(path: str | Path) -> ShardedCheckpoint:
+    """A sharded checkpoint (run dir, following `latest`, or step dir) with a validated manifest;
+    files are validated as they are first touched."""
+    step_dir = resolve_checkpoint(path)
+    return ShardedCheckpoint(step_dir, load_manifest(step_dir))
 
 
 def open_sharded(path: str | Path) -> ShardedCheckpoint:
-    step_dir = resolve_checkpoint(path)
-    manifest = load_manifest(step_dir)
-    headers, problems = check_files(step_dir, manifest)
+    """The same, with every file validated first."""
+    checkpoint = open_checkpoint(path)
+    problems = checkpoint.check_files()
     if problems:
         more = f" (and {len(problems) - 1} more problems; run fsdpkit verify)" if len(problems) > 1 else ""
         raise DataCheckError(problems[0] + more)
-    return ShardedCheckpoint(step_dir, manifest, headers)
-
-
-def check_files(step_dir: Path, manifest: Manifest) -> tuple[dict[str, Header], list[str]]:
-    """Validated headers of the files that passed, and one line per problem found."""
-    headers: dict[str, Header] = {}
-    problems: list[str] = []
-    for entry in manifest.files:
-        try:
-            path = checkpoint_file(step_dir, entry.name)
-            headers[entry.name] = read_header(path, expected_size=entry.size)
-        except DataCheckError as error:
-            problems.append(str(error))
-    referenced: dict[str, set[str]] = {name: set() for name in headers}
-    for tensor in manifest.tensors:
-        for frag in tensor.fragments:
-            header = headers.get(frag.file)
-            if header is None:
-                continue  # already reported
-            referenced[frag.file].add(frag.key)
-            info = header.tensors.get(frag.key)
-            where = f"{header.path}: key {frag.key!r} (tensor {tensor.name!r} [{frag.start}, {frag.end}))"
-            if info is None:
-                problems.append(f"{where} is missing from the file")
-            elif info.dtype != tensor.dtype:
-                problems.append(f"{where} has dtype {info.dtype}, the manifest says {tensor.dtype}")
-            elif info.shape != (frag.end - frag.start,):
-                problems.append(f"{where} has shape {list(info.shape)}, the manifest says [{frag.end - frag.start}]")
-    for name, header in headers.items():
-        extra = sorted(set(header.tensors) - referenced[name])
-        if extra:
-            problems.append(f"{header.path}: keys {extra[:3]} are not in the manifest")
-    return headers, problems
+    return checkpoint
 
 
 # ----- full checkpoints
@@ -227,21 +391,21 @@ def is_full_checkpoint(path: Path) -> bool:
 def open_full(path: str | Path, *, with_optimizer: bool = False) -> FullCheckpoint:
     path = Path(path)
     if not path.exists():
-        raise DataCheckError(f"{path}: does not exist")
+        raise UsageError(f"{path}: does not exist")
     if path.is_file():
         root = path.parent
         files = _index_files(path) if path.name.endswith(".json") else [path]
     elif (path / MODEL_INDEX).is_file():
         root, files = path, _index_files(path / MODEL_INDEX)
     elif (path / MODEL_SINGLE).is_file():
-        root, files = path, [path / MODEL_SINGLE]
+        root, files = path, [checkpoint_file(path, MODEL_SINGLE)]
     else:
         raise DataCheckError(f"{path}: not a full safetensors checkpoint (no {MODEL_SINGLE}, no {MODEL_INDEX})")
     if with_optimizer:
         if (root / OPTIM_INDEX).is_file():
             files += _index_files(root / OPTIM_INDEX)
         elif (root / OPTIM_SINGLE).is_file():
-            files.append(root / OPTIM_SINGLE)
+            files.append(checkpoint_file(root, OPTIM_SINGLE))
         else:
             raise DataCheckError(f"{root}: --with-optimizer given but there is no {OPTIM_SINGLE} or {OPTIM_INDEX}")
     tensors, aliases, seen = [], {}, {}
@@ -252,28 +416,31 @@ def open_full(path: str | Path, *, with_optimizer: bool = False) -> FullCheckpoi
             if name in seen:
                 raise DataCheckError(f"{file}: tensor {name!r} is also in {seen[name]}")
             seen[name] = file
-            piece = SourcePiece(range=ElementRange(0, info.nbytes // dtype_info(info.dtype).itemsize), path=file,
-                                offset=header.data_start + info.begin, nbytes=info.nbytes, crc32=None,
-                                label=f"{file.name} tensor {name!r}")
+            piece = SourcePiece(ElementRange(0, info.nbytes // dtype_info(info.dtype).itemsize), file,
+                                header.data_start + info.begin, info.nbytes, None, name)
             tensors.append(SourceTensor(name, info.shape, info.dtype, (piece,) if info.nbytes else ()))
     return FullCheckpoint(root, tuple(files), tuple(tensors), aliases)
 
 
 def _index_files(index_path: Path) -> list[Path]:
+    fd, size = open_regular(index_path)
     try:
-        document = json.loads(index_path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise DataCheckError(f"{index_path}: not a readable JSON index ({error})") from None
+        if size > MAX_HEADER_BYTES:
+            raise DataCheckError(f"{index_path}: {size} bytes, over the {MAX_HEADER_BYTES}-byte limit for an index")
+        raw = read_exactly(fd, size, 0, index_path)
+    finally:
+        os.close(fd)
+    document = parse_json(raw, where=str(index_path), what="index")
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise DataCheckError(f"{index_path}: no weight_map object")
     names = []
     for tensor, file in weight_map.items():
         if not is_safe_file_name(file):
-            raise DataCheckError(f"{index_path}: tensor {tensor!r} maps to {file!r}, not a file name inside the directory")
+            raise DataCheckError(f"{index_path}: tensor {tensor!r} maps to {str(file)[:80]!r}, not a file name inside the directory")
         if file not in names:
             names.append(file)
-    files = [index_path.parent / name for name in names]
+    files = [checkpoint_file(index_path.parent, name) for name in names]
     for file in files:
         header = read_header(file)
         listed = {t for t, f in weight_map.items() if f == file.name}
@@ -287,10 +454,7 @@ def _tied(header: Header) -> dict[str, str]:
     raw = header.metadata.get(TIED_METADATA_KEY)
     if raw is None:
         return {}
-    try:
-        aliases = json.loads(raw)
-    except ValueError:
-        raise DataCheckError(f"{header.path}: metadata {TIED_METADATA_KEY} is not JSON") from None
+    aliases = parse_json(raw.encode("utf-8"), where=f"{header.path}: metadata {TIED_METADATA_KEY}")
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
         raise DataCheckError(f"{header.path}: metadata {TIED_METADATA_KEY} must map names to names")
     return aliases

@@ -15,11 +15,13 @@ check, on a model built on the meta device, that a checkpoint fits it (`check_be
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
+import uuid
 import warnings
+import zlib
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,11 +33,11 @@ from ..errors import DataCheckError, RunError
 from ..layout import ElementRange
 from . import storage
 from .bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
-from .format import optim_tensor_name
-from .manifest import Manifest, TensorEntry, build_manifest, check_compatible
-from .placement import Placement
-from .reader import is_full_checkpoint, open_full, open_sharded
-from .writer import FragmentBytes, write_rank_file
+from .format import optim_tensor_name, rank_file_name
+from .manifest import Manifest, check_compatible
+from .placement import Placement, TensorSpec
+from .reader import is_full_checkpoint, open_checkpoint, open_full, open_sharded
+from .writer import RankFileWriter
 
 OPTIMIZER_STATE_KEYS = {"AdamW": ("exp_avg", "exp_avg_sq", "step"), "Adam": ("exp_avg", "exp_avg_sq", "step")}
 
@@ -108,11 +110,12 @@ class TensorReader:
 
 
 class CheckpointReader(TensorReader):
-    """A sharded checkpoint (run dir, following `latest`, or step dir), validated on opening:
-    manifest, every file's size and header, fragment coverage."""
+    """A sharded checkpoint (run dir, following `latest`, or step dir) with a validated manifest.
+    `validate_all=False` (loading in a worker) validates each file when first touched, so a
+    rank reads only the files its chunk overlaps; otherwise every file is validated first."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.checkpoint = open_sharded(path)
+    def __init__(self, path: str | os.PathLike, *, validate_all: bool = True):
+        self.checkpoint = open_sharded(path) if validate_all else open_checkpoint(path)
         super().__init__(self.checkpoint.sources(), self.checkpoint.manifest.aliases)
 
     @property
@@ -127,9 +130,14 @@ class CheckpointReader(TensorReader):
     def training_state(self) -> dict:
         return self.manifest.training_state
 
-    def tensor(self, name: str) -> TensorEntry:
-        """The manifest entry of `name` (an alias resolves to its stored tensor)."""
+    def tensor(self, name: str) -> TensorSpec:
+        """The tensor table's entry for `name` (an alias resolves to its stored tensor)."""
         return self.manifest.tensor(name)
+
+    def fragments(self, name: str) -> list[tuple[str, ElementRange]]:
+        """(file name, element range) of every fragment of tensor `name`, in order."""
+        source = self.source(name)
+        return [(piece.path.name, piece.range) for piece in source.pieces_in(ElementRange(0, source.numel))]
 
 
 def full_reader(path: str | os.PathLike) -> TensorReader:
@@ -177,30 +185,34 @@ def _buffer_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 # ----- saving
-def _local_fragments(view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool) -> list[FragmentBytes]:
+def tensor_table(view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool
+                 ) -> tuple[list[TensorSpec], dict[str, tuple[ElementRange, torch.Tensor]]]:
+    """What a checkpoint of this model stores, in order: parameters (unit by unit), buffers,
+    then each optimizer state (`optim.<state>.<param>`, as its parameter, or a scalar), and this
+    rank's data of each: (element range held here, 1-D tensor). The table is the same on every
+    rank; the data is what this rank holds."""
     take = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach())
-    fragments = []
-
-    def add(name: str, shape: tuple[int, ...], rng: ElementRange, data: torch.Tensor) -> None:
-        data = take(data).reshape(-1)
-        fragments.append(FragmentBytes(name, tuple(shape), rng, safetensors_dtype(data.dtype), tensor_bytes(data)))
-
-    rank0 = view.rank == 0
+    table, local, states = [], {}, {}
     for unit in view.units:
         for param in unit.params:
-            add(param.name, param.shape, param.fragment.param_range, param.tensor)
-            param_state = optimizer.state.get(param.tensor, {}) if optimizer is not None else {}
-            for key, value in param_state.items():
+            table.append(TensorSpec(param.name, safetensors_dtype(param.tensor.dtype), tuple(param.shape)))
+            local[param.name] = (param.fragment.param_range, take(param.tensor).reshape(-1))
+            for key, value in (optimizer.state.get(param.tensor, {}) if optimizer is not None else {}).items():
                 if not isinstance(value, torch.Tensor):
                     continue
+                name = optim_tensor_name(key, param.name)
                 if value.shape == param.tensor.shape and value.dim() == 1:
-                    add(optim_tensor_name(key, param.name), param.shape, param.fragment.param_range, value)
-                elif value.numel() == 1 and rank0:
-                    add(optim_tensor_name(key, param.name), tuple(value.shape), ElementRange(0, 1), value)
-    if rank0:
-        for name, tensor in persistent_buffers(module).items():
-            add(name, tuple(tensor.shape), ElementRange(0, tensor.numel()), tensor)
-    return fragments
+                    states.setdefault(key, []).append(TensorSpec(name, safetensors_dtype(value.dtype), tuple(param.shape)))
+                    local[name] = (param.fragment.param_range, take(value))
+                elif value.numel() == 1:
+                    states.setdefault(key, []).append(TensorSpec(name, safetensors_dtype(value.dtype), tuple(value.shape)))
+                    local[name] = (ElementRange(0, 1), take(value).reshape(1))
+    for name, tensor in persistent_buffers(module).items():
+        table.append(TensorSpec(name, safetensors_dtype(tensor.dtype), tuple(tensor.shape)))
+        local[name] = (ElementRange(0, tensor.numel()), take(tensor).reshape(-1))
+    for specs in states.values():
+        table.extend(specs)
+    return table, local
 
 
 def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:
@@ -216,12 +228,39 @@ def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimize
     return {"type": type(optimizer).__name__, "groups": groups, "stateless": stateless}
 
 
+def _digest(manifest: Manifest) -> int:
+    """63 bits that every rank must agree on before writing: the tensor table and placement."""
+    text = repr((manifest.world_size, manifest.placement, manifest.tensors, sorted(manifest.aliases.items())))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def write_rank(directory: Path, manifest: Manifest, rank: int, local: dict[str, tuple[ElementRange, torch.Tensor]]) -> Path:
+    """Write rank `rank`'s file of `manifest` from this rank's data (fsynced)."""
+    layout = manifest.layout().file_layout(rank)
+    path = directory / rank_file_name(rank, manifest.world_size)
+    with RankFileWriter(path, layout) as writer:
+        for fragment in layout.fragments:
+            name = manifest.tensors[fragment.tensor].name
+            held, data = local[name]
+            if not (held.start <= fragment.start and fragment.end <= held.end):
+                raise AssertionError(f"{name}: rank {rank} holds [{held.start}, {held.end}), its file needs "
+                                     f"[{fragment.start}, {fragment.end})")
+            payload = tensor_bytes(data[fragment.start - held.start: fragment.end - held.start])
+            writer.write(payload)
+            writer.end_fragment(zlib.crc32(payload))
+    return path
+
+
 class Checkpointer:
     """Saves and loads one sharded model with its optimizer. With async_save, a background
     thread writes while training goes on; at most one save is in flight, and the next save
-    (or wait()) waits for it. Every rank must call save/load/wait."""
+    (or wait()) waits for it. Every rank must call save/load/wait.
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False) -> None:
+    `run_id` names the run that writes (default: a new one): `keep_last` prunes only this
+    run's checkpoints."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False,
+                 run_id: str | None = None) -> None:
         self.module = module
         self.optimizer = optimizer
         view = describe(module)
@@ -229,6 +268,7 @@ class Checkpointer:
         self.comm = Collectives()
         # background saves coordinate on their own group, so they never interleave with training's collectives
         self.group = dist.new_group(backend="gloo") if async_save else view.group
+        self.run_id = run_id or uuid.uuid4().hex[:16]  # only rank 0's is ever written
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_saved: str | None = None
@@ -237,43 +277,46 @@ class Checkpointer:
     def save(self, run_dir: str | os.PathLike, *, step: int, training_state: dict | None = None, keep_last: int | None = None) -> None:
         self.wait()
         view = describe(self.module)
-        fragments = _local_fragments(view, self.module, self.optimizer, copy=self.async_save) if view.writes_shards else []
+        table, local = tensor_table(view, self.module, self.optimizer, copy=self.async_save)
         state = dict(training_state or {})
         state["optimizer"] = optimizer_hyperparameters(self.module, self.optimizer)
-        job = (view, Path(run_dir), step, fragments, state, keep_last)
+        manifest = Manifest(view.shard_factor, view.strategy,
+                            Placement.flat([[(p.name, p.shape) for p in unit.params] for unit in view.units]),
+                            tuple(table), {alias: p.name for unit in view.units for p in unit.params for alias in p.aliases},
+                            state, self.run_id)
+        job = (view, Path(run_dir), step, manifest, local if view.writes_shards else None, keep_last)
         if self.async_save:
             self.thread = threading.Thread(target=self._run_save, args=job, name="fsdpkit-async-save", daemon=True)
             self.thread.start()
         else:
             self._save(*job)
 
-    def _run_save(self, *job: Any) -> None:
+    def _run_save(self, *job) -> None:
         try:
             self._save(*job)
         except BaseException as error:  # re-raised in the training thread by wait()
             self.error = error
 
-    def _save(self, view: ShardedModelView, run_dir: Path, step: int, fragments: list[FragmentBytes], state: dict,
-              keep_last: int | None) -> None:
+    def _save(self, view: ShardedModelView, run_dir: Path, step: int, manifest: Manifest,
+              local: dict[str, tuple[ElementRange, torch.Tensor]] | None, keep_last: int | None) -> None:
         tmp = Path(self.comm.broadcast_object(str(storage.begin(run_dir, step)) if view.rank == 0 else None, 0, self.group,
                                               label="checkpoint directory"))
         device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
-        visible = torch.tensor([1 if tmp.is_dir() else 0], device=device)
-        self.comm.all_reduce(visible, self.group, op=dist.ReduceOp.MIN, label="checkpoint directory visible")
-        if not visible.item():
+        digest = _digest(manifest)
+        flags = torch.tensor([1 if tmp.is_dir() else 0, digest, -digest], dtype=torch.int64, device=device)
+        self.comm.all_reduce(flags, self.group, op=dist.ReduceOp.MIN, label="checkpoint directory visible, same tensors")
+        visible, low, high = (int(v) for v in flags.tolist())
+        if not visible or low != -high:
             if view.rank == 0:
                 storage.abort(tmp)
-            raise RunError(f"save directory {tmp} is not visible to every rank: --save-dir must be on a filesystem every node sees")
-        written = (write_rank_file(tmp, rank=view.shard_rank, world_size=view.shard_factor, fragments=fragments)
-                   if view.writes_shards else None)
-        files = self.comm.all_gather_object(written, self.group, label="checkpoint files")
+            if not visible:
+                raise RunError(f"save directory {tmp} is not visible to every rank: --save-dir must be on a filesystem every node sees")
+            raise RunError(f"ranks disagree on what to save at step {step} (tensor table or placement differ, "
+                           f"e.g. optimizer state for different parameters)")
+        if local is not None:
+            write_rank(tmp, manifest, view.shard_rank, local)
+        self.comm.all_reduce(torch.ones(1, device=device), self.group, label="checkpoint files written")
         if view.rank == 0:
-            manifest = build_manifest(
-                world_size=view.shard_factor, strategy=view.strategy,
-                placement=Placement.flat([[(p.name, p.shape) for p in unit.params] for unit in view.units]),
-                files=sorted((f for f in files if f is not None), key=lambda f: f.name),
-                training_state=state, aliases={alias: p.name for unit in view.units for p in unit.params for alias in p.aliases},
-            )
             self.last_saved = str(storage.commit(tmp, run_dir, step, manifest, keep_last=keep_last))
         self.last_saved = self.comm.broadcast_object(self.last_saved, 0, self.group, label="checkpoint committed")
 
@@ -290,7 +333,7 @@ class Checkpointer:
         """Load weights (and optimizer state) from a checkpoint saved at any world size;
         returns its training state. Every chunk's fragments are checksum-verified as read."""
         view = describe(self.module)
-        with CheckpointReader(path) as reader:
+        with CheckpointReader(path, validate_all=False) as reader:
             stateless = stateless_params(reader.training_state)
             optimizer_type = type(self.optimizer).__name__ if self.optimizer is not None else None
             expected = expected_tensors(_view_params(view), _buffer_shapes(self.module), optimizer_type, stateless=stateless)

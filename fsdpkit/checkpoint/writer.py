@@ -1,25 +1,26 @@
-"""The one writer of checkpoint files (no torch): safetensors files whose header is laid out
-from (name, dtype, shape) alone, then streamed; one rank's fragments into its rank file; and a
-whole sharded checkpoint from `SourceTensor`s by range arithmetic (convert, reshard).
+"""The one writer of checkpoint files (no torch): safetensors files whose header is known before
+their data, streamed in bounded memory. Used by training saves (each rank its own file),
+convert and reshard (every rank file of a new layout, `write_sharded`) and `convert --to
+full` (`StreamingWriter`).
 
-`StreamingWriter` pads the header with spaces to a multiple of 8 (as the safetensors library
-does), writes it, then accepts the data bytes in order in any number of pieces: memory is
-whatever the caller's buffer is, never a tensor. Entries are stored in the order given,
-after a stable sort by descending itemsize so every tensor starts aligned to its element
-size. The result reads back with `safetensors.safe_open`.
+`StreamingWriter(path, entries, metadata=...)` lays the header out from (name, dtype, shape)
+alone: entries in the order given after a stable sort by descending itemsize (so every tensor
+starts aligned to its element size), header padded with spaces to a multiple of 8, as the
+safetensors library does; the result reads back with `safetensors.safe_open`.
+`RankFileWriter(path, file_layout)` writes a v2 rank file whose header the manifest derives
+(`placement.FileLayout`); after each fragment the caller gives its crc32 (`end_fragment`),
+and `close` writes the crc32 hex digits into the header's `__metadata__` (fixed width, so the
+header's length never changes).
 
-`write_behind=True` (convert, reshard) starts the writeback of every completed
-`WRITE_BEHIND_BYTES` window at once (`posix_fadvise(DONTNEED)`: asynchronous writeback,
-then clean pages leave the page cache; dirty data is never dropped), so the disk works while
-the copy goes on and the final fsync has little left to do; it also keeps a multi-GB output
-from filling the page cache. Durability is unchanged: `close()` still fsyncs.
-
-`write_rank_file` (training saves; the engine side hands it raw bytes) writes one rank's
-fragments, each with its crc32, and returns a typed `WrittenFile`. `write_sharded` (convert,
-reshard) lays the sources out for a world size with `placement.rank_contents`, copies each
-rank's ranges through one `ByteCopier` (bounded memory, source checksums verified on the
-way, output crc32s computed from the bytes written), then writes `manifest.json`. Every rank
-gets a file, possibly with no tensors.
+Data arrives in any number of pieces; small ones are gathered in a 1 MiB buffer so a file of
+many small fragments costs a few system calls. With a `FilePool` (write_sharded), a file of
+at most 4 MiB is gathered whole in memory and written by one of a few threads, so the
+thousands of files of a large world size are opened and written while the next ones are
+copied. `write_behind=True` starts the writeback of
+every completed `WRITE_BEHIND_BYTES` at once (`posix_fadvise(DONTNEED)`: dirty data is never
+dropped), so the disk works while the copy goes on and a multi-GB output does not fill the
+page cache. `close()` fsyncs unless the caller syncs many files at once (`sync=False`, then
+`storage.sync_files`, as `staged_output` does). On an exception inside a `with` block the partial file is removed.
 """
 
 from __future__ import annotations
@@ -27,18 +28,21 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from ..layout import ElementRange
 from .bytecopy import ByteCopier, SourceTensor
 from .format import dtype_info, numel, output_dtype, rank_file_name
-from .manifest import FileEntry, FragmentEntry, Manifest, TensorEntry, manifest_problems, save_manifest
-from .placement import Placement, rank_contents
+from .manifest import Manifest, save_manifest
+from .placement import FileLayout, Placement, TensorSpec
 
 WRITE_BEHIND_BYTES = 32 * 1024 * 1024
+BUFFER_BYTES = 1024 * 1024
+POOLED_FILE_BYTES = 4 * 1024 * 1024  # files up to this size are gathered in memory and written by a FilePool
+BATCH_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -76,62 +80,164 @@ def layout_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dic
     return struct.pack("<Q", len(raw)) + raw, spans
 
 
-class StreamingWriter:
-    """Write one safetensors file whose header is known up front; data arrives in pieces.
+class FilePool:
+    """Writes whole small files from a background thread, so that their system calls (open,
+    write, close: they release the GIL) overlap the copying of the next files. Files go in
+    batches of about `BATCH_BYTES`, so the threads rarely trade the GIL. `close()` waits for
+    every file and raises the first error; at most `max_pending` batches wait in memory."""
 
-    Usage::
+    def __init__(self, *, threads: int = 2, max_pending: int = 4):
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsdpkit-write")
+        self._pending: deque[Future] = deque()
+        self._max_pending = max_pending
+        self._batch: list[tuple[Path, bytearray, bool]] = []
+        self._batch_bytes = 0
 
-        with StreamingWriter(path, entries, metadata={"format": "pt"}) as w:
-            for name, info in w.order:        # the order data must be written in
-                w.write(piece)                # any number of pieces per tensor, in order
+    def submit(self, path: Path, data: bytearray, *, sync: bool) -> None:
+        self._batch.append((path, data, sync))
+        self._batch_bytes += len(data)
+        if self._batch_bytes >= BATCH_BYTES:
+            self._send()
 
-    `close()` checks every byte was written, fsyncs and closes. On an exception inside the
-    `with` block the partial file is removed.
-    """
+    def _send(self) -> None:
+        if self._batch:
+            while len(self._pending) >= self._max_pending:
+                self._pending.popleft().result()
+            self._pending.append(self._executor.submit(_write_batch, self._batch))
+            self._batch, self._batch_bytes = [], 0
 
-    def __init__(self, path: str | Path, entries: list[tuple[str, str, tuple[int, ...]]], *,
-                 metadata: dict[str, str] | None = None, write_behind: bool = False):
-        self.path = Path(path)
-        header, self.order = layout_header(entries, metadata)
-        self.size = len(header) + sum(info.nbytes for _, info in self.order)
-        self._file = open(self.path, "wb", buffering=0)
+    def close(self) -> None:
+        error = None
+        try:
+            self._send()
+        except BaseException as exc:
+            error = exc
+        while self._pending:
+            try:
+                self._pending.popleft().result()
+            except BaseException as exc:  # every write finishes before the first error is raised
+                error = error or exc
+        self._executor.shutdown()
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> "FilePool":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._batch = []  # not written: the output is being abandoned
+            try:
+                self.close()
+            except BaseException:
+                pass  # the error already raised is the one to report
+
+
+def _write_batch(batch: list[tuple[Path, bytearray, bool]]) -> None:
+    for path, data, sync in batch:
+        _write_whole(path, data, sync)
+
+
+def _write_whole(path: Path, data: bytearray, sync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        view = memoryview(data)
+        while view.nbytes:
+            view = view[os.write(fd, view):]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _FileWriter:
+    """A file of known size, written front to back: the header, then data in pieces. With a
+    `pool` and a small file, the bytes are gathered in memory and the pool writes the file."""
+
+    def _open(self, path: str | Path, header: bytes, size: int, *, write_behind: bool, sync: bool,
+              pool: FilePool | None = None) -> None:
+        self.path, self.size, self.sync = Path(path), size, sync
         self._written = 0
         self._flushed = 0  # bytes whose writeback was started (write_behind)
         self._write_behind = write_behind and hasattr(os, "posix_fadvise")
-        self._write_all(header)
+        self._pool = pool if pool is not None and size <= POOLED_FILE_BYTES else None
+        self._buffer = bytearray(size if self._pool else min(BUFFER_BYTES, size))
+        self._buffered = 0
+        self._fd = -1 if self._pool else os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._open_state = True
+        self.write(header)
 
-    def _write_all(self, data) -> None:
-        view = memoryview(data).cast("B")
+    def write(self, data) -> None:
+        """Append bytes (anything exposing the buffer protocol)."""
+        view = data if isinstance(data, memoryview) and data.format == "B" and data.ndim == 1 else memoryview(data).cast("B")
+        if self._written + self._buffered + view.nbytes > self.size:
+            raise ValueError(f"{self.path}: writing past the {self.size} bytes the header announced")
+        if self._buffered + view.nbytes <= len(self._buffer):
+            self._buffer[self._buffered:self._buffered + view.nbytes] = view
+            self._buffered += view.nbytes
+            return
+        self._flush()
+        if view.nbytes < len(self._buffer):
+            self._buffer[:view.nbytes] = view
+            self._buffered = view.nbytes
+        else:
+            self._write_all(view)
+
+    def _flush(self) -> None:
+        if self._buffered and not self._pool:
+            self._write_all(memoryview(self._buffer)[:self._buffered])
+            self._buffered = 0
+
+    def _write_all(self, view: memoryview) -> None:
         while view.nbytes:
-            count = self._file.write(view)
+            count = os.write(self._fd, view)
             view = view[count:]
             self._written += count
         if self._write_behind and self._written - self._flushed >= WRITE_BEHIND_BYTES:
-            os.posix_fadvise(self._file.fileno(), self._flushed, self._written - self._flushed, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(self._fd, self._flushed, self._written - self._flushed, os.POSIX_FADV_DONTNEED)
             self._flushed = self._written
 
-    def write(self, data) -> None:
-        """Append data bytes (anything exposing the buffer protocol)."""
-        if self._written + memoryview(data).nbytes > self.size:
-            raise ValueError(f"{self.path}: writing past the {self.size} bytes the header announced")
-        self._write_all(data)
+    def patch(self, offset: int, data: bytes) -> None:
+        """Overwrite bytes already written (the crc32 digits of a rank file's header)."""
+        if self._pool:
+            self._buffer[offset:offset + len(data)] = data
+            return
+        self._flush()
+        if offset + len(data) > self._written:
+            raise ValueError(f"{self.path}: patching bytes [{offset}, {offset + len(data)}) not yet written")
+        if os.pwrite(self._fd, data, offset) != len(data):
+            raise OSError(f"{self.path}: short write while patching the header")
 
     def close(self) -> int:
-        if self._file.closed:
+        if not self._open_state:
             return self.size
-        if self._written != self.size:
-            self._file.close()
-            raise ValueError(f"{self.path}: wrote {self._written} bytes, the header announced {self.size}")
-        os.fsync(self._file.fileno())
-        self._file.close()
+        self._flush()
+        written = self._written + self._buffered
+        if written != self.size:
+            self._release()
+            raise ValueError(f"{self.path}: wrote {written} bytes, the header announced {self.size}")
+        if self._pool:
+            self._pool.submit(self.path, self._buffer, sync=self.sync)
+        elif self.sync:
+            os.fsync(self._fd)
+        self._release()
         return self.size
 
-    def abort(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-        self.path.unlink(missing_ok=True)
+    def _release(self) -> None:
+        self._open_state = False
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
 
-    def __enter__(self) -> "StreamingWriter":
+    def abort(self) -> None:
+        if self._open_state:
+            self._release()
+            if not self._pool:
+                self.path.unlink(missing_ok=True)
+
+    def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -141,82 +247,92 @@ class StreamingWriter:
             self.abort()
 
 
+class StreamingWriter(_FileWriter):
+    """Write one safetensors file whose header is known up front; data arrives in pieces.
+
+    Usage::
+
+        with StreamingWriter(path, entries, metadata={"format": "pt"}) as w:
+            for name, info in w.order:        # the order data must be written in
+                w.write(piece)                # any number of pieces per tensor, in order
+    """
+
+    def __init__(self, path: str | Path, entries: list[tuple[str, str, tuple[int, ...]]], *,
+                 metadata: dict[str, str] | None = None, write_behind: bool = False, sync: bool = True):
+        header, self.order = layout_header(entries, metadata)
+        self._open(path, header, len(header) + sum(info.nbytes for _, info in self.order), write_behind=write_behind, sync=sync)
+
+
+class RankFileWriter(_FileWriter):
+    """Write one v2 rank file laid out by `layout`: each fragment's bytes in data order, then
+    `end_fragment(crc32)`."""
+
+    def __init__(self, path: str | Path, layout: FileLayout, *, write_behind: bool = False, sync: bool = True,
+                 pool: FilePool | None = None):
+        self.layout = layout
+        self._crcs: list[int] = []
+        self._open(path, layout.header, layout.size, write_behind=write_behind, sync=sync, pool=pool)
+
+    @property
+    def in_memory(self) -> bool:
+        """True when the whole file is gathered in memory (a small file given a pool)."""
+        return self._pool is not None
+
+    def reserve(self, nbytes: int) -> memoryview:
+        """The next `nbytes` of an in-memory file, for the caller to fill in place."""
+        start = self._buffered
+        if not self._pool or start + nbytes > self.size:
+            raise ValueError(f"{self.path}: cannot reserve {nbytes} bytes at {start} of {self.size}")
+        self._buffered += nbytes
+        return memoryview(self._buffer)[start:start + nbytes]
+
+    def end_fragment(self, crc32: int) -> None:
+        index = len(self._crcs)
+        if index >= len(self.layout.fragments):
+            raise ValueError(f"{self.path}: more fragments than the {len(self.layout.fragments)} its layout holds")
+        end = self.layout.data_start + self.layout.spans[index][1]
+        if self._written + self._buffered != end:
+            raise ValueError(f"{self.path}: fragment {index} ends at byte {self._written + self._buffered}, its layout at {end}")
+        self._crcs.append(crc32)
+
+    def close(self) -> int:
+        if self._open_state and self._crcs:
+            if len(self._crcs) != len(self.layout.fragments):
+                self._release()
+                raise ValueError(f"{self.path}: {len(self._crcs)} of {len(self.layout.fragments)} fragments written")
+            self.patch(self.layout.crc_offset, "".join(f"{crc:08x}" for crc in self._crcs).encode("ascii"))
+        return super().close()
+
+
 @dataclass(frozen=True)
-class FragmentBytes:
-    """One fragment to store: the tensor's name and whole shape, the element range of its
-    flat form held here, the safetensors dtype, and exactly those elements' bytes."""
-
-    name: str
-    shape: tuple[int, ...]
-    range: ElementRange
-    dtype: str
-    data: memoryview
-
-
-@dataclass(frozen=True)
-class WrittenFragment:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    range: ElementRange
-    crc32: int
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    name: str
-    size: int
-    fragments: tuple[WrittenFragment, ...]
-
-
-def write_rank_file(directory: str | Path, *, rank: int, world_size: int, fragments: Iterable[FragmentBytes]) -> WrittenFile:
-    """Write `rank-0000r-of-0000W.safetensors` in `directory` (fsynced). Empty ranges are
-    recorded (so a zero-element tensor still gets a manifest entry) and never stored."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world size {world_size}")
-    items = list(fragments)
-    names = [f.name for f in items]
-    if len(set(names)) != len(names):
-        raise ValueError(f"rank {rank} has two fragments of one tensor: {sorted({n for n in names if names.count(n) > 1})[:3]}")
-    for f in items:
-        if f.data.nbytes != f.range.size * dtype_info(f.dtype).itemsize or f.range.end > numel(f.shape):
-            raise ValueError(f"fragment of {f.name!r}: {f.data.nbytes} bytes of {f.dtype} for [{f.range.start}, {f.range.end}) "
-                             f"of a tensor of shape {list(f.shape)}")
-    file_name = rank_file_name(rank, world_size)
-    stored = {f.name: f for f in items if f.range.size}
-    crcs = {}
-    with StreamingWriter(Path(directory) / file_name, [(f.name, f.dtype, (f.range.size,)) for f in stored.values()],
-                         metadata={"format": "pt"}) as writer:
-        for name, _ in writer.order:
-            data = stored[name].data
-            crcs[name] = zlib.crc32(data)
-            writer.write(data)
-    return WrittenFile(file_name, writer.size, tuple(WrittenFragment(f.name, tuple(f.shape), f.dtype, f.range, crcs.get(f.name, 0))
-                                                    for f in items))
+class WrittenCheckpoint:
+    manifest: Manifest
+    files: list[str]
+    bytes: int
 
 
 def write_sharded(directory: Path, *, sources: list[SourceTensor], placement: Placement, world_size: int, strategy: str,
-                  training_state: dict, aliases: dict[str, str], cast_to: str | None, copier: ByteCopier) -> Manifest:
-    by_name = {source.name: source for source in sources}
-    contents = rank_contents(placement, [(s.name, s.shape) for s in sources], world_size)
-    fragments: dict[str, list[FragmentEntry]] = {source.name: [] for source in sources}
-    files = []
-    for rank in range(world_size):
-        file_name = rank_file_name(rank, world_size)
-        ranges = dict(contents[rank])
-        entries = [(name, output_dtype(by_name[name].dtype, cast_to), (rng.size,)) for name, rng in contents[rank]]
-        with StreamingWriter(directory / file_name, entries, metadata={"format": "pt"}, write_behind=True) as writer:
-            for name, info in writer.order:
-                crc = copier.copy(by_name[name], ranges[name], info.dtype, writer.write, checksum=True)
-                rng = ranges[name]
-                fragments[name].append(FragmentEntry(file_name, name, rng.start, rng.end, crc))
-        files.append(FileEntry(file_name, writer.size))
-    tensors = tuple(TensorEntry(s.name, s.shape, output_dtype(s.dtype, cast_to),
-                                tuple(sorted(fragments[s.name], key=lambda f: f.start))) for s in sources)
-    manifest = Manifest(world_size, strategy, placement, tuple(files), tensors, dict(aliases), dict(training_state))
-    problems = manifest_problems(manifest)
-    if problems:
-        raise AssertionError(f"wrote an inconsistent manifest: {problems[0]}")
+                  training_state: dict, aliases: dict[str, str], cast_to: str | None, copier: ByteCopier) -> WrittenCheckpoint:
+    """A whole sharded checkpoint (v2) in `directory`: every rank file of `placement` at
+    `world_size`, copied from `sources` through `copier` (source checksums verified on the way,
+    output crc32s from the bytes written), then manifest.json; `storage.staged_output` syncs
+    them all at once. Every rank gets a file, possibly with no tensors."""
+    tensors = tuple(TensorSpec(s.name, output_dtype(s.dtype, cast_to), tuple(s.shape)) for s in sources)
+    manifest = Manifest(world_size, strategy, placement, tensors, dict(aliases), dict(training_state))
+    layout = manifest.layout()
+    files, total = [], 0
+    with FilePool() as pool:
+        for rank in range(world_size):
+            file_layout = layout.file_layout(rank)
+            files.append(rank_file_name(rank, world_size))
+            with RankFileWriter(directory / files[-1], file_layout, write_behind=True, sync=False, pool=pool) as writer:
+                for (tensor, start, end), (begin, stop) in zip(file_layout.fragments, file_layout.spans):
+                    source, wanted = sources[tensor], ElementRange(start, end)
+                    if writer.in_memory and source.dtype == tensors[tensor].dtype:  # no cast: straight into the file's buffer
+                        writer.end_fragment(copier.read_checked(source, wanted, writer.reserve(stop - begin)))
+                    else:
+                        writer.end_fragment(copier.copy(source, wanted, tensors[tensor].dtype, writer.write, checksum=True))
+            total += file_layout.size
     copier.finish()
     save_manifest(directory, manifest)
-    return manifest
+    return WrittenCheckpoint(manifest, files, total)

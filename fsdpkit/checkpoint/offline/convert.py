@@ -104,11 +104,10 @@ def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, pla
     out_total = sum(s.numel * dtype_info(output_dtype(s.dtype, cast_to)).itemsize for s in sources)
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + world_size * 65536) as tmp:
         copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
-        manifest = write_sharded(tmp, sources=sources, placement=placement, world_size=world_size, strategy=strategy,
-                                 training_state={}, aliases=full.aliases, cast_to=cast_to, copier=copier)
-    return {"src": str(src), "dst": str(dst), "to": "sharded", "world_size": world_size, "plan": placement.kind,
-            "files": [f.name for f in manifest.files], "tensors": len(manifest.tensors),
-            "bytes": sum(f.size for f in manifest.files), "dtype": cast_to}
+        written = write_sharded(tmp, sources=sources, placement=placement, world_size=world_size, strategy=strategy,
+                                training_state={}, aliases=full.aliases, cast_to=cast_to, copier=copier)
+    return {"src": str(src), "dst": str(dst), "to": "sharded", "world_size": world_size, "placement": placement.kind,
+            "files": written.files, "tensors": len(written.manifest.tensors), "bytes": written.bytes, "dtype": cast_to}
 
 
 def split_into_files(tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:

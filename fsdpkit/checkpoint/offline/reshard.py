@@ -1,6 +1,6 @@
 """`fsdpkit reshard`: a sharded checkpoint of world size W -> the same checkpoint for M ranks.
 
-Pure range arithmetic and byte copies (no torch, no processes): the manifest's plan (the
+Pure range arithmetic and byte copies (no torch, no processes): the manifest's placement (the
 model's flat-parameter units, or an even split) is laid out again at M, every new fragment is
 read from the overlapping old fragments in bounded memory (`--chunk-size`), old checksums are
 verified as their bytes pass, new ones computed. Model and optimizer state both move; the
@@ -34,8 +34,8 @@ def reshard(src: str | Path, dst: str | Path, *, world_size: int, chunk_size: in
     total = sum(s.nbytes for s in sources)
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=total + world_size * 65536) as tmp:
         copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
-        manifest = write_sharded(tmp, sources=sources, placement=old.placement, world_size=world_size, strategy=old.strategy,
+        written = write_sharded(tmp, sources=sources, placement=old.placement, world_size=world_size, strategy=old.strategy,
                                  training_state=state, aliases=old.aliases, cast_to=None, copier=copier)
     return {"src": str(checkpoint.step_dir), "dst": str(dst), "from_world_size": old.world_size,
-            "world_size": world_size, "plan": old.placement.kind, "files": [f.name for f in manifest.files],
-            "tensors": len(manifest.tensors), "bytes": sum(f.size for f in manifest.files), "warnings": warnings}
+            "world_size": world_size, "placement": old.placement.kind, "files": written.files,
+            "tensors": len(written.manifest.tensors), "bytes": written.bytes, "warnings": warnings}

@@ -1,12 +1,12 @@
 """`fsdpkit verify`: every check a checkpoint can be put through, as a list of problems.
 
-Sharded checkpoints: the manifest (schema, version, safe file names, fragment coverage
-exactly once, plan and aliases consistent), every file (present, size as recorded,
-safetensors header valid and agreeing with the manifest, no unreferenced keys), and the
-crc32 of every fragment, recomputed by streaming the bytes through one reused buffer (no
-torch). Full checkpoints (model.safetensors / index): headers, sizes and the index; they
-carry no checksums. `verify_checkpoint` returns a JSON-able report; `ok` is true when
-`problems` is empty.
+Sharded checkpoints: the manifest (schema, version, tensor table, placement, aliases), every
+rank file (a regular file, present, of the size and with the header the manifest derives;
+v1: as listed, keys and dtypes agreeing), nothing else in the directory, and the crc32 of
+every fragment, recomputed file by file, front to back, through one reused buffer (no torch;
+memory does not grow with the world size). Full checkpoints (model.safetensors / index):
+headers, sizes and the index; they carry no checksums. `verify_checkpoint` returns a JSON-able
+report; `ok` is true when `problems` is empty.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Callable
 
 from ...errors import DataCheckError
 from ..bytecopy import DEFAULT_CHUNK_SIZE
-from ..format import MANIFEST_NAME, dtype_info
+from ..format import MANIFEST_NAME
 from ..manifest import load_manifest
-from ..reader import check_files, is_full_checkpoint, open_full
+from ..reader import RankFile, ShardedCheckpoint, is_full_checkpoint, open_full, open_regular
 from ..storage import resolve_checkpoint
 
 
@@ -36,53 +36,60 @@ def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     except DataCheckError as error:
         report["problems"].append(str(error))
         return report
-    headers, problems = check_files(step_dir, manifest)
-    report["problems"].extend(problems)
-    work = []
-    for tensor in manifest.tensors:
-        itemsize = dtype_info(tensor.dtype).itemsize
-        for frag in tensor.fragments:
-            header = headers.get(frag.file)
-            info = header.tensors.get(frag.key) if header else None
-            if info is not None and info.dtype == tensor.dtype and info.nbytes == (frag.end - frag.start) * itemsize:
-                work.append((header.path, header.data_start + info.begin, info.nbytes, frag))
-    total = sum(nbytes for _, _, nbytes, _ in work)
+    checkpoint = ShardedCheckpoint(step_dir, manifest)
+    total = sum(t.nbytes for t in manifest.tensors)
     if progress:
         progress(0, total)
+    problems, fragments, checked = report["problems"], 0, 0
     buffer = bytearray(chunk_size)
-    fds: dict[Path, int] = {}
-    try:
-        for file_path, offset, nbytes, frag in sorted(work, key=lambda w: (str(w[0]), w[1])):
-            fd = fds.get(file_path)
-            if fd is None:
-                for old in fds.values():
-                    os.close(old)
-                fds = {file_path: os.open(file_path, os.O_RDONLY)}
-                fd = fds[file_path]
-            crc = _crc_of(fd, offset, nbytes, buffer, progress, total)
-            if crc != frag.crc32:
-                report["problems"].append(f"{file_path}: checksum mismatch in key {frag.key!r} [{frag.start}, {frag.end}): "
-                                          f"stored crc32 {frag.crc32:08x}, data gives {crc:08x}")
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    report.update(ok=not report["problems"], tensors=len(manifest.tensors), fragments=len(work), bytes=total)
+    for index in range(len(checkpoint.file_names())):
+        try:
+            rank_file = checkpoint.rank_file(index, cache=False)
+        except DataCheckError as error:
+            problems.append(str(error))
+            continue
+        try:
+            problems.extend(_check_crcs(rank_file, manifest, buffer, lambda n: progress(n, total) if progress else None))
+        except DataCheckError as error:
+            problems.append(str(error))
+        fragments += len(rank_file)
+        checked += int(sum(rank_file.ends) - sum(rank_file.begins))
+    problems.extend(checkpoint.unexpected_files())
+    report.update(ok=not problems, tensors=len(manifest.tensors), fragments=fragments, bytes=checked)
     return report
 
 
-def _crc_of(fd: int, offset: int, nbytes: int, buffer: bytearray, progress, total: int) -> int:
-    crc, done = 0, 0
-    view = memoryview(buffer)
-    while done < nbytes:
-        want = min(len(buffer), nbytes - done)
-        count = os.preadv(fd, [view[:want]], offset + done)
-        if count == 0:
-            break
-        crc = zlib.crc32(view[:count], crc)
-        done += count
-        if progress:
-            progress(count, total)
-    return crc
+def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Callable[[int], None]) -> list[str]:
+    """Read the file's data front to back, one buffer at a time; one line per fragment whose
+    crc32 differs."""
+    problems = []
+    if not len(rank_file):
+        return problems
+    fd, _ = open_regular(rank_file.path)
+    try:
+        view = memoryview(buffer)
+        position, end = rank_file.begins[0], rank_file.ends[-1]  # relative to the data buffer
+        index, crc = 0, 0
+        while position < end:
+            count = os.preadv(fd, [view[:min(len(buffer), end - position)]], rank_file.data_start + position)
+            if count == 0:
+                raise DataCheckError(f"{rank_file.path}: file ends before its data does (truncated)")
+            block, base = view[:count], position
+            while base < position + count:
+                stop = min(rank_file.ends[index], position + count)
+                crc = zlib.crc32(block[base - position: stop - position], crc)
+                base = stop
+                if stop == rank_file.ends[index]:
+                    if crc != rank_file.crcs[index]:
+                        name = manifest.tensors[rank_file.tensors[index]].name
+                        problems.append(f"{rank_file.path}: checksum mismatch in tensor {name!r}: stored crc32 "
+                                        f"{rank_file.crcs[index]:08x}, data gives {crc:08x}")
+                    index, crc = index + 1, 0
+            position += count
+            advance(count)
+    finally:
+        os.close(fd)
+    return problems
 
 
 def _verify_full(path: Path) -> dict:
