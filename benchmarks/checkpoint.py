@@ -46,10 +46,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
 from fsdpkit.models.units import unit_plan_for_model
 from fsdpkit.checkpoint import storage
-from fsdpkit.checkpoint.manifest import build_manifest
-from fsdpkit.checkpoint.placement import Placement, placements
-from fsdpkit.checkpoint.state import safetensors_dtype, tensor_bytes
-from fsdpkit.checkpoint.writer import FragmentBytes, write_rank_file
+from fsdpkit.checkpoint.manifest import Manifest
+from fsdpkit.checkpoint.placement import Placement, TensorSpec
+from fsdpkit.checkpoint.state import write_rank
+from fsdpkit.layout import ElementRange
 
 work, model, world, with_optim = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 units = unit_plan_for_model(model)
@@ -60,16 +60,12 @@ if with_optim:
         state[f"optim.exp_avg.{name}"] = torch.randn(shape, generator=g) * 1e-3
         state[f"optim.exp_avg_sq.{name}"] = torch.rand(shape, generator=g) * 1e-6
     state["optim.step"] = torch.tensor(1000.0)
-placement = Placement.flat(units)
-pieces = placements(placement, [(n, tuple(t.shape)) for n, t in state.items()], world)
+manifest = Manifest(world, "full", Placement.flat(units), tuple(TensorSpec(n, "F32", tuple(t.shape)) for n, t in state.items()),
+                    {}, {"step": 1})
 tmp = storage.begin(work / "fsdpkit", 1)
-files = []
+whole = {n: (ElementRange(0, t.numel()), t.reshape(-1)) for n, t in state.items()}
 for rank in range(world):
-    frags = [FragmentBytes(n, tuple(t.shape), rng, safetensors_dtype(t.dtype), tensor_bytes(t.reshape(-1)[rng.start:rng.end]))
-             for n, t in state.items() for r, rng in pieces[n] if r == rank]
-    files.append(write_rank_file(tmp, rank=rank, world_size=world, fragments=frags))
-manifest = build_manifest(world_size=world, strategy="full", placement=placement, files=files,
-                          training_state={"step": 1}, tensor_order=list(state))
+    write_rank(tmp, manifest, rank, whole)
 storage.commit(tmp, work / "fsdpkit", 1, manifest)
 dcp.save(state, storage_writer=FileSystemWriter(str(work / "dcp")), no_dist=True)
 dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(work / "dcp_hf"), save_distributed=True,

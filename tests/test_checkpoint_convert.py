@@ -229,3 +229,29 @@ def test_many_small_blocks_read_ahead(sharded, tmp_path, chunk):
     convert_to_full(tmp_path / "r3", tmp_path / "full", chunk_size=chunk, with_optimizer=True)
     _assert_full_equal(tmp_path / "full", _model_tensors(tensors))
     _assert_full_equal(tmp_path / "full", {n: t for n, t in tensors.items() if n.startswith("optim.")}, prefix="optimizer")
+
+
+def test_a_loading_rank_reads_only_the_files_its_chunk_overlaps(sharded, tmp_path):
+    """W=4 loaded at W'=2: rank 0's chunk (and the whole tensors, on rank 0) need only files 0
+    and 1, so with files 2 and 3 gone it still loads; rank 1's chunk needs them."""
+    import shutil
+
+    from fsdpkit.errors import DataCheckError
+
+    _, tensors, runs = sharded
+    step = tmp_path / "step"
+    shutil.copytree(runs[4], step)
+    for rank in (2, 3):
+        (step / f"rank-{rank:05d}-of-00004.safetensors").unlink()
+    reader = CheckpointReader(step, validate_all=False)
+    for unit in SAMPLE_UNITS:
+        layout = FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in unit], 2)
+        for frag in layout.fragments(0):
+            for name in (frag.name, f"optim.exp_avg.{frag.name}"):
+                expected = tensors[name].reshape(-1)[frag.param_range.start:frag.param_range.end]
+                assert torch.equal(reader.read_range(name, frag.param_range), expected)
+    for name in ("attn.mask", "pos.ids", "optim.step"):
+        assert torch.equal(reader.read_tensor(name), tensors[name])
+    frag = FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in SAMPLE_UNITS[0]], 2).fragments(1)[-1]
+    with pytest.raises(DataCheckError, match=r"rank-0000[23]-of-00004.safetensors: file is missing"):
+        reader.read_range(frag.name, frag.param_range)

@@ -205,7 +205,7 @@ class ShardedCheckpoint:
         self.layout = manifest.layout() if manifest.listing is None else None
         self._files: dict[int, RankFile] = {}
         self._v1_index: dict[str, tuple[int, list]] | None = None  # v1: file name -> (position, [(tensor, fragment)])
-        self._pieces: dict[int, list[SourcePiece]] = {}  # tensor -> all its pieces, for tensors of few fragments
+        self._located: dict[int, list[tuple[int, ElementRange]]] = {}  # tensor -> (file, range) of its fragments, if few
 
     # ----- files
     def file_names(self) -> list[str]:
@@ -310,39 +310,37 @@ class ShardedCheckpoint:
         return [self.source(t.name) for t in self.manifest.tensors]
 
     def pieces(self, tensor: int, wanted: ElementRange) -> list[SourcePiece]:
-        """The pieces of `tensor` that meet `wanted`, in order. A tensor of few fragments has
-        them all computed once; one of many (a large world size) only those asked for."""
-        cached = self._pieces.get(tensor)
-        if cached is None and self._fragment_count(tensor) <= CACHED_PIECES:
-            cached = self._pieces[tensor] = self._find_pieces(tensor, None)
-        if cached is None:
-            return self._find_pieces(tensor, wanted)
-        if len(cached) <= 8:
-            return [p for p in cached if p.range.start < wanted.end and wanted.start < p.range.end]
-        first = max(bisect.bisect_right(cached, wanted.start, key=lambda p: p.range.start) - 1, 0)
-        last = bisect.bisect_left(cached, wanted.end, key=lambda p: p.range.start)
-        return cached[first:last]
+        """The pieces of `tensor` that meet `wanted`, in order; only their files are validated
+        (and only once). Where the fragments of a tensor of few fragments lie is worked out once;
+        for one of many (a large world size), only for the range asked for."""
+        located = self._located.get(tensor)
+        if located is None and self._fragment_count(tensor) <= CACHED_PIECES:
+            located = self._located[tensor] = self._locate(tensor, None)
+        if located is None:
+            located = self._locate(tensor, wanted)
+        else:
+            located = [(i, rng) for i, rng in located if rng.start < wanted.end and wanted.start < rng.end]
+        spec = self.manifest.tensors[tensor]
+        itemsize = dtype_info(spec.dtype).itemsize
+        pieces = []
+        for index, rng in located:
+            rank_file = self.rank_file(index)
+            offset, crc = rank_file.find(tensor)
+            pieces.append(SourcePiece(rng, rank_file.path, offset, rng.size * itemsize, crc, spec.name))
+        return pieces
 
     def _fragment_count(self, tensor: int) -> int:
         if self.layout is None:
             return len(self.manifest.listing.fragments[self.manifest.tensors[tensor].name])
         return self.layout.piece_count(tensor)
 
-    def _find_pieces(self, tensor: int, wanted: ElementRange | None) -> list[SourcePiece]:
-        spec = self.manifest.tensors[tensor]
-        itemsize = dtype_info(spec.dtype).itemsize
-        if self.layout is None:
-            files = self._v1_files()
-            found = [(files[f.file][0], f.range) for f in self.manifest.listing.fragments[spec.name]
-                     if wanted is None or (f.start < wanted.end and wanted.start < f.end)]
-        else:
-            found = self.layout.pieces(tensor, wanted)
-        pieces = []
-        for index, rng in found:
-            rank_file = self.rank_file(index)
-            offset, crc = rank_file.find(tensor)
-            pieces.append(SourcePiece(rng, rank_file.path, offset, rng.size * itemsize, crc, spec.name))
-        return pieces
+    def _locate(self, tensor: int, wanted: ElementRange | None) -> list[tuple[int, ElementRange]]:
+        """(file index, range) of the fragments of `tensor` meeting `wanted` (all when None)."""
+        if self.layout is not None:
+            return self.layout.pieces(tensor, wanted)
+        files = self._v1_files()
+        return [(files[f.file][0], f.range) for f in self.manifest.listing.fragments[self.manifest.tensors[tensor].name]
+                if wanted is None or (f.start < wanted.end and wanted.start < f.end)]
 
 
 class _Source(SourceTensor):
