@@ -55,10 +55,10 @@ def sample_buffers() -> dict[str, torch.Tensor]:
 
 
 def make_manifest(tensors: dict[str, torch.Tensor], *, world_size: int, units: list[list[str]] | None = None,
-                  training_state: dict | None = None, aliases: dict[str, str] | None = None) -> Manifest:
+                  training_state: dict | None = None, aliases: dict[str, str] | None = None, run_id: str = "test-run") -> Manifest:
     placement = Placement.flat([[(n, tuple(tensors[n].shape)) for n in unit] for unit in units]) if units else Placement.even()
     table = tuple(TensorSpec(n, safetensors_dtype(t.dtype), tuple(t.shape)) for n, t in tensors.items())
-    return Manifest(world_size, "full", placement, table, dict(aliases or {}), dict(training_state or {}))
+    return Manifest(world_size, "full", placement, table, dict(aliases or {}), dict(training_state or {}), run_id)
 
 
 def write_ranks(directory: Path, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
@@ -70,10 +70,10 @@ def write_ranks(directory: Path, manifest: Manifest, tensors: dict[str, torch.Te
 
 def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], *, world_size: int,
                     units: list[list[str]] | None = None, training_state: dict | None = None,
-                    aliases: dict[str, str] | None = None, keep_last: int | None = None) -> Path:
+                    aliases: dict[str, str] | None = None, keep_last: int | None = None, run_id: str = "test-run") -> Path:
     manifest = make_manifest(tensors, world_size=world_size, units=units, aliases=aliases,
-                             training_state=training_state or {"step": step})
-    tmp = storage.begin(run_dir, step)
+                             training_state=training_state or {"step": step}, run_id=run_id)
+    tmp = storage.begin(run_dir, step, run_id=run_id)
     write_ranks(tmp, manifest, tensors)
     return storage.commit(tmp, run_dir, step, manifest, keep_last=keep_last)
 

@@ -3,13 +3,19 @@ SRC untouched, no partial DST (issue 5 "Bad input, never silent", issue 6 "Bad i
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import resource
 import shutil
 import struct
+import subprocess
+import sys
 from collections import namedtuple
 
 import pytest
+import torch
 
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import check_compatible
@@ -307,3 +313,80 @@ def test_error_in_the_reading_thread_leaves_no_partial_destination(ckpt, tmp_pat
     with pytest.raises(error):
         convert_to_full(ckpt, tmp_path / "out", chunk_size=64)
     _no_leftovers(tmp_path, ["src"])
+
+
+@contextlib.contextmanager
+def _tmpfs(path, options):
+    """A small tmpfs at `path` when this process may mount one (root, and allowed); else None."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                          capture_output=True).returncode != 0:
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def _one_line_run_error(result, *needles):
+    line = result.stderr.strip()
+    assert result.exit_code == 1 and line.startswith("error: ") and "\n" not in line, result.output
+    assert all(needle in line for needle in needles), line
+
+
+def test_full_read_only_or_size_limited_destination(ckpt, tmp_path, monkeypatch):
+    """Issue 12: convert/reshard into a destination that fails (no space, no inodes, read-only,
+    file size limit): one line naming the path and the errno, exit 1, nothing left behind."""
+    from fsdpkit.checkpoint import writer
+
+    with _tmpfs(tmp_path / "full", "size=1m,nr_inodes=4") as full:  # room for the directory and two files
+        if full is None:  # no small filesystem to be had: the same error, injected
+            def no_space(path, data, sync):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            monkeypatch.setattr(writer, "_write_whole", no_space)
+            full = tmp_path / "full"
+        _one_line_run_error(run_cli("reshard", ckpt, full / "out", "--world-size", "8"), "No space left on device (ENOSPC)", str(full))
+        monkeypatch.undo()
+        assert list(full.iterdir()) == []
+    with _tmpfs(tmp_path / "ro", "ro,size=16m") as read_only:
+        if read_only is None:
+            read_only = tmp_path / "ro"
+            if os.geteuid() == 0:  # root writes through permissions: inject what a read-only mount says
+                monkeypatch.setattr(storage.Path, "mkdir", lambda self, *a, **k: (_ for _ in ()).throw(
+                    OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))))
+            else:
+                read_only.chmod(0o555)
+        result = run_cli("convert", ckpt, read_only / "out", "--to", "full")
+        monkeypatch.undo()
+        _one_line_run_error(result, str(read_only), "(EROFS)" if os.geteuid() == 0 else "(EACCES)")
+        assert list(read_only.iterdir()) == []
+    big = save_checkpoint(tmp_path / "big", 1, {"w": torch.randn(40_000)}, world_size=2)
+    limited = subprocess.run([sys.executable, "-c", "from fsdpkit_cli.app import main; main()", "reshard", str(big),
+                              str(tmp_path / "limited" / "out"), "--world-size", "1"], capture_output=True, text=True,
+                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)))
+    line = limited.stderr.strip()
+    assert limited.returncode == 1 and line.startswith("error: ") and "\n" not in line and "(EFBIG)" in line, limited.stderr
+    assert "rank-00000-of-00001.safetensors" in line and list((tmp_path / "limited").iterdir()) == []
+
+
+def test_malformed_full_checkpoints_are_one_line(tmp_path):
+    """A safetensors header or an index nested 100,000 deep, or a FIFO in place of the file: one
+    line, exit 3, no RecursionError, nothing blocks, nothing written."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    cases = {"header": ("model.safetensors", struct.pack("<Q", len(deep)) + deep, "nested deeper than 64 levels"),
+             "index": ("model.safetensors.index.json", deep, "nested deeper than 64 levels"),
+             "fifo": ("model.safetensors", None, "not a regular file")}
+    for case, (name, content, message) in cases.items():
+        src = tmp_path / case
+        src.mkdir()
+        if content is None:
+            os.mkfifo(src / name)
+        else:
+            (src / name).write_bytes(content)
+        for command in (("convert", src, tmp_path / "out", "--to", "sharded", "--world-size", "2"), ("inspect", src),
+                        ("verify", src)):
+            result = run_cli(*command)
+            line = result.stderr.strip()
+            assert result.exit_code == 3 and "\n" not in line and message in line, (case, command, result.output)
+    assert not (tmp_path / "out").exists()

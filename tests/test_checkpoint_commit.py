@@ -60,10 +60,22 @@ def test_crash_before_commit_leaves_previous(tmp_path):
     save_manifest(tmp, manifest)
     os.rename(tmp, run / "step-00000002")
     _assert_loads_step(run, 1)
-    # the next successful save with keep_last cleans up
-    stale = storage.begin(run, 3)
+    # the next successful save of the same run with keep_last cleans up what that run left
+    stale = storage.begin(run, 3, run_id="test-run")
     save_checkpoint(run, 3, _tensors(3), world_size=2, units=SAMPLE_UNITS, keep_last=1)
     assert not stale.exists() and sorted(p.name for p in run.iterdir()) == ["latest", "step-00000003"]
+
+
+def test_keep_last_never_deletes_another_runs_directories(tmp_path):
+    """Issue 12: two runs on one save directory: one run's prune left the other's in-progress
+    save and its checkpoints alone, and so must every prune."""
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS, run_id="run-a")
+    in_progress = storage.begin(run, 5, run_id="run-a")
+    for step in (2, 3, 4):
+        save_checkpoint(run, step, _tensors(step), world_size=2, units=SAMPLE_UNITS, keep_last=1, run_id="run-b")
+    assert sorted(p.name for p in run.iterdir()) == sorted(["latest", "step-00000001", "step-00000004", in_progress.name])
+    _assert_loads_step(run / "step-00000001", 1)
 
 
 def test_tmp_directories_are_never_checkpoints(tmp_path):
@@ -134,3 +146,33 @@ def test_killed_saver_always_leaves_a_loadable_checkpoint(tmp_path):
         for name in ("h.0.attn.weight", "wte.weight"):
             assert torch.equal(reader.read_tensor(name), base[name] * step)
         start = step + 1
+
+
+def test_run_lock_names_its_holder_and_takes_over_stale_ones(tmp_path):
+    import json
+    import socket
+
+    from fsdpkit.checkpoint.lock import RunLock
+    from fsdpkit.errors import UsageError
+
+    run, host = tmp_path / "run", socket.gethostname()
+    lock = RunLock.acquire(run)
+    with pytest.raises(UsageError, match=f"in use by another run: pid {os.getpid()} on {host}"):
+        RunLock.acquire(run)
+    lock.release()
+    assert not (run / ".lock").exists()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [{"host": host, "pid": dead.pid, "started": "1", "run": "dead"},  # holder gone
+             {"host": host, "pid": os.getpid(), "started": "another-process", "run": "reused"}]  # pid now someone else's
+    for holder in stale:
+        (run / ".lock").write_text(json.dumps(holder))
+        messages = []
+        with RunLock.acquire(run, warn=messages.append) as taken:
+            assert json.loads((run / ".lock").read_text())["run"] == taken.run_id != holder["run"]
+            assert len(messages) == 1 and f"pid {holder['pid']} on {host}" in messages[0] and "no longer running" in messages[0]
+        assert not (run / ".lock").exists()
+    (run / ".lock").write_text(json.dumps({"host": "elsewhere", "pid": dead.pid, "started": "1", "run": "remote"}))
+    with pytest.raises(UsageError, match="pid .* on elsewhere"):  # only its own host can tell it is gone
+        RunLock.acquire(run)
+    assert json.loads((run / ".lock").read_text())["run"] == "remote"

@@ -382,27 +382,29 @@ class FullCheckpoint:
 
 
 def is_full_checkpoint(path: Path) -> bool:
-    return (path.is_file() and path.suffix in (".safetensors", ".json")) or (
-        path.is_dir() and ((path / MODEL_SINGLE).is_file() or (path / MODEL_INDEX).is_file()))
+    """A `.safetensors` or index file, or a directory holding model.safetensors or its index
+    (whatever they are: `open_full` refuses what is not a regular file)."""
+    return (not path.is_dir() and path.suffix in (".safetensors", ".json") and path.exists()) or (
+        path.is_dir() and ((path / MODEL_SINGLE).exists() or (path / MODEL_INDEX).exists()))
 
 
 def open_full(path: str | Path, *, with_optimizer: bool = False) -> FullCheckpoint:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: does not exist")
-    if path.is_file():
+    if not path.is_dir():
         root = path.parent
         files = _index_files(path) if path.name.endswith(".json") else [path]
-    elif (path / MODEL_INDEX).is_file():
-        root, files = path, _index_files(path / MODEL_INDEX)
-    elif (path / MODEL_SINGLE).is_file():
+    elif (path / MODEL_INDEX).exists():
+        root, files = path, _index_files(checkpoint_file(path, MODEL_INDEX))
+    elif (path / MODEL_SINGLE).exists():
         root, files = path, [checkpoint_file(path, MODEL_SINGLE)]
     else:
         raise DataCheckError(f"{path}: not a full safetensors checkpoint (no {MODEL_SINGLE}, no {MODEL_INDEX})")
     if with_optimizer:
-        if (root / OPTIM_INDEX).is_file():
-            files += _index_files(root / OPTIM_INDEX)
-        elif (root / OPTIM_SINGLE).is_file():
+        if (root / OPTIM_INDEX).exists():
+            files += _index_files(checkpoint_file(root, OPTIM_INDEX))
+        elif (root / OPTIM_SINGLE).exists():
             files.append(checkpoint_file(root, OPTIM_SINGLE))
         else:
             raise DataCheckError(f"{root}: --with-optimizer given but there is no {OPTIM_SINGLE} or {OPTIM_INDEX}")

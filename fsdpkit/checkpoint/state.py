@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import uuid
 import warnings
 import zlib
 from pathlib import Path
@@ -34,6 +33,7 @@ from ..layout import ElementRange
 from . import storage
 from .bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
 from .format import optim_tensor_name, rank_file_name
+from .lock import process_identity, run_id_of
 from .manifest import Manifest, check_compatible
 from .placement import Placement, TensorSpec
 from .reader import is_full_checkpoint, open_checkpoint, open_full, open_sharded
@@ -256,8 +256,10 @@ class Checkpointer:
     thread writes while training goes on; at most one save is in flight, and the next save
     (or wait()) waits for it. Every rank must call save/load/wait.
 
-    `run_id` names the run that writes (default: a new one): `keep_last` prunes only this
-    run's checkpoints."""
+    `run_id` names the run that writes (default: this process; pass `RunLock.run_id` so that a
+    restarted worker counts as the same run): `keep_last` prunes only this run's checkpoints.
+    A save that fails on any rank (an OSError: disk full, read-only...) raises one RunError on
+    every rank, leaves no temporary directory and keeps the previous checkpoint."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False,
                  run_id: str | None = None) -> None:
@@ -268,7 +270,7 @@ class Checkpointer:
         self.comm = Collectives()
         # background saves coordinate on their own group, so they never interleave with training's collectives
         self.group = dist.new_group(backend="gloo") if async_save else view.group
-        self.run_id = run_id or uuid.uuid4().hex[:16]  # only rank 0's is ever written
+        self.run_id = run_id or run_id_of(process_identity())  # only rank 0's is ever written
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_saved: str | None = None
@@ -299,8 +301,18 @@ class Checkpointer:
 
     def _save(self, view: ShardedModelView, run_dir: Path, step: int, manifest: Manifest,
               local: dict[str, tuple[ElementRange, torch.Tensor]] | None, keep_last: int | None) -> None:
-        tmp = Path(self.comm.broadcast_object(str(storage.begin(run_dir, step)) if view.rank == 0 else None, 0, self.group,
-                                              label="checkpoint directory"))
+        """The save protocol; any OSError (a full disk...) on any rank fails the save on every
+        rank with one RunError, removes the temporary directory and keeps the previous checkpoint."""
+        begun: tuple[str | None, str | None] = (None, None)
+        if view.rank == 0:
+            try:
+                begun = (str(storage.begin(run_dir, step, run_id=manifest.run_id)), None)
+            except OSError as error:
+                begun = (None, storage.os_error_line(error, run_dir))
+        path, failure = self.comm.broadcast_object(begun, 0, self.group, label="checkpoint directory")
+        if failure:
+            raise RunError(f"checkpoint step {step} not saved: {failure}")
+        tmp = Path(path)
         device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
         digest = _digest(manifest)
         flags = torch.tensor([1 if tmp.is_dir() else 0, digest, -digest], dtype=torch.int64, device=device)
@@ -313,12 +325,33 @@ class Checkpointer:
                 raise RunError(f"save directory {tmp} is not visible to every rank: --save-dir must be on a filesystem every node sees")
             raise RunError(f"ranks disagree on what to save at step {step} (tensor table or placement differ, "
                            f"e.g. optimizer state for different parameters)")
+        failure = None
         if local is not None:
-            write_rank(tmp, manifest, view.shard_rank, local)
-        self.comm.all_reduce(torch.ones(1, device=device), self.group, label="checkpoint files written")
+            try:
+                write_rank(tmp, manifest, view.shard_rank, local)
+            except OSError as error:
+                failure = storage.os_error_line(error, tmp)
+        written = torch.tensor([0 if failure else 1], dtype=torch.int64, device=device)
+        self.comm.all_reduce(written, self.group, op=dist.ReduceOp.MIN, label="checkpoint files written")
+        if not int(written.item()):
+            if view.rank == 0:
+                storage.abort(tmp)
+            raise RunError(f"checkpoint step {step} not saved, previous checkpoint kept: "
+                           + (failure or "another rank could not write its file"))
+        outcome: tuple[str | None, str | None] = (None, None)
         if view.rank == 0:
-            self.last_saved = str(storage.commit(tmp, run_dir, step, manifest, keep_last=keep_last))
-        self.last_saved = self.comm.broadcast_object(self.last_saved, 0, self.group, label="checkpoint committed")
+            try:
+                outcome = (str(storage.commit(tmp, run_dir, step, manifest, keep_last=keep_last)), None)
+            except OSError as error:
+                outcome = (None, storage.os_error_line(error, tmp))
+            except RunError as error:
+                outcome = (None, str(error))
+            if outcome[1]:
+                storage.abort(tmp)
+        path, failure = self.comm.broadcast_object(outcome, 0, self.group, label="checkpoint committed")
+        if failure:
+            raise RunError(f"checkpoint step {step} not saved, previous checkpoint kept: {failure}")
+        self.last_saved = path
 
     def wait(self) -> None:
         if self.thread is not None:

@@ -17,18 +17,23 @@ Training saves (a run directory)::
 means the ranks do not share a filesystem; each rank fsynced its own), writes manifest.json,
 fsyncs it and the directory, renames `tmp` to `step-NNNNNNNN`, fsyncs the run directory, then
 replaces `latest` atomically (temporary file, fsync, `os.replace`). Only after that, `keep_last`
-prunes. A crash at any point leaves `latest` naming a complete checkpoint (or, before the
+prunes, and only the checkpoints of the run that wrote this one (the manifest's run id; see
+lock.py): another run's directories, complete or in progress, are never deleted. A crash at any point leaves `latest` naming a complete checkpoint (or, before the
 first commit, no `latest` and no step directory). `abort(tmp)` removes an unfinished one.
 
 Offline outputs (convert, reshard): `staged_output(dst, src=..., overwrite=..., needed_bytes=...)`
 refuses, before anything is written, DST equal to, inside or containing SRC, an existing DST
 without `overwrite`, and too little free disk; it yields a hidden temporary sibling directory,
-syncs (`sync_files`) and renames it to DST on success, and removes it on any error.
+syncs (`sync_files`) and renames it to DST on success, and removes it on any error; an
+OSError (a read-only, full or size-limited destination) becomes one line naming the path and
+the errno (`RunError`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import os
 import shutil
 import uuid
@@ -39,7 +44,7 @@ from ..errors import DataCheckError, RunError, UsageError
 from ..sizes import format_size
 from .format import (LATEST_NAME, MANIFEST_NAME, STEP_PREFIX, TMP_PREFIX, is_safe_file_name, parse_step_dir_name,
                      rank_file_name, step_dir_name)
-from .manifest import Manifest, save_manifest
+from .manifest import Manifest, load_manifest, save_manifest
 
 
 # ----- finding a checkpoint
@@ -148,10 +153,15 @@ def _syncfs(directory: Path) -> bool:
 
 
 # ----- training saves in a run directory
-def begin(run_dir: str | Path, step: int) -> Path:
+def _run_tag(run_id: str | None) -> str:
+    """8 hex digits naming a run in temporary directory names."""
+    return hashlib.blake2b((run_id or "").encode(), digest_size=4).hexdigest()
+
+
+def begin(run_dir: str | Path, step: int, *, run_id: str | None = None) -> Path:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+    tmp = run_dir / f"{TMP_PREFIX}{step_dir_name(step)}-{_run_tag(run_id)}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     return tmp
 
@@ -162,7 +172,8 @@ def abort(tmp_dir: str | Path) -> None:
 
 def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manifest, *, keep_last: int | None = None) -> Path:
     """Make the save in `tmp_dir` step `step` of `run_dir` (see the module docstring). Every rank
-    file must be in `tmp_dir` already, written and fsynced by its rank."""
+    file must be in `tmp_dir` already, written and fsynced by its rank. `keep_last` then prunes
+    the checkpoints of the run that wrote this one (`manifest.run_id`), never another's."""
     tmp_dir, run_dir = Path(tmp_dir), Path(run_dir)
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -183,7 +194,7 @@ def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manife
             else:
                 (run_dir / LATEST_NAME).unlink()
                 fsync_dir(run_dir)
-        old = run_dir / f"{TMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}"
+        old = run_dir / f"{TMP_PREFIX}old-{final.name}-{_run_tag(manifest.run_id)}-{uuid.uuid4().hex[:8]}"
         os.rename(final, old)
         os.rename(tmp_dir, final)
         shutil.rmtree(old, ignore_errors=True)
@@ -191,8 +202,8 @@ def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manife
         os.rename(tmp_dir, final)
     fsync_dir(run_dir)
     _replace_latest(run_dir, final.name)
-    if keep_last is not None:
-        prune(run_dir, keep_last=keep_last)
+    if keep_last is not None and manifest.run_id is not None:
+        prune(run_dir, keep_last=keep_last, run_id=manifest.run_id)
     return final
 
 
@@ -206,22 +217,38 @@ def _replace_latest(run_dir: Path, name: str) -> None:
     fsync_dir(run_dir)
 
 
-def prune(run_dir: str | Path, *, keep_last: int) -> list[Path]:
-    """Remove all but the newest `keep_last` complete steps (never the one `latest` names),
-    and leftover `.tmp-step-*` / `.tmp-old-*` directories of crashed saves. Returns what was removed."""
+def prune(run_dir: str | Path, *, keep_last: int, run_id: str) -> list[Path]:
+    """Remove the complete steps of run `run_id` but its newest `keep_last` (never the one
+    `latest` names), and that run's leftover temporary directories of crashed saves. A
+    directory another run wrote (another id, or none: older checkpoints) is never touched.
+    Returns what was removed."""
     run_dir = Path(run_dir)
     latest = read_latest(run_dir)
+    mine = []
+    for step, path in complete_steps(run_dir):
+        try:
+            if load_manifest(path).run_id == run_id:
+                mine.append(path)
+        except DataCheckError:
+            continue  # unreadable: not provably ours
     removed = []
-    steps = complete_steps(run_dir)
-    for _, path in steps[: max(0, len(steps) - keep_last)]:
+    for path in mine[: max(0, len(mine) - keep_last)]:
         if path.name != latest:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+    tag = f"-{_run_tag(run_id)}-"
     for child in run_dir.iterdir():
-        if child.is_dir() and child.name.startswith((f"{TMP_PREFIX}{STEP_PREFIX}", f"{TMP_PREFIX}old-")):
+        if (child.is_dir() and child.name.startswith((f"{TMP_PREFIX}{STEP_PREFIX}", f"{TMP_PREFIX}old-"))
+                and tag in child.name):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed
+
+
+def os_error_line(error: OSError, where: Path) -> str:
+    """One line for an OSError: the path, the reason and the errno's name."""
+    name = errno.errorcode.get(error.errno, str(error.errno)) if error.errno else "?"
+    return f"{error.filename or where}: {error.strerror or error} ({name})"
 
 
 # ----- offline outputs (convert, reshard)
@@ -251,14 +278,14 @@ def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_b
     dst, src = Path(dst), Path(src)
     check_destination(dst, src=src, overwrite=overwrite)
     parent = dst.absolute().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UsageError(f"cannot create {parent}: {error.strerror}") from None
-    check_free_space(parent, needed_bytes)
     token = uuid.uuid4().hex[:8]
     tmp = parent / f"{TMP_PREFIX}{dst.name}-{token}"
-    tmp.mkdir()
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        check_free_space(parent, needed_bytes)
+        tmp.mkdir()
+    except OSError as error:
+        raise RunError(f"cannot write to {parent}: {os_error_line(error, parent)}") from None
     try:
         yield tmp
         sync_files(tmp, [entry.name for entry in os.scandir(tmp) if entry.is_file()])
@@ -271,6 +298,9 @@ def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_b
         else:
             os.rename(tmp, dst)
         fsync_dir(parent)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RunError(f"writing {dst} failed, nothing written: {os_error_line(error, tmp)}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -148,6 +148,8 @@ def _write_whole(path: Path, data: bytearray, sync: bool) -> None:
             view = view[os.write(fd, view):]
         if sync:
             os.fsync(fd)
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from None
     finally:
         os.close(fd)
 
@@ -192,7 +194,10 @@ class _FileWriter:
 
     def _write_all(self, view: memoryview) -> None:
         while view.nbytes:
-            count = os.write(self._fd, view)
+            try:
+                count = os.write(self._fd, view)
+            except OSError as error:
+                raise OSError(error.errno, error.strerror, str(self.path)) from None
             view = view[count:]
             self._written += count
         if self._write_behind and self._written - self._flushed >= WRITE_BEHIND_BYTES:
