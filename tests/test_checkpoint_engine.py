@@ -4,7 +4,6 @@ state it had: compared with the unsharded reference's own AdamW state."""
 
 from __future__ import annotations
 
-import copy
 import errno
 import os
 from pathlib import Path

@@ -49,7 +49,7 @@ from .bytecopy import SourcePiece, SourceTensor
 from .format import (CRC_METADATA_KEY, MANIFEST_NAME, MAX_HEADER_BYTES, MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX, OPTIM_SINGLE,
                      TIED_METADATA_KEY, dtype_info, is_known_dtype, is_safe_file_name, numel, parse_json, rank_file_name)
 from .manifest import Manifest, load_manifest
-from .placement import Layout, TensorSpec
+from .placement import Layout
 from .storage import checkpoint_file, resolve_checkpoint
 
 _HEX = re.compile(rb"[0-9a-f]*")
