@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -234,8 +235,6 @@ def test_many_small_blocks_read_ahead(sharded, tmp_path, chunk):
 def test_a_loading_rank_reads_only_the_files_its_chunk_overlaps(sharded, tmp_path):
     """W=4 loaded at W'=2: rank 0's chunk (and the whole tensors, on rank 0) need only files 0
     and 1, so with files 2 and 3 gone it still loads; rank 1's chunk needs them."""
-    import shutil
-
     from fsdpkit.errors import DataCheckError
 
     _, tensors, runs = sharded
@@ -255,3 +254,29 @@ def test_a_loading_rank_reads_only_the_files_its_chunk_overlaps(sharded, tmp_pat
     frag = FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in SAMPLE_UNITS[0]], 2).fragments(1)[-1]
     with pytest.raises(DataCheckError, match=r"rank-0000[23]-of-00004.safetensors: file is missing"):
         reader.read_range(frag.name, frag.param_range)
+
+
+def test_reshard_in_several_processes(sharded, tmp_path):
+    """Many rank files are written by several processes, each reading part of each source
+    fragment: the result is the same, and a flipped source byte is still caught (the parts'
+    checksums combined), leaving nothing behind."""
+    from fsdpkit.checkpoint.offline.reshard import reshard
+    from fsdpkit.checkpoint.reader import read_header
+    from fsdpkit.errors import DataCheckError
+
+    _, tensors, runs = sharded
+    reshard(runs[2], tmp_path / "r37", world_size=37, workers=3, chunk_size=1024)
+    reader = CheckpointReader(tmp_path / "r37")
+    assert reader.manifest.world_size == 37 and run_cli("verify", tmp_path / "r37").exit_code == 0
+    for name, tensor in tensors.items():
+        assert torch.equal(reader.read_tensor(name), tensor), name
+    broken = tmp_path / "broken"
+    shutil.copytree(runs[2], broken)
+    path = broken / "rank-00000-of-00002.safetensors"
+    header = read_header(path)
+    raw = bytearray(path.read_bytes())
+    raw[header.data_start + header.tensors["optim.exp_avg.wte.weight"].begin + 100] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataCheckError, match="checksum mismatch in rank-00000-of-00002.safetensors tensor 'optim.exp_avg.wte.weight'"):
+        reshard(broken, tmp_path / "out", world_size=37, workers=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "r37"]

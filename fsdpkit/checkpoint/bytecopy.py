@@ -121,15 +121,33 @@ class _OpenFiles:
             os.close(self._fds.popitem()[1])
 
 
+class PartialCrc(NamedTuple):
+    """The crc32 of bytes [start, end) of a piece, as one of several processes read them."""
+
+    path: Path
+    offset: int  # the piece's (see SourcePiece)
+    nbytes: int
+    stored: int
+    label: str
+    start: int
+    end: int
+    crc32: int
+
+
 class ByteCopier:
-    def __init__(self, *, chunk_size: int, progress: Callable[[int], None] | None = None):
+    """`partial=True` (one of several processes copying parts of the same pieces): a piece may
+    be first read anywhere; the checksums of pieces not read whole here are returned by
+    `finish()` as `PartialCrc`s, for `check_partial_crcs` to combine."""
+
+    def __init__(self, *, chunk_size: int, progress: Callable[[int], None] | None = None, partial: bool = False):
         if chunk_size < 64:
             raise ValueError(f"chunk size must be at least 64 bytes, got {chunk_size}")
         self.chunk_size = chunk_size
+        self.partial = partial
         self._buffers = (bytearray(chunk_size), bytearray(chunk_size))  # one being read, one being written
         self._cast_buffer: bytearray | None = None
         self._files = _OpenFiles()
-        self._crc: dict[tuple[Path, int], tuple[int, int]] = {}  # piece -> (bytes checksummed, running crc)
+        self._crc: dict[tuple[Path, int], tuple[int, int, int, SourcePiece]] = {}  # piece -> (first byte, next byte, crc, piece)
         self._verified: set[tuple[Path, int]] = set()  # pieces read whole and checked (read_into)
         self._windows: OrderedDict[tuple[Path, int], tuple[int, bytearray]] = OrderedDict()  # piece -> (offset, bytes)
         self._read_shifter = CrcShifter()  # used by the reading thread
@@ -170,34 +188,13 @@ class ByteCopier:
         for piece in tensor.pieces_in(wanted):
             first, start, end = piece.range.start, max(piece.range.start, wanted.start), min(piece.range.end, wanted.end)
             view = self._window(piece, (start - first) * itemsize, (end - start) * itemsize)
+            self._advance_crc(piece, (start - first) * itemsize, view, self._write_shifter, block_crc=False)
             out = self._cast(view, tensor.dtype, out_dtype)
             sink(out)
             if checksum:
                 out_crc = zlib.crc32(out, out_crc)
             self._report(view.nbytes)
         return out_crc if checksum else None
-
-    def read_checked(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> int:
-        """Streaming (like `copy`, no cast) into `out`; returns the crc32 of the bytes. Small
-        ranges come from the windows, larger ones through `copy`."""
-        itemsize = dtype_info(tensor.dtype).itemsize
-        if wanted.size * itemsize > min(SMALL_READ, self.chunk_size):
-            position = 0
-
-            def sink(view: memoryview) -> None:
-                nonlocal position
-                out[position:position + view.nbytes] = view
-                position += view.nbytes
-
-            return self.copy(tensor, wanted, tensor.dtype, sink, checksum=True)
-        position = 0
-        for piece in tensor.pieces_in(wanted):
-            first, start, end = piece.range.start, max(piece.range.start, wanted.start), min(piece.range.end, wanted.end)
-            nbytes = (end - start) * itemsize
-            out[position:position + nbytes] = self._window(piece, (start - first) * itemsize, nbytes)
-            position += nbytes
-        self._report(position)
-        return zlib.crc32(out)
 
     def _window(self, piece: SourcePiece, offset: int, nbytes: int) -> memoryview:
         key = (piece.path, piece.offset)
@@ -207,7 +204,6 @@ class ByteCopier:
         else:
             buffer = bytearray(min(max(WINDOW_BYTES, nbytes), piece.nbytes - offset))
             self._pread(piece, offset, memoryview(buffer))
-            self._advance_crc(piece, offset, memoryview(buffer), self._write_shifter, block_crc=False)
             window = self._windows[key] = (offset, buffer)
             if len(self._windows) > MAX_WINDOWS:
                 self._windows.popitem(last=False)
@@ -255,24 +251,24 @@ class ByteCopier:
 
     def _advance_crc(self, piece: SourcePiece, offset: int, view: memoryview, shifter: "CrcShifter", *,
                      block_crc: bool) -> int | None:
-        """Feed the bytes of `view` (at `offset` in the piece) not yet checksummed into the piece's
-        running crc32; compare it with the stored one at the piece's end. Returns the crc32 of
-        `view` itself when `block_crc` asks and it comes for free."""
+        """Feed the bytes of `view` (at `offset` in the piece, being handed on) not yet checksummed
+        into the piece's running crc32; compare it with the stored one when the piece has been
+        read whole. Returns the crc32 of `view` itself when `block_crc` asks and it comes for free."""
         if piece.crc32 is None:
             return None
         key = (piece.path, piece.offset)
-        position, crc = self._crc.pop(key, (0, 0))
-        if offset > position:
+        first, position, crc, _ = self._crc.pop(key, (offset, offset, 0, piece))
+        if offset > position or (first and not self.partial):
             raise AssertionError(f"{piece.label}: read at byte {offset}, expected {position} (fragments must be read in order)")
         fresh = view[position - offset:]
         if not fresh.nbytes:
-            self._crc[key] = (position, crc)
+            self._crc[key] = (first, position, crc, piece)
             return None
         running = zlib.crc32(fresh, crc)
         own = running ^ shifter.shift(crc, fresh.nbytes) if block_crc and fresh.nbytes == view.nbytes else None
         position += fresh.nbytes
-        if position < piece.nbytes:
-            self._crc[key] = (position, running)
+        if position < piece.nbytes or first:
+            self._crc[key] = (first, position, running, piece)
         elif running != piece.crc32:
             raise DataCheckError(f"{piece.path}: checksum mismatch in {piece.label}: "
                                  f"stored crc32 {piece.crc32:08x}, data gives {running:08x} (corrupt file)")
@@ -303,12 +299,16 @@ class ByteCopier:
                 self._progress(self._unreported)
                 self._unreported = 0
 
-    def finish(self) -> None:
-        """Check that every fragment that was started was read to its end; close files."""
+    def finish(self) -> list[PartialCrc]:
+        """Close files. Every piece started must have been read to its end, unless `partial`:
+        then the checksums of the pieces read here only in part are returned."""
         self.close()
-        if self._crc:
-            (path, _), (position, _) = next(iter(self._crc.items()))
-            raise AssertionError(f"{path}: a fragment was read only up to byte {position}")
+        parts = [PartialCrc(piece.path, piece.offset, piece.nbytes, piece.crc32, piece.label, first, position, crc)
+                 for first, position, crc, piece in self._crc.values()]
+        if parts and not self.partial:
+            raise AssertionError(f"{parts[0].label}: read only up to byte {parts[0].end}")
+        self._crc.clear()
+        return parts
 
     def close(self) -> None:
         if self._progress is not None and self._unreported:
@@ -316,6 +316,28 @@ class ByteCopier:
             self._unreported = 0
         self._windows.clear()
         self._files.close()
+
+
+def check_partial_crcs(parts: list[PartialCrc]) -> None:
+    """The pieces that several processes read in parts: the parts of each must tile it, and
+    their crc32s, combined in order, give the stored one (else a DataCheckError)."""
+    shifter = CrcShifter()
+    by_piece: dict[tuple[Path, int], list[PartialCrc]] = {}
+    for part in parts:
+        by_piece.setdefault((part.path, part.offset), []).append(part)
+    for pieces in by_piece.values():
+        pieces.sort(key=lambda p: p.start)
+        crc, position = 0, 0
+        for part in pieces:
+            if part.start != position:
+                raise AssertionError(f"{part.label}: bytes [{position}, {part.start}) were not read")
+            crc, position = shifter.combine(crc, part.crc32, part.end - part.start), part.end
+        last = pieces[-1]
+        if position != last.nbytes:
+            raise AssertionError(f"{last.label}: read only up to byte {position}")
+        if crc != last.stored:
+            raise DataCheckError(f"{last.path}: checksum mismatch in {last.label}: "
+                                 f"stored crc32 {last.stored:08x}, data gives {crc:08x} (corrupt file)")
 
 
 class _Inline:

@@ -13,36 +13,35 @@ and `close` writes the crc32 hex digits into the header's `__metadata__` (fixed 
 header's length never changes).
 
 Data arrives in any number of pieces; small ones are gathered in a 1 MiB buffer so a file of
-many small fragments costs a few system calls. With a `FilePool` (write_sharded), a file of
-at most 4 MiB is gathered whole in memory and written by one of a few threads, so the
-thousands of files of a large world size are opened and written while the next ones are
-copied. `write_behind=True` starts the writeback of
+many small fragments costs a few system calls. `write_behind=True` starts the writeback of
 every completed `WRITE_BEHIND_BYTES` at once (`posix_fadvise(DONTNEED)`: dirty data is never
 dropped), so the disk works while the copy goes on and a multi-GB output does not fill the
 page cache. `close()` fsyncs unless the caller syncs many files at once (`sync=False`, then
-`storage.sync_files`, as `staged_output` does). On an exception inside a `with` block the partial file is removed.
+`storage.sync_files`, as `staged_output` does). On an exception inside a `with` block the
+partial file is removed. `write_sharded` spreads thousands of rank files over processes.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import struct
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..layout import ElementRange
-from .bytecopy import ByteCopier, SourceTensor
+from .bytecopy import ByteCopier, PartialCrc, SourceTensor, check_partial_crcs
 from .format import dtype_info, numel, output_dtype, rank_file_name
 from .manifest import Manifest, save_manifest
 from .placement import FileLayout, Placement, TensorSpec
 
 WRITE_BEHIND_BYTES = 32 * 1024 * 1024
 BUFFER_BYTES = 1024 * 1024
-POOLED_FILE_BYTES = 4 * 1024 * 1024  # files up to this size are gathered in memory and written by a FilePool
-BATCH_BYTES = 8 * 1024 * 1024
+WORKERS_FROM_FILES = 256  # write_sharded uses several processes from this many rank files on
+MAX_WORKERS = 8
 
 
 @dataclass(frozen=True)
@@ -80,95 +79,17 @@ def layout_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dic
     return struct.pack("<Q", len(raw)) + raw, spans
 
 
-class FilePool:
-    """Writes whole small files from a background thread, so that their system calls (open,
-    write, close: they release the GIL) overlap the copying of the next files. Files go in
-    batches of about `BATCH_BYTES`, so the threads rarely trade the GIL. `close()` waits for
-    every file and raises the first error; at most `max_pending` batches wait in memory."""
-
-    def __init__(self, *, threads: int = 2, max_pending: int = 4):
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsdpkit-write")
-        self._pending: deque[Future] = deque()
-        self._max_pending = max_pending
-        self._batch: list[tuple[Path, bytearray, bool]] = []
-        self._batch_bytes = 0
-
-    def submit(self, path: Path, data: bytearray, *, sync: bool) -> None:
-        self._batch.append((path, data, sync))
-        self._batch_bytes += len(data)
-        if self._batch_bytes >= BATCH_BYTES:
-            self._send()
-
-    def _send(self) -> None:
-        if self._batch:
-            while len(self._pending) >= self._max_pending:
-                self._pending.popleft().result()
-            self._pending.append(self._executor.submit(_write_batch, self._batch))
-            self._batch, self._batch_bytes = [], 0
-
-    def close(self) -> None:
-        error = None
-        try:
-            self._send()
-        except BaseException as exc:
-            error = exc
-        while self._pending:
-            try:
-                self._pending.popleft().result()
-            except BaseException as exc:  # every write finishes before the first error is raised
-                error = error or exc
-        self._executor.shutdown()
-        if error is not None:
-            raise error
-
-    def __enter__(self) -> "FilePool":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._batch = []  # not written: the output is being abandoned
-            try:
-                self.close()
-            except BaseException:
-                pass  # the error already raised is the one to report
-
-
-def _write_batch(batch: list[tuple[Path, bytearray, bool]]) -> None:
-    for path, data, sync in batch:
-        _write_whole(path, data, sync)
-
-
-def _write_whole(path: Path, data: bytearray, sync: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        view = memoryview(data)
-        while view.nbytes:
-            view = view[os.write(fd, view):]
-        if sync:
-            os.fsync(fd)
-    except OSError as error:
-        raise OSError(error.errno, error.strerror, str(path)) from None
-    finally:
-        os.close(fd)
-
-
 class _FileWriter:
-    """A file of known size, written front to back: the header, then data in pieces. With a
-    `pool` and a small file, the bytes are gathered in memory and the pool writes the file."""
+    """A file of known size, written front to back: the header, then data in pieces."""
 
-    def _open(self, path: str | Path, header: bytes, size: int, *, write_behind: bool, sync: bool,
-              pool: FilePool | None = None) -> None:
+    def _open(self, path: str | Path, header: bytes, size: int, *, write_behind: bool, sync: bool) -> None:
         self.path, self.size, self.sync = Path(path), size, sync
         self._written = 0
         self._flushed = 0  # bytes whose writeback was started (write_behind)
         self._write_behind = write_behind and hasattr(os, "posix_fadvise")
-        self._pool = pool if pool is not None and size <= POOLED_FILE_BYTES else None
-        self._buffer = bytearray(size if self._pool else min(BUFFER_BYTES, size))
+        self._buffer = bytearray(min(BUFFER_BYTES, size))
         self._buffered = 0
-        self._fd = -1 if self._pool else os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-        self._open_state = True
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
         self.write(header)
 
     def write(self, data) -> None:
@@ -188,7 +109,7 @@ class _FileWriter:
             self._write_all(view)
 
     def _flush(self) -> None:
-        if self._buffered and not self._pool:
+        if self._buffered:
             self._write_all(memoryview(self._buffer)[:self._buffered])
             self._buffered = 0
 
@@ -206,41 +127,34 @@ class _FileWriter:
 
     def patch(self, offset: int, data: bytes) -> None:
         """Overwrite bytes already written (the crc32 digits of a rank file's header)."""
-        if self._pool:
-            self._buffer[offset:offset + len(data)] = data
-            return
-        self._flush()
-        if offset + len(data) > self._written:
-            raise ValueError(f"{self.path}: patching bytes [{offset}, {offset + len(data)}) not yet written")
-        if os.pwrite(self._fd, data, offset) != len(data):
-            raise OSError(f"{self.path}: short write while patching the header")
+        if offset + len(data) <= self._written:
+            if os.pwrite(self._fd, data, offset) != len(data):
+                raise OSError(f"{self.path}: short write while patching the header")
+        elif offset >= self._written:  # still in the buffer (a small file)
+            self._buffer[offset - self._written: offset - self._written + len(data)] = data
+        else:
+            self._flush()
+            self.patch(offset, data)
 
     def close(self) -> int:
-        if not self._open_state:
+        if self._fd < 0:
             return self.size
-        self._flush()
-        written = self._written + self._buffered
-        if written != self.size:
-            self._release()
-            raise ValueError(f"{self.path}: wrote {written} bytes, the header announced {self.size}")
-        if self._pool:
-            self._pool.submit(self.path, self._buffer, sync=self.sync)
-        elif self.sync:
-            os.fsync(self._fd)
-        self._release()
+        try:
+            self._flush()
+            if self._written != self.size:
+                raise ValueError(f"{self.path}: wrote {self._written} bytes, the header announced {self.size}")
+            if self.sync:
+                os.fsync(self._fd)
+        finally:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
         return self.size
 
-    def _release(self) -> None:
-        self._open_state = False
+    def abort(self) -> None:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
-
-    def abort(self) -> None:
-        if self._open_state:
-            self._release()
-            if not self._pool:
-                self.path.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
 
     def __enter__(self):
         return self
@@ -272,24 +186,10 @@ class RankFileWriter(_FileWriter):
     """Write one v2 rank file laid out by `layout`: each fragment's bytes in data order, then
     `end_fragment(crc32)`."""
 
-    def __init__(self, path: str | Path, layout: FileLayout, *, write_behind: bool = False, sync: bool = True,
-                 pool: FilePool | None = None):
+    def __init__(self, path: str | Path, layout: FileLayout, *, write_behind: bool = False, sync: bool = True):
         self.layout = layout
         self._crcs: list[int] = []
-        self._open(path, layout.header, layout.size, write_behind=write_behind, sync=sync, pool=pool)
-
-    @property
-    def in_memory(self) -> bool:
-        """True when the whole file is gathered in memory (a small file given a pool)."""
-        return self._pool is not None
-
-    def reserve(self, nbytes: int) -> memoryview:
-        """The next `nbytes` of an in-memory file, for the caller to fill in place."""
-        start = self._buffered
-        if not self._pool or start + nbytes > self.size:
-            raise ValueError(f"{self.path}: cannot reserve {nbytes} bytes at {start} of {self.size}")
-        self._buffered += nbytes
-        return memoryview(self._buffer)[start:start + nbytes]
+        self._open(path, layout.header, layout.size, write_behind=write_behind, sync=sync)
 
     def end_fragment(self, crc32: int) -> None:
         index = len(self._crcs)
@@ -301,10 +201,10 @@ class RankFileWriter(_FileWriter):
         self._crcs.append(crc32)
 
     def close(self) -> int:
-        if self._open_state and self._crcs:
-            if len(self._crcs) != len(self.layout.fragments):
-                self._release()
-                raise ValueError(f"{self.path}: {len(self._crcs)} of {len(self.layout.fragments)} fragments written")
+        if self._fd >= 0 and len(self._crcs) != len(self.layout.fragments):
+            self.abort()
+            raise ValueError(f"{self.path}: {len(self._crcs)} of {len(self.layout.fragments)} fragments written")
+        if self._fd >= 0 and self._crcs:
             self.patch(self.layout.crc_offset, "".join(f"{crc:08x}" for crc in self._crcs).encode("ascii"))
         return super().close()
 
@@ -317,27 +217,85 @@ class WrittenCheckpoint:
 
 
 def write_sharded(directory: Path, *, sources: list[SourceTensor], placement: Placement, world_size: int, strategy: str,
-                  training_state: dict, aliases: dict[str, str], cast_to: str | None, copier: ByteCopier) -> WrittenCheckpoint:
+                  training_state: dict, aliases: dict[str, str], cast_to: str | None, chunk_size: int,
+                  progress: Callable[[int], None] | None = None, workers: int | None = None) -> WrittenCheckpoint:
     """A whole sharded checkpoint (v2) in `directory`: every rank file of `placement` at
-    `world_size`, copied from `sources` through `copier` (source checksums verified on the way,
-    output crc32s from the bytes written), then manifest.json; `storage.staged_output` syncs
-    them all at once. Every rank gets a file, possibly with no tensors."""
+    `world_size`, copied from `sources` (source checksums verified on the way, output crc32s
+    from the bytes written), then manifest.json; `storage.staged_output` syncs them all at once.
+    Every rank gets a file, possibly with no tensors.
+
+    With many files, `workers` processes (default: one per CPU, at most 8, from 256 files on)
+    each write a contiguous block of ranks: the per-file and per-fragment work runs in
+    parallel. Each reads only part of most source fragments; their partial checksums are
+    combined here (`check_partial_crcs`), so every source byte is still verified once."""
     tensors = tuple(TensorSpec(s.name, output_dtype(s.dtype, cast_to), tuple(s.shape)) for s in sources)
     manifest = Manifest(world_size, strategy, placement, tensors, dict(aliases), dict(training_state))
-    layout = manifest.layout()
-    files, total = [], 0
-    with FilePool() as pool:
-        for rank in range(world_size):
-            file_layout = layout.file_layout(rank)
-            files.append(rank_file_name(rank, world_size))
-            with RankFileWriter(directory / files[-1], file_layout, write_behind=True, sync=False, pool=pool) as writer:
-                for (tensor, start, end), (begin, stop) in zip(file_layout.fragments, file_layout.spans):
-                    source, wanted = sources[tensor], ElementRange(start, end)
-                    if writer.in_memory and source.dtype == tensors[tensor].dtype:  # no cast: straight into the file's buffer
-                        writer.end_fragment(copier.read_checked(source, wanted, writer.reserve(stop - begin)))
-                    else:
-                        writer.end_fragment(copier.copy(source, wanted, tensors[tensor].dtype, writer.write, checksum=True))
-            total += file_layout.size
-    copier.finish()
+    if workers is None:
+        workers = min(os.cpu_count() or 1, MAX_WORKERS) if world_size >= WORKERS_FROM_FILES else 1
+    workers = max(1, min(workers, world_size))
+    blocks = [(world_size * i // workers, world_size * (i + 1) // workers) for i in range(workers)]
+    if workers == 1:
+        parts, total = write_ranks(directory, sources, manifest, *blocks[0], chunk_size=chunk_size, progress=progress)
+    else:
+        parts, total = _in_workers(directory, sources, manifest, blocks, chunk_size, progress)
+    check_partial_crcs(parts)
     save_manifest(directory, manifest)
-    return WrittenCheckpoint(manifest, files, total)
+    return WrittenCheckpoint(manifest, [rank_file_name(rank, world_size) for rank in range(world_size)], total)
+
+
+def write_ranks(directory: Path, sources: list[SourceTensor], manifest: Manifest, first: int, last: int, *,
+                chunk_size: int, progress: Callable[[int], None] | None = None) -> tuple[list[PartialCrc], int]:
+    """Rank files `first` to `last - 1` of `manifest`; returns the checksums of the source
+    fragments read only in part, and the bytes written."""
+    copier = ByteCopier(chunk_size=chunk_size, progress=progress, partial=True)
+    layout, total = manifest.layout(), 0
+    try:
+        for rank in range(first, last):
+            file_layout = layout.file_layout(rank)
+            with RankFileWriter(directory / rank_file_name(rank, manifest.world_size), file_layout, write_behind=True,
+                                sync=False) as writer:
+                for tensor, start, end in file_layout.fragments:
+                    writer.end_fragment(copier.copy(sources[tensor], ElementRange(start, end), manifest.tensors[tensor].dtype,
+                                                    writer.write, checksum=True))
+            total += file_layout.size
+    finally:
+        copier.close()
+    return copier.finish(), total
+
+
+def _in_workers(directory: Path, sources: list[SourceTensor], manifest: Manifest, blocks: list[tuple[int, int]],
+                chunk_size: int, progress: Callable[[int], None] | None) -> tuple[list[PartialCrc], int]:
+    """`write_ranks` of each block in its own process (spawned: no threads or locks inherited);
+    the progress of all of them is reported here."""
+    context = multiprocessing.get_context("spawn")
+    done = context.Value("q", 0)
+    with context.Pool(len(blocks), initializer=_start_worker, initargs=(done,)) as pool:
+        results = [pool.apply_async(_worker, (directory, sources, manifest, first, last, chunk_size)) for first, last in blocks]
+        reported = 0
+        while not all(result.ready() for result in results):
+            time.sleep(0.05)
+            if progress is not None and done.value > reported:
+                progress(done.value - reported)
+                reported = done.value
+        outcomes = [result.get() for result in results]  # re-raises a worker's exception here
+        if progress is not None and done.value > reported:
+            progress(done.value - reported)
+    return [part for parts, _ in outcomes for part in parts], sum(total for _, total in outcomes)
+
+
+_done = None  # in a worker process: the shared count of bytes copied
+
+
+def _start_worker(done) -> None:
+    global _done
+    _done = done
+
+
+def _advance(nbytes: int) -> None:
+    with _done.get_lock():
+        _done.value += nbytes
+
+
+def _worker(directory: Path, sources: list[SourceTensor], manifest: Manifest, first: int, last: int,
+            chunk_size: int) -> tuple[list[PartialCrc], int]:
+    return write_ranks(directory, sources, manifest, first, last, chunk_size=chunk_size, progress=_advance)

@@ -6,7 +6,7 @@ with `with_optimizer`, `optimizer*` files likewise). `convert_to_sharded(src, ds
 full checkpoint -> an fsdpkit sharded checkpoint for `world_size` ranks, laid out by the
 placement given (a model's flat-parameter units: `fsdpkit.models.units.placement_for_model`) or,
 without one, an even split per tensor. Both validate SRC completely first, check free disk, write
-under a temporary name and rename (see `output.py`), copy through a `ByteCopier` (memory
+under a temporary name and rename (see `storage.staged_output`), copy through a `ByteCopier` (memory
 bounded by `chunk_size`), verify source checksums as they read, and cast floats to
 `cast_to` ("F32", "F16", "BF16") on the way out. They return a JSON-able summary.
 """
@@ -91,7 +91,8 @@ def check_placement_matches(placement: Placement, sources: list[SourceTensor], *
 
 def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, placement: Placement | None = None,
                        placement_source: str = "the placement", cast_to: str | None = None, with_optimizer: bool = False, strategy: str = "full",
-                       chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False, progress: Progress | None = None) -> dict:
+                       chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False, progress: Progress | None = None,
+                       workers: int | None = None) -> dict:
     if world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
     full = open_full(src, with_optimizer=with_optimizer)
@@ -103,9 +104,9 @@ def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, pla
     total = sum(s.nbytes for s in sources)
     out_total = sum(s.numel * dtype_info(output_dtype(s.dtype, cast_to)).itemsize for s in sources)
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + world_size * 65536) as tmp:
-        copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
         written = write_sharded(tmp, sources=sources, placement=placement, world_size=world_size, strategy=strategy,
-                                training_state={}, aliases=full.aliases, cast_to=cast_to, copier=copier)
+                                training_state={}, aliases=full.aliases, cast_to=cast_to, chunk_size=chunk_size,
+                                progress=_progress_callback(progress, total), workers=workers)
     return {"src": str(src), "dst": str(dst), "to": "sharded", "world_size": world_size, "placement": placement.kind,
             "files": written.files, "tensors": len(written.manifest.tensors), "bytes": written.bytes, "dtype": cast_to}
 
