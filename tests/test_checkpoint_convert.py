@@ -265,11 +265,22 @@ def test_reshard_in_several_processes(sharded, tmp_path):
     from fsdpkit.errors import DataCheckError
 
     _, tensors, runs = sharded
+    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
+
     reshard(runs[2], tmp_path / "r37", world_size=37, workers=3, chunk_size=1024)
     reader = CheckpointReader(tmp_path / "r37")
     assert reader.manifest.world_size == 37 and run_cli("verify", tmp_path / "r37").exit_code == 0
     for name, tensor in tensors.items():
         assert torch.equal(reader.read_tensor(name), tensor), name
+    done = []
+    report = verify_checkpoint(tmp_path / "r37", workers=2, progress=lambda count, total: done.append((count, total)))
+    assert report["ok"] and report["fragments"] > 37 and sum(count for count, _ in done) == report["bytes"] == done[0][1]
+    victim = tmp_path / "r37" / "rank-00030-of-00037.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 1
+    victim.write_bytes(bytes(raw))
+    report = verify_checkpoint(tmp_path / "r37", workers=2)
+    assert len(report["problems"]) == 1 and "rank-00030-of-00037.safetensors: checksum mismatch" in report["problems"][0]
     broken = tmp_path / "broken"
     shutil.copytree(runs[2], broken)
     path = broken / "rank-00000-of-00002.safetensors"

@@ -230,21 +230,21 @@ def write_sharded(directory: Path, *, sources: list[SourceTensor], placement: Pl
     combined here (`check_partial_crcs`), so every source byte is still verified once."""
     tensors = tuple(TensorSpec(s.name, output_dtype(s.dtype, cast_to), tuple(s.shape)) for s in sources)
     manifest = Manifest(world_size, strategy, placement, tensors, dict(aliases), dict(training_state))
-    if workers is None:
-        workers = min(os.cpu_count() or 1, MAX_WORKERS) if world_size >= WORKERS_FROM_FILES else 1
-    workers = max(1, min(workers, world_size))
-    blocks = [(world_size * i // workers, world_size * (i + 1) // workers) for i in range(workers)]
+    workers = worker_count(world_size, workers)
     if workers == 1:
-        parts, total = write_ranks(directory, sources, manifest, *blocks[0], chunk_size=chunk_size, progress=progress)
+        parts, total = write_ranks(directory, sources, manifest, 0, world_size, chunk_size, progress=progress)
     else:
-        parts, total = _in_workers(directory, sources, manifest, blocks, chunk_size, progress)
+        jobs = [(directory, sources, manifest, world_size * i // workers, world_size * (i + 1) // workers, chunk_size)
+                for i in range(workers)]
+        outcomes = in_processes(write_ranks, jobs, progress)
+        parts, total = [part for parts, _ in outcomes for part in parts], sum(total for _, total in outcomes)
     check_partial_crcs(parts)
     save_manifest(directory, manifest)
     return WrittenCheckpoint(manifest, [rank_file_name(rank, world_size) for rank in range(world_size)], total)
 
 
-def write_ranks(directory: Path, sources: list[SourceTensor], manifest: Manifest, first: int, last: int, *,
-                chunk_size: int, progress: Callable[[int], None] | None = None) -> tuple[list[PartialCrc], int]:
+def write_ranks(directory: Path, sources: list[SourceTensor], manifest: Manifest, first: int, last: int, chunk_size: int,
+                *, progress: Callable[[int], None] | None = None) -> tuple[list[PartialCrc], int]:
     """Rank files `first` to `last - 1` of `manifest`; returns the checksums of the source
     fragments read only in part, and the bytes written."""
     copier = ByteCopier(chunk_size=chunk_size, progress=progress, partial=True)
@@ -263,27 +263,35 @@ def write_ranks(directory: Path, sources: list[SourceTensor], manifest: Manifest
     return copier.finish(), total
 
 
-def _in_workers(directory: Path, sources: list[SourceTensor], manifest: Manifest, blocks: list[tuple[int, int]],
-                chunk_size: int, progress: Callable[[int], None] | None) -> tuple[list[PartialCrc], int]:
-    """`write_ranks` of each block in its own process (spawned: no threads or locks inherited);
-    the progress of all of them is reported here."""
+def in_processes(function: Callable, jobs: list[tuple], progress: Callable[[int], None] | None) -> list:
+    """`function(*job, progress=...)` for each job, each in its own process (spawned: no
+    threads or locks inherited; `function` must be importable), results in order; a job's
+    exception is raised here. The byte counts all of them report go to `progress`."""
     context = multiprocessing.get_context("spawn")
     done = context.Value("q", 0)
-    with context.Pool(len(blocks), initializer=_start_worker, initargs=(done,)) as pool:
-        results = [pool.apply_async(_worker, (directory, sources, manifest, first, last, chunk_size)) for first, last in blocks]
+    with context.Pool(len(jobs), initializer=_start_worker, initargs=(done,)) as pool:
+        results = [pool.apply_async(_call, (function, job)) for job in jobs]
         reported = 0
         while not all(result.ready() for result in results):
             time.sleep(0.05)
             if progress is not None and done.value > reported:
                 progress(done.value - reported)
                 reported = done.value
-        outcomes = [result.get() for result in results]  # re-raises a worker's exception here
+        outcomes = [result.get() for result in results]
         if progress is not None and done.value > reported:
             progress(done.value - reported)
-    return [part for parts, _ in outcomes for part in parts], sum(total for _, total in outcomes)
+    return outcomes
 
 
-_done = None  # in a worker process: the shared count of bytes copied
+def worker_count(files: int, workers: int | None) -> int:
+    """How many processes share `files` files: `workers`, or one per CPU (at most MAX_WORKERS)
+    from WORKERS_FROM_FILES files on."""
+    if workers is None:
+        workers = min(os.cpu_count() or 1, MAX_WORKERS) if files >= WORKERS_FROM_FILES else 1
+    return max(1, min(workers, files))
+
+
+_done = None  # in a worker process: the shared count of bytes done
 
 
 def _start_worker(done) -> None:
@@ -296,6 +304,5 @@ def _advance(nbytes: int) -> None:
         _done.value += nbytes
 
 
-def _worker(directory: Path, sources: list[SourceTensor], manifest: Manifest, first: int, last: int,
-            chunk_size: int) -> tuple[list[PartialCrc], int]:
-    return write_ranks(directory, sources, manifest, first, last, chunk_size=chunk_size, progress=_advance)
+def _call(function: Callable, job: tuple):
+    return function(*job, progress=_advance)

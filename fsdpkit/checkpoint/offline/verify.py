@@ -4,7 +4,8 @@ Sharded checkpoints: the manifest (schema, version, tensor table, placement, ali
 rank file (a regular file, present, of the size and with the header the manifest derives;
 v1: as listed, keys and dtypes agreeing), nothing else in the directory, and the crc32 of
 every fragment, recomputed file by file, front to back, through one reused buffer (no torch;
-memory does not grow with the world size). Full checkpoints (model.safetensors / index):
+memory does not grow with the world size; from 256 files on, several processes share the
+files). Full checkpoints (model.safetensors / index):
 headers, sizes and the index; they carry no checksums. `verify_checkpoint` returns a JSON-able
 report; `ok` is true when `problems` is empty.
 """
@@ -22,9 +23,11 @@ from ..format import MANIFEST_NAME
 from ..manifest import load_manifest
 from ..reader import RankFile, ShardedCheckpoint, is_full_checkpoint, open_full, open_regular
 from ..storage import resolve_checkpoint
+from ..writer import in_processes, worker_count
 
 
-def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, progress: Callable[[int, int], None] | None = None) -> dict:
+def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, progress: Callable[[int, int], None] | None = None,
+                      workers: int | None = None) -> dict:
     path = Path(path)
     if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         return _verify_full(path)
@@ -40,23 +43,35 @@ def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     total = sum(t.nbytes for t in manifest.tensors)
     if progress:
         progress(0, total)
-    problems, fragments, checked = report["problems"], 0, 0
+    advance = (lambda count: progress(count, total)) if progress else None
+    files = len(checkpoint.file_names())
+    workers = worker_count(files, workers)
+    jobs = [(checkpoint, files * i // workers, files * (i + 1) // workers, chunk_size) for i in range(workers)]
+    outcomes = [check_files(*jobs[0], progress=advance)] if workers == 1 else in_processes(check_files, jobs, advance)
+    problems = report["problems"]
+    for found, _, _ in outcomes:
+        problems.extend(found)
+    problems.extend(checkpoint.unexpected_files())
+    report.update(ok=not problems, tensors=len(manifest.tensors), fragments=sum(n for _, n, _ in outcomes),
+                  bytes=sum(b for _, _, b in outcomes))
+    return report
+
+
+def check_files(checkpoint: ShardedCheckpoint, first: int, last: int, chunk_size: int, *,
+                progress: Callable[[int], None] | None = None) -> tuple[list[str], int, int]:
+    """Files `first` to `last - 1`: (one line per problem, fragments checked, bytes checked)."""
+    problems, fragments, checked = [], 0, 0
     buffer = bytearray(chunk_size)
-    for index in range(len(checkpoint.file_names())):
+    for index in range(first, last):
         try:
             rank_file = checkpoint.rank_file(index, cache=False)
+            problems.extend(_check_crcs(rank_file, checkpoint.manifest, buffer, progress or (lambda count: None)))
         except DataCheckError as error:
             problems.append(str(error))
             continue
-        try:
-            problems.extend(_check_crcs(rank_file, manifest, buffer, lambda n: progress(n, total) if progress else None))
-        except DataCheckError as error:
-            problems.append(str(error))
         fragments += len(rank_file)
         checked += int(sum(rank_file.ends) - sum(rank_file.begins))
-    problems.extend(checkpoint.unexpected_files())
-    report.update(ok=not problems, tensors=len(manifest.tensors), fragments=fragments, bytes=checked)
-    return report
+    return problems, fragments, checked
 
 
 def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Callable[[int], None]) -> list[str]:
