@@ -1,13 +1,16 @@
 """A sharded model and its optimizer <-> checkpoint fragments (the torch side).
 
 The engine is read only through `fsdpkit.engine.view.describe`: its units, each parameter's
-name, shape and this rank's fragment. Saving: every rank writes only what it owns, no gather
-to rank 0. Loading: each local fragment is read from whichever files hold the overlapping
-fragments, so a checkpoint saved at W ranks loads at any W' and under any strategy.
+name, shape and this rank's fragment; collectives go through `fsdpkit.comm.Collectives`.
+Saving: every rank builds the same manifest (format 2: nothing in it depends on the rank),
+the ranks check with one all-reduce that they agree on it, each writes the file the layout
+derives for it from its own data, no gather to rank 0; rank 0 commits. Loading: each local
+fragment is read from the files that hold the overlapping fragments, and only from those,
+so a checkpoint saved at W ranks loads at any W' and under any strategy.
 
-Optimizer state tensors are `optim.<state>.<param name>`, fragmented like their parameter;
-scalar state (Adam's step) is stored once, by rank 0. Tied weights are stored once with
-their alias recorded. With hybrid or no sharding, only the first replica writes.
+Optimizer state tensors are `optim.<state>.<param name>`, laid out like their parameter; a
+scalar state (Adam's step) lives with its parameter's first element. Tied weights are stored
+once with their alias recorded. With hybrid or no sharding, only the first replica writes.
 
 Also here: starting from a full or sharded checkpoint's weights (`init_weights_from`), and the
 check, on a model built on the meta device, that a checkpoint fits it (`check_before_launch`).
@@ -279,7 +282,7 @@ class Checkpointer:
     def save(self, run_dir: str | os.PathLike, *, step: int, training_state: dict | None = None, keep_last: int | None = None) -> None:
         self.wait()
         view = describe(self.module)
-        table, local = tensor_table(view, self.module, self.optimizer, copy=self.async_save)
+        table, local = tensor_table(view, self.module, self.optimizer, copy=self.async_save and view.writes_shards)
         state = dict(training_state or {})
         state["optimizer"] = optimizer_hyperparameters(self.module, self.optimizer)
         manifest = Manifest(view.shard_factor, view.strategy,

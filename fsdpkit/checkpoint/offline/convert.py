@@ -46,12 +46,12 @@ def convert_to_full(src: str | Path, dst: str | Path, *, max_shard_size: int | N
     if with_optimizer and not optim:
         raise DataCheckError(f"{checkpoint.step_dir}: --with-optimizer given but the checkpoint has no optimizer state")
     outputs = [("model", model)] + ([("optimizer", optim)] if with_optimizer else [])
-    plans = []
+    file_groups = []
     for prefix, tensors in outputs:
         entries = [(t.name, output_dtype(t.dtype, cast_to), t.shape) for t in tensors]
-        plans.append((prefix, split_into_files(entries, prefix=prefix, max_shard_size=max_shard_size)))
+        file_groups.append((prefix, split_into_files(entries, prefix=prefix, max_shard_size=max_shard_size)))
     total = sum(t.nbytes for _, tensors in outputs for t in tensors)
-    out_total = sum(nbytes(shape, dtype) for _, files in plans for _, group in files for _, dtype, shape in group)
+    out_total = sum(nbytes(shape, dtype) for _, files in file_groups for _, group in files for _, dtype, shape in group)
     metadata = {"format": "pt"}
     if checkpoint.manifest.aliases:
         metadata[TIED_METADATA_KEY] = json.dumps(checkpoint.manifest.aliases, sort_keys=True)
@@ -59,7 +59,7 @@ def convert_to_full(src: str | Path, dst: str | Path, *, max_shard_size: int | N
     written = []
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
         copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
-        for prefix, files in plans:
+        for prefix, files in file_groups:
             for file_name, group in files:
                 _write_full_file(tmp / file_name, group, by_name, copier, metadata)
                 written.append(file_name)
@@ -73,7 +73,7 @@ def convert_to_full(src: str | Path, dst: str | Path, *, max_shard_size: int | N
 
 
 def _write_full_file(path: Path, group, by_name: dict[str, SourceTensor], copier: ByteCopier, metadata: dict) -> None:
-    with StreamingWriter(path, group, metadata=metadata, write_behind=True) as writer:
+    with StreamingWriter(path, group, metadata=metadata, write_behind=True, sync=False) as writer:  # staged_output syncs
         for name, info in writer.order:
             source = by_name[name]
             copier.copy(source, ElementRange(0, source.numel), info.dtype, writer.write)
