@@ -12,7 +12,8 @@ in its own process, timed with a final `sync` included:
 - cp -r OUT COPY + sync                    (the baseline: the disk's and the filesystem's limit)
 - fsdpkit verify OUT                       (every header and checksum)
 
-and reports times, ratios to the copy, peak RSS and the manifest's size. Targets (issue 14):
+and reports times, ratios to the copy, peak RSS (the command's process, and the largest of the
+worker processes it starts from 256 files on: one per CPU, at most 8) and the manifest's size. Targets (issue 14):
 reshard <= 1.5x the copy, verify <= 2x, peak RSS <= 300 MB whatever W, manifest <= 1 MB.
 Free disk is checked first; outputs are deleted once measured.
 """
@@ -70,15 +71,16 @@ storage.commit(tmp, run, 1000, manifest)
 print(sum(t.nbytes for t in table))
 """
 
-# VmHWM, the peak RSS of the process's own address space, printed last on stderr
+# VmHWM, the peak RSS of the process's own address space, and the largest of its worker
+# processes' (convert/reshard/verify use one per CPU from 256 files on), printed last on stderr
 PEAK = """
-import sys
+import resource, sys
 try:
     from fsdpkit_cli.app import main
     main()
 finally:
     status = open("/proc/self/status").read()
-    print("VmHWM", status.split("VmHWM:")[1].split()[0], file=sys.stderr)
+    print("VmHWM", status.split("VmHWM:")[1].split()[0], resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)
 """
 
 
@@ -90,9 +92,10 @@ def timed(command: list[str]) -> dict:
     seconds = time.perf_counter() - start
     lines = proc.stderr.strip().splitlines()
     peak = int(lines[-1].split()[1]) * 1024 if lines and lines[-1].startswith("VmHWM") else None
+    worker = int(lines[-1].split()[2]) * 1024 if peak is not None else None
     if proc.returncode:
         raise SystemExit(f"error: {' '.join(command[:6])} ... failed: {lines[-2 if peak else -1] if lines else proc.returncode}")
-    return {"seconds": seconds, "peak_rss": peak}
+    return {"seconds": seconds, "peak_rss": peak, "worker_peak_rss": worker}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             verify = timed(fsdpkit + ["verify", str(out)])
             rows.append({"world_size": world, "files": world, "reshard_s": reshard["seconds"], "cp_s": cp["seconds"],
                          "reshard_vs_cp": reshard["seconds"] / cp["seconds"], "reshard_peak_rss": reshard["peak_rss"],
+                         "reshard_worker_peak_rss": reshard["worker_peak_rss"],
                          "verify_s": verify["seconds"], "verify_vs_cp": verify["seconds"] / cp["seconds"],
                          "verify_peak_rss": verify["peak_rss"], "manifest_bytes": (out / "manifest.json").stat().st_size})
             shutil.rmtree(out)
@@ -142,11 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"# {args.model} + AdamW state: {format_size(data_bytes)}; reshard {args.source_world_size} -> W, "
                   f"times include a final sync")
-            print(f"{'W':>7}{'reshard s':>11}{'cp -r s':>9}{'x cp':>7}{'peak RSS':>11}{'verify s':>10}{'x cp':>7}"
-                  f"{'verify RSS':>12}{'manifest':>11}")
+            print(f"{'W':>7}{'reshard s':>11}{'cp -r s':>9}{'x cp':>7}{'peak RSS':>11}{'worker RSS':>12}{'verify s':>10}"
+                  f"{'x cp':>7}{'verify RSS':>12}{'manifest':>11}")
             for r in rows:
+                worker = format_size(r["reshard_worker_peak_rss"]) if r["reshard_worker_peak_rss"] else "-"
                 print(f"{r['world_size']:>7}{r['reshard_s']:>11.2f}{r['cp_s']:>9.2f}{r['reshard_vs_cp']:>7.2f}"
-                      f"{format_size(r['reshard_peak_rss']):>11}{r['verify_s']:>10.2f}{r['verify_vs_cp']:>7.2f}"
+                      f"{format_size(r['reshard_peak_rss']):>11}{worker:>12}{r['verify_s']:>10.2f}{r['verify_vs_cp']:>7.2f}"
                       f"{format_size(r['verify_peak_rss']):>12}{format_size(r['manifest_bytes']):>11}")
         return 0
     finally:
