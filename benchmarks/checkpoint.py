@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fsdpkit.checkpoint.streamcopy import DEFAULT_CHUNK_SIZE  # noqa: E402  (torch-free imports only here)
+from fsdpkit.checkpoint.bytecopy import DEFAULT_CHUNK_SIZE  # noqa: E402  (torch-free imports only here)
 from fsdpkit.sizes import format_size, parse_size  # noqa: E402
 
 SETUP = r"""
@@ -44,14 +44,15 @@ import json, sys, torch
 from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
-from fsdpkit.engine.plan import unit_plan_for_model
-from fsdpkit.checkpoint import commit
-from fsdpkit.checkpoint.manifest import build_manifest
-from fsdpkit.checkpoint.plan import Plan, placements
-from fsdpkit.checkpoint.writer import FragmentData, write_rank_file
+from fsdpkit.models.units import unit_plan_for_model
+from fsdpkit.checkpoint import storage
+from fsdpkit.checkpoint.manifest import Manifest
+from fsdpkit.checkpoint.placement import Placement, TensorSpec
+from fsdpkit.checkpoint.state import write_rank
+from fsdpkit.layout import ElementRange
 
 work, model, world, with_optim = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
-units = unit_plan_for_model(model, world)
+units = unit_plan_for_model(model)
 g = torch.Generator().manual_seed(0)
 state = {name: torch.randn(shape, generator=g) for unit in units for name, shape in unit}
 if with_optim:
@@ -59,17 +60,13 @@ if with_optim:
         state[f"optim.exp_avg.{name}"] = torch.randn(shape, generator=g) * 1e-3
         state[f"optim.exp_avg_sq.{name}"] = torch.rand(shape, generator=g) * 1e-6
     state["optim.step"] = torch.tensor(1000.0)
-plan = Plan.flat(units)
-pieces = placements(plan, [(n, tuple(t.shape)) for n, t in state.items()], world)
-tmp = commit.begin(work / "fsdpkit", 1)
-records = []
+manifest = Manifest(world, "full", Placement.flat(units), tuple(TensorSpec(n, "F32", tuple(t.shape)) for n, t in state.items()),
+                    {}, {"step": 1})
+tmp = storage.begin(work / "fsdpkit", 1)
+whole = {n: (ElementRange(0, t.numel()), t.reshape(-1)) for n, t in state.items()}
 for rank in range(world):
-    frags = [FragmentData(n, tuple(t.shape), rng, t.reshape(-1)[rng.start:rng.end])
-             for n, t in state.items() for r, rng in pieces[n] if r == rank]
-    records.append(write_rank_file(tmp, rank=rank, world_size=world, fragments=frags))
-manifest = build_manifest(world_size=world, strategy="full_shard", plan=plan, records=records,
-                          training_state={"step": 1}, tensor_order=list(state))
-commit.commit(tmp, work / "fsdpkit", 1, manifest)
+    write_rank(tmp, manifest, rank, whole)
+storage.commit(tmp, work / "fsdpkit", 1, manifest)
 dcp.save(state, storage_writer=FileSystemWriter(str(work / "dcp")), no_dist=True)
 dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(work / "dcp_hf"), save_distributed=True,
          fqn_to_index_mapping={n: 1 for n in state}), no_dist=True)
@@ -182,13 +179,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _estimate_bytes(python: str, model: str) -> int:
-    code = ("import sys; from fsdpkit.engine.plan import unit_plan_for_model; import math; "
-            "print(sum(math.prod(s) * 4 for u in unit_plan_for_model(sys.argv[1], 1) for _, s in u))")
+    code = ("import sys; from fsdpkit.models.units import unit_plan_for_model; import math; "
+            "print(sum(math.prod(s) * 4 for u in unit_plan_for_model(sys.argv[1]) for _, s in u))")
     return int(subprocess.run([python, "-c", code, model], capture_output=True, text=True, check=True).stdout)
 
 
 def _hf_tensor_names(directory: Path) -> list[str]:
-    from fsdpkit.checkpoint.safetensors_io import read_header
+    from fsdpkit.checkpoint.reader import read_header
 
     names = []
     for path in sorted(directory.glob("*.safetensors")):

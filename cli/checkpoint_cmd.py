@@ -82,7 +82,7 @@ def convert(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
     """Convert between sharded fsdpkit checkpoints and full Hugging Face-style safetensors."""
-    from fsdpkit.checkpoint.convert import convert_to_full, convert_to_sharded
+    from fsdpkit.checkpoint.offline.convert import convert_to_full, convert_to_sharded
 
     cast_to, chunk = _cast(dtype), _chunk(chunk_size)
     if to == "full":
@@ -98,8 +98,13 @@ def convert(
         if max_shard_size is not None:
             raise UsageError("--max-shard-size applies to --to full only")
         ranks = _world(world_size)
+        placement = None
+        if model is not None:
+            from fsdpkit.models.units import placement_for_model  # builds the model on the meta device: imports torch
+
+            placement = placement_for_model(model)
         with _progress_bar("convert", True) as progress:
-            result = convert_to_sharded(src, dst, world_size=ranks, model=model, cast_to=cast_to,
+            result = convert_to_sharded(src, dst, world_size=ranks, placement=placement, placement_source=f"model {model!r}", cast_to=cast_to,
                                         with_optimizer=with_optimizer, chunk_size=chunk, overwrite=overwrite, progress=progress)
     else:
         raise UsageError(f"unknown --to {to!r}: use full or sharded")
@@ -117,7 +122,7 @@ def reshard(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
     """Lay a sharded checkpoint out for another world size, offline (model and optimizer state)."""
-    from fsdpkit.checkpoint.reshard import reshard as reshard_checkpoint
+    from fsdpkit.checkpoint.offline.reshard import reshard as reshard_checkpoint
 
     ranks, chunk = _world(world_size), _chunk(chunk_size)
     with _progress_bar("reshard", True) as progress:
@@ -133,7 +138,7 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
-    from fsdpkit.checkpoint.summary import summarize
+    from fsdpkit.checkpoint.offline.inspect import summarize
 
     summary = summarize(ckpt)
     if as_json:
@@ -141,7 +146,7 @@ def inspect(
         return
     lines = [f"path        {summary['path']}", f"format      {summary['format']}" + (f" v{summary['version']}" if "version" in summary else "")]
     if "world_size" in summary:
-        lines += [f"world size  {summary['world_size']}  strategy {summary['strategy']}  plan {summary['plan']} ({summary['units']} units)",
+        lines += [f"world size  {summary['world_size']}  strategy {summary['strategy']}  placement {summary['placement']} ({summary['units']} units)",
                   f"step        {summary['step']}  samples {summary['samples']}"]
     lines += [f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, {format_size(summary['model']['bytes'])}",
               f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
@@ -160,7 +165,7 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ) -> None:
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
-    from fsdpkit.checkpoint.verify import verify_checkpoint
+    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
     with _progress_bar("verify", True) as progress:
         report = verify_checkpoint(ckpt, progress=progress)

@@ -135,12 +135,6 @@ class FlatLayout:
             result.append(Fragment(slot.name, param_range, local_offset))
         return result
 
-    def slot(self, name: str) -> ParamSlot:
-        for slot in self.slots:
-            if slot.name == name:
-                return slot
-        raise KeyError(name)
-
 
 def padded_size(numel: int, shard_factor: int) -> int:
     """The smallest multiple of `shard_factor` that is >= numel."""
@@ -154,17 +148,3 @@ def even_split_ranges(numel: int, world_size: int) -> list[ElementRange]:
         raise UsageError(f"world size must be >= 1, got {world_size}")
     per_rank = -(-numel // world_size) if numel else 0
     return [ElementRange(min(r * per_rank, numel), min((r + 1) * per_rank, numel)) for r in range(world_size)]
-
-
-def overlaps(wanted: ElementRange, available: list[tuple[ElementRange, object]]) -> list[tuple[ElementRange, object]]:
-    """The pieces of `wanted` that each (range, source) in `available` can supply, in order.
-
-    Used to read a new plan's range from an old plan's fragments: returns (range, source)
-    with `range` the intersection, for every non-empty one.
-    """
-    result = []
-    for have, source in available:
-        piece = have.intersect(wanted)
-        if piece.size:
-            result.append((piece, source))
-    return result

@@ -212,7 +212,8 @@ def plan_from_sizes(units: list[UnitSizes], request: PlanRequest, *, num_params:
 
 def plan_memory(request: PlanRequest, *, shard_rank: int = 0) -> MemoryPlan:
     """Build `request.model` on the meta device and plan its per-rank memory."""
-    from .engine.plan import default_policy_for_model, plan_units
+    from .engine.plan import plan_units
+    from .models.units import default_policy_for_model
     from .models.registry import build_model
 
     factor = request.sharding.shard_factor(request.world_size)

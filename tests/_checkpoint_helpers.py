@@ -1,9 +1,8 @@
-"""Shared helpers for the checkpoint tests: build sharded checkpoints the way the engine will.
+"""Shared helpers for the checkpoint tests: build sharded checkpoints the way training does.
 
-Parameters are laid out with FlatLayout (the engine's arithmetic, not the checkpoint
-package's), optimizer state `optim.<state>.<param>` follows its parameter, other tensors
-(buffers, scalar state) sit whole on rank 0; each rank's fragments go through
-`write_rank_file`, rank 0 builds the manifest and commits.
+`save_checkpoint` writes every rank's file with the same function a training rank uses
+(`state.write_rank`: the layout derived from the manifest, each rank's bytes from its own
+data), then commits as rank 0 does. `tests/_checkpoint_v1.py` writes the old format.
 """
 
 from __future__ import annotations
@@ -12,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from fsdpkit.checkpoint import commit as commit_mod
-from fsdpkit.checkpoint.manifest import build_manifest
-from fsdpkit.checkpoint.plan import Plan
-from fsdpkit.checkpoint.writer import FragmentData, write_rank_file
-from fsdpkit.layout import ElementRange, FlatLayout, even_split_ranges
+from fsdpkit.checkpoint import storage
+from fsdpkit.checkpoint.manifest import Manifest
+from fsdpkit.checkpoint.placement import Placement, TensorSpec
+from fsdpkit.checkpoint.state import safetensors_dtype, write_rank
+from fsdpkit.layout import ElementRange
 
 
 def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -55,41 +54,28 @@ def sample_buffers() -> dict[str, torch.Tensor]:
             "empty": torch.zeros(0, 4)}
 
 
-def rank_fragments(tensors: dict[str, torch.Tensor], units: list[list[str]] | None, world_size: int) -> list[list[FragmentData]]:
-    per_rank: list[list[FragmentData]] = [[] for _ in range(world_size)]
-    placed: dict[str, list[tuple[int, ElementRange]]] = {}
-    for unit in units or []:
-        layout = FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in unit], world_size)
-        for rank in range(world_size):
-            for frag in layout.fragments(rank):
-                placed.setdefault(frag.name, []).append((rank, frag.param_range))
-    for name, tensor in tensors.items():
-        owner = name.split(".", 2)[2] if name.startswith("optim.") and name.count(".") >= 2 else None
-        if name in placed:
-            pieces = placed[name]
-        elif owner in placed and tensors[owner].numel() == tensor.numel():
-            pieces = placed[owner]
-        elif units:
-            pieces = [(0, ElementRange(0, tensor.numel()))]
-        else:
-            pieces = list(enumerate(even_split_ranges(tensor.numel(), world_size)))
-        flat = tensor.reshape(-1)
-        for rank, rng in pieces:
-            per_rank[rank].append(FragmentData(name, tuple(tensor.shape), rng, flat[rng.start:rng.end]))
-    return per_rank
+def make_manifest(tensors: dict[str, torch.Tensor], *, world_size: int, units: list[list[str]] | None = None,
+                  training_state: dict | None = None, aliases: dict[str, str] | None = None, run_id: str = "test-run") -> Manifest:
+    placement = Placement.flat([[(n, tuple(tensors[n].shape)) for n in unit] for unit in units]) if units else Placement.even()
+    table = tuple(TensorSpec(n, safetensors_dtype(t.dtype), tuple(t.shape)) for n, t in tensors.items())
+    return Manifest(world_size, "full", placement, table, dict(aliases or {}), dict(training_state or {}), run_id)
+
+
+def write_ranks(directory: Path, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+    """Every rank's file, each written from data that holds the whole tensors."""
+    whole = {n: (ElementRange(0, t.numel()), t.reshape(-1)) for n, t in tensors.items()}
+    for rank in range(manifest.world_size):
+        write_rank(directory, manifest, rank, whole)
 
 
 def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], *, world_size: int,
                     units: list[list[str]] | None = None, training_state: dict | None = None,
-                    aliases: dict[str, str] | None = None, keep_last: int | None = None) -> Path:
-    tmp = commit_mod.begin(run_dir, step)
-    records = [write_rank_file(tmp, rank=r, world_size=world_size, fragments=frags)
-               for r, frags in enumerate(rank_fragments(tensors, units, world_size))]
-    plan = Plan.flat([[(n, tuple(tensors[n].shape)) for n in unit] for unit in units]) if units else Plan.even()
-    manifest = build_manifest(world_size=world_size, strategy="full_shard", plan=plan, records=records,
-                              training_state=training_state or {"step": step}, aliases=aliases,
-                              tensor_order=list(tensors))
-    return commit_mod.commit(tmp, run_dir, step, manifest, keep_last=keep_last)
+                    aliases: dict[str, str] | None = None, keep_last: int | None = None, run_id: str = "test-run") -> Path:
+    manifest = make_manifest(tensors, world_size=world_size, units=units, aliases=aliases,
+                             training_state=training_state or {"step": step}, run_id=run_id)
+    tmp = storage.begin(run_dir, step, run_id=run_id)
+    write_ranks(tmp, manifest, tensors)
+    return storage.commit(tmp, run_dir, step, manifest, keep_last=keep_last)
 
 
 def run_cli(*args: str):

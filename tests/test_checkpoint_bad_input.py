@@ -3,39 +3,59 @@ SRC untouched, no partial DST (issue 5 "Bad input, never silent", issue 6 "Bad i
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import resource
 import shutil
 import struct
+import subprocess
+import sys
 from collections import namedtuple
 
 import pytest
+import torch
 
-from fsdpkit.checkpoint import output as output_mod
-from fsdpkit.checkpoint.compat import check_compatible
-from fsdpkit.checkpoint.reader import CheckpointReader
-from fsdpkit.checkpoint.safetensors_io import read_header
+from fsdpkit.checkpoint import storage
+from fsdpkit.checkpoint.manifest import check_compatible
+from fsdpkit.checkpoint.reader import read_header
+from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.errors import DataCheckError
 
 from _checkpoint_helpers import (SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors,
                                  save_checkpoint, tree_snapshot)
+from _checkpoint_v1 import write_v1
 
 RANK1 = "rank-00001-of-00002.safetensors"
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
+def pristines(tmp_path_factory):
+    """The same W=2 checkpoint in format 2 and format 1 (step directories)."""
     root = tmp_path_factory.mktemp("pristine")
     params = sample_tensors()
     tensors = {**params, **sample_buffers(), **sample_optimizer(params)}
-    return save_checkpoint(root / "run", 4, tensors, world_size=2, units=SAMPLE_UNITS)
+    v1 = write_v1(root / "v1" / "step-00000004", tensors, world_size=2, units=SAMPLE_UNITS, training_state={"step": 4})
+    (root / "v1" / "latest").write_text("step-00000004\n")
+    return {2: save_checkpoint(root / "run", 4, tensors, world_size=2, units=SAMPLE_UNITS), 1: v1}
+
+
+@pytest.fixture
+def pristine(pristines):
+    return pristines[2]
+
+
+def _copy(pristine, tmp_path):
+    run = tmp_path / "src"
+    shutil.copytree(pristine.parent, run)
+    return run
 
 
 @pytest.fixture
 def ckpt(pristine, tmp_path):
     """A fresh copy of a good W=2 checkpoint (run dir) to damage."""
-    run = tmp_path / "src"
-    shutil.copytree(pristine.parent, run)
-    return run
+    return _copy(pristine, tmp_path)
 
 
 def _step(run):
@@ -96,28 +116,66 @@ def _header_dtype(run):
     _manifest_edit(run, change)
 
 
+def _table_dtype(run):
+    _manifest_edit(run, lambda d: d["tensors"][0].__setitem__(1, "F16"))
+
+
+def _fifo(run):
+    (_step(run) / RANK1).unlink()
+    os.mkfifo(_step(run) / RANK1)
+
+
+def _nested_manifest(run):
+    (_step(run) / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _move_param(run):
+    """Move a parameter to another unit: the layout the plan gives no longer matches the files."""
+    def change(document):
+        units = document["placement"]["units"]
+        units[1].append(units[0].pop())
+    _manifest_edit(run, change)
+
+
 Case = namedtuple("Case", "damage message")
-CASES = {
+COMMON = {
     "flipped byte": Case(_flip_data_byte, "checksum mismatch"),
     "truncated file": Case(_truncate, RANK1),
     "missing rank file": Case(lambda run: (_step(run) / RANK1).unlink(), f"{RANK1}: file is missing"),
-    "path outside": Case(_outside, "'../evil.safetensors' is not a plain file name"),
     "symlink outside": Case(_symlink_out, "symlink points outside"),
     "huge header": Case(_huge_header, "header claims 9223372036854775808 bytes"),
+    "fifo": Case(_fifo, f"{RANK1}: not a regular file"),
+    "extra file": Case(lambda run: (_step(run) / "rank-00002-of-00002.safetensors").write_bytes(b"x"), "does not account for"),
     "manifest not json": Case(lambda run: (_step(run) / "manifest.json").write_text("{oops"), "not valid JSON"),
+    "manifest nested": Case(_nested_manifest, "nested deeper than 64 levels"),
     "unknown version": Case(lambda run: _manifest_edit(run, lambda d: d.update(version=99)), "format version 99"),
-    "coverage gap": Case(_gap, "gap, overlap or empty"),
-    "dtype disagrees": Case(_header_dtype, "has dtype F32, the manifest says F16"),
-    "file size edited": Case(lambda run: _manifest_edit(run, lambda d: d["files"][0].update(size=5)), "the manifest says 5"),
     "latest garbage": Case(lambda run: (run / "latest").write_text("../../etc"), "expected a step directory name"),
     "latest dangling": Case(lambda run: shutil.rmtree(_step(run)), "names step-00000004, which is missing"),
     "empty dir": Case(lambda run: [shutil.rmtree(run), run.mkdir()], "not an fsdpkit checkpoint"),
 }
+CASES = {
+    2: {**COMMON,
+        "naming rule outside": Case(lambda run: _manifest_edit(run, lambda d: d.update(files="../evil-{rank}")),
+                                    "file naming rule '../evil-{rank}' is not"),
+        "edited plan": Case(_move_param, "the layout the manifest gives"),
+        "dtype edited": Case(_table_dtype, "the layout the manifest gives"),
+        "world size edited": Case(lambda run: _manifest_edit(run, lambda d: d.update(world_size=3)),
+                                  "rank-00000-of-00003.safetensors: file is missing"),
+        "shape edited": Case(lambda run: _manifest_edit(run, lambda d: d["tensors"][1][2].__setitem__(0, 4)),
+                             "the layout the manifest gives")},
+    1: {**COMMON,
+        "path outside": Case(_outside, "'../evil.safetensors' is not a plain file name"),
+        "coverage gap": Case(_gap, "gap, overlap or empty"),
+        "dtype disagrees": Case(_header_dtype, "has dtype F32, the manifest says F16"),
+        "file size edited": Case(lambda run: _manifest_edit(run, lambda d: d["files"][0].update(size=5)), "the manifest says 5")},
+}
 
 
-@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_every_command_rejects_bad_checkpoint(ckpt, tmp_path, case):
-    damage, message = CASES[case]
+@pytest.mark.parametrize("version, case", [(v, name) for v in CASES for name in CASES[v]],
+                         ids=[f"v{v}-{name}" for v in CASES for name in CASES[v]])
+def test_every_command_rejects_bad_checkpoint(pristines, tmp_path, version, case):
+    ckpt = _copy(pristines[version], tmp_path)
+    damage, message = CASES[version][case]
     damage(ckpt)
     before = tree_snapshot(ckpt)
     commands = [("verify", ckpt), ("inspect", ckpt), ("convert", ckpt, tmp_path / "out", "--to", "full"),
@@ -138,7 +196,7 @@ def test_every_command_rejects_bad_checkpoint(ckpt, tmp_path, case):
 def test_reader_detects_flipped_byte_before_use(ckpt):
     _flip_data_byte(ckpt)
     reader = CheckpointReader(ckpt)  # headers and sizes are fine
-    corrupt = [t.name for t in reader.manifest.tensors if any(f.file == RANK1 for f in t.fragments)]
+    corrupt = [t.name for t in reader.manifest.tensors if any(file == RANK1 for file, _ in reader.fragments(t.name))]
     with pytest.raises(DataCheckError, match="checksum mismatch"):
         for name in corrupt:
             reader.read_tensor(name)
@@ -181,7 +239,7 @@ def _no_leftovers(directory, allowed):
     (("reshard", "{src}", "{tmp}/out", "--world-size", "-3"), 2, "--world-size must be >= 1, got -3"),
     (("reshard", "{src}", "{tmp}/out"), 2, "--world-size is required"),
     (("convert", "{src}", "{tmp}/out", "--to", "full", "--chunk-size", "12Q"), 2, "unknown size unit"),
-    (("convert", "{tmp}/nothing", "{tmp}/out", "--to", "full"), 3, "does not exist"),
+    (("convert", "{tmp}/nothing", "{tmp}/out", "--to", "full"), 2, "does not exist"),
     (("convert", "{src}", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "not a full safetensors checkpoint"),
     (("convert", "{src}/step-00000004/manifest.json", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "no weight_map"),
 ])
@@ -211,17 +269,17 @@ def test_existing_destination_needs_overwrite(ckpt, tmp_path):
 
 def test_not_enough_disk_space(ckpt, tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(output_mod.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 100, 100))
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 100, 100))
     result = run_cli("convert", ckpt, tmp_path / "out", "--to", "full")
     assert result.exit_code == 1 and "not enough disk space" in result.stderr and "100 B free" in result.stderr
     _no_leftovers(tmp_path, ["src"])
 
 
 def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch):
-    from fsdpkit.checkpoint import streamcopy
+    from fsdpkit.checkpoint import bytecopy
 
     calls = {"n": 0}
-    original = streamcopy.ByteCopier._read
+    original = bytecopy.ByteCopier._pread
 
     def failing(self, *args):
         calls["n"] += 1
@@ -229,7 +287,7 @@ def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monke
             raise KeyboardInterrupt
         return original(self, *args)
 
-    monkeypatch.setattr(streamcopy.ByteCopier, "_read", failing)
+    monkeypatch.setattr(bytecopy.ByteCopier, "_pread", failing)
     result = run_cli("convert", ckpt, tmp_path / "out", "--to", "full")
     assert result.exit_code == 130
     _no_leftovers(tmp_path, ["src"])
@@ -239,11 +297,11 @@ def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monke
 def test_error_in_the_reading_thread_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch, error):
     """With 64-byte chunks every tensor takes several blocks, read ahead in a second thread:
     an error there reaches the caller and the staged output is removed."""
-    from fsdpkit.checkpoint import streamcopy
-    from fsdpkit.checkpoint.convert import convert_to_full
+    from fsdpkit.checkpoint import bytecopy
+    from fsdpkit.checkpoint.offline.convert import convert_to_full
 
     calls = {"n": 0}
-    original = streamcopy.ByteCopier._read
+    original = bytecopy.ByteCopier._read
 
     def failing(self, *args):
         calls["n"] += 1
@@ -251,7 +309,84 @@ def test_error_in_the_reading_thread_leaves_no_partial_destination(ckpt, tmp_pat
             raise error("injected")
         return original(self, *args)
 
-    monkeypatch.setattr(streamcopy.ByteCopier, "_read", failing)
+    monkeypatch.setattr(bytecopy.ByteCopier, "_read", failing)
     with pytest.raises(error):
         convert_to_full(ckpt, tmp_path / "out", chunk_size=64)
     _no_leftovers(tmp_path, ["src"])
+
+
+@contextlib.contextmanager
+def _tmpfs(path, options):
+    """A small tmpfs at `path` when this process may mount one (root, and allowed); else None."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                          capture_output=True).returncode != 0:
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def _one_line_run_error(result, *needles):
+    line = result.stderr.strip()
+    assert result.exit_code == 1 and line.startswith("error: ") and "\n" not in line, result.output
+    assert all(needle in line for needle in needles), line
+
+
+def test_full_read_only_or_size_limited_destination(ckpt, tmp_path, monkeypatch):
+    """Issue 12: convert/reshard into a destination that fails (no space, no inodes, read-only,
+    file size limit): one line naming the path and the errno, exit 1, nothing left behind."""
+    from fsdpkit.checkpoint import writer
+
+    with _tmpfs(tmp_path / "full", "size=1m,nr_inodes=4") as full:  # room for the directory and two files
+        if full is None:  # no small filesystem to be had: the same error, injected
+            def no_space(path, data, sync):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            monkeypatch.setattr(writer, "_write_whole", no_space)
+            full = tmp_path / "full"
+        _one_line_run_error(run_cli("reshard", ckpt, full / "out", "--world-size", "8"), "No space left on device (ENOSPC)", str(full))
+        monkeypatch.undo()
+        assert list(full.iterdir()) == []
+    with _tmpfs(tmp_path / "ro", "ro,size=16m") as read_only:
+        if read_only is None:
+            read_only = tmp_path / "ro"
+            if os.geteuid() == 0:  # root writes through permissions: inject what a read-only mount says
+                monkeypatch.setattr(storage.Path, "mkdir", lambda self, *a, **k: (_ for _ in ()).throw(
+                    OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))))
+            else:
+                read_only.chmod(0o555)
+        result = run_cli("convert", ckpt, read_only / "out", "--to", "full")
+        monkeypatch.undo()
+        _one_line_run_error(result, str(read_only), "(EROFS)" if os.geteuid() == 0 else "(EACCES)")
+        assert list(read_only.iterdir()) == []
+    big = save_checkpoint(tmp_path / "big", 1, {"w": torch.randn(40_000)}, world_size=2)
+    limited = subprocess.run([sys.executable, "-c", "from fsdpkit_cli.app import main; main()", "reshard", str(big),
+                              str(tmp_path / "limited" / "out"), "--world-size", "1"], capture_output=True, text=True,
+                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)))
+    line = limited.stderr.strip()
+    assert limited.returncode == 1 and line.startswith("error: ") and "\n" not in line and "(EFBIG)" in line, limited.stderr
+    assert "rank-00000-of-00001.safetensors" in line and list((tmp_path / "limited").iterdir()) == []
+
+
+def test_malformed_full_checkpoints_are_one_line(tmp_path):
+    """A safetensors header or an index nested 100,000 deep, or a FIFO in place of the file: one
+    line, exit 3, no RecursionError, nothing blocks, nothing written."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    cases = {"header": ("model.safetensors", struct.pack("<Q", len(deep)) + deep, "nested deeper than 64 levels"),
+             "index": ("model.safetensors.index.json", deep, "nested deeper than 64 levels"),
+             "fifo": ("model.safetensors", None, "not a regular file")}
+    for case, (name, content, message) in cases.items():
+        src = tmp_path / case
+        src.mkdir()
+        if content is None:
+            os.mkfifo(src / name)
+        else:
+            (src / name).write_bytes(content)
+        for command in (("convert", src, tmp_path / "out", "--to", "sharded", "--world-size", "2"), ("inspect", src),
+                        ("verify", src)):
+            result = run_cli(*command)
+            line = result.stderr.strip()
+            assert result.exit_code == 3 and "\n" not in line and message in line, (case, command, result.output)
+    assert not (tmp_path / "out").exists()

@@ -15,16 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdpkit.checkpoint import commit as commit_mod
-from fsdpkit.checkpoint.manifest import build_manifest, save_manifest
-from fsdpkit.checkpoint.paths import resolve_checkpoint
-from fsdpkit.checkpoint.plan import Plan
-from fsdpkit.checkpoint.reader import CheckpointReader
-from fsdpkit.checkpoint.verify import verify_checkpoint
-from fsdpkit.checkpoint.writer import write_rank_file
+from fsdpkit.checkpoint import storage
+from fsdpkit.checkpoint.manifest import save_manifest
+from fsdpkit.checkpoint.offline.verify import verify_checkpoint
+from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.checkpoint.storage import resolve_checkpoint
 from fsdpkit.errors import DataCheckError, RunError
 
-from _checkpoint_helpers import SAMPLE_UNITS, rank_fragments, sample_tensors, save_checkpoint
+from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
 TESTS = Path(__file__).parent
 
@@ -53,27 +51,37 @@ def test_keep_last_and_latest(tmp_path):
 def test_crash_before_commit_leaves_previous(tmp_path):
     run = tmp_path / "run"
     save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS)
-    tmp = commit_mod.begin(run, 2)  # every rank wrote its file, then the process died before commit
-    records = [write_rank_file(tmp, rank=rank, world_size=2, fragments=frags)
-               for rank, frags in enumerate(rank_fragments(_tensors(2), SAMPLE_UNITS, 2))]
+    tmp = storage.begin(run, 2)  # every rank wrote its file, then the process died before commit
+    manifest = make_manifest(_tensors(2), world_size=2, units=SAMPLE_UNITS, training_state={"step": 2})
+    write_ranks(tmp, manifest, _tensors(2))
     _assert_loads_step(run, 1)
     assert resolve_checkpoint(run) == run / "step-00000001"
     # crash after the manifest and the rename, before `latest` moved: still the previous one
-    save_manifest(tmp, build_manifest(world_size=2, strategy="full_shard", plan=Plan.even(), records=records,
-                                      training_state={"step": 2}))
+    save_manifest(tmp, manifest)
     os.rename(tmp, run / "step-00000002")
     _assert_loads_step(run, 1)
-    # the next successful save with keep_last cleans up
-    stale = commit_mod.begin(run, 3)
+    # the next successful save of the same run with keep_last cleans up what that run left
+    stale = storage.begin(run, 3, run_id="test-run")
     save_checkpoint(run, 3, _tensors(3), world_size=2, units=SAMPLE_UNITS, keep_last=1)
     assert not stale.exists() and sorted(p.name for p in run.iterdir()) == ["latest", "step-00000003"]
 
 
+def test_keep_last_never_deletes_another_runs_directories(tmp_path):
+    """Issue 12: two runs on one save directory: one run's prune left the other's in-progress
+    save and its checkpoints alone, and so must every prune."""
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS, run_id="run-a")
+    in_progress = storage.begin(run, 5, run_id="run-a")
+    for step in (2, 3, 4):
+        save_checkpoint(run, step, _tensors(step), world_size=2, units=SAMPLE_UNITS, keep_last=1, run_id="run-b")
+    assert sorted(p.name for p in run.iterdir()) == sorted(["latest", "step-00000001", "step-00000004", in_progress.name])
+    _assert_loads_step(run / "step-00000001", 1)
+
+
 def test_tmp_directories_are_never_checkpoints(tmp_path):
     run = tmp_path / "run"
-    tmp = commit_mod.begin(run, 5)
-    for rank, frags in enumerate(rank_fragments(_tensors(5), SAMPLE_UNITS, 2)):
-        write_rank_file(tmp, rank=rank, world_size=2, fragments=frags)
+    tmp = storage.begin(run, 5)
+    write_ranks(tmp, make_manifest(_tensors(5), world_size=2, units=SAMPLE_UNITS), _tensors(5))
     with pytest.raises(DataCheckError, match="not an fsdpkit checkpoint"):
         resolve_checkpoint(run)
     save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS)
@@ -83,14 +91,12 @@ def test_tmp_directories_are_never_checkpoints(tmp_path):
 
 def test_commit_refuses_missing_rank_file(tmp_path):
     run = tmp_path / "run"
-    tmp = commit_mod.begin(run, 1)
-    records = [write_rank_file(tmp, rank=r, world_size=2, fragments=f)
-               for r, f in enumerate(rank_fragments(_tensors(1), SAMPLE_UNITS, 2))]
-    (tmp / records[1]["file"]).unlink()  # another node wrote it to a directory this one cannot see
-    manifest = build_manifest(world_size=2, strategy="full_shard", plan=Plan.flat(
-        [[(n, tuple(_tensors(1)[n].shape)) for n in u] for u in SAMPLE_UNITS]), records=records)
+    tmp = storage.begin(run, 1)
+    manifest = make_manifest(_tensors(1), world_size=2, units=SAMPLE_UNITS)
+    write_ranks(tmp, manifest, _tensors(1))
+    (tmp / "rank-00001-of-00002.safetensors").unlink()  # another node wrote it to a directory this one cannot see
     with pytest.raises(RunError, match="shared filesystem|filesystem all nodes share"):
-        commit_mod.commit(tmp, run, 1, manifest)
+        storage.commit(tmp, run, 1, manifest)
     assert not (run / "latest").exists() and not (run / "step-00000001").exists()
 
 
@@ -140,3 +146,33 @@ def test_killed_saver_always_leaves_a_loadable_checkpoint(tmp_path):
         for name in ("h.0.attn.weight", "wte.weight"):
             assert torch.equal(reader.read_tensor(name), base[name] * step)
         start = step + 1
+
+
+def test_run_lock_names_its_holder_and_takes_over_stale_ones(tmp_path):
+    import json
+    import socket
+
+    from fsdpkit.checkpoint.lock import RunLock
+    from fsdpkit.errors import UsageError
+
+    run, host = tmp_path / "run", socket.gethostname()
+    lock = RunLock.acquire(run)
+    with pytest.raises(UsageError, match=f"in use by another run: pid {os.getpid()} on {host}"):
+        RunLock.acquire(run)
+    lock.release()
+    assert not (run / ".lock").exists()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [{"host": host, "pid": dead.pid, "started": "1", "run": "dead"},  # holder gone
+             {"host": host, "pid": os.getpid(), "started": "another-process", "run": "reused"}]  # pid now someone else's
+    for holder in stale:
+        (run / ".lock").write_text(json.dumps(holder))
+        messages = []
+        with RunLock.acquire(run, warn=messages.append) as taken:
+            assert json.loads((run / ".lock").read_text())["run"] == taken.run_id != holder["run"]
+            assert len(messages) == 1 and f"pid {holder['pid']} on {host}" in messages[0] and "no longer running" in messages[0]
+        assert not (run / ".lock").exists()
+    (run / ".lock").write_text(json.dumps({"host": "elsewhere", "pid": dead.pid, "started": "1", "run": "remote"}))
+    with pytest.raises(UsageError, match="pid .* on elsewhere"):  # only its own host can tell it is gone
+        RunLock.acquire(run)
+    assert json.loads((run / ".lock").read_text())["run"] == "remote"

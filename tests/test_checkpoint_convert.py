@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fsdpkit.checkpoint.reader import CheckpointReader
+from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.layout import ElementRange, FlatLayout
 from fsdpkit.models.registry import build_model
-from fsdpkit.engine.plan import unit_plan_for_model
+from fsdpkit.models.units import unit_plan_for_model
 
 from _checkpoint_helpers import (SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors,
                                  save_checkpoint, tree_snapshot)
@@ -104,7 +105,7 @@ def test_full_to_sharded_to_full_round_trip(sharded, tmp_path):
         out = tmp_path / f"s{world}"
         result = run_cli("convert", tmp_path / "full", out, "--to", "sharded", "--world-size", world, "--with-optimizer", "--json")
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["plan"] == "even"
+        assert json.loads(result.stdout)["placement"] == "even"
         assert run_cli("verify", out).exit_code == 0
         reader = CheckpointReader(out)
         assert reader.manifest.world_size == world and reader.aliases == ALIASES
@@ -127,7 +128,7 @@ def test_reshard_then_read_equals_original(sharded, tmp_path, target):
     assert ("per_rank" in summary["warnings"][0]) if target != 2 else not summary["warnings"]
     assert run_cli("verify", out).exit_code == 0
     reader = CheckpointReader(out)
-    assert reader.manifest.world_size == target and reader.manifest.plan.kind == "flat"
+    assert reader.manifest.world_size == target and reader.manifest.placement.kind == "flat"
     assert "per_rank" not in reader.training_state and reader.training_state["step"] == 12
     for name, tensor in tensors.items():
         assert torch.equal(reader.read_tensor(name), tensor), name
@@ -139,8 +140,7 @@ def test_reshard_then_read_equals_original(sharded, tmp_path, target):
                 if not frag.param_range.size:
                     continue
                 for name in (frag.name, f"optim.exp_avg.{frag.name}"):
-                    entry = reader.tensor(name)
-                    holders = [f.file for f in entry.fragments if f.range.intersect(frag.param_range).size]
+                    holders = [file for file, rng in reader.fragments(name) if rng.intersect(frag.param_range).size]
                     assert holders == [f"rank-{rank:05d}-of-{target:05d}.safetensors"]
                     got = reader.read_range(name, frag.param_range)
                     assert torch.equal(got, tensors[name].reshape(-1)[frag.param_range.start:frag.param_range.end])
@@ -153,7 +153,7 @@ def test_reshard_even_plan_and_back(sharded, tmp_path):
     assert run_cli("reshard", runs[3], tmp_path / "e7", "--world-size", 7).exit_code == 0
     assert run_cli("reshard", tmp_path / "e7", tmp_path / "e2", "--world-size", 2).exit_code == 0
     reader = CheckpointReader(tmp_path / "e2")
-    assert reader.manifest.plan.kind == "even"
+    assert reader.manifest.placement.kind == "even"
     for name, tensor in tensors.items():
         assert torch.equal(reader.read_tensor(name), tensor), name
 
@@ -196,16 +196,16 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
     result = run_cli("convert", tmp_path / "model.safetensors", tmp_path / "s2", "--to", "sharded", "--world-size", 2,
                      "--model", "gpt-tiny", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["plan"] == "flat"
+    assert json.loads(result.stdout)["placement"] == "flat"
     reader = CheckpointReader(tmp_path / "s2")
-    units = unit_plan_for_model("gpt-tiny", 2)
-    assert [[p for p, _ in u] for u in reader.manifest.plan.units] == [[p for p, _ in u] for u in units]
+    units = unit_plan_for_model("gpt-tiny")
+    assert [[p for p, _ in u] for u in reader.manifest.placement.units] == [[p for p, _ in u] for u in units]
     for unit in units:  # rank r finds its FlatLayout chunk in its own file
         layout = FlatLayout.from_shapes(unit, 2)
         for rank in range(2):
             for frag in layout.fragments(rank):
                 if frag.param_range.size:
-                    files = [f.file for f in reader.tensor(frag.name).fragments if f.range.intersect(frag.param_range).size]
+                    files = [file for file, rng in reader.fragments(frag.name) if rng.intersect(frag.param_range).size]
                     assert files == [f"rank-{rank:05d}-of-00002.safetensors"]
     for name, tensor in state.items():
         assert torch.equal(reader.read_tensor(name), tensor), name
@@ -220,9 +220,9 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
 def test_many_small_blocks_read_ahead(sharded, tmp_path, chunk):
     """Chunks far smaller than the tensors: every copy takes many blocks, read ahead in a
     second thread, output checksums combined block by block; results stay exact."""
-    from fsdpkit.checkpoint.convert import convert_to_full
-    from fsdpkit.checkpoint.reshard import reshard
-    from fsdpkit.checkpoint.verify import verify_checkpoint
+    from fsdpkit.checkpoint.offline.convert import convert_to_full
+    from fsdpkit.checkpoint.offline.reshard import reshard
+    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
     _, tensors, runs = sharded
     reshard(runs[2].parent, tmp_path / "r3", world_size=3, chunk_size=chunk)
@@ -230,3 +230,64 @@ def test_many_small_blocks_read_ahead(sharded, tmp_path, chunk):
     convert_to_full(tmp_path / "r3", tmp_path / "full", chunk_size=chunk, with_optimizer=True)
     _assert_full_equal(tmp_path / "full", _model_tensors(tensors))
     _assert_full_equal(tmp_path / "full", {n: t for n, t in tensors.items() if n.startswith("optim.")}, prefix="optimizer")
+
+
+def test_a_loading_rank_reads_only_the_files_its_chunk_overlaps(sharded, tmp_path):
+    """W=4 loaded at W'=2: rank 0's chunk (and the whole tensors, on rank 0) need only files 0
+    and 1, so with files 2 and 3 gone it still loads; rank 1's chunk needs them."""
+    from fsdpkit.errors import DataCheckError
+
+    _, tensors, runs = sharded
+    step = tmp_path / "step"
+    shutil.copytree(runs[4], step)
+    for rank in (2, 3):
+        (step / f"rank-{rank:05d}-of-00004.safetensors").unlink()
+    reader = CheckpointReader(step, validate_all=False)
+    for unit in SAMPLE_UNITS:
+        layout = FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in unit], 2)
+        for frag in layout.fragments(0):
+            for name in (frag.name, f"optim.exp_avg.{frag.name}"):
+                expected = tensors[name].reshape(-1)[frag.param_range.start:frag.param_range.end]
+                assert torch.equal(reader.read_range(name, frag.param_range), expected)
+    for name in ("attn.mask", "pos.ids", "optim.step"):
+        assert torch.equal(reader.read_tensor(name), tensors[name])
+    frag = FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in SAMPLE_UNITS[0]], 2).fragments(1)[-1]
+    with pytest.raises(DataCheckError, match=r"rank-0000[23]-of-00004.safetensors: file is missing"):
+        reader.read_range(frag.name, frag.param_range)
+
+
+def test_reshard_in_several_processes(sharded, tmp_path):
+    """Many rank files are written by several processes, each reading part of each source
+    fragment: the result is the same, and a flipped source byte is still caught (the parts'
+    checksums combined), leaving nothing behind."""
+    from fsdpkit.checkpoint.offline.reshard import reshard
+    from fsdpkit.checkpoint.reader import read_header
+    from fsdpkit.errors import DataCheckError
+
+    _, tensors, runs = sharded
+    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
+
+    reshard(runs[2], tmp_path / "r37", world_size=37, workers=3, chunk_size=1024)
+    reader = CheckpointReader(tmp_path / "r37")
+    assert reader.manifest.world_size == 37 and run_cli("verify", tmp_path / "r37").exit_code == 0
+    for name, tensor in tensors.items():
+        assert torch.equal(reader.read_tensor(name), tensor), name
+    done = []
+    report = verify_checkpoint(tmp_path / "r37", workers=2, progress=lambda count, total: done.append((count, total)))
+    assert report["ok"] and report["fragments"] > 37 and sum(count for count, _ in done) == report["bytes"] == done[0][1]
+    victim = tmp_path / "r37" / "rank-00030-of-00037.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 1
+    victim.write_bytes(bytes(raw))
+    report = verify_checkpoint(tmp_path / "r37", workers=2)
+    assert len(report["problems"]) == 1 and "rank-00030-of-00037.safetensors: checksum mismatch" in report["problems"][0]
+    broken = tmp_path / "broken"
+    shutil.copytree(runs[2], broken)
+    path = broken / "rank-00000-of-00002.safetensors"
+    header = read_header(path)
+    raw = bytearray(path.read_bytes())
+    raw[header.data_start + header.tensors["optim.exp_avg.wte.weight"].begin + 100] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataCheckError, match="checksum mismatch in rank-00000-of-00002.safetensors tensor 'optim.exp_avg.wte.weight'"):
+        reshard(broken, tmp_path / "out", world_size=37, workers=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "r37"]

@@ -4,7 +4,9 @@ state it had: compared with the unsharded reference's own AdamW state."""
 
 from __future__ import annotations
 
-import copy
+import errno
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdpkit
-from fsdpkit.engine.sharded import get_state
+from fsdpkit.engine.view import describe
+from fsdpkit.errors import RunError
 
 from distributed import run_distributed
 from models import EdgeCaseNet
@@ -24,7 +27,7 @@ def _step(model, optimizer, x, y) -> None:
     optimizer.zero_grad()
 
 
-def save_worker(directory: str) -> None:
+def save_worker(directory: str) -> str:
     torch.manual_seed(0)
     model = EdgeCaseNet()
     model.use_branch = False  # the branch never gets a gradient: AdamW keeps no state for it
@@ -38,6 +41,17 @@ def save_worker(directory: str) -> None:
         rows = 4 // world
         _step(model, optimizer, x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
     fsdpkit.save(model, optimizer, directory + "/stepped", step=2)
+    # disk full on the last rank while saving step 3: every rank gets the error, step 2 stays
+    original = os.write
+    if rank == world - 1:
+        os.write = lambda fd, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    try:
+        fsdpkit.save(model, optimizer, directory + "/stepped", step=3)
+        return "saved"
+    except RunError as error:
+        return str(error)
+    finally:
+        os.write = original
 
 
 def load_worker(directory: str) -> dict:
@@ -51,11 +65,11 @@ def load_worker(directory: str) -> dict:
     fsdpkit.load(model, optimizer, directory + "/stepped")
     names = {id(p): n for n, p in model.named_parameters()}
     state = {}
-    for unit in get_state(model).units:
-        for fragment, param in zip(unit.fragments, unit.params):
-            if param in optimizer.state:
-                st = optimizer.state[param]
-                state[names[id(param)]] = (fragment.param_range.start, st["exp_avg"].clone(), float(st["step"]))
+    for unit in describe(model).units:
+        for param in unit.params:
+            if param.tensor in optimizer.state:
+                st = optimizer.state[param.tensor]
+                state[names[id(param.tensor)]] = (param.fragment.param_range.start, st["exp_avg"].clone(), float(st["step"]))
     return {"empty": empty_after_first, "weights": fsdpkit.full_state_dict(model), "state": state}
 
 
@@ -73,8 +87,14 @@ def reference() -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("save_world, load_world", [(2, 4), (4, 1)])
 def test_save_at_one_world_size_load_strictly_at_another(tmp_path, save_world, load_world):
-    run_distributed(save_worker, save_world, str(tmp_path))
-    results = run_distributed(load_worker, load_world, str(tmp_path))
+    failed = run_distributed(save_worker, save_world, str(tmp_path))
+    last = f"rank-{save_world - 1:05d}-of-{save_world:05d}.safetensors"
+    for rank, message in failed.items():  # one line on every rank; the failing one names its file and errno
+        assert message.startswith("checkpoint step 3 not saved, previous checkpoint kept: ") and "\n" not in message, message
+        assert (last in message and "(ENOSPC)" in message) if rank == save_world - 1 else "another rank" in message
+    run = Path(tmp_path) / "stepped"
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "step-00000002"]  # no temporary directory left
+    results = run_distributed(load_worker, load_world, str(tmp_path))  # loads step 2: compared with the reference below
     ref_weights, ref_state = reference()
     assert results[0]["empty"]
     for name, tensor in ref_weights.items():

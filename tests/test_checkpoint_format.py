@@ -12,18 +12,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fsdpkit.checkpoint.cast import cast_into
-from fsdpkit.checkpoint.crc import CrcShifter
+from fsdpkit.checkpoint.bytecopy import CrcShifter, cast_into
 from fsdpkit.checkpoint.format import split_optim_tensor_name
 from fsdpkit.checkpoint.manifest import Manifest
-from fsdpkit.checkpoint.paths import resolve_checkpoint
-from fsdpkit.checkpoint.plan import Plan, placements, rank_contents
-from fsdpkit.checkpoint.safetensors_io import StreamingWriter, read_header
-from fsdpkit.checkpoint.writer import SAFETENSORS_TO_TORCH, safetensors_dtype, tensor_bytes
+from fsdpkit.checkpoint.placement import Layout, Placement, TensorSpec
+from fsdpkit.checkpoint.reader import read_header
+from fsdpkit.checkpoint.state import SAFETENSORS_TO_TORCH, safetensors_dtype, tensor_bytes
+from fsdpkit.checkpoint.storage import resolve_checkpoint
+from fsdpkit.checkpoint.writer import StreamingWriter
 from fsdpkit.errors import DataCheckError
 from fsdpkit.layout import ElementRange, FlatLayout
 
-from _checkpoint_helpers import SAMPLE_UNITS, sample_tensors, save_checkpoint
+from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
 
 def _write(path, tensors, piece=7):
@@ -106,8 +106,9 @@ EDGE = [0.0, -0.0, 1.0, -1.5, 3.0e38, -3.0e38, 1e-40, 65504.0, 65520.0, 1e5, 1.0
                                       ("BF16", "F16"), ("F64", "BF16"), ("F64", "F16"), ("F64", "F32"), ("F32", "F64")])
 def test_cast_matches_torch(src, dst):
     src_t, dst_t = SAFETENSORS_TO_TORCH[src], SAFETENSORS_TO_TORCH[dst]
-    values = torch.cat([torch.tensor(EDGE, dtype=torch.float64), torch.randn(3000, dtype=torch.float64) * 100,
-                        torch.randn(1000, dtype=torch.float64) * 1e-6]).to(src_t)
+    g = torch.Generator().manual_seed(0)  # seed 0 holds an F64 value that F16 rounds differently directly and via F32
+    values = torch.cat([torch.tensor(EDGE, dtype=torch.float64), torch.randn(3000, dtype=torch.float64, generator=g) * 100,
+                        torch.randn(1000, dtype=torch.float64, generator=g) * 1e-6]).to(src_t)
     expected = values.to(dst_t)
     out = bytearray(values.numel() * expected.element_size())
     result = cast_into(tensor_bytes(values), src, dst, out)
@@ -118,33 +119,83 @@ def test_cast_matches_torch(src, dst):
     assert torch.isnan(got_nan).all()
 
 
-def test_flat_plan_placements_follow_flat_layout():
+def _specs(shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorSpec]:
+    return [TensorSpec(name, "F32", shape) for name, shape in shapes]
+
+
+def test_flat_placement_follows_flat_layout():
     tensors = sample_tensors()
     units = [[(n, tuple(tensors[n].shape)) for n in unit] for unit in SAMPLE_UNITS]
-    plan = Plan.flat(units)
+    placement = Placement.flat(units)
     names = [(n, tuple(t.shape)) for n, t in tensors.items()] + [
-        ("optim.exp_avg.h.0.attn.weight", (8, 8)), ("optim.step", ()), ("buf", (5,))]
+        ("optim.exp_avg.h.0.attn.weight", (8, 8)), ("optim.step", ()), ("optim.step.h.1.mlp.weight", ()), ("buf", (5,))]
+    index = {name: i for i, (name, _) in enumerate(names)}
     for world in (1, 2, 3, 4, 7, 64):
-        result = placements(plan, names, world)
-        for unit in units:
-            layout = FlatLayout.from_shapes(unit, world)
+        layout = Layout(placement, _specs(names), world)
+        held = {}  # (tensor, rank) -> range, from each rank's own view
+        for rank in range(world):
+            frags = layout.fragments(rank)
+            assert [f.tensor for f in frags] == sorted(f.tensor for f in frags)  # one dtype: tensor-table order
+            held.update({(f.tensor, rank): f.range for f in frags})
+        for unit in units:  # exactly the engine's FlatLayout fragments
+            flat = FlatLayout.from_shapes(unit, world)
             for rank in range(world):
-                for frag in layout.fragments(rank):
+                for frag in flat.fragments(rank):
                     if frag.param_range.size:
-                        assert (rank, frag.param_range) in result[frag.name]
+                        assert held[(index[frag.name], rank)] == frag.param_range
         for name, shape in names:
-            pieces = result[name]
-            assert [r for r, _ in pieces] == sorted(r for r, _ in pieces)
+            pieces = layout.pieces(index[name])
+            assert pieces == sorted((r, rng) for (t, r), rng in held.items() if t == index[name])
             position = 0
             for _, rng in pieces:
                 assert rng.start == position and rng.size > 0
                 position = rng.end
             assert position == torch.empty(shape).numel()
-        assert result["optim.exp_avg.h.0.attn.weight"] == result["h.0.attn.weight"]
-        assert result["optim.step"] == [(0, ElementRange(0, 1))] and result["buf"] == [(0, ElementRange(0, 5))]
-    contents = rank_contents(Plan.even(), [("a", (10,)), ("b", (2,))], 4)
-    assert contents == [[("a", ElementRange(0, 3)), ("b", ElementRange(0, 1))], [("a", ElementRange(3, 6)), ("b", ElementRange(1, 2))],
-                        [("a", ElementRange(6, 9))], [("a", ElementRange(9, 10))]]
+            wanted = ElementRange(position // 3, position - position // 4)
+            assert layout.pieces(index[name], wanted) == [p for p in pieces if p[1].intersect(wanted).size]
+        assert [r for r, _ in layout.pieces(index["optim.exp_avg.h.0.attn.weight"])] == [r for r, _ in layout.pieces(index["h.0.attn.weight"])]
+        assert layout.pieces(index["optim.step"]) == [(0, ElementRange(0, 1))] and layout.pieces(index["buf"]) == [(0, ElementRange(0, 5))]
+        first = layout.pieces(index["h.1.mlp.weight"])[0][0]  # a scalar state lives with its parameter's first element
+        assert layout.pieces(index["optim.step.h.1.mlp.weight"]) == [(first, ElementRange(0, 1))]
+    even = Layout(Placement.even(), _specs([("a", (10,)), ("b", (2,))]), 4)
+    assert [[(f.tensor, f.start, f.end) for f in even.fragments(r)] for r in range(4)] == [
+        [(0, 0, 3), (1, 0, 1)], [(0, 3, 6), (1, 1, 2)], [(0, 6, 9)], [(0, 9, 10)]]
+
+
+def test_rank_file_header_is_derived_and_reads_back(tmp_path):
+    """The header the layout derives is a valid safetensors header: the library reads the file
+    back, fragments aligned, bigger elements first; its size is the layout's."""
+    tensors = {"w": torch.randn(5, 3), "ids": torch.arange(7), "half": torch.randn(9).half(), "flag": torch.tensor([True, False])}
+    manifest = make_manifest(tensors, world_size=3)
+    write_ranks(tmp_path, manifest, tensors)
+    layout = manifest.layout()
+    for rank in range(3):
+        path = tmp_path / f"rank-{rank:05d}-of-00003.safetensors"
+        expected = layout.file_layout(rank)
+        assert path.stat().st_size == expected.size and path.read_bytes()[:expected.crc_offset] == expected.header[:expected.crc_offset]
+        loaded = load_file(path)
+        for fragment in expected.fragments:
+            name = manifest.tensors[fragment.tensor].name
+            assert torch.equal(loaded[name], tensors[name].reshape(-1)[fragment.start:fragment.end])
+        header = read_header(path)
+        itemsizes = [torch.empty(0, dtype=SAFETENSORS_TO_TORCH[header.tensors[manifest.tensors[f.tensor].name].dtype]).element_size()
+                     for f in expected.fragments]
+        assert itemsizes == sorted(itemsizes, reverse=True)
+        crcs = header.metadata["fsdpkit_crc32"]
+        assert [int(crcs[8 * i: 8 * i + 8], 16) for i in range(len(expected.fragments))] == [
+            zlib.crc32(tensor_bytes(loaded[manifest.tensors[f.tensor].name])) for f in expected.fragments]
+
+
+def test_manifest_size_does_not_depend_on_world_size():
+    from fsdpkit.models.units import placement_for_model
+
+    placement = placement_for_model("gpt2-medium")
+    params = [TensorSpec(n, "F32", s) for unit in placement.units for n, s in unit]
+    table = params + [TensorSpec(f"optim.{k}.{p.name}", "F32", p.shape) for k in ("exp_avg", "exp_avg_sq") for p in params]
+    table += [TensorSpec(f"optim.step.{p.name}", "F32", ()) for p in params]
+    sizes = [len(Manifest(w, "full", placement, tuple(table), {"lm_head.weight": "wte.weight"}, {"step": 1}).to_bytes())
+             for w in (2, 1024, 65536)]
+    assert sizes[2] - sizes[0] == len("65536") - len("2") and sizes[2] < 1_000_000  # only the world size's digits differ
 
 
 def test_optim_names():
@@ -156,15 +207,17 @@ def test_optim_names():
 def test_manifest_json_round_trip(tmp_path):
     tensors = sample_tensors()
     step_dir = save_checkpoint(tmp_path / "run", 3, tensors, world_size=4, units=SAMPLE_UNITS,
-                               training_state={"step": 3, "samples": 96, "config": {"lr": 0.1}})
+                               training_state={"step": 3, "samples": 96, "config": {"lr": 0.1}}, aliases={"lm_head.weight": "wte.weight"})
     document = json.loads((step_dir / "manifest.json").read_text())
     manifest = Manifest.from_json(document, where="m")
-    assert manifest.to_json() == document
-    assert document["format"] == "fsdpkit-checkpoint" and document["version"] == 1
-    assert document["plan"]["kind"] == "flat" and [u["padding"] for u in document["plan"]["units"]] == [
-        FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in unit], 4).padding for unit in SAMPLE_UNITS]
+    assert manifest.to_json() == document and json.loads(manifest.to_bytes()) == document
+    assert document["format"] == "fsdpkit-checkpoint" and document["version"] == 2 and document["world_size"] == 4
+    assert document["placement"] == {"kind": "flat", "units": SAMPLE_UNITS}
+    assert document["tensors"] == [[n, "F32", list(t.shape)] for n, t in tensors.items()]
+    assert document["files"] == "rank-{rank:05d}-of-{world_size:05d}.safetensors"
     assert manifest.training_state == {"step": 3, "samples": 96, "config": {"lr": 0.1}}
     assert resolve_checkpoint(tmp_path / "run") == step_dir
+    assert sorted(p.name for p in step_dir.iterdir()) == ["manifest.json"] + [f"rank-{r:05d}-of-00004.safetensors" for r in range(4)]
 
 
 def test_crc_combine_and_split_match_zlib():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fsdpkit.checkpoint.reader import CheckpointReader
+from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.layout import ElementRange
 
 from _checkpoint_helpers import save_checkpoint

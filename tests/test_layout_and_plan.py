@@ -7,9 +7,10 @@ import torch
 import torch.nn as nn
 
 from fsdpkit.engine.config import ShardingConfig
-from fsdpkit.engine.plan import WrapPolicy, plan_units, unit_plan_for_model
+from fsdpkit.engine.plan import WrapPolicy, plan_units
+from fsdpkit.models.units import unit_plan_for_model
 from fsdpkit.errors import UsageError
-from fsdpkit.layout import ElementRange, FlatLayout, even_split_ranges, overlaps, padded_size
+from fsdpkit.layout import ElementRange, FlatLayout, even_split_ranges, padded_size
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
 
 
@@ -55,11 +56,12 @@ def test_fragments_reassemble_a_tensor_through_views():
     assert torch.equal(pieces[0].view(4, 3), weight)
 
 
-def test_even_split_and_overlaps():
+def test_even_split_and_intersections():
     assert [r.size for r in even_split_ranges(10, 4)] == [3, 3, 3, 1]
     assert [r.size for r in even_split_ranges(2, 4)] == [1, 1, 0, 0]
     old = [(r, i) for i, r in enumerate(even_split_ranges(10, 3))]
-    assert [(p.start, p.end, s) for p, s in overlaps(ElementRange(3, 9), old)] == [(3, 4, 0), (4, 8, 1), (8, 9, 2)]
+    pieces = [(r.intersect(ElementRange(3, 9)), s) for r, s in old]
+    assert [(p.start, p.end, s) for p, s in pieces if p.size] == [(3, 4, 0), (4, 8, 1), (8, 9, 2)]
     with pytest.raises(UsageError):
         even_split_ranges(10, 0)
 
@@ -108,7 +110,7 @@ def test_wrap_rules_class_size_predicate_every():
 
 
 def test_unit_plan_for_model_is_built_on_meta():
-    units = unit_plan_for_model("gpt2-xl", 64)
+    units = unit_plan_for_model("gpt2-xl")
     assert len(units) == 49 and units[1][0][0] == "h.0.ln_1.weight"
     assert sum(torch.Size(shape).numel() for unit in units for _, shape in unit) == 1_557_611_200
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fsdpkit.checkpoint.reader import CheckpointReader
+from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit_cli.app import app
 
 runner = CliRunner()

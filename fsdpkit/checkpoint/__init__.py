@@ -1,21 +1,16 @@
-"""Sharded safetensors checkpoints: format, save building blocks, loading, offline tools.
+"""Sharded safetensors checkpoints: one typed core, used by training, convert, reshard, verify
+and inspect alike. The format is specified in docs/checkpoint-format.md.
 
-The format is specified in docs/checkpoint-format.md (version 1). Modules, torch-free unless
-marked:
+- format     names, constants, the dtype table, `optim.<state>.<param>` naming, bounded JSON
+- placement  where every fragment lives, its file's header and size, derived (pure arithmetic)
+- manifest   the manifest (v2; v1 read): schema, JSON round trip, validation; does it fit a model
+- storage    finding checkpoints, paths kept inside them, atomic directories, `latest`, prune
+- lock       one writer per run directory
+- bytecopy   the one byte path: bounded reads with crc32 checks, float casts, crc arithmetic
+- reader     the one reader of files: safetensors headers, sharded and full checkpoints
+- writer     the one writer: streamed safetensors files, rank files, whole sharded outputs
+- state      (torch) a sharded model and optimizer <-> fragments: Checkpointer, save, load
+- offline/   convert, reshard, verify, inspect: the offline commands (never import torch)
 
-- format        names, constants, dtype table, `optim.<state>.<param>` naming
-- plan          where each tensor's elements live at a world size (flat plan or even split)
-- manifest      Manifest schema, JSON load/validate, `build_manifest`, `save_manifest`
-- safetensors_io  validating header parser, `StreamingWriter` (header first, data streamed)
-- paths         run dir / `latest` / step dir resolution, path safety
-- sharded       `open_sharded`: manifest + every header, cross-checked
-- writer (torch)  `write_rank_file`: one rank's fragments -> its file, with crc32s
-- commit        `begin` / `commit` / `abort` / `prune`: atomic step dirs, `latest`, keep-last
-- reader (torch)  `CheckpointReader.read_range`: partial reads, checksums verified
-- compat        `check_compatible`: does a checkpoint fit a model
-- streamcopy, cast, sharded_out, full, output: bounded-memory byte copies, float casts,
-                writing sharded/full outputs, atomic output directories
-- convert, reshard, verify, summary: the `fsdpkit convert|reshard|verify|inspect` commands
-
-This package imports nothing on import, so the offline commands never load torch through it.
+Importing this package imports nothing, so the offline commands never load torch through it.
 """

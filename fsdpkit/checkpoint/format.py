@@ -6,12 +6,16 @@ the readers, convert, reshard, verify and inspect.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
 
+from ..errors import DataCheckError
+
 FORMAT_NAME = "fsdpkit-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what is written; version 1 is still read
+READ_VERSIONS = (1, 2)
 
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
@@ -25,10 +29,20 @@ OPTIM_SINGLE = "optimizer.safetensors"
 OPTIM_INDEX = "optimizer.safetensors.index.json"
 TIED_METADATA_KEY = "fsdpkit_tied_weights"  # __metadata__ key: JSON {alias: stored name}
 
+# Sharded checkpoints (v2): the one file naming rule, and the rank file metadata key that holds
+# each fragment's crc32 (8 lowercase hex digits per fragment, in data order).
+RANK_FILE_RULE = "rank-{rank:05d}-of-{world_size:05d}.safetensors"
+CRC_METADATA_KEY = "fsdpkit_crc32"
+
+# The sharding strategy of the run that saved a checkpoint, spelled as the engine spells it.
+STRATEGIES = ("full", "grad-op", "hybrid", "none")
+LEGACY_STRATEGIES = {"full_shard": "full"}  # how convert spelled "full" before
+
 OPTIM_PREFIX = "optim."  # optimizer state tensors: optim.<state>.<param name>
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
-MAX_MANIFEST_BYTES = 1_000_000_000
+MAX_MANIFEST_BYTES = 1_000_000_000  # v2 manifests stay far below 1 MB; v1 ones grow with the world size
+MAX_JSON_DEPTH = 64  # nesting of any JSON document read (manifests, headers, indexes)
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 _STEP_NAME = re.compile(r"^step-(\d{8,})$")
@@ -91,7 +105,7 @@ def output_dtype(dtype: str, cast_to: str | None) -> str:
 
 
 def rank_file_name(rank: int, world_size: int) -> str:
-    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+    return RANK_FILE_RULE.format(rank=rank, world_size=world_size)
 
 
 def step_dir_name(step: int) -> str:
@@ -128,3 +142,32 @@ def split_optim_tensor_name(name: str) -> tuple[str, str] | None:
     rest = name[len(OPTIM_PREFIX):]
     state, dot, param = rest.partition(".")
     return (state, param) if dot and state and param else None
+
+
+def parse_json(raw: bytes, *, where: str, what: str = "JSON") -> object:
+    """A JSON document from bytes, nested at most MAX_JSON_DEPTH deep; anything else is a
+    one-line DataCheckError naming `where` (never a RecursionError)."""
+    try:
+        document = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except RecursionError:
+        raise DataCheckError(f"{where}: {what} is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (UnicodeDecodeError, ValueError) as error:
+        raise DataCheckError(f"{where}: {what} is not valid JSON ({str(error)[:120]})") from None
+    pending = [(document, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise DataCheckError(f"{where}: {what} is nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            pending.extend((v, depth + 1) for v in value.values() if isinstance(v, (dict, list)))
+        elif isinstance(value, list):
+            pending.extend((v, depth + 1) for v in value if isinstance(v, (dict, list)))
+    return document
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        keys = [key for key, _ in pairs]
+        raise ValueError(f"duplicate keys {sorted({key for key in keys if keys.count(key) > 1})[:3]}")
+    return document

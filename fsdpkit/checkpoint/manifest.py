@@ -1,14 +1,17 @@
-"""The manifest of a sharded checkpoint: schema, JSON round trip, validation, building.
+"""The manifest of a sharded checkpoint: schema, JSON round trip, validation (no torch).
 
-`Manifest.from_json(document, where=...)` accepts only a well-formed manifest (types,
-format name and version, safe file names, known dtypes, fragment coverage exactly once,
-plan consistent with the tensors, aliases pointing at stored tensors); anything else is a
-`DataCheckError` naming `where` and the wrong value. `load_manifest(step_dir)` reads
-`manifest.json` and does the same.
+Version 2 (written): only what cannot be derived, so its size does not depend on the world
+size: world size, strategy, the file naming rule, the placement (the model's flat-parameter
+units, or "even"), the tensor table (name, dtype, shape of every stored tensor, in order),
+tied-weight aliases, the training state, and the id of the run that wrote it. Where each
+fragment lives, every file's size and header are derived (`placement.Layout`); each
+fragment's crc32 is in its rank file's header. Version 1 (read): additionally lists every
+file with its size and every fragment with its file, key, range and crc32 (`V1Listing`).
 
-`build_manifest(...)` merges the records that `writer.write_rank_file` returned on every
-rank into a validated `Manifest`; `commit.commit` then writes it. JSON layout: see
-docs/checkpoint-format.md.
+`load_manifest(step_dir)` / `Manifest.from_json(document, where=...)` accept only a
+well-formed manifest of either version; anything else is a one-line `DataCheckError` naming
+`where` and the wrong value. `check_compatible` says whether a checkpoint fits a model,
+before any weight is read. JSON layout: docs/checkpoint-format.md.
 """
 
 from __future__ import annotations
@@ -19,16 +22,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataCheckError
-from ..layout import ElementRange
-from .format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, MAX_MANIFEST_BYTES, is_known_dtype,
-                     is_optimizer_tensor, is_safe_file_name, numel)
-from .plan import Plan
+from ..layout import ElementRange, FlatLayout
+from .format import (FORMAT_NAME, FORMAT_VERSION, LEGACY_STRATEGIES, MANIFEST_NAME, MAX_MANIFEST_BYTES, RANK_FILE_RULE,
+                     READ_VERSIONS, STRATEGIES, is_known_dtype, is_optimizer_tensor, is_safe_file_name, parse_json)
+from .placement import Layout, Placement, TensorSpec, short
+
+MAX_WORLD_SIZE = 1 << 24
 
 
 @dataclass(frozen=True)
 class FragmentEntry:
+    """A v1 manifest's listed fragment."""
+
     file: str  # a file name inside the checkpoint directory
-    key: str  # the safetensors key in that file (fsdpkit writes the tensor name)
+    key: str  # the safetensors key in that file
     start: int
     end: int
     crc32: int  # zlib.crc32 of the fragment's bytes as stored
@@ -39,98 +46,185 @@ class FragmentEntry:
 
 
 @dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    fragments: tuple[FragmentEntry, ...]  # sorted by start, tiling [0, numel)
+class V1Listing:
+    """What a v1 manifest lists instead of deriving: every file with its size, every fragment."""
 
-    @property
-    def numel(self) -> int:
-        return numel(self.shape)
-
-    @property
-    def is_optimizer(self) -> bool:
-        return is_optimizer_tensor(self.name)
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    name: str
-    size: int
+    files: tuple[tuple[str, int], ...]  # (name, size)
+    fragments: dict[str, tuple[FragmentEntry, ...]]  # tensor name -> fragments sorted by start
 
 
 @dataclass(frozen=True)
 class Manifest:
     world_size: int
     strategy: str
-    plan: Plan
-    files: tuple[FileEntry, ...]
-    tensors: tuple[TensorEntry, ...]
+    placement: Placement
+    tensors: tuple[TensorSpec, ...]
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> stored tensor name
     training_state: dict = field(default_factory=dict)  # opaque JSON from the caller
+    run_id: str | None = None  # the run that wrote it (pruning never deletes another run's checkpoints)
+    version: int = FORMAT_VERSION
+    listing: V1Listing | None = None  # version 1 only
 
-    def tensor(self, name: str) -> TensorEntry:
-        name = self.aliases.get(name, name)
-        for entry in self.tensors:
-            if entry.name == name:
-                return entry
-        raise KeyError(f"no tensor {name!r} in the checkpoint")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {t.name: i for i, t in enumerate(self.tensors)})
 
-    def tensor_map(self) -> dict[str, TensorEntry]:
-        return {entry.name: entry for entry in self.tensors}
+    def tensor_index(self, name: str) -> int:
+        """Position of `name` (an alias resolves to its stored tensor) in the tensor table."""
+        try:
+            return self._index[self.aliases.get(name, name)]
+        except KeyError:
+            raise KeyError(f"no tensor {name!r} in the checkpoint") from None
+
+    def tensor(self, name: str) -> TensorSpec:
+        return self.tensors[self.tensor_index(name)]
+
+    def layout(self) -> Layout:
+        """Where every fragment lives (version 2)."""
+        return Layout(self.placement, list(self.tensors), self.world_size)
 
     def to_json(self) -> dict:
-        index = {f.name: i for i, f in enumerate(self.files)}
-        return {
-            "format": FORMAT_NAME, "version": FORMAT_VERSION,
-            "world_size": self.world_size, "strategy": self.strategy,
-            "plan": self.plan.to_json(self.world_size),
-            "files": [{"name": f.name, "size": f.size} for f in self.files],
-            "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
-                         "fragments": [{"file": index[f.file], "key": f.key, "start": f.start, "end": f.end, "crc32": f.crc32}
-                                       for f in t.fragments]}
-                        for t in self.tensors],
-            "aliases": dict(self.aliases),
-            "training_state": self.training_state,
-        }
+        if self.listing is not None:
+            raise ValueError("version 1 manifests are read, never written")
+        document = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "world_size": self.world_size,
+                    "strategy": self.strategy, "files": RANK_FILE_RULE, "placement": self.placement.to_json(),
+                    "tensors": [[t.name, t.dtype, list(t.shape)] for t in self.tensors],
+                    "aliases": dict(self.aliases), "training_state": self.training_state}
+        if self.run_id is not None:
+            document["run"] = self.run_id
+        return document
+
+    def to_bytes(self) -> bytes:
+        """The JSON, one tensor and one unit per line."""
+        lines = []
+        for key, value in self.to_json().items():
+            if key == "tensors" or (key == "placement" and value.get("units")):
+                items = value if key == "tensors" else value["units"]
+                body = ",\n  ".join(json.dumps(item) for item in items)
+                text = f"[\n  {body}\n ]" if items else "[]"
+                if key == "placement":
+                    text = '{"kind": "flat", "units": ' + text + "}"
+            else:
+                text = json.dumps(value)
+            lines.append(f" {json.dumps(key)}: {text}")
+        return ("{\n" + ",\n".join(lines) + "\n}\n").encode("utf-8")
 
     @classmethod
     def from_json(cls, document: object, *, where: str) -> "Manifest":
-        return _parse(document, where)
+        if not isinstance(document, dict):
+            raise DataCheckError(f"{where}: manifest must be a JSON object")
+        if document.get("format") != FORMAT_NAME:
+            raise DataCheckError(f"{where}: format is {short(document.get('format'))}, expected {FORMAT_NAME!r}")
+        version = document.get("version")
+        if version not in READ_VERSIONS or type(version) is not int:
+            raise DataCheckError(f"{where}: format version {short(version)} is not supported (this fsdpkit reads "
+                                 f"{', '.join(map(str, READ_VERSIONS))})")
+        return _parse_v2(document, where) if version == 2 else _parse_v1(document, where)
 
 
 def load_manifest(step_dir: str | Path) -> Manifest:
     path = Path(step_dir) / MANIFEST_NAME
     try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise DataCheckError(f"{path}: {size} bytes, over the {MAX_MANIFEST_BYTES}-byte manifest limit")
-        document = json.loads(path.read_bytes().decode("utf-8"))
+        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+            if not _is_regular(f.fileno()):
+                raise DataCheckError(f"{path}: not a regular file")
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise DataCheckError(f"{path}: missing; {step_dir} is not an fsdpkit checkpoint") from None
-    except (UnicodeDecodeError, ValueError) as error:
-        raise DataCheckError(f"{path}: not valid JSON ({error})") from None
-    return Manifest.from_json(document, where=str(path))
+    except OSError as error:
+        raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise DataCheckError(f"{path}: over the {MAX_MANIFEST_BYTES}-byte manifest limit")
+    return Manifest.from_json(parse_json(raw, where=str(path), what="manifest"), where=str(path))
 
 
-def _int(value: object, what: str, where: str, *, minimum: int = 0) -> int:
-    if type(value) is not int or value < minimum:
-        raise DataCheckError(f"{where}: {what} must be an int >= {minimum}, got {value!r}")
+def save_manifest(directory: str | Path, manifest: Manifest) -> Path:
+    """Write `directory/manifest.json` (via a temporary name, fsynced, renamed)."""
+    path = Path(directory) / MANIFEST_NAME
+    tmp = path.with_name(MANIFEST_NAME + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(manifest.to_bytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _is_regular(fd: int) -> bool:
+    import stat
+
+    return stat.S_ISREG(os.fstat(fd).st_mode)
+
+
+# ----- validation
+def _int(value: object, what: str, where: str, *, minimum: int = 0, maximum: int = 1 << 62) -> int:
+    if type(value) is not int or not minimum <= value <= maximum:
+        raise DataCheckError(f"{where}: {what} must be an int in [{minimum}, {maximum}], got {short(value)}")
     return value
 
 
-def _parse(doc: object, where: str) -> Manifest:
-    if not isinstance(doc, dict):
-        raise DataCheckError(f"{where}: manifest must be a JSON object")
-    if doc.get("format") != FORMAT_NAME:
-        raise DataCheckError(f"{where}: format is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
-    if doc.get("version") != FORMAT_VERSION:
-        raise DataCheckError(f"{where}: format version {doc.get('version')!r} is not supported (this fsdpkit reads {FORMAT_VERSION})")
-    world_size = _int(doc.get("world_size"), "world_size", where, minimum=1)
-    strategy = doc.get("strategy")
-    if not isinstance(strategy, str):
-        raise DataCheckError(f"{where}: strategy must be a string, got {strategy!r}")
+def _common(doc: dict, where: str) -> tuple[int, str, dict, dict]:
+    world_size = _int(doc.get("world_size"), "world_size", where, minimum=1, maximum=MAX_WORLD_SIZE)
+    strategy = LEGACY_STRATEGIES.get(doc.get("strategy"), doc.get("strategy"))
+    if strategy not in STRATEGIES:
+        raise DataCheckError(f"{where}: strategy {short(strategy)} is not one of {', '.join(STRATEGIES)}")
+    aliases = doc.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise DataCheckError(f"{where}: aliases must map names to names")
+    training_state = doc.get("training_state", {})
+    if not isinstance(training_state, dict):
+        raise DataCheckError(f"{where}: training_state must be an object")
+    return world_size, strategy, aliases, training_state
+
+
+def _tensor_spec(name: object, dtype: object, shape: object, where: str) -> TensorSpec:
+    if not isinstance(name, str) or not name or name == "__metadata__":
+        raise DataCheckError(f"{where}: tensor name {short(name)} is not a non-empty string")
+    if not is_known_dtype(dtype):
+        raise DataCheckError(f"{where}: tensor {name!r} has unknown dtype {short(dtype)}")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 48 for d in shape):
+        raise DataCheckError(f"{where}: tensor {name!r} has invalid shape {short(shape)}")
+    spec = TensorSpec(name, dtype, tuple(shape))
+    if spec.numel >= 1 << 48:
+        raise DataCheckError(f"{where}: tensor {name!r} of shape {shape} is too large")
+    return spec
+
+
+def _check_table(tensors: list[TensorSpec], aliases: dict[str, str], where: str) -> None:
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise DataCheckError(f"{where}: duplicate tensor names {sorted({n for n in names if names.count(n) > 1})[:3]}")
+    stored = set(names)
+    for alias, target in aliases.items():
+        if alias in stored or target not in stored:
+            raise DataCheckError(f"{where}: alias {alias!r} -> {target!r} must name a stored tensor and not be one")
+
+
+def _parse_v2(doc: dict, where: str) -> Manifest:
+    known = {"format", "version", "world_size", "strategy", "files", "placement", "tensors", "aliases", "training_state", "run"}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise DataCheckError(f"{where}: unknown manifest fields {unknown[:3]}")
+    world_size, strategy, aliases, training_state = _common(doc, where)
+    if doc.get("files") != RANK_FILE_RULE:
+        raise DataCheckError(f"{where}: file naming rule {short(doc.get('files'))} is not {RANK_FILE_RULE!r}")
+    table = doc.get("tensors")
+    if not isinstance(table, list):
+        raise DataCheckError(f"{where}: tensors must be a list of [name, dtype, shape]")
+    tensors = []
+    for item in table:
+        if not isinstance(item, list) or len(item) != 3:
+            raise DataCheckError(f"{where}: tensor entry {short(item)} is not [name, dtype, shape]")
+        tensors.append(_tensor_spec(*item, where))
+    _check_table(tensors, aliases, where)
+    placement = Placement.from_json(doc.get("placement"), shapes={t.name: t.shape for t in tensors}, where=where)
+    run_id = doc.get("run")
+    if run_id is not None and not (isinstance(run_id, str) and len(run_id) <= 64):
+        raise DataCheckError(f"{where}: run must be a short string, got {short(run_id)}")
+    return Manifest(world_size, strategy, placement, tuple(tensors), dict(aliases), training_state, run_id)
+
+
+def _parse_v1(doc: dict, where: str) -> Manifest:
+    world_size, strategy, aliases, training_state = _common(doc, where)
     files_doc = doc.get("files")
     if not isinstance(files_doc, list):
         raise DataCheckError(f"{where}: files must be a list")
@@ -138,145 +232,130 @@ def _parse(doc: object, where: str) -> Manifest:
     for item in files_doc:
         name = item.get("name") if isinstance(item, dict) else None
         if not is_safe_file_name(name):
-            raise DataCheckError(f"{where}: file name {name!r} is not a plain file name inside the checkpoint directory")
-        files.append(FileEntry(name, _int(item.get("size"), f"size of {name}", where)))
-    tensors = []
-    for item in _list(doc.get("tensors"), "tensors", where):
-        tensors.append(_parse_tensor(item, files, where))
-    aliases = doc.get("aliases", {})
-    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
-        raise DataCheckError(f"{where}: aliases must map names to names")
-    training_state = doc.get("training_state", {})
-    if not isinstance(training_state, dict):
-        raise DataCheckError(f"{where}: training_state must be an object")
-    plan = Plan.from_json(doc.get("plan"), world_size=world_size, where=where)
-    manifest = Manifest(world_size, strategy, plan, tuple(files), tuple(tensors), dict(aliases), training_state)
-    problems = manifest_problems(manifest)
-    if problems:
-        raise DataCheckError(f"{where}: {problems[0]}" + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
-    return manifest
+            raise DataCheckError(f"{where}: file name {short(name)} is not a plain file name inside the checkpoint directory")
+        files.append((name, _int(item.get("size"), f"size of {name}", where)))
+    table = doc.get("tensors")
+    if not isinstance(table, list):
+        raise DataCheckError(f"{where}: tensors must be a list")
+    tensors, fragments = [], {}
+    for item in table:
+        if not isinstance(item, dict):
+            raise DataCheckError(f"{where}: tensor entry {short(item)} is not an object")
+        spec = _tensor_spec(item.get("name"), item.get("dtype"), item.get("shape"), where)
+        tensors.append(spec)
+        fragments[spec.name] = _v1_fragments(spec, item.get("fragments"), files, where)
+    _check_table(tensors, aliases, where)
+    placement = _v1_placement(doc.get("plan"), world_size, where)
+    shapes = {t.name: t.shape for t in tensors}
+    for name, shape in placement.param_shapes().items():
+        if shapes.get(name) != shape:
+            raise DataCheckError(f"{where}: plan parameter {name!r} has shape {list(shape)}, the tensor table has "
+                                 f"{list(shapes[name]) if name in shapes else 'no such tensor'}")
+    names = [name for name, _ in files]
+    if len(set(names)) != len(names):
+        raise DataCheckError(f"{where}: duplicate file names {sorted({n for n in names if names.count(n) > 1})[:3]}")
+    used: set[tuple[str, str]] = set()
+    for frags in fragments.values():
+        for frag in frags:
+            if (frag.file, frag.key) in used:
+                raise DataCheckError(f"{where}: key {frag.key!r} of {frag.file} is used twice")
+            used.add((frag.file, frag.key))
+    return Manifest(world_size, strategy, placement, tuple(tensors), dict(aliases), training_state,
+                    version=1, listing=V1Listing(tuple(files), fragments))
 
 
-def _list(value: object, what: str, where: str) -> list:
-    if not isinstance(value, list):
-        raise DataCheckError(f"{where}: {what} must be a list, got {type(value).__name__}")
-    return value
-
-
-def _parse_tensor(item: object, files: list[FileEntry], where: str) -> TensorEntry:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        raise DataCheckError(f"{where}: tensor entry without a name: {str(item)[:80]}")
-    name = item["name"]
-    shape = item.get("shape")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise DataCheckError(f"{where}: tensor {name!r} has invalid shape {shape!r}")
-    if not is_known_dtype(item.get("dtype")):
-        raise DataCheckError(f"{where}: tensor {name!r} has unknown dtype {item.get('dtype')!r}")
-    fragments = []
-    for frag in _list(item.get("fragments"), f"fragments of {name}", where):
+def _v1_fragments(spec: TensorSpec, frags: object, files: list[tuple[str, int]], where: str) -> tuple[FragmentEntry, ...]:
+    if not isinstance(frags, list):
+        raise DataCheckError(f"{where}: fragments of {spec.name} must be a list")
+    result = []
+    for frag in frags:
         if not isinstance(frag, dict):
-            raise DataCheckError(f"{where}: tensor {name!r} has a fragment that is not an object")
+            raise DataCheckError(f"{where}: tensor {spec.name!r} has a fragment that is not an object")
         index = frag.get("file")
         if type(index) is not int or not 0 <= index < len(files):
-            raise DataCheckError(f"{where}: tensor {name!r} names file index {index!r}, the manifest lists {len(files)} files")
+            raise DataCheckError(f"{where}: tensor {spec.name!r} names file index {short(index)}, the manifest lists {len(files)} files")
         key = frag.get("key")
         if not isinstance(key, str):
-            raise DataCheckError(f"{where}: tensor {name!r} has a fragment with key {key!r}")
-        start = _int(frag.get("start"), f"fragment start of {name}", where)
-        end = _int(frag.get("end"), f"fragment end of {name}", where)
-        crc = _int(frag.get("crc32"), f"crc32 of a fragment of {name}", where)
-        if crc >= 2**32:
-            raise DataCheckError(f"{where}: crc32 {crc} of a fragment of {name!r} is not a 32-bit value")
-        fragments.append(FragmentEntry(files[index].name, key, start, end, crc))
-    fragments.sort(key=lambda f: f.start)
-    return TensorEntry(name, tuple(shape), item["dtype"], tuple(fragments))
+            raise DataCheckError(f"{where}: tensor {spec.name!r} has a fragment with key {short(key)}")
+        start = _int(frag.get("start"), f"fragment start of {spec.name}", where)
+        end = _int(frag.get("end"), f"fragment end of {spec.name}", where)
+        crc = _int(frag.get("crc32"), f"crc32 of a fragment of {spec.name}", where, maximum=2**32 - 1)
+        result.append(FragmentEntry(files[index][0], key, start, end, crc))
+    result.sort(key=lambda f: f.start)
+    position = 0
+    for frag in result:
+        if frag.start != position or frag.end <= frag.start:
+            raise DataCheckError(f"{where}: tensor {spec.name!r}: fragment [{frag.start}, {frag.end}) in {frag.file} "
+                                 f"does not continue at element {position} (gap, overlap or empty)")
+        position = frag.end
+    if position != spec.numel:
+        raise DataCheckError(f"{where}: tensor {spec.name!r}: fragments cover [0, {position}) of {spec.numel} elements")
+    return tuple(result)
 
 
-def manifest_problems(manifest: Manifest) -> list[str]:
-    """Every internal inconsistency of a manifest (no file is opened)."""
-    problems = []
-    names = [t.name for t in manifest.tensors]
-    if len(set(names)) != len(names):
-        problems.append(f"duplicate tensor names {sorted({n for n in names if names.count(n) > 1})[:3]}")
-    file_names = [f.name for f in manifest.files]
-    if len(set(file_names)) != len(file_names):
-        problems.append(f"duplicate file names {sorted({n for n in file_names if file_names.count(n) > 1})[:3]}")
-    used_keys: set[tuple[str, str]] = set()
-    for tensor in manifest.tensors:
-        position = 0
-        for frag in tensor.fragments:
-            if frag.start != position or frag.end <= frag.start:
-                problems.append(f"tensor {tensor.name!r}: fragment [{frag.start}, {frag.end}) in {frag.file} "
-                                f"does not continue at element {position} (gap, overlap or empty)")
-                break
-            position = frag.end
-            if (frag.file, frag.key) in used_keys:
-                problems.append(f"tensor {tensor.name!r}: key {frag.key!r} of {frag.file} is used twice")
-            used_keys.add((frag.file, frag.key))
-        else:
-            if position != tensor.numel:
-                problems.append(f"tensor {tensor.name!r}: fragments cover [0, {position}) of {tensor.numel} elements")
-    stored = set(names)
+def _v1_placement(document: object, world_size: int, where: str) -> Placement:
+    """A v1 "plan": {"kind": "even"} or {"kind": "flat", "units": [{"params": [{"name", "shape"}], "padding"}]}."""
+    if not isinstance(document, dict) or document.get("kind") not in ("flat", "even"):
+        raise DataCheckError(f"{where}: plan must be {{'kind': 'flat'|'even', ...}}, got {short(document)}")
+    if document["kind"] == "even":
+        return Placement.even()
+    units_doc = document.get("units")
+    if not isinstance(units_doc, list):
+        raise DataCheckError(f"{where}: flat plan needs a list of units, got {short(units_doc)}")
+    units, seen = [], set()
+    for index, unit in enumerate(units_doc):
+        params = unit.get("params") if isinstance(unit, dict) else None
+        if not isinstance(params, list):
+            raise DataCheckError(f"{where}: plan unit {index} has no list of params")
+        spec = []
+        for param in params:
+            name = param.get("name") if isinstance(param, dict) else None
+            shape = param.get("shape") if isinstance(param, dict) else None
+            if not isinstance(name, str) or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+                raise DataCheckError(f"{where}: plan unit {index} has an invalid param entry {short(param)}")
+            if name in seen:
+                raise DataCheckError(f"{where}: parameter {name!r} appears twice in the plan")
+            seen.add(name)
+            spec.append((name, tuple(shape)))
+        padding = FlatLayout.from_shapes(spec, world_size).padding
+        if unit.get("padding") != padding:
+            raise DataCheckError(
+                f"{where}: plan unit {index} records padding {short(unit.get('padding'))}, world size {world_size} gives {padding}")
+        units.append(spec)
+    return Placement.flat(units)
+
+
+# ----- fitting a model, and another world size
+def check_compatible(manifest: Manifest, expected: dict[str, tuple[int, ...]], *, strict: bool = True,
+                     where: str = "checkpoint") -> list[str]:
+    """Does the checkpoint fit a model? `expected` maps each tensor the loader wants (model
+    parameters and buffers, `optim.<state>.<param>` names) to its shape. A missing or extra
+    model tensor, or a shape difference, is a `DataCheckError` naming the first offenders;
+    missing optimizer state is fatal only with `strict`. Returns the missing optimizer tensors."""
+    stored = {t.name: t.shape for t in manifest.tensors}
     for alias, target in manifest.aliases.items():
-        if alias in stored or target not in stored:
-            problems.append(f"alias {alias!r} -> {target!r} must name a stored tensor and not be one")
-    shapes = {t.name: t.shape for t in manifest.tensors}
-    for name, shape in manifest.plan.param_shapes().items():
-        if shapes.get(name) != shape:
-            problems.append(f"plan parameter {name!r} has shape {list(shape)}, the tensor table has "
-                            f"{list(shapes[name]) if name in shapes else 'no such tensor'}")
-    return problems
+        stored.setdefault(alias, stored.get(target))
+    wrong = [f"{name} {list(stored[name])} vs model {list(shape)}" for name, shape in expected.items()
+             if name in stored and stored[name] is not None and tuple(stored[name]) != tuple(shape)]
+    if wrong:
+        raise DataCheckError(f"{where}: shapes differ from the model: {', '.join(wrong[:3])}" + _more(wrong))
+    missing_model = [n for n in expected if n not in stored and not is_optimizer_tensor(n)]
+    if missing_model:
+        raise DataCheckError(f"{where}: missing model tensors {missing_model[:3]}" + _more(missing_model)
+                             + " (a checkpoint of another model?)")
+    extra = [n for n in stored if n not in expected and not is_optimizer_tensor(n) and n not in manifest.aliases]
+    if extra:
+        raise DataCheckError(f"{where}: tensors the model does not have: {extra[:3]}" + _more(extra)
+                             + " (a checkpoint of another model?)")
+    missing_optim = [n for n in expected if n not in stored and is_optimizer_tensor(n)]
+    if missing_optim and strict:
+        raise DataCheckError(f"{where}: missing optimizer state {missing_optim[:3]}" + _more(missing_optim)
+                             + "; pass --no-strict to start the optimizer fresh")
+    return missing_optim
 
 
-def build_manifest(*, world_size: int, strategy: str, plan: Plan, records: list[dict], training_state: dict | None = None,
-                   aliases: dict[str, str] | None = None, tensor_order: list[str] | None = None) -> Manifest:
-    """Merge every rank's `write_rank_file` record into a validated manifest.
-
-    Tensor order: `tensor_order` when given, else model tensors before optimizer tensors,
-    each by first appearance in rank order.
-    """
-    files, merged, seen_order = [], {}, []
-    for record in records:
-        files.append(FileEntry(record["file"], record["size"]))
-        for frag in record["fragments"]:
-            name = frag["name"]
-            if name not in merged:
-                merged[name] = (tuple(frag["shape"]), frag["dtype"], [])
-                seen_order.append(name)
-            shape, dtype, fragments = merged[name]
-            if tuple(frag["shape"]) != shape or frag["dtype"] != dtype:
-                raise ValueError(f"tensor {name!r}: {record['file']} says {frag['dtype']}{list(frag['shape'])}, "
-                                 f"another rank said {dtype}{list(shape)}")
-            fragments.append(FragmentEntry(record["file"], frag.get("key", name), frag["start"], frag["end"], frag["crc32"]))
-    if tensor_order is not None:
-        missing = [n for n in seen_order if n not in tensor_order]
-        order = [n for n in tensor_order if n in merged] + missing
-    else:
-        order = sorted(seen_order, key=is_optimizer_tensor)  # stable
-    # a tensor with no elements has no fragments; it still needs an entry, so writers report
-    # it with an empty range: drop those fragments here
-    tensors = tuple(TensorEntry(n, merged[n][0], merged[n][1],
-                                tuple(sorted((f for f in merged[n][2] if f.end > f.start), key=lambda f: f.start)))
-                    for n in order)
-    manifest = Manifest(world_size, strategy, plan, tuple(files), tensors, dict(aliases or {}), dict(training_state or {}))
-    json.dumps(manifest.training_state)  # fails now, with the caller's traceback, if not JSON-able
-    problems = manifest_problems(manifest)
-    if problems:
-        raise ValueError(f"inconsistent checkpoint fragments: {problems[0]}")
-    return manifest
-
-
-def save_manifest(directory: str | Path, manifest: Manifest) -> Path:
-    """Write `directory/manifest.json` (via a temporary name, fsynced, renamed)."""
-    path = Path(directory) / MANIFEST_NAME
-    tmp = path.with_name(MANIFEST_NAME + ".tmp")
-    data = json.dumps(manifest.to_json(), indent=1).encode("utf-8")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+def _more(items: list) -> str:
+    return f" (+{len(items) - 3} more)" if len(items) > 3 else ""
 
 
 PER_RANK_KEY = "per_rank"  # training_state[PER_RANK_KEY]: state that only makes sense at this world size

@@ -1,106 +1,460 @@
-"""Loading from a sharded checkpoint by element ranges (torch side, used by the engine).
+"""The one reader of checkpoint files (no torch): safetensors headers, sharded checkpoints of
+format v2 (and v1), full Hugging Face style checkpoints; every file validated before a data
+byte of it is used. Bytes themselves are read by `bytecopy.ByteCopier` from the
+`SourceTensor`s this module describes.
 
-    reader = CheckpointReader("run")           # run dir (follows `latest`) or a step dir
-    reader.manifest.world_size, reader.training_state, reader.aliases
-    piece = reader.read_range("h.0.attn.weight", ElementRange(4096, 8192))   # 1-D tensor
-    whole = reader.read_tensor("wte.weight")  # shaped; aliases resolve to the stored tensor
+Every file is opened with `open_regular`: O_NONBLOCK (a FIFO in place of a file cannot
+block), then fstat, and anything but a regular file is refused. Nothing outside the checkpoint
+directory is read (`storage.checkpoint_file`). Every problem is a one-line `DataCheckError`
+naming the file.
 
-Construction validates everything before any weight is used: manifest schema, safe file
-names, every file's size and safetensors header against the manifest, fragment coverage
-(`sharded.open_sharded`); errors are `DataCheckError` (exit 3) naming the file.
-`read_range` opens only the files holding overlapping fragments (`safe_open(...).get_slice`).
-The first time a fragment is touched it is read whole and its crc32 checked; later reads of
-the same fragment take just the slice they need. So a rank that loads its own chunk at the
-saved world size reads and verifies exactly its own bytes; at another world size it reads
-each overlapping fragment once in full.
+Sharded, v2: each rank file's size and whole header are derived from the manifest
+(`placement.Layout`); the file must have exactly that size and that header, except the crc32
+hex digits in its `__metadata__`, which give each fragment's checksum. v1: the manifest lists
+files, sizes and fragments; headers are parsed and checked against the listing.
+`open_checkpoint(path)` validates files as they are first touched (a loading rank touches
+only the files its chunk overlaps); `open_sharded(path)` validates every file first (the
+offline commands). `ShardedCheckpoint.source(name)` gives the pieces of a tensor, computed on
+demand, so memory does not grow with world size x tensors.
+
+Safetensors (huggingface/safetensors): 8 bytes little-endian u64 N, N bytes of JSON header
+(`{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`),
+then the byte buffer, which the offsets index with no holes. `read_header(path)` (full and
+v1 files) checks the length against the file size and the 100 MB limit, the JSON (nesting
+capped), every dtype, spans equal to numel * itemsize tiling the buffer exactly, and that
+the file ends where the buffer does.
+
+Full: `model.safetensors`, or `model-0000k-of-0000N.safetensors` plus
+`model.safetensors.index.json`; optimizer state likewise under `optimizer*`; tied weights
+stored once, with `{"fsdpkit_tied_weights": JSON {alias: stored name}}` in the metadata.
+`open_full(path)` accepts a directory holding either layout, a `.safetensors` file or an
+index file (no checksums: full files carry none).
 """
 
 from __future__ import annotations
 
-import zlib
+import bisect
+import os
+import re
+import stat
+import struct
+import sys
+from array import array
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-
-from ..errors import DataCheckError
+from ..errors import DataCheckError, UsageError
 from ..layout import ElementRange
-from .manifest import Manifest, TensorEntry
-from .sharded import open_sharded
-from .writer import SAFETENSORS_TO_TORCH, tensor_bytes
+from .bytecopy import SourcePiece, SourceTensor
+from .format import (CRC_METADATA_KEY, MANIFEST_NAME, MAX_HEADER_BYTES, MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX, OPTIM_SINGLE,
+                     TIED_METADATA_KEY, dtype_info, is_known_dtype, is_safe_file_name, numel, parse_json, rank_file_name)
+from .manifest import Manifest, load_manifest
+from .placement import Layout
+from .storage import checkpoint_file, resolve_checkpoint
+
+_HEX = re.compile(rb"[0-9a-f]*")
+CACHED_PIECES = 256
 
 
-class CheckpointReader:
-    def __init__(self, path: str | Path):
-        self._checkpoint = open_sharded(path)
-        self._entries = self._checkpoint.manifest.tensor_map()
-        self._handles: dict[str, object] = {}
-        self._verified: set[tuple[str, str]] = set()
+def open_regular(path: Path) -> tuple[int, int]:
+    """(fd, size) of a regular file opened read-only without blocking, else a DataCheckError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise DataCheckError(f"{path}: file is missing") from None
+    except IsADirectoryError:
+        raise DataCheckError(f"{path}: is a directory, expected a safetensors file") from None
+    except OSError as error:
+        raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise DataCheckError(f"{path}: not a regular file")
+    return fd, info.st_size
+
+
+def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:
+    data = os.pread(fd, count, offset)
+    while len(data) < count:
+        more = os.pread(fd, count - len(data), offset + len(data))
+        if not more:
+            raise DataCheckError(f"{path}: file ends at byte {offset + len(data)}, {count - len(data)} bytes early")
+        data += more
+    return data
+
+
+# ----- safetensors headers (full and v1 files)
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # byte offsets relative to the start of the data buffer
+    end: int
 
     @property
-    def step_dir(self) -> Path:
-        return self._checkpoint.step_dir
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    path: Path
+    data_start: int  # absolute file offset of the data buffer
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] = field(default_factory=dict)
 
     @property
-    def manifest(self) -> Manifest:
-        return self._checkpoint.manifest
+    def file_size(self) -> int:
+        return self.data_start + max((t.end for t in self.tensors.values()), default=0)
 
-    @property
-    def training_state(self) -> dict:
-        return self.manifest.training_state
 
-    @property
-    def aliases(self) -> dict[str, str]:
-        return self.manifest.aliases
+def read_header(path: str | Path, *, expected_size: int | None = None) -> Header:
+    """Parse and validate the header of a safetensors file (see the module docstring)."""
+    path = Path(path)
+    fd, size = open_regular(path)
+    try:
+        if expected_size is not None and size != expected_size:
+            raise DataCheckError(f"{path}: file is {size} bytes, the manifest says {expected_size}")
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise DataCheckError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise DataCheckError(f"{path}: header claims {header_len} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+        if 8 + header_len > size:
+            raise DataCheckError(f"{path}: header claims {header_len} bytes but the file has only {size} bytes")
+        raw = read_exactly(fd, header_len, 8, path)
+    finally:
+        os.close(fd)
+    header = parse_header_bytes(raw, path=path)
+    end = header.file_size
+    if end != size:
+        raise DataCheckError(f"{path}: data ends at byte {end} but the file is {size} bytes (truncated or extended)")
+    return header
 
-    def tensor_names(self) -> list[str]:
-        return [t.name for t in self.manifest.tensors]
 
-    def tensor(self, name: str) -> TensorEntry:
-        """The manifest entry of `name` (an alias resolves to its stored tensor)."""
-        entry = self._entries.get(self.manifest.aliases.get(name, name))
-        if entry is None:
-            raise KeyError(f"{self.step_dir}: no tensor {name!r} in the checkpoint")
-        return entry
+def parse_header_bytes(raw: bytes, *, path: Path) -> Header:
+    document = parse_json(raw, where=str(path), what="safetensors header")
+    if not isinstance(document, dict):
+        raise DataCheckError(f"{path}: safetensors header is a {type(document).__name__}, expected an object")
+    metadata = document.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise DataCheckError(f"{path}: __metadata__ must map strings to strings")
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in document.items():
+        tensors[name] = _tensor_info(name, entry, path)
+    spans = sorted((t.begin, t.end, name) for name, t in tensors.items())
+    position = 0
+    for begin, end, name in spans:
+        if begin != position:
+            raise DataCheckError(f"{path}: tensor {name!r} starts at byte {begin}, expected {position} (hole or overlap)")
+        position = end
+    return Header(path=path, data_start=8 + len(raw), tensors=tensors, metadata=dict(metadata))
 
-    def _file(self, name: str):
-        if name not in self._handles:
-            self._handles[name] = safe_open(str(self._checkpoint.headers[name].path), framework="pt")
-        return self._handles[name]
 
-    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
-        entry = self.tensor(name)
-        if wanted.end > entry.numel:
-            raise ValueError(f"range [{wanted.start}, {wanted.end}) outside {entry.name!r} of {entry.numel} elements")
-        out = torch.empty(wanted.size, dtype=SAFETENSORS_TO_TORCH[entry.dtype])
-        for frag in entry.fragments:
-            piece = frag.range.intersect(wanted)
-            if not piece.size:
-                continue
-            handle = self._file(frag.file)
-            local = piece.shift(-frag.start)
-            if (frag.file, frag.key) in self._verified:
-                data = handle.get_slice(frag.key)[local.start:local.end]
-            else:
-                whole = handle.get_slice(frag.key)[:]
-                crc = zlib.crc32(tensor_bytes(whole))
-                if crc != frag.crc32:
-                    raise DataCheckError(f"{self.step_dir / frag.file}: checksum mismatch in key {frag.key!r} "
-                                         f"[{frag.start}, {frag.end}): stored crc32 {frag.crc32:08x}, data gives {crc:08x}")
-                self._verified.add((frag.file, frag.key))
-                data = whole[local.start:local.end]
-            out[piece.start - wanted.start: piece.end - wanted.start] = data
-        return out
+def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise DataCheckError(f"{path}: header entry {name!r} is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not is_known_dtype(dtype):
+        raise DataCheckError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise DataCheckError(f"{path}: tensor {name!r} has invalid shape {str(shape)[:80]}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise DataCheckError(f"{path}: tensor {name!r} has invalid data_offsets {str(offsets)[:80]}")
+    expected = numel(shape) * dtype_info(dtype).itemsize
+    if offsets[1] - offsets[0] != expected:
+        raise DataCheckError(
+            f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}")
+    return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
 
-    def read_tensor(self, name: str) -> torch.Tensor:
-        entry = self.tensor(name)
-        return self.read_range(entry.name, ElementRange(0, entry.numel)).reshape(entry.shape)
 
-    def close(self) -> None:
-        self._handles.clear()
+# ----- sharded checkpoints
+class RankFile:
+    """A validated rank file: its fragments in data order (tensor index, byte span, crc32) in
+    compact arrays (a few dozen bytes per fragment), and a lookup by tensor."""
 
-    def __enter__(self) -> "CheckpointReader":
-        return self
+    def __init__(self, path: Path, size: int, data_start: int, tensors: list[int], spans: list[tuple[int, int]], crcs: list[int]):
+        self.path, self.size, self.data_start = path, size, data_start
+        self.tensors = array("q", tensors)
+        self.begins = array("q", [begin for begin, _ in spans])
+        self.ends = array("q", [end for _, end in spans])
+        self.crcs = array("I", crcs)
+        self._sorted: array | None = None  # tensor indices in increasing order, and where each sits (made on first find)
+        self._position: array | None = None
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def find(self, tensor: int) -> tuple[int, int]:
+        """(absolute file offset, crc32) of `tensor`'s fragment in this file."""
+        if self._sorted is None:
+            order = sorted(range(len(self.tensors)), key=self.tensors.__getitem__)
+            self._sorted, self._position = array("q", [self.tensors[i] for i in order]), array("q", order)
+        i = bisect.bisect_left(self._sorted, tensor)
+        if i == len(self._sorted) or self._sorted[i] != tensor:
+            raise KeyError(tensor)
+        position = self._position[i]
+        return self.data_start + self.begins[position], self.crcs[position]
+
+
+class ShardedCheckpoint:
+    def __init__(self, step_dir: Path, manifest: Manifest):
+        self.step_dir, self.manifest = step_dir, manifest
+        self.layout = manifest.layout() if manifest.listing is None else None
+        self._files: dict[int, RankFile] = {}
+        self._v1_index: dict[str, tuple[int, list]] | None = None  # v1: file name -> (position, [(tensor, fragment)])
+        self._located: dict[int, list[tuple[int, ElementRange]]] = {}  # tensor -> (file, range) of its fragments, if few
+
+    # ----- files
+    def file_names(self) -> list[str]:
+        if self.manifest.listing is not None:
+            return [name for name, _ in self.manifest.listing.files]
+        return [rank_file_name(rank, self.manifest.world_size) for rank in range(self.manifest.world_size)]
+
+    def rank_file(self, index: int, *, cache: bool = True) -> RankFile:
+        """File `index` (a rank in v2, a position in the listing in v1), validated on first use."""
+        found = self._files.get(index)
+        if found is None:
+            found = self._validate_v2(index) if self.layout is not None else self._validate_v1(index)
+            if cache:
+                self._files[index] = found
+        return found
+
+    def _validate_v2(self, rank: int) -> RankFile:
+        expected = self.layout.file_layout(rank)
+        path = checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.world_size))
+        fd, size = open_regular(path)
+        try:
+            if size != expected.size:
+                raise DataCheckError(f"{path}: file is {size} bytes, the layout the manifest gives has {expected.size} "
+                                     f"(truncated, extended or from another checkpoint)")
+            raw = read_exactly(fd, len(expected.header), 0, path)
+        finally:
+            os.close(fd)
+        if raw[:8] != expected.header[:8]:
+            raise DataCheckError(f"{path}: header claims {struct.unpack('<Q', raw[:8])[0]} bytes, the layout the manifest "
+                                 f"gives has {len(expected.header) - 8}")
+        crc_end = expected.crc_offset + 8 * len(expected.fragments)
+        if raw[:expected.crc_offset] != expected.header[:expected.crc_offset] or raw[crc_end:] != expected.header[crc_end:]:
+            at = next(i for i, (a, b) in enumerate(zip(raw, expected.header)) if a != b and not expected.crc_offset <= i < crc_end)
+            raise DataCheckError(f"{path}: header differs from the layout the manifest gives at byte {at} "
+                                 f"({raw[max(at - 20, 0):at + 20].decode('ascii', 'replace')!r})")
+        digits = raw[expected.crc_offset:crc_end]
+        if not _HEX.fullmatch(digits):
+            raise DataCheckError(f"{path}: {CRC_METADATA_KEY} holds characters other than lowercase hex digits")
+        crcs = array("I", bytes.fromhex(digits.decode("ascii")))
+        if sys.byteorder == "little":
+            crcs.byteswap()
+        return RankFile(path, size, expected.data_start, [f.tensor for f in expected.fragments], list(expected.spans), list(crcs))
+
+    def _validate_v1(self, index: int) -> RankFile:
+        name, size = self.manifest.listing.files[index]
+        header = read_header(checkpoint_file(self.step_dir, name), expected_size=size)
+        tensors, spans, crcs, keys = [], [], [], set()
+        for t, frag in self._v1_files()[name][1]:
+            spec = self.manifest.tensors[t]
+            keys.add(frag.key)
+            info = header.tensors.get(frag.key)
+            where = f"{header.path}: key {frag.key!r} (tensor {spec.name!r} [{frag.start}, {frag.end}))"
+            if info is None:
+                raise DataCheckError(f"{where} is missing from the file")
+            if info.dtype != spec.dtype:
+                raise DataCheckError(f"{where} has dtype {info.dtype}, the manifest says {spec.dtype}")
+            if info.shape != (frag.end - frag.start,):
+                raise DataCheckError(f"{where} has shape {list(info.shape)}, the manifest says [{frag.end - frag.start}]")
+            tensors.append(t)
+            spans.append((info.begin, info.end))
+            crcs.append(frag.crc32)
+        extra = sorted(set(header.tensors) - keys)
+        if extra:
+            raise DataCheckError(f"{header.path}: keys {extra[:3]} are not in the manifest")
+        order = sorted(range(len(spans)), key=lambda i: spans[i])
+        return RankFile(header.path, size, header.data_start, [tensors[i] for i in order], [spans[i] for i in order],
+                        [crcs[i] for i in order])
+
+    def _v1_files(self) -> dict[str, tuple[int, list]]:
+        if self._v1_index is None:
+            self._v1_index = {name: (i, []) for i, name in enumerate(self.file_names())}
+            for t, spec in enumerate(self.manifest.tensors):
+                for frag in self.manifest.listing.fragments[spec.name]:
+                    self._v1_index[frag.file][1].append((t, frag))
+        return self._v1_index
+
+    def check_files(self) -> list[str]:
+        """Validate every file (and that the directory holds nothing else); one line per problem."""
+        problems = []
+        for index in range(len(self.file_names())):
+            try:
+                self.rank_file(index)
+            except DataCheckError as error:
+                problems.append(str(error))
+        return problems + self.unexpected_files()
+
+    def unexpected_files(self) -> list[str]:
+        expected = set(self.file_names()) | {MANIFEST_NAME}
+        extra = sorted(entry.name for entry in os.scandir(self.step_dir) if entry.name not in expected)
+        if not extra:
+            return []
+        return [f"{self.step_dir}: holds files the manifest does not account for: {extra[:3]}"
+                + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")]
+
+    # ----- tensors
+    def source(self, name: str) -> SourceTensor:
+        index = self.manifest.tensor_index(name)
+        spec = self.manifest.tensors[index]
+        return _Source(spec.name, spec.shape, spec.dtype, self, index)
+
+    def sources(self) -> list[SourceTensor]:
+        return [self.source(t.name) for t in self.manifest.tensors]
+
+    def pieces(self, tensor: int, wanted: ElementRange) -> list[SourcePiece]:
+        """The pieces of `tensor` that meet `wanted`, in order; only their files are validated
+        (and only once). Where the fragments of a tensor of few fragments lie is worked out once;
+        for one of many (a large world size), only for the range asked for."""
+        located = self._located.get(tensor)
+        if located is None and self._fragment_count(tensor) <= CACHED_PIECES:
+            located = self._located[tensor] = self._locate(tensor, None)
+        if located is None:
+            located = self._locate(tensor, wanted)
+        else:
+            located = [(i, rng) for i, rng in located if rng.start < wanted.end and wanted.start < rng.end]
+        spec = self.manifest.tensors[tensor]
+        itemsize = dtype_info(spec.dtype).itemsize
+        pieces = []
+        for index, rng in located:
+            rank_file = self.rank_file(index)
+            offset, crc = rank_file.find(tensor)
+            pieces.append(SourcePiece(rng, rank_file.path, offset, rng.size * itemsize, crc, spec.name))
+        return pieces
+
+    def _fragment_count(self, tensor: int) -> int:
+        if self.layout is None:
+            return len(self.manifest.listing.fragments[self.manifest.tensors[tensor].name])
+        return self.layout.piece_count(tensor)
+
+    def _locate(self, tensor: int, wanted: ElementRange | None) -> list[tuple[int, ElementRange]]:
+        """(file index, range) of the fragments of `tensor` meeting `wanted` (all when None)."""
+        if self.layout is not None:
+            return self.layout.pieces(tensor, wanted)
+        files = self._v1_files()
+        return [(files[f.file][0], f.range) for f in self.manifest.listing.fragments[self.manifest.tensors[tensor].name]
+                if wanted is None or (f.start < wanted.end and wanted.start < f.end)]
+
+
+class _Source(SourceTensor):
+    """A tensor of a sharded checkpoint; its pieces are found when a range is asked for."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, checkpoint: ShardedCheckpoint, index: int):
+        super().__init__(name, shape, dtype)
+        object.__setattr__(self, "_checkpoint", checkpoint)
+        object.__setattr__(self, "_index", index)
+
+    def pieces_in(self, wanted: ElementRange) -> list[SourcePiece]:
+        return self._checkpoint.pieces(self._index, wanted) if wanted.size else []
+
+
+def open_checkpoint(path: str | Path) -> ShardedCheckpoint:
+    """A sharded checkpoint (run dir, following `latest`, or step dir) with a validated manifest;
+    files are validated as they are first touched."""
+    step_dir = resolve_checkpoint(path)
+    return ShardedCheckpoint(step_dir, load_manifest(step_dir))
+
+
+def open_sharded(path: str | Path) -> ShardedCheckpoint:
+    """The same, with every file validated first."""
+    checkpoint = open_checkpoint(path)
+    problems = checkpoint.check_files()
+    if problems:
+        more = f" (and {len(problems) - 1} more problems; run fsdpkit verify)" if len(problems) > 1 else ""
+        raise DataCheckError(problems[0] + more)
+    return checkpoint
+
+
+# ----- full checkpoints
+@dataclass(frozen=True)
+class FullCheckpoint:
+    root: Path
+    files: tuple[Path, ...]
+    tensors: tuple[SourceTensor, ...]
+    aliases: dict[str, str]
+
+
+def is_full_checkpoint(path: Path) -> bool:
+    """A `.safetensors` or index file, or a directory holding model.safetensors or its index
+    (whatever they are: `open_full` refuses what is not a regular file)."""
+    return (not path.is_dir() and path.suffix in (".safetensors", ".json") and path.exists()) or (
+        path.is_dir() and ((path / MODEL_SINGLE).exists() or (path / MODEL_INDEX).exists()))
+
+
+def open_full(path: str | Path, *, with_optimizer: bool = False) -> FullCheckpoint:
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{path}: does not exist")
+    if not path.is_dir():
+        root = path.parent
+        files = _index_files(path) if path.name.endswith(".json") else [path]
+    elif (path / MODEL_INDEX).exists():
+        root, files = path, _index_files(checkpoint_file(path, MODEL_INDEX))
+    elif (path / MODEL_SINGLE).exists():
+        root, files = path, [checkpoint_file(path, MODEL_SINGLE)]
+    else:
+        raise DataCheckError(f"{path}: not a full safetensors checkpoint (no {MODEL_SINGLE}, no {MODEL_INDEX})")
+    if with_optimizer:
+        if (root / OPTIM_INDEX).exists():
+            files += _index_files(checkpoint_file(root, OPTIM_INDEX))
+        elif (root / OPTIM_SINGLE).exists():
+            files.append(checkpoint_file(root, OPTIM_SINGLE))
+        else:
+            raise DataCheckError(f"{root}: --with-optimizer given but there is no {OPTIM_SINGLE} or {OPTIM_INDEX}")
+    tensors, aliases, seen = [], {}, {}
+    for file in files:
+        header = read_header(file)
+        aliases.update(_tied(header))
+        for name, info in header.tensors.items():
+            if name in seen:
+                raise DataCheckError(f"{file}: tensor {name!r} is also in {seen[name]}")
+            seen[name] = file
+            piece = SourcePiece(ElementRange(0, info.nbytes // dtype_info(info.dtype).itemsize), file,
+                                header.data_start + info.begin, info.nbytes, None, name)
+            tensors.append(SourceTensor(name, info.shape, info.dtype, (piece,) if info.nbytes else ()))
+    return FullCheckpoint(root, tuple(files), tuple(tensors), aliases)
+
+
+def _index_files(index_path: Path) -> list[Path]:
+    fd, size = open_regular(index_path)
+    try:
+        if size > MAX_HEADER_BYTES:
+            raise DataCheckError(f"{index_path}: {size} bytes, over the {MAX_HEADER_BYTES}-byte limit for an index")
+        raw = read_exactly(fd, size, 0, index_path)
+    finally:
+        os.close(fd)
+    document = parse_json(raw, where=str(index_path), what="index")
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise DataCheckError(f"{index_path}: no weight_map object")
+    names = []
+    for tensor, file in weight_map.items():
+        if not is_safe_file_name(file):
+            raise DataCheckError(f"{index_path}: tensor {tensor!r} maps to {str(file)[:80]!r}, not a file name inside the directory")
+        if file not in names:
+            names.append(file)
+    files = [checkpoint_file(index_path.parent, name) for name in names]
+    for file in files:
+        header = read_header(file)
+        listed = {t for t, f in weight_map.items() if f == file.name}
+        if listed != set(header.tensors):
+            diff = sorted(listed ^ set(header.tensors))
+            raise DataCheckError(f"{file}: holds tensors that disagree with {index_path.name}: {diff[:3]}")
+    return files
+
+
+def _tied(header: Header) -> dict[str, str]:
+    raw = header.metadata.get(TIED_METADATA_KEY)
+    if raw is None:
+        return {}
+    aliases = parse_json(raw.encode("utf-8"), where=f"{header.path}: metadata {TIED_METADATA_KEY}")
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise DataCheckError(f"{header.path}: metadata {TIED_METADATA_KEY} must map names to names")
+    return aliases

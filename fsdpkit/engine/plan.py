@@ -141,24 +141,3 @@ def plan_units(root: nn.Module, policy: WrapPolicy) -> list[UnitPlan]:
         )
         params_of[owner].append(ParamPlan(name, tuple(param.shape), tuple(param_uses), param.requires_grad))
     return [UnitPlan(members, tuple(params_of[members])) for members in members_of if params_of[members]]
-
-
-def default_policy_for_model(model_name: str) -> WrapPolicy:
-    from ..models.registry import default_unit_classes
-
-    classes = default_unit_classes(model_name)
-    return WrapPolicy(module_classes=classes) if classes else WrapPolicy()
-
-
-def unit_plan_for_model(name: str, world_size: int) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """The flat-parameter plan of a model by name under its default wrap policy, built on
-    the meta device: a list of units, each an ordered list of (parameter name, shape).
-
-    `world_size` is validated here; lay a unit out with FlatLayout.from_shapes(unit, world_size).
-    """
-    from ..models.registry import build_model
-
-    if world_size < 1:
-        raise UsageError(f"world size must be >= 1, got {world_size}")
-    model = build_model(name, device="meta")
-    return [[(p.name, p.shape) for p in unit.params] for unit in plan_units(model, default_policy_for_model(name))]

@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ..checkpoint.state import check_before_launch
 from ..errors import UsageError
 from ..launch import launch
-from .checkpointing import check_before_launch
+from ..models.registry import build_model
 from .config import Device, TrainConfig
 from .data import read_byte_tokens
 from .loop import train_worker
@@ -43,12 +44,14 @@ def validate(config: TrainConfig, world_size: int) -> None:
     if config.logging.tensorboard:
         check_tensorboard_installed()
         check_writable_directory(config.logging.tensorboard, "--tensorboard")
-    policy = wrap_policy(config.model)
-    if checkpoint.resume:
-        check_before_launch(checkpoint.resume, model_name=config.model.name, policy=policy,
-                            optimizer=config.optimizer.name.value, strict=checkpoint.strict)
-    if checkpoint.init_from:
-        check_before_launch(checkpoint.init_from, model_name=config.model.name, policy=policy, optimizer=None, strict=False)
+    wrap_policy(config.model)  # every --wrap class occurs in the model
+    if checkpoint.resume or checkpoint.init_from:
+        model = build_model(config.model.name, device="meta")
+        if checkpoint.resume:
+            check_before_launch(checkpoint.resume, model=model, optimizer_type=config.optimizer.name.torch_class,
+                                strict=checkpoint.strict)
+        if checkpoint.init_from:
+            check_before_launch(checkpoint.init_from, model=model, optimizer_type=None, strict=False)
 
 
 def check_writable_directory(path: str, flag: str) -> None:

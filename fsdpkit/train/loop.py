@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fsdpkit
 
-from .checkpointing import init_weights_from
+from ..checkpoint.state import init_weights_from
 from .config import Device, Optimizer, OptimizerConfig, TrainConfig, precision_names
 from .data import TokenSource, local_rows
 from .metrics import MetricsLog

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..engine.plan import WrapPolicy, default_policy_for_model
+from ..engine.plan import WrapPolicy
+from ..models.units import default_policy_for_model
 from ..errors import UsageError
 from ..models.registry import build_model, is_builtin, load_object
 from .config import ModelConfig

@@ -1,6 +1,6 @@
 """`fsdpkit inspect`: what a checkpoint holds, as a JSON-able dict (headers only, no data read).
 
-Sharded: format and version, world size, strategy, plan kind and units, step and samples
+Sharded: format and version, world size, strategy, placement kind and units, step and samples
 (from the training state), tensor counts and bytes for the model and the optimizer,
 dtypes, the largest tensors, files with sizes, tied-weight aliases. Full checkpoints: files,
 tensors, bytes, dtypes, largest tensors. Invalid checkpoints raise `DataCheckError`.
@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, dtype_info, is_optimizer_tensor, numel
-from .full import is_full_checkpoint, open_full
-from .sharded import open_sharded
+from ..format import FORMAT_NAME, MANIFEST_NAME, dtype_info, is_optimizer_tensor, numel
+from ..reader import is_full_checkpoint, open_full, open_sharded
 
 LARGEST = 5
 
@@ -43,13 +42,14 @@ def summarize(path: str | Path) -> dict:
     checkpoint = open_sharded(path)
     manifest = checkpoint.manifest
     state = manifest.training_state
+    files = [checkpoint.rank_file(index) for index in range(len(checkpoint.file_names()))]
     summary = {
-        "path": str(checkpoint.step_dir), "format": FORMAT_NAME, "version": FORMAT_VERSION,
+        "path": str(checkpoint.step_dir), "format": FORMAT_NAME, "version": manifest.version,
         "world_size": manifest.world_size, "strategy": manifest.strategy,
-        "plan": manifest.plan.kind, "units": len(manifest.plan.units),
+        "placement": manifest.placement.kind, "units": len(manifest.placement.units),
         "step": state.get("step"), "samples": state.get("samples"),
-        "fragments": sum(len(t.fragments) for t in manifest.tensors),
-        "files": [{"name": f.name, "size": f.size} for f in manifest.files],
+        "fragments": sum(len(f) for f in files),
+        "files": [{"name": f.path.name, "size": f.size} for f in files],
         "aliases": manifest.aliases,
     }
     summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in manifest.tensors]))

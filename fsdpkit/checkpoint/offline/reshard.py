@@ -1,6 +1,6 @@
 """`fsdpkit reshard`: a sharded checkpoint of world size W -> the same checkpoint for M ranks.
 
-Pure range arithmetic and byte copies (no torch, no processes): the manifest's plan (the
+Pure range arithmetic and byte copies (no torch, no processes): the manifest's placement (the
 model's flat-parameter units, or an even split) is laid out again at M, every new fragment is
 read from the overlapping old fragments in bounded memory (`--chunk-size`), old checksums are
 verified as their bytes pass, new ones computed. Model and optimizer state both move; the
@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import UsageError
+from ...errors import UsageError
+from ..bytecopy import DEFAULT_CHUNK_SIZE
+from ..manifest import resharded_training_state
+from ..reader import open_sharded
+from ..storage import staged_output
+from ..writer import write_sharded
 from .convert import Progress, _progress_callback
-from .manifest import resharded_training_state
-from .output import staged_output
-from .sharded import open_sharded
-from .sharded_out import write_sharded
-from .streamcopy import DEFAULT_CHUNK_SIZE, ByteCopier
 
 
 def reshard(src: str | Path, dst: str | Path, *, world_size: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
-            overwrite: bool = False, progress: Progress | None = None, warn=None) -> dict:
+            overwrite: bool = False, progress: Progress | None = None, warn=None, workers: int | None = None) -> dict:
     if world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
     checkpoint = open_sharded(src)
@@ -33,9 +33,9 @@ def reshard(src: str | Path, dst: str | Path, *, world_size: int, chunk_size: in
     sources = checkpoint.sources()
     total = sum(s.nbytes for s in sources)
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=total + world_size * 65536) as tmp:
-        copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
-        manifest = write_sharded(tmp, sources=sources, plan=old.plan, world_size=world_size, strategy=old.strategy,
-                                 training_state=state, aliases=old.aliases, cast_to=None, copier=copier)
+        written = write_sharded(tmp, sources=sources, placement=old.placement, world_size=world_size, strategy=old.strategy,
+                                 training_state=state, aliases=old.aliases, cast_to=None, chunk_size=chunk_size,
+                                progress=_progress_callback(progress, total), workers=workers)
     return {"src": str(checkpoint.step_dir), "dst": str(dst), "from_world_size": old.world_size,
-            "world_size": world_size, "plan": old.plan.kind, "files": [f.name for f in manifest.files],
-            "tensors": len(manifest.tensors), "bytes": sum(f.size for f in manifest.files), "warnings": warnings}
+            "world_size": world_size, "placement": old.placement.kind, "files": written.files,
+            "tensors": len(written.manifest.tensors), "bytes": written.bytes, "warnings": warnings}

@@ -1,0 +1,162 @@
+"""Checkpoints at large world sizes: `fsdpkit reshard` 2 -> W and `fsdpkit verify` of the result,
+against `cp -r` + `sync` of that same result directory (same bytes, same number of files).
+
+    .venv/bin/python benchmarks/checkpoint_scale.py                         # gpt2-medium + AdamW, W up to 16384
+    .venv/bin/python benchmarks/checkpoint_scale.py --model gpt-small --world-sizes 4 64 --json
+
+Makes one source checkpoint at --source-world-size ranks (format 2, the model's flat-parameter
+placement, random weights and AdamW state: exp_avg, exp_avg_sq, step), then for each W, each
+in its own process, timed with a final `sync` included:
+
+- fsdpkit reshard SRC OUT --world-size W   (peak RSS: the process's VmHWM)
+- cp -r OUT COPY + sync                    (the baseline: the disk's and the filesystem's limit)
+- fsdpkit verify OUT                       (every header and checksum)
+
+and reports times, ratios to the copy, peak RSS (the command's process, and the largest of the
+worker processes it starts from 256 files on: one per CPU, at most 8) and the manifest's size. Targets (issue 14):
+reshard <= 1.5x the copy, verify <= 2x, peak RSS <= 300 MB whatever W, manifest <= 1 MB.
+Free disk is checked first; outputs are deleted once measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fsdpkit.sizes import format_size  # noqa: E402  (torch-free imports only here)
+
+SETUP = r"""
+import math, sys, torch
+from pathlib import Path
+from fsdpkit.checkpoint import storage
+from fsdpkit.checkpoint.manifest import Manifest
+from fsdpkit.checkpoint.placement import TensorSpec
+from fsdpkit.checkpoint.state import write_rank
+from fsdpkit.layout import ElementRange
+from fsdpkit.models.units import placement_for_model
+
+run, model, world = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+placement = placement_for_model(model)
+params = [(n, s) for unit in placement.units for n, s in unit]
+table = [TensorSpec(n, "F32", s) for n, s in params]
+table += [TensorSpec(f"optim.{k}.{n}", "F32", s) for k in ("exp_avg", "exp_avg_sq") for n, s in params]
+table += [TensorSpec(f"optim.step.{n}", "F32", ()) for n, _ in params]
+
+
+class Generated(dict):
+    # each tensor made when first asked for, whole, so memory stays about one tensor
+    def __missing__(self, name):
+        self.clear()
+        spec = next(t for t in table if t.name == name)
+        g = torch.Generator().manual_seed(hash(name) % 2**31)
+        data = torch.full((1,), 1000.0) if name.startswith("optim.step.") else torch.randn(max(spec.numel, 1), generator=g)[:spec.numel]
+        self[name] = (ElementRange(0, spec.numel), data)
+        return self[name]
+
+
+manifest = Manifest(world, "full", placement, tuple(table), {}, {"step": 1000})
+tmp = storage.begin(run, 1000)
+for rank in range(world):
+    write_rank(tmp, manifest, rank, Generated())
+storage.commit(tmp, run, 1000, manifest)
+print(sum(t.nbytes for t in table))
+"""
+
+# VmHWM, the peak RSS of the process's own address space, and the largest of its worker
+# processes' (convert/reshard/verify use one per CPU from 256 files on), printed last on stderr
+PEAK = """
+import resource, sys
+try:
+    from fsdpkit_cli.app import main
+    main()
+finally:
+    status = open("/proc/self/status").read()
+    print("VmHWM", status.split("VmHWM:")[1].split()[0], resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)
+"""
+
+
+def timed(command: list[str]) -> dict:
+    """Wall time of `command` plus a final `sync`; its peak RSS when it reports one."""
+    start = time.perf_counter()
+    proc = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    subprocess.run(["sync"], check=True)
+    seconds = time.perf_counter() - start
+    lines = proc.stderr.strip().splitlines()
+    peak = int(lines[-1].split()[1]) * 1024 if lines and lines[-1].startswith("VmHWM") else None
+    worker = int(lines[-1].split()[2]) * 1024 if peak is not None else None
+    if proc.returncode:
+        raise SystemExit(f"error: {' '.join(command[:6])} ... failed: {lines[-2 if peak else -1] if lines else proc.returncode}")
+    return {"seconds": seconds, "peak_rss": peak, "worker_peak_rss": worker}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt2-medium", help="model whose parameter shapes are used (fsdpkit registry)")
+    parser.add_argument("--source-world-size", type=int, default=2)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[4, 64, 1024, 4096, 16384])
+    parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    args = parser.parse_args(argv)
+
+    python = sys.executable
+    fsdpkit = [python, "-c", PEAK]
+    work = Path(tempfile.mkdtemp(prefix="fsdpkit-ckpt-scale-", dir=args.workdir))
+    try:
+        src = work / "src"
+        print(f"setting up {args.model} + AdamW state at W={args.source_world_size} in {work} ...", file=sys.stderr)
+        setup = subprocess.run([python, "-c", SETUP, str(src), args.model, str(args.source_world_size)],
+                               capture_output=True, text=True)
+        if setup.returncode:
+            print(setup.stderr, file=sys.stderr)
+            return 1
+        data_bytes = int(setup.stdout.split()[-1])
+        free = shutil.disk_usage(work).free
+        if free < data_bytes * 3.2:
+            print(f"error: needs about {format_size(int(data_bytes * 3.2))} free in {work}, {format_size(free)} free", file=sys.stderr)
+            return 1
+        subprocess.run(["sync"], check=True)
+        rows = []
+        for world in args.world_sizes:
+            out, copy = work / "out", work / "copy"
+            print(f"W={world}: reshard, cp -r, verify ...", file=sys.stderr)
+            reshard = timed(fsdpkit + ["reshard", str(src), str(out), "--world-size", str(world)])
+            cp = timed(["cp", "-r", str(out), str(copy)])
+            shutil.rmtree(copy)
+            subprocess.run(["sync"], check=True)
+            verify = timed(fsdpkit + ["verify", str(out)])
+            rows.append({"world_size": world, "files": world, "reshard_s": reshard["seconds"], "cp_s": cp["seconds"],
+                         "reshard_vs_cp": reshard["seconds"] / cp["seconds"], "reshard_peak_rss": reshard["peak_rss"],
+                         "reshard_worker_peak_rss": reshard["worker_peak_rss"],
+                         "verify_s": verify["seconds"], "verify_vs_cp": verify["seconds"] / cp["seconds"],
+                         "verify_peak_rss": verify["peak_rss"], "manifest_bytes": (out / "manifest.json").stat().st_size})
+            shutil.rmtree(out)
+            subprocess.run(["sync"], check=True)
+        document = {"model": args.model, "bytes": data_bytes, "source_world_size": args.source_world_size, "results": rows}
+        if args.json:
+            print(json.dumps(document))
+        else:
+            print(f"# {args.model} + AdamW state: {format_size(data_bytes)}; reshard {args.source_world_size} -> W, "
+                  f"times include a final sync")
+            print(f"{'W':>7}{'reshard s':>11}{'cp -r s':>9}{'x cp':>7}{'peak RSS':>11}{'worker RSS':>12}{'verify s':>10}"
+                  f"{'x cp':>7}{'verify RSS':>12}{'manifest':>11}")
+            for r in rows:
+                worker = format_size(r["reshard_worker_peak_rss"]) if r["reshard_worker_peak_rss"] else "-"
+                print(f"{r['world_size']:>7}{r['reshard_s']:>11.2f}{r['cp_s']:>9.2f}{r['reshard_vs_cp']:>7.2f}"
+                      f"{format_size(r['reshard_peak_rss']):>11}{worker:>12}{r['verify_s']:>10.2f}{r['verify_vs_cp']:>7.2f}"
+                      f"{format_size(r['verify_peak_rss']):>12}{format_size(r['manifest_bytes']):>11}")
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""`fsdpkit convert`: sharded <-> full safetensors checkpoints, streaming, no torch.
+
+`convert_to_full(src, dst, ...)`: a sharded checkpoint (run or step directory) -> a Hugging
+Face-style directory (`model.safetensors` or `model-0000k-of-0000N.safetensors` + index;
+with `with_optimizer`, `optimizer*` files likewise). `convert_to_sharded(src, dst, ...)`: a
+full checkpoint -> an fsdpkit sharded checkpoint for `world_size` ranks, laid out by the
+placement given (a model's flat-parameter units: `fsdpkit.models.units.placement_for_model`) or,
+without one, an even split per tensor. Both validate SRC completely first, check free disk, write
+under a temporary name and rename (see `storage.staged_output`), copy through a `ByteCopier` (memory
+bounded by `chunk_size`), verify source checksums as they read, and cast floats to
+`cast_to` ("F32", "F16", "BF16") on the way out. They return a JSON-able summary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from ...errors import DataCheckError, UsageError
+from ...layout import ElementRange
+from ..bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
+from ..format import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, dtype_info, is_optimizer_tensor, nbytes, output_dtype
+from ..placement import Placement
+from ..reader import open_full, open_sharded
+from ..storage import staged_output
+from ..writer import StreamingWriter, write_sharded
+
+Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
+
+
+def _progress_callback(progress: Progress | None, total: int):
+    if progress is None:
+        return None
+    progress(0, total)
+    return lambda done: progress(done, total)
+
+
+def convert_to_full(src: str | Path, dst: str | Path, *, max_shard_size: int | None = None, cast_to: str | None = None,
+                    with_optimizer: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False,
+                    progress: Progress | None = None) -> dict:
+    checkpoint = open_sharded(src)
+    sources = checkpoint.sources()
+    model = [t for t in sources if not is_optimizer_tensor(t.name)]
+    optim = [t for t in sources if is_optimizer_tensor(t.name)]
+    if with_optimizer and not optim:
+        raise DataCheckError(f"{checkpoint.step_dir}: --with-optimizer given but the checkpoint has no optimizer state")
+    outputs = [("model", model)] + ([("optimizer", optim)] if with_optimizer else [])
+    file_groups = []
+    for prefix, tensors in outputs:
+        entries = [(t.name, output_dtype(t.dtype, cast_to), t.shape) for t in tensors]
+        file_groups.append((prefix, split_into_files(entries, prefix=prefix, max_shard_size=max_shard_size)))
+    total = sum(t.nbytes for _, tensors in outputs for t in tensors)
+    out_total = sum(nbytes(shape, dtype) for _, files in file_groups for _, group in files for _, dtype, shape in group)
+    metadata = {"format": "pt"}
+    if checkpoint.manifest.aliases:
+        metadata[TIED_METADATA_KEY] = json.dumps(checkpoint.manifest.aliases, sort_keys=True)
+    by_name = {t.name: t for _, tensors in outputs for t in tensors}
+    written = []
+    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
+        copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
+        for prefix, files in file_groups:
+            for file_name, group in files:
+                _write_full_file(tmp / file_name, group, by_name, copier, metadata)
+                written.append(file_name)
+            if len(files) > 1:
+                index_name = MODEL_INDEX if prefix == "model" else OPTIM_INDEX
+                (tmp / index_name).write_text(json.dumps(index_document(files), indent=2) + "\n")
+                written.append(index_name)
+        copier.finish()
+    return {"src": str(checkpoint.step_dir), "dst": str(dst), "to": "full", "files": written,
+            "tensors": len(by_name), "bytes": out_total, "dtype": cast_to}
+
+
+def _write_full_file(path: Path, group, by_name: dict[str, SourceTensor], copier: ByteCopier, metadata: dict) -> None:
+    with StreamingWriter(path, group, metadata=metadata, write_behind=True, sync=False) as writer:  # staged_output syncs
+        for name, info in writer.order:
+            source = by_name[name]
+            copier.copy(source, ElementRange(0, source.numel), info.dtype, writer.write)
+
+
+def check_placement_matches(placement: Placement, sources: list[SourceTensor], *, where: Path, source: str) -> None:
+    shapes = {s.name: s.shape for s in sources}
+    missing = [name for name in placement.param_shapes() if name not in shapes]
+    wrong = [f"{name} {list(shapes[name])} (model: {list(shape)})"
+             for name, shape in placement.param_shapes().items() if name in shapes and shapes[name] != shape]
+    if missing or wrong:
+        detail = f"missing {missing[:3]}" if missing else f"different shapes {wrong[:3]}"
+        raise DataCheckError(f"{where}: does not match {source}: {detail}")
+
+
+def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, placement: Placement | None = None,
+                       placement_source: str = "the placement", cast_to: str | None = None, with_optimizer: bool = False, strategy: str = "full",
+                       chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False, progress: Progress | None = None,
+                       workers: int | None = None) -> dict:
+    if world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world_size}")
+    full = open_full(src, with_optimizer=with_optimizer)
+    sources = list(full.tensors)
+    if placement is None:
+        placement = Placement.even()
+    else:
+        check_placement_matches(placement, sources, where=Path(src), source=placement_source)
+    total = sum(s.nbytes for s in sources)
+    out_total = sum(s.numel * dtype_info(output_dtype(s.dtype, cast_to)).itemsize for s in sources)
+    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + world_size * 65536) as tmp:
+        written = write_sharded(tmp, sources=sources, placement=placement, world_size=world_size, strategy=strategy,
+                                training_state={}, aliases=full.aliases, cast_to=cast_to, chunk_size=chunk_size,
+                                progress=_progress_callback(progress, total), workers=workers)
+    return {"src": str(src), "dst": str(dst), "to": "sharded", "world_size": world_size, "placement": placement.kind,
+            "files": written.files, "tensors": len(written.manifest.tensors), "bytes": written.bytes, "dtype": cast_to}
+
+
+def split_into_files(tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+    """Greedy split of (name, dtype, shape) in order into files of at most `max_shard_size` bytes
+    (a tensor larger than that gets a file of its own). One file is `<prefix>.safetensors`."""
+    groups: list[list] = [[]]
+    size = 0
+    for entry in tensors:
+        tensor_bytes = nbytes(entry[2], entry[1])
+        if max_shard_size is not None and groups[-1] and size + tensor_bytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += tensor_bytes
+    if len(groups) == 1:
+        return [(f"{prefix}.safetensors", groups[0])]
+    count = len(groups)
+    return [(f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors", group) for i, group in enumerate(groups)]
+
+
+def index_document(files: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> dict:
+    total = sum(nbytes(shape, dtype) for _, group in files for _, dtype, shape in group)
+    return {"metadata": {"total_size": total},
+            "weight_map": {name: file for file, group in files for name, _, _ in group}}
