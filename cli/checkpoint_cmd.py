@@ -108,6 +108,8 @@ def convert(
                                         with_optimizer=with_optimizer, chunk_size=chunk, overwrite=overwrite, progress=progress)
     else:
         raise UsageError(f"unknown --to {to!r}: use full or sharded")
+    for line in result.get("warnings", []):
+        typer.echo(f"warning: {line}", err=True)
     _print_result(result, as_json)
 
 
