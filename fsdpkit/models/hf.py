@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +34,7 @@ import torch.nn as nn
 
 from ..checkpoint.export import SIDE_FILES, HfExport
 from ..checkpoint.reader import is_full_checkpoint
+from ..engine.precision import KEEP_DTYPE_ATTR
 from ..errors import UsageError
 
 PREFIX = "hf:"
@@ -60,8 +60,6 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def transformers_module() -> Any:
     """transformers, or the one-line UsageError saying how to install it."""
-    if os.environ.get("FSDPKIT_TEST_HIDE_TRANSFORMERS"):  # tests: behave as if the extra were missing
-        raise UsageError(INSTALL_HINT)
     try:
         return importlib.import_module("transformers")
     except ImportError:
@@ -125,6 +123,9 @@ def build(config: Any, device: str | torch.device, seed: int) -> nn.Module:
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_parameter = initializer(model, seed)
+    for module in model.modules():  # transformers computes rotary embeddings in fp32 from these
+        if "RotaryEmbedding" in type(module).__name__:
+            module.__dict__[KEEP_DTYPE_ATTR] = frozenset(name for name, b in module._buffers.items() if b is not None)
     if meta:
         _compute_buffers(model)
     else:
