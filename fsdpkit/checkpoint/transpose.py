@@ -55,8 +55,7 @@ def restore_layout(full: FullCheckpoint, scratch: Path, *, chunk_size: int) -> t
         if original is None:
             raise DataCheckError(f"{full.root}: tensor {tensor.name!r} does not follow the export layout the files record "
                                  f"(prefix {layout.prefix!r})")
-        shape = tuple(reversed(tensor.shape)) if layout.is_transposed(original, tuple(reversed(tensor.shape))) else tensor.shape
-        if shape != tensor.shape:
+        if layout.is_transposed(original, tuple(reversed(tensor.shape))):  # square ones too (attn.c_proj)
             back.append((original, tensor))
         else:
             renamed.append(SourceTensor(original, tensor.shape, tensor.dtype, tensor.pieces))

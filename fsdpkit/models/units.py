@@ -30,6 +30,14 @@ def unit_plan_for_model(name: str) -> list[list[tuple[str, tuple[int, ...]]]]:
     return [[(p.name, p.shape) for p in unit.params] for unit in plan_units(model, default_policy(source, model))]
 
 
+def aliases_for_model(name: str) -> dict[str, str]:
+    """Tied parameters of a model by name: {other name: canonical name} (the first in
+    named_parameters order, as the engine and checkpoints name them)."""
+    model = resolve(name).build(device="meta")
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    return {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canonical[id(p)] != n}
+
+
 def placement_for_model(name: str):
     """The checkpoint placement that lays tensors out as the engine shards model `name`."""
     from ..checkpoint.placement import Placement

@@ -137,19 +137,25 @@ def check_placement_matches(placement: Placement, sources: list[SourceTensor], *
 
 
 def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, placement: Placement | None = None,
-                       placement_source: str = "the placement", cast_to: str | None = None, with_optimizer: bool = False, strategy: str = "full",
+                       placement_source: str = "the placement", aliases: dict[str, str] | None = None,
+                       cast_to: str | None = None, with_optimizer: bool = False, strategy: str = "full",
                        chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False, progress: Progress | None = None,
                        workers: int | None = None) -> dict:
+    """`aliases`: the model's tied names ({alias: stored name}), for files that store a tied
+    weight once without saying so (transformers' save_pretrained)."""
     if world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
     full = open_full(src, with_optimizer=with_optimizer)
-    sources, aliases = list(full.tensors), full.aliases
+    sources = list(full.tensors)
     restore = full.layout is not None and not (placement is not None and _names_match(placement, sources))
     total = sum(s.nbytes for s in sources)
     out_total = sum(s.numel * dtype_info(output_dtype(s.dtype, cast_to)).itemsize for s in sources)
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=2 * out_total + world_size * 65536) as tmp:
+        stored = full.aliases
         if restore:
-            sources, aliases = restore_layout(full, tmp / SCRATCH_NAME, chunk_size=chunk_size)
+            sources, stored = restore_layout(full, tmp / SCRATCH_NAME, chunk_size=chunk_size)
+        names = {s.name for s in sources}
+        aliases = {**{a: t for a, t in (aliases or {}).items() if a not in names and t in names}, **stored}
         if placement is None:
             placement = Placement.even()
         else:
