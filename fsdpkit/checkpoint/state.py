@@ -12,8 +12,11 @@ Optimizer state tensors are `optim.<state>.<param name>`, laid out like their pa
 scalar state (Adam's step) lives with its parameter's first element. Tied weights are stored
 once with their alias recorded. With hybrid or no sharding, only the first replica writes.
 
-Also here: starting from a full or sharded checkpoint's weights (`init_weights_from`), and the
-check, on a model built on the meta device, that a checkpoint fits it (`check_before_launch`).
+Also here: starting from a full or sharded checkpoint's weights (`init_weights_from`; a full
+checkpoint whose files record an export layout is read back in fsdpkit's names and orientation,
+`RestoredReader`), and the check, on a model built on the meta device, that a checkpoint fits it
+(`check_before_launch`). A save records the model's export recipe (`export.EXPORT_ATTR`, set by
+its model source) in the training state, for `convert --to full`.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tiny": ("Qwen2Config", dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)),
-    # Big enough that compute, not communication, dominates a CPU step (benchmarks/engine.py): 11.3M parameters.
+    # Big enough that compute, not communication, dominates a CPU step (benchmarks/engine.py): 11.0M parameters.
     "llama-bench": ("LlamaConfig", dict(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
                                         bos_token_id=0, eos_token_id=0)),

@@ -159,11 +159,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Held-out loss, in eval mode (no dropout)."""
         data = self.config.data
         losses = []
-        for index in range(data.eval_batches):
-            batch = self.data.global_batch(index, data.global_batch_size, held_out=True)
-            losses.append(self._loss_on(local_rows(batch, self.rank, self.world_size)).item())
+        self.model.eval()
+        try:
+            for index in range(data.eval_batches):
+                batch = self.data.global_batch(index, data.global_batch_size, held_out=True)
+                losses.append(self._loss_on(local_rows(batch, self.rank, self.world_size)).item())
+        finally:
+            self.model.train()
         return self._global_mean(sum(losses) / len(losses))
 
 

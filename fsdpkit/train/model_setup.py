@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from ..engine.plan import WrapPolicy
@@ -70,6 +71,7 @@ def build_for_training(config: ModelConfig, source: ModelSource, seed: int, *, w
     for sources whose initialisation is the same either way): built on the meta device and
     materialised unit by unit by fsdpkit.shard. With `weights_follow` (a checkpoint will
     overwrite every parameter) a deferred model's parameters are not drawn at all."""
+    torch.manual_seed(seed)  # the same random stream on every rank (dropout), kept in checkpoints
     deferred = source.deferred_init if config.deferred_init is None else config.deferred_init
     model = source.build(device="meta" if deferred else "cpu", seed=seed)
     if deferred and weights_follow and callable(getattr(model, "init_parameter", None)):
