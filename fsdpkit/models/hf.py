@@ -174,8 +174,11 @@ class _Slots:
 
     def __init__(self, model: nn.Module):
         modules = dict(model.named_modules(remove_duplicate=False))
-        self.params = [(modules[m], attr, p.shape, p.dtype) for m, attr, p in _owned(model, "_parameters")]
-        self.buffers = [(modules[m], attr, b.shape, b.dtype) for m, attr, b in _owned(model, "_buffers")]
+        # (module, attribute, its meta placeholder), made once: writes to a meta tensor do nothing
+        self.params = [(modules[m], attr, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
+                       for m, attr, p in _owned(model, "_parameters")]
+        self.buffers = [(modules[m], attr, torch.empty(b.shape, dtype=b.dtype, device="meta"))
+                        for m, attr, b in _owned(model, "_buffers")]
         self.groups: dict[str, list[tuple[nn.Module, str]]] = {}  # canonical name -> every slot of that parameter
         first: dict[int, str] = {}
         for m, attr, param in _owned(model, "_parameters"):
@@ -204,13 +207,14 @@ class _placeholders:
 
     def __enter__(self):
         for kind, slots in (("_parameters", self.slots.params), ("_buffers", self.slots.buffers)):
-            for module, attr, shape, dtype in slots:
+            for module, attr, placeholder in slots:
                 table = getattr(module, kind)
                 self.saved.append((table, attr, table[attr]))
-                tensor = self.keep.get((id(module), attr))
-                if tensor is None:
-                    tensor = torch.empty(shape, dtype=dtype, device="meta")
-                table[attr] = nn.Parameter(tensor, requires_grad=False) if kind == "_parameters" else tensor
+                kept = self.keep.get((id(module), attr))
+                if kept is None:
+                    table[attr] = placeholder
+                else:
+                    table[attr] = nn.Parameter(kept, requires_grad=False) if kind == "_parameters" else kept
         return self
 
     def __exit__(self, *exc) -> None:
