@@ -358,7 +358,11 @@ def test_init_is_per_parameter_deterministic_and_order_free():
 def test_exported_builtin_gpt_reads_back_in_its_own_layout(launches, tmp_path):
     """--init-from and convert --to sharded undo the GPT-2 layout an export recorded."""
     results, runs = launches(2)
-    _convert(runs / "builtin", tmp_path / "hf")
+    script = ("import sys; from fsdpkit_cli.app import app; "
+              "code = app(sys.argv[1:], standalone_mode=False); print(code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script, "convert", str(runs / "builtin"), str(tmp_path / "hf"), "--to", "full"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.split()[-2:] == ["0", "False"], (done.stdout, done.stderr)  # transposes without torch
     trained = results["builtin"]["weights"]
     with full_reader(tmp_path / "hf", ["h.0.attn.c_attn.weight"]) as reader:
         from fsdpkit.layout import ElementRange
