@@ -1,7 +1,7 @@
 # Set-up and entry points. `make train` and `make test` work on a machine with only Python:
 # they create .venv, install the CPU build of torch (override TORCH_SPEC / TORCH_INDEX for
-# another build) and fsdpkit itself with its optional extras (plot, tensorboard: the tests
-# cover them; the core needs neither), then run.
+# another build) and fsdpkit itself with its optional extras (plot, tensorboard, hf: the tests
+# cover them; the core needs none of them), then run.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,plot,tensorboard]"
+	$(PY) -m pip install --quiet -e ".[test,plot,tensorboard,hf]"
 	touch $(STAMP)
 
 train: install

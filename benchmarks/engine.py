@@ -11,6 +11,7 @@ runs) with the median and the 25-75% range. Every system must end at the same lo
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engine.py --model gpt-small --nproc-per-node 2
     .venv/bin/python benchmarks/engine.py --model gpt-tiny --ablation      # prefetch / limiter on and off
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engine.py --model hf:llama-bench --seq-len 256   # transformers Llama
     .venv/bin/python benchmarks/engine.py --model gpt2 --backend nccl --mixed-precision bf16 --batch 16 --seq-len 1024
 
 On CUDA it also reports model TFLOP/s per GPU (6 * parameters * tokens / time / ranks) and
@@ -38,6 +39,7 @@ from tensor_memory import peak_training_bytes  # noqa: E402
 
 from fsdpkit.launch import LaunchOptions, launch  # noqa: E402
 from fsdpkit.models.registry import build_model  # noqa: E402
+from fsdpkit.models.source import resolve  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402
 
 ABLATION = {  # label -> fsdpkit.shard options (the paper's prefetch / rate-limiter tables)
@@ -95,7 +97,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
 
     rank0 = dist.get_rank() == 0
     variants = _variants(args)
-    data = TokenSource("synthetic", vocab_size=build_model(args.model, device="meta").vocab_size, seq_len=args.seq_len, seed=0)
+    data = TokenSource("synthetic", vocab_size=resolve(args.model).vocab_size or build_model(args.model, device="meta").vocab_size,
+                       seq_len=args.seq_len, seed=0)
 
     def settings_for(options: dict) -> RunSettings:
         return RunSettings(model=args.model, batch=args.batch, seq_len=args.seq_len, mixed_precision=args.mixed_precision,
@@ -200,7 +203,8 @@ def format_table(summary: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt-small", help="gpt-tiny, gpt-small, gpt2, ...")
+    parser.add_argument("--model", default="gpt-small", help="gpt-tiny, gpt-small, gpt2, ..., hf:PRESET|DIR (e.g. hf:llama-bench), "
+                        "package.module:factory")
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -15,8 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdpkit
-from fsdpkit.models.gpt import Block
-from fsdpkit.models.registry import build_model
+from fsdpkit.models.source import resolve
 from fsdpkit.train.data import TokenSource, local_rows
 
 SYSTEMS = ("fsdpkit", "fsdp2", "fsdp1", "ddp")
@@ -39,6 +38,7 @@ class System:
     name: str
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, tokens) -> logits
     autocast: bool = False
     step: int = 0
     last_loss: float = float("nan")
@@ -59,15 +59,24 @@ def _name_groups(model: nn.Module, plain_decay: set[str]) -> list[dict[str, Any]
     return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def bench_model(name: str, seed: int) -> tuple[nn.Module, tuple[type[nn.Module], ...], Callable]:
+    """The model (built-in, package.module:factory or hf:...) through fsdpkit's model source:
+    built eagerly on the CPU, the classes every sharded system wraps (the source's units:
+    GPT blocks, a transformers model's decoder layers), and its logits function."""
+    source = resolve(name)
+    model = source.build(device="cpu", seed=seed)
+    return model, source.unit_classes(model), source.logits
+
+
 def build_system(kind: str, settings: RunSettings, device: torch.device, *, label: str | None = None) -> System:
-    torch.manual_seed(settings.seed)
-    model = build_model(settings.model).to(device)
+    model, units, logits = bench_model(settings.model, settings.seed)
+    model = model.to(device)
     decay = {name for name, param in model.named_parameters() if param.dim() >= 2}
     bf16 = settings.mixed_precision == "bf16"
     autocast = False
     if kind == "fsdpkit":
         options, _ = supported_engine_options(settings.engine_options)
-        model = fsdpkit.shard(model, wrap=(Block,), mixed_precision=settings.mixed_precision, device=device, **options)
+        model = fsdpkit.shard(model, wrap=units, mixed_precision=settings.mixed_precision, device=device, **options)
         groups = fsdpkit.param_groups(model, weight_decay=WEIGHT_DECAY)
     elif kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -75,7 +84,7 @@ def build_system(kind: str, settings: RunSettings, device: torch.device, *, labe
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
-        for block in model.h:
+        for block in [module for module in model.modules() if isinstance(module, units)]:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         groups = _name_groups(model, decay)
@@ -84,7 +93,7 @@ def build_system(kind: str, settings: RunSettings, device: torch.device, *, labe
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else None
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(set(units)), use_orig_params=True,
                                          device_id=device, mixed_precision=precision)
         groups = _name_groups(model, decay)
     elif kind == "ddp":
@@ -97,7 +106,7 @@ def build_system(kind: str, settings: RunSettings, device: torch.device, *, labe
     else:
         raise ValueError(f"unknown system {kind!r}: use one of {', '.join(SYSTEMS)}")
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
-    return System(label or kind, model, optimizer, autocast=autocast)
+    return System(label or kind, model, optimizer, logits, autocast=autocast)
 
 
 def train_steps(system: System, data: TokenSource, settings: RunSettings, device: torch.device, steps: int) -> None:
@@ -107,7 +116,7 @@ def train_steps(system: System, data: TokenSource, settings: RunSettings, device
         batch = local_rows(data.global_batch(system.step, settings.batch), rank, world).to(device)
         cast = torch.autocast(device.type, dtype=torch.bfloat16) if system.autocast else contextlib.nullcontext()
         with cast:
-            logits = system.model(batch[:, :-1])
+            logits = system.logits(system.model, batch[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         system.optimizer.step()

@@ -145,6 +145,7 @@ def _register_commands() -> None:
     # Each command lives in its own module; importing it registers it on `app` (train: LAZY_COMMANDS).
     from . import bench_cmd  # noqa: F401
     from . import checkpoint_cmd  # noqa: F401
+    from . import data_cmd  # noqa: F401
     from . import plan_cmd  # noqa: F401
     from . import report_cmd  # noqa: F401
 

@@ -98,16 +98,19 @@ def convert(
         if max_shard_size is not None:
             raise UsageError("--max-shard-size applies to --to full only")
         ranks = _world(world_size)
-        placement = None
+        placement, aliases = None, {}
         if model is not None:
-            from fsdpkit.models.units import placement_for_model  # builds the model on the meta device: imports torch
+            from fsdpkit.models.units import aliases_for_model, placement_for_model  # builds on the meta device: imports torch
 
-            placement = placement_for_model(model)
+            placement, aliases = placement_for_model(model), aliases_for_model(model)
         with _progress_bar("convert", True) as progress:
-            result = convert_to_sharded(src, dst, world_size=ranks, placement=placement, placement_source=f"model {model!r}", cast_to=cast_to,
+            result = convert_to_sharded(src, dst, world_size=ranks, placement=placement, placement_source=f"model {model!r}",
+                                        aliases=aliases, cast_to=cast_to,
                                         with_optimizer=with_optimizer, chunk_size=chunk, overwrite=overwrite, progress=progress)
     else:
         raise UsageError(f"unknown --to {to!r}: use full or sharded")
+    for line in result.get("warnings", []):
+        typer.echo(f"warning: {line}", err=True)
     _print_result(result, as_json)
 
 

@@ -55,7 +55,7 @@ def format_plan(plan) -> str:
 @app.command("plan", short_help="Per-rank memory of a sharded run before launching it (meta device, no GPU needed).")
 @handle_errors
 def plan_command(
-    model: Annotated[str, typer.Option("--model", help="A built-in model (gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or package.module:factory.")],
+    model: Annotated[str, typer.Option("--model", help="A built-in model (gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl), hf:PRESET|DIR or package.module:factory.")],
     world_size: Annotated[int, typer.Option("--world-size", help="Ranks in the data-parallel group.")],
     strategy: Annotated[str, typer.Option("--strategy", help="full | grad-op | hybrid | none.")] = "full",
     shard_group_size: Annotated[Optional[int], typer.Option("--shard-group-size", help="Ranks a parameter is sharded over (hybrid only).")] = None,

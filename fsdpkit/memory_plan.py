@@ -213,18 +213,19 @@ def plan_from_sizes(units: list[UnitSizes], request: PlanRequest, *, num_params:
 def plan_memory(request: PlanRequest, *, shard_rank: int = 0) -> MemoryPlan:
     """Build `request.model` on the meta device and plan its per-rank memory."""
     from .engine.plan import plan_units
-    from .models.units import default_policy_for_model
-    from .models.registry import build_model
+    from .models.source import resolve
+    from .models.units import default_policy
 
     factor = request.sharding.shard_factor(request.world_size)
     if not 0 <= shard_rank < factor:
         raise UsageError(f"shard rank {shard_rank} is outside the shard group of {factor} ranks")
-    model = build_model(request.model, device="meta")
+    source = resolve(request.model)
+    model = source.build(device="meta", seed=0)
     dtypes = {param.dtype for param in model.parameters()}
     if len(dtypes) != 1:
         raise UsageError(f"model {request.model!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
     master_bytes = torch.empty(0, dtype=dtypes.pop()).element_size()
-    plans = plan_units(model, default_policy_for_model(request.model))
+    plans = plan_units(model, default_policy(source, model))
     sizes = unit_sizes(plans, factor, shard_rank=shard_rank, master_bytes=master_bytes)
     return plan_from_sizes(sizes, request, num_params=sum(p.numel() for p in model.parameters()))
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from ..errors import DataCheckError, UsageError
 from ..layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
+from .export import Layout, layout_of
 from .format import (CRC_METADATA_KEY, MANIFEST_NAME, MAX_HEADER_BYTES, MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX, OPTIM_SINGLE,
                      TIED_METADATA_KEY, dtype_info, is_known_dtype, is_safe_file_name, numel, parse_json, rank_file_name)
 from .manifest import Manifest, load_manifest
@@ -379,6 +380,7 @@ class FullCheckpoint:
     files: tuple[Path, ...]
     tensors: tuple[SourceTensor, ...]
     aliases: dict[str, str]
+    layout: Layout | None = None  # names/orientation were changed on export (export.py): how to undo it
 
 
 def is_full_checkpoint(path: Path) -> bool:
@@ -408,10 +410,11 @@ def open_full(path: str | Path, *, with_optimizer: bool = False) -> FullCheckpoi
             files.append(checkpoint_file(root, OPTIM_SINGLE))
         else:
             raise DataCheckError(f"{root}: --with-optimizer given but there is no {OPTIM_SINGLE} or {OPTIM_INDEX}")
-    tensors, aliases, seen = [], {}, {}
+    tensors, aliases, seen, layout = [], {}, {}, None
     for file in files:
         header = read_header(file)
         aliases.update(_tied(header))
+        layout = layout or layout_of(header.metadata, where=str(file))
         for name, info in header.tensors.items():
             if name in seen:
                 raise DataCheckError(f"{file}: tensor {name!r} is also in {seen[name]}")
@@ -419,7 +422,7 @@ def open_full(path: str | Path, *, with_optimizer: bool = False) -> FullCheckpoi
             piece = SourcePiece(ElementRange(0, info.nbytes // dtype_info(info.dtype).itemsize), file,
                                 header.data_start + info.begin, info.nbytes, None, name)
             tensors.append(SourceTensor(name, info.shape, info.dtype, (piece,) if info.nbytes else ()))
-    return FullCheckpoint(root, tuple(files), tuple(tensors), aliases)
+    return FullCheckpoint(root, tuple(files), tuple(tensors), aliases, layout)
 
 
 def _index_files(index_path: Path) -> list[Path]:

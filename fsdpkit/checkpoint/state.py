@@ -12,8 +12,11 @@ Optimizer state tensors are `optim.<state>.<param name>`, laid out like their pa
 scalar state (Adam's step) lives with its parameter's first element. Tied weights are stored
 once with their alias recorded. With hybrid or no sharding, only the first replica writes.
 
-Also here: starting from a full or sharded checkpoint's weights (`init_weights_from`), and the
-check, on a model built on the meta device, that a checkpoint fits it (`check_before_launch`).
+Also here: starting from a full or sharded checkpoint's weights (`init_weights_from`; a full
+checkpoint whose files record an export layout is read back in fsdpkit's names and orientation,
+`RestoredReader`), and the check, on a model built on the meta device, that a checkpoint fits it
+(`check_before_launch`). A save records the model's export recipe (`export.EXPORT_ATTR`, set by
+its model source) in the training state, for `convert --to full`.
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ from ..errors import DataCheckError, RunError
 from ..layout import ElementRange
 from . import storage
 from .bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
+from .export import EXPORT_ATTR, EXPORT_STATE_KEY
 from .format import optim_tensor_name, rank_file_name
 from .lock import process_identity, run_id_of
 from .manifest import Manifest, check_compatible
 from .placement import Placement, TensorSpec
-from .reader import is_full_checkpoint, open_checkpoint, open_full, open_sharded
+from .reader import FullCheckpoint, is_full_checkpoint, open_checkpoint, open_full, open_sharded
 from .writer import RankFileWriter
 
 OPTIMIZER_STATE_KEYS = {"AdamW": ("exp_avg", "exp_avg_sq", "step"), "Adam": ("exp_avg", "exp_avg_sq", "step")}
@@ -143,9 +147,53 @@ class CheckpointReader(TensorReader):
         return [(piece.path.name, piece.range) for piece in source.pieces_in(ElementRange(0, source.numel))]
 
 
-def full_reader(path: str | os.PathLike) -> TensorReader:
-    """A full (Hugging Face style) checkpoint's tensors, tied aliases resolved."""
+class RestoredReader(TensorReader):
+    """A full checkpoint written with an export layout (`checkpoint/export.py`: the built-in GPT
+    in GPT-2's names and Conv1D orientation), read under fsdpkit's names and orientation. An
+    element range of a transposed weight is read as one short run from each stored row, so a
+    rank still reads about the bytes it owns."""
+
+    def __init__(self, full: FullCheckpoint):
+        layout = full.layout
+        sources, self._stored = [], {}
+        for tensor in full.tensors:
+            name = layout.original_name(tensor.name)
+            if name is None:
+                continue
+            shape = tuple(reversed(tensor.shape))
+            if layout.is_transposed(name, shape):
+                self._stored[name] = tensor
+                sources.append(SourceTensor(name, shape, tensor.dtype))
+            else:
+                sources.append(SourceTensor(name, tensor.shape, tensor.dtype, tensor.pieces))
+        aliases = {layout.original_name(a) or a: layout.original_name(t) or t for a, t in full.aliases.items()}
+        super().__init__(sources, aliases)
+
+    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
+        source = self.source(name)
+        stored = self._stored.get(source.name)
+        if stored is None:
+            return super().read_range(name, wanted)
+        rows, cols = source.shape  # fsdpkit's orientation; the file holds the (cols, rows) transpose
+        out = torch.empty(wanted.size, dtype=SAFETENSORS_TO_TORCH[source.dtype])
+        if not wanted.size:
+            return out
+        first, last = wanted.start // cols, (wanted.end - 1) // cols + 1
+        block = torch.empty(cols, last - first, dtype=out.dtype)
+        for column in range(cols):
+            run = ElementRange(column * rows + first, column * rows + last)
+            self._copier.read_into(stored, run, memoryview(block[column].view(torch.uint8).numpy()))
+        return block.t().reshape(-1)[wanted.start - first * cols: wanted.end - first * cols].clone()
+
+
+def full_reader(path: str | os.PathLike, names: list[str] = ()) -> TensorReader:
+    """A full (Hugging Face style) checkpoint's tensors, tied aliases resolved. When its files
+    record an export layout and the `names` asked for are not there as stored, they are read
+    through the layout (RestoredReader)."""
     full = open_full(path)
+    stored = {t.name for t in full.tensors} | set(full.aliases)
+    if full.layout is not None and not all(name in stored for name in names):
+        return RestoredReader(full)
     return TensorReader(list(full.tensors), full.aliases)
 
 
@@ -285,6 +333,9 @@ class Checkpointer:
         table, local = tensor_table(view, self.module, self.optimizer, copy=self.async_save and view.writes_shards)
         state = dict(training_state or {})
         state["optimizer"] = optimizer_hyperparameters(self.module, self.optimizer)
+        export = self.module.__dict__.get(EXPORT_ATTR)  # how convert hands it to transformers (export.py)
+        if export is not None:
+            state[EXPORT_STATE_KEY] = export.to_json()
         manifest = Manifest(view.shard_factor, view.strategy,
                             Placement.flat([[(p.name, p.shape) for p in unit.params] for unit in view.units]),
                             tuple(table), {alias: p.name for unit in view.units for p in unit.params for alias in p.aliases},
@@ -439,8 +490,9 @@ def init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
         Checkpointer(module, None).load(path, strict=False)
         return
     view = describe(module)
-    with full_reader(path) as reader:
-        _check_full(reader, expected_tensors(_view_params(view), _buffer_shapes(module), None), path)
+    expected = expected_tensors(_view_params(view), _buffer_shapes(module), None)
+    with full_reader(path, list(expected)) as reader:
+        _check_full(reader, expected, path)
         load_weights(view, module, reader)
 
 
@@ -460,8 +512,9 @@ def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer_
     when resuming, None when only the weights are wanted."""
     params, buffers = _model_params(model), _buffer_shapes(model)
     if is_full_checkpoint(Path(path)) and optimizer_type is None:
-        with full_reader(path) as reader:
-            _check_full(reader, expected_tensors(params, buffers, None), path)
+        expected = expected_tensors(params, buffers, None)
+        with full_reader(path, list(expected)) as reader:
+            _check_full(reader, expected, path)
         return
     with CheckpointReader(path) as reader:
         stateless = stateless_params(reader.training_state)

@@ -18,7 +18,7 @@ from .flat_unit import SHAPE_ATTR
 from .memory import optimizer_state_bytes
 from .deferred_init import has_meta_tensors, initialize_meta_parameters, materialize_buffers, meta_parameter_names
 from .mesh import build_mesh
-from .precision import FP32_MODULE_CLASSES, keep_in_fp32
+from .precision import FP32_MODULE_CLASSES, KEEP_DTYPE_ATTR, keep_in_fp32
 from .plan import WrapPolicy, plan_units
 from .sharded import STATE_ATTR, ShardedState, get_state
 
@@ -72,7 +72,7 @@ def shard(
     for buffer_owner in module.modules():
         for name, buffer in buffer_owner._buffers.items():
             if buffer is not None:
-                buffer_owner._buffers[name] = _place_buffer(buffer, buffer_owner, device, config.mixed_precision)
+                buffer_owner._buffers[name] = _place_buffer(buffer, name, buffer_owner, device, config.mixed_precision)
     plans = plan_units(module, _as_policy(wrap))
     meta_names = meta_parameter_names(module) if deferred else set()
     state = ShardedState(module, plans, mesh, config, Collectives(comm_stats), device, record_events=record_events)
@@ -125,9 +125,12 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _place_buffer(buffer: torch.Tensor, owner: nn.Module, device: torch.device, mixed_precision: MixedPrecision) -> torch.Tensor:
-    """On `device`; floating buffers in buffer_dtype, except batch-norm statistics (fp32)."""
-    if buffer.is_floating_point() and mixed_precision.buffer_dtype is not None and not isinstance(owner, FP32_MODULE_CLASSES):
+def _place_buffer(buffer: torch.Tensor, name: str, owner: nn.Module, device: torch.device,
+                  mixed_precision: MixedPrecision) -> torch.Tensor:
+    """On `device`; floating buffers in buffer_dtype, except batch-norm statistics (fp32) and
+    those the owner lists in KEEP_DTYPE_ATTR (rotary frequencies a module computes with in fp32)."""
+    if (buffer.is_floating_point() and mixed_precision.buffer_dtype is not None and not isinstance(owner, FP32_MODULE_CLASSES)
+            and name not in getattr(owner, KEEP_DTYPE_ATTR, ())):
         return buffer.to(device=device, dtype=mixed_precision.buffer_dtype)
     return buffer.to(device)
 

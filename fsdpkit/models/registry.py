@@ -1,4 +1,8 @@
-"""Built-in models by name, and user models given as `package.module:factory`."""
+"""Built-in models by name, and objects named `package.module:attr` (model factories, --wrap classes).
+
+Every model, built-in or not, is resolved into a model source (fsdpkit/models/source.py);
+`build_model` is that source's build for callers that need only the module.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UsageError
-from .gpt import GPT, Block, GPTConfig
+from .gpt import GPTConfig
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64),
@@ -22,6 +26,10 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
 }
 DEFAULT_MODEL = "gpt-tiny"
+MODEL_HELP = ("gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl; hf:PRESET (gpt2-tiny, llama-tiny, "
+              "qwen2-tiny, llama-bench) or hf:DIR (a transformers config.json, optional safetensors weights and "
+              "tokenizer; needs the [hf] extra); or package.module:factory (a zero-argument function returning "
+              "the nn.Module).")
 
 
 def is_builtin(name: str) -> bool:
@@ -32,7 +40,8 @@ def load_object(spec: str, *, what: str) -> object:
     """Import `package.module:attr`, looking in the current directory too (as `python -m` does)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise UsageError(f"{what} {spec!r} is neither a built-in model ({', '.join(GPT_CONFIGS)}) nor of the form package.module:name")
+        raise UsageError(f"{what} {spec!r} is neither a built-in model ({', '.join(GPT_CONFIGS)}), hf:PRESET|DIR, "
+                         "nor of the form package.module:name")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -45,27 +54,17 @@ def load_object(spec: str, *, what: str) -> object:
         raise UsageError(f"module {module_name!r} has no attribute {attr!r} ({what} {spec!r})") from None
 
 
-def model_factory(name: str) -> Callable[[], nn.Module]:
-    """A zero-argument callable that builds the model `name` (validated now, built later)."""
-    if name in GPT_CONFIGS:
-        config = GPT_CONFIGS[name]
-        return lambda: GPT(config)
-    factory = load_object(name, what="model factory")
-    if not callable(factory):
-        raise UsageError(f"model factory {name!r} is not callable")
-    return factory
-
-
 def build_model(name: str, *, device: str | torch.device = "cpu") -> nn.Module:
-    """Build a model by name on `device` (use 'meta' to build nothing real)."""
-    factory = model_factory(name)
-    with torch.device(device):
-        model = factory()
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"model factory {name!r} returned {type(model).__name__}, not an nn.Module")
-    return model
+    """Build a model by name on `device` (use 'meta' to build nothing real), from the torch
+    seed already set."""
+    from .source import resolve
+
+    return resolve(name).build(device=device)
 
 
-def default_unit_classes(name: str) -> tuple[type[nn.Module], ...] | None:
-    """The classes that form units for a built-in model (None: use the ModuleList rule)."""
-    return (Block,) if name in GPT_CONFIGS else None
+def model_factory(name: str) -> Callable[[], nn.Module]:
+    """A zero-argument callable that builds model `name` on the current default device."""
+    from .source import resolve
+
+    source = resolve(name)
+    return lambda: source.build(device=torch.get_default_device())

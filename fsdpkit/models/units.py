@@ -1,23 +1,41 @@
-"""A named model's units: its default wrap policy, the flat-parameter unit plan that policy
-gives (built on the meta device), and that plan as a checkpoint placement (`convert --model`)."""
+"""A model's units: its default wrap policy, the flat-parameter unit plan that policy gives
+(built on the meta device), and that plan as a checkpoint placement (`convert --model`)."""
 
 from __future__ import annotations
 
+import torch.nn as nn
+
 from ..engine.plan import WrapPolicy, plan_units
-from .registry import build_model, default_unit_classes
+from .source import ModelSource, resolve
 
 
-def default_policy_for_model(model_name: str) -> WrapPolicy:
-    classes = default_unit_classes(model_name)
+def default_policy(source: ModelSource, model: nn.Module) -> WrapPolicy:
+    """Units of the classes the source names (built-in GPT blocks, a transformers model's
+    decoder layers), else each element of every nn.ModuleList."""
+    classes = source.unit_classes(model)
     return WrapPolicy(module_classes=classes) if classes else WrapPolicy()
+
+
+def default_policy_for_model(name: str) -> WrapPolicy:
+    source = resolve(name)
+    return default_policy(source, source.build(device="meta"))
 
 
 def unit_plan_for_model(name: str) -> list[list[tuple[str, tuple[int, ...]]]]:
     """The flat-parameter plan of a model by name under its default wrap policy: a list of
     units, each an ordered list of (parameter name, shape). Lay a unit out for a sharding
     factor with `FlatLayout.from_shapes(unit, factor)`."""
-    model = build_model(name, device="meta")
-    return [[(p.name, p.shape) for p in unit.params] for unit in plan_units(model, default_policy_for_model(name))]
+    source = resolve(name)
+    model = source.build(device="meta")
+    return [[(p.name, p.shape) for p in unit.params] for unit in plan_units(model, default_policy(source, model))]
+
+
+def aliases_for_model(name: str) -> dict[str, str]:
+    """Tied parameters of a model by name: {other name: canonical name} (the first in
+    named_parameters order, as the engine and checkpoints name them)."""
+    model = resolve(name).build(device="meta")
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    return {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canonical[id(p)] != n}
 
 
 def placement_for_model(name: str):

@@ -18,6 +18,8 @@ from typing import Any, Mapping
 from ..engine.config import BACKWARD_PREFETCH, STRATEGIES, MixedPrecision, ShardingConfig
 from ..errors import UsageError
 from ..launch import LaunchOptions
+from ..models.registry import DEFAULT_MODEL, MODEL_HELP
+from ..tokens import TokenDtype
 from ..settings import Section, Setting, setting, settings_of
 
 
@@ -59,18 +61,16 @@ def _at_least(value: int | float | None, minimum: int | float, flag: str) -> Non
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = setting("gpt-tiny", "gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl, or "
-                        "package.module:factory (a zero-argument function returning the nn.Module).", flag="--model",
-                        metavar="NAME")
+    name: str = setting(DEFAULT_MODEL, MODEL_HELP, flag="--model", metavar="NAME")
     vocab_size: int | None = setting(None, "Vocabulary size, if the model has no vocab_size attribute.")
     wrap: tuple[str, ...] = setting((), "package.module:ClassName whose instances are units (repeatable); "
-                                    "default: each transformer block, or each element of every nn.ModuleList.",
-                                    metavar="CLASS")
+                                    "default: each transformer block (a transformers model's _no_split_modules), "
+                                    "or each element of every nn.ModuleList.", metavar="CLASS")
     wrap_min_params: int | None = setting(None, "Also make a unit of every module holding at least N parameters "
                                           "not already in a nested unit.")
     wrap_every: int = setting(1, "K consecutive blocks per unit.")
     deferred_init: bool | None = setting(None, "Build on the meta device and materialise one unit at a time "
-                                         "(default: on for built-in models).", panel="Memory",
+                                         "(default: on for built-in and hf: models).", panel="Memory",
                                          off_flag="--eager-init")
 
     def __post_init__(self) -> None:
@@ -81,8 +81,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = setting("synthetic", "'synthetic' (seeded, learnable) or a text file, read as bytes "
-                          "(90% train, 10% held out).", flag="--data", metavar="FILE")
+    source: str = setting("synthetic", "'synthetic' (seeded, learnable); a .bin file of tokens (nanoGPT-style, "
+                          "memory-mapped; fsdpkit prepare-data writes one); or a text file, tokenised by the "
+                          "model's tokenizer (hf:DIR with one) or read as bytes. Files: 90% train, 10% held out.",
+                          flag="--data", metavar="FILE")
+    token_dtype: TokenDtype = setting(TokenDtype.UINT16, "Element type of a .bin token file.")
     seq_len: int = setting(64, "Tokens per sequence.")
     global_batch_size: int = setting(8, "Sequences per optimizer step, over all ranks and micro-batches.")
     grad_accum: int = setting(1, "Micro-batches per optimizer step.")
@@ -103,7 +106,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     name: Optimizer = setting(Optimizer.ADAMW, "The optimizer.", flag="--optimizer")
-    lr: float = setting(3e-3, "Peak learning rate.")
+    lr: float = setting(3e-3, "Peak learning rate (0: the weights do not move).")
     weight_decay: float = setting(0.1, "Weight decay on matrices and embeddings (not on biases or norms).")
     betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas, two numbers: 0.9,0.95.", parse=parse_pair,
                                          metavar="B1,B2")
@@ -114,8 +117,8 @@ class OptimizerConfig:
                                       "set it to extend a run exactly).", flag="--lr-decay-steps")
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if not self.lr >= 0:  # 0: a run that must not move the weights
+            raise UsageError(f"--lr must be >= 0, got {self.lr}")
         _at_least(self.weight_decay, 0, "--weight-decay")
         if not all(0 <= b < 1 for b in self.betas):
             raise UsageError(f"--betas must be two numbers in [0, 1), got {','.join(map(str, self.betas))}")

@@ -13,12 +13,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ..checkpoint.state import check_before_launch
 from ..errors import UsageError
 from ..launch import launch
-from ..models.registry import build_model
+from ..models.source import resolve
 from .config import Device, TrainConfig
-from .data import read_byte_tokens
+from .data import TokenSource
 from .loop import train_worker
 from .metrics import check_tensorboard_installed
-from .model_setup import inspect_model, wrap_policy
+from .model_setup import initial_weights, inspect_model
 
 
 def under_torchrun() -> bool:
@@ -29,11 +29,13 @@ def under_torchrun() -> bool:
 def validate(config: TrainConfig, world_size: int) -> None:
     """Every check that needs no process group; the only place the world size is checked."""
     config.check_world_size(world_size)
-    info = inspect_model(config.model)
+    source = resolve(config.model.name)
+    info = inspect_model(config.model, source)
     if info.block_size is not None and config.data.seq_len > info.block_size:
         raise UsageError(f"--seq-len {config.data.seq_len} exceeds model {config.model.name!r} block size {info.block_size}")
     if config.data.source != "synthetic":
-        read_byte_tokens(config.data.source, seq_len=config.data.seq_len, vocab_size=info.vocab_size)
+        TokenSource(config.data.source, vocab_size=info.vocab_size, seq_len=config.data.seq_len, seed=config.seed,
+                    token_dtype=config.data.token_dtype, tokenizer=source.tokenizer).global_batch(0, 1)
     if config.device is Device.CUDA and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")
     checkpoint = config.checkpoint
@@ -44,14 +46,12 @@ def validate(config: TrainConfig, world_size: int) -> None:
     if config.logging.tensorboard:
         check_tensorboard_installed()
         check_writable_directory(config.logging.tensorboard, "--tensorboard")
-    wrap_policy(config.model)  # every --wrap class occurs in the model
-    if checkpoint.resume or checkpoint.init_from:
-        model = build_model(config.model.name, device="meta")
-        if checkpoint.resume:
-            check_before_launch(checkpoint.resume, model=model, optimizer_type=config.optimizer.name.torch_class,
-                                strict=checkpoint.strict)
-        if checkpoint.init_from:
-            check_before_launch(checkpoint.init_from, model=model, optimizer_type=None, strict=False)
+    if checkpoint.resume:
+        check_before_launch(checkpoint.resume, model=info.meta_model, optimizer_type=config.optimizer.name.torch_class,
+                            strict=checkpoint.strict)
+    weights = initial_weights(checkpoint, source)
+    if weights:
+        check_before_launch(weights, model=info.meta_model, optimizer_type=None, strict=False)
 
 
 def check_writable_directory(path: str, flag: str) -> None:

@@ -22,7 +22,8 @@ from ..checkpoint.state import init_weights_from
 from .config import Device, Optimizer, OptimizerConfig, TrainConfig, precision_names
 from .data import TokenSource, local_rows
 from .metrics import MetricsLog
-from .model_setup import build_for_training, inspect_model, wrap_policy
+from ..models.source import resolve
+from .model_setup import build_for_training, initial_weights, inspect_model, wrap_policy
 from .progress import Progress, Throughput, progress_mode
 from .schedule import lr_at
 
@@ -57,24 +58,28 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = pick_device(config.device)
-        info = inspect_model(config.model)
+        self.source = resolve(config.model.name)
+        info = inspect_model(config.model, self.source)
         self.vocab_size = info.vocab_size
         self.num_params = info.num_params
-        model = build_for_training(config.model, config.seed)
-        self.model = fsdpkit.shard(model, config.sharding, wrap=wrap_policy(config.model), device=self.device)
+        checkpoint = config.checkpoint
+        weights = initial_weights(checkpoint, self.source)
+        model = build_for_training(config.model, self.source, config.seed, weights_follow=bool(weights or checkpoint.resume))
+        wrap = wrap_policy(config.model, self.source, model)
+        self.model = fsdpkit.shard(model, config.sharding, wrap=wrap, device=self.device)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scaler = fsdpkit.ShardedGradScaler(self.model) if config.sharding.mixed_precision.param_dtype is torch.float16 else None
-        self.data = TokenSource(config.data.source, vocab_size=self.vocab_size, seq_len=config.data.seq_len, seed=config.seed)
+        self.data = TokenSource(config.data.source, vocab_size=self.vocab_size, seq_len=config.data.seq_len, seed=config.seed,
+                                token_dtype=config.data.token_dtype, tokenizer=self.source.tokenizer)
         self.step = 0  # training steps run (batches consumed)
         self.optimizer_steps = 0  # steps the optimizer took (fp16 skips do not count)
         self.last_grad_norm: float | None = None
         self.resumed_from_step: int | None = None
-        checkpoint = config.checkpoint
         self.checkpointer = fsdpkit.Checkpointer(self.model, self.optimizer, async_save=checkpoint.async_save) if checkpoint.save_dir else None
         if checkpoint.resume:
             self.restore(fsdpkit.Checkpointer(self.model, self.optimizer).load(checkpoint.resume, strict=checkpoint.strict))
-        elif checkpoint.init_from:
-            init_weights_from(self.model, checkpoint.init_from)
+        elif weights:
+            init_weights_from(self.model, weights)
 
     def training_state(self) -> dict[str, Any]:
         """World-size independent: the data stream is a function of (seed, step), the learning
@@ -112,7 +117,7 @@ class Trainer:
 
     def _loss_on(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.to(self.device)
-        logits = self.model(tokens[:, :-1])
+        logits = self.source.logits(self.model, tokens[:, :-1])
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
     def _global_mean(self, value: float) -> float:
@@ -154,11 +159,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Held-out loss, in eval mode (no dropout)."""
         data = self.config.data
         losses = []
-        for index in range(data.eval_batches):
-            batch = self.data.global_batch(index, data.global_batch_size, held_out=True)
-            losses.append(self._loss_on(local_rows(batch, self.rank, self.world_size)).item())
+        self.model.eval()
+        try:
+            for index in range(data.eval_batches):
+                batch = self.data.global_batch(index, data.global_batch_size, held_out=True)
+                losses.append(self._loss_on(local_rows(batch, self.rank, self.world_size)).item())
+        finally:
+            self.model.train()
         return self._global_mean(sum(losses) / len(losses))
 
 

@@ -1,4 +1,4 @@
-"""Resolving the model, its vocabulary and its wrap policy from the model section of a config."""
+"""The model of a run, from its model source: checks, wrap policy, building, starting weights."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import torch
 import torch.nn as nn
 
 from ..engine.plan import WrapPolicy
-from ..models.units import default_policy_for_model
 from ..errors import UsageError
-from ..models.registry import build_model, is_builtin, load_object
-from .config import ModelConfig
+from ..models.registry import load_object
+from ..models.source import ModelSource
+from ..models.units import default_policy
+from .config import CheckpointConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -19,11 +20,13 @@ class ModelInfo:
     vocab_size: int
     block_size: int | None
     num_params: int
+    meta_model: nn.Module  # built on the meta device: shapes and names, nothing allocated
 
 
-def wrap_policy(config: ModelConfig) -> WrapPolicy:
+def wrap_policy(config: ModelConfig, source: ModelSource, model: nn.Module) -> WrapPolicy:
+    """--wrap classes, else the source's unit classes; with --wrap-min-params / --wrap-every."""
     if not config.wrap:
-        base = default_policy_for_model(config.name)
+        base = default_policy(source, model)
         if config.wrap_min_params is not None and not base.module_classes:
             return WrapPolicy(min_params=config.wrap_min_params, every=config.wrap_every)
         return WrapPolicy(module_classes=base.module_classes, min_params=config.wrap_min_params, every=config.wrap_every)
@@ -36,32 +39,45 @@ def wrap_policy(config: ModelConfig) -> WrapPolicy:
     return WrapPolicy(module_classes=tuple(classes), min_params=config.wrap_min_params, every=config.wrap_every)
 
 
-def inspect_model(config: ModelConfig) -> ModelInfo:
+def inspect_model(config: ModelConfig, source: ModelSource) -> ModelInfo:
     """Build the model on the meta device (nothing allocated) and check what training needs,
     including that every --wrap class occurs in it."""
-    try:
-        model = build_model(config.name, device="meta")
-    except UsageError:
-        raise
-    except Exception as error:
-        raise UsageError(f"model factory {config.name!r} failed: {type(error).__name__}: {error}") from None
-    policy = wrap_policy(config)
+    model = source.build(device="meta", seed=0)
+    policy = wrap_policy(config, source, model)
     present = {type(module) for module in model.modules()}
     for spec, cls in zip(config.wrap, policy.module_classes):
         if not any(issubclass(kind, cls) for kind in present):
             names = ", ".join(sorted({kind.__name__ for kind in present}))
             raise UsageError(f"--wrap {spec!r} matches no module of model {config.name!r} (its module classes: {names})")
-    vocab = config.vocab_size if config.vocab_size is not None else getattr(model, "vocab_size", None)
+    vocab = config.vocab_size or source.vocab_size or getattr(model, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1:
         raise UsageError(f"model {config.name!r} has no integer vocab_size attribute; pass --vocab-size")
-    block_size = getattr(getattr(model, "config", None), "block_size", None)
-    return ModelInfo(vocab, block_size, sum(p.numel() for p in model.parameters()))
+    block_size = source.max_seq_len or getattr(getattr(model, "config", None), "block_size", None)
+    return ModelInfo(vocab, block_size, sum(p.numel() for p in model.parameters()), model)
 
 
-def build_for_training(config: ModelConfig, seed: int) -> nn.Module:
-    """The same initial weights on every rank and at every world size. Deferred: built on
-    the meta device and materialised unit by unit by fsdpkit.shard (default for built-in
-    models, whose initialisation is the same either way)."""
-    torch.manual_seed(seed)
-    deferred = is_builtin(config.name) if config.deferred_init is None else config.deferred_init
-    return build_model(config.name, device="meta" if deferred else "cpu")
+def initial_weights(checkpoint: CheckpointConfig, source: ModelSource) -> str | None:
+    """Where a new run's weights come from: --init-from, else the weights the model comes with
+    (hf:DIR with safetensors, as from_pretrained loads them); None when resuming or random."""
+    if checkpoint.resume:
+        return None
+    if checkpoint.init_from:
+        return checkpoint.init_from
+    return str(source.weights) if source.weights is not None else None
+
+
+def build_for_training(config: ModelConfig, source: ModelSource, seed: int, *, weights_follow: bool) -> nn.Module:
+    """The same initial weights on every rank and at every world size. Deferred (the default
+    for sources whose initialisation is the same either way): built on the meta device and
+    materialised unit by unit by fsdpkit.shard. With `weights_follow` (a checkpoint will
+    overwrite every parameter) a deferred model's parameters are not drawn at all."""
+    torch.manual_seed(seed)  # the same random stream on every rank (dropout), kept in checkpoints
+    deferred = source.deferred_init if config.deferred_init is None else config.deferred_init
+    model = source.build(device="meta" if deferred else "cpu", seed=seed)
+    if deferred and weights_follow and callable(getattr(model, "init_parameter", None)):
+        model.__dict__["init_parameter"] = _left_for_the_checkpoint
+    return model
+
+
+def _left_for_the_checkpoint(name: str, tensor) -> None:
+    tensor.zero_()

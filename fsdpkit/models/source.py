@@ -1,0 +1,108 @@
+"""Where a model comes from, and what fsdpkit needs to know about it (DESIGN section 7).
+
+    resolve("gpt-tiny")               # a built-in GPT (fsdpkit/models/gpt.py)
+    resolve("my_pkg.models:build")    # a zero-argument factory returning an nn.Module
+    resolve("hf:llama-tiny")          # transformers: a preset, or hf:PATH (config.json [+ weights, tokenizer])
+
+Each is a `ModelSource`: how to build the nn.Module (on the meta device nothing is
+allocated; the model's own `init_parameter(name, tensor)`, when it has one, initialises it
+later, one unit at a time), its default unit classes, its logits, its vocabulary and sequence
+limits, the weights and tokenizer it comes with, and what an export writes next to its
+weights. Train, plan, convert and --init-from use only this interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..checkpoint.export import EXPORT_ATTR, HfExport
+from ..errors import UsageError
+from . import hf
+from .gpt import GPT, Block
+from .gpt_export import gpt2_export
+from .registry import GPT_CONFIGS, load_object
+
+
+def call_model(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a model called on token ids: its output, or the output's `.logits`."""
+    output = model(ids)
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def no_unit_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    return ()  # the wrap policy's ModuleList rule: each element of every nn.ModuleList
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    spec: str
+    make: Callable[[torch.device | str, int | None], nn.Module]  # (device, seed or None: as seeded) -> the model
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor] = call_model
+    unit_classes: Callable[[nn.Module], tuple[type[nn.Module], ...]] = no_unit_classes
+    vocab_size: int | None = None  # None: the built model's `vocab_size` attribute
+    max_seq_len: int | None = None
+    deferred_init: bool = False  # build on the meta device by default (initialisation reproduces eager)
+    weights: Path | None = None  # a full checkpoint the model comes with, loaded unless --init-from/--resume
+    tokenizer: str | None = None  # hf:DIR when the model comes with a tokenizer (fsdpkit.tokens.load_tokenizer)
+    export: HfExport | None = None  # what `convert --to full` writes for transformers
+
+    def build(self, *, device: torch.device | str = "cpu", seed: int | None = None) -> nn.Module:
+        """The model on `device` ("meta": nothing real), initialised from `seed` (default: the
+        torch seed already set). The export recipe goes with it (the checkpoint records it)."""
+        model = self.make(device, seed)
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"model factory {self.spec!r} returned {type(model).__name__}, not an nn.Module")
+        if self.export is not None:
+            model.__dict__[EXPORT_ATTR] = self.export
+        return model
+
+
+def resolve(spec: str) -> ModelSource:
+    """The model source `spec` names (validated now; nothing is built)."""
+    if spec in GPT_CONFIGS:
+        config = GPT_CONFIGS[spec]
+        return ModelSource(spec, partial(_build_gpt, config), unit_classes=lambda model: (Block,),
+                           vocab_size=config.vocab_size, max_seq_len=config.block_size, deferred_init=True,
+                           export=gpt2_export(config))
+    if hf.is_hf_spec(spec):
+        config, directory = hf.load_config(spec)
+        text = config.get_text_config()
+        return ModelSource(spec, partial(_build_hf, config), logits=hf.logits, unit_classes=hf.unit_classes,
+                           vocab_size=text.vocab_size, max_seq_len=getattr(text, "max_position_embeddings", None),
+                           deferred_init=True, weights=hf.weights_in(directory, spec),
+                           tokenizer=f"{hf.PREFIX}{directory}" if hf.has_tokenizer(directory) else None,
+                           export=hf.export_for(config, directory))
+    factory = load_object(spec, what="model factory")
+    if not callable(factory):
+        raise UsageError(f"model factory {spec!r} is not callable")
+    return ModelSource(spec, partial(_build_factory, spec, factory))
+
+
+def _build_gpt(config, device: torch.device | str, seed: int | None) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)  # GPT draws each parameter from this seed and its name
+        with torch.device(device):
+            return GPT(config)
+
+
+def _build_hf(config, device: torch.device | str, seed: int | None) -> nn.Module:
+    return hf.build(config, device, torch.initial_seed() if seed is None else seed)
+
+
+def _build_factory(spec: str, factory: Callable[[], Any], device: torch.device | str, seed: int | None) -> Any:
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        with torch.device(device):
+            return factory()
+    except UsageError:
+        raise
+    except Exception as error:
+        raise UsageError(f"model factory {spec!r} failed: {type(error).__name__}: {error}") from None
