@@ -16,6 +16,8 @@ backward: hooks, prefetching, the end-of-backward callback, full parameters on d
 A forward or backward that raised (caught by the user) is noticed when the next one starts,
 and its leftovers are dropped: every unit back to sharded, so no later forward reads stale
 gathered weights.
+
+While the torch profiler records, each hook runs in a region named `fsdpkit:<hook> <unit>`.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..comm import Collectives
@@ -38,6 +42,19 @@ from .mesh import ShardMesh
 from .plan import UnitPlan
 
 STATE_ATTR = "_fsdpkit_state"
+
+
+def _profiled(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook`, run inside a profiler region `name` while the torch profiler records (so
+    traces, and benchmarks/step_breakdown.py, can tell engine work from model work)."""
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.autograd._profiler_enabled():
+            return hook(*args, **kwargs)
+        with record_function(name):
+            return hook(*args, **kwargs)
+
+    return run
 
 
 class Phase(enum.Enum):
@@ -90,7 +107,7 @@ class ShardedState:
                 self.handles.append(member.register_forward_hook(self._post_forward_hook(unit if last else None, unit)))
             if unit.trainable:
                 self.handles.append(unit.full_flat.register_post_accumulate_grad_hook(self._post_backward_hook(unit)))
-        self.handles.append(module.register_forward_hook(self._model_post_forward))
+        self.handles.append(module.register_forward_hook(_profiled("fsdpkit:model_post_forward", self._model_post_forward)))
 
     def _record(self, kind: str, unit: FlatUnit | None) -> None:
         if self.events is not None:
@@ -161,7 +178,7 @@ class ShardedState:
                 unit.frozen_uses += wrapped
             return args, kwargs
 
-        return pre_forward
+        return _profiled(f"fsdpkit:pre_forward {unit.name or '<root>'}", pre_forward)
 
     def _frozen_use_done(self, unit: FlatUnit) -> None:
         unit.frozen_uses -= 1
@@ -193,7 +210,7 @@ class ShardedState:
                 self._register_pre_backward(output, member_of)
             return output
 
-        return post_forward
+        return _profiled(f"fsdpkit:post_forward {member_of.name or '<root>'}", post_forward)
 
     def _register_pre_backward(self, output: Any, unit: FlatUnit | None) -> None:
         for tensor in tree_flatten(output)[0]:
@@ -208,7 +225,7 @@ class ShardedState:
             if self.phase is not Phase.BACKWARD:
                 self.phase = Phase.BACKWARD
                 self.backward_task = task
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                torch.autograd.Variable._execution_engine.queue_callback(_profiled("fsdpkit:end_of_backward", self._end_of_backward))
             if unit is None or unit.backward is not BackwardState.PENDING:
                 return
             unit.backward = BackwardState.PREPARED
@@ -219,7 +236,7 @@ class ShardedState:
             if self.config.backward_prefetch is BackwardPrefetch.PRE:
                 self._start_gather(self._next_in_backward(unit))
 
-        return pre_backward
+        return _profiled(f"fsdpkit:pre_backward {(unit.name or '<root>') if unit is not None else '<model>'}", pre_backward)
 
     def _post_backward_hook(self, unit: FlatUnit):
         def post_backward(full_flat: torch.Tensor) -> None:
@@ -232,7 +249,7 @@ class ShardedState:
                 unit.keep_grad_unsynced()
             self._reshard(unit)
 
-        return post_backward
+        return _profiled(f"fsdpkit:post_backward {unit.name or '<root>'}", post_backward)
 
     def _reshard(self, unit: FlatUnit) -> None:
         if unit in self.inflight_gathers:
