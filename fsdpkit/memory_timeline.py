@@ -7,7 +7,8 @@ get their gradient when backward reaches the model's input). Per unit:
 
     forward   unshard (+param); with forward prefetch the next unit is gathered before
               this one computes; post-forward: reshard (-param) when the strategy
-              reshards after forward and the unit is not the root
+              reshards after forward and the unit is neither the root nor the last one
+              (backward needs that one first, so the engine keeps it)
     backward  unshard again if resharded; with backward prefetch (pre or post) the next
               unit in backward order is gathered while this one's gradient exists; the
               full gradient appears (+grad) and its reduction is issued; reshard (-param)
@@ -107,7 +108,7 @@ def peak_unsharded(units: list[UnitFootprint], schedule: Schedule) -> Peak:
         if schedule.forward_prefetch:
             prefetch(blocks[index + 1:])
         tracker.observe("forward")
-        if schedule.reshard_after_forward:
+        if schedule.reshard_after_forward and index < len(blocks) - 1:
             tracker.reshard(name)
 
     pending: list[str] = []

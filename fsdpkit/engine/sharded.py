@@ -3,7 +3,8 @@ backward: hooks, prefetching, the end-of-backward callback, full parameters on d
 
     pre-forward   unshard the unit (or wait for its prefetch), show the unsharded views;
                   forward prefetch: start the next unit's all-gather (previous iteration's order)
-    post-forward  reshard (FULL_SHARD / HYBRID non-root units; every unit under no_grad);
+    post-forward  reshard (FULL_SHARD / HYBRID non-root units; every unit under no_grad),
+                  except the unit the previous forward ended with: backward needs it first;
                   register the pre-backward hook on the outputs
     pre-backward  unshard again if resharded; backward prefetch "pre": start the next
                   unit's all-gather before this unit's gradients are computed
@@ -15,7 +16,8 @@ backward: hooks, prefetching, the end-of-backward callback, full parameters on d
 
 A forward or backward that raised (caught by the user) is noticed when the next one starts,
 and its leftovers are dropped: every unit back to sharded, so no later forward reads stale
-gathered weights.
+gathered weights. A forward that no backward followed leaves units gathered (the root, the
+last unit); the next forward gathers them afresh for the same reason.
 
 While the torch profiler records, each hook runs in a region named `fsdpkit:<hook> <unit>`.
 """
@@ -138,6 +140,11 @@ class ShardedState:
                    if u is not unit and u.backward is BackwardState.PENDING and u.trainable]
         return waiting[0] if waiting else None
 
+    def _needed_first_by_backward(self, unit: FlatUnit) -> bool:
+        """The last unit of the previous forward: the first the backward needs, so
+        resharding it after forward would only gather it again at once."""
+        return bool(self.previous_forward_order) and self.previous_forward_order[-1] is unit
+
     def _next_in_forward(self, unit: FlatUnit) -> FlatUnit | None:
         order = self.previous_forward_order
         if unit in order and order.index(unit) + 1 < len(order):
@@ -153,6 +160,11 @@ class ShardedState:
         self._recover_if_backward_failed()
         if self.phase is Phase.IDLE:
             self.phase = Phase.FORWARD
+            # Units a forward with no backward after it left gathered (the root, the last
+            # unit) hold the weights of that moment: gather them afresh.
+            for unit in self.units:
+                if unit.is_gathered:
+                    self._reshard(unit)
 
     def _model_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.phase is Phase.FORWARD:
@@ -204,7 +216,7 @@ class ShardedState:
             training = torch.is_grad_enabled()
             if unit is not None:
                 self._record("post_forward", unit)
-                if not training or unit.reshard_after_forward:
+                if not training or (unit.reshard_after_forward and not self._needed_first_by_backward(unit)):
                     self._reshard(unit)
             if training:
                 self._register_pre_backward(output, member_of)
