@@ -564,6 +564,9 @@ def test_prefetch_changes_order_not_results(features):
     events = runs["pre"].events
     # backward prefetch: h.0's all-gather is issued before h.1's gradient computation ends
     assert events.index(("all_gather", "h.0"), events.index(("pre_backward", "h.1"))) < events.index(("post_backward", "h.1"))
+    # except for the first unit of the backward (h.2, computed at the activation peak): h.1
+    # is gathered only once h.2's gradient is done
+    assert events.index(("all_gather", "h.1"), events.index(("pre_backward", "h.2"))) > events.index(("post_backward", "h.2"))
     none = runs["none"].events
     assert ("prefetch", "h.0") not in none
     assert none.index(("all_gather", "h.0"), none.index(("pre_backward", "h.1"))) > none.index(("post_backward", "h.1"))

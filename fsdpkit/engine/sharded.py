@@ -7,7 +7,8 @@ backward: hooks, prefetching, the end-of-backward callback, full parameters on d
                   except the unit the previous forward ended with: backward needs it first;
                   register the pre-backward hook on the outputs
     pre-backward  unshard again if resharded; backward prefetch "pre": start the next
-                  unit's all-gather before this unit's gradients are computed
+                  unit's all-gather before this unit's gradients are computed (the first
+                  unit of the backward waits until its gradient: see _defers_prefetch)
     post-backward backward prefetch "post"; reduce-scatter the gradient (asynchronously,
                   so it overlaps the next unit's backward), reshard
     end of backward  reduce the units that got no gradient (every rank must take part),
@@ -97,6 +98,7 @@ class ShardedState:
         self.gradient_sync = GradientSync.REDUCE
         self.backward_task = -1  # the autograd graph task whose end-of-backward callback is queued
         self.pending: list[PendingReduction] = []
+        self.first_in_backward: FlatUnit | None = None  # the first non-root unit this backward prepared
         self.inflight_gathers: collections.deque[FlatUnit] = collections.deque()
         self.forward_order: list[FlatUnit] = []
         self.previous_forward_order: list[FlatUnit] = []
@@ -245,7 +247,9 @@ class ShardedState:
             self._ensure_unsharded(unit)
             if self.config.activation_checkpointing and unit.state is not UnitState.UNSHARDED:
                 unit.show_unsharded(track_grad=True)  # recomputation reads the parameters again
-            if self.config.backward_prefetch is BackwardPrefetch.PRE:
+            if self.first_in_backward is None and not unit.is_root:
+                self.first_in_backward = unit
+            if self.config.backward_prefetch is BackwardPrefetch.PRE and not self._defers_prefetch(unit):
                 self._start_gather(self._next_in_backward(unit))
 
         return _profiled(f"fsdpkit:pre_backward {(unit.name or '<root>') if unit is not None else '<model>'}", pre_backward)
@@ -253,7 +257,7 @@ class ShardedState:
     def _post_backward_hook(self, unit: FlatUnit):
         def post_backward(full_flat: torch.Tensor) -> None:
             self._record("post_backward", unit)
-            if self.config.backward_prefetch is BackwardPrefetch.POST:
+            if self.config.backward_prefetch is BackwardPrefetch.POST or self._defers_prefetch(unit):
                 self._start_gather(self._next_in_backward(unit))
             if self.gradient_sync is GradientSync.REDUCE:
                 self._reduce(unit)
@@ -267,6 +271,14 @@ class ShardedState:
         if unit in self.inflight_gathers:
             self.inflight_gathers.remove(unit)
         unit.reshard()
+
+    def _defers_prefetch(self, unit: FlatUnit) -> bool:
+        """Backward prefetch "pre" waits for the gradient of the first unit of the backward
+        (with a trainable unit after it): its backward runs while every activation of the
+        forward is still alive, the step's memory peak, which one more gathered unit would
+        raise. Later units prefetch before their gradient, when activations are freed."""
+        return (self.config.backward_prefetch is BackwardPrefetch.PRE and unit is self.first_in_backward
+                and unit.trainable and not self.config.activation_checkpointing)
 
     def _reduce(self, unit: FlatUnit) -> None:
         # The new gradient exists now; complete the earlier reductions (they ran while this
@@ -298,6 +310,7 @@ class ShardedState:
             self._reshard(unit)
             unit.end_backward(keep_usage=not syncing)
         self.previous_forward_order, self.forward_order = self.forward_order, []
+        self.first_in_backward = None
         self.phase = Phase.IDLE
 
     # ----- recovery from a forward or backward that raised
@@ -318,6 +331,7 @@ class ShardedState:
             unit.end_backward(keep_usage=False)
         self.inflight_gathers.clear()
         self.forward_order = []
+        self.first_in_backward = None
         self.phase = Phase.IDLE
 
     def _recover_from_failed_forward(self) -> None:
