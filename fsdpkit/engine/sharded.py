@@ -12,8 +12,9 @@ backward: hooks, prefetching, the end-of-backward callback, full parameters on d
     post-backward backward prefetch "post"; reduce-scatter the gradient (asynchronously,
                   so it overlaps the next unit's backward), reshard
     end of backward  reduce the units that got no gradient (every rank must take part),
-                  agree on which parameters got a gradient anywhere, wait for every
-                  reduction, accumulate into the sharded gradients, reshard everything
+                  agree on which parameters got a gradient anywhere (an all-reduce that
+                  runs while the last reductions complete), accumulate into the sharded
+                  gradients, reshard everything
 
 A forward or backward that raised (caught by the user) is noticed when the next one starts,
 and its leftovers are dropped: every unit back to sharded, so no later forward reads stale
@@ -103,6 +104,7 @@ class ShardedState:
         self.forward_order: list[FlatUnit] = []
         self.previous_forward_order: list[FlatUnit] = []
         self.has_root_unit = any(unit.is_root for unit in self.units)
+        self.pre_backward_hooks: dict[FlatUnit | None, Callable[[torch.Tensor], None]] = {}
         self.handles = [module.register_forward_pre_hook(self._model_pre_forward)]
         for unit in self.units:
             for index, member in enumerate(unit.members):
@@ -227,9 +229,12 @@ class ShardedState:
         return _profiled(f"fsdpkit:post_forward {member_of.name or '<root>'}", post_forward)
 
     def _register_pre_backward(self, output: Any, unit: FlatUnit | None) -> None:
+        hook = self.pre_backward_hooks.get(unit)
+        if hook is None:
+            hook = self.pre_backward_hooks[unit] = self._pre_backward_hook(unit)
         for tensor in tree_flatten(output)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._pre_backward_hook(unit))
+                tensor.register_hook(hook)
 
     def _pre_backward_hook(self, unit: FlatUnit | None):
         def pre_backward(grad: torch.Tensor) -> None:
@@ -295,14 +300,18 @@ class ShardedState:
             for unit in self.units:
                 if unit.trainable and unit.backward is not BackwardState.REDUCED:
                     self._reduce(unit)
-            used = torch.cat([unit.used for unit in self.units]) if self.units else torch.zeros(0, dtype=torch.int32)
+            # Which parameters got a gradient on some rank: agreed on while the last
+            # reductions complete.
+            used = torch.tensor([flag for unit in self.units for flag in unit.used], dtype=torch.int32)
+            flags_work = None
             if self.mesh.world_size > 1 and used.numel():
-                flags = used.to(self.device)  # NCCL reduces device tensors only
-                self.comms.all_reduce(flags, self.mesh.group, op=dist.ReduceOp.MAX, label="grad-flags")
-                used = flags.cpu()
-            used_of = dict(zip(map(id, self.units), torch.split(used, [len(unit.params) for unit in self.units])))
+                used = used.to(self.device)  # NCCL reduces device tensors only
+                flags_work = self.comms.all_reduce(used, self.mesh.group, op=dist.ReduceOp.MAX, async_op=True, label="grad-flags")
             for pending in self.pending:
                 pending.unit.complete_reduction(pending)
+            if flags_work is not None:
+                flags_work.wait()
+            used_of = dict(zip(map(id, self.units), torch.split(used.cpu(), [len(unit.params) for unit in self.units])))
             for pending in self.pending:
                 pending.unit.accumulate(pending, used_of[id(pending.unit)])
             self.pending.clear()
