@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import resource
-import sys
 
 import torch
 import torch.distributed as dist

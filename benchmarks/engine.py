@@ -9,7 +9,13 @@ A trial's time is the slowest rank's. Reported: median step time and its range, 
 peak memory per rank, and fsdpkit's ratio to each system, computed trial by trial (adjacent
 runs) with the median and the 25-75% range. Every system must end at the same loss.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engine.py --model gpt-small --nproc-per-node 2
+Before the trials, `--profile-steps` rounds each run one step of every system under the
+torch profiler (rotating order), and the step is split into compute, exposed communication,
+engine ops, optimizer and overhead (step_breakdown.py defines them; the table prints the
+definitions), averaged over ranks and steps.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engine.py --model llama-small --nproc-per-node 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engine.py --model gpt-small --nproc-per-node 4
     .venv/bin/python benchmarks/engine.py --model gpt-tiny --ablation      # prefetch / limiter on and off
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engine.py --model hf:llama-bench --seq-len 256   # transformers Llama
     .venv/bin/python benchmarks/engine.py --model gpt2 --backend nccl --mixed-precision bf16 --batch 16 --seq-len 1024
@@ -34,12 +40,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_models import resolve_model  # noqa: E402
 from engine_systems import SYSTEMS, RunSettings, build_system, global_loss, supported_engine_options, train_steps  # noqa: E402
+from step_breakdown import CATEGORIES, DEFINITION, Breakdown, profile_breakdown  # noqa: E402
 from tensor_memory import peak_training_bytes  # noqa: E402
 
 from fsdpkit.launch import LaunchOptions, launch  # noqa: E402
-from fsdpkit.models.registry import build_model  # noqa: E402
-from fsdpkit.models.source import resolve  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402
 
 ABLATION = {  # label -> fsdpkit.shard options (the paper's prefetch / rate-limiter tables)
@@ -70,6 +76,12 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
     return tensor.item()
 
 
+def _mean_over_ranks(value: float, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.item() / dist.get_world_size()
+
+
 def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     """(label, system kind, fsdpkit options) for each column of the run."""
     if args.ablation:
@@ -97,8 +109,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
 
     rank0 = dist.get_rank() == 0
     variants = _variants(args)
-    data = TokenSource("synthetic", vocab_size=resolve(args.model).vocab_size or build_model(args.model, device="meta").vocab_size,
-                       seq_len=args.seq_len, seed=0)
+    data = TokenSource("synthetic", vocab_size=resolve_model(args.model).vocab_size, seq_len=args.seq_len, seed=0)
 
     def settings_for(options: dict) -> RunSettings:
         return RunSettings(model=args.model, batch=args.batch, seq_len=args.seq_len, mixed_precision=args.mixed_precision,
@@ -114,21 +125,47 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
     systems = [build_system(kind, settings_for(options), device, label=label) for label, kind, options in variants]
     for system in systems:
         train_steps(system, data, settings_for({}), device, args.warmup)
+    breakdown = _profile_rounds(systems, lambda system, steps: train_steps(system, data, settings_for({}), device, steps),
+                                args.profile_steps, rank0)
     seconds = {system.name: [] for system in systems}
+    cpu_seconds = {system.name: [] for system in systems}
     progress = tqdm(total=args.trials * len(systems), desc="trials", disable=not rank0, file=sys.stderr)
     for trial in range(args.trials):
         shift = trial % len(systems)
         for system in systems[shift:] + systems[:shift]:
             dist.barrier()
             _sync(device)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             train_steps(system, data, settings_for({}), device, args.steps)
             _sync(device)
+            cpu = time.process_time() - cpu_start
             seconds[system.name].append(_max_over_ranks((time.perf_counter() - start) / args.steps, device))
+            cpu_seconds[system.name].append(_mean_over_ranks(cpu / args.steps, device))
             progress.update(1)
     progress.close()
     losses = {system.name: global_loss(system, device) for system in systems}
-    return {"seconds": seconds, "memory": memory, "losses": losses, "steps_per_system": systems[0].step}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "memory": memory, "losses": losses, "steps_per_system": systems[0].step,
+            "breakdown": breakdown}
+
+
+def _profile_rounds(systems: list, run, rounds: int, rank0: bool) -> dict[str, dict[str, float]]:
+    """The step breakdown of every system, ms per step averaged over ranks: `rounds` rounds,
+    each profiling one step of every system in rotating order (so load changes on a shared
+    machine fall on all systems alike)."""
+    from tqdm import tqdm
+
+    totals = {system.name: Breakdown() for system in systems}
+    for round_index in tqdm(range(rounds), desc="profile", disable=not rank0, file=sys.stderr):
+        shift = round_index % len(systems)
+        for system in systems[shift:] + systems[:shift]:
+            dist.barrier()
+            totals[system.name].add(profile_breakdown(lambda steps: run(system, steps), 1))
+    result = {}
+    for name, total in totals.items():
+        per_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, total.per_step_ms())
+        result[name] = {key: statistics.fmean(rank[key] for rank in per_rank) for key in per_rank[0]}
+    return result if rounds else {}
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -148,6 +185,8 @@ def summarize(args: argparse.Namespace, result: dict, num_params: int) -> dict:
     for name, samples in seconds.items():
         median = statistics.median(samples)
         ratios = [mine / theirs for mine, theirs in zip(seconds[reference], samples)]
+        cpu = result["cpu_seconds"][name]
+        cpu_ratios = [mine / theirs for mine, theirs in zip(result["cpu_seconds"][reference], cpu)]
         row = {
             "system": name,
             "step_ms_median": median * 1e3, "step_ms_min": min(samples) * 1e3, "step_ms_max": max(samples) * 1e3,
@@ -158,6 +197,7 @@ def summarize(args: argparse.Namespace, result: dict, num_params: int) -> dict:
             "loss_rel_diff": abs(result["losses"][name] - loss_ref) / abs(loss_ref),
             "fsdpkit_time_ratio": statistics.median(ratios),
             "fsdpkit_time_ratio_p25": _quantile(ratios, 0.25), "fsdpkit_time_ratio_p75": _quantile(ratios, 0.75),
+            "cpu_ms_median": statistics.median(cpu) * 1e3, "fsdpkit_cpu_ratio": statistics.median(cpu_ratios),
             "fsdpkit_memory_ratio": result["memory"][reference]["peak_bytes"] / result["memory"][name]["peak_bytes"],
         }
         if args.backend == "nccl":
@@ -173,6 +213,7 @@ def summarize(args: argparse.Namespace, result: dict, num_params: int) -> dict:
         "ablation": args.ablation,
         "memory_measure": "CUDA max_memory_allocated" if args.backend == "nccl" else "live CPU tensor bytes from torch.profiler allocation events",
         "loss_tolerance": args.loss_tolerance, "losses_agree": worst <= args.loss_tolerance, "rows": rows,
+        "profile_steps": args.profile_steps, "breakdown_ms_per_step": result["breakdown"], "breakdown_definition": DEFINITION,
     }
 
 
@@ -183,34 +224,49 @@ def format_table(summary: dict) -> str:
         f"{summary['mixed_precision']}, batch {summary['batch']} x seq {summary['seq_len']} = {summary['tokens_per_step']} tokens/step; "
         f"{summary['trials']} alternating trials x {summary['steps_per_trial']} steps after {summary['warmup_steps']} warmup",
         f"# memory: {summary['memory_measure']}, peak per rank while training; ratios: fsdpkit / system, trial by trial, median [25%..75%]",
+        "# cpu ms: process CPU time per step (all threads, gloo's included), mean over ranks: less sensitive to a busy machine than wall time",
         f"  {'system':<22} {'step ms':>9} {'[min..max]':>17} {'tokens/s':>9} {'peak MiB':>9} {'final loss':>11}"
-        f" {'time ratio':>10} {'[25..75%]':>13} {'mem ratio':>9}" + (f" {'TFLOP/s':>8} {'MFU':>6}" if cuda else ""),
+        f" {'time ratio':>10} {'[25..75%]':>13} {'mem ratio':>9} {'cpu ms':>8} {'cpu ratio':>9}" + (f" {'TFLOP/s':>8} {'MFU':>6}" if cuda else ""),
     ]
     for row in summary["rows"]:
         step_range = f"[{row['step_ms_min']:.1f}..{row['step_ms_max']:.1f}]"
         ratio_range = f"[{row['fsdpkit_time_ratio_p25']:.3f}..{row['fsdpkit_time_ratio_p75']:.3f}]"
         line = (f"  {row['system']:<22} {row['step_ms_median']:>9.1f} {step_range:>17}"
                 f" {row['tokens_per_s']:>9.0f} {row['peak_bytes_per_rank'] / 2**20:>9.1f} {row['final_loss']:>11.6f}"
-                f" {row['fsdpkit_time_ratio']:>10.3f} {ratio_range:>13} {row['fsdpkit_memory_ratio']:>9.3f}")
+                f" {row['fsdpkit_time_ratio']:>10.3f} {ratio_range:>13} {row['fsdpkit_memory_ratio']:>9.3f}"
+                f" {row['cpu_ms_median']:>8.1f} {row['fsdpkit_cpu_ratio']:>9.3f}")
         if cuda:
             line += f" {row['model_tflops_per_gpu']:>8.1f} {row['mfu'] * 100:>5.1f}%"
         lines.append(line)
+    if summary["breakdown_ms_per_step"]:
+        lines += format_breakdown(summary)
     verdict = "agree" if summary["losses_agree"] else "DISAGREE"
     lines.append(f"# final losses after {summary['steps_per_system']} steps {verdict} within {summary['loss_tolerance']:g} "
                  f"(worst relative difference {max(r['loss_rel_diff'] for r in summary['rows']):.2e})")
     return "\n".join(lines)
 
 
+def format_breakdown(summary: dict) -> list[str]:
+    lines = [f"# where a step goes: {summary['profile_steps']} profiled steps per system, ms per step (share), mean over ranks",
+             f"  {'system':<22} {'step ms':>8}" + "".join(f" {name:>15}" for name in CATEGORIES) + f" {'comm busy':>10}"]
+    for name, parts in summary["breakdown_ms_per_step"].items():
+        step = parts["step"]
+        cells = "".join(f" {parts[c]:>7.1f} ({parts[c] / step:>4.0%})" for c in CATEGORIES)
+        lines.append(f"  {name:<22} {step:>8.1f}{cells} {parts['comm_busy']:>10.1f}")
+    lines += ["#   " + line for line in DEFINITION.splitlines()]
+    return lines
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt-small", help="gpt-tiny, gpt-small, gpt2, ..., hf:PRESET|DIR (e.g. hf:llama-bench), "
-                        "package.module:factory")
+    parser.add_argument("--model", default="gpt-small", help="gpt-tiny, gpt-small, gpt2, ..., llama-small, hf:PRESET|DIR (e.g. hf:llama-bench), or package.module:factory")
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per system per trial")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--profile-steps", type=int, default=4, help="rounds of one profiled step per system, for the breakdown (0: none)")
     parser.add_argument("--batch", type=int, default=8, help="global batch (rows)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--mixed-precision", default="none", choices=("none", "bf16"))
@@ -243,7 +299,7 @@ def main() -> None:
         print(f"# this engine does not accept {missing}: those flags are ignored", file=sys.stderr)
     started = time.perf_counter()
     results = launch(engine_worker, args, options=LaunchOptions(nproc_per_node=args.nproc_per_node))
-    num_params = sum(p.numel() for p in build_model(args.model, device="meta").parameters())
+    num_params = resolve_model(args.model).num_params
     summary = summarize(args, results[0], num_params)
     summary["wall_seconds"] = time.perf_counter() - started
     if args.json:

@@ -1,10 +1,14 @@
 """The systems benchmarks/engine.py compares, each built the same way from the same seed:
 fsdpkit's engine, torch's fully_shard (FSDP2), torch's FullyShardedDataParallel (FSDP1)
-and DistributedDataParallel, each with AdamW over nanoGPT's weight-decay groups."""
+and DistributedDataParallel, each with AdamW over nanoGPT's weight-decay groups. The
+sharded systems wrap the same modules (the units fsdpkit's plan picks, bench_models.py).
+A step runs in profiler regions (bench:step, forward, backward, optimizer) that
+step_breakdown.py reads."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -14,8 +18,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bench_models import resolve_model
+from torch.profiler import record_function
+
 import fsdpkit
-from fsdpkit.models.source import resolve
 from fsdpkit.train.data import TokenSource, local_rows
 
 SYSTEMS = ("fsdpkit", "fsdp2", "fsdp1", "ddp")
@@ -59,24 +65,16 @@ def _name_groups(model: nn.Module, plain_decay: set[str]) -> list[dict[str, Any]
     return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def bench_model(name: str, seed: int) -> tuple[nn.Module, tuple[type[nn.Module], ...], Callable]:
-    """The model (built-in, package.module:factory or hf:...) through fsdpkit's model source:
-    built eagerly on the CPU, the classes every sharded system wraps (the source's units:
-    GPT blocks, a transformers model's decoder layers), and its logits function."""
-    source = resolve(name)
-    model = source.build(device="cpu", seed=seed)
-    return model, source.unit_classes(model), source.logits
-
-
 def build_system(kind: str, settings: RunSettings, device: torch.device, *, label: str | None = None) -> System:
-    model, units, logits = bench_model(settings.model, settings.seed)
-    model = model.to(device)
+    source = resolve_model(settings.model)
+    model = source.build("cpu", seed=settings.seed).to(device)
+    units = source.unit_modules(model)
     decay = {name for name, param in model.named_parameters() if param.dim() >= 2}
     bf16 = settings.mixed_precision == "bf16"
     autocast = False
     if kind == "fsdpkit":
         options, _ = supported_engine_options(settings.engine_options)
-        model = fsdpkit.shard(model, wrap=units, mixed_precision=settings.mixed_precision, device=device, **options)
+        model = fsdpkit.shard(model, wrap=source.wrap(model), mixed_precision=settings.mixed_precision, device=device, **options)
         groups = fsdpkit.param_groups(model, weight_decay=WEIGHT_DECAY)
     elif kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -84,16 +82,15 @@ def build_system(kind: str, settings: RunSettings, device: torch.device, *, labe
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
-        for block in [module for module in model.modules() if isinstance(module, units)]:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+        for name in reversed(units):  # nested units before the units around them
+            fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         groups = _name_groups(model, decay)
     elif kind == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else None
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(set(units)), use_orig_params=True,
+        model = FullyShardedDataParallel(model, auto_wrap_policy=_unit_policy(model, units), use_orig_params=True,
                                          device_id=device, mixed_precision=precision)
         groups = _name_groups(model, decay)
     elif kind == "ddp":
@@ -106,7 +103,15 @@ def build_system(kind: str, settings: RunSettings, device: torch.device, *, labe
     else:
         raise ValueError(f"unknown system {kind!r}: use one of {', '.join(SYSTEMS)}")
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
-    return System(label or kind, model, optimizer, logits, autocast=autocast)
+    return System(label or kind, model, optimizer, source.logits, autocast=autocast)
+
+
+def _unit_policy(model: nn.Module, units: list[str]):
+    """FSDP1's auto-wrap policy that wraps exactly the modules named in `units`."""
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    chosen = {id(model.get_submodule(name)) for name in units}
+    return functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda module: id(module) in chosen)
 
 
 def train_steps(system: System, data: TokenSource, settings: RunSettings, device: torch.device, steps: int) -> None:
@@ -115,12 +120,16 @@ def train_steps(system: System, data: TokenSource, settings: RunSettings, device
     for _ in range(steps):
         batch = local_rows(data.global_batch(system.step, settings.batch), rank, world).to(device)
         cast = torch.autocast(device.type, dtype=torch.bfloat16) if system.autocast else contextlib.nullcontext()
-        with cast:
-            logits = system.logits(system.model, batch[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        loss.backward()
-        system.optimizer.step()
-        system.optimizer.zero_grad(set_to_none=True)
+        with record_function("bench:step"):
+            with record_function("bench:forward"):
+                with cast:
+                    logits = system.logits(system.model, batch[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+            with record_function("bench:backward"):
+                loss.backward()
+            with record_function("bench:optimizer"):
+                system.optimizer.step()
+                system.optimizer.zero_grad(set_to_none=True)
         system.step += 1
         system.last_loss = loss.detach()
 

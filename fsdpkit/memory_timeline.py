@@ -7,10 +7,13 @@ get their gradient when backward reaches the model's input). Per unit:
 
     forward   unshard (+param); with forward prefetch the next unit is gathered before
               this one computes; post-forward: reshard (-param) when the strategy
-              reshards after forward and the unit is not the root
+              reshards after forward and the unit is neither the root nor the last one
+              (backward needs that one first, so the engine keeps it)
     backward  unshard again if resharded; with backward prefetch (pre or post) the next
-              unit in backward order is gathered while this one's gradient exists; the
-              full gradient appears (+grad) and its reduction is issued; reshard (-param)
+              unit in backward order is gathered while this one's gradient exists (the
+              first unit of the backward gathers the next only once its own gradient is
+              done: its backward runs at the activation peak); the full gradient appears
+              (+grad) and its reduction is issued; reshard (-param)
     end       every pending reduction completes (-grad); the root reshards
 
 Prefetching looks one unit ahead, so at most two non-root units hold parameters at once;
@@ -107,19 +110,23 @@ def peak_unsharded(units: list[UnitFootprint], schedule: Schedule) -> Peak:
         if schedule.forward_prefetch:
             prefetch(blocks[index + 1:])
         tracker.observe("forward")
-        if schedule.reshard_after_forward:
+        if schedule.reshard_after_forward and index < len(blocks) - 1:
             tracker.reshard(name)
 
     pending: list[str] = []
     backward_order = list(reversed(blocks)) + [root]
     for index, name in enumerate(backward_order):
         tracker.unshard(name)
-        if schedule.backward_prefetch:
-            prefetch([n for n in backward_order[index + 1:] if n != root])
+        following = [n for n in backward_order[index + 1:] if n != root]
+        deferred = index == 0 and name != root and tracker.units[name].trainable
+        if schedule.backward_prefetch and not deferred:
+            prefetch(following)
         tracker.observe("backward")
         if tracker.units[name].trainable:
             # the engine's order: the gradient arrives, earlier reductions complete, this one starts
             tracker.grads[name] = tracker.units[name].grad_bytes
+            if schedule.backward_prefetch and deferred:
+                prefetch(following)
             tracker.observe("backward")
             pending.append(name)
             while schedule.pending_reductions is not None and len(pending) > schedule.pending_reductions:

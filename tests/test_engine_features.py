@@ -381,6 +381,33 @@ def recovery_checks() -> RecoveryResult:
 
 
 @dataclass
+class StaleResult:
+    loss_error: float  # relative, the forward after the optimizer step
+    weight_error: float
+
+
+def forward_without_backward_checks() -> StaleResult:
+    """A forward with grad that no backward follows (a metric, say) leaves the root and the
+    last unit gathered; after an optimizer step the next forward must not read them."""
+    torch.manual_seed(0)
+    reference = GPT(CONFIG)
+    sharded = fsdpkit.shard(copy.deepcopy(reference), wrap=(Block,))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=3e-3)
+    losses = []
+    for step in range(3):
+        losses.append((_loss(reference, _tokens(step)).item(), _global_loss(_loss(sharded, _local(_tokens(step))))))
+        _loss(reference, _tokens(step)).backward()
+        _loss(sharded, _local(_tokens(step))).backward()
+        _loss(sharded, _local(_tokens(step)))  # no backward follows this one
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    return StaleResult(max(abs(mine - ref) / ref for ref, mine in losses), _max_weight_error(sharded, reference))
+
+
+@dataclass
 class FrozenPeaks:
     trainable: int  # peak unsharded bytes, all blocks trainable
     frozen: int  # peak unsharded bytes, all blocks frozen
@@ -422,6 +449,7 @@ PAIRS = {  # each trains a sharded GPT beside an unsharded one
 class FeatureResults:
     frozen_units: Outcome[FrozenPeaks]
     recovery: Outcome[RecoveryResult]
+    stale: Outcome[StaleResult]
     batch_norm: Outcome[BatchNormResult]
     pairs: dict[str, Outcome[PairResult]]  # PAIRS' names
     mixed_precision: Outcome[MixedPrecisionResult]
@@ -435,6 +463,7 @@ def features_worker() -> FeatureResults:
     return FeatureResults(
         frozen_units=_attempt(frozen_units_memory),
         recovery=_attempt(recovery_checks),
+        stale=_attempt(forward_without_backward_checks),
         batch_norm=_attempt(batch_norm_checks),
         pairs={name: _attempt(run) for name, run in PAIRS.items()},
         mixed_precision=_attempt(mixed_precision_checks),
@@ -497,6 +526,11 @@ def test_training_goes_on_after_a_backward_that_raised(features):
     assert recovery.raised and recovery.half_done and recovery.weight_error < 1e-4
 
 
+def test_a_forward_without_backward_leaves_no_stale_weights(features):
+    stale = features.stale.get()
+    assert stale.loss_error < 1e-5 and stale.weight_error < 1e-4, stale
+
+
 def test_frozen_units_do_not_stay_gathered_through_backward(features):
     peaks = features.frozen_units.get()
     root, *blocks = peaks.unit_bytes
@@ -530,6 +564,9 @@ def test_prefetch_changes_order_not_results(features):
     events = runs["pre"].events
     # backward prefetch: h.0's all-gather is issued before h.1's gradient computation ends
     assert events.index(("all_gather", "h.0"), events.index(("pre_backward", "h.1"))) < events.index(("post_backward", "h.1"))
+    # except for the first unit of the backward (h.2, computed at the activation peak): h.1
+    # is gathered only once h.2's gradient is done
+    assert events.index(("all_gather", "h.1"), events.index(("pre_backward", "h.2"))) > events.index(("post_backward", "h.2"))
     none = runs["none"].events
     assert ("prefetch", "h.0") not in none
     assert none.index(("all_gather", "h.0"), none.index(("pre_backward", "h.1"))) > none.index(("post_backward", "h.1"))

@@ -9,8 +9,8 @@ run it in place), so those modes are reported as N/A instead of timing a copy as
 All-gather has two variants: `flat` (one output tensor, all_gather_single, what FSDP uses)
 and `list` (dist.all_gather into a list of separate tensors). Reduce-scatter has two: `torch`
 (reduce_scatter_single; gloo runs it as an all-reduce) and `fsdpkit` (what the engine runs:
-fsdpkit.comm.Collectives.reduce_scatter, an all-to-all and a local sum where the backend
-has no reduce-scatter, the native collective elsewhere).
+fsdpkit.comm.Collectives.reduce_scatter, point-to-point transfers and a local sum where the
+backend has no reduce-scatter, the native collective elsewhere).
 """
 
 from __future__ import annotations

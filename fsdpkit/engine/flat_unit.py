@@ -86,6 +86,8 @@ class FlatUnit:
         self.members = [modules[name] for name in plan.members]
         self.layout: FlatLayout = plan.layout(mesh.shard_factor)
         self.fragments = self.layout.fragments(mesh.shard_rank)
+        self.padded_numel, self.chunk_numel = self.layout.padded_numel, self.layout.chunk_numel
+        self.split_sizes = self.layout.split_sizes()  # (the layout computes these on every call)
         self.uses = [[(modules[m], attr) for m, attr in p.uses] for p in plan.params]
         originals = [getattr(uses[0][0], uses[0][1]) for uses in self.uses]
         dtypes = {t.dtype for t in originals}
@@ -102,7 +104,7 @@ class FlatUnit:
         # Parameters still on the meta device are filled later (deferred_init) through
         # fill_parameter(); until then their pages are not touched, so deferred init holds
         # memory only for what it has materialised. The padding after them is zero.
-        self.flat_shard = torch.empty(self.layout.chunk_numel, dtype=self.master_dtype, device=self.host)
+        self.flat_shard = torch.empty(self.chunk_numel, dtype=self.master_dtype, device=self.host)
         with torch.no_grad():
             self.flat_shard[sum(fragment.param_range.size for fragment in self.fragments):].zero_()
             for fragment, original in zip(self.fragments, originals):
@@ -123,14 +125,14 @@ class FlatUnit:
         if self.aliases_shard:
             self.full_flat = self.flat_shard.detach()
         else:
-            self.full_flat = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=device)
+            self.full_flat = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
             self.full_flat.untyped_storage().resize_(0)
         self.full_flat.requires_grad_(self.trainable)
         self.state = UnitState.SHARDED
         self.backward = BackwardState.PENDING
         self.frozen_uses = 0  # uses of a frozen unit whose backward is still to come
         self._gather_work: Any = None
-        self.used = torch.zeros(len(self.params), dtype=torch.int32)
+        self.used = [0] * len(self.params)  # 1: the parameter got a gradient in this backward
         self._holds_unsynced_grad = False  # full_flat.grad accumulates across no_sync backwards
         self._set_params(self.params)
 
@@ -154,7 +156,7 @@ class FlatUnit:
         self.backward = BackwardState.PENDING
         self.frozen_uses = 0
         if not keep_usage:
-            self.used.zero_()
+            self.used = [0] * len(self.params)
 
     # ----- unshard / reshard
     @property
@@ -174,7 +176,7 @@ class FlatUnit:
             return None
         full = self.full_flat
         if full.untyped_storage().size() == 0:
-            full.untyped_storage().resize_(self.layout.padded_numel * full.element_size())
+            full.untyped_storage().resize_(self.padded_numel * full.element_size())
             self.memory.add("unsharded_params", tensor_bytes(full))
         # On CUDA a prefetch runs on its own stream (the paper's section 3.3: issued from the
         # compute stream, NCCL would wait for compute queued before it); wait() joins it back.
@@ -212,23 +214,21 @@ class FlatUnit:
         self.wait_unshard()
         with torch.enable_grad() if track_grad else contextlib.nullcontext():
             base = self.full_flat if (track_grad and self.trainable) else self.full_flat.detach()
-            pieces = torch.split(base, self.layout.split_sizes())
+            pieces = torch.split(base, self.split_sizes)
             views = [
                 (piece if param_plan.requires_grad else piece.detach()).view(param_plan.shape)
                 for piece, param_plan in zip(pieces, self.plan.params)
             ]
         if base.requires_grad:
-            for index, view in enumerate(views):
-                if view.requires_grad:
-                    view.register_hook(self._usage_hook(index))
+            # One hook on the split's backward sees which pieces got a gradient (the others None).
+            pieces[0].grad_fn.register_prehook(self._mark_used)
         self._set_params(views)
         self.state = UnitState.UNSHARDED
 
-    def _usage_hook(self, index: int):
-        def mark_used(grad: torch.Tensor) -> None:
-            self.used[index] = 1
-
-        return mark_used
+    def _mark_used(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        for index, grad in enumerate(grads):
+            if grad is not None:
+                self.used[index] = 1
 
     def reshard(self) -> None:
         """Back to the sharded state: original names show the fragments; free the full buffer."""
@@ -260,7 +260,7 @@ class FlatUnit:
         rank computed none (every rank must still take part in the reduction)."""
         grad, self.full_flat.grad = self.full_flat.grad, None
         if grad is None:
-            grad = torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+            grad = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
         if not self._holds_unsynced_grad:
             self.memory.add("unsharded_grads", tensor_bytes(grad))
         self._holds_unsynced_grad = False
@@ -278,7 +278,7 @@ class FlatUnit:
         group (or all-reduce across replicas when F = 1)."""
         grad = full_grad if full_grad.dtype == self.reduce_dtype else full_grad.to(self.reduce_dtype)
         if self.mesh.shard_factor > 1:
-            output = torch.empty(self.layout.chunk_numel, dtype=self.reduce_dtype, device=self.device)
+            output = torch.empty(self.chunk_numel, dtype=self.reduce_dtype, device=self.device)
             work = self.comms.reduce_scatter(output, grad, self.mesh.shard_group, async_op=True, label=self.name)
         else:
             output = grad

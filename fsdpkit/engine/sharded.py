@@ -3,19 +3,25 @@ backward: hooks, prefetching, the end-of-backward callback, full parameters on d
 
     pre-forward   unshard the unit (or wait for its prefetch), show the unsharded views;
                   forward prefetch: start the next unit's all-gather (previous iteration's order)
-    post-forward  reshard (FULL_SHARD / HYBRID non-root units; every unit under no_grad);
+    post-forward  reshard (FULL_SHARD / HYBRID non-root units; every unit under no_grad),
+                  except the unit the previous forward ended with: backward needs it first;
                   register the pre-backward hook on the outputs
     pre-backward  unshard again if resharded; backward prefetch "pre": start the next
-                  unit's all-gather before this unit's gradients are computed
+                  unit's all-gather before this unit's gradients are computed (the first
+                  unit of the backward waits until its gradient: see _defers_prefetch)
     post-backward backward prefetch "post"; reduce-scatter the gradient (asynchronously,
                   so it overlaps the next unit's backward), reshard
     end of backward  reduce the units that got no gradient (every rank must take part),
-                  agree on which parameters got a gradient anywhere, wait for every
-                  reduction, accumulate into the sharded gradients, reshard everything
+                  agree on which parameters got a gradient anywhere (an all-reduce that
+                  runs while the last reductions complete), accumulate into the sharded
+                  gradients, reshard everything
 
 A forward or backward that raised (caught by the user) is noticed when the next one starts,
 and its leftovers are dropped: every unit back to sharded, so no later forward reads stale
-gathered weights.
+gathered weights. A forward that no backward followed leaves units gathered (the root, the
+last unit); the next forward gathers them afresh for the same reason.
+
+While the torch profiler records, each hook runs in a region named `fsdpkit:<hook> <unit>`.
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..comm import Collectives
@@ -38,6 +46,19 @@ from .mesh import ShardMesh
 from .plan import UnitPlan
 
 STATE_ATTR = "_fsdpkit_state"
+
+
+def _profiled(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook`, run inside a profiler region `name` while the torch profiler records (so
+    traces, and benchmarks/step_breakdown.py, can tell engine work from model work)."""
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.autograd._profiler_enabled():
+            return hook(*args, **kwargs)
+        with record_function(name):
+            return hook(*args, **kwargs)
+
+    return run
 
 
 class Phase(enum.Enum):
@@ -78,10 +99,12 @@ class ShardedState:
         self.gradient_sync = GradientSync.REDUCE
         self.backward_task = -1  # the autograd graph task whose end-of-backward callback is queued
         self.pending: list[PendingReduction] = []
+        self.first_in_backward: FlatUnit | None = None  # the first non-root unit this backward prepared
         self.inflight_gathers: collections.deque[FlatUnit] = collections.deque()
         self.forward_order: list[FlatUnit] = []
         self.previous_forward_order: list[FlatUnit] = []
         self.has_root_unit = any(unit.is_root for unit in self.units)
+        self.pre_backward_hooks: dict[FlatUnit | None, Callable[[torch.Tensor], None]] = {}
         self.handles = [module.register_forward_pre_hook(self._model_pre_forward)]
         for unit in self.units:
             for index, member in enumerate(unit.members):
@@ -90,7 +113,7 @@ class ShardedState:
                 self.handles.append(member.register_forward_hook(self._post_forward_hook(unit if last else None, unit)))
             if unit.trainable:
                 self.handles.append(unit.full_flat.register_post_accumulate_grad_hook(self._post_backward_hook(unit)))
-        self.handles.append(module.register_forward_hook(self._model_post_forward))
+        self.handles.append(module.register_forward_hook(_profiled("fsdpkit:model_post_forward", self._model_post_forward)))
 
     def _record(self, kind: str, unit: FlatUnit | None) -> None:
         if self.events is not None:
@@ -121,6 +144,11 @@ class ShardedState:
                    if u is not unit and u.backward is BackwardState.PENDING and u.trainable]
         return waiting[0] if waiting else None
 
+    def _needed_first_by_backward(self, unit: FlatUnit) -> bool:
+        """The last unit of the previous forward: the first the backward needs, so
+        resharding it after forward would only gather it again at once."""
+        return bool(self.previous_forward_order) and self.previous_forward_order[-1] is unit
+
     def _next_in_forward(self, unit: FlatUnit) -> FlatUnit | None:
         order = self.previous_forward_order
         if unit in order and order.index(unit) + 1 < len(order):
@@ -136,6 +164,11 @@ class ShardedState:
         self._recover_if_backward_failed()
         if self.phase is Phase.IDLE:
             self.phase = Phase.FORWARD
+            # Units a forward with no backward after it left gathered (the root, the last
+            # unit) hold the weights of that moment: gather them afresh.
+            for unit in self.units:
+                if unit.is_gathered:
+                    self._reshard(unit)
 
     def _model_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.phase is Phase.FORWARD:
@@ -161,7 +194,7 @@ class ShardedState:
                 unit.frozen_uses += wrapped
             return args, kwargs
 
-        return pre_forward
+        return _profiled(f"fsdpkit:pre_forward {unit.name or '<root>'}", pre_forward)
 
     def _frozen_use_done(self, unit: FlatUnit) -> None:
         unit.frozen_uses -= 1
@@ -187,18 +220,21 @@ class ShardedState:
             training = torch.is_grad_enabled()
             if unit is not None:
                 self._record("post_forward", unit)
-                if not training or unit.reshard_after_forward:
+                if not training or (unit.reshard_after_forward and not self._needed_first_by_backward(unit)):
                     self._reshard(unit)
             if training:
                 self._register_pre_backward(output, member_of)
             return output
 
-        return post_forward
+        return _profiled(f"fsdpkit:post_forward {member_of.name or '<root>'}", post_forward)
 
     def _register_pre_backward(self, output: Any, unit: FlatUnit | None) -> None:
+        hook = self.pre_backward_hooks.get(unit)
+        if hook is None:
+            hook = self.pre_backward_hooks[unit] = self._pre_backward_hook(unit)
         for tensor in tree_flatten(output)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._pre_backward_hook(unit))
+                tensor.register_hook(hook)
 
     def _pre_backward_hook(self, unit: FlatUnit | None):
         def pre_backward(grad: torch.Tensor) -> None:
@@ -208,7 +244,7 @@ class ShardedState:
             if self.phase is not Phase.BACKWARD:
                 self.phase = Phase.BACKWARD
                 self.backward_task = task
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                torch.autograd.Variable._execution_engine.queue_callback(_profiled("fsdpkit:end_of_backward", self._end_of_backward))
             if unit is None or unit.backward is not BackwardState.PENDING:
                 return
             unit.backward = BackwardState.PREPARED
@@ -216,15 +252,17 @@ class ShardedState:
             self._ensure_unsharded(unit)
             if self.config.activation_checkpointing and unit.state is not UnitState.UNSHARDED:
                 unit.show_unsharded(track_grad=True)  # recomputation reads the parameters again
-            if self.config.backward_prefetch is BackwardPrefetch.PRE:
+            if self.first_in_backward is None and not unit.is_root:
+                self.first_in_backward = unit
+            if self.config.backward_prefetch is BackwardPrefetch.PRE and not self._defers_prefetch(unit):
                 self._start_gather(self._next_in_backward(unit))
 
-        return pre_backward
+        return _profiled(f"fsdpkit:pre_backward {(unit.name or '<root>') if unit is not None else '<model>'}", pre_backward)
 
     def _post_backward_hook(self, unit: FlatUnit):
         def post_backward(full_flat: torch.Tensor) -> None:
             self._record("post_backward", unit)
-            if self.config.backward_prefetch is BackwardPrefetch.POST:
+            if self.config.backward_prefetch is BackwardPrefetch.POST or self._defers_prefetch(unit):
                 self._start_gather(self._next_in_backward(unit))
             if self.gradient_sync is GradientSync.REDUCE:
                 self._reduce(unit)
@@ -232,12 +270,20 @@ class ShardedState:
                 unit.keep_grad_unsynced()
             self._reshard(unit)
 
-        return post_backward
+        return _profiled(f"fsdpkit:post_backward {unit.name or '<root>'}", post_backward)
 
     def _reshard(self, unit: FlatUnit) -> None:
         if unit in self.inflight_gathers:
             self.inflight_gathers.remove(unit)
         unit.reshard()
+
+    def _defers_prefetch(self, unit: FlatUnit) -> bool:
+        """Backward prefetch "pre" waits for the gradient of the first unit of the backward
+        (with a trainable unit after it): its backward runs while every activation of the
+        forward is still alive, the step's memory peak, which one more gathered unit would
+        raise. Later units prefetch before their gradient, when activations are freed."""
+        return (self.config.backward_prefetch is BackwardPrefetch.PRE and unit is self.first_in_backward
+                and unit.trainable and not self.config.activation_checkpointing)
 
     def _reduce(self, unit: FlatUnit) -> None:
         # The new gradient exists now; complete the earlier reductions (they ran while this
@@ -254,14 +300,18 @@ class ShardedState:
             for unit in self.units:
                 if unit.trainable and unit.backward is not BackwardState.REDUCED:
                     self._reduce(unit)
-            used = torch.cat([unit.used for unit in self.units]) if self.units else torch.zeros(0, dtype=torch.int32)
+            # Which parameters got a gradient on some rank: agreed on while the last
+            # reductions complete.
+            used = torch.tensor([flag for unit in self.units for flag in unit.used], dtype=torch.int32)
+            flags_work = None
             if self.mesh.world_size > 1 and used.numel():
-                flags = used.to(self.device)  # NCCL reduces device tensors only
-                self.comms.all_reduce(flags, self.mesh.group, op=dist.ReduceOp.MAX, label="grad-flags")
-                used = flags.cpu()
-            used_of = dict(zip(map(id, self.units), torch.split(used, [len(unit.params) for unit in self.units])))
+                used = used.to(self.device)  # NCCL reduces device tensors only
+                flags_work = self.comms.all_reduce(used, self.mesh.group, op=dist.ReduceOp.MAX, async_op=True, label="grad-flags")
             for pending in self.pending:
                 pending.unit.complete_reduction(pending)
+            if flags_work is not None:
+                flags_work.wait()
+            used_of = dict(zip(map(id, self.units), torch.split(used.cpu(), [len(unit.params) for unit in self.units])))
             for pending in self.pending:
                 pending.unit.accumulate(pending, used_of[id(pending.unit)])
             self.pending.clear()
@@ -269,6 +319,7 @@ class ShardedState:
             self._reshard(unit)
             unit.end_backward(keep_usage=not syncing)
         self.previous_forward_order, self.forward_order = self.forward_order, []
+        self.first_in_backward = None
         self.phase = Phase.IDLE
 
     # ----- recovery from a forward or backward that raised
@@ -289,6 +340,7 @@ class ShardedState:
             unit.end_backward(keep_usage=False)
         self.inflight_gathers.clear()
         self.forward_order = []
+        self.first_in_backward = None
         self.phase = Phase.IDLE
 
     def _recover_from_failed_forward(self) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -60,11 +59,3 @@ def build_model(name: str, *, device: str | torch.device = "cpu") -> nn.Module:
     from .source import resolve
 
     return resolve(name).build(device=device)
-
-
-def model_factory(name: str) -> Callable[[], nn.Module]:
-    """A zero-argument callable that builds model `name` on the current default device."""
-    from .source import resolve
-
-    source = resolve(name)
-    return lambda: source.build(device=torch.get_default_device())
