@@ -14,13 +14,7 @@ Each rank sends (W-1)/W of the tensor, as a ring would, with no staging buffer a
 the copies gloo's collectives make (its all_gather gathers into a new flat tensor and
 copies out; torch's reduce-scatter on gloo is an all-reduce of the whole tensor, twice the
 traffic). Both ranks' transfers of one collective are matched in issue order (one tag per
-kind), so they are asynchronous and ordered like every collective. Process CPU per call,
-median of 7 alternating trials, 2 ranks on a shared 2-core machine (full tensor 0.25 / 2 /
-8 MiB): all-gather 0.65 / 1.75 / 5.12 ms with gloo's, 0.41 / 1.54 / 4.07 ms here;
-reduce-scatter 0.86 / 2.90 / 8.42 ms torch's, 0.41 / 1.76 / 5.87 ms as an all-to-all and a
-local sum (the previous choice), 0.36 / 1.48 / 3.23 ms here. At 4 ranks the same holds
-except the smallest reduce-scatter (0.86 ms against 0.80 ms for the all-to-all).
-NCCL keeps torch's collectives. `fsdpkit bench reducescatter --variant both` compares.
+kind), so they are asynchronous and ordered like every collective. NCCL keeps torch's collectives. `fsdpkit bench reducescatter --variant both` compares.
 """
 
 from __future__ import annotations

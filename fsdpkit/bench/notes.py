@@ -14,7 +14,7 @@ from __future__ import annotations
 def backend_note(backend: str, collective: str, variant: str = "") -> str | None:
     """One line for the table when `backend` emulates `collective`, else None."""
     if backend == "gloo" and collective == "reducescatter" and variant == "fsdpkit":
-        return "fsdpkit on gloo: an all-to-all ((n-1)/n of the tensor per rank) then a local sum of the chunks received"
+        return "fsdpkit on gloo: point-to-point sends of each chunk to its rank ((n-1)/n of the tensor per rank), summed in place"
     if backend == "gloo" and collective == "reducescatter":
         return (
             "emulated: gloo runs reduce-scatter as an all-reduce of the whole tensor and keeps this rank's chunk "

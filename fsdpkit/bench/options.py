@@ -56,7 +56,7 @@ class BenchOptions:
     backend: str = setting("auto", "auto: nccl with a GPU per process, else gloo.", choices=BACKENDS)
     variant: str | None = setting(None, "allgather: flat (all_gather_single, FSDP's; default) or list (all_gather into "
                                   "separate tensors); reducescatter: torch (reduce_scatter_single, an all-reduce on gloo; "
-                                  "default) or fsdpkit (the engine's: all-to-all + local sum on gloo); both: side by side.", metavar="NAME")
+                                  "default) or fsdpkit (the engine's: point-to-point sends summed in place on gloo); both: side by side.", metavar="NAME")
 
     def __post_init__(self) -> None:
         if not self.collectives:
