@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm import Collectives
+from .. import faults
+from ..comm import Collectives, new_group
 from ..engine.view import ShardedModelView, describe
 from ..errors import DataCheckError, RunError
 from ..layout import ElementRange
@@ -272,7 +273,7 @@ class Checkpointer:
         self.async_save = async_save
         self.comm = Collectives()
         # background saves coordinate on their own group, so they never interleave with training's collectives
-        self.group = dist.new_group(backend="gloo") if async_save else view.group
+        self.group = new_group(backend="gloo") if async_save else view.group
         self.run_id = run_id or run_id_of(process_identity())  # only rank 0's is ever written
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -332,6 +333,7 @@ class Checkpointer:
         if local is not None:
             try:
                 write_rank(tmp, manifest, view.shard_rank, local)
+                faults.reached("save", step)
             except OSError as error:
                 failure = storage.os_error_line(error, tmp)
         written = torch.tensor([0 if failure else 1], dtype=torch.int64, device=device)
