@@ -168,7 +168,7 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         shutdown_timeout=SHUTDOWN_SECONDS,
     )
     try:
-        with _stop_signals():
+        with _stop_signals(), _prompt_stops():
             return elastic_launch(config, worker_fn)(*args)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()  # the root cause: the others usually fail because it did
@@ -212,6 +212,32 @@ def _stop_signals() -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         os.environ.pop(STOP_ENV, None)
+
+
+@contextlib.contextmanager
+def _prompt_stops() -> Iterator[None]:
+    """elastic_launch, stopping the other workers within SHUTDOWN_SECONDS of a failure or a
+    restart, not 30 s: torch 2.13 waits that long for a worker that does not exit on SIGTERM
+    (a stopped one; one finishing its step), both where its agent stops the group
+    (LocalElasticAgent._stop_workers ignores shutdown_timeout) and where the process context
+    finds a failed worker (ProcessContext.join without a grace period)."""
+    from torch.distributed.launcher import api
+    from torch.multiprocessing.spawn import ProcessContext
+
+    agent, join = api.LocalElasticAgent, ProcessContext.join
+
+    class PromptAgent(agent):  # type: ignore[misc, valid-type]
+        def _stop_workers(self, worker_group: Any, *args: Any, **kwargs: Any) -> None:
+            self._shutdown(timeout=self._shutdown_timeout)
+
+    def prompt_join(self: Any, timeout: float | None = None, grace_period: float | None = None) -> bool:
+        return join(self, timeout, SHUTDOWN_SECONDS / 2 if grace_period is None else grace_period)
+
+    api.LocalElasticAgent, ProcessContext.join = PromptAgent, prompt_join
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent, ProcessContext.join = agent, join
 
 
 def _signal_workers(sig: signal.Signals) -> None:

@@ -313,10 +313,19 @@ class Checkpointer:
                 begun = (str(storage.begin(run_dir, step, run_id=manifest.run_id)), None)
             except OSError as error:
                 begun = (None, storage.os_error_line(error, run_dir))
-        path, failure = self.comm.broadcast_object(begun, 0, self.group, label="checkpoint directory")
-        if failure:
-            raise RunError(f"checkpoint step {step} not saved: {failure}")
-        tmp = Path(path)
+        try:
+            path, failure = self.comm.broadcast_object(begun, 0, self.group, label="checkpoint directory")
+            if failure:
+                raise RunError(f"checkpoint step {step} not saved: {failure}")
+            self._write_and_commit(view, run_dir, step, manifest, local, keep_last, Path(path))
+        except BaseException:  # a collective failed (a rank died or stopped...): nothing half-written stays
+            if begun[0] is not None:
+                storage.abort(begun[0])
+            raise
+
+    def _write_and_commit(self, view: ShardedModelView, run_dir: Path, step: int, manifest: Manifest,
+                          local: dict[str, tuple[ElementRange, torch.Tensor]] | None, keep_last: int | None,
+                          tmp: Path) -> None:
         device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
         digest = _digest(manifest)
         flags = torch.tensor([1 if tmp.is_dir() else 0, digest, -digest], dtype=torch.int64, device=device)
