@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import datetime
+import re
 
 import torch
 import torch.distributed as dist
@@ -90,8 +91,13 @@ class _Watched:
 
 
 def _first_line(error: BaseException) -> str:
+    """The backend's message without its source location or advice: gloo says
+    '[.../pair.cc:553] Connection closed by peer [127.0.0.1]:58006. This is typically ...'."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    if not text:
+        return type(error).__name__
+    line = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])
+    return line.split(". ", 1)[0].rstrip(".")
 
 
 class Collectives:

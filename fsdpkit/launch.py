@@ -181,8 +181,9 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
             raise RunError(message.strip() + after) from None
         raise RunError(f"worker rank {rank} failed: {reason}{after}") from None
     except RendezvousError as error:
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise RunError(f"the rendezvous at {endpoint} did not complete within --timeout {options.timeout:g} s "
-                       f"({options.nnodes} node{'s' * (options.nnodes > 1)} expected): {error}") from None
+                       f"({options.nnodes} nodes expected): {detail}") from None
 
 
 @contextlib.contextmanager

@@ -78,6 +78,7 @@ class Trainer:
         self.num_params = info.num_params
         self.comms = Collectives()
         self.current_step = 0  # the step being run or saved, for error messages
+        self.stopping = False  # a rank was asked to stop after the last step (SIGTERM)
         model = build_for_training(config.model, config.seed)
         self.model = fsdpkit.shard(model, config.sharding, wrap=wrap_policy(config.model), device=self.device)
         self.unit_names = {unit.name for unit in describe(self.model).units}
@@ -149,9 +150,10 @@ class Trainer:
         self.comms.all_reduce(total, None, label=label)
         return total.tolist()
 
-    def train_step(self, *, stop_requested: bool = False) -> tuple[float, bool]:
-        """One optimizer step over the global batch; returns its loss (mean over all tokens) and
-        whether any rank was asked to stop (the ranks agree on both in one all-reduce)."""
+    def train_step(self, *, stop_requested: bool = False) -> float:
+        """One optimizer step over the global batch; returns its loss (mean over all tokens).
+        `stopping` then says whether any rank was asked to stop (`stop_requested`): the ranks
+        agree on it in the loss's all-reduce."""
         self.current_step = self.step + 1
         faults.step_started(self.current_step)
         optimizer, data = self.config.optimizer, self.config.data
@@ -183,7 +185,8 @@ class Trainer:
         self.step += 1
         self.optimizer_steps += int(stepped)
         loss_sum, stops = self._global_sums([local_loss, float(stop_requested)], "loss")
-        return loss_sum / self.world_size, stops > 0
+        self.stopping = stops > 0
+        return loss_sum / self.world_size
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -229,12 +232,11 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str
                         initial=trainer.step, every_steps=logging.log_every, every_seconds=logging.log_seconds)
     saving = config.checkpoint.save_every
     losses, eval_losses = [], []
-    preempted = False
     started = time.perf_counter()
     try:
-        while trainer.step < config.steps and not preempted:
+        while trainer.step < config.steps and not trainer.stopping:
             step_start = time.perf_counter()
-            loss, preempted = trainer.train_step(stop_requested=stop.requested)
+            loss = trainer.train_step(stop_requested=stop.requested)
             step_time = time.perf_counter() - step_start
             throughput.add(step_time)
             losses.append(loss)
@@ -300,5 +302,5 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str
         "checkpoint": trainer.checkpointer.last_saved if trainer.checkpointer else None,
         "restarts": attempt,
         "steps_redone": history.steps_redone(trainer.start_step) if history is not None else (0 if not attempt else None),
-        "preempted": preempted and trainer.step < config.steps,
+        "preempted": trainer.stopping and trainer.step < config.steps,
     }
