@@ -122,6 +122,14 @@ class LaunchOptions:
         return self.rdzv_endpoint
 
     @property
+    def job_id(self) -> str | None:
+        """The rendezvous id all nodes share: --rdzv-id, or 'fsdpkit' on several nodes; None on
+        one node without one (each launch then makes a new one)."""
+        if self.rdzv_id:
+            return self.rdzv_id
+        return None if self.nnodes == 1 and not self.endpoint else "fsdpkit"
+
+    @property
     def local_processes(self) -> int:
         if self.nproc_per_node is not None:
             return self.nproc_per_node
@@ -156,7 +164,7 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,
         nproc_per_node=options.local_processes,
-        run_id=options.rdzv_id or ("fsdpkit-" + uuid.uuid4().hex[:8] if single_node else "fsdpkit"),
+        run_id=options.job_id or "fsdpkit-" + uuid.uuid4().hex[:8],
         rdzv_backend=options.rdzv_backend,
         rdzv_endpoint=endpoint,
         rdzv_configs={"join_timeout": seconds, "timeout": seconds,

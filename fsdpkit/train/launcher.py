@@ -4,7 +4,7 @@ workers, or, under torchrun, be one.
 
 The launcher holds `--save-dir`'s lock (checkpoint/lock.py) from before the launch until the
 workers are gone, whatever ends them, and gives every attempt's workers its run id and a
-progress file (attempts.py). Under torchrun there is no fsdpkit launcher: no lock is taken,
+progress file (attempts.py); on several nodes the run id is the shared rendezvous id instead. Under torchrun there is no fsdpkit launcher: no lock is taken,
 and the run id is torchrun's --rdzv-id (TORCHELASTIC_RUN_ID), so that a worker torchrun
 restarts resumes from its run's checkpoints too.
 """
@@ -106,18 +106,23 @@ def run_training(config: TrainConfig) -> dict[str, Any] | None:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
         return run_in_process_group(config, RunContext(run_id=f"torchrun-{run_id}" if run_id not in ("", "none") else None))
     validate(config, config.launch.world_size)
-    with _run_lock(config.checkpoint.save_dir) as run_id, _progress_file() as progress_path:
+    with _run_lock(config) as run_id, _progress_file() as progress_path:
         return launch(_worker_entry, config, RunContext(run_id, progress_path), options=config.launch).get(0)
 
 
 @contextlib.contextmanager
-def _run_lock(save_dir: str | None) -> Iterator[str | None]:
-    """The run id of --save-dir's lock, held until the block ends (None without --save-dir)."""
+def _run_lock(config: TrainConfig) -> Iterator[str | None]:
+    """The run id of --save-dir's lock, held until the block ends (None without --save-dir).
+    On several nodes every node's launcher would want the lock of the one shared directory:
+    there the run id is the rendezvous id all nodes share, and no lock is taken."""
+    save_dir = config.checkpoint.save_dir
     if not save_dir:
         yield None
-        return
-    with RunLock.acquire(save_dir, warn=lambda message: print(f"warning: {message}", file=sys.stderr)) as lock:
-        yield lock.run_id
+    elif config.launch.nnodes > 1:
+        yield f"rdzv-{config.launch.job_id}"
+    else:
+        with RunLock.acquire(save_dir, warn=lambda message: print(f"warning: {message}", file=sys.stderr)) as lock:
+            yield lock.run_id
 
 
 @contextlib.contextmanager
