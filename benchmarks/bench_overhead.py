@@ -76,7 +76,7 @@ def plain_loop_seconds(collective: str, count: int, *, world_size: int, iters: i
 @record
 def overhead_worker(plan: BenchPlan, repeats: int) -> list[tuple[str, int, list[float], list[float]]]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = start_process_group(plan.backend, local_rank)
+    device = start_process_group(plan.backend, local_rank, timeout=plan.timeout)
     try:
         where = Placement(rank=dist.get_rank(), world_size=dist.get_world_size(), dtype=getattr(torch, plan.dtype),
                           device=device, group=dist.group.WORLD)

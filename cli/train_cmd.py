@@ -75,6 +75,12 @@ def format_summary(summary: dict) -> str:
     ]
     for entry in summary.get("eval_losses") or []:
         lines.append(f"eval loss        {entry['loss']:.4f} at step {entry['step']}")
+    if summary.get("restarts"):
+        redone = summary.get("steps_redone")
+        lines.append(f"restarts         {summary['restarts']}" + (f" ({redone} steps run again)" if redone is not None else ""))
+    if summary.get("preempted"):
+        lines.append(f"preempted        stopped after step {summary['steps']} (SIGTERM)"
+                     + ("; continue with --resume" if summary.get("checkpoint") else ""))
     if summary.get("checkpoint"):
         lines.append(f"checkpoint       {summary['checkpoint']}")
     return "\n".join(line for line in lines if line)

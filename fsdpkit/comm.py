@@ -15,6 +15,11 @@ the copies gloo's collectives make (its all_gather gathers into a new flat tenso
 copies out; torch's reduce-scatter on gloo is an all-reduce of the whole tensor, twice the
 traffic). Both ranks' transfers of one collective are matched in issue order (one tag per
 kind), so they are asynchronous and ordered like every collective. NCCL keeps torch's collectives. `fsdpkit bench reducescatter --variant both` compares.
+
+A collective that fails (gloo: it timed out after the process group's timeout, or a peer
+closed its connection) raises `CollectiveError` naming the collective and its label, whether
+it failed when issued or when its work handle is waited on. `new_group` makes groups with
+the default group's timeout (torch's own default for a new group is 30 minutes).
 """
 
 from __future__ import annotations
@@ -22,8 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import datetime
+import re
+
 import torch
 import torch.distributed as dist
+
+from . import faults
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -51,50 +61,119 @@ class CommStats:
             self.events.clear()
 
 
+class CollectiveError(RuntimeError):
+    """A collective that did not complete: which one (`kind`, `label`) and what the backend said."""
+
+    def __init__(self, kind: str, label: str, reason: str) -> None:
+        self.kind = kind
+        self.label = label
+        self.reason = reason
+        super().__init__(f"{kind}{f' ({label})' if label else ''} failed: {reason}")
+
+    @property
+    def timed_out(self) -> bool:
+        return "timed out" in self.reason.lower() or "timeout" in self.reason.lower()
+
+
+class _Watched:
+    """A work handle whose failure is a CollectiveError naming its collective."""
+
+    def __init__(self, work: Any, kind: str, label: str) -> None:
+        self.work = work
+        self.kind = kind
+        self.label = label
+
+    def wait(self) -> bool:
+        try:
+            self.work.wait()
+        except RuntimeError as error:
+            raise CollectiveError(self.kind, self.label, _first_line(error)) from error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _first_line(error: BaseException) -> str:
+    """The backend's message without its source location or advice: gloo says
+    '[.../pair.cc:553] Connection closed by peer [127.0.0.1]:58006. This is typically ...'."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    line = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])
+    return line.split(". ", 1)[0].rstrip(".")
+
+
 class Collectives:
     """Collectives on explicit process groups, counted in `stats`."""
 
     def __init__(self, stats: CommStats | None = None) -> None:
         self.stats = stats if stats is not None else CommStats()
 
+    def _issue(self, kind: str, num_bytes: int, label: str, call: Any, async_op: bool) -> Any:
+        self.stats.add(kind, num_bytes, label)
+        faults.before_collective(kind, label)
+        try:
+            work = call()
+            if async_op:
+                return _Watched(work, kind, label) if work is not None else None
+            return work
+        except RuntimeError as error:
+            raise CollectiveError(kind, label, _first_line(error)) from error
+
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group: Any, *, async_op: bool = False, label: str = ""):
         """Concatenate every rank's equal `shard` into `output` (numel = shard.numel * group size)."""
-        self.stats.add("all_gather", output.numel() * output.element_size(), label)
-        if is_gloo(output, group):
-            return all_gather_by_p2p(output, shard, group, async_op=async_op)
-        return _all_gather_flat(output, shard, group=group, async_op=async_op)
+        return self._issue("all_gather", output.numel() * output.element_size(), label,
+                           lambda: all_gather_by_p2p(output, shard, group, async_op=async_op) if is_gloo(output, group)
+                           else _all_gather_flat(output, shard, group=group, async_op=async_op), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, group: Any, *, async_op: bool = False, label: str = ""):
         """Sum `full` over the group and leave chunk `rank` of the sum in `output`.
 
         Returns a work handle when asynchronous: `output` holds the result after `wait()`.
         """
-        self.stats.add("reduce_scatter", full.numel() * full.element_size(), label)
-        if is_gloo(full, group):
-            return reduce_scatter_by_p2p(output, full, group, async_op=async_op)
-        return _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        def call():
+            if is_gloo(full, group):
+                return reduce_scatter_by_p2p(output, full, group, async_op=async_op)
+            return _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+        return self._issue("reduce_scatter", full.numel() * full.element_size(), label, call, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, group: Any, *, op: Any = dist.ReduceOp.SUM, async_op: bool = False, label: str = ""):
-        self.stats.add("all_reduce", tensor.numel() * tensor.element_size(), label)
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return self._issue("all_reduce", tensor.numel() * tensor.element_size(), label,
+                           lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any, *, async_op: bool = False, label: str = ""):
-        self.stats.add("broadcast", tensor.numel() * tensor.element_size(), label)
-        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+        return self._issue("broadcast", tensor.numel() * tensor.element_size(), label,
+                           lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
 
     def broadcast_object(self, value: Any, src: int, group: Any, *, label: str = "") -> Any:
         """`value` of rank `src` (a rank of `group`, not a global rank) on every rank."""
-        self.stats.add("broadcast_object", 0, label)
         holder = [value]
-        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+        self._issue("broadcast_object", 0, label, lambda: dist.broadcast_object_list(
+            holder, src=dist.get_global_rank(group, src) if group is not None else src, group=group), False)
         return holder[0]
 
     def all_gather_object(self, value: Any, group: Any, *, label: str = "") -> list[Any]:
         """Every rank's `value`, in group rank order."""
-        self.stats.add("all_gather_object", 0, label)
         values: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(values, value, group=group)
+        self._issue("all_gather_object", 0, label, lambda: dist.all_gather_object(values, value, group=group), False)
         return values
+
+
+def group_timeout(group: Any = None) -> datetime.timedelta | None:
+    """The timeout `group` (default: the default group) was made with; None where torch does not say."""
+    group = group if group is not None else dist.group.WORLD
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def new_group(ranks: list[int] | None = None, *, backend: str | None = None) -> Any:
+    """dist.new_group with the default group's timeout, so that no collective waits longer than it."""
+    return dist.new_group(ranks, timeout=group_timeout(), backend=backend)
 
 
 def is_gloo(tensor: torch.Tensor, group: Any) -> bool:

@@ -270,9 +270,11 @@ def _print_config(*args: str) -> dict:
 
 def test_torchrun_launch_spellings():
     launch = _print_config("--nproc_per_node", "3", "--rdzv_id", "job7", "--rdzv-backend", "static",
-                           "--master_addr", "node0", "--master-port", "29400", "--nnodes", "2", "--node_rank", "1")["launch"]
+                           "--master_addr", "node0", "--master-port", "29400", "--nnodes", "2", "--node_rank", "1",
+                           "--max_restarts", "3")["launch"]
     assert launch == {"nproc_per_node": 3, "nnodes": 2, "node_rank": 1, "rdzv_backend": "static", "rdzv_id": "job7",
-                      "standalone": False, "master_addr": "node0", "master_port": 29400}
+                      "standalone": False, "master_addr": "node0", "master_port": 29400, "max_restarts": 3,
+                      "timeout": 300.0}
     assert _print_config("--standalone", "--nproc-per-node", "4")["launch"]["standalone"] is True
     assert _print_config("--global_batch_size", "16")["data"]["global_batch_size"] == 16
 

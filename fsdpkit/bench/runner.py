@@ -47,7 +47,7 @@ def plan_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> Bench
     )
     return BenchPlan(
         entries=entries, backend=backend, dtype=options.dtype,
-        iters=options.iters, warmup=options.warmup, check=options.check, op=options.op,
+        iters=options.iters, warmup=options.warmup, check=options.check, op=options.op, timeout=launch_options.timeout,
     )
 
 

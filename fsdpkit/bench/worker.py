@@ -14,6 +14,7 @@ FSDPKIT_BENCH_FAIL_RANK=R, rank R raises before joining the process group.
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import time
@@ -48,6 +49,7 @@ class BenchPlan:
     warmup: int
     check: int  # result checks per size and mode
     op: str = "sum"
+    timeout: float = 300.0  # seconds any collective may wait (--timeout)
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def bench_worker(plan: BenchPlan) -> list[list[SizeMeasurements]]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if os.environ.get(FAIL_RANK_ENV, "") == os.environ.get("RANK"):
         raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={os.environ['RANK']})")
-    device = start_process_group(plan.backend, local_rank)
+    device = start_process_group(plan.backend, local_rank, timeout=plan.timeout)
     group = dist.group.WORLD
     try:
         where = Placement(
@@ -157,12 +159,13 @@ def _barrier(where: Placement) -> None:
         dist.barrier(group=where.group)
 
 
-def start_process_group(backend: str, local_rank: int) -> torch.device:
+def start_process_group(backend: str, local_rank: int, *, timeout: float) -> torch.device:
     """Init the default group for `backend`; return the device its tensors live on."""
+    limit = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=limit)
         return device
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=limit)
     return torch.device("cpu")

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm import Collectives
+from .. import faults
+from ..comm import Collectives, new_group
 from ..engine.view import ShardedModelView, describe
 from ..errors import DataCheckError, RunError
 from ..layout import ElementRange
@@ -320,7 +321,7 @@ class Checkpointer:
         self.async_save = async_save
         self.comm = Collectives()
         # background saves coordinate on their own group, so they never interleave with training's collectives
-        self.group = dist.new_group(backend="gloo") if async_save else view.group
+        self.group = new_group(backend="gloo") if async_save else view.group
         self.run_id = run_id or run_id_of(process_identity())  # only rank 0's is ever written
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -363,10 +364,19 @@ class Checkpointer:
                 begun = (str(storage.begin(run_dir, step, run_id=manifest.run_id)), None)
             except OSError as error:
                 begun = (None, storage.os_error_line(error, run_dir))
-        path, failure = self.comm.broadcast_object(begun, 0, self.group, label="checkpoint directory")
-        if failure:
-            raise RunError(f"checkpoint step {step} not saved: {failure}")
-        tmp = Path(path)
+        try:
+            path, failure = self.comm.broadcast_object(begun, 0, self.group, label="checkpoint directory")
+            if failure:
+                raise RunError(f"checkpoint step {step} not saved: {failure}")
+            self._write_and_commit(view, run_dir, step, manifest, local, keep_last, Path(path))
+        except BaseException:  # a collective failed (a rank died or stopped...): nothing half-written stays
+            if begun[0] is not None:
+                storage.abort(begun[0])
+            raise
+
+    def _write_and_commit(self, view: ShardedModelView, run_dir: Path, step: int, manifest: Manifest,
+                          local: dict[str, tuple[ElementRange, torch.Tensor]] | None, keep_last: int | None,
+                          tmp: Path) -> None:
         device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
         digest = _digest(manifest)
         flags = torch.tensor([1 if tmp.is_dir() else 0, digest, -digest], dtype=torch.int64, device=device)
@@ -383,6 +393,7 @@ class Checkpointer:
         if local is not None:
             try:
                 write_rank(tmp, manifest, view.shard_rank, local)
+                faults.reached("save", step)
             except OSError as error:
                 failure = storage.os_error_line(error, tmp)
         written = torch.tensor([0 if failure else 1], dtype=torch.int64, device=device)

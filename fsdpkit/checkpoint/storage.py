@@ -236,13 +236,32 @@ def prune(run_dir: str | Path, *, keep_last: int, run_id: str) -> list[Path]:
         if path.name != latest:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+    return removed + remove_unfinished(run_dir, run_id=run_id)
+
+
+def remove_unfinished(run_dir: str | Path, *, run_id: str) -> list[Path]:
+    """Remove the temporary directories that saves of run `run_id` left behind (a crash, a
+    killed worker); another run's are never touched. Call it only while no save of that run
+    is in flight. Returns what was removed."""
     tag = f"-{_run_tag(run_id)}-"
-    for child in run_dir.iterdir():
+    removed = []
+    for child in Path(run_dir).iterdir():
         if (child.is_dir() and child.name.startswith((f"{TMP_PREFIX}{STEP_PREFIX}", f"{TMP_PREFIX}old-"))
                 and tag in child.name):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed
+
+
+def newest_of_run(run_dir: str | Path, *, run_id: str) -> Path | None:
+    """The newest complete checkpoint in `run_dir` that run `run_id` wrote, or None."""
+    for _, path in reversed(complete_steps(run_dir)):
+        try:
+            if load_manifest(path).run_id == run_id:
+                return path
+        except DataCheckError:
+            continue
+    return None
 
 
 def os_error_line(error: OSError, where: Path) -> str:

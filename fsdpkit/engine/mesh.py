@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..comm import new_group
 from .config import ShardingConfig
 
 
@@ -45,11 +46,11 @@ def build_mesh(config: ShardingConfig, group: Any = None) -> ShardMesh:
     replicate_group = group if factor == 1 and world_size > 1 else None
     if 1 < factor < world_size:
         for start in range(0, world_size, factor):
-            new = dist.new_group(ranks[start:start + factor])
+            new = new_group(ranks[start:start + factor])
             if start <= rank < start + factor:
                 shard_group = new
         for offset in range(factor):
-            new = dist.new_group(ranks[offset::factor])
+            new = new_group(ranks[offset::factor])
             if rank % factor == offset:
                 replicate_group = new
     return ShardMesh(

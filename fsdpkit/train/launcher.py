@@ -1,20 +1,34 @@
 """Starting a training run: check everything that can be checked before a process starts
-(exit 2, or 3 for a bad checkpoint), then launch the workers, or, under torchrun, be one."""
+(exit 2, or 3 for a bad checkpoint), take the lock of the run directory, then launch the
+workers, or, under torchrun, be one.
+
+The launcher holds `--save-dir`'s lock (checkpoint/lock.py) from before the launch until the
+workers are gone, whatever ends them, and gives every attempt's workers its run id and a
+progress file (attempts.py); on several nodes the run id is the shared rendezvous id instead. Under torchrun there is no fsdpkit launcher: no lock is taken,
+and the run id is torchrun's --rdzv-id (TORCHELASTIC_RUN_ID), so that a worker torchrun
+restarts resumes from its run's checkpoints too.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
-from typing import Any
+import sys
+import tempfile
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ..checkpoint.lock import RunLock
 from ..checkpoint.state import check_before_launch
 from ..errors import UsageError
 from ..launch import launch
 from ..models.source import resolve
 from .config import Device, TrainConfig
+from .attempts import RunContext
 from .data import TokenSource
 from .loop import train_worker
 from .metrics import check_tensorboard_installed
@@ -89,22 +103,49 @@ def run_training(config: TrainConfig) -> dict[str, Any] | None:
     Returns rank 0's summary (None on the other ranks and nodes)."""
     if under_torchrun():
         validate(config, int(os.environ["WORLD_SIZE"]))
-        return run_in_process_group(config)
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        return run_in_process_group(config, RunContext(run_id=f"torchrun-{run_id}" if run_id not in ("", "none") else None))
     validate(config, config.launch.world_size)
-    return launch(_worker_entry, config, options=config.launch).get(0)
+    with _run_lock(config) as run_id, _progress_file() as progress_path:
+        return launch(_worker_entry, config, RunContext(run_id, progress_path), options=config.launch).get(0)
+
+
+@contextlib.contextmanager
+def _run_lock(config: TrainConfig) -> Iterator[str | None]:
+    """The run id of --save-dir's lock, held until the block ends (None without --save-dir).
+    On several nodes every node's launcher would want the lock of the one shared directory:
+    there the run id is the rendezvous id all nodes share, and no lock is taken."""
+    save_dir = config.checkpoint.save_dir
+    if not save_dir:
+        yield None
+    elif config.launch.nnodes > 1:
+        yield f"rdzv-{config.launch.job_id}"
+    else:
+        with RunLock.acquire(save_dir, warn=lambda message: print(f"warning: {message}", file=sys.stderr)) as lock:
+            yield lock.run_id
+
+
+@contextlib.contextmanager
+def _progress_file() -> Iterator[str]:
+    fd, path = tempfile.mkstemp(prefix="fsdpkit-progress-", suffix=".jsonl")
+    os.close(fd)
+    try:
+        yield path
+    finally:
+        os.unlink(path)
 
 
 @record
-def _worker_entry(config: TrainConfig) -> dict[str, Any] | None:
-    return run_in_process_group(config)
+def _worker_entry(config: TrainConfig, context: RunContext) -> dict[str, Any] | None:
+    return run_in_process_group(config, context)
 
 
-def run_in_process_group(config: TrainConfig) -> dict[str, Any] | None:
+def run_in_process_group(config: TrainConfig, context: RunContext) -> dict[str, Any] | None:
     """Init the process group from the launcher's environment (elastic launcher or torchrun),
     train, tear down."""
     use_cuda = config.device is Device.CUDA or (config.device is Device.AUTO and torch.cuda.is_available())
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=config.launch.timeout))
     try:
-        return train_worker(config)
+        return train_worker(config, context)
     finally:
         dist.destroy_process_group()

@@ -1,5 +1,10 @@
 """The training worker: one process of a sharded run. Started by `fsdpkit train` through
-the elastic launcher, or directly under torchrun (`torchrun -m fsdpkit_cli train ...`)."""
+the elastic launcher, or directly under torchrun (`torchrun -m fsdpkit_cli train ...`).
+
+Faults: a worker that the elastic agent restarted resumes from its run's newest checkpoint
+(attempts.py); SIGTERM stops every rank after the same step, with a checkpoint (signals.py);
+a collective that fails or times out ends the worker with one line naming the rank, the
+collective and the step (collective_failure.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +23,13 @@ import torch.nn.functional as F
 
 import fsdpkit
 
+from .. import faults
+from ..checkpoint import storage
 from ..checkpoint.state import init_weights_from
+from ..comm import CollectiveError, Collectives
+from ..engine.view import describe
+from .attempts import ProgressLog, RunContext, attempt_number
+from .collective_failure import collective_failure
 from .config import Device, Optimizer, OptimizerConfig, TrainConfig, precision_names
 from .data import TokenSource, local_rows
 from .metrics import MetricsLog
@@ -26,6 +37,7 @@ from ..models.source import resolve
 from .model_setup import build_for_training, initial_weights, inspect_model, wrap_policy
 from .progress import Progress, Throughput, progress_mode
 from .schedule import lr_at
+from .signals import StopSignals
 
 
 def pick_device(device: Device) -> torch.device:
@@ -51,9 +63,13 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 class Trainer:
     """A sharded model, its optimizer and data, and the training state that a checkpoint keeps.
-    Assumes the config was checked against the world size (TrainConfig.check_world_size)."""
+    Assumes the config was checked against the world size (TrainConfig.check_world_size).
 
-    def __init__(self, config: TrainConfig) -> None:
+    The first attempt starts from --resume, --init-from or the seed; a restarted one (the
+    elastic agent's, see attempts.py) from the newest checkpoint of its own run in --save-dir,
+    if there is one."""
+
+    def __init__(self, config: TrainConfig, context: RunContext = RunContext()) -> None:
         self.config = config
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -62,11 +78,19 @@ class Trainer:
         info = inspect_model(config.model, self.source)
         self.vocab_size = info.vocab_size
         self.num_params = info.num_params
+        self.comms = Collectives()
+        self.current_step = 0  # the step being run or saved, for error messages
+        self.stopping = False  # a rank was asked to stop after the last step (SIGTERM)
         checkpoint = config.checkpoint
+        own = None  # the newest checkpoint this run saved, for a restarted attempt
+        if attempt_number() > 0 and checkpoint.save_dir and context.run_id:
+            own = storage.newest_of_run(checkpoint.save_dir, run_id=context.run_id)
         weights = initial_weights(checkpoint, self.source)
-        model = build_for_training(config.model, self.source, config.seed, weights_follow=bool(weights or checkpoint.resume))
+        model = build_for_training(config.model, self.source, config.seed,
+                                   weights_follow=bool(own or weights or checkpoint.resume))
         wrap = wrap_policy(config.model, self.source, model)
         self.model = fsdpkit.shard(model, config.sharding, wrap=wrap, device=self.device)
+        self.unit_names = {unit.name for unit in describe(self.model).units}
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scaler = fsdpkit.ShardedGradScaler(self.model) if config.sharding.mixed_precision.param_dtype is torch.float16 else None
         self.data = TokenSource(config.data.source, vocab_size=self.vocab_size, seq_len=config.data.seq_len, seed=config.seed,
@@ -75,11 +99,18 @@ class Trainer:
         self.optimizer_steps = 0  # steps the optimizer took (fp16 skips do not count)
         self.last_grad_norm: float | None = None
         self.resumed_from_step: int | None = None
-        self.checkpointer = fsdpkit.Checkpointer(self.model, self.optimizer, async_save=checkpoint.async_save) if checkpoint.save_dir else None
-        if checkpoint.resume:
+        self.checkpointer = (fsdpkit.Checkpointer(self.model, self.optimizer, async_save=checkpoint.async_save,
+                                                  run_id=context.run_id) if checkpoint.save_dir else None)
+        if attempt_number() > 0 and checkpoint.save_dir and context.run_id and self.rank == 0:
+            storage.remove_unfinished(checkpoint.save_dir, run_id=context.run_id)  # a save the failure cut short
+        if own is not None:
+            self.restore(fsdpkit.Checkpointer(self.model, self.optimizer).load(own))
+        elif checkpoint.resume:
             self.restore(fsdpkit.Checkpointer(self.model, self.optimizer).load(checkpoint.resume, strict=checkpoint.strict))
+            self.resumed_from_step = self.step
         elif weights:
             init_weights_from(self.model, weights)
+        self.start_step = self.step  # where this attempt starts
 
     def training_state(self) -> dict[str, Any]:
         """World-size independent: the data stream is a function of (seed, step), the learning
@@ -104,7 +135,6 @@ class Trainer:
             warnings.warn(f"resuming a run saved at world size {state.get('world_size')} at world size {self.world_size}")
         self.step = int(state.get("step", 0))
         self.optimizer_steps = int(state.get("optimizer_steps", self.step))
-        self.resumed_from_step = self.step
         if self.scaler is not None and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])
         rng = (state.get("rng") or {}).get("torch_cpu")
@@ -113,6 +143,7 @@ class Trainer:
 
     def save(self) -> None:
         checkpoint = self.config.checkpoint
+        self.current_step = self.step
         self.checkpointer.save(checkpoint.save_dir, step=self.step, training_state=self.training_state(), keep_last=checkpoint.keep_last)
 
     def _loss_on(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -120,13 +151,17 @@ class Trainer:
         logits = self.source.logits(self.model, tokens[:, :-1])
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
-    def _global_mean(self, value: float) -> float:
-        total = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        return total.item() / self.world_size
+    def _global_sums(self, values: list[float], label: str) -> list[float]:
+        total = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self.comms.all_reduce(total, None, label=label)
+        return total.tolist()
 
-    def train_step(self) -> float:
-        """One optimizer step over the global batch; returns its loss (mean over all tokens)."""
+    def train_step(self, *, stop_requested: bool = False) -> float:
+        """One optimizer step over the global batch; returns its loss (mean over all tokens).
+        `stopping` then says whether any rank was asked to stop (`stop_requested`): the ranks
+        agree on it in the loss's all-reduce."""
+        self.current_step = self.step + 1
+        faults.step_started(self.current_step)
         optimizer, data = self.config.optimizer, self.config.data
         lr = lr_at(self.optimizer_steps, base_lr=optimizer.lr, warmup_steps=optimizer.warmup_steps,
                    total_steps=self.config.schedule_steps, schedule=optimizer.schedule)
@@ -155,7 +190,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.optimizer_steps += int(stepped)
-        return self._global_mean(local_loss)
+        loss_sum, stops = self._global_sums([local_loss, float(stop_requested)], "loss")
+        self.stopping = stops > 0
+        return loss_sum / self.world_size
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -169,15 +206,38 @@ class Trainer:
                 losses.append(self._loss_on(local_rows(batch, self.rank, self.world_size)).item())
         finally:
             self.model.train()
-        return self._global_mean(sum(losses) / len(losses))
+        return self._global_sums([sum(losses) / len(losses)], "eval loss")[0] / self.world_size
 
 
-def train_worker(config: TrainConfig) -> dict[str, Any] | None:
-    """Run a whole training on this rank; rank 0 returns the summary, others None."""
-    trainer = Trainer(config)
+def train_worker(config: TrainConfig, context: RunContext = RunContext()) -> dict[str, Any] | None:
+    """Run a whole training on this rank; rank 0 returns the summary, others None. A collective
+    that fails raises RunError (CollectiveTimeout when it timed out) naming rank, collective, step."""
+    trainer = None
+    with StopSignals() as stop:
+        try:
+            trainer = Trainer(config, context)
+            return _train(trainer, stop, context)
+        except CollectiveError as error:
+            raise collective_failure(error, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                     step=trainer.current_step if trainer else 0, timeout=config.launch.timeout,
+                                     units=trainer.unit_names if trainer else set(), attempt=attempt_number()) from None
+
+
+def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str, Any] | None:
+    config = trainer.config
     rank0 = trainer.rank == 0
+    attempt = attempt_number()
+    progress_log = (ProgressLog(context.progress_path, attempt)
+                    if context.progress_path and int(os.environ.get("LOCAL_RANK", "0")) == 0 else None)
+    history = progress_log.history if progress_log else None
     logging = config.logging
-    metrics = MetricsLog(jsonl_path=logging.metrics, tensorboard_dir=logging.tensorboard) if rank0 else None
+    metrics = None
+    if rank0:
+        cut_at = history.metrics_offsets.get(trainer.start_step) if history and attempt else None
+        metrics = MetricsLog(jsonl_path=logging.metrics, tensorboard_dir=logging.tensorboard, cut_at=cut_at,
+                             purge_step=trainer.start_step + 1 if attempt else None)
+    if progress_log:
+        progress_log.started(trainer.start_step, metrics_offset=metrics.offset if metrics else None)
     throughput = Throughput(config.tokens_per_step)
     progress = Progress(progress_mode(quiet=logging.quiet, shown=rank0, stream=sys.stderr), total=config.steps,
                         initial=trainer.step, every_steps=logging.log_every, every_seconds=logging.log_seconds)
@@ -185,9 +245,9 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     losses, eval_losses = [], []
     started = time.perf_counter()
     try:
-        while trainer.step < config.steps:
+        while trainer.step < config.steps and not trainer.stopping:
             step_start = time.perf_counter()
-            loss = trainer.train_step()
+            loss = trainer.train_step(stop_requested=stop.requested)
             step_time = time.perf_counter() - step_start
             throughput.add(step_time)
             losses.append(loss)
@@ -203,7 +263,11 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
                 eval_losses.append({"step": trainer.step, "loss": record["eval_loss"]})
             if metrics:
                 metrics.write(record)
+            if progress_log:
+                progress_log.stepped(trainer.step, loss, eval_loss=record.get("eval_loss"),
+                                     metrics_offset=metrics.offset if metrics else None)
             progress.update(trainer.step, loss=loss, tokens_per_second=throughput.tokens_per_second)
+            faults.reached("step", trainer.step)
             if trainer.checkpointer and saving and trainer.step % saving == 0:
                 trainer.save()
         if trainer.checkpointer:
@@ -214,11 +278,20 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         progress.close()
         if metrics:
             metrics.close()
+        if progress_log:
+            progress_log.close()
     elapsed = time.perf_counter() - started
     peak = torch.tensor([peak_memory_bytes(trainer.device)], dtype=torch.float64, device=trainer.device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    trainer.comms.all_reduce(peak, None, op=dist.ReduceOp.MAX, label="peak memory")
     if not rank0:
         return None
+    resumed_from = trainer.resumed_from_step
+    if history is not None and history.first_step is not None and config.checkpoint.resume:
+        resumed_from = history.first_step  # a restart resumed from its own checkpoint; the run from --resume
+    if history is not None:
+        earlier = history.steps_before(trainer.start_step)
+        losses = [history.losses[s] for s in earlier if s in history.losses] + losses
+        eval_losses = [{"step": s, "loss": history.eval_losses[s]} for s in earlier if s in history.eval_losses] + eval_losses
     return {
         "model": config.model.name,
         "num_params": trainer.num_params,
@@ -227,7 +300,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         "mixed_precision": precision_names(config.sharding.mixed_precision)[0],
         "device": trainer.device.type,
         "steps": trainer.step,
-        "resumed_from_step": trainer.resumed_from_step,
+        "resumed_from_step": resumed_from,
         "optimizer_steps": trainer.optimizer_steps,
         "global_batch_size": config.data.global_batch_size,
         "seq_len": config.data.seq_len,
@@ -238,4 +311,7 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         "elapsed_seconds": elapsed,
         "peak_memory_bytes": int(peak.item()),
         "checkpoint": trainer.checkpointer.last_saved if trainer.checkpointer else None,
+        "restarts": attempt,
+        "steps_redone": history.steps_redone(trainer.start_step) if history is not None else (0 if not attempt else None),
+        "preempted": trainer.stopping and trainer.step < config.steps,
     }
