@@ -91,8 +91,7 @@ def check_placement_matches(placement: Placement, sources: list[SourceTensor], *
 
 def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, placement: Placement | None = None,
                        placement_source: str = "the placement", cast_to: str | None = None, with_optimizer: bool = False, strategy: str = "full",
-                       chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False, progress: Progress | None = None,
-                       workers: int | None = None) -> dict:
+                       chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False, progress: Progress | None = None) -> dict:
     if world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
     full = open_full(src, with_optimizer=with_optimizer)
@@ -106,7 +105,7 @@ def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, pla
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + world_size * 65536) as tmp:
         written = write_sharded(tmp, sources=sources, placement=placement, world_size=world_size, strategy=strategy,
                                 training_state={}, aliases=full.aliases, cast_to=cast_to, chunk_size=chunk_size,
-                                progress=_progress_callback(progress, total), workers=workers)
+                                progress=_progress_callback(progress, total))
     return {"src": str(src), "dst": str(dst), "to": "sharded", "world_size": world_size, "placement": placement.kind,
             "files": written.files, "tensors": len(written.manifest.tensors), "bytes": written.bytes, "dtype": cast_to}
 
