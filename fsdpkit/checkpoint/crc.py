@@ -72,10 +72,10 @@ class CrcShifter:
 
     def __init__(self) -> None:
         self._multipliers: dict[int, list[int]] = {}  # length -> [multiplier, uses]
-        self._tables: dict[int, tuple] = {}
+        self.tables: dict[int, tuple] = {}  # length -> the four tables of shift(., length), for inlining
 
     def shift(self, crc: int, nbytes: int) -> int:
-        tables = self._tables.get(nbytes)
+        tables = self.tables.get(nbytes)
         if tables is None:
             return self._shift_slowly(crc, nbytes)
         t0, t1, t2, t3 = tables
@@ -86,8 +86,8 @@ class CrcShifter:
         if entry is None:
             entry = self._multipliers[nbytes] = [x8n(nbytes), 0]
         entry[1] += 1
-        if entry[1] >= TABLES_AFTER and len(self._tables) < MAX_TABLES:
-            self._tables[nbytes] = shift_tables(entry[0])
+        if entry[1] >= TABLES_AFTER and len(self.tables) < MAX_TABLES:
+            self.tables[nbytes] = shift_tables(entry[0])
         return multmodp(entry[0], crc)
 
     def combine(self, crc_a: int, crc_b: int, len_b: int) -> int:

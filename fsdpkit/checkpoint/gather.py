@@ -167,23 +167,44 @@ class Gatherer:
 
     def fragment(self, tensor: int, start: int, end: int, views: list) -> int:
         """Append the bytes of elements [start, end) of tensor `tensor` to `views`; their crc32."""
-        cursor = self._cursors[tensor]
-        piece = cursor.current
-        if piece is not None and piece.first <= start and end <= piece.last and cursor.cast is None:
-            itemsize = cursor.itemsize
-            at, nbytes = (start - piece.first) * itemsize, (end - start) * itemsize
-            offset = piece.offset + at
-            if at == piece.done and nbytes <= self.block and piece.window_start <= offset and offset + nbytes <= piece.window_end:
-                view = piece.window[offset - piece.window_start: offset - piece.window_start + nbytes]
-                crc = zlib.crc32(view)
-                views.append(view)
-                piece.running = self._shifter.shift(piece.running, nbytes) ^ crc if at else crc
-                piece.done = at + nbytes
-                self.bytes_read += nbytes
-                if piece.done == piece.nbytes:
-                    self._finish_piece(cursor, piece)
-                return crc
-        return self._fragment(cursor, start, end, views)
+        return self.fragments((tensor,), (start,), (end,), views)[0]
+
+    def fragments(self, tensors, starts, ends, views: list) -> list[int]:
+        """`fragment` for each (tensor, start, end) in turn; their crc32s."""
+        crcs = []
+        cursors, block, tables, crc32 = self._cursors, self.block, self._shifter.tables, zlib.crc32
+        done = 0
+        for tensor, start, end in zip(tensors, starts, ends):
+            cursor = cursors[tensor]
+            piece = cursor.current
+            if piece is not None and piece.first <= start and end <= piece.last and cursor.cast is None:
+                itemsize = cursor.itemsize
+                at = (start - piece.first) * itemsize
+                nbytes = (end - start) * itemsize
+                offset = piece.offset + at
+                if at == piece.done and nbytes <= block and piece.window_start <= offset and offset + nbytes <= piece.window_end:
+                    offset -= piece.window_start
+                    view = piece.window[offset: offset + nbytes]
+                    crc = crc32(view)
+                    views.append(view)
+                    crcs.append(crc)
+                    done += nbytes
+                    if at:
+                        running, shift = piece.running, tables.get(nbytes)
+                        if shift is None:
+                            piece.running = self._shifter.shift(running, nbytes) ^ crc
+                        else:
+                            piece.running = (shift[0][running & 255] ^ shift[1][(running >> 8) & 255]
+                                             ^ shift[2][(running >> 16) & 255] ^ shift[3][running >> 24] ^ crc)
+                    else:
+                        piece.running = crc
+                    piece.done = at + nbytes
+                    if piece.done == piece.nbytes:
+                        self._finish_piece(cursor, piece)
+                    continue
+            crcs.append(self._fragment(cursor, start, end, views))
+        self.bytes_read += done
+        return crcs
 
     def _fragment(self, cursor: _Cursor, start: int, end: int, views: list) -> int:
         """The general case: several pieces, several blocks, a new window, a cast."""

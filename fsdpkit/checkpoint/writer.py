@@ -258,8 +258,7 @@ def write_rank_file(path: Path, layout: FileLayout, gatherer: Gatherer) -> None:
     try:
         views: list = []
         if layout.size <= WHOLE_FILE_BYTES:
-            fragment = gatherer.fragment
-            crcs = [fragment(t, start, end, views) for t, start, end in zip(layout.tensors, layout.starts, layout.ends)]
+            crcs = gatherer.fragments(layout.tensors, layout.starts, layout.ends, views)
             write_views(fd, layout.header_with(crcs) + views, path)
         else:
             _stream_rank_file(fd, path, layout, gatherer)
