@@ -5,17 +5,18 @@ against `cp -r` + `sync` of that same result directory (same bytes, same number 
     .venv/bin/python benchmarks/checkpoint_scale.py --model gpt-small --world-sizes 4 64 --json
 
 Makes one source checkpoint at --source-world-size ranks (format 2, the model's flat-parameter
-placement, random weights and AdamW state: exp_avg, exp_avg_sq, step), then for each W, each
-in its own process, timed with a final `sync` included:
+placement, random weights and AdamW state: exp_avg, exp_avg_sq, step), or takes --source, then
+for each W, --repeat times, each command in its own process, timed with a final `sync` included:
 
 - fsdpkit reshard SRC OUT --world-size W   (peak RSS: the process's VmHWM)
 - cp -r OUT COPY + sync                    (the baseline: the disk's and the filesystem's limit)
 - fsdpkit verify OUT                       (every header and checksum)
 
-and reports times, ratios to the copy, peak RSS (the command's process, and the largest of the
-worker processes it starts from 256 files on: one per CPU, at most 8) and the manifest's size. Targets (issue 14):
-reshard <= 1.5x the copy, verify <= 2x, peak RSS <= 300 MB whatever W, manifest <= 1 MB.
-Free disk is checked first; outputs are deleted once measured.
+and reports the median time of each, the median and range of the ratios to the copy of the
+same round (the machine may be shared: only ratios measured side by side mean much), the
+largest peak RSS and the manifest's size. Targets (issue 14): reshard <= 1.5x the copy,
+verify <= 2x, peak RSS <= 300 MB whatever W, manifest <= 1 MB. Free disk is checked first;
+outputs are deleted once measured.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,16 +73,15 @@ storage.commit(tmp, run, 1000, manifest)
 print(sum(t.nbytes for t in table))
 """
 
-# VmHWM, the peak RSS of the process's own address space, and the largest of its worker
-# processes' (convert/reshard/verify use one per CPU from 256 files on), printed last on stderr
+# VmHWM, the peak RSS of the process, printed last on stderr
 PEAK = """
-import resource, sys
+import sys
 try:
     from fsdpkit_cli.app import main
     main()
 finally:
     status = open("/proc/self/status").read()
-    print("VmHWM", status.split("VmHWM:")[1].split()[0], resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)
+    print("VmHWM", status.split("VmHWM:")[1].split()[0], file=sys.stderr)
 """
 
 
@@ -92,16 +93,26 @@ def timed(command: list[str]) -> dict:
     seconds = time.perf_counter() - start
     lines = proc.stderr.strip().splitlines()
     peak = int(lines[-1].split()[1]) * 1024 if lines and lines[-1].startswith("VmHWM") else None
-    worker = int(lines[-1].split()[2]) * 1024 if peak is not None else None
     if proc.returncode:
         raise SystemExit(f"error: {' '.join(command[:6])} ... failed: {lines[-2 if peak else -1] if lines else proc.returncode}")
-    return {"seconds": seconds, "peak_rss": peak, "worker_peak_rss": worker}
+    return {"seconds": seconds, "peak_rss": peak}
+
+
+def summary(values: list[float]) -> dict:
+    ordered = sorted(values)
+    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1]}
+
+
+def spread(ratio: dict) -> str:
+    return f"{ratio['median']:.2f} [{ratio['min']:.2f}..{ratio['max']:.2f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2-medium", help="model whose parameter shapes are used (fsdpkit registry)")
     parser.add_argument("--source-world-size", type=int, default=2)
+    parser.add_argument("--source", type=Path, default=None, help="an existing sharded checkpoint to reshard instead")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds per world size (reshard, cp -r, verify)")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[4, 64, 1024, 4096, 16384])
     parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
@@ -111,47 +122,55 @@ def main(argv: list[str] | None = None) -> int:
     fsdpkit = [python, "-c", PEAK]
     work = Path(tempfile.mkdtemp(prefix="fsdpkit-ckpt-scale-", dir=args.workdir))
     try:
-        src = work / "src"
-        print(f"setting up {args.model} + AdamW state at W={args.source_world_size} in {work} ...", file=sys.stderr)
-        setup = subprocess.run([python, "-c", SETUP, str(src), args.model, str(args.source_world_size)],
-                               capture_output=True, text=True)
-        if setup.returncode:
-            print(setup.stderr, file=sys.stderr)
-            return 1
-        data_bytes = int(setup.stdout.split()[-1])
+        src = args.source or work / "src"
+        if args.source is None:
+            print(f"setting up {args.model} + AdamW state at W={args.source_world_size} in {work} ...", file=sys.stderr)
+            setup = subprocess.run([python, "-c", SETUP, str(src), args.model, str(args.source_world_size)],
+                                   capture_output=True, text=True)
+            if setup.returncode:
+                print(setup.stderr, file=sys.stderr)
+                return 1
+        data_bytes = sum(path.stat().st_size for path in Path(src).rglob("*.safetensors"))
         free = shutil.disk_usage(work).free
-        if free < data_bytes * 3.2:
-            print(f"error: needs about {format_size(int(data_bytes * 3.2))} free in {work}, {format_size(free)} free", file=sys.stderr)
+        if free < data_bytes * 2.2:
+            print(f"error: needs about {format_size(int(data_bytes * 2.2))} free in {work}, {format_size(free)} free", file=sys.stderr)
             return 1
         subprocess.run(["sync"], check=True)
         rows = []
         for world in args.world_sizes:
             out, copy = work / "out", work / "copy"
-            print(f"W={world}: reshard, cp -r, verify ...", file=sys.stderr)
-            reshard = timed(fsdpkit + ["reshard", str(src), str(out), "--world-size", str(world)])
-            cp = timed(["cp", "-r", str(out), str(copy)])
-            shutil.rmtree(copy)
-            subprocess.run(["sync"], check=True)
-            verify = timed(fsdpkit + ["verify", str(out)])
-            rows.append({"world_size": world, "files": world, "reshard_s": reshard["seconds"], "cp_s": cp["seconds"],
-                         "reshard_vs_cp": reshard["seconds"] / cp["seconds"], "reshard_peak_rss": reshard["peak_rss"],
-                         "reshard_worker_peak_rss": reshard["worker_peak_rss"],
-                         "verify_s": verify["seconds"], "verify_vs_cp": verify["seconds"] / cp["seconds"],
-                         "verify_peak_rss": verify["peak_rss"], "manifest_bytes": (out / "manifest.json").stat().st_size})
-            shutil.rmtree(out)
-            subprocess.run(["sync"], check=True)
-        document = {"model": args.model, "bytes": data_bytes, "source_world_size": args.source_world_size, "results": rows}
+            rounds = []
+            for index in range(args.repeat):
+                print(f"W={world} round {index + 1}/{args.repeat}: reshard, cp -r, verify ...", file=sys.stderr)
+                reshard = timed(fsdpkit + ["reshard", str(src), str(out), "--world-size", str(world)])
+                cp = timed(["cp", "-r", str(out), str(copy)])
+                shutil.rmtree(copy)
+                subprocess.run(["sync"], check=True)
+                verify = timed(fsdpkit + ["verify", str(out)])
+                manifest_bytes = (out / "manifest.json").stat().st_size
+                shutil.rmtree(out)
+                subprocess.run(["sync"], check=True)
+                rounds.append((reshard, cp, verify))
+            rows.append({"world_size": world, "files": world,
+                         "reshard_s": summary([r["seconds"] for r, _, _ in rounds]),
+                         "cp_s": summary([c["seconds"] for _, c, _ in rounds]),
+                         "reshard_vs_cp": summary([r["seconds"] / c["seconds"] for r, c, _ in rounds]),
+                         "reshard_peak_rss": max(r["peak_rss"] for r, _, _ in rounds),
+                         "verify_s": summary([v["seconds"] for _, _, v in rounds]),
+                         "verify_vs_cp": summary([v["seconds"] / c["seconds"] for _, c, v in rounds]),
+                         "verify_peak_rss": max(v["peak_rss"] for _, _, v in rounds), "manifest_bytes": manifest_bytes})
+        document = {"model": args.model, "source": str(args.source) if args.source else None, "bytes": data_bytes,
+                    "source_world_size": args.source_world_size, "repeat": args.repeat, "results": rows}
         if args.json:
             print(json.dumps(document))
         else:
-            print(f"# {args.model} + AdamW state: {format_size(data_bytes)}; reshard {args.source_world_size} -> W, "
-                  f"times include a final sync")
-            print(f"{'W':>7}{'reshard s':>11}{'cp -r s':>9}{'x cp':>7}{'peak RSS':>11}{'worker RSS':>12}{'verify s':>10}"
-                  f"{'x cp':>7}{'verify RSS':>12}{'manifest':>11}")
+            print(f"# {format_size(data_bytes)} ({args.source or args.model}); reshard -> W, {args.repeat} rounds: "
+                  f"median seconds, ratio to cp -r of the same round as median [min..max]; times include a final sync")
+            print(f"{'W':>7}{'reshard s':>11}{'cp -r s':>9}{'reshard x cp':>20}{'peak RSS':>11}{'verify s':>10}"
+                  f"{'verify x cp':>20}{'verify RSS':>12}{'manifest':>11}")
             for r in rows:
-                worker = format_size(r["reshard_worker_peak_rss"]) if r["reshard_worker_peak_rss"] else "-"
-                print(f"{r['world_size']:>7}{r['reshard_s']:>11.2f}{r['cp_s']:>9.2f}{r['reshard_vs_cp']:>7.2f}"
-                      f"{format_size(r['reshard_peak_rss']):>11}{worker:>12}{r['verify_s']:>10.2f}{r['verify_vs_cp']:>7.2f}"
+                print(f"{r['world_size']:>7}{r['reshard_s']['median']:>11.2f}{r['cp_s']['median']:>9.2f}{spread(r['reshard_vs_cp']):>20}"
+                      f"{format_size(r['reshard_peak_rss']):>11}{r['verify_s']['median']:>10.2f}{spread(r['verify_vs_cp']):>20}"
                       f"{format_size(r['verify_peak_rss']):>12}{format_size(r['manifest_bytes']):>11}")
         return 0
     finally:

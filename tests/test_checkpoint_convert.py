@@ -256,31 +256,37 @@ def test_a_loading_rank_reads_only_the_files_its_chunk_overlaps(sharded, tmp_pat
         reader.read_range(frag.name, frag.param_range)
 
 
-def test_reshard_in_several_processes(sharded, tmp_path):
-    """Many rank files are written by several processes, each reading part of each source
-    fragment: the result is the same, and a flipped source byte is still caught (the parts'
-    checksums combined), leaving nothing behind."""
+def test_reshard_to_many_files_and_back(sharded, tmp_path):
+    """Many rank files, each cut from slices of the same source fragments (their checksums
+    combined piece by piece), and back to few files, each fragment assembled from many source
+    fragments: the results are exact, verify reports every fragment, and a flipped byte is
+    caught on either side, leaving nothing behind."""
     from fsdpkit.checkpoint.offline.reshard import reshard
+    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
     from fsdpkit.checkpoint.reader import read_header
     from fsdpkit.errors import DataCheckError
 
     _, tensors, runs = sharded
-    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
-
-    reshard(runs[2], tmp_path / "r37", world_size=37, workers=3, chunk_size=1024)
-    reader = CheckpointReader(tmp_path / "r37")
-    assert reader.manifest.world_size == 37 and run_cli("verify", tmp_path / "r37").exit_code == 0
-    for name, tensor in tensors.items():
-        assert torch.equal(reader.read_tensor(name), tensor), name
+    reshard(runs[2], tmp_path / "r37", world_size=37, chunk_size=1024)
+    reshard(tmp_path / "r37", tmp_path / "back", world_size=2, chunk_size=64)
+    for out in ("r37", "back"):
+        reader = CheckpointReader(tmp_path / out)
+        assert run_cli("verify", tmp_path / out).exit_code == 0
+        for name, tensor in tensors.items():
+            assert torch.equal(reader.read_tensor(name), tensor), name
+    assert all((tmp_path / "back" / name).read_bytes() == (runs[2] / name).read_bytes()
+               for name in ("rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"))
     done = []
-    report = verify_checkpoint(tmp_path / "r37", workers=2, progress=lambda count, total: done.append((count, total)))
+    report = verify_checkpoint(tmp_path / "r37", progress=lambda count, total: done.append((count, total)))
     assert report["ok"] and report["fragments"] > 37 and sum(count for count, _ in done) == report["bytes"] == done[0][1]
     victim = tmp_path / "r37" / "rank-00030-of-00037.safetensors"
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 1
     victim.write_bytes(bytes(raw))
-    report = verify_checkpoint(tmp_path / "r37", workers=2)
+    report = verify_checkpoint(tmp_path / "r37")
     assert len(report["problems"]) == 1 and "rank-00030-of-00037.safetensors: checksum mismatch" in report["problems"][0]
+    with pytest.raises(DataCheckError, match="checksum mismatch in rank-00030-of-00037.safetensors"):
+        reshard(tmp_path / "r37", tmp_path / "out", world_size=2)
     broken = tmp_path / "broken"
     shutil.copytree(runs[2], broken)
     path = broken / "rank-00000-of-00002.safetensors"
@@ -289,5 +295,5 @@ def test_reshard_in_several_processes(sharded, tmp_path):
     raw[header.data_start + header.tensors["optim.exp_avg.wte.weight"].begin + 100] ^= 1
     path.write_bytes(bytes(raw))
     with pytest.raises(DataCheckError, match="checksum mismatch in rank-00000-of-00002.safetensors tensor 'optim.exp_avg.wte.weight'"):
-        reshard(broken, tmp_path / "out", world_size=37, workers=3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "r37"]
+        reshard(broken, tmp_path / "out", world_size=37)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "broken", "r37"]

@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fsdpkit.checkpoint.bytecopy import CrcShifter, cast_into
+from fsdpkit.checkpoint.bytecopy import cast_into
+from fsdpkit.checkpoint.crc import CrcShifter
 from fsdpkit.checkpoint.format import split_optim_tensor_name
 from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import Layout, Placement, TensorSpec

@@ -1,5 +1,6 @@
-"""The one byte path of the checkpoint package: bounded-memory reads of fragments with their
-crc32 checked, casts between float dtypes, and crc32 arithmetic (no torch).
+"""Bounded-memory reads of large fragments with their crc32 checked, and casts between float
+dtypes (no torch): loading, and `convert --to full`. Rank files of many small fragments
+(`write_sharded`) are assembled by `gather.py` instead.
 
 A `SourceTensor` says where each element range of a tensor lies: (range, file, byte offset,
 crc32 or None). Sharded checkpoints give one piece per fragment (with its checksum); full
@@ -13,7 +14,7 @@ crc32 of every source fragment it reads, casts floats when `out_dtype` differs, 
 each filled view to `sink`; with `checksum=True` it returns the crc32 of all the bytes it
 handed on. Each block is checksummed once, on the bytes that are written: when both a
 source and an output checksum run over uncast bytes, the block's own crc is derived from
-the source's running one (`CrcShifter`, below) instead of a second pass. Callers must read each
+the source's running one (`crc.CrcShifter`) instead of a second pass. Callers must read each
 fragment front to back (any number of calls, increasing ranges), which the plans in
 `placement.py` guarantee; when a fragment's last byte has been read its crc32 is compared with
 the manifest and a mismatch is a `DataCheckError`.
@@ -25,10 +26,7 @@ read, checksummed and written while it is still in the CPU's L2 cache; with 4-64
 the same copy spent 3-10x longer in `write` (measured on a 2-core Xeon with a 2 MiB L2, page
 cache to page cache, see benchmarks/checkpoint.py). Larger chunks only bound memory higher.
 
-crc32 arithmetic: `zlib.crc32` is affine in its input, so for byte strings A and B
-`crc(A + B) = shift(crc(A), len(B)) ^ crc(B)` (zlib's crc32_combine), where `shift(c, n)`
-multiplies `c` by x^(8n) modulo the crc polynomial; `CrcShifter` caches the multiplier per
-length. Casts (`cast_into`) work block by block with numpy (imported on first cast only),
+Casts (`cast_into`) work block by block with numpy (imported on first cast only),
 rounding as torch does: round to nearest even, BF16 from F32 bits like c10's
 `round_to_nearest_even` (NaN -> 0x7FC0), F64 -> BF16 or F16 through F32.
 """
@@ -46,13 +44,11 @@ from typing import Callable, NamedTuple
 
 from ..errors import DataCheckError
 from ..layout import ElementRange
+from .crc import CrcShifter
 from .format import dtype_info, numel
 
 MAX_OPEN_FILES = 64
 DEFAULT_CHUNK_SIZE = 512 * 1024
-WINDOW_BYTES = 256 * 1024  # small reads are served from a window read ahead in their piece
-MAX_WINDOWS = 256  # at most 64 MiB of windows
-SMALL_READ = 64 * 1024
 PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
 
 
@@ -121,35 +117,16 @@ class _OpenFiles:
             os.close(self._fds.popitem()[1])
 
 
-class PartialCrc(NamedTuple):
-    """The crc32 of bytes [start, end) of a piece, as one of several processes read them."""
-
-    path: Path
-    offset: int  # the piece's (see SourcePiece)
-    nbytes: int
-    stored: int
-    label: str
-    start: int
-    end: int
-    crc32: int
-
-
 class ByteCopier:
-    """`partial=True` (one of several processes copying parts of the same pieces): a piece may
-    be first read anywhere; the checksums of pieces not read whole here are returned by
-    `finish()` as `PartialCrc`s, for `check_partial_crcs` to combine."""
-
-    def __init__(self, *, chunk_size: int, progress: Callable[[int], None] | None = None, partial: bool = False):
+    def __init__(self, *, chunk_size: int, progress: Callable[[int], None] | None = None):
         if chunk_size < 64:
             raise ValueError(f"chunk size must be at least 64 bytes, got {chunk_size}")
         self.chunk_size = chunk_size
-        self.partial = partial
         self._buffers = (bytearray(chunk_size), bytearray(chunk_size))  # one being read, one being written
         self._cast_buffer: bytearray | None = None
         self._files = _OpenFiles()
-        self._crc: dict[tuple[Path, int], tuple[int, int, int, SourcePiece]] = {}  # piece -> (first byte, next byte, crc, piece)
+        self._crc: dict[tuple[Path, int], tuple[int, int, SourcePiece]] = {}  # piece -> (next byte, crc, piece)
         self._verified: set[tuple[Path, int]] = set()  # pieces read whole and checked (read_into)
-        self._windows: OrderedDict[tuple[Path, int], tuple[int, bytearray]] = OrderedDict()  # piece -> (offset, bytes)
         self._read_shifter = CrcShifter()  # used by the reading thread
         self._write_shifter = CrcShifter()  # used by the calling thread
         self._progress = progress
@@ -159,11 +136,10 @@ class ByteCopier:
              *, checksum: bool = False) -> int | None:
         """Stream elements `wanted` of `tensor`, cast to `out_dtype`, into `sink`; with `checksum`,
         return the crc32 of what was handed on."""
-        itemsize = dtype_info(tensor.dtype).itemsize
-        if wanted.size * itemsize <= min(SMALL_READ, self.chunk_size):
-            return self._copy_small(tensor, wanted, itemsize, out_dtype, sink, checksum)
-        blocks = self._blocks(tensor, wanted, itemsize)
+        blocks = self._blocks(tensor, wanted, dtype_info(tensor.dtype).itemsize)
         out_crc = 0
+        if not blocks:
+            return out_crc if checksum else None
         with ThreadPoolExecutor(max_workers=1) if len(blocks) > 1 else _Inline() as reader:
             pending = reader.submit(self._read, *blocks[0], self._buffers[0])
             for index in range(len(blocks)):
@@ -179,35 +155,6 @@ class ByteCopier:
                         out_crc = zlib.crc32(out, out_crc)
                 self._report(view.nbytes)
         return out_crc if checksum else None
-
-    def _copy_small(self, tensor: SourceTensor, wanted: ElementRange, itemsize: int, out_dtype: str,
-                    sink: Callable[[memoryview], None], checksum: bool) -> int | None:
-        """A range of at most SMALL_READ bytes (the many small fragments of a large world size):
-        served from windows read ahead in each piece, so most such copies make no system call."""
-        out_crc = 0
-        for piece in tensor.pieces_in(wanted):
-            first, start, end = piece.range.start, max(piece.range.start, wanted.start), min(piece.range.end, wanted.end)
-            view = self._window(piece, (start - first) * itemsize, (end - start) * itemsize)
-            self._advance_crc(piece, (start - first) * itemsize, view, self._write_shifter, block_crc=False)
-            out = self._cast(view, tensor.dtype, out_dtype)
-            sink(out)
-            if checksum:
-                out_crc = zlib.crc32(out, out_crc)
-            self._report(view.nbytes)
-        return out_crc if checksum else None
-
-    def _window(self, piece: SourcePiece, offset: int, nbytes: int) -> memoryview:
-        key = (piece.path, piece.offset)
-        window = self._windows.get(key)
-        if window is not None and window[0] <= offset and offset + nbytes <= window[0] + len(window[1]):
-            self._windows.move_to_end(key)
-        else:
-            buffer = bytearray(min(max(WINDOW_BYTES, nbytes), piece.nbytes - offset))
-            self._pread(piece, offset, memoryview(buffer))
-            window = self._windows[key] = (offset, buffer)
-            if len(self._windows) > MAX_WINDOWS:
-                self._windows.popitem(last=False)
-        return memoryview(window[1])[offset - window[0]: offset - window[0] + nbytes]
 
     def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
         """Random access (loading): the bytes of elements `wanted` of `tensor` into `out`. A piece
@@ -257,18 +204,18 @@ class ByteCopier:
         if piece.crc32 is None:
             return None
         key = (piece.path, piece.offset)
-        first, position, crc, _ = self._crc.pop(key, (offset, offset, 0, piece))
-        if offset > position or (first and not self.partial):
+        position, crc, _ = self._crc.pop(key, (0, 0, piece))
+        if offset > position:
             raise AssertionError(f"{piece.label}: read at byte {offset}, expected {position} (fragments must be read in order)")
         fresh = view[position - offset:]
         if not fresh.nbytes:
-            self._crc[key] = (first, position, crc, piece)
+            self._crc[key] = (position, crc, piece)
             return None
         running = zlib.crc32(fresh, crc)
         own = running ^ shifter.shift(crc, fresh.nbytes) if block_crc and fresh.nbytes == view.nbytes else None
         position += fresh.nbytes
-        if position < piece.nbytes or first:
-            self._crc[key] = (first, position, running, piece)
+        if position < piece.nbytes:
+            self._crc[key] = (position, running, piece)
         elif running != piece.crc32:
             raise DataCheckError(f"{piece.path}: checksum mismatch in {piece.label}: "
                                  f"stored crc32 {piece.crc32:08x}, data gives {running:08x} (corrupt file)")
@@ -299,45 +246,17 @@ class ByteCopier:
                 self._progress(self._unreported)
                 self._unreported = 0
 
-    def finish(self) -> list[PartialCrc]:
-        """Close files. Every piece started must have been read to its end, unless `partial`:
-        then the checksums of the pieces read here only in part are returned."""
+    def finish(self) -> None:
+        """Close files; every piece started must have been read to its end."""
         self.close()
-        parts = [PartialCrc(piece.path, piece.offset, piece.nbytes, piece.crc32, piece.label, first, position, crc)
-                 for first, position, crc, piece in self._crc.values()]
-        if parts and not self.partial:
-            raise AssertionError(f"{parts[0].label}: read only up to byte {parts[0].end}")
-        self._crc.clear()
-        return parts
+        for position, _, piece in self._crc.values():
+            raise AssertionError(f"{piece.label}: read only up to byte {position}")
 
     def close(self) -> None:
         if self._progress is not None and self._unreported:
             self._progress(self._unreported)
             self._unreported = 0
-        self._windows.clear()
         self._files.close()
-
-
-def check_partial_crcs(parts: list[PartialCrc]) -> None:
-    """The pieces that several processes read in parts: the parts of each must tile it, and
-    their crc32s, combined in order, give the stored one (else a DataCheckError)."""
-    shifter = CrcShifter()
-    by_piece: dict[tuple[Path, int], list[PartialCrc]] = {}
-    for part in parts:
-        by_piece.setdefault((part.path, part.offset), []).append(part)
-    for pieces in by_piece.values():
-        pieces.sort(key=lambda p: p.start)
-        crc, position = 0, 0
-        for part in pieces:
-            if part.start != position:
-                raise AssertionError(f"{part.label}: bytes [{position}, {part.start}) were not read")
-            crc, position = shifter.combine(crc, part.crc32, part.end - part.start), part.end
-        last = pieces[-1]
-        if position != last.nbytes:
-            raise AssertionError(f"{last.label}: read only up to byte {position}")
-        if crc != last.stored:
-            raise DataCheckError(f"{last.path}: checksum mismatch in {last.label}: "
-                                 f"stored crc32 {last.stored:08x}, data gives {crc:08x} (corrupt file)")
 
 
 class _Inline:
@@ -356,63 +275,6 @@ class _Inline:
 
     def __exit__(self, *exc) -> None:
         return None
-
-
-# ----- crc32 arithmetic
-POLY = 0xEDB88320  # zlib's reflected crc32 polynomial
-_TOP = 1 << 31  # the polynomial "1" in reflected bit order
-
-
-def multmodp(a: int, b: int) -> int:
-    """a * b modulo the crc polynomial (reflected bit order, as zlib)."""
-    mask, product = _TOP, 0
-    while a:
-        if a & mask:
-            product ^= b
-            a ^= mask
-        mask >>= 1
-        b = (b >> 1) ^ POLY if b & 1 else b >> 1
-    return product
-
-
-def _powers() -> tuple[int, ...]:
-    """x^(2^k) mod P for k = 0..31."""
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = multmodp(p, p)
-    return tuple(table)
-
-
-X2N = _powers()
-
-
-def x8n(nbytes: int) -> int:
-    """x^(8 * nbytes) mod P."""
-    result, k, n = _TOP, 3, nbytes
-    while n:
-        if n & 1:
-            result = multmodp(X2N[k & 31], result)
-        n >>= 1
-        k += 1
-    return result
-
-
-class CrcShifter:
-    """`shift(crc, n)` = crc * x^(8n) mod P, with the multiplier of each length cached."""
-
-    def __init__(self) -> None:
-        self._multipliers: dict[int, int] = {}
-
-    def shift(self, crc: int, nbytes: int) -> int:
-        multiplier = self._multipliers.get(nbytes)
-        if multiplier is None:
-            multiplier = self._multipliers[nbytes] = x8n(nbytes)
-        return multmodp(multiplier, crc)
-
-    def combine(self, crc_a: int, crc_b: int, len_b: int) -> int:
-        """crc(A + B) from crc(A), crc(B) and len(B)."""
-        return self.shift(crc_a, len_b) ^ crc_b
 
 
 # ----- float casts (numpy, imported on first use: a tenth of a second of startup)

@@ -39,6 +39,7 @@ from ..layout import ElementRange, FlatLayout, even_split_ranges
 from .format import CRC_METADATA_KEY, dtype_info, split_optim_tensor_name
 
 Shape = tuple[int, ...]
+MAX_CACHED_HEADER_BYTES = 32 << 20  # bounds the rank file headers a Layout keeps
 
 
 @dataclass(frozen=True)
@@ -127,11 +128,14 @@ class Fragment(NamedTuple):
 
 @dataclass(frozen=True)
 class FileLayout:
-    """One rank file: its fragments in data order, each one's byte span (relative to the data
-    buffer), the header and where its crc32 hex digits sit in it, and the file size."""
+    """One rank file: its fragments in data order (as three parallel tuples), each one's byte
+    span (relative to the data buffer), the header and where its crc32 hex digits sit in it,
+    and the file size."""
 
     rank: int
-    fragments: tuple[Fragment, ...]
+    tensors: tuple[int, ...]
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
     spans: tuple[tuple[int, int], ...]
     header: bytes  # length prefix included, crc digits all "0"
     crc_offset: int  # file offset of the first crc hex digit
@@ -140,6 +144,16 @@ class FileLayout:
     @property
     def data_start(self) -> int:
         return len(self.header)
+
+    @property
+    def fragments(self) -> tuple[Fragment, ...]:
+        return tuple(map(Fragment, self.tensors, self.starts, self.ends))
+
+    def header_with(self, crcs) -> list[bytes]:
+        """The header with the fragments' crc32s filled in, as three byte strings."""
+        end = self.crc_offset + 8 * len(self.tensors)
+        digits = struct.pack(f">{len(self.tensors)}I", *crcs).hex().encode("ascii")
+        return [self.header[:self.crc_offset], digits, self.header[end:]]
 
 
 class Layout:
@@ -153,7 +167,6 @@ class Layout:
         index = {t.name: i for i, t in enumerate(self.tensors)}
         self._itemsize = [dtype_info(t.dtype).itemsize for t in self.tensors]
         self._order_key = [(8 - size) * len(self.tensors) + i for i, size in enumerate(self._itemsize)]
-        self._one_itemsize = len(set(self._itemsize)) <= 1
         self._keys = [json.dumps(t.name) + ':{"dtype":"' + t.dtype + '","shape":[' for t in self.tensors]
         # flat: per unit, (chunk, numel, slot starts, slot ends, followers of each slot)
         self._units: list[tuple[int, int, list[int], list[int], list[list[int]]]] = []
@@ -171,6 +184,8 @@ class Layout:
                     self._even.append((-(-t.numel // per_rank), per_rank, i))
             self._even.sort(reverse=True)
         self._even_counts = [-count for count, _, _ in self._even]
+        self._headers: dict[tuple, tuple] = {}  # fragment signature -> what file_layout shares between ranks
+        self._cached_bytes = 0
 
     def _init_flat(self, index: dict[str, int]) -> None:
         param_slot: dict[str, tuple[int, int, int]] = {}  # name -> (unit, slot, numel)
@@ -200,30 +215,43 @@ class Layout:
     # ----- fragments
     def fragments(self, rank: int) -> list[Fragment]:
         """Rank `rank`'s non-empty fragments, in data order."""
+        return list(self.file_layout(rank).fragments)
+
+    def _unordered(self, rank: int) -> tuple[list[int], list[int], list[int]]:
+        """Rank `rank`'s fragments as (tensors, starts, ends), unit by unit (not in data order)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
-        out: list[Fragment] = []
-        for chunk, numel, starts, ends, followers in self._units:
-            lo, hi = rank * chunk, min((rank + 1) * chunk, numel)
-            if lo >= hi:
+        tensors: list[int] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        for chunk, numel, slot_starts, slot_ends, followers in self._units:
+            lo = rank * chunk
+            if lo >= numel:
                 continue
-            s = max(bisect.bisect_right(starts, lo) - 1, 0)
-            while s < len(starts) and starts[s] < hi:
-                first, last = max(starts[s], lo), min(ends[s], hi)
-                if first < last:
-                    for t in followers[s]:
-                        out.append(Fragment(t, first - starts[s], last - starts[s]))
+            hi = min(lo + chunk, numel)
+            s = max(bisect.bisect_right(slot_starts, lo) - 1, 0)
+            while s < len(slot_starts) and slot_starts[s] < hi:
+                begin = slot_starts[s]
+                first, last = max(begin, lo) - begin, min(slot_ends[s], hi) - begin
+                for t in followers[s]:
+                    tensors.append(t)
+                    starts.append(first)
+                    ends.append(last)
                 s += 1
-        out.extend(Fragment(t, 0, 1) for t in self._held_first.get(rank, ()))
+        for t in self._held_first.get(rank, ()):
+            tensors.append(t)
+            starts.append(0)
+            ends.append(1)
         if rank == 0:
-            out.extend(Fragment(t, 0, self.tensors[t].numel) for t in self._whole)
-        for count, per_rank, t in self._even[: bisect.bisect_left(self._even_counts, -rank)]:
-            out.append(Fragment(t, rank * per_rank, min((rank + 1) * per_rank, self.tensors[t].numel)))
-        if self._one_itemsize:
-            out.sort()  # tensor-table order (each tensor at most once per rank)
-        else:
-            out.sort(key=lambda f: self._order_key[f.tensor])
-        return out
+            for t in self._whole:
+                tensors.append(t)
+                starts.append(0)
+                ends.append(self.tensors[t].numel)
+        for _, per_rank, t in self._even[: bisect.bisect_left(self._even_counts, -rank)]:
+            tensors.append(t)
+            starts.append(rank * per_rank)
+            ends.append(min((rank + 1) * per_rank, self.tensors[t].numel))
+        return tensors, starts, ends
 
     def piece_count(self, tensor: int) -> int:
         """How many fragments `tensor` has."""
@@ -262,19 +290,40 @@ class Layout:
 
     # ----- files
     def file_layout(self, rank: int) -> FileLayout:
-        fragments = self.fragments(rank)
+        """Rank `rank`'s file. Its header depends only on which tensors the rank holds and how
+        many elements of each, which many ranks share (at a large world size most chunks lie
+        inside the same parameters), so it is built once per such signature."""
+        tensors, starts, ends = self._unordered(rank)
+        signature = (tuple(tensors), tuple(map(int.__sub__, ends, starts)))
+        shared = self._headers.get(signature)
+        if shared is None:
+            shared = self._shared_layout(tensors, signature[1])
+            if self._cached_bytes < MAX_CACHED_HEADER_BYTES:
+                self._headers[signature] = shared
+                self._cached_bytes += 4 * len(shared[3])  # the header, the signature and the spans
+        order, ordered, spans, header, crc_offset, size = shared
+        if order is not None:
+            starts, ends = [starts[i] for i in order], [ends[i] for i in order]
+        return FileLayout(rank, ordered, tuple(starts), tuple(ends), spans, header, crc_offset, size)
+
+    def _shared_layout(self, tensors: list[int], sizes: tuple[int, ...]):
+        """(order into data order or None, tensors in data order, spans, header, crc offset, size)."""
+        order = sorted(range(len(tensors)), key=lambda i: self._order_key[tensors[i]])
         spans, entries, position = [], [], 0
-        for f in fragments:
-            size = (f.end - f.start) * self._itemsize[f.tensor]
-            spans.append((position, position + size))
-            entries.append(f"{self._keys[f.tensor]}{f.end - f.start}],\"data_offsets\":[{position},{position + size}]}}")
-            position += size
+        for i in order:
+            t = tensors[i]
+            nbytes = sizes[i] * self._itemsize[t]
+            spans.append((position, position + nbytes))
+            entries.append(f"{self._keys[t]}{sizes[i]}],\"data_offsets\":[{position},{position + nbytes}]}}")
+            position += nbytes
         metadata = '{"__metadata__":{"format":"pt","' + CRC_METADATA_KEY + '":"'
-        text = metadata + "0" * (8 * len(fragments)) + '"}' + "".join("," + e for e in entries) + "}"
+        text = metadata + "0" * (8 * len(tensors)) + '"}' + "".join("," + e for e in entries) + "}"
         raw = text.encode("ascii")
         raw += b" " * (-(8 + len(raw)) % 8)
         header = struct.pack("<Q", len(raw)) + raw
-        return FileLayout(rank, tuple(fragments), tuple(spans), header, 8 + len(metadata), len(header) + position)
+        identity = order == list(range(len(order)))
+        return (None if identity else tuple(order), tuple(tensors[i] for i in order), tuple(spans), header,
+                8 + len(metadata), len(header) + position)
 
 
 def short(value: object) -> str:

@@ -38,7 +38,6 @@ import os
 import re
 import stat
 import struct
-import sys
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,7 @@ from .export import Layout, layout_of
 from .format import (CRC_METADATA_KEY, MANIFEST_NAME, MAX_HEADER_BYTES, MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX, OPTIM_SINGLE,
                      TIED_METADATA_KEY, dtype_info, is_known_dtype, is_safe_file_name, numel, parse_json, rank_file_name)
 from .manifest import Manifest, load_manifest
-from .placement import Layout
+from .placement import FileLayout, Layout
 from .storage import checkpoint_file, resolve_checkpoint
 
 _HEX = re.compile(rb"[0-9a-f]*")
@@ -200,6 +199,29 @@ class RankFile:
         return self.data_start + self.begins[position], self.crcs[position]
 
 
+def check_v2_size(path: Path, size: int, expected: FileLayout) -> None:
+    if size != expected.size:
+        raise DataCheckError(f"{path}: file is {size} bytes, the layout the manifest gives has {expected.size} "
+                             f"(truncated, extended or from another checkpoint)")
+
+
+def v2_crcs(path: Path, raw: bytes, expected: FileLayout) -> tuple[int, ...]:
+    """The fragments' crc32s from a v2 rank file's header `raw`, which must be exactly the
+    header the layout derives except for the crc32 hex digits (else a DataCheckError)."""
+    if raw[:8] != expected.header[:8]:
+        raise DataCheckError(f"{path}: header claims {struct.unpack('<Q', raw[:8])[0]} bytes, the layout the manifest "
+                             f"gives has {len(expected.header) - 8}")
+    crc_end = expected.crc_offset + 8 * len(expected.tensors)
+    if raw[:expected.crc_offset] != expected.header[:expected.crc_offset] or raw[crc_end:] != expected.header[crc_end:]:
+        at = next(i for i, (a, b) in enumerate(zip(raw, expected.header)) if a != b and not expected.crc_offset <= i < crc_end)
+        raise DataCheckError(f"{path}: header differs from the layout the manifest gives at byte {at} "
+                             f"({raw[max(at - 20, 0):at + 20].decode('ascii', 'replace')!r})")
+    digits = raw[expected.crc_offset:crc_end]
+    if not _HEX.fullmatch(digits):
+        raise DataCheckError(f"{path}: {CRC_METADATA_KEY} holds characters other than lowercase hex digits")
+    return struct.unpack(f">{len(expected.tensors)}I", bytes.fromhex(digits.decode("ascii")))
+
+
 class ShardedCheckpoint:
     def __init__(self, step_dir: Path, manifest: Manifest):
         self.step_dir, self.manifest = step_dir, manifest
@@ -225,30 +247,17 @@ class ShardedCheckpoint:
 
     def _validate_v2(self, rank: int) -> RankFile:
         expected = self.layout.file_layout(rank)
-        path = checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.world_size))
+        path = self.rank_file_path(rank)
         fd, size = open_regular(path)
         try:
-            if size != expected.size:
-                raise DataCheckError(f"{path}: file is {size} bytes, the layout the manifest gives has {expected.size} "
-                                     f"(truncated, extended or from another checkpoint)")
+            check_v2_size(path, size, expected)
             raw = read_exactly(fd, len(expected.header), 0, path)
         finally:
             os.close(fd)
-        if raw[:8] != expected.header[:8]:
-            raise DataCheckError(f"{path}: header claims {struct.unpack('<Q', raw[:8])[0]} bytes, the layout the manifest "
-                                 f"gives has {len(expected.header) - 8}")
-        crc_end = expected.crc_offset + 8 * len(expected.fragments)
-        if raw[:expected.crc_offset] != expected.header[:expected.crc_offset] or raw[crc_end:] != expected.header[crc_end:]:
-            at = next(i for i, (a, b) in enumerate(zip(raw, expected.header)) if a != b and not expected.crc_offset <= i < crc_end)
-            raise DataCheckError(f"{path}: header differs from the layout the manifest gives at byte {at} "
-                                 f"({raw[max(at - 20, 0):at + 20].decode('ascii', 'replace')!r})")
-        digits = raw[expected.crc_offset:crc_end]
-        if not _HEX.fullmatch(digits):
-            raise DataCheckError(f"{path}: {CRC_METADATA_KEY} holds characters other than lowercase hex digits")
-        crcs = array("I", bytes.fromhex(digits.decode("ascii")))
-        if sys.byteorder == "little":
-            crcs.byteswap()
-        return RankFile(path, size, expected.data_start, [f.tensor for f in expected.fragments], list(expected.spans), list(crcs))
+        return RankFile(path, size, expected.data_start, expected.tensors, expected.spans, v2_crcs(path, raw, expected))
+
+    def rank_file_path(self, rank: int) -> Path:
+        return checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.world_size))
 
     def _validate_v1(self, index: int) -> RankFile:
         name, size = self.manifest.listing.files[index]

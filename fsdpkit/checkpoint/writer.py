@@ -18,30 +18,35 @@ every completed `WRITE_BEHIND_BYTES` at once (`posix_fadvise(DONTNEED)`: dirty d
 dropped), so the disk works while the copy goes on and a multi-GB output does not fill the
 page cache. `close()` fsyncs unless the caller syncs many files at once (`sync=False`, then
 `storage.sync_files`, as `staged_output` does). On an exception inside a `with` block the
-partial file is removed. `write_sharded` spreads thousands of rank files over processes.
+partial file is removed.
+
+`write_sharded` (convert --to sharded, reshard) writes every rank file of a layout from
+slices of the mapped source files (`gather.Gatherer`): a rank file is one `writev` of its
+header, crc32 digits included, and the slices.
 """
 
 from __future__ import annotations
 
+import errno
 import json
-import multiprocessing
 import os
 import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..layout import ElementRange
-from .bytecopy import ByteCopier, PartialCrc, SourceTensor, check_partial_crcs
+from .bytecopy import SourceTensor
+from .crc import CrcShifter
 from .format import dtype_info, numel, output_dtype, rank_file_name
+from .gather import Gatherer
 from .manifest import Manifest, save_manifest
 from .placement import FileLayout, Placement, TensorSpec
 
 WRITE_BEHIND_BYTES = 32 * 1024 * 1024
 BUFFER_BYTES = 1024 * 1024
-WORKERS_FROM_FILES = 256  # write_sharded uses several processes from this many rank files on
-MAX_WORKERS = 8
+WHOLE_FILE_BYTES = 8 * 1024 * 1024  # write_sharded writes a rank file up to this size with one writev
+IOV_MAX = 1024  # buffers per writev (Linux's limit)
+PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
 
 
 @dataclass(frozen=True)
@@ -218,91 +223,96 @@ class WrittenCheckpoint:
 
 def write_sharded(directory: Path, *, sources: list[SourceTensor], placement: Placement, world_size: int, strategy: str,
                   training_state: dict, aliases: dict[str, str], cast_to: str | None, chunk_size: int,
-                  progress: Callable[[int], None] | None = None, workers: int | None = None) -> WrittenCheckpoint:
+                  progress: Callable[[int], None] | None = None) -> WrittenCheckpoint:
     """A whole sharded checkpoint (v2) in `directory`: every rank file of `placement` at
     `world_size`, copied from `sources` (source checksums verified on the way, output crc32s
-    from the bytes written), then manifest.json; `storage.staged_output` syncs them all at once.
-    Every rank gets a file, possibly with no tensors.
-
-    With many files, `workers` processes (default: one per CPU, at most 8, from 256 files on)
-    each write a contiguous block of ranks: the per-file and per-fragment work runs in
-    parallel. Each reads only part of most source fragments; their partial checksums are
-    combined here (`check_partial_crcs`), so every source byte is still verified once."""
+    from the bytes written: `gather.Gatherer`), then manifest.json; `storage.staged_output`
+    syncs them all at once. Every rank gets a file, possibly with no tensors."""
     tensors = tuple(TensorSpec(s.name, output_dtype(s.dtype, cast_to), tuple(s.shape)) for s in sources)
     manifest = Manifest(world_size, strategy, placement, tensors, dict(aliases), dict(training_state))
-    workers = worker_count(world_size, workers)
-    if workers == 1:
-        parts, total = write_ranks(directory, sources, manifest, 0, world_size, chunk_size, progress=progress)
-    else:
-        jobs = [(directory, sources, manifest, world_size * i // workers, world_size * (i + 1) // workers, chunk_size)
-                for i in range(workers)]
-        outcomes = in_processes(write_ranks, jobs, progress)
-        parts, total = [part for parts, _ in outcomes for part in parts], sum(total for _, total in outcomes)
-    check_partial_crcs(parts)
+    layout, total, reported = manifest.layout(), 0, 0
+    gatherer = Gatherer(sources, [t.dtype for t in tensors], block_size=chunk_size)
+    try:
+        for rank in range(world_size):
+            file_layout = layout.file_layout(rank)
+            write_rank_file(directory / rank_file_name(rank, world_size), file_layout, gatherer)
+            total += file_layout.size
+            if progress is not None and gatherer.bytes_read - reported >= PROGRESS_BYTES:
+                progress(gatherer.bytes_read - reported)
+                reported = gatherer.bytes_read
+    finally:
+        gatherer.close()
+    gatherer.finish()
+    if progress is not None and gatherer.bytes_read > reported:
+        progress(gatherer.bytes_read - reported)
     save_manifest(directory, manifest)
     return WrittenCheckpoint(manifest, [rank_file_name(rank, world_size) for rank in range(world_size)], total)
 
 
-def write_ranks(directory: Path, sources: list[SourceTensor], manifest: Manifest, first: int, last: int, chunk_size: int,
-                *, progress: Callable[[int], None] | None = None) -> tuple[list[PartialCrc], int]:
-    """Rank files `first` to `last - 1` of `manifest`; returns the checksums of the source
-    fragments read only in part, and the bytes written."""
-    copier = ByteCopier(chunk_size=chunk_size, progress=progress, partial=True)
-    layout, total = manifest.layout(), 0
+def write_rank_file(path: Path, layout: FileLayout, gatherer: Gatherer) -> None:
+    """Rank file `layout` at `path`, its fragments from `gatherer` (not fsynced: the caller syncs
+    the whole output). A file of at most WHOLE_FILE_BYTES is one `writev` of its complete header
+    and slices of the sources; a larger one is streamed in such steps, its crc32 digits written
+    last. On an error the file is removed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        for rank in range(first, last):
-            file_layout = layout.file_layout(rank)
-            with RankFileWriter(directory / rank_file_name(rank, manifest.world_size), file_layout, write_behind=True,
-                                sync=False) as writer:
-                for tensor, start, end in file_layout.fragments:
-                    writer.end_fragment(copier.copy(sources[tensor], ElementRange(start, end), manifest.tensors[tensor].dtype,
-                                                    writer.write, checksum=True))
-            total += file_layout.size
-    finally:
-        copier.close()
-    return copier.finish(), total
+        views: list = []
+        if layout.size <= WHOLE_FILE_BYTES:
+            crcs = gatherer.fragments(layout.tensors, layout.starts, layout.ends, views)
+            write_views(fd, layout.header_with(crcs) + views, path)
+        else:
+            _stream_rank_file(fd, path, layout, gatherer)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
 
 
-def in_processes(function: Callable, jobs: list[tuple], progress: Callable[[int], None] | None) -> list:
-    """`function(*job, progress=...)` for each job, each in its own process (spawned: no
-    threads or locks inherited; `function` must be importable), results in order; a job's
-    exception is raised here. The byte counts all of them report go to `progress`."""
-    context = multiprocessing.get_context("spawn")
-    done = context.Value("q", 0)
-    with context.Pool(len(jobs), initializer=_start_worker, initargs=(done,)) as pool:
-        results = [pool.apply_async(_call, (function, job)) for job in jobs]
-        reported = 0
-        while not all(result.ready() for result in results):
-            time.sleep(0.05)
-            if progress is not None and done.value > reported:
-                progress(done.value - reported)
-                reported = done.value
-        outcomes = [result.get() for result in results]
-        if progress is not None and done.value > reported:
-            progress(done.value - reported)
-    return outcomes
+def _stream_rank_file(fd: int, path: Path, layout: FileLayout, gatherer: Gatherer) -> None:
+    write_views(fd, [layout.header], path)
+    views: list = []
+    crcs, written, shifter = [], layout.data_start, CrcShifter()
+    for t, start, end, (begin, stop) in zip(layout.tensors, layout.starts, layout.ends, layout.spans):
+        step = max(1, WHOLE_FILE_BYTES * (end - start) // (stop - begin))  # elements per step
+        crc = 0
+        for first in range(start, end, step):
+            last = min(first + step, end)
+            part = gatherer.fragment(t, first, last, views)
+            crc = shifter.combine(crc, part, (stop - begin) * (last - first) // (end - start)) if first > start else part
+            position = layout.data_start + begin + (stop - begin) * (last - start) // (end - start)
+            if position - written >= WHOLE_FILE_BYTES or len(views) >= IOV_MAX:
+                write_views(fd, views, path)
+                views.clear()
+                written = _write_behind(fd, written, position)
+        crcs.append(crc)
+    write_views(fd, views, path)
+    digits = layout.header_with(crcs)[1]
+    if os.pwrite(fd, digits, layout.crc_offset) != len(digits):
+        raise OSError(errno.EIO, "short write while writing the crc32 digits", str(path))
 
 
-def worker_count(files: int, workers: int | None) -> int:
-    """How many processes share `files` files: `workers`, or one per CPU (at most MAX_WORKERS)
-    from WORKERS_FROM_FILES files on."""
-    if workers is None:
-        workers = min(os.cpu_count() or 1, MAX_WORKERS) if files >= WORKERS_FROM_FILES else 1
-    return max(1, min(workers, files))
+def _write_behind(fd: int, written: int, position: int) -> int:
+    """Start the writeback of bytes [written, position) at once (dirty pages are never dropped)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, written, position - written, os.POSIX_FADV_DONTNEED)
+    return position
 
 
-_done = None  # in a worker process: the shared count of bytes done
-
-
-def _start_worker(done) -> None:
-    global _done
-    _done = done
-
-
-def _advance(nbytes: int) -> None:
-    with _done.get_lock():
-        _done.value += nbytes
-
-
-def _call(function: Callable, job: tuple):
-    return function(*job, progress=_advance)
+def write_views(fd: int, views: list, path: Path) -> None:
+    """Write every byte of `views` (bytes-like objects) at the file position, IOV_MAX at a time."""
+    for first in range(0, len(views), IOV_MAX):
+        batch = views[first:first + IOV_MAX]
+        left = sum(map(len, batch))
+        while left:
+            try:
+                count = os.writev(fd, batch)
+            except OSError as error:
+                raise OSError(error.errno, error.strerror, str(path)) from None
+            if count == 0:
+                raise OSError(errno.EIO, "write made no progress", str(path))
+            left -= count
+            while left and count >= len(batch[0]):
+                count -= len(batch.pop(0))
+            if left and count:
+                batch[0] = memoryview(batch[0])[count:]

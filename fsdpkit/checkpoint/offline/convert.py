@@ -139,8 +139,7 @@ def check_placement_matches(placement: Placement, sources: list[SourceTensor], *
 def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, placement: Placement | None = None,
                        placement_source: str = "the placement", aliases: dict[str, str] | None = None,
                        cast_to: str | None = None, with_optimizer: bool = False, strategy: str = "full",
-                       chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False, progress: Progress | None = None,
-                       workers: int | None = None) -> dict:
+                       chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False, progress: Progress | None = None) -> dict:
     """`aliases`: the model's tied names ({alias: stored name}), for files that store a tied
     weight once without saying so (transformers' save_pretrained)."""
     if world_size < 1:
@@ -162,7 +161,7 @@ def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, pla
             check_placement_matches(placement, sources, where=Path(src), source=placement_source)
         written = write_sharded(tmp, sources=sources, placement=placement, world_size=world_size, strategy=strategy,
                                 training_state={}, aliases=aliases, cast_to=cast_to, chunk_size=chunk_size,
-                                progress=_progress_callback(progress, total), workers=workers)
+                                progress=_progress_callback(progress, total))
         (tmp / SCRATCH_NAME).unlink(missing_ok=True)
     return {"src": str(src), "dst": str(dst), "to": "sharded", "world_size": world_size, "placement": placement.kind,
             "files": written.files, "tensors": len(written.manifest.tensors), "bytes": written.bytes, "dtype": cast_to}

@@ -3,9 +3,8 @@
 Sharded checkpoints: the manifest (schema, version, tensor table, placement, aliases), every
 rank file (a regular file, present, of the size and with the header the manifest derives;
 v1: as listed, keys and dtypes agreeing), nothing else in the directory, and the crc32 of
-every fragment, recomputed file by file, front to back, through one reused buffer (no torch;
-memory does not grow with the world size; from 256 files on, several processes share the
-files). Full checkpoints (model.safetensors / index):
+every fragment, recomputed file by file through one reused buffer (no torch; memory does not
+grow with the world size). Full checkpoints (model.safetensors / index):
 headers, sizes and the index; they carry no checksums. `verify_checkpoint` returns a JSON-able
 report; `ok` is true when `problems` is empty.
 """
@@ -21,13 +20,15 @@ from ...errors import DataCheckError
 from ..bytecopy import DEFAULT_CHUNK_SIZE
 from ..format import MANIFEST_NAME
 from ..manifest import load_manifest
-from ..reader import RankFile, ShardedCheckpoint, is_full_checkpoint, open_full, open_regular
+from ..reader import RankFile, ShardedCheckpoint, check_v2_size, is_full_checkpoint, open_full, open_regular, v2_crcs
 from ..storage import resolve_checkpoint
-from ..writer import in_processes, worker_count
+
+WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
+PROGRESS_BYTES = 8 * 1024 * 1024
 
 
-def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, progress: Callable[[int, int], None] | None = None,
-                      workers: int | None = None) -> dict:
+def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                      progress: Callable[[int, int], None] | None = None) -> dict:
     path = Path(path)
     if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         return _verify_full(path)
@@ -43,35 +44,69 @@ def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     total = sum(t.nbytes for t in manifest.tensors)
     if progress:
         progress(0, total)
-    advance = (lambda count: progress(count, total)) if progress else None
-    files = len(checkpoint.file_names())
-    workers = worker_count(files, workers)
-    jobs = [(checkpoint, files * i // workers, files * (i + 1) // workers, chunk_size) for i in range(workers)]
-    outcomes = [check_files(*jobs[0], progress=advance)] if workers == 1 else in_processes(check_files, jobs, advance)
-    problems = report["problems"]
-    for found, _, _ in outcomes:
-        problems.extend(found)
+    problems, fragments, checked = check_files(checkpoint, chunk_size,
+                                               progress=(lambda count: progress(count, total)) if progress else None)
     problems.extend(checkpoint.unexpected_files())
-    report.update(ok=not problems, tensors=len(manifest.tensors), fragments=sum(n for _, n, _ in outcomes),
-                  bytes=sum(b for _, _, b in outcomes))
+    report.update(ok=not problems, problems=problems, tensors=len(manifest.tensors), fragments=fragments, bytes=checked)
     return report
 
 
-def check_files(checkpoint: ShardedCheckpoint, first: int, last: int, chunk_size: int, *,
-                progress: Callable[[int], None] | None = None) -> tuple[list[str], int, int]:
-    """Files `first` to `last - 1`: (one line per problem, fragments checked, bytes checked)."""
-    problems, fragments, checked = [], 0, 0
-    buffer = bytearray(chunk_size)
-    for index in range(first, last):
+def check_files(checkpoint: ShardedCheckpoint, chunk_size: int, *, progress: Callable[[int], None] | None = None
+                ) -> tuple[list[str], int, int]:
+    """Every rank file: (one line per problem, fragments checked, bytes checked). A v2 file of
+    at most WHOLE_FILE_BYTES is read with one system call into a reused buffer, its header
+    compared with the derived one, and each fragment's crc32 computed on a slice of it."""
+    problems, fragments, checked, unreported = [], 0, 0, 0
+    buffer = bytearray(max(chunk_size, WHOLE_FILE_BYTES if checkpoint.layout is not None else 0))
+    for index in range(len(checkpoint.file_names())):
         try:
-            rank_file = checkpoint.rank_file(index, cache=False)
-            problems.extend(_check_crcs(rank_file, checkpoint.manifest, buffer, progress or (lambda count: None)))
+            if checkpoint.layout is not None and checkpoint.layout.file_layout(index).size <= WHOLE_FILE_BYTES:
+                found, count, nbytes = _check_whole_v2(checkpoint, index, memoryview(buffer))
+                unreported += nbytes
+            else:
+                rank_file = checkpoint.rank_file(index, cache=False)
+                found = _check_crcs(rank_file, checkpoint.manifest, buffer, progress or (lambda count: None))
+                count, nbytes = len(rank_file), int(sum(rank_file.ends) - sum(rank_file.begins))
         except DataCheckError as error:
             problems.append(str(error))
             continue
-        fragments += len(rank_file)
-        checked += int(sum(rank_file.ends) - sum(rank_file.begins))
+        problems.extend(found)
+        fragments += count
+        checked += nbytes
+        if progress is not None and unreported >= PROGRESS_BYTES:
+            progress(unreported)
+            unreported = 0
+    if progress is not None and unreported:
+        progress(unreported)
     return problems, fragments, checked
+
+
+def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, buffer: memoryview) -> tuple[list[str], int, int]:
+    expected = checkpoint.layout.file_layout(rank)
+    path = checkpoint.rank_file_path(rank)
+    fd, size = open_regular(path)
+    try:
+        check_v2_size(path, size, expected)
+        view = buffer[:size]
+        done = 0
+        while done < size:
+            count = os.preadv(fd, [view[done:]], done)
+            if count == 0:
+                raise DataCheckError(f"{path}: file ends at byte {done}, {size - done} bytes early (truncated)")
+            done += count
+    finally:
+        os.close(fd)
+    start = expected.data_start
+    stored = v2_crcs(path, bytes(view[:start]), expected)
+    problems = []
+    for (begin, end), crc, tensor in zip(expected.spans, stored, expected.tensors):
+        if zlib.crc32(view[start + begin: start + end]) != crc:
+            problems.append(_mismatch(path, checkpoint.manifest.tensors[tensor].name, crc, zlib.crc32(view[start + begin: start + end])))
+    return problems, len(expected.tensors), size - start
+
+
+def _mismatch(path: Path, name: str, stored: int, found: int) -> str:
+    return f"{path}: checksum mismatch in tensor {name!r}: stored crc32 {stored:08x}, data gives {found:08x}"
 
 
 def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Callable[[int], None]) -> list[str]:
@@ -96,9 +131,8 @@ def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Calla
                 base = stop
                 if stop == rank_file.ends[index]:
                     if crc != rank_file.crcs[index]:
-                        name = manifest.tensors[rank_file.tensors[index]].name
-                        problems.append(f"{rank_file.path}: checksum mismatch in tensor {name!r}: stored crc32 "
-                                        f"{rank_file.crcs[index]:08x}, data gives {crc:08x}")
+                        problems.append(_mismatch(rank_file.path, manifest.tensors[rank_file.tensors[index]].name,
+                                                  rank_file.crcs[index], crc))
                     index, crc = index + 1, 0
             position += count
             advance(count)
