@@ -52,6 +52,19 @@ DEFAULT_CHUNK_SIZE = 512 * 1024
 PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
 
 
+def open_regular_file(path: Path) -> int:
+    """A read-only descriptor of `path`, which must be a regular file (a FIFO or device would
+    block or never end)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as error:
+        raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DataCheckError(f"{path}: not a regular file")
+    return fd
+
+
 class SourcePiece(NamedTuple):
     range: ElementRange  # elements of the tensor this piece holds
     path: Path
@@ -100,13 +113,7 @@ class _OpenFiles:
         if len(self._fds) >= MAX_OPEN_FILES:
             _, old = self._fds.popitem(last=False)
             os.close(old)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except OSError as error:
-            raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise DataCheckError(f"{path}: not a regular file")
+        fd = open_regular_file(path)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger readahead when not cached
         self._fds[path] = fd

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 import zlib
 from collections import OrderedDict
 from pathlib import Path
 
 from ..errors import DataCheckError
 from ..layout import ElementRange
-from .bytecopy import SourceTensor, cast_into
+from .bytecopy import SourceTensor, cast_into, open_regular_file
 from .crc import CrcShifter
 from .format import dtype_info
 
@@ -87,7 +86,7 @@ class _MappedFiles:
     def number(self, path: Path) -> int:
         number = self._numbers.get(path)
         if number is None:
-            fd = self._open(path)
+            fd = open_regular_file(path)
             number = self._numbers[path] = len(self._paths)
             self._paths.append(path)
             self._sizes.append(os.fstat(fd).st_size)
@@ -126,7 +125,7 @@ class _MappedFiles:
     def _fd(self, number: int) -> int:
         fd = self._fds.get(number)
         if fd is None:
-            fd = self._fds[number] = self._open(self._paths[number])
+            fd = self._fds[number] = open_regular_file(self._paths[number])
             self._trim_fds()
         else:
             self._fds.move_to_end(number)
@@ -135,17 +134,6 @@ class _MappedFiles:
     def _trim_fds(self) -> None:
         while len(self._fds) > MAX_OPEN_FILES:
             os.close(self._fds.popitem(last=False)[1])
-
-    @staticmethod
-    def _open(path: Path) -> int:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except OSError as error:
-            raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise DataCheckError(f"{path}: not a regular file")
-        return fd
 
     def close(self) -> None:
         self._windows.clear()
