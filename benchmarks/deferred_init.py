@@ -18,9 +18,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import fsdpkit
 from fsdpkit.engine.plan import plan_units
-from fsdpkit.models.units import default_policy_for_model
 from fsdpkit.launch import LaunchOptions, launch
 from fsdpkit.models.registry import build_model
+from fsdpkit.models.units import default_policy_for_model
 from fsdpkit.sizes import format_size
 
 

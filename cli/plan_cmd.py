@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -58,7 +58,7 @@ def plan_command(
     model: Annotated[str, typer.Option("--model", help="A built-in model (gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl), hf:PRESET|DIR or package.module:factory.")],
     world_size: Annotated[int, typer.Option("--world-size", help="Ranks in the data-parallel group.")],
     strategy: Annotated[str, typer.Option("--strategy", help="full | grad-op | hybrid | none.")] = "full",
-    shard_group_size: Annotated[Optional[int], typer.Option("--shard-group-size", help="Ranks a parameter is sharded over (hybrid only).")] = None,
+    shard_group_size: Annotated[int | None, typer.Option("--shard-group-size", help="Ranks a parameter is sharded over (hybrid only).")] = None,
     mixed_precision: Annotated[str, typer.Option("--mixed-precision", help="bf16 | fp16 | none: the dtype of unsharded parameters and gradients.")] = "none",
     cpu_offload: Annotated[bool, typer.Option("--cpu-offload", help="Sharded parameters, gradients and optimizer state in host memory.")] = False,
     optimizer: Annotated[str, typer.Option("--optimizer", help="adamw (2 fp32 states per element) | sgd (none).")] = "adamw",

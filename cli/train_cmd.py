@@ -7,7 +7,7 @@ module only adds --config, --print-config and --json.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -34,7 +34,7 @@ training steps' time (no evaluation or saving), over every step but the first.""
 
 def train(
     ctx: typer.Context,
-    config_file: Annotated[Optional[Path], typer.Option(
+    config_file: Annotated[Path | None, typer.Option(
         "--config", help="Read settings from this TOML file first (flags override it).", rich_help_panel="Output",
         metavar="FILE")] = None,
     print_config: Annotated[bool, typer.Option(

@@ -24,11 +24,11 @@ the default group's timeout (torch's own default for a new group is 30 minutes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
-
 import datetime
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist

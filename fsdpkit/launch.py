@@ -26,12 +26,12 @@ import os
 import signal
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .errors import DataCheckError, RunError, UsageError
 from .settings import setting
-
 
 MAX_PROCESSES_PER_NODE = 64
 RDZV_BACKENDS = ("c10d", "static")

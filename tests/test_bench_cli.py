@@ -12,12 +12,12 @@ import json
 
 import pytest
 import torch
+from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 from fsdpkit.bench import patterns
 from fsdpkit.bench import runner as bench_runner
 from fsdpkit.bench.options import BenchOptions, parse_dtype
-from fsdpkit_cli.app import app
 
 SMALL = ["--nproc-per-node", "2", "--backend", "gloo", "--min-bytes", "1K", "--max-bytes", "4K", "--iters", "2", "--warmup", "1"]
 SHORT = ["--nproc_per_node", "2", "--backend", "gloo", "-b", "1K", "-e", "4K", "-f", "2", "-n", "2", "-w", "1"]  # nccl-tests, torchrun

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import save_manifest
@@ -21,8 +22,6 @@ from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.checkpoint.storage import resolve_checkpoint
 from fsdpkit.errors import DataCheckError, RunError
-
-from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
 TESTS = Path(__file__).parent
 

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors, save_checkpoint, tree_snapshot
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -14,9 +15,6 @@ from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.layout import ElementRange, FlatLayout
 from fsdpkit.models.registry import build_model
 from fsdpkit.models.units import unit_plan_for_model
-
-from _checkpoint_helpers import (SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors,
-                                 save_checkpoint, tree_snapshot)
 
 ALIASES = {"lm_head.weight": "wte.weight"}
 

@@ -9,6 +9,7 @@ import zlib
 
 import pytest
 import torch
+from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -23,8 +24,6 @@ from fsdpkit.checkpoint.storage import resolve_checkpoint
 from fsdpkit.checkpoint.writer import StreamingWriter
 from fsdpkit.errors import DataCheckError
 from fsdpkit.layout import ElementRange, FlatLayout
-
-from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
 
 def _write(path, tensors, piece=7):

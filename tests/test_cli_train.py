@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 import fsdpkit
 from fsdpkit.train import launcher
 from fsdpkit.train.config import SECTIONS, TOP
-from fsdpkit_cli.app import app
 
 runner = CliRunner()
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))

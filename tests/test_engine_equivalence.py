@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_distributed
+from models import EdgeCaseNet
 
 import fsdpkit
 from fsdpkit.engine.sharded import get_state
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
-
-from distributed import run_distributed
-from models import EdgeCaseNet
 
 TOL = 1e-5
 

@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import copy
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from distributed import run_distributed
 
 import fsdpkit
 from fsdpkit.comm import CommStats
 from fsdpkit.engine.flat_unit import UnitState
 from fsdpkit.engine.sharded import get_state
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
-
-from distributed import run_distributed
 
 CONFIG = GPTConfig(vocab_size=61, block_size=16, n_layer=3, n_head=2, n_embd=18)
 

@@ -6,17 +6,15 @@ agrees which parameters got a gradient)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_distributed
 
 import fsdpkit
 from fsdpkit.comm import CommStats
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
-
-from distributed import run_distributed
 
 CONFIG = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=18)
 STEPS = 3

@@ -18,13 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from distributed import run_distributed
+from models import FrozenAdapter, ZooBlock, ZooNet, zoo_units
 
 import fsdpkit
 from fsdpkit.comm import Collectives
 from fsdpkit.engine.config import MixedPrecision
-
-from distributed import run_distributed
-from models import FrozenAdapter, ZooBlock, ZooNet, zoo_units
 
 STEPS = 2
 ROWS = 4  # global batch rows, split over the ranks

@@ -8,10 +8,10 @@ import torch.nn as nn
 
 from fsdpkit.engine.config import ShardingConfig
 from fsdpkit.engine.plan import WrapPolicy, plan_units
-from fsdpkit.models.units import unit_plan_for_model
 from fsdpkit.errors import UsageError
 from fsdpkit.layout import ElementRange, FlatLayout, even_split_ranges, padded_size
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
+from fsdpkit.models.units import unit_plan_for_model
 
 
 def test_padding_and_chunks_cover_the_flat_parameter_exactly_once():

@@ -10,15 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_distributed
+from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 import fsdpkit
 from fsdpkit.errors import UsageError
 from fsdpkit.memory_plan import PlanRequest, plan_memory
 from fsdpkit.memory_timeline import Schedule, UnitFootprint, peak_unsharded
-from fsdpkit_cli.app import app
-
-from distributed import run_distributed
 
 # tests/models.py EdgeCaseNet under the ModuleList rule: root (inp 5x7+7, branch 3x3+3,
 # head 3x2+2) = 62 elements in 6 tensors; layers.0 = 7x7+7+1 = 57 (3 tensors);

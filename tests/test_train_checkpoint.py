@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 from fsdpkit.checkpoint.state import CheckpointReader
-from fsdpkit_cli.app import app
 
 runner = CliRunner()
 COMMON = ["--seq-len", "32", "--global-batch-size", "8", "--lr-schedule", "cosine", "--warmup-steps", "2",

@@ -23,8 +23,20 @@ from pathlib import Path
 
 from ..errors import DataCheckError
 from ..layout import ElementRange, FlatLayout
-from .format import (FORMAT_NAME, FORMAT_VERSION, LEGACY_STRATEGIES, MANIFEST_NAME, MAX_MANIFEST_BYTES, RANK_FILE_RULE,
-                     READ_VERSIONS, STRATEGIES, is_known_dtype, is_optimizer_tensor, is_safe_file_name, parse_json)
+from .format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LEGACY_STRATEGIES,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    RANK_FILE_RULE,
+    READ_VERSIONS,
+    STRATEGIES,
+    is_known_dtype,
+    is_optimizer_tensor,
+    is_safe_file_name,
+    parse_json,
+)
 from .placement import Layout, Placement, TensorSpec, short
 
 MAX_WORLD_SIZE = 1 << 24
@@ -109,7 +121,7 @@ class Manifest:
         return ("{\n" + ",\n".join(lines) + "\n}\n").encode("utf-8")
 
     @classmethod
-    def from_json(cls, document: object, *, where: str) -> "Manifest":
+    def from_json(cls, document: object, *, where: str) -> Manifest:
         if not isinstance(document, dict):
             raise DataCheckError(f"{where}: manifest must be a JSON object")
         if document.get("format") != FORMAT_NAME:

@@ -46,8 +46,22 @@ from ..errors import DataCheckError, UsageError
 from ..layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
 from .export import Layout, layout_of
-from .format import (CRC_METADATA_KEY, MANIFEST_NAME, MAX_HEADER_BYTES, MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX, OPTIM_SINGLE,
-                     TIED_METADATA_KEY, dtype_info, is_known_dtype, is_safe_file_name, numel, parse_json, rank_file_name)
+from .format import (
+    CRC_METADATA_KEY,
+    MANIFEST_NAME,
+    MAX_HEADER_BYTES,
+    MODEL_INDEX,
+    MODEL_SINGLE,
+    OPTIM_INDEX,
+    OPTIM_SINGLE,
+    TIED_METADATA_KEY,
+    dtype_info,
+    is_known_dtype,
+    is_safe_file_name,
+    numel,
+    parse_json,
+    rank_file_name,
+)
 from .manifest import Manifest, load_manifest
 from .placement import FileLayout, Layout
 from .storage import checkpoint_file, resolve_checkpoint

@@ -37,13 +37,21 @@ import hashlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from ..errors import DataCheckError, RunError, UsageError
 from ..sizes import format_size
-from .format import (LATEST_NAME, MANIFEST_NAME, STEP_PREFIX, TMP_PREFIX, is_safe_file_name, parse_step_dir_name,
-                     rank_file_name, step_dir_name)
+from .format import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    is_safe_file_name,
+    parse_step_dir_name,
+    rank_file_name,
+    step_dir_name,
+)
 from .manifest import Manifest, load_manifest, save_manifest
 
 

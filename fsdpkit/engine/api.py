@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,12 +15,12 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ..comm import Collectives, CommStats
 from ..errors import UsageError
 from .config import MixedPrecision, ShardingConfig
+from .deferred_init import has_meta_tensors, initialize_meta_parameters, materialize_buffers, meta_parameter_names
 from .flat_unit import SHAPE_ATTR
 from .memory import optimizer_state_bytes
-from .deferred_init import has_meta_tensors, initialize_meta_parameters, materialize_buffers, meta_parameter_names
 from .mesh import build_mesh
-from .precision import FP32_MODULE_CLASSES, KEEP_DTYPE_ATTR, keep_in_fp32
 from .plan import WrapPolicy, plan_units
+from .precision import FP32_MODULE_CLASSES, KEEP_DTYPE_ATTR, keep_in_fp32
 from .sharded import STATE_ATTR, ShardedState, get_state
 
 WrapSpec = WrapPolicy | tuple[type[nn.Module], ...] | list[type[nn.Module]] | type[nn.Module] | Callable[[str, nn.Module], bool] | None

@@ -53,7 +53,7 @@ class MixedPrecision:
     buffer_dtype: torch.dtype | None = None
 
     @classmethod
-    def from_name(cls, name: str, *, reduce_dtype: str | None = None) -> "MixedPrecision":
+    def from_name(cls, name: str, *, reduce_dtype: str | None = None) -> MixedPrecision:
         """The preset `name` (bf16, fp16, fp32 or none): compute and float buffers in that
         dtype. `reduce_dtype` (bf16, fp16, fp32) overrides the preset's reduction dtype.
 

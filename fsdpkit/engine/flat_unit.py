@@ -55,7 +55,7 @@ class BackwardState(enum.Enum):
 
 @dataclass
 class PendingReduction:
-    unit: "FlatUnit"
+    unit: FlatUnit
     output: torch.Tensor
     source: torch.Tensor | None  # the full gradient, kept alive until the collective completes
     work: Any
@@ -74,7 +74,7 @@ class FlatUnit:
         reshard_after_forward: bool,
         device: torch.device,
         offload: bool = False,
-        gather_stream: "torch.cuda.Stream | None" = None,
+        gather_stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.name = plan.name
         self.plan = plan

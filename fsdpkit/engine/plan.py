@@ -7,8 +7,8 @@ that contains every module using it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch.nn as nn
 

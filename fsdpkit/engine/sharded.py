@@ -30,7 +30,8 @@ import collections
 import contextlib
 import enum
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

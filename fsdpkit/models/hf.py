@@ -26,8 +26,9 @@ from __future__ import annotations
 import importlib
 import json
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn

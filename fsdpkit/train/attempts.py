@@ -48,7 +48,7 @@ class History:
     spans: dict[int, list[int]] = field(default_factory=dict)  # attempt -> [start step, last step run]
 
     @classmethod
-    def of(cls, records: list[dict[str, Any]]) -> "History":
+    def of(cls, records: list[dict[str, Any]]) -> History:
         history = cls()
         for record in records:
             attempt = record["attempt"]

@@ -16,7 +16,8 @@ import datetime
 import os
 import sys
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,8 @@ from ..checkpoint.state import check_before_launch
 from ..errors import UsageError
 from ..launch import launch
 from ..models.source import resolve
-from .config import Device, TrainConfig
 from .attempts import RunContext
+from .config import Device, TrainConfig
 from .data import TokenSource
 from .loop import train_worker
 from .metrics import check_tensorboard_installed

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ...errors import DataCheckError, UsageError
 from ...layout import ElementRange

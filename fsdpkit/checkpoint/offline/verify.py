@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ...errors import DataCheckError
 from ..bytecopy import DEFAULT_CHUNK_SIZE
