@@ -85,7 +85,9 @@ def _is_span(name: str) -> bool:
 
 def _is_region(name: str) -> bool:
     """A labelled region rather than an op (its self time is Python, not kernel work)."""
-    return name.startswith(("bench:", AUTOGRAD_NODE, "DistributedDataParallel.", "FullyShardedDataParallel.")) or name.startswith(FRAMEWORK_PREFIXES)
+    return name.startswith(("bench:", AUTOGRAD_NODE, "DistributedDataParallel.", "FullyShardedDataParallel.")) or name.startswith(
+        FRAMEWORK_PREFIXES
+    )
 
 
 def _classify(stack: list[str]) -> str | None:

@@ -66,7 +66,8 @@ def format_summary(summary: dict) -> str:
     rate = summary["tokens_per_second"]
     lines = [
         f"model            {summary['model']} ({summary['num_params']:,} parameters)",
-        f"world size       {summary['world_size']} ({summary['strategy']} sharding, {summary['device']}, mixed precision {summary['mixed_precision']})",
+        f"world size       {summary['world_size']} ({summary['strategy']} sharding, {summary['device']}, "
+        f"mixed precision {summary['mixed_precision']})",
         f"steps            {summary['steps']} x {summary['global_batch_size']} sequences x {summary['seq_len']} tokens",
         f"resumed from     step {summary['resumed_from_step']}" if summary["resumed_from_step"] is not None else "",
         f"loss             {losses[0]:.4f} -> {summary['final_loss']:.4f}" if losses else "loss             (no steps run)",

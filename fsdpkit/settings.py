@@ -116,7 +116,7 @@ def _coerce(kind: Any, value: Any, name: str) -> Any:
             return tuple(_coerce(args[0], v, name) for v in value)
         if len(value) != len(args):
             raise UsageError(f"setting {name!r} must have {len(args)} values, got {len(value)}: {value!r}")
-        return tuple(_coerce(a, v, name) for a, v in zip(args, value))
+        return tuple(_coerce(a, v, name) for a, v in zip(args, value, strict=True))
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         try:
             return kind(value)

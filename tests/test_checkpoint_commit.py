@@ -128,7 +128,7 @@ def test_killed_saver_always_leaves_a_loadable_checkpoint(tmp_path):
     rng = random.Random(0)
     base = {n: t.repeat_interleave(200, dim=0) for n, t in sample_tensors().items()}
     start = 1
-    for round_ in range(4):
+    for _ in range(4):
         proc = subprocess.Popen([sys.executable, "-c", SAVER.format(tests=str(TESTS), start=start), str(run)],
                                 stdout=subprocess.PIPE, text=True)
         last = int(proc.stdout.readline())  # at least one save of this round is complete

@@ -190,7 +190,11 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
     state = model.state_dict()
     stored = {n: t.contiguous() for n, t in state.items() if n != "lm_head.weight"}
     assert torch.equal(state["lm_head.weight"], state["wte.weight"])
-    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt", "fsdpkit_tied_weights": json.dumps({"lm_head.weight": "wte.weight"})})
+    save_file(
+        stored,
+        tmp_path / "model.safetensors",
+        metadata={"format": "pt", "fsdpkit_tied_weights": json.dumps({"lm_head.weight": "wte.weight"})},
+    )
     result = run_cli("convert", tmp_path / "model.safetensors", tmp_path / "s2", "--to", "sharded", "--world-size", 2,
                      "--model", "gpt-tiny", "--json")
     assert result.exit_code == 0, result.output

@@ -215,7 +215,7 @@ def test_world_size_invariance_against_an_unsharded_reference(world, launches, r
     results, _ = launches(world)
     for name, reference in references.items():
         mine = results[name]
-        for step, (a, b) in enumerate(zip(mine["losses"], reference["losses"])):
+        for step, (a, b) in enumerate(zip(mine["losses"], reference["losses"], strict=True)):
             assert abs(a - b) / abs(b) <= 1e-4, f"{name} world {world} step {step}: loss {a} vs reference {b}"
         assert mine["losses"][-1] < mine["losses"][0], name
         diff = total = 0.0

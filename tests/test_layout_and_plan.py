@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 import torch.nn as nn
@@ -31,7 +33,7 @@ def test_padding_and_chunks_cover_the_flat_parameter_exactly_once():
             for slot in layout.slots:
                 pieces = sorted(covered[slot.name])
                 assert pieces[0][0] == 0 and pieces[-1][1] == slot.numel
-                assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+                assert all(a[1] == b[0] for a, b in pairwise(pieces))
 
 
 def test_paper_figure_3_example_one_element_per_rank_last_ranks_padding():

@@ -59,7 +59,7 @@ def reference():
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_losses_and_weights_match_reference(world_size, reference):
     result = run_distributed(training_worker, world_size, CONFIG)[0]
-    for step, (mine, ref) in enumerate(zip(result["losses"], reference["losses"])):
+    for step, (mine, ref) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
         assert abs(mine - ref) / abs(ref) <= 1e-4, f"world {world_size} step {step}: loss {mine} vs reference {ref}"
     assert result["losses"][-1] < result["losses"][0]
     squared_diff = squared_ref = 0.0

@@ -160,7 +160,7 @@ class Gatherer:
         if block_size < 64:
             raise ValueError(f"block size must be at least 64 bytes, got {block_size}")
         self.block = min(block_size, WINDOW_BYTES) // 8 * 8  # whole elements of any dtype
-        self._cursors = [_Cursor(source, out_dtype) for source, out_dtype in zip(sources, out_dtypes)]
+        self._cursors = [_Cursor(source, out_dtype) for source, out_dtype in zip(sources, out_dtypes, strict=True)]
         self._files = _MappedFiles()
         self._shifter = CrcShifter()
         self.bytes_read = 0  # source bytes handed on so far
@@ -174,7 +174,7 @@ class Gatherer:
         crcs = []
         cursors, block, tables, crc32 = self._cursors, self.block, self._shifter.tables, zlib.crc32
         done = 0
-        for tensor, start, end in zip(tensors, starts, ends):
+        for tensor, start, end in zip(tensors, starts, ends, strict=True):
             cursor = cursors[tensor]
             piece = cursor.current
             if piece is not None and piece.first <= start and end <= piece.last and cursor.cast is None:

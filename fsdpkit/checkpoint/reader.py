@@ -63,7 +63,7 @@ from .format import (
     rank_file_name,
 )
 from .manifest import Manifest, load_manifest
-from .placement import FileLayout, Layout
+from .placement import FileLayout
 from .storage import checkpoint_file, resolve_checkpoint
 
 _HEX = re.compile(rb"[0-9a-f]*")
@@ -227,7 +227,7 @@ def v2_crcs(path: Path, raw: bytes, expected: FileLayout) -> tuple[int, ...]:
                              f"gives has {len(expected.header) - 8}")
     crc_end = expected.crc_offset + 8 * len(expected.tensors)
     if raw[:expected.crc_offset] != expected.header[:expected.crc_offset] or raw[crc_end:] != expected.header[crc_end:]:
-        at = next(i for i, (a, b) in enumerate(zip(raw, expected.header)) if a != b and not expected.crc_offset <= i < crc_end)
+        at = next(i for i, (a, b) in enumerate(zip(raw, expected.header, strict=True)) if a != b and not expected.crc_offset <= i < crc_end)
         raise DataCheckError(f"{path}: header differs from the layout the manifest gives at byte {at} "
                              f"({raw[max(at - 20, 0):at + 20].decode('ascii', 'replace')!r})")
     digits = raw[expected.crc_offset:crc_end]

@@ -92,7 +92,9 @@ class FlatUnit:
         originals = [getattr(uses[0][0], uses[0][1]) for uses in self.uses]
         dtypes = {t.dtype for t in originals}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-            raise ValueError(f"unit {self.name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; one floating dtype per unit is required")
+            raise ValueError(
+                f"unit {self.name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; one floating dtype per unit is required"
+            )
         self.master_dtype = dtypes.pop()
         self.compute_dtype = mixed_precision.param_dtype or self.master_dtype
         self.reduce_dtype = mixed_precision.reduce_dtype or self.compute_dtype
@@ -107,12 +109,12 @@ class FlatUnit:
         self.flat_shard = torch.empty(self.chunk_numel, dtype=self.master_dtype, device=self.host)
         with torch.no_grad():
             self.flat_shard[sum(fragment.param_range.size for fragment in self.fragments):].zero_()
-            for fragment, original in zip(self.fragments, originals):
+            for fragment, original in zip(self.fragments, originals, strict=True):
                 if not original.is_meta:
                     source = original.detach().reshape(-1)[fragment.param_range.start:fragment.param_range.end]
                     self._local(self.flat_shard, fragment).copy_(source)
         self.params: list[nn.Parameter] = []
-        for fragment, param_plan in zip(self.fragments, plan.params):
+        for fragment, param_plan in zip(self.fragments, plan.params, strict=True):
             param = nn.Parameter(self._local(self.flat_shard, fragment), requires_grad=param_plan.requires_grad)
             setattr(param, SHAPE_ATTR, torch.Size(param_plan.shape))
             setattr(param, NAME_ATTR, param_plan.name)
@@ -142,7 +144,7 @@ class FlatUnit:
         return flat[fragment.local_offset:fragment.local_offset + fragment.param_range.size]
 
     def _set_params(self, tensors: list[torch.Tensor]) -> None:
-        for uses, tensor in zip(self.uses, tensors):
+        for uses, tensor in zip(self.uses, tensors, strict=True):
             for module, attr in uses:
                 module._parameters[attr] = tensor
 
@@ -217,7 +219,7 @@ class FlatUnit:
             pieces = torch.split(base, self.split_sizes)
             views = [
                 (piece if param_plan.requires_grad else piece.detach()).view(param_plan.shape)
-                for piece, param_plan in zip(pieces, self.plan.params)
+                for piece, param_plan in zip(pieces, self.plan.params, strict=True)
             ]
         if base.requires_grad:
             # One hook on the split's backward sees which pieces got a gradient (the others None).
@@ -325,12 +327,12 @@ class FlatUnit:
             # The reduction's output becomes the sharded gradient: no copy, no second buffer
             # (the memory counter already holds it since the reduction was issued).
             self.grad_shard = reduced
-            for index, (fragment, param) in enumerate(zip(self.fragments, self.params)):
+            for index, (fragment, param) in enumerate(zip(self.fragments, self.params, strict=True)):
                 if param.requires_grad and used[index]:
                     param.grad = self._local(self.grad_shard, fragment)
             return
         self.memory.add("sharded_grads", -tensor_bytes(reduced))  # added into grad_shard, then dropped
-        for index, (fragment, param) in enumerate(zip(self.fragments, self.params)):
+        for index, (fragment, param) in enumerate(zip(self.fragments, self.params, strict=True)):
             if not param.requires_grad or not used[index]:
                 continue
             target = self._local(self.grad_shard, fragment)

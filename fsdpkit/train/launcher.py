@@ -4,9 +4,10 @@ workers, or, under torchrun, be one.
 
 The launcher holds `--save-dir`'s lock (checkpoint/lock.py) from before the launch until the
 workers are gone, whatever ends them, and gives every attempt's workers its run id and a
-progress file (attempts.py); on several nodes the run id is the shared rendezvous id instead. Under torchrun there is no fsdpkit launcher: no lock is taken,
-and the run id is torchrun's --rdzv-id (TORCHELASTIC_RUN_ID), so that a worker torchrun
-restarts resumes from its run's checkpoints too.
+progress file (attempts.py); on several nodes the run id is the shared rendezvous id instead.
+Under torchrun there is no fsdpkit launcher: no lock is taken, and the run id is torchrun's
+--rdzv-id (TORCHELASTIC_RUN_ID), so that a worker torchrun restarts resumes from its run's
+checkpoints too.
 """
 
 from __future__ import annotations

@@ -172,7 +172,9 @@ def _names_match(placement: Placement, sources: list[SourceTensor]) -> bool:
     return all(name in names for name in placement.param_shapes())
 
 
-def split_into_files(tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+def split_into_files(
+    tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None
+) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
     """Greedy split of (name, dtype, shape) in order into files of at most `max_shard_size` bytes
     (a tensor larger than that gets a file of its own). One file is `<prefix>.safetensors`."""
     groups: list[list] = [[]]

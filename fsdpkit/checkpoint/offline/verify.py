@@ -99,7 +99,7 @@ def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, buffer: memoryview
     start = expected.data_start
     stored = v2_crcs(path, bytes(view[:start]), expected)
     problems = []
-    for (begin, end), crc, tensor in zip(expected.spans, stored, expected.tensors):
+    for (begin, end), crc, tensor in zip(expected.spans, stored, expected.tensors, strict=True):
         if zlib.crc32(view[start + begin: start + end]) != crc:
             problems.append(_mismatch(path, checkpoint.manifest.tensors[tensor].name, crc, zlib.crc32(view[start + begin: start + end])))
     return problems, len(expected.tensors), size - start
