@@ -260,12 +260,14 @@ class Gatherer:
         return piece
 
     def _view(self, piece: _Piece, offset: int, nbytes: int) -> memoryview:
-        if not (piece.window_start <= offset and offset + nbytes <= piece.window_end):
-            if piece.window is not None:  # reads move forward: the piece is done with its window
-                self._files.release(piece.file, piece.window_start, piece.window)
-            piece.window_start, piece.window = self._files.window(piece.file, offset)
-            piece.window_end = piece.window_start + len(piece.window)
-        return piece.window[offset - piece.window_start: offset - piece.window_start + nbytes]
+        window = piece.window
+        if window is None or not (piece.window_start <= offset and offset + nbytes <= piece.window_end):
+            if window is not None:  # reads move forward: the piece is done with its window
+                self._files.release(piece.file, piece.window_start, window)
+            piece.window_start, window = self._files.window(piece.file, offset)
+            piece.window = window
+            piece.window_end = piece.window_start + len(window)
+        return window[offset - piece.window_start: offset - piece.window_start + nbytes]
 
     def _finish_piece(self, cursor: _Cursor, piece: _Piece) -> None:
         del cursor.pieces[piece.first]

@@ -191,7 +191,9 @@ class Layout:
         param_slot: dict[str, tuple[int, int, int]] = {}  # name -> (unit, slot, numel)
         for u, unit in enumerate(self.placement.units):
             layout = FlatLayout.from_shapes(list(unit), self.world_size)
-            starts, ends, followers = [], [], []
+            starts: list[int] = []
+            ends: list[int] = []
+            followers: list[list[int]] = []
             for slot in layout.slots:
                 if slot.numel:
                     param_slot[slot.name] = (u, len(starts), slot.numel)

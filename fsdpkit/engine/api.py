@@ -31,11 +31,12 @@ def _as_policy(wrap: WrapSpec) -> WrapPolicy:
         return WrapPolicy()
     if isinstance(wrap, WrapPolicy):
         return wrap
-    if isinstance(wrap, type) and issubclass(wrap, nn.Module):
-        return WrapPolicy(module_classes=(wrap,))
-    if isinstance(wrap, (tuple, list)):
+    if isinstance(wrap, type):  # a class is not a predicate, even though it is callable
+        if issubclass(wrap, nn.Module):
+            return WrapPolicy(module_classes=(wrap,))
+    elif isinstance(wrap, (tuple, list)):
         return WrapPolicy(module_classes=tuple(wrap))
-    if callable(wrap):
+    elif callable(wrap):
         return WrapPolicy(predicate=wrap)
     raise UsageError(f"wrap must be a WrapPolicy, module classes or a predicate, got {type(wrap).__name__}")
 
@@ -80,7 +81,7 @@ def shard(
     if meta_names:
         initialize_meta_parameters(module, state.units, meta_names, device)
     object.__setattr__(module, STATE_ATTR, state)
-    if config.mixed_precision.enabled:
+    if config.mixed_precision.param_dtype is not None:  # mixed precision enabled
         state.handles += keep_in_fp32(module, config.mixed_precision.param_dtype)
     if config.activation_checkpointing:
         _checkpoint_leaf_units(module, state)
@@ -172,7 +173,8 @@ def original_shape(param: torch.Tensor) -> torch.Size:
 def param_groups(module: nn.Module, *, weight_decay: float) -> list[dict[str, Any]]:
     """nanoGPT's optimizer groups: weight decay on matrices and embeddings (original
     dim >= 2), none on biases and norms. Works on sharded and plain modules."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, param in module.named_parameters():
         if param.requires_grad:
             (decay if len(original_shape(param)) >= 2 else no_decay).append(param)

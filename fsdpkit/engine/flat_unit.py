@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,10 +144,11 @@ class FlatUnit:
     def _local(flat: torch.Tensor, fragment) -> torch.Tensor:
         return flat[fragment.local_offset:fragment.local_offset + fragment.param_range.size]
 
-    def _set_params(self, tensors: list[torch.Tensor]) -> None:
+    def _set_params(self, tensors: Sequence[torch.Tensor]) -> None:
         for uses, tensor in zip(self.uses, tensors, strict=True):
             for module, attr in uses:
-                module._parameters[attr] = tensor
+                # Unsharded views are plain tensors; torch's stubs type _parameters as Parameter only.
+                module._parameters[attr] = tensor  # type: ignore[assignment]
 
     def fill_parameter(self, index: int, full: torch.Tensor) -> None:
         """Copy this rank's fragment of parameter `index` from its full (unsharded) value."""
@@ -182,11 +184,11 @@ class FlatUnit:
             self.memory.add("unsharded_params", tensor_bytes(full))
         # On CUDA a prefetch runs on its own stream (the paper's section 3.3: issued from the
         # compute stream, NCCL would wait for compute queued before it); wait() joins it back.
-        on_side_stream = async_op and self.gather_stream is not None and self.mesh.shard_factor > 1
-        compute_stream = torch.cuda.current_stream(self.device) if on_side_stream else None
-        with torch.cuda.stream(self.gather_stream) if on_side_stream else contextlib.nullcontext():
-            if on_side_stream:
-                self.gather_stream.wait_stream(compute_stream)  # the optimizer may have just updated the shard
+        side_stream = self.gather_stream if async_op and self.mesh.shard_factor > 1 else None
+        compute_stream = torch.cuda.current_stream(self.device) if side_stream is not None else None
+        with torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext():
+            if side_stream is not None and compute_stream is not None:
+                side_stream.wait_stream(compute_stream)  # the optimizer may have just updated the shard
             source = self.flat_shard.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
             # `.data`: fills the buffer without bumping the version counter autograd checks on saved views.
             if self.mesh.shard_factor > 1:
@@ -223,7 +225,9 @@ class FlatUnit:
             ]
         if base.requires_grad:
             # One hook on the split's backward sees which pieces got a gradient (the others None).
-            pieces[0].grad_fn.register_prehook(self._mark_used)
+            grad_fn = pieces[0].grad_fn
+            assert grad_fn is not None, "a split of a tensor that requires grad has a grad_fn"
+            grad_fn.register_prehook(self._mark_used)
         self._set_params(views)
         self.state = UnitState.UNSHARDED
 
@@ -254,8 +258,10 @@ class FlatUnit:
     def keep_grad_unsynced(self) -> None:
         """no_sync: leave the unsharded gradient in full_flat.grad, where the next backward adds to it."""
         if not self._holds_unsynced_grad:
+            grad = self.full_flat.grad
+            assert grad is not None, "called after a backward produced the unit's gradient"
             self._holds_unsynced_grad = True
-            self.memory.add("unsharded_grads", tensor_bytes(self.full_flat.grad))
+            self.memory.add("unsharded_grads", tensor_bytes(grad))
 
     def take_grad(self) -> torch.Tensor:
         """Take the unsharded gradient out of full_flat.grad to reduce it: zeros when this

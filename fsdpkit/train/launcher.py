@@ -105,8 +105,8 @@ def run_training(config: TrainConfig) -> dict[str, Any] | None:
     Returns rank 0's summary (None on the other ranks and nodes)."""
     if under_torchrun():
         validate(config, int(os.environ["WORLD_SIZE"]))
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        return run_in_process_group(config, RunContext(run_id=f"torchrun-{run_id}" if run_id not in ("", "none") else None))
+        rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        return run_in_process_group(config, RunContext(run_id=f"torchrun-{rdzv_id}" if rdzv_id not in ("", "none") else None))
     validate(config, config.launch.world_size)
     with _run_lock(config) as run_id, _progress_file() as progress_path:
         return launch(_worker_entry, config, RunContext(run_id, progress_path), options=config.launch).get(0)
