@@ -389,14 +389,14 @@ class _Source(SourceTensor):
         return self._checkpoint.pieces(self._index, wanted) if wanted.size else []
 
 
-def open_checkpoint(path: str | Path) -> ShardedCheckpoint:
+def open_checkpoint(path: str | os.PathLike[str]) -> ShardedCheckpoint:
     """A sharded checkpoint (run dir, following `latest`, or step dir) with a validated manifest;
     files are validated as they are first touched."""
     step_dir = resolve_checkpoint(path)
     return ShardedCheckpoint(step_dir, load_manifest(step_dir))
 
 
-def open_sharded(path: str | Path) -> ShardedCheckpoint:
+def open_sharded(path: str | os.PathLike[str]) -> ShardedCheckpoint:
     """The same, with every file validated first."""
     checkpoint = open_checkpoint(path)
     problems = checkpoint.check_files()
@@ -423,7 +423,7 @@ def is_full_checkpoint(path: Path) -> bool:
         path.is_dir() and ((path / MODEL_SINGLE).exists() or (path / MODEL_INDEX).exists()))
 
 
-def open_full(path: str | Path, *, with_optimizer: bool = False) -> FullCheckpoint:
+def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> FullCheckpoint:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: does not exist")

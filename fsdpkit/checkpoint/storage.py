@@ -84,7 +84,7 @@ def read_latest(run_dir: Path) -> str | None:
     return name
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The step directory that `path` (a step directory or a run directory) denotes."""
     path = Path(path)
     if not path.exists():
