@@ -221,7 +221,7 @@ class FlatUnit:
             pieces = torch.split(base, self.split_sizes)
             views = [
                 (piece if param_plan.requires_grad else piece.detach()).view(param_plan.shape)
-                for piece, param_plan in zip(pieces, self.plan.params, strict=True)
+                for piece, param_plan in zip(pieces, self.plan.params, strict=False)  # the last piece is the padding
             ]
         if base.requires_grad:
             # One hook on the split's backward sees which pieces got a gradient (the others None).

@@ -378,7 +378,7 @@ class ShardedState:
             pieces = torch.split(full, unit.layout.split_sizes())
             unit._set_params([
                 nn.Parameter(piece.view(plan.shape), requires_grad=plan.requires_grad)
-                for piece, plan in zip(pieces, unit.plan.params, strict=True)
+                for piece, plan in zip(pieces, unit.plan.params, strict=False)  # the last piece is the padding
             ])
         self.phase = Phase.SUMMONED
         try:
