@@ -46,7 +46,7 @@ class BenchModel:
         return [name for plan in plan_units(model, self.wrap(model)) for name in plan.members if name]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def resolve_model(name: str) -> BenchModel:
     source = resolve(LOCAL_MODELS.get(name, name))
     meta = source.build(device="meta")

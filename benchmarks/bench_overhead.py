@@ -86,15 +86,12 @@ def overhead_worker(plan: BenchPlan, repeats: int) -> list[tuple[str, int, list[
             for size in entry.sizes:
                 harness, plain = [], []
                 for repeat in range(repeats):
-                    def run_harness() -> None:
-                        harness.append(measure_size(entry, size, plan, where)[mode].seconds)
-
-                    def run_plain() -> None:
-                        plain.append(plain_loop_seconds(entry.collective, size.count, world_size=where.world_size,
-                                                        iters=plan.iters, warmup=plan.warmup, device=device, dtype=where.dtype))
-
-                    for run in ((run_harness, run_plain) if repeat % 2 == 0 else (run_plain, run_harness)):
-                        run()
+                    for harness_turn in ((True, False) if repeat % 2 == 0 else (False, True)):
+                        if harness_turn:
+                            harness.append(measure_size(entry, size, plan, where)[mode].seconds)
+                        else:
+                            plain.append(plain_loop_seconds(entry.collective, size.count, world_size=where.world_size,
+                                                            iters=plan.iters, warmup=plan.warmup, device=device, dtype=where.dtype))
                 samples.append((entry.collective, size.size_bytes, harness, plain))
         return samples
     finally:

@@ -74,9 +74,12 @@ json.dump({"bytes": sum(t.numel() * t.element_size() for t in state.values()), "
           open(work / "setup.json", "w"))
 """
 
-DCP_TO_TORCH = "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; dcp_to_torch_save(sys.argv[1], sys.argv[2])"
+DCP_TO_TORCH = (
+    "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; dcp_to_torch_save(sys.argv[1], sys.argv[2])"
+)
 CONSOLIDATE = (
-    "import sys, json, os; os.makedirs(sys.argv[2]); from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files; "
+    "import sys, json, os; os.makedirs(sys.argv[2]); "
+    "from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files; "
     "consolidate_safetensors_files(sys.argv[1], sys.argv[2], json.load(open(sys.argv[3])))")
 
 
@@ -136,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         chunk = ["--chunk-size", args.chunk_size] if args.chunk_size else []
         runs = [
             ("fsdpkit convert --to full", fsdpkit_cli + ["convert", str(src), str(work / "out"), "--to", "full", *chunk]),
-            (f"fsdpkit reshard {args.world_size}->{args.reshard_to}", fsdpkit_cli + ["reshard", str(src), str(work / "out"), "--world-size", str(args.reshard_to), *chunk]),
+            (
+                f"fsdpkit reshard {args.world_size}->{args.reshard_to}",
+                fsdpkit_cli + ["reshard", str(src), str(work / "out"), "--world-size", str(args.reshard_to), *chunk],
+            ),
             ("torch dcp_to_torch_save", [python, "-c", DCP_TO_TORCH, str(work / "dcp"), str(work / "out.pt")]),
             ("torch consolidate_safetensors_files", [python, "-c", CONSOLIDATE, str(hf_src), str(work / "out"), str(mapping)]),
             ("cp -r + sync", ["cp", "-r", str(src), str(work / "out")]),
@@ -172,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'tool':<40}{'time s':>9}{'GB/s':>8}{'peak RSS':>12}{'x cp+sync':>11}  all runs (s)")
             for r in results:
                 status = "" if r["ok"] else f"  FAILED: {r['error']}"
-                print(f"{r['name']:<40}{r['seconds']:>9.2f}{r['gb_per_s']:>8.2f}{format_size(r['peak_rss']):>12}{r['vs_cp']:>11.2f}  {' '.join(f'{x:.1f}' for x in r['all_seconds'])}{status}")
+                all_runs = " ".join(f"{x:.1f}" for x in r["all_seconds"])
+                print(f"{r['name']:<40}{r['seconds']:>9.2f}{r['gb_per_s']:>8.2f}{format_size(r['peak_rss']):>12}{r['vs_cp']:>11.2f}"
+                      f"  {all_runs}{status}")
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -18,9 +18,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import fsdpkit
 from fsdpkit.engine.plan import plan_units
-from fsdpkit.models.units import default_policy_for_model
 from fsdpkit.launch import LaunchOptions, launch
 from fsdpkit.models.registry import build_model
+from fsdpkit.models.units import default_policy_for_model
 from fsdpkit.sizes import format_size
 
 
@@ -68,7 +68,9 @@ def main() -> None:
     shard = rows["deferred"]["shard_bytes"]
     print(f"# {args.model} at {args.nproc_per_node} ranks: RSS growth while building and sharding (max over ranks)")
     print(f"unsharded model (fp32)           {format_size(model_bytes):>12}")
-    print(f"largest unit + this rank's shards {format_size(largest_unit + shard):>11}  ({format_size(largest_unit)} + {format_size(shard)})")
+    print(
+        f"largest unit + this rank's shards {format_size(largest_unit + shard):>11}  ({format_size(largest_unit)} + {format_size(shard)})"
+    )
     for name, row in rows.items():
         print(f"{name + ' init peak':<32} {format_size(row['init_peak']):>12}  = {row['init_peak'] / model_bytes:.2f} x model,"
               f" {row['init_peak'] / (largest_unit + shard):.2f} x (unit + shards)")

@@ -27,6 +27,7 @@ MFU against --peak-tflops (default 989: H100/H200 dense bf16).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -118,8 +119,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
     memory = {}
     for label, kind, options in tqdm(variants, desc="memory", disable=not rank0, file=sys.stderr):
         settings = settings_for(options)
-        _, peak, start = peak_training_bytes(lambda: build_system(kind, settings, device, label=label),
-                                             lambda system: train_steps(system, data, settings, device, 2), device)
+        _, peak, start = peak_training_bytes(functools.partial(build_system, kind, settings, device, label=label),
+                                             functools.partial(train_steps, data=data, settings=settings, device=device, steps=2), device)
         memory[label] = {"peak_bytes": int(_max_over_ranks(peak, device)), "state_bytes": int(_max_over_ranks(start, device))}
 
     systems = [build_system(kind, settings_for(options), device, label=label) for label, kind, options in variants]
@@ -159,7 +160,7 @@ def _profile_rounds(systems: list, run, rounds: int, rank0: bool) -> dict[str, d
         shift = round_index % len(systems)
         for system in systems[shift:] + systems[:shift]:
             dist.barrier()
-            totals[system.name].add(profile_breakdown(lambda steps: run(system, steps), 1))
+            totals[system.name].add(profile_breakdown(functools.partial(run, system), 1))
     result = {}
     for name, total in totals.items():
         per_rank: list = [None] * dist.get_world_size()
@@ -184,9 +185,9 @@ def summarize(args: argparse.Namespace, result: dict, num_params: int) -> dict:
     loss_ref = result["losses"][reference]
     for name, samples in seconds.items():
         median = statistics.median(samples)
-        ratios = [mine / theirs for mine, theirs in zip(seconds[reference], samples)]
+        ratios = [mine / theirs for mine, theirs in zip(seconds[reference], samples, strict=True)]
         cpu = result["cpu_seconds"][name]
-        cpu_ratios = [mine / theirs for mine, theirs in zip(result["cpu_seconds"][reference], cpu)]
+        cpu_ratios = [mine / theirs for mine, theirs in zip(result["cpu_seconds"][reference], cpu, strict=True)]
         row = {
             "system": name,
             "step_ms_median": median * 1e3, "step_ms_min": min(samples) * 1e3, "step_ms_max": max(samples) * 1e3,
@@ -206,27 +207,45 @@ def summarize(args: argparse.Namespace, result: dict, num_params: int) -> dict:
         rows.append(row)
     worst = max(row["loss_rel_diff"] for row in rows)
     return {
-        "model": args.model, "num_params": num_params, "world_size": world, "backend": args.backend,
-        "device": "cuda" if args.backend == "nccl" else "cpu", "mixed_precision": args.mixed_precision,
-        "batch": args.batch, "seq_len": args.seq_len, "tokens_per_step": tokens, "trials": args.trials,
-        "steps_per_trial": args.steps, "warmup_steps": args.warmup, "steps_per_system": result["steps_per_system"],
+        "model": args.model,
+        "num_params": num_params,
+        "world_size": world,
+        "backend": args.backend,
+        "device": "cuda" if args.backend == "nccl" else "cpu",
+        "mixed_precision": args.mixed_precision,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "tokens_per_step": tokens,
+        "trials": args.trials,
+        "steps_per_trial": args.steps,
+        "warmup_steps": args.warmup,
+        "steps_per_system": result["steps_per_system"],
         "ablation": args.ablation,
-        "memory_measure": "CUDA max_memory_allocated" if args.backend == "nccl" else "live CPU tensor bytes from torch.profiler allocation events",
-        "loss_tolerance": args.loss_tolerance, "losses_agree": worst <= args.loss_tolerance, "rows": rows,
-        "profile_steps": args.profile_steps, "breakdown_ms_per_step": result["breakdown"], "breakdown_definition": DEFINITION,
+        "memory_measure": "CUDA max_memory_allocated"
+        if args.backend == "nccl"
+        else "live CPU tensor bytes from torch.profiler allocation events",
+        "loss_tolerance": args.loss_tolerance,
+        "losses_agree": worst <= args.loss_tolerance,
+        "rows": rows,
+        "profile_steps": args.profile_steps,
+        "breakdown_ms_per_step": result["breakdown"],
+        "breakdown_definition": DEFINITION,
     }
 
 
 def format_table(summary: dict) -> str:
     cuda = summary["backend"] == "nccl"
     lines = [
-        f"# {summary['model']} ({summary['num_params']:,} params), {summary['world_size']} ranks, {summary['backend']}/{summary['device']}, "
+        f"# {summary['model']} ({summary['num_params']:,} params), {summary['world_size']} ranks, "
+        f"{summary['backend']}/{summary['device']}, "
         f"{summary['mixed_precision']}, batch {summary['batch']} x seq {summary['seq_len']} = {summary['tokens_per_step']} tokens/step; "
         f"{summary['trials']} alternating trials x {summary['steps_per_trial']} steps after {summary['warmup_steps']} warmup",
         f"# memory: {summary['memory_measure']}, peak per rank while training; ratios: fsdpkit / system, trial by trial, median [25%..75%]",
-        "# cpu ms: process CPU time per step (all threads, gloo's included), mean over ranks: less sensitive to a busy machine than wall time",
+        "# cpu ms: process CPU time per step (all threads, gloo's included), mean over ranks: "
+        "less sensitive to a busy machine than wall time",
         f"  {'system':<22} {'step ms':>9} {'[min..max]':>17} {'tokens/s':>9} {'peak MiB':>9} {'final loss':>11}"
-        f" {'time ratio':>10} {'[25..75%]':>13} {'mem ratio':>9} {'cpu ms':>8} {'cpu ratio':>9}" + (f" {'TFLOP/s':>8} {'MFU':>6}" if cuda else ""),
+        f" {'time ratio':>10} {'[25..75%]':>13} {'mem ratio':>9} {'cpu ms':>8} {'cpu ratio':>9}"
+        + (f" {'TFLOP/s':>8} {'MFU':>6}" if cuda else ""),
     ]
     for row in summary["rows"]:
         step_range = f"[{row['step_ms_min']:.1f}..{row['step_ms_max']:.1f}]"
@@ -259,7 +278,11 @@ def format_breakdown(summary: dict) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt-small", help="gpt-tiny, gpt-small, gpt2, ..., llama-small, hf:PRESET|DIR (e.g. hf:llama-bench), or package.module:factory")
+    parser.add_argument(
+        "--model",
+        default="gpt-small",
+        help="gpt-tiny, gpt-small, gpt2, ..., llama-small, hf:PRESET|DIR (e.g. hf:llama-bench), or package.module:factory",
+    )
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))

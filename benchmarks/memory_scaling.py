@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import fsdpkit
-from fsdpkit.models.units import default_policy_for_model
 from fsdpkit.launch import LaunchOptions, launch
 from fsdpkit.models.registry import build_model
+from fsdpkit.models.units import default_policy_for_model
 from fsdpkit.sizes import format_size
 
 
@@ -80,7 +80,8 @@ def main() -> None:
         return
     first = rows[0]
     print(f"# {args.model}: peak memory per rank (max over ranks), {args.steps} AdamW steps, batch {args.batch} x {args.seq_len}")
-    print(f"{'world':>6} {'engine peak':>14} {'vs W=' + str(first['world_size']):>9} {'RSS growth':>14} {'vs W=' + str(first['world_size']):>9} {'peak RSS':>12}")
+    versus_first = f"vs W={first['world_size']}"
+    print(f"{'world':>6} {'engine peak':>14} {versus_first:>9} {'RSS growth':>14} {versus_first:>9} {'peak RSS':>12}")
     for row in rows:
         print(f"{row['world_size']:>6} {format_size(row['engine_peak']):>14} {row['engine_peak'] / first['engine_peak']:>9.2f}"
               f" {format_size(row['rss_growth']):>14} {row['rss_growth'] / first['rss_growth']:>9.2f} {format_size(row['peak_rss']):>12}")

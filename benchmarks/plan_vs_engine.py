@@ -16,6 +16,7 @@ collective buffers). Rank 0 shown; every rank's exact match is checked.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -37,30 +38,32 @@ from fsdpkit.models.registry import build_model  # noqa: E402
 from fsdpkit.train.data import TokenSource, local_rows  # noqa: E402
 
 
+def _build(name: str, strategy: str):
+    torch.manual_seed(0)
+    model = fsdpkit.shard(build_model(name), wrap=(Block,), strategy=strategy)
+    return model, torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=0.1), lr=1e-3)
+
+
+def _train(system, data: TokenSource, batch: int):
+    model, optimizer = system
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(2):
+        rows = local_rows(data.global_batch(step, batch), rank, world)
+        F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return fsdpkit.memory_stats(model, optimizer)
+
+
 @record
 def counters_worker(models: list[str], batch: int, seq_len: int, strategy: str) -> dict:
     dist.init_process_group("gloo")
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
         out = {}
         for name in models:
             data = TokenSource("synthetic", vocab_size=build_model(name, device="meta").vocab_size, seq_len=seq_len, seed=0)
-
-            def build():
-                torch.manual_seed(0)
-                model = fsdpkit.shard(build_model(name), wrap=(Block,), strategy=strategy)
-                return model, torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=0.1), lr=1e-3)
-
-            def train(system):
-                model, optimizer = system
-                for step in range(2):
-                    rows = local_rows(data.global_batch(step, batch), rank, world)
-                    F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten()).backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                return fsdpkit.memory_stats(model, optimizer)
-
-            stats, measured, _ = peak_training_bytes(build, train, torch.device("cpu"))
+            stats, measured, _ = peak_training_bytes(functools.partial(_build, name, strategy),
+                                                     functools.partial(_train, data=data, batch=batch), torch.device("cpu"))
             out[name] = {**stats, "measured_peak": measured}
         return out
     finally:
@@ -98,7 +101,8 @@ def main() -> None:
     if args.json:
         print(json.dumps({"strategy": args.strategy, "batch": args.batch, "seq_len": args.seq_len, "rows": rows}))
         return
-    print(f"# plan vs engine counters, strategy {args.strategy}, AdamW, fp32, global batch {args.batch} x seq {args.seq_len}; rank 0 of each run")
+    print(f"# plan vs engine counters, strategy {args.strategy}, AdamW, fp32, global batch {args.batch} x seq {args.seq_len}; "
+          "rank 0 of each run")
     print(f"  {'model':<10} {'W':>2} {'state plan':>12} {'state engine':>13} {'peak plan':>11} {'peak engine':>12} {'ratio':>6}"
           f" {'measured':>11} {'activations':>12} {'act/measured':>12}")
     for row in rows:

@@ -26,8 +26,9 @@ matter more than the absolute milliseconds; the timed trials are measured withou
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 DEFINITION = """\
 compute: model ops (forward, backward's autograd nodes) outside framework hooks
@@ -61,7 +62,7 @@ class Breakdown:
     comm_busy_us: float = 0.0
     us: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
 
-    def add(self, other: "Breakdown") -> None:
+    def add(self, other: Breakdown) -> None:
         self.steps += other.steps
         self.step_us += other.step_us
         self.comm_busy_us += other.comm_busy_us
@@ -84,7 +85,9 @@ def _is_span(name: str) -> bool:
 
 def _is_region(name: str) -> bool:
     """A labelled region rather than an op (its self time is Python, not kernel work)."""
-    return name.startswith(("bench:", AUTOGRAD_NODE, "DistributedDataParallel.", "FullyShardedDataParallel.")) or name.startswith(FRAMEWORK_PREFIXES)
+    return name.startswith(("bench:", AUTOGRAD_NODE, "DistributedDataParallel.", "FullyShardedDataParallel.")) or name.startswith(
+        FRAMEWORK_PREFIXES
+    )
 
 
 def _classify(stack: list[str]) -> str | None:

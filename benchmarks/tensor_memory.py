@@ -14,7 +14,8 @@ separate, untimed trial.
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 from importlib import metadata
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -135,7 +135,7 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Optional[bool] = typer.Option(None, "--version", callback=_print_version, is_eager=True,
+    version: bool | None = typer.Option(None, "--version", callback=_print_version, is_eager=True,
                                            help="Print fsdpkit's version (and torch's) and exit."),
 ) -> None:
     """Fully Sharded Data Parallel training, sharded safetensors checkpoints and collective benchmarks."""
@@ -143,11 +143,13 @@ def _root(
 
 def _register_commands() -> None:
     # Each command lives in its own module; importing it registers it on `app` (train: LAZY_COMMANDS).
-    from . import bench_cmd  # noqa: F401
-    from . import checkpoint_cmd  # noqa: F401
-    from . import data_cmd  # noqa: F401
-    from . import plan_cmd  # noqa: F401
-    from . import report_cmd  # noqa: F401
+    from . import (
+        bench_cmd,  # noqa: F401
+        checkpoint_cmd,  # noqa: F401
+        data_cmd,  # noqa: F401
+        plan_cmd,  # noqa: F401
+        report_cmd,  # noqa: F401
+    )
 
 
 _register_commands()

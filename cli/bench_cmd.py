@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -66,7 +66,7 @@ def _run(
     sections: tuple[Section, ...],
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of the table.",
                                               rich_help_panel="Output")] = False,
-    csv_file: Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per collective, size and mode to FILE.",
+    csv_file: Annotated[Path | None, typer.Option("--csv", help="Also write one CSV row per collective, size and mode to FILE.",
                                                      rich_help_panel="Output", metavar="FILE")] = None,
     **settings: Any,
 ) -> None:

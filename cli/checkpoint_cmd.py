@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -30,7 +29,7 @@ def _progress_bar(desc: str, enabled: bool) -> contextlib.AbstractContextManager
     return byte_progress(desc) if enabled else contextlib.nullcontext()
 
 
-def _cast(dtype: Optional[str]) -> Optional[str]:
+def _cast(dtype: str | None) -> str | None:
     if dtype is None:
         return None
     try:
@@ -50,7 +49,7 @@ def _chunk(text: str) -> int:
     return size
 
 
-def _world(world_size: Optional[int]) -> int:
+def _world(world_size: int | None) -> int:
     if world_size is None:
         raise UsageError("--world-size is required")
     if world_size < 1:
@@ -72,10 +71,14 @@ def convert(
     src: Path = typer.Argument(..., help="Source checkpoint: sharded (run or step dir) for --to full; full safetensors for --to sharded."),
     dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
     to: str = typer.Option(..., "--to", help="full or sharded."),
-    world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks of the sharded output (--to sharded)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Lay out by this model's flat-parameter plan (--to sharded); default: even split per tensor."),
-    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="Split full output into files of at most this size, e.g. 5GB (with model.safetensors.index.json)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating tensors: bf16, fp16 or fp32 (ints and bools are kept)."),
+    world_size: int | None = typer.Option(None, "--world-size", help="Ranks of the sharded output (--to sharded)."),
+    model: str | None = typer.Option(
+        None, "--model", help="Lay out by this model's flat-parameter plan (--to sharded); default: even split per tensor."
+    ),
+    max_shard_size: str | None = typer.Option(
+        None, "--max-shard-size", help="Split full output into files of at most this size, e.g. 5GB (with model.safetensors.index.json)."
+    ),
+    dtype: str | None = typer.Option(None, "--dtype", help="Cast floating tensors: bf16, fp16 or fp32 (ints and bools are kept)."),
     with_optimizer: bool = typer.Option(False, "--with-optimizer", help="Also convert the optimizer state (optimizer*.safetensors)."),
     chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
@@ -119,7 +122,7 @@ def convert(
 def reshard(
     src: Path = typer.Argument(..., help="Sharded checkpoint (run or step directory)."),
     dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
-    world_size: Optional[int] = typer.Option(None, "--world-size", help="Number of ranks of the new layout."),
+    world_size: int | None = typer.Option(None, "--world-size", help="Number of ranks of the new layout."),
     chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
@@ -147,11 +150,16 @@ def inspect(
     if as_json:
         print_json(summary)
         return
-    lines = [f"path        {summary['path']}", f"format      {summary['format']}" + (f" v{summary['version']}" if "version" in summary else "")]
+    lines = [
+        f"path        {summary['path']}",
+        f"format      {summary['format']}" + (f" v{summary['version']}" if "version" in summary else ""),
+    ]
     if "world_size" in summary:
-        lines += [f"world size  {summary['world_size']}  strategy {summary['strategy']}  placement {summary['placement']} ({summary['units']} units)",
+        lines += [f"world size  {summary['world_size']}  strategy {summary['strategy']}  "
+                  f"placement {summary['placement']} ({summary['units']} units)",
                   f"step        {summary['step']}  samples {summary['samples']}"]
-    lines += [f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, {format_size(summary['model']['bytes'])}",
+    lines += [f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, "
+              f"{format_size(summary['model']['bytes'])}",
               f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
               "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
               "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),

@@ -7,7 +7,8 @@ import functools
 import json
 import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import typer
 from typer.core import TyperCommand

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -55,15 +55,31 @@ def format_plan(plan) -> str:
 @app.command("plan", short_help="Per-rank memory of a sharded run before launching it (meta device, no GPU needed).")
 @handle_errors
 def plan_command(
-    model: Annotated[str, typer.Option("--model", help="A built-in model (gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl), hf:PRESET|DIR or package.module:factory.")],
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            help="A built-in model (gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl), hf:PRESET|DIR or package.module:factory.",
+        ),
+    ],
     world_size: Annotated[int, typer.Option("--world-size", help="Ranks in the data-parallel group.")],
     strategy: Annotated[str, typer.Option("--strategy", help="full | grad-op | hybrid | none.")] = "full",
-    shard_group_size: Annotated[Optional[int], typer.Option("--shard-group-size", help="Ranks a parameter is sharded over (hybrid only).")] = None,
-    mixed_precision: Annotated[str, typer.Option("--mixed-precision", help="bf16 | fp16 | none: the dtype of unsharded parameters and gradients.")] = "none",
-    cpu_offload: Annotated[bool, typer.Option("--cpu-offload", help="Sharded parameters, gradients and optimizer state in host memory.")] = False,
+    shard_group_size: Annotated[
+        int | None, typer.Option("--shard-group-size", help="Ranks a parameter is sharded over (hybrid only).")
+    ] = None,
+    mixed_precision: Annotated[
+        str, typer.Option("--mixed-precision", help="bf16 | fp16 | none: the dtype of unsharded parameters and gradients.")
+    ] = "none",
+    cpu_offload: Annotated[
+        bool, typer.Option("--cpu-offload", help="Sharded parameters, gradients and optimizer state in host memory.")
+    ] = False,
     optimizer: Annotated[str, typer.Option("--optimizer", help="adamw (2 fp32 states per element) | sgd (none).")] = "adamw",
-    no_sync: Annotated[bool, typer.Option("--no-sync", help="Count the full gradient per unit that gradient accumulation under no_sync() keeps.")] = False,
-    backward_prefetch: Annotated[str, typer.Option("--backward-prefetch", help="pre | post | none: gather the next unit while this one's gradient exists.")] = "pre",
+    no_sync: Annotated[
+        bool, typer.Option("--no-sync", help="Count the full gradient per unit that gradient accumulation under no_sync() keeps.")
+    ] = False,
+    backward_prefetch: Annotated[
+        str, typer.Option("--backward-prefetch", help="pre | post | none: gather the next unit while this one's gradient exists.")
+    ] = "pre",
     forward_prefetch: Annotated[bool, typer.Option("--forward-prefetch", help="Gather the next unit before this one's forward.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of the table.")] = False,
 ) -> None:

@@ -4,7 +4,7 @@ fsdpkit.plots, say where the picture is."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -19,7 +19,7 @@ from .common import handle_errors
 def report(
     source: Annotated[Path, typer.Argument(help="A train --metrics file (JSON lines) or a bench --json document.",
                                            metavar="FILE")],
-    out: Annotated[Optional[Path], typer.Option("--out", help="The PNG to write (default: FILE with .png).",
+    out: Annotated[Path | None, typer.Option("--out", help="The PNG to write (default: FILE with .png).",
                                                 metavar="PNG")] = None,
 ) -> None:
     """Draw loss (train and eval), tokens/s, learning rate and memory against step from train

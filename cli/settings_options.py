@@ -14,7 +14,8 @@ import enum
 import inspect
 import types
 import typing
-from typing import Annotated, Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any
 
 import typer
 
@@ -122,7 +123,7 @@ def _annotation(section: Section, spec: Setting) -> Any:
         names.append(spec.short)
     option = typer.Option(*names, help=escape(spec.help), rich_help_panel=spec.panel or section.panel,
                           show_default=_default_text(spec), metavar=metavar)
-    return Annotated[Optional[python_type], option]
+    return Annotated[python_type | None, option]
 
 
 def escape(text: str) -> str:

@@ -7,7 +7,7 @@ module only adds --config, --print-config and --json.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -34,7 +34,7 @@ training steps' time (no evaluation or saving), over every step but the first.""
 
 def train(
     ctx: typer.Context,
-    config_file: Annotated[Optional[Path], typer.Option(
+    config_file: Annotated[Path | None, typer.Option(
         "--config", help="Read settings from this TOML file first (flags override it).", rich_help_panel="Output",
         metavar="FILE")] = None,
     print_config: Annotated[bool, typer.Option(
@@ -66,7 +66,8 @@ def format_summary(summary: dict) -> str:
     rate = summary["tokens_per_second"]
     lines = [
         f"model            {summary['model']} ({summary['num_params']:,} parameters)",
-        f"world size       {summary['world_size']} ({summary['strategy']} sharding, {summary['device']}, mixed precision {summary['mixed_precision']})",
+        f"world size       {summary['world_size']} ({summary['strategy']} sharding, {summary['device']}, "
+        f"mixed precision {summary['mixed_precision']})",
         f"steps            {summary['steps']} x {summary['global_batch_size']} sequences x {summary['seq_len']} tokens",
         f"resumed from     step {summary['resumed_from_step']}" if summary["resumed_from_step"] is not None else "",
         f"loss             {losses[0]:.4f} -> {summary['final_loss']:.4f}" if losses else "loss             (no steps run)",

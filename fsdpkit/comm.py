@@ -14,7 +14,8 @@ Each rank sends (W-1)/W of the tensor, as a ring would, with no staging buffer a
 the copies gloo's collectives make (its all_gather gathers into a new flat tensor and
 copies out; torch's reduce-scatter on gloo is an all-reduce of the whole tensor, twice the
 traffic). Both ranks' transfers of one collective are matched in issue order (one tag per
-kind), so they are asynchronous and ordered like every collective. NCCL keeps torch's collectives. `fsdpkit bench reducescatter --variant both` compares.
+kind), so they are asynchronous and ordered like every collective. NCCL keeps torch's
+collectives. `fsdpkit bench reducescatter --variant both` compares.
 
 A collective that fails (gloo: it timed out after the process group's timeout, or a peer
 closed its connection) raises `CollectiveError` naming the collective and its label, whether
@@ -24,11 +25,11 @@ the default group's timeout (torch's own default for a new group is 30 minutes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
-
 import datetime
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist

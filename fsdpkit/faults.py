@@ -35,7 +35,7 @@ class Fault:
     where: str  # "step" (the end of the step), "save", or a collective kind (skip)
 
     @classmethod
-    def parse(cls, text: str) -> "Fault":
+    def parse(cls, text: str) -> Fault:
         parts = text.split(":")
         if len(parts) not in (3, 4) or parts[0] not in ACTIONS or not parts[1].isdigit() or not parts[2].isdigit():
             raise ValueError(f"{FAULT_ENV}={text!r}: expected ACTION:RANK:STEP[:WHERE] with ACTION one of {', '.join(ACTIONS)}")

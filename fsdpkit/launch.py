@@ -26,12 +26,12 @@ import os
 import signal
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .errors import DataCheckError, RunError, UsageError
 from .settings import setting
-
 
 MAX_PROCESSES_PER_NODE = 64
 RDZV_BACKENDS = ("c10d", "static")
@@ -242,18 +242,20 @@ def _prompt_stops() -> Iterator[None]:
     def prompt_join(self: Any, timeout: float | None = None, grace_period: float | None = None) -> bool:
         return join(self, timeout, SHUTDOWN_SECONDS / 2 if grace_period is None else grace_period)
 
-    api.LocalElasticAgent, ProcessContext.join = PromptAgent, prompt_join
+    # Patching torch's classes in place for the duration: the stubs do not allow assigning to them.
+    api.LocalElasticAgent, ProcessContext.join = PromptAgent, prompt_join  # type: ignore[misc, method-assign]
     try:
         yield
     finally:
-        api.LocalElasticAgent, ProcessContext.join = agent, join
+        api.LocalElasticAgent, ProcessContext.join = agent, join  # type: ignore[misc, method-assign]
 
 
 def _signal_workers(sig: signal.Signals) -> None:
     """`sig` to every worker process this process started (the agent's multiprocessing children)."""
     for child in multiprocessing.active_children():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, sig)
+        if child.pid is not None:  # None only before start(); active children are started
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, sig)
 
 
 def _local_endpoint(backend: str) -> str:

@@ -30,12 +30,12 @@ class ElementRange:
     def size(self) -> int:
         return self.end - self.start
 
-    def intersect(self, other: "ElementRange") -> "ElementRange":
+    def intersect(self, other: ElementRange) -> ElementRange:
         start = max(self.start, other.start)
         end = min(self.end, other.end)
         return ElementRange(start, max(start, end))
 
-    def shift(self, offset: int) -> "ElementRange":
+    def shift(self, offset: int) -> ElementRange:
         return ElementRange(self.start + offset, self.end + offset)
 
 
@@ -84,7 +84,7 @@ class FlatLayout:
             raise ValueError(f"duplicate parameter names in one flat parameter: {names}")
 
     @classmethod
-    def from_shapes(cls, named_shapes: list[tuple[str, tuple[int, ...]]], shard_factor: int) -> "FlatLayout":
+    def from_shapes(cls, named_shapes: list[tuple[str, tuple[int, ...]]], shard_factor: int) -> FlatLayout:
         slots, offset = [], 0
         for name, shape in named_shapes:
             slot = ParamSlot(name, tuple(int(d) for d in shape), offset)

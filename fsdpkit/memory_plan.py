@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .engine.config import MixedPrecision, ShardingConfig
+from .engine.config import MixedPrecision, ShardingConfig, Strategy, parse_enum
 from .engine.plan import UnitPlan
 from .errors import UsageError
 from .memory_timeline import Peak, Schedule, UnitFootprint, peak_unsharded
@@ -59,7 +59,7 @@ class PlanRequest:
 
     @property
     def sharding(self) -> ShardingConfig:
-        return ShardingConfig(strategy=self.strategy, shard_group_size=self.shard_group_size,
+        return ShardingConfig(strategy=parse_enum(Strategy, self.strategy, "sharding strategy"), shard_group_size=self.shard_group_size,
                               mixed_precision=MixedPrecision.from_name(self.mixed_precision))
 
     @property

@@ -106,9 +106,15 @@ def plot_bench(document: dict, out: Path) -> None:
     if compare:
         ratio = axes[0][1]
         for mode, style in (("out_of_place", "-"), ("in_place", "--")):
-            pairs = [(f, l) for f, l in zip(variants["flat"]["rows"], variants["list"]["rows"]) if f.get(mode) and l.get(mode)]
-            ratio.plot([f["size_bytes"] for f, _ in pairs], [l[mode]["time_us"] / f[mode]["time_us"] for f, l in pairs],
-                       style, marker="o", label=mode.replace("_", "-"))
+            pairs = [(flat, listed) for flat, listed in zip(variants["flat"]["rows"], variants["list"]["rows"], strict=False)
+                     if flat.get(mode) and listed.get(mode)]
+            ratio.plot(
+                [flat["size_bytes"] for flat, _ in pairs],
+                [listed[mode]["time_us"] / flat[mode]["time_us"] for flat, listed in pairs],
+                style,
+                marker="o",
+                label=mode.replace("_", "-"),
+            )
         ratio.axhline(1.0, color="grey", linewidth=0.8)
         ratio.set_xscale("log", base=2)
         ratio.set_xlabel("size (bytes)")

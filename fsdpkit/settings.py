@@ -19,8 +19,9 @@ import json
 import math
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .errors import UsageError
 
@@ -73,7 +74,7 @@ class Section:
     values_of: Callable[[Any], dict[str, Any]]  # object -> {key: value}, the inverse of build
 
     @classmethod
-    def of(cls, name: str, config_class: type, *, panel: str) -> "Section":
+    def of(cls, name: str, config_class: type, *, panel: str) -> Section:
         settings = settings_of(config_class)
         return cls(name, panel, settings, config_class,
                    lambda obj: {s.key: getattr(obj, s.key) for s in settings})
@@ -115,7 +116,7 @@ def _coerce(kind: Any, value: Any, name: str) -> Any:
             return tuple(_coerce(args[0], v, name) for v in value)
         if len(value) != len(args):
             raise UsageError(f"setting {name!r} must have {len(args)} values, got {len(value)}: {value!r}")
-        return tuple(_coerce(a, v, name) for a, v in zip(args, value))
+        return tuple(_coerce(a, v, name) for a, v in zip(args, value, strict=True))
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         try:
             return kind(value)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import enum
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import DataCheckError, RunError, UsageError
 

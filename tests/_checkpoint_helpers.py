@@ -80,9 +80,8 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], 
 
 def run_cli(*args: str):
     """Run `fsdpkit ARGS` in-process through Typer's CliRunner; returns the result."""
-    from typer.testing import CliRunner
-
     from fsdpkit_cli.app import app
+    from typer.testing import CliRunner
 
     return CliRunner().invoke(app, [str(a) for a in args])
 

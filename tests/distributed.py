@@ -7,7 +7,8 @@ returns plain data (tensors, numbers) that the test process compares.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record

@@ -12,14 +12,13 @@ import os
 
 import pytest
 import torch
+from _checkpoint_helpers import save_checkpoint, tree_snapshot
+from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 from fsdpkit.bench import runner as bench_runner
 from fsdpkit.checkpoint.lock import RunLock
 from fsdpkit.train import launcher
-from fsdpkit_cli.app import app
-
-from _checkpoint_helpers import save_checkpoint, tree_snapshot
 
 TRAIN = ("train", "--steps", "2")
 CASES = [

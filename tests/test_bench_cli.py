@@ -12,12 +12,12 @@ import json
 
 import pytest
 import torch
+from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 from fsdpkit.bench import patterns
 from fsdpkit.bench import runner as bench_runner
 from fsdpkit.bench.options import BenchOptions, parse_dtype
-from fsdpkit_cli.app import app
 
 SMALL = ["--nproc-per-node", "2", "--backend", "gloo", "--min-bytes", "1K", "--max-bytes", "4K", "--iters", "2", "--warmup", "1"]
 SHORT = ["--nproc_per_node", "2", "--backend", "gloo", "-b", "1K", "-e", "4K", "-f", "2", "-n", "2", "-w", "1"]  # nccl-tests, torchrun
@@ -100,27 +100,46 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(bench_runner, "launch", launch)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["allgather", "--min-bytes", "2M", "--max-bytes", "1M"], "error: --min-bytes 2097152 (2.0 MiB) is larger than --max-bytes 1048576 (1.0 MiB)"),
-    (["allgather", "--factor", "1"], "error: --factor must be an integer >= 2, got 1"),
-    (["allreduce", "--iters", "0"], "error: --iters must be >= 1, got 0"),
-    (["gather"], "error: unknown collective 'gather': choose from allgather, reducescatter, allreduce, broadcast, alltoall, all"),
-    (["broadcast", "--dtype", "int8"], "error: unknown --dtype 'int8': choose from float32, bfloat16, float16 (nccl-tests: float, half, bfloat16)"),
-    (["allreduce", "-o", "avg", "--backend", "gloo"], "error: --op avg needs nccl: gloo has no average reduction"),
-    (["allreduce", "-o", "prod", "-c", "1", "-d", "half", "--nproc-per-node", "8", "--backend", "gloo"],
-     "error: --op prod --check overflows float16 on 8 ranks: use float32 or no --check"),
-    (["allgather", "-e", "1000T", "--backend", "gloo"], "error: --max-bytes 1099511627776000 (1000.0 TiB) needs about 4000.0 TiB of host memory for 2 processes, more than"),
-    (["allgather", "-c", "-1"], "error: --check must be >= 0, got -1"),
-    (["allgather", "--nnodes", "2"], "error: --nnodes 2 needs --rdzv-endpoint HOST:PORT that every node can reach"),
-    (["allgather", "--standalone", "--rdzv-endpoint", "h:1"], "error: --standalone runs on one node with a local rendezvous"),
-    (["allgather", "--bogus"], "error: no such option: --bogus (see 'fsdpkit bench allgather --help')"),
-    (["allgather", "-n", "x"], "error: invalid value for '--iters' / '-n'"),
-    (["allgather", "--variant", "ring"], "error: unknown --variant 'ring': choose from flat, list, both"),
-    (["all", "--min-bytes", "12Q"], "error: unknown size unit 'Q' in '12Q': use K/M/G (=KiB/MiB/GiB, powers of 1024) or KB/MB/GB (powers of 1000)"),
-    (["alltoall", "--nproc-per-node", "65"], "error: --nproc-per-node 65 is more than this launcher allows per node (64)"),
-    (["allgather", "--nproc-per-node", "4", "--min-bytes", "16", "--max-bytes", "32"],
-     "error: --max-bytes 32 is too small for allgather over 4 ranks with 4-byte elements: the smallest valid size is 64 bytes"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["allgather", "--min-bytes", "2M", "--max-bytes", "1M"],
+            "error: --min-bytes 2097152 (2.0 MiB) is larger than --max-bytes 1048576 (1.0 MiB)",
+        ),
+        (["allgather", "--factor", "1"], "error: --factor must be an integer >= 2, got 1"),
+        (["allreduce", "--iters", "0"], "error: --iters must be >= 1, got 0"),
+        (["gather"], "error: unknown collective 'gather': choose from allgather, reducescatter, allreduce, broadcast, alltoall, all"),
+        (
+            ["broadcast", "--dtype", "int8"],
+            "error: unknown --dtype 'int8': choose from float32, bfloat16, float16 (nccl-tests: float, half, bfloat16)",
+        ),
+        (["allreduce", "-o", "avg", "--backend", "gloo"], "error: --op avg needs nccl: gloo has no average reduction"),
+        (
+            ["allreduce", "-o", "prod", "-c", "1", "-d", "half", "--nproc-per-node", "8", "--backend", "gloo"],
+            "error: --op prod --check overflows float16 on 8 ranks: use float32 or no --check",
+        ),
+        (
+            ["allgather", "-e", "1000T", "--backend", "gloo"],
+            "error: --max-bytes 1099511627776000 (1000.0 TiB) needs about 4000.0 TiB of host memory for 2 processes, more than",
+        ),
+        (["allgather", "-c", "-1"], "error: --check must be >= 0, got -1"),
+        (["allgather", "--nnodes", "2"], "error: --nnodes 2 needs --rdzv-endpoint HOST:PORT that every node can reach"),
+        (["allgather", "--standalone", "--rdzv-endpoint", "h:1"], "error: --standalone runs on one node with a local rendezvous"),
+        (["allgather", "--bogus"], "error: no such option: --bogus (see 'fsdpkit bench allgather --help')"),
+        (["allgather", "-n", "x"], "error: invalid value for '--iters' / '-n'"),
+        (["allgather", "--variant", "ring"], "error: unknown --variant 'ring': choose from flat, list, both"),
+        (
+            ["all", "--min-bytes", "12Q"],
+            "error: unknown size unit 'Q' in '12Q': use K/M/G (=KiB/MiB/GiB, powers of 1024) or KB/MB/GB (powers of 1000)",
+        ),
+        (["alltoall", "--nproc-per-node", "65"], "error: --nproc-per-node 65 is more than this launcher allows per node (64)"),
+        (
+            ["allgather", "--nproc-per-node", "4", "--min-bytes", "16", "--max-bytes", "32"],
+            "error: --max-bytes 32 is too small for allgather over 4 ranks with 4-byte elements: the smallest valid size is 64 bytes",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(no_launch, args, message):
     result = _invoke(args)
     assert result.exit_code == 2

@@ -29,7 +29,6 @@ from fsdpkit.bench.runner import raise_if_wrong
 from fsdpkit.errors import DataCheckError, UsageError
 from fsdpkit.sizes import parse_size
 
-
 # --- bandwidth arithmetic (nccl-tests doc/PERFORMANCE.md) ---
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 64])

@@ -6,13 +6,13 @@ results are checked against all-reduce in test_engine_zoo.py)."""
 from __future__ import annotations
 
 import pytest
+from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 from fsdpkit.bench import runner as bench_runner
 from fsdpkit.bench.options import BenchOptions
 from fsdpkit.bench.worker import Measurement
 from fsdpkit.errors import UsageError
-from fsdpkit_cli.app import app
 
 
 def test_each_collective_has_its_own_variants_and_default():

@@ -16,16 +16,14 @@ from collections import namedtuple
 
 import pytest
 import torch
+from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors, save_checkpoint, tree_snapshot
+from _checkpoint_v1 import write_v1
 
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import check_compatible
 from fsdpkit.checkpoint.reader import read_header
 from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.errors import DataCheckError
-
-from _checkpoint_helpers import (SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors,
-                                 save_checkpoint, tree_snapshot)
-from _checkpoint_v1 import write_v1
 
 RANK1 = "rank-00001-of-00002.safetensors"
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import save_manifest
@@ -21,8 +22,6 @@ from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.checkpoint.storage import resolve_checkpoint
 from fsdpkit.errors import DataCheckError, RunError
-
-from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
 TESTS = Path(__file__).parent
 
@@ -129,7 +128,7 @@ def test_killed_saver_always_leaves_a_loadable_checkpoint(tmp_path):
     rng = random.Random(0)
     base = {n: t.repeat_interleave(200, dim=0) for n, t in sample_tensors().items()}
     start = 1
-    for round_ in range(4):
+    for _ in range(4):
         proc = subprocess.Popen([sys.executable, "-c", SAVER.format(tests=str(TESTS), start=start), str(run)],
                                 stdout=subprocess.PIPE, text=True)
         last = int(proc.stdout.readline())  # at least one save of this round is complete

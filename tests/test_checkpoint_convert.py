@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors, save_checkpoint, tree_snapshot
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -14,9 +15,6 @@ from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.layout import ElementRange, FlatLayout
 from fsdpkit.models.registry import build_model
 from fsdpkit.models.units import unit_plan_for_model
-
-from _checkpoint_helpers import (SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors,
-                                 save_checkpoint, tree_snapshot)
 
 ALIASES = {"lm_head.weight": "wte.weight"}
 
@@ -192,7 +190,11 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
     state = model.state_dict()
     stored = {n: t.contiguous() for n, t in state.items() if n != "lm_head.weight"}
     assert torch.equal(state["lm_head.weight"], state["wte.weight"])
-    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt", "fsdpkit_tied_weights": json.dumps({"lm_head.weight": "wte.weight"})})
+    save_file(
+        stored,
+        tmp_path / "model.safetensors",
+        metadata={"format": "pt", "fsdpkit_tied_weights": json.dumps({"lm_head.weight": "wte.weight"})},
+    )
     result = run_cli("convert", tmp_path / "model.safetensors", tmp_path / "s2", "--to", "sharded", "--world-size", 2,
                      "--model", "gpt-tiny", "--json")
     assert result.exit_code == 0, result.output

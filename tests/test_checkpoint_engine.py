@@ -12,13 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_distributed
+from models import EdgeCaseNet
 
 import fsdpkit
 from fsdpkit.engine.view import describe
 from fsdpkit.errors import RunError
-
-from distributed import run_distributed
-from models import EdgeCaseNet
 
 
 def _step(model, optimizer, x, y) -> None:

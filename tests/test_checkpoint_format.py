@@ -9,6 +9,7 @@ import zlib
 
 import pytest
 import torch
+from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -23,8 +24,6 @@ from fsdpkit.checkpoint.storage import resolve_checkpoint
 from fsdpkit.checkpoint.writer import StreamingWriter
 from fsdpkit.errors import DataCheckError
 from fsdpkit.layout import ElementRange, FlatLayout
-
-from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
 
 def _write(path, tensors, piece=7):
@@ -54,7 +53,7 @@ def test_streaming_writer_reads_back_with_safetensors(tmp_path):
         assert f.metadata() == {"format": "pt"}
         assert torch.equal(f.get_slice("a")[1:3], tensors["a"][1:3])
     header = read_header(path)
-    for name, info in header.tensors.items():  # every tensor starts aligned to its element size
+    for info in header.tensors.values():  # every tensor starts aligned to its element size
         assert (header.data_start + info.begin) % torch.empty(0, dtype=SAFETENSORS_TO_TORCH[info.dtype]).element_size() == 0
 
 
@@ -154,7 +153,9 @@ def test_flat_placement_follows_flat_layout():
             assert position == torch.empty(shape).numel()
             wanted = ElementRange(position // 3, position - position // 4)
             assert layout.pieces(index[name], wanted) == [p for p in pieces if p[1].intersect(wanted).size]
-        assert [r for r, _ in layout.pieces(index["optim.exp_avg.h.0.attn.weight"])] == [r for r, _ in layout.pieces(index["h.0.attn.weight"])]
+        assert [r for r, _ in layout.pieces(index["optim.exp_avg.h.0.attn.weight"])] == [
+            r for r, _ in layout.pieces(index["h.0.attn.weight"])
+        ]
         assert layout.pieces(index["optim.step"]) == [(0, ElementRange(0, 1))] and layout.pieces(index["buf"]) == [(0, ElementRange(0, 5))]
         first = layout.pieces(index["h.1.mlp.weight"])[0][0]  # a scalar state lives with its parameter's first element
         assert layout.pieces(index["optim.step.h.1.mlp.weight"]) == [(first, ElementRange(0, 1))]

@@ -9,12 +9,11 @@ import sys
 
 import pytest
 import torch
+from _checkpoint_helpers import save_checkpoint
 from safetensors import safe_open
 
 from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.layout import ElementRange
-
-from _checkpoint_helpers import save_checkpoint
 
 LIMIT_BYTES = 300 * 1024 * 1024
 

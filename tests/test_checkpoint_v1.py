@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 
 import torch
+from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors
+from _checkpoint_v1 import write_v1
 from safetensors.torch import load_file
 
 from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.layout import ElementRange
-
-from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors
-from _checkpoint_v1 import write_v1
 
 
 def test_v1_checkpoints_load_verify_convert_and_reshard(tmp_path):

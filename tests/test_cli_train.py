@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 import fsdpkit
 from fsdpkit.train import launcher
 from fsdpkit.train.config import SECTIONS, TOP
-from fsdpkit_cli.app import app
 
 runner = CliRunner()
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
@@ -306,7 +306,10 @@ def no_launch(monkeypatch):
         (["--model", "no_such_module_xyz:factory"], "cannot import"),
         (["--optimizer", "lamb"], "'lamb' is not one of 'adamw', 'sgd'"),
         (["--strategy", "hybrid"], "shard group size"),
-        (["--strategy", "hybrid", "--shard-group-size", "3", "--nproc-per-node", "4", "--global-batch-size", "8"], "not divisible by shard group size 3"),
+        (
+            ["--strategy", "hybrid", "--shard-group-size", "3", "--nproc-per-node", "4", "--global-batch-size", "8"],
+            "not divisible by shard group size 3",
+        ),
         (["--seq-len", "4096"], "block size"),
         (["--betas", "0.9"], "--betas"),
         (["--nproc-per-node", "0"], "--nproc-per-node"),
@@ -363,7 +366,10 @@ def test_missing_argument_and_missing_config_file_are_one_line():
     result = invoke("convert")
     assert result.exit_code == 2 and result.stderr.strip() == "error: missing argument 'src' (see 'fsdpkit convert --help')"
     result = invoke("train", "--config", "/nonexistent/run.toml")
-    assert result.exit_code == 2 and result.stderr.strip() == "error: cannot read config file '/nonexistent/run.toml': No such file or directory"
+    assert (
+        result.exit_code == 2
+        and result.stderr.strip() == "error: cannot read config file '/nonexistent/run.toml': No such file or directory"
+    )
 
 
 def test_report_bad_input(tmp_path):

@@ -5,12 +5,11 @@ before running it and raises on any mismatch."""
 from __future__ import annotations
 
 import torch.distributed as dist
+from distributed import run_distributed
 
 from fsdpkit.engine.config import ShardingConfig
 from fsdpkit.train.config import DataConfig, OptimizerConfig, TrainConfig
 from fsdpkit.train.loop import Trainer
-
-from distributed import run_distributed
 
 
 def detail_worker(config: TrainConfig) -> dict:

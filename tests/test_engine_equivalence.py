@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_distributed
+from models import EdgeCaseNet
 
 import fsdpkit
 from fsdpkit.engine.sharded import get_state
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
-
-from distributed import run_distributed
-from models import EdgeCaseNet
 
 TOL = 1e-5
 
@@ -27,7 +26,7 @@ def _relative_errors(sharded, reference, *, grads: bool) -> dict[str, float]:
     ref_params = dict(reference.named_parameters())
     names, sums = [], []
     for unit in get_state(sharded).units:
-        for fragment, param in zip(unit.fragments, unit.params):
+        for fragment, param in zip(unit.fragments, unit.params, strict=True):
             ref = ref_params[fragment.name]
             ref_tensor = ref.detach() if not grads else (ref.grad if ref.grad is not None else torch.zeros_like(ref))
             ref_flat = ref_tensor.reshape(-1)
@@ -58,7 +57,7 @@ def edge_case_worker(steps: int) -> dict:
         "names": [n for n, _ in sharded.named_parameters()] == [n for n, _ in reference.named_parameters()],
         "keys": list(sharded.state_dict()) == list(reference.state_dict()),
         "fragment_dims": sorted({p.dim() for p in sharded.parameters()}),
-        "shapes_ok": all(fsdpkit.original_shape(p) == r.shape for p, r in zip(sharded.parameters(), reference.parameters())),
+        "shapes_ok": all(fsdpkit.original_shape(p) == r.shape for p, r in zip(sharded.parameters(), reference.parameters(), strict=True)),
         "chunk_sizes": [unit.layout.chunk_numel for unit in get_state(sharded).units],
         "unit_numels": [unit.layout.numel for unit in get_state(sharded).units],
     }
@@ -90,7 +89,7 @@ def edge_case_worker(steps: int) -> dict:
     out.update(grad_errors=grad_errors, branch_grad_none=branch_grad_none, eval_diffs=eval_diffs)
     out["weight_errors"] = _full_weight_errors(sharded, reference)
     with fsdpkit.full_params(sharded):
-        out["full_shapes_ok"] = all(p.shape == r.shape for p, r in zip(sharded.parameters(), reference.parameters()))
+        out["full_shapes_ok"] = all(p.shape == r.shape for p, r in zip(sharded.parameters(), reference.parameters(), strict=True))
     out["after_full_params_dims"] = sorted({p.dim() for p in sharded.parameters()})
     return out
 

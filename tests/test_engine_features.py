@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import copy
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from distributed import run_distributed
 
 import fsdpkit
 from fsdpkit.comm import CommStats
 from fsdpkit.engine.flat_unit import UnitState
 from fsdpkit.engine.sharded import get_state
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
-
-from distributed import run_distributed
 
 CONFIG = GPTConfig(vocab_size=61, block_size=16, n_layer=3, n_head=2, n_embd=18)
 
@@ -149,7 +149,11 @@ def mixed_precision_checks() -> MixedPrecisionResult:
     runs, weights = {}, {}
     for name in ("none", "bf16"):
         stats = CommStats()
-        policy = fsdpkit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16) if name == "bf16" else None
+        policy = (
+            fsdpkit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+            if name == "bf16"
+            else None
+        )
         sharded = fsdpkit.shard(copy.deepcopy(reference), wrap=(Block,), mixed_precision=policy, comm_stats=stats)
         opt = torch.optim.AdamW(fsdpkit.param_groups(sharded, weight_decay=0.1), lr=3e-3)
         losses = []
@@ -171,7 +175,7 @@ def mixed_precision_checks() -> MixedPrecisionResult:
         low = copy.deepcopy(master).to(torch.bfloat16)
         loss = _loss(low, _tokens(step))
         loss.backward()
-        for p_master, p_low in zip(master.parameters(), low.parameters()):
+        for p_master, p_low in zip(master.parameters(), low.parameters(), strict=True):
             p_master.grad = p_low.grad.float()
         opt.step()
         opt.zero_grad()
@@ -288,7 +292,9 @@ class PrefetchRun:
 def prefetch_checks() -> dict[str, PrefetchRun]:
     out = {}
     settings = {
-        "pre": dict(backward_prefetch="pre"), "post": dict(backward_prefetch="post"), "none": dict(backward_prefetch="none", limit_all_gathers=0),
+        "pre": dict(backward_prefetch="pre"),
+        "post": dict(backward_prefetch="post"),
+        "none": dict(backward_prefetch="none", limit_all_gathers=0),
         "forward": dict(forward_prefetch=True, limit_all_gathers=1),
     }
     for label, kwargs in settings.items():
@@ -507,7 +513,7 @@ def test_unit_policies_change_the_unit_count(features):
 
 def test_bf16_matches_a_reference_that_casts_once_and_halves_all_gather_bytes(features):
     mp = features.mixed_precision.get()
-    for mine, ref in zip(mp.bf16.losses, mp.reference_losses):
+    for mine, ref in zip(mp.bf16.losses, mp.reference_losses, strict=True):
         assert abs(mine - ref) / ref < 2e-2
     assert mp.bf16_weight_error < 2e-2 and mp.bf16_model_error < 1e-2
     assert mp.bf16.master_dtypes == ["torch.float32"]

@@ -6,17 +6,15 @@ agrees which parameters got a gradient)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_distributed
 
 import fsdpkit
 from fsdpkit.comm import CommStats
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
-
-from distributed import run_distributed
 
 CONFIG = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=18)
 STEPS = 3
@@ -94,9 +92,9 @@ def test_strategies_match_reference_and_issue_the_papers_collectives(world_size,
     results = run_distributed(strategies_worker, world_size, strategies)[0]
     for strategy, _ in strategies:
         result = results[strategy]
-        for mine, ref in zip(result["losses"], reference["losses"]):
+        for mine, ref in zip(result["losses"], reference["losses"], strict=True):
             assert abs(mine - ref) / ref < 1e-5, (strategy, result["losses"], reference["losses"])
-        for mine, ref in zip(result["norms"], reference["norms"]):
+        for mine, ref in zip(result["norms"], reference["norms"], strict=True):
             assert abs(mine - ref) / ref < 1e-5, (strategy, "grad norm", result["norms"], reference["norms"])
         for name, ref in reference["weights"].items():
             error = ((result["weights"][name] - ref).norm() / ref.norm()).item()

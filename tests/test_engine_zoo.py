@@ -18,13 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from distributed import run_distributed
+from models import FrozenAdapter, ZooBlock, ZooNet, zoo_units
 
 import fsdpkit
 from fsdpkit.comm import Collectives
 from fsdpkit.engine.config import MixedPrecision
-
-from distributed import run_distributed
-from models import FrozenAdapter, ZooBlock, ZooNet, zoo_units
 
 STEPS = 2
 ROWS = 4  # global batch rows, split over the ranks
@@ -152,7 +151,7 @@ def _reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _relative(mine: list[float], theirs: list[float], weights: dict, ref_weights: dict) -> float:
-    errors = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(mine, theirs)]
+    errors = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(mine, theirs, strict=True)]
     for name, ref in ref_weights.items():
         errors.append(((weights[name].float() - ref).norm() / ref.norm().clamp_min(1e-12)).item())
     return max(errors)

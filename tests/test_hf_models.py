@@ -29,21 +29,20 @@ from safetensors.torch import load_file
 os.environ["HF_HUB_OFFLINE"] = "1"  # no network anywhere (workers inherit it)
 transformers = pytest.importorskip("transformers")  # the [hf] extra: `make test` and CI install it (test_hf_missing.py needs none)
 
+from distributed import run_distributed  # noqa: E402
+from fsdpkit_cli.app import app  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
 import fsdpkit  # noqa: E402
 from fsdpkit.checkpoint.state import CheckpointReader, full_reader  # noqa: E402
 from fsdpkit.models.hf import PRESETS  # noqa: E402
 from fsdpkit.models.source import resolve  # noqa: E402
 from fsdpkit.tokens import TokenDtype, load_tokenizer, write_token_file  # noqa: E402
-from fsdpkit.train.config import (CheckpointConfig, DataConfig, ModelConfig, Optimizer, OptimizerConfig, Schedule,  # noqa: E402
-                                  TrainConfig)
+from fsdpkit.train.config import CheckpointConfig, DataConfig, ModelConfig, Optimizer, OptimizerConfig, Schedule, TrainConfig  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402
 from fsdpkit.train.loop import Trainer  # noqa: E402
 from fsdpkit.train.model_setup import wrap_policy  # noqa: E402
 from fsdpkit.train.schedule import lr_at  # noqa: E402
-from fsdpkit_cli.app import app  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
-
-from distributed import run_distributed  # noqa: E402
 
 runner = CliRunner()
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
@@ -216,7 +215,7 @@ def test_world_size_invariance_against_an_unsharded_reference(world, launches, r
     results, _ = launches(world)
     for name, reference in references.items():
         mine = results[name]
-        for step, (a, b) in enumerate(zip(mine["losses"], reference["losses"])):
+        for step, (a, b) in enumerate(zip(mine["losses"], reference["losses"], strict=True)):
             assert abs(a - b) / abs(b) <= 1e-4, f"{name} world {world} step {step}: loss {a} vs reference {b}"
         assert mine["losses"][-1] < mine["losses"][0], name
         diff = total = 0.0

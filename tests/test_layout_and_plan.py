@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 import torch.nn as nn
 
 from fsdpkit.engine.config import ShardingConfig
 from fsdpkit.engine.plan import WrapPolicy, plan_units
-from fsdpkit.models.units import unit_plan_for_model
 from fsdpkit.errors import UsageError
 from fsdpkit.layout import ElementRange, FlatLayout, even_split_ranges, padded_size
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
+from fsdpkit.models.units import unit_plan_for_model
 
 
 def test_padding_and_chunks_cover_the_flat_parameter_exactly_once():
@@ -31,7 +33,7 @@ def test_padding_and_chunks_cover_the_flat_parameter_exactly_once():
             for slot in layout.slots:
                 pieces = sorted(covered[slot.name])
                 assert pieces[0][0] == 0 and pieces[-1][1] == slot.numel
-                assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+                assert all(a[1] == b[0] for a, b in pairwise(pieces))
 
 
 def test_paper_figure_3_example_one_element_per_rank_last_ranks_padding():

@@ -10,15 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_distributed
+from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 import fsdpkit
 from fsdpkit.errors import UsageError
 from fsdpkit.memory_plan import PlanRequest, plan_memory
 from fsdpkit.memory_timeline import Schedule, UnitFootprint, peak_unsharded
-from fsdpkit_cli.app import app
-
-from distributed import run_distributed
 
 # tests/models.py EdgeCaseNet under the ModuleList rule: root (inp 5x7+7, branch 3x3+3,
 # head 3x2+2) = 62 elements in 6 tensors; layers.0 = 7x7+7+1 = 57 (3 tensors);
@@ -102,10 +101,15 @@ def test_strategies_precision_offload_and_no_sync():
     assert no_prefetch.grads == ("h.1", "h.0")
     # bf16: parameters, full gradients and the reduce-scatter output in flight take 2 bytes
     bf16 = _bytes("gpt-tiny", 2, mixed_precision="bf16")
-    assert bf16["peak_unsharded"] == (GPT_ROOT + 3 * GPT_BLOCK + GPT_BLOCK // 2) * 2 and bf16["sharded_params"] == full4["sharded_params"] * 2
+    assert (
+        bf16["peak_unsharded"] == (GPT_ROOT + 3 * GPT_BLOCK + GPT_BLOCK // 2) * 2 and bf16["sharded_params"] == full4["sharded_params"] * 2
+    )
     # fp16 as h.0's gradient arrives: root and h.0 parameters (2 bytes), h.1's and h.0's
     # gradients in fp16 + fp32 (6 bytes), h.1's output (fp32)
-    assert _bytes("gpt-tiny", 2, mixed_precision="fp16")["peak_unsharded"] == (GPT_ROOT + GPT_BLOCK) * 2 + 2 * GPT_BLOCK * 6 + GPT_BLOCK // 2 * 4
+    assert (
+        _bytes("gpt-tiny", 2, mixed_precision="fp16")["peak_unsharded"]
+        == (GPT_ROOT + GPT_BLOCK) * 2 + 2 * GPT_BLOCK * 6 + GPT_BLOCK // 2 * 4
+    )
     # sgd keeps no state; cpu offload moves the sharded state to the host
     assert _bytes("gpt-tiny", 2, optimizer="sgd")["optimizer_state"] == 0
     offload = _bytes("gpt-tiny", 2, cpu_offload=True)
@@ -158,11 +162,20 @@ def _invoke(args):
 def test_cli_table_and_json():
     table = _invoke(["--model", "gpt-tiny", "--world-size", "2"])
     assert table.exit_code == 0, table.output
-    for label in ("sharded parameters", "sharded gradients", "optimizer state (adamw)", "largest unit unsharded", "unsharded in flight", "total"):
+    for label in (
+        "sharded parameters",
+        "sharded gradients",
+        "optimizer state (adamw)",
+        "largest unit unsharded",
+        "unsharded in flight",
+        "total",
+    ):
         assert label in table.stdout
     assert "1,546,736" in table.stdout  # the total computed by hand above: 249344 + 498800 + 798592
 
-    result = _invoke(["--model", "gpt2-xl", "--world-size", "64", "--strategy", "full", "--mixed-precision", "bf16", "--cpu-offload", "--json"])
+    result = _invoke(
+        ["--model", "gpt2-xl", "--world-size", "64", "--strategy", "full", "--mixed-precision", "bf16", "--cpu-offload", "--json"]
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout.count("\n") == 1
     document = json.loads(result.stdout)
@@ -172,13 +185,19 @@ def test_cli_table_and_json():
     assert parts["device_total"] == parts["peak_unsharded"] and parts["total"] == parts["host_total"] + parts["device_total"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "gpt2", "--world-size", "0"], "world size must be >= 1, got 0"),
-    (["--model", "gpt2", "--world-size", "6", "--strategy", "hybrid", "--shard-group-size", "4"], "world size 6 is not divisible by shard group size 4"),
-    (["--model", "gpt-nope", "--world-size", "2"], "'gpt-nope'"),
-    (["--model", "gpt2", "--world-size", "2", "--strategy", "zero3"], "'zero3'"),
-    (["--model", "gpt2", "--world-size", "2", "--mixed-precision", "fp8"], "'fp8'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "gpt2", "--world-size", "0"], "world size must be >= 1, got 0"),
+        (
+            ["--model", "gpt2", "--world-size", "6", "--strategy", "hybrid", "--shard-group-size", "4"],
+            "world size 6 is not divisible by shard group size 4",
+        ),
+        (["--model", "gpt-nope", "--world-size", "2"], "'gpt-nope'"),
+        (["--model", "gpt2", "--world-size", "2", "--strategy", "zero3"], "'zero3'"),
+        (["--model", "gpt2", "--world-size", "2", "--mixed-precision", "fp8"], "'fp8'"),
+    ],
+)
 def test_cli_bad_input_is_one_line_exit_2(args, message):
     result = _invoke(args)
     assert result.exit_code == 2
@@ -214,7 +233,7 @@ def engine_memory_worker(steps: int) -> list[dict]:
 def test_plan_matches_the_engine_counters_at_world_size_2():
     results = run_distributed(engine_memory_worker, 2, 2)
     for rank, stats_per_config in results.items():
-        for config, stats in zip(CONFIGS, stats_per_config):
+        for config, stats in zip(CONFIGS, stats_per_config, strict=True):
             plan = plan_memory(PlanRequest(model="gpt-tiny", world_size=2, **config), shard_rank=rank)
             where = f"rank {rank} {config}"
             assert stats["sharded_params"] == plan.sharded_params, where

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 from fsdpkit.checkpoint.state import CheckpointReader
-from fsdpkit_cli.app import app
 
 runner = CliRunner()
 COMMON = ["--seq-len", "32", "--global-batch-size", "8", "--lr-schedule", "cosine", "--warmup-steps", "2",
@@ -60,7 +60,7 @@ def test_resume_is_bitwise_exact_at_the_same_world_size(runs):
 def test_resume_at_another_world_size_or_strategy(runs, extra):
     root, full, _ = runs
     resumed = train("--steps", "10", "--resume", str(root / "half" / "step-00000005"), *extra)
-    for mine, ref in zip(resumed["losses"], full["losses"][5:]):
+    for mine, ref in zip(resumed["losses"], full["losses"][5:], strict=True):
         assert abs(mine - ref) / ref < 1e-4
 
 
@@ -137,7 +137,12 @@ def test_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.time() + 120
         start_count = len(list(run_dir.glob("step-*"))) if run_dir.exists() else 0
-        while time.time() < deadline and not (run_dir / "latest").exists() or len(list(run_dir.glob("step-*"))) <= start_count and time.time() < deadline:
+        while (
+            time.time() < deadline
+            and not (run_dir / "latest").exists()
+            or len(list(run_dir.glob("step-*"))) <= start_count
+            and time.time() < deadline
+        ):
             time.sleep(0.05)
         time.sleep(delay)
         os.killpg(process.pid, signal.SIGKILL)

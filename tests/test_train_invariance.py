@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_distributed
 
 import fsdpkit
 from fsdpkit.models.registry import build_model
@@ -15,8 +16,6 @@ from fsdpkit.train.config import DataConfig, OptimizerConfig, Schedule, TrainCon
 from fsdpkit.train.data import TokenSource
 from fsdpkit.train.loop import Trainer
 from fsdpkit.train.schedule import lr_at
-
-from distributed import run_distributed
 
 CONFIG = TrainConfig(steps=10, data=DataConfig(global_batch_size=8, grad_accum=2, seq_len=32),
                      optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2, schedule=Schedule.COSINE, weight_decay=0.1))
@@ -60,7 +59,7 @@ def reference():
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_losses_and_weights_match_reference(world_size, reference):
     result = run_distributed(training_worker, world_size, CONFIG)[0]
-    for step, (mine, ref) in enumerate(zip(result["losses"], reference["losses"])):
+    for step, (mine, ref) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
         assert abs(mine - ref) / abs(ref) <= 1e-4, f"world {world_size} step {step}: loss {mine} vs reference {ref}"
     assert result["losses"][-1] < result["losses"][0]
     squared_diff = squared_ref = 0.0

@@ -15,15 +15,15 @@ backend has no reduce-scatter, the native collective elsewhere).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..comm import Collectives, _all_gather_flat, _reduce_scatter_flat
 from . import patterns
-from .busbw import MODES
 
 
 @dataclass(frozen=True)

@@ -54,9 +54,13 @@ class BenchOptions:
                          metavar="TYPE")
     op: str = setting("sum", "Reduction of allreduce and reducescatter (avg: nccl only).", short="-o", choices=OPS)
     backend: str = setting("auto", "auto: nccl with a GPU per process, else gloo.", choices=BACKENDS)
-    variant: str | None = setting(None, "allgather: flat (all_gather_single, FSDP's; default) or list (all_gather into "
-                                  "separate tensors); reducescatter: torch (reduce_scatter_single, an all-reduce on gloo; "
-                                  "default) or fsdpkit (the engine's: point-to-point sends summed in place on gloo); both: side by side.", metavar="NAME")
+    variant: str | None = setting(
+        None,
+        "allgather: flat (all_gather_single, FSDP's; default) or list (all_gather into "
+        "separate tensors); reducescatter: torch (reduce_scatter_single, an all-reduce on gloo; "
+        "default) or fsdpkit (the engine's: point-to-point sends summed in place on gloo); both: side by side.",
+        metavar="NAME",
+    )
 
     def __post_init__(self) -> None:
         if not self.collectives:

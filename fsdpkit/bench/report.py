@@ -78,7 +78,7 @@ def format_variant_comparison(report: BenchReport) -> str | None:
             f"# {title}",
             f"# {'size(B)':>11} {'mode':>13} {base + '(us)':>12} {other + '(us)':>12} {ratio_header:>13}",
         ]
-        for base_row, other_row in zip(by_variant[base].rows, by_variant[other].rows):
+        for base_row, other_row in zip(by_variant[base].rows, by_variant[other].rows, strict=True):
             for mode in MODES:
                 base_mode, other_mode = getattr(base_row, mode), getattr(other_row, mode)
                 lines.append(

@@ -87,7 +87,9 @@ def mode_result(collective: str, world_size: int, size_bytes: int, seconds: floa
     )
 
 
-def size_result(collective: str, world_size: int, size: BenchSize, seconds_by_mode: dict[str, tuple[float, int | None] | None]) -> SizeResult:
+def size_result(
+    collective: str, world_size: int, size: BenchSize, seconds_by_mode: dict[str, tuple[float, int | None] | None]
+) -> SizeResult:
     """seconds_by_mode: mode -> (max-over-ranks mean seconds, wrong count) or None."""
     modes = {}
     for mode in MODES:

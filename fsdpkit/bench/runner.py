@@ -61,13 +61,13 @@ def run_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> BenchR
 
 def build_report(plan: BenchPlan, measured: list, *, world_size: int) -> BenchReport:
     results = []
-    for entry, rows in zip(plan.entries, measured):
+    for entry, rows in zip(plan.entries, measured, strict=True):
         size_results = tuple(
             size_result(
                 entry.collective, world_size, size,
                 {mode: None if m is None else (m.seconds, m.wrong) for mode, m in row.items()},
             )
-            for size, row in zip(entry.sizes, rows)
+            for size, row in zip(entry.sizes, rows, strict=True)
         )
         results.append(CollectiveResult(
             collective=entry.collective, variant=entry.variant, world_size=world_size,

@@ -37,10 +37,11 @@ import os
 import stat
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from ..errors import DataCheckError
 from ..layout import ElementRange
@@ -203,7 +204,7 @@ class ByteCopier:
         self._pread(piece, offset, view)
         return view, self._advance_crc(piece, offset, view, self._read_shifter, block_crc=True)
 
-    def _advance_crc(self, piece: SourcePiece, offset: int, view: memoryview, shifter: "CrcShifter", *,
+    def _advance_crc(self, piece: SourcePiece, offset: int, view: memoryview, shifter: CrcShifter, *,
                      block_crc: bool) -> int | None:
         """Feed the bytes of `view` (at `offset` in the piece, being handed on) not yet checksummed
         into the piece's running crc32; compare it with the stored one when the piece has been
@@ -277,7 +278,7 @@ class _Inline:
             future.set_exception(error)
         return future
 
-    def __enter__(self) -> "_Inline":
+    def __enter__(self) -> _Inline:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -60,7 +60,7 @@ class Layout:
         return {"prefix": self.prefix, "unprefixed": list(self.unprefixed), "transposed": list(self.transposed)}
 
     @classmethod
-    def from_json(cls, document: object, *, where: str) -> "Layout":
+    def from_json(cls, document: object, *, where: str) -> Layout:
         if not isinstance(document, dict):
             raise DataCheckError(f"{where}: export layout must be an object")
         prefix, unprefixed, transposed = document.get("prefix", ""), document.get("unprefixed", []), document.get("transposed", [])
@@ -91,7 +91,7 @@ class HfExport:
         return {"config": self.config, "layout": self.layout.to_json(), "files_from": self.files_from, "files": list(self.files)}
 
     @classmethod
-    def from_json(cls, document: object, *, where: str) -> "HfExport":
+    def from_json(cls, document: object, *, where: str) -> HfExport:
         if not isinstance(document, dict) or not isinstance(document.get("config"), dict):
             raise DataCheckError(f"{where}: training state '{EXPORT_STATE_KEY}' must be an object with a config object")
         files_from, files = document.get("files_from"), document.get("files", [])

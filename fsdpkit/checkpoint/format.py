@@ -10,6 +10,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from ..errors import DataCheckError
 
@@ -85,7 +86,7 @@ def dtype_info(name: str) -> DtypeInfo:
         raise ValueError(f"unknown dtype {name!r} (known: {', '.join(_DTYPES)})") from None
 
 
-def is_known_dtype(name: object) -> bool:
+def is_known_dtype(name: object) -> TypeGuard[str]:
     return isinstance(name, str) and name in _DTYPES
 
 
@@ -119,7 +120,7 @@ def parse_step_dir_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def is_safe_file_name(name: object) -> bool:
+def is_safe_file_name(name: object) -> TypeGuard[str]:
     """A plain name inside the checkpoint directory: no separators, no '..', no leading dot."""
     return isinstance(name, str) and len(name) <= 255 and bool(_SAFE_NAME.match(name)) and ".." not in name
 

@@ -148,7 +148,7 @@ class Gatherer:
         if block_size < 64:
             raise ValueError(f"block size must be at least 64 bytes, got {block_size}")
         self.block = min(block_size, WINDOW_BYTES) // 8 * 8  # whole elements of any dtype
-        self._cursors = [_Cursor(source, out_dtype) for source, out_dtype in zip(sources, out_dtypes)]
+        self._cursors = [_Cursor(source, out_dtype) for source, out_dtype in zip(sources, out_dtypes, strict=True)]
         self._files = _MappedFiles()
         self._shifter = CrcShifter()
         self.bytes_read = 0  # source bytes handed on so far
@@ -162,7 +162,7 @@ class Gatherer:
         crcs = []
         cursors, block, tables, crc32 = self._cursors, self.block, self._shifter.tables, zlib.crc32
         done = 0
-        for tensor, start, end in zip(tensors, starts, ends):
+        for tensor, start, end in zip(tensors, starts, ends, strict=True):
             cursor = cursors[tensor]
             piece = cursor.current
             if piece is not None and piece.first <= start and end <= piece.last and cursor.cast is None:
@@ -248,12 +248,14 @@ class Gatherer:
         return piece
 
     def _view(self, piece: _Piece, offset: int, nbytes: int) -> memoryview:
-        if not (piece.window_start <= offset and offset + nbytes <= piece.window_end):
-            if piece.window is not None:  # reads move forward: the piece is done with its window
-                self._files.release(piece.file, piece.window_start, piece.window)
-            piece.window_start, piece.window = self._files.window(piece.file, offset)
-            piece.window_end = piece.window_start + len(piece.window)
-        return piece.window[offset - piece.window_start: offset - piece.window_start + nbytes]
+        window = piece.window
+        if window is None or not (piece.window_start <= offset and offset + nbytes <= piece.window_end):
+            if window is not None:  # reads move forward: the piece is done with its window
+                self._files.release(piece.file, piece.window_start, window)
+            piece.window_start, window = self._files.window(piece.file, offset)
+            piece.window = window
+            piece.window_end = piece.window_start + len(window)
+        return window[offset - piece.window_start: offset - piece.window_start + nbytes]
 
     def _finish_piece(self, cursor: _Cursor, piece: _Piece) -> None:
         del cursor.pieces[piece.first]

@@ -21,8 +21,8 @@ import socket
 import stat
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ..errors import UsageError
 
@@ -76,7 +76,7 @@ class RunLock:
         self.run_id: str = holder["run"]
 
     @classmethod
-    def acquire(cls, run_dir: str | os.PathLike, *, warn: Callable[[str], None] | None = None) -> "RunLock":
+    def acquire(cls, run_dir: str | os.PathLike, *, warn: Callable[[str], None] | None = None) -> RunLock:
         run_dir = Path(run_dir)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -118,7 +118,7 @@ class RunLock:
         if current is not None and current.get("run") == self.run_id:
             self.path.unlink(missing_ok=True)
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -23,8 +23,20 @@ from pathlib import Path
 
 from ..errors import DataCheckError
 from ..layout import ElementRange, FlatLayout
-from .format import (FORMAT_NAME, FORMAT_VERSION, LEGACY_STRATEGIES, MANIFEST_NAME, MAX_MANIFEST_BYTES, RANK_FILE_RULE,
-                     READ_VERSIONS, STRATEGIES, is_known_dtype, is_optimizer_tensor, is_safe_file_name, parse_json)
+from .format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LEGACY_STRATEGIES,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    RANK_FILE_RULE,
+    READ_VERSIONS,
+    STRATEGIES,
+    is_known_dtype,
+    is_optimizer_tensor,
+    is_safe_file_name,
+    parse_json,
+)
 from .placement import Layout, Placement, TensorSpec, short
 
 MAX_WORLD_SIZE = 1 << 24
@@ -64,6 +76,7 @@ class Manifest:
     run_id: str | None = None  # the run that wrote it (pruning never deletes another run's checkpoints)
     version: int = FORMAT_VERSION
     listing: V1Listing | None = None  # version 1 only
+    _index: dict[str, int] = field(init=False, repr=False, compare=False)  # tensor name -> position
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", {t.name: i for i, t in enumerate(self.tensors)})
@@ -109,7 +122,7 @@ class Manifest:
         return ("{\n" + ",\n".join(lines) + "\n}\n").encode("utf-8")
 
     @classmethod
-    def from_json(cls, document: object, *, where: str) -> "Manifest":
+    def from_json(cls, document: object, *, where: str) -> Manifest:
         if not isinstance(document, dict):
             raise DataCheckError(f"{where}: manifest must be a JSON object")
         if document.get("format") != FORMAT_NAME:
@@ -164,8 +177,10 @@ def _int(value: object, what: str, where: str, *, minimum: int = 0, maximum: int
 
 def _common(doc: dict, where: str) -> tuple[int, str, dict, dict]:
     world_size = _int(doc.get("world_size"), "world_size", where, minimum=1, maximum=MAX_WORLD_SIZE)
-    strategy = LEGACY_STRATEGIES.get(doc.get("strategy"), doc.get("strategy"))
-    if strategy not in STRATEGIES:
+    strategy = doc.get("strategy")
+    if isinstance(strategy, str):
+        strategy = LEGACY_STRATEGIES.get(strategy, strategy)
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise DataCheckError(f"{where}: strategy {short(strategy)} is not one of {', '.join(STRATEGIES)}")
     aliases = doc.get("aliases", {})
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
@@ -214,7 +229,8 @@ def _parse_v2(doc: dict, where: str) -> Manifest:
     for item in table:
         if not isinstance(item, list) or len(item) != 3:
             raise DataCheckError(f"{where}: tensor entry {short(item)} is not [name, dtype, shape]")
-        tensors.append(_tensor_spec(*item, where))
+        name, dtype, shape = item
+        tensors.append(_tensor_spec(name, dtype, shape, where))
     _check_table(tensors, aliases, where)
     placement = Placement.from_json(doc.get("placement"), shapes={t.name: t.shape for t in tensors}, where=where)
     run_id = doc.get("run")
@@ -332,11 +348,11 @@ def check_compatible(manifest: Manifest, expected: dict[str, tuple[int, ...]], *
     parameters and buffers, `optim.<state>.<param>` names) to its shape. A missing or extra
     model tensor, or a shape difference, is a `DataCheckError` naming the first offenders;
     missing optimizer state is fatal only with `strict`. Returns the missing optimizer tensors."""
-    stored = {t.name: t.shape for t in manifest.tensors}
+    stored: dict[str, tuple[int, ...] | None] = {t.name: t.shape for t in manifest.tensors}
     for alias, target in manifest.aliases.items():
         stored.setdefault(alias, stored.get(target))
-    wrong = [f"{name} {list(stored[name])} vs model {list(shape)}" for name, shape in expected.items()
-             if name in stored and stored[name] is not None and tuple(stored[name]) != tuple(shape)]
+    wrong = [f"{name} {list(have)} vs model {list(shape)}" for name, shape in expected.items()
+             if (have := stored.get(name)) is not None and tuple(have) != tuple(shape)]
     if wrong:
         raise DataCheckError(f"{where}: shapes differ from the model: {', '.join(wrong[:3])}" + _more(wrong))
     missing_model = [n for n in expected if n not in stored and not is_optimizer_tensor(n)]

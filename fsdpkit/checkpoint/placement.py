@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..errors import DataCheckError
-from ..layout import ElementRange, FlatLayout, even_split_ranges
+from ..layout import ElementRange, FlatLayout
 from .format import CRC_METADATA_KEY, dtype_info, split_optim_tensor_name
 
 Shape = tuple[int, ...]
@@ -71,11 +71,11 @@ class Placement:
             raise ValueError("an even placement has no units")
 
     @classmethod
-    def even(cls) -> "Placement":
+    def even(cls) -> Placement:
         return cls("even")
 
     @classmethod
-    def flat(cls, units) -> "Placement":
+    def flat(cls, units) -> Placement:
         """From a list of units, each a list of (param name, shape)."""
         return cls("flat", tuple(tuple((str(n), tuple(int(d) for d in s)) for n, s in unit) for unit in units))
 
@@ -88,7 +88,7 @@ class Placement:
         return {"kind": "flat", "units": [[name for name, _ in unit] for unit in self.units]}
 
     @classmethod
-    def from_json(cls, document: object, *, shapes: dict[str, Shape], where: str) -> "Placement":
+    def from_json(cls, document: object, *, shapes: dict[str, Shape], where: str) -> Placement:
         """Parse `{"kind": "even"}` or `{"kind": "flat", "units": [[name, ...], ...]}`; the
         shapes of the named parameters come from the tensor table (`shapes`)."""
         if not isinstance(document, dict) or document.get("kind") not in ("flat", "even") or len(document) > 2:
@@ -191,7 +191,9 @@ class Layout:
         param_slot: dict[str, tuple[int, int, int]] = {}  # name -> (unit, slot, numel)
         for u, unit in enumerate(self.placement.units):
             layout = FlatLayout.from_shapes(list(unit), self.world_size)
-            starts, ends, followers = [], [], []
+            starts: list[int] = []
+            ends: list[int] = []
+            followers: list[list[int]] = []
             for slot in layout.slots:
                 if slot.numel:
                     param_slot[slot.name] = (u, len(starts), slot.numel)

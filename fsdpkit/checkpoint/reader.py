@@ -39,6 +39,7 @@ import re
 import stat
 import struct
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,10 +47,24 @@ from ..errors import DataCheckError, UsageError
 from ..layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
 from .export import Layout, layout_of
-from .format import (CRC_METADATA_KEY, MANIFEST_NAME, MAX_HEADER_BYTES, MODEL_INDEX, MODEL_SINGLE, OPTIM_INDEX, OPTIM_SINGLE,
-                     TIED_METADATA_KEY, dtype_info, is_known_dtype, is_safe_file_name, numel, parse_json, rank_file_name)
-from .manifest import Manifest, load_manifest
-from .placement import FileLayout, Layout
+from .format import (
+    CRC_METADATA_KEY,
+    MANIFEST_NAME,
+    MAX_HEADER_BYTES,
+    MODEL_INDEX,
+    MODEL_SINGLE,
+    OPTIM_INDEX,
+    OPTIM_SINGLE,
+    TIED_METADATA_KEY,
+    dtype_info,
+    is_known_dtype,
+    is_safe_file_name,
+    numel,
+    parse_json,
+    rank_file_name,
+)
+from .manifest import Manifest, V1Listing, load_manifest
+from .placement import FileLayout
 from .storage import checkpoint_file, resolve_checkpoint
 
 _HEX = re.compile(rb"[0-9a-f]*")
@@ -175,7 +190,8 @@ class RankFile:
     """A validated rank file: its fragments in data order (tensor index, byte span, crc32) in
     compact arrays (a few dozen bytes per fragment), and a lookup by tensor."""
 
-    def __init__(self, path: Path, size: int, data_start: int, tensors: list[int], spans: list[tuple[int, int]], crcs: list[int]):
+    def __init__(self, path: Path, size: int, data_start: int, tensors: Sequence[int], spans: Sequence[tuple[int, int]],
+                 crcs: Sequence[int]):
         self.path, self.size, self.data_start = path, size, data_start
         self.tensors = array("q", tensors)
         self.begins = array("q", [begin for begin, _ in spans])
@@ -189,7 +205,7 @@ class RankFile:
 
     def find(self, tensor: int) -> tuple[int, int]:
         """(absolute file offset, crc32) of `tensor`'s fragment in this file."""
-        if self._sorted is None:
+        if self._sorted is None or self._position is None:
             order = sorted(range(len(self.tensors)), key=self.tensors.__getitem__)
             self._sorted, self._position = array("q", [self.tensors[i] for i in order]), array("q", order)
         i = bisect.bisect_left(self._sorted, tensor)
@@ -213,7 +229,7 @@ def v2_crcs(path: Path, raw: bytes, expected: FileLayout) -> tuple[int, ...]:
                              f"gives has {len(expected.header) - 8}")
     crc_end = expected.crc_offset + 8 * len(expected.tensors)
     if raw[:expected.crc_offset] != expected.header[:expected.crc_offset] or raw[crc_end:] != expected.header[crc_end:]:
-        at = next(i for i, (a, b) in enumerate(zip(raw, expected.header)) if a != b and not expected.crc_offset <= i < crc_end)
+        at = next(i for i, (a, b) in enumerate(zip(raw, expected.header, strict=True)) if a != b and not expected.crc_offset <= i < crc_end)
         raise DataCheckError(f"{path}: header differs from the layout the manifest gives at byte {at} "
                              f"({raw[max(at - 20, 0):at + 20].decode('ascii', 'replace')!r})")
     digits = raw[expected.crc_offset:crc_end]
@@ -240,13 +256,12 @@ class ShardedCheckpoint:
         """File `index` (a rank in v2, a position in the listing in v1), validated on first use."""
         found = self._files.get(index)
         if found is None:
-            found = self._validate_v2(index) if self.layout is not None else self._validate_v1(index)
+            found = self._validate_v1(index) if self.layout is None else self._validate_v2(index, self.layout.file_layout(index))
             if cache:
                 self._files[index] = found
         return found
 
-    def _validate_v2(self, rank: int) -> RankFile:
-        expected = self.layout.file_layout(rank)
+    def _validate_v2(self, rank: int, expected: FileLayout) -> RankFile:
         path = self.rank_file_path(rank)
         fd, size = open_regular(path)
         try:
@@ -259,8 +274,14 @@ class ShardedCheckpoint:
     def rank_file_path(self, rank: int) -> Path:
         return checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.world_size))
 
+    def _listing(self) -> V1Listing:
+        """The file and fragment listing of a v1 manifest (v2 derives both from the placement)."""
+        if self.manifest.listing is None:
+            raise AssertionError(f"{self.step_dir}: a v2 checkpoint has no v1 listing")
+        return self.manifest.listing
+
     def _validate_v1(self, index: int) -> RankFile:
-        name, size = self.manifest.listing.files[index]
+        name, size = self._listing().files[index]
         header = read_header(checkpoint_file(self.step_dir, name), expected_size=size)
         tensors, spans, crcs, keys = [], [], [], set()
         for t, frag in self._v1_files()[name][1]:
@@ -288,7 +309,7 @@ class ShardedCheckpoint:
         if self._v1_index is None:
             self._v1_index = {name: (i, []) for i, name in enumerate(self.file_names())}
             for t, spec in enumerate(self.manifest.tensors):
-                for frag in self.manifest.listing.fragments[spec.name]:
+                for frag in self._listing().fragments[spec.name]:
                     self._v1_index[frag.file][1].append((t, frag))
         return self._v1_index
 
@@ -341,7 +362,7 @@ class ShardedCheckpoint:
 
     def _fragment_count(self, tensor: int) -> int:
         if self.layout is None:
-            return len(self.manifest.listing.fragments[self.manifest.tensors[tensor].name])
+            return len(self._listing().fragments[self.manifest.tensors[tensor].name])
         return self.layout.piece_count(tensor)
 
     def _locate(self, tensor: int, wanted: ElementRange | None) -> list[tuple[int, ElementRange]]:
@@ -349,12 +370,15 @@ class ShardedCheckpoint:
         if self.layout is not None:
             return self.layout.pieces(tensor, wanted)
         files = self._v1_files()
-        return [(files[f.file][0], f.range) for f in self.manifest.listing.fragments[self.manifest.tensors[tensor].name]
+        return [(files[f.file][0], f.range) for f in self._listing().fragments[self.manifest.tensors[tensor].name]
                 if wanted is None or (f.start < wanted.end and wanted.start < f.end)]
 
 
 class _Source(SourceTensor):
     """A tensor of a sharded checkpoint; its pieces are found when a range is asked for."""
+
+    _checkpoint: ShardedCheckpoint  # set through object.__setattr__: SourceTensor is frozen
+    _index: int
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: str, checkpoint: ShardedCheckpoint, index: int):
         super().__init__(name, shape, dtype)
@@ -365,14 +389,14 @@ class _Source(SourceTensor):
         return self._checkpoint.pieces(self._index, wanted) if wanted.size else []
 
 
-def open_checkpoint(path: str | Path) -> ShardedCheckpoint:
+def open_checkpoint(path: str | os.PathLike[str]) -> ShardedCheckpoint:
     """A sharded checkpoint (run dir, following `latest`, or step dir) with a validated manifest;
     files are validated as they are first touched."""
     step_dir = resolve_checkpoint(path)
     return ShardedCheckpoint(step_dir, load_manifest(step_dir))
 
 
-def open_sharded(path: str | Path) -> ShardedCheckpoint:
+def open_sharded(path: str | os.PathLike[str]) -> ShardedCheckpoint:
     """The same, with every file validated first."""
     checkpoint = open_checkpoint(path)
     problems = checkpoint.check_files()
@@ -399,7 +423,7 @@ def is_full_checkpoint(path: Path) -> bool:
         path.is_dir() and ((path / MODEL_SINGLE).exists() or (path / MODEL_INDEX).exists()))
 
 
-def open_full(path: str | Path, *, with_optimizer: bool = False) -> FullCheckpoint:
+def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> FullCheckpoint:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: does not exist")
@@ -419,7 +443,10 @@ def open_full(path: str | Path, *, with_optimizer: bool = False) -> FullCheckpoi
             files.append(checkpoint_file(root, OPTIM_SINGLE))
         else:
             raise DataCheckError(f"{root}: --with-optimizer given but there is no {OPTIM_SINGLE} or {OPTIM_INDEX}")
-    tensors, aliases, seen, layout = [], {}, {}, None
+    tensors: list[SourceTensor] = []
+    aliases: dict[str, str] = {}
+    seen: dict[str, Path] = {}  # tensor name -> the file holding it
+    layout: Layout | None = None
     for file in files:
         header = read_header(file)
         aliases.update(_tied(header))

@@ -18,8 +18,9 @@ means the ranks do not share a filesystem; each rank fsynced its own), writes ma
 fsyncs it and the directory, renames `tmp` to `step-NNNNNNNN`, fsyncs the run directory, then
 replaces `latest` atomically (temporary file, fsync, `os.replace`). Only after that, `keep_last`
 prunes, and only the checkpoints of the run that wrote this one (the manifest's run id; see
-lock.py): another run's directories, complete or in progress, are never deleted. A crash at any point leaves `latest` naming a complete checkpoint (or, before the
-first commit, no `latest` and no step directory). `abort(tmp)` removes an unfinished one.
+lock.py): another run's directories, complete or in progress, are never deleted. A crash at
+any point leaves `latest` naming a complete checkpoint (or, before the first commit, no
+`latest` and no step directory). `abort(tmp)` removes an unfinished one.
 
 Offline outputs (convert, reshard): `staged_output(dst, src=..., overwrite=..., needed_bytes=...)`
 refuses, before anything is written, DST equal to, inside or containing SRC, an existing DST
@@ -37,13 +38,21 @@ import hashlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from ..errors import DataCheckError, RunError, UsageError
 from ..sizes import format_size
-from .format import (LATEST_NAME, MANIFEST_NAME, STEP_PREFIX, TMP_PREFIX, is_safe_file_name, parse_step_dir_name,
-                     rank_file_name, step_dir_name)
+from .format import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    is_safe_file_name,
+    parse_step_dir_name,
+    rank_file_name,
+    step_dir_name,
+)
 from .manifest import Manifest, load_manifest, save_manifest
 
 
@@ -75,7 +84,7 @@ def read_latest(run_dir: Path) -> str | None:
     return name
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The step directory that `path` (a step directory or a run directory) denotes."""
     path = Path(path)
     if not path.exists():
@@ -225,7 +234,7 @@ def prune(run_dir: str | Path, *, keep_last: int, run_id: str) -> list[Path]:
     run_dir = Path(run_dir)
     latest = read_latest(run_dir)
     mine = []
-    for step, path in complete_steps(run_dir):
+    for _, path in complete_steps(run_dir):
         try:
             if load_manifest(path).run_id == run_id:
                 mine.append(path)

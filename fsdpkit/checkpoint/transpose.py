@@ -41,11 +41,11 @@ def transposed_bytes(copier: ByteCopier, source: SourceTensor, out_dtype: str):
     return np.ascontiguousarray(np.frombuffer(data, dtype=_UNSIGNED[itemsize]).reshape(rows, cols).T)
 
 
-def restore_layout(full: FullCheckpoint, scratch: Path, *, chunk_size: int) -> tuple[list[SourceTensor], dict[str, str]]:
-    """The tensors of a full checkpoint written with `full.layout`, under fsdpkit's names and
-    orientation, and its aliases likewise. Transposed tensors are transposed back into the
-    safetensors file `scratch` (the caller removes it); the others are read where they are."""
-    layout: Layout = full.layout
+def restore_layout(full: FullCheckpoint, layout: Layout, scratch: Path, *, chunk_size: int) -> tuple[list[SourceTensor], dict[str, str]]:
+    """The tensors of a full checkpoint written with `layout` (its `full.layout`), under
+    fsdpkit's names and orientation, and its aliases likewise. Transposed tensors are transposed
+    back into the safetensors file `scratch` (the caller removes it); the others are read where
+    they are."""
     renamed, back = [], []
     for tensor in full.tensors:
         if is_optimizer_tensor(tensor.name):  # optimizer state keeps fsdpkit's names and orientation

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,12 +15,12 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ..comm import Collectives, CommStats
 from ..errors import UsageError
 from .config import MixedPrecision, ShardingConfig
+from .deferred_init import has_meta_tensors, initialize_meta_parameters, materialize_buffers, meta_parameter_names
 from .flat_unit import SHAPE_ATTR
 from .memory import optimizer_state_bytes
-from .deferred_init import has_meta_tensors, initialize_meta_parameters, materialize_buffers, meta_parameter_names
 from .mesh import build_mesh
-from .precision import FP32_MODULE_CLASSES, KEEP_DTYPE_ATTR, keep_in_fp32
 from .plan import WrapPolicy, plan_units
+from .precision import FP32_MODULE_CLASSES, KEEP_DTYPE_ATTR, keep_in_fp32
 from .sharded import STATE_ATTR, ShardedState, get_state
 
 WrapSpec = WrapPolicy | tuple[type[nn.Module], ...] | list[type[nn.Module]] | type[nn.Module] | Callable[[str, nn.Module], bool] | None
@@ -30,11 +31,12 @@ def _as_policy(wrap: WrapSpec) -> WrapPolicy:
         return WrapPolicy()
     if isinstance(wrap, WrapPolicy):
         return wrap
-    if isinstance(wrap, type) and issubclass(wrap, nn.Module):
-        return WrapPolicy(module_classes=(wrap,))
-    if isinstance(wrap, (tuple, list)):
+    if isinstance(wrap, type):  # a class is not a predicate, even though it is callable
+        if issubclass(wrap, nn.Module):
+            return WrapPolicy(module_classes=(wrap,))
+    elif isinstance(wrap, (tuple, list)):
         return WrapPolicy(module_classes=tuple(wrap))
-    if callable(wrap):
+    elif callable(wrap):
         return WrapPolicy(predicate=wrap)
     raise UsageError(f"wrap must be a WrapPolicy, module classes or a predicate, got {type(wrap).__name__}")
 
@@ -79,7 +81,7 @@ def shard(
     if meta_names:
         initialize_meta_parameters(module, state.units, meta_names, device)
     object.__setattr__(module, STATE_ATTR, state)
-    if config.mixed_precision.enabled:
+    if config.mixed_precision.param_dtype is not None:  # mixed precision enabled
         state.handles += keep_in_fp32(module, config.mixed_precision.param_dtype)
     if config.activation_checkpointing:
         _checkpoint_leaf_units(module, state)
@@ -171,7 +173,8 @@ def original_shape(param: torch.Tensor) -> torch.Size:
 def param_groups(module: nn.Module, *, weight_decay: float) -> list[dict[str, Any]]:
     """nanoGPT's optimizer groups: weight decay on matrices and embeddings (original
     dim >= 2), none on biases and norms. Works on sharded and plain modules."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, param in module.named_parameters():
         if param.requires_grad:
             (decay if len(original_shape(param)) >= 2 else no_decay).append(param)

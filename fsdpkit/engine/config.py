@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -33,7 +34,12 @@ BACKWARD_PREFETCH = tuple(BackwardPrefetch)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _enum_value(kind: type[enum.StrEnum], value: str, what: str) -> enum.StrEnum:
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def parse_enum(kind: type[E], value: str, what: str) -> E:
+    """The member of `kind` named `value` (a member is its own name); a UsageError listing the
+    names otherwise."""
     try:
         return kind(value)
     except ValueError:
@@ -53,7 +59,7 @@ class MixedPrecision:
     buffer_dtype: torch.dtype | None = None
 
     @classmethod
-    def from_name(cls, name: str, *, reduce_dtype: str | None = None) -> "MixedPrecision":
+    def from_name(cls, name: str, *, reduce_dtype: str | None = None) -> MixedPrecision:
         """The preset `name` (bf16, fp16, fp32 or none): compute and float buffers in that
         dtype. `reduce_dtype` (bf16, fp16, fp32) overrides the preset's reduction dtype.
 
@@ -99,8 +105,8 @@ class ShardingConfig:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "backward_prefetch", _enum_value(BackwardPrefetch, self.backward_prefetch, "backward prefetch"))
-        object.__setattr__(self, "strategy", _enum_value(Strategy, self.strategy, "sharding strategy"))
+        object.__setattr__(self, "backward_prefetch", parse_enum(BackwardPrefetch, self.backward_prefetch, "backward prefetch"))
+        object.__setattr__(self, "strategy", parse_enum(Strategy, self.strategy, "sharding strategy"))
         if self.limit_all_gathers < 0:
             raise UsageError(f"limit on in-flight all-gathers must be >= 0 (0: no limit), got {self.limit_all_gathers}")
         if self.strategy is Strategy.HYBRID and self.shard_group_size is None:
@@ -113,12 +119,13 @@ class ShardingConfig:
     def validate_world_size(self, world_size: int) -> None:
         if world_size < 1:
             raise UsageError(f"world size must be >= 1, got {world_size}")
-        if self.strategy is Strategy.HYBRID and world_size % self.shard_group_size:
+        group = self.shard_group_size  # never None under hybrid (__post_init__)
+        if self.strategy is Strategy.HYBRID and group is not None and world_size % group:
             raise UsageError(f"world size {world_size} is not divisible by shard group size {self.shard_group_size}")
 
     def shard_factor(self, world_size: int) -> int:
         self.validate_world_size(world_size)
-        if self.strategy is Strategy.HYBRID:
+        if self.strategy is Strategy.HYBRID and self.shard_group_size is not None:
             return self.shard_group_size
         return 1 if self.strategy is Strategy.NONE else world_size
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,7 @@ class BackwardState(enum.Enum):
 
 @dataclass
 class PendingReduction:
-    unit: "FlatUnit"
+    unit: FlatUnit
     output: torch.Tensor
     source: torch.Tensor | None  # the full gradient, kept alive until the collective completes
     work: Any
@@ -74,7 +75,7 @@ class FlatUnit:
         reshard_after_forward: bool,
         device: torch.device,
         offload: bool = False,
-        gather_stream: "torch.cuda.Stream | None" = None,
+        gather_stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.name = plan.name
         self.plan = plan
@@ -92,7 +93,9 @@ class FlatUnit:
         originals = [getattr(uses[0][0], uses[0][1]) for uses in self.uses]
         dtypes = {t.dtype for t in originals}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-            raise ValueError(f"unit {self.name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; one floating dtype per unit is required")
+            raise ValueError(
+                f"unit {self.name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; one floating dtype per unit is required"
+            )
         self.master_dtype = dtypes.pop()
         self.compute_dtype = mixed_precision.param_dtype or self.master_dtype
         self.reduce_dtype = mixed_precision.reduce_dtype or self.compute_dtype
@@ -107,12 +110,12 @@ class FlatUnit:
         self.flat_shard = torch.empty(self.chunk_numel, dtype=self.master_dtype, device=self.host)
         with torch.no_grad():
             self.flat_shard[sum(fragment.param_range.size for fragment in self.fragments):].zero_()
-            for fragment, original in zip(self.fragments, originals):
+            for fragment, original in zip(self.fragments, originals, strict=True):
                 if not original.is_meta:
                     source = original.detach().reshape(-1)[fragment.param_range.start:fragment.param_range.end]
                     self._local(self.flat_shard, fragment).copy_(source)
         self.params: list[nn.Parameter] = []
-        for fragment, param_plan in zip(self.fragments, plan.params):
+        for fragment, param_plan in zip(self.fragments, plan.params, strict=True):
             param = nn.Parameter(self._local(self.flat_shard, fragment), requires_grad=param_plan.requires_grad)
             setattr(param, SHAPE_ATTR, torch.Size(param_plan.shape))
             setattr(param, NAME_ATTR, param_plan.name)
@@ -141,10 +144,11 @@ class FlatUnit:
     def _local(flat: torch.Tensor, fragment) -> torch.Tensor:
         return flat[fragment.local_offset:fragment.local_offset + fragment.param_range.size]
 
-    def _set_params(self, tensors: list[torch.Tensor]) -> None:
-        for uses, tensor in zip(self.uses, tensors):
+    def _set_params(self, tensors: Sequence[torch.Tensor]) -> None:
+        for uses, tensor in zip(self.uses, tensors, strict=True):
             for module, attr in uses:
-                module._parameters[attr] = tensor
+                # Unsharded views are plain tensors; torch's stubs type _parameters as Parameter only.
+                module._parameters[attr] = tensor  # type: ignore[assignment]
 
     def fill_parameter(self, index: int, full: torch.Tensor) -> None:
         """Copy this rank's fragment of parameter `index` from its full (unsharded) value."""
@@ -180,11 +184,11 @@ class FlatUnit:
             self.memory.add("unsharded_params", tensor_bytes(full))
         # On CUDA a prefetch runs on its own stream (the paper's section 3.3: issued from the
         # compute stream, NCCL would wait for compute queued before it); wait() joins it back.
-        on_side_stream = async_op and self.gather_stream is not None and self.mesh.shard_factor > 1
-        compute_stream = torch.cuda.current_stream(self.device) if on_side_stream else None
-        with torch.cuda.stream(self.gather_stream) if on_side_stream else contextlib.nullcontext():
-            if on_side_stream:
-                self.gather_stream.wait_stream(compute_stream)  # the optimizer may have just updated the shard
+        side_stream = self.gather_stream if async_op and self.mesh.shard_factor > 1 else None
+        compute_stream = torch.cuda.current_stream(self.device) if side_stream is not None else None
+        with torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext():
+            if side_stream is not None and compute_stream is not None:
+                side_stream.wait_stream(compute_stream)  # the optimizer may have just updated the shard
             source = self.flat_shard.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
             # `.data`: fills the buffer without bumping the version counter autograd checks on saved views.
             if self.mesh.shard_factor > 1:
@@ -217,11 +221,13 @@ class FlatUnit:
             pieces = torch.split(base, self.split_sizes)
             views = [
                 (piece if param_plan.requires_grad else piece.detach()).view(param_plan.shape)
-                for piece, param_plan in zip(pieces, self.plan.params)
+                for piece, param_plan in zip(pieces, self.plan.params, strict=False)  # the last piece is the padding
             ]
         if base.requires_grad:
             # One hook on the split's backward sees which pieces got a gradient (the others None).
-            pieces[0].grad_fn.register_prehook(self._mark_used)
+            grad_fn = pieces[0].grad_fn
+            assert grad_fn is not None, "a split of a tensor that requires grad has a grad_fn"
+            grad_fn.register_prehook(self._mark_used)
         self._set_params(views)
         self.state = UnitState.UNSHARDED
 
@@ -252,8 +258,10 @@ class FlatUnit:
     def keep_grad_unsynced(self) -> None:
         """no_sync: leave the unsharded gradient in full_flat.grad, where the next backward adds to it."""
         if not self._holds_unsynced_grad:
+            grad = self.full_flat.grad
+            assert grad is not None, "called after a backward produced the unit's gradient"
             self._holds_unsynced_grad = True
-            self.memory.add("unsharded_grads", tensor_bytes(self.full_flat.grad))
+            self.memory.add("unsharded_grads", tensor_bytes(grad))
 
     def take_grad(self) -> torch.Tensor:
         """Take the unsharded gradient out of full_flat.grad to reduce it: zeros when this
@@ -325,12 +333,12 @@ class FlatUnit:
             # The reduction's output becomes the sharded gradient: no copy, no second buffer
             # (the memory counter already holds it since the reduction was issued).
             self.grad_shard = reduced
-            for index, (fragment, param) in enumerate(zip(self.fragments, self.params)):
+            for index, (fragment, param) in enumerate(zip(self.fragments, self.params, strict=True)):
                 if param.requires_grad and used[index]:
                     param.grad = self._local(self.grad_shard, fragment)
             return
         self.memory.add("sharded_grads", -tensor_bytes(reduced))  # added into grad_shard, then dropped
-        for index, (fragment, param) in enumerate(zip(self.fragments, self.params)):
+        for index, (fragment, param) in enumerate(zip(self.fragments, self.params, strict=True)):
             if not param.requires_grad or not used[index]:
                 continue
             target = self._local(self.grad_shard, fragment)

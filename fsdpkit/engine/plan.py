@@ -7,8 +7,8 @@ that contains every module using it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch.nn as nn
 
@@ -84,7 +84,7 @@ def _depth(name: str) -> int:
 def _select_modules(root: nn.Module, policy: WrapPolicy) -> list[str]:
     parents: dict[str, nn.Module | None] = {"": None}
     for name, module in root.named_modules():
-        for child_name, child in module.named_children():
+        for child_name, _ in module.named_children():
             parents[f"{name}.{child_name}" if name else child_name] = module
     selected = [name for name, module in root.named_modules() if name and policy.selects(name, module, parents.get(name))]
     if policy.min_params is not None:

@@ -29,7 +29,7 @@ def keep_in_fp32(module: nn.Module, compute_dtype: torch.dtype) -> list[Any]:
 def _upcast_inputs_and_params(module: nn.Module, args: tuple) -> tuple:
     for name, param in module._parameters.items():
         if param is not None and param.is_floating_point() and param.dtype != torch.float32 and param.dim() > 0:
-            module._parameters[name] = param.float()
+            module._parameters[name] = param.float()  # type: ignore[assignment]  # a plain fp32 tensor; torch's stubs allow Parameter only
     return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 

@@ -30,7 +30,8 @@ import collections
 import contextlib
 import enum
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -311,7 +312,7 @@ class ShardedState:
                 pending.unit.complete_reduction(pending)
             if flags_work is not None:
                 flags_work.wait()
-            used_of = dict(zip(map(id, self.units), torch.split(used.cpu(), [len(unit.params) for unit in self.units])))
+            used_of = dict(zip(map(id, self.units), torch.split(used.cpu(), [len(unit.params) for unit in self.units]), strict=True))
             for pending in self.pending:
                 pending.unit.accumulate(pending, used_of[id(pending.unit)])
             self.pending.clear()
@@ -377,7 +378,7 @@ class ShardedState:
             pieces = torch.split(full, unit.layout.split_sizes())
             unit._set_params([
                 nn.Parameter(piece.view(plan.shape), requires_grad=plan.requires_grad)
-                for piece, plan in zip(pieces, unit.plan.params)
+                for piece, plan in zip(pieces, unit.plan.params, strict=False)  # the last piece is the padding
             ])
         self.phase = Phase.SUMMONED
         try:
@@ -385,7 +386,7 @@ class ShardedState:
         finally:
             self.phase = Phase.IDLE
             with torch.no_grad():
-                for unit, full in zip(self.units, buffers):
+                for unit, full in zip(self.units, buffers, strict=True):
                     if writeback and full is not unit.flat_shard:
                         chunk = unit.layout.chunk_range(unit.mesh.shard_rank)
                         unit.flat_shard.copy_(full[chunk.start:chunk.end])
@@ -422,7 +423,7 @@ def _call_after_backward(inputs: Any, callback: Callable[[], None]) -> tuple[Any
     if not positions:
         return inputs, False
     wrapped = _CallAfterBackward.apply(callback, *(flat[i] for i in positions))
-    for position, tensor in zip(positions, wrapped):
+    for position, tensor in zip(positions, wrapped, strict=True):
         flat[position] = tensor
     return tree_unflatten(flat, spec), True
 

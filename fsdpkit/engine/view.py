@@ -50,7 +50,7 @@ def describe(module: nn.Module) -> ShardedModelView:
     units = []
     for unit in state.units:
         params = []
-        for plan, fragment, param in zip(unit.plan.params, unit.fragments, unit.params):
+        for plan, fragment, param in zip(unit.plan.params, unit.fragments, unit.params, strict=True):
             names = [f"{m}.{a}" if m else a for m, a in plan.uses]
             params.append(ParamView(plan.name, tuple(plan.shape), plan.requires_grad,
                                     tuple(n for n in names if n != plan.name), fragment, param))

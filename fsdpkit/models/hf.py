@@ -26,8 +26,9 @@ from __future__ import annotations
 import importlib
 import json
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -150,7 +151,7 @@ def _compute_buffers(model: nn.Module) -> None:
                                  "_init_weights: build it eagerly (--eager-init)")
             module._buffers[name] = torch.full(buffer.shape, float("nan"), dtype=buffer.dtype, device="cpu")
         with _placeholders(model, keep={(id(module), name): module._buffers[name] for name in own}), torch.no_grad():
-            model._init_weights(module)
+            model._init_weights(module)  # type: ignore[operator]  # a PreTrainedModel method; torch types Module attributes as Tensor | Module
         for name in own:
             if torch.isnan(module._buffers[name]).any():
                 raise UsageError(f"buffer {module_name}.{name} of {type(model).__name__} is not computed by its "
@@ -240,6 +241,6 @@ def initializer(model: nn.Module, seed: int) -> Callable[[str, torch.Tensor], No
         with _placeholders(model, keep), torch.no_grad(), torch.random.fork_rng(devices=[]):
             for module_name in chain:
                 torch.manual_seed((seed * 1_000_003 + zlib.crc32(f"{module_name}|{name}".encode())) % 2**63)
-                model._init_weights(modules[module_name])
+                model._init_weights(modules[module_name])  # type: ignore[operator]  # as in _compute_buffers
 
     return init_parameter

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -48,7 +49,7 @@ class History:
     spans: dict[int, list[int]] = field(default_factory=dict)  # attempt -> [start step, last step run]
 
     @classmethod
-    def of(cls, records: list[dict[str, Any]]) -> "History":
+    def of(cls, records: list[dict[str, Any]]) -> History:
         history = cls()
         for record in records:
             attempt = record["attempt"]
@@ -73,7 +74,7 @@ class History:
         """Steps an earlier attempt ran that a later one ran again, the attempt starting at
         `start` now included."""
         spans = [self.spans[a] for a in sorted(self.spans)] + [[start, start]]
-        return sum(max(0, before[1] - after[0]) for before, after in zip(spans, spans[1:]))
+        return sum(max(0, before[1] - after[0]) for before, after in pairwise(spans))
 
     def steps_before(self, start: int) -> range:
         """The steps of this invocation that earlier attempts ran and a run from `start` keeps."""

@@ -4,9 +4,10 @@ workers, or, under torchrun, be one.
 
 The launcher holds `--save-dir`'s lock (checkpoint/lock.py) from before the launch until the
 workers are gone, whatever ends them, and gives every attempt's workers its run id and a
-progress file (attempts.py); on several nodes the run id is the shared rendezvous id instead. Under torchrun there is no fsdpkit launcher: no lock is taken,
-and the run id is torchrun's --rdzv-id (TORCHELASTIC_RUN_ID), so that a worker torchrun
-restarts resumes from its run's checkpoints too.
+progress file (attempts.py); on several nodes the run id is the shared rendezvous id instead.
+Under torchrun there is no fsdpkit launcher: no lock is taken, and the run id is torchrun's
+--rdzv-id (TORCHELASTIC_RUN_ID), so that a worker torchrun restarts resumes from its run's
+checkpoints too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import datetime
 import os
 import sys
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +29,8 @@ from ..checkpoint.state import check_before_launch
 from ..errors import UsageError
 from ..launch import launch
 from ..models.source import resolve
-from .config import Device, TrainConfig
 from .attempts import RunContext
+from .config import Device, TrainConfig
 from .data import TokenSource
 from .loop import train_worker
 from .metrics import check_tensorboard_installed
@@ -103,8 +105,8 @@ def run_training(config: TrainConfig) -> dict[str, Any] | None:
     Returns rank 0's summary (None on the other ranks and nodes)."""
     if under_torchrun():
         validate(config, int(os.environ["WORLD_SIZE"]))
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        return run_in_process_group(config, RunContext(run_id=f"torchrun-{run_id}" if run_id not in ("", "none") else None))
+        rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        return run_in_process_group(config, RunContext(run_id=f"torchrun-{rdzv_id}" if rdzv_id not in ("", "none") else None))
     validate(config, config.launch.world_size)
     with _run_lock(config) as run_id, _progress_file() as progress_path:
         return launch(_worker_entry, config, RunContext(run_id, progress_path), options=config.launch).get(0)

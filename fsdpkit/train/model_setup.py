@@ -45,7 +45,7 @@ def inspect_model(config: ModelConfig, source: ModelSource) -> ModelInfo:
     model = source.build(device="meta", seed=0)
     policy = wrap_policy(config, source, model)
     present = {type(module) for module in model.modules()}
-    for spec, cls in zip(config.wrap, policy.module_classes):
+    for spec, cls in zip(config.wrap, policy.module_classes, strict=False):
         if not any(issubclass(kind, cls) for kind in present):
             names = ", ".join(sorted({kind.__name__ for kind in present}))
             raise UsageError(f"--wrap {spec!r} matches no module of model {config.name!r} (its module classes: {names})")

@@ -32,7 +32,7 @@ class StopSignals:
             self._interrupted = True
             raise KeyboardInterrupt
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_terminate),
                               signal.SIGINT: signal.signal(signal.SIGINT, self._on_interrupt)}

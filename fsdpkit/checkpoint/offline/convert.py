@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ...errors import DataCheckError, UsageError
 from ...layout import ElementRange
@@ -80,7 +80,8 @@ def convert_to_full(src: str | Path, dst: str | Path, *, max_shard_size: int | N
     model_metadata = dict(metadata)
     if not layout.is_identity:
         model_metadata[LAYOUT_METADATA_KEY] = json.dumps(layout.to_json(), sort_keys=True)
-    written, warnings = [], []
+    written: list[str] = []
+    warnings: list[str] = []
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
         copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
         for prefix, files in file_groups:
@@ -146,13 +147,14 @@ def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, pla
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
     full = open_full(src, with_optimizer=with_optimizer)
     sources = list(full.tensors)
-    restore = full.layout is not None and not (placement is not None and _names_match(placement, sources))
+    # the export layout to undo (None: the names already are the model's, or match the placement)
+    restore = None if placement is not None and _names_match(placement, sources) else full.layout
     total = sum(s.nbytes for s in sources)
     out_total = sum(s.numel * dtype_info(output_dtype(s.dtype, cast_to)).itemsize for s in sources)
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=2 * out_total + world_size * 65536) as tmp:
         stored = full.aliases
-        if restore:
-            sources, stored = restore_layout(full, tmp / SCRATCH_NAME, chunk_size=chunk_size)
+        if restore is not None:
+            sources, stored = restore_layout(full, restore, tmp / SCRATCH_NAME, chunk_size=chunk_size)
         names = {s.name for s in sources}
         aliases = {**{a: t for a, t in (aliases or {}).items() if a not in names and t in names}, **stored}
         if placement is None:
@@ -172,7 +174,9 @@ def _names_match(placement: Placement, sources: list[SourceTensor]) -> bool:
     return all(name in names for name in placement.param_shapes())
 
 
-def split_into_files(tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+def split_into_files(
+    tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None
+) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
     """Greedy split of (name, dtype, shape) in order into files of at most `max_shard_size` bytes
     (a tensor larger than that gets a file of its own). One file is `<prefix>.safetensors`."""
     groups: list[list] = [[]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from ..format import FORMAT_NAME, MANIFEST_NAME, dtype_info, is_optimizer_tensor, numel
 from ..reader import is_full_checkpoint, open_full, open_sharded
@@ -35,7 +36,7 @@ def summarize(path: str | Path) -> dict:
     path = Path(path)
     if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         full = open_full(path)
-        summary = {"path": str(path), "format": "safetensors-full", "files": [
+        summary: dict[str, Any] = {"path": str(path), "format": "safetensors-full", "files": [
             {"name": f.name, "size": f.stat().st_size} for f in full.files], "aliases": full.aliases}
         summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in full.tensors]))
         return summary

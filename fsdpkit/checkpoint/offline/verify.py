@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 from ...errors import DataCheckError
 from ..bytecopy import DEFAULT_CHUNK_SIZE
 from ..format import MANIFEST_NAME
 from ..manifest import load_manifest
+from ..placement import FileLayout
 from ..reader import RankFile, ShardedCheckpoint, check_v2_size, is_full_checkpoint, open_full, open_regular, v2_crcs
 from ..storage import resolve_checkpoint
 
@@ -32,7 +34,7 @@ def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     path = Path(path)
     if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         return _verify_full(path)
-    report = {"path": str(path), "kind": "sharded", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
+    report: dict[str, Any] = {"path": str(path), "kind": "sharded", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
     try:
         step_dir = resolve_checkpoint(path)
         report["path"] = str(step_dir)
@@ -60,8 +62,9 @@ def check_files(checkpoint: ShardedCheckpoint, chunk_size: int, *, progress: Cal
     buffer = bytearray(max(chunk_size, WHOLE_FILE_BYTES if checkpoint.layout is not None else 0))
     for index in range(len(checkpoint.file_names())):
         try:
-            if checkpoint.layout is not None and checkpoint.layout.file_layout(index).size <= WHOLE_FILE_BYTES:
-                found, count, nbytes = _check_whole_v2(checkpoint, index, memoryview(buffer))
+            expected = checkpoint.layout.file_layout(index) if checkpoint.layout is not None else None
+            if expected is not None and expected.size <= WHOLE_FILE_BYTES:
+                found, count, nbytes = _check_whole_v2(checkpoint, index, expected, memoryview(buffer))
                 unreported += nbytes
             else:
                 rank_file = checkpoint.rank_file(index, cache=False)
@@ -81,8 +84,7 @@ def check_files(checkpoint: ShardedCheckpoint, chunk_size: int, *, progress: Cal
     return problems, fragments, checked
 
 
-def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, buffer: memoryview) -> tuple[list[str], int, int]:
-    expected = checkpoint.layout.file_layout(rank)
+def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, expected: FileLayout, buffer: memoryview) -> tuple[list[str], int, int]:
     path = checkpoint.rank_file_path(rank)
     fd, size = open_regular(path)
     try:
@@ -99,7 +101,7 @@ def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, buffer: memoryview
     start = expected.data_start
     stored = v2_crcs(path, bytes(view[:start]), expected)
     problems = []
-    for (begin, end), crc, tensor in zip(expected.spans, stored, expected.tensors):
+    for (begin, end), crc, tensor in zip(expected.spans, stored, expected.tensors, strict=True):
         if zlib.crc32(view[start + begin: start + end]) != crc:
             problems.append(_mismatch(path, checkpoint.manifest.tensors[tensor].name, crc, zlib.crc32(view[start + begin: start + end])))
     return problems, len(expected.tensors), size - start
@@ -112,7 +114,7 @@ def _mismatch(path: Path, name: str, stored: int, found: int) -> str:
 def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Callable[[int], None]) -> list[str]:
     """Read the file's data front to back, one buffer at a time; one line per fragment whose
     crc32 differs."""
-    problems = []
+    problems: list[str] = []
     if not len(rank_file):
         return problems
     fd, _ = open_regular(rank_file.path)
@@ -142,7 +144,7 @@ def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Calla
 
 
 def _verify_full(path: Path) -> dict:
-    report = {"path": str(path), "kind": "full", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
+    report: dict[str, Any] = {"path": str(path), "kind": "full", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
     try:
         full = open_full(path)
     except DataCheckError as error:
