@@ -84,6 +84,10 @@ def format_summary(summary: dict) -> str:
                      + ("; continue with --resume" if summary.get("checkpoint") else ""))
     if summary.get("checkpoint"):
         lines.append(f"checkpoint       {summary['checkpoint']}")
+    saves = (summary.get("save_timings") or {}).get("saves")
+    if saves:
+        lines.append(f"save stall       {summary['save_stall_seconds']:.2f} s in the training thread between steps "
+                     f"({saves} saves; max over ranks)")
     return "\n".join(line for line in lines if line)
 
 

@@ -1,6 +1,8 @@
 """fsdpkit.save / fsdpkit.load from Python: an optimizer that never stepped some parameters
 (or any), saved at one world size and loaded strictly at another, restores exactly the
-state it had: compared with the unsharded reference's own AdamW state."""
+state it had: compared with the unsharded reference's own AdamW state. In the same launches,
+async saves: taken before save() returns, into host buffers the next save reuses, bitwise
+equal to a synchronous save."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from distributed import run_distributed
 from models import EdgeCaseNet
 
 import fsdpkit
+from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.engine.view import describe
 from fsdpkit.errors import RunError
 
@@ -40,17 +43,35 @@ def save_worker(directory: str) -> str:
         rows = 4 // world
         _step(model, optimizer, x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
     fsdpkit.save(model, optimizer, directory + "/stepped", step=2)
+    reused = async_saves(model, optimizer, directory + "/async")
     # disk full on the last rank while saving step 3: every rank gets the error, step 2 stays
     original = os.write
     if rank == world - 1:
         os.write = lambda fd, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     try:
         fsdpkit.save(model, optimizer, directory + "/stepped", step=3)
-        return "saved"
+        return {"failure": "saved", "reused": reused}
     except RunError as error:
-        return str(error)
+        return {"failure": str(error), "reused": reused}
     finally:
         os.write = original
+
+
+def async_saves(model, optimizer, run_dir: str) -> bool:
+    """Step 2 as it is, then step 3 with every weight + 1: each save's weights change at once
+    after save() returns (the snapshot must not see that). True when the second save reused
+    the first one's host buffers."""
+    saver = fsdpkit.Checkpointer(model, optimizer, async_save=True)
+    shards = [param.tensor for unit in describe(model).units for param in unit.params]
+    pointers = []
+    for step in (2, 3):
+        saver.save(run_dir, step=step)
+        with torch.no_grad():
+            for shard in shards:
+                shard.add_(1.0)
+        saver.wait()
+        pointers.append({dtype: buffer.data_ptr() for dtype, buffer in saver.host_buffers.buffers.items()})
+    return bool(pointers[0]) and pointers[0] == pointers[1] and saver.timings.saves == 2 and saver.stall_seconds > 0
 
 
 def load_worker(directory: str) -> dict:
@@ -86,9 +107,11 @@ def reference() -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("save_world, load_world", [(2, 4), (4, 1)])
 def test_save_at_one_world_size_load_strictly_at_another(tmp_path, save_world, load_world):
-    failed = run_distributed(save_worker, save_world, str(tmp_path))
+    saved = run_distributed(save_worker, save_world, str(tmp_path))
     last = f"rank-{save_world - 1:05d}-of-{save_world:05d}.safetensors"
-    for rank, message in failed.items():  # one line on every rank; the failing one names its file and errno
+    assert all(result["reused"] for result in saved.values())
+    for rank, message in ((rank, result["failure"]) for rank, result in saved.items()):
+        # one line on every rank; the failing one names its file and errno
         assert message.startswith("checkpoint step 3 not saved, previous checkpoint kept: ") and "\n" not in message, message
         assert (last in message and "(ENOSPC)" in message) if rank == save_world - 1 else "another rank" in message
     run = Path(tmp_path) / "stepped"
@@ -107,3 +130,15 @@ def test_save_at_one_world_size_load_strictly_at_another(tmp_path, save_world, l
             assert torch.allclose(exp_avg, flat, rtol=1e-4, atol=1e-7) and step == 2.0, name
             seen.add(name)
     assert seen == set(ref_state)
+    synchronous = tensors(run / "step-00000002")
+    first, second = tensors(Path(tmp_path) / "async" / "step-00000002"), tensors(Path(tmp_path) / "async" / "step-00000003")
+    params = {name for name, _ in EdgeCaseNet().named_parameters()}
+    assert synchronous.keys() == first.keys() == second.keys() and params < synchronous.keys()
+    for name, tensor in synchronous.items():
+        assert torch.equal(first[name], tensor), name
+        assert torch.equal(second[name], tensor + 1.0 if name in params else tensor), name
+
+
+def tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    with CheckpointReader(step_dir) as reader:
+        return {name: reader.read_tensor(name) for name in reader.tensor_names()}

@@ -88,6 +88,16 @@ def test_summary_is_one_json_document(flag_run):
     assert [e["step"] for e in summary["eval_losses"]] == [3, 6]
 
 
+def test_summary_names_the_save_stall_only_when_saves_happened(flag_run):
+    from fsdpkit_cli.train_cmd import format_summary
+
+    summary = flag_run.summary
+    assert summary["save_stall_seconds"] == 0 and summary["save_timings"] is None  # no --save-dir
+    assert "save stall" not in format_summary(summary)
+    saved = {**summary, "save_stall_seconds": 1.5, "save_timings": {"saves": 3}}
+    assert "save stall       1.50 s in the training thread between steps (3 saves; max over ranks)" in format_summary(saved)
+
+
 def test_metrics_lines_follow_the_steps(flag_run):
     records = flag_run.metrics()
     assert [r["step"] for r in records] == list(range(1, 7))

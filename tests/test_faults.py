@@ -143,6 +143,15 @@ def test_a_stale_lock_is_taken_over_with_a_message(reference):
     assert not (reference.run_dir / ".lock").exists()
 
 
+def test_the_summary_reports_the_time_saves_held_up_training(reference):
+    """Saved every 2 of 8 steps, synchronously: all of every save is in the training thread's stall."""
+    summary = reference.summary
+    timings = summary["save_timings"]  # rank 0's
+    assert timings["saves"] == STEPS // 2 and summary["save_stall_seconds"] >= timings["total"] > 0
+    parts = timings["snapshot"] + timings["checksum"] + timings["write"] + timings["fsync"]
+    assert min(timings.values()) >= 0 and parts <= timings["total"]
+
+
 def test_a_locked_directory_is_refused_before_launching(tmp_path):
     from fsdpkit.checkpoint.lock import RunLock
 
@@ -204,7 +213,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(case, refer
     resumed = "--resume" in flags
     assert run.summary["losses"] == summary["losses"][4 if resumed else 0:]
     assert run.summary["resumed_from_step"] == (4 if resumed else None)
-    assert run.summary["restarts"] == 1 and run.summary["steps"] == STEPS
+    assert run.summary["restarts"] == 1 and run.summary["steps"] == STEPS and run.summary["save_stall_seconds"] >= 0
     if redone is None:
         assert run.summary["steps_redone"] >= 1  # where the main thread was when the writer thread died varies
     else:

@@ -10,6 +10,7 @@ and inspect alike. The format is specified in docs/checkpoint-format.md.
 - reader     the one reader of files: safetensors headers, sharded and full checkpoints
 - writer     the one writer: streamed safetensors files, rank files, whole sharded outputs
 - state      (torch) a sharded model and optimizer <-> fragments: Checkpointer, save, load
+- background (torch) what keeps a save off the step: reused host buffers, thread priority, timings
 - offline/   convert, reshard, verify, inspect: the offline commands (never import torch)
 
 Importing this package imports nothing, so the offline commands never load torch through it.

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 import warnings
 import zlib
 from pathlib import Path
@@ -38,6 +39,7 @@ from ..engine.view import ShardedModelView, describe
 from ..errors import DataCheckError, RunError
 from ..layout import ElementRange
 from . import storage
+from .background import WRITE_CHUNK_BYTES, HostBuffers, SaveTimings, lower_thread_priority
 from .bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
 from .export import EXPORT_ATTR, EXPORT_STATE_KEY
 from .format import optim_tensor_name, rank_file_name
@@ -237,31 +239,30 @@ def _buffer_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 # ----- saving
-def tensor_table(view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool
+def tensor_table(view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None
                  ) -> tuple[list[TensorSpec], dict[str, tuple[ElementRange, torch.Tensor]]]:
     """What a checkpoint of this model stores, in order: parameters (unit by unit), buffers,
     then each optimizer state (`optim.<state>.<param>`, as its parameter, or a scalar), and this
-    rank's data of each: (element range held here, 1-D tensor). The table is the same on every
-    rank; the data is what this rank holds."""
-    take = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach())
+    rank's data of each: (element range held here, 1-D tensor: the live tensor, not a copy).
+    The table is the same on every rank; the data is what this rank holds."""
     table, local, states = [], {}, {}
     for unit in view.units:
         for param in unit.params:
             table.append(TensorSpec(param.name, safetensors_dtype(param.tensor.dtype), tuple(param.shape)))
-            local[param.name] = (param.fragment.param_range, take(param.tensor).reshape(-1))
+            local[param.name] = (param.fragment.param_range, param.tensor.detach().reshape(-1))
             for key, value in (optimizer.state.get(param.tensor, {}) if optimizer is not None else {}).items():
                 if not isinstance(value, torch.Tensor):
                     continue
                 name = optim_tensor_name(key, param.name)
                 if value.shape == param.tensor.shape and value.dim() == 1:
                     states.setdefault(key, []).append(TensorSpec(name, safetensors_dtype(value.dtype), tuple(param.shape)))
-                    local[name] = (param.fragment.param_range, take(value))
+                    local[name] = (param.fragment.param_range, value.detach())
                 elif value.numel() == 1:
                     states.setdefault(key, []).append(TensorSpec(name, safetensors_dtype(value.dtype), tuple(value.shape)))
-                    local[name] = (ElementRange(0, 1), take(value).reshape(1))
+                    local[name] = (ElementRange(0, 1), value.detach().reshape(1))
     for name, tensor in persistent_buffers(module).items():
         table.append(TensorSpec(name, safetensors_dtype(tensor.dtype), tuple(tensor.shape)))
-        local[name] = (ElementRange(0, tensor.numel()), take(tensor).reshape(-1))
+        local[name] = (ElementRange(0, tensor.numel()), tensor.detach().reshape(-1))
     for specs in states.values():
         table.extend(specs)
     return table, local
@@ -286,8 +287,12 @@ def _digest(manifest: Manifest) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def write_rank(directory: Path, manifest: Manifest, rank: int, local: dict[str, tuple[ElementRange, torch.Tensor]]) -> Path:
-    """Write rank `rank`'s file of `manifest` from this rank's data (fsynced)."""
+def write_rank(directory: Path, manifest: Manifest, rank: int, local: dict[str, tuple[ElementRange, torch.Tensor]],
+               *, timings: SaveTimings | None = None) -> Path:
+    """Write rank `rank`'s file of `manifest` from this rank's data (fsynced), in pieces of at
+    most WRITE_CHUNK_BYTES (each one write and one crc32 update, both without the GIL); the
+    time of each part is added to `timings`."""
+    timings = timings if timings is not None else SaveTimings()
     layout = manifest.layout().file_layout(rank)
     path = directory / rank_file_name(rank, manifest.world_size)
     with RankFileWriter(path, layout) as writer:
@@ -297,16 +302,31 @@ def write_rank(directory: Path, manifest: Manifest, rank: int, local: dict[str, 
             if not (held.start <= fragment.start and fragment.end <= held.end):
                 raise AssertionError(f"{name}: rank {rank} holds [{held.start}, {held.end}), its file needs "
                                      f"[{fragment.start}, {fragment.end})")
+            started = time.perf_counter()
             payload = tensor_bytes(data[fragment.start - held.start: fragment.end - held.start])
-            writer.write(payload)
-            writer.end_fragment(zlib.crc32(payload))
+            timings.snapshot += time.perf_counter() - started
+            crc = 0
+            for offset in range(0, payload.nbytes, WRITE_CHUNK_BYTES):
+                piece = payload[offset:offset + WRITE_CHUNK_BYTES]
+                started = time.perf_counter()
+                crc = zlib.crc32(piece, crc)
+                timings.checksum += time.perf_counter() - started
+                writer.write(piece)
+            writer.end_fragment(crc)
+    timings.write += writer.write_seconds
+    timings.fsync += writer.fsync_seconds
     return path
 
 
 class Checkpointer:
-    """Saves and loads one sharded model with its optimizer. With async_save, a background
-    thread writes while training goes on; at most one save is in flight, and the next save
-    (or wait()) waits for it. Every rank must call save/load/wait.
+    """Saves and loads one sharded model with its optimizer. With async_save, save() copies
+    this rank's tensors into `host_buffers` (allocated once, reused by every save while the
+    table of tensors stays the same) and returns; a background thread at lower priority writes
+    and checksums from there while training goes on (background.py). At most one save is in
+    flight: the next save (or wait()) waits for it. Every rank must call save/load/wait.
+    `timings` (SaveTimings) sums where this rank's save time went; `stall_seconds` how long
+    the calling (training) thread spent inside save() and wait(): the snapshot, waiting for a
+    previous save, and for a synchronous save all of it.
 
     `run_id` names the run that writes (default: this process; pass `RunLock.run_id` so that a
     restarted worker counts as the same run): `keep_last` prunes only this run's checkpoints.
@@ -326,12 +346,29 @@ class Checkpointer:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_saved: str | None = None
+        self.host_buffers = HostBuffers()
+        self.timings = SaveTimings()
+        self.stall_seconds = 0.0
 
     # ----- saving
     def save(self, run_dir: str | os.PathLike, *, step: int, training_state: dict | None = None, keep_last: int | None = None) -> None:
-        self.wait()
+        started = time.perf_counter()
+        try:
+            self._join()
+            self._start_save(Path(run_dir), step, training_state, keep_last)
+        finally:
+            self.stall_seconds += time.perf_counter() - started
+
+    def _start_save(self, run_dir: Path, step: int, training_state: dict | None, keep_last: int | None) -> None:
         view = describe(self.module)
-        table, local = tensor_table(view, self.module, self.optimizer, copy=self.async_save and view.writes_shards)
+        table, local = tensor_table(view, self.module, self.optimizer)
+        if self.async_save and view.writes_shards:
+            started = time.perf_counter()
+            snapshot = self.host_buffers.copy({name: data for name, (_, data) in local.items()})
+            local = {name: (held, snapshot[name]) for name, (held, _) in local.items()}
+            seconds = time.perf_counter() - started
+            self.timings.snapshot += seconds
+            self.timings.total += seconds
         state = dict(training_state or {})
         state["optimizer"] = optimizer_hyperparameters(self.module, self.optimizer)
         export = self.module.__dict__.get(EXPORT_ATTR)  # how convert hands it to transformers (export.py)
@@ -341,7 +378,7 @@ class Checkpointer:
                             Placement.flat([[(p.name, p.shape) for p in unit.params] for unit in view.units]),
                             tuple(table), {alias: p.name for unit in view.units for p in unit.params for alias in p.aliases},
                             state, self.run_id)
-        job = (view, Path(run_dir), step, manifest, local if view.writes_shards else None, keep_last)
+        job = (view, run_dir, step, manifest, local if view.writes_shards else None, keep_last)
         if self.async_save:
             self.thread = threading.Thread(target=self._run_save, args=job, name="fsdpkit-async-save", daemon=True)
             self.thread.start()
@@ -349,6 +386,7 @@ class Checkpointer:
             self._save(*job)
 
     def _run_save(self, *job) -> None:
+        lower_thread_priority()
         try:
             self._save(*job)
         except BaseException as error:  # re-raised in the training thread by wait()
@@ -358,6 +396,15 @@ class Checkpointer:
               local: dict[str, tuple[ElementRange, torch.Tensor]] | None, keep_last: int | None) -> None:
         """The save protocol; any OSError (a full disk...) on any rank fails the save on every
         rank with one RunError, removes the temporary directory and keeps the previous checkpoint."""
+        started = time.perf_counter()
+        try:
+            self._begin_write_and_commit(view, run_dir, step, manifest, local, keep_last)
+        finally:
+            self.timings.saves += 1
+            self.timings.total += time.perf_counter() - started
+
+    def _begin_write_and_commit(self, view: ShardedModelView, run_dir: Path, step: int, manifest: Manifest,
+                                local: dict[str, tuple[ElementRange, torch.Tensor]] | None, keep_last: int | None) -> None:
         begun: tuple[str | None, str | None] = (None, None)
         if view.rank == 0:
             try:
@@ -392,7 +439,7 @@ class Checkpointer:
         failure = None
         if local is not None:
             try:
-                write_rank(tmp, manifest, view.shard_rank, local)
+                write_rank(tmp, manifest, view.shard_rank, local, timings=self.timings)
                 faults.reached("save", step)
             except OSError as error:
                 failure = storage.os_error_line(error, tmp)
@@ -419,6 +466,14 @@ class Checkpointer:
         self.last_saved = path
 
     def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its error."""
+        started = time.perf_counter()
+        try:
+            self._join()
+        finally:
+            self.stall_seconds += time.perf_counter() - started
+
+    def _join(self) -> None:
         if self.thread is not None:
             self.thread.join()
             self.thread = None

@@ -17,8 +17,9 @@ many small fragments costs a few system calls. `write_behind=True` starts the wr
 every completed `WRITE_BEHIND_BYTES` at once (`posix_fadvise(DONTNEED)`: dirty data is never
 dropped), so the disk works while the copy goes on and a multi-GB output does not fill the
 page cache. `close()` fsyncs unless the caller syncs many files at once (`sync=False`, then
-`storage.sync_files`, as `staged_output` does). On an exception inside a `with` block the
-partial file is removed.
+`storage.sync_files`, as `staged_output` does); `write_seconds` and `fsync_seconds` count the
+time spent in those system calls. On an exception inside a `with` block the partial file is
+removed.
 
 `write_sharded` (convert --to sharded, reshard) writes every rank file of a layout from
 slices of the mapped source files (`gather.Gatherer`): a rank file is one `writev` of its
@@ -94,6 +95,8 @@ class _FileWriter:
         self._write_behind = write_behind and hasattr(os, "posix_fadvise")
         self._buffer = bytearray(min(BUFFER_BYTES, size))
         self._buffered = 0
+        self.write_seconds = 0.0
+        self.fsync_seconds = 0.0
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
         self.write(header)
 
@@ -119,6 +122,7 @@ class _FileWriter:
             self._buffered = 0
 
     def _write_all(self, view: memoryview) -> None:
+        started = time.perf_counter()
         while view.nbytes:
             try:
                 count = os.write(self._fd, view)
@@ -126,6 +130,7 @@ class _FileWriter:
                 raise OSError(error.errno, error.strerror, str(self.path)) from None
             view = view[count:]
             self._written += count
+        self.write_seconds += time.perf_counter() - started
         if self._write_behind and self._written - self._flushed >= WRITE_BEHIND_BYTES:
             os.posix_fadvise(self._fd, self._flushed, self._written - self._flushed, os.POSIX_FADV_DONTNEED)
             self._flushed = self._written
@@ -149,7 +154,9 @@ class _FileWriter:
             if self._written != self.size:
                 raise ValueError(f"{self.path}: wrote {self._written} bytes, the header announced {self.size}")
             if self.sync:
+                started = time.perf_counter()
                 os.fsync(self._fd)
+                self.fsync_seconds += time.perf_counter() - started
         finally:
             fd, self._fd = self._fd, -1
             os.close(fd)

@@ -134,7 +134,8 @@ class CheckpointConfig:
                                    "on several nodes, a filesystem every node sees.", metavar="DIR")
     save_every: int = setting(0, "Save every N steps (0: only at the end).")
     keep_last: int | None = setting(None, "Keep only the newest K complete checkpoints.")
-    async_save: bool = setting(False, "Write checkpoints in a background thread while training goes on.")
+    async_save: bool = setting(False, "Copy each save into reused host memory, then write it from a background thread "
+                                      "(lower priority) while training goes on.")
     resume: str | None = setting(None, "Resume from a run directory (its latest) or a step-* directory, "
                                  "at any world size and strategy.", metavar="DIR")
     strict: bool = setting(True, "Missing optimizer state in --resume is an error (--no-strict: start it fresh).")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import os
 import resource
 import sys
@@ -243,6 +244,7 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str
                         initial=trainer.step, every_steps=logging.log_every, every_seconds=logging.log_seconds)
     saving = config.checkpoint.save_every
     losses, eval_losses = [], []
+    stall = 0.0  # seconds this rank's training thread spent in saves between steps
     started = time.perf_counter()
     try:
         while trainer.step < config.steps and not trainer.stopping:
@@ -271,6 +273,7 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str
             if trainer.checkpointer and saving and trainer.step % saving == 0:
                 trainer.save()
         if trainer.checkpointer:
+            stall = trainer.checkpointer.stall_seconds  # the save after the last step, and waiting for it, hold up no step
             if not (saving and trainer.step % saving == 0 and losses):
                 trainer.save()
             trainer.checkpointer.wait()
@@ -281,8 +284,9 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str
         if progress_log:
             progress_log.close()
     elapsed = time.perf_counter() - started
-    peak = torch.tensor([peak_memory_bytes(trainer.device)], dtype=torch.float64, device=trainer.device)
-    trainer.comms.all_reduce(peak, None, op=dist.ReduceOp.MAX, label="peak memory")
+    peak_and_stall = torch.tensor([peak_memory_bytes(trainer.device), stall], dtype=torch.float64, device=trainer.device)
+    trainer.comms.all_reduce(peak_and_stall, None, op=dist.ReduceOp.MAX, label="peak memory and save stall")
+    peak, stall = peak_and_stall.tolist()
     if not rank0:
         return None
     resumed_from = trainer.resumed_from_step
@@ -309,8 +313,10 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str
         "eval_losses": eval_losses,
         "tokens_per_second": throughput.tokens_per_second,
         "elapsed_seconds": elapsed,
-        "peak_memory_bytes": int(peak.item()),
+        "peak_memory_bytes": int(peak),
         "checkpoint": trainer.checkpointer.last_saved if trainer.checkpointer else None,
+        "save_stall_seconds": stall,
+        "save_timings": dataclasses.asdict(trainer.checkpointer.timings) if trainer.checkpointer else None,
         "restarts": attempt,
         "steps_redone": history.steps_redone(trainer.start_step) if history is not None else (0 if not attempt else None),
         "preempted": trainer.stopping and trainer.step < config.steps,

@@ -1,0 +1,122 @@
+"""What saving checkpoints costs training: `fsdpkit train` without saving, with synchronous saves
+and with `--async-save`, side by side, alternating, and tokens/s as ratios to the run without.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/save_overhead.py --repeat 5
+
+Each round runs the three modes once (the order rotates from round to round), each as its own
+`fsdpkit train --json` process: the built-in gpt2 (124M) at 2 ranks on CPU, 12 steps of 2 x 128
+tokens, saving every 2 steps (`--keep-last 1`, into a temporary directory removed afterwards).
+A run's tokens/s counts what a step costs the training thread, saves included: tokens over the
+steps after the first, divided by those steps' time (the summary's `tokens_per_second`) plus
+`save_stall_seconds` (the time the training thread spent in saves between steps: the snapshot and
+waiting for the previous save when async, all of it when synchronous). The ratios to the run
+without saving, per round, are reported as median and range over `--repeat` rounds.
+
+For the synchronous saves, `save_timings` (rank 0, summed over its saves) splits the save time
+into snapshot copy, crc32 checksum, write, fsync, and the rest (collectives, manifest, commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
+MODES = {"no save": [], "sync": ["--save-every", "{every}"], "async": ["--save-every", "{every}", "--async-save"]}
+PARTS = ("snapshot", "checksum", "write", "fsync")
+
+
+def run_once(mode: str, args: argparse.Namespace, work: Path) -> dict:
+    """One `fsdpkit train --json` run of `mode`; its summary."""
+    save_dir = work / mode.replace(" ", "-")
+    flags = [f.format(every=args.save_every) for f in MODES[mode]]
+    if flags:
+        flags += ["--save-dir", str(save_dir), "--keep-last", "1"]
+    command = [FSDPKIT, "train", "--model", args.model, "--nproc-per-node", str(args.nproc_per_node), "--steps",
+               str(args.steps), "--seq-len", str(args.seq_len), "--global-batch-size", str(args.batch), "--quiet", "--json",
+               *flags]
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    shutil.rmtree(save_dir, ignore_errors=True)
+    if done.returncode != 0:
+        sys.exit(f"{mode}: {' '.join(command)} failed ({done.returncode}):\n{done.stderr}")
+    return json.loads(done.stdout)
+
+
+def tokens_per_second(summary: dict) -> float:
+    """Tokens over the steps after the first, per second of those steps plus the save stall."""
+    tokens = summary["global_batch_size"] * summary["seq_len"] * (summary["steps"] - 1)
+    return tokens / (tokens / summary["tokens_per_second"] + summary["save_stall_seconds"])
+
+
+def shares(timings: dict) -> dict[str, float]:
+    """Each part's share of the save time, and the rest."""
+    total = timings["total"]
+    parts = {part: timings[part] / total for part in PARTS}
+    parts["other"] = 1.0 - sum(parts.values())
+    return parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2, help="global batch size (sequences)")
+    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; each runs every mode once")
+    parser.add_argument("--work-dir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    args = parser.parse_args()
+    modes = list(MODES)
+    work = Path(tempfile.mkdtemp(prefix="save-overhead-", dir=args.work_dir))
+    rounds = []
+    try:
+        for index in range(args.repeat):
+            order = modes[index % len(modes):] + modes[:index % len(modes)]
+            summaries = {mode: run_once(mode, args, work) for mode in order}
+            rounds.append(summaries)
+            print(f"round {index + 1}/{args.repeat}: " + ", ".join(f"{mode} {tokens_per_second(summaries[mode]):,.0f} tokens/s"
+                                                                   for mode in order), file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    result = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "work_dir")}, "modes": {}}
+    for mode in modes:
+        rates = [tokens_per_second(summaries[mode]) for summaries in rounds]
+        ratios = [rate / tokens_per_second(summaries["no save"]) for rate, summaries in zip(rates, rounds)]
+        entry = {"tokens_per_second": statistics.median(rates), "ratio_median": statistics.median(ratios),
+                 "ratio_min": min(ratios), "ratio_max": max(ratios),
+                 "save_stall_seconds": statistics.median(s[mode]["save_stall_seconds"] for s in rounds)}
+        timings = rounds[-1][mode]["save_timings"]
+        if timings and timings["saves"]:
+            entry["saves"] = timings["saves"]
+            entry["save_seconds"] = statistics.median(s[mode]["save_timings"]["total"] for s in rounds)
+            entry["save_shares"] = {part: statistics.median(shares(s[mode]["save_timings"])[part] for s in rounds)
+                                    for part in (*PARTS, "other")}
+        result["modes"][mode] = entry
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"# {args.model}, {args.nproc_per_node} ranks, {args.steps} steps of {args.batch} x {args.seq_len} tokens, "
+          f"saving every {args.save_every}; {args.repeat} rounds (median, range)")
+    print(f"  {'mode':<8} {'tokens/s':>10} {'ratio':>7} {'range':>13} {'stall s':>8} {'saves':>6} {'save s':>7}")
+    for mode, entry in result["modes"].items():
+        print(f"  {mode:<8} {entry['tokens_per_second']:>10,.0f} {entry['ratio_median']:>7.3f} "
+              f"{entry['ratio_min']:>6.3f}-{entry['ratio_max']:<6.3f} {entry['save_stall_seconds']:>8.2f} "
+              f"{entry.get('saves', 0):>6} {entry.get('save_seconds', 0.0):>7.2f}")
+    sync = result["modes"]["sync"].get("save_shares")
+    if sync:
+        print("# synchronous save time (rank 0): " + ", ".join(f"{part} {share:.0%}" for part, share in sync.items()))
+
+
+if __name__ == "__main__":
+    main()
