@@ -42,7 +42,7 @@ def run_once(mode: str, args: argparse.Namespace, work: Path) -> dict:
     command = [FSDPKIT, "train", "--model", args.model, "--nproc-per-node", str(args.nproc_per_node), "--steps",
                str(args.steps), "--seq-len", str(args.seq_len), "--global-batch-size", str(args.batch), "--quiet", "--json",
                *flags]
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    done = subprocess.run(command, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     shutil.rmtree(save_dir, ignore_errors=True)
     if done.returncode != 0:
@@ -92,7 +92,7 @@ def main() -> None:
     result = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "work_dir")}, "modes": {}}
     for mode in modes:
         rates = [tokens_per_second(summaries[mode]) for summaries in rounds]
-        ratios = [rate / tokens_per_second(summaries["no save"]) for rate, summaries in zip(rates, rounds)]
+        ratios = [rate / tokens_per_second(summaries["no save"]) for rate, summaries in zip(rates, rounds, strict=True)]
         entry = {"tokens_per_second": statistics.median(rates), "ratio_median": statistics.median(ratios),
                  "ratio_min": min(ratios), "ratio_max": max(ratios),
                  "save_stall_seconds": statistics.median(s[mode]["save_stall_seconds"] for s in rounds)}

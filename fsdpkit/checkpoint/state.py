@@ -27,7 +27,10 @@ import threading
 import time
 import warnings
 import zlib
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,13 +70,19 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} cannot be stored in a checkpoint") from None
 
 
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place (numpy's buffer protocol)."""
+    array: Any = tensor.view(torch.uint8).numpy()  # numpy's stubs do not declare the buffer protocol
+    return memoryview(array)
+
+
 def tensor_bytes(data: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor, copied to CPU if needed."""
     flat = data.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
     flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return _byte_view(flat) if flat.numel() else memoryview(b"")
 
 
 # ----- reading tensors by element ranges
@@ -102,7 +111,7 @@ class TensorReader:
             raise ValueError(f"range [{wanted.start}, {wanted.end}) outside {source.name!r} of {source.numel} elements")
         out = torch.empty(wanted.size, dtype=SAFETENSORS_TO_TORCH[source.dtype])
         if wanted.size:
-            self._copier.read_into(source, wanted, memoryview(out.view(torch.uint8).numpy()))
+            self._copier.read_into(source, wanted, _byte_view(out))
         return out
 
     def read_tensor(self, name: str) -> torch.Tensor:
@@ -158,6 +167,8 @@ class RestoredReader(TensorReader):
 
     def __init__(self, full: FullCheckpoint):
         layout = full.layout
+        if layout is None:
+            raise ValueError(f"{full.root}: records no export layout to restore")
         sources, self._stored = [], {}
         for tensor in full.tensors:
             name = layout.original_name(tensor.name)
@@ -185,11 +196,11 @@ class RestoredReader(TensorReader):
         block = torch.empty(cols, last - first, dtype=out.dtype)
         for column in range(cols):
             run = ElementRange(column * rows + first, column * rows + last)
-            self._copier.read_into(stored, run, memoryview(block[column].view(torch.uint8).numpy()))
+            self._copier.read_into(stored, run, _byte_view(block[column]))
         return block.t().reshape(-1)[wanted.start - first * cols: wanted.end - first * cols].clone()
 
 
-def full_reader(path: str | os.PathLike, names: list[str] = ()) -> TensorReader:
+def full_reader(path: str | os.PathLike, names: Sequence[str] = ()) -> TensorReader:
     """A full (Hugging Face style) checkpoint's tensors, tied aliases resolved. When its files
     record an export layout and the `names` asked for are not there as stored, they are read
     through the layout (RestoredReader)."""
@@ -212,7 +223,7 @@ def stateless_params(training_state: dict) -> set[str]:
 
 
 def expected_tensors(params: list[tuple[str, tuple[int, ...], bool]], buffers: dict[str, tuple[int, ...]],
-                     optimizer_type: str | None, *, stateless: set[str] = frozenset()) -> dict[str, tuple[int, ...]]:
+                     optimizer_type: str | None, *, stateless: AbstractSet[str] = frozenset()) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must hold for a model: (name, shape, requires_grad) of each
     parameter under its canonical name, the buffers, and the optimizer state of trainable
     parameters (`stateless`: those whose state the checkpoint rightly lacks)."""
@@ -245,7 +256,9 @@ def tensor_table(view: ShardedModelView, module: nn.Module, optimizer: torch.opt
     then each optimizer state (`optim.<state>.<param>`, as its parameter, or a scalar), and this
     rank's data of each: (element range held here, 1-D tensor: the live tensor, not a copy).
     The table is the same on every rank; the data is what this rank holds."""
-    table, local, states = [], {}, {}
+    table: list[TensorSpec] = []
+    local: dict[str, tuple[ElementRange, torch.Tensor]] = {}
+    states: dict[str, list[TensorSpec]] = {}
     for unit in view.units:
         for param in unit.params:
             table.append(TensorSpec(param.name, safetensors_dtype(param.tensor.dtype), tuple(param.shape)))
@@ -492,20 +505,21 @@ class Checkpointer:
             expected = expected_tensors(_view_params(view), _buffer_shapes(self.module), optimizer_type, stateless=stateless)
             missing_optim = check_compatible(reader.manifest, expected, strict=strict, where=str(reader.step_dir))
             if missing_optim and view.rank == 0:
-                warnings.warn(f"{reader.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh")
+                warnings.warn(f"{reader.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh",
+                              stacklevel=2)
             load_weights(view, self.module, reader)
             if self.optimizer is not None and not missing_optim:
-                self._load_optimizer(view, reader)
+                self._load_optimizer(view, reader, self.optimizer)
             return reader.training_state
 
-    def _load_optimizer(self, view: ShardedModelView, reader: CheckpointReader) -> None:
+    def _load_optimizer(self, view: ShardedModelView, reader: CheckpointReader, optimizer: torch.optim.Optimizer) -> None:
         stored = set(reader.tensor_names())
         for unit in view.units:
             for param in unit.params:
                 if not param.requires_grad:
                     continue
                 param_state = {}
-                for key in OPTIMIZER_STATE_KEYS.get(type(self.optimizer).__name__, ()):
+                for key in OPTIMIZER_STATE_KEYS.get(type(optimizer).__name__, ()):
                     name = optim_tensor_name(key, param.name)
                     if name not in stored:
                         continue
@@ -515,11 +529,11 @@ class Checkpointer:
                     else:
                         param_state[key] = reader.read_range(name, param.fragment.param_range).to(param.tensor.device)
                 if param_state:
-                    self.optimizer.state[param.tensor] = param_state
+                    optimizer.state[param.tensor] = param_state
                 else:
-                    self.optimizer.state.pop(param.tensor, None)
+                    optimizer.state.pop(param.tensor, None)
         saved = (reader.training_state.get("optimizer") or {}).get("groups") or []
-        for group, saved_group in zip(self.optimizer.param_groups, saved):
+        for group, saved_group in zip(optimizer.param_groups, saved, strict=False):  # the saved run's groups may differ in number
             for key, value in saved_group.get("settings", {}).items():
                 if key in group and key != "lr":
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
@@ -541,6 +555,8 @@ def save(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str |
     """Save a sharded checkpoint into run directory `path` as step-<step>; returns its path."""
     checkpointer = Checkpointer(module, optimizer)
     checkpointer.save(path, step=step, training_state=training_state, keep_last=keep_last)
+    if checkpointer.last_saved is None:
+        raise AssertionError(f"a synchronous save of step {step} into {path} returned without a checkpoint")
     return checkpointer.last_saved
 
 

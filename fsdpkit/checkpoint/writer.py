@@ -32,9 +32,10 @@ import errno
 import json
 import os
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .bytecopy import SourceTensor
 from .crc import CrcShifter
@@ -280,7 +281,7 @@ def _stream_rank_file(fd: int, path: Path, layout: FileLayout, gatherer: Gathere
     write_views(fd, [layout.header], path)
     views: list = []
     crcs, written, shifter = [], layout.data_start, CrcShifter()
-    for t, start, end, (begin, stop) in zip(layout.tensors, layout.starts, layout.ends, layout.spans):
+    for t, start, end, (begin, stop) in zip(layout.tensors, layout.starts, layout.ends, layout.spans, strict=True):
         step = max(1, WHOLE_FILE_BYTES * (end - start) // (stop - begin))  # elements per step
         crc = 0
         for first in range(start, end, step):

@@ -12,15 +12,16 @@ Checks that need the world size are in `check_world_size`, called once before tr
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..engine.config import BACKWARD_PREFETCH, STRATEGIES, MixedPrecision, ShardingConfig
 from ..errors import UsageError
 from ..launch import LaunchOptions
 from ..models.registry import DEFAULT_MODEL, MODEL_HELP
-from ..tokens import TokenDtype
 from ..settings import Section, Setting, setting, settings_of
+from ..tokens import TokenDtype
 
 
 class Device(enum.StrEnum):
@@ -186,11 +187,12 @@ def precision_names(policy: MixedPrecision) -> tuple[str, str | None]:
     """(name, reduce dtype or None when it is the name's default): the inverse of precision_policy."""
     import torch
 
-    names = {None: "none", torch.float32: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    name = names[policy.param_dtype]
+    names = {torch.float32: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    name = "none" if policy.param_dtype is None else names[policy.param_dtype]
     if policy.reduce_dtype == precision_policy(name).reduce_dtype:
         return name, None
-    return name, {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[policy.reduce_dtype]
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype or torch.float32  # None: gradients reduce in the compute dtype
+    return name, {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[reduce_dtype]
 
 
 def _build_sharding(*, mixed_precision: str = "none", reduce_dtype: str | None = None, **fields: Any) -> ShardingConfig:
@@ -264,7 +266,7 @@ class TrainConfig:
             )
 
     @classmethod
-    def from_values(cls, values: Mapping[str, Any], *, where: str = "") -> "TrainConfig":
+    def from_values(cls, values: Mapping[str, Any], *, where: str = "") -> TrainConfig:
         """From plain values nested as in a config file: {"steps": 10, "optimizer": {"lr": 1e-3}}.
         Absent keys take their defaults; an unknown key is a UsageError naming it (and `where`)."""
         sections = {section.name: section for section in SECTIONS}
@@ -284,7 +286,7 @@ class TrainConfig:
         return {**TOP.plain_values(self), **{s.name: s.plain_values(getattr(self, s.name)) for s in SECTIONS}}
 
 
-TOP = Section("", "", settings_of(TrainConfig), dict, lambda config: {s.key: getattr(config, s.key) for s in TOP.settings})
+TOP: Section = Section("", "", settings_of(TrainConfig), dict, lambda config: {s.key: getattr(config, s.key) for s in TOP.settings})
 SECTIONS = (
     Section.of("model", ModelConfig, panel="Model"),
     Section.of("data", DataConfig, panel="Data"),

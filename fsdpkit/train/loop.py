@@ -29,12 +29,12 @@ from ..checkpoint import storage
 from ..checkpoint.state import init_weights_from
 from ..comm import CollectiveError, Collectives
 from ..engine.view import describe
+from ..models.source import resolve
 from .attempts import ProgressLog, RunContext, attempt_number
 from .collective_failure import collective_failure
 from .config import Device, Optimizer, OptimizerConfig, TrainConfig, precision_names
 from .data import TokenSource, local_rows
 from .metrics import MetricsLog
-from ..models.source import resolve
 from .model_setup import build_for_training, initial_weights, inspect_model, wrap_policy
 from .progress import Progress, Throughput, progress_mode
 from .schedule import lr_at
@@ -133,7 +133,8 @@ class Trainer:
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's training state (the inverse of training_state)."""
         if state.get("world_size") not in (None, self.world_size) and self.rank == 0:
-            warnings.warn(f"resuming a run saved at world size {state.get('world_size')} at world size {self.world_size}")
+            warnings.warn(f"resuming a run saved at world size {state.get('world_size')} at world size {self.world_size}",
+                          stacklevel=2)
         self.step = int(state.get("step", 0))
         self.optimizer_steps = int(state.get("optimizer_steps", self.step))
         if self.scaler is not None and state.get("grad_scaler"):
@@ -144,6 +145,8 @@ class Trainer:
 
     def save(self) -> None:
         checkpoint = self.config.checkpoint
+        if self.checkpointer is None:
+            raise AssertionError("Trainer.save() without --save-dir")
         self.current_step = self.step
         self.checkpointer.save(checkpoint.save_dir, step=self.step, training_state=self.training_state(), keep_last=checkpoint.keep_last)
 
