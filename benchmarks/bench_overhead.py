@@ -35,8 +35,11 @@ from fsdpkit.sizes import parse_size
 
 # The mode each plain loop matches: out of place where torch has it, else in place.
 COMPARED_MODE = {
-    "allgather": "out_of_place", "reducescatter": "out_of_place", "alltoall": "out_of_place",
-    "allreduce": "in_place", "broadcast": "in_place",
+    "allgather": "out_of_place",
+    "reducescatter": "out_of_place",
+    "alltoall": "out_of_place",
+    "allreduce": "in_place",
+    "broadcast": "in_place",
 }
 
 
@@ -78,20 +81,30 @@ def overhead_worker(plan: BenchPlan, repeats: int) -> list[tuple[str, int, list[
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = start_process_group(plan.backend, local_rank, timeout=plan.timeout)
     try:
-        where = Placement(rank=dist.get_rank(), world_size=dist.get_world_size(), dtype=getattr(torch, plan.dtype),
-                          device=device, group=dist.group.WORLD)
+        where = Placement(
+            rank=dist.get_rank(), world_size=dist.get_world_size(), dtype=getattr(torch, plan.dtype), device=device, group=dist.group.WORLD
+        )
         samples = []
         for entry in plan.entries:
             mode = COMPARED_MODE[entry.collective]
             for size in entry.sizes:
                 harness, plain = [], []
                 for repeat in range(repeats):
-                    for harness_turn in ((True, False) if repeat % 2 == 0 else (False, True)):
+                    for harness_turn in (True, False) if repeat % 2 == 0 else (False, True):
                         if harness_turn:
                             harness.append(measure_size(entry, size, plan, where)[mode].seconds)
                         else:
-                            plain.append(plain_loop_seconds(entry.collective, size.count, world_size=where.world_size,
-                                                            iters=plan.iters, warmup=plan.warmup, device=device, dtype=where.dtype))
+                            plain.append(
+                                plain_loop_seconds(
+                                    entry.collective,
+                                    size.count,
+                                    world_size=where.world_size,
+                                    iters=plan.iters,
+                                    warmup=plan.warmup,
+                                    device=device,
+                                    dtype=where.dtype,
+                                )
+                            )
                 samples.append((entry.collective, size.size_bytes, harness, plain))
         return samples
     finally:
@@ -116,8 +129,11 @@ def main() -> None:
     element_size = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     requested = size_sweep(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
     entries = tuple(
-        BenchEntry(collective=name, variant="flat" if name == "allgather" else "",
-                   sizes=tuple(bench_sizes(name, requested, world_size, element_size)))
+        BenchEntry(
+            collective=name,
+            variant="flat" if name == "allgather" else "",
+            sizes=tuple(bench_sizes(name, requested, world_size, element_size)),
+        )
         for name in args.collectives.split(",")
     )
     plan = BenchPlan(entries=entries, backend=args.backend, dtype=args.dtype, iters=args.iters, warmup=args.warmup, check=False)
@@ -125,10 +141,14 @@ def main() -> None:
     returned = launch(overhead_worker, plan, args.repeats, options=LaunchOptions(nproc_per_node=world_size))
     samples = returned[min(returned)]
 
-    print(f"# fsdpkit bench harness vs plain torch.distributed loop: {world_size} ranks, {args.backend}, {args.dtype}, "
-          f"iters {args.iters}, warmup {args.warmup}, repeats {args.repeats} (median of each side)")
-    print(f"# {'collective':<14} {'size(B)':>10} {'fsdpkit(us)':>12} {'plain(us)':>12} {'ratio':>7}"
-          f" {'min fsdpkit':>12} {'min plain':>10} {'ratio':>7}")
+    print(
+        f"# fsdpkit bench harness vs plain torch.distributed loop: {world_size} ranks, {args.backend}, {args.dtype}, "
+        f"iters {args.iters}, warmup {args.warmup}, repeats {args.repeats} (median of each side)"
+    )
+    print(
+        f"# {'collective':<14} {'size(B)':>10} {'fsdpkit(us)':>12} {'plain(us)':>12} {'ratio':>7}"
+        f" {'min fsdpkit':>12} {'min plain':>10} {'ratio':>7}"
+    )
     median_ratios: dict[str, list[float]] = {}
     min_ratios: dict[str, list[float]] = {}
     for collective, size_bytes, harness, plain in samples:
@@ -136,15 +156,21 @@ def main() -> None:
         best_harness_us, best_plain_us = min(harness) * 1e6, min(plain) * 1e6
         median_ratios.setdefault(collective, []).append(harness_us / plain_us)
         min_ratios.setdefault(collective, []).append(best_harness_us / best_plain_us)
-        print(f"  {collective:<14} {size_bytes:>10} {harness_us:>12.1f} {plain_us:>12.1f} {harness_us / plain_us:>7.3f}"
-              f" {best_harness_us:>12.1f} {best_plain_us:>10.1f} {best_harness_us / best_plain_us:>7.3f}")
+        print(
+            f"  {collective:<14} {size_bytes:>10} {harness_us:>12.1f} {plain_us:>12.1f} {harness_us / plain_us:>7.3f}"
+            f" {best_harness_us:>12.1f} {best_plain_us:>10.1f} {best_harness_us / best_plain_us:>7.3f}"
+        )
     for collective in median_ratios:
-        print(f"# {collective:<14} geometric mean ratio: medians {_geometric_mean(median_ratios[collective]):.3f}, "
-              f"minimums {_geometric_mean(min_ratios[collective]):.3f}")
+        print(
+            f"# {collective:<14} geometric mean ratio: medians {_geometric_mean(median_ratios[collective]):.3f}, "
+            f"minimums {_geometric_mean(min_ratios[collective]):.3f}"
+        )
     every_median = [ratio for ratios in median_ratios.values() for ratio in ratios]
     every_min = [ratio for ratios in min_ratios.values() for ratio in ratios]
-    print(f"# overall geometric mean ratio fsdpkit/plain: medians {_geometric_mean(every_median):.3f}, "
-          f"minimums {_geometric_mean(every_min):.3f}; wall {time.perf_counter() - started:.1f} s")
+    print(
+        f"# overall geometric mean ratio fsdpkit/plain: medians {_geometric_mean(every_median):.3f}, "
+        f"minimums {_geometric_mean(every_min):.3f}; wall {time.perf_counter() - started:.1f} s"
+    )
 
 
 def _geometric_mean(values: list[float]) -> float:

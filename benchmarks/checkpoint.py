@@ -80,22 +80,28 @@ DCP_TO_TORCH = (
 CONSOLIDATE = (
     "import sys, json, os; os.makedirs(sys.argv[2]); "
     "from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files; "
-    "consolidate_safetensors_files(sys.argv[1], sys.argv[2], json.load(open(sys.argv[3])))")
+    "consolidate_safetensors_files(sys.argv[1], sys.argv[2], json.load(open(sys.argv[3])))"
+)
 
 
 def measure(command: list[str], env: dict | None = None) -> dict:
     """Wall time including a final `sync`, and the command's peak RSS (GNU time's %M: the
     child of a tiny process, so nothing of this one is counted)."""
     start = time.perf_counter()
-    proc = subprocess.run(["/usr/bin/time", "-f", "PEAKRSS %M", *command], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, env=env, text=True)
+    proc = subprocess.run(
+        ["/usr/bin/time", "-f", "PEAKRSS %M", *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True
+    )
     subprocess.run(["sync"], check=True)
     seconds = time.perf_counter() - start
     lines = proc.stderr.strip().splitlines()
     peak = next((int(line.split()[1]) for line in reversed(lines) if line.startswith("PEAKRSS")), 0)
     errors = [line for line in lines if not line.startswith(("PEAKRSS", "Command exited"))]
-    return {"seconds": seconds, "peak_rss": peak * 1024, "ok": proc.returncode == 0,
-            "error": errors[-1] if proc.returncode and errors else None}
+    return {
+        "seconds": seconds,
+        "peak_rss": peak * 1024,
+        "ok": proc.returncode == 0,
+        "error": errors[-1] if proc.returncode and errors else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: benchmark needs about {format_size(needed)} free in {work}, {format_size(free)} free", file=sys.stderr)
             return 1
         print(f"setting up {args.model} ({format_size(params)}) in {work} ...", file=sys.stderr)
-        setup = subprocess.run([python, "-c", SETUP, str(work), args.model, str(args.world_size), "1" if args.with_optimizer else "0"],
-                               env=env)
+        setup = subprocess.run(
+            [python, "-c", SETUP, str(work), args.model, str(args.world_size), "1" if args.with_optimizer else "0"], env=env
+        )
         if setup.returncode:
             return 1
         subprocess.run(["sync"], check=True)  # the setup's dirty pages must not slow the first tool down
@@ -160,35 +167,55 @@ def main(argv: list[str] | None = None) -> int:
         for name, _ in runs:
             runs_of = trials[name]
             ordered = sorted(r["seconds"] for r in runs_of)
-            results.append({"name": name, "seconds": ordered[len(ordered) // 2], "all_seconds": [r["seconds"] for r in runs_of],
-                            "peak_rss": max(r["peak_rss"] for r in runs_of), "ok": all(r["ok"] for r in runs_of),
-                            "error": next((r["error"] for r in runs_of if r["error"]), None)})
+            results.append(
+                {
+                    "name": name,
+                    "seconds": ordered[len(ordered) // 2],
+                    "all_seconds": [r["seconds"] for r in runs_of],
+                    "peak_rss": max(r["peak_rss"] for r in runs_of),
+                    "ok": all(r["ok"] for r in runs_of),
+                    "error": next((r["error"] for r in runs_of if r["error"]), None),
+                }
+            )
         baseline = next(r["seconds"] for r in results if r["name"] == "cp -r + sync")
         for r in results:
             r["vs_cp"] = r["seconds"] / baseline
             r["gb_per_s"] = info["bytes"] / r["seconds"] / 1e9
-        document = {"model": args.model, "with_optimizer": args.with_optimizer, "bytes": info["bytes"],
-                    "tensors": info["tensors"], "world_size": args.world_size, "reshard_to": args.reshard_to,
-                    "chunk_size": parse_size(args.chunk_size or str(DEFAULT_CHUNK_SIZE)), "results": results}
+        document = {
+            "model": args.model,
+            "with_optimizer": args.with_optimizer,
+            "bytes": info["bytes"],
+            "tensors": info["tensors"],
+            "world_size": args.world_size,
+            "reshard_to": args.reshard_to,
+            "chunk_size": parse_size(args.chunk_size or str(DEFAULT_CHUNK_SIZE)),
+            "results": results,
+        }
         if args.json:
             print(json.dumps(document))
         else:
-            print(f"# {args.model}{' + Adam state' if args.with_optimizer else ''}: {info['tensors']} tensors, "
-                  f"{format_size(info['bytes'])}; source W={args.world_size}; chunk {args.chunk_size or format_size(DEFAULT_CHUNK_SIZE)}")
+            print(
+                f"# {args.model}{' + Adam state' if args.with_optimizer else ''}: {info['tensors']} tensors, "
+                f"{format_size(info['bytes'])}; source W={args.world_size}; chunk {args.chunk_size or format_size(DEFAULT_CHUNK_SIZE)}"
+            )
             print(f"{'tool':<40}{'time s':>9}{'GB/s':>8}{'peak RSS':>12}{'x cp+sync':>11}  all runs (s)")
             for r in results:
                 status = "" if r["ok"] else f"  FAILED: {r['error']}"
                 all_runs = " ".join(f"{x:.1f}" for x in r["all_seconds"])
-                print(f"{r['name']:<40}{r['seconds']:>9.2f}{r['gb_per_s']:>8.2f}{format_size(r['peak_rss']):>12}{r['vs_cp']:>11.2f}"
-                      f"  {all_runs}{status}")
+                print(
+                    f"{r['name']:<40}{r['seconds']:>9.2f}{r['gb_per_s']:>8.2f}{format_size(r['peak_rss']):>12}{r['vs_cp']:>11.2f}"
+                    f"  {all_runs}{status}"
+                )
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _estimate_bytes(python: str, model: str) -> int:
-    code = ("import sys; from fsdpkit.models.units import unit_plan_for_model; import math; "
-            "print(sum(math.prod(s) * 4 for u in unit_plan_for_model(sys.argv[1]) for _, s in u))")
+    code = (
+        "import sys; from fsdpkit.models.units import unit_plan_for_model; import math; "
+        "print(sum(math.prod(s) * 4 for u in unit_plan_for_model(sys.argv[1]) for _, s in u))"
+    )
     return int(subprocess.run([python, "-c", code, model], capture_output=True, text=True, check=True).stdout)
 
 

@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         src = args.source or work / "src"
         if args.source is None:
             print(f"setting up {args.model} + AdamW state at W={args.source_world_size} in {work} ...", file=sys.stderr)
-            setup = subprocess.run([python, "-c", SETUP, str(src), args.model, str(args.source_world_size)],
-                                   capture_output=True, text=True)
+            setup = subprocess.run([python, "-c", SETUP, str(src), args.model, str(args.source_world_size)], capture_output=True, text=True)
             if setup.returncode:
                 print(setup.stderr, file=sys.stderr)
                 return 1
@@ -151,27 +150,45 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(out)
                 subprocess.run(["sync"], check=True)
                 rounds.append((reshard, cp, verify))
-            rows.append({"world_size": world, "files": world,
-                         "reshard_s": summary([r["seconds"] for r, _, _ in rounds]),
-                         "cp_s": summary([c["seconds"] for _, c, _ in rounds]),
-                         "reshard_vs_cp": summary([r["seconds"] / c["seconds"] for r, c, _ in rounds]),
-                         "reshard_peak_rss": max(r["peak_rss"] for r, _, _ in rounds),
-                         "verify_s": summary([v["seconds"] for _, _, v in rounds]),
-                         "verify_vs_cp": summary([v["seconds"] / c["seconds"] for _, c, v in rounds]),
-                         "verify_peak_rss": max(v["peak_rss"] for _, _, v in rounds), "manifest_bytes": manifest_bytes})
-        document = {"model": args.model, "source": str(args.source) if args.source else None, "bytes": data_bytes,
-                    "source_world_size": args.source_world_size, "repeat": args.repeat, "results": rows}
+            rows.append(
+                {
+                    "world_size": world,
+                    "files": world,
+                    "reshard_s": summary([r["seconds"] for r, _, _ in rounds]),
+                    "cp_s": summary([c["seconds"] for _, c, _ in rounds]),
+                    "reshard_vs_cp": summary([r["seconds"] / c["seconds"] for r, c, _ in rounds]),
+                    "reshard_peak_rss": max(r["peak_rss"] for r, _, _ in rounds),
+                    "verify_s": summary([v["seconds"] for _, _, v in rounds]),
+                    "verify_vs_cp": summary([v["seconds"] / c["seconds"] for _, c, v in rounds]),
+                    "verify_peak_rss": max(v["peak_rss"] for _, _, v in rounds),
+                    "manifest_bytes": manifest_bytes,
+                }
+            )
+        document = {
+            "model": args.model,
+            "source": str(args.source) if args.source else None,
+            "bytes": data_bytes,
+            "source_world_size": args.source_world_size,
+            "repeat": args.repeat,
+            "results": rows,
+        }
         if args.json:
             print(json.dumps(document))
         else:
-            print(f"# {format_size(data_bytes)} ({args.source or args.model}); reshard -> W, {args.repeat} rounds: "
-                  f"median seconds, ratio to cp -r of the same round as median [min..max]; times include a final sync")
-            print(f"{'W':>7}{'reshard s':>11}{'cp -r s':>9}{'reshard x cp':>20}{'peak RSS':>11}{'verify s':>10}"
-                  f"{'verify x cp':>20}{'verify RSS':>12}{'manifest':>11}")
+            print(
+                f"# {format_size(data_bytes)} ({args.source or args.model}); reshard -> W, {args.repeat} rounds: "
+                f"median seconds, ratio to cp -r of the same round as median [min..max]; times include a final sync"
+            )
+            print(
+                f"{'W':>7}{'reshard s':>11}{'cp -r s':>9}{'reshard x cp':>20}{'peak RSS':>11}{'verify s':>10}"
+                f"{'verify x cp':>20}{'verify RSS':>12}{'manifest':>11}"
+            )
             for r in rows:
-                print(f"{r['world_size']:>7}{r['reshard_s']['median']:>11.2f}{r['cp_s']['median']:>9.2f}{spread(r['reshard_vs_cp']):>20}"
-                      f"{format_size(r['reshard_peak_rss']):>11}{r['verify_s']['median']:>10.2f}{spread(r['verify_vs_cp']):>20}"
-                      f"{format_size(r['verify_peak_rss']):>12}{format_size(r['manifest_bytes']):>11}")
+                print(
+                    f"{r['world_size']:>7}{r['reshard_s']['median']:>11.2f}{r['cp_s']['median']:>9.2f}{spread(r['reshard_vs_cp']):>20}"
+                    f"{format_size(r['reshard_peak_rss']):>11}{r['verify_s']['median']:>10.2f}{spread(r['verify_vs_cp']):>20}"
+                    f"{format_size(r['verify_peak_rss']):>12}{format_size(r['manifest_bytes']):>11}"
+                )
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

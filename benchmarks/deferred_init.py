@@ -60,8 +60,13 @@ def main() -> None:
     rows = {"deferred": launch(worker, args.model, True, options=options)[0]}
     if args.eager:
         rows["eager"] = launch(worker, args.model, False, options=options)[0]
-    document = {"model": args.model, "world_size": args.nproc_per_node, "model_bytes": model_bytes,
-                "largest_unit_bytes": largest_unit, **rows}
+    document = {
+        "model": args.model,
+        "world_size": args.nproc_per_node,
+        "model_bytes": model_bytes,
+        "largest_unit_bytes": largest_unit,
+        **rows,
+    }
     if args.json:
         print(json.dumps(document))
         return
@@ -72,8 +77,10 @@ def main() -> None:
         f"largest unit + this rank's shards {format_size(largest_unit + shard):>11}  ({format_size(largest_unit)} + {format_size(shard)})"
     )
     for name, row in rows.items():
-        print(f"{name + ' init peak':<32} {format_size(row['init_peak']):>12}  = {row['init_peak'] / model_bytes:.2f} x model,"
-              f" {row['init_peak'] / (largest_unit + shard):.2f} x (unit + shards)")
+        print(
+            f"{name + ' init peak':<32} {format_size(row['init_peak']):>12}  = {row['init_peak'] / model_bytes:.2f} x model,"
+            f" {row['init_peak'] / (largest_unit + shard):.2f} x (unit + shards)"
+        )
 
 
 if __name__ == "__main__":

@@ -87,8 +87,11 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     """(label, system kind, fsdpkit options) for each column of the run."""
     if args.ablation:
         return [(label, "fsdpkit", options) for label, options in ABLATION.items()]
-    options = {"backward_prefetch": args.backward_prefetch, "forward_prefetch": args.forward_prefetch,
-               "limit_all_gathers": args.limit_all_gathers}
+    options = {
+        "backward_prefetch": args.backward_prefetch,
+        "forward_prefetch": args.forward_prefetch,
+        "limit_all_gathers": args.limit_all_gathers,
+    }
     return [(kind, kind, options if kind == "fsdpkit" else {}) for kind in args.systems.split(",")]
 
 
@@ -113,21 +116,26 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
     data = TokenSource("synthetic", vocab_size=resolve_model(args.model).vocab_size, seq_len=args.seq_len, seed=0)
 
     def settings_for(options: dict) -> RunSettings:
-        return RunSettings(model=args.model, batch=args.batch, seq_len=args.seq_len, mixed_precision=args.mixed_precision,
-                           engine_options=options)
+        return RunSettings(
+            model=args.model, batch=args.batch, seq_len=args.seq_len, mixed_precision=args.mixed_precision, engine_options=options
+        )
 
     memory = {}
     for label, kind, options in tqdm(variants, desc="memory", disable=not rank0, file=sys.stderr):
         settings = settings_for(options)
-        _, peak, start = peak_training_bytes(functools.partial(build_system, kind, settings, device, label=label),
-                                             functools.partial(train_steps, data=data, settings=settings, device=device, steps=2), device)
+        _, peak, start = peak_training_bytes(
+            functools.partial(build_system, kind, settings, device, label=label),
+            functools.partial(train_steps, data=data, settings=settings, device=device, steps=2),
+            device,
+        )
         memory[label] = {"peak_bytes": int(_max_over_ranks(peak, device)), "state_bytes": int(_max_over_ranks(start, device))}
 
     systems = [build_system(kind, settings_for(options), device, label=label) for label, kind, options in variants]
     for system in systems:
         train_steps(system, data, settings_for({}), device, args.warmup)
-    breakdown = _profile_rounds(systems, lambda system, steps: train_steps(system, data, settings_for({}), device, steps),
-                                args.profile_steps, rank0)
+    breakdown = _profile_rounds(
+        systems, lambda system, steps: train_steps(system, data, settings_for({}), device, steps), args.profile_steps, rank0
+    )
     seconds = {system.name: [] for system in systems}
     cpu_seconds = {system.name: [] for system in systems}
     progress = tqdm(total=args.trials * len(systems), desc="trials", disable=not rank0, file=sys.stderr)
@@ -145,8 +153,14 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
             progress.update(1)
     progress.close()
     losses = {system.name: global_loss(system, device) for system in systems}
-    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "memory": memory, "losses": losses, "steps_per_system": systems[0].step,
-            "breakdown": breakdown}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "memory": memory,
+        "losses": losses,
+        "steps_per_system": systems[0].step,
+        "breakdown": breakdown,
+    }
 
 
 def _profile_rounds(systems: list, run, rounds: int, rank0: bool) -> dict[str, dict[str, float]]:
@@ -190,15 +204,19 @@ def summarize(args: argparse.Namespace, result: dict, num_params: int) -> dict:
         cpu_ratios = [mine / theirs for mine, theirs in zip(result["cpu_seconds"][reference], cpu, strict=True)]
         row = {
             "system": name,
-            "step_ms_median": median * 1e3, "step_ms_min": min(samples) * 1e3, "step_ms_max": max(samples) * 1e3,
+            "step_ms_median": median * 1e3,
+            "step_ms_min": min(samples) * 1e3,
+            "step_ms_max": max(samples) * 1e3,
             "tokens_per_s": tokens / median,
             "peak_bytes_per_rank": result["memory"][name]["peak_bytes"],
             "state_bytes_per_rank": result["memory"][name]["state_bytes"],
             "final_loss": result["losses"][name],
             "loss_rel_diff": abs(result["losses"][name] - loss_ref) / abs(loss_ref),
             "fsdpkit_time_ratio": statistics.median(ratios),
-            "fsdpkit_time_ratio_p25": _quantile(ratios, 0.25), "fsdpkit_time_ratio_p75": _quantile(ratios, 0.75),
-            "cpu_ms_median": statistics.median(cpu) * 1e3, "fsdpkit_cpu_ratio": statistics.median(cpu_ratios),
+            "fsdpkit_time_ratio_p25": _quantile(ratios, 0.25),
+            "fsdpkit_time_ratio_p75": _quantile(ratios, 0.75),
+            "cpu_ms_median": statistics.median(cpu) * 1e3,
+            "fsdpkit_cpu_ratio": statistics.median(cpu_ratios),
             "fsdpkit_memory_ratio": result["memory"][reference]["peak_bytes"] / result["memory"][name]["peak_bytes"],
         }
         if args.backend == "nccl":
@@ -250,24 +268,30 @@ def format_table(summary: dict) -> str:
     for row in summary["rows"]:
         step_range = f"[{row['step_ms_min']:.1f}..{row['step_ms_max']:.1f}]"
         ratio_range = f"[{row['fsdpkit_time_ratio_p25']:.3f}..{row['fsdpkit_time_ratio_p75']:.3f}]"
-        line = (f"  {row['system']:<22} {row['step_ms_median']:>9.1f} {step_range:>17}"
-                f" {row['tokens_per_s']:>9.0f} {row['peak_bytes_per_rank'] / 2**20:>9.1f} {row['final_loss']:>11.6f}"
-                f" {row['fsdpkit_time_ratio']:>10.3f} {ratio_range:>13} {row['fsdpkit_memory_ratio']:>9.3f}"
-                f" {row['cpu_ms_median']:>8.1f} {row['fsdpkit_cpu_ratio']:>9.3f}")
+        line = (
+            f"  {row['system']:<22} {row['step_ms_median']:>9.1f} {step_range:>17}"
+            f" {row['tokens_per_s']:>9.0f} {row['peak_bytes_per_rank'] / 2**20:>9.1f} {row['final_loss']:>11.6f}"
+            f" {row['fsdpkit_time_ratio']:>10.3f} {ratio_range:>13} {row['fsdpkit_memory_ratio']:>9.3f}"
+            f" {row['cpu_ms_median']:>8.1f} {row['fsdpkit_cpu_ratio']:>9.3f}"
+        )
         if cuda:
             line += f" {row['model_tflops_per_gpu']:>8.1f} {row['mfu'] * 100:>5.1f}%"
         lines.append(line)
     if summary["breakdown_ms_per_step"]:
         lines += format_breakdown(summary)
     verdict = "agree" if summary["losses_agree"] else "DISAGREE"
-    lines.append(f"# final losses after {summary['steps_per_system']} steps {verdict} within {summary['loss_tolerance']:g} "
-                 f"(worst relative difference {max(r['loss_rel_diff'] for r in summary['rows']):.2e})")
+    lines.append(
+        f"# final losses after {summary['steps_per_system']} steps {verdict} within {summary['loss_tolerance']:g} "
+        f"(worst relative difference {max(r['loss_rel_diff'] for r in summary['rows']):.2e})"
+    )
     return "\n".join(lines)
 
 
 def format_breakdown(summary: dict) -> list[str]:
-    lines = [f"# where a step goes: {summary['profile_steps']} profiled steps per system, ms per step (share), mean over ranks",
-             f"  {'system':<22} {'step ms':>8}" + "".join(f" {name:>15}" for name in CATEGORIES) + f" {'comm busy':>10}"]
+    lines = [
+        f"# where a step goes: {summary['profile_steps']} profiled steps per system, ms per step (share), mean over ranks",
+        f"  {'system':<22} {'step ms':>8}" + "".join(f" {name:>15}" for name in CATEGORIES) + f" {'comm busy':>10}",
+    ]
     for name, parts in summary["breakdown_ms_per_step"].items():
         step = parts["step"]
         cells = "".join(f" {parts[c]:>7.1f} ({parts[c] / step:>4.0%})" for c in CATEGORIES)

@@ -90,14 +90,14 @@ def build_system(kind: str, settings: RunSettings, device: torch.device, *, labe
         from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
         precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else None
-        model = FullyShardedDataParallel(model, auto_wrap_policy=_unit_policy(model, units), use_orig_params=True,
-                                         device_id=device, mixed_precision=precision)
+        model = FullyShardedDataParallel(
+            model, auto_wrap_policy=_unit_policy(model, units), use_orig_params=True, device_id=device, mixed_precision=precision
+        )
         groups = _name_groups(model, decay)
     elif kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                        gradient_as_bucket_view=True)
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
         groups = _name_groups(model, decay)
         autocast = bf16
     else:

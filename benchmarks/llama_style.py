@@ -57,8 +57,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
-        q, k, v = (proj(x).view(batch, seq, self.n_head, dim // self.n_head).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            proj(x).view(batch, seq, self.n_head, dim // self.n_head).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, dim))

@@ -45,7 +45,7 @@ def worker(model_name: str, steps: int, batch: int, seq_len: int) -> dict:
         for _ in range(steps):
             tokens = torch.randint(0, model.vocab_size, (batch, seq_len + 1), generator=generator)
             rows = batch // world
-            local = tokens[rank * rows:(rank + 1) * rows]
+            local = tokens[rank * rows : (rank + 1) * rows]
             F.cross_entropy(model(local[:, :-1]).flatten(0, 1), local[:, 1:].flatten()).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -83,10 +83,14 @@ def main() -> None:
     versus_first = f"vs W={first['world_size']}"
     print(f"{'world':>6} {'engine peak':>14} {versus_first:>9} {'RSS growth':>14} {versus_first:>9} {'peak RSS':>12}")
     for row in rows:
-        print(f"{row['world_size']:>6} {format_size(row['engine_peak']):>14} {row['engine_peak'] / first['engine_peak']:>9.2f}"
-              f" {format_size(row['rss_growth']):>14} {row['rss_growth'] / first['rss_growth']:>9.2f} {format_size(row['peak_rss']):>12}")
-    print("# engine peak: sharded params + grads + optimizer state + unsharded units in flight (fsdpkit.memory_stats);"
-          " RSS growth: peak RSS minus RSS before the model was built (includes activations)")
+        print(
+            f"{row['world_size']:>6} {format_size(row['engine_peak']):>14} {row['engine_peak'] / first['engine_peak']:>9.2f}"
+            f" {format_size(row['rss_growth']):>14} {row['rss_growth'] / first['rss_growth']:>9.2f} {format_size(row['peak_rss']):>12}"
+        )
+    print(
+        "# engine peak: sharded params + grads + optimizer state + unsharded units in flight (fsdpkit.memory_stats);"
+        " RSS growth: peak RSS minus RSS before the model was built (includes activations)"
+    )
 
 
 if __name__ == "__main__":

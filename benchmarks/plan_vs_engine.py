@@ -62,8 +62,9 @@ def counters_worker(models: list[str], batch: int, seq_len: int, strategy: str) 
         out = {}
         for name in models:
             data = TokenSource("synthetic", vocab_size=build_model(name, device="meta").vocab_size, seq_len=seq_len, seed=0)
-            stats, measured, _ = peak_training_bytes(functools.partial(_build, name, strategy),
-                                                     functools.partial(_train, data=data, batch=batch), torch.device("cpu"))
+            stats, measured, _ = peak_training_bytes(
+                functools.partial(_build, name, strategy), functools.partial(_train, data=data, batch=batch), torch.device("cpu")
+            )
             out[name] = {**stats, "measured_peak": measured}
         return out
     finally:
@@ -91,26 +92,38 @@ def main() -> None:
                 state_plan = plan.persistent
                 state_engine = stats["sharded_params"] + stats["sharded_grads"] + stats["optimizer_state"]
                 row = {
-                    "model": name, "world_size": world, "rank": rank,
-                    "state_plan": state_plan, "state_engine": state_engine, "state_exact": state_plan == state_engine,
-                    "peak_plan": plan.device_total, "peak_engine": stats["peak_total"],
+                    "model": name,
+                    "world_size": world,
+                    "rank": rank,
+                    "state_plan": state_plan,
+                    "state_engine": state_engine,
+                    "state_exact": state_plan == state_engine,
+                    "peak_plan": plan.device_total,
+                    "peak_engine": stats["peak_total"],
                     "ratio": stats["peak_total"] / plan.device_total,
-                    "measured_peak": stats["measured_peak"], "activations": stats["measured_peak"] - stats["peak_total"],
+                    "measured_peak": stats["measured_peak"],
+                    "activations": stats["measured_peak"] - stats["peak_total"],
                 }
                 rows.append(row)
     if args.json:
         print(json.dumps({"strategy": args.strategy, "batch": args.batch, "seq_len": args.seq_len, "rows": rows}))
         return
-    print(f"# plan vs engine counters, strategy {args.strategy}, AdamW, fp32, global batch {args.batch} x seq {args.seq_len}; "
-          "rank 0 of each run")
-    print(f"  {'model':<10} {'W':>2} {'state plan':>12} {'state engine':>13} {'peak plan':>11} {'peak engine':>12} {'ratio':>6}"
-          f" {'measured':>11} {'activations':>12} {'act/measured':>12}")
+    print(
+        f"# plan vs engine counters, strategy {args.strategy}, AdamW, fp32, global batch {args.batch} x seq {args.seq_len}; "
+        "rank 0 of each run"
+    )
+    print(
+        f"  {'model':<10} {'W':>2} {'state plan':>12} {'state engine':>13} {'peak plan':>11} {'peak engine':>12} {'ratio':>6}"
+        f" {'measured':>11} {'activations':>12} {'act/measured':>12}"
+    )
     for row in rows:
         if row["rank"]:
             continue
-        print(f"  {row['model']:<10} {row['world_size']:>2} {row['state_plan']:>12,} {row['state_engine']:>13,} {row['peak_plan']:>11,}"
-              f" {row['peak_engine']:>12,} {row['ratio']:>6.3f} {row['measured_peak']:>11,} {row['activations']:>12,}"
-              f" {row['activations'] / row['measured_peak']:>12.1%}")
+        print(
+            f"  {row['model']:<10} {row['world_size']:>2} {row['state_plan']:>12,} {row['state_engine']:>13,} {row['peak_plan']:>11,}"
+            f" {row['peak_engine']:>12,} {row['ratio']:>6.3f} {row['measured_peak']:>11,} {row['activations']:>12,}"
+            f" {row['activations'] / row['measured_peak']:>12.1%}"
+        )
     exact = all(row["state_exact"] for row in rows)
     worst = max(abs(row["ratio"] - 1) for row in rows)
     print(f"# every rank: persistent state {'equal' if exact else 'NOT equal'}; worst peak ratio off by {worst:.1%} (target 15%)")

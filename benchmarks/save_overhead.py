@@ -39,11 +39,26 @@ def run_once(mode: str, args: argparse.Namespace, work: Path) -> dict:
     flags = [f.format(every=args.save_every) for f in MODES[mode]]
     if flags:
         flags += ["--save-dir", str(save_dir), "--keep-last", "1"]
-    command = [FSDPKIT, "train", "--model", args.model, "--nproc-per-node", str(args.nproc_per_node), "--steps",
-               str(args.steps), "--seq-len", str(args.seq_len), "--global-batch-size", str(args.batch), "--quiet", "--json",
-               *flags]
-    done = subprocess.run(command, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    command = [
+        FSDPKIT,
+        "train",
+        "--model",
+        args.model,
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "--steps",
+        str(args.steps),
+        "--seq-len",
+        str(args.seq_len),
+        "--global-batch-size",
+        str(args.batch),
+        "--quiet",
+        "--json",
+        *flags,
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    )
     shutil.rmtree(save_dir, ignore_errors=True)
     if done.returncode != 0:
         sys.exit(f"{mode}: {' '.join(command)} failed ({done.returncode}):\n{done.stderr}")
@@ -81,11 +96,14 @@ def main() -> None:
     rounds = []
     try:
         for index in range(args.repeat):
-            order = modes[index % len(modes):] + modes[:index % len(modes)]
+            order = modes[index % len(modes) :] + modes[: index % len(modes)]
             summaries = {mode: run_once(mode, args, work) for mode in order}
             rounds.append(summaries)
-            print(f"round {index + 1}/{args.repeat}: " + ", ".join(f"{mode} {tokens_per_second(summaries[mode]):,.0f} tokens/s"
-                                                                   for mode in order), file=sys.stderr)
+            print(
+                f"round {index + 1}/{args.repeat}: "
+                + ", ".join(f"{mode} {tokens_per_second(summaries[mode]):,.0f} tokens/s" for mode in order),
+                file=sys.stderr,
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -93,26 +111,35 @@ def main() -> None:
     for mode in modes:
         rates = [tokens_per_second(summaries[mode]) for summaries in rounds]
         ratios = [rate / tokens_per_second(summaries["no save"]) for rate, summaries in zip(rates, rounds, strict=True)]
-        entry = {"tokens_per_second": statistics.median(rates), "ratio_median": statistics.median(ratios),
-                 "ratio_min": min(ratios), "ratio_max": max(ratios),
-                 "save_stall_seconds": statistics.median(s[mode]["save_stall_seconds"] for s in rounds)}
+        entry = {
+            "tokens_per_second": statistics.median(rates),
+            "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "save_stall_seconds": statistics.median(s[mode]["save_stall_seconds"] for s in rounds),
+        }
         timings = rounds[-1][mode]["save_timings"]
         if timings and timings["saves"]:
             entry["saves"] = timings["saves"]
             entry["save_seconds"] = statistics.median(s[mode]["save_timings"]["total"] for s in rounds)
-            entry["save_shares"] = {part: statistics.median(shares(s[mode]["save_timings"])[part] for s in rounds)
-                                    for part in (*PARTS, "other")}
+            entry["save_shares"] = {
+                part: statistics.median(shares(s[mode]["save_timings"])[part] for s in rounds) for part in (*PARTS, "other")
+            }
         result["modes"][mode] = entry
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"# {args.model}, {args.nproc_per_node} ranks, {args.steps} steps of {args.batch} x {args.seq_len} tokens, "
-          f"saving every {args.save_every}; {args.repeat} rounds (median, range)")
+    print(
+        f"# {args.model}, {args.nproc_per_node} ranks, {args.steps} steps of {args.batch} x {args.seq_len} tokens, "
+        f"saving every {args.save_every}; {args.repeat} rounds (median, range)"
+    )
     print(f"  {'mode':<8} {'tokens/s':>10} {'ratio':>7} {'range':>13} {'stall s':>8} {'saves':>6} {'save s':>7}")
     for mode, entry in result["modes"].items():
-        print(f"  {mode:<8} {entry['tokens_per_second']:>10,.0f} {entry['ratio_median']:>7.3f} "
-              f"{entry['ratio_min']:>6.3f}-{entry['ratio_max']:<6.3f} {entry['save_stall_seconds']:>8.2f} "
-              f"{entry.get('saves', 0):>6} {entry.get('save_seconds', 0.0):>7.2f}")
+        print(
+            f"  {mode:<8} {entry['tokens_per_second']:>10,.0f} {entry['ratio_median']:>7.3f} "
+            f"{entry['ratio_min']:>6.3f}-{entry['ratio_max']:<6.3f} {entry['save_stall_seconds']:>8.2f} "
+            f"{entry.get('saves', 0):>6} {entry.get('save_seconds', 0.0):>7.2f}"
+        )
     sync = result["modes"]["sync"].get("save_shares")
     if sync:
         print("# synchronous save time (rank 0): " + ", ".join(f"{part} {share:.0%}" for part, share in sync.items()))

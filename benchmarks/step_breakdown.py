@@ -71,8 +71,11 @@ class Breakdown:
 
     def per_step_ms(self) -> dict[str, float]:
         scale = 1e-3 / max(self.steps, 1)
-        return {"step": self.step_us * scale, "comm_busy": self.comm_busy_us * scale,
-                **{name: value * scale for name, value in self.us.items()}}
+        return {
+            "step": self.step_us * scale,
+            "comm_busy": self.comm_busy_us * scale,
+            **{name: value * scale for name, value in self.us.items()},
+        }
 
 
 def _is_comm(name: str) -> bool:

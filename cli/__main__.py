@@ -1,6 +1,6 @@
 """`python -m fsdpkit_cli ...` is the `fsdpkit` command; under torchrun each process is a worker:
 
-    torchrun --nproc-per-node 2 -m fsdpkit_cli train --steps 20
+torchrun --nproc-per-node 2 -m fsdpkit_cli train --steps 20
 """
 
 from .app import main

@@ -42,8 +42,7 @@ class FsdpkitGroup(TyperGroup):
     lazy_commands: dict[str, tuple[str, str]] = {}
     listing = False  # while listing commands (help, completion), lazy commands are not imported
 
-    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
-             standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True, **extra: Any) -> Any:
         from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
         from fsdpkit.errors import FsdpkitError
@@ -135,8 +134,9 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool | None = typer.Option(None, "--version", callback=_print_version, is_eager=True,
-                                           help="Print fsdpkit's version (and torch's) and exit."),
+    version: bool | None = typer.Option(
+        None, "--version", callback=_print_version, is_eager=True, help="Print fsdpkit's version (and torch's) and exit."
+    ),
 ) -> None:
     """Fully Sharded Data Parallel training, sharded safetensors checkpoints and collective benchmarks."""
 

@@ -56,18 +56,28 @@ LAUNCH = Section.of("launch", LaunchOptions, panel="Launch")
 
 def _bench_section(collectives: tuple[str, ...], *, with_variant: bool) -> Section:
     settings = tuple(s for s in settings_of(BenchOptions) if with_variant or s.key != "variant")
-    return Section("", "Benchmark", settings, functools.partial(BenchOptions, collectives),
-                   lambda options: {s.key: getattr(options, s.key) for s in settings})
+    return Section(
+        "",
+        "Benchmark",
+        settings,
+        functools.partial(BenchOptions, collectives),
+        lambda options: {s.key: getattr(options, s.key) for s in settings},
+    )
 
 
 def _run(
     ctx: typer.Context,
     *,
     sections: tuple[Section, ...],
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of the table.",
-                                              rich_help_panel="Output")] = False,
-    csv_file: Annotated[Path | None, typer.Option("--csv", help="Also write one CSV row per collective, size and mode to FILE.",
-                                                     rich_help_panel="Output", metavar="FILE")] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print one JSON document on stdout instead of the table.", rich_help_panel="Output")
+    ] = False,
+    csv_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--csv", help="Also write one CSV row per collective, size and mode to FILE.", rich_help_panel="Output", metavar="FILE"
+        ),
+    ] = None,
     **settings: Any,
 ) -> None:
     from fsdpkit.bench.report import format_report, report_document, write_csv
@@ -107,11 +117,15 @@ _DESCRIPTIONS = {
 }
 
 for _name in COLLECTIVES:
-    bench_app.command(_name, cls=FsdpkitCommand, short_help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]}.",
-                      help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]} (n = ranks). {_FORMULAS_HELP}")(
-        _command((_name,), with_variant=_name in VARIANTS)
-    )
-bench_app.command("all", cls=FsdpkitCommand, short_help="Every collective, one table after another (allgather: flat).",
-                  help=f"Every collective, one table after another (allgather: flat). {_FORMULAS_HELP}")(
-    _command(COLLECTIVES, with_variant=False)
-)
+    bench_app.command(
+        _name,
+        cls=FsdpkitCommand,
+        short_help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]}.",
+        help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]} (n = ranks). {_FORMULAS_HELP}",
+    )(_command((_name,), with_variant=_name in VARIANTS))
+bench_app.command(
+    "all",
+    cls=FsdpkitCommand,
+    short_help="Every collective, one table after another (allgather: flat).",
+    help=f"Every collective, one table after another (allgather: flat). {_FORMULAS_HELP}",
+)(_command(COLLECTIVES, with_variant=False))

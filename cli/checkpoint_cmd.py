@@ -20,8 +20,10 @@ from fsdpkit.sizes import format_size, parse_size
 from .app import app
 from .common import byte_progress, handle_errors, print_json
 
-CHUNK_HELP = ("Bytes read, checked and written at a time; bounds memory. The default (512K) stays in the CPU cache, "
-              "which is fastest on local disks (K/M/G = powers of 1024, KB/MB/GB = powers of 1000).")
+CHUNK_HELP = (
+    "Bytes read, checked and written at a time; bounds memory. The default (512K) stays in the CPU cache, "
+    "which is fastest on local disks (K/M/G = powers of 1024, KB/MB/GB = powers of 1000)."
+)
 
 
 def _progress_bar(desc: str, enabled: bool) -> contextlib.AbstractContextManager:
@@ -44,8 +46,10 @@ def _chunk(text: str) -> int:
         raise UsageError(f"--chunk-size {text!r} is {size} bytes; use at least 1K")
     available = available_memory_bytes()
     if 2 * size > available // 2:  # a chunk read ahead while one is written: two buffers
-        raise UsageError(f"--chunk-size {text!r} needs two {format_size(size)} buffers, more than half the "
-                         f"{format_size(available)} of memory available: use at most {format_size(available // 4)}")
+        raise UsageError(
+            f"--chunk-size {text!r} needs two {format_size(size)} buffers, more than half the "
+            f"{format_size(available)} of memory available: use at most {format_size(available // 4)}"
+        )
     return size
 
 
@@ -61,8 +65,7 @@ def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print_json(result)
         return
-    typer.echo(f"wrote {result['dst']}: {len(result['files'])} files, {result['tensors']} tensors, "
-               f"{format_size(result['bytes'])}")
+    typer.echo(f"wrote {result['dst']}: {len(result['files'])} files, {result['tensors']} tensors, {format_size(result['bytes'])}")
 
 
 @app.command("convert")
@@ -95,8 +98,16 @@ def convert(
         if limit is not None and limit < 1:
             raise UsageError(f"--max-shard-size must be positive, got {max_shard_size!r}")
         with _progress_bar("convert", True) as progress:
-            result = convert_to_full(src, dst, max_shard_size=limit, cast_to=cast_to, with_optimizer=with_optimizer,
-                                     chunk_size=chunk, overwrite=overwrite, progress=progress)
+            result = convert_to_full(
+                src,
+                dst,
+                max_shard_size=limit,
+                cast_to=cast_to,
+                with_optimizer=with_optimizer,
+                chunk_size=chunk,
+                overwrite=overwrite,
+                progress=progress,
+            )
     elif to == "sharded":
         if max_shard_size is not None:
             raise UsageError("--max-shard-size applies to --to full only")
@@ -107,9 +118,19 @@ def convert(
 
             placement, aliases = placement_for_model(model), aliases_for_model(model)
         with _progress_bar("convert", True) as progress:
-            result = convert_to_sharded(src, dst, world_size=ranks, placement=placement, placement_source=f"model {model!r}",
-                                        aliases=aliases, cast_to=cast_to,
-                                        with_optimizer=with_optimizer, chunk_size=chunk, overwrite=overwrite, progress=progress)
+            result = convert_to_sharded(
+                src,
+                dst,
+                world_size=ranks,
+                placement=placement,
+                placement_source=f"model {model!r}",
+                aliases=aliases,
+                cast_to=cast_to,
+                with_optimizer=with_optimizer,
+                chunk_size=chunk,
+                overwrite=overwrite,
+                progress=progress,
+            )
     else:
         raise UsageError(f"unknown --to {to!r}: use full or sharded")
     for line in result.get("warnings", []):
@@ -132,8 +153,15 @@ def reshard(
 
     ranks, chunk = _world(world_size), _chunk(chunk_size)
     with _progress_bar("reshard", True) as progress:
-        result = reshard_checkpoint(src, dst, world_size=ranks, chunk_size=chunk, overwrite=overwrite, progress=progress,
-                                    warn=lambda line: typer.echo(f"warning: {line}", err=True))
+        result = reshard_checkpoint(
+            src,
+            dst,
+            world_size=ranks,
+            chunk_size=chunk,
+            overwrite=overwrite,
+            progress=progress,
+            warn=lambda line: typer.echo(f"warning: {line}", err=True),
+        )
     _print_result(result, as_json)
 
 
@@ -155,15 +183,19 @@ def inspect(
         f"format      {summary['format']}" + (f" v{summary['version']}" if "version" in summary else ""),
     ]
     if "world_size" in summary:
-        lines += [f"world size  {summary['world_size']}  strategy {summary['strategy']}  "
-                  f"placement {summary['placement']} ({summary['units']} units)",
-                  f"step        {summary['step']}  samples {summary['samples']}"]
-    lines += [f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, "
-              f"{format_size(summary['model']['bytes'])}",
-              f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
-              "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
-              "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
-              f"files       {len(summary['files'])}, {format_size(sum(f['size'] for f in summary['files']))}"]
+        lines += [
+            f"world size  {summary['world_size']}  strategy {summary['strategy']}  "
+            f"placement {summary['placement']} ({summary['units']} units)",
+            f"step        {summary['step']}  samples {summary['samples']}",
+        ]
+    lines += [
+        f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, "
+        f"{format_size(summary['model']['bytes'])}",
+        f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
+        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
+        "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
+        f"files       {len(summary['files'])}, {format_size(sum(f['size'] for f in summary['files']))}",
+    ]
     if summary["aliases"]:
         lines.append("tied        " + ", ".join(f"{a} -> {t}" for a, t in summary["aliases"].items()))
     typer.echo("\n".join(lines))
@@ -183,8 +215,9 @@ def verify(
     if as_json:
         print_json(report)
     elif report["ok"]:
-        typer.echo(f"ok {report['path']}: {report['tensors']} tensors, {report['fragments']} fragments checked, "
-                   f"{format_size(report['bytes'])}")
+        typer.echo(
+            f"ok {report['path']}: {report['tensors']} tensors, {report['fragments']} fragments checked, {format_size(report['bytes'])}"
+        )
     else:
         typer.echo("\n".join(report["problems"]))
     if not report["ok"]:

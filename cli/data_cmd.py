@@ -19,10 +19,14 @@ from .common import byte_progress, handle_errors, print_json
 def prepare_data(
     text: Path = typer.Argument(..., help="The text file (UTF-8), tokenised in blocks that end at a line break."),
     out: Path = typer.Argument(..., help="The token file to write (.bin: little-endian integers, no header)."),
-    tokenizer: str = typer.Option("bytes", "--tokenizer", help="hf:DIR (a transformers tokenizer directory, "
-                                  "local files only; needs the [hf] extra) or bytes (each byte a token)."),
-    token_dtype: str = typer.Option("uint16", "--token-dtype", help="uint16 (vocabularies up to 65,536) or uint32; "
-                                    "train with the same --token-dtype."),
+    tokenizer: str = typer.Option(
+        "bytes",
+        "--tokenizer",
+        help="hf:DIR (a transformers tokenizer directory, local files only; needs the [hf] extra) or bytes (each byte a token).",
+    ),
+    token_dtype: str = typer.Option(
+        "uint16", "--token-dtype", help="uint16 (vocabularies up to 65,536) or uint32; train with the same --token-dtype."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
     """Tokenise TEXT into OUT, the nanoGPT-style token file `fsdpkit train --data OUT.bin` memory-maps."""
@@ -42,5 +46,7 @@ def prepare_data(
     if as_json:
         print_json(result)
     else:
-        typer.echo(f"wrote {result['out']}: {result['tokens']:,} tokens ({result['token_dtype']}, "
-                   f"{format_size(result['bytes'])}), tokenizer {result['tokenizer']}")
+        typer.echo(
+            f"wrote {result['out']}: {result['tokens']:,} tokens ({result['token_dtype']}, "
+            f"{format_size(result['bytes'])}), tokenizer {result['tokenizer']}"
+        )

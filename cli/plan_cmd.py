@@ -26,7 +26,8 @@ def format_plan(plan) -> str:
         f"# fsdpkit plan: {request.model}, {plan.num_params:,} parameters in {len(plan.units)} units; world size "
         f"{request.world_size}, {request.strategy} (shard factor {plan.shard_factor}, {replicas} replica{'s' * (replicas > 1)}); "
         f"mixed precision {request.mixed_precision}; {request.optimizer}"
-        + ("; cpu offload" if request.cpu_offload else "") + ("; no_sync" if request.no_sync else ""),
+        + ("; cpu offload" if request.cpu_offload else "")
+        + ("; no_sync" if request.no_sync else ""),
         "# per-rank bytes (rank 0 of a shard group holds the most: padding sits at the end)",
         f"  {'component':<42} {'bytes':>17} {'size':>11}  where",
     ]
@@ -42,8 +43,12 @@ def format_plan(plan) -> str:
     largest = plan.largest_unit
     row(f"largest unit unsharded ({largest.name or '<root>'})", largest.param_bytes, "device", "(part of the next row)")
     peak = plan.peak
-    row(f"unsharded in flight at peak ({peak.phase})", peak.bytes, "device",
-        f"params: {_units(peak.params) or '-'}; grads: {_units(peak.grads) or '-'}")
+    row(
+        f"unsharded in flight at peak ({peak.phase})",
+        peak.bytes,
+        "device",
+        f"params: {_units(peak.params) or '-'}; grads: {_units(peak.grads) or '-'}",
+    )
     if request.cpu_offload:
         row("device total", plan.device_total, "device")
         row("host total", plan.host_total, "host")
@@ -89,9 +94,16 @@ def plan_command(
     from fsdpkit.memory_plan import PlanRequest, plan_memory
 
     request = PlanRequest(
-        model=model, world_size=world_size, strategy=strategy, shard_group_size=shard_group_size,
-        mixed_precision=mixed_precision, cpu_offload=cpu_offload, optimizer=optimizer, no_sync=no_sync,
-        backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+        model=model,
+        world_size=world_size,
+        strategy=strategy,
+        shard_group_size=shard_group_size,
+        mixed_precision=mixed_precision,
+        cpu_offload=cpu_offload,
+        optimizer=optimizer,
+        no_sync=no_sync,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
     )
     plan = plan_memory(request)
     if json_output:

@@ -17,10 +17,8 @@ from .common import handle_errors
 @app.command("report", short_help="Draw train --metrics (loss, tokens/s, lr, memory) or bench --json (busbw) as a PNG.")
 @handle_errors
 def report(
-    source: Annotated[Path, typer.Argument(help="A train --metrics file (JSON lines) or a bench --json document.",
-                                           metavar="FILE")],
-    out: Annotated[Path | None, typer.Option("--out", help="The PNG to write (default: FILE with .png).",
-                                                metavar="PNG")] = None,
+    source: Annotated[Path, typer.Argument(help="A train --metrics file (JSON lines) or a bench --json document.", metavar="FILE")],
+    out: Annotated[Path | None, typer.Option("--out", help="The PNG to write (default: FILE with .png).", metavar="PNG")] = None,
 ) -> None:
     """Draw loss (train and eval), tokens/s, learning rate and memory against step from train
     --metrics; or busbw against size per collective, and list against flat all-gather, from

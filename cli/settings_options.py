@@ -36,19 +36,20 @@ def setting_parameters(sections: Sequence[Section], *, panel_order: Sequence[str
     for section in sections:
         for spec in section.settings:
             name = parameter_name(section, spec)
-            parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
-                                                annotation=_annotation(section, spec), default=_default(spec)))
+            parameters.append(
+                inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=_annotation(section, spec), default=_default(spec))
+            )
             if _has_hidden_off_flag(spec):
                 off = typer.Option(spec.off_flag or "--no-" + spec.long_flag[2:], hidden=True)
-                parameters.append(inspect.Parameter(name + _OFF, inspect.Parameter.KEYWORD_ONLY,
-                                                    annotation=Annotated[bool, off], default=False))
+                parameters.append(
+                    inspect.Parameter(name + _OFF, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[bool, off], default=False)
+                )
     order = {panel: index for index, panel in enumerate(panel_order)}
     return sorted(parameters, key=lambda p: order.get(_panel_of(p), len(order)))
 
 
 def _panel_of(parameter: inspect.Parameter) -> str:
-    return next((a.rich_help_panel for a in typing.get_args(parameter.annotation)[1:]
-                 if getattr(a, "rich_help_panel", None)), "")
+    return next((a.rich_help_panel for a in typing.get_args(parameter.annotation)[1:] if getattr(a, "rich_help_panel", None)), "")
 
 
 def _has_hidden_off_flag(spec: Setting) -> bool:
@@ -121,8 +122,9 @@ def _annotation(section: Section, spec: Setting) -> Any:
         python_type = kind
     if spec.short:
         names.append(spec.short)
-    option = typer.Option(*names, help=escape(spec.help), rich_help_panel=spec.panel or section.panel,
-                          show_default=_default_text(spec), metavar=metavar)
+    option = typer.Option(
+        *names, help=escape(spec.help), rich_help_panel=spec.panel or section.panel, show_default=_default_text(spec), metavar=metavar
+    )
     return Annotated[python_type | None, option]
 
 

@@ -34,14 +34,23 @@ training steps' time (no evaluation or saving), over every step but the first.""
 
 def train(
     ctx: typer.Context,
-    config_file: Annotated[Path | None, typer.Option(
-        "--config", help="Read settings from this TOML file first (flags override it).", rich_help_panel="Output",
-        metavar="FILE")] = None,
-    print_config: Annotated[bool, typer.Option(
-        "--print-config", help="Print the effective config as TOML and exit (save it, replay it with --config).",
-        rich_help_panel="Output")] = False,
-    json_output: Annotated[bool, typer.Option(
-        "--json", help="Print the summary as one JSON document on stdout.", rich_help_panel="Output")] = False,
+    config_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", help="Read settings from this TOML file first (flags override it).", rich_help_panel="Output", metavar="FILE"
+        ),
+    ] = None,
+    print_config: Annotated[
+        bool,
+        typer.Option(
+            "--print-config",
+            help="Print the effective config as TOML and exit (save it, replay it with --config).",
+            rich_help_panel="Output",
+        ),
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the summary as one JSON document on stdout.", rich_help_panel="Output")
+    ] = False,
     **settings: Any,
 ) -> None:
     from fsdpkit.train.launcher import run_training
@@ -80,14 +89,17 @@ def format_summary(summary: dict) -> str:
         redone = summary.get("steps_redone")
         lines.append(f"restarts         {summary['restarts']}" + (f" ({redone} steps run again)" if redone is not None else ""))
     if summary.get("preempted"):
-        lines.append(f"preempted        stopped after step {summary['steps']} (SIGTERM)"
-                     + ("; continue with --resume" if summary.get("checkpoint") else ""))
+        lines.append(
+            f"preempted        stopped after step {summary['steps']} (SIGTERM)"
+            + ("; continue with --resume" if summary.get("checkpoint") else "")
+        )
     if summary.get("checkpoint"):
         lines.append(f"checkpoint       {summary['checkpoint']}")
     saves = (summary.get("save_timings") or {}).get("saves")
     if saves:
-        lines.append(f"save stall       {summary['save_stall_seconds']:.2f} s in the training thread between steps "
-                     f"({saves} saves; max over ranks)")
+        lines.append(
+            f"save stall       {summary['save_stall_seconds']:.2f} s in the training thread between steps ({saves} saves; max over ranks)"
+        )
     return "\n".join(line for line in lines if line)
 
 
@@ -99,6 +111,4 @@ def _command_parameters() -> list:
 
 
 command_app = typer.Typer(add_completion=False)
-command_app.command("train", cls=FsdpkitCommand, help=HELP)(
-    handle_errors(with_parameters(train, _command_parameters()))
-)
+command_app.command("train", cls=FsdpkitCommand, help=HELP)(handle_errors(with_parameters(train, _command_parameters())))

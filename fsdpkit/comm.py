@@ -124,15 +124,24 @@ class Collectives:
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group: Any, *, async_op: bool = False, label: str = ""):
         """Concatenate every rank's equal `shard` into `output` (numel = shard.numel * group size)."""
-        return self._issue("all_gather", output.numel() * output.element_size(), label,
-                           lambda: all_gather_by_p2p(output, shard, group, async_op=async_op) if is_gloo(output, group)
-                           else _all_gather_flat(output, shard, group=group, async_op=async_op), async_op)
+        return self._issue(
+            "all_gather",
+            output.numel() * output.element_size(),
+            label,
+            lambda: (
+                all_gather_by_p2p(output, shard, group, async_op=async_op)
+                if is_gloo(output, group)
+                else _all_gather_flat(output, shard, group=group, async_op=async_op)
+            ),
+            async_op,
+        )
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, group: Any, *, async_op: bool = False, label: str = ""):
         """Sum `full` over the group and leave chunk `rank` of the sum in `output`.
 
         Returns a work handle when asynchronous: `output` holds the result after `wait()`.
         """
+
         def call():
             if is_gloo(full, group):
                 return reduce_scatter_by_p2p(output, full, group, async_op=async_op)
@@ -141,18 +150,33 @@ class Collectives:
         return self._issue("reduce_scatter", full.numel() * full.element_size(), label, call, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, group: Any, *, op: Any = dist.ReduceOp.SUM, async_op: bool = False, label: str = ""):
-        return self._issue("all_reduce", tensor.numel() * tensor.element_size(), label,
-                           lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+        return self._issue(
+            "all_reduce",
+            tensor.numel() * tensor.element_size(),
+            label,
+            lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+            async_op,
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any, *, async_op: bool = False, label: str = ""):
-        return self._issue("broadcast", tensor.numel() * tensor.element_size(), label,
-                           lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
+        return self._issue(
+            "broadcast",
+            tensor.numel() * tensor.element_size(),
+            label,
+            lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+            async_op,
+        )
 
     def broadcast_object(self, value: Any, src: int, group: Any, *, label: str = "") -> Any:
         """`value` of rank `src` (a rank of `group`, not a global rank) on every rank."""
         holder = [value]
-        self._issue("broadcast_object", 0, label, lambda: dist.broadcast_object_list(
-            holder, src=dist.get_global_rank(group, src) if group is not None else src, group=group), False)
+        self._issue(
+            "broadcast_object",
+            0,
+            label,
+            lambda: dist.broadcast_object_list(holder, src=dist.get_global_rank(group, src) if group is not None else src, group=group),
+            False,
+        )
         return holder[0]
 
     def all_gather_object(self, value: Any, group: Any, *, label: str = "") -> list[Any]:
@@ -261,4 +285,3 @@ def reduce_scatter_by_p2p(output: torch.Tensor, full: torch.Tensor, group: Any, 
         return handle
     handle.wait()
     return None
-

@@ -63,28 +63,37 @@ def _cuda_devices() -> int:
 class LaunchOptions:
     """Where the workers run: torchrun's flags, with torchrun's meanings."""
 
-    nproc_per_node: int | None = setting(None, "Processes on this node: a number, gpu, cpu or auto "
-                                         "(default: one per GPU, or 2 without a GPU).", parse=parse_nproc,
-                                         metavar="N|gpu|cpu|auto")
+    nproc_per_node: int | None = setting(
+        None,
+        "Processes on this node: a number, gpu, cpu or auto (default: one per GPU, or 2 without a GPU).",
+        parse=parse_nproc,
+        metavar="N|gpu|cpu|auto",
+    )
     nnodes: int = setting(1, "Number of nodes (a fixed number: no MIN:MAX ranges).")
     node_rank: int = setting(0, "This node's rank, 0..nnodes-1.")
-    rdzv_endpoint: str | None = setting(None, "HOST:PORT of the rendezvous that every node can reach "
-                                        "(needed with --nnodes > 1).", metavar="HOST:PORT")
-    rdzv_backend: str = setting("c10d", "c10d (a store on the endpoint) or static (ranks from --node-rank).",
-                                choices=RDZV_BACKENDS)
-    rdzv_id: str | None = setting(None, "The job id every node of one run shares (default: a new one per run "
-                                  "on one node, 'fsdpkit' on several).", metavar="ID")
-    standalone: bool = setting(False, "One node, a rendezvous on a free local port: what fsdpkit does on one "
-                               "node anyway (accepted for torchrun's sake).")
-    master_addr: str | None = setting(None, "torchrun's shortcut: --master-addr A --master-port P is "
-                                      "--rdzv-endpoint A:P.", metavar="HOST")
-    master_port: int | None = setting(None, "See --master-addr (default port 29500 when only the address is given).",
-                                      metavar="PORT")
-    max_restarts: int = setting(0, "Restart the worker group up to N times when a worker dies or fails "
-                                "(training resumes from the newest checkpoint of the run in --save-dir).",
-                                metavar="N")
-    timeout: float = setting(DEFAULT_TIMEOUT_SECONDS, "Seconds any collective or the rendezvous may wait before "
-                             "the run fails, naming the rank, the collective and the step.", metavar="SECONDS")
+    rdzv_endpoint: str | None = setting(
+        None, "HOST:PORT of the rendezvous that every node can reach (needed with --nnodes > 1).", metavar="HOST:PORT"
+    )
+    rdzv_backend: str = setting("c10d", "c10d (a store on the endpoint) or static (ranks from --node-rank).", choices=RDZV_BACKENDS)
+    rdzv_id: str | None = setting(
+        None, "The job id every node of one run shares (default: a new one per run on one node, 'fsdpkit' on several).", metavar="ID"
+    )
+    standalone: bool = setting(
+        False, "One node, a rendezvous on a free local port: what fsdpkit does on one node anyway (accepted for torchrun's sake)."
+    )
+    master_addr: str | None = setting(None, "torchrun's shortcut: --master-addr A --master-port P is --rdzv-endpoint A:P.", metavar="HOST")
+    master_port: int | None = setting(None, "See --master-addr (default port 29500 when only the address is given).", metavar="PORT")
+    max_restarts: int = setting(
+        0,
+        "Restart the worker group up to N times when a worker dies or fails "
+        "(training resumes from the newest checkpoint of the run in --save-dir).",
+        metavar="N",
+    )
+    timeout: float = setting(
+        DEFAULT_TIMEOUT_SECONDS,
+        "Seconds any collective or the rendezvous may wait before the run fails, naming the rank, the collective and the step.",
+        metavar="SECONDS",
+    )
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
@@ -106,8 +115,10 @@ class LaunchOptions:
         if self.rdzv_endpoint and (self.master_addr or self.master_port):
             raise UsageError("--rdzv-endpoint and --master-addr/--master-port name the same thing: give one of them")
         if self.standalone and (self.nnodes > 1 or self.endpoint):
-            raise UsageError("--standalone runs on one node with a local rendezvous: it excludes --nnodes > 1, "
-                             "--rdzv-endpoint and --master-addr/--master-port")
+            raise UsageError(
+                "--standalone runs on one node with a local rendezvous: it excludes --nnodes > 1, "
+                "--rdzv-endpoint and --master-addr/--master-port"
+            )
         if self.nnodes > 1 and not self.endpoint:
             raise UsageError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT that every node can reach")
         if self.endpoint:
@@ -167,8 +178,11 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         run_id=options.job_id or "fsdpkit-" + uuid.uuid4().hex[:8],
         rdzv_backend=options.rdzv_backend,
         rdzv_endpoint=endpoint,
-        rdzv_configs={"join_timeout": seconds, "timeout": seconds,
-                      **({"rank": options.node_rank} if options.rdzv_backend == "static" else {})},
+        rdzv_configs={
+            "join_timeout": seconds,
+            "timeout": seconds,
+            **({"rank": options.node_rank} if options.rdzv_backend == "static" else {}),
+        },
         max_restarts=options.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
@@ -190,8 +204,10 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         raise RunError(f"worker rank {rank} failed: {reason}{after}") from None
     except RendezvousError as error:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise RunError(f"the rendezvous at {endpoint} did not complete within --timeout {options.timeout:g} s "
-                       f"({options.nnodes} nodes expected): {detail}") from None
+        raise RunError(
+            f"the rendezvous at {endpoint} did not complete within --timeout {options.timeout:g} s "
+            f"({options.nnodes} nodes expected): {detail}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -213,8 +229,7 @@ def _stop_signals() -> Iterator[None]:
         os.environ[STOP_ENV] = "1"
         _signal_workers(signal.SIGTERM)
 
-    previous = {sig: signal.signal(sig, handler) for sig, handler in
-                ((signal.SIGTERM, stop_after_step), (signal.SIGINT, stop_now))}
+    previous = {sig: signal.signal(sig, handler) for sig, handler in ((signal.SIGTERM, stop_after_step), (signal.SIGINT, stop_now))}
     try:
         yield
     finally:

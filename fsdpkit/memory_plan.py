@@ -59,8 +59,11 @@ class PlanRequest:
 
     @property
     def sharding(self) -> ShardingConfig:
-        return ShardingConfig(strategy=parse_enum(Strategy, self.strategy, "sharding strategy"), shard_group_size=self.shard_group_size,
-                              mixed_precision=MixedPrecision.from_name(self.mixed_precision))
+        return ShardingConfig(
+            strategy=parse_enum(Strategy, self.strategy, "sharding strategy"),
+            shard_group_size=self.shard_group_size,
+            mixed_precision=MixedPrecision.from_name(self.mixed_precision),
+        )
 
     @property
     def schedule(self) -> Schedule:
@@ -159,10 +162,17 @@ def unit_sizes(plans: list[UnitPlan], shard_factor: int, *, shard_rank: int = 0,
     for plan in plans:
         layout = plan.layout(shard_factor)
         local = sum(fragment.param_range.size for fragment in layout.fragments(shard_rank))
-        sizes.append(UnitSizes(
-            name=plan.name, numel=layout.numel, padded_numel=layout.padded_numel, chunk_numel=layout.chunk_numel,
-            local_numel=local, trainable_params=sum(p.requires_grad for p in plan.params), master_bytes=master_bytes,
-        ))
+        sizes.append(
+            UnitSizes(
+                name=plan.name,
+                numel=layout.numel,
+                padded_numel=layout.padded_numel,
+                chunk_numel=layout.chunk_numel,
+                local_numel=local,
+                trainable_params=sum(p.requires_grad for p in plan.params),
+                master_bytes=master_bytes,
+            )
+        )
     return sizes
 
 
@@ -177,10 +187,15 @@ def footprint(unit: UnitSizes, request: PlanRequest, shard_factor: int) -> UnitF
     param_bytes = 0 if aliases else unit.padded_numel * compute
     grad_bytes = unit.padded_numel * compute + (unit.padded_numel * reduce if reduce != compute else 0) if unit.trainable else 0
     on_device = unit.trainable and not request.cpu_offload
-    return UnitFootprint(unit.name, param_bytes, grad_bytes, unit.trainable,
-                         reduced_bytes=unit.chunk_numel * unit.master_bytes if on_device else 0,
-                         issued_bytes=unit.chunk_numel * reduce if on_device else 0,
-                         reduced_on_completion=shard_factor == 1)
+    return UnitFootprint(
+        unit.name,
+        param_bytes,
+        grad_bytes,
+        unit.trainable,
+        reduced_bytes=unit.chunk_numel * unit.master_bytes if on_device else 0,
+        issued_bytes=unit.chunk_numel * reduce if on_device else 0,
+        reduced_on_completion=shard_factor == 1,
+    )
 
 
 def plan_from_sizes(units: list[UnitSizes], request: PlanRequest, *, num_params: int) -> MemoryPlan:

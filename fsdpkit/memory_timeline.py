@@ -108,7 +108,7 @@ def peak_unsharded(units: list[UnitFootprint], schedule: Schedule) -> Peak:
     for index, name in enumerate(blocks):
         tracker.unshard(name)
         if schedule.forward_prefetch:
-            prefetch(blocks[index + 1:])
+            prefetch(blocks[index + 1 :])
         tracker.observe("forward")
         if schedule.reshard_after_forward and index < len(blocks) - 1:
             tracker.reshard(name)
@@ -117,7 +117,7 @@ def peak_unsharded(units: list[UnitFootprint], schedule: Schedule) -> Peak:
     backward_order = list(reversed(blocks)) + [root]
     for index, name in enumerate(backward_order):
         tracker.unshard(name)
-        following = [n for n in backward_order[index + 1:] if n != root]
+        following = [n for n in backward_order[index + 1 :] if n != root]
         deferred = index == 0 and name != root and tracker.units[name].trainable
         if schedule.backward_prefetch and not deferred:
             prefetch(following)

@@ -34,8 +34,9 @@ def read_report_input(path: Path) -> tuple[str, Any]:
         except ValueError:
             record = None
         if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
-            raise UsageError(f"{str(path)!r} line {number} is not a metrics record (train --metrics) "
-                             "and the file is not a bench --json document")
+            raise UsageError(
+                f"{str(path)!r} line {number} is not a metrics record (train --metrics) and the file is not a bench --json document"
+            )
         records.append(record)
     if not records:
         raise UsageError(f"{str(path)!r} holds no metrics records")
@@ -95,8 +96,14 @@ def plot_bench(document: dict, out: Path) -> None:
         for mode, style in (("out_of_place", "-"), ("in_place", "--")):
             rows = [row for row in result["rows"] if row.get(mode)]
             if rows:
-                (line,) = busbw.plot([row["size_bytes"] for row in rows], [row[mode]["busbw_gbps"] for row in rows],
-                                     style, marker="o", color=color, label=f"{name}, {mode.replace('_', '-')}")
+                (line,) = busbw.plot(
+                    [row["size_bytes"] for row in rows],
+                    [row[mode]["busbw_gbps"] for row in rows],
+                    style,
+                    marker="o",
+                    color=color,
+                    label=f"{name}, {mode.replace('_', '-')}",
+                )
                 color = line.get_color()
     busbw.set_xscale("log", base=2)
     busbw.set_xlabel("size (bytes)")
@@ -106,8 +113,11 @@ def plot_bench(document: dict, out: Path) -> None:
     if compare:
         ratio = axes[0][1]
         for mode, style in (("out_of_place", "-"), ("in_place", "--")):
-            pairs = [(flat, listed) for flat, listed in zip(variants["flat"]["rows"], variants["list"]["rows"], strict=False)
-                     if flat.get(mode) and listed.get(mode)]
+            pairs = [
+                (flat, listed)
+                for flat, listed in zip(variants["flat"]["rows"], variants["list"]["rows"], strict=False)
+                if flat.get(mode) and listed.get(mode)
+            ]
             ratio.plot(
                 [flat["size_bytes"] for flat, _ in pairs],
                 [listed[mode]["time_us"] / flat[mode]["time_us"] for flat, listed in pairs],

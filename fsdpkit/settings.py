@@ -59,7 +59,8 @@ def settings_of(cls: type) -> tuple[Setting, ...]:
     hints = typing.get_type_hints(cls)
     return tuple(
         Setting(key=f.name, type=hints[f.name], default=f.default, **f.metadata[_METADATA_KEY])
-        for f in fields(cls) if _METADATA_KEY in f.metadata
+        for f in fields(cls)
+        if _METADATA_KEY in f.metadata
     )
 
 
@@ -76,8 +77,7 @@ class Section:
     @classmethod
     def of(cls, name: str, config_class: type, *, panel: str) -> Section:
         settings = settings_of(config_class)
-        return cls(name, panel, settings, config_class,
-                   lambda obj: {s.key: getattr(obj, s.key) for s in settings})
+        return cls(name, panel, settings, config_class, lambda obj: {s.key: getattr(obj, s.key) for s in settings})
 
     def from_values(self, values: Mapping[str, Any], *, where: str) -> Any:
         known = {s.key: s for s in self.settings}

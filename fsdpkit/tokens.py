@@ -105,8 +105,9 @@ def open_token_file(path: str | Path, dtype: TokenDtype):
         raise UsageError(f"cannot read data file {str(path)!r}: {error.strerror or error}") from None
     itemsize = np.dtype(dtype.value).itemsize
     if size % itemsize:
-        raise DataCheckError(f"token file {str(path)!r} has {size} bytes, not a whole number of {dtype.value} tokens "
-                             "(written with another --token-dtype?)")
+        raise DataCheckError(
+            f"token file {str(path)!r} has {size} bytes, not a whole number of {dtype.value} tokens (written with another --token-dtype?)"
+        )
     if size == 0:
         raise DataCheckError(f"token file {str(path)!r} is empty")
     return np.memmap(path, dtype=np.dtype(dtype.value).newbyteorder("<"), mode="r")
@@ -130,14 +131,22 @@ def _blocks(handle, block_bytes: int):
         yield data[:cut]
 
 
-def write_token_file(text: str | Path, out: str | Path, *, tokenizer: ByteTokenizer | HfTokenizer, dtype: TokenDtype,
-                     progress: Callable[[int], None] | None = None, block_bytes: int = BLOCK_BYTES) -> dict[str, Any]:
+def write_token_file(
+    text: str | Path,
+    out: str | Path,
+    *,
+    tokenizer: ByteTokenizer | HfTokenizer,
+    dtype: TokenDtype,
+    progress: Callable[[int], None] | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> dict[str, Any]:
     """Tokenise `text` into the flat token file `out`; returns a JSON-able summary."""
     import numpy as np
 
     if tokenizer.vocab_size > dtype.limit:
-        raise UsageError(f"tokenizer {tokenizer.spec!r} has {tokenizer.vocab_size} tokens, more than {dtype.value} holds: "
-                         "use --token-dtype uint32")
+        raise UsageError(
+            f"tokenizer {tokenizer.spec!r} has {tokenizer.vocab_size} tokens, more than {dtype.value} holds: use --token-dtype uint32"
+        )
     if os.path.isdir(text):
         raise UsageError(f"text {str(text)!r} is a directory, not a file")
     out = Path(out)
@@ -170,5 +179,12 @@ def write_token_file(text: str | Path, out: str | Path, *, tokenizer: ByteTokeni
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return {"text": str(text), "out": str(out), "tokenizer": tokenizer.spec, "token_dtype": dtype.value,
-            "tokens": tokens, "bytes": tokens * np.dtype(dtype.value).itemsize, "largest_token": largest}
+    return {
+        "text": str(text),
+        "out": str(out),
+        "tokenizer": tokenizer.spec,
+        "token_dtype": dtype.value,
+        "tokens": tokens,
+        "bytes": tokens * np.dtype(dtype.value).itemsize,
+        "largest_token": largest,
+    }

@@ -32,9 +32,11 @@ def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-SAMPLE_UNITS = [["h.0.attn.weight", "h.0.attn.bias", "h.0.mlp.weight"],
-                ["h.1.attn.weight", "h.1.attn.bias", "h.1.mlp.weight"],
-                ["wte.weight", "ln_f.weight"]]
+SAMPLE_UNITS = [
+    ["h.0.attn.weight", "h.0.attn.bias", "h.0.mlp.weight"],
+    ["h.1.attn.weight", "h.1.attn.bias", "h.1.mlp.weight"],
+    ["wte.weight", "ln_f.weight"],
+]
 
 
 def sample_optimizer(params: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
@@ -48,14 +50,23 @@ def sample_optimizer(params: dict[str, torch.Tensor], seed: int = 1) -> dict[str
 
 
 def sample_buffers() -> dict[str, torch.Tensor]:
-    return {"attn.mask": torch.tril(torch.ones(5, 5, dtype=torch.bool)),
-            "pos.ids": torch.arange(11, dtype=torch.int64),
-            "counter": torch.tensor(3, dtype=torch.int32),
-            "empty": torch.zeros(0, 4)}
+    return {
+        "attn.mask": torch.tril(torch.ones(5, 5, dtype=torch.bool)),
+        "pos.ids": torch.arange(11, dtype=torch.int64),
+        "counter": torch.tensor(3, dtype=torch.int32),
+        "empty": torch.zeros(0, 4),
+    }
 
 
-def make_manifest(tensors: dict[str, torch.Tensor], *, world_size: int, units: list[list[str]] | None = None,
-                  training_state: dict | None = None, aliases: dict[str, str] | None = None, run_id: str = "test-run") -> Manifest:
+def make_manifest(
+    tensors: dict[str, torch.Tensor],
+    *,
+    world_size: int,
+    units: list[list[str]] | None = None,
+    training_state: dict | None = None,
+    aliases: dict[str, str] | None = None,
+    run_id: str = "test-run",
+) -> Manifest:
     placement = Placement.flat([[(n, tuple(tensors[n].shape)) for n in unit] for unit in units]) if units else Placement.even()
     table = tuple(TensorSpec(n, safetensors_dtype(t.dtype), tuple(t.shape)) for n, t in tensors.items())
     return Manifest(world_size, "full", placement, table, dict(aliases or {}), dict(training_state or {}), run_id)
@@ -68,11 +79,21 @@ def write_ranks(directory: Path, manifest: Manifest, tensors: dict[str, torch.Te
         write_rank(directory, manifest, rank, whole)
 
 
-def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], *, world_size: int,
-                    units: list[list[str]] | None = None, training_state: dict | None = None,
-                    aliases: dict[str, str] | None = None, keep_last: int | None = None, run_id: str = "test-run") -> Path:
-    manifest = make_manifest(tensors, world_size=world_size, units=units, aliases=aliases,
-                             training_state=training_state or {"step": step}, run_id=run_id)
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    *,
+    world_size: int,
+    units: list[list[str]] | None = None,
+    training_state: dict | None = None,
+    aliases: dict[str, str] | None = None,
+    keep_last: int | None = None,
+    run_id: str = "test-run",
+) -> Path:
+    manifest = make_manifest(
+        tensors, world_size=world_size, units=units, aliases=aliases, training_state=training_state or {"step": step}, run_id=run_id
+    )
     tmp = storage.begin(run_dir, step, run_id=run_id)
     write_ranks(tmp, manifest, tensors)
     return storage.commit(tmp, run_dir, step, manifest, keep_last=keep_last)
@@ -89,4 +110,3 @@ def run_cli(*args: str):
 def tree_snapshot(path: Path) -> dict[str, tuple[int, float]]:
     """name -> (size, mtime) of every file under path, to prove SRC is untouched."""
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*")) if p.is_file()}
-

@@ -18,12 +18,27 @@ from safetensors.torch import save_file
 
 from fsdpkit.layout import ElementRange, FlatLayout, even_split_ranges
 
-DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-          torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8"}
+DTYPES = {
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+}
 
 
-def write_v1(step_dir: Path, tensors: dict[str, torch.Tensor], *, world_size: int, units: list[list[str]] | None,
-             training_state: dict, aliases: dict[str, str] | None = None) -> Path:
+def write_v1(
+    step_dir: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    world_size: int,
+    units: list[list[str]] | None,
+    training_state: dict,
+    aliases: dict[str, str] | None = None,
+) -> Path:
     step_dir.mkdir(parents=True)
     placed: dict[str, list[tuple[int, ElementRange]]] = {}
     for unit in units or []:
@@ -47,7 +62,7 @@ def write_v1(step_dir: Path, tensors: dict[str, torch.Tensor], *, world_size: in
         flat = tensor.reshape(-1)
         fragments = []
         for rank, rng in pieces:
-            data = flat[rng.start:rng.end].contiguous()
+            data = flat[rng.start : rng.end].contiguous()
             per_rank[rank][name] = data
             crc = zlib.crc32(data.view(torch.uint8).numpy().tobytes())
             fragments.append({"file": rank, "key": name, "start": rng.start, "end": rng.end, "crc32": crc})
@@ -57,10 +72,30 @@ def write_v1(step_dir: Path, tensors: dict[str, torch.Tensor], *, world_size: in
         name = f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
         save_file(per_rank[rank], step_dir / name, metadata={"format": "pt"})
         files.append({"name": name, "size": (step_dir / name).stat().st_size})
-    plan = {"kind": "even"} if not units else {"kind": "flat", "units": [
-        {"params": [{"name": n, "shape": list(tensors[n].shape)} for n in unit],
-         "padding": FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in unit], world_size).padding} for unit in units]}
-    manifest = {"format": "fsdpkit-checkpoint", "version": 1, "world_size": world_size, "strategy": "full_shard", "plan": plan,
-                "files": files, "tensors": entries, "aliases": aliases or {}, "training_state": training_state}
+    plan = (
+        {"kind": "even"}
+        if not units
+        else {
+            "kind": "flat",
+            "units": [
+                {
+                    "params": [{"name": n, "shape": list(tensors[n].shape)} for n in unit],
+                    "padding": FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in unit], world_size).padding,
+                }
+                for unit in units
+            ],
+        }
+    )
+    manifest = {
+        "format": "fsdpkit-checkpoint",
+        "version": 1,
+        "world_size": world_size,
+        "strategy": "full_shard",
+        "plan": plan,
+        "files": files,
+        "tensors": entries,
+        "aliases": aliases or {},
+        "training_state": training_state,
+    }
     (step_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return step_dir

@@ -93,8 +93,17 @@ class ZooNet(nn.Module):
     adapter used twice. Initialised only through the modules' reset_parameters(). `keyword`:
     the blocks get an fp32 tensor as a keyword argument."""
 
-    def __init__(self, vocab: int = 23, dim: int = 12, layers: int = 2, *, buffers: bool = True, adapter: bool = False,
-                 scalar_gates: bool = True, keyword: bool = True) -> None:
+    def __init__(
+        self,
+        vocab: int = 23,
+        dim: int = 12,
+        layers: int = 2,
+        *,
+        buffers: bool = True,
+        adapter: bool = False,
+        scalar_gates: bool = True,
+        keyword: bool = True,
+    ) -> None:
         super().__init__()
         self.keyword = keyword
         self.embed = nn.Embedding(vocab, dim)

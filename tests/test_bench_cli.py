@@ -177,16 +177,32 @@ def test_help_shows_the_bandwidth_formulas():
 def test_expected_reductions_match_a_single_process_reference(op, n):
     cpu = torch.device("cpu")
     inputs = torch.stack([patterns.summed_values(rank, 0, 40, dtype=torch.float64, device=cpu) for rank in range(n)])
-    reference = {"sum": inputs.sum(0), "prod": inputs.prod(0), "min": inputs.min(0).values,
-                 "max": inputs.max(0).values, "avg": inputs.mean(0)}[op]
+    reference = {
+        "sum": inputs.sum(0),
+        "prod": inputs.prod(0),
+        "min": inputs.min(0).values,
+        "max": inputs.max(0).values,
+        "avg": inputs.mean(0),
+    }[op]
     assert torch.allclose(patterns.reduced_over_ranks(op, 0, 40, n, device=cpu), reference, rtol=1e-15)
     assert torch.allclose(patterns.reduced_over_ranks(op, 10, 20, n, device=cpu), reference[10:30], rtol=1e-15)
 
 
 def test_nccl_tests_dtype_names_and_command_line():
-    options = BenchOptions(collectives=("allgather", "reducescatter"), dtype=parse_dtype("half"), min_bytes=8, max_bytes=1024,
-                           factor=4, iters=3, warmup=0, check=1, op="min")
+    options = BenchOptions(
+        collectives=("allgather", "reducescatter"),
+        dtype=parse_dtype("half"),
+        min_bytes=8,
+        max_bytes=1024,
+        factor=4,
+        iters=3,
+        warmup=0,
+        check=1,
+        op="min",
+    )
     assert options.dtype == "float16" and parse_dtype("float") == "float32" and parse_dtype("bfloat16") == "bfloat16"
-    assert options.nccl_tests_command("allgather", nproc_per_node=8, nnodes=2) == \
-        "mpirun -np 16 all_gather_perf -b 8 -e 1024 -f 4 -n 3 -w 0 -c 1 -d half -g 1"
+    assert (
+        options.nccl_tests_command("allgather", nproc_per_node=8, nnodes=2)
+        == "mpirun -np 16 all_gather_perf -b 8 -e 1024 -f 4 -n 3 -w 0 -c 1 -d half -g 1"
+    )
     assert options.nccl_tests_command("reducescatter", nproc_per_node=1, nnodes=1).endswith("-d half -o min -g 1")

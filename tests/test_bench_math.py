@@ -31,6 +31,7 @@ from fsdpkit.sizes import parse_size
 
 # --- bandwidth arithmetic (nccl-tests doc/PERFORMANCE.md) ---
 
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 64])
 def test_busbw_factors_match_nccl_tests(n):
     assert busbw_factor("allreduce", n) == pytest.approx(2 * (n - 1) / n)
@@ -61,6 +62,7 @@ def test_unknown_collective_is_a_usage_error():
 
 # --- sizes ---
 
+
 def test_size_sweep_follows_min_max_factor():
     assert size_sweep(1024, 8192, 2) == [1024, 2048, 4096, 8192]
     assert size_sweep(1024, 8000, 2) == [1024, 2048, 4096]
@@ -68,11 +70,14 @@ def test_size_sweep_follows_min_max_factor():
     assert size_sweep(512, 512, 4) == [512]
 
 
-@pytest.mark.parametrize("args, message", [
-    ((2048, 1024, 2), "--min-bytes 2048 (2.0 KiB) is larger than --max-bytes 1024 (1.0 KiB)"),
-    ((1024, 4096, 1), "--factor must be an integer >= 2, got 1"),
-    ((0, 4096, 2), "--min-bytes must be at least 1 byte, got 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((2048, 1024, 2), "--min-bytes 2048 (2.0 KiB) is larger than --max-bytes 1024 (1.0 KiB)"),
+        ((1024, 4096, 1), "--factor must be an integer >= 2, got 1"),
+        ((0, 4096, 2), "--min-bytes must be at least 1 byte, got 0"),
+    ],
+)
 def test_size_sweep_rejects_bad_ranges(args, message):
     with pytest.raises(UsageError) as error:
         size_sweep(*args)
@@ -111,15 +116,19 @@ def test_bench_sizes_drop_zero_and_repeated_sizes():
 
 # --- options, validated before any process starts ---
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"iters": 0}, "--iters must be >= 1, got 0"),
-    ({"warmup": -1}, "--warmup must be >= 0, got -1"),
-    ({"dtype": "int8"}, "unknown --dtype 'int8'"),
-    ({"backend": "mpi"}, "unknown --backend 'mpi'"),
-    ({"variant": "tree"}, "unknown --variant 'tree'"),
-    ({"collectives": ("gather",)}, "unknown collective 'gather'"),
-    ({"factor": 1}, "--factor must be an integer >= 2"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"iters": 0}, "--iters must be >= 1, got 0"),
+        ({"warmup": -1}, "--warmup must be >= 0, got -1"),
+        ({"dtype": "int8"}, "unknown --dtype 'int8'"),
+        ({"backend": "mpi"}, "unknown --backend 'mpi'"),
+        ({"variant": "tree"}, "unknown --variant 'tree'"),
+        ({"collectives": ("gather",)}, "unknown collective 'gather'"),
+        ({"factor": 1}, "--factor must be an integer >= 2"),
+    ],
+)
 def test_bench_options_reject_bad_values(overrides, message):
     arguments = {"collectives": ("allgather",), **overrides}
     with pytest.raises(UsageError, match=message):
@@ -149,6 +158,7 @@ def test_nccl_with_more_processes_than_gpus_is_a_usage_error(monkeypatch):
 
 
 # --- expected values, against a single-process reference of each collective ---
+
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_expected_values_match_a_single_process_reference(n):
@@ -198,15 +208,24 @@ def test_count_wrong_counts_nan_and_differences():
 
 # --- results and their formats ---
 
+
 def _report(*, check: bool, wrong: int = 0) -> BenchReport:
     sizes = [BenchSize(1024, 128), BenchSize(2048, 256)]
     allgather = CollectiveResult(
-        collective="allgather", variant="flat", world_size=2, busbw_factor=busbw_factor("allgather", 2),
-        rows=tuple(size_result("allgather", 2, s, {"out_of_place": (1e-5, wrong if check else None),
-                                                   "in_place": (2e-5, 0 if check else None)}) for s in sizes),
+        collective="allgather",
+        variant="flat",
+        world_size=2,
+        busbw_factor=busbw_factor("allgather", 2),
+        rows=tuple(
+            size_result("allgather", 2, s, {"out_of_place": (1e-5, wrong if check else None), "in_place": (2e-5, 0 if check else None)})
+            for s in sizes
+        ),
     )
     allreduce = CollectiveResult(
-        collective="allreduce", variant="", world_size=2, busbw_factor=busbw_factor("allreduce", 2),
+        collective="allreduce",
+        variant="",
+        world_size=2,
+        busbw_factor=busbw_factor("allreduce", 2),
         rows=tuple(size_result("allreduce", 2, s, {"out_of_place": None, "in_place": (4e-5, 0 if check else None)}) for s in sizes),
         note="a note about the backend",
     )

@@ -104,6 +104,7 @@ def _gap(run):
     def change(document):
         tensor = next(t for t in document["tensors"] if len(t["fragments"]) == 2)
         tensor["fragments"][1]["start"] += 1
+
     _manifest_edit(run, change)
 
 
@@ -111,6 +112,7 @@ def _header_dtype(run):
     def change(document):
         tensor = next(t for t in document["tensors"] if t["dtype"] == "F32")
         tensor["dtype"] = "F16"
+
     _manifest_edit(run, change)
 
 
@@ -129,9 +131,11 @@ def _nested_manifest(run):
 
 def _move_param(run):
     """Move a parameter to another unit: the layout the plan gives no longer matches the files."""
+
     def change(document):
         units = document["placement"]["units"]
         units[1].append(units[0].pop())
+
     _manifest_edit(run, change)
 
 
@@ -152,32 +156,44 @@ COMMON = {
     "empty dir": Case(lambda run: [shutil.rmtree(run), run.mkdir()], "not an fsdpkit checkpoint"),
 }
 CASES = {
-    2: {**COMMON,
-        "naming rule outside": Case(lambda run: _manifest_edit(run, lambda d: d.update(files="../evil-{rank}")),
-                                    "file naming rule '../evil-{rank}' is not"),
+    2: {
+        **COMMON,
+        "naming rule outside": Case(
+            lambda run: _manifest_edit(run, lambda d: d.update(files="../evil-{rank}")), "file naming rule '../evil-{rank}' is not"
+        ),
         "edited plan": Case(_move_param, "the layout the manifest gives"),
         "dtype edited": Case(_table_dtype, "the layout the manifest gives"),
-        "world size edited": Case(lambda run: _manifest_edit(run, lambda d: d.update(world_size=3)),
-                                  "rank-00000-of-00003.safetensors: file is missing"),
-        "shape edited": Case(lambda run: _manifest_edit(run, lambda d: d["tensors"][1][2].__setitem__(0, 4)),
-                             "the layout the manifest gives")},
-    1: {**COMMON,
+        "world size edited": Case(
+            lambda run: _manifest_edit(run, lambda d: d.update(world_size=3)), "rank-00000-of-00003.safetensors: file is missing"
+        ),
+        "shape edited": Case(
+            lambda run: _manifest_edit(run, lambda d: d["tensors"][1][2].__setitem__(0, 4)), "the layout the manifest gives"
+        ),
+    },
+    1: {
+        **COMMON,
         "path outside": Case(_outside, "'../evil.safetensors' is not a plain file name"),
         "coverage gap": Case(_gap, "gap, overlap or empty"),
         "dtype disagrees": Case(_header_dtype, "has dtype F32, the manifest says F16"),
-        "file size edited": Case(lambda run: _manifest_edit(run, lambda d: d["files"][0].update(size=5)), "the manifest says 5")},
+        "file size edited": Case(lambda run: _manifest_edit(run, lambda d: d["files"][0].update(size=5)), "the manifest says 5"),
+    },
 }
 
 
-@pytest.mark.parametrize("version, case", [(v, name) for v in CASES for name in CASES[v]],
-                         ids=[f"v{v}-{name}" for v in CASES for name in CASES[v]])
+@pytest.mark.parametrize(
+    "version, case", [(v, name) for v in CASES for name in CASES[v]], ids=[f"v{v}-{name}" for v in CASES for name in CASES[v]]
+)
 def test_every_command_rejects_bad_checkpoint(pristines, tmp_path, version, case):
     ckpt = _copy(pristines[version], tmp_path)
     damage, message = CASES[version][case]
     damage(ckpt)
     before = tree_snapshot(ckpt)
-    commands = [("verify", ckpt), ("inspect", ckpt), ("convert", ckpt, tmp_path / "out", "--to", "full"),
-                ("reshard", ckpt, tmp_path / "out", "--world-size", "3")]
+    commands = [
+        ("verify", ckpt),
+        ("inspect", ckpt),
+        ("convert", ckpt, tmp_path / "out", "--to", "full"),
+        ("reshard", ckpt, tmp_path / "out", "--world-size", "3"),
+    ]
     if case == "flipped byte":
         commands.remove(("inspect", ckpt))  # inspect reads headers only; checksums are verify's and every reader's job
     for command in commands:
@@ -229,18 +245,21 @@ def _no_leftovers(directory, allowed):
     assert sorted(p.name for p in directory.iterdir()) == sorted(allowed)
 
 
-@pytest.mark.parametrize("args, code, message", [
-    (("convert", "{src}", "{src}/inner", "--to", "full"), 2, "is inside the source"),
-    (("reshard", "{src}", "{src}/step-00000004/x", "--world-size", "2"), 2, "is inside the source"),
-    (("convert", "{src}", "{tmp}/out", "--to", "fuller"), 2, "unknown --to 'fuller'"),
-    (("reshard", "{src}", "{tmp}/out", "--world-size", "0"), 2, "--world-size must be >= 1, got 0"),
-    (("reshard", "{src}", "{tmp}/out", "--world-size", "-3"), 2, "--world-size must be >= 1, got -3"),
-    (("reshard", "{src}", "{tmp}/out"), 2, "--world-size is required"),
-    (("convert", "{src}", "{tmp}/out", "--to", "full", "--chunk-size", "12Q"), 2, "unknown size unit"),
-    (("convert", "{tmp}/nothing", "{tmp}/out", "--to", "full"), 2, "does not exist"),
-    (("convert", "{src}", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "not a full safetensors checkpoint"),
-    (("convert", "{src}/step-00000004/manifest.json", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "no weight_map"),
-])
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (("convert", "{src}", "{src}/inner", "--to", "full"), 2, "is inside the source"),
+        (("reshard", "{src}", "{src}/step-00000004/x", "--world-size", "2"), 2, "is inside the source"),
+        (("convert", "{src}", "{tmp}/out", "--to", "fuller"), 2, "unknown --to 'fuller'"),
+        (("reshard", "{src}", "{tmp}/out", "--world-size", "0"), 2, "--world-size must be >= 1, got 0"),
+        (("reshard", "{src}", "{tmp}/out", "--world-size", "-3"), 2, "--world-size must be >= 1, got -3"),
+        (("reshard", "{src}", "{tmp}/out"), 2, "--world-size is required"),
+        (("convert", "{src}", "{tmp}/out", "--to", "full", "--chunk-size", "12Q"), 2, "unknown size unit"),
+        (("convert", "{tmp}/nothing", "{tmp}/out", "--to", "full"), 2, "does not exist"),
+        (("convert", "{src}", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "not a full safetensors checkpoint"),
+        (("convert", "{src}/step-00000004/manifest.json", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "no weight_map"),
+    ],
+)
 def test_usage_errors(ckpt, tmp_path, args, code, message):
     before = tree_snapshot(ckpt)
     result = run_cli(*(a.format(src=ckpt, tmp=tmp_path) for a in args))
@@ -317,8 +336,10 @@ def test_error_in_the_reading_thread_leaves_no_partial_destination(ckpt, tmp_pat
 def _tmpfs(path, options):
     """A small tmpfs at `path` when this process may mount one (root, and allowed); else None."""
     path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                                          capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode != 0
+    ):
         yield None
         return
     try:
@@ -340,8 +361,10 @@ def test_full_read_only_or_size_limited_destination(ckpt, tmp_path, monkeypatch)
 
     with _tmpfs(tmp_path / "full", "size=1m,nr_inodes=4") as full:  # room for the directory and two files
         if full is None:  # no small filesystem to be had: the same error, injected
+
             def no_space(path, data, sync):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
             monkeypatch.setattr(writer, "_write_whole", no_space)
             full = tmp_path / "full"
         _one_line_run_error(run_cli("reshard", ckpt, full / "out", "--world-size", "8"), "No space left on device (ENOSPC)", str(full))
@@ -351,8 +374,11 @@ def test_full_read_only_or_size_limited_destination(ckpt, tmp_path, monkeypatch)
         if read_only is None:
             read_only = tmp_path / "ro"
             if os.geteuid() == 0:  # root writes through permissions: inject what a read-only mount says
-                monkeypatch.setattr(storage.Path, "mkdir", lambda self, *a, **k: (_ for _ in ()).throw(
-                    OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))))
+                monkeypatch.setattr(
+                    storage.Path,
+                    "mkdir",
+                    lambda self, *a, **k: (_ for _ in ()).throw(OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))),
+                )
             else:
                 read_only.chmod(0o555)
         result = run_cli("convert", ckpt, read_only / "out", "--to", "full")
@@ -360,9 +386,21 @@ def test_full_read_only_or_size_limited_destination(ckpt, tmp_path, monkeypatch)
         _one_line_run_error(result, str(read_only), "(EROFS)" if os.geteuid() == 0 else "(EACCES)")
         assert list(read_only.iterdir()) == []
     big = save_checkpoint(tmp_path / "big", 1, {"w": torch.randn(40_000)}, world_size=2)
-    limited = subprocess.run([sys.executable, "-c", "from fsdpkit_cli.app import main; main()", "reshard", str(big),
-                              str(tmp_path / "limited" / "out"), "--world-size", "1"], capture_output=True, text=True,
-                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)))
+    limited = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from fsdpkit_cli.app import main; main()",
+            "reshard",
+            str(big),
+            str(tmp_path / "limited" / "out"),
+            "--world-size",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)),
+    )
     line = limited.stderr.strip()
     assert limited.returncode == 1 and line.startswith("error: ") and "\n" not in line and "(EFBIG)" in line, limited.stderr
     assert "rank-00000-of-00001.safetensors" in line and list((tmp_path / "limited").iterdir()) == []
@@ -372,9 +410,11 @@ def test_malformed_full_checkpoints_are_one_line(tmp_path):
     """A safetensors header or an index nested 100,000 deep, or a FIFO in place of the file: one
     line, exit 3, no RecursionError, nothing blocks, nothing written."""
     deep = b"[" * 100_000 + b"]" * 100_000
-    cases = {"header": ("model.safetensors", struct.pack("<Q", len(deep)) + deep, "nested deeper than 64 levels"),
-             "index": ("model.safetensors.index.json", deep, "nested deeper than 64 levels"),
-             "fifo": ("model.safetensors", None, "not a regular file")}
+    cases = {
+        "header": ("model.safetensors", struct.pack("<Q", len(deep)) + deep, "nested deeper than 64 levels"),
+        "index": ("model.safetensors.index.json", deep, "nested deeper than 64 levels"),
+        "fifo": ("model.safetensors", None, "not a regular file"),
+    }
     for case, (name, content, message) in cases.items():
         src = tmp_path / case
         src.mkdir()
@@ -382,8 +422,7 @@ def test_malformed_full_checkpoints_are_one_line(tmp_path):
             os.mkfifo(src / name)
         else:
             (src / name).write_bytes(content)
-        for command in (("convert", src, tmp_path / "out", "--to", "sharded", "--world-size", "2"), ("inspect", src),
-                        ("verify", src)):
+        for command in (("convert", src, tmp_path / "out", "--to", "sharded", "--world-size", "2"), ("inspect", src), ("verify", src)):
             result = run_cli(*command)
             line = result.stderr.strip()
             assert result.exit_code == 3 and "\n" not in line and message in line, (case, command, result.output)

@@ -129,8 +129,9 @@ def test_killed_saver_always_leaves_a_loadable_checkpoint(tmp_path):
     base = {n: t.repeat_interleave(200, dim=0) for n, t in sample_tensors().items()}
     start = 1
     for _ in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", SAVER.format(tests=str(TESTS), start=start), str(run)],
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SAVER.format(tests=str(TESTS), start=start), str(run)], stdout=subprocess.PIPE, text=True
+        )
         last = int(proc.stdout.readline())  # at least one save of this round is complete
         time.sleep(rng.uniform(0.0, 0.15))
         proc.send_signal(signal.SIGKILL)
@@ -162,8 +163,10 @@ def test_run_lock_names_its_holder_and_takes_over_stale_ones(tmp_path):
     assert not (run / ".lock").exists()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = [{"host": host, "pid": dead.pid, "started": "1", "run": "dead"},  # holder gone
-             {"host": host, "pid": os.getpid(), "started": "another-process", "run": "reused"}]  # pid now someone else's
+    stale = [
+        {"host": host, "pid": dead.pid, "started": "1", "run": "dead"},  # holder gone
+        {"host": host, "pid": os.getpid(), "started": "another-process", "run": "reused"},
+    ]  # pid now someone else's
     for holder in stale:
         (run / ".lock").write_text(json.dumps(holder))
         messages = []

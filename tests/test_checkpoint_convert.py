@@ -32,8 +32,9 @@ def sharded(tmp_path_factory):
     state = {"step": 12, "samples": 384, "optimizer": {"type": "AdamW", "lr": 3e-4}, "per_rank": [{"rng": 1}, {"rng": 2}]}
     runs = {}
     for world, units in ((2, SAMPLE_UNITS), (4, SAMPLE_UNITS), (3, None)):
-        runs[world] = save_checkpoint(root / f"run{world}", 12, tensors, world_size=world, units=units,
-                                      training_state=state, aliases=ALIASES)
+        runs[world] = save_checkpoint(
+            root / f"run{world}", 12, tensors, world_size=world, units=units, training_state=state, aliases=ALIASES
+        )
     return root, tensors, runs
 
 
@@ -141,7 +142,7 @@ def test_reshard_then_read_equals_original(sharded, tmp_path, target):
                     holders = [file for file, rng in reader.fragments(name) if rng.intersect(frag.param_range).size]
                     assert holders == [f"rank-{rank:05d}-of-{target:05d}.safetensors"]
                     got = reader.read_range(name, frag.param_range)
-                    assert torch.equal(got, tensors[name].reshape(-1)[frag.param_range.start:frag.param_range.end])
+                    assert torch.equal(got, tensors[name].reshape(-1)[frag.param_range.start : frag.param_range.end])
     assert run_cli("convert", out, tmp_path / "full", "--to", "full", "--with-optimizer").exit_code == 0
     _assert_full_equal(tmp_path / "full", _model_tensors(tensors))
 
@@ -195,8 +196,9 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
         tmp_path / "model.safetensors",
         metadata={"format": "pt", "fsdpkit_tied_weights": json.dumps({"lm_head.weight": "wte.weight"})},
     )
-    result = run_cli("convert", tmp_path / "model.safetensors", tmp_path / "s2", "--to", "sharded", "--world-size", 2,
-                     "--model", "gpt-tiny", "--json")
+    result = run_cli(
+        "convert", tmp_path / "model.safetensors", tmp_path / "s2", "--to", "sharded", "--world-size", 2, "--model", "gpt-tiny", "--json"
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["placement"] == "flat"
     reader = CheckpointReader(tmp_path / "s2")
@@ -249,7 +251,7 @@ def test_a_loading_rank_reads_only_the_files_its_chunk_overlaps(sharded, tmp_pat
         layout = FlatLayout.from_shapes([(n, tuple(tensors[n].shape)) for n in unit], 2)
         for frag in layout.fragments(0):
             for name in (frag.name, f"optim.exp_avg.{frag.name}"):
-                expected = tensors[name].reshape(-1)[frag.param_range.start:frag.param_range.end]
+                expected = tensors[name].reshape(-1)[frag.param_range.start : frag.param_range.end]
                 assert torch.equal(reader.read_range(name, frag.param_range), expected)
     for name in ("attn.mask", "pos.ids", "optim.step"):
         assert torch.equal(reader.read_tensor(name), tensors[name])
@@ -276,8 +278,10 @@ def test_reshard_to_many_files_and_back(sharded, tmp_path):
         assert run_cli("verify", tmp_path / out).exit_code == 0
         for name, tensor in tensors.items():
             assert torch.equal(reader.read_tensor(name), tensor), name
-    assert all((tmp_path / "back" / name).read_bytes() == (runs[2] / name).read_bytes()
-               for name in ("rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"))
+    assert all(
+        (tmp_path / "back" / name).read_bytes() == (runs[2] / name).read_bytes()
+        for name in ("rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors")
+    )
     done = []
     report = verify_checkpoint(tmp_path / "r37", progress=lambda count, total: done.append((count, total)))
     assert report["ok"] and report["fragments"] > 37 and sum(count for count, _ in done) == report["bytes"] == done[0][1]

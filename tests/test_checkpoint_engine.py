@@ -41,7 +41,7 @@ def save_worker(directory: str) -> str:
     for _ in range(2):
         x, y = torch.randn(4, 5, generator=generator), torch.randn(4, 2, generator=generator)
         rows = 4 // world
-        _step(model, optimizer, x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
+        _step(model, optimizer, x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
     fsdpkit.save(model, optimizer, directory + "/stepped", step=2)
     reused = async_saves(model, optimizer, directory + "/async")
     # disk full on the last rank while saving step 3: every rank gets the error, step 2 stays
@@ -126,7 +126,7 @@ def test_save_at_one_world_size_load_strictly_at_another(tmp_path, save_world, l
     for result in results.values():
         for name, (start, exp_avg, step) in result["state"].items():
             assert not name.startswith("branch.")
-            flat = ref_state[name]["exp_avg"].reshape(-1)[start:start + exp_avg.numel()]
+            flat = ref_state[name]["exp_avg"].reshape(-1)[start : start + exp_avg.numel()]
             assert torch.allclose(exp_avg, flat, rtol=1e-4, atol=1e-7) and step == 2.0, name
             seen.add(name)
     assert seen == set(ref_state)

@@ -32,14 +32,21 @@ def _write(path, tensors, piece=7):
         for name, _ in writer.order:
             data = tensor_bytes(tensors[name])
             for i in range(0, data.nbytes, piece):  # odd-sized pieces: the writer must not care
-                writer.write(data[i:i + piece])
+                writer.write(data[i : i + piece])
     return writer
 
 
 def test_streaming_writer_reads_back_with_safetensors(tmp_path):
-    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.tensor([True, False, True]),
-               "d": torch.randn(4).to(torch.bfloat16), "e": torch.zeros(0, 3), "f": torch.tensor(2.5, dtype=torch.float64),
-               "g": torch.randn(5).half(), "h": torch.tensor([1, -2], dtype=torch.int8)}
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.tensor([True, False, True]),
+        "d": torch.randn(4).to(torch.bfloat16),
+        "e": torch.zeros(0, 3),
+        "f": torch.tensor(2.5, dtype=torch.float64),
+        "g": torch.randn(5).half(),
+        "h": torch.tensor([1, -2], dtype=torch.int8),
+    }
     path = tmp_path / "x.safetensors"
     writer = _write(path, tensors)
     assert path.stat().st_size == writer.size
@@ -69,14 +76,17 @@ def test_streaming_writer_refuses_short_or_long_data(tmp_path):
     assert not (tmp_path / "long.safetensors").exists()
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda raw: raw[:-3], "truncated or extended"),
-    (lambda raw: raw + b"\0", "truncated or extended"),
-    (lambda raw: struct.pack("<Q", 2**62) + raw[8:], "over the"),
-    (lambda raw: struct.pack("<Q", 10_000) + raw[8:], "header claims 10000 bytes"),
-    (lambda raw: raw[:4], "no header length"),
-    (lambda raw: raw[:8] + b"[" + raw[9:], "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda raw: raw[:-3], "truncated or extended"),
+        (lambda raw: raw + b"\0", "truncated or extended"),
+        (lambda raw: struct.pack("<Q", 2**62) + raw[8:], "over the"),
+        (lambda raw: struct.pack("<Q", 10_000) + raw[8:], "header claims 10000 bytes"),
+        (lambda raw: raw[:4], "no header length"),
+        (lambda raw: raw[:8] + b"[" + raw[9:], "not valid JSON"),
+    ],
+)
 def test_read_header_rejects_bad_files(tmp_path, edit, message):
     path = tmp_path / "x.safetensors"
     _write(path, {"a": torch.randn(10), "b": torch.randn(3)})
@@ -102,13 +112,31 @@ def test_read_header_rejects_holes_and_wrong_spans(tmp_path):
 EDGE = [0.0, -0.0, 1.0, -1.5, 3.0e38, -3.0e38, 1e-40, 65504.0, 65520.0, 1e5, 1.00390625, 1.01171875, float("inf"), float("-inf")]
 
 
-@pytest.mark.parametrize("src, dst", [("F32", "BF16"), ("F32", "F16"), ("BF16", "F32"), ("F16", "F32"), ("F16", "BF16"),
-                                      ("BF16", "F16"), ("F64", "BF16"), ("F64", "F16"), ("F64", "F32"), ("F32", "F64")])
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        ("F32", "BF16"),
+        ("F32", "F16"),
+        ("BF16", "F32"),
+        ("F16", "F32"),
+        ("F16", "BF16"),
+        ("BF16", "F16"),
+        ("F64", "BF16"),
+        ("F64", "F16"),
+        ("F64", "F32"),
+        ("F32", "F64"),
+    ],
+)
 def test_cast_matches_torch(src, dst):
     src_t, dst_t = SAFETENSORS_TO_TORCH[src], SAFETENSORS_TO_TORCH[dst]
     g = torch.Generator().manual_seed(0)  # seed 0 holds an F64 value that F16 rounds differently directly and via F32
-    values = torch.cat([torch.tensor(EDGE, dtype=torch.float64), torch.randn(3000, dtype=torch.float64, generator=g) * 100,
-                        torch.randn(1000, dtype=torch.float64, generator=g) * 1e-6]).to(src_t)
+    values = torch.cat(
+        [
+            torch.tensor(EDGE, dtype=torch.float64),
+            torch.randn(3000, dtype=torch.float64, generator=g) * 100,
+            torch.randn(1000, dtype=torch.float64, generator=g) * 1e-6,
+        ]
+    ).to(src_t)
     expected = values.to(dst_t)
     out = bytearray(values.numel() * expected.element_size())
     result = cast_into(tensor_bytes(values), src, dst, out)
@@ -128,7 +156,11 @@ def test_flat_placement_follows_flat_layout():
     units = [[(n, tuple(tensors[n].shape)) for n in unit] for unit in SAMPLE_UNITS]
     placement = Placement.flat(units)
     names = [(n, tuple(t.shape)) for n, t in tensors.items()] + [
-        ("optim.exp_avg.h.0.attn.weight", (8, 8)), ("optim.step", ()), ("optim.step.h.1.mlp.weight", ()), ("buf", (5,))]
+        ("optim.exp_avg.h.0.attn.weight", (8, 8)),
+        ("optim.step", ()),
+        ("optim.step.h.1.mlp.weight", ()),
+        ("buf", (5,)),
+    ]
     index = {name: i for i, (name, _) in enumerate(names)}
     for world in (1, 2, 3, 4, 7, 64):
         layout = Layout(placement, _specs(names), world)
@@ -161,7 +193,11 @@ def test_flat_placement_follows_flat_layout():
         assert layout.pieces(index["optim.step.h.1.mlp.weight"]) == [(first, ElementRange(0, 1))]
     even = Layout(Placement.even(), _specs([("a", (10,)), ("b", (2,))]), 4)
     assert [[(f.tensor, f.start, f.end) for f in even.fragments(r)] for r in range(4)] == [
-        [(0, 0, 3), (1, 0, 1)], [(0, 3, 6), (1, 1, 2)], [(0, 6, 9)], [(0, 9, 10)]]
+        [(0, 0, 3), (1, 0, 1)],
+        [(0, 3, 6), (1, 1, 2)],
+        [(0, 6, 9)],
+        [(0, 9, 10)],
+    ]
 
 
 def test_rank_file_header_is_derived_and_reads_back(tmp_path):
@@ -174,18 +210,21 @@ def test_rank_file_header_is_derived_and_reads_back(tmp_path):
     for rank in range(3):
         path = tmp_path / f"rank-{rank:05d}-of-00003.safetensors"
         expected = layout.file_layout(rank)
-        assert path.stat().st_size == expected.size and path.read_bytes()[:expected.crc_offset] == expected.header[:expected.crc_offset]
+        assert path.stat().st_size == expected.size and path.read_bytes()[: expected.crc_offset] == expected.header[: expected.crc_offset]
         loaded = load_file(path)
         for fragment in expected.fragments:
             name = manifest.tensors[fragment.tensor].name
-            assert torch.equal(loaded[name], tensors[name].reshape(-1)[fragment.start:fragment.end])
+            assert torch.equal(loaded[name], tensors[name].reshape(-1)[fragment.start : fragment.end])
         header = read_header(path)
-        itemsizes = [torch.empty(0, dtype=SAFETENSORS_TO_TORCH[header.tensors[manifest.tensors[f.tensor].name].dtype]).element_size()
-                     for f in expected.fragments]
+        itemsizes = [
+            torch.empty(0, dtype=SAFETENSORS_TO_TORCH[header.tensors[manifest.tensors[f.tensor].name].dtype]).element_size()
+            for f in expected.fragments
+        ]
         assert itemsizes == sorted(itemsizes, reverse=True)
         crcs = header.metadata["fsdpkit_crc32"]
-        assert [int(crcs[8 * i: 8 * i + 8], 16) for i in range(len(expected.fragments))] == [
-            zlib.crc32(tensor_bytes(loaded[manifest.tensors[f.tensor].name])) for f in expected.fragments]
+        assert [int(crcs[8 * i : 8 * i + 8], 16) for i in range(len(expected.fragments))] == [
+            zlib.crc32(tensor_bytes(loaded[manifest.tensors[f.tensor].name])) for f in expected.fragments
+        ]
 
 
 def test_manifest_size_does_not_depend_on_world_size():
@@ -195,8 +234,10 @@ def test_manifest_size_does_not_depend_on_world_size():
     params = [TensorSpec(n, "F32", s) for unit in placement.units for n, s in unit]
     table = params + [TensorSpec(f"optim.{k}.{p.name}", "F32", p.shape) for k in ("exp_avg", "exp_avg_sq") for p in params]
     table += [TensorSpec(f"optim.step.{p.name}", "F32", ()) for p in params]
-    sizes = [len(Manifest(w, "full", placement, tuple(table), {"lm_head.weight": "wte.weight"}, {"step": 1}).to_bytes())
-             for w in (2, 1024, 65536)]
+    sizes = [
+        len(Manifest(w, "full", placement, tuple(table), {"lm_head.weight": "wte.weight"}, {"step": 1}).to_bytes())
+        for w in (2, 1024, 65536)
+    ]
     assert sizes[2] - sizes[0] == len("65536") - len("2") and sizes[2] < 1_000_000  # only the world size's digits differ
 
 
@@ -208,8 +249,15 @@ def test_optim_names():
 
 def test_manifest_json_round_trip(tmp_path):
     tensors = sample_tensors()
-    step_dir = save_checkpoint(tmp_path / "run", 3, tensors, world_size=4, units=SAMPLE_UNITS,
-                               training_state={"step": 3, "samples": 96, "config": {"lr": 0.1}}, aliases={"lm_head.weight": "wte.weight"})
+    step_dir = save_checkpoint(
+        tmp_path / "run",
+        3,
+        tensors,
+        world_size=4,
+        units=SAMPLE_UNITS,
+        training_state={"step": 3, "samples": 96, "config": {"lr": 0.1}},
+        aliases={"lm_head.weight": "wte.weight"},
+    )
     document = json.loads((step_dir / "manifest.json").read_text())
     manifest = Manifest.from_json(document, where="m")
     assert manifest.to_json() == document and json.loads(manifest.to_bytes()) == document

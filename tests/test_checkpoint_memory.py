@@ -47,8 +47,12 @@ def big(tmp_path_factory):
     non-torch share, with a unit that spans both ranks."""
     root = tmp_path_factory.mktemp("big")
     g = torch.Generator().manual_seed(0)
-    tensors = {"big.weight": torch.randn(8192, 8192, generator=g), "mid.weight": torch.randn(4096, 6144, generator=g),
-               "small.bias": torch.randn(1000, generator=g), "ids": torch.arange(1000)}
+    tensors = {
+        "big.weight": torch.randn(8192, 8192, generator=g),
+        "mid.weight": torch.randn(4096, 6144, generator=g),
+        "small.bias": torch.randn(1000, generator=g),
+        "ids": torch.arange(1000),
+    }
     save_checkpoint(root / "run", 1, tensors, world_size=2, units=[["big.weight"], ["mid.weight", "small.bias"]])
     assert sum(p.stat().st_size for p in (root / "run" / "step-00000001").iterdir()) > 350 * 2**20
     return root, tensors
@@ -76,5 +80,5 @@ def test_convert_and_reshard_stay_under_300_mb(big):
     reader = CheckpointReader(root / "r3")
     flat = tensors["mid.weight"].reshape(-1)
     piece = ElementRange(10_000_000, 10_100_000)
-    assert torch.equal(reader.read_range("mid.weight", piece), flat[piece.start:piece.end])
+    assert torch.equal(reader.read_range("mid.weight", piece), flat[piece.start : piece.end])
     assert torch.equal(reader.read_tensor("ids"), tensors["ids"])

@@ -19,8 +19,14 @@ def test_v1_checkpoints_load_verify_convert_and_reshard(tmp_path):
     params = sample_tensors()
     tensors = {**params, **sample_buffers(), **sample_optimizer(params)}
     state = {"step": 4, "per_rank": [1, 2]}
-    flat = write_v1(tmp_path / "flat" / "step-00000004", tensors, world_size=2, units=SAMPLE_UNITS, training_state=state,
-                    aliases={"lm_head.weight": "wte.weight"})
+    flat = write_v1(
+        tmp_path / "flat" / "step-00000004",
+        tensors,
+        world_size=2,
+        units=SAMPLE_UNITS,
+        training_state=state,
+        aliases={"lm_head.weight": "wte.weight"},
+    )
     even = write_v1(tmp_path / "even" / "step-00000004", tensors, world_size=3, units=None, training_state=state)
     for step_dir in (flat, even):
         reader = CheckpointReader(step_dir)

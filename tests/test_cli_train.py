@@ -27,8 +27,26 @@ from fsdpkit.train.config import SECTIONS, TOP
 
 runner = CliRunner()
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
-RUN_FLAGS = ["--nproc-per-node", "2", "--steps", "6", "--seq-len", "32", "--eval-every", "3", "--lr-schedule", "cosine",
-             "--warmup-steps", "2", "--metrics", "metrics.jsonl", "--tensorboard", "tb", "--log-every", "2"]
+RUN_FLAGS = [
+    "--nproc-per-node",
+    "2",
+    "--steps",
+    "6",
+    "--seq-len",
+    "32",
+    "--eval-every",
+    "3",
+    "--lr-schedule",
+    "cosine",
+    "--warmup-steps",
+    "2",
+    "--metrics",
+    "metrics.jsonl",
+    "--tensorboard",
+    "tb",
+    "--log-every",
+    "2",
+]
 PANELS = ["Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Optimizer", "Checkpoints", "Launch", "Output"]
 
 
@@ -52,8 +70,14 @@ class Run:
 def run_train(directory: Path, *args: str) -> Run:
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "stderr.txt", "w+b") as stderr:
-        done = subprocess.run([FSDPKIT, "train", *args, "--json"], cwd=directory, stdout=subprocess.PIPE, stderr=stderr,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        done = subprocess.run(
+            [FSDPKIT, "train", *args, "--json"],
+            cwd=directory,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=300,
+        )
         stderr.seek(0)
         text = stderr.read().decode()
     summary = json.loads(done.stdout) if done.returncode == 0 else None
@@ -77,6 +101,7 @@ def file_run(tmp_path_factory) -> Run:
 
 
 # --- runs ---
+
 
 def test_summary_is_one_json_document(flag_run):
     assert flag_run.exit_code == 0, flag_run.stderr
@@ -144,8 +169,7 @@ def test_report_draws_the_metrics_as_a_png(flag_run, tmp_path):
 def test_config_file_from_print_config_replays_the_same_run(flag_run, file_run):
     assert file_run.exit_code == 0, file_run.stderr
     timing = {"tokens_per_second", "elapsed_seconds", "peak_memory_bytes"}
-    assert {k: v for k, v in file_run.summary.items() if k not in timing} == \
-        {k: v for k, v in flag_run.summary.items() if k not in timing}
+    assert {k: v for k, v in file_run.summary.items() if k not in timing} == {k: v for k, v in flag_run.summary.items() if k not in timing}
     assert [r["loss"] for r in file_run.metrics()] == [r["loss"] for r in flag_run.metrics()]
     assert (file_run.directory / "tb").is_dir()
 
@@ -160,7 +184,8 @@ def test_print_config_of_a_config_file_is_that_file(file_run):
 
 
 def test_text_data_and_user_model_from_current_directory_quietly(tmp_path, monkeypatch, capfd):
-    (tmp_path / "usermodel.py").write_text(textwrap.dedent("""
+    (tmp_path / "usermodel.py").write_text(
+        textwrap.dedent("""
         import torch.nn as nn
 
         class Layer(nn.Module):
@@ -191,12 +216,31 @@ def test_text_data_and_user_model_from_current_directory_quietly(tmp_path, monke
 
         def not_a_module():
             return 42
-    """))
+    """)
+    )
     (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     monkeypatch.chdir(tmp_path)
-    result = invoke("train", "--model", "usermodel:factory", "--wrap", "usermodel:Layer", "--data", "corpus.txt",
-                    "--steps", "3", "--seq-len", "16", "--wrap-every", "2", "--wrap-min-params", "1000", "--json",
-                    "--quiet", "--log-every", "1")
+    result = invoke(
+        "train",
+        "--model",
+        "usermodel:factory",
+        "--wrap",
+        "usermodel:Layer",
+        "--data",
+        "corpus.txt",
+        "--steps",
+        "3",
+        "--seq-len",
+        "16",
+        "--wrap-every",
+        "2",
+        "--wrap-min-params",
+        "1000",
+        "--json",
+        "--quiet",
+        "--log-every",
+        "1",
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["steps"] == 3 and summary["world_size"] == 2
@@ -206,12 +250,15 @@ def test_text_data_and_user_model_from_current_directory_quietly(tmp_path, monke
     assert result.exit_code == 2 and "returned int" in result.stderr
     result = invoke("train", "--model", "usermodel:factory", "--wrap", "usermodel:Unused")
     assert result.exit_code == 2
-    assert result.stderr.strip() == ("error: --wrap 'usermodel:Unused' matches no module of model 'usermodel:factory' "
-                                     "(its module classes: Embedding, Layer, Linear, ModuleList, Tiny)")
+    assert result.stderr.strip() == (
+        "error: --wrap 'usermodel:Unused' matches no module of model 'usermodel:factory' "
+        "(its module classes: Embedding, Layer, Linear, ModuleList, Tiny)"
+    )
 
 
 def test_failing_worker_exits_1_with_rank_and_reason(tmp_path, monkeypatch):
-    (tmp_path / "brokenmodel.py").write_text(textwrap.dedent("""
+    (tmp_path / "brokenmodel.py").write_text(
+        textwrap.dedent("""
         import os
         import torch.nn as nn
 
@@ -227,7 +274,8 @@ def test_failing_worker_exits_1_with_rank_and_reason(tmp_path, monkeypatch):
 
         def factory():
             return Broken()
-    """))
+    """)
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     result = invoke("train", "--model", "brokenmodel:factory", "--steps", "2", "--seq-len", "8")
@@ -236,6 +284,7 @@ def test_failing_worker_exits_1_with_rank_and_reason(tmp_path, monkeypatch):
 
 
 # --- no launch: help, version, completion, config, usage errors ---
+
 
 def _help_text() -> str:
     done = subprocess.run([FSDPKIT, "train", "--help"], capture_output=True, text=True, env={**os.environ, "COLUMNS": "100"})
@@ -279,19 +328,44 @@ def _print_config(*args: str) -> dict:
 
 
 def test_torchrun_launch_spellings():
-    launch = _print_config("--nproc_per_node", "3", "--rdzv_id", "job7", "--rdzv-backend", "static",
-                           "--master_addr", "node0", "--master-port", "29400", "--nnodes", "2", "--node_rank", "1",
-                           "--max_restarts", "3")["launch"]
-    assert launch == {"nproc_per_node": 3, "nnodes": 2, "node_rank": 1, "rdzv_backend": "static", "rdzv_id": "job7",
-                      "standalone": False, "master_addr": "node0", "master_port": 29400, "max_restarts": 3,
-                      "timeout": 300.0}
+    launch = _print_config(
+        "--nproc_per_node",
+        "3",
+        "--rdzv_id",
+        "job7",
+        "--rdzv-backend",
+        "static",
+        "--master_addr",
+        "node0",
+        "--master-port",
+        "29400",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--max_restarts",
+        "3",
+    )["launch"]
+    assert launch == {
+        "nproc_per_node": 3,
+        "nnodes": 2,
+        "node_rank": 1,
+        "rdzv_backend": "static",
+        "rdzv_id": "job7",
+        "standalone": False,
+        "master_addr": "node0",
+        "master_port": 29400,
+        "max_restarts": 3,
+        "timeout": 300.0,
+    }
     assert _print_config("--standalone", "--nproc-per-node", "4")["launch"]["standalone"] is True
     assert _print_config("--global_batch_size", "16")["data"]["global_batch_size"] == 16
 
 
 def test_flags_override_the_config_file(tmp_path):
-    (tmp_path / "run.toml").write_text('steps = 50\n[optimizer]\nlr = 0.01\n[sharding]\ncpu_offload = true\n'
-                                       'mixed_precision = "bf16"\nreduce_dtype = "fp32"\n')
+    (tmp_path / "run.toml").write_text(
+        'steps = 50\n[optimizer]\nlr = 0.01\n[sharding]\ncpu_offload = true\nmixed_precision = "bf16"\nreduce_dtype = "fp32"\n'
+    )
     values = _print_config("--config", str(tmp_path / "run.toml"), "--steps", "7", "--no-cpu-offload")
     assert values["steps"] == 7 and values["optimizer"]["lr"] == 0.01
     assert values["sharding"]["cpu_offload"] is False
@@ -355,15 +429,18 @@ def test_bad_input_is_one_line_and_exit_2_before_launch(no_launch, args, message
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize("text, message", [
-    ("[optimizer]\nlrr = 0.1\n", "unknown setting 'optimizer.lrr' in "),
-    ("stepz = 3\n", "unknown setting 'stepz' in "),
-    ("[optimiser]\nlr = 0.1\n", "unknown setting 'optimiser' in "),
-    ("model = 'gpt2'\n", "setting 'model' in "),
-    ("steps = 'ten'\n", "setting 'steps' must be an integer, got 'ten'"),
-    ("[data]\nno_sync = 1\n", "setting 'data.no_sync' must be true or false, got 1"),
-    ("steps = \n", "is not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[optimizer]\nlrr = 0.1\n", "unknown setting 'optimizer.lrr' in "),
+        ("stepz = 3\n", "unknown setting 'stepz' in "),
+        ("[optimiser]\nlr = 0.1\n", "unknown setting 'optimiser' in "),
+        ("model = 'gpt2'\n", "setting 'model' in "),
+        ("steps = 'ten'\n", "setting 'steps' must be an integer, got 'ten'"),
+        ("[data]\nno_sync = 1\n", "setting 'data.no_sync' must be true or false, got 1"),
+        ("steps = \n", "is not valid TOML"),
+    ],
+)
 def test_bad_config_file_is_one_line_and_exit_2(no_launch, tmp_path, text, message):
     (tmp_path / "run.toml").write_text(text)
     result = invoke("train", "--config", str(tmp_path / "run.toml"))

@@ -22,9 +22,12 @@ def detail_worker(config: TrainConfig) -> dict:
 
 def test_collective_order_is_identical_on_every_rank_under_detail_debug(monkeypatch):
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-    config = TrainConfig(steps=3, data=DataConfig(global_batch_size=4, seq_len=16, grad_accum=2, no_sync=True),
-                         sharding=ShardingConfig(forward_prefetch=True, backward_prefetch="pre", limit_all_gathers=2),
-                         optimizer=OptimizerConfig(max_grad_norm=1.0))
+    config = TrainConfig(
+        steps=3,
+        data=DataConfig(global_batch_size=4, seq_len=16, grad_accum=2, no_sync=True),
+        sharding=ShardingConfig(forward_prefetch=True, backward_prefetch="pre", limit_all_gathers=2),
+        optimizer=OptimizerConfig(max_grad_norm=1.0),
+    )
     results = run_distributed(detail_worker, 2, config)
     assert results[0]["debug"].endswith("DETAIL")
     assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 3

@@ -26,15 +26,18 @@ def test_strategy_and_prefetch_are_enums_equal_to_their_strings():
         ShardingConfig(shard_group_size=2)
 
 
-@pytest.mark.parametrize("name, reduce_dtype, expected", [
-    ("bf16", None, (torch.bfloat16, torch.bfloat16, torch.bfloat16)),  # the paper's low-precision reduction
-    ("bf16", "fp32", (torch.bfloat16, torch.float32, torch.bfloat16)),  # FSDP2's MixedPrecisionPolicy(bf16, fp32)
-    ("fp16", None, (torch.float16, torch.float32, torch.float16)),  # fp16 sums overflow: fp32
-    ("fp16", "fp16", (torch.float16, torch.float16, torch.float16)),
-    ("fp32", None, (None, None, None)),
-    ("none", "fp32", (None, None, None)),
-    ("none", "bf16", (None, torch.bfloat16, None)),
-])
+@pytest.mark.parametrize(
+    "name, reduce_dtype, expected",
+    [
+        ("bf16", None, (torch.bfloat16, torch.bfloat16, torch.bfloat16)),  # the paper's low-precision reduction
+        ("bf16", "fp32", (torch.bfloat16, torch.float32, torch.bfloat16)),  # FSDP2's MixedPrecisionPolicy(bf16, fp32)
+        ("fp16", None, (torch.float16, torch.float32, torch.float16)),  # fp16 sums overflow: fp32
+        ("fp16", "fp16", (torch.float16, torch.float16, torch.float16)),
+        ("fp32", None, (None, None, None)),
+        ("none", "fp32", (None, None, None)),
+        ("none", "bf16", (None, torch.bfloat16, None)),
+    ],
+)
 def test_mixed_precision_presets_and_reduce_dtype(name, reduce_dtype, expected):
     policy = MixedPrecision.from_name(name, reduce_dtype=reduce_dtype)
     assert (policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype) == expected

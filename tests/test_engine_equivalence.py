@@ -30,7 +30,7 @@ def _relative_errors(sharded, reference, *, grads: bool) -> dict[str, float]:
             ref = ref_params[fragment.name]
             ref_tensor = ref.detach() if not grads else (ref.grad if ref.grad is not None else torch.zeros_like(ref))
             ref_flat = ref_tensor.reshape(-1)
-            ref_piece = ref_flat[fragment.param_range.start:fragment.param_range.end]
+            ref_piece = ref_flat[fragment.param_range.start : fragment.param_range.end]
             mine = param.grad if grads else param.detach()
             mine = torch.zeros_like(ref_piece) if mine is None else mine
             names.append(fragment.name)
@@ -42,10 +42,7 @@ def _relative_errors(sharded, reference, *, grads: bool) -> dict[str, float]:
 
 def _full_weight_errors(sharded, reference) -> dict[str, float]:
     full = fsdpkit.full_state_dict(sharded)
-    return {
-        name: ((full[name] - tensor).norm() / tensor.norm().clamp_min(1e-30)).item()
-        for name, tensor in reference.state_dict().items()
-    }
+    return {name: ((full[name] - tensor).norm() / tensor.norm().clamp_min(1e-30)).item() for name, tensor in reference.state_dict().items()}
 
 
 def edge_case_worker(steps: int) -> dict:
@@ -75,7 +72,7 @@ def edge_case_worker(steps: int) -> dict:
         opt.zero_grad(set_to_none=True)
         per_rank = micro_size // world
         for micro in range(micro_batches):
-            xs, ys = x[micro * micro_size:(micro + 1) * micro_size], y[micro * micro_size:(micro + 1) * micro_size]
+            xs, ys = x[micro * micro_size : (micro + 1) * micro_size], y[micro * micro_size : (micro + 1) * micro_size]
             (F.mse_loss(reference(xs), ys) / micro_batches).backward()
             local = slice(rank * per_rank, (rank + 1) * per_rank)
             (F.mse_loss(sharded(xs[local]), ys[local]) / micro_batches).backward()

@@ -39,7 +39,7 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def _local(tokens: torch.Tensor) -> torch.Tensor:
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = tokens.shape[0] // world
-    return tokens[rank * rows:(rank + 1) * rows]
+    return tokens[rank * rows : (rank + 1) * rows]
 
 
 def _global_loss(loss: torch.Tensor) -> float:
@@ -164,8 +164,13 @@ def mixed_precision_checks() -> MixedPrecisionResult:
             opt.step()
             opt.zero_grad()
             losses.append(_global_loss(loss))
-        runs[name] = PrecisionRun(losses, stats.bytes["all_gather"], sorted({str(p.dtype) for p in sharded.parameters()}),
-                                  str(sharded.position_ids.dtype), str(sharded.scale_buffer.dtype))
+        runs[name] = PrecisionRun(
+            losses,
+            stats.bytes["all_gather"],
+            sorted({str(p.dtype) for p in sharded.parameters()}),
+            str(sharded.position_ids.dtype),
+            str(sharded.scale_buffer.dtype),
+        )
         weights[name] = fsdpkit.full_state_dict(sharded)
     # the reference casts its parameters once per step, as the engine does once per unit
     master = copy.deepcopy(reference)
@@ -185,10 +190,14 @@ def mixed_precision_checks() -> MixedPrecisionResult:
     floats = {n: t for n, t in master.state_dict().items() if t.is_floating_point()}
     bf16 = weights["bf16"]
     return MixedPrecisionResult(
-        fp32=runs["none"], bf16=runs["bf16"], reference_losses=ref_losses,
+        fp32=runs["none"],
+        bf16=runs["bf16"],
+        reference_losses=ref_losses,
         bf16_weight_error=max(((bf16[n] - t).norm() / t.norm()).item() for n, t in floats.items() if t.dim() >= 2),
-        bf16_model_error=(sum(float((bf16[n] - t).pow(2).sum()) for n, t in floats.items())
-                          / sum(float(t.pow(2).sum()) for t in floats.values())) ** 0.5,
+        bf16_model_error=(
+            sum(float((bf16[n] - t).pow(2).sum()) for n, t in floats.items()) / sum(float(t.pow(2).sum()) for t in floats.values())
+        )
+        ** 0.5,
     )
 
 
@@ -218,8 +227,11 @@ def grad_scaler_checks() -> ScalerResult:
     stepped = scaler.step(opt)
     scaler.update()
     return ScalerResult(
-        skip_returned=skipped_stepped, unchanged_after_skip=all(torch.equal(before[n], after_skip[n]) for n in before),
-        scale_after=scaler.scale_value, stepped=stepped, step_count=max(int(s["step"]) for s in opt.state.values()),
+        skip_returned=skipped_stepped,
+        unchanged_after_skip=all(torch.equal(before[n], after_skip[n]) for n in before),
+        scale_after=scaler.scale_value,
+        stepped=stepped,
+        step_count=max(int(s["step"]) for s in opt.state.values()),
     )
 
 
@@ -240,8 +252,11 @@ def deferred_init_checks() -> DeferredResult:
     full = fsdpkit.full_state_dict(sharded)
     with fsdpkit.full_params(sharded):
         tied = sharded.lm_head.weight is sharded.wte.weight
-    return DeferredResult(equal=all(torch.equal(full[n], t) for n, t in eager.state_dict().items()), tied=tied,
-                          no_meta=not any(p.is_meta for p in sharded.parameters()))
+    return DeferredResult(
+        equal=all(torch.equal(full[n], t) for n, t in eager.state_dict().items()),
+        tied=tied,
+        no_meta=not any(p.is_meta for p in sharded.parameters()),
+    )
 
 
 @dataclass
@@ -278,8 +293,9 @@ def deferred_generic_checks() -> GenericInitResult:
         masked.register_buffer("mask", torch.ones(3))
     return GenericInitResult(
         initialised=all(torch.isfinite(t).all() for t in full.values()),
-        bias_in_kaiming_bound=bool(full["1.0.bias"].abs().max() <= 8 ** -0.5),
-        odd_error=_shard_error(odd), buffer_error=_shard_error(masked),
+        bias_in_kaiming_bound=bool(full["1.0.bias"].abs().max() <= 8**-0.5),
+        odd_error=_shard_error(odd),
+        buffer_error=_shard_error(masked),
     )
 
 
@@ -435,8 +451,9 @@ def frozen_units_memory() -> FrozenPeaks:
         opt.step()
         peaks[label] = fsdpkit.memory_stats(model)["peak_unsharded"]
         resharded[label] = all(unit.state is UnitState.SHARDED for unit in get_state(model).units)
-    return FrozenPeaks(peaks["trainable"], peaks["frozen"], resharded["frozen"],
-                       [unit.layout.padded_numel * 4 for unit in get_state(model).units])
+    return FrozenPeaks(
+        peaks["trainable"], peaks["frozen"], resharded["frozen"], [unit.layout.padded_numel * 4 for unit in get_state(model).units]
+    )
 
 
 PAIRS = {  # each trains a sharded GPT beside an unsharded one
@@ -446,7 +463,8 @@ PAIRS = {  # each trains a sharded GPT beside an unsharded one
     "accumulate_with_comm": lambda: _train_pair(2, micro=2),
     "no_sync": lambda: _train_pair(2, micro=2, no_sync=True),
     "nested_units": lambda: _train_pair(
-        2, wrap=lambda name, module: isinstance(module, (Block, nn.Linear)) and "mlp" in name or isinstance(module, Block)),
+        2, wrap=lambda name, module: isinstance(module, (Block, nn.Linear)) and "mlp" in name or isinstance(module, Block)
+    ),
     "two_blocks_per_unit": lambda: _train_pair(2, wrap=fsdpkit.WrapPolicy(module_classes=(Block,), every=2)),
 }
 

@@ -52,7 +52,7 @@ def strategies_worker(strategies: list[tuple[str, int | None]]) -> dict:
         for step in range(STEPS):
             tokens = _batch(step)
             rows = 4 // world
-            local = tokens[rank * rows:(rank + 1) * rows]
+            local = tokens[rank * rows : (rank + 1) * rows]
             stats.reset()
             loss = F.cross_entropy(model(local[:, :-1]).flatten(0, 1), local[:, 1:].flatten())
             loss.backward()
@@ -63,8 +63,13 @@ def strategies_worker(strategies: list[tuple[str, int | None]]) -> dict:
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / world)
-        results[strategy] = {"losses": losses, "norms": norms, "counts": counts,
-                             "weights": fsdpkit.full_state_dict(model), "units": len(fsdpkit.engine.sharded.get_state(model).units)}
+        results[strategy] = {
+            "losses": losses,
+            "norms": norms,
+            "counts": counts,
+            "weights": fsdpkit.full_state_dict(model),
+            "units": len(fsdpkit.engine.sharded.get_state(model).units),
+        }
     return results
 
 
@@ -84,10 +89,13 @@ def reference():
     return reference_run()
 
 
-@pytest.mark.parametrize("world_size, strategies", [
-    (2, [("full", None), ("grad-op", None), ("none", None)]),
-    (4, [("full", None), ("grad-op", None), ("none", None), ("hybrid", 2)]),
-])
+@pytest.mark.parametrize(
+    "world_size, strategies",
+    [
+        (2, [("full", None), ("grad-op", None), ("none", None)]),
+        (4, [("full", None), ("grad-op", None), ("none", None), ("hybrid", 2)]),
+    ],
+)
 def test_strategies_match_reference_and_issue_the_papers_collectives(world_size, strategies, reference):
     results = run_distributed(strategies_worker, world_size, strategies)[0]
     for strategy, _ in strategies:

@@ -101,7 +101,7 @@ def _batch(step: int, index: int) -> torch.Tensor:
 
 def _local(tokens: torch.Tensor) -> torch.Tensor:
     rows = ROWS // dist.get_world_size()
-    return tokens[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]
+    return tokens[dist.get_rank() * rows : (dist.get_rank() + 1) * rows]
 
 
 def _mean_over_ranks(loss: torch.Tensor) -> float:
@@ -323,8 +323,9 @@ def failed_forward_check() -> RecoveryResult:
                 optimizer.step()
                 optimizer.zero_grad()
                 losses[label].append(_mean_over_ranks(loss) if local else loss.item())
-        error = _relative(losses["mine"], losses["ref"], fsdpkit.full_state_dict(sharded),
-                          {n: t.detach() for n, t in reference.state_dict().items()})
+        error = _relative(
+            losses["mine"], losses["ref"], fsdpkit.full_state_dict(sharded), {n: t.detach() for n, t in reference.state_dict().items()}
+        )
         return RecoveryResult(None, raised, error)
     except Exception as error:
         return RecoveryResult(_short(error), False, None)
@@ -339,21 +340,23 @@ def reduce_scatter_checks() -> list[ReduceScatterResult]:
         full = torch.randn(chunk * world, generator=torch.Generator().manual_seed(rank)).to(dtype)
         expected = full.clone()
         dist.all_reduce(expected)
-        expected = expected[rank * chunk:(rank + 1) * chunk].float()
+        expected = expected[rank * chunk : (rank + 1) * chunk].float()
         output = torch.empty(chunk, dtype=dtype)
         work = comms.reduce_scatter(output, full.clone(), None, async_op=True)
         gathered = torch.empty(world * 3)
         comms.all_gather(gathered, torch.full((3,), float(rank)), None)  # issued and waited while the reduce-scatter is pending
         work.wait()
         in_place = full.clone()
-        comms.reduce_scatter(in_place[rank * chunk:(rank + 1) * chunk], in_place, None)
+        comms.reduce_scatter(in_place[rank * chunk : (rank + 1) * chunk], in_place, None)
         scale = expected.abs().max().item()
-        out.append(ReduceScatterResult(
-            dtype=str(dtype),
-            max_difference=(output.float() - expected).abs().max().item() / scale,
-            in_place_difference=(in_place[rank * chunk:(rank + 1) * chunk].float() - expected).abs().max().item() / scale,
-            async_ok=torch.equal(gathered, torch.arange(world).repeat_interleave(3).float()),
-        ))
+        out.append(
+            ReduceScatterResult(
+                dtype=str(dtype),
+                max_difference=(output.float() - expected).abs().max().item() / scale,
+                in_place_difference=(in_place[rank * chunk : (rank + 1) * chunk].float() - expected).abs().max().item() / scale,
+                async_ok=torch.equal(gathered, torch.arange(world).repeat_interleave(3).float()),
+            )
+        )
     return out
 
 
@@ -436,8 +439,11 @@ def test_matches_fsdp2(zoo):
     errors = {f"{r.case.model}/{r.case.strategy}/{r.case.variant}": r.fsdp2_error for r in compared if r.fsdp2_error}
     assert not errors, errors
     tolerance = {"bf16": 1e-2}  # bf16 sums of 4 ranks: gloo rounds after each add, fsdpkit once
-    bad = {f"{r.case.model}/{r.case.strategy}/{r.case.variant}": r.fsdp2_diff for r in compared
-           if not r.fsdp2_diff <= tolerance.get(r.case.variant, FP32_TOL)}
+    bad = {
+        f"{r.case.model}/{r.case.strategy}/{r.case.variant}": r.fsdp2_diff
+        for r in compared
+        if not r.fsdp2_diff <= tolerance.get(r.case.variant, FP32_TOL)
+    }
     assert not bad, bad
 
 
@@ -470,5 +476,5 @@ def test_reduce_scatter_matches_all_reduce(zoo):
         if zoo.world <= 2:  # a sum of two terms does not depend on the order
             assert result.max_difference == 0.0 and result.in_place_difference == 0.0, result
         else:
-            tolerance = 1e-6 if result.dtype == "torch.float32" else 2 ** -7  # one bf16 rounding
+            tolerance = 1e-6 if result.dtype == "torch.float32" else 2**-7  # one bf16 rounding
             assert result.max_difference <= tolerance and result.in_place_difference <= tolerance, result

@@ -53,8 +53,14 @@ def start(directory: Path, *args: str, fault: str | None = None) -> subprocess.P
     env.pop("FSDPKIT_TEST_FAULT", None)
     if fault:
         env["FSDPKIT_TEST_FAULT"] = fault
-    return subprocess.Popen([FSDPKIT, "train", "--steps", str(STEPS), *COMMON, "--save-dir", "run", "--json", *args],
-                            cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        [FSDPKIT, "train", "--steps", str(STEPS), *COMMON, "--save-dir", "run", "--json", *args],
+        cwd=directory,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def finish(process: subprocess.Popen, directory: Path, timeout: float = 300) -> Run:
@@ -128,16 +134,19 @@ def reference(tmp_path_factory) -> Run:
     """An uninterrupted run, started over a stale lock (a dead process of this host held it)."""
     directory = tmp_path_factory.mktemp("reference")
     (directory / "run").mkdir()
-    (directory / "run" / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 12345,
-                                                         "started": "1", "run": "crashed-run"}))
+    (directory / "run" / ".lock").write_text(
+        json.dumps({"host": socket.gethostname(), "pid": 2**22 + 12345, "started": "1", "run": "crashed-run"})
+    )
     run = train(directory)
     assert run.exit_code == 0, run.stderr
     return run
 
 
 def test_a_stale_lock_is_taken_over_with_a_message(reference):
-    assert reference.stderr.strip() == (f"warning: took over the lock of run from pid {2**22 + 12345} on "
-                                        f"{socket.gethostname()} (run crashed-run), which is no longer running")
+    assert reference.stderr.strip() == (
+        f"warning: took over the lock of run from pid {2**22 + 12345} on "
+        f"{socket.gethostname()} (run crashed-run), which is no longer running"
+    )
     assert reference.summary["restarts"] == 0 and reference.summary["steps_redone"] == 0
     assert not reference.summary["preempted"] and len(reference.summary["losses"]) == STEPS
     assert not (reference.run_dir / ".lock").exists()
@@ -156,13 +165,18 @@ def test_a_locked_directory_is_refused_before_launching(tmp_path):
     from fsdpkit.checkpoint.lock import RunLock
 
     with RunLock.acquire(tmp_path / "run") as lock:
-        done = subprocess.run([FSDPKIT, "train", "--save-dir", str(tmp_path / "run"), "--steps", "1"], capture_output=True,
-                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(
+            [FSDPKIT, "train", "--save-dir", str(tmp_path / "run"), "--steps", "1"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert done.returncode == 2 and done.stdout == ""
         assert done.stderr.splitlines() == [
             f"error: {tmp_path / 'run'} is in use by another run: pid {os.getpid()} on {socket.gethostname()} "
             f"(run {lock.run_id}) holds {tmp_path / 'run' / '.lock'}; wait for it to finish, or remove the lock file "
-            f"if that run is gone"]
+            f"if that run is gone"
+        ]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []
 
 
@@ -194,8 +208,11 @@ KILLS = {
     "between checkpoints": ("kill:0:3", ["--metrics", "metrics.jsonl"], 1, None),
     "during a save": ("kill:1:4:save", [], 2, None),
     "during an async save, resumed from a preempted run": (
-        "kill:0:6:save", ["--async-save", "--keep-last", "2", "--resume", "{preempted}"], None,
-        ["latest", "step-00000006", "step-00000008"]),
+        "kill:0:6:save",
+        ["--async-save", "--keep-last", "2", "--resume", "{preempted}"],
+        None,
+        ["latest", "step-00000006", "step-00000008"],
+    ),
     "stopped, then killed from outside": ("stop:1:5", [], 1, None),
 }
 
@@ -211,7 +228,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(case, refer
     assert run.exit_code == 0, run.stderr
     summary = reference.summary
     resumed = "--resume" in flags
-    assert run.summary["losses"] == summary["losses"][4 if resumed else 0:]
+    assert run.summary["losses"] == summary["losses"][4 if resumed else 0 :]
     assert run.summary["resumed_from_step"] == (4 if resumed else None)
     assert run.summary["restarts"] == 1 and run.summary["steps"] == STEPS and run.summary["save_stall_seconds"] >= 0
     if redone is None:
@@ -245,8 +262,7 @@ def test_a_stopped_worker_fails_the_run_within_the_timeout_naming_rank_collectiv
 def test_a_rank_that_skips_a_collective_fails_the_run_naming_it(tmp_path):
     run = train(tmp_path, "--timeout", str(TIMEOUT), fault="skip:1:4:reduce_scatter")
     assert run.exit_code == 1
-    assert one_error_line(run) == ("error: rank 0 timed out after 10 s in reduce_scatter (unit h.1) at step 4: "
-                                   "rank 1 did not take part")
+    assert one_error_line(run) == ("error: rank 0 timed out after 10 s in reduce_scatter (unit h.1) at step 4: rank 1 did not take part")
 
 
 def test_sigint_exits_130_and_leaves_no_process(tmp_path):
@@ -260,12 +276,13 @@ def test_sigint_exits_130_and_leaves_no_process(tmp_path):
 
 
 def test_history_of_attempts_counts_the_steps_run_again():
-    records = [{"attempt": 0, "start": 2, "metrics_offset": 10},
-               *({"attempt": 0, "step": s, "loss": float(s), "metrics_offset": 10 * s} for s in (3, 4, 5)),
-               {"attempt": 1, "start": 4, "metrics_offset": 40},
-               *({"attempt": 1, "step": s, "loss": float(s), "metrics_offset": 10 * s} for s in (5, 6, 7)),
-               {"attempt": 1, "step": 8, "loss": 8.0},  # a line cut short by the kill is never parsed
-               ]
+    records = [
+        {"attempt": 0, "start": 2, "metrics_offset": 10},
+        *({"attempt": 0, "step": s, "loss": float(s), "metrics_offset": 10 * s} for s in (3, 4, 5)),
+        {"attempt": 1, "start": 4, "metrics_offset": 40},
+        *({"attempt": 1, "step": s, "loss": float(s), "metrics_offset": 10 * s} for s in (5, 6, 7)),
+        {"attempt": 1, "step": 8, "loss": 8.0},  # a line cut short by the kill is never parsed
+    ]
     history = History.of(records)
     assert history.first_step == 2
     assert history.steps_redone(6) == (5 - 4) + (8 - 6)

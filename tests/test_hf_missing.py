@@ -18,11 +18,13 @@ print(json.dumps([app(args, standalone_mode=False) for args in cases]))
 
 
 def test_without_transformers_hf_models_exit_2_with_the_install_hint(tmp_path):
-    cases = [["train", "--model", "hf:llama-tiny"], ["plan", "--model", "hf:gpt2-tiny", "--world-size", "2"],
-             ["prepare-data", "x.txt", "x.bin", "--tokenizer", f"hf:{tmp_path}"],
-             ["plan", "--model", "gpt-tiny", "--world-size", "2", "--json"]]
-    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=120)
+    cases = [
+        ["train", "--model", "hf:llama-tiny"],
+        ["plan", "--model", "hf:gpt2-tiny", "--world-size", "2"],
+        ["prepare-data", "x.txt", "x.bin", "--tokenizer", f"hf:{tmp_path}"],
+        ["plan", "--model", "gpt-tiny", "--world-size", "2", "--json"],
+    ]
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == [2, 2, 2, 0]  # the built-in model still plans
     errors = done.stderr.splitlines()

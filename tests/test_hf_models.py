@@ -69,27 +69,50 @@ def files(tmp_path_factory) -> dict[str, Path]:
     corpus.write_text("".join(LINES))
     write_token_file(corpus, root / "corpus.bin", tokenizer=load_tokenizer("bytes"), dtype=TokenDtype.UINT16)
     torch.manual_seed(1)
-    gpt2 = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    gpt2 = transformers.GPT2Config(
+        vocab_size=256,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     transformers.AutoModelForCausalLM.from_config(gpt2).save_pretrained(root / "gpt2", max_shard_size="40KB")
-    llama = transformers.LlamaConfig(vocab_size=320, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                     bos_token_id=0, eos_token_id=0)
+    llama = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     transformers.AutoModelForCausalLM.from_config(llama).save_pretrained(root / "llama")
     _tokenizer(corpus, root / "llama")
     return {"root": root, "corpus": corpus, "bin": root / "corpus.bin", "gpt2": root / "gpt2", "llama": root / "llama"}
 
 
 def _config(model: str, data: str = "synthetic", *, save_dir: str | None = None) -> TrainConfig:
-    return TrainConfig(steps=STEPS, seed=3, model=ModelConfig(name=model),
-                       data=DataConfig(source=data, global_batch_size=8, grad_accum=2, seq_len=24),
-                       optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1, schedule=Schedule.COSINE),
-                       checkpoint=CheckpointConfig(save_dir=save_dir))
+    return TrainConfig(
+        steps=STEPS,
+        seed=3,
+        model=ModelConfig(name=model),
+        data=DataConfig(source=data, global_batch_size=8, grad_accum=2, seq_len=24),
+        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1, schedule=Schedule.COSINE),
+        checkpoint=CheckpointConfig(save_dir=save_dir),
+    )
 
 
 def cases(files, save_root: Path | None) -> dict[str, TrainConfig]:
     def save(name):
         return str(save_root / name) if save_root else None
+
     return {
         "gpt2-preset": _config("hf:gpt2-tiny", str(files["bin"]), save_dir=save("gpt2-preset")),
         "llama-preset": _config("hf:llama-tiny", save_dir=save("llama-preset")),
@@ -145,9 +168,12 @@ def precision_checks() -> dict:
             low = low.to(torch.bfloat16)
             low.model.rotary_emb.inv_freq = reference.model.rotary_emb.inv_freq.clone()  # kept fp32, as the engine keeps it
         expected = low(**kwargs).logits
-        out[label] = {"error": (logits.detach().float() - expected.detach().float())[mask.bool()].abs().max().item(),
-                      "scale": expected.detach().float().abs().max().item(), "grads_finite": grads_finite,
-                      "inv_freq": str(model.model.rotary_emb.inv_freq.dtype)}
+        out[label] = {
+            "error": (logits.detach().float() - expected.detach().float())[mask.bool()].abs().max().item(),
+            "scale": expected.detach().float().abs().max().item(),
+            "grads_finite": grads_finite,
+            "inv_freq": str(model.model.rotary_emb.inv_freq.dtype),
+        }
     return {"precision": out}
 
 
@@ -167,8 +193,13 @@ def reference_run(config: TrainConfig) -> dict:
         load_directory_weights(model, source.weights)
     hyper = config.optimizer
     optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=hyper.weight_decay), lr=hyper.lr, betas=hyper.betas)
-    data = TokenSource(config.data.source, vocab_size=source.vocab_size or model.vocab_size, seq_len=config.data.seq_len,
-                       seed=config.seed, tokenizer=source.tokenizer)
+    data = TokenSource(
+        config.data.source,
+        vocab_size=source.vocab_size or model.vocab_size,
+        seq_len=config.data.seq_len,
+        seed=config.seed,
+        tokenizer=source.tokenizer,
+    )
     losses = []
     for step in range(config.steps):
         for group in optimizer.param_groups:
@@ -199,9 +230,12 @@ def launches(files, tmp_path_factory):
             save_root = tmp_path_factory.mktemp(f"runs{world}") if world == 2 else None
             extras = None
             if world == 2:
-                lr0 = replace(_config(f"hf:{files['llama']}"), steps=1,
-                              optimizer=OptimizerConfig(name=Optimizer.SGD, lr=0.0, weight_decay=0.0),
-                              checkpoint=CheckpointConfig(save_dir=str(save_root / "lr0"), init_from=str(files["llama"])))
+                lr0 = replace(
+                    _config(f"hf:{files['llama']}"),
+                    steps=1,
+                    optimizer=OptimizerConfig(name=Optimizer.SGD, lr=0.0, weight_decay=0.0),
+                    checkpoint=CheckpointConfig(save_dir=str(save_root / "lr0"), init_from=str(files["llama"])),
+                )
                 extras = {"lr0": lr0}
             done[world] = (run_distributed(hf_worker, world, cases(files, save_root), extras)[0], save_root)
         return done[world]
@@ -265,8 +299,10 @@ def test_convert_to_full_loads_in_transformers_with_equal_logits(name, files, la
     if name == "llama-dir":  # the directory's side files come along
         assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in (tmp_path / "out").iterdir()}
         tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
-        assert tokenizer.encode("the lazy dog", add_special_tokens=False) == load_tokenizer(
-            f"hf:{files['llama']}").encode(b"the lazy dog").tolist()
+        assert (
+            tokenizer.encode("the lazy dog", add_special_tokens=False)
+            == load_tokenizer(f"hf:{files['llama']}").encode(b"the lazy dog").tolist()
+        )
     if name == "builtin":  # GPT2LMHeadModel, Conv1D orientation: its weight is the transpose of fsdpkit's Linear
         assert type(model).__name__ == "GPT2LMHeadModel"
         trained = results[name]["weights"]
@@ -293,10 +329,35 @@ def test_sgd_at_lr_0_gives_back_the_input_weights_bit_for_bit(files, launches, t
     _convert(runs / "lr0", tmp_path / "llama")
     assert _same_tensors(files["llama"], tmp_path / "llama")
     run = tmp_path / "run"
-    done = subprocess.run([FSDPKIT, "train", "--model", f"hf:{files['gpt2']}", "--init-from", str(files["gpt2"]),
-                           "--optimizer", "sgd", "--lr", "0", "--weight-decay", "0", "--steps", "1", "--seq-len", "16",
-                           "--nproc-per-node", "2", "--save-dir", str(run), "--quiet"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            FSDPKIT,
+            "train",
+            "--model",
+            f"hf:{files['gpt2']}",
+            "--init-from",
+            str(files["gpt2"]),
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0",
+            "--weight-decay",
+            "0",
+            "--steps",
+            "1",
+            "--seq-len",
+            "16",
+            "--nproc-per-node",
+            "2",
+            "--save-dir",
+            str(run),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr
     _convert(run, tmp_path / "gpt2", "--max-shard-size", "40KB")
     assert (tmp_path / "gpt2" / "model.safetensors.index.json").exists()
@@ -309,9 +370,9 @@ def _same_tensors(a: Path, b: Path) -> bool:
         for path in directory.glob("*.safetensors"):
             out.update(load_file(path))
         return out
+
     x, y = tensors(a), tensors(b)
-    return x.keys() == y.keys() and all(x[k].dtype == y[k].dtype and torch.equal(x[k].view(torch.uint8), y[k].view(torch.uint8))
-                                        for k in x)
+    return x.keys() == y.keys() and all(x[k].dtype == y[k].dtype and torch.equal(x[k].view(torch.uint8), y[k].view(torch.uint8)) for k in x)
 
 
 def test_bf16_keyword_arguments_and_activation_checkpointing(launches):
@@ -347,7 +408,7 @@ def test_init_is_per_parameter_deterministic_and_order_free():
         meta.init_parameter(name, fresh)
         assert torch.equal(fresh, param), name
     random = [p for n, p in params if p.dim() >= 2]
-    assert all(not torch.equal(a.flatten()[:16], b.flatten()[:16]) for i, a in enumerate(random) for b in random[i + 1:])
+    assert all(not torch.equal(a.flatten()[:16], b.flatten()[:16]) for i, a in enumerate(random) for b in random[i + 1 :])
     std = {n: p.std().item() for n, p in params}
     assert abs(std["transformer.h.0.attn.c_proj.weight"] - 0.02 / 2) < 2e-3  # GPT-2's scaled residual init
     assert abs(std["transformer.h.0.attn.c_attn.weight"] - 0.02) < 2e-3
@@ -357,22 +418,29 @@ def test_init_is_per_parameter_deterministic_and_order_free():
 def test_exported_builtin_gpt_reads_back_in_its_own_layout(launches, tmp_path):
     """--init-from and convert --to sharded undo the GPT-2 layout an export recorded."""
     results, runs = launches(2)
-    script = ("import sys; from fsdpkit_cli.app import app; "
-              "code = app(sys.argv[1:], standalone_mode=False); print(code, 'torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", script, "convert", str(runs / "builtin"), str(tmp_path / "hf"), "--to", "full"],
-                          capture_output=True, text=True, timeout=120)
+    script = (
+        "import sys; from fsdpkit_cli.app import app; code = app(sys.argv[1:], standalone_mode=False); print(code, 'torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "convert", str(runs / "builtin"), str(tmp_path / "hf"), "--to", "full"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.stdout.split()[-2:] == ["0", "False"], (done.stdout, done.stderr)  # transposes without torch
     trained = results["builtin"]["weights"]
     with full_reader(tmp_path / "hf", ["h.0.attn.c_attn.weight"]) as reader:
         from fsdpkit.layout import ElementRange
+
         for name, tensor in trained.items():
             if name == "lm_head.weight":
                 continue
             assert torch.equal(reader.read_tensor(name), tensor), name
             flat, size = tensor.reshape(-1), tensor.numel()
-            assert torch.equal(reader.read_range(name, ElementRange(size // 3, size - 5)), flat[size // 3:size - 5]), name
-    result = runner.invoke(app, ["convert", str(tmp_path / "hf"), str(tmp_path / "s2"), "--to", "sharded", "--world-size", "2",
-                                 "--model", "gpt-tiny"])
+            assert torch.equal(reader.read_range(name, ElementRange(size // 3, size - 5)), flat[size // 3 : size - 5]), name
+    result = runner.invoke(
+        app, ["convert", str(tmp_path / "hf"), str(tmp_path / "s2"), "--to", "sharded", "--world-size", "2", "--model", "gpt-tiny"]
+    )
     assert result.exit_code == 0, result.output
     with CheckpointReader(tmp_path / "s2") as reader:
         assert all(torch.equal(reader.read_tensor(n), t) for n, t in trained.items()), "sharded copy differs"
@@ -392,7 +460,7 @@ def test_prepare_data_with_a_tokenizer_and_token_files(files, tmp_path):
     assert torch.equal(torch.from_numpy(__import__("numpy").fromfile(small, dtype="<u4").astype("int64")), written)
     source = TokenSource(str(small), vocab_size=320, seq_len=16, seed=0, token_dtype=TokenDtype.UINT32)
     batch = source.global_batch(3, 4)
-    starts = [next(i for i in range(len(written)) if torch.equal(written[i:i + 17], row)) for row in batch]
+    starts = [next(i for i in range(len(written)) if torch.equal(written[i : i + 17], row)) for row in batch]
     assert len(starts) == 4 and isinstance(source.train_tokens, __import__("numpy").memmap)
     wrong = TokenSource(str(out), vocab_size=256, seq_len=16, seed=0)
     with pytest.raises(Exception, match="outside the model's vocabulary"):
@@ -404,8 +472,21 @@ def test_plan_and_convert_to_sharded_use_the_model_source(files, tmp_path):
     planned = runner.invoke(app, ["plan", "--model", f"hf:{files['llama']}", "--world-size", "4", "--json"])
     assert planned.exit_code == 0, planned.output
     assert json.loads(planned.stdout)["units"] == 3  # two decoder layers and the root
-    result = runner.invoke(app, ["convert", str(files["gpt2"]), str(tmp_path / "s"), "--to", "sharded", "--world-size", "2",
-                                 "--model", f"hf:{files['gpt2']}", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "convert",
+            str(files["gpt2"]),
+            str(tmp_path / "s"),
+            "--to",
+            "sharded",
+            "--world-size",
+            "2",
+            "--model",
+            f"hf:{files['gpt2']}",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["placement"] == "flat"
     with CheckpointReader(tmp_path / "s") as reader:

@@ -49,10 +49,10 @@ def test_fragments_reassemble_a_tensor_through_views():
     flat = torch.cat([weight.reshape(-1), bias, torch.zeros(layout.padding)])
     rebuilt = {"w": torch.empty(12), "b": torch.empty(3)}
     for rank in range(4):
-        chunk = flat[layout.chunk_range(rank).start:layout.chunk_range(rank).end]
+        chunk = flat[layout.chunk_range(rank).start : layout.chunk_range(rank).end]
         for fragment in layout.fragments(rank):
-            piece = chunk[fragment.local_offset:fragment.local_offset + fragment.param_range.size]
-            rebuilt[fragment.name][fragment.param_range.start:fragment.param_range.end] = piece
+            piece = chunk[fragment.local_offset : fragment.local_offset + fragment.param_range.size]
+            rebuilt[fragment.name][fragment.param_range.start : fragment.param_range.end] = piece
     assert torch.equal(rebuilt["w"].view(4, 3), weight) and torch.equal(rebuilt["b"], bias)
     pieces = torch.split(flat, layout.split_sizes())
     assert torch.equal(pieces[0].view(4, 3), weight)

@@ -20,8 +20,7 @@ from typer.testing import CliRunner
 from fsdpkit.checkpoint.state import CheckpointReader
 
 runner = CliRunner()
-COMMON = ["--seq-len", "32", "--global-batch-size", "8", "--lr-schedule", "cosine", "--warmup-steps", "2",
-          "--lr-decay-steps", "10"]
+COMMON = ["--seq-len", "32", "--global-batch-size", "8", "--lr-schedule", "cosine", "--warmup-steps", "2", "--lr-decay-steps", "10"]
 
 
 def train(*args: str) -> dict:
@@ -54,9 +53,15 @@ def test_resume_is_bitwise_exact_at_the_same_world_size(runs):
     assert any(n.startswith("optim.exp_avg.") for n in mine)
 
 
-@pytest.mark.parametrize("extra", [["--nproc-per-node", "1"], ["--nproc-per-node", "4"],
-                                   ["--nproc-per-node", "4", "--strategy", "hybrid", "--shard-group-size", "2"],
-                                   ["--strategy", "none"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--nproc-per-node", "1"],
+        ["--nproc-per-node", "4"],
+        ["--nproc-per-node", "4", "--strategy", "hybrid", "--shard-group-size", "2"],
+        ["--strategy", "none"],
+    ],
+)
 def test_resume_at_another_world_size_or_strategy(runs, extra):
     root, full, _ = runs
     resumed = train("--steps", "10", "--resume", str(root / "half" / "step-00000005"), *extra)
@@ -106,6 +111,7 @@ def test_checkpoint_of_another_model_and_missing_optimizer_state(runs, tmp_path)
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "empty"])
 def test_corrupt_checkpoint_is_exit_3_naming_the_file(runs, tmp_path, damage):
     import shutil
+
     root, _, _ = runs
     broken = tmp_path / "broken"
     shutil.copytree(root / "full", broken)
@@ -131,10 +137,28 @@ def test_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
     exe = Path(sys.executable).with_name("fsdpkit")
     run_dir = tmp_path / "run"
     for delay in (0.0, 0.15, 0.4):
-        process = subprocess.Popen([str(exe), "train", "--model", "gpt-small", "--steps", "200", "--save-every", "1",
-                                    "--keep-last", "2", "--seq-len", "32", "--save-dir", str(run_dir)] +
-                                   (["--resume", str(run_dir)] if (run_dir / "latest").exists() else []),
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen(
+            [
+                str(exe),
+                "train",
+                "--model",
+                "gpt-small",
+                "--steps",
+                "200",
+                "--save-every",
+                "1",
+                "--keep-last",
+                "2",
+                "--seq-len",
+                "32",
+                "--save-dir",
+                str(run_dir),
+            ]
+            + (["--resume", str(run_dir)] if (run_dir / "latest").exists() else []),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.time() + 120
         start_count = len(list(run_dir.glob("step-*"))) if run_dir.exists() else 0
         while (
@@ -150,8 +174,18 @@ def test_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
         verified = runner.invoke(app, ["verify", str(run_dir), "--json"])
         assert verified.exit_code == 0, verified.output
     latest_step = int((run_dir / "latest").read_text().strip().split("-")[1])
-    resumed = train("--model", "gpt-small", "--resume", str(run_dir), "--steps", str(latest_step + 2),
-                    "--nproc-per-node", "1", "--global-batch-size", "2")
+    resumed = train(
+        "--model",
+        "gpt-small",
+        "--resume",
+        str(run_dir),
+        "--steps",
+        str(latest_step + 2),
+        "--nproc-per-node",
+        "1",
+        "--global-batch-size",
+        "2",
+    )
     assert resumed["steps"] == latest_step + 2 and len(resumed["losses"]) == 2  # continued from the latest step
 
 

@@ -26,18 +26,36 @@ from fsdpkit.train.config import (
 )
 
 NOT_DEFAULT = TrainConfig(
-    steps=7, seed=3, device=Device.CPU,
+    steps=7,
+    seed=3,
+    device=Device.CPU,
     model=ModelConfig(name="gpt-small", wrap=("a.b:C", "d.e:F"), wrap_min_params=100, wrap_every=2, deferred_init=False),
     data=DataConfig(source="corpus.txt", seq_len=16, global_batch_size=12, grad_accum=3, no_sync=True, eval_every=2, eval_batches=2),
-    sharding=ShardingConfig(strategy="hybrid", shard_group_size=2, mixed_precision=precision_policy("bf16", "fp32"),
-                            backward_prefetch="post", forward_prefetch=True, limit_all_gathers=0, cpu_offload=True,
-                            activation_checkpointing=True),
-    optimizer=OptimizerConfig(name=Optimizer.SGD, lr=1e-5, weight_decay=0.0, betas=(0.8, 0.99), max_grad_norm=1.5,
-                              schedule=Schedule.COSINE, warmup_steps=1, decay_steps=100),
+    sharding=ShardingConfig(
+        strategy="hybrid",
+        shard_group_size=2,
+        mixed_precision=precision_policy("bf16", "fp32"),
+        backward_prefetch="post",
+        forward_prefetch=True,
+        limit_all_gathers=0,
+        cpu_offload=True,
+        activation_checkpointing=True,
+    ),
+    optimizer=OptimizerConfig(
+        name=Optimizer.SGD,
+        lr=1e-5,
+        weight_decay=0.0,
+        betas=(0.8, 0.99),
+        max_grad_norm=1.5,
+        schedule=Schedule.COSINE,
+        warmup_steps=1,
+        decay_steps=100,
+    ),
     checkpoint=CheckpointConfig(save_dir="run", save_every=2, keep_last=3, async_save=True, resume="old", strict=False),
     logging=LoggingConfig(metrics="m.jsonl", tensorboard="tb", log_every=3, log_seconds=0.5, quiet=True),
-    launch=LaunchOptions(nproc_per_node=4, nnodes=2, node_rank=1, rdzv_backend="static", rdzv_id="x",
-                         master_addr="node0", master_port=1234),
+    launch=LaunchOptions(
+        nproc_per_node=4, nnodes=2, node_rank=1, rdzv_backend="static", rdzv_id="x", master_addr="node0", master_port=1234
+    ),
 )
 
 
@@ -58,10 +76,16 @@ def test_sections_are_nested_as_the_config_object():
     assert NOT_DEFAULT.launch.endpoint == "node0:1234" and NOT_DEFAULT.launch.world_size == 8
 
 
-@pytest.mark.parametrize("name, reduce_dtype, param, reduce", [
-    ("none", None, None, None), ("bf16", None, torch.bfloat16, torch.bfloat16), ("fp16", None, torch.float16, torch.float32),
-    ("bf16", "fp32", torch.bfloat16, torch.float32), ("fp16", "fp16", torch.float16, torch.float16),
-])
+@pytest.mark.parametrize(
+    "name, reduce_dtype, param, reduce",
+    [
+        ("none", None, None, None),
+        ("bf16", None, torch.bfloat16, torch.bfloat16),
+        ("fp16", None, torch.float16, torch.float32),
+        ("bf16", "fp32", torch.bfloat16, torch.float32),
+        ("fp16", "fp16", torch.float16, torch.float16),
+    ],
+)
 def test_mixed_precision_by_name_and_back(name, reduce_dtype, param, reduce):
     policy = precision_policy(name, reduce_dtype)
     assert policy.param_dtype is param and policy.reduce_dtype is reduce

@@ -17,8 +17,11 @@ from fsdpkit.train.data import TokenSource
 from fsdpkit.train.loop import Trainer
 from fsdpkit.train.schedule import lr_at
 
-CONFIG = TrainConfig(steps=10, data=DataConfig(global_batch_size=8, grad_accum=2, seq_len=32),
-                     optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2, schedule=Schedule.COSINE, weight_decay=0.1))
+CONFIG = TrainConfig(
+    steps=10,
+    data=DataConfig(global_batch_size=8, grad_accum=2, seq_len=32),
+    optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2, schedule=Schedule.COSINE, weight_decay=0.1),
+)
 
 
 def training_worker(config: TrainConfig) -> dict | None:
@@ -72,7 +75,7 @@ def test_losses_and_weights_match_reference(world_size, reference):
             # AdamW turns its rounding noise into full-size steps: compare the query and
             # value thirds per tensor; the key third counts in the whole-model check below.
             third = ref.numel() // 3
-            mine, ref = torch.cat([mine[:third], mine[2 * third:]]), torch.cat([ref[:third], ref[2 * third:]])
+            mine, ref = torch.cat([mine[:third], mine[2 * third :]]), torch.cat([ref[:third], ref[2 * third :]])
         error = ((mine - ref).norm() / ref.norm()).item()
         assert error <= 1e-4, f"world {world_size}: {name} differs by {error:.2e}"
     assert (squared_diff / squared_ref) ** 0.5 <= 1e-4

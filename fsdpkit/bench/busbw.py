@@ -39,13 +39,15 @@ MODES = ("out_of_place", "in_place")  # nccl-tests: separate buffers, or send in
 ALIGNMENT_BYTES = 16  # nccl-tests rounds each rank's share down to this many bytes
 
 ALGBW_FORMULA = "algbw = size / time"
-BUSBW_FORMULAS = MappingProxyType({
-    "allreduce": "busbw = algbw * 2(n-1)/n",
-    "allgather": "busbw = algbw * (n-1)/n",
-    "reducescatter": "busbw = algbw * (n-1)/n",
-    "alltoall": "busbw = algbw * (n-1)/n",
-    "broadcast": "busbw = algbw * 1",
-})
+BUSBW_FORMULAS = MappingProxyType(
+    {
+        "allreduce": "busbw = algbw * 2(n-1)/n",
+        "allgather": "busbw = algbw * (n-1)/n",
+        "reducescatter": "busbw = algbw * (n-1)/n",
+        "alltoall": "busbw = algbw * (n-1)/n",
+        "broadcast": "busbw = algbw * 1",
+    }
+)
 
 
 def check_collective(collective: str) -> str:

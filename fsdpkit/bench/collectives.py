@@ -134,7 +134,8 @@ def _prepare_reducescatter(in_place: bool, count: int, where: Placement, op: str
 
     reset()
     return PreparedCollective(
-        run=(lambda: comms.reduce_scatter(output, full, where.group)) if engine
+        run=(lambda: comms.reduce_scatter(output, full, where.group))
+        if engine
         else (lambda: _reduce_scatter_flat(output, full, op=getattr(dist.ReduceOp, REDUCE_OPS[op]), group=where.group)),
         reset=reset,
         result=lambda: output,

@@ -18,8 +18,13 @@ ELEMENT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 BACKENDS = ("auto", "gloo", "nccl")
 OPS = ("sum", "prod", "min", "max", "avg")  # all-reduce and reduce-scatter only
 REDUCING = ("allreduce", "reducescatter")
-NCCL_TESTS_BINARIES = {"allgather": "all_gather_perf", "reducescatter": "reduce_scatter_perf",
-                       "allreduce": "all_reduce_perf", "broadcast": "broadcast_perf", "alltoall": "alltoall_perf"}
+NCCL_TESTS_BINARIES = {
+    "allgather": "all_gather_perf",
+    "reducescatter": "reduce_scatter_perf",
+    "allreduce": "all_reduce_perf",
+    "broadcast": "broadcast_perf",
+    "alltoall": "alltoall_perf",
+}
 
 
 def parse_dtype(text: str) -> str:
@@ -41,17 +46,25 @@ def element_size(dtype_name: str) -> int:
 @dataclass(frozen=True)
 class BenchOptions:
     collectives: tuple[str, ...]
-    min_bytes: int = setting(1024, "Smallest size: K/M/G = KiB/MiB/GiB (1024), KB/MB/GB (1000).", short="-b",
-                             parse=parse_size, metavar="SIZE", shown_default="1K")
-    max_bytes: int = setting(64 * 1024**2, "Largest size, same units.", short="-e", parse=parse_size, metavar="SIZE",
-                             shown_default="64M")
+    min_bytes: int = setting(
+        1024,
+        "Smallest size: K/M/G = KiB/MiB/GiB (1024), KB/MB/GB (1000).",
+        short="-b",
+        parse=parse_size,
+        metavar="SIZE",
+        shown_default="1K",
+    )
+    max_bytes: int = setting(64 * 1024**2, "Largest size, same units.", short="-e", parse=parse_size, metavar="SIZE", shown_default="64M")
     factor: int = setting(2, "Multiply the size by this between rows (>= 2).", short="-f")
     iters: int = setting(20, "Timed calls per size and mode.", short="-n")
     warmup: int = setting(5, "Untimed calls before each timed run.", short="-w")
-    check: int = setting(0, "Verify every result element of N more runs on fresh inputs; wrong ones are counted, "
-                         "and any exits 3 (0: no check).", short="-c", metavar="N")
-    dtype: str = setting("float32", "float32 (float), bfloat16 or float16 (half).", short="-d", parse=parse_dtype,
-                         metavar="TYPE")
+    check: int = setting(
+        0,
+        "Verify every result element of N more runs on fresh inputs; wrong ones are counted, and any exits 3 (0: no check).",
+        short="-c",
+        metavar="N",
+    )
+    dtype: str = setting("float32", "float32 (float), bfloat16 or float16 (half).", short="-d", parse=parse_dtype, metavar="TYPE")
     op: str = setting("sum", "Reduction of allreduce and reducescatter (avg: nccl only).", short="-o", choices=OPS)
     backend: str = setting("auto", "auto: nccl with a GPU per process, else gloo.", choices=BACKENDS)
     variant: str | None = setting(
@@ -107,8 +120,10 @@ class BenchOptions:
 
     def nccl_tests_command(self, collective: str, *, nproc_per_node: int, nnodes: int) -> str:
         """The nccl-tests command line that measures the same thing (one process per GPU)."""
-        flags = (f"-b {self.min_bytes} -e {self.max_bytes} -f {self.factor} -n {self.iters} -w {self.warmup} "
-                 f"-c {self.check} -d {NCCL_TESTS_DTYPES[self.dtype]}")
+        flags = (
+            f"-b {self.min_bytes} -e {self.max_bytes} -f {self.factor} -n {self.iters} -w {self.warmup} "
+            f"-c {self.check} -d {NCCL_TESTS_DTYPES[self.dtype]}"
+        )
         if collective in REDUCING:
             flags += f" -o {self.op}"
         return f"mpirun -np {nproc_per_node * nnodes} {NCCL_TESTS_BINARIES[collective]} {flags} -g 1"

@@ -61,8 +61,11 @@ def _format_time(time_us: float) -> str:
 
 _COMPARISONS = {  # collective -> (title, baseline variant, other variant)
     "allgather": ("all-gather: flat (all_gather_single, FSDP's) vs list (all_gather into separate tensors)", "flat", "list"),
-    "reducescatter": ("reduce-scatter: torch (reduce_scatter_single) vs fsdpkit (the engine's Collectives.reduce_scatter)",
-                      "torch", "fsdpkit"),
+    "reducescatter": (
+        "reduce-scatter: torch (reduce_scatter_single) vs fsdpkit (the engine's Collectives.reduce_scatter)",
+        "torch",
+        "fsdpkit",
+    ),
 }
 
 
@@ -133,8 +136,19 @@ def _mode_document(mode: ModeResult | None) -> dict[str, Any] | None:
 
 
 CSV_COLUMNS = (
-    "collective", "variant", "backend", "world_size", "size_bytes", "count", "type", "mode",
-    "time_us", "algbw_gbps", "busbw_gbps", "busbw_factor", "wrong",
+    "collective",
+    "variant",
+    "backend",
+    "world_size",
+    "size_bytes",
+    "count",
+    "type",
+    "mode",
+    "time_us",
+    "algbw_gbps",
+    "busbw_gbps",
+    "busbw_factor",
+    "wrong",
 )
 
 
@@ -147,8 +161,20 @@ def write_csv(report: BenchReport, stream: TextIO) -> None:
             for mode, value in row.modes():
                 if value is None:
                     continue
-                writer.writerow([
-                    result.collective, result.variant, report.backend, report.world_size, row.size_bytes, row.count,
-                    report.dtype, mode, f"{value.time_us:.3f}", f"{value.algbw_gbps:.6g}", f"{value.busbw_gbps:.6g}",
-                    f"{result.busbw_factor:g}", "" if value.wrong is None else value.wrong,
-                ])
+                writer.writerow(
+                    [
+                        result.collective,
+                        result.variant,
+                        report.backend,
+                        report.world_size,
+                        row.size_bytes,
+                        row.count,
+                        report.dtype,
+                        mode,
+                        f"{value.time_us:.3f}",
+                        f"{value.algbw_gbps:.6g}",
+                        f"{value.busbw_gbps:.6g}",
+                        f"{result.busbw_factor:g}",
+                        "" if value.wrong is None else value.wrong,
+                    ]
+                )

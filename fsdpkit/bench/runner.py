@@ -41,13 +41,23 @@ def plan_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> Bench
     requested = options.requested_sizes()
     item_size = element_size(options.dtype)
     entries = tuple(
-        BenchEntry(collective=collective, variant=variant, sizes=tuple(bench_sizes(collective, requested, world_size, item_size)),
-                   nccl_tests=options.nccl_tests_command(collective, nproc_per_node=local, nnodes=launch_options.nnodes))
+        BenchEntry(
+            collective=collective,
+            variant=variant,
+            sizes=tuple(bench_sizes(collective, requested, world_size, item_size)),
+            nccl_tests=options.nccl_tests_command(collective, nproc_per_node=local, nnodes=launch_options.nnodes),
+        )
         for collective, variant in options.entries()
     )
     return BenchPlan(
-        entries=entries, backend=backend, dtype=options.dtype,
-        iters=options.iters, warmup=options.warmup, check=options.check, op=options.op, timeout=launch_options.timeout,
+        entries=entries,
+        backend=backend,
+        dtype=options.dtype,
+        iters=options.iters,
+        warmup=options.warmup,
+        check=options.check,
+        op=options.op,
+        timeout=launch_options.timeout,
     )
 
 
@@ -64,20 +74,33 @@ def build_report(plan: BenchPlan, measured: list, *, world_size: int) -> BenchRe
     for entry, rows in zip(plan.entries, measured, strict=True):
         size_results = tuple(
             size_result(
-                entry.collective, world_size, size,
+                entry.collective,
+                world_size,
+                size,
                 {mode: None if m is None else (m.seconds, m.wrong) for mode, m in row.items()},
             )
             for size, row in zip(entry.sizes, rows, strict=True)
         )
-        results.append(CollectiveResult(
-            collective=entry.collective, variant=entry.variant, world_size=world_size,
-            busbw_factor=busbw_factor(entry.collective, world_size), rows=size_results,
-            note=backend_note(plan.backend, entry.collective, entry.variant),
-            op=plan.op if entry.collective in REDUCING else None, nccl_tests=entry.nccl_tests,
-        ))
+        results.append(
+            CollectiveResult(
+                collective=entry.collective,
+                variant=entry.variant,
+                world_size=world_size,
+                busbw_factor=busbw_factor(entry.collective, world_size),
+                rows=size_results,
+                note=backend_note(plan.backend, entry.collective, entry.variant),
+                op=plan.op if entry.collective in REDUCING else None,
+                nccl_tests=entry.nccl_tests,
+            )
+        )
     return BenchReport(
-        backend=plan.backend, world_size=world_size, dtype=plan.dtype,
-        iters=plan.iters, warmup=plan.warmup, check=plan.check, results=tuple(results),
+        backend=plan.backend,
+        world_size=world_size,
+        dtype=plan.dtype,
+        iters=plan.iters,
+        warmup=plan.warmup,
+        check=plan.check,
+        results=tuple(results),
     )
 
 
@@ -87,7 +110,9 @@ def raise_if_wrong(report: BenchReport) -> None:
         return
     places = [
         f"{result.title} {row.size_bytes} B {mode.replace('_', '-')}: {value.wrong}"
-        for result in report.results for row in result.rows for mode, value in row.modes()
+        for result in report.results
+        for row in result.rows
+        for mode, value in row.modes()
         if value is not None and value.wrong
     ]
     shown = "; ".join(places[:3]) + (f"; and {len(places) - 3} more" if len(places) > 3 else "")

@@ -73,8 +73,11 @@ def bench_worker(plan: BenchPlan) -> list[list[SizeMeasurements]]:
     group = dist.group.WORLD
     try:
         where = Placement(
-            rank=dist.get_rank(group), world_size=dist.get_world_size(group),
-            dtype=torch_dtype(plan.dtype), device=device, group=group,
+            rank=dist.get_rank(group),
+            world_size=dist.get_world_size(group),
+            dtype=torch_dtype(plan.dtype),
+            device=device,
+            group=group,
         )
         corrupt = os.environ.get(CORRUPT_RANK_ENV, "") == str(dist.get_rank())
         return _run_plan(plan, where, corrupt=corrupt)
@@ -115,8 +118,7 @@ def measure_size(entry: BenchEntry, size: BenchSize, plan: BenchPlan, where: Pla
     wrong_total = torch.tensor(wrong, dtype=torch.int64, device=where.device)
     dist.all_reduce(wrong_total, op=dist.ReduceOp.SUM, group=where.group)
     measured = {
-        mode: Measurement(seconds=float(slowest[i]), wrong=int(wrong_total[i]) if plan.check else None)
-        for i, mode in enumerate(modes)
+        mode: Measurement(seconds=float(slowest[i]), wrong=int(wrong_total[i]) if plan.check else None) for i, mode in enumerate(modes)
     }
     return {mode: measured.get(mode) for mode in MODES}
 

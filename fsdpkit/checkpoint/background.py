@@ -72,7 +72,7 @@ class HostBuffers:
         self._views = {}
         for name, tensor in tensors.items():
             start = offsets[tensor.dtype]
-            self._views[name] = self.buffers[tensor.dtype][start:start + tensor.numel()]
+            self._views[name] = self.buffers[tensor.dtype][start : start + tensor.numel()]
             offsets[tensor.dtype] = start + tensor.numel()
 
 

@@ -140,8 +140,9 @@ class ByteCopier:
         self._progress = progress
         self._unreported = 0
 
-    def copy(self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None],
-             *, checksum: bool = False) -> int | None:
+    def copy(
+        self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None], *, checksum: bool = False
+    ) -> int | None:
         """Stream elements `wanted` of `tensor`, cast to `out_dtype`, into `sink`; with `checksum`,
         return the crc32 of what was handed on."""
         blocks = self._blocks(tensor, wanted, dtype_info(tensor.dtype).itemsize)
@@ -180,11 +181,11 @@ class ByteCopier:
                     lo = max(base + first, part.start * itemsize)
                     hi = min(base + first + view.nbytes, part.end * itemsize)
                     if lo < hi:
-                        out[lo - wanted.start * itemsize: hi - wanted.start * itemsize] = view[lo - base - first: hi - base - first]
+                        out[lo - wanted.start * itemsize : hi - wanted.start * itemsize] = view[lo - base - first : hi - base - first]
                 self._verified.add((piece.path, piece.offset))
             else:
                 start = (part.start - piece.range.start) * itemsize
-                self._pread(piece, start, out[(part.start - wanted.start) * itemsize: (part.end - wanted.start) * itemsize])
+                self._pread(piece, start, out[(part.start - wanted.start) * itemsize : (part.end - wanted.start) * itemsize])
 
     def _blocks(self, tensor: SourceTensor, wanted: ElementRange, itemsize: int) -> list[tuple[SourcePiece, int, int]]:
         """(piece, byte offset in the piece, bytes) of each chunk to read, in order."""
@@ -204,8 +205,7 @@ class ByteCopier:
         self._pread(piece, offset, view)
         return view, self._advance_crc(piece, offset, view, self._read_shifter, block_crc=True)
 
-    def _advance_crc(self, piece: SourcePiece, offset: int, view: memoryview, shifter: CrcShifter, *,
-                     block_crc: bool) -> int | None:
+    def _advance_crc(self, piece: SourcePiece, offset: int, view: memoryview, shifter: CrcShifter, *, block_crc: bool) -> int | None:
         """Feed the bytes of `view` (at `offset` in the piece, being handed on) not yet checksummed
         into the piece's running crc32; compare it with the stored one when the piece has been
         read whole. Returns the crc32 of `view` itself when `block_crc` asks and it comes for free."""
@@ -215,7 +215,7 @@ class ByteCopier:
         position, crc, _ = self._crc.pop(key, (0, 0, piece))
         if offset > position:
             raise AssertionError(f"{piece.label}: read at byte {offset}, expected {position} (fragments must be read in order)")
-        fresh = view[position - offset:]
+        fresh = view[position - offset :]
         if not fresh.nbytes:
             self._crc[key] = (position, crc, piece)
             return None
@@ -225,8 +225,9 @@ class ByteCopier:
         if position < piece.nbytes:
             self._crc[key] = (position, running, piece)
         elif running != piece.crc32:
-            raise DataCheckError(f"{piece.path}: checksum mismatch in {piece.label}: "
-                                 f"stored crc32 {piece.crc32:08x}, data gives {running:08x} (corrupt file)")
+            raise DataCheckError(
+                f"{piece.path}: checksum mismatch in {piece.label}: stored crc32 {piece.crc32:08x}, data gives {running:08x} (corrupt file)"
+            )
         return own
 
     def _pread(self, piece: SourcePiece, offset: int, view: memoryview) -> None:
@@ -306,8 +307,8 @@ def cast_into(src: memoryview, src_dtype: str, dst_dtype: str, out: bytearray | 
     with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is the intended result, as in torch
         for first in range(0, count, CAST_BLOCK):
             last = min(first + CAST_BLOCK, count)
-            block = src_array[first * src_size: last * src_size]
-            _cast_block(np, block, src_dtype, dst_dtype, out_array[first * dst_size: last * dst_size])
+            block = src_array[first * src_size : last * src_size]
+            _cast_block(np, block, src_dtype, dst_dtype, out_array[first * dst_size : last * dst_size])
     return out_view
 
 

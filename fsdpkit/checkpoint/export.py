@@ -25,8 +25,17 @@ EXPORT_ATTR = "fsdpkit_hf_export"  # a model's HfExport, set by its model source
 EXPORT_STATE_KEY = "export"  # training_state["export"]: HfExport.to_json()
 LAYOUT_METADATA_KEY = "fsdpkit_export_layout"  # full files' __metadata__: Layout.to_json() as a string
 CONFIG_NAME = "config.json"
-SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 TORCH_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
@@ -50,7 +59,7 @@ class Layout:
         """The fsdpkit name of an exported tensor (None: not one this layout writes)."""
         if not self.prefix or exported in self.unprefixed:
             return exported
-        return exported[len(self.prefix):] if exported.startswith(self.prefix) else None
+        return exported[len(self.prefix) :] if exported.startswith(self.prefix) else None
 
     def is_transposed(self, name: str, shape: tuple[int, ...]) -> bool:
         """Whether tensor `name` (fsdpkit's name) is stored transposed."""

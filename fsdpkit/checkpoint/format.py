@@ -75,8 +75,16 @@ _DTYPES = {
 }
 
 # --dtype spellings accepted by the CLI.
-CAST_TARGETS = {"bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16", "half": "F16",
-                "fp32": "F32", "float32": "F32", "float": "F32"}
+CAST_TARGETS = {
+    "bf16": "BF16",
+    "bfloat16": "BF16",
+    "fp16": "F16",
+    "float16": "F16",
+    "half": "F16",
+    "fp32": "F32",
+    "float32": "F32",
+    "float": "F32",
+}
 
 
 def dtype_info(name: str) -> DtypeInfo:
@@ -140,7 +148,7 @@ def split_optim_tensor_name(name: str) -> tuple[str, str] | None:
     """(state, param name) of `optim.<state>.<param>`, or None for a scalar/other tensor."""
     if not is_optimizer_tensor(name):
         return None
-    rest = name[len(OPTIM_PREFIX):]
+    rest = name[len(OPTIM_PREFIX) :]
     state, dot, param = rest.partition(".")
     return (state, param) if dot and state and param else None
 

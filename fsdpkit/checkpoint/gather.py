@@ -47,8 +47,7 @@ class _Piece:
     """A source piece (one fragment of a source tensor, or a whole tensor of a full file) and how
     far it has been read."""
 
-    __slots__ = ("first", "last", "file", "offset", "nbytes", "crc32", "label", "done", "running",
-                 "window", "window_start", "window_end")
+    __slots__ = ("first", "last", "file", "offset", "nbytes", "crc32", "label", "done", "running", "window", "window_start", "window_end")
 
     def __init__(self, first: int, last: int, file: int, offset: int, nbytes: int, crc32: int | None, label: str):
         self.first, self.last = first, last  # elements of the tensor
@@ -172,7 +171,7 @@ class Gatherer:
                 offset = piece.offset + at
                 if at == piece.done and nbytes <= block and piece.window_start <= offset and offset + nbytes <= piece.window_end:
                     offset -= piece.window_start
-                    view = piece.window[offset: offset + nbytes]
+                    view = piece.window[offset : offset + nbytes]
                     crc = crc32(view)
                     views.append(view)
                     crcs.append(crc)
@@ -182,8 +181,13 @@ class Gatherer:
                         if shift is None:
                             piece.running = self._shifter.shift(running, nbytes) ^ crc
                         else:
-                            piece.running = (shift[0][running & 255] ^ shift[1][(running >> 8) & 255]
-                                             ^ shift[2][(running >> 16) & 255] ^ shift[3][running >> 24] ^ crc)
+                            piece.running = (
+                                shift[0][running & 255]
+                                ^ shift[1][(running >> 8) & 255]
+                                ^ shift[2][(running >> 16) & 255]
+                                ^ shift[3][running >> 24]
+                                ^ crc
+                            )
                     else:
                         piece.running = crc
                     piece.done = at + nbytes
@@ -202,8 +206,10 @@ class Gatherer:
             piece = self._piece_at(cursor, position, end)
             stop = min(end, piece.last)
             if (position - piece.first) * itemsize != piece.done:
-                raise AssertionError(f"{piece.label}: read at byte {(position - piece.first) * itemsize}, "
-                                     f"expected {piece.done} (fragments must be read in order)")
+                raise AssertionError(
+                    f"{piece.label}: read at byte {(position - piece.first) * itemsize}, "
+                    f"expected {piece.done} (fragments must be read in order)"
+                )
             remaining = (stop - position) * itemsize
             while remaining:
                 nbytes = min(remaining, self.block)
@@ -240,7 +246,8 @@ class Gatherer:
                     if found.offset + found.nbytes > self._files.size(number):
                         raise DataCheckError(f"{found.path}: file ends before {found.label} does (truncated)")
                     known = cursor.pieces[found.range.start] = _Piece(
-                        found.range.start, found.range.end, number, found.offset, found.nbytes, found.crc32, found.label)
+                        found.range.start, found.range.end, number, found.offset, found.nbytes, found.crc32, found.label
+                    )
                 if known.first <= position < known.last:
                     piece = known
         if piece is None:
@@ -255,7 +262,7 @@ class Gatherer:
             piece.window_start, window = self._files.window(piece.file, offset)
             piece.window = window
             piece.window_end = piece.window_start + len(window)
-        return window[offset - piece.window_start: offset - piece.window_start + nbytes]
+        return window[offset - piece.window_start : offset - piece.window_start + nbytes]
 
     def _finish_piece(self, cursor: _Cursor, piece: _Piece) -> None:
         del cursor.pieces[piece.first]
@@ -264,8 +271,10 @@ class Gatherer:
             self._files.release(piece.file, piece.window_start, piece.window)  # nothing after the piece in it either
         piece.window = None
         if piece.crc32 is not None and piece.running != piece.crc32:
-            raise DataCheckError(f"{self._files.path(piece.file)}: checksum mismatch in {piece.label}: stored crc32 "
-                                 f"{piece.crc32:08x}, data gives {piece.running:08x} (corrupt file)")
+            raise DataCheckError(
+                f"{self._files.path(piece.file)}: checksum mismatch in {piece.label}: stored crc32 "
+                f"{piece.crc32:08x}, data gives {piece.running:08x} (corrupt file)"
+            )
 
     def finish(self) -> None:
         """Close the files; every source piece started must have been read to its end."""

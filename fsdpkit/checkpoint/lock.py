@@ -91,8 +91,10 @@ class RunLock:
             except FileExistsError:
                 current = _read(path)
                 if current is None or current.get("host") != identity["host"] or _alive(current):
-                    raise UsageError(f"{run_dir} is in use by another run: {_describe(current)} holds {path}; wait for it "
-                                     f"to finish, or remove the lock file if that run is gone") from None
+                    raise UsageError(
+                        f"{run_dir} is in use by another run: {_describe(current)} holds {path}; wait for it "
+                        f"to finish, or remove the lock file if that run is gone"
+                    ) from None
                 stale = path.with_name(f"{LOCK_NAME}.stale-{uuid.uuid4().hex[:8]}")
                 try:
                     os.rename(path, stale)

@@ -98,10 +98,17 @@ class Manifest:
     def to_json(self) -> dict:
         if self.listing is not None:
             raise ValueError("version 1 manifests are read, never written")
-        document = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "world_size": self.world_size,
-                    "strategy": self.strategy, "files": RANK_FILE_RULE, "placement": self.placement.to_json(),
-                    "tensors": [[t.name, t.dtype, list(t.shape)] for t in self.tensors],
-                    "aliases": dict(self.aliases), "training_state": self.training_state}
+        document = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "world_size": self.world_size,
+            "strategy": self.strategy,
+            "files": RANK_FILE_RULE,
+            "placement": self.placement.to_json(),
+            "tensors": [[t.name, t.dtype, list(t.shape)] for t in self.tensors],
+            "aliases": dict(self.aliases),
+            "training_state": self.training_state,
+        }
         if self.run_id is not None:
             document["run"] = self.run_id
         return document
@@ -129,8 +136,9 @@ class Manifest:
             raise DataCheckError(f"{where}: format is {short(document.get('format'))}, expected {FORMAT_NAME!r}")
         version = document.get("version")
         if version not in READ_VERSIONS or type(version) is not int:
-            raise DataCheckError(f"{where}: format version {short(version)} is not supported (this fsdpkit reads "
-                                 f"{', '.join(map(str, READ_VERSIONS))})")
+            raise DataCheckError(
+                f"{where}: format version {short(version)} is not supported (this fsdpkit reads {', '.join(map(str, READ_VERSIONS))})"
+            )
         return _parse_v2(document, where) if version == 2 else _parse_v1(document, where)
 
 
@@ -265,8 +273,10 @@ def _parse_v1(doc: dict, where: str) -> Manifest:
     shapes = {t.name: t.shape for t in tensors}
     for name, shape in placement.param_shapes().items():
         if shapes.get(name) != shape:
-            raise DataCheckError(f"{where}: plan parameter {name!r} has shape {list(shape)}, the tensor table has "
-                                 f"{list(shapes[name]) if name in shapes else 'no such tensor'}")
+            raise DataCheckError(
+                f"{where}: plan parameter {name!r} has shape {list(shape)}, the tensor table has "
+                f"{list(shapes[name]) if name in shapes else 'no such tensor'}"
+            )
     names = [name for name, _ in files]
     if len(set(names)) != len(names):
         raise DataCheckError(f"{where}: duplicate file names {sorted({n for n in names if names.count(n) > 1})[:3]}")
@@ -276,8 +286,16 @@ def _parse_v1(doc: dict, where: str) -> Manifest:
             if (frag.file, frag.key) in used:
                 raise DataCheckError(f"{where}: key {frag.key!r} of {frag.file} is used twice")
             used.add((frag.file, frag.key))
-    return Manifest(world_size, strategy, placement, tuple(tensors), dict(aliases), training_state,
-                    version=1, listing=V1Listing(tuple(files), fragments))
+    return Manifest(
+        world_size,
+        strategy,
+        placement,
+        tuple(tensors),
+        dict(aliases),
+        training_state,
+        version=1,
+        listing=V1Listing(tuple(files), fragments),
+    )
 
 
 def _v1_fragments(spec: TensorSpec, frags: object, files: list[tuple[str, int]], where: str) -> tuple[FragmentEntry, ...]:
@@ -301,8 +319,10 @@ def _v1_fragments(spec: TensorSpec, frags: object, files: list[tuple[str, int]],
     position = 0
     for frag in result:
         if frag.start != position or frag.end <= frag.start:
-            raise DataCheckError(f"{where}: tensor {spec.name!r}: fragment [{frag.start}, {frag.end}) in {frag.file} "
-                                 f"does not continue at element {position} (gap, overlap or empty)")
+            raise DataCheckError(
+                f"{where}: tensor {spec.name!r}: fragment [{frag.start}, {frag.end}) in {frag.file} "
+                f"does not continue at element {position} (gap, overlap or empty)"
+            )
         position = frag.end
     if position != spec.numel:
         raise DataCheckError(f"{where}: tensor {spec.name!r}: fragments cover [0, {position}) of {spec.numel} elements")
@@ -336,14 +356,16 @@ def _v1_placement(document: object, world_size: int, where: str) -> Placement:
         padding = FlatLayout.from_shapes(spec, world_size).padding
         if unit.get("padding") != padding:
             raise DataCheckError(
-                f"{where}: plan unit {index} records padding {short(unit.get('padding'))}, world size {world_size} gives {padding}")
+                f"{where}: plan unit {index} records padding {short(unit.get('padding'))}, world size {world_size} gives {padding}"
+            )
         units.append(spec)
     return Placement.flat(units)
 
 
 # ----- fitting a model, and another world size
-def check_compatible(manifest: Manifest, expected: dict[str, tuple[int, ...]], *, strict: bool = True,
-                     where: str = "checkpoint") -> list[str]:
+def check_compatible(
+    manifest: Manifest, expected: dict[str, tuple[int, ...]], *, strict: bool = True, where: str = "checkpoint"
+) -> list[str]:
     """Does the checkpoint fit a model? `expected` maps each tensor the loader wants (model
     parameters and buffers, `optim.<state>.<param>` names) to its shape. A missing or extra
     model tensor, or a shape difference, is a `DataCheckError` naming the first offenders;
@@ -351,22 +373,28 @@ def check_compatible(manifest: Manifest, expected: dict[str, tuple[int, ...]], *
     stored: dict[str, tuple[int, ...] | None] = {t.name: t.shape for t in manifest.tensors}
     for alias, target in manifest.aliases.items():
         stored.setdefault(alias, stored.get(target))
-    wrong = [f"{name} {list(have)} vs model {list(shape)}" for name, shape in expected.items()
-             if (have := stored.get(name)) is not None and tuple(have) != tuple(shape)]
+    wrong = [
+        f"{name} {list(have)} vs model {list(shape)}"
+        for name, shape in expected.items()
+        if (have := stored.get(name)) is not None and tuple(have) != tuple(shape)
+    ]
     if wrong:
         raise DataCheckError(f"{where}: shapes differ from the model: {', '.join(wrong[:3])}" + _more(wrong))
     missing_model = [n for n in expected if n not in stored and not is_optimizer_tensor(n)]
     if missing_model:
-        raise DataCheckError(f"{where}: missing model tensors {missing_model[:3]}" + _more(missing_model)
-                             + " (a checkpoint of another model?)")
+        raise DataCheckError(
+            f"{where}: missing model tensors {missing_model[:3]}" + _more(missing_model) + " (a checkpoint of another model?)"
+        )
     extra = [n for n in stored if n not in expected and not is_optimizer_tensor(n) and n not in manifest.aliases]
     if extra:
-        raise DataCheckError(f"{where}: tensors the model does not have: {extra[:3]}" + _more(extra)
-                             + " (a checkpoint of another model?)")
+        raise DataCheckError(f"{where}: tensors the model does not have: {extra[:3]}" + _more(extra) + " (a checkpoint of another model?)")
     missing_optim = [n for n in expected if n not in stored and is_optimizer_tensor(n)]
     if missing_optim and strict:
-        raise DataCheckError(f"{where}: missing optimizer state {missing_optim[:3]}" + _more(missing_optim)
-                             + "; pass --no-strict to start the optimizer fresh")
+        raise DataCheckError(
+            f"{where}: missing optimizer state {missing_optim[:3]}"
+            + _more(missing_optim)
+            + "; pass --no-strict to start the optimizer fresh"
+        )
     return missing_optim
 
 
@@ -383,5 +411,7 @@ def resharded_training_state(state: dict, *, old_world_size: int, new_world_size
     if old_world_size == new_world_size or PER_RANK_KEY not in state:
         return dict(state), []
     kept = {k: v for k, v in state.items() if k != PER_RANK_KEY}
-    return kept, [f"training_state.{PER_RANK_KEY} (per-rank state for {old_world_size} ranks) dropped: "
-                  f"it cannot be resharded to {new_world_size} ranks"]
+    return kept, [
+        f"training_state.{PER_RANK_KEY} (per-rank state for {old_world_size} ranks) dropped: "
+        f"it cannot be resharded to {new_world_size} ranks"
+    ]

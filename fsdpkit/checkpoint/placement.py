@@ -153,7 +153,7 @@ class FileLayout:
         """The header with the fragments' crc32s filled in, as three byte strings."""
         end = self.crc_offset + 8 * len(self.tensors)
         digits = struct.pack(f">{len(self.tensors)}I", *crcs).hex().encode("ascii")
-        return [self.header[:self.crc_offset], digits, self.header[end:]]
+        return [self.header[: self.crc_offset], digits, self.header[end:]]
 
 
 class Layout:
@@ -280,15 +280,16 @@ class Layout:
             chunk, _, starts, _, _ = self._units[u]
             begin = starts[s]
             first, last = (begin + wanted.start) // chunk, (begin + wanted.end - 1) // chunk
-            return [(r, ElementRange(max(r * chunk - begin, 0), min((r + 1) * chunk - begin, numel)))
-                    for r in range(first, last + 1)]
+            return [(r, ElementRange(max(r * chunk - begin, 0), min((r + 1) * chunk - begin, numel))) for r in range(first, last + 1)]
         if tensor in self._first_holder:
             return [(self._first_holder[tensor], ElementRange(0, numel))]
         if self.placement.kind == "flat":
             return [(0, ElementRange(0, numel))]
         per_rank = -(-numel // self.world_size)
-        return [(r, ElementRange(r * per_rank, min((r + 1) * per_rank, numel)))
-                for r in range(wanted.start // per_rank, (wanted.end - 1) // per_rank + 1)]
+        return [
+            (r, ElementRange(r * per_rank, min((r + 1) * per_rank, numel)))
+            for r in range(wanted.start // per_rank, (wanted.end - 1) // per_rank + 1)
+        ]
 
     # ----- files
     def file_layout(self, rank: int) -> FileLayout:
@@ -316,7 +317,7 @@ class Layout:
             t = tensors[i]
             nbytes = sizes[i] * self._itemsize[t]
             spans.append((position, position + nbytes))
-            entries.append(f"{self._keys[t]}{sizes[i]}],\"data_offsets\":[{position},{position + nbytes}]}}")
+            entries.append(f'{self._keys[t]}{sizes[i]}],"data_offsets":[{position},{position + nbytes}]}}')
             position += nbytes
         metadata = '{"__metadata__":{"format":"pt","' + CRC_METADATA_KEY + '":"'
         text = metadata + "0" * (8 * len(tensors)) + '"}' + "".join("," + e for e in entries) + "}"
@@ -324,8 +325,14 @@ class Layout:
         raw += b" " * (-(8 + len(raw)) % 8)
         header = struct.pack("<Q", len(raw)) + raw
         identity = order == list(range(len(order)))
-        return (None if identity else tuple(order), tuple(tensors[i] for i in order), tuple(spans), header,
-                8 + len(metadata), len(header) + position)
+        return (
+            None if identity else tuple(order),
+            tuple(tensors[i] for i in order),
+            tuple(spans),
+            header,
+            8 + len(metadata),
+            len(header) + position,
+        )
 
 
 def short(value: object) -> str:

@@ -175,13 +175,11 @@ def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
         raise DataCheckError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise DataCheckError(f"{path}: tensor {name!r} has invalid shape {str(shape)[:80]}")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]:
         raise DataCheckError(f"{path}: tensor {name!r} has invalid data_offsets {str(offsets)[:80]}")
     expected = numel(shape) * dtype_info(dtype).itemsize
     if offsets[1] - offsets[0] != expected:
-        raise DataCheckError(
-            f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}")
+        raise DataCheckError(f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}")
     return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
 
 
@@ -190,8 +188,9 @@ class RankFile:
     """A validated rank file: its fragments in data order (tensor index, byte span, crc32) in
     compact arrays (a few dozen bytes per fragment), and a lookup by tensor."""
 
-    def __init__(self, path: Path, size: int, data_start: int, tensors: Sequence[int], spans: Sequence[tuple[int, int]],
-                 crcs: Sequence[int]):
+    def __init__(
+        self, path: Path, size: int, data_start: int, tensors: Sequence[int], spans: Sequence[tuple[int, int]], crcs: Sequence[int]
+    ):
         self.path, self.size, self.data_start = path, size, data_start
         self.tensors = array("q", tensors)
         self.begins = array("q", [begin for begin, _ in spans])
@@ -217,22 +216,27 @@ class RankFile:
 
 def check_v2_size(path: Path, size: int, expected: FileLayout) -> None:
     if size != expected.size:
-        raise DataCheckError(f"{path}: file is {size} bytes, the layout the manifest gives has {expected.size} "
-                             f"(truncated, extended or from another checkpoint)")
+        raise DataCheckError(
+            f"{path}: file is {size} bytes, the layout the manifest gives has {expected.size} "
+            f"(truncated, extended or from another checkpoint)"
+        )
 
 
 def v2_crcs(path: Path, raw: bytes, expected: FileLayout) -> tuple[int, ...]:
     """The fragments' crc32s from a v2 rank file's header `raw`, which must be exactly the
     header the layout derives except for the crc32 hex digits (else a DataCheckError)."""
     if raw[:8] != expected.header[:8]:
-        raise DataCheckError(f"{path}: header claims {struct.unpack('<Q', raw[:8])[0]} bytes, the layout the manifest "
-                             f"gives has {len(expected.header) - 8}")
+        raise DataCheckError(
+            f"{path}: header claims {struct.unpack('<Q', raw[:8])[0]} bytes, the layout the manifest gives has {len(expected.header) - 8}"
+        )
     crc_end = expected.crc_offset + 8 * len(expected.tensors)
-    if raw[:expected.crc_offset] != expected.header[:expected.crc_offset] or raw[crc_end:] != expected.header[crc_end:]:
+    if raw[: expected.crc_offset] != expected.header[: expected.crc_offset] or raw[crc_end:] != expected.header[crc_end:]:
         at = next(i for i, (a, b) in enumerate(zip(raw, expected.header, strict=True)) if a != b and not expected.crc_offset <= i < crc_end)
-        raise DataCheckError(f"{path}: header differs from the layout the manifest gives at byte {at} "
-                             f"({raw[max(at - 20, 0):at + 20].decode('ascii', 'replace')!r})")
-    digits = raw[expected.crc_offset:crc_end]
+        raise DataCheckError(
+            f"{path}: header differs from the layout the manifest gives at byte {at} "
+            f"({raw[max(at - 20, 0) : at + 20].decode('ascii', 'replace')!r})"
+        )
+    digits = raw[expected.crc_offset : crc_end]
     if not _HEX.fullmatch(digits):
         raise DataCheckError(f"{path}: {CRC_METADATA_KEY} holds characters other than lowercase hex digits")
     return struct.unpack(f">{len(expected.tensors)}I", bytes.fromhex(digits.decode("ascii")))
@@ -302,8 +306,9 @@ class ShardedCheckpoint:
         if extra:
             raise DataCheckError(f"{header.path}: keys {extra[:3]} are not in the manifest")
         order = sorted(range(len(spans)), key=lambda i: spans[i])
-        return RankFile(header.path, size, header.data_start, [tensors[i] for i in order], [spans[i] for i in order],
-                        [crcs[i] for i in order])
+        return RankFile(
+            header.path, size, header.data_start, [tensors[i] for i in order], [spans[i] for i in order], [crcs[i] for i in order]
+        )
 
     def _v1_files(self) -> dict[str, tuple[int, list]]:
         if self._v1_index is None:
@@ -328,8 +333,10 @@ class ShardedCheckpoint:
         extra = sorted(entry.name for entry in os.scandir(self.step_dir) if entry.name not in expected)
         if not extra:
             return []
-        return [f"{self.step_dir}: holds files the manifest does not account for: {extra[:3]}"
-                + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")]
+        return [
+            f"{self.step_dir}: holds files the manifest does not account for: {extra[:3]}"
+            + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")
+        ]
 
     # ----- tensors
     def source(self, name: str) -> SourceTensor:
@@ -370,8 +377,11 @@ class ShardedCheckpoint:
         if self.layout is not None:
             return self.layout.pieces(tensor, wanted)
         files = self._v1_files()
-        return [(files[f.file][0], f.range) for f in self._listing().fragments[self.manifest.tensors[tensor].name]
-                if wanted is None or (f.start < wanted.end and wanted.start < f.end)]
+        return [
+            (files[f.file][0], f.range)
+            for f in self._listing().fragments[self.manifest.tensors[tensor].name]
+            if wanted is None or (f.start < wanted.end and wanted.start < f.end)
+        ]
 
 
 class _Source(SourceTensor):
@@ -420,7 +430,8 @@ def is_full_checkpoint(path: Path) -> bool:
     """A `.safetensors` or index file, or a directory holding model.safetensors or its index
     (whatever they are: `open_full` refuses what is not a regular file)."""
     return (not path.is_dir() and path.suffix in (".safetensors", ".json") and path.exists()) or (
-        path.is_dir() and ((path / MODEL_SINGLE).exists() or (path / MODEL_INDEX).exists()))
+        path.is_dir() and ((path / MODEL_SINGLE).exists() or (path / MODEL_INDEX).exists())
+    )
 
 
 def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> FullCheckpoint:
@@ -455,8 +466,14 @@ def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> 
             if name in seen:
                 raise DataCheckError(f"{file}: tensor {name!r} is also in {seen[name]}")
             seen[name] = file
-            piece = SourcePiece(ElementRange(0, info.nbytes // dtype_info(info.dtype).itemsize), file,
-                                header.data_start + info.begin, info.nbytes, None, name)
+            piece = SourcePiece(
+                ElementRange(0, info.nbytes // dtype_info(info.dtype).itemsize),
+                file,
+                header.data_start + info.begin,
+                info.nbytes,
+                None,
+                name,
+            )
             tensors.append(SourceTensor(name, info.shape, info.dtype, (piece,) if info.nbytes else ()))
     return FullCheckpoint(root, tuple(files), tuple(tensors), aliases, layout)
 

@@ -55,10 +55,21 @@ from .writer import RankFileWriter
 OPTIMIZER_STATE_KEYS = {"AdamW": ("exp_avg", "exp_avg_sq", "step"), "Adam": ("exp_avg", "exp_avg_sq", "step")}
 
 TORCH_TO_SAFETENSORS = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
 SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in TORCH_TO_SAFETENSORS.items()}
 
@@ -197,7 +208,7 @@ class RestoredReader(TensorReader):
         for column in range(cols):
             run = ElementRange(column * rows + first, column * rows + last)
             self._copier.read_into(stored, run, _byte_view(block[column]))
-        return block.t().reshape(-1)[wanted.start - first * cols: wanted.end - first * cols].clone()
+        return block.t().reshape(-1)[wanted.start - first * cols : wanted.end - first * cols].clone()
 
 
 def full_reader(path: str | os.PathLike, names: Sequence[str] = ()) -> TensorReader:
@@ -222,8 +233,13 @@ def stateless_params(training_state: dict) -> set[str]:
     return set((training_state.get("optimizer") or {}).get("stateless", []))
 
 
-def expected_tensors(params: list[tuple[str, tuple[int, ...], bool]], buffers: dict[str, tuple[int, ...]],
-                     optimizer_type: str | None, *, stateless: AbstractSet[str] = frozenset()) -> dict[str, tuple[int, ...]]:
+def expected_tensors(
+    params: list[tuple[str, tuple[int, ...], bool]],
+    buffers: dict[str, tuple[int, ...]],
+    optimizer_type: str | None,
+    *,
+    stateless: AbstractSet[str] = frozenset(),
+) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must hold for a model: (name, shape, requires_grad) of each
     parameter under its canonical name, the buffers, and the optimizer state of trainable
     parameters (`stateless`: those whose state the checkpoint rightly lacks)."""
@@ -250,8 +266,9 @@ def _buffer_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 # ----- saving
-def tensor_table(view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None
-                 ) -> tuple[list[TensorSpec], dict[str, tuple[ElementRange, torch.Tensor]]]:
+def tensor_table(
+    view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[list[TensorSpec], dict[str, tuple[ElementRange, torch.Tensor]]]:
     """What a checkpoint of this model stores, in order: parameters (unit by unit), buffers,
     then each optimizer state (`optim.<state>.<param>`, as its parameter, or a scalar), and this
     rank's data of each: (element range held here, 1-D tensor: the live tensor, not a copy).
@@ -288,8 +305,11 @@ def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimize
     stateless = [names.get(id(p), "?") for group in optimizer.param_groups for p in group["params"] if not optimizer.state.get(p)]
     groups = []
     for group in optimizer.param_groups:
-        settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
-                    if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))}
+        settings = {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in group.items()
+            if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))
+        }
         groups.append({"settings": settings, "params": [names.get(id(p), "?") for p in group["params"]]})
     return {"type": type(optimizer).__name__, "groups": groups, "stateless": stateless}
 
@@ -300,8 +320,14 @@ def _digest(manifest: Manifest) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def write_rank(directory: Path, manifest: Manifest, rank: int, local: dict[str, tuple[ElementRange, torch.Tensor]],
-               *, timings: SaveTimings | None = None) -> Path:
+def write_rank(
+    directory: Path,
+    manifest: Manifest,
+    rank: int,
+    local: dict[str, tuple[ElementRange, torch.Tensor]],
+    *,
+    timings: SaveTimings | None = None,
+) -> Path:
     """Write rank `rank`'s file of `manifest` from this rank's data (fsynced), in pieces of at
     most WRITE_CHUNK_BYTES (each one write and one crc32 update, both without the GIL); the
     time of each part is added to `timings`."""
@@ -313,14 +339,15 @@ def write_rank(directory: Path, manifest: Manifest, rank: int, local: dict[str, 
             name = manifest.tensors[fragment.tensor].name
             held, data = local[name]
             if not (held.start <= fragment.start and fragment.end <= held.end):
-                raise AssertionError(f"{name}: rank {rank} holds [{held.start}, {held.end}), its file needs "
-                                     f"[{fragment.start}, {fragment.end})")
+                raise AssertionError(
+                    f"{name}: rank {rank} holds [{held.start}, {held.end}), its file needs [{fragment.start}, {fragment.end})"
+                )
             started = time.perf_counter()
-            payload = tensor_bytes(data[fragment.start - held.start: fragment.end - held.start])
+            payload = tensor_bytes(data[fragment.start - held.start : fragment.end - held.start])
             timings.snapshot += time.perf_counter() - started
             crc = 0
             for offset in range(0, payload.nbytes, WRITE_CHUNK_BYTES):
-                piece = payload[offset:offset + WRITE_CHUNK_BYTES]
+                piece = payload[offset : offset + WRITE_CHUNK_BYTES]
                 started = time.perf_counter()
                 crc = zlib.crc32(piece, crc)
                 timings.checksum += time.perf_counter() - started
@@ -346,8 +373,9 @@ class Checkpointer:
     A save that fails on any rank (an OSError: disk full, read-only...) raises one RunError on
     every rank, leaves no temporary directory and keeps the previous checkpoint."""
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False,
-                 run_id: str | None = None) -> None:
+    def __init__(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False, run_id: str | None = None
+    ) -> None:
         self.module = module
         self.optimizer = optimizer
         view = describe(module)
@@ -387,10 +415,15 @@ class Checkpointer:
         export = self.module.__dict__.get(EXPORT_ATTR)  # how convert hands it to transformers (export.py)
         if export is not None:
             state[EXPORT_STATE_KEY] = export.to_json()
-        manifest = Manifest(view.shard_factor, view.strategy,
-                            Placement.flat([[(p.name, p.shape) for p in unit.params] for unit in view.units]),
-                            tuple(table), {alias: p.name for unit in view.units for p in unit.params for alias in p.aliases},
-                            state, self.run_id)
+        manifest = Manifest(
+            view.shard_factor,
+            view.strategy,
+            Placement.flat([[(p.name, p.shape) for p in unit.params] for unit in view.units]),
+            tuple(table),
+            {alias: p.name for unit in view.units for p in unit.params for alias in p.aliases},
+            state,
+            self.run_id,
+        )
         job = (view, run_dir, step, manifest, local if view.writes_shards else None, keep_last)
         if self.async_save:
             self.thread = threading.Thread(target=self._run_save, args=job, name="fsdpkit-async-save", daemon=True)
@@ -405,8 +438,15 @@ class Checkpointer:
         except BaseException as error:  # re-raised in the training thread by wait()
             self.error = error
 
-    def _save(self, view: ShardedModelView, run_dir: Path, step: int, manifest: Manifest,
-              local: dict[str, tuple[ElementRange, torch.Tensor]] | None, keep_last: int | None) -> None:
+    def _save(
+        self,
+        view: ShardedModelView,
+        run_dir: Path,
+        step: int,
+        manifest: Manifest,
+        local: dict[str, tuple[ElementRange, torch.Tensor]] | None,
+        keep_last: int | None,
+    ) -> None:
         """The save protocol; any OSError (a full disk...) on any rank fails the save on every
         rank with one RunError, removes the temporary directory and keeps the previous checkpoint."""
         started = time.perf_counter()
@@ -416,8 +456,15 @@ class Checkpointer:
             self.timings.saves += 1
             self.timings.total += time.perf_counter() - started
 
-    def _begin_write_and_commit(self, view: ShardedModelView, run_dir: Path, step: int, manifest: Manifest,
-                                local: dict[str, tuple[ElementRange, torch.Tensor]] | None, keep_last: int | None) -> None:
+    def _begin_write_and_commit(
+        self,
+        view: ShardedModelView,
+        run_dir: Path,
+        step: int,
+        manifest: Manifest,
+        local: dict[str, tuple[ElementRange, torch.Tensor]] | None,
+        keep_last: int | None,
+    ) -> None:
         begun: tuple[str | None, str | None] = (None, None)
         if view.rank == 0:
             try:
@@ -434,9 +481,16 @@ class Checkpointer:
                 storage.abort(begun[0])
             raise
 
-    def _write_and_commit(self, view: ShardedModelView, run_dir: Path, step: int, manifest: Manifest,
-                          local: dict[str, tuple[ElementRange, torch.Tensor]] | None, keep_last: int | None,
-                          tmp: Path) -> None:
+    def _write_and_commit(
+        self,
+        view: ShardedModelView,
+        run_dir: Path,
+        step: int,
+        manifest: Manifest,
+        local: dict[str, tuple[ElementRange, torch.Tensor]] | None,
+        keep_last: int | None,
+        tmp: Path,
+    ) -> None:
         device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
         digest = _digest(manifest)
         flags = torch.tensor([1 if tmp.is_dir() else 0, digest, -digest], dtype=torch.int64, device=device)
@@ -447,8 +501,10 @@ class Checkpointer:
                 storage.abort(tmp)
             if not visible:
                 raise RunError(f"save directory {tmp} is not visible to every rank: --save-dir must be on a filesystem every node sees")
-            raise RunError(f"ranks disagree on what to save at step {step} (tensor table or placement differ, "
-                           f"e.g. optimizer state for different parameters)")
+            raise RunError(
+                f"ranks disagree on what to save at step {step} (tensor table or placement differ, "
+                f"e.g. optimizer state for different parameters)"
+            )
         failure = None
         if local is not None:
             try:
@@ -461,8 +517,9 @@ class Checkpointer:
         if not int(written.item()):
             if view.rank == 0:
                 storage.abort(tmp)
-            raise RunError(f"checkpoint step {step} not saved, previous checkpoint kept: "
-                           + (failure or "another rank could not write its file"))
+            raise RunError(
+                f"checkpoint step {step} not saved, previous checkpoint kept: " + (failure or "another rank could not write its file")
+            )
         outcome: tuple[str | None, str | None] = (None, None)
         if view.rank == 0:
             try:
@@ -505,8 +562,7 @@ class Checkpointer:
             expected = expected_tensors(_view_params(view), _buffer_shapes(self.module), optimizer_type, stateless=stateless)
             missing_optim = check_compatible(reader.manifest, expected, strict=strict, where=str(reader.step_dir))
             if missing_optim and view.rank == 0:
-                warnings.warn(f"{reader.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh",
-                              stacklevel=2)
+                warnings.warn(f"{reader.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh", stacklevel=2)
             load_weights(view, self.module, reader)
             if self.optimizer is not None and not missing_optim:
                 self._load_optimizer(view, reader, self.optimizer)
@@ -550,8 +606,15 @@ def load_weights(view: ShardedModelView, module: nn.Module, reader: TensorReader
             buffer.copy_(reader.read_tensor(name).to(buffer.dtype))
 
 
-def save(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *, step: int = 0,
-         training_state: dict | None = None, keep_last: int | None = None) -> str:
+def save(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    path: str | os.PathLike,
+    *,
+    step: int = 0,
+    training_state: dict | None = None,
+    keep_last: int | None = None,
+) -> str:
     """Save a sharded checkpoint into run directory `path` as step-<step>; returns its path."""
     checkpointer = Checkpointer(module, optimizer)
     checkpointer.save(path, step=step, training_state=training_state, keep_last=keep_last)
@@ -600,5 +663,9 @@ def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer_
         return
     with CheckpointReader(path) as reader:
         stateless = stateless_params(reader.training_state)
-        check_compatible(reader.manifest, expected_tensors(params, buffers, optimizer_type, stateless=stateless),
-                         strict=strict and optimizer_type is not None, where=str(reader.step_dir))
+        check_compatible(
+            reader.manifest,
+            expected_tensors(params, buffers, optimizer_type, stateless=stateless),
+            strict=strict and optimizer_type is not None,
+            where=str(reader.step_dir),
+        )

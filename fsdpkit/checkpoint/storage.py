@@ -190,8 +190,10 @@ def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manife
     for rank in range(manifest.world_size):
         name = rank_file_name(rank, manifest.world_size)
         if name not in present:
-            raise RunError(f"{tmp_dir / name}: missing at commit time; every rank must write to the same save directory "
-                           f"(on multiple nodes it must be a filesystem all nodes share)")
+            raise RunError(
+                f"{tmp_dir / name}: missing at commit time; every rank must write to the same save directory "
+                f"(on multiple nodes it must be a filesystem all nodes share)"
+            )
     save_manifest(tmp_dir, manifest)
     fsync_dir(tmp_dir)
     final = run_dir / step_dir_name(step)
@@ -255,8 +257,7 @@ def remove_unfinished(run_dir: str | Path, *, run_id: str) -> list[Path]:
     tag = f"-{_run_tag(run_id)}-"
     removed = []
     for child in Path(run_dir).iterdir():
-        if (child.is_dir() and child.name.startswith((f"{TMP_PREFIX}{STEP_PREFIX}", f"{TMP_PREFIX}old-"))
-                and tag in child.name):
+        if child.is_dir() and child.name.startswith((f"{TMP_PREFIX}{STEP_PREFIX}", f"{TMP_PREFIX}old-")) and tag in child.name:
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed
@@ -297,8 +298,7 @@ def check_destination(dst: Path, *, src: Path, overwrite: bool) -> None:
 def check_free_space(directory: Path, needed_bytes: int) -> None:
     free = shutil.disk_usage(directory).free
     if free < needed_bytes * 1.01:
-        raise RunError(f"not enough disk space in {directory}: need {format_size(needed_bytes)}, "
-                       f"{format_size(free)} free")
+        raise RunError(f"not enough disk space in {directory}: need {format_size(needed_bytes)}, {format_size(free)} free")
 
 
 @contextlib.contextmanager

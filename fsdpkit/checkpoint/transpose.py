@@ -34,7 +34,7 @@ def transposed_bytes(copier: ByteCopier, source: SourceTensor, out_dtype: str):
 
     def collect(view: memoryview) -> None:
         nonlocal filled
-        data[filled:filled + view.nbytes] = view
+        data[filled : filled + view.nbytes] = view
         filled += view.nbytes
 
     copier.copy(source, ElementRange(0, source.numel), out_dtype, collect)
@@ -53,8 +53,9 @@ def restore_layout(full: FullCheckpoint, layout: Layout, scratch: Path, *, chunk
             continue
         original = layout.original_name(tensor.name)
         if original is None:
-            raise DataCheckError(f"{full.root}: tensor {tensor.name!r} does not follow the export layout the files record "
-                                 f"(prefix {layout.prefix!r})")
+            raise DataCheckError(
+                f"{full.root}: tensor {tensor.name!r} does not follow the export layout the files record (prefix {layout.prefix!r})"
+            )
         if layout.is_transposed(original, tuple(reversed(tensor.shape))):  # square ones too (attn.c_proj)
             back.append((original, tensor))
         else:

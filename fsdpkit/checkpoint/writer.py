@@ -107,19 +107,19 @@ class _FileWriter:
         if self._written + self._buffered + view.nbytes > self.size:
             raise ValueError(f"{self.path}: writing past the {self.size} bytes the header announced")
         if self._buffered + view.nbytes <= len(self._buffer):
-            self._buffer[self._buffered:self._buffered + view.nbytes] = view
+            self._buffer[self._buffered : self._buffered + view.nbytes] = view
             self._buffered += view.nbytes
             return
         self._flush()
         if view.nbytes < len(self._buffer):
-            self._buffer[:view.nbytes] = view
+            self._buffer[: view.nbytes] = view
             self._buffered = view.nbytes
         else:
             self._write_all(view)
 
     def _flush(self) -> None:
         if self._buffered:
-            self._write_all(memoryview(self._buffer)[:self._buffered])
+            self._write_all(memoryview(self._buffer)[: self._buffered])
             self._buffered = 0
 
     def _write_all(self, view: memoryview) -> None:
@@ -142,7 +142,7 @@ class _FileWriter:
             if os.pwrite(self._fd, data, offset) != len(data):
                 raise OSError(f"{self.path}: short write while patching the header")
         elif offset >= self._written:  # still in the buffer (a small file)
-            self._buffer[offset - self._written: offset - self._written + len(data)] = data
+            self._buffer[offset - self._written : offset - self._written + len(data)] = data
         else:
             self._flush()
             self.patch(offset, data)
@@ -189,8 +189,15 @@ class StreamingWriter(_FileWriter):
                 w.write(piece)                # any number of pieces per tensor, in order
     """
 
-    def __init__(self, path: str | Path, entries: list[tuple[str, str, tuple[int, ...]]], *,
-                 metadata: dict[str, str] | None = None, write_behind: bool = False, sync: bool = True):
+    def __init__(
+        self,
+        path: str | Path,
+        entries: list[tuple[str, str, tuple[int, ...]]],
+        *,
+        metadata: dict[str, str] | None = None,
+        write_behind: bool = False,
+        sync: bool = True,
+    ):
         header, self.order = layout_header(entries, metadata)
         self._open(path, header, len(header) + sum(info.nbytes for _, info in self.order), write_behind=write_behind, sync=sync)
 
@@ -229,9 +236,19 @@ class WrittenCheckpoint:
     bytes: int
 
 
-def write_sharded(directory: Path, *, sources: list[SourceTensor], placement: Placement, world_size: int, strategy: str,
-                  training_state: dict, aliases: dict[str, str], cast_to: str | None, chunk_size: int,
-                  progress: Callable[[int], None] | None = None) -> WrittenCheckpoint:
+def write_sharded(
+    directory: Path,
+    *,
+    sources: list[SourceTensor],
+    placement: Placement,
+    world_size: int,
+    strategy: str,
+    training_state: dict,
+    aliases: dict[str, str],
+    cast_to: str | None,
+    chunk_size: int,
+    progress: Callable[[int], None] | None = None,
+) -> WrittenCheckpoint:
     """A whole sharded checkpoint (v2) in `directory`: every rank file of `placement` at
     `world_size`, copied from `sources` (source checksums verified on the way, output crc32s
     from the bytes written: `gather.Gatherer`), then manifest.json; `storage.staged_output`
@@ -310,7 +327,7 @@ def _write_behind(fd: int, written: int, position: int) -> int:
 def write_views(fd: int, views: list, path: Path) -> None:
     """Write every byte of `views` (bytes-like objects) at the file position, IOV_MAX at a time."""
     for first in range(0, len(views), IOV_MAX):
-        batch = views[first:first + IOV_MAX]
+        batch = views[first : first + IOV_MAX]
         left = sum(map(len, batch))
         while left:
             try:

@@ -127,12 +127,15 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _place_buffer(buffer: torch.Tensor, name: str, owner: nn.Module, device: torch.device,
-                  mixed_precision: MixedPrecision) -> torch.Tensor:
+def _place_buffer(buffer: torch.Tensor, name: str, owner: nn.Module, device: torch.device, mixed_precision: MixedPrecision) -> torch.Tensor:
     """On `device`; floating buffers in buffer_dtype, except batch-norm statistics (fp32) and
     those the owner lists in KEEP_DTYPE_ATTR (rotary frequencies a module computes with in fp32)."""
-    if (buffer.is_floating_point() and mixed_precision.buffer_dtype is not None and not isinstance(owner, FP32_MODULE_CLASSES)
-            and name not in getattr(owner, KEEP_DTYPE_ATTR, ())):
+    if (
+        buffer.is_floating_point()
+        and mixed_precision.buffer_dtype is not None
+        and not isinstance(owner, FP32_MODULE_CLASSES)
+        and name not in getattr(owner, KEEP_DTYPE_ATTR, ())
+    ):
         return buffer.to(device=device, dtype=mixed_precision.buffer_dtype)
     return buffer.to(device)
 

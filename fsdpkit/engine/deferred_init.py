@@ -47,8 +47,10 @@ def materialize_buffers(module: nn.Module, device: torch.device) -> None:
             continue
         if not hasattr(owner, "reset_running_stats"):
             where = f"{owner_name}.{meta[0]}" if owner_name else meta[0]
-            raise UsageError(f"buffer {where!r} is on the meta device and fsdpkit cannot recompute it: "
-                             "build the model eagerly (--eager-init) or give the buffer real values")
+            raise UsageError(
+                f"buffer {where!r} is on the meta device and fsdpkit cannot recompute it: "
+                "build the model eagerly (--eager-init) or give the buffer real values"
+            )
         for name in meta:
             owner._buffers[name] = torch.zeros_like(owner._buffers[name], device=device)
         owner.reset_running_stats()
@@ -78,8 +80,9 @@ def initialize_meta_parameters(root: nn.Module, units: list[FlatUnit], names: se
     for unit in units:
         for plan in unit.plan.params:
             if plan.name in names:
-                placeholder = nn.Parameter(torch.empty(plan.shape, dtype=unit.master_dtype, device="meta"),
-                                           requires_grad=plan.requires_grad)
+                placeholder = nn.Parameter(
+                    torch.empty(plan.shape, dtype=unit.master_dtype, device="meta"), requires_grad=plan.requires_grad
+                )
                 placeholder_names[id(placeholder)] = plan.name
                 for module_name, attr in plan.uses:
                     modules[module_name]._parameters[attr] = placeholder
@@ -92,8 +95,10 @@ def initialize_meta_parameters(root: nn.Module, units: list[FlatUnit], names: se
             unit.reshard()  # the attributes show the sharded fragments again
     missing = [name for unit in units for name in (p.name for p in unit.plan.params) if name in names and name not in done]
     if missing:
-        raise UsageError(f"deferred init: nothing initialises parameter {missing[0]!r} (its module has no reset_parameters() "
-                         "that sets it); give the model init_parameter(name, tensor), or build it eagerly (--eager-init)")
+        raise UsageError(
+            f"deferred init: nothing initialises parameter {missing[0]!r} (its module has no reset_parameters() "
+            "that sets it); give the model init_parameter(name, tensor), or build it eagerly (--eager-init)"
+        )
 
 
 def _construction_order(root: nn.Module) -> list[str]:
@@ -113,8 +118,9 @@ def _construction_order(root: nn.Module) -> list[str]:
     return order
 
 
-def _reset_module(module_name: str, module: nn.Module, slots: dict, device: torch.device, done: set[str],
-                  placeholder_names: dict[int, str]) -> None:
+def _reset_module(
+    module_name: str, module: nn.Module, slots: dict, device: torch.device, done: set[str], placeholder_names: dict[int, str]
+) -> None:
     own = {attr: slots[(module_name, attr)] for attr in module._parameters if (module_name, attr) in slots}
     reset = getattr(module, "reset_parameters", None)
     if not own or not callable(reset):
@@ -140,9 +146,11 @@ def _reset_module(module_name: str, module: nn.Module, slots: dict, device: torc
     if guard.written:
         where = f"{module_name}.reset_parameters()" if module_name else f"{type(module).__name__}.reset_parameters()"
         written = placeholder_names.get(id(guard.written[0]), "a parameter")
-        raise UsageError(f"deferred init: {where} writes parameter {written!r} of another module, so the order of "
-                         "random draws cannot follow eager construction; give the model init_parameter(name, tensor), "
-                         "or build it eagerly (--eager-init)")
+        raise UsageError(
+            f"deferred init: {where} writes parameter {written!r} of another module, so the order of "
+            "random draws cannot follow eager construction; give the model init_parameter(name, tensor), "
+            "or build it eagerly (--eager-init)"
+        )
     for attr, tensor in owned.items():
         unit, index = own[attr]
         if tensor.numel() and torch.isnan(tensor).all():
@@ -162,7 +170,6 @@ class _MetaWriteGuard(TorchDispatchMode):
         kwargs = kwargs or {}
         for position, argument in enumerate(func._schema.arguments):
             value = args[position] if position < len(args) else kwargs.get(argument.name)
-            if (argument.alias_info is not None and argument.alias_info.is_write
-                    and isinstance(value, torch.Tensor) and value.is_meta):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor) and value.is_meta:
                 self.written.append(value)
         return func(*args, **kwargs)

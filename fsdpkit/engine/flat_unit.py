@@ -109,10 +109,10 @@ class FlatUnit:
         # memory only for what it has materialised. The padding after them is zero.
         self.flat_shard = torch.empty(self.chunk_numel, dtype=self.master_dtype, device=self.host)
         with torch.no_grad():
-            self.flat_shard[sum(fragment.param_range.size for fragment in self.fragments):].zero_()
+            self.flat_shard[sum(fragment.param_range.size for fragment in self.fragments) :].zero_()
             for fragment, original in zip(self.fragments, originals, strict=True):
                 if not original.is_meta:
-                    source = original.detach().reshape(-1)[fragment.param_range.start:fragment.param_range.end]
+                    source = original.detach().reshape(-1)[fragment.param_range.start : fragment.param_range.end]
                     self._local(self.flat_shard, fragment).copy_(source)
         self.params: list[nn.Parameter] = []
         for fragment, param_plan in zip(self.fragments, plan.params, strict=True):
@@ -142,7 +142,7 @@ class FlatUnit:
     # ----- layout helpers
     @staticmethod
     def _local(flat: torch.Tensor, fragment) -> torch.Tensor:
-        return flat[fragment.local_offset:fragment.local_offset + fragment.param_range.size]
+        return flat[fragment.local_offset : fragment.local_offset + fragment.param_range.size]
 
     def _set_params(self, tensors: Sequence[torch.Tensor]) -> None:
         for uses, tensor in zip(self.uses, tensors, strict=True):
@@ -154,7 +154,7 @@ class FlatUnit:
         """Copy this rank's fragment of parameter `index` from its full (unsharded) value."""
         span = self.fragments[index].param_range
         with torch.no_grad():
-            self.params[index].copy_(full.reshape(-1)[span.start:span.end])
+            self.params[index].copy_(full.reshape(-1)[span.start : span.end])
 
     def end_backward(self, *, keep_usage: bool) -> None:
         self.backward = BackwardState.PENDING

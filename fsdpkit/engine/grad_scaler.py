@@ -11,11 +11,20 @@ from .sharded import get_state
 
 
 class ShardedGradScaler:
-    def __init__(self, module: nn.Module, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
         if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
-            raise ValueError(f"invalid grad scaler settings: init_scale={init_scale}, growth_factor={growth_factor}, "
-                             f"backoff_factor={backoff_factor}, growth_interval={growth_interval}")
+            raise ValueError(
+                f"invalid grad scaler settings: init_scale={init_scale}, growth_factor={growth_factor}, "
+                f"backoff_factor={backoff_factor}, growth_interval={growth_interval}"
+            )
         self.state = get_state(module)
         self.scale_value = float(init_scale)
         self.growth_factor = growth_factor

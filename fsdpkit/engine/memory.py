@@ -36,9 +36,4 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     if optimizer is None:
         return 0
-    return sum(
-        tensor_bytes(value)
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    )
+    return sum(tensor_bytes(value) for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor))

@@ -46,7 +46,7 @@ def build_mesh(config: ShardingConfig, group: Any = None) -> ShardMesh:
     replicate_group = group if factor == 1 and world_size > 1 else None
     if 1 < factor < world_size:
         for start in range(0, world_size, factor):
-            new = new_group(ranks[start:start + factor])
+            new = new_group(ranks[start : start + factor])
             if start <= rank < start + factor:
                 shard_group = new
         for offset in range(factor):

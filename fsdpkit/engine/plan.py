@@ -135,8 +135,7 @@ def plan_units(root: nn.Module, policy: WrapPolicy) -> list[UnitPlan]:
     for name, param in root.named_parameters():
         param_uses = uses[id(param)]
         owner = max(
-            (members for members in members_of
-             if all(any(_within(m, member) for member in members) for m, _ in param_uses)),
+            (members for members in members_of if all(any(_within(m, member) for member in members) for m, _ in param_uses)),
             key=owner_depth,
         )
         params_of[owner].append(ParamPlan(name, tuple(param.shape), tuple(param_uses), param.requires_grad))

@@ -52,6 +52,7 @@ STATE_ATTR = "_fsdpkit_state"
 def _profiled(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
     """`hook`, run inside a profiler region `name` while the torch profiler records (so
     traces, and benchmarks/step_breakdown.py, can tell engine work from model work)."""
+
     @functools.wraps(hook)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.autograd._profiler_enabled():
@@ -77,8 +78,17 @@ class GradientSync(enum.Enum):
 
 
 class ShardedState:
-    def __init__(self, module: nn.Module, plans: list[UnitPlan], mesh: ShardMesh, config: ShardingConfig,
-                 comms: Collectives, device: torch.device, *, record_events: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        plans: list[UnitPlan],
+        mesh: ShardMesh,
+        config: ShardingConfig,
+        comms: Collectives,
+        device: torch.device,
+        *,
+        record_events: bool = False,
+    ) -> None:
         self.module = module
         self.mesh = mesh
         self.config = config
@@ -91,9 +101,18 @@ class ShardedState:
         modules = dict(module.named_modules(remove_duplicate=False))
         gather_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.units: list[FlatUnit] = [
-            FlatUnit(plan, modules, mesh, comms, config.mixed_precision, self.memory,
-                     reshard_after_forward=config.reshard_after_forward, device=device, offload=config.cpu_offload,
-                     gather_stream=gather_stream)
+            FlatUnit(
+                plan,
+                modules,
+                mesh,
+                comms,
+                config.mixed_precision,
+                self.memory,
+                reshard_after_forward=config.reshard_after_forward,
+                device=device,
+                offload=config.cpu_offload,
+                gather_stream=gather_stream,
+            )
             for plan in plans
         ]
         self.phase = Phase.IDLE
@@ -141,8 +160,9 @@ class ShardedState:
         order = self.forward_order[::-1]
         if unit not in order:
             return None
-        waiting = [u for u in order[order.index(unit) + 1:] + order
-                   if u is not unit and u.backward is BackwardState.PENDING and u.trainable]
+        waiting = [
+            u for u in order[order.index(unit) + 1 :] + order if u is not unit and u.backward is BackwardState.PENDING and u.trainable
+        ]
         return waiting[0] if waiting else None
 
     def _needed_first_by_backward(self, unit: FlatUnit) -> bool:
@@ -186,8 +206,8 @@ class ShardedState:
             self._unshard_for_forward(unit)
             if unit.compute_dtype != unit.master_dtype:  # mixed precision: floating inputs in the unit's dtype
                 args, kwargs = tree_map(
-                    lambda t: t.to(unit.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                    (args, kwargs))
+                    lambda t: t.to(unit.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, (args, kwargs)
+                )
             if not unit.trainable and not unit.is_root and torch.is_grad_enabled():
                 # No gradient of its own fires a post-backward hook: reshard once the
                 # gradients of its inputs are computed for every use (its backward is then done).
@@ -283,8 +303,12 @@ class ShardedState:
         (with a trainable unit after it): its backward runs while every activation of the
         forward is still alive, the step's memory peak, which one more gathered unit would
         raise. Later units prefetch before their gradient, when activations are freed."""
-        return (self.config.backward_prefetch is BackwardPrefetch.PRE and unit is self.first_in_backward
-                and unit.trainable and not self.config.activation_checkpointing)
+        return (
+            self.config.backward_prefetch is BackwardPrefetch.PRE
+            and unit is self.first_in_backward
+            and unit.trainable
+            and not self.config.activation_checkpointing
+        )
 
     def _reduce(self, unit: FlatUnit) -> None:
         # The new gradient exists now; complete the earlier reductions (they ran while this
@@ -376,10 +400,12 @@ class ShardedState:
                 self.comms.all_gather(full, source, unit.mesh.shard_group, label=f"full_params:{unit.name}")
             buffers.append(full)
             pieces = torch.split(full, unit.layout.split_sizes())
-            unit._set_params([
-                nn.Parameter(piece.view(plan.shape), requires_grad=plan.requires_grad)
-                for piece, plan in zip(pieces, unit.plan.params, strict=False)  # the last piece is the padding
-            ])
+            unit._set_params(
+                [
+                    nn.Parameter(piece.view(plan.shape), requires_grad=plan.requires_grad)
+                    for piece, plan in zip(pieces, unit.plan.params, strict=False)  # the last piece is the padding
+                ]
+            )
         self.phase = Phase.SUMMONED
         try:
             yield
@@ -389,7 +415,7 @@ class ShardedState:
                 for unit, full in zip(self.units, buffers, strict=True):
                     if writeback and full is not unit.flat_shard:
                         chunk = unit.layout.chunk_range(unit.mesh.shard_rank)
-                        unit.flat_shard.copy_(full[chunk.start:chunk.end])
+                        unit.flat_shard.copy_(full[chunk.start : chunk.end])
                     self._reshard(unit)
 
     @contextlib.contextmanager

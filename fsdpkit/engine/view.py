@@ -52,9 +52,19 @@ def describe(module: nn.Module) -> ShardedModelView:
         params = []
         for plan, fragment, param in zip(unit.plan.params, unit.fragments, unit.params, strict=True):
             names = [f"{m}.{a}" if m else a for m, a in plan.uses]
-            params.append(ParamView(plan.name, tuple(plan.shape), plan.requires_grad,
-                                    tuple(n for n in names if n != plan.name), fragment, param))
+            params.append(
+                ParamView(plan.name, tuple(plan.shape), plan.requires_grad, tuple(n for n in names if n != plan.name), fragment, param)
+            )
         units.append(UnitView(unit.name, unit.layout, tuple(params)))
     mesh = state.mesh
-    return ShardedModelView(tuple(units), str(state.config.strategy), mesh.world_size, mesh.rank, mesh.shard_factor,
-                            mesh.shard_rank, mesh.is_replica_leader, mesh.group, state.device)
+    return ShardedModelView(
+        tuple(units),
+        str(state.config.strategy),
+        mesh.world_size,
+        mesh.rank,
+        mesh.shard_factor,
+        mesh.shard_rank,
+        mesh.is_replica_leader,
+        mesh.group,
+        state.device,
+    )

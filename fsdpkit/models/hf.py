@@ -44,18 +44,65 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 
 # Small configs of known architectures, no dropout (a run must not depend on the world size).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "gpt2-tiny": ("GPT2Config", dict(vocab_size=256, n_positions=256, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
-                                    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
-    "llama-tiny": ("LlamaConfig", dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                       bos_token_id=0, eos_token_id=0)),
-    "qwen2-tiny": ("Qwen2Config", dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                       tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)),
+    "gpt2-tiny": (
+        "GPT2Config",
+        dict(
+            vocab_size=256,
+            n_positions=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+    "llama-tiny": (
+        "LlamaConfig",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+    "qwen2-tiny": (
+        "Qwen2Config",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
     # Big enough that compute, not communication, dominates a CPU step (benchmarks/engine.py): 11.0M parameters.
-    "llama-bench": ("LlamaConfig", dict(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-                                        bos_token_id=0, eos_token_id=0)),
+    "llama-bench": (
+        "LlamaConfig",
+        dict(
+            vocab_size=2048,
+            hidden_size=384,
+            intermediate_size=1024,
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
 }
 
 
@@ -73,7 +120,7 @@ def is_hf_spec(spec: str) -> bool:
 
 def load_config(spec: str) -> tuple[Any, Path | None]:
     """The transformers config of `hf:PRESET` or `hf:PATH`, and the directory (None for a preset)."""
-    name = spec[len(PREFIX):]
+    name = spec[len(PREFIX) :]
     transformers = transformers_module()
     if name in PRESETS:
         class_name, values = PRESETS[name]
@@ -94,8 +141,10 @@ def weights_in(directory: Path | None, spec: str) -> Path | None:
     if is_full_checkpoint(directory):
         return directory
     if (directory / "pytorch_model.bin").exists() or (directory / "pytorch_model.bin.index.json").exists():
-        raise UsageError(f"--model {spec!r}: its weights are pickle files (pytorch_model.bin), which fsdpkit never "
-                         "loads; save them as safetensors (model.save_pretrained(..., safe_serialization=True))")
+        raise UsageError(
+            f"--model {spec!r}: its weights are pickle files (pytorch_model.bin), which fsdpkit never "
+            "loads; save them as safetensors (model.save_pretrained(..., safe_serialization=True))"
+        )
     return None
 
 
@@ -147,15 +196,19 @@ def _compute_buffers(model: nn.Module) -> None:
         for name in own:
             buffer = module._buffers[name]
             if not buffer.is_floating_point():
-                raise UsageError(f"buffer {module_name}.{name} of {type(model).__name__} is not a float computed by "
-                                 "_init_weights: build it eagerly (--eager-init)")
+                raise UsageError(
+                    f"buffer {module_name}.{name} of {type(model).__name__} is not a float computed by "
+                    "_init_weights: build it eagerly (--eager-init)"
+                )
             module._buffers[name] = torch.full(buffer.shape, float("nan"), dtype=buffer.dtype, device="cpu")
         with _placeholders(model, keep={(id(module), name): module._buffers[name] for name in own}), torch.no_grad():
             model._init_weights(module)  # type: ignore[operator]  # a PreTrainedModel method; torch types Module attributes as Tensor | Module
         for name in own:
             if torch.isnan(module._buffers[name]).any():
-                raise UsageError(f"buffer {module_name}.{name} of {type(model).__name__} is not computed by its "
-                                 "_init_weights: build it eagerly (--eager-init)")
+                raise UsageError(
+                    f"buffer {module_name}.{name} of {type(model).__name__} is not computed by its "
+                    "_init_weights: build it eagerly (--eager-init)"
+                )
 
 
 def unit_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -176,10 +229,11 @@ class _Slots:
     def __init__(self, model: nn.Module):
         modules = dict(model.named_modules(remove_duplicate=False))
         # (module, attribute, its meta placeholder), made once: writes to a meta tensor do nothing
-        self.params = [(modules[m], attr, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
-                       for m, attr, p in _owned(model, "_parameters")]
-        self.buffers = [(modules[m], attr, torch.empty(b.shape, dtype=b.dtype, device="meta"))
-                        for m, attr, b in _owned(model, "_buffers")]
+        self.params = [
+            (modules[m], attr, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
+            for m, attr, p in _owned(model, "_parameters")
+        ]
+        self.buffers = [(modules[m], attr, torch.empty(b.shape, dtype=b.dtype, device="meta")) for m, attr, b in _owned(model, "_buffers")]
         self.groups: dict[str, list[tuple[nn.Module, str]]] = {}  # canonical name -> every slot of that parameter
         first: dict[int, str] = {}
         for m, attr, param in _owned(model, "_parameters"):

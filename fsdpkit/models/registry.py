@@ -25,10 +25,12 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
 }
 DEFAULT_MODEL = "gpt-tiny"
-MODEL_HELP = ("gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl; hf:PRESET (gpt2-tiny, llama-tiny, "
-              "qwen2-tiny, llama-bench) or hf:DIR (a transformers config.json, optional safetensors weights and "
-              "tokenizer; needs the [hf] extra); or package.module:factory (a zero-argument function returning "
-              "the nn.Module).")
+MODEL_HELP = (
+    "gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl; hf:PRESET (gpt2-tiny, llama-tiny, "
+    "qwen2-tiny, llama-bench) or hf:DIR (a transformers config.json, optional safetensors weights and "
+    "tokenizer; needs the [hf] extra); or package.module:factory (a zero-argument function returning "
+    "the nn.Module)."
+)
 
 
 def is_builtin(name: str) -> bool:
@@ -39,8 +41,9 @@ def load_object(spec: str, *, what: str) -> object:
     """Import `package.module:attr`, looking in the current directory too (as `python -m` does)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise UsageError(f"{what} {spec!r} is neither a built-in model ({', '.join(GPT_CONFIGS)}), hf:PRESET|DIR, "
-                         "nor of the form package.module:name")
+        raise UsageError(
+            f"{what} {spec!r} is neither a built-in model ({', '.join(GPT_CONFIGS)}), hf:PRESET|DIR, nor of the form package.module:name"
+        )
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

@@ -68,17 +68,30 @@ def resolve(spec: str) -> ModelSource:
     """The model source `spec` names (validated now; nothing is built)."""
     if spec in GPT_CONFIGS:
         config = GPT_CONFIGS[spec]
-        return ModelSource(spec, partial(_build_gpt, config), unit_classes=lambda model: (Block,),
-                           vocab_size=config.vocab_size, max_seq_len=config.block_size, deferred_init=True,
-                           export=gpt2_export(config))
+        return ModelSource(
+            spec,
+            partial(_build_gpt, config),
+            unit_classes=lambda model: (Block,),
+            vocab_size=config.vocab_size,
+            max_seq_len=config.block_size,
+            deferred_init=True,
+            export=gpt2_export(config),
+        )
     if hf.is_hf_spec(spec):
         config, directory = hf.load_config(spec)
         text = config.get_text_config()
-        return ModelSource(spec, partial(_build_hf, config), logits=hf.logits, unit_classes=hf.unit_classes,
-                           vocab_size=text.vocab_size, max_seq_len=getattr(text, "max_position_embeddings", None),
-                           deferred_init=True, weights=hf.weights_in(directory, spec),
-                           tokenizer=f"{hf.PREFIX}{directory}" if hf.has_tokenizer(directory) else None,
-                           export=hf.export_for(config, directory))
+        return ModelSource(
+            spec,
+            partial(_build_hf, config),
+            logits=hf.logits,
+            unit_classes=hf.unit_classes,
+            vocab_size=text.vocab_size,
+            max_seq_len=getattr(text, "max_position_embeddings", None),
+            deferred_init=True,
+            weights=hf.weights_in(directory, spec),
+            tokenizer=f"{hf.PREFIX}{directory}" if hf.has_tokenizer(directory) else None,
+            export=hf.export_for(config, directory),
+        )
     factory = load_object(spec, what="model factory")
     if not callable(factory):
         raise UsageError(f"model factory {spec!r} is not callable")

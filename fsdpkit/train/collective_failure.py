@@ -25,8 +25,9 @@ class CollectiveTimeout(RunError):
     collective and the step, and the launcher reports it as it is."""
 
 
-def collective_failure(error: CollectiveError, *, rank: int, world_size: int, step: int, timeout: float,
-                       units: set[str], attempt: int) -> RunError:
+def collective_failure(
+    error: CollectiveError, *, rank: int, world_size: int, step: int, timeout: float, units: set[str], attempt: int
+) -> RunError:
     label = _describe_label(error.label, units)
     what = error.kind + (f" ({label})" if label else "")
     if not error.timed_out:

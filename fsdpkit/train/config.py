@@ -64,15 +64,23 @@ def _at_least(value: int | float | None, minimum: int | float, flag: str) -> Non
 class ModelConfig:
     name: str = setting(DEFAULT_MODEL, MODEL_HELP, flag="--model", metavar="NAME")
     vocab_size: int | None = setting(None, "Vocabulary size, if the model has no vocab_size attribute.")
-    wrap: tuple[str, ...] = setting((), "package.module:ClassName whose instances are units (repeatable); "
-                                    "default: each transformer block (a transformers model's _no_split_modules), "
-                                    "or each element of every nn.ModuleList.", metavar="CLASS")
-    wrap_min_params: int | None = setting(None, "Also make a unit of every module holding at least N parameters "
-                                          "not already in a nested unit.")
+    wrap: tuple[str, ...] = setting(
+        (),
+        "package.module:ClassName whose instances are units (repeatable); "
+        "default: each transformer block (a transformers model's _no_split_modules), "
+        "or each element of every nn.ModuleList.",
+        metavar="CLASS",
+    )
+    wrap_min_params: int | None = setting(
+        None, "Also make a unit of every module holding at least N parameters not already in a nested unit."
+    )
     wrap_every: int = setting(1, "K consecutive blocks per unit.")
-    deferred_init: bool | None = setting(None, "Build on the meta device and materialise one unit at a time "
-                                         "(default: on for built-in and hf: models).", panel="Memory",
-                                         off_flag="--eager-init")
+    deferred_init: bool | None = setting(
+        None,
+        "Build on the meta device and materialise one unit at a time (default: on for built-in and hf: models).",
+        panel="Memory",
+        off_flag="--eager-init",
+    )
 
     def __post_init__(self) -> None:
         _at_least(self.vocab_size, 1, "--vocab-size")
@@ -82,22 +90,31 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = setting("synthetic", "'synthetic' (seeded, learnable); a .bin file of tokens (nanoGPT-style, "
-                          "memory-mapped; fsdpkit prepare-data writes one); or a text file, tokenised by the "
-                          "model's tokenizer (hf:DIR with one) or read as bytes. Files: 90% train, 10% held out.",
-                          flag="--data", metavar="FILE")
+    source: str = setting(
+        "synthetic",
+        "'synthetic' (seeded, learnable); a .bin file of tokens (nanoGPT-style, "
+        "memory-mapped; fsdpkit prepare-data writes one); or a text file, tokenised by the "
+        "model's tokenizer (hf:DIR with one) or read as bytes. Files: 90% train, 10% held out.",
+        flag="--data",
+        metavar="FILE",
+    )
     token_dtype: TokenDtype = setting(TokenDtype.UINT16, "Element type of a .bin token file.")
     seq_len: int = setting(64, "Tokens per sequence.")
     global_batch_size: int = setting(8, "Sequences per optimizer step, over all ranks and micro-batches.")
     grad_accum: int = setting(1, "Micro-batches per optimizer step.")
-    no_sync: bool = setting(False, "With --grad-accum: accumulate unsharded gradients locally and reduce once, "
-                            "on the last micro-batch.", panel="Memory")
+    no_sync: bool = setting(
+        False, "With --grad-accum: accumulate unsharded gradients locally and reduce once, on the last micro-batch.", panel="Memory"
+    )
     eval_every: int = setting(0, "Held-out loss every N steps (0: never).")
     eval_batches: int = setting(1, "Held-out global batches per evaluation.")
 
     def __post_init__(self) -> None:
-        for flag, value in (("--seq-len", self.seq_len), ("--global-batch-size", self.global_batch_size),
-                            ("--grad-accum", self.grad_accum), ("--eval-batches", self.eval_batches)):
+        for flag, value in (
+            ("--seq-len", self.seq_len),
+            ("--global-batch-size", self.global_batch_size),
+            ("--grad-accum", self.grad_accum),
+            ("--eval-batches", self.eval_batches),
+        ):
             _at_least(value, 1, flag)
         _at_least(self.eval_every, 0, "--eval-every")
         if self.no_sync and self.grad_accum == 1:
@@ -109,13 +126,13 @@ class OptimizerConfig:
     name: Optimizer = setting(Optimizer.ADAMW, "The optimizer.", flag="--optimizer")
     lr: float = setting(3e-3, "Peak learning rate (0: the weights do not move).")
     weight_decay: float = setting(0.1, "Weight decay on matrices and embeddings (not on biases or norms).")
-    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas, two numbers: 0.9,0.95.", parse=parse_pair,
-                                         metavar="B1,B2")
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas, two numbers: 0.9,0.95.", parse=parse_pair, metavar="B1,B2")
     max_grad_norm: float | None = setting(None, "Clip the global gradient norm to this value.")
     schedule: Schedule = setting(Schedule.CONSTANT, "Learning rate after the warm-up.", flag="--lr-schedule")
     warmup_steps: int = setting(0, "Linear warm-up steps.")
-    decay_steps: int | None = setting(None, "Steps the cosine schedule decays over (default: --steps; "
-                                      "set it to extend a run exactly).", flag="--lr-decay-steps")
+    decay_steps: int | None = setting(
+        None, "Steps the cosine schedule decays over (default: --steps; set it to extend a run exactly).", flag="--lr-decay-steps"
+    )
 
     def __post_init__(self) -> None:
         if not self.lr >= 0:  # 0: a run that must not move the weights
@@ -131,17 +148,21 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save_dir: str | None = setting(None, "Run directory for sharded checkpoints (step-NNNNNNNN/ and latest); "
-                                   "on several nodes, a filesystem every node sees.", metavar="DIR")
+    save_dir: str | None = setting(
+        None,
+        "Run directory for sharded checkpoints (step-NNNNNNNN/ and latest); on several nodes, a filesystem every node sees.",
+        metavar="DIR",
+    )
     save_every: int = setting(0, "Save every N steps (0: only at the end).")
     keep_last: int | None = setting(None, "Keep only the newest K complete checkpoints.")
-    async_save: bool = setting(False, "Copy each save into reused host memory, then write it from a background thread "
-                                      "(lower priority) while training goes on.")
-    resume: str | None = setting(None, "Resume from a run directory (its latest) or a step-* directory, "
-                                 "at any world size and strategy.", metavar="DIR")
+    async_save: bool = setting(
+        False, "Copy each save into reused host memory, then write it from a background thread (lower priority) while training goes on."
+    )
+    resume: str | None = setting(
+        None, "Resume from a run directory (its latest) or a step-* directory, at any world size and strategy.", metavar="DIR"
+    )
     strict: bool = setting(True, "Missing optimizer state in --resume is an error (--no-strict: start it fresh).")
-    init_from: str | None = setting(None, "Start from the weights of a full safetensors or a sharded checkpoint.",
-                                    metavar="PATH")
+    init_from: str | None = setting(None, "Start from the weights of a full safetensors or a sharded checkpoint.", metavar="PATH")
 
     def __post_init__(self) -> None:
         _at_least(self.save_every, 0, "--save-every")
@@ -154,10 +175,10 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    metrics: str | None = setting(None, "Append one JSON line per step to this file (fsdpkit report draws it).",
-                                  metavar="FILE")
-    tensorboard: str | None = setting(None, "Also write the same scalars as TensorBoard event files into this "
-                                      "directory (needs the [tensorboard] extra).", metavar="DIR")
+    metrics: str | None = setting(None, "Append one JSON line per step to this file (fsdpkit report draws it).", metavar="FILE")
+    tensorboard: str | None = setting(
+        None, "Also write the same scalars as TensorBoard event files into this directory (needs the [tensorboard] extra).", metavar="DIR"
+    )
     log_every: int = setting(10, "Without a terminal on stderr: one progress line every N steps ...")
     log_seconds: float = setting(30.0, "... or every S seconds, whichever comes first (with a terminal: a bar).")
     quiet: bool = setting(False, "No progress bar or progress lines (errors and the summary only).")
@@ -210,21 +231,43 @@ def _engine_setting(key: str, kind: Any, help: str, panel: str, **options: Any) 
 
 
 SHARDING_SETTINGS = (
-    _engine_setting("strategy", str, "full (FULL_SHARD), grad-op (SHARD_GRAD_OP, ZeRO-2), hybrid (HYBRID_SHARD: "
-                    "shard in groups of --shard-group-size ranks, replicate across) or none (NO_SHARD, like DDP).",
-                    "Sharding", choices=tuple(STRATEGIES)),
+    _engine_setting(
+        "strategy",
+        str,
+        "full (FULL_SHARD), grad-op (SHARD_GRAD_OP, ZeRO-2), hybrid (HYBRID_SHARD: "
+        "shard in groups of --shard-group-size ranks, replicate across) or none (NO_SHARD, like DDP).",
+        "Sharding",
+        choices=tuple(STRATEGIES),
+    ),
     _engine_setting("shard_group_size", int | None, "Ranks per shard group with --strategy hybrid.", "Sharding"),
-    Setting(key="mixed_precision", type=str, default="none", panel="Precision", choices=PRECISIONS,
-            help="Unsharded parameters and gradients in this dtype; fp32 sharded master weights "
-                 "(fp16 adds a sharded gradient scaler)."),
-    Setting(key="reduce_dtype", type=str | None, default=None, panel="Precision", choices=REDUCE_DTYPES,
-            help="Reduce gradients in this dtype (default: bf16 with bf16, fp32 with fp16)."),
-    _engine_setting("cpu_offload", bool, "Keep sharded parameters, gradients and optimizer state in host memory; "
-                    "the optimizer steps there.", "Memory"),
+    Setting(
+        key="mixed_precision",
+        type=str,
+        default="none",
+        panel="Precision",
+        choices=PRECISIONS,
+        help="Unsharded parameters and gradients in this dtype; fp32 sharded master weights (fp16 adds a sharded gradient scaler).",
+    ),
+    Setting(
+        key="reduce_dtype",
+        type=str | None,
+        default=None,
+        panel="Precision",
+        choices=REDUCE_DTYPES,
+        help="Reduce gradients in this dtype (default: bf16 with bf16, fp32 with fp16).",
+    ),
+    _engine_setting(
+        "cpu_offload", bool, "Keep sharded parameters, gradients and optimizer state in host memory; the optimizer steps there.", "Memory"
+    ),
     _engine_setting("activation_checkpointing", bool, "Recompute each unit's activations in backward.", "Memory"),
-    _engine_setting("backward_prefetch", str, "When the next unit's all-gather is issued in backward: before "
-                    "(pre) or after (post) the current reduce-scatter, or not early (none).", "Overlap",
-                    choices=tuple(str(p) for p in BACKWARD_PREFETCH)),
+    _engine_setting(
+        "backward_prefetch",
+        str,
+        "When the next unit's all-gather is issued in backward: before "
+        "(pre) or after (post) the current reduce-scatter, or not early (none).",
+        "Overlap",
+        choices=tuple(str(p) for p in BACKWARD_PREFETCH),
+    ),
     _engine_setting("forward_prefetch", bool, "Issue the next unit's all-gather before the current unit's forward.", "Overlap"),
     _engine_setting("limit_all_gathers", int, "Most all-gathers in flight (0: no limit).", "Overlap"),
 )

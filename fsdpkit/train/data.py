@@ -23,8 +23,16 @@ HELD_OUT_SEED_OFFSET = 1_000_003
 
 
 class TokenSource:
-    def __init__(self, data: str, *, vocab_size: int, seq_len: int, seed: int,
-                 token_dtype: TokenDtype = TokenDtype.UINT16, tokenizer: str | None = None) -> None:
+    def __init__(
+        self,
+        data: str,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        seed: int,
+        token_dtype: TokenDtype = TokenDtype.UINT16,
+        tokenizer: str | None = None,
+    ) -> None:
         self.data = data
         self.vocab_size = vocab_size
         self.seq_len = seq_len
@@ -38,15 +46,17 @@ class TokenSource:
         else:
             reader = load_tokenizer(tokenizer or "bytes")
             if reader.vocab_size > vocab_size:
-                raise UsageError(f"--data {data!r} is tokenised by {reader.spec} ({reader.vocab_size} tokens) but the "
-                                 f"model's vocabulary has only {vocab_size}")
+                raise UsageError(
+                    f"--data {data!r} is tokenised by {reader.spec} ({reader.vocab_size} tokens) but the "
+                    f"model's vocabulary has only {vocab_size}"
+                )
             tokens = text_tokens(data, reader)
         if len(tokens) < seq_len + 2:
             raise UsageError(f"data file {data!r} has {len(tokens)} tokens; --seq-len {seq_len} needs at least {seq_len + 2}")
         split = max(seq_len + 1, int(len(tokens) * 0.9))
         self.train_tokens = tokens[:split]
         held = tokens[split:]
-        self.held_out_tokens = held if len(held) > seq_len + 1 else tokens[-(seq_len + 1):]
+        self.held_out_tokens = held if len(held) > seq_len + 1 else tokens[-(seq_len + 1) :]
 
     def global_batch(self, step: int, batch_size: int, *, held_out: bool = False) -> torch.Tensor:
         """(batch_size, seq_len + 1) tokens for `step` (inputs are [:, :-1], targets [:, 1:])."""
@@ -55,11 +65,13 @@ class TokenSource:
         if source is None:
             return self._synthetic(generator, batch_size)
         starts = torch.randint(0, len(source) - self.seq_len, (batch_size,), generator=generator)
-        rows = torch.from_numpy(np.stack([source[s:s + self.seq_len + 1] for s in starts.tolist()]).astype(np.int64))
+        rows = torch.from_numpy(np.stack([source[s : s + self.seq_len + 1] for s in starts.tolist()]).astype(np.int64))
         largest = int(rows.max())
         if largest >= self.vocab_size:
-            raise DataCheckError(f"--data {self.data!r} holds token {largest}, outside the model's vocabulary of "
-                                 f"{self.vocab_size} (another tokenizer, or another --token-dtype?)")
+            raise DataCheckError(
+                f"--data {self.data!r} holds token {largest}, outside the model's vocabulary of "
+                f"{self.vocab_size} (another tokenizer, or another --token-dtype?)"
+            )
         return rows
 
     def _synthetic(self, generator: torch.Generator, batch_size: int) -> torch.Tensor:
@@ -76,4 +88,4 @@ class TokenSource:
 
 def local_rows(micro_batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     rows = micro_batch.shape[0] // world_size
-    return micro_batch[rank * rows:(rank + 1) * rows]
+    return micro_batch[rank * rows : (rank + 1) * rows]

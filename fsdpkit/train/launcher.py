@@ -50,8 +50,14 @@ def validate(config: TrainConfig, world_size: int) -> None:
     if info.block_size is not None and config.data.seq_len > info.block_size:
         raise UsageError(f"--seq-len {config.data.seq_len} exceeds model {config.model.name!r} block size {info.block_size}")
     if config.data.source != "synthetic":
-        TokenSource(config.data.source, vocab_size=info.vocab_size, seq_len=config.data.seq_len, seed=config.seed,
-                    token_dtype=config.data.token_dtype, tokenizer=source.tokenizer).global_batch(0, 1)
+        TokenSource(
+            config.data.source,
+            vocab_size=info.vocab_size,
+            seq_len=config.data.seq_len,
+            seed=config.seed,
+            token_dtype=config.data.token_dtype,
+            tokenizer=source.tokenizer,
+        ).global_batch(0, 1)
     if config.device is Device.CUDA and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")
     checkpoint = config.checkpoint
@@ -63,8 +69,9 @@ def validate(config: TrainConfig, world_size: int) -> None:
         check_tensorboard_installed()
         check_writable_directory(config.logging.tensorboard, "--tensorboard")
     if checkpoint.resume:
-        check_before_launch(checkpoint.resume, model=info.meta_model, optimizer_type=config.optimizer.name.torch_class,
-                            strict=checkpoint.strict)
+        check_before_launch(
+            checkpoint.resume, model=info.meta_model, optimizer_type=config.optimizer.name.torch_class, strict=checkpoint.strict
+        )
     weights = initial_weights(checkpoint, source)
     if weights:
         check_before_launch(weights, model=info.meta_model, optimizer_type=None, strict=False)

@@ -87,21 +87,29 @@ class Trainer:
         if attempt_number() > 0 and checkpoint.save_dir and context.run_id:
             own = storage.newest_of_run(checkpoint.save_dir, run_id=context.run_id)
         weights = initial_weights(checkpoint, self.source)
-        model = build_for_training(config.model, self.source, config.seed,
-                                   weights_follow=bool(own or weights or checkpoint.resume))
+        model = build_for_training(config.model, self.source, config.seed, weights_follow=bool(own or weights or checkpoint.resume))
         wrap = wrap_policy(config.model, self.source, model)
         self.model = fsdpkit.shard(model, config.sharding, wrap=wrap, device=self.device)
         self.unit_names = {unit.name for unit in describe(self.model).units}
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scaler = fsdpkit.ShardedGradScaler(self.model) if config.sharding.mixed_precision.param_dtype is torch.float16 else None
-        self.data = TokenSource(config.data.source, vocab_size=self.vocab_size, seq_len=config.data.seq_len, seed=config.seed,
-                                token_dtype=config.data.token_dtype, tokenizer=self.source.tokenizer)
+        self.data = TokenSource(
+            config.data.source,
+            vocab_size=self.vocab_size,
+            seq_len=config.data.seq_len,
+            seed=config.seed,
+            token_dtype=config.data.token_dtype,
+            tokenizer=self.source.tokenizer,
+        )
         self.step = 0  # training steps run (batches consumed)
         self.optimizer_steps = 0  # steps the optimizer took (fp16 skips do not count)
         self.last_grad_norm: float | None = None
         self.resumed_from_step: int | None = None
-        self.checkpointer = (fsdpkit.Checkpointer(self.model, self.optimizer, async_save=checkpoint.async_save,
-                                                  run_id=context.run_id) if checkpoint.save_dir else None)
+        self.checkpointer = (
+            fsdpkit.Checkpointer(self.model, self.optimizer, async_save=checkpoint.async_save, run_id=context.run_id)
+            if checkpoint.save_dir
+            else None
+        )
         if attempt_number() > 0 and checkpoint.save_dir and context.run_id and self.rank == 0:
             storage.remove_unfinished(checkpoint.save_dir, run_id=context.run_id)  # a save the failure cut short
         if own is not None:
@@ -121,9 +129,13 @@ class Trainer:
             "step": self.step,
             "optimizer_steps": self.optimizer_steps,
             "samples": self.step * self.config.data.global_batch_size,
-            "lr_schedule": {"kind": optimizer.schedule.value, "position": self.optimizer_steps,
-                            "warmup_steps": optimizer.warmup_steps, "base_lr": optimizer.lr,
-                            "decay_steps": self.config.schedule_steps},
+            "lr_schedule": {
+                "kind": optimizer.schedule.value,
+                "position": self.optimizer_steps,
+                "warmup_steps": optimizer.warmup_steps,
+                "base_lr": optimizer.lr,
+                "decay_steps": self.config.schedule_steps,
+            },
             "grad_scaler": self.scaler.state_dict() if self.scaler else None,
             "rng": {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")},
             "world_size": self.world_size,
@@ -133,8 +145,7 @@ class Trainer:
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's training state (the inverse of training_state)."""
         if state.get("world_size") not in (None, self.world_size) and self.rank == 0:
-            warnings.warn(f"resuming a run saved at world size {state.get('world_size')} at world size {self.world_size}",
-                          stacklevel=2)
+            warnings.warn(f"resuming a run saved at world size {state.get('world_size')} at world size {self.world_size}", stacklevel=2)
         self.step = int(state.get("step", 0))
         self.optimizer_steps = int(state.get("optimizer_steps", self.step))
         if self.scaler is not None and state.get("grad_scaler"):
@@ -167,15 +178,20 @@ class Trainer:
         self.current_step = self.step + 1
         faults.step_started(self.current_step)
         optimizer, data = self.config.optimizer, self.config.data
-        lr = lr_at(self.optimizer_steps, base_lr=optimizer.lr, warmup_steps=optimizer.warmup_steps,
-                   total_steps=self.config.schedule_steps, schedule=optimizer.schedule)
+        lr = lr_at(
+            self.optimizer_steps,
+            base_lr=optimizer.lr,
+            warmup_steps=optimizer.warmup_steps,
+            total_steps=self.config.schedule_steps,
+            schedule=optimizer.schedule,
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batch = self.data.global_batch(self.step, data.global_batch_size)
         micro_rows = data.global_batch_size // data.grad_accum
         local_loss = 0.0
         for micro in range(data.grad_accum):
-            micro_batch = local_rows(batch[micro * micro_rows:(micro + 1) * micro_rows], self.rank, self.world_size)
+            micro_batch = local_rows(batch[micro * micro_rows : (micro + 1) * micro_rows], self.rank, self.world_size)
             last = micro == data.grad_accum - 1
             with contextlib.nullcontext() if (last or not data.no_sync) else fsdpkit.no_sync(self.model):
                 loss = self._loss_on(micro_batch) / data.grad_accum
@@ -222,29 +238,45 @@ def train_worker(config: TrainConfig, context: RunContext = RunContext()) -> dic
             trainer = Trainer(config, context)
             return _train(trainer, stop, context)
         except CollectiveError as error:
-            raise collective_failure(error, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                                     step=trainer.current_step if trainer else 0, timeout=config.launch.timeout,
-                                     units=trainer.unit_names if trainer else set(), attempt=attempt_number()) from None
+            raise collective_failure(
+                error,
+                rank=dist.get_rank(),
+                world_size=dist.get_world_size(),
+                step=trainer.current_step if trainer else 0,
+                timeout=config.launch.timeout,
+                units=trainer.unit_names if trainer else set(),
+                attempt=attempt_number(),
+            ) from None
 
 
 def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str, Any] | None:
     config = trainer.config
     rank0 = trainer.rank == 0
     attempt = attempt_number()
-    progress_log = (ProgressLog(context.progress_path, attempt)
-                    if context.progress_path and int(os.environ.get("LOCAL_RANK", "0")) == 0 else None)
+    progress_log = (
+        ProgressLog(context.progress_path, attempt) if context.progress_path and int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+    )
     history = progress_log.history if progress_log else None
     logging = config.logging
     metrics = None
     if rank0:
         cut_at = history.metrics_offsets.get(trainer.start_step) if history and attempt else None
-        metrics = MetricsLog(jsonl_path=logging.metrics, tensorboard_dir=logging.tensorboard, cut_at=cut_at,
-                             purge_step=trainer.start_step + 1 if attempt else None)
+        metrics = MetricsLog(
+            jsonl_path=logging.metrics,
+            tensorboard_dir=logging.tensorboard,
+            cut_at=cut_at,
+            purge_step=trainer.start_step + 1 if attempt else None,
+        )
     if progress_log:
         progress_log.started(trainer.start_step, metrics_offset=metrics.offset if metrics else None)
     throughput = Throughput(config.tokens_per_step)
-    progress = Progress(progress_mode(quiet=logging.quiet, shown=rank0, stream=sys.stderr), total=config.steps,
-                        initial=trainer.step, every_steps=logging.log_every, every_seconds=logging.log_seconds)
+    progress = Progress(
+        progress_mode(quiet=logging.quiet, shown=rank0, stream=sys.stderr),
+        total=config.steps,
+        initial=trainer.step,
+        every_steps=logging.log_every,
+        every_seconds=logging.log_seconds,
+    )
     saving = config.checkpoint.save_every
     losses, eval_losses = [], []
     stall = 0.0  # seconds this rank's training thread spent in saves between steps
@@ -256,9 +288,14 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str
             step_time = time.perf_counter() - step_start
             throughput.add(step_time)
             losses.append(loss)
-            record: dict[str, Any] = {"step": trainer.step, "loss": loss, "lr": trainer.optimizer.param_groups[0]["lr"],
-                                      "step_time_s": step_time, "tokens_per_second": config.tokens_per_step / step_time,
-                                      "peak_memory_bytes": peak_memory_bytes(trainer.device)}
+            record: dict[str, Any] = {
+                "step": trainer.step,
+                "loss": loss,
+                "lr": trainer.optimizer.param_groups[0]["lr"],
+                "step_time_s": step_time,
+                "tokens_per_second": config.tokens_per_step / step_time,
+                "peak_memory_bytes": peak_memory_bytes(trainer.device),
+            }
             if trainer.last_grad_norm is not None:
                 record["grad_norm"] = trainer.last_grad_norm
             if trainer.scaler is not None:
@@ -269,8 +306,9 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str
             if metrics:
                 metrics.write(record)
             if progress_log:
-                progress_log.stepped(trainer.step, loss, eval_loss=record.get("eval_loss"),
-                                     metrics_offset=metrics.offset if metrics else None)
+                progress_log.stepped(
+                    trainer.step, loss, eval_loss=record.get("eval_loss"), metrics_offset=metrics.offset if metrics else None
+                )
             progress.update(trainer.step, loss=loss, tokens_per_second=throughput.tokens_per_second)
             faults.reached("step", trainer.step)
             if trainer.checkpointer and saving and trainer.step % saving == 0:

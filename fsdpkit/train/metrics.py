@@ -26,8 +26,9 @@ class MetricsLog:
     size in bytes from `offset`) and hides TensorBoard events from `purge_step` on, so that a
     step run again appears once."""
 
-    def __init__(self, *, jsonl_path: str | None, tensorboard_dir: str | None, cut_at: int | None = None,
-                 purge_step: int | None = None) -> None:
+    def __init__(
+        self, *, jsonl_path: str | None, tensorboard_dir: str | None, cut_at: int | None = None, purge_step: int | None = None
+    ) -> None:
         self.jsonl = None
         if jsonl_path:
             self.jsonl = open(jsonl_path, "ab")

@@ -47,8 +47,9 @@ class Throughput:
 
 
 class Progress:
-    def __init__(self, mode: ProgressMode, *, total: int, initial: int, every_steps: int, every_seconds: float,
-                 stream: TextIO = sys.stderr) -> None:
+    def __init__(
+        self, mode: ProgressMode, *, total: int, initial: int, every_steps: int, every_seconds: float, stream: TextIO = sys.stderr
+    ) -> None:
         self.mode = mode
         self.total = total
         self.every_steps = every_steps
@@ -72,8 +73,7 @@ class Progress:
         now = time.monotonic()
         if step % self.every_steps == 0 or step == self.total or now - self.last_line >= self.every_seconds:
             self.last_line = now
-            self.stream.write(f"step {step}/{self.total}  loss {loss:.4f}  tokens/s {rate}  "
-                              f"elapsed {now - self.started:.1f}s\n")
+            self.stream.write(f"step {step}/{self.total}  loss {loss:.4f}  tokens/s {rate}  elapsed {now - self.started:.1f}s\n")
             self.stream.flush()
 
     def close(self) -> None:

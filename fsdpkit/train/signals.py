@@ -34,8 +34,10 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_terminate),
-                              signal.SIGINT: signal.signal(signal.SIGINT, self._on_interrupt)}
+            self._previous = {
+                signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_terminate),
+                signal.SIGINT: signal.signal(signal.SIGINT, self._on_interrupt),
+            }
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -49,9 +49,17 @@ def _progress_callback(progress: Progress | None, total: int):
     return lambda done: progress(done, total)
 
 
-def convert_to_full(src: str | Path, dst: str | Path, *, max_shard_size: int | None = None, cast_to: str | None = None,
-                    with_optimizer: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False,
-                    progress: Progress | None = None) -> dict:
+def convert_to_full(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    max_shard_size: int | None = None,
+    cast_to: str | None = None,
+    with_optimizer: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> dict:
     checkpoint = open_sharded(src)
     export = export_of(checkpoint.manifest.training_state, where=str(checkpoint.step_dir))
     layout = export.layout if export is not None else Layout()
@@ -96,8 +104,16 @@ def convert_to_full(src: str | Path, dst: str | Path, *, max_shard_size: int | N
         if export is not None:
             float_dtypes = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
             written += _write_hf_files(tmp, export, float_dtypes[0] if float_dtypes else None, warnings)
-    return {"src": str(checkpoint.step_dir), "dst": str(dst), "to": "full", "files": written,
-            "tensors": len(by_name), "bytes": out_total, "dtype": cast_to, "warnings": warnings}
+    return {
+        "src": str(checkpoint.step_dir),
+        "dst": str(dst),
+        "to": "full",
+        "files": written,
+        "tensors": len(by_name),
+        "bytes": out_total,
+        "dtype": cast_to,
+        "warnings": warnings,
+    }
 
 
 def _write_full_file(path: Path, group, by_name: dict[str, tuple[SourceTensor, bool]], copier: ByteCopier, metadata: dict) -> None:
@@ -130,17 +146,31 @@ def _write_hf_files(directory: Path, export: HfExport, weight_dtype: str | None,
 def check_placement_matches(placement: Placement, sources: list[SourceTensor], *, where: Path, source: str) -> None:
     shapes = {s.name: s.shape for s in sources}
     missing = [name for name in placement.param_shapes() if name not in shapes]
-    wrong = [f"{name} {list(shapes[name])} (model: {list(shape)})"
-             for name, shape in placement.param_shapes().items() if name in shapes and shapes[name] != shape]
+    wrong = [
+        f"{name} {list(shapes[name])} (model: {list(shape)})"
+        for name, shape in placement.param_shapes().items()
+        if name in shapes and shapes[name] != shape
+    ]
     if missing or wrong:
         detail = f"missing {missing[:3]}" if missing else f"different shapes {wrong[:3]}"
         raise DataCheckError(f"{where}: does not match {source}: {detail}")
 
 
-def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, placement: Placement | None = None,
-                       placement_source: str = "the placement", aliases: dict[str, str] | None = None,
-                       cast_to: str | None = None, with_optimizer: bool = False, strategy: str = "full",
-                       chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False, progress: Progress | None = None) -> dict:
+def convert_to_sharded(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    world_size: int,
+    placement: Placement | None = None,
+    placement_source: str = "the placement",
+    aliases: dict[str, str] | None = None,
+    cast_to: str | None = None,
+    with_optimizer: bool = False,
+    strategy: str = "full",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> dict:
     """`aliases`: the model's tied names ({alias: stored name}), for files that store a tied
     weight once without saying so (transformers' save_pretrained)."""
     if world_size < 1:
@@ -161,12 +191,30 @@ def convert_to_sharded(src: str | Path, dst: str | Path, *, world_size: int, pla
             placement = Placement.even()
         else:
             check_placement_matches(placement, sources, where=Path(src), source=placement_source)
-        written = write_sharded(tmp, sources=sources, placement=placement, world_size=world_size, strategy=strategy,
-                                training_state={}, aliases=aliases, cast_to=cast_to, chunk_size=chunk_size,
-                                progress=_progress_callback(progress, total))
+        written = write_sharded(
+            tmp,
+            sources=sources,
+            placement=placement,
+            world_size=world_size,
+            strategy=strategy,
+            training_state={},
+            aliases=aliases,
+            cast_to=cast_to,
+            chunk_size=chunk_size,
+            progress=_progress_callback(progress, total),
+        )
         (tmp / SCRATCH_NAME).unlink(missing_ok=True)
-    return {"src": str(src), "dst": str(dst), "to": "sharded", "world_size": world_size, "placement": placement.kind,
-            "files": written.files, "tensors": len(written.manifest.tensors), "bytes": written.bytes, "dtype": cast_to}
+    return {
+        "src": str(src),
+        "dst": str(dst),
+        "to": "sharded",
+        "world_size": world_size,
+        "placement": placement.kind,
+        "files": written.files,
+        "tensors": len(written.manifest.tensors),
+        "bytes": written.bytes,
+        "dtype": cast_to,
+    }
 
 
 def _names_match(placement: Placement, sources: list[SourceTensor]) -> bool:
@@ -196,5 +244,4 @@ def split_into_files(
 
 def index_document(files: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> dict:
     total = sum(nbytes(shape, dtype) for _, group in files for _, dtype, shape in group)
-    return {"metadata": {"total_size": total},
-            "weight_map": {name: file for file, group in files for name, _, _ in group}}
+    return {"metadata": {"total_size": total}, "weight_map": {name: file for file, group in files for name, _, _ in group}}

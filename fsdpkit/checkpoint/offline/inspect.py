@@ -21,6 +21,7 @@ LARGEST = 5
 def _tensor_stats(items: list[tuple[str, str, tuple[int, ...]]]) -> dict:
     def size(item):
         return numel(item[2]) * dtype_info(item[1]).itemsize
+
     model = [i for i in items if not is_optimizer_tensor(i[0])]
     optim = [i for i in items if is_optimizer_tensor(i[0])]
     largest = sorted(items, key=size, reverse=True)[:LARGEST]
@@ -36,8 +37,12 @@ def summarize(path: str | Path) -> dict:
     path = Path(path)
     if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         full = open_full(path)
-        summary: dict[str, Any] = {"path": str(path), "format": "safetensors-full", "files": [
-            {"name": f.name, "size": f.stat().st_size} for f in full.files], "aliases": full.aliases}
+        summary: dict[str, Any] = {
+            "path": str(path),
+            "format": "safetensors-full",
+            "files": [{"name": f.name, "size": f.stat().st_size} for f in full.files],
+            "aliases": full.aliases,
+        }
         summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in full.tensors]))
         return summary
     checkpoint = open_sharded(path)
@@ -45,10 +50,15 @@ def summarize(path: str | Path) -> dict:
     state = manifest.training_state
     files = [checkpoint.rank_file(index) for index in range(len(checkpoint.file_names()))]
     summary = {
-        "path": str(checkpoint.step_dir), "format": FORMAT_NAME, "version": manifest.version,
-        "world_size": manifest.world_size, "strategy": manifest.strategy,
-        "placement": manifest.placement.kind, "units": len(manifest.placement.units),
-        "step": state.get("step"), "samples": state.get("samples"),
+        "path": str(checkpoint.step_dir),
+        "format": FORMAT_NAME,
+        "version": manifest.version,
+        "world_size": manifest.world_size,
+        "strategy": manifest.strategy,
+        "placement": manifest.placement.kind,
+        "units": len(manifest.placement.units),
+        "step": state.get("step"),
+        "samples": state.get("samples"),
         "fragments": sum(len(f) for f in files),
         "files": [{"name": f.path.name, "size": f.size} for f in files],
         "aliases": manifest.aliases,

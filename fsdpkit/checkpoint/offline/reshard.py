@@ -20,8 +20,16 @@ from ..writer import write_sharded
 from .convert import Progress, _progress_callback
 
 
-def reshard(src: str | Path, dst: str | Path, *, world_size: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
-            overwrite: bool = False, progress: Progress | None = None, warn=None) -> dict:
+def reshard(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    world_size: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+    warn=None,
+) -> dict:
     if world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
     checkpoint = open_sharded(src)
@@ -33,9 +41,26 @@ def reshard(src: str | Path, dst: str | Path, *, world_size: int, chunk_size: in
     sources = checkpoint.sources()
     total = sum(s.nbytes for s in sources)
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=total + world_size * 65536) as tmp:
-        written = write_sharded(tmp, sources=sources, placement=old.placement, world_size=world_size, strategy=old.strategy,
-                                 training_state=state, aliases=old.aliases, cast_to=None, chunk_size=chunk_size,
-                                progress=_progress_callback(progress, total))
-    return {"src": str(checkpoint.step_dir), "dst": str(dst), "from_world_size": old.world_size,
-            "world_size": world_size, "placement": old.placement.kind, "files": written.files,
-            "tensors": len(written.manifest.tensors), "bytes": written.bytes, "warnings": warnings}
+        written = write_sharded(
+            tmp,
+            sources=sources,
+            placement=old.placement,
+            world_size=world_size,
+            strategy=old.strategy,
+            training_state=state,
+            aliases=old.aliases,
+            cast_to=None,
+            chunk_size=chunk_size,
+            progress=_progress_callback(progress, total),
+        )
+    return {
+        "src": str(checkpoint.step_dir),
+        "dst": str(dst),
+        "from_world_size": old.world_size,
+        "world_size": world_size,
+        "placement": old.placement.kind,
+        "files": written.files,
+        "tensors": len(written.manifest.tensors),
+        "bytes": written.bytes,
+        "warnings": warnings,
+    }

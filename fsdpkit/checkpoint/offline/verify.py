@@ -29,8 +29,9 @@ WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
 PROGRESS_BYTES = 8 * 1024 * 1024
 
 
-def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                      progress: Callable[[int, int], None] | None = None) -> dict:
+def verify_checkpoint(
+    path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, progress: Callable[[int, int], None] | None = None
+) -> dict:
     path = Path(path)
     if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         return _verify_full(path)
@@ -46,15 +47,17 @@ def verify_checkpoint(path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     total = sum(t.nbytes for t in manifest.tensors)
     if progress:
         progress(0, total)
-    problems, fragments, checked = check_files(checkpoint, chunk_size,
-                                               progress=(lambda count: progress(count, total)) if progress else None)
+    problems, fragments, checked = check_files(
+        checkpoint, chunk_size, progress=(lambda count: progress(count, total)) if progress else None
+    )
     problems.extend(checkpoint.unexpected_files())
     report.update(ok=not problems, problems=problems, tensors=len(manifest.tensors), fragments=fragments, bytes=checked)
     return report
 
 
-def check_files(checkpoint: ShardedCheckpoint, chunk_size: int, *, progress: Callable[[int], None] | None = None
-                ) -> tuple[list[str], int, int]:
+def check_files(
+    checkpoint: ShardedCheckpoint, chunk_size: int, *, progress: Callable[[int], None] | None = None
+) -> tuple[list[str], int, int]:
     """Every rank file: (one line per problem, fragments checked, bytes checked). A v2 file of
     at most WHOLE_FILE_BYTES is read with one system call into a reused buffer, its header
     compared with the derived one, and each fragment's crc32 computed on a slice of it."""
@@ -102,8 +105,8 @@ def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, expected: FileLayo
     stored = v2_crcs(path, bytes(view[:start]), expected)
     problems = []
     for (begin, end), crc, tensor in zip(expected.spans, stored, expected.tensors, strict=True):
-        if zlib.crc32(view[start + begin: start + end]) != crc:
-            problems.append(_mismatch(path, checkpoint.manifest.tensors[tensor].name, crc, zlib.crc32(view[start + begin: start + end])))
+        if zlib.crc32(view[start + begin : start + end]) != crc:
+            problems.append(_mismatch(path, checkpoint.manifest.tensors[tensor].name, crc, zlib.crc32(view[start + begin : start + end])))
     return problems, len(expected.tensors), size - start
 
 
@@ -123,18 +126,19 @@ def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Calla
         position, end = rank_file.begins[0], rank_file.ends[-1]  # relative to the data buffer
         index, crc = 0, 0
         while position < end:
-            count = os.preadv(fd, [view[:min(len(buffer), end - position)]], rank_file.data_start + position)
+            count = os.preadv(fd, [view[: min(len(buffer), end - position)]], rank_file.data_start + position)
             if count == 0:
                 raise DataCheckError(f"{rank_file.path}: file ends before its data does (truncated)")
             block, base = view[:count], position
             while base < position + count:
                 stop = min(rank_file.ends[index], position + count)
-                crc = zlib.crc32(block[base - position: stop - position], crc)
+                crc = zlib.crc32(block[base - position : stop - position], crc)
                 base = stop
                 if stop == rank_file.ends[index]:
                     if crc != rank_file.crcs[index]:
-                        problems.append(_mismatch(rank_file.path, manifest.tensors[rank_file.tensors[index]].name,
-                                                  rank_file.crcs[index], crc))
+                        problems.append(
+                            _mismatch(rank_file.path, manifest.tensors[rank_file.tensors[index]].name, rank_file.crcs[index], crc)
+                        )
                     index, crc = index + 1, 0
             position += count
             advance(count)
