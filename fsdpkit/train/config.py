@@ -52,7 +52,7 @@ def parse_pair(text: str) -> tuple[float, float]:
         values = ()
     if len(values) != 2:
         raise UsageError(f"--betas {text!r} must be two numbers separated by a comma, e.g. 0.9,0.95")
-    return values  # type: ignore[return-value]
+    return values[0], values[1]
 
 
 def _at_least(value: int | float | None, minimum: int | float, flag: str) -> None:
