@@ -29,6 +29,7 @@ import warnings
 import zlib
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +359,18 @@ def write_rank(
     return path
 
 
+@dataclass(frozen=True)
+class SaveJob:
+    """One save: what to write (`local`: this rank's data, None where it writes no file) and where."""
+
+    view: ShardedModelView
+    run_dir: Path
+    step: int
+    manifest: Manifest
+    local: dict[str, tuple[ElementRange, torch.Tensor]] | None
+    keep_last: int | None
+
+
 class Checkpointer:
     """Saves and loads one sharded model with its optimizer. With async_save, save() copies
     this rank's tensors into `host_buffers` (allocated once, reused by every save while the
@@ -424,47 +437,32 @@ class Checkpointer:
             state,
             self.run_id,
         )
-        job = (view, run_dir, step, manifest, local if view.writes_shards else None, keep_last)
+        job = SaveJob(view, run_dir, step, manifest, local if view.writes_shards else None, keep_last)
         if self.async_save:
-            self.thread = threading.Thread(target=self._run_save, args=job, name="fsdpkit-async-save", daemon=True)
+            self.thread = threading.Thread(target=self._run_save, args=(job,), name="fsdpkit-async-save", daemon=True)
             self.thread.start()
         else:
-            self._save(*job)
+            self._save(job)
 
-    def _run_save(self, *job) -> None:
+    def _run_save(self, job: SaveJob) -> None:
         lower_thread_priority()
         try:
-            self._save(*job)
+            self._save(job)
         except BaseException as error:  # re-raised in the training thread by wait()
             self.error = error
 
-    def _save(
-        self,
-        view: ShardedModelView,
-        run_dir: Path,
-        step: int,
-        manifest: Manifest,
-        local: dict[str, tuple[ElementRange, torch.Tensor]] | None,
-        keep_last: int | None,
-    ) -> None:
+    def _save(self, job: SaveJob) -> None:
         """The save protocol; any OSError (a full disk...) on any rank fails the save on every
         rank with one RunError, removes the temporary directory and keeps the previous checkpoint."""
         started = time.perf_counter()
         try:
-            self._begin_write_and_commit(view, run_dir, step, manifest, local, keep_last)
+            self._begin_write_and_commit(job)
         finally:
             self.timings.saves += 1
             self.timings.total += time.perf_counter() - started
 
-    def _begin_write_and_commit(
-        self,
-        view: ShardedModelView,
-        run_dir: Path,
-        step: int,
-        manifest: Manifest,
-        local: dict[str, tuple[ElementRange, torch.Tensor]] | None,
-        keep_last: int | None,
-    ) -> None:
+    def _begin_write_and_commit(self, job: SaveJob) -> None:
+        view, run_dir, step, manifest = job.view, job.run_dir, job.step, job.manifest
         begun: tuple[str | None, str | None] = (None, None)
         if view.rank == 0:
             try:
@@ -475,22 +473,14 @@ class Checkpointer:
             path, failure = self.comm.broadcast_object(begun, 0, self.group, label="checkpoint directory")
             if failure:
                 raise RunError(f"checkpoint step {step} not saved: {failure}")
-            self._write_and_commit(view, run_dir, step, manifest, local, keep_last, Path(path))
+            self._write_and_commit(job, Path(path))
         except BaseException:  # a collective failed (a rank died or stopped...): nothing half-written stays
             if begun[0] is not None:
                 storage.abort(begun[0])
             raise
 
-    def _write_and_commit(
-        self,
-        view: ShardedModelView,
-        run_dir: Path,
-        step: int,
-        manifest: Manifest,
-        local: dict[str, tuple[ElementRange, torch.Tensor]] | None,
-        keep_last: int | None,
-        tmp: Path,
-    ) -> None:
+    def _write_and_commit(self, job: SaveJob, tmp: Path) -> None:
+        view, run_dir, step, manifest, local = job.view, job.run_dir, job.step, job.manifest, job.local
         device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
         digest = _digest(manifest)
         flags = torch.tensor([1 if tmp.is_dir() else 0, digest, -digest], dtype=torch.int64, device=device)
@@ -523,7 +513,7 @@ class Checkpointer:
         outcome: tuple[str | None, str | None] = (None, None)
         if view.rank == 0:
             try:
-                outcome = (str(storage.commit(tmp, run_dir, step, manifest, keep_last=keep_last)), None)
+                outcome = (str(storage.commit(tmp, run_dir, step, manifest, keep_last=job.keep_last)), None)
             except OSError as error:
                 outcome = (None, storage.os_error_line(error, tmp))
             except RunError as error:
