@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # no network anywhere (workers inherit it)
@@ -31,6 +30,7 @@ transformers = pytest.importorskip("transformers")  # the [hf] extra: `make test
 
 from distributed import run_distributed  # noqa: E402
 from fsdpkit_cli.app import app  # noqa: E402
+from reference import train_unsharded  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 import fsdpkit  # noqa: E402
@@ -42,7 +42,6 @@ from fsdpkit.train.config import CheckpointConfig, DataConfig, ModelConfig, Opti
 from fsdpkit.train.data import TokenSource  # noqa: E402
 from fsdpkit.train.loop import Trainer  # noqa: E402
 from fsdpkit.train.model_setup import wrap_policy  # noqa: E402
-from fsdpkit.train.schedule import lr_at  # noqa: E402
 
 runner = CliRunner()
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
@@ -191,8 +190,6 @@ def reference_run(config: TrainConfig) -> dict:
     model = source.build(device="cpu", seed=config.seed)
     if source.weights is not None:
         load_directory_weights(model, source.weights)
-    hyper = config.optimizer
-    optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=hyper.weight_decay), lr=hyper.lr, betas=hyper.betas)
     data = TokenSource(
         config.data.source,
         vocab_size=source.vocab_size or model.vocab_size,
@@ -200,19 +197,7 @@ def reference_run(config: TrainConfig) -> dict:
         seed=config.seed,
         tokenizer=source.tokenizer,
     )
-    losses = []
-    for step in range(config.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, base_lr=hyper.lr, warmup_steps=hyper.warmup_steps, total_steps=config.steps, schedule=hyper.schedule)
-        step_loss = 0.0
-        for micro in data.global_batch(step, config.data.global_batch_size).chunk(config.data.grad_accum):
-            loss = F.cross_entropy(source.logits(model, micro[:, :-1]).flatten(0, 1), micro[:, 1:].flatten()) / config.data.grad_accum
-            loss.backward()
-            step_loss += loss.item()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(step_loss)
-    return {"losses": losses, "weights": model.state_dict()}
+    return train_unsharded(model, source.logits, data, config)
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from distributed import run_distributed
+from reference import train_unsharded
 
 import fsdpkit
 from fsdpkit.models.registry import build_model
 from fsdpkit.train.config import DataConfig, OptimizerConfig, Schedule, TrainConfig
 from fsdpkit.train.data import TokenSource
 from fsdpkit.train.loop import Trainer
-from fsdpkit.train.schedule import lr_at
 
 CONFIG = TrainConfig(
     steps=10,
@@ -35,23 +34,8 @@ def training_worker(config: TrainConfig) -> dict | None:
 def reference_run(config: TrainConfig) -> dict:
     torch.manual_seed(config.seed)
     model = build_model(config.model.name)
-    hyper = config.optimizer
-    optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=hyper.weight_decay), lr=hyper.lr, betas=hyper.betas)
     data = TokenSource(config.data.source, vocab_size=model.vocab_size, seq_len=config.data.seq_len, seed=config.seed)
-    losses = []
-    for step in range(config.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, base_lr=hyper.lr, warmup_steps=hyper.warmup_steps, total_steps=config.steps, schedule=hyper.schedule)
-        tokens = data.global_batch(step, config.data.global_batch_size)
-        step_loss = 0.0
-        for micro in tokens.chunk(config.data.grad_accum):
-            loss = F.cross_entropy(model(micro[:, :-1]).flatten(0, 1), micro[:, 1:].flatten()) / config.data.grad_accum
-            loss.backward()
-            step_loss += loss.item()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(step_loss)
-    return {"losses": losses, "weights": model.state_dict()}
+    return train_unsharded(model, lambda model, ids: model(ids), data, config)
 
 
 @pytest.fixture(scope="module")
