@@ -29,8 +29,9 @@ Shape = tuple[int, ...]
 StateLayout = dict[str, Shape | None]
 
 
-def kept_states(optimizer: torch.optim.Optimizer) -> list[StateLayout]:
-    """For each param group of `optimizer`, the states it keeps for each of its parameters."""
+def kept_states(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> list[StateLayout]:
+    """For each param group of `optimizer`, under the saved run's settings, the states it keeps
+    for each of its parameters."""
     stand_ins = []
     for group in optimizer.param_groups:
         like = group["params"][0] if group["params"] else torch.empty(0)
@@ -38,10 +39,7 @@ def kept_states(optimizer: torch.optim.Optimizer) -> list[StateLayout]:
         stand_in = torch.zeros(2, dtype=like.dtype, device=device, requires_grad=True)
         stand_in.grad = torch.zeros_like(stand_in)
         stand_ins.append(stand_in)
-    settings = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [p]}
-        for group, p in zip(optimizer.param_groups, stand_ins, strict=True)
-    ]
+    settings = [{**settings, "params": [p]} for settings, p in zip(restored_settings(optimizer, saved_groups), stand_ins, strict=True)]
     cls: Any = type(optimizer)  # a torch.optim class takes its param groups and defaults the rest
     try:
         throwaway = cls(settings)
@@ -60,15 +58,28 @@ def kept_states(optimizer: torch.optim.Optimizer) -> list[StateLayout]:
     return layouts
 
 
-def states_by_param(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, StateLayout]:
-    """Parameter name (`names`: by id of the tensor the optimizer holds) -> the states kept for it."""
-    layouts = kept_states(optimizer)
-    return {
+def states_to_load(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], training_state: dict, stored: Iterable[str], *, where: str
+) -> dict[str, StateLayout]:
+    """Parameter name (`names`: by id of the tensor the optimizer holds) -> the states the
+    optimizer keeps for it under the saved run's settings. A `stored` state of a parameter it
+    holds, which it would not keep, is a DataCheckError naming it."""
+    layouts = kept_states(optimizer, saved_groups(training_state))
+    states = {
         names[id(p)]: layout
         for group, layout in zip(optimizer.param_groups, layouts, strict=True)
         for p in group["params"]
         if id(p) in names
     }
+    for name in stored:
+        parsed = split_optim_tensor_name(name)
+        if parsed is not None and parsed[1] in states and parsed[0] not in states[parsed[1]]:
+            kept = ", ".join(states[parsed[1]]) or "none"
+            raise DataCheckError(
+                f"{where}: saved optimizer state {name!r} is not one this {type(optimizer).__name__} keeps (it keeps: {kept}); "
+                f"saved with another optimizer or settings?"
+            )
+    return states
 
 
 def expected_state_tensors(
@@ -83,18 +94,6 @@ def expected_state_tensors(
             for key, scalar_shape in states.get(name, {}).items():
                 expected[optim_tensor_name(key, name)] = tuple(shape) if scalar_shape is None else scalar_shape
     return expected
-
-
-def check_saved_states(stored: Iterable[str], states: Mapping[str, StateLayout], *, optimizer: str, where: str) -> None:
-    """A stored state of a parameter the optimizer holds, which it would not keep, is an error."""
-    for name in stored:
-        parsed = split_optim_tensor_name(name)
-        if parsed is not None and parsed[1] in states and parsed[0] not in states[parsed[1]]:
-            kept = ", ".join(states[parsed[1]]) or "none"
-            raise DataCheckError(
-                f"{where}: saved optimizer state {name!r} is not one this {optimizer} keeps (it keeps: {kept}); "
-                f"saved with another optimizer or settings?"
-            )
 
 
 def saved_states(
@@ -122,12 +121,15 @@ def load_optimizer_state(
     optimizer: torch.optim.Optimizer,
     params: Iterable[tuple[str, ElementRange, torch.Tensor]],
     states: Mapping[str, StateLayout],
+    training_state: dict,
     stored: set[str],
     read_range: Callable[[str, ElementRange], torch.Tensor],
     read_tensor: Callable[[str], torch.Tensor],
 ) -> None:
-    """Give `optimizer` the stored state of each parameter (name, this rank's fragment, the
-    tensor the optimizer holds), through its own load_state_dict."""
+    """Give `optimizer` the saved run's group settings and the stored state of each parameter
+    (name, this rank's fragment, the tensor the optimizer holds), through its own load_state_dict."""
+    for group, settings in zip(optimizer.param_groups, restored_settings(optimizer, saved_groups(training_state)), strict=True):
+        group.update(settings)
     loaded: dict[int, dict[str, torch.Tensor]] = {}
     for name, fragment, tensor in params:
         param_state = {}
@@ -149,10 +151,19 @@ def load_optimizer_state(
     optimizer.load_state_dict(state_dict)
 
 
-def restore_group_settings(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
-    """The saved run's hyperparameters of each param group, except the learning rate (the
-    schedule sets it); the saved run's groups may differ in number."""
-    for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=False):
-        for key, value in saved_group.get("settings", {}).items():
-            if key in group and key != "lr":
-                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+def saved_groups(training_state: dict) -> list[dict]:
+    """The saved optimizer's param groups: their settings and parameter names."""
+    return (training_state.get("optimizer") or {}).get("groups") or []
+
+
+def restored_settings(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> list[dict]:
+    """Each param group's settings (not its params) with the saved run's values, except the
+    learning rate (the schedule sets it); the saved run's groups may differ in number."""
+    restored = []
+    for i, group in enumerate(optimizer.param_groups):
+        settings = {key: value for key, value in group.items() if key != "params"}
+        for key, value in (saved_groups[i].get("settings", {}) if i < len(saved_groups) else {}).items():
+            if key in settings and key != "lr":
+                settings[key] = tuple(value) if isinstance(settings[key], tuple) else value
+        restored.append(settings)
+    return restored

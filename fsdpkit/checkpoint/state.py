@@ -49,15 +49,7 @@ from .export import EXPORT_ATTR, EXPORT_STATE_KEY
 from .format import rank_file_name
 from .lock import process_identity, run_id_of
 from .manifest import Manifest, check_compatible
-from .optim_state import (
-    StateLayout,
-    check_saved_states,
-    expected_state_tensors,
-    load_optimizer_state,
-    restore_group_settings,
-    saved_states,
-    states_by_param,
-)
+from .optim_state import StateLayout, expected_state_tensors, load_optimizer_state, saved_states, states_to_load
 from .placement import Placement, TensorSpec
 from .reader import FullCheckpoint, is_full_checkpoint, open_checkpoint, open_full, open_sharded
 from .writer import RankFileWriter
@@ -234,11 +226,6 @@ def full_reader(path: str | os.PathLike, names: Sequence[str] = ()) -> TensorRea
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     return {name: tensor for name, tensor in module.state_dict().items() if name not in params and "." + name not in params}
-
-
-def saved_groups(training_state: dict) -> list[dict]:
-    """The saved optimizer's param groups: their settings and parameter names."""
-    return (training_state.get("optimizer") or {}).get("groups") or []
 
 
 def stateless_params(training_state: dict) -> set[str]:
@@ -553,10 +540,8 @@ class Checkpointer:
         with CheckpointReader(path, validate_all=False) as reader:
             states = None
             if self.optimizer is not None:
-                restore_group_settings(self.optimizer, saved_groups(reader.training_state))
                 names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
-                states = states_by_param(self.optimizer, names)
-                check_saved_states(reader.tensor_names(), states, optimizer=type(self.optimizer).__name__, where=str(reader.step_dir))
+                states = states_to_load(self.optimizer, names, reader.training_state, reader.tensor_names(), where=str(reader.step_dir))
             stateless = stateless_params(reader.training_state)
             expected = expected_tensors(_view_params(view), _buffer_shapes(self.module), states, stateless=stateless)
             missing_optim = check_compatible(reader.manifest, expected, strict=strict, where=str(reader.step_dir))
@@ -566,7 +551,7 @@ class Checkpointer:
             if self.optimizer is not None and states is not None and not missing_optim:
                 params = [(p.name, p.fragment.param_range, p.tensor) for unit in view.units for p in unit.params if p.requires_grad]
                 stored = set(reader.tensor_names())
-                load_optimizer_state(self.optimizer, params, states, stored, reader.read_range, reader.read_tensor)
+                load_optimizer_state(self.optimizer, params, states, reader.training_state, stored, reader.read_range, reader.read_tensor)
             return reader.training_state
 
 
@@ -629,8 +614,7 @@ def _check_full(reader: TensorReader, expected: dict[str, tuple[int, ...]], path
 def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool) -> None:
     """Validate a checkpoint against an unsharded model (built on the meta device) before any
     process starts: any problem is a DataCheckError (exit 3). `optimizer` (over the model's
-    parameters; its group settings are overwritten by the saved ones) when resuming, None when
-    only the weights are wanted."""
+    parameters) when resuming, None when only the weights are wanted."""
     params, buffers = _model_params(model), _buffer_shapes(model)
     if is_full_checkpoint(Path(path)) and optimizer is None:
         expected = expected_tensors(params, buffers, None)
@@ -640,9 +624,8 @@ def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer:
     with CheckpointReader(path) as reader:
         states = None
         if optimizer is not None:
-            restore_group_settings(optimizer, saved_groups(reader.training_state))
-            states = states_by_param(optimizer, {id(p): name for name, p in model.named_parameters()})
-            check_saved_states(reader.tensor_names(), states, optimizer=type(optimizer).__name__, where=str(reader.step_dir))
+            names = {id(p): name for name, p in model.named_parameters()}
+            states = states_to_load(optimizer, names, reader.training_state, reader.tensor_names(), where=str(reader.step_dir))
         stateless = stateless_params(reader.training_state)
         check_compatible(
             reader.manifest,

@@ -34,11 +34,6 @@ class Optimizer(enum.StrEnum):
     ADAMW = "adamw"
     SGD = "sgd"
 
-    @property
-    def torch_class(self) -> str:
-        """The torch.optim class name, as checkpoints record it."""
-        return {"adamw": "AdamW", "sgd": "SGD"}[self.value]
-
 
 class Schedule(enum.StrEnum):
     CONSTANT = "constant"
