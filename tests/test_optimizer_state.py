@@ -2,7 +2,8 @@
 3 steps at 2 ranks, saved, loaded into a fresh model and optimizer and trained 3 more, the
 weights are bitwise those of the run that never stopped; loaded at 3 ranks, equal to 1e-6;
 and both agree with the unsharded reference. A saved state the loading optimizer would not
-keep is a one-line error naming it, before launch and in fsdpkit.load."""
+keep is a one-line error naming it, before launch and in fsdpkit.load; a state that cannot be
+stored is an error at save, not silently left out."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from models import EdgeCaseNet
 
 import fsdpkit
 from fsdpkit.checkpoint.state import check_before_launch
-from fsdpkit.errors import DataCheckError
+from fsdpkit.errors import DataCheckError, RunError
 
 OPTIMIZERS = {
     "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9}),
@@ -97,6 +98,15 @@ def load_elsewhere_worker(directory: str) -> dict:
         results["error"] = "loaded"
     except DataCheckError as error:
         results["error"] = str(error)
+    model, optimizer = fresh("adamw", 1)
+    train(model, optimizer, range(1))
+    for param_state in optimizer.state.values():
+        param_state["custom"] = 0.5  # a state that is not a tensor cannot be stored: refused, not dropped
+    try:
+        fsdpkit.save(model, optimizer, f"{directory}/custom", step=1)
+        results["save_error"] = "saved"
+    except RunError as error:
+        results["save_error"] = str(error)
     return results
 
 
@@ -136,6 +146,8 @@ def test_every_optimizer_resumes_at_another_world_size(saved):
             assert close(elsewhere[kind][name], tensor, 1e-6), (kind, name)
     message = elsewhere["error"]
     assert "optim.momentum_buffer." in message and "Adagrad" in message and "\n" not in message, message
+    assert "optimizer state 'custom' of " in elsewhere["save_error"] and "not a tensor" in elsewhere["save_error"]
+    assert not (directory / "custom").exists()
 
 
 def test_a_saved_state_the_optimizer_would_not_keep_is_refused_before_launch(saved):
