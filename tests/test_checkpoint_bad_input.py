@@ -432,7 +432,10 @@ def test_read_only_or_impossibly_small_destination_is_a_usage_error(ckpt, tmp_pa
     result = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", str(10**12))
     _one_line_usage_error(result, "cannot fit", "--world-size 1000000000000", "whole filesystem holds")
     assert tree_snapshot(ckpt) == src
-    _no_leftovers(tmp_path, ["src", "ro"])
+    assert run_cli("convert", ckpt, tmp_path / "full", "--to", "full").exit_code == 0
+    result = run_cli("convert", tmp_path / "full", tmp_path / "out", "--to", "sharded", "--world-size", str(10**12))
+    _one_line_usage_error(result, "cannot fit", "--world-size 1000000000000", "whole filesystem holds")
+    _no_leftovers(tmp_path, ["src", "ro", "full"])
 
 
 def test_malformed_full_checkpoints_are_one_line(tmp_path):
