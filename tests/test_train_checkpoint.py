@@ -53,6 +53,16 @@ def test_resume_is_bitwise_exact_at_the_same_world_size(runs):
     assert any(n.startswith("optim.exp_avg.") for n in mine)
 
 
+def test_sgd_with_momentum_resumes_bitwise(tmp_path):
+    sgd = ["--optimizer", "sgd", "--momentum", "0.9", "--nesterov", "--lr", "0.05"]
+    full = train(*sgd, "--steps", "6", "--save-every", "3", "--save-dir", str(tmp_path / "full"))
+    resumed = train(*sgd, "--steps", "6", "--resume", str(tmp_path / "full" / "step-00000003"), "--save-dir", str(tmp_path / "resumed"))
+    assert resumed["losses"] == full["losses"][3:]
+    reference, mine = weights(tmp_path / "full"), weights(tmp_path / "resumed")
+    assert reference.keys() == mine.keys() and all(torch.equal(reference[n], mine[n]) for n in reference)
+    assert any(n.startswith("optim.momentum_buffer.") for n in mine)
+
+
 @pytest.mark.parametrize(
     "extra",
     [

@@ -34,11 +34,6 @@ class Optimizer(enum.StrEnum):
     ADAMW = "adamw"
     SGD = "sgd"
 
-    @property
-    def torch_class(self) -> str:
-        """The torch.optim class name, as checkpoints record it."""
-        return {"adamw": "AdamW", "sgd": "SGD"}[self.value]
-
 
 class Schedule(enum.StrEnum):
     CONSTANT = "constant"
@@ -127,6 +122,8 @@ class OptimizerConfig:
     lr: float = setting(3e-3, "Peak learning rate (0: the weights do not move).")
     weight_decay: float = setting(0.1, "Weight decay on matrices and embeddings (not on biases or norms).")
     betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas, two numbers: 0.9,0.95.", parse=parse_pair, metavar="B1,B2")
+    momentum: float = setting(0.0, "SGD momentum (0: plain SGD).")
+    nesterov: bool = setting(False, "SGD with Nesterov momentum (needs --momentum > 0).")
     max_grad_norm: float | None = setting(None, "Clip the global gradient norm to this value.")
     schedule: Schedule = setting(Schedule.CONSTANT, "Learning rate after the warm-up.", flag="--lr-schedule")
     warmup_steps: int = setting(0, "Linear warm-up steps.")
@@ -138,6 +135,12 @@ class OptimizerConfig:
         if not self.lr >= 0:  # 0: a run that must not move the weights
             raise UsageError(f"--lr must be >= 0, got {self.lr}")
         _at_least(self.weight_decay, 0, "--weight-decay")
+        if not 0 <= self.momentum < float("inf"):
+            raise UsageError(f"--momentum must be a finite number >= 0, got {self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise UsageError("--nesterov needs --momentum > 0")
+        if (self.momentum or self.nesterov) and self.name is not Optimizer.SGD:
+            raise UsageError(f"--momentum and --nesterov are settings of --optimizer sgd, not {self.name.value}")
         if not all(0 <= b < 1 for b in self.betas):
             raise UsageError(f"--betas must be two numbers in [0, 1), got {','.join(map(str, self.betas))}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

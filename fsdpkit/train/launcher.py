@@ -32,7 +32,7 @@ from ..models.source import resolve
 from .attempts import RunContext
 from .config import Device, TrainConfig
 from .data import TokenSource
-from .loop import train_worker
+from .loop import build_optimizer, train_worker
 from .metrics import check_tensorboard_installed
 from .model_setup import initial_weights, inspect_model
 
@@ -69,12 +69,11 @@ def validate(config: TrainConfig, world_size: int) -> None:
         check_tensorboard_installed()
         check_writable_directory(config.logging.tensorboard, "--tensorboard")
     if checkpoint.resume:
-        check_before_launch(
-            checkpoint.resume, model=info.meta_model, optimizer_type=config.optimizer.name.torch_class, strict=checkpoint.strict
-        )
+        optimizer = build_optimizer(info.meta_model, config.optimizer)
+        check_before_launch(checkpoint.resume, model=info.meta_model, optimizer=optimizer, strict=checkpoint.strict)
     weights = initial_weights(checkpoint, source)
     if weights:
-        check_before_launch(weights, model=info.meta_model, optimizer_type=None, strict=False)
+        check_before_launch(weights, model=info.meta_model, optimizer=None, strict=False)
 
 
 def check_writable_directory(path: str, flag: str) -> None:

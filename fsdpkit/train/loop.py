@@ -53,7 +53,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
     groups = fsdpkit.param_groups(model, weight_decay=config.weight_decay)
     if config.name is Optimizer.ADAMW:
         return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
-    return torch.optim.SGD(groups, lr=config.lr)
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
