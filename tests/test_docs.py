@@ -132,10 +132,18 @@ def test_the_readme_shows_every_command_and_stays_short() -> None:
     assert listed <= shown, f"README has no example of {sorted(listed - shown)}"
 
 
+def anchors(document: Path) -> set[str]:
+    """GitHub's anchors of a document's headings: lower case, punctuation dropped, spaces as dashes."""
+    headings = re.findall(r"^#+ (.+)$", document.read_text(encoding="utf-8"), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
 def test_links_between_documents_resolve() -> None:
     for document in DOCUMENTS:
-        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", document.read_text(encoding="utf-8")):
-            assert (document.parent / target).exists(), f"{document.relative_to(ROOT)} links to missing {target}"
+        for target, anchor in re.findall(r"\]\(([^)#:]*)(?:#([^)]*))?\)", document.read_text(encoding="utf-8")):
+            path = document.parent / target if target else document
+            assert path.exists(), f"{document.relative_to(ROOT)} links to missing {target}"
+            assert not anchor or anchor in anchors(path), f"{document.relative_to(ROOT)} links to missing {target}#{anchor}"
 
 
 def test_no_document_cites_an_issue_number() -> None:
