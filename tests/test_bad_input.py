@@ -1,4 +1,4 @@
-"""Bad input across every command, as one table (issue 12): each row is one line on stderr
+"""Bad input across every command, as one table: each row is one line on stderr
 starting `error: `, nothing on stdout (but verify's report), the documented exit code (2 bad input, 3 a data check),
 nothing written anywhere under the working directory, and no process launched.
 

@@ -1,5 +1,5 @@
 """Every bad input is detected before any weight is used: one line, the right exit code,
-SRC untouched, no partial DST (issue 5 "Bad input, never silent", issue 6 "Bad input")."""
+SRC untouched, no partial DST."""
 
 from __future__ import annotations
 
@@ -355,7 +355,7 @@ def _one_line_run_error(result, *needles):
 
 
 def test_full_read_only_or_size_limited_destination(ckpt, tmp_path, monkeypatch):
-    """Issue 12: convert/reshard into a destination that fails (no space, no inodes, read-only,
+    """convert/reshard into a destination that fails (no space, no inodes, read-only,
     file size limit): one line naming the path and the errno, exit 1, nothing left behind."""
     from fsdpkit.checkpoint import writer
 
