@@ -45,8 +45,10 @@ class FsdpkitGroup(TyperGroup):
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True, **extra: Any) -> Any:
         from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
+        from fsdpkit import log
         from fsdpkit.errors import FsdpkitError
 
+        log.setup()
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except NoArgsIsHelpError as error:

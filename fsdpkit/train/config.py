@@ -12,6 +12,7 @@ Checks that need the world size are in `check_world_size`, called once before tr
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,9 +136,10 @@ class OptimizerConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.lr >= 0:  # 0: a run that must not move the weights
-            raise UsageError(f"--lr must be >= 0, got {self.lr}")
-        _at_least(self.weight_decay, 0, "--weight-decay")
+        if not 0 <= self.lr < math.inf:  # 0: a run that must not move the weights
+            raise UsageError(f"--lr must be a finite number >= 0, got {self.lr}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise UsageError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         if not all(0 <= b < 1 for b in self.betas):
             raise UsageError(f"--betas must be two numbers in [0, 1), got {','.join(map(str, self.betas))}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -162,13 +164,16 @@ class CheckpointConfig:
         None, "Resume from a run directory (its latest) or a step-* directory, at any world size and strategy.", metavar="DIR"
     )
     strict: bool = setting(True, "Missing optimizer state in --resume is an error (--no-strict: start it fresh).")
+    new_run: bool = setting(
+        False, "Start a new run in a --save-dir that holds another run's checkpoints (they move to DIR/earlier-<time>/)."
+    )
     init_from: str | None = setting(None, "Start from the weights of a full safetensors or a sharded checkpoint.", metavar="PATH")
 
     def __post_init__(self) -> None:
         _at_least(self.save_every, 0, "--save-every")
         _at_least(self.keep_last, 1, "--keep-last")
-        if (self.save_every or self.keep_last or self.async_save) and not self.save_dir:
-            raise UsageError("--save-every, --keep-last and --async-save need --save-dir")
+        if (self.save_every or self.keep_last or self.async_save or self.new_run) and not self.save_dir:
+            raise UsageError("--save-every, --keep-last, --async-save and --new-run need --save-dir")
         if self.resume and self.init_from:
             raise UsageError("--resume and --init-from exclude each other: resume continues a run, init-from starts one from weights")
 
