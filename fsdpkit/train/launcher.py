@@ -28,6 +28,7 @@ from ..checkpoint.state import check_before_launch
 from ..errors import DataCheckError, UsageError
 from ..launch import launch
 from ..models.source import resolve
+from ..paths import check_writable_directory, check_writable_file
 from .attempts import RunContext, attempt_number
 from .config import Device, TrainConfig
 from .data import TokenSource
@@ -85,36 +86,6 @@ def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None)
     weights = initial_weights(checkpoint, source)
     if weights:
         check_before_launch(weights, model=info.meta_model, optimizer_type=None, strict=False)
-
-
-def check_writable_directory(path: str, flag: str) -> None:
-    """`path` is a writable directory, or can be created as one (its nearest existing parent
-    is a writable directory)."""
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise UsageError(f"{flag} {path!r} exists and is not a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise UsageError(f"{flag} {path!r} is not writable")
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path!r} cannot be created: {parent!r} is not a writable directory")
-
-
-def check_writable_file(path: str, flag: str) -> None:
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path!r} is a directory, expected a file name")
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            raise UsageError(f"{flag} {path!r} is not writable")
-        return
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise UsageError(f"{flag} {path!r}: directory {directory!r} does not exist")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path!r}: directory {directory!r} is not writable")
 
 
 def run_training(config: TrainConfig) -> TrainSummary | None:
