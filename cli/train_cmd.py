@@ -26,7 +26,7 @@ PANELS = ("Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Optimi
 HELP = """Train a model with fsdpkit's sharded engine across several processes.
 
 Settings come from the flags below, over --config FILE (TOML, the same settings nested in
-tables: steps = 100, \\[optimizer] lr = 0.001, ...), over the defaults. torchrun's underscore
+tables: steps = 100, [optimizer] lr = 0.001, ...), over the defaults. torchrun's underscore
 spellings (--nproc_per_node) are accepted for every flag, and every on/off flag --x has a
 --no-x that turns off what a config file turned on.
 

@@ -64,7 +64,14 @@ def test_resume_is_bitwise_exact_at_the_same_world_size(runs):
 )
 def test_resume_at_another_world_size_or_strategy(runs, extra):
     root, full, _ = runs
-    resumed = train("--steps", "10", "--resume", str(root / "half" / "step-00000005"), *extra)
+    result = runner.invoke(app, ["train", *COMMON, "--steps", "10", "--resume", str(root / "half" / "step-00000005"), *extra, "--json"])
+    assert result.exit_code == 0, result.output
+    resumed = json.loads(result.stdout)
+    # Another world size is the feature: no warning; another strategy replaces a saved setting: one line.
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
+    assert warnings == [f"warning: --strategy {extra[-1]} replaces full saved in {root / 'half' / 'step-00000005'}"] * (
+        "--strategy" in extra
+    )
     for mine, ref in zip(resumed["losses"], full["losses"][5:], strict=True):
         assert abs(mine - ref) / ref < 1e-4
 
@@ -97,8 +104,9 @@ def _invoke_exit(*args: str):
 def test_checkpoint_of_another_model_and_missing_optimizer_state(runs, tmp_path):
     root, _, _ = runs
     code, err = _invoke_exit("--model", "gpt-small", "--resume", str(root / "full"), "--steps", "12")
-    assert code == 3 and "another model" in err or "shapes differ" in err, err
-    assert len(err.splitlines()) == 1
+    warning, error = err.splitlines()
+    assert warning.startswith("warning: --model gpt-small replaces gpt-tiny saved in "), warning
+    assert code == 3 and ("another model" in error or "shapes differ" in error) and "(saved from gpt-tiny, not gpt-small)" in error, err
     weights_only = tmp_path / "weights_only"
     assert runner.invoke(app, ["convert", str(root / "full"), str(tmp_path / "hf"), "--to", "full"]).exit_code == 0
     assert runner.invoke(app, ["convert", str(tmp_path / "hf"), str(weights_only), "--to", "sharded", "--world-size", "2"]).exit_code == 0
