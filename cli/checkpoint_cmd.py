@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from fsdpkit import log
 from fsdpkit.checkpoint.format import CAST_TARGETS
 from fsdpkit.errors import UsageError
 from fsdpkit.host import available_memory_bytes
@@ -134,7 +135,7 @@ def convert(
     else:
         raise UsageError(f"unknown --to {to!r}: use full or sharded")
     for line in result.get("warnings", []):
-        typer.echo(f"warning: {line}", err=True)
+        log.warn(line)
     _print_result(result, as_json)
 
 
@@ -160,7 +161,7 @@ def reshard(
             chunk_size=chunk,
             overwrite=overwrite,
             progress=progress,
-            warn=lambda line: typer.echo(f"warning: {line}", err=True),
+            warn=log.warn,
         )
     _print_result(result, as_json)
 

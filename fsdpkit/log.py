@@ -1,7 +1,7 @@
 """What fsdpkit tells a person while it works, on stderr, one line per message:
 
-    warning: resuming ... (a warning, shown under --quiet too)
-    launching 2 workers ...  (a note, shown unless --quiet)
+    warning: --seq-len 16 replaces 32 saved in run/step-00000100   (a warning: shown under --quiet too)
+    launching 2 workers on this node ...                          (a note: shown unless --quiet)
 
 Everything goes through the `fsdpkit` logger with this one format, including Python warnings
 (`warnings.warn`, torch's among them): `setup()` routes them here, so no category, source file

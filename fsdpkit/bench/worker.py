@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .. import log
 from .busbw import MODES, BenchSize
 from .collectives import Placement, PreparedCollective, prepare, supports_mode
 from .options import torch_dtype
@@ -68,6 +69,7 @@ SizeMeasurements = dict[str, Measurement | None]  # mode -> measurement (None: t
 @record
 def bench_worker(plan: BenchPlan) -> list[list[SizeMeasurements]]:
     """Entry point for fsdpkit.launch: returns, per entry and size, the combined measurements."""
+    log.setup()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if os.environ.get(FAIL_RANK_ENV, "") == os.environ.get("RANK"):
         raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={os.environ['RANK']})")
