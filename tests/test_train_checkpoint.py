@@ -100,7 +100,7 @@ def test_init_from_full_and_sharded_weights_agree(runs, tmp_path):
 
 
 def _invoke_exit(*args: str):
-    result = runner.invoke(app, ["train", *COMMON, *args])
+    result = runner.invoke(app, ["train", *COMMON, *args, "--quiet"])  # errors and warnings only, no launch note
     return result.exit_code, result.stderr.strip()
 
 
