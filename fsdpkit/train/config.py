@@ -161,7 +161,10 @@ class CheckpointConfig:
         False, "Copy each save into reused host memory, then write it from a background thread (lower priority) while training goes on."
     )
     resume: str | None = setting(
-        None, "Resume from a run directory (its latest) or a step-* directory, at any world size and strategy.", metavar="DIR"
+        None,
+        "Continue the run in a run directory (its latest) or a step-* directory, at any world size: its saved settings are "
+        "the defaults, and a flag that changes one says so.",
+        metavar="DIR",
     )
     strict: bool = setting(True, "Missing optimizer state in --resume is an error (--no-strict: start it fresh).")
     new_run: bool = setting(
