@@ -45,3 +45,18 @@ def test_no_tracked_file_cites_an_issue_number():
             if pattern.search(line):
                 hits.append(f"{name}:{number}: {line.strip()[:100]}")
     assert hits == [], "\n".join(hits)
+
+
+def test_help_shows_brackets_literally():
+    from fsdpkit_cli.app import app
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    shown = {
+        ("prepare-data", "--help"): "needs the [hf] extra",
+        ("report", "--help"): "pip install 'fsdpkit[plot]'",
+        ("train", "--help"): "[optimizer] lr = 0.001",
+    }
+    for args, text in shown.items():
+        result = runner.invoke(app, list(args), env={"COLUMNS": "200"})
+        assert result.exit_code == 0 and text in " ".join(result.stdout.replace("│", " ").split()), result.stdout
