@@ -1,5 +1,5 @@
 """Every bad input is detected before any weight is used: one line, the right exit code,
-SRC untouched, no partial DST (issue 5 "Bad input, never silent", issue 6 "Bad input")."""
+SRC untouched, no partial DST."""
 
 from __future__ import annotations
 
