@@ -66,12 +66,55 @@ model on the meta device only: seconds for any size. Activations are not include
 The model, data, sharding, precision, memory and overlap flags are train's own (same spellings,
 defaults and --config file)."""
 
-PANELS = ("Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Optimizer", "Output")
+PANELS = ("Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Optimizer", "Time", "Output")
+BUILT_IN_NAMES = ("a100-40gb-ib100|200|400", "a100-80gb-ib100|200|400", "h100-ib400", "h200-ib400", "cpu-gloo")
 
 
 def plan(
     ctx: typer.Context,
     world_size: Annotated[int, typer.Option("--world-size", help="Ranks in the data-parallel group.", rich_help_panel="Sharding")],
+    time: Annotated[
+        bool, typer.Option("--time", help="Also predict the step time, MFU, TFLOPS and tokens/s on --hardware.", rich_help_panel="Time")
+    ] = False,
+    hardware: Annotated[
+        str | None,
+        typer.Option(
+            "--hardware",
+            help=f"A built-in profile ({', '.join(BUILT_IN_NAMES)}) or a FILE.toml (--calibrate writes one).",
+            rich_help_panel="Time",
+            metavar="NAME|FILE",
+        ),
+    ] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option("--nodes", help="Spread the ranks over K nodes (default: the profile's ranks per node).", rich_help_panel="Time"),
+    ] = None,
+    recommend: Annotated[
+        bool,
+        typer.Option(
+            "--recommend",
+            help="The fastest configurations that fit (strategy, group, prefetch, limiter, checkpointing, micro-batch).",
+            rich_help_panel="Time",
+        ),
+    ] = False,
+    scaling: Annotated[
+        str | None,
+        typer.Option(
+            "--scaling",
+            help="Predicted TFLOPS/device at these world sizes (same micro-batch per rank): 8,64,512.",
+            rich_help_panel="Time",
+            metavar="LIST",
+        ),
+    ] = None,
+    calibrate: Annotated[
+        Path | None,
+        typer.Option(
+            "--calibrate",
+            help="Measure this machine (compute with --model on one rank, gloo collectives on --world-size ranks) and write a profile.",
+            rich_help_panel="Time",
+            metavar="OUT.toml",
+        ),
+    ] = None,
     config_file: Annotated[
         Path | None,
         typer.Option("--config", help="Read settings from a train --config TOML file first.", rich_help_panel="Output", metavar="FILE"),
@@ -84,11 +127,32 @@ def plan(
     from fsdpkit.memory_plan import PlanRequest, plan_memory
 
     request = PlanRequest(_train_config(ctx, config_file, settings), world_size)
-    memory = plan_memory(request)
-    if json_output:
-        print_json(memory.to_document())
+    if calibrate is not None:
+        _calibrate(request, calibrate)
+    elif time or recommend or scaling is not None:
+        from .plan_time_output import run_time_plan
+
+        run_time_plan(request, hardware=hardware, nodes=nodes, recommend=recommend, scaling=scaling, json_output=json_output)
+    elif json_output:
+        print_json(plan_memory(request).to_document())
     else:
-        typer.echo(format_plan(memory))
+        typer.echo(format_plan(plan_memory(request)))
+
+
+def _calibrate(request, out: Path) -> None:
+    from fsdpkit.calibrate import calibrate
+    from fsdpkit.errors import UsageError
+    from fsdpkit.hardware import to_toml
+
+    if out.is_dir() or not out.resolve().parent.is_dir():
+        raise UsageError(f"--calibrate {str(out)!r} must be a file in an existing directory")
+    if request.world_size < 2:
+        raise UsageError("--calibrate measures collectives: it needs --world-size >= 2")
+    profile = calibrate(request, ranks=request.world_size)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(to_toml(profile, header="fsdpkit hardware profile (fsdpkit plan --time --hardware FILE)"))
+    partial.replace(out)
+    typer.echo(f"wrote {out}")
 
 
 def _train_config(ctx: typer.Context, config_file: Path | None, settings: dict[str, Any]):
