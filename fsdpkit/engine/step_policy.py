@@ -150,18 +150,17 @@ def step_events(units: Sequence[tuple[str, bool]], policy: StepPolicy, *, reduce
         gather(name)
         events.append(Event(Op.WAIT, name))
 
-    use(root)
-    events.append(Event(Op.FORWARD, root))
-    for index, name in enumerate(blocks):
+    forward_order = [root, *blocks]
+    for index, name in enumerate(forward_order):
         use(name)
-        gather(policy.next_in_forward(blocks, name))
+        gather(policy.next_in_forward(forward_order, name))
         events.append(Event(Op.FORWARD, name))
-        if policy.reshards_after_forward(is_root=False, training=True, needed_first_by_backward=index == len(blocks) - 1):
+        last = index == len(forward_order) - 1
+        if policy.reshards_after_forward(is_root=name == root, training=True, needed_first_by_backward=last):
             held.discard(name)
             events.append(Event(Op.RESHARD, name))
     issued: list[str] = []
     done: set[str] = set()
-    forward_order = [root, *blocks]
     for index, name in enumerate([*reversed(blocks), root]):
         use(name)
         done.add(name)
