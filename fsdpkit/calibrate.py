@@ -15,6 +15,7 @@ Numbers are medians of repeated timings; a loaded machine gives a slower profile
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -119,8 +120,15 @@ def network_line(ranks: int) -> tuple[float, float]:
 
 
 def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] = (1, 4)) -> Hardware:
-    peak = peak_flops()
-    intercept, seconds_per_flop, units = compute_line(request, batches)
+    """One thread per rank, as fsdpkit launches CPU ranks (OMP_NUM_THREADS=1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peak = peak_flops()
+        intercept, seconds_per_flop, units = compute_line(request, batches)
+        bandwidth_memory = memory_bandwidth()
+    finally:
+        torch.set_num_threads(threads)
     latency, bandwidth = network_line(ranks)
     bandwidth_gbs = bandwidth / 1e9
     return Hardware(
@@ -130,18 +138,17 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] 
         efficiency=min(1.0, 1.0 / seconds_per_flop / peak) if seconds_per_flop > 0 else 1.0,
         unit_overhead_s=intercept / (2 * units),
         memory_gb=_memory_gb(),
-        memory_bw_gbs=memory_bandwidth() / 1e9,
+        memory_bw_gbs=bandwidth_memory / 1e9,
         ranks_per_node=1024,
         intra_bw_gbs=bandwidth_gbs,
         intra_latency_s=latency,
         inter_bw_gbs=bandwidth_gbs,
         inter_latency_s=latency,
-        host_bw_gbs=memory_bandwidth() / 1e9,
+        host_bw_gbs=bandwidth_memory / 1e9,
         overlap=False,
+        compute_slots=os.cpu_count() or 1,
     )
 
 
 def _memory_gb() -> float:
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9

@@ -8,14 +8,17 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from .engine.plan import UnitPlan
 from .models.source import ModelSource
 
 
-def _per_module(source: ModelSource, model: nn.Module, tokens: torch.Tensor, *, backward: bool) -> dict[str, int]:
-    with FlopCounterMode(display=False) as counter:
+def _per_module(source: ModelSource, model: nn.Module, shape: tuple[int, int], *, backward: bool) -> dict[str, int]:
+    # Fake token ids: code that would read a value (transformers' mask checks) sees a trace and skips it.
+    with FakeTensorMode(allow_non_fake_inputs=True), FlopCounterMode(display=False) as counter:
+        tokens = torch.zeros(shape, dtype=torch.long, device="meta")
         logits = source.logits(model, tokens[:, :-1])
         if backward:
             F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
@@ -54,7 +57,6 @@ def _exclusive(plans: Sequence[UnitPlan], counts: dict[str, int]) -> list[int]:
 def unit_flops(source: ModelSource, model: nn.Module, plans: Sequence[UnitPlan], batch: int, seq_len: int) -> list[tuple[int, int]]:
     """(forward, backward) FLOPs of each unit for `batch` sequences of `seq_len` tokens, on
     `model` built on the meta device."""
-    tokens = torch.zeros((batch, seq_len + 1), dtype=torch.long, device="meta")
-    forward = _exclusive(plans, _per_module(source, model, tokens, backward=False))
-    total = _exclusive(plans, _per_module(source, model, tokens, backward=True))
+    forward = _exclusive(plans, _per_module(source, model, (batch, seq_len + 1), backward=False))
+    total = _exclusive(plans, _per_module(source, model, (batch, seq_len + 1), backward=True))
     return [(f, t - f) for f, t in zip(forward, total, strict=True)]

@@ -34,6 +34,7 @@ class Hardware:
     inter_latency_s: float  # per ring step between nodes
     host_bw_gbs: float = 25.0  # host <-> device copies (CPU offload)
     overlap: bool = True  # communication runs beside compute (False: the two share the same cores)
+    compute_slots: int = 0  # ranks of a node that compute at full speed at once (CPU: its cores); 0: every rank has its own device
 
     def __post_init__(self) -> None:
         for key in ("efficiency", "memory_gb", "memory_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "host_bw_gbs"):
@@ -44,6 +45,8 @@ class Hardware:
                 raise UsageError(f"hardware {self.name!r}: {key} must be a number >= 0, got {value!r}")
         if self.efficiency > 1:
             raise UsageError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
+        if not isinstance(self.compute_slots, int) or self.compute_slots < 0:
+            raise UsageError(f"hardware {self.name!r}: compute_slots must be an integer >= 0, got {self.compute_slots!r}")
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise UsageError(f"hardware {self.name!r}: ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
         if not isinstance(self.peak_tflops, dict) or set(self.peak_tflops) - set(DTYPES) or "fp32" not in self.peak_tflops:
@@ -53,6 +56,10 @@ class Hardware:
 
     def peak_flops(self, dtype: str) -> float:
         return self.peak_tflops.get(dtype, self.peak_tflops["fp32"]) * 1e12
+
+    def compute_share(self, ranks_per_node: int) -> float:
+        """How many times slower a rank computes when `ranks_per_node` ranks share the node."""
+        return max(1.0, ranks_per_node / self.compute_slots) if self.compute_slots else 1.0
 
     def link(self, group_size: int, ranks_per_node: int) -> tuple[float, float]:
         """(bus bandwidth in bytes/s, latency per ring step) of a group of consecutive ranks."""
@@ -152,6 +159,7 @@ def _built_in() -> dict[str, Hardware]:
         inter_latency_s=5e-5,
         host_bw_gbs=10.0,
         overlap=False,
+        compute_slots=2,
     )
     return profiles
 

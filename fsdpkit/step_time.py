@@ -4,7 +4,8 @@
     compute     a unit's forward or backward: its FLOPs at the device's achievable rate
                 (peak x efficiency), plus a fixed cost per unit and pass; checkpointing
                 recomputes the forward in backward; the optimizer step is bound by memory
-                bandwidth; CPU offload adds host<->device copies of the shard
+                bandwidth; CPU offload adds host<->device copies of the shard; ranks that
+                share a node's cores (hardware.compute_slots) compute that much slower
     network     alpha-beta: a ring collective over n ranks takes (n-1) latency steps plus
                 the bytes each rank moves, (n-1)/n of the buffer (twice for an all-reduce),
                 over the bus bandwidth of the group's link (inside a node or between nodes)
@@ -109,7 +110,8 @@ class _Streams:
 
 def _pass_seconds(flops: float, setup: StepSetup) -> float:
     hardware = setup.hardware
-    return flops / (hardware.peak_flops(setup.compute_dtype) * hardware.efficiency) + hardware.unit_overhead_s
+    seconds = flops / (hardware.peak_flops(setup.compute_dtype) * hardware.efficiency) + hardware.unit_overhead_s
+    return seconds * hardware.compute_share(setup.ranks_per_node)
 
 
 def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup, *, reduce: bool) -> None:
@@ -155,10 +157,11 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
     streams = _Streams(setup)
     for index in range(setup.micro_batches):
         _micro_batch(streams, by_name, setup, reduce=not setup.no_sync or index == setup.micro_batches - 1)
-    streams.run(setup.optimizer_bytes / (setup.hardware.memory_bw_gbs * 1e9))
+    hardware = setup.hardware
+    streams.run(setup.optimizer_bytes / (hardware.memory_bw_gbs * 1e9) * hardware.compute_share(setup.ranks_per_node))
     step = max(streams.compute, streams.comm)
     flops = setup.micro_batches * sum(unit.forward_flops + unit.backward_flops for unit in units)
-    peak = setup.hardware.peak_flops(setup.compute_dtype)
+    peak = hardware.peak_flops(setup.compute_dtype)
     return StepTime(
         step_time_s=step,
         compute_s=streams.busy_compute,
