@@ -52,6 +52,14 @@ def request_for(model: str, strategy: str, prefetch: str, world: int, batch: int
 
 
 def measure_worker(cases: list[tuple[str, str, str]], batch: int, seq_len: int, rounds: int) -> list[list[float]]:
+    dist.init_process_group("gloo")
+    try:
+        return _measure(cases, batch, seq_len, rounds)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(cases: list[tuple[str, str, str]], batch: int, seq_len: int, rounds: int) -> list[list[float]]:
     import fsdpkit
     from fsdpkit.models.source import resolve
     from fsdpkit.train.model_setup import wrap_policy

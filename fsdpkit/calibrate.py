@@ -1,10 +1,11 @@
 """`fsdpkit plan --calibrate OUT.toml`: a hardware profile of this machine, measured.
 
+    memory    a large copy gives the memory bandwidth (the optimizer step, the operators
+              that are not matrix products)
     compute   a large matrix product gives the peak; the engine's forward and backward of
-              the model on one rank, at two micro-batch sizes, gives the achieved fraction of
-              it (efficiency) and the fixed cost per unit and pass (the least-squares line of
-              time against FLOPs)
-    memory    a large copy gives the memory bandwidth (the optimizer step)
+              the model on one rank, at two micro-batch sizes, less the memory-bound time,
+              gives the achieved fraction of it (efficiency) and the fixed cost per unit and
+              pass (the least-squares line of time against FLOPs)
     network   `fsdpkit bench` of the engine's all-gather and reduce-scatter on `ranks` local
               processes; the least-squares line of time against size gives the latency per
               ring step (intercept) and the bus bandwidth (slope)
@@ -59,13 +60,14 @@ def memory_bandwidth() -> float:
     return 2 * source.numel() * 4 / _median_seconds(lambda: target.copy_(source))
 
 
-def compute_line(request: PlanRequest, batches: tuple[int, int]) -> tuple[float, float, int]:
-    """(intercept s, s per FLOP, units) of the engine's forward+backward on one in-process rank."""
+def compute_line(request: PlanRequest, batches: tuple[int, int], bytes_per_second: float) -> tuple[float, float, int]:
+    """(intercept s, s per FLOP, units) of the engine's forward+backward on one in-process rank,
+    less the time its other operators take to move their bytes at `bytes_per_second`."""
     import torch.distributed as dist
 
     from .engine.api import shard
     from .engine.plan import plan_units
-    from .flops import unit_flops
+    from .flops import unit_work
     from .models.source import resolve
     from .train.model_setup import wrap_policy
 
@@ -78,7 +80,9 @@ def compute_line(request: PlanRequest, batches: tuple[int, int]) -> tuple[float,
         policy = wrap_policy(request.config.model, source, model)
         meta = source.build(device="meta", seed=0)
         plans = plan_units(meta, policy)
-        per_sequence = sum(f + b for f, b in unit_flops(source, meta, plans, 1, seq_len))
+        work = unit_work(source, plans, 1, seq_len)
+        per_sequence = sum(w.forward_flops + w.backward_flops for w in work)
+        moved = sum(w.forward_bytes + w.backward_bytes for w in work) / bytes_per_second
         model = shard(model, request.sharding, wrap=policy, device="cpu")
         flops: list[float] = []
         seconds: list[float] = []
@@ -86,7 +90,7 @@ def compute_line(request: PlanRequest, batches: tuple[int, int]) -> tuple[float,
             tokens = torch.randint(0, 256, (batch, seq_len + 1))
 
             flops.append(float(per_sequence * batch))
-            seconds.append(_median_seconds(functools.partial(_forward_backward, source, model, tokens)))
+            seconds.append(_median_seconds(functools.partial(_forward_backward, source, model, tokens)) - moved * batch)
     finally:
         dist.destroy_process_group()
     intercept, slope = _line(flops, seconds)
@@ -125,8 +129,8 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] 
     torch.set_num_threads(1)
     try:
         peak = peak_flops()
-        intercept, seconds_per_flop, units = compute_line(request, batches)
         bandwidth_memory = memory_bandwidth()
+        intercept, seconds_per_flop, units = compute_line(request, batches, bandwidth_memory)
     finally:
         torch.set_num_threads(threads)
     latency, bandwidth = network_line(ranks)

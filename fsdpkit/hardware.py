@@ -4,7 +4,9 @@ how fast collectives move bytes inside a node and between nodes.
 A profile is a TOML file of the fields of `Hardware` (`fsdpkit plan --calibrate OUT.toml`
 writes one for this machine); the built-in ones carry the sources of their numbers.
 Bandwidths are bus bandwidths as nccl-tests reports them: a ring collective over n ranks
-moves (n-1)/n of its buffer (twice that for an all-reduce) through each rank's link.
+moves (n-1)/n of its buffer (twice that for an all-reduce) through each rank's link. Across
+nodes NCCL runs one ring per network card, so a ring that spans nodes gets about the node's
+cards together, not one card's rate.
 """
 
 from __future__ import annotations
@@ -113,7 +115,10 @@ def to_toml(hardware: Hardware, header: str) -> str:
 _NVIDIA_A100 = "NVIDIA A100 datasheet (dense TF32 156 / BF16 312 TFLOPS, HBM 1.6-2.0 TB/s)"
 _NVIDIA_H100 = "NVIDIA H100 SXM datasheet (dense BF16 989 TFLOPS, FP32 67, HBM3 3.35 TB/s)"
 _NVIDIA_H200 = "NVIDIA H200 SXM datasheet (dense BF16 989 TFLOPS, HBM3e 4.8 TB/s, 141 GB)"
-_NCCL = "nccl-tests on DGX: NVLink3 all-gather busbw ~230 GB/s, NVLink4 ~360 GB/s; IB: ~90% of the link rate per GPU"
+_NCCL = (
+    "nccl-tests on DGX: NVLink3 all-gather busbw ~230 GB/s, NVLink4 ~360 GB/s; across nodes NCCL runs one ring per NIC, "
+    "so busbw ~90% of the node's 8 NICs together (~180 GB/s with 8x200 Gb/s HDR)"
+)
 
 
 def _gpu(name: str, peak: dict[str, float], memory_gb: float, memory_bw: float, intra_bw: float, ib_gbit: int, source: str) -> Hardware:
@@ -128,7 +133,7 @@ def _gpu(name: str, peak: dict[str, float], memory_gb: float, memory_bw: float, 
         ranks_per_node=8,
         intra_bw_gbs=intra_bw,
         intra_latency_s=5e-6,
-        inter_bw_gbs=ib_gbit / 8 * 0.9,
+        inter_bw_gbs=min(intra_bw, ib_gbit / 8 * 8 * 0.9),  # one NCCL ring per NIC: the node's 8 NICs together
         inter_latency_s=1e-5,
         host_bw_gbs=25.0,
     )

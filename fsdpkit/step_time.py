@@ -2,7 +2,8 @@
 (fsdpkit.engine.step_policy) on two streams: compute and communication. Pure arithmetic.
 
     compute     a unit's forward or backward: its FLOPs at the device's achievable rate
-                (peak x efficiency), plus a fixed cost per unit and pass; checkpointing
+                (peak x efficiency), the bytes its other operators move at the memory
+                bandwidth, and a fixed cost per unit and pass; checkpointing
                 recomputes the forward in backward; the optimizer step is bound by memory
                 bandwidth; CPU offload adds host<->device copies of the shard; ranks that
                 share a node's cores (hardware.compute_slots) compute that much slower
@@ -35,6 +36,8 @@ class UnitCost:
     trainable: bool
     forward_flops: float  # one micro-batch on one rank
     backward_flops: float
+    forward_bytes: float  # memory the other operators move (bound by memory bandwidth)
+    backward_bytes: float
     traffic: UnitTraffic
     shard_bytes: int  # the rank's chunk in the master dtype (copied to and from the host under offload)
 
@@ -60,6 +63,7 @@ class StepTime:
     exposed_comm_s: float
     comm_s: float  # the communication stream's busy time
     flops: float  # model FLOPs per step on one rank (checkpointing's recompute not counted)
+    hardware_flops: float  # with the recompute
     comm_bytes: dict[str, int]  # per collective kind, as the engine's comm_stats counts them on one rank
     tflops_per_device: float
     mfu: float
@@ -108,9 +112,10 @@ class _Streams:
         self.compute = max(self.compute, until)
 
 
-def _pass_seconds(flops: float, setup: StepSetup) -> float:
+def _pass_seconds(flops: float, moved: float, setup: StepSetup) -> float:
     hardware = setup.hardware
-    seconds = flops / (hardware.peak_flops(setup.compute_dtype) * hardware.efficiency) + hardware.unit_overhead_s
+    seconds = flops / (hardware.peak_flops(setup.compute_dtype) * hardware.efficiency) + moved / (hardware.memory_bw_gbs * 1e9)
+    seconds += hardware.unit_overhead_s
     return seconds * hardware.compute_share(setup.ranks_per_node)
 
 
@@ -135,10 +140,12 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
         elif event.op is Op.RESHARD:
             in_flight = [name for name in in_flight if name != event.unit]
         elif event.op is Op.FORWARD and unit is not None:
-            streams.run(_pass_seconds(unit.forward_flops, setup))
+            streams.run(_pass_seconds(unit.forward_flops, unit.forward_bytes, setup))
         elif event.op is Op.BACKWARD and unit is not None:
-            recompute = unit.forward_flops if policy.activation_checkpointing else 0.0
-            streams.run(_pass_seconds(unit.backward_flops + recompute, setup))
+            again = 1.0 if policy.activation_checkpointing else 0.0
+            streams.run(
+                _pass_seconds(unit.backward_flops + again * unit.forward_flops, unit.backward_bytes + again * unit.forward_bytes, setup)
+            )
         elif event.op is Op.REDUCE and unit is not None:
             reduced[event.unit] = streams.issue(unit.traffic.reduce)
         elif event.op is Op.COMPLETE and unit is not None:
@@ -161,6 +168,7 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
     streams.run(setup.optimizer_bytes / (hardware.memory_bw_gbs * 1e9) * hardware.compute_share(setup.ranks_per_node))
     step = max(streams.compute, streams.comm)
     flops = setup.micro_batches * sum(unit.forward_flops + unit.backward_flops for unit in units)
+    recomputed = setup.micro_batches * sum(unit.forward_flops for unit in units) if setup.policy.activation_checkpointing else 0.0
     peak = hardware.peak_flops(setup.compute_dtype)
     return StepTime(
         step_time_s=step,
@@ -168,6 +176,7 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
         exposed_comm_s=max(step - streams.busy_compute, 0.0),
         comm_s=streams.busy_comm,
         flops=flops,
+        hardware_flops=flops + recomputed,
         comm_bytes=dict(streams.bytes),
         tflops_per_device=flops / step / 1e12 if step else 0.0,
         mfu=flops / step / peak if step else 0.0,

@@ -17,6 +17,7 @@ import torch
 from .engine.step_policy import StepPolicy
 from .engine.traffic import flags_collective, unit_traffic
 from .errors import UsageError
+from .flops import UnitWork
 from .hardware import Hardware
 from .memory_plan import MemoryPlan, PlanRequest, plan_from_sizes, unit_sizes
 from .step_time import StepSetup, StepTime, UnitCost, simulate
@@ -34,7 +35,7 @@ class ModelCosts:
     plans: tuple
     master_bytes: int
     num_params: int
-    flops_per_sequence: tuple[tuple[int, int], ...]  # per unit: (forward, backward) for one sequence
+    work_per_sequence: tuple[UnitWork, ...]  # per unit, for one sequence (master dtype)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class StepPrediction:
 
 def model_costs(request: PlanRequest) -> ModelCosts:
     from .engine.plan import plan_units
-    from .flops import unit_flops
+    from .flops import unit_work
     from .models.source import resolve
     from .train.model_setup import wrap_policy
 
@@ -85,8 +86,8 @@ def model_costs(request: PlanRequest) -> ModelCosts:
     if len(dtypes) != 1:
         raise UsageError(f"model {request.model!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
     plans = tuple(plan_units(model, wrap_policy(request.config.model, source, model)))
-    flops = unit_flops(source, model, plans, 1, request.config.data.seq_len)
-    return ModelCosts(plans, _itemsize(dtypes.pop()), sum(p.numel() for p in model.parameters()), tuple(flops))
+    work = unit_work(source, plans, 1, request.config.data.seq_len)
+    return ModelCosts(plans, _itemsize(dtypes.pop()), sum(p.numel() for p in model.parameters()), tuple(work))
 
 
 def micro_batch(request: PlanRequest) -> int:
@@ -110,8 +111,10 @@ def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_
         UnitCost(
             name=size.name,
             trainable=size.trainable,
-            forward_flops=forward * batch,
-            backward_flops=backward * batch,
+            forward_flops=work.forward_flops * batch,
+            backward_flops=work.backward_flops * batch,
+            forward_bytes=work.forward_bytes * batch * compute_bytes // costs.master_bytes,
+            backward_bytes=work.backward_bytes * batch * compute_bytes // costs.master_bytes,
             traffic=unit_traffic(
                 padded_numel=size.padded_numel,
                 chunk_numel=size.chunk_numel,
@@ -123,7 +126,7 @@ def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_
             ),
             shard_bytes=size.chunk_numel * size.master_bytes,
         )
-        for size, (forward, backward) in zip(sizes, costs.flops_per_sequence, strict=True)
+        for size, work in zip(sizes, costs.work_per_sequence, strict=True)
     ]
     precision = precision_names(mixed)[0]
     setup = StepSetup(

@@ -136,19 +136,25 @@ def test_without_communication_the_step_is_the_compute_time():
         inter_latency_s=0.0,
     )
     time = predict(request, free, costs).time
-    # by hand: the unsharded model's FLOPs on one rank's micro-batch (1 sequence) from torch's
-    # counter, twice (grad accum 2), at 1 TFLOP/s; 2 passes x 3 units x 2 micro-batches of
-    # overhead; AdamW's 28 bytes per element of the rank's quarter of the parameters at 3 GB/s
+    # by hand: the unsharded model's FLOPs on one rank's micro-batch (1 sequence of 16) from
+    # torch's counter on the meta device, plus the attention scores the fused kernel's backward
+    # computes again (2 x 4 heads x 16 x 16 x 16 per layer), twice (grad accum 2)
     source = resolve("gpt-tiny")
     model = source.build(device="meta", seed=0)
     tokens = torch.zeros((1, 17), dtype=torch.long, device="meta")
     with FlopCounterMode(display=False) as counter:
         logits = source.logits(model, tokens[:, :-1])
         F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    flops = 2 * counter.get_total_flops()
-    expected = flops / 1e12 + 2 * 3 * 2 * 1e-4 + 124672 // 4 * 28 / 3e9
+    flops = 2 * (counter.get_total_flops() + 2 * 2 * 4 * 16 * 16 * 16)
     assert time.flops == flops
+    # every pass at 1 TFLOP/s and 3 GB/s for the bytes the other operators move, plus the
+    # overhead (2 passes x 3 units x 2 micro-batches); AdamW's 28 bytes per element of the
+    # rank's quarter of the parameters at 3 GB/s
+    moved = 2 * sum(work.forward_bytes + work.backward_bytes for work in costs.work_per_sequence)
+    expected = flops / 1e12 + moved / 3e9 + 2 * 3 * 2 * 1e-4 + 124672 // 4 * 28 / 3e9
+    assert moved > 0
     assert time.step_time_s == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert time.compute_s == pytest.approx(expected, rel=1e-6, abs=1e-9)
     assert time.exposed_comm_s == pytest.approx(0.0, abs=1e-9)
     assert time.comm_bytes["all_gather"] > 0  # the bytes are still counted
 
