@@ -66,6 +66,7 @@ class StepTime:
     hardware_flops: float  # with the recompute
     comm_bytes: dict[str, int]  # per collective kind, as the engine's comm_stats counts them on one rank
     tflops_per_device: float
+    hardware_tflops_per_device: float  # with checkpointing's recompute
     mfu: float
     tokens_per_s: float
 
@@ -179,6 +180,7 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
         hardware_flops=flops + recomputed,
         comm_bytes=dict(streams.bytes),
         tflops_per_device=flops / step / 1e12 if step else 0.0,
+        hardware_tflops_per_device=(flops + recomputed) / step / 1e12 if step else 0.0,
         mfu=flops / step / peak if step else 0.0,
         tokens_per_s=setup.tokens_per_step / step if step else 0.0,
     )

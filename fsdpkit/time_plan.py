@@ -62,6 +62,7 @@ class StepPrediction:
             "comm_s": time.comm_s,
             "flops_per_device": time.flops,
             "tflops_per_device": time.tflops_per_device,
+            "hardware_tflops_per_device": time.hardware_tflops_per_device,
             "mfu": time.mfu,
             "tokens_per_s": time.tokens_per_s,
             "tokens_per_s_per_device": time.tokens_per_s / self.request.world_size,
