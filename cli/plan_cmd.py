@@ -70,58 +70,67 @@ PANELS = ("Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Optimi
 BUILT_IN_NAMES = ("a100-40gb-ib100|200|400", "a100-80gb-ib100|200|400", "h100-ib400", "h200-ib400", "cpu-gloo")
 
 
+WorldSize = Annotated[int, typer.Option("--world-size", help="Ranks in the data-parallel group.", rich_help_panel="Sharding")]
+TimeFlag = Annotated[
+    bool, typer.Option("--time", help="Also predict the step time, MFU, TFLOPS and tokens/s on --hardware.", rich_help_panel="Time")
+]
+HardwareOption = Annotated[
+    str | None,
+    typer.Option(
+        "--hardware",
+        help=f"A built-in profile ({', '.join(BUILT_IN_NAMES)}) or a FILE.toml (--calibrate writes one).",
+        rich_help_panel="Time",
+        metavar="NAME|FILE",
+    ),
+]
+NodesOption = Annotated[
+    int | None,
+    typer.Option("--nodes", help="Spread the ranks over K nodes (default: the profile's ranks per node).", rich_help_panel="Time"),
+]
+RecommendFlag = Annotated[
+    bool,
+    typer.Option(
+        "--recommend",
+        help="The fastest configurations that fit (strategy, group, prefetch, limiter, checkpointing, micro-batch).",
+        rich_help_panel="Time",
+    ),
+]
+ScalingOption = Annotated[
+    str | None,
+    typer.Option(
+        "--scaling",
+        help="Predicted TFLOPS/device at these world sizes (same micro-batch per rank): 8,64,512.",
+        rich_help_panel="Time",
+        metavar="LIST",
+    ),
+]
+CalibrateOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--calibrate",
+        help="Measure this machine (compute with --model on one rank, gloo collectives on --world-size ranks) and write a profile.",
+        rich_help_panel="Time",
+        metavar="OUT.toml",
+    ),
+]
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option("--config", help="Read settings from a train --config TOML file first.", rich_help_panel="Output", metavar="FILE"),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of the table.", rich_help_panel="Output")]
+
+
 def plan(
     ctx: typer.Context,
-    world_size: Annotated[int, typer.Option("--world-size", help="Ranks in the data-parallel group.", rich_help_panel="Sharding")],
-    time: Annotated[
-        bool, typer.Option("--time", help="Also predict the step time, MFU, TFLOPS and tokens/s on --hardware.", rich_help_panel="Time")
-    ] = False,
-    hardware: Annotated[
-        str | None,
-        typer.Option(
-            "--hardware",
-            help=f"A built-in profile ({', '.join(BUILT_IN_NAMES)}) or a FILE.toml (--calibrate writes one).",
-            rich_help_panel="Time",
-            metavar="NAME|FILE",
-        ),
-    ] = None,
-    nodes: Annotated[
-        int | None,
-        typer.Option("--nodes", help="Spread the ranks over K nodes (default: the profile's ranks per node).", rich_help_panel="Time"),
-    ] = None,
-    recommend: Annotated[
-        bool,
-        typer.Option(
-            "--recommend",
-            help="The fastest configurations that fit (strategy, group, prefetch, limiter, checkpointing, micro-batch).",
-            rich_help_panel="Time",
-        ),
-    ] = False,
-    scaling: Annotated[
-        str | None,
-        typer.Option(
-            "--scaling",
-            help="Predicted TFLOPS/device at these world sizes (same micro-batch per rank): 8,64,512.",
-            rich_help_panel="Time",
-            metavar="LIST",
-        ),
-    ] = None,
-    calibrate: Annotated[
-        Path | None,
-        typer.Option(
-            "--calibrate",
-            help="Measure this machine (compute with --model on one rank, gloo collectives on --world-size ranks) and write a profile.",
-            rich_help_panel="Time",
-            metavar="OUT.toml",
-        ),
-    ] = None,
-    config_file: Annotated[
-        Path | None,
-        typer.Option("--config", help="Read settings from a train --config TOML file first.", rich_help_panel="Output", metavar="FILE"),
-    ] = None,
-    json_output: Annotated[
-        bool, typer.Option("--json", help="Print one JSON document on stdout instead of the table.", rich_help_panel="Output")
-    ] = False,
+    world_size: WorldSize,
+    time: TimeFlag = False,
+    hardware: HardwareOption = None,
+    nodes: NodesOption = None,
+    recommend: RecommendFlag = False,
+    scaling: ScalingOption = None,
+    calibrate: CalibrateOption = None,
+    config_file: ConfigOption = None,
+    json_output: JsonFlag = False,
     **settings: Any,
 ) -> None:
     from fsdpkit.memory_plan import PlanRequest, plan_memory
