@@ -231,3 +231,56 @@ def test_impossible_configuration_is_one_line_exit_2(args, message):
     result = _invoke(["--model", "gpt-tiny", "--world-size", "4", *args])
     assert result.exit_code == 2, result.output
     assert result.stderr.count("\n") == 1 and message in result.stderr and "Traceback" not in result.output
+
+
+def test_profile_file_round_trips_and_drives_the_prediction(tmp_path):
+    path = tmp_path / "a100.toml"
+    path.write_text(to_toml(BUILT_IN["a100-80gb-ib200"], header="a written profile"))
+    result = _invoke(
+        ["--model", "gpt-tiny", "--world-size", "16", "--global-batch-size", "32", "--time", "--hardware", str(path), "--json"]
+    )
+    builtin = _invoke(
+        ["--model", "gpt-tiny", "--world-size", "16", "--global-batch-size", "32", "--time", "--hardware", "a100-80gb-ib200", "--json"]
+    )
+    assert result.exit_code == builtin.exit_code == 0, result.output
+    from_file, from_name = json.loads(result.stdout), json.loads(builtin.stdout)
+    assert from_file["step_time_s"] == from_name["step_time_s"] and from_file["hardware"] == "a100-80gb-ib200"
+    # two nodes of 8: the all-gathers cross nodes, at the inter-node bandwidth
+    two_nodes = json.loads(
+        _invoke(
+            [
+                "--model",
+                "gpt-tiny",
+                "--world-size",
+                "16",
+                "--global-batch-size",
+                "32",
+                "--time",
+                "--hardware",
+                str(path),
+                "--nodes",
+                "2",
+                "--json",
+            ]
+        ).stdout
+    )
+    one_node = json.loads(
+        _invoke(
+            [
+                "--model",
+                "gpt-tiny",
+                "--world-size",
+                "16",
+                "--global-batch-size",
+                "32",
+                "--time",
+                "--hardware",
+                str(path),
+                "--nodes",
+                "1",
+                "--json",
+            ]
+        ).stdout
+    )
+    assert two_nodes["ranks_per_node"] == 8 and one_node["ranks_per_node"] == 16
+    assert two_nodes["comm_s"] > one_node["comm_s"] and two_nodes["comm_bytes"] == one_node["comm_bytes"]
