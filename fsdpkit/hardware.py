@@ -96,11 +96,17 @@ def load(spec: str) -> Hardware:
     """A built-in profile by name, or a TOML file."""
     if spec in BUILT_IN:
         return BUILT_IN[spec]
-    from .settings import read_toml
+    import tomllib
 
     if not spec.endswith(".toml"):
         raise UsageError(f"unknown hardware {spec!r}: use a .toml file or one of {', '.join(BUILT_IN)}")
-    values = read_toml(spec)
+    try:
+        with open(spec, "rb") as handle:
+            values = tomllib.load(handle)
+    except OSError as error:
+        raise UsageError(f"cannot read hardware file {spec!r}: {error.strerror or error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise UsageError(f"hardware file {spec!r} is not valid TOML: {error}") from None
     return from_values(values, name=str(values.pop("name", spec)))
 
 
