@@ -35,6 +35,7 @@ from fsdpkit.launch import LaunchOptions, launch  # noqa: E402
 from fsdpkit.memory_plan import PlanRequest, plan_memory  # noqa: E402
 from fsdpkit.models.gpt import Block  # noqa: E402
 from fsdpkit.models.registry import build_model  # noqa: E402
+from fsdpkit.train.config import TrainConfig  # noqa: E402
 from fsdpkit.train.data import TokenSource, local_rows  # noqa: E402
 
 
@@ -87,7 +88,7 @@ def main() -> None:
         for name in models:
             for rank in sorted(results):
                 stats = results[rank][name]
-                request = PlanRequest(model=name, world_size=world, strategy=args.strategy)
+                request = PlanRequest(TrainConfig.from_values({"model": {"name": name}, "sharding": {"strategy": args.strategy}}), world)
                 plan = plan_memory(request, shard_rank=rank % request.sharding.shard_factor(world))
                 state_plan = plan.persistent
                 state_engine = stats["sharded_params"] + stats["sharded_grads"] + stats["optimizer_state"]

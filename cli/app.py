@@ -1,7 +1,7 @@
 """The `fsdpkit` command: a thin Typer app that parses, calls the library, formats output.
 
 Usage errors, Typer's own included (a missing argument, an unknown option, a bad value), are
-one line on stderr and exit 2. `train` is loaded only when it is run or asked for help (its
+one line on stderr and exit 2. `train` and `plan` are loaded only when run or asked for help (their
 options come from the training config, which imports torch); listing commands stays fast.
 """
 
@@ -21,6 +21,7 @@ HELP_WIDTH = 100  # help fits 100 columns (fewer on a narrower terminal)
 # name -> (module defining `command`, short help shown in `fsdpkit --help`)
 LAZY_COMMANDS = {
     "train": ("fsdpkit_cli.train_cmd", "Train a model with fsdpkit's sharded engine across several processes."),
+    "plan": ("fsdpkit_cli.plan_cmd", "Per-rank memory and predicted step time of a sharded run before launching it (meta device)."),
 }
 
 
@@ -159,7 +160,6 @@ def _register_commands() -> None:
         bench_cmd,  # noqa: F401
         checkpoint_cmd,  # noqa: F401
         data_cmd,  # noqa: F401
-        plan_cmd,  # noqa: F401
         report_cmd,  # noqa: F401
     )
 

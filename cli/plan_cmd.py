@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
+from fsdpkit.settings import merge, read_toml
 from fsdpkit.sizes import format_size
 
-from .app import app
-from .common import handle_errors, print_json
+from .common import FsdpkitCommand, handle_errors, print_json
+from .settings_options import given_values, setting_parameters, with_parameters
 
 
 def _units(names: tuple[str, ...]) -> str:
@@ -19,13 +21,13 @@ def _units(names: tuple[str, ...]) -> str:
 
 def format_plan(plan) -> str:
     """The plan as a table: one row per component, bytes exact and human-readable."""
-    request = plan.request
+    request, document = plan.request, plan.to_document()
     where = "host" if request.cpu_offload else "device"
-    replicas = request.world_size // plan.shard_factor
+    replicas = document["replicas"]
     lines = [
         f"# fsdpkit plan: {request.model}, {plan.num_params:,} parameters in {len(plan.units)} units; world size "
-        f"{request.world_size}, {request.strategy} (shard factor {plan.shard_factor}, {replicas} replica{'s' * (replicas > 1)}); "
-        f"mixed precision {request.mixed_precision}; {request.optimizer}"
+        f"{request.world_size}, {document['strategy']} (shard factor {plan.shard_factor}, {replicas} replica{'s' * (replicas > 1)}); "
+        f"mixed precision {document['mixed_precision']}; {request.optimizer}"
         + ("; cpu offload" if request.cpu_offload else "")
         + ("; no_sync" if request.no_sync else ""),
         "# per-rank bytes (rank 0 of a shard group holds the most: padding sits at the end)",
@@ -57,56 +59,149 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
-@app.command("plan", short_help="Per-rank memory of a sharded run before launching it (meta device, no GPU needed).")
-@handle_errors
-def plan_command(
-    model: Annotated[
-        str,
-        typer.Option(
-            "--model",
-            help="A built-in model (gpt-tiny, gpt-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl), hf:PRESET|DIR or package.module:factory.",
-        ),
-    ],
-    world_size: Annotated[int, typer.Option("--world-size", help="Ranks in the data-parallel group.")],
-    strategy: Annotated[str, typer.Option("--strategy", help="full | grad-op | hybrid | none.")] = "full",
-    shard_group_size: Annotated[
-        int | None, typer.Option("--shard-group-size", help="Ranks a parameter is sharded over (hybrid only).")
-    ] = None,
-    mixed_precision: Annotated[
-        str, typer.Option("--mixed-precision", help="bf16 | fp16 | none: the dtype of unsharded parameters and gradients.")
-    ] = "none",
-    cpu_offload: Annotated[
-        bool, typer.Option("--cpu-offload", help="Sharded parameters, gradients and optimizer state in host memory.")
-    ] = False,
-    optimizer: Annotated[str, typer.Option("--optimizer", help="adamw (2 fp32 states per element) | sgd (none).")] = "adamw",
-    no_sync: Annotated[
-        bool, typer.Option("--no-sync", help="Count the full gradient per unit that gradient accumulation under no_sync() keeps.")
-    ] = False,
-    backward_prefetch: Annotated[
-        str, typer.Option("--backward-prefetch", help="pre | post | none: gather the next unit while this one's gradient exists.")
-    ] = "pre",
-    forward_prefetch: Annotated[bool, typer.Option("--forward-prefetch", help="Gather the next unit before this one's forward.")] = False,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of the table.")] = False,
+HELP = """Per-rank memory in bytes of training --model on --world-size ranks: sharded parameters,
+gradients, optimizer state, the unsharded units in flight at the peak, and the total. Builds the
+model on the meta device only: seconds for any size. Activations are not included.
+
+The model, data, sharding, precision, memory and overlap flags are train's own (same spellings,
+defaults and --config file)."""
+
+PANELS = ("Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Optimizer", "Time", "Output")
+BUILT_IN_NAMES = ("a100-40gb-ib100|200|400", "a100-80gb-ib100|200|400", "h100-ib400", "h200-ib400", "cpu-gloo")
+
+
+WorldSize = Annotated[int, typer.Option("--world-size", help="Ranks in the data-parallel group.", rich_help_panel="Sharding")]
+TimeFlag = Annotated[
+    bool, typer.Option("--time", help="Also predict the step time, MFU, TFLOPS and tokens/s on --hardware.", rich_help_panel="Time")
+]
+HardwareOption = Annotated[
+    str | None,
+    typer.Option(
+        "--hardware",
+        help=f"A built-in profile ({', '.join(BUILT_IN_NAMES)}) or a FILE.toml (--calibrate writes one).",
+        rich_help_panel="Time",
+        metavar="NAME|FILE",
+    ),
+]
+NodesOption = Annotated[
+    int | None,
+    typer.Option("--nodes", help="Spread the ranks over K nodes (default: the profile's ranks per node).", rich_help_panel="Time"),
+]
+RecommendFlag = Annotated[
+    bool,
+    typer.Option(
+        "--recommend",
+        help="The fastest configurations that fit (strategy, group, prefetch, limiter, checkpointing, micro-batch).",
+        rich_help_panel="Time",
+    ),
+]
+ScalingOption = Annotated[
+    str | None,
+    typer.Option(
+        "--scaling",
+        help="Predicted TFLOPS/device at these world sizes (same micro-batch per rank): 8,64,512.",
+        rich_help_panel="Time",
+        metavar="LIST",
+    ),
+]
+CalibrateOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--calibrate",
+        help="Measure this machine (compute with --model on one rank, gloo collectives on --world-size ranks) and write a profile.",
+        rich_help_panel="Time",
+        metavar="OUT.toml",
+    ),
+]
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option("--config", help="Read settings from a train --config TOML file first.", rich_help_panel="Output", metavar="FILE"),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of the table.", rich_help_panel="Output")]
+
+
+def plan(
+    ctx: typer.Context,
+    world_size: WorldSize,
+    time: TimeFlag = False,
+    hardware: HardwareOption = None,
+    nodes: NodesOption = None,
+    recommend: RecommendFlag = False,
+    scaling: ScalingOption = None,
+    calibrate: CalibrateOption = None,
+    config_file: ConfigOption = None,
+    json_output: JsonFlag = False,
+    **settings: Any,
 ) -> None:
-    """Per-rank memory in bytes of training MODEL on WORLD_SIZE ranks: sharded parameters,
-    gradients, optimizer state, the unsharded units in flight at the peak, and the total.
-    Builds the model on the meta device only: seconds for any size. Activations are not included."""
     from fsdpkit.memory_plan import PlanRequest, plan_memory
 
-    request = PlanRequest(
-        model=model,
-        world_size=world_size,
-        strategy=strategy,
-        shard_group_size=shard_group_size,
-        mixed_precision=mixed_precision,
-        cpu_offload=cpu_offload,
-        optimizer=optimizer,
-        no_sync=no_sync,
-        backward_prefetch=backward_prefetch,
-        forward_prefetch=forward_prefetch,
-    )
-    plan = plan_memory(request)
-    if json_output:
-        print_json(plan.to_document())
+    request = PlanRequest(_train_config(ctx, config_file, settings), world_size)
+    if calibrate is not None:
+        _calibrate(request, calibrate)
+    elif time or recommend or scaling is not None:
+        from .plan_time_output import run_time_plan
+
+        run_time_plan(request, hardware=hardware, nodes=nodes, recommend=recommend, scaling=scaling, json_output=json_output)
+    elif json_output:
+        print_json(plan_memory(request).to_document())
     else:
-        typer.echo(format_plan(plan))
+        typer.echo(format_plan(plan_memory(request)))
+
+
+def _calibrate(request, out: Path) -> None:
+    from fsdpkit.calibrate import calibrate
+    from fsdpkit.errors import UsageError
+    from fsdpkit.hardware import to_toml
+
+    if out.is_dir() or not out.resolve().parent.is_dir():
+        raise UsageError(f"--calibrate {str(out)!r} must be a file in an existing directory")
+    if request.world_size < 2:
+        raise UsageError("--calibrate measures collectives: it needs --world-size >= 2")
+    profile = calibrate(request, ranks=request.world_size)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(to_toml(profile, header="fsdpkit hardware profile (fsdpkit plan --time --hardware FILE)"))
+    partial.replace(out)
+    typer.echo(f"wrote {out}")
+
+
+def _train_config(ctx: typer.Context, config_file: Path | None, settings: dict[str, Any]):
+    from fsdpkit.errors import UsageError
+    from fsdpkit.train.config import TrainConfig
+
+    values = merge(read_toml(str(config_file)) if config_file is not None else {}, given_values(PLAN_SECTIONS, ctx, settings))
+    if "name" not in values.get("model", {}):
+        raise UsageError("missing option '--model'")
+    return TrainConfig.from_values(values, where=f" in {config_file}" if config_file is not None else "")
+
+
+def _plan_sections() -> tuple:
+    """train's sections, with the settings that change what a step holds or costs."""
+    from dataclasses import replace
+
+    from fsdpkit.train.config import SECTIONS
+
+    keep = {
+        "model": None,
+        "data": ("seq_len", "global_batch_size", "grad_accum", "no_sync"),
+        "sharding": None,
+        "optimizer": ("name",),
+    }
+    return tuple(
+        replace(section, settings=tuple(s for s in section.settings if keep[section.name] is None or s.key in keep[section.name]))
+        for section in SECTIONS
+        if section.name in keep
+    )
+
+
+PLAN_SECTIONS = _plan_sections()
+
+
+def _command_parameters() -> list:
+    import inspect
+
+    own = [p for name, p in inspect.signature(plan, eval_str=True).parameters.items() if name != "settings"]
+    return setting_parameters(PLAN_SECTIONS, panel_order=PANELS) + own
+
+
+command_app = typer.Typer(add_completion=False)
+command_app.command("plan", cls=FsdpkitCommand, help=HELP)(handle_errors(with_parameters(plan, _command_parameters())))

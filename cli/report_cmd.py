@@ -14,16 +14,20 @@ from .app import app
 from .common import handle_errors
 
 
-@app.command("report", short_help="Draw train --metrics (loss, tokens/s, lr, memory) or bench --json (busbw) as a PNG.")
+@app.command("report", short_help="Draw train --metrics, bench --json (busbw) or plan --scaling --json (TFLOPS/device) as a PNG.")
 @handle_errors
 def report(
-    source: Annotated[Path, typer.Argument(help="A train --metrics file (JSON lines) or a bench --json document.", metavar="FILE")],
+    source: Annotated[
+        Path,
+        typer.Argument(help="A train --metrics file (JSON lines), a bench --json or a plan --scaling --json document.", metavar="FILE"),
+    ],
     out: Annotated[Path | None, typer.Option("--out", help="The PNG to write (default: FILE with .png).", metavar="PNG")] = None,
 ) -> None:
     """Draw loss (train and eval), tokens/s, learning rate and memory against step from train
-    --metrics; or busbw against size per collective, and list against flat all-gather, from
-    bench --json. Needs matplotlib: pip install 'fsdpkit[plot]'."""
-    from fsdpkit.plots import plot_bench, plot_metrics, read_report_input
+    --metrics; busbw against size per collective, and list against flat all-gather, from
+    bench --json; or predicted TFLOPS per device against world size from plan --scaling --json.
+    Needs matplotlib: pip install 'fsdpkit[plot]'."""
+    from fsdpkit.plots import plot_bench, plot_metrics, plot_scaling, read_report_input
 
     if not source.is_file():
         raise UsageError(f"{str(source)!r} is not a file")
@@ -31,5 +35,5 @@ def report(
     if target.is_dir() or not target.resolve().parent.is_dir():
         raise UsageError(f"--out {str(target)!r} must be a file in an existing directory")
     kind, data = read_report_input(source)
-    (plot_bench if kind == "bench" else plot_metrics)(data, target)
+    {"bench": plot_bench, "scaling": plot_scaling, "metrics": plot_metrics}[kind](data, target)
     typer.echo(f"wrote {target}")

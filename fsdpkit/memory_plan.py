@@ -25,54 +25,53 @@ from typing import Any
 
 import torch
 
-from .engine.config import MixedPrecision, ShardingConfig, Strategy, parse_enum
+from .engine.config import ShardingConfig
 from .engine.plan import UnitPlan
+from .engine.step_policy import StepPolicy
 from .errors import UsageError
-from .memory_timeline import Peak, Schedule, UnitFootprint, peak_unsharded
+from .memory_timeline import Peak, UnitFootprint, peak_unsharded
+from .train.config import Optimizer, TrainConfig, precision_names
 
-OPTIMIZERS = ("adamw", "sgd")
-BACKWARD_PREFETCH = ("pre", "post", "none")
-ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
-# The engine waits for its gradient reductions at the end of backward (None: hold them all).
-ENGINE_PENDING_REDUCTIONS: int | None = 1
+# Per-element states each optimizer keeps in the master dtype, and bytes of its per-parameter step count.
+OPTIMIZER_STATES = {Optimizer.ADAMW: (2, 4), Optimizer.SGD: (0, 0)}  # AdamW: exp_avg, exp_avg_sq; `step` a float32 scalar
 
 
 @dataclass(frozen=True)
 class PlanRequest:
-    model: str
+    """A run to plan: the settings `fsdpkit train` takes (its TrainConfig, passed whole) at a
+    world size."""
+
+    config: TrainConfig
     world_size: int
-    strategy: str = "full"
-    shard_group_size: int | None = None
-    mixed_precision: str = "none"
-    cpu_offload: bool = False
-    optimizer: str = "adamw"
-    no_sync: bool = False
-    backward_prefetch: str = "pre"
-    forward_prefetch: bool = False
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise UsageError(f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-        if self.backward_prefetch not in BACKWARD_PREFETCH:
-            raise UsageError(f"unknown backward prefetch {self.backward_prefetch!r}: use one of {', '.join(BACKWARD_PREFETCH)}")
+        if self.config.optimizer.name not in OPTIMIZER_STATES:
+            raise UsageError(f"the planner does not know the state of optimizer {self.config.optimizer.name!r}")
         self.sharding.shard_factor(self.world_size)  # validates the world size against the strategy
 
     @property
-    def sharding(self) -> ShardingConfig:
-        return ShardingConfig(
-            strategy=parse_enum(Strategy, self.strategy, "sharding strategy"),
-            shard_group_size=self.shard_group_size,
-            mixed_precision=MixedPrecision.from_name(self.mixed_precision),
-        )
+    def model(self) -> str:
+        return self.config.model.name
 
     @property
-    def schedule(self) -> Schedule:
-        return Schedule(
-            reshard_after_forward=self.sharding.reshard_after_forward,
-            forward_prefetch=self.forward_prefetch,
-            backward_prefetch=self.backward_prefetch != "none",
-            pending_reductions=ENGINE_PENDING_REDUCTIONS,
-        )
+    def sharding(self) -> ShardingConfig:
+        return self.config.sharding
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.sharding.cpu_offload
+
+    @property
+    def no_sync(self) -> bool:
+        return self.config.data.no_sync
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return self.config.optimizer.name
+
+    @property
+    def policy(self) -> StepPolicy:
+        return StepPolicy.of(self.sharding)
 
 
 @dataclass(frozen=True)
@@ -130,15 +129,15 @@ class MemoryPlan:
             "num_params": self.num_params,
             "units": len(self.units),
             "world_size": request.world_size,
-            "strategy": request.strategy,
+            "strategy": str(request.sharding.strategy),
             "shard_factor": self.shard_factor,
             "replicas": request.world_size // self.shard_factor,
-            "mixed_precision": request.mixed_precision,
-            "optimizer": request.optimizer,
+            "mixed_precision": precision_names(request.sharding.mixed_precision)[0],
+            "optimizer": str(request.optimizer),
             "cpu_offload": request.cpu_offload,
             "no_sync": request.no_sync,
-            "backward_prefetch": request.backward_prefetch,
-            "forward_prefetch": request.forward_prefetch,
+            "backward_prefetch": str(request.sharding.backward_prefetch),
+            "forward_prefetch": request.sharding.forward_prefetch,
             "bytes": {
                 "sharded_params": self.sharded_params,
                 "sharded_grads": self.sharded_grads,
@@ -180,7 +179,7 @@ def footprint(unit: UnitSizes, request: PlanRequest, shard_factor: int) -> UnitF
     """What `unit` holds on the device while unsharded: parameters in the compute dtype
     (nothing extra when F = 1 without a cast: the full parameter is the shard), and during
     backward a gradient in the compute dtype plus a copy in the reduce dtype if it differs."""
-    mixed = MixedPrecision.from_name(request.mixed_precision)
+    mixed = request.sharding.mixed_precision
     compute = _itemsize(mixed.param_dtype, unit.master_bytes)
     reduce = _itemsize(mixed.reduce_dtype, compute)
     aliases = shard_factor == 1 and compute == unit.master_bytes and not request.cpu_offload
@@ -202,9 +201,8 @@ def plan_from_sizes(units: list[UnitSizes], request: PlanRequest, *, num_params:
     """The arithmetic: per-rank bytes from the units' sizes (root first, forward order)."""
     factor = request.sharding.shard_factor(request.world_size)
     trainable = [unit for unit in units if unit.trainable]
-    optimizer_state = 0
-    if request.optimizer == "adamw":
-        optimizer_state = sum(2 * unit.local_numel * unit.master_bytes + ADAM_STEP_BYTES * unit.trainable_params for unit in trainable)
+    states, step_bytes = OPTIMIZER_STATES[request.optimizer]
+    optimizer_state = sum(states * unit.local_numel * unit.master_bytes + step_bytes * unit.trainable_params for unit in trainable)
     footprints = [footprint(unit, request, factor) for unit in units]
     largest = max(footprints, key=lambda f: f.param_bytes, default=UnitFootprint("", 0, 0))
     notes = ["activations, collective buffers and allocator caching are not included"]
@@ -220,7 +218,7 @@ def plan_from_sizes(units: list[UnitSizes], request: PlanRequest, *, num_params:
         optimizer_state=optimizer_state,
         no_sync_grads=sum(f.grad_bytes for f in footprints) if request.no_sync else 0,
         largest_unit=largest,
-        peak=peak_unsharded(footprints, request.schedule),
+        peak=peak_unsharded(footprints, request.policy),
         notes=tuple(notes),
     )
 
@@ -229,7 +227,7 @@ def plan_memory(request: PlanRequest, *, shard_rank: int = 0) -> MemoryPlan:
     """Build `request.model` on the meta device and plan its per-rank memory."""
     from .engine.plan import plan_units
     from .models.source import resolve
-    from .models.units import default_policy
+    from .train.model_setup import wrap_policy
 
     factor = request.sharding.shard_factor(request.world_size)
     if not 0 <= shard_rank < factor:
@@ -240,7 +238,7 @@ def plan_memory(request: PlanRequest, *, shard_rank: int = 0) -> MemoryPlan:
     if len(dtypes) != 1:
         raise UsageError(f"model {request.model!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
     master_bytes = torch.empty(0, dtype=dtypes.pop()).element_size()
-    plans = plan_units(model, default_policy(source, model))
+    plans = plan_units(model, wrap_policy(request.config.model, source, model))
     sizes = unit_sizes(plans, factor, shard_rank=shard_rank, master_bytes=master_bytes)
     return plan_from_sizes(sizes, request, num_params=sum(p.numel() for p in model.parameters()))
 

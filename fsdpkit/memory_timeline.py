@@ -1,31 +1,16 @@
-"""The unsharded bytes in flight during one training step, by replaying the engine's
-schedule on numbers only (no tensors, no process group).
+"""The unsharded bytes in flight during one training step, by replaying the engine's step
+policy (fsdpkit.engine.step_policy) on numbers only (no tensors, no process group).
 
-Units run forward in plan order (the root first: its pre-forward hook fires before any
-block's) and backward in reverse, the root last (its parameters, e.g. a tied embedding,
-get their gradient when backward reaches the model's input). Per unit:
-
-    forward   unshard (+param); with forward prefetch the next unit is gathered before
-              this one computes; post-forward: reshard (-param) when the strategy
-              reshards after forward and the unit is neither the root nor the last one
-              (backward needs that one first, so the engine keeps it)
-    backward  unshard again if resharded; with backward prefetch (pre or post) the next
-              unit in backward order is gathered while this one's gradient exists (the
-              first unit of the backward gathers the next only once its own gradient is
-              done: its backward runs at the activation peak); the full gradient appears
-              (+grad) and its reduction is issued; reshard (-param)
-    end       every pending reduction completes (-grad); the root reshards
-
-Prefetching looks one unit ahead, so at most two non-root units hold parameters at once;
-the engine's rate limiter (--limit-all-gathers) bounds all-gathers issued but not yet
-waited on, which a one-ahead prefetch never exceeds, so it changes no byte here. A gradient stays until its reduction completes:
-`pending_reductions=None` holds every one to the end of backward (the engine waits for
-them there); an int N frees the oldest when an (N+1)-th is issued.
+Each gathered unit holds its full parameter until it reshards; a full gradient is held
+from the moment it exists until its reduction completes, and the reduction's output buffer
+from its issue. The peak is the largest sum at any event of the step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .engine.step_policy import Op, StepPolicy, step_events
 
 
 @dataclass(frozen=True)
@@ -39,18 +24,6 @@ class UnitFootprint:
     reduced_bytes: int = 0  # the sharded gradient the reduction leaves (master dtype, device)
     issued_bytes: int = 0  # the reduction's output buffer from its issue (reduce dtype) until it completes
     reduced_on_completion: bool = False  # F = 1: the reduction works in place on the full gradient
-
-
-@dataclass(frozen=True)
-class Schedule:
-    reshard_after_forward: bool = True
-    forward_prefetch: bool = False
-    backward_prefetch: bool = True
-    pending_reductions: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.pending_reductions is not None and self.pending_reductions < 1:
-            raise ValueError(f"pending_reductions must be >= 1 or None, got {self.pending_reductions}")
 
 
 @dataclass(frozen=True)
@@ -87,7 +60,7 @@ class _Tracker:
         self.reduced[name] = self.units[name].reduced_bytes
 
 
-def peak_unsharded(units: list[UnitFootprint], schedule: Schedule) -> Peak:
+def peak_unsharded(units: list[UnitFootprint], policy: StepPolicy) -> Peak:
     """The largest sum of unsharded parameters and gradients held at any point of a step,
     with the sharded gradients produced so far (the engine frees them when the optimizer
     clears .grad, and rebuilds them during backward).
@@ -97,46 +70,22 @@ def peak_unsharded(units: list[UnitFootprint], schedule: Schedule) -> Peak:
     if not units:
         return Peak(0, (), (), "forward")
     tracker = _Tracker(units)
-    root, blocks = units[0].name, [unit.name for unit in units[1:]]
-
-    def prefetch(candidates: list[str]) -> None:
-        if candidates:
-            tracker.unshard(candidates[0])
-
-    tracker.unshard(root)
-    tracker.observe("forward")
-    for index, name in enumerate(blocks):
-        tracker.unshard(name)
-        if schedule.forward_prefetch:
-            prefetch(blocks[index + 1 :])
-        tracker.observe("forward")
-        if schedule.reshard_after_forward and index < len(blocks) - 1:
-            tracker.reshard(name)
-
-    pending: list[str] = []
-    backward_order = list(reversed(blocks)) + [root]
-    for index, name in enumerate(backward_order):
-        tracker.unshard(name)
-        following = [n for n in backward_order[index + 1 :] if n != root]
-        deferred = index == 0 and name != root and tracker.units[name].trainable
-        if schedule.backward_prefetch and not deferred:
-            prefetch(following)
-        tracker.observe("backward")
-        if tracker.units[name].trainable:
-            # the engine's order: the gradient arrives, earlier reductions complete, this one starts
-            tracker.grads[name] = tracker.units[name].grad_bytes
-            if schedule.backward_prefetch and deferred:
-                prefetch(following)
-            tracker.observe("backward")
-            pending.append(name)
-            while schedule.pending_reductions is not None and len(pending) > schedule.pending_reductions:
-                tracker.complete(pending.pop(0))
-            if not tracker.units[name].reduced_on_completion:
-                tracker.reduced[name] = tracker.units[name].issued_bytes
-            tracker.observe("backward")
-        if name != root:
-            tracker.reshard(name)
-    for name in pending:  # the end of backward waits for the rest
-        tracker.complete(name)
-    tracker.observe("backward")
+    phase, forwarded = "forward", set()
+    for event in step_events([(unit.name, unit.trainable) for unit in units], policy):
+        unit = tracker.units.get(event.unit)
+        if event.op is Op.FORWARD:
+            forwarded.add(event.unit)
+        elif event.op is Op.WAIT and event.unit in forwarded:
+            phase = "backward"
+        if event.op is Op.GATHER:
+            tracker.unshard(event.unit)
+        elif event.op is Op.RESHARD:
+            tracker.reshard(event.unit)
+        elif event.op is Op.GRADIENT and unit is not None:
+            tracker.grads[event.unit] = unit.grad_bytes
+        elif event.op is Op.REDUCE and unit is not None and not unit.reduced_on_completion:
+            tracker.reduced[event.unit] = unit.issued_bytes
+        elif event.op is Op.COMPLETE:
+            tracker.complete(event.unit)
+        tracker.observe(phase)
     return tracker.peak

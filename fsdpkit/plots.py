@@ -1,6 +1,7 @@
 """Pictures for `fsdpkit report`: a training run's --metrics JSON lines (loss, tokens/s, learning
-rate, memory against step) or a `bench --json` document (busbw against size per collective,
-flat against list all-gather). matplotlib is an optional extra: `pip install 'fsdpkit[plot]'`."""
+rate, memory against step), a `bench --json` document (busbw against size per collective,
+flat against list all-gather) or a `plan --scaling --json` document (TFLOPS per device against
+world size). matplotlib is an optional extra: `pip install 'fsdpkit[plot]'`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ PLOT_HINT = "pip install 'fsdpkit[plot]'"
 
 
 def read_report_input(path: Path) -> tuple[str, Any]:
-    """("metrics", [record, ...]) or ("bench", document); UsageError for anything else."""
+    """("metrics", [record, ...]), ("bench", document) or ("scaling", plan --scaling --json
+    document); UsageError for anything else."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
@@ -25,6 +27,8 @@ def read_report_input(path: Path) -> tuple[str, Any]:
         document = None
     if isinstance(document, dict) and document.get("command") == "bench" and isinstance(document.get("results"), list):
         return "bench", document
+    if isinstance(document, dict) and document.get("command") == "plan" and isinstance(document.get("scaling"), list):
+        return "scaling", document
     records = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -131,6 +135,23 @@ def plot_bench(document: dict, out: Path) -> None:
         ratio.set_ylabel("list time / flat time")
         ratio.set_title("all-gather: list against flat (above 1: flat is faster)")
         ratio.legend()
+    figure.tight_layout()
+    figure.savefig(out, format="png", dpi=100)
+    plt.close(figure)
+
+
+def plot_scaling(document: dict, out: Path) -> None:
+    """Predicted TFLOPS per device (and MFU) against world size, from plan --scaling --json."""
+    plt = _pyplot()
+    points = document["scaling"]
+    figure, axes = plt.subplots(figsize=(8, 5))
+    axes.plot([p["world_size"] for p in points], [p["tflops_per_device"] for p in points], marker="o")
+    for point in points:
+        axes.annotate(f"{point['mfu']:.0%}", (point["world_size"], point["tflops_per_device"]), fontsize="small")
+    axes.set_xscale("log")
+    axes.set_xlabel("world size (ranks)")
+    axes.set_ylabel("predicted TFLOPS per device (labels: MFU)")
+    axes.set_title(f"{document['model']}, {document['strategy']}, on {document['hardware']}")
     figure.tight_layout()
     figure.savefig(out, format="png", dpi=100)
     plt.close(figure)

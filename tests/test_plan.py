@@ -15,9 +15,11 @@ from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 import fsdpkit
+from fsdpkit.engine.step_policy import StepPolicy
 from fsdpkit.errors import UsageError
 from fsdpkit.memory_plan import PlanRequest, plan_memory
-from fsdpkit.memory_timeline import Schedule, UnitFootprint, peak_unsharded
+from fsdpkit.memory_timeline import UnitFootprint, peak_unsharded
+from fsdpkit.train.config import TrainConfig
 
 # tests/models.py EdgeCaseNet under the ModuleList rule: root (inp 5x7+7, branch 3x3+3,
 # head 3x2+2) = 62 elements in 6 tensors; layers.0 = 7x7+7+1 = 57 (3 tensors);
@@ -29,8 +31,15 @@ EDGE_TENSORS = 13
 GPT_ROOT, GPT_BLOCK, GPT_TENSORS = 24704, 49984, 28
 
 
+def _request(model: str, world_size: int, *, optimizer: str = "adamw", no_sync: bool = False, **sharding) -> PlanRequest:
+    """The request `fsdpkit plan` builds from train's settings (sharding flags as train spells them)."""
+    data = {"no_sync": True, "grad_accum": 2} if no_sync else {}
+    values = {"model": {"name": model}, "data": data, "optimizer": {"name": optimizer}, "sharding": sharding}
+    return PlanRequest(TrainConfig.from_values(values), world_size)
+
+
 def _bytes(model: str, world_size: int, **options) -> dict:
-    return plan_memory(PlanRequest(model=model, world_size=world_size, **options)).to_document()["bytes"]
+    return plan_memory(_request(model, world_size, **options)).to_document()["bytes"]
 
 
 def test_edge_case_model_by_hand_at_world_sizes_1_2_4():
@@ -50,7 +59,7 @@ def test_edge_case_model_by_hand_at_world_sizes_1_2_4():
     two = _bytes(EDGE, 2)
     assert two["sharded_params"] == two["sharded_grads"] == 74 * 4
     assert two["optimizer_state"] == 2 * 74 * 4 + 4 * EDGE_TENSORS
-    rank1 = plan_memory(PlanRequest(model=EDGE, world_size=2), shard_rank=1)
+    rank1 = plan_memory(_request(EDGE, 2), shard_rank=1)
     assert rank1.optimizer_state == 2 * (31 + 28 + 12 + 0) * 4 + 4 * EDGE_TENSORS
     # Peak as the root's gradient arrives: root parameters (62), layers.0's and the root's full
     # gradients (58 + 62), the outputs of layers.2, layers.1 and layers.0 (1 + 13 + 29).
@@ -70,7 +79,7 @@ def test_edge_case_model_by_hand_at_world_sizes_1_2_4():
 
 def test_gpt_tiny_by_hand_at_world_sizes_1_2_4():
     total = GPT_ROOT + 2 * GPT_BLOCK
-    assert plan_memory(PlanRequest(model="gpt-tiny", world_size=1)).num_params == total
+    assert plan_memory(_request("gpt-tiny", 1)).num_params == total
     for world in (1, 2, 4):
         got = _bytes("gpt-tiny", world)
         shard = total // world  # every unit divides by 4: no padding
@@ -92,11 +101,11 @@ def test_strategies_precision_offload_and_no_sync():
     assert hybrid == full4
     # grad-op keeps every unit gathered from forward to its backward: the peak is h.1's
     # backward with everything gathered (with full, h.0 is there only as h.1's prefetch)
-    grad_op = plan_memory(PlanRequest(model="gpt-tiny", world_size=4, strategy="grad-op")).peak
+    grad_op = plan_memory(_request("gpt-tiny", 4, strategy="grad-op")).peak
     assert grad_op.bytes == (GPT_ROOT + 3 * GPT_BLOCK + GPT_BLOCK // 4) * 4 and grad_op.params == ("", "h.0", "h.1")
     # no prefetch: h.0 is gathered only after h.1 is freed; h.0's gradient arriving while h.1's
     # still reduces (with its output) is the peak
-    no_prefetch = plan_memory(PlanRequest(model="gpt-tiny", world_size=2, backward_prefetch="none")).peak
+    no_prefetch = plan_memory(_request("gpt-tiny", 2, backward_prefetch="none")).peak
     assert no_prefetch.bytes == (GPT_ROOT + 3 * GPT_BLOCK + GPT_BLOCK // 2) * 4 and no_prefetch.params == ("", "h.0")
     assert no_prefetch.grads == ("h.1", "h.0")
     # bf16: parameters, full gradients and the reduce-scatter output in flight take 2 bytes
@@ -126,7 +135,7 @@ def test_strategies_precision_offload_and_no_sync():
 
 
 def test_gpt2_xl_at_64_ranks_builds_nothing_real():
-    plan = plan_memory(PlanRequest(model="gpt2-xl", world_size=64, mixed_precision="bf16"))
+    plan = plan_memory(_request("gpt2-xl", 64, mixed_precision="bf16"))
     assert plan.num_params == 1_557_611_200 and len(plan.units) == 49
     assert plan.num_params * 4 / 64 <= plan.sharded_params <= (plan.num_params + 49 * 63) * 4 / 64
     assert plan.largest_unit.name == "" and plan.largest_unit.param_bytes == plan.units[0].padded_numel * 2
@@ -134,25 +143,25 @@ def test_gpt2_xl_at_64_ranks_builds_nothing_real():
 
 def test_timeline_pending_reductions_and_forward_prefetch():
     units = [UnitFootprint("", 10, 10), UnitFootprint("a", 100, 100), UnitFootprint("b", 100, 100), UnitFootprint("c", 100, 100)]
-    held = peak_unsharded(units, Schedule())  # b's backward: root, b, a (prefetched); grads of c and b
+    held = peak_unsharded(units, StepPolicy(pending_reductions=None))  # b's backward: root, b, a (prefetched); grads of c and b
     assert held.bytes == 10 + 200 + 200 and held.params == ("", "b", "a") and held.grads == ("c", "b")
-    last = peak_unsharded(units[:1] + [UnitFootprint("a", 1, 1000)], Schedule())  # end of backward: all grads
+    last = peak_unsharded(units[:1] + [UnitFootprint("a", 1, 1000)], StepPolicy(pending_reductions=None))  # end of backward: all grads
     assert last.bytes == 10 + 1000 + 10 and last.grads == ("a", "")
-    freed = peak_unsharded(units, Schedule(pending_reductions=1))
+    freed = peak_unsharded(units, StepPolicy())
     assert freed.bytes == 10 + 200 + 200  # b computing, a prefetched, grads of c and b
-    forward = peak_unsharded(units, Schedule(forward_prefetch=True, backward_prefetch=False, pending_reductions=1))
+    forward = peak_unsharded(units, StepPolicy(forward_prefetch=True, backward_prefetch="none"))
     assert forward.bytes == 10 + 100 + 200 and forward.phase == "backward"
-    grad_op = peak_unsharded(units, Schedule(reshard_after_forward=False, pending_reductions=1))
+    grad_op = peak_unsharded(units, StepPolicy(reshard_after_forward=False))
     assert grad_op.bytes == 10 + 300 + 100 and set(grad_op.params) == {"", "a", "b", "c"}
 
 
 def test_request_rejects_bad_values_with_the_value():
     with pytest.raises(UsageError, match="world size must be >= 1, got 0"):
-        PlanRequest(model="gpt2", world_size=0)
+        _request("gpt2", 0)
     with pytest.raises(UsageError, match="world size 6 is not divisible by shard group size 4"):
-        PlanRequest(model="gpt2", world_size=6, strategy="hybrid", shard_group_size=4)
+        _request("gpt2", 6, strategy="hybrid", shard_group_size=4)
     with pytest.raises(UsageError, match="'adam'"):
-        PlanRequest(model="gpt2", world_size=2, optimizer="adam")
+        _request("gpt2", 2, optimizer="adam")
 
 
 def _invoke(args):
@@ -234,7 +243,7 @@ def test_plan_matches_the_engine_counters_at_world_size_2():
     results = run_distributed(engine_memory_worker, 2, 2)
     for rank, stats_per_config in results.items():
         for config, stats in zip(CONFIGS, stats_per_config, strict=True):
-            plan = plan_memory(PlanRequest(model="gpt-tiny", world_size=2, **config), shard_rank=rank)
+            plan = plan_memory(_request("gpt-tiny", 2, **config), shard_rank=rank)
             where = f"rank {rank} {config}"
             assert stats["sharded_params"] == plan.sharded_params, where
             assert stats["sharded_grads"] == plan.sharded_grads, where

@@ -72,7 +72,6 @@ class FlatUnit:
         mixed_precision: MixedPrecision,
         memory: MemoryCounter,
         *,
-        reshard_after_forward: bool,
         device: torch.device,
         offload: bool = False,
         gather_stream: torch.cuda.Stream | None = None,
@@ -83,7 +82,6 @@ class FlatUnit:
         self.comms = comms
         self.memory = memory
         self.is_root = plan.members == ("",)
-        self.reshard_after_forward = reshard_after_forward and not self.is_root
         self.members = [modules[name] for name in plan.members]
         self.layout: FlatLayout = plan.layout(mesh.shard_factor)
         self.fragments = self.layout.fragments(mesh.shard_rank)

@@ -1,16 +1,15 @@
 """The state machine that drives every unit of one sharded model through forward and
 backward: hooks, prefetching, the end-of-backward callback, full parameters on demand.
+What happens when (prefetch, reshard, reduce) is decided by the step policy
+(step_policy.py); the hooks carry it out:
 
-    pre-forward   unshard the unit (or wait for its prefetch), show the unsharded views;
-                  forward prefetch: start the next unit's all-gather (previous iteration's order)
-    post-forward  reshard (FULL_SHARD / HYBRID non-root units; every unit under no_grad),
-                  except the unit the previous forward ended with: backward needs it first;
-                  register the pre-backward hook on the outputs
-    pre-backward  unshard again if resharded; backward prefetch "pre": start the next
-                  unit's all-gather before this unit's gradients are computed (the first
-                  unit of the backward waits until its gradient: see _defers_prefetch)
-    post-backward backward prefetch "post"; reduce-scatter the gradient (asynchronously,
-                  so it overlaps the next unit's backward), reshard
+    pre-forward   unshard the unit (or wait for its prefetch), show the unsharded views,
+                  forward prefetch
+    post-forward  reshard (every unit under no_grad); register the pre-backward hook on
+                  the outputs
+    pre-backward  unshard again if resharded; backward prefetch "pre"
+    post-backward backward prefetch "post"; reduce the gradient (asynchronously, so it
+                  overlaps the next unit's backward), reshard
     end of backward  reduce the units that got no gradient (every rank must take part),
                   agree on which parameters got a gradient anywhere (an all-reduce that
                   runs while the last reductions complete), accumulate into the sharded
@@ -40,11 +39,12 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..comm import Collectives
-from .config import BackwardPrefetch, ShardingConfig
+from .config import ShardingConfig
 from .flat_unit import BackwardState, FlatUnit, PendingReduction, UnitState
 from .memory import MemoryCounter
 from .mesh import ShardMesh
 from .plan import UnitPlan
+from .step_policy import StepPolicy
 
 STATE_ATTR = "_fsdpkit_state"
 
@@ -92,6 +92,7 @@ class ShardedState:
         self.module = module
         self.mesh = mesh
         self.config = config
+        self.policy = StepPolicy.of(config)
         self.comms = comms
         self.device = device
         self.memory = MemoryCounter()
@@ -108,7 +109,6 @@ class ShardedState:
                 comms,
                 config.mixed_precision,
                 self.memory,
-                reshard_after_forward=config.reshard_after_forward,
                 device=device,
                 offload=config.cpu_offload,
                 gather_stream=gather_stream,
@@ -143,8 +143,7 @@ class ShardedState:
     def _start_gather(self, unit: FlatUnit | None) -> None:
         if unit is None or unit.is_gathered:
             return
-        limit = self.config.limit_all_gathers
-        while limit and len(self.inflight_gathers) >= limit:
+        while self.policy.waits_before_gather(len(self.inflight_gathers)):
             self.inflight_gathers.popleft().wait_unshard()
         self._record("prefetch", unit)
         if unit.unshard(async_op=True) is not None:
@@ -157,13 +156,7 @@ class ShardedState:
             self.inflight_gathers.remove(unit)
 
     def _next_in_backward(self, unit: FlatUnit) -> FlatUnit | None:
-        order = self.forward_order[::-1]
-        if unit not in order:
-            return None
-        waiting = [
-            u for u in order[order.index(unit) + 1 :] + order if u is not unit and u.backward is BackwardState.PENDING and u.trainable
-        ]
-        return waiting[0] if waiting else None
+        return self.policy.next_in_backward(self.forward_order, unit, lambda u: u.backward is BackwardState.PENDING and u.trainable)
 
     def _needed_first_by_backward(self, unit: FlatUnit) -> bool:
         """The last unit of the previous forward: the first the backward needs, so
@@ -171,10 +164,7 @@ class ShardedState:
         return bool(self.previous_forward_order) and self.previous_forward_order[-1] is unit
 
     def _next_in_forward(self, unit: FlatUnit) -> FlatUnit | None:
-        order = self.previous_forward_order
-        if unit in order and order.index(unit) + 1 < len(order):
-            return order[order.index(unit) + 1]
-        return None
+        return self.policy.next_in_forward(self.previous_forward_order, unit)
 
     # ----- hooks
     def _model_pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -231,7 +221,7 @@ class ShardedState:
         self._record("pre_forward", unit)
         self._ensure_unsharded(unit)
         unit.show_unsharded(track_grad=training)
-        if training and self.config.forward_prefetch:
+        if training:
             self._start_gather(self._next_in_forward(unit))
 
     def _post_forward_hook(self, unit: FlatUnit | None, member_of: FlatUnit):
@@ -241,7 +231,9 @@ class ShardedState:
             training = torch.is_grad_enabled()
             if unit is not None:
                 self._record("post_forward", unit)
-                if not training or (unit.reshard_after_forward and not self._needed_first_by_backward(unit)):
+                if self.policy.reshards_after_forward(
+                    is_root=unit.is_root, training=training, needed_first_by_backward=self._needed_first_by_backward(unit)
+                ):
                     self._reshard(unit)
             if training:
                 self._register_pre_backward(output, member_of)
@@ -271,11 +263,11 @@ class ShardedState:
             unit.backward = BackwardState.PREPARED
             self._record("pre_backward", unit)
             self._ensure_unsharded(unit)
-            if self.config.activation_checkpointing and unit.state is not UnitState.UNSHARDED:
+            if self.policy.activation_checkpointing and unit.state is not UnitState.UNSHARDED:
                 unit.show_unsharded(track_grad=True)  # recomputation reads the parameters again
             if self.first_in_backward is None and not unit.is_root:
                 self.first_in_backward = unit
-            if self.config.backward_prefetch is BackwardPrefetch.PRE and not self._defers_prefetch(unit):
+            if self.policy.prefetches_before_gradient(deferred=self._defers_prefetch(unit)):
                 self._start_gather(self._next_in_backward(unit))
 
         return _profiled(f"fsdpkit:pre_backward {(unit.name or '<root>') if unit is not None else '<model>'}", pre_backward)
@@ -283,7 +275,7 @@ class ShardedState:
     def _post_backward_hook(self, unit: FlatUnit):
         def post_backward(full_flat: torch.Tensor) -> None:
             self._record("post_backward", unit)
-            if self.config.backward_prefetch is BackwardPrefetch.POST or self._defers_prefetch(unit):
+            if self.policy.prefetches_after_gradient(deferred=self._defers_prefetch(unit)):
                 self._start_gather(self._next_in_backward(unit))
             if self.gradient_sync is GradientSync.REDUCE:
                 self._reduce(unit)
@@ -299,23 +291,13 @@ class ShardedState:
         unit.reshard()
 
     def _defers_prefetch(self, unit: FlatUnit) -> bool:
-        """Backward prefetch "pre" waits for the gradient of the first unit of the backward
-        (with a trainable unit after it): its backward runs while every activation of the
-        forward is still alive, the step's memory peak, which one more gathered unit would
-        raise. Later units prefetch before their gradient, when activations are freed."""
-        return (
-            self.config.backward_prefetch is BackwardPrefetch.PRE
-            and unit is self.first_in_backward
-            and unit.trainable
-            and not self.config.activation_checkpointing
-        )
+        return self.policy.defers_prefetch(first_in_backward=unit is self.first_in_backward, trainable=unit.trainable)
 
     def _reduce(self, unit: FlatUnit) -> None:
-        # The new gradient exists now; complete the earlier reductions (they ran while this
-        # unit's backward computed), so at most one full gradient waits on the network at a
-        # time, as in torch FSDP; then start this one.
+        # The new gradient exists now; complete earlier reductions (they ran while this
+        # unit's backward computed), then start this one.
         grad = unit.take_grad()
-        for pending in self.pending:
+        for pending in self.policy.reductions_to_complete(self.pending):
             pending.unit.complete_reduction(pending)
         self.pending.append(unit.issue_reduction(grad))
 

@@ -1,0 +1,150 @@
+"""`fsdpkit plan --time`: the predicted time of one training step before launching it.
+
+The model is built once on the meta device; its units' FLOPs (fsdpkit.flops) and layouts
+give each unit's compute and collectives (fsdpkit.engine.traffic); fsdpkit.step_time
+simulates the engine's step policy on a hardware profile (fsdpkit.hardware). Each rank's
+micro-batch is global batch / (world size x grad accum), so --scaling keeps it fixed (weak
+scaling, as the FSDP paper's runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .engine.step_policy import StepPolicy
+from .engine.traffic import flags_collective, unit_traffic
+from .errors import UsageError
+from .flops import UnitWork
+from .hardware import Hardware
+from .memory_plan import MemoryPlan, PlanRequest, plan_from_sizes, unit_sizes
+from .step_time import StepSetup, StepTime, UnitCost, simulate
+from .train.config import Optimizer, precision_names
+
+# Bytes the optimizer step reads and writes per element: AdamW reads the parameter, its
+# gradient and two states and writes three; SGD reads two and writes one (fp32).
+OPTIMIZER_TRAFFIC = {Optimizer.ADAMW: 7 * 4, Optimizer.SGD: 3 * 4}
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """What the meta-device model tells: computed once, reused for every configuration."""
+
+    plans: tuple
+    master_bytes: int
+    num_params: int
+    work_per_sequence: tuple[UnitWork, ...]  # per unit, for one sequence (master dtype)
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    request: PlanRequest
+    hardware: Hardware
+    ranks_per_node: int
+    micro_batch: int
+    memory: MemoryPlan
+    time: StepTime
+
+    def to_document(self) -> dict[str, Any]:
+        time = self.time
+        return {
+            **self.memory.to_document(),
+            "hardware": self.hardware.name,
+            "ranks_per_node": self.ranks_per_node,
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.request.config.data.grad_accum,
+            "seq_len": self.request.config.data.seq_len,
+            "step_time_s": time.step_time_s,
+            "compute_s": time.compute_s,
+            "exposed_comm_s": time.exposed_comm_s,
+            "comm_s": time.comm_s,
+            "flops_per_device": time.flops,
+            "tflops_per_device": time.tflops_per_device,
+            "hardware_tflops_per_device": time.hardware_tflops_per_device,
+            "mfu": time.mfu,
+            "tokens_per_s": time.tokens_per_s,
+            "tokens_per_s_per_device": time.tokens_per_s / self.request.world_size,
+            "comm_bytes": time.comm_bytes,
+            "fits": self.fits,
+        }
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.device_total <= self.hardware.memory_gb * 1e9
+
+
+def model_costs(request: PlanRequest) -> ModelCosts:
+    from .engine.plan import plan_units
+    from .flops import unit_work
+    from .models.source import resolve
+    from .train.model_setup import wrap_policy
+
+    source = resolve(request.model)
+    model = source.build(device="meta", seed=0)
+    dtypes = {param.dtype for param in model.parameters()}
+    if len(dtypes) != 1:
+        raise UsageError(f"model {request.model!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
+    plans = tuple(plan_units(model, wrap_policy(request.config.model, source, model)))
+    work = unit_work(source, plans, 1, request.config.data.seq_len)
+    return ModelCosts(plans, _itemsize(dtypes.pop()), sum(p.numel() for p in model.parameters()), tuple(work))
+
+
+def micro_batch(request: PlanRequest) -> int:
+    data = request.config.data
+    request.config.check_world_size(request.world_size)
+    return data.global_batch_size // (request.world_size * data.grad_accum)
+
+
+def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_node: int | None = None) -> StepPrediction:
+    """The step of `request` on `hardware`, with `per_node` ranks per node (default: the profile's)."""
+    sharding, data = request.sharding, request.config.data
+    world = request.world_size
+    factor = sharding.shard_factor(world)
+    batch = micro_batch(request)
+    per_node = min(per_node or hardware.ranks_per_node, world)
+    sizes = unit_sizes(list(costs.plans), factor, master_bytes=costs.master_bytes)
+    mixed = sharding.mixed_precision
+    compute_bytes = _itemsize(mixed.param_dtype) if mixed.param_dtype is not None else costs.master_bytes
+    reduce_bytes = _itemsize(mixed.reduce_dtype) if mixed.reduce_dtype is not None else compute_bytes
+    units = [
+        UnitCost(
+            name=size.name,
+            trainable=size.trainable,
+            forward_flops=work.forward_flops * batch,
+            backward_flops=work.backward_flops * batch,
+            forward_bytes=work.forward_bytes * batch * compute_bytes // costs.master_bytes,
+            backward_bytes=work.backward_bytes * batch * compute_bytes // costs.master_bytes,
+            traffic=unit_traffic(
+                padded_numel=size.padded_numel,
+                chunk_numel=size.chunk_numel,
+                compute_bytes=compute_bytes,
+                reduce_bytes=reduce_bytes,
+                shard_factor=factor,
+                replicas=world // factor,
+                trainable=size.trainable,
+            ),
+            shard_bytes=size.chunk_numel * size.master_bytes,
+        )
+        for size, work in zip(sizes, costs.work_per_sequence, strict=True)
+    ]
+    precision = precision_names(mixed)[0]
+    setup = StepSetup(
+        policy=StepPolicy.of(sharding),
+        hardware=hardware,
+        world_size=world,
+        ranks_per_node=per_node,
+        micro_batches=data.grad_accum,
+        no_sync=data.no_sync,
+        compute_dtype="fp32" if precision == "none" else precision,
+        optimizer_bytes=sum(size.local_numel for size in sizes if size.trainable) * OPTIMIZER_TRAFFIC[request.optimizer],
+        flags=flags_collective(sum(len(plan.params) for plan in costs.plans), world),
+        tokens_per_step=data.global_batch_size * data.seq_len,
+    )
+    memory = plan_from_sizes(sizes, request, num_params=costs.num_params)
+    return StepPrediction(request, hardware, per_node, batch, memory, simulate(units, setup))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

@@ -1,0 +1,286 @@
+"""`fsdpkit plan --time`: the predicted collective bytes against the engine's own comm_stats at
+1, 2 and 4 ranks for every strategy, the step without communication against the compute time
+computed by hand, the FLOPs against torch's counter on the unsharded model, the step policy's
+event order against the engine's, and bad hardware files / impossible configurations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import run_distributed
+from fsdpkit_cli.app import app
+from torch.utils.flop_counter import FlopCounterMode
+from typer.testing import CliRunner
+
+import fsdpkit
+from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
+from fsdpkit.hardware import BUILT_IN, Hardware, to_toml
+from fsdpkit.memory_plan import PlanRequest
+from fsdpkit.models.source import resolve
+from fsdpkit.time_plan import model_costs, predict
+from fsdpkit.train.config import TrainConfig
+
+
+def _configs(world: int) -> list[dict]:
+    """Every strategy, both prefetch directions and none, forward prefetch, bf16, and no_sync
+    gradient accumulation (sharding values as train's flags spell them)."""
+    return [
+        {"sharding": {"strategy": "full"}},
+        {"sharding": {"strategy": "grad-op"}},
+        {"sharding": {"strategy": "hybrid", "shard_group_size": max(1, world // 2)}},
+        {"sharding": {"strategy": "none"}},
+        {"sharding": {"strategy": "full", "backward_prefetch": "post", "forward_prefetch": True}},
+        {"sharding": {"strategy": "full", "backward_prefetch": "none", "mixed_precision": "bf16"}},
+        {"sharding": {"strategy": "grad-op"}, "data": {"grad_accum": 2, "no_sync": True}},
+    ]
+
+
+def _request(world: int, values: dict) -> PlanRequest:
+    data = {"global_batch_size": 8, "seq_len": 16, **values.get("data", {})}
+    return PlanRequest(TrainConfig.from_values({"model": {"name": "gpt-tiny"}, "data": data, "sharding": values["sharding"]}), world)
+
+
+def comm_bytes_worker() -> list[dict]:
+    """The engine's comm_stats bytes of the second optimizer step (the first has no forward
+    order to prefetch by) under each config, and the order of its collectives."""
+    from fsdpkit.models.gpt import Block
+    from fsdpkit.models.registry import build_model
+
+    world = dist.get_world_size()
+    results = []
+    for values in _configs(world):
+        config = _request(world, values).config
+        torch.manual_seed(0)
+        model = fsdpkit.shard(build_model("gpt-tiny"), config.sharding, wrap=(Block,), record_events=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        micro = config.data.global_batch_size // (world * config.data.grad_accum)
+        for step in range(2):
+            if step == 1:
+                fsdpkit.comm_stats(model).reset()
+            for index in range(config.data.grad_accum):
+                tokens = torch.randint(0, 256, (micro, config.data.seq_len + 1))
+                last = index == config.data.grad_accum - 1
+                with fsdpkit.no_sync(model) if config.data.no_sync and not last else _nothing():
+                    logits = model(tokens[:, :-1])
+                    F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        stats = fsdpkit.comm_stats(model)
+        order = [(kind, label) for kind, label in stats.events or [] if kind in ("all_gather", "reduce_scatter", "all_reduce")]
+        results.append({"bytes": dict(stats.bytes), "order": order})
+    return results
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _predicted_order(request: PlanRequest, costs) -> list[tuple[str, str]]:
+    """The collectives the step policy's events issue, in order, as comm_stats labels them."""
+    factor = request.sharding.shard_factor(request.world_size)
+    replicas = request.world_size // factor
+    names = [plan.name for plan in costs.plans]
+    order: list[tuple[str, str]] = []
+    data = request.config.data
+    for index in range(data.grad_accum):
+        reduce = not data.no_sync or index == data.grad_accum - 1
+        for event in step_events([(name, True) for name in names], StepPolicy.of(request.sharding), reduce=reduce):
+            if event.op is Op.GATHER and factor > 1:
+                order.append(("all_gather", event.unit))
+            elif event.op is Op.REDUCE and (factor > 1 or replicas > 1):
+                order.append(("reduce_scatter" if factor > 1 else "all_reduce", event.unit))
+            elif event.op is Op.COMPLETE and factor > 1 and replicas > 1:
+                order.append(("all_reduce", event.unit))
+            elif event.op is Op.END and reduce and request.world_size > 1:
+                order.append(("all_reduce", "grad-flags"))
+    return order
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_predicted_collective_bytes_and_order_equal_the_engines(world):
+    results = run_distributed(comm_bytes_worker, world)
+    for values, measured in zip(_configs(world), results[0], strict=True):
+        request = _request(world, values)
+        costs = model_costs(request)
+        predicted = predict(request, BUILT_IN["cpu-gloo"], costs).time.comm_bytes
+        engine = {kind: n for kind, n in measured["bytes"].items() if n}
+        assert predicted == engine, (world, values, predicted, engine)
+        assert _predicted_order(request, costs) == [tuple(pair) for pair in measured["order"]], (world, values)
+    for rank in results:
+        assert [r["bytes"] for r in results[rank]] == [r["bytes"] for r in results[0]]
+
+
+def test_without_communication_the_step_is_the_compute_time():
+    request = _request(4, {"sharding": {"strategy": "full"}, "data": {"grad_accum": 2}})
+    costs = model_costs(request)
+    free = Hardware(
+        name="free network",
+        source="test",
+        peak_tflops={"fp32": 2.0},
+        efficiency=0.5,
+        unit_overhead_s=1e-4,
+        memory_gb=1,
+        memory_bw_gbs=3.0,
+        ranks_per_node=4,
+        intra_bw_gbs=1e15,
+        intra_latency_s=0.0,
+        inter_bw_gbs=1e15,
+        inter_latency_s=0.0,
+    )
+    time = predict(request, free, costs).time
+    # by hand: the unsharded model's FLOPs on one rank's micro-batch (1 sequence of 16) from
+    # torch's counter on the meta device, plus the attention scores the fused kernel's backward
+    # computes again (2 x 4 heads x 16 x 16 x 16 per layer), twice (grad accum 2)
+    source = resolve("gpt-tiny")
+    model = source.build(device="meta", seed=0)
+    tokens = torch.zeros((1, 17), dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        logits = source.logits(model, tokens[:, :-1])
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    flops = 2 * (counter.get_total_flops() + 2 * 2 * 4 * 16 * 16 * 16)
+    assert time.flops == flops
+    # every pass at 1 TFLOP/s and 3 GB/s for the bytes the other operators move, plus the
+    # overhead (2 passes x 3 units x 2 micro-batches); AdamW's 28 bytes per element of the
+    # rank's quarter of the parameters at 3 GB/s
+    moved = 2 * sum(work.forward_bytes + work.backward_bytes for work in costs.work_per_sequence)
+    expected = flops / 1e12 + moved / 3e9 + 2 * 3 * 2 * 1e-4 + 124672 // 4 * 28 / 3e9
+    assert moved > 0
+    assert time.step_time_s == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert time.compute_s == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert time.exposed_comm_s == pytest.approx(0.0, abs=1e-9)
+    assert time.comm_bytes["all_gather"] > 0  # the bytes are still counted
+
+
+def test_prefetch_hides_communication_and_hybrid_wins_across_nodes():
+    request = _request(16, {"sharding": {"strategy": "full"}, "data": {"global_batch_size": 64}})
+    costs = model_costs(request)
+    hardware = BUILT_IN["a100-80gb-ib100"]
+    with_prefetch = predict(request, hardware, costs).time
+    no_prefetch = predict(
+        _request(16, {"sharding": {"strategy": "full", "backward_prefetch": "none"}, "data": {"global_batch_size": 64}}), hardware, costs
+    ).time
+    assert with_prefetch.step_time_s <= no_prefetch.step_time_s
+    assert with_prefetch.comm_bytes == no_prefetch.comm_bytes
+    hybrid = predict(
+        _request(16, {"sharding": {"strategy": "hybrid", "shard_group_size": 8}, "data": {"global_batch_size": 64}}), hardware, costs
+    )
+    assert hybrid.time.comm_s < with_prefetch.comm_s
+
+
+def _invoke(args):
+    return CliRunner().invoke(app, ["plan", *args])
+
+
+def test_cli_time_json_scaling_and_report(tmp_path):
+    result = _invoke(["--model", "gpt-tiny", "--world-size", "8", "--time", "--hardware", "h100-ib400", "--scaling", "8,64", "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["step_time_s"] > 0 and [p["world_size"] for p in document["scaling"]] == [8, 64]
+    path = tmp_path / "scaling.json"
+    path.write_text(result.stdout)
+    drawn = CliRunner().invoke(app, ["report", str(path)])
+    assert drawn.exit_code == 0, drawn.output
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+    table = _invoke(["--model", "gpt-tiny", "--world-size", "8", "--time", "--hardware", "h100-ib400", "--recommend"])
+    assert table.exit_code == 0, table.output
+    assert "step time" in table.stdout and "--strategy" in table.stdout
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("efficiency = 0.5\n", "missing key"),
+        ("peak_tflops = {fp32 = 1.0}\nbogus = 1\n", "unknown key 'bogus'"),
+        ("this is not toml", "not valid TOML"),
+        (None, "intra_bw_gbs must be a number > 0, got -1"),
+    ],
+)
+def test_bad_hardware_file_is_one_line_exit_2(tmp_path, content, message):
+    path = tmp_path / "hw.toml"
+    if content is None:  # a complete profile with one bad value
+        content = to_toml(BUILT_IN["cpu-gloo"], header="").replace("intra_bw_gbs = 1.0", "intra_bw_gbs = -1")
+    path.write_text(content)
+    result = _invoke(["--model", "gpt-tiny", "--world-size", "2", "--time", "--hardware", str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and message in result.stderr and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--time"], "needs --hardware"),
+        (["--time", "--hardware", "tpu"], "unknown hardware 'tpu'"),
+        (["--time", "--hardware", "h100-ib400", "--nodes", "3"], "--nodes 3"),
+        (["--time", "--hardware", "h100-ib400", "--scaling", "8,x"], "--scaling '8,x'"),
+        (["--time", "--hardware", "h100-ib400", "--global-batch-size", "6"], "not divisible"),
+        (
+            ["--time", "--hardware", "h100-ib400", "--strategy", "hybrid", "--shard-group-size", "2", "--scaling", "8,3"],
+            "world size 3 is not divisible by shard group size 2",
+        ),
+    ],
+)
+def test_impossible_configuration_is_one_line_exit_2(args, message):
+    result = _invoke(["--model", "gpt-tiny", "--world-size", "4", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and message in result.stderr and "Traceback" not in result.output
+
+
+def test_profile_file_round_trips_and_drives_the_prediction(tmp_path):
+    path = tmp_path / "a100.toml"
+    path.write_text(to_toml(BUILT_IN["a100-80gb-ib200"], header="a written profile"))
+    result = _invoke(
+        ["--model", "gpt-tiny", "--world-size", "16", "--global-batch-size", "32", "--time", "--hardware", str(path), "--json"]
+    )
+    builtin = _invoke(
+        ["--model", "gpt-tiny", "--world-size", "16", "--global-batch-size", "32", "--time", "--hardware", "a100-80gb-ib200", "--json"]
+    )
+    assert result.exit_code == builtin.exit_code == 0, result.output
+    from_file, from_name = json.loads(result.stdout), json.loads(builtin.stdout)
+    assert from_file["step_time_s"] == from_name["step_time_s"] and from_file["hardware"] == "a100-80gb-ib200"
+    # two nodes of 8: the all-gathers cross nodes, at the inter-node bandwidth
+    two_nodes = json.loads(
+        _invoke(
+            [
+                "--model",
+                "gpt-tiny",
+                "--world-size",
+                "16",
+                "--global-batch-size",
+                "32",
+                "--time",
+                "--hardware",
+                str(path),
+                "--nodes",
+                "2",
+                "--json",
+            ]
+        ).stdout
+    )
+    one_node = json.loads(
+        _invoke(
+            [
+                "--model",
+                "gpt-tiny",
+                "--world-size",
+                "16",
+                "--global-batch-size",
+                "32",
+                "--time",
+                "--hardware",
+                str(path),
+                "--nodes",
+                "1",
+                "--json",
+            ]
+        ).stdout
+    )
+    assert two_nodes["ranks_per_node"] == 8 and one_node["ranks_per_node"] == 16
+    assert two_nodes["comm_s"] > one_node["comm_s"] and two_nodes["comm_bytes"] == one_node["comm_bytes"]
