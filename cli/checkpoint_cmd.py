@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from fsdpkit.checkpoint.format import CAST_TARGETS
+from fsdpkit.dtypes import from_spelling
 from fsdpkit.errors import UsageError
 from fsdpkit.host import available_memory_bytes
 from fsdpkit.sizes import format_size, parse_size
@@ -34,10 +34,10 @@ def _progress_bar(desc: str, enabled: bool) -> contextlib.AbstractContextManager
 def _cast(dtype: str | None) -> str | None:
     if dtype is None:
         return None
-    try:
-        return CAST_TARGETS[dtype.lower()]
-    except KeyError:
-        raise UsageError(f"unknown --dtype {dtype!r}: use bf16, fp16 or fp32") from None
+    found = from_spelling(dtype)
+    if found is None:
+        raise UsageError(f"unknown --dtype {dtype!r}: use bf16, fp16 or fp32")
+    return found.name
 
 
 def _chunk(text: str) -> int:

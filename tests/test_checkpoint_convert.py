@@ -221,9 +221,9 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
 
 
 @pytest.mark.parametrize("chunk", [64, 200])
-def test_many_small_blocks_read_ahead(sharded, tmp_path, chunk):
-    """Chunks far smaller than the tensors: every copy takes many blocks, read ahead in a
-    second thread, output checksums combined block by block; results stay exact."""
+def test_many_small_blocks(sharded, tmp_path, chunk):
+    """Chunks far smaller than the tensors: every copy takes many blocks, output checksums
+    combined block by block; results stay exact."""
     from fsdpkit.checkpoint.offline.convert import convert_to_full
     from fsdpkit.checkpoint.offline.reshard import reshard
     from fsdpkit.checkpoint.offline.verify import verify_checkpoint
@@ -234,6 +234,46 @@ def test_many_small_blocks_read_ahead(sharded, tmp_path, chunk):
     convert_to_full(tmp_path / "r3", tmp_path / "full", chunk_size=chunk, with_optimizer=True)
     _assert_full_equal(tmp_path / "full", _model_tensors(tensors))
     _assert_full_equal(tmp_path / "full", {n: t for n, t in tensors.items() if n.startswith("optim.")}, prefix="optimizer")
+
+
+@pytest.mark.parametrize("unsupported", [(), ("copy_file_range",), ("copy_file_range", "sendfile")])
+def test_large_fragments_copied_by_the_kernel(sharded, tmp_path, monkeypatch, unsupported):
+    """Fragments above the kernel-copy size go file to file (copy_file_range, else sendfile,
+    else read and write where the filesystem refuses), checksummed through the mapping: the
+    result equals the mapped-slices path byte for byte, and a corrupt source byte is caught."""
+    import errno
+    import os
+
+    from fsdpkit.checkpoint import bytecopy
+    from fsdpkit.checkpoint.offline.reshard import reshard
+    from fsdpkit.errors import DataCheckError
+
+    _, tensors, runs = sharded
+    reshard(runs[2].parent, tmp_path / "slices", world_size=3)
+
+    def refuse(*args):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    for name in unsupported:
+        monkeypatch.setattr(os, name, refuse)
+    monkeypatch.setattr(bytecopy, "KERNEL_COPY_BYTES", 64)
+    monkeypatch.setattr(bytecopy, "WHOLE_FILE_BYTES", 256)
+    reshard(runs[2].parent, tmp_path / "kernel", world_size=3)
+    for rank in range(3):
+        name = f"rank-{rank:05d}-of-00003.safetensors"
+        assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "slices" / name).read_bytes()
+    reader = CheckpointReader(tmp_path / "kernel")
+    for name, tensor in tensors.items():
+        assert torch.equal(reader.read_tensor(name), tensor), name
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(runs[2], corrupt)
+    path = corrupt / "rank-00001-of-00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataCheckError, match="checksum mismatch"):
+        reshard(corrupt, tmp_path / "out", world_size=3)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_loading_rank_reads_only_the_files_its_chunk_overlaps(sharded, tmp_path):

@@ -13,15 +13,16 @@ from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, sav
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fsdpkit.checkpoint.bytecopy import cast_into
+from fsdpkit.checkpoint.casts import cast_into
 from fsdpkit.checkpoint.crc import CrcShifter
 from fsdpkit.checkpoint.format import split_optim_tensor_name
 from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import Layout, Placement, TensorSpec
 from fsdpkit.checkpoint.reader import read_header
-from fsdpkit.checkpoint.state import SAFETENSORS_TO_TORCH, safetensors_dtype, tensor_bytes
+from fsdpkit.checkpoint.state import safetensors_dtype, tensor_bytes
 from fsdpkit.checkpoint.storage import resolve_checkpoint
 from fsdpkit.checkpoint.writer import StreamingWriter
+from fsdpkit.dtypes import dtype_info
 from fsdpkit.errors import DataCheckError
 from fsdpkit.layout import ElementRange, FlatLayout
 
@@ -61,7 +62,7 @@ def test_streaming_writer_reads_back_with_safetensors(tmp_path):
         assert torch.equal(f.get_slice("a")[1:3], tensors["a"][1:3])
     header = read_header(path)
     for info in header.tensors.values():  # every tensor starts aligned to its element size
-        assert (header.data_start + info.begin) % torch.empty(0, dtype=SAFETENSORS_TO_TORCH[info.dtype]).element_size() == 0
+        assert (header.data_start + info.begin) % torch.empty(0, dtype=dtype_info(info.dtype).torch).element_size() == 0
 
 
 def test_streaming_writer_refuses_short_or_long_data(tmp_path):
@@ -128,7 +129,7 @@ EDGE = [0.0, -0.0, 1.0, -1.5, 3.0e38, -3.0e38, 1e-40, 65504.0, 65520.0, 1e5, 1.0
     ],
 )
 def test_cast_matches_torch(src, dst):
-    src_t, dst_t = SAFETENSORS_TO_TORCH[src], SAFETENSORS_TO_TORCH[dst]
+    src_t, dst_t = dtype_info(src).torch, dtype_info(dst).torch
     g = torch.Generator().manual_seed(0)  # seed 0 holds an F64 value that F16 rounds differently directly and via F32
     values = torch.cat(
         [
@@ -217,7 +218,7 @@ def test_rank_file_header_is_derived_and_reads_back(tmp_path):
             assert torch.equal(loaded[name], tensors[name].reshape(-1)[fragment.start : fragment.end])
         header = read_header(path)
         itemsizes = [
-            torch.empty(0, dtype=SAFETENSORS_TO_TORCH[header.tensors[manifest.tensors[f.tensor].name].dtype]).element_size()
+            torch.empty(0, dtype=dtype_info(header.tensors[manifest.tensors[f.tensor].name].dtype).torch).element_size()
             for f in expected.fragments
         ]
         assert itemsizes == sorted(itemsizes, reverse=True)

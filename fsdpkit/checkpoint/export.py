@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from .format import is_safe_file_name
 
@@ -36,7 +37,6 @@ SIDE_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
-TORCH_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ class HfExport:
     def config_for(self, weight_dtype: str | None) -> dict:
         """config.json, saying the dtype the weights were written in."""
         config = dict(self.config)
-        if weight_dtype in TORCH_DTYPE_NAMES:
-            config["dtype"] = TORCH_DTYPE_NAMES[weight_dtype]
+        if weight_dtype is not None and dtype_info(weight_dtype).castable:
+            config["dtype"] = dtype_info(weight_dtype).torch_name
             config.pop("torch_dtype", None)
         return config
 

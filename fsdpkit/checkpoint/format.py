@@ -1,4 +1,4 @@
-"""Names, constants and dtype facts of the fsdpkit checkpoint format (no I/O, no torch).
+"""Names and constants of the fsdpkit checkpoint format (no I/O, no torch).
 
 The spec is docs/checkpoint-format.md. Everything here is pure and shared by the writer,
 the readers, convert, reshard, verify and inspect.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from typing import TypeGuard
 
+from ..dtypes import dtype_info
 from ..errors import DataCheckError
 
 FORMAT_NAME = "fsdpkit-checkpoint"
@@ -47,55 +47,6 @@ MAX_JSON_DEPTH = 64  # nesting of any JSON document read (manifests, headers, in
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 _STEP_NAME = re.compile(r"^step-(\d{8,})$")
-
-
-@dataclass(frozen=True)
-class DtypeInfo:
-    name: str  # the safetensors spelling: F32, BF16, I64, BOOL...
-    itemsize: int
-    castable: bool  # a float that --dtype may cast (F16, BF16, F32, F64)
-
-
-_DTYPES = {
-    "BOOL": DtypeInfo("BOOL", 1, False),
-    "U8": DtypeInfo("U8", 1, False),
-    "I8": DtypeInfo("I8", 1, False),
-    "I16": DtypeInfo("I16", 2, False),
-    "U16": DtypeInfo("U16", 2, False),
-    "I32": DtypeInfo("I32", 4, False),
-    "U32": DtypeInfo("U32", 4, False),
-    "I64": DtypeInfo("I64", 8, False),
-    "U64": DtypeInfo("U64", 8, False),
-    "F8_E5M2": DtypeInfo("F8_E5M2", 1, False),
-    "F8_E4M3": DtypeInfo("F8_E4M3", 1, False),
-    "F16": DtypeInfo("F16", 2, True),
-    "BF16": DtypeInfo("BF16", 2, True),
-    "F32": DtypeInfo("F32", 4, True),
-    "F64": DtypeInfo("F64", 8, True),
-}
-
-# --dtype spellings accepted by the CLI.
-CAST_TARGETS = {
-    "bf16": "BF16",
-    "bfloat16": "BF16",
-    "fp16": "F16",
-    "float16": "F16",
-    "half": "F16",
-    "fp32": "F32",
-    "float32": "F32",
-    "float": "F32",
-}
-
-
-def dtype_info(name: str) -> DtypeInfo:
-    try:
-        return _DTYPES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown dtype {name!r} (known: {', '.join(_DTYPES)})") from None
-
-
-def is_known_dtype(name: object) -> TypeGuard[str]:
-    return isinstance(name, str) and name in _DTYPES
 
 
 def numel(shape: tuple[int, ...] | list[int]) -> int:

@@ -21,8 +21,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..dtypes import is_known_dtype
 from ..errors import DataCheckError
 from ..layout import ElementRange, FlatLayout
+from .files import read_regular
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -32,7 +34,6 @@ from .format import (
     RANK_FILE_RULE,
     READ_VERSIONS,
     STRATEGIES,
-    is_known_dtype,
     is_optimizer_tensor,
     is_safe_file_name,
     parse_json,
@@ -144,15 +145,9 @@ class Manifest:
 
 def load_manifest(step_dir: str | Path) -> Manifest:
     path = Path(step_dir) / MANIFEST_NAME
-    try:
-        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
-            if not _is_regular(f.fileno()):
-                raise DataCheckError(f"{path}: not a regular file")
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise DataCheckError(f"{path}: missing; {step_dir} is not an fsdpkit checkpoint") from None
-    except OSError as error:
-        raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
+    if not path.exists() and not path.is_symlink():
+        raise DataCheckError(f"{path}: missing; {step_dir} is not an fsdpkit checkpoint")
+    raw = read_regular(path, MAX_MANIFEST_BYTES + 1)
     if len(raw) > MAX_MANIFEST_BYTES:
         raise DataCheckError(f"{path}: over the {MAX_MANIFEST_BYTES}-byte manifest limit")
     return Manifest.from_json(parse_json(raw, where=str(path), what="manifest"), where=str(path))
@@ -168,12 +163,6 @@ def save_manifest(directory: str | Path, manifest: Manifest) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
-
-
-def _is_regular(fd: int) -> bool:
-    import stat
-
-    return stat.S_ISREG(os.fstat(fd).st_mode)
 
 
 # ----- validation

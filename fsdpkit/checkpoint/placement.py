@@ -34,9 +34,10 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange, FlatLayout
-from .format import CRC_METADATA_KEY, dtype_info, split_optim_tensor_name
+from .format import CRC_METADATA_KEY, split_optim_tensor_name
 
 Shape = tuple[int, ...]
 MAX_CACHED_HEADER_BYTES = 32 << 20  # bounds the rank file headers a Layout keeps

@@ -1,9 +1,9 @@
 """The one reader of checkpoint files (no torch): safetensors headers, sharded checkpoints of
 format v2 (and v1), full Hugging Face style checkpoints; every file validated before a data
-byte of it is used. Bytes themselves are read by `bytecopy.ByteCopier` from the
+byte of it is used. Bytes themselves are read by `bytecopy.ByteEngine` from the
 `SourceTensor`s this module describes.
 
-Every file is opened with `open_regular`: O_NONBLOCK (a FIFO in place of a file cannot
+Every file is opened with `files.open_regular`: O_NONBLOCK (a FIFO in place of a file cannot
 block), then fstat, and anything but a regular file is refused. Nothing outside the checkpoint
 directory is read (`storage.checkpoint_file`). Every problem is a one-line `DataCheckError`
 naming the file.
@@ -36,17 +36,18 @@ from __future__ import annotations
 import bisect
 import os
 import re
-import stat
 import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..dtypes import dtype_info, is_known_dtype
 from ..errors import DataCheckError, UsageError
 from ..layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
 from .export import Layout, layout_of
+from .files import open_regular, read_exactly
 from .format import (
     CRC_METADATA_KEY,
     MANIFEST_NAME,
@@ -56,8 +57,6 @@ from .format import (
     OPTIM_INDEX,
     OPTIM_SINGLE,
     TIED_METADATA_KEY,
-    dtype_info,
-    is_known_dtype,
     is_safe_file_name,
     numel,
     parse_json,
@@ -69,33 +68,6 @@ from .storage import checkpoint_file, resolve_checkpoint
 
 _HEX = re.compile(rb"[0-9a-f]*")
 CACHED_PIECES = 256
-
-
-def open_regular(path: Path) -> tuple[int, int]:
-    """(fd, size) of a regular file opened read-only without blocking, else a DataCheckError."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise DataCheckError(f"{path}: file is missing") from None
-    except IsADirectoryError:
-        raise DataCheckError(f"{path}: is a directory, expected a safetensors file") from None
-    except OSError as error:
-        raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise DataCheckError(f"{path}: not a regular file")
-    return fd, info.st_size
-
-
-def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:
-    data = os.pread(fd, count, offset)
-    while len(data) < count:
-        more = os.pread(fd, count - len(data), offset + len(data))
-        if not more:
-            raise DataCheckError(f"{path}: file ends at byte {offset + len(data)}, {count - len(data)} bytes early")
-        data += more
-    return data
 
 
 # ----- safetensors headers (full and v1 files)

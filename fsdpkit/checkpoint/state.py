@@ -39,12 +39,13 @@ import torch.nn as nn
 
 from .. import faults
 from ..comm import Collectives, new_group
+from ..dtypes import dtype_info, of_torch
 from ..engine.view import ShardedModelView, describe
 from ..errors import DataCheckError, RunError
 from ..layout import ElementRange
 from . import storage
 from .background import WRITE_CHUNK_BYTES, HostBuffers, SaveTimings, lower_thread_priority
-from .bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
+from .bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from .export import EXPORT_ATTR, EXPORT_STATE_KEY
 from .format import optim_tensor_name, rank_file_name
 from .lock import process_identity, run_id_of
@@ -55,31 +56,9 @@ from .writer import RankFileWriter
 
 OPTIMIZER_STATE_KEYS = {"AdamW": ("exp_avg", "exp_avg_sq", "step"), "Adam": ("exp_avg", "exp_avg_sq", "step")}
 
-TORCH_TO_SAFETENSORS = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3",
-}
-SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in TORCH_TO_SAFETENSORS.items()}
-
 
 def safetensors_dtype(dtype: torch.dtype) -> str:
-    try:
-        return TORCH_TO_SAFETENSORS[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} cannot be stored in a checkpoint") from None
+    return of_torch(dtype).name
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -99,13 +78,13 @@ def tensor_bytes(data: torch.Tensor) -> memoryview:
 
 # ----- reading tensors by element ranges
 class TensorReader:
-    """Element ranges of named tensors as torch tensors, through the one `ByteCopier` (every
+    """Element ranges of named tensors as torch tensors, through the byte engine (every
     checksummed piece verified the first time it is touched)."""
 
     def __init__(self, sources: list[SourceTensor], aliases: dict[str, str]):
         self._sources = {source.name: source for source in sources}
         self.aliases = dict(aliases)
-        self._copier = ByteCopier(chunk_size=DEFAULT_CHUNK_SIZE)
+        self._copier = ByteEngine(chunk_size=DEFAULT_CHUNK_SIZE)
 
     def source(self, name: str) -> SourceTensor:
         source = self._sources.get(self.aliases.get(name, name))
@@ -121,7 +100,7 @@ class TensorReader:
         source = self.source(name)
         if wanted.end > source.numel:
             raise ValueError(f"range [{wanted.start}, {wanted.end}) outside {source.name!r} of {source.numel} elements")
-        out = torch.empty(wanted.size, dtype=SAFETENSORS_TO_TORCH[source.dtype])
+        out = torch.empty(wanted.size, dtype=dtype_info(source.dtype).torch)
         if wanted.size:
             self._copier.read_into(source, wanted, _byte_view(out))
         return out
@@ -201,7 +180,7 @@ class RestoredReader(TensorReader):
         if stored is None:
             return super().read_range(name, wanted)
         rows, cols = source.shape  # fsdpkit's orientation; the file holds the (cols, rows) transpose
-        out = torch.empty(wanted.size, dtype=SAFETENSORS_TO_TORCH[source.dtype])
+        out = torch.empty(wanted.size, dtype=dtype_info(source.dtype).torch)
         if not wanted.size:
             return out
         first, last = wanted.start // cols, (wanted.end - 1) // cols + 1

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange
-from .bytecopy import ByteCopier, SourceTensor
+from .bytecopy import ByteEngine, SourceTensor
 from .export import Layout
-from .format import dtype_info, is_optimizer_tensor
+from .format import is_optimizer_tensor
 from .reader import FullCheckpoint, open_full
 from .writer import StreamingWriter
 
 _UNSIGNED = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 
-def transposed_bytes(copier: ByteCopier, source: SourceTensor, out_dtype: str):
+def transposed_bytes(copier: ByteEngine, source: SourceTensor, out_dtype: str):
     """The 2-D tensor `source`, cast to `out_dtype`, transposed: a C-contiguous numpy array of
     its raw elements (unsigned integers of the element size, whatever the dtype)."""
     import numpy as np
@@ -61,7 +62,7 @@ def restore_layout(full: FullCheckpoint, layout: Layout, scratch: Path, *, chunk
         else:
             renamed.append(SourceTensor(original, tensor.shape, tensor.dtype, tensor.pieces))
     if back:
-        copier = ByteCopier(chunk_size=chunk_size)
+        copier = ByteEngine(chunk_size=chunk_size)
         try:
             entries = [(name, tensor.dtype, tuple(reversed(tensor.shape))) for name, tensor in back]
             with StreamingWriter(scratch, entries, metadata={"format": "pt"}, sync=False) as writer:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dtypes import SHORT_NAMES, of_torch
 from ..engine.config import BACKWARD_PREFETCH, STRATEGIES, MixedPrecision, ShardingConfig
 from ..errors import UsageError
 from ..launch import LaunchOptions
@@ -192,7 +193,7 @@ class LoggingConfig:
 # The engine's ShardingConfig is a section as it is; only mixed precision is given by name
 # (plus an optional reduction dtype) instead of as a MixedPrecision of torch dtypes.
 PRECISIONS = ("none", "bf16", "fp16")
-REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+REDUCE_DTYPES = SHORT_NAMES
 _SHARDING_DEFAULT = ShardingConfig()
 
 
@@ -206,14 +207,12 @@ def precision_policy(name: str, reduce_dtype: str | None = None) -> MixedPrecisi
 
 def precision_names(policy: MixedPrecision) -> tuple[str, str | None]:
     """(name, reduce dtype or None when it is the name's default): the inverse of precision_policy."""
-    import torch
-
-    names = {torch.float32: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    name = "none" if policy.param_dtype is None else names[policy.param_dtype]
+    short = of_torch(policy.param_dtype).short if policy.param_dtype is not None else None
+    name = "none" if short in (None, "fp32") else short
     if policy.reduce_dtype == precision_policy(name).reduce_dtype:
         return name, None
-    reduce_dtype = policy.reduce_dtype or policy.param_dtype or torch.float32  # None: gradients reduce in the compute dtype
-    return name, {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[reduce_dtype]
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype  # None: gradients reduce in the compute dtype
+    return name, of_torch(reduce_dtype).short if reduce_dtype is not None else "fp32"
 
 
 def _build_sharding(*, mixed_precision: str = "none", reduce_dtype: str | None = None, **fields: Any) -> ShardingConfig:

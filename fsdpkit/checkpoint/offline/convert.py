@@ -6,7 +6,7 @@ with `with_optimizer`, `optimizer*` files likewise). `convert_to_sharded(src, ds
 full checkpoint -> an fsdpkit sharded checkpoint for `world_size` ranks, laid out by the
 placement given (a model's flat-parameter units: `fsdpkit.models.units.placement_for_model`) or,
 without one, an even split per tensor. Both validate SRC completely first, check free disk, write
-under a temporary name and rename (see `storage.staged_output`), copy through a `ByteCopier` (memory
+under a temporary name and rename (see `storage.staged_output`), copy through the byte engine (memory
 bounded by `chunk_size`), verify source checksums as they read, and cast floats to
 `cast_to` ("F32", "F16", "BF16") on the way out. They return a JSON-able summary.
 
@@ -26,13 +26,15 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...layout import ElementRange
-from ..bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
+from ..bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..export import CONFIG_NAME, LAYOUT_METADATA_KEY, HfExport, Layout, export_of
-from ..format import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, dtype_info, is_optimizer_tensor, nbytes, output_dtype
+from ..files import open_regular
+from ..format import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
 from ..placement import Placement
-from ..reader import open_full, open_regular, open_sharded
+from ..reader import open_full, open_sharded
 from ..storage import staged_output
 from ..transpose import restore_layout, transposed_bytes
 from ..writer import StreamingWriter, write_sharded
@@ -91,7 +93,7 @@ def convert_to_full(
     written: list[str] = []
     warnings: list[str] = []
     with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
-        copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
+        copier = ByteEngine(chunk_size=chunk_size, progress=_progress_callback(progress, total))
         for prefix, files in file_groups:
             for file_name, group in files:
                 _write_full_file(tmp / file_name, group, by_name, copier, model_metadata if prefix == "model" else metadata)
@@ -116,7 +118,7 @@ def convert_to_full(
     }
 
 
-def _write_full_file(path: Path, group, by_name: dict[str, tuple[SourceTensor, bool]], copier: ByteCopier, metadata: dict) -> None:
+def _write_full_file(path: Path, group, by_name: dict[str, tuple[SourceTensor, bool]], copier: ByteEngine, metadata: dict) -> None:
     with StreamingWriter(path, group, metadata=metadata, write_behind=True, sync=False) as writer:  # staged_output syncs
         for name, info in writer.order:
             source, flip = by_name[name]

@@ -12,7 +12,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..format import FORMAT_NAME, MANIFEST_NAME, dtype_info, is_optimizer_tensor, numel
+from ...dtypes import dtype_info
+from ..format import FORMAT_NAME, MANIFEST_NAME, is_optimizer_tensor, numel
 from ..reader import is_full_checkpoint, open_full, open_sharded
 
 LARGEST = 5

@@ -19,10 +19,11 @@ from typing import Any
 
 from ...errors import DataCheckError
 from ..bytecopy import DEFAULT_CHUNK_SIZE
+from ..files import open_regular, pread_into
 from ..format import MANIFEST_NAME
 from ..manifest import load_manifest
 from ..placement import FileLayout
-from ..reader import RankFile, ShardedCheckpoint, check_v2_size, is_full_checkpoint, open_full, open_regular, v2_crcs
+from ..reader import RankFile, ShardedCheckpoint, check_v2_size, is_full_checkpoint, open_full, v2_crcs
 from ..storage import resolve_checkpoint
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
@@ -93,12 +94,7 @@ def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, expected: FileLayo
     try:
         check_v2_size(path, size, expected)
         view = buffer[:size]
-        done = 0
-        while done < size:
-            count = os.preadv(fd, [view[done:]], done)
-            if count == 0:
-                raise DataCheckError(f"{path}: file ends at byte {done}, {size - done} bytes early (truncated)")
-            done += count
+        pread_into(fd, 0, view, path)
     finally:
         os.close(fd)
     start = expected.data_start
