@@ -14,7 +14,8 @@ import torch
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import Placement, TensorSpec
-from fsdpkit.checkpoint.state import safetensors_dtype, write_rank
+from fsdpkit.checkpoint.save_protocol import write_rank
+from fsdpkit.checkpoint.tensors import safetensors_dtype
 from fsdpkit.layout import ElementRange
 
 

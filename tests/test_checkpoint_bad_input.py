@@ -22,7 +22,7 @@ from _checkpoint_v1 import write_v1
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import check_compatible
 from fsdpkit.checkpoint.reader import read_header
-from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.errors import DataCheckError
 
 RANK1 = "rank-00001-of-00002.safetensors"

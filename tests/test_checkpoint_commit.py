@@ -19,8 +19,8 @@ from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, sav
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import save_manifest
 from fsdpkit.checkpoint.offline.verify import verify_checkpoint
-from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.checkpoint.storage import resolve_checkpoint
+from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.errors import DataCheckError, RunError
 
 TESTS = Path(__file__).parent

@@ -11,7 +11,7 @@ from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_op
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.layout import ElementRange, FlatLayout
 from fsdpkit.models.registry import build_model
 from fsdpkit.models.units import unit_plan_for_model

@@ -19,8 +19,8 @@ from fsdpkit.checkpoint.format import split_optim_tensor_name
 from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import Layout, Placement, TensorSpec
 from fsdpkit.checkpoint.reader import read_header
-from fsdpkit.checkpoint.state import safetensors_dtype, tensor_bytes
 from fsdpkit.checkpoint.storage import resolve_checkpoint
+from fsdpkit.checkpoint.tensors import raw_bytes, safetensors_dtype
 from fsdpkit.checkpoint.writer import StreamingWriter
 from fsdpkit.dtypes import dtype_info
 from fsdpkit.errors import DataCheckError
@@ -31,7 +31,7 @@ def _write(path, tensors, piece=7):
     entries = [(n, safetensors_dtype(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
     with StreamingWriter(path, entries, metadata={"format": "pt"}) as writer:
         for name, _ in writer.order:
-            data = tensor_bytes(tensors[name])
+            data = raw_bytes(tensors[name])
             for i in range(0, data.nbytes, piece):  # odd-sized pieces: the writer must not care
                 writer.write(data[i : i + piece])
     return writer
@@ -140,11 +140,11 @@ def test_cast_matches_torch(src, dst):
     ).to(src_t)
     expected = values.to(dst_t)
     out = bytearray(values.numel() * expected.element_size())
-    result = cast_into(tensor_bytes(values), src, dst, out)
+    result = cast_into(raw_bytes(values), src, dst, out)
     got = torch.frombuffer(bytearray(result), dtype=dst_t)
     assert torch.equal(got, expected)
     nan = torch.tensor([float("nan")], dtype=src_t)
-    got_nan = torch.frombuffer(bytearray(cast_into(tensor_bytes(nan), src, dst, bytearray(8))[: expected.element_size()]), dtype=dst_t)
+    got_nan = torch.frombuffer(bytearray(cast_into(raw_bytes(nan), src, dst, bytearray(8))[: expected.element_size()]), dtype=dst_t)
     assert torch.isnan(got_nan).all()
 
 
@@ -224,7 +224,7 @@ def test_rank_file_header_is_derived_and_reads_back(tmp_path):
         assert itemsizes == sorted(itemsizes, reverse=True)
         crcs = header.metadata["fsdpkit_crc32"]
         assert [int(crcs[8 * i : 8 * i + 8], 16) for i in range(len(expected.fragments))] == [
-            zlib.crc32(tensor_bytes(loaded[manifest.tensors[f.tensor].name])) for f in expected.fragments
+            zlib.crc32(raw_bytes(loaded[manifest.tensors[f.tensor].name])) for f in expected.fragments
         ]
 
 

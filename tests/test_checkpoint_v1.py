@@ -11,7 +11,7 @@ from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_op
 from _checkpoint_v1 import write_v1
 from safetensors.torch import load_file
 
-from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.layout import ElementRange
 
 

@@ -34,7 +34,7 @@ from reference import train_unsharded  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 import fsdpkit  # noqa: E402
-from fsdpkit.checkpoint.state import CheckpointReader, full_reader  # noqa: E402
+from fsdpkit.checkpoint.tensors import CheckpointReader, full_reader  # noqa: E402
 from fsdpkit.models.hf import PRESETS  # noqa: E402
 from fsdpkit.models.source import resolve  # noqa: E402
 from fsdpkit.tokens import TokenDtype, load_tokenizer, write_token_file  # noqa: E402
