@@ -76,7 +76,7 @@ def make_manifest(
 def write_ranks(directory: Path, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
     """Every rank's file, each written from data that holds the whole tensors."""
     whole = {n: (ElementRange(0, t.numel()), t.reshape(-1)) for n, t in tensors.items()}
-    for rank in range(manifest.world_size):
+    for rank in range(manifest.shard_factor):
         write_rank(directory, manifest, rank, whole)
 
 

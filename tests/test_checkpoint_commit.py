@@ -105,7 +105,7 @@ def test_resaving_a_step_replaces_it(tmp_path):
     save_checkpoint(run, 2, _tensors(2), world_size=2, units=SAMPLE_UNITS)
     save_checkpoint(run, 2, _tensors(7) | {}, world_size=4, units=SAMPLE_UNITS, training_state={"step": 2, "again": True})
     reader = CheckpointReader(run)
-    assert reader.manifest.world_size == 4 and reader.training_state["again"] is True
+    assert reader.manifest.shard_factor == 4 and reader.training_state["again"] is True
     assert sorted(p.name for p in run.iterdir()) == ["latest", "step-00000001", "step-00000002"]
 
 

@@ -107,7 +107,7 @@ def test_full_to_sharded_to_full_round_trip(sharded, tmp_path):
         assert json.loads(result.stdout)["placement"] == "even"
         assert run_cli("verify", out).exit_code == 0
         reader = CheckpointReader(out)
-        assert reader.manifest.world_size == world and reader.aliases == ALIASES
+        assert reader.manifest.shard_factor == world and reader.aliases == ALIASES
         for name, tensor in tensors.items():
             assert torch.equal(reader.read_tensor(name), tensor), name
         assert torch.equal(reader.read_tensor("lm_head.weight"), tensors["wte.weight"])
@@ -127,7 +127,7 @@ def test_reshard_then_read_equals_original(sharded, tmp_path, target):
     assert ("per_rank" in summary["warnings"][0]) if target != 2 else not summary["warnings"]
     assert run_cli("verify", out).exit_code == 0
     reader = CheckpointReader(out)
-    assert reader.manifest.world_size == target and reader.manifest.placement.kind == "flat"
+    assert reader.manifest.shard_factor == target and reader.manifest.placement.kind == "flat"
     assert "per_rank" not in reader.training_state and reader.training_state["step"] == 12
     for name, tensor in tensors.items():
         assert torch.equal(reader.read_tensor(name), tensor), name

@@ -17,7 +17,7 @@ from fsdpkit.checkpoint.casts import cast_into
 from fsdpkit.checkpoint.crc import CrcShifter
 from fsdpkit.checkpoint.format import split_optim_tensor_name
 from fsdpkit.checkpoint.manifest import Manifest
-from fsdpkit.checkpoint.placement import Layout, Placement, TensorSpec
+from fsdpkit.checkpoint.placement import Placement, ShardLayout, TensorSpec
 from fsdpkit.checkpoint.reader import read_header
 from fsdpkit.checkpoint.storage import resolve_checkpoint
 from fsdpkit.checkpoint.tensors import raw_bytes, safetensors_dtype
@@ -164,7 +164,7 @@ def test_flat_placement_follows_flat_layout():
     ]
     index = {name: i for i, (name, _) in enumerate(names)}
     for world in (1, 2, 3, 4, 7, 64):
-        layout = Layout(placement, _specs(names), world)
+        layout = ShardLayout(placement, _specs(names), world)
         held = {}  # (tensor, rank) -> range, from each rank's own view
         for rank in range(world):
             frags = layout.fragments(rank)
@@ -192,7 +192,7 @@ def test_flat_placement_follows_flat_layout():
         assert layout.pieces(index["optim.step"]) == [(0, ElementRange(0, 1))] and layout.pieces(index["buf"]) == [(0, ElementRange(0, 5))]
         first = layout.pieces(index["h.1.mlp.weight"])[0][0]  # a scalar state lives with its parameter's first element
         assert layout.pieces(index["optim.step.h.1.mlp.weight"]) == [(first, ElementRange(0, 1))]
-    even = Layout(Placement.even(), _specs([("a", (10,)), ("b", (2,))]), 4)
+    even = ShardLayout(Placement.even(), _specs([("a", (10,)), ("b", (2,))]), 4)
     assert [[(f.tensor, f.start, f.end) for f in even.fragments(r)] for r in range(4)] == [
         [(0, 0, 3), (1, 0, 1)],
         [(0, 3, 6), (1, 1, 2)],

@@ -38,7 +38,7 @@ from fsdpkit.checkpoint.tensors import CheckpointReader, full_reader  # noqa: E4
 from fsdpkit.models.hf import PRESETS  # noqa: E402
 from fsdpkit.models.source import resolve  # noqa: E402
 from fsdpkit.tokens import TokenDtype, load_tokenizer, write_token_file  # noqa: E402
-from fsdpkit.train.config import CheckpointConfig, DataConfig, ModelConfig, Optimizer, OptimizerConfig, Schedule, TrainConfig  # noqa: E402
+from fsdpkit.train.config import CheckpointConfig, DataConfig, LrSchedule, ModelConfig, Optimizer, OptimizerConfig, TrainConfig  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402
 from fsdpkit.train.loop import Trainer  # noqa: E402
 from fsdpkit.train.model_setup import wrap_policy  # noqa: E402
@@ -103,7 +103,7 @@ def _config(model: str, data: str = "synthetic", *, save_dir: str | None = None)
         seed=3,
         model=ModelConfig(name=model),
         data=DataConfig(source=data, global_batch_size=8, grad_accum=2, seq_len=24),
-        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1, schedule=Schedule.COSINE),
+        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1, schedule=LrSchedule.COSINE),
         checkpoint=CheckpointConfig(save_dir=save_dir),
     )
 

@@ -4,7 +4,7 @@ Version 2 (written): only what cannot be derived, so its size does not depend on
 size: world size, strategy, the file naming rule, the placement (the model's flat-parameter
 units, or "even"), the tensor table (name, dtype, shape of every stored tensor, in order),
 tied-weight aliases, the training state, and the id of the run that wrote it. Where each
-fragment lives, every file's size and header are derived (`placement.Layout`); each
+fragment lives, every file's size and header are derived (`placement.ShardLayout`); each
 fragment's crc32 is in its rank file's header. Version 1 (read): additionally lists every
 file with its size and every fragment with its file, key, range and crc32 (`V1Listing`).
 
@@ -38,7 +38,7 @@ from .format import (
     is_safe_file_name,
     parse_json,
 )
-from .placement import Layout, Placement, TensorSpec, short
+from .placement import Placement, ShardLayout, TensorSpec, short
 
 MAX_WORLD_SIZE = 1 << 24
 
@@ -68,7 +68,7 @@ class V1Listing:
 
 @dataclass(frozen=True)
 class Manifest:
-    world_size: int
+    shard_factor: int  # the number of shards and rank files (JSON key "world_size")
     strategy: str
     placement: Placement
     tensors: tuple[TensorSpec, ...]
@@ -92,9 +92,9 @@ class Manifest:
     def tensor(self, name: str) -> TensorSpec:
         return self.tensors[self.tensor_index(name)]
 
-    def layout(self) -> Layout:
+    def layout(self) -> ShardLayout:
         """Where every fragment lives (version 2)."""
-        return Layout(self.placement, list(self.tensors), self.world_size)
+        return ShardLayout(self.placement, list(self.tensors), self.shard_factor)
 
     def to_json(self) -> dict:
         if self.listing is not None:
@@ -102,7 +102,7 @@ class Manifest:
         document = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
-            "world_size": self.world_size,
+            "world_size": self.shard_factor,
             "strategy": self.strategy,
             "files": RANK_FILE_RULE,
             "placement": self.placement.to_json(),

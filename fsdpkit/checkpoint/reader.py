@@ -9,7 +9,7 @@ directory is read (`storage.checkpoint_file`). Every problem is a one-line `Data
 naming the file.
 
 Sharded, v2: each rank file's size and whole header are derived from the manifest
-(`placement.Layout`); the file must have exactly that size and that header, except the crc32
+(`placement.ShardLayout`); the file must have exactly that size and that header, except the crc32
 hex digits in its `__metadata__`, which give each fragment's checksum. v1: the manifest lists
 files, sizes and fragments; headers are parsed and checked against the listing.
 `open_checkpoint(path)` validates files as they are first touched (a loading rank touches
@@ -46,7 +46,7 @@ from ..dtypes import dtype_info, is_known_dtype
 from ..errors import DataCheckError, UsageError
 from ..layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
-from .export import Layout, layout_of
+from .export import ExportLayout, layout_of
 from .files import open_regular, read_exactly
 from .format import (
     CRC_METADATA_KEY,
@@ -226,7 +226,7 @@ class ShardedCheckpoint:
     def file_names(self) -> list[str]:
         if self.manifest.listing is not None:
             return [name for name, _ in self.manifest.listing.files]
-        return [rank_file_name(rank, self.manifest.world_size) for rank in range(self.manifest.world_size)]
+        return [rank_file_name(rank, self.manifest.shard_factor) for rank in range(self.manifest.shard_factor)]
 
     def rank_file(self, index: int, *, cache: bool = True) -> RankFile:
         """File `index` (a rank in v2, a position in the listing in v1), validated on first use."""
@@ -248,7 +248,7 @@ class ShardedCheckpoint:
         return RankFile(path, size, expected.data_start, expected.tensors, expected.spans, v2_crcs(path, raw, expected))
 
     def rank_file_path(self, rank: int) -> Path:
-        return checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.world_size))
+        return checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.shard_factor))
 
     def _listing(self) -> V1Listing:
         """The file and fragment listing of a v1 manifest (v2 derives both from the placement)."""
@@ -395,7 +395,7 @@ class FullCheckpoint:
     files: tuple[Path, ...]
     tensors: tuple[SourceTensor, ...]
     aliases: dict[str, str]
-    layout: Layout | None = None  # names/orientation were changed on export (export.py): how to undo it
+    layout: ExportLayout | None = None  # names/orientation were changed on export (export.py): how to undo it
 
 
 def is_full_checkpoint(path: Path) -> bool:
@@ -429,7 +429,7 @@ def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> 
     tensors: list[SourceTensor] = []
     aliases: dict[str, str] = {}
     seen: dict[str, Path] = {}  # tensor name -> the file holding it
-    layout: Layout | None = None
+    layout: ExportLayout | None = None
     for file in files:
         header = read_header(file)
         aliases.update(_tied(header))

@@ -134,7 +134,7 @@ def _write_and_commit(job: SaveJob, tmp: Path, ranks: Ranks, timings: SaveTiming
 
 def manifest_digest(manifest: Manifest) -> int:
     """63 bits that every rank must agree on before writing: the tensor table and placement."""
-    text = repr((manifest.world_size, manifest.placement, manifest.tensors, sorted(manifest.aliases.items())))
+    text = repr((manifest.shard_factor, manifest.placement, manifest.tensors, sorted(manifest.aliases.items())))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
@@ -151,7 +151,7 @@ def write_rank(
     time of each part is added to `timings`."""
     timings = timings if timings is not None else SaveTimings()
     layout = manifest.layout().file_layout(rank)
-    path = directory / rank_file_name(rank, manifest.world_size)
+    path = directory / rank_file_name(rank, manifest.shard_factor)
     with RankFileWriter(path, layout) as writer:
         for fragment in layout.fragments:
             name = manifest.tensors[fragment.tensor].name

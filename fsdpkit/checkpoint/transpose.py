@@ -15,7 +15,7 @@ from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange
 from .bytecopy import ByteEngine, SourceTensor
-from .export import Layout
+from .export import ExportLayout
 from .format import is_optimizer_tensor
 from .reader import FullCheckpoint, open_full
 from .writer import StreamingWriter
@@ -42,7 +42,9 @@ def transposed_bytes(copier: ByteEngine, source: SourceTensor, out_dtype: str):
     return np.ascontiguousarray(np.frombuffer(data, dtype=_UNSIGNED[itemsize]).reshape(rows, cols).T)
 
 
-def restore_layout(full: FullCheckpoint, layout: Layout, scratch: Path, *, chunk_size: int) -> tuple[list[SourceTensor], dict[str, str]]:
+def restore_layout(
+    full: FullCheckpoint, layout: ExportLayout, scratch: Path, *, chunk_size: int
+) -> tuple[list[SourceTensor], dict[str, str]]:
     """The tensors of a full checkpoint written with `layout` (its `full.layout`), under
     fsdpkit's names and orientation, and its aliases likewise. Transposed tensors are transposed
     back into the safetensors file `scratch` (the caller removes it); the others are read where

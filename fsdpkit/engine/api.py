@@ -21,7 +21,7 @@ from .memory import optimizer_state_bytes
 from .mesh import build_mesh
 from .plan import WrapPolicy, plan_units
 from .precision import FP32_MODULE_CLASSES, KEEP_DTYPE_ATTR, keep_in_fp32
-from .sharded import STATE_ATTR, ShardedState, get_state
+from .sharded import STATE_ATTR, RootRuntime, get_state
 
 WrapSpec = WrapPolicy | tuple[type[nn.Module], ...] | list[type[nn.Module]] | type[nn.Module] | Callable[[str, nn.Module], bool] | None
 
@@ -77,7 +77,7 @@ def shard(
                 buffer_owner._buffers[name] = _place_buffer(buffer, name, buffer_owner, device, config.mixed_precision)
     plans = plan_units(module, _as_policy(wrap))
     meta_names = meta_parameter_names(module) if deferred else set()
-    state = ShardedState(module, plans, mesh, config, Collectives(comm_stats), device, record_events=record_events)
+    state = RootRuntime(module, plans, mesh, config, Collectives(comm_stats), device, record_events=record_events)
     if meta_names:
         initialize_meta_parameters(module, state.units, meta_names, device)
     object.__setattr__(module, STATE_ATTR, state)
@@ -100,7 +100,7 @@ def _with_options(config: ShardingConfig, options: dict[str, Any]) -> ShardingCo
     return dataclasses.replace(config, **options) if options else config
 
 
-def _checkpoint_leaf_units(module: nn.Module, state: ShardedState) -> None:
+def _checkpoint_leaf_units(module: nn.Module, state: RootRuntime) -> None:
     """Recompute each non-root unit's activations in backward (units with no nested units)."""
     member_names = [name for unit in state.units for name in unit.plan.members]
     for unit in state.units:

@@ -41,7 +41,7 @@ class Optimizer(enum.StrEnum):
         return {"adamw": "AdamW", "sgd": "SGD"}[self.value]
 
 
-class Schedule(enum.StrEnum):
+class LrSchedule(enum.StrEnum):
     CONSTANT = "constant"
     COSINE = "cosine"
 
@@ -129,7 +129,7 @@ class OptimizerConfig:
     weight_decay: float = setting(0.1, "Weight decay on matrices and embeddings (not on biases or norms).")
     betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas, two numbers: 0.9,0.95.", parse=parse_pair, metavar="B1,B2")
     max_grad_norm: float | None = setting(None, "Clip the global gradient norm to this value.")
-    schedule: Schedule = setting(Schedule.CONSTANT, "Learning rate after the warm-up.", flag="--lr-schedule")
+    schedule: LrSchedule = setting(LrSchedule.CONSTANT, "Learning rate after the warm-up.", flag="--lr-schedule")
     warmup_steps: int = setting(0, "Linear warm-up steps.")
     decay_steps: int | None = setting(
         None, "Steps the cosine schedule decays over (default: --steps; set it to extend a run exactly).", flag="--lr-decay-steps"

@@ -30,7 +30,7 @@ from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...layout import ElementRange
 from ..bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
-from ..export import CONFIG_NAME, LAYOUT_METADATA_KEY, HfExport, Layout, export_of
+from ..export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport, export_of
 from ..files import open_regular
 from ..format import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
 from ..placement import Placement
@@ -64,7 +64,7 @@ def convert_to_full(
 ) -> dict:
     checkpoint = open_sharded(src)
     export = export_of(checkpoint.manifest.training_state, where=str(checkpoint.step_dir))
-    layout = export.layout if export is not None else Layout()
+    layout = export.layout if export is not None else ExportLayout()
     sources = checkpoint.sources()
     model = [t for t in sources if not is_optimizer_tensor(t.name)]
     optim = [t for t in sources if is_optimizer_tensor(t.name)]
@@ -232,12 +232,12 @@ def split_into_files(
     groups: list[list] = [[]]
     size = 0
     for entry in tensors:
-        tensor_bytes = nbytes(entry[2], entry[1])
-        if max_shard_size is not None and groups[-1] and size + tensor_bytes > max_shard_size:
+        size_bytes = nbytes(entry[2], entry[1])
+        if max_shard_size is not None and groups[-1] and size + size_bytes > max_shard_size:
             groups.append([])
             size = 0
         groups[-1].append(entry)
-        size += tensor_bytes
+        size += size_bytes
     if len(groups) == 1:
         return [(f"{prefix}.safetensors", groups[0])]
     count = len(groups)

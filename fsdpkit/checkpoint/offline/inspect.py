@@ -54,7 +54,7 @@ def summarize(path: str | Path) -> dict:
         "path": str(checkpoint.step_dir),
         "format": FORMAT_NAME,
         "version": manifest.version,
-        "world_size": manifest.world_size,
+        "world_size": manifest.shard_factor,
         "strategy": manifest.strategy,
         "placement": manifest.placement.kind,
         "units": len(manifest.placement.units),

@@ -34,7 +34,7 @@ def reshard(
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
     checkpoint = open_sharded(src)
     old = checkpoint.manifest
-    state, warnings = resharded_training_state(old.training_state, old_world_size=old.world_size, new_world_size=world_size)
+    state, warnings = resharded_training_state(old.training_state, old_world_size=old.shard_factor, new_world_size=world_size)
     for line in warnings:
         if warn is not None:
             warn(line)
@@ -56,7 +56,7 @@ def reshard(
     return {
         "src": str(checkpoint.step_dir),
         "dst": str(dst),
-        "from_world_size": old.world_size,
+        "from_world_size": old.shard_factor,
         "world_size": world_size,
         "placement": old.placement.kind,
         "files": written.files,
