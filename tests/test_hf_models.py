@@ -35,6 +35,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 import fsdpkit  # noqa: E402
 from fsdpkit.checkpoint.tensors import CheckpointReader, full_reader  # noqa: E402
+from fsdpkit.model_hooks import hooks_of  # noqa: E402
 from fsdpkit.models.hf import PRESETS  # noqa: E402
 from fsdpkit.models.source import resolve  # noqa: E402
 from fsdpkit.tokens import TokenDtype, load_tokenizer, write_token_file  # noqa: E402
@@ -390,7 +391,7 @@ def test_init_is_per_parameter_deterministic_and_order_free():
     params = list(eager.named_parameters())
     for name, param in reversed(params):
         fresh = torch.empty(param.shape)
-        meta.init_parameter(name, fresh)
+        hooks_of(meta).init_parameter(name, fresh)
         assert torch.equal(fresh, param), name
     random = [p for n, p in params if p.dim() >= 2]
     assert all(not torch.equal(a.flatten()[:16], b.flatten()[:16]) for i, a in enumerate(random) for b in random[i + 1 :])

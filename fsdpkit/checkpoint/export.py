@@ -22,7 +22,6 @@ from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from .format import is_safe_file_name
 
-EXPORT_ATTR = "fsdpkit_hf_export"  # a model's HfExport, set by its model source; Checkpointer records it
 EXPORT_STATE_KEY = "export"  # training_state["export"]: HfExport.to_json()
 LAYOUT_METADATA_KEY = "fsdpkit_export_layout"  # full files' __metadata__: ExportLayout.to_json() as a string
 CONFIG_NAME = "config.json"

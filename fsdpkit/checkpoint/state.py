@@ -27,8 +27,9 @@ import torch.nn as nn
 
 from ..comm import Collectives, new_group
 from ..engine.view import describe
+from ..model_hooks import hooks_of
 from .background import HostBuffers, SaveTimings, lower_thread_priority
-from .export import EXPORT_ATTR, EXPORT_STATE_KEY
+from .export import EXPORT_STATE_KEY
 from .lock import process_identity, run_id_of
 from .manifest import Manifest, check_compatible
 from .model_state import (
@@ -103,7 +104,7 @@ class Checkpointer:
             self.timings.total += seconds
         state = dict(training_state or {})
         state["optimizer"] = optimizer_hyperparameters(self.module, self.optimizer)
-        export = self.module.__dict__.get(EXPORT_ATTR)  # how convert hands it to transformers (export.py)
+        export = hooks_of(self.module).export  # how convert hands it to transformers (export.py)
         if export is not None:
             state[EXPORT_STATE_KEY] = export.to_json()
         manifest = Manifest(
