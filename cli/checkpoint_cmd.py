@@ -149,7 +149,7 @@ def reshard(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
     """Lay a sharded checkpoint out for another world size, offline (model and optimizer state)."""
-    from fsdpkit.checkpoint.offline.reshard import reshard as reshard_checkpoint
+    from fsdpkit.checkpoint.offline.convert import reshard as reshard_checkpoint
 
     ranks, chunk = _world(world_size), _chunk(chunk_size)
     with _progress_bar("reshard", True) as progress:
@@ -172,7 +172,7 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
-    from fsdpkit.checkpoint.offline.inspect import summarize
+    from fsdpkit.checkpoint.offline.verify import summarize
 
     summary = summarize(ckpt)
     if as_json:

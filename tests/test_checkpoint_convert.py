@@ -224,8 +224,7 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
 def test_many_small_blocks(sharded, tmp_path, chunk):
     """Chunks far smaller than the tensors: every copy takes many blocks, output checksums
     combined block by block; results stay exact."""
-    from fsdpkit.checkpoint.offline.convert import convert_to_full
-    from fsdpkit.checkpoint.offline.reshard import reshard
+    from fsdpkit.checkpoint.offline.convert import convert_to_full, reshard
     from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
     _, tensors, runs = sharded
@@ -245,7 +244,7 @@ def test_large_fragments_copied_by_the_kernel(sharded, tmp_path, monkeypatch, un
     import os
 
     from fsdpkit.checkpoint import bytecopy
-    from fsdpkit.checkpoint.offline.reshard import reshard
+    from fsdpkit.checkpoint.offline.convert import reshard
     from fsdpkit.errors import DataCheckError
 
     _, tensors, runs = sharded
@@ -305,7 +304,7 @@ def test_reshard_to_many_files_and_back(sharded, tmp_path):
     combined piece by piece), and back to few files, each fragment assembled from many source
     fragments: the results are exact, verify reports every fragment, and a flipped byte is
     caught on either side, leaving nothing behind."""
-    from fsdpkit.checkpoint.offline.reshard import reshard
+    from fsdpkit.checkpoint.offline.convert import reshard
     from fsdpkit.checkpoint.offline.verify import verify_checkpoint
     from fsdpkit.checkpoint.reader import read_header
     from fsdpkit.errors import DataCheckError

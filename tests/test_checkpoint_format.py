@@ -13,8 +13,7 @@ from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, sav
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fsdpkit.checkpoint.casts import cast_into
-from fsdpkit.checkpoint.crc import CrcShifter
+from fsdpkit.checkpoint.crc import CrcShifter, cast_into
 from fsdpkit.checkpoint.format import split_optim_tensor_name
 from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import Placement, ShardLayout, TensorSpec

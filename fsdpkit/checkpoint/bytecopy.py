@@ -44,8 +44,7 @@ from typing import NamedTuple
 from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange
-from .casts import cast_into
-from .crc import CrcShifter
+from .crc import CrcShifter, cast_into
 from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, pread_into, write_behind, write_views
 from .format import numel
 from .placement import FileLayout

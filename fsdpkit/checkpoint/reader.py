@@ -39,10 +39,10 @@ import re
 import struct
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..dtypes import dtype_info, is_known_dtype
+from ..dtypes import dtype_info
 from ..errors import DataCheckError, UsageError
 from ..layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
@@ -57,8 +57,9 @@ from .format import (
     OPTIM_INDEX,
     OPTIM_SINGLE,
     TIED_METADATA_KEY,
+    Header,
     is_safe_file_name,
-    numel,
+    parse_header_bytes,
     parse_json,
     rank_file_name,
 )
@@ -71,30 +72,6 @@ CACHED_PIECES = 256
 
 
 # ----- safetensors headers (full and v1 files)
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int  # byte offsets relative to the start of the data buffer
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-@dataclass(frozen=True)
-class Header:
-    path: Path
-    data_start: int  # absolute file offset of the data buffer
-    tensors: dict[str, TensorInfo]
-    metadata: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def file_size(self) -> int:
-        return self.data_start + max((t.end for t in self.tensors.values()), default=0)
-
-
 def read_header(path: str | Path, *, expected_size: int | None = None) -> Header:
     """Parse and validate the header of a safetensors file (see the module docstring)."""
     path = Path(path)
@@ -118,41 +95,6 @@ def read_header(path: str | Path, *, expected_size: int | None = None) -> Header
     if end != size:
         raise DataCheckError(f"{path}: data ends at byte {end} but the file is {size} bytes (truncated or extended)")
     return header
-
-
-def parse_header_bytes(raw: bytes, *, path: Path) -> Header:
-    document = parse_json(raw, where=str(path), what="safetensors header")
-    if not isinstance(document, dict):
-        raise DataCheckError(f"{path}: safetensors header is a {type(document).__name__}, expected an object")
-    metadata = document.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise DataCheckError(f"{path}: __metadata__ must map strings to strings")
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in document.items():
-        tensors[name] = _tensor_info(name, entry, path)
-    spans = sorted((t.begin, t.end, name) for name, t in tensors.items())
-    position = 0
-    for begin, end, name in spans:
-        if begin != position:
-            raise DataCheckError(f"{path}: tensor {name!r} starts at byte {begin}, expected {position} (hole or overlap)")
-        position = end
-    return Header(path=path, data_start=8 + len(raw), tensors=tensors, metadata=dict(metadata))
-
-
-def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
-    if not isinstance(entry, dict):
-        raise DataCheckError(f"{path}: header entry {name!r} is not an object")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not is_known_dtype(dtype):
-        raise DataCheckError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise DataCheckError(f"{path}: tensor {name!r} has invalid shape {str(shape)[:80]}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]:
-        raise DataCheckError(f"{path}: tensor {name!r} has invalid data_offsets {str(offsets)[:80]}")
-    expected = numel(shape) * dtype_info(dtype).itemsize
-    if offsets[1] - offsets[0] != expected:
-        raise DataCheckError(f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}")
-    return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
 
 
 # ----- sharded checkpoints
