@@ -358,14 +358,20 @@ class ByteEngine:
                 start = piece.offset + (part.start - piece.range.start) * itemsize
                 pread_into(self._files.fd(file), start, out[part.start * itemsize - base : part.end * itemsize - base], piece.path)
                 continue
-            first, crc = piece.range.start * itemsize, 0
+            first, crc, used = piece.range.start * itemsize, 0, None
             for at in range(0, piece.nbytes, self.block):
-                start, view = self._files.window(file, piece.offset + at)
-                view = view[piece.offset + at - start : piece.offset + min(at + self.block, piece.nbytes) - start]
+                start, window = self._files.window(file, piece.offset + at)
+                if used is not None and used[1] is not window:
+                    self._files.release(file, *used)  # read past: a load's mapped pages stay bounded
+                used = (start, window)
+                view = window[piece.offset + at - start : piece.offset + min(at + self.block, piece.nbytes) - start]
                 crc = zlib.crc32(view, crc)
                 lo, hi = max(first + at, part.start * itemsize), min(first + at + view.nbytes, part.end * itemsize)
                 if lo < hi:
                     out[lo - base : hi - base] = view[lo - first - at : hi - first - at]
+                del view
+            if used is not None:
+                self._files.release(file, *used)
             if crc != piece.crc32:
                 raise DataCheckError(f"{piece.path}: {_mismatch(piece.label, piece.crc32, crc)}")
             self._verified.add((file, piece.offset))
