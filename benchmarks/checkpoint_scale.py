@@ -14,8 +14,9 @@ for each W, --repeat times, each command in its own process, timed with a final 
 
 and reports the median time of each, the median and range of the ratios to the copy of the
 same round (the machine may be shared: only ratios measured side by side mean much), the
-largest peak RSS and the manifest's size. Targets: reshard <= 1.5x the copy,
-verify <= 2x, peak RSS <= 300 MB whatever W, manifest <= 1 MB. Free disk is checked first;
+CPU seconds (user + sys) each spent per GB of checkpoint, the largest peak RSS and the
+manifest's size. Targets: reshard <= 1.0x the copy up to W = 64 and <= 1.5x at 16384,
+verify <= 1.0x, peak RSS <= 300 MB whatever W, manifest <= 1 MB. Free disk is checked first;
 outputs are deleted once measured.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import statistics
 import subprocess
@@ -42,7 +44,7 @@ from pathlib import Path
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import TensorSpec
-from fsdpkit.checkpoint.state import write_rank
+from fsdpkit.checkpoint.save_protocol import write_rank
 from fsdpkit.layout import ElementRange
 from fsdpkit.models.units import placement_for_model
 
@@ -85,17 +87,24 @@ finally:
 """
 
 
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def timed(command: list[str]) -> dict:
-    """Wall time of `command` plus a final `sync`; its peak RSS when it reports one."""
-    start = time.perf_counter()
+    """Wall time of `command` plus a final `sync`, the CPU seconds (user + sys) of the command;
+    its peak RSS when it reports one."""
+    start, cpu_start = time.perf_counter(), _children_cpu()
     proc = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cpu = _children_cpu() - cpu_start
     subprocess.run(["sync"], check=True)
     seconds = time.perf_counter() - start
     lines = proc.stderr.strip().splitlines()
     peak = int(lines[-1].split()[1]) * 1024 if lines and lines[-1].startswith("VmHWM") else None
     if proc.returncode:
         raise SystemExit(f"error: {' '.join(command[:6])} ... failed: {lines[-2 if peak else -1] if lines else proc.returncode}")
-    return {"seconds": seconds, "peak_rss": peak}
+    return {"seconds": seconds, "cpu": cpu, "peak_rss": peak}
 
 
 def summary(values: list[float]) -> dict:
@@ -162,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                     "verify_vs_cp": summary([v["seconds"] / c["seconds"] for _, c, v in rounds]),
                     "verify_peak_rss": max(v["peak_rss"] for _, _, v in rounds),
                     "manifest_bytes": manifest_bytes,
+                    "cpu_s_per_gb": {
+                        name: statistics.median(round_[i]["cpu"] for round_ in rounds) / (data_bytes / 1e9)
+                        for i, name in enumerate(("reshard", "cp", "verify"))
+                    },
                 }
             )
         document = {
@@ -181,13 +194,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(
                 f"{'W':>7}{'reshard s':>11}{'cp -r s':>9}{'reshard x cp':>20}{'peak RSS':>11}{'verify s':>10}"
-                f"{'verify x cp':>20}{'verify RSS':>12}{'manifest':>11}"
+                f"{'verify x cp':>20}{'verify RSS':>12}{'manifest':>11}{'CPU s/GB reshard cp verify':>28}"
             )
             for r in rows:
                 print(
                     f"{r['world_size']:>7}{r['reshard_s']['median']:>11.2f}{r['cp_s']['median']:>9.2f}{spread(r['reshard_vs_cp']):>20}"
                     f"{format_size(r['reshard_peak_rss']):>11}{r['verify_s']['median']:>10.2f}{spread(r['verify_vs_cp']):>20}"
                     f"{format_size(r['verify_peak_rss']):>12}{format_size(r['manifest_bytes']):>11}"
+                    f"{r['cpu_s_per_gb']['reshard']:>12.2f}{r['cpu_s_per_gb']['cp']:>8.2f}{r['cpu_s_per_gb']['verify']:>8.2f}"
                 )
         return 0
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 
 from fsdpkit import log
-from fsdpkit.checkpoint.format import CAST_TARGETS
+from fsdpkit.dtypes import from_spelling
 from fsdpkit.errors import UsageError
 from fsdpkit.host import available_memory_bytes
 from fsdpkit.sizes import format_size, parse_size
@@ -35,10 +35,10 @@ def _progress_bar(desc: str, enabled: bool) -> contextlib.AbstractContextManager
 def _cast(dtype: str | None) -> str | None:
     if dtype is None:
         return None
-    try:
-        return CAST_TARGETS[dtype.lower()]
-    except KeyError:
-        raise UsageError(f"unknown --dtype {dtype!r}: use bf16, fp16 or fp32") from None
+    found = from_spelling(dtype)
+    if found is None:
+        raise UsageError(f"unknown --dtype {dtype!r}: use bf16, fp16 or fp32")
+    return found.name
 
 
 def _chunk(text: str) -> int:
@@ -150,7 +150,7 @@ def reshard(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
     """Lay a sharded checkpoint out for another world size, offline (model and optimizer state)."""
-    from fsdpkit.checkpoint.offline.reshard import reshard as reshard_checkpoint
+    from fsdpkit.checkpoint.offline.convert import reshard as reshard_checkpoint
 
     ranks, chunk = _world(world_size), _chunk(chunk_size)
     with _progress_bar("reshard", True) as progress:
@@ -173,7 +173,7 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
-    from fsdpkit.checkpoint.offline.inspect import summarize
+    from fsdpkit.checkpoint.offline.verify import summarize
 
     summary = summarize(ckpt)
     if as_json:

@@ -14,7 +14,8 @@ import torch
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import Placement, TensorSpec
-from fsdpkit.checkpoint.state import safetensors_dtype, write_rank
+from fsdpkit.checkpoint.save_protocol import write_rank
+from fsdpkit.checkpoint.tensors import safetensors_dtype
 from fsdpkit.layout import ElementRange
 
 
@@ -75,7 +76,7 @@ def make_manifest(
 def write_ranks(directory: Path, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
     """Every rank's file, each written from data that holds the whole tensors."""
     whole = {n: (ElementRange(0, t.numel()), t.reshape(-1)) for n, t in tensors.items()}
-    for rank in range(manifest.world_size):
+    for rank in range(manifest.shard_factor):
         write_rank(directory, manifest, rank, whole)
 
 

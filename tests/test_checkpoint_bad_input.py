@@ -22,7 +22,7 @@ from _checkpoint_v1 import write_v1
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import check_compatible
 from fsdpkit.checkpoint.reader import read_header
-from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.errors import DataCheckError
 
 RANK1 = "rank-00001-of-00002.safetensors"
@@ -296,7 +296,7 @@ def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monke
     from fsdpkit.checkpoint import bytecopy
 
     calls = {"n": 0}
-    original = bytecopy.ByteCopier._pread
+    original = bytecopy.ByteEngine._view
 
     def failing(self, *args):
         calls["n"] += 1
@@ -304,21 +304,21 @@ def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monke
             raise KeyboardInterrupt
         return original(self, *args)
 
-    monkeypatch.setattr(bytecopy.ByteCopier, "_pread", failing)
+    monkeypatch.setattr(bytecopy.ByteEngine, "_view", failing)
     result = run_cli("convert", ckpt, tmp_path / "out", "--to", "full")
     assert result.exit_code == 130
     _no_leftovers(tmp_path, ["src"])
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, DataCheckError])
-def test_error_in_the_reading_thread_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch, error):
-    """With 64-byte chunks every tensor takes several blocks, read ahead in a second thread:
-    an error there reaches the caller and the staged output is removed."""
+def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch, error):
+    """With 64-byte chunks every tensor takes several blocks: an error while reading one
+    reaches the caller and the staged output is removed."""
     from fsdpkit.checkpoint import bytecopy
     from fsdpkit.checkpoint.offline.convert import convert_to_full
 
     calls = {"n": 0}
-    original = bytecopy.ByteCopier._read
+    original = bytecopy.ByteEngine._view
 
     def failing(self, *args):
         calls["n"] += 1
@@ -326,7 +326,7 @@ def test_error_in_the_reading_thread_leaves_no_partial_destination(ckpt, tmp_pat
             raise error("injected")
         return original(self, *args)
 
-    monkeypatch.setattr(bytecopy.ByteCopier, "_read", failing)
+    monkeypatch.setattr(bytecopy.ByteEngine, "_view", failing)
     with pytest.raises(error):
         convert_to_full(ckpt, tmp_path / "out", chunk_size=64)
     _no_leftovers(tmp_path, ["src"])

@@ -19,8 +19,8 @@ from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, sav
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import save_manifest
 from fsdpkit.checkpoint.offline.verify import verify_checkpoint
-from fsdpkit.checkpoint.state import CheckpointReader
 from fsdpkit.checkpoint.storage import resolve_checkpoint
+from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.errors import DataCheckError, RunError
 
 TESTS = Path(__file__).parent
@@ -105,7 +105,7 @@ def test_resaving_a_step_replaces_it(tmp_path):
     save_checkpoint(run, 2, _tensors(2), world_size=2, units=SAMPLE_UNITS)
     save_checkpoint(run, 2, _tensors(7) | {}, world_size=4, units=SAMPLE_UNITS, training_state={"step": 2, "again": True})
     reader = CheckpointReader(run)
-    assert reader.manifest.world_size == 4 and reader.training_state["again"] is True
+    assert reader.manifest.shard_factor == 4 and reader.training_state["again"] is True
     assert sorted(p.name for p in run.iterdir()) == ["latest", "step-00000001", "step-00000002"]
 
 

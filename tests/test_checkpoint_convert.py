@@ -11,7 +11,7 @@ from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_op
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.layout import ElementRange, FlatLayout
 from fsdpkit.models.registry import build_model
 from fsdpkit.models.units import unit_plan_for_model
@@ -107,7 +107,7 @@ def test_full_to_sharded_to_full_round_trip(sharded, tmp_path):
         assert json.loads(result.stdout)["placement"] == "even"
         assert run_cli("verify", out).exit_code == 0
         reader = CheckpointReader(out)
-        assert reader.manifest.world_size == world and reader.aliases == ALIASES
+        assert reader.manifest.shard_factor == world and reader.aliases == ALIASES
         for name, tensor in tensors.items():
             assert torch.equal(reader.read_tensor(name), tensor), name
         assert torch.equal(reader.read_tensor("lm_head.weight"), tensors["wte.weight"])
@@ -127,7 +127,7 @@ def test_reshard_then_read_equals_original(sharded, tmp_path, target):
     assert ("per_rank" in summary["warnings"][0]) if target != 2 else not summary["warnings"]
     assert run_cli("verify", out).exit_code == 0
     reader = CheckpointReader(out)
-    assert reader.manifest.world_size == target and reader.manifest.placement.kind == "flat"
+    assert reader.manifest.shard_factor == target and reader.manifest.placement.kind == "flat"
     assert "per_rank" not in reader.training_state and reader.training_state["step"] == 12
     for name, tensor in tensors.items():
         assert torch.equal(reader.read_tensor(name), tensor), name
@@ -237,11 +237,10 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
 
 
 @pytest.mark.parametrize("chunk", [64, 200])
-def test_many_small_blocks_read_ahead(sharded, tmp_path, chunk):
-    """Chunks far smaller than the tensors: every copy takes many blocks, read ahead in a
-    second thread, output checksums combined block by block; results stay exact."""
-    from fsdpkit.checkpoint.offline.convert import convert_to_full
-    from fsdpkit.checkpoint.offline.reshard import reshard
+def test_many_small_blocks(sharded, tmp_path, chunk):
+    """Chunks far smaller than the tensors: every copy takes many blocks, output checksums
+    combined block by block; results stay exact."""
+    from fsdpkit.checkpoint.offline.convert import convert_to_full, reshard
     from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
     _, tensors, runs = sharded
@@ -250,6 +249,46 @@ def test_many_small_blocks_read_ahead(sharded, tmp_path, chunk):
     convert_to_full(tmp_path / "r3", tmp_path / "full", chunk_size=chunk, with_optimizer=True)
     _assert_full_equal(tmp_path / "full", _model_tensors(tensors))
     _assert_full_equal(tmp_path / "full", {n: t for n, t in tensors.items() if n.startswith("optim.")}, prefix="optimizer")
+
+
+@pytest.mark.parametrize("unsupported", [(), ("copy_file_range",), ("copy_file_range", "sendfile")])
+def test_large_fragments_copied_by_the_kernel(sharded, tmp_path, monkeypatch, unsupported):
+    """Fragments above the kernel-copy size go file to file (copy_file_range, else sendfile,
+    else read and write where the filesystem refuses), checksummed through the mapping: the
+    result equals the mapped-slices path byte for byte, and a corrupt source byte is caught."""
+    import errno
+    import os
+
+    from fsdpkit.checkpoint import bytecopy
+    from fsdpkit.checkpoint.offline.convert import reshard
+    from fsdpkit.errors import DataCheckError
+
+    _, tensors, runs = sharded
+    reshard(runs[2].parent, tmp_path / "slices", world_size=3)
+
+    def refuse(*args):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    for name in unsupported:
+        monkeypatch.setattr(os, name, refuse)
+    monkeypatch.setattr(bytecopy, "KERNEL_COPY_BYTES", 64)
+    monkeypatch.setattr(bytecopy, "WHOLE_FILE_BYTES", 256)
+    reshard(runs[2].parent, tmp_path / "kernel", world_size=3)
+    for rank in range(3):
+        name = f"rank-{rank:05d}-of-00003.safetensors"
+        assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "slices" / name).read_bytes()
+    reader = CheckpointReader(tmp_path / "kernel")
+    for name, tensor in tensors.items():
+        assert torch.equal(reader.read_tensor(name), tensor), name
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(runs[2], corrupt)
+    path = corrupt / "rank-00001-of-00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataCheckError, match="checksum mismatch"):
+        reshard(corrupt, tmp_path / "out", world_size=3)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_loading_rank_reads_only_the_files_its_chunk_overlaps(sharded, tmp_path):
@@ -281,7 +320,7 @@ def test_reshard_to_many_files_and_back(sharded, tmp_path):
     combined piece by piece), and back to few files, each fragment assembled from many source
     fragments: the results are exact, verify reports every fragment, and a flipped byte is
     caught on either side, leaving nothing behind."""
-    from fsdpkit.checkpoint.offline.reshard import reshard
+    from fsdpkit.checkpoint.offline.convert import reshard
     from fsdpkit.checkpoint.offline.verify import verify_checkpoint
     from fsdpkit.checkpoint.reader import read_header
     from fsdpkit.errors import DataCheckError

@@ -18,7 +18,7 @@ from distributed import run_distributed
 from models import EdgeCaseNet
 
 import fsdpkit
-from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.engine.view import describe
 from fsdpkit.errors import RunError
 

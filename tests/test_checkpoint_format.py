@@ -13,15 +13,15 @@ from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, sav
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fsdpkit.checkpoint.bytecopy import cast_into
-from fsdpkit.checkpoint.crc import CrcShifter
+from fsdpkit.checkpoint.crc import CrcShifter, cast_into
 from fsdpkit.checkpoint.format import split_optim_tensor_name
 from fsdpkit.checkpoint.manifest import Manifest
-from fsdpkit.checkpoint.placement import Layout, Placement, TensorSpec
+from fsdpkit.checkpoint.placement import Placement, ShardLayout, TensorSpec
 from fsdpkit.checkpoint.reader import read_header
-from fsdpkit.checkpoint.state import SAFETENSORS_TO_TORCH, safetensors_dtype, tensor_bytes
 from fsdpkit.checkpoint.storage import resolve_checkpoint
+from fsdpkit.checkpoint.tensors import raw_bytes, safetensors_dtype
 from fsdpkit.checkpoint.writer import StreamingWriter
+from fsdpkit.dtypes import dtype_info
 from fsdpkit.errors import DataCheckError
 from fsdpkit.layout import ElementRange, FlatLayout
 
@@ -30,7 +30,7 @@ def _write(path, tensors, piece=7):
     entries = [(n, safetensors_dtype(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
     with StreamingWriter(path, entries, metadata={"format": "pt"}) as writer:
         for name, _ in writer.order:
-            data = tensor_bytes(tensors[name])
+            data = raw_bytes(tensors[name])
             for i in range(0, data.nbytes, piece):  # odd-sized pieces: the writer must not care
                 writer.write(data[i : i + piece])
     return writer
@@ -61,7 +61,7 @@ def test_streaming_writer_reads_back_with_safetensors(tmp_path):
         assert torch.equal(f.get_slice("a")[1:3], tensors["a"][1:3])
     header = read_header(path)
     for info in header.tensors.values():  # every tensor starts aligned to its element size
-        assert (header.data_start + info.begin) % torch.empty(0, dtype=SAFETENSORS_TO_TORCH[info.dtype]).element_size() == 0
+        assert (header.data_start + info.begin) % torch.empty(0, dtype=dtype_info(info.dtype).torch).element_size() == 0
 
 
 def test_streaming_writer_refuses_short_or_long_data(tmp_path):
@@ -128,7 +128,7 @@ EDGE = [0.0, -0.0, 1.0, -1.5, 3.0e38, -3.0e38, 1e-40, 65504.0, 65520.0, 1e5, 1.0
     ],
 )
 def test_cast_matches_torch(src, dst):
-    src_t, dst_t = SAFETENSORS_TO_TORCH[src], SAFETENSORS_TO_TORCH[dst]
+    src_t, dst_t = dtype_info(src).torch, dtype_info(dst).torch
     g = torch.Generator().manual_seed(0)  # seed 0 holds an F64 value that F16 rounds differently directly and via F32
     values = torch.cat(
         [
@@ -139,11 +139,11 @@ def test_cast_matches_torch(src, dst):
     ).to(src_t)
     expected = values.to(dst_t)
     out = bytearray(values.numel() * expected.element_size())
-    result = cast_into(tensor_bytes(values), src, dst, out)
+    result = cast_into(raw_bytes(values), src, dst, out)
     got = torch.frombuffer(bytearray(result), dtype=dst_t)
     assert torch.equal(got, expected)
     nan = torch.tensor([float("nan")], dtype=src_t)
-    got_nan = torch.frombuffer(bytearray(cast_into(tensor_bytes(nan), src, dst, bytearray(8))[: expected.element_size()]), dtype=dst_t)
+    got_nan = torch.frombuffer(bytearray(cast_into(raw_bytes(nan), src, dst, bytearray(8))[: expected.element_size()]), dtype=dst_t)
     assert torch.isnan(got_nan).all()
 
 
@@ -163,7 +163,7 @@ def test_flat_placement_follows_flat_layout():
     ]
     index = {name: i for i, (name, _) in enumerate(names)}
     for world in (1, 2, 3, 4, 7, 64):
-        layout = Layout(placement, _specs(names), world)
+        layout = ShardLayout(placement, _specs(names), world)
         held = {}  # (tensor, rank) -> range, from each rank's own view
         for rank in range(world):
             frags = layout.fragments(rank)
@@ -191,7 +191,7 @@ def test_flat_placement_follows_flat_layout():
         assert layout.pieces(index["optim.step"]) == [(0, ElementRange(0, 1))] and layout.pieces(index["buf"]) == [(0, ElementRange(0, 5))]
         first = layout.pieces(index["h.1.mlp.weight"])[0][0]  # a scalar state lives with its parameter's first element
         assert layout.pieces(index["optim.step.h.1.mlp.weight"]) == [(first, ElementRange(0, 1))]
-    even = Layout(Placement.even(), _specs([("a", (10,)), ("b", (2,))]), 4)
+    even = ShardLayout(Placement.even(), _specs([("a", (10,)), ("b", (2,))]), 4)
     assert [[(f.tensor, f.start, f.end) for f in even.fragments(r)] for r in range(4)] == [
         [(0, 0, 3), (1, 0, 1)],
         [(0, 3, 6), (1, 1, 2)],
@@ -217,13 +217,13 @@ def test_rank_file_header_is_derived_and_reads_back(tmp_path):
             assert torch.equal(loaded[name], tensors[name].reshape(-1)[fragment.start : fragment.end])
         header = read_header(path)
         itemsizes = [
-            torch.empty(0, dtype=SAFETENSORS_TO_TORCH[header.tensors[manifest.tensors[f.tensor].name].dtype]).element_size()
+            torch.empty(0, dtype=dtype_info(header.tensors[manifest.tensors[f.tensor].name].dtype).torch).element_size()
             for f in expected.fragments
         ]
         assert itemsizes == sorted(itemsizes, reverse=True)
         crcs = header.metadata["fsdpkit_crc32"]
         assert [int(crcs[8 * i : 8 * i + 8], 16) for i in range(len(expected.fragments))] == [
-            zlib.crc32(tensor_bytes(loaded[manifest.tensors[f.tensor].name])) for f in expected.fragments
+            zlib.crc32(raw_bytes(loaded[manifest.tensors[f.tensor].name])) for f in expected.fragments
         ]
 
 

@@ -12,7 +12,7 @@ import torch
 from _checkpoint_helpers import save_checkpoint
 from safetensors import safe_open
 
-from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.layout import ElementRange
 
 LIMIT_BYTES = 300 * 1024 * 1024

@@ -11,7 +11,7 @@ from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_op
 from _checkpoint_v1 import write_v1
 from safetensors.torch import load_file
 
-from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.layout import ElementRange
 
 
@@ -36,7 +36,7 @@ def test_v1_checkpoints_load_verify_convert_and_reshard(tmp_path):
         assert torch.equal(reader.read_range("wte.weight", ElementRange(30, 101)), tensors["wte.weight"].reshape(-1)[30:101])
         assert run_cli("verify", step_dir).exit_code == 0
         summary = json.loads(run_cli("inspect", step_dir, "--json").stdout)
-        assert summary["version"] == 1 and len(summary["files"]) == reader.manifest.world_size
+        assert summary["version"] == 1 and len(summary["files"]) == reader.manifest.shard_factor
         out = tmp_path / f"{step_dir.parent.name}-full"
         assert run_cli("convert", step_dir, out, "--to", "full", "--with-optimizer").exit_code == 0
         loaded = {**load_file(out / "model.safetensors"), **load_file(out / "optimizer.safetensors")}

@@ -34,11 +34,12 @@ from reference import train_unsharded  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 import fsdpkit  # noqa: E402
-from fsdpkit.checkpoint.state import CheckpointReader, full_reader  # noqa: E402
+from fsdpkit.checkpoint.tensors import CheckpointReader, full_reader  # noqa: E402
+from fsdpkit.model_hooks import hooks_of  # noqa: E402
 from fsdpkit.models.hf import PRESETS  # noqa: E402
 from fsdpkit.models.source import resolve  # noqa: E402
 from fsdpkit.tokens import TokenDtype, load_tokenizer, write_token_file  # noqa: E402
-from fsdpkit.train.config import CheckpointConfig, DataConfig, ModelConfig, Optimizer, OptimizerConfig, Schedule, TrainConfig  # noqa: E402
+from fsdpkit.train.config import CheckpointConfig, DataConfig, LrSchedule, ModelConfig, Optimizer, OptimizerConfig, TrainConfig  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402
 from fsdpkit.train.loop import Trainer  # noqa: E402
 from fsdpkit.train.model_setup import wrap_policy  # noqa: E402
@@ -103,7 +104,7 @@ def _config(model: str, data: str = "synthetic", *, save_dir: str | None = None)
         seed=3,
         model=ModelConfig(name=model),
         data=DataConfig(source=data, global_batch_size=8, grad_accum=2, seq_len=24),
-        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1, schedule=Schedule.COSINE),
+        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1, schedule=LrSchedule.COSINE),
         checkpoint=CheckpointConfig(save_dir=save_dir),
     )
 
@@ -390,7 +391,7 @@ def test_init_is_per_parameter_deterministic_and_order_free():
     params = list(eager.named_parameters())
     for name, param in reversed(params):
         fresh = torch.empty(param.shape)
-        meta.init_parameter(name, fresh)
+        hooks_of(meta).init_parameter(name, fresh)
         assert torch.equal(fresh, param), name
     random = [p for n, p in params if p.dim() >= 2]
     assert all(not torch.equal(a.flatten()[:16], b.flatten()[:16]) for i, a in enumerate(random) for b in random[i + 1 :])

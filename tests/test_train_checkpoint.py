@@ -17,7 +17,7 @@ import torch
 from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
-from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.checkpoint.tensors import CheckpointReader
 
 runner = CliRunner()
 COMMON = ["--seq-len", "32", "--global-batch-size", "8", "--lr-schedule", "cosine", "--warmup-steps", "2", "--lr-decay-steps", "10"]
@@ -217,7 +217,7 @@ def test_offline_reshard_then_resume_matches_resuming_the_original(runs, tmp_pat
     result = runner.invoke(app, ["reshard", str(root / "half"), str(resharded), "--world-size", str(world)])
     assert result.exit_code == 0, result.output
     with CheckpointReader(resharded) as reader:
-        assert reader.manifest.world_size == world
+        assert reader.manifest.shard_factor == world
     from_original = train("--steps", "8", "--resume", str(root / "half"), "--nproc-per-node", str(world))
     from_resharded = train("--steps", "8", "--resume", str(resharded), "--nproc-per-node", str(world))
     assert from_resharded["losses"] == from_original["losses"]

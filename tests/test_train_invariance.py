@@ -12,14 +12,14 @@ from reference import train_unsharded
 
 import fsdpkit
 from fsdpkit.models.registry import build_model
-from fsdpkit.train.config import DataConfig, OptimizerConfig, Schedule, TrainConfig
+from fsdpkit.train.config import DataConfig, LrSchedule, OptimizerConfig, TrainConfig
 from fsdpkit.train.data import TokenSource
 from fsdpkit.train.loop import Trainer
 
 CONFIG = TrainConfig(
     steps=10,
     data=DataConfig(global_batch_size=8, grad_accum=2, seq_len=32),
-    optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2, schedule=Schedule.COSINE, weight_decay=0.1),
+    optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2, schedule=LrSchedule.COSINE, weight_decay=0.1),
 )
 
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..dtypes import SHORT_NAMES, Dtype, from_short, from_spelling
 from ..errors import UsageError
 from ..settings import setting
 from ..sizes import format_size, parse_size
 from .busbw import COLLECTIVES, VARIANTS, check_collective, size_sweep
 
-DTYPES = ("float32", "bfloat16", "float16")
-NCCL_TESTS_DTYPES = {"float32": "float", "float16": "half", "bfloat16": "bfloat16"}
-DTYPE_NAMES = {**{name: name for name in DTYPES}, **{v: k for k, v in NCCL_TESTS_DTYPES.items()}}
-ELEMENT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPES = tuple(from_short(name).torch_name for name in SHORT_NAMES)  # type: ignore[union-attr]
 BACKENDS = ("auto", "gloo", "nccl")
 OPS = ("sum", "prod", "min", "max", "avg")  # all-reduce and reduce-scatter only
 REDUCING = ("allreduce", "reducescatter")
@@ -27,20 +25,24 @@ NCCL_TESTS_BINARIES = {
 }
 
 
-def parse_dtype(text: str) -> str:
-    if text not in DTYPE_NAMES:
+def _bench_dtype(text: str) -> Dtype:
+    """The dtype a --dtype names, by its torch name or its nccl-tests name."""
+    found = from_spelling(text)
+    if found is None or text not in (found.torch_name, found.nccl_tests):
         raise UsageError(f"unknown --dtype {text!r}: choose from {', '.join(DTYPES)} (nccl-tests: float, half, bfloat16)")
-    return DTYPE_NAMES[text]
+    return found
+
+
+def parse_dtype(text: str) -> str:
+    return _bench_dtype(text).torch_name
 
 
 def torch_dtype(name: str):  # -> torch.dtype
-    import torch
-
-    return getattr(torch, parse_dtype(name))
+    return _bench_dtype(name).torch
 
 
 def element_size(dtype_name: str) -> int:
-    return ELEMENT_SIZES[parse_dtype(dtype_name)]
+    return _bench_dtype(dtype_name).itemsize
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ class BenchOptions:
         """The nccl-tests command line that measures the same thing (one process per GPU)."""
         flags = (
             f"-b {self.min_bytes} -e {self.max_bytes} -f {self.factor} -n {self.iters} -w {self.warmup} "
-            f"-c {self.check} -d {NCCL_TESTS_DTYPES[self.dtype]}"
+            f"-c {self.check} -d {_bench_dtype(self.dtype).nccl_tests}"
         )
         if collective in REDUCING:
             flags += f" -o {self.op}"
@@ -133,7 +135,7 @@ def check_memory(options: BenchOptions, *, processes: int, available_bytes: int,
     """The largest size's buffers must fit in the memory `processes` share: about twice the
     size per process (send and receive), and with --check its expected and received values
     in float64 (16 bytes per element)."""
-    elements = options.max_bytes // ELEMENT_SIZES[options.dtype]
+    elements = options.max_bytes // element_size(options.dtype)
     needed = processes * (2 * options.max_bytes + (16 * elements if options.check else 0))
     if needed > available_bytes:
         raise UsageError(

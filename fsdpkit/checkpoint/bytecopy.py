@@ -1,69 +1,59 @@
-"""Bounded-memory reads of large fragments with their crc32 checked, and casts between float
-dtypes (no torch): loading, and `convert --to full`. Rank files of many small fragments
-(`write_sharded`) are assembled by `gather.py` instead.
+"""The one byte engine (no torch): every command that moves checkpoint bytes goes through a
+`ByteEngine`. Reshard and `convert --to sharded` assemble rank files (`write_rank_file`),
+`convert --to full` and export stream tensors into a writer (`copy`), loading reads element
+ranges into memory (`read_into`).
 
-A `SourceTensor` says where each element range of a tensor lies: (range, file, byte offset,
-crc32 or None). Sharded checkpoints give one piece per fragment (with its checksum); full
-safetensors files give one piece per tensor (no checksum).
+A `SourceTensor` says where each element range of a tensor lies: `SourcePiece`s (range, file,
+byte offset, crc32 or None). Sharded checkpoints give one piece per fragment (with its
+checksum); full safetensors files one piece per tensor (no checksum).
 
-`ByteCopier.copy(tensor, wanted_range, out_dtype, sink, checksum=...)` reads the overlapping
-pieces, one chunk at a time, into two reused buffers of `chunk_size` bytes with `os.preadv`
-(a second thread reads and checksums chunk i+1 while the caller's thread casts and writes
-chunk i: `preadv`, `zlib.crc32` and `write` all release the GIL), updates the running
-crc32 of every source fragment it reads, casts floats when `out_dtype` differs, and hands
-each filled view to `sink`; with `checksum=True` it returns the crc32 of all the bytes it
-handed on. Each block is checksummed once, on the bytes that are written: when both a
-source and an output checksum run over uncast bytes, the block's own crc is derived from
-the source's running one (`crc.CrcShifter`) instead of a second pass. Callers must read each
-fragment front to back (any number of calls, increasing ranges), which the plans in
-`placement.py` guarantee; when a fragment's last byte has been read its crc32 is compared with
-the manifest and a mismatch is a `DataCheckError`.
-Peak memory: two chunk buffers, a cast buffer of the same order, cast temporaries of the same
-order.
+How bytes move, chosen by fragment size:
 
-Speed: the default chunk (`DEFAULT_CHUNK_SIZE`, 512 KiB) is deliberately small. Each chunk is
-read, checksummed and written while it is still in the CPU's L2 cache; with 4-64 MiB chunks
-the same copy spent 3-10x longer in `write` (measured on a 2-core Xeon with a 2 MiB L2, page
-cache to page cache, see benchmarks/checkpoint.py). Larger chunks only bound memory higher.
+- large fragments (at least `KERNEL_COPY_BYTES`, no cast): the kernel copies them from file to
+  file (`os.copy_file_range`, else `os.sendfile`, else read and write), while the engine
+  checksums the same bytes through a read-only mapping, so they cross user space never;
+- many small fragments (a large world size: millions of a few KB each): slices of mapped
+  source windows are gathered and a whole rank file is one `writev`;
+- casts (`--dtype`) and streams into a writer: block by block through the mapping.
 
-Casts (`cast_into`) work block by block with numpy (imported on first cast only),
-rounding as torch does: round to nearest even, BF16 from F32 bits like c10's
-`round_to_nearest_even` (NaN -> 0x7FC0), F64 -> BF16 or F16 through F32.
+Mappings are windows of two `WINDOW_BYTES` blocks, kept in a bounded LRU (peak RSS does not
+grow with the checkpoint). Checksums take one pass: every block is checksummed once with
+`zlib.crc32`; that value is the output fragment's crc32 (combined when a fragment was cut from
+several blocks) and is combined into the running crc32 of the source piece it came from
+(`crc.CrcShifter`). When a source piece's last byte has passed, its crc32 must equal the
+stored one, else a `DataCheckError`. Fragments of each tensor must be asked for in increasing
+order, each source piece read front to back, which the placements guarantee; `finish()`
+checks that every piece started was read to its end. `read_into` (random access) checks a
+piece whole the first time any part of it is wanted.
+
+A file is opened without blocking (a FIFO is refused) and its size taken when first used; a
+piece that would end beyond it is a `DataCheckError`. Sources are checkpoints at rest (a file
+truncated while mapped would raise SIGBUS).
 """
 
 from __future__ import annotations
 
+import errno
 import os
-import stat
 import zlib
-from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange
-from .crc import CrcShifter
-from .format import dtype_info, numel
+from .crc import CrcShifter, cast_into
+from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, pread_into, write_behind, write_views
+from .format import numel
+from .placement import FileLayout
 
-MAX_OPEN_FILES = 64
-DEFAULT_CHUNK_SIZE = 512 * 1024
+DEFAULT_CHUNK_SIZE = 512 * 1024  # bytes per block: read, checksummed and handed on while in the L2 cache
+KERNEL_COPY_BYTES = 1 << 20  # fragments at least this large are copied by the kernel
+WHOLE_FILE_BYTES = 8 * 1024 * 1024  # a rank file up to this size is one writev; larger ones are written in such steps
 PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
-
-
-def open_regular_file(path: Path) -> int:
-    """A read-only descriptor of `path`, which must be a regular file (a FIFO or device would
-    block or never end)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as error:
-        raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise DataCheckError(f"{path}: not a regular file")
-    return fd
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
 class SourcePiece(NamedTuple):
@@ -101,70 +91,258 @@ class SourceTensor:
         return [p for p in self.pieces if p.range.start < wanted.end and wanted.start < p.range.end]
 
 
-class _OpenFiles:
-    """A small LRU of read-only file descriptors (regular files only; never blocks on a FIFO)."""
+class _Piece:
+    """A source piece being read, and how far: `done` bytes from its start, `running` their crc32."""
 
-    def __init__(self) -> None:
-        self._fds: OrderedDict[Path, int] = OrderedDict()
+    __slots__ = ("first", "last", "file", "offset", "nbytes", "crc32", "label", "done", "running", "window", "window_start", "window_end")
 
-    def fd(self, path: Path) -> int:
-        if path in self._fds:
-            self._fds.move_to_end(path)
-            return self._fds[path]
-        if len(self._fds) >= MAX_OPEN_FILES:
-            _, old = self._fds.popitem(last=False)
-            os.close(old)
-        fd = open_regular_file(path)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger readahead when not cached
-        self._fds[path] = fd
-        return fd
-
-    def close(self) -> None:
-        while self._fds:
-            os.close(self._fds.popitem()[1])
+    def __init__(self, first: int, last: int, file: int, offset: int, nbytes: int, crc32: int | None, label: str):
+        self.first, self.last = first, last  # elements of the tensor
+        self.file, self.offset, self.nbytes = file, offset, nbytes  # absolute byte offset in the file
+        self.crc32, self.label = crc32, label
+        self.done = 0
+        self.running = 0
+        self.window: memoryview | None = None  # the mapping last used, and the file offsets it covers
+        self.window_start = self.window_end = 0
 
 
-class ByteCopier:
-    def __init__(self, *, chunk_size: int, progress: Callable[[int], None] | None = None):
+class _Cursor:
+    """Where reading one source tensor (cast to one output dtype) has got to."""
+
+    __slots__ = ("source", "itemsize", "cast", "pieces", "current")
+
+    def __init__(self, source: SourceTensor, out_dtype: str):
+        self.source = source
+        self.itemsize = dtype_info(source.dtype).itemsize
+        self.cast = None if out_dtype == source.dtype else (source.dtype, out_dtype)
+        self.pieces: dict[int, _Piece] = {}  # by first element: pieces started and not finished
+        self.current: _Piece | None = None  # the piece the last read ended in
+
+
+class ByteEngine:
+    """See the module docstring. `sources` (with their output dtypes) are the tensors that
+    `fragments` and `write_rank_file` address by index; `copy` and `read_into` take any tensor.
+    `chunk_size` bounds each block (at most WINDOW_BYTES); `progress` gets source bytes done."""
+
+    def __init__(
+        self,
+        sources: Sequence[SourceTensor] = (),
+        out_dtypes: list[str] | None = None,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        progress: Callable[[int], None] | None = None,
+    ):
         if chunk_size < 64:
             raise ValueError(f"chunk size must be at least 64 bytes, got {chunk_size}")
-        self.chunk_size = chunk_size
-        self._buffers = (bytearray(chunk_size), bytearray(chunk_size))  # one being read, one being written
-        self._cast_buffer: bytearray | None = None
-        self._files = _OpenFiles()
-        self._crc: dict[tuple[Path, int], tuple[int, int, SourcePiece]] = {}  # piece -> (next byte, crc, piece)
-        self._verified: set[tuple[Path, int]] = set()  # pieces read whole and checked (read_into)
-        self._read_shifter = CrcShifter()  # used by the reading thread
-        self._write_shifter = CrcShifter()  # used by the calling thread
-        self._progress = progress
-        self._unreported = 0
+        self.block = min(chunk_size, WINDOW_BYTES) // 8 * 8  # whole elements of any dtype
+        out_dtypes = out_dtypes if out_dtypes is not None else [s.dtype for s in sources]
+        self._cursors = [_Cursor(source, dtype) for source, dtype in zip(sources, out_dtypes, strict=True)]
+        self._named: dict[tuple[str, str], _Cursor] = {}  # cursors of tensors given to copy()
+        self._verified: set[tuple[int, int]] = set()  # (file, offset) of pieces read_into checked whole
+        self._files = MappedFiles()
+        self._shifter = CrcShifter()
+        self._kernel_copy = "copy_file_range" if hasattr(os, "copy_file_range") else "sendfile"
+        self._progress, self._reported = progress, 0
+        self.bytes_read = 0  # source bytes handed on so far
 
+    # ----- rank files (reshard, convert --to sharded)
+    def write_rank_file(self, path: Path, layout: FileLayout) -> None:
+        """Rank file `layout` at `path`, its fragments from the sources (not fsynced: the caller
+        syncs the whole output). A small file is one `writev` of its complete header and mapped
+        slices; a larger one is written front to back, its crc32 digits last. On an error the
+        file is removed."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            if layout.size <= WHOLE_FILE_BYTES:
+                views: list = []
+                crcs = self.fragments(layout.tensors, layout.starts, layout.ends, views)
+                write_views(fd, layout.header_with(crcs) + views, path)
+            else:
+                self._stream_rank_file(fd, path, layout)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self._report()
+
+    def _stream_rank_file(self, fd: int, path: Path, layout: FileLayout) -> None:
+        write_views(fd, [layout.header], path)
+        views: list = []
+        crcs, pending, flushed = [], 0, 0
+        for t, start, end, (begin, stop) in zip(layout.tensors, layout.starts, layout.ends, layout.spans, strict=True):
+            if stop - begin >= KERNEL_COPY_BYTES and self._cursors[t].cast is None:
+                write_views(fd, views, path)
+                views.clear()
+                crcs.append(self._send(self._cursors[t], start, end, fd, path))
+                flushed = write_behind(fd, flushed)
+                continue
+            step = max(1, WHOLE_FILE_BYTES * (end - start) // (stop - begin))  # elements per step
+            crc = 0
+            for first in range(start, end, step):
+                last = min(first + step, end)
+                part = self.fragment(t, first, last, views)
+                size = (stop - begin) * (last - first) // (end - start)
+                crc = self._shifter.combine(crc, part, size) if first > start else part
+                pending += size
+                if pending >= WHOLE_FILE_BYTES or len(views) >= IOV_MAX:
+                    write_views(fd, views, path)
+                    views.clear()
+                    pending, flushed = 0, write_behind(fd, flushed)
+            crcs.append(crc)
+        write_views(fd, views, path)
+        digits = layout.header_with(crcs)[1]
+        if os.pwrite(fd, digits, layout.crc_offset) != len(digits):
+            raise OSError(errno.EIO, "short write while writing the crc32 digits", str(path))
+
+    def fragment(self, tensor: int, start: int, end: int, views: list) -> int:
+        """Append the bytes of elements [start, end) of source `tensor` to `views`; their crc32."""
+        return self.fragments((tensor,), (start,), (end,), views)[0]
+
+    def fragments(self, tensors, starts, ends, views: list) -> list[int]:
+        """`fragment` for each (tensor, start, end) in turn; their crc32s. A fragment inside the
+        window its piece last used takes the inlined path (a large world size has millions)."""
+        crcs = []
+        cursors, block, tables, crc32 = self._cursors, self.block, self._shifter.tables, zlib.crc32
+        done = 0
+        for tensor, start, end in zip(tensors, starts, ends, strict=True):
+            cursor = cursors[tensor]
+            piece = cursor.current
+            if piece is not None and piece.first <= start and end <= piece.last and cursor.cast is None:
+                itemsize = cursor.itemsize
+                at = (start - piece.first) * itemsize
+                nbytes = (end - start) * itemsize
+                offset = piece.offset + at
+                if at == piece.done and nbytes <= block and piece.window_start <= offset and offset + nbytes <= piece.window_end:
+                    offset -= piece.window_start
+                    view = piece.window[offset : offset + nbytes]  # type: ignore[index]
+                    crc = crc32(view)
+                    views.append(view)
+                    crcs.append(crc)
+                    done += nbytes
+                    if at:
+                        running, shift = piece.running, tables.get(nbytes)
+                        if shift is None:
+                            piece.running = self._shifter.shift(running, nbytes) ^ crc
+                        else:
+                            piece.running = (
+                                shift[0][running & 255]
+                                ^ shift[1][(running >> 8) & 255]
+                                ^ shift[2][(running >> 16) & 255]
+                                ^ shift[3][running >> 24]
+                                ^ crc
+                            )
+                    else:
+                        piece.running = crc
+                    piece.done = at + nbytes
+                    if piece.done == piece.nbytes:
+                        self._finish_piece(cursor, piece)
+                    continue
+            crcs.append(self._gather(cursor, start, end, views))
+        self.bytes_read += done
+        return crcs
+
+    def _gather(self, cursor: _Cursor, start: int, end: int, views: list) -> int:
+        """The general case of `fragments`: several pieces, several blocks, a new window, a cast."""
+        out_crc, fresh = 0, True
+        for view, crc in self._cast_blocks(cursor, start, end):
+            views.append(view)
+            out_crc = crc if fresh else self._shifter.shift(out_crc, len(view)) ^ crc
+            fresh = False
+        return out_crc
+
+    def _cast_blocks(self, cursor: _Cursor, start: int, end: int) -> Iterator[tuple[memoryview, int]]:
+        """(bytes, their crc32) of elements [start, end) block by block, cast when asked."""
+        for _, view, crc in self._blocks(cursor, start, end):
+            if cursor.cast is not None:
+                view = cast_into(view, *cursor.cast, bytearray(view.nbytes // cursor.itemsize * dtype_info(cursor.cast[1]).itemsize))
+                crc = zlib.crc32(view)
+            yield view, crc
+
+    def _blocks(self, cursor: _Cursor, start: int, end: int) -> Iterator[tuple[_Piece, memoryview, int]]:
+        """(piece, mapped source bytes, their crc32) of elements [start, end), at most one block
+        each, in order; every source piece's running crc32 advanced and checked at its end."""
+        itemsize, shifter = cursor.itemsize, self._shifter
+        position = start
+        while position < end:
+            piece = self._piece_at(cursor, position, end)
+            stop = min(end, piece.last)
+            if (position - piece.first) * itemsize != piece.done:
+                raise AssertionError(
+                    f"{piece.label}: read at byte {(position - piece.first) * itemsize}, "
+                    f"expected {piece.done} (fragments must be read in order)"
+                )
+            remaining = (stop - position) * itemsize
+            while remaining:
+                nbytes = min(remaining, self.block)
+                view = self._view(piece, piece.offset + piece.done, nbytes)
+                crc = zlib.crc32(view)
+                piece.running = shifter.shift(piece.running, nbytes) ^ crc if piece.done else crc
+                piece.done += nbytes
+                self.bytes_read += nbytes
+                remaining -= nbytes
+                yield piece, view, crc
+            cursor.current = piece
+            if piece.done == piece.nbytes:
+                self._finish_piece(cursor, piece)
+            position = stop
+
+    def _send(self, cursor: _Cursor, start: int, end: int, fd: int, path: Path) -> int:
+        """Elements [start, end) appended to file `fd` by the kernel, checksummed on the way
+        through the mapping; their crc32."""
+        out_crc, fresh, run = 0, True, None  # run: (piece, file offset, bytes) not yet copied
+        for piece, view, crc in self._blocks(cursor, start, end):
+            out_crc = crc if fresh else self._shifter.shift(out_crc, view.nbytes) ^ crc
+            fresh = False
+            offset = piece.offset + piece.done - view.nbytes
+            if run is not None and run[0] is piece:
+                run = (piece, run[1], run[2] + view.nbytes)
+            else:
+                if run is not None:
+                    self._copy_run(run[0].file, run[1], run[2], fd, path)
+                run = (piece, offset, view.nbytes)
+        if run is not None:
+            self._copy_run(run[0].file, run[1], run[2], fd, path)
+        return out_crc
+
+    def _copy_run(self, file: int, offset: int, count: int, fd: int, path: Path) -> None:
+        """Append bytes [offset, offset + count) of source `file` to `fd`: copy_file_range, else
+        sendfile, else read and write, whichever this kernel and filesystem pair offers."""
+        source = self._files.fd(file)
+        while count:
+            try:
+                if self._kernel_copy == "copy_file_range":
+                    done = os.copy_file_range(source, fd, count, offset)
+                elif self._kernel_copy == "sendfile":
+                    done = os.sendfile(fd, source, offset, count)
+                else:
+                    done = os.write(fd, os.pread(source, min(count, WHOLE_FILE_BYTES), offset))
+            except OSError as error:
+                if error.errno in _NO_KERNEL_COPY and self._kernel_copy != "write":
+                    self._kernel_copy = "sendfile" if self._kernel_copy == "copy_file_range" else "write"
+                    continue
+                raise OSError(error.errno, error.strerror, str(path)) from None
+            if done == 0:
+                raise DataCheckError(f"{self._files.paths[file]}: file ends at byte {offset} (truncated)")
+            offset, count = offset + done, count - done
+
+    # ----- streams (convert --to full, export layouts)
     def copy(
         self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None], *, checksum: bool = False
     ) -> int | None:
         """Stream elements `wanted` of `tensor`, cast to `out_dtype`, into `sink`; with `checksum`,
         return the crc32 of what was handed on."""
-        blocks = self._blocks(tensor, wanted, dtype_info(tensor.dtype).itemsize)
+        cursor = self._named.get((tensor.name, out_dtype))
+        if cursor is None or cursor.source is not tensor:
+            cursor = self._named[(tensor.name, out_dtype)] = _Cursor(tensor, out_dtype)
         out_crc = 0
-        if not blocks:
-            return out_crc if checksum else None
-        with ThreadPoolExecutor(max_workers=1) if len(blocks) > 1 else _Inline() as reader:
-            pending = reader.submit(self._read, *blocks[0], self._buffers[0])
-            for index in range(len(blocks)):
-                view, block_crc = pending.result()
-                if index + 1 < len(blocks):  # read (and checksum) the next block while this one is written
-                    pending = reader.submit(self._read, *blocks[index + 1], self._buffers[(index + 1) % 2])
-                out = self._cast(view, tensor.dtype, out_dtype)
-                sink(out)
-                if checksum:
-                    if out is view and block_crc is not None:
-                        out_crc = self._write_shifter.combine(out_crc, block_crc, out.nbytes)
-                    else:
-                        out_crc = zlib.crc32(out, out_crc)
-                self._report(view.nbytes)
+        for view, crc in self._cast_blocks(cursor, wanted.start, wanted.end):
+            sink(view)
+            out_crc = self._shifter.combine(out_crc, crc, view.nbytes) if checksum else 0
+            self._report()
         return out_crc if checksum else None
 
+    # ----- loading
     def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
         """Random access (loading): the bytes of elements `wanted` of `tensor` into `out`. A piece
         with a checksum is read whole, and its crc32 checked, the first time any part of it is
@@ -172,181 +350,97 @@ class ByteCopier:
         itemsize = dtype_info(tensor.dtype).itemsize
         if out.nbytes != wanted.size * itemsize:
             raise ValueError(f"{tensor.name}: {out.nbytes} bytes of room for {wanted.size} elements of {tensor.dtype}")
+        base = wanted.start * itemsize
         for piece in tensor.pieces_in(wanted):
             part = piece.range.intersect(wanted)
-            if piece.crc32 is not None and (piece.path, piece.offset) not in self._verified:
-                base = piece.range.start * itemsize
-                for first in range(0, piece.nbytes, self.chunk_size):
-                    view, _ = self._read(piece, first, min(self.chunk_size, piece.nbytes - first), self._buffers[0])
-                    lo = max(base + first, part.start * itemsize)
-                    hi = min(base + first + view.nbytes, part.end * itemsize)
-                    if lo < hi:
-                        out[lo - wanted.start * itemsize : hi - wanted.start * itemsize] = view[lo - base - first : hi - base - first]
-                self._verified.add((piece.path, piece.offset))
-            else:
-                start = (part.start - piece.range.start) * itemsize
-                self._pread(piece, start, out[(part.start - wanted.start) * itemsize : (part.end - wanted.start) * itemsize])
+            file = self._file_of(piece)
+            if piece.crc32 is None or (file, piece.offset) in self._verified:
+                start = piece.offset + (part.start - piece.range.start) * itemsize
+                pread_into(self._files.fd(file), start, out[part.start * itemsize - base : part.end * itemsize - base], piece.path)
+                continue
+            first, crc, used = piece.range.start * itemsize, 0, None
+            for at in range(0, piece.nbytes, self.block):
+                start, window = self._files.window(file, piece.offset + at)
+                if used is not None and used[1] is not window:
+                    self._files.release(file, *used)  # read past: a load's mapped pages stay bounded
+                used = (start, window)
+                view = window[piece.offset + at - start : piece.offset + min(at + self.block, piece.nbytes) - start]
+                crc = zlib.crc32(view, crc)
+                lo, hi = max(first + at, part.start * itemsize), min(first + at + view.nbytes, part.end * itemsize)
+                if lo < hi:
+                    out[lo - base : hi - base] = view[lo - first - at : hi - first - at]
+                del view
+            if used is not None:
+                self._files.release(file, *used)
+            if crc != piece.crc32:
+                raise DataCheckError(f"{piece.path}: {_mismatch(piece.label, piece.crc32, crc)}")
+            self._verified.add((file, piece.offset))
 
-    def _blocks(self, tensor: SourceTensor, wanted: ElementRange, itemsize: int) -> list[tuple[SourcePiece, int, int]]:
-        """(piece, byte offset in the piece, bytes) of each chunk to read, in order."""
-        step = max(1, self.chunk_size // itemsize)
-        blocks = []
-        for piece in tensor.pieces_in(wanted):
-            part = piece.range.intersect(wanted)
-            for first in range(part.start, part.end, step):
-                last = min(first + step, part.end)
-                blocks.append((piece, (first - piece.range.start) * itemsize, (last - first) * itemsize))
-        return blocks
+    # ----- source pieces
+    def _file_of(self, piece: SourcePiece) -> int:
+        """The number of the file holding `piece`, checked to be long enough."""
+        number = self._files.number(piece.path)
+        if piece.offset + piece.nbytes > self._files.sizes[number]:
+            raise DataCheckError(f"{piece.path}: file ends before {piece.label} does (truncated)")
+        return number
 
-    def _read(self, piece: SourcePiece, offset: int, nbytes: int, buffer: bytearray) -> tuple[memoryview, int | None]:
-        """Read `nbytes` of `piece` from byte `offset` into `buffer`; advance and check the piece's
-        crc32. Returns the filled view and its own crc32 when known."""
-        view = memoryview(buffer)[:nbytes]
-        self._pread(piece, offset, view)
-        return view, self._advance_crc(piece, offset, view, self._read_shifter, block_crc=True)
+    def _piece_at(self, cursor: _Cursor, position: int, end: int) -> _Piece:
+        """The piece of the cursor's tensor that holds element `position` (reads move forward, so
+        it is the current piece, or one that starts there)."""
+        piece = cursor.current
+        if piece is not None and piece.first <= position < piece.last:
+            return piece
+        piece = cursor.pieces.get(position)
+        if piece is None:
+            for found in cursor.source.pieces_in(ElementRange(position, end)):
+                known = cursor.pieces.get(found.range.start)
+                if known is None:
+                    known = cursor.pieces[found.range.start] = _Piece(
+                        found.range.start, found.range.end, self._file_of(found), found.offset, found.nbytes, found.crc32, found.label
+                    )
+                if known.first <= position < known.last:
+                    piece = known
+        if piece is None:
+            raise AssertionError(f"{cursor.source.name}: no source piece holds element {position}")
+        return piece
 
-    def _advance_crc(self, piece: SourcePiece, offset: int, view: memoryview, shifter: CrcShifter, *, block_crc: bool) -> int | None:
-        """Feed the bytes of `view` (at `offset` in the piece, being handed on) not yet checksummed
-        into the piece's running crc32; compare it with the stored one when the piece has been
-        read whole. Returns the crc32 of `view` itself when `block_crc` asks and it comes for free."""
-        if piece.crc32 is None:
-            return None
-        key = (piece.path, piece.offset)
-        position, crc, _ = self._crc.pop(key, (0, 0, piece))
-        if offset > position:
-            raise AssertionError(f"{piece.label}: read at byte {offset}, expected {position} (fragments must be read in order)")
-        fresh = view[position - offset :]
-        if not fresh.nbytes:
-            self._crc[key] = (position, crc, piece)
-            return None
-        running = zlib.crc32(fresh, crc)
-        own = running ^ shifter.shift(crc, fresh.nbytes) if block_crc and fresh.nbytes == view.nbytes else None
-        position += fresh.nbytes
-        if position < piece.nbytes:
-            self._crc[key] = (position, running, piece)
-        elif running != piece.crc32:
-            raise DataCheckError(
-                f"{piece.path}: checksum mismatch in {piece.label}: stored crc32 {piece.crc32:08x}, data gives {running:08x} (corrupt file)"
-            )
-        return own
+    def _view(self, piece: _Piece, offset: int, nbytes: int) -> memoryview:
+        window = piece.window
+        if window is None or not (piece.window_start <= offset and offset + nbytes <= piece.window_end):
+            if window is not None:  # reads move forward: the piece is done with its window
+                self._files.release(piece.file, piece.window_start, window)
+            piece.window_start, window = self._files.window(piece.file, offset)
+            piece.window = window
+            piece.window_end = piece.window_start + len(window)
+        return window[offset - piece.window_start : offset - piece.window_start + nbytes]
 
-    def _pread(self, piece: SourcePiece, offset: int, view: memoryview) -> None:
-        """Fill `view` from byte `offset` of `piece`."""
-        fd = self._files.fd(piece.path)
-        done = 0
-        while done < view.nbytes:
-            count = os.preadv(fd, [view[done:]], piece.offset + offset + done)
-            if count == 0:
-                raise DataCheckError(f"{piece.path}: file ends before {piece.label} does (truncated)")
-            done += count
+    def _finish_piece(self, cursor: _Cursor, piece: _Piece) -> None:
+        del cursor.pieces[piece.first]
+        cursor.current = None
+        if piece.window is not None and piece.offset + piece.nbytes >= piece.window_end:
+            self._files.release(piece.file, piece.window_start, piece.window)  # nothing after the piece in it either
+        piece.window = None
+        if piece.crc32 is not None and piece.running != piece.crc32:
+            raise DataCheckError(f"{self._files.paths[piece.file]}: {_mismatch(piece.label, piece.crc32, piece.running)}")
 
-    def _cast(self, view: memoryview, src_dtype: str, out_dtype: str) -> memoryview:
-        if src_dtype == out_dtype:
-            return view
-        needed = self.chunk_size * dtype_info(out_dtype).itemsize // dtype_info(src_dtype).itemsize + 8
-        if self._cast_buffer is None or len(self._cast_buffer) < needed:
-            self._cast_buffer = bytearray(needed)
-        return cast_into(view, src_dtype, out_dtype, self._cast_buffer)
-
-    def _report(self, nbytes: int) -> None:
-        if self._progress is not None:
-            self._unreported += nbytes
-            if self._unreported >= PROGRESS_BYTES:
-                self._progress(self._unreported)
-                self._unreported = 0
+    def _report(self) -> None:
+        if self._progress is not None and self.bytes_read - self._reported >= PROGRESS_BYTES:
+            self._progress(self.bytes_read - self._reported)
+            self._reported = self.bytes_read
 
     def finish(self) -> None:
-        """Close files; every piece started must have been read to its end."""
+        """Close the files; every source piece started must have been read to its end."""
         self.close()
-        for position, _, piece in self._crc.values():
-            raise AssertionError(f"{piece.label}: read only up to byte {position}")
+        for cursor in [*self._cursors, *self._named.values()]:
+            for piece in cursor.pieces.values():
+                raise AssertionError(f"{piece.label}: read only up to byte {piece.done}")
 
     def close(self) -> None:
-        if self._progress is not None and self._unreported:
-            self._progress(self._unreported)
-            self._unreported = 0
+        if self._progress is not None and self.bytes_read > self._reported:
+            self._progress(self.bytes_read - self._reported)
+            self._reported = self.bytes_read
         self._files.close()
 
 
-class _Inline:
-    """A stand-in for a one-worker executor that runs the call at once (single-block copies)."""
-
-    def submit(self, fn, *args) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as error:
-            future.set_exception(error)
-        return future
-
-    def __enter__(self) -> _Inline:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-# ----- float casts (numpy, imported on first use: a tenth of a second of startup)
-CAST_BLOCK = 1 << 20  # elements per block
-
-
-def cast_into(src: memoryview, src_dtype: str, dst_dtype: str, out: bytearray | memoryview) -> memoryview:
-    """Cast the elements in `src` (bytes of `src_dtype`) into `out`; returns the used part of `out`."""
-    import numpy as np
-
-    src_size, dst_size = dtype_info(src_dtype).itemsize, dtype_info(dst_dtype).itemsize
-    count = src.nbytes // src_size
-    if src.nbytes % src_size:
-        raise ValueError(f"{src.nbytes} bytes is not a whole number of {src_dtype} elements")
-    out_view = memoryview(out)[: count * dst_size]
-    if src_dtype == dst_dtype:
-        out_view[:] = src
-        return out_view
-    src_array = np.frombuffer(src, dtype=np.uint8)
-    out_array = np.frombuffer(out_view, dtype=np.uint8)
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is the intended result, as in torch
-        for first in range(0, count, CAST_BLOCK):
-            last = min(first + CAST_BLOCK, count)
-            block = src_array[first * src_size : last * src_size]
-            _cast_block(np, block, src_dtype, dst_dtype, out_array[first * dst_size : last * dst_size])
-    return out_view
-
-
-def _to_f32(np, src, dtype: str):
-    """F32 values of `src` (raw bytes): a view when already F32, else a new array."""
-    if dtype == "BF16":
-        return (src.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    if dtype == "F32":
-        return src.view(np.float32)
-    return src.view(_numpy_float(np, dtype)).astype(np.float32)
-
-
-def _numpy_float(np, dtype: str):
-    return {"F16": np.float16, "F32": np.float32, "F64": np.float64}[dtype]
-
-
-def _f32_to_bf16_into(np, values, out) -> None:
-    """Round F32 `values` to nearest even BF16 bits in `out` (uint16), NaN -> 0x7FC0; one temporary."""
-    bits = values.view(np.uint32)
-    rounded = bits >> 16
-    rounded &= 1
-    rounded += np.uint32(0x7FFF)
-    rounded += bits  # wraps only for negative NaNs, fixed below
-    rounded >>= 16
-    np.copyto(out, rounded, casting="unsafe")
-    nan = np.isnan(values)
-    if nan.any():
-        out[nan] = 0x7FC0
-
-
-def _cast_block(np, src, src_dtype: str, dst_dtype: str, out) -> None:
-    """Cast raw bytes `src` into raw bytes `out` (both uint8 arrays of matching element counts)."""
-    if dst_dtype == "BF16":
-        values = src.view(np.float64).astype(np.float32) if src_dtype == "F64" else _to_f32(np, src, src_dtype)
-        _f32_to_bf16_into(np, values, out.view(np.uint16))
-    elif src_dtype == "BF16":
-        np.copyto(out.view(_numpy_float(np, dst_dtype)), _to_f32(np, src, src_dtype), casting="unsafe")
-    elif src_dtype == "F64" and dst_dtype == "F16":  # through F32, as torch rounds (twice)
-        np.copyto(out.view(np.float16), src.view(np.float64).astype(np.float32), casting="unsafe")
-    else:
-        np.copyto(out.view(_numpy_float(np, dst_dtype)), src.view(_numpy_float(np, src_dtype)), casting="unsafe")
+def _mismatch(label: str, stored: int, found: int) -> str:
+    return f"checksum mismatch in {label}: stored crc32 {stored:08x}, data gives {found:08x} (corrupt file)"

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from .format import is_safe_file_name
 
-EXPORT_ATTR = "fsdpkit_hf_export"  # a model's HfExport, set by its model source; Checkpointer records it
 EXPORT_STATE_KEY = "export"  # training_state["export"]: HfExport.to_json()
-LAYOUT_METADATA_KEY = "fsdpkit_export_layout"  # full files' __metadata__: Layout.to_json() as a string
+LAYOUT_METADATA_KEY = "fsdpkit_export_layout"  # full files' __metadata__: ExportLayout.to_json() as a string
 CONFIG_NAME = "config.json"
 SIDE_FILES = (
     "generation_config.json",
@@ -36,11 +36,10 @@ SIDE_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
-TORCH_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
 @dataclass(frozen=True)
-class Layout:
+class ExportLayout:
     """fsdpkit names -> transformers names: `prefix` added to every name but `unprefixed`;
     2-D weights whose name ends with one of `transposed` are stored transposed."""
 
@@ -69,7 +68,7 @@ class Layout:
         return {"prefix": self.prefix, "unprefixed": list(self.unprefixed), "transposed": list(self.transposed)}
 
     @classmethod
-    def from_json(cls, document: object, *, where: str) -> Layout:
+    def from_json(cls, document: object, *, where: str) -> ExportLayout:
         if not isinstance(document, dict):
             raise DataCheckError(f"{where}: export layout must be an object")
         prefix, unprefixed, transposed = document.get("prefix", ""), document.get("unprefixed", []), document.get("transposed", [])
@@ -84,15 +83,15 @@ class HfExport:
     copied from `files_from` when they are there, weights renamed/transposed by `layout`."""
 
     config: dict
-    layout: Layout = field(default_factory=Layout)
+    layout: ExportLayout = field(default_factory=ExportLayout)
     files_from: str | None = None
     files: tuple[str, ...] = ()
 
     def config_for(self, weight_dtype: str | None) -> dict:
         """config.json, saying the dtype the weights were written in."""
         config = dict(self.config)
-        if weight_dtype in TORCH_DTYPE_NAMES:
-            config["dtype"] = TORCH_DTYPE_NAMES[weight_dtype]
+        if weight_dtype is not None and dtype_info(weight_dtype).castable:
+            config["dtype"] = dtype_info(weight_dtype).torch_name
             config.pop("torch_dtype", None)
         return config
 
@@ -108,7 +107,7 @@ class HfExport:
             raise DataCheckError(f"{where}: export files_from must be a path")
         if not _strings(files) or not all(is_safe_file_name(name) for name in files):
             raise DataCheckError(f"{where}: export files must be plain file names, got {str(files)[:80]}")
-        return cls(document["config"], Layout.from_json(document.get("layout", {}), where=where), files_from, tuple(files))
+        return cls(document["config"], ExportLayout.from_json(document.get("layout", {}), where=where), files_from, tuple(files))
 
 
 def export_of(training_state: dict, *, where: str) -> HfExport | None:
@@ -116,7 +115,7 @@ def export_of(training_state: dict, *, where: str) -> HfExport | None:
     return None if document is None else HfExport.from_json(document, where=where)
 
 
-def layout_of(metadata: dict[str, str], *, where: str) -> Layout | None:
+def layout_of(metadata: dict[str, str], *, where: str) -> ExportLayout | None:
     """The export layout a full checkpoint file records (None: its names are the model's)."""
     raw = metadata.get(LAYOUT_METADATA_KEY)
     if raw is None:
@@ -125,7 +124,7 @@ def layout_of(metadata: dict[str, str], *, where: str) -> Layout | None:
         document = json.loads(raw)
     except ValueError:
         raise DataCheckError(f"{where}: metadata {LAYOUT_METADATA_KEY} is not JSON") from None
-    return Layout.from_json(document, where=f"{where}: metadata {LAYOUT_METADATA_KEY}")
+    return ExportLayout.from_json(document, where=f"{where}: metadata {LAYOUT_METADATA_KEY}")
 
 
 def _strings(values: object) -> bool:

@@ -1,4 +1,4 @@
-"""Names, constants and dtype facts of the fsdpkit checkpoint format (no I/O, no torch).
+"""Names and constants of the fsdpkit checkpoint format (no I/O, no torch).
 
 The spec is docs/checkpoint-format.md. Everything here is pure and shared by the writer,
 the readers, convert, reshard, verify and inspect.
@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeGuard
 
+from ..dtypes import dtype_info, is_known_dtype
 from ..errors import DataCheckError
 
 FORMAT_NAME = "fsdpkit-checkpoint"
@@ -47,55 +49,6 @@ MAX_JSON_DEPTH = 64  # nesting of any JSON document read (manifests, headers, in
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 _STEP_NAME = re.compile(r"^step-(\d{8,})$")
-
-
-@dataclass(frozen=True)
-class DtypeInfo:
-    name: str  # the safetensors spelling: F32, BF16, I64, BOOL...
-    itemsize: int
-    castable: bool  # a float that --dtype may cast (F16, BF16, F32, F64)
-
-
-_DTYPES = {
-    "BOOL": DtypeInfo("BOOL", 1, False),
-    "U8": DtypeInfo("U8", 1, False),
-    "I8": DtypeInfo("I8", 1, False),
-    "I16": DtypeInfo("I16", 2, False),
-    "U16": DtypeInfo("U16", 2, False),
-    "I32": DtypeInfo("I32", 4, False),
-    "U32": DtypeInfo("U32", 4, False),
-    "I64": DtypeInfo("I64", 8, False),
-    "U64": DtypeInfo("U64", 8, False),
-    "F8_E5M2": DtypeInfo("F8_E5M2", 1, False),
-    "F8_E4M3": DtypeInfo("F8_E4M3", 1, False),
-    "F16": DtypeInfo("F16", 2, True),
-    "BF16": DtypeInfo("BF16", 2, True),
-    "F32": DtypeInfo("F32", 4, True),
-    "F64": DtypeInfo("F64", 8, True),
-}
-
-# --dtype spellings accepted by the CLI.
-CAST_TARGETS = {
-    "bf16": "BF16",
-    "bfloat16": "BF16",
-    "fp16": "F16",
-    "float16": "F16",
-    "half": "F16",
-    "fp32": "F32",
-    "float32": "F32",
-    "float": "F32",
-}
-
-
-def dtype_info(name: str) -> DtypeInfo:
-    try:
-        return _DTYPES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown dtype {name!r} (known: {', '.join(_DTYPES)})") from None
-
-
-def is_known_dtype(name: object) -> TypeGuard[str]:
-    return isinstance(name, str) and name in _DTYPES
 
 
 def numel(shape: tuple[int, ...] | list[int]) -> int:
@@ -180,3 +133,63 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
         keys = [key for key, _ in pairs]
         raise ValueError(f"duplicate keys {sorted({key for key in keys if keys.count(key) > 1})[:3]}")
     return document
+
+
+# ----- safetensors headers (huggingface/safetensors): parsed and validated, no I/O
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # byte offsets relative to the start of the data buffer
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    path: Path
+    data_start: int  # absolute file offset of the data buffer
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def file_size(self) -> int:
+        return self.data_start + max((t.end for t in self.tensors.values()), default=0)
+
+
+def parse_header_bytes(raw: bytes, *, path: Path) -> Header:
+    document = parse_json(raw, where=str(path), what="safetensors header")
+    if not isinstance(document, dict):
+        raise DataCheckError(f"{path}: safetensors header is a {type(document).__name__}, expected an object")
+    metadata = document.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise DataCheckError(f"{path}: __metadata__ must map strings to strings")
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in document.items():
+        tensors[name] = _tensor_info(name, entry, path)
+    spans = sorted((t.begin, t.end, name) for name, t in tensors.items())
+    position = 0
+    for begin, end, name in spans:
+        if begin != position:
+            raise DataCheckError(f"{path}: tensor {name!r} starts at byte {begin}, expected {position} (hole or overlap)")
+        position = end
+    return Header(path=path, data_start=8 + len(raw), tensors=tensors, metadata=dict(metadata))
+
+
+def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise DataCheckError(f"{path}: header entry {name!r} is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not is_known_dtype(dtype):
+        raise DataCheckError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise DataCheckError(f"{path}: tensor {name!r} has invalid shape {str(shape)[:80]}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]:
+        raise DataCheckError(f"{path}: tensor {name!r} has invalid data_offsets {str(offsets)[:80]}")
+    expected = numel(shape) * dtype_info(dtype).itemsize
+    if offsets[1] - offsets[0] != expected:
+        raise DataCheckError(f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}")
+    return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])

@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import stat
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import DataCheckError, UsageError
+from .files import read_regular
 
 LOCK_NAME = ".lock"
 
@@ -129,15 +129,7 @@ class RunLock:
 
 def _read(path: Path) -> dict | None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
+        document = json.loads(read_regular(path, 4096).decode("utf-8"))
+    except (DataCheckError, OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        document = json.loads(os.read(fd, 4096).decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    finally:
-        os.close(fd)
     return document if isinstance(document, dict) else None

@@ -4,7 +4,7 @@ Version 2 (written): only what cannot be derived, so its size does not depend on
 size: world size, strategy, the file naming rule, the placement (the model's flat-parameter
 units, or "even"), the tensor table (name, dtype, shape of every stored tensor, in order),
 tied-weight aliases, the training state, and the id of the run that wrote it. Where each
-fragment lives, every file's size and header are derived (`placement.Layout`); each
+fragment lives, every file's size and header are derived (`placement.ShardLayout`); each
 fragment's crc32 is in its rank file's header. Version 1 (read): additionally lists every
 file with its size and every fragment with its file, key, range and crc32 (`V1Listing`).
 
@@ -21,8 +21,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..dtypes import is_known_dtype
 from ..errors import DataCheckError
 from ..layout import ElementRange, FlatLayout
+from .files import read_regular
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -32,12 +34,11 @@ from .format import (
     RANK_FILE_RULE,
     READ_VERSIONS,
     STRATEGIES,
-    is_known_dtype,
     is_optimizer_tensor,
     is_safe_file_name,
     parse_json,
 )
-from .placement import Layout, Placement, TensorSpec, short
+from .placement import Placement, ShardLayout, TensorSpec, short
 
 MAX_WORLD_SIZE = 1 << 24
 
@@ -67,7 +68,7 @@ class V1Listing:
 
 @dataclass(frozen=True)
 class Manifest:
-    world_size: int
+    shard_factor: int  # the number of shards and rank files (JSON key "world_size")
     strategy: str
     placement: Placement
     tensors: tuple[TensorSpec, ...]
@@ -91,9 +92,9 @@ class Manifest:
     def tensor(self, name: str) -> TensorSpec:
         return self.tensors[self.tensor_index(name)]
 
-    def layout(self) -> Layout:
+    def layout(self) -> ShardLayout:
         """Where every fragment lives (version 2)."""
-        return Layout(self.placement, list(self.tensors), self.world_size)
+        return ShardLayout(self.placement, list(self.tensors), self.shard_factor)
 
     def to_json(self) -> dict:
         if self.listing is not None:
@@ -101,7 +102,7 @@ class Manifest:
         document = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
-            "world_size": self.world_size,
+            "world_size": self.shard_factor,
             "strategy": self.strategy,
             "files": RANK_FILE_RULE,
             "placement": self.placement.to_json(),
@@ -144,15 +145,9 @@ class Manifest:
 
 def load_manifest(step_dir: str | Path) -> Manifest:
     path = Path(step_dir) / MANIFEST_NAME
-    try:
-        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
-            if not _is_regular(f.fileno()):
-                raise DataCheckError(f"{path}: not a regular file")
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise DataCheckError(f"{path}: missing; {step_dir} is not an fsdpkit checkpoint") from None
-    except OSError as error:
-        raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
+    if not path.exists() and not path.is_symlink():
+        raise DataCheckError(f"{path}: missing; {step_dir} is not an fsdpkit checkpoint")
+    raw = read_regular(path, MAX_MANIFEST_BYTES + 1)
     if len(raw) > MAX_MANIFEST_BYTES:
         raise DataCheckError(f"{path}: over the {MAX_MANIFEST_BYTES}-byte manifest limit")
     return Manifest.from_json(parse_json(raw, where=str(path), what="manifest"), where=str(path))
@@ -168,12 +163,6 @@ def save_manifest(directory: str | Path, manifest: Manifest) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
-
-
-def _is_regular(fd: int) -> bool:
-    import stat
-
-    return stat.S_ISREG(os.fstat(fd).st_mode)
 
 
 # ----- validation

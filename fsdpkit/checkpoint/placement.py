@@ -7,7 +7,7 @@ A `Placement` is either
   parameter names; a unit is laid out with the engine's own `FlatLayout` at shard factor W;
 - "even": no unit plan; every tensor is split with `even_split_ranges(numel, W)`.
 
-`Layout(placement, tensors, world_size)` derives, for the manifest's tensor table, which
+`ShardLayout(placement, tensors, world_size)` derives, for the manifest's tensor table, which
 element ranges rank r's file holds:
 
 - a parameter of a flat placement: its intersection with chunk r of its unit;
@@ -34,12 +34,13 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange, FlatLayout
-from .format import CRC_METADATA_KEY, dtype_info, split_optim_tensor_name
+from .format import CRC_METADATA_KEY, split_optim_tensor_name
 
 Shape = tuple[int, ...]
-MAX_CACHED_HEADER_BYTES = 32 << 20  # bounds the rank file headers a Layout keeps
+MAX_CACHED_HEADER_BYTES = 32 << 20  # bounds the rank file headers a ShardLayout keeps
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Placement:
         return cls("flat", tuple(units))
 
 
-class Fragment(NamedTuple):
+class FileFragment(NamedTuple):
     """Elements [start, end) of tensor `tensor` (an index into the tensor table) held by a rank."""
 
     tensor: int
@@ -146,8 +147,8 @@ class FileLayout:
         return len(self.header)
 
     @property
-    def fragments(self) -> tuple[Fragment, ...]:
-        return tuple(map(Fragment, self.tensors, self.starts, self.ends))
+    def fragments(self) -> tuple[FileFragment, ...]:
+        return tuple(map(FileFragment, self.tensors, self.starts, self.ends))
 
     def header_with(self, crcs) -> list[bytes]:
         """The header with the fragments' crc32s filled in, as three byte strings."""
@@ -156,7 +157,7 @@ class FileLayout:
         return [self.header[: self.crc_offset], digits, self.header[end:]]
 
 
-class Layout:
+class ShardLayout:
     """Every rank's fragments for one tensor table and placement at `world_size` (see the module
     docstring). Per-rank work is proportional to the fragments that rank holds."""
 
@@ -215,7 +216,7 @@ class Layout:
                 self._whole.append(i)
 
     # ----- fragments
-    def fragments(self, rank: int) -> list[Fragment]:
+    def fragments(self, rank: int) -> list[FileFragment]:
         """Rank `rank`'s non-empty fragments, in data order."""
         return list(self.file_layout(rank).fragments)
 

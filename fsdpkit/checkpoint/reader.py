@@ -1,15 +1,15 @@
 """The one reader of checkpoint files (no torch): safetensors headers, sharded checkpoints of
 format v2 (and v1), full Hugging Face style checkpoints; every file validated before a data
-byte of it is used. Bytes themselves are read by `bytecopy.ByteCopier` from the
+byte of it is used. Bytes themselves are read by `bytecopy.ByteEngine` from the
 `SourceTensor`s this module describes.
 
-Every file is opened with `open_regular`: O_NONBLOCK (a FIFO in place of a file cannot
+Every file is opened with `files.open_regular`: O_NONBLOCK (a FIFO in place of a file cannot
 block), then fstat, and anything but a regular file is refused. Nothing outside the checkpoint
 directory is read (`storage.checkpoint_file`). Every problem is a one-line `DataCheckError`
 naming the file.
 
 Sharded, v2: each rank file's size and whole header are derived from the manifest
-(`placement.Layout`); the file must have exactly that size and that header, except the crc32
+(`placement.ShardLayout`); the file must have exactly that size and that header, except the crc32
 hex digits in its `__metadata__`, which give each fragment's checksum. v1: the manifest lists
 files, sizes and fragments; headers are parsed and checked against the listing.
 `open_checkpoint(path)` validates files as they are first touched (a loading rank touches
@@ -36,17 +36,18 @@ from __future__ import annotations
 import bisect
 import os
 import re
-import stat
 import struct
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..dtypes import dtype_info
 from ..errors import DataCheckError, UsageError
 from ..layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
-from .export import Layout, layout_of
+from .export import ExportLayout, layout_of
+from .files import open_regular, read_exactly
 from .format import (
     CRC_METADATA_KEY,
     MANIFEST_NAME,
@@ -56,10 +57,9 @@ from .format import (
     OPTIM_INDEX,
     OPTIM_SINGLE,
     TIED_METADATA_KEY,
-    dtype_info,
-    is_known_dtype,
+    Header,
     is_safe_file_name,
-    numel,
+    parse_header_bytes,
     parse_json,
     rank_file_name,
 )
@@ -71,58 +71,7 @@ _HEX = re.compile(rb"[0-9a-f]*")
 CACHED_PIECES = 256
 
 
-def open_regular(path: Path) -> tuple[int, int]:
-    """(fd, size) of a regular file opened read-only without blocking, else a DataCheckError."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise DataCheckError(f"{path}: file is missing") from None
-    except IsADirectoryError:
-        raise DataCheckError(f"{path}: is a directory, expected a safetensors file") from None
-    except OSError as error:
-        raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise DataCheckError(f"{path}: not a regular file")
-    return fd, info.st_size
-
-
-def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:
-    data = os.pread(fd, count, offset)
-    while len(data) < count:
-        more = os.pread(fd, count - len(data), offset + len(data))
-        if not more:
-            raise DataCheckError(f"{path}: file ends at byte {offset + len(data)}, {count - len(data)} bytes early")
-        data += more
-    return data
-
-
 # ----- safetensors headers (full and v1 files)
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int  # byte offsets relative to the start of the data buffer
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-@dataclass(frozen=True)
-class Header:
-    path: Path
-    data_start: int  # absolute file offset of the data buffer
-    tensors: dict[str, TensorInfo]
-    metadata: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def file_size(self) -> int:
-        return self.data_start + max((t.end for t in self.tensors.values()), default=0)
-
-
 def read_header(path: str | Path, *, expected_size: int | None = None) -> Header:
     """Parse and validate the header of a safetensors file (see the module docstring)."""
     path = Path(path)
@@ -146,41 +95,6 @@ def read_header(path: str | Path, *, expected_size: int | None = None) -> Header
     if end != size:
         raise DataCheckError(f"{path}: data ends at byte {end} but the file is {size} bytes (truncated or extended)")
     return header
-
-
-def parse_header_bytes(raw: bytes, *, path: Path) -> Header:
-    document = parse_json(raw, where=str(path), what="safetensors header")
-    if not isinstance(document, dict):
-        raise DataCheckError(f"{path}: safetensors header is a {type(document).__name__}, expected an object")
-    metadata = document.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise DataCheckError(f"{path}: __metadata__ must map strings to strings")
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in document.items():
-        tensors[name] = _tensor_info(name, entry, path)
-    spans = sorted((t.begin, t.end, name) for name, t in tensors.items())
-    position = 0
-    for begin, end, name in spans:
-        if begin != position:
-            raise DataCheckError(f"{path}: tensor {name!r} starts at byte {begin}, expected {position} (hole or overlap)")
-        position = end
-    return Header(path=path, data_start=8 + len(raw), tensors=tensors, metadata=dict(metadata))
-
-
-def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
-    if not isinstance(entry, dict):
-        raise DataCheckError(f"{path}: header entry {name!r} is not an object")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not is_known_dtype(dtype):
-        raise DataCheckError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise DataCheckError(f"{path}: tensor {name!r} has invalid shape {str(shape)[:80]}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]:
-        raise DataCheckError(f"{path}: tensor {name!r} has invalid data_offsets {str(offsets)[:80]}")
-    expected = numel(shape) * dtype_info(dtype).itemsize
-    if offsets[1] - offsets[0] != expected:
-        raise DataCheckError(f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}")
-    return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
 
 
 # ----- sharded checkpoints
@@ -254,7 +168,7 @@ class ShardedCheckpoint:
     def file_names(self) -> list[str]:
         if self.manifest.listing is not None:
             return [name for name, _ in self.manifest.listing.files]
-        return [rank_file_name(rank, self.manifest.world_size) for rank in range(self.manifest.world_size)]
+        return [rank_file_name(rank, self.manifest.shard_factor) for rank in range(self.manifest.shard_factor)]
 
     def rank_file(self, index: int, *, cache: bool = True) -> RankFile:
         """File `index` (a rank in v2, a position in the listing in v1), validated on first use."""
@@ -276,7 +190,7 @@ class ShardedCheckpoint:
         return RankFile(path, size, expected.data_start, expected.tensors, expected.spans, v2_crcs(path, raw, expected))
 
     def rank_file_path(self, rank: int) -> Path:
-        return checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.world_size))
+        return checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.shard_factor))
 
     def _listing(self) -> V1Listing:
         """The file and fragment listing of a v1 manifest (v2 derives both from the placement)."""
@@ -423,7 +337,7 @@ class FullCheckpoint:
     files: tuple[Path, ...]
     tensors: tuple[SourceTensor, ...]
     aliases: dict[str, str]
-    layout: Layout | None = None  # names/orientation were changed on export (export.py): how to undo it
+    layout: ExportLayout | None = None  # names/orientation were changed on export (export.py): how to undo it
 
 
 def is_full_checkpoint(path: Path) -> bool:
@@ -457,7 +371,7 @@ def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> 
     tensors: list[SourceTensor] = []
     aliases: dict[str, str] = {}
     seen: dict[str, Path] = {}  # tensor name -> the file holding it
-    layout: Layout | None = None
+    layout: ExportLayout | None = None
     for file in files:
         header = read_header(file)
         aliases.update(_tied(header))

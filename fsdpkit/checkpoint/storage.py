@@ -188,8 +188,8 @@ def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manife
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     present = {entry.name for entry in os.scandir(tmp_dir)}
-    for rank in range(manifest.world_size):
-        name = rank_file_name(rank, manifest.world_size)
+    for rank in range(manifest.shard_factor):
+        name = rank_file_name(rank, manifest.shard_factor)
         if name not in present:
             raise RunError(
                 f"{tmp_dir / name}: missing at commit time; every rank must write to the same save directory "

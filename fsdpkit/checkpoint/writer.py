@@ -21,14 +21,12 @@ page cache. `close()` fsyncs unless the caller syncs many files at once (`sync=F
 time spent in those system calls. On an exception inside a `with` block the partial file is
 removed.
 
-`write_sharded` (convert --to sharded, reshard) writes every rank file of a layout from
-slices of the mapped source files (`gather.Gatherer`): a rank file is one `writev` of its
-header, crc32 digits included, and the slices.
+`write_sharded` (convert --to sharded, reshard) writes every rank file of a layout with the
+byte engine (`bytecopy.ByteEngine.write_rank_file`), then the manifest.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import struct
@@ -37,18 +35,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bytecopy import SourceTensor
-from .crc import CrcShifter
-from .format import dtype_info, numel, output_dtype, rank_file_name
-from .gather import Gatherer
+from ..dtypes import dtype_info
+from .bytecopy import ByteEngine, SourceTensor
+from .format import numel, output_dtype, rank_file_name
 from .manifest import Manifest, save_manifest
 from .placement import FileLayout, Placement, TensorSpec
 
 WRITE_BEHIND_BYTES = 32 * 1024 * 1024
 BUFFER_BYTES = 1024 * 1024
-WHOLE_FILE_BYTES = 8 * 1024 * 1024  # write_sharded writes a rank file up to this size with one writev
-IOV_MAX = 1024  # buffers per writev (Linux's limit)
-PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
 
 
 @dataclass(frozen=True)
@@ -250,94 +244,20 @@ def write_sharded(
     progress: Callable[[int], None] | None = None,
 ) -> WrittenCheckpoint:
     """A whole sharded checkpoint (v2) in `directory`: every rank file of `placement` at
-    `world_size`, copied from `sources` (source checksums verified on the way, output crc32s
-    from the bytes written: `gather.Gatherer`), then manifest.json; `storage.staged_output`
+    `world_size`, copied from `sources` by the byte engine (source checksums verified on the
+    way, output crc32s from the bytes written), then manifest.json; `storage.staged_output`
     syncs them all at once. Every rank gets a file, possibly with no tensors."""
     tensors = tuple(TensorSpec(s.name, output_dtype(s.dtype, cast_to), tuple(s.shape)) for s in sources)
     manifest = Manifest(world_size, strategy, placement, tensors, dict(aliases), dict(training_state))
-    layout, total, reported = manifest.layout(), 0, 0
-    gatherer = Gatherer(sources, [t.dtype for t in tensors], block_size=chunk_size)
+    layout, total = manifest.layout(), 0
+    engine = ByteEngine(sources, [t.dtype for t in tensors], chunk_size=chunk_size, progress=progress)
     try:
         for rank in range(world_size):
             file_layout = layout.file_layout(rank)
-            write_rank_file(directory / rank_file_name(rank, world_size), file_layout, gatherer)
+            engine.write_rank_file(directory / rank_file_name(rank, world_size), file_layout)
             total += file_layout.size
-            if progress is not None and gatherer.bytes_read - reported >= PROGRESS_BYTES:
-                progress(gatherer.bytes_read - reported)
-                reported = gatherer.bytes_read
     finally:
-        gatherer.close()
-    gatherer.finish()
-    if progress is not None and gatherer.bytes_read > reported:
-        progress(gatherer.bytes_read - reported)
+        engine.close()
+    engine.finish()
     save_manifest(directory, manifest)
     return WrittenCheckpoint(manifest, [rank_file_name(rank, world_size) for rank in range(world_size)], total)
-
-
-def write_rank_file(path: Path, layout: FileLayout, gatherer: Gatherer) -> None:
-    """Rank file `layout` at `path`, its fragments from `gatherer` (not fsynced: the caller syncs
-    the whole output). A file of at most WHOLE_FILE_BYTES is one `writev` of its complete header
-    and slices of the sources; a larger one is streamed in such steps, its crc32 digits written
-    last. On an error the file is removed."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        views: list = []
-        if layout.size <= WHOLE_FILE_BYTES:
-            crcs = gatherer.fragments(layout.tensors, layout.starts, layout.ends, views)
-            write_views(fd, layout.header_with(crcs) + views, path)
-        else:
-            _stream_rank_file(fd, path, layout, gatherer)
-    except BaseException:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-
-
-def _stream_rank_file(fd: int, path: Path, layout: FileLayout, gatherer: Gatherer) -> None:
-    write_views(fd, [layout.header], path)
-    views: list = []
-    crcs, written, shifter = [], layout.data_start, CrcShifter()
-    for t, start, end, (begin, stop) in zip(layout.tensors, layout.starts, layout.ends, layout.spans, strict=True):
-        step = max(1, WHOLE_FILE_BYTES * (end - start) // (stop - begin))  # elements per step
-        crc = 0
-        for first in range(start, end, step):
-            last = min(first + step, end)
-            part = gatherer.fragment(t, first, last, views)
-            crc = shifter.combine(crc, part, (stop - begin) * (last - first) // (end - start)) if first > start else part
-            position = layout.data_start + begin + (stop - begin) * (last - start) // (end - start)
-            if position - written >= WHOLE_FILE_BYTES or len(views) >= IOV_MAX:
-                write_views(fd, views, path)
-                views.clear()
-                written = _write_behind(fd, written, position)
-        crcs.append(crc)
-    write_views(fd, views, path)
-    digits = layout.header_with(crcs)[1]
-    if os.pwrite(fd, digits, layout.crc_offset) != len(digits):
-        raise OSError(errno.EIO, "short write while writing the crc32 digits", str(path))
-
-
-def _write_behind(fd: int, written: int, position: int) -> int:
-    """Start the writeback of bytes [written, position) at once (dirty pages are never dropped)."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, written, position - written, os.POSIX_FADV_DONTNEED)
-    return position
-
-
-def write_views(fd: int, views: list, path: Path) -> None:
-    """Write every byte of `views` (bytes-like objects) at the file position, IOV_MAX at a time."""
-    for first in range(0, len(views), IOV_MAX):
-        batch = views[first : first + IOV_MAX]
-        left = sum(map(len, batch))
-        while left:
-            try:
-                count = os.writev(fd, batch)
-            except OSError as error:
-                raise OSError(error.errno, error.strerror, str(path)) from None
-            if count == 0:
-                raise OSError(errno.EIO, "write made no progress", str(path))
-            left -= count
-            while left and count >= len(batch[0]):
-                count -= len(batch.pop(0))
-            if left and count:
-                batch[0] = memoryview(batch[0])[count:]

@@ -14,14 +14,15 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..comm import Collectives, CommStats
 from ..errors import UsageError
+from ..model_hooks import hooks_of
 from .config import MixedPrecision, ShardingConfig
 from .deferred_init import has_meta_tensors, initialize_meta_parameters, materialize_buffers, meta_parameter_names
 from .flat_unit import SHAPE_ATTR
 from .memory import optimizer_state_bytes
 from .mesh import build_mesh
 from .plan import WrapPolicy, plan_units
-from .precision import FP32_MODULE_CLASSES, KEEP_DTYPE_ATTR, keep_in_fp32
-from .sharded import STATE_ATTR, ShardedState, get_state
+from .precision import FP32_MODULE_CLASSES, keep_in_fp32
+from .sharded import STATE_ATTR, RootRuntime, get_state
 
 WrapSpec = WrapPolicy | tuple[type[nn.Module], ...] | list[type[nn.Module]] | type[nn.Module] | Callable[[str, nn.Module], bool] | None
 
@@ -71,13 +72,15 @@ def shard(
     deferred = has_meta_tensors(module)
     if deferred:
         materialize_buffers(module, device)
-    for buffer_owner in module.modules():
+    keep_dtype = hooks_of(module).keep_dtype_buffers
+    for owner_name, buffer_owner in module.named_modules():
         for name, buffer in buffer_owner._buffers.items():
             if buffer is not None:
-                buffer_owner._buffers[name] = _place_buffer(buffer, name, buffer_owner, device, config.mixed_precision)
+                kept = f"{owner_name}.{name}" if owner_name else name
+                buffer_owner._buffers[name] = _place_buffer(buffer, kept in keep_dtype, buffer_owner, device, config.mixed_precision)
     plans = plan_units(module, _as_policy(wrap))
     meta_names = meta_parameter_names(module) if deferred else set()
-    state = ShardedState(module, plans, mesh, config, Collectives(comm_stats), device, record_events=record_events)
+    state = RootRuntime(module, plans, mesh, config, Collectives(comm_stats), device, record_events=record_events)
     if meta_names:
         initialize_meta_parameters(module, state.units, meta_names, device)
     object.__setattr__(module, STATE_ATTR, state)
@@ -100,7 +103,7 @@ def _with_options(config: ShardingConfig, options: dict[str, Any]) -> ShardingCo
     return dataclasses.replace(config, **options) if options else config
 
 
-def _checkpoint_leaf_units(module: nn.Module, state: ShardedState) -> None:
+def _checkpoint_leaf_units(module: nn.Module, state: RootRuntime) -> None:
     """Recompute each non-root unit's activations in backward (units with no nested units)."""
     member_names = [name for unit in state.units for name in unit.plan.members]
     for unit in state.units:
@@ -127,15 +130,12 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _place_buffer(buffer: torch.Tensor, name: str, owner: nn.Module, device: torch.device, mixed_precision: MixedPrecision) -> torch.Tensor:
+def _place_buffer(
+    buffer: torch.Tensor, keep: bool, owner: nn.Module, device: torch.device, mixed_precision: MixedPrecision
+) -> torch.Tensor:
     """On `device`; floating buffers in buffer_dtype, except batch-norm statistics (fp32) and
-    those the owner lists in KEEP_DTYPE_ATTR (rotary frequencies a module computes with in fp32)."""
-    if (
-        buffer.is_floating_point()
-        and mixed_precision.buffer_dtype is not None
-        and not isinstance(owner, FP32_MODULE_CLASSES)
-        and name not in getattr(owner, KEEP_DTYPE_ATTR, ())
-    ):
+    those the model's hooks keep (`keep`: rotary frequencies it computes with in fp32)."""
+    if buffer.is_floating_point() and mixed_precision.buffer_dtype is not None and not isinstance(owner, FP32_MODULE_CLASSES) and not keep:
         return buffer.to(device=device, dtype=mixed_precision.buffer_dtype)
     return buffer.to(device)
 

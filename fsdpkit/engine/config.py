@@ -8,6 +8,7 @@ from typing import TypeVar
 
 import torch
 
+from ..dtypes import SHORT_NAMES, from_short
 from ..errors import UsageError
 
 
@@ -30,9 +31,6 @@ class BackwardPrefetch(enum.StrEnum):
 
 STRATEGIES = tuple(Strategy)
 BACKWARD_PREFETCH = tuple(BackwardPrefetch)
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 E = TypeVar("E", bound=enum.StrEnum)
 
@@ -70,14 +68,15 @@ class MixedPrecision:
         reduce-scatter bytes and is bitwise what torch FSDP2 computes with
         MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
         """
-        presets = {"none": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-        if name not in presets:
+        preset = from_short(name)
+        if preset is None and name != "none":
             raise UsageError(f"unknown mixed precision {name!r}: use one of bf16, fp16, fp32, none")
-        if reduce_dtype is not None and reduce_dtype not in _DTYPES:
-            raise UsageError(f"unknown reduce dtype {reduce_dtype!r}: use one of {', '.join(_DTYPES)}")
-        dtype = presets[name]
+        reduce_preset = from_short(reduce_dtype) if reduce_dtype is not None else None
+        if reduce_dtype is not None and reduce_preset is None:
+            raise UsageError(f"unknown reduce dtype {reduce_dtype!r}: use one of {', '.join(sorted(SHORT_NAMES))}")
+        dtype = None if preset is None or preset.torch is torch.float32 else preset.torch
         default_reduce = torch.float32 if dtype is torch.float16 else dtype
-        reduce = _DTYPES[reduce_dtype] if reduce_dtype is not None else default_reduce
+        reduce = reduce_preset.torch if reduce_preset is not None else default_reduce
         if reduce is torch.float32 and dtype is None:
             reduce = None  # fp32 everywhere: nothing to cast
         return cls(param_dtype=dtype, reduce_dtype=reduce, buffer_dtype=dtype)

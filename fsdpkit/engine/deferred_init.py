@@ -2,8 +2,8 @@
 exist, one module at a time; each rank keeps only its fragments, so the peak is one module's
 parameters plus the shards, never the model.
 
-A parameter is initialised by the model's `init_parameter(name, tensor)` when it has one
-(fsdpkit's GPT does: each parameter draws from a generator seeded by the model seed and its
+A parameter is initialised by the `init_parameter(name, tensor)` of the model's hooks
+(`fsdpkit.model_hooks`) when it declares one (fsdpkit's GPT does: each parameter draws from a generator seeded by the model seed and its
 name, so the result equals eager initialisation whatever the order). Otherwise by
 `reset_parameters()` of the module that owns it, so that the result equals eager
 construction under the same seed:
@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UsageError
+from ..model_hooks import hooks_of
 from .flat_unit import SHAPE_ATTR, FlatUnit
 
 
@@ -63,8 +64,8 @@ def initialize_meta_parameters(root: nn.Module, units: list[FlatUnit], names: se
         for index, plan in enumerate(unit.plan.params):
             if plan.name in names:
                 slots.update({use: (unit, index) for use in plan.uses})
-    init_parameter = getattr(root, "init_parameter", None)
-    if callable(init_parameter):
+    init_parameter = hooks_of(root).init_parameter
+    if init_parameter is not None:
         with torch.no_grad():
             for unit in units:
                 for index, plan in enumerate(unit.plan.params):
@@ -97,7 +98,7 @@ def initialize_meta_parameters(root: nn.Module, units: list[FlatUnit], names: se
     if missing:
         raise UsageError(
             f"deferred init: nothing initialises parameter {missing[0]!r} (its module has no reset_parameters() "
-            "that sets it); give the model init_parameter(name, tensor), or build it eagerly (--eager-init)"
+            "that sets it); give the model ModelHooks(init_parameter=...) (fsdpkit.model_hooks), or build it eagerly (--eager-init)"
         )
 
 
@@ -148,7 +149,7 @@ def _reset_module(
         written = placeholder_names.get(id(guard.written[0]), "a parameter")
         raise UsageError(
             f"deferred init: {where} writes parameter {written!r} of another module, so the order of "
-            "random draws cannot follow eager construction; give the model init_parameter(name, tensor), "
+            "random draws cannot follow eager construction; give the model ModelHooks(init_parameter=...) (fsdpkit.model_hooks), "
             "or build it eagerly (--eager-init)"
         )
     for attr, tensor in owned.items():

@@ -34,7 +34,6 @@ from .mesh import ShardMesh
 from .plan import UnitPlan
 
 SHAPE_ATTR = "_fsdpkit_shape"
-NAME_ATTR = "_fsdpkit_name"
 
 
 class UnitState(enum.Enum):
@@ -116,7 +115,6 @@ class FlatUnit:
         for fragment, param_plan in zip(self.fragments, plan.params, strict=True):
             param = nn.Parameter(self._local(self.flat_shard, fragment), requires_grad=param_plan.requires_grad)
             setattr(param, SHAPE_ATTR, torch.Size(param_plan.shape))
-            setattr(param, NAME_ATTR, param_plan.name)
             self.params.append(param)
         self.trainable = any(p.requires_grad for p in self.params)
         self.grad_shard: torch.Tensor | None = None

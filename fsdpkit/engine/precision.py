@@ -9,10 +9,6 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 FP32_MODULE_CLASSES: tuple[type[nn.Module], ...] = (_BatchNorm,)
-# A module may name buffers that keep their own dtype under mixed precision (a set of names in
-# this attribute): constants it computes with in fp32 itself, such as rotary frequencies,
-# which 16 bits would round (a bf16 inv_freq misplaces position 1000 by up to 2 radians).
-KEEP_DTYPE_ATTR = "_fsdpkit_keep_dtype_buffers"
 
 
 def keep_in_fp32(module: nn.Module, compute_dtype: torch.dtype) -> list[Any]:

@@ -77,7 +77,7 @@ class GradientSync(enum.Enum):
     ACCUMULATE = "accumulate"  # no_sync(): gradients stay unsharded and local
 
 
-class ShardedState:
+class RootRuntime:
     def __init__(
         self,
         module: nn.Module,
@@ -436,7 +436,7 @@ def _call_after_backward(inputs: Any, callback: Callable[[], None]) -> tuple[Any
     return tree_unflatten(flat, spec), True
 
 
-def get_state(module: nn.Module) -> ShardedState:
+def get_state(module: nn.Module) -> RootRuntime:
     state = getattr(module, STATE_ATTR, None)
     if state is None:
         raise ValueError(f"{type(module).__name__} has not been sharded with fsdpkit.shard()")

@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..model_hooks import ModelHooks
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -86,6 +88,9 @@ class GPT(nn.Module):
         with torch.no_grad():
             for name, param in self.named_parameters():
                 self.init_parameter(name, param)
+
+    def fsdpkit_hooks(self) -> ModelHooks:
+        return ModelHooks(init_parameter=self.init_parameter)
 
     def init_parameter(self, name: str, param: torch.Tensor) -> None:
         """GPT-2 initialisation of one parameter, from a generator seeded by the model seed

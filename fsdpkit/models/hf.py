@@ -35,8 +35,8 @@ import torch.nn as nn
 
 from ..checkpoint.export import SIDE_FILES, HfExport
 from ..checkpoint.reader import is_full_checkpoint
-from ..engine.precision import KEEP_DTYPE_ATTR
 from ..errors import UsageError
+from ..model_hooks import ModelHooks, declare_hooks
 
 PREFIX = "hf:"
 INSTALL_HINT = "Hugging Face models need the optional extra: pip install -e '.[hf]' (transformers, tokenizers)"
@@ -165,7 +165,7 @@ def export_for(config: Any, directory: Path | None) -> HfExport:
 
 
 def build(config: Any, device: str | torch.device, seed: int) -> nn.Module:
-    """The causal LM of `config`, with `init_parameter` attached. On the meta device nothing is
+    """The causal LM of `config`, with its hooks declared (`init_parameter`, rotary buffers kept in fp32). On the meta device nothing is
     allocated but the buffers the model computes from its config; on a real device (eager) the
     parameters get the values deferred init gives."""
     transformers = transformers_module()
@@ -173,16 +173,20 @@ def build(config: Any, device: str | torch.device, seed: int) -> nn.Module:
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_parameter = initializer(model, seed)
-    for module in model.modules():  # transformers computes rotary embeddings in fp32 from these
-        if "RotaryEmbedding" in type(module).__name__:
-            module.__dict__[KEEP_DTYPE_ATTR] = frozenset(name for name, b in module._buffers.items() if b is not None)
+    keep = frozenset(  # transformers computes rotary embeddings in fp32 from these
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if "RotaryEmbedding" in type(module).__name__
+        for name, b in module._buffers.items()
+        if b is not None
+    )
     if meta:
         _compute_buffers(model)
     else:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 init_parameter(name, param.data)
-    model.init_parameter = init_parameter
+    declare_hooks(model, ModelHooks(init_parameter=init_parameter, keep_dtype_buffers=keep))
     return model
 
 

@@ -13,6 +13,7 @@ weights. Train, plan, convert and --init-from use only this interface.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..checkpoint.export import EXPORT_ATTR, HfExport
+from ..checkpoint.export import HfExport
 from ..errors import UsageError
+from ..model_hooks import declare_hooks, hooks_of
 from . import hf
 from .gpt import GPT, Block
 from .gpt_export import gpt2_export
@@ -60,7 +62,7 @@ class ModelSource:
         if not isinstance(model, nn.Module):
             raise UsageError(f"model factory {self.spec!r} returned {type(model).__name__}, not an nn.Module")
         if self.export is not None:
-            model.__dict__[EXPORT_ATTR] = self.export
+            declare_hooks(model, dataclasses.replace(hooks_of(model), export=self.export))
         return model
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dtypes import SHORT_NAMES, of_torch
 from ..engine.config import BACKWARD_PREFETCH, STRATEGIES, MixedPrecision, ShardingConfig
 from ..errors import UsageError
 from ..launch import LaunchOptions
@@ -36,7 +37,7 @@ class Optimizer(enum.StrEnum):
     SGD = "sgd"
 
 
-class Schedule(enum.StrEnum):
+class LrSchedule(enum.StrEnum):
     CONSTANT = "constant"
     COSINE = "cosine"
 
@@ -126,7 +127,7 @@ class OptimizerConfig:
     momentum: float = setting(0.0, "SGD momentum (0: plain SGD).")
     nesterov: bool = setting(False, "SGD with Nesterov momentum (needs --momentum > 0).")
     max_grad_norm: float | None = setting(None, "Clip the global gradient norm to this value.")
-    schedule: Schedule = setting(Schedule.CONSTANT, "Learning rate after the warm-up.", flag="--lr-schedule")
+    schedule: LrSchedule = setting(LrSchedule.CONSTANT, "Learning rate after the warm-up.", flag="--lr-schedule")
     warmup_steps: int = setting(0, "Linear warm-up steps.")
     decay_steps: int | None = setting(
         None, "Steps the cosine schedule decays over (default: --steps; set it to extend a run exactly).", flag="--lr-decay-steps"
@@ -203,7 +204,7 @@ class LoggingConfig:
 # The engine's ShardingConfig is a section as it is; only mixed precision is given by name
 # (plus an optional reduction dtype) instead of as a MixedPrecision of torch dtypes.
 PRECISIONS = ("none", "bf16", "fp16")
-REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+REDUCE_DTYPES = SHORT_NAMES
 _SHARDING_DEFAULT = ShardingConfig()
 
 
@@ -217,14 +218,12 @@ def precision_policy(name: str, reduce_dtype: str | None = None) -> MixedPrecisi
 
 def precision_names(policy: MixedPrecision) -> tuple[str, str | None]:
     """(name, reduce dtype or None when it is the name's default): the inverse of precision_policy."""
-    import torch
-
-    names = {torch.float32: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    name = "none" if policy.param_dtype is None else names[policy.param_dtype]
+    short = of_torch(policy.param_dtype).short if policy.param_dtype is not None else None
+    name = "none" if short in (None, "fp32") else short
     if policy.reduce_dtype == precision_policy(name).reduce_dtype:
         return name, None
-    reduce_dtype = policy.reduce_dtype or policy.param_dtype or torch.float32  # None: gradients reduce in the compute dtype
-    return name, {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[reduce_dtype]
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype  # None: gradients reduce in the compute dtype
+    return name, of_torch(reduce_dtype).short if reduce_dtype is not None else "fp32"
 
 
 def _build_sharding(*, mixed_precision: str = "none", reduce_dtype: str | None = None, **fields: Any) -> ShardingConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ import torch.nn as nn
 
 from ..engine.plan import WrapPolicy
 from ..errors import UsageError
+from ..model_hooks import declare_hooks, hooks_of
 from ..models.registry import load_object
 from ..models.source import ModelSource
 from ..models.units import default_policy
@@ -74,8 +76,9 @@ def build_for_training(config: ModelConfig, source: ModelSource, seed: int, *, w
     torch.manual_seed(seed)  # the same random stream on every rank (dropout), kept in checkpoints
     deferred = source.deferred_init if config.deferred_init is None else config.deferred_init
     model = source.build(device="meta" if deferred else "cpu", seed=seed)
-    if deferred and weights_follow and callable(getattr(model, "init_parameter", None)):
-        model.__dict__["init_parameter"] = _left_for_the_checkpoint
+    hooks = hooks_of(model)
+    if deferred and weights_follow and hooks.init_parameter is not None:
+        declare_hooks(model, dataclasses.replace(hooks, init_parameter=_left_for_the_checkpoint))
     return model
 
 

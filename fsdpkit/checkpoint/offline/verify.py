@@ -7,22 +7,32 @@ every fragment, recomputed file by file through one reused buffer (no torch; mem
 grow with the world size). Full checkpoints (model.safetensors / index, and the optimizer's
 files of an export that has them): headers, sizes and the index; they carry no checksums.
 `verify_checkpoint` returns a JSON-able report; `ok` is true when `problems` is empty.
+
+`summarize(path)` (`fsdpkit inspect`): what a checkpoint holds, headers only, no data read:
+format, version, world size, strategy, placement, step and samples, tensor counts and bytes
+for the model and the optimizer, the training run's settings, dtypes, the largest tensors, files with sizes, tied-weight
+aliases (full checkpoints: files, the optimizer's too when an export has them, tensors, bytes,
+dtypes, largest tensors). Invalid
+checkpoints raise `DataCheckError`.
 """
 
 from __future__ import annotations
 
 import os
 import zlib
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ..bytecopy import DEFAULT_CHUNK_SIZE
-from ..format import MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE
+from ..files import open_regular, pread_into
+from ..format import FORMAT_NAME, MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, is_optimizer_tensor, numel
 from ..manifest import load_manifest
 from ..placement import FileLayout
-from ..reader import RankFile, ShardedCheckpoint, check_v2_size, is_full_checkpoint, open_full, open_regular, v2_crcs
+from ..reader import RankFile, ShardedCheckpoint, check_v2_size, is_full_checkpoint, open_full, open_sharded, v2_crcs
 from ..storage import resolve_checkpoint
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
@@ -93,12 +103,7 @@ def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, expected: FileLayo
     try:
         check_v2_size(path, size, expected)
         view = buffer[:size]
-        done = 0
-        while done < size:
-            count = os.preadv(fd, [view[done:]], done)
-            if count == 0:
-                raise DataCheckError(f"{path}: file ends at byte {done}, {size - done} bytes early (truncated)")
-            done += count
+        pread_into(fd, 0, view, path)
     finally:
         os.close(fd)
     start = expected.data_start
@@ -147,13 +152,71 @@ def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Calla
     return problems
 
 
+def _has_optimizer_files(path: Path) -> bool:
+    """A full export written with its optimizer state (convert --with-optimizer)."""
+    root = path if path.is_dir() else path.parent
+    return (root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists()
+
+
 def _verify_full(path: Path) -> dict:
     report: dict[str, Any] = {"path": str(path), "kind": "full", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
-    root = path if path.is_dir() else path.parent
     try:
-        full = open_full(path, with_optimizer=(root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists())
+        full = open_full(path, with_optimizer=_has_optimizer_files(path))
     except DataCheckError as error:
         report["problems"].append(str(error))
         return report
     report.update(ok=True, tensors=len(full.tensors), files=len(full.files), bytes=sum(t.nbytes for t in full.tensors))
     return report
+
+
+LARGEST = 5
+
+
+def _tensor_stats(items: list[tuple[str, str, tuple[int, ...]]]) -> dict:
+    def size(item):
+        return numel(item[2]) * dtype_info(item[1]).itemsize
+
+    model = [i for i in items if not is_optimizer_tensor(i[0])]
+    optim = [i for i in items if is_optimizer_tensor(i[0])]
+    largest = sorted(items, key=size, reverse=True)[:LARGEST]
+    return {
+        "model": {"tensors": len(model), "bytes": sum(map(size, model)), "elements": sum(numel(i[2]) for i in model)},
+        "optimizer": {"tensors": len(optim), "bytes": sum(map(size, optim))},
+        "dtypes": dict(Counter(i[1] for i in items)),
+        "largest": [{"name": n, "dtype": d, "shape": list(s), "bytes": size((n, d, s))} for n, d, s in largest],
+    }
+
+
+def summarize(path: str | Path) -> dict:
+    path = Path(path)
+    if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
+        full = open_full(path, with_optimizer=_has_optimizer_files(path))
+        summary: dict[str, Any] = {
+            "path": str(path),
+            "format": "safetensors-full",
+            "files": [{"name": f.name, "size": f.stat().st_size} for f in full.files],
+            "aliases": full.aliases,
+        }
+        summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in full.tensors]))
+        return summary
+    checkpoint = open_sharded(path)
+    manifest = checkpoint.manifest
+    state = manifest.training_state
+    files = [checkpoint.rank_file(index) for index in range(len(checkpoint.file_names()))]
+    summary = {
+        "path": str(checkpoint.step_dir),
+        "format": FORMAT_NAME,
+        "version": manifest.version,
+        "world_size": manifest.shard_factor,
+        "strategy": manifest.strategy,
+        "placement": manifest.placement.kind,
+        "units": len(manifest.placement.units),
+        "step": state.get("step"),
+        "samples": state.get("samples"),
+        "config": state.get("config"),  # the training run's settings (fsdpkit train), if it recorded them
+        "fragments": sum(len(f) for f in files),
+        "files": [{"name": f.path.name, "size": f.size} for f in files],
+        "aliases": manifest.aliases,
+    }
+    summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in manifest.tensors]))
+    return summary
