@@ -231,9 +231,9 @@ def verify(
         print_json(report)
     elif report["ok"]:
         typer.echo(f"ok {report['path']}: {_what_verify_checked(report)}")
-    for problem in report["problems"]:
-        typer.echo(f"error: {problem}", err=True)
     if not report["ok"]:
+        more = len(report["problems"]) - 1
+        typer.echo(f"error: {report['problems'][0]}" + (f" (+{more} more problems, listed by --json)" if more else ""), err=True)
         raise typer.Exit(3)
 
 
