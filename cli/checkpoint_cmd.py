@@ -13,10 +13,12 @@ from pathlib import Path
 import typer
 
 from fsdpkit.checkpoint.format import CAST_TARGETS
+from fsdpkit.dcp.metadata import is_dcp_checkpoint
 from fsdpkit.errors import UsageError
 from fsdpkit.host import available_memory_bytes
 from fsdpkit.sizes import format_size, parse_size
 
+from . import dcp_cmd
 from .app import app
 from .common import byte_progress, handle_errors, print_json
 
@@ -86,12 +88,31 @@ def convert(
     chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
+    dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=dcp_cmd.MODEL_KEY_HELP),
+    dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=dcp_cmd.OPTIMIZER_KEY_HELP),
 ) -> None:
-    """Convert between sharded fsdpkit checkpoints and full Hugging Face-style safetensors."""
+    """Convert between sharded fsdpkit checkpoints, full Hugging Face-style safetensors and torch DCP."""
     from fsdpkit.checkpoint.offline.convert import convert_to_full, convert_to_sharded
 
     cast_to, chunk = _cast(dtype), _chunk(chunk_size)
-    if to == "full":
+    if is_dcp_checkpoint(src):
+        options = dcp_cmd.ConvertOptions(
+            to=to,
+            world_size=world_size,
+            model=model,
+            max_shard_size=parse_size(max_shard_size) if max_shard_size is not None else None,
+            cast_to=cast_to,
+            with_optimizer=with_optimizer,
+            chunk_size=chunk,
+            overwrite=overwrite,
+            model_key=dcp_model_key,
+            optimizer_key=dcp_optimizer_key,
+        )
+        with _progress_bar("convert", True) as progress:
+            result = dcp_cmd.convert_dcp(src, dst, options, progress)
+    elif dcp_model_key is not None or dcp_optimizer_key is not None:
+        raise UsageError(f"--dcp-model-key and --dcp-optimizer-key apply to DCP input; {src} is not a DCP checkpoint")
+    elif to == "full":
         if world_size is not None or model is not None:
             raise UsageError("--world-size and --model apply to --to sharded only")
         limit = parse_size(max_shard_size) if max_shard_size is not None else None
@@ -170,10 +191,15 @@ def reshard(
 def inspect(
     ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir) or full safetensors."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
+    dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=dcp_cmd.MODEL_KEY_HELP),
+    dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=dcp_cmd.OPTIMIZER_KEY_HELP),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
     from fsdpkit.checkpoint.offline.inspect import summarize
 
+    if is_dcp_checkpoint(ckpt):
+        dcp_cmd.inspect_dcp(ckpt, as_json=as_json, model_key=dcp_model_key, optimizer_key=dcp_optimizer_key)
+        return
     summary = summarize(ckpt)
     if as_json:
         print_json(summary)
@@ -210,8 +236,19 @@ def verify(
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
     from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
-    with _progress_bar("verify", True) as progress:
-        report = verify_checkpoint(ckpt, progress=progress)
+    if is_dcp_checkpoint(ckpt):
+        report = dcp_cmd.verify_dcp(ckpt, as_json=as_json)
+    else:
+        with _progress_bar("verify", True) as progress:
+            report = verify_checkpoint(ckpt, progress=progress)
+        _print_verify(report, as_json)
+    if not report["ok"]:
+        more = len(report["problems"]) - 1
+        typer.echo(f"error: {report['problems'][0]}" + (f" (+{more} more problems)" if more else ""), err=True)
+        raise typer.Exit(3)
+
+
+def _print_verify(report: dict, as_json: bool) -> None:
     if as_json:
         print_json(report)
     elif report["ok"]:
@@ -220,7 +257,3 @@ def verify(
         )
     else:
         typer.echo("\n".join(report["problems"]))
-    if not report["ok"]:
-        more = len(report["problems"]) - 1
-        typer.echo(f"error: {report['problems'][0]}" + (f" (+{more} more problems)" if more else ""), err=True)
-        raise typer.Exit(3)
