@@ -72,7 +72,7 @@ def dcp_to_full(
             model_metadata[LAYOUT_METADATA_KEY] = json.dumps(export_layout.to_json(), sort_keys=True)
         written: list[str] = []
         warnings: list[str] = []
-        with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
+        with staged_output(Path(dst), src=Path(src), overwrite=overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
             copier = ByteCopier(chunk_size=chunk_size, progress=_progress_callback(progress, total))
             try:
                 for prefix, files in file_groups:

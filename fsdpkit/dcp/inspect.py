@@ -37,7 +37,7 @@ def summarize_dcp(path: str | os.PathLike[str], *, model_key: str | None = None,
             if tensor.chunks:
                 checkpoint.chunk_data(tensor, tensor.chunks[0])
         names = {key: name for name, key in layout.names.items()}
-        tensors = [
+        tensors: list[dict[str, Any]] = [
             {
                 "key": t.key,
                 "name": names.get(t.key),
@@ -62,7 +62,7 @@ def summarize_dcp(path: str | os.PathLike[str], *, model_key: str | None = None,
             "other_tensors": list(layout.other),
             "dtypes": dict(Counter(t.dtype for t in metadata.tensors.values())),
             "chunks": sum(len(t.chunks) for t in metadata.tensors.values()),
-            "largest": sorted(tensors, key=lambda t: -t["bytes"])[:LARGEST],
+            "largest": sorted(tensors, key=lambda t: t["bytes"], reverse=True)[:LARGEST],
             "tensors": tensors,
             "bytes_items": [{"key": b.key, "file": b.location.file, "bytes": b.location.length} for b in metadata.bytes_items.values()],
             "files": [{"name": name, "size": checkpoint.file(name)[1]} for name in metadata.files],

@@ -72,7 +72,7 @@ def detect_layout(metadata: DcpMetadata, *, model_key: str | None = None, optimi
         counts = Counter(_joined(prefix) for prefix, _, _ in entries.values())
         optimizer_key = counts.most_common(1)[0][0] if counts else None
     elif not any(_joined(prefix) == optimizer_key for prefix, _, _ in entries.values()):
-        raise UsageError(f"{metadata.directory}: no optimizer state under --dcp-optimizer-key {optimizer_key!r} ({_top_keys(paths)})")
+        raise UsageError(f"{metadata.directory}: no optimizer state under --dcp-optimizer-key {optimizer_key!r} ({_top_keys(metadata)})")
     optimizer = {}
     if optimizer_key is not None:
         for key, (prefix, fqn, state) in entries.items():
@@ -84,7 +84,7 @@ def detect_layout(metadata: DcpMetadata, *, model_key: str | None = None, optimi
         ranked = sorted(groups.items(), key=lambda item: (item[0] != "model", -item[1]))
         model_key = ranked[0][0] if ranked else None
     elif model_key not in groups:
-        raise UsageError(f"{metadata.directory}: no tensors under --dcp-model-key {model_key!r} ({_top_keys(paths)})")
+        raise UsageError(f"{metadata.directory}: no tensors under --dcp-model-key {model_key!r} ({_top_keys(metadata)})")
     model = {}
     for key, path in rest.items():
         if model_key == "" and len(path) == 1:
@@ -95,8 +95,9 @@ def detect_layout(metadata: DcpMetadata, *, model_key: str | None = None, optimi
     return DcpLayout(model_key if model else None, optimizer_key if optimizer else None, model, optimizer, other)
 
 
-def _top_keys(paths: dict[str, Path]) -> str:
-    tops = sorted({str(path[0]) for path in paths.values() if len(path) > 1})
+def _top_keys(metadata: DcpMetadata) -> str:
+    paths = [_path_of(metadata, key) for key in [*metadata.tensors, *metadata.bytes_items]]
+    tops = sorted({str(path[0]) for path in paths if len(path) > 1})
     return "top-level keys: " + (", ".join(tops) if tops else "none, the tensors are at the top level")
 
 
