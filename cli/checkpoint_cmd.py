@@ -75,7 +75,7 @@ def _print_result(result: dict, as_json: bool) -> None:
 def convert(
     src: Path = typer.Argument(..., help="Source checkpoint: sharded (run or step dir) for --to full; full safetensors for --to sharded."),
     dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
-    to: str = typer.Option(..., "--to", help="full or sharded."),
+    to: str = typer.Option(..., "--to", help="full, sharded or dcp (torch DCP in FSDP2's layout, chunked for --world-size ranks)."),
     world_size: int | None = typer.Option(None, "--world-size", help="Ranks of the sharded output (--to sharded)."),
     model: str | None = typer.Option(
         None, "--model", help="Lay out by this model's flat-parameter plan (--to sharded); default: even split per tensor."
@@ -112,6 +112,10 @@ def convert(
             result = dcp_cmd.convert_dcp(src, dst, options, progress)
     elif dcp_model_key is not None or dcp_optimizer_key is not None:
         raise UsageError(f"--dcp-model-key and --dcp-optimizer-key apply to DCP input; {src} is not a DCP checkpoint")
+    elif to == "dcp":
+        from fsdpkit.dcp.export import to_dcp
+
+        result = to_dcp(src, dst, world_size=world_size or 1, chunk_size=chunk, overwrite=overwrite)
     elif to == "full":
         if world_size is not None or model is not None:
             raise UsageError("--world-size and --model apply to --to sharded only")
@@ -153,7 +157,7 @@ def convert(
                 progress=progress,
             )
     else:
-        raise UsageError(f"unknown --to {to!r}: use full or sharded")
+        raise UsageError(f"unknown --to {to!r}: use full, sharded or dcp")
     for line in result.get("warnings", []):
         typer.echo(f"warning: {line}", err=True)
     _print_result(result, as_json)
@@ -173,6 +177,11 @@ def reshard(
     from fsdpkit.checkpoint.offline.reshard import reshard as reshard_checkpoint
 
     ranks, chunk = _world(world_size), _chunk(chunk_size)
+    if is_dcp_checkpoint(src):
+        from fsdpkit.dcp.export import reshard_dcp
+
+        _print_result(reshard_dcp(src, dst, world_size=ranks, chunk_size=chunk, overwrite=overwrite), as_json)
+        return
     with _progress_bar("reshard", True) as progress:
         result = reshard_checkpoint(
             src,
