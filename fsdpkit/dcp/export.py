@@ -11,6 +11,7 @@ items, as `get_state_dict` gives them. Written under a temporary name, renamed w
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
@@ -43,7 +44,7 @@ def _param_groups(training_state: dict) -> list[OutBytes]:
             settings["betas"] = tuple(settings["betas"])
         settings["params"] = list(group.get("params", []))
         for key, value in settings.items():
-            items.append(OutBytes(("optimizer", "param_groups", index, key), lambda value=value: torch_saved(value)))
+            items.append(OutBytes(("optimizer", "param_groups", index, key), partial(torch_saved, value)))
     return items
 
 

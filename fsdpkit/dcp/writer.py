@@ -100,6 +100,8 @@ def write_dcp(
             with open(directory / name, "wb") as stream:
                 for tensor in tensors:
                     source, key = tensor.source, flat_key(tensor.path)
+                    offsets: tuple[int, ...]
+                    sizes: tuple[int, ...]
                     if not source.shape:
                         if rank != 0:
                             continue
