@@ -318,8 +318,5 @@ def test_fsdp2_loads_fsdpkit_outputs_bitwise(saved, tmp_path):
     assert run_cli("diff", original, back).exit_code == 0  # DCP -> fsdpkit -> DCP, optimizer included
     results = run_distributed(_load_and_continue, 3, [str(original), str(resharded), str(back)])
     for rank, per_dir in results.items():
-        (loaded, stepped), *others = per_dir.values()
-        assert any(name.startswith("exp_avg.") for name in loaded)
-        for other_loaded, other_stepped in others:
-            assert loaded.keys() == other_loaded.keys()
-            assert loaded == other_loaded and stepped == other_stepped, rank
+        first, *others = per_dir.values()
+        assert first[2] > 0 and all(other == first for other in others), rank
