@@ -104,4 +104,36 @@ def convert_dcp(src: Path, dst: Path, options: ConvertOptions, progress) -> dict
             overwrite=options.overwrite,
             progress=progress,
         )
-    raise UsageError(f"unknown --to {options.to!r} for DCP input: use full or sharded")
+    if options.to == "sharded":
+        return _to_sharded(src, dst, options, progress)
+    if options.to == "dcp":
+        from fsdpkit.dcp.export import reshard_dcp
+
+        return reshard_dcp(src, dst, world_size=options.world_size or 1, chunk_size=options.chunk_size, overwrite=options.overwrite)
+    raise UsageError(f"unknown --to {options.to!r} for DCP input: use full, sharded or dcp")
+
+
+def _to_sharded(src: Path, dst: Path, options: ConvertOptions, progress) -> dict:
+    from fsdpkit.dcp.to_sharded import dcp_to_sharded
+
+    if options.world_size is None or options.model is None:
+        raise UsageError("--to sharded from DCP needs --world-size and --model (the model whose flat-parameter layout to write)")
+    if options.max_shard_size is not None or options.cast_to is not None:
+        raise UsageError("--max-shard-size and --dtype do not apply to --to sharded from DCP")
+    from fsdpkit.models.source import resolve  # builds the model on the meta device: imports torch
+    from fsdpkit.models.units import aliases_for_model, placement_for_model
+
+    return dcp_to_sharded(
+        src,
+        dst,
+        world_size=options.world_size,
+        placement=placement_for_model(options.model),
+        placement_source=f"model {options.model!r}",
+        aliases=aliases_for_model(options.model),
+        export=resolve(options.model).export,
+        model_key=options.model_key,
+        optimizer_key=options.optimizer_key,
+        chunk_size=options.chunk_size,
+        overwrite=options.overwrite,
+        progress=progress,
+    )

@@ -320,3 +320,38 @@ def test_fsdp2_loads_fsdpkit_outputs_bitwise(saved, tmp_path):
     for rank, per_dir in results.items():
         first, *others = per_dir.values()
         assert first[2] > 0 and all(other == first for other in others), rank
+
+
+def test_convert_to_sharded_resumes(saved, tmp_path):
+    """DCP (FSDP2 GPT, tied weights, 2 ranks) -> fsdpkit at 3 ranks: every tensor, optimizer
+    included, equals the DCP's; `fsdpkit train --resume` continues from the optimizer's step."""
+    root, _ = saved
+    original, sharded = root / "gpt-torch_save", tmp_path / "sharded"
+    result = run_cli("convert", original, sharded, "--to", "sharded", "--world-size", "3", "--model", "gpt-tiny", "--json")
+    assert result.exit_code == 0, result.output
+    converted = json.loads(result.stdout)
+    assert converted["step"] == 2 and converted["optimizer_tensors"] > 0
+    reference = _torch_reference(original, tmp_path)
+    assert converted["optimizer_tensors"] == sum(len(s) for s in reference["optimizer"]["state"].values())
+    assert run_cli("diff", original, sharded).exit_code == 0  # the tied alias included
+    assert run_cli("verify", sharded).exit_code == 0
+    trained = run_cli(
+        "train",
+        "--model",
+        "gpt-tiny",
+        "--nproc-per-node",
+        "3",
+        "--resume",
+        sharded,
+        "--steps",
+        "3",
+        "--seq-len",
+        "16",
+        "--global-batch-size",
+        "6",
+        "--json",
+    )
+    assert trained.exit_code == 0, trained.output
+    report = json.loads(trained.stdout)
+    assert report["resumed_from_step"] == 2 and report["steps"] == 3 and len(report["losses"]) == 1
+    assert run_cli("convert", original, tmp_path / "x", "--to", "sharded", "--world-size", "3").exit_code == 2  # --model is needed
