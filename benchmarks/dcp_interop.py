@@ -113,6 +113,24 @@ def summary(values: list[float]) -> str:
     return f"{statistics.median(values):8.2f} [{min(values):.2f}, {max(values):.2f}]"
 
 
+def report(results: dict[str, list[dict]], reshard_to: int) -> None:
+    """Each command's times and peak RSS, then the ratios per round."""
+    print(f"{'':46} {'seconds: median [range]':>26} {'peak RSS MB':>12}")
+    for name, runs in results.items():
+        rss = max(r["peak_rss"] for r in runs) / 1e6
+        print(f"{name:46} {summary([r['seconds'] for r in runs]):>26} {rss:12.0f}")
+    ratios = {
+        "convert --to full / torch": ("fsdpkit convert --to full", "torch dcp_to_torch_save + safetensors"),
+        f"reshard -> {reshard_to} / cp -r": (f"fsdpkit reshard -> {reshard_to}", "cp -r"),
+        f"convert --to sharded {reshard_to} / cp -r": (f"fsdpkit convert --to sharded {reshard_to}", "cp -r"),
+        "FSDP2 load from fsdpkit reshard / from original": ("FSDP2 load at 4 from fsdpkit reshard", "FSDP2 load at 4 from original"),
+    }
+    print("\nratios per round: median [range]")
+    for label, (a, b) in ratios.items():
+        values = [x["seconds"] / y["seconds"] for x, y in zip(results[a], results[b], strict=True)]
+        print(f"{label:46} {summary(values):>26}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2-medium")
@@ -165,20 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     out = run(torchrun(4, work / "load.py", args.model, str(loads[name])))
                     results[name].append({"seconds": json.loads(out.strip().splitlines()[-1])["load_seconds"], "peak_rss": 0})
-        print(f"{'':46} {'seconds: median [range]':>26} {'peak RSS MB':>12}")
-        for name, runs in results.items():
-            rss = max(r["peak_rss"] for r in runs) / 1e6
-            print(f"{name:46} {summary([r['seconds'] for r in runs]):>26} {rss:12.0f}")
-        ratios = {
-            "convert --to full / torch": ("fsdpkit convert --to full", "torch dcp_to_torch_save + safetensors"),
-            f"reshard -> {args.reshard_to} / cp -r": (f"fsdpkit reshard -> {args.reshard_to}", "cp -r"),
-            f"convert --to sharded {args.reshard_to} / cp -r": (f"fsdpkit convert --to sharded {args.reshard_to}", "cp -r"),
-            "FSDP2 load from fsdpkit reshard / from original": ("FSDP2 load at 4 from fsdpkit reshard", "FSDP2 load at 4 from original"),
-        }
-        print("\nratios per round: median [range]")
-        for label, (a, b) in ratios.items():
-            values = [x["seconds"] / y["seconds"] for x, y in zip(results[a], results[b], strict=True)]
-            print(f"{label:46} {summary(values):>26}")
+        report(results, args.reshard_to)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -32,6 +32,21 @@ def layout_sources(checkpoint: DcpCheckpoint, layout: DcpLayout) -> tuple[list[S
     return model, optim
 
 
+def _plan_files(outputs: list[tuple[str, list[SourceTensor]]], export_layout: Layout, *, cast_to: str | None, max_shard_size: int | None):
+    """Output name -> (source, transposed), and the files of each output (model, optimizer)."""
+    by_name: dict[str, tuple[SourceTensor, bool]] = {}
+    file_groups = []
+    for prefix, tensors in outputs:
+        entries = []
+        for t in tensors:
+            flip = prefix == "model" and export_layout.is_transposed(t.name, t.shape)
+            name = export_layout.exported_name(t.name) if prefix == "model" else t.name
+            by_name[name] = (t, flip)
+            entries.append((name, output_dtype(t.dtype, cast_to), tuple(reversed(t.shape)) if flip else t.shape))
+        file_groups.append((prefix, split_into_files(entries, prefix=prefix, max_shard_size=max_shard_size)))
+    return by_name, file_groups
+
+
 def dcp_to_full(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -54,16 +69,7 @@ def dcp_to_full(
             raise DataCheckError(f"{src}: --with-optimizer given but no optimizer state was found (name it with --dcp-optimizer-key)")
         export_layout = export.layout if export is not None else Layout()
         outputs = [("model", model)] + ([("optimizer", optim)] if with_optimizer else [])
-        by_name: dict[str, tuple[SourceTensor, bool]] = {}
-        file_groups = []
-        for prefix, tensors in outputs:
-            entries = []
-            for t in tensors:
-                flip = prefix == "model" and export_layout.is_transposed(t.name, t.shape)
-                name = export_layout.exported_name(t.name) if prefix == "model" else t.name
-                by_name[name] = (t, flip)
-                entries.append((name, output_dtype(t.dtype, cast_to), tuple(reversed(t.shape)) if flip else t.shape))
-            file_groups.append((prefix, split_into_files(entries, prefix=prefix, max_shard_size=max_shard_size)))
+        by_name, file_groups = _plan_files(outputs, export_layout, cast_to=cast_to, max_shard_size=max_shard_size)
         total = sum(t.nbytes for _, tensors in outputs for t in tensors)
         out_total = sum(nbytes(shape, dtype) for _, files in file_groups for _, group in files for _, dtype, shape in group)
         metadata = {"format": "pt"}

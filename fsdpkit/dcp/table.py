@@ -21,7 +21,7 @@ from ..errors import DataCheckError, UsageError
 from ..layout import ElementRange
 from . import chunkdata
 from .boxes import coverage_problem, flat_runs
-from .metadata import METADATA_NAME, Chunk, DcpMetadata, DcpTensor, read_metadata
+from .metadata import METADATA_NAME, Chunk, DcpMetadata, DcpTensor, Location, read_metadata
 
 
 class DcpCheckpoint:
@@ -72,7 +72,11 @@ class DcpCheckpoint:
             problems.extend(self._range_problem(item.key, item.location))
         return problems
 
-    def _range_problem(self, key: str, location) -> list[str]:
+    def opened(self, name: str) -> bool:
+        """Whether data file `name` has been opened (it exists and is a regular file)."""
+        return name in self._files
+
+    def _range_problem(self, key: str, location: Location) -> list[str]:
         if location.file not in self._files:
             return []  # already reported missing
         size, end = self._files[location.file][1], location.offset + location.length

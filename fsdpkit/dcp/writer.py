@@ -17,6 +17,7 @@ import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
 from ..checkpoint.format import numel
@@ -65,6 +66,46 @@ def _chunk_bytes(copier: ByteCopier, source: SourceTensor, wanted: ElementRange)
     return data
 
 
+def rank_chunk(shape: tuple[int, ...], rank: int, world_size: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offsets, sizes) of rank `rank`'s chunk of a tensor of `shape`; None when it holds none
+    (scalars live on rank 0)."""
+    if not shape:
+        return ((), ()) if rank == 0 else None
+    start, end = dim0_chunks(shape[0], world_size)[rank]
+    if start == end:
+        return None
+    return (start, *[0] * (len(shape) - 1)), (end - start, *shape[1:])
+
+
+@dataclass
+class _Written:
+    """What the rank files hold: each tensor's chunks (offsets, sizes) and where every item sits."""
+
+    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
+    storage: list[tuple[str, tuple[int, ...] | None, int, str, int, int]]  # key, offsets, index, file, offset, length
+
+
+def _write_rank_file(stream: BinaryIO, rank: int, world_size: int, tensors: list[OutTensor], copier: ByteCopier, written: _Written) -> None:
+    import torch
+
+    from ..checkpoint.state import SAFETENSORS_TO_TORCH
+
+    name = rank_file_name(rank)
+    for tensor in tensors:
+        source, key = tensor.source, flat_key(tensor.path)
+        chunk = rank_chunk(tuple(source.shape), rank, world_size)
+        if chunk is None:
+            continue
+        offsets, sizes = chunk
+        first = offsets[0] * numel(source.shape[1:]) if offsets else 0
+        raw = _chunk_bytes(copier, source, ElementRange(first, first + numel(sizes)))
+        value = torch.frombuffer(raw, dtype=SAFETENSORS_TO_TORCH[source.dtype]) if raw else torch.empty(0)
+        position = stream.tell()
+        torch.save(value.reshape(sizes), stream)
+        written.storage.append((key, offsets, len(written.chunks[key]), name, position, stream.tell() - position))
+        written.chunks[key].append(chunk)
+
+
 def write_dcp(
     directory: Path,
     tensors: list[OutTensor],
@@ -76,6 +117,27 @@ def write_dcp(
 ) -> list[str]:
     """Every rank file and `.metadata` in `directory` (not synced: the caller's staged output
     syncs); returns the file names."""
+    written = _Written({flat_key(t.path): [] for t in tensors}, [])
+    copier = ByteCopier(chunk_size=chunk_size, progress=progress)
+    try:
+        for rank in range(world_size):
+            with open(directory / rank_file_name(rank), "wb") as stream:
+                _write_rank_file(stream, rank, world_size, tensors, copier, written)
+                if rank == 0:
+                    for item in bytes_items:
+                        position = stream.tell()
+                        stream.write(item.read())
+                        written.storage.append((flat_key(item.path), None, 0, rank_file_name(0), position, stream.tell() - position))
+    finally:
+        copier.close()
+    with open(directory / METADATA_NAME, "wb") as f:
+        f.write(_metadata_bytes(tensors, bytes_items, written))
+        os.fsync(f.fileno())
+    return [*(rank_file_name(rank) for rank in range(world_size)), METADATA_NAME]
+
+
+def _metadata_bytes(tensors: list[OutTensor], bytes_items: list[OutBytes], written: _Written) -> bytes:
+    """DCP's `Metadata`, built from DCP's own classes and pickled as FileSystemWriter does."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -89,59 +151,22 @@ def write_dcp(
 
     from ..checkpoint.state import SAFETENSORS_TO_TORCH
 
-    chunks: dict[str, list] = {flat_key(t.path): [] for t in tensors}
-    storage: dict = {}
-    copier = ByteCopier(chunk_size=chunk_size, progress=progress)
-    names = []
-    try:
-        for rank in range(world_size):
-            name = rank_file_name(rank)
-            names.append(name)
-            with open(directory / name, "wb") as stream:
-                for tensor in tensors:
-                    source, key = tensor.source, flat_key(tensor.path)
-                    offsets: tuple[int, ...]
-                    sizes: tuple[int, ...]
-                    if not source.shape:
-                        if rank != 0:
-                            continue
-                        offsets, sizes = (), ()
-                    else:
-                        start, end = dim0_chunks(source.shape[0], world_size)[rank]
-                        if start == end:
-                            continue
-                        offsets, sizes = (start, *[0] * (len(source.shape) - 1)), (end - start, *source.shape[1:])
-                    row = numel(source.shape[1:]) if source.shape else 1
-                    first = offsets[0] * row if offsets else 0
-                    raw = _chunk_bytes(copier, source, ElementRange(first, first + numel(sizes)))
-                    value = torch.frombuffer(raw, dtype=SAFETENSORS_TO_TORCH[source.dtype]) if raw else torch.empty(0)
-                    position = stream.tell()
-                    torch.save(value.reshape(sizes), stream)
-                    index = len(chunks[key])
-                    chunks[key].append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-                    storage[MetadataIndex(key, offsets, index)] = _StorageInfo(name, position, stream.tell() - position)
-                if rank == 0:
-                    for item in bytes_items:
-                        position = stream.tell()
-                        stream.write(item.read())
-                        storage[MetadataIndex(flat_key(item.path))] = _StorageInfo(name, position, stream.tell() - position)
-    finally:
-        copier.close()
-    state_dict_metadata: dict = {}
+    items: dict = {}
     for tensor in tensors:
-        properties = TensorProperties(dtype=SAFETENSORS_TO_TORCH[tensor.source.dtype])
         key = flat_key(tensor.path)
-        state_dict_metadata[key] = TensorStorageMetadata(properties, torch.Size(tensor.source.shape), chunks[key])
+        chunks = [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes in written.chunks[key]]
+        properties = TensorProperties(dtype=SAFETENSORS_TO_TORCH[tensor.source.dtype])
+        items[key] = TensorStorageMetadata(properties, torch.Size(tensor.source.shape), chunks)
     for item in bytes_items:
-        state_dict_metadata[flat_key(item.path)] = BytesStorageMetadata()
+        items[flat_key(item.path)] = BytesStorageMetadata()
+    storage = {
+        MetadataIndex(key, offsets, index) if offsets is not None else MetadataIndex(key): _StorageInfo(name, offset, length)
+        for key, offsets, index, name, offset, length in written.storage
+    }
     planner_data = {flat_key(t.path): t.path for t in tensors} | {flat_key(b.path): b.path for b in bytes_items}
-    metadata = Metadata(state_dict_metadata, planner_data=planner_data, storage_data=storage, version="1.0.0")
     buffer = io.BytesIO()
-    pickle.dump(metadata, buffer)
-    with open(directory / METADATA_NAME, "wb") as f:
-        f.write(buffer.getvalue())
-        os.fsync(f.fileno())
-    return [*names, METADATA_NAME]
+    pickle.dump(Metadata(items, planner_data=planner_data, storage_data=storage, version="1.0.0"), buffer)
+    return buffer.getvalue()
 
 
 def torch_saved(value: object) -> bytes:
