@@ -4,9 +4,9 @@ rows per rank, the last ranks fewer or none), one `__<rank>_0.distcp` file per r
 and bytes items in rank 0's file, then `.metadata` (DCP's own classes, pickled).
 
 Each chunk is read through the byte copier into one buffer and written as its own
-`torch.save` archive (what DCP's reader `torch.load`s), so memory is one chunk. Bytes items
-are copied byte for byte, never unpickled. This module imports torch (for `torch.save` and
-DCP's metadata classes), when a writer runs.
+`torch.save` archive (`archive.py`, what DCP's reader `torch.load`s), so memory is one chunk.
+Bytes items are copied byte for byte, never unpickled. Only `.metadata` needs torch (DCP's own
+classes, pickled); it is imported when it is written.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import BinaryIO
 from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
 from ..checkpoint.format import numel
 from ..layout import ElementRange
+from .archive import archive_parts
 from .metadata import METADATA_NAME
 
 DcpPath = tuple[str | int, ...]
@@ -86,10 +88,6 @@ class _Written:
 
 
 def _write_rank_file(stream: BinaryIO, rank: int, world_size: int, tensors: list[OutTensor], copier: ByteCopier, written: _Written) -> None:
-    import torch
-
-    from ..checkpoint.state import SAFETENSORS_TO_TORCH
-
     name = rank_file_name(rank)
     for tensor in tensors:
         source, key = tensor.source, flat_key(tensor.path)
@@ -99,9 +97,11 @@ def _write_rank_file(stream: BinaryIO, rank: int, world_size: int, tensors: list
         offsets, sizes = chunk
         first = offsets[0] * numel(source.shape[1:]) if offsets else 0
         raw = _chunk_bytes(copier, source, ElementRange(first, first + numel(sizes)))
-        value = torch.frombuffer(raw, dtype=SAFETENSORS_TO_TORCH[source.dtype]) if raw else torch.empty(0)
+        head, tail = archive_parts(source.dtype, sizes, zlib.crc32(raw), len(raw))
         position = stream.tell()
-        torch.save(value.reshape(sizes), stream)
+        stream.write(head)
+        stream.write(raw)
+        stream.write(tail)
         written.storage.append((key, offsets, len(written.chunks[key]), name, position, stream.tell() - position))
         written.chunks[key].append(chunk)
 
