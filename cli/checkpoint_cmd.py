@@ -115,6 +115,11 @@ def convert(
     elif to == "dcp":
         from fsdpkit.dcp.export import to_dcp
 
+        if model is not None or max_shard_size is not None or cast_to is not None or with_optimizer:
+            raise UsageError(
+                "--model, --max-shard-size, --dtype and --with-optimizer do not apply to --to dcp (the optimizer state goes with it)"
+            )
+
         result = to_dcp(src, dst, world_size=world_size or 1, chunk_size=chunk, overwrite=overwrite)
     elif to == "full":
         if world_size is not None or model is not None:

@@ -17,6 +17,7 @@ import struct
 import zlib
 
 from ..checkpoint.format import dtype_info
+from ..errors import UsageError
 from .unpickler import STORAGE_DTYPES, TORCH_DTYPES
 
 ALIGNMENT = 64
@@ -78,7 +79,9 @@ def _local(name: bytes, crc: int, size: int, position: int) -> bytes:
 def archive_parts(dtype: str, shape: tuple[int, ...], data_crc: int, nbytes: int) -> tuple[bytes, bytes]:
     """(bytes before the tensor data, bytes after it) of the archive."""
     if nbytes > MAX_RECORD_BYTES:
-        raise ValueError(f"a chunk of {nbytes} bytes needs zip64, which this writer does not write")
+        raise UsageError(
+            f"a DCP chunk of {nbytes} bytes (4 GiB or more) needs zip64, which fsdpkit does not write; use a larger --world-size"
+        )
     before_data = [
         ("data.pkl", data_pickle(dtype, shape)),
         (".format_version", b"1"),
