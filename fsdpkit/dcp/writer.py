@@ -56,15 +56,9 @@ def rank_file_name(rank: int) -> str:
 
 
 def _chunk_bytes(copier: ByteCopier, source: SourceTensor, wanted: ElementRange) -> bytearray:
+    """Elements `wanted` of `source`, read straight into a new buffer."""
     data = bytearray(wanted.size * source.nbytes // max(source.numel, 1))
-    filled = 0
-
-    def collect(view: memoryview) -> None:
-        nonlocal filled
-        data[filled : filled + view.nbytes] = view
-        filled += view.nbytes
-
-    copier.copy(source, wanted, source.dtype, collect)
+    copier.read_into(source, wanted, memoryview(data))
     return data
 
 
