@@ -160,6 +160,7 @@ def _register_commands() -> None:
         bench_cmd,  # noqa: F401
         checkpoint_cmd,  # noqa: F401
         data_cmd,  # noqa: F401
+        diff_cmd,  # noqa: F401
         report_cmd,  # noqa: F401
     )
 

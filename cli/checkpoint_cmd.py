@@ -13,11 +13,13 @@ from pathlib import Path
 import typer
 
 from fsdpkit import log
+from fsdpkit.dcp.metadata import is_dcp_checkpoint
 from fsdpkit.dtypes import from_spelling
 from fsdpkit.errors import UsageError
 from fsdpkit.host import available_memory_bytes
 from fsdpkit.sizes import format_size, parse_size
 
+from . import dcp_cmd
 from .app import app
 from .common import byte_progress, handle_errors, print_json
 
@@ -74,7 +76,7 @@ def _print_result(result: dict, as_json: bool) -> None:
 def convert(
     src: Path = typer.Argument(..., help="Source checkpoint: sharded (run or step dir) for --to full; full safetensors for --to sharded."),
     dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
-    to: str = typer.Option(..., "--to", help="full or sharded."),
+    to: str = typer.Option(..., "--to", help="full, sharded or dcp (torch DCP in FSDP2's layout, chunked for --world-size ranks)."),
     world_size: int | None = typer.Option(None, "--world-size", help="Ranks of the sharded output (--to sharded)."),
     model: str | None = typer.Option(
         None, "--model", help="Lay out by this model's flat-parameter plan (--to sharded); default: even split per tensor."
@@ -87,12 +89,40 @@ def convert(
     chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
+    dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=dcp_cmd.MODEL_KEY_HELP),
+    dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=dcp_cmd.OPTIMIZER_KEY_HELP),
 ) -> None:
-    """Convert between sharded fsdpkit checkpoints and full Hugging Face-style safetensors."""
+    """Convert between sharded fsdpkit checkpoints, full Hugging Face-style safetensors and torch DCP."""
     from fsdpkit.checkpoint.offline.convert import convert_to_full, convert_to_sharded
 
     cast_to, chunk = _cast(dtype), _chunk(chunk_size)
-    if to == "full":
+    if is_dcp_checkpoint(src):
+        options = dcp_cmd.ConvertOptions(
+            to=to,
+            world_size=world_size,
+            model=model,
+            max_shard_size=parse_size(max_shard_size) if max_shard_size is not None else None,
+            cast_to=cast_to,
+            with_optimizer=with_optimizer,
+            chunk_size=chunk,
+            overwrite=overwrite,
+            model_key=dcp_model_key,
+            optimizer_key=dcp_optimizer_key,
+        )
+        with _progress_bar("convert", True) as progress:
+            result = dcp_cmd.convert_dcp(src, dst, options, progress)
+    elif dcp_model_key is not None or dcp_optimizer_key is not None:
+        raise UsageError(f"--dcp-model-key and --dcp-optimizer-key apply to DCP input; {src} is not a DCP checkpoint")
+    elif to == "dcp":
+        from fsdpkit.dcp.export import to_dcp
+
+        if model is not None or max_shard_size is not None or cast_to is not None or with_optimizer:
+            raise UsageError(
+                "--model, --max-shard-size, --dtype and --with-optimizer do not apply to --to dcp (the optimizer state goes with it)"
+            )
+
+        result = to_dcp(src, dst, world_size=world_size or 1, chunk_size=chunk, overwrite=overwrite)
+    elif to == "full":
         if world_size is not None or model is not None:
             raise UsageError("--world-size and --model apply to --to sharded only")
         limit = parse_size(max_shard_size) if max_shard_size is not None else None
@@ -133,7 +163,7 @@ def convert(
                 progress=progress,
             )
     else:
-        raise UsageError(f"unknown --to {to!r}: use full or sharded")
+        raise UsageError(f"unknown --to {to!r}: use full, sharded or dcp")
     for line in result.get("warnings", []):
         log.warn(line)
     _print_result(result, as_json)
@@ -153,6 +183,11 @@ def reshard(
     from fsdpkit.checkpoint.offline.convert import reshard as reshard_checkpoint
 
     ranks, chunk = _world(world_size), _chunk(chunk_size)
+    if is_dcp_checkpoint(src):
+        from fsdpkit.dcp.export import reshard_dcp
+
+        _print_result(reshard_dcp(src, dst, world_size=ranks, chunk_size=chunk, overwrite=overwrite), as_json)
+        return
     with _progress_bar("reshard", True) as progress:
         result = reshard_checkpoint(
             src,
@@ -171,10 +206,15 @@ def reshard(
 def inspect(
     ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir) or full safetensors."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
+    dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=dcp_cmd.MODEL_KEY_HELP),
+    dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=dcp_cmd.OPTIMIZER_KEY_HELP),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
     from fsdpkit.checkpoint.offline.verify import summarize
 
+    if is_dcp_checkpoint(ckpt):
+        dcp_cmd.inspect_dcp(ckpt, as_json=as_json, model_key=dcp_model_key, optimizer_key=dcp_optimizer_key)
+        return
     summary = summarize(ckpt)
     if as_json:
         print_json(summary)
@@ -225,16 +265,23 @@ def verify(
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
     from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
-    with _progress_bar("verify", True) as progress:
-        report = verify_checkpoint(ckpt, progress=progress)
-    if as_json:
-        print_json(report)
-    elif report["ok"]:
-        typer.echo(f"ok {report['path']}: {_what_verify_checked(report)}")
+    if is_dcp_checkpoint(ckpt):
+        report = dcp_cmd.verify_dcp(ckpt, as_json=as_json)
+    else:
+        with _progress_bar("verify", True) as progress:
+            report = verify_checkpoint(ckpt, progress=progress)
+        _print_verify(report, as_json)
     if not report["ok"]:
         more = len(report["problems"]) - 1
         typer.echo(f"error: {report['problems'][0]}" + (f" (+{more} more problems, listed by --json)" if more else ""), err=True)
         raise typer.Exit(3)
+
+
+def _print_verify(report: dict, as_json: bool) -> None:
+    if as_json:
+        print_json(report)
+    elif report["ok"]:
+        typer.echo(f"ok {report['path']}: {_what_verify_checked(report)}")
 
 
 def _what_verify_checked(report: dict) -> str:

@@ -1,0 +1,66 @@
+"""`fsdpkit diff A B`: compare two checkpoints of any format, tensor by tensor (exit 0 equal, 3 not)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .app import app
+from .common import byte_progress, handle_errors, print_json
+from .dcp_cmd import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
+
+SHOWN = 20  # differing tensors listed in the text output
+
+
+def _line(result: dict) -> str:
+    status = result["status"]
+    if status == "different" or status == "close":
+        return f"{status:9} {result['name']}: max abs {result['max_abs']:.3g}, max rel {result['max_rel']:.3g}"
+    if status in ("dtype", "shape"):
+        return f"{status:9} {result['name']}: {result['a']} vs {result['b']}"
+    return f"{status:9} {result['name']}"
+
+
+@app.command("diff")
+@handle_errors
+def diff_command(
+    a: Path = typer.Argument(..., help="A checkpoint: fsdpkit sharded (run or step dir), full safetensors, or torch DCP."),
+    b: Path = typer.Argument(..., help="The checkpoint to compare it with (any of the same formats)."),
+    atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance: equal when |a - b| <= atol + rtol * |b|."),
+    rtol: float = typer.Option(0.0, "--rtol", help="Relative tolerance."),
+    model_only: bool = typer.Option(False, "--model-only", help="Compare the model tensors only (no optimizer state)."),
+    chunk_size: str = typer.Option("4M", "--chunk-size", help="Bytes of each side compared at a time; bounds memory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the comparison as one JSON document."),
+    dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
+    dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
+) -> None:
+    """Compare two checkpoints tensor by tensor: bitwise equal, max abs/rel difference, dtype or shape
+    mismatch, present in one only. Exit 0 when equal within the tolerance, 3 when not."""
+    from fsdpkit.diff import Tolerance, diff
+
+    from .checkpoint_cmd import _chunk
+
+    with byte_progress("diff") as progress:
+        result = diff(
+            a,
+            b,
+            tolerance=Tolerance(atol, rtol),
+            model_only=model_only,
+            dcp_keys=(dcp_model_key, dcp_optimizer_key),
+            chunk_size=_chunk(chunk_size),
+            progress=progress,
+        )
+    if as_json:
+        print_json(result)
+    else:
+        shown = [r for r in result["tensors"] if r["status"] != "equal"]
+        lines = [_line(r) for r in shown[:SHOWN]]
+        if len(shown) > SHOWN:
+            lines.append(f"... {len(shown) - SHOWN} more")
+        counts = ", ".join(f"{count} {status}" for status, count in sorted(result["counts"].items()))
+        verdict = "equal" if result["equal"] else "not equal"
+        lines.append(f"{verdict}: {result['a']['format']} {result['a']['path']} vs {result['b']['format']} {result['b']['path']}: {counts}")
+        typer.echo("\n".join(lines))
+    if not result["equal"]:
+        raise typer.Exit(3)
