@@ -19,7 +19,7 @@ from .deferred_init import has_meta_tensors, initialize_meta_parameters, materia
 from .flat_unit import SHAPE_ATTR
 from .memory import optimizer_state_bytes
 from .mesh import build_mesh
-from .plan import WrapPolicy, plan_units
+from .plan import WrapPolicy, bucket_units, plan_units
 from .precision import FP32_MODULE_CLASSES, KEEP_DTYPE_ATTR, keep_in_fp32
 from .sharded import STATE_ATTR, ShardedState, get_state
 
@@ -75,7 +75,7 @@ def shard(
         for name, buffer in buffer_owner._buffers.items():
             if buffer is not None:
                 buffer_owner._buffers[name] = _place_buffer(buffer, name, buffer_owner, device, config.mixed_precision)
-    plans = plan_units(module, _as_policy(wrap))
+    plans = bucket_units(module, plan_units(module, _as_policy(wrap)), config.bucket_bytes)
     meta_names = meta_parameter_names(module) if deferred else set()
     state = ShardedState(module, plans, mesh, config, Collectives(comm_stats), device, record_events=record_events)
     if meta_names:
