@@ -357,7 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit-all-gathers", type=int, default=2)
     parser.add_argument("--bucket-bytes", type=int, default=0, help="fsdpkit: merge consecutive units smaller than this")
     parser.add_argument(
-        "--bucket-sweep", default="", help="fsdpkit only: one column per --bucket-bytes value, e.g. 0,1048576,4194304 (ratios: first / each)"
+        "--bucket-sweep",
+        default="",
+        help="fsdpkit only: one column per --bucket-bytes value, e.g. 0,1048576,4194304 (ratios: first / each)",
     )
     parser.add_argument("--ablation", action="store_true", help="fsdpkit only: prefetch and limiter on/off side by side")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU peak for MFU (989: H100/H200 bf16 dense)")

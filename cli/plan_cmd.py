@@ -54,6 +54,12 @@ def format_plan(plan) -> str:
         row("host total", plan.host_total, "host")
     row("total", plan.total, "device+host" if request.cpu_offload else "device")
     lines += [f"# {note}" for note in plan.notes]
+    comm = plan.comm_per_step
+    if comm is not None:
+        gather = "int8" if request.allgather_dtype == "int8" else "compute dtype"
+        lines.append(f"# collective bytes per training step (tensor bytes, as comm_stats counts them; all-gather in {gather})")
+        for kind, value in comm.as_dict().items():
+            row(kind.replace("_", "-"), value, "network")
     return "\n".join(lines)
 
 
@@ -86,6 +92,13 @@ def plan_command(
         str, typer.Option("--backward-prefetch", help="pre | post | none: gather the next unit while this one's gradient exists.")
     ] = "pre",
     forward_prefetch: Annotated[bool, typer.Option("--forward-prefetch", help="Gather the next unit before this one's forward.")] = False,
+    allgather_dtype: Annotated[
+        str, typer.Option("--allgather-dtype", help="compute | int8: what the weight all-gather moves (int8: blocks of --quant-block).")
+    ] = "compute",
+    quant_block: Annotated[int, typer.Option("--quant-block", help="Elements per int8 quantization block.")] = 256,
+    bucket_bytes: Annotated[
+        int, typer.Option("--bucket-bytes", help="Merge consecutive units smaller than this many bytes (0: never).")
+    ] = 0,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of the table.")] = False,
 ) -> None:
     """Per-rank memory in bytes of training MODEL on WORLD_SIZE ranks: sharded parameters,
@@ -104,6 +117,9 @@ def plan_command(
         no_sync=no_sync,
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
+        allgather_dtype=allgather_dtype,
+        quant_block=quant_block,
+        bucket_bytes=bucket_bytes,
     )
     plan = plan_memory(request)
     if json_output:

@@ -20,12 +20,14 @@ padding sits at the end, so it holds the most real elements.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .engine.config import MixedPrecision, ShardingConfig, Strategy, parse_enum
+from .comm_plan import StepBytes, UnitComm, step_bytes
+from .engine.config import GatherDtype, MixedPrecision, ShardingConfig, Strategy, parse_enum
 from .engine.plan import UnitPlan
 from .errors import UsageError
 from .memory_timeline import Peak, Schedule, UnitFootprint, peak_unsharded
@@ -49,6 +51,9 @@ class PlanRequest:
     no_sync: bool = False
     backward_prefetch: str = "pre"
     forward_prefetch: bool = False
+    allgather_dtype: str = "compute"
+    quant_block: int = 256
+    bucket_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -63,6 +68,9 @@ class PlanRequest:
             strategy=parse_enum(Strategy, self.strategy, "sharding strategy"),
             shard_group_size=self.shard_group_size,
             mixed_precision=MixedPrecision.from_name(self.mixed_precision),
+            allgather_dtype=parse_enum(GatherDtype, self.allgather_dtype, "all-gather dtype"),
+            quant_block=self.quant_block,
+            bucket_bytes=self.bucket_bytes,
         )
 
     @property
@@ -105,6 +113,7 @@ class MemoryPlan:
     largest_unit: UnitFootprint
     peak: Peak
     notes: tuple[str, ...] = field(default_factory=tuple)
+    comm_per_step: StepBytes | None = None  # collective bytes of one step (comm_plan.py)
 
     @property
     def persistent(self) -> int:
@@ -153,6 +162,10 @@ class MemoryPlan:
             "largest_unit": self.largest_unit.name,
             "in_flight_at_peak": {"params": list(self.peak.params), "grads": list(self.peak.grads), "phase": self.peak.phase},
             "notes": list(self.notes),
+            "allgather_dtype": request.allgather_dtype,
+            "quant_block": request.quant_block,
+            "bucket_bytes": request.bucket_bytes,
+            "comm_bytes_per_step": self.comm_per_step.as_dict() if self.comm_per_step is not None else None,
         }
 
 
@@ -227,7 +240,7 @@ def plan_from_sizes(units: list[UnitSizes], request: PlanRequest, *, num_params:
 
 def plan_memory(request: PlanRequest, *, shard_rank: int = 0) -> MemoryPlan:
     """Build `request.model` on the meta device and plan its per-rank memory."""
-    from .engine.plan import plan_units
+    from .engine.plan import bucket_units, plan_units
     from .models.source import resolve
     from .models.units import default_policy
 
@@ -240,9 +253,12 @@ def plan_memory(request: PlanRequest, *, shard_rank: int = 0) -> MemoryPlan:
     if len(dtypes) != 1:
         raise UsageError(f"model {request.model!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
     master_bytes = torch.empty(0, dtype=dtypes.pop()).element_size()
-    plans = plan_units(model, default_policy(source, model))
+    plans = bucket_units(model, plan_units(model, default_policy(source, model)), request.bucket_bytes)
     sizes = unit_sizes(plans, factor, shard_rank=shard_rank, master_bytes=master_bytes)
-    return plan_from_sizes(sizes, request, num_params=sum(p.numel() for p in model.parameters()))
+    plan = plan_from_sizes(sizes, request, num_params=sum(p.numel() for p in model.parameters()))
+    comm = [UnitComm(s.name, s.padded_numel, s.chunk_numel, s.trainable, len(p.params)) for s, p in zip(sizes, plans, strict=True)]
+    master_dtype = next(iter({param.dtype for param in model.parameters()}))
+    return dataclasses.replace(plan, comm_per_step=step_bytes(comm, request.sharding, request.world_size, master_dtype=master_dtype))
 
 
 def _itemsize(dtype: torch.dtype | None, default: int) -> int:

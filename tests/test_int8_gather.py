@@ -16,7 +16,8 @@ from distributed import run_distributed
 import fsdpkit
 from fsdpkit.comm import CommStats
 from fsdpkit.engine.config import ShardingConfig
-from fsdpkit.engine.plan import WrapPolicy, plan_units
+from fsdpkit.comm_plan import UnitComm, step_bytes
+from fsdpkit.engine.plan import WrapPolicy, bucket_units, plan_units
 from fsdpkit.engine.quant import Int8BlockCodec, all_gather_bytes, block_count, dequantize, quantize, round_trip_sharded
 from fsdpkit.engine.sharded import get_state
 from fsdpkit.errors import UsageError
@@ -29,6 +30,7 @@ BATCH = 4
 # 7: blocks cut across parameters and chunks, a short last block in every chunk;
 # 100000: every unit smaller than one block.
 BLOCKS = (7, 100000)
+BUCKET_BYTES = 40000  # the two blocks (16 KB each) become one unit; the root is never merged
 
 
 @pytest.mark.parametrize("numel, block", [(1000, 256), (1000, 7), (5, 256), (256, 256), (0, 16)])
@@ -72,11 +74,11 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (BATCH, 17), generator=torch.Generator().manual_seed(100 + step))
 
 
-def _quantize_weights(model: torch.nn.Module, shard_factor: int, block: int) -> list[torch.Tensor]:
+def _quantize_weights(model: torch.nn.Module, shard_factor: int, block: int, bucket_bytes: int) -> list[torch.Tensor]:
     """Replace every weight by what the int8 gather gives the unit; return the masters."""
     masters = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
-        for plan in plan_units(model, WrapPolicy(module_classes=(Block,))):
+        for plan in bucket_units(model, plan_units(model, WrapPolicy(module_classes=(Block,))), bucket_bytes):
             params = [model.get_parameter(p.name) for p in plan.params]
             flat = torch.cat([p.reshape(-1) for p in params])
             numel = flat.numel()
@@ -87,18 +89,18 @@ def _quantize_weights(model: torch.nn.Module, shard_factor: int, block: int) -> 
     return masters
 
 
-def quantized_reference_run(shard_factor: int, block: int) -> dict:
+def quantized_reference_run(shard_factor: int, block: int | None, bucket_bytes: int) -> dict:
     torch.manual_seed(0)
     model = GPT(CONFIG)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for step in range(STEPS):
         tokens = _batch(step)
-        masters = _quantize_weights(model, shard_factor, block)
+        masters = _quantize_weights(model, shard_factor, block, bucket_bytes) if block is not None else []
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()  # the gradient at the quantized weights updates the masters
         with torch.no_grad():
-            for param, master in zip(model.parameters(), masters, strict=True):
+            for param, master in zip(model.parameters(), masters, strict=False):
                 param.copy_(master)
         optimizer.step()
         optimizer.zero_grad()
@@ -112,19 +114,20 @@ def int8_worker(variants: list[dict]) -> dict:
     for index, options in enumerate(variants):
         torch.manual_seed(0)
         stats = CommStats()
-        model = fsdpkit.shard(GPT(CONFIG), wrap=(Block,), allgather_dtype="int8", comm_stats=stats, **options)
+        model = fsdpkit.shard(GPT(CONFIG), wrap=(Block,), comm_stats=stats, **options)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         state = get_state(model)
         with torch.no_grad():  # one gather per unit, nothing else
             model(_batch(0)[:1, :-1])
         factor = state.mesh.shard_factor
         expected_bytes = sum(
-            all_gather_bytes(unit.chunk_numel, factor, element_bytes=unit.full_flat.element_size(), block=options["quant_block"])
+            all_gather_bytes(unit.chunk_numel, factor, element_bytes=unit.full_flat.element_size(), block=state.config.gather_block)
             for unit in state.units
         )
         gathered = stats.bytes.get("all_gather", 0)
         losses = []
         for step in range(STEPS):
+            stats.reset()  # the last step's bytes are returned: the forward order is known by then
             rows = BATCH // world
             local = _batch(step)[rank * rows : (rank + 1) * rows]
             loss = F.cross_entropy(model(local[:, :-1]).flatten(0, 1), local[:, 1:].flatten())
@@ -134,37 +137,56 @@ def int8_worker(variants: list[dict]) -> dict:
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / world)
+        step_bytes = dict(stats.bytes)
         results[index] = {
             "losses": losses,
             "weights": fsdpkit.full_state_dict(model),
             "factor": factor,
             "gathered": gathered,
             "expected_bytes": expected_bytes if factor > 1 else 0,
+            "step_bytes": step_bytes,
+            "units": len(state.units),
         }
     return results
 
 
 def _variants(world_size: int) -> list[dict]:
-    variants = [{"strategy": "full", "quant_block": block} for block in BLOCKS]
+    int8 = {"allgather_dtype": "int8", "quant_block": 7}
+    variants = [{"strategy": "full", "allgather_dtype": "int8", "quant_block": block} for block in BLOCKS]
     variants += [
-        {"strategy": "grad-op", "quant_block": 7},
-        {"strategy": "full", "quant_block": 7, "forward_prefetch": True, "limit_all_gathers": 1, "backward_prefetch": "post"},
-        {"strategy": "full", "quant_block": 7, "activation_checkpointing": True},
-        {"strategy": "full", "quant_block": 7, "cpu_offload": True},
+        {"strategy": "grad-op", **int8},
+        {"strategy": "full", **int8, "forward_prefetch": True, "limit_all_gathers": 1, "backward_prefetch": "post"},
+        {"strategy": "full", **int8, "activation_checkpointing": True},
+        {"strategy": "full", **int8, "cpu_offload": True},
+        {"strategy": "full", **int8, "bucket_bytes": BUCKET_BYTES},
+        {"strategy": "full", "bucket_bytes": BUCKET_BYTES},
     ]
     if world_size == 4:
-        variants.append({"strategy": "hybrid", "shard_group_size": 2, "quant_block": 7})
+        variants.append({"strategy": "hybrid", "shard_group_size": 2, **int8})
     return variants
+
+
+def _planned_step_bytes(options: dict, world_size: int) -> dict[str, int]:
+    """What `fsdpkit plan` computes for one step of this run, as the counters name it."""
+    config = ShardingConfig(**options)
+    model = GPT(CONFIG)
+    plans = bucket_units(model, plan_units(model, WrapPolicy(module_classes=(Block,))), config.bucket_bytes)
+    factor = config.shard_factor(world_size)
+    units = [
+        UnitComm(plan.name, plan.layout(factor).padded_numel, plan.layout(factor).chunk_numel, True, len(plan.params)) for plan in plans
+    ]
+    return {kind: count for kind, count in step_bytes(units, config, world_size).as_dict().items() if count and kind != "total"}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_int8_training_equals_a_reference_that_quantizes_its_weights(world_size):
     variants = _variants(world_size)
     results = run_distributed(int8_worker, world_size, variants)[0]
-    references: dict[tuple[int, int], dict] = {}
+    references: dict[tuple[int, int | None, int], dict] = {}
     for index, options in enumerate(variants):
         result = results[index]
-        key = (result["factor"], options["quant_block"])
+        block = options.get("quant_block") if options.get("allgather_dtype") == "int8" else None
+        key = (result["factor"], block, options.get("bucket_bytes", 0))
         if key not in references:
             references[key] = quantized_reference_run(*key)
         reference = references[key]
@@ -174,3 +196,5 @@ def test_int8_training_equals_a_reference_that_quantizes_its_weights(world_size)
             error = (result["weights"][name] - ref).abs().max().item()
             assert error < 1e-6, (options, name, error)
         assert result["gathered"] == result["expected_bytes"], options
+        assert result["step_bytes"] == _planned_step_bytes(options, world_size), options
+        assert result["units"] == (2 if options.get("bucket_bytes") else 3), options
