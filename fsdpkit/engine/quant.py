@@ -26,6 +26,7 @@ QMAX = 127
 SCALE_DTYPE = torch.float32
 SCALE_BYTES = 4
 DEFAULT_BLOCK = 256
+SLICE_ELEMENTS = 1 << 16  # quantized a slice of blocks at a time
 
 
 def block_count(numel: int, block: int) -> int:
@@ -54,18 +55,24 @@ def _blocks(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def quantize_into(flat: torch.Tensor, block: int, values: torch.Tensor, scales: torch.Tensor) -> None:
     """Quantize 1-D `flat` into int8 `values` (same numel) and fp32 `scales` (one per block)."""
-    x = flat.to(SCALE_DTYPE)
-    rows, tail = _blocks(x, block)
+    rows, tail = _blocks(flat, block)
     value_rows, value_tail = _blocks(values, block)
-    for source, target, scale in (
-        (rows, value_rows, scales[: rows.shape[0]]),
-        (tail.view(1, -1), value_tail.view(1, -1), scales[rows.shape[0] :]),
-    ):
-        if source.numel() == 0:
-            continue
-        torch.div(source.abs().amax(dim=1), QMAX, out=scale)
-        scale.clamp_min_(torch.finfo(SCALE_DTYPE).tiny)  # an all-zero block: any scale, zeros come back
-        target.copy_(torch.div(source, scale[:, None]).round_().clamp_(-QMAX, QMAX))
+    step = max(1, SLICE_ELEMENTS // block)
+    whole = rows.shape[0]
+    for first in range(0, whole, step):
+        last = min(first + step, whole)
+        _quantize_rows(rows[first:last], value_rows[first:last], scales[first:last])
+    if tail.numel():
+        _quantize_rows(tail.view(1, -1), value_tail.view(1, -1), scales[rows.shape[0] :])
+
+
+def _quantize_rows(source: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> None:
+    """One slice of blocks (rows): temporaries stay small, so no fresh pages are touched."""
+    source = source.to(SCALE_DTYPE)
+    torch.maximum(source.amax(dim=1), source.amin(dim=1).neg_(), out=scale)  # the largest magnitude
+    scale.div_(QMAX).clamp_min_(torch.finfo(SCALE_DTYPE).tiny)  # an all-zero block: any scale, zeros come back
+    # |x| / scale <= 127 up to rounding, which round() absorbs: no clamp needed.
+    target.copy_(torch.div(source, scale[:, None]).round_())
 
 
 def quantize(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,14 +84,23 @@ def quantize(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def dequantize_into(values: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> None:
-    """values * scale of their block, computed in fp32, written into `out` (its dtype)."""
+    """values * scale of their block, computed in fp32 and rounded once into `out` (its dtype)."""
     value_rows, value_tail = _blocks(values, block)
     out_rows, out_tail = _blocks(out, block)
     whole = value_rows.shape[0]
-    if whole:
-        torch.mul(value_rows, scales[:whole, None], out=out_rows)
+    step = max(1, SLICE_ELEMENTS // block)
+    for first in range(0, whole, step):
+        last = min(first + step, whole)
+        _dequantize_rows(value_rows[first:last], scales[first:last], out_rows[first:last])
     if value_tail.numel():
-        torch.mul(value_tail, scales[whole], out=out_tail)
+        _dequantize_rows(value_tail.view(1, -1), scales[whole:], out_tail.view(1, -1))
+
+
+def _dequantize_rows(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    if out.dtype == SCALE_DTYPE:
+        out.copy_(values).mul_(scales[:, None])
+    else:  # mixed-dtype arithmetic into a 16-bit tensor is slow: multiply in fp32, cast once
+        out.copy_(values.to(SCALE_DTYPE).mul_(scales[:, None]))
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
