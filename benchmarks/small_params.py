@@ -68,3 +68,8 @@ class SmallParams(nn.Module):
 
 def small_params() -> SmallParams:
     return SmallParams(SmallParamsConfig())
+
+
+def small_units() -> SmallParams:
+    """16 narrow blocks of about 200 KB each: units small enough for bucketing to matter."""
+    return SmallParams(SmallParamsConfig(n_layer=16, dim=64))

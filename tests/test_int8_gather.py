@@ -15,8 +15,8 @@ from distributed import run_distributed
 
 import fsdpkit
 from fsdpkit.comm import CommStats
-from fsdpkit.engine.config import ShardingConfig
 from fsdpkit.comm_plan import UnitComm, step_bytes
+from fsdpkit.engine.config import ShardingConfig
 from fsdpkit.engine.plan import WrapPolicy, bucket_units, plan_units
 from fsdpkit.engine.quant import Int8BlockCodec, all_gather_bytes, block_count, dequantize, quantize, round_trip_sharded
 from fsdpkit.engine.sharded import get_state
