@@ -17,6 +17,9 @@ traffic). Both ranks' transfers of one collective are matched in issue order (on
 kind), so they are asynchronous and ordered like every collective. NCCL keeps torch's
 collectives. `fsdpkit bench reducescatter --variant both` compares.
 
+`all_gather_encoded` wraps the all-gather in a codec (the engine's int8 weight gather):
+encode this rank's chunk into a byte row, gather the rows, decode them into the output.
+
 A collective that fails (gloo: it timed out after the process group's timeout, or a peer
 closed its connection) raises `CollectiveError` naming the collective and its label, whether
 it failed when issued or when its work handle is waited on. `new_group` makes groups with

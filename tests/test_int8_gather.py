@@ -22,7 +22,8 @@ from fsdpkit.engine.quant import Int8BlockCodec, all_gather_bytes, block_count, 
 from fsdpkit.engine.sharded import get_state
 from fsdpkit.errors import UsageError
 from fsdpkit.layout import padded_size
-from fsdpkit.models.gpt import GPT, Block, GPTConfig
+from fsdpkit.memory_plan import PlanRequest, plan_memory
+from fsdpkit.models.gpt import GPT, MLP, Block, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=18)
 STEPS = 3
@@ -198,3 +199,27 @@ def test_int8_training_equals_a_reference_that_quantizes_its_weights(world_size)
         assert result["gathered"] == result["expected_bytes"], options
         assert result["step_bytes"] == _planned_step_bytes(options, world_size), options
         assert result["units"] == (2 if options.get("bucket_bytes") else 3), options
+
+
+def test_bucketing_merges_consecutive_small_units_but_never_the_root_or_nested_ones():
+    model = GPT(CONFIG)
+    blocks = plan_units(model, WrapPolicy(module_classes=(Block,)))
+    assert [p.name for p in bucket_units(model, blocks, BUCKET_BYTES)] == ["", "h.0+h.1"]
+    assert bucket_units(model, blocks, 0) == blocks
+    assert [p.name for p in bucket_units(model, blocks, 20000)] == ["", "h.0", "h.1"]  # two blocks would pass 20000
+    nested = plan_units(model, WrapPolicy(module_classes=(Block, MLP)))
+    merged = bucket_units(model, nested, 10**9)
+    assert [p.name for p in merged] == ["", "h.0", "h.0.mlp+h.1", "h.1.mlp"]
+    assert sorted(p.name for plan in merged for p in plan.params) == sorted(p.name for plan in nested for p in plan.params)
+
+
+def test_plan_counts_int8_and_bucketed_bytes():
+    def planned(**options):
+        return plan_memory(PlanRequest(model="gpt-tiny", world_size=2, **options))
+
+    plain, int8 = planned(), planned(allgather_dtype="int8")
+    assert plain.comm_per_step is not None and int8.comm_per_step is not None
+    assert int8.comm_per_step.reduce_scatter == plain.comm_per_step.reduce_scatter
+    assert 0.25 < int8.comm_per_step.all_gather / plain.comm_per_step.all_gather < 0.27
+    assert len(planned(bucket_bytes=10**9).units) == 2  # the root, and every block in one unit
+    assert planned(bucket_bytes=10**9).comm_per_step.all_gather < plain.comm_per_step.all_gather  # no re-gather in backward

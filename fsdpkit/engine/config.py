@@ -101,6 +101,9 @@ class ShardingConfig:
 
     strategy: full (FULL_SHARD), grad-op (SHARD_GRAD_OP), hybrid (HYBRID_SHARD), none (NO_SHARD);
     a Strategy or its string. shard_group_size: ranks a parameter is sharded over with `hybrid`.
+    allgather_dtype: what the weight all-gather moves, the compute dtype or int8 in blocks of
+    quant_block elements (engine/quant.py). bucket_bytes: consecutive units smaller than this
+    are merged into one unit (engine/plan.py bucket_units); 0 merges none.
     """
 
     strategy: Strategy = Strategy.FULL
