@@ -49,6 +49,8 @@ from tensor_memory import peak_training_bytes  # noqa: E402
 from fsdpkit.launch import LaunchOptions, launch  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402
 
+QUANTIZED = ("fsdpkit-int8",)  # systems that compute with other weights: held to QUANTIZED_LOSS_TOLERANCE
+QUANTIZED_LOSS_TOLERANCE = 2e-2
 ABLATION = {  # label -> fsdpkit.shard options (the paper's prefetch / rate-limiter tables)
     "fsdpkit": {"backward_prefetch": "pre", "forward_prefetch": False, "limit_all_gathers": 2},
     "no-prefetch": {"backward_prefetch": "none", "forward_prefetch": False, "limit_all_gathers": 2},
@@ -235,7 +237,9 @@ def summarize(args: argparse.Namespace, result: dict, num_params: int) -> dict:
             row["model_tflops_per_gpu"] = 6 * num_params * tokens / median / world / 1e12
             row["mfu"] = row["model_tflops_per_gpu"] / args.peak_tflops
         rows.append(row)
-    worst = max(row["loss_rel_diff"] for row in rows)
+    exact = [row for row in rows if row["system"] not in QUANTIZED]
+    worst = max(row["loss_rel_diff"] for row in exact)
+    quantized_agree = all(row["loss_rel_diff"] <= QUANTIZED_LOSS_TOLERANCE for row in rows if row["system"] in QUANTIZED)
     return {
         "model": args.model,
         "num_params": num_params,
@@ -255,7 +259,7 @@ def summarize(args: argparse.Namespace, result: dict, num_params: int) -> dict:
         if args.backend == "nccl"
         else "live CPU tensor bytes from torch.profiler allocation events",
         "loss_tolerance": args.loss_tolerance,
-        "losses_agree": worst <= args.loss_tolerance,
+        "losses_agree": worst <= args.loss_tolerance and quantized_agree,
         "rows": rows,
         "profile_steps": args.profile_steps,
         "breakdown_ms_per_step": result["breakdown"],
@@ -317,7 +321,8 @@ def format_table(summary: dict) -> str:
     verdict = "agree" if summary["losses_agree"] else "DISAGREE"
     lines.append(
         f"# final losses after {summary['steps_per_system']} steps {verdict} within {summary['loss_tolerance']:g} "
-        f"(worst relative difference {max(r['loss_rel_diff'] for r in summary['rows']):.2e})"
+        f"(worst relative difference {max(r['loss_rel_diff'] for r in summary['rows'] if r['system'] not in QUANTIZED):.2e}); "
+        f"int8 all-gather within {QUANTIZED_LOSS_TOLERANCE:g} (it trains a quantized model)"
     )
     return "\n".join(lines)
 
