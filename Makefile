@@ -1,7 +1,9 @@
 # Set-up and entry points. `make train` and `make test` work on a machine with only Python:
-# they create .venv, install the CPU build of torch (override TORCH_SPEC / TORCH_INDEX for
-# another build) and fsdpkit itself with its optional extras (plot, tensorboard, hf: the tests
-# cover them; lint: ruff and mypy for `make lint`; the core needs none of them), then run.
+# they create .venv, install torch (TORCH_SPEC, from pip's configured index: its default build
+# for this platform, which on Linux is the CUDA one; TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# picks the CPU wheels) and fsdpkit itself with its optional extras (plot, tensorboard, hf: the
+# tests cover them; lint: ruff and mypy for `make lint`; the core needs none of them), then run.
+# pip's own output shows what is being downloaded and installed.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -15,10 +17,14 @@ export OMP_NUM_THREADS ?= 1
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	@echo "== $(VENV): a virtual environment for $(PYTHON)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,lint,plot,tensorboard,hf]"
+	@echo "== $(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX)) (the largest download)"
+	$(PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	@echo "== fsdpkit, editable, with the extras test, lint, plot, tensorboard, hf"
+	$(PY) -m pip install -e ".[test,lint,plot,tensorboard,hf]"
 	touch $(STAMP)
+	@echo "== installed: $(VENV)/bin/fsdpkit"
 
 train: install
 	$(VENV)/bin/fsdpkit train --nproc-per-node 2 --steps 500 --global-batch-size 16 --seq-len 128 --eval-every 100 --lr-schedule cosine --warmup-steps 20

@@ -14,7 +14,7 @@ for each W, --repeat times, each command in its own process, timed with a final 
 
 and reports the median time of each, the median and range of the ratios to the copy of the
 same round (the machine may be shared: only ratios measured side by side mean much), the
-largest peak RSS and the manifest's size. Targets (issue 14): reshard <= 1.5x the copy,
+largest peak RSS and the manifest's size. Targets: reshard <= 1.5x the copy,
 verify <= 2x, peak RSS <= 300 MB whatever W, manifest <= 1 MB. Free disk is checked first;
 outputs are deleted once measured.
 """

@@ -1,6 +1,6 @@
 """Peak memory while materialising a model with deferred (meta-device) initialisation: each
 rank builds one unit at a time and keeps only its shard, so the peak stays near one unit plus
-the rank's shards, far below the unsharded model (the features issue).
+the rank's shards, far below the unsharded model.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/deferred_init.py --model gpt2-large --nproc-per-node 4
 """

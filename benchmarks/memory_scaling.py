@@ -1,4 +1,4 @@
-"""Peak memory per rank as the world size grows (foundation issue): the same model trained
+"""Peak memory per rank as the world size grows: the same model trained
 for a few steps at world sizes 1, 2 and 4, reporting the engine's own byte counters (peak of
 sharded state + unsharded units in flight + optimizer state) and the process's peak RSS.
 

@@ -8,6 +8,7 @@ options come from the training config, which imports torch); listing commands st
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from importlib import metadata
 from typing import Any
@@ -23,11 +24,20 @@ LAZY_COMMANDS = {
 }
 
 
-def _hide_flag_types(command: Any, ctx: Any) -> None:
-    """A flag takes no value: show no `<bool>` beside it in the help."""
+def _prepare_help(command: Any, ctx: Any) -> None:
+    """Help as written: `[hf]` is shown, not taken as rich markup; and a flag takes no value, so
+    no `<bool>` beside it."""
+    command.help = literal(command.help)
     for param in command.get_params(ctx):
         if getattr(param, "is_flag", False) and param.metavar is None:
             param.metavar = ""
+        if getattr(param, "help", None):
+            param.help = literal(param.help)
+
+
+def literal(text: str | None) -> str | None:
+    """`text` with every `[` not yet escaped escaped, so rich markup shows it literally."""
+    return None if text is None else re.sub(r"(?<!\\)\[", r"\\[", text)
 
 
 def click_message(message: str) -> str:
@@ -45,8 +55,10 @@ class FsdpkitGroup(TyperGroup):
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True, **extra: Any) -> Any:
         from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
+        from fsdpkit import log
         from fsdpkit.errors import FsdpkitError
 
+        log.setup()
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except NoArgsIsHelpError as error:
@@ -78,11 +90,11 @@ class FsdpkitGroup(TyperGroup):
         else:
             command = super().get_command(ctx, name)
         if command is not None:
-            _hide_flag_types(command, ctx)
+            _prepare_help(command, ctx)
         return command
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
-        _hide_flag_types(self, ctx)
+        _prepare_help(self, ctx)
         FsdpkitGroup.listing = True
         try:
             super().format_help(ctx, formatter)

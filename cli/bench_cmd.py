@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,8 +16,9 @@ import typer
 
 from fsdpkit.bench.busbw import BUSBW_FORMULAS, COLLECTIVES, VARIANTS
 from fsdpkit.bench.options import BenchOptions
-from fsdpkit.errors import UsageError
+from fsdpkit.errors import RunError, UsageError
 from fsdpkit.launch import LaunchOptions
+from fsdpkit.paths import check_writable_file
 from fsdpkit.settings import Section, settings_of
 
 from .app import FsdpkitGroup, app
@@ -80,24 +82,37 @@ def _run(
     ] = None,
     **settings: Any,
 ) -> None:
-    from fsdpkit.bench.report import format_report, report_document, write_csv
-    from fsdpkit.bench.runner import raise_if_wrong, run_bench
+    from fsdpkit.bench.report import report_document, write_csv
+    from fsdpkit.bench.runner import plan_bench, raise_if_wrong, run_plan, table_stream
 
     given = given_values(sections, ctx, settings)
     bench, launch = sections
     options = bench.from_values({k: v for k, v in given.items() if k != "launch"}, where="")
     launch_options = launch.from_values(given.get("launch", {}), where="")
-    if csv_file is not None and csv_file.is_dir():
-        raise UsageError(f"--csv {csv_file} is a directory, expected a file name")
-    report = run_bench(options, launch_options=launch_options)
+    if csv_file is not None:
+        check_writable_file(str(csv_file), "--csv")
+    plan = plan_bench(options, launch_options=launch_options)
     if json_output:
+        report = run_plan(plan, launch_options=launch_options)
         print_json(report_document(report))
     else:
-        typer.echo(format_report(report))
+        table = table_stream(plan, world_size=launch_options.world_size, write=_echo_now)
+        table.start()
+        report = run_plan(plan, launch_options=launch_options, on_row=table.row)
+        table.finish(report)
     if csv_file is not None:
-        with open(csv_file, "w", newline="") as stream:
-            write_csv(report, stream)
+        try:
+            with open(csv_file, "w", newline="") as stream:
+                write_csv(report, stream)
+        except OSError as error:
+            raise RunError(f"--csv {csv_file}: cannot write: {error.strerror or error}") from None
     raise_if_wrong(report)
+
+
+def _echo_now(text: str) -> None:
+    """One or more lines on stdout, flushed at once (a pipe too)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def _command(collectives: tuple[str, ...], *, with_variant: bool) -> Any:

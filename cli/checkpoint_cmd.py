@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from fsdpkit import log
 from fsdpkit.checkpoint.format import CAST_TARGETS
 from fsdpkit.errors import UsageError
 from fsdpkit.host import available_memory_bytes
@@ -134,7 +135,7 @@ def convert(
     else:
         raise UsageError(f"unknown --to {to!r}: use full or sharded")
     for line in result.get("warnings", []):
-        typer.echo(f"warning: {line}", err=True)
+        log.warn(line)
     _print_result(result, as_json)
 
 
@@ -160,7 +161,7 @@ def reshard(
             chunk_size=chunk,
             overwrite=overwrite,
             progress=progress,
-            warn=lambda line: typer.echo(f"warning: {line}", err=True),
+            warn=log.warn,
         )
     _print_result(result, as_json)
 
@@ -188,6 +189,8 @@ def inspect(
             f"placement {summary['placement']} ({summary['units']} units)",
             f"step        {summary['step']}  samples {summary['samples']}",
         ]
+    if summary.get("config"):
+        lines.append(f"run         {_run_settings(summary['config'])}")
     lines += [
         f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, "
         f"{format_size(summary['model']['bytes'])}",
@@ -199,6 +202,18 @@ def inspect(
     if summary["aliases"]:
         lines.append("tied        " + ", ".join(f"{a} -> {t}" for a, t in summary["aliases"].items()))
     typer.echo("\n".join(lines))
+
+
+def _run_settings(config: dict) -> str:
+    """The main settings of the training run that saved a checkpoint, in one line."""
+    model, data = config.get("model") or {}, config.get("data") or {}
+    optimizer, sharding = config.get("optimizer") or {}, config.get("sharding") or {}
+    accum = f" (grad-accum {data['grad_accum']})" if data.get("grad_accum", 1) != 1 else ""
+    return (
+        f"{model.get('name')}: {data.get('seq_len')} tokens x {data.get('global_batch_size')} sequences{accum}, "
+        f"{optimizer.get('name')} lr {optimizer.get('lr')} {optimizer.get('schedule')}, precision {sharding.get('mixed_precision')}, "
+        f"data {data.get('source')}, seed {config.get('seed')}"
+    )
 
 
 @app.command("verify")
@@ -215,12 +230,21 @@ def verify(
     if as_json:
         print_json(report)
     elif report["ok"]:
-        typer.echo(
-            f"ok {report['path']}: {report['tensors']} tensors, {report['fragments']} fragments checked, {format_size(report['bytes'])}"
-        )
-    else:
-        typer.echo("\n".join(report["problems"]))
+        typer.echo(f"ok {report['path']}: {_what_verify_checked(report)}")
+    for problem in report["problems"]:
+        typer.echo(f"error: {problem}", err=True)
     if not report["ok"]:
-        more = len(report["problems"]) - 1
-        typer.echo(f"error: {report['problems'][0]}" + (f" (+{more} more problems)" if more else ""), err=True)
         raise typer.Exit(3)
+
+
+def _what_verify_checked(report: dict) -> str:
+    size = format_size(report["bytes"])
+    if report["kind"] == "full":
+        return (
+            f"full safetensors, {report['tensors']} tensors in {report['files']} files, {size}: headers, file sizes and the index "
+            "checked (this format has no checksums)"
+        )
+    return (
+        f"sharded, {report['tensors']} tensors, {size}: the crc32 of all {report['fragments']} fragments, file sizes, "
+        "headers, fragment coverage and file names checked"
+    )

@@ -22,7 +22,7 @@ def report(
 ) -> None:
     """Draw loss (train and eval), tokens/s, learning rate and memory against step from train
     --metrics; or busbw against size per collective, and list against flat all-gather, from
-    bench --json. Needs matplotlib: pip install 'fsdpkit\\[plot]'."""
+    bench --json. Needs matplotlib: pip install 'fsdpkit[plot]'."""
     from fsdpkit.plots import plot_bench, plot_metrics, read_report_input
 
     if not source.is_file():

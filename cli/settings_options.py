@@ -123,14 +123,9 @@ def _annotation(section: Section, spec: Setting) -> Any:
     if spec.short:
         names.append(spec.short)
     option = typer.Option(
-        *names, help=escape(spec.help), rich_help_panel=spec.panel or section.panel, show_default=_default_text(spec), metavar=metavar
+        *names, help=spec.help, rich_help_panel=spec.panel or section.panel, show_default=_default_text(spec), metavar=metavar
     )
     return Annotated[python_type | None, option]
-
-
-def escape(text: str) -> str:
-    """Help text as Typer's rich markup shows it literally ([x] would be a style tag)."""
-    return text.replace("[", "\\[")
 
 
 def _default(spec: Setting) -> Any:

@@ -11,9 +11,11 @@ from typing import Annotated, Any
 
 import typer
 
+from fsdpkit import log
 from fsdpkit.settings import merge, read_toml, to_toml
 from fsdpkit.sizes import format_size
-from fsdpkit.train.config import SECTIONS, TOP, TrainConfig
+from fsdpkit.train.config import SECTIONS, TOP
+from fsdpkit.train.summary import TrainSummary
 
 from .common import FsdpkitCommand, handle_errors, print_json
 from .settings_options import given_values, setting_parameters, with_parameters
@@ -24,7 +26,7 @@ PANELS = ("Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Optimi
 HELP = """Train a model with fsdpkit's sharded engine across several processes.
 
 Settings come from the flags below, over --config FILE (TOML, the same settings nested in
-tables: steps = 100, \\[optimizer] lr = 0.001, ...), over the defaults. torchrun's underscore
+tables: steps = 100, [optimizer] lr = 0.001, ...), over the defaults. torchrun's underscore
 spellings (--nproc_per_node) are accepted for every flag, and every on/off flag --x has a
 --no-x that turns off what a config file turned on.
 
@@ -54,10 +56,14 @@ def train(
     **settings: Any,
 ) -> None:
     from fsdpkit.train.launcher import run_training
+    from fsdpkit.train.resume import train_config
 
     values = read_toml(str(config_file)) if config_file is not None else {}
     where = f" in {config_file}" if config_file is not None else ""  # only a file can hold an unknown key
-    config = TrainConfig.from_values(merge(values, given_values(ALL_SECTIONS, ctx, settings)), where=where)
+    config, overrides = train_config(merge(values, given_values(ALL_SECTIONS, ctx, settings)), where=where)
+    log.setup(quiet=config.logging.quiet)
+    for line in overrides:
+        log.warn(line)
     if print_config:
         typer.echo(to_toml(config.to_values(), header="fsdpkit train config (fsdpkit train --config FILE replays it)"), nl=False)
         return
@@ -65,40 +71,36 @@ def train(
     if summary is None:
         return
     if json_output:
-        print_json(summary)
+        print_json(summary.to_json())
     else:
         typer.echo(format_summary(summary))
 
 
-def format_summary(summary: dict) -> str:
-    losses = summary["losses"]
-    rate = summary["tokens_per_second"]
+def format_summary(summary: TrainSummary) -> str:
+    losses, rate = summary.losses, summary.tokens_per_second
     lines = [
-        f"model            {summary['model']} ({summary['num_params']:,} parameters)",
-        f"world size       {summary['world_size']} ({summary['strategy']} sharding, {summary['device']}, "
-        f"mixed precision {summary['mixed_precision']})",
-        f"steps            {summary['steps']} x {summary['global_batch_size']} sequences x {summary['seq_len']} tokens",
-        f"resumed from     step {summary['resumed_from_step']}" if summary["resumed_from_step"] is not None else "",
-        f"loss             {losses[0]:.4f} -> {summary['final_loss']:.4f}" if losses else "loss             (no steps run)",
+        f"model            {summary.model} ({summary.num_params:,} parameters)",
+        f"world size       {summary.world_size} ({summary.strategy} sharding, {summary.device}, mixed precision {summary.mixed_precision})",
+        f"steps            {summary.steps} x {summary.global_batch_size} sequences x {summary.seq_len} tokens",
+        f"resumed from     step {summary.resumed_from_step}" if summary.resumed_from_step is not None else "",
+        f"loss             {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "loss             (no steps run)",
         f"throughput       {rate:,.0f} tokens/s (global batch, steps after the first)" if rate else "",
-        f"peak memory      {format_size(summary['peak_memory_bytes'])} per rank (max over ranks)",
+        f"peak memory      {format_size(summary.peak_memory_bytes)} per rank (max over ranks)",
     ]
-    for entry in summary.get("eval_losses") or []:
+    for entry in summary.eval_losses:
         lines.append(f"eval loss        {entry['loss']:.4f} at step {entry['step']}")
-    if summary.get("restarts"):
-        redone = summary.get("steps_redone")
-        lines.append(f"restarts         {summary['restarts']}" + (f" ({redone} steps run again)" if redone is not None else ""))
-    if summary.get("preempted"):
+    if summary.restarts:
+        redone = summary.steps_redone
+        lines.append(f"restarts         {summary.restarts}" + (f" ({redone} steps run again)" if redone is not None else ""))
+    if summary.preempted:
         lines.append(
-            f"preempted        stopped after step {summary['steps']} (SIGTERM)"
-            + ("; continue with --resume" if summary.get("checkpoint") else "")
+            f"preempted        stopped after step {summary.steps} (SIGTERM)" + ("; continue with --resume" if summary.checkpoint else "")
         )
-    if summary.get("checkpoint"):
-        lines.append(f"checkpoint       {summary['checkpoint']}")
-    saves = (summary.get("save_timings") or {}).get("saves")
+    lines.append(f"checkpoint       {summary.checkpoint or 'not saved (no --save-dir)'}")
+    saves = (summary.save_timings or {}).get("saves")
     if saves:
         lines.append(
-            f"save stall       {summary['save_stall_seconds']:.2f} s in the training thread between steps ({saves} saves; max over ranks)"
+            f"save stall       {summary.save_stall_seconds:.2f} s in the training thread between steps ({saves} saves; max over ranks)"
         )
     return "\n".join(line for line in lines if line)
 

@@ -1,4 +1,4 @@
-"""`fsdpkit bench` through the CLI: real 2-process gloo runs (three launches), nccl-tests'
+"""`fsdpkit bench` through the CLI: real 2-process gloo runs (four launches), nccl-tests'
 short flags, and bad input.
 
 Each launch costs ~3 s, so each one checks many things; bad input is rejected before any
@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -206,3 +210,44 @@ def test_nccl_tests_dtype_names_and_command_line():
         == "mpirun -np 16 all_gather_perf -b 8 -e 1024 -f 4 -n 3 -w 0 -c 1 -d half -g 1"
     )
     assert options.nccl_tests_command("reducescatter", nproc_per_node=1, nnodes=1).endswith("-d half -o min -g 1")
+
+
+def test_rows_arrive_through_a_pipe_while_the_benchmark_runs():
+    """Read from a pipe, as `fsdpkit bench ... | tee` would: the header comes first, then each
+    row as its size is measured, while the process still runs (the timeline in the message)."""
+    command = [sys.executable, "-m", "fsdpkit_cli", "bench", "allgather", *SMALL[:4], "-b", "1K", "-e", "1M", "-f", "4", "-n", "20"]
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [*command, "--variant", "both"], stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    arrivals = []  # (seconds since start, the process still running, line)
+    for line in process.stdout:
+        arrivals.append((time.perf_counter() - started, process.poll() is None, line.rstrip("\n")))
+    assert process.wait(timeout=300) == 0
+    ended = time.perf_counter() - started
+    rows = [(at, running) for at, running, line in arrivals if line.startswith("  ") and "float32" in line]
+    timeline = (
+        "\n".join(f"{at:7.3f} {'running' if running else 'exited '} {line}" for at, running, line in arrivals) + f"\n{ended:7.3f} end"
+    )
+    assert arrivals[0][2].startswith("# fsdpkit bench allgather (flat)") and arrivals[0][1], timeline
+    assert len(rows) == 2 * 6 and rows[0][1], timeline  # the first row came while the process still ran
+    assert rows[0][0] < rows[-1][0] < ended, timeline
+
+
+def test_csv_into_a_read_only_directory_is_one_line_before_launch(tmp_path, no_launch, monkeypatch):
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)]).returncode == 0
+    try:
+        if not mounted:
+            if os.geteuid() == 0:  # root writes through permissions: answer as a read-only filesystem would
+                monkeypatch.setattr(os, "access", lambda path, mode: not str(path).startswith(str(read_only)))
+            else:
+                read_only.chmod(0o555)
+        result = _invoke(["allreduce", *SMALL, "--csv", str(read_only / "bench.csv")])
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(read_only)], check=True)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [f"error: --csv '{read_only / 'bench.csv'}': directory '{read_only}' is not writable"]
+    assert list(read_only.iterdir()) == []

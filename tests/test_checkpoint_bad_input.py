@@ -1,5 +1,5 @@
 """Every bad input is detected before any weight is used: one line, the right exit code,
-SRC untouched, no partial DST (issue 5 "Bad input, never silent", issue 6 "Bad input")."""
+SRC untouched, no partial DST."""
 
 from __future__ import annotations
 
@@ -354,9 +354,15 @@ def _one_line_run_error(result, *needles):
     assert all(needle in line for needle in needles), line
 
 
+def _one_line_usage_error(result, *needles):
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and line.startswith("error: ") and "\n" not in line, result.output
+    assert all(needle in line for needle in needles), line
+
+
 def test_full_read_only_or_size_limited_destination(ckpt, tmp_path, monkeypatch):
-    """Issue 12: convert/reshard into a destination that fails (no space, no inodes, read-only,
-    file size limit): one line naming the path and the errno, exit 1, nothing left behind."""
+    """Convert/reshard into a destination that fails (no space, no inodes, file size limit):
+    one line naming the path and the errno, exit 1, nothing left behind; read-only: exit 2."""
     from fsdpkit.checkpoint import writer
 
     with _tmpfs(tmp_path / "full", "size=1m,nr_inodes=4") as full:  # room for the directory and two files
@@ -383,7 +389,7 @@ def test_full_read_only_or_size_limited_destination(ckpt, tmp_path, monkeypatch)
                 read_only.chmod(0o555)
         result = run_cli("convert", ckpt, read_only / "out", "--to", "full")
         monkeypatch.undo()
-        _one_line_run_error(result, str(read_only), "(EROFS)" if os.geteuid() == 0 else "(EACCES)")
+        _one_line_usage_error(result, f"destination directory {read_only} is read-only", "(EROFS)" if os.geteuid() == 0 else "(EACCES)")
         assert list(read_only.iterdir()) == []
     big = save_checkpoint(tmp_path / "big", 1, {"w": torch.randn(40_000)}, world_size=2)
     limited = subprocess.run(
@@ -404,6 +410,32 @@ def test_full_read_only_or_size_limited_destination(ckpt, tmp_path, monkeypatch)
     line = limited.stderr.strip()
     assert limited.returncode == 1 and line.startswith("error: ") and "\n" not in line and "(EFBIG)" in line, limited.stderr
     assert "rank-00000-of-00001.safetensors" in line and list((tmp_path / "limited").iterdir()) == []
+
+
+def test_read_only_or_impossibly_small_destination_is_a_usage_error(ckpt, tmp_path, monkeypatch):
+    """A read-only filesystem with little room (once reported as "not enough disk space"), and
+    --world-size beyond what the whole disk holds: exit 2, one line, nothing written."""
+    with _tmpfs(tmp_path / "ro", "ro,size=4k") as read_only:
+        if read_only is None:  # no filesystem to mount: what a read-only one answers, injected
+            read_only = tmp_path / "ro"
+            monkeypatch.setattr(storage.os, "access", lambda path, mode: False)
+            monkeypatch.setattr(storage.os, "statvfs", lambda path: os.statvfs_result((0,) * 8 + (os.ST_RDONLY, 255)))
+        for command in (
+            ["convert", ckpt, read_only / "out", "--to", "full"],
+            ["reshard", ckpt, read_only / "run" / "out", "--world-size", "3"],
+        ):
+            result = run_cli(*command)
+            _one_line_usage_error(result, f"destination directory {read_only} is read-only: a read-only filesystem (EROFS)")
+        monkeypatch.undo()
+        assert list(read_only.iterdir()) == []
+    src = tree_snapshot(ckpt)
+    result = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", str(10**12))
+    _one_line_usage_error(result, "cannot fit", "--world-size 1000000000000", "whole filesystem holds")
+    assert tree_snapshot(ckpt) == src
+    assert run_cli("convert", ckpt, tmp_path / "full", "--to", "full").exit_code == 0
+    result = run_cli("convert", tmp_path / "full", tmp_path / "out", "--to", "sharded", "--world-size", str(10**12))
+    _one_line_usage_error(result, "cannot fit", "--world-size 1000000000000", "whole filesystem holds")
+    _no_leftovers(tmp_path, ["src", "ro", "full"])
 
 
 def test_malformed_full_checkpoints_are_one_line(tmp_path):

@@ -66,7 +66,7 @@ def test_crash_before_commit_leaves_previous(tmp_path):
 
 
 def test_keep_last_never_deletes_another_runs_directories(tmp_path):
-    """Issue 12: two runs on one save directory: one run's prune left the other's in-progress
+    """Two runs on one save directory: one run's prune left the other's in-progress
     save and its checkpoints alone, and so must every prune."""
     run = tmp_path / "run"
     save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS, run_id="run-a")

@@ -182,7 +182,23 @@ def test_inspect_and_verify_report(sharded):
     assert text.exit_code == 0 and "world size  4" in text.stdout
     report = run_cli("verify", runs[4], "--json")
     assert report.exit_code == 0 and json.loads(report.stdout)["ok"] is True
-    assert "ok" in run_cli("verify", runs[4]).stdout
+    fragments = json.loads(report.stdout)["fragments"]
+    assert run_cli("verify", runs[4]).stdout.startswith(f"ok {runs[4]}: sharded, {len(tensors)} tensors, ")
+    assert f"the crc32 of all {fragments} fragments, file sizes, headers, fragment coverage and file names checked" in (
+        run_cli("verify", runs[4]).stdout
+    )
+
+
+def test_inspect_and_verify_of_a_full_export_count_its_optimizer_state(sharded, tmp_path):
+    _, tensors, runs = sharded
+    assert run_cli("convert", runs[4], tmp_path / "full", "--to", "full", "--with-optimizer").exit_code == 0
+    summary = json.loads(run_cli("inspect", tmp_path / "full", "--json").stdout)
+    model = _model_tensors(tensors)
+    assert summary["model"]["tensors"] == len(model) and summary["optimizer"]["tensors"] == len(tensors) - len(model) > 0
+    result = run_cli("verify", tmp_path / "full")
+    assert result.exit_code == 0 and result.stderr == ""
+    assert result.stdout.startswith(f"ok {tmp_path / 'full'}: full safetensors, {len(tensors)} tensors in 2 files, ")
+    assert result.stdout.rstrip().endswith("headers, file sizes and the index checked (this format has no checksums)")
 
 
 def test_convert_to_sharded_with_model_plan(tmp_path):

@@ -1,5 +1,5 @@
 """Peak resident memory of convert and reshard stays under 300 MB on a checkpoint larger than
-that (issue 6: bounded by --chunk-size plus a constant, no whole tensor, no whole model), at
+that (bounded by --chunk-size plus a constant, no whole tensor, no whole model), at
 the default --chunk-size, and these commands never import torch (which alone costs ~220 MB)."""
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ is its own test on their typed results, so one broken feature fails one test.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -116,11 +117,16 @@ def test_summary_is_one_json_document(flag_run):
 def test_summary_names_the_save_stall_only_when_saves_happened(flag_run):
     from fsdpkit_cli.train_cmd import format_summary
 
-    summary = flag_run.summary
-    assert summary["save_stall_seconds"] == 0 and summary["save_timings"] is None  # no --save-dir
+    from fsdpkit.train.summary import TrainSummary
+
+    summary = TrainSummary.from_json(flag_run.summary)
+    assert summary.save_stall_seconds == 0 and summary.save_timings is None  # no --save-dir
     assert "save stall" not in format_summary(summary)
-    saved = {**summary, "save_stall_seconds": 1.5, "save_timings": {"saves": 3}}
-    assert "save stall       1.50 s in the training thread between steps (3 saves; max over ranks)" in format_summary(saved)
+    assert "checkpoint       not saved (no --save-dir)" in format_summary(summary)
+    saved = dataclasses.replace(summary, save_stall_seconds=1.5, save_timings={"saves": 3}, checkpoint="run/step-00000006")
+    text = format_summary(saved)
+    assert "save stall       1.50 s in the training thread between steps (3 saves; max over ranks)" in text
+    assert "checkpoint       run/step-00000006" in text
 
 
 def test_metrics_lines_follow_the_steps(flag_run):
@@ -143,6 +149,13 @@ def test_log_without_a_terminal_is_plain_lines(flag_run):
     lines = [line for line in flag_run.stderr.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
     assert all("tokens/s" in line and "loss" in line for line in lines)
+
+
+def test_launch_and_first_step_each_say_one_line_before_any_progress(flag_run):
+    lines = flag_run.stderr.splitlines()
+    assert lines[0] == "launching 2 workers on this node (world size 2), backend gloo, device cpu, rendezvous c10d at a local port"
+    assert lines[1] == "training: step 1 of 6 starting"
+    assert lines[2].startswith("step 2/6")
 
 
 def test_tensorboard_events_hold_the_metrics_scalars(flag_run):
@@ -396,6 +409,9 @@ def no_launch(monkeypatch):
         ),
         (["--seq-len", "4096"], "block size"),
         (["--betas", "0.9"], "--betas"),
+        (["--optimizer", "sgd", "--nesterov"], "--nesterov needs --momentum > 0"),
+        (["--optimizer", "sgd", "--momentum", "nan"], "--momentum must be a finite number >= 0, got nan"),
+        (["--momentum", "0.9"], "--momentum and --nesterov are settings of --optimizer sgd, not adamw"),
         (["--nproc-per-node", "0"], "--nproc-per-node"),
         (["--nproc-per-node", "many"], "--nproc-per-node 'many': use a number, gpu, cpu or auto"),
         (["--no-sync"], "--grad-accum"),
@@ -405,6 +421,10 @@ def no_launch(monkeypatch):
         (["--reduce-dtype", "fp8"], "fp8"),
         (["--wrap-every", "0"], "--wrap-every must be >= 1, got 0"),
         (["--max-grad-norm", "0"], "--max-grad-norm"),
+        (["--lr", "inf"], "--lr must be a finite number >= 0, got inf"),
+        (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+        (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got inf"),
+        (["--new-run"], "need --save-dir"),
         (["--shard-group-size", "2"], "only applies to strategy 'hybrid'"),
         (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
         (["--standalone", "--nnodes", "2"], "--standalone runs on one node"),

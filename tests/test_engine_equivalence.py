@@ -1,6 +1,6 @@
 """fsdpkit's engine against an unsharded single-process reference computed in the same
 worker: gradients after one backward, weights after several AdamW steps, at world sizes
-1, 2 and 4, on models built to hit every case the foundation issue names."""
+1, 2 and 4, on models built to hit every case the engine handles."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Faults in a 2-process training run, through the real CLI (issue 12): a killed worker with
+"""Faults in a 2-process training run, through the real CLI: a killed worker with
 --max-restarts 1 (the run completes bitwise equal to an uninterrupted one), a stopped or
 missing rank (one line naming the rank, the collective and the step, within --timeout + 30 s),
 SIGTERM (a checkpoint, exit 0, resumable bitwise), SIGINT (exit 130, no process left) and the
@@ -250,7 +250,7 @@ LINE = re.compile(r"error: rank 0 timed out after 10 s in (\w+) \(([^)]*)\) at s
 def test_a_stopped_worker_fails_the_run_within_the_timeout_naming_rank_collective_and_step(tmp_path):
     process = start(tmp_path, "--timeout", str(TIMEOUT), fault="stop:1:3")
     stopped_worker(process)
-    run = finish(process, tmp_path, timeout=TIMEOUT + 30)  # the issue's bound: --timeout plus 30 s
+    run = finish(process, tmp_path, timeout=TIMEOUT + 30)  # bound: --timeout plus 30 s
     assert run.exit_code == 1
     kind, label, step = LINE.fullmatch(one_error_line(run)).groups()
     assert (kind, label, step) == ("all_gather", "unit <root>", "4")  # the first collective of step 4

@@ -53,6 +53,16 @@ def test_resume_is_bitwise_exact_at_the_same_world_size(runs):
     assert any(n.startswith("optim.exp_avg.") for n in mine)
 
 
+def test_sgd_with_momentum_resumes_bitwise(tmp_path):
+    sgd = ["--optimizer", "sgd", "--momentum", "0.9", "--nesterov", "--lr", "0.05"]
+    full = train(*sgd, "--steps", "6", "--save-every", "3", "--save-dir", str(tmp_path / "full"))
+    resumed = train(*sgd, "--steps", "6", "--resume", str(tmp_path / "full" / "step-00000003"), "--save-dir", str(tmp_path / "resumed"))
+    assert resumed["losses"] == full["losses"][3:]
+    reference, mine = weights(tmp_path / "full"), weights(tmp_path / "resumed")
+    assert reference.keys() == mine.keys() and all(torch.equal(reference[n], mine[n]) for n in reference)
+    assert any(n.startswith("optim.momentum_buffer.") for n in mine)
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -64,7 +74,17 @@ def test_resume_is_bitwise_exact_at_the_same_world_size(runs):
 )
 def test_resume_at_another_world_size_or_strategy(runs, extra):
     root, full, _ = runs
-    resumed = train("--steps", "10", "--resume", str(root / "half" / "step-00000005"), *extra)
+    result = runner.invoke(app, ["train", *COMMON, "--steps", "10", "--resume", str(root / "half" / "step-00000005"), *extra, "--json"])
+    assert result.exit_code == 0, result.output
+    resumed = json.loads(result.stdout)
+    # Another world size is the feature: no warning; another strategy replaces a saved setting: one line.
+    saved_in = f"saved in {root / 'half' / 'step-00000005'}"
+    expected = {
+        "hybrid": [f"warning: --strategy hybrid replaces full {saved_in}", f"warning: --shard-group-size 2 replaces (not set) {saved_in}"],
+        "none": [f"warning: --strategy none replaces full {saved_in}"],
+    }
+    strategy = extra[extra.index("--strategy") + 1] if "--strategy" in extra else None
+    assert [line for line in result.stderr.splitlines() if "warning" in line.lower()] == expected.get(strategy, [])
     for mine, ref in zip(resumed["losses"], full["losses"][5:], strict=True):
         assert abs(mine - ref) / ref < 1e-4
 
@@ -90,15 +110,16 @@ def test_init_from_full_and_sharded_weights_agree(runs, tmp_path):
 
 
 def _invoke_exit(*args: str):
-    result = runner.invoke(app, ["train", *COMMON, *args])
+    result = runner.invoke(app, ["train", *COMMON, *args, "--quiet"])  # errors and warnings only, no launch note
     return result.exit_code, result.stderr.strip()
 
 
 def test_checkpoint_of_another_model_and_missing_optimizer_state(runs, tmp_path):
     root, _, _ = runs
     code, err = _invoke_exit("--model", "gpt-small", "--resume", str(root / "full"), "--steps", "12")
-    assert code == 3 and "another model" in err or "shapes differ" in err, err
-    assert len(err.splitlines()) == 1
+    warning, error = err.splitlines()
+    assert warning.startswith("warning: --model gpt-small replaces gpt-tiny saved in "), warning
+    assert code == 3 and ("another model" in error or "shapes differ" in error) and "(saved from gpt-tiny, not gpt-small)" in error, err
     weights_only = tmp_path / "weights_only"
     assert runner.invoke(app, ["convert", str(root / "full"), str(tmp_path / "hf"), "--to", "full"]).exit_code == 0
     assert runner.invoke(app, ["convert", str(tmp_path / "hf"), str(weights_only), "--to", "sharded", "--world-size", "2"]).exit_code == 0

@@ -6,7 +6,7 @@ import csv
 from typing import Any, TextIO
 
 from .busbw import MODES
-from .results import BenchReport, CollectiveResult, ModeResult
+from .results import BenchReport, CollectiveResult, ModeResult, SizeResult
 
 _MODE_HEADER = f"{'time':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>7}"
 _MODE_UNITS = f"{'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7}"
@@ -23,6 +23,12 @@ def format_report(report: BenchReport) -> str:
 
 
 def format_table(report: BenchReport, result: CollectiveResult) -> str:
+    lines = [*table_header(report, result), *(table_row(report, row) for row in result.rows), *table_footer(report, result)]
+    return "\n".join(lines)
+
+
+def table_header(report: BenchReport, result: CollectiveResult) -> list[str]:
+    """A collective's table up to its first row (what it measures, the formulas, the columns)."""
     lines = [
         f"# fsdpkit bench {result.title}: {report.world_size} ranks, backend {report.backend}, "
         f"iters {report.iters}, warmup {report.warmup}" + (f", op {result.op}" if result.op else ""),
@@ -38,14 +44,21 @@ def format_table(report: BenchReport, result: CollectiveResult) -> str:
         f"# {'size':>11} {'count':>12} {'type':>9}  {_MODE_HEADER}  {_MODE_HEADER}",
         f"# {'(B)':>11} {'(elements)':>12} {'':>9}  {_MODE_UNITS}  {_MODE_UNITS}",
     ]
-    for row in result.rows:
-        cells = "  ".join(_format_mode(mode) for _, mode in row.modes())
-        lines.append(f"  {row.size_bytes:>11} {row.count:>12} {report.dtype:>9}  {cells}")
+    return [line.rstrip() for line in lines]
+
+
+def table_row(report: BenchReport, row: SizeResult) -> str:
+    cells = "  ".join(_format_mode(mode) for _, mode in row.modes())
+    return f"  {row.size_bytes:>11} {row.count:>12} {report.dtype:>9}  {cells}".rstrip()
+
+
+def table_footer(report: BenchReport, result: CollectiveResult) -> list[str]:
+    lines = []
     if report.check:
         lines.append(f"# Out of bounds values : {result.wrong_total} {'OK' if not result.wrong_total else 'FAILED'}")
     lines.append(f"# Avg bus bandwidth    : {result.avg_busbw_gbps:.6g}")
     lines.append("#")
-    return "\n".join(line.rstrip() for line in lines)
+    return lines
 
 
 def _format_mode(mode: ModeResult | None) -> str:

@@ -11,6 +11,9 @@ Everything a user can get wrong is checked here, before a process starts (UsageE
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 from ..errors import DataCheckError, UsageError
 from ..host import available_memory_bytes
 from ..launch import LaunchOptions, launch
@@ -18,7 +21,8 @@ from .busbw import bench_sizes, busbw_factor
 from .notes import backend_note
 from .options import REDUCING, BenchOptions, check_memory, element_size, resolve_backend
 from .patterns import check_op_range
-from .results import BenchReport, CollectiveResult, size_result
+from .results import BenchReport, CollectiveResult, SizeResult, size_result
+from .stream import RowCallback, TableStream, follow_rows
 from .worker import BenchEntry, BenchPlan, bench_worker
 
 
@@ -62,37 +66,51 @@ def plan_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> Bench
 
 
 def run_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> BenchReport:
-    plan = plan_bench(options, launch_options=launch_options)
-    returned = launch(bench_worker, plan, options=launch_options)
+    return run_plan(plan_bench(options, launch_options=launch_options), launch_options=launch_options)
+
+
+def run_plan(plan: BenchPlan, *, launch_options: LaunchOptions, on_row: RowCallback | None = None) -> BenchReport:
+    """Launch the ranks; `on_row(entry, size, row)` hears of each size as soon as it is measured
+    (global rank 0 writes it to a file this process follows; see stream.py)."""
+    if on_row is None:
+        returned = launch(bench_worker, plan, options=launch_options)
+    else:
+        with follow_rows(on_row) as rows_path:
+            returned = launch(bench_worker, dataclasses.replace(plan, rows_path=rows_path), options=launch_options)
     # Every rank returns the same combined numbers; take the lowest rank this node ran.
     measured = returned[min(returned)]
     return build_report(plan, measured, world_size=launch_options.world_size)
 
 
+def table_stream(plan: BenchPlan, *, world_size: int, write: Callable[[str], None]) -> TableStream:
+    """Prints `plan`'s tables as their rows are measured (pass its `row` as run_plan's on_row)."""
+    empty = build_report(plan, [[] for _ in plan.entries], world_size=world_size)
+    return TableStream(empty, [entry.sizes for entry in plan.entries], write)
+
+
+def collective_result(plan: BenchPlan, entry: BenchEntry, rows: tuple[SizeResult, ...], *, world_size: int) -> CollectiveResult:
+    return CollectiveResult(
+        collective=entry.collective,
+        variant=entry.variant,
+        world_size=world_size,
+        busbw_factor=busbw_factor(entry.collective, world_size),
+        rows=rows,
+        note=backend_note(plan.backend, entry.collective, entry.variant),
+        op=plan.op if entry.collective in REDUCING else None,
+        nccl_tests=entry.nccl_tests,
+    )
+
+
 def build_report(plan: BenchPlan, measured: list, *, world_size: int) -> BenchReport:
+    """The report of `measured` (per entry, the measurements of its first sizes: all of them,
+    or none for the header of a table still to come)."""
     results = []
     for entry, rows in zip(plan.entries, measured, strict=True):
         size_results = tuple(
-            size_result(
-                entry.collective,
-                world_size,
-                size,
-                {mode: None if m is None else (m.seconds, m.wrong) for mode, m in row.items()},
-            )
-            for size, row in zip(entry.sizes, rows, strict=True)
+            size_result(entry.collective, world_size, size, {mode: None if m is None else (m.seconds, m.wrong) for mode, m in row.items()})
+            for size, row in zip(entry.sizes, rows, strict=False)
         )
-        results.append(
-            CollectiveResult(
-                collective=entry.collective,
-                variant=entry.variant,
-                world_size=world_size,
-                busbw_factor=busbw_factor(entry.collective, world_size),
-                rows=size_results,
-                note=backend_note(plan.backend, entry.collective, entry.variant),
-                op=plan.op if entry.collective in REDUCING else None,
-                nccl_tests=entry.nccl_tests,
-            )
-        )
+        results.append(collective_result(plan, entry, size_results, world_size=world_size))
     return BenchReport(
         backend=plan.backend,
         world_size=world_size,

@@ -24,9 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .. import log
 from .busbw import MODES, BenchSize
 from .collectives import Placement, PreparedCollective, prepare, supports_mode
 from .options import torch_dtype
+from .stream import append_row
 
 CORRUPT_RANK_ENV = "FSDPKIT_BENCH_CORRUPT_RANK"
 FAIL_RANK_ENV = "FSDPKIT_BENCH_FAIL_RANK"
@@ -50,6 +52,7 @@ class BenchPlan:
     check: int  # result checks per size and mode
     op: str = "sum"
     timeout: float = 300.0  # seconds any collective may wait (--timeout)
+    rows_path: str | None = None  # global rank 0 appends each size's row here as it is measured (stream.py)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ SizeMeasurements = dict[str, Measurement | None]  # mode -> measurement (None: t
 @record
 def bench_worker(plan: BenchPlan) -> list[list[SizeMeasurements]]:
     """Entry point for fsdpkit.launch: returns, per entry and size, the combined measurements."""
+    log.setup()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if os.environ.get(FAIL_RANK_ENV, "") == os.environ.get("RANK"):
         raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={os.environ['RANK']})")
@@ -89,14 +93,20 @@ def _run_plan(plan: BenchPlan, where: Placement, *, corrupt: bool) -> list[list[
     from tqdm import tqdm
 
     total = sum(len(entry.sizes) for entry in plan.entries)
-    progress = tqdm(total=total, desc="bench", unit="size", file=sys.stderr, disable=True if where.rank != 0 else None, leave=False)
+    rows_path = plan.rows_path if where.rank == 0 else None
+    # The rows shown as they come are the progress; without them (--json), a bar on a terminal.
+    hidden = where.rank != 0 or plan.rows_path is not None
+    progress = tqdm(total=total, desc="bench", unit="size", file=sys.stderr, disable=True if hidden else None, leave=False)
     results = []
     with progress:
-        for entry in plan.entries:
+        for index, entry in enumerate(plan.entries):
             rows = []
             for size in entry.sizes:
                 progress.set_postfix_str(f"{entry.collective} {size.size_bytes} B")
                 rows.append(measure_size(entry, size, plan, where, corrupt=corrupt))
+                if rows_path is not None:
+                    row = {mode: None if m is None else (m.seconds, m.wrong) for mode, m in rows[-1].items()}
+                    append_row(rows_path, index, len(rows) - 1, row)
                 progress.update(1)
             results.append(rows)
     return results

@@ -9,7 +9,7 @@ fragment is read from the files that hold the overlapping fragments, and only fr
 so a checkpoint saved at W ranks loads at any W' and under any strategy.
 
 Optimizer state tensors are `optim.<state>.<param name>`, laid out like their parameter; a
-scalar state (Adam's step) lives with its parameter's first element. Tied weights are stored
+scalar state (Adam's step) lives with its parameter's first element (optim_state.py). Tied weights are stored
 once with their alias recorded. With hybrid or no sharding, only the first replica writes.
 
 Also here: starting from a full or sharded checkpoint's weights (`init_weights_from`; a full
@@ -46,14 +46,13 @@ from . import storage
 from .background import WRITE_CHUNK_BYTES, HostBuffers, SaveTimings, lower_thread_priority
 from .bytecopy import DEFAULT_CHUNK_SIZE, ByteCopier, SourceTensor
 from .export import EXPORT_ATTR, EXPORT_STATE_KEY
-from .format import optim_tensor_name, rank_file_name
+from .format import rank_file_name
 from .lock import process_identity, run_id_of
 from .manifest import Manifest, check_compatible
+from .optim_state import StateLayout, expected_state_tensors, load_optimizer_state, saved_states, states_to_load
 from .placement import Placement, TensorSpec
 from .reader import FullCheckpoint, is_full_checkpoint, open_checkpoint, open_full, open_sharded
 from .writer import RankFileWriter
-
-OPTIMIZER_STATE_KEYS = {"AdamW": ("exp_avg", "exp_avg_sq", "step"), "Adam": ("exp_avg", "exp_avg_sq", "step")}
 
 TORCH_TO_SAFETENSORS = {
     torch.float64: "F64",
@@ -237,7 +236,7 @@ def stateless_params(training_state: dict) -> set[str]:
 def expected_tensors(
     params: list[tuple[str, tuple[int, ...], bool]],
     buffers: dict[str, tuple[int, ...]],
-    optimizer_type: str | None,
+    optimizer_states: dict[str, StateLayout] | None,
     *,
     stateless: AbstractSet[str] = frozenset(),
 ) -> dict[str, tuple[int, ...]]:
@@ -246,10 +245,7 @@ def expected_tensors(
     parameters (`stateless`: those whose state the checkpoint rightly lacks)."""
     expected = {name: tuple(shape) for name, shape, _ in params}
     expected.update(buffers)
-    for key in OPTIMIZER_STATE_KEYS.get(optimizer_type or "", ()):
-        for name, shape, trainable in params:
-            if trainable and name not in stateless:
-                expected[optim_tensor_name(key, name)] = () if key == "step" else tuple(shape)
+    expected.update(expected_state_tensors(params, optimizer_states or {}, stateless))
     return expected
 
 
@@ -281,16 +277,11 @@ def tensor_table(
         for param in unit.params:
             table.append(TensorSpec(param.name, safetensors_dtype(param.tensor.dtype), tuple(param.shape)))
             local[param.name] = (param.fragment.param_range, param.tensor.detach().reshape(-1))
-            for key, value in (optimizer.state.get(param.tensor, {}) if optimizer is not None else {}).items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                name = optim_tensor_name(key, param.name)
-                if value.shape == param.tensor.shape and value.dim() == 1:
-                    states.setdefault(key, []).append(TensorSpec(name, safetensors_dtype(value.dtype), tuple(param.shape)))
-                    local[name] = (param.fragment.param_range, value.detach())
-                elif value.numel() == 1:
-                    states.setdefault(key, []).append(TensorSpec(name, safetensors_dtype(value.dtype), tuple(value.shape)))
-                    local[name] = (ElementRange(0, 1), value.detach().reshape(1))
+            param_state = optimizer.state.get(param.tensor, {}) if optimizer is not None else {}
+            for key, name, scalar_shape, held, data in saved_states(param.name, param.fragment.param_range, param.tensor, param_state):
+                shape = tuple(param.shape) if scalar_shape is None else scalar_shape
+                states.setdefault(key, []).append(TensorSpec(name, safetensors_dtype(data.dtype), shape))
+                local[name] = (held, data)
     for name, tensor in persistent_buffers(module).items():
         table.append(TensorSpec(name, safetensors_dtype(tensor.dtype), tuple(tensor.shape)))
         local[name] = (ElementRange(0, tensor.numel()), tensor.detach().reshape(-1))
@@ -547,42 +538,21 @@ class Checkpointer:
         returns its training state. Every chunk's fragments are checksum-verified as read."""
         view = describe(self.module)
         with CheckpointReader(path, validate_all=False) as reader:
+            states = None
+            if self.optimizer is not None:
+                names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
+                states = states_to_load(self.optimizer, names, reader.training_state, reader.tensor_names(), where=str(reader.step_dir))
             stateless = stateless_params(reader.training_state)
-            optimizer_type = type(self.optimizer).__name__ if self.optimizer is not None else None
-            expected = expected_tensors(_view_params(view), _buffer_shapes(self.module), optimizer_type, stateless=stateless)
+            expected = expected_tensors(_view_params(view), _buffer_shapes(self.module), states, stateless=stateless)
             missing_optim = check_compatible(reader.manifest, expected, strict=strict, where=str(reader.step_dir))
             if missing_optim and view.rank == 0:
                 warnings.warn(f"{reader.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh", stacklevel=2)
             load_weights(view, self.module, reader)
-            if self.optimizer is not None and not missing_optim:
-                self._load_optimizer(view, reader, self.optimizer)
+            if self.optimizer is not None and states is not None and not missing_optim:
+                params = [(p.name, p.fragment.param_range, p.tensor) for unit in view.units for p in unit.params if p.requires_grad]
+                stored = set(reader.tensor_names())
+                load_optimizer_state(self.optimizer, params, states, reader.training_state, stored, reader.read_range, reader.read_tensor)
             return reader.training_state
-
-    def _load_optimizer(self, view: ShardedModelView, reader: CheckpointReader, optimizer: torch.optim.Optimizer) -> None:
-        stored = set(reader.tensor_names())
-        for unit in view.units:
-            for param in unit.params:
-                if not param.requires_grad:
-                    continue
-                param_state = {}
-                for key in OPTIMIZER_STATE_KEYS.get(type(optimizer).__name__, ()):
-                    name = optim_tensor_name(key, param.name)
-                    if name not in stored:
-                        continue
-                    entry = reader.tensor(name)
-                    if key == "step" or entry.shape != tuple(param.shape):
-                        param_state[key] = reader.read_tensor(name).to(torch.float32).reshape(())
-                    else:
-                        param_state[key] = reader.read_range(name, param.fragment.param_range).to(param.tensor.device)
-                if param_state:
-                    optimizer.state[param.tensor] = param_state
-                else:
-                    optimizer.state.pop(param.tensor, None)
-        saved = (reader.training_state.get("optimizer") or {}).get("groups") or []
-        for group, saved_group in zip(optimizer.param_groups, saved, strict=False):  # the saved run's groups may differ in number
-            for key, value in saved_group.get("settings", {}).items():
-                if key in group and key != "lr":
-                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
 def load_weights(view: ShardedModelView, module: nn.Module, reader: TensorReader) -> None:
@@ -641,21 +611,25 @@ def _check_full(reader: TensorReader, expected: dict[str, tuple[int, ...]], path
             raise DataCheckError(f"{path}: tensor {name!r} has shape {list(source.shape)}, the model {list(shape)}")
 
 
-def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer_type: str | None, strict: bool) -> None:
+def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool) -> None:
     """Validate a checkpoint against an unsharded model (built on the meta device) before any
-    process starts: any problem is a DataCheckError (exit 3). `optimizer_type` (e.g. "AdamW")
-    when resuming, None when only the weights are wanted."""
+    process starts: any problem is a DataCheckError (exit 3). `optimizer` (over the model's
+    parameters) when resuming, None when only the weights are wanted."""
     params, buffers = _model_params(model), _buffer_shapes(model)
-    if is_full_checkpoint(Path(path)) and optimizer_type is None:
+    if is_full_checkpoint(Path(path)) and optimizer is None:
         expected = expected_tensors(params, buffers, None)
         with full_reader(path, list(expected)) as reader:
             _check_full(reader, expected, path)
         return
     with CheckpointReader(path) as reader:
+        states = None
+        if optimizer is not None:
+            names = {id(p): name for name, p in model.named_parameters()}
+            states = states_to_load(optimizer, names, reader.training_state, reader.tensor_names(), where=str(reader.step_dir))
         stateless = stateless_params(reader.training_state)
         check_compatible(
             reader.manifest,
-            expected_tensors(params, buffers, optimizer_type, stateless=stateless),
-            strict=strict and optimizer_type is not None,
+            expected_tensors(params, buffers, states, stateless=stateless),
+            strict=strict and optimizer is not None,
             where=str(reader.step_dir),
         )

@@ -24,7 +24,8 @@ any point leaves `latest` naming a complete checkpoint (or, before the first com
 
 Offline outputs (convert, reshard): `staged_output(dst, src=..., overwrite=..., needed_bytes=...)`
 refuses, before anything is written, DST equal to, inside or containing SRC, an existing DST
-without `overwrite`, and too little free disk; it yields a hidden temporary sibling directory,
+without `overwrite`, a read-only destination directory and an output larger than its whole
+filesystem (UsageErrors), and too little free disk (a RunError); it yields a hidden temporary sibling directory,
 syncs (`sync_files`) and renames it to DST on success, and removes it on any error; an
 OSError (a read-only, full or size-limited destination) becomes one line naming the path and
 the errno (`RunError`).
@@ -295,24 +296,54 @@ def check_destination(dst: Path, *, src: Path, overwrite: bool) -> None:
             raise UsageError(f"destination {dst} exists and is not a directory")
 
 
-def check_free_space(directory: Path, needed_bytes: int) -> None:
-    free = shutil.disk_usage(directory).free
-    if free < needed_bytes * 1.01:
-        raise RunError(f"not enough disk space in {directory}: need {format_size(needed_bytes)}, {format_size(free)} free")
+def check_free_space(directory: Path, needed_bytes: int, *, needed_for: str = "") -> None:
+    """Room for `needed_bytes` (`needed_for`: what they are, for the message). More than the
+    whole filesystem holds is a UsageError; more than is free, a RunError."""
+    usage = shutil.disk_usage(directory)
+    need = f"need {format_size(needed_bytes)}{needed_for}"
+    if usage.total < needed_bytes * 1.01:
+        raise UsageError(f"the output cannot fit in {directory}: {need}, its whole filesystem holds {format_size(usage.total)}")
+    if usage.free < needed_bytes * 1.01:
+        raise RunError(f"not enough disk space in {directory}: {need}, {format_size(usage.free)} free")
+
+
+def read_only_line(directory: Path, error_number: int | None = None) -> str:
+    """One line saying that `directory` (or, when absent, its nearest existing parent) is read-only."""
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    if error_number is None:
+        try:
+            error_number = errno.EROFS if os.statvfs(directory).f_flag & os.ST_RDONLY else errno.EACCES
+        except OSError:
+            error_number = errno.EACCES
+    why = "a read-only filesystem" if error_number == errno.EROFS else "no write permission for this user"
+    return f"destination directory {directory} is read-only: {why} ({errno.errorcode[error_number]}); nothing written"
+
+
+def check_writable(directory: Path) -> None:
+    """`directory`, or its nearest existing parent when it does not exist, can be written into."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(read_only_line(existing))
 
 
 @contextlib.contextmanager
-def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_bytes: int) -> Iterator[Path]:
+def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_bytes: int, needed_for: str = "") -> Iterator[Path]:
     dst, src = Path(dst), Path(src)
     check_destination(dst, src=src, overwrite=overwrite)
     parent = dst.absolute().parent
     token = uuid.uuid4().hex[:8]
     tmp = parent / f"{TMP_PREFIX}{dst.name}-{token}"
+    check_writable(parent)
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        check_free_space(parent, needed_bytes)
+        check_free_space(parent, needed_bytes, needed_for=needed_for)
         tmp.mkdir()
     except OSError as error:
+        if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # what os.access could not tell (a race, a network filesystem)
+            raise UsageError(read_only_line(Path(error.filename or parent), error.errno)) from None
         raise RunError(f"cannot write to {parent}: {os_error_line(error, parent)}") from None
     try:
         yield tmp

@@ -1,4 +1,4 @@
-"""Where a model comes from, and what fsdpkit needs to know about it (DESIGN section 7).
+"""Where a model comes from, and what fsdpkit needs to know about it.
 
     resolve("gpt-tiny")               # a built-in GPT (fsdpkit/models/gpt.py)
     resolve("my_pkg.models:build")    # a zero-argument factory returning an nn.Module

@@ -12,6 +12,7 @@ Checks that need the world size are in `check_world_size`, called once before tr
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +34,6 @@ class Device(enum.StrEnum):
 class Optimizer(enum.StrEnum):
     ADAMW = "adamw"
     SGD = "sgd"
-
-    @property
-    def torch_class(self) -> str:
-        """The torch.optim class name, as checkpoints record it."""
-        return {"adamw": "AdamW", "sgd": "SGD"}[self.value]
 
 
 class Schedule(enum.StrEnum):
@@ -127,6 +123,8 @@ class OptimizerConfig:
     lr: float = setting(3e-3, "Peak learning rate (0: the weights do not move).")
     weight_decay: float = setting(0.1, "Weight decay on matrices and embeddings (not on biases or norms).")
     betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas, two numbers: 0.9,0.95.", parse=parse_pair, metavar="B1,B2")
+    momentum: float = setting(0.0, "SGD momentum (0: plain SGD).")
+    nesterov: bool = setting(False, "SGD with Nesterov momentum (needs --momentum > 0).")
     max_grad_norm: float | None = setting(None, "Clip the global gradient norm to this value.")
     schedule: Schedule = setting(Schedule.CONSTANT, "Learning rate after the warm-up.", flag="--lr-schedule")
     warmup_steps: int = setting(0, "Linear warm-up steps.")
@@ -135,9 +133,16 @@ class OptimizerConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.lr >= 0:  # 0: a run that must not move the weights
-            raise UsageError(f"--lr must be >= 0, got {self.lr}")
-        _at_least(self.weight_decay, 0, "--weight-decay")
+        if not 0 <= self.lr < math.inf:  # 0: a run that must not move the weights
+            raise UsageError(f"--lr must be a finite number >= 0, got {self.lr}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise UsageError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0 <= self.momentum < math.inf:
+            raise UsageError(f"--momentum must be a finite number >= 0, got {self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise UsageError("--nesterov needs --momentum > 0")
+        if (self.momentum or self.nesterov) and self.name is not Optimizer.SGD:
+            raise UsageError(f"--momentum and --nesterov are settings of --optimizer sgd, not {self.name.value}")
         if not all(0 <= b < 1 for b in self.betas):
             raise UsageError(f"--betas must be two numbers in [0, 1), got {','.join(map(str, self.betas))}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -159,16 +164,22 @@ class CheckpointConfig:
         False, "Copy each save into reused host memory, then write it from a background thread (lower priority) while training goes on."
     )
     resume: str | None = setting(
-        None, "Resume from a run directory (its latest) or a step-* directory, at any world size and strategy.", metavar="DIR"
+        None,
+        "Continue the run in a run directory (its latest) or a step-* directory, at any world size: its saved settings are "
+        "the defaults, and a flag that changes one says so.",
+        metavar="DIR",
     )
     strict: bool = setting(True, "Missing optimizer state in --resume is an error (--no-strict: start it fresh).")
+    new_run: bool = setting(
+        False, "Start a new run in a --save-dir that holds another run's checkpoints (they move to DIR/earlier-<time>/)."
+    )
     init_from: str | None = setting(None, "Start from the weights of a full safetensors or a sharded checkpoint.", metavar="PATH")
 
     def __post_init__(self) -> None:
         _at_least(self.save_every, 0, "--save-every")
         _at_least(self.keep_last, 1, "--keep-last")
-        if (self.save_every or self.keep_last or self.async_save) and not self.save_dir:
-            raise UsageError("--save-every, --keep-last and --async-save need --save-dir")
+        if (self.save_every or self.keep_last or self.async_save or self.new_run) and not self.save_dir:
+            raise UsageError("--save-every, --keep-last, --async-save and --new-run need --save-dir")
         if self.resume and self.init_from:
             raise UsageError("--resume and --init-from exclude each other: resume continues a run, init-from starts one from weights")
 

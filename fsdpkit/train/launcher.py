@@ -15,26 +15,29 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import sys
 import tempfile
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .. import log
 from ..checkpoint.lock import RunLock
 from ..checkpoint.state import check_before_launch
-from ..errors import UsageError
+from ..errors import DataCheckError, UsageError
 from ..launch import launch
 from ..models.source import resolve
-from .attempts import RunContext
+from ..paths import check_writable_directory, check_writable_file
+from .attempts import RunContext, attempt_number
 from .config import Device, TrainConfig
 from .data import TokenSource
-from .loop import train_worker
+from .loop import build_optimizer, train_worker
 from .metrics import check_tensorboard_installed
 from .model_setup import initial_weights, inspect_model
+from .resume import saved_run
+from .save_dir import check_save_dir, set_aside
+from .summary import TrainSummary
 
 
 def under_torchrun() -> bool:
@@ -42,8 +45,9 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
-def validate(config: TrainConfig, world_size: int) -> None:
-    """Every check that needs no process group; the only place the world size is checked."""
+def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None) -> None:
+    """Every check that needs no process group; the only place the world size is checked.
+    `run_id`: the run's id where it is known before launch (under torchrun)."""
     config.check_world_size(world_size)
     source = resolve(config.model.name)
     info = inspect_model(config.model, source)
@@ -63,60 +67,67 @@ def validate(config: TrainConfig, world_size: int) -> None:
     checkpoint = config.checkpoint
     if checkpoint.save_dir:
         check_writable_directory(checkpoint.save_dir, "--save-dir")
+        check_save_dir(checkpoint.save_dir, resume=checkpoint.resume, new_run=checkpoint.new_run, run_id=run_id)
     if config.logging.metrics:
         check_writable_file(config.logging.metrics, "--metrics")
     if config.logging.tensorboard:
         check_tensorboard_installed()
         check_writable_directory(config.logging.tensorboard, "--tensorboard")
     if checkpoint.resume:
-        check_before_launch(
-            checkpoint.resume, model=info.meta_model, optimizer_type=config.optimizer.name.torch_class, strict=checkpoint.strict
-        )
+        optimizer = build_optimizer(info.meta_model, config.optimizer)
+        try:
+            check_before_launch(checkpoint.resume, model=info.meta_model, optimizer=optimizer, strict=checkpoint.strict)
+        except DataCheckError as error:
+            saved_model = saved_run(checkpoint.resume).model
+            if saved_model is None or saved_model == config.model.name:
+                raise
+            raise DataCheckError(f"{error} (saved from {saved_model}, not {config.model.name})") from None
     weights = initial_weights(checkpoint, source)
     if weights:
-        check_before_launch(weights, model=info.meta_model, optimizer_type=None, strict=False)
+        check_before_launch(weights, model=info.meta_model, optimizer=None, strict=False)
 
 
-def check_writable_directory(path: str, flag: str) -> None:
-    """`path` is a writable directory, or can be created as one (its nearest existing parent
-    is a writable directory)."""
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise UsageError(f"{flag} {path!r} exists and is not a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise UsageError(f"{flag} {path!r} is not writable")
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path!r} cannot be created: {parent!r} is not a writable directory")
-
-
-def check_writable_file(path: str, flag: str) -> None:
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path!r} is a directory, expected a file name")
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            raise UsageError(f"{flag} {path!r} is not writable")
-        return
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise UsageError(f"{flag} {path!r}: directory {directory!r} does not exist")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path!r}: directory {directory!r} is not writable")
-
-
-def run_training(config: TrainConfig) -> dict[str, Any] | None:
+def run_training(config: TrainConfig) -> TrainSummary | None:
     """Validate, then train: launch config.launch's workers, or, under torchrun, be one.
     Returns rank 0's summary (None on the other ranks and nodes)."""
     if under_torchrun():
-        validate(config, int(os.environ["WORLD_SIZE"]))
         rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        return run_in_process_group(config, RunContext(run_id=f"torchrun-{rdzv_id}" if rdzv_id not in ("", "none") else None))
+        run_id = f"torchrun-{rdzv_id}" if rdzv_id not in ("", "none") else None
+        validate(config, int(os.environ["WORLD_SIZE"]), run_id=run_id)
+        if os.environ.get("RANK") == "0" and attempt_number() == 0:
+            _set_aside_earlier_run(config)
+        return run_in_process_group(config, RunContext(run_id=run_id))
     validate(config, config.launch.world_size)
     with _run_lock(config) as run_id, _progress_file() as progress_path:
+        if config.launch.node_rank == 0:
+            _set_aside_earlier_run(config)
+        log.note(launch_line(config))
         return launch(_worker_entry, config, RunContext(run_id, progress_path), options=config.launch).get(0)
+
+
+def _set_aside_earlier_run(config: TrainConfig) -> None:
+    """--new-run: the earlier checkpoints of --save-dir move aside (save_dir.py)."""
+    if config.checkpoint.new_run and config.checkpoint.save_dir:
+        moved = set_aside(config.checkpoint.save_dir)
+        if moved is not None:
+            log.note(f"new run: the earlier checkpoints of {config.checkpoint.save_dir} are now in {moved}")
+
+
+def backend_and_device(device: Device) -> tuple[str, str]:
+    use_cuda = device is Device.CUDA or (device is Device.AUTO and torch.cuda.is_available())
+    return ("nccl", "cuda") if use_cuda else ("gloo", "cpu")
+
+
+def launch_line(config: TrainConfig) -> str:
+    """What starts: workers, backend, device, rendezvous."""
+    options = config.launch
+    backend, device = backend_and_device(config.device)
+    where = "this node" if options.nnodes == 1 else f"node {options.node_rank} of {options.nnodes}"
+    endpoint = options.endpoint or "a local port"
+    return (
+        f"launching {options.local_processes} workers on {where} (world size {options.world_size}), "
+        f"backend {backend}, device {device}, rendezvous {options.rdzv_backend} at {endpoint}"
+    )
 
 
 @contextlib.contextmanager
@@ -130,7 +141,7 @@ def _run_lock(config: TrainConfig) -> Iterator[str | None]:
     elif config.launch.nnodes > 1:
         yield f"rdzv-{config.launch.job_id}"
     else:
-        with RunLock.acquire(save_dir, warn=lambda message: print(f"warning: {message}", file=sys.stderr)) as lock:
+        with RunLock.acquire(save_dir, warn=log.warn) as lock:
             yield lock.run_id
 
 
@@ -145,15 +156,16 @@ def _progress_file() -> Iterator[str]:
 
 
 @record
-def _worker_entry(config: TrainConfig, context: RunContext) -> dict[str, Any] | None:
+def _worker_entry(config: TrainConfig, context: RunContext) -> TrainSummary | None:
+    log.setup(quiet=config.logging.quiet)
     return run_in_process_group(config, context)
 
 
-def run_in_process_group(config: TrainConfig, context: RunContext) -> dict[str, Any] | None:
+def run_in_process_group(config: TrainConfig, context: RunContext) -> TrainSummary | None:
     """Init the process group from the launcher's environment (elastic launcher or torchrun),
     train, tear down."""
-    use_cuda = config.device is Device.CUDA or (config.device is Device.AUTO and torch.cuda.is_available())
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=config.launch.timeout))
+    backend, _ = backend_and_device(config.device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.launch.timeout))
     try:
         return train_worker(config, context)
     finally:

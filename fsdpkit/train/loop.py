@@ -15,7 +15,6 @@ import os
 import resource
 import sys
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 
 import fsdpkit
 
-from .. import faults
+from .. import faults, log
 from ..checkpoint import storage
 from ..checkpoint.state import init_weights_from
 from ..comm import CollectiveError, Collectives
@@ -39,6 +38,7 @@ from .model_setup import build_for_training, initial_weights, inspect_model, wra
 from .progress import Progress, Throughput, progress_mode
 from .schedule import lr_at
 from .signals import StopSignals
+from .summary import TrainSummary
 
 
 def pick_device(device: Device) -> torch.device:
@@ -53,7 +53,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
     groups = fsdpkit.param_groups(model, weight_decay=config.weight_decay)
     if config.name is Optimizer.ADAMW:
         return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
-    return torch.optim.SGD(groups, lr=config.lr)
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -144,8 +144,6 @@ class Trainer:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's training state (the inverse of training_state)."""
-        if state.get("world_size") not in (None, self.world_size) and self.rank == 0:
-            warnings.warn(f"resuming a run saved at world size {state.get('world_size')} at world size {self.world_size}", stacklevel=2)
         self.step = int(state.get("step", 0))
         self.optimizer_steps = int(state.get("optimizer_steps", self.step))
         if self.scaler is not None and state.get("grad_scaler"):
@@ -229,7 +227,7 @@ class Trainer:
         return self._global_sums([sum(losses) / len(losses)], "eval loss")[0] / self.world_size
 
 
-def train_worker(config: TrainConfig, context: RunContext = RunContext()) -> dict[str, Any] | None:
+def train_worker(config: TrainConfig, context: RunContext = RunContext()) -> TrainSummary | None:
     """Run a whole training on this rank; rank 0 returns the summary, others None. A collective
     that fails raises RunError (CollectiveTimeout when it timed out) naming rank, collective, step."""
     trainer = None
@@ -249,13 +247,27 @@ def train_worker(config: TrainConfig, context: RunContext = RunContext()) -> dic
             ) from None
 
 
-def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str, Any] | None:
-    config = trainer.config
-    rank0 = trainer.rank == 0
-    attempt = attempt_number()
-    progress_log = (
-        ProgressLog(context.progress_path, attempt) if context.progress_path and int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
-    )
+@dataclasses.dataclass
+class _Outputs:
+    """Where rank 0's record of a run goes: the progress log the launcher reads across
+    restarts, the metrics file, and the progress bar or lines."""
+
+    progress_log: ProgressLog | None
+    metrics: MetricsLog | None
+    progress: Progress
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.metrics:
+            self.metrics.close()
+        if self.progress_log:
+            self.progress_log.close()
+
+
+def _open_outputs(trainer: Trainer, context: RunContext) -> _Outputs:
+    config, attempt, rank0 = trainer.config, attempt_number(), trainer.rank == 0
+    local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    progress_log = ProgressLog(context.progress_path, attempt) if context.progress_path and local0 else None
     history = progress_log.history if progress_log else None
     logging = config.logging
     metrics = None
@@ -269,7 +281,8 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str
         )
     if progress_log:
         progress_log.started(trainer.start_step, metrics_offset=metrics.offset if metrics else None)
-    throughput = Throughput(config.tokens_per_step)
+    if rank0 and trainer.step < config.steps:
+        log.note(f"training: step {trainer.step + 1} of {config.steps} starting")
     progress = Progress(
         progress_mode(quiet=logging.quiet, shown=rank0, stream=sys.stderr),
         total=config.steps,
@@ -277,59 +290,78 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str
         every_steps=logging.log_every,
         every_seconds=logging.log_seconds,
     )
+    return _Outputs(progress_log, metrics, progress)
+
+
+def _step_record(trainer: Trainer, loss: float, step_time: float) -> dict[str, Any]:
+    config = trainer.config
+    record: dict[str, Any] = {
+        "step": trainer.step,
+        "loss": loss,
+        "lr": trainer.optimizer.param_groups[0]["lr"],
+        "step_time_s": step_time,
+        "tokens_per_second": config.tokens_per_step / step_time,
+        "peak_memory_bytes": peak_memory_bytes(trainer.device),
+    }
+    if trainer.last_grad_norm is not None:
+        record["grad_norm"] = trainer.last_grad_norm
+    if trainer.scaler is not None:
+        record["loss_scale"] = trainer.scaler.scale_value
+    if config.data.eval_every and trainer.step % config.data.eval_every == 0:
+        record["eval_loss"] = trainer.evaluate()
+    return record
+
+
+def _run_steps(trainer: Trainer, stop: StopSignals, outputs: _Outputs, throughput: Throughput) -> tuple[list[float], list[dict]]:
+    """Train up to the step count (or a stop), saving as asked; returns (losses, eval losses)."""
+    config = trainer.config
     saving = config.checkpoint.save_every
-    losses, eval_losses = [], []
+    losses: list[float] = []
+    eval_losses: list[dict] = []
+    while trainer.step < config.steps and not trainer.stopping:
+        step_start = time.perf_counter()
+        loss = trainer.train_step(stop_requested=stop.requested)
+        step_time = time.perf_counter() - step_start
+        throughput.add(step_time)
+        losses.append(loss)
+        record = _step_record(trainer, loss, step_time)
+        if "eval_loss" in record:
+            eval_losses.append({"step": trainer.step, "loss": record["eval_loss"]})
+        if outputs.metrics:
+            outputs.metrics.write(record)
+        if outputs.progress_log:
+            offset = outputs.metrics.offset if outputs.metrics else None
+            outputs.progress_log.stepped(trainer.step, loss, eval_loss=record.get("eval_loss"), metrics_offset=offset)
+        outputs.progress.update(trainer.step, loss=loss, tokens_per_second=throughput.tokens_per_second)
+        faults.reached("step", trainer.step)
+        if trainer.checkpointer and saving and trainer.step % saving == 0:
+            trainer.save()
+    return losses, eval_losses
+
+
+def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSummary | None:
+    config = trainer.config
+    throughput = Throughput(config.tokens_per_step)
+    saving = config.checkpoint.save_every
     stall = 0.0  # seconds this rank's training thread spent in saves between steps
     started = time.perf_counter()
+    outputs = _open_outputs(trainer, context)
     try:
-        while trainer.step < config.steps and not trainer.stopping:
-            step_start = time.perf_counter()
-            loss = trainer.train_step(stop_requested=stop.requested)
-            step_time = time.perf_counter() - step_start
-            throughput.add(step_time)
-            losses.append(loss)
-            record: dict[str, Any] = {
-                "step": trainer.step,
-                "loss": loss,
-                "lr": trainer.optimizer.param_groups[0]["lr"],
-                "step_time_s": step_time,
-                "tokens_per_second": config.tokens_per_step / step_time,
-                "peak_memory_bytes": peak_memory_bytes(trainer.device),
-            }
-            if trainer.last_grad_norm is not None:
-                record["grad_norm"] = trainer.last_grad_norm
-            if trainer.scaler is not None:
-                record["loss_scale"] = trainer.scaler.scale_value
-            if config.data.eval_every and trainer.step % config.data.eval_every == 0:
-                record["eval_loss"] = trainer.evaluate()
-                eval_losses.append({"step": trainer.step, "loss": record["eval_loss"]})
-            if metrics:
-                metrics.write(record)
-            if progress_log:
-                progress_log.stepped(
-                    trainer.step, loss, eval_loss=record.get("eval_loss"), metrics_offset=metrics.offset if metrics else None
-                )
-            progress.update(trainer.step, loss=loss, tokens_per_second=throughput.tokens_per_second)
-            faults.reached("step", trainer.step)
-            if trainer.checkpointer and saving and trainer.step % saving == 0:
-                trainer.save()
+        losses, eval_losses = _run_steps(trainer, stop, outputs, throughput)
         if trainer.checkpointer:
             stall = trainer.checkpointer.stall_seconds  # the save after the last step, and waiting for it, hold up no step
             if not (saving and trainer.step % saving == 0 and losses):
                 trainer.save()
             trainer.checkpointer.wait()
     finally:
-        progress.close()
-        if metrics:
-            metrics.close()
-        if progress_log:
-            progress_log.close()
+        outputs.close()
     elapsed = time.perf_counter() - started
     peak_and_stall = torch.tensor([peak_memory_bytes(trainer.device), stall], dtype=torch.float64, device=trainer.device)
     trainer.comms.all_reduce(peak_and_stall, None, op=dist.ReduceOp.MAX, label="peak memory and save stall")
     peak, stall = peak_and_stall.tolist()
-    if not rank0:
+    if trainer.rank != 0:
         return None
+    history = outputs.progress_log.history if outputs.progress_log else None
     resumed_from = trainer.resumed_from_step
     if history is not None and history.first_step is not None and config.checkpoint.resume:
         resumed_from = history.first_step  # a restart resumed from its own checkpoint; the run from --resume
@@ -337,28 +369,28 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> dict[str
         earlier = history.steps_before(trainer.start_step)
         losses = [history.losses[s] for s in earlier if s in history.losses] + losses
         eval_losses = [{"step": s, "loss": history.eval_losses[s]} for s in earlier if s in history.eval_losses] + eval_losses
-    return {
-        "model": config.model.name,
-        "num_params": trainer.num_params,
-        "world_size": trainer.world_size,
-        "strategy": getattr(config.sharding.strategy, "value", config.sharding.strategy),
-        "mixed_precision": precision_names(config.sharding.mixed_precision)[0],
-        "device": trainer.device.type,
-        "steps": trainer.step,
-        "resumed_from_step": resumed_from,
-        "optimizer_steps": trainer.optimizer_steps,
-        "global_batch_size": config.data.global_batch_size,
-        "seq_len": config.data.seq_len,
-        "losses": losses,
-        "final_loss": losses[-1] if losses else None,
-        "eval_losses": eval_losses,
-        "tokens_per_second": throughput.tokens_per_second,
-        "elapsed_seconds": elapsed,
-        "peak_memory_bytes": int(peak),
-        "checkpoint": trainer.checkpointer.last_saved if trainer.checkpointer else None,
-        "save_stall_seconds": stall,
-        "save_timings": dataclasses.asdict(trainer.checkpointer.timings) if trainer.checkpointer else None,
-        "restarts": attempt,
-        "steps_redone": history.steps_redone(trainer.start_step) if history is not None else (0 if not attempt else None),
-        "preempted": trainer.stopping and trainer.step < config.steps,
-    }
+    attempt = attempt_number()
+    return TrainSummary(
+        model=config.model.name,
+        num_params=trainer.num_params,
+        world_size=trainer.world_size,
+        strategy=str(getattr(config.sharding.strategy, "value", config.sharding.strategy)),
+        mixed_precision=precision_names(config.sharding.mixed_precision)[0],
+        device=trainer.device.type,
+        steps=trainer.step,
+        resumed_from_step=resumed_from,
+        optimizer_steps=trainer.optimizer_steps,
+        global_batch_size=config.data.global_batch_size,
+        seq_len=config.data.seq_len,
+        losses=losses,
+        eval_losses=eval_losses,
+        tokens_per_second=throughput.tokens_per_second,
+        elapsed_seconds=elapsed,
+        peak_memory_bytes=int(peak),
+        checkpoint=trainer.checkpointer.last_saved if trainer.checkpointer else None,
+        save_stall_seconds=stall,
+        save_timings=dataclasses.asdict(trainer.checkpointer.timings) if trainer.checkpointer else None,
+        restarts=attempt,
+        steps_redone=history.steps_redone(trainer.start_step) if history is not None else (0 if not attempt else None),
+        preempted=trainer.stopping and trainer.step < config.steps,
+    )

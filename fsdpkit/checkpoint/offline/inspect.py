@@ -1,9 +1,10 @@
 """`fsdpkit inspect`: what a checkpoint holds, as a JSON-able dict (headers only, no data read).
 
 Sharded: format and version, world size, strategy, placement kind and units, step and samples
-(from the training state), tensor counts and bytes for the model and the optimizer,
-dtypes, the largest tensors, files with sizes, tied-weight aliases. Full checkpoints: files,
-tensors, bytes, dtypes, largest tensors. Invalid checkpoints raise `DataCheckError`.
+(from the training state), the training run's settings, tensor counts and bytes for the model
+and the optimizer, dtypes, the largest tensors, files with sizes, tied-weight aliases. Full
+checkpoints: files (the optimizer's too, when an export has them), tensors, bytes, dtypes,
+largest tensors. Invalid checkpoints raise `DataCheckError`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..format import FORMAT_NAME, MANIFEST_NAME, dtype_info, is_optimizer_tensor, numel
+from ..format import FORMAT_NAME, MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, dtype_info, is_optimizer_tensor, numel
 from ..reader import is_full_checkpoint, open_full, open_sharded
 
 LARGEST = 5
@@ -36,7 +37,8 @@ def _tensor_stats(items: list[tuple[str, str, tuple[int, ...]]]) -> dict:
 def summarize(path: str | Path) -> dict:
     path = Path(path)
     if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
-        full = open_full(path)
+        root = path if path.is_dir() else path.parent
+        full = open_full(path, with_optimizer=(root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists())
         summary: dict[str, Any] = {
             "path": str(path),
             "format": "safetensors-full",
@@ -59,6 +61,7 @@ def summarize(path: str | Path) -> dict:
         "units": len(manifest.placement.units),
         "step": state.get("step"),
         "samples": state.get("samples"),
+        "config": state.get("config"),  # the training run's settings (fsdpkit train), if it recorded them
         "fragments": sum(len(f) for f in files),
         "files": [{"name": f.path.name, "size": f.size} for f in files],
         "aliases": manifest.aliases,

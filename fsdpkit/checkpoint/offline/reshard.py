@@ -40,7 +40,8 @@ def reshard(
             warn(line)
     sources = checkpoint.sources()
     total = sum(s.nbytes for s in sources)
-    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=total + world_size * 65536) as tmp:
+    needed_for = f" for {world_size} rank files (--world-size {world_size})"
+    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=total + world_size * 65536, needed_for=needed_for) as tmp:
         written = write_sharded(
             tmp,
             sources=sources,

@@ -4,9 +4,9 @@ Sharded checkpoints: the manifest (schema, version, tensor table, placement, ali
 rank file (a regular file, present, of the size and with the header the manifest derives;
 v1: as listed, keys and dtypes agreeing), nothing else in the directory, and the crc32 of
 every fragment, recomputed file by file through one reused buffer (no torch; memory does not
-grow with the world size). Full checkpoints (model.safetensors / index):
-headers, sizes and the index; they carry no checksums. `verify_checkpoint` returns a JSON-able
-report; `ok` is true when `problems` is empty.
+grow with the world size). Full checkpoints (model.safetensors / index, and the optimizer's
+files of an export that has them): headers, sizes and the index; they carry no checksums.
+`verify_checkpoint` returns a JSON-able report; `ok` is true when `problems` is empty.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from ...errors import DataCheckError
 from ..bytecopy import DEFAULT_CHUNK_SIZE
-from ..format import MANIFEST_NAME
+from ..format import MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE
 from ..manifest import load_manifest
 from ..placement import FileLayout
 from ..reader import RankFile, ShardedCheckpoint, check_v2_size, is_full_checkpoint, open_full, open_regular, v2_crcs
@@ -149,10 +149,11 @@ def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Calla
 
 def _verify_full(path: Path) -> dict:
     report: dict[str, Any] = {"path": str(path), "kind": "full", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
+    root = path if path.is_dir() else path.parent
     try:
-        full = open_full(path)
+        full = open_full(path, with_optimizer=(root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists())
     except DataCheckError as error:
         report["problems"].append(str(error))
         return report
-    report.update(ok=True, tensors=len(full.tensors), bytes=sum(t.nbytes for t in full.tensors))
+    report.update(ok=True, tensors=len(full.tensors), files=len(full.files), bytes=sum(t.nbytes for t in full.tensors))
     return report

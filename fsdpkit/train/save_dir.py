@@ -1,0 +1,86 @@
+"""A save directory belongs to one run.
+
+A run that does not continue the checkpoints in its --save-dir (no --resume, or a --resume from
+elsewhere) is refused before launch when the directory already holds checkpoints of another
+run: the error names them and the run that wrote them, and offers `--resume DIR` (continue
+that run) or `--new-run` (start a new one there).
+
+With --new-run, the earlier checkpoints are set aside before the first save, all together, with
+the `latest` that names them: `DIR/earlier-YYYYMMDD-HHMMSS/` is then a run directory of its own
+(`--resume DIR/earlier-...` continues it). So `DIR/latest` only ever names a checkpoint of the
+run now saving there: never a lower step of another run, and no step directory is overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from ..checkpoint.format import LATEST_NAME
+from ..checkpoint.manifest import load_manifest
+from ..checkpoint.storage import complete_steps, fsync_dir
+from ..errors import DataCheckError, UsageError
+
+EARLIER_PREFIX = "earlier-"
+
+
+def _writer(step_dir: Path) -> tuple[str | None, str | None]:
+    """(run id, model name) of the run that wrote a checkpoint; (None, None) when unreadable."""
+    try:
+        manifest = load_manifest(step_dir)
+    except DataCheckError:
+        return None, None
+    config = (manifest.training_state or {}).get("config") or {}
+    return manifest.run_id, (config.get("model") or {}).get("name") if isinstance(config, dict) else None
+
+
+def continues(save_dir: str | Path, resume: str | Path | None) -> bool:
+    """Does a --resume from `resume` continue the checkpoints of `save_dir` (it is that run
+    directory, or one of its step directories)?"""
+    if not resume:
+        return False
+    save, source = os.path.realpath(save_dir), os.path.realpath(resume)
+    return source == save or os.path.dirname(source) == save
+
+
+def check_save_dir(save_dir: str | Path, *, resume: str | Path | None, new_run: bool, run_id: str | None = None) -> None:
+    """UsageError when `save_dir` holds checkpoints this run would mix with its own; a run's own
+    checkpoints (`run_id`, e.g. a worker that torchrun restarted) do not count."""
+    if new_run or continues(save_dir, resume):
+        return
+    found = [(path, *_writer(path)) for _, path in complete_steps(save_dir)]
+    others = [(path, writer, model) for path, writer, model in found if writer is None or writer != run_id]
+    if not others:
+        return
+    names = ", ".join(path.name for path, _, _ in others[-3:]) + (f" (and {len(others) - 3} earlier)" if len(others) > 3 else "")
+    runs = sorted({f"run {writer or 'unknown'}" + (f", model {model}" if model else "") for _, writer, model in others})
+    raise UsageError(
+        f"--save-dir {save_dir} already holds checkpoints {names} of another run ({'; '.join(runs)}): "
+        f"continue that run with --resume {save_dir}, or start a new run there with --new-run "
+        f"(its checkpoints are then moved to {Path(save_dir) / (EARLIER_PREFIX + 'YYYYMMDD-HHMMSS')})"
+    )
+
+
+def set_aside(save_dir: str | Path) -> Path | None:
+    """Move every complete checkpoint of `save_dir`, and its `latest`, into a new
+    `earlier-<UTC time>` run directory inside it; returns that directory (None: nothing to move).
+    `latest` goes first, so that `save_dir/latest` never names a directory that was moved."""
+    save_dir = Path(save_dir)
+    steps = complete_steps(save_dir)
+    if not steps:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    target = save_dir / f"{EARLIER_PREFIX}{stamp}"
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = save_dir / f"{EARLIER_PREFIX}{stamp}-{suffix}"
+    target.mkdir()
+    if (save_dir / LATEST_NAME).exists():
+        os.rename(save_dir / LATEST_NAME, target / LATEST_NAME)
+    for _, path in steps:
+        os.rename(path, target / path.name)
+    fsync_dir(target)
+    fsync_dir(save_dir)
+    return target

@@ -1,0 +1,134 @@
+"""`--resume DIR` continues the run it names, and a save directory belongs to one run, through
+the real CLI: a resume given nothing but --resume (and where to save) takes every setting from
+the checkpoint and continues bitwise; a flag that changes a saved setting says so in one
+warning line; a fresh run into a directory holding another run's checkpoints exits 2 before
+launch, and --new-run sets them aside so that `latest` never points back to them."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import pytest
+import torch
+from fsdpkit_cli.app import app
+from typer.testing import CliRunner
+
+from fsdpkit.checkpoint.state import CheckpointReader
+from fsdpkit.train import launcher
+
+runner = CliRunner()
+# Every carried setting away from its default, so that a resume that fell back to a default would differ.
+SETTINGS = [
+    "--seed", "5", "--seq-len", "32", "--global-batch-size", "4", "--grad-accum", "2",
+    "--lr", "0.01", "--weight-decay", "0.05", "--betas", "0.8,0.9", "--lr-schedule", "cosine",
+    "--warmup-steps", "2", "--max-grad-norm", "1.0", "--wrap-every", "2",
+]  # fmt: skip
+
+
+def train(*args: str) -> dict:
+    result = runner.invoke(app, ["train", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    with CheckpointReader(path) as reader:
+        return {name: reader.read_tensor(name) for name in reader.tensor_names()}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    summary = train(*SETTINGS, "--steps", "6", "--save-every", "3", "--save-dir", str(root / "run"))
+    return root, summary
+
+
+def test_a_resume_with_nothing_but_resume_continues_bitwise(run):
+    root, full = run
+    result = runner.invoke(app, ["train", "--resume", str(root / "run" / "step-00000003"), "--save-dir", str(root / "resumed"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert "warning" not in result.stderr, result.stderr
+    resumed = json.loads(result.stdout)
+    assert resumed["resumed_from_step"] == 3 and resumed["steps"] == 6  # the saved run's step count
+    assert resumed["seq_len"] == 32 and resumed["global_batch_size"] == 4
+    assert resumed["losses"] == full["losses"][3:]
+    reference, mine = weights(root / "run"), weights(root / "resumed")
+    assert reference.keys() == mine.keys() and all(torch.equal(reference[n], mine[n]) for n in reference)
+
+
+def _print_config(*args: str) -> tuple[dict, list[str]]:
+    result = runner.invoke(app, ["train", *args, "--print-config"])
+    assert result.exit_code == 0, result.output
+    return tomllib.loads(result.stdout), result.stderr.splitlines()
+
+
+def test_print_config_of_a_resume_shows_the_saved_settings_and_each_override_warns_once(run, tmp_path):
+    root, _ = run
+    saved, warnings = _print_config("--resume", str(root / "run"))
+    assert warnings == []
+    assert saved["seed"] == 5 and saved["steps"] == 6
+    assert saved["data"]["seq_len"] == 32 and saved["data"]["grad_accum"] == 2
+    assert saved["optimizer"]["lr"] == 0.01 and saved["optimizer"]["betas"] == [0.8, 0.9] and saved["optimizer"]["schedule"] == "cosine"
+    assert saved["model"]["wrap_every"] == 2
+    # Free to change, silently: world size, step count, save and log settings; a flag equal to the saved value says nothing.
+    free = ["--nproc-per-node", "1", "--steps", "9", "--save-dir", str(tmp_path / "new"), "--log-every", "1", "--lr", "0.01"]
+    _, warnings = _print_config("--resume", str(root / "run"), *free)
+    assert warnings == []
+    merged, warnings = _print_config("--resume", str(root / "run"), "--seq-len", "16", "--betas", "0.9,0.95", "--quiet")
+    assert merged["data"]["seq_len"] == 16 and merged["data"]["global_batch_size"] == 4
+    step_dir = root / "run" / "step-00000006"
+    assert warnings == [
+        f"warning: --seq-len 16 replaces 32 saved in {step_dir}",
+        f"warning: --betas 0.9,0.95 replaces 0.8,0.9 saved in {step_dir}",
+    ]
+
+
+def test_a_checkpoint_of_another_model_names_the_model_it_was_saved_from(run):
+    root, _ = run
+    result = runner.invoke(app, ["train", "--resume", str(root / "run"), "--model", "gpt-small"])
+    assert result.exit_code == 3
+    warning, error = result.stderr.splitlines()
+    assert warning.startswith("warning: --model gpt-small replaces gpt-tiny saved in ")
+    assert error.startswith("error: ") and error.endswith("(saved from gpt-tiny, not gpt-small)"), error
+
+
+def test_inspect_names_the_model_and_its_main_settings(run):
+    root, _ = run
+    result = runner.invoke(app, ["inspect", str(root / "run")])
+    assert result.exit_code == 0, result.output
+    assert (
+        "run         gpt-tiny: 32 tokens x 4 sequences (grad-accum 2), adamw lr 0.01 cosine, precision none, data synthetic, seed 5"
+        in result.stdout
+    )
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    launched = []
+    monkeypatch.setattr(launcher, "launch", lambda *args, **kwargs: launched.append(args) or {0: None})
+    return launched
+
+
+def test_a_fresh_run_into_a_used_save_dir_exits_2_before_launch(run, tmp_path, no_launch):
+    import shutil
+
+    root, _ = run
+    used = tmp_path / "used"
+    shutil.copytree(root / "run", used)
+    before = sorted(p.name for p in used.iterdir())
+    result = runner.invoke(app, ["train", "--steps", "2", "--save-dir", str(used)])
+    assert result.exit_code == 2 and no_launch == []
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: --save-dir {used} already holds checkpoints step-00000003, step-00000006 of another run (run ")
+    assert "model gpt-tiny" in line and f"--resume {used}" in line and "--new-run" in line
+    assert sorted(p.name for p in used.iterdir()) == before
+    # Continuing it is fine; so is a new run, which first sets the earlier checkpoints aside.
+    assert runner.invoke(app, ["train", "--resume", str(used), "--save-dir", str(used)]).exit_code == 0
+    result = runner.invoke(app, ["train", "--steps", "2", "--save-dir", str(used), "--new-run"])
+    assert result.exit_code == 0, result.output
+    (earlier,) = [p for p in used.iterdir() if p.name.startswith("earlier-")]
+    assert sorted(p.name for p in earlier.iterdir()) == ["latest", "step-00000003", "step-00000006"]
+    assert not (used / "latest").exists() and not list(used.glob("step-*"))
+    assert (earlier / "latest").read_text().strip() == "step-00000006"
+    assert len(no_launch) == 2
