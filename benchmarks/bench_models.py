@@ -22,7 +22,11 @@ import torch.nn as nn
 from fsdpkit.engine.plan import WrapPolicy, plan_units
 from fsdpkit.models.source import ModelSource, resolve
 
-LOCAL_MODELS = {"llama-small": "llama_style:llama_small"}  # benchmarks/ is on sys.path
+LOCAL_MODELS = {
+    "llama-small": "llama_style:llama_small",
+    "small-params": "small_params:small_params",
+    "small-units": "small_params:small_units",
+}  # benchmarks/ is on sys.path
 
 
 @dataclass(frozen=True)

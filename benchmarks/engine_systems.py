@@ -8,6 +8,7 @@ step_breakdown.py reads."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -22,9 +23,11 @@ from bench_models import resolve_model
 from torch.profiler import record_function
 
 import fsdpkit
+from fsdpkit.comm import CommStats
 from fsdpkit.train.data import TokenSource, local_rows
 
-SYSTEMS = ("fsdpkit", "fsdp2", "fsdp1", "ddp")
+SYSTEMS = ("fsdpkit", "fsdpkit-int8", "fsdp2", "fsdp1", "ddp")
+ENGINE_KINDS = {"fsdpkit": {}, "fsdpkit-int8": {"allgather_dtype": "int8"}}  # kind -> extra fsdpkit.shard options
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module.")
 LR, WEIGHT_DECAY, BETAS = 1e-3, 0.1, (0.9, 0.95)
 
@@ -48,11 +51,34 @@ class System:
     autocast: bool = False
     step: int = 0
     last_loss: float = float("nan")
+    sent_bytes: Callable[[], int] | None = None  # bytes this rank has sent so far (None: not counted)
+
+
+def _sent_by_engine(stats: Any, world: int) -> Callable[[], int]:
+    """Bytes a rank sends, from the engine's own counters (tensor bytes per collective): an
+    all-gather or reduce-scatter sends (W-1)/W of its tensor, a ring all-reduce 2(W-1)/W."""
+    share = {"all_gather": (world - 1) / world, "reduce_scatter": (world - 1) / world, "all_reduce": 2 * (world - 1) / world}
+    return lambda: int(sum(count * share.get(kind, 0.0) for kind, count in stats.bytes.items()))
+
+
+def _count_ddp_bytes(model: nn.Module, world: int) -> Callable[[], int]:
+    """DDP's gradient all-reduce, counted bucket by bucket in a comm hook (sent: 2(W-1)/W)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    counted = [0]
+
+    def hook(state, bucket):  # unannotated: DDP checks the annotations it finds
+        buffer = bucket.buffer()
+        counted[0] += buffer.numel() * buffer.element_size()
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, hook)  # type: ignore[operator]
+    return lambda: int(counted[0] * 2 * (world - 1) / world)
 
 
 def supported_engine_options(options: dict) -> tuple[dict, list[str]]:
     """The fsdpkit.shard keyword arguments this engine accepts, and the names it does not."""
-    accepted = inspect.signature(fsdpkit.shard).parameters
+    accepted = set(inspect.signature(fsdpkit.shard).parameters) | {f.name for f in dataclasses.fields(fsdpkit.ShardingConfig)}
     return {k: v for k, v in options.items() if k in accepted}, [k for k in options if k not in accepted]
 
 
@@ -72,10 +98,15 @@ def build_system(kind: str, settings: RunSettings, device: torch.device, *, labe
     decay = {name for name, param in model.named_parameters() if param.dim() >= 2}
     bf16 = settings.mixed_precision == "bf16"
     autocast = False
-    if kind == "fsdpkit":
-        options, _ = supported_engine_options(settings.engine_options)
-        model = fsdpkit.shard(model, wrap=source.wrap(model), mixed_precision=settings.mixed_precision, device=device, **options)
+    sent_bytes = None
+    if kind in ENGINE_KINDS:
+        options, _ = supported_engine_options({**settings.engine_options, **ENGINE_KINDS[kind]})
+        stats = CommStats()
+        model = fsdpkit.shard(
+            model, wrap=source.wrap(model), mixed_precision=settings.mixed_precision, device=device, comm_stats=stats, **options
+        )
         groups = fsdpkit.param_groups(model, weight_decay=WEIGHT_DECAY)
+        sent_bytes = _sent_by_engine(stats, dist.get_world_size())
     elif kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -99,11 +130,12 @@ def build_system(kind: str, settings: RunSettings, device: torch.device, *, labe
 
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
         groups = _name_groups(model, decay)
+        sent_bytes = _count_ddp_bytes(model, dist.get_world_size())
         autocast = bf16
     else:
         raise ValueError(f"unknown system {kind!r}: use one of {', '.join(SYSTEMS)}")
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
-    return System(label or kind, model, optimizer, source.logits, autocast=autocast)
+    return System(label or kind, model, optimizer, source.logits, autocast=autocast, sent_bytes=sent_bytes)
 
 
 def _unit_policy(model: nn.Module, units: list[str]):

@@ -56,6 +56,12 @@ def format_plan(plan) -> str:
         row("host total", plan.host_total, "host")
     row("total", plan.total, "device+host" if request.cpu_offload else "device")
     lines += [f"# {note}" for note in plan.notes]
+    comm = plan.comm_per_step
+    if comm is not None:
+        gather = "int8" if request.sharding.allgather_dtype == "int8" else "compute dtype"
+        lines.append(f"# collective bytes per training step (tensor bytes, as comm_stats counts them; all-gather in {gather})")
+        for kind, value in comm.as_dict().items():
+            row(kind.replace("_", "-"), value, "network")
     return "\n".join(lines)
 
 
@@ -66,7 +72,7 @@ model on the meta device only: seconds for any size. Activations are not include
 The model, data, sharding, precision, memory and overlap flags are train's own (same spellings,
 defaults and --config file)."""
 
-PANELS = ("Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Optimizer", "Time", "Output")
+PANELS = ("Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Communication", "Optimizer", "Time", "Output")
 BUILT_IN_NAMES = ("a100-40gb-ib100|200|400", "a100-80gb-ib100|200|400", "h100-ib400", "h200-ib400", "cpu-gloo")
 
 

@@ -17,6 +17,9 @@ traffic). Both ranks' transfers of one collective are matched in issue order (on
 kind), so they are asynchronous and ordered like every collective. NCCL keeps torch's
 collectives. `fsdpkit bench reducescatter --variant both` compares.
 
+`all_gather_encoded` wraps the all-gather in a codec (the engine's int8 weight gather):
+encode this rank's chunk into a byte row, gather the rows, decode them into the output.
+
 A collective that fails (gloo: it timed out after the process group's timeout, or a peer
 closed its connection) raises `CollectiveError` naming the collective and its label, whether
 it failed when issued or when its work handle is waited on. `new_group` makes groups with
@@ -29,7 +32,7 @@ import datetime
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -60,6 +63,38 @@ class CommStats:
         self.bytes.clear()
         if self.events is not None:
             self.events.clear()
+
+
+class RowCodec(Protocol):
+    """Turns one rank's chunk into a fixed-size byte row and every rank's rows back into the
+    full tensor (fsdpkit.engine.quant.Int8BlockCodec)."""
+
+    @property
+    def row_bytes(self) -> int: ...
+
+    def encode(self, chunk: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, rows: torch.Tensor, out: torch.Tensor) -> None: ...
+
+
+class _ThenWork:
+    """A work handle that runs `finish` once, after the collective it wraps completed."""
+
+    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
+        self.work = work
+        self.finish: Callable[[], None] | None = finish
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.finish is None
 
 
 class CollectiveError(RuntimeError):
@@ -135,6 +170,26 @@ class Collectives:
             ),
             async_op,
         )
+
+    def all_gather_encoded(
+        self, output: torch.Tensor, shard: torch.Tensor, group: Any, codec: RowCodec, *, async_op: bool = False, label: str = ""
+    ):
+        """all_gather through `codec`: this rank's shard is encoded into a byte row, the rows
+        are gathered (counted as the all-gather's bytes) and decoded into `output`; when
+        asynchronous, the decoding runs in the handle's wait()."""
+        rows = torch.empty(output.numel() // shard.numel() * codec.row_bytes, dtype=torch.uint8, device=shard.device)
+        work = self.all_gather(rows, codec.encode(shard), group, async_op=async_op, label=label)
+
+        def decode() -> None:
+            if rows.is_cuda:  # gathered on a prefetch stream, decoded on the current one
+                rows.record_stream(torch.cuda.current_stream(rows.device))
+            codec.decode(rows, output)
+
+        handle = _ThenWork(work, decode)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, group: Any, *, async_op: bool = False, label: str = ""):
         """Sum `full` over the group and leave chunk `rank` of the sum in `output`.

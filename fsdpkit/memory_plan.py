@@ -20,11 +20,13 @@ padding sits at the end, so it holds the most real elements.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .comm_plan import StepBytes, UnitComm, step_bytes
 from .engine.config import ShardingConfig
 from .engine.plan import UnitPlan
 from .engine.step_policy import StepPolicy
@@ -104,6 +106,7 @@ class MemoryPlan:
     largest_unit: UnitFootprint
     peak: Peak
     notes: tuple[str, ...] = field(default_factory=tuple)
+    comm_per_step: StepBytes | None = None  # collective bytes of one step (comm_plan.py)
 
     @property
     def persistent(self) -> int:
@@ -152,6 +155,10 @@ class MemoryPlan:
             "largest_unit": self.largest_unit.name,
             "in_flight_at_peak": {"params": list(self.peak.params), "grads": list(self.peak.grads), "phase": self.peak.phase},
             "notes": list(self.notes),
+            "allgather_dtype": request.sharding.allgather_dtype.value,
+            "quant_block": request.sharding.quant_block,
+            "bucket_bytes": request.sharding.bucket_bytes,
+            "comm_bytes_per_step": self.comm_per_step.as_dict() if self.comm_per_step is not None else None,
         }
 
 
@@ -225,7 +232,7 @@ def plan_from_sizes(units: list[UnitSizes], request: PlanRequest, *, num_params:
 
 def plan_memory(request: PlanRequest, *, shard_rank: int = 0) -> MemoryPlan:
     """Build `request.model` on the meta device and plan its per-rank memory."""
-    from .engine.plan import plan_units
+    from .engine.plan import bucket_units, plan_units
     from .models.source import resolve
     from .train.model_setup import wrap_policy
 
@@ -238,9 +245,12 @@ def plan_memory(request: PlanRequest, *, shard_rank: int = 0) -> MemoryPlan:
     if len(dtypes) != 1:
         raise UsageError(f"model {request.model!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
     master_bytes = torch.empty(0, dtype=dtypes.pop()).element_size()
-    plans = plan_units(model, wrap_policy(request.config.model, source, model))
+    plans = bucket_units(model, plan_units(model, wrap_policy(request.config.model, source, model)), request.sharding.bucket_bytes)
     sizes = unit_sizes(plans, factor, shard_rank=shard_rank, master_bytes=master_bytes)
-    return plan_from_sizes(sizes, request, num_params=sum(p.numel() for p in model.parameters()))
+    plan = plan_from_sizes(sizes, request, num_params=sum(p.numel() for p in model.parameters()))
+    comm = [UnitComm(s.name, s.padded_numel, s.chunk_numel, s.trainable, len(p.params)) for s, p in zip(sizes, plans, strict=True)]
+    master_dtype = next(iter({param.dtype for param in model.parameters()}))
+    return dataclasses.replace(plan, comm_per_step=step_bytes(comm, request.sharding, request.world_size, master_dtype=master_dtype))
 
 
 def _itemsize(dtype: torch.dtype | None, default: int) -> int:

@@ -76,7 +76,7 @@ class StepPrediction:
 
 
 def model_costs(request: PlanRequest) -> ModelCosts:
-    from .engine.plan import plan_units
+    from .engine.plan import bucket_units, plan_units
     from .flops import unit_work
     from .models.source import resolve
     from .train.model_setup import wrap_policy
@@ -86,7 +86,7 @@ def model_costs(request: PlanRequest) -> ModelCosts:
     dtypes = {param.dtype for param in model.parameters()}
     if len(dtypes) != 1:
         raise UsageError(f"model {request.model!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
-    plans = tuple(plan_units(model, wrap_policy(request.config.model, source, model)))
+    plans = tuple(bucket_units(model, plan_units(model, wrap_policy(request.config.model, source, model)), request.sharding.bucket_bytes))
     work = unit_work(source, plans, 1, request.config.data.seq_len)
     return ModelCosts(plans, _itemsize(dtypes.pop()), sum(p.numel() for p in model.parameters()), tuple(work))
 
@@ -121,6 +121,7 @@ def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_
                 chunk_numel=size.chunk_numel,
                 compute_bytes=compute_bytes,
                 reduce_bytes=reduce_bytes,
+                gather_block=sharding.gather_block,
                 shard_factor=factor,
                 replicas=world // factor,
                 trainable=size.trainable,

@@ -20,7 +20,7 @@ from .deferred_init import has_meta_tensors, initialize_meta_parameters, materia
 from .flat_unit import SHAPE_ATTR
 from .memory import optimizer_state_bytes
 from .mesh import build_mesh
-from .plan import WrapPolicy, plan_units
+from .plan import WrapPolicy, bucket_units, plan_units
 from .precision import FP32_MODULE_CLASSES, keep_in_fp32
 from .sharded import STATE_ATTR, RootRuntime, get_state
 
@@ -78,7 +78,7 @@ def shard(
             if buffer is not None:
                 kept = f"{owner_name}.{name}" if owner_name else name
                 buffer_owner._buffers[name] = _place_buffer(buffer, kept in keep_dtype, buffer_owner, device, config.mixed_precision)
-    plans = plan_units(module, _as_policy(wrap))
+    plans = bucket_units(module, plan_units(module, _as_policy(wrap)), config.bucket_bytes)
     meta_names = meta_parameter_names(module) if deferred else set()
     state = RootRuntime(module, plans, mesh, config, Collectives(comm_stats), device, record_events=record_events)
     if meta_names:

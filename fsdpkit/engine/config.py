@@ -29,7 +29,15 @@ class BackwardPrefetch(enum.StrEnum):
     NONE = "none"
 
 
+class GatherDtype(enum.StrEnum):
+    """What the weight all-gather moves."""
+
+    COMPUTE = "compute"  # the unit's compute dtype (param_dtype, or the master dtype)
+    INT8 = "int8"  # int8 values in blocks of quant_block elements, one fp32 scale per block
+
+
 STRATEGIES = tuple(Strategy)
+GATHER_DTYPES = tuple(GatherDtype)
 BACKWARD_PREFETCH = tuple(BackwardPrefetch)
 
 E = TypeVar("E", bound=enum.StrEnum)
@@ -92,6 +100,9 @@ class ShardingConfig:
 
     strategy: full (FULL_SHARD), grad-op (SHARD_GRAD_OP), hybrid (HYBRID_SHARD), none (NO_SHARD);
     a Strategy or its string. shard_group_size: ranks a parameter is sharded over with `hybrid`.
+    allgather_dtype: what the weight all-gather moves, the compute dtype or int8 in blocks of
+    quant_block elements (engine/quant.py). bucket_bytes: consecutive units smaller than this
+    are merged into one unit (engine/plan.py bucket_units); 0 merges none.
     """
 
     strategy: Strategy = Strategy.FULL
@@ -102,6 +113,9 @@ class ShardingConfig:
     limit_all_gathers: int = 2
     cpu_offload: bool = False
     activation_checkpointing: bool = False
+    allgather_dtype: GatherDtype = GatherDtype.COMPUTE
+    quant_block: int = 256
+    bucket_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backward_prefetch", parse_enum(BackwardPrefetch, self.backward_prefetch, "backward prefetch"))
@@ -114,6 +128,13 @@ class ShardingConfig:
             raise UsageError(f"--shard-group-size {self.shard_group_size} only applies to strategy 'hybrid', not '{self.strategy}'")
         if self.shard_group_size is not None and self.shard_group_size < 1:
             raise UsageError(f"shard group size must be >= 1, got {self.shard_group_size}")
+        object.__setattr__(self, "allgather_dtype", parse_enum(GatherDtype, self.allgather_dtype, "all-gather dtype"))
+        if self.quant_block < 1:
+            raise UsageError(f"quantization block must be >= 1 element, got {self.quant_block}")
+        if self.bucket_bytes < 0:
+            raise UsageError(f"bucket bytes must be >= 0 (0: no bucketing), got {self.bucket_bytes}")
+        if self.allgather_dtype is GatherDtype.INT8 and self.strategy == Strategy.NONE:
+            raise UsageError("--allgather-dtype int8 needs a sharded strategy (full, grad-op or hybrid); 'none' gathers no weights")
 
     def validate_world_size(self, world_size: int) -> None:
         if world_size < 1:
@@ -127,6 +148,11 @@ class ShardingConfig:
         if self.strategy is Strategy.HYBRID and self.shard_group_size is not None:
             return self.shard_group_size
         return 1 if self.strategy is Strategy.NONE else world_size
+
+    @property
+    def gather_block(self) -> int | None:
+        """Elements per quantization block of the weight all-gather; None: no quantization."""
+        return self.quant_block if self.allgather_dtype is GatherDtype.INT8 else None
 
     @property
     def reshard_after_forward(self) -> bool:

@@ -32,6 +32,7 @@ from .config import MixedPrecision
 from .memory import MemoryCounter, tensor_bytes
 from .mesh import ShardMesh
 from .plan import UnitPlan
+from .quant import Int8BlockCodec
 
 SHAPE_ATTR = "_fsdpkit_shape"
 
@@ -74,6 +75,7 @@ class FlatUnit:
         device: torch.device,
         offload: bool = False,
         gather_stream: torch.cuda.Stream | None = None,
+        gather_block: int | None = None,
     ) -> None:
         self.name = plan.name
         self.plan = plan
@@ -100,6 +102,9 @@ class FlatUnit:
         self.offload = offload
         self.host = torch.device("cpu") if offload else device
         self.gather_stream = gather_stream
+        # int8 all-gather: every rank's chunk is quantized in blocks, even unsent at F = 1,
+        # so a unit computes with the same weights whatever the world size.
+        self.codec = Int8BlockCodec(self.chunk_numel, gather_block) if gather_block is not None else None
 
         # Parameters still on the meta device are filled later (deferred_init) through
         # fill_parameter(); until then their pages are not touched, so deferred init holds
@@ -120,7 +125,7 @@ class FlatUnit:
         self.grad_shard: torch.Tensor | None = None
         memory.add("sharded_params", tensor_bytes(self.flat_shard))
 
-        self.aliases_shard = mesh.shard_factor == 1 and self.compute_dtype == self.master_dtype and not offload
+        self.aliases_shard = mesh.shard_factor == 1 and self.compute_dtype == self.master_dtype and not offload and self.codec is None
         if self.aliases_shard:
             self.full_flat = self.flat_shard.detach()
         else:
@@ -187,16 +192,27 @@ class FlatUnit:
                 side_stream.wait_stream(compute_stream)  # the optimizer may have just updated the shard
             source = self.flat_shard.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
             # `.data`: fills the buffer without bumping the version counter autograd checks on saved views.
-            if self.mesh.shard_factor > 1:
-                work = self.comms.all_gather(full.data, source, self.mesh.shard_group, async_op=async_op, label=self.name)
-                if async_op:
-                    self._gather_work = work
-                    self.state = UnitState.GATHERING
-                    return work
-            else:
-                full.data.copy_(source)
+            work = self._gather(full.data, source, async_op=async_op)
+            if work is not None:
+                self._gather_work = work
+                self.state = UnitState.GATHERING
+                return work
         self.state = UnitState.GATHERED
         return None
+
+    def _gather(self, full: torch.Tensor, source: torch.Tensor, *, async_op: bool) -> Any:
+        """All-gather `source` (this rank's chunk, compute dtype) into `full`, through the
+        int8 codec when there is one; the work handle when asynchronous."""
+        group = self.mesh.shard_group
+        if self.mesh.shard_factor == 1:
+            if self.codec is not None:
+                self.codec.decode(self.codec.encode(source), full)
+            else:
+                full.copy_(source)
+            return None
+        if self.codec is not None:
+            return self.comms.all_gather_encoded(full, source, group, self.codec, async_op=async_op, label=self.name)
+        return self.comms.all_gather(full, source, group, async_op=async_op, label=self.name)
 
     def wait_unshard(self) -> None:
         if self.state is UnitState.GATHERING:

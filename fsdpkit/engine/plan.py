@@ -140,3 +140,41 @@ def plan_units(root: nn.Module, policy: WrapPolicy) -> list[UnitPlan]:
         )
         params_of[owner].append(ParamPlan(name, tuple(param.shape), tuple(param_uses), param.requires_grad))
     return [UnitPlan(members, tuple(params_of[members])) for members in members_of if params_of[members]]
+
+
+def _nested(a: str, b: str) -> bool:
+    return _within(a, b) or _within(b, a)
+
+
+def bucket_units(root: nn.Module, plans: list[UnitPlan], bucket_bytes: int) -> list[UnitPlan]:
+    """Consecutive non-root units each smaller than `bucket_bytes` (their parameters' bytes)
+    merged into one unit, so they gather and reduce in one collective each, until the
+    merged unit reaches `bucket_bytes`. Units nested in one another, or of other dtypes, are
+    never merged (a unit reshards after its last member's forward). 0: no bucketing."""
+    if bucket_bytes <= 0:
+        return plans
+
+    def size_and_dtype(plan: UnitPlan) -> tuple[int, object]:
+        params = [root.get_parameter(p.name) for p in plan.params]
+        return sum(p.numel() * p.element_size() for p in params), params[0].dtype
+
+    merged: list[UnitPlan] = []
+    open_bytes, open_dtype = 0, None  # of merged[-1] while it can take more units
+    for plan in plans:
+        size, dtype = size_and_dtype(plan)
+        small = plan.members != ("",) and size < bucket_bytes
+        last = merged[-1] if merged else None
+        joins = (
+            small
+            and last is not None
+            and open_dtype == dtype
+            and open_bytes + size <= bucket_bytes
+            and not any(_nested(a, b) for a in last.members for b in plan.members)
+        )
+        if joins and last is not None:
+            merged[-1] = UnitPlan(last.members + plan.members, last.params + plan.params)
+            open_bytes += size
+        else:
+            merged.append(plan)
+            open_bytes, open_dtype = (size, dtype) if small else (0, None)
+    return merged

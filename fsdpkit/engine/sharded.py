@@ -112,6 +112,7 @@ class RootRuntime:
                 device=device,
                 offload=config.cpu_offload,
                 gather_stream=gather_stream,
+                gather_block=config.gather_block,
             )
             for plan in plans
         ]

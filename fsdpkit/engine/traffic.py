@@ -3,7 +3,8 @@ them (fsdpkit.comm: the whole gathered or reduced tensor, elements x element siz
 arithmetic on the unit's layout; the step-time model adds them up, and a test checks them
 against the engine's own counters.
 
-    all-gather      the full padded parameter in the compute dtype, per gather (F > 1)
+    all-gather      the full padded parameter in the compute dtype, or its int8 rows with
+                    their scales (quant.all_gather_bytes), per gather (F > 1)
     reduce-scatter  the full padded gradient in the reduce dtype (F > 1)
     all-reduce      F = 1 with replicas: the full padded gradient in the reduce dtype;
                     hybrid: the reduced chunk, across replicas, when its reduction completes
@@ -13,6 +14,8 @@ against the engine's own counters.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .quant import all_gather_bytes
 
 FLAG_BYTES = 4  # the used-parameter flags are int32
 
@@ -33,9 +36,18 @@ class UnitTraffic:
 
 
 def unit_traffic(
-    *, padded_numel: int, chunk_numel: int, compute_bytes: int, reduce_bytes: int, shard_factor: int, replicas: int, trainable: bool
+    *,
+    padded_numel: int,
+    chunk_numel: int,
+    compute_bytes: int,
+    reduce_bytes: int,
+    gather_block: int | None,
+    shard_factor: int,
+    replicas: int,
+    trainable: bool,
 ) -> UnitTraffic:
-    gather = Collective("all_gather", padded_numel * compute_bytes, shard_factor, False) if shard_factor > 1 else None
+    gathered = all_gather_bytes(chunk_numel, shard_factor, element_bytes=compute_bytes, block=gather_block)
+    gather = Collective("all_gather", gathered, shard_factor, False) if shard_factor > 1 else None
     reduce = replica_reduce = None
     if trainable and shard_factor > 1:
         reduce = Collective("reduce_scatter", padded_numel * reduce_bytes, shard_factor, False)

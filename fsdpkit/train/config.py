@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..dtypes import SHORT_NAMES, of_torch
-from ..engine.config import BACKWARD_PREFETCH, STRATEGIES, MixedPrecision, ShardingConfig
+from ..engine.config import BACKWARD_PREFETCH, GATHER_DTYPES, STRATEGIES, MixedPrecision, ShardingConfig
 from ..errors import UsageError
 from ..launch import LaunchOptions
 from ..models.registry import DEFAULT_MODEL, MODEL_HELP
@@ -280,6 +280,21 @@ SHARDING_SETTINGS = (
     ),
     _engine_setting("forward_prefetch", bool, "Issue the next unit's all-gather before the current unit's forward.", "Overlap"),
     _engine_setting("limit_all_gathers", int, "Most all-gathers in flight (0: no limit).", "Overlap"),
+    _engine_setting(
+        "allgather_dtype",
+        str,
+        "What the weight all-gather moves: the compute dtype, or int8 in blocks of --quant-block "
+        "elements with one fp32 scale each (the unit computes with the dequantized weights).",
+        "Communication",
+        choices=tuple(str(d) for d in GATHER_DTYPES),
+    ),
+    _engine_setting("quant_block", int, "Elements per quantization block with --allgather-dtype int8.", "Communication"),
+    _engine_setting(
+        "bucket_bytes",
+        int,
+        "Consecutive units smaller than this many bytes (master dtype) are gathered and reduced together, as one unit (0: never).",
+        "Communication",
+    ),
 )
 
 
