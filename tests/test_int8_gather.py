@@ -24,6 +24,7 @@ from fsdpkit.errors import UsageError
 from fsdpkit.layout import padded_size
 from fsdpkit.memory_plan import PlanRequest, plan_memory
 from fsdpkit.models.gpt import GPT, MLP, Block, GPTConfig
+from fsdpkit.train.config import TrainConfig
 
 CONFIG = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=18)
 STEPS = 3
@@ -218,8 +219,8 @@ def test_bucketing_merges_consecutive_small_units_but_never_the_root_or_nested_o
 
 
 def test_plan_counts_int8_and_bucketed_bytes():
-    def planned(**options):
-        return plan_memory(PlanRequest(model="gpt-tiny", world_size=2, **options))
+    def planned(**sharding):
+        return plan_memory(PlanRequest(TrainConfig.from_values({"model": {"name": "gpt-tiny"}, "sharding": sharding}), 2))
 
     plain, int8 = planned(), planned(allgather_dtype="int8")
     assert plain.comm_per_step is not None and int8.comm_per_step is not None
