@@ -133,8 +133,16 @@ def main() -> None:
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    result = summarize(args, modes, rounds)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print_table(args, result)
 
-    result = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "work_dir")}, "modes": {}}
+
+def summarize(args: argparse.Namespace, modes: list[str], rounds: list[dict[str, dict]]) -> dict:
+    """Per mode: tokens/s, ratio to its system's run without saving and stall per save (median, range over rounds)."""
+    result: dict = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "work_dir")}, "modes": {}}
     counted_saves = (args.steps - 1) // args.save_every  # the save after the last step is not counted
     for mode in modes:
         rates = [tokens_per_second(summaries[mode]) for summaries in rounds]
@@ -158,9 +166,12 @@ def main() -> None:
                 part: statistics.median(shares(s[mode]["save_timings"])[part] for s in rounds) for part in (*PARTS, "other")
             }
         result["modes"][mode] = entry
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
+    result["counted_saves"] = counted_saves
+    return result
+
+
+def print_table(args: argparse.Namespace, result: dict) -> None:
+    counted_saves = result["counted_saves"]
     print(
         f"# {args.model}, {args.nproc_per_node} ranks, {args.steps} steps of {args.batch} x {args.seq_len} tokens, "
         f"saving every {args.save_every}; {args.repeat} rounds (median, range)"
