@@ -21,7 +21,7 @@ from .common import FsdpkitCommand, handle_errors, print_json
 from .settings_options import given_values, setting_parameters, with_parameters
 
 ALL_SECTIONS = (TOP, *SECTIONS)
-PANELS = ("Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Optimizer", "Checkpoints", "Launch", "Output")
+PANELS = ("Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Communication", "Optimizer", "Checkpoints", "Launch", "Output")
 
 HELP = """Train a model with fsdpkit's sharded engine across several processes.
 

@@ -48,7 +48,7 @@ RUN_FLAGS = [
     "--log-every",
     "2",
 ]
-PANELS = ["Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Optimizer", "Checkpoints", "Launch", "Output"]
+PANELS = ["Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Communication", "Optimizer", "Checkpoints", "Launch", "Output"]
 
 
 def invoke(*args: str):

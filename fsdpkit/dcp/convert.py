@@ -11,16 +11,12 @@ fsdpkit checkpoints; with `with_optimizer`, `optimizer*.safetensors` under fsdpk
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
-from ..checkpoint.export import LAYOUT_METADATA_KEY, ExportLayout, HfExport
-from ..checkpoint.format import MODEL_INDEX, OPTIM_INDEX, nbytes, output_dtype
-from ..checkpoint.offline.convert import Progress, _progress_callback, _write_full_file, _write_hf_files, index_document, split_into_files
-from ..checkpoint.storage import staged_output
-from ..dtypes import dtype_info
+from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
+from ..checkpoint.export import HfExport
+from ..checkpoint.offline.convert import FullOutput, Progress, write_full
 from ..errors import DataCheckError
 from .layout import DcpLayout, detect_layout, require_model
 from .table import DcpCheckpoint, open_dcp
@@ -31,23 +27,6 @@ def layout_sources(checkpoint: DcpCheckpoint, layout: DcpLayout) -> tuple[list[S
     model = [checkpoint.source(key, name) for name, key in layout.model.items()]
     optim = [checkpoint.source(key, name) for name, key in layout.optimizer.items()]
     return model, optim
-
-
-def _plan_files(
-    outputs: list[tuple[str, list[SourceTensor]]], export_layout: ExportLayout, *, cast_to: str | None, max_shard_size: int | None
-):
-    """Output name -> (source, transposed), and the files of each output (model, optimizer)."""
-    by_name: dict[str, tuple[SourceTensor, bool]] = {}
-    file_groups = []
-    for prefix, tensors in outputs:
-        entries = []
-        for t in tensors:
-            flip = prefix == "model" and export_layout.is_transposed(t.name, t.shape)
-            name = export_layout.exported_name(t.name) if prefix == "model" else t.name
-            by_name[name] = (t, flip)
-            entries.append((name, output_dtype(t.dtype, cast_to), tuple(reversed(t.shape)) if flip else t.shape))
-        file_groups.append((prefix, split_into_files(entries, prefix=prefix, max_shard_size=max_shard_size)))
-    return by_name, file_groups
 
 
 def dcp_to_full(
@@ -70,42 +49,13 @@ def dcp_to_full(
         model, optim = layout_sources(checkpoint, layout)
         if with_optimizer and not optim:
             raise DataCheckError(f"{src}: --with-optimizer given but no optimizer state was found (name it with --dcp-optimizer-key)")
-        export_layout = export.layout if export is not None else ExportLayout()
-        outputs = [("model", model)] + ([("optimizer", optim)] if with_optimizer else [])
-        by_name, file_groups = _plan_files(outputs, export_layout, cast_to=cast_to, max_shard_size=max_shard_size)
-        total = sum(t.nbytes for _, tensors in outputs for t in tensors)
-        out_total = sum(nbytes(shape, dtype) for _, files in file_groups for _, group in files for _, dtype, shape in group)
-        metadata = {"format": "pt"}
-        model_metadata = dict(metadata)
-        if not export_layout.is_identity:
-            model_metadata[LAYOUT_METADATA_KEY] = json.dumps(export_layout.to_json(), sort_keys=True)
-        written: list[str] = []
-        warnings: list[str] = []
-        with staged_output(Path(dst), src=Path(src), overwrite=overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
-            copier = ByteEngine(chunk_size=chunk_size, progress=_progress_callback(progress, total))
-            try:
-                for prefix, files in file_groups:
-                    for file_name, group in files:
-                        _write_full_file(tmp / file_name, group, by_name, copier, model_metadata if prefix == "model" else metadata)
-                        written.append(file_name)
-                    if len(files) > 1:
-                        index_name = MODEL_INDEX if prefix == "model" else OPTIM_INDEX
-                        (tmp / index_name).write_text(json.dumps(index_document(files), indent=2) + "\n")
-                        written.append(index_name)
-            finally:
-                copier.close()
-            if export is not None:
-                floats = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
-                written += _write_hf_files(tmp, export, floats[0] if floats else None, warnings)
+        options = FullOutput(max_shard_size=max_shard_size, cast_to=cast_to, chunk_size=chunk_size, overwrite=overwrite, progress=progress)
+        report = write_full(model, optim if with_optimizer else [], Path(dst), src=Path(src), export=export, aliases={}, options=options)
     return {
         "src": str(src),
         "dst": str(dst),
         "from": "dcp",
         "to": "full",
         "model_key": layout.model_key,
-        "files": written,
-        "tensors": len(by_name),
-        "bytes": out_total,
-        "dtype": cast_to,
-        "warnings": warnings,
+        **report,
     }

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...dtypes import dtype_info
@@ -77,49 +78,81 @@ def convert_to_full(
 ) -> dict:
     checkpoint = open_sharded(src)
     export = export_of(checkpoint.manifest.training_state, where=str(checkpoint.step_dir))
-    layout = export.layout if export is not None else ExportLayout()
     sources = checkpoint.sources()
     model = [t for t in sources if not is_optimizer_tensor(t.name)]
     optim = [t for t in sources if is_optimizer_tensor(t.name)]
     if with_optimizer and not optim:
         raise DataCheckError(f"{checkpoint.step_dir}: --with-optimizer given but the checkpoint has no optimizer state")
-    outputs = [("model", model)] + ([("optimizer", optim)] if with_optimizer else [])
-    by_name, file_groups = _full_files(outputs, layout, cast_to=cast_to, max_shard_size=max_shard_size)
+    options = FullOutput(max_shard_size=max_shard_size, cast_to=cast_to, chunk_size=chunk_size, overwrite=overwrite, progress=progress)
+    report = write_full(
+        model,
+        optim if with_optimizer else [],
+        Path(dst),
+        src=Path(src),
+        export=export,
+        aliases=checkpoint.manifest.aliases,
+        options=options,
+    )
+    return {"src": str(checkpoint.step_dir), "dst": str(dst), "to": "full", **report}
+
+
+@dataclass(frozen=True)
+class FullOutput:
+    """How a full (Hugging Face style) checkpoint is written."""
+
+    max_shard_size: int | None = None
+    cast_to: str | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    overwrite: bool = False
+    progress: Progress | None = None
+
+
+def write_full(
+    model: list[SourceTensor],
+    optim: list[SourceTensor],
+    dst: Path,
+    *,
+    src: Path,
+    export: HfExport | None,
+    aliases: dict[str, str],
+    options: FullOutput,
+) -> dict:
+    """Write `model` (and `optim`, when not empty) as full safetensors at `dst`, streamed through
+    the byte engine, under a temporary name renamed when complete: the one writer of full
+    checkpoints, whatever format the sources come from. Returns the files, tensors, bytes, dtype
+    and warnings."""
+    layout = export.layout if export is not None else ExportLayout()
+    outputs = [("model", model)] + ([("optimizer", optim)] if optim else [])
+    by_name, file_groups = _full_files(outputs, layout, cast_to=options.cast_to, max_shard_size=options.max_shard_size)
     total = sum(t.nbytes for _, tensors in outputs for t in tensors)
     out_total = sum(nbytes(shape, dtype) for _, files in file_groups for _, group in files for _, dtype, shape in group)
     metadata = {"format": "pt"}
-    aliases = {layout.exported_name(a): layout.exported_name(t) for a, t in checkpoint.manifest.aliases.items()}
-    if aliases:
-        metadata[TIED_METADATA_KEY] = json.dumps(aliases, sort_keys=True)
+    exported_aliases = {layout.exported_name(a): layout.exported_name(t) for a, t in aliases.items()}
+    if exported_aliases:
+        metadata[TIED_METADATA_KEY] = json.dumps(exported_aliases, sort_keys=True)
     model_metadata = dict(metadata)
     if not layout.is_identity:
         model_metadata[LAYOUT_METADATA_KEY] = json.dumps(layout.to_json(), sort_keys=True)
     written: list[str] = []
     warnings: list[str] = []
-    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
-        copier = ByteEngine(chunk_size=chunk_size, progress=_progress_callback(progress, total))
-        for prefix, files in file_groups:
-            for file_name, group in files:
-                _write_full_file(tmp / file_name, group, by_name, copier, model_metadata if prefix == "model" else metadata)
-                written.append(file_name)
-            if len(files) > 1:
-                index_name = MODEL_INDEX if prefix == "model" else OPTIM_INDEX
-                (tmp / index_name).write_text(json.dumps(index_document(files), indent=2) + "\n")
-                written.append(index_name)
-        copier.finish()
+    with staged_output(dst, src=src, overwrite=options.overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
+        copier = ByteEngine(chunk_size=options.chunk_size, progress=_progress_callback(options.progress, total))
+        try:
+            for prefix, files in file_groups:
+                for file_name, group in files:
+                    _write_full_file(tmp / file_name, group, by_name, copier, model_metadata if prefix == "model" else metadata)
+                    written.append(file_name)
+                if len(files) > 1:
+                    index_name = MODEL_INDEX if prefix == "model" else OPTIM_INDEX
+                    (tmp / index_name).write_text(json.dumps(index_document(files), indent=2) + "\n")
+                    written.append(index_name)
+            copier.finish()
+        finally:
+            copier.close()
         if export is not None:
             float_dtypes = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
             written += _write_hf_files(tmp, export, float_dtypes[0] if float_dtypes else None, warnings)
-    return {
-        "src": str(checkpoint.step_dir),
-        "dst": str(dst),
-        "to": "full",
-        "files": written,
-        "tensors": len(by_name),
-        "bytes": out_total,
-        "dtype": cast_to,
-        "warnings": warnings,
-    }
+    return {"files": written, "tensors": len(by_name), "bytes": out_total, "dtype": options.cast_to, "warnings": warnings}
 
 
 def _full_files(outputs, layout: ExportLayout, *, cast_to: str | None, max_shard_size: int | None):
