@@ -98,30 +98,13 @@ class FlatUnit:
         self.master_dtype = dtypes.pop()
         self.compute_dtype = mixed_precision.param_dtype or self.master_dtype
         self.reduce_dtype = mixed_precision.reduce_dtype or self.compute_dtype
-        self.device = device
-        self.offload = offload
+        self.device, self.offload, self.gather_stream = device, offload, gather_stream
         self.host = torch.device("cpu") if offload else device
-        self.gather_stream = gather_stream
         # int8 all-gather: every rank's chunk is quantized in blocks, even unsent at F = 1,
         # so a unit computes with the same weights whatever the world size.
         self.codec = Int8BlockCodec(self.chunk_numel, gather_block) if gather_block is not None else None
 
-        # Parameters still on the meta device are filled later (deferred_init) through
-        # fill_parameter(); until then their pages are not touched, so deferred init holds
-        # memory only for what it has materialised. The padding after them is zero.
-        self.flat_shard = torch.empty(self.chunk_numel, dtype=self.master_dtype, device=self.host)
-        with torch.no_grad():
-            self.flat_shard[sum(fragment.param_range.size for fragment in self.fragments) :].zero_()
-            for fragment, original in zip(self.fragments, originals, strict=True):
-                if not original.is_meta:
-                    source = original.detach().reshape(-1)[fragment.param_range.start : fragment.param_range.end]
-                    self._local(self.flat_shard, fragment).copy_(source)
-        self.params: list[nn.Parameter] = []
-        for fragment, param_plan in zip(self.fragments, plan.params, strict=True):
-            param = nn.Parameter(self._local(self.flat_shard, fragment), requires_grad=param_plan.requires_grad)
-            setattr(param, SHAPE_ATTR, torch.Size(param_plan.shape))
-            self.params.append(param)
-        self.trainable = any(p.requires_grad for p in self.params)
+        self._make_shard(plan, originals)
         self.grad_shard: torch.Tensor | None = None
         memory.add("sharded_params", tensor_bytes(self.flat_shard))
 
@@ -139,6 +122,25 @@ class FlatUnit:
         self.used = [0] * len(self.params)  # 1: the parameter got a gradient in this backward
         self._holds_unsynced_grad = False  # full_flat.grad accumulates across no_sync backwards
         self._set_params(self.params)
+
+    def _make_shard(self, plan: UnitPlan, originals: list[torch.Tensor]) -> None:
+        """This rank's flat shard and the sharded parameters viewing it. Parameters still on the
+        meta device are filled later (deferred_init) through fill_parameter(); until then their
+        pages are not touched, so deferred init holds memory only for what it has materialised.
+        The padding after them is zero."""
+        self.flat_shard = torch.empty(self.chunk_numel, dtype=self.master_dtype, device=self.host)
+        with torch.no_grad():
+            self.flat_shard[sum(fragment.param_range.size for fragment in self.fragments) :].zero_()
+            for fragment, original in zip(self.fragments, originals, strict=True):
+                if not original.is_meta:
+                    source = original.detach().reshape(-1)[fragment.param_range.start : fragment.param_range.end]
+                    self._local(self.flat_shard, fragment).copy_(source)
+        self.params: list[nn.Parameter] = []
+        for fragment, param_plan in zip(self.fragments, plan.params, strict=True):
+            param = nn.Parameter(self._local(self.flat_shard, fragment), requires_grad=param_plan.requires_grad)
+            setattr(param, SHAPE_ATTR, torch.Size(param_plan.shape))
+            self.params.append(param)
+        self.trainable = any(p.requires_grad for p in self.params)
 
     # ----- layout helpers
     @staticmethod

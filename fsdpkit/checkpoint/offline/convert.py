@@ -236,11 +236,9 @@ def convert_to_sharded(
     # the export layout to undo (None: the names already are the model's, or match the placement)
     restore = None if placement is not None and _names_match(placement, sources) else full.layout
     total = sum(s.nbytes for s in sources)
-    out_total = sum(s.numel * dtype_info(output_dtype(s.dtype, cast_to)).itemsize for s in sources)
+    needed = 2 * sum(s.numel * dtype_info(output_dtype(s.dtype, cast_to)).itemsize for s in sources) + world_size * 65536
     needed_for = f" for {world_size} rank files (--world-size {world_size})"
-    with staged_output(
-        dst, src=Path(src), overwrite=overwrite, needed_bytes=2 * out_total + world_size * 65536, needed_for=needed_for
-    ) as tmp:
+    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=needed, needed_for=needed_for) as tmp:
         stored = full.aliases
         if restore is not None:
             sources, stored = restore_layout(full, restore, tmp / SCRATCH_NAME, chunk_size=chunk_size)
