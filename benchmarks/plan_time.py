@@ -138,7 +138,7 @@ def main() -> None:
         return
     print(f"# calibrated profile: {json.dumps(hardware.to_values())}")
     print(
-        f"# {args.batch} x {args.seq_len} tokens per rank, AdamW; median of {args.rounds} alternating rounds; measured on a loaded machine"
+        f"# {args.batch} x {args.seq_len} tokens per rank, AdamW; median of {args.rounds} alternating rounds; load average {os.getloadavg()[0]:.1f} at the end"
     )
     print(f"{'model':<22} {'strategy':<8} {'prefetch':<8} {'W':>2} {'predicted s':>12} {'measured s':>11} {'spread s':>17} {'ratio':>6}")
     for row in rows:
