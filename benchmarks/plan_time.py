@@ -138,7 +138,8 @@ def main() -> None:
         return
     print(f"# calibrated profile: {json.dumps(hardware.to_values())}")
     load = os.getloadavg()[0]
-    print(f"# {args.batch} x {args.seq_len} tokens per rank, AdamW; median of {args.rounds} alternating rounds; load average {load:.1f} at the end")
+    rounds = f"median of {args.rounds} alternating rounds"
+    print(f"# {args.batch} x {args.seq_len} tokens per rank, AdamW; {rounds}; load average {load:.1f} at the end")
     print(f"{'model':<22} {'strategy':<8} {'prefetch':<8} {'W':>2} {'predicted s':>12} {'measured s':>11} {'spread s':>17} {'ratio':>6}")
     for row in rows:
         spread = f"{row['measured_min_s']:.3f}-{row['measured_max_s']:.3f}"
