@@ -93,7 +93,7 @@ def convert(
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=dcp_cmd.OPTIMIZER_KEY_HELP),
 ) -> None:
     """Convert between sharded fsdpkit checkpoints, full Hugging Face-style safetensors and torch DCP."""
-    from fsdpkit.checkpoint.offline.convert import convert_to_full, convert_to_sharded
+    from fsdpkit.checkpoint.offline.convert import FullOutput, convert_to_full, convert_to_sharded
 
     cast_to, chunk = _cast(dtype), _chunk(chunk_size)
     if is_dcp_checkpoint(src):
@@ -129,16 +129,8 @@ def convert(
         if limit is not None and limit < 1:
             raise UsageError(f"--max-shard-size must be positive, got {max_shard_size!r}")
         with _progress_bar("convert", True) as progress:
-            result = convert_to_full(
-                src,
-                dst,
-                max_shard_size=limit,
-                cast_to=cast_to,
-                with_optimizer=with_optimizer,
-                chunk_size=chunk,
-                overwrite=overwrite,
-                progress=progress,
-            )
+            options = FullOutput(max_shard_size=limit, cast_to=cast_to, chunk_size=chunk, overwrite=overwrite, progress=progress)
+            result = convert_to_full(src, dst, with_optimizer=with_optimizer, options=options)
     elif to == "sharded":
         if max_shard_size is not None:
             raise UsageError("--max-shard-size applies to --to full only")

@@ -80,6 +80,7 @@ class ConvertOptions:
 def convert_dcp(src: Path, dst: Path, options: ConvertOptions, progress) -> dict:
     """`convert` of a DCP checkpoint: --to full (--model adds config.json and transformers' names)."""
     if options.to == "full":
+        from fsdpkit.checkpoint.offline.convert import FullOutput
         from fsdpkit.dcp.convert import dcp_to_full
 
         if options.world_size is not None:
@@ -95,12 +96,14 @@ def convert_dcp(src: Path, dst: Path, options: ConvertOptions, progress) -> dict
             export=export,
             model_key=options.model_key,
             optimizer_key=options.optimizer_key,
-            max_shard_size=options.max_shard_size,
-            cast_to=options.cast_to,
             with_optimizer=options.with_optimizer,
-            chunk_size=options.chunk_size,
-            overwrite=options.overwrite,
-            progress=progress,
+            options=FullOutput(
+                max_shard_size=options.max_shard_size,
+                cast_to=options.cast_to,
+                chunk_size=options.chunk_size,
+                overwrite=options.overwrite,
+                progress=progress,
+            ),
         )
     if options.to == "sharded":
         return _to_sharded(src, dst, options, progress)

@@ -315,7 +315,7 @@ def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monke
     """With 64-byte chunks every tensor takes several blocks: an error while reading one
     reaches the caller and the staged output is removed."""
     from fsdpkit.checkpoint import bytecopy
-    from fsdpkit.checkpoint.offline.convert import convert_to_full
+    from fsdpkit.checkpoint.offline.convert import FullOutput, convert_to_full
 
     calls = {"n": 0}
     original = bytecopy.ByteEngine._view
@@ -328,7 +328,7 @@ def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monke
 
     monkeypatch.setattr(bytecopy.ByteEngine, "_view", failing)
     with pytest.raises(error):
-        convert_to_full(ckpt, tmp_path / "out", chunk_size=64)
+        convert_to_full(ckpt, tmp_path / "out", options=FullOutput(chunk_size=64))
     _no_leftovers(tmp_path, ["src"])
 
 

@@ -240,13 +240,13 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
 def test_many_small_blocks(sharded, tmp_path, chunk):
     """Chunks far smaller than the tensors: every copy takes many blocks, output checksums
     combined block by block; results stay exact."""
-    from fsdpkit.checkpoint.offline.convert import convert_to_full, reshard
+    from fsdpkit.checkpoint.offline.convert import FullOutput, convert_to_full, reshard
     from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
     _, tensors, runs = sharded
     reshard(runs[2].parent, tmp_path / "r3", world_size=3, chunk_size=chunk)
     assert verify_checkpoint(tmp_path / "r3")["ok"]
-    convert_to_full(tmp_path / "r3", tmp_path / "full", chunk_size=chunk, with_optimizer=True)
+    convert_to_full(tmp_path / "r3", tmp_path / "full", with_optimizer=True, options=FullOutput(chunk_size=chunk))
     _assert_full_equal(tmp_path / "full", _model_tensors(tensors))
     _assert_full_equal(tmp_path / "full", {n: t for n, t in tensors.items() if n.startswith("optim.")}, prefix="optimizer")
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
+from ..checkpoint.bytecopy import SourceTensor
 from ..checkpoint.export import HfExport
-from ..checkpoint.offline.convert import FullOutput, Progress, write_full
+from ..checkpoint.offline.convert import FullOutput, write_full
 from ..errors import DataCheckError
 from .layout import DcpLayout, detect_layout, require_model
 from .table import DcpCheckpoint, open_dcp
@@ -36,12 +36,8 @@ def dcp_to_full(
     export: HfExport | None = None,
     model_key: str | None = None,
     optimizer_key: str | None = None,
-    max_shard_size: int | None = None,
-    cast_to: str | None = None,
     with_optimizer: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    overwrite: bool = False,
-    progress: Progress | None = None,
+    options: FullOutput | None = None,
 ) -> dict:
     with open_dcp(src) as checkpoint:
         layout = detect_layout(checkpoint.metadata, model_key=model_key, optimizer_key=optimizer_key)
@@ -49,8 +45,8 @@ def dcp_to_full(
         model, optim = layout_sources(checkpoint, layout)
         if with_optimizer and not optim:
             raise DataCheckError(f"{src}: --with-optimizer given but no optimizer state was found (name it with --dcp-optimizer-key)")
-        options = FullOutput(max_shard_size=max_shard_size, cast_to=cast_to, chunk_size=chunk_size, overwrite=overwrite, progress=progress)
-        report = write_full(model, optim if with_optimizer else [], Path(dst), src=Path(src), export=export, aliases={}, options=options)
+        optim = optim if with_optimizer else []
+        report = write_full(model, optim, Path(dst), src=Path(src), export=export, aliases={}, options=options or FullOutput())
     return {
         "src": str(src),
         "dst": str(dst),

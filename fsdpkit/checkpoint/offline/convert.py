@@ -65,17 +65,7 @@ def _progress_callback(progress: Progress | None, total: int):
     return lambda done: progress(done, total)
 
 
-def convert_to_full(
-    src: str | Path,
-    dst: str | Path,
-    *,
-    max_shard_size: int | None = None,
-    cast_to: str | None = None,
-    with_optimizer: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-) -> dict:
+def convert_to_full(src: str | Path, dst: str | Path, *, with_optimizer: bool = False, options: FullOutput | None = None) -> dict:
     checkpoint = open_sharded(src)
     export = export_of(checkpoint.manifest.training_state, where=str(checkpoint.step_dir))
     sources = checkpoint.sources()
@@ -83,7 +73,6 @@ def convert_to_full(
     optim = [t for t in sources if is_optimizer_tensor(t.name)]
     if with_optimizer and not optim:
         raise DataCheckError(f"{checkpoint.step_dir}: --with-optimizer given but the checkpoint has no optimizer state")
-    options = FullOutput(max_shard_size=max_shard_size, cast_to=cast_to, chunk_size=chunk_size, overwrite=overwrite, progress=progress)
     report = write_full(
         model,
         optim if with_optimizer else [],
@@ -91,7 +80,7 @@ def convert_to_full(
         src=Path(src),
         export=export,
         aliases=checkpoint.manifest.aliases,
-        options=options,
+        options=options or FullOutput(),
     )
     return {"src": str(checkpoint.step_dir), "dst": str(dst), "to": "full", **report}
 
