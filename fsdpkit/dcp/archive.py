@@ -6,13 +6,16 @@ pickle of `_rebuild_tensor_v2(storage, 0, shape, stride, False, OrderedDict())`,
 an untyped storage and the dtype for dtypes without a legacy storage class), `.format_version`,
 `.storage_alignment`, `byteorder`, `data/0` (the raw little-endian bytes, aligned to 64 bytes
 from the archive's start), `version`, `.data/serialization_id`. `archive_parts(dtype, shape,
-data_crc, nbytes)` gives the bytes before and after the data, so the data itself streams from
-the source straight into the file (its crc32 computed as it passes). Chunks of 4 GiB or more
-need zip64 and are refused (`MAX_RECORD_BYTES`).
+nbytes)` gives the bytes before and after the data, so the data itself is copied from the
+source straight into the file. The data record's crc32 is 0, as torch.save writes it with
+`torch.serialization.set_crc32_options(False)`: torch.load does not check it, and computing
+it would read every byte in user space. Chunks of 4 GiB or more need zip64 and are refused
+(`MAX_RECORD_BYTES`).
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 
@@ -76,7 +79,8 @@ def _local(name: bytes, crc: int, size: int, position: int) -> bytes:
     return _LOCAL.pack(0x04034B50, 0, 0, 0, 0, 0, crc, size, size, len(name), len(extra)) + name + extra
 
 
-def archive_parts(dtype: str, shape: tuple[int, ...], data_crc: int, nbytes: int) -> tuple[bytes, bytes]:
+@functools.lru_cache(maxsize=4096)
+def archive_parts(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[bytes, bytes]:
     """(bytes before the tensor data, bytes after it) of the archive."""
     if nbytes > MAX_RECORD_BYTES:
         raise UsageError(
@@ -96,8 +100,8 @@ def archive_parts(dtype: str, shape: tuple[int, ...], data_crc: int, nbytes: int
         central += _central(name, crc, len(payload), len(head))
         head += _local(name, crc, len(payload), len(head)) + payload
     name = f"{NAME}/data/0".encode()
-    central += _central(name, data_crc, nbytes, len(head))
-    head += _local(name, data_crc, nbytes, len(head))
+    central += _central(name, 0, nbytes, len(head))
+    head += _local(name, 0, nbytes, len(head))
     position = len(head) + nbytes
     for record, payload in after_data:
         name = f"{NAME}/{record}".encode()

@@ -1,31 +1,30 @@
 """Writing a DCP checkpoint as torch 2.13's `FileSystemWriter` does (torch_save serialization),
 chunked as FSDP2 shards each tensor at N ranks: dim 0 cut by `torch.chunk` (ceil(rows / N)
 rows per rank, the last ranks fewer or none), one `__<rank>_0.distcp` file per rank, scalars
-and bytes items in rank 0's file, then `.metadata` (DCP's own classes, pickled).
+and bytes items in rank 0's file, then `.metadata`.
 
-Each chunk is read through the byte copier into one buffer and written as its own
-`torch.save` archive (`archive.py`, what DCP's reader `torch.load`s), so memory is one chunk.
-Bytes items are copied byte for byte, never unpickled. Only `.metadata` needs torch (DCP's own
-classes, pickled); it is imported when it is written.
+Each chunk is its own `torch.save` archive (`archive.py`, what DCP's reader `torch.load`s):
+the archive's head, the chunk's bytes copied from the source's byte ranges (`rawout`: the
+kernel copies large ones from file to file), its tail. Bytes items are copied byte for byte,
+never unpickled. `.metadata` is DCP's own classes pickled without torch (`pickler`).
 """
 
 from __future__ import annotations
 
 import io
 import os
-import pickle
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..checkpoint.format import numel
 from ..dtypes import dtype_info
 from ..layout import ElementRange
+from . import pickler
 from .archive import archive_parts
 from .metadata import METADATA_NAME
+from .rawout import RawOutput
 
 DcpPath = tuple[str | int, ...]
 
@@ -56,24 +55,6 @@ def rank_file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def _chunk_bytes(copier: ByteEngine, source: SourceTensor, wanted: ElementRange) -> bytearray:
-    """Elements `wanted` of `source`, read straight into a new buffer."""
-    data = bytearray(wanted.size * source.nbytes // max(source.numel, 1))
-    copier.read_into(source, wanted, memoryview(data))
-    return data
-
-
-def rank_chunk(shape: tuple[int, ...], rank: int, world_size: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(offsets, sizes) of rank `rank`'s chunk of a tensor of `shape`; None when it holds none
-    (scalars live on rank 0)."""
-    if not shape:
-        return ((), ()) if rank == 0 else None
-    start, end = dim0_chunks(shape[0], world_size)[rank]
-    if start == end:
-        return None
-    return (start, *[0] * (len(shape) - 1)), (end - start, *shape[1:])
-
-
 @dataclass
 class _Written:
     """What the rank files hold: each tensor's chunks (offsets, sizes) and where every item sits."""
@@ -82,23 +63,32 @@ class _Written:
     storage: list[tuple[str, tuple[int, ...] | None, int, str, int, int]]  # key, offsets, index, file, offset, length
 
 
-def _write_rank_file(stream: BinaryIO, rank: int, world_size: int, tensors: list[OutTensor], copier: ByteEngine, written: _Written) -> None:
-    name = rank_file_name(rank)
+def _chunks_by_rank(tensors: list[OutTensor], world_size: int) -> list[list[tuple[OutTensor, tuple[int, ...], tuple[int, ...]]]]:
+    """(tensor, offsets, sizes) of every chunk, per rank, in the tensors' order."""
+    by_rank: list[list] = [[] for _ in range(world_size)]
     for tensor in tensors:
-        source, key = tensor.source, flat_key(tensor.path)
-        chunk = rank_chunk(tuple(source.shape), rank, world_size)
-        if chunk is None:
+        shape = tuple(tensor.source.shape)
+        if not shape:
+            by_rank[0].append((tensor, (), ()))
             continue
-        offsets, sizes = chunk
+        for rank, (start, end) in enumerate(dim0_chunks(shape[0], world_size)):
+            if start < end:
+                by_rank[rank].append((tensor, (start, *[0] * (len(shape) - 1)), (end - start, *shape[1:])))
+    return by_rank
+
+
+def _write_rank_file(out: RawOutput, chunks: list, name: str, written: _Written) -> None:
+    for tensor, offsets, sizes in chunks:
+        source, key = tensor.source, flat_key(tensor.path)
         first = offsets[0] * numel(source.shape[1:]) if offsets else 0
-        raw = _chunk_bytes(copier, source, ElementRange(first, first + numel(sizes)))
-        head, tail = archive_parts(source.dtype, sizes, zlib.crc32(raw), len(raw))
-        position = stream.tell()
-        stream.write(head)
-        stream.write(raw)
-        stream.write(tail)
-        written.storage.append((key, offsets, len(written.chunks[key]), name, position, stream.tell() - position))
-        written.chunks[key].append(chunk)
+        wanted = ElementRange(first, first + numel(sizes))
+        head, tail = archive_parts(source.dtype, sizes, wanted.size * dtype_info(source.dtype).itemsize)
+        position = out.position
+        out.write(head)
+        out.copy(source, wanted)
+        out.write(tail)
+        written.storage.append((key, offsets, len(written.chunks[key]), name, position, out.position - position))
+        written.chunks[key].append((offsets, sizes))
 
 
 def write_dcp(
@@ -113,16 +103,17 @@ def write_dcp(
     """Every rank file and `.metadata` in `directory` (not synced: the caller's staged output
     syncs); returns the file names."""
     written = _Written({flat_key(t.path): [] for t in tensors}, [])
-    copier = ByteEngine(chunk_size=chunk_size, progress=progress)
+    copier = ByteEngine(chunk_size=chunk_size)
     try:
-        for rank in range(world_size):
-            with open(directory / rank_file_name(rank), "wb") as stream:
-                _write_rank_file(stream, rank, world_size, tensors, copier, written)
+        for rank, chunks in enumerate(_chunks_by_rank(tensors, world_size)):
+            name = rank_file_name(rank)
+            with RawOutput(directory / name, copier, progress) as out:
+                _write_rank_file(out, chunks, name, written)
                 if rank == 0:
                     for item in bytes_items:
-                        position = stream.tell()
-                        stream.write(item.read())
-                        written.storage.append((flat_key(item.path), None, 0, rank_file_name(0), position, stream.tell() - position))
+                        position = out.position
+                        out.write(item.read())
+                        written.storage.append((flat_key(item.path), None, 0, name, position, out.position - position))
     finally:
         copier.close()
     with open(directory / METADATA_NAME, "wb") as f:
@@ -132,34 +123,17 @@ def write_dcp(
 
 
 def _metadata_bytes(tensors: list[OutTensor], bytes_items: list[OutBytes], written: _Written) -> bytes:
-    """DCP's `Metadata`, built from DCP's own classes and pickled as FileSystemWriter does."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    items: dict = {}
-    for tensor in tensors:
-        key = flat_key(tensor.path)
-        chunks = [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes in written.chunks[key]]
-        properties = TensorProperties(dtype=dtype_info(tensor.source.dtype).torch)
-        items[key] = TensorStorageMetadata(properties, torch.Size(tensor.source.shape), chunks)
-    for item in bytes_items:
-        items[flat_key(item.path)] = BytesStorageMetadata()
-    storage = {
-        MetadataIndex(key, offsets, index) if offsets is not None else MetadataIndex(key): _StorageInfo(name, offset, length)
-        for key, offsets, index, name, offset, length in written.storage
+    """DCP's `Metadata` as FileSystemWriter pickles it (without torch: `pickler`)."""
+    items = {
+        flat_key(t.path): pickler.tensor_metadata(t.source.dtype, tuple(t.source.shape), written.chunks[flat_key(t.path)]) for t in tensors
     }
+    items |= {flat_key(b.path): pickler.bytes_metadata() for b in bytes_items}
+    storage = [
+        (pickler.metadata_index(key, offsets, index if offsets is not None else None), pickler.storage_info(name, offset, length))
+        for key, offsets, index, name, offset, length in written.storage
+    ]
     planner_data = {flat_key(t.path): t.path for t in tensors} | {flat_key(b.path): b.path for b in bytes_items}
-    buffer = io.BytesIO()
-    pickle.dump(Metadata(items, planner_data=planner_data, storage_data=storage, version="1.0.0"), buffer)
-    return buffer.getvalue()
+    return pickler.metadata(items, planner_data, storage)
 
 
 def torch_saved(value: object) -> bytes:

@@ -1,0 +1,121 @@
+"""One output file written from raw byte ranges of source files (no torch, no tensors).
+
+`RawOutput.copy(source, wanted)` appends the bytes of elements `wanted` of a `SourceTensor`:
+pieces without a checksum (DCP chunks, safetensors tensors) are byte ranges the kernel copies
+from file to file (`os.copy_file_range`, else `os.sendfile`, else read and write) when large,
+and small ones are read into the write buffer; pieces with a crc32 (fsdpkit checkpoints) are
+read through the byte engine, which checks them. Small writes gather in one buffer written
+in `BUFFER_BYTES` steps, so memory stays a few MB whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ..checkpoint.bytecopy import KERNEL_COPY_BYTES, ByteEngine, SourceTensor
+from ..checkpoint.files import open_regular
+from ..dtypes import dtype_info
+from ..errors import DataCheckError
+from ..layout import ElementRange
+
+BUFFER_BYTES = 8 * 1024 * 1024
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
+
+
+class RawOutput:
+    def __init__(self, path: Path, engine: ByteEngine, progress: Callable[[int], None] | None = None):
+        self.path, self.position = path, 0
+        self._engine, self._progress = engine, progress
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._buffer = bytearray()
+        self._sources: dict[Path, int] = {}
+        self._kernel_copy = "copy_file_range" if hasattr(os, "copy_file_range") else "sendfile"
+
+    def __enter__(self) -> RawOutput:
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        try:
+            if kind is None:
+                self._flush()
+        finally:
+            os.close(self._fd)
+            while self._sources:
+                os.close(self._sources.popitem()[1])
+            if kind is not None:
+                self.path.unlink(missing_ok=True)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._buffer += data
+        self.position += len(data)
+        if len(self._buffer) >= BUFFER_BYTES:
+            self._flush()
+
+    def copy(self, source: SourceTensor, wanted: ElementRange) -> None:
+        """Append the bytes of elements `wanted` of `source`."""
+        itemsize, done = dtype_info(source.dtype).itemsize, 0
+        for piece in source.pieces_in(wanted):
+            part = piece.range.intersect(wanted)
+            if part.start != wanted.start + done:
+                raise AssertionError(f"{source.name}: no source piece holds element {wanted.start + done}")
+            nbytes = part.size * itemsize
+            if piece.crc32 is not None:
+                self._checked(source, part, itemsize)
+            else:
+                offset = piece.offset + (part.start - piece.range.start) * itemsize
+                self._raw(piece.path, offset, nbytes)
+            done += part.size
+            if self._progress is not None:
+                self._progress(nbytes)
+        if done != wanted.size:
+            raise AssertionError(f"{source.name}: source pieces end at element {wanted.start + done}, not {wanted.end}")
+
+    def _checked(self, source: SourceTensor, part: ElementRange, itemsize: int) -> None:
+        step = max(1, BUFFER_BYTES // itemsize)
+        for first in range(part.start, part.end, step):
+            chunk = ElementRange(first, min(first + step, part.end))
+            data = bytearray(chunk.size * itemsize)
+            self._engine.read_into(source, chunk, memoryview(data))
+            self.write(data)
+
+    def _raw(self, path: Path, offset: int, nbytes: int) -> None:
+        fd = self._sources.get(path)
+        if fd is None:
+            fd = self._sources[path] = open_regular(path)[0]
+        if nbytes < KERNEL_COPY_BYTES:
+            data = os.pread(fd, nbytes, offset)
+            if len(data) != nbytes:
+                raise DataCheckError(f"{path}: file ends at byte {offset + len(data)}, before byte {offset + nbytes} (truncated)")
+            self.write(data)
+            return
+        self._flush()
+        self.position += nbytes
+        while nbytes:
+            done = self._kernel(fd, offset, nbytes)
+            if done == 0:
+                raise DataCheckError(f"{path}: file ends at byte {offset} (truncated)")
+            offset, nbytes = offset + done, nbytes - done
+
+    def _kernel(self, fd: int, offset: int, count: int) -> int:
+        """Bytes appended by one kernel copy from `fd` at `offset`, whichever this kernel offers."""
+        while True:
+            try:
+                if self._kernel_copy == "copy_file_range":
+                    return os.copy_file_range(fd, self._fd, count, offset)
+                if self._kernel_copy == "sendfile":
+                    return os.sendfile(self._fd, fd, offset, count)
+                return os.write(self._fd, os.pread(fd, min(count, BUFFER_BYTES), offset))
+            except OSError as error:
+                if error.errno not in _NO_KERNEL_COPY or self._kernel_copy == "write":
+                    raise OSError(error.errno, error.strerror, str(self.path)) from None
+                self._kernel_copy = "sendfile" if self._kernel_copy == "copy_file_range" else "write"
+
+    def _flush(self) -> None:
+        view = memoryview(self._buffer)
+        while view.nbytes:
+            view = view[os.write(self._fd, view) :]
+        view.release()
+        self._buffer.clear()
