@@ -5,8 +5,10 @@ zip of stored (uncompressed) records: `<name>/data.pkl` (a pickle of the tensor 
 storage, offset, shape, stride, dtype), `<name>/byteorder`, `<name>/data/<key>` (the
 storage's bytes). The pickle is read with the allow-list unpickler (only
 `_rebuild_tensor_v2/v3`, storage classes, dtypes, OrderedDict); the record must be a
-contiguous little-endian tensor of the chunk's shape and dtype filling its storage, and the
-storage record is then a plain byte range of the file.
+contiguous little-endian tensor of the chunk's shape and dtype inside its storage (a view at
+a storage offset is read from there; a non-contiguous one is refused, naming the chunk), and
+its bytes are then a plain byte range of the file. Small records are read through their zip
+local headers, not zipfile: torch.save with crc32 off writes 0 crc32s, which zipfile refuses.
 
 `safetensors` serialization: each file is the rank's bytes items followed by one
 safetensors blob of its chunks (named by the flattened key, their offsets in the blob's
@@ -82,29 +84,43 @@ def torch_save_data(fd: int, path: Path, start: int, length: int, *, key: str, d
         if len(pickles) != 1:
             raise DataCheckError(f"{where}: not a torch.save archive (no data.pkl)")
         prefix = pickles[0][: -len("data.pkl")]
-        if f"{prefix}byteorder" in names and archive.read(f"{prefix}byteorder") != b"little":
+        if f"{prefix}byteorder" in names and _record(fd, path, start, length, archive.getinfo(f"{prefix}byteorder"), where) != b"little":
             raise DataCheckError(f"{where}: big-endian data is not supported")
-        raw = archive.read(pickles[0])
+        raw = _record(fd, path, start, length, archive.getinfo(pickles[0]), where)
         record = u.restricted_loads(raw, allowed=u.TENSOR_GLOBALS, where=f"{where} data.pkl", storages=True)
         if not isinstance(record, u.TensorRecord):
             raise DataCheckError(f"{where}: holds a {type(record).__name__}, not a tensor")
         info = archive.getinfo(f"{prefix}data/{record.storage.key}")
     except (zipfile.BadZipFile, KeyError, OSError, ValueError, EOFError) as error:
         raise DataCheckError(f"{where}: not a readable torch.save archive ({str(error)[:100]})") from None
-    _check_record(where, record, dtype, shape, info.file_size)
+    skip = _check_record(where, record, dtype, shape, info.file_size)
+    nbytes = numel(shape) * dtype_info(dtype).itemsize
+    return ChunkData(start + _data_start(fd, path, start, length, info, where) + skip, nbytes, TORCH_SAVE)
+
+
+def _data_start(fd: int, path: Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> int:
+    """Where the stored record `info` starts inside the archive (its local header read)."""
     if info.compress_type != zipfile.ZIP_STORED:
-        raise DataCheckError(f"{where}: storage record is compressed")
+        raise DataCheckError(f"{where}: record {info.filename} is compressed")
     header = read_exactly(fd, LOCAL_HEADER.size, start + info.header_offset, path)
     magic, *_, name_length, extra_length = LOCAL_HEADER.unpack(header)
     if magic != ZIP_MAGIC:
-        raise DataCheckError(f"{where}: storage record header is damaged")
+        raise DataCheckError(f"{where}: the header of record {info.filename} is damaged")
     data_start = info.header_offset + LOCAL_HEADER.size + name_length + extra_length
     if data_start + info.file_size > length:
-        raise DataCheckError(f"{where}: storage record ends past the chunk's {length} bytes")
-    return ChunkData(start + data_start, info.file_size, TORCH_SAVE)
+        raise DataCheckError(f"{where}: record {info.filename} ends past the chunk's {length} bytes")
+    return data_start
 
 
-def _check_record(where: str, record: u.TensorRecord, dtype: str, shape: tuple[int, ...], stored: int) -> None:
+def _record(fd: int, path: Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> bytes:
+    """A small stored record's bytes, read directly: torch.save with crc32 off writes 0 for
+    every record's crc32, which zipfile would refuse."""
+    return read_exactly(fd, info.file_size, start + _data_start(fd, path, start, length, info, where), path)
+
+
+def _check_record(where: str, record: u.TensorRecord, dtype: str, shape: tuple[int, ...], stored: int) -> int:
+    """The bytes before the tensor's data in its storage (a contiguous view at an offset);
+    anything else than a contiguous little-endian tensor inside its storage is refused."""
     found = record.dtype or record.storage.storage_type.dtype
     if found != dtype:
         raise DataCheckError(f"{where}: holds {found}, the metadata says {dtype}")
@@ -117,10 +133,12 @@ def _check_record(where: str, record: u.TensorRecord, dtype: str, shape: tuple[i
     if numel(shape) > 1 and tuple(s for s, d in zip(record.stride, shape, strict=True) if d > 1) != tuple(
         s for s, d in zip(reversed(expected_stride), shape, strict=True) if d > 1
     ):
-        raise DataCheckError(f"{where}: tensor is not contiguous (stride {list(record.stride)})")
-    nbytes = numel(shape) * dtype_info(dtype).itemsize
-    if record.storage_offset != 0 or stored != nbytes:
-        raise DataCheckError(f"{where}: storage of {stored} bytes at element {record.storage_offset}, expected exactly {nbytes}")
+        raise DataCheckError(f"{where}: tensor is not contiguous (stride {list(record.stride)}), which fsdpkit does not read")
+    itemsize = dtype_info(dtype).itemsize
+    skip, nbytes = record.storage_offset * itemsize, numel(shape) * itemsize
+    if record.storage_offset < 0 or skip + nbytes > stored:
+        raise DataCheckError(f"{where}: {nbytes} bytes at element {record.storage_offset} of a storage of {stored} bytes (outside it)")
+    return skip
 
 
 def safetensors_blob(fd: int, path: Path, start: int, size: int) -> tuple[Header, dict]:

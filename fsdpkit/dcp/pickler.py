@@ -13,6 +13,7 @@ reads it too. No memo: every object is written where it occurs.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +37,18 @@ class Reduce:
 
 
 @dataclass(frozen=True)
-class Pairs:
-    """A dict given as its (key, value) pairs: the keys here are records, not hashable."""
+class Raw:
+    """Bytes already pickled."""
 
-    items: list
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """A dict given as its (key, value) pairs, made as they are written (the keys here are
+    records, not hashable; a large checkpoint has a million objects, never all alive)."""
+
+    items: Iterable[tuple[Any, Any]]
 
 
 @dataclass(frozen=True)
@@ -66,65 +75,74 @@ def _int(value: int) -> bytes:
     return b"\x8a" + bytes([len(raw)]) + raw
 
 
-def _emit(value: Any, out: list[bytes]) -> None:
+def _emit(value: Any, out: bytearray) -> None:
     if value is None:
-        out.append(b"N")
+        out += b"N"
     elif value is True or value is False:
-        out.append(b"\x88" if value else b"\x89")
+        out += b"\x88" if value else b"\x89"
     elif isinstance(value, int):
-        out.append(_int(value))
+        out += _int(value)
     elif isinstance(value, str):
-        out.append(_text(value))
+        out += _text(value)
     elif isinstance(value, tuple):
-        out.append(b"(")
+        out += b"("
         for item in value:
             _emit(item, out)
-        out.append(b"t")
+        out += b"t"
     elif isinstance(value, list):
-        out.append(b"](")
+        out += b"]("
         for item in value:
             _emit(item, out)
-        out.append(b"e")
-    elif isinstance(value, dict):
-        out.append(b"}(")
-        for key, item in value.items():
+        out += b"e"
+    elif isinstance(value, (dict, Pairs)):
+        out += b"}("
+        for key, item in value.items() if isinstance(value, dict) else value.items:
             _emit(key, out)
             _emit(item, out)
-        out.append(b"u")
-    elif isinstance(value, Pairs):
-        out.append(b"}(")
-        for key, item in value.items:
-            _emit(key, out)
-            _emit(item, out)
-        out.append(b"u")
+        out += b"u"
+    elif isinstance(value, Raw):
+        out += value.data
     elif isinstance(value, Global):
-        out.append(f"c{value.module}\n{value.name}\n".encode())
+        out += f"c{value.module}\n{value.name}\n".encode()
     elif isinstance(value, Reduce):
         _emit(value.function, out)
         _emit(value.args, out)
-        out.append(b"R")
+        out += b"R"
     elif isinstance(value, NewObject):
         _emit(value.cls, out)
-        out.append(b")\x81")  # NEWOBJ with no arguments
+        out += b")\x81"  # NEWOBJ with no arguments
         _emit(value.state, out)
-        out.append(b"b")
+        out += b"b"
     else:
         raise TypeError(f"cannot pickle {type(value).__name__} here")
 
 
 def dumps(value: Any) -> bytes:
-    out = [b"\x80\x02"]
+    out = bytearray(b"\x80\x02")
     _emit(value, out)
-    out.append(b".")
-    return b"".join(out)
+    out += b"."
+    return bytes(out)
 
 
 def _dcp(name: str) -> Global:
     return Global(DCP_METADATA_MODULE, name)
 
 
-def size(values: tuple[int, ...]) -> Reduce:
-    return Reduce(Global("torch", "Size"), (tuple(values),))
+def _new(cls: Global) -> bytes:
+    return f"c{cls.module}\n{cls.name}\n".encode() + b")\x81"
+
+
+_SIZE = b"ctorch\nSize\n"
+_CHUNK = _new(_dcp("ChunkStorageMetadata")) + b"}(" + _text("offsets")
+_SIZES = _text("sizes")
+_INDEX = _new(_dcp("MetadataIndex")) + b"}(" + _text("fqn")
+_STORAGE = _new(Global(DCP_FILESYSTEM_MODULE, "_StorageInfo")) + b"}(" + _text("relative_path")
+
+
+def _size(values: tuple[int, ...]) -> bytes:
+    """`torch.Size(values)`: the hot path (a million of them at a large world size) is written
+    directly rather than through `_emit`."""
+    return _SIZE + b"((" + b"".join(map(_int, values)) + b"ttR"
 
 
 def tensor_metadata(dtype: str, shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> NewObject:
@@ -132,26 +150,30 @@ def tensor_metadata(dtype: str, shape: tuple[int, ...], chunks: list[tuple[tuple
     layout = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))
     contiguous = Reduce(_dcp("_MEM_FORMAT_ENCODING"), (0,))
     properties = NewObject(_dcp("TensorProperties"), (Global("torch", _TORCH_NAMES[dtype]), layout, False, contiguous, False))
-    chunk_list = [NewObject(_dcp("ChunkStorageMetadata"), {"offsets": size(o), "sizes": size(s)}) for o, s in chunks]
-    return NewObject(_dcp("TensorStorageMetadata"), {"properties": properties, "size": size(shape), "chunks": chunk_list})
+    chunk_list = [Raw(_CHUNK + _size(o) + _SIZES + _size(s) + b"ub") for o, s in chunks]
+    return NewObject(_dcp("TensorStorageMetadata"), {"properties": properties, "size": Raw(_size(shape)), "chunks": chunk_list})
 
 
 def bytes_metadata() -> NewObject:
     return NewObject(_dcp("BytesStorageMetadata"), {})
 
 
-def metadata_index(fqn: str, offsets: tuple[int, ...] | None, index: int | None) -> NewObject:
-    return NewObject(_dcp("MetadataIndex"), {"fqn": fqn, "offset": None if offsets is None else size(offsets), "index": index})
+def metadata_index(fqn: str, offsets: tuple[int, ...] | None, index: int | None) -> Raw:
+    offset = b"N" if offsets is None else _size(offsets)
+    return Raw(_INDEX + _text(fqn) + _OFFSET + offset + _INDEX_KEY + (b"N" if index is None else _int(index)) + b"ub")
 
 
-def storage_info(relative_path: str, offset: int, length: int) -> NewObject:
-    return NewObject(Global(DCP_FILESYSTEM_MODULE, "_StorageInfo"), {"relative_path": relative_path, "offset": offset, "length": length})
+def storage_info(relative_path: str, offset: int, length: int) -> Raw:
+    return Raw(_STORAGE + _text(relative_path) + _OFFSET + _int(offset) + _LENGTH + _int(length) + b"ub")
 
 
-def metadata(items: dict[str, NewObject], planner_data: dict, storage_data: list[tuple[NewObject, NewObject]]) -> bytes:
+_OFFSET, _INDEX_KEY, _LENGTH = _text("offset"), _text("index"), _text("length")
+
+
+def metadata(items: Iterable[tuple[str, NewObject]], planner_data: dict, storage_data: Iterable[tuple[Raw, Raw]]) -> bytes:
     """The pickled `Metadata` (version 1.0.0, no storage_meta, as FileSystemWriter's finish)."""
     state = {
-        "state_dict_metadata": items,
+        "state_dict_metadata": Pairs(items),
         "planner_data": planner_data,
         "storage_data": Pairs(storage_data),
         "storage_meta": None,

@@ -4,8 +4,8 @@
 pieces without a checksum (DCP chunks, safetensors tensors) are byte ranges the kernel copies
 from file to file (`os.copy_file_range`, else `os.sendfile`, else read and write) when large,
 and small ones are read into the write buffer; pieces with a crc32 (fsdpkit checkpoints) are
-read through the byte engine, which checks them. Small writes gather in one buffer written
-in `BUFFER_BYTES` steps, so memory stays a few MB whatever the checkpoint's size.
+read through the byte engine, which checks them. Small writes gather into one `writev` of
+at most `BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..checkpoint.bytecopy import KERNEL_COPY_BYTES, ByteEngine, SourceTensor
-from ..checkpoint.files import open_regular
+from ..checkpoint.bytecopy import ByteEngine, SourceTensor
+from ..checkpoint.files import IOV_MAX, open_regular, write_views
 from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange
 
 BUFFER_BYTES = 8 * 1024 * 1024
+KERNEL_COPY_BYTES = 64 * 1024  # byte ranges at least this large are copied by the kernel
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
@@ -30,7 +31,8 @@ class RawOutput:
         self.path, self.position = path, 0
         self._engine, self._progress = engine, progress
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-        self._buffer = bytearray()
+        self._pending: list[bytes | bytearray | memoryview] = []  # written by one writev
+        self._pending_bytes = 0
         self._sources: dict[Path, int] = {}
         self._kernel_copy = "copy_file_range" if hasattr(os, "copy_file_range") else "sendfile"
 
@@ -49,9 +51,10 @@ class RawOutput:
                 self.path.unlink(missing_ok=True)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        self._buffer += data
+        self._pending.append(data)
+        self._pending_bytes += len(data)
         self.position += len(data)
-        if len(self._buffer) >= BUFFER_BYTES:
+        if self._pending_bytes >= BUFFER_BYTES or len(self._pending) >= IOV_MAX:
             self._flush()
 
     def copy(self, source: SourceTensor, wanted: ElementRange) -> None:
@@ -114,8 +117,6 @@ class RawOutput:
                 self._kernel_copy = "sendfile" if self._kernel_copy == "copy_file_range" else "write"
 
     def _flush(self) -> None:
-        view = memoryview(self._buffer)
-        while view.nbytes:
-            view = view[os.write(self._fd, view) :]
-        view.release()
-        self._buffer.clear()
+        write_views(self._fd, self._pending, self.path)
+        self._pending.clear()
+        self._pending_bytes = 0

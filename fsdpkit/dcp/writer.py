@@ -12,6 +12,7 @@ never unpickled. `.metadata` is DCP's own classes pickled without torch (`pickle
 from __future__ import annotations
 
 import io
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,16 +125,17 @@ def write_dcp(
 
 def _metadata_bytes(tensors: list[OutTensor], bytes_items: list[OutBytes], written: _Written) -> bytes:
     """DCP's `Metadata` as FileSystemWriter pickles it (without torch: `pickler`)."""
-    items = {
-        flat_key(t.path): pickler.tensor_metadata(t.source.dtype, tuple(t.source.shape), written.chunks[flat_key(t.path)]) for t in tensors
-    }
-    items |= {flat_key(b.path): pickler.bytes_metadata() for b in bytes_items}
-    storage = [
+    tensor_items = (
+        (flat_key(t.path), pickler.tensor_metadata(t.source.dtype, tuple(t.source.shape), written.chunks[flat_key(t.path)]))
+        for t in tensors
+    )
+    byte_items = ((flat_key(b.path), pickler.bytes_metadata()) for b in bytes_items)
+    storage = (
         (pickler.metadata_index(key, offsets, index if offsets is not None else None), pickler.storage_info(name, offset, length))
         for key, offsets, index, name, offset, length in written.storage
-    ]
+    )
     planner_data = {flat_key(t.path): t.path for t in tensors} | {flat_key(b.path): b.path for b in bytes_items}
-    return pickler.metadata(items, planner_data, storage)
+    return pickler.metadata(itertools.chain(tensor_items, byte_items), planner_data, storage)
 
 
 def torch_saved(value: object) -> bytes:
