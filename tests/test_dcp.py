@@ -69,7 +69,32 @@ def _train_and_save(root: str) -> dict:
             dcp.save(model_sd, checkpoint_id=f"{root}/llama-plain")
         with torch.no_grad():
             logits[name] = source.logits(model, PROBE).float()
+    logits["fsdp1"] = _fsdp1_train_and_save(root)
     return logits
+
+
+def _fsdp1_train_and_save(root: str):
+    """The GPT under FSDP1 (`FullyShardedDataParallel`, one unit per block, on CPU): two AdamW
+    steps, then its SHARDED_STATE_DICT and `FSDP.optim_state_dict` saved with dcp.save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    source = resolve(MODELS["gpt"])
+    model = source.build(seed=0)
+    model = FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy(set(source.unit_classes(model))), device_id=torch.device("cpu"), use_orig_params=True
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        source.logits(model, PROBE).float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict(), "optimizer": FullyShardedDataParallel.optim_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=f"{root}/fsdp1")
+    with torch.no_grad():
+        return source.logits(model, PROBE).float()
 
 
 @pytest.fixture(scope="module")
@@ -355,3 +380,45 @@ def test_convert_to_sharded_resumes(saved, tmp_path):
     report = json.loads(trained.stdout)
     assert report["resumed_from_step"] == 2 and report["steps"] == 3 and len(report["losses"]) == 1
     assert run_cli("convert", original, tmp_path / "x", "--to", "sharded", "--world-size", "3").exit_code == 2  # --model is needed
+
+
+def test_fsdp1_checkpoint(saved, tmp_path):
+    """A checkpoint of FSDP1's SHARDED_STATE_DICT: inspect and verify; --to full equals torch's
+    own reading and transformers' logits equal the FSDP1 model's; --to sharded resumes."""
+    root, logits = saved
+    original = root / "fsdp1"
+    reference = _torch_reference(original, tmp_path)
+    summary = json.loads(run_cli("inspect", original, "--json").stdout)
+    assert (summary["model_key"], summary["optimizer_key"]) == ("model", "optimizer")
+    assert summary["model"]["tensors"] == len(reference["model"])
+    assert summary["optimizer"]["tensors"] == sum(len(s) for s in reference["optimizer"]["state"].values())
+    assert json.loads(run_cli("verify", original, "--json").stdout)["ok"]
+    hf = tmp_path / "hf"
+    assert run_cli("convert", original, hf, "--to", "full", "--model", MODELS["gpt"]).exit_code == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(PROBE).logits.float(), logits["fsdp1"], atol=1e-5, rtol=1e-5)
+    sharded = tmp_path / "sharded"
+    result = run_cli("convert", original, sharded, "--to", "sharded", "--world-size", "2", "--model", MODELS["gpt"], "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["step"] == 2
+    assert run_cli("diff", original, sharded).exit_code == 0
+    trained = run_cli(
+        "train",
+        "--model",
+        MODELS["gpt"],
+        "--nproc-per-node",
+        "2",
+        "--resume",
+        sharded,
+        "--steps",
+        "3",
+        "--seq-len",
+        "16",
+        "--global-batch-size",
+        "4",
+        "--json",
+    )
+    assert trained.exit_code == 0, trained.output
+    report = json.loads(trained.stdout)
+    assert report["resumed_from_step"] == 2 and len(report["losses"]) == 1
