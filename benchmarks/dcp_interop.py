@@ -17,6 +17,9 @@ from `wait4`):
   reshard to 4 against the original (DCP reshards as it loads): the load time of rank 0.
 
 Reported: median and range over `--repeat` rounds, and the ratios per round (median, range).
+Disk: the source, its reshard to 4 and one output at a time (torch's `.pt` and safetensors the
+largest, about 1.4x the source): free space is checked before and after the set-up, and each
+output is deleted once measured.
 """
 
 from __future__ import annotations
@@ -105,6 +108,19 @@ def measure_rss(command: list[str]) -> dict:
     return {"seconds": time.perf_counter() - start, "peak_rss": usage.ru_maxrss * 1024}
 
 
+def check_free(work: Path, needed: int, what: str) -> None:
+    free = shutil.disk_usage(work).free
+    print(f"free disk at {work}: {free / 1e9:.1f} GB ({what} needs about {needed / 1e9:.1f} GB)", file=sys.stderr)
+    if free < needed:
+        raise SystemExit(f"not enough free disk at {work}: {free / 1e9:.1f} GB, {what} needs about {needed / 1e9:.1f} GB (use --work)")
+
+
+def clear(work: Path) -> None:
+    for leftover in ("full", "torch.pt", "torch.safetensors", "re", "sh", "copy"):
+        path = work / leftover
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
 def torchrun(nproc: int, script: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
 
@@ -136,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="gpt2-medium")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--reshard-to", type=int, default=64)
+    parser.add_argument("--expect-gb", type=float, default=5.0, help="Free disk needed for the set-up's checkpoint (gpt2-medium: 4.5).")
     parser.add_argument("--work", type=Path, default=None, help="Scratch directory (default: a temporary one, removed).")
     args = parser.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="dcp-interop-"))
@@ -144,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, text in (("save.py", SAVE), ("load.py", LOAD), ("torch_full.py", TORCH_TO_FULL)):
             (work / name).write_text(text)
         src = work / "dcp"
+        check_free(work, args.expect_gb * 1e9, "the DCP checkpoint")
         run(torchrun(2, work / "save.py", args.model, str(src)))
         size = sum(f.stat().st_size for f in src.iterdir())
+        check_free(work, int(2.6 * size), "a reshard and the largest output")
         print(
             f"{args.model}: DCP from FSDP2 at 2 ranks, {size / 1e9:.2f} GB, {args.repeat} rounds (measured on a loaded machine)",
             file=sys.stderr,
@@ -170,20 +189,20 @@ def main(argv: list[str] | None = None) -> int:
             ],
             "cp -r": ["/bin/cp", "-r", str(src), str(work / "copy")],
         }
+        load_at_start = os.getloadavg()
         loads = {"FSDP2 load at 4 from fsdpkit reshard": r4, "FSDP2 load at 4 from original": src}
         results: dict[str, list[dict]] = {name: [] for name in [*commands, *loads]}
         names = list(results)
         for round_ in range(args.repeat):
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-                for leftover in ("full", "torch.pt", "torch.safetensors", "re", "sh", "copy"):
-                    path = work / leftover
-                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
                 if name in commands:
                     results[name].append(measure_rss(commands[name]))
                 else:
                     out = run(torchrun(4, work / "load.py", args.model, str(loads[name])))
                     results[name].append({"seconds": json.loads(out.strip().splitlines()[-1])["load_seconds"], "peak_rss": 0})
+                clear(work)
         report(results, args.reshard_to)
+        print(f"load average (1, 5, 15 min) at the start {load_at_start}, at the end {os.getloadavg()}")
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
