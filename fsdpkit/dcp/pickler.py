@@ -1,13 +1,15 @@
 """DCP's `.metadata` pickle, written without torch.
 
 A pickle is a byte stream of opcodes; the globals it names are only looked up when it is
-loaded. `metadata_pickle` emits (protocol 2) exactly the objects torch 2.13's
+loaded. `metadata` emits (protocol 2) exactly the objects torch 2.13's
 `FileSystemWriter` pickles: `Metadata`, `TensorStorageMetadata`, `ChunkStorageMetadata`,
 `BytesStorageMetadata`, `MetadataIndex` (dataclasses: `copyreg.__newobj__` + their `__dict__`),
 `TensorProperties` (its `__getstate__` tuple), `_StorageInfo` (its `__dict__` without the
 None fields), `torch.Size`, dtypes (`torch.float32`), `torch.strided` and the contiguous memory
 format, so `pickle.load` in torch gives DCP's real classes and fsdpkit's allow-list unpickler
-reads it too. No memo: every object is written where it occurs.
+reads it too. No memo: every object is written where it occurs. The records of every chunk
+and storage entry (a million at a large world size) are pickled directly as `Raw` bytes, and
+made one at a time as they are written.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ _CHUNK = _new(_dcp("ChunkStorageMetadata")) + b"}(" + _text("offsets")
 _SIZES = _text("sizes")
 _INDEX = _new(_dcp("MetadataIndex")) + b"}(" + _text("fqn")
 _STORAGE = _new(Global(DCP_FILESYSTEM_MODULE, "_StorageInfo")) + b"}(" + _text("relative_path")
+_OFFSET, _INDEX_KEY, _LENGTH = _text("offset"), _text("index"), _text("length")
 
 
 def _size(values: tuple[int, ...]) -> bytes:
@@ -165,9 +168,6 @@ def metadata_index(fqn: str, offsets: tuple[int, ...] | None, index: int | None)
 
 def storage_info(relative_path: str, offset: int, length: int) -> Raw:
     return Raw(_STORAGE + _text(relative_path) + _OFFSET + _int(offset) + _LENGTH + _int(length) + b"ub")
-
-
-_OFFSET, _INDEX_KEY, _LENGTH = _text("offset"), _text("index"), _text("length")
 
 
 def metadata(items: Iterable[tuple[str, NewObject]], planner_data: dict, storage_data: Iterable[tuple[Raw, Raw]]) -> bytes:
