@@ -94,6 +94,7 @@ def test_dcp_output_metadata_is_dcps_own(tmp_path):
     """`.metadata` pickled without torch unpickles in torch to DCP's own classes, equal to what
     they give; torch's `dcp.load` reads every tensor and bytes item back."""
     import torch.distributed.checkpoint as dcp
+    from _checkpoint_helpers import run_cli
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -121,6 +122,14 @@ def test_dcp_output_metadata_is_dcps_own(tmp_path):
     loaded = {"model": {k: torch.zeros_like(v) for k, v in model.items()}, "extra": {"note": "", "steps": []}}
     dcp.load(loaded, checkpoint_id=tmp_path / "b", no_dist=True)
     assert all(torch.equal(loaded["model"][k], v) for k, v in model.items()) and loaded["extra"] == state["extra"]
+    for command in (
+        ("convert", tmp_path / "b", tmp_path / "full", "--to", "full"),
+        ("convert", tmp_path / "full", tmp_path / "c", "--to", "dcp", "--world-size", "2"),
+    ):
+        assert run_cli(*command).exit_code == 0
+    again = {"model": {k: torch.zeros_like(v) for k, v in model.items()}}
+    dcp.load(again, checkpoint_id=tmp_path / "c", no_dist=True)  # full safetensors -> DCP: raw byte ranges too
+    assert all(torch.equal(again["model"][k], v) for k, v in model.items())
 
 
 def _replace_chunks(directory, tensors: dict) -> None:
