@@ -7,9 +7,9 @@ loaded. `metadata` emits (protocol 2) exactly the objects torch 2.13's
 `TensorProperties` (its `__getstate__` tuple), `_StorageInfo` (its `__dict__` without the
 None fields), `torch.Size`, dtypes (`torch.float32`), `torch.strided` and the contiguous memory
 format, so `pickle.load` in torch gives DCP's real classes and fsdpkit's allow-list unpickler
-reads it too. No memo: every object is written where it occurs. The records of every chunk
-and storage entry (a million at a large world size) are pickled directly as `Raw` bytes, and
-made one at a time as they are written.
+reads it too. The records of every chunk and storage entry (a million at a large world size)
+are pickled directly as `Raw` bytes, made one at a time as they are written; the globals and
+keys they repeat are memoized once.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _emit(value: Any, out: bytearray) -> None:
 
 
 def dumps(value: Any) -> bytes:
-    out = bytearray(b"\x80\x02")
+    out = bytearray(b"\x80\x02" + _PRELUDE)
     _emit(value, out)
     out += b"."
     return bytes(out)
@@ -130,16 +130,22 @@ def _dcp(name: str) -> Global:
     return Global(DCP_METADATA_MODULE, name)
 
 
-def _new(cls: Global) -> bytes:
-    return f"c{cls.module}\n{cls.name}\n".encode() + b")\x81"
-
-
-_SIZE = b"ctorch\nSize\n"
-_CHUNK = _new(_dcp("ChunkStorageMetadata")) + b"}(" + _text("offsets")
-_SIZES = _text("sizes")
-_INDEX = _new(_dcp("MetadataIndex")) + b"}(" + _text("fqn")
-_STORAGE = _new(Global(DCP_FILESYSTEM_MODULE, "_StorageInfo")) + b"}(" + _text("relative_path")
-_OFFSET, _INDEX_KEY, _LENGTH = _text("offset"), _text("index"), _text("length")
+# The globals and keys every chunk and storage entry repeats: put in pickle's memo once, at
+# the start of the stream (pushed, memoized, popped), then fetched by their memo index.
+_REPEATED = [
+    b"ctorch\nSize\n",
+    f"c{DCP_METADATA_MODULE}\nChunkStorageMetadata\n".encode(),
+    f"c{DCP_METADATA_MODULE}\nMetadataIndex\n".encode(),
+    f"c{DCP_FILESYSTEM_MODULE}\n_StorageInfo\n".encode(),
+    *(_text(key) for key in ("offsets", "sizes", "fqn", "relative_path", "offset", "index", "length")),
+]
+_PRELUDE = b"".join(item + b"q" + bytes([i]) + b"0" for i, item in enumerate(_REPEATED))
+_SIZE, _CHUNK_CLS, _INDEX_CLS, _STORAGE_CLS, _OFFSETS, _SIZES, _FQN, _PATH, _OFFSET, _INDEX_KEY, _LENGTH = (
+    b"h" + bytes([i]) for i in range(len(_REPEATED))
+)
+_CHUNK = _CHUNK_CLS + b")\x81}(" + _OFFSETS
+_INDEX = _INDEX_CLS + b")\x81}(" + _FQN
+_STORAGE = _STORAGE_CLS + b")\x81}(" + _PATH
 
 
 def _size(values: tuple[int, ...]) -> bytes:
