@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from ..checkpoint.export import HfExport
 from ..errors import UsageError
@@ -42,6 +43,26 @@ def no_unit_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     return ()  # the wrap policy's ModuleList rule: each element of every nn.ModuleList
 
 
+class InitSkippedOnMeta(TorchFunctionMode):
+    """Initialisers (`torch.nn.init.*`, `Tensor.normal_` and the like) do nothing to meta
+    tensors: there are no values to set, and torch runs them on meta through its Python
+    decompositions, which import torch._dynamo (about 80 MB and a second of start-up)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INITIALISERS:
+            target = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
+_INITIALISERS = frozenset(
+    [getattr(nn.init, name) for name in nn.init.__all__ if name.endswith("_")]
+    + [getattr(torch.Tensor, name) for name in ("normal_", "uniform_", "fill_", "zero_", "random_", "exponential_")]
+)
+
+
 @dataclass(frozen=True)
 class ModelSource:
     spec: str
@@ -58,7 +79,11 @@ class ModelSource:
     def build(self, *, device: torch.device | str = "cpu", seed: int | None = None) -> nn.Module:
         """The model on `device` ("meta": nothing real), initialised from `seed` (default: the
         torch seed already set). The export recipe goes with it (the checkpoint records it)."""
-        model = self.make(device, seed)
+        if torch.device(device).type == "meta":
+            with InitSkippedOnMeta():
+                model = self.make(device, seed)
+        else:
+            model = self.make(device, seed)
         if not isinstance(model, nn.Module):
             raise UsageError(f"model factory {self.spec!r} returned {type(model).__name__}, not an nn.Module")
         if self.export is not None:
