@@ -15,11 +15,11 @@ Numbers are medians of repeated timings; a loaded machine gives a slower profile
 
 from __future__ import annotations
 
-import functools
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,51 +55,152 @@ def peak_flops() -> float:
 
 
 def memory_bandwidth() -> float:
-    source = torch.empty(32 * 1024**2 // 4)
+    source = torch.empty(256 * 1024**2 // 4)  # well beyond the caches
     target = torch.empty_like(source)
     return 2 * source.numel() * 4 / _median_seconds(lambda: target.copy_(source))
 
 
-def compute_line(request: PlanRequest, batches: tuple[int, int], bytes_per_second: float) -> tuple[float, float, int]:
-    """(intercept s, s per FLOP, units) of the engine's forward+backward on one in-process rank,
-    less the time its other operators take to move their bytes at `bytes_per_second`."""
+def many_narrow_units():
+    """A calibration model: 16 blocks of 96 wide (the cost per unit and per tensor shows)."""
+    from .models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=16, n_head=2, n_embd=96))
+
+
+def few_wide_units():
+    """A calibration model: 2 blocks of 512 wide (the cost per parameter byte shows)."""
+    from .models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=4, n_embd=512))
+
+
+CALIBRATION_MODELS = ("fsdpkit.calibrate:many_narrow_units", "fsdpkit.calibrate:few_wide_units")
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One model's measured step on one in-process rank, with what the step-time model charges."""
+
+    flops: float  # forward + backward
+    memory_s: float  # the other operators' bytes at the memory bandwidth
+    ops: int  # operators dispatched
+    unit_passes: int  # units x 2 (a forward and a backward each)
+    param_bytes: float  # the unsharded parameters x 2 passes
+    forward_backward_s: float
+    tensors: int  # parameter tensors the optimizer steps over
+    optimizer_memory_s: float  # the optimizer's minimal bytes at the memory bandwidth
+    optimizer_s: float
+
+
+@dataclass(frozen=True)
+class ComputeTerms:
+    seconds_per_flop: float
+    op_overhead_s: float
+    unit_overhead_s: float
+    seconds_per_param_byte: float
+    optimizer_tensor_s: float
+    optimizer_passes: float
+
+
+def fit_nonnegative(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Least-squares coefficients of ys against the columns of rows, none negative: a column
+    whose coefficient comes out negative is dropped (coefficient 0) and the rest refitted."""
+    active = list(range(len(rows[0])))
+    while active:
+        a = torch.tensor([[row[j] for j in active] for row in rows], dtype=torch.float64)
+        scale = a.abs().amax(dim=0).clamp(min=1e-300)
+        b = torch.tensor(list(ys), dtype=torch.float64).unsqueeze(1)
+        solution = (torch.linalg.lstsq(a / scale, b, driver="gelsd").solution.squeeze(1) / scale).tolist()
+        if min(solution) >= 0:
+            coefficients = [0.0] * len(rows[0])
+            for j, value in zip(active, solution, strict=True):
+                coefficients[j] = value
+            return coefficients
+        active.pop(solution.index(min(solution)))
+    return [0.0] * len(rows[0])
+
+
+def compute_terms(samples: Sequence[StepSample]) -> ComputeTerms:
+    """The compute terms of the profile, fitted over every sample (several models and batch sizes)."""
+    per_flop, per_op, per_unit, per_byte = fit_nonnegative(
+        [(s.flops, s.ops, s.unit_passes, s.param_bytes) for s in samples], [s.forward_backward_s - s.memory_s for s in samples]
+    )
+    per_tensor, extra_passes = fit_nonnegative(
+        [(s.tensors, s.optimizer_memory_s) for s in samples], [s.optimizer_s - s.optimizer_memory_s for s in samples]
+    )
+    return ComputeTerms(per_flop, per_op, per_unit, per_byte, per_tensor, 1.0 + extra_passes)
+
+
+def measure_steps(request: PlanRequest, specs: Sequence[str], batches: tuple[int, ...], bytes_per_second: float) -> list[StepSample]:
+    """The engine's training step (forward, backward, AdamW) of each model at each batch on one
+    in-process rank; the models and batches take turns, so that load from other processes falls
+    on all of them alike."""
     import torch.distributed as dist
 
-    from .engine.api import shard
-    from .engine.plan import plan_units
-    from .flops import unit_work
-    from .models.source import resolve
-    from .train.model_setup import wrap_policy
-
-    source = resolve(request.model)
-    seq_len = request.config.data.seq_len
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        torch.manual_seed(0)
-        model = source.build(device="cpu", seed=0)
-        policy = wrap_policy(request.config.model, source, model)
-        meta = source.build(device="meta", seed=0)
-        plans = plan_units(meta, policy)
-        work = unit_work(source, plans, 1, seq_len)
-        per_sequence = sum(w.forward_flops + w.backward_flops for w in work)
-        moved = sum(w.forward_bytes + w.backward_bytes for w in work) / bytes_per_second
-        model = shard(model, request.sharding, wrap=policy, device="cpu")
-        flops: list[float] = []
-        seconds: list[float] = []
-        for batch in batches:
-            tokens = torch.randint(0, 256, (batch, seq_len + 1))
-
-            flops.append(float(per_sequence * batch))
-            seconds.append(_median_seconds(functools.partial(_forward_backward, source, model, tokens)) - moved * batch)
+        runs = [_ModelRun(request, spec, bytes_per_second) for spec in specs]
+        cases = [(run, batch) for run in runs for batch in batches]
+        timings: list[list[tuple[float, float]]] = [[] for _ in cases]
+        for round_index in range(REPEATS + 1):
+            for case, (run, batch) in enumerate(cases):
+                timing = run.step(batch)
+                if round_index:  # the first round warms up
+                    timings[case].append(timing)
+        return [run.sample(batch, timing) for (run, batch), timing in zip(cases, timings, strict=True)]
     finally:
         dist.destroy_process_group()
-    intercept, slope = _line(flops, seconds)
-    return max(intercept, 0.0), slope, len(plans)
 
 
-def _forward_backward(source, model, tokens: torch.Tensor) -> None:
-    logits = source.logits(model, tokens[:, :-1])
-    F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+class _ModelRun:
+    """One model sharded by the engine on one rank, with AdamW, and what the model charges per step."""
+
+    def __init__(self, request: PlanRequest, spec: str, bytes_per_second: float) -> None:
+        from .engine.api import shard
+        from .engine.plan import plan_units
+        from .flops import unit_work
+        from .models.source import resolve
+        from .time_plan import OPTIMIZER_TRAFFIC
+        from .train.config import Optimizer
+        from .train.model_setup import wrap_policy
+
+        self.source = resolve(spec)
+        self.seq_len = request.config.data.seq_len
+        self.bytes_per_second = bytes_per_second
+        torch.manual_seed(0)
+        model = self.source.build(device="cpu", seed=0)
+        policy = wrap_policy(request.config.model, self.source, model)
+        self.plans = plan_units(self.source.build(device="meta", seed=0), policy)
+        self.work = unit_work(self.source, self.plans, 1, self.seq_len)
+        self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.optimizer_bytes = self.numel * OPTIMIZER_TRAFFIC[Optimizer.ADAMW]
+        self.model = shard(model, request.sharding, wrap=policy, device="cpu")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def step(self, batch: int) -> tuple[float, float]:
+        """Seconds of (forward + backward, optimizer step)."""
+        tokens = torch.randint(0, 256, (batch, self.seq_len + 1))
+        start = time.perf_counter()
+        logits = self.source.logits(self.model, tokens[:, :-1])
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        middle = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return middle - start, time.perf_counter() - middle
+
+    def sample(self, batch: int, timings: list[tuple[float, float]]) -> StepSample:
+        work = self.work
+        return StepSample(
+            flops=float(batch * sum(w.forward_flops + w.backward_flops for w in work)),
+            memory_s=batch * sum(w.forward_bytes + w.backward_bytes for w in work) / self.bytes_per_second,
+            ops=sum(w.forward_ops + w.backward_ops for w in work),
+            unit_passes=2 * len(self.plans),
+            param_bytes=2.0 * self.numel * 4,
+            forward_backward_s=statistics.median(t[0] for t in timings),
+            tensors=sum(param.requires_grad for plan in self.plans for param in plan.params),
+            optimizer_memory_s=self.optimizer_bytes / self.bytes_per_second,
+            optimizer_s=statistics.median(t[1] for t in timings),
+        )
 
 
 def network_line(ranks: int) -> tuple[float, float]:
@@ -130,17 +231,19 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] 
     try:
         peak = peak_flops()
         bandwidth_memory = memory_bandwidth()
-        intercept, seconds_per_flop, units = compute_line(request, batches, bandwidth_memory)
+        specs = (request.model, *(spec for spec in CALIBRATION_MODELS if spec != request.model))
+        terms = compute_terms(measure_steps(request, specs, batches, bandwidth_memory))
     finally:
         torch.set_num_threads(threads)
     latency, bandwidth = network_line(ranks)
     bandwidth_gbs = bandwidth / 1e9
     return Hardware(
         name="calibrated",
-        source=f"measured by fsdpkit plan --calibrate on this machine ({request.model}, {ranks} gloo ranks)",
+        source=f"measured by fsdpkit plan --calibrate on this machine ({', '.join(specs)}; {ranks} gloo ranks)",
         peak_tflops={"fp32": peak / 1e12},
-        efficiency=min(1.0, 1.0 / seconds_per_flop / peak) if seconds_per_flop > 0 else 1.0,
-        unit_overhead_s=intercept / (2 * units),
+        efficiency=min(1.0, 1.0 / terms.seconds_per_flop / peak) if terms.seconds_per_flop > 0 else 1.0,
+        unit_overhead_s=terms.unit_overhead_s,
+        op_overhead_s=terms.op_overhead_s,
         memory_gb=_memory_gb(),
         memory_bw_gbs=bandwidth_memory / 1e9,
         ranks_per_node=1024,
@@ -150,7 +253,10 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] 
         inter_latency_s=latency,
         host_bw_gbs=bandwidth_memory / 1e9,
         overlap=False,
-        compute_slots=os.cpu_count() or 1,
+        compute_slots=len(os.sched_getaffinity(0)),
+        param_passes=terms.seconds_per_param_byte * bandwidth_memory,
+        optimizer_tensor_s=terms.optimizer_tensor_s,
+        optimizer_passes=terms.optimizer_passes,
     )
 
 

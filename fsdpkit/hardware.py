@@ -37,11 +37,15 @@ class Hardware:
     host_bw_gbs: float = 25.0  # host <-> device copies (CPU offload)
     overlap: bool = True  # communication runs beside compute (False: the two share the same cores)
     compute_slots: int = 0  # ranks of a node that compute at full speed at once (CPU: its cores); 0: every rank has its own device
+    op_overhead_s: float = 0.0  # fixed time per operator dispatched (eager dispatch, autograd, kernel launch)
+    param_passes: float = 0.0  # times each forward or backward moves its unit's unsharded parameters at memory bandwidth
+    optimizer_tensor_s: float = 0.0  # fixed time per parameter tensor of the optimizer step (a per-tensor loop)
+    optimizer_passes: float = 1.0  # the optimizer's memory traffic in units of its minimum (AdamW: 28 bytes per element)
 
     def __post_init__(self) -> None:
-        for key in ("efficiency", "memory_gb", "memory_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "host_bw_gbs"):
+        for key in ("efficiency", "optimizer_passes", "memory_gb", "memory_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "host_bw_gbs"):
             _positive(self.name, key, getattr(self, key))
-        for key in ("unit_overhead_s", "intra_latency_s", "inter_latency_s"):
+        for key in ("unit_overhead_s", "intra_latency_s", "inter_latency_s", "op_overhead_s", "param_passes", "optimizer_tensor_s"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise UsageError(f"hardware {self.name!r}: {key} must be a number >= 0, got {value!r}")
@@ -60,7 +64,9 @@ class Hardware:
         return self.peak_tflops.get(dtype, self.peak_tflops["fp32"]) * 1e12
 
     def compute_share(self, ranks_per_node: int) -> float:
-        """How many times slower a rank computes when `ranks_per_node` ranks share the node."""
+        """How many times slower a rank computes when `ranks_per_node` ranks share the node's
+        `compute_slots` cores. Without overlap a collective's work (gloo's transfer threads)
+        runs on the same cores and slows alike."""
         return max(1.0, ranks_per_node / self.compute_slots) if self.compute_slots else 1.0
 
     def link(self, group_size: int, ranks_per_node: int) -> tuple[float, float]:

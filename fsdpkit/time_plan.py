@@ -116,6 +116,8 @@ def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_
             backward_flops=work.backward_flops * batch,
             forward_bytes=work.forward_bytes * batch * compute_bytes // costs.master_bytes,
             backward_bytes=work.backward_bytes * batch * compute_bytes // costs.master_bytes,
+            forward_ops=work.forward_ops,
+            backward_ops=work.backward_ops,
             traffic=unit_traffic(
                 padded_numel=size.padded_numel,
                 chunk_numel=size.chunk_numel,
@@ -126,6 +128,7 @@ def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_
                 replicas=world // factor,
                 trainable=size.trainable,
             ),
+            param_bytes=size.padded_numel * compute_bytes,
             shard_bytes=size.chunk_numel * size.master_bytes,
         )
         for size, work in zip(sizes, costs.work_per_sequence, strict=True)
@@ -140,6 +143,7 @@ def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_
         no_sync=data.no_sync,
         compute_dtype="fp32" if precision == "none" else precision,
         optimizer_bytes=sum(size.local_numel for size in sizes if size.trainable) * OPTIMIZER_TRAFFIC[request.optimizer],
+        optimizer_tensors=sum(param.requires_grad for plan in costs.plans for param in plan.params),
         flags=flags_collective(sum(len(plan.params) for plan in costs.plans), world),
         tokens_per_step=data.global_batch_size * data.seq_len,
     )
