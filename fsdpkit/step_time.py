@@ -155,7 +155,8 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
             again = 1.0 if policy.activation_checkpointing else 0.0
             streams.run(
                 _pass_seconds(
-                    unit.backward_flops + again * unit.forward_flops, unit.backward_bytes + again * unit.forward_bytes,
+                    unit.backward_flops + again * unit.forward_flops,
+                    unit.backward_bytes + again * unit.forward_bytes,
                     unit.backward_ops + again * unit.forward_ops,
                     (1 + again) * unit.param_bytes,
                     setup,

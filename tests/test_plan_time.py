@@ -5,6 +5,7 @@ event order against the engine's, and bad hardware files / impossible configurat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
 import fsdpkit
+from fsdpkit.calibrate import StepSample, compute_terms, fit_nonnegative
 from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
 from fsdpkit.hardware import BUILT_IN, Hardware, to_toml
 from fsdpkit.memory_plan import PlanRequest
@@ -157,6 +159,88 @@ def test_without_communication_the_step_is_the_compute_time():
     assert time.compute_s == pytest.approx(expected, rel=1e-6, abs=1e-9)
     assert time.exposed_comm_s == pytest.approx(0.0, abs=1e-9)
     assert time.comm_bytes["all_gather"] > 0  # the bytes are still counted
+
+
+def test_per_operator_parameter_and_optimizer_terms_add_what_they_say():
+    request = _request(1, {"sharding": {"strategy": "full"}})
+    costs = model_costs(request)
+    base = Hardware(
+        name="base",
+        source="test",
+        peak_tflops={"fp32": 2.0},
+        efficiency=0.5,
+        unit_overhead_s=1e-4,
+        memory_gb=1,
+        memory_bw_gbs=3.0,
+        ranks_per_node=1,
+        intra_bw_gbs=1.0,
+        intra_latency_s=0.0,
+        inter_bw_gbs=1.0,
+        inter_latency_s=0.0,
+    )
+    terms = dataclasses.replace(base, op_overhead_s=2e-6, param_passes=3.0, optimizer_tensor_s=5e-6, optimizer_passes=2.5)
+    before, after = predict(request, base, costs).time, predict(request, terms, costs).time
+    # one rank, 8 sequences: every unit's forward and backward once, its full fp32 parameters
+    # 3 times per pass at 3 GB/s; the optimizer 1.5 more times its 28 bytes per element
+    numel = sum(p.numel() for p in resolve("gpt-tiny").build(device="meta").parameters())
+    ops = sum(work.forward_ops + work.backward_ops for work in costs.work_per_sequence)
+    tensors = sum(len(plan.params) for plan in costs.plans)
+    assert ops > 0 and tensors == len(list(resolve("gpt-tiny").build(device="meta").parameters()))
+    added = ops * 2e-6 + 2 * 3.0 * numel * 4 / 3e9 + tensors * 5e-6 + 1.5 * numel * 28 / 3e9
+    assert after.step_time_s - before.step_time_s == pytest.approx(added, rel=1e-6)
+
+
+def test_ranks_beyond_the_cores_slow_compute_and_collectives_by_ranks_over_cores():
+    request = _request(4, {"sharding": {"strategy": "full"}})
+    costs = model_costs(request)
+    cpu = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, param_passes=2.0, optimizer_tensor_s=1e-5)
+    enough = predict(request, cpu, costs, per_node=4).time
+    shared = predict(request, dataclasses.replace(cpu, compute_slots=1), costs, per_node=4).time
+    assert not cpu.overlap and enough.comm_s > 0
+    assert shared.step_time_s == pytest.approx(4 * enough.step_time_s, rel=1e-9)
+    assert shared.comm_s == pytest.approx(4 * enough.comm_s, rel=1e-9)
+    # with overlap (a GPU's own copy engines) the collectives do not slow
+    overlapping = dataclasses.replace(cpu, overlap=True)
+    alone = predict(request, overlapping, costs, per_node=4).time
+    crowded = predict(request, dataclasses.replace(overlapping, compute_slots=2), costs, per_node=4).time
+    assert crowded.comm_s == pytest.approx(alone.comm_s, rel=1e-9) and crowded.compute_s == pytest.approx(2 * alone.compute_s, rel=1e-9)
+
+
+def test_calibration_fit_recovers_known_coefficients():
+    per_flop, per_op, per_unit, per_byte, per_tensor, passes = 2e-11, 3e-6, 4e-4, 5e-10, 2e-5, 2.5
+    samples = []
+    # three models (flops per sequence, ops, units, parameter bytes, tensors) at two batch sizes
+    for flops, ops, units, params, tensors in ((1e9, 900, 5, 1.3e7, 52), (5e8, 4000, 17, 5e6, 196), (3e9, 400, 3, 2.6e7, 28)):
+        for batch in (1, 4):
+            optimizer_memory = params / 4 * 28 / 2e10
+            samples.append(
+                StepSample(
+                    flops=flops * batch,
+                    memory_s=1e-3 * batch,
+                    ops=ops,
+                    unit_passes=2 * units,
+                    param_bytes=2 * params,
+                    forward_backward_s=1e-3 * batch
+                    + flops * batch * per_flop
+                    + ops * per_op
+                    + 2 * units * per_unit
+                    + 2 * params * per_byte,
+                    tensors=tensors,
+                    optimizer_memory_s=optimizer_memory,
+                    optimizer_s=optimizer_memory * passes + tensors * per_tensor,
+                )
+            )
+    terms = compute_terms(samples)
+    assert terms.seconds_per_flop == pytest.approx(per_flop, rel=1e-6)
+    assert terms.op_overhead_s == pytest.approx(per_op, rel=1e-6)
+    assert terms.unit_overhead_s == pytest.approx(per_unit, rel=1e-6)
+    assert terms.seconds_per_param_byte == pytest.approx(per_byte, rel=1e-6)
+    assert terms.optimizer_tensor_s == pytest.approx(per_tensor, rel=1e-6)
+    assert terms.optimizer_passes == pytest.approx(passes, rel=1e-6)
+    # a term the timings do not contain comes out zero, not negative
+    flat = [dataclasses.replace(s, forward_backward_s=s.memory_s + s.flops * per_flop) for s in samples]
+    assert compute_terms(flat).op_overhead_s == pytest.approx(0.0, abs=1e-12)
+    assert min(fit_nonnegative([(1.0, 1.0), (2.0, 1.0), (3.0, 1.0)], [1.0, 0.0, -1.0])) >= 0
 
 
 def test_prefetch_hides_communication_and_hybrid_wins_across_nodes():
