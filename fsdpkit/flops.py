@@ -60,6 +60,7 @@ _CPU_ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
 }
+_ATTENTION = {op for op in _COUNTED_AS_FLOPS if "attention" in str(op)}
 _NOT_RUN = {aten._unsafe_view, aten.alias, aten.detach, aten.lift_fresh}
 _NOT_MOVING = _COUNTED_AS_FLOPS | _NOT_RUN
 
@@ -72,6 +73,7 @@ class UnitWork:
     backward_bytes: int
     forward_ops: int = 0  # operators dispatched (independent of the batch)
     backward_ops: int = 0
+    forward_attention_flops: int = 0  # the part of forward_flops in attention kernels
 
 
 class _ByteCounter(TorchDispatchMode):
@@ -117,8 +119,10 @@ def _per_module(source: ModelSource, model: nn.Module, shape: tuple[int, int], *
         logits = source.logits(model, tokens[:, :-1])
         if backward:
             F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    flops = {name: sum(by_op.values()) for name, by_op in counter.get_flop_counts().items()}
-    return [_by_member(model, counts) for counts in (flops, traffic.bytes, traffic.ops)]
+    by_module = counter.get_flop_counts().items()
+    flops = {name: sum(by_op.values()) for name, by_op in by_module}
+    attention = {name: sum(n for op, n in by_op.items() if op in _ATTENTION) for name, by_op in by_module}
+    return [_by_member(model, counts) for counts in (flops, traffic.bytes, traffic.ops, attention)]
 
 
 def _by_member(model: nn.Module, counts: dict[str, int]) -> dict[str, int]:
@@ -161,6 +165,6 @@ def unit_work(source: ModelSource, plans: Sequence[UnitPlan], batch: int, seq_le
         forward = [_exclusive(plans, counts) for counts in _per_module(source, model, shape, backward=False)]
         total = [_exclusive(plans, counts) for counts in _per_module(source, model, shape, backward=True)]
     return [
-        UnitWork(ff, tf - ff, fb, tb - fb, fo, to - fo)
-        for ff, tf, fb, tb, fo, to in zip(forward[0], total[0], forward[1], total[1], forward[2], total[2], strict=True)
+        UnitWork(ff, tf - ff, fb, tb - fb, fo, to - fo, fa)
+        for ff, fb, fo, tf, tb, to, fa in zip(*forward[:3], *total[:3], forward[3], strict=True)
     ]

@@ -126,6 +126,10 @@ def to_toml(hardware: Hardware, header: str) -> str:
 
 _NVIDIA_A100 = "NVIDIA A100 datasheet (dense TF32 156 / BF16 312 TFLOPS, HBM 1.6-2.0 TB/s)"
 _NVIDIA_H100 = "NVIDIA H100 SXM datasheet (dense BF16 989 TFLOPS, FP32 67, HBM3 3.35 TB/s)"
+_TORCHTITAN_H100 = (
+    "torchtitan docs/performance.md (Grand Teton hosts: H100 with 96 GB HBM2e at 2.4 TB/s, NVLink, 400 Gb/s RDMA per GPU, "
+    "500 W power limit, which the profile does not model); dense BF16 989 TFLOPS as the SXM part"
+)
 _NVIDIA_H200 = "NVIDIA H200 SXM datasheet (dense BF16 989 TFLOPS, HBM3e 4.8 TB/s, 141 GB)"
 _NCCL = (
     "nccl-tests on DGX: NVLink3 all-gather busbw ~230 GB/s, NVLink4 ~360 GB/s; across nodes NCCL runs one ring per NIC, "
@@ -160,6 +164,7 @@ def _built_in() -> dict[str, Hardware]:
             profiles[name] = _gpu(name, a100, memory, bandwidth, 230.0, ib, _NVIDIA_A100)
     hopper = {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0}
     profiles["h100-ib400"] = _gpu("h100-ib400", hopper, 80, 3350.0, 360.0, 400, _NVIDIA_H100)
+    profiles["h100-96gb-ib400"] = _gpu("h100-96gb-ib400", hopper, 96, 2400.0, 360.0, 400, _TORCHTITAN_H100)
     profiles["h200-ib400"] = _gpu("h200-ib400", hopper, 141, 4800.0, 360.0, 400, _NVIDIA_H200)
     profiles["cpu-gloo"] = Hardware(
         name="cpu-gloo",

@@ -24,6 +24,7 @@ stream waited for.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,12 +33,29 @@ from .engine.traffic import Collective, UnitTraffic
 from .hardware import Hardware
 
 
+class Recompute(enum.Enum):
+    """What the backward computes again of the forward (activation checkpointing)."""
+
+    NONE = "none"
+    FULL = "full"  # the whole forward: the engine's activation checkpointing
+    SELECTIVE = "selective"  # torchtitan's op-level policy: every operator but attention and every second matrix product
+
+    def of_forward(self, flops: float, attention_flops: float) -> tuple[float, float]:
+        """(fraction of the forward's operator bytes and count, FLOPs) recomputed."""
+        if self is Recompute.FULL:
+            return 1.0, flops
+        if self is Recompute.SELECTIVE:
+            return 1.0, (flops - attention_flops) / 2
+        return 0.0, 0.0
+
+
 @dataclass(frozen=True)
 class UnitCost:
     name: str
     trainable: bool
     forward_flops: float  # one micro-batch on one rank
     backward_flops: float
+    forward_attention_flops: float  # the part of forward_flops in attention kernels
     forward_bytes: float  # memory the other operators move (bound by memory bandwidth)
     backward_bytes: float
     forward_ops: int  # operators dispatched
@@ -60,6 +78,13 @@ class StepSetup:
     optimizer_tensors: int = 0  # parameter tensors the optimizer steps over on this rank
     flags: Collective | None = None  # the used-parameter flags of a synced backward
     tokens_per_step: int = 0  # over every rank
+    recompute: Recompute | None = None  # None: as the policy checkpoints (FULL or NONE)
+
+    @property
+    def recomputes(self) -> Recompute:
+        if self.recompute is not None:
+            return self.recompute
+        return Recompute.FULL if self.policy.activation_checkpointing else Recompute.NONE
 
 
 @dataclass(frozen=True)
@@ -152,10 +177,10 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
         elif event.op is Op.FORWARD and unit is not None:
             streams.run(_pass_seconds(unit.forward_flops, unit.forward_bytes, unit.forward_ops, unit.param_bytes, setup))
         elif event.op is Op.BACKWARD and unit is not None:
-            again = 1.0 if policy.activation_checkpointing else 0.0
+            again, flops = setup.recomputes.of_forward(unit.forward_flops, unit.forward_attention_flops)
             streams.run(
                 _pass_seconds(
-                    unit.backward_flops + again * unit.forward_flops,
+                    unit.backward_flops + flops,
                     unit.backward_bytes + again * unit.forward_bytes,
                     unit.backward_ops + again * unit.forward_ops,
                     (1 + again) * unit.param_bytes,
@@ -186,7 +211,7 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
     streams.run(optimizer * hardware.compute_share(setup.ranks_per_node))
     step = max(streams.compute, streams.comm)
     flops = setup.micro_batches * sum(unit.forward_flops + unit.backward_flops for unit in units)
-    recomputed = setup.micro_batches * sum(unit.forward_flops for unit in units) if setup.policy.activation_checkpointing else 0.0
+    recomputed = setup.micro_batches * sum(setup.recomputes.of_forward(u.forward_flops, u.forward_attention_flops)[1] for u in units)
     peak = hardware.peak_flops(setup.compute_dtype)
     return StepTime(
         step_time_s=step,

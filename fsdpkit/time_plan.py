@@ -20,7 +20,7 @@ from .errors import UsageError
 from .flops import UnitWork
 from .hardware import Hardware
 from .memory_plan import MemoryPlan, PlanRequest, plan_from_sizes, unit_sizes
-from .step_time import StepSetup, StepTime, UnitCost, simulate
+from .step_time import Recompute, StepSetup, StepTime, UnitCost, simulate
 from .train.config import Optimizer, precision_names
 
 # Bytes the optimizer step reads and writes per element: AdamW reads the parameter, its
@@ -97,8 +97,11 @@ def micro_batch(request: PlanRequest) -> int:
     return data.global_batch_size // (request.world_size * data.grad_accum)
 
 
-def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_node: int | None = None) -> StepPrediction:
-    """The step of `request` on `hardware`, with `per_node` ranks per node (default: the profile's)."""
+def predict(
+    request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_node: int | None = None, recompute: Recompute | None = None
+) -> StepPrediction:
+    """The step of `request` on `hardware`, with `per_node` ranks per node (default: the profile's).
+    `recompute` charges a checkpointing the engine does not run (None: what the request runs)."""
     sharding, data = request.sharding, request.config.data
     world = request.world_size
     factor = sharding.shard_factor(world)
@@ -114,6 +117,7 @@ def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_
             trainable=size.trainable,
             forward_flops=work.forward_flops * batch,
             backward_flops=work.backward_flops * batch,
+            forward_attention_flops=work.forward_attention_flops * batch,
             forward_bytes=work.forward_bytes * batch * compute_bytes // costs.master_bytes,
             backward_bytes=work.backward_bytes * batch * compute_bytes // costs.master_bytes,
             forward_ops=work.forward_ops,
@@ -146,6 +150,7 @@ def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_
         optimizer_tensors=sum(param.requires_grad for plan in costs.plans for param in plan.params),
         flags=flags_collective(sum(len(plan.params) for plan in costs.plans), world),
         tokens_per_step=data.global_batch_size * data.seq_len,
+        recompute=recompute,
     )
     memory = plan_from_sizes(sizes, request, num_params=costs.num_params)
     return StepPrediction(request, hardware, per_node, batch, memory, simulate(units, setup))
