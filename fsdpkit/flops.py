@@ -8,6 +8,9 @@ the meta device falls back to), for its forward and its backward:
             bandwidth, not by the FLOP rate. Views move nothing and are not counted.
     ops     the operators dispatched (matrix products too, views not): eager PyTorch pays a
             fixed cost for each (dispatch, autograd bookkeeping, a kernel launch)
+    activations  the bytes the forward's operators write (an upper bound of what autograd
+            keeps for the backward), and the floating-point inputs of each unit (what
+            activation checkpointing keeps instead)
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ class UnitWork:
     forward_ops: int = 0  # operators dispatched (independent of the batch)
     backward_ops: int = 0
     forward_attention_flops: int = 0  # the part of forward_flops in attention kernels
+    activation_bytes: int = 0  # written by the forward's operators
+    input_bytes: int = 0  # the unit's floating-point inputs
 
 
 class _ByteCounter(TorchDispatchMode):
@@ -84,6 +89,7 @@ class _ByteCounter(TorchDispatchMode):
         self.tracker = ModuleTracker()
         self.bytes: dict[str, int] = defaultdict(int)
         self.ops: dict[str, int] = defaultdict(int)
+        self.written: dict[str, int] = defaultdict(int)
 
     def __enter__(self) -> _ByteCounter:
         self.tracker.__enter__()
@@ -98,8 +104,10 @@ class _ByteCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.is_view or func.overloadpacket in _NOT_RUN or func.namespace == "prim":
             return out
+        written = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         for parent in set(self.tracker.parents):
             self.ops[parent] += 1
+            self.written[parent] += written
         if func.overloadpacket in _COUNTED_AS_FLOPS:
             return out
         if func.overloadpacket is aten.embedding:
@@ -122,7 +130,7 @@ def _per_module(source: ModelSource, model: nn.Module, shape: tuple[int, int], *
     by_module = counter.get_flop_counts().items()
     flops = {name: sum(by_op.values()) for name, by_op in by_module}
     attention = {name: sum(n for op, n in by_op.items() if op in _ATTENTION) for name, by_op in by_module}
-    return [_by_member(model, counts) for counts in (flops, traffic.bytes, traffic.ops, attention)]
+    return [_by_member(model, counts) for counts in (flops, traffic.bytes, traffic.ops, attention, traffic.written)]
 
 
 def _by_member(model: nn.Module, counts: dict[str, int]) -> dict[str, int]:
@@ -162,9 +170,30 @@ def unit_work(source: ModelSource, plans: Sequence[UnitPlan], batch: int, seq_le
     shape = (batch, seq_len + 1)
     with FakeTensorMode():
         model = source.build(device="cpu", seed=0)
+        inputs = _input_bytes(model, plans)
         forward = [_exclusive(plans, counts) for counts in _per_module(source, model, shape, backward=False)]
+        for handle in inputs.pop():
+            handle.remove()
         total = [_exclusive(plans, counts) for counts in _per_module(source, model, shape, backward=True)]
     return [
-        UnitWork(ff, tf - ff, fb, tb - fb, fo, to - fo, fa)
-        for ff, fb, fo, tf, tb, to, fa in zip(*forward[:3], *total[:3], forward[3], strict=True)
+        UnitWork(ff, tf - ff, fb, tb - fb, fo, to - fo, fa, fw, inp)
+        for ff, fb, fo, tf, tb, to, fa, fw, inp in zip(*forward[:3], *total[:3], *forward[3:], inputs[0], strict=True)
     ]
+
+
+def _input_bytes(model: nn.Module, plans: Sequence[UnitPlan]) -> list:
+    """[bytes per unit, filled by the next forward; the hook handles]: the floating-point
+    tensors each unit's first member is called with (the root: none)."""
+    counts = [0] * len(plans)
+    modules = dict(model.named_modules())
+    handles = []
+    for index, plan in enumerate(plans):
+        if plan.members[0] == "":
+            continue
+
+        def record(module, args, kwargs, index=index) -> None:
+            tensors = tree_flatten((args, kwargs))[0]
+            counts[index] += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+        handles.append(modules[plan.members[0]].register_forward_pre_hook(record, with_kwargs=True))
+    return [counts, handles]

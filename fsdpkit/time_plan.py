@@ -9,6 +9,7 @@ scaling, as the FSDP paper's runs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ class StepPrediction:
     micro_batch: int
     memory: MemoryPlan
     time: StepTime
+    activation_bytes: int  # the estimate at the activation peak of one micro-batch (activation_peak)
 
     def to_document(self) -> dict[str, Any]:
         time = self.time
@@ -67,12 +69,13 @@ class StepPrediction:
             "tokens_per_s": time.tokens_per_s,
             "tokens_per_s_per_device": time.tokens_per_s / self.request.world_size,
             "comm_bytes": time.comm_bytes,
+            "activation_bytes": self.activation_bytes,
             "fits": self.fits,
         }
 
     @property
     def fits(self) -> bool:
-        return self.memory.device_total <= self.hardware.memory_gb * 1e9
+        return self.memory.device_total + self.activation_bytes <= self.hardware.memory_gb * 1e9
 
 
 def model_costs(request: PlanRequest) -> ModelCosts:
@@ -153,7 +156,18 @@ def predict(
         recompute=recompute,
     )
     memory = plan_from_sizes(sizes, request, num_params=costs.num_params)
-    return StepPrediction(request, hardware, per_node, batch, memory, simulate(units, setup))
+    activations = activation_peak(costs.work_per_sequence, checkpointing=sharding.activation_checkpointing)
+    scaled = activations * batch * compute_bytes // costs.master_bytes
+    return StepPrediction(request, hardware, per_node, batch, memory, simulate(units, setup), scaled)
+
+
+def activation_peak(work: Sequence[UnitWork], *, checkpointing: bool) -> int:
+    """The activations one sequence keeps at the end of its forward (in the master dtype): every
+    byte the forward's operators write, an upper bound of what autograd saves; under activation
+    checkpointing each unit's inputs plus the largest unit's activations, recomputed in backward."""
+    if checkpointing:
+        return sum(w.input_bytes for w in work) + max((w.activation_bytes for w in work), default=0)
+    return sum(w.activation_bytes for w in work)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

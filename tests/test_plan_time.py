@@ -23,7 +23,8 @@ from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
 from fsdpkit.hardware import BUILT_IN, Hardware, to_toml
 from fsdpkit.memory_plan import PlanRequest
 from fsdpkit.models.source import resolve
-from fsdpkit.time_plan import model_costs, predict
+from fsdpkit.plan_search import recommend
+from fsdpkit.time_plan import activation_peak, model_costs, predict
 from fsdpkit.train.config import TrainConfig
 
 
@@ -241,6 +242,38 @@ def test_calibration_fit_recovers_known_coefficients():
     flat = [dataclasses.replace(s, forward_backward_s=s.memory_s + s.flops * per_flop) for s in samples]
     assert compute_terms(flat).op_overhead_s == pytest.approx(0.0, abs=1e-12)
     assert min(fit_nonnegative([(1.0, 1.0), (2.0, 1.0), (3.0, 1.0)], [1.0, 0.0, -1.0])) >= 0
+
+
+def test_activation_estimate_bounds_what_autograd_saves_and_recommend_counts_it():
+    request = _request(1, {"sharding": {"strategy": "full"}})
+    costs = model_costs(request)
+    estimate = activation_peak(costs.work_per_sequence, checkpointing=False) * 8  # 8 sequences on the one rank
+    # what autograd really keeps: the saved tensors of the unsharded model's forward, each storage once
+    source = resolve("gpt-tiny")
+    torch.manual_seed(0)
+    model = source.build(device="cpu", seed=0)
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = source.logits(model, torch.randint(0, 256, (8, 16)))
+    saved = sum(n for pointer, n in storages.items() if pointer not in parameters)
+    del logits
+    assert saved <= estimate <= 4 * saved, (saved, estimate)
+    checkpointed = activation_peak(costs.work_per_sequence, checkpointing=True)
+    assert 0 < checkpointed < estimate / 8
+    # a device that holds the state and the checkpointed activations but not the full ones
+    plain = predict(request, BUILT_IN["a100-80gb-ib200"], costs)
+    assert plain.activation_bytes == estimate
+    room = plain.memory.device_total + (checkpointed * 8 + estimate) / 2
+    small = dataclasses.replace(BUILT_IN["a100-80gb-ib200"], memory_gb=room / 1e9)
+    chosen = recommend(request, small, costs)
+    assert chosen and all(p.request.sharding.activation_checkpointing or p.micro_batch < 8 for p in chosen)
+    assert not predict(request, small, costs).fits
 
 
 def test_prefetch_hides_communication_and_hybrid_wins_across_nodes():
