@@ -10,7 +10,7 @@ The models are package.module:factory specs (this directory on PYTHONPATH), so t
 predictions come from the command line:
 
     PYTHONPATH=benchmarks fsdpkit plan --model plan_published:llama3_8b --world-size 8 --time \\
-        --hardware h100-ib400 --mixed-precision bf16 --seq-len 8192 --global-batch-size 16
+        --hardware h100-96gb-ib400 --mixed-precision bf16 --seq-len 8192 --global-batch-size 16
 """
 
 from __future__ import annotations
