@@ -65,8 +65,8 @@ class Hardware:
 
     def compute_share(self, ranks_per_node: int) -> float:
         """How many times slower a rank computes when `ranks_per_node` ranks share the node's
-        `compute_slots` cores. Without overlap a collective's work (gloo's transfer threads)
-        runs on the same cores and slows alike."""
+        `compute_slots` cores. Without overlap a collective's copying (gloo's transfer
+        threads) runs on the same cores and its bytes move that much slower."""
         return max(1.0, ranks_per_node / self.compute_slots) if self.compute_slots else 1.0
 
     def link(self, group_size: int, ranks_per_node: int) -> tuple[float, float]:

@@ -11,7 +11,7 @@
     network     alpha-beta: a ring collective over n ranks takes (n-1) latency steps plus
                 the bytes each rank moves, (n-1)/n of the buffer (twice for an all-reduce),
                 over the bus bandwidth of the group's link (inside a node or between nodes);
-                without overlap the collective's work shares the cores as compute does
+                without overlap the bytes' copying shares the cores as compute does
     schedule    the events of the step policy: an all-gather starts when it is issued and
                 the communication stream is free; a unit computes once its all-gather has
                 arrived; completing a reduction waits for it; the all-gather limiter waits
@@ -111,8 +111,8 @@ def collective_seconds(collective: Collective | None, hardware: Hardware, ranks_
     span = world_size if collective.spans_world else n
     bandwidth, latency = hardware.link(span, ranks_per_node)
     steps = 2 * (n - 1) if collective.kind == "all_reduce" else n - 1
-    share = 1.0 if hardware.overlap else hardware.compute_share(ranks_per_node)
-    return (steps * latency + collective.bytes * steps / n / bandwidth) * share
+    share = 1.0 if hardware.overlap else hardware.compute_share(ranks_per_node)  # copying shares the cores; waiting does not
+    return steps * latency + collective.bytes * steps / n / bandwidth * share
 
 
 class _Streams:

@@ -194,12 +194,19 @@ def test_per_operator_parameter_and_optimizer_terms_add_what_they_say():
 def test_ranks_beyond_the_cores_slow_compute_and_collectives_by_ranks_over_cores():
     request = _request(4, {"sharding": {"strategy": "full"}})
     costs = model_costs(request)
-    cpu = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, param_passes=2.0, optimizer_tensor_s=1e-5)
+    cpu = dataclasses.replace(
+        BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, param_passes=2.0, optimizer_tensor_s=1e-5, intra_latency_s=0.0
+    )
     enough = predict(request, cpu, costs, per_node=4).time
     shared = predict(request, dataclasses.replace(cpu, compute_slots=1), costs, per_node=4).time
     assert not cpu.overlap and enough.comm_s > 0
     assert shared.step_time_s == pytest.approx(4 * enough.step_time_s, rel=1e-9)
     assert shared.comm_s == pytest.approx(4 * enough.comm_s, rel=1e-9)
+    # the ring's latency steps (waiting, not copying) do not slow
+    waiting = dataclasses.replace(cpu, intra_latency_s=1e-3, intra_bw_gbs=1e15)
+    assert predict(request, dataclasses.replace(waiting, compute_slots=1), costs, per_node=4).time.comm_s == pytest.approx(
+        predict(request, waiting, costs, per_node=4).time.comm_s, rel=1e-6
+    )
     # with overlap (a GPU's own copy engines) the collectives do not slow
     overlapping = dataclasses.replace(cpu, overlap=True)
     alone = predict(request, overlapping, costs, per_node=4).time
