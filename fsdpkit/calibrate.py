@@ -2,10 +2,12 @@
 
     memory    a large copy gives the memory bandwidth (the optimizer step, the operators
               that are not matrix products)
-    compute   a large matrix product gives the peak; the engine's forward and backward of
-              the model on one rank, at two micro-batch sizes, less the memory-bound time,
-              gives the achieved fraction of it (efficiency) and the fixed cost per unit and
-              pass (the least-squares line of time against FLOPs)
+    compute   a large matrix product gives the peak; the engine's training step on one
+              rank of several models (`--model` and two of many narrow and few wide units)
+              at two micro-batch sizes, taking turns, gives by non-negative least squares
+              the achieved fraction of the peak (efficiency), the cost per operator, per
+              unit and pass, and per parameter byte and pass, and the optimizer's cost per
+              tensor and its traffic over the minimum
     network   `fsdpkit bench` of the engine's all-gather and reduce-scatter on `ranks` local
               processes; the least-squares line of time against size gives the latency per
               ring step (intercept) and the bus bandwidth (slope)
@@ -18,7 +20,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,16 +32,6 @@ from .memory_plan import PlanRequest
 REPEATS = 5
 
 
-def _median_seconds(run: Callable[[], object], repeats: int = REPEATS) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line through the points."""
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
@@ -48,16 +40,28 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
-def peak_flops() -> float:
-    size = 1024
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    return 2 * size**3 / _median_seconds(lambda: a @ b)
+class _Probes:
+    """A large matrix product (the peak) and a large copy (the memory bandwidth)."""
 
+    SIZE = 1024
 
-def memory_bandwidth() -> float:
-    source = torch.empty(256 * 1024**2 // 4)  # well beyond the caches
-    target = torch.empty_like(source)
-    return 2 * source.numel() * 4 / _median_seconds(lambda: target.copy_(source))
+    def __init__(self) -> None:
+        self.a, self.b = torch.randn(self.SIZE, self.SIZE), torch.randn(self.SIZE, self.SIZE)
+        self.source = torch.empty(256 * 1024**2 // 4)  # well beyond the caches
+        self.target = torch.empty_like(self.source)
+
+    def time(self) -> tuple[float, float]:
+        """Seconds of (the product, the copy)."""
+        start = time.perf_counter()
+        self.a @ self.b
+        middle = time.perf_counter()
+        self.target.copy_(self.source)
+        return middle - start, time.perf_counter() - middle
+
+    def rates(self, timings: list[tuple[float, float]]) -> tuple[float, float]:
+        """(FLOP/s, bytes/s) from the medians."""
+        product, copy = (statistics.median(t[i] for t in timings) for i in (0, 1))
+        return 2 * self.SIZE**3 / product, 2 * self.source.numel() * 4 / copy
 
 
 def many_narrow_units():
@@ -131,23 +135,28 @@ def compute_terms(samples: Sequence[StepSample]) -> ComputeTerms:
     return ComputeTerms(per_flop, per_op, per_unit, per_byte, per_tensor, 1.0 + extra_passes)
 
 
-def measure_steps(request: PlanRequest, specs: Sequence[str], batches: tuple[int, ...], bytes_per_second: float) -> list[StepSample]:
-    """The engine's training step (forward, backward, AdamW) of each model at each batch on one
-    in-process rank; the models and batches take turns, so that load from other processes falls
-    on all of them alike."""
+def measure_steps(request: PlanRequest, specs: Sequence[str], batches: tuple[int, ...]) -> tuple[float, float, list[StepSample]]:
+    """(peak FLOP/s, memory bytes/s, samples): the matrix product, the copy and the engine's
+    training step (forward, backward, AdamW) of each model at each batch on one in-process
+    rank take turns, so that load from other processes falls on all of them alike."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        runs = [_ModelRun(request, spec, bytes_per_second) for spec in specs]
+        probes = _Probes()
+        runs = [_ModelRun(request, spec) for spec in specs]
         cases = [(run, batch) for run in runs for batch in batches]
+        probed: list[tuple[float, float]] = []
         timings: list[list[tuple[float, float]]] = [[] for _ in cases]
         for round_index in range(REPEATS + 1):
-            for case, (run, batch) in enumerate(cases):
-                timing = run.step(batch)
-                if round_index:  # the first round warms up
+            probe = probes.time()
+            timed = [run.step(batch) for run, batch in cases]
+            if round_index:  # the first round warms up
+                probed.append(probe)
+                for case, timing in enumerate(timed):
                     timings[case].append(timing)
-        return [run.sample(batch, timing) for (run, batch), timing in zip(cases, timings, strict=True)]
+        peak, bandwidth = probes.rates(probed)
+        return peak, bandwidth, [run.sample(batch, timing, bandwidth) for (run, batch), timing in zip(cases, timings, strict=True)]
     finally:
         dist.destroy_process_group()
 
@@ -155,7 +164,7 @@ def measure_steps(request: PlanRequest, specs: Sequence[str], batches: tuple[int
 class _ModelRun:
     """One model sharded by the engine on one rank, with AdamW, and what the model charges per step."""
 
-    def __init__(self, request: PlanRequest, spec: str, bytes_per_second: float) -> None:
+    def __init__(self, request: PlanRequest, spec: str) -> None:
         from .engine.api import shard
         from .engine.plan import plan_units
         from .flops import unit_work
@@ -166,7 +175,6 @@ class _ModelRun:
 
         self.source = resolve(spec)
         self.seq_len = request.config.data.seq_len
-        self.bytes_per_second = bytes_per_second
         torch.manual_seed(0)
         model = self.source.build(device="cpu", seed=0)
         policy = wrap_policy(request.config.model, self.source, model)
@@ -188,17 +196,17 @@ class _ModelRun:
         self.optimizer.zero_grad(set_to_none=True)
         return middle - start, time.perf_counter() - middle
 
-    def sample(self, batch: int, timings: list[tuple[float, float]]) -> StepSample:
+    def sample(self, batch: int, timings: list[tuple[float, float]], bytes_per_second: float) -> StepSample:
         work = self.work
         return StepSample(
             flops=float(batch * sum(w.forward_flops + w.backward_flops for w in work)),
-            memory_s=batch * sum(w.forward_bytes + w.backward_bytes for w in work) / self.bytes_per_second,
+            memory_s=batch * sum(w.forward_bytes + w.backward_bytes for w in work) / bytes_per_second,
             ops=sum(w.forward_ops + w.backward_ops for w in work),
             unit_passes=2 * len(self.plans),
             param_bytes=2.0 * self.numel * 4,
             forward_backward_s=statistics.median(t[0] for t in timings),
             tensors=sum(param.requires_grad for plan in self.plans for param in plan.params),
-            optimizer_memory_s=self.optimizer_bytes / self.bytes_per_second,
+            optimizer_memory_s=self.optimizer_bytes / bytes_per_second,
             optimizer_s=statistics.median(t[1] for t in timings),
         )
 
@@ -229,10 +237,11 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        peak = peak_flops()
-        bandwidth_memory = memory_bandwidth()
         specs = (request.model, *(spec for spec in CALIBRATION_MODELS if spec != request.model))
-        terms = compute_terms(measure_steps(request, specs, batches, bandwidth_memory))
+        peak, bandwidth_memory, samples = measure_steps(request, specs, batches)
+        terms = compute_terms(samples)
+        if terms.seconds_per_flop > 0:  # the models' matrix products may outrun the probe's
+            peak = max(peak, 1.0 / terms.seconds_per_flop)
     finally:
         torch.set_num_threads(threads)
     latency, bandwidth = network_line(ranks)
@@ -241,7 +250,7 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] 
         name="calibrated",
         source=f"measured by fsdpkit plan --calibrate on this machine ({', '.join(specs)}; {ranks} gloo ranks)",
         peak_tflops={"fp32": peak / 1e12},
-        efficiency=min(1.0, 1.0 / terms.seconds_per_flop / peak) if terms.seconds_per_flop > 0 else 1.0,
+        efficiency=1.0 / terms.seconds_per_flop / peak if terms.seconds_per_flop > 0 else 1.0,
         unit_overhead_s=terms.unit_overhead_s,
         op_overhead_s=terms.op_overhead_s,
         memory_gb=_memory_gb(),
