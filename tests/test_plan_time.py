@@ -24,6 +24,7 @@ from fsdpkit.hardware import BUILT_IN, Hardware, to_toml
 from fsdpkit.memory_plan import PlanRequest
 from fsdpkit.models.source import resolve
 from fsdpkit.plan_search import recommend
+from fsdpkit.step_time import Recompute
 from fsdpkit.time_plan import activation_peak, model_costs, predict
 from fsdpkit.train.config import TrainConfig
 
@@ -189,6 +190,28 @@ def test_per_operator_parameter_and_optimizer_terms_add_what_they_say():
     assert ops > 0 and tensors == len(list(resolve("gpt-tiny").build(device="meta").parameters()))
     added = ops * 2e-6 + 2 * 3.0 * numel * 4 / 3e9 + tensors * 5e-6 + 1.5 * numel * 28 / 3e9
     assert after.step_time_s - before.step_time_s == pytest.approx(added, rel=1e-6)
+
+
+def test_selective_recompute_charges_the_forward_operators_and_half_its_matrix_products():
+    request = _request(1, {"sharding": {"strategy": "full"}})
+    costs = model_costs(request)
+    hardware = dataclasses.replace(BUILT_IN["cpu-gloo"], unit_overhead_s=0.0, op_overhead_s=1e-6, compute_slots=0)
+    plain = predict(request, hardware, costs).time
+    selective = predict(request, hardware, costs, recompute=Recompute.SELECTIVE).time
+    full = predict(_request(1, {"sharding": {"strategy": "full", "activation_checkpointing": True}}), hardware, costs).time
+    work = costs.work_per_sequence
+    attention = sum(w.forward_attention_flops for w in work)
+    forward = sum(w.forward_flops for w in work)
+    assert 0 < attention < forward
+    # 8 sequences on the one rank; the forward's operators again, and half its non-attention FLOPs
+    rate = hardware.peak_flops("fp32") * hardware.efficiency
+    again = (
+        sum(8 * w.forward_bytes / (hardware.memory_bw_gbs * 1e9) + w.forward_ops * 1e-6 for w in work)
+        + 8 * (forward - attention) / 2 / rate
+    )
+    assert selective.step_time_s - plain.step_time_s == pytest.approx(again, rel=1e-6)
+    assert selective.hardware_flops - plain.hardware_flops == 8 * (forward - attention) / 2
+    assert full.hardware_flops - plain.hardware_flops == 8 * forward and full.step_time_s > selective.step_time_s
 
 
 def test_ranks_beyond_the_cores_slow_compute_and_collectives_by_ranks_over_cores():
