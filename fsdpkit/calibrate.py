@@ -5,9 +5,10 @@
     compute   a large matrix product gives the peak; the engine's training step on one
               rank of several models (`--model` and two of many narrow and few wide units)
               at two micro-batch sizes, taking turns, gives by non-negative least squares
-              the achieved fraction of the peak (efficiency), the cost per operator, per
-              unit and pass, and per parameter byte and pass, and the optimizer's cost per
-              tensor and its traffic over the minimum
+              the achieved fraction of the peak (efficiency), the cost per unit and pass
+              and per parameter byte and pass, and the optimizer's cost per tensor and its
+              traffic over the minimum. The cost per operator is not fitted (0): these
+              models' operators grow with their units, so the two cannot be told apart
     network   `fsdpkit bench` of the engine's all-gather and reduce-scatter on `ranks` local
               processes; the least-squares line of time against size gives the latency per
               ring step (intercept) and the bus bandwidth (slope)
@@ -87,7 +88,6 @@ class StepSample:
 
     flops: float  # forward + backward
     memory_s: float  # the other operators' bytes at the memory bandwidth
-    ops: int  # operators dispatched
     unit_passes: int  # units x 2 (a forward and a backward each)
     param_bytes: float  # the unsharded parameters x 2 passes
     forward_backward_s: float
@@ -99,7 +99,6 @@ class StepSample:
 @dataclass(frozen=True)
 class ComputeTerms:
     seconds_per_flop: float
-    op_overhead_s: float
     unit_overhead_s: float
     seconds_per_param_byte: float
     optimizer_tensor_s: float
@@ -126,13 +125,13 @@ def fit_nonnegative(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> lis
 
 def compute_terms(samples: Sequence[StepSample]) -> ComputeTerms:
     """The compute terms of the profile, fitted over every sample (several models and batch sizes)."""
-    per_flop, per_op, per_unit, per_byte = fit_nonnegative(
-        [(s.flops, s.ops, s.unit_passes, s.param_bytes) for s in samples], [s.forward_backward_s - s.memory_s for s in samples]
+    per_flop, per_unit, per_byte = fit_nonnegative(
+        [(s.flops, s.unit_passes, s.param_bytes) for s in samples], [s.forward_backward_s - s.memory_s for s in samples]
     )
     per_tensor, extra_passes = fit_nonnegative(
         [(s.tensors, s.optimizer_memory_s) for s in samples], [s.optimizer_s - s.optimizer_memory_s for s in samples]
     )
-    return ComputeTerms(per_flop, per_op, per_unit, per_byte, per_tensor, 1.0 + extra_passes)
+    return ComputeTerms(per_flop, per_unit, per_byte, per_tensor, 1.0 + extra_passes)
 
 
 def measure_steps(request: PlanRequest, specs: Sequence[str], batches: tuple[int, ...]) -> tuple[float, float, list[StepSample]]:
@@ -201,7 +200,6 @@ class _ModelRun:
         return StepSample(
             flops=float(batch * sum(w.forward_flops + w.backward_flops for w in work)),
             memory_s=batch * sum(w.forward_bytes + w.backward_bytes for w in work) / bytes_per_second,
-            ops=sum(w.forward_ops + w.backward_ops for w in work),
             unit_passes=2 * len(self.plans),
             param_bytes=2.0 * self.numel * 4,
             forward_backward_s=statistics.median(t[0] for t in timings),
@@ -252,7 +250,6 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] 
         peak_tflops={"fp32": peak / 1e12},
         efficiency=1.0 / terms.seconds_per_flop / peak if terms.seconds_per_flop > 0 else 1.0,
         unit_overhead_s=terms.unit_overhead_s,
-        op_overhead_s=terms.op_overhead_s,
         memory_gb=_memory_gb(),
         memory_bw_gbs=bandwidth_memory / 1e9,
         ranks_per_node=1024,

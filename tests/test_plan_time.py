@@ -238,24 +238,19 @@ def test_ranks_beyond_the_cores_slow_compute_and_collectives_by_ranks_over_cores
 
 
 def test_calibration_fit_recovers_known_coefficients():
-    per_flop, per_op, per_unit, per_byte, per_tensor, passes = 2e-11, 3e-6, 4e-4, 5e-10, 2e-5, 2.5
+    per_flop, per_unit, per_byte, per_tensor, passes = 2e-11, 4e-4, 5e-10, 2e-5, 2.5
     samples = []
-    # three models (flops per sequence, ops, units, parameter bytes, tensors) at two batch sizes
-    for flops, ops, units, params, tensors in ((1e9, 900, 5, 1.3e7, 52), (5e8, 4000, 17, 5e6, 196), (3e9, 400, 3, 2.6e7, 28)):
+    # three models (flops per sequence, units, parameter bytes, tensors) at two batch sizes
+    for flops, units, params, tensors in ((1e9, 5, 1.3e7, 52), (5e8, 17, 5e6, 196), (3e9, 3, 2.6e7, 28)):
         for batch in (1, 4):
             optimizer_memory = params / 4 * 28 / 2e10
             samples.append(
                 StepSample(
                     flops=flops * batch,
                     memory_s=1e-3 * batch,
-                    ops=ops,
                     unit_passes=2 * units,
                     param_bytes=2 * params,
-                    forward_backward_s=1e-3 * batch
-                    + flops * batch * per_flop
-                    + ops * per_op
-                    + 2 * units * per_unit
-                    + 2 * params * per_byte,
+                    forward_backward_s=1e-3 * batch + flops * batch * per_flop + 2 * units * per_unit + 2 * params * per_byte,
                     tensors=tensors,
                     optimizer_memory_s=optimizer_memory,
                     optimizer_s=optimizer_memory * passes + tensors * per_tensor,
@@ -263,14 +258,13 @@ def test_calibration_fit_recovers_known_coefficients():
             )
     terms = compute_terms(samples)
     assert terms.seconds_per_flop == pytest.approx(per_flop, rel=1e-6)
-    assert terms.op_overhead_s == pytest.approx(per_op, rel=1e-6)
     assert terms.unit_overhead_s == pytest.approx(per_unit, rel=1e-6)
     assert terms.seconds_per_param_byte == pytest.approx(per_byte, rel=1e-6)
     assert terms.optimizer_tensor_s == pytest.approx(per_tensor, rel=1e-6)
     assert terms.optimizer_passes == pytest.approx(passes, rel=1e-6)
     # a term the timings do not contain comes out zero, not negative
     flat = [dataclasses.replace(s, forward_backward_s=s.memory_s + s.flops * per_flop) for s in samples]
-    assert compute_terms(flat).op_overhead_s == pytest.approx(0.0, abs=1e-12)
+    assert compute_terms(flat).unit_overhead_s == pytest.approx(0.0, abs=1e-12)
     assert min(fit_nonnegative([(1.0, 1.0), (2.0, 1.0), (3.0, 1.0)], [1.0, 0.0, -1.0])) >= 0
 
 
