@@ -2,8 +2,8 @@
 side by side the step time at 1, 2 and 4 ranks for gpt-small, hf:llama-bench and a model with
 many small units, under full and grad-op, with backward prefetch (pre) and without (none).
 
-Each world size is one launch; inside it the configurations take turns, one step each per
-round, so that load from other processes falls on all of them alike. Reported: the median step
+Each world size is one launch, calibrated just before it; inside it the configurations take
+turns, one step each per round, so that load from other processes falls on all of them alike. Reported: the median step
 (max over ranks of each step) with its spread, the prediction, and their ratio.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_time.py [--rounds 5] [--hardware FILE.toml]
@@ -103,18 +103,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--worlds", default="1,2,4")
-    parser.add_argument("--hardware", help="a profile; default: calibrate now (gpt-small, 2 ranks)")
+    parser.add_argument("--hardware", help="a profile; default: calibrate now, before each world size (gpt-small, 2 ranks)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     started = time.perf_counter()
-    if args.hardware:
-        hardware = load(args.hardware)
-    else:
-        hardware = calibrate(request_for("gpt-small", "full", "pre", 2, args.batch, args.seq_len), ranks=2)
     cases = [(m, s, p) for m in MODELS for s in STRATEGIES for p in PREFETCH]
     costs = {m: model_costs(request_for(m, "full", "pre", 1, args.batch, args.seq_len)) for m in MODELS}
-    rows = []
+    rows, profiles = [], []
     for world in (int(w) for w in args.worlds.split(",")):
+        # calibrated just before each launch, so that both see the machine as loaded then
+        hardware = load(args.hardware) if args.hardware else calibrate(request_for("gpt-small", "full", "pre", 2, args.batch, args.seq_len))
+        profiles.append(hardware)
         measured = launch(measure_worker, cases, args.batch, args.seq_len, args.rounds, options=LaunchOptions(nproc_per_node=world))[0]
         for (model, strategy, prefetch), times in zip(cases, measured, strict=True):
             request = request_for(model, strategy, prefetch, world, args.batch, args.seq_len)
@@ -134,9 +133,10 @@ def main() -> None:
                 }
             )
     if args.json:
-        print(json.dumps({"hardware": hardware.to_values(), "rows": rows}))
+        print(json.dumps({"hardware": [p.to_values() for p in profiles], "rows": rows}))
         return
-    print(f"# calibrated profile: {json.dumps(hardware.to_values())}")
+    for profile in profiles:
+        print(f"# profile: {json.dumps(profile.to_values())}")
     load = os.getloadavg()[0]
     rounds = f"median of {args.rounds} alternating rounds"
     print(f"# {args.batch} x {args.seq_len} tokens per rank, AdamW; {rounds}; load average {load:.1f} at the end")

@@ -64,8 +64,8 @@ def format_time(document: dict) -> str:
         f"  TFLOPS per device        {document['tflops_per_device']:.4g} (MFU {document['mfu']:.1%})",
         f"  tokens/s                 {document['tokens_per_s']:,.0f} ({document['tokens_per_s_per_device']:,.0f} per device)",
         f"  memory per rank          {format_size(document['bytes']['device_total'])} on the device"
-        + ("" if document["fits"] else " (does not fit)")
-        + " (activations not included)",
+        + f" + {format_size(document['activation_bytes'])} activations (estimate)"
+        + ("" if document["fits"] else " (does not fit)"),
         "  bytes per rank and step  " + (", ".join(f"{kind} {format_size(n)}" for kind, n in document["comm_bytes"].items()) or "none"),
     ]
     if "scaling" in document:

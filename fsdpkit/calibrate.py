@@ -2,10 +2,13 @@
 
     memory    a large copy gives the memory bandwidth (the optimizer step, the operators
               that are not matrix products)
-    compute   a large matrix product gives the peak; the engine's forward and backward of
-              the model on one rank, at two micro-batch sizes, less the memory-bound time,
-              gives the achieved fraction of it (efficiency) and the fixed cost per unit and
-              pass (the least-squares line of time against FLOPs)
+    compute   a large matrix product gives the peak; the engine's training step on one
+              rank of several models (`--model` and two of many narrow and few wide units)
+              at two micro-batch sizes, taking turns, gives by non-negative least squares
+              the achieved fraction of the peak (efficiency), the cost per unit and pass
+              and per parameter byte and pass, and the optimizer's cost per tensor and its
+              traffic over the minimum. The cost per operator is not fitted (0): these
+              models' operators grow with their units, so the two cannot be told apart
     network   `fsdpkit bench` of the engine's all-gather and reduce-scatter on `ranks` local
               processes; the least-squares line of time against size gives the latency per
               ring step (intercept) and the bus bandwidth (slope)
@@ -15,11 +18,11 @@ Numbers are medians of repeated timings; a loaded machine gives a slower profile
 
 from __future__ import annotations
 
-import functools
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,16 +33,6 @@ from .memory_plan import PlanRequest
 REPEATS = 5
 
 
-def _median_seconds(run: Callable[[], object], repeats: int = REPEATS) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line through the points."""
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
@@ -48,58 +41,172 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
-def peak_flops() -> float:
-    size = 1024
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    return 2 * size**3 / _median_seconds(lambda: a @ b)
+class _Probes:
+    """A large matrix product (the peak) and a large copy (the memory bandwidth)."""
+
+    SIZE = 1024
+
+    def __init__(self) -> None:
+        self.a, self.b = torch.randn(self.SIZE, self.SIZE), torch.randn(self.SIZE, self.SIZE)
+        self.source = torch.empty(256 * 1024**2 // 4)  # well beyond the caches
+        self.target = torch.empty_like(self.source)
+
+    def time(self) -> tuple[float, float]:
+        """Seconds of (the product, the copy)."""
+        start = time.perf_counter()
+        self.a @ self.b
+        middle = time.perf_counter()
+        self.target.copy_(self.source)
+        return middle - start, time.perf_counter() - middle
+
+    def rates(self, timings: list[tuple[float, float]]) -> tuple[float, float]:
+        """(FLOP/s, bytes/s) from the medians."""
+        product, copy = (statistics.median(t[i] for t in timings) for i in (0, 1))
+        return 2 * self.SIZE**3 / product, 2 * self.source.numel() * 4 / copy
 
 
-def memory_bandwidth() -> float:
-    source = torch.empty(32 * 1024**2 // 4)
-    target = torch.empty_like(source)
-    return 2 * source.numel() * 4 / _median_seconds(lambda: target.copy_(source))
+def many_narrow_units():
+    """A calibration model: 16 blocks of 96 wide (the cost per unit and per tensor shows)."""
+    from .models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=16, n_head=2, n_embd=96))
 
 
-def compute_line(request: PlanRequest, batches: tuple[int, int], bytes_per_second: float) -> tuple[float, float, int]:
-    """(intercept s, s per FLOP, units) of the engine's forward+backward on one in-process rank,
-    less the time its other operators take to move their bytes at `bytes_per_second`."""
+def few_wide_units():
+    """A calibration model: 2 blocks of 512 wide (the cost per parameter byte shows)."""
+    from .models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=4, n_embd=512))
+
+
+CALIBRATION_MODELS = ("fsdpkit.calibrate:many_narrow_units", "fsdpkit.calibrate:few_wide_units")
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One model's measured step on one in-process rank, with what the step-time model charges."""
+
+    flops: float  # forward + backward
+    memory_s: float  # the other operators' bytes at the memory bandwidth
+    unit_passes: int  # units x 2 (a forward and a backward each)
+    param_bytes: float  # the unsharded parameters x 2 passes
+    forward_backward_s: float
+    tensors: int  # parameter tensors the optimizer steps over
+    optimizer_memory_s: float  # the optimizer's minimal bytes at the memory bandwidth
+    optimizer_s: float
+
+
+@dataclass(frozen=True)
+class ComputeTerms:
+    seconds_per_flop: float
+    unit_overhead_s: float
+    seconds_per_param_byte: float
+    optimizer_tensor_s: float
+    optimizer_passes: float
+
+
+def fit_nonnegative(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Least-squares coefficients of ys against the columns of rows, none negative: a column
+    whose coefficient comes out negative is dropped (coefficient 0) and the rest refitted."""
+    active = list(range(len(rows[0])))
+    while active:
+        a = torch.tensor([[row[j] for j in active] for row in rows], dtype=torch.float64)
+        scale = a.abs().amax(dim=0).clamp(min=1e-300)
+        b = torch.tensor(list(ys), dtype=torch.float64).unsqueeze(1)
+        solution = (torch.linalg.lstsq(a / scale, b, driver="gelsd").solution.squeeze(1) / scale).tolist()
+        if min(solution) >= 0:
+            coefficients = [0.0] * len(rows[0])
+            for j, value in zip(active, solution, strict=True):
+                coefficients[j] = value
+            return coefficients
+        active.pop(solution.index(min(solution)))
+    return [0.0] * len(rows[0])
+
+
+def compute_terms(samples: Sequence[StepSample]) -> ComputeTerms:
+    """The compute terms of the profile, fitted over every sample (several models and batch sizes)."""
+    per_flop, per_unit, per_byte = fit_nonnegative(
+        [(s.flops, s.unit_passes, s.param_bytes) for s in samples], [s.forward_backward_s - s.memory_s for s in samples]
+    )
+    per_tensor, extra_passes = fit_nonnegative(
+        [(s.tensors, s.optimizer_memory_s) for s in samples], [s.optimizer_s - s.optimizer_memory_s for s in samples]
+    )
+    return ComputeTerms(per_flop, per_unit, per_byte, per_tensor, 1.0 + extra_passes)
+
+
+def measure_steps(request: PlanRequest, specs: Sequence[str], batches: tuple[int, ...]) -> tuple[float, float, list[StepSample]]:
+    """(peak FLOP/s, memory bytes/s, samples): the matrix product, the copy and the engine's
+    training step (forward, backward, AdamW) of each model at each batch on one in-process
+    rank take turns, so that load from other processes falls on all of them alike."""
     import torch.distributed as dist
 
-    from .engine.api import shard
-    from .engine.plan import plan_units
-    from .flops import unit_work
-    from .models.source import resolve
-    from .train.model_setup import wrap_policy
-
-    source = resolve(request.model)
-    seq_len = request.config.data.seq_len
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        torch.manual_seed(0)
-        model = source.build(device="cpu", seed=0)
-        policy = wrap_policy(request.config.model, source, model)
-        meta = source.build(device="meta", seed=0)
-        plans = plan_units(meta, policy)
-        work = unit_work(source, plans, 1, seq_len)
-        per_sequence = sum(w.forward_flops + w.backward_flops for w in work)
-        moved = sum(w.forward_bytes + w.backward_bytes for w in work) / bytes_per_second
-        model = shard(model, request.sharding, wrap=policy, device="cpu")
-        flops: list[float] = []
-        seconds: list[float] = []
-        for batch in batches:
-            tokens = torch.randint(0, 256, (batch, seq_len + 1))
-
-            flops.append(float(per_sequence * batch))
-            seconds.append(_median_seconds(functools.partial(_forward_backward, source, model, tokens)) - moved * batch)
+        probes = _Probes()
+        runs = [_ModelRun(request, spec) for spec in specs]
+        cases = [(run, batch) for run in runs for batch in batches]
+        probed: list[tuple[float, float]] = []
+        timings: list[list[tuple[float, float]]] = [[] for _ in cases]
+        for round_index in range(REPEATS + 1):
+            probe = probes.time()
+            timed = [run.step(batch) for run, batch in cases]
+            if round_index:  # the first round warms up
+                probed.append(probe)
+                for case, timing in enumerate(timed):
+                    timings[case].append(timing)
+        peak, bandwidth = probes.rates(probed)
+        return peak, bandwidth, [run.sample(batch, timing, bandwidth) for (run, batch), timing in zip(cases, timings, strict=True)]
     finally:
         dist.destroy_process_group()
-    intercept, slope = _line(flops, seconds)
-    return max(intercept, 0.0), slope, len(plans)
 
 
-def _forward_backward(source, model, tokens: torch.Tensor) -> None:
-    logits = source.logits(model, tokens[:, :-1])
-    F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+class _ModelRun:
+    """One model sharded by the engine on one rank, with AdamW, and what the model charges per step."""
+
+    def __init__(self, request: PlanRequest, spec: str) -> None:
+        from .engine.api import shard
+        from .engine.plan import plan_units
+        from .flops import unit_work
+        from .models.source import resolve
+        from .time_plan import OPTIMIZER_TRAFFIC
+        from .train.config import Optimizer
+        from .train.model_setup import wrap_policy
+
+        self.source = resolve(spec)
+        self.seq_len = request.config.data.seq_len
+        torch.manual_seed(0)
+        model = self.source.build(device="cpu", seed=0)
+        policy = wrap_policy(request.config.model, self.source, model)
+        self.plans = plan_units(self.source.build(device="meta", seed=0), policy)
+        self.work = unit_work(self.source, self.plans, 1, self.seq_len)
+        self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.optimizer_bytes = self.numel * OPTIMIZER_TRAFFIC[Optimizer.ADAMW]
+        self.model = shard(model, request.sharding, wrap=policy, device="cpu")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def step(self, batch: int) -> tuple[float, float]:
+        """Seconds of (forward + backward, optimizer step)."""
+        tokens = torch.randint(0, 256, (batch, self.seq_len + 1))
+        start = time.perf_counter()
+        logits = self.source.logits(self.model, tokens[:, :-1])
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        middle = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return middle - start, time.perf_counter() - middle
+
+    def sample(self, batch: int, timings: list[tuple[float, float]], bytes_per_second: float) -> StepSample:
+        work = self.work
+        return StepSample(
+            flops=float(batch * sum(w.forward_flops + w.backward_flops for w in work)),
+            memory_s=batch * sum(w.forward_bytes + w.backward_bytes for w in work) / bytes_per_second,
+            unit_passes=2 * len(self.plans),
+            param_bytes=2.0 * self.numel * 4,
+            forward_backward_s=statistics.median(t[0] for t in timings),
+            tensors=sum(param.requires_grad for plan in self.plans for param in plan.params),
+            optimizer_memory_s=self.optimizer_bytes / bytes_per_second,
+            optimizer_s=statistics.median(t[1] for t in timings),
+        )
 
 
 def network_line(ranks: int) -> tuple[float, float]:
@@ -128,19 +235,21 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        peak = peak_flops()
-        bandwidth_memory = memory_bandwidth()
-        intercept, seconds_per_flop, units = compute_line(request, batches, bandwidth_memory)
+        specs = (request.model, *(spec for spec in CALIBRATION_MODELS if spec != request.model))
+        peak, bandwidth_memory, samples = measure_steps(request, specs, batches)
+        terms = compute_terms(samples)
+        if terms.seconds_per_flop > 0:  # the models' matrix products may outrun the probe's
+            peak = max(peak, 1.0 / terms.seconds_per_flop)
     finally:
         torch.set_num_threads(threads)
     latency, bandwidth = network_line(ranks)
     bandwidth_gbs = bandwidth / 1e9
     return Hardware(
         name="calibrated",
-        source=f"measured by fsdpkit plan --calibrate on this machine ({request.model}, {ranks} gloo ranks)",
+        source=f"measured by fsdpkit plan --calibrate on this machine ({', '.join(specs)}; {ranks} gloo ranks)",
         peak_tflops={"fp32": peak / 1e12},
-        efficiency=min(1.0, 1.0 / seconds_per_flop / peak) if seconds_per_flop > 0 else 1.0,
-        unit_overhead_s=intercept / (2 * units),
+        efficiency=1.0 / terms.seconds_per_flop / peak if terms.seconds_per_flop > 0 else 1.0,
+        unit_overhead_s=terms.unit_overhead_s,
         memory_gb=_memory_gb(),
         memory_bw_gbs=bandwidth_memory / 1e9,
         ranks_per_node=1024,
@@ -150,7 +259,10 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] 
         inter_latency_s=latency,
         host_bw_gbs=bandwidth_memory / 1e9,
         overlap=False,
-        compute_slots=os.cpu_count() or 1,
+        compute_slots=len(os.sched_getaffinity(0)),
+        param_passes=terms.seconds_per_param_byte * bandwidth_memory,
+        optimizer_tensor_s=terms.optimizer_tensor_s,
+        optimizer_passes=terms.optimizer_passes,
     )
 
 

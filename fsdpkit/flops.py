@@ -6,6 +6,11 @@ the meta device falls back to), for its forward and its backward:
     bytes   the memory every other operator reads and writes (elementwise, norms, softmax,
             casts, embeddings): eager PyTorch runs each as its own kernel, bound by memory
             bandwidth, not by the FLOP rate. Views move nothing and are not counted.
+    ops     the operators dispatched (matrix products too, views not): eager PyTorch pays a
+            fixed cost for each (dispatch, autograd bookkeeping, a kernel launch)
+    activations  the bytes the forward's operators write (an upper bound of what autograd
+            keeps for the backward), and the floating-point inputs of each unit (what
+            activation checkpointing keeps instead)
 """
 
 from __future__ import annotations
@@ -58,7 +63,9 @@ _CPU_ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
 }
-_NOT_MOVING = _COUNTED_AS_FLOPS | {aten._unsafe_view, aten.alias, aten.detach, aten.lift_fresh}
+_ATTENTION = {op for op in _COUNTED_AS_FLOPS if "attention" in str(op)}
+_NOT_RUN = {aten._unsafe_view, aten.alias, aten.detach, aten.lift_fresh}
+_NOT_MOVING = _COUNTED_AS_FLOPS | _NOT_RUN
 
 
 @dataclass(frozen=True)
@@ -67,15 +74,22 @@ class UnitWork:
     backward_flops: int
     forward_bytes: int
     backward_bytes: int
+    forward_ops: int = 0  # operators dispatched (independent of the batch)
+    backward_ops: int = 0
+    forward_attention_flops: int = 0  # the part of forward_flops in attention kernels
+    activation_bytes: int = 0  # written by the forward's operators
+    input_bytes: int = 0  # the unit's floating-point inputs
 
 
 class _ByteCounter(TorchDispatchMode):
-    """Bytes read and written by operators that are not matrix products, per module."""
+    """Bytes read and written by operators that are not matrix products, and operators run, per module."""
 
     def __init__(self) -> None:
         super().__init__()
         self.tracker = ModuleTracker()
         self.bytes: dict[str, int] = defaultdict(int)
+        self.ops: dict[str, int] = defaultdict(int)
+        self.written: dict[str, int] = defaultdict(int)
 
     def __enter__(self) -> _ByteCounter:
         self.tracker.__enter__()
@@ -88,7 +102,13 @@ class _ByteCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.is_view or func.overloadpacket in _NOT_MOVING or func.namespace == "prim":
+        if func.is_view or func.overloadpacket in _NOT_RUN or func.namespace == "prim":
+            return out
+        written = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        for parent in set(self.tracker.parents):
+            self.ops[parent] += 1
+            self.written[parent] += written
+        if func.overloadpacket in _COUNTED_AS_FLOPS:
             return out
         if func.overloadpacket is aten.embedding:
             moved = 2 * out.numel() * out.element_size()  # reads the rows it returns, not the table
@@ -100,15 +120,17 @@ class _ByteCounter(TorchDispatchMode):
         return out
 
 
-def _per_module(source: ModelSource, model: nn.Module, shape: tuple[int, int], *, backward: bool) -> tuple[dict[str, int], dict[str, int]]:
+def _per_module(source: ModelSource, model: nn.Module, shape: tuple[int, int], *, backward: bool) -> list[dict[str, int]]:
     # Fake token ids too: code that would read a value (transformers' mask checks) sees a trace and skips it.
     with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as counter, _ByteCounter() as traffic:
         tokens = torch.zeros(shape, dtype=torch.long)
         logits = source.logits(model, tokens[:, :-1])
         if backward:
             F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    flops = {name: sum(by_op.values()) for name, by_op in counter.get_flop_counts().items()}
-    return _by_member(model, flops), _by_member(model, traffic.bytes)
+    by_module = counter.get_flop_counts().items()
+    flops = {name: sum(by_op.values()) for name, by_op in by_module}
+    attention = {name: sum(n for op, n in by_op.items() if op in _ATTENTION) for name, by_op in by_module}
+    return [_by_member(model, counts) for counts in (flops, traffic.bytes, traffic.ops, attention, traffic.written)]
 
 
 def _by_member(model: nn.Module, counts: dict[str, int]) -> dict[str, int]:
@@ -148,8 +170,30 @@ def unit_work(source: ModelSource, plans: Sequence[UnitPlan], batch: int, seq_le
     shape = (batch, seq_len + 1)
     with FakeTensorMode():
         model = source.build(device="cpu", seed=0)
-        forward_flops, forward_bytes = (_exclusive(plans, counts) for counts in _per_module(source, model, shape, backward=False))
-        total_flops, total_bytes = (_exclusive(plans, counts) for counts in _per_module(source, model, shape, backward=True))
+        inputs = _input_bytes(model, plans)
+        forward = [_exclusive(plans, counts) for counts in _per_module(source, model, shape, backward=False)]
+        for handle in inputs.pop():
+            handle.remove()
+        total = [_exclusive(plans, counts) for counts in _per_module(source, model, shape, backward=True)]
     return [
-        UnitWork(ff, tf - ff, fb, tb - fb) for ff, tf, fb, tb in zip(forward_flops, total_flops, forward_bytes, total_bytes, strict=True)
+        UnitWork(ff, tf - ff, fb, tb - fb, fo, to - fo, fa, fw, inp)
+        for ff, fb, fo, tf, tb, to, fa, fw, inp in zip(*forward[:3], *total[:3], *forward[3:], inputs[0], strict=True)
     ]
+
+
+def _input_bytes(model: nn.Module, plans: Sequence[UnitPlan]) -> list:
+    """[bytes per unit, filled by the next forward; the hook handles]: the floating-point
+    tensors each unit's first member is called with (the root: none)."""
+    counts = [0] * len(plans)
+    modules = dict(model.named_modules())
+    handles = []
+    for index, plan in enumerate(plans):
+        if plan.members[0] == "":
+            continue
+
+        def record(module, args, kwargs, index=index) -> None:
+            tensors = tree_flatten((args, kwargs))[0]
+            counts[index] += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+        handles.append(modules[plan.members[0]].register_forward_pre_hook(record, with_kwargs=True))
+    return [counts, handles]

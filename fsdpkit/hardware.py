@@ -37,11 +37,15 @@ class Hardware:
     host_bw_gbs: float = 25.0  # host <-> device copies (CPU offload)
     overlap: bool = True  # communication runs beside compute (False: the two share the same cores)
     compute_slots: int = 0  # ranks of a node that compute at full speed at once (CPU: its cores); 0: every rank has its own device
+    op_overhead_s: float = 0.0  # fixed time per operator dispatched (eager dispatch, autograd, kernel launch)
+    param_passes: float = 0.0  # times each forward or backward moves its unit's unsharded parameters at memory bandwidth
+    optimizer_tensor_s: float = 0.0  # fixed time per parameter tensor of the optimizer step (a per-tensor loop)
+    optimizer_passes: float = 1.0  # the optimizer's memory traffic in units of its minimum (AdamW: 28 bytes per element)
 
     def __post_init__(self) -> None:
-        for key in ("efficiency", "memory_gb", "memory_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "host_bw_gbs"):
+        for key in ("efficiency", "optimizer_passes", "memory_gb", "memory_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "host_bw_gbs"):
             _positive(self.name, key, getattr(self, key))
-        for key in ("unit_overhead_s", "intra_latency_s", "inter_latency_s"):
+        for key in ("unit_overhead_s", "intra_latency_s", "inter_latency_s", "op_overhead_s", "param_passes", "optimizer_tensor_s"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise UsageError(f"hardware {self.name!r}: {key} must be a number >= 0, got {value!r}")
@@ -60,7 +64,9 @@ class Hardware:
         return self.peak_tflops.get(dtype, self.peak_tflops["fp32"]) * 1e12
 
     def compute_share(self, ranks_per_node: int) -> float:
-        """How many times slower a rank computes when `ranks_per_node` ranks share the node."""
+        """How many times slower a rank computes when `ranks_per_node` ranks share the node's
+        `compute_slots` cores. Without overlap a collective's copying (gloo's transfer
+        threads) runs on the same cores and its bytes move that much slower."""
         return max(1.0, ranks_per_node / self.compute_slots) if self.compute_slots else 1.0
 
     def link(self, group_size: int, ranks_per_node: int) -> tuple[float, float]:
@@ -120,6 +126,10 @@ def to_toml(hardware: Hardware, header: str) -> str:
 
 _NVIDIA_A100 = "NVIDIA A100 datasheet (dense TF32 156 / BF16 312 TFLOPS, HBM 1.6-2.0 TB/s)"
 _NVIDIA_H100 = "NVIDIA H100 SXM datasheet (dense BF16 989 TFLOPS, FP32 67, HBM3 3.35 TB/s)"
+_TORCHTITAN_H100 = (
+    "torchtitan docs/performance.md (Grand Teton hosts: H100 with 96 GB HBM2e at 2.4 TB/s, NVLink, 400 Gb/s RDMA per GPU, "
+    "500 W power limit, which the profile does not model); dense BF16 989 TFLOPS as the SXM part"
+)
 _NVIDIA_H200 = "NVIDIA H200 SXM datasheet (dense BF16 989 TFLOPS, HBM3e 4.8 TB/s, 141 GB)"
 _NCCL = (
     "nccl-tests on DGX: NVLink3 all-gather busbw ~230 GB/s, NVLink4 ~360 GB/s; across nodes NCCL runs one ring per NIC, "
@@ -154,6 +164,7 @@ def _built_in() -> dict[str, Hardware]:
             profiles[name] = _gpu(name, a100, memory, bandwidth, 230.0, ib, _NVIDIA_A100)
     hopper = {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0}
     profiles["h100-ib400"] = _gpu("h100-ib400", hopper, 80, 3350.0, 360.0, 400, _NVIDIA_H100)
+    profiles["h100-96gb-ib400"] = _gpu("h100-96gb-ib400", hopper, 96, 2400.0, 360.0, 400, _TORCHTITAN_H100)
     profiles["h200-ib400"] = _gpu("h200-ib400", hopper, 141, 4800.0, 360.0, 400, _NVIDIA_H200)
     profiles["cpu-gloo"] = Hardware(
         name="cpu-gloo",

@@ -2,14 +2,16 @@
 (fsdpkit.engine.step_policy) on two streams: compute and communication. Pure arithmetic.
 
     compute     a unit's forward or backward: its FLOPs at the device's achievable rate
-                (peak x efficiency), the bytes its other operators move at the memory
-                bandwidth, and a fixed cost per unit and pass; checkpointing
-                recomputes the forward in backward; the optimizer step is bound by memory
-                bandwidth; CPU offload adds host<->device copies of the shard; ranks that
-                share a node's cores (hardware.compute_slots) compute that much slower
+                (peak x efficiency), the bytes its other operators move and `param_passes`
+                times its unsharded parameters at the memory bandwidth, a fixed cost per
+                operator it dispatches and a fixed cost per unit and pass (hooks); checkpointing recomputes the forward in backward; the
+                optimizer step is bound by memory bandwidth (`optimizer_passes` times its
+                minimal traffic), plus a fixed cost per parameter tensor; CPU offload adds host<->device copies of the shard; ranks
+                that share a node's cores (hardware.compute_slots) compute that much slower
     network     alpha-beta: a ring collective over n ranks takes (n-1) latency steps plus
                 the bytes each rank moves, (n-1)/n of the buffer (twice for an all-reduce),
-                over the bus bandwidth of the group's link (inside a node or between nodes)
+                over the bus bandwidth of the group's link (inside a node or between nodes);
+                without overlap the bytes' copying shares the cores as compute does
     schedule    the events of the step policy: an all-gather starts when it is issued and
                 the communication stream is free; a unit computes once its all-gather has
                 arrived; completing a reduction waits for it; the all-gather limiter waits
@@ -22,6 +24,7 @@ stream waited for.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,15 +33,35 @@ from .engine.traffic import Collective, UnitTraffic
 from .hardware import Hardware
 
 
+class Recompute(enum.Enum):
+    """What the backward computes again of the forward (activation checkpointing)."""
+
+    NONE = "none"
+    FULL = "full"  # the whole forward: the engine's activation checkpointing
+    SELECTIVE = "selective"  # torchtitan's op-level policy: every operator but attention and every second matrix product
+
+    def of_forward(self, flops: float, attention_flops: float) -> tuple[float, float]:
+        """(fraction of the forward's operator bytes and count, FLOPs) recomputed."""
+        if self is Recompute.FULL:
+            return 1.0, flops
+        if self is Recompute.SELECTIVE:
+            return 1.0, (flops - attention_flops) / 2
+        return 0.0, 0.0
+
+
 @dataclass(frozen=True)
 class UnitCost:
     name: str
     trainable: bool
     forward_flops: float  # one micro-batch on one rank
     backward_flops: float
+    forward_attention_flops: float  # the part of forward_flops in attention kernels
     forward_bytes: float  # memory the other operators move (bound by memory bandwidth)
     backward_bytes: float
+    forward_ops: int  # operators dispatched
+    backward_ops: int
     traffic: UnitTraffic
+    param_bytes: int  # the unsharded parameters in the compute dtype
     shard_bytes: int  # the rank's chunk in the master dtype (copied to and from the host under offload)
 
 
@@ -52,8 +75,16 @@ class StepSetup:
     no_sync: bool = False
     compute_dtype: str = "fp32"
     optimizer_bytes: int = 0  # bytes the optimizer step reads and writes on this rank
+    optimizer_tensors: int = 0  # parameter tensors the optimizer steps over on this rank
     flags: Collective | None = None  # the used-parameter flags of a synced backward
     tokens_per_step: int = 0  # over every rank
+    recompute: Recompute | None = None  # None: as the policy checkpoints (FULL or NONE)
+
+    @property
+    def recomputes(self) -> Recompute:
+        if self.recompute is not None:
+            return self.recompute
+        return Recompute.FULL if self.policy.activation_checkpointing else Recompute.NONE
 
 
 @dataclass(frozen=True)
@@ -80,7 +111,8 @@ def collective_seconds(collective: Collective | None, hardware: Hardware, ranks_
     span = world_size if collective.spans_world else n
     bandwidth, latency = hardware.link(span, ranks_per_node)
     steps = 2 * (n - 1) if collective.kind == "all_reduce" else n - 1
-    return steps * latency + collective.bytes * steps / n / bandwidth
+    share = 1.0 if hardware.overlap else hardware.compute_share(ranks_per_node)  # copying shares the cores; waiting does not
+    return steps * latency + collective.bytes * steps / n / bandwidth * share
 
 
 class _Streams:
@@ -113,10 +145,12 @@ class _Streams:
         self.compute = max(self.compute, until)
 
 
-def _pass_seconds(flops: float, moved: float, setup: StepSetup) -> float:
+def _pass_seconds(flops: float, moved: float, ops: float, param_bytes: float, setup: StepSetup) -> float:
+    """One forward or backward of a unit (`param_bytes`: its parameters, once per pass it makes)."""
     hardware = setup.hardware
+    moved += hardware.param_passes * param_bytes
     seconds = flops / (hardware.peak_flops(setup.compute_dtype) * hardware.efficiency) + moved / (hardware.memory_bw_gbs * 1e9)
-    seconds += hardware.unit_overhead_s
+    seconds += hardware.unit_overhead_s + ops * hardware.op_overhead_s
     return seconds * hardware.compute_share(setup.ranks_per_node)
 
 
@@ -141,11 +175,17 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
         elif event.op is Op.RESHARD:
             in_flight = [name for name in in_flight if name != event.unit]
         elif event.op is Op.FORWARD and unit is not None:
-            streams.run(_pass_seconds(unit.forward_flops, unit.forward_bytes, setup))
+            streams.run(_pass_seconds(unit.forward_flops, unit.forward_bytes, unit.forward_ops, unit.param_bytes, setup))
         elif event.op is Op.BACKWARD and unit is not None:
-            again = 1.0 if policy.activation_checkpointing else 0.0
+            again, flops = setup.recomputes.of_forward(unit.forward_flops, unit.forward_attention_flops)
             streams.run(
-                _pass_seconds(unit.backward_flops + again * unit.forward_flops, unit.backward_bytes + again * unit.forward_bytes, setup)
+                _pass_seconds(
+                    unit.backward_flops + flops,
+                    unit.backward_bytes + again * unit.forward_bytes,
+                    unit.backward_ops + again * unit.forward_ops,
+                    (1 + again) * unit.param_bytes,
+                    setup,
+                )
             )
         elif event.op is Op.REDUCE and unit is not None:
             reduced[event.unit] = streams.issue(unit.traffic.reduce)
@@ -166,10 +206,12 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
     for index in range(setup.micro_batches):
         _micro_batch(streams, by_name, setup, reduce=not setup.no_sync or index == setup.micro_batches - 1)
     hardware = setup.hardware
-    streams.run(setup.optimizer_bytes / (hardware.memory_bw_gbs * 1e9) * hardware.compute_share(setup.ranks_per_node))
+    moved = setup.optimizer_bytes * hardware.optimizer_passes
+    optimizer = moved / (hardware.memory_bw_gbs * 1e9) + setup.optimizer_tensors * hardware.optimizer_tensor_s
+    streams.run(optimizer * hardware.compute_share(setup.ranks_per_node))
     step = max(streams.compute, streams.comm)
     flops = setup.micro_batches * sum(unit.forward_flops + unit.backward_flops for unit in units)
-    recomputed = setup.micro_batches * sum(unit.forward_flops for unit in units) if setup.policy.activation_checkpointing else 0.0
+    recomputed = setup.micro_batches * sum(setup.recomputes.of_forward(u.forward_flops, u.forward_attention_flops)[1] for u in units)
     peak = hardware.peak_flops(setup.compute_dtype)
     return StepTime(
         step_time_s=step,

@@ -9,6 +9,7 @@ scaling, as the FSDP paper's runs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from .errors import UsageError
 from .flops import UnitWork
 from .hardware import Hardware
 from .memory_plan import MemoryPlan, PlanRequest, plan_from_sizes, unit_sizes
-from .step_time import StepSetup, StepTime, UnitCost, simulate
+from .step_time import Recompute, StepSetup, StepTime, UnitCost, simulate
 from .train.config import Optimizer, precision_names
 
 # Bytes the optimizer step reads and writes per element: AdamW reads the parameter, its
@@ -46,6 +47,7 @@ class StepPrediction:
     micro_batch: int
     memory: MemoryPlan
     time: StepTime
+    activation_bytes: int  # the estimate at the activation peak of one micro-batch (activation_peak)
 
     def to_document(self) -> dict[str, Any]:
         time = self.time
@@ -67,12 +69,13 @@ class StepPrediction:
             "tokens_per_s": time.tokens_per_s,
             "tokens_per_s_per_device": time.tokens_per_s / self.request.world_size,
             "comm_bytes": time.comm_bytes,
+            "activation_bytes": self.activation_bytes,
             "fits": self.fits,
         }
 
     @property
     def fits(self) -> bool:
-        return self.memory.device_total <= self.hardware.memory_gb * 1e9
+        return self.memory.device_total + self.activation_bytes <= self.hardware.memory_gb * 1e9
 
 
 def model_costs(request: PlanRequest) -> ModelCosts:
@@ -97,8 +100,11 @@ def micro_batch(request: PlanRequest) -> int:
     return data.global_batch_size // (request.world_size * data.grad_accum)
 
 
-def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_node: int | None = None) -> StepPrediction:
-    """The step of `request` on `hardware`, with `per_node` ranks per node (default: the profile's)."""
+def predict(
+    request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_node: int | None = None, recompute: Recompute | None = None
+) -> StepPrediction:
+    """The step of `request` on `hardware`, with `per_node` ranks per node (default: the profile's).
+    `recompute` charges a checkpointing the engine does not run (None: what the request runs)."""
     sharding, data = request.sharding, request.config.data
     world = request.world_size
     factor = sharding.shard_factor(world)
@@ -114,8 +120,11 @@ def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_
             trainable=size.trainable,
             forward_flops=work.forward_flops * batch,
             backward_flops=work.backward_flops * batch,
+            forward_attention_flops=work.forward_attention_flops * batch,
             forward_bytes=work.forward_bytes * batch * compute_bytes // costs.master_bytes,
             backward_bytes=work.backward_bytes * batch * compute_bytes // costs.master_bytes,
+            forward_ops=work.forward_ops,
+            backward_ops=work.backward_ops,
             traffic=unit_traffic(
                 padded_numel=size.padded_numel,
                 chunk_numel=size.chunk_numel,
@@ -126,6 +135,7 @@ def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_
                 replicas=world // factor,
                 trainable=size.trainable,
             ),
+            param_bytes=size.padded_numel * compute_bytes,
             shard_bytes=size.chunk_numel * size.master_bytes,
         )
         for size, work in zip(sizes, costs.work_per_sequence, strict=True)
@@ -140,11 +150,24 @@ def predict(request: PlanRequest, hardware: Hardware, costs: ModelCosts, *, per_
         no_sync=data.no_sync,
         compute_dtype="fp32" if precision == "none" else precision,
         optimizer_bytes=sum(size.local_numel for size in sizes if size.trainable) * OPTIMIZER_TRAFFIC[request.optimizer],
+        optimizer_tensors=sum(param.requires_grad for plan in costs.plans for param in plan.params),
         flags=flags_collective(sum(len(plan.params) for plan in costs.plans), world),
         tokens_per_step=data.global_batch_size * data.seq_len,
+        recompute=recompute,
     )
     memory = plan_from_sizes(sizes, request, num_params=costs.num_params)
-    return StepPrediction(request, hardware, per_node, batch, memory, simulate(units, setup))
+    activations = activation_peak(costs.work_per_sequence, checkpointing=sharding.activation_checkpointing)
+    scaled = activations * batch * compute_bytes // costs.master_bytes
+    return StepPrediction(request, hardware, per_node, batch, memory, simulate(units, setup), scaled)
+
+
+def activation_peak(work: Sequence[UnitWork], *, checkpointing: bool) -> int:
+    """The activations one sequence keeps at the end of its forward (in the master dtype): every
+    byte the forward's operators write, an upper bound of what autograd saves; under activation
+    checkpointing each unit's inputs plus the largest unit's activations, recomputed in backward."""
+    if checkpointing:
+        return sum(w.input_bytes for w in work) + max((w.activation_bytes for w in work), default=0)
+    return sum(w.activation_bytes for w in work)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -5,6 +5,7 @@ event order against the engine's, and bad hardware files / impossible configurat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,11 +18,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
 import fsdpkit
+from fsdpkit.calibrate import StepSample, compute_terms, fit_nonnegative
 from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
 from fsdpkit.hardware import BUILT_IN, Hardware, to_toml
 from fsdpkit.memory_plan import PlanRequest
 from fsdpkit.models.source import resolve
-from fsdpkit.time_plan import model_costs, predict
+from fsdpkit.plan_search import recommend
+from fsdpkit.step_time import Recompute
+from fsdpkit.time_plan import activation_peak, model_costs, predict
 from fsdpkit.train.config import TrainConfig
 
 
@@ -157,6 +161,143 @@ def test_without_communication_the_step_is_the_compute_time():
     assert time.compute_s == pytest.approx(expected, rel=1e-6, abs=1e-9)
     assert time.exposed_comm_s == pytest.approx(0.0, abs=1e-9)
     assert time.comm_bytes["all_gather"] > 0  # the bytes are still counted
+
+
+def test_per_operator_parameter_and_optimizer_terms_add_what_they_say():
+    request = _request(1, {"sharding": {"strategy": "full"}})
+    costs = model_costs(request)
+    base = Hardware(
+        name="base",
+        source="test",
+        peak_tflops={"fp32": 2.0},
+        efficiency=0.5,
+        unit_overhead_s=1e-4,
+        memory_gb=1,
+        memory_bw_gbs=3.0,
+        ranks_per_node=1,
+        intra_bw_gbs=1.0,
+        intra_latency_s=0.0,
+        inter_bw_gbs=1.0,
+        inter_latency_s=0.0,
+    )
+    terms = dataclasses.replace(base, op_overhead_s=2e-6, param_passes=3.0, optimizer_tensor_s=5e-6, optimizer_passes=2.5)
+    before, after = predict(request, base, costs).time, predict(request, terms, costs).time
+    # one rank, 8 sequences: every unit's forward and backward once, its full fp32 parameters
+    # 3 times per pass at 3 GB/s; the optimizer 1.5 more times its 28 bytes per element
+    numel = sum(p.numel() for p in resolve("gpt-tiny").build(device="meta").parameters())
+    ops = sum(work.forward_ops + work.backward_ops for work in costs.work_per_sequence)
+    tensors = sum(len(plan.params) for plan in costs.plans)
+    assert ops > 0 and tensors == len(list(resolve("gpt-tiny").build(device="meta").parameters()))
+    added = ops * 2e-6 + 2 * 3.0 * numel * 4 / 3e9 + tensors * 5e-6 + 1.5 * numel * 28 / 3e9
+    assert after.step_time_s - before.step_time_s == pytest.approx(added, rel=1e-6)
+
+
+def test_selective_recompute_charges_the_forward_operators_and_half_its_matrix_products():
+    request = _request(1, {"sharding": {"strategy": "full"}})
+    costs = model_costs(request)
+    hardware = dataclasses.replace(BUILT_IN["cpu-gloo"], unit_overhead_s=0.0, op_overhead_s=1e-6, compute_slots=0)
+    plain = predict(request, hardware, costs).time
+    selective = predict(request, hardware, costs, recompute=Recompute.SELECTIVE).time
+    full = predict(_request(1, {"sharding": {"strategy": "full", "activation_checkpointing": True}}), hardware, costs).time
+    work = costs.work_per_sequence
+    attention = sum(w.forward_attention_flops for w in work)
+    forward = sum(w.forward_flops for w in work)
+    assert 0 < attention < forward
+    # 8 sequences on the one rank; the forward's operators again, and half its non-attention FLOPs
+    rate = hardware.peak_flops("fp32") * hardware.efficiency
+    again = (
+        sum(8 * w.forward_bytes / (hardware.memory_bw_gbs * 1e9) + w.forward_ops * 1e-6 for w in work)
+        + 8 * (forward - attention) / 2 / rate
+    )
+    assert selective.step_time_s - plain.step_time_s == pytest.approx(again, rel=1e-6)
+    assert selective.hardware_flops - plain.hardware_flops == 8 * (forward - attention) / 2
+    assert full.hardware_flops - plain.hardware_flops == 8 * forward and full.step_time_s > selective.step_time_s
+
+
+def test_ranks_beyond_the_cores_slow_compute_and_collectives_by_ranks_over_cores():
+    request = _request(4, {"sharding": {"strategy": "full"}})
+    costs = model_costs(request)
+    cpu = dataclasses.replace(
+        BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, param_passes=2.0, optimizer_tensor_s=1e-5, intra_latency_s=0.0
+    )
+    enough = predict(request, cpu, costs, per_node=4).time
+    shared = predict(request, dataclasses.replace(cpu, compute_slots=1), costs, per_node=4).time
+    assert not cpu.overlap and enough.comm_s > 0
+    assert shared.step_time_s == pytest.approx(4 * enough.step_time_s, rel=1e-9)
+    assert shared.comm_s == pytest.approx(4 * enough.comm_s, rel=1e-9)
+    # the ring's latency steps (waiting, not copying) do not slow
+    waiting = dataclasses.replace(cpu, intra_latency_s=1e-3, intra_bw_gbs=1e15)
+    assert predict(request, dataclasses.replace(waiting, compute_slots=1), costs, per_node=4).time.comm_s == pytest.approx(
+        predict(request, waiting, costs, per_node=4).time.comm_s, rel=1e-6
+    )
+    # with overlap (a GPU's own copy engines) the collectives do not slow
+    overlapping = dataclasses.replace(cpu, overlap=True)
+    alone = predict(request, overlapping, costs, per_node=4).time
+    crowded = predict(request, dataclasses.replace(overlapping, compute_slots=2), costs, per_node=4).time
+    assert crowded.comm_s == pytest.approx(alone.comm_s, rel=1e-9) and crowded.compute_s == pytest.approx(2 * alone.compute_s, rel=1e-9)
+
+
+def test_calibration_fit_recovers_known_coefficients():
+    per_flop, per_unit, per_byte, per_tensor, passes = 2e-11, 4e-4, 5e-10, 2e-5, 2.5
+    samples = []
+    # three models (flops per sequence, units, parameter bytes, tensors) at two batch sizes
+    for flops, units, params, tensors in ((1e9, 5, 1.3e7, 52), (5e8, 17, 5e6, 196), (3e9, 3, 2.6e7, 28)):
+        for batch in (1, 4):
+            optimizer_memory = params / 4 * 28 / 2e10
+            samples.append(
+                StepSample(
+                    flops=flops * batch,
+                    memory_s=1e-3 * batch,
+                    unit_passes=2 * units,
+                    param_bytes=2 * params,
+                    forward_backward_s=1e-3 * batch + flops * batch * per_flop + 2 * units * per_unit + 2 * params * per_byte,
+                    tensors=tensors,
+                    optimizer_memory_s=optimizer_memory,
+                    optimizer_s=optimizer_memory * passes + tensors * per_tensor,
+                )
+            )
+    terms = compute_terms(samples)
+    assert terms.seconds_per_flop == pytest.approx(per_flop, rel=1e-6)
+    assert terms.unit_overhead_s == pytest.approx(per_unit, rel=1e-6)
+    assert terms.seconds_per_param_byte == pytest.approx(per_byte, rel=1e-6)
+    assert terms.optimizer_tensor_s == pytest.approx(per_tensor, rel=1e-6)
+    assert terms.optimizer_passes == pytest.approx(passes, rel=1e-6)
+    # a term the timings do not contain comes out zero, not negative
+    flat = [dataclasses.replace(s, forward_backward_s=s.memory_s + s.flops * per_flop) for s in samples]
+    assert compute_terms(flat).unit_overhead_s == pytest.approx(0.0, abs=1e-12)
+    assert min(fit_nonnegative([(1.0, 1.0), (2.0, 1.0), (3.0, 1.0)], [1.0, 0.0, -1.0])) >= 0
+
+
+def test_activation_estimate_bounds_what_autograd_saves_and_recommend_counts_it():
+    request = _request(1, {"sharding": {"strategy": "full"}})
+    costs = model_costs(request)
+    estimate = activation_peak(costs.work_per_sequence, checkpointing=False) * 8  # 8 sequences on the one rank
+    # what autograd really keeps: the saved tensors of the unsharded model's forward, each storage once
+    source = resolve("gpt-tiny")
+    torch.manual_seed(0)
+    model = source.build(device="cpu", seed=0)
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = source.logits(model, torch.randint(0, 256, (8, 16)))
+    saved = sum(n for pointer, n in storages.items() if pointer not in parameters)
+    del logits
+    assert saved <= estimate <= 4 * saved, (saved, estimate)
+    checkpointed = activation_peak(costs.work_per_sequence, checkpointing=True)
+    assert 0 < checkpointed < estimate / 8
+    # a device that holds the state and the checkpointed activations but not the full ones
+    plain = predict(request, BUILT_IN["a100-80gb-ib200"], costs)
+    assert plain.activation_bytes == estimate
+    room = plain.memory.device_total + (checkpointed * 8 + estimate) / 2
+    small = dataclasses.replace(BUILT_IN["a100-80gb-ib200"], memory_gb=room / 1e9)
+    chosen = recommend(request, small, costs)
+    assert chosen and all(p.request.sharding.activation_checkpointing or p.micro_batch < 8 for p in chosen)
+    assert not predict(request, small, costs).fits
 
 
 def test_prefetch_hides_communication_and_hybrid_wins_across_nodes():
