@@ -19,11 +19,11 @@ from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import Placement, ShardLayout, TensorSpec
 from fsdpkit.checkpoint.reader import read_header
 from fsdpkit.checkpoint.storage import resolve_checkpoint
-from fsdpkit.checkpoint.tensors import raw_bytes, safetensors_dtype
 from fsdpkit.checkpoint.writer import StreamingWriter
 from fsdpkit.dtypes import dtype_info
 from fsdpkit.errors import DataCheckError
 from fsdpkit.layout import ElementRange, FlatLayout
+from fsdpkit.snapshot.tensors import raw_bytes, safetensors_dtype
 
 
 def _write(path, tensors, piece=7):
