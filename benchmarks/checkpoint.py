@@ -48,7 +48,7 @@ from fsdpkit.models.units import unit_plan_for_model
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import Placement, TensorSpec
-from fsdpkit.checkpoint.save_protocol import write_rank
+from fsdpkit.snapshot.save_protocol import write_rank
 from fsdpkit.layout import ElementRange
 
 work, model, world, with_optim = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"

@@ -44,7 +44,7 @@ from pathlib import Path
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import TensorSpec
-from fsdpkit.checkpoint.save_protocol import write_rank
+from fsdpkit.snapshot.save_protocol import write_rank
 from fsdpkit.layout import ElementRange
 from fsdpkit.models.units import placement_for_model
 

@@ -93,7 +93,7 @@ def convert(
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=dcp_cmd.OPTIMIZER_KEY_HELP),
 ) -> None:
     """Convert between sharded fsdpkit checkpoints, full Hugging Face-style safetensors and torch DCP."""
-    from fsdpkit.checkpoint.offline.convert import FullOutput, convert_to_full, convert_to_sharded
+    from fsdpkit.offline.convert import FullOutput, convert_to_full, convert_to_sharded
 
     cast_to, chunk = _cast(dtype), _chunk(chunk_size)
     if is_dcp_checkpoint(src):
@@ -172,7 +172,7 @@ def reshard(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
     """Lay a sharded checkpoint out for another world size, offline (model and optimizer state)."""
-    from fsdpkit.checkpoint.offline.convert import reshard as reshard_checkpoint
+    from fsdpkit.offline.convert import reshard as reshard_checkpoint
 
     ranks, chunk = _world(world_size), _chunk(chunk_size)
     if is_dcp_checkpoint(src):
@@ -202,7 +202,7 @@ def inspect(
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=dcp_cmd.OPTIMIZER_KEY_HELP),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
-    from fsdpkit.checkpoint.offline.verify import summarize
+    from fsdpkit.offline.verify import summarize
 
     if is_dcp_checkpoint(ckpt):
         dcp_cmd.inspect_dcp(ckpt, as_json=as_json, model_key=dcp_model_key, optimizer_key=dcp_optimizer_key)
@@ -255,7 +255,7 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ) -> None:
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
-    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
+    from fsdpkit.offline.verify import verify_checkpoint
 
     if is_dcp_checkpoint(ckpt):
         report = dcp_cmd.verify_dcp(ckpt, as_json=as_json)

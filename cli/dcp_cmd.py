@@ -80,8 +80,8 @@ class ConvertOptions:
 def convert_dcp(src: Path, dst: Path, options: ConvertOptions, progress) -> dict:
     """`convert` of a DCP checkpoint: --to full (--model adds config.json and transformers' names)."""
     if options.to == "full":
-        from fsdpkit.checkpoint.offline.convert import FullOutput
         from fsdpkit.dcp.convert import dcp_to_full
+        from fsdpkit.offline.convert import FullOutput
 
         if options.world_size is not None:
             raise UsageError("--world-size applies to --to sharded only")

@@ -8,12 +8,10 @@ reduce-scatter's input (the whole gradient), an all-reduce's tensor. A rank send
 of an all-gather's or reduce-scatter's bytes over the wire and 2(W-1)/W of a ring
 all-reduce's.
 
-Per step, with N units in plan order (the root first): the forward gathers every unit;
-with resharding strategies (full, hybrid) the backward gathers again every non-root unit
-but the last (the forward ends with it and backward needs it first, so it stays gathered);
-every trainable unit's gradient is reduce-scattered (all-reduced when F = 1) and, under
-hybrid, its chunk all-reduced across replicas; one int32 flag per parameter is all-reduced
-to agree which parameters got a gradient.
+A step's collectives are each unit's (engine/traffic.py), as many times as the engine's one
+step policy issues them (engine/step_policy.py `step_events`): an all-gather per gather, a
+reduction per reduce; and, when anything is trained, one int32 flag per parameter
+all-reduced to agree which parameters got a gradient.
 """
 
 from __future__ import annotations
@@ -23,9 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from .engine.config import ShardingConfig
-from .engine.quant import all_gather_bytes
-
-FLAG_BYTES = 4  # the per-parameter "got a gradient" flags are int32
+from .engine.step_policy import Op, StepPolicy, step_events
+from .engine.traffic import Collective, flags_collective, unit_traffic
 
 
 @dataclass(frozen=True)
@@ -57,21 +54,34 @@ def step_bytes(units: list[UnitComm], sharding: ShardingConfig, world_size: int,
     factor = sharding.shard_factor(world_size)
     compute = _itemsize(sharding.mixed_precision.param_dtype or master_dtype)
     reduce = _itemsize(sharding.mixed_precision.reduce_dtype) if sharding.mixed_precision.reduce_dtype is not None else compute
-    trainable = [unit for unit in units if unit.trainable]
-    gathered = 0
-    if factor > 1:
-        regathered = [unit for unit in units[:-1] if unit.name] if sharding.reshard_after_forward else []
-        for unit in units + regathered:
-            gathered += all_gather_bytes(unit.chunk_numel, factor, element_bytes=compute, block=sharding.gather_block)
-    scattered = sum(unit.padded_numel * reduce for unit in trainable) if factor > 1 else 0
-    reduced = 0
-    if factor == 1 and world_size > 1:
-        reduced = sum(unit.padded_numel * reduce for unit in trainable)
-    elif 1 < factor < world_size:
-        reduced = sum(unit.chunk_numel * reduce for unit in trainable)
-    if world_size > 1 and trainable:
-        reduced += FLAG_BYTES * sum(unit.num_params for unit in units)
-    return StepBytes(gathered, scattered, reduced)
+    traffic = {
+        unit.name: unit_traffic(
+            padded_numel=unit.padded_numel,
+            chunk_numel=unit.chunk_numel,
+            compute_bytes=compute,
+            reduce_bytes=reduce,
+            gather_block=sharding.gather_block,
+            shard_factor=factor,
+            replicas=world_size // factor,
+            trainable=unit.trainable,
+        )
+        for unit in units
+    }
+    order = [(unit.name, unit.trainable) for unit in units]
+    if order and order[0][0]:  # no root unit (the root module holds no parameter): every unit is a block
+        order.insert(0, ("", False))
+    issued: list[Collective | None] = []
+    for event in step_events(order, StepPolicy.of(sharding)):
+        if event.op is Op.GATHER and event.unit in traffic:
+            issued.append(traffic[event.unit].gather)
+        elif event.op is Op.REDUCE and event.unit in traffic:
+            issued += [traffic[event.unit].reduce, traffic[event.unit].replica_reduce]
+    if any(unit.trainable for unit in units):
+        issued.append(flags_collective(sum(unit.num_params for unit in units), world_size))
+    moved = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), 0)
+    for collective in filter(None, issued):
+        moved[collective.kind] += collective.bytes
+    return StepBytes(**moved)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

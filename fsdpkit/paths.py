@@ -1,7 +1,8 @@
 """Checks, before anything starts, that an output path can be written: a flag naming a
 directory or a file nobody may write is one line (UsageError) before a process is launched,
-not a traceback at the end of a run. `os.access` answers for the real user, and says no on a
-read-only filesystem even to root."""
+not a traceback at the end of a run; the offline commands' outputs (checkpoint/storage.py) ask
+`unwritable_parent` too. `os.access` answers for the real user, and says no on a read-only
+filesystem even to root."""
 
 from __future__ import annotations
 
@@ -10,19 +11,37 @@ import os
 from .errors import UsageError
 
 
+def nearest_existing(path: str | os.PathLike) -> str:
+    """`path` made absolute, or its nearest existing parent when it does not exist."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def is_writable_directory(path: str | os.PathLike) -> bool:
+    """New entries can be made in the existing directory `path` by this user."""
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+
+
+def unwritable_parent(path: str | os.PathLike) -> str | None:
+    """What stops a directory from being created at `path` (or written into, when it exists):
+    `path` itself or its nearest existing parent, when that is not a writable directory; None
+    when nothing does."""
+    existing = nearest_existing(path)
+    return None if is_writable_directory(existing) else existing
+
+
 def check_writable_directory(path: str, flag: str) -> None:
-    """`path` is a writable directory, or can be created as one (its nearest existing parent
-    is a writable directory)."""
+    """`path` is a writable directory, or can be created as one."""
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise UsageError(f"{flag} {path!r} exists and is not a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
+        if not is_writable_directory(path):
             raise UsageError(f"{flag} {path!r} is not writable")
         return
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+    parent = unwritable_parent(path)
+    if parent is not None:
         raise UsageError(f"{flag} {path!r} cannot be created: {parent!r} is not a writable directory")
 
 
@@ -36,5 +55,5 @@ def check_writable_file(path: str, flag: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise UsageError(f"{flag} {path!r}: directory {directory!r} does not exist")
-    if not os.access(directory, os.W_OK | os.X_OK):
+    if not is_writable_directory(directory):
         raise UsageError(f"{flag} {path!r}: directory {directory!r} is not writable")

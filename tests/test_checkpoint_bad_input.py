@@ -22,8 +22,8 @@ from _checkpoint_v1 import write_v1
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import check_compatible
 from fsdpkit.checkpoint.reader import read_header
-from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.errors import DataCheckError
+from fsdpkit.snapshot.tensors import CheckpointReader
 
 RANK1 = "rank-00001-of-00002.safetensors"
 
@@ -315,7 +315,7 @@ def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monke
     """With 64-byte chunks every tensor takes several blocks: an error while reading one
     reaches the caller and the staged output is removed."""
     from fsdpkit.checkpoint import bytecopy
-    from fsdpkit.checkpoint.offline.convert import FullOutput, convert_to_full
+    from fsdpkit.offline.convert import FullOutput, convert_to_full
 
     calls = {"n": 0}
     original = bytecopy.ByteEngine._view

@@ -18,10 +18,10 @@ from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, sav
 
 from fsdpkit.checkpoint import storage
 from fsdpkit.checkpoint.manifest import save_manifest
-from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 from fsdpkit.checkpoint.storage import resolve_checkpoint
-from fsdpkit.checkpoint.tensors import CheckpointReader
 from fsdpkit.errors import DataCheckError, RunError
+from fsdpkit.offline.verify import verify_checkpoint
+from fsdpkit.snapshot.tensors import CheckpointReader
 
 TESTS = Path(__file__).parent
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 import struct
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -19,11 +21,11 @@ from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import Placement, ShardLayout, TensorSpec
 from fsdpkit.checkpoint.reader import read_header
 from fsdpkit.checkpoint.storage import resolve_checkpoint
-from fsdpkit.checkpoint.tensors import raw_bytes, safetensors_dtype
 from fsdpkit.checkpoint.writer import StreamingWriter
 from fsdpkit.dtypes import dtype_info
 from fsdpkit.errors import DataCheckError
 from fsdpkit.layout import ElementRange, FlatLayout
+from fsdpkit.snapshot.tensors import raw_bytes, safetensors_dtype
 
 
 def _write(path, tensors, piece=7):
@@ -277,3 +279,20 @@ def test_crc_combine_and_split_match_zlib():
         b = rng.randbytes(rng.choice([0, 1, 7, 4096, rng.randrange(0, 3000)]))
         assert shifter.combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
         assert zlib.crc32(b, zlib.crc32(a)) ^ shifter.shift(zlib.crc32(a), len(b)) == zlib.crc32(b)  # a block's own crc
+
+
+def test_format_library_and_offline_commands_load_no_torch():
+    """Every module of fsdpkit.checkpoint (the on-disk format) and fsdpkit.offline imported in a
+    fresh process: neither torch nor the torch side (fsdpkit.snapshot) comes with them."""
+    script = (
+        "import importlib, json, pkgutil, sys\n"
+        "for package in ('fsdpkit.checkpoint', 'fsdpkit.offline'):\n"
+        "    for module in pkgutil.iter_modules(importlib.import_module(package).__path__):\n"
+        "        importlib.import_module(f'{package}.{module.name}')\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = set(json.loads(done.stdout))
+    assert {"fsdpkit.checkpoint.bytecopy", "fsdpkit.checkpoint.writer", "fsdpkit.offline.convert"} <= loaded
+    assert not [name for name in loaded if name.split(".")[0] == "torch" or name.startswith("fsdpkit.snapshot")]

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdpkit.checkpoint.tensors import CheckpointReader
+from fsdpkit.snapshot.tensors import CheckpointReader
 from fsdpkit.train.attempts import History
 
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))

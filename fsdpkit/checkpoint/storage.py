@@ -43,6 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DataCheckError, RunError, UsageError
+from ..paths import nearest_existing, unwritable_parent
 from ..sizes import format_size
 from .format import (
     LATEST_NAME,
@@ -309,8 +310,7 @@ def check_free_space(directory: Path, needed_bytes: int, *, needed_for: str = ""
 
 def read_only_line(directory: Path, error_number: int | None = None) -> str:
     """One line saying that `directory` (or, when absent, its nearest existing parent) is read-only."""
-    while not directory.exists() and directory != directory.parent:
-        directory = directory.parent
+    directory = Path(nearest_existing(directory))
     if error_number is None:
         try:
             error_number = errno.EROFS if os.statvfs(directory).f_flag & os.ST_RDONLY else errno.EACCES
@@ -320,15 +320,6 @@ def read_only_line(directory: Path, error_number: int | None = None) -> str:
     return f"destination directory {directory} is read-only: {why} ({errno.errorcode[error_number]}); nothing written"
 
 
-def check_writable(directory: Path) -> None:
-    """`directory`, or its nearest existing parent when it does not exist, can be written into."""
-    existing = directory
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(read_only_line(existing))
-
-
 @contextlib.contextmanager
 def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_bytes: int, needed_for: str = "") -> Iterator[Path]:
     dst, src = Path(dst), Path(src)
@@ -336,7 +327,8 @@ def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_b
     parent = dst.absolute().parent
     token = uuid.uuid4().hex[:8]
     tmp = parent / f"{TMP_PREFIX}{dst.name}-{token}"
-    check_writable(parent)
+    if (unwritable := unwritable_parent(parent)) is not None:
+        raise UsageError(read_only_line(Path(unwritable)))
     try:
         parent.mkdir(parents=True, exist_ok=True)
         check_free_space(parent, needed_bytes, needed_for=needed_for)

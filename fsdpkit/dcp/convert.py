@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ..checkpoint.bytecopy import SourceTensor
 from ..checkpoint.export import HfExport
-from ..checkpoint.offline.convert import FullOutput, write_full
 from ..errors import DataCheckError
+from ..offline.convert import FullOutput, write_full
 from .layout import DcpLayout, detect_layout, require_model
 from .table import DcpCheckpoint, open_dcp
 

@@ -19,12 +19,12 @@ from pathlib import Path
 from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..checkpoint.export import EXPORT_STATE_KEY, HfExport
 from ..checkpoint.format import split_optim_tensor_name
-from ..checkpoint.offline.convert import Progress, _progress_callback, check_placement_matches
 from ..checkpoint.placement import Placement
 from ..checkpoint.storage import staged_output
 from ..checkpoint.writer import write_sharded
 from ..errors import UsageError
 from ..layout import ElementRange
+from ..offline.convert import Progress, _progress_callback, check_placement_matches
 from .convert import layout_sources
 from .layout import detect_layout, require_model
 from .table import open_dcp

@@ -25,15 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...dtypes import dtype_info
-from ...errors import DataCheckError
-from ..bytecopy import DEFAULT_CHUNK_SIZE
-from ..files import open_regular, pread_into
-from ..format import FORMAT_NAME, MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, is_optimizer_tensor, numel
-from ..manifest import load_manifest
-from ..placement import FileLayout
-from ..reader import RankFile, ShardedCheckpoint, check_v2_size, is_full_checkpoint, open_full, open_sharded, v2_crcs
-from ..storage import resolve_checkpoint
+from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE
+from ..checkpoint.files import open_regular, pread_into
+from ..checkpoint.format import FORMAT_NAME, MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, is_optimizer_tensor, numel
+from ..checkpoint.manifest import load_manifest
+from ..checkpoint.placement import FileLayout
+from ..checkpoint.reader import RankFile, ShardedCheckpoint, check_v2_size, is_full_checkpoint, open_full, open_sharded, v2_crcs
+from ..checkpoint.storage import resolve_checkpoint
+from ..dtypes import dtype_info
+from ..errors import DataCheckError
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
 PROGRESS_BYTES = 8 * 1024 * 1024

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.format import optim_tensor_name, split_optim_tensor_name
 from ..errors import DataCheckError, RunError
 from ..layout import ElementRange
-from .format import optim_tensor_name, split_optim_tensor_name
 
 Shape = tuple[int, ...]
 # state name -> None: laid out like its parameter; a shape: one value of that shape

@@ -16,11 +16,11 @@ from collections.abc import Set as AbstractSet
 import torch
 import torch.nn as nn
 
+from ..checkpoint.placement import TensorSpec
 from ..engine.view import ShardedModelView
 from ..errors import DataCheckError
 from ..layout import ElementRange
 from .optim_state import StateLayout, expected_state_tensors, saved_states
-from .placement import TensorSpec
 from .tensors import TensorReader, safetensors_dtype
 
 

@@ -27,16 +27,16 @@ import torch
 import torch.distributed as dist
 
 from .. import faults
+from ..checkpoint import storage
+from ..checkpoint.format import rank_file_name
+from ..checkpoint.manifest import Manifest
+from ..checkpoint.writer import RankFileWriter
 from ..comm import Collectives
 from ..engine.view import ShardedModelView
 from ..errors import RunError
 from ..layout import ElementRange
-from . import storage
 from .background import WRITE_CHUNK_BYTES, SaveTimings
-from .format import rank_file_name
-from .manifest import Manifest
 from .tensors import raw_bytes
-from .writer import RankFileWriter
 
 
 @dataclass(frozen=True)

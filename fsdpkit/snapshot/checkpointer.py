@@ -25,13 +25,15 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..checkpoint.export import EXPORT_STATE_KEY
+from ..checkpoint.lock import process_identity, run_id_of
+from ..checkpoint.manifest import Manifest, check_compatible
+from ..checkpoint.placement import Placement
+from ..checkpoint.reader import is_full_checkpoint
 from ..comm import Collectives, new_group
 from ..engine.view import describe
 from ..model_hooks import hooks_of
 from .background import HostBuffers, SaveTimings, lower_thread_priority
-from .export import EXPORT_STATE_KEY
-from .lock import process_identity, run_id_of
-from .manifest import Manifest, check_compatible
 from .model_state import (
     buffer_shapes,
     check_full,
@@ -44,8 +46,6 @@ from .model_state import (
     view_params,
 )
 from .optim_state import load_optimizer_state, states_to_load
-from .placement import Placement
-from .reader import is_full_checkpoint
 from .save_protocol import Ranks, SaveJob, run_save
 from .tensors import CheckpointReader, full_reader
 

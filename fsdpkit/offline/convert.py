@@ -40,18 +40,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...dtypes import dtype_info
-from ...errors import DataCheckError, UsageError
-from ...layout import ElementRange
-from ..bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
-from ..export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport, export_of
-from ..files import open_regular
-from ..format import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
-from ..manifest import resharded_training_state
-from ..placement import Placement
-from ..reader import FullCheckpoint, open_full, open_sharded
-from ..storage import staged_output
-from ..writer import StreamingWriter, write_sharded
+from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
+from ..checkpoint.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport, export_of
+from ..checkpoint.files import open_regular
+from ..checkpoint.format import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
+from ..checkpoint.manifest import resharded_training_state
+from ..checkpoint.placement import Placement
+from ..checkpoint.reader import FullCheckpoint, open_full, open_sharded
+from ..checkpoint.storage import staged_output
+from ..checkpoint.writer import StreamingWriter, write_sharded
+from ..dtypes import dtype_info
+from ..errors import DataCheckError, UsageError
+from ..layout import ElementRange
 
 SCRATCH_NAME = ".fsdpkit-transposed.safetensors"  # tensors transposed back, removed before the output is renamed
 

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
+from ..checkpoint.manifest import Manifest
+from ..checkpoint.placement import TensorSpec
+from ..checkpoint.reader import FullCheckpoint, open_checkpoint, open_full, open_sharded
 from ..dtypes import dtype_info, of_torch
 from ..layout import ElementRange
-from .bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
-from .manifest import Manifest
-from .placement import TensorSpec
-from .reader import FullCheckpoint, open_checkpoint, open_full, open_sharded
 
 
 def safetensors_dtype(dtype: torch.dtype) -> str:
