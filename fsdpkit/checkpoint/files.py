@@ -1,7 +1,9 @@
 """Checkpoint files at the system-call level (no torch): the one way a file is opened for
 reading (`open_regular`: without blocking, so a FIFO in place of a file cannot hang, and
-only a regular file accepted), exact reads, vectored writes, and source files mapped in
-bounded windows (`MappedFiles`) for the byte engine.
+only a regular file accepted), exact reads, vectored writes, source files mapped in bounded
+windows (`MappedFiles`) for the byte engine, and the writes of its outputs run by worker
+threads (`WriteQueue`), so the kernel copies on one core while the engine checksums and
+plans on the other.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import errno
 import mmap
 import os
 import stat
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import DataCheckError
@@ -18,8 +21,10 @@ from ..errors import DataCheckError
 WINDOW_BYTES = 512 << 10  # a mapping covers two such blocks, so any block of at most one fits in one mapping
 MAX_WINDOWS = 96  # mappings kept: at most 2 * MAX_WINDOWS * WINDOW_BYTES of mapped pages
 MAX_OPEN_FILES = 64
-WRITE_BEHIND_BYTES = 32 * 1024 * 1024  # the writeback of every such step of an output starts at once
 IOV_MAX = 1024  # buffers per writev (Linux's limit)
+WRITE_THREADS = 2
+IN_FLIGHT_BYTES = 64 << 20  # writes queued and not done (their views keep source mappings alive)
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
 def open_regular(path: Path) -> tuple[int, int]:
@@ -68,34 +73,113 @@ def pread_into(fd: int, offset: int, view: memoryview, path: Path) -> None:
         done += count
 
 
-def write_views(fd: int, views: list, path: Path) -> None:
-    """Write every byte of `views` (bytes-like objects) at the file position, IOV_MAX at a time."""
+def write_views(fd: int, views: list, path: Path, offset: int = -1) -> None:
+    """Write every byte of `views` (bytes-like objects) at `offset`, else at the file position,
+    IOV_MAX at a time."""
     for first in range(0, len(views), IOV_MAX):
         batch = views[first : first + IOV_MAX]
         left = sum(map(len, batch))
         while left:
             try:
-                count = os.writev(fd, batch)
+                count = os.writev(fd, batch) if offset < 0 else os.pwritev(fd, batch, offset)
             except OSError as error:
                 raise OSError(error.errno, error.strerror, str(path)) from None
             if count == 0:
                 raise OSError(errno.EIO, "write made no progress", str(path))
             left -= count
+            offset += count if offset >= 0 else 0
             while left and count >= len(batch[0]):
                 count -= len(batch.pop(0))
             if left and count:
                 batch[0] = memoryview(batch[0])[count:]
 
 
-def write_behind(fd: int, flushed: int) -> int:
-    """Start the writeback of what `fd` got since byte `flushed` once that reaches
-    WRITE_BEHIND_BYTES (dirty pages are never dropped), so the disk works while the copy goes
-    on and a large output does not fill the page cache; returns the new mark."""
-    position = os.lseek(fd, 0, os.SEEK_CUR)
-    if position - flushed >= WRITE_BEHIND_BYTES and hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, flushed, position - flushed, os.POSIX_FADV_DONTNEED)
-        return position
-    return flushed
+def create(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def write_file(path: Path, views: list) -> None:
+    """File `path` holding the bytes of `views`."""
+    fd = create(path)
+    try:
+        write_views(fd, views, path)
+    finally:
+        os.close(fd)
+
+
+_kernel_copy = [hasattr(os, "copy_file_range")]  # False once this kernel or filesystem refused
+
+
+def copy_range(source: int, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
+    """Bytes [offset, offset + count) of file `source` to `out_offset` of `fd`: the kernel copies
+    them (copy_file_range), else read and write. Closes `source` (a duplicate) when done."""
+    try:
+        while count:
+            try:
+                if _kernel_copy[0]:
+                    done = os.copy_file_range(source, fd, count, offset, out_offset)
+                else:
+                    done = os.pwrite(fd, os.pread(source, min(count, 8 << 20), offset), out_offset)
+            except OSError as error:
+                if error.errno in _NO_KERNEL_COPY and _kernel_copy[0]:
+                    _kernel_copy[0] = False
+                    continue
+                raise OSError(error.errno, error.strerror, str(path)) from None
+            if done == 0:
+                raise DataCheckError(f"{path}: its source ends at byte {offset} (truncated while copied)")
+            offset, out_offset, count = offset + done, out_offset + done, count - done
+    finally:
+        os.close(source)
+
+
+class WriteQueue:
+    """Writes run by WRITE_THREADS worker threads in submission order, each at its own offsets,
+    at most IN_FLIGHT_BYTES of them queued. `open` makes a file whose descriptor `seal` closes
+    once every write submitted before has finished. The first failed write is raised by the
+    next `submit` or by `close`, which waits for all and closes what is open."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="fsdpkit-write")
+        self._queued: deque[tuple[Future | None, int, int]] = deque()  # (write or None to close fd, bytes, fd)
+        self._in_flight = 0
+        self._open: set[int] = set()
+
+    def open(self, path: Path) -> int:
+        fd = create(path)
+        self._open.add(fd)
+        return fd
+
+    def submit(self, nbytes: int, function, *args) -> None:
+        self._retire(self._in_flight + nbytes - IN_FLIGHT_BYTES)
+        self._queued.append((self._pool.submit(function, *args), nbytes, -1))
+        self._in_flight += nbytes
+
+    def seal(self, fd: int) -> None:
+        self._queued.append((None, 0, fd))
+
+    def _retire(self, excess: int) -> None:
+        """Finish queued writes from the oldest on: those done, and more while `excess` > 0."""
+        while self._queued and (excess > 0 or self._queued[0][0] is None or self._queued[0][0].done()):
+            future, nbytes, fd = self._queued.popleft()
+            if future is None:
+                self._open.discard(fd)
+                os.close(fd)
+                continue
+            self._in_flight -= nbytes
+            excess -= nbytes
+            future.result()
+
+    def close(self) -> None:
+        try:
+            self._retire(1 << 62)
+        finally:
+            for future, _, _ in self._queued:
+                if future is not None:
+                    future.cancel()
+            self._pool.shutdown(wait=True)
+            self._queued.clear()
+            while self._open:
+                os.close(self._open.pop())
 
 
 class MappedFiles:
