@@ -45,7 +45,7 @@ from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange
 from .crc import cast_into, crc32, crc32_combine
-from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, copy_range, pread_into, write_file, write_views
+from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, copy_range, pread_into, write_views
 from .format import numel
 from .placement import FileLayout
 
@@ -53,6 +53,7 @@ DEFAULT_CHUNK_SIZE = 512 * 1024  # bytes per block: read, checksummed and handed
 KERNEL_COPY_BYTES = 1 << 20  # fragments at least this large are copied by the kernel
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # a rank file up to this size is one writev; larger ones are written in such steps
 PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
+SYNC_SEAL = os.environ.get('SS', '1') == '1'
 
 
 class SourcePiece(NamedTuple):
@@ -154,21 +155,22 @@ class ByteEngine:
         if layout.size <= WHOLE_FILE_BYTES:
             views: list = []
             crcs = self.fragments(layout.tensors, layout.starts, layout.ends, views)
-            self._writes.submit(layout.size, write_file, path, layout.header_with(crcs) + views)
+            self._writes.add_file(path, layout.header_with(crcs) + views, layout.size)
         else:
             fd = self._writes.open(path)
             self._stream_rank_file(fd, path, layout, self._writes)
-            self._writes.seal(fd)
+            self._writes.seal(layout.rank, fd, sync=SYNC_SEAL)
         self._report()
 
     def _stream_rank_file(self, fd: int, path: Path, layout: FileLayout, writes: WriteQueue) -> None:
         views: list = []
-        crcs, pending, at = [], 0, layout.data_start  # pending: bytes of `views`, to be written at `at`
+        crcs, pending, at, lane = [], 0, layout.data_start, layout.rank  # pending: bytes of `views`, to be written at `at`
         for t, start, end, (begin, stop) in zip(layout.tensors, layout.starts, layout.ends, layout.spans, strict=True):
             if stop - begin >= KERNEL_COPY_BYTES and self._cursors[t].cast is None:
-                writes.submit(pending, write_views, fd, views, path, at)
+                if views:
+                    writes.submit(lane, pending, write_views, fd, views, path, at)
                 views, pending, at = [], 0, layout.data_start + stop
-                crcs.append(self._send(self._cursors[t], start, end, fd, layout.data_start + begin, path))
+                crcs.append(self._send(self._cursors[t], start, end, (lane, fd, path), layout.data_start + begin))
                 continue
             step = max(1, WHOLE_FILE_BYTES * (end - start) // (stop - begin))  # elements per step
             crc = 0
@@ -179,11 +181,12 @@ class ByteEngine:
                 crc = crc32_combine(crc, part, size) if first > start else part
                 pending += size
                 if pending >= WHOLE_FILE_BYTES or len(views) >= IOV_MAX:
-                    writes.submit(pending, write_views, fd, views, path, at)
+                    writes.submit(lane, pending, write_views, fd, views, path, at)
                     views, pending, at = [], 0, at + pending
             crcs.append(crc)
-        writes.submit(pending, write_views, fd, views, path, at)
-        writes.submit(layout.data_start, write_views, fd, layout.header_with(crcs), path, 0)
+        if views:
+            writes.submit(lane, pending, write_views, fd, views, path, at)
+        writes.submit(lane, layout.data_start, write_views, fd, layout.header_with(crcs), path, 0)
 
     def fragment(self, tensor: int, start: int, end: int, views: list) -> int:
         """Append the bytes of elements [start, end) of source `tensor` to `views`; their crc32."""
@@ -264,9 +267,9 @@ class ByteEngine:
                 self._finish_piece(cursor, piece)
             position = stop
 
-    def _send(self, cursor: _Cursor, start: int, end: int, fd: int, at: int, path: Path) -> int:
-        """Elements [start, end) copied by the kernel to byte `at` of file `fd`, checksummed on
-        the way through the mapping; their crc32."""
+    def _send(self, cursor: _Cursor, start: int, end: int, out: tuple[int, int, Path], at: int) -> int:
+        """Elements [start, end) copied by the kernel to byte `at` of output `out` (lane, fd,
+        path), checksummed on the way through the mapping; their crc32."""
         out_crc, fresh = 0, True
         run: _Piece | None = None  # bytes [offset, offset + count) of its file are not yet queued
         offset = count = 0
@@ -277,17 +280,18 @@ class ByteEngine:
                 count += view.nbytes
                 continue
             if run is not None:
-                at = self._copy_run(run, offset, count, fd, at, path)
+                at = self._copy_run(run, offset, count, out, at)
             run, offset, count = piece, piece.offset + piece.done - view.nbytes, view.nbytes
         if run is not None:
-            self._copy_run(run, offset, count, fd, at, path)
+            self._copy_run(run, offset, count, out, at)
         return out_crc
 
-    def _copy_run(self, piece: _Piece, offset: int, count: int, fd: int, at: int, path: Path) -> int:
+    def _copy_run(self, piece: _Piece, offset: int, count: int, out: tuple[int, int, Path], at: int) -> int:
         """Queue the copy of bytes [offset, offset + count) of the piece's file to byte `at` of
-        `fd`; where the next bytes go."""
+        output `out`; where the next bytes go."""
         assert self._writes is not None
-        self._writes.submit(count, copy_range, os.dup(self._files.fd(piece.file)), offset, count, fd, at, path)
+        lane, fd, path = out
+        self._writes.submit(lane, 0, copy_range, os.dup(self._files.fd(piece.file)), offset, count, fd, at, path)
         return at + count
 
     # ----- streams (convert --to full, export layouts)

@@ -22,8 +22,10 @@ WINDOW_BYTES = 512 << 10  # a mapping covers two such blocks, so any block of at
 MAX_WINDOWS = 96  # mappings kept: at most 2 * MAX_WINDOWS * WINDOW_BYTES of mapped pages
 MAX_OPEN_FILES = 64
 IOV_MAX = 1024  # buffers per writev (Linux's limit)
-WRITE_THREADS = 2
-IN_FLIGHT_BYTES = 64 << 20  # writes queued and not done (their views keep source mappings alive)
+WRITE_THREADS = int(os.environ.get("WT", "2"))
+IN_FLIGHT_BYTES = 64 << 20  # views queued to be written (they keep source mappings alive)
+QUEUED_WRITES = 256  # each kernel copy holds a duplicate of its source's descriptor
+BATCH_BYTES = 4 << 20  # small files are handed to a thread in batches of about this size
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
@@ -98,13 +100,14 @@ def create(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
 
 
-def write_file(path: Path, views: list) -> None:
-    """File `path` holding the bytes of `views`."""
-    fd = create(path)
-    try:
-        write_views(fd, views, path)
-    finally:
-        os.close(fd)
+def write_files(files: list[tuple[Path, list]]) -> None:
+    """Each (path, views): file `path` holding the bytes of `views`."""
+    for path, views in files:
+        fd = create(path)
+        try:
+            write_views(fd, views, path)
+        finally:
+            os.close(fd)
 
 
 _kernel_copy = [hasattr(os, "copy_file_range")]  # False once this kernel or filesystem refused
@@ -133,50 +136,75 @@ def copy_range(source: int, offset: int, count: int, fd: int, out_offset: int, p
 
 
 class WriteQueue:
-    """Writes run by WRITE_THREADS worker threads in submission order, each at its own offsets,
-    at most IN_FLIGHT_BYTES of them queued. `open` makes a file whose descriptor `seal` closes
-    once every write submitted before has finished. The first failed write is raised by the
-    next `submit` or by `close`, which waits for all and closes what is open."""
+    """Writes run by WRITE_THREADS worker threads, each at its own offsets: a file's writes go
+    to one thread (its lane) and run in the order submitted, while other lanes write other
+    files (ext4 lets one writer into a file at a time). At most IN_FLIGHT_BYTES of written
+    views (they keep source mappings alive) and QUEUED_WRITES writes wait. `open` makes a file
+    that `seal` closes after its writes, with an fsync when asked, so the disk writes one file
+    while the next is copied; `add_file` queues a whole small file, in batches of BATCH_BYTES
+    taking turns at the lanes (a hand-over per file would cost more than its write). The first
+    failed write is raised by the next `submit` or by `close`, which waits for all and closes
+    what is open."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="fsdpkit-write")
-        self._queued: deque[tuple[Future | None, int, int]] = deque()  # (write or None to close fd, bytes, fd)
+        self._lanes = [ThreadPoolExecutor(1, thread_name_prefix="fsdpkit-write") for _ in range(WRITE_THREADS)]
+        self._queued: deque[tuple[Future, int]] = deque()  # (write, bytes of views it holds)
         self._in_flight = 0
         self._open: set[int] = set()
+        self._batch: list[tuple[Path, list]] = []
+        self._batch_bytes = self._batches = 0
+
+    def add_file(self, path: Path, views: list, nbytes: int) -> None:
+        self._batch.append((path, views))
+        self._batch_bytes += nbytes
+        if self._batch_bytes >= BATCH_BYTES:
+            self._submit_batch()
+
+    def _submit_batch(self) -> None:
+        if self._batch:
+            batch, nbytes, self._batch, self._batch_bytes = self._batch, self._batch_bytes, [], 0
+            self._batches += 1
+            self.submit(self._batches, nbytes, write_files, batch)
 
     def open(self, path: Path) -> int:
         fd = create(path)
         self._open.add(fd)
         return fd
 
-    def submit(self, nbytes: int, function, *args) -> None:
+    def submit(self, lane: int, nbytes: int, function, *args) -> None:
         self._retire(self._in_flight + nbytes - IN_FLIGHT_BYTES)
-        self._queued.append((self._pool.submit(function, *args), nbytes, -1))
+        self._queued.append((self._lanes[lane % WRITE_THREADS].submit(function, *args), nbytes))
         self._in_flight += nbytes
 
-    def seal(self, fd: int) -> None:
-        self._queued.append((None, 0, fd))
+    def seal(self, lane: int, fd: int, *, sync: bool) -> None:
+        self.submit(lane, 0, self._close, fd, sync)
+
+    def _close(self, fd: int, sync: bool) -> None:
+        try:
+            if sync:
+                os.fsync(fd)
+        finally:
+            self._open.discard(fd)
+            os.close(fd)
 
     def _retire(self, excess: int) -> None:
-        """Finish queued writes from the oldest on: those done, and more while `excess` > 0."""
-        while self._queued and (excess > 0 or self._queued[0][0] is None or self._queued[0][0].done()):
-            future, nbytes, fd = self._queued.popleft()
-            if future is None:
-                self._open.discard(fd)
-                os.close(fd)
-                continue
+        """Finish queued writes from the oldest on: those done, and more while `excess` > 0 or
+        too many wait."""
+        while self._queued and (excess > 0 or len(self._queued) >= QUEUED_WRITES or self._queued[0][0].done()):
+            future, nbytes = self._queued.popleft()
             self._in_flight -= nbytes
             excess -= nbytes
             future.result()
 
     def close(self) -> None:
         try:
+            self._submit_batch()
             self._retire(1 << 62)
         finally:
-            for future, _, _ in self._queued:
-                if future is not None:
-                    future.cancel()
-            self._pool.shutdown(wait=True)
+            for future, _ in self._queued:
+                future.cancel()
+            for lane in self._lanes:
+                lane.shutdown(wait=True)
             self._queued.clear()
             while self._open:
                 os.close(self._open.pop())
