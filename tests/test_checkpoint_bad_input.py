@@ -332,6 +332,39 @@ def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monke
     _no_leftovers(tmp_path, ["src"])
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_failed_write_in_a_write_thread_fails_the_reshard(ckpt, tmp_path, monkeypatch, streamed):
+    """Rank files are written by worker threads: a write failing there (no space) ends the
+    reshard with one line naming it, exit 1, and nothing is left; small files (written whole,
+    in batches) and streamed ones (kernel copies at their offsets) alike."""
+    from fsdpkit.checkpoint import bytecopy, files
+
+    calls = {"n": 0}
+
+    def failing(*args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            if streamed:
+                os.close(args[0])  # the source's duplicate, which copy_range closes
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "injected")
+        return original(*args)
+
+    if streamed:
+        monkeypatch.setattr(bytecopy, "KERNEL_COPY_BYTES", 64)
+        monkeypatch.setattr(bytecopy, "WHOLE_FILE_BYTES", 256)
+        original = bytecopy.copy_range
+        monkeypatch.setattr(bytecopy, "copy_range", failing)
+    else:
+        monkeypatch.setattr(files, "BATCH_BYTES", 1)
+        original = files.write_files
+        monkeypatch.setattr(files, "write_files", failing)
+    result = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "3")
+    assert result.exit_code == 1, result.output
+    assert "No space left on device" in result.output and "Traceback" not in result.output
+    assert calls["n"] >= 2
+    _no_leftovers(tmp_path, ["src"])
+
+
 @contextlib.contextmanager
 def _tmpfs(path, options):
     """A small tmpfs at `path` when this process may mount one (root, and allowed); else None."""

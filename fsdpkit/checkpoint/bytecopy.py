@@ -53,7 +53,6 @@ DEFAULT_CHUNK_SIZE = 512 * 1024  # bytes per block: read, checksummed and handed
 KERNEL_COPY_BYTES = 1 << 20  # fragments at least this large are copied by the kernel
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # a rank file up to this size is one writev; larger ones are written in such steps
 PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
-SYNC_SEAL = os.environ.get('SS', '1') == '1'
 
 
 class SourcePiece(NamedTuple):
@@ -146,10 +145,11 @@ class ByteEngine:
 
     # ----- rank files (reshard, convert --to sharded)
     def write_rank_file(self, path: Path, layout: FileLayout) -> None:
-        """Queue rank file `layout` at `path`, its fragments from the sources (not fsynced: the
-        caller syncs the whole output once `close` has waited for every write). A small file is
-        one `writev` of its complete header and mapped slices; a larger one is written in steps
-        at their offsets, its header with the crc32 digits last."""
+        """Queue rank file `layout` at `path`, its fragments from the sources; `close` waits
+        for every write, and the caller syncs the whole output then. A small file is one
+        `writev` of its complete header and mapped slices; a larger one is written in steps at
+        their offsets, its header with the crc32 digits last, and fsynced in its write thread
+        (the disk writes it while the next is copied)."""
         if self._writes is None:
             self._writes = WriteQueue()
         if layout.size <= WHOLE_FILE_BYTES:
@@ -159,7 +159,7 @@ class ByteEngine:
         else:
             fd = self._writes.open(path)
             self._stream_rank_file(fd, path, layout, self._writes)
-            self._writes.seal(layout.rank, fd, sync=SYNC_SEAL)
+            self._writes.seal(layout.rank, fd)
         self._report()
 
     def _stream_rank_file(self, fd: int, path: Path, layout: FileLayout, writes: WriteQueue) -> None:

@@ -22,7 +22,7 @@ WINDOW_BYTES = 512 << 10  # a mapping covers two such blocks, so any block of at
 MAX_WINDOWS = 96  # mappings kept: at most 2 * MAX_WINDOWS * WINDOW_BYTES of mapped pages
 MAX_OPEN_FILES = 64
 IOV_MAX = 1024  # buffers per writev (Linux's limit)
-WRITE_THREADS = int(os.environ.get("WT", "2"))
+WRITE_THREADS = 2  # output files written at once
 IN_FLIGHT_BYTES = 64 << 20  # views queued to be written (they keep source mappings alive)
 QUEUED_WRITES = 256  # each kernel copy holds a duplicate of its source's descriptor
 BATCH_BYTES = 4 << 20  # small files are handed to a thread in batches of about this size
@@ -110,22 +110,21 @@ def write_files(files: list[tuple[Path, list]]) -> None:
             os.close(fd)
 
 
-_kernel_copy = [hasattr(os, "copy_file_range")]  # False once this kernel or filesystem refused
-
-
 def copy_range(source: int, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
     """Bytes [offset, offset + count) of file `source` to `out_offset` of `fd`: the kernel copies
-    them (copy_file_range), else read and write. Closes `source` (a duplicate) when done."""
+    them (copy_file_range), else, where this kernel or filesystem pair refuses, read and write.
+    Closes `source` (a duplicate) when done."""
     try:
+        kernel = hasattr(os, "copy_file_range")
         while count:
             try:
-                if _kernel_copy[0]:
+                if kernel:
                     done = os.copy_file_range(source, fd, count, offset, out_offset)
                 else:
                     done = os.pwrite(fd, os.pread(source, min(count, 8 << 20), offset), out_offset)
             except OSError as error:
-                if error.errno in _NO_KERNEL_COPY and _kernel_copy[0]:
-                    _kernel_copy[0] = False
+                if error.errno in _NO_KERNEL_COPY and kernel:
+                    kernel = False
                     continue
                 raise OSError(error.errno, error.strerror, str(path)) from None
             if done == 0:
@@ -140,11 +139,10 @@ class WriteQueue:
     to one thread (its lane) and run in the order submitted, while other lanes write other
     files (ext4 lets one writer into a file at a time). At most IN_FLIGHT_BYTES of written
     views (they keep source mappings alive) and QUEUED_WRITES writes wait. `open` makes a file
-    that `seal` closes after its writes, with an fsync when asked, so the disk writes one file
-    while the next is copied; `add_file` queues a whole small file, in batches of BATCH_BYTES
-    taking turns at the lanes (a hand-over per file would cost more than its write). The first
-    failed write is raised by the next `submit` or by `close`, which waits for all and closes
-    what is open."""
+    that `seal` fsyncs and closes after its writes; `add_file` queues a whole small file, in
+    batches of BATCH_BYTES taking turns at the lanes (a hand-over per file would cost more
+    than its write). The first failed write is raised by the next `submit` or by `close`,
+    which waits for all and closes what is open."""
 
     def __init__(self) -> None:
         self._lanes = [ThreadPoolExecutor(1, thread_name_prefix="fsdpkit-write") for _ in range(WRITE_THREADS)]
@@ -176,13 +174,12 @@ class WriteQueue:
         self._queued.append((self._lanes[lane % WRITE_THREADS].submit(function, *args), nbytes))
         self._in_flight += nbytes
 
-    def seal(self, lane: int, fd: int, *, sync: bool) -> None:
-        self.submit(lane, 0, self._close, fd, sync)
+    def seal(self, lane: int, fd: int) -> None:
+        self.submit(lane, 0, self._close, fd)
 
-    def _close(self, fd: int, sync: bool) -> None:
+    def _close(self, fd: int) -> None:
         try:
-            if sync:
-                os.fsync(fd)
+            os.fsync(fd)
         finally:
             self._open.discard(fd)
             os.close(fd)
