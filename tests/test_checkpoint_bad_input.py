@@ -333,11 +333,11 @@ def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monke
 
 
 @pytest.mark.parametrize("streamed", [False, True])
-def test_failed_write_in_a_write_thread_fails_the_reshard(ckpt, tmp_path, monkeypatch, streamed):
-    """Rank files are written by worker threads: a write failing there (no space) ends the
-    reshard with one line naming it, exit 1, and nothing is left; small files (written whole,
-    in batches) and streamed ones (kernel copies at their offsets) alike."""
-    from fsdpkit.checkpoint import bytecopy, files
+def test_failed_write_fails_the_reshard(ckpt, tmp_path, monkeypatch, streamed):
+    """Large rank files are written by worker threads: a write failing there (no space) ends
+    the reshard with one line naming it, exit 1, and nothing is left; as for small files,
+    written whole by the main thread."""
+    from fsdpkit.checkpoint import bytecopy
 
     calls = {"n": 0}
 
@@ -355,9 +355,8 @@ def test_failed_write_in_a_write_thread_fails_the_reshard(ckpt, tmp_path, monkey
         original = bytecopy.copy_range
         monkeypatch.setattr(bytecopy, "copy_range", failing)
     else:
-        monkeypatch.setattr(files, "BATCH_BYTES", 1)
-        original = files.write_files
-        monkeypatch.setattr(files, "write_files", failing)
+        original = bytecopy.write_file
+        monkeypatch.setattr(bytecopy, "write_file", failing)
     result = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "3")
     assert result.exit_code == 1, result.output
     assert "No space left on device" in result.output and "Traceback" not in result.output

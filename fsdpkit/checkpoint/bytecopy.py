@@ -45,7 +45,7 @@ from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange
 from .crc import cast_into, crc32, crc32_combine
-from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, copy_range, pread_into, write_views
+from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, copy_range, pread_into, write_file, write_views
 from .format import numel
 from .placement import FileLayout
 
@@ -145,18 +145,19 @@ class ByteEngine:
 
     # ----- rank files (reshard, convert --to sharded)
     def write_rank_file(self, path: Path, layout: FileLayout) -> None:
-        """Queue rank file `layout` at `path`, its fragments from the sources; `close` waits
-        for every write, and the caller syncs the whole output then. A small file is one
-        `writev` of its complete header and mapped slices; a larger one is written in steps at
-        their offsets, its header with the crc32 digits last, and fsynced in its write thread
-        (the disk writes it while the next is copied)."""
-        if self._writes is None:
-            self._writes = WriteQueue()
+        """Rank file `layout` at `path`, its fragments from the sources; the caller syncs the
+        whole output once `close` has waited for every write. A small file is one `writev` of
+        its complete header and mapped slices, here; a larger one is queued to the write
+        threads in steps at their offsets, its header with the crc32 digits last, and fsynced
+        there (the disk writes it while the next is copied). On an error a small file is
+        removed; the caller removes the output."""
         if layout.size <= WHOLE_FILE_BYTES:
             views: list = []
             crcs = self.fragments(layout.tensors, layout.starts, layout.ends, views)
-            self._writes.add_file(path, layout.header_with(crcs) + views, layout.size)
+            write_file(path, layout.header_with(crcs) + views)
         else:
+            if self._writes is None:
+                self._writes = WriteQueue()
             fd = self._writes.open(path)
             self._stream_rank_file(fd, path, layout, self._writes)
             self._writes.seal(layout.rank, fd)

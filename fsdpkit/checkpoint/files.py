@@ -25,7 +25,6 @@ IOV_MAX = 1024  # buffers per writev (Linux's limit)
 WRITE_THREADS = 2  # output files written at once
 IN_FLIGHT_BYTES = 64 << 20  # views queued to be written (they keep source mappings alive)
 QUEUED_WRITES = 256  # each kernel copy holds a duplicate of its source's descriptor
-BATCH_BYTES = 4 << 20  # small files are handed to a thread in batches of about this size
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
@@ -100,14 +99,16 @@ def create(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
 
 
-def write_files(files: list[tuple[Path, list]]) -> None:
-    """Each (path, views): file `path` holding the bytes of `views`."""
-    for path, views in files:
-        fd = create(path)
-        try:
-            write_views(fd, views, path)
-        finally:
-            os.close(fd)
+def write_file(path: Path, views: list) -> None:
+    """File `path` holding the bytes of `views`; removed on an error."""
+    fd = create(path)
+    try:
+        write_views(fd, views, path)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
 
 
 def copy_range(source: int, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
@@ -139,30 +140,14 @@ class WriteQueue:
     to one thread (its lane) and run in the order submitted, while other lanes write other
     files (ext4 lets one writer into a file at a time). At most IN_FLIGHT_BYTES of written
     views (they keep source mappings alive) and QUEUED_WRITES writes wait. `open` makes a file
-    that `seal` fsyncs and closes after its writes; `add_file` queues a whole small file, in
-    batches of BATCH_BYTES taking turns at the lanes (a hand-over per file would cost more
-    than its write). The first failed write is raised by the next `submit` or by `close`,
-    which waits for all and closes what is open."""
+    that `seal` fsyncs and closes after its writes. The first failed write is raised by the
+    next `submit` or by `close`, which waits for all and closes what is open."""
 
     def __init__(self) -> None:
         self._lanes = [ThreadPoolExecutor(1, thread_name_prefix="fsdpkit-write") for _ in range(WRITE_THREADS)]
         self._queued: deque[tuple[Future, int]] = deque()  # (write, bytes of views it holds)
         self._in_flight = 0
         self._open: set[int] = set()
-        self._batch: list[tuple[Path, list]] = []
-        self._batch_bytes = self._batches = 0
-
-    def add_file(self, path: Path, views: list, nbytes: int) -> None:
-        self._batch.append((path, views))
-        self._batch_bytes += nbytes
-        if self._batch_bytes >= BATCH_BYTES:
-            self._submit_batch()
-
-    def _submit_batch(self) -> None:
-        if self._batch:
-            batch, nbytes, self._batch, self._batch_bytes = self._batch, self._batch_bytes, [], 0
-            self._batches += 1
-            self.submit(self._batches, nbytes, write_files, batch)
 
     def open(self, path: Path) -> int:
         fd = create(path)
@@ -195,7 +180,6 @@ class WriteQueue:
 
     def close(self) -> None:
         try:
-            self._submit_batch()
             self._retire(1 << 62)
         finally:
             for future, _ in self._queued:
