@@ -14,8 +14,9 @@ How bytes move, chosen by fragment size:
   bytes through a read-only mapping, so they cross user space never;
 - many small fragments (a large world size: millions of a few KB each): slices of mapped
   source windows are gathered and a whole rank file is one `writev`;
-- rank files are written by worker threads (`files.WriteQueue`): the engine goes on
-  checksumming and planning while the kernel copies;
+- rank files over `WHOLE_FILE_BYTES` are written by two worker threads (`files.WriteQueue`),
+  two files at once, while the engine checksums the next bytes; smaller ones by the engine
+  itself (with threads, every unmapped window costs a TLB shootdown);
 - casts (`--dtype`) and streams into a writer: block by block through the mapping.
 
 Mappings are windows of two `WINDOW_BYTES` blocks, kept in a bounded LRU (peak RSS does not
@@ -50,7 +51,7 @@ from .format import numel
 from .placement import FileLayout
 
 DEFAULT_CHUNK_SIZE = 512 * 1024  # bytes per block: read, checksummed and handed on while in the L2 cache
-KERNEL_COPY_BYTES = 1 << 20  # fragments at least this large are copied by the kernel
+KERNEL_COPY_BYTES = 256 << 10  # fragments at least this large are copied by the kernel
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # a rank file up to this size is one writev; larger ones are written in such steps
 PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
 
