@@ -36,7 +36,6 @@ truncated while mapped would raise SIGBUS).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange
 from .crc import cast_into, crc32, crc32_combine
-from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, copy_range, pread_into, write_file, write_views
+from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, pread_into, write_file, write_views
 from .format import numel
 from .placement import FileLayout
 
@@ -293,7 +292,7 @@ class ByteEngine:
         output `out`; where the next bytes go."""
         assert self._writes is not None
         lane, fd, path = out
-        self._writes.submit(lane, 0, copy_range, os.dup(self._files.fd(piece.file)), offset, count, fd, at, path)
+        self._writes.copy(lane, self._files.fd(piece.file), offset, count, fd, at, path)
         return at + count
 
     # ----- streams (convert --to full, export layouts)

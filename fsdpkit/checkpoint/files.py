@@ -113,26 +113,22 @@ def write_file(path: Path, views: list) -> None:
 
 def copy_range(source: int, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
     """Bytes [offset, offset + count) of file `source` to `out_offset` of `fd`: the kernel copies
-    them (copy_file_range), else, where this kernel or filesystem pair refuses, read and write.
-    Closes `source` (a duplicate) when done."""
-    try:
-        kernel = hasattr(os, "copy_file_range")
-        while count:
-            try:
-                if kernel:
-                    done = os.copy_file_range(source, fd, count, offset, out_offset)
-                else:
-                    done = os.pwrite(fd, os.pread(source, min(count, 8 << 20), offset), out_offset)
-            except OSError as error:
-                if error.errno in _NO_KERNEL_COPY and kernel:
-                    kernel = False
-                    continue
-                raise OSError(error.errno, error.strerror, str(path)) from None
-            if done == 0:
-                raise DataCheckError(f"{path}: its source ends at byte {offset} (truncated while copied)")
-            offset, out_offset, count = offset + done, out_offset + done, count - done
-    finally:
-        os.close(source)
+    them (copy_file_range), else, where this kernel or filesystem pair refuses, read and write."""
+    kernel = hasattr(os, "copy_file_range")
+    while count:
+        try:
+            if kernel:
+                done = os.copy_file_range(source, fd, count, offset, out_offset)
+            else:
+                done = os.pwrite(fd, os.pread(source, min(count, 8 << 20), offset), out_offset)
+        except OSError as error:
+            if error.errno in _NO_KERNEL_COPY and kernel:
+                kernel = False
+                continue
+            raise OSError(error.errno, error.strerror, str(path)) from None
+        if done == 0:
+            raise DataCheckError(f"{path}: its source ends at byte {offset} (truncated while copied)")
+        offset, out_offset, count = offset + done, out_offset + done, count - done
 
 
 class WriteQueue:
@@ -140,8 +136,9 @@ class WriteQueue:
     to one thread (its lane) and run in the order submitted, while other lanes write other
     files (ext4 lets one writer into a file at a time). At most IN_FLIGHT_BYTES of written
     views (they keep source mappings alive) and QUEUED_WRITES writes wait. `open` makes a file
-    that `seal` fsyncs and closes after its writes. The first failed write is raised by the
-    next `submit` or by `close`, which waits for all and closes what is open."""
+    that `seal` fsyncs and closes after its writes; `copy` holds a duplicate of its source's
+    descriptor until done. The first failed write is raised by the next `submit` or by
+    `close`, which waits for all and closes every descriptor still open."""
 
     def __init__(self) -> None:
         self._lanes = [ThreadPoolExecutor(1, thread_name_prefix="fsdpkit-write") for _ in range(WRITE_THREADS)]
@@ -159,12 +156,25 @@ class WriteQueue:
         self._queued.append((self._lanes[lane % WRITE_THREADS].submit(function, *args), nbytes))
         self._in_flight += nbytes
 
-    def seal(self, lane: int, fd: int) -> None:
-        self.submit(lane, 0, self._close, fd)
+    def copy(self, lane: int, source: int, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
+        """Queue `copy_range` of those bytes of `source`."""
+        duplicate = os.dup(source)  # the caller may close `source` before the copy runs
+        self._open.add(duplicate)
+        self.submit(lane, 0, self._copy, duplicate, offset, count, fd, out_offset, path)
 
-    def _close(self, fd: int) -> None:
+    def _copy(self, source: int, *args) -> None:
         try:
-            os.fsync(fd)
+            copy_range(source, *args)
+        finally:
+            self._close(source, sync=False)
+
+    def seal(self, lane: int, fd: int) -> None:
+        self.submit(lane, 0, self._close, fd, True)
+
+    def _close(self, fd: int, sync: bool) -> None:
+        try:
+            if sync:
+                os.fsync(fd)
         finally:
             self._open.discard(fd)
             os.close(fd)
