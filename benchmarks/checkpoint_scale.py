@@ -6,7 +6,10 @@ against `cp -r` + `sync` of that same result directory (same bytes, same number 
 
 Makes one source checkpoint at --source-world-size ranks (format 2, the model's flat-parameter
 placement, random weights and AdamW state: exp_avg, exp_avg_sq, step), or takes --source, then
-for each W, --repeat times, each command in its own process, timed with a final `sync` included:
+for each W, --repeat times, each command in its own process, timed with a final `sync` included,
+its input files first dropped from the page cache (`posix_fadvise(DONTNEED)`: clean pages of
+those files only), so every command reads a checkpoint at rest from the disk, as the others do
+(an input left cached by the command before would make one side's reads free):
 
 - fsdpkit reshard SRC OUT --world-size W   (peak RSS: the process's VmHWM)
 - cp -r OUT COPY + sync                    (the baseline: the disk's and the filesystem's limit)
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -92,9 +96,20 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def timed(command: list[str]) -> dict:
+def uncache(directory: Path) -> None:
+    """Drop the (clean, synced) pages of the files under `directory` from the page cache."""
+    for path in directory.rglob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed(command: list[str], reads: Path) -> dict:
     """Wall time of `command` plus a final `sync`, the CPU seconds (user + sys) of the command;
-    its peak RSS when it reports one."""
+    its peak RSS when it reports one. Files under `reads` are dropped from the page cache first."""
+    uncache(reads)
     start, cpu_start = time.perf_counter(), _children_cpu()
     proc = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     cpu = _children_cpu() - cpu_start
@@ -150,11 +165,11 @@ def main(argv: list[str] | None = None) -> int:
             rounds = []
             for index in range(args.repeat):
                 print(f"W={world} round {index + 1}/{args.repeat}: reshard, cp -r, verify ...", file=sys.stderr)
-                reshard = timed(fsdpkit + ["reshard", str(src), str(out), "--world-size", str(world)])
-                cp = timed(["cp", "-r", str(out), str(copy)])
+                reshard = timed(fsdpkit + ["reshard", str(src), str(out), "--world-size", str(world)], Path(src))
+                cp = timed(["cp", "-r", str(out), str(copy)], out)
                 shutil.rmtree(copy)
                 subprocess.run(["sync"], check=True)
-                verify = timed(fsdpkit + ["verify", str(out)])
+                verify = timed(fsdpkit + ["verify", str(out)], out)
                 manifest_bytes = (out / "manifest.json").stat().st_size
                 shutil.rmtree(out)
                 subprocess.run(["sync"], check=True)
@@ -190,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(
                 f"# {format_size(data_bytes)} ({args.source or args.model}); reshard -> W, {args.repeat} rounds: "
-                f"median seconds, ratio to cp -r of the same round as median [min..max]; times include a final sync"
+                f"median seconds, ratio to cp -r of the same round as median [min..max]; inputs read from disk; times include a final sync"
             )
             print(
                 f"{'W':>7}{'reshard s':>11}{'cp -r s':>9}{'reshard x cp':>20}{'peak RSS':>11}{'verify s':>10}"

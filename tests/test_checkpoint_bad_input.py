@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import json
 import os
 import resource
@@ -329,6 +330,40 @@ def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monke
     monkeypatch.setattr(bytecopy.ByteEngine, "_view", failing)
     with pytest.raises(error):
         convert_to_full(ckpt, tmp_path / "out", options=FullOutput(chunk_size=64))
+    _no_leftovers(tmp_path, ["src"])
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_failed_write_fails_the_reshard(ckpt, tmp_path, monkeypatch, streamed):
+    """Large rank files are written by worker threads: a write failing there (no space) ends
+    the reshard with one line naming it, exit 1, nothing is left and no descriptor stays open;
+    as for small files, written whole by the main thread."""
+    from fsdpkit.checkpoint import bytecopy, files
+
+    calls = {"n": 0}
+
+    def failing(*args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "injected")
+        return original(*args)
+
+    if streamed:
+        monkeypatch.setattr(bytecopy, "KERNEL_COPY_BYTES", 64)
+        monkeypatch.setattr(bytecopy, "WHOLE_FILE_BYTES", 256)
+        original = files.copy_range
+        monkeypatch.setattr(files, "copy_range", failing)
+    else:
+        original = bytecopy.write_file
+        monkeypatch.setattr(bytecopy, "write_file", failing)
+    open_before = len(os.listdir("/proc/self/fd"))
+    result = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "3")
+    assert result.exit_code == 1, result.output
+    assert "No space left on device" in result.output and "Traceback" not in result.output
+    assert calls["n"] >= 2
+    del result
+    gc.collect()  # the traceback kept in the result holds the engine's mappings (each holds a descriptor)
+    assert len(os.listdir("/proc/self/fd")) == open_before  # every descriptor closed, queued copies' too
     _no_leftovers(tmp_path, ["src"])
 
 

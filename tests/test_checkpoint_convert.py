@@ -251,11 +251,12 @@ def test_many_small_blocks(sharded, tmp_path, chunk):
     _assert_full_equal(tmp_path / "full", {n: t for n, t in tensors.items() if n.startswith("optim.")}, prefix="optimizer")
 
 
-@pytest.mark.parametrize("unsupported", [(), ("copy_file_range",), ("copy_file_range", "sendfile")])
+@pytest.mark.parametrize("unsupported", [(), ("copy_file_range",)])
 def test_large_fragments_copied_by_the_kernel(sharded, tmp_path, monkeypatch, unsupported):
-    """Fragments above the kernel-copy size go file to file (copy_file_range, else sendfile,
-    else read and write where the filesystem refuses), checksummed through the mapping: the
-    result equals the mapped-slices path byte for byte, and a corrupt source byte is caught."""
+    """Fragments above the kernel-copy size go file to file (copy_file_range, else read and
+    write where the filesystem refuses) in the write threads, each file streamed in steps at
+    their offsets, checksummed through the mapping: the result equals the mapped-slices path
+    byte for byte, and a corrupt source byte is caught."""
     import errno
     import os
 

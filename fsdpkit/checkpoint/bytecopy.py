@@ -10,17 +10,20 @@ checksum); full safetensors files one piece per tensor (no checksum).
 How bytes move, chosen by fragment size:
 
 - large fragments (at least `KERNEL_COPY_BYTES`, no cast): the kernel copies them from file to
-  file (`os.copy_file_range`, else `os.sendfile`, else read and write), while the engine
-  checksums the same bytes through a read-only mapping, so they cross user space never;
+  file (`os.copy_file_range`, else read and write), while the engine checksums the same
+  bytes through a read-only mapping, so they cross user space never;
 - many small fragments (a large world size: millions of a few KB each): slices of mapped
   source windows are gathered and a whole rank file is one `writev`;
+- rank files over `WHOLE_FILE_BYTES` are written by two worker threads (`files.WriteQueue`),
+  two files at once, while the engine checksums the next bytes; smaller ones by the engine
+  itself (with threads, every unmapped window costs a TLB shootdown);
 - casts (`--dtype`) and streams into a writer: block by block through the mapping.
 
 Mappings are windows of two `WINDOW_BYTES` blocks, kept in a bounded LRU (peak RSS does not
-grow with the checkpoint). Checksums take one pass: every block is checksummed once with
-`zlib.crc32`; that value is the output fragment's crc32 (combined when a fragment was cut from
-several blocks) and is combined into the running crc32 of the source piece it came from
-(`crc.CrcShifter`). When a source piece's last byte has passed, its crc32 must equal the
+grow with the checkpoint). Checksums take one pass: every block is checksummed once
+(`crc.crc32`); that value is the output fragment's crc32 (combined when a fragment was cut
+from several blocks) and is combined into the running crc32 of the source piece it came from
+(`crc.crc32_combine`). When a source piece's last byte has passed, its crc32 must equal the
 stored one, else a `DataCheckError`. Fragments of each tensor must be asked for in increasing
 order, each source piece read front to back, which the placements guarantee; `finish()`
 checks that every piece started was read to its end. `read_into` (random access) checks a
@@ -33,9 +36,6 @@ truncated while mapped would raise SIGBUS).
 
 from __future__ import annotations
 
-import errno
-import os
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,16 +44,15 @@ from typing import NamedTuple
 from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange
-from .crc import CrcShifter, cast_into
-from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, pread_into, write_behind, write_views
+from .crc import cast_into, crc32, crc32_combine
+from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, pread_into, write_file, write_views
 from .format import numel
 from .placement import FileLayout
 
 DEFAULT_CHUNK_SIZE = 512 * 1024  # bytes per block: read, checksummed and handed on while in the L2 cache
-KERNEL_COPY_BYTES = 1 << 20  # fragments at least this large are copied by the kernel
+KERNEL_COPY_BYTES = 256 << 10  # fragments at least this large are copied by the kernel
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # a rank file up to this size is one writev; larger ones are written in such steps
 PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
 class SourcePiece(NamedTuple):
@@ -140,42 +139,39 @@ class ByteEngine:
         self._named: dict[tuple[str, str], _Cursor] = {}  # cursors of tensors given to copy()
         self._verified: set[tuple[int, int]] = set()  # (file, offset) of pieces read_into checked whole
         self._files = MappedFiles()
-        self._shifter = CrcShifter()
-        self._kernel_copy = "copy_file_range" if hasattr(os, "copy_file_range") else "sendfile"
+        self._writes: WriteQueue | None = None  # made by the first write_rank_file
         self._progress, self._reported = progress, 0
         self.bytes_read = 0  # source bytes handed on so far
 
     # ----- rank files (reshard, convert --to sharded)
     def write_rank_file(self, path: Path, layout: FileLayout) -> None:
-        """Rank file `layout` at `path`, its fragments from the sources (not fsynced: the caller
-        syncs the whole output). A small file is one `writev` of its complete header and mapped
-        slices; a larger one is written front to back, its crc32 digits last. On an error the
-        file is removed."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            if layout.size <= WHOLE_FILE_BYTES:
-                views: list = []
-                crcs = self.fragments(layout.tensors, layout.starts, layout.ends, views)
-                write_views(fd, layout.header_with(crcs) + views, path)
-            else:
-                self._stream_rank_file(fd, path, layout)
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
+        """Rank file `layout` at `path`, its fragments from the sources; the caller syncs the
+        whole output once `close` has waited for every write. A small file is one `writev` of
+        its complete header and mapped slices, here; a larger one is queued to the write
+        threads in steps at their offsets, its header with the crc32 digits last, and fsynced
+        there (the disk writes it while the next is copied). On an error a small file is
+        removed; the caller removes the output."""
+        if layout.size <= WHOLE_FILE_BYTES:
+            views: list = []
+            crcs = self.fragments(layout.tensors, layout.starts, layout.ends, views)
+            write_file(path, layout.header_with(crcs) + views)
+        else:
+            if self._writes is None:
+                self._writes = WriteQueue()
+            fd = self._writes.open(path)
+            self._stream_rank_file(fd, path, layout, self._writes)
+            self._writes.seal(layout.rank, fd)
         self._report()
 
-    def _stream_rank_file(self, fd: int, path: Path, layout: FileLayout) -> None:
-        write_views(fd, [layout.header], path)
+    def _stream_rank_file(self, fd: int, path: Path, layout: FileLayout, writes: WriteQueue) -> None:
         views: list = []
-        crcs, pending, flushed = [], 0, 0
+        crcs, pending, at, lane = [], 0, layout.data_start, layout.rank  # pending: bytes of `views`, to be written at `at`
         for t, start, end, (begin, stop) in zip(layout.tensors, layout.starts, layout.ends, layout.spans, strict=True):
             if stop - begin >= KERNEL_COPY_BYTES and self._cursors[t].cast is None:
-                write_views(fd, views, path)
-                views.clear()
-                crcs.append(self._send(self._cursors[t], start, end, fd, path))
-                flushed = write_behind(fd, flushed)
+                if views:
+                    writes.submit(lane, pending, write_views, fd, views, path, at)
+                views, pending, at = [], 0, layout.data_start + stop
+                crcs.append(self._send(self._cursors[t], start, end, (lane, fd, path), layout.data_start + begin))
                 continue
             step = max(1, WHOLE_FILE_BYTES * (end - start) // (stop - begin))  # elements per step
             crc = 0
@@ -183,17 +179,15 @@ class ByteEngine:
                 last = min(first + step, end)
                 part = self.fragment(t, first, last, views)
                 size = (stop - begin) * (last - first) // (end - start)
-                crc = self._shifter.combine(crc, part, size) if first > start else part
+                crc = crc32_combine(crc, part, size) if first > start else part
                 pending += size
                 if pending >= WHOLE_FILE_BYTES or len(views) >= IOV_MAX:
-                    write_views(fd, views, path)
-                    views.clear()
-                    pending, flushed = 0, write_behind(fd, flushed)
+                    writes.submit(lane, pending, write_views, fd, views, path, at)
+                    views, pending, at = [], 0, at + pending
             crcs.append(crc)
-        write_views(fd, views, path)
-        digits = layout.header_with(crcs)[1]
-        if os.pwrite(fd, digits, layout.crc_offset) != len(digits):
-            raise OSError(errno.EIO, "short write while writing the crc32 digits", str(path))
+        if views:
+            writes.submit(lane, pending, write_views, fd, views, path, at)
+        writes.submit(lane, layout.data_start, write_views, fd, layout.header_with(crcs), path, 0)
 
     def fragment(self, tensor: int, start: int, end: int, views: list) -> int:
         """Append the bytes of elements [start, end) of source `tensor` to `views`; their crc32."""
@@ -203,7 +197,7 @@ class ByteEngine:
         """`fragment` for each (tensor, start, end) in turn; their crc32s. A fragment inside the
         window its piece last used takes the inlined path (a large world size has millions)."""
         crcs = []
-        cursors, block, tables, crc32 = self._cursors, self.block, self._shifter.tables, zlib.crc32
+        cursors, block = self._cursors, self.block
         done = 0
         for tensor, start, end in zip(tensors, starts, ends, strict=True):
             cursor = cursors[tensor]
@@ -220,20 +214,7 @@ class ByteEngine:
                     views.append(view)
                     crcs.append(crc)
                     done += nbytes
-                    if at:
-                        running, shift = piece.running, tables.get(nbytes)
-                        if shift is None:
-                            piece.running = self._shifter.shift(running, nbytes) ^ crc
-                        else:
-                            piece.running = (
-                                shift[0][running & 255]
-                                ^ shift[1][(running >> 8) & 255]
-                                ^ shift[2][(running >> 16) & 255]
-                                ^ shift[3][running >> 24]
-                                ^ crc
-                            )
-                    else:
-                        piece.running = crc
+                    piece.running = crc32_combine(piece.running, crc, nbytes) if at else crc
                     piece.done = at + nbytes
                     if piece.done == piece.nbytes:
                         self._finish_piece(cursor, piece)
@@ -247,7 +228,7 @@ class ByteEngine:
         out_crc, fresh = 0, True
         for view, crc in self._cast_blocks(cursor, start, end):
             views.append(view)
-            out_crc = crc if fresh else self._shifter.shift(out_crc, len(view)) ^ crc
+            out_crc = crc if fresh else crc32_combine(out_crc, crc, len(view))
             fresh = False
         return out_crc
 
@@ -256,13 +237,13 @@ class ByteEngine:
         for _, view, crc in self._blocks(cursor, start, end):
             if cursor.cast is not None:
                 view = cast_into(view, *cursor.cast, bytearray(view.nbytes // cursor.itemsize * dtype_info(cursor.cast[1]).itemsize))
-                crc = zlib.crc32(view)
+                crc = crc32(view)
             yield view, crc
 
     def _blocks(self, cursor: _Cursor, start: int, end: int) -> Iterator[tuple[_Piece, memoryview, int]]:
         """(piece, mapped source bytes, their crc32) of elements [start, end), at most one block
         each, in order; every source piece's running crc32 advanced and checked at its end."""
-        itemsize, shifter = cursor.itemsize, self._shifter
+        itemsize = cursor.itemsize
         position = start
         while position < end:
             piece = self._piece_at(cursor, position, end)
@@ -276,8 +257,8 @@ class ByteEngine:
             while remaining:
                 nbytes = min(remaining, self.block)
                 view = self._view(piece, piece.offset + piece.done, nbytes)
-                crc = zlib.crc32(view)
-                piece.running = shifter.shift(piece.running, nbytes) ^ crc if piece.done else crc
+                crc = crc32(view)
+                piece.running = crc32_combine(piece.running, crc, nbytes) if piece.done else crc
                 piece.done += nbytes
                 self.bytes_read += nbytes
                 remaining -= nbytes
@@ -287,44 +268,32 @@ class ByteEngine:
                 self._finish_piece(cursor, piece)
             position = stop
 
-    def _send(self, cursor: _Cursor, start: int, end: int, fd: int, path: Path) -> int:
-        """Elements [start, end) appended to file `fd` by the kernel, checksummed on the way
-        through the mapping; their crc32."""
-        out_crc, fresh, run = 0, True, None  # run: (piece, file offset, bytes) not yet copied
+    def _send(self, cursor: _Cursor, start: int, end: int, out: tuple[int, int, Path], at: int) -> int:
+        """Elements [start, end) copied by the kernel to byte `at` of output `out` (lane, fd,
+        path), checksummed on the way through the mapping; their crc32."""
+        out_crc, fresh = 0, True
+        run: _Piece | None = None  # bytes [offset, offset + count) of its file are not yet queued
+        offset = count = 0
         for piece, view, crc in self._blocks(cursor, start, end):
-            out_crc = crc if fresh else self._shifter.shift(out_crc, view.nbytes) ^ crc
+            out_crc = crc if fresh else crc32_combine(out_crc, crc, view.nbytes)
             fresh = False
-            offset = piece.offset + piece.done - view.nbytes
-            if run is not None and run[0] is piece:
-                run = (piece, run[1], run[2] + view.nbytes)
-            else:
-                if run is not None:
-                    self._copy_run(run[0].file, run[1], run[2], fd, path)
-                run = (piece, offset, view.nbytes)
+            if run is piece:
+                count += view.nbytes
+                continue
+            if run is not None:
+                at = self._copy_run(run, offset, count, out, at)
+            run, offset, count = piece, piece.offset + piece.done - view.nbytes, view.nbytes
         if run is not None:
-            self._copy_run(run[0].file, run[1], run[2], fd, path)
+            self._copy_run(run, offset, count, out, at)
         return out_crc
 
-    def _copy_run(self, file: int, offset: int, count: int, fd: int, path: Path) -> None:
-        """Append bytes [offset, offset + count) of source `file` to `fd`: copy_file_range, else
-        sendfile, else read and write, whichever this kernel and filesystem pair offers."""
-        source = self._files.fd(file)
-        while count:
-            try:
-                if self._kernel_copy == "copy_file_range":
-                    done = os.copy_file_range(source, fd, count, offset)
-                elif self._kernel_copy == "sendfile":
-                    done = os.sendfile(fd, source, offset, count)
-                else:
-                    done = os.write(fd, os.pread(source, min(count, WHOLE_FILE_BYTES), offset))
-            except OSError as error:
-                if error.errno in _NO_KERNEL_COPY and self._kernel_copy != "write":
-                    self._kernel_copy = "sendfile" if self._kernel_copy == "copy_file_range" else "write"
-                    continue
-                raise OSError(error.errno, error.strerror, str(path)) from None
-            if done == 0:
-                raise DataCheckError(f"{self._files.paths[file]}: file ends at byte {offset} (truncated)")
-            offset, count = offset + done, count - done
+    def _copy_run(self, piece: _Piece, offset: int, count: int, out: tuple[int, int, Path], at: int) -> int:
+        """Queue the copy of bytes [offset, offset + count) of the piece's file to byte `at` of
+        output `out`; where the next bytes go."""
+        assert self._writes is not None
+        lane, fd, path = out
+        self._writes.copy(lane, self._files.fd(piece.file), offset, count, fd, at, path)
+        return at + count
 
     # ----- streams (convert --to full, export layouts)
     def copy(
@@ -338,7 +307,7 @@ class ByteEngine:
         out_crc = 0
         for view, crc in self._cast_blocks(cursor, wanted.start, wanted.end):
             sink(view)
-            out_crc = self._shifter.combine(out_crc, crc, view.nbytes) if checksum else 0
+            out_crc = crc32_combine(out_crc, crc, view.nbytes) if checksum else 0
             self._report()
         return out_crc if checksum else None
 
@@ -365,7 +334,7 @@ class ByteEngine:
                     self._files.release(file, *used)  # read past: a load's mapped pages stay bounded
                 used = (start, window)
                 view = window[piece.offset + at - start : piece.offset + min(at + self.block, piece.nbytes) - start]
-                crc = zlib.crc32(view, crc)
+                crc = crc32(view, crc)
                 lo, hi = max(first + at, part.start * itemsize), min(first + at + view.nbytes, part.end * itemsize)
                 if lo < hi:
                     out[lo - base : hi - base] = view[lo - first - at : hi - first - at]
@@ -436,10 +405,16 @@ class ByteEngine:
                 raise AssertionError(f"{piece.label}: read only up to byte {piece.done}")
 
     def close(self) -> None:
+        """Wait for every queued write (raising the first that failed), close the files."""
         if self._progress is not None and self.bytes_read > self._reported:
             self._progress(self.bytes_read - self._reported)
             self._reported = self.bytes_read
-        self._files.close()
+        writes, self._writes = self._writes, None
+        try:
+            if writes is not None:
+                writes.close()
+        finally:
+            self._files.close()
 
 
 def _mismatch(label: str, stored: int, found: int) -> str:

@@ -19,13 +19,13 @@ checkpoints raise `DataCheckError`.
 from __future__ import annotations
 
 import os
-import zlib
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.bytecopy import DEFAULT_CHUNK_SIZE
+from ..checkpoint.crc import crc32
 from ..checkpoint.files import open_regular, pread_into
 from ..checkpoint.format import FORMAT_NAME, MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, is_optimizer_tensor, numel
 from ..checkpoint.manifest import load_manifest
@@ -110,8 +110,8 @@ def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, expected: FileLayo
     stored = v2_crcs(path, bytes(view[:start]), expected)
     problems = []
     for (begin, end), crc, tensor in zip(expected.spans, stored, expected.tensors, strict=True):
-        if zlib.crc32(view[start + begin : start + end]) != crc:
-            problems.append(_mismatch(path, checkpoint.manifest.tensors[tensor].name, crc, zlib.crc32(view[start + begin : start + end])))
+        if crc32(view[start + begin : start + end]) != crc:
+            problems.append(_mismatch(path, checkpoint.manifest.tensors[tensor].name, crc, crc32(view[start + begin : start + end])))
     return problems, len(expected.tensors), size - start
 
 
@@ -137,7 +137,7 @@ def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Calla
             block, base = view[:count], position
             while base < position + count:
                 stop = min(rank_file.ends[index], position + count)
-                crc = zlib.crc32(block[base - position : stop - position], crc)
+                crc = crc32(block[base - position : stop - position], crc)
                 base = stop
                 if stop == rank_file.ends[index]:
                     if crc != rank_file.crcs[index]:

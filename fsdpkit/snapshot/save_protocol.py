@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-import zlib
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .. import faults
 from ..checkpoint import storage
+from ..checkpoint.crc import crc32
 from ..checkpoint.format import rank_file_name
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.writer import RankFileWriter
@@ -167,7 +168,7 @@ def write_rank(
             for offset in range(0, payload.nbytes, WRITE_CHUNK_BYTES):
                 piece = payload[offset : offset + WRITE_CHUNK_BYTES]
                 started = time.perf_counter()
-                crc = zlib.crc32(piece, crc)
+                crc = crc32(piece, crc)
                 timings.checksum += time.perf_counter() - started
                 writer.write(piece)
             writer.end_fragment(crc)
