@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
