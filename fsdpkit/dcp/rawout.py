@@ -2,7 +2,7 @@
 
 `RawOutput.copy(source, wanted)` appends the bytes of elements `wanted` of a `SourceTensor`:
 pieces without a checksum (DCP chunks, safetensors tensors) are byte ranges the kernel copies
-from file to file (`os.copy_file_range`, else `os.sendfile`, else read and write) when large,
+from file to file (`files.copy_range`: `os.copy_file_range`, else read and write) when large,
 and small ones are read into the write buffer; pieces with a crc32 (fsdpkit checkpoints) are
 read through the byte engine, which checks them. Small writes gather into one `writev` of
 at most `BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
@@ -10,20 +10,18 @@ at most `BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from ..checkpoint.bytecopy import ByteEngine, SourceTensor
-from ..checkpoint.files import IOV_MAX, open_regular, write_views
+from ..checkpoint.files import IOV_MAX, copy_range, open_regular, write_views
 from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange
 
 BUFFER_BYTES = 8 * 1024 * 1024
 KERNEL_COPY_BYTES = 64 * 1024  # byte ranges at least this large are copied by the kernel
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
 class RawOutput:
@@ -34,7 +32,6 @@ class RawOutput:
         self._pending: list[bytes | bytearray | memoryview] = []  # written by one writev
         self._pending_bytes = 0
         self._sources: dict[Path, int] = {}
-        self._kernel_copy = "copy_file_range" if hasattr(os, "copy_file_range") else "sendfile"
 
     def __enter__(self) -> RawOutput:
         return self
@@ -95,28 +92,10 @@ class RawOutput:
             self.write(data)
             return
         self._flush()
+        copy_range(fd, offset, nbytes, self._fd, self.position, path)
         self.position += nbytes
-        while nbytes:
-            done = self._kernel(fd, offset, nbytes)
-            if done == 0:
-                raise DataCheckError(f"{path}: file ends at byte {offset} (truncated)")
-            offset, nbytes = offset + done, nbytes - done
-
-    def _kernel(self, fd: int, offset: int, count: int) -> int:
-        """Bytes appended by one kernel copy from `fd` at `offset`, whichever this kernel offers."""
-        while True:
-            try:
-                if self._kernel_copy == "copy_file_range":
-                    return os.copy_file_range(fd, self._fd, count, offset)
-                if self._kernel_copy == "sendfile":
-                    return os.sendfile(self._fd, fd, offset, count)
-                return os.write(self._fd, os.pread(fd, min(count, BUFFER_BYTES), offset))
-            except OSError as error:
-                if error.errno not in _NO_KERNEL_COPY or self._kernel_copy == "write":
-                    raise OSError(error.errno, error.strerror, str(self.path)) from None
-                self._kernel_copy = "sendfile" if self._kernel_copy == "copy_file_range" else "write"
 
     def _flush(self) -> None:
-        write_views(self._fd, self._pending, self.path)
+        write_views(self._fd, self._pending, self.path, self.position - self._pending_bytes)  # explicit offsets throughout
         self._pending.clear()
         self._pending_bytes = 0
