@@ -137,9 +137,10 @@ def convert(
         ranks = _world(world_size)
         placement, aliases = None, {}
         if model is not None:
-            from fsdpkit.models.units import aliases_for_model, placement_for_model  # builds on the meta device: imports torch
+            from fsdpkit.offline.model_description import describe
 
-            placement, aliases = placement_for_model(model), aliases_for_model(model)
+            description = describe(model)
+            placement, aliases = description.placement, description.aliases
         with _progress_bar("convert", True) as progress:
             result = convert_to_sharded(
                 src,

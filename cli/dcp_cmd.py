@@ -87,9 +87,9 @@ def convert_dcp(src: Path, dst: Path, options: ConvertOptions, progress) -> dict
             raise UsageError("--world-size applies to --to sharded only")
         export = None
         if options.model is not None:
-            from fsdpkit.models.source import resolve  # reads the model's config: imports torch
+            from fsdpkit.offline.model_description import describe
 
-            export = resolve(options.model).export
+            export = describe(options.model).export
         return dcp_to_full(
             src,
             dst,
@@ -121,17 +121,17 @@ def _to_sharded(src: Path, dst: Path, options: ConvertOptions, progress) -> dict
         raise UsageError("--to sharded from DCP needs --world-size and --model (the model whose flat-parameter layout to write)")
     if options.max_shard_size is not None or options.cast_to is not None:
         raise UsageError("--max-shard-size and --dtype do not apply to --to sharded from DCP")
-    from fsdpkit.models.source import resolve  # builds the model on the meta device: imports torch
-    from fsdpkit.models.units import aliases_for_model, placement_for_model
+    from fsdpkit.offline.model_description import describe
 
+    description = describe(options.model)
     return dcp_to_sharded(
         src,
         dst,
         world_size=options.world_size,
-        placement=placement_for_model(options.model),
+        placement=description.placement,
         placement_source=f"model {options.model!r}",
-        aliases=aliases_for_model(options.model),
-        export=resolve(options.model).export,
+        aliases=description.aliases,
+        export=description.export,
         model_key=options.model_key,
         optimizer_key=options.optimizer_key,
         chunk_size=options.chunk_size,

@@ -296,3 +296,37 @@ def test_format_library_and_offline_commands_load_no_torch():
     loaded = set(json.loads(done.stdout))
     assert {"fsdpkit.checkpoint.bytecopy", "fsdpkit.checkpoint.writer", "fsdpkit.offline.convert"} <= loaded
     assert not [name for name in loaded if name.split(".")[0] == "torch" or name.startswith("fsdpkit.snapshot")]
+
+
+def test_model_description_comes_from_a_child_process_and_equals_the_in_process_build():
+    """`convert --model` learns the model's units, tied weights and export recipe from a child
+    process: the converting process never imports torch, and what it learns equals the
+    placement, aliases and export of the model built here."""
+    from fsdpkit.models.source import resolve
+    from fsdpkit.models.units import placement_for_model
+
+    script = (
+        "import json, sys\n"
+        "from fsdpkit.offline.model_description import describe\n"
+        "d = describe('gpt-tiny')\n"
+        "print(json.dumps([[[n, list(s)] for n, s in u] for u in d.placement.units]))\n"
+        "print(json.dumps(d.aliases))\n"
+        "print(json.dumps(d.export.to_json()))\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    units, aliases, export, torch_modules = map(json.loads, done.stdout.splitlines())
+    assert torch_modules == []
+    model = resolve("gpt-tiny").build(device="meta")
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    tied = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canonical[id(p)] != n}
+    assert units == [[[n, list(s)] for n, s in u] for u in placement_for_model("gpt-tiny").units]
+    assert aliases == tied and tied  # gpt-tiny ties its head to the embedding
+    assert export == resolve("gpt-tiny").export.to_json()
+    bad = subprocess.run(
+        [sys.executable, "-c", "from fsdpkit.offline.model_description import describe; describe('no-such')"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith("fsdpkit.errors.UsageError: model factory 'no-such'")

@@ -30,12 +30,17 @@ def unit_plan_for_model(name: str) -> list[list[tuple[str, tuple[int, ...]]]]:
     return [[(p.name, p.shape) for p in unit.params] for unit in plan_units(model, default_policy(source, model))]
 
 
-def aliases_for_model(name: str) -> dict[str, str]:
-    """Tied parameters of a model by name: {other name: canonical name} (the first in
-    named_parameters order, as the engine and checkpoints name them)."""
-    model = resolve(name).build(device="meta")
+def describe_model(name: str) -> dict:
+    """What the offline commands need to know of model `name`, as JSON, from one build on the
+    meta device: its flat-parameter units [[[name, shape], ...], ...], its tied parameters
+    {other name: canonical name} (the first in named_parameters order, as the engine and
+    checkpoints name them) and its export recipe (or None)."""
+    source = resolve(name)
+    model = source.build(device="meta")
+    units = [[[p.name, list(p.shape)] for p in unit.params] for unit in plan_units(model, default_policy(source, model))]
     canonical = {id(p): n for n, p in model.named_parameters()}
-    return {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canonical[id(p)] != n}
+    aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canonical[id(p)] != n}
+    return {"units": units, "aliases": aliases, "export": None if source.export is None else source.export.to_json()}
 
 
 def placement_for_model(name: str):
@@ -43,3 +48,22 @@ def placement_for_model(name: str):
     from ..checkpoint.placement import Placement
 
     return Placement.flat(unit_plan_for_model(name))
+
+
+def main() -> None:
+    """`python -m fsdpkit.models.units NAME`: describe_model(NAME) on stdout; a usage error is
+    one line on stderr and exit 2."""
+    import json
+    import sys
+
+    from ..errors import UsageError
+
+    try:
+        print(json.dumps(describe_model(sys.argv[1])))
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
