@@ -5,8 +5,8 @@
 Set-up: FSDP2 (`fully_shard` per block) at 2 ranks builds the built-in `--model` with AdamW state
 (`get_state_dict` initialises it) and saves it with `dcp.save` in torch's `{"model",
 "optimizer"}` layout (gpt2-medium: about 4 GB). Then each round runs, in an order that rotates
-from round to round, each command as its own process (wall time with a final `sync`, peak RSS
-from `wait4`):
+from round to round, each command as its own process, its input first dropped from the page
+cache (wall time with a final `sync`, peak RSS from `wait4`):
 
 - `fsdpkit convert DCP OUT --to full` against torch's `dcp_to_torch_save` followed by writing
   the model's tensors as safetensors (what a user does without fsdpkit); torch's
@@ -92,8 +92,21 @@ def run(command: list[str]) -> str:
     return proc.stdout
 
 
+def uncache(directory: Path) -> None:
+    """Drop the (clean, synced) pages of every file under `directory` from the page cache, so
+    that each command reads its input from disk whatever ran before it."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def measure_rss(command: list[str]) -> dict:
-    """Wall time including a final `sync`, and the peak RSS of the command itself (wait4)."""
+    """Wall time including a final `sync`, and the peak RSS of the command (wait4: the largest
+    of the process and the children it waited for)."""
     start = time.perf_counter()
     pid = os.posix_spawn(
         command[0],
@@ -166,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         size = sum(f.stat().st_size for f in src.iterdir())
         check_free(work, int(2.6 * size), "a reshard and the largest output")
         print(
-            f"{args.model}: DCP from FSDP2 at 2 ranks, {size / 1e9:.2f} GB, {args.repeat} rounds (measured on a loaded machine)",
+            f"{args.model}: DCP from FSDP2 at 2 ranks, {size / 1e9:.2f} GB, {args.repeat} rounds",
             file=sys.stderr,
         )
         r4 = work / "r4"
@@ -195,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         names = list(results)
         for round_ in range(args.repeat):
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                uncache(src)
+                uncache(r4)
                 if name in commands:
                     results[name].append(measure_rss(commands[name]))
                 else:
