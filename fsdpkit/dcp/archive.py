@@ -21,6 +21,7 @@ import zlib
 
 from ..dtypes import dtype_info
 from ..errors import UsageError
+from .pickler import pickled_int, pickled_text
 from .unpickler import STORAGE_DTYPES, TORCH_DTYPES
 
 ALIGNMENT = 64
@@ -34,22 +35,8 @@ _END = struct.Struct("<IHHHHIIH")
 _PAD_ID = 0x4246  # the extra field torch pads records with ("FB")
 
 
-def _text(value: str) -> bytes:
-    raw = value.encode("utf-8")
-    return b"X" + struct.pack("<I", len(raw)) + raw
-
-
-def _int(value: int) -> bytes:
-    if 0 <= value < 256:
-        return b"K" + bytes([value])
-    if -(2**31) <= value < 2**31:
-        return b"J" + struct.pack("<i", value)
-    raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
-    return b"\x8a" + bytes([len(raw)]) + raw
-
-
 def _ints(values: tuple[int, ...]) -> bytes:
-    return b"(" + b"".join(_int(v) for v in values) + b"t" if values else b")"
+    return b"(" + b"".join(pickled_int(v) for v in values) + b"t" if values else b")"
 
 
 def data_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
@@ -63,12 +50,11 @@ def data_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
     rebuild = b"ctorch._utils\n_rebuild_tensor_v2\n" if legacy else b"ctorch._utils\n_rebuild_tensor_v3\n"
     storage_class = f"ctorch\n{legacy}\n" if legacy else "ctorch.storage\nUntypedStorage\n"
     count = numel if legacy else numel * dtype_info(dtype).itemsize
-    storage = b"(" + _text("storage") + storage_class.encode() + _text("0") + _text("cpu") + _int(count) + b"tQ"
+    storage = b"(" + pickled_text("storage") + storage_class.encode() + pickled_text("0") + pickled_text("cpu") + pickled_int(count) + b"tQ"
     hooks = b"ccollections\nOrderedDict\n)R"
     tail = b"" if legacy else f"ctorch\n{_TORCH_NAMES[dtype]}\n".encode()
-    return (
-        b"\x80\x02" + rebuild + b"(" + storage + _int(0) + _ints(shape) + _ints(tuple(reversed(stride))) + b"\x89" + hooks + tail + b"tR."
-    )
+    arguments = storage + pickled_int(0) + _ints(shape) + _ints(tuple(reversed(stride))) + b"\x89" + hooks + tail
+    return b"\x80\x02" + rebuild + b"(" + arguments + b"tR."
 
 
 def _local(name: bytes, crc: int, size: int, position: int) -> bytes:

@@ -61,12 +61,12 @@ class NewObject:
     state: Any
 
 
-def _text(value: str) -> bytes:
+def pickled_text(value: str) -> bytes:
     raw = value.encode("utf-8")
     return b"X" + struct.pack("<I", len(raw)) + raw
 
 
-def _int(value: int) -> bytes:
+def pickled_int(value: int) -> bytes:
     if 0 <= value < 256:
         return b"K" + bytes([value])
     if 0 <= value < 65536:
@@ -83,9 +83,9 @@ def _emit(value: Any, out: bytearray) -> None:
     elif value is True or value is False:
         out += b"\x88" if value else b"\x89"
     elif isinstance(value, int):
-        out += _int(value)
+        out += pickled_int(value)
     elif isinstance(value, str):
-        out += _text(value)
+        out += pickled_text(value)
     elif isinstance(value, tuple):
         out += b"("
         for item in value:
@@ -137,7 +137,7 @@ _REPEATED = [
     f"c{DCP_METADATA_MODULE}\nChunkStorageMetadata\n".encode(),
     f"c{DCP_METADATA_MODULE}\nMetadataIndex\n".encode(),
     f"c{DCP_FILESYSTEM_MODULE}\n_StorageInfo\n".encode(),
-    *(_text(key) for key in ("offsets", "sizes", "fqn", "relative_path", "offset", "index", "length")),
+    *(pickled_text(key) for key in ("offsets", "sizes", "fqn", "relative_path", "offset", "index", "length")),
 ]
 _PRELUDE = b"".join(item + b"q" + bytes([i]) + b"0" for i, item in enumerate(_REPEATED))
 _SIZE, _CHUNK_CLS, _INDEX_CLS, _STORAGE_CLS, _OFFSETS, _SIZES, _FQN, _PATH, _OFFSET, _INDEX_KEY, _LENGTH = (
@@ -151,7 +151,7 @@ _STORAGE = _STORAGE_CLS + b")\x81}(" + _PATH
 def _size(values: tuple[int, ...]) -> bytes:
     """`torch.Size(values)`: the hot path (a million of them at a large world size) is written
     directly rather than through `_emit`."""
-    return _SIZE + b"((" + b"".join(map(_int, values)) + b"ttR"
+    return _SIZE + b"((" + b"".join(map(pickled_int, values)) + b"ttR"
 
 
 def tensor_metadata(dtype: str, shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> NewObject:
@@ -169,11 +169,11 @@ def bytes_metadata() -> NewObject:
 
 def metadata_index(fqn: str, offsets: tuple[int, ...] | None, index: int | None) -> Raw:
     offset = b"N" if offsets is None else _size(offsets)
-    return Raw(_INDEX + _text(fqn) + _OFFSET + offset + _INDEX_KEY + (b"N" if index is None else _int(index)) + b"ub")
+    return Raw(_INDEX + pickled_text(fqn) + _OFFSET + offset + _INDEX_KEY + (b"N" if index is None else pickled_int(index)) + b"ub")
 
 
 def storage_info(relative_path: str, offset: int, length: int) -> Raw:
-    return Raw(_STORAGE + _text(relative_path) + _OFFSET + _int(offset) + _LENGTH + _int(length) + b"ub")
+    return Raw(_STORAGE + pickled_text(relative_path) + _OFFSET + pickled_int(offset) + _LENGTH + pickled_int(length) + b"ub")
 
 
 def metadata(items: Iterable[tuple[str, NewObject]], planner_data: dict, storage_data: Iterable[tuple[Raw, Raw]]) -> bytes:
