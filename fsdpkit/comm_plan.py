@@ -22,7 +22,7 @@ import torch
 
 from .engine.config import ShardingConfig
 from .engine.step_policy import Op, StepPolicy, step_events
-from .engine.traffic import Collective, flags_collective, unit_traffic
+from .engine.traffic import Collective, UnitTraffic, flags_collective, unit_traffic
 
 
 @dataclass(frozen=True)
@@ -51,21 +51,9 @@ class StepBytes:
 
 
 def step_bytes(units: list[UnitComm], sharding: ShardingConfig, world_size: int, *, master_dtype: torch.dtype = torch.float32) -> StepBytes:
-    factor = sharding.shard_factor(world_size)
-    compute = _itemsize(sharding.mixed_precision.param_dtype or master_dtype)
-    reduce = _itemsize(sharding.mixed_precision.reduce_dtype) if sharding.mixed_precision.reduce_dtype is not None else compute
+    master = itemsize(master_dtype)
     traffic = {
-        unit.name: unit_traffic(
-            padded_numel=unit.padded_numel,
-            chunk_numel=unit.chunk_numel,
-            compute_bytes=compute,
-            reduce_bytes=reduce,
-            gather_block=sharding.gather_block,
-            shard_factor=factor,
-            replicas=world_size // factor,
-            trainable=unit.trainable,
-        )
-        for unit in units
+        unit.name: sharded_unit_traffic(unit.padded_numel, unit.chunk_numel, unit.trainable, sharding, world_size, master) for unit in units
     }
     order = [(unit.name, unit.trainable) for unit in units]
     if order and order[0][0]:  # no root unit (the root module holds no parameter): every unit is a block
@@ -84,5 +72,31 @@ def step_bytes(units: list[UnitComm], sharding: ShardingConfig, world_size: int,
     return StepBytes(**moved)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def wire_itemsizes(sharding: ShardingConfig, master_bytes: int) -> tuple[int, int]:
+    """(bytes per element gathered and computed with, bytes per element reduced) under the
+    sharding's mixed precision, for master weights of `master_bytes` per element."""
+    mixed = sharding.mixed_precision
+    compute = itemsize(mixed.param_dtype) if mixed.param_dtype is not None else master_bytes
+    return compute, itemsize(mixed.reduce_dtype) if mixed.reduce_dtype is not None else compute
+
+
+def sharded_unit_traffic(
+    padded_numel: int, chunk_numel: int, trainable: bool, sharding: ShardingConfig, world_size: int, master_bytes: int
+) -> UnitTraffic:
+    """The collectives of one unit under `sharding` at `world_size`."""
+    factor = sharding.shard_factor(world_size)
+    compute, reduce = wire_itemsizes(sharding, master_bytes)
+    return unit_traffic(
+        padded_numel=padded_numel,
+        chunk_numel=chunk_numel,
+        compute_bytes=compute,
+        reduce_bytes=reduce,
+        gather_block=sharding.gather_block,
+        shard_factor=factor,
+        replicas=world_size // factor,
+        trainable=trainable,
+    )
+
+
+def itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()

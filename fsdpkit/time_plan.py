@@ -13,10 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from .comm_plan import itemsize, sharded_unit_traffic, wire_itemsizes
 from .engine.step_policy import StepPolicy
-from .engine.traffic import flags_collective, unit_traffic
+from .engine.traffic import flags_collective
 from .errors import UsageError
 from .flops import UnitWork
 from .hardware import Hardware
@@ -91,7 +90,7 @@ def model_costs(request: PlanRequest) -> ModelCosts:
         raise UsageError(f"model {request.model!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
     plans = tuple(bucket_units(model, plan_units(model, wrap_policy(request.config.model, source, model)), request.sharding.bucket_bytes))
     work = unit_work(source, plans, 1, request.config.data.seq_len)
-    return ModelCosts(plans, _itemsize(dtypes.pop()), sum(p.numel() for p in model.parameters()), tuple(work))
+    return ModelCosts(plans, itemsize(dtypes.pop()), sum(p.numel() for p in model.parameters()), tuple(work))
 
 
 def micro_batch(request: PlanRequest) -> int:
@@ -112,8 +111,7 @@ def predict(
     per_node = min(per_node or hardware.ranks_per_node, world)
     sizes = unit_sizes(list(costs.plans), factor, master_bytes=costs.master_bytes)
     mixed = sharding.mixed_precision
-    compute_bytes = _itemsize(mixed.param_dtype) if mixed.param_dtype is not None else costs.master_bytes
-    reduce_bytes = _itemsize(mixed.reduce_dtype) if mixed.reduce_dtype is not None else compute_bytes
+    compute_bytes, _ = wire_itemsizes(sharding, costs.master_bytes)
     units = [
         UnitCost(
             name=size.name,
@@ -125,16 +123,7 @@ def predict(
             backward_bytes=work.backward_bytes * batch * compute_bytes // costs.master_bytes,
             forward_ops=work.forward_ops,
             backward_ops=work.backward_ops,
-            traffic=unit_traffic(
-                padded_numel=size.padded_numel,
-                chunk_numel=size.chunk_numel,
-                compute_bytes=compute_bytes,
-                reduce_bytes=reduce_bytes,
-                gather_block=sharding.gather_block,
-                shard_factor=factor,
-                replicas=world // factor,
-                trainable=size.trainable,
-            ),
+            traffic=sharded_unit_traffic(size.padded_numel, size.chunk_numel, size.trainable, sharding, world, costs.master_bytes),
             param_bytes=size.padded_numel * compute_bytes,
             shard_bytes=size.chunk_numel * size.master_bytes,
         )
@@ -168,7 +157,3 @@ def activation_peak(work: Sequence[UnitWork], *, checkpointing: bool) -> int:
     if checkpointing:
         return sum(w.input_bytes for w in work) + max((w.activation_bytes for w in work), default=0)
     return sum(w.activation_bytes for w in work)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
