@@ -360,26 +360,19 @@ def test_convert_to_sharded_resumes(saved, tmp_path):
     assert converted["optimizer_tensors"] == sum(len(s) for s in reference["optimizer"]["state"].values())
     assert run_cli("diff", original, sharded).exit_code == 0  # the tied alias included
     assert run_cli("verify", sharded).exit_code == 0
-    trained = run_cli(
-        "train",
-        "--model",
-        "gpt-tiny",
-        "--nproc-per-node",
-        "3",
-        "--resume",
-        sharded,
-        "--steps",
-        "3",
-        "--seq-len",
-        "16",
-        "--global-batch-size",
-        "6",
-        "--json",
-    )
-    assert trained.exit_code == 0, trained.output
-    report = json.loads(trained.stdout)
+    report = _resume(sharded, ranks=3)
     assert report["resumed_from_step"] == 2 and report["steps"] == 3 and len(report["losses"]) == 1
     assert run_cli("convert", original, tmp_path / "x", "--to", "sharded", "--world-size", "3").exit_code == 2  # --model is needed
+
+
+def _resume(checkpoint: Path, *, ranks: int) -> dict:
+    """`train --resume` of gpt-tiny for 3 steps at `ranks` ranks (2 sequences each); its --json report."""
+    trained = run_cli(
+        "train", "--model", MODELS["gpt"], "--nproc-per-node", str(ranks), "--resume", checkpoint,
+        "--steps", "3", "--seq-len", "16", "--global-batch-size", str(2 * ranks), "--json",
+    )  # fmt: skip
+    assert trained.exit_code == 0, trained.output
+    return json.loads(trained.stdout)
 
 
 def test_fsdp1_checkpoint(saved, tmp_path):
@@ -403,22 +396,5 @@ def test_fsdp1_checkpoint(saved, tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["step"] == 2
     assert run_cli("diff", original, sharded).exit_code == 0
-    trained = run_cli(
-        "train",
-        "--model",
-        MODELS["gpt"],
-        "--nproc-per-node",
-        "2",
-        "--resume",
-        sharded,
-        "--steps",
-        "3",
-        "--seq-len",
-        "16",
-        "--global-batch-size",
-        "4",
-        "--json",
-    )
-    assert trained.exit_code == 0, trained.output
-    report = json.loads(trained.stdout)
+    report = _resume(sharded, ranks=2)
     assert report["resumed_from_step"] == 2 and len(report["losses"]) == 1
