@@ -37,6 +37,7 @@ class Hardware:
     host_bw_gbs: float = 25.0  # host <-> device copies (CPU offload)
     overlap: bool = True  # communication runs beside compute (False: the two share the same cores)
     compute_slots: int = 0  # ranks of a node that compute at full speed at once (CPU: its cores); 0: every rank has its own device
+    waiting_holds_core: float = 1.0  # the share of its waiting in collectives a rank still keeps a core busy (ranks beyond compute_slots)
     op_overhead_s: float = 0.0  # fixed time per operator dispatched (eager dispatch, autograd, kernel launch)
     param_passes: float = 0.0  # times each forward or backward moves its unit's unsharded parameters at memory bandwidth
     optimizer_tensor_s: float = 0.0  # fixed time per parameter tensor of the optimizer step (a per-tensor loop)
@@ -51,6 +52,9 @@ class Hardware:
                 raise UsageError(f"hardware {self.name!r}: {key} must be a number >= 0, got {value!r}")
         if self.efficiency > 1:
             raise UsageError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
+        share = self.waiting_holds_core
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise UsageError(f"hardware {self.name!r}: waiting_holds_core must be a number in [0, 1], got {self.waiting_holds_core!r}")
         if not isinstance(self.compute_slots, int) or self.compute_slots < 0:
             raise UsageError(f"hardware {self.name!r}: compute_slots must be an integer >= 0, got {self.compute_slots!r}")
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -64,9 +68,8 @@ class Hardware:
         return self.peak_tflops.get(dtype, self.peak_tflops["fp32"]) * 1e12
 
     def compute_share(self, ranks_per_node: int) -> float:
-        """How many times slower a rank computes when `ranks_per_node` ranks share the node's
-        `compute_slots` cores. Without overlap a collective's copying (gloo's transfer
-        threads) runs on the same cores and its bytes move that much slower."""
+        """How many ranks take turns on each core when `ranks_per_node` ranks share the node's
+        `compute_slots` cores (1: each has its own)."""
         return max(1.0, ranks_per_node / self.compute_slots) if self.compute_slots else 1.0
 
     def link(self, group_size: int, ranks_per_node: int) -> tuple[float, float]:

@@ -6,12 +6,10 @@
                 times its unsharded parameters at the memory bandwidth, a fixed cost per
                 operator it dispatches and a fixed cost per unit and pass (hooks); checkpointing recomputes the forward in backward; the
                 optimizer step is bound by memory bandwidth (`optimizer_passes` times its
-                minimal traffic), plus a fixed cost per parameter tensor; CPU offload adds host<->device copies of the shard; ranks
-                that share a node's cores (hardware.compute_slots) compute that much slower
+                minimal traffic), plus a fixed cost per parameter tensor; CPU offload adds host<->device copies of the shard
     network     alpha-beta: a ring collective over n ranks takes (n-1) latency steps plus
                 the bytes each rank moves, (n-1)/n of the buffer (twice for an all-reduce),
-                over the bus bandwidth of the group's link (inside a node or between nodes);
-                without overlap the bytes' copying shares the cores as compute does
+                over the bus bandwidth of the group's link (inside a node or between nodes)
     schedule    the events of the step policy: an all-gather starts when it is issued and
                 the communication stream is free; a unit computes once its all-gather has
                 arrived; completing a reduction waits for it; the all-gather limiter waits
@@ -20,6 +18,14 @@
 
 The step time is when both streams are done; exposed communication is what the compute
 stream waited for.
+
+    shared cores  when a node's ranks outnumber its cores (hardware.compute_slots) by s, the
+                step above (`alone`) is what a rank would take with a core of its own. Its
+                work (compute, and without overlap the collectives' copying) needs s times
+                as long, and so does the part of its waiting that still holds a core
+                (hardware.waiting_holds_core, h: gloo's threads polling):
+                step = max(alone, s x (work + h x (alone - work))). h = 1 charges the whole
+                step s times; h = 0 lets a waiting rank's core run another rank's work.
 """
 
 from __future__ import annotations
@@ -111,8 +117,15 @@ def collective_seconds(collective: Collective | None, hardware: Hardware, ranks_
     span = world_size if collective.spans_world else n
     bandwidth, latency = hardware.link(span, ranks_per_node)
     steps = 2 * (n - 1) if collective.kind == "all_reduce" else n - 1
-    share = 1.0 if hardware.overlap else hardware.compute_share(ranks_per_node)  # copying shares the cores; waiting does not
-    return steps * latency + collective.bytes * steps / n / bandwidth * share
+    return steps * latency + copy_seconds(collective, hardware, ranks_per_node, world_size)
+
+
+def copy_seconds(collective: Collective, hardware: Hardware, ranks_per_node: int, world_size: int) -> float:
+    """The part of a collective's time spent moving its bytes (the rest waits on latency)."""
+    n = collective.group_size
+    bandwidth, _ = hardware.link(world_size if collective.spans_world else n, ranks_per_node)
+    steps = 2 * (n - 1) if collective.kind == "all_reduce" else n - 1
+    return collective.bytes * steps / n / bandwidth
 
 
 class _Streams:
@@ -122,6 +135,7 @@ class _Streams:
         self.comm = 0.0  # when the communication stream is free
         self.busy_compute = 0.0
         self.busy_comm = 0.0
+        self.busy_copy = 0.0  # the collectives' byte copying, part of busy_comm
         self.bytes: dict[str, int] = {}
 
     def run(self, seconds: float) -> None:
@@ -137,6 +151,8 @@ class _Streams:
         seconds = collective_seconds(collective, setup.hardware, setup.ranks_per_node, setup.world_size)
         self.comm = max(self.comm, self.compute) + seconds
         self.busy_comm += seconds
+        if seconds:
+            self.busy_copy += copy_seconds(collective, setup.hardware, setup.ranks_per_node, setup.world_size)
         if not setup.hardware.overlap:
             self.compute = self.comm
         return self.comm
@@ -150,8 +166,7 @@ def _pass_seconds(flops: float, moved: float, ops: float, param_bytes: float, se
     hardware = setup.hardware
     moved += hardware.param_passes * param_bytes
     seconds = flops / (hardware.peak_flops(setup.compute_dtype) * hardware.efficiency) + moved / (hardware.memory_bw_gbs * 1e9)
-    seconds += hardware.unit_overhead_s + ops * hardware.op_overhead_s
-    return seconds * hardware.compute_share(setup.ranks_per_node)
+    return seconds + hardware.unit_overhead_s + ops * hardware.op_overhead_s
 
 
 def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup, *, reduce: bool) -> None:
@@ -198,6 +213,15 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
             streams.issue(setup.flags)
 
 
+def shared_cores_step(streams: _Streams, share: float) -> float:
+    """The step when `share` ranks take turns on each core (1: a core each)."""
+    alone = max(streams.compute, streams.comm)
+    if share <= 1:
+        return alone
+    work = streams.busy_compute + (0.0 if streams.setup.hardware.overlap else streams.busy_copy)
+    return max(alone, share * (work + streams.setup.hardware.waiting_holds_core * (alone - work)))
+
+
 def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
     """One optimizer step: `micro_batches` forwards and backwards (under no_sync only the
     last reduces), then the optimizer. `units[0]` is the root; the rest in forward order."""
@@ -208,16 +232,19 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
     hardware = setup.hardware
     moved = setup.optimizer_bytes * hardware.optimizer_passes
     optimizer = moved / (hardware.memory_bw_gbs * 1e9) + setup.optimizer_tensors * hardware.optimizer_tensor_s
-    streams.run(optimizer * hardware.compute_share(setup.ranks_per_node))
-    step = max(streams.compute, streams.comm)
+    streams.run(optimizer)
+    share = hardware.compute_share(setup.ranks_per_node)
+    step = shared_cores_step(streams, share)
+    copy_share = 1.0 if hardware.overlap else share
+    compute_s, comm_s = streams.busy_compute * share, streams.busy_comm + (copy_share - 1) * streams.busy_copy
     flops = setup.micro_batches * sum(unit.forward_flops + unit.backward_flops for unit in units)
     recomputed = setup.micro_batches * sum(setup.recomputes.of_forward(u.forward_flops, u.forward_attention_flops)[1] for u in units)
     peak = hardware.peak_flops(setup.compute_dtype)
     return StepTime(
         step_time_s=step,
-        compute_s=streams.busy_compute,
-        exposed_comm_s=max(step - streams.busy_compute, 0.0),
-        comm_s=streams.busy_comm,
+        compute_s=compute_s,
+        exposed_comm_s=max(step - compute_s, 0.0),
+        comm_s=comm_s,
         flops=flops,
         hardware_flops=flops + recomputed,
         comm_bytes=dict(streams.bytes),

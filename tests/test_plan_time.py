@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
 import fsdpkit
-from fsdpkit.calibrate import StepSample, compute_terms, fit_nonnegative
+from fsdpkit.calibrate import StepSample, compute_terms, fit_nonnegative, fit_waiting_share
 from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
 from fsdpkit.hardware import BUILT_IN, Hardware, to_toml
 from fsdpkit.memory_plan import PlanRequest
@@ -214,7 +214,7 @@ def test_selective_recompute_charges_the_forward_operators_and_half_its_matrix_p
     assert full.hardware_flops - plain.hardware_flops == 8 * forward and full.step_time_s > selective.step_time_s
 
 
-def test_ranks_beyond_the_cores_slow_compute_and_collectives_by_ranks_over_cores():
+def test_ranks_beyond_the_cores_slow_their_work_and_the_waiting_that_holds_a_core():
     request = _request(4, {"sharding": {"strategy": "full"}})
     costs = model_costs(request)
     cpu = dataclasses.replace(
@@ -223,13 +223,31 @@ def test_ranks_beyond_the_cores_slow_compute_and_collectives_by_ranks_over_cores
     enough = predict(request, cpu, costs, per_node=4).time
     shared = predict(request, dataclasses.replace(cpu, compute_slots=1), costs, per_node=4).time
     assert not cpu.overlap and enough.comm_s > 0
+    # without latency every second of the step is work (compute or copying): 4 ranks per core, 4x
     assert shared.step_time_s == pytest.approx(4 * enough.step_time_s, rel=1e-9)
     assert shared.comm_s == pytest.approx(4 * enough.comm_s, rel=1e-9)
-    # the ring's latency steps (waiting, not copying) do not slow
+    # the ring's latency steps are waiting: the whole step slows when waiting holds the core,
+    # only its work when waiting frees it, and linearly between
     waiting = dataclasses.replace(cpu, intra_latency_s=1e-3, intra_bw_gbs=1e15)
-    assert predict(request, dataclasses.replace(waiting, compute_slots=1), costs, per_node=4).time.comm_s == pytest.approx(
-        predict(request, waiting, costs, per_node=4).time.comm_s, rel=1e-6
-    )
+    alone = predict(request, waiting, costs, per_node=4).time
+    work = alone.compute_s
+    assert alone.step_time_s > work and alone.comm_s == pytest.approx(alone.step_time_s - work, rel=1e-6)
+    steps = {}
+    for share in (0.0, 0.25, 1.0):
+        one_core = dataclasses.replace(waiting, compute_slots=1, waiting_holds_core=share)
+        steps[share] = predict(request, one_core, costs, per_node=4).time
+        assert steps[share].comm_s == pytest.approx(alone.comm_s, rel=1e-6)
+    assert steps[1.0].step_time_s == pytest.approx(4 * alone.step_time_s, rel=1e-9)
+    assert steps[0.0].step_time_s == pytest.approx(max(alone.step_time_s, 4 * work), rel=1e-9)
+    assert steps[0.25].step_time_s == pytest.approx(4 * (work + 0.25 * (alone.step_time_s - work)), rel=1e-9)
+
+    def step_at(share: float) -> float:
+        return predict(request, dataclasses.replace(waiting, compute_slots=1, waiting_holds_core=share), costs, per_node=4).time.step_time_s
+
+    # calibration finds the share back from a measured step, and keeps it in [0, 1]
+    assert fit_waiting_share(steps[0.25].step_time_s, step_at) == pytest.approx(0.25, rel=1e-6)
+    assert fit_waiting_share(0.5 * steps[0.0].step_time_s, step_at) == 0.0
+    assert fit_waiting_share(2 * steps[1.0].step_time_s, step_at) == 1.0
     # with overlap (a GPU's own copy engines) the collectives do not slow
     overlapping = dataclasses.replace(cpu, overlap=True)
     alone = predict(request, overlapping, costs, per_node=4).time
