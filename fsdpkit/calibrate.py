@@ -10,12 +10,12 @@
               traffic over the minimum. The cost per operator is not fitted (0): these
               models' operators grow with their units, so the two cannot be told apart
     network   `fsdpkit bench` of the engine's all-gather and reduce-scatter on `ranks` local
-              processes; the least-squares line of time against size gives the latency per
-              ring step (intercept) and the bus bandwidth (slope)
-    sharing   the engine's step of `--model` on twice as many local processes as cores (up to
-              SHARED_CORES_MAX_RANKS), against what the step-time model predicts when a
-              waiting rank frees its core (waiting_holds_core 0) and when it keeps it (1):
-              the value between at which the model predicts the measured step
+              processes: the least-squares line of time against size gives the bus
+              bandwidth (slope); the latency per ring step is what the engine's step of a
+              model of many units on `ranks` processes pays per collective beyond its
+              compute and bytes (fsdpkit.calibrate_steps)
+    sharing   the engine's step of `--model` on twice as many local processes as cores gives
+              waiting_holds_core (fsdpkit.calibrate_steps)
 
 Numbers are medians of repeated timings; a loaded machine gives a slower profile.
 """
@@ -25,17 +25,17 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
+from .calibrate_steps import SHARED_CORES_MAX_RANKS, collective_latency, waiting_holds_core
 from .hardware import Hardware
 from .memory_plan import PlanRequest
 
 REPEATS = 5
-SHARED_CORES_MAX_RANKS = 8
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -148,7 +148,7 @@ def measure_steps(request: PlanRequest, specs: Sequence[str], batches: tuple[int
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         probes = _Probes()
-        runs = [_ModelRun(request, spec) for spec in specs]
+        runs = [ModelRun(request, spec) for spec in specs]
         cases = [(run, batch) for run in runs for batch in batches]
         probed: list[tuple[float, float]] = []
         timings: list[list[tuple[float, float]]] = [[] for _ in cases]
@@ -165,7 +165,7 @@ def measure_steps(request: PlanRequest, specs: Sequence[str], batches: tuple[int
         dist.destroy_process_group()
 
 
-class _ModelRun:
+class ModelRun:
     """One model sharded by the engine on one rank, with AdamW, and what the model charges per step."""
 
     def __init__(self, request: PlanRequest, spec: str) -> None:
@@ -269,61 +269,11 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] 
         optimizer_tensor_s=terms.optimizer_tensor_s,
         optimizer_passes=terms.optimizer_passes,
     )
+    latency = collective_latency(request, profile, ranks)
+    profile = replace(profile, intra_latency_s=latency, inter_latency_s=latency)
     if 2 * profile.compute_slots <= SHARED_CORES_MAX_RANKS:
         profile = replace(profile, waiting_holds_core=waiting_holds_core(request, profile))
     return profile
-
-
-def fit_waiting_share(measured_s: float, step_at: Callable[[float], float]) -> float:
-    """The waiting_holds_core in [0, 1] at which `step_at` (the predicted step, which does not
-    fall as it grows) meets the measured step."""
-    low, high = 0.0, 1.0
-    if step_at(high) <= measured_s:
-        return high
-    if step_at(low) >= measured_s:
-        return low
-    for _ in range(40):
-        middle = (low + high) / 2
-        low, high = (middle, high) if step_at(middle) < measured_s else (low, middle)
-    return (low + high) / 2
-
-
-def waiting_holds_core(request: PlanRequest, profile: Hardware) -> float:
-    """Fitted to the engine's step of `request` (one micro-batch per rank, as many sequences as
-    it has) on twice as many local processes as `profile.compute_slots`."""
-    from .launch import LaunchOptions, launch
-    from .time_plan import micro_batch, model_costs, predict
-
-    ranks = 2 * profile.compute_slots
-    data = request.config.data
-    batch = micro_batch(request)
-    shared = PlanRequest(replace(request.config, data=replace(data, global_batch_size=batch * ranks, grad_accum=1)), ranks)
-    measured = launch(_shared_cores_step, shared, options=LaunchOptions(nproc_per_node=ranks))[0]
-    costs = model_costs(shared)
-    return fit_waiting_share(
-        measured, lambda share: predict(shared, replace(profile, waiting_holds_core=share), costs, per_node=ranks).time.step_time_s
-    )
-
-
-def _shared_cores_step(request: PlanRequest) -> float:
-    """One rank's part of the measurement: the median of the slowest rank's step."""
-    import torch.distributed as dist
-
-    from .time_plan import micro_batch
-
-    dist.init_process_group("gloo")
-    try:
-        run = _ModelRun(request, request.model)
-        steps = []
-        for round_index in range(REPEATS + 1):
-            dist.barrier()
-            elapsed = torch.tensor([sum(run.step(micro_batch(request)))])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if round_index:  # the first round warms up
-                steps.append(float(elapsed))
-        return statistics.median(steps)
-    finally:
-        dist.destroy_process_group()
 
 
 def _memory_gb() -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -18,9 +19,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
 import fsdpkit
-from fsdpkit.calibrate import StepSample, compute_terms, fit_nonnegative, fit_waiting_share
+from fsdpkit.calibrate import StepSample, compute_terms, fit_nonnegative
+from fsdpkit.calibrate_steps import MAX_LATENCY_S, fit_value
 from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
-from fsdpkit.hardware import BUILT_IN, Hardware, to_toml
+from fsdpkit.hardware import BUILT_IN, Hardware, load, to_toml
 from fsdpkit.memory_plan import PlanRequest
 from fsdpkit.models.source import resolve
 from fsdpkit.plan_search import recommend
@@ -245,9 +247,9 @@ def test_ranks_beyond_the_cores_slow_their_work_and_the_waiting_that_holds_a_cor
         return predict(request, dataclasses.replace(waiting, compute_slots=1, waiting_holds_core=share), costs, per_node=4).time.step_time_s
 
     # calibration finds the share back from a measured step, and keeps it in [0, 1]
-    assert fit_waiting_share(steps[0.25].step_time_s, step_at) == pytest.approx(0.25, rel=1e-6)
-    assert fit_waiting_share(0.5 * steps[0.0].step_time_s, step_at) == 0.0
-    assert fit_waiting_share(2 * steps[1.0].step_time_s, step_at) == 1.0
+    assert fit_value(steps[0.25].step_time_s, step_at, 0.0, 1.0) == pytest.approx(0.25, rel=1e-6)
+    assert fit_value(0.5 * steps[0.0].step_time_s, step_at, 0.0, 1.0) == 0.0
+    assert fit_value(2 * steps[1.0].step_time_s, step_at, 0.0, 1.0) == 1.0
     # with overlap (a GPU's own copy engines) the collectives do not slow
     overlapping = dataclasses.replace(cpu, overlap=True)
     alone = predict(request, overlapping, costs, per_node=4).time
@@ -390,6 +392,20 @@ def test_impossible_configuration_is_one_line_exit_2(args, message):
     result = _invoke(["--model", "gpt-tiny", "--world-size", "4", *args])
     assert result.exit_code == 2, result.output
     assert result.stderr.count("\n") == 1 and message in result.stderr and "Traceback" not in result.output
+
+
+def test_calibrate_measures_this_machine_into_a_profile_that_plan_reads(tmp_path):
+    out = tmp_path / "here.toml"
+    args = ["--model", "gpt-tiny", "--world-size", "2", "--seq-len", "16", "--global-batch-size", "2"]
+    result = _invoke([*args, "--calibrate", str(out)])
+    assert result.exit_code == 0, result.output
+    profile = load(str(out))
+    assert profile.compute_slots == len(os.sched_getaffinity(0)) and not profile.overlap
+    assert 0 < profile.intra_latency_s < MAX_LATENCY_S and profile.intra_bw_gbs > 0 and 0 < profile.efficiency <= 1
+    assert 0 <= profile.waiting_holds_core <= 1
+    timed = _invoke([*args, "--time", "--hardware", str(out), "--json"])
+    assert timed.exit_code == 0, timed.output
+    assert json.loads(timed.stdout)["step_time_s"] > 0
 
 
 def test_profile_file_round_trips_and_drives_the_prediction(tmp_path):
