@@ -112,10 +112,10 @@ class _Piece:
         "window_end",
     )
 
-    def __init__(self, first: int, last: int, file: int, offset: int, nbytes: int, crc32: int | None, label: str, begin: int):
-        self.first, self.last = first, last  # elements of the tensor
-        self.file, self.offset, self.nbytes = file, offset, nbytes  # absolute byte offset in the file
-        self.crc32, self.label = crc32, label
+    def __init__(self, source: SourcePiece, file: int, begin: int):
+        self.first, self.last = source.range.start, source.range.end  # elements of the tensor
+        self.file, self.offset, self.nbytes = file, source.offset, source.nbytes  # absolute byte offset in the file
+        self.crc32, self.label = source.crc32, source.label
         self.begin = self.done = begin
         self.running = 0
         self.window: memoryview | None = None  # the mapping last used, and the file offsets it covers
@@ -383,16 +383,7 @@ class ByteEngine:
                 known = cursor.pieces.get(found.range.start)
                 if known is None:
                     begin = max(position - found.range.start, 0) * cursor.itemsize  # a share may start mid-piece
-                    known = cursor.pieces[found.range.start] = _Piece(
-                        found.range.start,
-                        found.range.end,
-                        self._file_of(found),
-                        found.offset,
-                        found.nbytes,
-                        found.crc32,
-                        found.label,
-                        begin,
-                    )
+                    known = cursor.pieces[found.range.start] = _Piece(found, self._file_of(found), begin)
                 if known.first <= position < known.last:
                     piece = known
         if piece is None:
