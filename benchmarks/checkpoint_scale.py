@@ -11,7 +11,7 @@ its input files first dropped from the page cache (`posix_fadvise(DONTNEED)`: cl
 those files only), so every command reads a checkpoint at rest from the disk, as the others do
 (an input left cached by the command before would make one side's reads free):
 
-- fsdpkit reshard SRC OUT --world-size W   (peak RSS: the process's VmHWM)
+- fsdpkit reshard SRC OUT --world-size W   (peak RSS: its VmHWM plus its worker process's)
 - cp -r OUT COPY + sync                    (the baseline: the disk's and the filesystem's limit)
 - fsdpkit verify OUT                       (every header and checksum)
 
@@ -79,15 +79,17 @@ storage.commit(tmp, run, 1000, manifest)
 print(sum(t.nbytes for t in table))
 """
 
-# VmHWM, the peak RSS of the process, printed last on stderr
+# peak RSS printed last on stderr: the process's VmHWM plus the largest of its worker processes'
+# (a reshard to many files forks one; their shared pages are counted twice)
 PEAK = """
-import sys
+import resource, sys
 try:
     from fsdpkit_cli.app import main
     main()
 finally:
     status = open("/proc/self/status").read()
-    print("VmHWM", status.split("VmHWM:")[1].split()[0], file=sys.stderr)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    print("VmHWM", int(status.split("VmHWM:")[1].split()[0]) + children, file=sys.stderr)
 """
 
 

@@ -359,3 +359,70 @@ def test_reshard_to_many_files_and_back(sharded, tmp_path):
     with pytest.raises(DataCheckError, match="checksum mismatch in rank-00000-of-00002.safetensors tensor 'optim.exp_avg.wte.weight'"):
         reshard(broken, tmp_path / "out", world_size=37)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "broken", "r37"]
+
+
+def test_reshard_by_two_processes_equals_one(sharded, tmp_path, monkeypatch):
+    """Many rank files are written by two forked processes, each a contiguous share of the
+    ranks (forced here at 37 and 64 files): byte for byte the one-process output, progress
+    adding up to every byte, and the source pieces cut by the share boundary checked from
+    their two parts. An error in either process (a flipped byte in a cut piece or in a whole
+    one, a failed write in the child) is the one-process error and leaves nothing behind."""
+    import errno
+    import re
+
+    from fsdpkit.checkpoint import bytecopy, workers
+    from fsdpkit.errors import DataCheckError, RunError
+    from fsdpkit.offline.convert import reshard
+
+    _, tensors, runs = sharded
+    assert workers.process_count(64) == 1
+    parts = []
+    monkeypatch.setattr(workers, "check_parts", lambda found: parts.extend(found) or bytecopy.check_parts(found))
+    for world in (37, 64):
+        reshard(runs[2], tmp_path / f"one{world}", world_size=world)
+    assert parts == []
+    monkeypatch.setattr(workers, "process_count", lambda world_size: 2)
+    done: list[tuple[int, int]] = []
+    for world in (37, 64):
+        done.clear()
+        reshard(runs[2], tmp_path / f"two{world}", world_size=world, progress=lambda count, total: done.append((count, total)))
+        names = sorted(p.name for p in (tmp_path / f"one{world}").iterdir())
+        assert names == sorted(p.name for p in (tmp_path / f"two{world}").iterdir()) and len(names) == world + 1
+        for name in names:
+            assert (tmp_path / f"one{world}" / name).read_bytes() == (tmp_path / f"two{world}" / name).read_bytes(), name
+        assert sum(count for count, _ in done) == done[0][1] == sum(t.numel() * t.element_size() for t in tensors.values())
+    cut = next(part for part in parts if part.begin > 0)
+    assert run_cli("verify", tmp_path / "two64").exit_code == 0
+
+    def errors(source, **patches) -> list[str]:
+        """The error of a one-process and of a two-process reshard of `source` to 64 files; neither leaves anything behind."""
+        lines, before = [], sorted(tmp_path.iterdir())
+        for name, value in patches.items():
+            monkeypatch.setattr(bytecopy, name, value)
+        for count in (1, 2):
+            monkeypatch.setattr(workers, "process_count", lambda world_size, count=count: count)
+            with pytest.raises((DataCheckError, RunError)) as caught:
+                reshard(source, tmp_path / "out", world_size=64)
+            lines.append(re.sub(r"-[0-9a-f]{8}/", "-*/", str(caught.value)))
+            assert sorted(tmp_path.iterdir()) == before
+        return lines
+
+    broken = tmp_path / "broken"
+    for path, at, label in ((cut.path, cut.offset + cut.begin + 4, cut.label), (runs[2] / "rank-00001-of-00002.safetensors", -5, "")):
+        shutil.rmtree(broken, ignore_errors=True)
+        shutil.copytree(runs[2], broken)
+        raw = bytearray((broken / path.name).read_bytes())
+        raw[at] ^= 1
+        (broken / path.name).write_bytes(bytes(raw))
+        one, two = errors(broken)
+        assert one == two and f"checksum mismatch in {label}" in one
+        assert run_cli("reshard", broken, tmp_path / "out", "--world-size", "64").exit_code == 3
+
+    def full_disk(path, views):
+        if int(path.name[5:10]) >= 32:  # the child's share
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_file(path, views)
+
+    write_file = bytecopy.write_file
+    one, two = errors(runs[2], write_file=full_disk)
+    assert one == two and "nothing written" in one and "(ENOSPC)" in one

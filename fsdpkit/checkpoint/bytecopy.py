@@ -26,8 +26,11 @@ from several blocks) and is combined into the running crc32 of the source piece 
 (`crc.crc32_combine`). When a source piece's last byte has passed, its crc32 must equal the
 stored one, else a `DataCheckError`. Fragments of each tensor must be asked for in increasing
 order, each source piece read front to back, which the placements guarantee; `finish()`
-checks that every piece started was read to its end. `read_into` (random access) checks a
-piece whole the first time any part of it is wanted.
+checks that every piece started was read to its end. An engine writing a share of the rank
+files (`workers`) may start a piece where its first fragment does: `finish_parts()` returns
+the pieces it read only in part, each with the crc32 of the bytes it read, and `check_parts`
+checks every piece's parts together. `read_into` (random access) checks a piece whole the
+first time any part of it is wanted.
 
 A file is opened without blocking (a FIFO is refused) and its size taken when first used; a
 piece that would end beyond it is a `DataCheckError`. Sources are checkpoints at rest (a file
@@ -44,7 +47,7 @@ from typing import NamedTuple
 from ..dtypes import dtype_info
 from ..errors import DataCheckError
 from ..layout import ElementRange
-from .crc import cast_into, crc32, crc32_combine
+from .crc import PartRead, cast_into, check_parts, crc32, crc32_combine, mismatch
 from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, pread_into, write_file, write_views
 from .format import numel
 from .placement import FileLayout
@@ -91,15 +94,29 @@ class SourceTensor:
 
 
 class _Piece:
-    """A source piece being read, and how far: `done` bytes from its start, `running` their crc32."""
+    """A source piece being read, and how far: bytes [begin, done) from its start, `running` their crc32."""
 
-    __slots__ = ("first", "last", "file", "offset", "nbytes", "crc32", "label", "done", "running", "window", "window_start", "window_end")
+    __slots__ = (
+        "first",
+        "last",
+        "file",
+        "offset",
+        "nbytes",
+        "crc32",
+        "label",
+        "begin",
+        "done",
+        "running",
+        "window",
+        "window_start",
+        "window_end",
+    )
 
-    def __init__(self, first: int, last: int, file: int, offset: int, nbytes: int, crc32: int | None, label: str):
-        self.first, self.last = first, last  # elements of the tensor
-        self.file, self.offset, self.nbytes = file, offset, nbytes  # absolute byte offset in the file
-        self.crc32, self.label = crc32, label
-        self.done = 0
+    def __init__(self, source: SourcePiece, file: int, begin: int):
+        self.first, self.last = source.range.start, source.range.end  # elements of the tensor
+        self.file, self.offset, self.nbytes = file, source.offset, source.nbytes  # absolute byte offset in the file
+        self.crc32, self.label = source.crc32, source.label
+        self.begin = self.done = begin
         self.running = 0
         self.window: memoryview | None = None  # the mapping last used, and the file offsets it covers
         self.window_start = self.window_end = 0
@@ -139,6 +156,7 @@ class ByteEngine:
         self._named: dict[tuple[str, str], _Cursor] = {}  # cursors of tensors given to copy()
         self._verified: set[tuple[int, int]] = set()  # (file, offset) of pieces read_into checked whole
         self._files = MappedFiles()
+        self._parts: list[PartRead] = []  # pieces finished here that were started elsewhere
         self._writes: WriteQueue | None = None  # made by the first write_rank_file
         self._progress, self._reported = progress, 0
         self.bytes_read = 0  # source bytes handed on so far
@@ -342,7 +360,7 @@ class ByteEngine:
             if used is not None:
                 self._files.release(file, *used)
             if crc != piece.crc32:
-                raise DataCheckError(f"{piece.path}: {_mismatch(piece.label, piece.crc32, crc)}")
+                raise DataCheckError(f"{piece.path}: {mismatch(piece.label, piece.crc32, crc)}")
             self._verified.add((file, piece.offset))
 
     # ----- source pieces
@@ -364,9 +382,8 @@ class ByteEngine:
             for found in cursor.source.pieces_in(ElementRange(position, end)):
                 known = cursor.pieces.get(found.range.start)
                 if known is None:
-                    known = cursor.pieces[found.range.start] = _Piece(
-                        found.range.start, found.range.end, self._file_of(found), found.offset, found.nbytes, found.crc32, found.label
-                    )
+                    begin = max(position - found.range.start, 0) * cursor.itemsize  # a share may start mid-piece
+                    known = cursor.pieces[found.range.start] = _Piece(found, self._file_of(found), begin)
                 if known.first <= position < known.last:
                     piece = known
         if piece is None:
@@ -389,8 +406,10 @@ class ByteEngine:
         if piece.window is not None and piece.offset + piece.nbytes >= piece.window_end:
             self._files.release(piece.file, piece.window_start, piece.window)  # nothing after the piece in it either
         piece.window = None
-        if piece.crc32 is not None and piece.running != piece.crc32:
-            raise DataCheckError(f"{self._files.paths[piece.file]}: {_mismatch(piece.label, piece.crc32, piece.running)}")
+        if piece.begin:
+            self._parts.append(self._part(piece))
+        elif piece.crc32 is not None and piece.running != piece.crc32:
+            raise DataCheckError(f"{self._files.paths[piece.file]}: {mismatch(piece.label, piece.crc32, piece.running)}")
 
     def _report(self) -> None:
         if self._progress is not None and self.bytes_read - self._reported >= PROGRESS_BYTES:
@@ -398,11 +417,17 @@ class ByteEngine:
             self._reported = self.bytes_read
 
     def finish(self) -> None:
-        """Close the files; every source piece started must have been read to its end."""
+        """Close the files; every source piece started must have been read whole."""
+        check_parts(self.finish_parts())
+
+    def finish_parts(self) -> list[PartRead]:
+        """Close the files; the source pieces read only in part (see the module docstring)."""
         self.close()
-        for cursor in [*self._cursors, *self._named.values()]:
-            for piece in cursor.pieces.values():
-                raise AssertionError(f"{piece.label}: read only up to byte {piece.done}")
+        return self._parts + [self._part(piece) for cursor in [*self._cursors, *self._named.values()] for piece in cursor.pieces.values()]
+
+    def _part(self, piece: _Piece) -> PartRead:
+        path = self._files.paths[piece.file]
+        return PartRead(path, piece.offset, piece.nbytes, piece.crc32, piece.label, piece.begin, piece.done, piece.running)
 
     def close(self) -> None:
         """Wait for every queued write (raising the first that failed), close the files."""
@@ -415,7 +440,3 @@ class ByteEngine:
                 writes.close()
         finally:
             self._files.close()
-
-
-def _mismatch(label: str, stored: int, found: int) -> str:
-    return f"checksum mismatch in {label}: stored crc32 {stored:08x}, data gives {found:08x} (corrupt file)"

@@ -13,13 +13,55 @@ cast only), rounding as torch does: round to nearest even, BF16 from F32 bits li
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import NamedTuple
+
 from zlib_ng.zlib_ng import crc32, crc32_combine
 
 from ..dtypes import dtype_info
+from ..errors import DataCheckError
 
-__all__ = ["cast_into", "crc32", "crc32_combine"]
+__all__ = ["PartRead", "cast_into", "check_parts", "crc32", "crc32_combine", "mismatch"]
 
 CAST_BLOCK = 1 << 20  # elements per block
+
+
+class PartRead(NamedTuple):
+    """Bytes [begin, end) of a source piece (at `offset` of `path`, `nbytes` long, stored crc32
+    `crc32`) read by one engine, and their crc32 (`running`)."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    crc32: int | None
+    label: str
+    begin: int
+    end: int
+    running: int
+
+
+def check_parts(parts: list[PartRead]) -> None:
+    """The parts of each source piece, read by one engine or several, must cover it from its
+    first byte to its last, and their crc32s, combined, equal its stored one."""
+    by_piece: dict[tuple[Path, int], list[PartRead]] = {}
+    for part in parts:
+        by_piece.setdefault((part.path, part.offset), []).append(part)
+    for pieces in by_piece.values():
+        pieces.sort(key=lambda part: part.begin)
+        crc, done = 0, 0
+        for part in pieces:
+            if part.begin != done:
+                raise AssertionError(f"{part.label}: bytes [{done}, {part.begin}) never read")
+            crc, done = crc32_combine(crc, part.running, part.end - part.begin), part.end
+        piece = pieces[0]
+        if done != piece.nbytes:
+            raise AssertionError(f"{piece.label}: read only up to byte {done}")
+        if piece.crc32 is not None and crc != piece.crc32:
+            raise DataCheckError(f"{piece.path}: {mismatch(piece.label, piece.crc32, crc)}")
+
+
+def mismatch(label: str, stored: int, found: int) -> str:
+    return f"checksum mismatch in {label}: stored crc32 {stored:08x}, data gives {found:08x} (corrupt file)"
 
 
 def cast_into(src: memoryview, src_dtype: str, dst_dtype: str, out: bytearray | memoryview) -> memoryview:

@@ -22,7 +22,8 @@ time spent in those system calls. On an exception inside a `with` block the part
 removed.
 
 `write_sharded` (convert --to sharded, reshard) writes every rank file of a layout with the
-byte engine (`bytecopy.ByteEngine.write_rank_file`), then the manifest.
+byte engine (`bytecopy.ByteEngine.write_rank_file`; many files by several processes,
+`workers.write_rank_files`), then the manifest.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..dtypes import dtype_info
-from .bytecopy import ByteEngine, SourceTensor
+from .bytecopy import SourceTensor
 from .format import numel, output_dtype, rank_file_name
 from .manifest import Manifest, save_manifest
 from .placement import FileLayout, Placement, TensorSpec
+from .workers import write_rank_files
 
 WRITE_BEHIND_BYTES = 32 * 1024 * 1024
 BUFFER_BYTES = 1024 * 1024
@@ -245,19 +247,10 @@ def write_sharded(
 ) -> WrittenCheckpoint:
     """A whole sharded checkpoint (v2) in `directory`: every rank file of `placement` at
     `world_size`, copied from `sources` by the byte engine (source checksums verified on the
-    way, output crc32s from the bytes written), then manifest.json; `storage.staged_output`
+    way, output crc32s from the bytes written; `workers`), then manifest.json; `storage.staged_output`
     syncs them all at once. Every rank gets a file, possibly with no tensors."""
     tensors = tuple(TensorSpec(s.name, output_dtype(s.dtype, cast_to), tuple(s.shape)) for s in sources)
     manifest = Manifest(world_size, strategy, placement, tensors, dict(aliases), dict(training_state))
-    layout, total = manifest.layout(), 0
-    engine = ByteEngine(sources, [t.dtype for t in tensors], chunk_size=chunk_size, progress=progress)
-    try:
-        for rank in range(world_size):
-            file_layout = layout.file_layout(rank)
-            engine.write_rank_file(directory / rank_file_name(rank, world_size), file_layout)
-            total += file_layout.size
-    finally:
-        engine.close()
-    engine.finish()
+    total = write_rank_files(directory, manifest.layout(), sources, [t.dtype for t in tensors], chunk_size=chunk_size, progress=progress)
     save_manifest(directory, manifest)
     return WrittenCheckpoint(manifest, [rank_file_name(rank, world_size) for rank in range(world_size)], total)
