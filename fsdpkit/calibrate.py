@@ -14,8 +14,8 @@
               bandwidth (slope); the latency per ring step is what the engine's step of a
               model of many units on `ranks` processes pays per collective beyond its
               compute and bytes (fsdpkit.calibrate_steps)
-    sharing   the engine's step of `--model` on twice as many local processes as cores gives
-              waiting_holds_core (fsdpkit.calibrate_steps)
+    sharing   the engine's steps of `--model` and of the many-unit model on twice as many
+              local processes as cores give waiting_holds_core (fsdpkit.calibrate_steps)
 
 Numbers are medians of repeated timings; a loaded machine gives a slower profile.
 """

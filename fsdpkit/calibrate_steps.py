@@ -4,21 +4,23 @@ value at which `fsdpkit plan --time` predicts the measured step.
     collective_latency   a model of many small units (fsdpkit.calibrate:many_narrow_units)
                          on `ranks` processes: what each ring step of a collective costs the
                          engine (issue, hooks, gloo's handshakes), beyond its bytes
-    waiting_holds_core   `--model` on twice as many processes as cores (up to
-                         SHARED_CORES_MAX_RANKS): how much of its waiting in collectives a
-                         rank still keeps a core busy
+    waiting_holds_core   `--model` and the many-unit model on twice as many processes as
+                         cores (up to SHARED_CORES_MAX_RANKS): how much of its waiting in
+                         collectives a rank still keeps a core busy; the value in [0, 1], in
+                         steps of 0.02, with the least squared relative error on the two
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from .hardware import Hardware
 from .memory_plan import PlanRequest
+from .step_time import shared_cores_seconds
 
 SHARED_CORES_MAX_RANKS = 8
 LATENCY_MODEL = "fsdpkit.calibrate:many_narrow_units"
@@ -47,10 +49,39 @@ def collective_latency(request: PlanRequest, profile: Hardware, ranks: int) -> f
 
 
 def waiting_holds_core(request: PlanRequest, profile: Hardware) -> float:
-    """The waiting_holds_core at which the model predicts the engine's step of `request` on
-    twice as many processes as `profile.compute_slots`."""
-    run = _on_ranks(request, 2 * profile.compute_slots)
-    return _fit(run, profile, lambda share: {"waiting_holds_core": share}, 1.0)
+    """Fitted to the engine's steps of `request`'s model and of LATENCY_MODEL on twice as many
+    processes as `profile.compute_slots`."""
+    from .time_plan import model_costs, predict
+
+    ranks = 2 * profile.compute_slots
+    share = profile.compute_share(ranks)
+    parts = []
+    for model in (None, LATENCY_MODEL):
+        run = _on_ranks(request, ranks, model=model)
+        alone = predict(run, replace(profile, compute_slots=0), model_costs(run), per_node=ranks).time
+        parts.append(SharedStep(_measure(run), alone.step_time_s, alone.compute_s, alone.copy_s))
+    return fit_waiting_share(parts, share)
+
+
+@dataclass(frozen=True)
+class SharedStep:
+    """A step measured on shared cores, and the model's parts of it with a core per rank."""
+
+    measured_s: float
+    alone_s: float
+    compute_s: float
+    copy_s: float
+
+    def predicted(self, share: float, waiting: float) -> float:
+        """As the step-time model charges `share` ranks per core (without overlap)."""
+        return shared_cores_seconds(self.alone_s, self.compute_s + self.copy_s, share, waiting)
+
+
+def fit_waiting_share(steps: Sequence[SharedStep], share: float) -> float:
+    def error(waiting: float) -> float:
+        return sum((step.predicted(share, waiting) / step.measured_s - 1) ** 2 for step in steps)
+
+    return min((index / 50 for index in range(51)), key=lambda waiting: (error(waiting), -waiting))
 
 
 def _on_ranks(request: PlanRequest, ranks: int, *, model: str | None = None) -> PlanRequest:
@@ -65,11 +96,16 @@ def _on_ranks(request: PlanRequest, ranks: int, *, model: str | None = None) -> 
     return PlanRequest(config, ranks)
 
 
-def _fit(run: PlanRequest, profile: Hardware, values: Callable[[float], dict], high: float) -> float:
+def _measure(run: PlanRequest) -> float:
     from .launch import LaunchOptions, launch
+
+    return launch(_measured_step, run, options=LaunchOptions(nproc_per_node=run.world_size))[0]
+
+
+def _fit(run: PlanRequest, profile: Hardware, values: Callable[[float], dict], high: float) -> float:
     from .time_plan import model_costs, predict
 
-    measured = launch(_measured_step, run, options=LaunchOptions(nproc_per_node=run.world_size))[0]
+    measured = _measure(run)
     costs = model_costs(run)
 
     def step_at(value: float) -> float:

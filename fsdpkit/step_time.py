@@ -22,10 +22,10 @@ stream waited for.
     shared cores  when a node's ranks outnumber its cores (hardware.compute_slots) by s, the
                 step above (`alone`) is what a rank would take with a core of its own. Its
                 work (compute, and without overlap the collectives' copying) needs s times
-                as long, and so does the part of its waiting that still holds a core
-                (hardware.waiting_holds_core, h: gloo's threads polling):
-                step = max(alone, s x (work + h x (alone - work))). h = 1 charges the whole
-                step s times; h = 0 lets a waiting rank's core run another rank's work.
+                as long, and so does the share of its waiting that still holds a core
+                (hardware.waiting_holds_core, h): step = max(alone, s x (work + h x (alone
+                - work))). h = 1 charges the whole step s times; h = 0 lets a waiting rank's
+                core run another rank's work.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ class StepTime:
     compute_s: float
     exposed_comm_s: float
     comm_s: float  # the communication stream's busy time
+    copy_s: float  # the part of comm_s that copies bytes, with a core of its own
     flops: float  # model FLOPs per step on one rank (checkpointing's recompute not counted)
     hardware_flops: float  # with the recompute
     comm_bytes: dict[str, int]  # per collective kind, as the engine's comm_stats counts them on one rank
@@ -215,11 +216,16 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
 
 def shared_cores_step(streams: _Streams, share: float) -> float:
     """The step when `share` ranks take turns on each core (1: a core each)."""
-    alone = max(streams.compute, streams.comm)
+    work = streams.busy_compute + (0.0 if streams.setup.hardware.overlap else streams.busy_copy)
+    return shared_cores_seconds(max(streams.compute, streams.comm), work, share, streams.setup.hardware.waiting_holds_core)
+
+
+def shared_cores_seconds(alone: float, work: float, share: float, waiting_holds_core: float) -> float:
+    """A step of `alone` seconds with a core per rank, `work` of them on the core, when `share`
+    ranks take turns on each core."""
     if share <= 1:
         return alone
-    work = streams.busy_compute + (0.0 if streams.setup.hardware.overlap else streams.busy_copy)
-    return max(alone, share * (work + streams.setup.hardware.waiting_holds_core * (alone - work)))
+    return max(alone, share * (work + waiting_holds_core * (alone - work)))
 
 
 def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
@@ -245,6 +251,7 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
         compute_s=compute_s,
         exposed_comm_s=max(step - compute_s, 0.0),
         comm_s=comm_s,
+        copy_s=streams.busy_copy,
         flops=flops,
         hardware_flops=flops + recomputed,
         comm_bytes=dict(streams.bytes),

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 import fsdpkit
 from fsdpkit.calibrate import StepSample, compute_terms, fit_nonnegative
-from fsdpkit.calibrate_steps import MAX_LATENCY_S, fit_value
+from fsdpkit.calibrate_steps import MAX_LATENCY_S, SharedStep, fit_value, fit_waiting_share
 from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
 from fsdpkit.hardware import BUILT_IN, Hardware, load, to_toml
 from fsdpkit.memory_plan import PlanRequest
@@ -255,6 +255,25 @@ def test_ranks_beyond_the_cores_slow_their_work_and_the_waiting_that_holds_a_cor
     alone = predict(request, overlapping, costs, per_node=4).time
     crowded = predict(request, dataclasses.replace(overlapping, compute_slots=2), costs, per_node=4).time
     assert crowded.comm_s == pytest.approx(alone.comm_s, rel=1e-9) and crowded.compute_s == pytest.approx(2 * alone.compute_s, rel=1e-9)
+
+
+def test_calibration_fits_the_waiting_share_over_several_measured_steps():
+    request = _request(4, {"sharding": {"strategy": "full"}})
+    costs = model_costs(request)
+    cpu = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, intra_latency_s=1e-3)
+    alone = predict(request, cpu, costs, per_node=4).time
+    waiting = alone.step_time_s - alone.compute_s - alone.copy_s
+    assert alone.copy_s > 0 and waiting > 0 and alone.comm_s == pytest.approx(alone.copy_s + waiting, rel=1e-9)
+    part = SharedStep(0.0, alone.step_time_s, alone.compute_s, alone.copy_s)
+    shared = dataclasses.replace(cpu, compute_slots=2, waiting_holds_core=0.3)
+    assert predict(request, shared, costs, per_node=4).time.step_time_s == pytest.approx(part.predicted(2.0, 0.3), rel=1e-9)
+    # a compute-bound and a waiting-bound step: the share that fits both best
+    parts = [SharedStep(0.0, 1.0, 0.5, 0.4), SharedStep(0.0, 1.0, 0.3, 0.05)]
+    measured = [dataclasses.replace(p, measured_s=p.predicted(2.0, 0.3)) for p in parts]
+    assert fit_waiting_share(measured, 2.0) == pytest.approx(0.3)
+    # a step faster than any share allows fits 0, one slower than the whole step shared 1
+    assert fit_waiting_share([dataclasses.replace(p, measured_s=0.5) for p in parts], 2.0) == 0.0
+    assert fit_waiting_share([dataclasses.replace(p, measured_s=5.0) for p in parts], 2.0) == 1.0
 
 
 def test_calibration_fit_recovers_known_coefficients():
