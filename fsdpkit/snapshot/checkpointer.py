@@ -19,12 +19,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from .. import log
 from ..checkpoint.export import EXPORT_STATE_KEY
 from ..checkpoint.lock import process_identity, run_id_of
 from ..checkpoint.manifest import Manifest, check_compatible
@@ -169,7 +169,7 @@ class Checkpointer:
             expected = expected_tensors(view_params(view), buffer_shapes(self.module), states, stateless=stateless)
             missing_optim = check_compatible(reader.manifest, expected, strict=strict, where=str(reader.step_dir))
             if missing_optim and view.rank == 0:
-                warnings.warn(f"{reader.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh", stacklevel=2)
+                log.warn(f"{reader.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh")
             load_weights(view, self.module, reader)
             if self.optimizer is not None and states is not None and not missing_optim:
                 params = [(p.name, p.fragment.param_range, p.tensor) for unit in view.units for p in unit.params if p.requires_grad]
