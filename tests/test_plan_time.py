@@ -380,13 +380,14 @@ def test_cli_time_json_scaling_and_report(tmp_path):
         ("efficiency = 0.5\n", "missing key"),
         ("peak_tflops = {fp32 = 1.0}\nbogus = 1\n", "unknown key 'bogus'"),
         ("this is not toml", "not valid TOML"),
-        (None, "intra_bw_gbs must be a number > 0, got -1"),
+        (("intra_bw_gbs = 1.0", "intra_bw_gbs = -1"), "intra_bw_gbs must be a number > 0, got -1"),
+        (("waiting_holds_core = 1.0", "waiting_holds_core = 1.5"), "waiting_holds_core must be a number in [0, 1], got 1.5"),
     ],
 )
 def test_bad_hardware_file_is_one_line_exit_2(tmp_path, content, message):
     path = tmp_path / "hw.toml"
-    if content is None:  # a complete profile with one bad value
-        content = to_toml(BUILT_IN["cpu-gloo"], header="").replace("intra_bw_gbs = 1.0", "intra_bw_gbs = -1")
+    if isinstance(content, tuple):  # a complete profile with one value made bad
+        content = to_toml(BUILT_IN["cpu-gloo"], header="").replace(*content)
     path.write_text(content)
     result = _invoke(["--model", "gpt-tiny", "--world-size", "2", "--time", "--hardware", str(path)])
     assert result.exit_code == 2, result.output
