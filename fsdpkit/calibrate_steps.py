@@ -44,8 +44,16 @@ def fit_value(measured_s: float, step_at: Callable[[float], float], low: float, 
 
 def collective_latency(request: PlanRequest, profile: Hardware, ranks: int) -> float:
     """The latency per ring step at which the model predicts the engine's step of LATENCY_MODEL."""
+    from .time_plan import model_costs, predict
+
     run = _on_ranks(request, ranks, model=LATENCY_MODEL)
-    return _fit(run, profile, lambda latency: {"intra_latency_s": latency, "inter_latency_s": latency}, MAX_LATENCY_S)
+    measured, costs = _measure(run), model_costs(run)
+
+    def step_at(latency: float) -> float:
+        with_latency = replace(profile, intra_latency_s=latency, inter_latency_s=latency)
+        return predict(run, with_latency, costs, per_node=ranks).time.step_time_s
+
+    return fit_value(measured, step_at, 0.0, MAX_LATENCY_S)
 
 
 def waiting_holds_core(request: PlanRequest, profile: Hardware) -> float:
@@ -100,18 +108,6 @@ def _measure(run: PlanRequest) -> float:
     from .launch import LaunchOptions, launch
 
     return launch(_measured_step, run, options=LaunchOptions(nproc_per_node=run.world_size))[0]
-
-
-def _fit(run: PlanRequest, profile: Hardware, values: Callable[[float], dict], high: float) -> float:
-    from .time_plan import model_costs, predict
-
-    measured = _measure(run)
-    costs = model_costs(run)
-
-    def step_at(value: float) -> float:
-        return predict(run, replace(profile, **values(value)), costs, per_node=run.world_size).time.step_time_s
-
-    return fit_value(measured, step_at, 0.0, high)
 
 
 def _measured_step(request: PlanRequest) -> float:

@@ -109,24 +109,14 @@ class StepTime:
     tokens_per_s: float
 
 
-def collective_seconds(collective: Collective | None, hardware: Hardware, ranks_per_node: int, world_size: int) -> float:
-    if collective is None:
-        return 0.0
+def collective_seconds(collective: Collective, hardware: Hardware, ranks_per_node: int, world_size: int) -> tuple[float, float]:
+    """(waiting on the ring's latency steps, moving the bytes) of one collective."""
     n = collective.group_size
     if n <= 1:
-        return 0.0
-    span = world_size if collective.spans_world else n
-    bandwidth, latency = hardware.link(span, ranks_per_node)
+        return 0.0, 0.0
+    bandwidth, latency = hardware.link(world_size if collective.spans_world else n, ranks_per_node)
     steps = 2 * (n - 1) if collective.kind == "all_reduce" else n - 1
-    return steps * latency + copy_seconds(collective, hardware, ranks_per_node, world_size)
-
-
-def copy_seconds(collective: Collective, hardware: Hardware, ranks_per_node: int, world_size: int) -> float:
-    """The part of a collective's time spent moving its bytes (the rest waits on latency)."""
-    n = collective.group_size
-    bandwidth, _ = hardware.link(world_size if collective.spans_world else n, ranks_per_node)
-    steps = 2 * (n - 1) if collective.kind == "all_reduce" else n - 1
-    return collective.bytes * steps / n / bandwidth
+    return steps * latency, collective.bytes * steps / n / bandwidth
 
 
 class _Streams:
@@ -149,11 +139,10 @@ class _Streams:
             return self.compute
         setup = self.setup
         self.bytes[collective.kind] = self.bytes.get(collective.kind, 0) + collective.bytes
-        seconds = collective_seconds(collective, setup.hardware, setup.ranks_per_node, setup.world_size)
-        self.comm = max(self.comm, self.compute) + seconds
-        self.busy_comm += seconds
-        if seconds:
-            self.busy_copy += copy_seconds(collective, setup.hardware, setup.ranks_per_node, setup.world_size)
+        waiting, copying = collective_seconds(collective, setup.hardware, setup.ranks_per_node, setup.world_size)
+        self.comm = max(self.comm, self.compute) + waiting + copying
+        self.busy_comm += waiting + copying
+        self.busy_copy += copying
         if not setup.hardware.overlap:
             self.compute = self.comm
         return self.comm

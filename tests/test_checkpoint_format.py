@@ -281,6 +281,13 @@ def test_crc_combine_and_split_match_zlib():
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
+def _python(script: str) -> subprocess.CompletedProcess:
+    """`script` run by a fresh interpreter, which must succeed."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_format_library_and_offline_commands_load_no_torch():
     """Every module of fsdpkit.checkpoint (the on-disk format) and fsdpkit.offline imported in a
     fresh process: neither torch nor the torch side (fsdpkit.snapshot) comes with them."""
@@ -291,8 +298,7 @@ def test_format_library_and_offline_commands_load_no_torch():
         "        importlib.import_module(f'{package}.{module.name}')\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    done = _python(script)
     loaded = set(json.loads(done.stdout))
     assert {"fsdpkit.checkpoint.bytecopy", "fsdpkit.checkpoint.writer", "fsdpkit.offline.convert"} <= loaded
     assert not [name for name in loaded if name.split(".")[0] == "torch" or name.startswith("fsdpkit.snapshot")]
@@ -314,8 +320,7 @@ def test_model_description_comes_from_a_child_process_and_equals_the_in_process_
         "print(json.dumps(d.export.to_json()))\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    done = _python(script)
     units, aliases, export, torch_modules = map(json.loads, done.stdout.splitlines())
     assert torch_modules == []
     model = resolve("gpt-tiny").build(device="meta")

@@ -124,23 +124,28 @@ def test_predicted_collective_bytes_and_order_equal_the_engines(world):
         assert [r["bytes"] for r in results[rank]] == [r["bytes"] for r in results[0]]
 
 
-def test_without_communication_the_step_is_the_compute_time():
-    request = _request(4, {"sharding": {"strategy": "full"}, "data": {"grad_accum": 2}})
-    costs = model_costs(request)
-    free = Hardware(
-        name="free network",
+def _hardware_by_hand(name: str, *, ranks_per_node: int, bus_gbs: float) -> Hardware:
+    """1 TFLOP/s achieved (2 peak x 0.5), 3 GB/s of memory, 1e-4 s per unit and pass, no latency."""
+    return Hardware(
+        name=name,
         source="test",
         peak_tflops={"fp32": 2.0},
         efficiency=0.5,
         unit_overhead_s=1e-4,
         memory_gb=1,
         memory_bw_gbs=3.0,
-        ranks_per_node=4,
-        intra_bw_gbs=1e15,
+        ranks_per_node=ranks_per_node,
+        intra_bw_gbs=bus_gbs,
         intra_latency_s=0.0,
-        inter_bw_gbs=1e15,
+        inter_bw_gbs=bus_gbs,
         inter_latency_s=0.0,
     )
+
+
+def test_without_communication_the_step_is_the_compute_time():
+    request = _request(4, {"sharding": {"strategy": "full"}, "data": {"grad_accum": 2}})
+    costs = model_costs(request)
+    free = _hardware_by_hand("free network", ranks_per_node=4, bus_gbs=1e15)
     time = predict(request, free, costs).time
     # by hand: the unsharded model's FLOPs on one rank's micro-batch (1 sequence of 16) from
     # torch's counter on the meta device, plus the attention scores the fused kernel's backward
@@ -168,20 +173,7 @@ def test_without_communication_the_step_is_the_compute_time():
 def test_per_operator_parameter_and_optimizer_terms_add_what_they_say():
     request = _request(1, {"sharding": {"strategy": "full"}})
     costs = model_costs(request)
-    base = Hardware(
-        name="base",
-        source="test",
-        peak_tflops={"fp32": 2.0},
-        efficiency=0.5,
-        unit_overhead_s=1e-4,
-        memory_gb=1,
-        memory_bw_gbs=3.0,
-        ranks_per_node=1,
-        intra_bw_gbs=1.0,
-        intra_latency_s=0.0,
-        inter_bw_gbs=1.0,
-        inter_latency_s=0.0,
-    )
+    base = _hardware_by_hand("base", ranks_per_node=1, bus_gbs=1.0)
     terms = dataclasses.replace(base, op_overhead_s=2e-6, param_passes=3.0, optimizer_tensor_s=5e-6, optimizer_passes=2.5)
     before, after = predict(request, base, costs).time, predict(request, terms, costs).time
     # one rank, 8 sequences: every unit's forward and backward once, its full fp32 parameters
