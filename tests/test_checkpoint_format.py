@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import random
 import struct
 import subprocess
@@ -21,7 +23,7 @@ from fsdpkit.checkpoint.manifest import Manifest
 from fsdpkit.checkpoint.placement import Placement, ShardLayout, TensorSpec
 from fsdpkit.checkpoint.reader import read_header
 from fsdpkit.checkpoint.storage import resolve_checkpoint
-from fsdpkit.checkpoint.writer import StreamingWriter
+from fsdpkit.checkpoint.writer import DIRECT_BUFFER_BYTES, CacheMode, RankFileWriter, StreamingWriter
 from fsdpkit.dtypes import dtype_info
 from fsdpkit.errors import DataCheckError
 from fsdpkit.layout import ElementRange, FlatLayout
@@ -335,3 +337,38 @@ def test_model_description_comes_from_a_child_process_and_equals_the_in_process_
         text=True,
     )
     assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith("fsdpkit.errors.UsageError: model factory 'no-such'")
+
+
+def test_direct_writes_equal_cached_writes_and_bypass_the_cache(tmp_path):
+    """A rank file written past the page cache (O_DIRECT through an aligned staging buffer) has
+    the bytes of one written through the cache, whatever the pieces' sizes; where the filesystem
+    refuses O_DIRECT the writer falls back to cached writes."""
+    tensors = {"w": torch.randn(4_500_001), "h": torch.randn(1_000_003).half(), "ids": torch.arange(5)}
+    manifest = make_manifest(tensors, world_size=1)
+    layout = manifest.layout().file_layout(0)
+    written = {}
+    for cache in (CacheMode.CACHED, CacheMode.DIRECT):
+        path = tmp_path / f"{cache.value}.safetensors"
+        with RankFileWriter(path, layout, cache=cache) as writer:
+            pieces = random.Random(0)
+            for fragment in layout.fragments:
+                data = raw_bytes(tensors[manifest.tensors[fragment.tensor].name].reshape(-1)[fragment.start : fragment.end])
+                offset = 0
+                while offset < data.nbytes:
+                    size = pieces.choice([1, 7, 4096, 1 << 20, 9 << 20])
+                    writer.write(data[offset : offset + size])
+                    offset += size
+                writer.end_fragment(zlib.crc32(data))
+        written[cache] = (path.read_bytes(), writer.direct_bytes)
+    assert written[CacheMode.DIRECT][0] == written[CacheMode.CACHED][0]
+    assert written[CacheMode.CACHED][1] == 0
+    loaded = load_file(tmp_path / "direct.safetensors")
+    assert all(torch.equal(loaded[name], tensor.reshape(-1)) for name, tensor in tensors.items())
+    try:
+        probe = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        supported = os.write(probe, mmap.mmap(-1, 4096)) == 4096
+        os.close(probe)
+    except OSError:
+        supported = False
+    whole_buffers = (layout.size // DIRECT_BUFFER_BYTES) * DIRECT_BUFFER_BYTES
+    assert written[CacheMode.DIRECT][1] == (whole_buffers if supported else 0)

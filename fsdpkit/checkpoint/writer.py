@@ -13,10 +13,16 @@ and `close` writes the crc32 hex digits into the header's `__metadata__` (fixed 
 header's length never changes).
 
 Data arrives in any number of pieces; small ones are gathered in a 1 MiB buffer so a file of
-many small fragments costs a few system calls. `write_behind=True` starts the writeback of
-every completed `WRITE_BEHIND_BYTES` at once (`posix_fadvise(DONTNEED)`: dirty data is never
-dropped), so the disk works while the copy goes on and a multi-GB output does not fill the
-page cache. `close()` fsyncs unless the caller syncs many files at once (`sync=False`, then
+many small fragments costs a few system calls. The `cache` mode (`CacheMode`) says how the
+data passes the kernel's page cache: CACHED leaves it there; WRITE_BEHIND starts the
+writeback of every completed `WRITE_BEHIND_BYTES` at once (`posix_fadvise(DONTNEED)`: dirty
+data is never dropped), so the disk works while the copy goes on and a multi-GB output does
+not fill the page cache; DIRECT (files of at least `DIRECT_MIN_BYTES`) copies the data into
+an 8 MiB page-aligned staging buffer and writes it whole with O_DIRECT, past the cache: no
+page-cache copy, no writeback and no reclaim for the kernel to do on the cores training uses,
+and an fsync that finds nothing dirty; the last partial buffer and header patches are written
+cached.
+`close()` fsyncs unless the caller syncs many files at once (`sync=False`, then
 `storage.sync_files`, as `staged_output` does); `write_seconds` and `fsync_seconds` count the
 time spent in those system calls. On an exception inside a `with` block the partial file is
 removed.
@@ -28,13 +34,19 @@ byte engine (`bytecopy.ByteEngine.write_rank_file`; many files by several proces
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import mmap
 import os
 import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
+
+import numpy
 
 from ..dtypes import dtype_info
 from .bytecopy import SourceTensor
@@ -45,6 +57,21 @@ from .workers import write_rank_files
 
 WRITE_BEHIND_BYTES = 32 * 1024 * 1024
 BUFFER_BYTES = 1024 * 1024
+DIRECT_BUFFER_BYTES = 8 * 1024 * 1024  # a multiple of any filesystem's O_DIRECT alignment
+DIRECT_MIN_BYTES = 2 * DIRECT_BUFFER_BYTES  # smaller files gain nothing from bypassing the cache
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for an open file; False where the system or filesystem refuses it."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        return False
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | direct if on else flags & ~direct)
+    except OSError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -82,19 +109,30 @@ def layout_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dic
     return struct.pack("<Q", len(raw)) + raw, spans
 
 
+class CacheMode(Enum):
+    """How a written file's data goes through the kernel's page cache."""
+
+    CACHED = "cached"  # written back whenever the kernel likes
+    WRITE_BEHIND = "write-behind"  # writeback started every WRITE_BEHIND_BYTES, those pages then dropped
+    DIRECT = "direct"  # O_DIRECT from an aligned staging buffer, no page cache (CACHED where the filesystem refuses it)
+
+
 class _FileWriter:
     """A file of known size, written front to back: the header, then data in pieces."""
 
-    def _open(self, path: str | Path, header: bytes, size: int, *, write_behind: bool, sync: bool) -> None:
+    def _open(self, path: str | Path, header: bytes, size: int, *, cache: CacheMode, sync: bool) -> None:
         self.path, self.size, self.sync = Path(path), size, sync
         self._written = 0
-        self._flushed = 0  # bytes whose writeback was started (write_behind)
-        self._write_behind = write_behind and hasattr(os, "posix_fadvise")
-        self._buffer = bytearray(min(BUFFER_BYTES, size))
+        self._flushed = 0  # bytes whose writeback was started (WRITE_BEHIND)
+        self._write_behind = cache is CacheMode.WRITE_BEHIND and hasattr(os, "posix_fadvise")
         self._buffered = 0
         self.write_seconds = 0.0
         self.fsync_seconds = 0.0
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.direct_bytes = 0  # written with O_DIRECT, past the page cache
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self._fd = os.open(self.path, flags, 0o644)
+        self._direct = cache is CacheMode.DIRECT and size >= DIRECT_MIN_BYTES and _set_direct(self._fd, True)
+        self._buffer: bytearray | mmap.mmap = mmap.mmap(-1, DIRECT_BUFFER_BYTES) if self._direct else bytearray(min(BUFFER_BYTES, size))
         self.write(header)
 
     def write(self, data) -> None:
@@ -102,6 +140,9 @@ class _FileWriter:
         view = data if isinstance(data, memoryview) and data.format == "B" and data.ndim == 1 else memoryview(data).cast("B")
         if self._written + self._buffered + view.nbytes > self.size:
             raise ValueError(f"{self.path}: writing past the {self.size} bytes the header announced")
+        if self._direct:
+            self._stage(view)
+            return
         if self._buffered + view.nbytes <= len(self._buffer):
             self._buffer[self._buffered : self._buffered + view.nbytes] = view
             self._buffered += view.nbytes
@@ -112,6 +153,26 @@ class _FileWriter:
             self._buffered = view.nbytes
         else:
             self._write_all(view)
+
+    def _stage(self, view: memoryview) -> None:
+        """Direct mode: every byte goes through the staging buffer, which is written whole, so
+        every write starts at a multiple of its (page-aligned) size. numpy copies without the GIL."""
+        staging = numpy.frombuffer(self._buffer, dtype=numpy.uint8)
+        source = numpy.frombuffer(view, dtype=numpy.uint8)
+        taken = 0
+        while taken < view.nbytes:
+            count = min(len(staging) - self._buffered, view.nbytes - taken)
+            staging[self._buffered : self._buffered + count] = source[taken : taken + count]
+            self._buffered += count
+            taken += count
+            if self._buffered == len(staging):
+                self._flush()
+
+    def _end_direct(self) -> None:
+        """Back to cached writes for what is not a whole staging buffer: the tail and header patches."""
+        if self._direct:
+            _set_direct(self._fd, False)
+            self._direct = False
 
     def _flush(self) -> None:
         if self._buffered:
@@ -124,9 +185,13 @@ class _FileWriter:
             try:
                 count = os.write(self._fd, view)
             except OSError as error:
+                if error.errno == errno.EINVAL and self._direct:  # the filesystem took O_DIRECT's flag but not its writes
+                    self._end_direct()
+                    continue
                 raise OSError(error.errno, error.strerror, str(self.path)) from None
             view = view[count:]
             self._written += count
+            self.direct_bytes += count if self._direct else 0
         self.write_seconds += time.perf_counter() - started
         if self._write_behind and self._written - self._flushed >= WRITE_BEHIND_BYTES:
             os.posix_fadvise(self._fd, self._flushed, self._written - self._flushed, os.POSIX_FADV_DONTNEED)
@@ -134,6 +199,7 @@ class _FileWriter:
 
     def patch(self, offset: int, data: bytes) -> None:
         """Overwrite bytes already written (the crc32 digits of a rank file's header)."""
+        self._end_direct()
         if offset + len(data) <= self._written:
             if os.pwrite(self._fd, data, offset) != len(data):
                 raise OSError(f"{self.path}: short write while patching the header")
@@ -147,6 +213,7 @@ class _FileWriter:
         if self._fd < 0:
             return self.size
         try:
+            self._end_direct()
             self._flush()
             if self._written != self.size:
                 raise ValueError(f"{self.path}: wrote {self._written} bytes, the header announced {self.size}")
@@ -155,15 +222,19 @@ class _FileWriter:
                 os.fsync(self._fd)
                 self.fsync_seconds += time.perf_counter() - started
         finally:
-            fd, self._fd = self._fd, -1
-            os.close(fd)
+            self._release()
         return self.size
 
     def abort(self) -> None:
+        self._release()
+        self.path.unlink(missing_ok=True)
+
+    def _release(self) -> None:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
-        self.path.unlink(missing_ok=True)
+        if isinstance(self._buffer, mmap.mmap):
+            self._buffer.close()
 
     def __enter__(self):
         return self
@@ -191,21 +262,21 @@ class StreamingWriter(_FileWriter):
         entries: list[tuple[str, str, tuple[int, ...]]],
         *,
         metadata: dict[str, str] | None = None,
-        write_behind: bool = False,
+        cache: CacheMode = CacheMode.CACHED,
         sync: bool = True,
     ):
         header, self.order = layout_header(entries, metadata)
-        self._open(path, header, len(header) + sum(info.nbytes for _, info in self.order), write_behind=write_behind, sync=sync)
+        self._open(path, header, len(header) + sum(info.nbytes for _, info in self.order), cache=cache, sync=sync)
 
 
 class RankFileWriter(_FileWriter):
     """Write one v2 rank file laid out by `layout`: each fragment's bytes in data order, then
     `end_fragment(crc32)`."""
 
-    def __init__(self, path: str | Path, layout: FileLayout, *, write_behind: bool = False, sync: bool = True):
+    def __init__(self, path: str | Path, layout: FileLayout, *, cache: CacheMode = CacheMode.CACHED, sync: bool = True):
         self.layout = layout
         self._crcs: list[int] = []
-        self._open(path, layout.header, layout.size, write_behind=write_behind, sync=sync)
+        self._open(path, layout.header, layout.size, cache=cache, sync=sync)
 
     def end_fragment(self, crc32: int) -> None:
         index = len(self._crcs)

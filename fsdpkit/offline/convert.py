@@ -48,7 +48,7 @@ from ..checkpoint.manifest import resharded_training_state
 from ..checkpoint.placement import Placement
 from ..checkpoint.reader import FullCheckpoint, open_full, open_sharded
 from ..checkpoint.storage import staged_output
-from ..checkpoint.writer import StreamingWriter, write_sharded
+from ..checkpoint.writer import CacheMode, StreamingWriter, write_sharded
 from ..dtypes import dtype_info
 from ..errors import DataCheckError, UsageError
 from ..layout import ElementRange
@@ -162,7 +162,7 @@ def _full_files(outputs, layout: ExportLayout, *, cast_to: str | None, max_shard
 
 
 def _write_full_file(path: Path, group, by_name: dict[str, tuple[SourceTensor, bool]], copier: ByteEngine, metadata: dict) -> None:
-    with StreamingWriter(path, group, metadata=metadata, write_behind=True, sync=False) as writer:  # staged_output syncs
+    with StreamingWriter(path, group, metadata=metadata, cache=CacheMode.WRITE_BEHIND, sync=False) as writer:  # staged_output syncs
         for name, info in writer.order:
             source, flip = by_name[name]
             if flip:

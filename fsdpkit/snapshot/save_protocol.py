@@ -30,7 +30,7 @@ from ..checkpoint import storage
 from ..checkpoint.crc import crc32
 from ..checkpoint.format import rank_file_name
 from ..checkpoint.manifest import Manifest
-from ..checkpoint.writer import RankFileWriter
+from ..checkpoint.writer import CacheMode, RankFileWriter
 from ..comm import Collectives
 from ..engine.view import ShardedModelView
 from ..errors import RunError
@@ -152,7 +152,7 @@ def write_rank(
     timings = timings if timings is not None else SaveTimings()
     layout = manifest.layout().file_layout(rank)
     path = directory / rank_file_name(rank, manifest.shard_factor)
-    with RankFileWriter(path, layout) as writer:
+    with RankFileWriter(path, layout, cache=CacheMode.DIRECT) as writer:
         for fragment in layout.fragments:
             name = manifest.tensors[fragment.tensor].name
             held, data = local[name]
