@@ -334,8 +334,8 @@ def _run_steps(trainer: Trainer, stop: StopSignals, outputs: _Outputs, throughpu
             outputs.progress_log.stepped(trainer.step, loss, eval_loss=record.get("eval_loss"), metrics_offset=offset)
         outputs.progress.update(trainer.step, loss=loss, tokens_per_second=throughput.tokens_per_second)
         faults.reached("step", trainer.step)
-        if trainer.checkpointer and saving and trainer.step % saving == 0:
-            trainer.save()
+        if trainer.checkpointer and saving and trainer.step % saving == 0 and trainer.step < config.steps:
+            trainer.save()  # the save after the last step is _train's
     return losses, eval_losses
 
 
@@ -350,7 +350,8 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSum
         losses, eval_losses = _run_steps(trainer, stop, outputs, throughput)
         if trainer.checkpointer:
             stall = trainer.checkpointer.stall_seconds  # the save after the last step, and waiting for it, hold up no step
-            if not (saving and trainer.step % saving == 0 and losses):
+            saved_at_stop = saving and trainer.step % saving == 0 and trainer.step < config.steps and losses
+            if not saved_at_stop:
                 trainer.save()
             trainer.checkpointer.wait()
     finally:
