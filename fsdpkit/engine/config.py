@@ -115,7 +115,7 @@ class ShardingConfig:
     activation_checkpointing: bool = False
     allgather_dtype: GatherDtype = GatherDtype.COMPUTE
     quant_block: int = 256
-    bucket_bytes: int = 0
+    bucket_bytes: int = 1024 * 1024
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backward_prefetch", parse_enum(BackwardPrefetch, self.backward_prefetch, "backward prefetch"))
