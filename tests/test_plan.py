@@ -15,6 +15,7 @@ from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 import fsdpkit
+from fsdpkit.engine.config import ShardingConfig
 from fsdpkit.engine.step_policy import StepPolicy
 from fsdpkit.errors import UsageError
 from fsdpkit.memory_plan import PlanRequest, plan_memory
@@ -195,6 +196,18 @@ def test_cli_table_and_json():
     parts = document["bytes"]
     assert parts["host_total"] == parts["sharded_params"] + parts["sharded_grads"] + parts["optimizer_state"]
     assert parts["device_total"] == parts["peak_unsharded"] and parts["total"] == parts["host_total"] + parts["device_total"]
+
+
+def test_gpt_tiny_blocks_share_one_unit_by_default_and_get_one_each_with_bucket_bytes_0():
+    # each block is 49984 x 4 bytes, under the default bucket: both go into one unit
+    default = json.loads(_invoke(["--model", "gpt-tiny", "--world-size", "2", "--json"]).stdout)
+    assert default["bucket_bytes"] == ShardingConfig().bucket_bytes > 2 * GPT_BLOCK * 4
+    assert default["units"] == 2 and default["largest_unit"] == "h.0+h.1"
+    assert default["bytes"]["largest_unit_unsharded"] == 2 * GPT_BLOCK * 4
+    per_block = json.loads(_invoke(["--model", "gpt-tiny", "--world-size", "2", "--bucket-bytes", "0", "--json"]).stdout)
+    assert per_block["bucket_bytes"] == 0 and per_block["units"] == 3 and per_block["largest_unit"] in ("h.0", "h.1")
+    assert per_block["bytes"]["largest_unit_unsharded"] == GPT_BLOCK * 4
+    assert per_block["bytes"]["sharded_params"] == default["bytes"]["sharded_params"]  # no padding either way
 
 
 @pytest.mark.parametrize(
