@@ -46,6 +46,7 @@ from engine_systems import ENGINE_KINDS, SYSTEMS, RunSettings, build_system, glo
 from step_breakdown import CATEGORIES, DEFINITION, Breakdown, profile_breakdown  # noqa: E402
 from tensor_memory import peak_training_bytes  # noqa: E402
 
+from fsdpkit.engine.config import ShardingConfig  # noqa: E402
 from fsdpkit.launch import LaunchOptions, launch  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402
 
@@ -360,11 +361,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backward-prefetch", default="pre", choices=("pre", "post", "none"))
     parser.add_argument("--forward-prefetch", action="store_true")
     parser.add_argument("--limit-all-gathers", type=int, default=2)
-    parser.add_argument("--bucket-bytes", type=int, default=0, help="fsdpkit: merge consecutive units smaller than this")
+    parser.add_argument(
+        "--bucket-bytes",
+        type=int,
+        default=ShardingConfig().bucket_bytes,
+        help=f"fsdpkit: merge consecutive units smaller than this (default {ShardingConfig().bucket_bytes}, the engine's; 0: none)",
+    )
     parser.add_argument(
         "--bucket-sweep",
         default="",
-        help="fsdpkit only: one column per --bucket-bytes value, e.g. 0,1048576,4194304 (ratios: first / each)",
+        help="fsdpkit only: one column per --bucket-bytes value, e.g. 0,1048576,4194304 (0: unbucketed; ratios: first / each)",
     )
     parser.add_argument("--ablation", action="store_true", help="fsdpkit only: prefetch and limiter on/off side by side")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU peak for MFU (989: H100/H200 bf16 dense)")

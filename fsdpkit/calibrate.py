@@ -170,7 +170,7 @@ class ModelRun:
 
     def __init__(self, request: PlanRequest, spec: str) -> None:
         from .engine.api import shard
-        from .engine.plan import plan_units
+        from .engine.plan import bucket_units, plan_units
         from .flops import unit_work
         from .models.source import resolve
         from .time_plan import OPTIMIZER_TRAFFIC
@@ -182,11 +182,14 @@ class ModelRun:
         torch.manual_seed(0)
         model = self.source.build(device="cpu", seed=0)
         policy = wrap_policy(request.config.model, self.source, model)
-        self.plans = plan_units(self.source.build(device="meta", seed=0), policy)
+        # the calibration models measure one unit per block (their point is the cost per unit)
+        sharding = request.sharding if spec == request.model else replace(request.sharding, bucket_bytes=0)
+        meta = self.source.build(device="meta", seed=0)
+        self.plans = bucket_units(meta, plan_units(meta, policy), sharding.bucket_bytes)  # the engine's units
         self.work = unit_work(self.source, self.plans, 1, self.seq_len)
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.optimizer_bytes = self.numel * OPTIMIZER_TRAFFIC[Optimizer.ADAMW]
-        self.model = shard(model, request.sharding, wrap=policy, device="cpu")
+        self.model = shard(model, sharding, wrap=policy, device="cpu")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def step(self, batch: int) -> tuple[float, float]:

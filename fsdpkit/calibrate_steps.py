@@ -93,14 +93,20 @@ def fit_waiting_share(steps: Sequence[SharedStep], share: float) -> float:
 
 
 def _on_ranks(request: PlanRequest, ranks: int, *, model: str | None = None) -> PlanRequest:
-    """`request` with one micro-batch of as many sequences per rank, on `ranks` ranks."""
+    """`request` with one micro-batch of as many sequences per rank, on `ranks` ranks; with
+    `model`, that model instead, one unit per block (no bucketing: its point is many units),
+    in the engine's run and in the prediction alike."""
     from .time_plan import micro_batch
 
     config, data = request.config, request.config.data
     per_rank = micro_batch(request)
     config = replace(config, data=replace(data, global_batch_size=per_rank * ranks, grad_accum=1))
     if model is not None:
-        config = replace(config, model=replace(config.model, name=model, wrap=(), wrap_min_params=None, wrap_every=1))
+        config = replace(
+            config,
+            model=replace(config.model, name=model, wrap=(), wrap_min_params=None, wrap_every=1),
+            sharding=replace(config.sharding, bucket_bytes=0),
+        )
     return PlanRequest(config, ranks)
 
 

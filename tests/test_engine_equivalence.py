@@ -49,7 +49,7 @@ def edge_case_worker(steps: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = EdgeCaseNet()
-    sharded = fsdpkit.shard(copy.deepcopy(reference))
+    sharded = fsdpkit.shard(copy.deepcopy(reference), bucket_bytes=0)  # one unit per module: the one-element unit stays unmerged
     out: dict = {
         "names": [n for n, _ in sharded.named_parameters()] == [n for n, _ in reference.named_parameters()],
         "keys": list(sharded.state_dict()) == list(reference.state_dict()),
@@ -91,12 +91,18 @@ def edge_case_worker(steps: int) -> dict:
     return out
 
 
-def gpt_worker(steps: int) -> dict:
+def gpt_worker(steps: int) -> dict[str, dict]:
+    """The GPT trained with one unit per block, and with the default bucket (its blocks, a few
+    KB each, are far under it), each beside its own reference."""
+    return {"per_block": _gpt_run(steps, bucket_bytes=0), "default": _gpt_run(steps)}
+
+
+def _gpt_run(steps: int, **options) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=18)
     reference = GPT(config)
-    sharded = fsdpkit.shard(copy.deepcopy(reference), wrap=(Block,))
+    sharded = fsdpkit.shard(copy.deepcopy(reference), wrap=(Block,), **options)
     out = {"unit_names": [unit.name for unit in get_state(sharded).units], "names": [n for n, _ in sharded.named_parameters()]}
     ref_opt = torch.optim.AdamW(fsdpkit.param_groups(reference, weight_decay=0.1), lr=3e-3)
     opt = torch.optim.AdamW(fsdpkit.param_groups(sharded, weight_decay=0.1), lr=3e-3)
@@ -156,9 +162,20 @@ def test_edge_cases_match_reference(world_results):
 
 
 def test_gpt_with_tied_weights_matches_reference(world_results):
-    world, _, gpt = world_results
-    result = gpt[0]
+    _, _, gpt = world_results
+    result = gpt[0]["per_block"]
     assert result["unit_names"] == ["", "h.0", "h.1"]
+    _assert_gpt_matches_reference(result)
+
+
+def test_gpt_by_default_merges_its_small_blocks_and_matches_reference(world_results):
+    _, _, gpt = world_results
+    result = gpt[0]["default"]
+    assert result["unit_names"] == ["", "h.0+h.1"]  # both blocks in one bucket, the root never merged
+    _assert_gpt_matches_reference(result)
+
+
+def _assert_gpt_matches_reference(result: dict) -> None:
     assert "lm_head.weight" not in result["names"] and "wte.weight" in result["names"]
     assert max(result["grad_errors"].values()) < TOL, result["grad_errors"]
     for ref_loss, loss in result["losses"]:

@@ -315,7 +315,7 @@ def prefetch_checks() -> dict[str, PrefetchRun]:
     }
     for label, kwargs in settings.items():
         torch.manual_seed(0)
-        model = fsdpkit.shard(GPT(CONFIG), wrap=(Block,), record_events=True, **kwargs)
+        model = fsdpkit.shard(GPT(CONFIG), wrap=(Block,), record_events=True, bucket_bytes=0, **kwargs)  # one unit per block
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for step in range(3):
             fsdpkit.recorded_events(model).clear()
@@ -373,7 +373,8 @@ def recovery_checks() -> RecoveryResult:
     """A backward that raises half-way (an OOM, say) must leave the model trainable."""
     torch.manual_seed(0)
     reference = GPT(CONFIG)
-    sharded = fsdpkit.shard(copy.deepcopy(reference), wrap=(Block,))
+    # one unit per block, so that h.1 and h.2 have reduced when h.0's backward raises
+    sharded = fsdpkit.shard(copy.deepcopy(reference), wrap=(Block,), bucket_bytes=0)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3)
     opt = torch.optim.AdamW(sharded.parameters(), lr=3e-3)
 
@@ -445,7 +446,7 @@ def frozen_units_memory() -> FrozenPeaks:
         model = GPT(CONFIG)
         for name, param in model.named_parameters():
             param.requires_grad_(not (frozen and name.startswith("h.")))
-        model = fsdpkit.shard(model, wrap=(Block,))
+        model = fsdpkit.shard(model, wrap=(Block,), bucket_bytes=0)  # one unit per block
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         _loss(model, _local(_tokens(0))).backward()
         opt.step()
@@ -463,9 +464,11 @@ PAIRS = {  # each trains a sharded GPT beside an unsharded one
     "accumulate_with_comm": lambda: _train_pair(2, micro=2),
     "no_sync": lambda: _train_pair(2, micro=2, no_sync=True),
     "nested_units": lambda: _train_pair(
-        2, wrap=lambda name, module: isinstance(module, (Block, nn.Linear)) and "mlp" in name or isinstance(module, Block)
+        2,
+        wrap=lambda name, module: isinstance(module, (Block, nn.Linear)) and "mlp" in name or isinstance(module, Block),
+        bucket_bytes=0,  # the unit counts are the policy's, unmerged
     ),
-    "two_blocks_per_unit": lambda: _train_pair(2, wrap=fsdpkit.WrapPolicy(module_classes=(Block,), every=2)),
+    "two_blocks_per_unit": lambda: _train_pair(2, wrap=fsdpkit.WrapPolicy(module_classes=(Block,), every=2), bucket_bytes=0),
 }
 
 

@@ -167,7 +167,8 @@ def _variants(world_size: int) -> list[dict]:
         variants.append({"strategy": "full", **int8, "mixed_precision": "bf16", "activation_checkpointing": True})
     if world_size == 4:
         variants.append({"strategy": "hybrid", "shard_group_size": 2, **int8})
-    return variants
+    # one unit per block unless the variant buckets (the default bucket would merge the blocks)
+    return [{"bucket_bytes": 0, **options} for options in variants]
 
 
 def _planned_step_bytes(options: dict, world_size: int) -> dict[str, int]:
@@ -191,7 +192,7 @@ def test_int8_training_equals_a_reference_that_quantizes_its_weights(world_size)
     for index, options in enumerate(variants):
         result = results[index]
         block = options.get("quant_block") if options.get("allgather_dtype") == "int8" else None
-        key = (result["factor"], block, options.get("bucket_bytes", 0))
+        key = (result["factor"], block, options["bucket_bytes"])
         if key not in references:
             references[key] = quantized_reference_run(*key)
         reference = references[key]
@@ -203,7 +204,7 @@ def test_int8_training_equals_a_reference_that_quantizes_its_weights(world_size)
             assert error < tolerance, (options, name, error)
         assert result["gathered"] == result["expected_bytes"], options
         assert result["step_bytes"] == _planned_step_bytes(options, world_size), options
-        assert result["units"] == (2 if options.get("bucket_bytes") else 3), options
+        assert result["units"] == (2 if options["bucket_bytes"] else 3), options
 
 
 def test_bucketing_merges_consecutive_small_units_but_never_the_root_or_nested_ones():
@@ -222,7 +223,7 @@ def test_plan_counts_int8_and_bucketed_bytes():
     def planned(**sharding):
         return plan_memory(PlanRequest(TrainConfig.from_values({"model": {"name": "gpt-tiny"}, "sharding": sharding}), 2))
 
-    plain, int8 = planned(), planned(allgather_dtype="int8")
+    plain, int8 = planned(bucket_bytes=0), planned(allgather_dtype="int8", bucket_bytes=0)
     assert plain.comm_per_step is not None and int8.comm_per_step is not None
     assert int8.comm_per_step.reduce_scatter == plain.comm_per_step.reduce_scatter
     assert 0.25 < int8.comm_per_step.all_gather / plain.comm_per_step.all_gather < 0.27

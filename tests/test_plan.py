@@ -15,6 +15,7 @@ from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 import fsdpkit
+from fsdpkit.engine.config import ShardingConfig
 from fsdpkit.engine.step_policy import StepPolicy
 from fsdpkit.errors import UsageError
 from fsdpkit.memory_plan import PlanRequest, plan_memory
@@ -29,6 +30,9 @@ EDGE_TENSORS = 13
 # gpt-tiny: root wte 256x64 + wpe 128x64 + ln_f 2x64 = 24704 (4 tensors); each of 2 blocks
 # 49984 (12 tensors): 124672 elements, 28 tensors.
 GPT_ROOT, GPT_BLOCK, GPT_TENSORS = 24704, 49984, 28
+# The counts by hand are per block: one unit each, bucketing off (both models' blocks are
+# far under the default bucket, which would merge them).
+PER_BLOCK = {"bucket_bytes": 0}
 
 
 def _request(model: str, world_size: int, *, optimizer: str = "adamw", no_sync: bool = False, **sharding) -> PlanRequest:
@@ -49,17 +53,17 @@ def test_edge_case_model_by_hand_at_world_sizes_1_2_4():
     # W=1: nothing to gather (the full parameter is the shard) and reductions work in place:
     # in the root's backward, layers.0's and the root's gradients (57 + 62) are full, layers.2
     # and layers.1 (1 + 25) are already reduced.
-    one = _bytes(EDGE, 1)
+    one = _bytes(EDGE, 1, **PER_BLOCK)
     assert one["sharded_params"] == one["sharded_grads"] == 145 * 4
     assert one["optimizer_state"] == 2 * 145 * 4 + 4 * EDGE_TENSORS
     assert one["largest_unit_unsharded"] == 0 and one["peak_unsharded"] == (57 + 62 + 1 + 25) * 4
     assert one["total"] == 145 * 4 + one["optimizer_state"] + one["peak_unsharded"]
 
     # W=2: padded 62, 58, 26, 2 -> chunks 31, 29, 13, 1; rank 0 holds 74 real elements, rank 1 holds 71.
-    two = _bytes(EDGE, 2)
+    two = _bytes(EDGE, 2, **PER_BLOCK)
     assert two["sharded_params"] == two["sharded_grads"] == 74 * 4
     assert two["optimizer_state"] == 2 * 74 * 4 + 4 * EDGE_TENSORS
-    rank1 = plan_memory(_request(EDGE, 2), shard_rank=1)
+    rank1 = plan_memory(_request(EDGE, 2, **PER_BLOCK), shard_rank=1)
     assert rank1.optimizer_state == 2 * (31 + 28 + 12 + 0) * 4 + 4 * EDGE_TENSORS
     # Peak as the root's gradient arrives: root parameters (62), layers.0's and the root's full
     # gradients (58 + 62), the outputs of layers.2, layers.1 and layers.0 (1 + 13 + 29).
@@ -70,7 +74,7 @@ def test_edge_case_model_by_hand_at_world_sizes_1_2_4():
     # W=4: padded 64, 60, 28, 4 -> chunks 16, 15, 7, 1 (rank 0: all real). Peak as layers.0's
     # gradient arrives: root and layers.0 parameters, layers.1's and layers.0's full gradients,
     # the outputs of layers.2 and layers.1.
-    four = _bytes(EDGE, 4)
+    four = _bytes(EDGE, 4, **PER_BLOCK)
     assert four["sharded_params"] == (16 + 15 + 7 + 1) * 4
     assert four["optimizer_state"] == 2 * 39 * 4 + 4 * EDGE_TENSORS
     assert four["peak_unsharded"] == (64 + 60 + 28 + 60 + 1 + 7) * 4
@@ -81,7 +85,7 @@ def test_gpt_tiny_by_hand_at_world_sizes_1_2_4():
     total = GPT_ROOT + 2 * GPT_BLOCK
     assert plan_memory(_request("gpt-tiny", 1)).num_params == total
     for world in (1, 2, 4):
-        got = _bytes("gpt-tiny", world)
+        got = _bytes("gpt-tiny", world, **PER_BLOCK)
         shard = total // world  # every unit divides by 4: no padding
         assert got["sharded_params"] == got["sharded_grads"] == shard * 4, world
         assert got["optimizer_state"] == 2 * shard * 4 + 4 * GPT_TENSORS, world
@@ -94,42 +98,42 @@ def test_gpt_tiny_by_hand_at_world_sizes_1_2_4():
 
 
 def test_strategies_precision_offload_and_no_sync():
-    full4 = _bytes("gpt-tiny", 4)
+    full4 = _bytes("gpt-tiny", 4, **PER_BLOCK)
     # none = F 1 at any world size; hybrid shards like full over its group
-    assert _bytes("gpt-tiny", 4, strategy="none") == _bytes("gpt-tiny", 1)
-    hybrid = _bytes("gpt-tiny", 8, strategy="hybrid", shard_group_size=4)
+    assert _bytes("gpt-tiny", 4, strategy="none", **PER_BLOCK) == _bytes("gpt-tiny", 1, **PER_BLOCK)
+    hybrid = _bytes("gpt-tiny", 8, strategy="hybrid", shard_group_size=4, **PER_BLOCK)
     assert hybrid == full4
     # grad-op keeps every unit gathered from forward to its backward: the peak is h.1's
     # backward with everything gathered (with full, h.0 is there only as h.1's prefetch)
-    grad_op = plan_memory(_request("gpt-tiny", 4, strategy="grad-op")).peak
+    grad_op = plan_memory(_request("gpt-tiny", 4, strategy="grad-op", **PER_BLOCK)).peak
     assert grad_op.bytes == (GPT_ROOT + 3 * GPT_BLOCK + GPT_BLOCK // 4) * 4 and grad_op.params == ("", "h.0", "h.1")
     # no prefetch: h.0 is gathered only after h.1 is freed; h.0's gradient arriving while h.1's
     # still reduces (with its output) is the peak
-    no_prefetch = plan_memory(_request("gpt-tiny", 2, backward_prefetch="none")).peak
+    no_prefetch = plan_memory(_request("gpt-tiny", 2, backward_prefetch="none", **PER_BLOCK)).peak
     assert no_prefetch.bytes == (GPT_ROOT + 3 * GPT_BLOCK + GPT_BLOCK // 2) * 4 and no_prefetch.params == ("", "h.0")
     assert no_prefetch.grads == ("h.1", "h.0")
     # bf16: parameters, full gradients and the reduce-scatter output in flight take 2 bytes
-    bf16 = _bytes("gpt-tiny", 2, mixed_precision="bf16")
+    bf16 = _bytes("gpt-tiny", 2, mixed_precision="bf16", **PER_BLOCK)
     assert (
         bf16["peak_unsharded"] == (GPT_ROOT + 3 * GPT_BLOCK + GPT_BLOCK // 2) * 2 and bf16["sharded_params"] == full4["sharded_params"] * 2
     )
     # fp16 as h.0's gradient arrives: root and h.0 parameters (2 bytes), h.1's and h.0's
     # gradients in fp16 + fp32 (6 bytes), h.1's output (fp32)
     assert (
-        _bytes("gpt-tiny", 2, mixed_precision="fp16")["peak_unsharded"]
+        _bytes("gpt-tiny", 2, mixed_precision="fp16", **PER_BLOCK)["peak_unsharded"]
         == (GPT_ROOT + GPT_BLOCK) * 2 + 2 * GPT_BLOCK * 6 + GPT_BLOCK // 2 * 4
     )
     # sgd keeps no state; cpu offload moves the sharded state to the host
-    assert _bytes("gpt-tiny", 2, optimizer="sgd")["optimizer_state"] == 0
-    offload = _bytes("gpt-tiny", 2, cpu_offload=True)
-    plain = _bytes("gpt-tiny", 2)
+    assert _bytes("gpt-tiny", 2, optimizer="sgd", **PER_BLOCK)["optimizer_state"] == 0
+    offload = _bytes("gpt-tiny", 2, cpu_offload=True, **PER_BLOCK)
+    plain = _bytes("gpt-tiny", 2, **PER_BLOCK)
     # the device keeps what is in flight, less the sharded gradient outputs (host memory, counted there)
     assert offload["device_total"] == plain["peak_unsharded"] - GPT_BLOCK // 2 * 4
     assert offload["host_total"] == plain["sharded_params"] + plain["sharded_grads"] + plain["optimizer_state"]
     assert plain["host_total"] == 0
     # with offload, F = 1 no longer aliases: the device holds a gathered copy
-    assert _bytes("gpt-tiny", 1, cpu_offload=True)["largest_unit_unsharded"] == GPT_BLOCK * 4
-    no_sync = _bytes("gpt-tiny", 2, no_sync=True)
+    assert _bytes("gpt-tiny", 1, cpu_offload=True, **PER_BLOCK)["largest_unit_unsharded"] == GPT_BLOCK * 4
+    no_sync = _bytes("gpt-tiny", 2, no_sync=True, **PER_BLOCK)
     assert no_sync["no_sync_grads"] == (GPT_ROOT + 2 * GPT_BLOCK) * 4
     assert no_sync["total"] == plain["total"] + no_sync["no_sync_grads"]
 
@@ -169,7 +173,7 @@ def _invoke(args):
 
 
 def test_cli_table_and_json():
-    table = _invoke(["--model", "gpt-tiny", "--world-size", "2"])
+    table = _invoke(["--model", "gpt-tiny", "--world-size", "2", "--bucket-bytes", "0"])
     assert table.exit_code == 0, table.output
     for label in (
         "sharded parameters",
@@ -192,6 +196,18 @@ def test_cli_table_and_json():
     parts = document["bytes"]
     assert parts["host_total"] == parts["sharded_params"] + parts["sharded_grads"] + parts["optimizer_state"]
     assert parts["device_total"] == parts["peak_unsharded"] and parts["total"] == parts["host_total"] + parts["device_total"]
+
+
+def test_gpt_tiny_blocks_share_one_unit_by_default_and_get_one_each_with_bucket_bytes_0():
+    # each block is 49984 x 4 bytes, under the default bucket: both go into one unit
+    default = json.loads(_invoke(["--model", "gpt-tiny", "--world-size", "2", "--json"]).stdout)
+    assert default["bucket_bytes"] == ShardingConfig().bucket_bytes > 2 * GPT_BLOCK * 4
+    assert default["units"] == 2 and default["largest_unit"] == "h.0+h.1"
+    assert default["bytes"]["largest_unit_unsharded"] == 2 * GPT_BLOCK * 4
+    per_block = json.loads(_invoke(["--model", "gpt-tiny", "--world-size", "2", "--bucket-bytes", "0", "--json"]).stdout)
+    assert per_block["bucket_bytes"] == 0 and per_block["units"] == 3 and per_block["largest_unit"] in ("h.0", "h.1")
+    assert per_block["bytes"]["largest_unit_unsharded"] == GPT_BLOCK * 4
+    assert per_block["bytes"]["sharded_params"] == default["bytes"]["sharded_params"]  # no padding either way
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,8 @@ def _hardware_by_hand(name: str, *, ranks_per_node: int, bus_gbs: float) -> Hard
 
 
 def test_without_communication_the_step_is_the_compute_time():
-    request = _request(4, {"sharding": {"strategy": "full"}, "data": {"grad_accum": 2}})
+    # one unit per block (bucketing off): the overhead below counts 3 units by hand
+    request = _request(4, {"sharding": {"strategy": "full", "bucket_bytes": 0}, "data": {"grad_accum": 2}})
     costs = model_costs(request)
     free = _hardware_by_hand("free network", ranks_per_node=4, bus_gbs=1e15)
     time = predict(request, free, costs).time
@@ -266,6 +267,26 @@ def test_calibration_fits_the_waiting_share_over_several_measured_steps():
     # a step faster than any share allows fits 0, one slower than the whole step shared 1
     assert fit_waiting_share([dataclasses.replace(p, measured_s=0.5) for p in parts], 2.0) == 0.0
     assert fit_waiting_share([dataclasses.replace(p, measured_s=5.0) for p in parts], 2.0) == 1.0
+
+
+def test_calibration_models_run_one_unit_per_block_and_the_fit_charges_the_engines_units():
+    """The many-unit model is measured and predicted with one unit per block whatever the
+    bucket; `--model` runs with its own, and the fit counts the units the engine made."""
+    from fsdpkit.calibrate import ModelRun
+    from fsdpkit.calibrate_steps import LATENCY_MODEL, _on_ranks
+    from fsdpkit.engine.sharded import get_state
+
+    request = _request(2, {"sharding": {"strategy": "full"}})  # gpt-tiny, the default bucket
+    run = _on_ranks(request, 2, model=LATENCY_MODEL)
+    assert run.sharding.bucket_bytes == 0 and len(model_costs(run).plans) == 17  # the root and 16 blocks
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        narrow, tiny = ModelRun(request, LATENCY_MODEL), ModelRun(request, request.model)
+        narrow_units, tiny_units = ([unit.name for unit in get_state(r.model).units] for r in (narrow, tiny))
+    finally:
+        dist.destroy_process_group()
+    assert narrow_units == [plan.name for plan in narrow.plans] and len(narrow_units) == 17
+    assert tiny_units == [plan.name for plan in tiny.plans] == ["", "h.0+h.1"]
 
 
 def test_calibration_fit_recovers_known_coefficients():

@@ -292,7 +292,8 @@ SHARDING_SETTINGS = (
     _engine_setting(
         "bucket_bytes",
         int,
-        "Consecutive units smaller than this many bytes (master dtype) are gathered and reduced together, as one unit (0: never).",
+        "Consecutive units each smaller than this many bytes (master dtype) are gathered and reduced together, as one unit "
+        "of up to this size: fewer collectives for small blocks (0: never; one unit per wrapped module).",
         "Communication",
     ),
 )
