@@ -93,7 +93,7 @@ class StepSample:
 
     flops: float  # forward + backward
     memory_s: float  # the other operators' bytes at the memory bandwidth
-    unit_passes: int  # units x 2 (a forward and a backward each)
+    unit_passes: int  # wrapped modules x 2 (a forward and a backward each)
     param_bytes: float  # the unsharded parameters x 2 passes
     forward_backward_s: float
     tensors: int  # parameter tensors the optimizer steps over
@@ -208,7 +208,7 @@ class ModelRun:
         return StepSample(
             flops=float(batch * sum(w.forward_flops + w.backward_flops for w in work)),
             memory_s=batch * sum(w.forward_bytes + w.backward_bytes for w in work) / bytes_per_second,
-            unit_passes=2 * len(self.plans),
+            unit_passes=2 * sum(len(plan.members) for plan in self.plans),
             param_bytes=2.0 * self.numel * 4,
             forward_backward_s=statistics.median(t[0] for t in timings),
             tensors=sum(param.requires_grad for plan in self.plans for param in plan.params),

@@ -26,7 +26,7 @@ class Hardware:
     source: str  # where the numbers come from
     peak_tflops: dict[str, float]  # dense peak per compute dtype (fp32, bf16, fp16)
     efficiency: float  # the fraction of peak the model's matrix products achieve
-    unit_overhead_s: float  # fixed time per unit per forward or backward (hooks, launches, small ops)
+    unit_overhead_s: float  # fixed time per wrapped module per forward or backward (hooks, launches, small ops)
     memory_gb: float  # device memory
     memory_bw_gbs: float  # device memory bandwidth (the optimizer step is bound by it)
     ranks_per_node: int

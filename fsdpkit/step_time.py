@@ -69,6 +69,7 @@ class UnitCost:
     traffic: UnitTraffic
     param_bytes: int  # the unsharded parameters in the compute dtype
     shard_bytes: int  # the rank's chunk in the master dtype (copied to and from the host under offload)
+    members: int = 1  # wrapped modules in the unit (several when small ones are bucketed): each has its hooks
 
 
 @dataclass(frozen=True)
@@ -151,12 +152,13 @@ class _Streams:
         self.compute = max(self.compute, until)
 
 
-def _pass_seconds(flops: float, moved: float, ops: float, param_bytes: float, setup: StepSetup) -> float:
-    """One forward or backward of a unit (`param_bytes`: its parameters, once per pass it makes)."""
+def _pass_seconds(flops: float, moved: float, ops: float, param_bytes: float, members: int, setup: StepSetup) -> float:
+    """One forward or backward of a unit (`param_bytes`: its parameters, once per pass it makes;
+    `members`: its wrapped modules, each paying the fixed overhead of a module with hooks)."""
     hardware = setup.hardware
     moved += hardware.param_passes * param_bytes
     seconds = flops / (hardware.peak_flops(setup.compute_dtype) * hardware.efficiency) + moved / (hardware.memory_bw_gbs * 1e9)
-    return seconds + hardware.unit_overhead_s + ops * hardware.op_overhead_s
+    return seconds + members * hardware.unit_overhead_s + ops * hardware.op_overhead_s
 
 
 def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup, *, reduce: bool) -> None:
@@ -180,7 +182,7 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
         elif event.op is Op.RESHARD:
             in_flight = [name for name in in_flight if name != event.unit]
         elif event.op is Op.FORWARD and unit is not None:
-            streams.run(_pass_seconds(unit.forward_flops, unit.forward_bytes, unit.forward_ops, unit.param_bytes, setup))
+            streams.run(_pass_seconds(unit.forward_flops, unit.forward_bytes, unit.forward_ops, unit.param_bytes, unit.members, setup))
         elif event.op is Op.BACKWARD and unit is not None:
             again, flops = setup.recomputes.of_forward(unit.forward_flops, unit.forward_attention_flops)
             streams.run(
@@ -189,6 +191,7 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
                     unit.backward_bytes + again * unit.forward_bytes,
                     unit.backward_ops + again * unit.forward_ops,
                     (1 + again) * unit.param_bytes,
+                    unit.members,
                     setup,
                 )
             )

@@ -126,8 +126,9 @@ def predict(
             traffic=sharded_unit_traffic(size.padded_numel, size.chunk_numel, size.trainable, sharding, world, costs.master_bytes),
             param_bytes=size.padded_numel * compute_bytes,
             shard_bytes=size.chunk_numel * size.master_bytes,
+            members=len(plan.members),
         )
-        for size, work in zip(sizes, costs.work_per_sequence, strict=True)
+        for size, work, plan in zip(sizes, costs.work_per_sequence, costs.plans, strict=True)
     ]
     precision = precision_names(mixed)[0]
     setup = StepSetup(

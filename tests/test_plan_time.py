@@ -142,9 +142,12 @@ def _hardware_by_hand(name: str, *, ranks_per_node: int, bus_gbs: float) -> Hard
     )
 
 
-def test_without_communication_the_step_is_the_compute_time():
-    # one unit per block (bucketing off): the overhead below counts 3 units by hand
-    request = _request(4, {"sharding": {"strategy": "full", "bucket_bytes": 0}, "data": {"grad_accum": 2}})
+@pytest.mark.parametrize("bucket_bytes", [0, 1 << 20])
+def test_without_communication_the_step_is_the_compute_time(bucket_bytes):
+    # one unit per block, or (the default bucket) the two blocks merged into one unit: the
+    # overhead is per wrapped module either way, 3 of them
+    request = _request(4, {"sharding": {"strategy": "full", "bucket_bytes": bucket_bytes}, "data": {"grad_accum": 2}})
+    assert len(model_costs(request).plans) == (3 if bucket_bytes == 0 else 2)
     costs = model_costs(request)
     free = _hardware_by_hand("free network", ranks_per_node=4, bus_gbs=1e15)
     time = predict(request, free, costs).time
@@ -160,7 +163,7 @@ def test_without_communication_the_step_is_the_compute_time():
     flops = 2 * (counter.get_total_flops() + 2 * 2 * 4 * 16 * 16 * 16)
     assert time.flops == flops
     # every pass at 1 TFLOP/s and 3 GB/s for the bytes the other operators move, plus the
-    # overhead (2 passes x 3 units x 2 micro-batches); AdamW's 28 bytes per element of the
+    # overhead (2 passes x 3 wrapped modules x 2 micro-batches); AdamW's 28 bytes per element of the
     # rank's quarter of the parameters at 3 GB/s
     moved = 2 * sum(work.forward_bytes + work.backward_bytes for work in costs.work_per_sequence)
     expected = flops / 1e12 + moved / 3e9 + 2 * 3 * 2 * 1e-4 + 124672 // 4 * 28 / 3e9
