@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -372,3 +373,24 @@ def test_direct_writes_equal_cached_writes_and_bypass_the_cache(tmp_path):
         supported = False
     whole_buffers = (layout.size // DIRECT_BUFFER_BYTES) * DIRECT_BUFFER_BYTES
     assert written[CacheMode.DIRECT][1] == (whole_buffers if supported else 0)
+
+
+def test_a_failed_direct_write_raises_its_own_error_and_leaves_no_file(tmp_path, monkeypatch):
+    """A disk that fills up while a rank file is written past the page cache: the OSError
+    names the file, and the partial file is removed."""
+    tensors = {"w": torch.randn(6_000_000)}
+    layout = make_manifest(tensors, world_size=1).layout().file_layout(0)
+    real_write, calls = os.write, []
+
+    def write_until_full(fd, data):
+        calls.append(len(data))
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write_until_full)
+    path = tmp_path / "rank.safetensors"
+    with pytest.raises(OSError, match="No space left on device") as failure:
+        with RankFileWriter(path, layout, cache=CacheMode.DIRECT) as writer:
+            writer.write(raw_bytes(tensors["w"]))
+    assert failure.value.filename == str(path) and not path.exists()

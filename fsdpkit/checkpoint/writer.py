@@ -34,6 +34,7 @@ byte engine (`bytecopy.ByteEngine.write_rank_file`; many files by several proces
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -234,7 +235,8 @@ class _FileWriter:
             fd, self._fd = self._fd, -1
             os.close(fd)
         if isinstance(self._buffer, mmap.mmap):
-            self._buffer.close()
+            with contextlib.suppress(BufferError):  # views of it in a traceback's frames: unmapped when they go
+                self._buffer.close()
 
     def __enter__(self):
         return self
