@@ -125,23 +125,31 @@ class _FileWriter:
         self.path, self.size, self.sync = Path(path), size, sync
         self._written = 0
         self._flushed = 0  # bytes whose writeback was started (WRITE_BEHIND)
-        self._write_behind = cache is CacheMode.WRITE_BEHIND and hasattr(os, "posix_fadvise")
         self._buffered = 0
         self.write_seconds = 0.0
         self.fsync_seconds = 0.0
         self.direct_bytes = 0  # written with O_DIRECT, past the page cache
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self._fd = os.open(self.path, flags, 0o644)
-        self._direct = cache is CacheMode.DIRECT and size >= DIRECT_MIN_BYTES and _set_direct(self._fd, True)
-        self._buffer: bytearray | mmap.mmap = mmap.mmap(-1, DIRECT_BUFFER_BYTES) if self._direct else bytearray(min(BUFFER_BYTES, size))
+        self._mode = self._mode_here(cache, size)
+        direct = self._mode is CacheMode.DIRECT
+        self._buffer: bytearray | mmap.mmap = mmap.mmap(-1, DIRECT_BUFFER_BYTES) if direct else bytearray(min(BUFFER_BYTES, size))
         self.write(header)
+
+    def _mode_here(self, cache: CacheMode, size: int) -> CacheMode:
+        """`cache`, or CACHED where this file or system cannot have it."""
+        if cache is CacheMode.WRITE_BEHIND and not hasattr(os, "posix_fadvise"):
+            return CacheMode.CACHED
+        if cache is CacheMode.DIRECT and not (size >= DIRECT_MIN_BYTES and _set_direct(self._fd, True)):
+            return CacheMode.CACHED
+        return cache
 
     def write(self, data) -> None:
         """Append bytes (anything exposing the buffer protocol)."""
         view = data if isinstance(data, memoryview) and data.format == "B" and data.ndim == 1 else memoryview(data).cast("B")
         if self._written + self._buffered + view.nbytes > self.size:
             raise ValueError(f"{self.path}: writing past the {self.size} bytes the header announced")
-        if self._direct:
+        if self._mode is CacheMode.DIRECT:
             self._stage(view)
             return
         if self._buffered + view.nbytes <= len(self._buffer):
@@ -171,9 +179,9 @@ class _FileWriter:
 
     def _end_direct(self) -> None:
         """Back to cached writes for what is not a whole staging buffer: the tail and header patches."""
-        if self._direct:
+        if self._mode is CacheMode.DIRECT:
             _set_direct(self._fd, False)
-            self._direct = False
+            self._mode = CacheMode.CACHED
 
     def _flush(self) -> None:
         if self._buffered:
@@ -186,15 +194,15 @@ class _FileWriter:
             try:
                 count = os.write(self._fd, view)
             except OSError as error:
-                if error.errno == errno.EINVAL and self._direct:  # the filesystem took O_DIRECT's flag but not its writes
+                if error.errno == errno.EINVAL and self._mode is CacheMode.DIRECT:  # the filesystem took O_DIRECT's flag but not its writes
                     self._end_direct()
                     continue
                 raise OSError(error.errno, error.strerror, str(self.path)) from None
             view = view[count:]
             self._written += count
-            self.direct_bytes += count if self._direct else 0
+            self.direct_bytes += count if self._mode is CacheMode.DIRECT else 0
         self.write_seconds += time.perf_counter() - started
-        if self._write_behind and self._written - self._flushed >= WRITE_BEHIND_BYTES:
+        if self._mode is CacheMode.WRITE_BEHIND and self._written - self._flushed >= WRITE_BEHIND_BYTES:
             os.posix_fadvise(self._fd, self._flushed, self._written - self._flushed, os.POSIX_FADV_DONTNEED)
             self._flushed = self._written
 
