@@ -2,11 +2,13 @@
 side by side the step time at 1, 2 and 4 ranks for gpt-small, hf:llama-bench and a model with
 many small units, under full and grad-op, with backward prefetch (pre) and without (none).
 
-Each world size is one launch, calibrated just before it; inside it the configurations take
-turns, one step each per round, so that load from other processes falls on all of them alike. Reported: the median step
-(max over ranks of each step) with its spread, the prediction, and their ratio.
+Each world size is one launch between two calibrations (the one after it is the next one's
+before); the prediction is the mean of the two profiles' predictions, which averages over the
+machine's drifting speed. Inside a launch the configurations take turns, one step each per
+round, so that load from other processes falls on all of them alike. Reported: the median step
+(max over ranks of each step) with its spread, the predictions, and their ratio.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_time.py [--rounds 5] [--hardware FILE.toml]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_time.py [--rounds 15] [--seconds 40] [--calibrate-seconds 10] [--hardware FILE.toml]
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,59 +56,189 @@ def request_for(model: str, strategy: str, prefetch: str, world: int, batch: int
     return PlanRequest(TrainConfig.from_values(values), world)
 
 
-def measure_worker(cases: list[tuple[str, str, str]], batch: int, seq_len: int, rounds: int) -> list[list[float]]:
+@dataclass
+class Timed:
+    """A step that `ranks` take once per round, and its times (each the slowest of those ranks)."""
+
+    ranks: tuple[int, ...]
+    group: Any  # their process group (None: every rank)
+    step: Callable[[], tuple[float, ...]] | None  # None on the ranks that do not take it
+    times: list[tuple[float, ...]] = field(default_factory=list)
+
+
+def measure_worker(cases: list[tuple[str, str, str]], batch: int, seq_len: int, rounds: int, seconds: float, calibrate: bool) -> dict:
+    """The configurations' steps and, with `calibrate`, the calibration's steps taking turns with
+    them in the same rounds: at least `rounds` (after one to warm up) and `seconds` of the
+    configurations' steps. While some ranks take a step, the others wait at a barrier."""
     dist.init_process_group("gloo")
     try:
-        return _measure(cases, batch, seq_len, rounds)
+        world = dist.get_world_size()
+        configs = [Timed(tuple(range(world)), None, config_step(case, batch, seq_len)) for case in cases]
+        calibration = Calibration.build(batch, seq_len) if calibrate else None
+        timed = (calibration.timed() if calibration else []) + configs
+        round_index = 0
+        while round_index <= rounds or sum(t[0] for c in configs for t in c.times) < seconds:  # the same on every rank
+            for item in timed:
+                dist.barrier()
+                if dist.get_rank() in item.ranks:
+                    assert item.step is not None
+                    elapsed = torch.tensor(item.step())
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=item.group)
+                    if round_index:
+                        item.times.append(tuple(elapsed.tolist()))
+            round_index += 1
+        return {"configs": [[t[0] for t in c.times] for c in configs], "calibration": calibration.result() if calibration else None}
     finally:
         dist.destroy_process_group()
 
 
-def _measure(cases: list[tuple[str, str, str]], batch: int, seq_len: int, rounds: int) -> list[list[float]]:
+def config_step(case: tuple[str, str, str], batch: int, seq_len: int) -> Callable[[], tuple[float, ...]]:
     import fsdpkit
     from fsdpkit.models.source import resolve
     from fsdpkit.train.model_setup import wrap_policy
 
-    world = dist.get_world_size()
-    runs = []
-    for model_name, strategy, prefetch in cases:
-        request = request_for(model_name, strategy, prefetch, world, batch, seq_len)
-        source = resolve(model_name)
-        torch.manual_seed(0)
-        model = source.build(device="cpu", seed=0)
-        model = fsdpkit.shard(model, request.sharding, wrap=wrap_policy(request.config.model, source, model), device="cpu")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        runs.append((source, model, optimizer))
-    times: list[list[float]] = [[] for _ in cases]
-    vocab = 256
-    for round_index in range(rounds + 1):  # the first round warms up
-        for index, (source, model, optimizer) in enumerate(runs):
-            tokens = torch.randint(0, vocab, (batch, seq_len + 1))
-            dist.barrier()
-            start = time.perf_counter()
-            logits = source.logits(model, tokens[:, :-1])
-            F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if round_index:
-                times[index].append(float(elapsed))
-    return times
+    model_name, strategy, prefetch = case
+    request = request_for(model_name, strategy, prefetch, dist.get_world_size(), batch, seq_len)
+    source = resolve(model_name)
+    torch.manual_seed(0)
+    model = source.build(device="cpu", seed=0)
+    model = fsdpkit.shard(model, request.sharding, wrap=wrap_policy(request.config.model, source, model), device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> tuple[float, ...]:
+        tokens = torch.randint(0, 256, (batch, seq_len + 1))
+        start = time.perf_counter()
+        logits = source.logits(model, tokens[:, :-1])
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return (time.perf_counter() - start,)
+
+    return step
+
+
+@dataclass
+class Calibration:
+    """What `plan --calibrate` (gpt-small, 2 ranks) times, in the same rounds as the configurations:
+    the probes and the compute steps on rank 0 alone; the latency model's step on ranks 0 and 1;
+    the shared-cores steps on every rank, where the launch has twice as many ranks as cores."""
+
+    probe: Any  # the Probes, on rank 0
+    probes: Timed
+    compute: list[tuple[Any, int, Timed]]  # (ModelRun on rank 0, batch, its step)
+    latency: list[Timed]
+    waiting: list[Timed]
+
+    @classmethod
+    def build(cls, batch: int, seq_len: int) -> Calibration:
+        from fsdpkit.calibrate import CALIBRATION_BATCHES, ModelRun, Probes, calibration_specs
+        from fsdpkit.calibrate_steps import latency_run, waiting_runs
+        from fsdpkit.time_plan import micro_batch
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        request = calibration_request(batch, seq_len)
+        alone = dist.new_group([0])
+        probe = Probes() if rank == 0 else None
+        probes = Timed((0,), alone, probe.time if probe else None)
+        compute = []
+        for spec in calibration_specs(request):
+            run = ModelRun(request, spec, group=alone) if rank == 0 else None
+            for size in CALIBRATION_BATCHES:
+                compute.append((run, size, Timed((0,), alone, (lambda run=run, size=size: run.step(size)) if run else None)))
+        steps: dict[str, list[Timed]] = {"latency": [], "waiting": []}
+        runs = [(latency_run(request, 2), "latency")] if world >= 2 else []
+        if world == 2 * len(os.sched_getaffinity(0)):
+            runs += [(run, "waiting") for run in waiting_runs(request, world)]
+        for run, kind in runs:
+            ranks = tuple(range(run.world_size))
+            group = dist.new_group(list(ranks)) if run.world_size < world else None
+            model = ModelRun(run, run.model, group=group) if rank in ranks else None
+            size = micro_batch(run)
+            steps[kind].append(Timed(ranks, group, (lambda model=model, size=size: (sum(model.step(size)),)) if model else None))
+        return cls(probe, probes, compute, steps["latency"], steps["waiting"])
+
+    def timed(self) -> list[Timed]:
+        return [self.probes, *(timed for _, _, timed in self.compute), *self.latency, *self.waiting]
+
+    def result(self) -> dict | None:
+        """On rank 0: measure_steps' (peak, memory bandwidth, samples), and the medians of the
+        latency and shared-cores steps."""
+        if dist.get_rank() != 0:
+            return None
+        peak, bandwidth = self.probe.rates(self.probes.times)
+        samples = [run.sample(size, timed.times, bandwidth) for run, size, timed in self.compute]
+        return {
+            "compute": (peak, bandwidth, samples),
+            "latency": [statistics.median(t[0] for t in timed.times) for timed in self.latency],
+            "waiting": [statistics.median(t[0] for t in timed.times) for timed in self.waiting],
+        }
+
+
+def calibration_request(batch: int, seq_len: int):
+    return request_for("gpt-small", "full", "pre", 2, batch, seq_len)
+
+
+def measured_hardware(result: dict, network: tuple[float, float], batch: int, seq_len: int):
+    """The profile `plan --calibrate` would fit from these measurements."""
+    from dataclasses import replace
+
+    from fsdpkit.calibrate import measured_profile
+    from fsdpkit.calibrate_steps import fit_latency, fit_waiting, latency_run, waiting_runs
+
+    request = calibration_request(batch, seq_len)
+    profile = measured_profile(request, result["compute"], network, 2)
+    if result["latency"]:
+        latency = fit_latency(latency_run(request, 2), profile, result["latency"][0])
+        profile = replace(profile, intra_latency_s=latency, inter_latency_s=latency)
+    if result["waiting"]:
+        runs = waiting_runs(request, 2 * profile.compute_slots)
+        profile = replace(profile, waiting_holds_core=fit_waiting(runs, profile, result["waiting"]))
+    return profile
+
+
+def world_rows(args: argparse.Namespace, world: int, hardware, separate, measured: list[list[float]], costs) -> list[dict]:
+    """A row per configuration: the prediction from the profile calibrated in the launch's rounds
+    (or read from --hardware), the one from the separate calibration if any, and the measured steps."""
+    from fsdpkit.time_plan import predict
+
+    cases = [(m, s, p) for m in MODELS for s in STRATEGIES for p in PREFETCH]
+    rows = []
+    for (model, strategy, prefetch), times in zip(cases, measured, strict=True):
+        request = request_for(model, strategy, prefetch, world, args.batch, args.seq_len)
+        predicted, median = predict(request, hardware, costs[model], per_node=world).time.step_time_s, statistics.median(times)
+        row = {
+            "model": model,
+            "strategy": strategy,
+            "prefetch": prefetch,
+            "world_size": world,
+            "predicted_s": predicted,
+            "measured_median_s": median,
+            "measured_min_s": min(times),
+            "measured_max_s": max(times),
+            "ratio": predicted / median,
+        }
+        if separate is not None:
+            row["separate_predicted_s"] = predict(request, separate, costs[model], per_node=world).time.step_time_s
+            row["separate_ratio"] = row["separate_predicted_s"] / median
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
-    from fsdpkit.calibrate import calibrate
+    from fsdpkit.calibrate import calibrate, network_line
     from fsdpkit.hardware import load
     from fsdpkit.launch import LaunchOptions, launch
-    from fsdpkit.time_plan import model_costs, predict
+    from fsdpkit.time_plan import model_costs
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15, help="at least")
+    parser.add_argument("--seconds", type=float, default=40.0, help="of the configurations' steps per world size, at least")
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--worlds", default="1,2,4")
-    parser.add_argument("--hardware", help="a profile; default: calibrate now, before each world size (gpt-small, 2 ranks)")
+    parser.add_argument("--hardware", help="a profile to predict with, instead of calibrating in the launches")
+    parser.add_argument("--separate", action="store_true", help="also predict from plan --calibrate run just before each launch")
+    parser.add_argument("--calibrate-seconds", type=float, default=10.0, help="of the separate calibration, as plan --calibrate-seconds")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -111,44 +246,45 @@ def main() -> None:
     costs = {m: model_costs(request_for(m, "full", "pre", 1, args.batch, args.seq_len)) for m in MODELS}
     rows, profiles = [], []
     for world in (int(w) for w in args.worlds.split(",")):
-        # calibrated just before each launch, so that both see the machine as loaded then
-        hardware = load(args.hardware) if args.hardware else calibrate(request_for("gpt-small", "full", "pre", 2, args.batch, args.seq_len))
+        separate = calibrate(calibration_request(args.batch, args.seq_len), seconds=args.calibrate_seconds) if args.separate else None
+        network = None if args.hardware else network_line(2)
+        result = launch(
+            measure_worker,
+            cases,
+            args.batch,
+            args.seq_len,
+            args.rounds,
+            args.seconds,
+            not args.hardware,
+            options=LaunchOptions(nproc_per_node=world),
+        )[0]
+        hardware = load(args.hardware) if args.hardware else measured_hardware(result["calibration"], network, args.batch, args.seq_len)
         profiles.append(hardware)
-        measured = launch(measure_worker, cases, args.batch, args.seq_len, args.rounds, options=LaunchOptions(nproc_per_node=world))[0]
-        for (model, strategy, prefetch), times in zip(cases, measured, strict=True):
-            request = request_for(model, strategy, prefetch, world, args.batch, args.seq_len)
-            predicted = predict(request, hardware, costs[model], per_node=world).time.step_time_s
-            median = statistics.median(times)
-            rows.append(
-                {
-                    "model": model,
-                    "strategy": strategy,
-                    "prefetch": prefetch,
-                    "world_size": world,
-                    "predicted_s": predicted,
-                    "measured_median_s": median,
-                    "measured_min_s": min(times),
-                    "measured_max_s": max(times),
-                    "ratio": predicted / median,
-                }
-            )
+        rows += world_rows(args, world, hardware, separate, result["configs"], costs)
     if args.json:
         print(json.dumps({"hardware": [p.to_values() for p in profiles], "rows": rows}))
         return
+    print_table(args, profiles, rows, time.perf_counter() - started)
+
+
+def print_table(args: argparse.Namespace, profiles, rows: list[dict], seconds: float) -> None:
     for profile in profiles:
         print(f"# profile: {json.dumps(profile.to_values())}")
     load = os.getloadavg()[0]
-    rounds = f"median of {args.rounds} alternating rounds"
+    rounds = f"median of at least {args.rounds} alternating rounds and {args.seconds:g} s"
     print(f"# {args.batch} x {args.seq_len} tokens per rank, AdamW; {rounds}; load average {load:.1f} at the end")
-    print(f"{'model':<22} {'strategy':<8} {'prefetch':<8} {'W':>2} {'predicted s':>12} {'measured s':>11} {'spread s':>17} {'ratio':>6}")
+    header = f"{'model':<22} {'strategy':<8} {'prefetch':<8} {'W':>2} {'predicted s':>12} {'measured s':>11} {'spread s':>17} {'ratio':>6}"
+    print(header + (f" {'separate s':>11} {'ratio':>6}" if args.separate else ""))
     for row in rows:
         spread = f"{row['measured_min_s']:.3f}-{row['measured_max_s']:.3f}"
-        print(
+        line = (
             f"{row['model']:<22} {row['strategy']:<8} {row['prefetch']:<8} {row['world_size']:>2} {row['predicted_s']:>12.4f} "
             f"{row['measured_median_s']:>11.4f} {spread:>17} {row['ratio']:>6.2f}"
         )
+        print(line + (f" {row['separate_predicted_s']:>11.4f} {row['separate_ratio']:>6.2f}" if args.separate else ""))
     within = sum(abs(row["ratio"] - 1) <= 0.15 for row in rows)
-    print(f"# within 15%: {within} of {len(rows)}; {time.perf_counter() - started:.0f} s in all")
+    separately = f"; calibrated separately: {sum(abs(row['separate_ratio'] - 1) <= 0.15 for row in rows)}" if args.separate else ""
+    print(f"# within 15%: {within} of {len(rows)}{separately}; {seconds:.0f} s in all")
 
 
 if __name__ == "__main__":

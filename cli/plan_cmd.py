@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
+from fsdpkit.hardware import CALIBRATE_SECONDS
 from fsdpkit.settings import merge, read_toml
 from fsdpkit.sizes import format_size
 
@@ -119,6 +120,16 @@ CalibrateOption = Annotated[
         metavar="OUT.toml",
     ),
 ]
+CalibrateSecondsOption = Annotated[
+    float,
+    typer.Option(
+        "--calibrate-seconds",
+        min=0,
+        help="How long --calibrate times each of compute, collective latency and shared cores, at least.",
+        rich_help_panel="Time",
+        metavar="S",
+    ),
+]
 ConfigOption = Annotated[
     Path | None,
     typer.Option("--config", help="Read settings from a train --config TOML file first.", rich_help_panel="Output", metavar="FILE"),
@@ -135,6 +146,7 @@ def plan(
     recommend: RecommendFlag = False,
     scaling: ScalingOption = None,
     calibrate: CalibrateOption = None,
+    calibrate_seconds: CalibrateSecondsOption = CALIBRATE_SECONDS,
     config_file: ConfigOption = None,
     json_output: JsonFlag = False,
     **settings: Any,
@@ -143,7 +155,7 @@ def plan(
 
     request = PlanRequest(_train_config(ctx, config_file, settings), world_size)
     if calibrate is not None:
-        _calibrate(request, calibrate)
+        _calibrate(request, calibrate, calibrate_seconds)
     elif time or recommend or scaling is not None:
         from .plan_time_output import run_time_plan
 
@@ -154,7 +166,7 @@ def plan(
         typer.echo(format_plan(plan_memory(request)))
 
 
-def _calibrate(request, out: Path) -> None:
+def _calibrate(request, out: Path, seconds: float) -> None:
     from fsdpkit.calibrate import calibrate
     from fsdpkit.errors import UsageError
     from fsdpkit.hardware import to_toml
@@ -163,7 +175,7 @@ def _calibrate(request, out: Path) -> None:
         raise UsageError(f"--calibrate {str(out)!r} must be a file in an existing directory")
     if request.world_size < 2:
         raise UsageError("--calibrate measures collectives: it needs --world-size >= 2")
-    profile = calibrate(request, ranks=request.world_size)
+    profile = calibrate(request, ranks=request.world_size, seconds=seconds)
     partial = out.with_name(out.name + ".partial")
     partial.write_text(to_toml(profile, header="fsdpkit hardware profile (fsdpkit plan --time --hardware FILE)"))
     partial.replace(out)

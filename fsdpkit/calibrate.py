@@ -17,7 +17,10 @@
     sharing   the engine's steps of `--model` and of the many-unit model on twice as many
               local processes as cores give waiting_holds_core (fsdpkit.calibrate_steps)
 
-Numbers are medians of repeated timings; a loaded machine gives a slower profile.
+Numbers are medians of repeated timings, each going on for at least `--calibrate-seconds`:
+this machine's speed drifts by up to 15% over seconds (the same step's median over 5 s
+blocks of one process ranged 0.053-0.070 s), so a longer calibration lands nearer its
+average. A loaded machine gives a slower profile.
 """
 
 from __future__ import annotations
@@ -27,15 +30,16 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .calibrate_steps import SHARED_CORES_MAX_RANKS, collective_latency, waiting_holds_core
-from .hardware import Hardware
+from .hardware import CALIBRATE_SECONDS, Hardware
 from .memory_plan import PlanRequest
 
-REPEATS = 5
+REPEATS = 5  # at least; then rounds go on until the time asked for has passed
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -46,7 +50,7 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
-class _Probes:
+class Probes:
     """A large matrix product (the peak) and a large copy (the memory bandwidth)."""
 
     SIZE = 1024
@@ -85,6 +89,7 @@ def few_wide_units():
 
 
 CALIBRATION_MODELS = ("fsdpkit.calibrate:many_narrow_units", "fsdpkit.calibrate:few_wide_units")
+CALIBRATION_BATCHES = (1, 4)  # sequences per step: each model at both
 
 
 @dataclass(frozen=True)
@@ -110,9 +115,13 @@ class ComputeTerms:
     optimizer_passes: float
 
 
-def fit_nonnegative(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+def fit_nonnegative(rows: Sequence[Sequence[float]], ys: Sequence[float], *, scales: Sequence[float] | None = None) -> list[float]:
     """Least-squares coefficients of ys against the columns of rows, none negative: a column
-    whose coefficient comes out negative is dropped (coefficient 0) and the rest refitted."""
+    whose coefficient comes out negative is dropped (coefficient 0) and the rest refitted.
+    With `scales`, each row and its y count divided by its scale."""
+    if scales is not None:
+        rows = [[value / scale for value in row] for row, scale in zip(rows, scales, strict=True)]
+        ys = [y / scale for y, scale in zip(ys, scales, strict=True)]
     active = list(range(len(rows[0])))
     while active:
         a = torch.tensor([[row[j] for j in active] for row in rows], dtype=torch.float64)
@@ -129,36 +138,48 @@ def fit_nonnegative(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> lis
 
 
 def compute_terms(samples: Sequence[StepSample]) -> ComputeTerms:
-    """The compute terms of the profile, fitted over every sample (several models and batch sizes)."""
+    """The compute terms of the profile, fitted over every sample (several models and batch
+    sizes) with the least squared error relative to each measured time, so that a short step
+    counts as much as a long one."""
     per_flop, per_unit, per_byte = fit_nonnegative(
-        [(s.flops, s.unit_passes, s.param_bytes) for s in samples], [s.forward_backward_s - s.memory_s for s in samples]
+        [(s.flops, s.unit_passes, s.param_bytes) for s in samples],
+        [s.forward_backward_s - s.memory_s for s in samples],
+        scales=[s.forward_backward_s for s in samples],
     )
     per_tensor, extra_passes = fit_nonnegative(
-        [(s.tensors, s.optimizer_memory_s) for s in samples], [s.optimizer_s - s.optimizer_memory_s for s in samples]
+        [(s.tensors, s.optimizer_memory_s) for s in samples],
+        [s.optimizer_s - s.optimizer_memory_s for s in samples],
+        scales=[s.optimizer_s for s in samples],
     )
     return ComputeTerms(per_flop, per_unit, per_byte, per_tensor, 1.0 + extra_passes)
 
 
-def measure_steps(request: PlanRequest, specs: Sequence[str], batches: tuple[int, ...]) -> tuple[float, float, list[StepSample]]:
+def measure_steps(
+    request: PlanRequest, specs: Sequence[str], batches: tuple[int, ...], seconds: float
+) -> tuple[float, float, list[StepSample]]:
     """(peak FLOP/s, memory bytes/s, samples): the matrix product, the copy and the engine's
-    training step (forward, backward, AdamW) of each model at each batch on one in-process
-    rank take turns, so that load from other processes falls on all of them alike."""
+    training step (forward, backward, AdamW) of each model at each batch on one rank take
+    turns, so that load from other processes falls on all of them alike."""
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # as fsdpkit launches CPU ranks (OMP_NUM_THREADS=1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        probes = _Probes()
+        probes = Probes()
         runs = [ModelRun(request, spec) for spec in specs]
         cases = [(run, batch) for run in runs for batch in batches]
         probed: list[tuple[float, float]] = []
         timings: list[list[tuple[float, float]]] = [[] for _ in cases]
-        for round_index in range(REPEATS + 1):
+        started = time.perf_counter()
+        round_index = 0
+        while round_index <= REPEATS or time.perf_counter() - started < seconds:
             probe = probes.time()
             timed = [run.step(batch) for run, batch in cases]
             if round_index:  # the first round warms up
                 probed.append(probe)
                 for case, timing in enumerate(timed):
                     timings[case].append(timing)
+            round_index += 1
         peak, bandwidth = probes.rates(probed)
         return peak, bandwidth, [run.sample(batch, timing, bandwidth) for (run, batch), timing in zip(cases, timings, strict=True)]
     finally:
@@ -166,9 +187,10 @@ def measure_steps(request: PlanRequest, specs: Sequence[str], batches: tuple[int
 
 
 class ModelRun:
-    """One model sharded by the engine on one rank, with AdamW, and what the model charges per step."""
+    """One model sharded by the engine over `group` (default: every rank), with AdamW, and what the
+    model charges per step on one rank."""
 
-    def __init__(self, request: PlanRequest, spec: str) -> None:
+    def __init__(self, request: PlanRequest, spec: str, group: Any = None) -> None:
         from .engine.api import shard
         from .engine.plan import bucket_units, plan_units
         from .flops import unit_work
@@ -189,7 +211,7 @@ class ModelRun:
         self.work = unit_work(self.source, self.plans, 1, self.seq_len)
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.optimizer_bytes = self.numel * OPTIMIZER_TRAFFIC[Optimizer.ADAMW]
-        self.model = shard(model, sharding, wrap=policy, device="cpu")
+        self.model = shard(model, sharding, wrap=policy, group=group, device="cpu")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def step(self, batch: int) -> tuple[float, float]:
@@ -238,32 +260,50 @@ def network_line(ranks: int) -> tuple[float, float]:
     return max(intercept, 0.0) / (ranks - 1), 1.0 / slope if slope > 0 else float("inf")
 
 
-def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] = (1, 4)) -> Hardware:
-    """One thread per rank, as fsdpkit launches CPU ranks (OMP_NUM_THREADS=1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        specs = (request.model, *(spec for spec in CALIBRATION_MODELS if spec != request.model))
-        peak, bandwidth_memory, samples = measure_steps(request, specs, batches)
-        terms = compute_terms(samples)
-        if terms.seconds_per_flop > 0:  # the models' matrix products may outrun the probe's
-            peak = max(peak, 1.0 / terms.seconds_per_flop)
-    finally:
-        torch.set_num_threads(threads)
-    latency, bandwidth = network_line(ranks)
-    bandwidth_gbs = bandwidth / 1e9
-    profile = Hardware(
+def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRATE_SECONDS) -> Hardware:
+    """The compute, the collectives' latency and the shared cores each time training steps for at
+    least `seconds`: the longer, the more of a machine's drifting speed is averaged over."""
+    from .launch import LaunchOptions, launch
+
+    # in a launched rank, as training runs (a launched process ran the same steps 8-10% slower here)
+    compute = launch(
+        measure_steps, request, calibration_specs(request), CALIBRATION_BATCHES, seconds, options=LaunchOptions(nproc_per_node=1)
+    )[0]
+    profile = measured_profile(request, compute, network_line(ranks), ranks)
+    latency = collective_latency(request, profile, ranks, seconds)
+    profile = replace(profile, intra_latency_s=latency, inter_latency_s=latency)
+    if 2 * profile.compute_slots <= SHARED_CORES_MAX_RANKS:
+        profile = replace(profile, waiting_holds_core=waiting_holds_core(request, profile, seconds))
+    return profile
+
+
+def calibration_specs(request: PlanRequest) -> tuple[str, ...]:
+    """The models whose steps give the compute terms: `--model` and the calibration models."""
+    return (request.model, *(spec for spec in CALIBRATION_MODELS if spec != request.model))
+
+
+def measured_profile(
+    request: PlanRequest, compute: tuple[float, float, list[StepSample]], network: tuple[float, float], ranks: int
+) -> Hardware:
+    """The profile from measure_steps' (peak, memory bandwidth, samples) and network_line's
+    (latency, bus bandwidth) on `ranks` ranks, before the latency and the shared cores are fitted."""
+    peak, bandwidth_memory, samples = compute
+    terms = compute_terms(samples)
+    if terms.seconds_per_flop > 0:  # the models' matrix products may outrun the probe's
+        peak = max(peak, 1.0 / terms.seconds_per_flop)
+    latency, bandwidth = network
+    return Hardware(
         name="calibrated",
-        source=f"measured by fsdpkit plan --calibrate on this machine ({', '.join(specs)}; {ranks} gloo ranks)",
+        source=f"measured by fsdpkit plan --calibrate on this machine ({', '.join(calibration_specs(request))}; {ranks} gloo ranks)",
         peak_tflops={"fp32": peak / 1e12},
         efficiency=1.0 / terms.seconds_per_flop / peak if terms.seconds_per_flop > 0 else 1.0,
         unit_overhead_s=terms.unit_overhead_s,
         memory_gb=_memory_gb(),
         memory_bw_gbs=bandwidth_memory / 1e9,
         ranks_per_node=1024,
-        intra_bw_gbs=bandwidth_gbs,
+        intra_bw_gbs=bandwidth / 1e9,
         intra_latency_s=latency,
-        inter_bw_gbs=bandwidth_gbs,
+        inter_bw_gbs=bandwidth / 1e9,
         inter_latency_s=latency,
         host_bw_gbs=bandwidth_memory / 1e9,
         overlap=False,
@@ -272,11 +312,6 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, batches: tuple[int, int] 
         optimizer_tensor_s=terms.optimizer_tensor_s,
         optimizer_passes=terms.optimizer_passes,
     )
-    latency = collective_latency(request, profile, ranks)
-    profile = replace(profile, intra_latency_s=latency, inter_latency_s=latency)
-    if 2 * profile.compute_slots <= SHARED_CORES_MAX_RANKS:
-        profile = replace(profile, waiting_holds_core=waiting_holds_core(request, profile))
-    return profile
 
 
 def _memory_gb() -> float:

@@ -26,7 +26,7 @@ SHARED_CORES_MAX_RANKS = 8
 LATENCY_MODEL = "fsdpkit.calibrate:many_narrow_units"
 MAX_LATENCY_S = 0.1
 WARMUP_STEPS = 3
-STEPS = 8
+STEPS = 8  # at least
 
 
 def fit_value(measured_s: float, step_at: Callable[[float], float], low: float, high: float) -> float:
@@ -42,33 +42,50 @@ def fit_value(measured_s: float, step_at: Callable[[float], float], low: float, 
     return (low + high) / 2
 
 
-def collective_latency(request: PlanRequest, profile: Hardware, ranks: int) -> float:
-    """The latency per ring step at which the model predicts the engine's step of LATENCY_MODEL."""
+def latency_run(request: PlanRequest, ranks: int) -> PlanRequest:
+    """The step collective_latency times: LATENCY_MODEL on `ranks` ranks."""
+    return _on_ranks(request, ranks, model=LATENCY_MODEL)
+
+
+def fit_latency(run: PlanRequest, profile: Hardware, measured_s: float) -> float:
+    """The latency per ring step at which the model predicts `measured_s` for the step of `run`."""
     from .time_plan import model_costs, predict
 
-    run = _on_ranks(request, ranks, model=LATENCY_MODEL)
-    measured, costs = _measure(run), model_costs(run)
+    costs = model_costs(run)
 
     def step_at(latency: float) -> float:
         with_latency = replace(profile, intra_latency_s=latency, inter_latency_s=latency)
-        return predict(run, with_latency, costs, per_node=ranks).time.step_time_s
+        return predict(run, with_latency, costs, per_node=run.world_size).time.step_time_s
 
-    return fit_value(measured, step_at, 0.0, MAX_LATENCY_S)
+    return fit_value(measured_s, step_at, 0.0, MAX_LATENCY_S)
 
 
-def waiting_holds_core(request: PlanRequest, profile: Hardware) -> float:
-    """Fitted to the engine's steps of `request`'s model and of LATENCY_MODEL on twice as many
-    processes as `profile.compute_slots`."""
+def collective_latency(request: PlanRequest, profile: Hardware, ranks: int, seconds: float) -> float:
+    """The latency per ring step at which the model predicts the engine's step of LATENCY_MODEL."""
+    run = latency_run(request, ranks)
+    return fit_latency(run, profile, _measure(run, seconds))
+
+
+def waiting_runs(request: PlanRequest, ranks: int) -> tuple[PlanRequest, PlanRequest]:
+    """The steps waiting_holds_core times: `request`'s model and LATENCY_MODEL on `ranks` ranks."""
+    return _on_ranks(request, ranks), _on_ranks(request, ranks, model=LATENCY_MODEL)
+
+
+def fit_waiting(runs: Sequence[PlanRequest], profile: Hardware, measured_s: Sequence[float]) -> float:
+    """The waiting share at which the model best predicts `measured_s` for the steps of `runs`."""
     from .time_plan import model_costs, predict
 
-    ranks = 2 * profile.compute_slots
-    share = profile.compute_share(ranks)
     parts = []
-    for model in (None, LATENCY_MODEL):
-        run = _on_ranks(request, ranks, model=model)
-        alone = predict(run, replace(profile, compute_slots=0), model_costs(run), per_node=ranks).time
-        parts.append(SharedStep(_measure(run), alone.step_time_s, alone.compute_s, alone.copy_s))
-    return fit_waiting_share(parts, share)
+    for run, measured in zip(runs, measured_s, strict=True):
+        alone = predict(run, replace(profile, compute_slots=0), model_costs(run), per_node=run.world_size).time
+        parts.append(SharedStep(measured, alone.step_time_s, alone.compute_s, alone.copy_s))
+    return fit_waiting_share(parts, profile.compute_share(runs[0].world_size))
+
+
+def waiting_holds_core(request: PlanRequest, profile: Hardware, seconds: float) -> float:
+    """Fitted to waiting_runs on twice as many processes as `profile.compute_slots`."""
+    runs = waiting_runs(request, 2 * profile.compute_slots)
+    return fit_waiting(runs, profile, [_measure(run, seconds / 2) for run in runs])
 
 
 @dataclass(frozen=True)
@@ -110,14 +127,15 @@ def _on_ranks(request: PlanRequest, ranks: int, *, model: str | None = None) -> 
     return PlanRequest(config, ranks)
 
 
-def _measure(run: PlanRequest) -> float:
+def _measure(run: PlanRequest, seconds: float) -> float:
     from .launch import LaunchOptions, launch
 
-    return launch(_measured_step, run, options=LaunchOptions(nproc_per_node=run.world_size))[0]
+    return launch(_measured_step, run, seconds, options=LaunchOptions(nproc_per_node=run.world_size))[0]
 
 
-def _measured_step(request: PlanRequest) -> float:
-    """One rank's part: the median over STEPS (after WARMUP_STEPS) of the slowest rank's training step."""
+def _measured_step(request: PlanRequest, seconds: float) -> float:
+    """One rank's part: the median of the slowest rank's training step over at least STEPS
+    steps and `seconds` (after WARMUP_STEPS)."""
     import torch.distributed as dist
 
     from .calibrate import ModelRun
@@ -126,13 +144,15 @@ def _measured_step(request: PlanRequest) -> float:
     dist.init_process_group("gloo")
     try:
         run = ModelRun(request, request.model)
-        steps = []
-        for index in range(WARMUP_STEPS + STEPS):
+        steps: list[float] = []
+        index = 0
+        while index < WARMUP_STEPS + STEPS or sum(steps) < seconds:  # the same on every rank: maxima over ranks
             dist.barrier()
             elapsed = torch.tensor([sum(run.step(micro_batch(request)))])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if index >= WARMUP_STEPS:
                 steps.append(float(elapsed))
+            index += 1
         return statistics.median(steps)
     finally:
         dist.destroy_process_group()

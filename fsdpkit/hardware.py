@@ -18,6 +18,7 @@ from typing import Any
 from .errors import UsageError
 
 DTYPES = ("fp32", "bf16", "fp16")
+CALIBRATE_SECONDS = 10.0  # how long `--calibrate` times each part of a profile, at least
 
 
 @dataclass(frozen=True)

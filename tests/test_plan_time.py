@@ -418,6 +418,7 @@ def test_bad_hardware_file_is_one_line_exit_2(tmp_path, content, message):
         (["--time", "--hardware", "h100-ib400", "--nodes", "3"], "--nodes 3"),
         (["--time", "--hardware", "h100-ib400", "--scaling", "8,x"], "--scaling '8,x'"),
         (["--time", "--hardware", "h100-ib400", "--global-batch-size", "6"], "not divisible"),
+        (["--calibrate", "cal.toml", "--calibrate-seconds", "-1"], "--calibrate-seconds"),
         (
             ["--time", "--hardware", "h100-ib400", "--strategy", "hybrid", "--shard-group-size", "2", "--scaling", "8,3"],
             "world size 3 is not divisible by shard group size 2",
@@ -433,7 +434,7 @@ def test_impossible_configuration_is_one_line_exit_2(args, message):
 def test_calibrate_measures_this_machine_into_a_profile_that_plan_reads(tmp_path):
     out = tmp_path / "here.toml"
     args = ["--model", "gpt-tiny", "--world-size", "2", "--seq-len", "16", "--global-batch-size", "2"]
-    result = _invoke([*args, "--calibrate", str(out)])
+    result = _invoke([*args, "--calibrate", str(out), "--calibrate-seconds", "0"])
     assert result.exit_code == 0, result.output
     profile = load(str(out))
     assert profile.compute_slots == len(os.sched_getaffinity(0)) and not profile.overlap
