@@ -323,6 +323,33 @@ def test_calibration_fit_recovers_known_coefficients():
     assert min(fit_nonnegative([(1.0, 1.0), (2.0, 1.0), (3.0, 1.0)], [1.0, 0.0, -1.0])) >= 0
 
 
+def test_calibration_fit_weighs_each_step_by_its_own_time():
+    per_flop, per_unit, per_byte = 2e-11, 4e-4, 5e-10
+    samples = []
+    for flops, units, params in ((1e9, 5, 1.3e7), (5e8, 17, 5e6), (3e9, 3, 2.6e7)):
+        for batch in (1, 4):
+            exact = flops * batch * per_flop + 2 * units * per_unit + 2 * params * per_byte
+            samples.append(StepSample(flops * batch, 0.0, 2 * units, 2 * params, exact, 1, 0.0, 1e-3))
+    # the longest step measured 30% slow (a drifting machine): the short steps must not pay for it
+    longest = max(range(len(samples)), key=lambda i: samples[i].forward_backward_s)
+    samples[longest] = dataclasses.replace(samples[longest], forward_backward_s=samples[longest].forward_backward_s * 1.3)
+
+    def worst_error_of_the_others(per_flop_fit: float, per_unit_fit: float, per_byte_fit: float) -> float:
+        errors = []
+        for index, s in enumerate(samples):
+            if index != longest:
+                predicted = s.flops * per_flop_fit + s.unit_passes * per_unit_fit + s.param_bytes * per_byte_fit
+                errors.append(abs(predicted / s.forward_backward_s - 1))
+        return max(errors)
+
+    terms = compute_terms(samples)
+    relative = worst_error_of_the_others(terms.seconds_per_flop, terms.unit_overhead_s, terms.seconds_per_param_byte)
+    absolute = worst_error_of_the_others(
+        *fit_nonnegative([(s.flops, s.unit_passes, s.param_bytes) for s in samples], [s.forward_backward_s for s in samples])
+    )
+    assert relative < 0.1 < absolute
+
+
 def test_activation_estimate_bounds_what_autograd_saves_and_recommend_counts_it():
     request = _request(1, {"sharding": {"strategy": "full"}})
     costs = model_costs(request)
