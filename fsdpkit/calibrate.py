@@ -18,9 +18,8 @@
               local processes as cores give waiting_holds_core (fsdpkit.calibrate_steps)
 
 Numbers are medians of repeated timings, each going on for at least `--calibrate-seconds`:
-this machine's speed drifts by up to 15% over seconds (the same step's median over 5 s
-blocks of one process ranged 0.053-0.070 s), so a longer calibration lands nearer its
-average. A loaded machine gives a slower profile.
+a shared machine's speed can drift by 15% within seconds (a virtual machine's neighbours), so
+a longer calibration lands nearer its average. A loaded machine gives a slower profile.
 """
 
 from __future__ import annotations
@@ -265,7 +264,7 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
     least `seconds`: the longer, the more of a machine's drifting speed is averaged over."""
     from .launch import LaunchOptions, launch
 
-    # in a launched rank, as training runs (a launched process ran the same steps 8-10% slower here)
+    # in a launched rank, as training runs its steps
     compute = launch(
         measure_steps, request, calibration_specs(request), CALIBRATION_BATCHES, seconds, options=LaunchOptions(nproc_per_node=1)
     )[0]
