@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -262,17 +263,28 @@ def network_line(ranks: int) -> tuple[float, float]:
 def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRATE_SECONDS) -> Hardware:
     """The compute, the collectives' latency and the shared cores each time training steps for at
     least `seconds`: the longer, the more of a machine's drifting speed is averaged over."""
+    from tqdm import tqdm
+
     from .launch import LaunchOptions, launch
 
-    # in a launched rank, as training runs its steps
-    compute = launch(
-        measure_steps, request, calibration_specs(request), CALIBRATION_BATCHES, seconds, options=LaunchOptions(nproc_per_node=1)
-    )[0]
-    profile = measured_profile(request, compute, network_line(ranks), ranks)
-    latency = collective_latency(request, profile, ranks, seconds)
-    profile = replace(profile, intra_latency_s=latency, inter_latency_s=latency)
-    if 2 * profile.compute_slots <= SHARED_CORES_MAX_RANKS:
-        profile = replace(profile, waiting_holds_core=waiting_holds_core(request, profile, seconds))
+    shared = 2 * len(os.sched_getaffinity(0)) <= SHARED_CORES_MAX_RANKS
+    with tqdm(total=3 + shared, desc="calibrate", unit="part", file=sys.stderr, disable=None, leave=False) as progress:
+        progress.set_postfix_str("compute, one rank")
+        # in a launched rank, as training runs its steps
+        one_rank = LaunchOptions(nproc_per_node=1)
+        compute = launch(measure_steps, request, calibration_specs(request), CALIBRATION_BATCHES, seconds, options=one_rank)[0]
+        progress.update()
+        progress.set_postfix_str(f"bus bandwidth, {ranks} ranks")
+        profile = measured_profile(request, compute, network_line(ranks), ranks)
+        progress.update()
+        progress.set_postfix_str(f"collective latency, {ranks} ranks")
+        latency = collective_latency(request, profile, ranks, seconds)
+        profile = replace(profile, intra_latency_s=latency, inter_latency_s=latency)
+        progress.update()
+        if shared:
+            progress.set_postfix_str(f"shared cores, {2 * profile.compute_slots} ranks")
+            profile = replace(profile, waiting_holds_core=waiting_holds_core(request, profile, seconds))
+            progress.update()
     return profile
 
 
