@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -73,7 +72,7 @@ def measure_worker(cases: list[tuple[str, str, str]], batch: int, seq_len: int, 
     dist.init_process_group("gloo")
     try:
         world = dist.get_world_size()
-        configs = [Timed(tuple(range(world)), None, config_step(case, batch, seq_len)) for case in cases]
+        configs = [Timed(tuple(range(world)), None, whole_step(config_run(case, batch, seq_len), batch)) for case in cases]
         calibration = Calibration.build(batch, seq_len) if calibrate else None
         timed = (calibration.timed() if calibration else []) + configs
         round_index = 0
@@ -92,29 +91,17 @@ def measure_worker(cases: list[tuple[str, str, str]], batch: int, seq_len: int, 
         dist.destroy_process_group()
 
 
-def config_step(case: tuple[str, str, str], batch: int, seq_len: int) -> Callable[[], tuple[float, ...]]:
-    import fsdpkit
-    from fsdpkit.models.source import resolve
-    from fsdpkit.train.model_setup import wrap_policy
+def config_run(case: tuple[str, str, str], batch: int, seq_len: int):
+    """A configuration sharded by the engine over every rank, as `plan --calibrate` runs its `--model`."""
+    from fsdpkit.calibrate import ModelRun
 
-    model_name, strategy, prefetch = case
-    request = request_for(model_name, strategy, prefetch, dist.get_world_size(), batch, seq_len)
-    source = resolve(model_name)
-    torch.manual_seed(0)
-    model = source.build(device="cpu", seed=0)
-    model = fsdpkit.shard(model, request.sharding, wrap=wrap_policy(request.config.model, source, model), device="cpu")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, strategy, prefetch = case
+    return ModelRun(request_for(model, strategy, prefetch, dist.get_world_size(), batch, seq_len), model)
 
-    def step() -> tuple[float, ...]:
-        tokens = torch.randint(0, 256, (batch, seq_len + 1))
-        start = time.perf_counter()
-        logits = source.logits(model, tokens[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return (time.perf_counter() - start,)
 
-    return step
+def whole_step(run, batch: int) -> Callable[[], tuple[float, ...]]:
+    """A ModelRun's training step (forward, backward, optimizer), timed as one."""
+    return lambda: (sum(run.step(batch)),)
 
 
 @dataclass
@@ -153,8 +140,7 @@ class Calibration:
             ranks = tuple(range(run.world_size))
             group = dist.new_group(list(ranks)) if run.world_size < world else None
             model = ModelRun(run, run.model, group=group) if rank in ranks else None
-            size = micro_batch(run)
-            steps[kind].append(Timed(ranks, group, (lambda model=model, size=size: (sum(model.step(size)),)) if model else None))
+            steps[kind].append(Timed(ranks, group, whole_step(model, micro_batch(run)) if model else None))
         return cls(probe, probes, compute, steps["latency"], steps["waiting"])
 
     def timed(self) -> list[Timed]:
@@ -196,12 +182,13 @@ def measured_hardware(result: dict, network: tuple[float, float], batch: int, se
     return profile
 
 
-def world_rows(args: argparse.Namespace, world: int, hardware, separate, measured: list[list[float]], costs) -> list[dict]:
+def world_rows(
+    args: argparse.Namespace, cases: list[tuple[str, str, str]], world: int, hardware, separate, measured: list[list[float]], costs
+) -> list[dict]:
     """A row per configuration: the prediction from the profile calibrated in the launch's rounds
     (or read from --hardware), the one from the separate calibration if any, and the measured steps."""
     from fsdpkit.time_plan import predict
 
-    cases = [(m, s, p) for m in MODELS for s in STRATEGIES for p in PREFETCH]
     rows = []
     for (model, strategy, prefetch), times in zip(cases, measured, strict=True):
         request = request_for(model, strategy, prefetch, world, args.batch, args.seq_len)
@@ -260,7 +247,7 @@ def main() -> None:
         )[0]
         hardware = load(args.hardware) if args.hardware else measured_hardware(result["calibration"], network, args.batch, args.seq_len)
         profiles.append(hardware)
-        rows += world_rows(args, world, hardware, separate, result["configs"], costs)
+        rows += world_rows(args, cases, world, hardware, separate, result["configs"], costs)
     if args.json:
         print(json.dumps({"hardware": [p.to_values() for p in profiles], "rows": rows}))
         return
