@@ -2,11 +2,11 @@
 side by side the step time at 1, 2 and 4 ranks for gpt-small, hf:llama-bench and a model with
 many small units, under full and grad-op, with backward prefetch (pre) and without (none).
 
-Each world size is one launch between two calibrations (the one after it is the next one's
-before); the prediction is the mean of the two profiles' predictions, which averages over the
-machine's drifting speed. Inside a launch the configurations take turns, one step each per
-round, so that load from other processes falls on all of them alike. Reported: the median step
-(max over ranks of each step) with its spread, the predictions, and their ratio.
+Each world size is one launch. In it the configurations and the steps `plan --calibrate` times
+take turns, one step each per round, so that the machine's drifting speed and load from other
+processes fall on all of them alike; the profile is fitted from those calibration steps with the
+functions `plan --calibrate` uses. Reported: the median step (max over ranks of each step) with
+its spread, the prediction, and their ratio; the profile and the calibration's own medians.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_time.py [--rounds 15] [--seconds 40] [--calibrate-seconds 10] [--hardware FILE.toml]
 """
@@ -108,18 +108,18 @@ def whole_step(run, batch: int) -> Callable[[], tuple[float, ...]]:
 class Calibration:
     """What `plan --calibrate` (gpt-small, 2 ranks) times, in the same rounds as the configurations:
     the probes and the compute steps on rank 0 alone; the latency model's step on ranks 0 and 1;
-    the shared-cores steps on every rank, where the launch has twice as many ranks as cores."""
+    the more-ranks steps on every rank, where the launch has as many ranks as those take."""
 
     probe: Any  # the Probes, on rank 0
     probes: Timed
     compute: list[tuple[Any, int, Timed]]  # (ModelRun on rank 0, batch, its step)
     latency: list[Timed]
-    waiting: list[Timed]
+    more: list[Timed]
 
     @classmethod
     def build(cls, batch: int, seq_len: int) -> Calibration:
         from fsdpkit.calibrate import CALIBRATION_BATCHES, ModelRun, Probes, calibration_specs
-        from fsdpkit.calibrate_steps import latency_run, waiting_runs
+        from fsdpkit.calibrate_steps import latency_run, more_ranks, more_ranks_runs
         from fsdpkit.time_plan import micro_batch
 
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -132,23 +132,23 @@ class Calibration:
             run = ModelRun(request, spec, group=alone) if rank == 0 else None
             for size in CALIBRATION_BATCHES:
                 compute.append((run, size, Timed((0,), alone, (lambda run=run, size=size: run.step(size)) if run else None)))
-        steps: dict[str, list[Timed]] = {"latency": [], "waiting": []}
-        runs = [(latency_run(request, 2), "latency")] if world >= 2 else []
-        if world == 2 * len(os.sched_getaffinity(0)):
-            runs += [(run, "waiting") for run in waiting_runs(request, world)]
+        steps: dict[str, list[Timed]] = {"latency": [], "more": []}
+        runs = [(latency_run(request), "latency")] if world >= 2 else []
+        if world == more_ranks(len(os.sched_getaffinity(0))):
+            runs += [(run, "more") for run in more_ranks_runs(request, world)]
         for run, kind in runs:
             ranks = tuple(range(run.world_size))
             group = dist.new_group(list(ranks)) if run.world_size < world else None
             model = ModelRun(run, run.model, group=group) if rank in ranks else None
             steps[kind].append(Timed(ranks, group, whole_step(model, micro_batch(run)) if model else None))
-        return cls(probe, probes, compute, steps["latency"], steps["waiting"])
+        return cls(probe, probes, compute, steps["latency"], steps["more"])
 
     def timed(self) -> list[Timed]:
-        return [self.probes, *(timed for _, _, timed in self.compute), *self.latency, *self.waiting]
+        return [self.probes, *(timed for _, _, timed in self.compute), *self.latency, *self.more]
 
     def result(self) -> dict | None:
         """On rank 0: measure_steps' (peak, memory bandwidth, samples), and the medians of the
-        latency and shared-cores steps."""
+        latency and more-ranks steps."""
         if dist.get_rank() != 0:
             return None
         peak, bandwidth = self.probe.rates(self.probes.times)
@@ -156,7 +156,7 @@ class Calibration:
         return {
             "compute": (peak, bandwidth, samples),
             "latency": [statistics.median(t[0] for t in timed.times) for timed in self.latency],
-            "waiting": [statistics.median(t[0] for t in timed.times) for timed in self.waiting],
+            "more": [statistics.median(t[0] for t in timed.times) for timed in self.more],
         }
 
 
@@ -166,20 +166,16 @@ def calibration_request(batch: int, seq_len: int):
 
 def measured_hardware(result: dict, network: tuple[float, float], batch: int, seq_len: int):
     """The profile `plan --calibrate` would fit from these measurements."""
-    from dataclasses import replace
-
     from fsdpkit.calibrate import measured_profile
-    from fsdpkit.calibrate_steps import fit_latency, fit_waiting, latency_run, waiting_runs
+    from fsdpkit.calibrate_steps import Measured, fit_collectives, latency_run, more_ranks, more_ranks_runs
 
     request = calibration_request(batch, seq_len)
     profile = measured_profile(request, result["compute"], network, 2)
-    if result["latency"]:
-        latency = fit_latency(latency_run(request, 2), profile, result["latency"][0])
-        profile = replace(profile, intra_latency_s=latency, inter_latency_s=latency)
-    if result["waiting"]:
-        runs = waiting_runs(request, 2 * profile.compute_slots)
-        profile = replace(profile, waiting_holds_core=fit_waiting(runs, profile, result["waiting"]))
-    return profile
+    if not result["latency"]:
+        return profile
+    more = more_ranks_runs(request, more_ranks(profile.compute_slots)) if result["more"] else ()
+    measured = [Measured(run, seconds) for run, seconds in zip(more, result["more"], strict=True)]
+    return fit_collectives(profile, Measured(latency_run(request), result["latency"][0]), measured)
 
 
 def world_rows(
@@ -231,7 +227,7 @@ def main() -> None:
     started = time.perf_counter()
     cases = [(m, s, p) for m in MODELS for s in STRATEGIES for p in PREFETCH]
     costs = {m: model_costs(request_for(m, "full", "pre", 1, args.batch, args.seq_len)) for m in MODELS}
-    rows, profiles = [], []
+    rows, profiles, calibrations = [], [], []
     for world in (int(w) for w in args.worlds.split(",")):
         separate = calibrate(calibration_request(args.batch, args.seq_len), seconds=args.calibrate_seconds) if args.separate else None
         network = None if args.hardware else network_line(2)
@@ -247,16 +243,22 @@ def main() -> None:
         )[0]
         hardware = load(args.hardware) if args.hardware else measured_hardware(result["calibration"], network, args.batch, args.seq_len)
         profiles.append(hardware)
+        if result["calibration"]:
+            calibrations.append(
+                {"world_size": world, "latency_s": result["calibration"]["latency"], "more_ranks_s": result["calibration"]["more"]}
+            )
         rows += world_rows(args, cases, world, hardware, separate, result["configs"], costs)
     if args.json:
-        print(json.dumps({"hardware": [p.to_values() for p in profiles], "rows": rows}))
+        print(json.dumps({"hardware": [p.to_values() for p in profiles], "calibration_steps": calibrations, "rows": rows}))
         return
-    print_table(args, profiles, rows, time.perf_counter() - started)
+    print_table(args, profiles, calibrations, rows, time.perf_counter() - started)
 
 
-def print_table(args: argparse.Namespace, profiles, rows: list[dict], seconds: float) -> None:
+def print_table(args: argparse.Namespace, profiles, calibrations: list[dict], rows: list[dict], seconds: float) -> None:
     for profile in profiles:
         print(f"# profile: {json.dumps(profile.to_values())}")
+    for steps in calibrations:
+        print(f"# calibration steps: {json.dumps(steps)}")
     load = os.getloadavg()[0]
     rounds = f"median of at least {args.rounds} alternating rounds and {args.seconds:g} s"
     print(f"# {args.batch} x {args.seq_len} tokens per rank, AdamW; {rounds}; load average {load:.1f} at the end")

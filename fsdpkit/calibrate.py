@@ -11,11 +11,10 @@
               models' operators grow with their units, so the two cannot be told apart
     network   `fsdpkit bench` of the engine's all-gather and reduce-scatter on `ranks` local
               processes: the least-squares line of time against size gives the bus
-              bandwidth (slope); the latency per ring step is what the engine's step of a
-              model of many units on `ranks` processes pays per collective beyond its
-              compute and bytes (fsdpkit.calibrate_steps)
-    sharing   the engine's steps of `--model` and of the many-unit model on twice as many
-              local processes as cores give waiting_holds_core (fsdpkit.calibrate_steps)
+              bandwidth (slope); the engine's steps of a model of many units on 2 processes,
+              and of it and `--model` on more, give what a collective costs beyond its bytes,
+              how much of that recurs per ring step, and how much slower a rank computes
+              where ranks outnumber cores (fsdpkit.calibrate_steps)
 
 Numbers are medians of repeated timings, each going on for at least `--calibrate-seconds`:
 a shared machine's speed can drift by 15% within seconds (a virtual machine's neighbours), so
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .calibrate_steps import SHARED_CORES_MAX_RANKS, collective_latency, waiting_holds_core
+from .calibrate_steps import fit_collectives, latency_run, measure, more_ranks, more_ranks_runs
 from .hardware import CALIBRATE_SECONDS, Hardware
 from .memory_plan import PlanRequest
 
@@ -267,8 +266,7 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
 
     from .launch import LaunchOptions, launch
 
-    shared = 2 * len(os.sched_getaffinity(0)) <= SHARED_CORES_MAX_RANKS
-    with tqdm(total=3 + shared, desc="calibrate", unit="part", file=sys.stderr, disable=None, leave=False) as progress:
+    with tqdm(total=4, desc="calibrate", unit="part", file=sys.stderr, disable=None, leave=False) as progress:
         progress.set_postfix_str("compute, one rank")
         # in a launched rank, as training runs its steps
         one_rank = LaunchOptions(nproc_per_node=1)
@@ -277,15 +275,14 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
         progress.set_postfix_str(f"bus bandwidth, {ranks} ranks")
         profile = measured_profile(request, compute, network_line(ranks), ranks)
         progress.update()
-        progress.set_postfix_str(f"collective latency, {ranks} ranks")
-        latency = collective_latency(request, profile, ranks, seconds)
-        profile = replace(profile, intra_latency_s=latency, inter_latency_s=latency)
+        progress.set_postfix_str("collective latency, 2 ranks")
+        latency = measure(latency_run(request), seconds)
         progress.update()
-        if shared:
-            progress.set_postfix_str(f"shared cores, {2 * profile.compute_slots} ranks")
-            profile = replace(profile, waiting_holds_core=waiting_holds_core(request, profile, seconds))
-            progress.update()
-    return profile
+        more = more_ranks_runs(request, more_ranks(profile.compute_slots))
+        progress.set_postfix_str(f"more ranks, {more[0].world_size}")
+        measured = [measure(run, seconds / 2) for run in more]
+        progress.update()
+    return fit_collectives(profile, latency, measured)
 
 
 def calibration_specs(request: PlanRequest) -> tuple[str, ...]:

@@ -1,13 +1,17 @@
 """Profile terms fitted to the engine's own training steps on several local processes: the
-value at which `fsdpkit plan --time` predicts the measured step.
+values at which `fsdpkit plan --time` predicts the measured steps.
 
-    collective_latency   a model of many small units (fsdpkit.calibrate:many_narrow_units)
-                         on `ranks` processes: what each ring step of a collective costs the
-                         engine (issue, hooks, gloo's handshakes), beyond its bytes
-    waiting_holds_core   `--model` and the many-unit model on twice as many processes as
-                         cores (up to SHARED_CORES_MAX_RANKS): how much of its waiting in
-                         collectives a rank still keeps a core busy; the value in [0, 1], in
-                         steps of 0.02, with the least squared relative error on the two
+    collective latency   a model of many small units (LATENCY_MODEL) on 2 processes: what a
+                         collective costs the engine beyond its bytes (issue, hooks, gloo's
+                         handshakes)
+    more ranks           `--model` and LATENCY_MODEL on more processes (more_ranks: twice the
+                         cores, 4 to MAX_RANKS) give two terms together, the pair (with the
+                         latency fitted again for each) with the least squared relative error
+                         on the two steps:
+                           which share of that latency recurs per ring step, the rest being
+                           fixed per collective (in steps of 0.05);
+                           where those ranks outnumber the cores, how much slower than its
+                           turns on a core a rank computes (compute_contention, in steps of 0.01)
 """
 
 from __future__ import annotations
@@ -15,16 +19,21 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from .hardware import Hardware
+from .hardware import MAX_CONTENTION, Hardware
 from .memory_plan import PlanRequest
 from .step_time import shared_cores_seconds
 
-SHARED_CORES_MAX_RANKS = 8
+if TYPE_CHECKING:
+    from .time_plan import ModelCosts
+
+MAX_RANKS = 8
 LATENCY_MODEL = "fsdpkit.calibrate:many_narrow_units"
 MAX_LATENCY_S = 0.1
+PER_STEP_SHARES = tuple(index / 20 for index in range(20, -1, -1))  # from 1: a ring's alpha-beta model where steps cannot tell
 WARMUP_STEPS = 3
 STEPS = 8  # at least
 
@@ -42,71 +51,87 @@ def fit_value(measured_s: float, step_at: Callable[[float], float], low: float, 
     return (low + high) / 2
 
 
-def latency_run(request: PlanRequest, ranks: int) -> PlanRequest:
-    """The step collective_latency times: LATENCY_MODEL on `ranks` ranks."""
-    return _on_ranks(request, ranks, model=LATENCY_MODEL)
+def more_ranks(cores: int) -> int:
+    """The processes the more-ranks steps run on: twice the cores, from 4 (so that a ring has more
+    steps than between 2) to MAX_RANKS."""
+    return max(4, min(2 * cores, MAX_RANKS))
 
 
-def fit_latency(run: PlanRequest, profile: Hardware, measured_s: float) -> float:
-    """The latency per ring step at which the model predicts `measured_s` for the step of `run`."""
-    from .time_plan import model_costs, predict
-
-    costs = model_costs(run)
-
-    def step_at(latency: float) -> float:
-        with_latency = replace(profile, intra_latency_s=latency, inter_latency_s=latency)
-        return predict(run, with_latency, costs, per_node=run.world_size).time.step_time_s
-
-    return fit_value(measured_s, step_at, 0.0, MAX_LATENCY_S)
+def latency_run(request: PlanRequest) -> PlanRequest:
+    """The step the collective latency is fitted to: LATENCY_MODEL on 2 ranks."""
+    return _on_ranks(request, 2, model=LATENCY_MODEL)
 
 
-def collective_latency(request: PlanRequest, profile: Hardware, ranks: int, seconds: float) -> float:
-    """The latency per ring step at which the model predicts the engine's step of LATENCY_MODEL."""
-    run = latency_run(request, ranks)
-    return fit_latency(run, profile, _measure(run, seconds))
-
-
-def waiting_runs(request: PlanRequest, ranks: int) -> tuple[PlanRequest, PlanRequest]:
-    """The steps waiting_holds_core times: `request`'s model and LATENCY_MODEL on `ranks` ranks."""
+def more_ranks_runs(request: PlanRequest, ranks: int) -> tuple[PlanRequest, PlanRequest]:
+    """The steps the more-ranks terms are fitted to: `request`'s model and LATENCY_MODEL on `ranks` ranks."""
     return _on_ranks(request, ranks), _on_ranks(request, ranks, model=LATENCY_MODEL)
 
 
-def fit_waiting(runs: Sequence[PlanRequest], profile: Hardware, measured_s: Sequence[float]) -> float:
-    """The waiting share at which the model best predicts `measured_s` for the steps of `runs`."""
-    from .time_plan import model_costs, predict
-
-    parts = []
-    for run, measured in zip(runs, measured_s, strict=True):
-        alone = predict(run, replace(profile, compute_slots=0), model_costs(run), per_node=run.world_size).time
-        parts.append(SharedStep(measured, alone.step_time_s, alone.compute_s, alone.copy_s))
-    return fit_waiting_share(parts, profile.compute_share(runs[0].world_size))
+def with_latency(profile: Hardware, latency_s: float, per_step: float) -> Hardware:
+    """`profile` whose collective between 2 ranks costs `latency_s` beyond its bytes, `per_step`
+    of it per ring step and the rest per collective."""
+    per_ring_step = per_step * latency_s
+    return replace(profile, intra_latency_s=per_ring_step, inter_latency_s=per_ring_step, collective_overhead_s=latency_s - per_ring_step)
 
 
-def waiting_holds_core(request: PlanRequest, profile: Hardware, seconds: float) -> float:
-    """Fitted to waiting_runs on twice as many processes as `profile.compute_slots`."""
-    runs = waiting_runs(request, 2 * profile.compute_slots)
-    return fit_waiting(runs, profile, [_measure(run, seconds / 2) for run in runs])
+@dataclass(frozen=True)
+class Measured:
+    """A step timed on `run`'s ranks, and the model's costs of it."""
+
+    run: PlanRequest
+    measured_s: float
+
+    def alone(self, profile: Hardware, costs: ModelCosts) -> tuple[float, float]:
+        """The model's (step, compute) with a core per rank."""
+        from .time_plan import predict
+
+        time = predict(self.run, replace(profile, compute_slots=0), costs, per_node=self.run.world_size).time
+        return time.step_time_s, time.compute_s
+
+
+def fit_collectives(profile: Hardware, latency: Measured, more: Sequence[Measured]) -> Hardware:
+    """`profile` with the collective latency, its share per ring step and the compute contention
+    that best predict the `latency` step and the `more` steps (on more ranks than `latency`)."""
+    from .time_plan import model_costs
+
+    latency_costs, costs = model_costs(latency.run), [model_costs(step.run) for step in more]
+    share = more[0].run.world_size / profile.compute_slots if more and profile.compute_slots else 1.0
+    fits = []
+    for per_step in PER_STEP_SHARES:
+
+        def step_at(seconds: float, per_step: float = per_step) -> float:
+            return latency.alone(with_latency(profile, seconds, per_step), latency_costs)[0]
+
+        fitted = with_latency(profile, fit_value(latency.measured_s, step_at, 0.0, MAX_LATENCY_S), per_step)
+        steps = [SharedStep(step.measured_s, *step.alone(fitted, cost)) for step, cost in zip(more, costs, strict=True)]
+        contention = best_contention(steps, share)
+        fits.append((sum(step.error(share, contention) for step in steps), replace(fitted, compute_contention=contention)))
+    return min(fits, key=lambda fit: fit[0])[1]
 
 
 @dataclass(frozen=True)
 class SharedStep:
-    """A step measured on shared cores, and the model's parts of it with a core per rank."""
+    """A step measured on shared cores, and the model's step and compute with a core per rank."""
 
     measured_s: float
     alone_s: float
     compute_s: float
-    copy_s: float
 
-    def predicted(self, share: float, waiting: float) -> float:
-        """As the step-time model charges `share` ranks per core (without overlap)."""
-        return shared_cores_seconds(self.alone_s, self.compute_s + self.copy_s, share, waiting)
+    def predicted(self, share: float, contention: float) -> float:
+        """As the step-time model charges `share` ranks per core."""
+        return shared_cores_seconds(self.alone_s, self.compute_s, share * contention if share > 1 else 1.0)
+
+    def error(self, share: float, contention: float) -> float:
+        return (self.predicted(share, contention) / self.measured_s - 1) ** 2
 
 
-def fit_waiting_share(steps: Sequence[SharedStep], share: float) -> float:
-    def error(waiting: float) -> float:
-        return sum((step.predicted(share, waiting) / step.measured_s - 1) ** 2 for step in steps)
-
-    return min((index / 50 for index in range(51)), key=lambda waiting: (error(waiting), -waiting))
+def best_contention(steps: Sequence[SharedStep], share: float) -> float:
+    """The contention with the least squared relative error on `steps`; 1 where the ranks do not
+    outnumber the cores (`share` <= 1)."""
+    if share <= 1:
+        return 1.0
+    candidates = (1 + index / 100 for index in range(round((MAX_CONTENTION - 1) * 100) + 1))
+    return min(candidates, key=lambda contention: sum(step.error(share, contention) for step in steps))
 
 
 def _on_ranks(request: PlanRequest, ranks: int, *, model: str | None = None) -> PlanRequest:
@@ -127,10 +152,11 @@ def _on_ranks(request: PlanRequest, ranks: int, *, model: str | None = None) -> 
     return PlanRequest(config, ranks)
 
 
-def _measure(run: PlanRequest, seconds: float) -> float:
+def measure(run: PlanRequest, seconds: float) -> Measured:
+    """The engine's step of `run`, launched on its ranks and timed for at least `seconds`."""
     from .launch import LaunchOptions, launch
 
-    return launch(_measured_step, run, seconds, options=LaunchOptions(nproc_per_node=run.world_size))[0]
+    return Measured(run, launch(_measured_step, run, seconds, options=LaunchOptions(nproc_per_node=run.world_size))[0])
 
 
 def _measured_step(request: PlanRequest, seconds: float) -> float:

@@ -19,6 +19,7 @@ from .errors import UsageError
 
 DTYPES = ("fp32", "bf16", "fp16")
 CALIBRATE_SECONDS = 10.0  # how long `--calibrate` times each part of a profile, at least
+MAX_CONTENTION = 4.0
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class Hardware:
     host_bw_gbs: float = 25.0  # host <-> device copies (CPU offload)
     overlap: bool = True  # communication runs beside compute (False: the two share the same cores)
     compute_slots: int = 0  # ranks of a node that compute at full speed at once (CPU: its cores); 0: every rank has its own device
-    waiting_holds_core: float = 1.0  # the share of its waiting in collectives a rank still keeps a core busy (ranks beyond compute_slots)
+    compute_contention: float = 1.0  # ranks beyond compute_slots: how much slower than its turns on a core a rank computes
+    collective_overhead_s: float = 0.0  # fixed time per collective, whatever its ranks (issue, hooks, copies in and out)
     op_overhead_s: float = 0.0  # fixed time per operator dispatched (eager dispatch, autograd, kernel launch)
     param_passes: float = 0.0  # times each forward or backward moves its unit's unsharded parameters at memory bandwidth
     optimizer_tensor_s: float = 0.0  # fixed time per parameter tensor of the optimizer step (a per-tensor loop)
@@ -47,15 +49,16 @@ class Hardware:
     def __post_init__(self) -> None:
         for key in ("efficiency", "optimizer_passes", "memory_gb", "memory_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "host_bw_gbs"):
             _positive(self.name, key, getattr(self, key))
-        for key in ("unit_overhead_s", "intra_latency_s", "inter_latency_s", "op_overhead_s", "param_passes", "optimizer_tensor_s"):
+        overheads = ("unit_overhead_s", "collective_overhead_s", "op_overhead_s", "optimizer_tensor_s")
+        for key in ("intra_latency_s", "inter_latency_s", "param_passes", *overheads):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise UsageError(f"hardware {self.name!r}: {key} must be a number >= 0, got {value!r}")
         if self.efficiency > 1:
             raise UsageError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
-        share = self.waiting_holds_core
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-            raise UsageError(f"hardware {self.name!r}: waiting_holds_core must be a number in [0, 1], got {self.waiting_holds_core!r}")
+        contention = self.compute_contention
+        if isinstance(contention, bool) or not isinstance(contention, (int, float)) or not 1 <= contention <= MAX_CONTENTION:
+            raise UsageError(f"hardware {self.name!r}: compute_contention must be a number in [1, {MAX_CONTENTION:g}], got {contention!r}")
         if not isinstance(self.compute_slots, int) or self.compute_slots < 0:
             raise UsageError(f"hardware {self.name!r}: compute_slots must be an integer >= 0, got {self.compute_slots!r}")
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -68,10 +71,12 @@ class Hardware:
     def peak_flops(self, dtype: str) -> float:
         return self.peak_tflops.get(dtype, self.peak_tflops["fp32"]) * 1e12
 
-    def compute_share(self, ranks_per_node: int) -> float:
-        """How many ranks take turns on each core when `ranks_per_node` ranks share the node's
-        `compute_slots` cores (1: each has its own)."""
-        return max(1.0, ranks_per_node / self.compute_slots) if self.compute_slots else 1.0
+    def compute_slowdown(self, ranks_per_node: int) -> float:
+        """How many times as long a rank computes when `ranks_per_node` ranks share the node's
+        `compute_slots` cores: they take turns, and switching costs `compute_contention` (1:
+        each rank has a core of its own)."""
+        share = ranks_per_node / self.compute_slots if self.compute_slots else 1.0
+        return share * self.compute_contention if share > 1 else 1.0
 
     def link(self, group_size: int, ranks_per_node: int) -> tuple[float, float]:
         """(bus bandwidth in bytes/s, latency per ring step) of a group of consecutive ranks."""

@@ -21,11 +21,11 @@ stream waited for.
 
     shared cores  when a node's ranks outnumber its cores (hardware.compute_slots) by s, the
                 step above (`alone`) is what a rank would take with a core of its own. Its
-                work (compute, and without overlap the collectives' copying) needs s times
-                as long, and so does the share of its waiting that still holds a core
-                (hardware.waiting_holds_core, h): step = max(alone, s x (work + h x (alone
-                - work))). h = 1 charges the whole step s times; h = 0 lets a waiting rank's
-                core run another rank's work.
+                compute takes turns on the core, s times as long, and longer still by what
+                the switching between ranks costs (their caches, the scheduler:
+                hardware.compute_contention, c). The collectives take as long as with a core
+                each (on this machine's gloo, charging their copies or their waiting s times
+                over-predicted the bandwidth-bound steps): step = alone + (s x c - 1) x compute.
 """
 
 from __future__ import annotations
@@ -100,7 +100,6 @@ class StepTime:
     compute_s: float
     exposed_comm_s: float
     comm_s: float  # the communication stream's busy time
-    copy_s: float  # the part of comm_s that copies bytes, with a core of its own
     flops: float  # model FLOPs per step on one rank (checkpointing's recompute not counted)
     hardware_flops: float  # with the recompute
     comm_bytes: dict[str, int]  # per collective kind, as the engine's comm_stats counts them on one rank
@@ -117,7 +116,7 @@ def collective_seconds(collective: Collective, hardware: Hardware, ranks_per_nod
         return 0.0, 0.0
     bandwidth, latency = hardware.link(world_size if collective.spans_world else n, ranks_per_node)
     steps = 2 * (n - 1) if collective.kind == "all_reduce" else n - 1
-    return steps * latency, collective.bytes * steps / n / bandwidth
+    return hardware.collective_overhead_s + steps * latency, collective.bytes * steps / n / bandwidth
 
 
 class _Streams:
@@ -127,7 +126,6 @@ class _Streams:
         self.comm = 0.0  # when the communication stream is free
         self.busy_compute = 0.0
         self.busy_comm = 0.0
-        self.busy_copy = 0.0  # the collectives' byte copying, part of busy_comm
         self.bytes: dict[str, int] = {}
 
     def run(self, seconds: float) -> None:
@@ -143,7 +141,6 @@ class _Streams:
         waiting, copying = collective_seconds(collective, setup.hardware, setup.ranks_per_node, setup.world_size)
         self.comm = max(self.comm, self.compute) + waiting + copying
         self.busy_comm += waiting + copying
-        self.busy_copy += copying
         if not setup.hardware.overlap:
             self.compute = self.comm
         return self.comm
@@ -206,18 +203,10 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
             streams.issue(setup.flags)
 
 
-def shared_cores_step(streams: _Streams, share: float) -> float:
-    """The step when `share` ranks take turns on each core (1: a core each)."""
-    work = streams.busy_compute + (0.0 if streams.setup.hardware.overlap else streams.busy_copy)
-    return shared_cores_seconds(max(streams.compute, streams.comm), work, share, streams.setup.hardware.waiting_holds_core)
-
-
-def shared_cores_seconds(alone: float, work: float, share: float, waiting_holds_core: float) -> float:
-    """A step of `alone` seconds with a core per rank, `work` of them on the core, when `share`
-    ranks take turns on each core."""
-    if share <= 1:
-        return alone
-    return max(alone, share * (work + waiting_holds_core * (alone - work)))
+def shared_cores_seconds(alone: float, compute: float, slowdown: float) -> float:
+    """A step of `alone` seconds with a core per rank, `compute` of them computing, when its
+    compute takes `slowdown` times as long (Hardware.compute_slowdown)."""
+    return alone + (slowdown - 1) * compute
 
 
 def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
@@ -231,10 +220,9 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
     moved = setup.optimizer_bytes * hardware.optimizer_passes
     optimizer = moved / (hardware.memory_bw_gbs * 1e9) + setup.optimizer_tensors * hardware.optimizer_tensor_s
     streams.run(optimizer)
-    share = hardware.compute_share(setup.ranks_per_node)
-    step = shared_cores_step(streams, share)
-    copy_share = 1.0 if hardware.overlap else share
-    compute_s, comm_s = streams.busy_compute * share, streams.busy_comm + (copy_share - 1) * streams.busy_copy
+    slowdown = hardware.compute_slowdown(setup.ranks_per_node)
+    step = shared_cores_seconds(max(streams.compute, streams.comm), streams.busy_compute, slowdown)
+    compute_s = streams.busy_compute * slowdown
     flops = setup.micro_batches * sum(unit.forward_flops + unit.backward_flops for unit in units)
     recomputed = setup.micro_batches * sum(setup.recomputes.of_forward(u.forward_flops, u.forward_attention_flops)[1] for u in units)
     peak = hardware.peak_flops(setup.compute_dtype)
@@ -242,8 +230,7 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
         step_time_s=step,
         compute_s=compute_s,
         exposed_comm_s=max(step - compute_s, 0.0),
-        comm_s=comm_s,
-        copy_s=streams.busy_copy,
+        comm_s=streams.busy_comm,
         flops=flops,
         hardware_flops=flops + recomputed,
         comm_bytes=dict(streams.bytes),

@@ -20,13 +20,25 @@ from typer.testing import CliRunner
 
 import fsdpkit
 from fsdpkit.calibrate import StepSample, compute_terms, fit_nonnegative
-from fsdpkit.calibrate_steps import MAX_LATENCY_S, SharedStep, fit_value, fit_waiting_share
+from fsdpkit.calibrate_steps import (
+    MAX_LATENCY_S,
+    Measured,
+    SharedStep,
+    best_contention,
+    fit_collectives,
+    fit_value,
+    latency_run,
+    more_ranks,
+    more_ranks_runs,
+    with_latency,
+)
 from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
-from fsdpkit.hardware import BUILT_IN, Hardware, load, to_toml
+from fsdpkit.engine.traffic import Collective
+from fsdpkit.hardware import BUILT_IN, MAX_CONTENTION, Hardware, load, to_toml
 from fsdpkit.memory_plan import PlanRequest
 from fsdpkit.models.source import resolve
 from fsdpkit.plan_search import recommend
-from fsdpkit.step_time import Recompute
+from fsdpkit.step_time import Recompute, collective_seconds
 from fsdpkit.time_plan import activation_peak, model_costs, predict
 from fsdpkit.train.config import TrainConfig
 
@@ -212,64 +224,83 @@ def test_selective_recompute_charges_the_forward_operators_and_half_its_matrix_p
     assert full.hardware_flops - plain.hardware_flops == 8 * forward and full.step_time_s > selective.step_time_s
 
 
-def test_ranks_beyond_the_cores_slow_their_work_and_the_waiting_that_holds_a_core():
+def test_ranks_beyond_the_cores_slow_their_compute_and_not_their_collectives():
     request = _request(4, {"sharding": {"strategy": "full"}})
     costs = model_costs(request)
     cpu = dataclasses.replace(
-        BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, param_passes=2.0, optimizer_tensor_s=1e-5, intra_latency_s=0.0
+        BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, param_passes=2.0, optimizer_tensor_s=1e-5, intra_latency_s=1e-3
     )
     enough = predict(request, cpu, costs, per_node=4).time
-    shared = predict(request, dataclasses.replace(cpu, compute_slots=1), costs, per_node=4).time
-    assert not cpu.overlap and enough.comm_s > 0
-    # without latency every second of the step is work (compute or copying): 4 ranks per core, 4x
-    assert shared.step_time_s == pytest.approx(4 * enough.step_time_s, rel=1e-9)
-    assert shared.comm_s == pytest.approx(4 * enough.comm_s, rel=1e-9)
-    # the ring's latency steps are waiting: the whole step slows when waiting holds the core,
-    # only its work when waiting frees it, and linearly between
-    waiting = dataclasses.replace(cpu, intra_latency_s=1e-3, intra_bw_gbs=1e15)
-    alone = predict(request, waiting, costs, per_node=4).time
-    work = alone.compute_s
-    assert alone.step_time_s > work and alone.comm_s == pytest.approx(alone.step_time_s - work, rel=1e-6)
+    assert not cpu.overlap and enough.comm_s > 0 and enough.step_time_s == pytest.approx(enough.compute_s + enough.comm_s, rel=1e-9)
+    # 4 ranks per core take turns: their compute 4 times as long, and `contention` times more
     steps = {}
-    for share in (0.0, 0.25, 1.0):
-        one_core = dataclasses.replace(waiting, compute_slots=1, waiting_holds_core=share)
-        steps[share] = predict(request, one_core, costs, per_node=4).time
-        assert steps[share].comm_s == pytest.approx(alone.comm_s, rel=1e-6)
-    assert steps[1.0].step_time_s == pytest.approx(4 * alone.step_time_s, rel=1e-9)
-    assert steps[0.0].step_time_s == pytest.approx(max(alone.step_time_s, 4 * work), rel=1e-9)
-    assert steps[0.25].step_time_s == pytest.approx(4 * (work + 0.25 * (alone.step_time_s - work)), rel=1e-9)
+    for contention in (1.0, 1.25, 2.0):
+        shared = predict(request, dataclasses.replace(cpu, compute_slots=1, compute_contention=contention), costs, per_node=4).time
+        assert shared.comm_s == pytest.approx(enough.comm_s, rel=1e-9)
+        assert shared.compute_s == pytest.approx(4 * contention * enough.compute_s, rel=1e-9)
+        assert shared.step_time_s == pytest.approx(enough.step_time_s + (4 * contention - 1) * enough.compute_s, rel=1e-9)
+        steps[contention] = shared.step_time_s
+    # contention does not touch ranks that have a core each
+    assert predict(request, dataclasses.replace(cpu, compute_contention=2.0), costs, per_node=4).time.step_time_s == enough.step_time_s
 
-    def step_at(share: float) -> float:
-        return predict(request, dataclasses.replace(waiting, compute_slots=1, waiting_holds_core=share), costs, per_node=4).time.step_time_s
+    def step_at(contention: float) -> float:
+        shared = dataclasses.replace(cpu, compute_slots=1, compute_contention=contention)
+        return predict(request, shared, costs, per_node=4).time.step_time_s
 
-    # calibration finds the share back from a measured step, and keeps it in [0, 1]
-    assert fit_value(steps[0.25].step_time_s, step_at, 0.0, 1.0) == pytest.approx(0.25, rel=1e-6)
-    assert fit_value(0.5 * steps[0.0].step_time_s, step_at, 0.0, 1.0) == 0.0
-    assert fit_value(2 * steps[1.0].step_time_s, step_at, 0.0, 1.0) == 1.0
-    # with overlap (a GPU's own copy engines) the collectives do not slow
+    # calibration finds the contention back from a measured step, and keeps it in [1, MAX_CONTENTION]
+    assert fit_value(steps[1.25], step_at, 1.0, MAX_CONTENTION) == pytest.approx(1.25, rel=1e-6)
+    assert fit_value(0.5 * steps[1.0], step_at, 1.0, MAX_CONTENTION) == 1.0
+    assert fit_value(100 * steps[2.0], step_at, 1.0, MAX_CONTENTION) == MAX_CONTENTION
+    # with overlap (a GPU's own copy engines) the collectives do not slow either
     overlapping = dataclasses.replace(cpu, overlap=True)
     alone = predict(request, overlapping, costs, per_node=4).time
     crowded = predict(request, dataclasses.replace(overlapping, compute_slots=2), costs, per_node=4).time
     assert crowded.comm_s == pytest.approx(alone.comm_s, rel=1e-9) and crowded.compute_s == pytest.approx(2 * alone.compute_s, rel=1e-9)
 
 
-def test_calibration_fits_the_waiting_share_over_several_measured_steps():
+def test_calibration_fits_the_compute_contention_over_several_measured_steps():
     request = _request(4, {"sharding": {"strategy": "full"}})
     costs = model_costs(request)
     cpu = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, intra_latency_s=1e-3)
     alone = predict(request, cpu, costs, per_node=4).time
-    waiting = alone.step_time_s - alone.compute_s - alone.copy_s
-    assert alone.copy_s > 0 and waiting > 0 and alone.comm_s == pytest.approx(alone.copy_s + waiting, rel=1e-9)
-    part = SharedStep(0.0, alone.step_time_s, alone.compute_s, alone.copy_s)
-    shared = dataclasses.replace(cpu, compute_slots=2, waiting_holds_core=0.3)
-    assert predict(request, shared, costs, per_node=4).time.step_time_s == pytest.approx(part.predicted(2.0, 0.3), rel=1e-9)
-    # a compute-bound and a waiting-bound step: the share that fits both best
-    parts = [SharedStep(0.0, 1.0, 0.5, 0.4), SharedStep(0.0, 1.0, 0.3, 0.05)]
-    measured = [dataclasses.replace(p, measured_s=p.predicted(2.0, 0.3)) for p in parts]
-    assert fit_waiting_share(measured, 2.0) == pytest.approx(0.3)
-    # a step faster than any share allows fits 0, one slower than the whole step shared 1
-    assert fit_waiting_share([dataclasses.replace(p, measured_s=0.5) for p in parts], 2.0) == 0.0
-    assert fit_waiting_share([dataclasses.replace(p, measured_s=5.0) for p in parts], 2.0) == 1.0
+    step = SharedStep(0.0, alone.step_time_s, alone.compute_s)
+    shared = dataclasses.replace(cpu, compute_slots=2, compute_contention=1.3)
+    assert predict(request, shared, costs, per_node=4).time.step_time_s == pytest.approx(step.predicted(2.0, 1.3), rel=1e-9)
+    # a compute-bound and a collective-bound step: the contention that fits both best
+    steps = [SharedStep(0.0, 1.0, 0.8), SharedStep(0.0, 1.0, 0.1)]
+    measured = [dataclasses.replace(s, measured_s=s.predicted(2.0, 1.3)) for s in steps]
+    assert best_contention(measured, 2.0) == pytest.approx(1.3)
+    # noise on one step moves the fit less than it moves that step alone
+    noisy = [dataclasses.replace(measured[0], measured_s=1.1 * measured[0].measured_s), measured[1]]
+    assert 1.3 < best_contention(noisy, 2.0) < best_contention(noisy[:1], 2.0)
+    # a step faster than taking turns allows fits 1, one far slower MAX_CONTENTION
+    assert best_contention([dataclasses.replace(s, measured_s=0.5) for s in steps], 2.0) == 1.0
+    assert best_contention([dataclasses.replace(s, measured_s=50.0) for s in steps], 2.0) == MAX_CONTENTION
+
+
+def test_calibration_fits_the_latency_its_share_per_ring_step_and_the_contention_together():
+    # a fixed cost per collective whatever its ranks; a cost per ring step grows with them
+    gather = Collective("all_gather", 0, 4, spans_world=False)
+    fixed = dataclasses.replace(BUILT_IN["cpu-gloo"], intra_latency_s=0.0, collective_overhead_s=1e-3)
+    ring = dataclasses.replace(BUILT_IN["cpu-gloo"], intra_latency_s=1e-3)
+    assert collective_seconds(gather, fixed, 4, 4)[0] == pytest.approx(1e-3) and collective_seconds(gather, ring, 4, 4)[0] == pytest.approx(
+        3e-3
+    )
+    # measured steps made by a known profile: the fit finds its three terms back
+    request = _request(2, {"sharding": {"strategy": "full"}})
+    base = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=2, op_overhead_s=1e-6)
+    truth = dataclasses.replace(with_latency(base, 1.2e-3, 0.4), compute_contention=1.5)
+    runs = [latency_run(request), *more_ranks_runs(request, more_ranks(2))]
+    assert [run.world_size for run in runs] == [2, 4, 4] and runs[1].model == request.model and runs[2].model == runs[0].model
+    steps = [Measured(run, predict(run, truth, model_costs(run), per_node=run.world_size).time.step_time_s) for run in runs]
+    fitted = fit_collectives(dataclasses.replace(base, intra_latency_s=5e-3), steps[0], steps[1:])
+    assert fitted.intra_latency_s + fitted.collective_overhead_s == pytest.approx(1.2e-3, rel=1e-6)
+    assert fitted.intra_latency_s == pytest.approx(0.4 * 1.2e-3, rel=1e-6) and fitted.compute_contention == pytest.approx(1.5)
+    # without steps on more ranks: the ring's alpha-beta model, its latency per step fitted to the one step
+    alone = fit_collectives(base, steps[0], [])
+    assert alone.collective_overhead_s == 0 and alone.compute_contention == 1.0
+    latency = steps[0].run
+    assert predict(latency, alone, model_costs(latency), per_node=2).time.step_time_s == pytest.approx(steps[0].measured_s, rel=1e-6)
 
 
 def test_calibration_models_run_one_unit_per_block_and_the_fit_charges_the_engines_units():
@@ -424,7 +455,7 @@ def test_cli_time_json_scaling_and_report(tmp_path):
         ("peak_tflops = {fp32 = 1.0}\nbogus = 1\n", "unknown key 'bogus'"),
         ("this is not toml", "not valid TOML"),
         (("intra_bw_gbs = 1.0", "intra_bw_gbs = -1"), "intra_bw_gbs must be a number > 0, got -1"),
-        (("waiting_holds_core = 1.0", "waiting_holds_core = 1.5"), "waiting_holds_core must be a number in [0, 1], got 1.5"),
+        (("compute_contention = 1.0", "compute_contention = 0.5"), "compute_contention must be a number in [1, 4], got 0.5"),
     ],
 )
 def test_bad_hardware_file_is_one_line_exit_2(tmp_path, content, message):
@@ -466,7 +497,7 @@ def test_calibrate_measures_this_machine_into_a_profile_that_plan_reads(tmp_path
     profile = load(str(out))
     assert profile.compute_slots == len(os.sched_getaffinity(0)) and not profile.overlap
     assert 0 < profile.intra_latency_s < MAX_LATENCY_S and profile.intra_bw_gbs > 0 and 0 < profile.efficiency <= 1
-    assert 0 <= profile.waiting_holds_core <= 1
+    assert 1 <= profile.compute_contention <= MAX_CONTENTION
     timed = _invoke([*args, "--time", "--hardware", str(out), "--json"])
     assert timed.exit_code == 0, timed.output
     assert json.loads(timed.stdout)["step_time_s"] > 0
