@@ -15,7 +15,7 @@ the copies gloo's collectives make (its all_gather gathers into a new flat tenso
 copies out; torch's reduce-scatter on gloo is an all-reduce of the whole tensor, twice the
 traffic). Both ranks' transfers of one collective are matched in issue order (one tag per
 kind), so they are asynchronous and ordered like every collective. NCCL keeps torch's
-collectives. `fsdpkit bench reducescatter --variant both` compares.
+collectives. `fsdpkit bench allgather reducescatter --variant all` compares.
 
 `all_gather_encoded` wraps the all-gather in a codec (the engine's int8 weight gather):
 encode this rank's chunk into a byte row, gather the rows, decode them into the output.

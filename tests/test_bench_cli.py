@@ -68,7 +68,7 @@ def test_all_collectives_json_check_passes_and_csv(tmp_path):
 
 
 def test_table_counts_a_corrupted_result_as_wrong_and_exits_3():
-    args = ["allgather", *SMALL, "--variant", "both", "--dtype", "bfloat16", "--check", "2"]
+    args = ["allgather", *SMALL, "--variant", "all", "--dtype", "bfloat16", "--check", "2"]
     result = _invoke(args, env={"FSDPKIT_BENCH_CORRUPT_RANK": "1"})
     assert result.exit_code == 3, result.output
     lines = result.stdout.splitlines()
@@ -77,16 +77,16 @@ def test_table_counts_a_corrupted_result_as_wrong_and_exits_3():
     header = next(line for line in lines if "#wrong" in line)
     assert header.split()[1:] == ["size", "count", "type"] + ["time", "algbw", "busbw", "#wrong"] * 2
     rows = [line.split() for line in lines if line.startswith("  ") and "float" in line]
-    assert len(rows) == 2 * 3  # flat and list tables, three sizes each
+    assert len(rows) == 3 * 3  # flat, list and fsdpkit tables, three sizes each
     for row in rows:
         assert row[2] == "bfloat16" and len(row) == 11
         assert row[6] == "2" and row[10] == "2"  # rank 1 corrupted one element in each of the 2 checked runs
     assert [row[:2] for row in rows[:3]] == [["1024", "256"], ["2048", "512"], ["4096", "1024"]]
-    assert sum(line.startswith("# Avg bus bandwidth") for line in lines) == 2
+    assert sum(line.startswith("# Avg bus bandwidth") for line in lines) == 3
     assert any(line.startswith("# all-gather: flat") for line in lines)  # side by side
     assert result.stderr.strip().splitlines() == [
-        "error: --check found 24 wrong result elements (allgather (flat) 1024 B out-of-place: 2; "
-        "allgather (flat) 1024 B in-place: 2; allgather (flat) 2048 B out-of-place: 2; and 9 more)"
+        "error: --check found 36 wrong result elements (allgather (flat) 1024 B out-of-place: 2; "
+        "allgather (flat) 1024 B in-place: 2; allgather (flat) 2048 B out-of-place: 2; and 15 more)"
     ]
 
 
@@ -132,7 +132,7 @@ def no_launch(monkeypatch):
         (["allgather", "--standalone", "--rdzv-endpoint", "h:1"], "error: --standalone runs on one node with a local rendezvous"),
         (["allgather", "--bogus"], "error: no such option: --bogus (see 'fsdpkit bench allgather --help')"),
         (["allgather", "-n", "x"], "error: invalid value for '--iters' / '-n'"),
-        (["allgather", "--variant", "ring"], "error: unknown --variant 'ring': choose from flat, list, both"),
+        (["allgather", "--variant", "ring"], "error: unknown --variant 'ring': choose from flat, list, fsdpkit, all"),
         (
             ["all", "--min-bytes", "12Q"],
             "error: unknown size unit 'Q' in '12Q': use K/M/G (=KiB/MiB/GiB, powers of 1024) or KB/MB/GB (powers of 1000)",
@@ -218,7 +218,7 @@ def test_rows_arrive_through_a_pipe_while_the_benchmark_runs():
     command = [sys.executable, "-m", "fsdpkit_cli", "bench", "allgather", *SMALL[:4], "-b", "1K", "-e", "1M", "-f", "4", "-n", "20"]
     started = time.perf_counter()
     process = subprocess.Popen(
-        [*command, "--variant", "both"], stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        [*command, "--variant", "all"], stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     arrivals = []  # (seconds since start, the process still running, line)
     for line in process.stdout:
@@ -230,7 +230,7 @@ def test_rows_arrive_through_a_pipe_while_the_benchmark_runs():
         "\n".join(f"{at:7.3f} {'running' if running else 'exited '} {line}" for at, running, line in arrivals) + f"\n{ended:7.3f} end"
     )
     assert arrivals[0][2].startswith("# fsdpkit bench allgather (flat)") and arrivals[0][1], timeline
-    assert len(rows) == 2 * 6 and rows[0][1], timeline  # the first row came while the process still ran
+    assert len(rows) == 3 * 6 and rows[0][1], timeline  # the first row came while the process still ran
     assert rows[0][0] < rows[-1][0] < ended, timeline
 
 

@@ -135,9 +135,9 @@ def test_bench_options_reject_bad_values(overrides, message):
         BenchOptions(**arguments)
 
 
-def test_variant_both_runs_flat_then_list():
-    options = BenchOptions(collectives=("allgather", "allreduce"), variant="both")
-    assert options.entries() == [("allgather", "flat"), ("allgather", "list"), ("allreduce", "")]
+def test_variant_all_runs_flat_list_then_fsdpkit():
+    options = BenchOptions(collectives=("allgather", "allreduce"), variant="all")
+    assert options.entries() == [("allgather", "flat"), ("allgather", "list"), ("allgather", "fsdpkit"), ("allreduce", "")]
 
 
 def test_nccl_without_cuda_is_a_usage_error(monkeypatch):

@@ -1,5 +1,5 @@
 """Benchmark variants without processes: which implementations run, what bad --variant
-values say, and the side-by-side table `fsdpkit bench reducescatter --variant both` prints
+values say, and the side-by-side table `fsdpkit bench reducescatter --variant all` prints
 (the launcher is replaced by one returning fixed timings; the fsdpkit reduce-scatter's
 results are checked against all-reduce in test_engine_zoo.py)."""
 
@@ -21,7 +21,7 @@ def test_each_collective_has_its_own_variants_and_default():
         ("reducescatter", "torch"),
         ("allreduce", ""),
     ]
-    assert BenchOptions(collectives=("reducescatter",), variant="both").entries() == [
+    assert BenchOptions(collectives=("reducescatter",), variant="all").entries() == [
         ("reducescatter", "torch"),
         ("reducescatter", "fsdpkit"),
     ]
@@ -31,9 +31,9 @@ def test_each_collective_has_its_own_variants_and_default():
 @pytest.mark.parametrize(
     "collectives, variant, message",
     [
-        (("reducescatter",), "flat", "unknown --variant 'flat': choose from torch, fsdpkit, both"),
-        (("allgather",), "fsdpkit", "unknown --variant 'fsdpkit': choose from flat, list, both"),
-        (("allreduce",), "both", "--variant only applies to allgather, reducescatter"),
+        (("reducescatter",), "flat", "unknown --variant 'flat': choose from torch, fsdpkit, all"),
+        (("allgather",), "torch", "unknown --variant 'torch': choose from flat, list, fsdpkit, all"),
+        (("allreduce",), "all", "--variant only applies to allgather, reducescatter"),
     ],
 )
 def test_bad_variants_are_named(collectives, variant, message):
@@ -41,7 +41,7 @@ def test_bad_variants_are_named(collectives, variant, message):
         BenchOptions(collectives=collectives, variant=variant)
 
 
-def test_reducescatter_both_prints_torch_and_fsdpkit_side_by_side(monkeypatch):
+def test_reducescatter_all_prints_torch_and_fsdpkit_side_by_side(monkeypatch):
     seen = {}
 
     def fake_launch(worker, plan, *, options):
@@ -64,7 +64,7 @@ def test_reducescatter_both_prints_torch_and_fsdpkit_side_by_side(monkeypatch):
             "bench",
             "reducescatter",
             "--variant",
-            "both",
+            "all",
             "--nproc-per-node",
             "2",
             "--backend",

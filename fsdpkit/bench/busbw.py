@@ -29,9 +29,9 @@ from ..errors import UsageError
 from ..sizes import format_size
 
 COLLECTIVES = ("allgather", "reducescatter", "allreduce", "broadcast", "alltoall")
-# Collectives with two implementations to compare; the first is the default, "both" runs both.
+# Collectives with several implementations to compare; the first is the default, "all" runs them all.
 VARIANTS = {
-    "allgather": ("flat", "list"),  # all_gather_single (FSDP's) / all_gather into a list of tensors
+    "allgather": ("flat", "list", "fsdpkit"),  # all_gather_single (FSDP's) / into a list of tensors / Collectives.all_gather
     "reducescatter": ("torch", "fsdpkit"),  # torch's reduce_scatter_single / fsdpkit's Collectives.reduce_scatter
 }
 SHARDED_COLLECTIVES = frozenset({"allgather", "reducescatter", "alltoall"})

@@ -6,8 +6,10 @@ reduce-scatter: the output is chunk `rank` of the input). torch's all_reduce and
 exist only in place, and all_to_all_single is only benchmarked out of place (NCCL cannot
 run it in place), so those modes are reported as N/A instead of timing a copy as well.
 
-All-gather has two variants: `flat` (one output tensor, all_gather_single, what FSDP uses)
-and `list` (dist.all_gather into a list of separate tensors). Reduce-scatter has two: `torch`
+All-gather has three variants: `flat` (one output tensor, all_gather_single, what FSDP uses),
+`list` (dist.all_gather into a list of separate tensors) and `fsdpkit` (what the engine runs:
+fsdpkit.comm.Collectives.all_gather, point-to-point transfers into place where the backend is
+gloo, the native collective elsewhere). Reduce-scatter has two: `torch`
 (reduce_scatter_single; gloo runs it as an all-reduce) and `fsdpkit` (what the engine runs:
 fsdpkit.comm.Collectives.reduce_scatter, point-to-point transfers and a local sum where the
 backend has no reduce-scatter, the native collective elsewhere).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -68,7 +71,7 @@ def prepare(collective: str, variant: str, mode: str, count: int, where: Placeme
     if collective == "allreduce":
         return _prepare_allreduce(in_place, count, where, op)
     builders = {
-        "allgather": _prepare_allgather_list if variant == "list" else _prepare_allgather_flat,
+        "allgather": _prepare_allgather_list if variant == "list" else partial(_prepare_allgather_flat, engine=variant == "fsdpkit"),
         "broadcast": _prepare_broadcast,
         "alltoall": _prepare_alltoall,
     }
@@ -79,8 +82,10 @@ def _empty(numel: int, where: Placement) -> torch.Tensor:
     return torch.empty(numel, dtype=where.dtype, device=where.device)
 
 
-def _prepare_allgather_flat(in_place: bool, count: int, where: Placement) -> PreparedCollective:
+def _prepare_allgather_flat(in_place: bool, count: int, where: Placement, *, engine: bool = False) -> PreparedCollective:
+    """torch's all_gather_single, or (engine) the engine's Collectives.all_gather."""
     rank, n = where.rank, where.world_size
+    comms = Collectives()
     output = _empty(count * n, where)
     shard = output[rank * count : (rank + 1) * count] if in_place else _empty(count, where)
 
@@ -90,7 +95,9 @@ def _prepare_allgather_flat(in_place: bool, count: int, where: Placement) -> Pre
 
     reset()
     return PreparedCollective(
-        run=lambda: _all_gather_flat(output, shard, group=where.group),
+        run=(lambda: comms.all_gather(output, shard, where.group))
+        if engine
+        else (lambda: _all_gather_flat(output, shard, group=where.group)),
         reset=reset,
         result=lambda: output,
         expected=lambda: patterns.gathered_values(n, count, device=where.device),

@@ -20,6 +20,8 @@ def backend_note(backend: str, collective: str, variant: str = "") -> str | None
             "emulated: gloo runs reduce-scatter as an all-reduce of the whole tensor and keeps this rank's chunk "
             "(about twice the traffic); busbw still uses the reduce-scatter factor"
         )
+    if backend == "gloo" and collective == "allgather" and variant == "fsdpkit":
+        return "fsdpkit on gloo: point-to-point sends of this rank's shard into its place on every other rank"
     if backend == "gloo" and collective == "allgather" and variant == "flat":
         return "gloo runs all_gather_single as its list all-gather over views of the output"
     return None

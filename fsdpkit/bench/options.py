@@ -71,9 +71,10 @@ class BenchOptions:
     backend: str = setting("auto", "auto: nccl with a GPU per process, else gloo.", choices=BACKENDS)
     variant: str | None = setting(
         None,
-        "allgather: flat (all_gather_single, FSDP's; default) or list (all_gather into "
-        "separate tensors); reducescatter: torch (reduce_scatter_single, an all-reduce on gloo; "
-        "default) or fsdpkit (the engine's: point-to-point sends summed in place on gloo); both: side by side.",
+        "allgather: flat (all_gather_single, FSDP's; default), list (all_gather into separate "
+        "tensors) or fsdpkit (the engine's: point-to-point sends into place on gloo); reducescatter: "
+        "torch (reduce_scatter_single, an all-reduce on gloo; default) or fsdpkit (the engine's: "
+        "point-to-point sends summed in place on gloo); all: side by side.",
         metavar="NAME",
     )
 
@@ -90,9 +91,9 @@ class BenchOptions:
             if not with_variants:
                 raise UsageError(f"--variant only applies to {', '.join(VARIANTS)}")
             for collective in with_variants:
-                if self.variant not in (*VARIANTS[collective], "both"):
-                    raise UsageError(f"unknown --variant {self.variant!r}: choose from {', '.join(VARIANTS[collective])}, both")
-            if self.variant in ("fsdpkit", "both") and "reducescatter" in with_variants and self.op != "sum":
+                if self.variant not in (*VARIANTS[collective], "all"):
+                    raise UsageError(f"unknown --variant {self.variant!r}: choose from {', '.join(VARIANTS[collective])}, all")
+            if self.variant in ("fsdpkit", "all") and "reducescatter" in with_variants and self.op != "sum":
                 raise UsageError(f"--variant {self.variant} of reducescatter sums only (the engine reduces gradients); got --op {self.op}")
         if self.op not in OPS:
             raise UsageError(f"unknown --op {self.op!r}: choose from {', '.join(OPS)}")
@@ -114,7 +115,7 @@ class BenchOptions:
             variants = VARIANTS.get(collective)
             if variants is None:
                 pairs.append((collective, ""))
-            elif self.variant == "both":
+            elif self.variant == "all":
                 pairs += [(collective, variant) for variant in variants]
             else:
                 pairs.append((collective, self.variant or variants[0]))

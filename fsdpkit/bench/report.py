@@ -72,35 +72,38 @@ def _format_time(time_us: float) -> str:
     return f"{time_us:.1f}" if time_us < 1e6 else f"{time_us:.0f}"
 
 
-_COMPARISONS = {  # collective -> (title, baseline variant, other variant)
-    "allgather": ("all-gather: flat (all_gather_single, FSDP's) vs list (all_gather into separate tensors)", "flat", "list"),
+_COMPARISONS = {  # collective -> (title, baseline variant, the other variants)
+    "allgather": (
+        "all-gather: flat (all_gather_single, FSDP's) vs list (all_gather into separate tensors) "
+        "vs fsdpkit (the engine's Collectives.all_gather)",
+        "flat",
+        ("list", "fsdpkit"),
+    ),
     "reducescatter": (
         "reduce-scatter: torch (reduce_scatter_single) vs fsdpkit (the engine's Collectives.reduce_scatter)",
         "torch",
-        "fsdpkit",
+        ("fsdpkit",),
     ),
 }
 
 
 def format_variant_comparison(report: BenchReport) -> str | None:
-    """Each collective's two variants side by side at each size, when both ran."""
+    """Each collective's variants side by side at each size, with each one's time over the
+    baseline's, when more than one ran."""
     parts = []
-    for collective, (title, base, other) in _COMPARISONS.items():
+    for collective, (title, base, others) in _COMPARISONS.items():
         by_variant = {result.variant: result for result in report.results if result.collective == collective}
-        if not {base, other} <= by_variant.keys():
+        ran = [other for other in others if other in by_variant]
+        if base not in by_variant or not ran:
             continue
-        ratio_header = f"{other}/{base}"
-        lines = [
-            f"# {title}",
-            f"# {'size(B)':>11} {'mode':>13} {base + '(us)':>12} {other + '(us)':>12} {ratio_header:>13}",
-        ]
-        for base_row, other_row in zip(by_variant[base].rows, by_variant[other].rows, strict=True):
+        times = "".join(f" {variant + '(us)':>12}" for variant in (base, *ran))
+        ratios = "".join(f" {other + '/' + base:>13}" for other in ran)
+        lines = [f"# {title}", f"# {'size(B)':>11} {'mode':>13}{times}{ratios}"]
+        for rows in zip(*(by_variant[variant].rows for variant in (base, *ran)), strict=True):
             for mode in MODES:
-                base_mode, other_mode = getattr(base_row, mode), getattr(other_row, mode)
-                lines.append(
-                    f"  {base_row.size_bytes:>11} {mode.replace('_', '-'):>13} "
-                    f"{base_mode.time_us:>12.1f} {other_mode.time_us:>12.1f} {other_mode.time_us / base_mode.time_us:>13.2f}"
-                )
+                base_us, *other_us = (getattr(row, mode).time_us for row in rows)
+                line = f"  {rows[0].size_bytes:>11} {mode.replace('_', '-'):>13}" + "".join(f" {t:>12.1f}" for t in (base_us, *other_us))
+                lines.append(line + "".join(f" {t / base_us:>13.2f}" for t in other_us))
         lines.append("#")
         parts.append("\n".join(lines))
     return "\n".join(parts) or None
