@@ -9,7 +9,7 @@ values at which `fsdpkit plan --time` predicts the measured steps.
                          latency fitted again for each) with the least squared relative error
                          on the two steps:
                            which share of that latency recurs per ring step, the rest being
-                           fixed per collective (in steps of 0.05);
+                           fixed per collective (in steps of 0.1);
                            where those ranks outnumber the cores, how much slower than its
                            turns on a core a rank computes (compute_contention, in steps of 0.01)
 """
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .hardware import MAX_CONTENTION, Hardware
+from .hardware import MAX_CONTENTION, Hardware, shared_compute_slowdown
 from .memory_plan import PlanRequest
 from .step_time import shared_cores_seconds
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 MAX_RANKS = 8
 LATENCY_MODEL = "fsdpkit.calibrate:many_narrow_units"
 MAX_LATENCY_S = 0.1
-PER_STEP_SHARES = tuple(index / 20 for index in range(20, -1, -1))  # from 1: a ring's alpha-beta model where steps cannot tell
+PER_STEP_SHARES = tuple(index / 10 for index in range(10, -1, -1))  # from 1: a ring's alpha-beta model where steps cannot tell
 WARMUP_STEPS = 3
 STEPS = 8  # at least
 
@@ -45,7 +45,7 @@ def fit_value(measured_s: float, step_at: Callable[[float], float], low: float, 
         return high
     if step_at(low) >= measured_s:
         return low
-    for _ in range(40):
+    for _ in range(30):
         middle = (low + high) / 2
         low, high = (middle, high) if step_at(middle) < measured_s else (low, middle)
     return (low + high) / 2
@@ -119,7 +119,7 @@ class SharedStep:
 
     def predicted(self, share: float, contention: float) -> float:
         """As the step-time model charges `share` ranks per core."""
-        return shared_cores_seconds(self.alone_s, self.compute_s, share * contention if share > 1 else 1.0)
+        return shared_cores_seconds(self.alone_s, self.compute_s, shared_compute_slowdown(share, contention))
 
     def error(self, share: float, contention: float) -> float:
         return (self.predicted(share, contention) / self.measured_s - 1) ** 2

@@ -73,10 +73,8 @@ class Hardware:
 
     def compute_slowdown(self, ranks_per_node: int) -> float:
         """How many times as long a rank computes when `ranks_per_node` ranks share the node's
-        `compute_slots` cores: they take turns, and switching costs `compute_contention` (1:
-        each rank has a core of its own)."""
-        share = ranks_per_node / self.compute_slots if self.compute_slots else 1.0
-        return share * self.compute_contention if share > 1 else 1.0
+        `compute_slots` cores (1: each rank has a core of its own)."""
+        return shared_compute_slowdown(ranks_per_node / self.compute_slots if self.compute_slots else 1.0, self.compute_contention)
 
     def link(self, group_size: int, ranks_per_node: int) -> tuple[float, float]:
         """(bus bandwidth in bytes/s, latency per ring step) of a group of consecutive ranks."""
@@ -86,6 +84,12 @@ class Hardware:
 
     def to_values(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def shared_compute_slowdown(share: float, contention: float) -> float:
+    """How many times as long a rank computes when `share` ranks take turns on each core, each
+    `contention` times slower than its turns (switching between them); 1 at a core each."""
+    return share * contention if share > 1 else 1.0
 
 
 def _positive(name: str, key: str, value: Any) -> None:
