@@ -125,7 +125,7 @@ CalibrateSecondsOption = Annotated[
     typer.Option(
         "--calibrate-seconds",
         min=0,
-        help="How long --calibrate times each of compute, collective latency and shared cores, at least.",
+        help="How long --calibrate times each of compute, collective latency and more ranks, at least.",
         rich_help_panel="Time",
         metavar="S",
     ),

@@ -260,7 +260,7 @@ def network_line(ranks: int) -> tuple[float, float]:
 
 
 def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRATE_SECONDS) -> Hardware:
-    """The compute, the collectives' latency and the shared cores each time training steps for at
+    """The compute, the collectives' latency and the more-ranks terms each time training steps for at
     least `seconds`: the longer, the more of a machine's drifting speed is averaged over."""
     from tqdm import tqdm
 
@@ -294,7 +294,7 @@ def measured_profile(
     request: PlanRequest, compute: tuple[float, float, list[StepSample]], network: tuple[float, float], ranks: int
 ) -> Hardware:
     """The profile from measure_steps' (peak, memory bandwidth, samples) and network_line's
-    (latency, bus bandwidth) on `ranks` ranks, before the latency and the shared cores are fitted."""
+    (latency, bus bandwidth) on `ranks` ranks, before fit_collectives."""
     peak, bandwidth_memory, samples = compute
     terms = compute_terms(samples)
     if terms.seconds_per_flop > 0:  # the models' matrix products may outrun the probe's
