@@ -97,7 +97,7 @@ def fit_collectives(profile: Hardware, latency: Measured, more: Sequence[Measure
     latency_costs, costs = model_costs(latency.run), [model_costs(step.run) for step in more]
     share = more[0].run.world_size / profile.compute_slots if more and profile.compute_slots else 1.0
     fits = []
-    for per_step in PER_STEP_SHARES:
+    for per_step in PER_STEP_SHARES if more else PER_STEP_SHARES[:1]:
 
         def step_at(seconds: float, per_step: float = per_step) -> float:
             return latency.alone(with_latency(profile, seconds, per_step), latency_costs)[0]
