@@ -134,8 +134,9 @@ class Calibration:
                 compute.append((run, size, Timed((0,), alone, (lambda run=run, size=size: run.step(size)) if run else None)))
         steps: dict[str, list[Timed]] = {"latency": [], "more": []}
         runs = [(latency_run(request), "latency")] if world >= 2 else []
-        if world == more_ranks(len(os.sched_getaffinity(0))):
-            runs += [(run, "more") for run in more_ranks_runs(request, world)]
+        cores = len(os.sched_getaffinity(0))
+        if world == more_ranks(cores):
+            runs += [(run, "more") for run in more_ranks_runs(request, cores)]
         for run, kind in runs:
             ranks = tuple(range(run.world_size))
             group = dist.new_group(list(ranks)) if run.world_size < world else None
@@ -167,13 +168,13 @@ def calibration_request(batch: int, seq_len: int):
 def measured_hardware(result: dict, network: tuple[float, float], batch: int, seq_len: int):
     """The profile `plan --calibrate` would fit from these measurements."""
     from fsdpkit.calibrate import measured_profile
-    from fsdpkit.calibrate_steps import Measured, fit_collectives, latency_run, more_ranks, more_ranks_runs
+    from fsdpkit.calibrate_steps import Measured, fit_collectives, latency_run, more_ranks_runs
 
     request = calibration_request(batch, seq_len)
     profile = measured_profile(request, result["compute"], network, 2)
     if not result["latency"]:
         return profile
-    more = more_ranks_runs(request, more_ranks(profile.compute_slots)) if result["more"] else ()
+    more = more_ranks_runs(request, profile.compute_slots) if result["more"] else ()
     measured = [Measured(run, seconds) for run, seconds in zip(more, result["more"], strict=True)]
     return fit_collectives(profile, Measured(latency_run(request), result["latency"][0]), measured)
 

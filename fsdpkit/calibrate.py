@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .calibrate_steps import fit_collectives, latency_run, measure, more_ranks, more_ranks_runs
+from .calibrate_steps import fit_collectives, latency_run, measure, more_ranks_runs
 from .hardware import CALIBRATE_SECONDS, Hardware
 from .memory_plan import PlanRequest
 
@@ -278,7 +278,7 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
         progress.set_postfix_str("collective latency, 2 ranks")
         latency = measure(latency_run(request), seconds)
         progress.update()
-        more = more_ranks_runs(request, more_ranks(profile.compute_slots))
+        more = more_ranks_runs(request, profile.compute_slots)
         progress.set_postfix_str(f"more ranks, {more[0].world_size}")
         measured = [measure(run, seconds / 2) for run in more]
         progress.update()

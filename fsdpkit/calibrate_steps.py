@@ -62,8 +62,10 @@ def latency_run(request: PlanRequest) -> PlanRequest:
     return _on_ranks(request, 2, model=LATENCY_MODEL)
 
 
-def more_ranks_runs(request: PlanRequest, ranks: int) -> tuple[PlanRequest, PlanRequest]:
-    """The steps the more-ranks terms are fitted to: `request`'s model and LATENCY_MODEL on `ranks` ranks."""
+def more_ranks_runs(request: PlanRequest, cores: int) -> tuple[PlanRequest, PlanRequest]:
+    """The steps the more-ranks terms are fitted to: `request`'s model and LATENCY_MODEL on
+    more_ranks(`cores`) ranks."""
+    ranks = more_ranks(cores)
     return _on_ranks(request, ranks), _on_ranks(request, ranks, model=LATENCY_MODEL)
 
 
@@ -95,7 +97,7 @@ def fit_collectives(profile: Hardware, latency: Measured, more: Sequence[Measure
     from .time_plan import model_costs
 
     latency_costs, costs = model_costs(latency.run), [model_costs(step.run) for step in more]
-    share = more[0].run.world_size / profile.compute_slots if more and profile.compute_slots else 1.0
+    share = profile.compute_share(more[0].run.world_size) if more else 1.0
     fits = []
     for per_step in PER_STEP_SHARES if more else PER_STEP_SHARES[:1]:
 

@@ -71,10 +71,14 @@ class Hardware:
     def peak_flops(self, dtype: str) -> float:
         return self.peak_tflops.get(dtype, self.peak_tflops["fp32"]) * 1e12
 
+    def compute_share(self, ranks_per_node: int) -> float:
+        """How many ranks take turns on each core when `ranks_per_node` ranks share the node's
+        `compute_slots` cores (1: each has its own)."""
+        return max(1.0, ranks_per_node / self.compute_slots) if self.compute_slots else 1.0
+
     def compute_slowdown(self, ranks_per_node: int) -> float:
-        """How many times as long a rank computes when `ranks_per_node` ranks share the node's
-        `compute_slots` cores (1: each rank has a core of its own)."""
-        return shared_compute_slowdown(ranks_per_node / self.compute_slots if self.compute_slots else 1.0, self.compute_contention)
+        """How many times as long a rank computes when `ranks_per_node` ranks share the node's cores."""
+        return shared_compute_slowdown(self.compute_share(ranks_per_node), self.compute_contention)
 
     def link(self, group_size: int, ranks_per_node: int) -> tuple[float, float]:
         """(bus bandwidth in bytes/s, latency per ring step) of a group of consecutive ranks."""

@@ -28,7 +28,6 @@ from fsdpkit.calibrate_steps import (
     fit_collectives,
     fit_value,
     latency_run,
-    more_ranks,
     more_ranks_runs,
     with_latency,
 )
@@ -290,7 +289,7 @@ def test_calibration_fits_the_latency_its_share_per_ring_step_and_the_contention
     request = _request(2, {"sharding": {"strategy": "full"}})
     base = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=2, op_overhead_s=1e-6)
     truth = dataclasses.replace(with_latency(base, 1.2e-3, 0.4), compute_contention=1.5)
-    runs = [latency_run(request), *more_ranks_runs(request, more_ranks(2))]
+    runs = [latency_run(request), *more_ranks_runs(request, 2)]
     assert [run.world_size for run in runs] == [2, 4, 4] and runs[1].model == request.model and runs[2].model == runs[0].model
     steps = [Measured(run, predict(run, truth, model_costs(run), per_node=run.world_size).time.step_time_s) for run in runs]
     fitted = fit_collectives(dataclasses.replace(base, intra_latency_s=5e-3), steps[0], steps[1:])
