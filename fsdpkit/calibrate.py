@@ -245,28 +245,28 @@ def network_line(ranks: int) -> tuple[float, float]:
     from .launch import LaunchOptions
 
     sizes, times = [], []
-    for collective in ("allgather", "reducescatter"):
-        options = BenchOptions(
-            collectives=(collective,), variant="fsdpkit", min_bytes=4096, max_bytes=4 * 1024**2, factor=4, iters=10, warmup=2
-        )
-        for result in run_bench(options, launch_options=LaunchOptions(nproc_per_node=ranks)).results:
-            for row in result.rows:
-                for _, mode in row.modes():
-                    if mode is not None:
-                        sizes.append(row.size_bytes * (ranks - 1) / ranks)
-                        times.append(mode.time_us * 1e-6)
+    options = BenchOptions(
+        collectives=("allgather", "reducescatter"), variant="fsdpkit", min_bytes=4096, max_bytes=4 * 1024**2, factor=4, iters=10, warmup=2
+    )
+    for result in run_bench(options, launch_options=LaunchOptions(nproc_per_node=ranks)).results:
+        for row in result.rows:
+            for _, mode in row.modes():
+                if mode is not None:
+                    sizes.append(row.size_bytes * (ranks - 1) / ranks)
+                    times.append(mode.time_us * 1e-6)
     intercept, slope = _line(sizes, times)
     return max(intercept, 0.0) / (ranks - 1), 1.0 / slope if slope > 0 else float("inf")
 
 
 def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRATE_SECONDS) -> Hardware:
-    """The compute, the collectives' latency and the more-ranks terms each time training steps for at
-    least `seconds`: the longer, the more of a machine's drifting speed is averaged over."""
+    """The compute terms time training steps for at least `seconds`, the latency and more-ranks
+    terms (taken in turns) for twice that: the longer, the more of a machine's drifting speed
+    is averaged over."""
     from tqdm import tqdm
 
     from .launch import LaunchOptions, launch
 
-    with tqdm(total=4, desc="calibrate", unit="part", file=sys.stderr, disable=None, leave=False) as progress:
+    with tqdm(total=3, desc="calibrate", unit="part", file=sys.stderr, disable=None, leave=False) as progress:
         progress.set_postfix_str("compute, one rank")
         # in a launched rank, as training runs its steps
         one_rank = LaunchOptions(nproc_per_node=1)
@@ -275,12 +275,9 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
         progress.set_postfix_str(f"bus bandwidth, {ranks} ranks")
         profile = measured_profile(request, compute, network_line(ranks), ranks)
         progress.update()
-        progress.set_postfix_str("collective latency, 2 ranks")
-        latency = measure(latency_run(request), seconds)
-        progress.update()
         more = more_ranks_runs(request, profile.compute_slots)
-        progress.set_postfix_str(f"more ranks, {more[0].world_size}")
-        measured = [measure(run, seconds / 2) for run in more]
+        progress.set_postfix_str(f"collective latency on 2 ranks and steps on {more[0].world_size}")
+        latency, *measured = measure([latency_run(request), *more], 2 * seconds)
         progress.update()
     return fit_collectives(profile, latency, measured)
 

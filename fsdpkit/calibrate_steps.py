@@ -40,14 +40,27 @@ STEPS = 8  # at least
 
 def fit_value(measured_s: float, step_at: Callable[[float], float], low: float, high: float) -> float:
     """The value in [low, high] at which `step_at` (the predicted step, which does not fall as
-    the value grows) meets the measured step; an end of the range where it cannot."""
-    if step_at(high) <= measured_s:
+    the value grows) meets the measured step; an end of the range where it cannot. False position
+    (Illinois), so that a step linear in the value, as the model's are, is met in a step or two."""
+    at_low, at_high = step_at(low) - measured_s, step_at(high) - measured_s
+    if at_high <= 0:
         return high
-    if step_at(low) >= measured_s:
+    if at_low >= 0:
         return low
-    for _ in range(30):
-        middle = (low + high) / 2
-        low, high = (middle, high) if step_at(middle) < measured_s else (low, middle)
+    side = 0
+    for _ in range(60):
+        middle = (low * at_high - high * at_low) / (at_high - at_low)
+        at_middle = step_at(middle) - measured_s
+        if abs(at_middle) <= 1e-12 * measured_s or high - low <= 1e-12 * max(abs(high), 1e-12):
+            return middle
+        if at_middle < 0:
+            low, at_low = middle, at_middle
+            at_high = at_high / 2 if side == -1 else at_high
+            side = -1
+        else:
+            high, at_high = middle, at_middle
+            at_low = at_low / 2 if side == 1 else at_low
+            side = 1
     return (low + high) / 2
 
 
@@ -96,7 +109,13 @@ def fit_collectives(profile: Hardware, latency: Measured, more: Sequence[Measure
     that best predict the `latency` step and the `more` steps (on more ranks than `latency`)."""
     from .time_plan import model_costs
 
-    latency_costs, costs = model_costs(latency.run), [model_costs(step.run) for step in more]
+    by_units: dict[tuple, ModelCosts] = {}  # a model's costs are the same at every world size
+
+    def costs_of(run: PlanRequest) -> ModelCosts:
+        key = (run.config.model, run.sharding.bucket_bytes, run.config.data.seq_len)
+        return by_units[key] if key in by_units else by_units.setdefault(key, model_costs(run))
+
+    latency_costs, costs = costs_of(latency.run), [costs_of(step.run) for step in more]
     share = profile.compute_share(more[0].run.world_size) if more else 1.0
     fits = []
     for per_step in PER_STEP_SHARES if more else PER_STEP_SHARES[:1]:
@@ -154,16 +173,20 @@ def _on_ranks(request: PlanRequest, ranks: int, *, model: str | None = None) -> 
     return PlanRequest(config, ranks)
 
 
-def measure(run: PlanRequest, seconds: float) -> Measured:
-    """The engine's step of `run`, launched on its ranks and timed for at least `seconds`."""
+def measure(runs: Sequence[PlanRequest], seconds: float) -> list[Measured]:
+    """The engine's steps of `runs`, launched once on as many ranks as the largest takes (each
+    run on the first of them) and taken in turns, so that a drifting machine speed moves them
+    alike; timed until they total at least `seconds` (and STEPS each)."""
     from .launch import LaunchOptions, launch
 
-    return Measured(run, launch(_measured_step, run, seconds, options=LaunchOptions(nproc_per_node=run.world_size))[0])
+    ranks = max(run.world_size for run in runs)
+    medians = launch(_measured_steps, list(runs), seconds, options=LaunchOptions(nproc_per_node=ranks))[0]
+    return [Measured(run, median) for run, median in zip(runs, medians, strict=True)]
 
 
-def _measured_step(request: PlanRequest, seconds: float) -> float:
-    """One rank's part: the median of the slowest rank's training step over at least STEPS
-    steps and `seconds` (after WARMUP_STEPS)."""
+def _measured_steps(runs: list[PlanRequest], seconds: float) -> list[float]:
+    """One rank's part: for each run, the median of the slowest rank's training step over at least
+    STEPS rounds (after WARMUP_STEPS) and until the rounds total `seconds`."""
     import torch.distributed as dist
 
     from .calibrate import ModelRun
@@ -171,16 +194,21 @@ def _measured_step(request: PlanRequest, seconds: float) -> float:
 
     dist.init_process_group("gloo")
     try:
-        run = ModelRun(request, request.model)
-        steps: list[float] = []
+        world, rank = dist.get_world_size(), dist.get_rank()
+        models = []
+        for run in runs:  # every rank makes every group, as new_group requires
+            group = dist.new_group(list(range(run.world_size))) if run.world_size < world else None
+            models.append(ModelRun(run, run.model, group=group) if rank < run.world_size else None)
+        steps: list[list[float]] = [[] for _ in runs]
         index = 0
-        while index < WARMUP_STEPS + STEPS or sum(steps) < seconds:  # the same on every rank: maxima over ranks
-            dist.barrier()
-            elapsed = torch.tensor([sum(run.step(micro_batch(request)))])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if index >= WARMUP_STEPS:
-                steps.append(float(elapsed))
+        while index < WARMUP_STEPS + STEPS or sum(map(sum, steps)) < seconds:  # the same on every rank: maxima over ranks
+            for run, model, times in zip(runs, models, steps, strict=True):
+                dist.barrier()
+                elapsed = torch.tensor([sum(model.step(micro_batch(run))) if model is not None else 0.0])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if index >= WARMUP_STEPS:
+                    times.append(float(elapsed))
             index += 1
-        return statistics.median(steps)
+        return [statistics.median(times) for times in steps]
     finally:
         dist.destroy_process_group()

@@ -133,11 +133,17 @@ def _gpt_run(steps: int, **options) -> dict:
     return out
 
 
+def equivalence_worker(edge_steps: int, gpt_steps: int) -> tuple[dict, dict[str, dict]]:
+    """The edge cases and the GPT runs in one launch."""
+    return edge_case_worker(edge_steps), gpt_worker(gpt_steps)
+
+
 @pytest.fixture(scope="module", params=[1, 2, 4])
 def world_results(request):
     world = request.param
-    edge = run_distributed(edge_case_worker, world, 4)
-    gpt = run_distributed(gpt_worker, world, 3)
+    results = run_distributed(equivalence_worker, world, 4, 3)
+    edge = {rank: result[0] for rank, result in results.items()}
+    gpt = {rank: result[1] for rank, result in results.items()}
     return world, edge, gpt
 
 
