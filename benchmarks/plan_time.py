@@ -107,7 +107,7 @@ def whole_step(run, batch: int) -> Callable[[], tuple[float, ...]]:
 @dataclass
 class Calibration:
     """What `plan --calibrate` (gpt-small, 2 ranks) times, in the same rounds as the configurations:
-    the probes and the compute steps on rank 0 alone; the latency model's step on ranks 0 and 1;
+    the probes and the compute steps on rank 0 alone; the latency model's steps (full and grad-op) on ranks 0 and 1;
     the more-ranks steps on every rank, where the launch has as many ranks as those take."""
 
     probe: Any  # the Probes, on rank 0
@@ -119,7 +119,7 @@ class Calibration:
     @classmethod
     def build(cls, batch: int, seq_len: int) -> Calibration:
         from fsdpkit.calibrate import CALIBRATION_BATCHES, ModelRun, Probes, calibration_specs
-        from fsdpkit.calibrate_steps import latency_run, more_ranks, more_ranks_runs
+        from fsdpkit.calibrate_steps import latency_runs, more_ranks, more_ranks_runs
         from fsdpkit.time_plan import micro_batch
 
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -133,7 +133,7 @@ class Calibration:
             for size in CALIBRATION_BATCHES:
                 compute.append((run, size, Timed((0,), alone, (lambda run=run, size=size: run.step(size)) if run else None)))
         steps: dict[str, list[Timed]] = {"latency": [], "more": []}
-        runs = [(latency_run(request), "latency")] if world >= 2 else []
+        runs = [(run, "latency") for run in latency_runs(request)] if world >= 2 else []
         cores = len(os.sched_getaffinity(0))
         if world == more_ranks(cores):
             runs += [(run, "more") for run in more_ranks_runs(request, cores)]
@@ -168,7 +168,7 @@ def calibration_request(batch: int, seq_len: int):
 def measured_hardware(result: dict, network: tuple[float, float], batch: int, seq_len: int):
     """The profile `plan --calibrate` would fit from these measurements."""
     from fsdpkit.calibrate import measured_profile
-    from fsdpkit.calibrate_steps import Measured, fit_collectives, latency_run, more_ranks_runs
+    from fsdpkit.calibrate_steps import Measured, fit_collectives, latency_runs, more_ranks_runs
 
     request = calibration_request(batch, seq_len)
     profile = measured_profile(request, result["compute"], network, 2)
@@ -176,7 +176,8 @@ def measured_hardware(result: dict, network: tuple[float, float], batch: int, se
         return profile
     more = more_ranks_runs(request, profile.compute_slots) if result["more"] else ()
     measured = [Measured(run, seconds) for run, seconds in zip(more, result["more"], strict=True)]
-    return fit_collectives(profile, Measured(latency_run(request), result["latency"][0]), measured)
+    latency = [Measured(run, seconds) for run, seconds in zip(latency_runs(request), result["latency"], strict=True)]
+    return fit_collectives(profile, latency, measured)
 
 
 def world_rows(

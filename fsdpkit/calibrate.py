@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .calibrate_steps import fit_collectives, latency_run, measure, more_ranks_runs
+from .calibrate_steps import fit_collectives, latency_runs, measure, more_ranks_runs
 from .hardware import CALIBRATE_SECONDS, Hardware
 from .memory_plan import PlanRequest
 
@@ -277,9 +277,9 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
         progress.update()
         more = more_ranks_runs(request, profile.compute_slots)
         progress.set_postfix_str(f"collective latency on 2 ranks and steps on {more[0].world_size}")
-        latency, *measured = measure([latency_run(request), *more], 2 * seconds)
+        measured = measure([*latency_runs(request), *more], 2 * seconds)
         progress.update()
-    return fit_collectives(profile, latency, measured)
+    return fit_collectives(profile, measured[:2], measured[2:])
 
 
 def calibration_specs(request: PlanRequest) -> tuple[str, ...]:

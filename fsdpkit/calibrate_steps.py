@@ -3,7 +3,8 @@ values at which `fsdpkit plan --time` predicts the measured steps.
 
     collective latency   a model of many small units (LATENCY_MODEL) on 2 processes: what a
                          collective costs the engine beyond its bytes (issue, hooks, gloo's
-                         handshakes)
+                         handshakes); its step under grad-op, with fewer all-gathers, tells
+                         what a reduction costs beyond an all-gather (the gradient's path)
     more ranks           `--model` and LATENCY_MODEL on more processes (more_ranks: twice the
                          cores, 4 to MAX_RANKS) give two terms together, the pair (with the
                          latency fitted again for each) with the least squared relative error
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .engine.config import Strategy
 from .hardware import MAX_CONTENTION, Hardware, shared_compute_slowdown
 from .memory_plan import PlanRequest
 from .step_time import shared_cores_seconds
@@ -70,9 +72,13 @@ def more_ranks(cores: int) -> int:
     return max(4, min(2 * cores, MAX_RANKS))
 
 
-def latency_run(request: PlanRequest) -> PlanRequest:
-    """The step the collective latency is fitted to: LATENCY_MODEL on 2 ranks."""
-    return _on_ranks(request, 2, model=LATENCY_MODEL)
+def latency_runs(request: PlanRequest) -> tuple[PlanRequest, PlanRequest]:
+    """The steps the collectives' fixed costs are fitted to: LATENCY_MODEL on 2 ranks under full
+    (2N-1 all-gathers and N reduce-scatters of its N units) and under grad-op (N and N): the
+    difference is all-gathers alone."""
+    full = _on_ranks(request, 2, model=LATENCY_MODEL)
+    config = full.config
+    return full, PlanRequest(replace(config, sharding=replace(config.sharding, strategy=Strategy.GRAD_OP)), 2)
 
 
 def more_ranks_runs(request: PlanRequest, cores: int) -> tuple[PlanRequest, PlanRequest]:
@@ -104,26 +110,42 @@ class Measured:
         return time.step_time_s, time.compute_s
 
 
-def fit_collectives(profile: Hardware, latency: Measured, more: Sequence[Measured]) -> Hardware:
-    """`profile` with the collective latency, its share per ring step and the compute contention
-    that best predict the `latency` step and the `more` steps (on more ranks than `latency`)."""
+def fit_latency(profile: Hardware, steps: Sequence[Measured], per_step: float, costs: ModelCosts) -> Hardware:
+    """`profile` with the collectives' latency between 2 ranks (`per_step` of it per ring step) and
+    a reduction's extra fixed cost (`reduce_overhead_s`) at which the model meets latency_runs'
+    two `steps`."""
+    full, gathers_fewer = steps
+
+    def fitted_for(reduce_s: float) -> Hardware:
+        reducing = replace(profile, reduce_overhead_s=reduce_s)
+
+        def step_at(seconds: float) -> float:
+            return full.alone(with_latency(reducing, seconds, per_step), costs)[0]
+
+        return with_latency(reducing, fit_value(full.measured_s, step_at, 0.0, MAX_LATENCY_S), per_step)
+
+    # along the latencies that meet the full step, the grad-op step grows with the reductions' share
+    reduce_s = fit_value(gathers_fewer.measured_s, lambda seconds: gathers_fewer.alone(fitted_for(seconds), costs)[0], 0.0, MAX_LATENCY_S)
+    return fitted_for(reduce_s)
+
+
+def fit_collectives(profile: Hardware, latency: Sequence[Measured], more: Sequence[Measured]) -> Hardware:
+    """`profile` with the collective latency, its share per ring step, the reductions' extra fixed
+    cost and the compute contention that best predict the `latency` steps (latency_runs) and
+    the `more` steps (on more ranks than those)."""
     from .time_plan import model_costs
 
-    by_units: dict[tuple, ModelCosts] = {}  # a model's costs are the same at every world size
+    by_units: dict[tuple, ModelCosts] = {}  # a model's costs are the same at every world size and strategy
 
     def costs_of(run: PlanRequest) -> ModelCosts:
         key = (run.config.model, run.sharding.bucket_bytes, run.config.data.seq_len)
         return by_units[key] if key in by_units else by_units.setdefault(key, model_costs(run))
 
-    latency_costs, costs = costs_of(latency.run), [costs_of(step.run) for step in more]
+    latency_costs, costs = costs_of(latency[0].run), [costs_of(step.run) for step in more]
     share = profile.compute_share(more[0].run.world_size) if more else 1.0
     fits = []
     for per_step in PER_STEP_SHARES if more else PER_STEP_SHARES[:1]:
-
-        def step_at(seconds: float, per_step: float = per_step) -> float:
-            return latency.alone(with_latency(profile, seconds, per_step), latency_costs)[0]
-
-        fitted = with_latency(profile, fit_value(latency.measured_s, step_at, 0.0, MAX_LATENCY_S), per_step)
+        fitted = fit_latency(profile, latency, per_step, latency_costs)
         steps = [SharedStep(step.measured_s, *step.alone(fitted, cost)) for step, cost in zip(more, costs, strict=True)]
         contention = best_contention(steps, share)
         fits.append((sum(step.error(share, contention) for step in steps), replace(fitted, compute_contention=contention)))

@@ -41,6 +41,7 @@ class Hardware:
     compute_slots: int = 0  # ranks of a node that compute at full speed at once (CPU: its cores); 0: every rank has its own device
     compute_contention: float = 1.0  # ranks beyond compute_slots: how much slower than its turns on a core a rank computes
     collective_overhead_s: float = 0.0  # fixed time per collective, whatever its ranks (issue, hooks, copies in and out)
+    reduce_overhead_s: float = 0.0  # a reduction's fixed time beyond that (the gradient's path: flattening, summing, accumulating)
     op_overhead_s: float = 0.0  # fixed time per operator dispatched (eager dispatch, autograd, kernel launch)
     param_passes: float = 0.0  # times each forward or backward moves its unit's unsharded parameters at memory bandwidth
     optimizer_tensor_s: float = 0.0  # fixed time per parameter tensor of the optimizer step (a per-tensor loop)
@@ -49,7 +50,7 @@ class Hardware:
     def __post_init__(self) -> None:
         for key in ("efficiency", "optimizer_passes", "memory_gb", "memory_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "host_bw_gbs"):
             _positive(self.name, key, getattr(self, key))
-        overheads = ("unit_overhead_s", "collective_overhead_s", "op_overhead_s", "optimizer_tensor_s")
+        overheads = ("unit_overhead_s", "collective_overhead_s", "reduce_overhead_s", "op_overhead_s", "optimizer_tensor_s")
         for key in ("intra_latency_s", "inter_latency_s", "param_passes", *overheads):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

@@ -9,7 +9,8 @@
                 minimal traffic), plus a fixed cost per parameter tensor; CPU offload adds host<->device copies of the shard
     network     alpha-beta: a ring collective over n ranks takes (n-1) latency steps plus
                 the bytes each rank moves, (n-1)/n of the buffer (twice for an all-reduce),
-                over the bus bandwidth of the group's link (inside a node or between nodes)
+                over the bus bandwidth of the group's link (inside a node or between nodes),
+                plus a fixed cost per collective and a further one per reduction
     schedule    the events of the step policy: an all-gather starts when it is issued and
                 the communication stream is free; a unit computes once its all-gather has
                 arrived; completing a reduction waits for it; the all-gather limiter waits
@@ -116,7 +117,8 @@ def collective_seconds(collective: Collective, hardware: Hardware, ranks_per_nod
         return 0.0, 0.0
     bandwidth, latency = hardware.link(world_size if collective.spans_world else n, ranks_per_node)
     steps = 2 * (n - 1) if collective.kind == "all_reduce" else n - 1
-    return hardware.collective_overhead_s + steps * latency, collective.bytes * steps / n / bandwidth
+    fixed = hardware.collective_overhead_s + (hardware.reduce_overhead_s if collective.kind != "all_gather" else 0.0)
+    return fixed + steps * latency, collective.bytes * steps / n / bandwidth
 
 
 class _Streams:

@@ -27,7 +27,7 @@ from fsdpkit.calibrate_steps import (
     best_contention,
     fit_collectives,
     fit_value,
-    latency_run,
+    latency_runs,
     more_ranks_runs,
     with_latency,
 )
@@ -285,21 +285,29 @@ def test_calibration_fits_the_latency_its_share_per_ring_step_and_the_contention
     assert collective_seconds(gather, fixed, 4, 4)[0] == pytest.approx(1e-3) and collective_seconds(gather, ring, 4, 4)[0] == pytest.approx(
         3e-3
     )
-    # measured steps made by a known profile: the fit finds its three terms back
+    # a reduction's extra fixed cost: on reduce-scatters and all-reduces, not on all-gathers
+    reducing = dataclasses.replace(fixed, reduce_overhead_s=5e-4)
+    assert collective_seconds(gather, reducing, 4, 4)[0] == pytest.approx(1e-3)
+    for kind in ("reduce_scatter", "all_reduce"):
+        assert collective_seconds(Collective(kind, 0, 4, spans_world=False), reducing, 4, 4)[0] == pytest.approx(1.5e-3)
+    # measured steps made by a known profile: the fit finds its four terms back
     request = _request(2, {"sharding": {"strategy": "full"}})
     base = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=2, op_overhead_s=1e-6)
-    truth = dataclasses.replace(with_latency(base, 1.2e-3, 0.4), compute_contention=1.5)
-    runs = [latency_run(request), *more_ranks_runs(request, 2)]
-    assert [run.world_size for run in runs] == [2, 4, 4] and runs[1].model == request.model and runs[2].model == runs[0].model
+    truth = dataclasses.replace(with_latency(base, 1.2e-3, 0.4), compute_contention=1.5, reduce_overhead_s=7e-4)
+    runs = [*latency_runs(request), *more_ranks_runs(request, 2)]
+    assert [run.world_size for run in runs] == [2, 2, 4, 4] and runs[2].model == request.model and runs[3].model == runs[0].model
+    assert [run.sharding.strategy.value for run in runs] == ["full", "grad-op", "full", "full"] and runs[1].model == runs[0].model
     steps = [Measured(run, predict(run, truth, model_costs(run), per_node=run.world_size).time.step_time_s) for run in runs]
-    fitted = fit_collectives(dataclasses.replace(base, intra_latency_s=5e-3), steps[0], steps[1:])
+    fitted = fit_collectives(dataclasses.replace(base, intra_latency_s=5e-3), steps[:2], steps[2:])
     assert fitted.intra_latency_s + fitted.collective_overhead_s == pytest.approx(1.2e-3, rel=1e-6)
+    assert fitted.reduce_overhead_s == pytest.approx(7e-4, rel=1e-6)
     assert fitted.intra_latency_s == pytest.approx(0.4 * 1.2e-3, rel=1e-6) and fitted.compute_contention == pytest.approx(1.5)
-    # without steps on more ranks: the ring's alpha-beta model, its latency per step fitted to the one step
-    alone = fit_collectives(base, steps[0], [])
+    # without steps on more ranks: the ring's alpha-beta model, fitted to the two steps
+    alone = fit_collectives(base, steps[:2], [])
     assert alone.collective_overhead_s == 0 and alone.compute_contention == 1.0
-    latency = steps[0].run
-    assert predict(latency, alone, model_costs(latency), per_node=2).time.step_time_s == pytest.approx(steps[0].measured_s, rel=1e-6)
+    assert alone.reduce_overhead_s > 0  # not 7e-4: a flag all-reduce's two ring steps cost less than twice a collective
+    for step in steps[:2]:
+        assert predict(step.run, alone, model_costs(step.run), per_node=2).time.step_time_s == pytest.approx(step.measured_s, rel=1e-6)
 
 
 def test_calibration_models_run_one_unit_per_block_and_the_fit_charges_the_engines_units():
@@ -455,6 +463,7 @@ def test_cli_time_json_scaling_and_report(tmp_path):
         ("this is not toml", "not valid TOML"),
         (("intra_bw_gbs = 1.0", "intra_bw_gbs = -1"), "intra_bw_gbs must be a number > 0, got -1"),
         (("compute_contention = 1.0", "compute_contention = 0.5"), "compute_contention must be a number in [1, 4], got 0.5"),
+        (("reduce_overhead_s = 0.0", "reduce_overhead_s = -1"), "reduce_overhead_s must be a number >= 0, got -1"),
     ],
 )
 def test_bad_hardware_file_is_one_line_exit_2(tmp_path, content, message):
