@@ -232,7 +232,7 @@ def main() -> None:
     rows, profiles, calibrations = [], [], []
     for world in (int(w) for w in args.worlds.split(",")):
         separate = calibrate(calibration_request(args.batch, args.seq_len), seconds=args.calibrate_seconds) if args.separate else None
-        network = None if args.hardware else network_line(2)
+        network = None if args.hardware else network_line(2, 0.0)
         result = launch(
             measure_worker,
             cases,

@@ -39,6 +39,7 @@ from .hardware import CALIBRATE_SECONDS, Hardware
 from .memory_plan import PlanRequest
 
 REPEATS = 5  # at least; then rounds go on until the time asked for has passed
+NETWORK_RUNS = 3  # bench launches the bus bandwidth is the median of, at least
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -238,22 +239,38 @@ class ModelRun:
         )
 
 
-def network_line(ranks: int) -> tuple[float, float]:
-    """(latency per ring step s, bus bandwidth bytes/s) of the engine's collectives on `ranks` local processes."""
+def network_line(ranks: int, seconds: float) -> tuple[float, float]:
+    """(latency per ring step s, bus bandwidth bytes/s) of the engine's collectives on `ranks` local
+    processes: the medians over `fsdpkit bench` launches, NETWORK_RUNS at least and until
+    `seconds` have passed. One launch's line swings: gloo over loopback here gave 0.75-3.4 GB/s
+    from one launch to the next."""
+    import time
+
+    lines: list[tuple[float, float]] = []
+    started = time.perf_counter()
+    while len(lines) < NETWORK_RUNS or time.perf_counter() - started < seconds:
+        lines.append(_bench_line(ranks))
+    return statistics.median(line[0] for line in lines), statistics.median(line[1] for line in lines)
+
+
+def _bench_line(ranks: int) -> tuple[float, float]:
+    """network_line's (latency, bandwidth) from one bench launch: the least-squares line of time
+    against the bytes each rank moves, over the engine's all-gather and reduce-scatter."""
     from .bench.options import BenchOptions
     from .bench.runner import run_bench
     from .launch import LaunchOptions
 
     sizes, times = [], []
-    options = BenchOptions(
-        collectives=("allgather", "reducescatter"), variant="fsdpkit", min_bytes=4096, max_bytes=4 * 1024**2, factor=4, iters=10, warmup=2
-    )
-    for result in run_bench(options, launch_options=LaunchOptions(nproc_per_node=ranks)).results:
-        for row in result.rows:
-            for _, mode in row.modes():
-                if mode is not None:
-                    sizes.append(row.size_bytes * (ranks - 1) / ranks)
-                    times.append(mode.time_us * 1e-6)
+    for collective in ("allgather", "reducescatter"):
+        options = BenchOptions(
+            collectives=(collective,), variant="fsdpkit", min_bytes=4096, max_bytes=4 * 1024**2, factor=4, iters=10, warmup=2
+        )
+        for result in run_bench(options, launch_options=LaunchOptions(nproc_per_node=ranks)).results:
+            for row in result.rows:
+                for _, mode in row.modes():
+                    if mode is not None:
+                        sizes.append(row.size_bytes * (ranks - 1) / ranks)
+                        times.append(mode.time_us * 1e-6)
     intercept, slope = _line(sizes, times)
     return max(intercept, 0.0) / (ranks - 1), 1.0 / slope if slope > 0 else float("inf")
 
@@ -273,7 +290,7 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
         compute = launch(measure_steps, request, calibration_specs(request), CALIBRATION_BATCHES, seconds, options=one_rank)[0]
         progress.update()
         progress.set_postfix_str(f"bus bandwidth, {ranks} ranks")
-        profile = measured_profile(request, compute, network_line(ranks), ranks)
+        profile = measured_profile(request, compute, network_line(ranks, seconds), ranks)
         progress.update()
         more = more_ranks_runs(request, profile.compute_slots)
         progress.set_postfix_str(f"collective latency on 2 ranks and steps on {more[0].world_size}")
