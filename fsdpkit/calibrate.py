@@ -11,10 +11,12 @@
               models' operators grow with their units, so the two cannot be told apart
     network   `fsdpkit bench` of the engine's all-gather and reduce-scatter on `ranks` local
               processes: the least-squares line of time against size gives the bus
-              bandwidth (slope); the engine's steps of a model of many units on 2 processes,
-              and of it and `--model` on more, give what a collective costs beyond its bytes,
-              how much of that recurs per ring step, and how much slower a rank computes
-              where ranks outnumber cores (fsdpkit.calibrate_steps)
+              bandwidth (slope; the median over several launches); the engine's steps of a
+              model of many units on 2 processes under full and grad-op, and of it and
+              `--model` on more, give what a collective costs beyond its bytes, what a
+              reduction costs beyond an all-gather, how much of that recurs per ring step,
+              and how much slower a rank computes where ranks outnumber cores
+              (fsdpkit.calibrate_steps)
 
 Numbers are medians of repeated timings, each going on for at least `--calibrate-seconds`:
 a shared machine's speed can drift by 15% within seconds (a virtual machine's neighbours), so
@@ -244,8 +246,6 @@ def network_line(ranks: int, seconds: float) -> tuple[float, float]:
     processes: the medians over `fsdpkit bench` launches, NETWORK_RUNS at least and until
     `seconds` have passed. One launch's line swings: gloo over loopback here gave 0.75-3.4 GB/s
     from one launch to the next."""
-    import time
-
     lines: list[tuple[float, float]] = []
     started = time.perf_counter()
     while len(lines) < NETWORK_RUNS or time.perf_counter() - started < seconds:

@@ -7,8 +7,8 @@ values at which `fsdpkit plan --time` predicts the measured steps.
                          what a reduction costs beyond an all-gather (the gradient's path)
     more ranks           `--model` and LATENCY_MODEL on more processes (more_ranks: twice the
                          cores, 4 to MAX_RANKS) give two terms together, the pair (with the
-                         latency fitted again for each) with the least squared relative error
-                         on the two steps:
+                         latency and the reduction's cost fitted again for each) with the
+                         least squared relative error on the two steps:
                            which share of that latency recurs per ring step, the rest being
                            fixed per collective (in steps of 0.1);
                            where those ranks outnumber the cores, how much slower than its
