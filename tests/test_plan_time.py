@@ -504,7 +504,11 @@ def test_calibrate_measures_this_machine_into_a_profile_that_plan_reads(tmp_path
     assert result.exit_code == 0, result.output
     profile = load(str(out))
     assert profile.compute_slots == len(os.sched_getaffinity(0)) and not profile.overlap
-    assert 0 < profile.intra_latency_s + profile.collective_overhead_s < MAX_LATENCY_S
+    # a reduction costs something beyond its bytes; how it splits from an all-gather's cost is
+    # fitted from two steps whose difference (15 all-gathers) is near this machine's noise
+    gather = profile.intra_latency_s + profile.collective_overhead_s
+    assert 0 <= gather <= MAX_LATENCY_S and 0 <= profile.reduce_overhead_s <= MAX_LATENCY_S
+    assert gather + profile.reduce_overhead_s > 0
     assert profile.intra_bw_gbs > 0 and 0 < profile.efficiency <= 1
     assert 1 <= profile.compute_contention <= MAX_CONTENTION
     timed = _invoke([*args, "--time", "--hardware", str(out), "--json"])
