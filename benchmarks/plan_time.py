@@ -119,7 +119,7 @@ class Calibration:
     @classmethod
     def build(cls, batch: int, seq_len: int) -> Calibration:
         from fsdpkit.calibrate import CALIBRATION_BATCHES, ModelRun, Probes, calibration_specs
-        from fsdpkit.calibrate_steps import latency_runs, more_ranks, more_ranks_runs
+        from fsdpkit.calibrate_steps import latency_runs, more_ranks, more_ranks_runs, on_first_ranks
         from fsdpkit.time_plan import micro_batch
 
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -138,10 +138,8 @@ class Calibration:
         if world == more_ranks(cores):
             runs += [(run, "more") for run in more_ranks_runs(request, cores)]
         for run, kind in runs:
-            ranks = tuple(range(run.world_size))
-            group = dist.new_group(list(ranks)) if run.world_size < world else None
-            model = ModelRun(run, run.model, group=group) if rank in ranks else None
-            steps[kind].append(Timed(ranks, group, whole_step(model, micro_batch(run)) if model else None))
+            group, model = on_first_ranks(run)
+            steps[kind].append(Timed(tuple(range(run.world_size)), group, whole_step(model, micro_batch(run)) if model else None))
         return cls(probe, probes, compute, steps["latency"], steps["more"])
 
     def timed(self) -> list[Timed]:

@@ -244,7 +244,7 @@ class ModelRun:
 def network_line(ranks: int, seconds: float) -> tuple[float, float]:
     """(latency per ring step s, bus bandwidth bytes/s) of the engine's collectives on `ranks` local
     processes: the medians over `fsdpkit bench` launches, NETWORK_RUNS at least and until
-    `seconds` have passed. One launch's line swings: gloo over loopback here gave 0.75-3.4 GB/s
+    `seconds` have passed. One launch's line swings: gloo over loopback here gave 0.42-3.4 GB/s
     from one launch to the next."""
     lines: list[tuple[float, float]] = []
     started = time.perf_counter()

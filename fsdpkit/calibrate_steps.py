@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,7 @@ from .memory_plan import PlanRequest
 from .step_time import shared_cores_seconds
 
 if TYPE_CHECKING:
+    from .calibrate import ModelRun
     from .time_plan import ModelCosts
 
 MAX_RANKS = 8
@@ -139,7 +140,9 @@ def fit_collectives(profile: Hardware, latency: Sequence[Measured], more: Sequen
 
     def costs_of(run: PlanRequest) -> ModelCosts:
         key = (run.config.model, run.sharding.bucket_bytes, run.config.data.seq_len)
-        return by_units[key] if key in by_units else by_units.setdefault(key, model_costs(run))
+        if key not in by_units:
+            by_units[key] = model_costs(run)
+        return by_units[key]
 
     latency_costs, costs = costs_of(latency[0].run), [costs_of(step.run) for step in more]
     share = profile.compute_share(more[0].run.world_size) if more else 1.0
@@ -206,21 +209,28 @@ def measure(runs: Sequence[PlanRequest], seconds: float) -> list[Measured]:
     return [Measured(run, median) for run, median in zip(runs, medians, strict=True)]
 
 
+def on_first_ranks(run: PlanRequest) -> tuple[Any, ModelRun | None]:
+    """(process group, the engine's model) of `run` on the first `run.world_size` ranks of the
+    launch; the group is None where that is every rank, the model None on the other ranks.
+    Every rank must call it, as new_group requires."""
+    import torch.distributed as dist
+
+    from .calibrate import ModelRun
+
+    group = dist.new_group(list(range(run.world_size))) if run.world_size < dist.get_world_size() else None
+    return group, ModelRun(run, run.model, group=group) if dist.get_rank() < run.world_size else None
+
+
 def _measured_steps(runs: list[PlanRequest], seconds: float) -> list[float]:
     """One rank's part: for each run, the median of the slowest rank's training step over at least
     STEPS rounds (after WARMUP_STEPS) and until the rounds total `seconds`."""
     import torch.distributed as dist
 
-    from .calibrate import ModelRun
     from .time_plan import micro_batch
 
     dist.init_process_group("gloo")
     try:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        models = []
-        for run in runs:  # every rank makes every group, as new_group requires
-            group = dist.new_group(list(range(run.world_size))) if run.world_size < world else None
-            models.append(ModelRun(run, run.model, group=group) if rank < run.world_size else None)
+        models = [on_first_ranks(run)[1] for run in runs]  # every rank makes every group, as new_group requires
         steps: list[list[float]] = [[] for _ in runs]
         index = 0
         while index < WARMUP_STEPS + STEPS or sum(map(sum, steps)) < seconds:  # the same on every rank: maxima over ranks
