@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,18 +108,20 @@ def whole_step(run, batch: int) -> Callable[[], tuple[float, ...]]:
 class Calibration:
     """What `plan --calibrate` (gpt-small, 2 ranks) times, in the same rounds as the configurations:
     the probes and the compute steps on rank 0 alone; the latency model's steps (full and grad-op) on ranks 0 and 1;
-    the more-ranks steps on every rank, where the launch has as many ranks as those take."""
+    the all-cores pair (`--model` on rank 0 alone, then on each rank per core at once) and the more-ranks steps on
+    every rank, where the launch has as many ranks as those take."""
 
     probe: Any  # the Probes, on rank 0
     probes: Timed
     compute: list[tuple[Any, int, Timed]]  # (ModelRun on rank 0, batch, its step)
     latency: list[Timed]
+    all_cores: list[Timed]
     more: list[Timed]
 
     @classmethod
     def build(cls, batch: int, seq_len: int) -> Calibration:
         from fsdpkit.calibrate import CALIBRATION_BATCHES, ModelRun, Probes, calibration_specs
-        from fsdpkit.calibrate_steps import latency_runs, more_ranks, more_ranks_runs, on_first_ranks
+        from fsdpkit.calibrate_steps import Placement, all_cores_runs, latency_runs, more_ranks, more_ranks_runs, on_first_ranks
         from fsdpkit.time_plan import micro_batch
 
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -132,22 +134,26 @@ class Calibration:
             run = ModelRun(request, spec, group=alone) if rank == 0 else None
             for size in CALIBRATION_BATCHES:
                 compute.append((run, size, Timed((0,), alone, (lambda run=run, size=size: run.step(size)) if run else None)))
-        steps: dict[str, list[Timed]] = {"latency": [], "more": []}
-        runs = [(run, "latency") for run in latency_runs(request)] if world >= 2 else []
+        steps: dict[str, list[Timed]] = {"latency": [], "all_cores": [], "more": []}
+        runs = [(Placement(run), "latency") for run in latency_runs(request)] if world >= 2 else []
         cores = len(os.sched_getaffinity(0))
+        all_cores = all_cores_runs(request, cores)
+        if world >= all_cores[1].ranks:
+            runs += [(placement, "all_cores") for placement in all_cores]
         if world == more_ranks(cores):
-            runs += [(run, "more") for run in more_ranks_runs(request, cores)]
-        for run, kind in runs:
-            group, model = on_first_ranks(run)
-            steps[kind].append(Timed(tuple(range(run.world_size)), group, whole_step(model, micro_batch(run)) if model else None))
-        return cls(probe, probes, compute, steps["latency"], steps["more"])
+            runs += [(Placement(run), "more") for run in more_ranks_runs(request, cores)]
+        for placement, kind in runs:
+            group, model = on_first_ranks(placement)
+            step = whole_step(model, micro_batch(placement.run)) if model else None
+            steps[kind].append(Timed(tuple(range(placement.ranks)), group, step))
+        return cls(probe, probes, compute, steps["latency"], steps["all_cores"], steps["more"])
 
     def timed(self) -> list[Timed]:
-        return [self.probes, *(timed for _, _, timed in self.compute), *self.latency, *self.more]
+        return [self.probes, *(timed for _, _, timed in self.compute), *self.latency, *self.all_cores, *self.more]
 
     def result(self) -> dict | None:
         """On rank 0: measure_steps' (peak, memory bandwidth, samples), and the medians of the
-        latency and more-ranks steps."""
+        latency, all-cores and more-ranks steps."""
         if dist.get_rank() != 0:
             return None
         peak, bandwidth = self.probe.rates(self.probes.times)
@@ -155,6 +161,7 @@ class Calibration:
         return {
             "compute": (peak, bandwidth, samples),
             "latency": [statistics.median(t[0] for t in timed.times) for timed in self.latency],
+            "all_cores": [statistics.median(t[0] for t in timed.times) for timed in self.all_cores],
             "more": [statistics.median(t[0] for t in timed.times) for timed in self.more],
         }
 
@@ -166,7 +173,7 @@ def calibration_request(batch: int, seq_len: int):
 def measured_hardware(result: dict, network: tuple[float, float], batch: int, seq_len: int):
     """The profile `plan --calibrate` would fit from these measurements."""
     from fsdpkit.calibrate import measured_profile
-    from fsdpkit.calibrate_steps import Measured, fit_collectives, latency_runs, more_ranks_runs
+    from fsdpkit.calibrate_steps import Measured, all_cores_slowdown, fit_collectives, latency_runs, more_ranks_runs
 
     request = calibration_request(batch, seq_len)
     profile = measured_profile(request, result["compute"], network, 2)
@@ -175,6 +182,8 @@ def measured_hardware(result: dict, network: tuple[float, float], batch: int, se
     more = more_ranks_runs(request, profile.compute_slots) if result["more"] else ()
     measured = [Measured(run, seconds) for run, seconds in zip(more, result["more"], strict=True)]
     latency = [Measured(run, seconds) for run, seconds in zip(latency_runs(request), result["latency"], strict=True)]
+    if result["all_cores"]:
+        profile = replace(profile, all_cores_slowdown=all_cores_slowdown(*result["all_cores"]))
     return fit_collectives(profile, latency, measured)
 
 
@@ -245,7 +254,12 @@ def main() -> None:
         profiles.append(hardware)
         if result["calibration"]:
             calibrations.append(
-                {"world_size": world, "latency_s": result["calibration"]["latency"], "more_ranks_s": result["calibration"]["more"]}
+                {
+                    "world_size": world,
+                    "latency_s": result["calibration"]["latency"],
+                    "all_cores_s": result["calibration"]["all_cores"],
+                    "more_ranks_s": result["calibration"]["more"],
+                }
             )
         rows += world_rows(args, cases, world, hardware, separate, result["configs"], costs)
     if args.json:

@@ -13,9 +13,10 @@
               processes: the least-squares line of time against size gives the bus
               bandwidth (slope; the median over several launches); the engine's steps of a
               model of many units on 2 processes under full and grad-op, and of it and
-              `--model` on more, give what a collective costs beyond its bytes, what a
-              reduction costs beyond an all-gather, how much of that recurs per ring step,
-              and how much slower a rank computes where ranks outnumber cores
+              `--model` on one per core and on more, give what a collective costs beyond its
+              bytes, what a reduction costs beyond an all-gather, how much of that recurs
+              per ring step, how much slower a rank computes while the others keep every
+              core busy, and how much slower still where ranks outnumber cores
               (fsdpkit.calibrate_steps)
 
 Numbers are medians of repeated timings, each going on for at least `--calibrate-seconds`:
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .calibrate_steps import fit_collectives, latency_runs, measure, more_ranks_runs
+from .calibrate_steps import Placement, all_cores_runs, all_cores_slowdown, fit_collectives, latency_runs, measure, more_ranks_runs
 from .hardware import CALIBRATE_SECONDS, Hardware
 from .memory_plan import PlanRequest
 
@@ -292,11 +293,12 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
         progress.set_postfix_str(f"bus bandwidth, {ranks} ranks")
         profile = measured_profile(request, compute, network_line(ranks, seconds), ranks)
         progress.update()
-        more = more_ranks_runs(request, profile.compute_slots)
-        progress.set_postfix_str(f"collective latency on 2 ranks and steps on {more[0].world_size}")
-        measured = measure([*latency_runs(request), *more], 2 * seconds)
+        all_cores, more = all_cores_runs(request, profile.compute_slots), more_ranks_runs(request, profile.compute_slots)
+        progress.set_postfix_str(f"collective latency on 2 ranks, compute on {all_cores[1].ranks} at once, steps on {more[0].world_size}")
+        measured = measure([*all_cores, *map(Placement, (*latency_runs(request), *more))], 2 * seconds)
         progress.update()
-    return fit_collectives(profile, measured[:2], measured[2:])
+    profile = replace(profile, all_cores_slowdown=all_cores_slowdown(*(step.measured_s for step in measured[:2])))
+    return fit_collectives(profile, measured[2:4], measured[4:])
 
 
 def calibration_specs(request: PlanRequest) -> tuple[str, ...]:

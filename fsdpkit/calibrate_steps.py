@@ -5,6 +5,10 @@ values at which `fsdpkit plan --time` predicts the measured steps.
                          collective costs the engine beyond its bytes (issue, hooks, gloo's
                          handshakes); its step under grad-op, with fewer all-gathers, tells
                          what a reduction costs beyond an all-gather (the gradient's path)
+    all cores            `--model`'s step on one rank alone, and on each of as many ranks as
+                         cores at once (all_cores_ranks; 2 at least), each on its own with no
+                         collectives: how much slower a rank computes while the others keep
+                         every core busy (all_cores_slowdown, the ratio of the two)
     more ranks           `--model` and LATENCY_MODEL on more processes (more_ranks: twice the
                          cores, 4 to MAX_RANKS) give two terms together, the pair (with the
                          latency and the reduction's cost fitted again for each) with the
@@ -25,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .engine.config import Strategy
-from .hardware import MAX_CONTENTION, Hardware, shared_compute_slowdown
+from .hardware import MAX_CONTENTION, Hardware
 from .memory_plan import PlanRequest
 from .step_time import shared_cores_seconds
 
@@ -73,6 +77,11 @@ def more_ranks(cores: int) -> int:
     return max(4, min(2 * cores, MAX_RANKS))
 
 
+def all_cores_ranks(cores: int) -> int:
+    """The processes the all-cores step runs on: one per core, 2 to MAX_RANKS."""
+    return max(2, min(cores, MAX_RANKS))
+
+
 def latency_runs(request: PlanRequest) -> tuple[PlanRequest, PlanRequest]:
     """The steps the collectives' fixed costs are fitted to: LATENCY_MODEL on 2 ranks under full
     (2N-1 all-gathers and N reduce-scatters of its N units) and under grad-op (N and N): the
@@ -80,6 +89,31 @@ def latency_runs(request: PlanRequest) -> tuple[PlanRequest, PlanRequest]:
     full = _on_ranks(request, 2, model=LATENCY_MODEL)
     config = full.config
     return full, PlanRequest(replace(config, sharding=replace(config.sharding, strategy=Strategy.GRAD_OP)), 2)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A step measure() times: `run` on its world_size ranks, `copies` times side by side on the
+    launch's first copies x world_size ranks, each copy on its own (no collectives between them)."""
+
+    run: PlanRequest
+    copies: int = 1
+
+    @property
+    def ranks(self) -> int:
+        return self.copies * self.run.world_size
+
+
+def all_cores_runs(request: PlanRequest, cores: int) -> tuple[Placement, Placement]:
+    """The steps all_cores_slowdown is the ratio of: `request`'s model on one rank, alone and on
+    each of all_cores_ranks(`cores`) ranks at once."""
+    alone = _on_ranks(request, 1)
+    return Placement(alone), Placement(alone, all_cores_ranks(cores))
+
+
+def all_cores_slowdown(alone_s: float, at_once_s: float) -> float:
+    """The ratio of all_cores_runs' two steps, within the profile's range."""
+    return min(max(at_once_s / alone_s, 1.0), MAX_CONTENTION)
 
 
 def more_ranks_runs(request: PlanRequest, cores: int) -> tuple[PlanRequest, PlanRequest]:
@@ -103,6 +137,12 @@ class Measured:
     run: PlanRequest
     measured_s: float
 
+    def predicted(self, profile: Hardware, costs: ModelCosts) -> float:
+        """The model's step on `profile` (its ranks sharing a node's cores as the profile says)."""
+        from .time_plan import predict
+
+        return predict(self.run, profile, costs, per_node=self.run.world_size).time.step_time_s
+
     def alone(self, profile: Hardware, costs: ModelCosts) -> tuple[float, float]:
         """The model's (step, compute) with a core per rank."""
         from .time_plan import predict
@@ -121,19 +161,19 @@ def fit_latency(profile: Hardware, steps: Sequence[Measured], per_step: float, c
         reducing = replace(profile, reduce_overhead_s=reduce_s)
 
         def step_at(seconds: float) -> float:
-            return full.alone(with_latency(reducing, seconds, per_step), costs)[0]
+            return full.predicted(with_latency(reducing, seconds, per_step), costs)
 
         return with_latency(reducing, fit_value(full.measured_s, step_at, 0.0, MAX_LATENCY_S), per_step)
 
     # along the latencies that meet the full step, the grad-op step grows with the reductions' share
-    reduce_s = fit_value(gathers_fewer.measured_s, lambda seconds: gathers_fewer.alone(fitted_for(seconds), costs)[0], 0.0, MAX_LATENCY_S)
+    reduce_s = fit_value(gathers_fewer.measured_s, lambda seconds: gathers_fewer.predicted(fitted_for(seconds), costs), 0.0, MAX_LATENCY_S)
     return fitted_for(reduce_s)
 
 
 def fit_collectives(profile: Hardware, latency: Sequence[Measured], more: Sequence[Measured]) -> Hardware:
     """`profile` with the collective latency, its share per ring step, the reductions' extra fixed
     cost and the compute contention that best predict the `latency` steps (latency_runs) and
-    the `more` steps (on more ranks than those)."""
+    the `more` steps (more_ranks_runs), at `profile`'s all_cores_slowdown."""
     from .time_plan import model_costs
 
     by_units: dict[tuple, ModelCosts] = {}  # a model's costs are the same at every world size and strategy
@@ -144,14 +184,14 @@ def fit_collectives(profile: Hardware, latency: Sequence[Measured], more: Sequen
             by_units[key] = model_costs(run)
         return by_units[key]
 
-    latency_costs, costs = costs_of(latency[0].run), [costs_of(step.run) for step in more]
-    share = profile.compute_share(more[0].run.world_size) if more else 1.0
+    latency_costs, ranks = costs_of(latency[0].run), more[0].run.world_size if more else 1
     fits = []
     for per_step in PER_STEP_SHARES if more else PER_STEP_SHARES[:1]:
         fitted = fit_latency(profile, latency, per_step, latency_costs)
-        steps = [SharedStep(step.measured_s, *step.alone(fitted, cost)) for step, cost in zip(more, costs, strict=True)]
-        contention = best_contention(steps, share)
-        fits.append((sum(step.error(share, contention) for step in steps), replace(fitted, compute_contention=contention)))
+        steps = [SharedStep(step.measured_s, *step.alone(fitted, costs_of(step.run))) for step in more]
+        contention = best_contention(steps, fitted, ranks)
+        error = sum(step.error(replace(fitted, compute_contention=contention).compute_slowdown(ranks)) for step in steps)
+        fits.append((error, replace(fitted, compute_contention=contention)))
     return min(fits, key=lambda fit: fit[0])[1]
 
 
@@ -163,21 +203,26 @@ class SharedStep:
     alone_s: float
     compute_s: float
 
-    def predicted(self, share: float, contention: float) -> float:
-        """As the step-time model charges `share` ranks per core."""
-        return shared_cores_seconds(self.alone_s, self.compute_s, shared_compute_slowdown(share, contention))
+    def predicted(self, slowdown: float) -> float:
+        """As the step-time model charges compute that takes `slowdown` times as long."""
+        return shared_cores_seconds(self.alone_s, self.compute_s, slowdown)
 
-    def error(self, share: float, contention: float) -> float:
-        return (self.predicted(share, contention) / self.measured_s - 1) ** 2
+    def error(self, slowdown: float) -> float:
+        return (self.predicted(slowdown) / self.measured_s - 1) ** 2
 
 
-def best_contention(steps: Sequence[SharedStep], share: float) -> float:
-    """The contention with the least squared relative error on `steps`; 1 where the ranks do not
-    outnumber the cores (`share` <= 1)."""
-    if share <= 1:
+def best_contention(steps: Sequence[SharedStep], profile: Hardware, ranks_per_node: int) -> float:
+    """The compute contention of `profile` with the least squared relative error on `steps`, taken on
+    `ranks_per_node` ranks; 1 where those do not outnumber the cores."""
+    if profile.compute_share(ranks_per_node) <= 1:
         return 1.0
     candidates = (1 + index / 100 for index in range(round((MAX_CONTENTION - 1) * 100) + 1))
-    return min(candidates, key=lambda contention: sum(step.error(share, contention) for step in steps))
+
+    def error(contention: float) -> float:
+        slowdown = replace(profile, compute_contention=contention).compute_slowdown(ranks_per_node)
+        return sum(step.error(slowdown) for step in steps)
+
+    return min(candidates, key=error)
 
 
 def _on_ranks(request: PlanRequest, ranks: int, *, model: str | None = None) -> PlanRequest:
@@ -198,45 +243,51 @@ def _on_ranks(request: PlanRequest, ranks: int, *, model: str | None = None) -> 
     return PlanRequest(config, ranks)
 
 
-def measure(runs: Sequence[PlanRequest], seconds: float) -> list[Measured]:
-    """The engine's steps of `runs`, launched once on as many ranks as the largest takes (each
-    run on the first of them) and taken in turns, so that a drifting machine speed moves them
+def measure(placements: Sequence[Placement], seconds: float) -> list[Measured]:
+    """The engine's steps of `placements`, launched once on as many ranks as the largest takes
+    (each on the first of them) and taken in turns, so that a drifting machine speed moves them
     alike; timed until they total at least `seconds` (and STEPS each)."""
     from .launch import LaunchOptions, launch
 
-    ranks = max(run.world_size for run in runs)
-    medians = launch(_measured_steps, list(runs), seconds, options=LaunchOptions(nproc_per_node=ranks))[0]
-    return [Measured(run, median) for run, median in zip(runs, medians, strict=True)]
+    ranks = max(placement.ranks for placement in placements)
+    medians = launch(_measured_steps, list(placements), seconds, options=LaunchOptions(nproc_per_node=ranks))[0]
+    return [Measured(placement.run, median) for placement, median in zip(placements, medians, strict=True)]
 
 
-def on_first_ranks(run: PlanRequest) -> tuple[Any, ModelRun | None]:
-    """(process group, the engine's model) of `run` on the first `run.world_size` ranks of the
-    launch; the group is None where that is every rank, the model None on the other ranks.
-    Every rank must call it, as new_group requires."""
+def on_first_ranks(placement: Placement) -> tuple[Any, ModelRun | None]:
+    """(process group of its ranks, the engine's model of this rank's copy) of `placement` on the
+    first ranks of the launch; the group is None where that is every rank, the model None on the
+    other ranks. Every rank must call it, as new_group requires."""
     import torch.distributed as dist
 
     from .calibrate import ModelRun
 
-    group = dist.new_group(list(range(run.world_size))) if run.world_size < dist.get_world_size() else None
-    return group, ModelRun(run, run.model, group=group) if dist.get_rank() < run.world_size else None
+    run, world, rank = placement.run, dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(placement.ranks))) if placement.ranks < world else None
+    if placement.copies == 1:
+        own = group
+    else:
+        copies = [dist.new_group(list(range(start, start + run.world_size))) for start in range(0, placement.ranks, run.world_size)]
+        own = copies[rank // run.world_size] if rank < placement.ranks else None
+    return group, ModelRun(run, run.model, group=own) if rank < placement.ranks else None
 
 
-def _measured_steps(runs: list[PlanRequest], seconds: float) -> list[float]:
-    """One rank's part: for each run, the median of the slowest rank's training step over at least
-    STEPS rounds (after WARMUP_STEPS) and until the rounds total `seconds`."""
+def _measured_steps(placements: list[Placement], seconds: float) -> list[float]:
+    """One rank's part: for each placement, the median of the slowest rank's training step over at
+    least STEPS rounds (after WARMUP_STEPS) and until the rounds total `seconds`."""
     import torch.distributed as dist
 
     from .time_plan import micro_batch
 
     dist.init_process_group("gloo")
     try:
-        models = [on_first_ranks(run)[1] for run in runs]  # every rank makes every group, as new_group requires
-        steps: list[list[float]] = [[] for _ in runs]
+        models = [on_first_ranks(placement)[1] for placement in placements]  # every rank makes every group, as new_group requires
+        steps: list[list[float]] = [[] for _ in placements]
         index = 0
         while index < WARMUP_STEPS + STEPS or sum(map(sum, steps)) < seconds:  # the same on every rank: maxima over ranks
-            for run, model, times in zip(runs, models, steps, strict=True):
+            for placement, model, times in zip(placements, models, steps, strict=True):
                 dist.barrier()
-                elapsed = torch.tensor([sum(model.step(micro_batch(run))) if model is not None else 0.0])
+                elapsed = torch.tensor([sum(model.step(micro_batch(placement.run))) if model is not None else 0.0])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if index >= WARMUP_STEPS:
                     times.append(float(elapsed))

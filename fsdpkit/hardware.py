@@ -38,8 +38,10 @@ class Hardware:
     inter_latency_s: float  # per ring step between nodes
     host_bw_gbs: float = 25.0  # host <-> device copies (CPU offload)
     overlap: bool = True  # communication runs beside compute (False: the two share the same cores)
-    compute_slots: int = 0  # ranks of a node that compute at full speed at once (CPU: its cores); 0: every rank has its own device
+    compute_slots: int = 0  # ranks of a node that compute at once (CPU: its cores); 0: every rank has its own device
     compute_contention: float = 1.0  # ranks beyond compute_slots: how much slower than its turns on a core a rank computes
+    # how much slower a rank computes while the node's ranks keep all compute_slots busy than alone (shared caches, the all-core clock)
+    all_cores_slowdown: float = 1.0
     collective_overhead_s: float = 0.0  # fixed time per collective, whatever its ranks (issue, hooks, copies in and out)
     reduce_overhead_s: float = 0.0  # a reduction's fixed time beyond that (the gradient's path: flattening, summing, accumulating)
     op_overhead_s: float = 0.0  # fixed time per operator dispatched (eager dispatch, autograd, kernel launch)
@@ -57,9 +59,10 @@ class Hardware:
                 raise UsageError(f"hardware {self.name!r}: {key} must be a number >= 0, got {value!r}")
         if self.efficiency > 1:
             raise UsageError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
-        contention = self.compute_contention
-        if isinstance(contention, bool) or not isinstance(contention, (int, float)) or not 1 <= contention <= MAX_CONTENTION:
-            raise UsageError(f"hardware {self.name!r}: compute_contention must be a number in [1, {MAX_CONTENTION:g}], got {contention!r}")
+        for key in ("compute_contention", "all_cores_slowdown"):
+            factor = getattr(self, key)
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= MAX_CONTENTION:
+                raise UsageError(f"hardware {self.name!r}: {key} must be a number in [1, {MAX_CONTENTION:g}], got {factor!r}")
         if not isinstance(self.compute_slots, int) or self.compute_slots < 0:
             raise UsageError(f"hardware {self.name!r}: compute_slots must be an integer >= 0, got {self.compute_slots!r}")
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -78,8 +81,20 @@ class Hardware:
         return max(1.0, ranks_per_node / self.compute_slots) if self.compute_slots else 1.0
 
     def compute_slowdown(self, ranks_per_node: int) -> float:
-        """How many times as long a rank computes when `ranks_per_node` ranks share the node's cores."""
-        return shared_compute_slowdown(self.compute_share(ranks_per_node), self.compute_contention)
+        """How many times as long a rank computes when `ranks_per_node` ranks share the node's cores
+        than one rank alone on them."""
+        return self.busy_cores_slowdown(ranks_per_node) * shared_compute_slowdown(
+            self.compute_share(ranks_per_node), self.compute_contention
+        )
+
+    def busy_cores_slowdown(self, ranks_per_node: int) -> float:
+        """How many times as long a rank computes while the others compute on the node's other
+        cores: all_cores_slowdown where they keep all compute_slots busy, in proportion where they
+        keep fewer; 1 for one rank, and where every rank has its own device."""
+        if self.compute_slots < 2:
+            return 1.0
+        busy = min(ranks_per_node, self.compute_slots)
+        return 1.0 + (self.all_cores_slowdown - 1.0) * (busy - 1) / (self.compute_slots - 1)
 
     def link(self, group_size: int, ranks_per_node: int) -> tuple[float, float]:
         """(bus bandwidth in bytes/s, latency per ring step) of a group of consecutive ranks."""

@@ -23,12 +23,16 @@ from fsdpkit.calibrate import StepSample, compute_terms, fit_nonnegative
 from fsdpkit.calibrate_steps import (
     MAX_LATENCY_S,
     Measured,
+    Placement,
     SharedStep,
+    all_cores_runs,
+    all_cores_slowdown,
     best_contention,
     fit_collectives,
     fit_value,
     latency_runs,
     more_ranks_runs,
+    on_first_ranks,
     with_latency,
 )
 from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
@@ -257,6 +261,52 @@ def test_ranks_beyond_the_cores_slow_their_compute_and_not_their_collectives():
     assert crowded.comm_s == pytest.approx(alone.comm_s, rel=1e-9) and crowded.compute_s == pytest.approx(2 * alone.compute_s, rel=1e-9)
 
 
+def test_ranks_that_keep_every_core_busy_compute_slower_by_the_all_cores_slowdown():
+    costs = model_costs(_request(4, {"sharding": {"strategy": "full"}}))
+    cpu = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, intra_latency_s=1e-3, all_cores_slowdown=1.3)
+    for ranks, slowdown in ((1, 1.0), (2, 1.1), (4, 1.3)):  # in proportion to the other cores kept busy
+        request = _request(ranks, {"sharding": {"strategy": "full"}})
+        alone = predict(request, dataclasses.replace(cpu, all_cores_slowdown=1.0), costs, per_node=ranks).time
+        busy = predict(request, cpu, costs, per_node=ranks).time
+        assert busy.compute_s == pytest.approx(slowdown * alone.compute_s, rel=1e-9) and busy.comm_s == pytest.approx(
+            alone.comm_s, rel=1e-9
+        )
+        assert busy.step_time_s == pytest.approx(alone.step_time_s + (slowdown - 1) * alone.compute_s, rel=1e-9)
+    # beyond the cores, the ranks take turns on busy cores; a device per rank shares nothing
+    assert dataclasses.replace(cpu, compute_slots=2, compute_contention=1.25).compute_slowdown(8) == pytest.approx(1.3 * 4 * 1.25)
+    assert dataclasses.replace(cpu, compute_slots=0).compute_slowdown(8) == 1.0
+    # the profile's value: the ratio of the step on every core at once to the step alone, in range
+    assert all_cores_slowdown(0.05, 0.06) == pytest.approx(1.2) and all_cores_slowdown(0.06, 0.05) == 1.0
+    assert all_cores_slowdown(0.01, 1.0) == MAX_CONTENTION
+
+
+def all_cores_worker(request: PlanRequest) -> dict:
+    """The groups and models on_first_ranks gives each rank for the all-cores pair and a 2-rank step."""
+    from fsdpkit.engine.sharded import get_state
+
+    alone, at_once = all_cores_runs(request, 2)
+    placed = {}
+    for name, placement in (
+        ("alone", alone),
+        ("at_once", at_once),
+        ("two_ranks", Placement(_request(2, {"sharding": {"strategy": "full"}}))),
+    ):
+        group, model = on_first_ranks(placement)
+        mesh = get_state(model.model).mesh if model else None
+        placed[name] = (group is None, mesh.world_size if mesh else None, model.step(1)[0] > 0 if model else None)
+    return placed
+
+
+def test_all_cores_pair_runs_one_rank_alone_and_a_copy_on_each_core_without_collectives():
+    alone, at_once = all_cores_runs(_request(2, {"sharding": {"strategy": "full"}}), 2)
+    assert alone.run == at_once.run and alone.run.world_size == 1 and (alone.ranks, at_once.ranks) == (1, 2)
+    results = run_distributed(all_cores_worker, 2, _request(2, {"sharding": {"strategy": "full"}}))
+    # alone: rank 0 in a group of its own; at once: both ranks (the whole launch), each copy on
+    # a group of one; a 2-rank step: one model sharded over both
+    assert results[0] == {"alone": (False, 1, True), "at_once": (True, 1, True), "two_ranks": (True, 2, True)}
+    assert results[1] == {"alone": (False, None, None), "at_once": (True, 1, True), "two_ranks": (True, 2, True)}
+
+
 def test_calibration_fits_the_compute_contention_over_several_measured_steps():
     request = _request(4, {"sharding": {"strategy": "full"}})
     costs = model_costs(request)
@@ -264,17 +314,21 @@ def test_calibration_fits_the_compute_contention_over_several_measured_steps():
     alone = predict(request, cpu, costs, per_node=4).time
     step = SharedStep(0.0, alone.step_time_s, alone.compute_s)
     shared = dataclasses.replace(cpu, compute_slots=2, compute_contention=1.3)
-    assert predict(request, shared, costs, per_node=4).time.step_time_s == pytest.approx(step.predicted(2.0, 1.3), rel=1e-9)
-    # a compute-bound and a collective-bound step: the contention that fits both best
+    assert predict(request, shared, costs, per_node=4).time.step_time_s == pytest.approx(step.predicted(2 * 1.3), rel=1e-9)
+    # a compute-bound and a collective-bound step: the contention that fits both best, on top of
+    # the slowdown of ranks that keep every core busy
+    busy = dataclasses.replace(cpu, compute_slots=2, all_cores_slowdown=1.1)
     steps = [SharedStep(0.0, 1.0, 0.8), SharedStep(0.0, 1.0, 0.1)]
-    measured = [dataclasses.replace(s, measured_s=s.predicted(2.0, 1.3)) for s in steps]
-    assert best_contention(measured, 2.0) == pytest.approx(1.3)
+    measured = [dataclasses.replace(s, measured_s=s.predicted(1.1 * 2 * 1.3)) for s in steps]
+    assert best_contention(measured, busy, 4) == pytest.approx(1.3)
     # noise on one step moves the fit less than it moves that step alone
     noisy = [dataclasses.replace(measured[0], measured_s=1.1 * measured[0].measured_s), measured[1]]
-    assert 1.3 < best_contention(noisy, 2.0) < best_contention(noisy[:1], 2.0)
+    assert 1.3 < best_contention(noisy, busy, 4) < best_contention(noisy[:1], busy, 4)
     # a step faster than taking turns allows fits 1, one far slower MAX_CONTENTION
-    assert best_contention([dataclasses.replace(s, measured_s=0.5) for s in steps], 2.0) == 1.0
-    assert best_contention([dataclasses.replace(s, measured_s=50.0) for s in steps], 2.0) == MAX_CONTENTION
+    assert best_contention([dataclasses.replace(s, measured_s=0.5) for s in steps], busy, 4) == 1.0
+    assert best_contention([dataclasses.replace(s, measured_s=50.0) for s in steps], busy, 4) == MAX_CONTENTION
+    # ranks that do not outnumber the cores do not take turns
+    assert best_contention(measured, busy, 2) == 1.0
 
 
 def test_calibration_fits_the_latency_its_share_per_ring_step_and_the_contention_together():
@@ -292,7 +346,8 @@ def test_calibration_fits_the_latency_its_share_per_ring_step_and_the_contention
         assert collective_seconds(Collective(kind, 0, 4, spans_world=False), reducing, 4, 4)[0] == pytest.approx(1.5e-3)
     # measured steps made by a known profile: the fit finds its four terms back
     request = _request(2, {"sharding": {"strategy": "full"}})
-    base = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=2, op_overhead_s=1e-6)
+    # the all-cores slowdown is measured, not fitted: the profile comes with it
+    base = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=2, op_overhead_s=1e-6, all_cores_slowdown=1.2)
     truth = dataclasses.replace(with_latency(base, 1.2e-3, 0.4), compute_contention=1.5, reduce_overhead_s=7e-4)
     runs = [*latency_runs(request), *more_ranks_runs(request, 2)]
     assert [run.world_size for run in runs] == [2, 2, 4, 4] and runs[2].model == request.model and runs[3].model == runs[0].model
@@ -464,6 +519,7 @@ def test_cli_time_json_scaling_and_report(tmp_path):
         (("intra_bw_gbs = 1.0", "intra_bw_gbs = -1"), "intra_bw_gbs must be a number > 0, got -1"),
         (("compute_contention = 1.0", "compute_contention = 0.5"), "compute_contention must be a number in [1, 4], got 0.5"),
         (("reduce_overhead_s = 0.0", "reduce_overhead_s = -1"), "reduce_overhead_s must be a number >= 0, got -1"),
+        (("all_cores_slowdown = 1.0", "all_cores_slowdown = 5"), "all_cores_slowdown must be a number in [1, 4], got 5"),
     ],
 )
 def test_bad_hardware_file_is_one_line_exit_2(tmp_path, content, message):
@@ -510,7 +566,7 @@ def test_calibrate_measures_this_machine_into_a_profile_that_plan_reads(tmp_path
     assert 0 <= gather <= MAX_LATENCY_S and 0 <= profile.reduce_overhead_s <= MAX_LATENCY_S
     assert gather + profile.reduce_overhead_s > 0
     assert profile.intra_bw_gbs > 0 and 0 < profile.efficiency <= 1
-    assert 1 <= profile.compute_contention <= MAX_CONTENTION
+    assert 1 <= profile.compute_contention <= MAX_CONTENTION and 1 <= profile.all_cores_slowdown <= MAX_CONTENTION
     timed = _invoke([*args, "--time", "--hardware", str(out), "--json"])
     assert timed.exit_code == 0, timed.output
     assert json.loads(timed.stdout)["step_time_s"] > 0
