@@ -20,13 +20,17 @@
 The step time is when both streams are done; exposed communication is what the compute
 stream waited for.
 
-    shared cores  when a node's ranks outnumber its cores (hardware.compute_slots) by s, the
-                step above (`alone`) is what a rank would take with a core of its own. Its
-                compute takes turns on the core, s times as long, and longer still by what
-                the switching between ranks costs (their caches, the scheduler:
-                hardware.compute_contention, c). The collectives take as long as with a core
-                each (on this machine's gloo, charging their copies or their waiting s times
-                over-predicted the bandwidth-bound steps): step = alone + (s x c - 1) x compute.
+    shared cores  while a node's ranks keep its cores (hardware.compute_slots) busy, a rank
+                computes more slowly than alone on them (shared caches and memory bandwidth,
+                the all-core clock): hardware.all_cores_slowdown, k, where every core
+                computes, in proportion to the other cores kept busy where fewer. Where the
+                ranks outnumber the cores by s, the step above (`alone`) is what a rank would
+                take with a core of its own. Its compute takes turns on the core, s times as
+                long, and longer still by what the switching between ranks costs (their
+                caches, the scheduler: hardware.compute_contention, c). The collectives take
+                as long as with a core each (on this machine's gloo, charging their copies or
+                their waiting s times over-predicted the bandwidth-bound steps):
+                step = alone + (k x s x c - 1) x compute.
 """
 
 from __future__ import annotations
