@@ -189,9 +189,8 @@ def fit_collectives(profile: Hardware, latency: Sequence[Measured], more: Sequen
     for per_step in PER_STEP_SHARES if more else PER_STEP_SHARES[:1]:
         fitted = fit_latency(profile, latency, per_step, latency_costs)
         steps = [SharedStep(step.measured_s, *step.alone(fitted, costs_of(step.run))) for step in more]
-        contention = best_contention(steps, fitted, ranks)
-        error = sum(step.error(replace(fitted, compute_contention=contention).compute_slowdown(ranks)) for step in steps)
-        fits.append((error, replace(fitted, compute_contention=contention)))
+        contended = replace(fitted, compute_contention=best_contention(steps, fitted, ranks))
+        fits.append((sum(step.error(contended.compute_slowdown(ranks)) for step in steps), contended))
     return min(fits, key=lambda fit: fit[0])[1]
 
 
