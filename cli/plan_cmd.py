@@ -125,7 +125,7 @@ CalibrateSecondsOption = Annotated[
     typer.Option(
         "--calibrate-seconds",
         min=0,
-        help="How long --calibrate times compute and the bus bandwidth, at least (the latency and more-ranks steps, twice this).",
+        help="How long --calibrate times compute and the bus bandwidth, at least (the other steps: twice this).",
         rich_help_panel="Time",
         metavar="S",
     ),

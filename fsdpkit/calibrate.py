@@ -11,12 +11,13 @@
               models' operators grow with their units, so the two cannot be told apart
     network   `fsdpkit bench` of the engine's all-gather and reduce-scatter on `ranks` local
               processes: the least-squares line of time against size gives the bus
-              bandwidth (slope; the median over several launches); the engine's steps of a
-              model of many units on 2 processes under full and grad-op, and of it and
-              `--model` on one per core and on more, give what a collective costs beyond its
-              bytes, what a reduction costs beyond an all-gather, how much of that recurs
-              per ring step, how much slower a rank computes while the others keep every
-              core busy, and how much slower still where ranks outnumber cores
+              bandwidth (slope; the median over several launches); `--model`'s step on one
+              rank alone and on a rank per core at once gives how much slower a rank
+              computes while the others keep every core busy; the engine's steps of a model
+              of many units on 2 processes under full and grad-op, and of it and `--model`
+              on more, give what a collective costs beyond its bytes, what a reduction costs
+              beyond an all-gather, how much of that recurs per ring step, and how much
+              slower still a rank computes where ranks outnumber cores
               (fsdpkit.calibrate_steps)
 
 Numbers are medians of repeated timings, each going on for at least `--calibrate-seconds`:
@@ -277,9 +278,9 @@ def _bench_line(ranks: int) -> tuple[float, float]:
 
 
 def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRATE_SECONDS) -> Hardware:
-    """The compute terms time training steps for at least `seconds`, the latency and more-ranks
-    terms (taken in turns) for twice that: the longer, the more of a machine's drifting speed
-    is averaged over."""
+    """The compute terms time training steps for at least `seconds`, the busy cores, latency and
+    more-ranks terms (taken in turns) for twice that: the longer, the more of a machine's
+    drifting speed is averaged over."""
     from tqdm import tqdm
 
     from .launch import LaunchOptions, launch
@@ -295,10 +296,12 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
         progress.update()
         all_cores, more = all_cores_runs(request, profile.compute_slots), more_ranks_runs(request, profile.compute_slots)
         progress.set_postfix_str(f"collective latency on 2 ranks, compute on {all_cores[1].ranks} at once, steps on {more[0].world_size}")
-        measured = measure([*all_cores, *map(Placement, (*latency_runs(request), *more))], 2 * seconds)
+        alone, at_once, *latency, more_steps, more_latency = measure(
+            [*all_cores, *map(Placement, (*latency_runs(request), *more))], 2 * seconds
+        )
         progress.update()
-    profile = replace(profile, all_cores_slowdown=all_cores_slowdown(*(step.measured_s for step in measured[:2])))
-    return fit_collectives(profile, measured[2:4], measured[4:])
+    profile = replace(profile, all_cores_slowdown=all_cores_slowdown(alone.measured_s, at_once.measured_s))
+    return fit_collectives(profile, latency, [more_steps, more_latency])
 
 
 def calibration_specs(request: PlanRequest) -> tuple[str, ...]:
