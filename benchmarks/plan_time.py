@@ -34,6 +34,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.g
 MODELS = ("gpt-small", "hf:llama-bench", "plan_time:many_small")
 STRATEGIES = ("full", "grad-op")
 PREFETCH = ("pre", "none")
+FIT_REPEATS = 2  # per round, for the steps fit_collectives meets exactly: about as many as plan --calibrate takes
 
 
 def many_small():
@@ -57,11 +58,12 @@ def request_for(model: str, strategy: str, prefetch: str, world: int, batch: int
 
 @dataclass
 class Timed:
-    """A step that `ranks` take once per round, and its times (each the slowest of those ranks)."""
+    """A step that `ranks` take `repeats` times per round, and its times (each the slowest of those ranks)."""
 
     ranks: tuple[int, ...]
     group: Any  # their process group (None: every rank)
     step: Callable[[], tuple[float, ...]] | None  # None on the ranks that do not take it
+    repeats: int = 1
     times: list[tuple[float, ...]] = field(default_factory=list)
 
 
@@ -78,13 +80,14 @@ def measure_worker(cases: list[tuple[str, str, str]], batch: int, seq_len: int, 
         round_index = 0
         while round_index <= rounds or sum(t[0] for c in configs for t in c.times) < seconds:  # the same on every rank
             for item in timed:
-                dist.barrier()
-                if dist.get_rank() in item.ranks:
-                    assert item.step is not None
-                    elapsed = torch.tensor(item.step())
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=item.group)
-                    if round_index:
-                        item.times.append(tuple(elapsed.tolist()))
+                for _ in range(item.repeats):
+                    dist.barrier()
+                    if dist.get_rank() in item.ranks:
+                        assert item.step is not None
+                        elapsed = torch.tensor(item.step())
+                        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=item.group)
+                        if round_index:
+                            item.times.append(tuple(elapsed.tolist()))
             round_index += 1
         return {"configs": [[t[0] for t in c.times] for c in configs], "calibration": calibration.result() if calibration else None}
     finally:
@@ -145,15 +148,15 @@ class Calibration:
         for placement, kind in runs:
             group, model = on_first_ranks(placement)
             step = whole_step(model, micro_batch(placement.run)) if model else None
-            steps[kind].append(Timed(tuple(range(placement.ranks)), group, step))
+            steps[kind].append(Timed(tuple(range(placement.ranks)), group, step, FIT_REPEATS))
         return cls(probe, probes, compute, steps["latency"], steps["all_cores"], steps["more"])
 
     def timed(self) -> list[Timed]:
         return [self.probes, *(timed for _, _, timed in self.compute), *self.latency, *self.all_cores, *self.more]
 
     def result(self) -> dict | None:
-        """On rank 0: measure_steps' (peak, memory bandwidth, samples), and the medians of the
-        latency, all-cores and more-ranks steps."""
+        """On rank 0: measure_steps' (peak, memory bandwidth, samples), the medians of the latency,
+        all-cores and more-ranks steps, and their times in the order taken."""
         if dist.get_rank() != 0:
             return None
         peak, bandwidth = self.probe.rates(self.probes.times)
@@ -163,7 +166,11 @@ class Calibration:
             "latency": [statistics.median(t[0] for t in timed.times) for timed in self.latency],
             "all_cores": [statistics.median(t[0] for t in timed.times) for timed in self.all_cores],
             "more": [statistics.median(t[0] for t in timed.times) for timed in self.more],
+            "times": {kind: [[t[0] for t in timed.times] for timed in steps] for kind, steps in self.fitted().items()},
         }
+
+    def fitted(self) -> dict[str, list[Timed]]:
+        return {"latency": self.latency, "all_cores": self.all_cores, "more": self.more}
 
 
 def calibration_request(batch: int, seq_len: int):
@@ -208,12 +215,24 @@ def world_rows(
             "measured_min_s": min(times),
             "measured_max_s": max(times),
             "ratio": predicted / median,
+            "times_s": times,
         }
         if separate is not None:
             row["separate_predicted_s"] = predict(request, separate, costs[model], per_node=world).time.step_time_s
             row["separate_ratio"] = row["separate_predicted_s"] / median
         rows.append(row)
     return rows
+
+
+def same_step_spread(rows: list[dict]) -> dict[str, float]:
+    """Per model, how far apart (max over min, less 1) the medians of its configurations at 1 rank
+    are: there strategy and prefetch change nothing, so this is how far the measurement itself
+    moves the same step in the same rounds."""
+    medians: dict[str, list[float]] = {}
+    for row in rows:
+        if row["world_size"] == 1:
+            medians.setdefault(row["model"], []).append(row["measured_median_s"])
+    return {model: max(values) / min(values) - 1 for model, values in medians.items()}
 
 
 def main() -> None:
@@ -259,11 +278,13 @@ def main() -> None:
                     "latency_s": result["calibration"]["latency"],
                     "all_cores_s": result["calibration"]["all_cores"],
                     "more_ranks_s": result["calibration"]["more"],
+                    "times_s": result["calibration"]["times"],
                 }
             )
         rows += world_rows(args, cases, world, hardware, separate, result["configs"], costs)
     if args.json:
-        print(json.dumps({"hardware": [p.to_values() for p in profiles], "calibration_steps": calibrations, "rows": rows}))
+        document = {"hardware": [p.to_values() for p in profiles], "calibration_steps": calibrations, "rows": rows}
+        print(json.dumps(document | {"same_step_spread": same_step_spread(rows)}))
         return
     print_table(args, profiles, calibrations, rows, time.perf_counter() - started)
 
@@ -272,7 +293,7 @@ def print_table(args: argparse.Namespace, profiles, calibrations: list[dict], ro
     for profile in profiles:
         print(f"# profile: {json.dumps(profile.to_values())}")
     for steps in calibrations:
-        print(f"# calibration steps: {json.dumps(steps)}")
+        print(f"# calibration steps: {json.dumps({key: value for key, value in steps.items() if key != 'times_s'})}")
     load = os.getloadavg()[0]
     rounds = f"median of at least {args.rounds} alternating rounds and {args.seconds:g} s"
     print(f"# {args.batch} x {args.seq_len} tokens per rank, AdamW; {rounds}; load average {load:.1f} at the end")
@@ -288,6 +309,10 @@ def print_table(args: argparse.Namespace, profiles, calibrations: list[dict], ro
     within = sum(abs(row["ratio"] - 1) <= 0.15 for row in rows)
     separately = f"; calibrated separately: {sum(abs(row['separate_ratio'] - 1) <= 0.15 for row in rows)}" if args.separate else ""
     print(f"# within 15%: {within} of {len(rows)}{separately}; {seconds:.0f} s in all")
+    spread = same_step_spread(rows)
+    if spread:
+        apart = ", ".join(f"{model} {value:.0%}" for model, value in spread.items())
+        print(f"# at 1 rank, where a model's configurations take the same step, their medians lie apart by up to: {apart}")
 
 
 if __name__ == "__main__":
