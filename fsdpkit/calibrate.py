@@ -296,12 +296,12 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
         progress.update()
         all_cores, more = all_cores_runs(request, profile.compute_slots), more_ranks_runs(request, profile.compute_slots)
         progress.set_postfix_str(f"collective latency on 2 ranks, compute on {all_cores[1].ranks} at once, steps on {more[0].world_size}")
-        alone, at_once, *latency, more_steps, more_latency = measure(
+        alone, at_once, full, gathers_fewer, *more_steps = measure(
             [*all_cores, *map(Placement, (*latency_runs(request), *more))], 2 * seconds
         )
         progress.update()
     profile = replace(profile, all_cores_slowdown=all_cores_slowdown(alone.measured_s, at_once.measured_s))
-    return fit_collectives(profile, latency, [more_steps, more_latency])
+    return fit_collectives(profile, [full, gathers_fewer], more_steps)
 
 
 def calibration_specs(request: PlanRequest) -> tuple[str, ...]:

@@ -9,10 +9,11 @@ values at which `fsdpkit plan --time` predicts the measured steps.
                          cores at once (all_cores_ranks; 2 at least), each on its own with no
                          collectives: how much slower a rank computes while the others keep
                          every core busy (all_cores_slowdown, the ratio of the two)
-    more ranks           `--model` and LATENCY_MODEL on more processes (more_ranks: twice the
-                         cores, 4 to MAX_RANKS) give two terms together, the pair (with the
-                         latency and the reduction's cost fitted again for each) with the
-                         least squared relative error on the two steps:
+    more ranks           `--model` under its strategy and under grad-op, and LATENCY_MODEL, on
+                         more processes (more_ranks: twice the cores, 4 to MAX_RANKS) give two
+                         terms together, the pair (with the latency and the reduction's cost
+                         fitted again for each) with the least squared relative error on the
+                         three steps:
                            which share of that latency recurs per ring step, the rest being
                            fixed per collective (in steps of 0.1);
                            where those ranks outnumber the cores, how much slower than its
@@ -116,11 +117,15 @@ def all_cores_slowdown(alone_s: float, at_once_s: float) -> float:
     return min(max(at_once_s / alone_s, 1.0), MAX_CONTENTION)
 
 
-def more_ranks_runs(request: PlanRequest, cores: int) -> tuple[PlanRequest, PlanRequest]:
-    """The steps the more-ranks terms are fitted to: `request`'s model and LATENCY_MODEL on
-    more_ranks(`cores`) ranks."""
+def more_ranks_runs(request: PlanRequest, cores: int) -> tuple[PlanRequest, PlanRequest, PlanRequest]:
+    """The steps the more-ranks terms are fitted to, on more_ranks(`cores`) ranks: `request`'s
+    model, LATENCY_MODEL, and `request`'s model under grad-op (fewer all-gathers, as much compute),
+    so that the two terms are fitted to three steps rather than met by two."""
     ranks = more_ranks(cores)
-    return _on_ranks(request, ranks), _on_ranks(request, ranks, model=LATENCY_MODEL)
+    model = _on_ranks(request, ranks)
+    config = model.config
+    gathers_fewer = PlanRequest(replace(config, sharding=replace(config.sharding, strategy=Strategy.GRAD_OP)), ranks)
+    return model, _on_ranks(request, ranks, model=LATENCY_MODEL), gathers_fewer
 
 
 def with_latency(profile: Hardware, latency_s: float, per_step: float) -> Hardware:

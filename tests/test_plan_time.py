@@ -350,8 +350,9 @@ def test_calibration_fits_the_latency_its_share_per_ring_step_and_the_contention
     base = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=2, op_overhead_s=1e-6, all_cores_slowdown=1.2)
     truth = dataclasses.replace(with_latency(base, 1.2e-3, 0.4), compute_contention=1.5, reduce_overhead_s=7e-4)
     runs = [*latency_runs(request), *more_ranks_runs(request, 2)]
-    assert [run.world_size for run in runs] == [2, 2, 4, 4] and runs[2].model == request.model and runs[3].model == runs[0].model
-    assert [run.sharding.strategy.value for run in runs] == ["full", "grad-op", "full", "full"] and runs[1].model == runs[0].model
+    assert [run.world_size for run in runs] == [2, 2, 4, 4, 4] and runs[2].model == runs[4].model == request.model
+    assert [run.sharding.strategy.value for run in runs] == ["full", "grad-op", "full", "full", "grad-op"]
+    assert runs[1].model == runs[0].model == runs[3].model
     steps = [Measured(run, predict(run, truth, model_costs(run), per_node=run.world_size).time.step_time_s) for run in runs]
     fitted = fit_collectives(dataclasses.replace(base, intra_latency_s=5e-3), steps[:2], steps[2:])
     assert fitted.intra_latency_s + fitted.collective_overhead_s == pytest.approx(1.2e-3, rel=1e-6)
