@@ -34,7 +34,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.g
 MODELS = ("gpt-small", "hf:llama-bench", "plan_time:many_small")
 STRATEGIES = ("full", "grad-op")
 PREFETCH = ("pre", "none")
-FIT_REPEATS = 2  # per round, for the steps fit_collectives meets exactly: about as many as plan --calibrate takes
+FIT_REPEATS = 2  # per round, for the busy-cores, latency and more-ranks steps: about as many as plan --calibrate takes
 
 
 def many_small():
@@ -152,7 +152,15 @@ class Calibration:
         return cls(probe, probes, compute, steps["latency"], steps["all_cores"], steps["more"])
 
     def timed(self) -> list[Timed]:
-        return [self.probes, *(timed for _, _, timed in self.compute), *self.latency, *self.all_cores, *self.more]
+        return [
+            self.probes,
+            *(timed for _, _, timed in self.compute),
+            *(timed for steps in self.profile_steps().values() for timed in steps),
+        ]
+
+    def profile_steps(self) -> dict[str, list[Timed]]:
+        """The steps of the busy-cores, latency and more-ranks terms, by kind."""
+        return {"latency": self.latency, "all_cores": self.all_cores, "more": self.more}
 
     def result(self) -> dict | None:
         """On rank 0: measure_steps' (peak, memory bandwidth, samples), the medians of the latency,
@@ -161,16 +169,9 @@ class Calibration:
             return None
         peak, bandwidth = self.probe.rates(self.probes.times)
         samples = [run.sample(size, timed.times, bandwidth) for run, size, timed in self.compute]
-        return {
-            "compute": (peak, bandwidth, samples),
-            "latency": [statistics.median(t[0] for t in timed.times) for timed in self.latency],
-            "all_cores": [statistics.median(t[0] for t in timed.times) for timed in self.all_cores],
-            "more": [statistics.median(t[0] for t in timed.times) for timed in self.more],
-            "times": {kind: [[t[0] for t in timed.times] for timed in steps] for kind, steps in self.fitted().items()},
-        }
-
-    def fitted(self) -> dict[str, list[Timed]]:
-        return {"latency": self.latency, "all_cores": self.all_cores, "more": self.more}
+        times = {kind: [[t[0] for t in timed.times] for timed in steps] for kind, steps in self.profile_steps().items()}
+        medians = {kind: [statistics.median(step) for step in steps] for kind, steps in times.items()}
+        return {"compute": (peak, bandwidth, samples), **medians, "times": times}
 
 
 def calibration_request(batch: int, seq_len: int):
@@ -284,7 +285,8 @@ def main() -> None:
         rows += world_rows(args, cases, world, hardware, separate, result["configs"], costs)
     if args.json:
         document = {"hardware": [p.to_values() for p in profiles], "calibration_steps": calibrations, "rows": rows}
-        print(json.dumps(document | {"same_step_spread": same_step_spread(rows)}))
+        document["same_step_spread"] = same_step_spread(rows)
+        print(json.dumps(document))
         return
     print_table(args, profiles, calibrations, rows, time.perf_counter() - started)
 

@@ -88,8 +88,7 @@ def latency_runs(request: PlanRequest) -> tuple[PlanRequest, PlanRequest]:
     (2N-1 all-gathers and N reduce-scatters of its N units) and under grad-op (N and N): the
     difference is all-gathers alone."""
     full = _on_ranks(request, 2, model=LATENCY_MODEL)
-    config = full.config
-    return full, PlanRequest(replace(config, sharding=replace(config.sharding, strategy=Strategy.GRAD_OP)), 2)
+    return full, _under_grad_op(full)
 
 
 @dataclass(frozen=True)
@@ -123,9 +122,7 @@ def more_ranks_runs(request: PlanRequest, cores: int) -> tuple[PlanRequest, Plan
     so that the two terms are fitted to three steps rather than met by two."""
     ranks = more_ranks(cores)
     model = _on_ranks(request, ranks)
-    config = model.config
-    gathers_fewer = PlanRequest(replace(config, sharding=replace(config.sharding, strategy=Strategy.GRAD_OP)), ranks)
-    return model, _on_ranks(request, ranks, model=LATENCY_MODEL), gathers_fewer
+    return model, _on_ranks(request, ranks, model=LATENCY_MODEL), _under_grad_op(model)
 
 
 def with_latency(profile: Hardware, latency_s: float, per_step: float) -> Hardware:
@@ -227,6 +224,12 @@ def best_contention(steps: Sequence[SharedStep], profile: Hardware, ranks_per_no
         return sum(step.error(slowdown) for step in steps)
 
     return min(candidates, key=error)
+
+
+def _under_grad_op(run: PlanRequest) -> PlanRequest:
+    """`run` sharded under grad-op: the same compute, fewer all-gathers."""
+    config = run.config
+    return PlanRequest(replace(config, sharding=replace(config.sharding, strategy=Strategy.GRAD_OP)), run.world_size)
 
 
 def _on_ranks(request: PlanRequest, ranks: int, *, model: str | None = None) -> PlanRequest:
