@@ -34,7 +34,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.g
 MODELS = ("gpt-small", "hf:llama-bench", "plan_time:many_small")
 STRATEGIES = ("full", "grad-op")
 PREFETCH = ("pre", "none")
-FIT_REPEATS = 2  # per round, for the busy-cores, latency and more-ranks steps: about as many as plan --calibrate takes
+FIT_REPEATS = 2  # per round, for the busy-cores, link and more-ranks steps: about as many as plan --calibrate takes
 
 
 def many_small():
@@ -110,21 +110,22 @@ def whole_step(run, batch: int) -> Callable[[], tuple[float, ...]]:
 @dataclass
 class Calibration:
     """What `plan --calibrate` (gpt-small, 2 ranks) times, in the same rounds as the configurations:
-    the probes and the compute steps on rank 0 alone; the latency model's steps (full and grad-op) on ranks 0 and 1;
+    the probes and the compute steps on rank 0 alone; the link steps (the latency model under full and grad-op,
+    gpt-small) on ranks 0 and 1;
     the all-cores pair (`--model` on rank 0 alone, then on each rank per core at once) and the more-ranks steps on
     every rank, where the launch has as many ranks as those take."""
 
     probe: Any  # the Probes, on rank 0
     probes: Timed
     compute: list[tuple[Any, int, Timed]]  # (ModelRun on rank 0, batch, its step)
-    latency: list[Timed]
+    link: list[Timed]
     all_cores: list[Timed]
     more: list[Timed]
 
     @classmethod
     def build(cls, batch: int, seq_len: int) -> Calibration:
         from fsdpkit.calibrate import CALIBRATION_BATCHES, ModelRun, Probes, calibration_specs
-        from fsdpkit.calibrate_steps import Placement, all_cores_runs, latency_runs, more_ranks, more_ranks_runs, on_first_ranks
+        from fsdpkit.calibrate_steps import Placement, all_cores_runs, link_runs, more_ranks, more_ranks_runs, on_first_ranks
         from fsdpkit.time_plan import micro_batch
 
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -137,8 +138,8 @@ class Calibration:
             run = ModelRun(request, spec, group=alone) if rank == 0 else None
             for size in CALIBRATION_BATCHES:
                 compute.append((run, size, Timed((0,), alone, (lambda run=run, size=size: run.step(size)) if run else None)))
-        steps: dict[str, list[Timed]] = {"latency": [], "all_cores": [], "more": []}
-        runs = [(Placement(run), "latency") for run in latency_runs(request)] if world >= 2 else []
+        steps: dict[str, list[Timed]] = {"link": [], "all_cores": [], "more": []}
+        runs = [(Placement(run), "link") for run in link_runs(request)] if world >= 2 else []
         cores = len(os.sched_getaffinity(0))
         all_cores = all_cores_runs(request, cores)
         if world >= all_cores[1].ranks:
@@ -149,7 +150,7 @@ class Calibration:
             group, model = on_first_ranks(placement)
             step = whole_step(model, micro_batch(placement.run)) if model else None
             steps[kind].append(Timed(tuple(range(placement.ranks)), group, step, FIT_REPEATS))
-        return cls(probe, probes, compute, steps["latency"], steps["all_cores"], steps["more"])
+        return cls(probe, probes, compute, steps["link"], steps["all_cores"], steps["more"])
 
     def timed(self) -> list[Timed]:
         return [
@@ -159,11 +160,11 @@ class Calibration:
         ]
 
     def profile_steps(self) -> dict[str, list[Timed]]:
-        """The steps of the busy-cores, latency and more-ranks terms, by kind."""
-        return {"latency": self.latency, "all_cores": self.all_cores, "more": self.more}
+        """The steps of the busy-cores, link and more-ranks terms, by kind."""
+        return {"link": self.link, "all_cores": self.all_cores, "more": self.more}
 
     def result(self) -> dict | None:
-        """On rank 0: measure_steps' (peak, memory bandwidth, samples), the medians of the latency,
+        """On rank 0: measure_steps' (peak, memory bandwidth, samples), the medians of the link,
         all-cores and more-ranks steps, and their times in the order taken."""
         if dist.get_rank() != 0:
             return None
@@ -181,18 +182,18 @@ def calibration_request(batch: int, seq_len: int):
 def measured_hardware(result: dict, network: tuple[float, float], batch: int, seq_len: int):
     """The profile `plan --calibrate` would fit from these measurements."""
     from fsdpkit.calibrate import measured_profile
-    from fsdpkit.calibrate_steps import Measured, all_cores_slowdown, fit_collectives, latency_runs, more_ranks_runs
+    from fsdpkit.calibrate_steps import Measured, all_cores_slowdown, fit_collectives, link_runs, more_ranks_runs
 
     request = calibration_request(batch, seq_len)
     profile = measured_profile(request, result["compute"], network, 2)
-    if not result["latency"]:
+    if not result["link"]:
         return profile
     more = more_ranks_runs(request, profile.compute_slots) if result["more"] else ()
     measured = [Measured(run, seconds) for run, seconds in zip(more, result["more"], strict=True)]
-    latency = [Measured(run, seconds) for run, seconds in zip(latency_runs(request), result["latency"], strict=True)]
+    link = [Measured(run, seconds) for run, seconds in zip(link_runs(request), result["link"], strict=True)]
     if result["all_cores"]:
         profile = replace(profile, all_cores_slowdown=all_cores_slowdown(*result["all_cores"]))
-    return fit_collectives(profile, latency, measured)
+    return fit_collectives(profile, link, measured)
 
 
 def world_rows(
@@ -276,7 +277,7 @@ def main() -> None:
             calibrations.append(
                 {
                     "world_size": world,
-                    "latency_s": result["calibration"]["latency"],
+                    "link_s": result["calibration"]["link"],
                     "all_cores_s": result["calibration"]["all_cores"],
                     "more_ranks_s": result["calibration"]["more"],
                     "times_s": result["calibration"]["times"],

@@ -11,14 +11,14 @@
               models' operators grow with their units, so the two cannot be told apart
     network   `fsdpkit bench` of the engine's all-gather and reduce-scatter on `ranks` local
               processes: the least-squares line of time against size gives the bus
-              bandwidth (slope; the median over several launches); `--model`'s step on one
-              rank alone and on a rank per core at once gives how much slower a rank
-              computes while the others keep every core busy; the engine's steps of a model
-              of many units on 2 processes under full and grad-op, and of it and `--model`
-              on more, give what a collective costs beyond its bytes, what a reduction costs
-              beyond an all-gather, how much of that recurs per ring step, and how much
-              slower still a rank computes where ranks outnumber cores
-              (fsdpkit.calibrate_steps)
+              bandwidth of the collectives alone (slope; the median over several launches);
+              `--model`'s step on one rank alone and on a rank per core at once gives how
+              much slower a rank computes while the others keep every core busy; the
+              engine's steps of a model of many units on 2 processes under full and grad-op,
+              of `--model` on 2, and of both on more, give what a collective costs beyond
+              its bytes, what a reduction costs beyond an all-gather, the bus bandwidth the
+              steps get, how much of the latency recurs per ring step, and how much slower
+              still a rank computes where ranks outnumber cores (fsdpkit.calibrate_steps)
 
 Numbers are medians of repeated timings, each going on for at least `--calibrate-seconds`:
 a shared machine's speed can drift by 15% within seconds (a virtual machine's neighbours), so
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .calibrate_steps import Placement, all_cores_runs, all_cores_slowdown, fit_collectives, latency_runs, measure, more_ranks_runs
+from .calibrate_steps import Placement, all_cores_runs, all_cores_slowdown, fit_collectives, link_runs, measure, more_ranks_runs
 from .hardware import CALIBRATE_SECONDS, Hardware
 from .memory_plan import PlanRequest
 
@@ -295,13 +295,13 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
         profile = measured_profile(request, compute, network_line(ranks, seconds), ranks)
         progress.update()
         all_cores, more = all_cores_runs(request, profile.compute_slots), more_ranks_runs(request, profile.compute_slots)
-        progress.set_postfix_str(f"collective latency on 2 ranks, compute on {all_cores[1].ranks} at once, steps on {more[0].world_size}")
-        alone, at_once, full, gathers_fewer, *more_steps = measure(
-            [*all_cores, *map(Placement, (*latency_runs(request), *more))], 2 * seconds
+        progress.set_postfix_str(f"collectives on 2 ranks, compute on {all_cores[1].ranks} at once, steps on {more[0].world_size}")
+        alone, at_once, full, gathers_fewer, bytes_heavy, *more_steps = measure(
+            [*all_cores, *map(Placement, (*link_runs(request), *more))], 2 * seconds
         )
         progress.update()
     profile = replace(profile, all_cores_slowdown=all_cores_slowdown(alone.measured_s, at_once.measured_s))
-    return fit_collectives(profile, [full, gathers_fewer], more_steps)
+    return fit_collectives(profile, [full, gathers_fewer, bytes_heavy], more_steps)
 
 
 def calibration_specs(request: PlanRequest) -> tuple[str, ...]:

@@ -1,19 +1,22 @@
 """Profile terms fitted to the engine's own training steps on several local processes: the
 values at which `fsdpkit plan --time` predicts the measured steps.
 
-    collective latency   a model of many small units (LATENCY_MODEL) on 2 processes: what a
+    link                 a model of many small units (LATENCY_MODEL) on 2 processes: what a
                          collective costs the engine beyond its bytes (issue, hooks, gloo's
                          handshakes); its step under grad-op, with fewer all-gathers, tells
-                         what a reduction costs beyond an all-gather (the gradient's path)
+                         what a reduction costs beyond an all-gather (the gradient's path);
+                         `--model`'s step on 2 processes, whose collectives move more bytes
+                         each, the bus bandwidth the engine's steps get (fitted within
+                         BANDWIDTH_RANGE times either way of `fsdpkit bench`'s, which times
+                         the collectives alone)
     all cores            `--model`'s step on one rank alone, and on each of as many ranks as
                          cores at once (all_cores_ranks; 2 at least), each on its own with no
                          collectives: how much slower a rank computes while the others keep
                          every core busy (all_cores_slowdown, the ratio of the two)
     more ranks           `--model` under its strategy and under grad-op, and LATENCY_MODEL, on
                          more processes (more_ranks: twice the cores, 4 to MAX_RANKS) give two
-                         terms together, the pair (with the latency and the reduction's cost
-                         fitted again for each) with the least squared relative error on the
-                         three steps:
+                         terms together, the pair (with the link fitted again for each) with
+                         the least squared relative error on the three steps:
                            which share of that latency recurs per ring step, the rest being
                            fixed per collective (in steps of 0.1);
                            where those ranks outnumber the cores, how much slower than its
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
 MAX_RANKS = 8
 LATENCY_MODEL = "fsdpkit.calibrate:many_narrow_units"
 MAX_LATENCY_S = 0.1
+BANDWIDTH_RANGE = 4.0  # the fitted bus bandwidth stays within this factor of the one fsdpkit bench measured
 PER_STEP_SHARES = tuple(index / 10 for index in range(10, -1, -1))  # from 1: a ring's alpha-beta model where steps cannot tell
 WARMUP_STEPS = 3
 STEPS = 8  # at least
@@ -83,12 +87,13 @@ def all_cores_ranks(cores: int) -> int:
     return max(2, min(cores, MAX_RANKS))
 
 
-def latency_runs(request: PlanRequest) -> tuple[PlanRequest, PlanRequest]:
-    """The steps the collectives' fixed costs are fitted to: LATENCY_MODEL on 2 ranks under full
-    (2N-1 all-gathers and N reduce-scatters of its N units) and under grad-op (N and N): the
-    difference is all-gathers alone."""
+def link_runs(request: PlanRequest) -> tuple[PlanRequest, PlanRequest, PlanRequest]:
+    """The steps the collectives' costs between 2 ranks are fitted to: LATENCY_MODEL under full
+    (2N-1 all-gathers and N reduce-scatters of its N units) and under grad-op (N and N), whose
+    difference is all-gathers alone; and `request`'s model, whose collectives move more bytes
+    each (the bandwidth)."""
     full = _on_ranks(request, 2, model=LATENCY_MODEL)
-    return full, _under_grad_op(full)
+    return full, _under_grad_op(full), _on_ranks(request, 2)
 
 
 @dataclass(frozen=True)
@@ -153,10 +158,37 @@ class Measured:
         return time.step_time_s, time.compute_s
 
 
+def with_bandwidth(profile: Hardware, seconds_per_byte: float) -> Hardware:
+    """`profile` whose collectives move a byte per rank in `seconds_per_byte`, inside nodes and between."""
+    gbs = 1e-9 / seconds_per_byte
+    return replace(profile, intra_bw_gbs=gbs, inter_bw_gbs=gbs)
+
+
+def fit_link(profile: Hardware, steps: Sequence[Measured], per_step: float, costs_of: Callable[[PlanRequest], ModelCosts]) -> Hardware:
+    """`profile` with the bus bandwidth, the latency and the reduction's extra fixed cost at which
+    the model meets link_runs' three `steps`: the latency and the reduction's cost meet the first
+    two at each bandwidth, the bandwidth the third, within BANDWIDTH_RANGE of `profile`'s. Where
+    the third step's prediction does not grow as the bandwidth falls (its collectives move fewer
+    bytes each than the first's), the steps cannot tell the bandwidth and `profile`'s stays."""
+    full, gathers_fewer, bytes_heavy = steps
+
+    def at(seconds_per_byte: float) -> Hardware:
+        return fit_latency(with_bandwidth(profile, seconds_per_byte), (full, gathers_fewer), per_step, costs_of(full.run))
+
+    def step_at(seconds_per_byte: float) -> float:
+        return bytes_heavy.predicted(at(seconds_per_byte), costs_of(bytes_heavy.run))
+
+    measured = 1e-9 / profile.intra_bw_gbs
+    low, high = measured / BANDWIDTH_RANGE, measured * BANDWIDTH_RANGE
+    if step_at(high) - step_at(low) <= 1e-6 * bytes_heavy.measured_s:
+        return at(measured)
+    return at(fit_value(bytes_heavy.measured_s, step_at, low, high))
+
+
 def fit_latency(profile: Hardware, steps: Sequence[Measured], per_step: float, costs: ModelCosts) -> Hardware:
     """`profile` with the collectives' latency between 2 ranks (`per_step` of it per ring step) and
-    a reduction's extra fixed cost (`reduce_overhead_s`) at which the model meets latency_runs'
-    two `steps`."""
+    a reduction's extra fixed cost (`reduce_overhead_s`) at which the model meets the latency
+    model's two `steps` (link_runs': under full and grad-op)."""
     full, gathers_fewer = steps
 
     def fitted_for(reduce_s: float) -> Hardware:
@@ -172,10 +204,10 @@ def fit_latency(profile: Hardware, steps: Sequence[Measured], per_step: float, c
     return fitted_for(reduce_s)
 
 
-def fit_collectives(profile: Hardware, latency: Sequence[Measured], more: Sequence[Measured]) -> Hardware:
-    """`profile` with the collective latency, its share per ring step, the reductions' extra fixed
-    cost and the compute contention that best predict the `latency` steps (latency_runs) and
-    the `more` steps (more_ranks_runs), at `profile`'s all_cores_slowdown."""
+def fit_collectives(profile: Hardware, link: Sequence[Measured], more: Sequence[Measured]) -> Hardware:
+    """`profile` with the bus bandwidth, the collective latency, its share per ring step, the
+    reductions' extra fixed cost and the compute contention that best predict the `link` steps
+    (link_runs) and the `more` steps (more_ranks_runs), at `profile`'s all_cores_slowdown."""
     from .time_plan import model_costs
 
     by_units: dict[tuple, ModelCosts] = {}  # a model's costs are the same at every world size and strategy
@@ -186,10 +218,10 @@ def fit_collectives(profile: Hardware, latency: Sequence[Measured], more: Sequen
             by_units[key] = model_costs(run)
         return by_units[key]
 
-    latency_costs, ranks = costs_of(latency[0].run), more[0].run.world_size if more else 1
+    ranks = more[0].run.world_size if more else 1
     fits = []
     for per_step in PER_STEP_SHARES if more else PER_STEP_SHARES[:1]:
-        fitted = fit_latency(profile, latency, per_step, latency_costs)
+        fitted = fit_link(profile, link, per_step, costs_of)
         steps = [SharedStep(step.measured_s, *step.alone(fitted, costs_of(step.run))) for step in more]
         contended = replace(fitted, compute_contention=best_contention(steps, fitted, ranks))
         fits.append((sum(step.error(contended.compute_slowdown(ranks)) for step in steps), contended))

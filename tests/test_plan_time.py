@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 import fsdpkit
 from fsdpkit.calibrate import StepSample, compute_terms, fit_nonnegative
 from fsdpkit.calibrate_steps import (
+    BANDWIDTH_RANGE,
     MAX_LATENCY_S,
     Measured,
     Placement,
@@ -30,9 +31,10 @@ from fsdpkit.calibrate_steps import (
     best_contention,
     fit_collectives,
     fit_value,
-    latency_runs,
+    link_runs,
     more_ranks_runs,
     on_first_ranks,
+    with_bandwidth,
     with_latency,
 )
 from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
@@ -62,7 +64,8 @@ def _configs(world: int) -> list[dict]:
 
 def _request(world: int, values: dict) -> PlanRequest:
     data = {"global_batch_size": 8, "seq_len": 16, **values.get("data", {})}
-    return PlanRequest(TrainConfig.from_values({"model": {"name": "gpt-tiny"}, "data": data, "sharding": values["sharding"]}), world)
+    model = values.get("model", {"name": "gpt-tiny"})
+    return PlanRequest(TrainConfig.from_values({"model": model, "data": data, "sharding": values["sharding"]}), world)
 
 
 def comm_bytes_worker() -> list[dict]:
@@ -344,26 +347,35 @@ def test_calibration_fits_the_latency_its_share_per_ring_step_and_the_contention
     assert collective_seconds(gather, reducing, 4, 4)[0] == pytest.approx(1e-3)
     for kind in ("reduce_scatter", "all_reduce"):
         assert collective_seconds(Collective(kind, 0, 4, spans_world=False), reducing, 4, 4)[0] == pytest.approx(1.5e-3)
-    # measured steps made by a known profile: the fit finds its four terms back
-    request = _request(2, {"sharding": {"strategy": "full"}})
-    # the all-cores slowdown is measured, not fitted: the profile comes with it
+    # measured steps made by a known profile: the fit finds its five terms back (gpt-small: its
+    # collectives move more bytes each than the latency model's)
+    request = _request(2, {"sharding": {"strategy": "full"}, "model": {"name": "gpt-small"}})
+    # the all-cores slowdown is measured, not fitted: the profile comes with it; the bandwidth
+    # fsdpkit bench measured (the profile's) is a start, the steps' is fitted
     base = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=2, op_overhead_s=1e-6, all_cores_slowdown=1.2)
-    truth = dataclasses.replace(with_latency(base, 1.2e-3, 0.4), compute_contention=1.5, reduce_overhead_s=7e-4)
-    runs = [*latency_runs(request), *more_ranks_runs(request, 2)]
-    assert [run.world_size for run in runs] == [2, 2, 4, 4, 4] and runs[2].model == runs[4].model == request.model
-    assert [run.sharding.strategy.value for run in runs] == ["full", "grad-op", "full", "full", "grad-op"]
-    assert runs[1].model == runs[0].model == runs[3].model
+    truth = with_bandwidth(dataclasses.replace(with_latency(base, 1.2e-3, 0.4), compute_contention=1.5, reduce_overhead_s=7e-4), 1e-9 / 0.7)
+    runs = [*link_runs(request), *more_ranks_runs(request, 2)]
+    assert [run.world_size for run in runs] == [2, 2, 2, 4, 4, 4]
+    assert [run.sharding.strategy.value for run in runs] == ["full", "grad-op", "full", "full", "full", "grad-op"]
+    assert runs[0].model == runs[1].model == runs[4].model != request.model == runs[2].model == runs[3].model == runs[5].model
     steps = [Measured(run, predict(run, truth, model_costs(run), per_node=run.world_size).time.step_time_s) for run in runs]
-    fitted = fit_collectives(dataclasses.replace(base, intra_latency_s=5e-3), steps[:2], steps[2:])
+    fitted = fit_collectives(dataclasses.replace(base, intra_latency_s=5e-3), steps[:3], steps[3:])
+    assert fitted.intra_bw_gbs == fitted.inter_bw_gbs == pytest.approx(0.7, rel=1e-6)
     assert fitted.intra_latency_s + fitted.collective_overhead_s == pytest.approx(1.2e-3, rel=1e-6)
     assert fitted.reduce_overhead_s == pytest.approx(7e-4, rel=1e-6)
     assert fitted.intra_latency_s == pytest.approx(0.4 * 1.2e-3, rel=1e-6) and fitted.compute_contention == pytest.approx(1.5)
-    # without steps on more ranks: the ring's alpha-beta model, fitted to the two steps
-    alone = fit_collectives(base, steps[:2], [])
+    # without steps on more ranks: the ring's alpha-beta model, fitted to the three steps
+    alone = fit_collectives(base, steps[:3], [])
     assert alone.collective_overhead_s == 0 and alone.compute_contention == 1.0
     assert alone.reduce_overhead_s > 0  # not 7e-4: a flag all-reduce's two ring steps cost less than twice a collective
-    for step in steps[:2]:
+    for step in steps[:3]:
         assert predict(step.run, alone, model_costs(step.run), per_node=2).time.step_time_s == pytest.approx(step.measured_s, rel=1e-6)
+    # the bandwidth stays within BANDWIDTH_RANGE of fsdpkit bench's
+    slow = [dataclasses.replace(step, measured_s=10 * step.measured_s) if step.run is runs[2] else step for step in steps[:3]]
+    assert fit_collectives(base, slow, []).intra_bw_gbs == pytest.approx(base.intra_bw_gbs / BANDWIDTH_RANGE)
+    # a third step whose collectives move fewer bytes each than the latency model's cannot tell it
+    few_bytes = [*steps[:2], steps[0]]
+    assert fit_collectives(base, few_bytes, []).intra_bw_gbs == base.intra_bw_gbs
 
 
 def test_calibration_models_run_one_unit_per_block_and_the_fit_charges_the_engines_units():
