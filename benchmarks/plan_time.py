@@ -277,6 +277,7 @@ def main() -> None:
             calibrations.append(
                 {
                     "world_size": world,
+                    "bench_bus_gbs": network[1] / 1e9,  # fsdpkit bench's, before the steps' fit
                     "link_s": result["calibration"]["link"],
                     "all_cores_s": result["calibration"]["all_cores"],
                     "more_ranks_s": result["calibration"]["more"],
