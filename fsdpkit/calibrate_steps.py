@@ -168,7 +168,7 @@ def fit_link(profile: Hardware, steps: Sequence[Measured], per_step: float, cost
     """`profile` with the bus bandwidth, the latency and the reduction's extra fixed cost at which
     the model meets link_runs' three `steps`: the latency and the reduction's cost meet the first
     two at each bandwidth, the bandwidth the third, within BANDWIDTH_RANGE of `profile`'s. Where
-    the third step's prediction does not grow as the bandwidth falls (its collectives move fewer
+    the third step's prediction does not grow as the bandwidth falls (its collectives move no more
     bytes each than the first's), the steps cannot tell the bandwidth and `profile`'s stays."""
     full, gathers_fewer, bytes_heavy = steps
 
@@ -178,10 +178,10 @@ def fit_link(profile: Hardware, steps: Sequence[Measured], per_step: float, cost
     def step_at(seconds_per_byte: float) -> float:
         return bytes_heavy.predicted(at(seconds_per_byte), costs_of(bytes_heavy.run))
 
-    measured = 1e-9 / profile.intra_bw_gbs
-    low, high = measured / BANDWIDTH_RANGE, measured * BANDWIDTH_RANGE
+    benched = 1e-9 / profile.intra_bw_gbs
+    low, high = benched / BANDWIDTH_RANGE, benched * BANDWIDTH_RANGE
     if step_at(high) - step_at(low) <= 1e-6 * bytes_heavy.measured_s:
-        return at(measured)
+        return at(benched)
     return at(fit_value(bytes_heavy.measured_s, step_at, low, high))
 
 
