@@ -25,6 +25,7 @@ values at which `fsdpkit plan --time` predicts the measured steps.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -172,6 +173,7 @@ def fit_link(profile: Hardware, steps: Sequence[Measured], per_step: float, cost
     bytes each than the first's), the steps cannot tell the bandwidth and `profile`'s stays."""
     full, gathers_fewer, bytes_heavy = steps
 
+    @functools.cache  # the range's ends and the bandwidth found are asked for again
     def at(seconds_per_byte: float) -> Hardware:
         return fit_latency(with_bandwidth(profile, seconds_per_byte), (full, gathers_fewer), per_step, costs_of(full.run))
 
