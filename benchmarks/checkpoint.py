@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fsdpkit.checkpoint.bytecopy import DEFAULT_CHUNK_SIZE  # noqa: E402  (torch-free imports only here)
+from fsdpkit.checkpoint.format.bytecopy import DEFAULT_CHUNK_SIZE  # noqa: E402  (torch-free imports only here)
 from fsdpkit.sizes import format_size, parse_size  # noqa: E402
 
 SETUP = r"""
@@ -45,10 +45,10 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
 from fsdpkit.models.units import unit_plan_for_model
-from fsdpkit.checkpoint import storage
-from fsdpkit.checkpoint.manifest import Manifest
-from fsdpkit.checkpoint.placement import Placement, TensorSpec
-from fsdpkit.snapshot.save_protocol import write_rank
+from fsdpkit.checkpoint.format import storage
+from fsdpkit.checkpoint.format.manifest import Manifest
+from fsdpkit.checkpoint.format.placement import Placement, TensorSpec
+from fsdpkit.checkpoint.live.save_protocol import write_rank
 from fsdpkit.layout import ElementRange
 
 work, model, world, with_optim = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
@@ -220,7 +220,7 @@ def _estimate_bytes(python: str, model: str) -> int:
 
 
 def _hf_tensor_names(directory: Path) -> list[str]:
-    from fsdpkit.checkpoint.reader import read_header
+    from fsdpkit.checkpoint.format.reader import read_header
 
     names = []
     for path in sorted(directory.glob("*.safetensors")):

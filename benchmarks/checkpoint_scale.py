@@ -45,10 +45,10 @@ from fsdpkit.sizes import format_size  # noqa: E402  (torch-free imports only he
 SETUP = r"""
 import math, sys, torch
 from pathlib import Path
-from fsdpkit.checkpoint import storage
-from fsdpkit.checkpoint.manifest import Manifest
-from fsdpkit.checkpoint.placement import TensorSpec
-from fsdpkit.snapshot.save_protocol import write_rank
+from fsdpkit.checkpoint.format import storage
+from fsdpkit.checkpoint.format.manifest import Manifest
+from fsdpkit.checkpoint.format.placement import TensorSpec
+from fsdpkit.checkpoint.live.save_protocol import write_rank
 from fsdpkit.layout import ElementRange
 from fsdpkit.models.units import placement_for_model
 

@@ -1,6 +1,6 @@
 """`fsdpkit convert`, `reshard`, `inspect`, `verify`: offline checkpoint commands.
 
-None of these imports torch: they are byte-level copies over fragments (fsdpkit/checkpoint),
+None of these imports torch: they are byte-level copies over fragments (fsdpkit/checkpoint/format),
 so peak memory stays bounded by --chunk-size plus a constant. Results go to stdout (a short
 text summary, or one JSON document with --json); the progress bar (bytes) goes to stderr.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 
 from fsdpkit import log
-from fsdpkit.dcp.metadata import is_dcp_checkpoint
+from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
 from fsdpkit.dtypes import from_spelling
 from fsdpkit.errors import UsageError
 from fsdpkit.host import available_memory_bytes
@@ -93,7 +93,7 @@ def convert(
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=dcp_cmd.OPTIMIZER_KEY_HELP),
 ) -> None:
     """Convert between sharded fsdpkit checkpoints, full Hugging Face-style safetensors and torch DCP."""
-    from fsdpkit.offline.convert import FullOutput, convert_to_full, convert_to_sharded
+    from fsdpkit.checkpoint.offline.convert import FullOutput, convert_to_full, convert_to_sharded
 
     cast_to, chunk = _cast(dtype), _chunk(chunk_size)
     if is_dcp_checkpoint(src):
@@ -114,7 +114,7 @@ def convert(
     elif dcp_model_key is not None or dcp_optimizer_key is not None:
         raise UsageError(f"--dcp-model-key and --dcp-optimizer-key apply to DCP input; {src} is not a DCP checkpoint")
     elif to == "dcp":
-        from fsdpkit.dcp.export import to_dcp
+        from fsdpkit.checkpoint.dcp.export import to_dcp
 
         if model is not None or max_shard_size is not None or cast_to is not None or with_optimizer:
             raise UsageError(
@@ -137,7 +137,7 @@ def convert(
         ranks = _world(world_size)
         placement, aliases = None, {}
         if model is not None:
-            from fsdpkit.offline.model_description import describe
+            from fsdpkit.checkpoint.offline.model_description import describe
 
             description = describe(model)
             placement, aliases = description.placement, description.aliases
@@ -173,11 +173,11 @@ def reshard(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
     """Lay a sharded checkpoint out for another world size, offline (model and optimizer state)."""
-    from fsdpkit.offline.convert import reshard as reshard_checkpoint
+    from fsdpkit.checkpoint.offline.convert import reshard as reshard_checkpoint
 
     ranks, chunk = _world(world_size), _chunk(chunk_size)
     if is_dcp_checkpoint(src):
-        from fsdpkit.dcp.export import reshard_dcp
+        from fsdpkit.checkpoint.dcp.export import reshard_dcp
 
         _print_result(reshard_dcp(src, dst, world_size=ranks, chunk_size=chunk, overwrite=overwrite), as_json)
         return
@@ -203,7 +203,7 @@ def inspect(
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=dcp_cmd.OPTIMIZER_KEY_HELP),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
-    from fsdpkit.offline.verify import summarize
+    from fsdpkit.checkpoint.offline.verify import summarize
 
     if is_dcp_checkpoint(ckpt):
         dcp_cmd.inspect_dcp(ckpt, as_json=as_json, model_key=dcp_model_key, optimizer_key=dcp_optimizer_key)
@@ -256,7 +256,7 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ) -> None:
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
-    from fsdpkit.offline.verify import verify_checkpoint
+    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
     if is_dcp_checkpoint(ckpt):
         report = dcp_cmd.verify_dcp(ckpt, as_json=as_json)

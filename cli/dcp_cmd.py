@@ -19,7 +19,7 @@ OPTIMIZER_KEY_HELP = "DCP input: the top-level key of the optimizer state; found
 
 
 def inspect_dcp(path, *, as_json: bool, model_key: str | None, optimizer_key: str | None) -> None:
-    from fsdpkit.dcp.inspect import summarize_dcp
+    from fsdpkit.checkpoint.dcp.inspect import summarize_dcp
 
     summary = summarize_dcp(path, model_key=model_key, optimizer_key=optimizer_key)
     if as_json:
@@ -50,7 +50,7 @@ def inspect_dcp(path, *, as_json: bool, model_key: str | None, optimizer_key: st
 
 
 def verify_dcp(path, *, as_json: bool) -> dict:
-    from fsdpkit.dcp.inspect import verify_dcp as verify
+    from fsdpkit.checkpoint.dcp.inspect import verify_dcp as verify
 
     report = verify(path)
     if as_json:
@@ -80,14 +80,14 @@ class ConvertOptions:
 def convert_dcp(src: Path, dst: Path, options: ConvertOptions, progress) -> dict:
     """`convert` of a DCP checkpoint: --to full (--model adds config.json and transformers' names)."""
     if options.to == "full":
-        from fsdpkit.dcp.convert import dcp_to_full
-        from fsdpkit.offline.convert import FullOutput
+        from fsdpkit.checkpoint.dcp.convert import dcp_to_full
+        from fsdpkit.checkpoint.offline.convert import FullOutput
 
         if options.world_size is not None:
             raise UsageError("--world-size applies to --to sharded only")
         export = None
         if options.model is not None:
-            from fsdpkit.offline.model_description import describe
+            from fsdpkit.checkpoint.offline.model_description import describe
 
             export = describe(options.model).export
         return dcp_to_full(
@@ -108,20 +108,20 @@ def convert_dcp(src: Path, dst: Path, options: ConvertOptions, progress) -> dict
     if options.to == "sharded":
         return _to_sharded(src, dst, options, progress)
     if options.to == "dcp":
-        from fsdpkit.dcp.export import reshard_dcp
+        from fsdpkit.checkpoint.dcp.export import reshard_dcp
 
         return reshard_dcp(src, dst, world_size=options.world_size or 1, chunk_size=options.chunk_size, overwrite=options.overwrite)
     raise UsageError(f"unknown --to {options.to!r} for DCP input: use full, sharded or dcp")
 
 
 def _to_sharded(src: Path, dst: Path, options: ConvertOptions, progress) -> dict:
-    from fsdpkit.dcp.to_sharded import dcp_to_sharded
+    from fsdpkit.checkpoint.dcp.to_sharded import dcp_to_sharded
 
     if options.world_size is None or options.model is None:
         raise UsageError("--to sharded from DCP needs --world-size and --model (the model whose flat-parameter layout to write)")
     if options.max_shard_size is not None or options.cast_to is not None:
         raise UsageError("--max-shard-size and --dtype do not apply to --to sharded from DCP")
-    from fsdpkit.offline.model_description import describe
+    from fsdpkit.checkpoint.offline.model_description import describe
 
     description = describe(options.model)
     return dcp_to_sharded(

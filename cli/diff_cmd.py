@@ -37,7 +37,7 @@ def diff_command(
 ) -> None:
     """Compare two checkpoints tensor by tensor: bitwise equal, max abs/rel difference, dtype or shape
     mismatch, present in one only. Exit 0 when equal within the tolerance, 3 when not."""
-    from fsdpkit.diff import Tolerance, diff
+    from fsdpkit.checkpoint.offline.diff import Tolerance, diff
 
     from .checkpoint_cmd import _chunk
 

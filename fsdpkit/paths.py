@@ -1,6 +1,6 @@
 """Checks, before anything starts, that an output path can be written: a flag naming a
 directory or a file nobody may write is one line (UsageError) before a process is launched,
-not a traceback at the end of a run; the offline commands' outputs (checkpoint/storage.py) ask
+not a traceback at the end of a run; the offline commands' outputs (checkpoint/format/storage.py) ask
 `unwritable_parent` too. `os.access` answers for the real user, and says no on a read-only
 filesystem even to root."""
 

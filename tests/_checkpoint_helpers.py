@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from fsdpkit.checkpoint import storage
-from fsdpkit.checkpoint.manifest import Manifest
-from fsdpkit.checkpoint.placement import Placement, TensorSpec
+from fsdpkit.checkpoint.format import storage
+from fsdpkit.checkpoint.format.manifest import Manifest
+from fsdpkit.checkpoint.format.placement import Placement, TensorSpec
+from fsdpkit.checkpoint.live.save_protocol import write_rank
+from fsdpkit.checkpoint.live.tensors import safetensors_dtype
 from fsdpkit.layout import ElementRange
-from fsdpkit.snapshot.save_protocol import write_rank
-from fsdpkit.snapshot.tensors import safetensors_dtype
 
 
 def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:

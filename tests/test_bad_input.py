@@ -17,7 +17,7 @@ from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 from fsdpkit.bench import runner as bench_runner
-from fsdpkit.checkpoint.lock import RunLock
+from fsdpkit.checkpoint.format.lock import RunLock
 from fsdpkit.train import launcher
 
 TRAIN = ("train", "--steps", "2")

@@ -20,11 +20,11 @@ import torch
 from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors, save_checkpoint, tree_snapshot
 from _checkpoint_v1 import write_v1
 
-from fsdpkit.checkpoint import storage
-from fsdpkit.checkpoint.manifest import check_compatible
-from fsdpkit.checkpoint.reader import read_header
+from fsdpkit.checkpoint.format import storage
+from fsdpkit.checkpoint.format.manifest import check_compatible
+from fsdpkit.checkpoint.format.reader import read_header
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.errors import DataCheckError
-from fsdpkit.snapshot.tensors import CheckpointReader
 
 RANK1 = "rank-00001-of-00002.safetensors"
 
@@ -294,7 +294,7 @@ def test_not_enough_disk_space(ckpt, tmp_path, monkeypatch):
 
 
 def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch):
-    from fsdpkit.checkpoint import bytecopy
+    from fsdpkit.checkpoint.format import bytecopy
 
     calls = {"n": 0}
     original = bytecopy.ByteEngine._view
@@ -315,8 +315,8 @@ def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monke
 def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch, error):
     """With 64-byte chunks every tensor takes several blocks: an error while reading one
     reaches the caller and the staged output is removed."""
-    from fsdpkit.checkpoint import bytecopy
-    from fsdpkit.offline.convert import FullOutput, convert_to_full
+    from fsdpkit.checkpoint.format import bytecopy
+    from fsdpkit.checkpoint.offline.convert import FullOutput, convert_to_full
 
     calls = {"n": 0}
     original = bytecopy.ByteEngine._view
@@ -338,7 +338,7 @@ def test_failed_write_fails_the_reshard(ckpt, tmp_path, monkeypatch, streamed):
     """Large rank files are written by worker threads: a write failing there (no space) ends
     the reshard with one line naming it, exit 1, nothing is left and no descriptor stays open;
     as for small files, written whole by the main thread."""
-    from fsdpkit.checkpoint import bytecopy, files
+    from fsdpkit.checkpoint.format import bytecopy, files
 
     calls = {"n": 0}
 
@@ -398,7 +398,7 @@ def _one_line_usage_error(result, *needles):
 def test_full_read_only_or_size_limited_destination(ckpt, tmp_path, monkeypatch):
     """Convert/reshard into a destination that fails (no space, no inodes, file size limit):
     one line naming the path and the errno, exit 1, nothing left behind; read-only: exit 2."""
-    from fsdpkit.checkpoint import writer
+    from fsdpkit.checkpoint.format import writer
 
     with _tmpfs(tmp_path / "full", "size=1m,nr_inodes=4") as full:  # room for the directory and two files
         if full is None:  # no small filesystem to be had: the same error, injected

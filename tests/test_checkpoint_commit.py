@@ -16,12 +16,12 @@ import pytest
 import torch
 from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
-from fsdpkit.checkpoint import storage
-from fsdpkit.checkpoint.manifest import save_manifest
-from fsdpkit.checkpoint.storage import resolve_checkpoint
+from fsdpkit.checkpoint.format import storage
+from fsdpkit.checkpoint.format.manifest import save_manifest
+from fsdpkit.checkpoint.format.storage import resolve_checkpoint
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
+from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 from fsdpkit.errors import DataCheckError, RunError
-from fsdpkit.offline.verify import verify_checkpoint
-from fsdpkit.snapshot.tensors import CheckpointReader
 
 TESTS = Path(__file__).parent
 
@@ -152,7 +152,7 @@ def test_run_lock_names_its_holder_and_takes_over_stale_ones(tmp_path):
     import json
     import socket
 
-    from fsdpkit.checkpoint.lock import RunLock
+    from fsdpkit.checkpoint.format.lock import RunLock
     from fsdpkit.errors import UsageError
 
     run, host = tmp_path / "run", socket.gethostname()

@@ -11,10 +11,10 @@ from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_op
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.layout import ElementRange, FlatLayout
 from fsdpkit.models.registry import build_model
 from fsdpkit.models.units import unit_plan_for_model
-from fsdpkit.snapshot.tensors import CheckpointReader
 
 ALIASES = {"lm_head.weight": "wte.weight"}
 
@@ -240,8 +240,8 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
 def test_many_small_blocks(sharded, tmp_path, chunk):
     """Chunks far smaller than the tensors: every copy takes many blocks, output checksums
     combined block by block; results stay exact."""
-    from fsdpkit.offline.convert import FullOutput, convert_to_full, reshard
-    from fsdpkit.offline.verify import verify_checkpoint
+    from fsdpkit.checkpoint.offline.convert import FullOutput, convert_to_full, reshard
+    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
     _, tensors, runs = sharded
     reshard(runs[2].parent, tmp_path / "r3", world_size=3, chunk_size=chunk)
@@ -260,9 +260,9 @@ def test_large_fragments_copied_by_the_kernel(sharded, tmp_path, monkeypatch, un
     import errno
     import os
 
-    from fsdpkit.checkpoint import bytecopy
+    from fsdpkit.checkpoint.format import bytecopy
+    from fsdpkit.checkpoint.offline.convert import reshard
     from fsdpkit.errors import DataCheckError
-    from fsdpkit.offline.convert import reshard
 
     _, tensors, runs = sharded
     reshard(runs[2].parent, tmp_path / "slices", world_size=3)
@@ -321,10 +321,10 @@ def test_reshard_to_many_files_and_back(sharded, tmp_path):
     combined piece by piece), and back to few files, each fragment assembled from many source
     fragments: the results are exact, verify reports every fragment, and a flipped byte is
     caught on either side, leaving nothing behind."""
-    from fsdpkit.checkpoint.reader import read_header
+    from fsdpkit.checkpoint.format.reader import read_header
+    from fsdpkit.checkpoint.offline.convert import reshard
+    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
     from fsdpkit.errors import DataCheckError
-    from fsdpkit.offline.convert import reshard
-    from fsdpkit.offline.verify import verify_checkpoint
 
     _, tensors, runs = sharded
     reshard(runs[2], tmp_path / "r37", world_size=37, chunk_size=1024)
@@ -370,9 +370,9 @@ def test_reshard_by_two_processes_equals_one(sharded, tmp_path, monkeypatch):
     import errno
     import re
 
-    from fsdpkit.checkpoint import bytecopy, workers
+    from fsdpkit.checkpoint.format import bytecopy, workers
+    from fsdpkit.checkpoint.offline.convert import reshard
     from fsdpkit.errors import DataCheckError, RunError
-    from fsdpkit.offline.convert import reshard
 
     _, tensors, runs = sharded
     assert workers.process_count(64) == 1

@@ -18,9 +18,9 @@ from distributed import run_distributed
 from models import EdgeCaseNet
 
 import fsdpkit
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.engine.view import describe
 from fsdpkit.errors import RunError
-from fsdpkit.snapshot.tensors import CheckpointReader
 
 
 def _step(model, optimizer, x, y) -> None:

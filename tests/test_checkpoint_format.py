@@ -18,17 +18,17 @@ from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, sav
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fsdpkit.checkpoint.crc import cast_into, crc32, crc32_combine
-from fsdpkit.checkpoint.format import split_optim_tensor_name
-from fsdpkit.checkpoint.manifest import Manifest
-from fsdpkit.checkpoint.placement import Placement, ShardLayout, TensorSpec
-from fsdpkit.checkpoint.reader import read_header
-from fsdpkit.checkpoint.storage import resolve_checkpoint
-from fsdpkit.checkpoint.writer import DIRECT_BUFFER_BYTES, CacheMode, RankFileWriter, StreamingWriter
+from fsdpkit.checkpoint.format.crc import cast_into, crc32, crc32_combine
+from fsdpkit.checkpoint.format.manifest import Manifest
+from fsdpkit.checkpoint.format.names import split_optim_tensor_name
+from fsdpkit.checkpoint.format.placement import Placement, ShardLayout, TensorSpec
+from fsdpkit.checkpoint.format.reader import read_header
+from fsdpkit.checkpoint.format.storage import resolve_checkpoint
+from fsdpkit.checkpoint.format.writer import DIRECT_BUFFER_BYTES, CacheMode, RankFileWriter, StreamingWriter
+from fsdpkit.checkpoint.live.tensors import raw_bytes, safetensors_dtype
 from fsdpkit.dtypes import dtype_info
 from fsdpkit.errors import DataCheckError
 from fsdpkit.layout import ElementRange, FlatLayout
-from fsdpkit.snapshot.tensors import raw_bytes, safetensors_dtype
 
 
 def _write(path, tensors, piece=7):
@@ -292,19 +292,19 @@ def _python(script: str) -> subprocess.CompletedProcess:
 
 
 def test_format_library_and_offline_commands_load_no_torch():
-    """Every module of fsdpkit.checkpoint (the on-disk format) and fsdpkit.offline imported in a
-    fresh process: neither torch nor the torch side (fsdpkit.snapshot) comes with them."""
+    """Every module of fsdpkit.checkpoint.format (the on-disk format) and fsdpkit.checkpoint.offline imported in a
+    fresh process: neither torch nor the torch side (fsdpkit.checkpoint.live) comes with them."""
     script = (
         "import importlib, json, pkgutil, sys\n"
-        "for package in ('fsdpkit.checkpoint', 'fsdpkit.offline'):\n"
+        "for package in ('fsdpkit.checkpoint.format', 'fsdpkit.checkpoint.offline'):\n"
         "    for module in pkgutil.iter_modules(importlib.import_module(package).__path__):\n"
         "        importlib.import_module(f'{package}.{module.name}')\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     done = _python(script)
     loaded = set(json.loads(done.stdout))
-    assert {"fsdpkit.checkpoint.bytecopy", "fsdpkit.checkpoint.writer", "fsdpkit.offline.convert"} <= loaded
-    assert not [name for name in loaded if name.split(".")[0] == "torch" or name.startswith("fsdpkit.snapshot")]
+    assert {"fsdpkit.checkpoint.format.bytecopy", "fsdpkit.checkpoint.format.writer", "fsdpkit.checkpoint.offline.convert"} <= loaded
+    assert not [name for name in loaded if name.split(".")[0] == "torch" or name.startswith("fsdpkit.checkpoint.live")]
 
 
 def test_model_description_comes_from_a_child_process_and_equals_the_in_process_build():
@@ -316,7 +316,7 @@ def test_model_description_comes_from_a_child_process_and_equals_the_in_process_
 
     script = (
         "import json, sys\n"
-        "from fsdpkit.offline.model_description import describe\n"
+        "from fsdpkit.checkpoint.offline.model_description import describe\n"
         "d = describe('gpt-tiny')\n"
         "print(json.dumps([[[n, list(s)] for n, s in u] for u in d.placement.units]))\n"
         "print(json.dumps(d.aliases))\n"
@@ -333,7 +333,7 @@ def test_model_description_comes_from_a_child_process_and_equals_the_in_process_
     assert aliases == tied and tied  # gpt-tiny ties its head to the embedding
     assert export == resolve("gpt-tiny").export.to_json()
     bad = subprocess.run(
-        [sys.executable, "-c", "from fsdpkit.offline.model_description import describe; describe('no-such')"],
+        [sys.executable, "-c", "from fsdpkit.checkpoint.offline.model_description import describe; describe('no-such')"],
         capture_output=True,
         text=True,
     )

@@ -12,8 +12,8 @@ import torch
 from _checkpoint_helpers import save_checkpoint
 from safetensors import safe_open
 
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.layout import ElementRange
-from fsdpkit.snapshot.tensors import CheckpointReader
 
 LIMIT_BYTES = 300 * 1024 * 1024
 

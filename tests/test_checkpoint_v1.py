@@ -11,8 +11,8 @@ from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_op
 from _checkpoint_v1 import write_v1
 from safetensors.torch import load_file
 
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.layout import ElementRange
-from fsdpkit.snapshot.tensors import CheckpointReader
 
 
 def test_v1_checkpoints_load_verify_convert_and_reshard(tmp_path):

@@ -10,9 +10,9 @@ import pickle
 import pytest
 import torch
 
-from fsdpkit.dcp import unpickler
-from fsdpkit.dcp.boxes import coverage_problem, flat_runs, run_count
-from fsdpkit.dcp.writer import dim0_chunks
+from fsdpkit.checkpoint.dcp import unpickler
+from fsdpkit.checkpoint.dcp.boxes import coverage_problem, flat_runs, run_count
+from fsdpkit.checkpoint.dcp.writer import dim0_chunks
 from fsdpkit.errors import DataCheckError
 
 
@@ -98,8 +98,8 @@ def test_dcp_output_metadata_is_dcps_own(tmp_path):
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from fsdpkit.dcp.export import reshard_dcp
-    from fsdpkit.dcp.metadata import read_metadata
+    from fsdpkit.checkpoint.dcp.export import reshard_dcp
+    from fsdpkit.checkpoint.dcp.metadata import read_metadata
 
     g = torch.Generator().manual_seed(0)
     model = {

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdpkit.snapshot.tensors import CheckpointReader
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.train.attempts import History
 
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
@@ -163,7 +163,7 @@ def test_the_summary_reports_the_time_saves_held_up_training(reference):
 
 
 def test_a_locked_directory_is_refused_before_launching(tmp_path):
-    from fsdpkit.checkpoint.lock import RunLock
+    from fsdpkit.checkpoint.format.lock import RunLock
 
     with RunLock.acquire(tmp_path / "run") as lock:
         done = subprocess.run(

@@ -34,10 +34,10 @@ from reference import train_unsharded  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 import fsdpkit  # noqa: E402
+from fsdpkit.checkpoint.live.tensors import CheckpointReader, full_reader  # noqa: E402
 from fsdpkit.model_hooks import hooks_of  # noqa: E402
 from fsdpkit.models.hf import PRESETS  # noqa: E402
 from fsdpkit.models.source import resolve  # noqa: E402
-from fsdpkit.snapshot.tensors import CheckpointReader, full_reader  # noqa: E402
 from fsdpkit.tokens import TokenDtype, load_tokenizer, write_token_file  # noqa: E402
 from fsdpkit.train.config import CheckpointConfig, DataConfig, LrSchedule, ModelConfig, Optimizer, OptimizerConfig, TrainConfig  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402

@@ -17,8 +17,8 @@ from distributed import run_distributed
 from models import EdgeCaseNet
 
 import fsdpkit
+from fsdpkit.checkpoint.live.checkpointer import check_before_launch
 from fsdpkit.errors import DataCheckError, RunError
-from fsdpkit.snapshot.checkpointer import check_before_launch
 
 OPTIMIZERS = {
     "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9}),

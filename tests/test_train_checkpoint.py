@@ -17,7 +17,7 @@ import torch
 from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
-from fsdpkit.snapshot.tensors import CheckpointReader
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
 
 runner = CliRunner()
 COMMON = ["--seq-len", "32", "--global-batch-size", "8", "--lr-schedule", "cosine", "--warmup-steps", "2", "--lr-decay-steps", "10"]

@@ -14,7 +14,7 @@ import torch
 from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
-from fsdpkit.snapshot.tensors import CheckpointReader
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.train import launcher
 
 runner = CliRunner()

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..checkpoint.export import SIDE_FILES, HfExport
-from ..checkpoint.reader import is_full_checkpoint
+from ..checkpoint.format.export import SIDE_FILES, HfExport
+from ..checkpoint.format.reader import is_full_checkpoint
 from ..errors import UsageError
 from ..model_hooks import ModelHooks, declare_hooks
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from ..checkpoint.export import HfExport
+from ..checkpoint.format.export import HfExport
 from ..errors import UsageError
 from ..model_hooks import declare_hooks, hooks_of
 from . import hf

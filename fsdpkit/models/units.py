@@ -46,7 +46,7 @@ def describe_model(name: str) -> dict:
 def placement_for_model(name: str):
     """The checkpoint placement that lays tensors out as the engine shards model `name` with
     one unit per wrapped module (`--bucket-bytes 0`); checkpoints load under any bucket setting."""
-    from ..checkpoint.placement import Placement
+    from ..checkpoint.format.placement import Placement
 
     return Placement.flat(unit_plan_for_model(name))
 

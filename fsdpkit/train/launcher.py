@@ -23,12 +23,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import log
-from ..checkpoint.lock import RunLock
+from ..checkpoint.format.lock import RunLock
+from ..checkpoint.live.checkpointer import check_before_launch
 from ..errors import DataCheckError, UsageError
 from ..launch import launch
 from ..models.source import resolve
 from ..paths import check_writable_directory, check_writable_file
-from ..snapshot.checkpointer import check_before_launch
 from .attempts import RunContext, attempt_number
 from .config import Device, TrainConfig
 from .data import TokenSource

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 import fsdpkit
 
 from .. import faults, log
-from ..checkpoint import storage
+from ..checkpoint.format import storage
+from ..checkpoint.live.checkpointer import init_weights_from
 from ..comm import CollectiveError, Collectives
 from ..engine.view import describe
 from ..models.source import resolve
-from ..snapshot.checkpointer import init_weights_from
 from .attempts import ProgressLog, RunContext, attempt_number
 from .collective_failure import collective_failure
 from .config import Device, Optimizer, OptimizerConfig, TrainConfig, precision_names

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.manifest import load_manifest
-from ..checkpoint.storage import resolve_checkpoint
+from ..checkpoint.format.manifest import load_manifest
+from ..checkpoint.format.storage import resolve_checkpoint
 from ..settings import merge
 from .config import SECTIONS, TOP, TrainConfig
 

@@ -17,9 +17,9 @@ import os
 import time
 from pathlib import Path
 
-from ..checkpoint.format import LATEST_NAME
-from ..checkpoint.manifest import load_manifest
-from ..checkpoint.storage import complete_steps, fsync_dir
+from ..checkpoint.format.manifest import load_manifest
+from ..checkpoint.format.names import LATEST_NAME
+from ..checkpoint.format.storage import complete_steps, fsync_dir
 from ..errors import DataCheckError, UsageError
 
 EARLIER_PREFIX = "earlier-"

@@ -1,0 +1,103 @@
+"""One tensor as a `torch.save` archive, written without torch: what DCP's reader `torch.load`s
+for each chunk of the torch_save serialization.
+
+The archive is a zip of stored records, as torch writes it: `archive/data.pkl` (a protocol-2
+pickle of `_rebuild_tensor_v2(storage, 0, shape, stride, False, OrderedDict())`, or `_v3` with
+an untyped storage and the dtype for dtypes without a legacy storage class), `.format_version`,
+`.storage_alignment`, `byteorder`, `data/0` (the raw little-endian bytes, aligned to 64 bytes
+from the archive's start), `version`, `.data/serialization_id`. `archive_parts(dtype, shape,
+nbytes)` gives the bytes before and after the data, so the data itself is copied from the
+source straight into the file. The data record's crc32 is 0, as torch.save writes it with
+`torch.serialization.set_crc32_options(False)`: torch.load does not check it, and computing
+it would read every byte in user space. Chunks of 4 GiB or more need zip64 and are refused
+(`MAX_RECORD_BYTES`).
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import zlib
+
+from ...dtypes import dtype_info
+from ...errors import UsageError
+from .pickler import pickled_int, pickled_text
+from .unpickler import STORAGE_DTYPES, TORCH_DTYPES
+
+ALIGNMENT = 64
+MAX_RECORD_BYTES = 0xFFFFFFFF
+NAME = "archive"
+_LEGACY = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
+_TORCH_NAMES = {dtype: name for name, dtype in reversed(list(TORCH_DTYPES.items()))}  # the canonical spelling comes first
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_END = struct.Struct("<IHHHHIIH")
+_PAD_ID = 0x4246  # the extra field torch pads records with ("FB")
+
+
+def _ints(values: tuple[int, ...]) -> bytes:
+    return b"(" + b"".join(pickled_int(v) for v in values) + b"t" if values else b")"
+
+
+def data_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """The data.pkl of a contiguous tensor of `dtype` and `shape` in storage "0"."""
+    numel = 1
+    stride = []
+    for dim in reversed(shape):
+        stride.append(numel)
+        numel *= dim
+    legacy = _LEGACY.get(dtype)
+    rebuild = b"ctorch._utils\n_rebuild_tensor_v2\n" if legacy else b"ctorch._utils\n_rebuild_tensor_v3\n"
+    storage_class = f"ctorch\n{legacy}\n" if legacy else "ctorch.storage\nUntypedStorage\n"
+    count = numel if legacy else numel * dtype_info(dtype).itemsize
+    storage = b"(" + pickled_text("storage") + storage_class.encode() + pickled_text("0") + pickled_text("cpu") + pickled_int(count) + b"tQ"
+    hooks = b"ccollections\nOrderedDict\n)R"
+    tail = b"" if legacy else f"ctorch\n{_TORCH_NAMES[dtype]}\n".encode()
+    arguments = storage + pickled_int(0) + _ints(shape) + _ints(tuple(reversed(stride))) + b"\x89" + hooks + tail
+    return b"\x80\x02" + rebuild + b"(" + arguments + b"tR."
+
+
+def _local(name: bytes, crc: int, size: int, position: int) -> bytes:
+    """A local header whose data starts aligned; its extra field pads."""
+    bare = position + _LOCAL.size + len(name)
+    pad = (-(bare + 4)) % ALIGNMENT
+    extra = struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
+    return _LOCAL.pack(0x04034B50, 0, 0, 0, 0, 0, crc, size, size, len(name), len(extra)) + name + extra
+
+
+@functools.lru_cache(maxsize=4096)
+def archive_parts(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[bytes, bytes]:
+    """(bytes before the tensor data, bytes after it) of the archive."""
+    if nbytes > MAX_RECORD_BYTES:
+        raise UsageError(
+            f"a DCP chunk of {nbytes} bytes (4 GiB or more) needs zip64, which fsdpkit does not write; use a larger --world-size"
+        )
+    before_data = [
+        ("data.pkl", data_pickle(dtype, shape)),
+        (".format_version", b"1"),
+        (".storage_alignment", b"64"),
+        ("byteorder", b"little"),
+    ]
+    after_data = [("version", b"3\n"), (".data/serialization_id", b"0" * 40)]
+    head, tail, central = bytearray(), bytearray(), bytearray()
+    for record, payload in before_data:
+        name = f"{NAME}/{record}".encode()
+        crc = zlib.crc32(payload)
+        central += _central(name, crc, len(payload), len(head))
+        head += _local(name, crc, len(payload), len(head)) + payload
+    name = f"{NAME}/data/0".encode()
+    central += _central(name, 0, nbytes, len(head))
+    head += _local(name, 0, nbytes, len(head))
+    position = len(head) + nbytes
+    for record, payload in after_data:
+        name = f"{NAME}/{record}".encode()
+        crc = zlib.crc32(payload)
+        central += _central(name, crc, len(payload), position + len(tail))
+        tail += _local(name, crc, len(payload), position + len(tail)) + payload
+    count = len(before_data) + 1 + len(after_data)
+    end = _END.pack(0x06054B50, 0, 0, count, count, len(central), position + len(tail), 0)
+    return bytes(head), bytes(tail + central + end)
+
+
+def _central(name: bytes, crc: int, size: int, offset: int) -> bytes:
+    return _CENTRAL.pack(0x02014B50, 0, 0, 0, 0, 0, 0, crc, size, size, len(name), 0, 0, 0, 0, 0, offset) + name

@@ -1,0 +1,129 @@
+"""DCP output: `convert SRC OUT --to dcp` (an fsdpkit checkpoint or full safetensors -> FSDP2's
+`{"model", "optimizer"}` layout) and `reshard DCP OUT --world-size N` (DCP -> DCP chunked as
+FSDP2 at N ranks, every item kept, bytes items byte for byte).
+
+Names: a model tensor `name` is `model.<name>` (tied aliases too: FSDP2's state dict holds
+every name), `optim.<state>.<param>` is `optimizer.state.<param>.<state>`, and the optimizer's
+param groups recorded in an fsdpkit checkpoint become `optimizer.param_groups.<i>.<setting>`
+items, as `get_state_dict` gives them. Written under a temporary name, renamed when complete.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+
+from ...errors import UsageError
+from ..format.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
+from ..format.files import open_regular, read_exactly
+from ..format.names import MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, split_optim_tensor_name
+from ..format.reader import is_full_checkpoint, open_full, open_sharded
+from ..format.storage import staged_output
+from .metadata import DcpMetadata, Location
+from .table import open_dcp
+from .writer import OutBytes, OutTensor, torch_saved, write_dcp
+
+
+def _out_tensors(sources: list[SourceTensor], aliases: dict[str, str]) -> list[OutTensor]:
+    out, by_name = [], {s.name: s for s in sources}
+    for source in sources:
+        optim = split_optim_tensor_name(source.name)
+        out.append(OutTensor(("optimizer", "state", optim[1], optim[0]) if optim else ("model", source.name), source))
+    for alias, stored in aliases.items():
+        if alias not in by_name and stored in by_name:
+            out.append(OutTensor(("model", alias), by_name[stored]))
+    return out
+
+
+def _param_groups(training_state: dict) -> list[OutBytes]:
+    groups = (training_state.get("optimizer") or {}).get("groups") or []
+    items = []
+    for index, group in enumerate(groups):
+        settings = dict(group.get("settings", {}))
+        if isinstance(settings.get("betas"), list):
+            settings["betas"] = tuple(settings["betas"])
+        settings["params"] = list(group.get("params", []))
+        for key, value in settings.items():
+            items.append(OutBytes(("optimizer", "param_groups", index, key), partial(torch_saved, value)))
+    return items
+
+
+def to_dcp(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    world_size: int = 1,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    overwrite: bool = False,
+) -> dict:
+    """An fsdpkit sharded checkpoint or a full safetensors directory as a DCP checkpoint."""
+    if world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world_size}")
+    path = Path(src)
+    if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
+        root = path if path.is_dir() else path.parent
+        full = open_full(path, with_optimizer=(root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists())
+        tensors, groups, kind = _out_tensors(list(full.tensors), full.aliases), [], "safetensors-full"
+    else:
+        sharded = open_sharded(path)
+        state = sharded.manifest.training_state
+        tensors, groups, kind = _out_tensors(sharded.sources(), sharded.manifest.aliases), _param_groups(state), "fsdpkit-checkpoint"
+    total = sum(t.source.nbytes for t in tensors)
+    with staged_output(Path(dst), src=path, overwrite=overwrite, needed_bytes=total + (world_size + len(tensors)) * 4096) as tmp:
+        files = write_dcp(tmp, tensors, groups, world_size=world_size, chunk_size=chunk_size)
+    return {
+        "src": str(src),
+        "dst": str(dst),
+        "from": kind,
+        "to": "dcp",
+        "world_size": world_size,
+        "files": files,
+        "tensors": len(tensors),
+        "bytes": total,
+    }
+
+
+def _carried(directory: Path, location: Location):
+    def read() -> bytes:
+        fd, _ = open_regular(directory / location.file)
+        try:
+            return read_exactly(fd, location.length, location.offset, directory / location.file)
+        finally:
+            os.close(fd)
+
+    return read
+
+
+def _path(metadata: DcpMetadata, key: str) -> tuple[str | int, ...]:
+    return metadata.paths.get(key) or (key,)
+
+
+def reshard_dcp(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    world_size: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    overwrite: bool = False,
+) -> dict:
+    """A DCP checkpoint chunked as FSDP2 at `world_size` ranks; every item kept."""
+    if world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world_size}")
+    with open_dcp(src) as checkpoint:
+        metadata = checkpoint.metadata
+        tensors = [OutTensor(_path(metadata, key), checkpoint.source(key)) for key in metadata.tensors]
+        items = [OutBytes(_path(metadata, key), _carried(metadata.directory, b.location)) for key, b in metadata.bytes_items.items()]
+        total = sum(t.source.nbytes for t in tensors)
+        with staged_output(Path(dst), src=Path(src), overwrite=overwrite, needed_bytes=total + (world_size + len(tensors)) * 4096) as tmp:
+            files = write_dcp(tmp, tensors, items, world_size=world_size, chunk_size=chunk_size)
+    return {
+        "src": str(src),
+        "dst": str(dst),
+        "to": "dcp",
+        "world_size": world_size,
+        "files": files,
+        "tensors": len(tensors),
+        "bytes_items": len(items),
+        "bytes": total,
+    }

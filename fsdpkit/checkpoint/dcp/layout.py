@@ -1,0 +1,106 @@
+"""Which DCP keys are the model and which the optimizer state, under fsdpkit's names.
+
+The layouts met in practice, found by themselves:
+
+- a plain `model.state_dict()`: every tensor at the top level, named by its fqn;
+- `{"model": model_sd, "optimizer": optim_sd, ...}` as torchtitan and accelerate nest
+  `get_state_dict(model, optimizer)`; other top-level items (a scheduler, a dataloader, the
+  train state) are kept apart;
+- optimizer state as FSDP2's `get_state_dict` gives it: `state.<fqn>.<key>` (nested, or
+  flattened into one key with `flatten_optimizer_state_dict`) and `param_groups`.
+
+Paths come from the default planner's `planner_data` (the exact path of every key in the
+nested state dict); without it the flattened keys are split at `model.` / `optimizer.`.
+`--dcp-model-key` / `--dcp-optimizer-key` name the top-level keys instead ("" is the top
+level itself). fsdpkit's names: the model's fqn, and `optim.<state>.<fqn>`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ...errors import DataCheckError, UsageError
+from ..format.names import optim_tensor_name
+from .metadata import DcpMetadata
+
+Path = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class DcpLayout:
+    model_key: str | None  # the nesting key of the model ("" at the top level; None: no model found)
+    optimizer_key: str | None
+    model: dict[str, str] = field(default_factory=dict)  # fsdpkit name -> DCP key
+    optimizer: dict[str, str] = field(default_factory=dict)  # optim.<state>.<fqn> -> DCP key
+    other: tuple[str, ...] = ()  # tensor keys that are neither
+
+    @property
+    def names(self) -> dict[str, str]:
+        return {**self.model, **self.optimizer}
+
+
+def _path_of(metadata: DcpMetadata, key: str) -> Path:
+    path = metadata.paths.get(key)
+    if path:
+        return path
+    head, dot, rest = key.partition(".")
+    return (head, rest) if dot and head in ("model", "optimizer") else (key,)
+
+
+def _joined(prefix: Path) -> str:
+    return ".".join(str(p) for p in prefix)
+
+
+def _optimizer_entry(path: Path) -> tuple[Path, str, str] | None:
+    """(prefix, fqn, state key) when `path` is optimizer state: (*prefix, "state", fqn, key) or
+    (*prefix, "state.<fqn>.<key>")."""
+    for i, part in enumerate(path):
+        if part == "state" and len(path) == i + 3 and isinstance(path[i + 1], str) and isinstance(path[i + 2], str):
+            return path[:i], str(path[i + 1]), str(path[i + 2])
+        if isinstance(part, str) and part.startswith("state.") and len(path) == i + 1:
+            fqn, dot, key = part[len("state.") :].rpartition(".")
+            if dot and fqn:
+                return path[:i], fqn, key
+    return None
+
+
+def detect_layout(metadata: DcpMetadata, *, model_key: str | None = None, optimizer_key: str | None = None) -> DcpLayout:
+    paths = {key: _path_of(metadata, key) for key in metadata.tensors}
+    entries = {key: entry for key, path in paths.items() if (entry := _optimizer_entry(path)) is not None}
+    if optimizer_key is None:
+        counts = Counter(_joined(prefix) for prefix, _, _ in entries.values())
+        optimizer_key = counts.most_common(1)[0][0] if counts else None
+    elif not any(_joined(prefix) == optimizer_key for prefix, _, _ in entries.values()):
+        raise UsageError(f"{metadata.directory}: no optimizer state under --dcp-optimizer-key {optimizer_key!r} ({_top_keys(metadata)})")
+    optimizer = {}
+    if optimizer_key is not None:
+        for key, (prefix, fqn, state) in entries.items():
+            if _joined(prefix) == optimizer_key and "." not in state:
+                optimizer[optim_tensor_name(state, fqn)] = key
+    rest = {key: path for key, path in paths.items() if key not in optimizer.values()}
+    groups: Counter[str] = Counter("" if len(path) == 1 else str(path[0]) for path in rest.values())
+    if model_key is None:
+        ranked = sorted(groups.items(), key=lambda item: (item[0] != "model", -item[1]))
+        model_key = ranked[0][0] if ranked else None
+    elif model_key not in groups:
+        raise UsageError(f"{metadata.directory}: no tensors under --dcp-model-key {model_key!r} ({_top_keys(metadata)})")
+    model = {}
+    for key, path in rest.items():
+        if model_key == "" and len(path) == 1:
+            model[str(path[0])] = key
+        elif model_key and len(path) > 1 and path[0] == model_key:
+            model[_joined(path[1:])] = key
+    other = tuple(key for key in rest if key not in model.values())
+    return DcpLayout(model_key if model else None, optimizer_key if optimizer else None, model, optimizer, other)
+
+
+def _top_keys(metadata: DcpMetadata) -> str:
+    paths = [_path_of(metadata, key) for key in [*metadata.tensors, *metadata.bytes_items]]
+    tops = sorted({str(path[0]) for path in paths if len(path) > 1})
+    return "top-level keys: " + (", ".join(tops) if tops else "none, the tensors are at the top level")
+
+
+def require_model(layout: DcpLayout, metadata: DcpMetadata) -> None:
+    if not layout.model:
+        raise DataCheckError(f"{metadata.directory}: no model tensors found; name them with --dcp-model-key")

@@ -1,0 +1,175 @@
+"""DCP's `.metadata`, read through the allow-list unpickler and checked into plain records
+(no torch).
+
+torch 2.13's `FileSystemWriter` pickles a `Metadata`: `state_dict_metadata` maps each
+flattened key to a `TensorStorageMetadata` (properties with the dtype, size, chunks as
+offsets + sizes) or a `BytesStorageMetadata`; `storage_data` maps `MetadataIndex(fqn,
+offset)` to `_StorageInfo(relative_path, offset, length)`, where the item's bytes lie;
+`planner_data` maps each flattened key to its path in the nested state dict. Everything is
+validated here: types, shapes, dtypes, that every chunk and bytes item has a storage entry,
+file names inside the directory. Problems are one-line `DataCheckError`s.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...errors import DataCheckError
+from ..format.files import open_regular, read_exactly
+from ..format.names import is_safe_file_name, numel
+from . import unpickler as u
+
+METADATA_NAME = ".metadata"
+MAX_METADATA_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Location:
+    file: str  # a file name inside the checkpoint directory
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    location: Location
+
+    @property
+    def numel(self) -> int:
+        return numel(self.sizes)
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    key: str  # the flattened key
+    dtype: str  # safetensors spelling
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
+class DcpBytes:
+    key: str
+    location: Location
+
+
+@dataclass(frozen=True)
+class DcpMetadata:
+    directory: Path
+    version: str | None
+    tensors: dict[str, DcpTensor]
+    bytes_items: dict[str, DcpBytes]
+    paths: dict[str, tuple[str | int, ...]]  # flattened key -> its path in the nested state dict (may be empty)
+
+    @property
+    def files(self) -> list[str]:
+        names = {c.location.file for t in self.tensors.values() for c in t.chunks} | {b.location.file for b in self.bytes_items.values()}
+        return sorted(names)
+
+
+def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """A directory holding DCP's `.metadata` (whatever it holds: reading it checks that)."""
+    path = Path(path)
+    return path.is_dir() and (path / METADATA_NAME).exists()
+
+
+def read_metadata(directory: str | os.PathLike[str]) -> DcpMetadata:
+    directory = Path(directory)
+    path = directory / METADATA_NAME
+    fd, size = open_regular(path)
+    try:
+        if size > MAX_METADATA_BYTES:
+            raise DataCheckError(f"{path}: {size} bytes, over the {MAX_METADATA_BYTES}-byte limit for DCP metadata")
+        raw = read_exactly(fd, size, 0, path)
+    finally:
+        os.close(fd)
+    root = u.restricted_loads(raw, allowed=u.METADATA_GLOBALS, where=str(path))
+    if not isinstance(root, u.Metadata):
+        raise DataCheckError(f"{path}: holds a {type(root).__name__}, not DCP metadata")
+    return _checked(directory, path, root)
+
+
+def _checked(directory: Path, where: Path, root: u.Metadata) -> DcpMetadata:
+    items, storage = root.get("state_dict_metadata"), root.get("storage_data")
+    if not isinstance(items, dict) or not isinstance(storage, dict):
+        raise DataCheckError(f"{where}: DCP metadata without state_dict_metadata or storage_data (not written by FileSystemWriter?)")
+    locations = _locations(where, storage)
+    tensors: dict[str, DcpTensor] = {}
+    bytes_items: dict[str, DcpBytes] = {}
+    for key, item in items.items():
+        if not isinstance(key, str):
+            raise DataCheckError(f"{where}: a key of type {type(key).__name__}, expected str")
+        if isinstance(item, u.BytesStorageMetadata):
+            location = locations.get((key, None))
+            if location is None:
+                raise DataCheckError(f"{where}: bytes item {key!r} has no storage entry")
+            bytes_items[key] = DcpBytes(key, location)
+        elif isinstance(item, u.TensorStorageMetadata):
+            tensors[key] = _tensor(where, key, item, locations)
+        else:
+            raise DataCheckError(f"{where}: item {key!r} is a {type(item).__name__}, expected tensor or bytes metadata")
+    version = root.get("version")
+    return DcpMetadata(
+        directory, version if isinstance(version, str) else None, tensors, bytes_items, _paths(where, root.get("planner_data"))
+    )
+
+
+def _locations(where: Path, storage: dict) -> dict[tuple[str, tuple[int, ...] | None], Location]:
+    found: dict[tuple[str, tuple[int, ...] | None], Location] = {}
+    for index, info in storage.items():
+        if not isinstance(index, u.MetadataIndex) or not isinstance(info, u.StorageInfo):
+            raise DataCheckError(
+                f"{where}: storage_data holds {type(index).__name__} -> {type(info).__name__}, expected DCP's storage info"
+            )
+        fqn, offset = index.get("fqn"), index.get("offset")
+        name, start, length = info.get("relative_path"), info.get("offset"), info.get("length")
+        if not isinstance(fqn, str) or not (offset is None or isinstance(offset, tuple)):
+            raise DataCheckError(f"{where}: malformed storage index {str(index.__dict__)[:80]}")
+        if info.get("transform_descriptors"):
+            raise DataCheckError(f"{where}: item {fqn!r} is stored through transforms {info.get('transform_descriptors')} (not supported)")
+        if not is_safe_file_name(name):
+            raise DataCheckError(f"{where}: item {fqn!r} names file {str(name)[:80]!r}, not a plain file name inside the checkpoint")
+        if type(start) is not int or type(length) is not int or start < 0 or length < 0:
+            raise DataCheckError(f"{where}: item {fqn!r} has byte range {start!r}+{length!r}")
+        found[(fqn, offset)] = Location(name, start, length)
+    return found
+
+
+def _tensor(where: Path, key: str, item: u.TensorStorageMetadata, locations: dict) -> DcpTensor:
+    properties, size, chunks = item.get("properties"), item.get("size"), item.get("chunks")
+    state = properties.get("state") if isinstance(properties, u.TensorProperties) else None
+    if not isinstance(state, tuple) or not state or not isinstance(state[0], u.Dtype):
+        raise DataCheckError(f"{where}: tensor {key!r} has no dtype in its properties")
+    if not isinstance(size, tuple) or not isinstance(chunks, list):
+        raise DataCheckError(f"{where}: tensor {key!r} has no size or chunk list")
+    shape = size
+    parsed = []
+    for chunk in chunks:
+        offsets, sizes = (chunk.get("offsets"), chunk.get("sizes")) if isinstance(chunk, u.ChunkStorageMetadata) else (None, None)
+        if not isinstance(offsets, tuple) or not isinstance(sizes, tuple) or len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise DataCheckError(f"{where}: tensor {key!r} {list(shape)} has a chunk of another rank: {offsets} + {sizes}")
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+            raise DataCheckError(f"{where}: tensor {key!r} {list(shape)} has a chunk {list(offsets)} + {list(sizes)} outside it")
+        if not numel(sizes):
+            continue  # an empty shard (more ranks than rows): nothing stored
+        location = locations.get((key, offsets))
+        if location is None:
+            raise DataCheckError(f"{where}: tensor {key!r} chunk at {list(offsets)} has no storage entry")
+        parsed.append(Chunk(offsets, sizes, location))
+    return DcpTensor(key, state[0].name, shape, tuple(parsed))
+
+
+def _paths(where: Path, planner_data: Any) -> dict[str, tuple[str | int, ...]]:
+    """The default planner's {flattened key: path}; empty when another planner wrote none."""
+    if not isinstance(planner_data, dict):
+        return {}
+    paths = {}
+    for key, path in planner_data.items():
+        if isinstance(key, str) and isinstance(path, tuple) and all(isinstance(p, (str, int)) for p in path):
+            paths[key] = path
+    return paths

@@ -1,0 +1,101 @@
+"""One output file written from raw byte ranges of source files (no torch, no tensors).
+
+`RawOutput.copy(source, wanted)` appends the bytes of elements `wanted` of a `SourceTensor`:
+pieces without a checksum (DCP chunks, safetensors tensors) are byte ranges the kernel copies
+from file to file (`files.copy_range`: `os.copy_file_range`, else read and write) when large,
+and small ones are read into the write buffer; pieces with a crc32 (fsdpkit checkpoints) are
+read through the byte engine, which checks them. Small writes gather into one `writev` of
+at most `BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ...dtypes import dtype_info
+from ...errors import DataCheckError
+from ...layout import ElementRange
+from ..format.bytecopy import ByteEngine, SourceTensor
+from ..format.files import IOV_MAX, copy_range, open_regular, write_views
+
+BUFFER_BYTES = 8 * 1024 * 1024
+KERNEL_COPY_BYTES = 64 * 1024  # byte ranges at least this large are copied by the kernel
+
+
+class RawOutput:
+    def __init__(self, path: Path, engine: ByteEngine, progress: Callable[[int], None] | None = None):
+        self.path, self.position = path, 0
+        self._engine, self._progress = engine, progress
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._pending: list[bytes | bytearray | memoryview] = []  # written by one writev
+        self._pending_bytes = 0
+        self._sources: dict[Path, int] = {}
+
+    def __enter__(self) -> RawOutput:
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        try:
+            if kind is None:
+                self._flush()
+        finally:
+            os.close(self._fd)
+            while self._sources:
+                os.close(self._sources.popitem()[1])
+            if kind is not None:
+                self.path.unlink(missing_ok=True)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        self.position += len(data)
+        if self._pending_bytes >= BUFFER_BYTES or len(self._pending) >= IOV_MAX:
+            self._flush()
+
+    def copy(self, source: SourceTensor, wanted: ElementRange) -> None:
+        """Append the bytes of elements `wanted` of `source`."""
+        itemsize, done = dtype_info(source.dtype).itemsize, 0
+        for piece in source.pieces_in(wanted):
+            part = piece.range.intersect(wanted)
+            if part.start != wanted.start + done:
+                raise AssertionError(f"{source.name}: no source piece holds element {wanted.start + done}")
+            nbytes = part.size * itemsize
+            if piece.crc32 is not None:
+                self._checked(source, part, itemsize)
+            else:
+                offset = piece.offset + (part.start - piece.range.start) * itemsize
+                self._raw(piece.path, offset, nbytes)
+            done += part.size
+            if self._progress is not None:
+                self._progress(nbytes)
+        if done != wanted.size:
+            raise AssertionError(f"{source.name}: source pieces end at element {wanted.start + done}, not {wanted.end}")
+
+    def _checked(self, source: SourceTensor, part: ElementRange, itemsize: int) -> None:
+        step = max(1, BUFFER_BYTES // itemsize)
+        for first in range(part.start, part.end, step):
+            chunk = ElementRange(first, min(first + step, part.end))
+            data = bytearray(chunk.size * itemsize)
+            self._engine.read_into(source, chunk, memoryview(data))
+            self.write(data)
+
+    def _raw(self, path: Path, offset: int, nbytes: int) -> None:
+        fd = self._sources.get(path)
+        if fd is None:
+            fd = self._sources[path] = open_regular(path)[0]
+        if nbytes < KERNEL_COPY_BYTES:
+            data = os.pread(fd, nbytes, offset)
+            if len(data) != nbytes:
+                raise DataCheckError(f"{path}: file ends at byte {offset + len(data)}, before byte {offset + nbytes} (truncated)")
+            self.write(data)
+            return
+        self._flush()
+        copy_range(fd, offset, nbytes, self._fd, self.position, path)
+        self.position += nbytes
+
+    def _flush(self) -> None:
+        write_views(self._fd, self._pending, self.path, self.position - self._pending_bytes)  # explicit offsets throughout
+        self._pending.clear()
+        self._pending_bytes = 0

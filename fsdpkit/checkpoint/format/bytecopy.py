@@ -1,0 +1,442 @@
+"""The one byte engine (no torch): every command that moves checkpoint bytes goes through a
+`ByteEngine`. Reshard and `convert --to sharded` assemble rank files (`write_rank_file`),
+`convert --to full` and export stream tensors into a writer (`copy`), loading reads element
+ranges into memory (`read_into`).
+
+A `SourceTensor` says where each element range of a tensor lies: `SourcePiece`s (range, file,
+byte offset, crc32 or None). Sharded checkpoints give one piece per fragment (with its
+checksum); full safetensors files one piece per tensor (no checksum).
+
+How bytes move, chosen by fragment size:
+
+- large fragments (at least `KERNEL_COPY_BYTES`, no cast): the kernel copies them from file to
+  file (`os.copy_file_range`, else read and write), while the engine checksums the same
+  bytes through a read-only mapping, so they cross user space never;
+- many small fragments (a large world size: millions of a few KB each): slices of mapped
+  source windows are gathered and a whole rank file is one `writev`;
+- rank files over `WHOLE_FILE_BYTES` are written by two worker threads (`files.WriteQueue`),
+  two files at once, while the engine checksums the next bytes; smaller ones by the engine
+  itself (with threads, every unmapped window costs a TLB shootdown);
+- casts (`--dtype`) and streams into a writer: block by block through the mapping.
+
+Mappings are windows of two `WINDOW_BYTES` blocks, kept in a bounded LRU (peak RSS does not
+grow with the checkpoint). Checksums take one pass: every block is checksummed once
+(`crc.crc32`); that value is the output fragment's crc32 (combined when a fragment was cut
+from several blocks) and is combined into the running crc32 of the source piece it came from
+(`crc.crc32_combine`). When a source piece's last byte has passed, its crc32 must equal the
+stored one, else a `DataCheckError`. Fragments of each tensor must be asked for in increasing
+order, each source piece read front to back, which the placements guarantee; `finish()`
+checks that every piece started was read to its end. An engine writing a share of the rank
+files (`workers`) may start a piece where its first fragment does: `finish_parts()` returns
+the pieces it read only in part, each with the crc32 of the bytes it read, and `check_parts`
+checks every piece's parts together. `read_into` (random access) checks a piece whole the
+first time any part of it is wanted.
+
+A file is opened without blocking (a FIFO is refused) and its size taken when first used; a
+piece that would end beyond it is a `DataCheckError`. Sources are checkpoints at rest (a file
+truncated while mapped would raise SIGBUS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from ...dtypes import dtype_info
+from ...errors import DataCheckError
+from ...layout import ElementRange
+from .crc import PartRead, cast_into, check_parts, crc32, crc32_combine, mismatch
+from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, pread_into, write_file, write_views
+from .names import numel
+from .placement import FileLayout
+
+DEFAULT_CHUNK_SIZE = 512 * 1024  # bytes per block: read, checksummed and handed on while in the L2 cache
+KERNEL_COPY_BYTES = 256 << 10  # fragments at least this large are copied by the kernel
+WHOLE_FILE_BYTES = 8 * 1024 * 1024  # a rank file up to this size is one writev; larger ones are written in such steps
+PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
+
+
+class SourcePiece(NamedTuple):
+    range: ElementRange  # elements of the tensor this piece holds
+    path: Path
+    offset: int  # absolute byte offset in `path` of element range.start
+    nbytes: int  # bytes of the whole piece
+    crc32: int | None  # of the whole piece's bytes; None when the source has no checksum
+    key: str  # the tensor it belongs to (for messages)
+
+    @property
+    def label(self) -> str:
+        return f"{self.path.name} tensor {self.key!r} [{self.range.start}, {self.range.end})"
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """A tensor and where its elements lie. `pieces_in(wanted)` gives, in order, the pieces that
+    meet a range; subclasses compute them on demand (sharded checkpoints)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[SourcePiece, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_info(self.dtype).itemsize
+
+    def pieces_in(self, wanted: ElementRange) -> list[SourcePiece]:
+        return [p for p in self.pieces if p.range.start < wanted.end and wanted.start < p.range.end]
+
+
+class _Piece:
+    """A source piece being read, and how far: bytes [begin, done) from its start, `running` their crc32."""
+
+    __slots__ = (
+        "first",
+        "last",
+        "file",
+        "offset",
+        "nbytes",
+        "crc32",
+        "label",
+        "begin",
+        "done",
+        "running",
+        "window",
+        "window_start",
+        "window_end",
+    )
+
+    def __init__(self, source: SourcePiece, file: int, begin: int):
+        self.first, self.last = source.range.start, source.range.end  # elements of the tensor
+        self.file, self.offset, self.nbytes = file, source.offset, source.nbytes  # absolute byte offset in the file
+        self.crc32, self.label = source.crc32, source.label
+        self.begin = self.done = begin
+        self.running = 0
+        self.window: memoryview | None = None  # the mapping last used, and the file offsets it covers
+        self.window_start = self.window_end = 0
+
+
+class _Cursor:
+    """Where reading one source tensor (cast to one output dtype) has got to."""
+
+    __slots__ = ("source", "itemsize", "cast", "pieces", "current")
+
+    def __init__(self, source: SourceTensor, out_dtype: str):
+        self.source = source
+        self.itemsize = dtype_info(source.dtype).itemsize
+        self.cast = None if out_dtype == source.dtype else (source.dtype, out_dtype)
+        self.pieces: dict[int, _Piece] = {}  # by first element: pieces started and not finished
+        self.current: _Piece | None = None  # the piece the last read ended in
+
+
+class ByteEngine:
+    """See the module docstring. `sources` (with their output dtypes) are the tensors that
+    `fragments` and `write_rank_file` address by index; `copy` and `read_into` take any tensor.
+    `chunk_size` bounds each block (at most WINDOW_BYTES); `progress` gets source bytes done."""
+
+    def __init__(
+        self,
+        sources: Sequence[SourceTensor] = (),
+        out_dtypes: list[str] | None = None,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        progress: Callable[[int], None] | None = None,
+    ):
+        if chunk_size < 64:
+            raise ValueError(f"chunk size must be at least 64 bytes, got {chunk_size}")
+        self.block = min(chunk_size, WINDOW_BYTES) // 8 * 8  # whole elements of any dtype
+        out_dtypes = out_dtypes if out_dtypes is not None else [s.dtype for s in sources]
+        self._cursors = [_Cursor(source, dtype) for source, dtype in zip(sources, out_dtypes, strict=True)]
+        self._named: dict[tuple[str, str], _Cursor] = {}  # cursors of tensors given to copy()
+        self._verified: set[tuple[int, int]] = set()  # (file, offset) of pieces read_into checked whole
+        self._files = MappedFiles()
+        self._parts: list[PartRead] = []  # pieces finished here that were started elsewhere
+        self._writes: WriteQueue | None = None  # made by the first write_rank_file
+        self._progress, self._reported = progress, 0
+        self.bytes_read = 0  # source bytes handed on so far
+
+    # ----- rank files (reshard, convert --to sharded)
+    def write_rank_file(self, path: Path, layout: FileLayout) -> None:
+        """Rank file `layout` at `path`, its fragments from the sources; the caller syncs the
+        whole output once `close` has waited for every write. A small file is one `writev` of
+        its complete header and mapped slices, here; a larger one is queued to the write
+        threads in steps at their offsets, its header with the crc32 digits last, and fsynced
+        there (the disk writes it while the next is copied). On an error a small file is
+        removed; the caller removes the output."""
+        if layout.size <= WHOLE_FILE_BYTES:
+            views: list = []
+            crcs = self.fragments(layout.tensors, layout.starts, layout.ends, views)
+            write_file(path, layout.header_with(crcs) + views)
+        else:
+            if self._writes is None:
+                self._writes = WriteQueue()
+            fd = self._writes.open(path)
+            self._stream_rank_file(fd, path, layout, self._writes)
+            self._writes.seal(layout.rank, fd)
+        self._report()
+
+    def _stream_rank_file(self, fd: int, path: Path, layout: FileLayout, writes: WriteQueue) -> None:
+        views: list = []
+        crcs, pending, at, lane = [], 0, layout.data_start, layout.rank  # pending: bytes of `views`, to be written at `at`
+        for t, start, end, (begin, stop) in zip(layout.tensors, layout.starts, layout.ends, layout.spans, strict=True):
+            if stop - begin >= KERNEL_COPY_BYTES and self._cursors[t].cast is None:
+                if views:
+                    writes.submit(lane, pending, write_views, fd, views, path, at)
+                views, pending, at = [], 0, layout.data_start + stop
+                crcs.append(self._send(self._cursors[t], start, end, (lane, fd, path), layout.data_start + begin))
+                continue
+            step = max(1, WHOLE_FILE_BYTES * (end - start) // (stop - begin))  # elements per step
+            crc = 0
+            for first in range(start, end, step):
+                last = min(first + step, end)
+                part = self.fragment(t, first, last, views)
+                size = (stop - begin) * (last - first) // (end - start)
+                crc = crc32_combine(crc, part, size) if first > start else part
+                pending += size
+                if pending >= WHOLE_FILE_BYTES or len(views) >= IOV_MAX:
+                    writes.submit(lane, pending, write_views, fd, views, path, at)
+                    views, pending, at = [], 0, at + pending
+            crcs.append(crc)
+        if views:
+            writes.submit(lane, pending, write_views, fd, views, path, at)
+        writes.submit(lane, layout.data_start, write_views, fd, layout.header_with(crcs), path, 0)
+
+    def fragment(self, tensor: int, start: int, end: int, views: list) -> int:
+        """Append the bytes of elements [start, end) of source `tensor` to `views`; their crc32."""
+        return self.fragments((tensor,), (start,), (end,), views)[0]
+
+    def fragments(self, tensors, starts, ends, views: list) -> list[int]:
+        """`fragment` for each (tensor, start, end) in turn; their crc32s. A fragment inside the
+        window its piece last used takes the inlined path (a large world size has millions)."""
+        crcs = []
+        cursors, block = self._cursors, self.block
+        done = 0
+        for tensor, start, end in zip(tensors, starts, ends, strict=True):
+            cursor = cursors[tensor]
+            piece = cursor.current
+            if piece is not None and piece.first <= start and end <= piece.last and cursor.cast is None:
+                itemsize = cursor.itemsize
+                at = (start - piece.first) * itemsize
+                nbytes = (end - start) * itemsize
+                offset = piece.offset + at
+                if at == piece.done and nbytes <= block and piece.window_start <= offset and offset + nbytes <= piece.window_end:
+                    offset -= piece.window_start
+                    view = piece.window[offset : offset + nbytes]  # type: ignore[index]
+                    crc = crc32(view)
+                    views.append(view)
+                    crcs.append(crc)
+                    done += nbytes
+                    piece.running = crc32_combine(piece.running, crc, nbytes) if at else crc
+                    piece.done = at + nbytes
+                    if piece.done == piece.nbytes:
+                        self._finish_piece(cursor, piece)
+                    continue
+            crcs.append(self._gather(cursor, start, end, views))
+        self.bytes_read += done
+        return crcs
+
+    def _gather(self, cursor: _Cursor, start: int, end: int, views: list) -> int:
+        """The general case of `fragments`: several pieces, several blocks, a new window, a cast."""
+        out_crc, fresh = 0, True
+        for view, crc in self._cast_blocks(cursor, start, end):
+            views.append(view)
+            out_crc = crc if fresh else crc32_combine(out_crc, crc, len(view))
+            fresh = False
+        return out_crc
+
+    def _cast_blocks(self, cursor: _Cursor, start: int, end: int) -> Iterator[tuple[memoryview, int]]:
+        """(bytes, their crc32) of elements [start, end) block by block, cast when asked."""
+        for _, view, crc in self._blocks(cursor, start, end):
+            if cursor.cast is not None:
+                view = cast_into(view, *cursor.cast, bytearray(view.nbytes // cursor.itemsize * dtype_info(cursor.cast[1]).itemsize))
+                crc = crc32(view)
+            yield view, crc
+
+    def _blocks(self, cursor: _Cursor, start: int, end: int) -> Iterator[tuple[_Piece, memoryview, int]]:
+        """(piece, mapped source bytes, their crc32) of elements [start, end), at most one block
+        each, in order; every source piece's running crc32 advanced and checked at its end."""
+        itemsize = cursor.itemsize
+        position = start
+        while position < end:
+            piece = self._piece_at(cursor, position, end)
+            stop = min(end, piece.last)
+            if (position - piece.first) * itemsize != piece.done:
+                raise AssertionError(
+                    f"{piece.label}: read at byte {(position - piece.first) * itemsize}, "
+                    f"expected {piece.done} (fragments must be read in order)"
+                )
+            remaining = (stop - position) * itemsize
+            while remaining:
+                nbytes = min(remaining, self.block)
+                view = self._view(piece, piece.offset + piece.done, nbytes)
+                crc = crc32(view)
+                piece.running = crc32_combine(piece.running, crc, nbytes) if piece.done else crc
+                piece.done += nbytes
+                self.bytes_read += nbytes
+                remaining -= nbytes
+                yield piece, view, crc
+            cursor.current = piece
+            if piece.done == piece.nbytes:
+                self._finish_piece(cursor, piece)
+            position = stop
+
+    def _send(self, cursor: _Cursor, start: int, end: int, out: tuple[int, int, Path], at: int) -> int:
+        """Elements [start, end) copied by the kernel to byte `at` of output `out` (lane, fd,
+        path), checksummed on the way through the mapping; their crc32."""
+        out_crc, fresh = 0, True
+        run: _Piece | None = None  # bytes [offset, offset + count) of its file are not yet queued
+        offset = count = 0
+        for piece, view, crc in self._blocks(cursor, start, end):
+            out_crc = crc if fresh else crc32_combine(out_crc, crc, view.nbytes)
+            fresh = False
+            if run is piece:
+                count += view.nbytes
+                continue
+            if run is not None:
+                at = self._copy_run(run, offset, count, out, at)
+            run, offset, count = piece, piece.offset + piece.done - view.nbytes, view.nbytes
+        if run is not None:
+            self._copy_run(run, offset, count, out, at)
+        return out_crc
+
+    def _copy_run(self, piece: _Piece, offset: int, count: int, out: tuple[int, int, Path], at: int) -> int:
+        """Queue the copy of bytes [offset, offset + count) of the piece's file to byte `at` of
+        output `out`; where the next bytes go."""
+        assert self._writes is not None
+        lane, fd, path = out
+        self._writes.copy(lane, self._files.fd(piece.file), offset, count, fd, at, path)
+        return at + count
+
+    # ----- streams (convert --to full, export layouts)
+    def copy(
+        self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None], *, checksum: bool = False
+    ) -> int | None:
+        """Stream elements `wanted` of `tensor`, cast to `out_dtype`, into `sink`; with `checksum`,
+        return the crc32 of what was handed on."""
+        cursor = self._named.get((tensor.name, out_dtype))
+        if cursor is None or cursor.source is not tensor:
+            cursor = self._named[(tensor.name, out_dtype)] = _Cursor(tensor, out_dtype)
+        out_crc = 0
+        for view, crc in self._cast_blocks(cursor, wanted.start, wanted.end):
+            sink(view)
+            out_crc = crc32_combine(out_crc, crc, view.nbytes) if checksum else 0
+            self._report()
+        return out_crc if checksum else None
+
+    # ----- loading
+    def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
+        """Random access (loading): the bytes of elements `wanted` of `tensor` into `out`. A piece
+        with a checksum is read whole, and its crc32 checked, the first time any part of it is
+        wanted; later reads of it take only the bytes wanted."""
+        itemsize = dtype_info(tensor.dtype).itemsize
+        if out.nbytes != wanted.size * itemsize:
+            raise ValueError(f"{tensor.name}: {out.nbytes} bytes of room for {wanted.size} elements of {tensor.dtype}")
+        base = wanted.start * itemsize
+        for piece in tensor.pieces_in(wanted):
+            part = piece.range.intersect(wanted)
+            file = self._file_of(piece)
+            if piece.crc32 is None or (file, piece.offset) in self._verified:
+                start = piece.offset + (part.start - piece.range.start) * itemsize
+                pread_into(self._files.fd(file), start, out[part.start * itemsize - base : part.end * itemsize - base], piece.path)
+                continue
+            first, crc, used = piece.range.start * itemsize, 0, None
+            for at in range(0, piece.nbytes, self.block):
+                start, window = self._files.window(file, piece.offset + at)
+                if used is not None and used[1] is not window:
+                    self._files.release(file, *used)  # read past: a load's mapped pages stay bounded
+                used = (start, window)
+                view = window[piece.offset + at - start : piece.offset + min(at + self.block, piece.nbytes) - start]
+                crc = crc32(view, crc)
+                lo, hi = max(first + at, part.start * itemsize), min(first + at + view.nbytes, part.end * itemsize)
+                if lo < hi:
+                    out[lo - base : hi - base] = view[lo - first - at : hi - first - at]
+                del view
+            if used is not None:
+                self._files.release(file, *used)
+            if crc != piece.crc32:
+                raise DataCheckError(f"{piece.path}: {mismatch(piece.label, piece.crc32, crc)}")
+            self._verified.add((file, piece.offset))
+
+    # ----- source pieces
+    def _file_of(self, piece: SourcePiece) -> int:
+        """The number of the file holding `piece`, checked to be long enough."""
+        number = self._files.number(piece.path)
+        if piece.offset + piece.nbytes > self._files.sizes[number]:
+            raise DataCheckError(f"{piece.path}: file ends before {piece.label} does (truncated)")
+        return number
+
+    def _piece_at(self, cursor: _Cursor, position: int, end: int) -> _Piece:
+        """The piece of the cursor's tensor that holds element `position` (reads move forward, so
+        it is the current piece, or one that starts there)."""
+        piece = cursor.current
+        if piece is not None and piece.first <= position < piece.last:
+            return piece
+        piece = cursor.pieces.get(position)
+        if piece is None:
+            for found in cursor.source.pieces_in(ElementRange(position, end)):
+                known = cursor.pieces.get(found.range.start)
+                if known is None:
+                    begin = max(position - found.range.start, 0) * cursor.itemsize  # a share may start mid-piece
+                    known = cursor.pieces[found.range.start] = _Piece(found, self._file_of(found), begin)
+                if known.first <= position < known.last:
+                    piece = known
+        if piece is None:
+            raise AssertionError(f"{cursor.source.name}: no source piece holds element {position}")
+        return piece
+
+    def _view(self, piece: _Piece, offset: int, nbytes: int) -> memoryview:
+        window = piece.window
+        if window is None or not (piece.window_start <= offset and offset + nbytes <= piece.window_end):
+            if window is not None:  # reads move forward: the piece is done with its window
+                self._files.release(piece.file, piece.window_start, window)
+            piece.window_start, window = self._files.window(piece.file, offset)
+            piece.window = window
+            piece.window_end = piece.window_start + len(window)
+        return window[offset - piece.window_start : offset - piece.window_start + nbytes]
+
+    def _finish_piece(self, cursor: _Cursor, piece: _Piece) -> None:
+        del cursor.pieces[piece.first]
+        cursor.current = None
+        if piece.window is not None and piece.offset + piece.nbytes >= piece.window_end:
+            self._files.release(piece.file, piece.window_start, piece.window)  # nothing after the piece in it either
+        piece.window = None
+        if piece.begin:
+            self._parts.append(self._part(piece))
+        elif piece.crc32 is not None and piece.running != piece.crc32:
+            raise DataCheckError(f"{self._files.paths[piece.file]}: {mismatch(piece.label, piece.crc32, piece.running)}")
+
+    def _report(self) -> None:
+        if self._progress is not None and self.bytes_read - self._reported >= PROGRESS_BYTES:
+            self._progress(self.bytes_read - self._reported)
+            self._reported = self.bytes_read
+
+    def finish(self) -> None:
+        """Close the files; every source piece started must have been read whole."""
+        check_parts(self.finish_parts())
+
+    def finish_parts(self) -> list[PartRead]:
+        """Close the files; the source pieces read only in part (see the module docstring)."""
+        self.close()
+        return self._parts + [self._part(piece) for cursor in [*self._cursors, *self._named.values()] for piece in cursor.pieces.values()]
+
+    def _part(self, piece: _Piece) -> PartRead:
+        path = self._files.paths[piece.file]
+        return PartRead(path, piece.offset, piece.nbytes, piece.crc32, piece.label, piece.begin, piece.done, piece.running)
+
+    def close(self) -> None:
+        """Wait for every queued write (raising the first that failed), close the files."""
+        if self._progress is not None and self.bytes_read > self._reported:
+            self._progress(self.bytes_read - self._reported)
+            self._reported = self.bytes_read
+        writes, self._writes = self._writes, None
+        try:
+            if writes is not None:
+                writes.close()
+        finally:
+            self._files.close()

@@ -1,0 +1,264 @@
+"""Checkpoint files at the system-call level (no torch): the one way a file is opened for
+reading (`open_regular`: without blocking, so a FIFO in place of a file cannot hang, and
+only a regular file accepted), exact reads, vectored writes, source files mapped in bounded
+windows (`MappedFiles`) for the byte engine, and the writes of its outputs run by worker
+threads (`WriteQueue`), so the kernel copies on one core while the engine checksums and
+plans on the other.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from ...errors import DataCheckError
+
+WINDOW_BYTES = 512 << 10  # a mapping covers two such blocks, so any block of at most one fits in one mapping
+MAX_WINDOWS = 96  # mappings kept: at most 2 * MAX_WINDOWS * WINDOW_BYTES of mapped pages
+MAX_OPEN_FILES = 64
+IOV_MAX = 1024  # buffers per writev (Linux's limit)
+WRITE_THREADS = 2  # output files written at once
+IN_FLIGHT_BYTES = 64 << 20  # views queued to be written (they keep source mappings alive)
+QUEUED_WRITES = 256  # each kernel copy holds a duplicate of its source's descriptor
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
+
+
+def open_regular(path: Path) -> tuple[int, int]:
+    """(fd, size) of a regular file opened read-only without blocking, else a DataCheckError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise DataCheckError(f"{path}: file is missing") from None
+    except IsADirectoryError:
+        raise DataCheckError(f"{path}: is a directory, expected a file") from None
+    except OSError as error:
+        raise DataCheckError(f"{path}: cannot read ({error.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise DataCheckError(f"{path}: not a regular file")
+    return fd, info.st_size
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The start of regular file `path`, at most `limit` bytes (a DataCheckError otherwise)."""
+    fd, size = open_regular(path)
+    try:
+        return read_exactly(fd, min(size, limit), 0, path)
+    finally:
+        os.close(fd)
+
+
+def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:
+    data = os.pread(fd, count, offset)
+    while len(data) < count:
+        more = os.pread(fd, count - len(data), offset + len(data))
+        if not more:
+            raise DataCheckError(f"{path}: file ends at byte {offset + len(data)}, {count - len(data)} bytes early (truncated)")
+        data += more
+    return data
+
+
+def pread_into(fd: int, offset: int, view: memoryview, path: Path) -> None:
+    """Fill `view` from byte `offset` of `fd`."""
+    done = 0
+    while done < view.nbytes:
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if count == 0:
+            raise DataCheckError(f"{path}: file ends at byte {offset + done}, {view.nbytes - done} bytes early (truncated)")
+        done += count
+
+
+def write_views(fd: int, views: list, path: Path, offset: int = -1) -> None:
+    """Write every byte of `views` (bytes-like objects) at `offset`, else at the file position,
+    IOV_MAX at a time."""
+    for first in range(0, len(views), IOV_MAX):
+        batch = views[first : first + IOV_MAX]
+        left = sum(map(len, batch))
+        while left:
+            try:
+                count = os.writev(fd, batch) if offset < 0 else os.pwritev(fd, batch, offset)
+            except OSError as error:
+                raise OSError(error.errno, error.strerror, str(path)) from None
+            if count == 0:
+                raise OSError(errno.EIO, "write made no progress", str(path))
+            left -= count
+            offset += count if offset >= 0 else 0
+            while left and count >= len(batch[0]):
+                count -= len(batch.pop(0))
+            if left and count:
+                batch[0] = memoryview(batch[0])[count:]
+
+
+def create(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def write_file(path: Path, views: list) -> None:
+    """File `path` holding the bytes of `views`; removed on an error."""
+    fd = create(path)
+    try:
+        write_views(fd, views, path)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+
+
+def copy_range(source: int, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
+    """Bytes [offset, offset + count) of file `source` to `out_offset` of `fd`: the kernel copies
+    them (copy_file_range), else, where this kernel or filesystem pair refuses, read and write."""
+    kernel = hasattr(os, "copy_file_range")
+    while count:
+        try:
+            if kernel:
+                done = os.copy_file_range(source, fd, count, offset, out_offset)
+            else:
+                done = os.pwrite(fd, os.pread(source, min(count, 8 << 20), offset), out_offset)
+        except OSError as error:
+            if error.errno in _NO_KERNEL_COPY and kernel:
+                kernel = False
+                continue
+            raise OSError(error.errno, error.strerror, str(path)) from None
+        if done == 0:
+            raise DataCheckError(f"{path}: its source ends at byte {offset} (truncated while copied)")
+        offset, out_offset, count = offset + done, out_offset + done, count - done
+
+
+class WriteQueue:
+    """Writes run by WRITE_THREADS worker threads, each at its own offsets: a file's writes go
+    to one thread (its lane) and run in the order submitted, while other lanes write other
+    files (ext4 lets one writer into a file at a time). At most IN_FLIGHT_BYTES of written
+    views (they keep source mappings alive) and QUEUED_WRITES writes wait. `open` makes a file
+    that `seal` fsyncs and closes after its writes; `copy` holds a duplicate of its source's
+    descriptor until done. The first failed write is raised by the next `submit` or by
+    `close`, which waits for all and closes every descriptor still open."""
+
+    def __init__(self) -> None:
+        self._lanes = [ThreadPoolExecutor(1, thread_name_prefix="fsdpkit-write") for _ in range(WRITE_THREADS)]
+        self._queued: deque[tuple[Future, int]] = deque()  # (write, bytes of views it holds)
+        self._in_flight = 0
+        self._open: set[int] = set()
+
+    def open(self, path: Path) -> int:
+        fd = create(path)
+        self._open.add(fd)
+        return fd
+
+    def submit(self, lane: int, nbytes: int, function, *args) -> None:
+        self._retire(self._in_flight + nbytes - IN_FLIGHT_BYTES)
+        self._queued.append((self._lanes[lane % WRITE_THREADS].submit(function, *args), nbytes))
+        self._in_flight += nbytes
+
+    def copy(self, lane: int, source: int, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
+        """Queue `copy_range` of those bytes of `source`."""
+        duplicate = os.dup(source)  # the caller may close `source` before the copy runs
+        self._open.add(duplicate)
+        self.submit(lane, 0, self._copy, duplicate, offset, count, fd, out_offset, path)
+
+    def _copy(self, source: int, *args) -> None:
+        try:
+            copy_range(source, *args)
+        finally:
+            self._close(source, sync=False)
+
+    def seal(self, lane: int, fd: int) -> None:
+        self.submit(lane, 0, self._close, fd, True)
+
+    def _close(self, fd: int, sync: bool) -> None:
+        try:
+            if sync:
+                os.fsync(fd)
+        finally:
+            self._open.discard(fd)
+            os.close(fd)
+
+    def _retire(self, excess: int) -> None:
+        """Finish queued writes from the oldest on: those done, and more while `excess` > 0 or
+        too many wait."""
+        while self._queued and (excess > 0 or len(self._queued) >= QUEUED_WRITES or self._queued[0][0].done()):
+            future, nbytes = self._queued.popleft()
+            self._in_flight -= nbytes
+            excess -= nbytes
+            future.result()
+
+    def close(self) -> None:
+        try:
+            self._retire(1 << 62)
+        finally:
+            for future, _ in self._queued:
+                future.cancel()
+            for lane in self._lanes:
+                lane.shutdown(wait=True)
+            self._queued.clear()
+            while self._open:
+                os.close(self._open.pop())
+
+
+class MappedFiles:
+    """Source files by number: descriptors (an LRU) and read-only windows mapped from them (an
+    LRU; a window is unmapped when no slice of it is left)."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[Path, int] = {}
+        self.paths: list[Path] = []
+        self.sizes: list[int] = []
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._windows: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
+
+    def number(self, path: Path) -> int:
+        number = self._numbers.get(path)
+        if number is None:
+            fd, size = open_regular(path)
+            number = self._numbers[path] = len(self.paths)
+            self.paths.append(path)
+            self.sizes.append(size)
+            self._fds[number] = fd
+            self._trim_fds()
+        return number
+
+    def fd(self, number: int) -> int:
+        fd = self._fds.get(number)
+        if fd is None:
+            fd = self._fds[number] = open_regular(self.paths[number])[0]
+            self._trim_fds()
+        else:
+            self._fds.move_to_end(number)
+        return fd
+
+    def window(self, number: int, offset: int) -> tuple[int, memoryview]:
+        """(file offset where it starts, the mapping) of a window holding at least bytes
+        [offset, offset + WINDOW_BYTES) of file `number`, or up to its end."""
+        block = offset // WINDOW_BYTES
+        key = (number, block)
+        view = self._windows.get(key)
+        if view is None:
+            start = block * WINDOW_BYTES
+            length = min(2 * WINDOW_BYTES, self.sizes[number] - start)
+            view = self._windows[key] = memoryview(mmap.mmap(self.fd(number), length, access=mmap.ACCESS_READ, offset=start))
+            if len(self._windows) > MAX_WINDOWS:
+                self._windows.popitem(last=False)
+        else:
+            self._windows.move_to_end(key)
+        return block * WINDOW_BYTES, view
+
+    def release(self, number: int, start: int, view: memoryview) -> None:
+        """Forget the window at `start` (a reader has passed it), unless it has been replaced."""
+        key = (number, start // WINDOW_BYTES)
+        if self._windows.get(key) is view:
+            del self._windows[key]
+
+    def _trim_fds(self) -> None:
+        while len(self._fds) > MAX_OPEN_FILES:
+            os.close(self._fds.popitem(last=False)[1])
+
+    def close(self) -> None:
+        self._windows.clear()
+        while self._fds:
+            os.close(self._fds.popitem()[1])

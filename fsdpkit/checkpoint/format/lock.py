@@ -1,0 +1,135 @@
+"""One writer per run directory: a lock file naming the run that holds it (no torch).
+
+    with RunLock.acquire("run", warn=print) as lock:   # before any process starts
+        ... train with Checkpointer(..., run_id=lock.run_id) ...
+
+`run/.lock` holds JSON `{"host", "pid", "started", "run"}`: the host name, the process id and
+start time of the holder, and the run id that the checkpoints it writes carry (`--keep-last`
+prunes only checkpoints with this id). A second `acquire` while the holder lives is a
+`UsageError` naming the holder. A stale lock (its pid is not running on this host, or is
+another process than the one that took the lock) is taken over, with a message through
+`warn`. A lock held from another host is never taken over: only that host can tell whether
+its holder is alive. Creating the lock file is atomic (O_EXCL); taking over renames the stale
+file first, so of two processes racing for it one wins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from ...errors import DataCheckError, UsageError
+from .files import read_regular
+
+LOCK_NAME = ".lock"
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of process `pid` (clock ticks since boot), where /proc has it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def process_identity() -> dict:
+    """host, pid and start time of this process: what a lock records."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "started": _start_time(pid) or f"t{time.time():.0f}"}
+
+
+def run_id_of(identity: dict) -> str:
+    return f"{identity['host']}-{identity['pid']}-{identity['started']}"
+
+
+def _alive(holder: dict) -> bool:
+    """Whether the holder of a lock on this host is still the process that took it."""
+    pid = holder.get("pid")
+    if type(pid) is not int or pid <= 0:
+        return True  # cannot tell: treat as held
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, someone else's
+    started = _start_time(pid)
+    return started is None or started == holder.get("started")
+
+
+def _describe(holder: dict | None) -> str:
+    if holder is None:
+        return "a holder whose lock file cannot be read"
+    return f"pid {holder.get('pid')} on {holder.get('host')} (run {holder.get('run')})"
+
+
+class RunLock:
+    def __init__(self, path: Path, holder: dict):
+        self.path = path
+        self.holder = holder
+        self.run_id: str = holder["run"]
+
+    @classmethod
+    def acquire(cls, run_dir: str | os.PathLike, *, warn: Callable[[str], None] | None = None) -> RunLock:
+        run_dir = Path(run_dir)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"cannot create the run directory {run_dir}: {error.strerror}") from None
+        path = run_dir / LOCK_NAME
+        identity = process_identity()
+        holder = {**identity, "run": run_id_of(identity)}
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                current = _read(path)
+                if current is None or current.get("host") != identity["host"] or _alive(current):
+                    raise UsageError(
+                        f"{run_dir} is in use by another run: {_describe(current)} holds {path}; wait for it "
+                        f"to finish, or remove the lock file if that run is gone"
+                    ) from None
+                stale = path.with_name(f"{LOCK_NAME}.stale-{uuid.uuid4().hex[:8]}")
+                try:
+                    os.rename(path, stale)
+                except FileNotFoundError:
+                    continue  # another process took it over first; try again
+                stale.unlink(missing_ok=True)
+                if warn is not None:
+                    warn(f"took over the lock of {run_dir} from {_describe(current)}, which is no longer running")
+                continue
+            except OSError as error:
+                raise UsageError(f"cannot create the lock file {path}: {error.strerror}") from None
+            try:
+                os.write(fd, json.dumps(holder).encode() + b"\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return cls(path, holder)
+        raise UsageError(f"{run_dir}: could not take the lock {path} (other processes keep taking it)")
+
+    def release(self) -> None:
+        """Remove the lock file, if it is still this lock's."""
+        current = _read(self.path)
+        if current is not None and current.get("run") == self.run_id:
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        document = json.loads(read_regular(path, 4096).decode("utf-8"))
+    except (DataCheckError, OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return document if isinstance(document, dict) else None

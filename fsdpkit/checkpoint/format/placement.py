@@ -1,0 +1,341 @@
+"""Where every fragment of every saved tensor lives at a world size: pure range arithmetic,
+derived from the manifest, never listed in it (format v2; docs/checkpoint-format.md).
+
+A `Placement` is either
+
+- "flat": the model's flat-parameter units (the engine's unit plan), each an ordered list of
+  parameter names; a unit is laid out with the engine's own `FlatLayout` at shard factor W;
+- "even": no unit plan; every tensor is split with `even_split_ranges(numel, W)`.
+
+`ShardLayout(placement, tensors, world_size)` derives, for the manifest's tensor table, which
+element ranges rank r's file holds:
+
+- a parameter of a flat placement: its intersection with chunk r of its unit;
+- `optim.<state>.<param>` with the numel of a planned parameter: the same ranges as that
+  parameter (optimizer state is laid out exactly like its parameter);
+- `optim.<state>.<param>` of one element (a scalar such as Adam's step): whole, on the rank
+  that holds the parameter's first element;
+- any other tensor under a flat placement (buffers...): whole, on rank 0;
+- every tensor under an even placement: `even_split_ranges(numel, W)[r]`.
+
+Empty ranges are not stored. A rank file stores its fragments in the order of the tensor
+table, stably sorted by descending element size (so every fragment starts aligned), packed
+with no gaps; `FileLayout` gives each fragment's byte span and the whole file header. The
+header is deterministic (`header_bytes`), so the file's size is derived too; only the
+fragments' crc32s (in the header's `__metadata__`) come from the data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ...dtypes import dtype_info
+from ...errors import DataCheckError
+from ...layout import ElementRange, FlatLayout
+from .names import CRC_METADATA_KEY, split_optim_tensor_name
+
+Shape = tuple[int, ...]
+MAX_CACHED_HEADER_BYTES = 32 << 20  # bounds the rank file headers a ShardLayout keeps
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One stored tensor of the manifest's table."""
+
+    name: str
+    dtype: str
+    shape: Shape
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_info(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str  # "flat" or "even"
+    units: tuple[tuple[tuple[str, Shape], ...], ...] = ()  # flat: each unit's (param name, shape) in flat order
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("flat", "even"):
+            raise ValueError(f"placement kind must be 'flat' or 'even', got {self.kind!r}")
+        if self.kind == "even" and self.units:
+            raise ValueError("an even placement has no units")
+
+    @classmethod
+    def even(cls) -> Placement:
+        return cls("even")
+
+    @classmethod
+    def flat(cls, units) -> Placement:
+        """From a list of units, each a list of (param name, shape)."""
+        return cls("flat", tuple(tuple((str(n), tuple(int(d) for d in s)) for n, s in unit) for unit in units))
+
+    def param_shapes(self) -> dict[str, Shape]:
+        return {name: shape for unit in self.units for name, shape in unit}
+
+    def to_json(self) -> dict:
+        if self.kind == "even":
+            return {"kind": "even"}
+        return {"kind": "flat", "units": [[name for name, _ in unit] for unit in self.units]}
+
+    @classmethod
+    def from_json(cls, document: object, *, shapes: dict[str, Shape], where: str) -> Placement:
+        """Parse `{"kind": "even"}` or `{"kind": "flat", "units": [[name, ...], ...]}`; the
+        shapes of the named parameters come from the tensor table (`shapes`)."""
+        if not isinstance(document, dict) or document.get("kind") not in ("flat", "even") or len(document) > 2:
+            raise DataCheckError(f"{where}: placement must be {{'kind': 'flat'|'even', ...}}, got {short(document)}")
+        if document["kind"] == "even":
+            if "units" in document:
+                raise DataCheckError(f"{where}: an even placement has no units")
+            return cls.even()
+        units_doc = document.get("units")
+        if not isinstance(units_doc, list):
+            raise DataCheckError(f"{where}: a flat placement needs a list of units, got {short(units_doc)}")
+        units, seen = [], set()
+        for index, unit in enumerate(units_doc):
+            if not isinstance(unit, list) or not all(isinstance(name, str) for name in unit):
+                raise DataCheckError(f"{where}: placement unit {index} must be a list of parameter names, got {short(unit)}")
+            for name in unit:
+                if name in seen:
+                    raise DataCheckError(f"{where}: parameter {name!r} appears twice in the placement")
+                if name not in shapes:
+                    raise DataCheckError(f"{where}: placement unit {index} names {name!r}, which the tensor table lacks")
+                seen.add(name)
+            units.append(tuple((name, shapes[name]) for name in unit))
+        return cls("flat", tuple(units))
+
+
+class FileFragment(NamedTuple):
+    """Elements [start, end) of tensor `tensor` (an index into the tensor table) held by a rank."""
+
+    tensor: int
+    start: int
+    end: int
+
+    @property
+    def range(self) -> ElementRange:
+        return ElementRange(self.start, self.end)
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """One rank file: its fragments in data order (as three parallel tuples), each one's byte
+    span (relative to the data buffer), the header and where its crc32 hex digits sit in it,
+    and the file size."""
+
+    rank: int
+    tensors: tuple[int, ...]
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
+    header: bytes  # length prefix included, crc digits all "0"
+    crc_offset: int  # file offset of the first crc hex digit
+    size: int
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def fragments(self) -> tuple[FileFragment, ...]:
+        return tuple(map(FileFragment, self.tensors, self.starts, self.ends))
+
+    def header_with(self, crcs) -> list[bytes]:
+        """The header with the fragments' crc32s filled in, as three byte strings."""
+        end = self.crc_offset + 8 * len(self.tensors)
+        digits = struct.pack(f">{len(self.tensors)}I", *crcs).hex().encode("ascii")
+        return [self.header[: self.crc_offset], digits, self.header[end:]]
+
+
+class ShardLayout:
+    """Every rank's fragments for one tensor table and placement at `world_size` (see the module
+    docstring). Per-rank work is proportional to the fragments that rank holds."""
+
+    def __init__(self, placement: Placement, tensors: list[TensorSpec], world_size: int):
+        if world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {world_size}")
+        self.placement, self.tensors, self.world_size = placement, list(tensors), world_size
+        index = {t.name: i for i, t in enumerate(self.tensors)}
+        self._itemsize = [dtype_info(t.dtype).itemsize for t in self.tensors]
+        self._order_key = [(8 - size) * len(self.tensors) + i for i, size in enumerate(self._itemsize)]
+        self._keys = [json.dumps(t.name) + ':{"dtype":"' + t.dtype + '","shape":[' for t in self.tensors]
+        # flat: per unit, (chunk, numel, slot starts, slot ends, followers of each slot)
+        self._units: list[tuple[int, int, list[int], list[int], list[list[int]]]] = []
+        self._slot_of: dict[int, tuple[int, int]] = {}  # tensor -> (unit, slot) for tensors laid out like a parameter
+        self._first_holder: dict[int, int] = {}  # scalar optimizer state -> rank holding its parameter's first element
+        self._held_first: dict[int, list[int]] = {}  # rank -> the scalar optimizer states it holds
+        self._whole: list[int] = []  # tensors stored whole on rank 0
+        self._even: list[tuple[int, int, int]] = []  # (non-empty ranks, per-rank elements, tensor), most ranks first
+        if placement.kind == "flat":
+            self._init_flat(index)
+        else:
+            for i, t in enumerate(self.tensors):
+                if t.numel:
+                    per_rank = -(-t.numel // world_size)
+                    self._even.append((-(-t.numel // per_rank), per_rank, i))
+            self._even.sort(reverse=True)
+        self._even_counts = [-count for count, _, _ in self._even]
+        self._headers: dict[tuple, tuple] = {}  # fragment signature -> what file_layout shares between ranks
+        self._cached_bytes = 0
+
+    def _init_flat(self, index: dict[str, int]) -> None:
+        param_slot: dict[str, tuple[int, int, int]] = {}  # name -> (unit, slot, numel)
+        for u, unit in enumerate(self.placement.units):
+            layout = FlatLayout.from_shapes(list(unit), self.world_size)
+            starts: list[int] = []
+            ends: list[int] = []
+            followers: list[list[int]] = []
+            for slot in layout.slots:
+                if slot.numel:
+                    param_slot[slot.name] = (u, len(starts), slot.numel)
+                    starts.append(slot.offset)
+                    ends.append(slot.offset + slot.numel)
+                    followers.append([])
+            self._units.append((layout.chunk_numel, layout.numel, starts, ends, followers))
+        for i, t in enumerate(self.tensors):
+            owner = t.name if t.name in param_slot else (split_optim_tensor_name(t.name) or (None, None))[1]
+            if owner in param_slot and t.numel == param_slot[owner][2]:
+                u, s, _ = param_slot[owner]
+                self._units[u][4][s].append(i)
+                self._slot_of[i] = (u, s)
+            elif owner in param_slot and owner != t.name and t.numel == 1:
+                u, s, _ = param_slot[owner]
+                self._first_holder[i] = self._units[u][2][s] // self._units[u][0]
+                self._held_first.setdefault(self._first_holder[i], []).append(i)
+            elif t.numel:
+                self._whole.append(i)
+
+    # ----- fragments
+    def fragments(self, rank: int) -> list[FileFragment]:
+        """Rank `rank`'s non-empty fragments, in data order."""
+        return list(self.file_layout(rank).fragments)
+
+    def _unordered(self, rank: int) -> tuple[list[int], list[int], list[int]]:
+        """Rank `rank`'s fragments as (tensors, starts, ends), unit by unit (not in data order)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        tensors: list[int] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        for chunk, numel, slot_starts, slot_ends, followers in self._units:
+            lo = rank * chunk
+            if lo >= numel:
+                continue
+            hi = min(lo + chunk, numel)
+            s = max(bisect.bisect_right(slot_starts, lo) - 1, 0)
+            while s < len(slot_starts) and slot_starts[s] < hi:
+                begin = slot_starts[s]
+                first, last = max(begin, lo) - begin, min(slot_ends[s], hi) - begin
+                for t in followers[s]:
+                    tensors.append(t)
+                    starts.append(first)
+                    ends.append(last)
+                s += 1
+        for t in self._held_first.get(rank, ()):
+            tensors.append(t)
+            starts.append(0)
+            ends.append(1)
+        if rank == 0:
+            for t in self._whole:
+                tensors.append(t)
+                starts.append(0)
+                ends.append(self.tensors[t].numel)
+        for _, per_rank, t in self._even[: bisect.bisect_left(self._even_counts, -rank)]:
+            tensors.append(t)
+            starts.append(rank * per_rank)
+            ends.append(min((rank + 1) * per_rank, self.tensors[t].numel))
+        return tensors, starts, ends
+
+    def piece_count(self, tensor: int) -> int:
+        """How many fragments `tensor` has."""
+        numel = self.tensors[tensor].numel
+        if not numel:
+            return 0
+        if tensor in self._slot_of:
+            u, s = self._slot_of[tensor]
+            chunk, begin = self._units[u][0], self._units[u][2][s]
+            return (begin + numel - 1) // chunk - begin // chunk + 1
+        if tensor in self._first_holder or self.placement.kind == "flat":
+            return 1
+        return -(-numel // -(-numel // self.world_size))
+
+    def pieces(self, tensor: int, wanted: ElementRange | None = None) -> list[tuple[int, ElementRange]]:
+        """(rank, range) of every fragment of `tensor` that meets `wanted` (default: all of them),
+        in rank order; all of them tile the tensor's [0, numel) exactly once."""
+        numel = self.tensors[tensor].numel
+        wanted = wanted if wanted is not None else ElementRange(0, numel)
+        if not wanted.size:
+            return []
+        if tensor in self._slot_of:
+            u, s = self._slot_of[tensor]
+            chunk, _, starts, _, _ = self._units[u]
+            begin = starts[s]
+            first, last = (begin + wanted.start) // chunk, (begin + wanted.end - 1) // chunk
+            return [(r, ElementRange(max(r * chunk - begin, 0), min((r + 1) * chunk - begin, numel))) for r in range(first, last + 1)]
+        if tensor in self._first_holder:
+            return [(self._first_holder[tensor], ElementRange(0, numel))]
+        if self.placement.kind == "flat":
+            return [(0, ElementRange(0, numel))]
+        per_rank = -(-numel // self.world_size)
+        return [
+            (r, ElementRange(r * per_rank, min((r + 1) * per_rank, numel)))
+            for r in range(wanted.start // per_rank, (wanted.end - 1) // per_rank + 1)
+        ]
+
+    # ----- files
+    def file_layout(self, rank: int) -> FileLayout:
+        """Rank `rank`'s file. Its header depends only on which tensors the rank holds and how
+        many elements of each, which many ranks share (at a large world size most chunks lie
+        inside the same parameters), so it is built once per such signature."""
+        tensors, starts, ends = self._unordered(rank)
+        signature = (tuple(tensors), tuple(map(int.__sub__, ends, starts)))
+        shared = self._headers.get(signature)
+        if shared is None:
+            shared = self._shared_layout(tensors, signature[1])
+            if self._cached_bytes < MAX_CACHED_HEADER_BYTES:
+                self._headers[signature] = shared
+                self._cached_bytes += 4 * len(shared[3])  # the header, the signature and the spans
+        order, ordered, spans, header, crc_offset, size = shared
+        if order is not None:
+            starts, ends = [starts[i] for i in order], [ends[i] for i in order]
+        return FileLayout(rank, ordered, tuple(starts), tuple(ends), spans, header, crc_offset, size)
+
+    def _shared_layout(self, tensors: list[int], sizes: tuple[int, ...]):
+        """(order into data order or None, tensors in data order, spans, header, crc offset, size)."""
+        order = sorted(range(len(tensors)), key=lambda i: self._order_key[tensors[i]])
+        spans, entries, position = [], [], 0
+        for i in order:
+            t = tensors[i]
+            nbytes = sizes[i] * self._itemsize[t]
+            spans.append((position, position + nbytes))
+            entries.append(f'{self._keys[t]}{sizes[i]}],"data_offsets":[{position},{position + nbytes}]}}')
+            position += nbytes
+        metadata = '{"__metadata__":{"format":"pt","' + CRC_METADATA_KEY + '":"'
+        text = metadata + "0" * (8 * len(tensors)) + '"}' + "".join("," + e for e in entries) + "}"
+        raw = text.encode("ascii")
+        raw += b" " * (-(8 + len(raw)) % 8)
+        header = struct.pack("<Q", len(raw)) + raw
+        identity = order == list(range(len(order)))
+        return (
+            None if identity else tuple(order),
+            tuple(tensors[i] for i in order),
+            tuple(spans),
+            header,
+            8 + len(metadata),
+            len(header) + position,
+        )
+
+
+def short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

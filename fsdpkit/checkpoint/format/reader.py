@@ -1,0 +1,430 @@
+"""The one reader of checkpoint files (no torch): safetensors headers, sharded checkpoints of
+format v2 (and v1), full Hugging Face style checkpoints; every file validated before a data
+byte of it is used. Bytes themselves are read by `bytecopy.ByteEngine` from the
+`SourceTensor`s this module describes.
+
+Every file is opened with `files.open_regular`: O_NONBLOCK (a FIFO in place of a file cannot
+block), then fstat, and anything but a regular file is refused. Nothing outside the checkpoint
+directory is read (`storage.checkpoint_file`). Every problem is a one-line `DataCheckError`
+naming the file.
+
+Sharded, v2: each rank file's size and whole header are derived from the manifest
+(`placement.ShardLayout`); the file must have exactly that size and that header, except the crc32
+hex digits in its `__metadata__`, which give each fragment's checksum. v1: the manifest lists
+files, sizes and fragments; headers are parsed and checked against the listing.
+`open_checkpoint(path)` validates files as they are first touched (a loading rank touches
+only the files its chunk overlaps); `open_sharded(path)` validates every file first (the
+offline commands). `ShardedCheckpoint.source(name)` gives the pieces of a tensor, computed on
+demand, so memory does not grow with world size x tensors.
+
+Safetensors (huggingface/safetensors): 8 bytes little-endian u64 N, N bytes of JSON header
+(`{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`),
+then the byte buffer, which the offsets index with no holes. `read_header(path)` (full and
+v1 files) checks the length against the file size and the 100 MB limit, the JSON (nesting
+capped), every dtype, spans equal to numel * itemsize tiling the buffer exactly, and that
+the file ends where the buffer does.
+
+Full: `model.safetensors`, or `model-0000k-of-0000N.safetensors` plus
+`model.safetensors.index.json`; optimizer state likewise under `optimizer*`; tied weights
+stored once, with `{"fsdpkit_tied_weights": JSON {alias: stored name}}` in the metadata.
+`open_full(path)` accepts a directory holding either layout, a `.safetensors` file or an
+index file (no checksums: full files carry none).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...dtypes import dtype_info
+from ...errors import DataCheckError, UsageError
+from ...layout import ElementRange
+from .bytecopy import SourcePiece, SourceTensor
+from .export import ExportLayout, layout_of
+from .files import open_regular, read_exactly
+from .manifest import Manifest, V1Listing, load_manifest
+from .names import (
+    CRC_METADATA_KEY,
+    MANIFEST_NAME,
+    MAX_HEADER_BYTES,
+    MODEL_INDEX,
+    MODEL_SINGLE,
+    OPTIM_INDEX,
+    OPTIM_SINGLE,
+    TIED_METADATA_KEY,
+    Header,
+    is_safe_file_name,
+    parse_header_bytes,
+    parse_json,
+    rank_file_name,
+)
+from .placement import FileLayout
+from .storage import checkpoint_file, resolve_checkpoint
+
+_HEX = re.compile(rb"[0-9a-f]*")
+CACHED_PIECES = 256
+
+
+# ----- safetensors headers (full and v1 files)
+def read_header(path: str | Path, *, expected_size: int | None = None) -> Header:
+    """Parse and validate the header of a safetensors file (see the module docstring)."""
+    path = Path(path)
+    fd, size = open_regular(path)
+    try:
+        if expected_size is not None and size != expected_size:
+            raise DataCheckError(f"{path}: file is {size} bytes, the manifest says {expected_size}")
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise DataCheckError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise DataCheckError(f"{path}: header claims {header_len} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+        if 8 + header_len > size:
+            raise DataCheckError(f"{path}: header claims {header_len} bytes but the file has only {size} bytes")
+        raw = read_exactly(fd, header_len, 8, path)
+    finally:
+        os.close(fd)
+    header = parse_header_bytes(raw, path=path)
+    end = header.file_size
+    if end != size:
+        raise DataCheckError(f"{path}: data ends at byte {end} but the file is {size} bytes (truncated or extended)")
+    return header
+
+
+# ----- sharded checkpoints
+class RankFile:
+    """A validated rank file: its fragments in data order (tensor index, byte span, crc32) in
+    compact arrays (a few dozen bytes per fragment), and a lookup by tensor."""
+
+    def __init__(
+        self, path: Path, size: int, data_start: int, tensors: Sequence[int], spans: Sequence[tuple[int, int]], crcs: Sequence[int]
+    ):
+        self.path, self.size, self.data_start = path, size, data_start
+        self.tensors = array("q", tensors)
+        self.begins = array("q", [begin for begin, _ in spans])
+        self.ends = array("q", [end for _, end in spans])
+        self.crcs = array("I", crcs)
+        self._sorted: array | None = None  # tensor indices in increasing order, and where each sits (made on first find)
+        self._position: array | None = None
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def find(self, tensor: int) -> tuple[int, int]:
+        """(absolute file offset, crc32) of `tensor`'s fragment in this file."""
+        if self._sorted is None or self._position is None:
+            order = sorted(range(len(self.tensors)), key=self.tensors.__getitem__)
+            self._sorted, self._position = array("q", [self.tensors[i] for i in order]), array("q", order)
+        i = bisect.bisect_left(self._sorted, tensor)
+        if i == len(self._sorted) or self._sorted[i] != tensor:
+            raise KeyError(tensor)
+        position = self._position[i]
+        return self.data_start + self.begins[position], self.crcs[position]
+
+
+def check_v2_size(path: Path, size: int, expected: FileLayout) -> None:
+    if size != expected.size:
+        raise DataCheckError(
+            f"{path}: file is {size} bytes, the layout the manifest gives has {expected.size} "
+            f"(truncated, extended or from another checkpoint)"
+        )
+
+
+def v2_crcs(path: Path, raw: bytes, expected: FileLayout) -> tuple[int, ...]:
+    """The fragments' crc32s from a v2 rank file's header `raw`, which must be exactly the
+    header the layout derives except for the crc32 hex digits (else a DataCheckError)."""
+    if raw[:8] != expected.header[:8]:
+        raise DataCheckError(
+            f"{path}: header claims {struct.unpack('<Q', raw[:8])[0]} bytes, the layout the manifest gives has {len(expected.header) - 8}"
+        )
+    crc_end = expected.crc_offset + 8 * len(expected.tensors)
+    if raw[: expected.crc_offset] != expected.header[: expected.crc_offset] or raw[crc_end:] != expected.header[crc_end:]:
+        at = next(i for i, (a, b) in enumerate(zip(raw, expected.header, strict=True)) if a != b and not expected.crc_offset <= i < crc_end)
+        raise DataCheckError(
+            f"{path}: header differs from the layout the manifest gives at byte {at} "
+            f"({raw[max(at - 20, 0) : at + 20].decode('ascii', 'replace')!r})"
+        )
+    digits = raw[expected.crc_offset : crc_end]
+    if not _HEX.fullmatch(digits):
+        raise DataCheckError(f"{path}: {CRC_METADATA_KEY} holds characters other than lowercase hex digits")
+    return struct.unpack(f">{len(expected.tensors)}I", bytes.fromhex(digits.decode("ascii")))
+
+
+class ShardedCheckpoint:
+    def __init__(self, step_dir: Path, manifest: Manifest):
+        self.step_dir, self.manifest = step_dir, manifest
+        self.layout = manifest.layout() if manifest.listing is None else None
+        self._files: dict[int, RankFile] = {}
+        self._v1_index: dict[str, tuple[int, list]] | None = None  # v1: file name -> (position, [(tensor, fragment)])
+        self._located: dict[int, list[tuple[int, ElementRange]]] = {}  # tensor -> (file, range) of its fragments, if few
+
+    # ----- files
+    def file_names(self) -> list[str]:
+        if self.manifest.listing is not None:
+            return [name for name, _ in self.manifest.listing.files]
+        return [rank_file_name(rank, self.manifest.shard_factor) for rank in range(self.manifest.shard_factor)]
+
+    def rank_file(self, index: int, *, cache: bool = True) -> RankFile:
+        """File `index` (a rank in v2, a position in the listing in v1), validated on first use."""
+        found = self._files.get(index)
+        if found is None:
+            found = self._validate_v1(index) if self.layout is None else self._validate_v2(index, self.layout.file_layout(index))
+            if cache:
+                self._files[index] = found
+        return found
+
+    def _validate_v2(self, rank: int, expected: FileLayout) -> RankFile:
+        path = self.rank_file_path(rank)
+        fd, size = open_regular(path)
+        try:
+            check_v2_size(path, size, expected)
+            raw = read_exactly(fd, len(expected.header), 0, path)
+        finally:
+            os.close(fd)
+        return RankFile(path, size, expected.data_start, expected.tensors, expected.spans, v2_crcs(path, raw, expected))
+
+    def rank_file_path(self, rank: int) -> Path:
+        return checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.shard_factor))
+
+    def _listing(self) -> V1Listing:
+        """The file and fragment listing of a v1 manifest (v2 derives both from the placement)."""
+        if self.manifest.listing is None:
+            raise AssertionError(f"{self.step_dir}: a v2 checkpoint has no v1 listing")
+        return self.manifest.listing
+
+    def _validate_v1(self, index: int) -> RankFile:
+        name, size = self._listing().files[index]
+        header = read_header(checkpoint_file(self.step_dir, name), expected_size=size)
+        tensors, spans, crcs, keys = [], [], [], set()
+        for t, frag in self._v1_files()[name][1]:
+            spec = self.manifest.tensors[t]
+            keys.add(frag.key)
+            info = header.tensors.get(frag.key)
+            where = f"{header.path}: key {frag.key!r} (tensor {spec.name!r} [{frag.start}, {frag.end}))"
+            if info is None:
+                raise DataCheckError(f"{where} is missing from the file")
+            if info.dtype != spec.dtype:
+                raise DataCheckError(f"{where} has dtype {info.dtype}, the manifest says {spec.dtype}")
+            if info.shape != (frag.end - frag.start,):
+                raise DataCheckError(f"{where} has shape {list(info.shape)}, the manifest says [{frag.end - frag.start}]")
+            tensors.append(t)
+            spans.append((info.begin, info.end))
+            crcs.append(frag.crc32)
+        extra = sorted(set(header.tensors) - keys)
+        if extra:
+            raise DataCheckError(f"{header.path}: keys {extra[:3]} are not in the manifest")
+        order = sorted(range(len(spans)), key=lambda i: spans[i])
+        return RankFile(
+            header.path, size, header.data_start, [tensors[i] for i in order], [spans[i] for i in order], [crcs[i] for i in order]
+        )
+
+    def _v1_files(self) -> dict[str, tuple[int, list]]:
+        if self._v1_index is None:
+            self._v1_index = {name: (i, []) for i, name in enumerate(self.file_names())}
+            for t, spec in enumerate(self.manifest.tensors):
+                for frag in self._listing().fragments[spec.name]:
+                    self._v1_index[frag.file][1].append((t, frag))
+        return self._v1_index
+
+    def check_files(self) -> list[str]:
+        """Validate every file (and that the directory holds nothing else); one line per problem."""
+        problems = []
+        for index in range(len(self.file_names())):
+            try:
+                self.rank_file(index)
+            except DataCheckError as error:
+                problems.append(str(error))
+        return problems + self.unexpected_files()
+
+    def unexpected_files(self) -> list[str]:
+        expected = set(self.file_names()) | {MANIFEST_NAME}
+        extra = sorted(entry.name for entry in os.scandir(self.step_dir) if entry.name not in expected)
+        if not extra:
+            return []
+        return [
+            f"{self.step_dir}: holds files the manifest does not account for: {extra[:3]}"
+            + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")
+        ]
+
+    # ----- tensors
+    def source(self, name: str) -> SourceTensor:
+        index = self.manifest.tensor_index(name)
+        spec = self.manifest.tensors[index]
+        return _Source(spec.name, spec.shape, spec.dtype, self, index)
+
+    def sources(self) -> list[SourceTensor]:
+        return [self.source(t.name) for t in self.manifest.tensors]
+
+    def pieces(self, tensor: int, wanted: ElementRange) -> list[SourcePiece]:
+        """The pieces of `tensor` that meet `wanted`, in order; only their files are validated
+        (and only once). Where the fragments of a tensor of few fragments lie is worked out once;
+        for one of many (a large world size), only for the range asked for."""
+        located = self._located.get(tensor)
+        if located is None and self._fragment_count(tensor) <= CACHED_PIECES:
+            located = self._located[tensor] = self._locate(tensor, None)
+        if located is None:
+            located = self._locate(tensor, wanted)
+        else:
+            located = [(i, rng) for i, rng in located if rng.start < wanted.end and wanted.start < rng.end]
+        spec = self.manifest.tensors[tensor]
+        itemsize = dtype_info(spec.dtype).itemsize
+        pieces = []
+        for index, rng in located:
+            rank_file = self.rank_file(index)
+            offset, crc = rank_file.find(tensor)
+            pieces.append(SourcePiece(rng, rank_file.path, offset, rng.size * itemsize, crc, spec.name))
+        return pieces
+
+    def _fragment_count(self, tensor: int) -> int:
+        if self.layout is None:
+            return len(self._listing().fragments[self.manifest.tensors[tensor].name])
+        return self.layout.piece_count(tensor)
+
+    def _locate(self, tensor: int, wanted: ElementRange | None) -> list[tuple[int, ElementRange]]:
+        """(file index, range) of the fragments of `tensor` meeting `wanted` (all when None)."""
+        if self.layout is not None:
+            return self.layout.pieces(tensor, wanted)
+        files = self._v1_files()
+        return [
+            (files[f.file][0], f.range)
+            for f in self._listing().fragments[self.manifest.tensors[tensor].name]
+            if wanted is None or (f.start < wanted.end and wanted.start < f.end)
+        ]
+
+
+class _Source(SourceTensor):
+    """A tensor of a sharded checkpoint; its pieces are found when a range is asked for."""
+
+    _checkpoint: ShardedCheckpoint  # set through object.__setattr__: SourceTensor is frozen
+    _index: int
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, checkpoint: ShardedCheckpoint, index: int):
+        super().__init__(name, shape, dtype)
+        object.__setattr__(self, "_checkpoint", checkpoint)
+        object.__setattr__(self, "_index", index)
+
+    def pieces_in(self, wanted: ElementRange) -> list[SourcePiece]:
+        return self._checkpoint.pieces(self._index, wanted) if wanted.size else []
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> ShardedCheckpoint:
+    """A sharded checkpoint (run dir, following `latest`, or step dir) with a validated manifest;
+    files are validated as they are first touched."""
+    step_dir = resolve_checkpoint(path)
+    return ShardedCheckpoint(step_dir, load_manifest(step_dir))
+
+
+def open_sharded(path: str | os.PathLike[str]) -> ShardedCheckpoint:
+    """The same, with every file validated first."""
+    checkpoint = open_checkpoint(path)
+    problems = checkpoint.check_files()
+    if problems:
+        more = f" (and {len(problems) - 1} more problems; run fsdpkit verify)" if len(problems) > 1 else ""
+        raise DataCheckError(problems[0] + more)
+    return checkpoint
+
+
+# ----- full checkpoints
+@dataclass(frozen=True)
+class FullCheckpoint:
+    root: Path
+    files: tuple[Path, ...]
+    tensors: tuple[SourceTensor, ...]
+    aliases: dict[str, str]
+    layout: ExportLayout | None = None  # names/orientation were changed on export (export.py): how to undo it
+
+
+def is_full_checkpoint(path: Path) -> bool:
+    """A `.safetensors` or index file, or a directory holding model.safetensors or its index
+    (whatever they are: `open_full` refuses what is not a regular file)."""
+    return (not path.is_dir() and path.suffix in (".safetensors", ".json") and path.exists()) or (
+        path.is_dir() and ((path / MODEL_SINGLE).exists() or (path / MODEL_INDEX).exists())
+    )
+
+
+def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> FullCheckpoint:
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{path}: does not exist")
+    if not path.is_dir():
+        root = path.parent
+        files = _index_files(path) if path.name.endswith(".json") else [path]
+    elif (path / MODEL_INDEX).exists():
+        root, files = path, _index_files(checkpoint_file(path, MODEL_INDEX))
+    elif (path / MODEL_SINGLE).exists():
+        root, files = path, [checkpoint_file(path, MODEL_SINGLE)]
+    else:
+        raise DataCheckError(f"{path}: not a full safetensors checkpoint (no {MODEL_SINGLE}, no {MODEL_INDEX})")
+    if with_optimizer:
+        if (root / OPTIM_INDEX).exists():
+            files += _index_files(checkpoint_file(root, OPTIM_INDEX))
+        elif (root / OPTIM_SINGLE).exists():
+            files.append(checkpoint_file(root, OPTIM_SINGLE))
+        else:
+            raise DataCheckError(f"{root}: --with-optimizer given but there is no {OPTIM_SINGLE} or {OPTIM_INDEX}")
+    tensors: list[SourceTensor] = []
+    aliases: dict[str, str] = {}
+    seen: dict[str, Path] = {}  # tensor name -> the file holding it
+    layout: ExportLayout | None = None
+    for file in files:
+        header = read_header(file)
+        aliases.update(_tied(header))
+        layout = layout or layout_of(header.metadata, where=str(file))
+        for name, info in header.tensors.items():
+            if name in seen:
+                raise DataCheckError(f"{file}: tensor {name!r} is also in {seen[name]}")
+            seen[name] = file
+            piece = SourcePiece(
+                ElementRange(0, info.nbytes // dtype_info(info.dtype).itemsize),
+                file,
+                header.data_start + info.begin,
+                info.nbytes,
+                None,
+                name,
+            )
+            tensors.append(SourceTensor(name, info.shape, info.dtype, (piece,) if info.nbytes else ()))
+    return FullCheckpoint(root, tuple(files), tuple(tensors), aliases, layout)
+
+
+def _index_files(index_path: Path) -> list[Path]:
+    fd, size = open_regular(index_path)
+    try:
+        if size > MAX_HEADER_BYTES:
+            raise DataCheckError(f"{index_path}: {size} bytes, over the {MAX_HEADER_BYTES}-byte limit for an index")
+        raw = read_exactly(fd, size, 0, index_path)
+    finally:
+        os.close(fd)
+    document = parse_json(raw, where=str(index_path), what="index")
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise DataCheckError(f"{index_path}: no weight_map object")
+    names = []
+    for tensor, file in weight_map.items():
+        if not is_safe_file_name(file):
+            raise DataCheckError(f"{index_path}: tensor {tensor!r} maps to {str(file)[:80]!r}, not a file name inside the directory")
+        if file not in names:
+            names.append(file)
+    files = [checkpoint_file(index_path.parent, name) for name in names]
+    for file in files:
+        header = read_header(file)
+        listed = {t for t, f in weight_map.items() if f == file.name}
+        if listed != set(header.tensors):
+            diff = sorted(listed ^ set(header.tensors))
+            raise DataCheckError(f"{file}: holds tensors that disagree with {index_path.name}: {diff[:3]}")
+    return files
+
+
+def _tied(header: Header) -> dict[str, str]:
+    raw = header.metadata.get(TIED_METADATA_KEY)
+    if raw is None:
+        return {}
+    aliases = parse_json(raw.encode("utf-8"), where=f"{header.path}: metadata {TIED_METADATA_KEY}")
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise DataCheckError(f"{header.path}: metadata {TIED_METADATA_KEY} must map names to names")
+    return aliases

@@ -1,0 +1,357 @@
+"""Checkpoint directories on disk: finding them, keeping paths inside them, and making them
+appear atomically (no torch).
+
+Finding: `resolve_checkpoint(path)` accepts a step directory (it holds manifest.json) or a
+run directory: there it follows `latest`, or, when `latest` is absent (a crash before the
+very first `latest` was written), takes the highest complete `step-NNNNNNNN`. In-progress
+`.tmp-*` directories are never taken. `checkpoint_file(step_dir, name)` refuses names or
+symlinks that would leave the directory.
+
+Training saves (a run directory)::
+
+    tmp = begin(run_dir, step)          # run_dir/.tmp-step-NNNNNNNN-<random>; every rank writes here
+    ... every rank writes its rank file ...
+    final = commit(tmp, run_dir, step, manifest, keep_last=3)   # one process (rank 0)
+
+`commit` checks that every rank file the manifest derives is in `tmp` (a missing one usually
+means the ranks do not share a filesystem; each rank fsynced its own), writes manifest.json,
+fsyncs it and the directory, renames `tmp` to `step-NNNNNNNN`, fsyncs the run directory, then
+replaces `latest` atomically (temporary file, fsync, `os.replace`). Only after that, `keep_last`
+prunes, and only the checkpoints of the run that wrote this one (the manifest's run id; see
+lock.py): another run's directories, complete or in progress, are never deleted. A crash at
+any point leaves `latest` naming a complete checkpoint (or, before the first commit, no
+`latest` and no step directory). `abort(tmp)` removes an unfinished one.
+
+Offline outputs (convert, reshard): `staged_output(dst, src=..., overwrite=..., needed_bytes=...)`
+refuses, before anything is written, DST equal to, inside or containing SRC, an existing DST
+without `overwrite`, a read-only destination directory and an output larger than its whole
+filesystem (UsageErrors), and too little free disk (a RunError); it yields a hidden temporary sibling directory,
+syncs (`sync_files`) and renames it to DST on success, and removes it on any error; an
+OSError (a read-only, full or size-limited destination) becomes one line naming the path and
+the errno (`RunError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from ...errors import DataCheckError, RunError, UsageError
+from ...paths import nearest_existing, unwritable_parent
+from ...sizes import format_size
+from .manifest import Manifest, load_manifest, save_manifest
+from .names import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    is_safe_file_name,
+    parse_step_dir_name,
+    rank_file_name,
+    step_dir_name,
+)
+
+
+# ----- finding a checkpoint
+def complete_steps(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """The complete step directories of a run, oldest first."""
+    run_dir = Path(run_dir)
+    steps = []
+    if run_dir.is_dir():
+        for child in run_dir.iterdir():
+            step = parse_step_dir_name(child.name)
+            if step is not None and (child / MANIFEST_NAME).is_file():
+                steps.append((step, child))
+    return sorted(steps)
+
+
+def read_latest(run_dir: Path) -> str | None:
+    """The step directory name that `latest` holds, validated; None when there is no `latest`."""
+    latest = run_dir / LATEST_NAME
+    if not latest.exists():
+        return None
+    try:
+        raw = latest.read_bytes()[:256]
+        name = raw.decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataCheckError(f"{latest}: unreadable ({error})") from None
+    if parse_step_dir_name(name) is None or not is_safe_file_name(name):
+        raise DataCheckError(f"{latest}: holds {name[:40]!r}, expected a step directory name such as step-00000100")
+    return name
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """The step directory that `path` (a step directory or a run directory) denotes."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{path}: does not exist")
+    if not path.is_dir():
+        raise DataCheckError(f"{path}: is not a directory, expected an fsdpkit checkpoint")
+    if (path / MANIFEST_NAME).is_file():
+        return path
+    name = read_latest(path)
+    if name is not None:
+        target = path / name
+        if not (target / MANIFEST_NAME).is_file():
+            raise DataCheckError(f"{path / LATEST_NAME}: names {name}, which is missing or has no {MANIFEST_NAME}")
+        return target
+    steps = complete_steps(path)
+    if steps:
+        return steps[-1][1]
+    raise DataCheckError(f"{path}: not an fsdpkit checkpoint (no {MANIFEST_NAME}, no {LATEST_NAME}, no complete step-* directory)")
+
+
+def checkpoint_file(step_dir: Path, name: str) -> Path:
+    """`step_dir / name`, refusing names or symlinks that lead outside `step_dir`."""
+    if not is_safe_file_name(name):
+        raise DataCheckError(f"{step_dir}: file name {name!r} is not a plain file name inside the checkpoint")
+    path = step_dir / name
+    if path.is_symlink():
+        root = os.path.realpath(step_dir)
+        if os.path.dirname(os.path.realpath(path)) != root:
+            raise DataCheckError(f"{path}: symlink points outside the checkpoint directory")
+    return path
+
+
+# ----- durability
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_files(directory: Path, names: list[str]) -> None:
+    """Make files `names` in `directory`, and the directory, durable. Many files: one
+    syncfs(2) of their filesystem (what `sync` does, for one filesystem), instead of an open
+    and an fsync per file; few files, or no syncfs: fsync each."""
+    if len(names) <= SYNCFS_FILES or not _syncfs(directory):
+        for name in names:
+            fd = os.open(directory / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(directory)
+
+
+SYNCFS_FILES = 16
+
+
+def _syncfs(directory: Path) -> bool:
+    """syncfs(2) on `directory`'s filesystem; False where the C library has none."""
+    try:
+        import ctypes
+
+        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return False
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        if syncfs(fd) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, os.strerror(errno), str(directory))
+    finally:
+        os.close(fd)
+    return True
+
+
+# ----- training saves in a run directory
+def _run_tag(run_id: str | None) -> str:
+    """8 hex digits naming a run in temporary directory names."""
+    return hashlib.blake2b((run_id or "").encode(), digest_size=4).hexdigest()
+
+
+def begin(run_dir: str | Path, step: int, *, run_id: str | None = None) -> Path:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f"{TMP_PREFIX}{step_dir_name(step)}-{_run_tag(run_id)}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def abort(tmp_dir: str | Path) -> None:
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manifest, *, keep_last: int | None = None) -> Path:
+    """Make the save in `tmp_dir` step `step` of `run_dir` (see the module docstring). Every rank
+    file must be in `tmp_dir` already, written and fsynced by its rank. `keep_last` then prunes
+    the checkpoints of the run that wrote this one (`manifest.run_id`), never another's."""
+    tmp_dir, run_dir = Path(tmp_dir), Path(run_dir)
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    present = {entry.name for entry in os.scandir(tmp_dir)}
+    for rank in range(manifest.shard_factor):
+        name = rank_file_name(rank, manifest.shard_factor)
+        if name not in present:
+            raise RunError(
+                f"{tmp_dir / name}: missing at commit time; every rank must write to the same save directory "
+                f"(on multiple nodes it must be a filesystem all nodes share)"
+            )
+    save_manifest(tmp_dir, manifest)
+    fsync_dir(tmp_dir)
+    final = run_dir / step_dir_name(step)
+    if final.exists():  # re-saving a step: first make sure `latest` does not name the directory being replaced
+        if read_latest(run_dir) == final.name:
+            others = [path for _, path in complete_steps(run_dir) if path != final]
+            if others:
+                _replace_latest(run_dir, others[-1].name)
+            else:
+                (run_dir / LATEST_NAME).unlink()
+                fsync_dir(run_dir)
+        old = run_dir / f"{TMP_PREFIX}old-{final.name}-{_run_tag(manifest.run_id)}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+        os.rename(tmp_dir, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp_dir, final)
+    fsync_dir(run_dir)
+    _replace_latest(run_dir, final.name)
+    if keep_last is not None and manifest.run_id is not None:
+        prune(run_dir, keep_last=keep_last, run_id=manifest.run_id)
+    return final
+
+
+def _replace_latest(run_dir: Path, name: str) -> None:
+    tmp = run_dir / f"{TMP_PREFIX}{LATEST_NAME}-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, run_dir / LATEST_NAME)
+    fsync_dir(run_dir)
+
+
+def prune(run_dir: str | Path, *, keep_last: int, run_id: str) -> list[Path]:
+    """Remove the complete steps of run `run_id` but its newest `keep_last` (never the one
+    `latest` names), and that run's leftover temporary directories of crashed saves. A
+    directory another run wrote (another id, or none: older checkpoints) is never touched.
+    Returns what was removed."""
+    run_dir = Path(run_dir)
+    latest = read_latest(run_dir)
+    mine = []
+    for _, path in complete_steps(run_dir):
+        try:
+            if load_manifest(path).run_id == run_id:
+                mine.append(path)
+        except DataCheckError:
+            continue  # unreadable: not provably ours
+    removed = []
+    for path in mine[: max(0, len(mine) - keep_last)]:
+        if path.name != latest:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed + remove_unfinished(run_dir, run_id=run_id)
+
+
+def remove_unfinished(run_dir: str | Path, *, run_id: str) -> list[Path]:
+    """Remove the temporary directories that saves of run `run_id` left behind (a crash, a
+    killed worker); another run's are never touched. Call it only while no save of that run
+    is in flight. Returns what was removed."""
+    tag = f"-{_run_tag(run_id)}-"
+    removed = []
+    for child in Path(run_dir).iterdir():
+        if child.is_dir() and child.name.startswith((f"{TMP_PREFIX}{STEP_PREFIX}", f"{TMP_PREFIX}old-")) and tag in child.name:
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
+
+
+def newest_of_run(run_dir: str | Path, *, run_id: str) -> Path | None:
+    """The newest complete checkpoint in `run_dir` that run `run_id` wrote, or None."""
+    for _, path in reversed(complete_steps(run_dir)):
+        try:
+            if load_manifest(path).run_id == run_id:
+                return path
+        except DataCheckError:
+            continue
+    return None
+
+
+def os_error_line(error: OSError, where: Path) -> str:
+    """One line for an OSError: the path, the reason and the errno's name."""
+    name = errno.errorcode.get(error.errno, str(error.errno)) if error.errno else "?"
+    return f"{error.filename or where}: {error.strerror or error} ({name})"
+
+
+# ----- offline outputs (convert, reshard)
+def check_destination(dst: Path, *, src: Path, overwrite: bool) -> None:
+    src_root = os.path.realpath(src)  # a directory, or a single file (a full checkpoint's .safetensors or index)
+    dst_real = os.path.realpath(dst)
+    if dst_real == src_root or dst_real.startswith(src_root + os.sep):
+        raise UsageError(f"destination {dst} is inside the source {src}; choose a directory outside it")
+    if src_root.startswith(dst_real + os.sep):
+        raise UsageError(f"destination {dst} contains the source {src}; choose another directory")
+    if dst.exists() or dst.is_symlink():
+        if not overwrite:
+            raise UsageError(f"destination {dst} already exists; pass --overwrite to replace it")
+        if not dst.is_dir():
+            raise UsageError(f"destination {dst} exists and is not a directory")
+
+
+def check_free_space(directory: Path, needed_bytes: int, *, needed_for: str = "") -> None:
+    """Room for `needed_bytes` (`needed_for`: what they are, for the message). More than the
+    whole filesystem holds is a UsageError; more than is free, a RunError."""
+    usage = shutil.disk_usage(directory)
+    need = f"need {format_size(needed_bytes)}{needed_for}"
+    if usage.total < needed_bytes * 1.01:
+        raise UsageError(f"the output cannot fit in {directory}: {need}, its whole filesystem holds {format_size(usage.total)}")
+    if usage.free < needed_bytes * 1.01:
+        raise RunError(f"not enough disk space in {directory}: {need}, {format_size(usage.free)} free")
+
+
+def read_only_line(directory: Path, error_number: int | None = None) -> str:
+    """One line saying that `directory` (or, when absent, its nearest existing parent) is read-only."""
+    directory = Path(nearest_existing(directory))
+    if error_number is None:
+        try:
+            error_number = errno.EROFS if os.statvfs(directory).f_flag & os.ST_RDONLY else errno.EACCES
+        except OSError:
+            error_number = errno.EACCES
+    why = "a read-only filesystem" if error_number == errno.EROFS else "no write permission for this user"
+    return f"destination directory {directory} is read-only: {why} ({errno.errorcode[error_number]}); nothing written"
+
+
+@contextlib.contextmanager
+def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_bytes: int, needed_for: str = "") -> Iterator[Path]:
+    dst, src = Path(dst), Path(src)
+    check_destination(dst, src=src, overwrite=overwrite)
+    parent = dst.absolute().parent
+    token = uuid.uuid4().hex[:8]
+    tmp = parent / f"{TMP_PREFIX}{dst.name}-{token}"
+    if (unwritable := unwritable_parent(parent)) is not None:
+        raise UsageError(read_only_line(Path(unwritable)))
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        check_free_space(parent, needed_bytes, needed_for=needed_for)
+        tmp.mkdir()
+    except OSError as error:
+        if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # what os.access could not tell (a race, a network filesystem)
+            raise UsageError(read_only_line(Path(error.filename or parent), error.errno)) from None
+        raise RunError(f"cannot write to {parent}: {os_error_line(error, parent)}") from None
+    try:
+        yield tmp
+        sync_files(tmp, [entry.name for entry in os.scandir(tmp) if entry.is_file()])
+        if dst.exists() or dst.is_symlink():
+            old = parent / f"{TMP_PREFIX}old-{dst.name}-{token}"
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            fsync_dir(parent)
+            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        else:
+            os.rename(tmp, dst)
+        fsync_dir(parent)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RunError(f"writing {dst} failed, nothing written: {os_error_line(error, tmp)}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,167 @@
+"""The rank files of a new layout written by several processes (no torch). At a large world
+size a reshard is bound by one core: computing each rank file's layout, gathering its
+fragments of a few KB and their crc32s, and the `writev` that copies them into a new file.
+So the ranks are cut into contiguous shares, the first written by this process and each
+other by a child forked from it (the layout tables and the sources are inherited, never
+sent); each process computes the layouts of its own ranks only.
+
+Every output file, and so every crc32 in its header, comes from one process. A source piece
+that a share boundary cuts is read in part by two processes: each returns the crc32 of its
+part (`ByteEngine.finish_parts`), and the parts are combined and checked here
+(`crc.check_parts`), as one process would have checked the whole piece.
+
+A child sends its progress (bytes), then its result or the exception it raised, through a
+pipe. The first error of any process is raised here once every child has been stopped and
+reaped, so the caller's staging directory can be removed with nothing still writing into it.
+Fewer than SPLIT_RANK_FILES files (a few large files, written by the engine's threads), one
+core, or no `os.fork`: this process writes them all.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Sequence
+from functools import partial
+from multiprocessing.connection import Connection, Pipe, wait
+from pathlib import Path
+
+from ...errors import RunError
+from .bytecopy import ByteEngine, SourceTensor
+from .crc import PartRead, check_parts
+from .names import rank_file_name
+from .placement import ShardLayout
+
+SPLIT_RANK_FILES = 1024  # outputs of at least this many rank files are written by several processes
+MAX_PROCESSES = 2
+
+
+def process_count(world_size: int) -> int:
+    """How many processes write `world_size` rank files."""
+    if world_size < SPLIT_RANK_FILES or not hasattr(os, "fork"):
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_PROCESSES, cores, world_size))
+
+
+def write_rank_files(
+    directory: Path,
+    layout: ShardLayout,
+    sources: Sequence[SourceTensor],
+    out_dtypes: list[str],
+    *,
+    chunk_size: int,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Every rank file of `layout` in `directory`, by `process_count` processes; their bytes."""
+    count = process_count(layout.world_size)
+    cuts = [layout.world_size * share // count for share in range(count + 1)]
+    shares = [range(cuts[share], cuts[share + 1]) for share in range(count)]
+
+    def write(ranks: range, report: Callable[[int], None] | None) -> tuple[int, list[PartRead]]:
+        engine = ByteEngine(sources, out_dtypes, chunk_size=chunk_size, progress=report)
+        total = 0
+        try:
+            for rank in ranks:
+                file_layout = layout.file_layout(rank)
+                engine.write_rank_file(directory / rank_file_name(rank, layout.world_size), file_layout)
+                total += file_layout.size
+        finally:
+            engine.close()
+        return total, engine.finish_parts()
+
+    children = _Children(progress)
+    try:
+        for ranks in shares[1:]:
+            children.start(partial(write, ranks))
+        total, parts = write(shares[0], children.relay)
+        for child_total, child_parts in children.results():
+            total += child_total
+            parts += child_parts
+    finally:
+        children.stop()
+    check_parts(parts)
+    return total
+
+
+class _Children:
+    """Forked children, each running one function, and the pipes they report through."""
+
+    def __init__(self, progress: Callable[[int], None] | None):
+        self._progress = progress
+        self._pids: dict[Connection, int] = {}  # children not yet reaped
+        self._results: dict[Connection, tuple] = {}
+
+    def start(self, function: Callable[[Callable[[int], None]], object]) -> None:
+        """Fork a child that runs `function(report)` and sends its result (or its exception)."""
+        receive, send = Pipe(duplex=False)
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the caller's code
+            status = 1
+            try:
+                receive.close()
+                send.send(("done", function(send.send)))
+                status = 0
+            except BaseException as error:
+                _send_error(send, error)
+            finally:
+                os._exit(status)
+        send.close()
+        self._pids[receive] = pid
+
+    def relay(self, nbytes: int) -> None:
+        """This process's progress; then whatever the children have sent (their first error raised)."""
+        if self._progress is not None:
+            self._progress(nbytes)
+        for receive in self._running():
+            while receive not in self._results and receive.poll():
+                self._take(receive)
+
+    def results(self) -> list:
+        """Every child's result, once all have finished."""
+        while running := self._running():
+            for receive in wait(running):
+                self._take(receive)  # type: ignore[arg-type]
+        return [result for _, result in self._results.values()]
+
+    def _running(self) -> list[Connection]:
+        return [receive for receive in self._pids if receive not in self._results]
+
+    def _take(self, receive: Connection) -> None:
+        try:
+            message = receive.recv()
+        except EOFError:
+            raise RunError(f"a worker process writing rank files (pid {self._pids[receive]}) died without a result") from None
+        if isinstance(message, int):
+            if self._progress is not None:
+                self._progress(message)
+        elif message[0] == "error":
+            raise message[1]
+        else:
+            self._results[receive] = message
+
+    def stop(self) -> None:
+        """Kill the children still running (after an error) and reap them all."""
+        for receive, pid in self._pids.items():
+            if receive not in self._results:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+            receive.close()
+        self._pids.clear()
+
+
+def _send_error(send: Connection, error: BaseException) -> None:
+    """Send `error` to the parent; one that cannot be pickled, as a RunError with its line."""
+    try:
+        send.send(("error", error))
+    except BaseException:
+        try:
+            send.send(("error", RunError(f"{type(error).__name__}: {error}")))
+        except BaseException:
+            pass

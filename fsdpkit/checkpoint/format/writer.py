@@ -1,0 +1,337 @@
+"""The one writer of checkpoint files (no torch): safetensors files whose header is known before
+their data, streamed in bounded memory. Used by training saves (each rank its own file),
+convert and reshard (every rank file of a new layout, `write_sharded`) and `convert --to
+full` (`StreamingWriter`).
+
+`StreamingWriter(path, entries, metadata=...)` lays the header out from (name, dtype, shape)
+alone: entries in the order given after a stable sort by descending itemsize (so every tensor
+starts aligned to its element size), header padded with spaces to a multiple of 8, as the
+safetensors library does; the result reads back with `safetensors.safe_open`.
+`RankFileWriter(path, file_layout)` writes a v2 rank file whose header the manifest derives
+(`placement.FileLayout`); after each fragment the caller gives its crc32 (`end_fragment`),
+and `close` writes the crc32 hex digits into the header's `__metadata__` (fixed width, so the
+header's length never changes).
+
+Data arrives in any number of pieces; small ones are gathered in a 1 MiB buffer so a file of
+many small fragments costs a few system calls. The `cache` mode (`CacheMode`) says how the
+data passes the kernel's page cache: CACHED leaves it there; WRITE_BEHIND starts the
+writeback of every completed `WRITE_BEHIND_BYTES` at once (`posix_fadvise(DONTNEED)`: dirty
+data is never dropped), so the disk works while the copy goes on and a multi-GB output does
+not fill the page cache; DIRECT (files of at least `DIRECT_MIN_BYTES`) copies the data into
+an 8 MiB page-aligned staging buffer and writes it whole with O_DIRECT, past the cache: no
+page-cache copy, no writeback and no reclaim for the kernel to do on the cores training uses,
+and an fsync that finds nothing dirty; the last partial buffer and header patches are written
+cached.
+`close()` fsyncs unless the caller syncs many files at once (`sync=False`, then
+`storage.sync_files`, as `staged_output` does); `write_seconds` and `fsync_seconds` count the
+time spent in those system calls. On an exception inside a `with` block the partial file is
+removed.
+
+`write_sharded` (convert --to sharded, reshard) writes every rank file of a layout with the
+byte engine (`bytecopy.ByteEngine.write_rank_file`; many files by several processes,
+`workers.write_rank_files`), then the manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import mmap
+import os
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import numpy
+
+from ...dtypes import dtype_info
+from .bytecopy import SourceTensor
+from .manifest import Manifest, save_manifest
+from .names import numel, output_dtype, rank_file_name
+from .placement import FileLayout, Placement, TensorSpec
+from .workers import write_rank_files
+
+WRITE_BEHIND_BYTES = 32 * 1024 * 1024
+BUFFER_BYTES = 1024 * 1024
+DIRECT_BUFFER_BYTES = 8 * 1024 * 1024  # a multiple of any filesystem's O_DIRECT alignment
+DIRECT_MIN_BYTES = 2 * DIRECT_BUFFER_BYTES  # smaller files gain nothing from bypassing the cache
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for an open file; False where the system or filesystem refuses it."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        return False
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | direct if on else flags & ~direct)
+    except OSError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one entry's data sits, relative to the start of the data buffer."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def layout_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None) -> tuple[bytes, list[tuple[str, Span]]]:
+    """The header bytes (length prefix included, padded to 8) and each entry's data span, in write order."""
+    names = [name for name, _, _ in entries]
+    if len(set(names)) != len(names) or "__metadata__" in names:
+        raise ValueError(f"duplicate or reserved tensor names in one safetensors file: {names}")
+    ordered = sorted(entries, key=lambda e: -dtype_info(e[1]).itemsize)  # stable: keeps caller order within a size
+    document: dict[str, object] = {}
+    if metadata:
+        document["__metadata__"] = dict(metadata)
+    spans, position = [], 0
+    for name, dtype, shape in ordered:
+        size = numel(shape) * dtype_info(dtype).itemsize
+        info = Span(dtype, tuple(int(d) for d in shape), position, position + size)
+        document[name] = {"dtype": dtype, "shape": list(info.shape), "data_offsets": [info.begin, info.end]}
+        spans.append((name, info))
+        position += size
+    raw = json.dumps(document, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw, spans
+
+
+class CacheMode(Enum):
+    """How a written file's data goes through the kernel's page cache."""
+
+    CACHED = "cached"  # written back whenever the kernel likes
+    WRITE_BEHIND = "write-behind"  # writeback started every WRITE_BEHIND_BYTES, those pages then dropped
+    DIRECT = "direct"  # O_DIRECT from an aligned staging buffer, no page cache (CACHED where the filesystem refuses it)
+
+
+class _FileWriter:
+    """A file of known size, written front to back: the header, then data in pieces."""
+
+    def _open(self, path: str | Path, header: bytes, size: int, *, cache: CacheMode, sync: bool) -> None:
+        self.path, self.size, self.sync = Path(path), size, sync
+        self._written = 0
+        self._flushed = 0  # bytes whose writeback was started (WRITE_BEHIND)
+        self._buffered = 0
+        self.write_seconds = 0.0
+        self.fsync_seconds = 0.0
+        self.direct_bytes = 0  # written with O_DIRECT, past the page cache
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self._fd = os.open(self.path, flags, 0o644)
+        self._mode = self._mode_here(cache, size)
+        direct = self._mode is CacheMode.DIRECT
+        self._buffer: bytearray | mmap.mmap = mmap.mmap(-1, DIRECT_BUFFER_BYTES) if direct else bytearray(min(BUFFER_BYTES, size))
+        self.write(header)
+
+    def _mode_here(self, cache: CacheMode, size: int) -> CacheMode:
+        """`cache`, or CACHED where this file or system cannot have it."""
+        if cache is CacheMode.WRITE_BEHIND and not hasattr(os, "posix_fadvise"):
+            return CacheMode.CACHED
+        if cache is CacheMode.DIRECT and not (size >= DIRECT_MIN_BYTES and _set_direct(self._fd, True)):
+            return CacheMode.CACHED
+        return cache
+
+    def write(self, data) -> None:
+        """Append bytes (anything exposing the buffer protocol)."""
+        view = data if isinstance(data, memoryview) and data.format == "B" and data.ndim == 1 else memoryview(data).cast("B")
+        if self._written + self._buffered + view.nbytes > self.size:
+            raise ValueError(f"{self.path}: writing past the {self.size} bytes the header announced")
+        if self._mode is CacheMode.DIRECT:
+            self._stage(view)
+            return
+        if self._buffered + view.nbytes <= len(self._buffer):
+            self._buffer[self._buffered : self._buffered + view.nbytes] = view
+            self._buffered += view.nbytes
+            return
+        self._flush()
+        if view.nbytes < len(self._buffer):
+            self._buffer[: view.nbytes] = view
+            self._buffered = view.nbytes
+        else:
+            self._write_all(view)
+
+    def _stage(self, view: memoryview) -> None:
+        """Direct mode: every byte goes through the staging buffer, which is written whole, so
+        every write starts at a multiple of its (page-aligned) size. numpy copies without the GIL."""
+        staging = numpy.frombuffer(self._buffer, dtype=numpy.uint8)
+        source = numpy.frombuffer(view, dtype=numpy.uint8)
+        taken = 0
+        while taken < view.nbytes:
+            count = min(len(staging) - self._buffered, view.nbytes - taken)
+            staging[self._buffered : self._buffered + count] = source[taken : taken + count]
+            self._buffered += count
+            taken += count
+            if self._buffered == len(staging):
+                self._flush()
+
+    def _end_direct(self) -> None:
+        """Back to cached writes for what is not a whole staging buffer: the tail and header patches."""
+        if self._mode is CacheMode.DIRECT:
+            _set_direct(self._fd, False)
+            self._mode = CacheMode.CACHED
+
+    def _flush(self) -> None:
+        if self._buffered:
+            self._write_all(memoryview(self._buffer)[: self._buffered])
+            self._buffered = 0
+
+    def _write_all(self, view: memoryview) -> None:
+        started = time.perf_counter()
+        while view.nbytes:
+            try:
+                count = os.write(self._fd, view)
+            except OSError as error:
+                if error.errno == errno.EINVAL and self._mode is CacheMode.DIRECT:  # the filesystem took O_DIRECT's flag but not its writes
+                    self._end_direct()
+                    continue
+                raise OSError(error.errno, error.strerror, str(self.path)) from None
+            view = view[count:]
+            self._written += count
+            self.direct_bytes += count if self._mode is CacheMode.DIRECT else 0
+        self.write_seconds += time.perf_counter() - started
+        if self._mode is CacheMode.WRITE_BEHIND and self._written - self._flushed >= WRITE_BEHIND_BYTES:
+            os.posix_fadvise(self._fd, self._flushed, self._written - self._flushed, os.POSIX_FADV_DONTNEED)
+            self._flushed = self._written
+
+    def patch(self, offset: int, data: bytes) -> None:
+        """Overwrite bytes already written (the crc32 digits of a rank file's header)."""
+        self._end_direct()
+        if offset + len(data) <= self._written:
+            if os.pwrite(self._fd, data, offset) != len(data):
+                raise OSError(f"{self.path}: short write while patching the header")
+        elif offset >= self._written:  # still in the buffer (a small file)
+            self._buffer[offset - self._written : offset - self._written + len(data)] = data
+        else:
+            self._flush()
+            self.patch(offset, data)
+
+    def close(self) -> int:
+        if self._fd < 0:
+            return self.size
+        try:
+            self._end_direct()
+            self._flush()
+            if self._written != self.size:
+                raise ValueError(f"{self.path}: wrote {self._written} bytes, the header announced {self.size}")
+            if self.sync:
+                started = time.perf_counter()
+                os.fsync(self._fd)
+                self.fsync_seconds += time.perf_counter() - started
+        finally:
+            self._release()
+        return self.size
+
+    def abort(self) -> None:
+        self._release()
+        self.path.unlink(missing_ok=True)
+
+    def _release(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+        if isinstance(self._buffer, mmap.mmap):
+            with contextlib.suppress(BufferError):  # views of it in a traceback's frames: unmapped when they go
+                self._buffer.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class StreamingWriter(_FileWriter):
+    """Write one safetensors file whose header is known up front; data arrives in pieces.
+
+    Usage::
+
+        with StreamingWriter(path, entries, metadata={"format": "pt"}) as w:
+            for name, info in w.order:        # the order data must be written in
+                w.write(piece)                # any number of pieces per tensor, in order
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        entries: list[tuple[str, str, tuple[int, ...]]],
+        *,
+        metadata: dict[str, str] | None = None,
+        cache: CacheMode = CacheMode.CACHED,
+        sync: bool = True,
+    ):
+        header, self.order = layout_header(entries, metadata)
+        self._open(path, header, len(header) + sum(info.nbytes for _, info in self.order), cache=cache, sync=sync)
+
+
+class RankFileWriter(_FileWriter):
+    """Write one v2 rank file laid out by `layout`: each fragment's bytes in data order, then
+    `end_fragment(crc32)`."""
+
+    def __init__(self, path: str | Path, layout: FileLayout, *, cache: CacheMode = CacheMode.CACHED, sync: bool = True):
+        self.layout = layout
+        self._crcs: list[int] = []
+        self._open(path, layout.header, layout.size, cache=cache, sync=sync)
+
+    def end_fragment(self, crc32: int) -> None:
+        index = len(self._crcs)
+        if index >= len(self.layout.fragments):
+            raise ValueError(f"{self.path}: more fragments than the {len(self.layout.fragments)} its layout holds")
+        end = self.layout.data_start + self.layout.spans[index][1]
+        if self._written + self._buffered != end:
+            raise ValueError(f"{self.path}: fragment {index} ends at byte {self._written + self._buffered}, its layout at {end}")
+        self._crcs.append(crc32)
+
+    def close(self) -> int:
+        if self._fd >= 0 and len(self._crcs) != len(self.layout.fragments):
+            self.abort()
+            raise ValueError(f"{self.path}: {len(self._crcs)} of {len(self.layout.fragments)} fragments written")
+        if self._fd >= 0 and self._crcs:
+            self.patch(self.layout.crc_offset, "".join(f"{crc:08x}" for crc in self._crcs).encode("ascii"))
+        return super().close()
+
+
+@dataclass(frozen=True)
+class WrittenCheckpoint:
+    manifest: Manifest
+    files: list[str]
+    bytes: int
+
+
+def write_sharded(
+    directory: Path,
+    *,
+    sources: list[SourceTensor],
+    placement: Placement,
+    world_size: int,
+    strategy: str,
+    training_state: dict,
+    aliases: dict[str, str],
+    cast_to: str | None,
+    chunk_size: int,
+    progress: Callable[[int], None] | None = None,
+) -> WrittenCheckpoint:
+    """A whole sharded checkpoint (v2) in `directory`: every rank file of `placement` at
+    `world_size`, copied from `sources` by the byte engine (source checksums verified on the
+    way, output crc32s from the bytes written; `workers`), then manifest.json; `storage.staged_output`
+    syncs them all at once. Every rank gets a file, possibly with no tensors."""
+    tensors = tuple(TensorSpec(s.name, output_dtype(s.dtype, cast_to), tuple(s.shape)) for s in sources)
+    manifest = Manifest(world_size, strategy, placement, tensors, dict(aliases), dict(training_state))
+    total = write_rank_files(directory, manifest.layout(), sources, [t.dtype for t in tensors], chunk_size=chunk_size, progress=progress)
+    save_manifest(directory, manifest)
+    return WrittenCheckpoint(manifest, [rank_file_name(rank, world_size) for rank in range(world_size)], total)

@@ -1,0 +1,237 @@
+"""Saving and loading one sharded model with its optimizer: the `Checkpointer`, and the
+functions built on it.
+
+Saving: every rank builds the same manifest (format 2: nothing in it depends on the rank) from
+the model-state map (`model_state.tensor_table`) and runs the save protocol (`save_protocol`),
+in the training thread or, with async_save, in a background thread from host copies. Loading:
+each local fragment is read from the files that hold the overlapping fragments, and only from
+those, so a checkpoint saved at W ranks loads at any W' and under any strategy. Tied weights are
+stored once with their alias recorded. With hybrid or no sharding, only the first replica writes.
+
+Also here: starting from a full or sharded checkpoint's weights (`init_weights_from`), and the
+check, on a model built on the meta device, that a checkpoint fits it (`check_before_launch`).
+A save records the model's export recipe (from its model source) in the training state, for
+`convert --to full`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ... import log
+from ...comm import Collectives, new_group
+from ...engine.view import describe
+from ...model_hooks import hooks_of
+from ..format.export import EXPORT_STATE_KEY
+from ..format.lock import process_identity, run_id_of
+from ..format.manifest import Manifest, check_compatible
+from ..format.placement import Placement
+from ..format.reader import is_full_checkpoint
+from .background import HostBuffers, SaveTimings, lower_thread_priority
+from .model_state import (
+    buffer_shapes,
+    check_full,
+    expected_tensors,
+    load_weights,
+    model_params,
+    optimizer_hyperparameters,
+    stateless_params,
+    tensor_table,
+    view_params,
+)
+from .optim_state import load_optimizer_state, states_to_load
+from .save_protocol import Ranks, SaveJob, run_save
+from .tensors import CheckpointReader, full_reader
+
+
+class Checkpointer:
+    """Saves and loads one sharded model with its optimizer. With async_save, save() copies
+    this rank's tensors into `host_buffers` (allocated once, reused by every save while the
+    table of tensors stays the same) and returns; a background thread at lower priority writes
+    and checksums from there while training goes on (background.py). At most one save is in
+    flight: the next save (or wait()) waits for it. Every rank must call save/load/wait.
+    `timings` (SaveTimings) sums where this rank's save time went; `stall_seconds` how long
+    the calling (training) thread spent inside save() and wait(): the snapshot, waiting for a
+    previous save, and for a synchronous save all of it.
+
+    `run_id` names the run that writes (default: this process; pass `RunLock.run_id` so that a
+    restarted worker counts as the same run): `keep_last` prunes only this run's checkpoints.
+    A save that fails on any rank (an OSError: disk full, read-only...) raises one RunError on
+    every rank, leaves no temporary directory and keeps the previous checkpoint."""
+
+    def __init__(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False, run_id: str | None = None
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        view = describe(module)
+        self.async_save = async_save
+        # background saves coordinate on their own group, so they never interleave with training's collectives
+        group = new_group(backend="gloo") if async_save else view.group
+        self.ranks = Ranks(Collectives(), group, view.rank)
+        self.run_id = run_id or run_id_of(process_identity())  # only rank 0's is ever written
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.last_saved: str | None = None
+        self.host_buffers = HostBuffers()
+        self.timings = SaveTimings()
+        self.stall_seconds = 0.0
+
+    # ----- saving
+    def save(self, run_dir: str | os.PathLike, *, step: int, training_state: dict | None = None, keep_last: int | None = None) -> None:
+        started = time.perf_counter()
+        try:
+            self._join()
+            self._start_save(Path(run_dir), step, training_state, keep_last)
+        finally:
+            self.stall_seconds += time.perf_counter() - started
+
+    def _start_save(self, run_dir: Path, step: int, training_state: dict | None, keep_last: int | None) -> None:
+        view = describe(self.module)
+        table, local = tensor_table(view, self.module, self.optimizer)
+        if self.async_save and view.writes_shards:
+            started = time.perf_counter()
+            snapshot = self.host_buffers.copy({name: data for name, (_, data) in local.items()})
+            local = {name: (held, snapshot[name]) for name, (held, _) in local.items()}
+            seconds = time.perf_counter() - started
+            self.timings.snapshot += seconds
+            self.timings.total += seconds
+        state = dict(training_state or {})
+        state["optimizer"] = optimizer_hyperparameters(self.module, self.optimizer)
+        export = hooks_of(self.module).export  # how convert hands it to transformers (export.py)
+        if export is not None:
+            state[EXPORT_STATE_KEY] = export.to_json()
+        manifest = Manifest(
+            view.shard_factor,
+            view.strategy,
+            Placement.flat([[(p.name, p.shape) for p in unit.params] for unit in view.units]),
+            tuple(table),
+            {alias: p.name for unit in view.units for p in unit.params for alias in p.aliases},
+            state,
+            self.run_id,
+        )
+        device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
+        job = SaveJob(view, run_dir, step, manifest, local if view.writes_shards else None, keep_last, device)
+        if self.async_save:
+            self.thread = threading.Thread(target=self._run_save, args=(job,), name="fsdpkit-async-save", daemon=True)
+            self.thread.start()
+        else:
+            self._save(job)
+
+    def _run_save(self, job: SaveJob) -> None:
+        lower_thread_priority()
+        try:
+            self._save(job)
+        except BaseException as error:  # re-raised in the training thread by wait()
+            self.error = error
+
+    def _save(self, job: SaveJob) -> None:
+        started = time.perf_counter()
+        try:
+            self.last_saved = run_save(job, self.ranks, self.timings)
+        finally:
+            self.timings.saves += 1
+            self.timings.total += time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its error."""
+        started = time.perf_counter()
+        try:
+            self._join()
+        finally:
+            self.stall_seconds += time.perf_counter() - started
+
+    def _join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    # ----- loading
+    def load(self, path: str | os.PathLike, *, strict: bool = True) -> dict:
+        """Load weights (and optimizer state) from a checkpoint saved at any world size;
+        returns its training state. Every chunk's fragments are checksum-verified as read."""
+        view = describe(self.module)
+        with CheckpointReader(path, validate_all=False) as reader:
+            states = None
+            if self.optimizer is not None:
+                names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
+                states = states_to_load(self.optimizer, names, reader.training_state, reader.tensor_names(), where=str(reader.step_dir))
+            stateless = stateless_params(reader.training_state)
+            expected = expected_tensors(view_params(view), buffer_shapes(self.module), states, stateless=stateless)
+            missing_optim = check_compatible(reader.manifest, expected, strict=strict, where=str(reader.step_dir))
+            if missing_optim and view.rank == 0:
+                log.warn(f"{reader.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh")
+            load_weights(view, self.module, reader)
+            if self.optimizer is not None and states is not None and not missing_optim:
+                params = [(p.name, p.fragment.param_range, p.tensor) for unit in view.units for p in unit.params if p.requires_grad]
+                stored = set(reader.tensor_names())
+                load_optimizer_state(self.optimizer, params, states, reader.training_state, stored, reader.read_range, reader.read_tensor)
+            return reader.training_state
+
+
+def save(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    path: str | os.PathLike,
+    *,
+    step: int = 0,
+    training_state: dict | None = None,
+    keep_last: int | None = None,
+) -> str:
+    """Save a sharded checkpoint into run directory `path` as step-<step>; returns its path."""
+    checkpointer = Checkpointer(module, optimizer)
+    checkpointer.save(path, step=step, training_state=training_state, keep_last=keep_last)
+    if checkpointer.last_saved is None:
+        raise AssertionError(f"a synchronous save of step {step} into {path} returned without a checkpoint")
+    return checkpointer.last_saved
+
+
+def load(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *, strict: bool = True) -> dict:
+    """Load a checkpoint (run directory or step directory) saved at any world size."""
+    return Checkpointer(module, optimizer).load(path, strict=strict)
+
+
+# ----- weights only, and checks before launch
+def init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
+    """Load weights only, from a sharded checkpoint or a full (Hugging Face style) one."""
+    if not is_full_checkpoint(Path(path)):
+        Checkpointer(module, None).load(path, strict=False)
+        return
+    view = describe(module)
+    expected = expected_tensors(view_params(view), buffer_shapes(module), None)
+    with full_reader(path, list(expected)) as reader:
+        check_full(reader, expected, path)
+        load_weights(view, module, reader)
+
+
+def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool) -> None:
+    """Validate a checkpoint against an unsharded model (built on the meta device) before any
+    process starts: any problem is a DataCheckError (exit 3). `optimizer` (over the model's
+    parameters) when resuming, None when only the weights are wanted."""
+    params, buffers = model_params(model), buffer_shapes(model)
+    if is_full_checkpoint(Path(path)) and optimizer is None:
+        expected = expected_tensors(params, buffers, None)
+        with full_reader(path, list(expected)) as reader:
+            check_full(reader, expected, path)
+        return
+    with CheckpointReader(path) as reader:
+        states = None
+        if optimizer is not None:
+            names = {id(p): name for name, p in model.named_parameters()}
+            states = states_to_load(optimizer, names, reader.training_state, reader.tensor_names(), where=str(reader.step_dir))
+        stateless = stateless_params(reader.training_state)
+        check_compatible(
+            reader.manifest,
+            expected_tensors(params, buffers, states, stateless=stateless),
+            strict=strict and optimizer is not None,
+            where=str(reader.step_dir),
+        )

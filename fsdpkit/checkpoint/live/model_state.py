@@ -1,0 +1,127 @@
+"""One model-state map: a sharded model and its optimizer <-> the checkpoint's tensor table.
+
+The engine is read only through `fsdpkit.engine.view.describe`: its units, each parameter's
+name, shape and this rank's fragment. Parameters are stored under the model's own names, then
+buffers, then optimizer state `optim.<state>.<param name>` laid out like its parameter (a
+scalar state such as Adam's step lives with its parameter's first element). `tensor_table`
+gives what a save writes, `expected_tensors` what a load needs, `load_weights` and
+`load_optimizer_state` copy this rank's part back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Set as AbstractSet
+
+import torch
+import torch.nn as nn
+
+from ...engine.view import ShardedModelView
+from ...errors import DataCheckError
+from ...layout import ElementRange
+from ..format.placement import TensorSpec
+from .optim_state import StateLayout, expected_state_tensors, saved_states
+from .tensors import TensorReader, safetensors_dtype
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return {name: tensor for name, tensor in module.state_dict().items() if name not in params and "." + name not in params}
+
+
+def stateless_params(training_state: dict) -> set[str]:
+    """Trainable parameters the saved optimizer held no state for (it never stepped them)."""
+    return set((training_state.get("optimizer") or {}).get("stateless", []))
+
+
+def expected_tensors(
+    params: list[tuple[str, tuple[int, ...], bool]],
+    buffers: dict[str, tuple[int, ...]],
+    optimizer_states: dict[str, StateLayout] | None,
+    *,
+    stateless: AbstractSet[str] = frozenset(),
+) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must hold for a model: (name, shape, requires_grad) of each
+    parameter under its canonical name, the buffers, and the optimizer state of trainable
+    parameters (`stateless`: those whose state the checkpoint rightly lacks)."""
+    expected = {name: tuple(shape) for name, shape, _ in params}
+    expected.update(buffers)
+    expected.update(expected_state_tensors(params, optimizer_states or {}, stateless))
+    return expected
+
+
+def view_params(view: ShardedModelView) -> list[tuple[str, tuple[int, ...], bool]]:
+    return [(p.name, p.shape, p.requires_grad) for unit in view.units for p in unit.params]
+
+
+def model_params(model: nn.Module) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Canonical names (first in named_parameters order, as the engine's unit plan) of an unsharded model."""
+    return [(name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()]
+
+
+def buffer_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in persistent_buffers(module).items()}
+
+
+def tensor_table(
+    view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[list[TensorSpec], dict[str, tuple[ElementRange, torch.Tensor]]]:
+    """What a checkpoint of this model stores, in order: parameters (unit by unit), buffers,
+    then each optimizer state (`optim.<state>.<param>`, as its parameter, or a scalar), and this
+    rank's data of each: (element range held here, 1-D tensor: the live tensor, not a copy).
+    The table is the same on every rank; the data is what this rank holds."""
+    table: list[TensorSpec] = []
+    local: dict[str, tuple[ElementRange, torch.Tensor]] = {}
+    states: dict[str, list[TensorSpec]] = {}
+    for unit in view.units:
+        for param in unit.params:
+            table.append(TensorSpec(param.name, safetensors_dtype(param.tensor.dtype), tuple(param.shape)))
+            local[param.name] = (param.fragment.param_range, param.tensor.detach().reshape(-1))
+            param_state = optimizer.state.get(param.tensor, {}) if optimizer is not None else {}
+            for key, name, scalar_shape, held, data in saved_states(param.name, param.fragment.param_range, param.tensor, param_state):
+                shape = tuple(param.shape) if scalar_shape is None else scalar_shape
+                states.setdefault(key, []).append(TensorSpec(name, safetensors_dtype(data.dtype), shape))
+                local[name] = (held, data)
+    for name, tensor in persistent_buffers(module).items():
+        table.append(TensorSpec(name, safetensors_dtype(tensor.dtype), tuple(tensor.shape)))
+        local[name] = (ElementRange(0, tensor.numel()), tensor.detach().reshape(-1))
+    for specs in states.values():
+        table.extend(specs)
+    return table, local
+
+
+def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:
+    if optimizer is None:
+        return None
+    names = {id(p): name for name, p in module.named_parameters()}
+    stateless = [names.get(id(p), "?") for group in optimizer.param_groups for p in group["params"] if not optimizer.state.get(p)]
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in group.items()
+            if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))
+        }
+        groups.append({"settings": settings, "params": [names.get(id(p), "?") for p in group["params"]]})
+    return {"type": type(optimizer).__name__, "groups": groups, "stateless": stateless}
+
+
+def load_weights(view: ShardedModelView, module: nn.Module, reader: TensorReader) -> None:
+    """Copy this rank's fragment of every parameter, and every buffer, from `reader`."""
+    with torch.no_grad():
+        for unit in view.units:
+            for param in unit.params:
+                if param.fragment.param_range.size:
+                    param.tensor.copy_(reader.read_range(param.name, param.fragment.param_range))
+        for name, buffer in persistent_buffers(module).items():
+            buffer.copy_(reader.read_tensor(name).to(buffer.dtype))
+
+
+def check_full(reader: TensorReader, expected: dict[str, tuple[int, ...]], path: str | os.PathLike) -> None:
+    for name, shape in expected.items():
+        try:
+            source = reader.source(name)
+        except KeyError:
+            raise DataCheckError(f"{path}: no tensor {name!r} (a checkpoint of another model?)") from None
+        if tuple(source.shape) != tuple(shape):
+            raise DataCheckError(f"{path}: tensor {name!r} has shape {list(source.shape)}, the model {list(shape)}")

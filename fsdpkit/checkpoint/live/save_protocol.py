@@ -1,0 +1,176 @@
+"""The save protocol, every rank taking part (torch collectives through `comm.Collectives`).
+
+1. Rank 0 creates the temporary step directory (`storage.begin`) and broadcasts its path or
+   why it could not.
+2. The ranks check, with one all-reduce, that they all see the directory and agree on the
+   manifest (a digest of the tensor table and placement: every rank builds the same one).
+3. Each rank that writes shards writes its own rank file (`write_rank`), fsynced, no gather to
+   rank 0; all ranks agree that every file was written.
+4. Rank 0 commits (`storage.commit`: manifest, renames, `latest`, pruning) and broadcasts the
+   result.
+
+Any OSError on any rank (a full disk, a read-only directory) fails the save on every rank with
+one RunError naming it; the temporary directory is removed and the previous checkpoint kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ... import faults
+from ...comm import Collectives
+from ...engine.view import ShardedModelView
+from ...errors import RunError
+from ...layout import ElementRange
+from ..format import storage
+from ..format.crc import crc32
+from ..format.manifest import Manifest
+from ..format.names import rank_file_name
+from ..format.writer import CacheMode, RankFileWriter
+from .background import WRITE_CHUNK_BYTES, SaveTimings
+from .tensors import raw_bytes
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """One save: what to write (`local`: this rank's data, None where it writes no file), where,
+    and on which device the ranks' flags are reduced."""
+
+    view: ShardedModelView
+    run_dir: Path
+    step: int
+    manifest: Manifest
+    local: dict[str, tuple[ElementRange, torch.Tensor]] | None
+    keep_last: int | None
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The ranks that save together: collectives on `group`."""
+
+    comm: Collectives
+    group: Any
+    rank: int
+
+    def min_over_ranks(self, values: list[int], device: torch.device, *, label: str) -> list[int]:
+        flags = torch.tensor(values, dtype=torch.int64, device=device)
+        self.comm.all_reduce(flags, self.group, op=dist.ReduceOp.MIN, label=label)
+        return [int(v) for v in flags.tolist()]
+
+    def all_agree(self, ok: bool, device: torch.device, *, label: str) -> bool:
+        """Whether this step succeeded on every rank."""
+        return self.min_over_ranks([1 if ok else 0], device, label=label)[0] == 1
+
+    def from_rank0(self, action: Callable[[], Any], *, where: Path, label: str) -> tuple[Any, str | None]:
+        """(result, None) of `action` run on rank 0, or (None, why it failed: an OSError on
+        `where` or a RunError), on every rank."""
+        outcome: tuple[Any, str | None] = (None, None)
+        if self.rank == 0:
+            try:
+                outcome = (action(), None)
+            except OSError as error:
+                outcome = (None, storage.os_error_line(error, where))
+            except RunError as error:
+                outcome = (None, str(error))
+        return self.comm.broadcast_object(outcome, 0, self.group, label=label)
+
+
+def run_save(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
+    """The protocol above; returns the committed step directory."""
+    begun, failure = ranks.from_rank0(
+        lambda: str(storage.begin(job.run_dir, job.step, run_id=job.manifest.run_id)), where=job.run_dir, label="checkpoint directory"
+    )
+    try:
+        if failure:
+            raise RunError(f"checkpoint step {job.step} not saved: {failure}")
+        return _write_and_commit(job, Path(begun), ranks, timings)
+    except BaseException:  # a collective failed (a rank died or stopped...): nothing half-written stays
+        if begun is not None and ranks.rank == 0:
+            storage.abort(begun)
+        raise
+
+
+def _write_and_commit(job: SaveJob, tmp: Path, ranks: Ranks, timings: SaveTimings) -> str:
+    digest = manifest_digest(job.manifest)
+    visible, low, high = ranks.min_over_ranks(
+        [1 if tmp.is_dir() else 0, digest, -digest], job.device, label="checkpoint directory visible, same tensors"
+    )
+    if not visible:
+        raise RunError(f"save directory {tmp} is not visible to every rank: --save-dir must be on a filesystem every node sees")
+    if low != -high:
+        raise RunError(
+            f"ranks disagree on what to save at step {job.step} (tensor table or placement differ, "
+            f"e.g. optimizer state for different parameters)"
+        )
+    failure = None
+    if job.local is not None:
+        try:
+            write_rank(tmp, job.manifest, job.view.shard_rank, job.local, timings=timings)
+            faults.reached("save", job.step)
+        except OSError as error:
+            failure = storage.os_error_line(error, tmp)
+    if not ranks.all_agree(failure is None, job.device, label="checkpoint files written"):
+        raise RunError(
+            f"checkpoint step {job.step} not saved, previous checkpoint kept: " + (failure or "another rank could not write its file")
+        )
+    path, failure = ranks.from_rank0(
+        lambda: str(storage.commit(tmp, job.run_dir, job.step, job.manifest, keep_last=job.keep_last)),
+        where=tmp,
+        label="checkpoint committed",
+    )
+    if failure:
+        raise RunError(f"checkpoint step {job.step} not saved, previous checkpoint kept: {failure}")
+    return path
+
+
+def manifest_digest(manifest: Manifest) -> int:
+    """63 bits that every rank must agree on before writing: the tensor table and placement."""
+    text = repr((manifest.shard_factor, manifest.placement, manifest.tensors, sorted(manifest.aliases.items())))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def write_rank(
+    directory: Path,
+    manifest: Manifest,
+    rank: int,
+    local: dict[str, tuple[ElementRange, torch.Tensor]],
+    *,
+    timings: SaveTimings | None = None,
+) -> Path:
+    """Write rank `rank`'s file of `manifest` from this rank's data (fsynced), in pieces of at
+    most WRITE_CHUNK_BYTES (each one write and one crc32 update, both without the GIL); the
+    time of each part is added to `timings`."""
+    timings = timings if timings is not None else SaveTimings()
+    layout = manifest.layout().file_layout(rank)
+    path = directory / rank_file_name(rank, manifest.shard_factor)
+    with RankFileWriter(path, layout, cache=CacheMode.DIRECT) as writer:
+        for fragment in layout.fragments:
+            name = manifest.tensors[fragment.tensor].name
+            held, data = local[name]
+            if not (held.start <= fragment.start and fragment.end <= held.end):
+                raise AssertionError(
+                    f"{name}: rank {rank} holds [{held.start}, {held.end}), its file needs [{fragment.start}, {fragment.end})"
+                )
+            started = time.perf_counter()
+            payload = raw_bytes(data[fragment.start - held.start : fragment.end - held.start])
+            timings.snapshot += time.perf_counter() - started
+            crc = 0
+            for offset in range(0, payload.nbytes, WRITE_CHUNK_BYTES):
+                piece = payload[offset : offset + WRITE_CHUNK_BYTES]
+                started = time.perf_counter()
+                crc = crc32(piece, crc)
+                timings.checksum += time.perf_counter() - started
+                writer.write(piece)
+            writer.end_fragment(crc)
+    timings.write += writer.write_seconds
+    timings.fsync += writer.fsync_seconds
+    return path

@@ -1,0 +1,4 @@
+"""The offline commands over fsdpkit checkpoints, built on fsdpkit.checkpoint.format: convert and
+reshard (convert.py), verify and inspect (verify.py), and what `--model` says of a model
+(model_description.py: asked of a child process). Byte copies over fragments in bounded
+memory; none of them imports torch."""

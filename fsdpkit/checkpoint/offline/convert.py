@@ -1,0 +1,399 @@
+"""`fsdpkit convert`: sharded <-> full safetensors checkpoints, streaming, no torch.
+
+`convert_to_full(src, dst, ...)`: a sharded checkpoint (run or step directory) -> a Hugging
+Face-style directory (`model.safetensors` or `model-0000k-of-0000N.safetensors` + index;
+with `with_optimizer`, `optimizer*` files likewise). `convert_to_sharded(src, dst, ...)`: a
+full checkpoint -> an fsdpkit sharded checkpoint for `world_size` ranks, laid out by the
+placement given (a model's flat-parameter units: `fsdpkit.models.units.placement_for_model`) or,
+without one, an even split per tensor. Both validate SRC completely first, check free disk, write
+under a temporary name and rename (see `storage.staged_output`), copy through the byte engine
+(memory bounded by `chunk_size`), verify source checksums as they read, and cast floats to
+`cast_to` ("F32", "F16", "BF16") on the way out. They return a JSON-able summary.
+
+Models from elsewhere: when the checkpoint's training state holds an export recipe
+(`checkpoint/export.py`: a Hugging Face model, or the built-in GPT in GPT-2's layout),
+`convert_to_full` writes what transformers needs beside the weights (config.json, the
+generation config and tokenizer files of the directory the model came from) and the weights
+under transformers' names and orientation (a transposed tensor is held whole, twice, one at a
+time; below). `convert_to_sharded` undoes a recorded layout unless the
+`--model` placement names the exported tensors as they are.
+
+Export layouts applied to tensors (`restore_layout`, `transposed_bytes`): a transposed tensor
+is read whole (cast on the way when asked) and transposed in memory with numpy, so the memory
+bound of a conversion that transposes is the engine's mapped windows plus two copies of the
+largest transposed tensor (GPT-2 XL's mlp.c_fc: 1600 x 6400 fp32 = 41 MB, twice). Every other
+tensor still streams in chunks.
+
+`reshard(src, dst, world_size=M)` (`fsdpkit reshard`): a sharded checkpoint of world size W ->
+the same checkpoint for M ranks, by range arithmetic and byte copies: the manifest's placement
+is laid out again at M, every new fragment is read from the overlapping old fragments, old
+checksums verified as their bytes pass, new ones computed. Model and optimizer state both
+move; the training state is kept except its `per_rank` part, dropped with a warning when M !=
+W.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...dtypes import dtype_info
+from ...errors import DataCheckError, UsageError
+from ...layout import ElementRange
+from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
+from ..format.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport, export_of
+from ..format.files import open_regular
+from ..format.manifest import resharded_training_state
+from ..format.names import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
+from ..format.placement import Placement
+from ..format.reader import FullCheckpoint, open_full, open_sharded
+from ..format.storage import staged_output
+from ..format.writer import CacheMode, StreamingWriter, write_sharded
+
+SCRATCH_NAME = ".fsdpkit-transposed.safetensors"  # tensors transposed back, removed before the output is renamed
+
+Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
+
+
+def _progress_callback(progress: Progress | None, total: int):
+    if progress is None:
+        return None
+    progress(0, total)
+    return lambda done: progress(done, total)
+
+
+def convert_to_full(src: str | Path, dst: str | Path, *, with_optimizer: bool = False, options: FullOutput | None = None) -> dict:
+    checkpoint = open_sharded(src)
+    export = export_of(checkpoint.manifest.training_state, where=str(checkpoint.step_dir))
+    sources = checkpoint.sources()
+    model = [t for t in sources if not is_optimizer_tensor(t.name)]
+    optim = [t for t in sources if is_optimizer_tensor(t.name)]
+    if with_optimizer and not optim:
+        raise DataCheckError(f"{checkpoint.step_dir}: --with-optimizer given but the checkpoint has no optimizer state")
+    report = write_full(
+        model,
+        optim if with_optimizer else [],
+        Path(dst),
+        src=Path(src),
+        export=export,
+        aliases=checkpoint.manifest.aliases,
+        options=options or FullOutput(),
+    )
+    return {"src": str(checkpoint.step_dir), "dst": str(dst), "to": "full", **report}
+
+
+@dataclass(frozen=True)
+class FullOutput:
+    """How a full (Hugging Face style) checkpoint is written."""
+
+    max_shard_size: int | None = None
+    cast_to: str | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    overwrite: bool = False
+    progress: Progress | None = None
+
+
+def write_full(
+    model: list[SourceTensor],
+    optim: list[SourceTensor],
+    dst: Path,
+    *,
+    src: Path,
+    export: HfExport | None,
+    aliases: dict[str, str],
+    options: FullOutput,
+) -> dict:
+    """Write `model` (and `optim`, when not empty) as full safetensors at `dst`, streamed through
+    the byte engine, under a temporary name renamed when complete: the one writer of full
+    checkpoints, whatever format the sources come from. Returns the files, tensors, bytes, dtype
+    and warnings."""
+    layout = export.layout if export is not None else ExportLayout()
+    outputs = [("model", model)] + ([("optimizer", optim)] if optim else [])
+    by_name, file_groups = _full_files(outputs, layout, cast_to=options.cast_to, max_shard_size=options.max_shard_size)
+    total = sum(t.nbytes for _, tensors in outputs for t in tensors)
+    out_total = sum(nbytes(shape, dtype) for _, files in file_groups for _, group in files for _, dtype, shape in group)
+    metadata = {"format": "pt"}
+    exported_aliases = {layout.exported_name(a): layout.exported_name(t) for a, t in aliases.items()}
+    if exported_aliases:
+        metadata[TIED_METADATA_KEY] = json.dumps(exported_aliases, sort_keys=True)
+    model_metadata = dict(metadata)
+    if not layout.is_identity:
+        model_metadata[LAYOUT_METADATA_KEY] = json.dumps(layout.to_json(), sort_keys=True)
+    written: list[str] = []
+    warnings: list[str] = []
+    with staged_output(dst, src=src, overwrite=options.overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
+        copier = ByteEngine(chunk_size=options.chunk_size, progress=_progress_callback(options.progress, total))
+        try:
+            for prefix, files in file_groups:
+                for file_name, group in files:
+                    _write_full_file(tmp / file_name, group, by_name, copier, model_metadata if prefix == "model" else metadata)
+                    written.append(file_name)
+                if len(files) > 1:
+                    index_name = MODEL_INDEX if prefix == "model" else OPTIM_INDEX
+                    (tmp / index_name).write_text(json.dumps(index_document(files), indent=2) + "\n")
+                    written.append(index_name)
+            copier.finish()
+        finally:
+            copier.close()
+        if export is not None:
+            float_dtypes = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
+            written += _write_hf_files(tmp, export, float_dtypes[0] if float_dtypes else None, warnings)
+    return {"files": written, "tensors": len(by_name), "bytes": out_total, "dtype": options.cast_to, "warnings": warnings}
+
+
+def _full_files(outputs, layout: ExportLayout, *, cast_to: str | None, max_shard_size: int | None):
+    """(output name -> (source, transposed), [(prefix, [(file name, entries)])]) of a full
+    checkpoint: model tensors under their exported names and orientation, optimizer state as
+    stored, each group split into files of at most `max_shard_size` bytes."""
+    by_name: dict[str, tuple[SourceTensor, bool]] = {}
+    file_groups = []
+    for prefix, tensors in outputs:
+        entries = []
+        for t in tensors:
+            flip = prefix == "model" and layout.is_transposed(t.name, t.shape)
+            name = layout.exported_name(t.name) if prefix == "model" else t.name
+            by_name[name] = (t, flip)
+            entries.append((name, output_dtype(t.dtype, cast_to), tuple(reversed(t.shape)) if flip else t.shape))
+        file_groups.append((prefix, split_into_files(entries, prefix=prefix, max_shard_size=max_shard_size)))
+    return by_name, file_groups
+
+
+def _write_full_file(path: Path, group, by_name: dict[str, tuple[SourceTensor, bool]], copier: ByteEngine, metadata: dict) -> None:
+    with StreamingWriter(path, group, metadata=metadata, cache=CacheMode.WRITE_BEHIND, sync=False) as writer:  # staged_output syncs
+        for name, info in writer.order:
+            source, flip = by_name[name]
+            if flip:
+                writer.write(transposed_bytes(copier, source, info.dtype))
+            else:
+                copier.copy(source, ElementRange(0, source.numel), info.dtype, writer.write)
+
+
+def _write_hf_files(directory: Path, export: HfExport, weight_dtype: str | None, warnings: list[str]) -> list[str]:
+    """config.json, and the side files of the directory the model came from that are still there."""
+    (directory / CONFIG_NAME).write_text(json.dumps(export.config_for(weight_dtype), indent=2, sort_keys=True) + "\n")
+    written = [CONFIG_NAME]
+    for name in export.files:
+        path = Path(export.files_from or ".") / name
+        try:
+            fd, _ = open_regular(path)
+        except DataCheckError as error:
+            warnings.append(f"{name} not copied: {error}")
+            continue
+        with open(fd, "rb") as source, open(directory / name, "wb") as target:
+            shutil.copyfileobj(source, target)
+        written.append(name)
+    return written
+
+
+def check_placement_matches(placement: Placement, sources: list[SourceTensor], *, where: Path, source: str) -> None:
+    shapes = {s.name: s.shape for s in sources}
+    missing = [name for name in placement.param_shapes() if name not in shapes]
+    wrong = [
+        f"{name} {list(shapes[name])} (model: {list(shape)})"
+        for name, shape in placement.param_shapes().items()
+        if name in shapes and shapes[name] != shape
+    ]
+    if missing or wrong:
+        detail = f"missing {missing[:3]}" if missing else f"different shapes {wrong[:3]}"
+        raise DataCheckError(f"{where}: does not match {source}: {detail}")
+
+
+def convert_to_sharded(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    world_size: int,
+    placement: Placement | None = None,
+    placement_source: str = "the placement",
+    aliases: dict[str, str] | None = None,
+    cast_to: str | None = None,
+    with_optimizer: bool = False,
+    strategy: str = "full",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> dict:
+    """`aliases`: the model's tied names ({alias: stored name}), for files that store a tied
+    weight once without saying so (transformers' save_pretrained)."""
+    if world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world_size}")
+    full = open_full(src, with_optimizer=with_optimizer)
+    sources = list(full.tensors)
+    # the export layout to undo (None: the names already are the model's, or match the placement)
+    restore = None if placement is not None and _names_match(placement, sources) else full.layout
+    total = sum(s.nbytes for s in sources)
+    needed = 2 * sum(s.numel * dtype_info(output_dtype(s.dtype, cast_to)).itemsize for s in sources) + world_size * 65536
+    needed_for = f" for {world_size} rank files (--world-size {world_size})"
+    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=needed, needed_for=needed_for) as tmp:
+        stored = full.aliases
+        if restore is not None:
+            sources, stored = restore_layout(full, restore, tmp / SCRATCH_NAME, chunk_size=chunk_size)
+        names = {s.name for s in sources}
+        aliases = {**{a: t for a, t in (aliases or {}).items() if a not in names and t in names}, **stored}
+        if placement is None:
+            placement = Placement.even()
+        else:
+            check_placement_matches(placement, sources, where=Path(src), source=placement_source)
+        written = write_sharded(
+            tmp,
+            sources=sources,
+            placement=placement,
+            world_size=world_size,
+            strategy=strategy,
+            training_state={},
+            aliases=aliases,
+            cast_to=cast_to,
+            chunk_size=chunk_size,
+            progress=_progress_callback(progress, total),
+        )
+        (tmp / SCRATCH_NAME).unlink(missing_ok=True)
+    return {
+        "src": str(src),
+        "dst": str(dst),
+        "to": "sharded",
+        "world_size": world_size,
+        "placement": placement.kind,
+        "files": written.files,
+        "tensors": len(written.manifest.tensors),
+        "bytes": written.bytes,
+        "dtype": cast_to,
+    }
+
+
+def _names_match(placement: Placement, sources: list[SourceTensor]) -> bool:
+    names = {s.name for s in sources}
+    return all(name in names for name in placement.param_shapes())
+
+
+def split_into_files(
+    tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None
+) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+    """Greedy split of (name, dtype, shape) in order into files of at most `max_shard_size` bytes
+    (a tensor larger than that gets a file of its own). One file is `<prefix>.safetensors`."""
+    groups: list[list] = [[]]
+    size = 0
+    for entry in tensors:
+        size_bytes = nbytes(entry[2], entry[1])
+        if max_shard_size is not None and groups[-1] and size + size_bytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += size_bytes
+    if len(groups) == 1:
+        return [(f"{prefix}.safetensors", groups[0])]
+    count = len(groups)
+    return [(f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors", group) for i, group in enumerate(groups)]
+
+
+def index_document(files: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> dict:
+    total = sum(nbytes(shape, dtype) for _, group in files for _, dtype, shape in group)
+    return {"metadata": {"total_size": total}, "weight_map": {name: file for file, group in files for name, _, _ in group}}
+
+
+_UNSIGNED = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+
+
+def transposed_bytes(copier: ByteEngine, source: SourceTensor, out_dtype: str):
+    """The 2-D tensor `source`, cast to `out_dtype`, transposed: a C-contiguous numpy array of
+    its raw elements (unsigned integers of the element size, whatever the dtype)."""
+    import numpy as np
+
+    rows, cols = source.shape
+    itemsize = dtype_info(out_dtype).itemsize
+    data = bytearray(rows * cols * itemsize)
+    filled = 0
+
+    def collect(view: memoryview) -> None:
+        nonlocal filled
+        data[filled : filled + view.nbytes] = view
+        filled += view.nbytes
+
+    copier.copy(source, ElementRange(0, source.numel), out_dtype, collect)
+    return np.ascontiguousarray(np.frombuffer(data, dtype=_UNSIGNED[itemsize]).reshape(rows, cols).T)
+
+
+def restore_layout(
+    full: FullCheckpoint, layout: ExportLayout, scratch: Path, *, chunk_size: int
+) -> tuple[list[SourceTensor], dict[str, str]]:
+    """The tensors of a full checkpoint written with `layout` (its `full.layout`), under
+    fsdpkit's names and orientation, and its aliases likewise. Transposed tensors are transposed
+    back into the safetensors file `scratch` (the caller removes it); the others are read where
+    they are."""
+    renamed, back = [], []
+    for tensor in full.tensors:
+        if is_optimizer_tensor(tensor.name):  # optimizer state keeps fsdpkit's names and orientation
+            renamed.append(tensor)
+            continue
+        original = layout.original_name(tensor.name)
+        if original is None:
+            raise DataCheckError(
+                f"{full.root}: tensor {tensor.name!r} does not follow the export layout the files record (prefix {layout.prefix!r})"
+            )
+        if layout.is_transposed(original, tuple(reversed(tensor.shape))):  # square ones too (attn.c_proj)
+            back.append((original, tensor))
+        else:
+            renamed.append(SourceTensor(original, tensor.shape, tensor.dtype, tensor.pieces))
+    if back:
+        copier = ByteEngine(chunk_size=chunk_size)
+        try:
+            entries = [(name, tensor.dtype, tuple(reversed(tensor.shape))) for name, tensor in back]
+            with StreamingWriter(scratch, entries, metadata={"format": "pt"}, sync=False) as writer:
+                by_name = dict(back)
+                for name, _ in writer.order:
+                    writer.write(transposed_bytes(copier, by_name[name], by_name[name].dtype))
+        finally:
+            copier.close()
+        restored = {t.name: t for t in open_full(scratch).tensors}
+        renamed += [restored[name] for name, _ in back]
+    aliases = {layout.original_name(alias) or alias: layout.original_name(target) or target for alias, target in full.aliases.items()}
+    return renamed, aliases
+
+
+def reshard(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    world_size: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+    warn=None,
+) -> dict:
+    if world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world_size}")
+    checkpoint = open_sharded(src)
+    old = checkpoint.manifest
+    state, warnings = resharded_training_state(old.training_state, old_world_size=old.shard_factor, new_world_size=world_size)
+    for line in warnings:
+        if warn is not None:
+            warn(line)
+    sources = checkpoint.sources()
+    total = sum(s.nbytes for s in sources)
+    needed_for = f" for {world_size} rank files (--world-size {world_size})"
+    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=total + world_size * 65536, needed_for=needed_for) as tmp:
+        written = write_sharded(
+            tmp,
+            sources=sources,
+            placement=old.placement,
+            world_size=world_size,
+            strategy=old.strategy,
+            training_state=state,
+            aliases=old.aliases,
+            cast_to=None,
+            chunk_size=chunk_size,
+            progress=_progress_callback(progress, total),
+        )
+    return {
+        "src": str(checkpoint.step_dir),
+        "dst": str(dst),
+        "from_world_size": old.shard_factor,
+        "world_size": world_size,
+        "placement": old.placement.kind,
+        "files": written.files,
+        "tensors": len(written.manifest.tensors),
+        "bytes": written.bytes,
+        "warnings": warnings,
+    }

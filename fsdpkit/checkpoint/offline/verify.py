@@ -1,0 +1,222 @@
+"""`fsdpkit verify`: every check a checkpoint can be put through, as a list of problems.
+
+Sharded checkpoints: the manifest (schema, version, tensor table, placement, aliases), every
+rank file (a regular file, present, of the size and with the header the manifest derives;
+v1: as listed, keys and dtypes agreeing), nothing else in the directory, and the crc32 of
+every fragment, recomputed file by file through one reused buffer (no torch; memory does not
+grow with the world size). Full checkpoints (model.safetensors / index, and the optimizer's
+files of an export that has them): headers, sizes and the index; they carry no checksums.
+`verify_checkpoint` returns a JSON-able report; `ok` is true when `problems` is empty.
+
+`summarize(path)` (`fsdpkit inspect`): what a checkpoint holds, headers only, no data read:
+format, version, world size, strategy, placement, step and samples, tensor counts and bytes
+for the model and the optimizer, the training run's settings, dtypes, the largest tensors, files with sizes, tied-weight
+aliases (full checkpoints: files, the optimizer's too when an export has them, tensors, bytes,
+dtypes, largest tensors). Invalid
+checkpoints raise `DataCheckError`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ...dtypes import dtype_info
+from ...errors import DataCheckError
+from ..format.bytecopy import DEFAULT_CHUNK_SIZE
+from ..format.crc import crc32
+from ..format.files import open_regular, pread_into
+from ..format.manifest import load_manifest
+from ..format.names import FORMAT_NAME, MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, is_optimizer_tensor, numel
+from ..format.placement import FileLayout
+from ..format.reader import RankFile, ShardedCheckpoint, check_v2_size, is_full_checkpoint, open_full, open_sharded, v2_crcs
+from ..format.storage import resolve_checkpoint
+
+WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
+PROGRESS_BYTES = 8 * 1024 * 1024
+
+
+def verify_checkpoint(
+    path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, progress: Callable[[int, int], None] | None = None
+) -> dict:
+    path = Path(path)
+    if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
+        return _verify_full(path)
+    report: dict[str, Any] = {"path": str(path), "kind": "sharded", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
+    try:
+        step_dir = resolve_checkpoint(path)
+        report["path"] = str(step_dir)
+        manifest = load_manifest(step_dir)
+    except DataCheckError as error:
+        report["problems"].append(str(error))
+        return report
+    checkpoint = ShardedCheckpoint(step_dir, manifest)
+    total = sum(t.nbytes for t in manifest.tensors)
+    if progress:
+        progress(0, total)
+    problems, fragments, checked = check_files(
+        checkpoint, chunk_size, progress=(lambda count: progress(count, total)) if progress else None
+    )
+    problems.extend(checkpoint.unexpected_files())
+    report.update(ok=not problems, problems=problems, tensors=len(manifest.tensors), fragments=fragments, bytes=checked)
+    return report
+
+
+def check_files(
+    checkpoint: ShardedCheckpoint, chunk_size: int, *, progress: Callable[[int], None] | None = None
+) -> tuple[list[str], int, int]:
+    """Every rank file: (one line per problem, fragments checked, bytes checked). A v2 file of
+    at most WHOLE_FILE_BYTES is read with one system call into a reused buffer, its header
+    compared with the derived one, and each fragment's crc32 computed on a slice of it."""
+    problems, fragments, checked, unreported = [], 0, 0, 0
+    buffer = bytearray(max(chunk_size, WHOLE_FILE_BYTES if checkpoint.layout is not None else 0))
+    for index in range(len(checkpoint.file_names())):
+        try:
+            expected = checkpoint.layout.file_layout(index) if checkpoint.layout is not None else None
+            if expected is not None and expected.size <= WHOLE_FILE_BYTES:
+                found, count, nbytes = _check_whole_v2(checkpoint, index, expected, memoryview(buffer))
+                unreported += nbytes
+            else:
+                rank_file = checkpoint.rank_file(index, cache=False)
+                found = _check_crcs(rank_file, checkpoint.manifest, buffer, progress or (lambda count: None))
+                count, nbytes = len(rank_file), int(sum(rank_file.ends) - sum(rank_file.begins))
+        except DataCheckError as error:
+            problems.append(str(error))
+            continue
+        problems.extend(found)
+        fragments += count
+        checked += nbytes
+        if progress is not None and unreported >= PROGRESS_BYTES:
+            progress(unreported)
+            unreported = 0
+    if progress is not None and unreported:
+        progress(unreported)
+    return problems, fragments, checked
+
+
+def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, expected: FileLayout, buffer: memoryview) -> tuple[list[str], int, int]:
+    path = checkpoint.rank_file_path(rank)
+    fd, size = open_regular(path)
+    try:
+        check_v2_size(path, size, expected)
+        view = buffer[:size]
+        pread_into(fd, 0, view, path)
+    finally:
+        os.close(fd)
+    start = expected.data_start
+    stored = v2_crcs(path, bytes(view[:start]), expected)
+    problems = []
+    for (begin, end), crc, tensor in zip(expected.spans, stored, expected.tensors, strict=True):
+        if crc32(view[start + begin : start + end]) != crc:
+            problems.append(_mismatch(path, checkpoint.manifest.tensors[tensor].name, crc, crc32(view[start + begin : start + end])))
+    return problems, len(expected.tensors), size - start
+
+
+def _mismatch(path: Path, name: str, stored: int, found: int) -> str:
+    return f"{path}: checksum mismatch in tensor {name!r}: stored crc32 {stored:08x}, data gives {found:08x}"
+
+
+def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Callable[[int], None]) -> list[str]:
+    """Read the file's data front to back, one buffer at a time; one line per fragment whose
+    crc32 differs."""
+    problems: list[str] = []
+    if not len(rank_file):
+        return problems
+    fd, _ = open_regular(rank_file.path)
+    try:
+        view = memoryview(buffer)
+        position, end = rank_file.begins[0], rank_file.ends[-1]  # relative to the data buffer
+        index, crc = 0, 0
+        while position < end:
+            count = os.preadv(fd, [view[: min(len(buffer), end - position)]], rank_file.data_start + position)
+            if count == 0:
+                raise DataCheckError(f"{rank_file.path}: file ends before its data does (truncated)")
+            block, base = view[:count], position
+            while base < position + count:
+                stop = min(rank_file.ends[index], position + count)
+                crc = crc32(block[base - position : stop - position], crc)
+                base = stop
+                if stop == rank_file.ends[index]:
+                    if crc != rank_file.crcs[index]:
+                        problems.append(
+                            _mismatch(rank_file.path, manifest.tensors[rank_file.tensors[index]].name, rank_file.crcs[index], crc)
+                        )
+                    index, crc = index + 1, 0
+            position += count
+            advance(count)
+    finally:
+        os.close(fd)
+    return problems
+
+
+def _has_optimizer_files(path: Path) -> bool:
+    """A full export written with its optimizer state (convert --with-optimizer)."""
+    root = path if path.is_dir() else path.parent
+    return (root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists()
+
+
+def _verify_full(path: Path) -> dict:
+    report: dict[str, Any] = {"path": str(path), "kind": "full", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
+    try:
+        full = open_full(path, with_optimizer=_has_optimizer_files(path))
+    except DataCheckError as error:
+        report["problems"].append(str(error))
+        return report
+    report.update(ok=True, tensors=len(full.tensors), files=len(full.files), bytes=sum(t.nbytes for t in full.tensors))
+    return report
+
+
+LARGEST = 5
+
+
+def _tensor_stats(items: list[tuple[str, str, tuple[int, ...]]]) -> dict:
+    def size(item):
+        return numel(item[2]) * dtype_info(item[1]).itemsize
+
+    model = [i for i in items if not is_optimizer_tensor(i[0])]
+    optim = [i for i in items if is_optimizer_tensor(i[0])]
+    largest = sorted(items, key=size, reverse=True)[:LARGEST]
+    return {
+        "model": {"tensors": len(model), "bytes": sum(map(size, model)), "elements": sum(numel(i[2]) for i in model)},
+        "optimizer": {"tensors": len(optim), "bytes": sum(map(size, optim))},
+        "dtypes": dict(Counter(i[1] for i in items)),
+        "largest": [{"name": n, "dtype": d, "shape": list(s), "bytes": size((n, d, s))} for n, d, s in largest],
+    }
+
+
+def summarize(path: str | Path) -> dict:
+    path = Path(path)
+    if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
+        full = open_full(path, with_optimizer=_has_optimizer_files(path))
+        summary: dict[str, Any] = {
+            "path": str(path),
+            "format": "safetensors-full",
+            "files": [{"name": f.name, "size": f.stat().st_size} for f in full.files],
+            "aliases": full.aliases,
+        }
+        summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in full.tensors]))
+        return summary
+    checkpoint = open_sharded(path)
+    manifest = checkpoint.manifest
+    state = manifest.training_state
+    files = [checkpoint.rank_file(index) for index in range(len(checkpoint.file_names()))]
+    summary = {
+        "path": str(checkpoint.step_dir),
+        "format": FORMAT_NAME,
+        "version": manifest.version,
+        "world_size": manifest.shard_factor,
+        "strategy": manifest.strategy,
+        "placement": manifest.placement.kind,
+        "units": len(manifest.placement.units),
+        "step": state.get("step"),
+        "samples": state.get("samples"),
+        "config": state.get("config"),  # the training run's settings (fsdpkit train), if it recorded them
+        "fragments": sum(len(f) for f in files),
+        "files": [{"name": f.path.name, "size": f.size} for f in files],
+        "aliases": manifest.aliases,
+    }
+    summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in manifest.tensors]))
+    return summary

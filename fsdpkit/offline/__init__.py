@@ -1,4 +1,0 @@
-"""The offline commands over fsdpkit checkpoints, built on fsdpkit.checkpoint: convert and
-reshard (convert.py), verify and inspect (verify.py), and what `--model` says of a model
-(model_description.py: asked of a child process). Byte copies over fragments in bounded
-memory; none of them imports torch."""
