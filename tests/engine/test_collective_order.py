@@ -5,7 +5,7 @@ before running it and raises on any mismatch."""
 from __future__ import annotations
 
 import torch.distributed as dist
-from distributed import run_distributed
+from support.distributed import run_distributed
 
 from fsdpkit.engine.config import ShardingConfig
 from fsdpkit.train.config import DataConfig, OptimizerConfig, TrainConfig

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpoint_helpers import run_cli, tree_snapshot
 from safetensors.torch import load_file
+from support.checkpoint_files import run_cli, tree_snapshot
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
-from distributed import run_distributed  # noqa: E402
+from support.distributed import run_distributed  # noqa: E402
 
 from fsdpkit.models.source import resolve  # noqa: E402
 

@@ -28,9 +28,9 @@ from safetensors.torch import load_file
 os.environ["HF_HUB_OFFLINE"] = "1"  # no network anywhere (workers inherit it)
 transformers = pytest.importorskip("transformers")  # the [hf] extra: `make test` and CI install it (test_hf_missing.py needs none)
 
-from distributed import run_distributed  # noqa: E402
 from fsdpkit_cli.app import app  # noqa: E402
-from reference import train_unsharded  # noqa: E402
+from support.distributed import run_distributed  # noqa: E402
+from support.reference import train_unsharded  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 import fsdpkit  # noqa: E402

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
+from support.checkpoint_files import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
 from fsdpkit.checkpoint.format import storage
 from fsdpkit.checkpoint.format.manifest import save_manifest
@@ -23,7 +23,7 @@ from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 from fsdpkit.errors import DataCheckError, RunError
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def _tensors(step):
@@ -112,7 +112,7 @@ def test_resaving_a_step_replaces_it(tmp_path):
 SAVER = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from _checkpoint_helpers import SAMPLE_UNITS, sample_tensors, save_checkpoint
+    from support.checkpoint_files import SAMPLE_UNITS, sample_tensors, save_checkpoint
     base = {{n: t.repeat_interleave(200, dim=0) for n, t in sample_tensors().items()}}  # ~1.5 MB per checkpoint
     step = {start}
     while True:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import run_distributed
+from support.distributed import run_distributed
 
 import fsdpkit
 from fsdpkit.comm import CommStats

@@ -94,7 +94,7 @@ def test_dcp_output_metadata_is_dcps_own(tmp_path):
     """`.metadata` pickled without torch unpickles in torch to DCP's own classes, equal to what
     they give; torch's `dcp.load` reads every tensor and bytes item back."""
     import torch.distributed.checkpoint as dcp
-    from _checkpoint_helpers import run_cli
+    from support.checkpoint_files import run_cli
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -156,8 +156,8 @@ def test_torch_save_chunk_views(tmp_path):
     """A chunk saved as a view at a storage offset is read from there, as torch reads it; a
     non-contiguous one is refused, naming the chunk."""
     import torch.distributed.checkpoint as dcp
-    from _checkpoint_helpers import run_cli
     from safetensors.torch import load_file
+    from support.checkpoint_files import run_cli
 
     base = torch.arange(24.0).reshape(8, 3)
     for name, tensor in (("view", base[2:6]), ("strided", base[:4].t())):

@@ -23,7 +23,7 @@ from typer.core import TyperCommand
 from fsdpkit.errors import UsageError
 from fsdpkit.train.config import TrainConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 200
 SHELL_STOPS = {"|", "||", "&", "&&", ";", ">", ">>", "<", "2>", "2>&1"}

@@ -20,7 +20,6 @@ from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 from fsdpkit.bench import patterns
-from fsdpkit.bench import runner as bench_runner
 from fsdpkit.bench.options import BenchOptions, parse_dtype
 
 SMALL = ["--nproc-per-node", "2", "--backend", "gloo", "--min-bytes", "1K", "--max-bytes", "4K", "--iters", "2", "--warmup", "1"]
@@ -94,14 +93,6 @@ def test_worker_failure_exits_1_with_rank_and_reason():
     result = _invoke(["allreduce", *SMALL], env={"FSDPKIT_BENCH_FAIL_RANK": "1"})
     assert result.exit_code == 1
     assert result.stderr.strip() == "error: worker rank 1 failed: RuntimeError: injected failure (FSDPKIT_BENCH_FAIL_RANK=1)"
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    def launch(*args, **kwargs):
-        raise AssertionError("bad input must be rejected before launching")
-
-    monkeypatch.setattr(bench_runner, "launch", launch)
 
 
 @pytest.mark.parametrize(

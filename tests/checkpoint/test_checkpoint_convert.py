@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
-from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors, save_checkpoint, tree_snapshot
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from support.checkpoint_files import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors, save_checkpoint, tree_snapshot
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.layout import ElementRange, FlatLayout

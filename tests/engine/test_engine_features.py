@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from distributed import run_distributed
+from support.distributed import run_distributed
 
 import fsdpkit
 from fsdpkit.comm import CommStats
@@ -278,7 +278,7 @@ def _shard_error(model: nn.Module) -> str:
 def deferred_generic_checks() -> GenericInitResult:
     """Models without init_parameter: each module's reset_parameters(); anything left
     uninitialised, or a buffer that cannot be recomputed, is an error, never garbage."""
-    from models import EdgeCaseNet
+    from support.models import EdgeCaseNet
 
     def layers():
         return nn.Sequential(nn.Linear(4, 8), nn.ModuleList([nn.Linear(8, 8), nn.LayerNorm(8)]), nn.Linear(8, 2))

@@ -2,7 +2,7 @@
 
 `save_checkpoint` writes every rank's file with the same function a training rank uses
 (`state.write_rank`: the layout derived from the manifest, each rank's bytes from its own
-data), then commits as rank 0 does. `tests/_checkpoint_v1.py` writes the old format.
+data), then commits as rank 0 does. `tests/support/checkpoint_v1.py` writes the old format.
 """
 
 from __future__ import annotations

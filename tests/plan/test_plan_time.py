@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import run_distributed
 from fsdpkit_cli.app import app
+from support.distributed import run_distributed
 from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
-from reference import train_unsharded
+from support.distributed import run_distributed
+from support.reference import train_unsharded
 
 import fsdpkit
 from fsdpkit.models.registry import build_model

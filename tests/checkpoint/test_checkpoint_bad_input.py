@@ -17,8 +17,8 @@ from collections import namedtuple
 
 import pytest
 import torch
-from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors, save_checkpoint, tree_snapshot
-from _checkpoint_v1 import write_v1
+from support.checkpoint_files import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors, save_checkpoint, tree_snapshot
+from support.checkpoint_v1 import write_v1
 
 from fsdpkit.checkpoint.format import storage
 from fsdpkit.checkpoint.format.manifest import check_compatible

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import run_distributed
-from models import EdgeCaseNet
+from support.distributed import run_distributed
+from support.models import EdgeCaseNet
 
 import fsdpkit
 from fsdpkit.engine.sharded import get_state

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from _checkpoint_helpers import save_checkpoint
 from safetensors import safe_open
+from support.checkpoint_files import save_checkpoint
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.layout import ElementRange

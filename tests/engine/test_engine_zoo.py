@@ -1,4 +1,4 @@
-"""Models that are not the built-in GPT (tests/models.py: ZooNet), at world sizes 1, 2 and 4,
+"""Models that are not the built-in GPT (tests/support/models.py: ZooNet), at world sizes 1, 2 and 4,
 under every strategy, with and without activation checkpointing, prefetching, bf16 and CPU
 offload: each run against an unsharded reference and against torch's FSDP2 run in the same
 worker. Also deferred init through reset_parameters(), recovery from a forward that raised,
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from distributed import run_distributed
-from models import FrozenAdapter, ZooBlock, ZooNet, zoo_units
+from support.distributed import run_distributed
+from support.models import FrozenAdapter, ZooBlock, ZooNet, zoo_units
 
 import fsdpkit
 from fsdpkit.comm import Collectives

@@ -23,7 +23,6 @@ from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 import fsdpkit
-from fsdpkit.train import launcher
 from fsdpkit.train.config import SECTIONS, TOP
 
 runner = CliRunner()
@@ -383,14 +382,6 @@ def test_flags_override_the_config_file(tmp_path):
     assert values["steps"] == 7 and values["optimizer"]["lr"] == 0.01
     assert values["sharding"]["cpu_offload"] is False
     assert values["sharding"]["mixed_precision"] == "bf16" and values["sharding"]["reduce_dtype"] == "fp32"
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    def launch(*args, **kwargs):
-        raise AssertionError("bad input must be rejected before launching")
-
-    monkeypatch.setattr(launcher, "launch", launch)
 
 
 @pytest.mark.parametrize(

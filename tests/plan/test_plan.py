@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import run_distributed
 from fsdpkit_cli.app import app
+from support.distributed import run_distributed
 from typer.testing import CliRunner
 
 import fsdpkit
@@ -22,7 +22,7 @@ from fsdpkit.memory_plan import PlanRequest, plan_memory
 from fsdpkit.memory_timeline import UnitFootprint, peak_unsharded
 from fsdpkit.train.config import TrainConfig
 
-# tests/models.py EdgeCaseNet under the ModuleList rule: root (inp 5x7+7, branch 3x3+3,
+# tests/support/models.py EdgeCaseNet under the ModuleList rule: root (inp 5x7+7, branch 3x3+3,
 # head 3x2+2) = 62 elements in 6 tensors; layers.0 = 7x7+7+1 = 57 (3 tensors);
 # layers.1 = 7x3+3+1 = 25 (3 tensors); layers.2 = 1 (1 tensor). 13 tensors, 145 elements.
 EDGE = "models:EdgeCaseNet"

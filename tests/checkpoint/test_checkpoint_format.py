@@ -14,9 +14,9 @@ import zlib
 
 import pytest
 import torch
-from _checkpoint_helpers import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file
+from support.checkpoint_files import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
 from fsdpkit.checkpoint.format.crc import cast_into, crc32, crc32_combine
 from fsdpkit.checkpoint.format.manifest import Manifest

@@ -1,15 +1,15 @@
 """Format-1 checkpoints (written before format 2) still load, verify, inspect, convert and
 reshard; what they become is format 2. The v1 files come from a generator in the tests
-(`_checkpoint_v1.py`), compared with the tensors they were made from."""
+(`tests/support/checkpoint_v1.py`), compared with the tensors they were made from."""
 
 from __future__ import annotations
 
 import json
 
 import torch
-from _checkpoint_helpers import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors
-from _checkpoint_v1 import write_v1
 from safetensors.torch import load_file
+from support.checkpoint_files import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors
+from support.checkpoint_v1 import write_v1
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.layout import ElementRange
