@@ -191,8 +191,10 @@ class LoggingConfig:
     tensorboard: str | None = setting(
         None, "Also write the same scalars as TensorBoard event files into this directory (needs the [tensorboard] extra).", metavar="DIR"
     )
-    log_every: int = setting(10, "Without a terminal on stderr: one progress line every N steps ...")
-    log_seconds: float = setting(30.0, "... or every S seconds, whichever comes first (with a terminal: a bar).")
+    log_every: int = setting(10, "Without a terminal on stderr: a progress line every N steps or --log-seconds, whichever comes first.")
+    log_seconds: float = setting(
+        30.0, "Without a terminal on stderr: a progress line every S seconds or --log-every steps (a terminal gets a bar)."
+    )
     quiet: bool = setting(False, "No progress bar or progress lines (errors and the summary only).")
 
     def __post_init__(self) -> None:
