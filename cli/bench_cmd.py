@@ -89,15 +89,15 @@ def _run(
     ] = None,
     **settings: Any,
 ) -> None:
-    from fsdpkit.bench.report import report_document, write_csv
-    from fsdpkit.bench.runner import plan_bench, raise_if_wrong, run_plan, table_stream
-
     given = given_values(sections, ctx, settings)
     bench, launch = sections
     options = bench.from_values({k: v for k, v in given.items() if k != "launch"}, where="")
     launch_options = launch.from_values(given.get("launch", {}), where="")
     if csv_file is not None:
         check_writable_file(str(csv_file), "--csv")
+    from fsdpkit.bench.report import report_document, write_csv  # torch: after every flag is checked
+    from fsdpkit.bench.runner import plan_bench, raise_if_wrong, run_plan, table_stream
+
     plan = plan_bench(options, launch_options=launch_options)
     if json_output:
         report = run_plan(plan, launch_options=launch_options)
