@@ -91,7 +91,7 @@ def route_for(source: str, request: ConvertRequest) -> Route:
     to it, every option it needs is given and every count is positive; a UsageError naming the
     option and the source format otherwise."""
     if request.to not in TARGETS:
-        raise UsageError(f"unknown --to {request.to!r}: use {', '.join(TARGETS)}")
+        raise UsageError(f"unknown --to {request.to!r}: use {', '.join(TARGETS[:-1])} or {TARGETS[-1]}")
     route = ROUTES.get((source, request.to))
     if route is None:
         reachable = [target for (known, target) in ROUTES if known == source]
