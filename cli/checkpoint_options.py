@@ -41,7 +41,7 @@ def chunk_bytes(text: str) -> int:
     """--chunk-size in bytes: at least 1K, and two buffers of it within half the memory available."""
     size = parse_size(text)
     if size < 1024:
-        raise UsageError(f"--chunk-size {text!r} is {size} bytes; use at least 1K")
+        raise UsageError(f"--chunk-size {text!r} is {count(size, 'byte')}; use at least 1K")
     available = available_memory_bytes()
     if 2 * size > available // 2:  # a chunk read ahead while one is written: two buffers
         raise UsageError(

@@ -56,6 +56,7 @@ CASES = [
     (("convert", "good", "existing", "--to", "full"), 2, "destination existing already exists; pass --overwrite"),
     (("convert", "good", "out", "--to", "full", "--chunk-size", "12Q"), 2, "unknown size unit 'Q'"),
     (("convert", "good", "out", "--to", "full", "--chunk-size", "1000T"), 2, "needs two 1000.0 TiB buffers"),
+    (("convert", "good", "out", "--to", "full", "--chunk-size", "1"), 2, "--chunk-size '1' is 1 byte; use at least 1K"),
     (("convert", "good", "out", "--to", "full", "--dtype", "fp8"), 2, "unknown --dtype 'fp8'"),
     (("convert", "corrupt", "out", "--to", "full"), 3, "rank-00001-of-00002.safetensors"),
     (("convert", "good", "out", "--to", "sharded", "--world-size", "2"), 3, "not a full safetensors checkpoint"),
