@@ -10,11 +10,12 @@ import typer
 from fsdpkit.errors import UsageError
 from fsdpkit.sizes import format_size
 
-from .app import app
 from .common import byte_progress, handle_errors, print_json
 
+command_app = typer.Typer(add_completion=False)
 
-@app.command("prepare-data", short_help="Tokenise a text file into a flat token file (.bin) for train --data.")
+
+@command_app.command("prepare-data", short_help="Tokenise a text file into a flat token file (.bin) for train --data.")
 @handle_errors
 def prepare_data(
     text: Path = typer.Argument(..., help="The text file (UTF-8), tokenised in blocks that end at a line break."),

@@ -10,11 +10,12 @@ import typer
 
 from fsdpkit.errors import UsageError
 
-from .app import app
 from .common import handle_errors
 
+command_app = typer.Typer(add_completion=False)
 
-@app.command("report", short_help="Draw train --metrics, bench --json (busbw) or plan --scaling --json (TFLOPS/device) as a PNG.")
+
+@command_app.command("report", short_help="Draw train --metrics, bench --json (busbw) or plan --scaling --json (TFLOPS/device) as a PNG.")
 @handle_errors
 def report(
     source: Annotated[

@@ -9,12 +9,14 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-
-import torch
-import torch.nn as nn
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
-from .gpt import GPTConfig
+from .gpt_config import GPTConfig
+
+if TYPE_CHECKING:  # torch is imported when a model is built: the names are known without it
+    import torch
+    import torch.nn as nn
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64),

@@ -119,6 +119,8 @@ def resolve(spec: str) -> ModelSource:
             tokenizer=f"{hf.PREFIX}{directory}" if hf.has_tokenizer(directory) else None,
             export=hf.export_for(config, directory),
         )
+    if spec in hf.PRESETS:
+        raise UsageError(f"--model {spec!r} is not a built-in model ({', '.join(GPT_CONFIGS)}): did you mean {hf.PREFIX}{spec}?")
     factory = load_object(spec, what="model factory")
     if not callable(factory):
         raise UsageError(f"model factory {spec!r} is not callable")

@@ -106,6 +106,10 @@ def test_worker_failure_exits_1_with_rank_and_reason():
         (["allreduce", "--iters", "0"], "error: --iters must be >= 1, got 0"),
         (["gather"], "error: unknown collective 'gather': choose from allgather, reducescatter, allreduce, broadcast, alltoall, all"),
         (
+            ["--nproc-per-node", "2"],
+            "error: missing collective before --nproc-per-node: fsdpkit bench COLLECTIVE [OPTIONS], with COLLECTIVE one of allgather,",
+        ),
+        (
             ["broadcast", "--dtype", "int8"],
             "error: unknown --dtype 'int8': choose from float32, bfloat16, float16 (nccl-tests: float, half, bfloat16)",
         ),

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from support.checkpoint_files import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors, save_checkpoint, tree_snapshot
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
+from fsdpkit.errors import UsageError
 from fsdpkit.layout import ElementRange, FlatLayout
 from fsdpkit.models.registry import build_model
 from fsdpkit.models.units import unit_plan_for_model
@@ -426,3 +427,34 @@ def test_reshard_by_two_processes_equals_one(sharded, tmp_path, monkeypatch):
     write_file = bytecopy.write_file
     one, two = errors(runs[2], write_file=full_disk)
     assert one == two and "nothing written" in one and "(ENOSPC)" in one
+
+
+def _some_value(option: str):
+    return 2 if option in ("world_size", "max_shard_size") else True if option == "with_optimizer" else "x"
+
+
+def test_every_route_names_known_options_and_a_converter_of_one_shape():
+    """The route table (which options apply to which source format and target) names only
+    options ConvertRequest has and the command line spells, and functions that exist."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    from fsdpkit.checkpoint.offline.routes import OPTION_FLAGS, ROUTES, SOURCES, ConvertRequest, route_for
+
+    fields = {f.name for f in dataclasses.fields(ConvertRequest)}
+    assert set(OPTION_FLAGS) <= fields
+    assert list(SOURCES.values())[-1] is None and None not in list(SOURCES.values())[:-1]  # one catch-all, last
+    for (source, target), route in ROUTES.items():
+        assert source in SOURCES and set(route.required) <= set(OPTION_FLAGS) and set(route.optional) <= set(OPTION_FLAGS)
+        module, _, name = route.converter.partition(":")
+        function = getattr(importlib.import_module(module), name)
+        assert list(inspect.signature(function).parameters) == ["src", "dst", "request", "progress"], route.converter
+        given = {
+            name: 2 if name in ("world_size", "max_shard_size") else True if name == "with_optimizer" else "x" for name in route.required
+        }
+        assert route_for(source, ConvertRequest(to=target, **given)) is route
+        for name in set(OPTION_FLAGS) - set(route.required) - set(route.optional):
+            value = _some_value(name)
+            with pytest.raises(UsageError, match=f"^{OPTION_FLAGS[name]} does not apply to --to {target} from a {source} checkpoint"):
+                route_for(source, ConvertRequest(to=target, **given, **{name: value}))

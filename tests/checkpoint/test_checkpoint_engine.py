@@ -19,6 +19,7 @@ from support.models import EdgeCaseNet
 
 import fsdpkit
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
+from fsdpkit.checkpoint.offline.verify import summarize
 from fsdpkit.engine.view import describe
 from fsdpkit.errors import RunError
 
@@ -82,7 +83,7 @@ def load_worker(directory: str) -> dict:
     optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=0.1), lr=1e-2)
     fsdpkit.load(model, optimizer, directory + "/never-stepped")
     empty_after_first = len(optimizer.state) == 0
-    fsdpkit.load(model, optimizer, directory + "/stepped")
+    resumed = fsdpkit.load(model, optimizer, directory + "/stepped")
     names = {id(p): n for n, p in model.named_parameters()}
     state = {}
     for unit in describe(model).units:
@@ -90,7 +91,7 @@ def load_worker(directory: str) -> dict:
             if param.tensor in optimizer.state:
                 st = optimizer.state[param.tensor]
                 state[names[id(param.tensor)]] = (param.fragment.param_range.start, st["exp_avg"].clone(), float(st["step"]))
-    return {"empty": empty_after_first, "weights": fsdpkit.full_state_dict(model), "state": state}
+    return {"empty": empty_after_first, "resumed_step": resumed.get("step"), "weights": fsdpkit.full_state_dict(model), "state": state}
 
 
 def reference() -> tuple[dict, dict]:
@@ -119,6 +120,9 @@ def test_save_at_one_world_size_load_strictly_at_another(tmp_path, save_world, l
     results = run_distributed(load_worker, load_world, str(tmp_path))  # loads step 2: compared with the reference below
     ref_weights, ref_state = reference()
     assert results[0]["empty"]
+    # save(..., step=S) records S: a resumed run continues from it, inspect shows it
+    assert {result["resumed_step"] for result in results.values()} == {2}
+    assert [summarize(Path(tmp_path) / "async" / f"step-0000000{s}")["step"] for s in (2, 3)] == [2, 3]
     for name, tensor in ref_weights.items():
         assert ((results[0]["weights"][name] - tensor).norm() / tensor.norm()).item() < 1e-5, name
     assert not any(name.startswith("branch.") for name in ref_state)

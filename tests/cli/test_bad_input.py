@@ -8,7 +8,10 @@ test_plan, test_checkpoint_bad_input); this table is the cross-command contract.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -41,6 +44,8 @@ CASES = [
     (TRAIN + ("--config", "missing.toml"), 2, "cannot read config file 'missing.toml'"),
     (TRAIN + ("--config", "notes.txt"), 2, "config file 'notes.txt' is not valid TOML"),
     (TRAIN + ("--bogus",), 2, "no such option: --bogus"),
+    (TRAIN + ("--world-size", "2"), 2, "no such option: --world-size: did you mean --nproc-per-node?"),
+    (TRAIN + ("--model", "gpt2-tiny"), 2, "--model 'gpt2-tiny' is not a built-in model (gpt-tiny, "),
     # convert
     (("convert",), 2, "missing argument 'src'"),
     (("convert", "good", "out", "--to", "fuller"), 2, "unknown --to 'fuller'"),
@@ -49,9 +54,16 @@ CASES = [
     (("convert", "good", "existing", "--to", "full"), 2, "destination existing already exists; pass --overwrite"),
     (("convert", "good", "out", "--to", "full", "--chunk-size", "12Q"), 2, "unknown size unit 'Q'"),
     (("convert", "good", "out", "--to", "full", "--chunk-size", "1000T"), 2, "needs two 1000.0 TiB buffers"),
+    (("convert", "good", "out", "--to", "full", "--chunk-size", "1"), 2, "--chunk-size '1' is 1 byte; use at least 1K"),
     (("convert", "good", "out", "--to", "full", "--dtype", "fp8"), 2, "unknown --dtype 'fp8'"),
     (("convert", "corrupt", "out", "--to", "full"), 3, "rank-00001-of-00002.safetensors"),
     (("convert", "good", "out", "--to", "sharded", "--world-size", "2"), 3, "not a full safetensors checkpoint"),
+    # convert: which options apply to which source format and target (the library's route table)
+    (("convert", "good", "out", "--to", "full", "--world-size", "2"), 2, "--world-size does not apply to --to full from a safetensors"),
+    (("convert", "good", "out", "--to", "dcp", "--dtype", "bf16"), 2, "--dtype does not apply to --to dcp from a safetensors checkpoint"),
+    (("convert", "good", "out", "--to", "full", "--dcp-model-key", "m"), 2, "--dcp-model-key does not apply to --to full"),
+    (("convert", "good", "out", "--to", "sharded"), 2, "--to sharded from a safetensors checkpoint needs --world-size"),
+    (("convert", "good", "out", "--to", "full", "--max-shard-size", "0"), 2, "--max-shard-size must be >= 1, got 0"),
     # reshard
     (("reshard", "good", "out"), 2, "--world-size is required"),
     (("reshard", "good", "out", "--world-size", "0"), 2, "--world-size must be >= 1, got 0"),
@@ -81,7 +93,7 @@ CASES = [
     (("report", "notes.txt"), 2, "line 1 is not a metrics record"),
     (("report", "missing.jsonl"), 2, "'missing.jsonl' is not a file"),
     (("report", "notes.txt", "--out", "nodir/r.png"), 2, "--out 'nodir/r.png' must be a file in an existing directory"),
-    # the command itself
+    # the command itself (no command at all: test_no_arguments_print_the_help_once_and_exit_2)
     (("frobnicate",), 2, "no such command 'frobnicate'"),
     (("--bogus",), 2, "no such option: --bogus"),
 ]
@@ -123,3 +135,51 @@ def test_the_table_spans_every_command():
     commands = {args[0] for args, _, _ in CASES}
     assert {"train", "convert", "reshard", "inspect", "verify", "plan", "bench", "report"} <= commands
     assert {code for _, code, _ in CASES} == {2, 3}
+
+
+def test_a_near_miss_names_what_exists():
+    """`--model gpt2-tiny` points to hf:gpt2-tiny, which is one of the Hugging Face presets."""
+    from fsdpkit.models.hf import PRESETS
+
+    result = CliRunner().invoke(app, [*TRAIN, "--model", "gpt2-tiny"])
+    assert result.exit_code == 2 and "did you mean hf:gpt2-tiny?" in result.stderr
+    assert "gpt2-tiny" in PRESETS
+
+
+@pytest.mark.parametrize("args", [(), ("bench",)], ids=["fsdpkit", "fsdpkit bench"])
+def test_no_arguments_print_the_help_once_and_exit_2(args):
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 2  # a missing argument, as the README says
+    assert result.stdout.count("Usage:") == 1 and result.stdout.count("Commands") == 1, result.stdout
+    assert result.stderr == ""
+
+
+FLAG_ERRORS = [
+    ["train", "--steps", "0"],
+    ["train", "--bogus"],
+    ["train", "--world-size", "2"],
+    ["train", "--timeout", "soon"],
+    ["train", "--log-every", "0"],
+    ["train", "--lr", "-1"],
+    ["train", "--keep-last", "2"],
+    ["bench", "allgather", "--iters", "0"],
+    ["bench", "--nproc-per-node", "2"],
+    ["convert", "a", "b", "--to", "fuller"],
+]
+FLAG_SCRIPT = """
+import json, sys
+from fsdpkit_cli.app import app
+codes = [app(args, standalone_mode=False) for args in json.loads(sys.argv[1])]
+print(json.dumps({"codes": codes, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_flag_error_comes_before_torch_is_imported():
+    """Flags are parsed and checked first: none of these imports torch (seconds), in one process."""
+    done = subprocess.run(
+        [sys.executable, "-c", FLAG_SCRIPT, json.dumps(FLAG_ERRORS)], capture_output=True, text=True, timeout=120, cwd=os.getcwd()
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report == {"codes": [2] * len(FLAG_ERRORS), "torch": False}, done.stderr
+    assert len(done.stderr.splitlines()) == len(FLAG_ERRORS) and all(line.startswith("error: ") for line in done.stderr.splitlines())

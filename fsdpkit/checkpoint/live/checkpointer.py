@@ -103,6 +103,7 @@ class Checkpointer:
             self.timings.snapshot += seconds
             self.timings.total += seconds
         state = dict(training_state or {})
+        state["step"] = step  # what inspect shows and a resumed run continues from
         state["optimizer"] = optimizer_hyperparameters(self.module, self.optimizer)
         export = hooks_of(self.module).export  # how convert hands it to transformers (export.py)
         if export is not None:
