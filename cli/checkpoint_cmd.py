@@ -14,9 +14,9 @@ import typer
 
 from fsdpkit import log
 from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
+from fsdpkit.dist.host import available_memory_bytes
 from fsdpkit.dtypes import from_spelling
 from fsdpkit.errors import UsageError
-from fsdpkit.host import available_memory_bytes
 from fsdpkit.sizes import format_size, parse_size
 
 from . import dcp_cmd

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
-from fsdpkit.layout import ElementRange, FlatLayout
-from fsdpkit.models.registry import build_model
+from fsdpkit.engine.flat_layout import ElementRange, FlatLayout
+from fsdpkit.models.source import build_model
 from fsdpkit.models.units import unit_plan_for_model
 
 ALIASES = {"lm_head.weight": "wte.weight"}

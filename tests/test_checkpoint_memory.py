@@ -13,7 +13,7 @@ from _checkpoint_helpers import save_checkpoint
 from safetensors import safe_open
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
-from fsdpkit.layout import ElementRange
+from fsdpkit.engine.flat_layout import ElementRange
 
 LIMIT_BYTES = 300 * 1024 * 1024
 

@@ -12,7 +12,7 @@ from _checkpoint_v1 import write_v1
 from safetensors.torch import load_file
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
-from fsdpkit.layout import ElementRange
+from fsdpkit.engine.flat_layout import ElementRange
 
 
 def test_v1_checkpoints_load_verify_convert_and_reshard(tmp_path):

@@ -22,7 +22,7 @@ from distributed import run_distributed
 from models import FrozenAdapter, ZooBlock, ZooNet, zoo_units
 
 import fsdpkit
-from fsdpkit.comm import Collectives
+from fsdpkit.dist.comm import Collectives
 from fsdpkit.engine.config import MixedPrecision
 
 STEPS = 2
