@@ -9,7 +9,7 @@ original shape.
 
     SHARDED --unshard(async)--> GATHERING --wait--> GATHERED --show--> UNSHARDED
        ^                                                                   |
-       +-------------------------------- reshard --------------------------+
+       +------------------------------- free_full -------------------------+
 
 Per backward, separately: PENDING -> PREPARED (gathered for its gradient computation) ->
 REDUCED (its gradient reduction issued), back to PENDING at the end of backward.
@@ -165,7 +165,7 @@ class FlatUnit:
         if not keep_usage:
             self.used = [0] * len(self.params)
 
-    # ----- unshard / reshard
+    # ----- unshard / free_full
     @property
     def is_gathered(self) -> bool:
         """The all-gather was at least issued: the full buffer is (or will be) filled."""
