@@ -16,8 +16,8 @@ import typer
 
 from fsdpkit.bench.busbw import BUSBW_FORMULAS, COLLECTIVES, VARIANTS
 from fsdpkit.bench.options import BenchOptions
+from fsdpkit.dist.launch import LaunchOptions
 from fsdpkit.errors import RunError, UsageError
-from fsdpkit.launch import LaunchOptions
 from fsdpkit.paths import check_writable_file
 from fsdpkit.settings import Section, settings_of
 
@@ -96,16 +96,16 @@ def _run(
     if csv_file is not None:
         check_writable_file(str(csv_file), "--csv")
     from fsdpkit.bench.report import report_document, write_csv  # torch: after every flag is checked
-    from fsdpkit.bench.runner import plan_bench, raise_if_wrong, run_plan, table_stream
+    from fsdpkit.bench.runner import bench_spec, raise_if_wrong, run_bench_spec, table_stream
 
-    plan = plan_bench(options, launch_options=launch_options)
+    spec = bench_spec(options, launch_options=launch_options)
     if json_output:
-        report = run_plan(plan, launch_options=launch_options)
+        report = run_bench_spec(spec, launch_options=launch_options)
         print_json(report_document(report))
     else:
-        table = table_stream(plan, world_size=launch_options.world_size, write=_echo_now)
+        table = table_stream(spec, world_size=launch_options.world_size, write=_echo_now)
         table.start()
-        report = run_plan(plan, launch_options=launch_options, on_row=table.row)
+        report = run_bench_spec(spec, launch_options=launch_options, on_row=table.row)
         table.finish(report)
     if csv_file is not None:
         try:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import typer
 
+from fsdpkit.dist.host import available_memory_bytes
 from fsdpkit.dtypes import from_spelling
 from fsdpkit.errors import UsageError
-from fsdpkit.host import available_memory_bytes
 from fsdpkit.sizes import count, format_size, parse_size
 
 from .common import print_json

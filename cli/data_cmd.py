@@ -31,7 +31,7 @@ def prepare_data(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
     """Tokenise TEXT into OUT, the nanoGPT-style token file `fsdpkit train --data OUT.bin` memory-maps."""
-    from fsdpkit.tokens import TokenDtype, load_tokenizer, write_token_file
+    from fsdpkit.data.tokens import TokenDtype, load_tokenizer, write_token_file
 
     try:
         dtype = TokenDtype(token_dtype)

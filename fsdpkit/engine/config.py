@@ -105,7 +105,7 @@ class ShardingConfig:
     a Strategy or its string. shard_group_size: ranks a parameter is sharded over with `hybrid`.
     allgather_dtype: what the weight all-gather moves, the compute dtype or int8 in blocks of
     quant_block elements (engine/quant.py). bucket_bytes: consecutive units smaller than this
-    are merged into one unit (engine/plan.py bucket_units); 0 merges none. The default, 1 MiB,
+    are merged into one unit (engine/wrapping.py bucket_units); 0 merges none. The default, 1 MiB,
     is the smallest bucket that captured the measured gain on blocks of about 200 KB
     (docs/int8-and-bucketing.md); blocks above it stay one unit each.
     """

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model_hooks import ModelHooks
+from ..engine.model_hooks import ModelHooks
 from .gpt_config import GPTConfig
 
 

@@ -17,13 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..data.tokens import TokenDtype
+from ..dist.launch import LaunchOptions
 from ..dtypes import SHORT_NAMES, of_torch
 from ..engine.config import BACKWARD_PREFETCH, GATHER_DTYPES, STRATEGIES, MixedPrecision, ShardingConfig
 from ..errors import UsageError
-from ..launch import LaunchOptions
 from ..models.registry import DEFAULT_MODEL, MODEL_HELP
 from ..settings import Section, Setting, setting, settings_of
-from ..tokens import TokenDtype
 
 
 class Device(enum.StrEnum):

@@ -227,6 +227,21 @@ def test_verify_lists_every_problem(ckpt):
     assert any("checksum mismatch" in p for p in report["problems"]) and any("truncated" in p for p in report["problems"])
 
 
+def test_verify_reads_files_whole_or_in_blocks_alike(ckpt, monkeypatch):
+    """Small rank files are read whole, large ones a block at a time: a flipped byte and the
+    byte count come out the same either way, with blocks that cut fragments anywhere."""
+    from fsdpkit.checkpoint.offline import verify
+
+    _flip_data_byte(ckpt)
+    whole = verify.verify_checkpoint(ckpt)
+    monkeypatch.setattr(verify, "WHOLE_FILE_BYTES", 0)
+    advanced: list[int] = []
+    blocks = verify.verify_checkpoint(ckpt, chunk_size=7, progress=lambda done, total: advanced.append(done))
+    assert whole["problems"] == blocks["problems"] and len(blocks["problems"]) == 1
+    assert f"{RANK1}: checksum mismatch in tensor 'h.1.mlp.weight'" in blocks["problems"][0]
+    assert whole["bytes"] == blocks["bytes"] == sum(advanced) > 0
+
+
 def test_checkpoint_of_another_model(pristine):
     manifest = CheckpointReader(pristine).manifest
     shapes = {t.name: t.shape for t in manifest.tensors}

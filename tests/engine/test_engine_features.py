@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from support.distributed import run_distributed
 
 import fsdpkit
-from fsdpkit.comm import CommStats
+from fsdpkit.dist.comm import CommStats
 from fsdpkit.engine.flat_unit import UnitState
 from fsdpkit.engine.sharded import get_state
 from fsdpkit.models.gpt import GPT, Block, GPTConfig

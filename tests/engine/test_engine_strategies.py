@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from support.distributed import run_distributed
 
 import fsdpkit
-from fsdpkit.comm import CommStats
+from fsdpkit.dist.comm import CommStats
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=18)

@@ -22,7 +22,7 @@ from support.distributed import run_distributed
 from support.models import FrozenAdapter, ZooBlock, ZooNet, zoo_units
 
 import fsdpkit
-from fsdpkit.comm import Collectives
+from fsdpkit.dist.comm import Collectives
 from fsdpkit.engine.config import MixedPrecision
 
 STEPS = 2

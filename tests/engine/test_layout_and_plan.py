@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 
 from fsdpkit.engine.config import ShardingConfig
-from fsdpkit.engine.plan import WrapPolicy, plan_units
+from fsdpkit.engine.flat_layout import ElementRange, FlatLayout, even_split_ranges, padded_size
+from fsdpkit.engine.wrapping import WrapPolicy, plan_units
 from fsdpkit.errors import UsageError
-from fsdpkit.layout import ElementRange, FlatLayout, even_split_ranges, padded_size
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
 from fsdpkit.models.units import unit_plan_for_model
 
@@ -118,14 +118,14 @@ def test_unit_plan_for_model_is_built_on_meta():
 
 
 def test_shard_options_override_the_config_and_unknown_ones_are_named():
-    from fsdpkit.engine.api import _with_options
+    from fsdpkit.engine.api import with_options
     from fsdpkit.engine.config import MixedPrecision, ShardingConfig
     from fsdpkit.errors import UsageError
 
     base = ShardingConfig(strategy="grad-op", limit_all_gathers=3)
-    merged = _with_options(base, {"mixed_precision": "bf16", "strategy": "full"})
+    merged = with_options(base, {"mixed_precision": "bf16", "strategy": "full"})
     assert merged.strategy == "full" and merged.limit_all_gathers == 3
     assert merged.mixed_precision == MixedPrecision.from_name("bf16")
-    assert _with_options(base, {}) is base
+    assert with_options(base, {}) is base
     with pytest.raises(UsageError, match="'stratgy'"):
-        _with_options(base, {"stratgy": "full"})
+        with_options(base, {"stratgy": "full"})

@@ -35,10 +35,10 @@ from typer.testing import CliRunner  # noqa: E402
 
 import fsdpkit  # noqa: E402
 from fsdpkit.checkpoint.live.tensors import CheckpointReader, full_reader  # noqa: E402
-from fsdpkit.model_hooks import hooks_of  # noqa: E402
+from fsdpkit.data.tokens import TokenDtype, load_tokenizer, write_token_file  # noqa: E402
+from fsdpkit.engine.model_hooks import hooks_of  # noqa: E402
 from fsdpkit.models.hf import PRESETS  # noqa: E402
 from fsdpkit.models.source import resolve  # noqa: E402
-from fsdpkit.tokens import TokenDtype, load_tokenizer, write_token_file  # noqa: E402
 from fsdpkit.train.config import CheckpointConfig, DataConfig, LrSchedule, ModelConfig, Optimizer, OptimizerConfig, TrainConfig  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402
 from fsdpkit.train.loop import Trainer  # noqa: E402
@@ -416,7 +416,7 @@ def test_exported_builtin_gpt_reads_back_in_its_own_layout(launches, tmp_path):
     assert done.stdout.split()[-2:] == ["0", "False"], (done.stdout, done.stderr)  # transposes without torch
     trained = results["builtin"]["weights"]
     with full_reader(tmp_path / "hf", ["h.0.attn.c_attn.weight"]) as reader:
-        from fsdpkit.layout import ElementRange
+        from fsdpkit.engine.flat_layout import ElementRange
 
         for name, tensor in trained.items():
             if name == "lm_head.weight":

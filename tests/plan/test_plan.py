@@ -235,7 +235,7 @@ CONFIGS = [{}, {"strategy": "grad-op"}, {"mixed_precision": "bf16"}]
 def engine_memory_worker(steps: int) -> list[dict]:
     """Train gpt-tiny for `steps` AdamW steps under each config; the engine's counters after them."""
     from fsdpkit.models.gpt import Block
-    from fsdpkit.models.registry import build_model
+    from fsdpkit.models.source import build_model
     from fsdpkit.train.data import TokenSource, local_rows
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -72,7 +72,7 @@ def comm_bytes_worker() -> list[dict]:
     """The engine's comm_stats bytes of the second optimizer step (the first has no forward
     order to prefetch by) under each config, and the order of its collectives."""
     from fsdpkit.models.gpt import Block
-    from fsdpkit.models.registry import build_model
+    from fsdpkit.models.source import build_model
 
     world = dist.get_world_size()
     results = []

@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fsdpkit.launch import LaunchOptions, launch
+from fsdpkit.dist.launch import LaunchOptions, launch
 
 
 def run_distributed(worker: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:

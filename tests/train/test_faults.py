@@ -4,7 +4,7 @@ missing rank (one line naming the rank, the collective and the step, within --ti
 SIGTERM (a checkpoint, exit 0, resumable bitwise), SIGINT (exit 130, no process left) and the
 run directory's lock.
 
-Faults are placed with the test hook FSDPKIT_TEST_FAULT (fsdpkit/faults.py) so they happen at
+Faults are placed with the test hook FSDPKIT_TEST_FAULT (fsdpkit/dist/faults.py) so they happen at
 known steps; a "stopped" worker is SIGSTOPped by the hook and then killed or continued from
 here, as an operator would. Every run is gpt-tiny, 8 steps of 4 x 32 tokens, saved every 2.
 Cost: about 15 launches (the restarted runs count twice) and two 10 s timeouts.

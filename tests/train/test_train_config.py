@@ -7,9 +7,9 @@ import tomllib
 import pytest
 import torch
 
+from fsdpkit.dist.launch import LaunchOptions
 from fsdpkit.engine.config import ShardingConfig
 from fsdpkit.errors import UsageError
-from fsdpkit.launch import LaunchOptions
 from fsdpkit.settings import to_toml
 from fsdpkit.train.config import (
     CheckpointConfig,

@@ -11,7 +11,7 @@ from support.distributed import run_distributed
 from support.reference import train_unsharded
 
 import fsdpkit
-from fsdpkit.models.registry import build_model
+from fsdpkit.models.source import build_model
 from fsdpkit.train.config import DataConfig, LrSchedule, OptimizerConfig, TrainConfig
 from fsdpkit.train.data import TokenSource
 from fsdpkit.train.loop import Trainer

@@ -16,8 +16,8 @@ import os
 import struct
 from pathlib import Path
 
+from ...engine.flat_layout import ElementRange
 from ...errors import UsageError
-from ...layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.export import EXPORT_STATE_KEY, HfExport
 from ..format.names import split_optim_tensor_name

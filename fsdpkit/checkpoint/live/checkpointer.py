@@ -25,9 +25,9 @@ import torch
 import torch.nn as nn
 
 from ... import log
-from ...comm import Collectives, new_group
+from ...dist.comm import Collectives, new_group
+from ...engine.model_hooks import hooks_of
 from ...engine.view import describe
-from ...model_hooks import hooks_of
 from ..format.export import EXPORT_STATE_KEY
 from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import DataCheckError, RunError, UsageError
+from ..errors import DataCheckError, RunError, UsageError
 
 BLOCK_BYTES = 1 << 20
 
@@ -49,7 +49,7 @@ class HfTokenizer:
     """A transformers tokenizer directory (tokenizer.json, or vocab.json + merges.txt, ...)."""
 
     def __init__(self, spec: str, directory: str):
-        from .models.hf import transformers_module
+        from ..models.hf import transformers_module
 
         transformers = transformers_module()
         self.spec = spec

@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from . import faults
 
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _GATHER_TAG, _SCATTER_TAG = 1, 2  # point-to-point tags: transfers of one kind match in issue order
 
 
@@ -166,7 +166,7 @@ class Collectives:
             lambda: (
                 all_gather_by_p2p(output, shard, group, async_op=async_op)
                 if is_gloo(output, group)
-                else _all_gather_flat(output, shard, group=group, async_op=async_op)
+                else all_gather_flat(output, shard, group=group, async_op=async_op)
             ),
             async_op,
         )
@@ -200,7 +200,7 @@ class Collectives:
         def call():
             if is_gloo(full, group):
                 return reduce_scatter_by_p2p(output, full, group, async_op=async_op)
-            return _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+            return reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
         return self._issue("reduce_scatter", full.numel() * full.element_size(), label, call, async_op)
 

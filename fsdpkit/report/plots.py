@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
 
 PLOT_HINT = "pip install 'fsdpkit[plot]'"
 

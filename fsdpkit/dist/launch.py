@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DataCheckError, RunError, UsageError
-from .settings import setting
+from ..errors import DataCheckError, RunError, UsageError
+from ..settings import setting
 
 MAX_PROCESSES_PER_NODE = 64
 RDZV_BACKENDS = ("c10d", "static")
@@ -166,7 +166,7 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun does this; elastic_launch does not
     # Workers sharing the agent's rendezvous store read the previous attempt's addresses after
-    # a restart (pytorch/pytorch#135712: connection refused); their own store per attempt does not.
+    # a restart (a known torch bug: connection refused); their own store per attempt does not.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     single_node = options.nnodes == 1 and not options.endpoint
     endpoint = (_local_endpoint(options.rdzv_backend) if single_node else options.endpoint) or ""
