@@ -74,7 +74,7 @@ def safetensors_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: 
 
 
 def dcp_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from ..dcp.convert import dcp_to_full as convert_dcp
+    from .dcp_to_full import dcp_to_full as convert_dcp
     from .model_description import describe
 
     return convert_dcp(
@@ -89,7 +89,7 @@ def dcp_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progres
 
 
 def dcp_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from ..dcp.to_sharded import dcp_to_sharded as convert_dcp
+    from .dcp_to_sharded import dcp_to_sharded as convert_dcp
     from .model_description import describe
 
     assert request.world_size is not None and request.model is not None  # required by the route
