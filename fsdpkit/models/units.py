@@ -1,12 +1,27 @@
-"""A model's units: its default wrap policy, the flat-parameter unit plan that policy gives
+"""A model's units: its default wrap policy, the policy a run's wrap options give, the flat-parameter unit plan that policy gives
 (built on the meta device), and that plan as a checkpoint placement (`convert --model`)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch.nn as nn
 
 from ..engine.wrapping import WrapPolicy, plan_units
+from ..errors import UsageError
+from .registry import load_object
 from .source import ModelSource, resolve
+
+
+class WrapOptions(Protocol):
+    """A run's choice of units (`--wrap`, `--wrap-min-params`, `--wrap-every`)."""
+
+    @property
+    def wrap(self) -> tuple[str, ...]: ...
+    @property
+    def wrap_min_params(self) -> int | None: ...
+    @property
+    def wrap_every(self) -> int: ...
 
 
 def default_policy(source: ModelSource, model: nn.Module) -> WrapPolicy:
@@ -14,6 +29,22 @@ def default_policy(source: ModelSource, model: nn.Module) -> WrapPolicy:
     decoder layers), else each element of every nn.ModuleList."""
     classes = source.unit_classes(model)
     return WrapPolicy(module_classes=classes) if classes else WrapPolicy()
+
+
+def wrap_policy(options: WrapOptions, source: ModelSource, model: nn.Module) -> WrapPolicy:
+    """--wrap classes, else the source's unit classes; with --wrap-min-params / --wrap-every."""
+    if not options.wrap:
+        base = default_policy(source, model)
+        if options.wrap_min_params is not None and not base.module_classes:
+            return WrapPolicy(min_params=options.wrap_min_params, every=options.wrap_every)
+        return WrapPolicy(module_classes=base.module_classes, min_params=options.wrap_min_params, every=options.wrap_every)
+    classes = []
+    for spec in options.wrap:
+        cls = load_object(spec, what="--wrap class")
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise UsageError(f"--wrap {spec!r} is not an nn.Module class")
+        classes.append(cls)
+    return WrapPolicy(module_classes=tuple(classes), min_params=options.wrap_min_params, every=options.wrap_every)
 
 
 def default_policy_for_model(name: str) -> WrapPolicy:

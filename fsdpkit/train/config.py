@@ -19,10 +19,11 @@ from typing import Any
 
 from ..data.tokens import TokenDtype
 from ..dist.launch import LaunchOptions
-from ..dtypes import SHORT_NAMES, of_torch
-from ..engine.config import BACKWARD_PREFETCH, GATHER_DTYPES, STRATEGIES, MixedPrecision, ShardingConfig
+from ..engine.config import BACKWARD_PREFETCH, GATHER_DTYPES, STRATEGIES, ShardingConfig
 from ..errors import UsageError
+from ..models.recipe import PRECISIONS, REDUCE_DTYPES, Optimizer, precision_names, precision_policy
 from ..models.registry import DEFAULT_MODEL, MODEL_HELP
+from ..plan.request import PlanRequest
 from ..settings import Section, Setting, setting, settings_of
 
 
@@ -30,11 +31,6 @@ class Device(enum.StrEnum):
     AUTO = "auto"
     CPU = "cpu"
     CUDA = "cuda"
-
-
-class Optimizer(enum.StrEnum):
-    ADAMW = "adamw"
-    SGD = "sgd"
 
 
 class LrSchedule(enum.StrEnum):
@@ -205,27 +201,7 @@ class LoggingConfig:
 
 # The engine's ShardingConfig is a section as it is; only mixed precision is given by name
 # (plus an optional reduction dtype) instead of as a MixedPrecision of torch dtypes.
-PRECISIONS = ("none", "bf16", "fp16")
-REDUCE_DTYPES = SHORT_NAMES
 _SHARDING_DEFAULT = ShardingConfig()
-
-
-def precision_policy(name: str, reduce_dtype: str | None = None) -> MixedPrecision:
-    if name not in PRECISIONS:
-        raise UsageError(f"unknown --mixed-precision {name!r}: use one of {', '.join(PRECISIONS)}")
-    if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
-        raise UsageError(f"unknown --reduce-dtype {reduce_dtype!r}: use one of {', '.join(REDUCE_DTYPES)}")
-    return MixedPrecision.from_name(name, reduce_dtype=reduce_dtype)
-
-
-def precision_names(policy: MixedPrecision) -> tuple[str, str | None]:
-    """(name, reduce dtype or None when it is the name's default): the inverse of precision_policy."""
-    short = of_torch(policy.param_dtype).short if policy.param_dtype is not None else None
-    name = "none" if short in (None, "fp32") else short
-    if policy.reduce_dtype == precision_policy(name).reduce_dtype:
-        return name, None
-    reduce_dtype = policy.reduce_dtype or policy.param_dtype  # None: gradients reduce in the compute dtype
-    return name, of_torch(reduce_dtype).short if reduce_dtype is not None else "fp32"
 
 
 def _build_sharding(*, mixed_precision: str = "none", reduce_dtype: str | None = None, **fields: Any) -> ShardingConfig:
@@ -325,6 +301,23 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.data.global_batch_size * self.data.seq_len
+
+    def plan_request(self, world_size: int) -> PlanRequest:
+        """What `fsdpkit plan` is asked of this run on `world_size` ranks."""
+        model, data = self.model, self.data
+        return PlanRequest(
+            model=model.name,
+            world_size=world_size,
+            sharding=self.sharding,
+            optimizer=self.optimizer.name,
+            seq_len=data.seq_len,
+            global_batch_size=data.global_batch_size,
+            grad_accum=data.grad_accum,
+            no_sync=data.no_sync,
+            wrap=model.wrap,
+            wrap_min_params=model.wrap_min_params,
+            wrap_every=model.wrap_every,
+        )
 
     def check_world_size(self, world_size: int) -> None:
         """Everything that depends on the number of ranks; called once, before training."""

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from support.distributed import run_distributed
 
 import fsdpkit
-from fsdpkit.comm_plan import UnitComm, step_bytes
 from fsdpkit.dist.comm import CommStats
 from fsdpkit.engine.config import MixedPrecision, ShardingConfig
 from fsdpkit.engine.quant import Int8BlockCodec, all_gather_bytes, block_count, dequantize, quantize, round_trip_sharded
@@ -22,8 +21,9 @@ from fsdpkit.engine.sharded import get_state
 from fsdpkit.engine.wrapping import WrapPolicy, bucket_units, plan_units
 from fsdpkit.errors import UsageError
 from fsdpkit.flat_layout import padded_size
-from fsdpkit.memory_plan import PlanRequest, plan_memory
 from fsdpkit.models.gpt import GPT, MLP, Block, GPTConfig
+from fsdpkit.plan.memory import PlanRequest, plan_memory
+from fsdpkit.plan.traffic import UnitComm, step_bytes
 from fsdpkit.train.config import TrainConfig
 
 CONFIG = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=18)

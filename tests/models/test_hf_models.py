@@ -39,10 +39,10 @@ from fsdpkit.data.tokens import TokenDtype, load_tokenizer, write_token_file  # 
 from fsdpkit.engine.model_hooks import hooks_of  # noqa: E402
 from fsdpkit.models.hf import PRESETS  # noqa: E402
 from fsdpkit.models.source import resolve  # noqa: E402
+from fsdpkit.models.units import wrap_policy  # noqa: E402
 from fsdpkit.train.config import CheckpointConfig, DataConfig, LrSchedule, ModelConfig, Optimizer, OptimizerConfig, TrainConfig  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402
 from fsdpkit.train.loop import Trainer  # noqa: E402
-from fsdpkit.train.model_setup import wrap_policy  # noqa: E402
 
 runner = CliRunner()
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))

@@ -18,8 +18,9 @@ import fsdpkit
 from fsdpkit.engine.config import ShardingConfig
 from fsdpkit.engine.step_policy import StepPolicy
 from fsdpkit.errors import UsageError
-from fsdpkit.memory_plan import PlanRequest, plan_memory
-from fsdpkit.memory_timeline import UnitFootprint, peak_unsharded
+from fsdpkit.plan.memory import plan_memory
+from fsdpkit.plan.request import PlanRequest
+from fsdpkit.plan.timeline import UnitFootprint, peak_unsharded
 from fsdpkit.train.config import TrainConfig
 
 # tests/support/models.py EdgeCaseNet under the ModuleList rule: root (inp 5x7+7, branch 3x3+3,
@@ -39,7 +40,7 @@ def _request(model: str, world_size: int, *, optimizer: str = "adamw", no_sync: 
     """The request `fsdpkit plan` builds from train's settings (sharding flags as train spells them)."""
     data = {"no_sync": True, "grad_accum": 2} if no_sync else {}
     values = {"model": {"name": model}, "data": data, "optimizer": {"name": optimizer}, "sharding": sharding}
-    return PlanRequest(TrainConfig.from_values(values), world_size)
+    return TrainConfig.from_values(values).plan_request(world_size)
 
 
 def _bytes(model: str, world_size: int, **options) -> dict:

@@ -19,32 +19,29 @@ from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
 import fsdpkit
-from fsdpkit.calibrate import StepSample, compute_terms, fit_nonnegative
-from fsdpkit.calibrate_steps import (
+from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
+from fsdpkit.engine.traffic import Collective
+from fsdpkit.models.source import resolve
+from fsdpkit.plan.calibrate.fit import (
     BANDWIDTH_RANGE,
     MAX_LATENCY_S,
-    Measured,
-    Placement,
     SharedStep,
-    all_cores_runs,
     all_cores_slowdown,
     best_contention,
+    compute_terms,
     fit_collectives,
-    fit_value,
-    link_runs,
-    more_ranks_runs,
-    on_first_ranks,
+    fit_nonnegative,
+    root_of_nondecreasing,
     with_bandwidth,
     with_latency,
 )
-from fsdpkit.engine.step_policy import Op, StepPolicy, step_events
-from fsdpkit.engine.traffic import Collective
-from fsdpkit.hardware import BUILT_IN, MAX_CONTENTION, Hardware, load, to_toml
-from fsdpkit.memory_plan import PlanRequest
-from fsdpkit.models.source import resolve
-from fsdpkit.plan_search import recommend
-from fsdpkit.step_time import Recompute, collective_seconds
-from fsdpkit.time_plan import activation_peak, model_costs, predict
+from fsdpkit.plan.calibrate.measure import Measured, StepSample, on_first_ranks
+from fsdpkit.plan.calibrate.runs import Placement, all_cores_runs, link_runs, more_ranks_runs
+from fsdpkit.plan.predict import activation_peak, model_costs, predict
+from fsdpkit.plan.profile import BUILT_IN, MAX_CONTENTION, Hardware, load, to_toml
+from fsdpkit.plan.request import PlanRequest
+from fsdpkit.plan.search import recommend
+from fsdpkit.plan.simulate import Recompute, collective_seconds
 from fsdpkit.train.config import TrainConfig
 
 
@@ -65,7 +62,7 @@ def _configs(world: int) -> list[dict]:
 def _request(world: int, values: dict) -> PlanRequest:
     data = {"global_batch_size": 8, "seq_len": 16, **values.get("data", {})}
     model = values.get("model", {"name": "gpt-tiny"})
-    return PlanRequest(TrainConfig.from_values({"model": model, "data": data, "sharding": values["sharding"]}), world)
+    return TrainConfig.from_values({"model": model, "data": data, "sharding": values["sharding"]}).plan_request(world)
 
 
 def comm_bytes_worker() -> list[dict]:
@@ -77,18 +74,18 @@ def comm_bytes_worker() -> list[dict]:
     world = dist.get_world_size()
     results = []
     for values in _configs(world):
-        config = _request(world, values).config
+        request = _request(world, values)
         torch.manual_seed(0)
-        model = fsdpkit.shard(build_model("gpt-tiny"), config.sharding, wrap=(Block,), record_events=True)
+        model = fsdpkit.shard(build_model("gpt-tiny"), request.sharding, wrap=(Block,), record_events=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        micro = config.data.global_batch_size // (world * config.data.grad_accum)
+        micro = request.micro_batch
         for step in range(2):
             if step == 1:
                 fsdpkit.comm_stats(model).reset()
-            for index in range(config.data.grad_accum):
-                tokens = torch.randint(0, 256, (micro, config.data.seq_len + 1))
-                last = index == config.data.grad_accum - 1
-                with fsdpkit.no_sync(model) if config.data.no_sync and not last else _nothing():
+            for index in range(request.grad_accum):
+                tokens = torch.randint(0, 256, (micro, request.seq_len + 1))
+                last = index == request.grad_accum - 1
+                with fsdpkit.no_sync(model) if request.no_sync and not last else _nothing():
                     logits = model(tokens[:, :-1])
                     F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
             optimizer.step()
@@ -113,9 +110,8 @@ def _predicted_order(request: PlanRequest, costs) -> list[tuple[str, str]]:
     replicas = request.world_size // factor
     names = [plan.name for plan in costs.plans]
     order: list[tuple[str, str]] = []
-    data = request.config.data
-    for index in range(data.grad_accum):
-        reduce = not data.no_sync or index == data.grad_accum - 1
+    for index in range(request.grad_accum):
+        reduce = not request.no_sync or index == request.grad_accum - 1
         for event in step_events([(name, True) for name in names], StepPolicy.of(request.sharding), reduce=reduce):
             if event.op is Op.GATHER and factor > 1:
                 order.append(("all_gather", event.unit))
@@ -254,9 +250,9 @@ def test_ranks_beyond_the_cores_slow_their_compute_and_not_their_collectives():
         return predict(request, shared, costs, per_node=4).time.step_time_s
 
     # calibration finds the contention back from a measured step, and keeps it in [1, MAX_CONTENTION]
-    assert fit_value(steps[1.25], step_at, 1.0, MAX_CONTENTION) == pytest.approx(1.25, rel=1e-6)
-    assert fit_value(0.5 * steps[1.0], step_at, 1.0, MAX_CONTENTION) == 1.0
-    assert fit_value(100 * steps[2.0], step_at, 1.0, MAX_CONTENTION) == MAX_CONTENTION
+    assert root_of_nondecreasing(steps[1.25], step_at, 1.0, MAX_CONTENTION) == pytest.approx(1.25, rel=1e-6)
+    assert root_of_nondecreasing(0.5 * steps[1.0], step_at, 1.0, MAX_CONTENTION) == 1.0
+    assert root_of_nondecreasing(100 * steps[2.0], step_at, 1.0, MAX_CONTENTION) == MAX_CONTENTION
     # with overlap (a GPU's own copy engines) the collectives do not slow either
     overlapping = dataclasses.replace(cpu, overlap=True)
     alone = predict(request, overlapping, costs, per_node=4).time
@@ -381,12 +377,12 @@ def test_calibration_fits_the_latency_its_share_per_ring_step_and_the_contention
 def test_calibration_models_run_one_unit_per_block_and_the_fit_charges_the_engines_units():
     """The many-unit model is measured and predicted with one unit per block whatever the
     bucket; `--model` runs with its own, and the fit counts the units the engine made."""
-    from fsdpkit.calibrate import ModelRun
-    from fsdpkit.calibrate_steps import LATENCY_MODEL, _on_ranks
     from fsdpkit.engine.sharded import get_state
+    from fsdpkit.plan.calibrate.measure import ModelRun
+    from fsdpkit.plan.calibrate.runs import LATENCY_MODEL, on_ranks
 
     request = _request(2, {"sharding": {"strategy": "full"}})  # gpt-tiny, the default bucket
-    run = _on_ranks(request, 2, model=LATENCY_MODEL)
+    run = on_ranks(request, 2, model=LATENCY_MODEL)
     assert run.sharding.bucket_bytes == 0 and len(model_costs(run).plans) == 17  # the root and 16 blocks
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -1,4 +1,4 @@
-"""Hardware profiles for the step-time model (fsdpkit.step_time): what one device computes, and
+"""Hardware profiles for the step-time model (fsdpkit.plan.simulate): what one device computes, and
 how fast collectives move bytes inside a node and between nodes.
 
 A profile is a TOML file of the fields of `Hardware` (`fsdpkit plan --calibrate OUT.toml`
@@ -15,7 +15,7 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
 
 DTYPES = ("fp32", "bf16", "fp16")
 CALIBRATE_SECONDS = 10.0  # how long `--calibrate` times each part of a profile, at least
@@ -150,7 +150,7 @@ def load(spec: str) -> Hardware:
 
 
 def to_toml(hardware: Hardware, header: str) -> str:
-    from .settings import to_toml as write
+    from ..settings import to_toml as write
 
     values = hardware.to_values()
     peak = values.pop("peak_tflops")

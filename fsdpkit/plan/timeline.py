@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .engine.step_policy import Op, StepPolicy, step_events
+from ..engine.step_policy import Op, StepPolicy, step_events
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ import dataclasses
 import itertools
 from collections.abc import Iterator
 
-from .engine.config import BackwardPrefetch, ShardingConfig, Strategy
-from .errors import UsageError
-from .hardware import Hardware
-from .memory_plan import PlanRequest
-from .time_plan import ModelCosts, StepPrediction, micro_batch, predict
+from ..engine.config import BackwardPrefetch, ShardingConfig, Strategy
+from ..errors import UsageError
+from .predict import ModelCosts, StepPrediction, predict
+from .profile import Hardware
+from .request import PlanRequest
 
 
 def parse_world_sizes(text: str) -> list[int]:
@@ -26,9 +26,8 @@ def parse_world_sizes(text: str) -> list[int]:
 
 def at_world_size(request: PlanRequest, world_size: int) -> PlanRequest:
     """The same run on `world_size` ranks, each with the same micro-batch (weak scaling)."""
-    config = request.config
-    batch = micro_batch(request) * world_size * config.data.grad_accum
-    return PlanRequest(dataclasses.replace(config, data=dataclasses.replace(config.data, global_batch_size=batch)), world_size)
+    batch = request.micro_batch * world_size * request.grad_accum
+    return dataclasses.replace(request, world_size=world_size, global_batch_size=batch)
 
 
 def scaling(
@@ -63,13 +62,12 @@ def recommend(
     """The `top` fastest configurations that fit the device's memory, fastest first: strategy,
     shard group size, prefetch, limiter, activation checkpointing and micro-batch size (grad
     accum at the same global batch). The engine gathers in the compute dtype only."""
-    config, world = request.config, request.world_size
+    world = request.world_size
     per_node = min(per_node or hardware.ranks_per_node, world)
-    accums = [a for a in (1, 2, 4, 8, 16) if config.data.global_batch_size % (world * a) == 0]
+    accums = [a for a in (1, 2, 4, 8, 16) if request.global_batch_size % (world * a) == 0]
     found = []
     for sharding, accum in itertools.product(_shardings(request, per_node), accums):
-        data = dataclasses.replace(config.data, grad_accum=accum, no_sync=config.data.no_sync and accum > 1)
-        candidate = PlanRequest(dataclasses.replace(config, sharding=sharding, data=data), world)
+        candidate = dataclasses.replace(request, sharding=sharding, grad_accum=accum, no_sync=request.no_sync and accum > 1)
         prediction = predict(candidate, hardware, costs, per_node=per_node)
         if prediction.fits:
             found.append(prediction)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine.config import ShardingConfig
-from .engine.step_policy import Op, StepPolicy, step_events
-from .engine.traffic import Collective, UnitTraffic, flags_collective, unit_traffic
+from ..engine.config import ShardingConfig
+from ..engine.step_policy import Op, StepPolicy, step_events
+from ..engine.traffic import Collective, UnitTraffic, flags_collective, unit_traffic
 
 
 @dataclass(frozen=True)

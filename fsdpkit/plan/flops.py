@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.module_tracker import ModuleTracker
 
-from .engine.wrapping import UnitPlan
-from .models.source import ModelSource
+from ..engine.wrapping import UnitPlan
+from ..models.source import ModelSource
 
 aten = torch.ops.aten
 _COUNTED_AS_FLOPS = {

@@ -39,9 +39,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .engine.step_policy import Op, StepPolicy, step_events
-from .engine.traffic import Collective, UnitTraffic
-from .hardware import Hardware
+from ..engine.step_policy import Op, StepPolicy, step_events
+from ..engine.traffic import Collective, UnitTraffic
+from .profile import Hardware
 
 
 class Recompute(enum.Enum):

@@ -1,8 +1,8 @@
 """`fsdpkit plan --time`: the predicted time of one training step before launching it.
 
-The model is built once on the meta device; its units' FLOPs (fsdpkit.flops) and layouts
-give each unit's compute and collectives (fsdpkit.engine.traffic); fsdpkit.step_time
-simulates the engine's step policy on a hardware profile (fsdpkit.hardware). Each rank's
+The model is built once on the meta device; its units' FLOPs (fsdpkit.plan.flops) and layouts
+give each unit's compute and collectives (fsdpkit.engine.traffic); fsdpkit.plan.simulate
+simulates the engine's step policy on a hardware profile (fsdpkit.plan.profile). Each rank's
 micro-batch is global batch / (world size x grad accum), so --scaling keeps it fixed (weak
 scaling, as the FSDP paper's runs).
 """
@@ -13,15 +13,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .comm_plan import itemsize, sharded_unit_traffic, wire_itemsizes
-from .engine.step_policy import StepPolicy
-from .engine.traffic import flags_collective
-from .errors import UsageError
+from ..engine.step_policy import StepPolicy
+from ..engine.traffic import flags_collective
+from ..models.recipe import Optimizer, precision_names
 from .flops import UnitWork
-from .hardware import Hardware
-from .memory_plan import MemoryPlan, PlanRequest, plan_from_sizes, unit_sizes
-from .step_time import Recompute, StepSetup, StepTime, UnitCost, simulate
-from .train.config import Optimizer, precision_names
+from .memory import MemoryPlan, UnitSizes, plan_from_sizes, unit_sizes
+from .meta import build_meta_model
+from .profile import Hardware
+from .request import PlanRequest
+from .simulate import Recompute, StepSetup, StepTime, UnitCost, simulate
+from .traffic import sharded_unit_traffic, wire_itemsizes
 
 # Bytes the optimizer step reads and writes per element: AdamW reads the parameter, its
 # gradient and two states and writes three; SGD reads two and writes one (fp32).
@@ -55,8 +56,8 @@ class StepPrediction:
             "hardware": self.hardware.name,
             "ranks_per_node": self.ranks_per_node,
             "micro_batch": self.micro_batch,
-            "grad_accum": self.request.config.data.grad_accum,
-            "seq_len": self.request.config.data.seq_len,
+            "grad_accum": self.request.grad_accum,
+            "seq_len": self.request.seq_len,
             "step_time_s": time.step_time_s,
             "compute_s": time.compute_s,
             "exposed_comm_s": time.exposed_comm_s,
@@ -78,25 +79,11 @@ class StepPrediction:
 
 
 def model_costs(request: PlanRequest) -> ModelCosts:
-    from .engine.wrapping import bucket_units, plan_units
     from .flops import unit_work
-    from .models.source import resolve
-    from .train.model_setup import wrap_policy
 
-    source = resolve(request.model)
-    model = source.build(device="meta", seed=0)
-    dtypes = {param.dtype for param in model.parameters()}
-    if len(dtypes) != 1:
-        raise UsageError(f"model {request.model!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
-    plans = tuple(bucket_units(model, plan_units(model, wrap_policy(request.config.model, source, model)), request.sharding.bucket_bytes))
-    work = unit_work(source, plans, 1, request.config.data.seq_len)
-    return ModelCosts(plans, itemsize(dtypes.pop()), sum(p.numel() for p in model.parameters()), tuple(work))
-
-
-def micro_batch(request: PlanRequest) -> int:
-    data = request.config.data
-    request.config.check_world_size(request.world_size)
-    return data.global_batch_size // (request.world_size * data.grad_accum)
+    meta = build_meta_model(request.model, request, request.sharding.bucket_bytes)
+    work = unit_work(meta.source, list(meta.plans), 1, request.seq_len)
+    return ModelCosts(meta.plans, meta.master_bytes, meta.num_params, tuple(work))
 
 
 def predict(
@@ -104,51 +91,55 @@ def predict(
 ) -> StepPrediction:
     """The step of `request` on `hardware`, with `per_node` ranks per node (default: the profile's).
     `recompute` charges a checkpointing the engine does not run (None: what the request runs)."""
-    sharding, data = request.sharding, request.config.data
-    world = request.world_size
-    factor = sharding.shard_factor(world)
-    batch = micro_batch(request)
+    sharding, world = request.sharding, request.world_size
+    batch = request.micro_batch
     per_node = min(per_node or hardware.ranks_per_node, world)
-    sizes = unit_sizes(list(costs.plans), factor, master_bytes=costs.master_bytes)
-    mixed = sharding.mixed_precision
+    sizes = unit_sizes(list(costs.plans), sharding.shard_factor(world), master_bytes=costs.master_bytes)
     compute_bytes, _ = wire_itemsizes(sharding, costs.master_bytes)
-    units = [
-        UnitCost(
-            name=size.name,
-            trainable=size.trainable,
-            forward_flops=work.forward_flops * batch,
-            backward_flops=work.backward_flops * batch,
-            forward_attention_flops=work.forward_attention_flops * batch,
-            forward_bytes=work.forward_bytes * batch * compute_bytes // costs.master_bytes,
-            backward_bytes=work.backward_bytes * batch * compute_bytes // costs.master_bytes,
-            forward_ops=work.forward_ops,
-            backward_ops=work.backward_ops,
-            traffic=sharded_unit_traffic(size.padded_numel, size.chunk_numel, size.trainable, sharding, world, costs.master_bytes),
-            param_bytes=size.padded_numel * compute_bytes,
-            shard_bytes=size.chunk_numel * size.master_bytes,
-            members=len(plan.members),
-        )
-        for size, work, plan in zip(sizes, costs.work_per_sequence, costs.plans, strict=True)
-    ]
-    precision = precision_names(mixed)[0]
+    units = unit_costs(request, costs, sizes, batch)
+    precision = precision_names(sharding.mixed_precision)[0]
     setup = StepSetup(
         policy=StepPolicy.of(sharding),
         hardware=hardware,
         world_size=world,
         ranks_per_node=per_node,
-        micro_batches=data.grad_accum,
-        no_sync=data.no_sync,
+        micro_batches=request.grad_accum,
+        no_sync=request.no_sync,
         compute_dtype="fp32" if precision == "none" else precision,
         optimizer_bytes=sum(size.local_numel for size in sizes if size.trainable) * OPTIMIZER_TRAFFIC[request.optimizer],
         optimizer_tensors=sum(param.requires_grad for plan in costs.plans for param in plan.params),
         flags=flags_collective(sum(len(plan.params) for plan in costs.plans), world),
-        tokens_per_step=data.global_batch_size * data.seq_len,
+        tokens_per_step=request.global_batch_size * request.seq_len,
         recompute=recompute,
     )
     memory = plan_from_sizes(sizes, request, num_params=costs.num_params)
     activations = activation_peak(costs.work_per_sequence, checkpointing=sharding.activation_checkpointing)
     scaled = activations * batch * compute_bytes // costs.master_bytes
     return StepPrediction(request, hardware, per_node, batch, memory, simulate(units, setup), scaled)
+
+
+def unit_costs(request: PlanRequest, costs: ModelCosts, sizes: Sequence[UnitSizes], batch: int) -> list[UnitCost]:
+    """Each unit's compute and collectives for one micro-batch of `batch` sequences on one rank."""
+    sharding, master = request.sharding, costs.master_bytes
+    compute_bytes, _ = wire_itemsizes(sharding, master)
+    return [
+        UnitCost(
+            name=size.name,
+            trainable=size.trainable,
+            forward_flops=work.forward_flops * batch,
+            backward_flops=work.backward_flops * batch,
+            forward_attention_flops=work.forward_attention_flops * batch,
+            forward_bytes=work.forward_bytes * batch * compute_bytes // master,
+            backward_bytes=work.backward_bytes * batch * compute_bytes // master,
+            forward_ops=work.forward_ops,
+            backward_ops=work.backward_ops,
+            traffic=sharded_unit_traffic(size.padded_numel, size.chunk_numel, size.trainable, sharding, request.world_size, master),
+            param_bytes=size.padded_numel * compute_bytes,
+            shard_bytes=size.chunk_numel * size.master_bytes,
+            members=len(plan.members),
+        )
+        for size, work, plan in zip(sizes, costs.work_per_sequence, costs.plans, strict=True)
+    ]
 
 
 def activation_peak(work: Sequence[UnitWork], *, checkpointing: bool) -> int:

@@ -26,54 +26,16 @@ from typing import Any
 
 import torch
 
-from .comm_plan import StepBytes, UnitComm, step_bytes
-from .engine.config import ShardingConfig
-from .engine.step_policy import StepPolicy
-from .engine.wrapping import UnitPlan
-from .errors import UsageError
-from .memory_timeline import Peak, UnitFootprint, peak_unsharded
-from .train.config import Optimizer, TrainConfig, precision_names
+from ..engine.wrapping import UnitPlan
+from ..errors import UsageError
+from ..models.recipe import Optimizer, precision_names
+from .meta import build_meta_model
+from .request import PlanRequest
+from .timeline import Peak, UnitFootprint, peak_unsharded
+from .traffic import StepBytes, UnitComm, step_bytes
 
 # Per-element states each optimizer keeps in the master dtype, and bytes of its per-parameter step count.
 OPTIMIZER_STATES = {Optimizer.ADAMW: (2, 4), Optimizer.SGD: (0, 0)}  # AdamW: exp_avg, exp_avg_sq; `step` a float32 scalar
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """A run to plan: the settings `fsdpkit train` takes (its TrainConfig, passed whole) at a
-    world size."""
-
-    config: TrainConfig
-    world_size: int
-
-    def __post_init__(self) -> None:
-        if self.config.optimizer.name not in OPTIMIZER_STATES:
-            raise UsageError(f"the planner does not know the state of optimizer {self.config.optimizer.name!r}")
-        self.sharding.shard_factor(self.world_size)  # validates the world size against the strategy
-
-    @property
-    def model(self) -> str:
-        return self.config.model.name
-
-    @property
-    def sharding(self) -> ShardingConfig:
-        return self.config.sharding
-
-    @property
-    def cpu_offload(self) -> bool:
-        return self.sharding.cpu_offload
-
-    @property
-    def no_sync(self) -> bool:
-        return self.config.data.no_sync
-
-    @property
-    def optimizer(self) -> Optimizer:
-        return self.config.optimizer.name
-
-    @property
-    def policy(self) -> StepPolicy:
-        return StepPolicy.of(self.sharding)
 
 
 @dataclass(frozen=True)
@@ -232,25 +194,14 @@ def plan_from_sizes(units: list[UnitSizes], request: PlanRequest, *, num_params:
 
 def plan_memory(request: PlanRequest, *, shard_rank: int = 0) -> MemoryPlan:
     """Build `request.model` on the meta device and plan its per-rank memory."""
-    from .engine.wrapping import bucket_units, plan_units
-    from .models.source import resolve
-    from .train.model_setup import wrap_policy
-
     factor = request.sharding.shard_factor(request.world_size)
     if not 0 <= shard_rank < factor:
         raise UsageError(f"shard rank {shard_rank} is outside the shard group of {factor} ranks")
-    source = resolve(request.model)
-    model = source.build(device="meta", seed=0)
-    dtypes = {param.dtype for param in model.parameters()}
-    if len(dtypes) != 1:
-        raise UsageError(f"model {request.model!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
-    master_bytes = torch.empty(0, dtype=dtypes.pop()).element_size()
-    plans = bucket_units(model, plan_units(model, wrap_policy(request.config.model, source, model)), request.sharding.bucket_bytes)
-    sizes = unit_sizes(plans, factor, shard_rank=shard_rank, master_bytes=master_bytes)
-    plan = plan_from_sizes(sizes, request, num_params=sum(p.numel() for p in model.parameters()))
-    comm = [UnitComm(s.name, s.padded_numel, s.chunk_numel, s.trainable, len(p.params)) for s, p in zip(sizes, plans, strict=True)]
-    master_dtype = next(iter({param.dtype for param in model.parameters()}))
-    return dataclasses.replace(plan, comm_per_step=step_bytes(comm, request.sharding, request.world_size, master_dtype=master_dtype))
+    meta = build_meta_model(request.model, request, request.sharding.bucket_bytes)
+    sizes = unit_sizes(list(meta.plans), factor, shard_rank=shard_rank, master_bytes=meta.master_bytes)
+    plan = plan_from_sizes(sizes, request, num_params=meta.num_params)
+    comm = [UnitComm(s.name, s.padded_numel, s.chunk_numel, s.trainable, len(p.params)) for s, p in zip(sizes, meta.plans, strict=True)]
+    return dataclasses.replace(plan, comm_per_step=step_bytes(comm, request.sharding, request.world_size, master_dtype=meta.master_dtype))
 
 
 def _itemsize(dtype: torch.dtype | None, default: int) -> int:
