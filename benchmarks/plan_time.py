@@ -126,7 +126,7 @@ class Calibration:
         from fsdpkit.plan.calibrate.measure import ModelRun, Probes, on_first_ranks
         from fsdpkit.plan.calibrate.runs import (
             CALIBRATION_BATCHES,
-            Placement,
+            TimedStep,
             all_cores_runs,
             calibration_specs,
             link_runs,
@@ -145,13 +145,13 @@ class Calibration:
             for size in CALIBRATION_BATCHES:
                 compute.append((run, size, Timed((0,), alone, (lambda run=run, size=size: run.step(size)) if run else None)))
         steps: dict[str, list[Timed]] = {"link": [], "all_cores": [], "more": []}
-        runs = [(Placement(run), "link") for run in link_runs(request)] if world >= 2 else []
+        runs = [(TimedStep(run), "link") for run in link_runs(request)] if world >= 2 else []
         cores = len(os.sched_getaffinity(0))
         all_cores = all_cores_runs(request, cores)
         if world >= all_cores[1].ranks:
             runs += [(placement, "all_cores") for placement in all_cores]
         if world == more_ranks(cores):
-            runs += [(Placement(run), "more") for run in more_ranks_runs(request, cores)]
+            runs += [(TimedStep(run), "more") for run in more_ranks_runs(request, cores)]
         for placement, kind in runs:
             group, model = on_first_ranks(placement)
             step = whole_step(model, placement.run.micro_batch) if model else None

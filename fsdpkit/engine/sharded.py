@@ -44,7 +44,7 @@ from .flat_unit import BackwardState, FlatUnit, PendingReduction, UnitState
 from .memory import MemoryCounter
 from .mesh import ShardMesh
 from .step_policy import StepPolicy
-from .wrapping import UnitPlan
+from .wrapping import UnitSpec
 
 STATE_ATTR = "_fsdpkit_state"
 
@@ -81,7 +81,7 @@ class RootRuntime:
     def __init__(
         self,
         module: nn.Module,
-        plans: list[UnitPlan],
+        specs: list[UnitSpec],
         mesh: ShardMesh,
         config: ShardingConfig,
         comms: Collectives,
@@ -103,7 +103,7 @@ class RootRuntime:
         gather_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.units: list[FlatUnit] = [
             FlatUnit(
-                plan,
+                spec,
                 modules,
                 mesh,
                 comms,
@@ -114,7 +114,7 @@ class RootRuntime:
                 gather_stream=gather_stream,
                 gather_block=config.gather_block,
             )
-            for plan in plans
+            for spec in specs
         ]
         self.phase = Phase.IDLE
         self.gradient_sync = GradientSync.REDUCE
@@ -385,8 +385,8 @@ class RootRuntime:
             pieces = torch.split(full, unit.layout.split_sizes())
             unit._set_params(
                 [
-                    nn.Parameter(piece.view(plan.shape), requires_grad=plan.requires_grad)
-                    for piece, plan in zip(pieces, unit.plan.params, strict=False)  # the last piece is the padding
+                    nn.Parameter(piece.view(spec.shape), requires_grad=spec.requires_grad)
+                    for piece, spec in zip(pieces, unit.spec.params, strict=False)  # the last piece is the padding
                 ]
             )
         self.phase = Phase.SUMMONED

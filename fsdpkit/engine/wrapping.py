@@ -51,7 +51,7 @@ class WrapPolicy:
 
 
 @dataclass(frozen=True)
-class ParamPlan:
+class ParamSpec:
     name: str  # the canonical name: the first in named_parameters() order
     shape: tuple[int, ...]
     uses: tuple[tuple[str, str], ...]  # (module name, attribute) of every module holding it
@@ -59,11 +59,11 @@ class ParamPlan:
 
 
 @dataclass(frozen=True)
-class UnitPlan:
+class UnitSpec:
     """One unit: its member modules (one, or K consecutive siblings) and its parameters."""
 
     members: tuple[str, ...]  # module names, "" for the root
-    params: tuple[ParamPlan, ...] = field(default_factory=tuple)
+    params: tuple[ParamSpec, ...] = field(default_factory=tuple)
 
     @property
     def name(self) -> str:
@@ -115,7 +115,7 @@ def _group_consecutive(selected: list[str], every: int) -> list[tuple[str, ...]]
     return [tuple(group) for group in groups]
 
 
-def plan_units(root: nn.Module, policy: WrapPolicy) -> list[UnitPlan]:
+def split_units(root: nn.Module, policy: WrapPolicy) -> list[UnitSpec]:
     """Units in module pre-order (root first), each with its parameters in named order.
 
     Units that end up with no parameters are left out.
@@ -131,50 +131,50 @@ def plan_units(root: nn.Module, policy: WrapPolicy) -> list[UnitPlan]:
     def owner_depth(members: tuple[str, ...]) -> tuple[int, int]:
         return (max(_depth(m) for m in members), len(members[0]))
 
-    params_of: dict[tuple[str, ...], list[ParamPlan]] = {members: [] for members in members_of}
+    params_of: dict[tuple[str, ...], list[ParamSpec]] = {members: [] for members in members_of}
     for name, param in root.named_parameters():
         param_uses = uses[id(param)]
         owner = max(
             (members for members in members_of if all(any(_within(m, member) for member in members) for m, _ in param_uses)),
             key=owner_depth,
         )
-        params_of[owner].append(ParamPlan(name, tuple(param.shape), tuple(param_uses), param.requires_grad))
-    return [UnitPlan(members, tuple(params_of[members])) for members in members_of if params_of[members]]
+        params_of[owner].append(ParamSpec(name, tuple(param.shape), tuple(param_uses), param.requires_grad))
+    return [UnitSpec(members, tuple(params_of[members])) for members in members_of if params_of[members]]
 
 
 def _nested(a: str, b: str) -> bool:
     return _within(a, b) or _within(b, a)
 
 
-def bucket_units(root: nn.Module, plans: list[UnitPlan], bucket_bytes: int) -> list[UnitPlan]:
+def bucket_units(root: nn.Module, specs: list[UnitSpec], bucket_bytes: int) -> list[UnitSpec]:
     """Consecutive non-root units each smaller than `bucket_bytes` (their parameters' bytes)
     merged into one unit, so they gather and reduce in one collective each, until the
     merged unit reaches `bucket_bytes`. Units nested in one another, or of other dtypes, are
     never merged (a unit reshards after its last member's forward). 0: no bucketing."""
     if bucket_bytes <= 0:
-        return plans
+        return specs
 
-    def size_and_dtype(plan: UnitPlan) -> tuple[int, object]:
-        params = [root.get_parameter(p.name) for p in plan.params]
+    def size_and_dtype(spec: UnitSpec) -> tuple[int, object]:
+        params = [root.get_parameter(p.name) for p in spec.params]
         return sum(p.numel() * p.element_size() for p in params), params[0].dtype
 
-    merged: list[UnitPlan] = []
+    merged: list[UnitSpec] = []
     open_bytes, open_dtype = 0, None  # of merged[-1] while it can take more units
-    for plan in plans:
-        size, dtype = size_and_dtype(plan)
-        small = plan.members != ("",) and size < bucket_bytes
+    for spec in specs:
+        size, dtype = size_and_dtype(spec)
+        small = spec.members != ("",) and size < bucket_bytes
         last = merged[-1] if merged else None
         joins = (
             small
             and last is not None
             and open_dtype == dtype
             and open_bytes + size <= bucket_bytes
-            and not any(_nested(a, b) for a in last.members for b in plan.members)
+            and not any(_nested(a, b) for a in last.members for b in spec.members)
         )
         if joins and last is not None:
-            merged[-1] = UnitPlan(last.members + plan.members, last.params + plan.params)
+            merged[-1] = UnitSpec(last.members + spec.members, last.params + spec.params)
             open_bytes += size
         else:
-            merged.append(plan)
+            merged.append(spec)
             open_bytes, open_dtype = (size, dtype) if small else (0, None)
     return merged

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch.nn as nn
 
-from ..engine.wrapping import WrapPolicy, plan_units
+from ..engine.wrapping import WrapPolicy, split_units
 from ..errors import UsageError
 from .registry import load_object
 from .source import ModelSource, resolve
@@ -52,13 +52,13 @@ def default_policy_for_model(name: str) -> WrapPolicy:
     return default_policy(source, source.build(device="meta"))
 
 
-def unit_plan_for_model(name: str) -> list[list[tuple[str, tuple[int, ...]]]]:
+def unit_specs_for_model(name: str) -> list[list[tuple[str, tuple[int, ...]]]]:
     """The flat-parameter plan of a model by name under its default wrap policy: a list of
     units, each an ordered list of (parameter name, shape). Lay a unit out for a sharding
     factor with `FlatLayout.from_shapes(unit, factor)`."""
     source = resolve(name)
     model = source.build(device="meta")
-    return [[(p.name, p.shape) for p in unit.params] for unit in plan_units(model, default_policy(source, model))]
+    return [[(p.name, p.shape) for p in unit.params] for unit in split_units(model, default_policy(source, model))]
 
 
 def describe_model(name: str) -> dict:
@@ -68,7 +68,7 @@ def describe_model(name: str) -> dict:
     checkpoints name them) and its export recipe (or None)."""
     source = resolve(name)
     model = source.build(device="meta")
-    units = [[[p.name, list(p.shape)] for p in unit.params] for unit in plan_units(model, default_policy(source, model))]
+    units = [[[p.name, list(p.shape)] for p in unit.params] for unit in split_units(model, default_policy(source, model))]
     canonical = {id(p): n for n, p in model.named_parameters()}
     aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canonical[id(p)] != n}
     return {"units": units, "aliases": aliases, "export": None if source.export is None else source.export.to_json()}
@@ -79,7 +79,7 @@ def placement_for_model(name: str):
     one unit per wrapped module (`--bucket-bytes 0`); checkpoints load under any bucket setting."""
     from ..checkpoint.format.placement import Placement
 
-    return Placement.flat(unit_plan_for_model(name))
+    return Placement.flat(unit_specs_for_model(name))
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.module_tracker import ModuleTracker
 
-from ..engine.wrapping import UnitPlan
+from ..engine.wrapping import UnitSpec
 from ..models.source import ModelSource
 
 aten = torch.ops.aten
@@ -143,7 +143,7 @@ def _by_member(model: nn.Module, counts: dict[str, int]) -> dict[str, int]:
     return keyed
 
 
-def _exclusive(plans: Sequence[UnitPlan], counts: dict[str, int]) -> list[int]:
+def _exclusive(plans: Sequence[UnitSpec], counts: dict[str, int]) -> list[int]:
     """Each unit's count less those of the units nested in it (the root: the whole model)."""
     inclusive = [sum(counts.get(member, 0) for member in plan.members) for plan in plans]
 
@@ -165,7 +165,7 @@ def _exclusive(plans: Sequence[UnitPlan], counts: dict[str, int]) -> list[int]:
     return exclusive
 
 
-def unit_work(source: ModelSource, plans: Sequence[UnitPlan], batch: int, seq_len: int) -> list[UnitWork]:
+def unit_work(source: ModelSource, plans: Sequence[UnitSpec], batch: int, seq_len: int) -> list[UnitWork]:
     """Each unit's work for `batch` sequences of `seq_len` tokens (`plans`: the units of the model `source` builds)."""
     shape = (batch, seq_len + 1)
     with FakeTensorMode():
@@ -181,7 +181,7 @@ def unit_work(source: ModelSource, plans: Sequence[UnitPlan], batch: int, seq_le
     ]
 
 
-def _input_bytes(model: nn.Module, plans: Sequence[UnitPlan]) -> list:
+def _input_bytes(model: nn.Module, plans: Sequence[UnitSpec]) -> list:
     """[bytes per unit, filled by the next forward; the hook handles]: the floating-point
     tensors each unit's first member is called with (the root: none)."""
     counts = [0] * len(plans)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..engine.wrapping import UnitPlan
+from ..engine.wrapping import UnitSpec
 from ..errors import UsageError
 from ..models.recipe import Optimizer, precision_names
 from .meta import build_meta_model
@@ -124,7 +124,7 @@ class MemoryPlan:
         }
 
 
-def unit_sizes(plans: list[UnitPlan], shard_factor: int, *, shard_rank: int = 0, master_bytes: int = 4) -> list[UnitSizes]:
+def unit_sizes(plans: list[UnitSpec], shard_factor: int, *, shard_rank: int = 0, master_bytes: int = 4) -> list[UnitSizes]:
     """Each unit's element counts for `shard_rank` (0 holds the most real elements)."""
     sizes = []
     for plan in plans:

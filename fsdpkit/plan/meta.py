@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..engine.wrapping import UnitPlan, WrapPolicy, bucket_units, plan_units
+from ..engine.wrapping import UnitSpec, WrapPolicy, bucket_units, split_units
 from ..errors import UsageError
 from ..models.source import ModelSource, resolve
 from ..models.units import WrapOptions, wrap_policy
@@ -20,7 +20,7 @@ class MetaModel:
     source: ModelSource
     model: nn.Module  # on the meta device
     policy: WrapPolicy
-    plans: tuple[UnitPlan, ...]  # the engine's units, root first, in forward order
+    plans: tuple[UnitSpec, ...]  # the engine's units, root first, in forward order
     master_dtype: torch.dtype  # the one dtype of every parameter
 
     @property
@@ -40,5 +40,5 @@ def build_meta_model(spec: str, wrap: WrapOptions, bucket_bytes: int) -> MetaMod
     if len(dtypes) != 1:
         raise UsageError(f"model {spec!r} mixes parameter dtypes {sorted(map(str, dtypes))}; the planner needs one master dtype")
     policy = wrap_policy(wrap, source, model)
-    plans = tuple(bucket_units(model, plan_units(model, policy), bucket_bytes))
+    plans = tuple(bucket_units(model, split_units(model, policy), bucket_bytes))
     return MetaModel(source, model, policy, plans, dtypes.pop())

@@ -15,7 +15,7 @@ from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.errors import UsageError
 from fsdpkit.flat_layout import ElementRange, FlatLayout
 from fsdpkit.models.source import build_model
-from fsdpkit.models.units import unit_plan_for_model
+from fsdpkit.models.units import unit_specs_for_model
 
 ALIASES = {"lm_head.weight": "wte.weight"}
 
@@ -219,7 +219,7 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["placement"] == "flat"
     reader = CheckpointReader(tmp_path / "s2")
-    units = unit_plan_for_model("gpt-tiny")
+    units = unit_specs_for_model("gpt-tiny")
     assert [[p for p, _ in u] for u in reader.manifest.placement.units] == [[p for p, _ in u] for u in units]
     for unit in units:  # rank r finds its FlatLayout chunk in its own file
         layout = FlatLayout.from_shapes(unit, 2)

@@ -18,7 +18,7 @@ from fsdpkit.dist.comm import CommStats
 from fsdpkit.engine.config import MixedPrecision, ShardingConfig
 from fsdpkit.engine.quant import Int8BlockCodec, all_gather_bytes, block_count, dequantize, quantize, round_trip_sharded
 from fsdpkit.engine.sharded import get_state
-from fsdpkit.engine.wrapping import WrapPolicy, bucket_units, plan_units
+from fsdpkit.engine.wrapping import WrapPolicy, bucket_units, split_units
 from fsdpkit.errors import UsageError
 from fsdpkit.flat_layout import padded_size
 from fsdpkit.models.gpt import GPT, MLP, Block, GPTConfig
@@ -80,7 +80,7 @@ def _quantize_weights(model: torch.nn.Module, shard_factor: int, block: int, buc
     """Replace every weight by what the int8 gather gives the unit; return the masters."""
     masters = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
-        for plan in bucket_units(model, plan_units(model, WrapPolicy(module_classes=(Block,))), bucket_bytes):
+        for plan in bucket_units(model, split_units(model, WrapPolicy(module_classes=(Block,))), bucket_bytes):
             params = [model.get_parameter(p.name) for p in plan.params]
             flat = torch.cat([p.reshape(-1) for p in params])
             numel = flat.numel()
@@ -176,7 +176,7 @@ def _planned_step_bytes(options: dict, world_size: int) -> dict[str, int]:
     precision = MixedPrecision.from_name(options.get("mixed_precision", "none"))
     config = ShardingConfig(**{**options, "mixed_precision": precision})
     model = GPT(CONFIG)
-    plans = bucket_units(model, plan_units(model, WrapPolicy(module_classes=(Block,))), config.bucket_bytes)
+    plans = bucket_units(model, split_units(model, WrapPolicy(module_classes=(Block,))), config.bucket_bytes)
     factor = config.shard_factor(world_size)
     units = [
         UnitComm(plan.name, plan.layout(factor).padded_numel, plan.layout(factor).chunk_numel, True, len(plan.params)) for plan in plans
@@ -209,11 +209,11 @@ def test_int8_training_equals_a_reference_that_quantizes_its_weights(world_size)
 
 def test_bucketing_merges_consecutive_small_units_but_never_the_root_or_nested_ones():
     model = GPT(CONFIG)
-    blocks = plan_units(model, WrapPolicy(module_classes=(Block,)))
+    blocks = split_units(model, WrapPolicy(module_classes=(Block,)))
     assert [p.name for p in bucket_units(model, blocks, BUCKET_BYTES)] == ["", "h.0+h.1"]
     assert bucket_units(model, blocks, 0) == blocks
     assert [p.name for p in bucket_units(model, blocks, 20000)] == ["", "h.0", "h.1"]  # two blocks would pass 20000
-    nested = plan_units(model, WrapPolicy(module_classes=(Block, MLP)))
+    nested = split_units(model, WrapPolicy(module_classes=(Block, MLP)))
     merged = bucket_units(model, nested, 10**9)
     assert [p.name for p in merged] == ["", "h.0", "h.0.mlp+h.1", "h.1.mlp"]
     assert sorted(p.name for plan in merged for p in plan.params) == sorted(p.name for plan in nested for p in plan.params)

@@ -9,11 +9,11 @@ import torch
 import torch.nn as nn
 
 from fsdpkit.engine.config import ShardingConfig
-from fsdpkit.engine.wrapping import WrapPolicy, plan_units
+from fsdpkit.engine.wrapping import WrapPolicy, split_units
 from fsdpkit.errors import UsageError
 from fsdpkit.flat_layout import ElementRange, FlatLayout, even_split_ranges, padded_size
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
-from fsdpkit.models.units import unit_plan_for_model
+from fsdpkit.models.units import unit_specs_for_model
 
 
 def test_padding_and_chunks_cover_the_flat_parameter_exactly_once():
@@ -89,30 +89,30 @@ class Shared(nn.Module):
 
 def test_shared_parameter_goes_to_lowest_common_ancestor_unit():
     model = Shared()
-    plans = plan_units(model, WrapPolicy(module_classes=(nn.Sequential,)))
+    plans = split_units(model, WrapPolicy(module_classes=(nn.Sequential,)))
     owners = {p.name: plan.name for plan in plans for p in plan.params}
     assert owners["a.1.weight"] == ""  # a and b are units; their common ancestor is the root
     assert owners["a.0.weight"] == "a" and owners["b.0.bias"] == "b"
-    nested = plan_units(model, WrapPolicy(module_classes=(nn.Sequential, nn.Linear)))
+    nested = split_units(model, WrapPolicy(module_classes=(nn.Sequential, nn.Linear)))
     assert {plan.name for plan in nested} >= {"a.0", "a.1", "b.0", ""}
 
 
 def test_wrap_rules_class_size_predicate_every():
     model = GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=4, n_head=2, n_embd=16))
-    assert [u.name for u in plan_units(model, WrapPolicy(module_classes=(Block,)))] == ["", "h.0", "h.1", "h.2", "h.3"]
-    assert [u.name for u in plan_units(model, WrapPolicy())] == ["", "h.0", "h.1", "h.2", "h.3"]  # ModuleList rule
-    assert [u.name for u in plan_units(model, WrapPolicy(module_classes=(Block,), every=3))] == ["", "h.0+h.1+h.2", "h.3"]
-    by_size = plan_units(model, WrapPolicy(min_params=16 * 64))
+    assert [u.name for u in split_units(model, WrapPolicy(module_classes=(Block,)))] == ["", "h.0", "h.1", "h.2", "h.3"]
+    assert [u.name for u in split_units(model, WrapPolicy())] == ["", "h.0", "h.1", "h.2", "h.3"]  # ModuleList rule
+    assert [u.name for u in split_units(model, WrapPolicy(module_classes=(Block,), every=3))] == ["", "h.0+h.1+h.2", "h.3"]
+    by_size = split_units(model, WrapPolicy(min_params=16 * 64))
     assert all(sum(torch.Size(p.shape).numel() for p in u.params) >= 16 * 64 for u in by_size if u.name)
     assert "h.0.mlp.c_fc" in [u.name for u in by_size]
-    pred = plan_units(model, WrapPolicy(predicate=lambda name, m: name in ("h.1", "h.3")))
+    pred = split_units(model, WrapPolicy(predicate=lambda name, m: name in ("h.1", "h.3")))
     assert [u.name for u in pred] == ["", "h.1", "h.3"]
     total = sum(p.numel() for p in model.parameters())
     assert sum(torch.Size(p.shape).numel() for u in by_size for p in u.params) == total
 
 
 def test_unit_plan_for_model_is_built_on_meta():
-    units = unit_plan_for_model("gpt2-xl")
+    units = unit_specs_for_model("gpt2-xl")
     assert len(units) == 49 and units[1][0][0] == "h.0.ln_1.weight"
     assert sum(torch.Size(shape).numel() for unit in units for _, shape in unit) == 1_557_611_200
 

@@ -36,7 +36,7 @@ from fsdpkit.plan.calibrate.fit import (
     with_latency,
 )
 from fsdpkit.plan.calibrate.measure import Measured, StepSample, on_first_ranks
-from fsdpkit.plan.calibrate.runs import Placement, all_cores_runs, link_runs, more_ranks_runs
+from fsdpkit.plan.calibrate.runs import TimedStep, all_cores_runs, link_runs, more_ranks_runs
 from fsdpkit.plan.predict import activation_peak, model_costs, predict
 from fsdpkit.plan.profile import BUILT_IN, MAX_CONTENTION, Hardware, load, to_toml
 from fsdpkit.plan.request import PlanRequest
@@ -288,7 +288,7 @@ def all_cores_worker(request: PlanRequest) -> dict:
     for name, placement in (
         ("alone", alone),
         ("at_once", at_once),
-        ("two_ranks", Placement(_request(2, {"sharding": {"strategy": "full"}}))),
+        ("two_ranks", TimedStep(_request(2, {"sharding": {"strategy": "full"}}))),
     ):
         group, model = on_first_ranks(placement)
         mesh = get_state(model.model).mesh if model else None

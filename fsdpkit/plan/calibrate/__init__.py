@@ -37,7 +37,7 @@ from ..profile import CALIBRATE_SECONDS, Hardware
 from ..request import PlanRequest
 from .fit import all_cores_slowdown, fit_collectives, measured_profile
 from .measure import measure, measure_steps, network_line
-from .runs import CALIBRATION_BATCHES, Placement, all_cores_runs, calibration_specs, link_runs, more_ranks_runs
+from .runs import CALIBRATION_BATCHES, TimedStep, all_cores_runs, calibration_specs, link_runs, more_ranks_runs
 
 
 def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRATE_SECONDS) -> Hardware:
@@ -60,7 +60,7 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
         all_cores, more = all_cores_runs(request, profile.compute_slots), more_ranks_runs(request, profile.compute_slots)
         progress.set_postfix_str(f"collectives on 2 ranks, compute on {all_cores[1].ranks} at once, steps on {more[0].world_size}")
         alone, at_once, full, gathers_fewer, bytes_heavy, *more_steps = measure(
-            [*all_cores, *map(Placement, (*link_runs(request), *more))], 2 * seconds
+            [*all_cores, *map(TimedStep, (*link_runs(request), *more))], 2 * seconds
         )
         progress.update()
     profile = replace(profile, all_cores_slowdown=all_cores_slowdown(alone.measured_s, at_once.measured_s))

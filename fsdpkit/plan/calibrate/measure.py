@@ -21,7 +21,7 @@ from ..meta import build_meta_model
 from ..predict import OPTIMIZER_TRAFFIC, ModelCosts, predict
 from ..profile import Hardware
 from ..request import PlanRequest
-from .runs import Placement
+from .runs import TimedStep
 
 REPEATS = 5  # at least; then rounds go on until the time asked for has passed
 
@@ -205,7 +205,7 @@ class Measured:
         return time.step_time_s, time.compute_s
 
 
-def measure(placements: Sequence[Placement], seconds: float) -> list[Measured]:
+def measure(placements: Sequence[TimedStep], seconds: float) -> list[Measured]:
     """The engine's steps of `placements`, launched once on as many ranks as the largest takes
     (each on the first of them) and taken in turns, so that a drifting machine speed moves them
     alike; timed until they total at least `seconds` (and STEPS each)."""
@@ -216,7 +216,7 @@ def measure(placements: Sequence[Placement], seconds: float) -> list[Measured]:
     return [Measured(placement.run, median) for placement, median in zip(placements, medians, strict=True)]
 
 
-def on_first_ranks(placement: Placement) -> tuple[Any, ModelRun | None]:
+def on_first_ranks(placement: TimedStep) -> tuple[Any, ModelRun | None]:
     """(process group of its ranks, the engine's model of this rank's copy) of `placement` on the
     first ranks of the launch; the group is None where that is every rank, the model None on the
     other ranks. Every rank must call it, as new_group requires."""
@@ -232,7 +232,7 @@ def on_first_ranks(placement: Placement) -> tuple[Any, ModelRun | None]:
     return group, ModelRun(run, run.model, group=own) if rank < placement.ranks else None
 
 
-def _measured_steps(placements: list[Placement], seconds: float) -> list[float]:
+def _measured_steps(placements: list[TimedStep], seconds: float) -> list[float]:
     """One rank's part: for each placement, the median of the slowest rank's training step over at
     least STEPS rounds (after WARMUP_STEPS) and until the rounds total `seconds`."""
     import torch.distributed as dist

@@ -83,7 +83,7 @@ def link_runs(request: PlanRequest) -> tuple[PlanRequest, PlanRequest, PlanReque
 
 
 @dataclass(frozen=True)
-class Placement:
+class TimedStep:
     """A step measure() times: `run` on its world_size ranks, `copies` times side by side on the
     launch's first copies x world_size ranks, each copy on its own (no collectives between them)."""
 
@@ -95,11 +95,11 @@ class Placement:
         return self.copies * self.run.world_size
 
 
-def all_cores_runs(request: PlanRequest, cores: int) -> tuple[Placement, Placement]:
+def all_cores_runs(request: PlanRequest, cores: int) -> tuple[TimedStep, TimedStep]:
     """The steps all_cores_slowdown is the ratio of: `request`'s model on one rank, alone and on
     each of all_cores_ranks(`cores`) ranks at once."""
     alone = on_ranks(request, 1)
-    return Placement(alone), Placement(alone, all_cores_ranks(cores))
+    return TimedStep(alone), TimedStep(alone, all_cores_ranks(cores))
 
 
 def more_ranks_runs(request: PlanRequest, cores: int) -> tuple[PlanRequest, PlanRequest, PlanRequest]:
