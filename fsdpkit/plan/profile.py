@@ -12,7 +12,7 @@ cards together, not one card's rate.
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
 from ..errors import UsageError
@@ -23,22 +23,12 @@ MAX_CONTENTION = 4.0
 
 
 @dataclass(frozen=True)
-class Hardware:
-    name: str
-    source: str  # where the numbers come from
-    peak_tflops: dict[str, float]  # dense peak per compute dtype (fp32, bf16, fp16)
+class FittedTerms:
+    """The software's costs on a machine, beside what its datasheet says: fitted to measured
+    steps by `--calibrate` (fsdpkit.plan.calibrate.fit), set by hand for the built-in profiles."""
+
     efficiency: float  # the fraction of peak the model's matrix products achieve
     unit_overhead_s: float  # fixed time per wrapped module per forward or backward (hooks, launches, small ops)
-    memory_gb: float  # device memory
-    memory_bw_gbs: float  # device memory bandwidth (the optimizer step is bound by it)
-    ranks_per_node: int
-    intra_bw_gbs: float  # bus bandwidth of a collective inside a node, per rank
-    intra_latency_s: float  # per ring step inside a node
-    inter_bw_gbs: float  # bus bandwidth of a collective spanning nodes, per rank
-    inter_latency_s: float  # per ring step between nodes
-    host_bw_gbs: float = 25.0  # host <-> device copies (CPU offload)
-    overlap: bool = True  # communication runs beside compute (False: the two share the same cores)
-    compute_slots: int = 0  # ranks of a node that compute at once (CPU: its cores); 0: every rank has its own device
     compute_contention: float = 1.0  # ranks beyond compute_slots: how much slower than its turns on a core a rank computes
     # how much slower a rank computes while the node's ranks keep all compute_slots busy than alone (shared caches, the all-core clock)
     all_cores_slowdown: float = 1.0
@@ -49,18 +39,43 @@ class Hardware:
     optimizer_tensor_s: float = 0.0  # fixed time per parameter tensor of the optimizer step (a per-tensor loop)
     optimizer_passes: float = 1.0  # the optimizer's memory traffic in units of its minimum (AdamW: 28 bytes per element)
 
+
+FITTED_KEYS = tuple(f.name for f in fields(FittedTerms))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A hardware profile: the device and its links (datasheet or measured), and the fitted
+    software terms. Its file is one flat table of both (`from_values`, `to_values`)."""
+
+    name: str
+    source: str  # where the numbers come from
+    peak_tflops: dict[str, float]  # dense peak per compute dtype (fp32, bf16, fp16)
+    memory_gb: float  # device memory
+    memory_bw_gbs: float  # device memory bandwidth (the optimizer step is bound by it)
+    ranks_per_node: int
+    intra_bw_gbs: float  # bus bandwidth of a collective inside a node, per rank
+    intra_latency_s: float  # per ring step inside a node
+    inter_bw_gbs: float  # bus bandwidth of a collective spanning nodes, per rank
+    inter_latency_s: float  # per ring step between nodes
+    fitted: FittedTerms
+    host_bw_gbs: float = 25.0  # host <-> device copies (CPU offload)
+    overlap: bool = True  # communication runs beside compute (False: the two share the same cores)
+    compute_slots: int = 0  # ranks of a node that compute at once (CPU: its cores); 0: every rank has its own device
+
     def __post_init__(self) -> None:
-        for key in ("efficiency", "optimizer_passes", "memory_gb", "memory_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "host_bw_gbs"):
+        fitted = self.fitted
+        for key in ("memory_gb", "memory_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "host_bw_gbs"):
             _positive(self.name, key, getattr(self, key))
+        for key in ("efficiency", "optimizer_passes"):
+            _positive(self.name, key, getattr(fitted, key))
         overheads = ("unit_overhead_s", "collective_overhead_s", "reduce_overhead_s", "op_overhead_s", "optimizer_tensor_s")
         for key in ("intra_latency_s", "inter_latency_s", "param_passes", *overheads):
-            value = getattr(self, key)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise UsageError(f"hardware {self.name!r}: {key} must be a number >= 0, got {value!r}")
-        if self.efficiency > 1:
-            raise UsageError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
+            _at_least_zero(self.name, key, getattr(fitted if key in FITTED_KEYS else self, key))
+        if fitted.efficiency > 1:
+            raise UsageError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {fitted.efficiency}")
         for key in ("compute_contention", "all_cores_slowdown"):
-            factor = getattr(self, key)
+            factor = getattr(fitted, key)
             if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= MAX_CONTENTION:
                 raise UsageError(f"hardware {self.name!r}: {key} must be a number in [1, {MAX_CONTENTION:g}], got {factor!r}")
         if not isinstance(self.compute_slots, int) or self.compute_slots < 0:
@@ -71,6 +86,11 @@ class Hardware:
             raise UsageError(f"hardware {self.name!r}: peak_tflops must be a table with fp32 (and bf16, fp16), got {self.peak_tflops!r}")
         for dtype, value in self.peak_tflops.items():
             _positive(self.name, f"peak_tflops.{dtype}", value)
+
+    def with_values(self, **values: Any) -> Hardware:
+        """This profile with some of its file's keys (fitted terms among them) set anew."""
+        terms = {key: values.pop(key) for key in FITTED_KEYS if key in values}
+        return replace(self, fitted=replace(self.fitted, **terms), **values)
 
     def peak_flops(self, dtype: str) -> float:
         return self.peak_tflops.get(dtype, self.peak_tflops["fp32"]) * 1e12
@@ -84,7 +104,7 @@ class Hardware:
         """How many times as long a rank computes when `ranks_per_node` ranks share the node's cores
         than one rank alone on them."""
         return self.busy_cores_slowdown(ranks_per_node) * shared_compute_slowdown(
-            self.compute_share(ranks_per_node), self.compute_contention
+            self.compute_share(ranks_per_node), self.fitted.compute_contention
         )
 
     def busy_cores_slowdown(self, ranks_per_node: int) -> float:
@@ -94,7 +114,7 @@ class Hardware:
         if self.compute_slots < 2:
             return 1.0
         busy = min(ranks_per_node, self.compute_slots)
-        return 1.0 + (self.all_cores_slowdown - 1.0) * (busy - 1) / (self.compute_slots - 1)
+        return 1.0 + (self.fitted.all_cores_slowdown - 1.0) * (busy - 1) / (self.compute_slots - 1)
 
     def link(self, group_size: int, ranks_per_node: int) -> tuple[float, float]:
         """(bus bandwidth in bytes/s, latency per ring step) of a group of consecutive ranks."""
@@ -103,7 +123,9 @@ class Hardware:
         return self.inter_bw_gbs * 1e9, self.inter_latency_s
 
     def to_values(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The flat table of its file: the profile's keys, then the fitted terms'."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "fitted"}
+        return {**own, **{key: getattr(self.fitted, key) for key in FITTED_KEYS}}
 
 
 def shared_compute_slowdown(share: float, contention: float) -> float:
@@ -117,16 +139,25 @@ def _positive(name: str, key: str, value: Any) -> None:
         raise UsageError(f"hardware {name!r}: {key} must be a number > 0, got {value!r}")
 
 
+def _at_least_zero(name: str, key: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise UsageError(f"hardware {name!r}: {key} must be a number >= 0, got {value!r}")
+
+
 def from_values(values: dict[str, Any], *, name: str) -> Hardware:
-    known = {f.name for f in fields(Hardware)}
+    """A profile from its file's flat table (the fitted terms beside the rest)."""
+    keys = [f for f in fields(Hardware) if f.name != "fitted"] + list(fields(FittedTerms))
+    known = {f.name for f in keys}
     unknown = sorted(set(values) - known)
     if unknown:
         raise UsageError(f"hardware file {name!r}: unknown key {unknown[0]!r} (keys: {', '.join(sorted(known))})")
-    missing = [f.name for f in fields(Hardware) if f.name not in values and f.default is MISSING and f.name != "name"]
+    missing = [f.name for f in keys if f.name not in values and f.default is MISSING and f.name != "name"]
     if missing:
         raise UsageError(f"hardware file {name!r}: missing key {missing[0]!r}")
+    own = {key: value for key, value in values.items() if key not in FITTED_KEYS}
     try:
-        return Hardware(name=name, **values)
+        fitted = FittedTerms(**{key: value for key, value in values.items() if key in FITTED_KEYS})
+        return Hardware(name=name, fitted=fitted, **own)
     except TypeError as error:
         raise UsageError(f"hardware file {name!r}: {error}") from None
 
@@ -175,8 +206,7 @@ def _gpu(name: str, peak: dict[str, float], memory_gb: float, memory_bw: float, 
         name=name,
         source=f"{source}; {_NCCL}; {ib_gbit} Gb/s InfiniBand per GPU",
         peak_tflops=peak,
-        efficiency=0.6,
-        unit_overhead_s=5e-5,
+        fitted=FittedTerms(efficiency=0.6, unit_overhead_s=5e-5),
         memory_gb=memory_gb,
         memory_bw_gbs=memory_bw,
         ranks_per_node=8,
@@ -203,8 +233,7 @@ def _built_in() -> dict[str, Hardware]:
         name="cpu-gloo",
         source="a generic 2-core x86 host with gloo over loopback TCP; run `fsdpkit plan --calibrate` for this machine",
         peak_tflops={"fp32": 0.1, "bf16": 0.05, "fp16": 0.05},
-        efficiency=0.5,
-        unit_overhead_s=3e-4,
+        fitted=FittedTerms(efficiency=0.5, unit_overhead_s=3e-4),
         memory_gb=16,
         memory_bw_gbs=10.0,
         ranks_per_node=64,

@@ -22,12 +22,12 @@ stream waited for.
 
     shared cores  while a node's ranks keep its cores (hardware.compute_slots) busy, a rank
                 computes more slowly than alone on them (shared caches and memory bandwidth,
-                the all-core clock): hardware.all_cores_slowdown, k, where every core
+                the all-core clock): hardware.fitted.all_cores_slowdown, k, where every core
                 computes, in proportion to the other cores kept busy where fewer. Where the
                 ranks outnumber the cores by s, the step above (`alone`) is what a rank would
                 take with a core of its own. Its compute takes turns on the core, s times as
                 long, and longer still by what the switching between ranks costs (their
-                caches, the scheduler: hardware.compute_contention, c). The collectives take
+                caches, the scheduler: hardware.fitted.compute_contention, c). The collectives take
                 as long as with a core each (on this machine's gloo, charging their copies or
                 their waiting s times over-predicted the bandwidth-bound steps):
                 step = alone + (k x s x c - 1) x compute.
@@ -121,7 +121,7 @@ def collective_seconds(collective: Collective, hardware: Hardware, ranks_per_nod
         return 0.0, 0.0
     bandwidth, latency = hardware.link(world_size if collective.spans_world else n, ranks_per_node)
     steps = 2 * (n - 1) if collective.kind == "all_reduce" else n - 1
-    fixed = hardware.collective_overhead_s + (hardware.reduce_overhead_s if collective.kind != "all_gather" else 0.0)
+    fixed = hardware.fitted.collective_overhead_s + (hardware.fitted.reduce_overhead_s if collective.kind != "all_gather" else 0.0)
     return fixed + steps * latency, collective.bytes * steps / n / bandwidth
 
 
@@ -159,9 +159,9 @@ def _pass_seconds(flops: float, moved: float, ops: float, param_bytes: float, me
     """One forward or backward of a unit (`param_bytes`: its parameters, once per pass it makes;
     `members`: its wrapped modules, each paying the fixed overhead of a module with hooks)."""
     hardware = setup.hardware
-    moved += hardware.param_passes * param_bytes
-    seconds = flops / (hardware.peak_flops(setup.compute_dtype) * hardware.efficiency) + moved / (hardware.memory_bw_gbs * 1e9)
-    return seconds + members * hardware.unit_overhead_s + ops * hardware.op_overhead_s
+    moved += hardware.fitted.param_passes * param_bytes
+    seconds = flops / (hardware.peak_flops(setup.compute_dtype) * hardware.fitted.efficiency) + moved / (hardware.memory_bw_gbs * 1e9)
+    return seconds + members * hardware.fitted.unit_overhead_s + ops * hardware.fitted.op_overhead_s
 
 
 def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup, *, reduce: bool) -> None:
@@ -223,8 +223,8 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
     for index in range(setup.micro_batches):
         _micro_batch(streams, by_name, setup, reduce=not setup.no_sync or index == setup.micro_batches - 1)
     hardware = setup.hardware
-    moved = setup.optimizer_bytes * hardware.optimizer_passes
-    optimizer = moved / (hardware.memory_bw_gbs * 1e9) + setup.optimizer_tensors * hardware.optimizer_tensor_s
+    moved = setup.optimizer_bytes * hardware.fitted.optimizer_passes
+    optimizer = moved / (hardware.memory_bw_gbs * 1e9) + setup.optimizer_tensors * hardware.fitted.optimizer_tensor_s
     streams.run(optimizer)
     slowdown = hardware.compute_slowdown(setup.ranks_per_node)
     step = shared_cores_seconds(max(streams.compute, streams.comm), streams.busy_compute, slowdown)

@@ -38,7 +38,7 @@ from fsdpkit.plan.calibrate.fit import (
 from fsdpkit.plan.calibrate.measure import Measured, StepSample, on_first_ranks
 from fsdpkit.plan.calibrate.runs import TimedStep, all_cores_runs, link_runs, more_ranks_runs
 from fsdpkit.plan.predict import activation_peak, model_costs, predict
-from fsdpkit.plan.profile import BUILT_IN, MAX_CONTENTION, Hardware, load, to_toml
+from fsdpkit.plan.profile import BUILT_IN, MAX_CONTENTION, FittedTerms, Hardware, load, to_toml
 from fsdpkit.plan.request import PlanRequest
 from fsdpkit.plan.search import recommend
 from fsdpkit.plan.simulate import Recompute, collective_seconds
@@ -144,8 +144,7 @@ def _hardware_by_hand(name: str, *, ranks_per_node: int, bus_gbs: float) -> Hard
         name=name,
         source="test",
         peak_tflops={"fp32": 2.0},
-        efficiency=0.5,
-        unit_overhead_s=1e-4,
+        fitted=FittedTerms(efficiency=0.5, unit_overhead_s=1e-4),
         memory_gb=1,
         memory_bw_gbs=3.0,
         ranks_per_node=ranks_per_node,
@@ -192,7 +191,7 @@ def test_per_operator_parameter_and_optimizer_terms_add_what_they_say():
     request = _request(1, {"sharding": {"strategy": "full"}})
     costs = model_costs(request)
     base = _hardware_by_hand("base", ranks_per_node=1, bus_gbs=1.0)
-    terms = dataclasses.replace(base, op_overhead_s=2e-6, param_passes=3.0, optimizer_tensor_s=5e-6, optimizer_passes=2.5)
+    terms = base.with_values(op_overhead_s=2e-6, param_passes=3.0, optimizer_tensor_s=5e-6, optimizer_passes=2.5)
     before, after = predict(request, base, costs).time, predict(request, terms, costs).time
     # one rank, 8 sequences: every unit's forward and backward once, its full fp32 parameters
     # 3 times per pass at 3 GB/s; the optimizer 1.5 more times its 28 bytes per element
@@ -207,7 +206,7 @@ def test_per_operator_parameter_and_optimizer_terms_add_what_they_say():
 def test_selective_recompute_charges_the_forward_operators_and_half_its_matrix_products():
     request = _request(1, {"sharding": {"strategy": "full"}})
     costs = model_costs(request)
-    hardware = dataclasses.replace(BUILT_IN["cpu-gloo"], unit_overhead_s=0.0, op_overhead_s=1e-6, compute_slots=0)
+    hardware = BUILT_IN["cpu-gloo"].with_values(unit_overhead_s=0.0, op_overhead_s=1e-6, compute_slots=0)
     plain = predict(request, hardware, costs).time
     selective = predict(request, hardware, costs, recompute=Recompute.SELECTIVE).time
     full = predict(_request(1, {"sharding": {"strategy": "full", "activation_checkpointing": True}}), hardware, costs).time
@@ -216,7 +215,7 @@ def test_selective_recompute_charges_the_forward_operators_and_half_its_matrix_p
     forward = sum(w.forward_flops for w in work)
     assert 0 < attention < forward
     # 8 sequences on the one rank; the forward's operators again, and half its non-attention FLOPs
-    rate = hardware.peak_flops("fp32") * hardware.efficiency
+    rate = hardware.peak_flops("fp32") * hardware.fitted.efficiency
     again = (
         sum(8 * w.forward_bytes / (hardware.memory_bw_gbs * 1e9) + w.forward_ops * 1e-6 for w in work)
         + 8 * (forward - attention) / 2 / rate
@@ -229,24 +228,24 @@ def test_selective_recompute_charges_the_forward_operators_and_half_its_matrix_p
 def test_ranks_beyond_the_cores_slow_their_compute_and_not_their_collectives():
     request = _request(4, {"sharding": {"strategy": "full"}})
     costs = model_costs(request)
-    cpu = dataclasses.replace(
-        BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, param_passes=2.0, optimizer_tensor_s=1e-5, intra_latency_s=1e-3
+    cpu = BUILT_IN["cpu-gloo"].with_values(
+        compute_slots=4, op_overhead_s=1e-6, param_passes=2.0, optimizer_tensor_s=1e-5, intra_latency_s=1e-3
     )
     enough = predict(request, cpu, costs, per_node=4).time
     assert not cpu.overlap and enough.comm_s > 0 and enough.step_time_s == pytest.approx(enough.compute_s + enough.comm_s, rel=1e-9)
     # 4 ranks per core take turns: their compute 4 times as long, and `contention` times more
     steps = {}
     for contention in (1.0, 1.25, 2.0):
-        shared = predict(request, dataclasses.replace(cpu, compute_slots=1, compute_contention=contention), costs, per_node=4).time
+        shared = predict(request, cpu.with_values(compute_slots=1, compute_contention=contention), costs, per_node=4).time
         assert shared.comm_s == pytest.approx(enough.comm_s, rel=1e-9)
         assert shared.compute_s == pytest.approx(4 * contention * enough.compute_s, rel=1e-9)
         assert shared.step_time_s == pytest.approx(enough.step_time_s + (4 * contention - 1) * enough.compute_s, rel=1e-9)
         steps[contention] = shared.step_time_s
     # contention does not touch ranks that have a core each
-    assert predict(request, dataclasses.replace(cpu, compute_contention=2.0), costs, per_node=4).time.step_time_s == enough.step_time_s
+    assert predict(request, cpu.with_values(compute_contention=2.0), costs, per_node=4).time.step_time_s == enough.step_time_s
 
     def step_at(contention: float) -> float:
-        shared = dataclasses.replace(cpu, compute_slots=1, compute_contention=contention)
+        shared = cpu.with_values(compute_slots=1, compute_contention=contention)
         return predict(request, shared, costs, per_node=4).time.step_time_s
 
     # calibration finds the contention back from a measured step, and keeps it in [1, MAX_CONTENTION]
@@ -262,17 +261,17 @@ def test_ranks_beyond_the_cores_slow_their_compute_and_not_their_collectives():
 
 def test_ranks_that_keep_every_core_busy_compute_slower_by_the_all_cores_slowdown():
     costs = model_costs(_request(4, {"sharding": {"strategy": "full"}}))
-    cpu = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, intra_latency_s=1e-3, all_cores_slowdown=1.3)
+    cpu = BUILT_IN["cpu-gloo"].with_values(compute_slots=4, op_overhead_s=1e-6, intra_latency_s=1e-3, all_cores_slowdown=1.3)
     for ranks, slowdown in ((1, 1.0), (2, 1.1), (4, 1.3)):  # in proportion to the other cores kept busy
         request = _request(ranks, {"sharding": {"strategy": "full"}})
-        alone = predict(request, dataclasses.replace(cpu, all_cores_slowdown=1.0), costs, per_node=ranks).time
+        alone = predict(request, cpu.with_values(all_cores_slowdown=1.0), costs, per_node=ranks).time
         busy = predict(request, cpu, costs, per_node=ranks).time
         assert busy.compute_s == pytest.approx(slowdown * alone.compute_s, rel=1e-9) and busy.comm_s == pytest.approx(
             alone.comm_s, rel=1e-9
         )
         assert busy.step_time_s == pytest.approx(alone.step_time_s + (slowdown - 1) * alone.compute_s, rel=1e-9)
     # beyond the cores, the ranks take turns on busy cores; a device per rank shares nothing
-    assert dataclasses.replace(cpu, compute_slots=2, compute_contention=1.25).compute_slowdown(8) == pytest.approx(1.3 * 4 * 1.25)
+    assert cpu.with_values(compute_slots=2, compute_contention=1.25).compute_slowdown(8) == pytest.approx(1.3 * 4 * 1.25)
     assert dataclasses.replace(cpu, compute_slots=0).compute_slowdown(8) == 1.0
     # the profile's value: the ratio of the step on every core at once to the step alone, in range
     assert all_cores_slowdown(0.05, 0.06) == pytest.approx(1.2) and all_cores_slowdown(0.06, 0.05) == 1.0
@@ -309,14 +308,14 @@ def test_all_cores_pair_runs_one_rank_alone_and_a_copy_on_each_core_without_coll
 def test_calibration_fits_the_compute_contention_over_several_measured_steps():
     request = _request(4, {"sharding": {"strategy": "full"}})
     costs = model_costs(request)
-    cpu = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=4, op_overhead_s=1e-6, intra_latency_s=1e-3)
+    cpu = BUILT_IN["cpu-gloo"].with_values(compute_slots=4, op_overhead_s=1e-6, intra_latency_s=1e-3)
     alone = predict(request, cpu, costs, per_node=4).time
     step = SharedStep(0.0, alone.step_time_s, alone.compute_s)
-    shared = dataclasses.replace(cpu, compute_slots=2, compute_contention=1.3)
+    shared = cpu.with_values(compute_slots=2, compute_contention=1.3)
     assert predict(request, shared, costs, per_node=4).time.step_time_s == pytest.approx(step.predicted(2 * 1.3), rel=1e-9)
     # a compute-bound and a collective-bound step: the contention that fits both best, on top of
     # the slowdown of ranks that keep every core busy
-    busy = dataclasses.replace(cpu, compute_slots=2, all_cores_slowdown=1.1)
+    busy = cpu.with_values(compute_slots=2, all_cores_slowdown=1.1)
     steps = [SharedStep(0.0, 1.0, 0.8), SharedStep(0.0, 1.0, 0.1)]
     measured = [dataclasses.replace(s, measured_s=s.predicted(1.1 * 2 * 1.3)) for s in steps]
     assert best_contention(measured, busy, 4) == pytest.approx(1.3)
@@ -333,13 +332,13 @@ def test_calibration_fits_the_compute_contention_over_several_measured_steps():
 def test_calibration_fits_the_latency_its_share_per_ring_step_and_the_contention_together():
     # a fixed cost per collective whatever its ranks; a cost per ring step grows with them
     gather = Collective("all_gather", 0, 4, spans_world=False)
-    fixed = dataclasses.replace(BUILT_IN["cpu-gloo"], intra_latency_s=0.0, collective_overhead_s=1e-3)
+    fixed = BUILT_IN["cpu-gloo"].with_values(intra_latency_s=0.0, collective_overhead_s=1e-3)
     ring = dataclasses.replace(BUILT_IN["cpu-gloo"], intra_latency_s=1e-3)
     assert collective_seconds(gather, fixed, 4, 4)[0] == pytest.approx(1e-3) and collective_seconds(gather, ring, 4, 4)[0] == pytest.approx(
         3e-3
     )
     # a reduction's extra fixed cost: on reduce-scatters and all-reduces, not on all-gathers
-    reducing = dataclasses.replace(fixed, reduce_overhead_s=5e-4)
+    reducing = fixed.with_values(reduce_overhead_s=5e-4)
     assert collective_seconds(gather, reducing, 4, 4)[0] == pytest.approx(1e-3)
     for kind in ("reduce_scatter", "all_reduce"):
         assert collective_seconds(Collective(kind, 0, 4, spans_world=False), reducing, 4, 4)[0] == pytest.approx(1.5e-3)
@@ -348,8 +347,8 @@ def test_calibration_fits_the_latency_its_share_per_ring_step_and_the_contention
     request = _request(2, {"sharding": {"strategy": "full"}, "model": {"name": "gpt-small"}})
     # the all-cores slowdown is measured, not fitted: the profile comes with it; the bandwidth
     # fsdpkit bench measured (the profile's) is a start, the steps' is fitted
-    base = dataclasses.replace(BUILT_IN["cpu-gloo"], compute_slots=2, op_overhead_s=1e-6, all_cores_slowdown=1.2)
-    truth = with_bandwidth(dataclasses.replace(with_latency(base, 1.2e-3, 0.4), compute_contention=1.5, reduce_overhead_s=7e-4), 1e-9 / 0.7)
+    base = BUILT_IN["cpu-gloo"].with_values(compute_slots=2, op_overhead_s=1e-6, all_cores_slowdown=1.2)
+    truth = with_bandwidth(with_latency(base, 1.2e-3, 0.4).with_values(compute_contention=1.5, reduce_overhead_s=7e-4), 1e-9 / 0.7)
     runs = [*link_runs(request), *more_ranks_runs(request, 2)]
     assert [run.world_size for run in runs] == [2, 2, 2, 4, 4, 4]
     assert [run.sharding.strategy.value for run in runs] == ["full", "grad-op", "full", "full", "full", "grad-op"]
@@ -357,13 +356,13 @@ def test_calibration_fits_the_latency_its_share_per_ring_step_and_the_contention
     steps = [Measured(run, predict(run, truth, model_costs(run), per_node=run.world_size).time.step_time_s) for run in runs]
     fitted = fit_collectives(dataclasses.replace(base, intra_latency_s=5e-3), steps[:3], steps[3:])
     assert fitted.intra_bw_gbs == fitted.inter_bw_gbs == pytest.approx(0.7, rel=1e-6)
-    assert fitted.intra_latency_s + fitted.collective_overhead_s == pytest.approx(1.2e-3, rel=1e-6)
-    assert fitted.reduce_overhead_s == pytest.approx(7e-4, rel=1e-6)
-    assert fitted.intra_latency_s == pytest.approx(0.4 * 1.2e-3, rel=1e-6) and fitted.compute_contention == pytest.approx(1.5)
+    assert fitted.intra_latency_s + fitted.fitted.collective_overhead_s == pytest.approx(1.2e-3, rel=1e-6)
+    assert fitted.fitted.reduce_overhead_s == pytest.approx(7e-4, rel=1e-6)
+    assert fitted.intra_latency_s == pytest.approx(0.4 * 1.2e-3, rel=1e-6) and fitted.fitted.compute_contention == pytest.approx(1.5)
     # without steps on more ranks: the ring's alpha-beta model, fitted to the three steps
     alone = fit_collectives(base, steps[:3], [])
-    assert alone.collective_overhead_s == 0 and alone.compute_contention == 1.0
-    assert alone.reduce_overhead_s > 0  # not 7e-4: a flag all-reduce's two ring steps cost less than twice a collective
+    assert alone.fitted.collective_overhead_s == 0 and alone.fitted.compute_contention == 1.0
+    assert alone.fitted.reduce_overhead_s > 0  # not 7e-4: a flag all-reduce's two ring steps cost less than twice a collective
     for step in steps[:3]:
         assert predict(step.run, alone, model_costs(step.run), per_node=2).time.step_time_s == pytest.approx(step.measured_s, rel=1e-6)
     # the bandwidth stays within BANDWIDTH_RANGE of fsdpkit bench's
@@ -571,11 +570,11 @@ def test_calibrate_measures_this_machine_into_a_profile_that_plan_reads(tmp_path
     assert profile.compute_slots == len(os.sched_getaffinity(0)) and not profile.overlap
     # a reduction costs something beyond its bytes; how it splits from an all-gather's cost is
     # fitted from two steps whose difference (15 all-gathers) is near this machine's noise
-    gather = profile.intra_latency_s + profile.collective_overhead_s
-    assert 0 <= gather <= MAX_LATENCY_S and 0 <= profile.reduce_overhead_s <= MAX_LATENCY_S
-    assert gather + profile.reduce_overhead_s > 0
-    assert profile.intra_bw_gbs > 0 and 0 < profile.efficiency <= 1
-    assert 1 <= profile.compute_contention <= MAX_CONTENTION and 1 <= profile.all_cores_slowdown <= MAX_CONTENTION
+    gather = profile.intra_latency_s + profile.fitted.collective_overhead_s
+    assert 0 <= gather <= MAX_LATENCY_S and 0 <= profile.fitted.reduce_overhead_s <= MAX_LATENCY_S
+    assert gather + profile.fitted.reduce_overhead_s > 0
+    assert profile.intra_bw_gbs > 0 and 0 < profile.fitted.efficiency <= 1
+    assert 1 <= profile.fitted.compute_contention <= MAX_CONTENTION and 1 <= profile.fitted.all_cores_slowdown <= MAX_CONTENTION
     timed = _invoke([*args, "--time", "--hardware", str(out), "--json"])
     assert timed.exit_code == 0, timed.output
     assert json.loads(timed.stdout)["step_time_s"] > 0

@@ -31,7 +31,6 @@ a longer calibration lands nearer its average. A loaded machine gives a slower p
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
 from ..profile import CALIBRATE_SECONDS, Hardware
 from ..request import PlanRequest
@@ -63,5 +62,5 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
             [*all_cores, *map(TimedStep, (*link_runs(request), *more))], 2 * seconds
         )
         progress.update()
-    profile = replace(profile, all_cores_slowdown=all_cores_slowdown(alone.measured_s, at_once.measured_s))
+    profile = profile.with_values(all_cores_slowdown=all_cores_slowdown(alone.measured_s, at_once.measured_s))
     return fit_collectives(profile, [full, gathers_fewer, bytes_heavy], more_steps)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..predict import ModelCosts, model_costs
-from ..profile import MAX_CONTENTION, Hardware
+from ..profile import MAX_CONTENTION, FittedTerms, Hardware
 from ..request import PlanRequest
 from ..simulate import shared_cores_seconds
 from .measure import Measured, StepSample
@@ -114,8 +114,13 @@ def measured_profile(
         name="calibrated",
         source=f"measured by fsdpkit plan --calibrate on this machine ({', '.join(calibration_specs(request))}; {ranks} gloo ranks)",
         peak_tflops={"fp32": peak / 1e12},
-        efficiency=1.0 / terms.seconds_per_flop / peak if terms.seconds_per_flop > 0 else 1.0,
-        unit_overhead_s=terms.unit_overhead_s,
+        fitted=FittedTerms(
+            efficiency=1.0 / terms.seconds_per_flop / peak if terms.seconds_per_flop > 0 else 1.0,
+            unit_overhead_s=terms.unit_overhead_s,
+            param_passes=terms.seconds_per_param_byte * bandwidth_memory,
+            optimizer_tensor_s=terms.optimizer_tensor_s,
+            optimizer_passes=terms.optimizer_passes,
+        ),
         memory_gb=_memory_gb(),
         memory_bw_gbs=bandwidth_memory / 1e9,
         ranks_per_node=1024,
@@ -126,9 +131,6 @@ def measured_profile(
         host_bw_gbs=bandwidth_memory / 1e9,
         overlap=False,
         compute_slots=len(os.sched_getaffinity(0)),
-        param_passes=terms.seconds_per_param_byte * bandwidth_memory,
-        optimizer_tensor_s=terms.optimizer_tensor_s,
-        optimizer_passes=terms.optimizer_passes,
     )
 
 
@@ -145,7 +147,9 @@ def with_latency(profile: Hardware, latency_s: float, per_step: float) -> Hardwa
     """`profile` whose collective between 2 ranks costs `latency_s` beyond its bytes, `per_step`
     of it per ring step and the rest per collective."""
     per_ring_step = per_step * latency_s
-    return replace(profile, intra_latency_s=per_ring_step, inter_latency_s=per_ring_step, collective_overhead_s=latency_s - per_ring_step)
+    return profile.with_values(
+        intra_latency_s=per_ring_step, inter_latency_s=per_ring_step, collective_overhead_s=latency_s - per_ring_step
+    )
 
 
 def with_bandwidth(profile: Hardware, seconds_per_byte: float) -> Hardware:
@@ -183,7 +187,7 @@ def fit_latency(profile: Hardware, steps: Sequence[Measured], per_step: float, c
     full, gathers_fewer = steps
 
     def fitted_for(reduce_s: float) -> Hardware:
-        reducing = replace(profile, reduce_overhead_s=reduce_s)
+        reducing = profile.with_values(reduce_overhead_s=reduce_s)
 
         def step_at(seconds: float) -> float:
             return full.predicted(with_latency(reducing, seconds, per_step), costs)
@@ -214,7 +218,7 @@ def fit_collectives(profile: Hardware, link: Sequence[Measured], more: Sequence[
     for per_step in PER_STEP_SHARES if more else PER_STEP_SHARES[:1]:
         fitted = fit_link(profile, link, per_step, costs_of)
         steps = [SharedStep(step.measured_s, *step.alone(fitted, costs_of(step.run))) for step in more]
-        contended = replace(fitted, compute_contention=best_contention(steps, fitted, ranks))
+        contended = fitted.with_values(compute_contention=best_contention(steps, fitted, ranks))
         fits.append((sum(step.error(contended.compute_slowdown(ranks)) for step in steps), contended))
     return min(fits, key=lambda fit: fit[0])[1]
 
@@ -243,7 +247,7 @@ def best_contention(steps: Sequence[SharedStep], profile: Hardware, ranks_per_no
     candidates = (1 + index / 100 for index in range(round((MAX_CONTENTION - 1) * 100) + 1))
 
     def error(contention: float) -> float:
-        slowdown = replace(profile, compute_contention=contention).compute_slowdown(ranks_per_node)
+        slowdown = profile.with_values(compute_contention=contention).compute_slowdown(ranks_per_node)
         return sum(step.error(slowdown) for step in steps)
 
     return min(candidates, key=error)
