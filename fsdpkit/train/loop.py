@@ -27,18 +27,20 @@ from .. import faults, log
 from ..checkpoint.format import storage
 from ..checkpoint.live.checkpointer import init_weights_from
 from ..comm import CollectiveError, Collectives
+from ..data.streaming import StreamPosition
 from ..engine.view import describe
 from ..models.source import resolve
 from .attempts import ProgressLog, RunContext, attempt_number
 from .collective_failure import collective_failure
 from .config import Device, Optimizer, OptimizerConfig, TrainConfig, precision_names
-from .data import TokenSource, local_rows
+from .data import StreamedBatches, TokenSource, local_rows, rank_start, streamed_position
 from .metrics import MetricsLog
 from .model_setup import build_for_training, initial_weights, inspect_model, wrap_policy
 from .progress import Progress, Throughput, progress_mode
 from .schedule import lr_at
 from .signals import StopSignals
 from .summary import TrainSummary
+from .trackers import Trackers, open_trackers
 
 
 def pick_device(device: Device) -> torch.device:
@@ -100,7 +102,13 @@ class Trainer:
             seed=config.seed,
             token_dtype=config.data.token_dtype,
             tokenizer=self.source.tokenizer,
+            text_field=config.data.text_field,
+            eval_data=config.data.eval_data,
+            streaming=config.data.streaming,
         )
+        self.streamed: StreamedBatches | None = None  # --data-streaming: opened at the first step, from the restored position
+        self.stream_start: StreamPosition | None = None
+        self.tracker_ids: dict[str, str] = {}  # the experiment trackers' run ids (rank 0's), kept in checkpoints
         self.step = 0  # training steps run (batches consumed)
         self.optimizer_steps = 0  # steps the optimizer took (fp16 skips do not count)
         self.last_grad_norm: float | None = None
@@ -137,6 +145,8 @@ class Trainer:
                 "decay_steps": self.config.schedule_steps,
             },
             "grad_scaler": self.scaler.state_dict() if self.scaler else None,
+            "data_position": self._data_position(),
+            "trackers": self.tracker_ids,
             "rng": {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")},
             "world_size": self.world_size,
             "config": self.config.to_values(),
@@ -146,11 +156,46 @@ class Trainer:
         """Continue from a checkpoint's training state (the inverse of training_state)."""
         self.step = int(state.get("step", 0))
         self.optimizer_steps = int(state.get("optimizer_steps", self.step))
+        self.tracker_ids = dict(state.get("trackers") or {})
+        if self.config.data.streaming:
+            self.stream_start = rank_start(state.get("data_position"), self.rank, self.world_size)
+        else:
+            self.data.check_position(self.step, self.config.data.global_batch_size, state.get("data_position"))
         if self.scaler is not None and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])
         rng = (state.get("rng") or {}).get("torch_cpu")
         if rng:
             torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8))
+
+    def _data_position(self) -> dict | None:
+        """Where the loader stands: a function of the step, or with streaming, every rank's stream (a collective)."""
+        if not self.config.data.streaming:
+            return self.data.position(self.step, self.config.data.global_batch_size)
+        mine = self.streamed.position if self.streamed else (self.stream_start or StreamPosition(shard=self.rank))
+        positions: list[Any] = [None] * self.world_size
+        dist.all_gather_object(positions, mine)
+        return streamed_position(positions)
+
+    def local_micro_batches(self) -> list[torch.Tensor]:
+        """This rank's rows of each micro-batch of the step's global batch."""
+        data = self.config.data
+        if data.streaming:
+            if self.streamed is None:
+                self.streamed = StreamedBatches(
+                    data.source,
+                    vocab_size=self.vocab_size,
+                    seq_len=data.seq_len,
+                    rows=data.global_batch_size // self.world_size,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    tokenizer=self.source.tokenizer,
+                    text_field=data.text_field,
+                    start=self.stream_start,
+                )
+            return list(self.streamed.next_rows().chunk(data.grad_accum))
+        batch = self.data.global_batch(self.step, data.global_batch_size)
+        micro_rows = data.global_batch_size // data.grad_accum
+        return [local_rows(batch[m * micro_rows : (m + 1) * micro_rows], self.rank, self.world_size) for m in range(data.grad_accum)]
 
     def save(self) -> None:
         checkpoint = self.config.checkpoint
@@ -185,11 +230,8 @@ class Trainer:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = self.data.global_batch(self.step, data.global_batch_size)
-        micro_rows = data.global_batch_size // data.grad_accum
         local_loss = 0.0
-        for micro in range(data.grad_accum):
-            micro_batch = local_rows(batch[micro * micro_rows : (micro + 1) * micro_rows], self.rank, self.world_size)
+        for micro, micro_batch in enumerate(self.local_micro_batches()):
             last = micro == data.grad_accum - 1
             with contextlib.nullcontext() if (last or not data.no_sync) else fsdpkit.no_sync(self.model):
                 loss = self._loss_on(micro_batch) / data.grad_accum
@@ -255,9 +297,12 @@ class _Outputs:
     progress_log: ProgressLog | None
     metrics: MetricsLog | None
     progress: Progress
+    trackers: Trackers | None = None
 
     def close(self) -> None:
         self.progress.close()
+        if self.trackers:
+            self.trackers.close()
         if self.metrics:
             self.metrics.close()
         if self.progress_log:
@@ -279,6 +324,16 @@ def _open_outputs(trainer: Trainer, context: RunContext) -> _Outputs:
             cut_at=cut_at,
             purge_step=trainer.start_step + 1 if attempt else None,
         )
+    trackers = None
+    if rank0 and (logging.wandb or logging.mlflow):
+        trackers = open_trackers(
+            wandb=logging.wandb,
+            mlflow=logging.mlflow,
+            config=config.to_values(),
+            saved_ids=trainer.tracker_ids,
+            logged_through=max(history.losses, default=0) if history and attempt else 0,
+        )
+        trainer.tracker_ids = trackers.ids
     if progress_log:
         progress_log.started(trainer.start_step, metrics_offset=metrics.offset if metrics else None)
     if rank0 and trainer.step < config.steps:
@@ -290,7 +345,7 @@ def _open_outputs(trainer: Trainer, context: RunContext) -> _Outputs:
         every_steps=logging.log_every,
         every_seconds=logging.log_seconds,
     )
-    return _Outputs(progress_log, metrics, progress)
+    return _Outputs(progress_log, metrics, progress, trackers)
 
 
 def _step_record(trainer: Trainer, loss: float, step_time: float) -> dict[str, Any]:
@@ -329,6 +384,8 @@ def _run_steps(trainer: Trainer, stop: StopSignals, outputs: _Outputs, throughpu
             eval_losses.append({"step": trainer.step, "loss": record["eval_loss"]})
         if outputs.metrics:
             outputs.metrics.write(record)
+        if outputs.trackers:
+            outputs.trackers.log(record)
         if outputs.progress_log:
             offset = outputs.metrics.offset if outputs.metrics else None
             outputs.progress_log.stepped(trainer.step, loss, eval_loss=record.get("eval_loss"), metrics_offset=offset)
@@ -356,6 +413,8 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSum
             trainer.checkpointer.wait()
     finally:
         outputs.close()
+        if trainer.streamed:
+            trainer.streamed.close()
     elapsed = time.perf_counter() - started
     peak_and_stall = torch.tensor([peak_memory_bytes(trainer.device), stall], dtype=torch.float64, device=trainer.device)
     trainer.comms.all_reduce(peak_and_stall, None, op=dist.ReduceOp.MAX, label="peak memory and save stall")
