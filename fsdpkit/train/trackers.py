@@ -17,6 +17,7 @@ from ..errors import UsageError
 WANDB_HINT = "pip install 'fsdpkit[wandb]'"
 MLFLOW_HINT = "pip install 'fsdpkit[mlflow]'"
 TRACKED_CONFIG_NAME = "fsdpkit"
+MLFLOW_FILE_STORE_OPT_IN = "MLFLOW_ALLOW_FILE_STORE"
 
 
 class Tracker(Protocol):
@@ -86,8 +87,9 @@ class MlflowTracker:
     def __init__(self, uri: str, config: dict[str, Any], *, run_id: str | None, experiment: str = TRACKED_CONFIG_NAME) -> None:
         from mlflow.tracking import MlflowClient
 
-        if "://" not in uri:
+        if "://" not in uri:  # a local directory: MLflow's file store, which MLflow 3 keeps behind an opt-in
             uri = "file://" + os.path.abspath(uri)
+            os.environ.setdefault(MLFLOW_FILE_STORE_OPT_IN, "true")
         self._client = MlflowClient(tracking_uri=uri)
         if run_id is None:
             found = self._client.get_experiment_by_name(experiment)
