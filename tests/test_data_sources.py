@@ -228,3 +228,23 @@ def test_an_interrupted_run_resumed_equals_the_uninterrupted_one_bitwise(sources
     assert reference.keys() == mine.keys() and all(torch.equal(reference[n], mine[n]) for n in reference)
     inspect = runner.invoke(app, ["inspect", str(step2)])
     assert inspect.exit_code == 0 and "data" in inspect.stdout, inspect.output
+
+
+def test_prepare_data_writes_the_packed_tokens_of_documents_whatever_the_process_count(sources, tmp_path):
+    root, texts = sources
+    files = {}
+    for procs in ("1", "2"):
+        out = tmp_path / f"tokens-{procs}.bin"
+        result = runner.invoke(app, ["prepare-data", str(root / "shards"), str(out), "--num-proc", procs, "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["documents"] == len(texts)
+        files[procs] = np.fromfile(out, dtype="<u2")
+    assert np.array_equal(files["1"], packed_reference(texts)) and np.array_equal(files["2"], files["1"])
+
+
+def test_eval_data_is_the_held_out_source_and_training_keeps_every_token(sources):
+    root, texts = sources
+    source = TokenSource(str(root / "corpus.jsonl"), vocab_size=256, seq_len=31, seed=0, eval_data=str(root / "shards/part-002.parquet"))
+    assert np.array_equal(source.train_tokens, packed_reference(texts))
+    assert np.array_equal(source.held_out_tokens, packed_reference(texts[40:]))
+    assert source.order.count == len(packed_reference(texts)) // 32
