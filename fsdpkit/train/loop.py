@@ -108,6 +108,7 @@ class Trainer:
         )
         self.streamed: StreamedBatches | None = None  # --data-streaming: opened at the first step, from the restored position
         self.stream_start: StreamPosition | None = None
+        self.last_data_seconds = 0.0  # the last step's wait for its batch (the loader's time not hidden behind compute)
         self.tracker_ids: dict[str, str] = {}  # the experiment trackers' run ids (rank 0's), kept in checkpoints
         self.step = 0  # training steps run (batches consumed)
         self.optimizer_steps = 0  # steps the optimizer took (fp16 skips do not count)
@@ -231,7 +232,10 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         local_loss = 0.0
-        for micro, micro_batch in enumerate(self.local_micro_batches()):
+        data_start = time.perf_counter()
+        micro_batches = self.local_micro_batches()
+        self.last_data_seconds = time.perf_counter() - data_start
+        for micro, micro_batch in enumerate(micro_batches):
             last = micro == data.grad_accum - 1
             with contextlib.nullcontext() if (last or not data.no_sync) else fsdpkit.no_sync(self.model):
                 loss = self._loss_on(micro_batch) / data.grad_accum
@@ -355,6 +359,7 @@ def _step_record(trainer: Trainer, loss: float, step_time: float) -> dict[str, A
         "loss": loss,
         "lr": trainer.optimizer.param_groups[0]["lr"],
         "step_time_s": step_time,
+        "data_time_s": trainer.last_data_seconds,
         "tokens_per_second": config.tokens_per_step / step_time,
         "peak_memory_bytes": peak_memory_bytes(trainer.device),
     }
