@@ -100,9 +100,8 @@ def main() -> None:
             big = write_corpus(large, args.megabytes * 100, max(args.ranks, 4))["streamed parquet"]
             small_rss = runs["streamed parquet"][-1]["peak_rss"]
             large_rss = train(big, True, args, large)["peak_rss"]
-            print(
-                f"streamed peak RSS: {small_rss / 2**20:.0f} MiB at {args.megabytes:g} MB, {large_rss / 2**20:.0f} MiB at {args.megabytes * 100:g} MB"
-            )
+            sizes = f"{small_rss / 2**20:.0f} MiB at {args.megabytes:g} MB, {large_rss / 2**20:.0f} MiB at {args.megabytes * 100:g} MB"
+            print(f"streamed peak RSS: {sizes}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
