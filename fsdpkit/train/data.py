@@ -126,7 +126,8 @@ class TokenSource:
             shown = ", ".join(f"{key} {saved.get(key)}" for key in keys)
             raise DataCheckError(
                 f"the checkpoint's data position ({shown}) is not where --data {self.data!r} puts step {step} "
-                f"({', '.join(f'{key} {mine[key]}' for key in keys)}): the data changed since it was saved"
+                f"({', '.join(f'{key} {mine[key]}' for key in keys)}): the data changed since it was saved, or --seq-len, "
+                "--global-batch-size or --seed did"
             )
 
     def global_batch(self, step: int, batch_size: int, *, held_out: bool = False) -> torch.Tensor:
