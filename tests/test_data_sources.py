@@ -248,3 +248,22 @@ def test_eval_data_is_the_held_out_source_and_training_keeps_every_token(sources
     assert np.array_equal(source.train_tokens, packed_reference(texts))
     assert np.array_equal(source.held_out_tokens, packed_reference(texts[40:]))
     assert source.order.count == len(packed_reference(texts)) // 32
+
+
+def test_an_hf_tokenizer_packs_each_document_with_its_own_eos_token(sources, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from fsdpkit.tokens import load_tokenizer
+
+    root, texts = sources
+    (tmp_path / "corpus.txt").write_text("\n".join(texts))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train([str(tmp_path / "corpus.txt")], trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(tmp_path / "tok")
+    oracle = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    packed = pack_corpus(open_documents(str(root / "corpus.jsonl")), load_tokenizer(f"hf:{tmp_path / 'tok'}"), vocab_size=300)
+    expected = [token for text in texts for token in [*oracle.encode(text, add_special_tokens=False), oracle.eos_token_id]]
+    assert packed.tokens.tolist() == expected
