@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import os
 import resource
-import sys
 import time
 from typing import Any
 
@@ -23,24 +22,23 @@ import torch.nn.functional as F
 
 import fsdpkit
 
-from .. import faults, log
+from .. import faults
 from ..checkpoint.format import storage
 from ..checkpoint.live.checkpointer import init_weights_from
 from ..comm import CollectiveError, Collectives
 from ..data.streaming import StreamPosition
 from ..engine.view import describe
 from ..models.source import resolve
-from .attempts import ProgressLog, RunContext, attempt_number
+from .attempts import RunContext, attempt_number
 from .collective_failure import collective_failure
 from .config import Device, Optimizer, OptimizerConfig, TrainConfig, precision_names
 from .data import StreamedBatches, TokenSource, local_rows, rank_start, streamed_position
-from .metrics import MetricsLog
 from .model_setup import build_for_training, initial_weights, inspect_model, wrap_policy
-from .progress import Progress, Throughput, progress_mode
+from .outputs import Outputs, open_outputs
+from .progress import Throughput
 from .schedule import lr_at
 from .signals import StopSignals
 from .summary import TrainSummary
-from .trackers import Trackers, open_trackers
 
 
 def pick_device(device: Device) -> torch.device:
@@ -293,65 +291,6 @@ def train_worker(config: TrainConfig, context: RunContext = RunContext()) -> Tra
             ) from None
 
 
-@dataclasses.dataclass
-class _Outputs:
-    """Where rank 0's record of a run goes: the progress log the launcher reads across
-    restarts, the metrics file, and the progress bar or lines."""
-
-    progress_log: ProgressLog | None
-    metrics: MetricsLog | None
-    progress: Progress
-    trackers: Trackers | None = None
-
-    def close(self) -> None:
-        self.progress.close()
-        if self.trackers:
-            self.trackers.close()
-        if self.metrics:
-            self.metrics.close()
-        if self.progress_log:
-            self.progress_log.close()
-
-
-def _open_outputs(trainer: Trainer, context: RunContext) -> _Outputs:
-    config, attempt, rank0 = trainer.config, attempt_number(), trainer.rank == 0
-    local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    progress_log = ProgressLog(context.progress_path, attempt) if context.progress_path and local0 else None
-    history = progress_log.history if progress_log else None
-    logging = config.logging
-    metrics = None
-    if rank0:
-        cut_at = history.metrics_offsets.get(trainer.start_step) if history and attempt else None
-        metrics = MetricsLog(
-            jsonl_path=logging.metrics,
-            tensorboard_dir=logging.tensorboard,
-            cut_at=cut_at,
-            purge_step=trainer.start_step + 1 if attempt else None,
-        )
-    trackers = None
-    if rank0 and (logging.wandb or logging.mlflow):
-        trackers = open_trackers(
-            wandb=logging.wandb,
-            mlflow=logging.mlflow,
-            config=config.to_values(),
-            saved_ids=trainer.tracker_ids,
-            logged_through=max(history.losses, default=0) if history and attempt else 0,
-        )
-        trainer.tracker_ids = trackers.ids
-    if progress_log:
-        progress_log.started(trainer.start_step, metrics_offset=metrics.offset if metrics else None)
-    if rank0 and trainer.step < config.steps:
-        log.note(f"training: step {trainer.step + 1} of {config.steps} starting")
-    progress = Progress(
-        progress_mode(quiet=logging.quiet, shown=rank0, stream=sys.stderr),
-        total=config.steps,
-        initial=trainer.step,
-        every_steps=logging.log_every,
-        every_seconds=logging.log_seconds,
-    )
-    return _Outputs(progress_log, metrics, progress, trackers)
-
-
 def _step_record(trainer: Trainer, loss: float, step_time: float) -> dict[str, Any]:
     config = trainer.config
     record: dict[str, Any] = {
@@ -372,7 +311,7 @@ def _step_record(trainer: Trainer, loss: float, step_time: float) -> dict[str, A
     return record
 
 
-def _run_steps(trainer: Trainer, stop: StopSignals, outputs: _Outputs, throughput: Throughput) -> tuple[list[float], list[dict]]:
+def _run_steps(trainer: Trainer, stop: StopSignals, outputs: Outputs, throughput: Throughput) -> tuple[list[float], list[dict]]:
     """Train up to the step count (or a stop), saving as asked; returns (losses, eval losses)."""
     config = trainer.config
     saving = config.checkpoint.save_every
@@ -407,7 +346,7 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSum
     saving = config.checkpoint.save_every
     stall = 0.0  # seconds this rank's training thread spent in saves between steps
     started = time.perf_counter()
-    outputs = _open_outputs(trainer, context)
+    outputs = open_outputs(trainer, context)
     try:
         losses, eval_losses = _run_steps(trainer, stop, outputs, throughput)
         if trainer.checkpointer:
