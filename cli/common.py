@@ -102,6 +102,29 @@ def byte_progress(desc: str) -> Iterator[Callable[[int, int], None]]:
     yield log
 
 
+@contextlib.contextmanager
+def count_progress(desc: str, *, unit: str) -> Iterator[Callable[[int], None]]:
+    """progress(n) callbacks that count items on stderr: a tqdm bar on a terminal, otherwise one
+    plain line every PROGRESS_LINE_SECONDS."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        with tqdm(unit=unit, desc=desc, file=sys.stderr, leave=False) as bar:
+            yield bar.update
+        return
+    state = {"done": 0, "last": time.monotonic()}
+
+    def log(done: int) -> None:
+        state["done"] += done
+        now = time.monotonic()
+        if now - state["last"] >= PROGRESS_LINE_SECONDS:
+            state["last"] = now
+            sys.stderr.write(f"{desc}: {state['done']:,} {unit}s\n")
+            sys.stderr.flush()
+
+    yield log
+
+
 def print_json(document: Any) -> None:
     """One JSON document, one line, on stdout."""
     sys.stdout.write(json.dumps(document, separators=(",", ":"), sort_keys=False) + "\n")

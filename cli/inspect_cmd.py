@@ -52,6 +52,8 @@ def _lines(summary: dict) -> list[str]:
         ]
     if summary.get("config"):
         lines.append(f"run         {_run_settings(summary['config'])}")
+    if summary.get("data_position"):
+        lines.append(f"data        {_data_position(summary['data_position'])}")
     lines += [
         f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, "
         f"{format_size(summary['model']['bytes'])}",
@@ -63,6 +65,15 @@ def _lines(summary: dict) -> list[str]:
     if summary["aliases"]:
         lines.append("tied        " + ", ".join(f"{a} -> {t}" for a, t in summary["aliases"].items()))
     return lines
+
+
+def _data_position(position: dict) -> str:
+    def at(p: dict) -> str:
+        return f"epoch {p.get('epoch')}, shard {p.get('shard_name', p.get('shard'))} row {p.get('row')} token {p.get('token')}"
+
+    if position.get("kind") == "streamed":
+        return "streamed, next: " + "; ".join(f"rank {r}: {at(p)}" for r, p in enumerate(position.get("ranks") or []))
+    return f"packed, next: window {position.get('window')} of {position.get('windows')}, {at(position)}"
 
 
 def _run_settings(config: dict) -> str:

@@ -59,6 +59,7 @@ class HfTokenizer:
             raise UsageError(f"tokenizer {spec!r}: transformers cannot load it: {error}") from None
         self._tokenizer.model_max_length = sys.maxsize  # whole texts, no "sequence too long" warning
         self.vocab_size = len(self._tokenizer)
+        self.eos_token_id: int | None = self._tokenizer.eos_token_id
 
     def encode(self, block: bytes):
         import numpy as np

@@ -86,10 +86,22 @@ class DataConfig:
     source: str = setting(
         "synthetic",
         "'synthetic' (seeded, learnable); a .bin file of tokens (nanoGPT-style, "
-        "memory-mapped; fsdpkit prepare-data writes one); or a text file, tokenised by the "
-        "model's tokenizer (hf:DIR with one) or read as bytes. Files: 90% train, 10% held out.",
+        "memory-mapped; fsdpkit prepare-data writes one); a text file; or documents: .jsonl/.json (one per line), "
+        ".parquet (a file, directory or glob of shards), a datasets save_to_disk directory or a Hub dataset name in the "
+        "local cache ([data] extra), packed into --seq-len windows with an end-of-text token between documents. "
+        "Text is tokenised by the model's tokenizer (hf:DIR with one) or read as bytes. 90% train, 10% held out.",
         flag="--data",
-        metavar="FILE",
+        metavar="SOURCE",
+    )
+    text_field: str = setting("text", "The field that holds each document's text (jsonl, parquet, datasets).")
+    eval_data: str | None = setting(
+        None, "Held-out data, any source --data takes (default: the last 10% of --data's tokens).", metavar="SOURCE"
+    )
+    streaming: bool = setting(
+        False,
+        "Read documents shard by shard, each rank only its own shards (at least one per rank), memory not growing "
+        "with the dataset; the global batch then depends on the world size, and a resume keeps it.",
+        flag="--data-streaming",
     )
     token_dtype: TokenDtype = setting(TokenDtype.UINT16, "Element type of a .bin token file.")
     seq_len: int = setting(64, "Tokens per sequence.")
@@ -110,6 +122,8 @@ class DataConfig:
         ):
             _at_least(value, 1, flag)
         _at_least(self.eval_every, 0, "--eval-every")
+        if self.streaming and self.eval_every and not self.eval_data:
+            raise UsageError("--eval-every with --data-streaming needs --eval-data (a streamed dataset is not split)")
         if self.no_sync and self.grad_accum == 1:
             raise UsageError("--no-sync accumulates gradients over micro-batches: it needs --grad-accum > 1")
 
@@ -186,6 +200,17 @@ class LoggingConfig:
     metrics: str | None = setting(None, "Append one JSON line per step to this file (fsdpkit report draws it).", metavar="FILE")
     tensorboard: str | None = setting(
         None, "Also write the same scalars as TensorBoard event files into this directory (needs the [tensorboard] extra).", metavar="DIR"
+    )
+    wandb: str | None = setting(
+        None,
+        "Also log the config and every step to Weights & Biases, project PROJECT, run name RUN ([wandb] extra; "
+        "WANDB_MODE=offline needs no network).",
+        metavar="PROJECT[/RUN]",
+    )
+    mlflow: str | None = setting(
+        None,
+        "Also log the config and every step to MLflow at this tracking URI (a directory such as mlruns: local files; [mlflow] extra).",
+        metavar="URI",
     )
     log_every: int = setting(10, "Without a terminal on stderr: a progress line every N steps or --log-seconds, whichever comes first.")
     log_seconds: float = setting(

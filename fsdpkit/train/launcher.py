@@ -31,13 +31,14 @@ from ..models.source import resolve
 from ..paths import check_writable_directory, check_writable_file
 from .attempts import RunContext, attempt_number
 from .config import Device, TrainConfig
-from .data import TokenSource
+from .data import TokenSource, check_streamed
 from .loop import build_optimizer, train_worker
 from .metrics import check_tensorboard_installed
 from .model_setup import initial_weights, inspect_model
 from .resume import saved_run
 from .save_dir import check_save_dir, set_aside
 from .summary import TrainSummary
+from .trackers import check_installed
 
 
 def under_torchrun() -> bool:
@@ -54,14 +55,22 @@ def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None)
     if info.block_size is not None and config.data.seq_len > info.block_size:
         raise UsageError(f"--seq-len {config.data.seq_len} exceeds model {config.model.name!r} block size {info.block_size}")
     if config.data.source != "synthetic":
-        TokenSource(
+        data = TokenSource(
             config.data.source,
             vocab_size=info.vocab_size,
             seq_len=config.data.seq_len,
             seed=config.seed,
             token_dtype=config.data.token_dtype,
             tokenizer=source.tokenizer,
-        ).global_batch(0, 1)
+            text_field=config.data.text_field,
+            eval_data=config.data.eval_data,
+            streaming=config.data.streaming,
+        )
+        if config.data.streaming:
+            check_streamed(config.data.source, text_field=config.data.text_field, world_size=world_size)
+        else:
+            data.check_batch_size(config.data.global_batch_size)
+            data.global_batch(0, 1)
     if config.device is Device.CUDA and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")
     checkpoint = config.checkpoint
@@ -70,6 +79,8 @@ def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None)
         check_save_dir(checkpoint.save_dir, resume=checkpoint.resume, new_run=checkpoint.new_run, run_id=run_id)
     if config.logging.metrics:
         check_writable_file(config.logging.metrics, "--metrics")
+    if config.logging.wandb or config.logging.mlflow:
+        check_installed(wandb=bool(config.logging.wandb), mlflow=bool(config.logging.mlflow))
     if config.logging.tensorboard:
         check_tensorboard_installed()
         check_writable_directory(config.logging.tensorboard, "--tensorboard")

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import os
 import resource
-import sys
 import time
 from typing import Any
 
@@ -23,22 +22,22 @@ import torch.nn.functional as F
 
 import fsdpkit
 
-from .. import log
 from ..checkpoint.format import storage
 from ..checkpoint.live.checkpointer import init_weights_from
+from ..data.streaming import StreamPosition
 from ..dist import faults
 from ..dist.comm import CollectiveError, Collectives
 from ..engine.view import describe
 from ..models.recipe import Optimizer, precision_names
 from ..models.source import resolve
 from ..models.units import wrap_policy
-from .attempts import ProgressLog, RunContext, attempt_number
+from .attempts import RunContext, attempt_number
 from .collective_failure import collective_failure
 from .config import Device, OptimizerConfig, TrainConfig
-from .data import TokenSource, local_rows
-from .metrics import MetricsLog
+from .data import StreamedBatches, TokenSource, local_rows, rank_start, streamed_position
 from .model_setup import build_for_training, initial_weights, inspect_model
-from .progress import Progress, Throughput, progress_mode
+from .outputs import Outputs, open_outputs
+from .progress import Throughput
 from .schedule import lr_at
 from .signals import StopSignals
 from .summary import TrainSummary
@@ -103,7 +102,14 @@ class Trainer:
             seed=config.seed,
             token_dtype=config.data.token_dtype,
             tokenizer=self.source.tokenizer,
+            text_field=config.data.text_field,
+            eval_data=config.data.eval_data,
+            streaming=config.data.streaming,
         )
+        self.streamed: StreamedBatches | None = None  # --data-streaming: opened at the first step, from the restored position
+        self.stream_start: StreamPosition | None = None
+        self.last_data_seconds = 0.0  # the last step's wait for its batch (the loader's time not hidden behind compute)
+        self.tracker_ids: dict[str, str] = {}  # the experiment trackers' run ids (rank 0's), kept in checkpoints
         self.step = 0  # training steps run (batches consumed)
         self.optimizer_steps = 0  # steps the optimizer took (fp16 skips do not count)
         self.last_grad_norm: float | None = None
@@ -140,6 +146,8 @@ class Trainer:
                 "decay_steps": self.config.schedule_steps,
             },
             "grad_scaler": self.scaler.state_dict() if self.scaler else None,
+            "data_position": self._data_position(),
+            "trackers": self.tracker_ids,
             "rng": {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")},
             "world_size": self.world_size,
             "config": self.config.to_values(),
@@ -149,11 +157,46 @@ class Trainer:
         """Continue from a checkpoint's training state (the inverse of training_state)."""
         self.step = int(state.get("step", 0))
         self.optimizer_steps = int(state.get("optimizer_steps", self.step))
+        self.tracker_ids = dict(state.get("trackers") or {})
+        if self.config.data.streaming:
+            self.stream_start = rank_start(state.get("data_position"), self.rank, self.world_size)
+        else:
+            self.data.check_position(self.step, self.config.data.global_batch_size, state.get("data_position"))
         if self.scaler is not None and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])
         rng = (state.get("rng") or {}).get("torch_cpu")
         if rng:
             torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8))
+
+    def _data_position(self) -> dict | None:
+        """Where the loader stands: a function of the step, or with streaming, every rank's stream (a collective)."""
+        if not self.config.data.streaming:
+            return self.data.position(self.step, self.config.data.global_batch_size)
+        mine = self.streamed.position if self.streamed else (self.stream_start or StreamPosition(shard=self.rank))
+        positions: list[Any] = [None] * self.world_size
+        dist.all_gather_object(positions, mine)
+        return streamed_position(positions)
+
+    def local_micro_batches(self) -> list[torch.Tensor]:
+        """This rank's rows of each micro-batch of the step's global batch."""
+        data = self.config.data
+        if data.streaming:
+            if self.streamed is None:
+                self.streamed = StreamedBatches(
+                    data.source,
+                    vocab_size=self.vocab_size,
+                    seq_len=data.seq_len,
+                    rows=data.global_batch_size // self.world_size,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    tokenizer=self.source.tokenizer,
+                    text_field=data.text_field,
+                    start=self.stream_start,
+                )
+            return list(self.streamed.next_rows().chunk(data.grad_accum))
+        batch = self.data.global_batch(self.step, data.global_batch_size)
+        micro_rows = data.global_batch_size // data.grad_accum
+        return [local_rows(batch[m * micro_rows : (m + 1) * micro_rows], self.rank, self.world_size) for m in range(data.grad_accum)]
 
     def save(self) -> None:
         checkpoint = self.config.checkpoint
@@ -188,11 +231,11 @@ class Trainer:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = self.data.global_batch(self.step, data.global_batch_size)
-        micro_rows = data.global_batch_size // data.grad_accum
         local_loss = 0.0
-        for micro in range(data.grad_accum):
-            micro_batch = local_rows(batch[micro * micro_rows : (micro + 1) * micro_rows], self.rank, self.world_size)
+        data_start = time.perf_counter()
+        micro_batches = self.local_micro_batches()
+        self.last_data_seconds = time.perf_counter() - data_start
+        for micro, micro_batch in enumerate(micro_batches):
             last = micro == data.grad_accum - 1
             with contextlib.nullcontext() if (last or not data.no_sync) else fsdpkit.no_sync(self.model):
                 loss = self._loss_on(micro_batch) / data.grad_accum
@@ -250,52 +293,6 @@ def train_worker(config: TrainConfig, context: RunContext = RunContext()) -> Tra
             ) from None
 
 
-@dataclasses.dataclass
-class _Outputs:
-    """Where rank 0's record of a run goes: the progress log the launcher reads across
-    restarts, the metrics file, and the progress bar or lines."""
-
-    progress_log: ProgressLog | None
-    metrics: MetricsLog | None
-    progress: Progress
-
-    def close(self) -> None:
-        self.progress.close()
-        if self.metrics:
-            self.metrics.close()
-        if self.progress_log:
-            self.progress_log.close()
-
-
-def _open_outputs(trainer: Trainer, context: RunContext) -> _Outputs:
-    config, attempt, rank0 = trainer.config, attempt_number(), trainer.rank == 0
-    local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    progress_log = ProgressLog(context.progress_path, attempt) if context.progress_path and local0 else None
-    history = progress_log.history if progress_log else None
-    logging = config.logging
-    metrics = None
-    if rank0:
-        cut_at = history.metrics_offsets.get(trainer.start_step) if history and attempt else None
-        metrics = MetricsLog(
-            jsonl_path=logging.metrics,
-            tensorboard_dir=logging.tensorboard,
-            cut_at=cut_at,
-            purge_step=trainer.start_step + 1 if attempt else None,
-        )
-    if progress_log:
-        progress_log.started(trainer.start_step, metrics_offset=metrics.offset if metrics else None)
-    if rank0 and trainer.step < config.steps:
-        log.note(f"training: step {trainer.step + 1} of {config.steps} starting")
-    progress = Progress(
-        progress_mode(quiet=logging.quiet, shown=rank0, stream=sys.stderr),
-        total=config.steps,
-        initial=trainer.step,
-        every_steps=logging.log_every,
-        every_seconds=logging.log_seconds,
-    )
-    return _Outputs(progress_log, metrics, progress)
-
-
 def _step_record(trainer: Trainer, loss: float, step_time: float) -> dict[str, Any]:
     config = trainer.config
     record: dict[str, Any] = {
@@ -303,6 +300,7 @@ def _step_record(trainer: Trainer, loss: float, step_time: float) -> dict[str, A
         "loss": loss,
         "lr": trainer.optimizer.param_groups[0]["lr"],
         "step_time_s": step_time,
+        "data_time_s": trainer.last_data_seconds,
         "tokens_per_second": config.tokens_per_step / step_time,
         "peak_memory_bytes": peak_memory_bytes(trainer.device),
     }
@@ -315,7 +313,7 @@ def _step_record(trainer: Trainer, loss: float, step_time: float) -> dict[str, A
     return record
 
 
-def _run_steps(trainer: Trainer, stop: StopSignals, outputs: _Outputs, throughput: Throughput) -> tuple[list[float], list[dict]]:
+def _run_steps(trainer: Trainer, stop: StopSignals, outputs: Outputs, throughput: Throughput) -> tuple[list[float], list[dict]]:
     """Train up to the step count (or a stop), saving as asked; returns (losses, eval losses)."""
     config = trainer.config
     saving = config.checkpoint.save_every
@@ -332,6 +330,8 @@ def _run_steps(trainer: Trainer, stop: StopSignals, outputs: _Outputs, throughpu
             eval_losses.append({"step": trainer.step, "loss": record["eval_loss"]})
         if outputs.metrics:
             outputs.metrics.write(record)
+        if outputs.trackers:
+            outputs.trackers.log(record)
         if outputs.progress_log:
             offset = outputs.metrics.offset if outputs.metrics else None
             outputs.progress_log.stepped(trainer.step, loss, eval_loss=record.get("eval_loss"), metrics_offset=offset)
@@ -348,7 +348,7 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSum
     saving = config.checkpoint.save_every
     stall = 0.0  # seconds this rank's training thread spent in saves between steps
     started = time.perf_counter()
-    outputs = _open_outputs(trainer, context)
+    outputs = open_outputs(trainer, context)
     try:
         losses, eval_losses = _run_steps(trainer, stop, outputs, throughput)
         if trainer.checkpointer:
@@ -359,6 +359,8 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSum
             trainer.checkpointer.wait()
     finally:
         outputs.close()
+        if trainer.streamed:
+            trainer.streamed.close()
     elapsed = time.perf_counter() - started
     peak_and_stall = torch.tensor([peak_memory_bytes(trainer.device), stall], dtype=torch.float64, device=trainer.device)
     trainer.comms.all_reduce(peak_and_stall, None, op=dist.ReduceOp.MAX, label="peak memory and save stall")

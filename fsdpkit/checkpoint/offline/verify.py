@@ -190,6 +190,7 @@ def summarize(path: str | Path) -> dict:
         "units": len(manifest.placement.units),
         "step": state.get("step"),
         "samples": state.get("samples"),
+        "data_position": state.get("data_position"),  # where the training data loader stood (fsdpkit train)
         "config": state.get("config"),  # the training run's settings (fsdpkit train), if it recorded them
         "fragments": sum(len(f) for f in files),
         "files": [{"name": f.path.name, "size": f.size} for f in files],

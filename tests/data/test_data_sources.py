@@ -1,0 +1,270 @@
+"""Training on documents: jsonl, parquet shards and `datasets` directories, packed into windows
+with an end-of-text token between documents, streamed shard by shard, resumed exactly.
+
+The loader tests need no launch: their oracle is the documents' own UTF-8 bytes, each followed
+by the end-of-text token, computed here from the Python strings. Two `fsdpkit train` launches
+per source check exact resume against an uninterrupted run computed in the same test.
+"""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+from fsdpkit_cli.app import app
+from typer.testing import CliRunner
+
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
+from fsdpkit.data.documents import open_documents
+from fsdpkit.data.packing import pack_corpus
+from fsdpkit.data.streaming import RankStream, StreamPosition
+from fsdpkit.data.tokens import ByteTokenizer
+from fsdpkit.errors import DataCheckError, UsageError
+from fsdpkit.train.data import TokenSource
+
+pa = pytest.importorskip("pyarrow", reason="the [data] extra (make install installs it)")
+pq = pytest.importorskip("pyarrow.parquet")
+datasets = pytest.importorskip("datasets")
+
+runner = CliRunner()
+EOT = 255  # bytes, a 256-token vocabulary: vocab_size - 1
+
+
+def corpus(count: int = 60, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta", "eta", "θeta"]
+    return [f"doc {i}: " + " ".join(rng.choice(words, size=int(rng.integers(3, 30)))) for i in range(count)]
+
+
+def packed_reference(texts: list[str]) -> np.ndarray:
+    return np.concatenate([np.append(np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64), EOT) for t in texts])
+
+
+def write_jsonl(path, texts: list[str], field: str = "text") -> None:
+    path.write_text("".join(json.dumps({"id": i, field: t}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
+
+
+def write_parquet_shards(directory, texts: list[str], shards: int) -> list:
+    directory.mkdir(parents=True, exist_ok=True)
+    size = -(-len(texts) // shards)
+    paths = []
+    for index in range(shards):
+        path = directory / f"part-{index:03d}.parquet"
+        part = texts[index * size : (index + 1) * size]
+        pq.write_table(pa.table({"id": list(range(len(part))), "text": part}), path, row_group_size=7)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    texts = corpus()
+    write_jsonl(root / "corpus.jsonl", texts)
+    write_parquet_shards(root / "shards", texts, 3)
+    datasets.Dataset.from_dict({"text": texts, "n": list(range(len(texts)))}).save_to_disk(str(root / "saved"))
+    # A Hub dataset as huggingface_hub caches it: refs/main names the snapshot that holds the files.
+    hub = root / "hub" / "datasets--someone--corpus"
+    write_parquet_shards(hub / "snapshots" / ("0" * 40) / "data", texts, 2)
+    (hub / "refs").mkdir()
+    (hub / "refs" / "main").write_text("0" * 40)
+    return root, texts
+
+
+@pytest.fixture
+def hub_cache(sources, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(sources[0] / "hub"))
+
+
+@pytest.mark.parametrize("spec", ["corpus.jsonl", "shards", "shards/part-*.parquet", "shards/part-001.parquet", "saved", "someone/corpus"])
+def test_every_source_packs_its_documents_bytes_with_an_end_of_text_token_between(sources, hub_cache, spec):
+    root, texts = sources
+    documents = open_documents(spec if spec == "someone/corpus" else str(root / spec))
+    packed = pack_corpus(documents, ByteTokenizer(), vocab_size=256)
+    expected = texts[20:40] if spec.endswith("001.parquet") else texts
+    assert np.array_equal(packed.tokens, packed_reference(expected))
+    last = len(expected) - 1
+    assert packed.where(len(packed.tokens) - 1) == {
+        "shard": len(documents.shards) - 1,
+        "shard_name": documents.shards[-1].name,
+        "row": last % 20 if "shards" in spec else last % 30 if "corpus" in spec and "jsonl" not in spec else last,
+        "token": len(expected[-1].encode("utf-8")),
+    }
+
+
+def test_packed_batches_are_windows_of_the_stream_in_a_seeded_order_each_epoch_and_the_same_for_jsonl_and_parquet(sources):
+    root, texts = sources
+    stream = packed_reference(texts)
+    jsonl = TokenSource(str(root / "corpus.jsonl"), vocab_size=256, seq_len=31, seed=3)
+    parquet = TokenSource(str(root / "shards"), vocab_size=256, seq_len=31, seed=3)
+    windows = jsonl.order.count
+    assert windows == int(len(stream) * 0.9) // 32
+    seen = []
+    for step in range(-(-2 * windows // 4)):
+        batch = jsonl.global_batch(step, 4)
+        assert torch.equal(batch, parquet.global_batch(step, 4))
+        for row in batch.numpy():
+            start = next(i for i in range(0, windows * 32, 32) if np.array_equal(stream[i : i + 32], row))
+            seen.append(start // 32)
+    first, second = seen[:windows], seen[windows : 2 * windows]
+    assert sorted(first) == list(range(windows)) and sorted(second) == list(range(windows)) and first != second
+    position = jsonl.position(5, 4)
+    window = first[20]
+    where = jsonl.corpus.where(window * 32)
+    assert position == {"kind": "packed", "seed": 3, "epoch": 0, "window": 20, "windows": windows, **where}
+    jsonl.check_position(5, 4, position)
+    with pytest.raises(DataCheckError, match="the data changed"):
+        TokenSource(str(root / "corpus.jsonl"), vocab_size=256, seq_len=31, seed=4).check_position(5, 4, position)
+
+
+def _jsonl(tmp_path, lines: list[str]):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def test_bad_documents_are_one_line_each_naming_what_is_wrong(tmp_path, sources):
+    root, _ = sources
+
+    def error(spec: str, **options) -> str:
+        with pytest.raises((DataCheckError, UsageError)) as caught:
+            TokenSource(spec, vocab_size=256, seq_len=15, seed=0, **options).check_batch_size(8)
+        assert "\n" not in str(caught.value)
+        return str(caught.value)
+
+    assert "holds no documents" in error(_jsonl(tmp_path, []))
+    assert "line 2 is not JSON" in error(_jsonl(tmp_path, ['{"text": "a"}', "{oops", '{"text": "b"}']))
+    assert "no text field 'text'; its fields: id, body" in error(_jsonl(tmp_path, ['{"id": 1, "body": "a"}']))
+    assert "field 'id' is int, not text" in error(str(root / "corpus.jsonl"), text_field="id")
+    assert "its fields: id, text" in error(str(root / "shards"), text_field="body")
+    assert "field 'id' is int64, not text" in error(str(root / "shards"), text_field="id")
+    assert "field 'n' is int64, not text" in error(str(root / "saved"), text_field="n")
+    corrupt = tmp_path / "corrupt"
+    paths = write_parquet_shards(corrupt, corpus(), 2)
+    paths[1].write_bytes(paths[1].read_bytes()[:100])
+    assert f"parquet shard {paths[1]} cannot be read" in error(str(corrupt))
+    assert "fewer than one global batch of 8" in error(_jsonl(tmp_path, ['{"text": "' + "x" * 100 + '"}']))
+    assert "no Hub dataset of that name in the local cache" in error("no-such-user/no-such-dataset")
+
+
+def test_bad_documents_exit_before_launch_with_one_line(tmp_path):
+    bad = _jsonl(tmp_path, ['{"text": "a"}', "not json"])
+    result = runner.invoke(app, ["train", "--data", bad, "--nproc-per-node", "2"])
+    assert result.exit_code == 3, result.output
+    assert result.stderr.strip().count("\n") == 0 and "line 2 is not JSON" in result.stderr
+
+
+def test_a_stream_reads_only_its_ranks_shards_and_a_stream_started_from_a_position_continues_exactly(tmp_path):
+    texts = corpus(90, seed=1)
+    write_parquet_shards(tmp_path / "shards", texts, 6)
+    documents = open_documents(str(tmp_path / "shards"))
+    for rank in (0, 1):
+        stream = RankStream(documents, ByteTokenizer(), EOT, length=16, rank=rank, world_size=2)
+        mine = packed_reference([t for shard in (rank, rank + 2, rank + 4) for t in texts[shard * 15 : (shard + 1) * 15]])
+        windows = len(mine) // 16
+        rows, _ = stream.next_rows(windows)
+        assert np.array_equal(rows.reshape(-1), mine[: windows * 16])
+    whole = RankStream(documents, ByteTokenizer(), EOT, length=16, rank=1, world_size=2)
+    first, middle = whole.next_rows(37)
+    assert middle.token > 0  # the cut is inside a document
+    continued, end = whole.next_rows(windows)  # past the end of the epoch
+    assert end.epoch == 1
+    again = RankStream(documents, ByteTokenizer(), EOT, length=16, rank=1, world_size=2, start=StreamPosition.from_json(middle.to_json()))
+    resumed, resumed_end = again.next_rows(windows)
+    assert np.array_equal(resumed, continued) and resumed_end == end
+    with pytest.raises(UsageError, match="fewer than the 8 ranks"):
+        RankStream(documents, ByteTokenizer(), EOT, length=16, rank=0, world_size=8)
+
+
+def test_a_streams_memory_does_not_grow_with_the_dataset(tmp_path):
+    """The faithful cheap check of bounded memory: Python's allocation peak (numpy's arrays
+    included) while streaming 0.5 MB and 8 MB of jsonl; the 1 GB run is benchmarks/data.py's."""
+
+    def peak(megabytes: float) -> int:
+        path = tmp_path / f"{megabytes}.jsonl"
+        line = json.dumps({"text": "y" * 4000}) + "\n"
+        path.write_text(line * int(megabytes * 1_000_000 // len(line)))
+        stream = RankStream(open_documents(str(path)), ByteTokenizer(), EOT, length=257, rank=0, world_size=1)
+        tracemalloc.start()
+        try:
+            while stream.position.epoch == 0:
+                stream.next_rows(8)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    small, large = peak(0.5), peak(8)
+    assert large < small + 256 * 1024, (small, large)
+
+
+def train(*args: str) -> dict:
+    result = runner.invoke(app, ["train", "--model", "gpt-tiny", "--seq-len", "31", "--global-batch-size", "4", "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    with CheckpointReader(path) as reader:
+        return {name: reader.read_tensor(name) for name in reader.tensor_names()}
+
+
+@pytest.mark.parametrize(
+    ("source", "full_ranks", "resumed_ranks", "extra"),
+    [("corpus.jsonl", "2", "2", []), ("shards", "2", "2", ["--data-streaming"])],
+)
+def test_an_interrupted_run_resumed_equals_the_uninterrupted_one_bitwise(sources, tmp_path, source, full_ranks, resumed_ranks, extra):
+    root, _ = sources
+    data = ["--data", str(root / source), *extra]
+    full = train(*data, "--steps", "4", "--save-every", "2", "--nproc-per-node", full_ranks, "--save-dir", str(tmp_path / "full"))
+    step2 = tmp_path / "full" / "step-00000002"
+    resumed = train("--resume", str(step2), "--nproc-per-node", resumed_ranks, "--save-dir", str(tmp_path / "resumed"))
+    assert resumed["resumed_from_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    reference, mine = weights(tmp_path / "full"), weights(tmp_path / "resumed")
+    assert reference.keys() == mine.keys() and all(torch.equal(reference[n], mine[n]) for n in reference)
+    inspect = runner.invoke(app, ["inspect", str(step2)])
+    shown = "data        streamed, next: rank 0: epoch 0, shard 0 row" if extra else "data        packed, next: window 8 of"
+    assert inspect.exit_code == 0 and shown in inspect.stdout, inspect.output
+
+
+def test_prepare_data_writes_the_packed_tokens_of_documents_whatever_the_process_count(sources, tmp_path):
+    root, texts = sources
+    files = {}
+    for procs in ("1", "2"):
+        out = tmp_path / f"tokens-{procs}.bin"
+        result = runner.invoke(app, ["prepare-data", str(root / "shards"), str(out), "--num-proc", procs, "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["documents"] == len(texts)
+        files[procs] = np.fromfile(out, dtype="<u2")
+    assert np.array_equal(files["1"], packed_reference(texts)) and np.array_equal(files["2"], files["1"])
+
+
+def test_eval_data_is_the_held_out_source_and_training_keeps_every_token(sources):
+    root, texts = sources
+    source = TokenSource(str(root / "corpus.jsonl"), vocab_size=256, seq_len=31, seed=0, eval_data=str(root / "shards/part-002.parquet"))
+    assert np.array_equal(source.train_tokens, packed_reference(texts))
+    assert np.array_equal(source.held_out_tokens, packed_reference(texts[40:]))
+    assert source.order.count == len(packed_reference(texts)) // 32
+
+
+def test_an_hf_tokenizer_packs_each_document_with_its_own_eos_token(sources, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from fsdpkit.data.tokens import load_tokenizer
+
+    root, texts = sources
+    (tmp_path / "corpus.txt").write_text("\n".join(texts))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train([str(tmp_path / "corpus.txt")], trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(tmp_path / "tok")
+    oracle = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    packed = pack_corpus(open_documents(str(root / "corpus.jsonl")), load_tokenizer(f"hf:{tmp_path / 'tok'}"), vocab_size=300)
+    expected = [token for text in texts for token in [*oracle.encode(text, add_special_tokens=False), oracle.eos_token_id]]
+    assert packed.tokens.tolist() == expected
