@@ -54,6 +54,13 @@ class Pairs:
 
 
 @dataclass(frozen=True)
+class Ordered:
+    """An `collections.OrderedDict` of `items` (pairs), in their order."""
+
+    items: Iterable[tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
 class NewObject:
     """`cls.__new__(cls)` given `state` by pickle's BUILD (`__setstate__`, else its `__dict__`)."""
 
@@ -84,6 +91,8 @@ def _emit(value: Any, out: bytearray) -> None:
         out += b"\x88" if value else b"\x89"
     elif isinstance(value, int):
         out += pickled_int(value)
+    elif isinstance(value, float):
+        out += b"G" + struct.pack(">d", value)
     elif isinstance(value, str):
         out += pickled_text(value)
     elif isinstance(value, tuple):
@@ -99,6 +108,12 @@ def _emit(value: Any, out: bytearray) -> None:
     elif isinstance(value, (dict, Pairs)):
         out += b"}("
         for key, item in value.items() if isinstance(value, dict) else value.items:
+            _emit(key, out)
+            _emit(item, out)
+        out += b"u"
+    elif isinstance(value, Ordered):
+        out += b"ccollections\nOrderedDict\n)R("
+        for key, item in value.items:
             _emit(key, out)
             _emit(item, out)
         out += b"u"
