@@ -161,3 +161,60 @@ def test_written_files(tmp_path: Path) -> None:
         ["latest", *(f"global_step2/zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(2) for kind in ("model", "optim"))]
     )
     assert (tmp_path / "s3" / "latest").read_text() == "global_step2"
+
+
+DCP_SETTINGS = {"lr": 0.003, "betas": (0.85, 0.95), "eps": 1e-7, "weight_decay": 0.07}
+DCP_MODEL = "hf:llama-tiny"
+
+
+def _fsdp2_model():
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdpkit.models.source import resolve
+
+    source = resolve(DCP_MODEL)
+    model = source.build(seed=0)
+    fully_shard(model)
+    return source, model
+
+
+def _dcp_round_trip(root: str) -> dict:
+    """FSDP2 at 2 ranks saves with get_state_dict's default layout; rank 0 converts DCP ->
+    fsdpkit -> DCP; FSDP2 loads the result (strict: every key it asks for must be there) with
+    both `flatten_optimizer_state_dict` settings; the param groups it ends with."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    from tests._checkpoint_helpers import run_cli
+
+    source, model = _fsdp2_model()
+    optimizer = torch.optim.AdamW(model.parameters(), **DCP_SETTINGS)
+    source.logits(model, torch.arange(16).reshape(2, 8)).float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=f"{root}/src")
+    if dist.get_rank() == 0:
+        for args in (
+            ("src", "sharded", "--to", "sharded", "--world-size", "2", "--model", DCP_MODEL),
+            ("sharded", "back", "--to", "dcp", "--world-size", "2"),
+        ):
+            result = run_cli("convert", f"{root}/{args[0]}", f"{root}/{args[1]}", *args[2:])
+            assert result.exit_code == 0, result.output
+    dist.barrier()
+    found = {}
+    for flatten in (False, True):
+        _, model = _fsdp2_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=f"{root}/back")
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
+        found[flatten] = [{k: group[k] for k in DCP_SETTINGS} for group in optimizer.param_groups]
+    return found
+
+
+def test_dcp_to_sharded_to_dcp_keeps_param_groups(tmp_path: Path) -> None:
+    for rank, found in run_distributed(_dcp_round_trip, 2, str(tmp_path)).items():
+        assert found == {False: [DCP_SETTINGS], True: [DCP_SETTINGS]}, rank
