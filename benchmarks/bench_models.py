@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fsdpkit.engine.plan import WrapPolicy, plan_units
+from fsdpkit.engine.wrapping import WrapPolicy, plan_units
 from fsdpkit.models.source import ModelSource, resolve
 
 LOCAL_MODELS = {

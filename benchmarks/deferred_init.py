@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import fsdpkit
-from fsdpkit.engine.plan import plan_units
-from fsdpkit.launch import LaunchOptions, launch
-from fsdpkit.models.registry import build_model
+from fsdpkit.dist.launch import LaunchOptions, launch
+from fsdpkit.engine.wrapping import plan_units
+from fsdpkit.models.source import build_model
 from fsdpkit.models.units import default_policy_for_model
 from fsdpkit.sizes import format_size
 

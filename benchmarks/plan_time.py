@@ -239,8 +239,8 @@ def same_step_spread(rows: list[dict]) -> dict[str, float]:
 
 def main() -> None:
     from fsdpkit.calibrate import calibrate, network_line
+    from fsdpkit.dist.launch import LaunchOptions, launch
     from fsdpkit.hardware import load
-    from fsdpkit.launch import LaunchOptions, launch
     from fsdpkit.time_plan import model_costs
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -196,7 +196,7 @@ class ModelRun:
 
     def __init__(self, request: PlanRequest, spec: str, group: Any = None) -> None:
         from .engine.api import shard
-        from .engine.plan import bucket_units, plan_units
+        from .engine.wrapping import bucket_units, plan_units
         from .flops import unit_work
         from .models.source import resolve
         from .time_plan import OPTIMIZER_TRAFFIC
@@ -260,7 +260,7 @@ def _bench_line(ranks: int) -> tuple[float, float]:
     against the bytes each rank moves, over the engine's all-gather and reduce-scatter."""
     from .bench.options import BenchOptions
     from .bench.runner import run_bench
-    from .launch import LaunchOptions
+    from .dist.launch import LaunchOptions
 
     sizes, times = [], []
     for collective in ("allgather", "reducescatter"):
@@ -283,7 +283,7 @@ def calibrate(request: PlanRequest, *, ranks: int = 2, seconds: float = CALIBRAT
     drifting speed is averaged over."""
     from tqdm import tqdm
 
-    from .launch import LaunchOptions, launch
+    from .dist.launch import LaunchOptions, launch
 
     with tqdm(total=3, desc="calibrate", unit="part", file=sys.stderr, disable=None, leave=False) as progress:
         progress.set_postfix_str("compute, one rank")

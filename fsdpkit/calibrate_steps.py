@@ -288,7 +288,7 @@ def measure(placements: Sequence[Placement], seconds: float) -> list[Measured]:
     """The engine's steps of `placements`, launched once on as many ranks as the largest takes
     (each on the first of them) and taken in turns, so that a drifting machine speed moves them
     alike; timed until they total at least `seconds` (and STEPS each)."""
-    from .launch import LaunchOptions, launch
+    from .dist.launch import LaunchOptions, launch
 
     ranks = max(placement.ranks for placement in placements)
     medians = launch(_measured_steps, list(placements), seconds, options=LaunchOptions(nproc_per_node=ranks))[0]

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.module_tracker import ModuleTracker
 
-from .engine.plan import UnitPlan
+from .engine.wrapping import UnitPlan
 from .models.source import ModelSource
 
 aten = torch.ops.aten

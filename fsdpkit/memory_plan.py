@@ -1,7 +1,7 @@
 """Per-rank memory of a sharded run, computed before launch: `fsdpkit plan`.
 
 Builds the model on the meta device (nothing real), lays out every unit's flat parameter
-with the engine's own plan (fsdpkit.engine.plan) and counts the bytes the engine holds:
+with the engine's own plan (fsdpkit.engine.wrapping) and counts the bytes the engine holds:
 
     sharded parameters  every unit's chunk, master dtype (fp32), for the whole run
     sharded gradients   the same size, master dtype, from the first backward on
@@ -28,8 +28,8 @@ import torch
 
 from .comm_plan import StepBytes, UnitComm, step_bytes
 from .engine.config import ShardingConfig
-from .engine.plan import UnitPlan
 from .engine.step_policy import StepPolicy
+from .engine.wrapping import UnitPlan
 from .errors import UsageError
 from .memory_timeline import Peak, UnitFootprint, peak_unsharded
 from .train.config import Optimizer, TrainConfig, precision_names
@@ -232,7 +232,7 @@ def plan_from_sizes(units: list[UnitSizes], request: PlanRequest, *, num_params:
 
 def plan_memory(request: PlanRequest, *, shard_rank: int = 0) -> MemoryPlan:
     """Build `request.model` on the meta device and plan its per-rank memory."""
-    from .engine.plan import bucket_units, plan_units
+    from .engine.wrapping import bucket_units, plan_units
     from .models.source import resolve
     from .train.model_setup import wrap_policy
 

@@ -78,7 +78,7 @@ class StepPrediction:
 
 
 def model_costs(request: PlanRequest) -> ModelCosts:
-    from .engine.plan import bucket_units, plan_units
+    from .engine.wrapping import bucket_units, plan_units
     from .flops import unit_work
     from .models.source import resolve
     from .train.model_setup import wrap_policy

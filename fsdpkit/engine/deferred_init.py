@@ -3,8 +3,9 @@ exist, one module at a time; each rank keeps only its fragments, so the peak is 
 parameters plus the shards, never the model.
 
 A parameter is initialised by the `init_parameter(name, tensor)` of the model's hooks
-(`fsdpkit.model_hooks`) when it declares one (fsdpkit's GPT does: each parameter draws from a generator seeded by the model seed and its
-name, so the result equals eager initialisation whatever the order). Otherwise by
+(`fsdpkit.engine.model_hooks`) when it declares one (fsdpkit's GPT does: each parameter
+draws from a generator seeded by the model seed and its name, so the result equals eager
+initialisation whatever the order). Otherwise by
 `reset_parameters()` of the module that owns it, so that the result equals eager
 construction under the same seed:
 
@@ -27,8 +28,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UsageError
-from ..model_hooks import hooks_of
 from .flat_unit import SHAPE_ATTR, FlatUnit
+from .model_hooks import hooks_of
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -93,12 +94,12 @@ def initialize_meta_parameters(root: nn.Module, units: list[FlatUnit], names: se
             _reset_module(module_name, modules[module_name], slots, device, done, placeholder_names)
     finally:
         for unit in units:
-            unit.reshard()  # the attributes show the sharded fragments again
+            unit.free_full()  # the attributes show the sharded fragments again
     missing = [name for unit in units for name in (p.name for p in unit.plan.params) if name in names and name not in done]
     if missing:
         raise UsageError(
             f"deferred init: nothing initialises parameter {missing[0]!r} (its module has no reset_parameters() "
-            "that sets it); give the model ModelHooks(init_parameter=...) (fsdpkit.model_hooks), or build it eagerly (--eager-init)"
+            "that sets it); give the model ModelHooks(init_parameter=...) (fsdpkit.engine.model_hooks), or build it eagerly (--eager-init)"
         )
 
 
@@ -149,7 +150,7 @@ def _reset_module(
         written = placeholder_names.get(id(guard.written[0]), "a parameter")
         raise UsageError(
             f"deferred init: {where} writes parameter {written!r} of another module, so the order of "
-            "random draws cannot follow eager construction; give the model ModelHooks(init_parameter=...) (fsdpkit.model_hooks), "
+            "random draws cannot follow eager construction; give the model ModelHooks(init_parameter=...) (fsdpkit.engine.model_hooks), "
             "or build it eagerly (--eager-init)"
         )
     for attr, tensor in owned.items():

@@ -9,7 +9,7 @@ original shape.
 
     SHARDED --unshard(async)--> GATHERING --wait--> GATHERED --show--> UNSHARDED
        ^                                                                   |
-       +-------------------------------- reshard --------------------------+
+       +------------------------------- free_full -------------------------+
 
 Per backward, separately: PENDING -> PREPARED (gathered for its gradient computation) ->
 REDUCED (its gradient reduction issued), back to PENDING at the end of backward.
@@ -26,13 +26,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..comm import Collectives
-from ..layout import FlatLayout
+from ..dist.comm import Collectives
 from .config import MixedPrecision
+from .flat_layout import FlatLayout
 from .memory import MemoryCounter, tensor_bytes
 from .mesh import ShardMesh
-from .plan import UnitPlan
 from .quant import Int8BlockCodec
+from .wrapping import UnitPlan
 
 SHAPE_ATTR = "_fsdpkit_shape"
 
@@ -165,7 +165,7 @@ class FlatUnit:
         if not keep_usage:
             self.used = [0] * len(self.params)
 
-    # ----- unshard / reshard
+    # ----- unshard / free_full
     @property
     def is_gathered(self) -> bool:
         """The all-gather was at least issued: the full buffer is (or will be) filled."""
@@ -250,7 +250,7 @@ class FlatUnit:
             if grad is not None:
                 self.used[index] = 1
 
-    def reshard(self) -> None:
+    def free_full(self) -> None:
         """Back to the sharded state: original names show the fragments; free the full buffer."""
         self._set_params(self.params)
         if not self.is_gathered:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..engine.plan import WrapPolicy, plan_units
+from ..engine.wrapping import WrapPolicy, plan_units
 from .source import ModelSource, resolve
 
 

@@ -17,13 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..data.tokens import TokenDtype
+from ..dist.launch import LaunchOptions
 from ..dtypes import SHORT_NAMES, of_torch
 from ..engine.config import BACKWARD_PREFETCH, GATHER_DTYPES, STRATEGIES, MixedPrecision, ShardingConfig
 from ..errors import UsageError
-from ..launch import LaunchOptions
 from ..models.registry import DEFAULT_MODEL, MODEL_HELP
 from ..settings import Section, Setting, setting, settings_of
-from ..tokens import TokenDtype
 
 
 class Device(enum.StrEnum):
@@ -191,8 +191,10 @@ class LoggingConfig:
     tensorboard: str | None = setting(
         None, "Also write the same scalars as TensorBoard event files into this directory (needs the [tensorboard] extra).", metavar="DIR"
     )
-    log_every: int = setting(10, "Without a terminal on stderr: one progress line every N steps ...")
-    log_seconds: float = setting(30.0, "... or every S seconds, whichever comes first (with a terminal: a bar).")
+    log_every: int = setting(10, "Without a terminal on stderr: a progress line every N steps or --log-seconds, whichever comes first.")
+    log_seconds: float = setting(
+        30.0, "Without a terminal on stderr: a progress line every S seconds or --log-every steps (a terminal gets a bar)."
+    )
     quiet: bool = setting(False, "No progress bar or progress lines (errors and the summary only).")
 
     def __post_init__(self) -> None:
@@ -347,15 +349,28 @@ class TrainConfig:
                 keys = ", ".join(s.key for s in sections[key].settings)
                 raise UsageError(f"setting {key!r}{where} is a section: write [{key}] with keys {keys}")
             top[key] = value
-        built = {name: section.from_values(values.get(name, {}), where=where) for name, section in sections.items()}
-        return cls(**TOP.from_values(top, where=where), **built)
+        settings = TOP.from_values(top, where=where)
+        # the sharding section builds torch dtypes: every other setting is checked first, without torch
+        order = sorted(sections, key=lambda name: name == "sharding")
+        built = {name: sections[name].from_values(values.get(name, {}), where=where) for name in order}
+        return cls(**settings, **built)
 
     def to_values(self) -> dict[str, Any]:
         """The inverse of from_values: plain values a config file holds."""
         return {**TOP.plain_values(self), **{s.name: s.plain_values(getattr(self, s.name)) for s in SECTIONS}}
 
 
-TOP: Section = Section("", "", settings_of(TrainConfig), dict, lambda config: {s.key: getattr(config, s.key) for s in TOP.settings})
+def _top_settings(**values: Any) -> dict[str, Any]:
+    """The top-level settings as given, --steps checked now (TrainConfig checks it again): a bad
+    value is named before the sharding section imports torch."""
+    if "steps" in values:
+        _at_least(values["steps"], 1, "--steps")
+    return values
+
+
+TOP: Section = Section(
+    "", "", settings_of(TrainConfig), _top_settings, lambda config: {s.key: getattr(config, s.key) for s in TOP.settings}
+)
 SECTIONS = (
     Section.of("model", ModelConfig, panel="Model"),
     Section.of("data", DataConfig, panel="Data"),

@@ -23,10 +23,11 @@ import torch.nn.functional as F
 
 import fsdpkit
 
-from .. import faults, log
+from .. import log
 from ..checkpoint.format import storage
 from ..checkpoint.live.checkpointer import init_weights_from
-from ..comm import CollectiveError, Collectives
+from ..dist import faults
+from ..dist.comm import CollectiveError, Collectives
 from ..engine.view import describe
 from ..models.source import resolve
 from .attempts import ProgressLog, RunContext, attempt_number

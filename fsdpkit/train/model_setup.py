@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..engine.plan import WrapPolicy
+from ..engine.model_hooks import declare_hooks, hooks_of
+from ..engine.wrapping import WrapPolicy
 from ..errors import UsageError
-from ..model_hooks import declare_hooks, hooks_of
 from ..models.registry import load_object
 from ..models.source import ModelSource
 from ..models.units import default_policy

@@ -16,8 +16,8 @@ import os
 import struct
 from pathlib import Path
 
+from ...engine.flat_layout import ElementRange
 from ...errors import UsageError
-from ...layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.export import EXPORT_STATE_KEY, HfExport
 from ..format.files import read_exactly
@@ -25,7 +25,7 @@ from ..format.names import split_optim_tensor_name
 from ..format.placement import Placement
 from ..format.storage import staged_output
 from ..format.writer import write_sharded
-from ..offline.convert import Progress, _progress_callback, check_placement_matches
+from ..offline.convert import Progress, check_placement_matches, progress_callback
 from .convert import layout_sources
 from .layout import detect_layout, require_model
 from .param_groups import read_param_groups
@@ -124,7 +124,7 @@ def dcp_to_sharded(
                 aliases={a: t for a, t in aliases.items() if t in {s.name for s in sources}},
                 cast_to=None,
                 chunk_size=chunk_size,
-                progress=_progress_callback(progress, total),
+                progress=progress_callback(progress, total),
             )
     return {
         "src": str(src),

@@ -13,12 +13,13 @@ import os
 import struct
 from pathlib import Path
 
+from ...engine.flat_layout import ElementRange
 from ...errors import DataCheckError, UsageError
-from ...layout import ElementRange
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import MANIFEST_NAME, optim_tensor_name
 from ..format.reader import is_full_checkpoint, open_full, open_sharded
 from ..format.storage import staged_output
+from ..offline.convert import Progress, progress_callback
 from .writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
 
 _STEP_FORMATS = {"F32": "<f", "F64": "<d", "I64": "<q", "I32": "<i"}
@@ -70,6 +71,7 @@ def to_deepspeed(
     stage: int,
     world_size: int | None = None,
     overwrite: bool = False,
+    progress: Progress | None = None,
 ) -> dict:
     path = Path(src)
     if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
@@ -85,7 +87,7 @@ def to_deepspeed(
     run = build_run(tensors, recorded, stage=stage, world_size=world_size or saved_world, global_steps=steps)
     total = sum(p.master.nbytes * 3 for g in run.groups for p in g.params)
     with staged_output(Path(dst), src=path, overwrite=overwrite, needed_bytes=total + 4096 * (run.world_size + 4) * 4) as tmp:
-        files = write_deepspeed(tmp, run)
+        files = write_deepspeed(tmp, run, progress_callback(progress, total))
     return {
         "src": str(src),
         "dst": str(dst),

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ...dtypes import dtype_info
+from ...engine.flat_layout import ElementRange
 from ...errors import UsageError
-from ...layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.names import MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, is_optimizer_tensor
 from ..format.reader import is_full_checkpoint, open_full, open_sharded
