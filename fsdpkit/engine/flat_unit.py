@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 
 from ..dist.comm import Collectives
+from ..flat_layout import FlatLayout
 from .config import MixedPrecision
-from .flat_layout import FlatLayout
 from .memory import MemoryCounter, tensor_bytes
 from .mesh import ShardMesh
 from .quant import Int8BlockCodec

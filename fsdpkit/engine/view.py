@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .flat_layout import FlatLayout, Fragment
+from ..flat_layout import FlatLayout, Fragment
 from .sharded import get_state
 
 

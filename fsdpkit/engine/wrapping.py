@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from ..errors import UsageError
-from .flat_layout import FlatLayout
+from ..flat_layout import FlatLayout
 
 
 @dataclass(frozen=True)

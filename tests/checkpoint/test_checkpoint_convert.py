@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from support.checkpoint_files import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors, save_checkpoint, tree_snapshot
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
-from fsdpkit.engine.flat_layout import ElementRange, FlatLayout
 from fsdpkit.errors import UsageError
+from fsdpkit.flat_layout import ElementRange, FlatLayout
 from fsdpkit.models.source import build_model
 from fsdpkit.models.units import unit_plan_for_model
 

@@ -27,8 +27,8 @@ from fsdpkit.checkpoint.format.storage import resolve_checkpoint
 from fsdpkit.checkpoint.format.writer import DIRECT_BUFFER_BYTES, CacheMode, RankFileWriter, StreamingWriter
 from fsdpkit.checkpoint.live.tensors import raw_bytes, safetensors_dtype
 from fsdpkit.dtypes import dtype_info
-from fsdpkit.engine.flat_layout import ElementRange, FlatLayout
 from fsdpkit.errors import DataCheckError
+from fsdpkit.flat_layout import ElementRange, FlatLayout
 
 
 def _write(path, tensors, piece=7):

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from support.checkpoint_files import save_checkpoint
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
-from fsdpkit.engine.flat_layout import ElementRange
+from fsdpkit.flat_layout import ElementRange
 
 LIMIT_BYTES = 300 * 1024 * 1024
 

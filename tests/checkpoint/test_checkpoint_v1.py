@@ -12,7 +12,7 @@ from support.checkpoint_files import SAMPLE_UNITS, run_cli, sample_buffers, samp
 from support.checkpoint_v1 import write_v1
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
-from fsdpkit.engine.flat_layout import ElementRange
+from fsdpkit.flat_layout import ElementRange
 
 
 def test_v1_checkpoints_load_verify_convert_and_reshard(tmp_path):

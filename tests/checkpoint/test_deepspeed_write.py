@@ -19,7 +19,7 @@ import torch
 from support.checkpoint_files import run_cli, save_checkpoint
 from support.distributed import run_distributed
 
-from fsdpkit.checkpoint.deepspeed.writer_convert import to_deepspeed
+from fsdpkit.checkpoint.offline.to_deepspeed import to_deepspeed
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU with gloo, in the launched workers too
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="the deepspeed test extra is not installed")

@@ -17,11 +17,11 @@ import fsdpkit
 from fsdpkit.comm_plan import UnitComm, step_bytes
 from fsdpkit.dist.comm import CommStats
 from fsdpkit.engine.config import MixedPrecision, ShardingConfig
-from fsdpkit.engine.flat_layout import padded_size
 from fsdpkit.engine.quant import Int8BlockCodec, all_gather_bytes, block_count, dequantize, quantize, round_trip_sharded
 from fsdpkit.engine.sharded import get_state
 from fsdpkit.engine.wrapping import WrapPolicy, bucket_units, plan_units
 from fsdpkit.errors import UsageError
+from fsdpkit.flat_layout import padded_size
 from fsdpkit.memory_plan import PlanRequest, plan_memory
 from fsdpkit.models.gpt import GPT, MLP, Block, GPTConfig
 from fsdpkit.train.config import TrainConfig

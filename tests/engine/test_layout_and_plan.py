@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 
 from fsdpkit.engine.config import ShardingConfig
-from fsdpkit.engine.flat_layout import ElementRange, FlatLayout, even_split_ranges, padded_size
 from fsdpkit.engine.wrapping import WrapPolicy, plan_units
 from fsdpkit.errors import UsageError
+from fsdpkit.flat_layout import ElementRange, FlatLayout, even_split_ranges, padded_size
 from fsdpkit.models.gpt import GPT, Block, GPTConfig
 from fsdpkit.models.units import unit_plan_for_model
 

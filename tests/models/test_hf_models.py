@@ -416,7 +416,7 @@ def test_exported_builtin_gpt_reads_back_in_its_own_layout(launches, tmp_path):
     assert done.stdout.split()[-2:] == ["0", "False"], (done.stdout, done.stderr)  # transposes without torch
     trained = results["builtin"]["weights"]
     with full_reader(tmp_path / "hf", ["h.0.attn.c_attn.weight"]) as reader:
-        from fsdpkit.engine.flat_layout import ElementRange
+        from fsdpkit.flat_layout import ElementRange
 
         for name, tensor in trained.items():
             if name == "lm_head.weight":

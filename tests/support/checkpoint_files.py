@@ -16,7 +16,7 @@ from fsdpkit.checkpoint.format.manifest import Manifest
 from fsdpkit.checkpoint.format.placement import Placement, TensorSpec
 from fsdpkit.checkpoint.live.save_protocol import write_rank
 from fsdpkit.checkpoint.live.tensors import safetensors_dtype
-from fsdpkit.engine.flat_layout import ElementRange
+from fsdpkit.flat_layout import ElementRange
 
 
 def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fsdpkit.engine.flat_layout import ElementRange, FlatLayout, even_split_ranges
+from fsdpkit.flat_layout import ElementRange, FlatLayout, even_split_ranges
 
 DTYPES = {
     torch.float32: "F32",

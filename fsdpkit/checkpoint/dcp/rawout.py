@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ...engine.flat_layout import ElementRange
 from ...errors import DataCheckError
+from ...flat_layout import ElementRange
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.files import IOV_MAX, copy_range, open_regular, write_views
 

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ...engine.flat_layout import ElementRange
 from ...errors import DataCheckError, UsageError
+from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.files import open_regular
 from ..format.names import Header

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ...engine.flat_layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.names import numel
 from . import pickler

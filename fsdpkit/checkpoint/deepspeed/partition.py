@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...engine.flat_layout import ElementRange
 from ...errors import UsageError
+from ...flat_layout import ElementRange
 
 NCCL_START_ALIGNMENT_FACTOR = 2
 STAGES = (1, 2, 3)

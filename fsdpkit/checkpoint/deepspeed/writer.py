@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...engine.flat_layout import ElementRange
 from ...errors import UsageError
+from ...flat_layout import ElementRange
 from ..dcp.pickler import Ordered, Raw, dumps
 from ..dcp.rawout import RawOutput
 from ..format.bytecopy import ByteEngine, SourceTensor

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...dtypes import is_known_dtype
-from ...engine.flat_layout import ElementRange, FlatLayout
 from ...errors import DataCheckError
+from ...flat_layout import ElementRange, FlatLayout
 from .files import read_regular
 from .names import (
     FORMAT_NAME,

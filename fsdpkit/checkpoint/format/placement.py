@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ...dtypes import dtype_info
-from ...engine.flat_layout import ElementRange, FlatLayout
 from ...errors import DataCheckError
+from ...flat_layout import ElementRange, FlatLayout
 from .names import CRC_METADATA_KEY, split_optim_tensor_name
 
 Shape = tuple[int, ...]

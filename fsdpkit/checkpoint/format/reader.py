@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ...engine.flat_layout import ElementRange
 from ...errors import DataCheckError, UsageError
+from ...flat_layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
 from .export import ExportLayout, layout_of
 from .files import open_regular, pread_into, read_exactly

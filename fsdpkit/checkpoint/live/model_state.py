@@ -16,9 +16,9 @@ from collections.abc import Set as AbstractSet
 import torch
 import torch.nn as nn
 
-from ...engine.flat_layout import ElementRange
 from ...engine.view import ShardedModelView
 from ...errors import DataCheckError
+from ...flat_layout import ElementRange
 from ..format.placement import TensorSpec
 from .optim_state import StateLayout, expected_state_tensors, saved_states
 from .tensors import TensorReader, safetensors_dtype

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ...engine.flat_layout import ElementRange
 from ...errors import DataCheckError, RunError
+from ...flat_layout import ElementRange
 from ..format.names import optim_tensor_name, split_optim_tensor_name
 
 Shape = tuple[int, ...]

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from ...dist import faults
 from ...dist.comm import Collectives
-from ...engine.flat_layout import ElementRange
 from ...engine.view import ShardedModelView
 from ...errors import RunError
+from ...flat_layout import ElementRange
 from ..format import storage
 from ..format.crc import crc32
 from ..format.manifest import Manifest

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ...engine.flat_layout import ElementRange
 from ...errors import DataCheckError, UsageError
+from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport, export_of
 from ..format.files import open_regular

@@ -74,14 +74,14 @@ def safetensors_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: 
 
 
 def safetensors_to_deepspeed(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from ..deepspeed.writer_convert import to_deepspeed
+    from .to_deepspeed import to_deepspeed
 
     assert request.stage is not None  # the route requires it
     return to_deepspeed(src, dst, stage=request.stage, world_size=request.world_size, overwrite=request.overwrite, progress=progress)
 
 
 def dcp_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from ..dcp.convert import dcp_to_full as convert_dcp
+    from .dcp_to_full import dcp_to_full as convert_dcp
     from .model_description import describe
 
     return convert_dcp(
@@ -96,7 +96,7 @@ def dcp_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progres
 
 
 def dcp_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from ..dcp.to_sharded import dcp_to_sharded as convert_dcp
+    from .dcp_to_sharded import dcp_to_sharded as convert_dcp
     from .model_description import describe
 
     assert request.world_size is not None and request.model is not None  # required by the route

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from .errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,14 @@ import os
 import struct
 from pathlib import Path
 
-from ...engine.flat_layout import ElementRange
 from ...errors import DataCheckError, UsageError
+from ...flat_layout import ElementRange
+from ..deepspeed.writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import MANIFEST_NAME, optim_tensor_name
 from ..format.reader import is_full_checkpoint, open_full, open_sharded
 from ..format.storage import staged_output
-from ..offline.convert import Progress, progress_callback
-from .writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
+from .convert import Progress, progress_callback
 
 _STEP_FORMATS = {"F32": "<f", "F64": "<d", "I64": "<q", "I32": "<i"}
 

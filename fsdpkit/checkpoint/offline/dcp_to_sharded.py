@@ -16,8 +16,11 @@ import os
 import struct
 from pathlib import Path
 
-from ...engine.flat_layout import ElementRange
 from ...errors import UsageError
+from ...flat_layout import ElementRange
+from ..dcp.layout import detect_layout, layout_sources, require_model
+from ..dcp.param_groups import read_param_groups
+from ..dcp.table import DcpCheckpoint, open_dcp
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.export import EXPORT_STATE_KEY, HfExport
 from ..format.files import read_exactly
@@ -25,11 +28,7 @@ from ..format.names import split_optim_tensor_name
 from ..format.placement import Placement
 from ..format.storage import staged_output
 from ..format.writer import write_sharded
-from ..offline.convert import Progress, check_placement_matches, progress_callback
-from .convert import layout_sources
-from .layout import detect_layout, require_model
-from .param_groups import read_param_groups
-from .table import DcpCheckpoint, open_dcp
+from .convert import Progress, check_placement_matches, progress_callback
 
 
 def _canonical(sources: list[SourceTensor], aliases: dict[str, str]) -> list[SourceTensor]:

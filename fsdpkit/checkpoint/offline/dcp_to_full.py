@@ -15,18 +15,10 @@ import os
 from pathlib import Path
 
 from ...errors import DataCheckError
-from ..format.bytecopy import SourceTensor
+from ..dcp.layout import detect_layout, layout_sources, require_model
+from ..dcp.table import open_dcp
 from ..format.export import HfExport
-from ..offline.convert import FullOutput, write_full
-from .layout import DcpLayout, detect_layout, require_model
-from .table import DcpCheckpoint, open_dcp
-
-
-def layout_sources(checkpoint: DcpCheckpoint, layout: DcpLayout) -> tuple[list[SourceTensor], list[SourceTensor]]:
-    """(model, optimizer) tensors as sources under fsdpkit's names."""
-    model = [checkpoint.source(key, name) for name, key in layout.model.items()]
-    optim = [checkpoint.source(key, name) for name, key in layout.optimizer.items()]
-    return model, optim
+from .convert import FullOutput, write_full
 
 
 def dcp_to_full(
