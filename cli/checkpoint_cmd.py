@@ -14,12 +14,13 @@ import typer
 
 from fsdpkit import log
 from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
+from fsdpkit.checkpoint.deepspeed.files import is_deepspeed_checkpoint
 from fsdpkit.dtypes import from_spelling
 from fsdpkit.errors import UsageError
 from fsdpkit.host import available_memory_bytes
 from fsdpkit.sizes import format_size, parse_size
 
-from . import dcp_cmd
+from . import dcp_cmd, deepspeed_cmd
 from .app import app
 from .common import byte_progress, handle_errors, print_json
 
@@ -111,6 +112,13 @@ def convert(
         )
         with _progress_bar("convert", True) as progress:
             result = dcp_cmd.convert_dcp(src, dst, options, progress)
+    elif is_deepspeed_checkpoint(src) and dcp_model_key is None and dcp_optimizer_key is None:
+        if world_size is not None:
+            raise UsageError("--world-size applies to --to sharded only")
+        limit = parse_size(max_shard_size) if max_shard_size is not None else None
+        with _progress_bar("convert", True) as progress:
+            full = FullOutput(max_shard_size=limit, cast_to=cast_to, chunk_size=chunk, overwrite=overwrite, progress=progress)
+            result = deepspeed_cmd.convert_deepspeed(src, dst, to=to, model=model, with_optimizer=with_optimizer, options=full)
     elif dcp_model_key is not None or dcp_optimizer_key is not None:
         raise UsageError(f"--dcp-model-key and --dcp-optimizer-key apply to DCP input; {src} is not a DCP checkpoint")
     elif to == "dcp":
@@ -208,6 +216,9 @@ def inspect(
     if is_dcp_checkpoint(ckpt):
         dcp_cmd.inspect_dcp(ckpt, as_json=as_json, model_key=dcp_model_key, optimizer_key=dcp_optimizer_key)
         return
+    if is_deepspeed_checkpoint(ckpt):
+        deepspeed_cmd.inspect_deepspeed(ckpt, as_json=as_json)
+        return
     summary = summarize(ckpt)
     if as_json:
         print_json(summary)
@@ -260,6 +271,8 @@ def verify(
 
     if is_dcp_checkpoint(ckpt):
         report = dcp_cmd.verify_dcp(ckpt, as_json=as_json)
+    elif is_deepspeed_checkpoint(ckpt):
+        report = deepspeed_cmd.verify_deepspeed(ckpt, as_json=as_json)
     else:
         with _progress_bar("verify", True) as progress:
             report = verify_checkpoint(ckpt, progress=progress)
