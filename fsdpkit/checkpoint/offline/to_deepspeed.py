@@ -97,5 +97,6 @@ def to_deepspeed(
         "world_size": run.world_size,
         "tag": run.tag,
         "files": files,
+        "tensors": sum(len(g.params) for g in run.groups),  # parameters, each with its fp32 master and moments
         "bytes": total,
     }
