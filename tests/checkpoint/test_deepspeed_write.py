@@ -4,7 +4,9 @@ weights and Adam moments equal to the source's and the next losses equal to an u
 torch AdamW continuing from the same state.
 
 One launch of 3 ranks loads stages 1, 2 and 3 one after the other (3 ranks: the flat group of
-stages 1 and 2 and every parameter of stage 3 end in padding).
+stages 1 and 2 and every parameter of stage 3 end in padding), and a stage-2 checkpoint of 2
+ranks that `reshard --world-size 3` laid out again. A second launch (FSDP2, 2 ranks) checks that
+DCP -> fsdpkit -> DCP keeps the optimizer's param groups for `dcp.load` in both layouts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ SETTINGS = {"lr": 0.02, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.05}
 WORLD_SIZE = 3
 STAGES = (1, 2, 3)
 STEPS_BEFORE, STEPS_AFTER = 2, 2
+RESHARDED = "2, resharded from 2 ranks"
+LABELS = (*(str(stage) for stage in STAGES), RESHARDED)
 
 
 def _model() -> torch.nn.Module:
@@ -67,7 +71,7 @@ def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return tensors, losses
 
 
-def _resume(directories: dict[int, str]) -> dict:
+def _resume(directories: dict[str, tuple[int, str]]) -> dict:
     """On each rank: DeepSpeed loads each stage's checkpoint; its full weights, moments, group
     settings and next losses."""
     import deepspeed
@@ -78,7 +82,7 @@ def _resume(directories: dict[int, str]) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out = {}
-    for stage, directory in directories.items():
+    for label, (stage, directory) in directories.items():
         model = _model()
         config = {
             "train_micro_batch_size_per_gpu": 4,
@@ -102,7 +106,7 @@ def _resume(directories: dict[int, str]) -> dict:
             found["losses"].append(loss.item())
             engine.backward(loss)
             engine.step()
-        out[stage] = found
+        out[label] = found
         engine.destroy()
     return out
 
@@ -127,12 +131,17 @@ def resumed(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float], dic
             assert result.exit_code == 0, result.output
         else:
             assert to_deepspeed(run, out, stage=stage, world_size=WORLD_SIZE)["world_size"] == WORLD_SIZE
-        directories[stage] = str(out)
+        directories[str(stage)] = (stage, str(out))
+    # a DeepSpeed checkpoint of 2 ranks resharded to 3 (read by the DeepSpeed reader, written again)
+    assert to_deepspeed(run, root / "ds2-at-2", stage=2, world_size=2)["world_size"] == 2
+    result = run_cli("reshard", root / "ds2-at-2", root / "ds2-at-3", "--world-size", str(WORLD_SIZE))
+    assert result.exit_code == 0, result.output
+    directories[RESHARDED] = (2, str(root / "ds2-at-3"))
     return tensors, losses, run_distributed(_resume, WORLD_SIZE, directories)
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_deepspeed_resumes_weights_and_moments(resumed, stage: int) -> None:
+@pytest.mark.parametrize("stage", LABELS)
+def test_deepspeed_resumes_weights_and_moments(resumed, stage: str) -> None:
     tensors, _, by_rank = resumed
     for rank, result in by_rank.items():
         found = result[stage]["tensors"]
@@ -141,8 +150,8 @@ def test_deepspeed_resumes_weights_and_moments(resumed, stage: int) -> None:
         assert len(found) == len([n for n in tensors if not n.startswith("optim.step.")])
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_deepspeed_resumes_hyperparameters_and_next_losses(resumed, stage: int) -> None:
+@pytest.mark.parametrize("stage", LABELS)
+def test_deepspeed_resumes_hyperparameters_and_next_losses(resumed, stage: str) -> None:
     _, losses, by_rank = resumed
     for result in by_rank.values():
         assert result[stage]["settings"] == {**SETTINGS, "betas": tuple(SETTINGS["betas"])}

@@ -1,5 +1,7 @@
 """`convert SRC OUT --to deepspeed --stage S [--world-size N]`: an fsdpkit sharded checkpoint
-or a full safetensors directory with its optimizer file, as a DeepSpeed ZeRO checkpoint.
+or a full safetensors directory with its optimizer file, as a DeepSpeed ZeRO checkpoint; and
+`reshard DS OUT --world-size N`: a DeepSpeed checkpoint laid out for N ranks, same stage,
+which DeepSpeed's plain `load_checkpoint` at N ranks resumes (no universal checkpoint).
 
 A parameter is a model tensor with Adam moments (`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`);
 its group's step is `optim.step.<name>` of the group's first parameter. The groups and their
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
+from ..deepspeed.table import DeepSpeedCheckpoint, open_deepspeed
 from ..deepspeed.writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import MANIFEST_NAME, optim_tensor_name
@@ -100,3 +103,47 @@ def to_deepspeed(
         "tensors": sum(len(g.params) for g in run.groups),  # parameters, each with its fp32 master and moments
         "bytes": total,
     }
+
+
+def _recorded_groups(checkpoint: DeepSpeedCheckpoint) -> list[dict]:
+    """The checkpoint's groups: names from `param_shapes`, settings from the optimizer's groups."""
+    shapes = checkpoint.items.get("param_shapes")
+    if not isinstance(shapes, list) or not all(isinstance(group, dict) for group in shapes):
+        raise DataCheckError(f"{checkpoint.directory}: no param_shapes per group in the model states file")
+    settings = checkpoint.param_groups
+    return [{"settings": settings[i] if i < len(settings) else {}, "params": list(group)} for i, group in enumerate(shapes)]
+
+
+def reshard_deepspeed(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    world_size: int,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> dict:
+    with open_deepspeed(src) as checkpoint:
+        if checkpoint.precision != "F32" or checkpoint.frozen or checkpoint.buffers:
+            kept = [*checkpoint.frozen, *checkpoint.buffers][:3]
+            raise UsageError(
+                f"{src}: fsdpkit writes DeepSpeed checkpoints of fp32 trainable parameters only; this one is {checkpoint.precision}"
+                + (f" with frozen parameters or buffers ({', '.join(kept)}...)" if kept else "")
+            )
+        tensors = {t.name: t for t in checkpoint.sources}
+        steps = checkpoint.global_steps or 0
+        run = build_run(tensors, _recorded_groups(checkpoint), stage=checkpoint.stage, world_size=world_size, global_steps=steps)
+        total = sum(p.master.nbytes * 3 for g in run.groups for p in g.params)
+        with staged_output(Path(dst), src=Path(src), overwrite=overwrite, needed_bytes=total + 4096 * (world_size + 4) * 4) as tmp:
+            files = write_deepspeed(tmp, run, progress_callback(progress, total))
+        return {
+            "src": str(src),
+            "dst": str(dst),
+            "from": "deepspeed",
+            "to": "deepspeed",
+            "stage": run.stage,
+            "world_size": world_size,
+            "tag": run.tag,
+            "files": files,
+            "tensors": sum(len(g.params) for g in run.groups),
+            "bytes": total,
+        }
