@@ -134,8 +134,10 @@ def _emit(value: Any, out: bytearray) -> None:
         raise TypeError(f"cannot pickle {type(value).__name__} here")
 
 
-def dumps(value: Any) -> bytes:
-    out = bytearray(b"\x80\x02" + _PRELUDE)
+def dumps(value: Any, *, prelude: bool = True) -> bytes:
+    """`value` pickled; with `prelude`, DCP's repeated globals memoized first (`metadata` needs
+    them; other files name no DCP class)."""
+    out = bytearray(b"\x80\x02" + (_PRELUDE if prelude else b""))
     _emit(value, out)
     out += b"."
     return bytes(out)

@@ -173,7 +173,7 @@ def _stage12_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, 
             Ordered([(name, records.fragment_address(count, start)) for name, start, count in part.slice_mappings()]) for part in rank_parts
         ],
     }
-    return dumps({"optimizer_state_dict": state, **_common(run)}), pickle.storages
+    return dumps({"optimizer_state_dict": state, **_common(run)}, prelude=False), pickle.storages
 
 
 def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
@@ -189,7 +189,7 @@ def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, l
         "optimizer_state_dict": base,
         "fp32_flat_groups": fp32,
     }
-    return dumps({"optimizer_state_dict": state, **_common(run)}), pickle.storages
+    return dumps({"optimizer_state_dict": state, **_common(run)}, prelude=False), pickle.storages
 
 
 def _model(run: DsRun, *, whole: bool) -> tuple[bytes, list[Storage]]:
@@ -222,7 +222,7 @@ def _model(run: DsRun, *, whole: bool) -> tuple[bytes, list[Storage]]:
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
         **_common(run),
     }
-    return dumps(state), pickle.storages
+    return dumps(state, prelude=False), pickle.storages
 
 
 def _whole(tensor: SourceTensor) -> Segment:
