@@ -233,3 +233,35 @@ def _dcp_round_trip(root: str) -> dict:
 def test_dcp_to_sharded_to_dcp_keeps_param_groups(tmp_path: Path) -> None:
     for rank, found in run_distributed(_dcp_round_trip, 2, str(tmp_path)).items():
         assert found == {False: [DCP_SETTINGS], True: [DCP_SETTINGS]}, rank
+
+
+def test_dcp_to_deepspeed_carries_tensors_and_settings(tmp_path: Path) -> None:
+    """fsdpkit -> DCP -> DeepSpeed (no launch): the DeepSpeed reader finds the source's
+    weights, moments, step and group settings (DeepSpeed itself loads this writer's output
+    in the launches above)."""
+    from fsdpkit.checkpoint.deepspeed.table import open_deepspeed
+    from fsdpkit.checkpoint.format.bytecopy import ByteEngine
+    from fsdpkit.flat_layout import ElementRange
+
+    tensors, _ = _reference()
+    state = {
+        "step": STEPS_BEFORE,
+        "optimizer": {"groups": [{"settings": SETTINGS, "params": [n for n in tensors if not n.startswith("optim.")]}]},
+    }
+    run = save_checkpoint(tmp_path / "run", STEPS_BEFORE, tensors, world_size=2, training_state=state)
+    assert run_cli("convert", run, tmp_path / "dcp", "--to", "dcp", "--world-size", "2").exit_code == 0
+    result = run_cli("convert", tmp_path / "dcp", tmp_path / "ds", "--to", "deepspeed", "--stage", "3", "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    engine = ByteEngine()
+    with open_deepspeed(tmp_path / "ds") as checkpoint:
+        assert (checkpoint.stage, checkpoint.world_size, checkpoint.global_steps) == (3, 3, STEPS_BEFORE)
+        settings = {k: list(v) if isinstance(v, tuple) else v for k, v in checkpoint.param_groups[0].items() if k in SETTINGS}
+        assert settings == SETTINGS
+        assert sorted(s.name for s in checkpoint.sources) == sorted(tensors)
+        for source in checkpoint.sources:
+            data = bytearray(source.nbytes)
+            engine.read_into(source, ElementRange(0, source.numel), memoryview(data))
+            assert torch.equal(
+                torch.frombuffer(data, dtype=torch.float32).reshape(tensors[source.name].shape), tensors[source.name].float()
+            )
+    engine.close()

@@ -52,7 +52,7 @@ def _renamed(source: SourceTensor, name: str) -> SourceTensor:
     return SourceTensor(name, source.shape, source.dtype, tuple(source.pieces_in(ElementRange(0, source.numel))))
 
 
-def _param_groups(checkpoint: DcpCheckpoint, optimizer_key: str | None, aliases: dict[str, str]) -> list[dict]:
+def dcp_param_groups(checkpoint: DcpCheckpoint, optimizer_key: str | None, aliases: dict[str, str]) -> list[dict]:
     """The checkpoint's param groups, the tied aliases among their fqns named canonically."""
     items = checkpoint.metadata.bytes_items
 
@@ -107,7 +107,7 @@ def dcp_to_sharded(
             placement, [s for s in sources if not split_optim_tensor_name(s.name)], where=Path(src), source=placement_source
         )
         step = optimizer_steps(sources, chunk_size)
-        groups = _param_groups(checkpoint, layout.optimizer_key, aliases) if layout.optimizer else []
+        groups = dcp_param_groups(checkpoint, layout.optimizer_key, aliases) if layout.optimizer else []
         state: dict = {"step": step, "optimizer_steps": step, "optimizer": {"stateless": [], "groups": groups}}
         if export is not None:
             state[EXPORT_STATE_KEY] = export.to_json()

@@ -89,6 +89,12 @@ ROUTES: dict[tuple[str, str], Route] = {
         optional=("world_size",),
         why="DeepSpeed's ZeRO stage and ranks (default: the source's) to lay the fp32 weights and AdamW state out for",
     ),
+    ("dcp", "deepspeed"): Route(
+        f"{_CONVERTERS}:dcp_to_deepspeed",
+        required=("stage", "world_size"),
+        optional=_DCP_KEYS,
+        why="DeepSpeed's ZeRO stage and ranks to lay the fp32 weights and AdamW state out for",
+    ),
 }
 
 TARGETS = tuple(dict.fromkeys(target for _, target in ROUTES))

@@ -88,15 +88,20 @@ def to_deepspeed(
         recorded = (state.get("optimizer") or {}).get("groups") or []
         kind, steps, saved_world = "fsdpkit-checkpoint", int(state.get("step", 0) or 0), sharded.manifest.shard_factor
     run = build_run(tensors, recorded, stage=stage, world_size=world_size or saved_world, global_steps=steps)
+    return write_run(run, path, Path(dst), source_kind=kind, overwrite=overwrite, progress=progress)
+
+
+def write_run(run: DsRun, src: Path, dst: Path, *, source_kind: str, overwrite: bool, progress: Progress | None) -> dict:
+    """`run` written as a DeepSpeed checkpoint at `dst` (staged, renamed when complete)."""
     total = sum(p.master.nbytes * 3 for g in run.groups for p in g.params)
-    with staged_output(Path(dst), src=path, overwrite=overwrite, needed_bytes=total + 4096 * (run.world_size + 4) * 4) as tmp:
+    with staged_output(dst, src=src, overwrite=overwrite, needed_bytes=total + 4096 * (run.world_size + 4) * 4) as tmp:
         files = write_deepspeed(tmp, run, progress_callback(progress, total))
     return {
         "src": str(src),
         "dst": str(dst),
-        "from": kind,
+        "from": source_kind,
         "to": "deepspeed",
-        "stage": stage,
+        "stage": run.stage,
         "world_size": run.world_size,
         "tag": run.tag,
         "files": files,
@@ -132,18 +137,4 @@ def reshard_deepspeed(
         tensors = {t.name: t for t in checkpoint.sources}
         steps = checkpoint.global_steps or 0
         run = build_run(tensors, _recorded_groups(checkpoint), stage=checkpoint.stage, world_size=world_size, global_steps=steps)
-        total = sum(p.master.nbytes * 3 for g in run.groups for p in g.params)
-        with staged_output(Path(dst), src=Path(src), overwrite=overwrite, needed_bytes=total + 4096 * (world_size + 4) * 4) as tmp:
-            files = write_deepspeed(tmp, run, progress_callback(progress, total))
-        return {
-            "src": str(src),
-            "dst": str(dst),
-            "from": "deepspeed",
-            "to": "deepspeed",
-            "stage": run.stage,
-            "world_size": world_size,
-            "tag": run.tag,
-            "files": files,
-            "tensors": sum(len(g.params) for g in run.groups),
-            "bytes": total,
-        }
+        return write_run(run, Path(src), Path(dst), source_kind="deepspeed", overwrite=overwrite, progress=progress)
