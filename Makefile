@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "== $(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX)) (the largest download)"
 	$(PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	@echo "== fsdpkit, editable, with the extras test, lint, plot, tensorboard, hf, data, wandb, mlflow"
-	$(PY) -m pip install -e ".[test,lint,plot,tensorboard,hf,data,wandb,mlflow]"
+	@echo "== fsdpkit, editable, with the extras test, lint, plot, tensorboard, hf, data, wandb, mlflow, deepspeed"
+	$(PY) -m pip install -e ".[test,lint,plot,tensorboard,hf,data,wandb,mlflow,deepspeed]"
 	touch $(STAMP)
 	@echo "== installed: $(VENV)/bin/fsdpkit"
 

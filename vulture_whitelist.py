@@ -13,3 +13,4 @@ _.worker_group  # fsdpkit/dist/launch.py: torch's LocalElasticAgent._stop_worker
 _.category  # fsdpkit/log.py: warnings.showwarning(message, category, filename, lineno, ...)
 _.lineno  # fsdpkit/log.py: warnings.showwarning
 _.out_shape  # fsdpkit/flops.py: torch's flop counter passes out_shape= to every formula
+_.new_type  # fsdpkit/checkpoint/deepspeed/unpickler.py: pickle calls torch._tensor._rebuild_from_type_v2(func, new_type, args, state)

@@ -1,4 +1,4 @@
-"""`fsdpkit convert SRC DST --to full|sharded|dcp`: parse the options into one ConvertRequest;
+"""`fsdpkit convert SRC DST --to full|sharded|dcp|deepspeed`: parse the options into one ConvertRequest;
 which of them apply to which source format and target is the library's table
 (fsdpkit/checkpoint/offline/routes.py)."""
 
@@ -25,7 +25,11 @@ def convert(
         ..., help="Source checkpoint: sharded (run or step dir) for --to full; full safetensors for --to sharded; or torch DCP."
     ),
     dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
-    to: str = typer.Option(..., "--to", help="full, sharded or dcp (torch DCP in FSDP2's layout, chunked for --world-size ranks)."),
+    to: str = typer.Option(
+        ...,
+        "--to",
+        help="full, sharded, dcp (torch DCP, FSDP2's layout, chunked for --world-size ranks) or deepspeed (ZeRO --stage, N ranks).",
+    ),
     world_size: int | None = typer.Option(None, "--world-size", help="Ranks of the sharded output (--to sharded) or of DCP's chunks."),
     model: str | None = typer.Option(
         None, "--model", help="Lay out by this model's flat-parameter plan (--to sharded); default: even split per tensor."
@@ -35,13 +39,14 @@ def convert(
     ),
     dtype: str | None = typer.Option(None, "--dtype", help="Cast floating tensors: bf16, fp16 or fp32 (ints and bools are kept)."),
     with_optimizer: bool = typer.Option(False, "--with-optimizer", help="Also convert the optimizer state (optimizer*.safetensors)."),
+    stage: int | None = typer.Option(None, "--stage", help="DeepSpeed ZeRO stage of --to deepspeed: 1, 2 or 3."),
     chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
     dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
-    """Convert between sharded fsdpkit checkpoints, full Hugging Face-style safetensors and torch DCP."""
+    """Convert between sharded fsdpkit checkpoints, full Hugging Face-style safetensors, torch DCP and DeepSpeed ZeRO."""
     from fsdpkit.checkpoint.offline.converters import convert as run_convert
 
     request = ConvertRequest(
@@ -53,6 +58,7 @@ def convert(
         with_optimizer=with_optimizer,
         model_key=dcp_model_key,
         optimizer_key=dcp_optimizer_key,
+        stage=stage,
         chunk_size=chunk_bytes(chunk_size),
         overwrite=overwrite,
     )

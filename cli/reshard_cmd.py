@@ -1,4 +1,4 @@
-"""`fsdpkit reshard SRC DST --world-size M`: a sharded or DCP checkpoint laid out for M ranks."""
+"""`fsdpkit reshard SRC DST --world-size M`: a sharded, DCP or DeepSpeed checkpoint laid out for M ranks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import typer
 
 from fsdpkit import log
 from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
+from fsdpkit.checkpoint.deepspeed.files import is_deepspeed_checkpoint
 
 from .checkpoint_options import CHUNK_HELP, chunk_bytes, print_written, required_world_size
 from .common import byte_progress, handle_errors
@@ -18,7 +19,7 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("reshard")
 @handle_errors
 def reshard(
-    src: Path = typer.Argument(..., help="Sharded checkpoint (run or step directory)."),
+    src: Path = typer.Argument(..., help="Sharded checkpoint (run or step directory), torch DCP or DeepSpeed ZeRO (same stage out)."),
     dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
     world_size: int | None = typer.Option(None, "--world-size", help="Number of ranks of the new layout."),
     chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
@@ -33,6 +34,12 @@ def reshard(
         from fsdpkit.checkpoint.dcp.export import reshard_dcp
 
         print_written(reshard_dcp(src, dst, world_size=ranks, chunk_size=chunk, overwrite=overwrite), as_json)
+        return
+    if is_deepspeed_checkpoint(src):
+        from fsdpkit.checkpoint.offline.to_deepspeed import reshard_deepspeed
+
+        with byte_progress("reshard") as progress:
+            print_written(reshard_deepspeed(src, dst, world_size=ranks, overwrite=overwrite, progress=progress), as_json)
         return
     with byte_progress("reshard") as progress:
         result = reshard_checkpoint(src, dst, world_size=ranks, chunk_size=chunk, overwrite=overwrite, progress=progress, warn=log.warn)

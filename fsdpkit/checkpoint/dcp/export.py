@@ -5,13 +5,14 @@ FSDP2 at N ranks, every item kept, bytes items byte for byte).
 Names: a model tensor `name` is `model.<name>` (tied aliases too: FSDP2's state dict holds
 every name), `optim.<state>.<param>` is `optimizer.state.<param>.<state>`, and the optimizer's
 param groups recorded in an fsdpkit checkpoint become `optimizer.param_groups.<i>.<setting>`
-items, as `get_state_dict` gives them. Written under a temporary name, renamed when complete.
+items, as `get_state_dict` gives them, nested by group index and flattened per parameter
+(`optimizer.param_groups.<fqn>.<setting>`), so either `flatten_optimizer_state_dict` setting loads.
+Written under a temporary name, renamed when complete.
 """
 
 from __future__ import annotations
 
 import os
-from functools import partial
 from pathlib import Path
 
 from ...errors import UsageError
@@ -21,6 +22,7 @@ from ..format.names import MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, split_optim
 from ..format.reader import is_full_checkpoint, open_full, open_sharded
 from ..format.storage import staged_output
 from .metadata import DcpMetadata, Location
+from .param_groups import param_group_items
 from .table import open_dcp
 from .writer import OutBytes, OutTensor, torch_saved, write_dcp
 
@@ -38,15 +40,7 @@ def _out_tensors(sources: list[SourceTensor], aliases: dict[str, str]) -> list[O
 
 def _param_groups(training_state: dict) -> list[OutBytes]:
     groups = (training_state.get("optimizer") or {}).get("groups") or []
-    items = []
-    for index, group in enumerate(groups):
-        settings = dict(group.get("settings", {}))
-        if isinstance(settings.get("betas"), list):
-            settings["betas"] = tuple(settings["betas"])
-        settings["params"] = list(group.get("params", []))
-        for key, value in settings.items():
-            items.append(OutBytes(("optimizer", "param_groups", index, key), partial(torch_saved, value)))
-    return items
+    return [OutBytes(path, read) for path, read in param_group_items(groups, torch_saved)]
 
 
 def to_dcp(

@@ -54,6 +54,13 @@ class Pairs:
 
 
 @dataclass(frozen=True)
+class Ordered:
+    """An `collections.OrderedDict` of `items` (pairs), in their order."""
+
+    items: Iterable[tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
 class NewObject:
     """`cls.__new__(cls)` given `state` by pickle's BUILD (`__setstate__`, else its `__dict__`)."""
 
@@ -84,6 +91,8 @@ def _emit(value: Any, out: bytearray) -> None:
         out += b"\x88" if value else b"\x89"
     elif isinstance(value, int):
         out += pickled_int(value)
+    elif isinstance(value, float):
+        out += b"G" + struct.pack(">d", value)
     elif isinstance(value, str):
         out += pickled_text(value)
     elif isinstance(value, tuple):
@@ -99,6 +108,12 @@ def _emit(value: Any, out: bytearray) -> None:
     elif isinstance(value, (dict, Pairs)):
         out += b"}("
         for key, item in value.items() if isinstance(value, dict) else value.items:
+            _emit(key, out)
+            _emit(item, out)
+        out += b"u"
+    elif isinstance(value, Ordered):
+        out += b"ccollections\nOrderedDict\n)R("
+        for key, item in value.items:
             _emit(key, out)
             _emit(item, out)
         out += b"u"
@@ -119,8 +134,10 @@ def _emit(value: Any, out: bytearray) -> None:
         raise TypeError(f"cannot pickle {type(value).__name__} here")
 
 
-def dumps(value: Any) -> bytes:
-    out = bytearray(b"\x80\x02" + _PRELUDE)
+def dumps(value: Any, *, prelude: bool = True) -> bytes:
+    """`value` pickled; with `prelude`, DCP's repeated globals memoized first (`metadata` needs
+    them; other files name no DCP class)."""
+    out = bytearray(b"\x80\x02" + (_PRELUDE if prelude else b""))
     _emit(value, out)
     out += b"."
     return bytes(out)

@@ -73,6 +73,29 @@ def safetensors_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: 
     return to_dcp(src, dst, world_size=request.world_size or 1, chunk_size=request.chunk_size, overwrite=request.overwrite)
 
 
+def safetensors_to_deepspeed(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .to_deepspeed import to_deepspeed
+
+    assert request.stage is not None  # the route requires it
+    return to_deepspeed(src, dst, stage=request.stage, world_size=request.world_size, overwrite=request.overwrite, progress=progress)
+
+
+def dcp_to_deepspeed(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .dcp_to_deepspeed import dcp_to_deepspeed as convert_dcp
+
+    assert request.stage is not None and request.world_size is not None  # the route requires them
+    return convert_dcp(
+        src,
+        dst,
+        stage=request.stage,
+        world_size=request.world_size,
+        model_key=request.model_key,
+        optimizer_key=request.optimizer_key,
+        overwrite=request.overwrite,
+        progress=progress,
+    )
+
+
 def dcp_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
     from .dcp_to_full import dcp_to_full as convert_dcp
     from .model_description import describe

@@ -6,8 +6,8 @@ The model tensors and the optimizer state (`optim.<state>.<fqn>`) are laid out b
 flat-parameter placement and written by the fsdpkit writer, chunk by chunk. Tied weights:
 FSDP2's state dict holds every name; fsdpkit stores the canonical one and records the alias.
 The training state takes the step from Adam's `step` (the optimizer steps taken) and the
-model's export recipe; DCP's param groups are pickled bytes, never unpickled: the resuming
-run's own optimizer settings apply.
+model's export recipe, and the optimizer's param groups (`param_groups`: plain values read
+with an unpickler that refuses every global), so a later `--to dcp` writes them back.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from pathlib import Path
 from ...errors import UsageError
 from ...flat_layout import ElementRange
 from ..dcp.layout import detect_layout, layout_sources, require_model
-from ..dcp.table import open_dcp
+from ..dcp.param_groups import read_param_groups
+from ..dcp.table import DcpCheckpoint, open_dcp
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.export import EXPORT_STATE_KEY, HfExport
+from ..format.files import read_exactly
 from ..format.names import split_optim_tensor_name
 from ..format.placement import Placement
 from ..format.storage import staged_output
@@ -48,6 +50,21 @@ def _canonical(sources: list[SourceTensor], aliases: dict[str, str]) -> list[Sou
 
 def _renamed(source: SourceTensor, name: str) -> SourceTensor:
     return SourceTensor(name, source.shape, source.dtype, tuple(source.pieces_in(ElementRange(0, source.numel))))
+
+
+def dcp_param_groups(checkpoint: DcpCheckpoint, optimizer_key: str | None, aliases: dict[str, str]) -> list[dict]:
+    """The checkpoint's param groups, the tied aliases among their fqns named canonically."""
+    items = checkpoint.metadata.bytes_items
+
+    def read(key: str) -> bytes:
+        location = items[key].location
+        fd, _ = checkpoint.file(location.file)
+        return read_exactly(fd, location.length, location.offset, checkpoint.directory / location.file)
+
+    groups = read_param_groups(list(items), read, optimizer_key=optimizer_key or "")
+    for group in groups:
+        group["params"] = list(dict.fromkeys(aliases.get(name, name) for name in group["params"]))
+    return groups
 
 
 def optimizer_steps(sources: list[SourceTensor], chunk_size: int) -> int:
@@ -90,7 +107,8 @@ def dcp_to_sharded(
             placement, [s for s in sources if not split_optim_tensor_name(s.name)], where=Path(src), source=placement_source
         )
         step = optimizer_steps(sources, chunk_size)
-        state: dict = {"step": step, "optimizer_steps": step, "optimizer": {"stateless": []}}
+        groups = dcp_param_groups(checkpoint, layout.optimizer_key, aliases) if layout.optimizer else []
+        state: dict = {"step": step, "optimizer_steps": step, "optimizer": {"stateless": [], "groups": groups}}
         if export is not None:
             state[EXPORT_STATE_KEY] = export.to_json()
         total = sum(s.nbytes for s in sources)
@@ -119,5 +137,5 @@ def dcp_to_sharded(
         "files": written.files,
         "tensors": len(written.manifest.tensors),
         "bytes": written.bytes,
-        "warnings": ["DCP's param groups are not carried: the resuming run's optimizer settings apply"] if layout.optimizer else [],
+        "param_groups": len(groups),
     }

@@ -24,6 +24,7 @@ OPTION_FLAGS = {
     "with_optimizer": "--with-optimizer",
     "model_key": "--dcp-model-key",
     "optimizer_key": "--dcp-optimizer-key",
+    "stage": "--stage",
 }
 POSITIVE = ("world_size", "max_shard_size")  # integer options that must be >= 1 when given
 
@@ -40,6 +41,7 @@ class ConvertRequest:
     with_optimizer: bool = False
     model_key: str | None = None
     optimizer_key: str | None = None
+    stage: int | None = None  # DeepSpeed ZeRO stage
     chunk_size: int = DEFAULT_CHUNK_SIZE
     overwrite: bool = False
 
@@ -81,6 +83,18 @@ ROUTES: dict[tuple[str, str], Route] = {
         why="--model names the model whose flat-parameter layout to write; the optimizer state goes with it",
     ),
     ("dcp", "dcp"): Route(f"{_CONVERTERS}:dcp_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
+    ("safetensors", "deepspeed"): Route(
+        f"{_CONVERTERS}:safetensors_to_deepspeed",
+        required=("stage",),
+        optional=("world_size",),
+        why="DeepSpeed's ZeRO stage and ranks (default: the source's) to lay the fp32 weights and AdamW state out for",
+    ),
+    ("dcp", "deepspeed"): Route(
+        f"{_CONVERTERS}:dcp_to_deepspeed",
+        required=("stage", "world_size"),
+        optional=_DCP_KEYS,
+        why="DeepSpeed's ZeRO stage and ranks to lay the fp32 weights and AdamW state out for",
+    ),
 }
 
 TARGETS = tuple(dict.fromkeys(target for _, target in ROUTES))

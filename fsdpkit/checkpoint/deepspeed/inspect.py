@@ -1,0 +1,121 @@
+"""`fsdpkit inspect` and `fsdpkit verify` of a DeepSpeed ZeRO checkpoint, as JSON-able dicts
+(no torch, no deepspeed).
+
+inspect: stage, precision, ranks, ds_version, global step, the parameters (trainable, frozen,
+tied, buffers), the optimizer state and its param groups, the non-tensor items grouped by
+top-level key, the files. verify: every rank file present and a readable zip whose pickle
+passes the allow-list, every storage inside its file and matching the zip's CRC-32, every
+parameter covered exactly once by the partitions (each element by one piece).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from ...errors import DataCheckError
+from ...flat_layout import ElementRange
+from ..format.bytecopy import SourceTensor
+from .table import FORMAT, DeepSpeedCheckpoint, open_deepspeed
+
+LARGEST = 5
+
+
+def _count_items(value: Any) -> int:
+    if isinstance(value, dict):
+        return sum(_count_items(v) for v in value.values()) or 1
+    if isinstance(value, list):
+        return sum(_count_items(v) for v in value) or 1
+    return 1
+
+
+def _tensor(source: SourceTensor) -> dict:
+    return {"name": source.name, "dtype": source.dtype, "shape": list(source.shape), "bytes": source.nbytes}
+
+
+def summarize_deepspeed(path: str | os.PathLike[str]) -> dict:
+    with open_deepspeed(path) as checkpoint:
+        model = [_tensor(s) for s in checkpoint.model]
+        optim = checkpoint.optimizer
+        trainable = len(model) - len(checkpoint.frozen) - len(checkpoint.buffers)
+        return {
+            "path": str(checkpoint.directory),
+            "format": FORMAT,
+            "tag": checkpoint.files.tag,
+            "stage": checkpoint.stage,
+            "precision": checkpoint.precision,
+            "world_size": checkpoint.world_size,
+            "ds_version": checkpoint.ds_version,
+            "global_steps": checkpoint.global_steps,
+            "model": {
+                "tensors": len(model),
+                "trainable": trainable,
+                "frozen": list(checkpoint.frozen),
+                "buffers": list(checkpoint.buffers),
+                "tied": checkpoint.aliases,
+                "elements": sum(s.numel for s in checkpoint.model),
+                "bytes": sum(t["bytes"] for t in model),
+            },
+            "optimizer": {
+                "tensors": len(optim),
+                "states": sorted(Counter(s.name.split(".")[1] for s in optim)),
+                "bytes": sum(s.nbytes for s in optim),
+                "param_groups": checkpoint.param_groups,
+            },
+            "dtypes": dict(Counter(s.dtype for s in checkpoint.sources)),
+            "largest": sorted(model, key=lambda t: t["bytes"], reverse=True)[:LARGEST],
+            "tensors": model + [_tensor(s) for s in optim],
+            "items": {key: _count_items(value) for key, value in checkpoint.items.items()},
+            "files": [{"name": rf.path.name, "size": rf.size} for rf in checkpoint.opened],
+        }
+
+
+def coverage_problems(checkpoint: DeepSpeedCheckpoint) -> list[str]:
+    """Each tensor's pieces cover its elements exactly once, in order."""
+    problems = []
+    for source in checkpoint.sources:
+        position = 0
+        for piece in sorted(source.pieces_in(ElementRange(0, source.numel)), key=lambda p: p.range.start):
+            if piece.range.start != position:
+                what = "overlap" if piece.range.start < position else "gap"
+                problems.append(f"{checkpoint.directory}: {source.name!r}: {what} at element {min(position, piece.range.start)}")
+                break
+            position = piece.range.end
+        else:
+            if position != source.numel:
+                problems.append(f"{checkpoint.directory}: {source.name!r}: covered up to element {position} of {source.numel}")
+    return problems
+
+
+def verify_deepspeed(path: str | os.PathLike[str]) -> dict:
+    report: dict[str, Any] = {"path": str(path), "kind": FORMAT, "ok": False, "problems": [], "tensors": 0, "bytes": 0, "checked": []}
+    try:
+        checkpoint = open_deepspeed(Path(path))
+    except DataCheckError as error:
+        report["problems"].append(str(error))
+        return report
+    with checkpoint:
+        problems = coverage_problems(checkpoint)
+        storages = 0
+        for rank_file in checkpoint.opened:
+            checked, found = rank_file.crc_problems()
+            storages += checked
+            problems.extend(found)
+        report.update(
+            ok=not problems,
+            problems=problems,
+            tensors=len(checkpoint.sources),
+            files=len(checkpoint.opened),
+            storages=storages,
+            bytes=sum(s.nbytes for s in checkpoint.sources),
+            checked=[
+                f"{len(checkpoint.opened)} rank files present ({checkpoint.world_size} ranks), each a readable zip",
+                "every data.pkl through the allow-list unpickler",
+                "every tensor inside its storage",
+                f"{storages} storages against the zip's CRC-32",
+                "every parameter and optimizer state covered exactly once by the partitions",
+            ],
+        )
+    return report

@@ -1,0 +1,129 @@
+"""One DeepSpeed rank file (a `torch.save` zip) read without torch: its `data.pkl` through the
+allow-list unpickler, its storages as byte ranges of the file.
+
+`torch.save` writes every record stored (uncompressed): `<archive>/data.pkl`, `<archive>/
+byteorder`, `<archive>/data/<key>` per storage, each with the zip's CRC-32. Only the central
+directory and `data.pkl` are read here; a tensor is a `TensorRecord` whose bytes are a range of
+its storage entry (`tensor_range`), which the byte engine reads when asked. `crc_problems`
+checks every storage against the zip's CRC-32, block by block.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...dtypes import dtype_info
+from ...errors import DataCheckError
+from ..dcp import unpickler as u
+from ..dcp.chunkdata import _data_start, _Window
+from ..format.crc import crc32
+from ..format.files import open_regular, read_exactly
+from ..format.names import numel
+from .unpickler import loads
+
+CRC_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class StorageEntry:
+    offset: int  # absolute byte offset of the storage's first byte in the file
+    nbytes: int
+    crc32: int  # the zip's CRC-32 of the entry (0: torch.save wrote none)
+
+
+@dataclass(frozen=True)
+class TensorRange:
+    path: Path
+    offset: int  # absolute byte offset of element 0
+    numel: int
+    dtype: str
+
+
+class RankFile:
+    """An open rank file: `state` (the unpickled tree, tensors as `TensorRecord`s), storages."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd, self.size = open_regular(path)
+        try:
+            self.state, self.storages = self._read()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _read(self) -> tuple[Any, dict[str, StorageEntry]]:
+        where = str(self.path)
+        try:
+            archive = zipfile.ZipFile(_Window(self.fd, 0, self.size))
+            infos = archive.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
+            raise DataCheckError(f"{where}: not a readable torch.save zip ({str(error)[:80]}; truncated?)") from None
+        pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+        if len(pickles) != 1:
+            raise DataCheckError(f"{where}: not a torch.save archive (no data.pkl)")
+        prefix = pickles[0].filename[: -len("data.pkl")]
+        storages = {}
+        for info in infos:
+            start = _data_start(self.fd, self.path, 0, self.size, info, where)
+            if info.filename == f"{prefix}byteorder" and read_exactly(self.fd, info.file_size, start, self.path) != b"little":
+                raise DataCheckError(f"{where}: big-endian data is not supported")
+            if info.filename.startswith(f"{prefix}data/"):
+                storages[info.filename[len(f"{prefix}data/") :]] = StorageEntry(start, info.file_size, info.CRC)
+        pickle_start = _data_start(self.fd, self.path, 0, self.size, pickles[0], where)
+        raw = read_exactly(self.fd, pickles[0].file_size, pickle_start, self.path)
+        return loads(raw, where=f"{where} data.pkl"), storages
+
+    def tensor_range(self, record: Any, what: str) -> TensorRange:
+        """Where a contiguous tensor's elements lie in this file (checked inside its storage)."""
+        where = f"{self.path}: {what}"
+        if not isinstance(record, u.TensorRecord):
+            raise DataCheckError(f"{where}: expected a tensor, found {type(record).__name__}")
+        dtype = record.dtype or record.storage.storage_type.dtype
+        if dtype is None:
+            raise DataCheckError(f"{where}: a tensor without a dtype")
+        count = numel(record.shape)
+        if count > 1 and len([d for d in record.shape if d > 1]) > 1:
+            _require_contiguous(record, where)
+        entry = self.storages.get(record.storage.key)
+        if entry is None:
+            raise DataCheckError(f"{where}: storage {record.storage.key!r} is missing from the zip")
+        itemsize = dtype_info(dtype).itemsize
+        skip, nbytes = record.storage_offset * itemsize, count * itemsize
+        if record.storage_offset < 0 or skip + nbytes > entry.nbytes:
+            raise DataCheckError(f"{where}: {nbytes} bytes at element {record.storage_offset} of a storage of {entry.nbytes} bytes")
+        return TensorRange(self.path, entry.offset + skip, count, dtype)
+
+    def crc_problems(self) -> tuple[int, list[str]]:
+        """(storages checked against the zip's CRC-32, one line per mismatch)."""
+        checked, problems = 0, []
+        for key, entry in self.storages.items():
+            if entry.crc32 == 0 and entry.nbytes > 0:
+                continue
+            value, position = 0, entry.offset
+            while position < entry.offset + entry.nbytes:
+                count = min(CRC_BLOCK, entry.offset + entry.nbytes - position)
+                value = crc32(read_exactly(self.fd, count, position, self.path), value)
+                position += count
+            checked += 1
+            if value != entry.crc32:
+                problems.append(f"{self.path}: storage {key!r}: CRC-32 {value:08x}, the zip says {entry.crc32:08x} (damaged)")
+        return checked, problems
+
+
+def _require_contiguous(record: u.TensorRecord, where: str) -> None:
+    expected, step = [], 1
+    for dim in reversed(record.shape):
+        expected.append(step)
+        step *= dim
+    dims = [(s, e) for s, e, d in zip(record.stride, reversed(expected), record.shape, strict=True) if d > 1]
+    if any(s != e for s, e in dims):
+        raise DataCheckError(f"{where}: tensor is not contiguous (stride {list(record.stride)}), which fsdpkit does not read")

@@ -1,0 +1,183 @@
+"""A DeepSpeed ZeRO checkpoint as a table of tensors whose elements lie at byte ranges of its
+rank files (no torch, no deepspeed): what inspect, verify, convert and diff read.
+
+The model is what DeepSpeed's `zero_to_fp32.py` gives: the buffers (from the model states
+file, as stored), the frozen parameters (ZeRO 1/2: whole in the model file; ZeRO 3: one
+fragment per rank), and every trainable parameter as its fp32 master weights, sliced from the
+optimizer files' flat partitions (`flat`). Tied parameters (`shared_params`) are aliases of
+the name DeepSpeed kept. The optimizer state is Adam's moments under fsdpkit's names
+(`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`, laid out as the fp32 partitions) and its
+`step` per parameter group (`optim.step.<name>`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...errors import DataCheckError
+from ..dcp import unpickler as u
+from ..format.bytecopy import SourceTensor
+from .files import RankFiles, resolve
+from .rankfile import RankFile
+from .unpickler import DeepSpeedRecord
+
+FORMAT = "deepspeed"
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    files: RankFiles
+    stage: int
+    world_size: int
+    precision: str  # the module's dtype (F32, BF16, F16)
+    ds_version: str
+    global_steps: int | None
+    model: list[SourceTensor] = field(default_factory=list)
+    optimizer: list[SourceTensor] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name kept
+    frozen: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()
+    param_groups: list[dict] = field(default_factory=list)  # hyperparameters, tensors left out
+    items: dict[str, Any] = field(default_factory=dict)  # top-level non-tensor items of the model file
+    opened: list[RankFile] = field(default_factory=list)
+
+    @property
+    def directory(self) -> Path:
+        return self.files.tag_dir
+
+    @property
+    def sources(self) -> list[SourceTensor]:
+        return self.model + self.optimizer
+
+    def close(self) -> None:
+        for rank_file in self.opened:
+            rank_file.close()
+
+    def __enter__(self) -> DeepSpeedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def plain(value: Any) -> Any:
+    """A record tree as plain data: enums as their value, records as their qualified name."""
+    if isinstance(value, DeepSpeedRecord):
+        inner = value.value()
+        return plain(inner) if inner is not value else value.qualname
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, u.TensorRecord):
+        return f"tensor {value.dtype or value.storage.storage_type.dtype}{list(value.shape)}"
+    return value
+
+
+def _get(state: Any, key: str, where: Path, ds_version: str) -> Any:
+    if not isinstance(state, dict) or key not in state:
+        raise DataCheckError(f"{where}: no {key!r}: a layout fsdpkit does not read (ds_version {ds_version})")
+    return state[key]
+
+
+def _shapes(value: Any, where: Path, version: str) -> list[dict[str, tuple[int, ...]]]:
+    groups = value if isinstance(value, list) else [value]
+    if not all(isinstance(g, dict) and all(isinstance(s, tuple) for s in g.values()) for g in groups):
+        raise DataCheckError(f"{where}: param_shapes is not a list of name -> shape: a layout fsdpkit does not read (ds_version {version})")
+    return groups
+
+
+def _tensors(value: Any) -> Iterator[tuple[str, u.TensorRecord]]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(item, u.TensorRecord):
+                yield str(key), item
+
+
+def open_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedCheckpoint:
+    """The checkpoint at `path` (save or tag directory), every rank file's pickle read and every
+    parameter's place checked (DataCheckError naming what is wrong)."""
+    files = resolve(path)
+    opened: list[RankFile] = []
+    try:
+        return _build(files, opened)
+    except BaseException:
+        for rank_file in opened:
+            rank_file.close()
+        raise
+
+
+def _open(files: list[Path], opened: list[RankFile]) -> list[RankFile]:
+    out = []
+    for path in files:
+        rank_file = RankFile(path)
+        opened.append(rank_file)
+        out.append(rank_file)
+    return out
+
+
+def _build(files: RankFiles, opened: list[RankFile]) -> DeepSpeedCheckpoint:
+    optims = _open(list(files.optim_files), opened)
+    models = _open([files.model_file] if files.model_file else list(files.rank_model_files), opened)
+    head = models[0]
+    version = str(head.state.get("ds_version", "unknown")) if isinstance(head.state, dict) else "unknown"
+    first = _get(optims[0].state, "optimizer_state_dict", optims[0].path, version)
+    stage = _stage(first, optims[0].path, version)
+    world_size = _world_size(first, optims[0].path, version)
+    for rank_file in optims:
+        if (
+            found := _world_size(_get(rank_file.state, "optimizer_state_dict", rank_file.path, version), rank_file.path, version)
+        ) != world_size:
+            raise DataCheckError(f"{rank_file.path}: saved by {found} ranks, rank 0's file by {world_size} (files of two runs?)")
+    if len(optims) != world_size:
+        raise DataCheckError(f"{files.tag_dir}: {len(optims)} optimizer files, the checkpoint was saved by {world_size} ranks")
+    if stage == 3 and len(models) != world_size:
+        raise DataCheckError(f"{files.tag_dir}: {len(models)} ZeRO-3 model files, the checkpoint was saved by {world_size} ranks")
+    _same_tag(models + optims, files)
+    checkpoint = DeepSpeedCheckpoint(
+        files, stage, world_size, _precision(files, head), version, _int_or_none(head.state.get("global_steps")), opened=opened
+    )
+    from .sources import add_sources
+
+    add_sources(checkpoint, models, optims)
+    checkpoint.items = {k: plain(v) for k, v in head.state.items() if k != "module" and not isinstance(v, u.TensorRecord)}
+    return checkpoint
+
+
+def _stage(optimizer_state: Any, where: Path, version: str) -> int:
+    value = optimizer_state.get("zero_stage") if isinstance(optimizer_state, dict) else None
+    value = value.value() if isinstance(value, DeepSpeedRecord) else value
+    if value not in (1, 2, 3):
+        raise DataCheckError(f"{where}: ZeRO stage {value!r}: a layout fsdpkit does not read (ds_version {version})")
+    return int(value)
+
+
+def _world_size(optimizer_state: Any, where: Path, version: str) -> int:
+    value = _get(optimizer_state, "partition_count", where, version)
+    value = max(value) if isinstance(value, list) and value else value
+    if type(value) is not int or value < 1:
+        raise DataCheckError(f"{where}: partition_count {value!r}: a layout fsdpkit does not read (ds_version {version})")
+    return value
+
+
+def _precision(files: RankFiles, head: RankFile) -> str:
+    if files.optim_prefix:
+        return files.optim_prefix.rstrip("_").upper()
+    module = head.state.get("module") if isinstance(head.state, dict) else None
+    dtypes = {r.dtype or r.storage.storage_type.dtype for _, r in _tensors(module)}
+    return "BF16" if "BF16" in dtypes else "F16" if "F16" in dtypes else "F32"
+
+
+def _same_tag(rank_files: list[RankFile], files: RankFiles) -> None:
+    steps = {rf.path.name: rf.state.get("global_steps") for rf in rank_files if isinstance(rf.state, dict) and "global_steps" in rf.state}
+    if len(set(steps.values())) > 1:
+        detail = ", ".join(f"{name}: {step}" for name, step in sorted(steps.items())[:4])
+        raise DataCheckError(f"{files.tag_dir}: rank files of different steps ({detail}): files of two saves?")
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if type(value) is int else None

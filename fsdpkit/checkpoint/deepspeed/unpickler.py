@@ -1,0 +1,80 @@
+"""The allow-list for the `data.pkl` of a DeepSpeed rank file: the DCP allow-list's tensor and
+storage records, plus DeepSpeed's own classes mapped by name to inert records (never imported).
+
+DeepSpeed pickles its checkpoint state whole: the ZeRO stage as `ZeroStageEnum`, the loss
+scaler object, the bf16 optimizer's `fragment_address` records, the engine's config. Each
+such name below becomes a `DeepSpeedRecord` that keeps the arguments and state pickle hands
+it; nothing is called. Any other global is a `DataCheckError` naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import DataCheckError
+from ..dcp import unpickler as u
+
+
+class DeepSpeedRecord(u.Record):
+    """A DeepSpeed object as its pickled arguments and state (`args`, attributes)."""
+
+    qualname = "deepspeed"
+
+    def value(self) -> Any:
+        """An enum's value (its one argument), else the record itself."""
+        args = self.get("args", ())
+        return args[0] if len(args) == 1 else self
+
+
+def _record_class(module: str, name: str) -> type[DeepSpeedRecord]:
+    return type(name, (DeepSpeedRecord,), {"qualname": f"{module}.{name}"})
+
+
+# The DeepSpeed globals its checkpoints name (0.19): the stage enum, the loss scalers, the
+# bf16/ZeRO fragment records, and the config enums an engine may pickle in its state.
+DEEPSPEED_CLASSES = (
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.runtime.zero.offload_config", "OffloadDeviceEnum"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.checkpoint.utils", "fragment_address"),
+    ("deepspeed.runtime.utils", "fragment_address"),
+)
+
+
+def _device(*args: Any) -> str:
+    return ":".join(str(a) for a in args)
+
+
+def _from_type(rebuild: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """`torch._tensor._rebuild_from_type_v2`: a tensor (subclass) rebuilt by `rebuild(*args)`;
+    here only the allowed tensor rebuilds, the subclass and its attributes dropped."""
+    if rebuild not in (u._tensor_v2, u._tensor_v3) or not isinstance(args, tuple):
+        raise DataCheckError("_rebuild_from_type_v2 of something else than a tensor")
+    return rebuild(*args)
+
+
+def _parameter(data: Any, requires_grad: Any = None, hooks: Any = None, *rest: Any) -> Any:
+    if not isinstance(data, u.TensorRecord):
+        raise DataCheckError("a Parameter without a tensor")
+    return data
+
+
+TENSOR_TYPE = "tensor type"
+
+DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = {
+    **u.TENSOR_GLOBALS,
+    ("torch", "Size"): u._size,
+    ("torch", "device"): _device,
+    ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
+    ("torch._utils", "_rebuild_parameter"): _parameter,
+    ("torch", "Tensor"): TENSOR_TYPE,
+    ("torch.nn.parameter", "Parameter"): TENSOR_TYPE,
+    **{(module, name): _record_class(module, name) for module, name in DEEPSPEED_CLASSES},
+}
+
+
+def loads(raw: bytes, *, where: str) -> Any:
+    """Unpickle a rank file's `data.pkl`: tensors become `TensorRecord`s (storage ids only)."""
+    return u.restricted_loads(raw, allowed=DEEPSPEED_GLOBALS, where=where, storages=True)

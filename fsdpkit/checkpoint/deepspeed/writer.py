@@ -1,0 +1,260 @@
+"""Writing a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 master weights with AdamW state)
+laid out for N data-parallel ranks, as DeepSpeed 0.19.8's `engine.save_checkpoint(dir, tag)`
+writes it, so its plain `engine.load_checkpoint(dir)` at N ranks resumes it, optimizer included:
+
+- `latest` (the tag) and `<tag>/`;
+- stages 1 and 2: `mp_rank_00_model_states.pt` (every parameter whole) and per rank
+  `zero_pp_rank_<r>_mp_rank_00_optim_states.pt` (its partition of each group's flat fp32
+  master weights and Adam moments, `partition.flat_partitions`);
+- stage 3: per rank `zero_pp_rank_<r>_mp_rank_00_model_states.pt` (empty parameters, the
+  shapes) and `..._optim_states.pt` (`partition.param_partitions`).
+
+No torch or DeepSpeed: every file is a torch zip (`writer_zip`) whose data.pkl is pickled by
+name (`writer_records`), and every partition's bytes are copied from the sources' byte ranges.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...errors import UsageError
+from ...flat_layout import ElementRange
+from ..dcp.pickler import Ordered, Raw, dumps
+from ..dcp.rawout import RawOutput
+from ..format.bytecopy import ByteEngine, SourceTensor
+from ..format.names import numel
+from . import writer_records as records
+from .partition import RankPartition, Segment, partitions
+from .writer_zip import Storage, write_torch_zip
+
+DS_VERSION = "0.19.8"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# torch.optim.AdamW's group settings, as DeepSpeed's checkpoint of it holds them
+ADAMW_DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 1e-2,
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "decoupled_weight_decay": True,
+}
+
+
+@dataclass(frozen=True)
+class DsParam:
+    name: str
+    master: SourceTensor  # the fp32 weights
+    moments: dict[str, SourceTensor]  # exp_avg, exp_avg_sq: fp32, shaped like the parameter
+
+
+@dataclass(frozen=True)
+class DsGroup:
+    params: list[DsParam]
+    step: float
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DsRun:
+    groups: list[DsGroup]
+    stage: int
+    world_size: int
+    global_steps: int
+
+    @property
+    def tag(self) -> str:
+        return f"global_step{self.global_steps}"
+
+
+def model_file(rank: int | None) -> str:
+    return "mp_rank_00_model_states.pt" if rank is None else f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def optim_file(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def _check(run: DsRun) -> None:
+    for group in run.groups:
+        for param in group.params:
+            for tensor in (param.master, *param.moments.values()):
+                if tensor.dtype != "F32":
+                    raise UsageError(f"{tensor.name}: DeepSpeed's master weights and Adam moments are float32, this is {tensor.dtype}")
+            missing = [m for m in MOMENTS if m not in param.moments]
+            if missing:
+                raise UsageError(f"{param.name}: no {' or '.join(missing)} in the source (DeepSpeed output needs AdamW state)")
+
+
+def _settings(group: DsGroup, index: int) -> dict[str, Any]:
+    settings = dict(ADAMW_DEFAULTS)
+    for key, value in group.settings.items():
+        if key in ADAMW_DEFAULTS:
+            settings[key] = tuple(value) if isinstance(value, list) else value
+    return settings | {"params": [index]}
+
+
+def _flat(sources: dict[str, SourceTensor], segments: tuple[Segment, ...]) -> Storage:
+    """A rank's flat fp32 partition: the parameters' parts and the zeros between them."""
+
+    def fill(out: RawOutput) -> None:
+        for segment in segments:
+            if segment.name is None:
+                out.write(bytes(4 * segment.elements.size))
+            else:
+                out.copy(sources[segment.name], segment.elements)
+
+    return Storage(4 * sum(s.elements.size for s in segments), fill)
+
+
+class _Pickle:
+    """A data.pkl under construction: its storages, in the order they are named."""
+
+    def __init__(self) -> None:
+        self.storages: list[Storage] = []
+
+    def tensor(self, storage: Storage, shape: tuple[int, ...]) -> Raw:
+        self.storages.append(storage)
+        return records.tensor("F32", len(self.storages) - 1, shape)
+
+
+def _step(value: float) -> Storage:
+    return Storage(4, lambda out: out.write(struct.pack("<f", value)))
+
+
+def _adam_state(pickle: _Pickle, run: DsRun, rank_parts: list[RankPartition]) -> dict:
+    """The base optimizer's state_dict over the rank's flat partitions, one per group."""
+    state, groups = {}, []
+    for index, (group, part) in enumerate(zip(run.groups, rank_parts, strict=True)):
+        moments = {m: _flat({p.name: p.moments[m] for p in group.params}, part.segments) for m in MOMENTS}
+        state[index] = {
+            "step": pickle.tensor(_step(group.step), ()),
+            **{m: pickle.tensor(moments[m], (part.numel,)) for m in MOMENTS},
+        }
+        groups.append(_settings(group, index))
+    return {"state": state, "param_groups": groups}
+
+
+def _common(run: DsRun) -> dict[str, Any]:
+    return {"ds_config": {"zero_optimization": {"stage": run.stage}}, "ds_version": DS_VERSION}
+
+
+def _masters(group: DsGroup) -> dict[str, SourceTensor]:
+    return {p.name: p.master for p in group.params}
+
+
+def _stage12_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
+    pickle = _Pickle()
+    base = _adam_state(pickle, run, rank_parts)
+    fp32 = []
+    for group, part in zip(run.groups, rank_parts, strict=True):
+        unpadded = part.segments[:-1] if part.padding else part.segments
+        fp32.append(pickle.tensor(_flat(_masters(group), unpadded), (part.numel - part.padding,)))
+    state = {
+        "loss_scaler": records.loss_scaler(),
+        "dynamic_loss_scale": False,
+        "overflow": False,
+        "base_optimizer_state": base,
+        "single_partition_of_fp32_groups": fp32,
+        "zero_stage": records.zero_stage(run.stage),
+        "group_paddings": [part.padding for part in rank_parts],
+        "param_alignment_paddings": [[0] * len(group.params) for group in run.groups],
+        "partition_count": [run.world_size] * len(run.groups),
+        "ds_version": DS_VERSION,
+        "param_slice_mappings": [
+            Ordered([(name, records.fragment_address(count, start)) for name, start, count in part.slice_mappings()]) for part in rank_parts
+        ],
+    }
+    return dumps({"optimizer_state_dict": state, **_common(run)}, prelude=False), pickle.storages
+
+
+def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
+    pickle = _Pickle()
+    base = _adam_state(pickle, run, rank_parts)
+    fp32 = [pickle.tensor(_flat(_masters(group), part.segments), (part.numel,)) for group, part in zip(run.groups, rank_parts, strict=True)]
+    state = {
+        "zero_stage": records.zero_stage(3),
+        "loss_scaler": records.loss_scaler(),
+        "dynamic_loss_scale": False,
+        "overflow": False,
+        "partition_count": run.world_size,
+        "optimizer_state_dict": base,
+        "fp32_flat_groups": fp32,
+    }
+    return dumps({"optimizer_state_dict": state, **_common(run)}, prelude=False), pickle.storages
+
+
+def _model(run: DsRun, *, whole: bool) -> tuple[bytes, list[Storage]]:
+    """The model states file: every parameter whole (stages 1, 2) or empty (stage 3)."""
+    pickle, module = _Pickle(), []
+    for group in run.groups:
+        for param in group.params:
+            master = param.master
+            if whole:
+                module.append((param.name, pickle.tensor(_flat({master.name: master}, (_whole(master),)), tuple(master.shape))))
+            else:
+                module.append((param.name, pickle.tensor(Storage(0, lambda out: None), (0,))))
+    shapes = [Ordered([(p.name, records.size(tuple(p.master.shape))) for p in group.params]) for group in run.groups]
+    state = {
+        "module": Ordered(module),
+        "buffer_names": [],
+        "optimizer": None,
+        "param_shapes": shapes,
+        "frozen_param_shapes": None if whole else Ordered([]),
+        "shared_params": {},
+        "frozen_param_fragments": None if whole else Ordered([]),
+        "lr_scheduler": None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": 0,
+        "global_steps": run.global_steps,
+        "global_samples": 0,
+        "dp_world_size": run.world_size,
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        **_common(run),
+    }
+    return dumps(state, prelude=False), pickle.storages
+
+
+def _whole(tensor: SourceTensor) -> Segment:
+    return Segment(tensor.name, ElementRange(0, numel(tensor.shape)))
+
+
+def _write(directory: Path, name: str, content: tuple[bytes, list[Storage]], engine: ByteEngine, progress: Any) -> None:
+    with RawOutput(directory / name, engine, progress) as out:
+        write_torch_zip(out, name.removesuffix(".pt"), *content)
+
+
+def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None] | None = None) -> list[str]:
+    """`latest` and the tag directory's files in `directory` (not synced: the caller's staged
+    output syncs); returns the files' paths relative to `directory`."""
+    _check(run)
+    layouts = [partitions(run.stage, [(p.name, numel(p.master.shape)) for p in g.params], run.world_size) for g in run.groups]
+    by_rank = list(zip(*layouts, strict=True))
+    tag = directory / run.tag
+    tag.mkdir()
+    engine, names = ByteEngine(), []
+    try:
+        if run.stage != 3:
+            _write(tag, model_file(None), _model(run, whole=True), engine, progress)
+            names.append(model_file(None))
+        for rank, rank_parts in enumerate(by_rank):
+            if run.stage == 3:
+                _write(tag, model_file(rank), _model(run, whole=False), engine, progress)
+                names.append(model_file(rank))
+            optim = (_stage3_optim if run.stage == 3 else _stage12_optim)(run, list(rank_parts))
+            _write(tag, optim_file(rank), optim, engine, progress)
+            names.append(optim_file(rank))
+    finally:
+        engine.close()
+    (directory / "latest").write_text(run.tag)
+    return ["latest", *(f"{run.tag}/{name}" for name in names)]

@@ -1,0 +1,55 @@
+"""The objects of DeepSpeed's checkpoint files as pickle records (`dcp.pickler`), written
+without DeepSpeed or torch: its classes are named by module and name and looked up only when
+DeepSpeed loads the file.
+
+- a tensor: `torch._utils._rebuild_tensor_v2` over storage `key` (a legacy typed storage,
+  as torch.save writes float32 and bfloat16 tensors);
+- `LossScaler` (a static scale of 1.0), `ZeroStageEnum(stage)`, `fragment_address(numel, start)`;
+- `torch.Size`.
+"""
+
+from __future__ import annotations
+
+from ...errors import UsageError
+from ..dcp.archive import _LEGACY
+from ..dcp.pickler import Global, NewObject, Raw, Reduce, pickled_int, pickled_text
+
+LOSS_SCALER = Global("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+ZERO_STAGE = Global("deepspeed.runtime.zero.config", "ZeroStageEnum")
+FRAGMENT_ADDRESS = Global("deepspeed.utils.tensor_fragment", "fragment_address")
+
+
+def _ints(values: tuple[int, ...]) -> bytes:
+    return b"(" + b"".join(pickled_int(v) for v in values) + b"t" if values else b")"
+
+
+def tensor(dtype: str, key: int, shape: tuple[int, ...]) -> Raw:
+    """A contiguous tensor of `shape` filling storage `key` from its start."""
+    legacy = _LEGACY.get(dtype)
+    if legacy is None:
+        raise UsageError(f"DeepSpeed output of {dtype} tensors is not supported (float32, bfloat16, float16 are)")
+    numel, stride = 1, []
+    for dim in reversed(shape):
+        stride.append(numel)
+        numel *= dim
+    storage = b"(" + pickled_text("storage") + f"ctorch\n{legacy}\n".encode() + pickled_text(str(key)) + pickled_text("cpu")
+    storage += pickled_int(numel) + b"tQ"
+    hooks = b"ccollections\nOrderedDict\n)R"
+    arguments = storage + pickled_int(0) + _ints(shape) + _ints(tuple(reversed(stride))) + b"\x89" + hooks
+    return Raw(b"ctorch._utils\n_rebuild_tensor_v2\n(" + arguments + b"tR")
+
+
+def size(shape: tuple[int, ...]) -> Reduce:
+    return Reduce(Global("torch", "Size"), (tuple(shape),))
+
+
+def loss_scaler() -> NewObject:
+    return NewObject(LOSS_SCALER, {"cur_scale": 1.0, "dynamic": False})
+
+
+def zero_stage(stage: int) -> Reduce:
+    return Reduce(ZERO_STAGE, (stage,))
+
+
+def fragment_address(numel: int, start: int) -> NewObject:
+    return NewObject(FRAGMENT_ADDRESS, {"numel": numel, "start": start})

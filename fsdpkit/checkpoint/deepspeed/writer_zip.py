@@ -1,0 +1,50 @@
+"""A `torch.save` zip archive of many storages, written without torch: `data.pkl`, then one
+uncompressed `data/<key>` record per storage (64-byte aligned, filled by the caller straight
+into the file, e.g. from a source's byte ranges), then torch's trailing records and the
+central directory. Like `dcp.archive`, data records carry crc32 0 (torch.load does not check
+it); archives of 4 GiB or more need zip64, which is refused.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ...errors import UsageError
+from ..dcp.archive import _END, MAX_RECORD_BYTES, _central, _local
+from ..dcp.rawout import RawOutput
+
+
+@dataclass(frozen=True)
+class Storage:
+    nbytes: int
+    fill: Callable[[RawOutput], None]  # appends exactly `nbytes`
+
+
+def write_torch_zip(out: RawOutput, prefix: str, data_pkl: bytes, storages: list[Storage]) -> None:
+    """The archive, from `out`'s current position (0: the archive is the file)."""
+    total = len(data_pkl) + sum(s.nbytes for s in storages) + 4096 * (len(storages) + 8)
+    if total > MAX_RECORD_BYTES:
+        raise UsageError(f"{out.path}: a rank file of about {total} bytes (4 GiB or more) needs zip64, which fsdpkit does not write")
+    central = bytearray()
+
+    def small(record: str, payload: bytes) -> None:
+        name, crc = f"{prefix}/{record}".encode(), zlib.crc32(payload)
+        central.extend(_central(name, crc, len(payload), out.position))
+        out.write(_local(name, crc, len(payload), out.position) + payload)
+
+    for record, payload in (("data.pkl", data_pkl), (".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
+        small(record, payload)
+    for key, storage in enumerate(storages):
+        name = f"{prefix}/data/{key}".encode()
+        central.extend(_central(name, 0, storage.nbytes, out.position))
+        out.write(_local(name, 0, storage.nbytes, out.position))
+        start = out.position
+        storage.fill(out)
+        if out.position - start != storage.nbytes:
+            raise AssertionError(f"{out.path}: storage {key} took {out.position - start} bytes, not {storage.nbytes}")
+    small("version", b"3\n")
+    small(".data/serialization_id", b"0" * 40)
+    count = len(storages) + 6
+    out.write(bytes(central) + _END.pack(0x06054B50, 0, 0, count, count, len(central), out.position, 0))

@@ -1,0 +1,267 @@
+"""DeepSpeed ZeRO output (`convert --to deepspeed --stage S`), checked by DeepSpeed itself: its
+plain `engine.load_checkpoint` at the written world size must resume the run, with the fp32
+weights and Adam moments equal to the source's and the next losses equal to an unsharded
+torch AdamW continuing from the same state.
+
+One launch of 3 ranks loads stages 1, 2 and 3 one after the other (3 ranks: the flat group of
+stages 1 and 2 and every parameter of stage 3 end in padding), and a stage-2 checkpoint of 2
+ranks that `reshard --world-size 3` laid out again. A second launch (FSDP2, 2 ranks) checks that
+DCP -> fsdpkit -> DCP keeps the optimizer's param groups for `dcp.load` in both layouts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from support.checkpoint_files import run_cli, save_checkpoint
+from support.distributed import run_distributed
+
+from fsdpkit.checkpoint.offline.to_deepspeed import to_deepspeed
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU with gloo, in the launched workers too
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="the deepspeed test extra is not installed")
+
+SETTINGS = {"lr": 0.02, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.05}
+WORLD_SIZE = 3
+STAGES = (1, 2, 3)
+STEPS_BEFORE, STEPS_AFTER = 2, 2
+RESHARDED = "2, resharded from 2 ranks"
+LABELS = (*(str(stage) for stage in STAGES), RESHARDED)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(100 + step))
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        model.parameters(), lr=SETTINGS["lr"], betas=tuple(SETTINGS["betas"]), eps=SETTINGS["eps"], weight_decay=SETTINGS["weight_decay"]
+    )
+
+
+def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The source's tensors after STEPS_BEFORE steps, and the losses of the steps after."""
+    model = _model()
+    optimizer = _adamw(model)
+    losses, tensors = [], {}
+    for step in range(STEPS_BEFORE + STEPS_AFTER):
+        if step == STEPS_BEFORE:
+            for name, p in model.named_parameters():
+                state = optimizer.state[p]
+                tensors[name] = p.detach().clone()
+                tensors[f"optim.exp_avg.{name}"] = state["exp_avg"].clone()
+                tensors[f"optim.exp_avg_sq.{name}"] = state["exp_avg_sq"].clone()
+                tensors[f"optim.step.{name}"] = state["step"].clone()
+        loss = model(_batch(step)).pow(2).mean()
+        if step >= STEPS_BEFORE:
+            losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return tensors, losses
+
+
+def _resume(directories: dict[str, tuple[int, str]]) -> dict:
+    """On each rank: DeepSpeed loads each stage's checkpoint; its full weights, moments, group
+    settings and next losses."""
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401
+
+    # DeepSpeed compiles a shared-memory C++ op for CPU collectives at init; gloo is enough here.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for label, (stage, directory) in directories.items():
+        model = _model()
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.5, "torch_adam": True}},  # the checkpoint's groups replace it
+        }
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        engine.load_checkpoint(directory)
+        if stage != 3:  # stages 1 and 2 link their moments to the parameters at the first step
+            engine.optimizer._lazy_init_hp_params_optimizer_state()
+        found: dict = {"tensors": {}, "losses": []}
+        for name, p in engine.module.named_parameters():
+            found["tensors"][name] = safe_get_full_fp32_param(p).clone()
+            for moment in ("exp_avg", "exp_avg_sq"):
+                found["tensors"][f"optim.{moment}.{name}"] = safe_get_full_optimizer_state(p, moment).clone()
+        group = engine.optimizer.optimizer.param_groups[0]
+        found["settings"] = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        found["global_steps"] = engine.global_steps
+        for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+            loss = engine(_batch(step)).pow(2).mean()  # the same batch on every rank: the mean gradient is its own
+            found["losses"].append(loss.item())
+            engine.backward(loss)
+            engine.step()
+        out[label] = found
+        engine.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float], dict]:
+    root = tmp_path_factory.mktemp("dsout")
+    tensors, losses = _reference()
+    training_state = {
+        "step": STEPS_BEFORE,
+        "optimizer": {
+            "type": "AdamW",
+            "groups": [{"settings": SETTINGS, "params": [n for n in tensors if "." in n and not n.startswith("optim.")]}],
+        },
+    }
+    run = save_checkpoint(root / "run", STEPS_BEFORE, tensors, world_size=2, training_state=training_state)
+    directories = {}
+    for stage in STAGES:
+        out = root / f"ds{stage}"
+        if stage == 3:  # through the command line
+            result = run_cli("convert", run, out, "--to", "deepspeed", "--stage", "3", "--world-size", str(WORLD_SIZE))
+            assert result.exit_code == 0, result.output
+        else:
+            assert to_deepspeed(run, out, stage=stage, world_size=WORLD_SIZE)["world_size"] == WORLD_SIZE
+        directories[str(stage)] = (stage, str(out))
+    # a DeepSpeed checkpoint of 2 ranks resharded to 3 (read by the DeepSpeed reader, written again)
+    assert to_deepspeed(run, root / "ds2-at-2", stage=2, world_size=2)["world_size"] == 2
+    result = run_cli("reshard", root / "ds2-at-2", root / "ds2-at-3", "--world-size", str(WORLD_SIZE))
+    assert result.exit_code == 0, result.output
+    directories[RESHARDED] = (2, str(root / "ds2-at-3"))
+    return tensors, losses, run_distributed(_resume, WORLD_SIZE, directories)
+
+
+@pytest.mark.parametrize("stage", LABELS)
+def test_deepspeed_resumes_weights_and_moments(resumed, stage: str) -> None:
+    tensors, _, by_rank = resumed
+    for rank, result in by_rank.items():
+        found = result[stage]["tensors"]
+        for name, value in found.items():
+            assert torch.equal(value.reshape(tensors[name].shape), tensors[name]), (stage, rank, name)
+        assert len(found) == len([n for n in tensors if not n.startswith("optim.step.")])
+
+
+@pytest.mark.parametrize("stage", LABELS)
+def test_deepspeed_resumes_hyperparameters_and_next_losses(resumed, stage: str) -> None:
+    _, losses, by_rank = resumed
+    for result in by_rank.values():
+        assert result[stage]["settings"] == {**SETTINGS, "betas": tuple(SETTINGS["betas"])}
+        assert result[stage]["global_steps"] == STEPS_BEFORE
+        assert result[stage]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-7)
+
+
+def test_written_files(tmp_path: Path) -> None:
+    """The layout DeepSpeed 0.19.8 writes for each stage (names and `latest`)."""
+    tensors, _ = _reference()
+    run = save_checkpoint(tmp_path / "run", STEPS_BEFORE, tensors, world_size=1)
+    one = to_deepspeed(run, tmp_path / "s1", stage=1, world_size=2)
+    three = to_deepspeed(run, tmp_path / "s3", stage=3, world_size=2)
+    assert one["files"] == [
+        "latest",
+        "global_step2/mp_rank_00_model_states.pt",
+        *(f"global_step2/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)),
+    ]
+    assert sorted(three["files"]) == sorted(
+        ["latest", *(f"global_step2/zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(2) for kind in ("model", "optim"))]
+    )
+    assert (tmp_path / "s3" / "latest").read_text() == "global_step2"
+    for args, message in (((), "needs --stage"), (("--stage", "4"), "--stage must be one of 1, 2, 3")):
+        result = run_cli("convert", run, tmp_path / "bad", "--to", "deepspeed", *args)
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert not (tmp_path / "bad").exists()
+
+
+DCP_SETTINGS = {"lr": 0.003, "betas": (0.85, 0.95), "eps": 1e-7, "weight_decay": 0.07}
+DCP_MODEL = "hf:llama-tiny"
+
+
+def _fsdp2_model():
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdpkit.models.source import resolve
+
+    source = resolve(DCP_MODEL)
+    model = source.build(seed=0)
+    fully_shard(model)
+    return source, model
+
+
+def _dcp_round_trip(root: str) -> dict:
+    """FSDP2 at 2 ranks saves with get_state_dict's default layout; rank 0 converts DCP ->
+    fsdpkit -> DCP; FSDP2 loads the result (strict: every key it asks for must be there) with
+    both `flatten_optimizer_state_dict` settings; the param groups it ends with."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    source, model = _fsdp2_model()
+    optimizer = torch.optim.AdamW(model.parameters(), **DCP_SETTINGS)
+    source.logits(model, torch.arange(16).reshape(2, 8)).float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=f"{root}/src")
+    if dist.get_rank() == 0:
+        for args in (
+            ("src", "sharded", "--to", "sharded", "--world-size", "2", "--model", DCP_MODEL),
+            ("sharded", "back", "--to", "dcp", "--world-size", "2"),
+        ):
+            result = run_cli("convert", f"{root}/{args[0]}", f"{root}/{args[1]}", *args[2:])
+            assert result.exit_code == 0, result.output
+    dist.barrier()
+    found = {}
+    for flatten in (False, True):
+        _, model = _fsdp2_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=f"{root}/back")
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
+        found[flatten] = [{k: group[k] for k in DCP_SETTINGS} for group in optimizer.param_groups]
+    return found
+
+
+def test_dcp_to_sharded_to_dcp_keeps_param_groups(tmp_path: Path) -> None:
+    for rank, found in run_distributed(_dcp_round_trip, 2, str(tmp_path)).items():
+        assert found == {False: [DCP_SETTINGS], True: [DCP_SETTINGS]}, rank
+
+
+def test_dcp_to_deepspeed_carries_tensors_and_settings(tmp_path: Path) -> None:
+    """fsdpkit -> DCP -> DeepSpeed (no launch): the DeepSpeed reader finds the source's
+    weights, moments, step and group settings (DeepSpeed itself loads this writer's output
+    in the launches above)."""
+    from fsdpkit.checkpoint.deepspeed.table import open_deepspeed
+    from fsdpkit.checkpoint.format.bytecopy import ByteEngine
+    from fsdpkit.flat_layout import ElementRange
+
+    tensors, _ = _reference()
+    state = {
+        "step": STEPS_BEFORE,
+        "optimizer": {"groups": [{"settings": SETTINGS, "params": [n for n in tensors if not n.startswith("optim.")]}]},
+    }
+    run = save_checkpoint(tmp_path / "run", STEPS_BEFORE, tensors, world_size=2, training_state=state)
+    assert run_cli("convert", run, tmp_path / "dcp", "--to", "dcp", "--world-size", "2").exit_code == 0
+    result = run_cli("convert", tmp_path / "dcp", tmp_path / "ds", "--to", "deepspeed", "--stage", "3", "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    engine = ByteEngine()
+    with open_deepspeed(tmp_path / "ds") as checkpoint:
+        assert (checkpoint.stage, checkpoint.world_size, checkpoint.global_steps) == (3, 3, STEPS_BEFORE)
+        settings = {k: list(v) if isinstance(v, tuple) else v for k, v in checkpoint.param_groups[0].items() if k in SETTINGS}
+        assert settings == SETTINGS
+        assert sorted(s.name for s in checkpoint.sources) == sorted(tensors)
+        for source in checkpoint.sources:
+            data = bytearray(source.nbytes)
+            engine.read_into(source, ElementRange(0, source.numel), memoryview(data))
+            assert torch.equal(
+                torch.frombuffer(data, dtype=torch.float32).reshape(tensors[source.name].shape), tensors[source.name].float()
+            )
+    engine.close()
