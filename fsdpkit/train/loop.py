@@ -91,7 +91,8 @@ class Trainer:
         self.stopping = False  # a rank was asked to stop after the last step (SIGTERM)
         checkpoint = config.checkpoint
         own = None  # the newest checkpoint this run saved, for a restarted attempt
-        if attempt_number() > 0 and checkpoint.save_dir and context.run_id:
+        self.restarted = self._restarted()
+        if self.restarted and checkpoint.save_dir and context.run_id:
             own = storage.newest_of_run(checkpoint.save_dir, run_id=context.run_id)
         weights = initial_weights(checkpoint, self.source)
         model = build_for_training(config.model, self.source, config.seed, weights_follow=bool(own or weights or checkpoint.resume))
@@ -117,12 +118,21 @@ class Trainer:
             if checkpoint.save_dir
             else None
         )
-        if attempt_number() > 0 and checkpoint.save_dir and context.run_id and self.rank == 0:
+        if self.restarted and checkpoint.save_dir and context.run_id and self.rank == 0:
             storage.remove_unfinished(checkpoint.save_dir, run_id=context.run_id)  # a save the failure cut short
         self.snapshots = open_writer(context.snapshot_dir, config, self.model, self.optimizer)
         self.source_of_state = self._start_from(own, weights, context)
         self.start_step = self.step  # where this attempt starts
         self.restored_at = time.time()
+
+    def _restarted(self) -> bool:
+        """Whether this group continues a run: any rank's agent restarted it. With several
+        nodes a node that was replaced starts at attempt 0 while the others are past it."""
+        if self.config.launch.nnodes == 1 or self.config.launch.max_restarts == 0:
+            return attempt_number() > 0
+        attempts = torch.tensor([attempt_number()], dtype=torch.int64, device=self.device)
+        self.comms.all_reduce(attempts, None, op=dist.ReduceOp.MAX, label="attempt")
+        return int(attempts.item()) > 0
 
     def restart(self) -> Restart:
         return Restart(self.source_of_state.value, self.started_at, self.joined_at, self.restored_at)
@@ -131,7 +141,7 @@ class Trainer:
         """Restore this attempt's state: a restarted attempt from the newest of its snapshots
         and its own checkpoints; the first from --resume, --init-from or the seed."""
         checkpoint = self.config.checkpoint
-        if attempt_number() > 0 and wanted(self.config):
+        if self.restarted and wanted(self.config):
             disk_step = parse_step_dir_name(own.name) if own is not None else None
             store = self.snapshots.store if self.snapshots else None
             choice, state = restore(store, self.model, self.optimizer, self.comms, disk_step=disk_step, warn=log.warn)

@@ -1,8 +1,8 @@
 """Which snapshot a restarted group restores (pure arithmetic, no I/O).
 
 Every rank reports, for each step in its node's store, the rank files it verified there
-(`held`). A step can be restored when every rank's needed files (its own shard's, and rank 0's
-when the model has tensors stored whole there) are held somewhere: on the rank's own node
+(`held`). A step can be restored when every rank's needed files (its own shard's, and those
+holding the tensors stored whole, which every rank reads) are held somewhere: on the rank's own node
 (`memory`), or, for some rank, only on another node, whose holder then sends them (`peer`).
 The newest such step wins, unless the newest disk checkpoint is as new (`disk`).
 """

@@ -23,7 +23,6 @@ from ...engine.view import describe
 from ..format.manifest import load_manifest
 from ..format.names import MANIFEST_NAME
 from ..live.checkpointer import Checkpointer
-from ..live.model_state import persistent_buffers
 from .choice import Choice, Source, choose
 from .store import SnapshotStore
 from .writer import header_bytes, header_of, local_world_size, receive_parts, send_parts
@@ -56,9 +55,19 @@ def agree(
     local_world = local_world_size()
     rank = dist.get_rank()
     held = verified_files(store, view.shard_factor, local_rank=rank % local_world, local_world=local_world, warn=warn) if store else {}
-    needed = sorted({view.shard_rank, *([0] if persistent_buffers(module) else [])})
-    gathered = comms.all_gather_object((held, needed, rank // local_world), None, label="snapshots held")
-    return choose([g[0] for g in gathered], [g[1] for g in gathered], [g[2] for g in gathered], disk_step=disk_step)
+    shared = whole_tensor_files(store, held)
+    gathered = comms.all_gather_object((held, view.shard_rank, shared, rank // local_world), None, label="snapshots held")
+    everyone = set().union(*(g[2] for g in gathered))  # the same on every rank that has a manifest
+    needed = [sorted({g[1], *everyone}) for g in gathered]
+    return choose([g[0] for g in gathered], needed, [g[3] for g in gathered], disk_step=disk_step)
+
+
+def whole_tensor_files(store: SnapshotStore | None, held: dict[int, list[int]]) -> set[int]:
+    """The files every rank's load reads besides its own (the layout's whole tensors), from a
+    manifest this node holds (every step's is the same: one model, one world size)."""
+    if store is None or not held:
+        return set()
+    return load_manifest(store.step_dir(max(held))).layout().whole_tensor_files()
 
 
 def fetch(store: SnapshotStore, choice: Choice, world_size: int) -> None:

@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...errors import DataCheckError
 from ...sizes import format_size
 from ..format.crc import crc32
 from ..format.lock import holder_alive, process_identity
@@ -200,16 +201,17 @@ class SnapshotStore:
         if (header.step, header.rank, header.world_size) != (step, rank, world_size):
             return f"{name} of step {step}: its header is for step {header.step}, rank {header.rank} of {header.world_size}"
         try:
-            load_manifest(self.step_dir(step))
             crc, size = file_crc32(self.step_dir(step) / name)
-        except (OSError, ValueError) as error:
-            return f"{name} of step {step}: unreadable ({error})"
-        except Exception as error:  # the manifest reader's DataCheckError
-            return f"{name} of step {step}: {error}"
+        except OSError as error:
+            return f"{name} of step {step}: unreadable ({error.strerror or error})"
         if size != header.size:
             return f"{name} of step {step}: {size} bytes, its header says {header.size}"
         if crc != header.crc32:
             return f"{name} of step {step}: checksum mismatch: stored crc32 {header.crc32:08x}, data gives {crc:08x}"
+        try:
+            load_manifest(self.step_dir(step))
+        except DataCheckError as error:
+            return f"{name} of step {step}: {error}"
         return None
 
     def read(self, step: int, rank: int, world_size: int) -> tuple[Header, bytes]:
