@@ -17,6 +17,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 HELP_WIDTH = 100  # help fits 100 columns (fewer on a narrower terminal)
+INTERRUPTED = 130  # the exit code of Ctrl-C
 
 # name -> (module defining `command`, short help shown in `fsdpkit --help`)
 LAZY_COMMANDS = {
@@ -74,6 +75,8 @@ class FsdpkitGroup(TyperGroup):
             typer.echo(f"error: {error}", err=True)
             code = error.exit_code
         code = code if isinstance(code, int) else 0
+        if code == INTERRUPTED:  # Typer's code for a KeyboardInterrupt, wherever it came (parsing, loading torch, a command)
+            typer.echo("error: interrupted", err=True)
         if standalone_mode:
             sys.exit(code)
         return code
