@@ -242,3 +242,25 @@ def test_a_lost_node_recovers_from_its_buddies_copies_bitwise(tmp_path):
     assert recovery["source"] == "peer" and recovery["step"] in (4, 6), run.summary["recoveries"]
     assert run.summary["losses"] == reference.summary["losses"]
     assert_bitwise_equal(weights(run.run_dir), weights(reference.run_dir))
+
+
+def test_each_restart_is_reported_with_its_source_and_time_split():
+    from fsdpkit.train.attempts import History
+
+    records = [
+        {"attempt": 0, "t": 100.0, "start": 0, "source": "none", "started": 90.0, "joined": 91.0, "restored": 92.0},
+        *({"attempt": 0, "t": 100.0 + s, "step": s, "loss": 1.0} for s in range(1, 8)),  # killed after step 7
+        {"attempt": 1, "t": 112.0, "start": 6, "source": "memory", "started": 110.0, "joined": 111.0, "restored": 111.5},
+        {"attempt": 1, "t": 113.0, "step": 7, "loss": 1.0},
+    ]
+    assert History.of(records).recoveries() == [
+        {
+            "source": "memory",
+            "step": 6,
+            "steps_redone": 1,
+            "recovery_s": 113.0 - 107.0,
+            "relaunch_s": 110.0 - 107.0,
+            "rendezvous_s": 1.0,
+            "restore_s": 0.5,
+        }
+    ]
