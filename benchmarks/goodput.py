@@ -2,6 +2,7 @@
 seconds, with disk checkpoints only (a) and with in-memory snapshots as well (b), side by side.
 
     python benchmarks/goodput.py --model gpt-small --steps 400 --periods 30,60 --json out.json
+    python benchmarks/goodput.py --model gpt-tiny --steps 600 --periods 12 --kills 3   # a short look
 
 Per mode and period: goodput (the failure-free run's time over the time with failures), the
 failures, steps redone per failure, and recovery time (the failed attempt's last sign of life
@@ -45,8 +46,9 @@ def workers(launcher: int) -> list[int]:
     return alive
 
 
-def run(flags: list[str], *, period: float | None, seed: int) -> dict:
-    """One training run, a random worker killed every `period` seconds (None: never); its
+def run(flags: list[str], *, period: float | None, seed: int, most: int) -> dict:
+    """One training run, a random worker killed every `period` seconds (None: never), `most`
+    times at most (a run that redoes more than it gains between kills would never end); its
     summary with the wall time and the kills added."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="goodput-") as directory:
@@ -62,7 +64,7 @@ def run(flags: list[str], *, period: float | None, seed: int) -> dict:
         kills, next_kill = 0, started + period if period else None
         while process.poll() is None:
             time.sleep(0.2)
-            if next_kill is not None and time.perf_counter() >= next_kill:
+            if next_kill is not None and kills < most and time.perf_counter() >= next_kill:
                 pids = workers(process.pid)
                 if pids:
                     os.kill(rng.choice(pids), signal.SIGKILL)
@@ -107,20 +109,20 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--snapshot-every", type=int, default=10)
     parser.add_argument("--periods", default="30,60", help="seconds between kills, comma separated")
-    parser.add_argument("--max-restarts", type=int, default=100)
+    parser.add_argument("--kills", type=int, default=5, help="kills per run at most")
     parser.add_argument("--json", dest="json_path", help="write the table here too")
     args = parser.parse_args()
     common = [
         "--model", args.model, "--steps", str(args.steps), "--nproc-per-node", str(args.nproc),
         "--seq-len", str(args.seq_len), "--global-batch-size", str(args.global_batch_size),
-        "--save-every", str(args.save_every), "--max-restarts", str(args.max_restarts),
+        "--save-every", str(args.save_every), "--max-restarts", str(args.kills),
     ]  # fmt: skip
     modes = {"disk": [*common, "--snapshot-every", "0"], "disk+snapshots": [*common, "--snapshot-every", str(args.snapshot_every)]}
-    clean = {mode: run(flags, period=None, seed=0) for mode, flags in modes.items()}
+    clean = {mode: run(flags, period=None, seed=0, most=0) for mode, flags in modes.items()}
     rows = [row(mode, None, clean[mode], clean[mode]["wall_s"]) for mode in modes]
     for period in (float(p) for p in args.periods.split(",")):
         for mode, flags in modes.items():
-            rows.append(row(mode, period, run(flags, period=period, seed=int(period)), clean[mode]["wall_s"]))
+            rows.append(row(mode, period, run(flags, period=period, seed=int(period), most=args.kills), clean[mode]["wall_s"]))
     overhead = clean["disk+snapshots"]["elapsed_seconds"] / clean["disk"]["elapsed_seconds"] - 1
     print(f"snapshot overhead without failures: {overhead:+.1%} of the training time (every {args.snapshot_every} steps)")
     heading = f"{'mode':16} {'kill every':>10} {'goodput':>8} {'failures':>8} {'redone/fail':>11} {'recovery s':>10}"
