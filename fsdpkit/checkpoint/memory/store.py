@@ -162,9 +162,8 @@ class SnapshotStore:
         """Remove one rank file of a step (header first), and the step when nothing is left."""
         self._header_path(step, rank, world_size).unlink(missing_ok=True)
         (self.step_dir(step) / rank_file_name(rank, world_size)).unlink(missing_ok=True)
-        directory = self.step_dir(step)
-        if directory.is_dir() and not any(p.name.endswith((".safetensors", HEADER_SUFFIX)) for p in directory.iterdir()):
-            shutil.rmtree(directory, ignore_errors=True)
+        if not self.files(step):  # another rank of this node may be removing it too
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     def prune_own(self, rank: int, world_size: int, *, keep_from: int) -> None:
         """Remove rank file `rank` of every step before `keep_from`."""
@@ -174,13 +173,15 @@ class SnapshotStore:
 
     # ----- reading
     def steps(self) -> list[int]:
-        found = [parse_step_dir_name(p.name) for p in self.path.iterdir()] if self.path.is_dir() else []
+        found = [parse_step_dir_name(name) for name in os.listdir(self.path)] if self.path.is_dir() else []
         return sorted(step for step in found if step is not None)
 
     def files(self, step: int) -> list[int]:
         """The ranks whose rank file (finished or not) `step` holds here."""
-        directory = self.step_dir(step)
-        names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
+        try:
+            names = os.listdir(self.step_dir(step))
+        except FileNotFoundError:  # removed meanwhile by the last rank of this node that held a file of it
+            return []
         return sorted({int(match.group(1)) for name in names if (match := _RANK_FILE.match(name))})
 
     def header(self, step: int, rank: int, world_size: int) -> Header | None:
