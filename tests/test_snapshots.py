@@ -56,7 +56,7 @@ def test_a_snapshot_file_counts_only_with_its_header_and_matching_bytes(tmp_path
     reason = store.refusal(4, 0, 2)
     assert reason.startswith(f"{name0} of step 4: checksum mismatch: stored crc32 ") and "\n" not in reason
     assert "no header" in store.refusal(2, 0, 4)  # another world size: its files have other names
-    store.prune_own(0, 2, keep_from=4)
+    store.prune_rank(0, 2, keep_from=4)
     assert store.files(2) == [1] and store.files(4) == [0, 1]
 
 

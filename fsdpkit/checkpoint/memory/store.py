@@ -12,7 +12,7 @@ the workers that write it.
 A rank file counts only once its header is there and agrees with it: the header is written
 last (a temporary file renamed into place), so a file torn by a kill is never taken; a file
 whose bytes do not give the header's crc32 is refused with one line saying why. Each writer
-keeps at most two steps of its own files (`prune_own`).
+keeps at most two steps of its files, and of the copies it keeps (`prune_rank`).
 
 A store whose owner is gone (not running on this host, or another process by now) is stale:
 `reclaim_stale` removes it. A live owner's store is never touched.
@@ -165,7 +165,7 @@ class SnapshotStore:
         if not self.files(step):  # another rank of this node may be removing it too
             shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
-    def prune_own(self, rank: int, world_size: int, *, keep_from: int) -> None:
+    def prune_rank(self, rank: int, world_size: int, *, keep_from: int) -> None:
         """Remove rank file `rank` of every step before `keep_from`."""
         for step in self.steps():
             if step < keep_from:

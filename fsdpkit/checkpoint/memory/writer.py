@@ -83,6 +83,7 @@ class SnapshotWriter:
         self.failed = False
         self.pending: int | None = None  # the step of the last snapshot started
         self.confirmed: int | None = None  # the newest step every rank has finished
+        self.copies: set[int] = set()  # the rank files this rank keeps copies of (its source's)
 
     @property
     def ready(self) -> bool:
@@ -106,7 +107,8 @@ class SnapshotWriter:
         manifest = None
         if not self.failed:
             if self.confirmed is not None:
-                self.store.prune_own(self.shard_rank, self.shard_factor, keep_from=self.confirmed)
+                for rank in {self.shard_rank, *self.copies}:  # its own files and the copies it keeps of its source's
+                    self.store.prune_rank(rank, self.shard_factor, keep_from=self.confirmed)
             view = describe(self.module)
             table, local = tensor_table(view, self.module, self.optimizer)
             copies = self.host_buffers.copy({name: data for name, (_, data) in local.items()})
@@ -152,6 +154,7 @@ class SnapshotWriter:
             try:
                 if (self.store.step_dir(copy.step) / MANIFEST_NAME).is_file():  # this node's ranks wrote the step's manifest
                     self.store.put(copy, received[1])
+                    self.copies.add(copy.rank)
             except OSError as error:
                 self.warn(f"the copy of rank file {copy.rank} of step {copy.step} not kept ({error.strerror or error})")
 
