@@ -17,6 +17,7 @@ import typer.rich_utils
 from .group import FsdpkitGroup
 
 HELP_WIDTH = 100  # help fits 100 columns (fewer on a narrower terminal)
+INTERRUPTED = 130  # the exit code of Ctrl-C
 
 # name -> (module defining `command_app`, short help shown in `fsdpkit --help`), in the order listed
 COMMANDS: dict[str, tuple[str, str]] = {

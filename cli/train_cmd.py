@@ -93,6 +93,8 @@ def format_summary(summary: TrainSummary) -> str:
     if summary.restarts:
         redone = summary.steps_redone
         lines.append(f"restarts         {summary.restarts}" + (f" ({redone} steps run again)" if redone is not None else ""))
+    for entry in summary.recoveries:
+        lines.append(f"recovered        {recovery_line(entry)}")
     if summary.preempted:
         lines.append(
             f"preempted        stopped after step {summary.steps} (SIGTERM)" + ("; continue with --resume" if summary.checkpoint else "")
@@ -103,6 +105,17 @@ def format_summary(summary: TrainSummary) -> str:
         stall = f"{summary.save_stall_seconds:.2f} s in the training thread between steps"
         lines.append(f"save stall       {stall} ({count(saves, 'save')}; max over ranks)")
     return "\n".join(line for line in lines if line)
+
+
+def recovery_line(entry: dict) -> str:
+    """One restart: where from, its step, steps redone, and the seconds it took, split."""
+    line = f"from {entry['source']} at step {entry['step']}, {entry['steps_redone']} steps run again"
+    if entry.get("recovery_s") is not None:
+        line += (
+            f", {entry['recovery_s']:.1f} s to the next step (relaunch {entry['relaunch_s']:.1f}, "
+            f"rendezvous {entry['rendezvous_s']:.1f}, restore {entry['restore_s']:.1f})"
+        )
+    return line
 
 
 def _command_parameters() -> list:

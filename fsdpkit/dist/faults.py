@@ -8,6 +8,7 @@ torch's elastic agent restarts runs clean), so that tests hit a fault at a known
     kill:1:4:save         rank 1 SIGKILLs itself while saving step 4's checkpoint, right after
                           writing its own rank file (in the writer thread with --async-save)
     stop:1:3              rank 1 SIGSTOPs itself at the end of step 3
+    full:0:4:snapshot     rank 0's snapshot of step 4 finds shared memory full (ENOSPC)
     skip:1:3:all_gather   rank 1 does not take part in its first all_gather of step 3 (or another
                           collective kind: all_reduce, reduce_scatter, ...): it stops issuing
                           collectives there and waits, as a rank stuck before a collective would
@@ -18,13 +19,14 @@ here is one comparison.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
 from dataclasses import dataclass
 
 FAULT_ENV = "FSDPKIT_TEST_FAULT"
-ACTIONS = ("kill", "stop", "skip")
+ACTIONS = ("kill", "stop", "skip", "full")
 
 
 @dataclass(frozen=True)
@@ -72,12 +74,14 @@ def step_started(step: int) -> None:
 
 
 def reached(where: str, step: int) -> None:
-    """A point the trainer or the checkpoint writer passes: `where` is "step" or "save"."""
+    """A point the trainer or a writer passes: `where` is "step", "save" or "snapshot"."""
     fault = _current().fault
     if fault is None or fault.where != where or fault.step != step:
         return
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.action == "full":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     elif fault.action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
 

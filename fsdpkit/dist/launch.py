@@ -37,6 +37,7 @@ MAX_PROCESSES_PER_NODE = 64
 RDZV_BACKENDS = ("c10d", "static")
 DEFAULT_TIMEOUT_SECONDS = 300.0
 STOP_ENV = "FSDPKIT_STOP"  # "1": a SIGTERM reached the launcher; workers stop after their step
+INTERRUPTED_ENV = "FSDPKIT_INTERRUPTED"  # "1": the console script got a SIGINT (one that was swallowed too)
 SHUTDOWN_SECONDS = 5  # a worker the agent stops (after a failure, or on SIGINT) is killed after this
 
 
@@ -191,6 +192,8 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
     )
     try:
         with _stop_signals(), _prompt_stops():
+            if os.environ.get(INTERRUPTED_ENV) == "1":  # an interrupt some code before here swallowed
+                raise KeyboardInterrupt
             return elastic_launch(config, worker_fn)(*args)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()  # the root cause: the others usually fail because it did

@@ -15,8 +15,10 @@ the steps it ran itself.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -36,6 +38,19 @@ class RunContext:
 
     run_id: str | None = None  # the lock's run id; None without --save-dir
     progress_path: str | None = None
+    snapshot_dir: str | None = None  # this node's snapshot store (None: no snapshots)
+
+
+@dataclass(frozen=True)
+class Restart:
+    """How an attempt started: where its state came from (`source`: memory, peer, disk, or
+    none for step 0), and wall-clock times: the worker began, joined the process group, had
+    its state restored."""
+
+    source: str
+    started: float
+    joined: float
+    restored: float
 
 
 @dataclass
@@ -47,14 +62,20 @@ class History:
     eval_losses: dict[int, float] = field(default_factory=dict)
     metrics_offsets: dict[int, int] = field(default_factory=dict)  # --metrics file size after step s
     spans: dict[int, list[int]] = field(default_factory=dict)  # attempt -> [start step, last step run]
+    starts: dict[int, dict[str, Any]] = field(default_factory=dict)  # attempt -> its start record
+    last_seen: dict[int, float] = field(default_factory=dict)  # attempt -> time of its last record
+    first_step_at: dict[int, float] = field(default_factory=dict)  # attempt -> time its first step completed
 
     @classmethod
     def of(cls, records: list[dict[str, Any]]) -> History:
         history = cls()
         for record in records:
             attempt = record["attempt"]
+            if "t" in record:
+                history.last_seen[attempt] = record["t"]
             if "start" in record:
                 start = record["start"]
+                history.starts[attempt] = record
                 history.spans[attempt] = [start, start]
                 if history.first_step is None:
                     history.first_step = start
@@ -62,6 +83,8 @@ class History:
             else:
                 at = record["step"]
                 history.losses[at] = record["loss"]
+                if "t" in record:
+                    history.first_step_at.setdefault(attempt, record["t"])
                 if "eval_loss" in record:
                     history.eval_losses[at] = record["eval_loss"]
                 span = history.spans.setdefault(attempt, [at - 1, at - 1])
@@ -75,6 +98,35 @@ class History:
         `start` now included."""
         spans = [self.spans[a] for a in sorted(self.spans)] + [[start, start]]
         return sum(max(0, before[1] - after[0]) for before, after in pairwise(spans))
+
+    def recoveries(self) -> list[dict[str, Any]]:
+        """One record per restart: where it resumed from, its step, the steps it ran again, and
+        the seconds from the failure (the failed attempt's last record) to its first completed
+        step, with the part spent until the worker began (relaunch), joining the group
+        (rendezvous) and restoring the state (restore)."""
+        out = []
+        attempts = sorted(self.starts)
+        for before, after in pairwise(attempts):
+            start = self.starts[after]
+            failed_at = self.last_seen.get(before)
+            step = start["start"]
+            record: dict[str, Any] = {
+                "source": start.get("source", "disk"),
+                "step": step,
+                "steps_redone": max(0, self.spans[before][1] - step),
+                "recovery_s": None,
+                "relaunch_s": None,
+                "rendezvous_s": None,
+                "restore_s": None,
+            }
+            if failed_at is not None and "started" in start:
+                done = self.first_step_at.get(after)
+                record["recovery_s"] = done - failed_at if done is not None else None
+                record["relaunch_s"] = start["started"] - failed_at
+                record["rendezvous_s"] = start["joined"] - start["started"]
+                record["restore_s"] = start["restored"] - start["joined"]
+            out.append(record)
+        return out
 
     def steps_before(self, start: int) -> range:
         """The steps of this invocation that earlier attempts ran and a run from `start` keeps."""
@@ -105,11 +157,11 @@ class ProgressLog:
         self.file = open(path, "a", encoding="utf-8")
 
     def _write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps({"attempt": self.attempt, **record}) + "\n")
+        self.file.write(json.dumps({"attempt": self.attempt, "t": time.time(), **record}) + "\n")
         self.file.flush()
 
-    def started(self, step: int, *, metrics_offset: int | None) -> None:
-        self._write({"start": step, "metrics_offset": metrics_offset})
+    def started(self, step: int, *, metrics_offset: int | None, restart: Restart | None) -> None:
+        self._write({"start": step, "metrics_offset": metrics_offset, **(dataclasses.asdict(restart) if restart else {})})
 
     def stepped(self, step: int, loss: float, *, eval_loss: float | None, metrics_offset: int | None) -> None:
         record: dict[str, Any] = {"step": step, "loss": loss, "metrics_offset": metrics_offset}

@@ -185,9 +185,15 @@ class CheckpointConfig:
         False, "Start a new run in a --save-dir that holds another run's checkpoints (they move to DIR/earlier-<time>/)."
     )
     init_from: str | None = setting(None, "Start from the weights of a full safetensors or a sharded checkpoint.", metavar="PATH")
+    snapshot_every: int = setting(
+        10,
+        "With --max-restarts: every N steps, copy each rank's part of a checkpoint into shared memory (/dev/shm, two slots), "
+        "in the background; a restart resumes from there when it is newer than the disk checkpoint (0: never).",
+    )
 
     def __post_init__(self) -> None:
         _at_least(self.save_every, 0, "--save-every")
+        _at_least(self.snapshot_every, 0, "--snapshot-every")
         _at_least(self.keep_last, 1, "--keep-last")
         if (self.save_every or self.keep_last or self.async_save or self.new_run) and not self.save_dir:
             raise UsageError("--save-every, --keep-last, --async-save and --new-run need --save-dir")

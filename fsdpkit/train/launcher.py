@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 
 import torch
@@ -37,6 +38,7 @@ from .metrics import check_tensorboard_installed
 from .model_setup import initial_weights, inspect_model
 from .resume import saved_run
 from .save_dir import check_save_dir, set_aside
+from .snapshots import snapshot_store
 from .summary import TrainSummary
 from .trackers import check_installed
 
@@ -46,9 +48,10 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
-def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None) -> None:
+def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None) -> int:
     """Every check that needs no process group; the only place the world size is checked.
-    `run_id`: the run's id where it is known before launch (under torchrun)."""
+    `run_id`: the run's id where it is known before launch (under torchrun). Returns the
+    model's parameter count."""
     config.check_world_size(world_size)
     source = resolve(config.model.name)
     info = inspect_model(config.model, source)
@@ -96,6 +99,7 @@ def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None)
     weights = initial_weights(checkpoint, source)
     if weights:
         check_before_launch(weights, model=info.meta_model, optimizer=None, strict=False)
+    return info.num_params
 
 
 def run_training(config: TrainConfig) -> TrainSummary | None:
@@ -108,12 +112,16 @@ def run_training(config: TrainConfig) -> TrainSummary | None:
         if os.environ.get("RANK") == "0" and attempt_number() == 0:
             _set_aside_earlier_run(config)
         return run_in_process_group(config, RunContext(run_id=run_id))
-    validate(config, config.launch.world_size)
-    with _run_lock(config) as run_id, _progress_file() as progress_path:
+    num_params = validate(config, config.launch.world_size)
+    with (
+        _run_lock(config) as run_id,
+        _progress_file() as progress_path,
+        snapshot_store(config, run_id, num_params) as snapshot_dir,
+    ):
         if config.launch.node_rank == 0:
             _set_aside_earlier_run(config)
         log.note(launch_line(config))
-        return launch(_worker_entry, config, RunContext(run_id, progress_path), options=config.launch).get(0)
+        return launch(_worker_entry, config, RunContext(run_id, progress_path, snapshot_dir), options=config.launch).get(0)
 
 
 def _set_aside_earlier_run(config: TrainConfig) -> None:
@@ -176,8 +184,9 @@ def run_in_process_group(config: TrainConfig, context: RunContext) -> TrainSumma
     """Init the process group from the launcher's environment (elastic launcher or torchrun),
     train, tear down."""
     backend, _ = backend_and_device(config.device)
+    started = time.time()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.launch.timeout))
     try:
-        return train_worker(config, context)
+        return train_worker(config, context, joined=(started, time.time()))
     finally:
         dist.destroy_process_group()

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import resource
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,8 +23,12 @@ import torch.nn.functional as F
 
 import fsdpkit
 
+from .. import log
 from ..checkpoint.format import storage
+from ..checkpoint.format.names import parse_step_dir_name
 from ..checkpoint.live.checkpointer import init_weights_from
+from ..checkpoint.memory.choice import Source
+from ..checkpoint.memory.recovery import restore
 from ..data.streaming import StreamPosition
 from ..dist import faults
 from ..dist.comm import CollectiveError, Collectives
@@ -31,7 +36,7 @@ from ..engine.view import describe
 from ..models.recipe import Optimizer, precision_names
 from ..models.source import resolve
 from ..models.units import wrap_policy
-from .attempts import RunContext, attempt_number
+from .attempts import History, Restart, RunContext, attempt_number, read_records
 from .collective_failure import collective_failure
 from .config import Device, OptimizerConfig, TrainConfig
 from .data import StreamedBatches, TokenSource, local_rows, rank_start, streamed_position
@@ -40,6 +45,7 @@ from .outputs import Outputs, open_outputs
 from .progress import Throughput
 from .schedule import lr_at
 from .signals import StopSignals
+from .snapshots import open_writer, wanted
 from .summary import TrainSummary
 
 
@@ -72,7 +78,9 @@ class Trainer:
     elastic agent's, see attempts.py) from the newest checkpoint of its own run in --save-dir,
     if there is one."""
 
-    def __init__(self, config: TrainConfig, context: RunContext = RunContext()) -> None:
+    def __init__(self, config: TrainConfig, context: RunContext = RunContext(), *, joined: tuple[float, float] | None = None) -> None:
+        """`joined`: wall-clock times the worker began and joined its process group (default: now)."""
+        self.started_at, self.joined_at = joined or (time.time(), time.time())
         self.config = config
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -86,7 +94,8 @@ class Trainer:
         self.stopping = False  # a rank was asked to stop after the last step (SIGTERM)
         checkpoint = config.checkpoint
         own = None  # the newest checkpoint this run saved, for a restarted attempt
-        if attempt_number() > 0 and checkpoint.save_dir and context.run_id:
+        self.restarted = self._restarted()
+        if self.restarted and checkpoint.save_dir and context.run_id:
             own = storage.newest_of_run(checkpoint.save_dir, run_id=context.run_id)
         weights = initial_weights(checkpoint, self.source)
         model = build_for_training(config.model, self.source, config.seed, weights_follow=bool(own or weights or checkpoint.resume))
@@ -119,16 +128,46 @@ class Trainer:
             if checkpoint.save_dir
             else None
         )
-        if attempt_number() > 0 and checkpoint.save_dir and context.run_id and self.rank == 0:
+        if self.restarted and checkpoint.save_dir and context.run_id and self.rank == 0:
             storage.remove_unfinished(checkpoint.save_dir, run_id=context.run_id)  # a save the failure cut short
+        self.snapshots = open_writer(context.snapshot_dir, config, self.model, self.optimizer)
+        self.source_of_state = self._start_from(own, weights, context)
+        self.start_step = self.step  # where this attempt starts
+        self.restored_at = time.time()
+
+    def _restarted(self) -> bool:
+        """Whether this group continues a run: any rank's agent restarted it. With several
+        nodes a node that was replaced starts at attempt 0 while the others are past it."""
+        if self.config.launch.nnodes == 1 or self.config.launch.max_restarts == 0:
+            return attempt_number() > 0
+        attempts = torch.tensor([attempt_number()], dtype=torch.int64, device=self.device)
+        self.comms.all_reduce(attempts, None, op=dist.ReduceOp.MAX, label="attempt")
+        return int(attempts.item()) > 0
+
+    def restart(self) -> Restart:
+        return Restart(self.source_of_state.value, self.started_at, self.joined_at, self.restored_at)
+
+    def _start_from(self, own: Path | None, weights: str | None, context: RunContext) -> Source:
+        """Restore this attempt's state: a restarted attempt from the newest of its snapshots
+        and its own checkpoints; the first from --resume, --init-from or the seed."""
+        checkpoint = self.config.checkpoint
+        if self.restarted and wanted(self.config):
+            disk_step = parse_step_dir_name(own.name) if own is not None else None
+            store = self.snapshots.store if self.snapshots else None
+            choice, state = restore(store, self.model, self.optimizer, self.comms, disk_step=disk_step, warn=log.warn)
+            if state is not None:
+                self.restore(state)
+                return choice.source
         if own is not None:
             self.restore(fsdpkit.Checkpointer(self.model, self.optimizer).load(own))
-        elif checkpoint.resume:
+            return Source.DISK
+        if checkpoint.resume:
             self.restore(fsdpkit.Checkpointer(self.model, self.optimizer).load(checkpoint.resume, strict=checkpoint.strict))
             self.resumed_from_step = self.step
-        elif weights:
+            return Source.DISK
+        if weights:
             init_weights_from(self.model, weights)
-        self.start_step = self.step  # where this attempt starts
+        return Source.NONE
 
     def training_state(self) -> dict[str, Any]:
         """World-size independent: the data stream is a function of (seed, step), the learning
@@ -254,8 +293,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.optimizer_steps += int(stepped)
-        loss_sum, stops = self._global_sums([local_loss, float(stop_requested)], "loss")
+        snapshot_flag = self.snapshots.finished_flag() if self.snapshots else 1.0
+        loss_sum, stops, snapshots_finished = self._global_sums([local_loss, float(stop_requested), snapshot_flag], "loss")
         self.stopping = stops > 0
+        if self.snapshots:
+            self.snapshots.confirm(snapshots_finished, self.world_size)
         return loss_sum / self.world_size
 
     @torch.no_grad()
@@ -273,13 +315,15 @@ class Trainer:
         return self._global_sums([sum(losses) / len(losses)], "eval loss")[0] / self.world_size
 
 
-def train_worker(config: TrainConfig, context: RunContext = RunContext()) -> TrainSummary | None:
+def train_worker(
+    config: TrainConfig, context: RunContext = RunContext(), *, joined: tuple[float, float] | None = None
+) -> TrainSummary | None:
     """Run a whole training on this rank; rank 0 returns the summary, others None. A collective
     that fails raises RunError (CollectiveTimeout when it timed out) naming rank, collective, step."""
     trainer = None
     with StopSignals() as stop:
         try:
-            trainer = Trainer(config, context)
+            trainer = Trainer(config, context, joined=joined)
             return _train(trainer, stop, context)
         except CollectiveError as error:
             raise collective_failure(
@@ -339,6 +383,9 @@ def _run_steps(trainer: Trainer, stop: StopSignals, outputs: Outputs, throughput
         faults.reached("step", trainer.step)
         if trainer.checkpointer and saving and trainer.step % saving == 0 and trainer.step < config.steps:
             trainer.save()  # the save after the last step is _train's
+        elif trainer.snapshots and trainer.step % config.checkpoint.snapshot_every == 0 and trainer.step < config.steps:
+            if trainer.snapshots.ready:
+                trainer.snapshots.take(trainer.step, trainer.training_state())
     return losses, eval_losses
 
 
@@ -351,6 +398,8 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSum
     outputs = open_outputs(trainer, context)
     try:
         losses, eval_losses = _run_steps(trainer, stop, outputs, throughput)
+        if trainer.snapshots:
+            trainer.snapshots.wait()
         if trainer.checkpointer:
             stall = trainer.checkpointer.stall_seconds  # the save after the last step, and waiting for it, hold up no step
             saved_at_stop = saving and trainer.step % saving == 0 and trainer.step < config.steps and losses
@@ -399,4 +448,5 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSum
         restarts=attempt,
         steps_redone=history.steps_redone(trainer.start_step) if history is not None else (0 if not attempt else None),
         preempted=trainer.stopping and trainer.step < config.steps,
+        recoveries=History.of(read_records(context.progress_path)).recoveries() if context.progress_path else [],
     )

@@ -65,7 +65,7 @@ def open_outputs(trainer: Trainer, context: RunContext) -> Outputs:
         )
         trainer.tracker_ids = trackers.ids
     if progress_log:
-        progress_log.started(trainer.start_step, metrics_offset=metrics.offset if metrics else None)
+        progress_log.started(trainer.start_step, metrics_offset=metrics.offset if metrics else None, restart=trainer.restart())
     if rank0 and trainer.step < config.steps:
         log.note(f"training: step {trainer.step + 1} of {config.steps} starting")
     progress = Progress(

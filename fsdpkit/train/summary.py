@@ -4,7 +4,7 @@ as one JSON document (`to_json`, the contract scripts read)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -32,6 +32,9 @@ class TrainSummary:
     restarts: int
     steps_redone: int | None  # steps run again after restarts (None: not known)
     preempted: bool  # stopped by SIGTERM before the step count
+    # one per restart: source (memory, peer, disk, none), step, steps_redone, recovery_s (the
+    # failure to the next completed step) and its parts relaunch_s, rendezvous_s, restore_s
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def final_loss(self) -> float | None:

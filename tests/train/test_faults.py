@@ -291,3 +291,26 @@ def test_history_of_attempts_counts_the_steps_run_again():
     assert list(history.steps_before(6)) == [3, 4, 5, 6]
     assert history.metrics_offsets[6] == 60 and history.metrics_offsets[2] == 10
     assert History.of([]).steps_redone(0) == 0 and list(History.of([]).steps_before(0)) == []
+
+
+@pytest.mark.parametrize("to_group", [True, False], ids=["ctrl-c to the process group", "sigint to the launcher"])
+def test_sigint_early_is_one_line_and_exit_130(to_group, tmp_path):
+    """SIGINT while the CLI imports, parses, validates or starts the workers: one line, exit 130
+    (an interrupt that code below torch's imports swallowed included: it is noted in the
+    environment, and the launcher checks before it starts workers)."""
+    from fsdpkit_cli.entry import INTERRUPTED_ENV as noted
+
+    from fsdpkit.dist.launch import INTERRUPTED_ENV
+
+    assert noted == INTERRUPTED_ENV
+    for delay in (0.5, 1.0, 2.0, 3.0):  # before 0.2 s or so Python is still starting: no handler of ours yet
+        process = start(tmp_path / f"{delay}", "--steps", "100")
+        time.sleep(delay)
+        if to_group:
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            os.kill(process.pid, signal.SIGINT)
+        run = finish(process, tmp_path, timeout=60)
+        lines = [line for line in run.stderr.splitlines() if not line.startswith(("launching ", "training: "))]  # progress lines
+        assert (run.exit_code, lines) == (130, ["error: interrupted"]), (delay, run.stderr)
+        assert left_in_session(process.pid) == []

@@ -48,7 +48,7 @@ def run_id_of(identity: dict) -> str:
     return f"{identity['host']}-{identity['pid']}-{identity['started']}"
 
 
-def _alive(holder: dict) -> bool:
+def holder_alive(holder: dict) -> bool:
     """Whether the holder of a lock on this host is still the process that took it."""
     pid = holder.get("pid")
     if type(pid) is not int or pid <= 0:
@@ -90,7 +90,7 @@ class RunLock:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 current = _read(path)
-                if current is None or current.get("host") != identity["host"] or _alive(current):
+                if current is None or current.get("host") != identity["host"] or holder_alive(current):
                     raise UsageError(
                         f"{run_dir} is in use by another run: {_describe(current)} holds {path}; wait for it "
                         f"to finish, or remove the lock file if that run is gone"

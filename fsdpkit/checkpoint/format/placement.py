@@ -292,6 +292,12 @@ class ShardLayout:
             for r in range(wanted.start // per_rank, (wanted.end - 1) // per_rank + 1)
         ]
 
+    def whole_tensor_files(self) -> set[int]:
+        """The ranks whose files hold tensors stored whole (scalar states with their
+        parameter's first element, buffers on rank 0): a rank that loads its own part reads
+        its own file and these."""
+        return {rank for tensor in range(len(self.tensors)) if tensor not in self._slot_of for rank, _ in self.pieces(tensor)}
+
     # ----- files
     def file_layout(self, rank: int) -> FileLayout:
         """Rank `rank`'s file. Its header depends only on which tensors the rank holds and how

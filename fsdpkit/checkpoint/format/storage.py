@@ -257,7 +257,9 @@ def remove_unfinished(run_dir: str | Path, *, run_id: str) -> list[Path]:
     killed worker); another run's are never touched. Call it only while no save of that run
     is in flight. Returns what was removed."""
     tag = f"-{_run_tag(run_id)}-"
-    removed = []
+    removed: list[Path] = []
+    if not Path(run_dir).is_dir():  # nothing saved yet
+        return removed
     for child in Path(run_dir).iterdir():
         if child.is_dir() and child.name.startswith((f"{TMP_PREFIX}{STEP_PREFIX}", f"{TMP_PREFIX}old-")) and tag in child.name:
             shutil.rmtree(child, ignore_errors=True)

@@ -27,11 +27,11 @@ import torch.nn as nn
 from ... import log
 from ...dist.comm import Collectives, new_group
 from ...engine.model_hooks import hooks_of
-from ...engine.view import describe
+from ...engine.view import ShardedModelView, describe
 from ..format.export import EXPORT_STATE_KEY
 from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible
-from ..format.placement import Placement
+from ..format.placement import Placement, TensorSpec
 from ..format.reader import is_full_checkpoint
 from .background import HostBuffers, SaveTimings, lower_thread_priority
 from .model_state import (
@@ -102,21 +102,7 @@ class Checkpointer:
             seconds = time.perf_counter() - started
             self.timings.snapshot += seconds
             self.timings.total += seconds
-        state = dict(training_state or {})
-        state["step"] = step  # what inspect shows and a resumed run continues from
-        state["optimizer"] = optimizer_hyperparameters(self.module, self.optimizer)
-        export = hooks_of(self.module).export  # how convert hands it to transformers (export.py)
-        if export is not None:
-            state[EXPORT_STATE_KEY] = export.to_json()
-        manifest = Manifest(
-            view.shard_factor,
-            view.strategy,
-            Placement.flat([[(p.name, p.shape) for p in unit.params] for unit in view.units]),
-            tuple(table),
-            {alias: p.name for unit in view.units for p in unit.params for alias in p.aliases},
-            state,
-            self.run_id,
-        )
+        manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.run_id, step)
         device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
         job = SaveJob(view, run_dir, step, manifest, local if view.writes_shards else None, keep_last, device)
         if self.async_save:
@@ -177,6 +163,33 @@ class Checkpointer:
                 stored = set(reader.tensor_names())
                 load_optimizer_state(self.optimizer, params, states, reader.training_state, stored, reader.read_range, reader.read_tensor)
             return reader.training_state
+
+
+def manifest_of(
+    view: ShardedModelView,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    table: list[TensorSpec],
+    training_state: dict | None,
+    run_id: str,
+    step: int,
+) -> Manifest:
+    """The manifest every rank builds the same for a save of `table` (from `tensor_table`) at `step`."""
+    state = dict(training_state or {})
+    state["step"] = step  # what inspect shows and a resumed run continues from
+    state["optimizer"] = optimizer_hyperparameters(module, optimizer)
+    export = hooks_of(module).export  # how convert hands it to transformers (export.py)
+    if export is not None:
+        state[EXPORT_STATE_KEY] = export.to_json()
+    return Manifest(
+        view.shard_factor,
+        view.strategy,
+        Placement.flat([[(p.name, p.shape) for p in unit.params] for unit in view.units]),
+        tuple(table),
+        {alias: p.name for unit in view.units for p in unit.params for alias in p.aliases},
+        state,
+        run_id,
+    )
 
 
 def save(

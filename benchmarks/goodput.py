@@ -1,0 +1,141 @@
+"""Goodput with failures: `fsdpkit train` with a harness that SIGKILLs a random worker every T
+seconds, with disk checkpoints only (a) and with in-memory snapshots as well (b), side by side.
+
+    python benchmarks/goodput.py --model gpt-small --steps 400 --periods 30,60 --json out.json
+    python benchmarks/goodput.py --model gpt-tiny --steps 600 --periods 12 --kills 3   # a short look
+
+Per mode and period: goodput (the failure-free run's time over the time with failures), the
+failures, steps redone per failure, and recovery time (the failed attempt's last sign of life
+to the next completed step) with its relaunch / rendezvous / restore split, from the run's own
+`recoveries`. Also the snapshot overhead without failures: (b)'s failure-free time over (a)'s.
+The runs of one table alternate modes, so that load on the machine falls on both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import mean
+
+FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
+
+
+def workers(launcher: int) -> list[int]:
+    """The launcher's worker processes (its children but the resource tracker)."""
+    pids = []
+    try:
+        for task in Path(f"/proc/{launcher}/task").iterdir():
+            pids += [int(p) for p in (task / "children").read_text().split()]
+    except OSError:
+        return []
+    alive = []
+    for pid in pids:
+        try:
+            if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                alive.append(pid)
+        except OSError:
+            continue
+    return alive
+
+
+def run(flags: list[str], *, period: float | None, seed: int, most: int) -> dict:
+    """One training run, a random worker killed every `period` seconds (None: never), `most`
+    times at most (a run that redoes more than it gains between kills would never end); its
+    summary with the wall time and the kills added."""
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="goodput-") as directory:
+        started = time.perf_counter()
+        process = subprocess.Popen(
+            [FSDPKIT, "train", *flags, "--save-dir", "run", "--json", "--quiet"],
+            cwd=directory,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        kills, next_kill = 0, started + period if period else None
+        while process.poll() is None:
+            time.sleep(0.2)
+            if next_kill is not None and kills < most and time.perf_counter() >= next_kill:
+                pids = workers(process.pid)
+                if pids:
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+                    kills += 1
+                next_kill = time.perf_counter() + period
+        out, err = process.communicate()
+        wall = time.perf_counter() - started
+    if process.returncode != 0:
+        raise SystemExit(f"fsdpkit train failed ({process.returncode}): {err.decode()[-2000:]}")
+    return {**json.loads(out), "wall_s": wall, "kills": kills}
+
+
+def row(mode: str, period: float | None, result: dict, clean_s: float) -> dict:
+    recoveries = result["recoveries"]
+    timed = [r for r in recoveries if r["recovery_s"] is not None]
+
+    def average(key: str) -> float | None:
+        return mean(r[key] for r in timed) if timed else None
+
+    return {
+        "mode": mode,
+        "period_s": period,
+        "wall_s": result["wall_s"],
+        "goodput": clean_s / result["wall_s"],
+        "failures": len(recoveries),
+        "steps_redone_per_failure": mean(r["steps_redone"] for r in recoveries) if recoveries else 0.0,
+        "sources": sorted({r["source"] for r in recoveries}),
+        "recovery_s": average("recovery_s"),
+        "relaunch_s": average("relaunch_s"),
+        "rendezvous_s": average("rendezvous_s"),
+        "restore_s": average("restore_s"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-small")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--periods", default="30,60", help="seconds between kills, comma separated")
+    parser.add_argument("--kills", type=int, default=5, help="kills per run at most")
+    parser.add_argument("--json", dest="json_path", help="write the table here too")
+    args = parser.parse_args()
+    common = [
+        "--model", args.model, "--steps", str(args.steps), "--nproc-per-node", str(args.nproc),
+        "--seq-len", str(args.seq_len), "--global-batch-size", str(args.global_batch_size),
+        "--save-every", str(args.save_every), "--max-restarts", str(args.kills),
+    ]  # fmt: skip
+    modes = {"disk": [*common, "--snapshot-every", "0"], "disk+snapshots": [*common, "--snapshot-every", str(args.snapshot_every)]}
+    clean = {mode: run(flags, period=None, seed=0, most=0) for mode, flags in modes.items()}
+    rows = [row(mode, None, clean[mode], clean[mode]["wall_s"]) for mode in modes]
+    for period in (float(p) for p in args.periods.split(",")):
+        for mode, flags in modes.items():
+            rows.append(row(mode, period, run(flags, period=period, seed=int(period), most=args.kills), clean[mode]["wall_s"]))
+    overhead = clean["disk+snapshots"]["elapsed_seconds"] / clean["disk"]["elapsed_seconds"] - 1
+    print(f"snapshot overhead without failures: {overhead:+.1%} of the training time (every {args.snapshot_every} steps)")
+    heading = f"{'mode':16} {'kill every':>10} {'goodput':>8} {'failures':>8} {'redone/fail':>11} {'recovery s':>10}"
+    print(heading + "  split (relaunch/rendezvous/restore)")
+    for r in rows:
+        period = f"{r['period_s']:.0f} s" if r["period_s"] else "never"
+        recovery = f"{r['recovery_s']:.1f}" if r["recovery_s"] is not None else "-"
+        split = "/".join(f"{r[k]:.1f}" for k in ("relaunch_s", "rendezvous_s", "restore_s")) if r["recovery_s"] is not None else "-"
+        redone = r["steps_redone_per_failure"]
+        print(f"{r['mode']:16} {period:>10} {r['goodput']:8.2f} {r['failures']:8d} {redone:11.1f} {recovery:>10}  {split}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"overhead": overhead, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Taking snapshots: every K steps each rank copies what a checkpoint holds of it into reused
+host buffers (in the training thread, as an async save does), and a background thread at lower
+priority writes its rank file and then its header into the node's store (store.py); with
+several nodes the thread also sends the file to the rank's buddy on the next node, and receives
+the one its own source sends, over a process group of their own.
+
+Two slots: a rank writes step S only after every rank has finished the previous snapshot
+(`finished_flag`, summed over the ranks in the step's loss all-reduce, then `confirm`), and
+first removes its own files older than that previous one. So a node holds at most two steps of
+each rank's files, and always one that every rank has complete.
+
+A write that fails (shared memory full...) is one warning line; that rank takes no more
+snapshots, and restarts resume from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ...dist import faults
+from ...dist.comm import new_group
+from ...engine.view import describe
+from ..format.manifest import Manifest
+from ..format.names import MANIFEST_NAME, rank_file_name
+from ..live.background import HostBuffers
+from ..live.checkpointer import manifest_of
+from ..live.model_state import tensor_table
+from ..live.save_protocol import write_rank
+from ..live.tensors import byte_view
+from .store import Header, SnapshotStore
+
+MAX_PARTS = 3
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Who sends this rank's snapshot where: to `buddy` (this rank + the local world size, on
+    the next node), and receives from `source`; global ranks, on `group`."""
+
+    buddy: int
+    source: int
+    group: Any
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, local_world_size: int) -> Peers | None:
+        """None on one node (every rank file is in this node's store already). Every rank
+        calls it: making the group is a collective."""
+        if world_size <= local_world_size:
+            return None
+        return cls((rank + local_world_size) % world_size, (rank - local_world_size) % world_size, new_group(backend="gloo"))
+
+
+class SnapshotWriter:
+    """This rank's snapshots into `store`. `warn`: where the one line of a failed write goes."""
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        peers: Peers | None,
+        warn: Callable[[str], None],
+    ) -> None:
+        self.store = store
+        self.module = module
+        self.optimizer = optimizer
+        self.peers = peers
+        self.warn = warn
+        view = describe(module)
+        self.shard_rank, self.shard_factor = view.shard_rank, view.shard_factor
+        self.host_buffers = HostBuffers()
+        self.thread: threading.Thread | None = None
+        self.failed = False
+        self.pending: int | None = None  # the step of the last snapshot started
+        self.confirmed: int | None = None  # the newest step every rank has finished
+        self.copies: set[int] = set()  # the rank files this rank keeps copies of (its source's)
+
+    @property
+    def ready(self) -> bool:
+        """Whether a snapshot may start now (the same on every rank: see the module docstring)."""
+        return self.pending is None or self.pending == self.confirmed
+
+    def finished_flag(self) -> float:
+        """1 when this rank has nothing in flight (or has given up), for the ranks' sum."""
+        if self.thread is not None and not self.thread.is_alive():
+            self.thread = None
+        return 1.0 if self.thread is None else 0.0
+
+    def confirm(self, finished: float, world_size: int) -> None:
+        if self.pending is not None and round(finished) == world_size:
+            self.confirmed = self.pending
+
+    def take(self, step: int, training_state: dict) -> None:
+        """Snapshot `step` (call only when `ready`): copy now, write in the background."""
+        self.pending = step
+        held = None
+        manifest = None
+        if not self.failed:
+            if self.confirmed is not None:
+                for rank in {self.shard_rank, *self.copies}:  # its own files and the copies it keeps of its source's
+                    self.store.prune_rank(rank, self.shard_factor, keep_from=self.confirmed)
+            view = describe(self.module)
+            table, local = tensor_table(view, self.module, self.optimizer)
+            copies = self.host_buffers.copy({name: data for name, (_, data) in local.items()})
+            held = {name: (held, copies[name]) for name, (held, _) in local.items()}
+            manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.store.run_id, step)
+        elif self.peers is None:
+            return
+        self.thread = threading.Thread(target=self._write, args=(step, manifest, held), name="fsdpkit-snapshot", daemon=True)
+        self.thread.start()
+
+    def _write(self, step: int, manifest: Manifest | None, local: dict | None) -> None:
+        """Write (`manifest` None: this rank gave up), then trade files with the peers. At the
+        thread's own priority: a copy in memory is short, and a slow one delays the next."""
+        header = None
+        if manifest is not None and local is not None:
+            try:
+                faults.reached("snapshot", step)
+                directory = self.store.begin(step, manifest)
+                write_rank(directory, manifest, self.shard_rank, local)
+                header = self.store.finish(step, self.shard_rank, self.shard_factor)
+            except OSError as error:
+                self.failed = True
+                self.store.drop(step, self.shard_rank, self.shard_factor)
+                self.warn(
+                    f"snapshot of step {step} not taken ({error.strerror or error}); this rank takes no more, checkpoints on disk only"
+                )
+        if self.peers is not None:
+            self._exchange(header)
+
+    def _exchange(self, header: Header | None) -> None:
+        """Send this rank's file (if any) to its buddy, and keep the one its source sends."""
+        peers = self.peers
+        assert peers is not None
+        parts = []
+        if header is not None:
+            parts = [header_bytes(header), (self.store.step_dir(header.step) / rank_file_name(header.rank, header.world_size)).read_bytes()]
+        sent = send_parts(parts, peers.buddy, peers.group)
+        received = receive_parts(peers.source, peers.group)
+        for work in sent:
+            work.wait()
+        if received:
+            copy = header_of(received[0])
+            try:
+                if (self.store.step_dir(copy.step) / MANIFEST_NAME).is_file():  # this node's ranks wrote the step's manifest
+                    self.store.put(copy, received[1])
+                    self.copies.add(copy.rank)
+            except OSError as error:
+                self.warn(f"the copy of rank file {copy.rank} of step {copy.step} not kept ({error.strerror or error})")
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
+def send_parts(parts: list[bytes], to: int, group: Any) -> list:
+    """Start sending byte strings (none: nothing to send) to global rank `to`; the works to wait for."""
+    sizes = torch.tensor([len(parts), *(len(part) for part in parts)] + [0] * (MAX_PARTS - len(parts)), dtype=torch.int64)
+    works = [dist.isend(sizes, to, group=group)]
+    if parts:
+        works.append(dist.isend(torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8), to, group=group))
+    return works
+
+
+def receive_parts(source: int, group: Any) -> list[memoryview]:
+    """What global rank `source` sends with send_parts."""
+    sizes = torch.empty(1 + MAX_PARTS, dtype=torch.int64)
+    dist.recv(sizes, source, group=group)
+    count, *lengths = (int(v) for v in sizes.tolist())
+    if count == 0:
+        return []
+    body = torch.empty(sum(lengths), dtype=torch.uint8)
+    dist.recv(body, source, group=group)
+    raw, parts, at = byte_view(body), [], 0
+    for length in lengths[:count]:
+        parts.append(raw[at : at + length])
+        at += length
+    return parts
+
+
+def header_bytes(header: Header) -> bytes:
+    return json.dumps(header.to_json()).encode()
+
+
+def header_of(raw: memoryview) -> Header:
+    return Header.from_json(json.loads(bytes(raw).decode()))
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
