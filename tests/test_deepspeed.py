@@ -12,15 +12,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import deepspeed_worker
 import pytest
 import torch
-
-pytest.importorskip("deepspeed", reason="the deepspeed test extra (make install) writes the checkpoints")
-
-from _checkpoint_helpers import run_cli  # noqa: E402
-from distributed import run_distributed  # noqa: E402
-
-import deepspeed_worker  # noqa: E402
+from _checkpoint_helpers import run_cli
+from distributed import run_distributed
 
 LAYOUTS = [name for name, _, _ in deepspeed_worker.LAYOUTS]
 
