@@ -174,3 +174,11 @@ def test_malicious_pickle_runs_nothing(saved, tmp_path):
     _fails(["inspect", copy], 3, "which is not allowed")
     _fails(["verify", copy], 3, "which is not allowed")
     assert not marker.exists()
+
+
+def test_diff_takes_deepspeed(saved, tmp_path):
+    """diff of a DeepSpeed checkpoint and its export: equal; against another stage's run: not."""
+    assert run_cli("convert", saved / "z1_fp32", tmp_path / "hf", "--to", "full", "--with-optimizer").exit_code == 0
+    result = run_cli("diff", saved / "z1_fp32", tmp_path / "hf")
+    assert result.exit_code == 0 and "equal" in result.output, result.output
+    _fails(["diff", saved / "z1_fp32", saved / "z2_bf16"], 3, "not equal: deepspeed")
