@@ -113,12 +113,12 @@ def convert(
         with _progress_bar("convert", True) as progress:
             result = dcp_cmd.convert_dcp(src, dst, options, progress)
     elif is_deepspeed_checkpoint(src) and dcp_model_key is None and dcp_optimizer_key is None:
-        if world_size is not None:
-            raise UsageError("--world-size applies to --to sharded only")
         limit = parse_size(max_shard_size) if max_shard_size is not None else None
         with _progress_bar("convert", True) as progress:
             full = FullOutput(max_shard_size=limit, cast_to=cast_to, chunk_size=chunk, overwrite=overwrite, progress=progress)
-            result = deepspeed_cmd.convert_deepspeed(src, dst, to=to, model=model, with_optimizer=with_optimizer, options=full)
+            result = deepspeed_cmd.convert_deepspeed(
+                src, dst, to=to, model=model, world_size=world_size, with_optimizer=with_optimizer, options=full
+            )
     elif dcp_model_key is not None or dcp_optimizer_key is not None:
         raise UsageError(f"--dcp-model-key and --dcp-optimizer-key apply to DCP input; {src} is not a DCP checkpoint")
     elif to == "dcp":

@@ -53,10 +53,14 @@ def verify_deepspeed(path: Path, *, as_json: bool) -> dict:
     return report
 
 
-def convert_deepspeed(src: Path, dst: Path, *, to: str, model: str | None, with_optimizer: bool, options) -> dict:  # type: ignore[no-untyped-def]
-    """`convert` of a DeepSpeed checkpoint: --to full (--model adds config.json)."""
+def convert_deepspeed(src: Path, dst: Path, *, to: str, model: str | None, world_size: int | None, with_optimizer: bool, options) -> dict:  # type: ignore[no-untyped-def]
+    """`convert` of a DeepSpeed checkpoint: --to full (--model adds config.json), --to sharded."""
+    if to == "sharded":
+        return _to_sharded(src, dst, model=model, world_size=world_size, options=options)
     if to != "full":
-        raise UsageError(f"--to {to} of a DeepSpeed checkpoint is not supported yet: use --to full")
+        raise UsageError(f"--to {to} of a DeepSpeed checkpoint is not supported yet: use --to full or --to sharded")
+    if world_size is not None:
+        raise UsageError("--world-size applies to --to sharded only")
     from fsdpkit.checkpoint.deepspeed.convert import deepspeed_to_full
 
     export = None
@@ -65,3 +69,26 @@ def convert_deepspeed(src: Path, dst: Path, *, to: str, model: str | None, with_
 
         export = describe(model).export
     return deepspeed_to_full(src, dst, export=export, with_optimizer=with_optimizer, options=options)
+
+
+def _to_sharded(src: Path, dst: Path, *, model: str | None, world_size: int | None, options) -> dict:  # type: ignore[no-untyped-def]
+    if world_size is None or model is None:
+        raise UsageError("--to sharded from DeepSpeed needs --world-size and --model (the model whose flat-parameter layout to write)")
+    if options.max_shard_size is not None or options.cast_to is not None:
+        raise UsageError("--max-shard-size and --dtype do not apply to --to sharded from DeepSpeed")
+    from fsdpkit.checkpoint.dcp.to_sharded import ShardedTarget
+    from fsdpkit.checkpoint.deepspeed.convert import deepspeed_to_sharded
+    from fsdpkit.checkpoint.offline.model_description import describe
+
+    description = describe(model)
+    target = ShardedTarget(
+        world_size,
+        description.placement,
+        f"model {model!r}",
+        description.aliases,
+        description.export,
+        options.chunk_size,
+        options.overwrite,
+        options.progress,
+    )
+    return deepspeed_to_sharded(src, dst, target)

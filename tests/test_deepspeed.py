@@ -182,3 +182,17 @@ def test_diff_takes_deepspeed(saved, tmp_path):
     result = run_cli("diff", saved / "z1_fp32", tmp_path / "hf")
     assert result.exit_code == 0 and "equal" in result.output, result.output
     _fails(["diff", saved / "z1_fp32", saved / "z2_bf16"], 3, "not equal: deepspeed")
+
+
+def test_convert_sharded_holds_deepspeed_state(saved, tmp_path):
+    """--to sharded at 3 ranks (ZeRO-3 from 2): every weight and Adam state equal to the DeepSpeed
+    checkpoint's, the step taken from Adam's; --model is required."""
+    deepspeed_worker.llama_config().save_pretrained(tmp_path / "llama")
+    model = f"hf:{tmp_path / 'llama'}"
+    result = run_cli("convert", saved / "z3_bf16", tmp_path / "sh", "--to", "sharded", "--world-size", "3", "--model", model, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["step"] == 3 and report["optimizer_tensors"] == 60
+    assert run_cli("diff", saved / "z3_bf16", tmp_path / "sh").exit_code == 0
+    assert run_cli("verify", tmp_path / "sh").exit_code == 0
+    _fails(["convert", saved / "z3_bf16", tmp_path / "x", "--to", "sharded", "--world-size", "3"], 2, "--model")
