@@ -2,7 +2,7 @@
 # they create .venv, install torch (TORCH_SPEC, from pip's configured index: its default build
 # for this platform, which on Linux is the CUDA one; TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # picks the CPU wheels) and fsdpkit itself with its optional extras (plot, tensorboard, hf: the
-# tests cover them; lint: ruff and mypy for `make lint`; the core needs none of them), then run.
+# tests cover them; lint: ruff, mypy and vulture for `make lint`; the core needs none of them), then run.
 # pip's own output shows what is being downloaded and installed.
 PYTHON ?= python3
 VENV ?= .venv
@@ -32,11 +32,13 @@ train: install
 test: install
 	$(PY) -m pytest -q tests
 
-# ruff (lint rules and format check, settings in pyproject.toml), then mypy on fsdpkit/.
+# ruff (lint rules and format check, settings in pyproject.toml), mypy on fsdpkit/, then vulture
+# for dead code (vulture_whitelist.py: the names only a caller's signature uses).
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/vulture --min-confidence 80 fsdpkit cli vulture_whitelist.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fsdpkit.engine.plan import WrapPolicy, plan_units
+from fsdpkit.engine.wrapping import WrapPolicy, split_units
 from fsdpkit.models.source import ModelSource, resolve
 
 LOCAL_MODELS = {
@@ -47,7 +47,7 @@ class BenchModel:
 
     def unit_modules(self, model: nn.Module) -> list[str]:
         """Names of the modules that form units (the root, "", excluded), in pre-order."""
-        return [name for plan in plan_units(model, self.wrap(model)) for name in plan.members if name]
+        return [name for plan in split_units(model, self.wrap(model)) for name in plan.members if name]
 
 
 @functools.cache

@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdpkit.bench.busbw import bench_sizes, size_sweep
-from fsdpkit.bench.collectives import Placement
-from fsdpkit.bench.worker import BenchEntry, BenchPlan, measure_size, start_process_group
-from fsdpkit.comm import _all_gather_flat, _reduce_scatter_flat
-from fsdpkit.launch import LaunchOptions, launch
+from fsdpkit.bench.collectives import RankContext
+from fsdpkit.bench.worker import BenchEntry, BenchSpec, measure_size, start_process_group
+from fsdpkit.dist.comm import all_gather_flat, reduce_scatter_flat
+from fsdpkit.dist.launch import LaunchOptions, launch
 from fsdpkit.sizes import parse_size
 
 # The mode each plain loop matches: out of place where torch has it, else in place.
@@ -48,10 +48,10 @@ def plain_loop_seconds(collective: str, count: int, *, world_size: int, iters: i
     n = world_size
     if collective == "allgather":
         shard, full = torch.ones(count, dtype=dtype, device=device), torch.empty(count * n, dtype=dtype, device=device)
-        call = lambda: _all_gather_flat(full, shard)  # noqa: E731
+        call = lambda: all_gather_flat(full, shard)  # noqa: E731
     elif collective == "reducescatter":
         shard, full = torch.empty(count, dtype=dtype, device=device), torch.ones(count * n, dtype=dtype, device=device)
-        call = lambda: _reduce_scatter_flat(shard, full)  # noqa: E731
+        call = lambda: reduce_scatter_flat(shard, full)  # noqa: E731
     elif collective == "allreduce":
         buffer = torch.ones(count, dtype=dtype, device=device)
         call = lambda: dist.all_reduce(buffer)  # noqa: E731
@@ -77,30 +77,30 @@ def plain_loop_seconds(collective: str, count: int, *, world_size: int, iters: i
 
 
 @record
-def overhead_worker(plan: BenchPlan, repeats: int) -> list[tuple[str, int, list[float], list[float]]]:
+def overhead_worker(spec: BenchSpec, repeats: int) -> list[tuple[str, int, list[float], list[float]]]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = start_process_group(plan.backend, local_rank, timeout=plan.timeout)
+    device = start_process_group(spec.backend, local_rank, timeout=spec.timeout)
     try:
-        where = Placement(
-            rank=dist.get_rank(), world_size=dist.get_world_size(), dtype=getattr(torch, plan.dtype), device=device, group=dist.group.WORLD
+        where = RankContext(
+            rank=dist.get_rank(), world_size=dist.get_world_size(), dtype=getattr(torch, spec.dtype), device=device, group=dist.group.WORLD
         )
         samples = []
-        for entry in plan.entries:
+        for entry in spec.entries:
             mode = COMPARED_MODE[entry.collective]
             for size in entry.sizes:
                 harness, plain = [], []
                 for repeat in range(repeats):
                     for harness_turn in (True, False) if repeat % 2 == 0 else (False, True):
                         if harness_turn:
-                            harness.append(measure_size(entry, size, plan, where)[mode].seconds)
+                            harness.append(measure_size(entry, size, spec, where)[mode].seconds)
                         else:
                             plain.append(
                                 plain_loop_seconds(
                                     entry.collective,
                                     size.count,
                                     world_size=where.world_size,
-                                    iters=plan.iters,
-                                    warmup=plan.warmup,
+                                    iters=spec.iters,
+                                    warmup=spec.warmup,
                                     device=device,
                                     dtype=where.dtype,
                                 )
@@ -136,9 +136,9 @@ def main() -> None:
         )
         for name in args.collectives.split(",")
     )
-    plan = BenchPlan(entries=entries, backend=args.backend, dtype=args.dtype, iters=args.iters, warmup=args.warmup, check=False)
+    spec = BenchSpec(entries=entries, backend=args.backend, dtype=args.dtype, iters=args.iters, warmup=args.warmup, check=False)
     started = time.perf_counter()
-    returned = launch(overhead_worker, plan, args.repeats, options=LaunchOptions(nproc_per_node=world_size))
+    returned = launch(overhead_worker, spec, args.repeats, options=LaunchOptions(nproc_per_node=world_size))
     samples = returned[min(returned)]
 
     print(

@@ -49,7 +49,7 @@ from fsdpkit.checkpoint.format import storage
 from fsdpkit.checkpoint.format.manifest import Manifest
 from fsdpkit.checkpoint.format.placement import TensorSpec
 from fsdpkit.checkpoint.live.save_protocol import write_rank
-from fsdpkit.layout import ElementRange
+from fsdpkit.flat_layout import ElementRange
 from fsdpkit.models.units import placement_for_model
 
 run, model, world = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])

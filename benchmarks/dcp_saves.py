@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import resolve_model  # noqa: E402
 from engine_systems import RunSettings, build_system, train_steps  # noqa: E402
 
-from fsdpkit.launch import LaunchOptions, launch  # noqa: E402
+from fsdpkit.dist.launch import LaunchOptions, launch  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402
 
 EXECUTORS = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}

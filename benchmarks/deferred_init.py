@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import fsdpkit
-from fsdpkit.engine.plan import plan_units
-from fsdpkit.launch import LaunchOptions, launch
-from fsdpkit.models.registry import build_model
+from fsdpkit.dist.launch import LaunchOptions, launch
+from fsdpkit.engine.wrapping import split_units
+from fsdpkit.models.source import build_model
 from fsdpkit.models.units import default_policy_for_model
 from fsdpkit.sizes import format_size
 
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     meta = build_model(args.model, device="meta")
-    units = plan_units(meta, default_policy_for_model(args.model))
+    units = split_units(meta, default_policy_for_model(args.model))
     model_bytes = sum(p.numel() for p in meta.parameters()) * 4
     largest_unit = max(sum(torch.Size(p.shape).numel() for p in unit.params) for unit in units) * 4
     options = LaunchOptions(nproc_per_node=args.nproc_per_node)

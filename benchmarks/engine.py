@@ -46,8 +46,8 @@ from engine_systems import ENGINE_KINDS, SYSTEMS, RunSettings, build_system, glo
 from step_breakdown import CATEGORIES, DEFINITION, Breakdown, profile_breakdown  # noqa: E402
 from tensor_memory import peak_training_bytes  # noqa: E402
 
+from fsdpkit.dist.launch import LaunchOptions, launch  # noqa: E402
 from fsdpkit.engine.config import ShardingConfig  # noqa: E402
-from fsdpkit.launch import LaunchOptions, launch  # noqa: E402
 from fsdpkit.train.data import TokenSource  # noqa: E402
 
 QUANTIZED = ("fsdpkit-int8",)  # systems that compute with other weights: held to QUANTIZED_LOSS_TOLERANCE

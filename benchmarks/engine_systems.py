@@ -23,7 +23,7 @@ from bench_models import resolve_model
 from torch.profiler import record_function
 
 import fsdpkit
-from fsdpkit.comm import CommStats
+from fsdpkit.dist.comm import CommStats
 from fsdpkit.train.data import TokenSource, local_rows
 
 SYSTEMS = ("fsdpkit", "fsdpkit-int8", "fsdp2", "fsdp1", "ddp")

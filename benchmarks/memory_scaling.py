@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import fsdpkit
-from fsdpkit.launch import LaunchOptions, launch
-from fsdpkit.models.registry import build_model
+from fsdpkit.dist.launch import LaunchOptions, launch
+from fsdpkit.models.source import build_model
 from fsdpkit.models.units import default_policy_for_model
 from fsdpkit.sizes import format_size
 

@@ -131,10 +131,9 @@ ANCHORS = [
 
 
 def main() -> None:
-    from fsdpkit.hardware import load
-    from fsdpkit.memory_plan import PlanRequest
-    from fsdpkit.step_time import Recompute
-    from fsdpkit.time_plan import model_costs, predict
+    from fsdpkit.plan.predict import model_costs, predict
+    from fsdpkit.plan.profile import load
+    from fsdpkit.plan.simulate import Recompute
     from fsdpkit.train.config import TrainConfig
 
     costs = {}
@@ -142,7 +141,7 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for source, text, model, world, hardware, batch, seq_len, sharding, metric, published, recompute in ANCHORS:
         values = {"model": {"name": model}, "data": {"global_batch_size": batch * world, "seq_len": seq_len}, "sharding": sharding}
-        request = PlanRequest(TrainConfig.from_values(values), world)
+        request = TrainConfig.from_values(values).plan_request(world)
         key = (model, seq_len)
         if key not in costs:
             costs[key] = model_costs(request)
@@ -163,10 +162,9 @@ def t5_scaling() -> None:
     """The FSDP paper states no T5-11B throughput in its text (only figure 8 shows it); it says
     that TFLOPS per GPU fall 7% from 8 to 512 GPUs (seq 512, batch 8 and 16, full sharding,
     checkpointing, bf16). Predicted: the same change, with each T5Block a unit, as the paper wraps."""
-    from fsdpkit.hardware import load
-    from fsdpkit.memory_plan import PlanRequest
-    from fsdpkit.plan_search import at_world_size
-    from fsdpkit.time_plan import model_costs, predict
+    from fsdpkit.plan.predict import model_costs, predict
+    from fsdpkit.plan.profile import load
+    from fsdpkit.plan.search import at_world_size
     from fsdpkit.train.config import TrainConfig
 
     print()
@@ -176,7 +174,7 @@ def t5_scaling() -> None:
     sharding = {"strategy": "full", "mixed_precision": "bf16", "activation_checkpointing": True}
     for batch in (8, 16):
         values = {"model": model, "data": {"global_batch_size": batch * 8, "seq_len": 512}, "sharding": sharding}
-        request = PlanRequest(TrainConfig.from_values(values), 8)
+        request = TrainConfig.from_values(values).plan_request(8)
         costs = model_costs(request)
         hardware = load("a100-80gb-ib200")
         small, large = (predict(at_world_size(request, world), hardware, costs).time for world in (8, 512))

@@ -45,7 +45,6 @@ def many_small():
 
 
 def request_for(model: str, strategy: str, prefetch: str, world: int, batch: int, seq_len: int):
-    from fsdpkit.memory_plan import PlanRequest
     from fsdpkit.train.config import TrainConfig
 
     values = {
@@ -53,7 +52,7 @@ def request_for(model: str, strategy: str, prefetch: str, world: int, batch: int
         "data": {"global_batch_size": batch * world, "seq_len": seq_len},
         "sharding": {"strategy": strategy, "backward_prefetch": prefetch},
     }
-    return PlanRequest(TrainConfig.from_values(values), world)
+    return TrainConfig.from_values(values).plan_request(world)
 
 
 @dataclass
@@ -96,7 +95,7 @@ def measure_worker(cases: list[tuple[str, str, str]], batch: int, seq_len: int, 
 
 def config_run(case: tuple[str, str, str], batch: int, seq_len: int):
     """A configuration sharded by the engine over every rank, as `plan --calibrate` runs its `--model`."""
-    from fsdpkit.calibrate import ModelRun
+    from fsdpkit.plan.calibrate.measure import ModelRun
 
     model, strategy, prefetch = case
     return ModelRun(request_for(model, strategy, prefetch, dist.get_world_size(), batch, seq_len), model)
@@ -124,9 +123,16 @@ class Calibration:
 
     @classmethod
     def build(cls, batch: int, seq_len: int) -> Calibration:
-        from fsdpkit.calibrate import CALIBRATION_BATCHES, ModelRun, Probes, calibration_specs
-        from fsdpkit.calibrate_steps import Placement, all_cores_runs, link_runs, more_ranks, more_ranks_runs, on_first_ranks
-        from fsdpkit.time_plan import micro_batch
+        from fsdpkit.plan.calibrate.measure import ModelRun, Probes, on_first_ranks
+        from fsdpkit.plan.calibrate.runs import (
+            CALIBRATION_BATCHES,
+            TimedStep,
+            all_cores_runs,
+            calibration_specs,
+            link_runs,
+            more_ranks,
+            more_ranks_runs,
+        )
 
         world, rank = dist.get_world_size(), dist.get_rank()
         request = calibration_request(batch, seq_len)
@@ -139,16 +145,16 @@ class Calibration:
             for size in CALIBRATION_BATCHES:
                 compute.append((run, size, Timed((0,), alone, (lambda run=run, size=size: run.step(size)) if run else None)))
         steps: dict[str, list[Timed]] = {"link": [], "all_cores": [], "more": []}
-        runs = [(Placement(run), "link") for run in link_runs(request)] if world >= 2 else []
+        runs = [(TimedStep(run), "link") for run in link_runs(request)] if world >= 2 else []
         cores = len(os.sched_getaffinity(0))
         all_cores = all_cores_runs(request, cores)
         if world >= all_cores[1].ranks:
             runs += [(placement, "all_cores") for placement in all_cores]
         if world == more_ranks(cores):
-            runs += [(Placement(run), "more") for run in more_ranks_runs(request, cores)]
+            runs += [(TimedStep(run), "more") for run in more_ranks_runs(request, cores)]
         for placement, kind in runs:
             group, model = on_first_ranks(placement)
-            step = whole_step(model, micro_batch(placement.run)) if model else None
+            step = whole_step(model, placement.run.micro_batch) if model else None
             steps[kind].append(Timed(tuple(range(placement.ranks)), group, step, FIT_REPEATS))
         return cls(probe, probes, compute, steps["link"], steps["all_cores"], steps["more"])
 
@@ -181,8 +187,9 @@ def calibration_request(batch: int, seq_len: int):
 
 def measured_hardware(result: dict, network: tuple[float, float], batch: int, seq_len: int):
     """The profile `plan --calibrate` would fit from these measurements."""
-    from fsdpkit.calibrate import measured_profile
-    from fsdpkit.calibrate_steps import Measured, all_cores_slowdown, fit_collectives, link_runs, more_ranks_runs
+    from fsdpkit.plan.calibrate.fit import all_cores_slowdown, fit_collectives, measured_profile
+    from fsdpkit.plan.calibrate.measure import Measured
+    from fsdpkit.plan.calibrate.runs import link_runs, more_ranks_runs
 
     request = calibration_request(batch, seq_len)
     profile = measured_profile(request, result["compute"], network, 2)
@@ -201,7 +208,7 @@ def world_rows(
 ) -> list[dict]:
     """A row per configuration: the prediction from the profile calibrated in the launch's rounds
     (or read from --hardware), the one from the separate calibration if any, and the measured steps."""
-    from fsdpkit.time_plan import predict
+    from fsdpkit.plan.predict import predict
 
     rows = []
     for (model, strategy, prefetch), times in zip(cases, measured, strict=True):
@@ -238,10 +245,11 @@ def same_step_spread(rows: list[dict]) -> dict[str, float]:
 
 
 def main() -> None:
-    from fsdpkit.calibrate import calibrate, network_line
-    from fsdpkit.hardware import load
-    from fsdpkit.launch import LaunchOptions, launch
-    from fsdpkit.time_plan import model_costs
+    from fsdpkit.dist.launch import LaunchOptions, launch
+    from fsdpkit.plan.calibrate import calibrate
+    from fsdpkit.plan.calibrate.measure import network_line
+    from fsdpkit.plan.predict import model_costs
+    from fsdpkit.plan.profile import load
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15, help="at least")

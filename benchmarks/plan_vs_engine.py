@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tensor_memory import peak_training_bytes  # noqa: E402
 
 import fsdpkit  # noqa: E402
-from fsdpkit.launch import LaunchOptions, launch  # noqa: E402
-from fsdpkit.memory_plan import PlanRequest, plan_memory  # noqa: E402
+from fsdpkit.dist.launch import LaunchOptions, launch  # noqa: E402
 from fsdpkit.models.gpt import Block  # noqa: E402
-from fsdpkit.models.registry import build_model  # noqa: E402
+from fsdpkit.models.source import build_model  # noqa: E402
+from fsdpkit.plan.memory import plan_memory  # noqa: E402
 from fsdpkit.train.config import TrainConfig  # noqa: E402
 from fsdpkit.train.data import TokenSource, local_rows  # noqa: E402
 
@@ -88,7 +88,7 @@ def main() -> None:
         for name in models:
             for rank in sorted(results):
                 stats = results[rank][name]
-                request = PlanRequest(TrainConfig.from_values({"model": {"name": name}, "sharding": {"strategy": args.strategy}}), world)
+                request = TrainConfig.from_values({"model": {"name": name}, "sharding": {"strategy": args.strategy}}).plan_request(world)
                 plan = plan_memory(request, shard_rank=rank % request.sharding.shard_factor(world))
                 state_plan = plan.persistent
                 state_engine = stats["sharded_params"] + stats["sharded_grads"] + stats["optimizer_state"]

@@ -1,128 +1,67 @@
 """The `fsdpkit` command: a thin Typer app that parses, calls the library, formats output.
 
-Usage errors, Typer's own included (a missing argument, an unknown option, a bad value), are
-one line on stderr and exit 2. `train` and `plan` are loaded only when run or asked for help (their
-options come from the training config, which imports torch); listing commands stays fast.
+Every command is registered one way, in COMMANDS: its module defines `command_app` (a Typer
+of one command, or of a group such as `bench`) and is imported only when the command is run or
+asked for its help, so listing the commands stays fast (no torch). No command module imports
+this one: what they share is in common.py and group.py.
 """
 
 from __future__ import annotations
 
-import importlib
-import re
-import sys
+import shutil
 from importlib import metadata
-from typing import Any
 
 import typer
-from typer.core import TyperCommand, TyperGroup
+import typer.rich_utils
+
+from .group import FsdpkitGroup
 
 HELP_WIDTH = 100  # help fits 100 columns (fewer on a narrower terminal)
 
-# name -> (module defining `command`, short help shown in `fsdpkit --help`)
-LAZY_COMMANDS = {
-    "train": ("fsdpkit_cli.train_cmd", "Train a model with fsdpkit's sharded engine across several processes."),
-    "plan": ("fsdpkit_cli.plan_cmd", "Per-rank memory and predicted step time of a sharded run before launching it (meta device)."),
+# name -> (module defining `command_app`, short help shown in `fsdpkit --help`), in the order listed
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": (f"{__package__}.train_cmd", "Train a model with fsdpkit's sharded engine across several processes."),
+    "plan": (
+        f"{__package__}.plan_cmd",
+        "Per-rank memory and predicted step time of a sharded run before launching it (meta device).",
+    ),
+    "convert": (
+        f"{__package__}.convert_cmd",
+        "Convert between sharded fsdpkit checkpoints, full Hugging Face-style safetensors and torch DCP.",
+    ),
+    "reshard": (
+        f"{__package__}.reshard_cmd",
+        "Lay a sharded checkpoint out for another world size, offline (model and optimizer state).",
+    ),
+    "inspect": (
+        f"{__package__}.inspect_cmd",
+        "Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files.",
+    ),
+    "verify": (
+        f"{__package__}.verify_cmd",
+        "Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong.",
+    ),
+    "prepare-data": (f"{__package__}.data_cmd", "Tokenise a text file into a flat token file (.bin) for train --data."),
+    "diff": (
+        f"{__package__}.diff_cmd",
+        "Compare two checkpoints of any format tensor by tensor; exit 0 when equal within the tolerance, 3 when not.",
+    ),
+    "report": (
+        f"{__package__}.report_cmd",
+        "Draw train --metrics, bench --json (busbw) or plan --scaling --json (TFLOPS/device) as a PNG.",
+    ),
+    "bench": (
+        f"{__package__}.bench_cmd",
+        "Collective benchmarks in the nccl-tests format (size, count, type, time, algbw, busbw, #wrong).",
+    ),
 }
 
 
-def _prepare_help(command: Any, ctx: Any) -> None:
-    """Help as written: `[hf]` is shown, not taken as rich markup; and a flag takes no value, so
-    no `<bool>` beside it."""
-    command.help = literal(command.help)
-    for param in command.get_params(ctx):
-        if getattr(param, "is_flag", False) and param.metavar is None:
-            param.metavar = ""
-        if getattr(param, "help", None):
-            param.help = literal(param.help)
-
-
-def literal(text: str | None) -> str | None:
-    """`text` with every `[` not yet escaped escaped, so rich markup shows it literally."""
-    return None if text is None else re.sub(r"(?<!\\)\[", r"\\[", text)
-
-
-def click_message(message: str) -> str:
-    """Typer's usage message as one line in fsdpkit's style: 'missing argument 'src''."""
-    text = " ".join(message.replace("Value error, ", "").split()).rstrip(".")
-    return text[:1].lower() + text[1:]
-
-
-class FsdpkitGroup(TyperGroup):
-    """Typer's group with one-line usage errors, lazily loaded commands and flag-type-free help."""
-
-    lazy_commands: dict[str, tuple[str, str]] = {}
-    listing = False  # while listing commands (help, completion), lazy commands are not imported
-
-    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True, **extra: Any) -> Any:
-        from typer._click.exceptions import ClickException, NoArgsIsHelpError
-
-        from fsdpkit import log
-        from fsdpkit.errors import FsdpkitError
-
-        log.setup()
-        try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except NoArgsIsHelpError as error:
-            typer.echo(error.ctx.get_help() if error.ctx else str(error))
-            code = 0
-        except ClickException as error:
-            ctx = getattr(error, "ctx", None)
-            hint = f" (see '{ctx.command_path} --help')" if ctx is not None and error.exit_code == 2 else ""
-            typer.echo(f"error: {click_message(error.format_message())}{hint}", err=True)
-            code = error.exit_code
-        except FsdpkitError as error:  # raised while parsing, e.g. an unknown bench collective
-            typer.echo(f"error: {error}", err=True)
-            code = error.exit_code
-        code = code if isinstance(code, int) else 0
-        if standalone_mode:
-            sys.exit(code)
-        return code
-
-    def list_commands(self, ctx: Any) -> list[str]:
-        return [*self.lazy_commands, *(name for name in super().list_commands(ctx) if name not in self.lazy_commands)]
-
-    def get_command(self, ctx: Any, name: str) -> Any:
-        if name in self.lazy_commands:
-            module_name, short_help = self.lazy_commands[name]
-            if FsdpkitGroup.listing:
-                return TyperCommand(name, short_help=short_help, help=short_help)
-            command = typer.main.get_command(importlib.import_module(module_name).command_app)
-            command.name = name
-        else:
-            command = super().get_command(ctx, name)
-        if command is not None:
-            _prepare_help(command, ctx)
-        return command
-
-    def format_help(self, ctx: Any, formatter: Any) -> None:
-        _prepare_help(self, ctx)
-        FsdpkitGroup.listing = True
-        try:
-            super().format_help(ctx, formatter)
-        finally:
-            FsdpkitGroup.listing = False
-
-    def shell_complete(self, ctx: Any, incomplete: str) -> Any:
-        FsdpkitGroup.listing = True
-        try:
-            return super().shell_complete(ctx, incomplete)
-        finally:
-            FsdpkitGroup.listing = False
-
-
 class RootGroup(FsdpkitGroup):
-    lazy_commands = LAZY_COMMANDS
+    command_table = COMMANDS
 
 
-def _set_help_width() -> None:
-    import shutil
-
-    import typer.rich_utils
-
-    typer.rich_utils.MAX_WIDTH = min(HELP_WIDTH, shutil.get_terminal_size((HELP_WIDTH, 24)).columns)
-
-
-_set_help_width()
+typer.rich_utils.MAX_WIDTH = min(HELP_WIDTH, shutil.get_terminal_size((HELP_WIDTH, 24)).columns)
 
 app = typer.Typer(
     name="fsdpkit",
@@ -152,20 +91,6 @@ def _root(
     ),
 ) -> None:
     """Fully Sharded Data Parallel training, sharded safetensors checkpoints and collective benchmarks."""
-
-
-def _register_commands() -> None:
-    # Each command lives in its own module; importing it registers it on `app` (train: LAZY_COMMANDS).
-    from . import (
-        bench_cmd,  # noqa: F401
-        checkpoint_cmd,  # noqa: F401
-        data_cmd,  # noqa: F401
-        diff_cmd,  # noqa: F401
-        report_cmd,  # noqa: F401
-    )
-
-
-_register_commands()
 
 
 def main() -> None:

@@ -16,13 +16,13 @@ import typer
 
 from fsdpkit.bench.busbw import BUSBW_FORMULAS, COLLECTIVES, VARIANTS
 from fsdpkit.bench.options import BenchOptions
+from fsdpkit.dist.launch import LaunchOptions
 from fsdpkit.errors import RunError, UsageError
-from fsdpkit.launch import LaunchOptions
 from fsdpkit.paths import check_writable_file
 from fsdpkit.settings import Section, settings_of
 
-from .app import FsdpkitGroup, app
 from .common import FsdpkitCommand, handle_errors, print_json
+from .group import FsdpkitGroup
 from .settings_options import given_values, setting_parameters, with_parameters
 
 _FORMULAS_HELP = (
@@ -35,23 +35,30 @@ _FORMULAS_HELP = (
     "gives the nccl-tests command line that measures the same thing."
 )
 
+_CHOICES = ", ".join((*COLLECTIVES, "all"))
+
 
 class _BenchGroup(FsdpkitGroup):
-    """Names an unknown collective in one line (exit 2) instead of a usage panel."""
+    """Names an unknown or a missing collective in one line (exit 2) instead of a usage panel."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and args[0].startswith("-") and args[0] not in self.get_help_option_names(ctx):
+            raise UsageError(f"missing collective before {args[0]}: fsdpkit bench COLLECTIVE [OPTIONS], with COLLECTIVE one of {_CHOICES}")
+        return super().parse_args(ctx, args)
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         if args and not args[0].startswith("-") and self.get_command(ctx, args[0]) is None:
-            raise UsageError(f"unknown collective {args[0]!r}: choose from {', '.join(COLLECTIVES)}, all")
+            raise UsageError(f"unknown collective {args[0]!r}: choose from {_CHOICES}")
         return super().resolve_command(ctx, args)
 
 
-bench_app = typer.Typer(
+command_app = typer.Typer(
     cls=_BenchGroup,
+    add_completion=False,
     no_args_is_help=True,
     short_help="Collective benchmarks in the nccl-tests format (size, count, type, time, algbw, busbw, #wrong).",
     help="Collective benchmarks, nccl-tests style: size, count, type, time, algbw, busbw, #wrong. " + _FORMULAS_HELP,
 )
-app.add_typer(bench_app, name="bench")
 
 LAUNCH = Section.of("launch", LaunchOptions, panel="Launch")
 
@@ -82,23 +89,23 @@ def _run(
     ] = None,
     **settings: Any,
 ) -> None:
-    from fsdpkit.bench.report import report_document, write_csv
-    from fsdpkit.bench.runner import plan_bench, raise_if_wrong, run_plan, table_stream
-
     given = given_values(sections, ctx, settings)
     bench, launch = sections
     options = bench.from_values({k: v for k, v in given.items() if k != "launch"}, where="")
     launch_options = launch.from_values(given.get("launch", {}), where="")
     if csv_file is not None:
         check_writable_file(str(csv_file), "--csv")
-    plan = plan_bench(options, launch_options=launch_options)
+    from fsdpkit.bench.report import report_document, write_csv  # torch: after every flag is checked
+    from fsdpkit.bench.runner import bench_spec, raise_if_wrong, run_bench_spec, table_stream
+
+    spec = bench_spec(options, launch_options=launch_options)
     if json_output:
-        report = run_plan(plan, launch_options=launch_options)
+        report = run_bench_spec(spec, launch_options=launch_options)
         print_json(report_document(report))
     else:
-        table = table_stream(plan, world_size=launch_options.world_size, write=_echo_now)
+        table = table_stream(spec, world_size=launch_options.world_size, write=_echo_now)
         table.start()
-        report = run_plan(plan, launch_options=launch_options, on_row=table.row)
+        report = run_bench_spec(spec, launch_options=launch_options, on_row=table.row)
         table.finish(report)
     if csv_file is not None:
         try:
@@ -132,13 +139,13 @@ _DESCRIPTIONS = {
 }
 
 for _name in COLLECTIVES:
-    bench_app.command(
+    command_app.command(
         _name,
         cls=FsdpkitCommand,
         short_help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]}.",
         help=f"{_DESCRIPTIONS[_name]} {BUSBW_FORMULAS[_name]} (n = ranks). {_FORMULAS_HELP}",
     )(_command((_name,), with_variant=_name in VARIANTS))
-bench_app.command(
+command_app.command(
     "all",
     cls=FsdpkitCommand,
     short_help="Every collective, one table after another (allgather: flat).",

@@ -13,11 +13,19 @@ from typing import Any
 import typer
 from typer.core import TyperCommand
 
-from fsdpkit.errors import FsdpkitError
+from fsdpkit.errors import FsdpkitError, UsageError
+
+# flags of other tools, and the flag that says the same here (named when the command has it)
+NEAR_MISSES = {
+    "--world-size": ("--nproc-per-node", "the world size is --nnodes x --nproc-per-node"),
+    "--nproc": ("--nproc-per-node", "processes on each node"),
+    "--num-processes": ("--nproc-per-node", "processes on each node"),
+}
 
 
 class FsdpkitCommand(TyperCommand):
-    """Accepts torchrun's underscore spellings of every flag: --nproc_per_node is --nproc-per-node."""
+    """Accepts torchrun's underscore spellings of every flag (--nproc_per_node is --nproc-per-node),
+    and names the flag meant by a near miss (NEAR_MISSES)."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         known = {name for param in self.get_params(ctx) for name in (*param.opts, *param.secondary_opts)}
@@ -30,6 +38,9 @@ class FsdpkitCommand(TyperCommand):
             dashed = flag.replace("_", "-")
             if flag.startswith("--") and flag not in known and dashed in known:
                 arg = dashed + equals + value
+            elif flag.startswith("--") and dashed not in known and NEAR_MISSES.get(dashed, ("",))[0] in known:
+                meant, why = NEAR_MISSES[dashed]
+                raise UsageError(f"no such option: {flag}: did you mean {meant}? ({why})")
             rewritten.append(arg)
         return super().parse_args(ctx, rewritten)
 

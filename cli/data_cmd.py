@@ -10,11 +10,12 @@ import typer
 from fsdpkit.errors import UsageError
 from fsdpkit.sizes import format_size
 
-from .app import app
 from .common import byte_progress, handle_errors, print_json
 
+command_app = typer.Typer(add_completion=False)
 
-@app.command("prepare-data", short_help="Tokenise a text file into a flat token file (.bin) for train --data.")
+
+@command_app.command("prepare-data", short_help="Tokenise a text file into a flat token file (.bin) for train --data.")
 @handle_errors
 def prepare_data(
     text: Path = typer.Argument(..., help="The text file (UTF-8), tokenised in blocks that end at a line break."),
@@ -30,7 +31,7 @@ def prepare_data(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
     """Tokenise TEXT into OUT, the nanoGPT-style token file `fsdpkit train --data OUT.bin` memory-maps."""
-    from fsdpkit.tokens import TokenDtype, load_tokenizer, write_token_file
+    from fsdpkit.data.tokens import TokenDtype, load_tokenizer, write_token_file
 
     try:
         dtype = TokenDtype(token_dtype)

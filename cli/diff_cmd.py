@@ -6,9 +6,10 @@ from pathlib import Path
 
 import typer
 
-from .app import app
+from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, chunk_bytes
 from .common import byte_progress, handle_errors, print_json
-from .dcp_cmd import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
+
+command_app = typer.Typer(add_completion=False)
 
 SHOWN = 20  # differing tensors listed in the text output
 
@@ -22,7 +23,7 @@ def _line(result: dict) -> str:
     return f"{status:9} {result['name']}"
 
 
-@app.command("diff")
+@command_app.command("diff")
 @handle_errors
 def diff_command(
     a: Path = typer.Argument(..., help="A checkpoint: fsdpkit sharded (run or step dir), full safetensors, or torch DCP."),
@@ -35,11 +36,11 @@ def diff_command(
     dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
-    """Compare two checkpoints tensor by tensor: bitwise equal, max abs/rel difference, dtype or shape
-    mismatch, present in one only. Exit 0 when equal within the tolerance, 3 when not."""
-    from fsdpkit.checkpoint.offline.diff import Tolerance, diff
+    """Compare two checkpoints of any format tensor by tensor; exit 0 when equal within the tolerance, 3 when not.
 
-    from .checkpoint_cmd import _chunk
+    Each tensor is bitwise equal, within the tolerance (close), different (max abs and max rel difference), of another
+    dtype or shape, or present in one checkpoint only."""
+    from fsdpkit.checkpoint.offline.diff import Tolerance, diff
 
     with byte_progress("diff") as progress:
         result = diff(
@@ -48,7 +49,7 @@ def diff_command(
             tolerance=Tolerance(atol, rtol),
             model_only=model_only,
             dcp_keys=(dcp_model_key, dcp_optimizer_key),
-            chunk_size=_chunk(chunk_size),
+            chunk_size=chunk_bytes(chunk_size),
             progress=progress,
         )
     if as_json:

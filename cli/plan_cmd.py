@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from fsdpkit.hardware import CALIBRATE_SECONDS
+from fsdpkit.plan.profile import CALIBRATE_SECONDS
 from fsdpkit.settings import merge, read_toml
 from fsdpkit.sizes import format_size
 
@@ -151,9 +151,9 @@ def plan(
     json_output: JsonFlag = False,
     **settings: Any,
 ) -> None:
-    from fsdpkit.memory_plan import PlanRequest, plan_memory
+    from fsdpkit.plan.memory import plan_memory
 
-    request = PlanRequest(_train_config(ctx, config_file, settings), world_size)
+    request = _train_config(ctx, config_file, settings).plan_request(world_size)
     if calibrate is not None:
         _calibrate(request, calibrate, calibrate_seconds)
     elif time or recommend or scaling is not None:
@@ -167,9 +167,9 @@ def plan(
 
 
 def _calibrate(request, out: Path, seconds: float) -> None:
-    from fsdpkit.calibrate import calibrate
     from fsdpkit.errors import UsageError
-    from fsdpkit.hardware import to_toml
+    from fsdpkit.plan.calibrate import calibrate
+    from fsdpkit.plan.profile import to_toml
 
     if out.is_dir() or not out.resolve().parent.is_dir():
         raise UsageError(f"--calibrate {str(out)!r} must be a file in an existing directory")

@@ -11,11 +11,11 @@ from .common import print_json
 
 
 def run_time_plan(request, *, hardware: str | None, nodes: int | None, recommend: bool, scaling: str | None, json_output: bool) -> None:
-    from fsdpkit.hardware import load, ranks_per_node
-    from fsdpkit.plan_search import parse_world_sizes
-    from fsdpkit.plan_search import recommend as search
-    from fsdpkit.plan_search import scaling as scale
-    from fsdpkit.time_plan import model_costs, predict
+    from fsdpkit.plan.predict import model_costs, predict
+    from fsdpkit.plan.profile import load, ranks_per_node
+    from fsdpkit.plan.search import parse_world_sizes
+    from fsdpkit.plan.search import recommend as search
+    from fsdpkit.plan.search import scaling as scale
 
     if hardware is None:
         raise UsageError("plan --time needs --hardware: a built-in profile or a FILE.toml from --calibrate")
@@ -42,13 +42,13 @@ def _point(prediction) -> dict:
 
 
 def _choice(prediction) -> dict:
-    sharding, data = prediction.request.sharding, prediction.request.config.data
+    sharding, request = prediction.request.sharding, prediction.request
     flags = [f"--strategy {sharding.strategy}"]
     if sharding.shard_group_size is not None:
         flags.append(f"--shard-group-size {sharding.shard_group_size}")
     flags.append(f"--backward-prefetch {sharding.backward_prefetch}")
     flags += ["--forward-prefetch"] * sharding.forward_prefetch + [f"--limit-all-gathers {sharding.limit_all_gathers}"]
-    flags += ["--activation-checkpointing"] * sharding.activation_checkpointing + [f"--grad-accum {data.grad_accum}"]
+    flags += ["--activation-checkpointing"] * sharding.activation_checkpointing + [f"--grad-accum {request.grad_accum}"]
     return {"flags": " ".join(flags), "micro_batch": prediction.micro_batch, "step_time_s": prediction.time.step_time_s}
 
 

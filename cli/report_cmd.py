@@ -1,5 +1,5 @@
 """`fsdpkit report FILE [--out PNG]`: draw a training run's metrics or a benchmark. Parse, call
-fsdpkit.plots, say where the picture is."""
+fsdpkit.report.plots, say where the picture is."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import typer
 
 from fsdpkit.errors import UsageError
 
-from .app import app
 from .common import handle_errors
 
+command_app = typer.Typer(add_completion=False)
 
-@app.command("report", short_help="Draw train --metrics, bench --json (busbw) or plan --scaling --json (TFLOPS/device) as a PNG.")
+
+@command_app.command("report", short_help="Draw train --metrics, bench --json (busbw) or plan --scaling --json (TFLOPS/device) as a PNG.")
 @handle_errors
 def report(
     source: Annotated[
@@ -27,7 +28,7 @@ def report(
     --metrics; busbw against size per collective, and list against flat all-gather, from
     bench --json; or predicted TFLOPS per device against world size from plan --scaling --json.
     Needs matplotlib: pip install 'fsdpkit[plot]'."""
-    from fsdpkit.plots import plot_bench, plot_metrics, plot_scaling, read_report_input
+    from fsdpkit.report.plots import plot_bench, plot_metrics, plot_scaling, read_report_input
 
     if not source.is_file():
         raise UsageError(f"{str(source)!r} is not a file")

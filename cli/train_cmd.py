@@ -13,7 +13,7 @@ import typer
 
 from fsdpkit import log
 from fsdpkit.settings import merge, read_toml, to_toml
-from fsdpkit.sizes import format_size
+from fsdpkit.sizes import count, format_size
 from fsdpkit.train.config import SECTIONS, TOP
 from fsdpkit.train.summary import TrainSummary
 
@@ -55,8 +55,7 @@ def train(
     ] = False,
     **settings: Any,
 ) -> None:
-    from fsdpkit.train.launcher import run_training
-    from fsdpkit.train.resume import train_config
+    from fsdpkit.train.resume import train_config  # no torch: every flag is checked before torch is imported
 
     values = read_toml(str(config_file)) if config_file is not None else {}
     where = f" in {config_file}" if config_file is not None else ""  # only a file can hold an unknown key
@@ -67,6 +66,8 @@ def train(
     if print_config:
         typer.echo(to_toml(config.to_values(), header="fsdpkit train config (fsdpkit train --config FILE replays it)"), nl=False)
         return
+    from fsdpkit.train.launcher import run_training
+
     summary = run_training(config)
     if summary is None:
         return
@@ -99,9 +100,8 @@ def format_summary(summary: TrainSummary) -> str:
     lines.append(f"checkpoint       {summary.checkpoint or 'not saved (no --save-dir)'}")
     saves = (summary.save_timings or {}).get("saves")
     if saves:
-        lines.append(
-            f"save stall       {summary.save_stall_seconds:.2f} s in the training thread between steps ({saves} saves; max over ranks)"
-        )
+        stall = f"{summary.save_stall_seconds:.2f} s in the training thread between steps"
+        lines.append(f"save stall       {stall} ({count(saves, 'save')}; max over ranks)")
     return "\n".join(line for line in lines if line)
 
 

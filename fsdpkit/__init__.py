@@ -38,7 +38,7 @@ _EXPORTS = {
     "load": "fsdpkit.checkpoint.live.checkpointer",
     "MixedPrecision": "fsdpkit.engine.config",
     "ShardingConfig": "fsdpkit.engine.config",
-    "WrapPolicy": "fsdpkit.engine.plan",
+    "WrapPolicy": "fsdpkit.engine.wrapping",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,4 +1,4 @@
-"""The one parser for byte sizes used by every command.
+"""The one parser and the one formatter of byte sizes used by every command, and counts of things.
 
 `K`/`M`/`G`/`T` and `KiB`/`MiB`/`GiB`/`TiB` are powers of 1024; `KB`/`MB`/`GB`/`TB` are powers
 of 1000 (the Hugging Face convention, where `5GB` means 5 * 10**9 bytes). A bare number, or a
@@ -55,3 +55,8 @@ def format_size(num_bytes: int) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def count(number: int, noun: str) -> str:
+    """'1 file', '2 files', '0 files' (the plural adds an s)."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"

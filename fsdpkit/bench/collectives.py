@@ -8,10 +8,10 @@ run it in place), so those modes are reported as N/A instead of timing a copy as
 
 All-gather has three variants: `flat` (one output tensor, all_gather_single, what FSDP uses),
 `list` (dist.all_gather into a list of separate tensors) and `fsdpkit` (what the engine runs:
-fsdpkit.comm.Collectives.all_gather, point-to-point transfers into place where the backend is
+fsdpkit.dist.comm.Collectives.all_gather, point-to-point transfers into place where the backend is
 gloo, the native collective elsewhere). Reduce-scatter has two: `torch`
 (reduce_scatter_single; gloo runs it as an all-reduce) and `fsdpkit` (what the engine runs:
-fsdpkit.comm.Collectives.reduce_scatter, point-to-point transfers and a local sum where the
+fsdpkit.dist.comm.Collectives.reduce_scatter, point-to-point transfers and a local sum where the
 backend has no reduce-scatter, the native collective elsewhere).
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import Collectives, _all_gather_flat, _reduce_scatter_flat
+from ..dist.comm import Collectives, all_gather_flat, reduce_scatter_flat
 from . import patterns
 
 
@@ -41,7 +41,7 @@ class PreparedCollective:
 
 
 @dataclass(frozen=True)
-class Placement:
+class RankContext:
     rank: int
     world_size: int
     dtype: torch.dtype
@@ -60,7 +60,7 @@ def supports_mode(collective: str, mode: str) -> bool:
 REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
 
 
-def prepare(collective: str, variant: str, mode: str, count: int, where: Placement, *, op: str = "sum") -> PreparedCollective:
+def prepare(collective: str, variant: str, mode: str, count: int, where: RankContext, *, op: str = "sum") -> PreparedCollective:
     """Allocate buffers for `collective` with `count` elements (per rank for the sharded ones);
     `op` is the reduction of all-reduce and reduce-scatter."""
     if not supports_mode(collective, mode):
@@ -78,11 +78,11 @@ def prepare(collective: str, variant: str, mode: str, count: int, where: Placeme
     return builders[collective](in_place, count, where)
 
 
-def _empty(numel: int, where: Placement) -> torch.Tensor:
+def _empty(numel: int, where: RankContext) -> torch.Tensor:
     return torch.empty(numel, dtype=where.dtype, device=where.device)
 
 
-def _prepare_allgather_flat(in_place: bool, count: int, where: Placement, *, engine: bool = False) -> PreparedCollective:
+def _prepare_allgather_flat(in_place: bool, count: int, where: RankContext, *, engine: bool = False) -> PreparedCollective:
     """torch's all_gather_single, or (engine) the engine's Collectives.all_gather."""
     rank, n = where.rank, where.world_size
     comms = Collectives()
@@ -97,14 +97,14 @@ def _prepare_allgather_flat(in_place: bool, count: int, where: Placement, *, eng
     return PreparedCollective(
         run=(lambda: comms.all_gather(output, shard, where.group))
         if engine
-        else (lambda: _all_gather_flat(output, shard, group=where.group)),
+        else (lambda: all_gather_flat(output, shard, group=where.group)),
         reset=reset,
         result=lambda: output,
         expected=lambda: patterns.gathered_values(n, count, device=where.device),
     )
 
 
-def _prepare_allgather_list(in_place: bool, count: int, where: Placement) -> PreparedCollective:
+def _prepare_allgather_list(in_place: bool, count: int, where: RankContext) -> PreparedCollective:
     rank, n = where.rank, where.world_size
     if in_place:
         flat = _empty(count * n, where)
@@ -128,7 +128,7 @@ def _prepare_allgather_list(in_place: bool, count: int, where: Placement) -> Pre
     )
 
 
-def _prepare_reducescatter(in_place: bool, count: int, where: Placement, op: str, *, engine: bool) -> PreparedCollective:
+def _prepare_reducescatter(in_place: bool, count: int, where: RankContext, op: str, *, engine: bool) -> PreparedCollective:
     """torch's reduce_scatter_single, or (engine) the engine's Collectives.reduce_scatter (sum only)."""
     rank, n = where.rank, where.world_size
     comms = Collectives()
@@ -143,7 +143,7 @@ def _prepare_reducescatter(in_place: bool, count: int, where: Placement, op: str
     return PreparedCollective(
         run=(lambda: comms.reduce_scatter(output, full, where.group))
         if engine
-        else (lambda: _reduce_scatter_flat(output, full, op=getattr(dist.ReduceOp, REDUCE_OPS[op]), group=where.group)),
+        else (lambda: reduce_scatter_flat(output, full, op=getattr(dist.ReduceOp, REDUCE_OPS[op]), group=where.group)),
         reset=reset,
         result=lambda: output,
         expected=lambda: patterns.reduced_over_ranks(op, rank * count, count, n, device=where.device),
@@ -151,7 +151,7 @@ def _prepare_reducescatter(in_place: bool, count: int, where: Placement, op: str
     )
 
 
-def _prepare_allreduce(in_place: bool, count: int, where: Placement, op: str) -> PreparedCollective:
+def _prepare_allreduce(in_place: bool, count: int, where: RankContext, op: str) -> PreparedCollective:
     rank, n = where.rank, where.world_size
     buffer = _empty(count, where)
 
@@ -168,7 +168,7 @@ def _prepare_allreduce(in_place: bool, count: int, where: Placement, op: str) ->
     )
 
 
-def _prepare_broadcast(in_place: bool, count: int, where: Placement) -> PreparedCollective:
+def _prepare_broadcast(in_place: bool, count: int, where: RankContext) -> PreparedCollective:
     root = dist.get_global_rank(where.group, 0)
     buffer = _empty(count, where)
 
@@ -187,7 +187,7 @@ def _prepare_broadcast(in_place: bool, count: int, where: Placement) -> Prepared
     )
 
 
-def _prepare_alltoall(in_place: bool, count: int, where: Placement) -> PreparedCollective:
+def _prepare_alltoall(in_place: bool, count: int, where: RankContext) -> PreparedCollective:
     rank, n = where.rank, where.world_size
     send = _empty(count * n, where)
     receive = _empty(count * n, where)

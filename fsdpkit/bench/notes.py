@@ -3,7 +3,7 @@
 Checked on torch 2.13 (CPU build) with torch.profiler inside a 2-rank gloo run:
 reduce_scatter_single records `c10d::_reduce_scatter_base_` followed by `gloo:all_reduce`
 (ProcessGroupGloo clones the input, all-reduces the whole tensor, copies out this rank's
-chunk; gloo has no reduce-scatter of its own, pytorch PR #118911), and all_gather_single
+chunk; gloo has no reduce-scatter of its own), and all_gather_single
 records `gloo:all_gather`, the same work as the list all-gather (ProcessGroupGloo's
 _allgather_base chunks the output into a list).
 """

@@ -1,8 +1,8 @@
-"""Run a benchmark from the launching process: validate, plan sizes, launch ranks, combine.
+"""Run a benchmark from the launching process: validate, choose sizes, launch ranks, combine.
 
     from fsdpkit.bench.options import BenchOptions
     from fsdpkit.bench.runner import run_bench
-    from fsdpkit.launch import LaunchOptions
+    from fsdpkit.dist.launch import LaunchOptions
     report = run_bench(BenchOptions(collectives=("allgather",), max_bytes=1 << 20),
                        launch_options=LaunchOptions(nproc_per_node=2))
 
@@ -14,19 +14,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from ..dist.host import available_memory_bytes
+from ..dist.launch import LaunchOptions, launch
 from ..errors import DataCheckError, UsageError
-from ..host import available_memory_bytes
-from ..launch import LaunchOptions, launch
 from .busbw import bench_sizes, busbw_factor
 from .notes import backend_note
 from .options import REDUCING, BenchOptions, check_memory, element_size, resolve_backend
 from .patterns import check_op_range
 from .results import BenchReport, CollectiveResult, SizeResult, size_result
 from .stream import RowCallback, TableStream, follow_rows
-from .worker import BenchEntry, BenchPlan, bench_worker
+from .worker import BenchEntry, BenchSpec, bench_worker
 
 
-def plan_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> BenchPlan:
+def bench_spec(options: BenchOptions, *, launch_options: LaunchOptions) -> BenchSpec:
     """The sizes each collective runs at, rounded to valid counts for this world size."""
     local = launch_options.local_processes
     backend = resolve_backend(options.backend, nproc_per_node=local)
@@ -53,7 +53,7 @@ def plan_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> Bench
         )
         for collective, variant in options.entries()
     )
-    return BenchPlan(
+    return BenchSpec(
         entries=entries,
         backend=backend,
         dtype=options.dtype,
@@ -66,58 +66,58 @@ def plan_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> Bench
 
 
 def run_bench(options: BenchOptions, *, launch_options: LaunchOptions) -> BenchReport:
-    return run_plan(plan_bench(options, launch_options=launch_options), launch_options=launch_options)
+    return run_bench_spec(bench_spec(options, launch_options=launch_options), launch_options=launch_options)
 
 
-def run_plan(plan: BenchPlan, *, launch_options: LaunchOptions, on_row: RowCallback | None = None) -> BenchReport:
+def run_bench_spec(spec: BenchSpec, *, launch_options: LaunchOptions, on_row: RowCallback | None = None) -> BenchReport:
     """Launch the ranks; `on_row(entry, size, row)` hears of each size as soon as it is measured
     (global rank 0 writes it to a file this process follows; see stream.py)."""
     if on_row is None:
-        returned = launch(bench_worker, plan, options=launch_options)
+        returned = launch(bench_worker, spec, options=launch_options)
     else:
         with follow_rows(on_row) as rows_path:
-            returned = launch(bench_worker, dataclasses.replace(plan, rows_path=rows_path), options=launch_options)
+            returned = launch(bench_worker, dataclasses.replace(spec, rows_path=rows_path), options=launch_options)
     # Every rank returns the same combined numbers; take the lowest rank this node ran.
     measured = returned[min(returned)]
-    return build_report(plan, measured, world_size=launch_options.world_size)
+    return build_report(spec, measured, world_size=launch_options.world_size)
 
 
-def table_stream(plan: BenchPlan, *, world_size: int, write: Callable[[str], None]) -> TableStream:
-    """Prints `plan`'s tables as their rows are measured (pass its `row` as run_plan's on_row)."""
-    empty = build_report(plan, [[] for _ in plan.entries], world_size=world_size)
-    return TableStream(empty, [entry.sizes for entry in plan.entries], write)
+def table_stream(spec: BenchSpec, *, world_size: int, write: Callable[[str], None]) -> TableStream:
+    """Prints `spec`'s tables as their rows are measured (pass its `row` as run_bench_spec's on_row)."""
+    empty = build_report(spec, [[] for _ in spec.entries], world_size=world_size)
+    return TableStream(empty, [entry.sizes for entry in spec.entries], write)
 
 
-def collective_result(plan: BenchPlan, entry: BenchEntry, rows: tuple[SizeResult, ...], *, world_size: int) -> CollectiveResult:
+def collective_result(spec: BenchSpec, entry: BenchEntry, rows: tuple[SizeResult, ...], *, world_size: int) -> CollectiveResult:
     return CollectiveResult(
         collective=entry.collective,
         variant=entry.variant,
         world_size=world_size,
         busbw_factor=busbw_factor(entry.collective, world_size),
         rows=rows,
-        note=backend_note(plan.backend, entry.collective, entry.variant),
-        op=plan.op if entry.collective in REDUCING else None,
+        note=backend_note(spec.backend, entry.collective, entry.variant),
+        op=spec.op if entry.collective in REDUCING else None,
         nccl_tests=entry.nccl_tests,
     )
 
 
-def build_report(plan: BenchPlan, measured: list, *, world_size: int) -> BenchReport:
+def build_report(spec: BenchSpec, measured: list, *, world_size: int) -> BenchReport:
     """The report of `measured` (per entry, the measurements of its first sizes: all of them,
     or none for the header of a table still to come)."""
     results = []
-    for entry, rows in zip(plan.entries, measured, strict=True):
+    for entry, rows in zip(spec.entries, measured, strict=True):
         size_results = tuple(
             size_result(entry.collective, world_size, size, {mode: None if m is None else (m.seconds, m.wrong) for mode, m in row.items()})
             for size, row in zip(entry.sizes, rows, strict=False)
         )
-        results.append(collective_result(plan, entry, size_results, world_size=world_size))
+        results.append(collective_result(spec, entry, size_results, world_size=world_size))
     return BenchReport(
-        backend=plan.backend,
+        backend=spec.backend,
         world_size=world_size,
-        dtype=plan.dtype,
-        iters=plan.iters,
-        warmup=plan.warmup,
-        check=plan.check,
+        dtype=spec.dtype,
+        iters=spec.iters,
+        warmup=spec.warmup,
+        check=spec.check,
         results=tuple(results),
     )
 

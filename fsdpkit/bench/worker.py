@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import log
 from .busbw import MODES, BenchSize
-from .collectives import Placement, PreparedCollective, prepare, supports_mode
+from .collectives import PreparedCollective, RankContext, prepare, supports_mode
 from .options import torch_dtype
 from .stream import append_row
 
@@ -43,7 +43,7 @@ class BenchEntry:
 
 
 @dataclass(frozen=True)
-class BenchPlan:
+class BenchSpec:
     entries: tuple[BenchEntry, ...]
     backend: str
     dtype: str
@@ -67,43 +67,43 @@ SizeMeasurements = dict[str, Measurement | None]  # mode -> measurement (None: t
 
 
 @record
-def bench_worker(plan: BenchPlan) -> list[list[SizeMeasurements]]:
-    """Entry point for fsdpkit.launch: returns, per entry and size, the combined measurements."""
+def bench_worker(spec: BenchSpec) -> list[list[SizeMeasurements]]:
+    """Entry point for fsdpkit.dist.launch: returns, per entry and size, the combined measurements."""
     log.setup()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if os.environ.get(FAIL_RANK_ENV, "") == os.environ.get("RANK"):
         raise RuntimeError(f"injected failure ({FAIL_RANK_ENV}={os.environ['RANK']})")
-    device = start_process_group(plan.backend, local_rank, timeout=plan.timeout)
+    device = start_process_group(spec.backend, local_rank, timeout=spec.timeout)
     group = dist.group.WORLD
     try:
-        where = Placement(
+        where = RankContext(
             rank=dist.get_rank(group),
             world_size=dist.get_world_size(group),
-            dtype=torch_dtype(plan.dtype),
+            dtype=torch_dtype(spec.dtype),
             device=device,
             group=group,
         )
         corrupt = os.environ.get(CORRUPT_RANK_ENV, "") == str(dist.get_rank())
-        return _run_plan(plan, where, corrupt=corrupt)
+        return _measure_spec(spec, where, corrupt=corrupt)
     finally:
         dist.destroy_process_group()
 
 
-def _run_plan(plan: BenchPlan, where: Placement, *, corrupt: bool) -> list[list[SizeMeasurements]]:
+def _measure_spec(spec: BenchSpec, where: RankContext, *, corrupt: bool) -> list[list[SizeMeasurements]]:
     from tqdm import tqdm
 
-    total = sum(len(entry.sizes) for entry in plan.entries)
-    rows_path = plan.rows_path if where.rank == 0 else None
+    total = sum(len(entry.sizes) for entry in spec.entries)
+    rows_path = spec.rows_path if where.rank == 0 else None
     # The rows shown as they come are the progress; without them (--json), a bar on a terminal.
-    hidden = where.rank != 0 or plan.rows_path is not None
+    hidden = where.rank != 0 or spec.rows_path is not None
     progress = tqdm(total=total, desc="bench", unit="size", file=sys.stderr, disable=True if hidden else None, leave=False)
     results = []
     with progress:
-        for index, entry in enumerate(plan.entries):
+        for index, entry in enumerate(spec.entries):
             rows = []
             for size in entry.sizes:
                 progress.set_postfix_str(f"{entry.collective} {size.size_bytes} B")
-                rows.append(measure_size(entry, size, plan, where, corrupt=corrupt))
+                rows.append(measure_size(entry, size, spec, where, corrupt=corrupt))
                 if rows_path is not None:
                     row = {mode: None if m is None else (m.seconds, m.wrong) for mode, m in rows[-1].items()}
                     append_row(rows_path, index, len(rows) - 1, row)
@@ -112,15 +112,15 @@ def _run_plan(plan: BenchPlan, where: Placement, *, corrupt: bool) -> list[list[
     return results
 
 
-def measure_size(entry: BenchEntry, size: BenchSize, plan: BenchPlan, where: Placement, *, corrupt: bool = False) -> SizeMeasurements:
+def measure_size(entry: BenchEntry, size: BenchSize, spec: BenchSpec, where: RankContext, *, corrupt: bool = False) -> SizeMeasurements:
     """Every mode of one collective at one size, combined over the ranks of `where.group`."""
     modes = [mode for mode in MODES if supports_mode(entry.collective, mode)]
     seconds = []
     wrong = []
     for mode in modes:
-        prepared = prepare(entry.collective, entry.variant, mode, size.count, where, op=plan.op)
-        seconds.append(_time_calls(prepared, plan, where))
-        wrong.append(sum(_count_wrong(prepared, where, corrupt=corrupt) for _ in range(plan.check)))
+        prepared = prepare(entry.collective, entry.variant, mode, size.count, where, op=spec.op)
+        seconds.append(_time_calls(prepared, spec, where))
+        wrong.append(sum(_count_wrong(prepared, where, corrupt=corrupt) for _ in range(spec.check)))
         del prepared
     # Two tiny collectives combine the ranks: the slowest rank's mean, the sum of wrong elements.
     slowest = torch.tensor(seconds, dtype=torch.float64, device=where.device)
@@ -128,24 +128,24 @@ def measure_size(entry: BenchEntry, size: BenchSize, plan: BenchPlan, where: Pla
     wrong_total = torch.tensor(wrong, dtype=torch.int64, device=where.device)
     dist.all_reduce(wrong_total, op=dist.ReduceOp.SUM, group=where.group)
     measured = {
-        mode: Measurement(seconds=float(slowest[i]), wrong=int(wrong_total[i]) if plan.check else None) for i, mode in enumerate(modes)
+        mode: Measurement(seconds=float(slowest[i]), wrong=int(wrong_total[i]) if spec.check else None) for i, mode in enumerate(modes)
     }
     return {mode: measured.get(mode) for mode in MODES}
 
 
-def _time_calls(prepared: PreparedCollective, plan: BenchPlan, where: Placement) -> float:
-    for _ in range(plan.warmup):
+def _time_calls(prepared: PreparedCollective, spec: BenchSpec, where: RankContext) -> float:
+    for _ in range(spec.warmup):
         prepared.run()
     _synchronize(where)
     _barrier(where)
     start = time.perf_counter()
-    for _ in range(plan.iters):
+    for _ in range(spec.iters):
         prepared.run()
     _synchronize(where)
-    return (time.perf_counter() - start) / plan.iters
+    return (time.perf_counter() - start) / spec.iters
 
 
-def _count_wrong(prepared: PreparedCollective, where: Placement, *, corrupt: bool) -> int:
+def _count_wrong(prepared: PreparedCollective, where: RankContext, *, corrupt: bool) -> int:
     from .patterns import count_wrong
 
     prepared.reset()
@@ -159,12 +159,12 @@ def _count_wrong(prepared: PreparedCollective, where: Placement, *, corrupt: boo
     return count_wrong(result, prepared.expected(), rtol=prepared.rtol)
 
 
-def _synchronize(where: Placement) -> None:
+def _synchronize(where: RankContext) -> None:
     if where.device.type == "cuda":
         torch.cuda.synchronize(where.device)
 
 
-def _barrier(where: Placement) -> None:
+def _barrier(where: RankContext) -> None:
     if where.device.type == "cuda":
         dist.barrier(group=where.group, device_ids=[where.device.index])
     else:

@@ -12,17 +12,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ..comm import Collectives, CommStats
+from ..dist.comm import Collectives, CommStats
 from ..errors import UsageError
-from ..model_hooks import hooks_of
 from .config import MixedPrecision, ShardingConfig
 from .deferred_init import has_meta_tensors, initialize_meta_parameters, materialize_buffers, meta_parameter_names
 from .flat_unit import SHAPE_ATTR
 from .memory import optimizer_state_bytes
 from .mesh import build_mesh
-from .plan import WrapPolicy, bucket_units, plan_units
+from .model_hooks import hooks_of
 from .precision import FP32_MODULE_CLASSES, keep_in_fp32
 from .sharded import STATE_ATTR, RootRuntime, get_state
+from .wrapping import WrapPolicy, bucket_units, split_units
 
 WrapSpec = WrapPolicy | tuple[type[nn.Module], ...] | list[type[nn.Module]] | type[nn.Module] | Callable[[str, nn.Module], bool] | None
 
@@ -66,7 +66,7 @@ def shard(
         raise UsageError(f"{type(module).__name__} is already sharded")
     if not dist.is_initialized():
         raise UsageError("fsdpkit.shard() needs an initialised process group (torch.distributed.init_process_group)")
-    config = _with_options(config or ShardingConfig(), options)
+    config = with_options(config or ShardingConfig(), options)
     mesh = build_mesh(config, group)
     device = torch.device(device) if device is not None else _default_device()
     deferred = has_meta_tensors(module)
@@ -78,9 +78,9 @@ def shard(
             if buffer is not None:
                 kept = f"{owner_name}.{name}" if owner_name else name
                 buffer_owner._buffers[name] = _place_buffer(buffer, kept in keep_dtype, buffer_owner, device, config.mixed_precision)
-    plans = bucket_units(module, plan_units(module, _as_policy(wrap)), config.bucket_bytes)
+    specs = bucket_units(module, split_units(module, _as_policy(wrap)), config.bucket_bytes)
     meta_names = meta_parameter_names(module) if deferred else set()
-    state = RootRuntime(module, plans, mesh, config, Collectives(comm_stats), device, record_events=record_events)
+    state = RootRuntime(module, specs, mesh, config, Collectives(comm_stats), device, record_events=record_events)
     if meta_names:
         initialize_meta_parameters(module, state.units, meta_names, device)
     object.__setattr__(module, STATE_ATTR, state)
@@ -91,7 +91,7 @@ def shard(
     return module
 
 
-def _with_options(config: ShardingConfig, options: dict[str, Any]) -> ShardingConfig:
+def with_options(config: ShardingConfig, options: dict[str, Any]) -> ShardingConfig:
     known = {f.name for f in dataclasses.fields(ShardingConfig)}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -105,11 +105,11 @@ def _with_options(config: ShardingConfig, options: dict[str, Any]) -> ShardingCo
 
 def _checkpoint_leaf_units(module: nn.Module, state: RootRuntime) -> None:
     """Recompute each non-root unit's activations in backward (units with no nested units)."""
-    member_names = [name for unit in state.units for name in unit.plan.members]
+    member_names = [name for unit in state.units for name in unit.spec.members]
     for unit in state.units:
         if unit.is_root:
             continue
-        if any(other != name and other.startswith(name + ".") for name in unit.plan.members for other in member_names):
+        if any(other != name and other.startswith(name + ".") for name in unit.spec.members for other in member_names):
             continue
         for member in unit.members:
             member.forward = _checkpointed(member.forward)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TypeVar
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from ..dtypes import SHORT_NAMES, from_short
 from ..errors import UsageError
+
+if TYPE_CHECKING:  # torch is imported when a precision is built: a flag is checked without it
+    import torch
 
 
 class Strategy(enum.StrEnum):
@@ -82,6 +83,8 @@ class MixedPrecision:
         reduce_preset = from_short(reduce_dtype) if reduce_dtype is not None else None
         if reduce_dtype is not None and reduce_preset is None:
             raise UsageError(f"unknown reduce dtype {reduce_dtype!r}: use one of {', '.join(sorted(SHORT_NAMES))}")
+        import torch
+
         dtype = None if preset is None or preset.torch is torch.float32 else preset.torch
         default_reduce = torch.float32 if dtype is torch.float16 else dtype
         reduce = reduce_preset.torch if reduce_preset is not None else default_reduce
@@ -102,7 +105,7 @@ class ShardingConfig:
     a Strategy or its string. shard_group_size: ranks a parameter is sharded over with `hybrid`.
     allgather_dtype: what the weight all-gather moves, the compute dtype or int8 in blocks of
     quant_block elements (engine/quant.py). bucket_bytes: consecutive units smaller than this
-    are merged into one unit (engine/plan.py bucket_units); 0 merges none. The default, 1 MiB,
+    are merged into one unit (engine/wrapping.py bucket_units); 0 merges none. The default, 1 MiB,
     is the smallest bucket that captured the measured gain on blocks of about 200 KB
     (docs/int8-and-bucketing.md); blocks above it stay one unit each.
     """

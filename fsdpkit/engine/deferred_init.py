@@ -3,8 +3,9 @@ exist, one module at a time; each rank keeps only its fragments, so the peak is 
 parameters plus the shards, never the model.
 
 A parameter is initialised by the `init_parameter(name, tensor)` of the model's hooks
-(`fsdpkit.model_hooks`) when it declares one (fsdpkit's GPT does: each parameter draws from a generator seeded by the model seed and its
-name, so the result equals eager initialisation whatever the order). Otherwise by
+(`fsdpkit.engine.model_hooks`) when it declares one (fsdpkit's GPT does: each parameter
+draws from a generator seeded by the model seed and its name, so the result equals eager
+initialisation whatever the order). Otherwise by
 `reset_parameters()` of the module that owns it, so that the result equals eager
 construction under the same seed:
 
@@ -27,8 +28,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UsageError
-from ..model_hooks import hooks_of
 from .flat_unit import SHAPE_ATTR, FlatUnit
+from .model_hooks import hooks_of
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -61,17 +62,17 @@ def initialize_meta_parameters(root: nn.Module, units: list[FlatUnit], names: se
     """Fill the shards of the parameters `names` (those that were on the meta device)."""
     slots = {}  # (module name, attribute) -> (unit, parameter index), for every use of a meta parameter
     for unit in units:
-        for index, plan in enumerate(unit.plan.params):
-            if plan.name in names:
-                slots.update({use: (unit, index) for use in plan.uses})
+        for index, spec in enumerate(unit.spec.params):
+            if spec.name in names:
+                slots.update({use: (unit, index) for use in spec.uses})
     init_parameter = hooks_of(root).init_parameter
     if init_parameter is not None:
         with torch.no_grad():
             for unit in units:
-                for index, plan in enumerate(unit.plan.params):
-                    if plan.name in names:
-                        full = torch.empty(plan.shape, dtype=unit.master_dtype, device=device)
-                        init_parameter(plan.name, full)
+                for index, spec in enumerate(unit.spec.params):
+                    if spec.name in names:
+                        full = torch.empty(spec.shape, dtype=unit.master_dtype, device=device)
+                        init_parameter(spec.name, full)
                         unit.fill_parameter(index, full)
         return
     modules = dict(root.named_modules(remove_duplicate=False))
@@ -79,13 +80,13 @@ def initialize_meta_parameters(root: nn.Module, units: list[FlatUnit], names: se
     # reset that reaches into another module's parameter writes nothing, and is caught.
     placeholder_names: dict[int, str] = {}
     for unit in units:
-        for plan in unit.plan.params:
-            if plan.name in names:
+        for spec in unit.spec.params:
+            if spec.name in names:
                 placeholder = nn.Parameter(
-                    torch.empty(plan.shape, dtype=unit.master_dtype, device="meta"), requires_grad=plan.requires_grad
+                    torch.empty(spec.shape, dtype=unit.master_dtype, device="meta"), requires_grad=spec.requires_grad
                 )
-                placeholder_names[id(placeholder)] = plan.name
-                for module_name, attr in plan.uses:
+                placeholder_names[id(placeholder)] = spec.name
+                for module_name, attr in spec.uses:
                     modules[module_name]._parameters[attr] = placeholder
     done: set[str] = set()
     try:
@@ -93,12 +94,12 @@ def initialize_meta_parameters(root: nn.Module, units: list[FlatUnit], names: se
             _reset_module(module_name, modules[module_name], slots, device, done, placeholder_names)
     finally:
         for unit in units:
-            unit.reshard()  # the attributes show the sharded fragments again
-    missing = [name for unit in units for name in (p.name for p in unit.plan.params) if name in names and name not in done]
+            unit.free_full()  # the attributes show the sharded fragments again
+    missing = [name for unit in units for name in (p.name for p in unit.spec.params) if name in names and name not in done]
     if missing:
         raise UsageError(
             f"deferred init: nothing initialises parameter {missing[0]!r} (its module has no reset_parameters() "
-            "that sets it); give the model ModelHooks(init_parameter=...) (fsdpkit.model_hooks), or build it eagerly (--eager-init)"
+            "that sets it); give the model ModelHooks(init_parameter=...) (fsdpkit.engine.model_hooks), or build it eagerly (--eager-init)"
         )
 
 
@@ -135,7 +136,7 @@ def _reset_module(
         tensor = torch.empty(getattr(param, SHAPE_ATTR, param.shape), dtype=param.dtype, device=device)
         if attr in own:
             unit, index = own[attr]
-            if unit.plan.params[index].uses[0] == (module_name, attr):
+            if unit.spec.params[index].uses[0] == (module_name, attr):
                 owned[attr] = tensor.fill_(float("nan"))
         module._parameters[attr] = nn.Parameter(tensor, requires_grad=param.requires_grad)
     guard = _MetaWriteGuard()
@@ -149,7 +150,7 @@ def _reset_module(
         written = placeholder_names.get(id(guard.written[0]), "a parameter")
         raise UsageError(
             f"deferred init: {where} writes parameter {written!r} of another module, so the order of "
-            "random draws cannot follow eager construction; give the model ModelHooks(init_parameter=...) (fsdpkit.model_hooks), "
+            "random draws cannot follow eager construction; give the model ModelHooks(init_parameter=...) (fsdpkit.engine.model_hooks), "
             "or build it eagerly (--eager-init)"
         )
     for attr, tensor in owned.items():
@@ -157,7 +158,7 @@ def _reset_module(
         if tensor.numel() and torch.isnan(tensor).all():
             continue  # not set by this reset
         unit.fill_parameter(index, tensor)
-        done.add(unit.plan.params[index].name)
+        done.add(unit.spec.params[index].name)
 
 
 class _MetaWriteGuard(TorchDispatchMode):

@@ -9,7 +9,7 @@ original shape.
 
     SHARDED --unshard(async)--> GATHERING --wait--> GATHERED --show--> UNSHARDED
        ^                                                                   |
-       +-------------------------------- reshard --------------------------+
+       +------------------------------- free_full -------------------------+
 
 Per backward, separately: PENDING -> PREPARED (gathered for its gradient computation) ->
 REDUCED (its gradient reduction issued), back to PENDING at the end of backward.
@@ -26,13 +26,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..comm import Collectives
-from ..layout import FlatLayout
+from ..dist.comm import Collectives
+from ..flat_layout import FlatLayout
 from .config import MixedPrecision
 from .memory import MemoryCounter, tensor_bytes
 from .mesh import ShardMesh
-from .plan import UnitPlan
 from .quant import Int8BlockCodec
+from .wrapping import UnitSpec
 
 SHAPE_ATTR = "_fsdpkit_shape"
 
@@ -65,7 +65,7 @@ class PendingReduction:
 class FlatUnit:
     def __init__(
         self,
-        plan: UnitPlan,
+        spec: UnitSpec,
         modules: dict[str, nn.Module],
         mesh: ShardMesh,
         comms: Collectives,
@@ -77,18 +77,18 @@ class FlatUnit:
         gather_stream: torch.cuda.Stream | None = None,
         gather_block: int | None = None,
     ) -> None:
-        self.name = plan.name
-        self.plan = plan
+        self.name = spec.name
+        self.spec = spec
         self.mesh = mesh
         self.comms = comms
         self.memory = memory
-        self.is_root = plan.members == ("",)
-        self.members = [modules[name] for name in plan.members]
-        self.layout: FlatLayout = plan.layout(mesh.shard_factor)
+        self.is_root = spec.members == ("",)
+        self.members = [modules[name] for name in spec.members]
+        self.layout: FlatLayout = spec.layout(mesh.shard_factor)
         self.fragments = self.layout.fragments(mesh.shard_rank)
         self.padded_numel, self.chunk_numel = self.layout.padded_numel, self.layout.chunk_numel
         self.split_sizes = self.layout.split_sizes()  # (the layout computes these on every call)
-        self.uses = [[(modules[m], attr) for m, attr in p.uses] for p in plan.params]
+        self.uses = [[(modules[m], attr) for m, attr in p.uses] for p in spec.params]
         originals = [getattr(uses[0][0], uses[0][1]) for uses in self.uses]
         dtypes = {t.dtype for t in originals}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
@@ -104,7 +104,7 @@ class FlatUnit:
         # so a unit computes with the same weights whatever the world size.
         self.codec = Int8BlockCodec(self.chunk_numel, gather_block) if gather_block is not None else None
 
-        self._make_shard(plan, originals)
+        self._make_shard(spec, originals)
         self.grad_shard: torch.Tensor | None = None
         memory.add("sharded_params", tensor_bytes(self.flat_shard))
 
@@ -123,7 +123,7 @@ class FlatUnit:
         self._holds_unsynced_grad = False  # full_flat.grad accumulates across no_sync backwards
         self._set_params(self.params)
 
-    def _make_shard(self, plan: UnitPlan, originals: list[torch.Tensor]) -> None:
+    def _make_shard(self, spec: UnitSpec, originals: list[torch.Tensor]) -> None:
         """This rank's flat shard and the sharded parameters viewing it. Parameters still on the
         meta device are filled later (deferred_init) through fill_parameter(); until then their
         pages are not touched, so deferred init holds memory only for what it has materialised.
@@ -136,9 +136,9 @@ class FlatUnit:
                     source = original.detach().reshape(-1)[fragment.param_range.start : fragment.param_range.end]
                     self._local(self.flat_shard, fragment).copy_(source)
         self.params: list[nn.Parameter] = []
-        for fragment, param_plan in zip(self.fragments, plan.params, strict=True):
-            param = nn.Parameter(self._local(self.flat_shard, fragment), requires_grad=param_plan.requires_grad)
-            setattr(param, SHAPE_ATTR, torch.Size(param_plan.shape))
+        for fragment, param_spec in zip(self.fragments, spec.params, strict=True):
+            param = nn.Parameter(self._local(self.flat_shard, fragment), requires_grad=param_spec.requires_grad)
+            setattr(param, SHAPE_ATTR, torch.Size(param_spec.shape))
             self.params.append(param)
         self.trainable = any(p.requires_grad for p in self.params)
 
@@ -165,7 +165,7 @@ class FlatUnit:
         if not keep_usage:
             self.used = [0] * len(self.params)
 
-    # ----- unshard / reshard
+    # ----- unshard / free_full
     @property
     def is_gathered(self) -> bool:
         """The all-gather was at least issued: the full buffer is (or will be) filled."""
@@ -234,8 +234,8 @@ class FlatUnit:
             base = self.full_flat if (track_grad and self.trainable) else self.full_flat.detach()
             pieces = torch.split(base, self.split_sizes)
             views = [
-                (piece if param_plan.requires_grad else piece.detach()).view(param_plan.shape)
-                for piece, param_plan in zip(pieces, self.plan.params, strict=False)  # the last piece is the padding
+                (piece if param_spec.requires_grad else piece.detach()).view(param_spec.shape)
+                for piece, param_spec in zip(pieces, self.spec.params, strict=False)  # the last piece is the padding
             ]
         if base.requires_grad:
             # One hook on the split's backward sees which pieces got a gradient (the others None).
@@ -250,7 +250,7 @@ class FlatUnit:
             if grad is not None:
                 self.used[index] = 1
 
-    def reshard(self) -> None:
+    def free_full(self) -> None:
         """Back to the sharded state: original names show the fragments; free the full buffer."""
         self._set_params(self.params)
         if not self.is_gathered:

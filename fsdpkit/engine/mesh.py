@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..comm import new_group
+from ..dist.comm import new_group
 from .config import ShardingConfig
 
 

@@ -38,13 +38,13 @@ import torch.nn as nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ..comm import Collectives
+from ..dist.comm import Collectives
 from .config import ShardingConfig
 from .flat_unit import BackwardState, FlatUnit, PendingReduction, UnitState
 from .memory import MemoryCounter
 from .mesh import ShardMesh
-from .plan import UnitPlan
 from .step_policy import StepPolicy
+from .wrapping import UnitSpec
 
 STATE_ATTR = "_fsdpkit_state"
 
@@ -81,7 +81,7 @@ class RootRuntime:
     def __init__(
         self,
         module: nn.Module,
-        plans: list[UnitPlan],
+        specs: list[UnitSpec],
         mesh: ShardMesh,
         config: ShardingConfig,
         comms: Collectives,
@@ -103,7 +103,7 @@ class RootRuntime:
         gather_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.units: list[FlatUnit] = [
             FlatUnit(
-                plan,
+                spec,
                 modules,
                 mesh,
                 comms,
@@ -114,7 +114,7 @@ class RootRuntime:
                 gather_stream=gather_stream,
                 gather_block=config.gather_block,
             )
-            for plan in plans
+            for spec in specs
         ]
         self.phase = Phase.IDLE
         self.gradient_sync = GradientSync.REDUCE
@@ -180,7 +180,7 @@ class RootRuntime:
             # unit) hold the weights of that moment: gather them afresh.
             for unit in self.units:
                 if unit.is_gathered:
-                    self._reshard(unit)
+                    self._free_full(unit)
 
     def _model_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.phase is Phase.FORWARD:
@@ -211,7 +211,7 @@ class RootRuntime:
     def _frozen_use_done(self, unit: FlatUnit) -> None:
         unit.frozen_uses -= 1
         if unit.frozen_uses == 0:
-            self._reshard(unit)
+            self._free_full(unit)
 
     def _unshard_for_forward(self, unit: FlatUnit) -> None:
         training = torch.is_grad_enabled()
@@ -235,7 +235,7 @@ class RootRuntime:
                 if self.policy.reshards_after_forward(
                     is_root=unit.is_root, training=training, needed_first_by_backward=self._needed_first_by_backward(unit)
                 ):
-                    self._reshard(unit)
+                    self._free_full(unit)
             if training:
                 self._register_pre_backward(output, member_of)
             return output
@@ -282,14 +282,14 @@ class RootRuntime:
                 self._reduce(unit)
             else:
                 unit.keep_grad_unsynced()
-            self._reshard(unit)
+            self._free_full(unit)
 
         return _profiled(f"fsdpkit:post_backward {unit.name or '<root>'}", post_backward)
 
-    def _reshard(self, unit: FlatUnit) -> None:
+    def _free_full(self, unit: FlatUnit) -> None:
         if unit in self.inflight_gathers:
             self.inflight_gathers.remove(unit)
-        unit.reshard()
+        unit.free_full()
 
     def _defers_prefetch(self, unit: FlatUnit) -> bool:
         return self.policy.defers_prefetch(first_in_backward=unit is self.first_in_backward, trainable=unit.trainable)
@@ -324,7 +324,7 @@ class RootRuntime:
                 pending.unit.accumulate(pending, used_of[id(pending.unit)])
             self.pending.clear()
         for unit in self.units:
-            self._reshard(unit)
+            self._free_full(unit)
             unit.end_backward(keep_usage=not syncing)
         self.previous_forward_order, self.forward_order = self.forward_order, []
         self.first_in_backward = None
@@ -344,7 +344,7 @@ class RootRuntime:
         self.pending.clear()
         for unit in self.units:
             unit.drop_unsynced_grad()
-            self._reshard(unit)
+            self._free_full(unit)
             unit.end_backward(keep_usage=False)
         self.inflight_gathers.clear()
         self.forward_order = []
@@ -356,7 +356,7 @@ class RootRuntime:
         weights of that moment (stale once the optimizer steps). Gradients a backward
         already accumulated are kept."""
         for unit in self.units:
-            self._reshard(unit)
+            self._free_full(unit)
             unit.frozen_uses = 0
         self.inflight_gathers.clear()
         self.phase = Phase.IDLE
@@ -372,7 +372,7 @@ class RootRuntime:
         if self.phase is Phase.BACKWARD:
             raise RuntimeError("full_params() cannot be used during backward")
         for unit in self.units:
-            self._reshard(unit)
+            self._free_full(unit)
         buffers = []
         for unit in self.units:
             if unit.mesh.shard_factor == 1:
@@ -385,8 +385,8 @@ class RootRuntime:
             pieces = torch.split(full, unit.layout.split_sizes())
             unit._set_params(
                 [
-                    nn.Parameter(piece.view(plan.shape), requires_grad=plan.requires_grad)
-                    for piece, plan in zip(pieces, unit.plan.params, strict=False)  # the last piece is the padding
+                    nn.Parameter(piece.view(spec.shape), requires_grad=spec.requires_grad)
+                    for piece, spec in zip(pieces, unit.spec.params, strict=False)  # the last piece is the padding
                 ]
             )
         self.phase = Phase.SUMMONED
@@ -399,7 +399,7 @@ class RootRuntime:
                     if writeback and full is not unit.flat_shard:
                         chunk = unit.layout.chunk_range(unit.mesh.shard_rank)
                         unit.flat_shard.copy_(full[chunk.start : chunk.end])
-                    self._reshard(unit)
+                    self._free_full(unit)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -3,7 +3,7 @@ one policy that the engine's hooks follow (sharded.py), that the memory plan rep
 (memory_timeline.py) and that the step-time model simulates (step_time.py). Pure: no
 tensors, no process group.
 
-Units run forward in plan order (the root first: its pre-forward hook fires before any
+Units run forward in wrapping order (the root first: its pre-forward hook fires before any
 block's) and backward in reverse, the root last. Per unit:
 
     forward   gather (or wait for its prefetch); with forward prefetch, issue the next

@@ -1,5 +1,5 @@
 """The collectives one unit issues and the bytes each carries, as the engine's Collectives count
-them (fsdpkit.comm: the whole gathered or reduced tensor, elements x element size). Pure
+them (fsdpkit.dist.comm: the whole gathered or reduced tensor, elements x element size). Pure
 arithmetic on the unit's layout; the step-time model adds them up, and a test checks them
 against the engine's own counters.
 

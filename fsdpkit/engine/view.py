@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..layout import FlatLayout, Fragment
+from ..flat_layout import FlatLayout, Fragment
 from .sharded import get_state
 
 
@@ -50,10 +50,10 @@ def describe(module: nn.Module) -> ShardedModelView:
     units = []
     for unit in state.units:
         params = []
-        for plan, fragment, param in zip(unit.plan.params, unit.fragments, unit.params, strict=True):
-            names = [f"{m}.{a}" if m else a for m, a in plan.uses]
+        for spec, fragment, param in zip(unit.spec.params, unit.fragments, unit.params, strict=True):
+            names = [f"{m}.{a}" if m else a for m, a in spec.uses]
             params.append(
-                ParamView(plan.name, tuple(plan.shape), plan.requires_grad, tuple(n for n in names if n != plan.name), fragment, param)
+                ParamView(spec.name, tuple(spec.shape), spec.requires_grad, tuple(n for n in names if n != spec.name), fragment, param)
             )
         units.append(UnitView(unit.name, unit.layout, tuple(params)))
     mesh = state.mesh

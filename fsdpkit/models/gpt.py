@@ -10,26 +10,13 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model_hooks import ModelHooks
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 50257
-    block_size: int = 1024
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-
-    def __post_init__(self) -> None:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+from ..engine.model_hooks import ModelHooks
+from .gpt_config import GPTConfig
 
 
 class CausalSelfAttention(nn.Module):

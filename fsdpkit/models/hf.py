@@ -35,8 +35,8 @@ import torch.nn as nn
 
 from ..checkpoint.format.export import SIDE_FILES, HfExport
 from ..checkpoint.format.reader import is_full_checkpoint
+from ..engine.model_hooks import ModelHooks, declare_hooks
 from ..errors import UsageError
-from ..model_hooks import ModelHooks, declare_hooks
 
 PREFIX = "hf:"
 INSTALL_HINT = "Hugging Face models need the optional extra: pip install -e '.[hf]' (transformers, tokenizers)"

@@ -1,7 +1,7 @@
 """Built-in models by name, and objects named `package.module:attr` (model factories, --wrap classes).
 
-Every model, built-in or not, is resolved into a model source (fsdpkit/models/source.py);
-`build_model` is that source's build for callers that need only the module.
+Every model, built-in or not, is resolved into a model source (fsdpkit/models/source.py),
+which imports this module; this module imports nothing of models/ but the GPT config.
 """
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-
-import torch
-import torch.nn as nn
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
-from .gpt import GPTConfig
+from .gpt_config import GPTConfig
+
+if TYPE_CHECKING:  # torch is imported when a model is built: the names are known without it
+    pass
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64),
@@ -54,11 +55,3 @@ def load_object(spec: str, *, what: str) -> object:
         return getattr(module, attr)
     except AttributeError:
         raise UsageError(f"module {module_name!r} has no attribute {attr!r} ({what} {spec!r})") from None
-
-
-def build_model(name: str, *, device: str | torch.device = "cpu") -> nn.Module:
-    """Build a model by name on `device` (use 'meta' to build nothing real), from the torch
-    seed already set."""
-    from .source import resolve
-
-    return resolve(name).build(device=device)

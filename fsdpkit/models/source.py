@@ -25,8 +25,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from ..checkpoint.format.export import HfExport
+from ..engine.model_hooks import declare_hooks, hooks_of
 from ..errors import UsageError
-from ..model_hooks import declare_hooks, hooks_of
 from . import hf
 from .gpt import GPT, Block
 from .gpt_export import gpt2_export
@@ -46,7 +46,7 @@ def no_unit_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
 class InitSkippedOnMeta(TorchFunctionMode):
     """Initialisers (`torch.nn.init.*`, `Tensor.normal_` and the like) do nothing to meta
     tensors: there are no values to set, and torch runs them on meta through its Python
-    decompositions, which import torch._dynamo (about 80 MB and a second of start-up)."""
+    decompositions, which import torch._dynamo (a large import that slows start-up)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -73,7 +73,7 @@ class ModelSource:
     max_seq_len: int | None = None
     deferred_init: bool = False  # build on the meta device by default (initialisation reproduces eager)
     weights: Path | None = None  # a full checkpoint the model comes with, loaded unless --init-from/--resume
-    tokenizer: str | None = None  # hf:DIR when the model comes with a tokenizer (fsdpkit.tokens.load_tokenizer)
+    tokenizer: str | None = None  # hf:DIR when the model comes with a tokenizer (fsdpkit.data.tokens.load_tokenizer)
     export: HfExport | None = None  # what `convert --to full` writes for transformers
 
     def build(self, *, device: torch.device | str = "cpu", seed: int | None = None) -> nn.Module:
@@ -119,6 +119,8 @@ def resolve(spec: str) -> ModelSource:
             tokenizer=f"{hf.PREFIX}{directory}" if hf.has_tokenizer(directory) else None,
             export=hf.export_for(config, directory),
         )
+    if spec in hf.PRESETS:
+        raise UsageError(f"--model {spec!r} is not a built-in model ({', '.join(GPT_CONFIGS)}): did you mean {hf.PREFIX}{spec}?")
     factory = load_object(spec, what="model factory")
     if not callable(factory):
         raise UsageError(f"model factory {spec!r} is not callable")
@@ -147,3 +149,9 @@ def _build_factory(spec: str, factory: Callable[[], Any], device: torch.device |
         raise
     except Exception as error:
         raise UsageError(f"model factory {spec!r} failed: {type(error).__name__}: {error}") from None
+
+
+def build_model(name: str, *, device: str | torch.device = "cpu") -> nn.Module:
+    """Build a model by name on `device` (use 'meta' to build nothing real), from the torch
+    seed already set: the model source's build for callers that need only the module."""
+    return resolve(name).build(device=device)

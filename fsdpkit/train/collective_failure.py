@@ -14,7 +14,7 @@ import time
 
 import torch.distributed as dist
 
-from ..comm import CollectiveError
+from ..dist.comm import CollectiveError
 from ..errors import RunError
 
 ROLL_CALL_SECONDS = 2.0  # how long a rank that timed out waits for the others to say so too

@@ -17,24 +17,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dtypes import SHORT_NAMES, of_torch
-from ..engine.config import BACKWARD_PREFETCH, GATHER_DTYPES, STRATEGIES, MixedPrecision, ShardingConfig
+from ..data.tokens import TokenDtype
+from ..dist.launch import LaunchOptions
+from ..engine.config import BACKWARD_PREFETCH, GATHER_DTYPES, STRATEGIES, ShardingConfig
 from ..errors import UsageError
-from ..launch import LaunchOptions
+from ..models.recipe import PRECISIONS, REDUCE_DTYPES, Optimizer, precision_names, precision_policy
 from ..models.registry import DEFAULT_MODEL, MODEL_HELP
+from ..plan.request import PlanRequest
 from ..settings import Section, Setting, setting, settings_of
-from ..tokens import TokenDtype
 
 
 class Device(enum.StrEnum):
     AUTO = "auto"
     CPU = "cpu"
     CUDA = "cuda"
-
-
-class Optimizer(enum.StrEnum):
-    ADAMW = "adamw"
-    SGD = "sgd"
 
 
 class LrSchedule(enum.StrEnum):
@@ -191,8 +187,10 @@ class LoggingConfig:
     tensorboard: str | None = setting(
         None, "Also write the same scalars as TensorBoard event files into this directory (needs the [tensorboard] extra).", metavar="DIR"
     )
-    log_every: int = setting(10, "Without a terminal on stderr: one progress line every N steps ...")
-    log_seconds: float = setting(30.0, "... or every S seconds, whichever comes first (with a terminal: a bar).")
+    log_every: int = setting(10, "Without a terminal on stderr: a progress line every N steps or --log-seconds, whichever comes first.")
+    log_seconds: float = setting(
+        30.0, "Without a terminal on stderr: a progress line every S seconds or --log-every steps (a terminal gets a bar)."
+    )
     quiet: bool = setting(False, "No progress bar or progress lines (errors and the summary only).")
 
     def __post_init__(self) -> None:
@@ -203,27 +201,7 @@ class LoggingConfig:
 
 # The engine's ShardingConfig is a section as it is; only mixed precision is given by name
 # (plus an optional reduction dtype) instead of as a MixedPrecision of torch dtypes.
-PRECISIONS = ("none", "bf16", "fp16")
-REDUCE_DTYPES = SHORT_NAMES
 _SHARDING_DEFAULT = ShardingConfig()
-
-
-def precision_policy(name: str, reduce_dtype: str | None = None) -> MixedPrecision:
-    if name not in PRECISIONS:
-        raise UsageError(f"unknown --mixed-precision {name!r}: use one of {', '.join(PRECISIONS)}")
-    if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
-        raise UsageError(f"unknown --reduce-dtype {reduce_dtype!r}: use one of {', '.join(REDUCE_DTYPES)}")
-    return MixedPrecision.from_name(name, reduce_dtype=reduce_dtype)
-
-
-def precision_names(policy: MixedPrecision) -> tuple[str, str | None]:
-    """(name, reduce dtype or None when it is the name's default): the inverse of precision_policy."""
-    short = of_torch(policy.param_dtype).short if policy.param_dtype is not None else None
-    name = "none" if short in (None, "fp32") else short
-    if policy.reduce_dtype == precision_policy(name).reduce_dtype:
-        return name, None
-    reduce_dtype = policy.reduce_dtype or policy.param_dtype  # None: gradients reduce in the compute dtype
-    return name, of_torch(reduce_dtype).short if reduce_dtype is not None else "fp32"
 
 
 def _build_sharding(*, mixed_precision: str = "none", reduce_dtype: str | None = None, **fields: Any) -> ShardingConfig:
@@ -324,6 +302,23 @@ class TrainConfig:
     def tokens_per_step(self) -> int:
         return self.data.global_batch_size * self.data.seq_len
 
+    def plan_request(self, world_size: int) -> PlanRequest:
+        """What `fsdpkit plan` is asked of this run on `world_size` ranks."""
+        model, data = self.model, self.data
+        return PlanRequest(
+            model=model.name,
+            world_size=world_size,
+            sharding=self.sharding,
+            optimizer=self.optimizer.name,
+            seq_len=data.seq_len,
+            global_batch_size=data.global_batch_size,
+            grad_accum=data.grad_accum,
+            no_sync=data.no_sync,
+            wrap=model.wrap,
+            wrap_min_params=model.wrap_min_params,
+            wrap_every=model.wrap_every,
+        )
+
     def check_world_size(self, world_size: int) -> None:
         """Everything that depends on the number of ranks; called once, before training."""
         self.sharding.validate_world_size(world_size)
@@ -347,15 +342,28 @@ class TrainConfig:
                 keys = ", ".join(s.key for s in sections[key].settings)
                 raise UsageError(f"setting {key!r}{where} is a section: write [{key}] with keys {keys}")
             top[key] = value
-        built = {name: section.from_values(values.get(name, {}), where=where) for name, section in sections.items()}
-        return cls(**TOP.from_values(top, where=where), **built)
+        settings = TOP.from_values(top, where=where)
+        # the sharding section builds torch dtypes: every other setting is checked first, without torch
+        order = sorted(sections, key=lambda name: name == "sharding")
+        built = {name: sections[name].from_values(values.get(name, {}), where=where) for name in order}
+        return cls(**settings, **built)
 
     def to_values(self) -> dict[str, Any]:
         """The inverse of from_values: plain values a config file holds."""
         return {**TOP.plain_values(self), **{s.name: s.plain_values(getattr(self, s.name)) for s in SECTIONS}}
 
 
-TOP: Section = Section("", "", settings_of(TrainConfig), dict, lambda config: {s.key: getattr(config, s.key) for s in TOP.settings})
+def _top_settings(**values: Any) -> dict[str, Any]:
+    """The top-level settings as given, --steps checked now (TrainConfig checks it again): a bad
+    value is named before the sharding section imports torch."""
+    if "steps" in values:
+        _at_least(values["steps"], 1, "--steps")
+    return values
+
+
+TOP: Section = Section(
+    "", "", settings_of(TrainConfig), _top_settings, lambda config: {s.key: getattr(config, s.key) for s in TOP.settings}
+)
 SECTIONS = (
     Section.of("model", ModelConfig, panel="Model"),
     Section.of("data", DataConfig, panel="Data"),

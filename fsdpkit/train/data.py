@@ -4,7 +4,7 @@ The global batch of step s is the same at every world size; each micro-batch of 
 into equal row ranges, one per rank. Sources:
 
 - `synthetic`: a seeded, learnable stream (each token mostly follows from the previous one);
-- a `.bin` token file (fsdpkit/tokens.py), memory-mapped: a batch reads only its rows;
+- a `.bin` token file (fsdpkit/data/tokens.py), memory-mapped: a batch reads only its rows;
 - a text file, tokenised by the model's tokenizer when it has one (hf:DIR), else as bytes.
 
 Files are split 90/10 into training and held-out tokens; a batch's rows start at positions
@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..data.tokens import TokenDtype, load_tokenizer, open_token_file, text_tokens
 from ..errors import DataCheckError, UsageError
-from ..tokens import TokenDtype, load_tokenizer, open_token_file, text_tokens
 
 HELD_OUT_SEED_OFFSET = 1_000_003
 

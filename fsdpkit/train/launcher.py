@@ -25,8 +25,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .. import log
 from ..checkpoint.format.lock import RunLock
 from ..checkpoint.live.checkpointer import check_before_launch
+from ..dist.launch import launch
 from ..errors import DataCheckError, UsageError
-from ..launch import launch
 from ..models.source import resolve
 from ..paths import check_writable_directory, check_writable_file
 from .attempts import RunContext, attempt_number

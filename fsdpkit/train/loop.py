@@ -23,18 +23,21 @@ import torch.nn.functional as F
 
 import fsdpkit
 
-from .. import faults, log
+from .. import log
 from ..checkpoint.format import storage
 from ..checkpoint.live.checkpointer import init_weights_from
-from ..comm import CollectiveError, Collectives
+from ..dist import faults
+from ..dist.comm import CollectiveError, Collectives
 from ..engine.view import describe
+from ..models.recipe import Optimizer, precision_names
 from ..models.source import resolve
+from ..models.units import wrap_policy
 from .attempts import ProgressLog, RunContext, attempt_number
 from .collective_failure import collective_failure
-from .config import Device, Optimizer, OptimizerConfig, TrainConfig, precision_names
+from .config import Device, OptimizerConfig, TrainConfig
 from .data import TokenSource, local_rows
 from .metrics import MetricsLog
-from .model_setup import build_for_training, initial_weights, inspect_model, wrap_policy
+from .model_setup import build_for_training, initial_weights, inspect_model
 from .progress import Progress, Throughput, progress_mode
 from .schedule import lr_at
 from .signals import StopSignals

@@ -8,12 +8,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..engine.plan import WrapPolicy
+from ..engine.model_hooks import declare_hooks, hooks_of
 from ..errors import UsageError
-from ..model_hooks import declare_hooks, hooks_of
-from ..models.registry import load_object
 from ..models.source import ModelSource
-from ..models.units import default_policy
+from ..models.units import wrap_policy
 from .config import CheckpointConfig, ModelConfig
 
 
@@ -23,22 +21,6 @@ class ModelInfo:
     block_size: int | None
     num_params: int
     meta_model: nn.Module  # built on the meta device: shapes and names, nothing allocated
-
-
-def wrap_policy(config: ModelConfig, source: ModelSource, model: nn.Module) -> WrapPolicy:
-    """--wrap classes, else the source's unit classes; with --wrap-min-params / --wrap-every."""
-    if not config.wrap:
-        base = default_policy(source, model)
-        if config.wrap_min_params is not None and not base.module_classes:
-            return WrapPolicy(min_params=config.wrap_min_params, every=config.wrap_every)
-        return WrapPolicy(module_classes=base.module_classes, min_params=config.wrap_min_params, every=config.wrap_every)
-    classes = []
-    for spec in config.wrap:
-        cls = load_object(spec, what="--wrap class")
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise UsageError(f"--wrap {spec!r} is not an nn.Module class")
-        classes.append(cls)
-    return WrapPolicy(module_classes=tuple(classes), min_params=config.wrap_min_params, every=config.wrap_every)
 
 
 def inspect_model(config: ModelConfig, source: ModelSource) -> ModelInfo:

@@ -15,7 +15,7 @@ import signal
 import threading
 from typing import Any
 
-from ..launch import STOP_ENV
+from ..dist.launch import STOP_ENV
 
 
 class StopSignals:

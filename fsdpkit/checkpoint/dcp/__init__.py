@@ -8,7 +8,7 @@ from them: FSDP2, FSDP1's SHARDED_STATE_DICT, torchtitan and accelerate checkpoi
 - table      a DCP checkpoint as a table of `SourceTensor`s (what every command reads)
 - layout     which keys are the model and which the optimizer, under fsdpkit's names
 - inspect    inspect and verify reports
-- convert, to_sharded, export   DCP -> full safetensors / fsdpkit sharded / DCP (reshard, --to dcp)
+- export     DCP output (reshard, --to dcp); conversions from DCP live in checkpoint/offline
 - writer     DCP output chunked as FSDP2 (no torch): archive (each chunk's torch.save archive),
              rawout (byte ranges copied file to file), pickler (`.metadata`)
 """

@@ -19,10 +19,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ...errors import DataCheckError, UsageError
+from ..format.bytecopy import SourceTensor
 from ..format.names import optim_tensor_name
 from .metadata import DcpMetadata
+
+if TYPE_CHECKING:
+    from .table import DcpCheckpoint
 
 Path = tuple[str | int, ...]
 
@@ -104,3 +109,10 @@ def _top_keys(metadata: DcpMetadata) -> str:
 def require_model(layout: DcpLayout, metadata: DcpMetadata) -> None:
     if not layout.model:
         raise DataCheckError(f"{metadata.directory}: no model tensors found; name them with --dcp-model-key")
+
+
+def layout_sources(checkpoint: DcpCheckpoint, layout: DcpLayout) -> tuple[list[SourceTensor], list[SourceTensor]]:
+    """(model, optimizer) tensors as sources under fsdpkit's names."""
+    model = [checkpoint.source(key, name) for name, key in layout.model.items()]
+    optim = [checkpoint.source(key, name) for name, key in layout.optimizer.items()]
+    return model, optim

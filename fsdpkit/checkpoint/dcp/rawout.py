@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.files import IOV_MAX, copy_range, open_regular, write_views
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.files import open_regular
 from ..format.names import Header

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.names import numel
 from . import pickler
@@ -102,7 +102,7 @@ def write_dcp(
     progress: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Every rank file and `.metadata` in `directory` (not synced: the caller's staged output
-    syncs); returns the file names."""
+    syncs); returns the rank files' names (as a sharded checkpoint's do, not counting its metadata)."""
     written = _Written({flat_key(t.path): [] for t in tensors}, [])
     copier = ByteEngine(chunk_size=chunk_size)
     try:
@@ -120,7 +120,7 @@ def write_dcp(
     with open(directory / METADATA_NAME, "wb") as f:
         f.write(_metadata_bytes(tensors, bytes_items, written))
         os.fsync(f.fileno())
-    return [*(rank_file_name(rank) for rank in range(world_size)), METADATA_NAME]
+    return [rank_file_name(rank) for rank in range(world_size)]
 
 
 def _metadata_bytes(tensors: list[OutTensor], bytes_items: list[OutBytes], written: _Written) -> bytes:

@@ -13,10 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ..dcp.to_sharded import ShardedTarget, sources_to_sharded
 from ..format.export import HfExport
 from ..format.names import output_dtype
 from ..offline.convert import FullOutput, write_full
+from ..offline.dcp_to_sharded import ShardedTarget, sources_to_sharded
 from .table import FORMAT, open_deepspeed
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece
 from .rankfile import TensorRange
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format.bytecopy import SourceTensor
 from .table import FORMAT, DeepSpeedCheckpoint, open_deepspeed
 

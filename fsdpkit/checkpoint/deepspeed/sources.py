@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ...errors import DataCheckError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..dcp import unpickler as u
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.names import optim_tensor_name

@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from .crc import PartRead, cast_into, check_parts, crc32, crc32_combine, mismatch
 from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, pread_into, write_file, write_views
 from .names import numel

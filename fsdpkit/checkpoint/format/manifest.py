@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ...dtypes import is_known_dtype
 from ...errors import DataCheckError
-from ...layout import ElementRange, FlatLayout
+from ...flat_layout import ElementRange, FlatLayout
 from .files import read_regular
 from .names import (
     FORMAT_NAME,

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
-from ...layout import ElementRange, FlatLayout
+from ...flat_layout import ElementRange, FlatLayout
 from .names import CRC_METADATA_KEY, split_optim_tensor_name
 
 Shape = tuple[int, ...]

@@ -38,16 +38,16 @@ import os
 import re
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
 from .export import ExportLayout, layout_of
-from .files import open_regular, read_exactly
+from .files import open_regular, pread_into, read_exactly
 from .manifest import Manifest, V1Listing, load_manifest
 from .names import (
     CRC_METADATA_KEY,
@@ -127,6 +127,23 @@ class RankFile:
         position = self._position[i]
         return self.data_start + self.begins[position], self.crcs[position]
 
+    def data_blocks(self, buffer: memoryview) -> Iterator[tuple[int, memoryview]]:
+        """The file's data front to back, read into `buffer` one block at a time: (position
+        relative to the data buffer, block); each block is valid until the next is read."""
+        if not len(self):
+            return
+        fd, _ = open_regular(self.path)
+        try:
+            position, end = self.begins[0], self.ends[-1]
+            while position < end:
+                count = os.preadv(fd, [buffer[: min(len(buffer), end - position)]], self.data_start + position)
+                if count == 0:
+                    raise DataCheckError(f"{self.path}: file ends before its data does (truncated)")
+                yield position, buffer[:count]
+                position += count
+        finally:
+            os.close(fd)
+
 
 def check_v2_size(path: Path, size: int, expected: FileLayout) -> None:
     if size != expected.size:
@@ -188,6 +205,19 @@ class ShardedCheckpoint:
         finally:
             os.close(fd)
         return RankFile(path, size, expected.data_start, expected.tensors, expected.spans, v2_crcs(path, raw, expected))
+
+    def read_whole_v2(self, rank: int, expected: FileLayout, buffer: memoryview) -> tuple[Path, memoryview]:
+        """Rank file `rank` of a v2 checkpoint, of the size its layout derives, read whole into
+        `buffer` (at least that size): (its path, the bytes read)."""
+        path = self.rank_file_path(rank)
+        fd, size = open_regular(path)
+        try:
+            check_v2_size(path, size, expected)
+            view = buffer[:size]
+            pread_into(fd, 0, view, path)
+        finally:
+            os.close(fd)
+        return path, view
 
     def rank_file_path(self, rank: int) -> Path:
         return checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.shard_factor))

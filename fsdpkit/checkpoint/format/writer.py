@@ -309,8 +309,8 @@ class RankFileWriter(_FileWriter):
 @dataclass(frozen=True)
 class WrittenCheckpoint:
     manifest: Manifest
-    files: list[str]
-    bytes: int
+    files: list[str]  # the rank files
+    bytes: int  # the tensors' bytes, as verify and inspect count them (the files add headers)
 
 
 def write_sharded(
@@ -332,6 +332,7 @@ def write_sharded(
     syncs them all at once. Every rank gets a file, possibly with no tensors."""
     tensors = tuple(TensorSpec(s.name, output_dtype(s.dtype, cast_to), tuple(s.shape)) for s in sources)
     manifest = Manifest(world_size, strategy, placement, tensors, dict(aliases), dict(training_state))
-    total = write_rank_files(directory, manifest.layout(), sources, [t.dtype for t in tensors], chunk_size=chunk_size, progress=progress)
+    write_rank_files(directory, manifest.layout(), sources, [t.dtype for t in tensors], chunk_size=chunk_size, progress=progress)
     save_manifest(directory, manifest)
-    return WrittenCheckpoint(manifest, [rank_file_name(rank, world_size) for rank in range(world_size)], total)
+    files = [rank_file_name(rank, world_size) for rank in range(world_size)]
+    return WrittenCheckpoint(manifest, files, sum(t.nbytes for t in manifest.tensors))

@@ -25,9 +25,9 @@ import torch
 import torch.nn as nn
 
 from ... import log
-from ...comm import Collectives, new_group
+from ...dist.comm import Collectives, new_group
+from ...engine.model_hooks import hooks_of
 from ...engine.view import describe
-from ...model_hooks import hooks_of
 from ..format.export import EXPORT_STATE_KEY
 from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible
@@ -103,6 +103,7 @@ class Checkpointer:
             self.timings.snapshot += seconds
             self.timings.total += seconds
         state = dict(training_state or {})
+        state["step"] = step  # what inspect shows and a resumed run continues from
         state["optimizer"] = optimizer_hyperparameters(self.module, self.optimizer)
         export = hooks_of(self.module).export  # how convert hands it to transformers (export.py)
         if export is not None:

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ...engine.view import ShardedModelView
 from ...errors import DataCheckError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format.placement import TensorSpec
 from .optim_state import StateLayout, expected_state_tensors, saved_states
 from .tensors import TensorReader, safetensors_dtype

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ...errors import DataCheckError, RunError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format.names import optim_tensor_name, split_optim_tensor_name
 
 Shape = tuple[int, ...]

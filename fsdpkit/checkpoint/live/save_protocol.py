@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ... import faults
-from ...comm import Collectives
+from ...dist import faults
+from ...dist.comm import Collectives
 from ...engine.view import ShardedModelView
 from ...errors import RunError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format import storage
 from ..format.crc import crc32
 from ..format.manifest import Manifest

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ...dtypes import dtype_info, of_torch
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.manifest import Manifest
 from ..format.placement import TensorSpec

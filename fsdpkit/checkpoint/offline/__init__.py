@@ -1,4 +1,5 @@
 """The offline commands over fsdpkit checkpoints, built on fsdpkit.checkpoint.format: convert and
-reshard (convert.py), verify and inspect (verify.py), and what `--model` says of a model
-(model_description.py: asked of a child process). Byte copies over fragments in bounded
-memory; none of them imports torch."""
+reshard (convert.py), `convert` of every source format through one table of which options apply
+to which source and target (routes.py) and one function per route (converters.py), verify and
+inspect (verify.py), and what `--model` says of a model (model_description.py: asked of a child
+process). Byte copies over fragments in bounded memory; none of them imports torch."""

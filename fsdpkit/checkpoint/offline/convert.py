@@ -42,7 +42,7 @@ from pathlib import Path
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport, export_of
 from ..format.files import open_regular
@@ -58,7 +58,8 @@ SCRATCH_NAME = ".fsdpkit-transposed.safetensors"  # tensors transposed back, rem
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 
 
-def _progress_callback(progress: Progress | None, total: int):
+def progress_callback(progress: Progress | None, total: int) -> Callable[[int], None] | None:
+    """`progress` told the total now, as the byte engine's callback of bytes just done."""
     if progress is None:
         return None
     progress(0, total)
@@ -125,7 +126,7 @@ def write_full(
     written: list[str] = []
     warnings: list[str] = []
     with staged_output(dst, src=src, overwrite=options.overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
-        copier = ByteEngine(chunk_size=options.chunk_size, progress=_progress_callback(options.progress, total))
+        copier = ByteEngine(chunk_size=options.chunk_size, progress=progress_callback(options.progress, total))
         try:
             for prefix, files in file_groups:
                 for file_name, group in files:
@@ -247,7 +248,7 @@ def convert_to_sharded(
             aliases=aliases,
             cast_to=cast_to,
             chunk_size=chunk_size,
-            progress=_progress_callback(progress, total),
+            progress=progress_callback(progress, total),
         )
         (tmp / SCRATCH_NAME).unlink(missing_ok=True)
     return {
@@ -384,7 +385,7 @@ def reshard(
             aliases=old.aliases,
             cast_to=None,
             chunk_size=chunk_size,
-            progress=_progress_callback(progress, total),
+            progress=progress_callback(progress, total),
         )
     return {
         "src": str(checkpoint.step_dir),

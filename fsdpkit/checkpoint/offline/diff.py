@@ -22,7 +22,7 @@ from typing import Any
 
 from ...dtypes import dtype_info
 from ...errors import UsageError
-from ...layout import ElementRange
+from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.names import MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, is_optimizer_tensor
 from ..format.reader import is_full_checkpoint, open_full, open_sharded
@@ -58,8 +58,7 @@ def open_tensors(path: str | os.PathLike[str], *, model_key: str | None = None, 
     if not path.exists():
         raise UsageError(f"{path}: does not exist")
     if is_dcp_checkpoint(path):
-        from ..dcp.convert import layout_sources
-        from ..dcp.layout import detect_layout
+        from ..dcp.layout import detect_layout, layout_sources
         from ..dcp.table import open_dcp
 
         with open_dcp(path) as checkpoint:

@@ -18,7 +18,6 @@ checkpoints raise `DataCheckError`.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -28,11 +27,10 @@ from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE
 from ..format.crc import crc32
-from ..format.files import open_regular, pread_into
 from ..format.manifest import load_manifest
 from ..format.names import FORMAT_NAME, MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, is_optimizer_tensor, numel
 from ..format.placement import FileLayout
-from ..format.reader import RankFile, ShardedCheckpoint, check_v2_size, is_full_checkpoint, open_full, open_sharded, v2_crcs
+from ..format.reader import RankFile, ShardedCheckpoint, is_full_checkpoint, open_full, open_sharded, v2_crcs
 from ..format.storage import resolve_checkpoint
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
@@ -98,15 +96,8 @@ def check_files(
 
 
 def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, expected: FileLayout, buffer: memoryview) -> tuple[list[str], int, int]:
-    path = checkpoint.rank_file_path(rank)
-    fd, size = open_regular(path)
-    try:
-        check_v2_size(path, size, expected)
-        view = buffer[:size]
-        pread_into(fd, 0, view, path)
-    finally:
-        os.close(fd)
-    start = expected.data_start
+    path, view = checkpoint.read_whole_v2(rank, expected, buffer)
+    size, start = len(view), expected.data_start
     stored = v2_crcs(path, bytes(view[:start]), expected)
     problems = []
     for (begin, end), crc, tensor in zip(expected.spans, stored, expected.tensors, strict=True):
@@ -123,32 +114,18 @@ def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Calla
     """Read the file's data front to back, one buffer at a time; one line per fragment whose
     crc32 differs."""
     problems: list[str] = []
-    if not len(rank_file):
-        return problems
-    fd, _ = open_regular(rank_file.path)
-    try:
-        view = memoryview(buffer)
-        position, end = rank_file.begins[0], rank_file.ends[-1]  # relative to the data buffer
-        index, crc = 0, 0
-        while position < end:
-            count = os.preadv(fd, [view[: min(len(buffer), end - position)]], rank_file.data_start + position)
-            if count == 0:
-                raise DataCheckError(f"{rank_file.path}: file ends before its data does (truncated)")
-            block, base = view[:count], position
-            while base < position + count:
-                stop = min(rank_file.ends[index], position + count)
-                crc = crc32(block[base - position : stop - position], crc)
-                base = stop
-                if stop == rank_file.ends[index]:
-                    if crc != rank_file.crcs[index]:
-                        problems.append(
-                            _mismatch(rank_file.path, manifest.tensors[rank_file.tensors[index]].name, rank_file.crcs[index], crc)
-                        )
-                    index, crc = index + 1, 0
-            position += count
-            advance(count)
-    finally:
-        os.close(fd)
+    index, crc = 0, 0
+    for position, block in rank_file.data_blocks(memoryview(buffer)):
+        base = position
+        while base < position + len(block):
+            stop = min(rank_file.ends[index], position + len(block))
+            crc = crc32(block[base - position : stop - position], crc)
+            base = stop
+            if stop == rank_file.ends[index]:
+                if crc != rank_file.crcs[index]:
+                    problems.append(_mismatch(rank_file.path, manifest.tensors[rank_file.tensors[index]].name, rank_file.crcs[index], crc))
+                index, crc = index + 1, 0
+        advance(len(block))
     return problems
 
 

@@ -1,0 +1,63 @@
+"""`fsdpkit convert SRC DST --to full|sharded|dcp`: parse the options into one ConvertRequest;
+which of them apply to which source format and target is the library's table
+(fsdpkit/checkpoint/offline/routes.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from fsdpkit import log
+from fsdpkit.checkpoint.offline.routes import ConvertRequest
+from fsdpkit.sizes import parse_size
+
+from .checkpoint_options import CHUNK_HELP, MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, cast_name, chunk_bytes, print_written
+from .common import byte_progress, handle_errors
+
+command_app = typer.Typer(add_completion=False)
+
+
+@command_app.command("convert")
+@handle_errors
+def convert(
+    src: Path = typer.Argument(
+        ..., help="Source checkpoint: sharded (run or step dir) for --to full; full safetensors for --to sharded; or torch DCP."
+    ),
+    dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
+    to: str = typer.Option(..., "--to", help="full, sharded or dcp (torch DCP in FSDP2's layout, chunked for --world-size ranks)."),
+    world_size: int | None = typer.Option(None, "--world-size", help="Ranks of the sharded output (--to sharded) or of DCP's chunks."),
+    model: str | None = typer.Option(
+        None, "--model", help="Lay out by this model's flat-parameter plan (--to sharded); default: even split per tensor."
+    ),
+    max_shard_size: str | None = typer.Option(
+        None, "--max-shard-size", help="Split full output into files of at most this size, e.g. 5GB (with model.safetensors.index.json)."
+    ),
+    dtype: str | None = typer.Option(None, "--dtype", help="Cast floating tensors: bf16, fp16 or fp32 (ints and bools are kept)."),
+    with_optimizer: bool = typer.Option(False, "--with-optimizer", help="Also convert the optimizer state (optimizer*.safetensors)."),
+    chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
+    dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
+    dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
+) -> None:
+    """Convert between sharded fsdpkit checkpoints, full Hugging Face-style safetensors and torch DCP."""
+    from fsdpkit.checkpoint.offline.converters import convert as run_convert
+
+    request = ConvertRequest(
+        to=to,
+        world_size=world_size,
+        model=model,
+        max_shard_size=parse_size(max_shard_size) if max_shard_size is not None else None,
+        cast_to=cast_name(dtype),
+        with_optimizer=with_optimizer,
+        model_key=dcp_model_key,
+        optimizer_key=dcp_optimizer_key,
+        chunk_size=chunk_bytes(chunk_size),
+        overwrite=overwrite,
+    )
+    with byte_progress("convert") as progress:
+        result = run_convert(src, dst, request, progress)
+    for line in result.get("warnings", []):
+        log.warn(line)
+    print_written(result, as_json)

@@ -1,0 +1,123 @@
+"""The command groups of `fsdpkit` (the root and `bench`): commands loaded from a table only when
+run or asked for help, one-line usage errors, help shown as written.
+
+Usage errors, Typer's own included (a missing argument, an unknown option, a bad value), are
+one line on stderr and exit 2; a group run with no arguments prints its help once and exits 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import sys
+from typing import Any
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+LISTING = "fsdpkit.listing"  # ctx.meta key: commands are being listed (help, completion), not run
+
+
+def literal(text: str | None) -> str | None:
+    """`text` with every `[` not yet escaped escaped, so rich markup shows it literally."""
+    return None if text is None else re.sub(r"(?<!\\)\[", r"\\[", text)
+
+
+def unwrapped(text: str | None) -> str | None:
+    """`text` with each paragraph on one line, so the terminal wraps it (rich keeps line breaks)."""
+    if text is None:
+        return None
+    paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(text))
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in paragraphs)
+
+
+def prepare_help(command: Any, ctx: Any) -> None:
+    """Help as written: `[hf]` is shown, not taken as rich markup; a paragraph wraps at the
+    terminal's edge only; and a flag takes no value, so no `<bool>` beside it."""
+    command.help = literal(unwrapped(command.help))
+    for param in command.get_params(ctx):
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+        if getattr(param, "help", None):
+            param.help = literal(param.help)
+
+
+def click_message(message: str) -> str:
+    """Typer's usage message as one line in fsdpkit's style: 'missing argument 'src''."""
+    text = " ".join(message.replace("Value error, ", "").split()).rstrip(".")
+    return text[:1].lower() + text[1:]
+
+
+def load_command(module_name: str, name: str) -> Any:
+    """The click command of `module_name`'s `command_app` (a Typer of one command, or a group)."""
+    command = typer.main.get_command(importlib.import_module(module_name).command_app)
+    command.name = name
+    return command
+
+
+class FsdpkitGroup(TyperGroup):
+    """Typer's group with one-line usage errors, commands loaded from `command_table`
+    (name -> (module defining `command_app`, short help)) and flag-type-free help."""
+
+    command_table: dict[str, tuple[str, str]] = {}
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        from typer._click.exceptions import ClickException
+
+        from fsdpkit import log
+        from fsdpkit.errors import FsdpkitError
+
+        log.setup()
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except ClickException as error:
+            ctx = getattr(error, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None and error.exit_code == 2 else ""
+            typer.echo(f"error: {click_message(error.format_message())}{hint}", err=True)
+            code = error.exit_code
+        except FsdpkitError as error:  # raised while parsing, e.g. an unknown bench collective
+            typer.echo(f"error: {error}", err=True)
+            code = error.exit_code
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if not args and self.no_args_is_help and not ctx.resilient_parsing:
+            text = ctx.get_help()  # rich prints it and returns ''
+            if text:
+                typer.echo(text)
+            raise typer.Exit(2)  # a command is a missing argument
+        return super().parse_args(ctx, args)
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return [*self.command_table, *(name for name in super().list_commands(ctx) if name not in self.command_table)]
+
+    def get_command(self, ctx: Any, name: str) -> Any:
+        if name in self.command_table:
+            module_name, short_help = self.command_table[name]
+            if ctx.meta.get(LISTING):
+                return TyperCommand(name, short_help=short_help, help=short_help)
+            command = load_command(module_name, name)
+        else:
+            command = super().get_command(ctx, name)
+        if command is not None:
+            prepare_help(command, ctx)
+        return command
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        prepare_help(self, ctx)
+        ctx.meta[LISTING] = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            ctx.meta[LISTING] = False
+
+    def shell_complete(self, ctx: Any, incomplete: str) -> Any:
+        ctx.meta[LISTING] = True
+        try:
+            return super().shell_complete(ctx, incomplete)
+        finally:
+            ctx.meta[LISTING] = False

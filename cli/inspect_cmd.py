@@ -1,0 +1,109 @@
+"""`fsdpkit inspect CKPT`: a checkpoint's summary (sharded, full safetensors or DCP) as text or JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
+from fsdpkit.checkpoint.deepspeed.files import is_deepspeed_checkpoint
+from fsdpkit.sizes import format_size
+
+from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
+from .common import handle_errors, print_json
+
+command_app = typer.Typer(add_completion=False)
+
+
+@command_app.command("inspect")
+@handle_errors
+def inspect(
+    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir), full safetensors or torch DCP."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
+    dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
+    dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
+) -> None:
+    """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
+    if is_dcp_checkpoint(ckpt):
+        from fsdpkit.checkpoint.dcp.inspect import summarize_dcp
+
+        summary = summarize_dcp(ckpt, model_key=dcp_model_key, optimizer_key=dcp_optimizer_key)
+        text = _dcp_lines
+    elif is_deepspeed_checkpoint(ckpt):
+        from fsdpkit.checkpoint.deepspeed.inspect import summarize_deepspeed
+
+        from .deepspeed_cmd import inspect_lines
+
+        summary, text = summarize_deepspeed(ckpt), inspect_lines
+    else:
+        from fsdpkit.checkpoint.offline.verify import summarize
+
+        summary, text = summarize(ckpt), _lines
+    if as_json:
+        print_json(summary)
+    else:
+        typer.echo("\n".join(text(summary)))
+
+
+def _lines(summary: dict) -> list[str]:
+    lines = [
+        f"path        {summary['path']}",
+        f"format      {summary['format']}" + (f" v{summary['version']}" if "version" in summary else ""),
+    ]
+    if "world_size" in summary:
+        lines += [
+            f"world size  {summary['world_size']}  strategy {summary['strategy']}  "
+            f"placement {summary['placement']} ({summary['units']} units)",
+            f"step        {summary['step']}  samples {summary['samples']}",
+        ]
+    if summary.get("config"):
+        lines.append(f"run         {_run_settings(summary['config'])}")
+    lines += [
+        f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, "
+        f"{format_size(summary['model']['bytes'])}",
+        f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
+        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
+        "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
+        f"files       {len(summary['files'])}, {format_size(sum(f['size'] for f in summary['files']))}",
+    ]
+    if summary["aliases"]:
+        lines.append("tied        " + ", ".join(f"{a} -> {t}" for a, t in summary["aliases"].items()))
+    return lines
+
+
+def _run_settings(config: dict) -> str:
+    """The main settings of the training run that saved a checkpoint, in one line."""
+    model, data = config.get("model") or {}, config.get("data") or {}
+    optimizer, sharding = config.get("optimizer") or {}, config.get("sharding") or {}
+    accum = f" (grad-accum {data['grad_accum']})" if data.get("grad_accum", 1) != 1 else ""
+    return (
+        f"{model.get('name')}: {data.get('seq_len')} tokens x {data.get('global_batch_size')} sequences{accum}, "
+        f"{optimizer.get('name')} lr {optimizer.get('lr')} {optimizer.get('schedule')}, precision {sharding.get('mixed_precision')}, "
+        f"data {data.get('source')}, seed {config.get('seed')}"
+    )
+
+
+def _dcp_lines(summary: dict) -> list[str]:
+    lines = [
+        f"path        {summary['path']}",
+        f"format      dcp v{summary['version']} ({', '.join(summary['serialization']) or 'no tensors'})",
+        f"layout      model key {summary['model_key']!r}, optimizer key {summary['optimizer_key']!r}",
+        f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, "
+        f"{format_size(summary['model']['bytes'])}",
+        f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
+        f"chunks      {summary['chunks']} in {len(summary['tensors'])} tensors",
+        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
+        "largest     " + "; ".join(f"{t['key']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
+        f"files       {len(summary['files'])}, {format_size(sum(f['size'] for f in summary['files']))}",
+    ]
+    if summary["other_tensors"]:
+        lines.append("other       " + ", ".join(summary["other_tensors"][:8]) + (" ..." if len(summary["other_tensors"]) > 8 else ""))
+    if summary["bytes_items"]:
+        items = summary["bytes_items"]
+        lines.append(
+            f"bytes items {len(items)} (never unpickled): "
+            + ", ".join(f"{b['key']} {format_size(b['bytes'])}" for b in items[:6])
+            + (" ..." if len(items) > 6 else "")
+        )
+    return lines

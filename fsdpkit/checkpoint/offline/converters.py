@@ -1,0 +1,144 @@
+"""`convert` through the route table (routes.py): tell the source format, check the options
+against its route, run the route's function. One function per route below, each taking
+(src, dst, request, progress) and returning the JSON-able result; none imports torch (`--model`
+is described by a child process, model_description.py)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from .convert import FullOutput, Progress
+from .routes import SOURCES, ConvertRequest, route_for
+
+
+def _resolve(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def source_format(src: str | Path) -> str:
+    """The first format in SOURCES whose detector takes `src` (the last one has none)."""
+    for name, detector in SOURCES.items():
+        if detector is None or _resolve(detector)(Path(src)):
+            return name
+    raise AssertionError("the last source format has no detector")
+
+
+def convert(src: str | Path, dst: str | Path, request: ConvertRequest, progress: Progress | None = None) -> dict:
+    route = route_for(source_format(src), request)
+    return _resolve(route.converter)(Path(src), Path(dst), request, progress)
+
+
+def _full_output(request: ConvertRequest, progress: Progress | None) -> FullOutput:
+    return FullOutput(
+        max_shard_size=request.max_shard_size,
+        cast_to=request.cast_to,
+        chunk_size=request.chunk_size,
+        overwrite=request.overwrite,
+        progress=progress,
+    )
+
+
+def sharded_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .convert import convert_to_full
+
+    return convert_to_full(src, dst, with_optimizer=request.with_optimizer, options=_full_output(request, progress))
+
+
+def full_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .convert import convert_to_sharded
+    from .model_description import describe
+
+    assert request.world_size is not None  # required by the route
+    description = describe(request.model) if request.model is not None else None
+    return convert_to_sharded(
+        src,
+        dst,
+        world_size=request.world_size,
+        placement=description.placement if description is not None else None,
+        placement_source=f"model {request.model!r}",
+        aliases=description.aliases if description is not None else {},
+        cast_to=request.cast_to,
+        with_optimizer=request.with_optimizer,
+        chunk_size=request.chunk_size,
+        overwrite=request.overwrite,
+        progress=progress,
+    )
+
+
+def safetensors_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from ..dcp.export import to_dcp
+
+    return to_dcp(src, dst, world_size=request.world_size or 1, chunk_size=request.chunk_size, overwrite=request.overwrite)
+
+
+def dcp_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .dcp_to_full import dcp_to_full as convert_dcp
+    from .model_description import describe
+
+    return convert_dcp(
+        src,
+        dst,
+        export=describe(request.model).export if request.model is not None else None,
+        model_key=request.model_key,
+        optimizer_key=request.optimizer_key,
+        with_optimizer=request.with_optimizer,
+        options=_full_output(request, progress),
+    )
+
+
+def dcp_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .dcp_to_sharded import dcp_to_sharded as convert_dcp
+    from .model_description import describe
+
+    assert request.world_size is not None and request.model is not None  # required by the route
+    description = describe(request.model)
+    return convert_dcp(
+        src,
+        dst,
+        world_size=request.world_size,
+        placement=description.placement,
+        placement_source=f"model {request.model!r}",
+        aliases=description.aliases,
+        export=description.export,
+        model_key=request.model_key,
+        optimizer_key=request.optimizer_key,
+        chunk_size=request.chunk_size,
+        overwrite=request.overwrite,
+        progress=progress,
+    )
+
+
+def dcp_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from ..dcp.export import reshard_dcp
+
+    return reshard_dcp(src, dst, world_size=request.world_size or 1, chunk_size=request.chunk_size, overwrite=request.overwrite)
+
+
+def deepspeed_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from ..deepspeed.convert import deepspeed_to_full as convert_deepspeed
+    from .model_description import describe
+
+    export = describe(request.model).export if request.model is not None else None
+    return convert_deepspeed(src, dst, export=export, with_optimizer=request.with_optimizer, options=_full_output(request, progress))
+
+
+def deepspeed_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from ..deepspeed.convert import deepspeed_to_sharded as convert_deepspeed
+    from .dcp_to_sharded import ShardedTarget
+    from .model_description import describe
+
+    assert request.world_size is not None and request.model is not None  # required by the route
+    description = describe(request.model)
+    target = ShardedTarget(
+        request.world_size,
+        description.placement,
+        f"model {request.model!r}",
+        description.aliases,
+        description.export,
+        request.chunk_size,
+        request.overwrite,
+        progress,
+    )
+    return convert_deepspeed(src, dst, target)

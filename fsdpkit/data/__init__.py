@@ -1,0 +1,1 @@
+"""Token data: tokenizers and flat token files (no torch, no process group)."""

@@ -1,0 +1,1 @@
+"""Process groups across ranks: collectives, launching worker processes, fault injection, host facts."""

@@ -1,0 +1,1 @@
+"""Reports drawn from run outputs: pictures for `fsdpkit report`."""

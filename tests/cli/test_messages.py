@@ -1,0 +1,153 @@
+"""What a person reads: every warning is one line `warning: ...` on stderr (Python's warnings
+too, with no category, file or source line), shown under --quiet; notes only without it; and
+no file in the repository cites an issue number, which means nothing to a reader."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import warnings
+from fsdpkit import log
+log.setup(quiet={quiet})
+warnings.warn("a python warning,\\n  over two lines", UserWarning)
+log.warn("an fsdpkit warning")
+log.note("a note")
+"""
+
+
+def _stderr(quiet: bool) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", SCRIPT.format(quiet=quiet)], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout == ""
+    return done.stderr.splitlines()
+
+
+def test_every_warning_is_one_line_and_quiet_keeps_only_warnings():
+    warnings = ["warning: a python warning, over two lines", "warning: an fsdpkit warning"]
+    assert _stderr(quiet=False) == [*warnings, "a note"]
+    assert _stderr(quiet=True) == warnings
+
+
+def test_no_tracked_file_cites_an_issue_number():
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    pattern = re.compile(r"issue [0-9]", re.IGNORECASE)
+    hits = []
+    for name in filter(None, files):
+        path = ROOT / name
+        if not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if pattern.search(line):
+                hits.append(f"{name}:{number}: {line.strip()[:100]}")
+    assert hits == [], "\n".join(hits)
+
+
+def test_help_shows_brackets_literally():
+    from fsdpkit_cli.app import app
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    shown = {
+        ("prepare-data", "--help"): "needs the [hf] extra",
+        ("report", "--help"): "pip install 'fsdpkit[plot]'",
+        ("train", "--help"): "[optimizer] lr = 0.001",
+    }
+    for args, text in shown.items():
+        result = runner.invoke(app, list(args), env={"COLUMNS": "200"})
+        assert result.exit_code == 0 and text in " ".join(result.stdout.replace("│", " ").split()), result.stdout
+
+
+def test_help_panels_group_the_train_options():
+    from fsdpkit_cli.group import load_command
+
+    command = load_command("fsdpkit_cli.train_cmd", "train")
+    panels = {name: param.rich_help_panel for param in command.params for name in param.opts}
+    expected = {"--config": "Output", "--print-config": "Output", "--json": "Output", "--steps": "Optimizer", "--seed": "Data"}
+    assert {flag: panels[flag] for flag in expected} == expected
+
+
+def test_help_never_breaks_a_sentence():
+    """Every command's help is whole paragraphs (the terminal wraps them, not the source's line
+    breaks), and no option's help is half a sentence continued in the next option's."""
+    import click
+    from fsdpkit_cli.app import COMMANDS, app
+    from typer.main import get_command
+
+    root = get_command(app)
+    with click.Context(root, info_name="fsdpkit") as ctx:
+        commands = [root.get_command(ctx, name) for name in COMMANDS]
+        commands += [sub.get_command(ctx, name) for sub in commands if isinstance(sub, click.Group) for name in sub.list_commands(ctx)]
+        for command in commands:
+            for paragraph in (command.help or "").split("\n\n"):
+                assert "\n" not in paragraph, (command.name, paragraph)
+            for param in command.get_params(ctx):
+                text = getattr(param, "help", None) or ""
+                assert not text.startswith("...") and not text.rstrip().endswith("..."), (command.name, param.name, text)
+    listing = " ".join(CliRunner().invoke(app, ["--help"]).stdout.replace("│", " ").split())
+    for name, (_, short_help) in COMMANDS.items():
+        assert short_help in listing, name
+
+
+def test_counts_are_singular_for_one_and_sizes_agree(tmp_path, monkeypatch):
+    """One file is '1 file', one save '1 save'; reshard counts rank files (never DCP's
+    .metadata) and says the size verify says for the directory it wrote."""
+    import dataclasses
+    import json
+
+    import torch
+    from fsdpkit_cli.app import app
+    from fsdpkit_cli.train_cmd import format_summary
+    from support.checkpoint_files import save_checkpoint
+
+    from fsdpkit.train.summary import TrainSummary
+
+    monkeypatch.chdir(tmp_path)
+    # 380003 float32 = 1.45 MiB: the rank files' headers would tip it to 1.5 MiB
+    save_checkpoint(tmp_path / "run", 1, {"w": torch.randn(380000), "b": torch.ones(3)}, world_size=2)
+    runner = CliRunner()
+
+    def run(*args: str) -> str:
+        result = runner.invoke(app, list(args))
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    assert run("convert", "run", "full", "--to", "full").startswith("wrote full: 1 file, 2 tensors, 1.4 MiB")
+    assert run("reshard", "run", "r3", "--world-size", "3").startswith("wrote r3: 3 files, 2 tensors, 1.4 MiB")
+    assert "sharded, 2 tensors, 1.4 MiB" in run("verify", "r3")
+    written = json.loads(run("convert", "run", "dcp", "--to", "dcp", "--world-size", "2", "--json"))
+    assert written["files"] == ["__0_0.distcp", "__1_0.distcp"] and (tmp_path / "dcp" / ".metadata").is_file()
+    assert run("reshard", "dcp", "d1", "--world-size", "1").startswith("wrote d1: 1 file, 2 tensors, 1.4 MiB")
+    assert "dcp, 2 tensors, 2 chunks, 0 bytes items, 1.4 MiB" in run("verify", "d1")
+    summary = TrainSummary(
+        model="gpt-tiny",
+        num_params=1,
+        world_size=2,
+        strategy="full",
+        mixed_precision="none",
+        device="cpu",
+        steps=1,
+        resumed_from_step=None,
+        optimizer_steps=1,
+        global_batch_size=2,
+        seq_len=4,
+        losses=[1.0],
+        eval_losses=[],
+        tokens_per_second=None,
+        elapsed_seconds=1.0,
+        peak_memory_bytes=0,
+        checkpoint="run/step-00000001",
+        save_stall_seconds=0.5,
+        save_timings={"saves": 1},
+        restarts=0,
+        steps_redone=None,
+        preempted=False,
+    )
+    assert "(1 save; max over ranks)" in format_summary(summary)
+    assert "(2 saves; max over ranks)" in format_summary(dataclasses.replace(summary, save_timings={"saves": 2}))

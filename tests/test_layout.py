@@ -1,0 +1,124 @@
+"""The layout docs/development.md draws is the layout of the code: every package in its map
+exists with exactly the modules the map names, every import stays within what the map allows
+(so none runs back up), packages import each other without a cycle, few modules sit loose at
+the top, and no function is longer than a screen."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAP = ROOT / "docs" / "development.md"
+ROW = re.compile(r"^\|\s*`([\w/]+/)`\s*\|([^|]*)\|([^|]*)\|([^|]*)\|\s*$")
+TOP = "fsdpkit/"
+MAX_FUNCTION_LINES = 60
+MAX_TOP_LEVEL_FILES = 12
+
+
+def layout_map() -> dict[str, tuple[set[str], set[str]]]:
+    """{package folder: (its modules, the packages it may import)} from the map's table."""
+    rows = {}
+    for line in MAP.read_text(encoding="utf-8").splitlines():
+        match = ROW.match(line)
+        if match:
+            folder, modules, _what, imports = match.groups()
+            rows[folder] = (set(re.findall(r"`(\w+)`", modules)), set(re.findall(r"`([\w/]+/)`", imports)))
+    return rows
+
+
+def package_folders() -> dict[str, set[str]]:
+    """{folder: module names} for fsdpkit/, each package under it, and cli/."""
+    folders = {}
+    for init in [*(ROOT / "fsdpkit").rglob("__init__.py"), ROOT / "cli" / "__init__.py"]:
+        folder = init.parent
+        folders[folder.relative_to(ROOT).as_posix() + "/"] = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    return folders
+
+
+def owner(module: str, folders: set[str]) -> str:
+    """The package folder a dotted module (or a name inside one) belongs to."""
+    parts = module.replace("fsdpkit_cli", "cli").split(".")
+    for end in range(len(parts), 0, -1):
+        folder = "/".join(parts[:end]) + "/"
+        if folder in folders:
+            return folder
+    raise AssertionError(f"{module} is in no package")
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted target) of every fsdpkit import in one file, relative ones resolved."""
+    relative = path.relative_to(ROOT).with_suffix("").parts
+    package = list(relative[:-1])
+    package[0] = "fsdpkit_cli" if package[0] == "cli" else package[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return [(line, target) for line, target in found if target.split(".")[0] in ("fsdpkit", "fsdpkit_cli")]
+
+
+def test_the_map_names_every_package_and_module_and_nothing_else():
+    mapped = {folder: modules for folder, (modules, _) in layout_map().items()}
+    assert mapped == package_folders()
+
+
+def package_imports(folders: set[str]) -> dict[str, dict[str, list[str]]]:
+    """{folder: {imported folder: ["file:line imports target", ...]}} over the code itself."""
+    found: dict[str, dict[str, list[str]]] = {folder: {} for folder in folders}
+    for folder in folders:
+        for path in sorted((ROOT / folder).glob("*.py")):
+            for line, target in imports_of(path):
+                target_folder = owner(target, folders)
+                if target_folder != folder:
+                    found[folder].setdefault(target_folder, []).append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    return found
+
+
+def test_every_import_is_one_the_map_allows():
+    rows = layout_map()
+    found = package_imports(set(rows))
+    wrong = [
+        f"{where} ({target} is not in {folder}'s row)"
+        for folder, targets in found.items()
+        for target, places in targets.items()
+        if target not in rows[folder][1]
+        for where in places
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_packages_import_each_other_without_a_cycle():
+    edges = {folder: sorted(targets) for folder, targets in package_imports(set(layout_map())).items()}
+    done: set[str] = set()
+
+    def visit(folder: str, path: tuple[str, ...]) -> None:
+        assert folder not in path, f"import cycle: {' -> '.join((*path, folder))}"
+        if folder not in done:
+            for target in edges[folder]:
+                visit(target, (*path, folder))
+            done.add(folder)
+
+    for folder in sorted(edges):
+        visit(folder, ())
+
+
+def test_few_modules_are_loose_at_the_top():
+    loose = sorted(p.name for p in (ROOT / "fsdpkit").glob("*.py"))
+    assert len(loose) <= MAX_TOP_LEVEL_FILES, loose
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for path in sorted([*(ROOT / "fsdpkit").rglob("*.py"), *(ROOT / "cli").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} is {length} lines")
+    assert not long, "\n".join(long)

@@ -1,0 +1,293 @@
+"""Faults in a 2-process training run, through the real CLI: a killed worker with
+--max-restarts 1 (the run completes bitwise equal to an uninterrupted one), a stopped or
+missing rank (one line naming the rank, the collective and the step, within --timeout + 30 s),
+SIGTERM (a checkpoint, exit 0, resumable bitwise), SIGINT (exit 130, no process left) and the
+run directory's lock.
+
+Faults are placed with the test hook FSDPKIT_TEST_FAULT (fsdpkit/dist/faults.py) so they happen at
+known steps; a "stopped" worker is SIGSTOPped by the hook and then killed or continued from
+here, as an operator would. Every run is gpt-tiny, 8 steps of 4 x 32 tokens, saved every 2.
+Cost: about 15 launches (the restarted runs count twice) and two 10 s timeouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
+from fsdpkit.train.attempts import History
+
+FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
+STEPS = 8
+COMMON = ["--seq-len", "32", "--global-batch-size", "4", "--save-every", "2", "--quiet"]
+TIMEOUT = 10  # --timeout of the hang tests: short, with room for slow worker starts on a busy machine
+
+
+@dataclass
+class Run:
+    directory: Path
+    exit_code: int
+    summary: dict | None
+    stderr: str
+
+    @property
+    def run_dir(self) -> Path:
+        return self.directory / "run"
+
+
+def start(directory: Path, *args: str, fault: str | None = None) -> subprocess.Popen:
+    directory.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("FSDPKIT_TEST_FAULT", None)
+    if fault:
+        env["FSDPKIT_TEST_FAULT"] = fault
+    return subprocess.Popen(
+        [FSDPKIT, "train", "--steps", str(STEPS), *COMMON, "--save-dir", "run", "--json", *args],
+        cwd=directory,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def finish(process: subprocess.Popen, directory: Path, timeout: float = 300) -> Run:
+    out, err = process.communicate(timeout=timeout)
+    summary = json.loads(out) if process.returncode == 0 else None
+    return Run(directory, process.returncode, summary, err.decode())
+
+
+def train(directory: Path, *args: str, fault: str | None = None) -> Run:
+    return finish(start(directory, *args, fault=fault), directory)
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    with CheckpointReader(path) as reader:
+        return {name: reader.read_tensor(name) for name in reader.tensor_names()}
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[name], b[name]) for name in a), [n for n in a if not torch.equal(a[n], b[n])]
+
+
+def workers(launcher: int) -> list[int]:
+    """The launcher's worker processes (spawned children, not its resource tracker)."""
+    pids = []
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    return [p for p in pids if "resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+
+
+def stopped_worker(process: subprocess.Popen, deadline: float = 240) -> int:
+    """Wait for a worker of `process` to be stopped (SIGSTOP); its pid."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        assert process.poll() is None, process.communicate()
+        for pid in workers(process.pid):
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                    return pid
+            except OSError:
+                continue
+        time.sleep(0.1)
+    raise AssertionError("no worker stopped")
+
+
+def left_in_session(session: int, wait: float = 10) -> list[str]:
+    """Live (not zombie) processes of a session, after waiting up to `wait` s for them to go."""
+    end = time.monotonic() + wait
+    while True:
+        alive = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session and fields[0] != "Z":
+                alive.append(stat.parent.name)
+        if not alive or time.monotonic() > end:
+            return alive
+        time.sleep(0.2)
+
+
+def one_error_line(run: Run) -> str:
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Run:
+    """An uninterrupted run, started over a stale lock (a dead process of this host held it)."""
+    directory = tmp_path_factory.mktemp("reference")
+    (directory / "run").mkdir()
+    (directory / "run" / ".lock").write_text(
+        json.dumps({"host": socket.gethostname(), "pid": 2**22 + 12345, "started": "1", "run": "crashed-run"})
+    )
+    run = train(directory)
+    assert run.exit_code == 0, run.stderr
+    return run
+
+
+def test_a_stale_lock_is_taken_over_with_a_message(reference):
+    assert reference.stderr.strip() == (
+        f"warning: took over the lock of run from pid {2**22 + 12345} on "
+        f"{socket.gethostname()} (run crashed-run), which is no longer running"
+    )
+    assert reference.summary["restarts"] == 0 and reference.summary["steps_redone"] == 0
+    assert not reference.summary["preempted"] and len(reference.summary["losses"]) == STEPS
+    assert not (reference.run_dir / ".lock").exists()
+
+
+def test_the_summary_reports_the_time_saves_held_up_training(reference):
+    """Saved every 2 of 8 steps, synchronously: all of every save between steps is in the
+    training thread's stall; the save after the last step holds up no step and is not."""
+    summary = reference.summary
+    timings = summary["save_timings"]  # rank 0's
+    assert timings["saves"] == STEPS // 2 and 0 < summary["save_stall_seconds"] < timings["total"]
+    parts = timings["snapshot"] + timings["checksum"] + timings["write"] + timings["fsync"]
+    assert min(timings.values()) >= 0 and parts <= timings["total"]
+
+
+def test_a_locked_directory_is_refused_before_launching(tmp_path):
+    from fsdpkit.checkpoint.format.lock import RunLock
+
+    with RunLock.acquire(tmp_path / "run") as lock:
+        done = subprocess.run(
+            [FSDPKIT, "train", "--save-dir", str(tmp_path / "run"), "--steps", "1"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.splitlines() == [
+            f"error: {tmp_path / 'run'} is in use by another run: pid {os.getpid()} on {socket.gethostname()} "
+            f"(run {lock.run_id}) holds {tmp_path / 'run' / '.lock'}; wait for it to finish, or remove the lock file "
+            f"if that run is gone"
+        ]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory) -> Run:
+    """SIGTERM to the launcher while rank 1 is stopped after step 3 and rank 0 waits for it in
+    step 4; rank 1 then continues: both finish step 4, save it, and exit 0."""
+    directory = tmp_path_factory.mktemp("preempted")
+    process = start(directory, "--steps", "100", fault="stop:1:3")
+    worker = stopped_worker(process)
+    os.kill(process.pid, signal.SIGTERM)
+    time.sleep(1)  # the launcher passes it on; rank 1 gets it while stopped
+    os.kill(worker, signal.SIGCONT)
+    return finish(process, directory)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0(preempted, reference):
+    assert preempted.exit_code == 0, preempted.stderr
+    summary = preempted.summary
+    assert summary["preempted"] is True and summary["steps"] == 4 and summary["checkpoint"] == "run/step-00000004"
+    assert summary["losses"] == reference.summary["losses"][:4]
+    assert_bitwise_equal(weights(preempted.run_dir / "step-00000004"), weights(reference.run_dir / "step-00000004"))
+    assert sorted(p.name for p in preempted.run_dir.iterdir()) == ["latest", "step-00000002", "step-00000004"]
+
+
+# Each: the fault, extra flags, the steps run again, what the run directory holds at the end.
+KILLS = {
+    "before any checkpoint": ("kill:1:1", [], 1, None),
+    "between checkpoints": ("kill:0:3", ["--metrics", "metrics.jsonl"], 1, None),
+    "during a save": ("kill:1:4:save", [], 2, None),
+    "during an async save, resumed from a preempted run": (
+        "kill:0:6:save",
+        ["--async-save", "--keep-last", "2", "--resume", "{preempted}"],
+        None,
+        ["latest", "step-00000006", "step-00000008"],
+    ),
+    "stopped, then killed from outside": ("stop:1:5", [], 1, None),
+}
+
+
+@pytest.mark.parametrize("case", list(KILLS))
+def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(case, reference, preempted, tmp_path):
+    fault, flags, redone, listing = KILLS[case]
+    flags = [f.format(preempted=preempted.run_dir) for f in flags]
+    process = start(tmp_path, "--max-restarts", "1", *flags, fault=fault)
+    if fault.startswith("stop"):
+        os.kill(stopped_worker(process), signal.SIGKILL)
+    run = finish(process, tmp_path)
+    assert run.exit_code == 0, run.stderr
+    summary = reference.summary
+    resumed = "--resume" in flags
+    assert run.summary["losses"] == summary["losses"][4 if resumed else 0 :]
+    assert run.summary["resumed_from_step"] == (4 if resumed else None)
+    assert run.summary["restarts"] == 1 and run.summary["steps"] == STEPS and run.summary["save_stall_seconds"] >= 0
+    if redone is None:
+        assert run.summary["steps_redone"] >= 1  # where the main thread was when the writer thread died varies
+    else:
+        assert run.summary["steps_redone"] == redone
+    assert_bitwise_equal(weights(run.run_dir), weights(reference.run_dir))
+    names = sorted(p.name for p in run.run_dir.iterdir())
+    assert names == (listing or ["latest", "step-00000002", "step-00000004", "step-00000006", "step-00000008"])
+    if "--metrics" in flags:  # the steps run again appear once
+        records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        assert [r["loss"] for r in records] == summary["losses"]
+
+
+LINE = re.compile(r"error: rank 0 timed out after 10 s in (\w+) \(([^)]*)\) at step (\d+): rank 1 did not take part")
+
+
+def test_a_stopped_worker_fails_the_run_within_the_timeout_naming_rank_collective_and_step(tmp_path):
+    process = start(tmp_path, "--timeout", str(TIMEOUT), fault="stop:1:3")
+    stopped_worker(process)
+    run = finish(process, tmp_path, timeout=TIMEOUT + 30)  # bound: --timeout plus 30 s
+    assert run.exit_code == 1
+    kind, label, step = LINE.fullmatch(one_error_line(run)).groups()
+    assert (kind, label, step) == ("all_gather", "unit <root>", "4")  # the first collective of step 4
+    assert left_in_session(process.pid) == []
+    assert not (run.run_dir / ".lock").exists()
+    assert not [p for p in run.run_dir.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_a_rank_that_skips_a_collective_fails_the_run_naming_it(tmp_path):
+    # one unit per block (the default bucket would merge gpt-tiny's blocks): the line names h.1
+    run = train(tmp_path, "--timeout", str(TIMEOUT), "--bucket-bytes", "0", fault="skip:1:4:reduce_scatter")
+    assert run.exit_code == 1
+    assert one_error_line(run) == ("error: rank 0 timed out after 10 s in reduce_scatter (unit h.1) at step 4: rank 1 did not take part")
+
+
+def test_sigint_exits_130_and_leaves_no_process(tmp_path):
+    process = start(tmp_path, "--steps", "100", fault="stop:1:3")
+    stopped_worker(process)  # a stopped worker too: it must not outlive the run
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends: the launcher and its workers
+    run = finish(process, tmp_path, timeout=60)
+    assert run.exit_code == 130 and run.stderr == "error: interrupted\n" and run.summary is None
+    assert left_in_session(process.pid) == []
+    assert not (run.run_dir / ".lock").exists()
+
+
+def test_history_of_attempts_counts_the_steps_run_again():
+    records = [
+        {"attempt": 0, "start": 2, "metrics_offset": 10},
+        *({"attempt": 0, "step": s, "loss": float(s), "metrics_offset": 10 * s} for s in (3, 4, 5)),
+        {"attempt": 1, "start": 4, "metrics_offset": 40},
+        *({"attempt": 1, "step": s, "loss": float(s), "metrics_offset": 10 * s} for s in (5, 6, 7)),
+        {"attempt": 1, "step": 8, "loss": 8.0},  # a line cut short by the kill is never parsed
+    ]
+    history = History.of(records)
+    assert history.first_step == 2
+    assert history.steps_redone(6) == (5 - 4) + (8 - 6)
+    assert list(history.steps_before(6)) == [3, 4, 5, 6]
+    assert history.metrics_offsets[6] == 60 and history.metrics_offsets[2] == 10
+    assert History.of([]).steps_redone(0) == 0 and list(History.of([]).steps_before(0)) == []
