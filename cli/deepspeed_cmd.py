@@ -1,29 +1,14 @@
-"""DeepSpeed input of the offline commands: the text forms of `inspect` and `verify` of a
-DeepSpeed ZeRO checkpoint, and `convert --to full` (checkpoint_cmd dispatches here when the
-path is a DeepSpeed save or tag directory)."""
+"""The text form of `inspect` of a DeepSpeed ZeRO checkpoint (inspect_cmd dispatches here)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import typer
-
-from fsdpkit.errors import UsageError
 from fsdpkit.sizes import format_size
 
-from .common import print_json
 
-
-def inspect_deepspeed(path: Path, *, as_json: bool) -> None:
-    from fsdpkit.checkpoint.deepspeed.inspect import summarize_deepspeed
-
-    s = summarize_deepspeed(path)
-    if as_json:
-        print_json(s)
-        return
+def inspect_lines(s: dict) -> list[str]:
     model, optim = s["model"], s["optimizer"]
     tied = ", ".join(f"{a} -> {t}" for a, t in model["tied"].items()) or "none"
-    lines = [
+    return [
         f"path        {s['path']} (tag {s['tag']})",
         f"format      deepspeed ZeRO-{s['stage']}, {s['precision']}, {s['world_size']} ranks, ds_version {s['ds_version']}",
         f"step        {s['global_steps']}",
@@ -36,32 +21,3 @@ def inspect_deepspeed(path: Path, *, as_json: bool) -> None:
         f"files       {len(s['files'])}, {format_size(sum(f['size'] for f in s['files']))}",
         "items       " + ", ".join(f"{key} ({count})" for key, count in s["items"].items()),
     ]
-    typer.echo("\n".join(lines))
-
-
-def verify_deepspeed(path: Path, *, as_json: bool) -> dict:
-    from fsdpkit.checkpoint.deepspeed.inspect import verify_deepspeed as verify
-
-    report = verify(path)
-    if as_json:
-        print_json(report)
-    elif report["ok"]:
-        typer.echo(
-            f"ok {report['path']}: deepspeed, {report['tensors']} tensors, {report['files']} files, {format_size(report['bytes'])}; "
-            f"checked: {'; '.join(report['checked'])}"
-        )
-    return report
-
-
-def convert_deepspeed(src: Path, dst: Path, *, to: str, model: str | None, with_optimizer: bool, options) -> dict:  # type: ignore[no-untyped-def]
-    """`convert` of a DeepSpeed checkpoint: --to full (--model adds config.json)."""
-    if to != "full":
-        raise UsageError(f"--to {to} of a DeepSpeed checkpoint is not supported yet: use --to full")
-    from fsdpkit.checkpoint.deepspeed.convert import deepspeed_to_full
-
-    export = None
-    if model is not None:
-        from fsdpkit.checkpoint.offline.model_description import describe
-
-        export = describe(model).export
-    return deepspeed_to_full(src, dst, export=export, with_optimizer=with_optimizer, options=options)

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
+from fsdpkit.checkpoint.deepspeed.files import is_deepspeed_checkpoint
 from fsdpkit.sizes import format_size
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
@@ -29,6 +30,12 @@ def inspect(
 
         summary = summarize_dcp(ckpt, model_key=dcp_model_key, optimizer_key=dcp_optimizer_key)
         text = _dcp_lines
+    elif is_deepspeed_checkpoint(ckpt):
+        from fsdpkit.checkpoint.deepspeed.inspect import summarize_deepspeed
+
+        from .deepspeed_cmd import inspect_lines
+
+        summary, text = summarize_deepspeed(ckpt), inspect_lines
     else:
         from fsdpkit.checkpoint.offline.verify import summarize
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
+from fsdpkit.checkpoint.deepspeed.files import is_deepspeed_checkpoint
 from fsdpkit.sizes import count, format_size
 
 from .common import byte_progress, handle_errors, print_json
@@ -25,6 +26,10 @@ def verify(
         from fsdpkit.checkpoint.dcp.inspect import verify_dcp
 
         report = verify_dcp(ckpt)
+    elif is_deepspeed_checkpoint(ckpt):
+        from fsdpkit.checkpoint.deepspeed.inspect import verify_deepspeed
+
+        report = verify_deepspeed(ckpt)
     else:
         from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
@@ -48,6 +53,8 @@ def _what_was_checked(report: dict) -> str:
             f"{count(report['bytes_items'], 'bytes item')}, {size}; checked: {'; '.join(report['checked'])}; "
             f"not checked: {'; '.join(report['not_checked'])}"
         )
+    if report["kind"] == "deepspeed":
+        return f"deepspeed, {report['tensors']} tensors, {report['files']} files, {size}; checked: {'; '.join(report['checked'])}"
     if report["kind"] == "full":
         return (
             f"full safetensors, {report['tensors']} tensors in {count(report['files'], 'file')}, {size}: headers, file sizes and the "

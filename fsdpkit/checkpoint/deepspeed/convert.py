@@ -16,6 +16,7 @@ from ...dtypes import dtype_info
 from ..format.export import HfExport
 from ..format.names import output_dtype
 from ..offline.convert import FullOutput, write_full
+from ..offline.dcp_to_sharded import ShardedTarget, sources_to_sharded
 from .table import FORMAT, open_deepspeed
 
 
@@ -36,3 +37,13 @@ def deepspeed_to_full(
         report = write_full(model, optim, Path(dst), src=Path(src), export=export, aliases=checkpoint.aliases, options=options)
         stage, ranks = checkpoint.stage, checkpoint.world_size
     return {"src": str(src), "dst": str(dst), "from": FORMAT, "to": "full", "stage": stage, "world_size": ranks, **report}
+
+
+def deepspeed_to_sharded(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: ShardedTarget) -> dict:
+    """An fsdpkit sharded checkpoint of the fp32 masters and Adam's state, laid out for
+    `target.world_size` ranks by the model's placement (`fsdpkit train --resume` continues)."""
+    with open_deepspeed(src) as checkpoint:
+        aliases = {**checkpoint.aliases, **target.aliases}
+        report = sources_to_sharded(checkpoint.sources, Path(src), Path(dst), replace(target, aliases=aliases))
+    warning = "DeepSpeed's param groups are not carried: the resuming run's optimizer settings apply"
+    return {"src": str(src), "dst": str(dst), "from": FORMAT, **report, "warnings": [warning]}

@@ -129,10 +129,11 @@ def _build(files: RankFiles, opened: list[RankFile]) -> DeepSpeedCheckpoint:
     stage = _stage(first, optims[0].path, version)
     world_size = _world_size(first, optims[0].path, version)
     for rank_file in optims:
-        if (
-            found := _world_size(_get(rank_file.state, "optimizer_state_dict", rank_file.path, version), rank_file.path, version)
-        ) != world_size:
+        state = _get(rank_file.state, "optimizer_state_dict", rank_file.path, version)
+        if (found := _world_size(state, rank_file.path, version)) != world_size:
             raise DataCheckError(f"{rank_file.path}: saved by {found} ranks, rank 0's file by {world_size} (files of two runs?)")
+        if (found := _stage(state, rank_file.path, version)) != stage:
+            raise DataCheckError(f"{rank_file.path}: ZeRO stage {found}, rank 0's file stage {stage} (files of two runs?)")
     if len(optims) != world_size:
         raise DataCheckError(f"{files.tag_dir}: {len(optims)} optimizer files, the checkpoint was saved by {world_size} ranks")
     if stage == 3 and len(models) != world_size:

@@ -47,7 +47,7 @@ def _device(*args: Any) -> str:
     return ":".join(str(a) for a in args)
 
 
-def _from_type(rebuild: Any, new_type: Any, args: Any, state: Any) -> Any:
+def _from_type(rebuild: Any, _new_type: Any, args: Any, _state: Any) -> Any:
     """`torch._tensor._rebuild_from_type_v2`: a tensor (subclass) rebuilt by `rebuild(*args)`;
     here only the allowed tensor rebuilds, the subclass and its attributes dropped."""
     if rebuild not in (u._tensor_v2, u._tensor_v3) or not isinstance(args, tuple):

@@ -137,3 +137,31 @@ def dcp_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress
     from ..dcp.export import reshard_dcp
 
     return reshard_dcp(src, dst, world_size=request.world_size or 1, chunk_size=request.chunk_size, overwrite=request.overwrite)
+
+
+def deepspeed_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from ..deepspeed.convert import deepspeed_to_full as convert_deepspeed
+    from .model_description import describe
+
+    export = describe(request.model).export if request.model is not None else None
+    return convert_deepspeed(src, dst, export=export, with_optimizer=request.with_optimizer, options=_full_output(request, progress))
+
+
+def deepspeed_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from ..deepspeed.convert import deepspeed_to_sharded as convert_deepspeed
+    from .dcp_to_sharded import ShardedTarget
+    from .model_description import describe
+
+    assert request.world_size is not None and request.model is not None  # required by the route
+    description = describe(request.model)
+    target = ShardedTarget(
+        request.world_size,
+        description.placement,
+        f"model {request.model!r}",
+        description.aliases,
+        description.export,
+        request.chunk_size,
+        request.overwrite,
+        progress,
+    )
+    return convert_deepspeed(src, dst, target)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import UsageError
@@ -81,6 +82,65 @@ def optimizer_steps(sources: list[SourceTensor], chunk_size: int) -> int:
     return int(struct.unpack("<f", out)[0])
 
 
+@dataclass(frozen=True)
+class ShardedTarget:
+    """The fsdpkit checkpoint a foreign checkpoint is converted into."""
+
+    world_size: int
+    placement: Placement
+    placement_source: str
+    aliases: dict[str, str]
+    export: HfExport | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    overwrite: bool = False
+    progress: Progress | None = None
+
+
+def sources_to_sharded(
+    sources: list[SourceTensor], src: Path, dst: Path, target: ShardedTarget, *, param_groups: list[dict] | None = None
+) -> dict:
+    """Model and optimizer sources (fsdpkit's names) -> an fsdpkit sharded checkpoint at `dst`,
+    laid out by the model's placement; the step from Adam's `step`; the optimizer's param groups
+    (lr, betas, ...) as the source recorded them."""
+    if target.world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {target.world_size}")
+    sources = _canonical(sources, target.aliases)
+    check_placement_matches(
+        target.placement, [s for s in sources if not split_optim_tensor_name(s.name)], where=src, source=target.placement_source
+    )
+    step = optimizer_steps(sources, target.chunk_size)
+    groups = param_groups or []
+    state: dict = {"step": step, "optimizer_steps": step, "optimizer": {"stateless": [], "groups": groups}}
+    if target.export is not None:
+        state[EXPORT_STATE_KEY] = target.export.to_json()
+    total = sum(s.nbytes for s in sources)
+    with staged_output(dst, src=src, overwrite=target.overwrite, needed_bytes=total + target.world_size * 65536) as tmp:
+        written = write_sharded(
+            tmp,
+            sources=sources,
+            placement=target.placement,
+            world_size=target.world_size,
+            strategy="full",
+            training_state=state,
+            aliases={a: t for a, t in target.aliases.items() if t in {s.name for s in sources}},
+            cast_to=None,
+            chunk_size=target.chunk_size,
+            progress=progress_callback(target.progress, total),
+        )
+    optimizer_tensors = len([s for s in sources if split_optim_tensor_name(s.name)])
+    return {
+        "to": "sharded",
+        "world_size": target.world_size,
+        "placement": target.placement.kind,
+        "step": step,
+        "optimizer_tensors": optimizer_tensors,
+        "files": written.files,
+        "tensors": len(written.manifest.tensors),
+        "bytes": written.bytes,
+        "param_groups": len(groups),
+    }
+
+
 def dcp_to_sharded(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -102,40 +162,12 @@ def dcp_to_sharded(
         layout = detect_layout(checkpoint.metadata, model_key=model_key, optimizer_key=optimizer_key)
         require_model(layout, checkpoint.metadata)
         model, optim = layout_sources(checkpoint, layout)
-        sources = _canonical(model + optim, aliases)
-        check_placement_matches(
-            placement, [s for s in sources if not split_optim_tensor_name(s.name)], where=Path(src), source=placement_source
-        )
-        step = optimizer_steps(sources, chunk_size)
         groups = dcp_param_groups(checkpoint, layout.optimizer_key, aliases) if layout.optimizer else []
-        state: dict = {"step": step, "optimizer_steps": step, "optimizer": {"stateless": [], "groups": groups}}
-        if export is not None:
-            state[EXPORT_STATE_KEY] = export.to_json()
-        total = sum(s.nbytes for s in sources)
-        with staged_output(Path(dst), src=Path(src), overwrite=overwrite, needed_bytes=total + world_size * 65536) as tmp:
-            written = write_sharded(
-                tmp,
-                sources=sources,
-                placement=placement,
-                world_size=world_size,
-                strategy="full",
-                training_state=state,
-                aliases={a: t for a, t in aliases.items() if t in {s.name for s in sources}},
-                cast_to=None,
-                chunk_size=chunk_size,
-                progress=progress_callback(progress, total),
-            )
+        target = ShardedTarget(world_size, placement, placement_source, aliases, export, chunk_size, overwrite, progress)
+        report = sources_to_sharded(model + optim, Path(src), Path(dst), target, param_groups=groups)
     return {
         "src": str(src),
         "dst": str(dst),
         "from": "dcp",
-        "to": "sharded",
-        "world_size": world_size,
-        "placement": placement.kind,
-        "step": step,
-        "optimizer_tensors": len([s for s in sources if split_optim_tensor_name(s.name)]),
-        "files": written.files,
-        "tensors": len(written.manifest.tensors),
-        "bytes": written.bytes,
-        "param_groups": len(groups),
+        **report,
     }

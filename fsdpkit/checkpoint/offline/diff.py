@@ -52,6 +52,7 @@ class Side:
 def open_tensors(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> Iterator[Side]:
     """Any checkpoint as {fsdpkit name: source}."""
     from ..dcp.metadata import is_dcp_checkpoint
+    from ..deepspeed.files import is_deepspeed_checkpoint
 
     path = Path(path)
     if not path.exists():
@@ -63,6 +64,12 @@ def open_tensors(path: str | os.PathLike[str], *, model_key: str | None = None, 
         with open_dcp(path) as checkpoint:
             model, optim = layout_sources(checkpoint, detect_layout(checkpoint.metadata, model_key=model_key, optimizer_key=optimizer_key))
             yield Side(str(path), "dcp", {t.name: t for t in model + optim})
+        return
+    if is_deepspeed_checkpoint(path):
+        from ..deepspeed.table import FORMAT, open_deepspeed
+
+        with open_deepspeed(path) as deepspeed:
+            yield Side(str(deepspeed.directory), FORMAT, _with_aliases({t.name: t for t in deepspeed.sources}, deepspeed.aliases))
         return
     if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         root = path if path.is_dir() else path.parent

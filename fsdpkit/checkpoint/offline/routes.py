@@ -61,6 +61,7 @@ class Route:
 # (detector "module:function" taking the path, or None for the last, catch-all format)
 SOURCES: dict[str, str | None] = {
     "dcp": "fsdpkit.checkpoint.dcp.metadata:is_dcp_checkpoint",
+    "deepspeed": "fsdpkit.checkpoint.deepspeed.files:is_deepspeed_checkpoint",
     "safetensors": None,  # fsdpkit sharded (to full, dcp) or full safetensors (to sharded, dcp)
 }
 
@@ -80,6 +81,12 @@ ROUTES: dict[tuple[str, str], Route] = {
         f"{_CONVERTERS}:dcp_to_sharded",
         required=("world_size", "model"),
         optional=("with_optimizer", *_DCP_KEYS),
+        why="--model names the model whose flat-parameter layout to write; the optimizer state goes with it",
+    ),
+    ("deepspeed", "full"): Route(f"{_CONVERTERS}:deepspeed_to_full", optional=("model", *_FULL_OUTPUT)),
+    ("deepspeed", "sharded"): Route(
+        f"{_CONVERTERS}:deepspeed_to_sharded",
+        required=("world_size", "model"),
         why="--model names the model whose flat-parameter layout to write; the optimizer state goes with it",
     ),
     ("dcp", "dcp"): Route(f"{_CONVERTERS}:dcp_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
