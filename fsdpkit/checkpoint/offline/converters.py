@@ -140,7 +140,7 @@ def dcp_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress
 
 
 def deepspeed_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from ..deepspeed.convert import deepspeed_to_full as convert_deepspeed
+    from .from_deepspeed import deepspeed_to_full as convert_deepspeed
     from .model_description import describe
 
     export = describe(request.model).export if request.model is not None else None
@@ -148,8 +148,8 @@ def deepspeed_to_full(src: Path, dst: Path, request: ConvertRequest, progress: P
 
 
 def deepspeed_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from ..deepspeed.convert import deepspeed_to_sharded as convert_deepspeed
     from .dcp_to_sharded import ShardedTarget
+    from .from_deepspeed import deepspeed_to_sharded as convert_deepspeed
     from .model_description import describe
 
     assert request.world_size is not None and request.model is not None  # required by the route

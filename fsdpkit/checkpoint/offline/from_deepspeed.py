@@ -13,11 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...dtypes import dtype_info
+from ..deepspeed.table import FORMAT, open_deepspeed
 from ..format.export import HfExport
 from ..format.names import output_dtype
-from ..offline.convert import FullOutput, write_full
-from ..offline.dcp_to_sharded import ShardedTarget, sources_to_sharded
-from .table import FORMAT, open_deepspeed
+from .convert import FullOutput, write_full
+from .dcp_to_sharded import ShardedTarget, sources_to_sharded
 
 
 def deepspeed_to_full(
