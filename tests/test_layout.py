@@ -122,3 +122,15 @@ def test_no_function_is_longer_than_a_screen():
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} is {length} lines")
     assert not long, "\n".join(long)
+
+
+def test_pyproject_installs_every_package():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    listed = set(project["tool"]["setuptools"]["packages"])
+    folders = {
+        folder.rstrip("/").replace("/", ".").replace("cli", "fsdpkit_cli", 1) if folder == "cli/" else folder.rstrip("/").replace("/", ".")
+        for folder in package_folders()
+    }
+    assert listed == folders

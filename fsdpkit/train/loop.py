@@ -389,23 +389,30 @@ def _run_steps(trainer: Trainer, stop: StopSignals, outputs: Outputs, throughput
     return losses, eval_losses
 
 
+def _finish_saves(trainer: Trainer, *, saved_at_stop: bool) -> float:
+    """Wait for the last snapshot, save after the last step (unless a stop just saved) and wait
+    for it; return the seconds this rank's training thread spent in saves between steps (the
+    save after the last step, and waiting for it, hold up no step)."""
+    if trainer.snapshots:
+        trainer.snapshots.wait()
+    if not trainer.checkpointer:
+        return 0.0
+    stall = trainer.checkpointer.stall_seconds
+    if not saved_at_stop:
+        trainer.save()
+    trainer.checkpointer.wait()
+    return stall
+
+
 def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSummary | None:
     config = trainer.config
     throughput = Throughput(config.tokens_per_step)
     saving = config.checkpoint.save_every
-    stall = 0.0  # seconds this rank's training thread spent in saves between steps
     started = time.perf_counter()
     outputs = open_outputs(trainer, context)
     try:
         losses, eval_losses = _run_steps(trainer, stop, outputs, throughput)
-        if trainer.snapshots:
-            trainer.snapshots.wait()
-        if trainer.checkpointer:
-            stall = trainer.checkpointer.stall_seconds  # the save after the last step, and waiting for it, hold up no step
-            saved_at_stop = saving and trainer.step % saving == 0 and trainer.step < config.steps and losses
-            if not saved_at_stop:
-                trainer.save()
-            trainer.checkpointer.wait()
+        stall = _finish_saves(trainer, saved_at_stop=bool(saving and trainer.step % saving == 0 and trainer.step < config.steps and losses))
     finally:
         outputs.close()
         if trainer.streamed:
