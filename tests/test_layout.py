@@ -129,8 +129,5 @@ def test_pyproject_installs_every_package():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     listed = set(project["tool"]["setuptools"]["packages"])
-    folders = {
-        folder.rstrip("/").replace("/", ".").replace("cli", "fsdpkit_cli", 1) if folder == "cli/" else folder.rstrip("/").replace("/", ".")
-        for folder in package_folders()
-    }
+    folders = {"fsdpkit_cli" if folder == "cli/" else folder.rstrip("/").replace("/", ".") for folder in package_folders()}
     assert listed == folders
