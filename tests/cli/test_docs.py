@@ -25,7 +25,7 @@ from fsdpkit.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-README_MAX_LINES = 200
+README_MAX_LINES = 230
 SHELL_STOPS = {"|", "||", "&", "&&", ";", ">", ">>", "<", "2>", "2>&1"}
 
 
@@ -149,11 +149,21 @@ def test_links_between_documents_resolve() -> None:
 # An issue or pull request cited by number: "issue 12", "#12", "PR 12", "pull request 12", or a
 # link to one. Code, comments and docs stand on their own.
 CITATION = re.compile(r"(?i:issue [0-9])|#[0-9]+|\bPR ?#?[0-9]|(?i:pull request #?[0-9])|/(?:pull|issues)/[0-9]")
-SOURCES = [*DOCUMENTS, *(path for folder in ("fsdpkit", "cli", "benchmarks") for path in sorted((ROOT / folder).rglob("*.py")))]
+SOURCES = [
+    *DOCUMENTS,
+    ROOT / "Makefile",
+    ROOT / "pyproject.toml",
+    *(
+        path
+        for folder in ("fsdpkit", "cli", "benchmarks", "tests")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path != Path(__file__)
+    ),
+]
 
 
 def test_no_document_or_source_cites_an_issue_or_pr_number() -> None:
-    for document in SOURCES:
+    for document in (path for path in SOURCES if path != Path(__file__)):  # this file holds examples
         for number, line in enumerate(document.read_text(encoding="utf-8").splitlines(), start=1):
             assert not CITATION.search(line), f"{document.relative_to(ROOT)}:{number}: {line}"
 

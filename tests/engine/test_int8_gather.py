@@ -22,7 +22,7 @@ from fsdpkit.engine.wrapping import WrapPolicy, bucket_units, split_units
 from fsdpkit.errors import UsageError
 from fsdpkit.flat_layout import padded_size
 from fsdpkit.models.gpt import GPT, MLP, Block, GPTConfig
-from fsdpkit.plan.memory import PlanRequest, plan_memory
+from fsdpkit.plan.memory import plan_memory
 from fsdpkit.plan.traffic import UnitComm, step_bytes
 from fsdpkit.train.config import TrainConfig
 
@@ -221,7 +221,7 @@ def test_bucketing_merges_consecutive_small_units_but_never_the_root_or_nested_o
 
 def test_plan_counts_int8_and_bucketed_bytes():
     def planned(**sharding):
-        return plan_memory(PlanRequest(TrainConfig.from_values({"model": {"name": "gpt-tiny"}, "sharding": sharding}), 2))
+        return plan_memory(TrainConfig.from_values({"model": {"name": "gpt-tiny"}, "sharding": sharding}).plan_request(2))
 
     plain, int8 = planned(bucket_bytes=0), planned(allgather_dtype="int8", bucket_bytes=0)
     assert plain.comm_per_step is not None and int8.comm_per_step is not None

@@ -26,7 +26,7 @@ from fsdpkit.train.config import TrainConfig
 # tests/support/models.py EdgeCaseNet under the ModuleList rule: root (inp 5x7+7, branch 3x3+3,
 # head 3x2+2) = 62 elements in 6 tensors; layers.0 = 7x7+7+1 = 57 (3 tensors);
 # layers.1 = 7x3+3+1 = 25 (3 tensors); layers.2 = 1 (1 tensor). 13 tensors, 145 elements.
-EDGE = "models:EdgeCaseNet"
+EDGE = "support.models:EdgeCaseNet"
 EDGE_TENSORS = 13
 # gpt-tiny: root wte 256x64 + wpe 128x64 + ln_f 2x64 = 24704 (4 tensors); each of 2 blocks
 # 49984 (12 tensors): 124672 elements, 28 tensors.
