@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DataCheckError
+from ..format.names import STEP_PREFIX
 
 LATEST = "latest"
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -37,11 +38,19 @@ def _holds_rank_files(path: Path) -> bool:
 
 
 def is_deepspeed_checkpoint(path: str | Path) -> bool:
-    """A save directory with `latest`, or a tag directory of rank files."""
+    """A tag directory of rank files, or a save directory whose `latest` names one (or names a
+    missing tag that is not an fsdpkit step directory: the reader then says what is missing)."""
     path = Path(path)
     if not path.is_dir():
         return False
-    return (path / LATEST).is_file() or _holds_rank_files(path)
+    if _holds_rank_files(path):
+        return True
+    if not (path / LATEST).is_file():
+        return False
+    tag = (path / LATEST).read_bytes()[:MAX_TAG_BYTES].decode("utf-8", "replace").strip()
+    if tag and "/" not in tag and tag not in (".", "..") and (path / tag).is_dir():
+        return _holds_rank_files(path / tag)
+    return not tag.startswith(STEP_PREFIX)
 
 
 def tag_directory(path: Path) -> tuple[Path, str]:
