@@ -28,8 +28,8 @@ stream waited for.
                 take with a core of its own. Its compute takes turns on the core, s times as
                 long, and longer still by what the switching between ranks costs (their
                 caches, the scheduler: hardware.fitted.compute_contention, c). The collectives take
-                as long as with a core each (on this machine's gloo, charging their copies or
-                their waiting s times over-predicted the bandwidth-bound steps):
+                as long as with a core each (charging their copies or their waiting s times
+                over-predicts the bandwidth-bound steps):
                 step = alone + (k x s x c - 1) x compute.
 """
 
