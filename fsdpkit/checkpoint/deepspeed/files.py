@@ -39,7 +39,8 @@ def _holds_rank_files(path: Path) -> bool:
 
 def is_deepspeed_checkpoint(path: str | Path) -> bool:
     """A tag directory of rank files, or a save directory whose `latest` names one (or names a
-    missing tag that is not an fsdpkit step directory: the reader then says what is missing)."""
+    missing tag that is not an fsdpkit step directory: the reader then says what is missing).
+    A `latest` that names no plain directory name is left to the fsdpkit reader's message."""
     path = Path(path)
     if not path.is_dir():
         return False
@@ -48,7 +49,9 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
     if not (path / LATEST).is_file():
         return False
     tag = (path / LATEST).read_bytes()[:MAX_TAG_BYTES].decode("utf-8", "replace").strip()
-    if tag and "/" not in tag and tag not in (".", "..") and (path / tag).is_dir():
+    if not tag or "/" in tag or tag in (".", ".."):
+        return False
+    if (path / tag).is_dir():
         return _holds_rank_files(path / tag)
     return not tag.startswith(STEP_PREFIX)
 
