@@ -55,7 +55,7 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except FsdpkitError as error:
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(error.exit_code) from None
-        except KeyboardInterrupt:  # the line is the app's (app.py), for every interrupt alike
+        except KeyboardInterrupt:  # the line is the group's (group.py), for every interrupt alike
             raise typer.Exit(130) from None
 
     return wrapper

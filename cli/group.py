@@ -17,6 +17,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 LISTING = "fsdpkit.listing"  # ctx.meta key: commands are being listed (help, completion), not run
+INTERRUPTED = 130  # the exit code of Ctrl-C
 
 
 def literal(text: str | None) -> str | None:
@@ -80,6 +81,8 @@ class FsdpkitGroup(TyperGroup):
             typer.echo(f"error: {error}", err=True)
             code = error.exit_code
         code = code if isinstance(code, int) else 0
+        if code == INTERRUPTED:  # Typer's code for a KeyboardInterrupt, wherever it came (parsing, loading torch, a command)
+            typer.echo("error: interrupted", err=True)
         if standalone_mode:
             sys.exit(code)
         return code
