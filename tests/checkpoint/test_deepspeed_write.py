@@ -11,7 +11,6 @@ DCP -> fsdpkit -> DCP keeps the optimizer's param groups for `dcp.load` in both 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -24,7 +23,6 @@ from support.distributed import run_distributed
 from fsdpkit.checkpoint.offline.to_deepspeed import to_deepspeed
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU with gloo, in the launched workers too
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="the deepspeed test extra is not installed")
 
 SETTINGS = {"lr": 0.02, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.05}
 WORLD_SIZE = 3
