@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
-import os
 from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -17,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DataCheckError, RunError, UsageError
+from ..errors import DataCheckError, UsageError
 from .documents import Documents
 from .packing import encode_document, end_of_text, shard_documents
-from .tokens import ByteTokenizer, HfTokenizer, TokenDtype, load_tokenizer
+from .tokens import ByteTokenizer, HfTokenizer, TokenDtype, load_tokenizer, staged_token_file
 
 DOCUMENTS_PER_CHUNK = 256
 
@@ -60,31 +59,20 @@ def write_document_tokens(
     if reader.vocab_size > dtype.limit:
         raise UsageError(f"tokenizer {tokenizer!r} has {reader.vocab_size} tokens, more than {dtype.value} holds: use --token-dtype uint32")
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tokens = largest = count = 0
     context = multiprocessing.get_context("spawn")
-    try:
-        with context.Pool(num_proc) as pool, open(tmp, "wb") as sink:
-            for documents_done, ids in pool.imap(_encode_chunk, _chunks(documents, tokenizer)):
-                largest = max(largest, int(ids.max()))
-                if largest >= dtype.limit:
-                    raise UsageError(f"token id {largest} does not fit {dtype.value}: use --token-dtype uint32")
-                sink.write(ids.astype(np.dtype(dtype.value).newbyteorder("<")).tobytes())
-                tokens += len(ids)
-                count += documents_done
-                if progress is not None:
-                    progress(documents_done)
-            sink.flush()
-            os.fsync(sink.fileno())
+    with context.Pool(num_proc) as pool, staged_token_file(out) as sink:
+        for documents_done, ids in pool.imap(_encode_chunk, _chunks(documents, tokenizer)):
+            largest = max(largest, int(ids.max()))
+            if largest >= dtype.limit:
+                raise UsageError(f"token id {largest} does not fit {dtype.value}: use --token-dtype uint32")
+            sink.write(ids.astype(np.dtype(dtype.value).newbyteorder("<")).tobytes())
+            tokens += len(ids)
+            count += documents_done
+            if progress is not None:
+                progress(documents_done)
         if count == 0:
             raise DataCheckError(f"{documents.spec!r} holds no documents")
-        os.replace(tmp, out)
-    except OSError as error:
-        tmp.unlink(missing_ok=True)
-        raise RunError(f"cannot write {str(out)!r}: {error.strerror or error}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return {
         "text": documents.spec,
         "out": str(out),

@@ -16,9 +16,10 @@ from __future__ import annotations
 import enum
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import DataCheckError, RunError, UsageError
 
@@ -157,29 +158,18 @@ def write_token_file(
         source = open(text, "rb")
     except OSError as error:
         raise UsageError(f"cannot read text {str(text)!r}: {error.strerror or error}") from None
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tokens = largest = 0
-    try:
-        with source, open(tmp, "wb") as sink:
-            for block in _blocks(source, block_bytes):
-                ids = tokenizer.encode(block)
-                if len(ids):
-                    largest = max(largest, int(ids.max()))
-                    if largest >= dtype.limit:
-                        raise UsageError(f"token id {largest} does not fit {dtype.value}: use --token-dtype uint32")
-                    sink.write(ids.astype(np.dtype(dtype.value).newbyteorder("<")).tobytes())
-                    tokens += len(ids)
-                if progress is not None:
-                    progress(len(block))
-            sink.flush()
-            os.fsync(sink.fileno())
-        os.replace(tmp, out)
-    except OSError as error:
-        tmp.unlink(missing_ok=True)
-        raise RunError(f"cannot write {str(out)!r}: {error.strerror or error}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with source, staged_token_file(out) as sink:
+        for block in _blocks(source, block_bytes):
+            ids = tokenizer.encode(block)
+            if len(ids):
+                largest = max(largest, int(ids.max()))
+                if largest >= dtype.limit:
+                    raise UsageError(f"token id {largest} does not fit {dtype.value}: use --token-dtype uint32")
+                sink.write(ids.astype(np.dtype(dtype.value).newbyteorder("<")).tobytes())
+                tokens += len(ids)
+            if progress is not None:
+                progress(len(block))
     return {
         "text": str(text),
         "out": str(out),
@@ -189,3 +179,22 @@ def write_token_file(
         "bytes": tokens * np.dtype(dtype.value).itemsize,
         "largest_token": largest,
     }
+
+
+@contextmanager
+def staged_token_file(out: Path) -> Iterator[BinaryIO]:
+    """A token file written under a temporary name beside `out`, synced and renamed to `out` when
+    the block completes; removed, and `out` untouched, when it fails."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as sink:
+            yield sink
+            sink.flush()
+            os.fsync(sink.fileno())
+        os.replace(tmp, out)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise RunError(f"cannot write {str(out)!r}: {error.strerror or error}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
