@@ -5,6 +5,9 @@ any moment, the imports of the first second included, ends with `error: interrup
 A KeyboardInterrupt can be swallowed by code that catches everything (an optional import
 somewhere below torch, say); the SIGINT handler therefore also leaves a mark in the
 environment (INTERRUPTED_ENV), which `fsdpkit.dist.launch` checks before it starts any worker.
+A KeyboardInterrupt raised while torch's own import runs can abort the interpreter (a C++
+initialiser sees a Python error), so an interrupt that comes then is raised once the import
+is over: a timer (SIGALRM) looks again shortly after.
 """
 
 from __future__ import annotations
@@ -15,19 +18,34 @@ import sys
 from typing import Any
 
 INTERRUPTED_ENV = "FSDPKIT_INTERRUPTED"  # fsdpkit.dist.launch reads the same name
+RETRY_SECONDS = 0.05
+
+
+def _importing(name: str) -> bool:
+    """True while module `name` is being executed by an import (importlib marks its spec)."""
+    spec = getattr(sys.modules.get(name), "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
 
 
 def _interrupt(signum: int, frame: Any) -> None:
     os.environ[INTERRUPTED_ENV] = "1"
+    if _importing("torch"):
+        signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    if signum == signal.SIGALRM and callable(handler) and handler is not _interrupt:
+        handler(signal.SIGINT, frame)  # the launcher's own, while it runs
     raise KeyboardInterrupt
 
 
 def main() -> None:
     signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGALRM, _interrupt)
     try:
         from .app import main as run
 
         run()
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)

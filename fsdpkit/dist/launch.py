@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import DataCheckError, RunError, UsageError
 from ..settings import setting
+from .interrupts import QuietlyInterruptible, sigint_blocked_while_spawning
 
 MAX_PROCESSES_PER_NODE = 64
 RDZV_BACKENDS = ("c10d", "static")
@@ -191,10 +192,10 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         shutdown_timeout=SHUTDOWN_SECONDS,
     )
     try:
-        with _stop_signals(), _prompt_stops():
+        with _stop_signals(), _prompt_stops(), sigint_blocked_while_spawning():
             if os.environ.get(INTERRUPTED_ENV) == "1":  # an interrupt some code before here swallowed
                 raise KeyboardInterrupt
-            return elastic_launch(config, worker_fn)(*args)
+            return elastic_launch(config, QuietlyInterruptible(worker_fn))(*args)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()  # the root cause: the others usually fail because it did
         reason = _failure_reason(failure)

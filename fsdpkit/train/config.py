@@ -11,6 +11,7 @@ Checks that need the world size are in `check_world_size`, called once before tr
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Mapping
@@ -236,7 +237,8 @@ _SHARDING_DEFAULT = ShardingConfig()
 
 
 def _build_sharding(*, mixed_precision: str = "none", reduce_dtype: str | None = None, **fields: Any) -> ShardingConfig:
-    return ShardingConfig(mixed_precision=precision_policy(mixed_precision, reduce_dtype), **fields)
+    checked = ShardingConfig(**fields)  # every other field is checked before the dtypes import torch
+    return dataclasses.replace(checked, mixed_precision=precision_policy(mixed_precision, reduce_dtype))
 
 
 def _sharding_values(config: ShardingConfig) -> dict[str, Any]:
