@@ -1,6 +1,7 @@
 """The `fsdpkit` console script: the CLI imported and run inside one handler, so that Ctrl-C at
 any moment, the imports of the first second included, ends with `error: interrupted` and exit
-130, never a traceback.
+130, never a traceback. (Before it runs, for the first tenth of a second or so, Python itself is
+starting, and a Ctrl-C then gets Python's own traceback: this module imports nothing slow.)
 
 A KeyboardInterrupt can be swallowed by code that catches everything (an optional import
 somewhere below torch, say); the SIGINT handler therefore also leaves a mark in the
@@ -15,7 +16,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Any
 
 INTERRUPTED_ENV = "FSDPKIT_INTERRUPTED"  # fsdpkit.dist.launch reads the same name
 RETRY_SECONDS = 0.05
@@ -27,7 +27,7 @@ def _importing(name: str) -> bool:
     return bool(getattr(spec, "_initializing", False))
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def _interrupt(signum: int, frame: object) -> None:
     os.environ[INTERRUPTED_ENV] = "1"
     if _importing("torch"):
         signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)

@@ -14,6 +14,7 @@ live communication threads may abort, and atexit hooks would see a second interr
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -56,7 +57,7 @@ class QuietlyInterruptible:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self.__name__ = fn.__name__  # the elastic launcher names its entry point by it
+        functools.update_wrapper(self, fn)  # the elastic launcher names and wraps its entry point by these
 
     def __call__(self, *args: Any) -> Any:
         try:
