@@ -1,23 +1,20 @@
 """A load whose storage reads the replicas share (hybrid or no sharding, R copies of each
-shard): each element range a replicate group needs is read from storage by one of its ranks
-and broadcast to the others over the replicate group, so storage serves each byte once per
-load instead of R times.
+shard): the first replica reads from storage and each of its ranks broadcasts what it read
+to its replicate group, so storage serves each byte once per load instead of R times.
 
-The reading rank of a replicate group is the one on replica `shard_rank % R`: the groups of
-one shard group read on different replicas (nodes), which spreads the storage traffic, and
-each rank file is read by one rank only. Every rank of a replicate group holds the same
-fragments, so it asks for the same ranges in the same order: one broadcast per range lines
-up on all of them, and the receivers know each range's size and dtype from the manifest.
-
-A tensor stored whole (a scalar optimizer state, a buffer) is needed by every rank: it is
-read by the rank that reads the file holding it anyway (saved rank file t belongs to shard
-rank t * F // W_saved) and broadcast over the whole data-parallel group, in the order every
-rank asks for it. No other rank touches that file, so no storage read-ahead pulls it in twice.
+A load runs twice through the same code (`load_weights`, `load_optimizer_state`): first
+against `Requests`, which hands out uninitialised tensors and records each range asked for,
+then against the ranges themselves, served in the same order. Every rank of a replicate
+group holds the same fragments, so it asks for the same ranges in the same order, and their
+sizes and dtypes come from the manifest: the first replica reads them into one buffer, and
+one broadcast per replicate group carries it (a broadcast costs a latency step per rank of
+the group, so one for the whole load rather than one per tensor).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,53 +23,82 @@ from ...dist.comm import Collectives
 from ...dtypes import dtype_info
 from ...engine.view import ShardedModelView
 from ...flat_layout import ElementRange
-from .tensors import CheckpointReader, RangeReader
+from .tensors import CheckpointReader, RangeReader, byte_view
+
+ALIGN = 16  # each range starts at a multiple of this in the broadcast buffer
 
 
-class ReplicaReads:
-    """`checkpoint`'s ranges, read on one rank of this rank's replicate group and broadcast to
-    the others, and its whole tensors read on one rank and broadcast to all (on `view.device`:
-    NCCL broadcasts device tensors). Every rank must make the same calls in the same order."""
+@dataclass(frozen=True)
+class Request:
+    name: str
+    wanted: ElementRange
+    dtype: torch.dtype
+    shape: tuple[int, ...] | None  # a whole tensor's shape; None for a range (1-D)
 
-    def __init__(self, checkpoint: CheckpointReader, view: ShardedModelView, comms: Collectives) -> None:
-        if view.replicate_group is None:
-            raise ValueError(f"rank {view.rank} has no replicate group to share a load's reads with ({view.replicas} replica)")
+    @property
+    def nbytes(self) -> int:
+        return self.wanted.size * torch.empty(0, dtype=self.dtype).element_size()
+
+
+class Requests:
+    """Records what a load asks for; hands out uninitialised tensors of the right size."""
+
+    def __init__(self, checkpoint: CheckpointReader) -> None:
         self.checkpoint = checkpoint
-        self.comms = comms
-        self.view = view
-        reading = view.shard_rank % view.replicas
-        self.reads = view.replica == reading
-        self.source = dist.get_global_rank(view.replicate_group, reading)
-        self.file_index = {name: index for index, name in enumerate(checkpoint.checkpoint.file_names())}
+        self.asked: list[Request] = []
 
     def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
-        return self._shared(name, wanted, self.reads, self.source, self.view.replicate_group)
+        return self._ask(name, wanted, None)
 
     def read_tensor(self, name: str) -> torch.Tensor:
         source = self.checkpoint.source(name)
-        if not source.numel:
-            return self.checkpoint.read_tensor(name).to(self.view.device)
-        saved_file = self.file_index[source.pieces_in(ElementRange(0, source.numel))[0].path.name]
-        shard_rank = saved_file * self.view.shard_factor // len(self.file_index)
-        holder = (shard_rank % self.view.replicas) * self.view.shard_factor + shard_rank  # its reader, in the data-parallel group
-        data = self._shared(
-            name, ElementRange(0, source.numel), self.view.rank == holder, dist.get_global_rank(self.view.group, holder), self.view.group
-        )
-        return data.reshape(source.shape)
+        return self._ask(name, ElementRange(0, source.numel), tuple(source.shape))
 
-    def _shared(self, name: str, wanted: ElementRange, reads: bool, source: int, group: Any) -> torch.Tensor:
-        if reads:
-            data = self.checkpoint.read_range(name, wanted).to(self.view.device)
-        else:
-            data = torch.empty(wanted.size, dtype=dtype_info(self.checkpoint.source(name).dtype).torch, device=self.view.device)
-        if wanted.size:
-            self.comms.broadcast(data.view(torch.uint8), source, group, label="load")  # bytes: any dtype, bool too
-        return data
+    def _ask(self, name: str, wanted: ElementRange, shape: tuple[int, ...] | None) -> torch.Tensor:
+        request = Request(name, wanted, dtype_info(self.checkpoint.source(name).dtype).torch, shape)
+        self.asked.append(request)
+        out = torch.empty(wanted.size, dtype=request.dtype)
+        return out if shape is None else out.reshape(shape)
 
 
-def range_reader(reader: CheckpointReader, view: ShardedModelView, comms: Collectives, *, every_replica: bool) -> RangeReader:
-    """What a load of `view` reads through: `reader` itself on every rank (one replica, or
-    `every_replica`: a store local to each node, such as shared memory), else ReplicaReads."""
-    if every_replica or view.replicate_group is None:
-        return reader
-    return ReplicaReads(reader, view, comms)
+class Served:
+    """The recorded ranges, out of the broadcast buffer, asked for again in the same order."""
+
+    def __init__(self, asked: list[Request], buffer: torch.Tensor, offsets: list[int]) -> None:
+        self.asked, self.buffer, self.offsets = asked, buffer, offsets
+        self.next = 0
+
+    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
+        return self._serve(name, wanted)
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        request = self.asked[self.next]
+        return self._serve(name, request.wanted).reshape(request.shape or -1)
+
+    def _serve(self, name: str, wanted: ElementRange) -> torch.Tensor:
+        request, at = self.asked[self.next], self.offsets[self.next]
+        if (request.name, request.wanted) != (name, wanted):
+            raise AssertionError(f"a shared load asked for {name} {wanted} where it first asked for {request.name} {request.wanted}")
+        self.next += 1
+        return self.buffer[at : at + request.nbytes].view(request.dtype).clone()  # its own storage: the buffer is freed after the load
+
+
+def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Collectives, load: Callable[[RangeReader], None]) -> None:
+    """Run `load` (which reads through the reader it is given) with its reads shared by the
+    replicas: recorded, read on the first replica, broadcast over each replicate group, served."""
+    requests = Requests(checkpoint)
+    load(requests)
+    offsets, total = [], 0
+    for request in requests.asked:
+        offsets.append(total)
+        total += -(-request.nbytes // ALIGN) * ALIGN
+    buffer = torch.empty(total, dtype=torch.uint8)
+    if view.writes_shards:  # the first replica
+        for request, at in zip(requests.asked, offsets, strict=True):
+            if request.wanted.size:
+                byte_view(buffer[at : at + request.nbytes])[:] = byte_view(checkpoint.read_range(request.name, request.wanted))
+    buffer = buffer.to(view.device)
+    if total:
+        first_replica = dist.get_global_rank(view.group, view.rank % view.shard_factor)  # this group's rank there
+        comms.broadcast(buffer, first_replica, view.replicate_group, label="load")
+    load(Served(requests.asked, buffer, offsets))
