@@ -73,7 +73,7 @@ class Served:
 
     def read_tensor(self, name: str) -> torch.Tensor:
         request = self.asked[self.next]
-        return self._serve(name, request.wanted).reshape(request.shape or -1)
+        return self._serve(name, request.wanted).reshape(request.shape if request.shape is not None else (-1,))
 
     def _serve(self, name: str, wanted: ElementRange) -> torch.Tensor:
         request, at = self.asked[self.next], self.offsets[self.next]
