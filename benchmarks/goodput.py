@@ -55,9 +55,10 @@ def workers(launcher: int) -> list[int]:
 
 
 def run(flags: list[str], *, period: float | None, seed: int, most: int) -> dict:
-    """One training run, a random worker killed every `period` seconds (None: never), `most`
-    times at most (a run that redoes more than it gains between kills would never end); its
-    summary with the wall time and the kills added."""
+    """One training run, a random worker killed every `period` seconds from its first step
+    (None: never), `most` times at most (a run that redoes more than it gains between kills
+    would never end); its summary with the wall time, the kills and the time from the launch
+    to the first step added."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="goodput-") as directory:
         started = time.perf_counter()
@@ -71,11 +72,12 @@ def run(flags: list[str], *, period: float | None, seed: int, most: int) -> dict
             start_new_session=True,
         )
         kills, first_step_s = 0, None
-        next_kill: float | None = started + period if period else None
+        next_kill: float | None = None  # the first kill comes `period` after the first step
         while process.poll() is None:
             time.sleep(0.05)
             if first_step_s is None and metrics.exists() and metrics.stat().st_size:
                 first_step_s = time.perf_counter() - started
+                next_kill = time.perf_counter() + period if period else None
             if next_kill is not None and kills < most and time.perf_counter() >= next_kill:
                 pids = workers(process.pid)
                 if pids:
@@ -102,6 +104,7 @@ def row(mode: str, period: float | None, result: dict, clean_s: float) -> dict:
         "wall_s": result["wall_s"],
         "first_step_s": result["first_step_s"],
         "goodput": clean_s / result["wall_s"],
+        "kills": result["kills"],
         "failures": len(recoveries),
         "steps_redone_per_failure": mean(r["steps_redone"] for r in recoveries) if recoveries else 0.0,
         "sources": sorted({r["source"] for r in recoveries}),
@@ -161,14 +164,14 @@ def main() -> None:
     print(f"snapshot overhead without failures: {overhead:+.1%} of the training time (every {args.snapshot_every} steps)")
     fresh = ", ".join(f"{mode} {clean[mode]['first_step_s']:.1f} s" for mode in modes if clean[mode]["first_step_s"] is not None)
     print(f"a fresh launch to its first step: {fresh}")
-    heading = f"{'mode':16} {'kill every':>10} {'goodput':>8} {'failures':>8} {'redone/fail':>11} {'recovery s':>10}"
+    heading = f"{'mode':16} {'kill every':>10} {'goodput':>8} {'kills':>5} {'failures':>8} {'redone/fail':>11} {'recovery s':>10}"
     print(heading + "  split (relaunch/rendezvous/restore)")
     for r in rows:
         every = f"{r['period_s']:.0f} s" if r["period_s"] else "never"
         recovery = f"{r['recovery_s']:.1f}" if r["recovery_s"] is not None else "-"
         split = "/".join(f"{r[k]:.1f}" for k in ("relaunch_s", "rendezvous_s", "restore_s")) if r["recovery_s"] is not None else "-"
         redone = r["steps_redone_per_failure"]
-        print(f"{r['mode']:16} {every:>10} {r['goodput']:8.2f} {r['failures']:8d} {redone:11.1f} {recovery:>10}  {split}")
+        print(f"{r['mode']:16} {every:>10} {r['goodput']:8.2f} {r['kills']:5d} {r['failures']:8d} {redone:11.1f} {recovery:>10}  {split}")
     checked = targets(rows, overhead, args.snapshot_every)
     for t in checked:
         verdict = {True: "met", False: "NOT MET", None: "not measured"}[t["met"]]
