@@ -1,5 +1,6 @@
 """Goodput with failures: `fsdpkit train` with a harness that SIGKILLs a random worker every T
-seconds, with disk checkpoints only (a) and with in-memory snapshots as well (b), side by side.
+seconds of training, with disk checkpoints only (a) and with in-memory snapshots as well (b),
+side by side.
 
     python benchmarks/goodput.py --model gpt-small --steps 400 --periods 30,60 --json out.json
     python benchmarks/goodput.py --model gpt-tiny --steps 600 --periods 12 --kills 3   # a short look
@@ -55,10 +56,11 @@ def workers(launcher: int) -> list[int]:
 
 
 def run(flags: list[str], *, period: float | None, seed: int, most: int) -> dict:
-    """One training run, a random worker killed every `period` seconds from its first step
-    (None: never), `most` times at most (a run that redoes more than it gains between kills
-    would never end); its summary with the wall time, the kills and the time from the launch
-    to the first step added."""
+    """One training run, a random worker killed `period` seconds after its first step, and
+    again `period` seconds after the first step of each restart (None: never), `most` times
+    at most (a run that redoes more than it gains between kills would never end; a kill during
+    a relaunch would count two failures as one); its summary with the wall time, the kills
+    and the time from the launch to the first step added."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="goodput-") as directory:
         started = time.perf_counter()
@@ -71,24 +73,34 @@ def run(flags: list[str], *, period: float | None, seed: int, most: int) -> dict
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        kills, first_step_s = 0, None
-        next_kill: float | None = None  # the first kill comes `period` after the first step
+        kills, first_step_s, size = 0, None, 0
+        next_kill: float | None = None  # `period` after the first step, and after the first step of each restart
         while process.poll() is None:
             time.sleep(0.05)
-            if first_step_s is None and metrics.exists() and metrics.stat().st_size:
-                first_step_s = time.perf_counter() - started
-                next_kill = time.perf_counter() + period if period else None
-            if next_kill is not None and kills < most and time.perf_counter() >= next_kill:
+            grew, size = _grown(metrics, size)
+            if grew and next_kill is None:
+                first_step_s = first_step_s or time.perf_counter() - started
+                next_kill = time.perf_counter() + period if period and kills < most else None
+            if next_kill is not None and time.perf_counter() >= next_kill:
                 pids = workers(process.pid)
                 if pids:
                     os.kill(rng.choice(pids), signal.SIGKILL)
                     kills += 1
-                next_kill = time.perf_counter() + (period or 0.0)
+                next_kill = None  # until the restarted run completes a step
         out, err = process.communicate()
         wall = time.perf_counter() - started
     if process.returncode != 0:
         raise SystemExit(f"fsdpkit train failed ({process.returncode}): {err.decode()[-2000:]}")
     return {**json.loads(out), "wall_s": wall, "kills": kills, "first_step_s": first_step_s}
+
+
+def _grown(metrics: Path, size: int) -> tuple[bool, int]:
+    """Whether the --metrics file grew (a step completed; a restart cuts it back), and its size."""
+    try:
+        now = metrics.stat().st_size
+    except OSError:
+        return False, size
+    return now > size, now
 
 
 def row(mode: str, period: float | None, result: dict, clean_s: float) -> dict:
