@@ -43,6 +43,9 @@ class ShardedModelView:
     writes_shards: bool  # the first replica: the ranks that hold what a checkpoint stores
     group: Any  # the data-parallel process group
     device: torch.device
+    replicas: int  # copies of each shard (hybrid or no sharding), 1 when fully sharded
+    replica: int  # which copy this rank holds: its rank in `replicate_group`
+    replicate_group: Any | None  # the ranks holding the same fragments as this one; None with one replica
 
 
 def describe(module: nn.Module) -> ShardedModelView:
@@ -67,4 +70,7 @@ def describe(module: nn.Module) -> ShardedModelView:
         mesh.is_replica_leader,
         mesh.group,
         state.device,
+        mesh.replicate_size,
+        mesh.rank // mesh.shard_factor,
+        mesh.replicate_group if mesh.replicate_size > 1 else None,
     )

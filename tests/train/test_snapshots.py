@@ -3,7 +3,7 @@ killed workers restarted from memory through the real CLI, each compared bitwise
 uninterrupted run of the same flags.
 
 Runs are gpt-tiny, 8 steps of 4 x 32 tokens on 2 processes, a snapshot every 2 steps. Cost:
-4 launches (the restarted ones count twice).
+4 launches of 2 processes (the restarted one counts twice), and the lost node's 4 launches.
 """
 
 from __future__ import annotations
@@ -18,11 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from support.checkpoint_files import save_checkpoint
 from test_faults import assert_bitwise_equal, finish, start, stopped_worker, weights
 
 from fsdpkit.checkpoint.format.lock import process_identity
 from fsdpkit.checkpoint.format.names import rank_file_name
 from fsdpkit.checkpoint.memory.choice import Choice, Source, Transfer, choose
+from fsdpkit.checkpoint.memory.recovery import verified_files
 from fsdpkit.checkpoint.memory.store import DEFAULT_ROOT, HEADER_SUFFIX, OWNER_NAME, STORE_PREFIX, SnapshotStore, reclaim_stale, room_line
 from fsdpkit.train.config import TrainConfig
 from fsdpkit.train.snapshots import needed_bytes, wanted
@@ -91,6 +94,37 @@ def test_too_little_shared_memory_is_one_line(tmp_path):
     assert line.startswith("snapshots off: they need ") and line.endswith("checkpoints on disk only") and "\n" not in line
 
 
+def test_a_restart_takes_only_whole_files_of_its_run_and_world_size(tmp_path):
+    """What a restarted rank verifies in its store, the input of the choice: a torn file is
+    passed over silently, a corrupt one and another run's with one line each, and a world
+    size other than the run's finds nothing, so the choice falls back to disk."""
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "theirs").mkdir()
+    store = _store_with(tmp_path / "ours", [2, 4])
+    theirs = _store_with(tmp_path / "theirs", [2], run_id="run-b")
+    manifest = save_checkpoint(tmp_path / "disk", 2, {"w": torch.zeros(4)}, world_size=2) / "manifest.json"
+    for step in (2, 4):  # a manifest the checks can read
+        (store.step_dir(step) / "manifest.json").write_bytes(manifest.read_bytes())
+    name1 = rank_file_name(1, 2)
+    for name in (name1, name1 + HEADER_SUFFIX):  # step 2 of rank 1: another run's file in our store
+        (store.step_dir(2) / name).write_bytes((theirs.step_dir(2) / name).read_bytes())
+    (store.step_dir(4) / (name1 + HEADER_SUFFIX)).unlink()  # torn
+    data = bytearray((store.step_dir(4) / rank_file_name(0, 2)).read_bytes())
+    data[3] ^= 1
+    (store.step_dir(4) / rank_file_name(0, 2)).write_bytes(bytes(data))
+    lines: list[str] = []
+    held = verified_files(store, 2, local_rank=0, local_world=1, warn=lines.append)
+    assert held == {2: [0]}
+    assert len(lines) == 2 and all(line.startswith("snapshot refused: ") and "\n" not in line for line in lines)
+    assert "of step 2: written by run run-b, not run-a" in lines[0] and "of step 4: checksum mismatch" in lines[1]
+    assert choose([held], [[0, 1]], [0], disk_step=None) == Choice(Source.NONE, None)
+    assert choose([held], [[0, 1]], [0], disk_step=1) == Choice(Source.DISK, 1)
+    # the whole store, asked for at another world size: nothing, and nothing said
+    lines.clear()
+    assert verified_files(_store_with(tmp_path / "ours", [6]), 4, local_rank=0, local_world=1, warn=lines.append) == {}
+    assert lines == []
+
+
 # ----- the choice (pure)
 def test_the_newest_step_every_rank_can_restore_wins():
     node_of, needed = [0, 0, 1, 1], [[0], [1], [2], [3]]
@@ -141,24 +175,12 @@ def planted():
             path.rmdir()
 
 
-def test_a_killed_worker_resumes_from_memory_bitwise(reference, planted, tmp_path):
-    process = start(tmp_path, *SNAPSHOTS, fault="kill:1:7")
-    run = finish(process, tmp_path)
-    assert run.exit_code == 0, run.stderr
-    (recovery,) = run.summary["recoveries"]
-    assert recovery["source"] == "memory" and recovery["step"] in (2, 4, 6)  # 6 unless the kill beat its write
-    assert recovery["steps_redone"] == 7 - recovery["step"] == run.summary["steps_redone"]
-    parts = recovery["relaunch_s"] + recovery["rendezvous_s"] + recovery["restore_s"]
-    assert min(recovery["relaunch_s"], recovery["rendezvous_s"], recovery["restore_s"]) >= 0 and parts <= recovery["recovery_s"]
-    assert run.summary["losses"] == reference.summary["losses"]
-    assert_bitwise_equal(weights(run.run_dir), weights(reference.run_dir))
-    assert _stores_of(process.pid) == []  # removed when the run ended
-    assert planted["live"].is_dir() and not planted["dead"].exists()  # a dead run's reclaimed, a live run's kept
-
-
-def test_a_torn_and_a_corrupt_snapshot_are_passed_over(reference, tmp_path):
+def test_a_killed_worker_resumes_from_memory_passing_over_a_torn_and_a_corrupt_snapshot(reference, planted, tmp_path):
     """Rank 1 stops after step 7; rank 0's newest snapshot file gets a flipped byte and rank 1's
-    loses its header; rank 1 is then killed: the restart takes the older slot."""
+    loses its header; rank 1 is then killed: the restart takes the older slot from memory, and
+    ends bitwise equal to the uninterrupted run. (The newest slot, when whole, wins: the choice's
+    own test.) The store is removed when the run ends; another live run's is kept, a dead one's
+    reclaimed."""
     process = start(tmp_path, *SNAPSHOTS, fault="stop:1:7")
     stopped = stopped_worker(process)
     (store,) = _stores_of(process.pid)
@@ -178,7 +200,13 @@ def test_a_torn_and_a_corrupt_snapshot_are_passed_over(reference, tmp_path):
     assert len(refused) == 1 and f"{rank_file_name(0, 2)} of step 6: checksum mismatch" in refused[0], run.stderr
     (recovery,) = run.summary["recoveries"]
     assert (recovery["source"], recovery["step"], recovery["steps_redone"]) == ("memory", 4, 3)
+    assert recovery["steps_redone"] == run.summary["steps_redone"]
+    parts = recovery["relaunch_s"] + recovery["rendezvous_s"] + recovery["restore_s"]
+    assert min(recovery["relaunch_s"], recovery["rendezvous_s"], recovery["restore_s"]) >= 0 and parts <= recovery["recovery_s"]
+    assert run.summary["losses"] == reference.summary["losses"]
     assert_bitwise_equal(weights(run.run_dir), weights(reference.run_dir))
+    assert _stores_of(process.pid) == []  # removed when the run ended
+    assert planted["live"].is_dir() and not planted["dead"].exists()  # a dead run's reclaimed, a live run's kept
 
 
 def test_shared_memory_full_warns_once_and_the_run_goes_on(reference, tmp_path):

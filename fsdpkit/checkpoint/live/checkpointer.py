@@ -46,8 +46,9 @@ from .model_state import (
     view_params,
 )
 from .optim_state import load_optimizer_state, states_to_load
+from .replica_reads import shared_load
 from .save_protocol import Ranks, SaveJob, run_save
-from .tensors import CheckpointReader, full_reader
+from .tensors import CheckpointReader, RangeReader, full_reader
 
 
 class Checkpointer:
@@ -143,26 +144,38 @@ class Checkpointer:
             raise error
 
     # ----- loading
-    def load(self, path: str | os.PathLike, *, strict: bool = True) -> dict:
+    def load(self, path: str | os.PathLike, *, strict: bool = True, every_replica: bool = False) -> dict:
         """Load weights (and optimizer state) from a checkpoint saved at any world size;
-        returns its training state. Every chunk's fragments are checksum-verified as read."""
+        returns its training state. Every chunk's fragments are checksum-verified as read.
+        With replicas (hybrid, no sharding), the first replica reads and broadcasts to the
+        others (replica_reads.py), unless `every_replica` (a store each node holds locally,
+        such as snapshots in shared memory)."""
         view = describe(self.module)
-        with CheckpointReader(path, validate_all=False) as reader:
+        with CheckpointReader(path, validate_all=False) as checkpoint:
             states = None
             if self.optimizer is not None:
                 names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
-                states = states_to_load(self.optimizer, names, reader.training_state, reader.tensor_names(), where=str(reader.step_dir))
-            stateless = stateless_params(reader.training_state)
+                where = str(checkpoint.step_dir)
+                states = states_to_load(self.optimizer, names, checkpoint.training_state, checkpoint.tensor_names(), where=where)
+            stateless = stateless_params(checkpoint.training_state)
             expected = expected_tensors(view_params(view), buffer_shapes(self.module), states, stateless=stateless)
-            missing_optim = check_compatible(reader.manifest, expected, strict=strict, where=str(reader.step_dir))
+            missing_optim = check_compatible(checkpoint.manifest, expected, strict=strict, where=str(checkpoint.step_dir))
             if missing_optim and view.rank == 0:
-                log.warn(f"{reader.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh")
-            load_weights(view, self.module, reader)
-            if self.optimizer is not None and states is not None and not missing_optim:
-                params = [(p.name, p.fragment.param_range, p.tensor) for unit in view.units for p in unit.params if p.requires_grad]
-                stored = set(reader.tensor_names())
-                load_optimizer_state(self.optimizer, params, states, reader.training_state, stored, reader.read_range, reader.read_tensor)
-            return reader.training_state
+                log.warn(f"{checkpoint.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh")
+
+            def load(reader: RangeReader) -> None:
+                load_weights(view, self.module, reader)
+                if self.optimizer is not None and states is not None and not missing_optim:
+                    params = [(p.name, p.fragment.param_range, p.tensor) for unit in view.units for p in unit.params if p.requires_grad]
+                    stored = set(checkpoint.tensor_names())
+                    state = checkpoint.training_state
+                    load_optimizer_state(self.optimizer, params, states, state, stored, reader.read_range, reader.read_tensor)
+
+            if every_replica or view.replicate_group is None:
+                load(checkpoint)
+            else:
+                shared_load(checkpoint, view, Collectives(), load)
+            return checkpoint.training_state
 
 
 def manifest_of(

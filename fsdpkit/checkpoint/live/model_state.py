@@ -21,7 +21,7 @@ from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..format.placement import TensorSpec
 from .optim_state import StateLayout, expected_state_tensors, saved_states
-from .tensors import TensorReader, safetensors_dtype
+from .tensors import RangeReader, TensorReader, safetensors_dtype
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -106,7 +106,7 @@ def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimize
     return {"type": type(optimizer).__name__, "groups": groups, "stateless": stateless}
 
 
-def load_weights(view: ShardedModelView, module: nn.Module, reader: TensorReader) -> None:
+def load_weights(view: ShardedModelView, module: nn.Module, reader: RangeReader) -> None:
     """Copy this rank's fragment of every parameter, and every buffer, from `reader`."""
     with torch.no_grad():
         for unit in view.units:

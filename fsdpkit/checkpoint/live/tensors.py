@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -38,6 +38,14 @@ def raw_bytes(data: torch.Tensor) -> memoryview:
         flat = flat.cpu()
     flat = flat.contiguous()
     return byte_view(flat) if flat.numel() else memoryview(b"")
+
+
+class RangeReader(Protocol):
+    """What a load reads through: element ranges of named tensors, and whole tensors."""
+
+    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor: ...
+
+    def read_tensor(self, name: str) -> torch.Tensor: ...
 
 
 class TensorReader:

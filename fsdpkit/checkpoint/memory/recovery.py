@@ -108,5 +108,5 @@ def restore(
     fetch(store, choice, world_size)
     step_dir = store.step_dir(choice.step)
     load_manifest(step_dir)  # a plain DataCheckError here, rather than deep in the reader
-    state = Checkpointer(module, optimizer).load(step_dir)
+    state = Checkpointer(module, optimizer).load(step_dir, every_replica=True)  # each node's own memory
     return choice, state

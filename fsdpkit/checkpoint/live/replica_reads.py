@@ -1,0 +1,104 @@
+"""A load whose storage reads the replicas share (hybrid or no sharding, R copies of each
+shard): the first replica reads from storage and each of its ranks broadcasts what it read
+to its replicate group, so storage serves each byte once per load instead of R times.
+
+A load runs twice through the same code (`load_weights`, `load_optimizer_state`): first
+against `Requests`, which hands out uninitialised tensors and records each range asked for,
+then against the ranges themselves, served in the same order. Every rank of a replicate
+group holds the same fragments, so it asks for the same ranges in the same order, and their
+sizes and dtypes come from the manifest: the first replica reads them into one buffer, and
+one broadcast per replicate group carries it (a broadcast costs a latency step per rank of
+the group, so one for the whole load rather than one per tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...dist.comm import Collectives
+from ...dtypes import dtype_info
+from ...engine.view import ShardedModelView
+from ...flat_layout import ElementRange
+from .tensors import CheckpointReader, RangeReader, byte_view
+
+ALIGN = 16  # each range starts at a multiple of this in the broadcast buffer
+
+
+@dataclass(frozen=True)
+class Request:
+    name: str
+    wanted: ElementRange
+    dtype: torch.dtype
+    shape: tuple[int, ...] | None  # a whole tensor's shape; None for a range (1-D)
+
+    @property
+    def nbytes(self) -> int:
+        return self.wanted.size * torch.empty(0, dtype=self.dtype).element_size()
+
+
+class Requests:
+    """Records what a load asks for; hands out uninitialised tensors of the right size."""
+
+    def __init__(self, checkpoint: CheckpointReader) -> None:
+        self.checkpoint = checkpoint
+        self.asked: list[Request] = []
+
+    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
+        return self._ask(name, wanted, None)
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        source = self.checkpoint.source(name)
+        return self._ask(name, ElementRange(0, source.numel), tuple(source.shape))
+
+    def _ask(self, name: str, wanted: ElementRange, shape: tuple[int, ...] | None) -> torch.Tensor:
+        request = Request(name, wanted, dtype_info(self.checkpoint.source(name).dtype).torch, shape)
+        self.asked.append(request)
+        out = torch.empty(wanted.size, dtype=request.dtype)
+        return out if shape is None else out.reshape(shape)
+
+
+class Served:
+    """The recorded ranges, out of the broadcast buffer, asked for again in the same order."""
+
+    def __init__(self, asked: list[Request], buffer: torch.Tensor, offsets: list[int]) -> None:
+        self.asked, self.buffer, self.offsets = asked, buffer, offsets
+        self.next = 0
+
+    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
+        return self._serve(name, wanted)
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        request = self.asked[self.next]
+        return self._serve(name, request.wanted).reshape(request.shape if request.shape is not None else (-1,))
+
+    def _serve(self, name: str, wanted: ElementRange) -> torch.Tensor:
+        request, at = self.asked[self.next], self.offsets[self.next]
+        if (request.name, request.wanted) != (name, wanted):
+            raise AssertionError(f"a shared load asked for {name} {wanted} where it first asked for {request.name} {request.wanted}")
+        self.next += 1
+        return self.buffer[at : at + request.nbytes].view(request.dtype).clone()  # its own storage: the buffer is freed after the load
+
+
+def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Collectives, load: Callable[[RangeReader], None]) -> None:
+    """Run `load` (which reads through the reader it is given) with its reads shared by the
+    replicas: recorded, read on the first replica, broadcast over each replicate group, served."""
+    requests = Requests(checkpoint)
+    load(requests)
+    offsets, total = [], 0
+    for request in requests.asked:
+        offsets.append(total)
+        total += -(-request.nbytes // ALIGN) * ALIGN
+    buffer = torch.empty(total, dtype=torch.uint8)
+    if view.writes_shards:  # the first replica
+        for request, at in zip(requests.asked, offsets, strict=True):
+            if request.wanted.size:
+                byte_view(buffer[at : at + request.nbytes])[:] = byte_view(checkpoint.read_range(request.name, request.wanted))
+    buffer = buffer.to(view.device)
+    if total:
+        first_replica = dist.get_global_rank(view.group, view.rank % view.shard_factor)  # this group's rank there
+        comms.broadcast(buffer, first_replica, view.replicate_group, label="load")
+    load(Served(requests.asked, buffer, offsets))
