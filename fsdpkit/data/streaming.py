@@ -77,6 +77,7 @@ class RankStream:
         self.tokenizer = tokenizer
         self.eot = eot
         self.length = length
+        self.rank = rank
         self.shards = rank_shards(len(documents.shards), rank, world_size)
         self.position = start or StreamPosition(shard=self.shards[0])
         if self.position.shard not in self.shards:
@@ -96,7 +97,8 @@ class RankStream:
                     found = True
                     yield StreamPosition(epoch, index, number, 0), encode_document(self.tokenizer, text, self.eot)
             if not found and (shard, row) == (self.shards[0], 0):
-                raise DataCheckError(f"--data {self.documents.spec!r}: the shards of this rank ({self.shards}) hold no documents")
+                names = ", ".join(self.documents.shards[index].name for index in self.shards)
+                raise DataCheckError(f"--data {self.documents.spec!r}: the shards of rank {self.rank} ({names}) hold no documents")
             epoch, shard, row = epoch + 1, self.shards[0], 0
 
     def next_rows(self, count: int) -> tuple[np.ndarray, StreamPosition]:

@@ -214,10 +214,13 @@ class LoggingConfig:
         "WANDB_MODE=offline needs no network).",
         metavar="PROJECT[/RUN]",
     )
-    mlflow: str | None = setting(
-        None,
-        "Also log the config and every step to MLflow at this tracking URI (a directory such as mlruns: local files; [mlflow] extra).",
-        metavar="URI",
+    mlflow: bool = setting(
+        False,
+        "Also log the config and every step to MLflow ([mlflow] extra), at --mlflow-uri, else $MLFLOW_TRACKING_URI, "
+        "else a local mlruns/ directory.",
+    )
+    mlflow_uri: str | None = setting(
+        None, "With --mlflow: the tracking URI (a directory such as mlruns: local files; http://host:5000: a server).", metavar="URI"
     )
     log_every: int = setting(10, "Without a terminal on stderr: a progress line every N steps or --log-seconds, whichever comes first.")
     log_seconds: float = setting(
@@ -229,6 +232,8 @@ class LoggingConfig:
         _at_least(self.log_every, 1, "--log-every")
         if not self.log_seconds > 0:
             raise UsageError(f"--log-seconds must be > 0, got {self.log_seconds}")
+        if self.mlflow_uri and not self.mlflow:
+            raise UsageError(f"--mlflow-uri {self.mlflow_uri!r} is where --mlflow logs: give --mlflow too")
 
 
 # The engine's ShardingConfig is a section as it is; only mixed precision is given by name

@@ -222,11 +222,23 @@ def rank_start(saved: dict | None, rank: int, world_size: int) -> StreamPosition
     return StreamPosition.from_json(saved["ranks"][rank])
 
 
-def check_streamed(data: str, *, text_field: str, world_size: int) -> None:
-    """Before launch, without reading the dataset: documents with the text field, a shard per rank,
-    and a first document that reads."""
+def check_streamed(
+    data: str, *, text_field: str, world_size: int, seq_len: int, global_batch_size: int, tokenizer: str | None = None
+) -> None:
+    """Before launch, reading only the first step's documents of each rank: documents with the
+    text field, a shard per rank, and for every rank enough tokens for its rows of one global batch."""
     if not is_document_source(data):
         raise UsageError(f"--data-streaming reads documents (jsonl, parquet, datasets); {data!r} is not one")
     documents = open_documents(data, text_field=text_field)
     check_shards(documents, world_size)
-    next(iter(documents.shards[0].texts()), None)
+    reader = load_tokenizer(tokenizer or "bytes")
+    rows = global_batch_size // world_size
+    for rank in range(world_size):
+        stream = RankStream(documents, reader, end_of_text(reader), length=seq_len + 1, rank=rank, world_size=world_size)
+        _, after = stream.next_rows(rows)
+        if after.epoch > 0:
+            names = ", ".join(documents.shards[index].name for index in stream.shards)
+            raise DataCheckError(
+                f"--data {data!r}: the shards of rank {rank} ({names}) hold fewer than its {rows} sequences of "
+                f"{seq_len + 1} tokens of one global batch of {global_batch_size} (--data-streaming: each rank reads its own shards)"
+            )

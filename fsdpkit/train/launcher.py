@@ -70,7 +70,14 @@ def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None)
             streaming=config.data.streaming,
         )
         if config.data.streaming:
-            check_streamed(config.data.source, text_field=config.data.text_field, world_size=world_size)
+            check_streamed(
+                config.data.source,
+                text_field=config.data.text_field,
+                world_size=world_size,
+                seq_len=config.data.seq_len,
+                global_batch_size=config.data.global_batch_size,
+                tokenizer=source.tokenizer,
+            )
         else:
             data.check_batch_size(config.data.global_batch_size)
             data.global_batch(0, 1)

@@ -65,8 +65,17 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak. CPU: the peak RSS of this worker's own address space (Linux's
+    VmHWM; ru_maxrss survives exec, so it would count the launcher the worker was started from)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 

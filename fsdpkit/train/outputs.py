@@ -13,7 +13,7 @@ from .. import log
 from .attempts import ProgressLog, RunContext, attempt_number
 from .metrics import MetricsLog
 from .progress import Progress, progress_mode
-from .trackers import Trackers, open_trackers
+from .trackers import Trackers, mlflow_uri, open_trackers
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -58,7 +58,7 @@ def open_outputs(trainer: Trainer, context: RunContext) -> Outputs:
     if rank0 and (logging.wandb or logging.mlflow):
         trackers = open_trackers(
             wandb=logging.wandb,
-            mlflow=logging.mlflow,
+            mlflow=mlflow_uri(logging.mlflow_uri) if logging.mlflow else None,
             config=config.to_values(),
             saved_ids=trainer.tracker_ids,
             logged_through=max(history.losses, default=0) if history and attempt else 0,

@@ -1,6 +1,7 @@
 """Experiment trackers on rank 0: Weights & Biases (--wandb PROJECT[/RUN]) and MLflow
-(--mlflow [URI]). Each gets the run's whole config once, then every step's record (what
---metrics writes: loss, eval loss, lr, tokens/s, memory, grad norm).
+(--mlflow, at --mlflow-uri, else $MLFLOW_TRACKING_URI, else a local mlruns/ directory). Each
+gets the run's whole config once, then every step's record (what --metrics writes: loss, eval
+loss, lr, tokens/s, memory, grad norm).
 
 A tracker's run id is kept in each checkpoint's training state (`trackers`), so a run resumed
 from it continues the same tracker run; a restarted attempt skips the steps the failed one
@@ -18,6 +19,8 @@ WANDB_HINT = "pip install 'fsdpkit[wandb]'"
 MLFLOW_HINT = "pip install 'fsdpkit[mlflow]'"
 TRACKED_CONFIG_NAME = "fsdpkit"
 MLFLOW_FILE_STORE_OPT_IN = "MLFLOW_ALLOW_FILE_STORE"
+MLFLOW_URI_ENV = "MLFLOW_TRACKING_URI"
+MLFLOW_DEFAULT_DIRECTORY = "mlruns"
 
 
 class Tracker(Protocol):
@@ -27,6 +30,11 @@ class Tracker(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
+
+
+def mlflow_uri(given: str | None) -> str:
+    """Where --mlflow logs: --mlflow-uri, else MLflow's own environment variable, else ./mlruns."""
+    return given or os.environ.get(MLFLOW_URI_ENV) or MLFLOW_DEFAULT_DIRECTORY
 
 
 def check_installed(*, wandb: bool, mlflow: bool) -> None:
@@ -75,7 +83,7 @@ class WandbTracker:
         self.run_id = self._run.id
 
     def log(self, record: dict[str, Any]) -> None:
-        self._run.log(scalars(record), step=int(record["step"]))
+        self._run.log(scalars(record), step=int(record["step"]), commit=True)  # sent now, not when the next step comes
 
     def close(self) -> None:
         self._run.finish()
