@@ -196,3 +196,29 @@ def test_convert_sharded_holds_deepspeed_state(saved, tmp_path):
     assert run_cli("diff", saved / "z3_bf16", tmp_path / "sh").exit_code == 0
     assert run_cli("verify", tmp_path / "sh").exit_code == 0
     _fails(["convert", saved / "z3_bf16", tmp_path / "x", "--to", "sharded", "--world-size", "3"], 2, "--model")
+
+
+@pytest.fixture(scope="module")
+def fsdp2(saved, tmp_path_factory) -> tuple[Path, dict]:
+    """FSDP2 at 2 ranks loads the ZeRO-3 bf16 checkpoint converted --to dcp for 3 ranks, and
+    saves per-rank state dicts as verl does (one launch)."""
+    from support import fsdp2_loader
+
+    root = tmp_path_factory.mktemp("fsdp2")
+    result = run_cli("convert", saved / "z3_bf16", root / "dcp", "--to", "dcp", "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    return root, run_distributed(fsdp2_loader.fsdp2_checks, 2, {"z3_bf16": (str(root / "dcp"), False)}, str(root / "verl"))[0]
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_convert_dcp_loads_in_fsdp2(saved, fsdp2, flatten):
+    """dcp.load + set_state_dict (both flatten_optimizer_state_dict settings) give the weights and
+    Adam moments DeepSpeed's zero_to_fp32 puts together, its step and its groups' settings."""
+    expected = deepspeed_worker.deepspeed_tensors(str(saved / "z3_bf16"))
+    found = fsdp2[1]["dcp"]["z3_bf16"][flatten]
+    for name, tensor in expected["tensors"].items():
+        assert torch.equal(found["tensors"][name], tensor.float()), name
+    steps = {name: float(t) for name, t in found["tensors"].items() if name.startswith("optim.step.")}
+    assert len(steps) == sum(len(names) for names in expected["names"]) and set(steps.values()) == set(expected["steps"])
+    settings = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in expected["param_groups"]]
+    assert found["param_groups"] == settings

@@ -89,6 +89,7 @@ ROUTES: dict[tuple[str, str], Route] = {
         required=("world_size", "model"),
         why="--model names the model whose flat-parameter layout to write; the optimizer state goes with it",
     ),
+    ("deepspeed", "dcp"): Route(f"{_CONVERTERS}:deepspeed_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
     ("dcp", "dcp"): Route(f"{_CONVERTERS}:dcp_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
     ("safetensors", "deepspeed"): Route(
         f"{_CONVERTERS}:safetensors_to_deepspeed",

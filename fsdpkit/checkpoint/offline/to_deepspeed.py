@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
-from ..deepspeed.table import DeepSpeedCheckpoint, open_deepspeed
+from ..deepspeed.table import open_deepspeed
 from ..deepspeed.writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import MANIFEST_NAME, optim_tensor_name
@@ -110,15 +110,6 @@ def write_run(run: DsRun, src: Path, dst: Path, *, source_kind: str, overwrite: 
     }
 
 
-def _recorded_groups(checkpoint: DeepSpeedCheckpoint) -> list[dict]:
-    """The checkpoint's groups: names from `param_shapes`, settings from the optimizer's groups."""
-    shapes = checkpoint.items.get("param_shapes")
-    if not isinstance(shapes, list) or not all(isinstance(group, dict) for group in shapes):
-        raise DataCheckError(f"{checkpoint.directory}: no param_shapes per group in the model states file")
-    settings = checkpoint.param_groups
-    return [{"settings": settings[i] if i < len(settings) else {}, "params": list(group)} for i, group in enumerate(shapes)]
-
-
 def reshard_deepspeed(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -136,5 +127,5 @@ def reshard_deepspeed(
             )
         tensors = {t.name: t for t in checkpoint.sources}
         steps = checkpoint.global_steps or 0
-        run = build_run(tensors, _recorded_groups(checkpoint), stage=checkpoint.stage, world_size=world_size, global_steps=steps)
+        run = build_run(tensors, checkpoint.groups(), stage=checkpoint.stage, world_size=world_size, global_steps=steps)
         return write_run(run, Path(src), Path(dst), source_kind="deepspeed", overwrite=overwrite, progress=progress)
