@@ -37,10 +37,21 @@ def _zero_to_fp32(src: Path, dst: Path) -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_convert_full_is_zero_to_fp32_bitwise(saved, tmp_path, layout):
+    """Byte for byte zero_to_fp32's file, except that a ZeRO-1 checkpoint's frozen parameter
+    (which zero_to_fp32 leaves out: stage 1 lists none) is there, as DeepSpeed's module holds it."""
+    from safetensors.torch import load_file
+
     _zero_to_fp32(saved / layout, tmp_path / "ref")
     result = run_cli("convert", saved / layout, tmp_path / "ours", "--to", "full")
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "ours" / "model.safetensors").read_bytes() == (tmp_path / "ref" / "model.safetensors").read_bytes()
+    ours, ref = tmp_path / "ours" / "model.safetensors", tmp_path / "ref" / "model.safetensors"
+    if layout != "z1_fp32":
+        assert ours.read_bytes() == ref.read_bytes()
+        return
+    got, expected = load_file(ours), load_file(ref)
+    module = torch.load(saved / layout / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert set(got) == {*expected, "model.norm.weight"}
+    assert all(torch.equal(got[name], expected.get(name, module[name])) for name in got)
 
 
 def test_tied_and_frozen_match_deepspeed_state_dict(saved, tmp_path):
@@ -222,3 +233,35 @@ def test_convert_dcp_loads_in_fsdp2(saved, fsdp2, flatten):
     assert len(steps) == sum(len(names) for names in expected["names"]) and set(steps.values()) == set(expected["steps"])
     settings = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in expected["param_groups"]]
     assert found["param_groups"] == settings
+
+
+@pytest.mark.parametrize(("layout", "stage"), [("z1_fp32", 1), ("z2_tied", 2)])
+def test_deepspeed_to_sharded_to_deepspeed_is_bitwise(saved, tmp_path, layout, stage):
+    """DeepSpeed -> fsdpkit (3 ranks) -> DeepSpeed (2 ranks, the same stage): every tensor of
+    every file equal to DeepSpeed's own (torch.load of both), frozen and tied ones included,
+    a tied name sharing its storage as in DeepSpeed's file."""
+    config = tmp_path / "llama"
+    deepspeed_worker.llama_config(tied=layout == "z2_tied").save_pretrained(config)
+    args = ("--to", "sharded", "--world-size", "3", "--model", f"hf:{config}")
+    assert run_cli("convert", saved / layout, tmp_path / "sh", *args).exit_code == 0
+    result = run_cli("convert", tmp_path / "sh", tmp_path / "ds", "--to", "deepspeed", "--stage", str(stage), "--world-size", "2")
+    assert result.exit_code == 0, result.output
+    original = sorted(p.name for p in (saved / layout / "global_step3").iterdir())
+    assert sorted(p.name for p in (tmp_path / "ds" / "global_step3").iterdir()) == original
+    for name in original:
+        expected = _tensors(torch.load(saved / layout / "global_step3" / name, weights_only=False))
+        found = _tensors(torch.load(tmp_path / "ds" / "global_step3" / name, weights_only=False))
+        assert set(found) == set(expected), name
+        for path, tensor in expected.items():
+            assert found[path].dtype == tensor.dtype and torch.equal(found[path], tensor), (name, path)
+    module = torch.load(tmp_path / "ds" / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    if layout == "z2_tied":
+        assert module["lm_head.weight"].data_ptr() == module["model.embed_tokens.weight"].data_ptr()
+
+
+def _tensors(value, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state, by its path."""
+    if isinstance(value, torch.Tensor):
+        return {path: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else []
+    return {k: v for key, item in items for k, v in _tensors(item, f"{path}/{key}").items()}
