@@ -265,3 +265,23 @@ def _tensors(value, path: str = "") -> dict[str, torch.Tensor]:
         return {path: value}
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else []
     return {k: v for key, item in items for k, v in _tensors(item, f"{path}/{key}").items()}
+
+
+def test_reshard_matches_ds_to_universal(saved, tmp_path):
+    """reshard 2 -> 3 of DeepSpeed's tied ZeRO-2 checkpoint: DeepSpeed's own zero_to_fp32
+    functions, run on the 3 rank files, give the weights, moments and step that DeepSpeed's
+    ds_to_universal holds for every parameter (what load_universal at 3 ranks starts from)."""
+    universal = tmp_path / "universal"
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(saved / "z2_tied" / "global_step3")]
+    command += ["--output_folder", str(universal), "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    result = run_cli("reshard", saved / "z2_tied", tmp_path / "at3", "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    assert len(list((tmp_path / "at3" / "global_step3").glob("*optim_states.pt"))) == 3
+    ours = deepspeed_worker.deepspeed_tensors(str(tmp_path / "at3"))
+    names = [name for group in ours["names"] for name in group]
+    for name in names:
+        for key, file in (("", "fp32"), ("optim.exp_avg.", "exp_avg"), ("optim.exp_avg_sq.", "exp_avg_sq")):
+            expected = torch.load(universal / "zero" / name / f"{file}.pt", weights_only=False)["param"]
+            assert torch.equal(ours["tensors"][f"{key}{name}"], expected.reshape(ours["tensors"][f"{key}{name}"].shape)), (name, file)
+        assert float(torch.load(universal / "zero" / name / "step.pt", weights_only=False)) in ours["steps"]
