@@ -285,3 +285,34 @@ def test_reshard_matches_ds_to_universal(saved, tmp_path):
             expected = torch.load(universal / "zero" / name / f"{file}.pt", weights_only=False)["param"]
             assert torch.equal(ours["tensors"][f"{key}{name}"], expected.reshape(ours["tensors"][f"{key}{name}"].shape)), (name, file)
         assert float(torch.load(universal / "zero" / name / "step.pt", weights_only=False)) in ours["steps"]
+
+
+def test_verl_rank_state_dicts(fsdp2, tmp_path):
+    """Per-rank torch.save state dicts of FSDP2 DTensors (verl's files, written by FSDP2 at 2
+    ranks in the launch): inspect, verify, convert --to full (equal to FSDP2's own full state
+    dict) and diff read them; a file naming another global runs nothing."""
+    from safetensors.torch import load_file
+
+    verl, expected = fsdp2[0] / "verl", fsdp2[1]["verl"]["tensors"]
+    summary = json.loads(run_cli("inspect", verl, "--json").output)
+    assert (summary["format"], summary["world_size"], summary["model"]["tensors"]) == ("torch-save-ranks", 2, 21)
+    assert len(summary["not_read"]) == 4
+    result = run_cli("verify", verl)
+    assert result.exit_code == 0 and "CRC-32" in result.output, result.output
+    assert run_cli("convert", verl, tmp_path / "hf", "--to", "full").exit_code == 0
+    found = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(found) == {name for name in expected if not name.startswith("optim.")}
+    assert all(torch.equal(found[name], expected[name]) for name in found)
+    result = run_cli("diff", verl, tmp_path / "hf")
+    assert result.exit_code == 0 and "21 equal" in result.output, result.output
+    copy = Path(shutil.copytree(verl, tmp_path / "evil"))
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"model.norm.weight": Evil()}, copy / "model_world_size_2_rank_1.pt")
+    _fails(["inspect", copy], 3, "which is not allowed")
+    _fails(["convert", copy, tmp_path / "never", "--to", "full"], 3, "which is not allowed")
+    assert not marker.exists() and not (tmp_path / "never").exists()

@@ -181,3 +181,11 @@ def deepspeed_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Pr
     from .from_deepspeed import deepspeed_to_dcp as convert_deepspeed
 
     return convert_deepspeed(src, dst, _dcp_output(request))
+
+
+def torchsave_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .from_torchsave import torchsave_to_full as convert_torchsave
+    from .model_description import describe
+
+    export = describe(request.model).export if request.model is not None else None
+    return convert_torchsave(src, dst, export=export, options=_full_output(request, progress))
