@@ -4,14 +4,17 @@ weights and Adam moments equal to the source's and the next losses equal to an u
 torch AdamW continuing from the same state.
 
 One launch of 3 ranks loads stages 1, 2 and 3 one after the other (3 ranks: the flat group of
-stages 1 and 2 and every parameter of stage 3 end in padding), and a stage-2 checkpoint of 2
-ranks that `reshard --world-size 3` laid out again. A second launch (FSDP2, 2 ranks) checks that
+stages 1 and 2 and every parameter of stage 3 end in padding), a stage-2 checkpoint of 2 ranks
+that `reshard --world-size 3` laid out again, and DeepSpeed's own way to the same: its
+`ds_to_universal` of the 2-rank checkpoint, loaded with `load_universal` (both must give the
+reference's weights, moments and next losses). A second launch (FSDP2, 2 ranks) checks that
 DCP -> fsdpkit -> DCP keeps the optimizer's param groups for `dcp.load` in both layouts.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +32,8 @@ WORLD_SIZE = 3
 STAGES = (1, 2, 3)
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 RESHARDED = "2, resharded from 2 ranks"
-LABELS = (*(str(stage) for stage in STAGES), RESHARDED)
+UNIVERSAL = "2, DeepSpeed's universal checkpoint of 2 ranks"
+LABELS = (*(str(stage) for stage in STAGES), RESHARDED, UNIVERSAL)
 
 
 def _model() -> torch.nn.Module:
@@ -69,7 +73,7 @@ def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return tensors, losses
 
 
-def _resume(directories: dict[str, tuple[int, str]]) -> dict:
+def _resume(directories: dict[str, tuple[int, str, bool]]) -> dict:
     """On each rank: DeepSpeed loads each stage's checkpoint; its full weights, moments, group
     settings and next losses."""
     import deepspeed
@@ -80,12 +84,13 @@ def _resume(directories: dict[str, tuple[int, str]]) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out = {}
-    for label, (stage, directory) in directories.items():
+    for label, (stage, directory, universal) in directories.items():
         model = _model()
         config = {
             "train_micro_batch_size_per_gpu": 4,
             "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": 0.5, "torch_adam": True}},  # the checkpoint's groups replace it
+            "checkpoint": {"load_universal": universal},
         }
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         engine.load_checkpoint(directory)
@@ -129,12 +134,18 @@ def resumed(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float], dic
             assert result.exit_code == 0, result.output
         else:
             assert to_deepspeed(run, out, stage=stage, world_size=WORLD_SIZE)["world_size"] == WORLD_SIZE
-        directories[str(stage)] = (stage, str(out))
+        directories[str(stage)] = (stage, str(out), False)
     # a DeepSpeed checkpoint of 2 ranks resharded to 3 (read by the DeepSpeed reader, written again)
     assert to_deepspeed(run, root / "ds2-at-2", stage=2, world_size=2)["world_size"] == 2
     result = run_cli("reshard", root / "ds2-at-2", root / "ds2-at-3", "--world-size", str(WORLD_SIZE))
     assert result.exit_code == 0, result.output
-    directories[RESHARDED] = (2, str(root / "ds2-at-3"))
+    directories[RESHARDED] = (2, str(root / "ds2-at-3"), False)
+    # what DeepSpeed itself needs to resume at another world size: its universal checkpoint
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(root / "ds2-at-2" / "global_step2")]
+    command += ["--output_folder", str(root / "ds2-at-2" / "universal"), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    subprocess.run([*command, "--inject_missing_state"], check=True, capture_output=True)
+    (root / "ds2-at-2" / "latest_universal").write_text("universal")
+    directories[UNIVERSAL] = (2, str(root / "ds2-at-2"), True)
     return tensors, losses, run_distributed(_resume, WORLD_SIZE, directories)
 
 
