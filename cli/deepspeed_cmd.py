@@ -1,4 +1,5 @@
-"""The text form of `inspect` of a DeepSpeed ZeRO checkpoint (inspect_cmd dispatches here)."""
+"""The text form of `inspect` of a DeepSpeed ZeRO checkpoint and of per-rank torch.save state
+dicts (inspect_cmd dispatches here)."""
 
 from __future__ import annotations
 
@@ -20,4 +21,17 @@ def inspect_lines(s: dict) -> list[str]:
         "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in s["largest"]),
         f"files       {len(s['files'])}, {format_size(sum(f['size'] for f in s['files']))}",
         "items       " + ", ".join(f"{key} ({count})" for key, count in s["items"].items()),
+    ]
+
+
+def torchsave_lines(s: dict) -> list[str]:
+    model = s["model"]
+    return [
+        f"path        {s['path']}",
+        f"format      torch-save-ranks (per-rank torch.save state dicts of DTensors), {s['world_size']} ranks",
+        f"model       {model['tensors']} tensors, {model['elements']:,} elements, {format_size(model['bytes'])}",
+        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in s["dtypes"].items()),
+        "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in s["largest"]),
+        f"files       {len(s['files'])} model files, {format_size(sum(f['size'] for f in s['files']))}",
+        f"not read    {', '.join(s['not_read']) or 'nothing'}",
     ]

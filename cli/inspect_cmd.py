@@ -8,6 +8,7 @@ import typer
 
 from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
 from fsdpkit.checkpoint.deepspeed.files import is_deepspeed_checkpoint
+from fsdpkit.checkpoint.torchsave.table import is_torchsave_checkpoint
 from fsdpkit.sizes import format_size
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
@@ -36,6 +37,12 @@ def inspect(
         from .deepspeed_cmd import inspect_lines
 
         summary, text = summarize_deepspeed(ckpt), inspect_lines
+    elif is_torchsave_checkpoint(ckpt):
+        from fsdpkit.checkpoint.torchsave.inspect import summarize_torchsave
+
+        from .deepspeed_cmd import torchsave_lines
+
+        summary, text = summarize_torchsave(ckpt), torchsave_lines
     else:
         from fsdpkit.checkpoint.offline.verify import summarize
 

@@ -8,6 +8,7 @@ import typer
 
 from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
 from fsdpkit.checkpoint.deepspeed.files import is_deepspeed_checkpoint
+from fsdpkit.checkpoint.torchsave.table import is_torchsave_checkpoint
 from fsdpkit.sizes import count, format_size
 
 from .common import byte_progress, handle_errors, print_json
@@ -30,6 +31,10 @@ def verify(
         from fsdpkit.checkpoint.deepspeed.inspect import verify_deepspeed
 
         report = verify_deepspeed(ckpt)
+    elif is_torchsave_checkpoint(ckpt):
+        from fsdpkit.checkpoint.torchsave.inspect import verify_torchsave
+
+        report = verify_torchsave(ckpt)
     else:
         from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
@@ -53,8 +58,8 @@ def _what_was_checked(report: dict) -> str:
             f"{count(report['bytes_items'], 'bytes item')}, {size}; checked: {'; '.join(report['checked'])}; "
             f"not checked: {'; '.join(report['not_checked'])}"
         )
-    if report["kind"] == "deepspeed":
-        return f"deepspeed, {report['tensors']} tensors, {report['files']} files, {size}; checked: {'; '.join(report['checked'])}"
+    if report["kind"] in ("deepspeed", "torch-save-ranks"):
+        return f"{report['kind']}, {report['tensors']} tensors, {report['files']} files, {size}; checked: {'; '.join(report['checked'])}"
     if report["kind"] == "full":
         return (
             f"full safetensors, {report['tensors']} tensors in {count(report['files'], 'file')}, {size}: headers, file sizes and the "

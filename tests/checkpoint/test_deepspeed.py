@@ -37,10 +37,21 @@ def _zero_to_fp32(src: Path, dst: Path) -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_convert_full_is_zero_to_fp32_bitwise(saved, tmp_path, layout):
+    """Byte for byte zero_to_fp32's file, except that a ZeRO-1 checkpoint's frozen parameter
+    (which zero_to_fp32 leaves out: stage 1 lists none) is there, as DeepSpeed's module holds it."""
+    from safetensors.torch import load_file
+
     _zero_to_fp32(saved / layout, tmp_path / "ref")
     result = run_cli("convert", saved / layout, tmp_path / "ours", "--to", "full")
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "ours" / "model.safetensors").read_bytes() == (tmp_path / "ref" / "model.safetensors").read_bytes()
+    ours, ref = tmp_path / "ours" / "model.safetensors", tmp_path / "ref" / "model.safetensors"
+    if layout != "z1_fp32":
+        assert ours.read_bytes() == ref.read_bytes()
+        return
+    got, expected = load_file(ours), load_file(ref)
+    module = torch.load(saved / layout / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert set(got) == {*expected, "model.norm.weight"}
+    assert all(torch.equal(got[name], expected.get(name, module[name])) for name in got)
 
 
 def test_tied_and_frozen_match_deepspeed_state_dict(saved, tmp_path):
@@ -196,3 +207,112 @@ def test_convert_sharded_holds_deepspeed_state(saved, tmp_path):
     assert run_cli("diff", saved / "z3_bf16", tmp_path / "sh").exit_code == 0
     assert run_cli("verify", tmp_path / "sh").exit_code == 0
     _fails(["convert", saved / "z3_bf16", tmp_path / "x", "--to", "sharded", "--world-size", "3"], 2, "--model")
+
+
+@pytest.fixture(scope="module")
+def fsdp2(saved, tmp_path_factory) -> tuple[Path, dict]:
+    """FSDP2 at 2 ranks loads the ZeRO-3 bf16 checkpoint converted --to dcp for 3 ranks, and
+    saves per-rank state dicts as verl does (one launch)."""
+    from support import fsdp2_loader
+
+    root = tmp_path_factory.mktemp("fsdp2")
+    result = run_cli("convert", saved / "z3_bf16", root / "dcp", "--to", "dcp", "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    return root, run_distributed(fsdp2_loader.fsdp2_checks, 2, {"z3_bf16": (str(root / "dcp"), False)}, str(root / "verl"))[0]
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_convert_dcp_loads_in_fsdp2(saved, fsdp2, flatten):
+    """dcp.load + set_state_dict (both flatten_optimizer_state_dict settings) give the weights and
+    Adam moments DeepSpeed's zero_to_fp32 puts together, its step and its groups' settings."""
+    expected = deepspeed_worker.deepspeed_tensors(str(saved / "z3_bf16"))
+    found = fsdp2[1]["dcp"]["z3_bf16"][flatten]
+    for name, tensor in expected["tensors"].items():
+        assert torch.equal(found["tensors"][name], tensor.float()), name
+    steps = {name: float(t) for name, t in found["tensors"].items() if name.startswith("optim.step.")}
+    assert len(steps) == sum(len(names) for names in expected["names"]) and set(steps.values()) == set(expected["steps"])
+    settings = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in expected["param_groups"]]
+    assert found["param_groups"] == settings
+
+
+@pytest.mark.parametrize(("layout", "stage"), [("z1_fp32", 1), ("z2_tied", 2)])
+def test_deepspeed_to_sharded_to_deepspeed_is_bitwise(saved, tmp_path, layout, stage):
+    """DeepSpeed -> fsdpkit (3 ranks) -> DeepSpeed (2 ranks, the same stage): every tensor of
+    every file equal to DeepSpeed's own (torch.load of both), frozen and tied ones included,
+    a tied name sharing its storage as in DeepSpeed's file."""
+    config = tmp_path / "llama"
+    deepspeed_worker.llama_config(tied=layout == "z2_tied").save_pretrained(config)
+    args = ("--to", "sharded", "--world-size", "3", "--model", f"hf:{config}")
+    assert run_cli("convert", saved / layout, tmp_path / "sh", *args).exit_code == 0
+    result = run_cli("convert", tmp_path / "sh", tmp_path / "ds", "--to", "deepspeed", "--stage", str(stage), "--world-size", "2")
+    assert result.exit_code == 0, result.output
+    original = sorted(p.name for p in (saved / layout / "global_step3").iterdir())
+    assert sorted(p.name for p in (tmp_path / "ds" / "global_step3").iterdir()) == original
+    for name in original:
+        expected = _tensors(torch.load(saved / layout / "global_step3" / name, weights_only=False))
+        found = _tensors(torch.load(tmp_path / "ds" / "global_step3" / name, weights_only=False))
+        assert set(found) == set(expected), name
+        for path, tensor in expected.items():
+            assert found[path].dtype == tensor.dtype and torch.equal(found[path], tensor), (name, path)
+    module = torch.load(tmp_path / "ds" / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    if layout == "z2_tied":
+        assert module["lm_head.weight"].data_ptr() == module["model.embed_tokens.weight"].data_ptr()
+
+
+def _tensors(value, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state, by its path."""
+    if isinstance(value, torch.Tensor):
+        return {path: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else []
+    return {k: v for key, item in items for k, v in _tensors(item, f"{path}/{key}").items()}
+
+
+def test_reshard_matches_ds_to_universal(saved, tmp_path):
+    """reshard 2 -> 3 of DeepSpeed's tied ZeRO-2 checkpoint: DeepSpeed's own zero_to_fp32
+    functions, run on the 3 rank files, give the weights, moments and step that DeepSpeed's
+    ds_to_universal holds for every parameter (what load_universal at 3 ranks starts from)."""
+    universal = tmp_path / "universal"
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(saved / "z2_tied" / "global_step3")]
+    command += ["--output_folder", str(universal), "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    result = run_cli("reshard", saved / "z2_tied", tmp_path / "at3", "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    assert len(list((tmp_path / "at3" / "global_step3").glob("*optim_states.pt"))) == 3
+    ours = deepspeed_worker.deepspeed_tensors(str(tmp_path / "at3"))
+    names = [name for group in ours["names"] for name in group]
+    for name in names:
+        for key, file in (("", "fp32"), ("optim.exp_avg.", "exp_avg"), ("optim.exp_avg_sq.", "exp_avg_sq")):
+            expected = torch.load(universal / "zero" / name / f"{file}.pt", weights_only=False)["param"]
+            assert torch.equal(ours["tensors"][f"{key}{name}"], expected.reshape(ours["tensors"][f"{key}{name}"].shape)), (name, file)
+        assert float(torch.load(universal / "zero" / name / "step.pt", weights_only=False)) in ours["steps"]
+
+
+def test_verl_rank_state_dicts(fsdp2, tmp_path):
+    """Per-rank torch.save state dicts of FSDP2 DTensors (verl's files, written by FSDP2 at 2
+    ranks in the launch): inspect, verify, convert --to full (equal to FSDP2's own full state
+    dict) and diff read them; a file naming another global runs nothing."""
+    from safetensors.torch import load_file
+
+    verl, expected = fsdp2[0] / "verl", fsdp2[1]["verl"]["tensors"]
+    summary = json.loads(run_cli("inspect", verl, "--json").output)
+    assert (summary["format"], summary["world_size"], summary["model"]["tensors"]) == ("torch-save-ranks", 2, 21)
+    assert len(summary["not_read"]) == 4
+    result = run_cli("verify", verl)
+    assert result.exit_code == 0 and "CRC-32" in result.output, result.output
+    assert run_cli("convert", verl, tmp_path / "hf", "--to", "full").exit_code == 0
+    found = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(found) == {name for name in expected if not name.startswith("optim.")}
+    assert all(torch.equal(found[name], expected[name]) for name in found)
+    result = run_cli("diff", verl, tmp_path / "hf")
+    assert result.exit_code == 0 and "21 equal" in result.output, result.output
+    copy = Path(shutil.copytree(verl, tmp_path / "evil"))
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"model.norm.weight": Evil()}, copy / "model_world_size_2_rank_1.pt")
+    _fails(["inspect", copy], 3, "which is not allowed")
+    _fails(["convert", copy, tmp_path / "never", "--to", "full"], 3, "which is not allowed")
+    assert not marker.exists() and not (tmp_path / "never").exists()

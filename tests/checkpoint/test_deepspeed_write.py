@@ -4,14 +4,17 @@ weights and Adam moments equal to the source's and the next losses equal to an u
 torch AdamW continuing from the same state.
 
 One launch of 3 ranks loads stages 1, 2 and 3 one after the other (3 ranks: the flat group of
-stages 1 and 2 and every parameter of stage 3 end in padding), and a stage-2 checkpoint of 2
-ranks that `reshard --world-size 3` laid out again. A second launch (FSDP2, 2 ranks) checks that
+stages 1 and 2 and every parameter of stage 3 end in padding), a stage-2 checkpoint of 2 ranks
+that `reshard --world-size 3` laid out again, and DeepSpeed's own way to the same: its
+`ds_to_universal` of the 2-rank checkpoint, loaded with `load_universal` (both must give the
+reference's weights, moments and next losses). A second launch (FSDP2, 2 ranks) checks that
 DCP -> fsdpkit -> DCP keeps the optimizer's param groups for `dcp.load` in both layouts.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +32,8 @@ WORLD_SIZE = 3
 STAGES = (1, 2, 3)
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 RESHARDED = "2, resharded from 2 ranks"
-LABELS = (*(str(stage) for stage in STAGES), RESHARDED)
+UNIVERSAL = "2, DeepSpeed's universal checkpoint of 2 ranks"
+LABELS = (*(str(stage) for stage in STAGES), RESHARDED, UNIVERSAL)
 
 
 def _model() -> torch.nn.Module:
@@ -69,7 +73,7 @@ def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return tensors, losses
 
 
-def _resume(directories: dict[str, tuple[int, str]]) -> dict:
+def _resume(directories: dict[str, tuple[int, str, bool]]) -> dict:
     """On each rank: DeepSpeed loads each stage's checkpoint; its full weights, moments, group
     settings and next losses."""
     import deepspeed
@@ -80,12 +84,13 @@ def _resume(directories: dict[str, tuple[int, str]]) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out = {}
-    for label, (stage, directory) in directories.items():
+    for label, (stage, directory, universal) in directories.items():
         model = _model()
         config = {
             "train_micro_batch_size_per_gpu": 4,
             "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": 0.5, "torch_adam": True}},  # the checkpoint's groups replace it
+            "checkpoint": {"load_universal": universal},
         }
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         engine.load_checkpoint(directory)
@@ -109,6 +114,64 @@ def _resume(directories: dict[str, tuple[int, str]]) -> dict:
     return out
 
 
+class _Tied(torch.nn.Module):
+    """Tied weights (out.weight is inp.weight), a frozen bias and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = torch.nn.Linear(5, 5), torch.nn.Linear(5, 5)
+        self.out.weight = self.inp.weight
+        self.out.bias.requires_grad_(False)
+        self.register_buffer("shift", torch.arange(5.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x))) + self.shift
+
+
+def _tied_source() -> dict[str, torch.Tensor]:
+    """_Tied after one AdamW step, with changed frozen and buffer values: its tensors (tied name once)."""
+    model = _Tied()
+    optimizer = torch.optim.AdamW([model.inp.weight, model.inp.bias], lr=0.1)
+    model(_batch(0)).pow(2).mean().backward()
+    optimizer.step()
+    with torch.no_grad():
+        model.out.bias.add_(1.0)
+        model.shift.mul_(3.0)
+    tensors = {name: t.detach().clone() for name, t in model.state_dict().items() if name != "out.weight"}
+    for name in ("inp.weight", "inp.bias"):
+        state = optimizer.state[getattr(model.inp, name.split(".")[1])]
+        tensors.update({f"optim.{key}.{name}": state[key].clone() for key in ("exp_avg", "exp_avg_sq", "step")})
+    return tensors
+
+
+def _resume_all(directories: dict[str, tuple[int, str, bool]], tied_directory: str) -> dict:
+    """_resume, then DeepSpeed's load_checkpoint of the tied model's checkpoint at stage 2:
+    what its module holds, whether the tie survived, and the moments."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = _resume(directories)
+    model = _Tied()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.5, "torch_adam": True}},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[model.inp.weight, model.inp.bias], config=config)
+    engine.load_checkpoint(tied_directory)
+    engine.optimizer._lazy_init_hp_params_optimizer_state()
+    module = engine.module
+    found = {name: t.detach().clone() for name, t in module.state_dict().items() if name not in ("inp.weight", "inp.bias", "out.weight")}
+    for name, p in (("inp.weight", module.inp.weight), ("inp.bias", module.inp.bias)):
+        found[name] = safe_get_full_fp32_param(p).clone()
+        for moment in ("exp_avg", "exp_avg_sq"):
+            found[f"optim.{moment}.{name}"] = safe_get_full_optimizer_state(p, moment).clone()
+    out["tied"] = {"tensors": found, "tied": module.out.weight is module.inp.weight}
+    engine.destroy()
+    return out
+
+
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float], dict]:
     root = tmp_path_factory.mktemp("dsout")
@@ -129,13 +192,22 @@ def resumed(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float], dic
             assert result.exit_code == 0, result.output
         else:
             assert to_deepspeed(run, out, stage=stage, world_size=WORLD_SIZE)["world_size"] == WORLD_SIZE
-        directories[str(stage)] = (stage, str(out))
+        directories[str(stage)] = (stage, str(out), False)
     # a DeepSpeed checkpoint of 2 ranks resharded to 3 (read by the DeepSpeed reader, written again)
     assert to_deepspeed(run, root / "ds2-at-2", stage=2, world_size=2)["world_size"] == 2
     result = run_cli("reshard", root / "ds2-at-2", root / "ds2-at-3", "--world-size", str(WORLD_SIZE))
     assert result.exit_code == 0, result.output
-    directories[RESHARDED] = (2, str(root / "ds2-at-3"))
-    return tensors, losses, run_distributed(_resume, WORLD_SIZE, directories)
+    directories[RESHARDED] = (2, str(root / "ds2-at-3"), False)
+    # what DeepSpeed itself needs to resume at another world size: its universal checkpoint
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(root / "ds2-at-2" / "global_step2")]
+    command += ["--output_folder", str(root / "ds2-at-2" / "universal"), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    subprocess.run([*command, "--inject_missing_state"], check=True, capture_output=True)
+    (root / "ds2-at-2" / "latest_universal").write_text("universal")
+    directories[UNIVERSAL] = (2, str(root / "ds2-at-2"), True)
+    tied = _tied_source()
+    run = save_checkpoint(root / "tied", 1, tied, world_size=2, aliases={"out.weight": "inp.weight"})
+    assert to_deepspeed(run, root / "ds-tied", stage=2, world_size=WORLD_SIZE)["world_size"] == WORLD_SIZE
+    return tensors, losses, run_distributed(_resume_all, WORLD_SIZE, directories, str(root / "ds-tied"))
 
 
 @pytest.mark.parametrize("stage", LABELS)
@@ -155,6 +227,18 @@ def test_deepspeed_resumes_hyperparameters_and_next_losses(resumed, stage: str) 
         assert result[stage]["settings"] == {**SETTINGS, "betas": tuple(SETTINGS["betas"])}
         assert result[stage]["global_steps"] == STEPS_BEFORE
         assert result[stage]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-7)
+
+
+def test_deepspeed_resumes_tied_frozen_and_buffer(resumed) -> None:
+    """DeepSpeed's load_checkpoint of fsdpkit's output for a model with a tied weight, a frozen
+    parameter and a buffer: every value the source held, the tie kept."""
+    expected = _tied_source()
+    for rank, result in resumed[2].items():
+        assert result["tied"]["tied"], rank
+        found = result["tied"]["tensors"]
+        assert set(found) == {name for name in expected if not name.startswith("optim.step.")}
+        for name, value in found.items():
+            assert torch.equal(value.reshape(expected[name].shape), expected[name]), (rank, name)
 
 
 def test_written_files(tmp_path: Path) -> None:

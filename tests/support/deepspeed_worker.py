@@ -101,3 +101,31 @@ def save_all(root: str) -> dict:
     name, stage, precision = TIED_LAYOUT
     out[name] = train_and_save(root, name, stage, precision, tied=True)
     return out
+
+
+def deepspeed_tensors(save_dir: str) -> dict:
+    """What DeepSpeed's own `zero_to_fp32` gives for the checkpoint at `save_dir` (its `latest`
+    tag): the weights, and Adam's moments (`optim.<moment>.<name>`) put together by the same
+    functions from the optimizer files' moment partitions; `step` and `param_groups` per group
+    (torch.load of DeepSpeed's files, no restriction)."""
+    import torch
+    from deepspeed.utils import zero_to_fp32 as z
+
+    out: dict = {"tensors": z.get_fp32_state_dict_from_zero_checkpoint(save_dir)}
+    tag_dir = os.path.join(save_dir, open(os.path.join(save_dir, "latest")).read().strip())
+    model_states = z.parse_model_states(z.get_model_state_files(tag_dir))
+    optims = [torch.load(f, weights_only=False)["optimizer_state_dict"] for f in z.get_optim_files(tag_dir)]
+    stage = int(optims[0]["zero_stage"])
+    base = [o["base_optimizer_state"] if stage <= 2 else o["optimizer_state_dict"] for o in optims]
+    for moment in ("exp_avg", "exp_avg_sq"):
+        flats = [[group[moment] for _, group in sorted(b["state"].items())] for b in base]
+        merged: dict = {}
+        if stage <= 2:
+            z._zero2_merge_trainable_params(merged, len(optims), flats, model_states, optims[0].get("param_alignment_paddings"))
+        else:
+            z._zero3_merge_trainable_params(merged, len(optims), flats, model_states)
+        out["tensors"].update({f"optim.{moment}.{name}": t for name, t in z.to_torch_tensor(merged).items()})
+    out["steps"] = [float(group["step"]) for _, group in sorted(base[0]["state"].items())]
+    out["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in base[0]["param_groups"]]
+    out["names"] = [list(shapes) for shapes in model_states[0].param_shapes]
+    return out

@@ -13,6 +13,7 @@ Written under a temporary name, renamed when complete.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import UsageError
@@ -38,44 +39,52 @@ def _out_tensors(sources: list[SourceTensor], aliases: dict[str, str]) -> list[O
     return out
 
 
-def _param_groups(training_state: dict) -> list[OutBytes]:
-    groups = (training_state.get("optimizer") or {}).get("groups") or []
-    return [OutBytes(path, read) for path, read in param_group_items(groups, torch_saved)]
+@dataclass(frozen=True)
+class DcpOutput:
+    """How a DCP checkpoint is written: chunked as FSDP2 at `world_size` ranks."""
+
+    world_size: int = 1
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    overwrite: bool = False
 
 
-def to_dcp(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    world_size: int = 1,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    overwrite: bool = False,
+def sources_to_dcp(
+    sources: list[SourceTensor], src: Path, dst: Path, *, aliases: dict[str, str], groups: list[dict], output: DcpOutput
 ) -> dict:
+    """Model and optimizer sources (fsdpkit's names) and the optimizer's param groups
+    (fsdpkit's form) as a DCP checkpoint at `dst`, staged and renamed when complete."""
+    if output.world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {output.world_size}")
+    tensors = _out_tensors(sources, aliases)
+    items = [OutBytes(path, read) for path, read in param_group_items(groups, torch_saved)]
+    total = sum(t.source.nbytes for t in tensors)
+    needed = total + (output.world_size + len(tensors)) * 4096
+    with staged_output(dst, src=src, overwrite=output.overwrite, needed_bytes=needed) as tmp:
+        files = write_dcp(tmp, tensors, items, world_size=output.world_size, chunk_size=output.chunk_size)
+    return {
+        "src": str(src),
+        "dst": str(dst),
+        "to": "dcp",
+        "world_size": output.world_size,
+        "files": files,
+        "tensors": len(tensors),
+        "param_groups": len(groups),
+        "bytes": total,
+    }
+
+
+def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], output: DcpOutput) -> dict:
     """An fsdpkit sharded checkpoint or a full safetensors directory as a DCP checkpoint."""
-    if world_size < 1:
-        raise UsageError(f"--world-size must be >= 1, got {world_size}")
     path = Path(src)
     if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         root = path if path.is_dir() else path.parent
         full = open_full(path, with_optimizer=(root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists())
-        tensors, groups, kind = _out_tensors(list(full.tensors), full.aliases), [], "safetensors-full"
-    else:
-        sharded = open_sharded(path)
-        state = sharded.manifest.training_state
-        tensors, groups, kind = _out_tensors(sharded.sources(), sharded.manifest.aliases), _param_groups(state), "fsdpkit-checkpoint"
-    total = sum(t.source.nbytes for t in tensors)
-    with staged_output(Path(dst), src=path, overwrite=overwrite, needed_bytes=total + (world_size + len(tensors)) * 4096) as tmp:
-        files = write_dcp(tmp, tensors, groups, world_size=world_size, chunk_size=chunk_size)
-    return {
-        "src": str(src),
-        "dst": str(dst),
-        "from": kind,
-        "to": "dcp",
-        "world_size": world_size,
-        "files": files,
-        "tensors": len(tensors),
-        "bytes": total,
-    }
+        report = sources_to_dcp(list(full.tensors), path, Path(dst), aliases=full.aliases, groups=[], output=output)
+        return {**report, "from": "safetensors-full"}
+    sharded = open_sharded(path)
+    groups = (sharded.manifest.training_state.get("optimizer") or {}).get("groups") or []
+    report = sources_to_dcp(sharded.sources(), path, Path(dst), aliases=sharded.manifest.aliases, groups=groups, output=output)
+    return {**report, "from": "fsdpkit-checkpoint"}
 
 
 def _carried(directory: Path, location: Location):

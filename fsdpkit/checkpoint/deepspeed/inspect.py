@@ -18,7 +18,7 @@ from typing import Any
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import SourceTensor
-from .table import FORMAT, DeepSpeedCheckpoint, open_deepspeed
+from .table import FORMAT, open_deepspeed
 
 LARGEST = 5
 
@@ -72,20 +72,20 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> dict:
         }
 
 
-def coverage_problems(checkpoint: DeepSpeedCheckpoint) -> list[str]:
+def coverage_problems(directory: Path, sources: list[SourceTensor]) -> list[str]:
     """Each tensor's pieces cover its elements exactly once, in order."""
     problems = []
-    for source in checkpoint.sources:
+    for source in sources:
         position = 0
         for piece in sorted(source.pieces_in(ElementRange(0, source.numel)), key=lambda p: p.range.start):
             if piece.range.start != position:
                 what = "overlap" if piece.range.start < position else "gap"
-                problems.append(f"{checkpoint.directory}: {source.name!r}: {what} at element {min(position, piece.range.start)}")
+                problems.append(f"{directory}: {source.name!r}: {what} at element {min(position, piece.range.start)}")
                 break
             position = piece.range.end
         else:
             if position != source.numel:
-                problems.append(f"{checkpoint.directory}: {source.name!r}: covered up to element {position} of {source.numel}")
+                problems.append(f"{directory}: {source.name!r}: covered up to element {position} of {source.numel}")
     return problems
 
 
@@ -97,7 +97,7 @@ def verify_deepspeed(path: str | os.PathLike[str]) -> dict:
         report["problems"].append(str(error))
         return report
     with checkpoint:
-        problems = coverage_problems(checkpoint)
+        problems = coverage_problems(checkpoint.directory, checkpoint.sources)
         storages = 0
         for rank_file in checkpoint.opened:
             checked, found = rank_file.crc_problems()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,10 @@ class TensorRange:
 class RankFile:
     """An open rank file: `state` (the unpickled tree, tensors as `TensorRecord`s), storages."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, unpickle: Callable[..., Any] = loads):
+        """`unpickle(raw, where=...)`: the allow-list unpickler of its data.pkl."""
         self.path = path
+        self._unpickle = unpickle
         self.fd, self.size = open_regular(path)
         try:
             self.state, self.storages = self._read()
@@ -80,7 +83,7 @@ class RankFile:
                 storages[info.filename[len(f"{prefix}data/") :]] = StorageEntry(start, info.file_size, info.CRC)
         pickle_start = _data_start(self.fd, self.path, 0, self.size, pickles[0], where)
         raw = read_exactly(self.fd, pickles[0].file_size, pickle_start, self.path)
-        return loads(raw, where=f"{where} data.pkl"), storages
+        return self._unpickle(raw, where=f"{where} data.pkl"), storages
 
     def tensor_range(self, record: Any, what: str) -> TensorRange:
         """Where a contiguous tensor's elements lie in this file (checked inside its storage)."""

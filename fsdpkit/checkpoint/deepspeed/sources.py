@@ -66,8 +66,28 @@ def add_sources(checkpoint: DeepSpeedCheckpoint, models: list[RankFile], optims:
     checkpoint.optimizer, checkpoint.param_groups = _moments(checkpoint, optims, optimizer_states, slots, flats, param_shapes)
 
 
+def _module_only(head: RankFile, buffers: set[str]) -> dict[str, tuple[int, ...]]:
+    """Stage 1 lists no frozen parameters (`frozen_param_shapes` None): they are the module's
+    tensors that are neither trained (`param_shapes`), buffers nor tied names."""
+    state = head.state
+    trained = {name for group in (state.get("param_shapes") or []) if isinstance(group, dict) for name in group}
+    shared = state.get("shared_params") or {}
+    module = state.get("module") or {}
+    return {
+        name: tuple(record.shape)
+        for name, record in module.items()
+        if isinstance(record, u.TensorRecord) and name not in trained and name not in buffers and name not in shared
+    }
+
+
 def _frozen(checkpoint: DeepSpeedCheckpoint, models: list[RankFile]) -> list[SourceTensor]:
-    shapes = models[0].state.get("frozen_param_shapes") or {}
+    shapes = models[0].state.get("frozen_param_shapes")
+    if shapes is None and checkpoint.stage <= 2:
+        return [
+            _whole(name, shape, models[0].tensor_range(models[0].state["module"][name], f"frozen parameter {name!r}"))
+            for name, shape in _module_only(models[0], set(checkpoint.buffers)).items()
+        ]
+    shapes = shapes or {}
     out = []
     for name, shape in shapes.items():
         total = math.prod(shape)

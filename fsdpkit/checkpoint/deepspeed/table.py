@@ -53,6 +53,15 @@ class DeepSpeedCheckpoint:
     def sources(self) -> list[SourceTensor]:
         return self.model + self.optimizer
 
+    def groups(self) -> list[dict]:
+        """The optimizer's groups in fsdpkit's form (`{"settings", "params"}`): the names from
+        `param_shapes`, the settings from the optimizer's groups."""
+        shapes = self.items.get("param_shapes")
+        if not isinstance(shapes, list) or not all(isinstance(group, dict) for group in shapes):
+            raise DataCheckError(f"{self.directory}: no param_shapes per group in the model states file")
+        settings = self.param_groups
+        return [{"settings": settings[i] if i < len(settings) else {}, "params": list(group)} for i, group in enumerate(shapes)]
+
     def close(self) -> None:
         for rank_file in self.opened:
             rank_file.close()

@@ -3,11 +3,11 @@ laid out for N data-parallel ranks, as DeepSpeed 0.19.8's `engine.save_checkpoin
 writes it, so its plain `engine.load_checkpoint(dir)` at N ranks resumes it, optimizer included:
 
 - `latest` (the tag) and `<tag>/`;
-- stages 1 and 2: `mp_rank_00_model_states.pt` (every parameter whole) and per rank
+- stages 1 and 2: `mp_rank_00_model_states.pt` (the module's state dict, `writer_model`) and per rank
   `zero_pp_rank_<r>_mp_rank_00_optim_states.pt` (its partition of each group's flat fp32
   master weights and Adam moments, `partition.flat_partitions`);
 - stage 3: per rank `zero_pp_rank_<r>_mp_rank_00_model_states.pt` (empty parameters, the
-  shapes) and `..._optim_states.pt` (`partition.param_partitions`).
+  shapes, the rank's fragments of the frozen ones) and `..._optim_states.pt` (`partition.param_partitions`).
 
 No torch or DeepSpeed: every file is a torch zip (`writer_zip`) whose data.pkl is pickled by
 name (`writer_records`), and every partition's bytes are copied from the sources' byte ranges.
@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import UsageError
-from ...flat_layout import ElementRange
-from ..dcp.pickler import Ordered, Raw, dumps
+from ..dcp.pickler import Ordered, dumps
 from ..dcp.rawout import RawOutput
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import numel
 from . import writer_records as records
 from .partition import RankPartition, Segment, partitions
+from .writer_model import StoragePickle, model_states
 from .writer_zip import Storage, write_torch_zip
 
 DS_VERSION = "0.19.8"
@@ -69,6 +69,10 @@ class DsRun:
     stage: int
     world_size: int
     global_steps: int
+    frozen: tuple[SourceTensor, ...] = ()  # parameters without optimizer state, kept as they are
+    buffers: tuple[SourceTensor, ...] = ()
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name it is tied to
+    global_samples: int = 0
 
     @property
     def tag(self) -> str:
@@ -115,22 +119,11 @@ def _flat(sources: dict[str, SourceTensor], segments: tuple[Segment, ...]) -> St
     return Storage(4 * sum(s.elements.size for s in segments), fill)
 
 
-class _Pickle:
-    """A data.pkl under construction: its storages, in the order they are named."""
-
-    def __init__(self) -> None:
-        self.storages: list[Storage] = []
-
-    def tensor(self, storage: Storage, shape: tuple[int, ...]) -> Raw:
-        self.storages.append(storage)
-        return records.tensor("F32", len(self.storages) - 1, shape)
-
-
 def _step(value: float) -> Storage:
     return Storage(4, lambda out: out.write(struct.pack("<f", value)))
 
 
-def _adam_state(pickle: _Pickle, run: DsRun, rank_parts: list[RankPartition]) -> dict:
+def _adam_state(pickle: StoragePickle, run: DsRun, rank_parts: list[RankPartition]) -> dict:
     """The base optimizer's state_dict over the rank's flat partitions, one per group."""
     state, groups = {}, []
     for index, (group, part) in enumerate(zip(run.groups, rank_parts, strict=True)):
@@ -152,7 +145,7 @@ def _masters(group: DsGroup) -> dict[str, SourceTensor]:
 
 
 def _stage12_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
-    pickle = _Pickle()
+    pickle = StoragePickle()
     base = _adam_state(pickle, run, rank_parts)
     fp32 = []
     for group, part in zip(run.groups, rank_parts, strict=True):
@@ -177,7 +170,7 @@ def _stage12_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, 
 
 
 def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
-    pickle = _Pickle()
+    pickle = StoragePickle()
     base = _adam_state(pickle, run, rank_parts)
     fp32 = [pickle.tensor(_flat(_masters(group), part.segments), (part.numel,)) for group, part in zip(run.groups, rank_parts, strict=True)]
     state = {
@@ -190,43 +183,6 @@ def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, l
         "fp32_flat_groups": fp32,
     }
     return dumps({"optimizer_state_dict": state, **_common(run)}, prelude=False), pickle.storages
-
-
-def _model(run: DsRun, *, whole: bool) -> tuple[bytes, list[Storage]]:
-    """The model states file: every parameter whole (stages 1, 2) or empty (stage 3)."""
-    pickle, module = _Pickle(), []
-    for group in run.groups:
-        for param in group.params:
-            master = param.master
-            if whole:
-                module.append((param.name, pickle.tensor(_flat({master.name: master}, (_whole(master),)), tuple(master.shape))))
-            else:
-                module.append((param.name, pickle.tensor(Storage(0, lambda out: None), (0,))))
-    shapes = [Ordered([(p.name, records.size(tuple(p.master.shape))) for p in group.params]) for group in run.groups]
-    state = {
-        "module": Ordered(module),
-        "buffer_names": [],
-        "optimizer": None,
-        "param_shapes": shapes,
-        "frozen_param_shapes": None if whole else Ordered([]),
-        "shared_params": {},
-        "frozen_param_fragments": None if whole else Ordered([]),
-        "lr_scheduler": None,
-        "data_sampler": None,
-        "random_ltd": None,
-        "skipped_steps": 0,
-        "global_steps": run.global_steps,
-        "global_samples": 0,
-        "dp_world_size": run.world_size,
-        "mp_world_size": 1,
-        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-        **_common(run),
-    }
-    return dumps(state, prelude=False), pickle.storages
-
-
-def _whole(tensor: SourceTensor) -> Segment:
-    return Segment(tensor.name, ElementRange(0, numel(tensor.shape)))
 
 
 def _write(directory: Path, name: str, content: tuple[bytes, list[Storage]], engine: ByteEngine, progress: Any) -> None:
@@ -245,11 +201,11 @@ def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None]
     engine, names = ByteEngine(), []
     try:
         if run.stage != 3:
-            _write(tag, model_file(None), _model(run, whole=True), engine, progress)
+            _write(tag, model_file(None), model_states(run, None, _common(run)), engine, progress)
             names.append(model_file(None))
         for rank, rank_parts in enumerate(by_rank):
             if run.stage == 3:
-                _write(tag, model_file(rank), _model(run, whole=False), engine, progress)
+                _write(tag, model_file(rank), model_states(run, rank, _common(run)), engine, progress)
                 names.append(model_file(rank))
             optim = (_stage3_optim if run.stage == 3 else _stage12_optim)(run, list(rank_parts))
             _write(tag, optim_file(rank), optim, engine, progress)

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .convert import FullOutput, Progress
 from .routes import SOURCES, ConvertRequest, route_for
+
+if TYPE_CHECKING:
+    from ..dcp.export import DcpOutput
 
 
 def _resolve(spec: str):
@@ -70,7 +74,13 @@ def full_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Pro
 def safetensors_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
     from ..dcp.export import to_dcp
 
-    return to_dcp(src, dst, world_size=request.world_size or 1, chunk_size=request.chunk_size, overwrite=request.overwrite)
+    return to_dcp(src, dst, _dcp_output(request))
+
+
+def _dcp_output(request: ConvertRequest) -> DcpOutput:
+    from ..dcp.export import DcpOutput
+
+    return DcpOutput(world_size=request.world_size or 1, chunk_size=request.chunk_size, overwrite=request.overwrite)
 
 
 def safetensors_to_deepspeed(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
@@ -165,3 +175,17 @@ def deepspeed_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress
         progress,
     )
     return convert_deepspeed(src, dst, target)
+
+
+def deepspeed_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .from_deepspeed import deepspeed_to_dcp as convert_deepspeed
+
+    return convert_deepspeed(src, dst, _dcp_output(request))
+
+
+def torchsave_to_full(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .from_torchsave import torchsave_to_full as convert_torchsave
+    from .model_description import describe
+
+    export = describe(request.model).export if request.model is not None else None
+    return convert_torchsave(src, dst, export=export, options=_full_output(request, progress))

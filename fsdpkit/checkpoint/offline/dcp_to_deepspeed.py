@@ -12,7 +12,7 @@ from ..dcp.table import open_dcp
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE
 from .convert import Progress
 from .dcp_to_sharded import dcp_param_groups, optimizer_steps
-from .to_deepspeed import build_run, write_run
+from .to_deepspeed import RunShape, build_run, write_run
 
 
 def dcp_to_deepspeed(
@@ -32,5 +32,5 @@ def dcp_to_deepspeed(
         model, optim = layout_sources(checkpoint, layout)
         groups = dcp_param_groups(checkpoint, layout.optimizer_key, {}) if layout.optimizer else []
         steps = optimizer_steps(optim, DEFAULT_CHUNK_SIZE)
-        run = build_run({s.name: s for s in model + optim}, groups, stage=stage, world_size=world_size, global_steps=steps)
+        run = build_run({s.name: s for s in model + optim}, groups, RunShape(stage, world_size, steps))
         return write_run(run, Path(src), Path(dst), source_kind="dcp", overwrite=overwrite, progress=progress)

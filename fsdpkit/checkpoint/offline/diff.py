@@ -53,6 +53,7 @@ def open_tensors(path: str | os.PathLike[str], *, model_key: str | None = None, 
     """Any checkpoint as {fsdpkit name: source}."""
     from ..dcp.metadata import is_dcp_checkpoint
     from ..deepspeed.files import is_deepspeed_checkpoint
+    from ..torchsave.table import is_torchsave_checkpoint
 
     path = Path(path)
     if not path.exists():
@@ -70,6 +71,12 @@ def open_tensors(path: str | os.PathLike[str], *, model_key: str | None = None, 
 
         with open_deepspeed(path) as deepspeed:
             yield Side(str(deepspeed.directory), FORMAT, _with_aliases({t.name: t for t in deepspeed.sources}, deepspeed.aliases))
+        return
+    if is_torchsave_checkpoint(path):
+        from ..torchsave import table as torchsave
+
+        with torchsave.open_rank_state_dicts(path) as ranks:
+            yield Side(str(path), torchsave.FORMAT, {t.name: t for t in ranks.model})
         return
     if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         root = path if path.is_dir() else path.parent

@@ -1,5 +1,5 @@
-"""`fsdpkit convert DS OUT --to full`: a DeepSpeed ZeRO checkpoint -> Hugging Face safetensors,
-streamed through the byte engine (no torch, no deepspeed).
+"""`fsdpkit convert DS OUT --to full|sharded|dcp`: a DeepSpeed ZeRO checkpoint -> Hugging Face
+safetensors, an fsdpkit checkpoint or DCP, streamed through the byte engine (no deepspeed).
 
 The tensors are what DeepSpeed's `zero_to_fp32.py` writes: buffers, frozen parameters and the
 fp32 master weights, under the model's own names; a tied name is recorded as an alias of the
@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...dtypes import dtype_info
+from ..dcp.export import DcpOutput, sources_to_dcp
 from ..deepspeed.table import FORMAT, open_deepspeed
 from ..format.export import HfExport
 from ..format.names import output_dtype
@@ -44,6 +45,19 @@ def deepspeed_to_sharded(src: str | os.PathLike[str], dst: str | os.PathLike[str
     `target.world_size` ranks by the model's placement (`fsdpkit train --resume` continues)."""
     with open_deepspeed(src) as checkpoint:
         aliases = {**checkpoint.aliases, **target.aliases}
-        report = sources_to_sharded(checkpoint.sources, Path(src), Path(dst), replace(target, aliases=aliases))
-    warning = "DeepSpeed's param groups are not carried: the resuming run's optimizer settings apply"
-    return {"src": str(src), "dst": str(dst), "from": FORMAT, **report, "warnings": [warning]}
+        report = sources_to_sharded(
+            checkpoint.sources, Path(src), Path(dst), replace(target, aliases=aliases), param_groups=checkpoint.groups()
+        )
+    return {"src": str(src), "dst": str(dst), "from": FORMAT, **report}
+
+
+def deepspeed_to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], output: DcpOutput) -> dict:
+    """FSDP2's `{"model", "optimizer"}` DCP layout chunked for `output.world_size` ranks: the
+    tensors `--to full` writes (tied names included, as FSDP2's state dict holds them), Adam's
+    moments and step, and the param groups in both of `get_state_dict`'s layouts."""
+    with open_deepspeed(src) as checkpoint:
+        report = sources_to_dcp(
+            checkpoint.sources, Path(src), Path(dst), aliases=checkpoint.aliases, groups=checkpoint.groups(), output=output
+        )
+        stage, ranks = checkpoint.stage, checkpoint.world_size
+    return {**report, "from": FORMAT, "stage": stage, "from_world_size": ranks}

@@ -62,6 +62,7 @@ class Route:
 SOURCES: dict[str, str | None] = {
     "dcp": "fsdpkit.checkpoint.dcp.metadata:is_dcp_checkpoint",
     "deepspeed": "fsdpkit.checkpoint.deepspeed.files:is_deepspeed_checkpoint",
+    "torch-save-ranks": "fsdpkit.checkpoint.torchsave.table:is_torchsave_checkpoint",
     "safetensors": None,  # fsdpkit sharded (to full, dcp) or full safetensors (to sharded, dcp)
 }
 
@@ -89,6 +90,8 @@ ROUTES: dict[tuple[str, str], Route] = {
         required=("world_size", "model"),
         why="--model names the model whose flat-parameter layout to write; the optimizer state goes with it",
     ),
+    ("deepspeed", "dcp"): Route(f"{_CONVERTERS}:deepspeed_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
+    ("torch-save-ranks", "full"): Route(f"{_CONVERTERS}:torchsave_to_full", optional=("model", "max_shard_size", "cast_to")),
     ("dcp", "dcp"): Route(f"{_CONVERTERS}:dcp_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
     ("safetensors", "deepspeed"): Route(
         f"{_CONVERTERS}:safetensors_to_deepspeed",

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import os
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
-from ..deepspeed.table import DeepSpeedCheckpoint, open_deepspeed
+from ..deepspeed.table import open_deepspeed
 from ..deepspeed.writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
 from ..format.bytecopy import ByteEngine, SourceTensor
-from ..format.names import MANIFEST_NAME, optim_tensor_name
+from ..format.names import MANIFEST_NAME, is_optimizer_tensor, optim_tensor_name
 from ..format.reader import is_full_checkpoint, open_full, open_sharded
 from ..format.storage import staged_output
 from .convert import Progress, progress_callback
@@ -47,8 +48,22 @@ def _groups(tensors: dict[str, SourceTensor], recorded: list[dict]) -> list[tupl
     return [(names, {})]
 
 
-def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], *, stage: int, world_size: int, global_steps: int) -> DsRun:
-    """The DeepSpeed run of a table of named tensors (model and `optim.<state>.<name>`)."""
+@dataclass(frozen=True)
+class RunShape:
+    """What a DeepSpeed run is laid out as, beyond its tensors."""
+
+    stage: int
+    world_size: int
+    global_steps: int
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name kept
+    buffers: tuple[str, ...] = ()
+    global_samples: int = 0
+
+
+def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], shape: RunShape) -> DsRun:
+    """The DeepSpeed run of a table of named tensors (model and `optim.<state>.<name>`): the
+    groups' parameters with their Adam state; every other model tensor a buffer (when named
+    so) or a frozen parameter."""
     groups, engine = [], ByteEngine()
     try:
         for names, settings in _groups(tensors, recorded):
@@ -64,7 +79,19 @@ def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], *, stage: 
         engine.close()
     if not any(g.params for g in groups):
         raise UsageError("the source holds no parameter with Adam state (optim.exp_avg.<name>): nothing to write for DeepSpeed")
-    return DsRun(groups, stage, world_size, global_steps)
+    trained = {p.name for g in groups for p in g.params}
+    others = [t for name, t in tensors.items() if name not in trained and not is_optimizer_tensor(name) and name not in shape.aliases]
+    aliases = {a: k for a, k in shape.aliases.items() if k in tensors}
+    return DsRun(
+        groups,
+        shape.stage,
+        shape.world_size,
+        shape.global_steps,
+        frozen=tuple(t for t in others if t.name not in shape.buffers),
+        buffers=tuple(t for t in others if t.name in shape.buffers),
+        aliases=aliases,
+        global_samples=shape.global_samples,
+    )
 
 
 def to_deepspeed(
@@ -81,13 +108,15 @@ def to_deepspeed(
         full = open_full(path, with_optimizer=True)
         recorded: list[dict] = []
         tensors, kind, steps, saved_world = {t.name: t for t in full.tensors}, "safetensors-full", 0, 1
+        aliases = full.aliases
     else:
         sharded = open_sharded(path)
         state = sharded.manifest.training_state
         tensors = {t.name: t for t in sharded.sources()}
         recorded = (state.get("optimizer") or {}).get("groups") or []
         kind, steps, saved_world = "fsdpkit-checkpoint", int(state.get("step", 0) or 0), sharded.manifest.shard_factor
-    run = build_run(tensors, recorded, stage=stage, world_size=world_size or saved_world, global_steps=steps)
+        aliases = sharded.manifest.aliases
+    run = build_run(tensors, recorded, RunShape(stage, world_size or saved_world, steps, aliases))
     return write_run(run, path, Path(dst), source_kind=kind, overwrite=overwrite, progress=progress)
 
 
@@ -110,15 +139,6 @@ def write_run(run: DsRun, src: Path, dst: Path, *, source_kind: str, overwrite: 
     }
 
 
-def _recorded_groups(checkpoint: DeepSpeedCheckpoint) -> list[dict]:
-    """The checkpoint's groups: names from `param_shapes`, settings from the optimizer's groups."""
-    shapes = checkpoint.items.get("param_shapes")
-    if not isinstance(shapes, list) or not all(isinstance(group, dict) for group in shapes):
-        raise DataCheckError(f"{checkpoint.directory}: no param_shapes per group in the model states file")
-    settings = checkpoint.param_groups
-    return [{"settings": settings[i] if i < len(settings) else {}, "params": list(group)} for i, group in enumerate(shapes)]
-
-
 def reshard_deepspeed(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -128,13 +148,17 @@ def reshard_deepspeed(
     progress: Progress | None = None,
 ) -> dict:
     with open_deepspeed(src) as checkpoint:
-        if checkpoint.precision != "F32" or checkpoint.frozen or checkpoint.buffers:
-            kept = [*checkpoint.frozen, *checkpoint.buffers][:3]
-            raise UsageError(
-                f"{src}: fsdpkit writes DeepSpeed checkpoints of fp32 trainable parameters only; this one is {checkpoint.precision}"
-                + (f" with frozen parameters or buffers ({', '.join(kept)}...)" if kept else "")
-            )
+        if checkpoint.precision != "F32":
+            raise UsageError(f"{src}: fsdpkit writes DeepSpeed checkpoints of fp32 models only; this one is {checkpoint.precision}")
         tensors = {t.name: t for t in checkpoint.sources}
-        steps = checkpoint.global_steps or 0
-        run = build_run(tensors, _recorded_groups(checkpoint), stage=checkpoint.stage, world_size=world_size, global_steps=steps)
+        samples = checkpoint.items.get("global_samples")
+        shape = RunShape(
+            checkpoint.stage,
+            world_size,
+            checkpoint.global_steps or 0,
+            checkpoint.aliases,
+            checkpoint.buffers,
+            samples if type(samples) is int else 0,
+        )
+        run = build_run(tensors, checkpoint.groups(), shape)
         return write_run(run, Path(src), Path(dst), source_kind="deepspeed", overwrite=overwrite, progress=progress)
