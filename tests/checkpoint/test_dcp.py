@@ -398,3 +398,24 @@ def test_fsdp1_checkpoint(saved, tmp_path):
     assert run_cli("diff", original, sharded).exit_code == 0
     report = _resume(sharded, ranks=2)
     assert report["resumed_from_step"] == 2 and len(report["losses"]) == 1
+
+
+def test_open_checkpoint_reads_what_torch_loads(saved, tmp_path):
+    """`fsdpkit.open_checkpoint` of FSDP2's DCP (both serializations) and FSDP1's: every model
+    and AdamW tensor, whole and sliced, equals what torch's own DCP loading gives
+    (`dcp_to_torch_save`), and the bytes items are its plain values."""
+    from test_any_checkpoint import assert_reads_like
+
+    import fsdpkit
+
+    root, _ = saved
+    for name in ("llama-torch_save", "llama-safetensors", "fsdp1"):
+        reference = _torch_reference(root / ("llama-torch_save" if name == "llama-safetensors" else name), tmp_path)
+        expected = dict(reference["model"])
+        expected |= {f"optim.{key}.{fqn}": value for fqn, state in reference["optimizer"]["state"].items() for key, value in state.items()}
+        with fsdpkit.open_checkpoint(root / name) as checkpoint:
+            assert checkpoint.format == "dcp" and set(checkpoint.model) | set(checkpoint.optimizer) == set(expected), name
+            assert_reads_like(checkpoint, expected.__getitem__, sorted(expected))
+            if name != "fsdp1":
+                assert checkpoint.get_item("train_state.note") == reference["train_state"]["note"] == "pickled"
+                assert checkpoint.get_item("optimizer.param_groups.0.lr") == reference["optimizer"]["param_groups"][0]["lr"]

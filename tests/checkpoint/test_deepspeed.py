@@ -66,23 +66,15 @@ def _header(path: Path) -> dict:
 def test_optimizer_state_is_deepspeed_partitions(saved):
     """Adam's moments of every parameter = DeepSpeed's flat partitions sliced as zero_to_fp32
     slices the fp32 masters (torch.load of the rank files)."""
-    from fsdpkit.checkpoint.deepspeed.table import open_deepspeed
-    from fsdpkit.checkpoint.format.bytecopy import ByteEngine
-    from fsdpkit.flat_layout import ElementRange
+    import fsdpkit
 
     for layout in ("z2_bf16", "z3_bf16"):
         tag = saved / layout / "global_step3"
         files = sorted(tag.glob("*optim_states.pt"))
         states = [torch.load(f, weights_only=False)["optimizer_state_dict"] for f in files]
-        with open_deepspeed(saved / layout) as checkpoint:
-            engine = ByteEngine()
-            read = {}
-            for source in checkpoint.optimizer:
-                out = bytearray(source.nbytes)
-                engine.read_into(source, ElementRange(0, source.numel), memoryview(out))
-                read[source.name] = torch.frombuffer(out, dtype=torch.float32).reshape(source.shape)
-            engine.close()
-            stage = checkpoint.stage
+        with fsdpkit.open_checkpoint(saved / layout) as checkpoint:
+            read = {name: checkpoint.get_tensor(name) for name in checkpoint.optimizer}
+        stage = int(layout[1])
         base = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
         group0 = [s[base]["state"][0] for s in states]
         assert float(read["optim.step.model.embed_tokens.weight"]) == float(group0[0]["step"]) == 3.0
@@ -196,3 +188,21 @@ def test_convert_sharded_holds_deepspeed_state(saved, tmp_path):
     assert run_cli("diff", saved / "z3_bf16", tmp_path / "sh").exit_code == 0
     assert run_cli("verify", tmp_path / "sh").exit_code == 0
     _fails(["convert", saved / "z3_bf16", tmp_path / "x", "--to", "sharded", "--world-size", "3"], 2, "--model")
+
+
+def test_open_checkpoint_reads_what_zero_to_fp32_gives(saved):
+    """`fsdpkit.open_checkpoint` of ZeRO-3 and ZeRO-2 (frozen and tied parameters): every
+    model tensor, whole and sliced, equals DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint`."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from test_any_checkpoint import assert_reads_like
+
+    import fsdpkit
+
+    for layout in ("z3_bf16", "z2_tied"):  # ZeRO-3 with a frozen parameter, ZeRO-2 with a tied one
+        expected = get_fp32_state_dict_from_zero_checkpoint(str(saved / layout))
+        with fsdpkit.open_checkpoint(saved / layout) as checkpoint:
+            assert checkpoint.format == "deepspeed" and set(checkpoint.model) == set(expected), layout
+            assert_reads_like(checkpoint, expected.__getitem__, sorted(expected))
+            assert checkpoint.get_item("ds_version") == "0.19.8" and checkpoint.get_item("global_steps") == 3
+            groups = checkpoint.get_item("optimizer.param_groups")
+            assert [(g["lr"], g["weight_decay"]) for g in groups] == [(1e-2, 0.1), (1e-2, 0.0)], layout  # the worker's AdamW groups

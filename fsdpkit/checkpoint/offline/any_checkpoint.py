@@ -158,7 +158,9 @@ def box_of(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[i
     parts = index if isinstance(index, tuple) else (index,)
     if len(parts) > len(shape):
         raise IndexError(f"{len(parts)} indices for a tensor of {len(shape)} dimensions {list(shape)}")
-    offsets, sizes, picks = [], [], []
+    offsets: list[int] = []
+    sizes: list[int] = []
+    picks: list[Any] = []
     for dim, extent in enumerate(shape):
         part = parts[dim] if dim < len(parts) else slice(None)
         if isinstance(part, slice):
