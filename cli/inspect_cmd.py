@@ -111,10 +111,12 @@ def _dcp_lines(summary: dict) -> list[str]:
     if summary["other_tensors"]:
         lines.append("other       " + ", ".join(summary["other_tensors"][:8]) + (" ..." if len(summary["other_tensors"]) > 8 else ""))
     if summary["bytes_items"]:
-        items = summary["bytes_items"]
-        lines.append(
-            f"bytes items {len(items)} (never unpickled): "
-            + ", ".join(f"{b['key']} {format_size(b['bytes'])}" for b in items[:6])
-            + (" ..." if len(items) > 6 else "")
-        )
+        size = format_size(sum(b["bytes"] for b in summary["bytes_items"]))
+        lines.append(f"bytes items {len(summary['bytes_items'])}, {size} (never unpickled), by key:")
+        lines += item_lines(summary["items"])
     return lines
+
+
+def item_lines(groups: dict[str, int]) -> list[str]:
+    """The non-tensor items, one line per top-level key with its count."""
+    return [f"  {key} ({count} item{'s' if count != 1 else ''})" for key, count in groups.items()]
