@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import log
-from ..checkpoint.format.names import OPTIM_INDEX, OPTIM_SINGLE
+from ..checkpoint.format.reader import has_optimizer_files
 from ..checkpoint.offline.any_checkpoint import FULL, SHARDED, detect_format
 from ..errors import UsageError
 from ..paths import check_writable_directory
@@ -82,6 +82,5 @@ def _convert(source: Path, target: Path, found: str, model: str, world_size: int
     from ..checkpoint.offline.converters import convert
     from ..checkpoint.offline.routes import ConvertRequest
 
-    optimizer_files = source.is_dir() and ((source / OPTIM_SINGLE).exists() or (source / OPTIM_INDEX).exists())
-    with_optimizer = found == FULL and optimizer_files
+    with_optimizer = found == FULL and source.is_dir() and has_optimizer_files(source)
     convert(source, target, ConvertRequest(to="sharded", world_size=world_size, model=model, with_optimizer=with_optimizer))

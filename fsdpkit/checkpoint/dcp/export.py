@@ -18,8 +18,8 @@ from pathlib import Path
 from ...errors import UsageError
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
 from ..format.files import open_regular, read_exactly
-from ..format.names import MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, split_optim_tensor_name
-from ..format.reader import is_full_checkpoint, open_full, open_sharded
+from ..format.names import MANIFEST_NAME, split_optim_tensor_name
+from ..format.reader import has_optimizer_files, is_full_checkpoint, open_full, open_sharded
 from ..format.storage import staged_output
 from .metadata import DcpMetadata, Location
 from .param_groups import param_group_items
@@ -56,8 +56,7 @@ def to_dcp(
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
     path = Path(src)
     if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
-        root = path if path.is_dir() else path.parent
-        full = open_full(path, with_optimizer=(root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists())
+        full = open_full(path, with_optimizer=has_optimizer_files(path))
         tensors, groups, kind = _out_tensors(list(full.tensors), full.aliases), [], "safetensors-full"
     else:
         sharded = open_sharded(path)

@@ -379,6 +379,13 @@ def is_full_checkpoint(path: Path) -> bool:
     )
 
 
+def has_optimizer_files(path: Path) -> bool:
+    """A full checkpoint (its directory, or a file in it) written with its optimizer state
+    (`optimizer.safetensors` or its index beside the model's)."""
+    root = path if path.is_dir() else path.parent
+    return (root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists()
+
+
 def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> FullCheckpoint:
     path = Path(path)
     if not path.exists():

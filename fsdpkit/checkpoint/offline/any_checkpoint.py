@@ -38,7 +38,7 @@ from ...flat_layout import ElementRange
 from ..dcp.boxes import flat_runs
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.export import ExportLayout
-from ..format.names import MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE
+from ..format.names import MANIFEST_NAME
 
 if TYPE_CHECKING:
     import torch
@@ -238,11 +238,9 @@ def _open_sharded(path: Path, model_key: str | None, optimizer_key: str | None) 
 
 
 def _open_full(path: Path, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
-    from ..format.reader import open_full
+    from ..format.reader import has_optimizer_files, open_full
 
-    root = path if path.is_dir() else path.parent
-    with_optimizer = path.is_dir() and ((root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists())
-    full = open_full(path, with_optimizer=with_optimizer)
+    full = open_full(path, with_optimizer=path.is_dir() and has_optimizer_files(path))
     model, optimizer = _split(list(full.tensors), full.aliases)
     items = {key: _value(value) for key, value in full.metadata.items()}
     return AnyCheckpoint(str(path), FULL, model, optimizer, aliases=dict(full.aliases), export_layout=full.layout, items=items)
