@@ -119,6 +119,11 @@ def test_diff_of_a_run_and_its_transformers_export(tmp_path):
     rows = {r["name"]: r for r in json.loads(run_cli("diff", tmp_path / "hf", changed, "--json").stdout)["tensors"]}
     assert rows["h.1.mlp.c_fc.weight"]["status"] == "different" and rows["h.1.mlp.c_fc.weight"]["max_abs"] == pytest.approx(1.0)
     assert sum(r["status"] == "equal" for r in rows.values()) == 28
+    flipped = save_checkpoint(
+        tmp_path / "flipped", 1, {**weights, "h.0.mlp.c_fc.weight": weights["h.0.mlp.c_fc.weight"].t().contiguous()}, world_size=1
+    )
+    result = run_cli("diff", changed, flipped, "--model-only")
+    assert result.exit_code == 3 and "h.0.mlp.c_fc.weight: [256, 64] vs [64, 256] (a transpose)" in result.stdout, result.stdout
     prefixed = {f"model.{k}": v for k, v in weights.items()}
     other = save_checkpoint(tmp_path / "prefixed", 1, prefixed, world_size=1)
     result = run_cli("diff", changed, other)

@@ -61,10 +61,14 @@ class AnyCheckpoint:
     _close: Callable[[], None] = lambda: None
     _engine: ByteEngine | None = None
 
+    _sources: dict[str, SourceTensor] = field(default_factory=dict)
+
     @property
     def sources(self) -> dict[str, SourceTensor]:
         """Every tensor by name: model, optimizer state, then the rest."""
-        return {**self.model, **self.optimizer, **self.other}
+        if not self._sources:
+            self._sources = {**self.model, **self.optimizer, **self.other}
+        return self._sources
 
     def keys(self) -> list[str]:
         return list(self.sources)
