@@ -6,8 +6,7 @@ from pathlib import Path
 
 import typer
 
-from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
-from fsdpkit.checkpoint.deepspeed.files import is_deepspeed_checkpoint
+from fsdpkit.checkpoint.offline.any_checkpoint import DCP, DEEPSPEED, detect_format
 from fsdpkit.sizes import format_size
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
@@ -19,18 +18,19 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("inspect")
 @handle_errors
 def inspect(
-    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir), full safetensors or torch DCP."),
+    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir), full safetensors, torch DCP or DeepSpeed ZeRO."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
     dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
-    if is_dcp_checkpoint(ckpt):
+    found = detect_format(ckpt)
+    if found == DCP:
         from fsdpkit.checkpoint.dcp.inspect import summarize_dcp
 
         summary = summarize_dcp(ckpt, model_key=dcp_model_key, optimizer_key=dcp_optimizer_key)
         text = _dcp_lines
-    elif is_deepspeed_checkpoint(ckpt):
+    elif found == DEEPSPEED:
         from fsdpkit.checkpoint.deepspeed.inspect import summarize_deepspeed
 
         from .deepspeed_cmd import inspect_lines
