@@ -108,8 +108,10 @@ def _shown(value: Any) -> str:
 def train_config(explicit: Mapping[str, Any], *, where: str = "") -> tuple[TrainConfig, list[str]]:
     """The run's config from explicit values (flags over a config file): over the defaults, or,
     with a resume, over the checkpoint's carried settings; and the override lines."""
-    checkpoint = explicit.get("checkpoint") or {}
-    resume, model = checkpoint.get("resume"), (explicit.get("model") or {}).get("name")
+    checkpoint, model_section = explicit.get("checkpoint"), explicit.get("model")  # not yet checked to be tables
+    checkpoint = checkpoint if isinstance(checkpoint, Mapping) else {}
+    model = model_section.get("name") if isinstance(model_section, Mapping) else None
+    resume = checkpoint.get("resume")
     for flag, path in (("--resume", resume), ("--init-from", checkpoint.get("init_from"))):
         if path:
             check_model_named(str(path), model, flag)
