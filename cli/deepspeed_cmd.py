@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from fsdpkit.sizes import format_size
 
+from .inspect_cmd import item_lines
+
 
 def inspect_lines(s: dict) -> list[str]:
     model, optim = s["model"], s["optimizer"]
@@ -20,7 +22,8 @@ def inspect_lines(s: dict) -> list[str]:
         "dtypes      " + ", ".join(f"{k}: {v}" for k, v in s["dtypes"].items()),
         "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in s["largest"]),
         f"files       {len(s['files'])}, {format_size(sum(f['size'] for f in s['files']))}",
-        "items       " + ", ".join(f"{key} ({count})" for key, count in s["items"].items()),
+        "items       by key:",
+        *item_lines(s["items"]),
     ]
 
 

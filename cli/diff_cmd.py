@@ -19,14 +19,15 @@ def _line(result: dict) -> str:
     if status == "different" or status == "close":
         return f"{status:9} {result['name']}: max abs {result['max_abs']:.3g}, max rel {result['max_rel']:.3g}"
     if status in ("dtype", "shape"):
-        return f"{status:9} {result['name']}: {result['a']} vs {result['b']}"
+        transposed = " (a transpose)" if result.get("transposed") else ""
+        return f"{status:9} {result['name']}: {result['a']} vs {result['b']}{transposed}"
     return f"{status:9} {result['name']}"
 
 
 @command_app.command("diff")
 @handle_errors
 def diff_command(
-    a: Path = typer.Argument(..., help="A checkpoint: fsdpkit sharded (run or step dir), full safetensors, or torch DCP."),
+    a: Path = typer.Argument(..., help="A checkpoint: fsdpkit sharded (run or step dir), full safetensors, torch DCP or DeepSpeed ZeRO."),
     b: Path = typer.Argument(..., help="The checkpoint to compare it with (any of the same formats)."),
     atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance: equal when |a - b| <= atol + rtol * |b|."),
     rtol: float = typer.Option(0.0, "--rtol", help="Relative tolerance."),
@@ -59,6 +60,8 @@ def diff_command(
         lines = [_line(r) for r in shown[:SHOWN]]
         if len(shown) > SHOWN:
             lines.append(f"... {len(shown) - SHOWN} more")
+        lines += [f"names of {side}: {note}" for side, note in result["names"].items()]
+        lines += [f"names: {hint}" for hint in result["hints"]]
         counts = ", ".join(f"{count} {status}" for status, count in sorted(result["counts"].items()))
         verdict = "equal" if result["equal"] else "not equal"
         lines.append(f"{verdict}: {result['a']['format']} {result['a']['path']} vs {result['b']['format']} {result['b']['path']}: {counts}")

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import typer
 
-from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
-from fsdpkit.checkpoint.deepspeed.files import is_deepspeed_checkpoint
-from fsdpkit.checkpoint.torchsave.table import is_torchsave_checkpoint
+from fsdpkit.checkpoint.offline.any_checkpoint import DCP, DEEPSPEED, TORCH_SAVE, detect_format
 from fsdpkit.sizes import format_size
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
@@ -20,24 +18,25 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("inspect")
 @handle_errors
 def inspect(
-    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir), full safetensors or torch DCP."),
+    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir), full safetensors, torch DCP or DeepSpeed ZeRO."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
     dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
-    if is_dcp_checkpoint(ckpt):
+    found = detect_format(ckpt)
+    if found == DCP:
         from fsdpkit.checkpoint.dcp.inspect import summarize_dcp
 
         summary = summarize_dcp(ckpt, model_key=dcp_model_key, optimizer_key=dcp_optimizer_key)
         text = _dcp_lines
-    elif is_deepspeed_checkpoint(ckpt):
+    elif found == DEEPSPEED:
         from fsdpkit.checkpoint.deepspeed.inspect import summarize_deepspeed
 
         from .deepspeed_cmd import inspect_lines
 
         summary, text = summarize_deepspeed(ckpt), inspect_lines
-    elif is_torchsave_checkpoint(ckpt):
+    elif found == TORCH_SAVE:
         from fsdpkit.checkpoint.torchsave.inspect import summarize_torchsave
 
         from .deepspeed_cmd import torchsave_lines
@@ -118,10 +117,12 @@ def _dcp_lines(summary: dict) -> list[str]:
     if summary["other_tensors"]:
         lines.append("other       " + ", ".join(summary["other_tensors"][:8]) + (" ..." if len(summary["other_tensors"]) > 8 else ""))
     if summary["bytes_items"]:
-        items = summary["bytes_items"]
-        lines.append(
-            f"bytes items {len(items)} (never unpickled): "
-            + ", ".join(f"{b['key']} {format_size(b['bytes'])}" for b in items[:6])
-            + (" ..." if len(items) > 6 else "")
-        )
+        size = format_size(sum(b["bytes"] for b in summary["bytes_items"]))
+        lines.append(f"bytes items {len(summary['bytes_items'])}, {size} (never unpickled), by key:")
+        lines += item_lines(summary["items"])
     return lines
+
+
+def item_lines(groups: dict[str, int]) -> list[str]:
+    """The non-tensor items, one line per top-level key with its count."""
+    return [f"  {key} ({count} item{'s' if count != 1 else ''})" for key, count in groups.items()]

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import typer
 
-from fsdpkit.checkpoint.dcp.metadata import is_dcp_checkpoint
-from fsdpkit.checkpoint.deepspeed.files import is_deepspeed_checkpoint
-from fsdpkit.checkpoint.torchsave.table import is_torchsave_checkpoint
+from fsdpkit.checkpoint.offline.any_checkpoint import DCP, DEEPSPEED, TORCH_SAVE, detect_format
 from fsdpkit.sizes import count, format_size
 
 from .common import byte_progress, handle_errors, print_json
@@ -19,19 +17,20 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("verify")
 @handle_errors
 def verify(
-    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir), full safetensors or torch DCP."),
+    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir), full safetensors, torch DCP or DeepSpeed ZeRO."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ) -> None:
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
-    if is_dcp_checkpoint(ckpt):
+    found = detect_format(ckpt)
+    if found == DCP:
         from fsdpkit.checkpoint.dcp.inspect import verify_dcp
 
         report = verify_dcp(ckpt)
-    elif is_deepspeed_checkpoint(ckpt):
+    elif found == DEEPSPEED:
         from fsdpkit.checkpoint.deepspeed.inspect import verify_deepspeed
 
         report = verify_deepspeed(ckpt)
-    elif is_torchsave_checkpoint(ckpt):
+    elif found == TORCH_SAVE:
         from fsdpkit.checkpoint.torchsave.inspect import verify_torchsave
 
         report = verify_torchsave(ckpt)

@@ -6,6 +6,8 @@
     with fsdpkit.full_params(model):
         ...  # full weights for evaluation or export
     fsdpkit.save(model, optimizer, "run", step=100)
+    with fsdpkit.open_checkpoint("run") as checkpoint:  # any format: fsdpkit, full, DCP, DeepSpeed
+        checkpoint.get_slice("wte.weight")[:10]
 
 Names are imported on first use, so the commands that need no torch (convert, reshard,
 inspect, verify, plan) never load it.
@@ -36,6 +38,7 @@ _EXPORTS = {
     "Checkpointer": "fsdpkit.checkpoint.live.checkpointer",
     "save": "fsdpkit.checkpoint.live.checkpointer",
     "load": "fsdpkit.checkpoint.live.checkpointer",
+    "open_checkpoint": "fsdpkit.checkpoint.offline.any_checkpoint",
     "MixedPrecision": "fsdpkit.engine.config",
     "ShardingConfig": "fsdpkit.engine.config",
     "WrapPolicy": "fsdpkit.engine.wrapping",

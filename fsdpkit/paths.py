@@ -32,6 +32,13 @@ def unwritable_parent(path: str | os.PathLike) -> str | None:
     return None if is_writable_directory(existing) else existing
 
 
+def file_in_the_way(path: str | os.PathLike) -> str | None:
+    """The existing non-directory (a regular file, a FIFO...) at `path` or above it that stops a
+    directory from being made at `path`; None when there is none."""
+    existing = nearest_existing(path)
+    return existing if os.path.exists(existing) and not os.path.isdir(existing) else None
+
+
 def check_writable_directory(path: str, flag: str) -> None:
     """`path` is a writable directory, or can be created as one."""
     if os.path.exists(path):
@@ -40,6 +47,8 @@ def check_writable_directory(path: str, flag: str) -> None:
         if not is_writable_directory(path):
             raise UsageError(f"{flag} {path!r} is not writable")
         return
+    if (blocker := file_in_the_way(path)) is not None:
+        raise UsageError(f"{flag} {path!r} cannot be created: {blocker!r} is a file, not a directory")
     parent = unwritable_parent(path)
     if parent is not None:
         raise UsageError(f"{flag} {path!r} cannot be created: {parent!r} is not a writable directory")

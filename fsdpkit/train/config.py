@@ -178,14 +178,20 @@ class CheckpointConfig:
     resume: str | None = setting(
         None,
         "Continue the run in a run directory (its latest) or a step-* directory, at any world size: its saved settings are "
-        "the defaults, and a flag that changes one says so.",
+        "the defaults, and a flag that changes one says so. A torch DCP, DeepSpeed ZeRO or full safetensors checkpoint is "
+        "converted for this run's world size first (optimizer state included when it holds one; --model names its model).",
         metavar="DIR",
     )
     strict: bool = setting(True, "Missing optimizer state in --resume is an error (--no-strict: start it fresh).")
     new_run: bool = setting(
         False, "Start a new run in a --save-dir that holds another run's checkpoints (they move to DIR/earlier-<time>/)."
     )
-    init_from: str | None = setting(None, "Start from the weights of a full safetensors or a sharded checkpoint.", metavar="PATH")
+    init_from: str | None = setting(
+        None,
+        "Start from the weights of a full safetensors or a sharded checkpoint, or of a torch DCP or DeepSpeed ZeRO one "
+        "(converted for this run's world size first; --model names its model).",
+        metavar="PATH",
+    )
     snapshot_every: int = setting(
         10,
         "With --max-restarts: every N steps, copy each rank's part of a checkpoint into shared memory (/dev/shm, two slots), "

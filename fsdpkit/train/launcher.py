@@ -33,6 +33,7 @@ from ..paths import check_writable_directory, check_writable_file
 from .attempts import RunContext, attempt_number
 from .config import Device, TrainConfig
 from .data import TokenSource, check_streamed
+from .foreign import converted, foreign_format
 from .loop import build_optimizer, train_worker
 from .metrics import check_tensorboard_installed
 from .model_setup import initial_weights, inspect_model
@@ -115,20 +116,34 @@ def run_training(config: TrainConfig) -> TrainSummary | None:
     if under_torchrun():
         rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
         run_id = f"torchrun-{rdzv_id}" if rdzv_id not in ("", "none") else None
+        _no_conversion_under_torchrun(config)
         validate(config, int(os.environ["WORLD_SIZE"]), run_id=run_id)
         if os.environ.get("RANK") == "0" and attempt_number() == 0:
             _set_aside_earlier_run(config)
         return run_in_process_group(config, RunContext(run_id=run_id))
-    num_params = validate(config, config.launch.world_size)
-    with (
-        _run_lock(config) as run_id,
-        _progress_file() as progress_path,
-        snapshot_store(config, run_id, num_params) as snapshot_dir,
-    ):
-        if config.launch.node_rank == 0:
-            _set_aside_earlier_run(config)
-        log.note(launch_line(config))
-        return launch(_worker_entry, config, RunContext(run_id, progress_path, snapshot_dir), options=config.launch).get(0)
+    with converted(config, config.launch.world_size) as config:
+        num_params = validate(config, config.launch.world_size)
+        with (
+            _run_lock(config) as run_id,
+            _progress_file() as progress_path,
+            snapshot_store(config, run_id, num_params) as snapshot_dir,
+        ):
+            if config.launch.node_rank == 0:
+                _set_aside_earlier_run(config)
+            log.note(launch_line(config))
+            return launch(_worker_entry, config, RunContext(run_id, progress_path, snapshot_dir), options=config.launch).get(0)
+
+
+def _no_conversion_under_torchrun(config: TrainConfig) -> None:
+    """Under torchrun every process is a worker: none converts a checkpoint for the others."""
+    checkpoint = config.checkpoint
+    for flag, path, init_from in (("--resume", checkpoint.resume, False), ("--init-from", checkpoint.init_from, True)):
+        found = foreign_format(path, init_from=init_from)
+        if found is not None:
+            raise UsageError(
+                f"{flag} {path} is a {found} checkpoint: under torchrun convert it first "
+                f"(fsdpkit convert {path} OUT --to sharded --world-size {os.environ['WORLD_SIZE']} --model {config.model.name})"
+            )
 
 
 def _set_aside_earlier_run(config: TrainConfig) -> None:

@@ -8,7 +8,8 @@ optimizer sections (with the schedule), and the step count the run ends at. A va
 explicitly (a flag, or a --config file) wins; for a carried setting other than the step count
 that differs from the saved one, `overrides` holds one line naming the setting, the saved
 value and the new one. The world size, the device, the checkpoint, logging and launch settings
-are this run's own: they are never carried, and changing them says nothing.
+are this run's own: they are never carried, and changing them says nothing. A checkpoint in
+another format (foreign.py) carries no settings: the flags are the run's, --model among them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..checkpoint.format.manifest import load_manifest
 from ..checkpoint.format.storage import resolve_checkpoint
 from ..settings import merge
 from .config import SECTIONS, TOP, TrainConfig
+from .foreign import check_model_named, foreign_format
 
 CARRIED_SECTIONS = ("model", "data", "sharding", "optimizer")
 CARRIED_TOP = ("seed", "steps")
@@ -106,8 +108,14 @@ def _shown(value: Any) -> str:
 def train_config(explicit: Mapping[str, Any], *, where: str = "") -> tuple[TrainConfig, list[str]]:
     """The run's config from explicit values (flags over a config file): over the defaults, or,
     with a resume, over the checkpoint's carried settings; and the override lines."""
-    resume = (explicit.get("checkpoint") or {}).get("resume")
-    if not resume:
+    checkpoint, model_section = explicit.get("checkpoint"), explicit.get("model")  # not yet checked to be tables
+    checkpoint = checkpoint if isinstance(checkpoint, Mapping) else {}
+    model = model_section.get("name") if isinstance(model_section, Mapping) else None
+    resume = checkpoint.get("resume")
+    for flag, path in (("--resume", resume), ("--init-from", checkpoint.get("init_from"))):
+        if path:
+            check_model_named(str(path), model, flag)
+    if not resume or foreign_format(str(resume)) is not None:  # another format records no fsdpkit settings
         return TrainConfig.from_values(explicit, where=where), []
     values, overrides = resume_values(explicit, saved_run(resume))
     return TrainConfig.from_values(values, where=where), overrides

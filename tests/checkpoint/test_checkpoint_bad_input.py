@@ -509,3 +509,20 @@ def test_malformed_full_checkpoints_are_one_line(tmp_path):
             line = result.stderr.strip()
             assert result.exit_code == 3 and "\n" not in line and message in line, (case, command, result.output)
     assert not (tmp_path / "out").exists()
+
+
+def test_destination_under_a_regular_file_names_the_file(pristine, tmp_path):
+    """A destination below a regular file, for every writer (full, sharded, DCP, DeepSpeed): one
+    line naming that file, exit 2, nothing written (once: "is read-only: no write permission")."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory\n")
+    for command in (
+        ["convert", pristine, blocker / "out", "--to", "full"],
+        ["convert", pristine, blocker / "deeper" / "out", "--to", "dcp"],
+        ["convert", pristine, blocker / "out", "--to", "deepspeed", "--stage", "2"],
+        ["reshard", pristine, blocker / "out", "--world-size", "3"],
+    ):
+        result = run_cli(*command)
+        _one_line_usage_error(result, f"{blocker} is a file, not a directory")
+        assert "read-only" not in result.stderr
+    assert blocker.read_text() == "not a directory\n" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -139,6 +139,11 @@ def test_inspect_and_verify(saved, tmp_path):
         assert verified.exit_code == 0, verified.output
         report = json.loads(verified.stdout)
         assert report["ok"] and report["chunks"] == summary["chunks"] and report["not_checked"]
+    groups = json.loads(run_cli("inspect", root / "llama-torch_save", "--json").stdout)["items"]
+    assert set(groups) == {"train_state", "optimizer.param_groups"} and groups["train_state"] == 2, groups
+    assert sum(groups.values()) == len(summary["bytes_items"])  # every non-tensor item, grouped by its key
+    text = run_cli("inspect", root / "llama-torch_save").stdout.splitlines()
+    assert "  train_state (2 items)" in text and f"  optimizer.param_groups ({groups['optimizer.param_groups']} items)" in text
     plain = json.loads(run_cli("inspect", root / "llama-plain", "--json").stdout)
     assert plain["model_key"] == "" and plain["model"]["tensors"] == len(reference["model"]) and plain["optimizer"]["tensors"] == 0
 
@@ -377,7 +382,8 @@ def _resume(checkpoint: Path, *, ranks: int) -> dict:
 
 def test_fsdp1_checkpoint(saved, tmp_path):
     """A checkpoint of FSDP1's SHARDED_STATE_DICT: inspect and verify; --to full equals torch's
-    own reading and transformers' logits equal the FSDP1 model's; --to sharded resumes."""
+    own reading and transformers' logits equal the FSDP1 model's; --to sharded equals it;
+    `train --resume` takes it as it is."""
     root, logits = saved
     original = root / "fsdp1"
     reference = _torch_reference(original, tmp_path)
@@ -396,5 +402,47 @@ def test_fsdp1_checkpoint(saved, tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["step"] == 2
     assert run_cli("diff", original, sharded).exit_code == 0
-    report = _resume(sharded, ranks=2)
-    assert report["resumed_from_step"] == 2 and len(report["losses"]) == 1
+    _resumes_the_dcp_directly(original, reference, tmp_path / "resumed")
+
+
+def _resumes_the_dcp_directly(original: Path, reference: dict, save_dir: Path) -> None:
+    """`train --resume DCP --model M` converts as it loads: run to the step it was saved at and
+    saved again, its weights and AdamW state are what torch's own DCP loading gives."""
+    import fsdpkit
+
+    trained = run_cli(
+        "train", "--model", MODELS["gpt"], "--nproc-per-node", "2", "--resume", original, "--steps", "2",
+        "--seq-len", "16", "--global-batch-size", "4", "--save-dir", save_dir, "--json",
+    )  # fmt: skip
+    assert trained.exit_code == 0, trained.output
+    report = json.loads(trained.stdout)
+    assert report["resumed_from_step"] == 2 and report["optimizer_steps"] == 2 and report["losses"] == []
+    assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step-00000002"]  # the converted copy is gone
+    with fsdpkit.open_checkpoint(save_dir) as saved:
+        for name, tensor in reference["model"].items():
+            assert torch.equal(saved.get_tensor(name), tensor), name
+        moments = [(fqn, key, value) for fqn, state in reference["optimizer"]["state"].items() for key, value in state.items()]
+        assert {key for _, key, _ in moments} == {"step", "exp_avg", "exp_avg_sq"}
+        for fqn, key, value in moments:
+            assert torch.equal(saved.get_tensor(f"optim.{key}.{fqn}").to(value.dtype), value), (fqn, key)
+
+
+def test_open_checkpoint_reads_what_torch_loads(saved, tmp_path):
+    """`fsdpkit.open_checkpoint` of FSDP2's DCP (both serializations) and FSDP1's: every model
+    and AdamW tensor, whole and sliced, equals what torch's own DCP loading gives
+    (`dcp_to_torch_save`), and the bytes items are its plain values."""
+    from test_any_checkpoint import assert_reads_like
+
+    import fsdpkit
+
+    root, _ = saved
+    for name in ("llama-torch_save", "llama-safetensors", "fsdp1"):
+        reference = _torch_reference(root / ("llama-torch_save" if name == "llama-safetensors" else name), tmp_path)
+        expected = dict(reference["model"])
+        expected |= {f"optim.{key}.{fqn}": value for fqn, state in reference["optimizer"]["state"].items() for key, value in state.items()}
+        with fsdpkit.open_checkpoint(root / name) as checkpoint:
+            assert checkpoint.format == "dcp" and set(checkpoint.model) | set(checkpoint.optimizer) == set(expected), name
+            assert_reads_like(checkpoint, expected.__getitem__, sorted(expected))
+            if name != "fsdp1":
+                assert checkpoint.get_item("train_state.note") == reference["train_state"]["note"] == "pickled"
+                assert checkpoint.get_item("optimizer.param_groups.0.lr") == reference["optimizer"]["param_groups"][0]["lr"]

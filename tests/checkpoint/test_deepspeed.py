@@ -77,23 +77,15 @@ def _header(path: Path) -> dict:
 def test_optimizer_state_is_deepspeed_partitions(saved):
     """Adam's moments of every parameter = DeepSpeed's flat partitions sliced as zero_to_fp32
     slices the fp32 masters (torch.load of the rank files)."""
-    from fsdpkit.checkpoint.deepspeed.table import open_deepspeed
-    from fsdpkit.checkpoint.format.bytecopy import ByteEngine
-    from fsdpkit.flat_layout import ElementRange
+    import fsdpkit
 
     for layout in ("z2_bf16", "z3_bf16"):
         tag = saved / layout / "global_step3"
         files = sorted(tag.glob("*optim_states.pt"))
         states = [torch.load(f, weights_only=False)["optimizer_state_dict"] for f in files]
-        with open_deepspeed(saved / layout) as checkpoint:
-            engine = ByteEngine()
-            read = {}
-            for source in checkpoint.optimizer:
-                out = bytearray(source.nbytes)
-                engine.read_into(source, ElementRange(0, source.numel), memoryview(out))
-                read[source.name] = torch.frombuffer(out, dtype=torch.float32).reshape(source.shape)
-            engine.close()
-            stage = checkpoint.stage
+        with fsdpkit.open_checkpoint(saved / layout) as checkpoint:
+            read = {name: checkpoint.get_tensor(name) for name in checkpoint.optimizer}
+        stage = int(layout[1])
         base = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
         group0 = [s[base]["state"][0] for s in states]
         assert float(read["optim.step.model.embed_tokens.weight"]) == float(group0[0]["step"]) == 3.0
@@ -115,8 +107,13 @@ def test_inspect_and_verify(saved):
     assert summary["ds_version"] == "0.19.8" and summary["global_steps"] == 3
     assert summary["model"]["frozen"] == ["model.norm.weight"] and len(summary["optimizer"]["param_groups"]) == 2
     assert summary["items"]["ds_config"] >= 1
+    assert summary["items"]["optimizer.param_groups"] >= sum(len(group) for group in summary["optimizer"]["param_groups"])
     text = run_cli("inspect", saved / "z2_tied")
     assert "ZeRO-2" in text.output and "lm_head.weight -> model.embed_tokens.weight" in text.output
+    lines = text.output.splitlines()  # the non-tensor items: one line per top-level key
+    tied_items = json.loads(run_cli("inspect", saved / "z2_tied", "--json").stdout)["items"]
+    assert f"  ds_config ({tied_items['ds_config']} items)" in lines and "  ds_version (1 item)" in lines
+    assert f"  optimizer.param_groups ({tied_items['optimizer.param_groups']} items)" in lines
     for layout in [*LAYOUTS, "z2_tied"]:
         result = run_cli("verify", saved / layout)
         assert result.exit_code == 0 and "CRC-32" in result.output, result.output
@@ -316,3 +313,21 @@ def test_verl_rank_state_dicts(fsdp2, tmp_path):
     _fails(["inspect", copy], 3, "which is not allowed")
     _fails(["convert", copy, tmp_path / "never", "--to", "full"], 3, "which is not allowed")
     assert not marker.exists() and not (tmp_path / "never").exists()
+
+
+def test_open_checkpoint_reads_what_zero_to_fp32_gives(saved):
+    """`fsdpkit.open_checkpoint` of ZeRO-3 and ZeRO-2 (frozen and tied parameters): every
+    model tensor, whole and sliced, equals DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint`."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from test_any_checkpoint import assert_reads_like
+
+    import fsdpkit
+
+    for layout in ("z3_bf16", "z2_tied"):  # ZeRO-3 with a frozen parameter, ZeRO-2 with a tied one
+        expected = get_fp32_state_dict_from_zero_checkpoint(str(saved / layout))
+        with fsdpkit.open_checkpoint(saved / layout) as checkpoint:
+            assert checkpoint.format == "deepspeed" and set(checkpoint.model) == set(expected), layout
+            assert_reads_like(checkpoint, expected.__getitem__, sorted(expected))
+            assert checkpoint.get_item("ds_version") == "0.19.8" and checkpoint.get_item("global_steps") == 3
+            groups = checkpoint.get_item("optimizer.param_groups")
+            assert [(g["lr"], g["weight_decay"]) for g in groups] == [(1e-2, 0.1), (1e-2, 0.0)], layout  # the worker's AdamW groups

@@ -38,6 +38,8 @@ CASES = [
     (TRAIN + ("--resume", "corrupt"), 3, "rank-00001-of-00002.safetensors"),
     (TRAIN + ("--init-from", "corrupt"), 3, "rank-00001-of-00002.safetensors"),
     (TRAIN + ("--resume", "good", "--init-from", "good"), 2, "--resume and --init-from exclude each other"),
+    (TRAIN + ("--resume", "dcp"), 2, "--resume dcp is a dcp checkpoint, which records no fsdpkit settings: name its model with --model"),
+    (TRAIN + ("--init-from", "dcp"), 2, "--init-from dcp is a dcp checkpoint, which records no fsdpkit settings: name its model"),
     (TRAIN + ("--keep-last", "2"), 2, "need --save-dir"),
     (TRAIN + ("--global-batch-size", "3"), 2, "--global-batch-size 3 is not divisible by world size 2"),
     (TRAIN + ("--nproc-per-node", "65"), 2, "--nproc-per-node 65 is more than this launcher allows"),
@@ -101,7 +103,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
-    """A working directory with a good and a corrupt checkpoint, an empty directory, a text
+    """A working directory with a good and a corrupt checkpoint, a DCP directory, an empty directory, a text
     file, an existing destination, and a run directory whose lock this process holds."""
     root = tmp_path_factory.mktemp("scratch")
     tensors = {"w": torch.arange(40, dtype=torch.float32), "b": torch.ones(3)}
@@ -111,6 +113,8 @@ def scratch(tmp_path_factory):
     rank_file.write_bytes(rank_file.read_bytes()[:-4])
     (root / "empty").mkdir()
     (root / "existing").mkdir()
+    (root / "dcp").mkdir()
+    (root / "dcp" / ".metadata").write_bytes(b"")  # a DCP directory as far as telling its format goes
     (root / "notes.txt").write_text("hello\n")
     with RunLock.acquire(root / "locked"):
         yield root
@@ -127,7 +131,7 @@ def test_bad_input_is_one_line_the_right_exit_code_and_nothing_written(scratch, 
     assert "Traceback" not in result.output
     assert result.stdout == ""
     assert tree_snapshot(scratch) == before
-    assert sorted(os.listdir(scratch)) == ["corrupt", "empty", "existing", "good", "locked", "notes.txt"]
+    assert sorted(os.listdir(scratch)) == ["corrupt", "dcp", "empty", "existing", "good", "locked", "notes.txt"]
 
 
 def test_the_table_spans_every_command():

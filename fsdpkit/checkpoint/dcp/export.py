@@ -19,8 +19,8 @@ from pathlib import Path
 from ...errors import UsageError
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
 from ..format.files import open_regular, read_exactly
-from ..format.names import MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, split_optim_tensor_name
-from ..format.reader import is_full_checkpoint, open_full, open_sharded
+from ..format.names import MANIFEST_NAME, split_optim_tensor_name
+from ..format.reader import has_optimizer_files, is_full_checkpoint, open_full, open_sharded
 from ..format.storage import staged_output
 from .metadata import DcpMetadata, Location
 from .param_groups import param_group_items
@@ -77,8 +77,7 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], output: Dcp
     """An fsdpkit sharded checkpoint or a full safetensors directory as a DCP checkpoint."""
     path = Path(src)
     if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
-        root = path if path.is_dir() else path.parent
-        full = open_full(path, with_optimizer=(root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists())
+        full = open_full(path, with_optimizer=has_optimizer_files(path))
         report = sources_to_dcp(list(full.tensors), path, Path(dst), aliases=full.aliases, groups=[], output=output)
         return {**report, "from": "safetensors-full"}
     sharded = open_sharded(path)

@@ -2,7 +2,7 @@
 
 inspect: format, serialization, the model / optimizer keys found, every tensor (its key,
 fsdpkit name, dtype, shape, chunks, bytes), the bytes items (listed with their sizes, never
-unpickled), files. verify: every file a regular file holding the byte ranges named, every
+unpickled, and counted by their top-level key: `item_groups`), files. verify: every file a regular file holding the byte ranges named, every
 chunk's record parsed and checked against the declared shape and dtype, each tensor's chunks
 covering it exactly once. DCP stores no checksums: the report says what was not checked.
 """
@@ -66,9 +66,23 @@ def summarize_dcp(path: str | os.PathLike[str], *, model_key: str | None = None,
             "largest": sorted(tensors, key=lambda t: t["bytes"], reverse=True)[:LARGEST],
             "tensors": tensors,
             "bytes_items": [{"key": b.key, "file": b.location.file, "bytes": b.location.length} for b in metadata.bytes_items.values()],
+            "items": item_groups(list(metadata.bytes_items), [*layout.model.values(), *layout.optimizer.values()]),
             "files": [{"name": name, "size": checkpoint.file(name)[1]} for name in metadata.files],
         }
     return summary
+
+
+def item_groups(item_keys: list[str], tensor_keys: list[str]) -> dict[str, int]:
+    """The non-tensor items counted by their top-level key, or, under a key that also holds the
+    model or optimizer tensors, by the shortest dotted prefix that holds none (so
+    `optimizer.param_groups.0.lr` counts under `optimizer.param_groups`). Pure."""
+    holding = {".".join(parts[:end]) for parts in (key.split(".") for key in tensor_keys) for end in range(1, len(parts))}
+    groups: Counter[str] = Counter()
+    for key in item_keys:
+        parts = key.split(".")
+        end = next((end for end in range(1, len(parts)) if ".".join(parts[:end]) not in holding), len(parts))
+        groups[".".join(parts[:end])] += 1
+    return dict(groups)
 
 
 def verify_dcp(path: str | os.PathLike[str]) -> dict:

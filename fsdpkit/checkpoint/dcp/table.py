@@ -18,7 +18,7 @@ from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece, SourceTensor
-from ..format.files import open_regular
+from ..format.files import open_regular, read_exactly
 from ..format.names import Header
 from . import chunkdata
 from .boxes import coverage_problem, flat_runs
@@ -114,6 +114,14 @@ class DcpCheckpoint:
         return chunkdata.safetensors_data(
             path, location.offset, blob, key=tensor.key, dtype=tensor.dtype, shape=chunk.sizes, offsets=chunk.offsets
         )
+
+    def read_bytes_item(self, key: str) -> bytes:
+        """The raw bytes of bytes item `key` (a `torch.save` archive; nothing is unpickled here)."""
+        item = self.metadata.bytes_items.get(key)
+        if item is None:
+            raise UsageError(f"{self.directory}: no bytes item {key!r}")
+        fd, _ = self.file(item.location.file)
+        return read_exactly(fd, item.location.length, item.location.offset, self.directory / item.location.file)
 
     @property
     def serializations(self) -> list[str]:

@@ -21,6 +21,7 @@ from ..format.bytecopy import SourceTensor
 from .table import FORMAT, open_deepspeed
 
 LARGEST = 5
+PARAM_GROUPS_ITEM = "optimizer.param_groups"  # the optimizer's hyperparameters, one item per group setting
 
 
 def _count_items(value: Any) -> int:
@@ -67,7 +68,7 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> dict:
             "dtypes": dict(Counter(s.dtype for s in checkpoint.sources)),
             "largest": sorted(model, key=lambda t: t["bytes"], reverse=True)[:LARGEST],
             "tensors": model + [_tensor(s) for s in optim],
-            "items": {key: _count_items(value) for key, value in checkpoint.items.items()},
+            "items": {key: _count_items(value) for key, value in {**checkpoint.items, PARAM_GROUPS_ITEM: checkpoint.param_groups}.items()},
             "files": [{"name": rf.path.name, "size": rf.size} for rf in checkpoint.opened],
         }
 

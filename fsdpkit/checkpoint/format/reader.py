@@ -12,7 +12,7 @@ Sharded, v2: each rank file's size and whole header are derived from the manifes
 (`placement.ShardLayout`); the file must have exactly that size and that header, except the crc32
 hex digits in its `__metadata__`, which give each fragment's checksum. v1: the manifest lists
 files, sizes and fragments; headers are parsed and checked against the listing.
-`open_checkpoint(path)` validates files as they are first touched (a loading rank touches
+`open_sharded_lazily(path)` validates files as they are first touched (a loading rank touches
 only the files its chunk overlaps); `open_sharded(path)` validates every file first (the
 offline commands). `ShardedCheckpoint.source(name)` gives the pieces of a tensor, computed on
 demand, so memory does not grow with world size x tensors.
@@ -39,7 +39,7 @@ import re
 import struct
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...dtypes import dtype_info
@@ -343,7 +343,7 @@ class _Source(SourceTensor):
         return self._checkpoint.pieces(self._index, wanted) if wanted.size else []
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> ShardedCheckpoint:
+def open_sharded_lazily(path: str | os.PathLike[str]) -> ShardedCheckpoint:
     """A sharded checkpoint (run dir, following `latest`, or step dir) with a validated manifest;
     files are validated as they are first touched."""
     step_dir = resolve_checkpoint(path)
@@ -352,7 +352,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> ShardedCheckpoint:
 
 def open_sharded(path: str | os.PathLike[str]) -> ShardedCheckpoint:
     """The same, with every file validated first."""
-    checkpoint = open_checkpoint(path)
+    checkpoint = open_sharded_lazily(path)
     problems = checkpoint.check_files()
     if problems:
         more = f" (and {len(problems) - 1} more problems; run fsdpkit verify)" if len(problems) > 1 else ""
@@ -368,6 +368,7 @@ class FullCheckpoint:
     tensors: tuple[SourceTensor, ...]
     aliases: dict[str, str]
     layout: ExportLayout | None = None  # names/orientation were changed on export (export.py): how to undo it
+    metadata: dict[str, str] = field(default_factory=dict)  # the files' `__metadata__`, merged
 
 
 def is_full_checkpoint(path: Path) -> bool:
@@ -376,6 +377,13 @@ def is_full_checkpoint(path: Path) -> bool:
     return (not path.is_dir() and path.suffix in (".safetensors", ".json") and path.exists()) or (
         path.is_dir() and ((path / MODEL_SINGLE).exists() or (path / MODEL_INDEX).exists())
     )
+
+
+def has_optimizer_files(path: Path) -> bool:
+    """A full checkpoint (its directory, or a file in it) written with its optimizer state
+    (`optimizer.safetensors` or its index beside the model's)."""
+    root = path if path.is_dir() else path.parent
+    return (root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists()
 
 
 def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> FullCheckpoint:
@@ -402,8 +410,10 @@ def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> 
     aliases: dict[str, str] = {}
     seen: dict[str, Path] = {}  # tensor name -> the file holding it
     layout: ExportLayout | None = None
+    metadata: dict[str, str] = {}
     for file in files:
         header = read_header(file)
+        metadata.update(header.metadata)
         aliases.update(_tied(header))
         layout = layout or layout_of(header.metadata, where=str(file))
         for name, info in header.tensors.items():
@@ -419,7 +429,7 @@ def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> 
                 name,
             )
             tensors.append(SourceTensor(name, info.shape, info.dtype, (piece,) if info.nbytes else ()))
-    return FullCheckpoint(root, tuple(files), tuple(tensors), aliases, layout)
+    return FullCheckpoint(root, tuple(files), tuple(tensors), aliases, layout, metadata)
 
 
 def _index_files(index_path: Path) -> list[Path]:

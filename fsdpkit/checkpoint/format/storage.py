@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ...errors import DataCheckError, RunError, UsageError
-from ...paths import nearest_existing, unwritable_parent
+from ...paths import file_in_the_way, nearest_existing, unwritable_parent
 from ...sizes import format_size
 from .manifest import Manifest, load_manifest, save_manifest
 from .names import (
@@ -329,6 +329,8 @@ def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_b
     parent = dst.absolute().parent
     token = uuid.uuid4().hex[:8]
     tmp = parent / f"{TMP_PREFIX}{dst.name}-{token}"
+    if (blocker := file_in_the_way(parent)) is not None:
+        raise UsageError(f"destination {dst} cannot be created: {blocker} is a file, not a directory; nothing written")
     if (unwritable := unwritable_parent(parent)) is not None:
         raise UsageError(read_only_line(Path(unwritable)))
     try:

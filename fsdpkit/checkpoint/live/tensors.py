@@ -18,7 +18,7 @@ from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.manifest import Manifest
 from ..format.placement import TensorSpec
-from ..format.reader import FullCheckpoint, open_checkpoint, open_full, open_sharded
+from ..format.reader import FullCheckpoint, open_full, open_sharded, open_sharded_lazily
 
 
 def safetensors_dtype(dtype: torch.dtype) -> str:
@@ -96,7 +96,7 @@ class CheckpointReader(TensorReader):
     rank reads only the files its chunk overlaps; otherwise every file is validated first."""
 
     def __init__(self, path: str | os.PathLike, *, validate_all: bool = True):
-        self.checkpoint = open_sharded(path) if validate_all else open_checkpoint(path)
+        self.checkpoint = open_sharded(path) if validate_all else open_sharded_lazily(path)
         super().__init__(self.checkpoint.sources(), self.checkpoint.manifest.aliases)
 
     @property

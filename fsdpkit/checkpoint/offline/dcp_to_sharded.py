@@ -24,7 +24,6 @@ from ..dcp.param_groups import read_param_groups
 from ..dcp.table import DcpCheckpoint, open_dcp
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.export import EXPORT_STATE_KEY, HfExport
-from ..format.files import read_exactly
 from ..format.names import split_optim_tensor_name
 from ..format.placement import Placement
 from ..format.storage import staged_output
@@ -55,14 +54,7 @@ def _renamed(source: SourceTensor, name: str) -> SourceTensor:
 
 def dcp_param_groups(checkpoint: DcpCheckpoint, optimizer_key: str | None, aliases: dict[str, str]) -> list[dict]:
     """The checkpoint's param groups, the tied aliases among their fqns named canonically."""
-    items = checkpoint.metadata.bytes_items
-
-    def read(key: str) -> bytes:
-        location = items[key].location
-        fd, _ = checkpoint.file(location.file)
-        return read_exactly(fd, location.length, location.offset, checkpoint.directory / location.file)
-
-    groups = read_param_groups(list(items), read, optimizer_key=optimizer_key or "")
+    groups = read_param_groups(list(checkpoint.metadata.bytes_items), checkpoint.read_bytes_item, optimizer_key=optimizer_key or "")
     for group in groups:
         group["params"] = list(dict.fromkeys(aliases.get(name, name) for name in group["params"]))
     return groups

@@ -28,10 +28,11 @@ from ...errors import DataCheckError
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE
 from ..format.crc import crc32
 from ..format.manifest import load_manifest
-from ..format.names import FORMAT_NAME, MANIFEST_NAME, OPTIM_INDEX, OPTIM_SINGLE, is_optimizer_tensor, numel
+from ..format.names import FORMAT_NAME, is_optimizer_tensor, numel
 from ..format.placement import FileLayout
-from ..format.reader import RankFile, ShardedCheckpoint, is_full_checkpoint, open_full, open_sharded, v2_crcs
+from ..format.reader import RankFile, ShardedCheckpoint, has_optimizer_files, open_full, open_sharded, v2_crcs
 from ..format.storage import resolve_checkpoint
+from .any_checkpoint import FULL, detect_format
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
 PROGRESS_BYTES = 8 * 1024 * 1024
@@ -41,7 +42,7 @@ def verify_checkpoint(
     path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, progress: Callable[[int, int], None] | None = None
 ) -> dict:
     path = Path(path)
-    if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
+    if path.exists() and detect_format(path) == FULL:
         return _verify_full(path)
     report: dict[str, Any] = {"path": str(path), "kind": "sharded", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
     try:
@@ -129,16 +130,10 @@ def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Calla
     return problems
 
 
-def _has_optimizer_files(path: Path) -> bool:
-    """A full export written with its optimizer state (convert --with-optimizer)."""
-    root = path if path.is_dir() else path.parent
-    return (root / OPTIM_SINGLE).exists() or (root / OPTIM_INDEX).exists()
-
-
 def _verify_full(path: Path) -> dict:
     report: dict[str, Any] = {"path": str(path), "kind": "full", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
     try:
-        full = open_full(path, with_optimizer=_has_optimizer_files(path))
+        full = open_full(path, with_optimizer=has_optimizer_files(path))
     except DataCheckError as error:
         report["problems"].append(str(error))
         return report
@@ -166,8 +161,8 @@ def _tensor_stats(items: list[tuple[str, str, tuple[int, ...]]]) -> dict:
 
 def summarize(path: str | Path) -> dict:
     path = Path(path)
-    if path.exists() and is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
-        full = open_full(path, with_optimizer=_has_optimizer_files(path))
+    if path.exists() and detect_format(path) == FULL:
+        full = open_full(path, with_optimizer=has_optimizer_files(path))
         summary: dict[str, Any] = {
             "path": str(path),
             "format": "safetensors-full",

@@ -1,0 +1,307 @@
+"""One Python reader for every checkpoint format the offline commands read, the way
+`safetensors.safe_open` reads one file: `fsdpkit.open_checkpoint(path)`.
+
+    with fsdpkit.open_checkpoint("run") as checkpoint:      # fsdpkit, full safetensors, DCP, DeepSpeed, per-rank torch.save
+        checkpoint.format                       # "fsdpkit-checkpoint", "safetensors-full", "dcp", "deepspeed", "torch-save-ranks"
+        for name in checkpoint.keys():
+            checkpoint.shape(name), checkpoint.dtype(name)  # (768, 3072), "F32"
+        weight = checkpoint.get_tensor("blocks.0.mlp.c_fc.weight")
+        rows = checkpoint.get_slice("wte.weight")[1000:1010]  # only those rows' bytes are read
+        checkpoint.item_keys(), checkpoint.get_item("step")  # the non-tensor items
+
+It puts one face on the format readers (`format.reader` for fsdpkit and full checkpoints,
+`dcp.table`, `deepspeed.table`, `torchsave.table`), which stay the only readers of their formats. The names are
+the ones `diff` compares: the model's names and `optim.<state>.<param>` (a DCP checkpoint's
+other tensors under their DCP keys; a full checkpoint's as stored); tied aliases are names too.
+Bytes are read through the byte engine: a slice reads the byte runs it covers, except that a
+checksummed fragment (fsdpkit sharded) is read whole, once, the first time any of it is wanted,
+so that its crc32 is checked. Non-tensor items: an fsdpkit checkpoint's training state (top-level
+keys), a full checkpoint's `__metadata__`, a DCP checkpoint's bytes items (plain values only:
+one that names a class is refused, never unpickled), a DeepSpeed model file's top-level
+non-tensor entries and `optimizer.param_groups`.
+
+torch is imported by `get_tensor` and `get_slice` only; the offline commands use the tensor
+table (`sources`) and never import it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...dtypes import dtype_info
+from ...errors import UsageError
+from ...flat_layout import ElementRange
+from ..dcp.boxes import flat_runs
+from ..format.bytecopy import ByteEngine, SourceTensor
+from ..format.export import ExportLayout
+from ..format.names import MANIFEST_NAME
+
+if TYPE_CHECKING:
+    import torch
+
+SHARDED, FULL, DCP, DEEPSPEED, TORCH_SAVE = "fsdpkit-checkpoint", "safetensors-full", "dcp", "deepspeed", "torch-save-ranks"
+
+
+@dataclass
+class AnyCheckpoint:
+    """A checkpoint of any format as named tensors and non-tensor items (see the module docstring)."""
+
+    path: str
+    format: str
+    model: dict[str, SourceTensor]  # tied aliases included
+    optimizer: dict[str, SourceTensor]
+    other: dict[str, SourceTensor] = field(default_factory=dict)  # DCP tensors neither model nor optimizer
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> the stored name
+    export_layout: ExportLayout | None = None  # a full export whose names/orientation differ from the model's
+    items: dict[str, Callable[[], Any]] = field(default_factory=dict)  # non-tensor item -> its reader
+    _close: Callable[[], None] = lambda: None
+    _engine: ByteEngine | None = None
+
+    _sources: dict[str, SourceTensor] = field(default_factory=dict)
+
+    @property
+    def sources(self) -> dict[str, SourceTensor]:
+        """Every tensor by name: model, optimizer state, then the rest."""
+        if not self._sources:
+            self._sources = {**self.model, **self.optimizer, **self.other}
+        return self._sources
+
+    def keys(self) -> list[str]:
+        return list(self.sources)
+
+    def source(self, name: str) -> SourceTensor:
+        found = self.sources.get(name)
+        if found is None:
+            raise UsageError(f"{self.path}: no tensor {name!r} (it holds {len(self.sources)}: {', '.join(list(self.sources)[:3])} ...)")
+        return found
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.source(name).shape)
+
+    def dtype(self, name: str) -> str:
+        """The safetensors spelling (F32, BF16...)."""
+        return self.source(name).dtype
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.get_slice(name)[()]
+
+    def get_slice(self, name: str) -> TensorSlice:
+        return TensorSlice(self, self.source(name))
+
+    def item_keys(self) -> list[str]:
+        return list(self.items)
+
+    def get_item(self, key: str) -> Any:
+        reader = self.items.get(key)
+        if reader is None:
+            raise UsageError(f"{self.path}: no non-tensor item {key!r}")
+        return reader()
+
+    def read_into(self, source: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
+        if self._engine is None:
+            self._engine = ByteEngine()
+        self._engine.read_into(source, wanted, out)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        self._close()
+
+    def __enter__(self) -> AnyCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TensorSlice:
+    """`checkpoint.get_slice(name)`: `get_shape()`, `get_dtype()`, and `[index]` reading only the
+    elements the index covers. An index is a tuple of ints and slices over the leading
+    dimensions; a slice with a step reads the span from its start to its stop."""
+
+    def __init__(self, checkpoint: AnyCheckpoint, source: SourceTensor):
+        self._checkpoint, self._source = checkpoint, source
+
+    def get_shape(self) -> list[int]:
+        return list(self._source.shape)
+
+    def get_dtype(self) -> str:
+        return self._source.dtype
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        import torch
+
+        shape = tuple(self._source.shape)
+        offsets, sizes, picks = box_of(index, shape)
+        itemsize = dtype_info(self._source.dtype).itemsize
+        data = bytearray(max(1, _count(sizes)) * itemsize)
+        view = memoryview(data)
+        for first, count, within in flat_runs(shape, offsets, sizes) if shape else [(0, 1, 0)]:
+            out = view[within * itemsize : (within + count) * itemsize]
+            self._checkpoint.read_into(self._source, ElementRange(first, first + count), out)
+        flat = torch.frombuffer(data, dtype=dtype_info(self._source.dtype).torch)[: _count(sizes)]
+        box = flat.reshape(sizes)
+        return box if all(pick == slice(None) for pick in picks) else box[picks].clone()
+
+
+def _count(sizes: tuple[int, ...]) -> int:
+    total = 1
+    for size in sizes:
+        total *= size
+    return total
+
+
+def box_of(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
+    """(offsets, sizes) of the box an index covers, and what picks the index's elements from
+    that box (steps, and the dimensions an int drops). Pure arithmetic."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if len(parts) > len(shape):
+        raise IndexError(f"{len(parts)} indices for a tensor of {len(shape)} dimensions {list(shape)}")
+    offsets: list[int] = []
+    sizes: list[int] = []
+    picks: list[Any] = []
+    for dim, extent in enumerate(shape):
+        part = parts[dim] if dim < len(parts) else slice(None)
+        if isinstance(part, slice):
+            start, stop, step = part.indices(extent)
+            if step < 1:
+                raise IndexError(f"dimension {dim}: a slice step must be positive, got {step}")
+            offsets.append(start)
+            sizes.append(max(0, stop - start))
+            picks.append(slice(None, None, step) if step > 1 else slice(None))
+        elif isinstance(part, int) and not isinstance(part, bool):
+            at = part + extent if part < 0 else part
+            if not 0 <= at < extent:
+                raise IndexError(f"index {part} is out of range for dimension {dim} of size {extent}")
+            offsets.append(at)
+            sizes.append(1)
+            picks.append(0)
+        else:
+            raise IndexError(f"dimension {dim}: index with ints and slices, got {part!r}")
+    return tuple(offsets), tuple(sizes), tuple(picks)
+
+
+def detect_format(path: Path) -> str:
+    """Which format the checkpoint at `path` is in (its reader says what is wrong with it)."""
+    from ..dcp.metadata import is_dcp_checkpoint
+    from ..deepspeed.files import is_deepspeed_checkpoint
+    from ..format.reader import is_full_checkpoint
+    from ..torchsave.table import is_torchsave_checkpoint
+
+    if is_dcp_checkpoint(path):
+        return DCP
+    if is_deepspeed_checkpoint(path):
+        return DEEPSPEED
+    if is_torchsave_checkpoint(path):
+        return TORCH_SAVE
+    if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
+        return FULL
+    return SHARDED
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> AnyCheckpoint:
+    """The checkpoint at `path` in any format (`model_key`, `optimizer_key`: a DCP checkpoint's
+    top-level keys of the model and the optimizer state, found by themselves when not given;
+    other formats ignore them)."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{path}: does not exist")
+    openers = {DCP: _open_dcp, DEEPSPEED: _open_deepspeed, TORCH_SAVE: _open_torch_save, FULL: _open_full, SHARDED: _open_sharded}
+    opener = openers[detect_format(path)]
+    return opener(path, model_key, optimizer_key)
+
+
+def _open_torch_save(path: Path, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
+    from ..torchsave.table import open_rank_state_dicts
+
+    checkpoint = open_rank_state_dicts(path)
+    model = {t.name: t for t in checkpoint.model}
+    return AnyCheckpoint(str(checkpoint.directory), TORCH_SAVE, model, {}, _close=checkpoint.close)
+
+
+def _with_aliases(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> dict[str, SourceTensor]:
+    """Tied weights under every name (a DCP checkpoint stores each name)."""
+    for alias, stored in aliases.items():
+        if alias not in tensors and stored in tensors:
+            tensors[alias] = tensors[stored]
+    return tensors
+
+
+def _split(tensors: list[SourceTensor], aliases: dict[str, str]) -> tuple[dict[str, SourceTensor], dict[str, SourceTensor]]:
+    from ..format.names import is_optimizer_tensor
+
+    model = {t.name: t for t in tensors if not is_optimizer_tensor(t.name)}
+    optimizer = {t.name: t for t in tensors if is_optimizer_tensor(t.name)}
+    return _with_aliases(model, aliases), optimizer
+
+
+def _value(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def _open_sharded(path: Path, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
+    from ..format.reader import open_sharded
+
+    sharded = open_sharded(path)
+    model, optimizer = _split(sharded.sources(), sharded.manifest.aliases)
+    items = {key: _value(value) for key, value in sharded.manifest.training_state.items()}
+    return AnyCheckpoint(str(sharded.step_dir), SHARDED, model, optimizer, aliases=dict(sharded.manifest.aliases), items=items)
+
+
+def _open_full(path: Path, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
+    from ..format.reader import has_optimizer_files, open_full
+
+    full = open_full(path, with_optimizer=path.is_dir() and has_optimizer_files(path))
+    model, optimizer = _split(list(full.tensors), full.aliases)
+    items = {key: _value(value) for key, value in full.metadata.items()}
+    return AnyCheckpoint(str(path), FULL, model, optimizer, aliases=dict(full.aliases), export_layout=full.layout, items=items)
+
+
+def _open_dcp(path: Path, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
+    from ..dcp.layout import detect_layout, layout_sources
+    from ..dcp.param_groups import plain_value
+    from ..dcp.table import open_dcp
+
+    checkpoint = open_dcp(path)
+    try:
+        layout = detect_layout(checkpoint.metadata, model_key=model_key, optimizer_key=optimizer_key)
+        model, optimizer = layout_sources(checkpoint, layout)
+        other = {key: checkpoint.source(key) for key in layout.other}
+    except BaseException:
+        checkpoint.close()
+        raise
+
+    def item(key: str) -> Callable[[], Any]:
+        return lambda: plain_value(checkpoint.read_bytes_item(key), where=f"{path}: bytes item {key!r}")
+
+    return AnyCheckpoint(
+        str(path),
+        DCP,
+        {t.name: t for t in model},
+        {t.name: t for t in optimizer},
+        other,
+        items={key: item(key) for key in checkpoint.metadata.bytes_items},
+        _close=checkpoint.close,
+    )
+
+
+def _open_deepspeed(path: Path, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
+    from ..deepspeed.table import open_deepspeed
+
+    checkpoint = open_deepspeed(path)
+    items = {key: _value(value) for key, value in checkpoint.items.items()}
+    items["optimizer.param_groups"] = _value(checkpoint.param_groups)
+    return AnyCheckpoint(
+        str(checkpoint.directory),
+        DEEPSPEED,
+        _with_aliases({t.name: t for t in checkpoint.model}, checkpoint.aliases),
+        {t.name: t for t in checkpoint.optimizer},
+        aliases=dict(checkpoint.aliases),
+        items=items,
+        _close=checkpoint.close,
+    )

@@ -1,0 +1,86 @@
+"""`--resume DIR` and `--init-from DIR` of a checkpoint in another format: torch DCP, DeepSpeed
+ZeRO, or (for --resume) full safetensors.
+
+Before launch, the checkpoint is converted, as `fsdpkit convert --to sharded --world-size W
+--model NAME` converts it, into an fsdpkit checkpoint for the run's world size: the model's
+weights and, when the source holds it, the optimizer state (AdamW's moments and step, the
+param groups) and the step. The run then resumes (or starts) from that checkpoint, which lives
+in a hidden directory of the `--save-dir` (of the system's temporary directory without one)
+and is removed when the run ends. Such a checkpoint records no fsdpkit settings, so `--model`
+must name the model; the other settings are the flags'. A full checkpoint is read directly by
+--init-from; its optimizer files come with a --resume when they are there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from .. import log
+from ..checkpoint.format.reader import has_optimizer_files
+from ..checkpoint.offline.any_checkpoint import FULL, SHARDED, detect_format
+from ..errors import UsageError
+from ..paths import check_writable_directory
+from .config import TrainConfig
+
+HOLDER_PREFIX = ".fsdpkit-converted-"
+
+
+def foreign_format(path: str | None, *, init_from: bool = False) -> str | None:
+    """The format of `path` when the run must convert it first (None: read it as it is)."""
+    if not path or not Path(path).exists():
+        return None  # the reader says what is wrong
+    found = detect_format(Path(path))
+    return None if found == SHARDED or (init_from and found == FULL) else found
+
+
+def check_model_named(path: str, explicit_model: str | None, flag: str) -> None:
+    """A converted checkpoint records no settings: --model must name its model."""
+    found = foreign_format(path, init_from=flag == "--init-from")
+    if found is not None and not explicit_model:
+        raise UsageError(f"{flag} {path} is a {found} checkpoint, which records no fsdpkit settings: name its model with --model")
+
+
+@contextlib.contextmanager
+def converted(config: TrainConfig, world_size: int) -> Iterator[TrainConfig]:
+    """`config`, its --resume or --init-from pointing at an fsdpkit checkpoint converted for
+    `world_size` ranks when it named another format (removed on leaving)."""
+    checkpoint = config.checkpoint
+    field = "resume" if checkpoint.resume else "init_from"
+    source = checkpoint.resume or checkpoint.init_from
+    found = foreign_format(source, init_from=field == "init_from")
+    if source is None or found is None:
+        yield config
+        return
+    holder = Path(tempfile.mkdtemp(prefix=HOLDER_PREFIX, dir=_holder_parent(checkpoint.save_dir)))
+    try:
+        target = holder / "checkpoint"
+        log.note(f"converting the {found} checkpoint {source} for {world_size} ranks of {config.model.name} into {target}")
+        _convert(Path(source), target, found, config.model.name, world_size)
+        if field == "resume":
+            local = dataclasses.replace(checkpoint, resume=str(target))
+        else:
+            local = dataclasses.replace(checkpoint, init_from=str(target))
+        yield dataclasses.replace(config, checkpoint=local)
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
+
+
+def _holder_parent(save_dir: str | None) -> str | None:
+    if save_dir is None:
+        return None
+    check_writable_directory(save_dir, "--save-dir")
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    return save_dir
+
+
+def _convert(source: Path, target: Path, found: str, model: str, world_size: int) -> None:
+    from ..checkpoint.offline.converters import convert
+    from ..checkpoint.offline.routes import ConvertRequest
+
+    with_optimizer = found == FULL and source.is_dir() and has_optimizer_files(source)
+    convert(source, target, ConvertRequest(to="sharded", world_size=world_size, model=model, with_optimizer=with_optimizer))
