@@ -29,8 +29,10 @@ $(STAMP): pyproject.toml Makefile
 train: install
 	$(VENV)/bin/fsdpkit train --nproc-per-node 2 --steps 500 --global-batch-size 16 --seq-len 128 --eval-every 100 --lr-schedule cosine --warmup-steps 20
 
+# Two pytest workers (pytest-xdist), each taking whole files, so a module's shared launches stay
+# in one process: on 2 cores the launches' waits (rendezvous, timeouts) overlap the other's work.
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # ruff (lint rules and format check, settings in pyproject.toml), mypy on fsdpkit/, then vulture
 # for dead code (vulture_whitelist.py: the names only a caller's signature uses).
