@@ -22,21 +22,27 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 INTERRUPTED_EXIT_CODE = 130
+SHUTDOWN_SECONDS = 5  # a killed child is waited for this long
 
 
 @contextlib.contextmanager
 def sigint_blocked_while_spawning() -> Iterator[None]:
     """Every process that multiprocessing's spawn starts meanwhile starts with SIGINT blocked;
-    this process takes SIGINT as before, once the child is started."""
+    this process takes SIGINT as before, once the child is started. On the way out, a child
+    still alive is killed: one the launcher was still starting when it was interrupted is not
+    among the workers it stops, and would fail noisily once this process is gone (the
+    semaphores it is handed are removed with it)."""
     from multiprocessing import popen_spawn_posix
 
     spawn = popen_spawn_posix.Popen._launch  # type: ignore[attr-defined]  # the one place a child is exec'd
+    started: list[Any] = []
 
     def spawn_blocked(self: Any, process_obj: Any) -> Any:
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             return spawn(self, process_obj)
         finally:
+            started.append(self)
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     popen_spawn_posix.Popen._launch = spawn_blocked  # type: ignore[attr-defined]
@@ -44,6 +50,10 @@ def sigint_blocked_while_spawning() -> Iterator[None]:
         yield
     finally:
         popen_spawn_posix.Popen._launch = spawn  # type: ignore[attr-defined]
+        for child in started:
+            if getattr(child, "pid", None) is not None and child.poll() is None:
+                child.kill()
+                child.wait(timeout=SHUTDOWN_SECONDS)
 
 
 def _interrupt_once(signum: int, frame: Any) -> None:

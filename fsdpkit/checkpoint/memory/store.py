@@ -158,10 +158,15 @@ class SnapshotStore:
     def _header_path(self, step: int, rank: int, world_size: int) -> Path:
         return self.step_dir(step) / (rank_file_name(rank, world_size) + HEADER_SUFFIX)
 
-    def drop(self, step: int, rank: int, world_size: int) -> None:
-        """Remove one rank file of a step (header first), and the step when nothing is left."""
+    def discard(self, step: int, rank: int, world_size: int) -> None:
+        """Remove one rank file of a step (header first); the step stays, for the other ranks of
+        this node that may be writing theirs into it."""
         self._header_path(step, rank, world_size).unlink(missing_ok=True)
         (self.step_dir(step) / rank_file_name(rank, world_size)).unlink(missing_ok=True)
+
+    def drop(self, step: int, rank: int, world_size: int) -> None:
+        """Remove one rank file of a finished step, and the step when nothing is left."""
+        self.discard(step, rank, world_size)
         if not self.files(step):  # another rank of this node may be removing it too
             shutil.rmtree(self.step_dir(step), ignore_errors=True)
 

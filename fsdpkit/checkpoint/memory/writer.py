@@ -131,7 +131,7 @@ class SnapshotWriter:
                 header = self.store.finish(step, self.shard_rank, self.shard_factor)
             except OSError as error:
                 self.failed = True
-                self.store.drop(step, self.shard_rank, self.shard_factor)
+                self.store.discard(step, self.shard_rank, self.shard_factor)  # not the step: others write into it
                 self.warn(
                     f"snapshot of step {step} not taken ({error.strerror or error}); this rank takes no more, checkpoints on disk only"
                 )
