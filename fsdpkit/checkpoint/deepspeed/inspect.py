@@ -18,6 +18,7 @@ from typing import Any
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import SourceTensor
+from .rankfile import crc_problems_of
 from .table import FORMAT, open_deepspeed
 
 LARGEST = 5
@@ -99,11 +100,8 @@ def verify_deepspeed(path: str | os.PathLike[str]) -> dict:
         return report
     with checkpoint:
         problems = coverage_problems(checkpoint.directory, checkpoint.sources)
-        storages = 0
-        for rank_file in checkpoint.opened:
-            checked, found = rank_file.crc_problems()
-            storages += checked
-            problems.extend(found)
+        storages, found = crc_problems_of(checkpoint.opened)
+        problems.extend(found)
         report.update(
             ok=not problems,
             problems=problems,

@@ -130,3 +130,13 @@ def _require_contiguous(record: u.TensorRecord, where: str) -> None:
     dims = [(s, e) for s, e, d in zip(record.stride, reversed(expected), record.shape, strict=True) if d > 1]
     if any(s != e for s, e in dims):
         raise DataCheckError(f"{where}: tensor is not contiguous (stride {list(record.stride)}), which fsdpkit does not read")
+
+
+def crc_problems_of(rank_files: list[RankFile]) -> tuple[int, list[str]]:
+    """(storages checked against their zip's CRC-32, one line per mismatch) over `rank_files`."""
+    checked, problems = 0, []
+    for rank_file in rank_files:
+        count, found = rank_file.crc_problems()
+        checked += count
+        problems.extend(found)
+    return checked, problems

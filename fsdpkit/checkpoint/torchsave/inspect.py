@@ -9,6 +9,7 @@ from typing import Any
 
 from ...errors import DataCheckError
 from ..deepspeed.inspect import coverage_problems
+from ..deepspeed.rankfile import crc_problems_of
 from .table import FORMAT, open_rank_state_dicts
 
 LARGEST = 5
@@ -41,11 +42,8 @@ def verify_torchsave(path: str | os.PathLike[str]) -> dict:
         return report
     with checkpoint:
         problems = coverage_problems(checkpoint.directory, checkpoint.model)
-        storages = 0
-        for rank_file in checkpoint.opened:
-            checked, found = rank_file.crc_problems()
-            storages += checked
-            problems.extend(found)
+        storages, found = crc_problems_of(checkpoint.opened)
+        problems.extend(found)
         report.update(
             ok=not problems,
             problems=problems,
