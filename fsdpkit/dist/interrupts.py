@@ -1,23 +1,24 @@
 """Ctrl-C in a launched run, quiet in every worker at every moment.
 
-A terminal's Ctrl-C reaches the launcher and all its workers (one process group), and the
-launcher passes SIGINT on as well. A worker that gets it while Python is still starting (the
-spawn bootstrap imports torch before any code of ours runs) would print a traceback, and one
-that gets a second SIGINT while exiting would print another. So the launcher starts each
-worker with SIGINT blocked (`sigint_blocked_while_spawning`: a blocked signal stays blocked
-across fork and exec, and one sent meanwhile stays pending), and the worker's first code
-(`QuietlyInterruptible`) installs a handler that raises KeyboardInterrupt once and ignores the
-rest, then unblocks. An interrupted worker leaves with os._exit: interpreter shutdown with
-live communication threads may abort, and atexit hooks would see a second interrupt.
+A terminal's Ctrl-C reaches the launcher, the fork server and all the workers (one process
+group), and the launcher passes SIGINT on as well. A worker that gets it while Python is still
+starting it, or a fork server that gets it while importing torch, would print a traceback, and
+a worker that gets a second SIGINT while exiting would print another. So the fork server is
+started with SIGINT blocked (`sigint_blocked_in_new_workers`: a blocked signal stays blocked
+across fork and exec, and one sent meanwhile stays pending), every worker forked from it starts
+so too, and the worker's first code (`run_quietly_interruptible`) installs a handler that
+raises KeyboardInterrupt once and ignores the rest, then unblocks. An interrupted worker leaves
+with os._exit: interpreter shutdown with live communication threads may abort, and atexit hooks
+would see a second interrupt.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,34 +27,58 @@ SHUTDOWN_SECONDS = 5  # a killed child is waited for this long
 
 
 @contextlib.contextmanager
-def sigint_blocked_while_spawning() -> Iterator[None]:
-    """Every process that multiprocessing's spawn starts meanwhile starts with SIGINT blocked;
-    this process takes SIGINT as before, once the child is started. On the way out, a child
-    still alive is killed: one the launcher was still starting when it was interrupted is not
-    among the workers it stops, and would fail noisily once this process is gone (the
-    semaphores it is handed are removed with it)."""
-    from multiprocessing import popen_spawn_posix
+def sigint_blocked_in_new_workers() -> Iterator[None]:
+    """Every worker multiprocessing's forkserver starts meanwhile, and the server itself if it
+    starts meanwhile, starts with SIGINT blocked. This process handles SIGINT and SIGTERM once
+    the worker is started: a handler that raised while the server was still forking it would
+    leave a worker nobody knows of, which fails noisily once this process is gone (the
+    semaphores it is handed are removed with it). For the same reason, on the way out, a worker
+    still alive is killed: the launcher does not stop one it was still starting when
+    interrupted."""
+    from multiprocessing import popen_forkserver
 
-    spawn = popen_spawn_posix.Popen._launch  # type: ignore[attr-defined]  # the one place a child is exec'd
+    start = popen_forkserver.Popen._launch  # type: ignore[attr-defined]  # the one place a worker is started
     started: list[Any] = []
 
-    def spawn_blocked(self: Any, process_obj: Any) -> Any:
+    def start_blocked(self: Any, process_obj: Any) -> Any:
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            return spawn(self, process_obj)
+            with _handlers_deferred((signal.SIGINT, signal.SIGTERM)):
+                try:
+                    return start(self, process_obj)
+                finally:
+                    started.append(self)
         finally:
-            started.append(self)
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
-    popen_spawn_posix.Popen._launch = spawn_blocked  # type: ignore[attr-defined]
+    popen_forkserver.Popen._launch = start_blocked  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        popen_spawn_posix.Popen._launch = spawn  # type: ignore[attr-defined]
+        popen_forkserver.Popen._launch = start  # type: ignore[attr-defined]
         for child in started:
             if getattr(child, "pid", None) is not None and child.poll() is None:
                 child.kill()
                 child.wait(timeout=SHUTDOWN_SECONDS)
+
+
+@contextlib.contextmanager
+def _handlers_deferred(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
+    """The signals of `signals` that arrive meanwhile are raised again once the block is over, to
+    their handlers as they were. Blocking a signal does not defer its Python handler: another
+    thread of this process takes the signal, and Python runs the handler in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for signum in arrived:
+            signal.raise_signal(signum)
 
 
 def _interrupt_once(signum: int, frame: Any) -> None:
@@ -61,20 +86,14 @@ def _interrupt_once(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-class QuietlyInterruptible:
-    """`fn` as a worker's entry point (picklable when `fn` is a module-level function): SIGINT
-    raises KeyboardInterrupt once, and an interrupted worker exits 130 with nothing printed."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-        functools.update_wrapper(self, fn)  # the elastic launcher names and wraps its entry point by these
-
-    def __call__(self, *args: Any) -> Any:
-        try:
-            signal.signal(signal.SIGINT, _interrupt_once)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-            return self.fn(*args)
-        except KeyboardInterrupt:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(INTERRUPTED_EXIT_CODE)
+def run_quietly_interruptible(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """fn(*args), where SIGINT raises KeyboardInterrupt once, and an interrupted worker exits 130
+    with nothing printed."""
+    try:
+        signal.signal(signal.SIGINT, _interrupt_once)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        return fn(*args)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED_EXIT_CODE)

@@ -84,11 +84,30 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 
 def workers(launcher: int) -> list[int]:
-    """The launcher's worker processes (spawned children, not its resource tracker)."""
-    pids = []
-    for task in Path(f"/proc/{launcher}/task").iterdir():
-        pids += [int(p) for p in (task / "children").read_text().split()]
-    return [p for p in pids if "resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    """The launcher's worker processes: the children of its fork server (not its resource
+    tracker)."""
+    found = []
+    for pid in _children(launcher):
+        command = _command_line(pid)
+        if "multiprocessing.forkserver" in command:
+            found += _children(pid)
+        elif "resource_tracker" not in command:
+            found.append(pid)
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for task in Path(f"/proc/{pid}/task").iterdir() for p in (task / "children").read_text().split()]
+    except OSError:  # gone meanwhile
+        return []
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def stopped_worker(process: subprocess.Popen, deadline: float = 240) -> int:

@@ -1,0 +1,52 @@
+"""The function a launch runs, as each worker process starts it.
+
+Workers are forked from a server process that imported PRELOAD once (multiprocessing's
+forkserver): a spawned worker imports torch again, seconds of CPU per worker, per launch and
+per restart. The server lives as long as the process that launches, so its later launches fork
+at once. A fork starts with the server's environment as it was when the server started, which
+may predate what the launcher set since (a stop notice, a caller's variables), so WorkerEntry
+carries the launcher's environment, taken as each worker is started, and puts it in place
+before anything else runs in the worker; the launcher's own per-worker variables (RANK, ...)
+go on top of it, as under spawn. So does the intra-op thread count, which torch took from the
+server's environment.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .interrupts import run_quietly_interruptible
+
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.elastic.multiprocessing"]
+
+
+class WorkerEntry:
+    """`fn` as a worker's entry point (picklable when `fn` is a module-level function)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)  # the elastic launcher names and wraps its entry point by these
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fn": self.fn, "environ": dict(os.environ)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        os.environ.clear()
+        os.environ.update(state["environ"])
+        self.__init__(state["fn"])  # type: ignore[misc]
+
+    def __call__(self, *args: Any) -> Any:
+        _match_thread_count()
+        return run_quietly_interruptible(self.fn, args)
+
+
+def _match_thread_count() -> None:
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        if torch.get_num_threads() != int(threads):
+            torch.set_num_threads(int(threads))
