@@ -40,7 +40,6 @@ RDZV_BACKENDS = ("c10d", "static")
 DEFAULT_TIMEOUT_SECONDS = 300.0
 STOP_ENV = "FSDPKIT_STOP"  # "1": a SIGTERM reached the launcher; workers stop after their step
 INTERRUPTED_ENV = "FSDPKIT_INTERRUPTED"  # "1": the console script got a SIGINT (one that was swallowed too)
-PEER_LOST = "PeerLost"  # a worker's failure that another rank's caused (the class's name, as its reason starts)
 SHUTDOWN_SECONDS = 5  # a worker the agent stops (after a failure, or on SIGINT) is killed after this
 
 
@@ -200,7 +199,8 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
                 raise KeyboardInterrupt
             return elastic_launch(config, WorkerEntry(worker_fn))(*args)
     except ChildFailedError as failed:
-        rank, reason = root_failure(failed.failures)
+        rank, failure = failed.get_first_failure()  # the only one: torch reports the first worker to exit
+        reason = _failure_reason(failure)
         kind, _, message = reason.partition(":")
         if kind == DataCheckError.__name__:  # a corrupt input found by a worker: exit 3 as anywhere
             raise DataCheckError(f"worker rank {rank}: {message.strip()}") from None
@@ -288,16 +288,6 @@ def _local_endpoint(backend: str) -> str:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{probe.getsockname()[1]}"
-
-
-def root_failure(failures: dict[int, Any]) -> tuple[int, str]:
-    """(rank, reason) of the failure the others followed from: the earliest, passing over ranks
-    whose collective failed because a peer went away (PeerLost) where another rank's failure is
-    known. torch's own choice takes the earliest to the second, then the lowest rank."""
-    reasons = {rank: _failure_reason(failure) for rank, failure in failures.items()}
-    causes = [rank for rank, reason in reasons.items() if not reason.startswith(f"{PEER_LOST}:")] or list(reasons)
-    rank = min(causes, key=lambda r: (failures[r].timestamp, r))
-    return rank, reasons[rank]
 
 
 def _failure_reason(failure: Any) -> str:

@@ -7,8 +7,9 @@ at once. A fork starts with the server's environment as it was when the server s
 may predate what the launcher set since (a stop notice, a caller's variables), so WorkerEntry
 carries the launcher's environment, taken as each worker is started, and puts it in place
 before anything else runs in the worker; the launcher's own per-worker variables (RANK, ...)
-go on top of it, as under spawn. So does the intra-op thread count, which torch took from the
-server's environment.
+go on top of it, as under spawn. What torch read from the server's environment when it was
+imported is read again from the launcher's: the intra-op thread count (OMP_NUM_THREADS) and
+torch.distributed's debug level (TORCH_DISTRIBUTED_DEBUG).
 """
 
 from __future__ import annotations
@@ -39,14 +40,16 @@ class WorkerEntry:
         self.__init__(state["fn"])  # type: ignore[misc]
 
     def __call__(self, *args: Any) -> Any:
-        _match_thread_count()
+        _torch_settings_from_environment()
         return run_quietly_interruptible(self.fn, args)
 
 
-def _match_thread_count() -> None:
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        import torch
+def _torch_settings_from_environment() -> None:
+    import torch
+    import torch.distributed as dist
 
-        if torch.get_num_threads() != int(threads):
-            torch.set_num_threads(int(threads))
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))
+    if dist.is_available():
+        dist.set_debug_level_from_env()

@@ -20,11 +20,6 @@ from ..errors import RunError
 ROLL_CALL_SECONDS = 2.0  # how long a rank that timed out waits for the others to say so too
 
 
-class PeerLost(RunError):
-    """A collective failed because another rank's connection closed: that rank failed or was
-    killed, and its own failure, where the launcher has it, is the cause to report."""
-
-
 class CollectiveTimeout(RunError):
     """A collective did not complete within --timeout. Its message names the rank, the
     collective and the step, and the launcher reports it as it is."""
@@ -36,7 +31,7 @@ def collective_failure(
     label = _describe_label(error.label, units)
     what = error.kind + (f" ({label})" if label else "")
     if not error.timed_out:
-        return PeerLost(f"rank {rank}: {what} at step {step} failed: {error.reason}")
+        return RunError(f"rank {rank}: {what} at step {step} failed: {error.reason}")
     missing = _absent_ranks(rank, world_size, attempt)
     if missing is None:
         absent = "another rank did not take part"

@@ -324,6 +324,9 @@ class Trainer:
         return self._global_sums([sum(losses) / len(losses)], "eval loss")[0] / self.world_size
 
 
+PEER_GONE_SECONDS = 3.0  # how long a rank whose peer went away waits before failing
+
+
 def train_worker(
     config: TrainConfig, context: RunContext = RunContext(), *, joined: tuple[float, float] | None = None
 ) -> TrainSummary | None:
@@ -335,6 +338,10 @@ def train_worker(
             trainer = Trainer(config, context, joined=joined)
             return _train(trainer, stop, context)
         except CollectiveError as error:
+            if not error.timed_out:
+                # A peer's connection closed: it failed or was killed. The launcher reports the first
+                # worker to exit, which should be that peer, the cause; it stops this one meanwhile.
+                stop.wait(PEER_GONE_SECONDS)
             raise collective_failure(
                 error,
                 rank=dist.get_rank(),

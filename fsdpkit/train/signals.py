@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from ..dist.launch import STOP_ENV
@@ -23,6 +24,12 @@ class StopSignals:
         self.requested = os.environ.get(STOP_ENV) == "1"
         self._interrupted = False
         self._previous: dict[int, Any] = {}
+
+    def wait(self, seconds: float) -> None:
+        """Sleep up to `seconds`, less once SIGTERM has come."""
+        end = time.monotonic() + seconds
+        while not self.requested and time.monotonic() < end:
+            time.sleep(0.05)
 
     def _on_terminate(self, signum: int, frame: Any) -> None:
         self.requested = True

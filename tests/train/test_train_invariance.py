@@ -1,8 +1,13 @@
 """World-size invariance of `fsdpkit train`'s loop: the same seed, global batch and data give
 the same per-step losses and final weights at world sizes 1, 2 and 4, and both equal an
-unsharded single-process reference computed in this test."""
+unsharded single-process reference computed in this test; on synthetic tokens, and on
+documents (a jsonl file, packed) at 1 and 4."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import random
 
 import pytest
 import torch
@@ -39,13 +44,24 @@ def reference_run(config: TrainConfig) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return reference_run(CONFIG)
+def configs(tmp_path_factory):
+    """Synthetic tokens, and documents: a jsonl file of 300 short texts."""
+    path = tmp_path_factory.mktemp("documents") / "corpus.jsonl"
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta"]
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(3, 25)))}) + "\n" for _ in range(300)))
+    return {"synthetic": CONFIG, "documents": dataclasses.replace(CONFIG, data=dataclasses.replace(CONFIG.data, source=str(path)))}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_losses_and_weights_match_reference(world_size, reference):
-    result = run_distributed(training_worker, world_size, CONFIG)[0]
+@pytest.fixture(scope="module")
+def references(configs):
+    return {data: reference_run(config) for data, config in configs.items()}
+
+
+@pytest.mark.parametrize(("data", "world_size"), [("synthetic", 1), ("synthetic", 2), ("synthetic", 4), ("documents", 1), ("documents", 4)])
+def test_losses_and_weights_match_reference(data, world_size, configs, references):
+    reference = references[data]
+    result = run_distributed(training_worker, world_size, configs[data])[0]
     for step, (mine, ref) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
         assert abs(mine - ref) / abs(ref) <= 1e-4, f"world {world_size} step {step}: loss {mine} vs reference {ref}"
     assert result["losses"][-1] < result["losses"][0]
