@@ -38,21 +38,29 @@ DISK, SNAPSHOTS = "disk", "disk+snapshots"  # modes (a) and (b)
 
 
 def workers(launcher: int) -> list[int]:
-    """The launcher's worker processes (its children but the resource tracker)."""
-    pids = []
+    """The launcher's worker processes: the children of its fork server."""
+    found = []
+    for pid in _children(launcher):
+        command = _command_line(pid)
+        if "multiprocessing.forkserver" in command:
+            found += _children(pid)
+        elif command and "resource_tracker" not in command:
+            found.append(pid)
+    return found
+
+
+def _children(pid: int) -> list[int]:
     try:
-        for task in Path(f"/proc/{launcher}/task").iterdir():
-            pids += [int(p) for p in (task / "children").read_text().split()]
-    except OSError:
+        return [int(p) for task in Path(f"/proc/{pid}/task").iterdir() for p in (task / "children").read_text().split()]
+    except OSError:  # gone meanwhile
         return []
-    alive = []
-    for pid in pids:
-        try:
-            if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                alive.append(pid)
-        except OSError:
-            continue
-    return alive
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def run(flags: list[str], *, period: float | None, seed: int, most: int) -> dict:

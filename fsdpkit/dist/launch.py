@@ -193,7 +193,8 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         shutdown_timeout=SHUTDOWN_SECONDS,
     )
     try:
-        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # before the server's first start
+        preload = [*PRELOAD, *([worker_fn.__module__] if worker_fn.__module__ != "__main__" else [])]
+        multiprocessing.get_context("forkserver").set_forkserver_preload(preload)  # before the server's first start
         with _stop_signals(), _prompt_stops(), sigint_blocked_in_new_workers():
             if os.environ.get(INTERRUPTED_ENV) == "1":  # an interrupt some code before here swallowed
                 raise KeyboardInterrupt

@@ -1,8 +1,8 @@
 """The function a launch runs, as each worker process starts it.
 
-Workers are forked from a server process that imported PRELOAD once (multiprocessing's
-forkserver): a spawned worker imports torch again, seconds of CPU per worker, per launch and
-per restart. The server lives as long as the process that launches, so its later launches fork
+Workers are forked from a server process that imported PRELOAD, and the module of the first
+launch's worker function, once (multiprocessing's forkserver): a spawned worker imports torch
+again, seconds of CPU per worker, per launch and per restart. The server lives as long as the process that launches, so its later launches fork
 at once. A fork starts with the server's environment as it was when the server started, which
 may predate what the launcher set since (a stop notice, a caller's variables), so WorkerEntry
 carries the launcher's environment, taken as each worker is started, and puts it in place

@@ -331,3 +331,32 @@ def test_open_checkpoint_reads_what_zero_to_fp32_gives(saved):
             assert checkpoint.get_item("ds_version") == "0.19.8" and checkpoint.get_item("global_steps") == 3
             groups = checkpoint.get_item("optimizer.param_groups")
             assert [(g["lr"], g["weight_decay"]) for g in groups] == [(1e-2, 0.1), (1e-2, 0.0)], layout  # the worker's AdamW groups
+
+
+def test_train_resumes_and_starts_from_a_deepspeed_checkpoint(saved, tmp_path):
+    """`train --resume DS --model M`, run to the step DeepSpeed saved at and saved again: its
+    weights are zero_to_fp32's and its Adam moments DeepSpeed's (DeepSpeed's run froze a
+    parameter, which fsdpkit trains: its state is missing, and --no-strict starts it fresh);
+    `--init-from DS` at lr 0 (AdamW then leaves every weight as it is) saves zero_to_fp32's weights."""
+    from safetensors.torch import load_file
+
+    import fsdpkit
+
+    deepspeed_worker.llama_config().save_pretrained(tmp_path / "llama")
+    common = ["--model", f"hf:{tmp_path / 'llama'}", "--nproc-per-node", "2", "--seq-len", "16", "--global-batch-size", "4", "--json"]
+    for layout in ("z3_bf16", "z2_bf16"):
+        _zero_to_fp32(saved / layout, tmp_path / f"{layout}-fp32")
+    _fails(["train", *common, "--resume", saved / "z3_bf16", "--steps", "3"], 3, "optim.exp_avg.model.norm.weight")
+    resumed = run_cli("train", *common, "--resume", saved / "z3_bf16", "--no-strict", "--steps", "3", "--save-dir", tmp_path / "resumed")
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.stdout)["resumed_from_step"] == 3 and json.loads(resumed.stdout)["losses"] == []
+    started = run_cli("train", *common, "--init-from", saved / "z2_bf16", "--steps", "1", "--lr", "0", "--save-dir", tmp_path / "started")
+    assert started.exit_code == 0, started.output
+    for layout, run in (("z3_bf16", "resumed"), ("z2_bf16", "started")):
+        expected = load_file(tmp_path / f"{layout}-fp32" / "model.safetensors")
+        with fsdpkit.open_checkpoint(tmp_path / run) as checkpoint:
+            assert all(torch.equal(checkpoint.get_tensor(name), tensor) for name, tensor in expected.items()), (layout, run)
+            if run == "resumed":
+                with fsdpkit.open_checkpoint(saved / layout) as original:
+                    moments = [name for name in original.optimizer if name.startswith("optim.exp_avg")]
+                    assert moments and all(torch.equal(checkpoint.get_tensor(n), original.get_tensor(n)) for n in moments)

@@ -5,12 +5,15 @@ rank files, which rchar, counting read() calls only, would miss). The page cache
 node, so each replica loads its own copy of the checkpoint, evicted from the cache before the
 load: the replicas read as from separate nodes. Loading on every replica reads about 2x the
 checkpoint; sharing the reads, at most 1.05x. Both loads, continued for two steps, are
-bitwise equal to the run that never stopped."""
+bitwise equal to the run that never stopped. Where the replica that reads finds a file
+corrupt, every rank fails with its error at once, the other replica (whose copy is intact)
+included."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ from support.distributed import run_distributed
 import fsdpkit
 from fsdpkit.engine.config import ShardingConfig
 from fsdpkit.engine.view import describe
+from fsdpkit.errors import DataCheckError
 
 WIDTH = 256  # 3 layers of 256 x 256: a checkpoint of about 2.4 MB with AdamW, against a few KB of manifest and headers
 
@@ -77,6 +81,9 @@ def resume_worker(directory: str) -> dict:
     _steps(model, optimizer, 2, 2)
     result: dict = {"uninterrupted": _state(model, optimizer), "size": sum(f.stat().st_size for f in step_dir.iterdir())}
     replica = describe(model).replica
+    # a first load, not counted: what loading imports or maps of its own is read from disk by then
+    warm = _model()
+    fsdpkit.Checkpointer(warm, torch.optim.AdamW(warm.parameters(), lr=1e-2)).load(str(step_dir))
     for mode, every_replica in (("shared", False), ("every", True)):
         if dist.get_rank() == 0:
             for r in range(describe(model).replicas):
@@ -90,6 +97,19 @@ def resume_worker(directory: str) -> dict:
         result[f"{mode}_read"] = _read_bytes() - before
         _steps(resumed, resumed_optimizer, 2, 2)
         result[mode] = _state(resumed, resumed_optimizer)
+    if dist.get_rank() == 0:  # the first replica's copy damaged, the second's intact
+        for r in range(describe(model).replicas):
+            shutil.copytree(step_dir, Path(directory) / f"corrupt-{r}")
+        for file in (Path(directory) / "corrupt-0").glob("*.safetensors"):
+            data = bytearray(file.read_bytes())
+            data[-100] ^= 0xFF
+            file.write_bytes(bytes(data))
+    dist.barrier()
+    started = time.monotonic()
+    try:
+        fsdpkit.Checkpointer(resumed, resumed_optimizer).load(f"{directory}/corrupt-{replica}")
+    except DataCheckError as error:
+        result["corrupt"] = (str(error), time.monotonic() - started)
     return result
 
 
@@ -105,3 +125,5 @@ def test_hybrid_resume_reads_each_byte_once(tmp_path):
             assert len(result[mode]) == len(result["uninterrupted"]) > 0
             for got, want in zip(result[mode], result["uninterrupted"], strict=True):
                 assert torch.equal(got, want), (rank, mode)
+        message, seconds = result.get("corrupt", ("no error", 0.0))
+        assert ".safetensors" in message and seconds < 30, (rank, message, seconds)

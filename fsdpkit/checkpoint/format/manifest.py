@@ -382,7 +382,7 @@ def check_compatible(
         raise DataCheckError(
             f"{where}: missing optimizer state {missing_optim[:3]}"
             + _more(missing_optim)
-            + "; pass --no-strict to start the optimizer fresh"
+            + "; pass --no-strict to start that state fresh (a parameter the saved run did not train?)"
         )
     return missing_optim
 

@@ -161,11 +161,11 @@ class Checkpointer:
             expected = expected_tensors(view_params(view), buffer_shapes(self.module), states, stateless=stateless)
             missing_optim = check_compatible(checkpoint.manifest, expected, strict=strict, where=str(checkpoint.step_dir))
             if missing_optim and view.rank == 0:
-                log.warn(f"{checkpoint.step_dir}: no optimizer state for {len(missing_optim)} tensors; starting it fresh")
+                log.warn(f"{checkpoint.step_dir}: no optimizer state for {len(missing_optim)} tensors; theirs starts fresh")
 
             def load(reader: RangeReader) -> None:
                 load_weights(view, self.module, reader)
-                if self.optimizer is not None and states is not None and not missing_optim:
+                if self.optimizer is not None and states is not None:
                     params = [(p.name, p.fragment.param_range, p.tensor) for unit in view.units for p in unit.params if p.requires_grad]
                     stored = set(checkpoint.tensor_names())
                     state = checkpoint.training_state

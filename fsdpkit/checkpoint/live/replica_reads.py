@@ -8,7 +8,10 @@ then against the ranges themselves, served in the same order. Every rank of a re
 group holds the same fragments, so it asks for the same ranges in the same order, and their
 sizes and dtypes come from the manifest: the first replica reads them into one buffer, and
 one broadcast per replicate group carries it (a broadcast costs a latency step per rank of
-the group, so one for the whole load rather than one per tensor).
+the group, so one for the whole load rather than one per tensor). The buffer starts with a
+header that holds the first replica's error when its read failed (a checksum that does not
+match, a file gone): every replica then fails with it at once, rather than wait for a broadcast
+until the timeout.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import torch.distributed as dist
 from ...dist.comm import Collectives
 from ...dtypes import dtype_info
 from ...engine.view import ShardedModelView
+from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from .tensors import CheckpointReader, RangeReader, byte_view
 
 ALIGN = 16  # each range starts at a multiple of this in the broadcast buffer
+HEADER_BYTES = 1024  # before the ranges: the first replica's error (UTF-8), or zeros
 
 
 @dataclass(frozen=True)
@@ -88,17 +93,38 @@ def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Col
     replicas: recorded, read on the first replica, broadcast over each replicate group, served."""
     requests = Requests(checkpoint)
     load(requests)
-    offsets, total = [], 0
+    if not requests.asked:
+        load(Served([], torch.empty(0, dtype=torch.uint8), []))
+        return
+    offsets, total = [], HEADER_BYTES
     for request in requests.asked:
         offsets.append(total)
         total += -(-request.nbytes // ALIGN) * ALIGN
-    buffer = torch.empty(total, dtype=torch.uint8)
-    if view.writes_shards:  # the first replica
-        for request, at in zip(requests.asked, offsets, strict=True):
+    buffer = torch.zeros(total, dtype=torch.uint8)
+    failure = _read_on_first_replica(checkpoint, requests.asked, offsets, buffer) if view.writes_shards else None
+    buffer = buffer.to(view.device)
+    first_replica = dist.get_global_rank(view.group, view.rank % view.shard_factor)  # this group's rank there
+    comms.broadcast(buffer, first_replica, view.replicate_group, label="load")
+    if failure is not None:
+        raise failure
+    error = bytes(buffer[:HEADER_BYTES].cpu().numpy()).rstrip(b"\0")
+    if error:
+        raise DataCheckError(error.decode(errors="replace"))
+    load(Served(requests.asked, buffer, offsets))
+
+
+def _read_on_first_replica(
+    checkpoint: CheckpointReader, asked: list[Request], offsets: list[int], buffer: torch.Tensor
+) -> DataCheckError | None:
+    """Read the ranges into `buffer`; a read that fails is written into its header instead,
+    and returned as the error to raise once the others have it."""
+    try:
+        for request, at in zip(asked, offsets, strict=True):
             if request.wanted.size:
                 byte_view(buffer[at : at + request.nbytes])[:] = byte_view(checkpoint.read_range(request.name, request.wanted))
-    buffer = buffer.to(view.device)
-    if total:
-        first_replica = dist.get_global_rank(view.group, view.rank % view.shard_factor)  # this group's rank there
-        comms.broadcast(buffer, first_replica, view.replicate_group, label="load")
-    load(Served(requests.asked, buffer, offsets))
+        return None
+    except (DataCheckError, OSError) as error:
+        failure = error if isinstance(error, DataCheckError) else DataCheckError(f"{checkpoint.step_dir}: {error}")
+        message = str(failure).encode()[: HEADER_BYTES - 1]
+        buffer[: len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+        return failure
