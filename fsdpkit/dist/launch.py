@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import DataCheckError, RunError, UsageError
 from ..settings import setting
 from .interrupts import sigint_blocked_in_new_workers
-from .worker_entry import PRELOAD, WorkerEntry
+from .worker_entry import WorkerEntry, preload_fork_server
 
 MAX_PROCESSES_PER_NODE = 64
 RDZV_BACKENDS = ("c10d", "static")
@@ -193,8 +193,7 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         shutdown_timeout=SHUTDOWN_SECONDS,
     )
     try:
-        preload = [*PRELOAD, *([worker_fn.__module__] if worker_fn.__module__ != "__main__" else [])]
-        multiprocessing.get_context("forkserver").set_forkserver_preload(preload)  # before the server's first start
+        preload_fork_server(worker_fn)
         with _stop_signals(), _prompt_stops(), sigint_blocked_in_new_workers():
             if os.environ.get(INTERRUPTED_ENV) == "1":  # an interrupt some code before here swallowed
                 raise KeyboardInterrupt

@@ -1,20 +1,21 @@
 """The function a launch runs, as each worker process starts it.
 
-Workers are forked from a server process that imported PRELOAD, and the module of the first
-launch's worker function, once (multiprocessing's forkserver): a spawned worker imports torch
-again, seconds of CPU per worker, per launch and per restart. The server lives as long as the process that launches, so its later launches fork
-at once. A fork starts with the server's environment as it was when the server started, which
-may predate what the launcher set since (a stop notice, a caller's variables), so WorkerEntry
-carries the launcher's environment, taken as each worker is started, and puts it in place
-before anything else runs in the worker; the launcher's own per-worker variables (RANK, ...)
-go on top of it, as under spawn. What torch read from the server's environment when it was
-imported is read again from the launcher's: the intra-op thread count (OMP_NUM_THREADS) and
+Workers are forked from a server process that imported PRELOAD, and the module of the first launch's
+worker function, once (multiprocessing's forkserver): a spawned worker imports torch again, seconds
+of CPU per worker, per launch and per restart. The server lives as long as the process that
+launches, so its later launches fork at once. A fork starts with the server's environment as it was
+when the server started, which may predate what the launcher set since (a stop notice, a caller's
+variables), so WorkerEntry carries the launcher's environment, taken as each worker is started, and
+puts it in place before anything else runs in the worker; the launcher's own per-worker variables
+(RANK, ...) go on top of it, as under spawn. What torch read from the server's environment when it
+was imported is read again from the launcher's: the intra-op thread count (OMP_NUM_THREADS) and
 torch.distributed's debug level (TORCH_DISTRIBUTED_DEBUG).
 """
 
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,13 @@ from typing import Any
 from .interrupts import run_quietly_interruptible
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.elastic.multiprocessing"]
+
+
+def preload_fork_server(worker_fn: Callable[..., Any]) -> None:
+    """What the fork server imports when it starts (this process's first launch): PRELOAD and
+    `worker_fn`'s module."""
+    module = [worker_fn.__module__] if worker_fn.__module__ != "__main__" else []
+    multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *module])
 
 
 class WorkerEntry:
