@@ -3,13 +3,13 @@
 A terminal's Ctrl-C reaches the launcher, the fork server and all the workers (one process
 group), and the launcher passes SIGINT on as well. A worker that gets it while Python is still
 starting it, or a fork server that gets it while importing torch, would print a traceback, and
-a worker that gets a second SIGINT while exiting would print another. So the fork server is
-started with SIGINT blocked (`sigint_blocked_in_new_workers`: a blocked signal stays blocked
-across fork and exec, and one sent meanwhile stays pending), every worker forked from it starts
-so too, and the worker's first code (`run_quietly_interruptible`) installs a handler that
-raises KeyboardInterrupt once and ignores the rest, then unblocks. An interrupted worker leaves
-with os._exit: interpreter shutdown with live communication threads may abort, and atexit hooks
-would see a second interrupt.
+a worker that gets a second SIGINT while exiting would print another. So the fork server starts
+with SIGINT blocked (`sigint_held`: a blocked signal stays blocked across fork and exec, and one
+sent meanwhile stays pending), every worker forked from it starts so too, and the worker's first
+code (`run_quietly_interruptible`) installs a handler that raises KeyboardInterrupt once and
+ignores the rest, then unblocks. An interrupted worker leaves with os._exit: interpreter
+shutdown with live communication threads may abort, and atexit hooks would see a second
+interrupt.
 """
 
 from __future__ import annotations
@@ -29,29 +29,25 @@ SHUTDOWN_SECONDS = 5  # a killed child is waited for this long
 @contextlib.contextmanager
 def sigint_blocked_in_new_workers() -> Iterator[None]:
     """Every worker multiprocessing's forkserver starts meanwhile, and the server itself if it
-    starts meanwhile, starts with SIGINT blocked. This process handles SIGINT and SIGTERM once
-    the worker is started: a handler that raised while the server was still forking it would
-    leave a worker nobody knows of, which fails noisily once this process is gone (the
-    semaphores it is handed are removed with it). For the same reason, on the way out, a worker
-    still alive is killed: the launcher does not stop one it was still starting when
-    interrupted."""
+    starts meanwhile, starts with SIGINT blocked (`sigint_held`). This process handles SIGINT
+    and SIGTERM once the worker is started: a handler that raised while the server was still
+    forking it would leave a worker nobody knows of, which fails noisily once this process is
+    gone (the semaphores it is handed are removed with it). For the same reason, on the way
+    out, a worker still alive is killed: the launcher does not stop one it was still starting
+    when interrupted."""
     from multiprocessing import popen_forkserver
 
     start = popen_forkserver.Popen._launch  # type: ignore[attr-defined]  # the one place a worker is started
     started: list[Any] = []
 
-    def start_blocked(self: Any, process_obj: Any) -> Any:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            with _handlers_deferred((signal.SIGINT, signal.SIGTERM)):
-                try:
-                    return start(self, process_obj)
-                finally:
-                    started.append(self)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    def start_quietly(self: Any, process_obj: Any) -> Any:
+        with _handlers_deferred((signal.SIGINT, signal.SIGTERM)), sigint_held():
+            try:
+                return start(self, process_obj)
+            finally:
+                started.append(self)
 
-    popen_forkserver.Popen._launch = start_blocked  # type: ignore[attr-defined]
+    popen_forkserver.Popen._launch = start_quietly  # type: ignore[attr-defined]
     try:
         yield
     finally:
@@ -60,6 +56,21 @@ def sigint_blocked_in_new_workers() -> Iterator[None]:
             if getattr(child, "pid", None) is not None and child.poll() is None:
                 child.kill()
                 child.wait(timeout=SHUTDOWN_SECONDS)
+
+
+@contextlib.contextmanager
+def sigint_held() -> Iterator[None]:
+    """SIGINT blocked in this thread meanwhile: a process started now starts with it blocked, and
+    one that arrives meanwhile stays pending. multiprocessing's resource tracker is started
+    first, as starting it unblocks SIGINT."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager

@@ -43,6 +43,11 @@ INTERRUPTED_ENV = "FSDPKIT_INTERRUPTED"  # "1": the console script got a SIGINT 
 SHUTDOWN_SECONDS = 5  # a worker the agent stops (after a failure, or on SIGINT) is killed after this
 
 
+def under_torchrun() -> bool:
+    """True in a process that torchrun (or another elastic agent) started as a worker."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
 def parse_nproc(text: str) -> int:
     """torchrun's --nproc-per-node values: a number, gpu (one per GPU), cpu (one per core), auto
     (gpu if there is one, else cpu)."""

@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .. import log
 from ..checkpoint.format.lock import RunLock
 from ..checkpoint.live.checkpointer import check_before_launch
-from ..dist.launch import launch
+from ..dist.launch import launch, under_torchrun
 from ..errors import DataCheckError, UsageError
 from ..models.source import resolve
 from ..paths import check_writable_directory, check_writable_file
@@ -42,11 +42,6 @@ from .save_dir import check_save_dir, set_aside
 from .snapshots import snapshot_store
 from .summary import TrainSummary
 from .trackers import check_installed
-
-
-def under_torchrun() -> bool:
-    """True in a process that torchrun (or another elastic agent) started as a worker."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
 def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None) -> int:
