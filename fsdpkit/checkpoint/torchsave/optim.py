@@ -45,21 +45,18 @@ def open_optimizer(directory: Path, world_size: int, model_state: dict[str, Any]
         return OptimizerState(not_read=f"optimizer files of ranks {[r for r, p in enumerate(present) if p]} of {world_size} only")
     sharding = sharding_of(model_state.values())
     if sharding != FSDP2:
-        why = "FSDP1's is per flat parameter" if sharding == FSDP1 else "no model tensor is a DTensor"
+        why = "FSDP1's is kept as shards of flat parameters" if sharding == FSDP1 else "no model tensor is a DTensor"
         return OptimizerState(not_read=f"the optimizer state is keyed by parameter index, not name, and {why}")
     opened: list[RankFile] = []
+    found = OptimizerState(not_read="not opened")
     try:
         opened.extend(RankFile(path, loads) for path in paths)
         found = _read(opened, [name for name, record in model_state.items() if isinstance(record, DTensorRecord)], model)
-    except BaseException:
-        for rank_file in opened:
-            rank_file.close()
-        raise
-    if found.not_read:
-        for rank_file in opened:
-            rank_file.close()
-        return found
-    found.opened = opened
+    finally:
+        if found.not_read:  # kept open only when read
+            for rank_file in opened:
+                rank_file.close()
+    found.opened = [] if found.not_read else opened
     return found
 
 
