@@ -1,6 +1,8 @@
 """DeepSpeed ZeRO checkpoints read without DeepSpeed: real DeepSpeed (2 gloo ranks, CPU) writes
 ZeRO-1 fp32, ZeRO-2 bf16, ZeRO-3 bf16 and a tied ZeRO-2 fp32 checkpoint of a small Llama
-in one launch; the oracles are DeepSpeed's own `zero_to_fp32` and torch.load of its files."""
+in one launch; the oracles are DeepSpeed's own `zero_to_fp32` and torch.load of its files.
+verl's per-rank torch.save files, written by FSDP2 and FSDP1 in one more launch, are checked
+against FSDP2's and FSDP1's own full state dicts."""
 
 from __future__ import annotations
 
