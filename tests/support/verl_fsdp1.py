@@ -2,7 +2,9 @@
 tests: the DeepSpeed tests' Llama (all parameters trainable: FSDP1's flat parameters take one
 requires_grad each) wrapped per decoder layer, trained one step with AdamW, saved as verl's
 FSDP checkpoint manager does (`model.state_dict()` and `optimizer.state_dict()` under
-SHARDED_STATE_DICT: ShardedTensors of whole-row chunks), and FSDP1's own FULL_STATE_DICT."""
+SHARDED_STATE_DICT: ShardedTensors of whole-row chunks), and FSDP1's own FULL_STATE_DICT.
+verl's `offload_to_cpu=True` is left off: the model is on the CPU already, and on CPU with it
+FSDP1's next state dict failed (a parameter's storage freed)."""
 
 from __future__ import annotations
 
