@@ -7,7 +7,7 @@ The file names no parameter: an index is a place in the order the optimizer was 
 parameters. With one param group listing as many parameters as the model file holds DTensors
 (verl's optimizer over `module.parameters()`, whose order is the state dict's order of its
 parameters), index i is the i-th DTensor of the model file, and each state tensor is read as
-`optim.<state>.<name>`, its shape checked against the parameter's. Otherwise (several groups,
+`optim.<state>.<name>`, each state but a scalar (step) shaped as its parameter. Otherwise (several groups,
 other counts, FSDP1's flat parameters, plain tensors) the files are not read and
 `OptimizerState.not_read` says why.
 """
@@ -93,7 +93,7 @@ def _read(files: list[RankFile], parameters: list[str], model: list[SourceTensor
                 continue
             records = [entry.get(key) if isinstance(entry, dict) else None for entry in per_rank]
             tensor = source_tensor(optim_tensor_name(str(key), name), files, records)
-            if isinstance(value, DTensorRecord) and tuple(tensor.shape) != shapes[name]:
+            if tensor.shape and tuple(tensor.shape) != shapes[name]:  # a moment is shaped as its parameter; step is a scalar
                 why = f"state {key!r} of index {index} has shape {list(tensor.shape)}, parameter {name!r} {list(shapes[name])}"
                 return OptimizerState(not_read=why)
             tensors.append(tensor)
