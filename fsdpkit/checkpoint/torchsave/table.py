@@ -23,23 +23,22 @@ from .tensors import sharding_of, source_tensor
 from .unpickler import loads
 
 FORMAT = "torch-save-ranks"
-_RANK_FILE = re.compile(r"(model|optim)_world_size_(\d+)_rank_(\d+)\.pt")
+_MODEL_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 
 
-def rank_files(directory: Path, kind: str) -> dict[int, tuple[int, Path]]:
-    """{rank: (world size, path)} of the `<kind>_world_size_W_rank_R.pt` files (kind: model, optim)."""
+def _model_files(directory: Path) -> dict[int, tuple[int, Path]]:
     found = {}
     for path in directory.iterdir():
-        match = _RANK_FILE.fullmatch(path.name)
-        if match and match.group(1) == kind:
-            found[int(match.group(3))] = (int(match.group(2)), path)
+        match = _MODEL_FILE.fullmatch(path.name)
+        if match:
+            found[int(match.group(2))] = (int(match.group(1)), path)
     return found
 
 
 def is_torchsave_checkpoint(path: str | os.PathLike[str]) -> bool:
     """A directory holding `model_world_size_W_rank_0.pt`."""
     path = Path(path)
-    return path.is_dir() and 0 in rank_files(path, "model")
+    return path.is_dir() and 0 in _model_files(path)
 
 
 @dataclass
@@ -71,7 +70,7 @@ def open_rank_state_dicts(path: str | os.PathLike[str]) -> RankStateDicts:
     """Every rank's model file (and optimizer file, where it maps to names) read through the
     allow-list; each tensor's place checked."""
     directory = Path(path)
-    files = rank_files(directory, "model")
+    files = _model_files(directory)
     if 0 not in files:
         raise DataCheckError(f"{directory}: no model_world_size_W_rank_0.pt")
     world_size = files[0][0]
