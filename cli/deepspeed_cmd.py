@@ -28,13 +28,18 @@ def inspect_lines(s: dict) -> list[str]:
 
 
 def torchsave_lines(s: dict) -> list[str]:
-    model = s["model"]
+    model, optim = s["model"], s["optimizer"]
+    if optim["tensors"]:
+        optimizer = f"{optim['tensors']} tensors ({', '.join(optim['states'])}), {format_size(optim['bytes'])}, 1 param group"
+    else:
+        optimizer = f"not read: {optim['not_read']}" if optim["not_read"] else "none"
     return [
         f"path        {s['path']}",
-        f"format      torch-save-ranks (per-rank torch.save state dicts of DTensors), {s['world_size']} ranks",
+        f"format      torch-save-ranks (per-rank torch.save state dicts of {s['sharding']}), {s['world_size']} ranks",
         f"model       {model['tensors']} tensors, {model['elements']:,} elements, {format_size(model['bytes'])}",
+        f"optimizer   {optimizer}",
         "dtypes      " + ", ".join(f"{k}: {v}" for k, v in s["dtypes"].items()),
         "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in s["largest"]),
-        f"files       {len(s['files'])} model files, {format_size(sum(f['size'] for f in s['files']))}",
+        f"files       {len(s['files'])} read, {format_size(sum(f['size'] for f in s['files']))}",
         f"not read    {', '.join(s['not_read']) or 'nothing'}",
     ]

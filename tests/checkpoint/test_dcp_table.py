@@ -1,5 +1,5 @@
 """The pure parts of DCP support against torch computing the same thing: chunk boxes as flat
-runs, coverage, FSDP2's dim-0 chunks; and the allow-list unpickler on hostile pickles."""
+runs, coverage, FSDP2's dim-0 chunks; and the allow-list unpicklers on hostile pickles."""
 
 from __future__ import annotations
 
@@ -68,6 +68,23 @@ def test_unpickler_refuses_everything_else(tmp_path):
     assert unpickler.restricted_loads(pickle.dumps(torch.bfloat16), allowed=unpickler.METADATA_GLOBALS, where="x") == unpickler.Dtype(
         "BF16"
     )
+
+
+def _getattr_pickle(module: str, name: str, attribute: str) -> bytes:
+    """A pickle of `getattr(<module>.<name>, attribute)`, as a ShardedTensor's names its process group state's class."""
+    owner = f"c{module}\n{name}\n".encode()
+    return b"\x80\x02c__builtin__\ngetattr\n" + owner + b"X" + len(attribute).to_bytes(4, "little") + attribute.encode() + b"\x86R."
+
+
+def test_torchsave_unpickler_allows_one_getattr():
+    """getattr(ShardedTensor, "ProcessGroupState") is an inert record class; any other getattr is refused."""
+    from fsdpkit.checkpoint.torchsave import unpickler as torchsave
+
+    sharded = ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
+    assert torchsave.loads(_getattr_pickle(*sharded, "ProcessGroupState"), where="x") is torchsave.ProcessGroupState
+    for owner, attribute in ((sharded, "__init__"), (sharded, "__class__"), (("torch", "device"), "ProcessGroupState")):
+        with pytest.raises(DataCheckError, match="not allowed"):
+            torchsave.loads(_getattr_pickle(*owner, attribute), where="x")
 
 
 def _dcp_reference_metadata(original, world: int):

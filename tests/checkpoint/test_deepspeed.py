@@ -1,6 +1,8 @@
 """DeepSpeed ZeRO checkpoints read without DeepSpeed: real DeepSpeed (2 gloo ranks, CPU) writes
 ZeRO-1 fp32, ZeRO-2 bf16, ZeRO-3 bf16 and a tied ZeRO-2 fp32 checkpoint of a small Llama
-in one launch; the oracles are DeepSpeed's own `zero_to_fp32` and torch.load of its files."""
+in one launch; the oracles are DeepSpeed's own `zero_to_fp32` and torch.load of its files.
+verl's per-rank torch.save files, written by FSDP2 and FSDP1 in one more launch, are checked
+against FSDP2's and FSDP1's own full state dicts."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ import torch
 from support import deepspeed_worker
 from support.checkpoint_files import run_cli
 from support.distributed import run_distributed
+from support.fsdp2_loader import SETTINGS
+
+import fsdpkit
 
 LAYOUTS = [name for name, _, _ in deepspeed_worker.LAYOUTS]
 
@@ -77,8 +82,6 @@ def _header(path: Path) -> dict:
 def test_optimizer_state_is_deepspeed_partitions(saved):
     """Adam's moments of every parameter = DeepSpeed's flat partitions sliced as zero_to_fp32
     slices the fp32 masters (torch.load of the rank files)."""
-    import fsdpkit
-
     for layout in ("z2_bf16", "z3_bf16"):
         tag = saved / layout / "global_step3"
         files = sorted(tag.glob("*optim_states.pt"))
@@ -209,7 +212,7 @@ def test_convert_sharded_holds_deepspeed_state(saved, tmp_path):
 @pytest.fixture(scope="module")
 def fsdp2(saved, tmp_path_factory) -> tuple[Path, dict]:
     """FSDP2 at 2 ranks loads the ZeRO-3 bf16 checkpoint converted --to dcp for 3 ranks, and
-    saves per-rank state dicts as verl does (one launch)."""
+    saves per-rank state dicts as verl does, under FSDP2 and FSDP1 (one launch)."""
     from support import fsdp2_loader
 
     root = tmp_path_factory.mktemp("fsdp2")
@@ -286,22 +289,37 @@ def test_reshard_matches_ds_to_universal(saved, tmp_path):
 
 def test_verl_rank_state_dicts(fsdp2, tmp_path):
     """Per-rank torch.save state dicts of FSDP2 DTensors (verl's files, written by FSDP2 at 2
-    ranks in the launch): inspect, verify, convert --to full (equal to FSDP2's own full state
-    dict) and diff read them; a file naming another global runs nothing."""
+    ranks in the launch, the optimizer's one param group over `model.parameters()` as verl's):
+    inspect, verify, convert --to full --with-optimizer (every weight and Adam state equal to
+    FSDP2's own full state dicts) and diff read them; an optimizer file missing is listed as
+    not read; a file naming another global runs nothing."""
     from safetensors.torch import load_file
 
-    verl, expected = fsdp2[0] / "verl", fsdp2[1]["verl"]["tensors"]
+    verl, expected = fsdp2[0] / "verl" / "fsdp2", fsdp2[1]["verl"]["tensors"]
     summary = json.loads(run_cli("inspect", verl, "--json").output)
-    assert (summary["format"], summary["world_size"], summary["model"]["tensors"]) == ("torch-save-ranks", 2, 21)
-    assert len(summary["not_read"]) == 4
+    assert (summary["format"], summary["world_size"], summary["sharding"], summary["model"]["tensors"]) == (
+        "torch-save-ranks",
+        2,
+        "FSDP2 DTensors",
+        21,
+    )
+    assert summary["optimizer"]["tensors"] == 60 and summary["optimizer"]["states"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert len(summary["not_read"]) == 2  # the extra state files
     result = run_cli("verify", verl)
     assert result.exit_code == 0 and "CRC-32" in result.output, result.output
-    assert run_cli("convert", verl, tmp_path / "hf", "--to", "full").exit_code == 0
-    found = load_file(tmp_path / "hf" / "model.safetensors")
-    assert set(found) == {name for name in expected if not name.startswith("optim.")}
+    assert run_cli("convert", verl, tmp_path / "hf", "--to", "full", "--with-optimizer").exit_code == 0
+    found = {**load_file(tmp_path / "hf" / "model.safetensors"), **load_file(tmp_path / "hf" / "optimizer.safetensors")}
+    assert set(found) == set(expected) and len([n for n in found if n.startswith("optim.")]) == 60
     assert all(torch.equal(found[name], expected[name]) for name in found)
     result = run_cli("diff", verl, tmp_path / "hf")
-    assert result.exit_code == 0 and "21 equal" in result.output, result.output
+    assert result.exit_code == 0 and "81 equal" in result.output, result.output
+    with fsdpkit.open_checkpoint(verl) as checkpoint:
+        groups = checkpoint.get_item("optimizer.param_groups")
+        assert [{k: g[k] for k in SETTINGS} for g in groups] == fsdp2[1]["verl"]["param_groups"]
+    partial = Path(shutil.copytree(verl, tmp_path / "partial"))
+    (partial / "optim_world_size_2_rank_1.pt").unlink()
+    summary = json.loads(run_cli("inspect", partial, "--json").output)
+    assert summary["optimizer"]["tensors"] == 0 and "ranks [0] of 2 only" in summary["optimizer"]["not_read"]
     copy = Path(shutil.copytree(verl, tmp_path / "evil"))
     marker = tmp_path / "pwned"
 
@@ -315,13 +333,40 @@ def test_verl_rank_state_dicts(fsdp2, tmp_path):
     assert not marker.exists() and not (tmp_path / "never").exists()
 
 
+def test_verl_fsdp1_sharded_tensors(fsdp2, tmp_path):
+    """verl's files under FSDP1 (SHARDED_STATE_DICT: ShardedTensors of whole-row chunks, written
+    at 2 ranks in the launch): inspect, verify, convert --to full (every tensor equal to FSDP1's
+    own FULL_STATE_DICT) and diff read them; the optimizer files (flat parameters) are not read,
+    saying why; shards split by columns, or ranks whose shards overlap, are refused."""
+    from safetensors.torch import load_file
+
+    verl, expected = fsdp2[0] / "verl" / "fsdp1", fsdp2[1]["verl_fsdp1"]
+    summary = json.loads(run_cli("inspect", verl, "--json").output)
+    assert (summary["sharding"], summary["model"]["tensors"], summary["optimizer"]["tensors"]) == ("FSDP1 ShardedTensors", 21, 0)
+    assert "FSDP1" in summary["optimizer"]["not_read"] and len(summary["not_read"]) == 2
+    assert "optimizer   not read: " in run_cli("inspect", verl).output
+    result = run_cli("verify", verl)
+    assert result.exit_code == 0 and "every tensor covered exactly once" in result.output, result.output
+    assert run_cli("convert", verl, tmp_path / "hf", "--to", "full").exit_code == 0
+    found = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(found) == set(expected) and all(torch.equal(found[name], expected[name]) for name in found)
+    result = run_cli("diff", verl, tmp_path / "hf")
+    assert result.exit_code == 0 and "21 equal" in result.output, result.output
+    with fsdpkit.open_checkpoint(verl) as checkpoint:  # rows across both ranks' shards
+        assert torch.equal(checkpoint.get_slice("lm_head.weight")[30:40], expected["lm_head.weight"][30:40])
+    _fails(["inspect", fsdp2[0] / "verl" / "columns"], 3, "'w' is a ShardedTensor [4, 6] with a shard of sizes [4, 3] at offsets [0, 0]")
+    overlap = Path(shutil.copytree(verl, tmp_path / "overlap"))
+    shutil.copy(verl / "model_world_size_2_rank_0.pt", overlap / "model_world_size_2_rank_1.pt")
+    for command in (["verify", overlap], ["convert", overlap, tmp_path / "never", "--to", "full"]):
+        _fails(command, 3, "its ranks' shards overlap at element 0")
+    assert not (tmp_path / "never").exists()
+
+
 def test_open_checkpoint_reads_what_zero_to_fp32_gives(saved):
     """`fsdpkit.open_checkpoint` of ZeRO-3 and ZeRO-2 (frozen and tied parameters): every
     model tensor, whole and sliced, equals DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint`."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from test_any_checkpoint import assert_reads_like
-
-    import fsdpkit
 
     for layout in ("z3_bf16", "z2_tied"):  # ZeRO-3 with a frozen parameter, ZeRO-2 with a tied one
         expected = get_fp32_state_dict_from_zero_checkpoint(str(saved / layout))

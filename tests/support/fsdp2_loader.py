@@ -1,7 +1,7 @@
 """FSDP2 (2 gloo ranks, CPU) on the DeepSpeed tests' Llama, in one launch: loads DCP
 checkpoints with torch's own `dcp.load` and `set_state_dict` in both of `get_state_dict`'s
 optimizer layouts and gives back what it holds, and saves per-rank `torch.save` state dicts
-of DTensors as verl's FSDP checkpoint manager writes them."""
+of DTensors as verl's FSDP checkpoint manager writes them (FSDP1's too, in the same launch)."""
 
 from __future__ import annotations
 
@@ -60,28 +60,46 @@ def load_dcp(checkpoints: dict[str, tuple[str, bool]]) -> dict:
 
 
 def save_verl(directory: str, dcp_directory: str) -> dict:
-    """The Llama loaded from `dcp_directory`, saved as verl does: per rank, torch.save of the
-    model's and the optimizer's state dicts (DTensors) and an extra state; what was saved, whole."""
+    """The Llama's weights loaded from `dcp_directory`, trained one step by AdamW over
+    `model.parameters()` in one group (verl's optimizer), saved as verl does: per rank,
+    torch.save of the model's and the optimizer's state dicts (DTensors) and an extra state;
+    what was saved, whole (FSDP2's own full state dicts)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from .verl_fsdp1 import train_step
+
+    model, _ = sharded_llama(False)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=dcp_directory)
+    set_model_state_dict(model, state["model"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, optimizer)
+    write_verl(directory, model, optimizer)
+    return _full(model, optimizer)
+
+
+def write_verl(directory: str, model, optimizer) -> None:  # type: ignore[no-untyped-def]
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model, optimizer = sharded_llama(False)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=dcp_directory)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     rank, world = dist.get_rank(), dist.get_world_size()
     os.makedirs(directory, exist_ok=True)
     torch.save(model.state_dict(), os.path.join(directory, f"model_world_size_{world}_rank_{rank}.pt"))
     torch.save(optimizer.state_dict(), os.path.join(directory, f"optim_world_size_{world}_rank_{rank}.pt"))
     extra = {"lr_scheduler": {"last_epoch": 3}, "rng": {"cpu": torch.get_rng_state()}}
     torch.save(extra, os.path.join(directory, f"extra_state_world_size_{world}_rank_{rank}.pt"))
-    return _full(model, optimizer)
 
 
-def fsdp2_checks(dcp_checkpoints: dict[str, tuple[str, bool]], verl_directory: str) -> dict:
-    """Every FSDP2 check of the DeepSpeed tests, in one launch."""
+def fsdp2_checks(dcp_checkpoints: dict[str, tuple[str, bool]], verl_root: str) -> dict:
+    """Every FSDP2 check of the DeepSpeed tests, and verl's files under FSDP2 (`verl_root/fsdp2`)
+    and FSDP1 (`verl_root/fsdp1`, and a ShardedTensor split by columns in `verl_root/columns`),
+    in one launch."""
+    from .verl_fsdp1 import save_column_shards, save_verl_fsdp1
+
     first = next(iter(dcp_checkpoints.values()))[0]
-    return {"dcp": load_dcp(dcp_checkpoints), "verl": save_verl(verl_directory, first)}
+    out = {"dcp": load_dcp(dcp_checkpoints), "verl": save_verl(os.path.join(verl_root, "fsdp2"), first)}
+    out["verl_fsdp1"] = save_verl_fsdp1(os.path.join(verl_root, "fsdp1"))
+    save_column_shards(os.path.join(verl_root, "columns"))
+    return out

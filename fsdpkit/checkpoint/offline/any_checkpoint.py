@@ -18,7 +18,8 @@ checksummed fragment (fsdpkit sharded) is read whole, once, the first time any o
 so that its crc32 is checked. Non-tensor items: an fsdpkit checkpoint's training state (top-level
 keys), a full checkpoint's `__metadata__`, a DCP checkpoint's bytes items (plain values only:
 one that names a class is refused, never unpickled), a DeepSpeed model file's top-level
-non-tensor entries and `optimizer.param_groups`.
+non-tensor entries and `optimizer.param_groups`, per-rank torch.save files' `optimizer.param_groups`
+where their optimizer files are read.
 
 torch is imported by `get_tensor` and `get_slice` only; the offline commands use the tensor
 table (`sources`) and never import it.
@@ -221,7 +222,9 @@ def _open_torch_save(path: Path, model_key: str | None, optimizer_key: str | Non
 
     checkpoint = open_rank_state_dicts(path)
     model = {t.name: t for t in checkpoint.model}
-    return AnyCheckpoint(str(checkpoint.directory), TORCH_SAVE, model, {}, _close=checkpoint.close)
+    optimizer = {t.name: t for t in checkpoint.optimizer}
+    items = {"optimizer.param_groups": _value(checkpoint.optim.param_groups)} if optimizer else {}
+    return AnyCheckpoint(str(checkpoint.directory), TORCH_SAVE, model, optimizer, items=items, _close=checkpoint.close)
 
 
 def _with_aliases(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> dict[str, SourceTensor]:

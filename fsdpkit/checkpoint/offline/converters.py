@@ -188,4 +188,4 @@ def torchsave_to_full(src: Path, dst: Path, request: ConvertRequest, progress: P
     from .model_description import describe
 
     export = describe(request.model).export if request.model is not None else None
-    return convert_torchsave(src, dst, export=export, options=_full_output(request, progress))
+    return convert_torchsave(src, dst, export=export, with_optimizer=request.with_optimizer, options=_full_output(request, progress))

@@ -91,7 +91,7 @@ ROUTES: dict[tuple[str, str], Route] = {
         why="--model names the model whose flat-parameter layout to write; the optimizer state goes with it",
     ),
     ("deepspeed", "dcp"): Route(f"{_CONVERTERS}:deepspeed_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
-    ("torch-save-ranks", "full"): Route(f"{_CONVERTERS}:torchsave_to_full", optional=("model", "max_shard_size", "cast_to")),
+    ("torch-save-ranks", "full"): Route(f"{_CONVERTERS}:torchsave_to_full", optional=("model", *_FULL_OUTPUT)),
     ("dcp", "dcp"): Route(f"{_CONVERTERS}:dcp_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
     ("safetensors", "deepspeed"): Route(
         f"{_CONVERTERS}:safetensors_to_deepspeed",

@@ -10,27 +10,43 @@ from typing import Any
 from ...errors import DataCheckError
 from ..deepspeed.inspect import coverage_problems
 from ..deepspeed.rankfile import crc_problems_of
+from ..format.bytecopy import SourceTensor
 from .table import FORMAT, open_rank_state_dicts
 
 LARGEST = 5
 
 
+def _tensor(source: SourceTensor) -> dict[str, Any]:
+    return {"name": source.name, "dtype": source.dtype, "shape": list(source.shape), "bytes": source.nbytes}
+
+
 def summarize_torchsave(path: str | os.PathLike[str]) -> dict:
     with open_rank_state_dicts(path) as checkpoint:
-        model: list[dict[str, Any]] = [
-            {"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "bytes": s.nbytes} for s in checkpoint.model
-        ]
+        model = [_tensor(s) for s in checkpoint.model]
+        optim = checkpoint.optim
         return {
             "path": str(checkpoint.directory),
             "format": FORMAT,
             "world_size": checkpoint.world_size,
+            "sharding": checkpoint.sharding,
             "model": {"tensors": len(model), "elements": sum(s.numel for s in checkpoint.model), "bytes": sum(t["bytes"] for t in model)},
-            "dtypes": dict(Counter(s.dtype for s in checkpoint.model)),
+            "optimizer": {
+                "tensors": len(optim.tensors),
+                "states": sorted(Counter(s.name.split(".")[1] for s in optim.tensors)),
+                "bytes": sum(s.nbytes for s in optim.tensors),
+                "param_groups": optim.param_groups,
+                "not_read": optim.not_read,
+            },
+            "dtypes": dict(Counter(s.dtype for s in checkpoint.model + optim.tensors)),
             "largest": sorted(model, key=lambda t: t["bytes"], reverse=True)[:LARGEST],
-            "tensors": model,
+            "tensors": model + [_tensor(s) for s in optim.tensors],
             "not_read": checkpoint.other_files,
             "files": [{"name": rf.path.name, "size": rf.size} for rf in checkpoint.opened],
         }
+
+
+def _why(not_read: str) -> str:
+    return f" (optimizer files: {not_read})" if not_read else ""
 
 
 def verify_torchsave(path: str | os.PathLike[str]) -> dict:
@@ -41,22 +57,25 @@ def verify_torchsave(path: str | os.PathLike[str]) -> dict:
         report["problems"].append(str(error))
         return report
     with checkpoint:
-        problems = coverage_problems(checkpoint.directory, checkpoint.model)
+        sources = checkpoint.model + checkpoint.optimizer
+        problems = coverage_problems(checkpoint.directory, sources)
         storages, found = crc_problems_of(checkpoint.opened)
         problems.extend(found)
         report.update(
             ok=not problems,
             problems=problems,
-            tensors=len(checkpoint.model),
+            tensors=len(sources),
             files=len(checkpoint.opened),
-            bytes=sum(s.nbytes for s in checkpoint.model),
+            bytes=sum(s.nbytes for s in sources),
             checked=[
-                f"{len(checkpoint.opened)} model files present ({checkpoint.world_size} ranks), each a readable zip",
+                f"{len(checkpoint.opened)} files present ({checkpoint.world_size} ranks' model files"
+                + (" and optimizer files" if checkpoint.optimizer else "")
+                + "), each a readable zip",
                 "every data.pkl through the allow-list unpickler",
                 "every tensor inside its storage",
                 f"{storages} storages against the zip's CRC-32",
                 "every tensor covered exactly once by the ranks' parts",
-                f"not read: {', '.join(checkpoint.other_files) or 'nothing'}",
+                f"not read: {', '.join(checkpoint.other_files) or 'nothing'}" + _why(checkpoint.optim.not_read),
             ],
         )
     return report

@@ -2,8 +2,9 @@
 the rank files (no torch): `model_world_size_W_rank_R.pt` for R in 0..W-1, as verl's FSDP
 checkpoint manager writes them beside `optim_...` and `extra_state_...` files.
 
-A DTensor sharded on dim 0 over a 1-D mesh (FSDP2) is its ranks' local tensors in rank order;
-a replicated one, or a plain tensor, is rank 0's. Other placements are refused with one line.
+Each tensor is put together from its ranks' records by `tensors.source_tensor` (FSDP2
+DTensors, FSDP1 ShardedTensors, plain tensors); the optimizer files are read by `optim` where
+their parameter indices map to names, and otherwise listed as not read, with the reason.
 """
 
 from __future__ import annotations
@@ -14,14 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...dtypes import dtype_info
 from ...errors import DataCheckError
-from ...flat_layout import ElementRange
-from ..dcp import unpickler as u
 from ..deepspeed.rankfile import RankFile
-from ..format.bytecopy import SourcePiece, SourceTensor
-from ..format.names import numel
-from .unpickler import DTensorRecord, Replicate, Shard, loads
+from ..format.bytecopy import SourceTensor
+from .optim import OptimizerState, open_optimizer
+from .tensors import sharding_of, source_tensor
+from .unpickler import loads
 
 FORMAT = "torch-save-ranks"
 _MODEL_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
@@ -47,8 +46,14 @@ class RankStateDicts:
     directory: Path
     world_size: int
     model: list[SourceTensor] = field(default_factory=list)
-    other_files: list[str] = field(default_factory=list)  # optim_..., extra_state_... (not read)
-    opened: list[RankFile] = field(default_factory=list)
+    sharding: str = ""  # what the model files hold: FSDP2 DTensors, FSDP1 ShardedTensors or plain tensors
+    optim: OptimizerState = field(default_factory=OptimizerState)
+    other_files: list[str] = field(default_factory=list)  # the .pt files not read (extra_state_..., unread optim_...)
+    opened: list[RankFile] = field(default_factory=list)  # the model files, then the optimizer files read
+
+    @property
+    def optimizer(self) -> list[SourceTensor]:
+        return self.optim.tensors
 
     def close(self) -> None:
         for rank_file in self.opened:
@@ -62,7 +67,8 @@ class RankStateDicts:
 
 
 def open_rank_state_dicts(path: str | os.PathLike[str]) -> RankStateDicts:
-    """Every rank's model file read through the allow-list; each tensor's place checked."""
+    """Every rank's model file (and optimizer file, where it maps to names) read through the
+    allow-list; each tensor's place checked."""
     directory = Path(path)
     files = _model_files(directory)
     if 0 not in files:
@@ -73,15 +79,20 @@ def open_rank_state_dicts(path: str | os.PathLike[str]) -> RankStateDicts:
         raise DataCheckError(
             f"{directory}: model files of ranks {sorted(files)} and world sizes {sizes}, expected ranks 0..{world_size - 1}"
         )
-    others = sorted(p.name for p in directory.iterdir() if p.name.endswith(".pt") and not _MODEL_FILE.fullmatch(p.name))
-    checkpoint = RankStateDicts(directory, world_size, other_files=others)
+    checkpoint = RankStateDicts(directory, world_size)
     try:
         for rank in range(world_size):
             checkpoint.opened.append(RankFile(files[rank][1], loads))
-        checkpoint.model = _tensors(checkpoint.opened)
+        states = [_state(f) for f in checkpoint.opened]
+        checkpoint.model = _tensors(checkpoint.opened, states)
+        checkpoint.sharding = sharding_of(states[0].values())
+        checkpoint.optim = open_optimizer(directory, world_size, states[0], checkpoint.model)
+        checkpoint.opened.extend(checkpoint.optim.opened)
     except BaseException:
         checkpoint.close()
         raise
+    read = {rf.path.name for rf in checkpoint.opened}
+    checkpoint.other_files = sorted(p.name for p in directory.iterdir() if p.name.endswith(".pt") and p.name not in read)
     return checkpoint
 
 
@@ -92,49 +103,9 @@ def _state(rank_file: RankFile) -> dict[str, Any]:
     return state
 
 
-def _tensors(files: list[RankFile]) -> list[SourceTensor]:
-    states = [_state(f) for f in files]
+def _tensors(files: list[RankFile], states: list[dict[str, Any]]) -> list[SourceTensor]:
     names = list(states[0])
     for rank_file, state in zip(files, states, strict=True):
         if list(state) != names:
             raise DataCheckError(f"{rank_file.path}: other tensor names than {files[0].path.name} (files of two runs?)")
-    return [_tensor(name, files, [s[name] for s in states]) for name in names]
-
-
-def _tensor(name: str, files: list[RankFile], records: list[Any]) -> SourceTensor:
-    first = records[0]
-    if isinstance(first, u.TensorRecord):
-        where = files[0].tensor_range(first, name)
-        return SourceTensor(name, tuple(first.shape), where.dtype, (_piece(name, where, 0),))
-    if not isinstance(first, DTensorRecord):
-        return _refuse(files[0], name, f"a {type(first).__name__}, not a tensor")
-    if len(first.placements) != 1:
-        return _refuse(files[0], name, f"a DTensor on a {len(first.placements)}-D mesh")
-    placement = first.placements[0]
-    if isinstance(placement, Replicate):
-        where = files[0].tensor_range(first.local, name)
-        return SourceTensor(name, first.shape, where.dtype, (_piece(name, where, 0),))
-    if not isinstance(placement, Shard) or placement.get("dim") != 0:
-        return _refuse(files[0], name, f"a DTensor placed as {type(placement).__name__} {placement.__dict__}")
-    dtype = files[0].tensor_range(first.local, name).dtype
-    pieces, start = [], 0
-    for rank_file, record in zip(files, records, strict=True):
-        if not isinstance(record, DTensorRecord) or record.shape != first.shape:
-            return _refuse(rank_file, name, f"not the DTensor of shape {list(first.shape)} rank 0 holds")
-        where = rank_file.tensor_range(record.local, name)
-        if where.numel:
-            pieces.append(_piece(name, where, start))
-        start += where.numel
-    if start != numel(first.shape):
-        return _refuse(files[0], name, f"the ranks' parts hold {start} elements, its shape {list(first.shape)}")
-    return SourceTensor(name, first.shape, dtype, tuple(pieces))
-
-
-def _piece(name: str, where: Any, start: int) -> SourcePiece:
-    return SourcePiece(
-        ElementRange(start, start + where.numel), where.path, where.offset, where.numel * dtype_info(where.dtype).itemsize, None, name
-    )
-
-
-def _refuse(rank_file: RankFile, name: str, what: str) -> SourceTensor:
-    raise DataCheckError(f"{rank_file.path}: {name!r} is {what}, which fsdpkit does not read")
+    return [source_tensor(name, files, [s[name] for s in states]) for name in names]

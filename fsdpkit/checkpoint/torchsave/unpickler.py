@@ -1,11 +1,16 @@
-"""The allow-list for the `data.pkl` of a per-rank state dict holding FSDP2 DTensors: the
-DeepSpeed allow-list's tensors and containers, plus the classes a pickled DTensor names
-(its spec, device mesh and placements), mapped to inert records, never imported.
+"""The allow-list for the `data.pkl` of a per-rank state dict holding FSDP2 DTensors or FSDP1
+ShardedTensors: the DeepSpeed allow-list's tensors and containers, plus the classes a pickled
+DTensor or ShardedTensor names (spec, device mesh, placements, shard metadata, sharding spec),
+mapped to inert records, never imported.
 
 A DTensor pickles as `_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, (DTensor,
 dtype, size, stride, ...), {"_local_tensor": ..., "_spec": ...})`; here it becomes a
-`DTensorRecord`: the global shape, the rank's local tensor and its placements. Any other
-global is a DataCheckError naming it.
+`DTensorRecord`: the global shape, the rank's local tensor and its placements. A ShardedTensor
+pickles the same way with the state `(local shards, metadata, process group state, sharding
+spec, init_rrefs)`; it becomes a `ShardedTensorRecord`: the global shape and the rank's local
+shards, each a tensor at its offsets. The process group state's class is reached by
+`getattr(ShardedTensor, "ProcessGroupState")`: that one call is allowed, no other getattr.
+Any other global is a DataCheckError naming it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from ..dcp import unpickler as u
 from ..deepspeed.unpickler import DEEPSPEED_GLOBALS
 
 DTENSOR = "torch.distributed.tensor.DTensor"
+SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+_SHARDED_MODULE = "torch.distributed._shard.sharded_tensor"
 
 
 @dataclass(frozen=True)
@@ -28,9 +35,24 @@ class DTensorRecord:
 
 
 @dataclass(frozen=True)
+class LocalShard:
+    offsets: tuple[int, ...]  # of its first element in the whole tensor
+    sizes: tuple[int, ...]
+    tensor: u.TensorRecord
+
+
+@dataclass(frozen=True)
+class ShardedTensorRecord:
+    shape: tuple[int, ...]  # the whole tensor's
+    dtype: str
+    shards: tuple[LocalShard, ...]  # this rank's (none where it holds no part)
+
+
+@dataclass(frozen=True)
 class _Wrapper:
     cls: Any
     shape: tuple[int, ...]
+    dtype: str
 
 
 class Shard(u.Record):
@@ -41,30 +63,70 @@ class Replicate(u.Record):
     pass
 
 
+class _Shard(u.Record):  # a ShardedTensor's local shard (its tensor and metadata)
+    pass
+
+
+class ShardMetadata(u.Record):
+    pass
+
+
+class ProcessGroupState(u.Record):
+    pass
+
+
 def _record(module: str, name: str) -> type[u.Record]:
     return type(name, (u.Record,), {"qualname": f"{module}.{name}"})
 
 
 def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *rest: Any) -> _Wrapper:
-    if cls != DTENSOR:
-        raise DataCheckError(f"a tensor subclass {cls!r}: only DTensors are read")
-    return _Wrapper(cls, tuple(size))
+    if cls not in (DTENSOR, SHARDED_TENSOR):
+        raise DataCheckError(f"a tensor subclass {cls!r}: only DTensors and ShardedTensors are read")
+    if not isinstance(dtype, u.Dtype):
+        raise DataCheckError(f"a {cls} without a dtype")
+    return _Wrapper(cls, u._size(size), dtype.name)
 
 
 def _from_type(rebuild: Any, new_type: Any, args: Any, state: Any) -> Any:
-    """`torch._tensor._rebuild_from_type_v2`: a plain tensor, a Parameter's, or a DTensor."""
-    if rebuild is _wrapper_subclass:
+    """`torch._tensor._rebuild_from_type_v2`: a plain tensor, a Parameter's, a DTensor or a ShardedTensor."""
+    if rebuild is _wrapper_subclass and isinstance(args, tuple):
         wrapper = rebuild(*args)
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) form
-            state = {**(state[0] or {}), **(state[1] or {})}
-        state = state if isinstance(state, dict) else {}
-        local, spec = state.get("_local_tensor"), state.get("_spec")
-        if not isinstance(local, u.TensorRecord) or not isinstance(spec, u.Record):
-            raise DataCheckError("a DTensor without its local tensor and spec")
-        return DTensorRecord(wrapper.shape, local, tuple(spec.get("placements") or ()))
+        return _dtensor(wrapper, state) if wrapper.cls == DTENSOR else _sharded_tensor(wrapper, state)
     if rebuild not in (u._tensor_v2, u._tensor_v3) or not isinstance(args, tuple):
         raise DataCheckError("_rebuild_from_type_v2 of something else than a tensor")
     return rebuild(*args)
+
+
+def _dtensor(wrapper: _Wrapper, state: Any) -> DTensorRecord:
+    if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) form
+        state = {**(state[0] or {}), **(state[1] or {})}
+    state = state if isinstance(state, dict) else {}
+    local, spec = state.get("_local_tensor"), state.get("_spec")
+    if not isinstance(local, u.TensorRecord) or not isinstance(spec, u.Record):
+        raise DataCheckError("a DTensor without its local tensor and spec")
+    return DTensorRecord(wrapper.shape, local, tuple(spec.get("placements") or ()))
+
+
+def _sharded_tensor(wrapper: _Wrapper, state: Any) -> ShardedTensorRecord:
+    """The state `ShardedTensor.__getstate__` gives: (local shards, metadata, ...)."""
+    if not isinstance(state, tuple) or len(state) < 2 or not isinstance(state[0], list):
+        raise DataCheckError("a ShardedTensor without its local shards")
+    shards = []
+    for shard in state[0]:
+        metadata = shard.get("metadata") if isinstance(shard, _Shard) else None
+        tensor = shard.get("tensor") if isinstance(shard, _Shard) else None
+        if not isinstance(metadata, ShardMetadata) or not isinstance(tensor, u.TensorRecord):
+            raise DataCheckError("a ShardedTensor's local shard without its tensor and metadata")
+        offsets, sizes = metadata.get("shard_offsets"), metadata.get("shard_sizes")
+        shards.append(LocalShard(u._size(offsets), u._size(sizes), tensor))
+    return ShardedTensorRecord(wrapper.shape, wrapper.dtype, tuple(shards))
+
+
+def _getattr(owner: Any, name: Any) -> Any:
+    """`getattr` in a ShardedTensor's pickle: only `ShardedTensor.ProcessGroupState`."""
+    if owner != SHARDED_TENSOR or name != "ProcessGroupState":
+        raise DataCheckError(f"getattr({str(owner)[:60]}, {str(name)[:40]!r}) is not allowed (nothing from the file was run)")
+    return ProcessGroupState
 
 
 _SPEC_CLASSES = (
@@ -74,6 +136,11 @@ _SPEC_CLASSES = (
     ("torch.distributed.device_mesh", "DeviceMesh"),
     ("torch.distributed._mesh_layout", "_MeshLayout"),
     ("torch.distributed._mesh_layout", "_FlatLayout"),
+    (f"{_SHARDED_MODULE}.metadata", "ShardedTensorMetadata"),
+    (f"{_SHARDED_MODULE}.metadata", "TensorProperties"),
+    ("torch.distributed.remote_device", "_remote_device"),
+    ("torch.distributed._shard.sharding_spec.api", "EnumerableShardingSpec"),
+    ("torch.distributed._shard.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"),
 )
 
 TORCHSAVE_GLOBALS: dict[tuple[str, str], Any] = {
@@ -84,10 +151,17 @@ TORCHSAVE_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.serialization", "_get_layout"): u._layout,
     ("torch.distributed.tensor.placement_types", "Shard"): Shard,
     ("torch.distributed.tensor.placement_types", "Replicate"): Replicate,
+    ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor"): SHARDED_TENSOR,
+    (f"{_SHARDED_MODULE}.shard", "Shard"): _Shard,
+    ("torch.distributed._shard.metadata", "ShardMetadata"): ShardMetadata,
+    (f"{_SHARDED_MODULE}.metadata", "MEM_FORMAT_ENCODING"): u._memory_format,
+    ("__builtin__", "getattr"): _getattr,
+    ("builtins", "getattr"): _getattr,
     **{(module, name): _record(module, name) for module, name in _SPEC_CLASSES},
 }
 
 
 def loads(raw: bytes, *, where: str) -> Any:
-    """Unpickle a rank file's `data.pkl`: tensors become `TensorRecord`s, DTensors `DTensorRecord`s."""
+    """Unpickle a rank file's `data.pkl`: tensors become `TensorRecord`s, DTensors `DTensorRecord`s,
+    ShardedTensors `ShardedTensorRecord`s."""
     return u.restricted_loads(raw, allowed=TORCHSAVE_GLOBALS, where=where, storages=True)
