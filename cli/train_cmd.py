@@ -55,8 +55,6 @@ def train(
     ] = False,
     **settings: Any,
 ) -> None:
-    from fsdpkit.dist.launch import under_torchrun
-    from fsdpkit.dist.worker_entry import start_fork_server
     from fsdpkit.train.resume import train_config  # no torch: every flag is checked before torch is imported
 
     values = read_toml(str(config_file)) if config_file is not None else {}
@@ -68,8 +66,6 @@ def train(
     if print_config:
         typer.echo(to_toml(config.to_values(), header="fsdpkit train config (fsdpkit train --config FILE replays it)"), nl=False)
         return
-    if not under_torchrun():  # a launch is coming: its workers' torch import overlaps this process's
-        start_fork_server("fsdpkit.train.launcher")
     from fsdpkit.train.launcher import run_training
 
     summary = run_training(config)

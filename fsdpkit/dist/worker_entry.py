@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .interrupts import run_quietly_interruptible, sigint_held
+from .interrupts import run_quietly_interruptible
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.elastic.multiprocessing"]
 
@@ -30,17 +30,6 @@ def preload_fork_server(worker_fn: Callable[..., Any]) -> None:
     `worker_fn`'s module."""
     module = [worker_fn.__module__] if worker_fn.__module__ != "__main__" else []
     multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *module])
-
-
-def start_fork_server(worker_module: str) -> None:
-    """Start the fork server now, importing PRELOAD and `worker_module` while this process goes on
-    (its own import of torch, its checks): a command that will launch saves the time of one
-    import of torch. The server starts with SIGINT blocked, as in any launch."""
-    from multiprocessing import forkserver
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, worker_module])
-    with sigint_held():
-        forkserver.ensure_running()
 
 
 class WorkerEntry:
