@@ -14,6 +14,7 @@ DCP -> fsdpkit -> DCP keeps the optimizer's param groups for `dcp.load` in both 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -260,6 +261,45 @@ def test_written_files(tmp_path: Path) -> None:
         result = run_cli("convert", run, tmp_path / "bad", "--to", "deepspeed", *args)
         assert result.exit_code == 2 and message in result.output, result.output
         assert not (tmp_path / "bad").exists()
+
+
+def test_files_are_the_same_written_by_one_or_two_processes(tmp_path: Path, monkeypatch) -> None:
+    """The files shared out between two processes (the second share written by a forked child)
+    are byte for byte the ones one process writes, at every stage, with the same progress; a
+    corrupt source fails either way with the same error and nothing left behind."""
+    import re
+
+    from fsdpkit.checkpoint.format import workers
+    from fsdpkit.errors import DataCheckError
+
+    assert workers.even_shares([5, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 6)]
+    assert workers.even_shares([1] * 6, 2) == [range(0, 3), range(3, 6)]
+    assert workers.even_shares([0, 7], 2) == [range(0, 2)]
+    tensors, _ = _reference()
+    run = save_checkpoint(tmp_path / "run", STEPS_BEFORE, tensors, world_size=2)
+    for stage in STAGES:
+        written = {}
+        for count in (1, 2):
+            monkeypatch.setattr(workers, "process_count", lambda files, split_at, count=count: count)
+            done: list[int] = []
+            out = tmp_path / f"s{stage}-{count}"
+            to_deepspeed(run, out, stage=stage, world_size=5, progress=lambda nbytes, total, done=done: done.append(nbytes))
+            written[count] = ({p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}, sum(done))
+        assert written[1] == written[2] and len(written[1][0]) == (11 if stage == 3 else 7), stage
+    broken = tmp_path / "broken"
+    shutil.copytree(run, broken)
+    rank_file = next(broken.glob("rank-00001-*"))
+    raw = bytearray(rank_file.read_bytes())
+    raw[-5] ^= 1
+    rank_file.write_bytes(bytes(raw))
+    lines, before = [], sorted(tmp_path.iterdir())
+    for count in (1, 2):
+        monkeypatch.setattr(workers, "process_count", lambda files, split_at, count=count: count)
+        with pytest.raises(DataCheckError) as caught:
+            to_deepspeed(broken, tmp_path / "out", stage=3, world_size=5)
+        lines.append(re.sub(r"-[0-9a-f]{8}/", "-*/", str(caught.value)))
+        assert sorted(tmp_path.iterdir()) == before
+    assert lines[0] == lines[1] and "checksum mismatch" in lines[0], lines
 
 
 DCP_SETTINGS = {"lr": 0.003, "betas": (0.85, 0.95), "eps": 1e-7, "weight_decay": 0.07}

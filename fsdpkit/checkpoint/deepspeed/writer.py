@@ -24,6 +24,7 @@ from typing import Any
 from ...errors import UsageError
 from ..dcp.pickler import Ordered, dumps
 from ..dcp.rawout import RawOutput
+from ..format import workers
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import numel
 from . import writer_records as records
@@ -33,6 +34,7 @@ from .writer_zip import Storage, write_torch_zip
 
 DS_VERSION = "0.19.8"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+SPLIT_FILES = 4  # outputs of at least this many files are written by several processes
 # torch.optim.AdamW's group settings, as DeepSpeed's checkpoint of it holds them
 ADAMW_DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
@@ -185,32 +187,32 @@ def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, l
     return dumps({"optimizer_state_dict": state, **_common(run)}, prelude=False), pickle.storages
 
 
-def _write(directory: Path, name: str, content: tuple[bytes, list[Storage]], engine: ByteEngine, progress: Any) -> None:
-    with RawOutput(directory / name, engine, progress) as out:
-        write_torch_zip(out, name.removesuffix(".pt"), *content)
-
-
 def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None] | None = None) -> list[str]:
     """`latest` and the tag directory's files in `directory` (not synced: the caller's staged
-    output syncs); returns the files' paths relative to `directory`."""
+    output syncs); returns the files' paths relative to `directory`. The files are shared out
+    by size between `workers.process_count` processes."""
     _check(run)
     layouts = [partitions(run.stage, [(p.name, numel(p.master.shape)) for p in g.params], run.world_size) for g in run.groups]
-    by_rank = list(zip(*layouts, strict=True))
+    files: list[tuple[str, tuple[bytes, list[Storage]]]] = []
+    if run.stage != 3:
+        files.append((model_file(None), model_states(run, None, _common(run))))
+    for rank, rank_parts in enumerate(zip(*layouts, strict=True)):
+        if run.stage == 3:
+            files.append((model_file(rank), model_states(run, rank, _common(run))))
+        files.append((optim_file(rank), (_stage3_optim if run.stage == 3 else _stage12_optim)(run, list(rank_parts))))
     tag = directory / run.tag
     tag.mkdir()
-    engine, names = ByteEngine(), []
-    try:
-        if run.stage != 3:
-            _write(tag, model_file(None), model_states(run, None, _common(run)), engine, progress)
-            names.append(model_file(None))
-        for rank, rank_parts in enumerate(by_rank):
-            if run.stage == 3:
-                _write(tag, model_file(rank), model_states(run, rank, _common(run)), engine, progress)
-                names.append(model_file(rank))
-            optim = (_stage3_optim if run.stage == 3 else _stage12_optim)(run, list(rank_parts))
-            _write(tag, optim_file(rank), optim, engine, progress)
-            names.append(optim_file(rank))
-    finally:
-        engine.close()
+
+    def write(share: range, report: Callable[[int], None] | None) -> None:
+        engine = ByteEngine()
+        try:
+            for name, content in files[share.start : share.stop]:
+                with RawOutput(tag / name, engine, report) as out:
+                    write_torch_zip(out, name.removesuffix(".pt"), *content)
+        finally:
+            engine.close()
+
+    sizes = [sum(s.nbytes for s in storages) for _, (_, storages) in files]
+    workers.in_processes(workers.even_shares(sizes, workers.process_count(len(files), split_at=SPLIT_FILES)), write, progress)
     (directory / "latest").write_text(run.tag)
-    return ["latest", *(f"{run.tag}/{name}" for name in names)]
+    return ["latest", *(f"{run.tag}/{name}" for name, _ in files)]

@@ -14,7 +14,8 @@ A child sends its progress (bytes), then its result or the exception it raised, 
 pipe. The first error of any process is raised here once every child has been stopped and
 reaped, so the caller's staging directory can be removed with nothing still writing into it.
 Fewer than SPLIT_RANK_FILES files (a few large files, written by the engine's threads), one
-core, or no `os.fork`: this process writes them all.
+core, or no `os.fork`: this process writes them all. `in_processes` is the sharing itself, which
+the DeepSpeed writer uses too (its files shared out by size, `even_shares`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from multiprocessing.connection import Connection, Pipe, wait
 from pathlib import Path
+from typing import TypeVar
 
 from ...errors import RunError
 from .bytecopy import ByteEngine, SourceTensor
@@ -34,14 +36,46 @@ from .placement import ShardLayout
 
 SPLIT_RANK_FILES = 1024  # outputs of at least this many rank files are written by several processes
 MAX_PROCESSES = 2
+T = TypeVar("T")
 
 
-def process_count(world_size: int) -> int:
-    """How many processes write `world_size` rank files."""
-    if world_size < SPLIT_RANK_FILES or not hasattr(os, "fork"):
+def process_count(files: int, *, split_at: int = SPLIT_RANK_FILES) -> int:
+    """How many processes write `files` output files (several from `split_at` files on)."""
+    if files < split_at or not hasattr(os, "fork"):
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_PROCESSES, cores, world_size))
+    return max(1, min(MAX_PROCESSES, cores, files))
+
+
+def even_shares(sizes: Sequence[int], count: int) -> list[range]:
+    """At most `count` contiguous, non-empty ranges of indices into `sizes`, each of about the
+    same total size."""
+    total, begin, running = sum(sizes), 0, 0
+    shares: list[range] = []
+    for index, size in enumerate(sizes):
+        running += size
+        if len(shares) < count - 1 and running * count >= total * (len(shares) + 1):
+            shares.append(range(begin, index + 1))
+            begin = index + 1
+    shares.append(range(begin, len(sizes)))
+    return [share for share in shares if share]
+
+
+def in_processes(
+    shares: Sequence[range],
+    work: Callable[[range, Callable[[int], None] | None], T],
+    progress: Callable[[int], None] | None = None,
+) -> list[T]:
+    """`work(share, report)` for each share, the first in this process and each other in a child
+    forked from it; the results in the shares' order. `report(nbytes)` is the share's progress."""
+    children = _Children(progress)
+    try:
+        for share in shares[1:]:
+            children.start(partial(work, share))
+        first = work(shares[0], children.relay)
+        return [first, *children.results()]
+    finally:
+        children.stop()
 
 
 def write_rank_files(
@@ -56,7 +90,6 @@ def write_rank_files(
     """Every rank file of `layout` in `directory`, by `process_count` processes; their bytes."""
     count = process_count(layout.world_size)
     cuts = [layout.world_size * share // count for share in range(count + 1)]
-    shares = [range(cuts[share], cuts[share + 1]) for share in range(count)]
 
     def write(ranks: range, report: Callable[[int], None] | None) -> tuple[int, list[PartRead]]:
         engine = ByteEngine(sources, out_dtypes, chunk_size=chunk_size, progress=report)
@@ -70,18 +103,9 @@ def write_rank_files(
             engine.close()
         return total, engine.finish_parts()
 
-    children = _Children(progress)
-    try:
-        for ranks in shares[1:]:
-            children.start(partial(write, ranks))
-        total, parts = write(shares[0], children.relay)
-        for child_total, child_parts in children.results():
-            total += child_total
-            parts += child_parts
-    finally:
-        children.stop()
-    check_parts(parts)
-    return total
+    results = in_processes([range(cuts[share], cuts[share + 1]) for share in range(count)], write, progress)
+    check_parts([part for _, parts in results for part in parts])
+    return sum(total for total, _ in results)
 
 
 class _Children:
@@ -118,11 +142,11 @@ class _Children:
                 self._take(receive)
 
     def results(self) -> list:
-        """Every child's result, once all have finished."""
+        """Every child's result in the order they were started, once all have finished."""
         while running := self._running():
             for receive in wait(running):
                 self._take(receive)  # type: ignore[arg-type]
-        return [result for _, result in self._results.values()]
+        return [self._results[receive][1] for receive in self._pids]
 
     def _running(self) -> list[Connection]:
         return [receive for receive in self._pids if receive not in self._results]
