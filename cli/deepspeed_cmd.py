@@ -42,4 +42,5 @@ def torchsave_lines(s: dict) -> list[str]:
         "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in s["largest"]),
         f"files       {len(s['files'])} read, {format_size(sum(f['size'] for f in s['files']))}",
         f"not read    {', '.join(s['not_read']) or 'nothing'}",
+        *(["items       rank 0's extra state, by key:", *item_lines(s["items"])] if s["items"] else []),
     ]

@@ -304,9 +304,14 @@ def test_verl_rank_state_dicts(fsdp2, tmp_path):
         21,
     )
     assert summary["optimizer"]["tensors"] == 60 and summary["optimizer"]["states"] == ["exp_avg", "exp_avg_sq", "step"]
-    assert len(summary["not_read"]) == 2  # the extra state files
+    assert summary["not_read"] == [] and summary["items"] == {"lr_scheduler": 3, "rng": 1 + 5 + 627}
+    assert summary["extra_state"]["lr_scheduler"] == {"last_epoch": 3, "base_lrs": [1e-2], "_step_count": 4}
+    rng = summary["extra_state"]["rng"]
+    assert rng["cpu"] == f"tensor U8{list(torch.get_rng_state().shape)}" and rng["numpy"][:2] == ["MT19937", "numpy array u4[624]"]
+    assert rng["random"][0] == 3 and len(rng["random"][1]) == 625
+    assert "rank 0's extra state" in run_cli("inspect", verl).output
     result = run_cli("verify", verl)
-    assert result.exit_code == 0 and "CRC-32" in result.output, result.output
+    assert result.exit_code == 0 and "CRC-32" in result.output and "extra state files" in result.output, result.output
     assert run_cli("convert", verl, tmp_path / "hf", "--to", "full", "--with-optimizer").exit_code == 0
     found = {**load_file(tmp_path / "hf" / "model.safetensors"), **load_file(tmp_path / "hf" / "optimizer.safetensors")}
     assert set(found) == set(expected) and len([n for n in found if n.startswith("optim.")]) == 60
@@ -314,6 +319,7 @@ def test_verl_rank_state_dicts(fsdp2, tmp_path):
     result = run_cli("diff", verl, tmp_path / "hf")
     assert result.exit_code == 0 and "81 equal" in result.output, result.output
     with fsdpkit.open_checkpoint(verl) as checkpoint:
+        assert checkpoint.get_item("lr_scheduler")["last_epoch"] == 3
         groups = checkpoint.get_item("optimizer.param_groups")
         assert [{k: g[k] for k in SETTINGS} for g in groups] == fsdp2[1]["verl"]["param_groups"]
     partial = Path(shutil.copytree(verl, tmp_path / "partial"))
@@ -329,6 +335,9 @@ def test_verl_rank_state_dicts(fsdp2, tmp_path):
 
     torch.save({"model.norm.weight": Evil()}, copy / "model_world_size_2_rank_1.pt")
     _fails(["inspect", copy], 3, "which is not allowed")
+    extra = Path(shutil.copytree(verl, tmp_path / "evil-extra"))
+    torch.save({"rng": Evil()}, extra / "extra_state_world_size_2_rank_1.pt")
+    _fails(["verify", extra], 3, "which is not allowed")
     _fails(["convert", copy, tmp_path / "never", "--to", "full"], 3, "which is not allowed")
     assert not marker.exists() and not (tmp_path / "never").exists()
 

@@ -88,7 +88,13 @@ def write_verl(directory: str, model, optimizer) -> None:  # type: ignore[no-unt
     os.makedirs(directory, exist_ok=True)
     torch.save(model.state_dict(), os.path.join(directory, f"model_world_size_{world}_rank_{rank}.pt"))
     torch.save(optimizer.state_dict(), os.path.join(directory, f"optim_world_size_{world}_rank_{rank}.pt"))
-    extra = {"lr_scheduler": {"last_epoch": 3}, "rng": {"cpu": torch.get_rng_state()}}
+    import random
+
+    import numpy as np
+
+    # verl's: the LR scheduler's state dict and the RNG states (a GPU's too, where there is one)
+    rng = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+    extra = {"lr_scheduler": {"last_epoch": 3, "base_lrs": [1e-2], "_step_count": 4}, "rng": rng}
     torch.save(extra, os.path.join(directory, f"extra_state_world_size_{world}_rank_{rank}.pt"))
 
 

@@ -25,11 +25,11 @@ LARGEST = 5
 PARAM_GROUPS_ITEM = "optimizer.param_groups"  # the optimizer's hyperparameters, one item per group setting
 
 
-def _count_items(value: Any) -> int:
+def count_items(value: Any) -> int:
     if isinstance(value, dict):
-        return sum(_count_items(v) for v in value.values()) or 1
+        return sum(count_items(v) for v in value.values()) or 1
     if isinstance(value, list):
-        return sum(_count_items(v) for v in value) or 1
+        return sum(count_items(v) for v in value) or 1
     return 1
 
 
@@ -69,7 +69,7 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> dict:
             "dtypes": dict(Counter(s.dtype for s in checkpoint.sources)),
             "largest": sorted(model, key=lambda t: t["bytes"], reverse=True)[:LARGEST],
             "tensors": model + [_tensor(s) for s in optim],
-            "items": {key: _count_items(value) for key, value in {**checkpoint.items, PARAM_GROUPS_ITEM: checkpoint.param_groups}.items()},
+            "items": {key: count_items(value) for key, value in {**checkpoint.items, PARAM_GROUPS_ITEM: checkpoint.param_groups}.items()},
             "files": [{"name": rf.path.name, "size": rf.size} for rf in checkpoint.opened],
         }
 

@@ -18,7 +18,8 @@ checksummed fragment (fsdpkit sharded) is read whole, once, the first time any o
 so that its crc32 is checked. Non-tensor items: an fsdpkit checkpoint's training state (top-level
 keys), a full checkpoint's `__metadata__`, a DCP checkpoint's bytes items (plain values only:
 one that names a class is refused, never unpickled), a DeepSpeed model file's top-level
-non-tensor entries and `optimizer.param_groups`, per-rank torch.save files' `optimizer.param_groups`
+non-tensor entries and `optimizer.param_groups`, per-rank torch.save files' rank 0 extra state
+(top-level keys; tensors and numpy arrays as their dtype and shape) and `optimizer.param_groups`
 where their optimizer files are read.
 
 torch is imported by `get_tensor` and `get_slice` only; the offline commands use the tensor
@@ -223,7 +224,9 @@ def _open_torch_save(path: Path, model_key: str | None, optimizer_key: str | Non
     checkpoint = open_rank_state_dicts(path)
     model = {t.name: t for t in checkpoint.model}
     optimizer = {t.name: t for t in checkpoint.optimizer}
-    items = {"optimizer.param_groups": _value(checkpoint.optim.param_groups)} if optimizer else {}
+    items = {key: _value(value) for key, value in checkpoint.extra_state.items()}
+    if optimizer:
+        items["optimizer.param_groups"] = _value(checkpoint.optim.param_groups)
     return AnyCheckpoint(str(checkpoint.directory), TORCH_SAVE, model, optimizer, items=items, _close=checkpoint.close)
 
 

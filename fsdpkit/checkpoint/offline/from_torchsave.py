@@ -22,7 +22,7 @@ def torchsave_to_full(
 ) -> dict:
     """The model files' tensors whole, under their state dict names, and with `with_optimizer`
     the optimizer state the optimizer files hold (`optim.<state>.<name>`, where they are read);
-    the extra state files are not read."""
+    the extra state (the LR scheduler's, the RNG states) is not written."""
     with open_rank_state_dicts(src) as checkpoint:
         optim = checkpoint.optimizer if with_optimizer else []
         report = write_full(checkpoint.model, optim, Path(dst), src=Path(src), export=export, aliases={}, options=options or FullOutput())

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ..deepspeed.inspect import coverage_problems
+from ..deepspeed.inspect import count_items, coverage_problems
 from ..deepspeed.rankfile import crc_problems_of
 from ..format.bytecopy import SourceTensor
 from .table import FORMAT, open_rank_state_dicts
@@ -40,6 +40,8 @@ def summarize_torchsave(path: str | os.PathLike[str]) -> dict:
             "dtypes": dict(Counter(s.dtype for s in checkpoint.model + optim.tensors)),
             "largest": sorted(model, key=lambda t: t["bytes"], reverse=True)[:LARGEST],
             "tensors": model + [_tensor(s) for s in optim.tensors],
+            "items": {key: count_items(value) for key, value in checkpoint.extra_state.items()},
+            "extra_state": checkpoint.extra_state,
             "not_read": checkpoint.other_files,
             "files": [{"name": rf.path.name, "size": rf.size} for rf in checkpoint.opened],
         }
@@ -69,7 +71,8 @@ def verify_torchsave(path: str | os.PathLike[str]) -> dict:
             bytes=sum(s.nbytes for s in sources),
             checked=[
                 f"{len(checkpoint.opened)} files present ({checkpoint.world_size} ranks' model files"
-                + (" and optimizer files" if checkpoint.optimizer else "")
+                + (", optimizer files" if checkpoint.optimizer else "")
+                + (", extra state files" if checkpoint.extra_state else "")
                 + "), each a readable zip",
                 "every data.pkl through the allow-list unpickler",
                 "every tensor inside its storage",

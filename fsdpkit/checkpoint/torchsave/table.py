@@ -4,7 +4,10 @@ checkpoint manager writes them beside `optim_...` and `extra_state_...` files.
 
 Each tensor is put together from its ranks' records by `tensors.source_tensor` (FSDP2
 DTensors, FSDP1 ShardedTensors, plain tensors); the optimizer files are read by `optim` where
-their parameter indices map to names, and otherwise listed as not read, with the reason.
+their parameter indices map to names, and otherwise listed as not read, with the reason. The
+extra state files (the LR scheduler's state and each rank's RNG states) are read through the
+same allow-list, numpy's arrays admitted as records; rank 0's items are the checkpoint's
+non-tensor items, as plain values (a tensor or array as its dtype and shape).
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
+from ..dcp import unpickler as u
 from ..deepspeed.rankfile import RankFile
 from ..format.bytecopy import SourceTensor
 from .optim import OptimizerState, open_optimizer
 from .tensors import sharding_of, source_tensor
-from .unpickler import loads
+from .unpickler import NumpyArray, extra_state_loads, loads
 
 FORMAT = "torch-save-ranks"
 _MODEL_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
@@ -48,8 +52,9 @@ class RankStateDicts:
     model: list[SourceTensor] = field(default_factory=list)
     sharding: str = ""  # what the model files hold: FSDP2 DTensors, FSDP1 ShardedTensors or plain tensors
     optim: OptimizerState = field(default_factory=OptimizerState)
-    other_files: list[str] = field(default_factory=list)  # the .pt files not read (extra_state_..., unread optim_...)
-    opened: list[RankFile] = field(default_factory=list)  # the model files, then the optimizer files read
+    extra_state: dict[str, Any] = field(default_factory=dict)  # rank 0's extra state, as plain values
+    other_files: list[str] = field(default_factory=list)  # the .pt files not read (unread optim_..., others)
+    opened: list[RankFile] = field(default_factory=list)  # the model files, the optimizer files read, the extra state files
 
     @property
     def optimizer(self) -> list[SourceTensor]:
@@ -88,6 +93,7 @@ def open_rank_state_dicts(path: str | os.PathLike[str]) -> RankStateDicts:
         checkpoint.sharding = sharding_of(states[0].values())
         checkpoint.optim = open_optimizer(directory, world_size, states[0], checkpoint.model)
         checkpoint.opened.extend(checkpoint.optim.opened)
+        checkpoint.extra_state = _extra_state(directory, world_size, checkpoint.opened)
     except BaseException:
         checkpoint.close()
         raise
@@ -109,3 +115,37 @@ def _tensors(files: list[RankFile], states: list[dict[str, Any]]) -> list[Source
         if list(state) != names:
             raise DataCheckError(f"{rank_file.path}: other tensor names than {files[0].path.name} (files of two runs?)")
     return [source_tensor(name, files, [s[name] for s in states]) for name in names]
+
+
+def _extra_state(directory: Path, world_size: int, opened: list[RankFile]) -> dict[str, Any]:
+    """Open the extra state files there are (appended to `opened`); rank 0's items, plain."""
+    paths = [directory / f"extra_state_world_size_{world_size}_rank_{rank}.pt" for rank in range(world_size)]
+    files = []
+    for path in paths:
+        if path.exists():
+            files.append(RankFile(path, extra_state_loads))
+            opened.append(files[-1])
+    if not files or files[0].path != paths[0]:
+        return {}
+    state = files[0].state
+    if not isinstance(state, dict):
+        raise DataCheckError(f"{paths[0]}: holds a {type(state).__name__}, expected a dict of named items")
+    return {str(key): plain(value) for key, value in state.items()}
+
+
+def plain(value: Any) -> Any:
+    """A record tree as plain data: tensors and arrays as their dtype and shape, other records
+    as their class's name, bytes as their length."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, u.TensorRecord):
+        return f"tensor {value.dtype or value.storage.storage_type.dtype}{list(value.shape)}"
+    if isinstance(value, NumpyArray):
+        return value.describe()
+    if isinstance(value, (bytes, bytearray)):
+        return f"{len(value)} bytes"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return getattr(value, "qualname", type(value).__name__)

@@ -165,3 +165,44 @@ def loads(raw: bytes, *, where: str) -> Any:
     """Unpickle a rank file's `data.pkl`: tensors become `TensorRecord`s, DTensors `DTensorRecord`s,
     ShardedTensors `ShardedTensorRecord`s."""
     return u.restricted_loads(raw, allowed=TORCHSAVE_GLOBALS, where=where, storages=True)
+
+
+class NumpyDtype(u.Record):
+    qualname = "numpy.dtype"
+
+
+class NumpyArray(u.Record):
+    """`numpy._core.multiarray._reconstruct(ndarray, (0,), b"b")`, then its state: (version,
+    shape, dtype, Fortran order, the bytes)."""
+
+    qualname = "numpy.ndarray"
+
+    def describe(self) -> str:
+        state = self.get("state")
+        if isinstance(state, tuple) and len(state) == 5 and isinstance(state[2], NumpyDtype) and isinstance(state[1], tuple):
+            dtype = state[2].get("args", ("?",))[0]
+            return f"numpy array {dtype}{list(state[1])}"
+        return "numpy array"
+
+
+def _latin1(text: Any, encoding: Any = None) -> bytes:
+    """`_codecs.encode(text, "latin1")`: how pickle protocol 2 writes bytes."""
+    if not isinstance(text, str) or encoding != "latin1":
+        raise DataCheckError(f"_codecs.encode of {type(text).__name__} with {str(encoding)[:20]!r}: only latin1 text is read")
+    return text.encode("latin1")
+
+
+# A training run's extra state (verl's `extra_state_...`: the LR scheduler's state dict and the
+# RNG states, numpy's among them) adds numpy arrays and dtypes, as records, and bytes.
+EXTRA_STATE_GLOBALS: dict[tuple[str, str], Any] = {
+    **TORCHSAVE_GLOBALS,
+    **{(f"numpy.{core}.multiarray", "_reconstruct"): NumpyArray for core in ("core", "_core")},
+    ("numpy", "ndarray"): NumpyArray.qualname,
+    ("numpy", "dtype"): NumpyDtype,
+    ("_codecs", "encode"): _latin1,
+}
+
+
+def extra_state_loads(raw: bytes, *, where: str) -> Any:
+    """Unpickle an extra state file's `data.pkl` (`EXTRA_STATE_GLOBALS`)."""
+    return u.restricted_loads(raw, allowed=EXTRA_STATE_GLOBALS, where=where, storages=True)
