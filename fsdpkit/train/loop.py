@@ -14,6 +14,7 @@ import dataclasses
 import os
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -263,10 +264,11 @@ class Trainer:
         self.comms.all_reduce(total, None, label=label)
         return total.tolist()
 
-    def train_step(self, *, stop_requested: bool = False) -> float:
+    def train_step(self, *, stop_requested: Callable[[], bool] | None = None) -> float:
         """One optimizer step over the global batch; returns its loss (mean over all tokens).
-        `stopping` then says whether any rank was asked to stop (`stop_requested`): the ranks
-        agree on it in the loss's all-reduce."""
+        `stopping` then says whether any rank was asked to stop (`stop_requested()`, asked at
+        the end of the step, so that a stop asked for during the step counts): the ranks agree
+        on it in the loss's all-reduce."""
         self.current_step = self.step + 1
         faults.step_started(self.current_step)
         optimizer, data = self.config.optimizer, self.config.data
@@ -303,7 +305,8 @@ class Trainer:
         self.step += 1
         self.optimizer_steps += int(stepped)
         snapshot_flag = self.snapshots.finished_flag() if self.snapshots else 1.0
-        loss_sum, stops, snapshots_finished = self._global_sums([local_loss, float(stop_requested), snapshot_flag], "loss")
+        stop_flag = float(stop_requested()) if stop_requested is not None else 0.0
+        loss_sum, stops, snapshots_finished = self._global_sums([local_loss, stop_flag, snapshot_flag], "loss")
         self.stopping = stops > 0
         if self.snapshots:
             self.snapshots.confirm(snapshots_finished, self.world_size)
@@ -381,7 +384,7 @@ def _run_steps(trainer: Trainer, stop: StopSignals, outputs: Outputs, throughput
     eval_losses: list[dict] = []
     while trainer.step < config.steps and not trainer.stopping:
         step_start = time.perf_counter()
-        loss = trainer.train_step(stop_requested=stop.requested)
+        loss = trainer.train_step(stop_requested=lambda: stop.requested)
         step_time = time.perf_counter() - step_start
         throughput.add(step_time)
         losses.append(loss)

@@ -125,6 +125,17 @@ def stopped_worker(process: subprocess.Popen, deadline: float = 240) -> int:
     raise AssertionError("no worker stopped")
 
 
+def wait_for_pending(pid: int, signum: int, deadline: float = 60) -> None:
+    """Wait until signal `signum` is pending for the (stopped) process `pid`."""
+    bit, end = 1 << (signum - 1), time.monotonic() + deadline
+    while time.monotonic() < end:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        if any(int(status[key], 16) & bit for key in ("SigPnd", "ShdPnd")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"signal {signum} never reached process {pid}")
+
+
 def left_in_session(session: int, wait: float = 10) -> list[str]:
     """Live (not zombie) processes of a session, after waiting up to `wait` s for them to go."""
     end = time.monotonic() + wait
@@ -208,7 +219,7 @@ def preempted(tmp_path_factory) -> Run:
     process = start(directory, "--steps", "100", fault="stop:1:3")
     worker = stopped_worker(process)
     os.kill(process.pid, signal.SIGTERM)
-    time.sleep(1)  # the launcher passes it on; rank 1 gets it while stopped
+    wait_for_pending(worker, signal.SIGTERM)  # the launcher passes it on; rank 1 gets it while stopped
     os.kill(worker, signal.SIGCONT)
     return finish(process, directory)
 
