@@ -82,6 +82,10 @@ class Record:
     def get(self, name: str, default: Any = None) -> Any:
         return self.__dict__.get(name, default)
 
+    def plain_value(self) -> Any:
+        """What `plain` shows for this record: its class's qualified name, unless a kind says more."""
+        return getattr(self, "qualname", type(self).__name__)
+
 
 class Metadata(Record):
     pass
@@ -141,6 +145,24 @@ class TensorRecord:
     shape: tuple
     stride: tuple
     dtype: str | None  # given by _rebuild_tensor_v3; v2 takes the storage's
+
+
+def plain(value: Any) -> Any:
+    """A record tree as plain data: containers as dicts and lists, a tensor as its dtype and
+    shape, a record as its `plain_value`, bytes as their length; other objects as their type's name."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, TensorRecord):
+        return f"tensor {value.dtype or value.storage.storage_type.dtype}{list(value.shape)}"
+    if isinstance(value, Record):
+        return plain(value.plain_value())
+    if isinstance(value, (bytes, bytearray)):
+        return f"{len(value)} bytes"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
 
 
 def _size(values: Any = ()) -> tuple:

@@ -196,7 +196,7 @@ def _group_states(base: Any, groups: int) -> list[dict] | None:
 
 
 def _param_groups(base: Any) -> list[dict]:
-    from .table import plain
+    from ..dcp.unpickler import plain
 
     groups = base.get("param_groups") if isinstance(base, dict) else None
     if not isinstance(groups, list):

@@ -73,20 +73,6 @@ class DeepSpeedCheckpoint:
         self.close()
 
 
-def plain(value: Any) -> Any:
-    """A record tree as plain data: enums as their value, records as their qualified name."""
-    if isinstance(value, DeepSpeedRecord):
-        inner = value.value()
-        return plain(inner) if inner is not value else value.qualname
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if isinstance(value, u.TensorRecord):
-        return f"tensor {value.dtype or value.storage.storage_type.dtype}{list(value.shape)}"
-    return value
-
-
 def _get(state: Any, key: str, where: Path, ds_version: str) -> Any:
     if not isinstance(state, dict) or key not in state:
         raise DataCheckError(f"{where}: no {key!r}: a layout fsdpkit does not read (ds_version {ds_version})")
@@ -154,7 +140,7 @@ def _build(files: RankFiles, opened: list[RankFile]) -> DeepSpeedCheckpoint:
     from .sources import add_sources
 
     add_sources(checkpoint, models, optims)
-    checkpoint.items = {k: plain(v) for k, v in head.state.items() if k != "module" and not isinstance(v, u.TensorRecord)}
+    checkpoint.items = {k: u.plain(v) for k, v in head.state.items() if k != "module" and not isinstance(v, u.TensorRecord)}
     return checkpoint
 
 

@@ -25,6 +25,10 @@ class DeepSpeedRecord(u.Record):
         args = self.get("args", ())
         return args[0] if len(args) == 1 else self
 
+    def plain_value(self) -> Any:
+        inner = self.value()
+        return inner if inner is not self else self.qualname
+
 
 def _record_class(module: str, name: str) -> type[DeepSpeedRecord]:
     return type(name, (DeepSpeedRecord,), {"qualname": f"{module}.{name}"})

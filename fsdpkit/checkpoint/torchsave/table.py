@@ -24,7 +24,7 @@ from ..deepspeed.rankfile import RankFile
 from ..format.bytecopy import SourceTensor
 from .optim import OptimizerState, open_optimizer
 from .tensors import sharding_of, source_tensor
-from .unpickler import NumpyArray, extra_state_loads, loads
+from .unpickler import extra_state_loads, loads
 
 FORMAT = "torch-save-ranks"
 _MODEL_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
@@ -130,22 +130,4 @@ def _extra_state(directory: Path, world_size: int, opened: list[RankFile]) -> di
     state = files[0].state
     if not isinstance(state, dict):
         raise DataCheckError(f"{paths[0]}: holds a {type(state).__name__}, expected a dict of named items")
-    return {str(key): plain(value) for key, value in state.items()}
-
-
-def plain(value: Any) -> Any:
-    """A record tree as plain data: tensors and arrays as their dtype and shape, other records
-    as their class's name, bytes as their length."""
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if isinstance(value, u.TensorRecord):
-        return f"tensor {value.dtype or value.storage.storage_type.dtype}{list(value.shape)}"
-    if isinstance(value, NumpyArray):
-        return value.describe()
-    if isinstance(value, (bytes, bytearray)):
-        return f"{len(value)} bytes"
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return getattr(value, "qualname", type(value).__name__)
+    return {str(key): u.plain(value) for key, value in state.items()}

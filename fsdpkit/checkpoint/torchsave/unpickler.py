@@ -177,7 +177,7 @@ class NumpyArray(u.Record):
 
     qualname = "numpy.ndarray"
 
-    def describe(self) -> str:
+    def plain_value(self) -> str:
         state = self.get("state")
         if isinstance(state, tuple) and len(state) == 5 and isinstance(state[2], NumpyDtype) and isinstance(state[1], tuple):
             dtype = state[2].get("args", ("?",))[0]
