@@ -7,6 +7,7 @@ one line on stderr and exit 2; a group run with no arguments prints its help onc
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import re
@@ -48,6 +49,12 @@ def click_message(message: str) -> str:
     """Typer's usage message as one line in fsdpkit's style: 'missing argument 'src''."""
     text = " ".join(message.replace("Value error, ", "").split()).rstrip(".")
     return text[:1].lower() + text[1:]
+
+
+def suggestion(name: str, commands: list[str]) -> str:
+    """'; did you mean 'train'?' for a mistyped command name, '' when nothing is close."""
+    close = difflib.get_close_matches(name, commands, n=3)
+    return f"; did you mean {' or '.join(repr(command) for command in close)}?" if close else ""
 
 
 def load_command(module_name: str, name: str) -> Any:
@@ -94,6 +101,11 @@ class FsdpkitGroup(TyperGroup):
                 typer.echo(text)
             raise typer.Exit(2)  # a command is a missing argument
         return super().parse_args(ctx, args)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        if args and not args[0].startswith("-") and not ctx.resilient_parsing and args[0] not in self.list_commands(ctx):
+            ctx.fail(f"no such command {args[0]!r}{suggestion(args[0], self.list_commands(ctx))}")
+        return super().resolve_command(ctx, args)
 
     def list_commands(self, ctx: Any) -> list[str]:
         return [*self.command_table, *(name for name in super().list_commands(ctx) if name not in self.command_table)]

@@ -96,7 +96,9 @@ CASES = [
     (("report", "missing.jsonl"), 2, "'missing.jsonl' is not a file"),
     (("report", "notes.txt", "--out", "nodir/r.png"), 2, "--out 'nodir/r.png' must be a file in an existing directory"),
     # the command itself (no command at all: test_no_arguments_print_the_help_once_and_exit_2)
-    (("frobnicate",), 2, "no such command 'frobnicate'"),
+    (("frobnicate",), 2, "no such command 'frobnicate' (see 'fsdpkit --help')"),  # nothing close: no suggestion
+    (("trian",), 2, "no such command 'trian'; did you mean 'train'? (see 'fsdpkit --help')"),
+    (("convrt", "good", "out", "--to", "full"), 2, "no such command 'convrt'; did you mean 'convert'?"),
     (("--bogus",), 2, "no such option: --bogus"),
 ]
 
