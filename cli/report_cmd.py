@@ -8,14 +8,25 @@ from typing import Annotated
 
 import typer
 
-from fsdpkit.errors import UsageError
+from fsdpkit.errors import UsageError, install_hint
 
 from .common import handle_errors
 
 command_app = typer.Typer(add_completion=False)
 
 
-@command_app.command("report", short_help="Draw train --metrics, bench --json (busbw) or plan --scaling --json (TFLOPS/device) as a PNG.")
+REPORT_HELP = (
+    "Draw loss (train and eval), tokens/s, learning rate and memory against step from train --metrics; busbw against "
+    "size per collective, and list against flat all-gather, from bench --json; or predicted TFLOPS per device against "
+    f"world size from plan --scaling --json. Needs matplotlib: {install_hint('plot')}."
+)
+
+
+@command_app.command(
+    "report",
+    short_help="Draw train --metrics, bench --json (busbw) or plan --scaling --json (TFLOPS/device) as a PNG.",
+    help=REPORT_HELP,
+)
 @handle_errors
 def report(
     source: Annotated[
@@ -24,10 +35,6 @@ def report(
     ],
     out: Annotated[Path | None, typer.Option("--out", help="The PNG to write (default: FILE with .png).", metavar="PNG")] = None,
 ) -> None:
-    """Draw loss (train and eval), tokens/s, learning rate and memory against step from train
-    --metrics; busbw against size per collective, and list against flat all-gather, from
-    bench --json; or predicted TFLOPS per device against world size from plan --scaling --json.
-    Needs matplotlib: pip install 'fsdpkit[plot]'."""
     from fsdpkit.report.plots import plot_bench, plot_metrics, plot_scaling, read_report_input
 
     if not source.is_file():

@@ -3,6 +3,8 @@
 UsageError: the user asked for something that cannot work (exit 2).
 RunError: a run failed, e.g. a worker died (exit 1).
 DataCheckError: data failed a check: a corrupt checkpoint, a wrong benchmark result (exit 3).
+
+`install_hint(extra)` is what every message about an absent optional extra tells the user to run.
 """
 
 
@@ -20,3 +22,9 @@ class RunError(FsdpkitError, RuntimeError):
 
 class DataCheckError(FsdpkitError):
     exit_code = 3
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs the optional extra `extra` (a name in pyproject's optional
+    dependencies) beside an installed fsdpkit."""
+    return f"pip install 'fsdpkit[{extra}]'"

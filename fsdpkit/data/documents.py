@@ -25,9 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from ..errors import DataCheckError, UsageError
+from ..errors import DataCheckError, UsageError, install_hint
 
-DATA_HINT = "pip install 'fsdpkit[data]'"
 JSON_SUFFIXES = (".jsonl", ".json")
 ROWS_PER_READ = 1024
 
@@ -53,7 +52,7 @@ def datasets_module() -> Any:
     try:
         import datasets
     except ImportError:
-        raise UsageError(f"this --data needs Hugging Face datasets: {DATA_HINT}") from None
+        raise UsageError(f"this --data needs Hugging Face datasets: {install_hint('data')}") from None
     return datasets
 
 
@@ -61,7 +60,7 @@ def _pyarrow_parquet() -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise UsageError(f"parquet --data needs pyarrow: {DATA_HINT}") from None
+        raise UsageError(f"parquet --data needs pyarrow: {install_hint('data')}") from None
     return pq
 
 
@@ -211,7 +210,7 @@ def cached_hub_dataset(spec: str) -> str:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
     except ImportError:
-        raise UsageError(f"a Hub dataset name needs huggingface_hub: {DATA_HINT}") from None
+        raise UsageError(f"a Hub dataset name needs huggingface_hub: {install_hint('data')}") from None
     repo, _, revision = spec.partition("@")
     try:
         return snapshot_download(repo, repo_type="dataset", revision=revision or None, local_files_only=True)

@@ -36,10 +36,10 @@ import torch.nn as nn
 from ..checkpoint.format.export import SIDE_FILES, HfExport
 from ..checkpoint.format.reader import is_full_checkpoint
 from ..engine.model_hooks import ModelHooks, declare_hooks
-from ..errors import UsageError
+from ..errors import UsageError, install_hint
 
 PREFIX = "hf:"
-INSTALL_HINT = "Hugging Face models need the optional extra: pip install -e '.[hf]' (transformers, tokenizers)"
+INSTALL_HINT = f"Hugging Face models need the optional extra: {install_hint('hf')} (transformers, tokenizers)"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 # Small configs of known architectures, no dropout (a run must not depend on the world size).

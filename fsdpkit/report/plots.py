@@ -1,7 +1,7 @@
 """Pictures for `fsdpkit report`: a training run's --metrics JSON lines (loss, tokens/s, learning
 rate, memory against step), a `bench --json` document (busbw against size per collective,
 flat against list all-gather) or a `plan --scaling --json` document (TFLOPS per device against
-world size). matplotlib is an optional extra: `pip install 'fsdpkit[plot]'`."""
+world size). matplotlib is an optional extra, `plot`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-
-PLOT_HINT = "pip install 'fsdpkit[plot]'"
+from ..errors import UsageError, install_hint
 
 
 def read_report_input(path: Path) -> tuple[str, Any]:
@@ -51,7 +49,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise UsageError(f"fsdpkit report draws with matplotlib, which is not installed: {PLOT_HINT}") from None
+        raise UsageError(f"fsdpkit report draws with matplotlib, which is not installed: {install_hint('plot')}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -7,16 +7,14 @@ import json
 import os
 from typing import Any
 
-from ..errors import UsageError
-
-TENSORBOARD_HINT = "pip install 'fsdpkit[tensorboard]'"
+from ..errors import UsageError, install_hint
 
 
 def check_tensorboard_installed() -> None:
     import importlib.util
 
     if importlib.util.find_spec("tensorboard") is None:
-        raise UsageError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
+        raise UsageError(f"--tensorboard needs the tensorboard package: {install_hint('tensorboard')}")
 
 
 class MetricsLog:

@@ -13,10 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol
 
-from ..errors import UsageError
+from ..errors import UsageError, install_hint
 
-WANDB_HINT = "pip install 'fsdpkit[wandb]'"
-MLFLOW_HINT = "pip install 'fsdpkit[mlflow]'"
 TRACKED_CONFIG_NAME = "fsdpkit"
 MLFLOW_FILE_STORE_OPT_IN = "MLFLOW_ALLOW_FILE_STORE"
 MLFLOW_URI_ENV = "MLFLOW_TRACKING_URI"
@@ -42,9 +40,9 @@ def check_installed(*, wandb: bool, mlflow: bool) -> None:
     import importlib.util
 
     if wandb and importlib.util.find_spec("wandb") is None:
-        raise UsageError(f"--wandb needs the wandb package: {WANDB_HINT}")
+        raise UsageError(f"--wandb needs the wandb package: {install_hint('wandb')}")
     if mlflow and importlib.util.find_spec("mlflow") is None:
-        raise UsageError(f"--mlflow needs the mlflow package: {MLFLOW_HINT}")
+        raise UsageError(f"--mlflow needs the mlflow package: {install_hint('mlflow')}")
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:

@@ -136,3 +136,20 @@ def test_counts_are_singular_for_one_and_sizes_agree(tmp_path, monkeypatch):
     )
     assert "(1 save; max over ranks)" in format_summary(summary)
     assert "(2 saves; max over ranks)" in format_summary(dataclasses.replace(summary, save_timings={"saves": 2}))
+
+
+def test_every_install_hint_has_one_form_from_one_function():
+    """A message about an absent optional extra says `pip install 'fsdpkit[EXTRA]'` (what works for
+    an installed fsdpkit), always through errors.install_hint, naming an extra pyproject defines."""
+    import re
+    import tomllib
+
+    from fsdpkit.errors import install_hint
+
+    sources = {path: path.read_text(encoding="utf-8") for folder in ("fsdpkit", "cli") for path in sorted((ROOT / folder).rglob("*.py"))}
+    spelled = [path.relative_to(ROOT) for path, text in sources.items() if "pip install" in text]
+    assert spelled == [Path("fsdpkit/errors.py")], spelled
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    named = {extra for text in sources.values() for extra in re.findall(r"install_hint\(['\"]([^'\"]+)['\"]\)", text)}
+    assert named == {"plot", "tensorboard", "hf", "data", "wandb", "mlflow"} and named <= extras.keys(), named
+    assert install_hint("plot") == "pip install 'fsdpkit[plot]'"

@@ -28,4 +28,6 @@ def test_without_transformers_hf_models_exit_2_with_the_install_hint(tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == [2, 2, 2, 0]  # the built-in model still plans
     errors = done.stderr.splitlines()
-    assert len(errors) == 3 and all(line.startswith("error: ") and "pip install -e '.[hf]'" in line for line in errors), errors
+    assert len(errors) == 3 and all(
+        line.startswith("error: ") and "pip install 'fsdpkit[hf]' (transformers, tokenizers)" in line for line in errors
+    ), errors
