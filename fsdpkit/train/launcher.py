@@ -38,7 +38,7 @@ from .loop import build_optimizer, train_worker
 from .metrics import check_tensorboard_installed
 from .model_setup import initial_weights, inspect_model
 from .resume import saved_run
-from .save_dir import check_save_dir, set_aside
+from .save_dir import check_save_dir, continued_run_id, set_aside
 from .snapshots import snapshot_store
 from .summary import TrainSummary
 from .trackers import check_installed
@@ -113,6 +113,8 @@ def run_training(config: TrainConfig) -> TrainSummary | None:
         run_id = f"torchrun-{rdzv_id}" if rdzv_id not in ("", "none") else None
         _no_conversion_under_torchrun(config)
         validate(config, int(os.environ["WORLD_SIZE"]), run_id=run_id)
+        if config.checkpoint.save_dir:
+            run_id = continued_run_id(config.checkpoint.save_dir, config.checkpoint.resume) or run_id
         if os.environ.get("RANK") == "0" and attempt_number() == 0:
             _set_aside_earlier_run(config)
         return run_in_process_group(config, RunContext(run_id=run_id))
@@ -168,16 +170,19 @@ def launch_line(config: TrainConfig) -> str:
 
 @contextlib.contextmanager
 def _run_lock(config: TrainConfig) -> Iterator[str | None]:
-    """The run id of --save-dir's lock, held until the block ends (None without --save-dir).
-    On several nodes every node's launcher would want the lock of the one shared directory:
-    there the run id is the rendezvous id all nodes share, and no lock is taken."""
+    """The run id of --save-dir's lock, held until the block ends (None without --save-dir): a
+    run resumed from its own newest checkpoint keeps that run's id (save_dir.py). On several
+    nodes every node's launcher would want the lock of the one shared directory: there the run
+    id is the rendezvous id all nodes share, and no lock is taken."""
     save_dir = config.checkpoint.save_dir
     if not save_dir:
         yield None
-    elif config.launch.nnodes > 1:
-        yield f"rdzv-{config.launch.job_id}"
+        return
+    continued = continued_run_id(save_dir, config.checkpoint.resume)
+    if config.launch.nnodes > 1:
+        yield continued or f"rdzv-{config.launch.job_id}"
     else:
-        with RunLock.acquire(save_dir, warn=log.warn) as lock:
+        with RunLock.acquire(save_dir, warn=log.warn, run_id=continued) as lock:
             yield lock.run_id
 
 

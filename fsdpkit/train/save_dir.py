@@ -5,6 +5,10 @@ elsewhere) is refused before launch when the directory already holds checkpoints
 run: the error names them and the run that wrote them, and offers `--resume DIR` (continue
 that run) or `--new-run` (start a new one there).
 
+A run that goes on from the newest checkpoint of its --save-dir (--resume DIR, or that step)
+keeps that checkpoint's run id: one run, however often it is resumed, is one run in these
+messages and to --keep-last. A resume from an earlier step branches off: a new run id.
+
 With --new-run, the earlier checkpoints are set aside before the first save, all together, with
 the `latest` that names them: `DIR/earlier-YYYYMMDD-HHMMSS/` is then a run directory of its own
 (`--resume DIR/earlier-...` continues it). So `DIR/latest` only ever names a checkpoint of the
@@ -19,7 +23,7 @@ from pathlib import Path
 
 from ..checkpoint.format.manifest import load_manifest
 from ..checkpoint.format.names import LATEST_NAME
-from ..checkpoint.format.storage import complete_steps, fsync_dir
+from ..checkpoint.format.storage import complete_steps, fsync_dir, resolve_checkpoint
 from ..errors import DataCheckError, UsageError
 
 EARLIER_PREFIX = "earlier-"
@@ -42,6 +46,18 @@ def continues(save_dir: str | Path, resume: str | Path | None) -> bool:
         return False
     save, source = os.path.realpath(save_dir), os.path.realpath(resume)
     return source == save or os.path.dirname(source) == save
+
+
+def continued_run_id(save_dir: str | Path, resume: str | Path | None) -> str | None:
+    """The run id a run resuming from `resume` into `save_dir` goes on with: that of the
+    checkpoint it resumes, when that is the newest in `save_dir`; None (a new id) otherwise."""
+    if resume is None or not continues(save_dir, resume):
+        return None
+    steps = complete_steps(save_dir)
+    resumed = resolve_checkpoint(resume)
+    if not steps or os.path.realpath(steps[-1][1]) != os.path.realpath(resumed):
+        return None
+    return _writer(resumed)[0]
 
 
 def check_save_dir(save_dir: str | Path, *, resume: str | Path | None, new_run: bool, run_id: str | None = None) -> None:

@@ -198,13 +198,9 @@ def test_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
             start_new_session=True,
         )
         deadline = time.time() + 120
-        start_count = len(list(run_dir.glob("step-*"))) if run_dir.exists() else 0
-        while (
-            time.time() < deadline
-            and not (run_dir / "latest").exists()
-            or len(list(run_dir.glob("step-*"))) <= start_count
-            and time.time() < deadline
-        ):
+        start_latest = (run_dir / "latest").read_text() if (run_dir / "latest").exists() else None
+        # until this process has saved a checkpoint (--keep-last spans the run and its resumes: count steps no more)
+        while time.time() < deadline and (not (run_dir / "latest").exists() or (run_dir / "latest").read_text() == start_latest):
             time.sleep(0.05)
         time.sleep(delay)
         os.killpg(process.pid, signal.SIGKILL)

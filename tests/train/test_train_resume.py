@@ -7,6 +7,9 @@ launch, and --new-run sets them aside so that `latest` never points back to them
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -14,8 +17,11 @@ import torch
 from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
+from fsdpkit.checkpoint.format.manifest import load_manifest
+from fsdpkit.checkpoint.format.storage import complete_steps
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.train import launcher
+from fsdpkit.train.save_dir import continued_run_id
 
 runner = CliRunner()
 # Every carried setting away from its default, so that a resume that fell back to a default would differ.
@@ -132,3 +138,30 @@ def test_a_fresh_run_into_a_used_save_dir_exits_2_before_launch(run, tmp_path, n
     assert not (used / "latest").exists() and not list(used.glob("step-*"))
     assert (earlier / "latest").read_text().strip() == "step-00000006"
     assert len(no_launch) == 2
+
+
+def fsdpkit(*args: str, cwd) -> subprocess.CompletedProcess:
+    """The real CLI in a process of its own (a run id is made from the process that takes the lock)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "fsdpkit_cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_run_and_its_resumes_are_one_run(tmp_path):
+    """A resume that goes on from the newest checkpoint of its --save-dir keeps the run id, so a
+    fresh run into that directory names the run once; a resume from an earlier step is a new run."""
+    common = ("train", "--nproc-per-node", "1", "--global-batch-size", "2", "--seq-len", "16", "--save-dir", "run", "--quiet")
+    done = fsdpkit(*common, "--steps", "2", "--save-every", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = fsdpkit(*common, "--steps", "4", "--resume", "run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    refused = fsdpkit(*common, "--steps", "2", cwd=tmp_path)
+    run = tmp_path / "run"
+    writers = [load_manifest(path).run_id for _, path in complete_steps(run)]
+    assert len(writers) == 3 and len(set(writers)) == 1 and writers[0], writers
+    (line,) = refused.stderr.splitlines()
+    assert (
+        refused.returncode == 2
+        and f"checkpoints step-00000001, step-00000002, step-00000004 of another run (run {writers[0]}, model gpt-tiny): " in line
+    ), line
+    assert continued_run_id(run, run) == writers[0] == continued_run_id(run, run / "step-00000004")
+    assert continued_run_id(run, run / "step-00000002") is None and continued_run_id(run, None) is None

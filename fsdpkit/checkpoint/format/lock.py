@@ -5,7 +5,8 @@
 
 `run/.lock` holds JSON `{"host", "pid", "started", "run"}`: the host name, the process id and
 start time of the holder, and the run id that the checkpoints it writes carry (`--keep-last`
-prunes only checkpoints with this id). A second `acquire` while the holder lives is a
+prunes only checkpoints with this id): made from the holder's identity, or given (a run that
+goes on from its own newest checkpoint keeps that checkpoint's id). A second `acquire` while the holder lives is a
 `UsageError` naming the holder. A stale lock (its pid is not running on this host, or is
 another process than the one that took the lock) is taken over, with a message through
 `warn`. A lock held from another host is never taken over: only that host can tell whether
@@ -76,7 +77,7 @@ class RunLock:
         self.run_id: str = holder["run"]
 
     @classmethod
-    def acquire(cls, run_dir: str | os.PathLike, *, warn: Callable[[str], None] | None = None) -> RunLock:
+    def acquire(cls, run_dir: str | os.PathLike, *, warn: Callable[[str], None] | None = None, run_id: str | None = None) -> RunLock:
         run_dir = Path(run_dir)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +85,7 @@ class RunLock:
             raise UsageError(f"cannot create the run directory {run_dir}: {error.strerror}") from None
         path = run_dir / LOCK_NAME
         identity = process_identity()
-        holder = {**identity, "run": run_id_of(identity)}
+        holder = {**identity, "run": run_id or run_id_of(identity)}
         for _ in range(3):
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
