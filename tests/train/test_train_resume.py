@@ -146,7 +146,7 @@ def fsdpkit(*args: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fsdpkit_cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_a_run_and_its_resumes_are_one_run(tmp_path):
+def test_a_run_and_its_resumes_are_one_run(tmp_path, no_launch, monkeypatch):
     """A resume that goes on from the newest checkpoint of its --save-dir keeps the run id, so a
     fresh run into that directory names the run once; a resume from an earlier step is a new run."""
     common = ("train", "--nproc-per-node", "1", "--global-batch-size", "2", "--seq-len", "16", "--save-dir", "run", "--quiet")
@@ -154,13 +154,15 @@ def test_a_run_and_its_resumes_are_one_run(tmp_path):
     assert done.returncode == 0, done.stderr
     done = fsdpkit(*common, "--steps", "4", "--resume", "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    refused = fsdpkit(*common, "--steps", "2", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    refused = runner.invoke(app, [*common, "--steps", "2"])  # refused before launch: in this process
     run = tmp_path / "run"
     writers = [load_manifest(path).run_id for _, path in complete_steps(run)]
     assert len(writers) == 3 and len(set(writers)) == 1 and writers[0], writers
     (line,) = refused.stderr.splitlines()
     assert (
-        refused.returncode == 2
+        refused.exit_code == 2
+        and no_launch == []
         and f"checkpoints step-00000001, step-00000002, step-00000004 of another run (run {writers[0]}, model gpt-tiny): " in line
     ), line
     assert continued_run_id(run, run) == writers[0] == continued_run_id(run, run / "step-00000004")
