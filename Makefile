@@ -10,9 +10,13 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fsdpkit-installed
+# `make test-compat`: a second environment with the oldest torch fsdpkit supports (pyproject's floor).
+COMPAT_VENV ?= .venv-compat
+COMPAT_TORCH_SPEC ?= torch==2.11.0
+COMPAT_STAMP := $(COMPAT_VENV)/.fsdpkit-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install train test lint clean
+.PHONY: install train test test-compat lint clean
 
 install: $(STAMP)
 
@@ -31,8 +35,21 @@ train: install
 
 # Two pytest workers (pytest-xdist), each taking whole files, so a module's shared launches stay
 # in one process: on 2 cores the launches' waits (rendezvous, timeouts) overlap the other's work.
+# tests/compat is the compatibility suite, run by test-compat under the oldest torch.
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/compat tests
+
+# The compatibility suite (the commands as a user runs them first, the launcher, the torch window)
+# under COMPAT_TORCH_SPEC, in its own environment: fsdpkit with its test extra only.
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/python -m pytest -q tests/compat tests/dist
+
+$(COMPAT_STAMP): pyproject.toml Makefile
+	@echo "== $(COMPAT_VENV): $(COMPAT_TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX)), the oldest torch fsdpkit supports"
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(COMPAT_TORCH_SPEC)"
+	$(COMPAT_VENV)/bin/python -m pip install -e ".[test]"
+	touch $(COMPAT_STAMP)
 
 # ruff (lint rules and format check, settings in pyproject.toml), mypy on fsdpkit/, then vulture
 # for dead code (vulture_whitelist.py: the names only a caller's signature uses).
@@ -43,4 +60,4 @@ lint: install
 	$(VENV)/bin/vulture --min-confidence 80 fsdpkit cli vulture_whitelist.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info

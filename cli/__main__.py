@@ -1,8 +1,8 @@
-"""`python -m fsdpkit_cli ...` is the `fsdpkit` command; under torchrun each process is a worker:
+"""`python -m fsdpkit_cli ...` is the `fsdpkit` command (its console script's entry); under torchrun each process is a worker:
 
 torchrun --nproc-per-node 2 -m fsdpkit_cli train --steps 20
 """
 
-from .app import main
+from .entry import main
 
 main()

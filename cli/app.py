@@ -92,6 +92,9 @@ def _root(
     ),
 ) -> None:
     """Fully Sharded Data Parallel training, sharded safetensors checkpoints and collective benchmarks."""
+    from fsdpkit.dist.torch_window import check_installed_torch
+
+    check_installed_torch()
 
 
 def main() -> None:

@@ -49,3 +49,8 @@ def main() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # nor the wait for the launch's helpers
+        from fsdpkit.dist.worker_entry import stop_fork_server
+
+        stop_fork_server()

@@ -195,7 +195,6 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
         monitor_interval=0.1,
         start_method="forkserver",
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT: _stop_signals
-        shutdown_timeout=SHUTDOWN_SECONDS,
     )
     try:
         preload_fork_server(worker_fn)
@@ -252,28 +251,28 @@ def _stop_signals() -> Iterator[None]:
 @contextlib.contextmanager
 def _prompt_stops() -> Iterator[None]:
     """elastic_launch, stopping the other workers within SHUTDOWN_SECONDS of a failure or a
-    restart, not 30 s: torch 2.13 waits that long for a worker that does not exit on SIGTERM
-    (a stopped one; one finishing its step), both where its agent stops the group
-    (LocalElasticAgent._stop_workers ignores shutdown_timeout) and where the process context
-    finds a failed worker (ProcessContext.join without a grace period)."""
-    from torch.distributed.launcher import api
+    restart, not 30 s: torch waits that long for a worker that does not exit on SIGTERM (a
+    stopped one; one finishing its step) wherever its agent closes the workers (PContext.close:
+    a restart passes 30 s whatever the launch asked, and torch 2.11's LaunchConfig has no
+    shutdown_timeout) and where the process context finds a failed worker (ProcessContext.join
+    without a grace period)."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
     from torch.multiprocessing.spawn import ProcessContext
 
-    agent, join = api.LocalElasticAgent, ProcessContext.join
+    close, join = PContext.close, ProcessContext.join
 
-    class PromptAgent(agent):  # type: ignore[misc, valid-type]
-        def _stop_workers(self, worker_group: Any, *args: Any, **kwargs: Any) -> None:
-            self._shutdown(timeout=self._shutdown_timeout)
+    def prompt_close(self: Any, death_sig: signal.Signals | None = None, timeout: int = SHUTDOWN_SECONDS) -> None:
+        close(self, death_sig, min(timeout, SHUTDOWN_SECONDS))
 
     def prompt_join(self: Any, timeout: float | None = None, grace_period: float | None = None) -> bool:
         return join(self, timeout, SHUTDOWN_SECONDS / 2 if grace_period is None else grace_period)
 
     # Patching torch's classes in place for the duration: the stubs do not allow assigning to them.
-    api.LocalElasticAgent, ProcessContext.join = PromptAgent, prompt_join  # type: ignore[misc, method-assign]
+    PContext.close, ProcessContext.join = prompt_close, prompt_join  # type: ignore[method-assign]
     try:
         yield
     finally:
-        api.LocalElasticAgent, ProcessContext.join = agent, join  # type: ignore[misc, method-assign]
+        PContext.close, ProcessContext.join = close, join  # type: ignore[method-assign]
 
 
 def _signal_workers(sig: signal.Signals) -> None:

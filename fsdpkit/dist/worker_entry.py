@@ -2,8 +2,8 @@
 
 Workers are forked from a server process that imported PRELOAD, and the module of the first launch's
 worker function, once (multiprocessing's forkserver): a spawned worker imports torch again, seconds
-of CPU per worker, per launch and per restart. The server lives as long as the process that
-launches, so its later launches fork at once. A fork starts with the server's environment as it was
+of CPU per worker, per launch and per restart. The server lives until the process that launches
+stops it (`stop_fork_server`, as the command line does before it exits), so its later launches fork at once. A fork starts with the server's environment as it was
 when the server started, which may predate what the launcher set since (a stop notice, a caller's
 variables), so WorkerEntry carries the launcher's environment, taken as each worker is started, and
 puts it in place before anything else runs in the worker; the launcher's own per-worker variables
@@ -14,9 +14,11 @@ torch.distributed's debug level (TORCH_DISTRIBUTED_DEBUG).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +32,21 @@ def preload_fork_server(worker_fn: Callable[..., Any]) -> None:
     `worker_fn`'s module."""
     module = [worker_fn.__module__] if worker_fn.__module__ != "__main__" else []
     multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *module])
+
+
+def stop_fork_server() -> None:
+    """Stop the fork server and multiprocessing's resource tracker, where this process started
+    them, and wait until they have exited. Left to notice this process's exit, they outlive it
+    by a second or more (the server unloads torch), in its process group, as zombies once their
+    parent is gone: a caller waiting on the group, or starting the next run at once, sees them."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server: Any = forkserver._forkserver  # its private parts: the stubs know only the public ones
+    if server._forkserver_pid is not None:  # SIGTERM ends it at once; asked to stop, it would unload torch first
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server._forkserver_pid, signal.SIGTERM)
+    server._stop()
+    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
 
 
 class WorkerEntry:
