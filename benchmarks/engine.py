@@ -124,7 +124,12 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
 
     def settings_for(options: dict) -> RunSettings:
         return RunSettings(
-            model=args.model, batch=args.batch, seq_len=args.seq_len, mixed_precision=args.mixed_precision, engine_options=options
+            model=args.model,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            mixed_precision=args.mixed_precision,
+            engine_options=options,
+            compile=args.compile,
         )
 
     memory = {}
@@ -360,6 +365,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mixed-precision", default="none", choices=("none", "bf16"))
     parser.add_argument("--backward-prefetch", default="pre", choices=("pre", "post", "none"))
     parser.add_argument("--forward-prefetch", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each unit's forward in every system (FSDP1: not compiled)")
     parser.add_argument("--limit-all-gathers", type=int, default=2)
     parser.add_argument(
         "--bucket-bytes",

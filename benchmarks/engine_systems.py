@@ -40,6 +40,7 @@ class RunSettings:
     seed: int = 0
     mixed_precision: str = "none"  # none | bf16
     engine_options: dict = field(default_factory=dict)  # extra fsdpkit.shard keyword arguments
+    compile: bool = False  # torch.compile each unit's forward (the wrappers' hooks outside), in every system
 
 
 @dataclass
@@ -95,12 +96,18 @@ def build_system(kind: str, settings: RunSettings, device: torch.device, *, labe
     source = resolve_model(settings.model)
     model = source.build("cpu", seed=settings.seed).to(device)
     units = source.unit_modules(model)
+    if settings.compile and kind in ("fsdp2", "ddp"):  # fsdpkit compiles its units itself (shard(compile=True))
+        for name in units:
+            unit = model.get_submodule(name)
+            unit.forward = torch.compile(unit.forward)
     decay = {name for name, param in model.named_parameters() if param.dim() >= 2}
     bf16 = settings.mixed_precision == "bf16"
     autocast = False
     sent_bytes = None
     if kind in ENGINE_KINDS:
-        options, _ = supported_engine_options({**settings.engine_options, **ENGINE_KINDS[kind]})
+        options, _ = supported_engine_options(
+            {**settings.engine_options, **ENGINE_KINDS[kind], **({"compile": True} if settings.compile else {})}
+        )
         stats = CommStats()
         model = fsdpkit.shard(
             model, wrap=source.wrap(model), mixed_precision=settings.mixed_precision, device=device, comm_stats=stats, **options
@@ -134,7 +141,7 @@ def build_system(kind: str, settings: RunSettings, device: torch.device, *, labe
         autocast = bf16
     else:
         raise ValueError(f"unknown system {kind!r}: use one of {', '.join(SYSTEMS)}")
-    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, fused=True if device.type == "cuda" else None)  # as fsdpkit train
     return System(label or kind, model, optimizer, source.logits, autocast=autocast, sent_bytes=sent_bytes)
 
 

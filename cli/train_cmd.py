@@ -84,6 +84,7 @@ def format_summary(summary: TrainSummary) -> str:
         f"world size       {summary.world_size} ({summary.strategy} sharding, {summary.device}, mixed precision {summary.mixed_precision})",
         f"steps            {summary.steps} x {summary.global_batch_size} sequences x {summary.seq_len} tokens",
         f"resumed from     step {summary.resumed_from_step}" if summary.resumed_from_step is not None else "",
+        f"learning rate    {summary.lr:g} peak" if summary.lr is not None else "",
         f"loss             {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "loss             (no steps run)",
         f"throughput       {rate:,.0f} tokens/s (global batch, steps after the first)" if rate else "",
         f"peak memory      {format_size(summary.peak_memory_bytes)} per rank (max over ranks)",

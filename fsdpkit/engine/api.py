@@ -86,8 +86,11 @@ def shard(
     object.__setattr__(module, STATE_ATTR, state)
     if config.mixed_precision.param_dtype is not None:  # mixed precision enabled
         state.handles += keep_in_fp32(module, config.mixed_precision.param_dtype)
-    if config.activation_checkpointing:
-        _checkpoint_leaf_units(module, state)
+    for member in _leaf_unit_members(state):
+        if config.compile:
+            member.forward = torch.compile(member.forward)  # the module's hooks stay outside the compiled region
+        if config.activation_checkpointing:
+            member.forward = _checkpointed(member.forward)
     return module
 
 
@@ -103,16 +106,19 @@ def with_options(config: ShardingConfig, options: dict[str, Any]) -> ShardingCon
     return dataclasses.replace(config, **options) if options else config
 
 
-def _checkpoint_leaf_units(module: nn.Module, state: RootRuntime) -> None:
-    """Recompute each non-root unit's activations in backward (units with no nested units)."""
+def _leaf_unit_members(state: RootRuntime) -> list[nn.Module]:
+    """The modules of the non-root units with no nested units (the transformer blocks): those
+    whose activations are recomputed (activation checkpointing) and that torch.compile runs,
+    as torchtitan compiles each block."""
     member_names = [name for unit in state.units for name in unit.spec.members]
+    members = []
     for unit in state.units:
         if unit.is_root:
             continue
         if any(other != name and other.startswith(name + ".") for name in unit.spec.members for other in member_names):
             continue
-        for member in unit.members:
-            member.forward = _checkpointed(member.forward)
+        members.extend(unit.members)
+    return members
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -107,7 +107,8 @@ class ShardingConfig:
     quant_block elements (engine/quant.py). bucket_bytes: consecutive units smaller than this
     are merged into one unit (engine/wrapping.py bucket_units); 0 merges none. The default, 1 MiB,
     is the smallest bucket that captured the measured gain on blocks of about 200 KB
-    (docs/int8-and-bucketing.md); blocks above it stay one unit each.
+    (docs/int8-and-bucketing.md); blocks above it stay one unit each. compile: each non-root
+    unit's modules run their forward through torch.compile, the engine's hooks outside it.
     """
 
     strategy: Strategy = Strategy.FULL
@@ -121,6 +122,7 @@ class ShardingConfig:
     allgather_dtype: GatherDtype = GatherDtype.COMPUTE
     quant_block: int = 256
     bucket_bytes: int = 1024 * 1024
+    compile: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backward_prefetch", parse_enum(BackwardPrefetch, self.backward_prefetch, "backward prefetch"))

@@ -4,6 +4,11 @@
 
 Each `Block` is one FSDP unit under the default wrap policy; the root keeps the embeddings,
 the final norm and the output head, whose weight is tied to the token embedding.
+
+The output head computes on its weight padded with zero rows to a multiple of 64 (GPT-2's
+50,257 -> 50,304: aligned shapes for the three matmuls) and returns only the vocabulary's
+logits, so a padded row is never predicted and the loss is the unpadded model's. The padding
+exists only inside the forward: the parameters, checkpoints and exports hold 50,257 rows.
 """
 
 from __future__ import annotations
@@ -103,4 +108,11 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(positions)
         for block in self.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.output_logits(self.ln_f(x))
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head.weight
+        padding = self.config.padded_vocab_size - weight.shape[0]
+        if padding:
+            weight = F.pad(weight, (0, 0, 0, padding))
+        return F.linear(x, weight)[..., : self.config.vocab_size]

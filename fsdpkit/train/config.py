@@ -23,7 +23,7 @@ from ..dist.launch import LaunchOptions
 from ..engine.config import BACKWARD_PREFETCH, GATHER_DTYPES, STRATEGIES, ShardingConfig
 from ..errors import UsageError
 from ..models.recipe import PRECISIONS, REDUCE_DTYPES, Optimizer, precision_names, precision_policy
-from ..models.registry import DEFAULT_MODEL, MODEL_HELP
+from ..models.registry import DEFAULT_MODEL, MODEL_HELP, default_lr, default_warmup_steps
 from ..plan.request import PlanRequest
 from ..settings import Section, Setting, setting, settings_of
 
@@ -132,20 +132,24 @@ class DataConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     name: Optimizer = setting(Optimizer.ADAMW, "The optimizer.", flag="--optimizer")
-    lr: float = setting(3e-3, "Peak learning rate (0: the weights do not move).")
+    lr: float | None = setting(
+        None,
+        "Peak learning rate (0: the weights do not move). Default: the model's: gpt-tiny 3e-3, gpt-small 1e-3, "
+        "gpt2 6e-4, gpt2-medium 3e-4, gpt2-large 2.5e-4, gpt2-xl 2e-4 (the GPT-3 paper's for their sizes), others 3e-3.",
+    )
     weight_decay: float = setting(0.1, "Weight decay on matrices and embeddings (not on biases or norms).")
     betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas, two numbers: 0.9,0.95.", parse=parse_pair, metavar="B1,B2")
     momentum: float = setting(0.0, "SGD momentum (0: plain SGD).")
     nesterov: bool = setting(False, "SGD with Nesterov momentum (needs --momentum > 0).")
     max_grad_norm: float | None = setting(None, "Clip the global gradient norm to this value.")
     schedule: LrSchedule = setting(LrSchedule.CONSTANT, "Learning rate after the warm-up.", flag="--lr-schedule")
-    warmup_steps: int = setting(0, "Linear warm-up steps.")
+    warmup_steps: int | None = setting(None, "Linear warm-up steps. Default: the model's: 10 for the GPT-2 sizes, 0 for the others.")
     decay_steps: int | None = setting(
         None, "Steps the cosine schedule decays over (default: --steps; set it to extend a run exactly).", flag="--lr-decay-steps"
     )
 
     def __post_init__(self) -> None:
-        if not 0 <= self.lr < math.inf:  # 0: a run that must not move the weights
+        if self.lr is not None and not 0 <= self.lr < math.inf:  # 0: a run that must not move the weights
             raise UsageError(f"--lr must be a finite number >= 0, got {self.lr}")
         if not 0 <= self.weight_decay < math.inf:
             raise UsageError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
@@ -293,6 +297,13 @@ SHARDING_SETTINGS = (
     ),
     _engine_setting("activation_checkpointing", bool, "Recompute each unit's activations in backward.", "Memory"),
     _engine_setting(
+        "compile",
+        bool,
+        "torch.compile each transformer block (each unit's forward; the engine's gathers and reductions stay outside). "
+        "The first steps take longer while it compiles; needs a C compiler on CPU.",
+        "Overlap",
+    ),
+    _engine_setting(
         "backward_prefetch",
         str,
         "When the next unit's all-gather is issued in backward: before "
@@ -336,11 +347,24 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _at_least(self.steps, 1, "--steps")
+        # the model's defaults are written into the config: a saved run records the values it used
+        resolved = dataclasses.replace(self.optimizer, lr=self.peak_lr, warmup_steps=self.warmup_steps)
+        object.__setattr__(self, "optimizer", resolved)
 
     @property
     def schedule_steps(self) -> int:
         """The cosine schedule's horizon."""
         return self.optimizer.decay_steps or self.steps
+
+    @property
+    def peak_lr(self) -> float:
+        """--lr, else the model's default."""
+        return self.optimizer.lr if self.optimizer.lr is not None else default_lr(self.model.name)
+
+    @property
+    def warmup_steps(self) -> int:
+        """--warmup-steps, else the model's default."""
+        return self.optimizer.warmup_steps if self.optimizer.warmup_steps is not None else default_warmup_steps(self.model.name)
 
     @property
     def tokens_per_step(self) -> int:

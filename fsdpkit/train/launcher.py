@@ -91,7 +91,7 @@ def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None)
         check_tensorboard_installed()
         check_writable_directory(config.logging.tensorboard, "--tensorboard")
     if checkpoint.resume:
-        optimizer = build_optimizer(info.meta_model, config.optimizer)
+        optimizer = build_optimizer(info.meta_model, config)
         try:
             check_before_launch(checkpoint.resume, model=info.meta_model, optimizer=optimizer, strict=checkpoint.strict)
         except DataCheckError as error:

@@ -39,7 +39,7 @@ from ..models.source import resolve
 from ..models.units import wrap_policy
 from .attempts import History, Restart, RunContext, attempt_number, read_records
 from .collective_failure import collective_failure
-from .config import Device, OptimizerConfig, TrainConfig
+from .config import Device, TrainConfig
 from .data import StreamedBatches, TokenSource, local_rows, rank_start, streamed_position
 from .model_setup import build_for_training, initial_weights, inspect_model
 from .outputs import Outputs, open_outputs
@@ -58,11 +58,15 @@ def pick_device(device: Device) -> torch.device:
     return torch.device("cpu")
 
 
-def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    groups = fsdpkit.param_groups(model, weight_decay=config.weight_decay)
-    if config.name is Optimizer.ADAMW:
-        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
-    return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov)
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW runs torch's fused kernel when every parameter is on CUDA; otherwise (CPU, or
+    --cpu-offload's host shards) torch's default implementation, bitwise as it always was."""
+    optimizer = config.optimizer
+    groups = fsdpkit.param_groups(model, weight_decay=optimizer.weight_decay)
+    if optimizer.name is Optimizer.ADAMW:
+        fused = True if all(p.is_cuda for group in groups for p in group["params"]) else None
+        return torch.optim.AdamW(groups, lr=config.peak_lr, betas=optimizer.betas, fused=fused)
+    return torch.optim.SGD(groups, lr=config.peak_lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -112,7 +116,7 @@ class Trainer:
         wrap = wrap_policy(config.model, self.source, model)
         self.model = fsdpkit.shard(model, config.sharding, wrap=wrap, device=self.device)
         self.unit_names = {unit.name for unit in describe(self.model).units}
-        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.optimizer = build_optimizer(self.model, config)
         self.scaler = fsdpkit.ShardedGradScaler(self.model) if config.sharding.mixed_precision.param_dtype is torch.float16 else None
         self.data = TokenSource(
             config.data.source,
@@ -190,8 +194,8 @@ class Trainer:
             "lr_schedule": {
                 "kind": optimizer.schedule.value,
                 "position": self.optimizer_steps,
-                "warmup_steps": optimizer.warmup_steps,
-                "base_lr": optimizer.lr,
+                "warmup_steps": self.config.warmup_steps,
+                "base_lr": self.config.peak_lr,
                 "decay_steps": self.config.schedule_steps,
             },
             "grad_scaler": self.scaler.state_dict() if self.scaler else None,
@@ -274,8 +278,8 @@ class Trainer:
         optimizer, data = self.config.optimizer, self.config.data
         lr = lr_at(
             self.optimizer_steps,
-            base_lr=optimizer.lr,
-            warmup_steps=optimizer.warmup_steps,
+            base_lr=self.config.peak_lr,
+            warmup_steps=self.config.warmup_steps,
             total_steps=self.config.schedule_steps,
             schedule=optimizer.schedule,
         )
@@ -475,4 +479,5 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSum
         steps_redone=history.steps_redone(trainer.start_step) if history is not None else (0 if not attempt else None),
         preempted=trainer.stopping and trainer.step < config.steps,
         recoveries=History.of(read_records(context.progress_path)).recoveries() if context.progress_path else [],
+        lr=config.peak_lr,
     )

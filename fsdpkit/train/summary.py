@@ -35,6 +35,7 @@ class TrainSummary:
     # one per restart: source (memory, peer, disk, none), step, steps_redone, recovery_s (the
     # failure to the next completed step) and its parts relaunch_s, rendezvous_s, restore_s
     recoveries: list[dict[str, Any]] = field(default_factory=list)
+    lr: float | None = None  # the peak learning rate the run used (--lr or the model's default)
 
     @property
     def final_loss(self) -> float | None:

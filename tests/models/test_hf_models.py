@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.overrides import TorchFunctionMode
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # no network anywhere (workers inherit it)
 transformers = pytest.importorskip("transformers")  # the [hf] extra: `make test` and CI install it (test_hf_missing.py needs none)
@@ -36,7 +37,9 @@ from typer.testing import CliRunner  # noqa: E402
 import fsdpkit  # noqa: E402
 from fsdpkit.checkpoint.live.tensors import CheckpointReader, full_reader  # noqa: E402
 from fsdpkit.data.tokens import TokenDtype, load_tokenizer, write_token_file  # noqa: E402
-from fsdpkit.engine.model_hooks import hooks_of  # noqa: E402
+from fsdpkit.engine.model_hooks import declare_hooks, hooks_of  # noqa: E402
+from fsdpkit.models.gpt import GPT, Block, GPTConfig  # noqa: E402
+from fsdpkit.models.gpt_export import gpt2_export  # noqa: E402
 from fsdpkit.models.hf import PRESETS  # noqa: E402
 from fsdpkit.models.source import resolve  # noqa: E402
 from fsdpkit.models.units import wrap_policy  # noqa: E402
@@ -479,3 +482,67 @@ def test_plan_and_convert_to_sharded_use_the_model_source(files, tmp_path):
         assert reader.aliases == {"lm_head.weight": "transformer.wte.weight"}
         firsts = [unit[0][0] for unit in reader.manifest.placement.units]
         assert firsts == ["transformer.wte.weight", "transformer.h.0.ln_1.weight", "transformer.h.1.ln_1.weight"]
+
+
+# ----- the built-in GPT's padded vocabulary
+PADDED = GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=16)  # GPT-2's vocabulary, computed as 50,304
+
+
+def _padded_gpt_worker(directory: str) -> dict:
+    """Train the model a step, save it with its GPT-2 export recipe; its logits on PROBE."""
+    torch.manual_seed(0)
+    model = GPT(PADDED)
+    declare_hooks(model, replace(hooks_of(model), export=gpt2_export(PADDED)))
+    model = fsdpkit.shard(model, wrap=(Block,))
+    optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=0.1), lr=1e-3)
+    tokens = torch.randint(0, PADDED.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    fsdpkit.Checkpointer(model, optimizer).save(directory, step=1)
+    with torch.no_grad():
+        return {"logits": model(PROBE), "rows": fsdpkit.full_state_dict(model)["wte.weight"].shape[0]}
+
+
+def test_padded_vocabulary_exports_its_50257_rows_with_equal_logits(tmp_path):
+    result = run_distributed(_padded_gpt_worker, 1, str(tmp_path / "run"))[0]
+    assert PADDED.padded_vocab_size == 50304 and result["rows"] == 50257 and result["logits"].shape[-1] == 50257
+    _convert(tmp_path / "run", tmp_path / "out")
+    model = _load(tmp_path / "out")
+    assert model.transformer.wte.weight.shape[0] == 50257 and model.config.vocab_size == 50257
+    with torch.no_grad():
+        logits = model(PROBE).logits
+    assert (logits - result["logits"]).abs().max().item() <= 1e-5
+
+
+class LinearShapes(TorchFunctionMode):
+    """The weight shapes of every F.linear call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            self.weights.append(tuple(args[1].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_padded_rows_are_never_predicted_and_the_loss_is_the_unpadded_models():
+    torch.manual_seed(0)
+    padded = GPT(PADDED)
+    unpadded = copy.deepcopy(padded)
+    unpadded.output_logits = unpadded.lm_head  # the head without padding: (50257, n_embd) as it is stored
+    tokens = torch.randint(0, PADDED.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
+    with LinearShapes() as shapes:
+        padded(tokens[:, :-1])
+    assert (50304, PADDED.n_embd) in shapes.weights  # the head's matmul runs on the padded rows
+    losses = []
+    for model in (padded, unpadded):
+        logits = model(tokens[:, :-1])
+        assert logits.shape == (2, 16, PADDED.vocab_size)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss)
+    assert torch.allclose(losses[0], losses[1], rtol=1e-6, atol=0)
+    for (name, grad), other in zip(((n, p.grad) for n, p in padded.named_parameters()), unpadded.parameters(), strict=True):
+        assert torch.allclose(grad, other.grad, rtol=1e-5, atol=1e-8), name

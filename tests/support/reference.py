@@ -20,11 +20,13 @@ def train_unsharded(
 ) -> dict:
     """{"losses": per-step loss, "weights": the final state_dict} of `config.steps` steps."""
     hyper = config.optimizer
-    optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=hyper.weight_decay), lr=hyper.lr, betas=hyper.betas)
+    optimizer = torch.optim.AdamW(fsdpkit.param_groups(model, weight_decay=hyper.weight_decay), lr=config.peak_lr, betas=hyper.betas)
     losses = []
     for step in range(config.steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, base_lr=hyper.lr, warmup_steps=hyper.warmup_steps, total_steps=config.steps, schedule=hyper.schedule)
+            group["lr"] = lr_at(
+                step, base_lr=config.peak_lr, warmup_steps=config.warmup_steps, total_steps=config.steps, schedule=hyper.schedule
+            )
         step_loss = 0.0
         for micro in data.global_batch(step, config.data.global_batch_size).chunk(config.data.grad_accum):
             loss = F.cross_entropy(logits(model, micro[:, :-1]).flatten(0, 1), micro[:, 1:].flatten()) / config.data.grad_accum

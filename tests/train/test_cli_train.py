@@ -113,6 +113,16 @@ def test_summary_is_one_json_document(flag_run):
     assert [e["step"] for e in summary["eval_losses"]] == [3, 6]
 
 
+def test_summary_gives_the_peak_learning_rate_the_optimizer_used(flag_run):
+    from fsdpkit_cli.train_cmd import format_summary
+
+    from fsdpkit.train.summary import TrainSummary
+
+    used = max(record["lr"] for record in flag_run.metrics())  # the warm-up's last step is at the peak
+    assert flag_run.summary["lr"] == used
+    assert f"learning rate    {used:g} peak" in format_summary(TrainSummary.from_json(flag_run.summary))
+
+
 def test_summary_names_the_save_stall_only_when_saves_happened(flag_run):
     from fsdpkit_cli.train_cmd import format_summary
 

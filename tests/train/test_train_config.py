@@ -40,6 +40,7 @@ NOT_DEFAULT = TrainConfig(
         limit_all_gathers=0,
         cpu_offload=True,
         activation_checkpointing=True,
+        compile=True,
     ),
     optimizer=OptimizerConfig(
         name=Optimizer.SGD,
