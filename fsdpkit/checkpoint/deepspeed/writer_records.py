@@ -4,17 +4,21 @@ DeepSpeed loads the file.
 
 - a tensor: `torch._utils._rebuild_tensor_v2` over storage `key` (a legacy typed storage,
   as torch.save writes float32 and bfloat16 tensors);
-- `LossScaler` (a static scale of 1.0), `ZeroStageEnum(stage)`, `fragment_address(numel, start)`;
+- `LossScaler` (a static scale of 1.0), fp16's `DynamicLossScaler` (a scale not yet moved),
+  `ZeroStageEnum(stage)`, `fragment_address(numel, start)`;
 - `torch.Size`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ...errors import UsageError
 from ..dcp.archive import _LEGACY
 from ..dcp.pickler import Global, NewObject, Raw, Reduce, pickled_int, pickled_text
 
 LOSS_SCALER = Global("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+DYNAMIC_LOSS_SCALER = Global("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
 ZERO_STAGE = Global("deepspeed.runtime.zero.config", "ZeroStageEnum")
 FRAGMENT_ADDRESS = Global("deepspeed.utils.tensor_fragment", "fragment_address")
 
@@ -45,6 +49,24 @@ def size(shape: tuple[int, ...]) -> Reduce:
 
 def loss_scaler() -> NewObject:
     return NewObject(LOSS_SCALER, {"cur_scale": 1.0, "dynamic": False})
+
+
+@dataclass(frozen=True)
+class DynamicScale:
+    """The settings of DeepSpeed's `DynamicLossScaler` (its `dynamic_loss_args`)."""
+
+    init_scale: int
+    scale_window: int
+    min_scale: int
+    delayed_shift: int  # hysteresis
+
+
+def dynamic_loss_scaler(scale: DynamicScale) -> NewObject:
+    """The scaler as DeepSpeed's `DynamicLossScaler.__init__` leaves it: no step counted, no overflow seen."""
+    state = {"cur_scale": scale.init_scale, "dynamic": True, "cur_iter": 0, "last_overflow_iter": -1, "scale_factor": 2.0}
+    state |= {"scale_window": scale.scale_window, "min_scale": scale.min_scale, "delayed_shift": scale.delayed_shift}
+    state |= {"cur_hysteresis": scale.delayed_shift, "consecutive_hysteresis": False, "raise_error_at_min_scale": True}
+    return NewObject(DYNAMIC_LOSS_SCALER, state | {"dtype": Global("torch", "float16")})
 
 
 def zero_stage(stage: int) -> Reduce:
