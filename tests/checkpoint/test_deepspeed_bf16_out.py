@@ -26,6 +26,7 @@ from support.distributed import run_distributed
 
 from fsdpkit.checkpoint.deepspeed.table import open_deepspeed
 from fsdpkit.checkpoint.deepspeed.writer_precision import Precision
+from fsdpkit.checkpoint.deepspeed.writer_records import DynamicScale
 from fsdpkit.checkpoint.offline.to_deepspeed import RunShape, build_run, write_run
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU with gloo, in the launched workers too
@@ -139,12 +140,14 @@ def _universal(save_dir: Path) -> None:
     (save_dir / "latest_universal").write_text(f"{tag}_universal")
 
 
-def _as_fp16(src: Path, dst: Path) -> dict:
-    """The bf16 checkpoint at `src` written for 3 ranks as an fp16 run's."""
+def _as_fp16(src: Path, dst: Path, scale: DynamicScale | None = None) -> dict:
+    """The bf16 checkpoint at `src` written for 3 ranks as an fp16 run's (with loss scaler `scale`)."""
     with open_deepspeed(src) as checkpoint:
         shape = RunShape(checkpoint.stage, 3, checkpoint.global_steps or 0, checkpoint.aliases, checkpoint.buffers)
-        run = build_run({t.name: t for t in checkpoint.sources}, checkpoint.groups(), shape)
-        return write_run(replace(run, precision=Precision.F16), src, dst, source_kind="deepspeed", overwrite=False, progress=None)
+        run = replace(
+            build_run({t.name: t for t in checkpoint.sources}, checkpoint.groups(), shape), precision=Precision.F16, loss_scale=scale
+        )
+        return write_run(run, src, dst, source_kind="deepspeed", overwrite=False, progress=None)
 
 
 def _zero_to_fp32(save_dir: Path) -> dict[str, torch.Tensor]:
@@ -233,3 +236,24 @@ def test_deepspeed_loads_fp16_output(runs, stage: int) -> None:
         assert fp16["scaler"][0] == "DynamicLossScaler" and fp16["scaler"][1]["cur_scale"] == 2**16
         assert fp16["global_steps"] == STEPS_BEFORE
         assert results[(stage, "fp16 into bf16")] == f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def test_reshard_keeps_an_fp16_runs_loss_scale(runs, tmp_path: Path) -> None:
+    """`reshard` of an fp16 run whose scale has moved: the fp16 layout again, and DeepSpeed's
+    DynamicLossScaler (torch.load) with every attribute the source's scaler had."""
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+    moved = {"cur_scale": 1024.0, "cur_iter": 7, "last_overflow_iter": 3, "cur_hysteresis": 1}
+    scale = DynamicScale(1024.0, scale_window=1000, min_scale=1, delayed_shift=2, cur_hysteresis=1, cur_iter=7, last_overflow_iter=3)
+    _as_fp16(runs[0] / "z2", tmp_path / "fp16", scale)
+    result = run_cli("reshard", tmp_path / "fp16", tmp_path / "at-2", "--world-size", "2")
+    assert result.exit_code == 0, result.output
+    expected = CreateLossScaler(torch.float16, 0, True, DeepSpeedFP16Config().dynamic_loss_scale_args())
+    vars(expected).update(moved)
+    tag = tmp_path / "at-2" / f"global_step{STEPS_BEFORE}"
+    for rank in range(2):
+        optim = torch.load(tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False)["optimizer_state_dict"]
+        assert type(optim["loss_scaler"]) is type(expected) and vars(optim["loss_scaler"]) == vars(expected)
+    module = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert {t.dtype for t in module.values()} == {torch.float16}

@@ -78,6 +78,7 @@ class DsRun:
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name it is tied to
     global_samples: int = 0
     precision: Precision = Precision.F32  # the module's dtype in the run
+    loss_scale: records.DynamicScale | None = None  # an fp16 run's scaler; None: as a fresh run starts it
 
     @property
     def tag(self) -> str:
@@ -157,7 +158,7 @@ def _stage12_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, 
         unpadded = part.segments[:-1] if part.padding else part.segments
         fp32.append(pickle.tensor(_flat(_masters(group), unpadded), (part.numel - part.padding,)))
     state = {
-        **run.precision.scaler_state(),
+        **run.precision.scaler_state(run.loss_scale),
         "overflow": False,
         "base_optimizer_state": base,
         "single_partition_of_fp32_groups": fp32,
@@ -179,7 +180,7 @@ def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, l
     fp32 = [pickle.tensor(_flat(_masters(group), part.segments), (part.numel,)) for group, part in zip(run.groups, rank_parts, strict=True)]
     state = {
         "zero_stage": records.zero_stage(3),
-        **run.precision.scaler_state(),
+        **run.precision.scaler_state(run.loss_scale),
         "overflow": False,
         "partition_count": run.world_size,
         "optimizer_state_dict": base,

@@ -6,20 +6,25 @@
   trainable ones rounded from the fp32 masters as DeepSpeed's step leaves them;
 - the optimizer files: `bf16_zero_pp_rank_*` for bf16 runs, `zero_pp_rank_*` for fp16 and fp32;
 - `ds_config`: `bf16` or `fp16` enabled;
-- the loss scaler: a static 1.0 for fp32 and bf16; for fp16 DeepSpeed's `DynamicLossScaler` with
-  its default settings, as a fresh fp16 run starts it (a bf16 run has no scale to carry over).
+- the loss scaler: a static 1.0 for fp32 and bf16; for fp16 DeepSpeed's `DynamicLossScaler`,
+  the source's when it was an fp16 run, else with DeepSpeed's defaults as a fresh fp16 run
+  starts it (a bf16 run has no scale to carry over).
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from enum import Enum
 from typing import Any
 
+from ...errors import DataCheckError
 from . import writer_records as records
+from .unpickler import DeepSpeedRecord
 
 FLOATING = ("F64", "F32", "BF16", "F16")
 # DeepSpeed's fp16 defaults: initial_scale_power 16, loss_scale_window 1000, hysteresis 2, min_loss_scale 1
-FP16_SCALER = records.DynamicScale(init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2)
+FP16_SCALER = records.DynamicScale(cur_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2, cur_hysteresis=2)
+DYNAMIC_LOSS_SCALER = f"{records.DYNAMIC_LOSS_SCALER.module}.{records.DYNAMIC_LOSS_SCALER.name}"
 
 
 class Precision(Enum):
@@ -41,8 +46,19 @@ class Precision(Enum):
         """The dtype that a module tensor stored as `dtype` has in the run."""
         return self.value if self is not Precision.F32 and dtype in FLOATING else dtype
 
-    def scaler_state(self) -> dict[str, Any]:
-        """The loss-scaler items of the optimizer state."""
+    def scaler_state(self, saved: records.DynamicScale | None) -> dict[str, Any]:
+        """The loss-scaler items of the optimizer state (fp16: the `saved` scaler, if any)."""
         if self is Precision.F16:
-            return {"loss_scaler": records.dynamic_loss_scaler(FP16_SCALER), "dynamic_loss_scale": True}
+            return {"loss_scaler": records.dynamic_loss_scaler(saved or FP16_SCALER), "dynamic_loss_scale": True}
         return {"loss_scaler": records.loss_scaler(), "dynamic_loss_scale": False}
+
+
+def saved_scale(record: Any) -> records.DynamicScale | None:
+    """The state of a source's fp16 `DynamicLossScaler` record; None for any other loss scaler."""
+    if not isinstance(record, DeepSpeedRecord) or record.qualname != DYNAMIC_LOSS_SCALER:
+        return None
+    values = {f.name: record.get(f.name) for f in fields(records.DynamicScale)}
+    for name, value in values.items():
+        if type(value) not in (int, float, bool):
+            raise DataCheckError(f"the source's fp16 loss scaler has {name} {value!r}, not a number")
+    return records.DynamicScale(**values)

@@ -4,7 +4,7 @@ DeepSpeed loads the file.
 
 - a tensor: `torch._utils._rebuild_tensor_v2` over storage `key` (a legacy typed storage,
   as torch.save writes float32 and bfloat16 tensors);
-- `LossScaler` (a static scale of 1.0), fp16's `DynamicLossScaler` (a scale not yet moved),
+- `LossScaler` (a static scale of 1.0), fp16's `DynamicLossScaler`,
   `ZeroStageEnum(stage)`, `fragment_address(numel, start)`;
 - `torch.Size`.
 """
@@ -53,19 +53,26 @@ def loss_scaler() -> NewObject:
 
 @dataclass(frozen=True)
 class DynamicScale:
-    """The settings of DeepSpeed's `DynamicLossScaler` (its `dynamic_loss_args`)."""
+    """The state of DeepSpeed's `DynamicLossScaler`, its attributes by name (the defaults: as its
+    `__init__` leaves it, no step counted, no overflow seen)."""
 
-    init_scale: int
+    cur_scale: float
     scale_window: int
-    min_scale: int
+    min_scale: float
     delayed_shift: int  # hysteresis
+    cur_hysteresis: int
+    cur_iter: int = 0
+    last_overflow_iter: int = -1
+    scale_factor: float = 2.0
+    consecutive_hysteresis: bool = False
+    raise_error_at_min_scale: bool = True
 
 
 def dynamic_loss_scaler(scale: DynamicScale) -> NewObject:
-    """The scaler as DeepSpeed's `DynamicLossScaler.__init__` leaves it: no step counted, no overflow seen."""
-    state = {"cur_scale": scale.init_scale, "dynamic": True, "cur_iter": 0, "last_overflow_iter": -1, "scale_factor": 2.0}
-    state |= {"scale_window": scale.scale_window, "min_scale": scale.min_scale, "delayed_shift": scale.delayed_shift}
-    state |= {"cur_hysteresis": scale.delayed_shift, "consecutive_hysteresis": False, "raise_error_at_min_scale": True}
+    state = {"cur_scale": scale.cur_scale, "dynamic": True, "cur_iter": scale.cur_iter, "last_overflow_iter": scale.last_overflow_iter}
+    state |= {"scale_factor": scale.scale_factor, "scale_window": scale.scale_window, "min_scale": scale.min_scale}
+    state |= {"delayed_shift": scale.delayed_shift, "cur_hysteresis": scale.cur_hysteresis}
+    state |= {"consecutive_hysteresis": scale.consecutive_hysteresis, "raise_error_at_min_scale": scale.raise_error_at_min_scale}
     return NewObject(DYNAMIC_LOSS_SCALER, state | {"dtype": Global("torch", "float16")})
 
 

@@ -20,7 +20,7 @@ from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..deepspeed.table import open_deepspeed
 from ..deepspeed.writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
-from ..deepspeed.writer_precision import Precision
+from ..deepspeed.writer_precision import Precision, saved_scale
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import MANIFEST_NAME, is_optimizer_tensor, optim_tensor_name
 from ..format.reader import is_full_checkpoint, open_full, open_sharded
@@ -159,5 +159,6 @@ def reshard_deepspeed(
             checkpoint.buffers,
             samples if type(samples) is int else 0,
         )
-        run = replace(build_run(tensors, checkpoint.groups(), shape), precision=Precision(checkpoint.precision))
+        run = build_run(tensors, checkpoint.groups(), shape)
+        run = replace(run, precision=Precision(checkpoint.precision), loss_scale=saved_scale(checkpoint.loss_scaler))
         return write_run(run, Path(src), Path(dst), source_kind="deepspeed", overwrite=overwrite, progress=progress)
