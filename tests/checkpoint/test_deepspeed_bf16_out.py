@@ -37,9 +37,18 @@ WAYS = ("resharded", "universal", "fp16")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+class _Model(torch.nn.Module):
+    """Two layers (odd sizes: every stage pads at 3 ranks), a frozen bias and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)
+        self.out.bias.requires_grad_(False)
+        self.register_buffer("shift", torch.linspace(-1.0, 1.0, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x))) + self.shift
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -50,7 +59,7 @@ def _engine(stage: int, way: str = "bf16"):  # type: ignore[no-untyped-def]
     """A bf16 engine (`universal`: loading universal checkpoints), or an fp32 one for way `fp16`."""
     import deepspeed
 
-    model = _model()
+    model = _Model()
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "zero_optimization": {"stage": stage},
@@ -59,7 +68,8 @@ def _engine(stage: int, way: str = "bf16"):  # type: ignore[no-untyped-def]
     }
     if way != "fp16":
         config["bf16"] = {"enabled": True}
-    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return deepspeed.initialize(model=model, model_parameters=trained, config=config)[0]
 
 
 def _steps(engine, first: int) -> list[float]:  # type: ignore[no-untyped-def]
@@ -87,7 +97,8 @@ def _train_and_save(root: str) -> dict[int, list[float]]:
 
 
 def _state(engine, stage: int) -> dict:  # type: ignore[no-untyped-def]
-    """The engine's full fp32 weights, Adam moments and low-precision module weights."""
+    """The engine's full fp32 weights and Adam moments of the trained parameters, and its
+    module's tensors (`module.<name>`: low-precision weights, the frozen bias, the buffer)."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -96,11 +107,12 @@ def _state(engine, stage: int) -> dict:  # type: ignore[no-untyped-def]
     found: dict = {}
     params = dict(engine.module.named_parameters())
     for name, p in params.items():
-        found[name] = safe_get_full_fp32_param(p).clone()
-        for moment in MOMENTS:
-            found[f"optim.{moment}.{name}"] = safe_get_full_optimizer_state(p, moment).clone()
+        if p.requires_grad:
+            found[name] = safe_get_full_fp32_param(p).clone()
+            for moment in MOMENTS:
+                found[f"optim.{moment}.{name}"] = safe_get_full_optimizer_state(p, moment).clone()
     with deepspeed.zero.GatheredParameters(list(params.values()), enabled=stage == 3):
-        found.update({f"module.{name}": p.detach().clone() for name, p in params.items()})
+        found.update({f"module.{name}": p.detach().clone() for name, p in engine.module.state_dict().items()})
     return found
 
 
@@ -183,8 +195,10 @@ def test_resharded_bf16_resumes_as_deepspeeds_universal_checkpoint(runs, stage: 
         assert set(ours["tensors"]) == set(universal["tensors"])
         for name, value in universal["tensors"].items():
             assert value.dtype == ours["tensors"][name].dtype and torch.equal(ours["tensors"][name], value), (rank, name)
+        assert {f"module.{name}" for name in reference} == {name for name in ours["tensors"] if name.startswith("module.")}
         for name, value in reference.items():
-            assert torch.equal(ours["tensors"][name].reshape(value.shape), value), (rank, name)
+            if name in ours["tensors"]:  # trained: its fp32 master
+                assert torch.equal(ours["tensors"][name].reshape(value.shape), value), (rank, name)
             assert torch.equal(ours["tensors"][f"module.{name}"], value.bfloat16()), (rank, name)
         assert ours["losses"] == universal["losses"]
         assert ours["losses"] == pytest.approx(continued[stage], rel=1e-2)
@@ -229,7 +243,7 @@ def test_deepspeed_loads_fp16_output(runs, stage: int) -> None:
         fp16, bf16 = results[(stage, "fp16")], results[(stage, "resharded")]
         for name, value in bf16["tensors"].items():
             if name.startswith("module.") and stage == 2:
-                fp32 = bf16["tensors"][name.removeprefix("module.")]
+                fp32 = bf16["tensors"].get(name.removeprefix("module."), value)  # frozen and buffer: bf16
                 assert torch.equal(fp16["tensors"][name], fp32.half().float()), (rank, name)
             elif not name.startswith("module."):
                 assert torch.equal(fp16["tensors"][name], value), (rank, name)
