@@ -10,5 +10,6 @@ from them.
 - inspect    inspect and verify reports
 - convert    --to full, as DeepSpeed's zero_to_fp32.py writes it
 - partition  how ZeRO 1/2/3 flatten, pad and cut each parameter group for N ranks (arithmetic)
-- writer, writer_zip, writer_records   rank files as DeepSpeed's save_checkpoint writes them
+- writer, writer_model, writer_zip, writer_records   rank files as DeepSpeed's save_checkpoint writes them
+- writer_precision   what an fp32, bf16 or fp16 run changes in them
 """

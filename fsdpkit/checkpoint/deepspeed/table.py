@@ -43,6 +43,7 @@ class DeepSpeedCheckpoint:
     buffers: tuple[str, ...] = ()
     param_groups: list[dict] = field(default_factory=list)  # hyperparameters, tensors left out
     items: dict[str, Any] = field(default_factory=dict)  # top-level non-tensor items of the model file
+    loss_scaler: Any = None  # rank 0's optimizer loss scaler, as its record
     opened: list[RankFile] = field(default_factory=list)
 
     @property
@@ -140,6 +141,7 @@ def _build(files: RankFiles, opened: list[RankFile]) -> DeepSpeedCheckpoint:
     from .sources import add_sources
 
     add_sources(checkpoint, models, optims)
+    checkpoint.loss_scaler = first.get("loss_scaler")
     checkpoint.items = {k: u.plain(v) for k, v in head.state.items() if k != "module" and not isinstance(v, u.TensorRecord)}
     return checkpoint
 

@@ -1,10 +1,11 @@
-"""Writing a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 master weights with AdamW state)
-laid out for N data-parallel ranks, as DeepSpeed 0.19.8's `engine.save_checkpoint(dir, tag)`
-writes it, so its plain `engine.load_checkpoint(dir)` at N ranks resumes it, optimizer included:
+"""Writing a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 master weights with AdamW state,
+of an fp32, bf16 or fp16 run: `writer_precision`) laid out for N data-parallel ranks, as
+DeepSpeed 0.19.8's `engine.save_checkpoint(dir, tag)` writes it, so its plain
+`engine.load_checkpoint(dir)` at N ranks resumes it, optimizer included:
 
 - `latest` (the tag) and `<tag>/`;
 - stages 1 and 2: `mp_rank_00_model_states.pt` (the module's state dict, `writer_model`) and per rank
-  `zero_pp_rank_<r>_mp_rank_00_optim_states.pt` (its partition of each group's flat fp32
+  `[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt` (its partition of each group's flat fp32
   master weights and Adam moments, `partition.flat_partitions`);
 - stage 3: per rank `zero_pp_rank_<r>_mp_rank_00_model_states.pt` (empty parameters, the
   shapes, the rank's fragments of the frozen ones) and `..._optim_states.pt` (`partition.param_partitions`).
@@ -30,6 +31,7 @@ from ..format.names import numel
 from . import writer_records as records
 from .partition import RankPartition, Segment, partitions
 from .writer_model import StoragePickle, model_states
+from .writer_precision import Precision
 from .writer_zip import Storage, write_torch_zip
 
 DS_VERSION = "0.19.8"
@@ -75,6 +77,8 @@ class DsRun:
     buffers: tuple[SourceTensor, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name it is tied to
     global_samples: int = 0
+    precision: Precision = Precision.F32  # the module's dtype in the run
+    loss_scale: records.DynamicScale | None = None  # an fp16 run's scaler; None: as a fresh run starts it
 
     @property
     def tag(self) -> str:
@@ -85,8 +89,8 @@ def model_file(rank: int | None) -> str:
     return "mp_rank_00_model_states.pt" if rank is None else f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 
 
-def optim_file(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def optim_file(rank: int, precision: Precision) -> str:
+    return f"{precision.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
 def _check(run: DsRun) -> None:
@@ -111,7 +115,7 @@ def _settings(group: DsGroup, index: int) -> dict[str, Any]:
 def _flat(sources: dict[str, SourceTensor], segments: tuple[Segment, ...]) -> Storage:
     """A rank's flat fp32 partition: the parameters' parts and the zeros between them."""
 
-    def fill(out: RawOutput) -> None:
+    def fill(out: RawOutput, engine: ByteEngine) -> None:
         for segment in segments:
             if segment.name is None:
                 out.write(bytes(4 * segment.elements.size))
@@ -122,7 +126,7 @@ def _flat(sources: dict[str, SourceTensor], segments: tuple[Segment, ...]) -> St
 
 
 def _step(value: float) -> Storage:
-    return Storage(4, lambda out: out.write(struct.pack("<f", value)))
+    return Storage(4, lambda out, engine: out.write(struct.pack("<f", value)))
 
 
 def _adam_state(pickle: StoragePickle, run: DsRun, rank_parts: list[RankPartition]) -> dict:
@@ -139,7 +143,7 @@ def _adam_state(pickle: StoragePickle, run: DsRun, rank_parts: list[RankPartitio
 
 
 def _common(run: DsRun) -> dict[str, Any]:
-    return {"ds_config": {"zero_optimization": {"stage": run.stage}}, "ds_version": DS_VERSION}
+    return {"ds_config": {"zero_optimization": {"stage": run.stage}, **run.precision.config}, "ds_version": DS_VERSION}
 
 
 def _masters(group: DsGroup) -> dict[str, SourceTensor]:
@@ -154,8 +158,7 @@ def _stage12_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, 
         unpadded = part.segments[:-1] if part.padding else part.segments
         fp32.append(pickle.tensor(_flat(_masters(group), unpadded), (part.numel - part.padding,)))
     state = {
-        "loss_scaler": records.loss_scaler(),
-        "dynamic_loss_scale": False,
+        **run.precision.scaler_state(run.loss_scale),
         "overflow": False,
         "base_optimizer_state": base,
         "single_partition_of_fp32_groups": fp32,
@@ -177,8 +180,7 @@ def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, l
     fp32 = [pickle.tensor(_flat(_masters(group), part.segments), (part.numel,)) for group, part in zip(run.groups, rank_parts, strict=True)]
     state = {
         "zero_stage": records.zero_stage(3),
-        "loss_scaler": records.loss_scaler(),
-        "dynamic_loss_scale": False,
+        **run.precision.scaler_state(run.loss_scale),
         "overflow": False,
         "partition_count": run.world_size,
         "optimizer_state_dict": base,
@@ -199,7 +201,7 @@ def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None]
     for rank, rank_parts in enumerate(zip(*layouts, strict=True)):
         if run.stage == 3:
             files.append((model_file(rank), model_states(run, rank, _common(run))))
-        files.append((optim_file(rank), (_stage3_optim if run.stage == 3 else _stage12_optim)(run, list(rank_parts))))
+        files.append((optim_file(rank, run.precision), (_stage3_optim if run.stage == 3 else _stage12_optim)(run, list(rank_parts))))
     tag = directory / run.tag
     tag.mkdir()
 
@@ -208,7 +210,7 @@ def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None]
         try:
             for name, content in files[share.start : share.stop]:
                 with RawOutput(tag / name, engine, report) as out:
-                    write_torch_zip(out, name.removesuffix(".pt"), *content)
+                    write_torch_zip(out, engine, name.removesuffix(".pt"), *content)
         finally:
             engine.close()
 

@@ -6,6 +6,8 @@ the name it is tied to. Stage 2 also lists the frozen parameters (`frozen_param_
 their fragments (the same storages); stage 1 lists none, as DeepSpeed does.
 Stage 3: one file per rank, parameters empty, buffers whole, each frozen parameter's fragment
 the rank's part of it (`ceil(numel / N)` elements, the last ranks zero-padded).
+Every tensor in the run's dtype (`writer_precision`): a bf16 or fp16 run's trainable parameters
+are its fp32 masters rounded to nearest even, its floating frozen ones and buffers cast alike.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
 from ..dcp.pickler import Ordered, Raw, dumps
 from ..dcp.rawout import RawOutput
-from ..format.bytecopy import SourceTensor
+from ..format.bytecopy import ByteEngine, SourceTensor
+from ..format.crc import cast_into
 from ..format.names import numel
 from . import writer_records as records
 from .writer_zip import Storage
 
 if TYPE_CHECKING:
     from .writer import DsRun
+
+CAST_ELEMENTS = 1 << 20  # elements read and cast at a time
 
 
 class StoragePickle:
@@ -36,54 +41,72 @@ class StoragePickle:
         return records.tensor(dtype, len(self.storages) - 1, shape)
 
 
-def elements(source: SourceTensor, wanted: ElementRange, padded_to: int) -> Storage:
-    """Elements `wanted` of `source`, then zeros up to `padded_to` elements."""
-    itemsize = dtype_info(source.dtype).itemsize
+def _cast(out: RawOutput, engine: ByteEngine, source: SourceTensor, wanted: ElementRange, dtype: str) -> None:
+    for first in range(wanted.start, wanted.end, CAST_ELEMENTS):
+        chunk = ElementRange(first, min(first + CAST_ELEMENTS, wanted.end))
+        data = memoryview(bytearray(chunk.size * dtype_info(source.dtype).itemsize))
+        engine.read_into(source, chunk, data)
+        out.write(cast_into(data, source.dtype, dtype, bytearray(chunk.size * dtype_info(dtype).itemsize)))
 
-    def fill(out: RawOutput) -> None:
-        if wanted.size:
+
+def elements(source: SourceTensor, wanted: ElementRange, padded_to: int, dtype: str) -> Storage:
+    """Elements `wanted` of `source` as `dtype`, then zeros up to `padded_to` elements."""
+    itemsize = dtype_info(dtype).itemsize
+
+    def fill(out: RawOutput, engine: ByteEngine) -> None:
+        if wanted.size and dtype == source.dtype:
             out.copy(source, wanted)
+        elif wanted.size:
+            _cast(out, engine, source, wanted, dtype)
         out.write(bytes(itemsize * (padded_to - wanted.size)))
 
     return Storage(itemsize * padded_to, fill)
 
 
-def _whole(source: SourceTensor) -> Storage:
-    return elements(source, ElementRange(0, numel(source.shape)), numel(source.shape))
+def _whole(source: SourceTensor, dtype: str) -> Storage:
+    return elements(source, ElementRange(0, numel(source.shape)), numel(source.shape), dtype)
 
 
-def _fragment(source: SourceTensor, rank: int, world_size: int) -> Storage:
+def _fragment(source: SourceTensor, rank: int, world_size: int, dtype: str) -> Storage:
     total = numel(source.shape)
     size = -(-total // world_size)
-    return elements(source, ElementRange(min(rank * size, total), min((rank + 1) * size, total)), size)
+    return elements(source, ElementRange(min(rank * size, total), min((rank + 1) * size, total)), size, dtype)
+
+
+EMPTY = Storage(0, lambda out, engine: None)
 
 
 def model_states(run: DsRun, rank: int | None, common: dict[str, Any]) -> tuple[bytes, list[Storage]]:
     """The model states file of stages 1 and 2 (`rank` None) or of stage 3's rank `rank`."""
     pickle, module, keys = StoragePickle(), [], {}
     params = [p.master for g in run.groups for p in g.params]
+    dtypes = {s.name: run.precision.module_dtype(s.dtype) for s in (*params, *run.frozen, *run.buffers)}
     for source in (*params, *run.frozen, *run.buffers):
         if rank is None or source in run.buffers:
-            module.append((source.name, pickle.tensor(_whole(source), tuple(source.shape), source.dtype)))
+            module.append((source.name, pickle.tensor(_whole(source, dtypes[source.name]), tuple(source.shape), dtypes[source.name])))
             keys[source.name] = len(pickle.storages) - 1
         else:
-            module.append((source.name, pickle.tensor(Storage(0, lambda out: None), (0,), source.dtype)))
+            module.append((source.name, pickle.tensor(EMPTY, (0,), dtypes[source.name])))
     by_name = {s.name: s for s in (*params, *run.frozen, *run.buffers)}
     for alias, kept in run.aliases.items():
-        source = by_name[kept]
         if kept in keys:  # the storage of the name it is tied to
-            module.append((alias, records.tensor(source.dtype, keys[kept], tuple(source.shape))))
+            module.append((alias, records.tensor(dtypes[kept], keys[kept], tuple(by_name[kept].shape))))
         else:
-            module.append((alias, pickle.tensor(Storage(0, lambda out: None), (0,), source.dtype)))
+            module.append((alias, pickle.tensor(EMPTY, (0,), dtypes[kept])))
     if rank is None and run.stage == 1:
         frozen_shapes, fragments = None, None
     else:
         frozen_shapes = Ordered([(s.name, records.size(tuple(s.shape))) for s in run.frozen])
         fragments = Ordered(
             [
-                (s.name, records.tensor(s.dtype, keys[s.name], tuple(s.shape)))
+                (s.name, records.tensor(dtypes[s.name], keys[s.name], tuple(s.shape)))
                 if rank is None
-                else (s.name, pickle.tensor(_fragment(s, rank, run.world_size), (-(-numel(s.shape) // run.world_size),), s.dtype))
+                else (
+                    s.name,
+                    pickle.tensor(
+                        _fragment(s, rank, run.world_size, dtypes[s.name]), (-(-numel(s.shape) // run.world_size),), dtypes[s.name]
+                    ),
+                )
                 for s in run.frozen
             ]
         )

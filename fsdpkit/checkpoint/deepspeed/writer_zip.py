@@ -1,6 +1,6 @@
 """A `torch.save` zip archive of many storages, written without torch: `data.pkl`, then one
 uncompressed `data/<key>` record per storage (64-byte aligned, filled by the caller straight
-into the file, e.g. from a source's byte ranges), then torch's trailing records and the
+into the file, e.g. from a source's byte ranges, read through the writer's byte engine), then torch's trailing records and the
 central directory. Like `dcp.archive`, data records carry crc32 0 (torch.load does not check
 it); archives of 4 GiB or more need zip64, which is refused.
 """
@@ -14,15 +14,16 @@ from dataclasses import dataclass
 from ...errors import UsageError
 from ..dcp.archive import _END, MAX_RECORD_BYTES, _central, _local
 from ..dcp.rawout import RawOutput
+from ..format.bytecopy import ByteEngine
 
 
 @dataclass(frozen=True)
 class Storage:
     nbytes: int
-    fill: Callable[[RawOutput], None]  # appends exactly `nbytes`
+    fill: Callable[[RawOutput, ByteEngine], None]  # appends exactly `nbytes`, reading sources through the engine
 
 
-def write_torch_zip(out: RawOutput, prefix: str, data_pkl: bytes, storages: list[Storage]) -> None:
+def write_torch_zip(out: RawOutput, engine: ByteEngine, prefix: str, data_pkl: bytes, storages: list[Storage]) -> None:
     """The archive, from `out`'s current position (0: the archive is the file)."""
     total = len(data_pkl) + sum(s.nbytes for s in storages) + 4096 * (len(storages) + 8)
     if total > MAX_RECORD_BYTES:
@@ -41,7 +42,7 @@ def write_torch_zip(out: RawOutput, prefix: str, data_pkl: bytes, storages: list
         central.extend(_central(name, 0, storage.nbytes, out.position))
         out.write(_local(name, 0, storage.nbytes, out.position))
         start = out.position
-        storage.fill(out)
+        storage.fill(out, engine)
         if out.position - start != storage.nbytes:
             raise AssertionError(f"{out.path}: storage {key} took {out.position - start} bytes, not {storage.nbytes}")
     small("version", b"3\n")

@@ -1,6 +1,6 @@
 """`convert SRC OUT --to deepspeed --stage S [--world-size N]`: an fsdpkit sharded checkpoint
 or a full safetensors directory with its optimizer file, as a DeepSpeed ZeRO checkpoint; and
-`reshard DS OUT --world-size N`: a DeepSpeed checkpoint laid out for N ranks, same stage,
+`reshard DS OUT --world-size N`: a DeepSpeed checkpoint laid out for N ranks, same stage and precision,
 which DeepSpeed's plain `load_checkpoint` at N ranks resumes (no universal checkpoint).
 
 A parameter is a model tensor with Adam moments (`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`);
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..deepspeed.table import open_deepspeed
 from ..deepspeed.writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
+from ..deepspeed.writer_precision import Precision, saved_scale
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import MANIFEST_NAME, is_optimizer_tensor, optim_tensor_name
 from ..format.reader import is_full_checkpoint, open_full, open_sharded
@@ -148,8 +149,6 @@ def reshard_deepspeed(
     progress: Progress | None = None,
 ) -> dict:
     with open_deepspeed(src) as checkpoint:
-        if checkpoint.precision != "F32":
-            raise UsageError(f"{src}: fsdpkit writes DeepSpeed checkpoints of fp32 models only; this one is {checkpoint.precision}")
         tensors = {t.name: t for t in checkpoint.sources}
         samples = checkpoint.items.get("global_samples")
         shape = RunShape(
@@ -161,4 +160,5 @@ def reshard_deepspeed(
             samples if type(samples) is int else 0,
         )
         run = build_run(tensors, checkpoint.groups(), shape)
+        run = replace(run, precision=Precision(checkpoint.precision), loss_scale=saved_scale(checkpoint.loss_scaler))
         return write_run(run, Path(src), Path(dst), source_kind="deepspeed", overwrite=overwrite, progress=progress)
