@@ -27,4 +27,9 @@ class DataCheckError(FsdpkitError):
 def install_hint(extra: str) -> str:
     """The command that installs the optional extra `extra` (a name in pyproject's optional
     dependencies) beside an installed fsdpkit."""
-    return f"pip install 'fsdpkit[{extra}]'"
+    return install_command(f"fsdpkit[{extra}]")
+
+
+def install_command(requirement: str) -> str:
+    """The pip command that installs `requirement` (a pip requirement string) into this environment."""
+    return f"pip install '{requirement}'"

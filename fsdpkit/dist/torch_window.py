@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-from ..errors import UsageError
+from ..errors import UsageError, install_command
 
 OLDEST_TORCH = (2, 11)
 NEWEST_TESTED_TORCH = (2, 14)
@@ -27,7 +27,8 @@ def check_torch_release(version: str) -> None:
     match = _RELEASE.match(version)
     if match and (int(match[1]), int(match[2])) < OLDEST_TORCH:
         raise UsageError(
-            f"this environment has torch {version}; fsdpkit needs {window_text()}: pip install 'torch>={OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}'"
+            f"this environment has torch {version}; fsdpkit needs {window_text()}: "
+            + install_command(f"torch>={OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}")
         )
 
 
