@@ -6,8 +6,8 @@ gradient copies, and the loss. Pure arithmetic, per training step on one rank.
                 over every tensor on CUDA, a loop over tensors on CPU) reads and writes the
                 fp32 parameter, gradient and two moments in eight passes; the fused kernel in
                 one. Every parameter is charged the weight-decay pass.
-    casts       an all-gather first casts the rank's fp32 chunk to the compute dtype; at shard
-                factor 1 that copy is then copied into the unit's full buffer (none where the
+    casts       an all-gather first casts the rank's fp32 chunk to a lower compute dtype; at
+                shard factor 1 that copy is then copied into the unit's full buffer (none where the
                 full buffer is the shard: fp32 without sharding). A reduction concatenates the
                 parameters' gradients into the unit's flat gradient, casts it to the reduce
                 dtype, and turns the reduced chunk into the fp32 sharded gradient and averages
@@ -60,7 +60,8 @@ def gather_cast_bytes(padded: int, chunk: int, *, shard_factor: int, master: int
     the copy into the full buffer. 0 where the full buffer is the shard itself."""
     if shard_factor == 1 and compute == master and not offload:
         return 0
-    cast = 0 if offload else chunk * (master + compute)  # under offload the cast is the host copy
+    # no cast in the master dtype (the chunk itself is sent); under offload the cast is the host copy
+    cast = chunk * (master + compute) if compute != master and not offload else 0
     return cast + (2 * padded * compute if shard_factor == 1 else 0)
 
 

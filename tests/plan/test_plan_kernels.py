@@ -33,6 +33,8 @@ def test_casts_of_a_gather_and_a_reduction_by_hand():
     assert gather_cast_bytes(1000, 250, shard_factor=4, master=4, compute=2, offload=False) == 250 * 6
     # one rank: the cast (6 bytes), then the copy into the full buffer (2 + 2)
     assert gather_cast_bytes(1000, 1000, shard_factor=1, master=4, compute=2, offload=False) == 1000 * 10
+    # fp32 over 4 ranks: the chunk itself is gathered, no cast
+    assert gather_cast_bytes(1000, 250, shard_factor=4, master=4, compute=4, offload=False) == 0
     # fp32 on one rank: the full buffer is the shard, nothing moves
     assert gather_cast_bytes(1000, 1000, shard_factor=1, master=4, compute=4, offload=False) == 0
     # bf16 reduced in bf16 on one rank: concatenate (2 + 2), to fp32 (2 + 4), average (4 + 4)
