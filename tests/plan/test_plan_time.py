@@ -640,3 +640,17 @@ def test_profile_file_round_trips_and_drives_the_prediction(tmp_path):
     )
     assert two_nodes["ranks_per_node"] == 8 and one_node["ranks_per_node"] == 16
     assert two_nodes["comm_s"] > one_node["comm_s"] and two_nodes["comm_bytes"] == one_node["comm_bytes"]
+
+
+def test_network_line_leaves_out_launches_whose_time_does_not_grow_with_bytes(monkeypatch):
+    import importlib
+
+    from fsdpkit.errors import UsageError
+
+    measure = importlib.import_module("fsdpkit.plan.calibrate.measure")  # the package exports a function of that name
+    lines = iter([(1e-4, float("inf")), (2e-4, 2e9), (1e-4, float("inf")), (3e-4, 1e9), (1e-4, 3e9)])
+    monkeypatch.setattr(measure, "_bench_line", lambda ranks: next(lines))
+    assert measure.network_line(2, 0.0) == (2e-4, 2e9)  # the medians of the three finite lines
+    monkeypatch.setattr(measure, "_bench_line", lambda ranks: (1e-4, float("inf")))
+    with pytest.raises(UsageError, match="did not grow with their bytes"):
+        measure.network_line(2, 0.0)

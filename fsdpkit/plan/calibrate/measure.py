@@ -7,6 +7,7 @@ Numbers are medians of repeated timings, each going on for at least the seconds 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...errors import UsageError
 from ...models.recipe import Optimizer
 from ..flops import unit_work
 from ..kernels import loss_bytes, optimizer_bytes_per_element, reduce_cast_bytes
@@ -173,11 +175,20 @@ def network_line(ranks: int, seconds: float) -> tuple[float, float]:
     """(latency per ring step s, bus bandwidth bytes/s) of the engine's collectives on `ranks` local
     processes: the medians over `fsdpkit bench` launches, NETWORK_RUNS at least and until
     `seconds` have passed. One launch's line swings: gloo over loopback here gave 0.42-3.4 GB/s
-    from one launch to the next."""
+    from one launch to the next. A launch whose times do not grow with the bytes (a machine too
+    busy to measure) gives no bandwidth and is left out, up to 2 x NETWORK_RUNS of them."""
     lines: list[tuple[float, float]] = []
-    started = time.perf_counter()
-    while len(lines) < NETWORK_RUNS or time.perf_counter() - started < seconds:
-        lines.append(_bench_line(ranks))
+    started, left_out = time.perf_counter(), 0
+    while (len(lines) < NETWORK_RUNS or time.perf_counter() - started < seconds) and left_out < 2 * NETWORK_RUNS:
+        line = _bench_line(ranks)
+        if math.isfinite(line[1]):
+            lines.append(line)
+        else:
+            left_out += 1
+    if not lines:
+        raise UsageError(
+            f"calibrate: in {left_out} launches the collectives' time did not grow with their bytes (a busy machine); run it again"
+        )
     return statistics.median(line[0] for line in lines), statistics.median(line[1] for line in lines)
 
 
