@@ -1,55 +1,89 @@
 #!/usr/bin/env bash
-# The GPU path in one script, a few minutes on one node: NCCL collectives, a short bf16
-# training run on CUDA, the plan against the engine's counters, and the engine benchmark
-# against FSDP2 / FSDP1 / DDP with NCCL (TFLOP/s and MFU included).
+# The GPU checks in at most 8 minutes on one GPU; one JSON document and a table of what they measure.
 #
-#     bash benchmarks/gpu_check.sh            # results under $OUT (or ./gpu-check-results)
+#     bash benchmarks/gpu_check.sh                      # results under $OUT (or ./gpu-check-results)
+#     GPU_CHECK_DRY_RUN=1 bash benchmarks/gpu_check.sh  # print each part's command, run nothing
 #
-# Every step runs even if an earlier one fails; the exit status is the number of failed steps.
+# Parts, each under its own time limit (together 475 s); one that fails or runs out of time is
+# recorded with its error and the others still run:
+#   compat_*     gpt-small bf16: 40 steps straight; 20 steps saved, resumed to 40: losses bitwise equal
+#   engine       benchmarks/engine.py, gpt2-xl bf16, 8 x 1024: fsdpkit, FSDP2 and DDP (step, TFLOP/s, MFU, peak)
+#   plain, snapshot, async_save   gpt2-large bf16, 100 steps of 8 x 1024: plain, with --max-restarts 1
+#                --snapshot-every 10, with --async-save --save-every 10 (elapsed and tokens/s against plain)
+#   compile      the plain run with --compile, 30 steps (tokens/s leaves the compiling first step out)
+#   plan         plan --time of the engine's configuration on the GPU's built-in profile
+# benchmarks/plan_gpu_check.py gathers them into gpu-check.json and gpu-check.md (printed), the
+# plan against the engine's measured step included. The exit status is the number of failed parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 FSDPKIT=${FSDPKIT:-.venv/bin/fsdpkit}
 RESULTS=${OUT:-./gpu-check-results}
-mkdir -p "$RESULTS"
+DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-if ! command -v nvidia-smi >/dev/null || ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "gpu_check: no CUDA GPU visible to torch (torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null))" >&2
-    exit 2
-fi
-GPUS=$(nvidia-smi -L | wc -l)
-GPUS=${GPUS:-1}
-# The engine benchmark needs at least 2 ranks to shard; with one GPU it runs 1 (a smoke test).
-echo "gpu_check: $GPUS GPU(s); results in $RESULTS" >&2
-nvidia-smi > "$RESULTS/nvidia-smi.txt" 2>&1
-"$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))' > "$RESULTS/torch.txt" 2>&1
-
-failed=0
-step() {  # step NAME TIMEOUT_S COMMAND... : stdout to NAME.out, stderr to NAME.err
+part() {  # part NAME LIMIT_S COMMAND...: stdout to NAME.out, stderr to NAME.err, "NAME rc seconds" to parts.tsv
     local name=$1 limit=$2
     shift 2
+    if [ "$DRY_RUN" = 1 ]; then
+        printf '%s\t%s\n' "$name" "${*@Q}"
+        return 0
+    fi
     local started=$SECONDS
     timeout "$limit" "$@" > "$RESULTS/$name.out" 2> "$RESULTS/$name.err"
     local rc=$?
-    echo "$name rc=$rc $((SECONDS - started))s" | tee -a "$RESULTS/summary.txt" >&2
-    [ "$rc" -eq 0 ] || failed=$((failed + 1))
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" >> "$RESULTS/parts.tsv"
+    echo "gpu_check: $name rc=$rc $((SECONDS - started))s" >&2
 }
 
-step allgather_nccl 120 "$FSDPKIT" bench allgather --backend nccl --nproc-per-node "$GPUS" \
-    --min-bytes 1M --max-bytes 1G --factor 4 --iters 20 --warmup 5 --dtype bfloat16 --check 1
-step allgather_nccl_json 120 "$FSDPKIT" bench all --backend nccl --nproc-per-node "$GPUS" \
-    --min-bytes 1M --max-bytes 256M --factor 16 --iters 10 --warmup 3 --check 1 --json
-step train_bf16 240 "$FSDPKIT" train --device cuda --mixed-precision bf16 --nproc-per-node "$GPUS" \
-    --model gpt-small --steps 50 --global-batch-size $((8 * GPUS)) --seq-len 256 --json
-step train_offload_fp32 240 "$FSDPKIT" train --device cuda --nproc-per-node "$GPUS" --cpu-offload \
-    --model gpt-tiny --steps 10 --global-batch-size $((4 * GPUS)) --seq-len 128 --json
-step plan_gpt2 60 "$FSDPKIT" plan --model gpt2 --world-size "$GPUS" --mixed-precision bf16 --json
-step engine_bench_gpt2 420 "$PY" benchmarks/engine.py --backend nccl --nproc-per-node "$GPUS" \
-    --model gpt2 --mixed-precision bf16 --batch $((8 * GPUS)) --seq-len 1024 --trials 10 --steps 3 --warmup 3
-step engine_bench_gpt2_json 420 "$PY" benchmarks/engine.py --backend nccl --nproc-per-node "$GPUS" \
-    --model gpt2 --mixed-precision bf16 --batch $((8 * GPUS)) --seq-len 1024 --trials 5 --steps 3 --warmup 2 --ablation --json
+profile_of() {  # the built-in hardware profile of a GPU's name
+    case "$1" in
+        *H200*) echo h200-ib400 ;;
+        *A100*80GB*) echo a100-80gb-ib400 ;;
+        *A100*) echo a100-40gb-ib400 ;;
+        *) echo h100-ib400 ;;
+    esac
+}
 
-echo "gpu_check: $failed step(s) failed; see $RESULTS/summary.txt" >&2
-exit "$failed"
+if [ "$DRY_RUN" = 1 ]; then
+    GPU_NAME="NVIDIA H200"
+else
+    if ! command -v nvidia-smi >/dev/null || ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+        echo "gpu_check: no CUDA GPU visible to torch (torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null))" >&2
+        exit 2
+    fi
+    mkdir -p "$RESULTS"
+    rm -f "$RESULTS/parts.tsv"
+    GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+    "$PY" -c 'import json, torch; print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0)}))' \
+        > "$RESULTS/device.json"
+fi
+PROFILE=$(profile_of "$GPU_NAME")
+echo "gpu_check: $GPU_NAME (profile $PROFILE); results in $RESULTS" >&2
+
+ONE_GPU=(--device cuda --nproc-per-node 1 --mixed-precision bf16 --quiet --json)
+# an explicit schedule: the 20-step run must take the 40-step run's first 20 steps whatever the defaults
+SMALL=(--model gpt-small --global-batch-size 8 --seq-len 256 --lr 6e-4 --warmup-steps 5)
+LARGE=(--model gpt2-large --global-batch-size 8 --seq-len 1024)
+XL=(--model gpt2-xl --mixed-precision bf16 --seq-len 1024)
+
+part compat_straight 30 "$FSDPKIT" train "${ONE_GPU[@]}" "${SMALL[@]}" --steps 40
+part compat_save 25 "$FSDPKIT" train "${ONE_GPU[@]}" "${SMALL[@]}" --steps 20 --save-dir "$RESULTS/compat-run"
+part compat_resume 25 "$FSDPKIT" train "${ONE_GPU[@]}" "${SMALL[@]}" --steps 40 --resume "$RESULTS/compat-run"
+part engine 140 "$PY" benchmarks/engine.py --backend nccl --nproc-per-node 1 "${XL[@]}" --batch 8 \
+    --systems fsdpkit,fsdp2,ddp --trials 3 --steps 3 --warmup 2 --profile-steps 0 --json
+part plan 15 "$FSDPKIT" plan --time --hardware "$PROFILE" "${XL[@]}" --global-batch-size 8 --world-size 1 --json
+part plain 50 "$FSDPKIT" train "${ONE_GPU[@]}" "${LARGE[@]}" --steps 100
+part snapshot 50 "$FSDPKIT" train "${ONE_GPU[@]}" "${LARGE[@]}" --steps 100 --max-restarts 1 --snapshot-every 10
+part async_save 80 "$FSDPKIT" train "${ONE_GPU[@]}" "${LARGE[@]}" --steps 100 --async-save --save-every 10 --keep-last 1 \
+    --save-dir "$RESULTS/async-run"
+# tokens/s leaves the first step (the compilation) out: 30 steps measure the compiled step
+part compile 60 "$FSDPKIT" train "${ONE_GPU[@]}" "${LARGE[@]}" --steps 30 --compile
+
+if [ "$DRY_RUN" = 1 ]; then
+    printf 'report\t%s\n' "$PY benchmarks/plan_gpu_check.py $RESULTS"
+    exit 0
+fi
+rm -rf "$RESULTS/compat-run" "$RESULTS/async-run"
+"$PY" benchmarks/plan_gpu_check.py "$RESULTS"

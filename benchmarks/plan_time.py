@@ -170,15 +170,15 @@ class Calibration:
         return {"link": self.link, "all_cores": self.all_cores, "more": self.more}
 
     def result(self) -> dict | None:
-        """On rank 0: measure_steps' (peak, memory bandwidth, samples), the medians of the link,
+        """On rank 0: measure_steps' (peak, memory rates, samples), the medians of the link,
         all-cores and more-ranks steps, and their times in the order taken."""
         if dist.get_rank() != 0:
             return None
-        peak, bandwidth = self.probe.rates(self.probes.times)
-        samples = [run.sample(size, timed.times, bandwidth) for run, size, timed in self.compute]
+        peak, memory = self.probe.rates(self.probes.times)
+        samples = [run.sample(size, timed.times, memory) for run, size, timed in self.compute]
         times = {kind: [[t[0] for t in timed.times] for timed in steps] for kind, steps in self.profile_steps().items()}
         medians = {kind: [statistics.median(step) for step in steps] for kind, steps in times.items()}
-        return {"compute": (peak, bandwidth, samples), **medians, "times": times}
+        return {"compute": (peak, memory, samples), **medians, "times": times}
 
 
 def calibration_request(batch: int, seq_len: int):

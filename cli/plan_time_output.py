@@ -52,6 +52,19 @@ def _choice(prediction) -> dict:
     return {"flags": " ".join(flags), "micro_batch": prediction.micro_batch, "step_time_s": prediction.time.step_time_s}
 
 
+def _terms(document: dict) -> list[str]:
+    """The compute time by part; the memory rate those bound by bandwidth run at."""
+    from fsdpkit.plan.simulate import TERMS
+
+    lines = [f"    {seconds:<10.4g} s {TERMS[term]}" for term, seconds in document["terms"].items() if seconds]
+    rates = document["rates"]
+    return [
+        *lines,
+        f"    (peak {rates['peak_tflops']:,.4g} TFLOPS x efficiency {rates['efficiency']:.3g}; memory rate: "
+        f"{rates['memory_bw_gbs']:,.4g} GB/s x memory_efficiency {rates['memory_efficiency']:.3g})",
+    ]
+
+
 def format_time(document: dict) -> str:
     lines = [
         f"# fsdpkit plan --time: {document['model']}, {document['num_params']:,} parameters in {document['units']} units; "
@@ -60,6 +73,7 @@ def format_time(document: dict) -> str:
         f"{document['seq_len']} tokens per rank, grad accum {document['grad_accum']}",
         f"  step time                {document['step_time_s']:.4g} s",
         f"  compute                  {document['compute_s']:.4g} s",
+        *_terms(document),
         f"  exposed communication    {document['exposed_comm_s']:.4g} s (the communication stream is busy {document['comm_s']:.4g} s)",
         f"  TFLOPS per device        {document['tflops_per_device']:.4g} (MFU {document['mfu']:.1%})",
         f"  tokens/s                 {document['tokens_per_s']:,.0f} ({document['tokens_per_s_per_device']:,.0f} per device)",

@@ -11,6 +11,10 @@ the meta device falls back to), for its forward and its backward:
     activations  the bytes the forward's operators write (an upper bound of what autograd
             keeps for the backward), and the floating-point inputs of each unit (what
             activation checkpointing keeps instead)
+
+The loss is not counted here: the backward starts from a gradient of the logits, and the
+cross-entropy's bytes (fp32, whatever the compute dtype) are fsdpkit.plan.kernels.loss_bytes
+of the logits' width, which the root's work carries.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -79,6 +82,7 @@ class UnitWork:
     forward_attention_flops: int = 0  # the part of forward_flops in attention kernels
     activation_bytes: int = 0  # written by the forward's operators
     input_bytes: int = 0  # the unit's floating-point inputs
+    logits: int = 0  # the root's: logits per token, that the loss reads (0 for the other units)
 
 
 class _ByteCounter(TorchDispatchMode):
@@ -90,6 +94,7 @@ class _ByteCounter(TorchDispatchMode):
         self.bytes: dict[str, int] = defaultdict(int)
         self.ops: dict[str, int] = defaultdict(int)
         self.written: dict[str, int] = defaultdict(int)
+        self.counting = True
 
     def __enter__(self) -> _ByteCounter:
         self.tracker.__enter__()
@@ -102,7 +107,7 @@ class _ByteCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.is_view or func.overloadpacket in _NOT_RUN or func.namespace == "prim":
+        if not self.counting or func.is_view or func.overloadpacket in _NOT_RUN or func.namespace == "prim":
             return out
         written = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         for parent in set(self.tracker.parents):
@@ -120,17 +125,22 @@ class _ByteCounter(TorchDispatchMode):
         return out
 
 
-def _per_module(source: ModelSource, model: nn.Module, shape: tuple[int, int], *, backward: bool) -> list[dict[str, int]]:
+def _per_module(source: ModelSource, model: nn.Module, shape: tuple[int, int], *, backward: bool) -> tuple[list[dict[str, int]], int]:
+    """(the counts per module, the logits' width)."""
     # Fake token ids too: code that would read a value (transformers' mask checks) sees a trace and skips it.
     with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as counter, _ByteCounter() as traffic:
         tokens = torch.zeros(shape, dtype=torch.long)
         logits = source.logits(model, tokens[:, :-1])
         if backward:
-            F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            traffic.counting = False  # the loss's gradient: kernels.loss_bytes charges the loss
+            gradient = torch.empty_like(logits)
+            traffic.counting = True
+            logits.backward(gradient)
     by_module = counter.get_flop_counts().items()
     flops = {name: sum(by_op.values()) for name, by_op in by_module}
     attention = {name: sum(n for op, n in by_op.items() if op in _ATTENTION) for name, by_op in by_module}
-    return [_by_member(model, counts) for counts in (flops, traffic.bytes, traffic.ops, attention, traffic.written)]
+    counts = [_by_member(model, counts) for counts in (flops, traffic.bytes, traffic.ops, attention, traffic.written)]
+    return counts, logits.shape[-1]
 
 
 def _by_member(model: nn.Module, counts: dict[str, int]) -> dict[str, int]:
@@ -171,13 +181,14 @@ def unit_work(source: ModelSource, plans: Sequence[UnitSpec], batch: int, seq_le
     with FakeTensorMode():
         model = source.build(device="cpu", seed=0)
         inputs = _input_bytes(model, plans)
-        forward = [_exclusive(plans, counts) for counts in _per_module(source, model, shape, backward=False)]
+        forward_counts, width = _per_module(source, model, shape, backward=False)
+        forward = [_exclusive(plans, counts) for counts in forward_counts]
         for handle in inputs.pop():
             handle.remove()
-        total = [_exclusive(plans, counts) for counts in _per_module(source, model, shape, backward=True)]
+        total = [_exclusive(plans, counts) for counts in _per_module(source, model, shape, backward=True)[0]]
     return [
-        UnitWork(ff, tf - ff, fb, tb - fb, fo, to - fo, fa, fw, inp)
-        for ff, fb, fo, tf, tb, to, fa, fw, inp in zip(*forward[:3], *total[:3], *forward[3:], inputs[0], strict=True)
+        UnitWork(ff, tf - ff, fb, tb - fb, fo, to - fo, fa, fw, inp, width if index == 0 else 0)
+        for index, (ff, fb, fo, tf, tb, to, fa, fw, inp) in enumerate(zip(*forward[:3], *total[:3], *forward[3:], inputs[0], strict=True))
     ]
 
 

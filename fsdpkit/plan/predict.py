@@ -15,8 +15,9 @@ from typing import Any
 
 from ..engine.step_policy import StepPolicy
 from ..engine.traffic import flags_collective
-from ..models.recipe import Optimizer, precision_names
+from ..models.recipe import precision_names
 from .flops import UnitWork
+from .kernels import OptimizerKernel, gather_cast_bytes, loss_bytes, optimizer_bytes_per_element, reduce_cast_bytes
 from .memory import MemoryPlan, UnitSizes, plan_from_sizes, unit_sizes
 from .meta import build_meta_model
 from .profile import Hardware
@@ -24,9 +25,8 @@ from .request import PlanRequest
 from .simulate import Recompute, StepSetup, StepTime, UnitCost, simulate
 from .traffic import sharded_unit_traffic, wire_itemsizes
 
-# Bytes the optimizer step reads and writes per element: AdamW reads the parameter, its
-# gradient and two states and writes three; SGD reads two and writes one (fp32).
-OPTIMIZER_TRAFFIC = {Optimizer.ADAMW: 7 * 4, Optimizer.SGD: 3 * 4}
+# The optimizer as fsdpkit train and torch.optim build it by default.
+OPTIMIZER_KERNEL = OptimizerKernel.EAGER
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,13 @@ class StepPrediction:
             "mfu": time.mfu,
             "tokens_per_s": time.tokens_per_s,
             "tokens_per_s_per_device": time.tokens_per_s / self.request.world_size,
+            "terms": time.terms,
+            "rates": {
+                "peak_tflops": self.hardware.peak_flops(time.compute_dtype) / 1e12,
+                "efficiency": self.hardware.fitted.efficiency,
+                "memory_bw_gbs": self.hardware.memory_bw_gbs,
+                "memory_efficiency": self.hardware.memory_efficiency,
+            },
             "comm_bytes": time.comm_bytes,
             "activation_bytes": self.activation_bytes,
             "fits": self.fits,
@@ -106,7 +113,9 @@ def predict(
         micro_batches=request.grad_accum,
         no_sync=request.no_sync,
         compute_dtype="fp32" if precision == "none" else precision,
-        optimizer_bytes=sum(size.local_numel for size in sizes if size.trainable) * OPTIMIZER_TRAFFIC[request.optimizer],
+        optimizer_bytes=sum(size.local_numel for size in sizes if size.trainable)
+        * optimizer_bytes_per_element(request.optimizer, OPTIMIZER_KERNEL),
+        loss_bytes=loss_bytes(batch * request.seq_len, max(w.logits for w in costs.work_per_sequence), compute=compute_bytes),
         optimizer_tensors=sum(param.requires_grad for plan in costs.plans for param in plan.params),
         flags=flags_collective(sum(len(plan.params) for plan in costs.plans), world),
         tokens_per_step=request.global_batch_size * request.seq_len,
@@ -121,7 +130,8 @@ def predict(
 def unit_costs(request: PlanRequest, costs: ModelCosts, sizes: Sequence[UnitSizes], batch: int) -> list[UnitCost]:
     """Each unit's compute and collectives for one micro-batch of `batch` sequences on one rank."""
     sharding, master = request.sharding, costs.master_bytes
-    compute_bytes, _ = wire_itemsizes(sharding, master)
+    compute_bytes, reduce_bytes = wire_itemsizes(sharding, master)
+    factor, offload = sharding.shard_factor(request.world_size), sharding.cpu_offload
     return [
         UnitCost(
             name=size.name,
@@ -137,6 +147,14 @@ def unit_costs(request: PlanRequest, costs: ModelCosts, sizes: Sequence[UnitSize
             param_bytes=size.padded_numel * compute_bytes,
             shard_bytes=size.chunk_numel * size.master_bytes,
             members=len(plan.members),
+            gather_cast_bytes=gather_cast_bytes(
+                size.padded_numel, size.chunk_numel, shard_factor=factor, master=size.master_bytes, compute=compute_bytes, offload=offload
+            ),
+            reduce_cast_bytes=reduce_cast_bytes(
+                size.padded_numel, size.chunk_numel, master=size.master_bytes, compute=compute_bytes, reduce=reduce_bytes, offload=offload
+            )
+            if size.trainable
+            else 0,
         )
         for size, work, plan in zip(sizes, costs.work_per_sequence, costs.plans, strict=True)
     ]

@@ -37,7 +37,7 @@ class FittedTerms:
     op_overhead_s: float = 0.0  # fixed time per operator dispatched (eager dispatch, autograd, kernel launch)
     param_passes: float = 0.0  # times each forward or backward moves its unit's unsharded parameters at memory bandwidth
     optimizer_tensor_s: float = 0.0  # fixed time per parameter tensor of the optimizer step (a per-tensor loop)
-    optimizer_passes: float = 1.0  # the optimizer's memory traffic in units of its minimum (AdamW: 28 bytes per element)
+    optimizer_passes: float = 1.0  # the optimizer's memory traffic in units of its kernels' (fsdpkit.plan.kernels)
 
 
 FITTED_KEYS = tuple(f.name for f in fields(FittedTerms))
@@ -62,18 +62,21 @@ class Hardware:
     host_bw_gbs: float = 25.0  # host <-> device copies (CPU offload)
     overlap: bool = True  # communication runs beside compute (False: the two share the same cores)
     compute_slots: int = 0  # ranks of a node that compute at once (CPU: its cores); 0: every rank has its own device
+    # the fraction of memory_bw_gbs that bandwidth-bound kernels reach (elementwise, norms, the loss, casts, the optimizer)
+    memory_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         fitted = self.fitted
-        for key in ("memory_gb", "memory_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "host_bw_gbs"):
+        for key in ("memory_gb", "memory_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "host_bw_gbs", "memory_efficiency"):
             _positive(self.name, key, getattr(self, key))
         for key in ("efficiency", "optimizer_passes"):
             _positive(self.name, key, getattr(fitted, key))
         overheads = ("unit_overhead_s", "collective_overhead_s", "reduce_overhead_s", "op_overhead_s", "optimizer_tensor_s")
         for key in ("intra_latency_s", "inter_latency_s", "param_passes", *overheads):
             _at_least_zero(self.name, key, getattr(fitted if key in FITTED_KEYS else self, key))
-        if fitted.efficiency > 1:
-            raise UsageError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {fitted.efficiency}")
+        for key, value in (("efficiency", fitted.efficiency), ("memory_efficiency", self.memory_efficiency)):
+            if value > 1:
+                raise UsageError(f"hardware {self.name!r}: {key} must be in (0, 1], got {value}")
         for key in ("compute_contention", "all_cores_slowdown"):
             factor = getattr(fitted, key)
             if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= MAX_CONTENTION:
@@ -91,6 +94,11 @@ class Hardware:
         """This profile with some of its file's keys (fitted terms among them) set anew."""
         terms = {key: values.pop(key) for key in FITTED_KEYS if key in values}
         return replace(self, fitted=replace(self.fitted, **terms), **values)
+
+    @property
+    def memory_rate(self) -> float:
+        """Bytes per second that bandwidth-bound kernels move."""
+        return self.memory_bw_gbs * 1e9 * self.memory_efficiency
 
     def peak_flops(self, dtype: str) -> float:
         return self.peak_tflops.get(dtype, self.peak_tflops["fp32"]) * 1e12
@@ -195,6 +203,9 @@ _TORCHTITAN_H100 = (
     "500 W power limit, which the profile does not model); dense BF16 989 TFLOPS as the SXM part"
 )
 _NVIDIA_H200 = "NVIDIA H200 SXM datasheet (dense BF16 989 TFLOPS, HBM3e 4.8 TB/s, 141 GB)"
+# A streaming copy reaches about 90% of a Hopper's or Ampere's datasheet HBM bandwidth; PyTorch's
+# eager elementwise, norm and reduction kernels somewhat less. Not fitted to any step's time.
+GPU_MEMORY_EFFICIENCY = 0.85
 _NCCL = (
     "nccl-tests on DGX: NVLink3 all-gather busbw ~230 GB/s, NVLink4 ~360 GB/s; across nodes NCCL runs one ring per NIC, "
     "so busbw ~90% of the node's 8 NICs together (~180 GB/s with 8x200 Gb/s HDR)"
@@ -204,7 +215,7 @@ _NCCL = (
 def _gpu(name: str, peak: dict[str, float], memory_gb: float, memory_bw: float, intra_bw: float, ib_gbit: int, source: str) -> Hardware:
     return Hardware(
         name=name,
-        source=f"{source}; {_NCCL}; {ib_gbit} Gb/s InfiniBand per GPU",
+        source=f"{source}; {_NCCL}; {ib_gbit} Gb/s InfiniBand per GPU; bandwidth-bound kernels at {GPU_MEMORY_EFFICIENCY:.0%} of HBM",
         peak_tflops=peak,
         fitted=FittedTerms(efficiency=0.6, unit_overhead_s=5e-5),
         memory_gb=memory_gb,
@@ -215,6 +226,7 @@ def _gpu(name: str, peak: dict[str, float], memory_gb: float, memory_bw: float, 
         inter_bw_gbs=min(intra_bw, ib_gbit / 8 * 8 * 0.9),  # one NCCL ring per NIC: the node's 8 NICs together
         inter_latency_s=1e-5,
         host_bw_gbs=25.0,
+        memory_efficiency=GPU_MEMORY_EFFICIENCY,
     )
 
 

@@ -3,10 +3,14 @@
 
     compute     a unit's forward or backward: its FLOPs at the device's achievable rate
                 (peak x efficiency), the bytes its other operators move and `param_passes`
-                times its unsharded parameters at the memory bandwidth, a fixed cost per
-                operator it dispatches and a fixed cost per unit and pass (hooks); checkpointing recomputes the forward in backward; the
-                optimizer step is bound by memory bandwidth (`optimizer_passes` times its
-                minimal traffic), plus a fixed cost per parameter tensor; CPU offload adds host<->device copies of the shard
+                times its unsharded parameters at the memory rate (memory bandwidth x
+                memory_efficiency), a fixed cost per operator it dispatches and a fixed cost
+                per unit and pass (hooks); checkpointing recomputes the forward in backward;
+                each all-gather's casts and each reduction's gradient copies, the loss and the
+                optimizer step (`optimizer_passes` times its kernels' traffic,
+                fsdpkit.plan.kernels) at the memory rate, plus a fixed cost per parameter
+                tensor; CPU offload adds host<->device copies of the shard. StepTime.terms
+                splits the compute stream's busy time into these parts
     network     alpha-beta: a ring collective over n ranks takes (n-1) latency steps plus
                 the bytes each rank moves, (n-1)/n of the buffer (twice for an all-reduce),
                 over the bus bandwidth of the group's link (inside a node or between nodes),
@@ -75,6 +79,8 @@ class UnitCost:
     param_bytes: int  # the unsharded parameters in the compute dtype
     shard_bytes: int  # the rank's chunk in the master dtype (copied to and from the host under offload)
     members: int = 1  # wrapped modules in the unit (several when small ones are bucketed): each has its hooks
+    gather_cast_bytes: int = 0  # device memory each all-gather's casts move (kernels.gather_cast_bytes)
+    reduce_cast_bytes: int = 0  # device memory each reduction's gradient copies move (kernels.reduce_cast_bytes)
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class StepSetup:
     no_sync: bool = False
     compute_dtype: str = "fp32"
     optimizer_bytes: int = 0  # bytes the optimizer step reads and writes on this rank
+    loss_bytes: int = 0  # bytes the loss moves per micro-batch on this rank (kernels.loss_bytes)
     optimizer_tensors: int = 0  # parameter tensors the optimizer steps over on this rank
     flags: Collective | None = None  # the used-parameter flags of a synced backward
     tokens_per_step: int = 0  # over every rank
@@ -112,6 +119,20 @@ class StepTime:
     hardware_tflops_per_device: float  # with checkpointing's recompute
     mfu: float
     tokens_per_s: float
+    terms: dict[str, float]  # the compute stream's busy time by part (TERMS), summing to compute_s
+    compute_dtype: str = "fp32"
+
+
+# The parts of the compute stream's time (StepTime.terms).
+TERMS = {
+    "matmul_s": "matrix products and attention (FLOPs at peak x efficiency)",
+    "elementwise_s": "elementwise, norm and other operators (bytes at the memory rate)",
+    "loss_s": "cross-entropy on fp32 logits (bytes at the memory rate)",
+    "casts_s": "all-gather casts and gradient copies (bytes at the memory rate)",
+    "optimizer_s": "optimizer step (bytes at the memory rate, fixed cost per tensor)",
+    "overhead_s": "fixed costs per unit and per operator",
+    "host_copies_s": "host <-> device copies (CPU offload)",
+}
 
 
 def collective_seconds(collective: Collective, hardware: Hardware, ranks_per_node: int, world_size: int) -> tuple[float, float]:
@@ -133,10 +154,14 @@ class _Streams:
         self.busy_compute = 0.0
         self.busy_comm = 0.0
         self.bytes: dict[str, int] = {}
+        self.terms = dict.fromkeys(TERMS, 0.0)
 
-    def run(self, seconds: float) -> None:
-        self.compute += seconds
-        self.busy_compute += seconds
+    def run(self, **seconds: float) -> None:
+        """Compute for the sum of `seconds`, each keyed by its part (TERMS)."""
+        for term, value in seconds.items():
+            self.terms[term] += value
+        self.compute += sum(seconds.values())
+        self.busy_compute += sum(seconds.values())
 
     def issue(self, collective: Collective | None) -> float:
         """Start `collective` when issued and the stream is free; when it ends."""
@@ -155,20 +180,24 @@ class _Streams:
         self.compute = max(self.compute, until)
 
 
-def _pass_seconds(flops: float, moved: float, ops: float, param_bytes: float, members: int, setup: StepSetup) -> float:
-    """One forward or backward of a unit (`param_bytes`: its parameters, once per pass it makes;
-    `members`: its wrapped modules, each paying the fixed overhead of a module with hooks)."""
+def _pass_seconds(flops: float, moved: float, ops: float, param_bytes: float, members: int, setup: StepSetup) -> dict[str, float]:
+    """One forward or backward of a unit by part (`param_bytes`: its parameters, once per pass it
+    makes; `members`: its wrapped modules, each paying the fixed overhead of a module with hooks)."""
     hardware = setup.hardware
     moved += hardware.fitted.param_passes * param_bytes
-    seconds = flops / (hardware.peak_flops(setup.compute_dtype) * hardware.fitted.efficiency) + moved / (hardware.memory_bw_gbs * 1e9)
-    return seconds + members * hardware.fitted.unit_overhead_s + ops * hardware.fitted.op_overhead_s
+    return {
+        "matmul_s": flops / (hardware.peak_flops(setup.compute_dtype) * hardware.fitted.efficiency),
+        "elementwise_s": moved / hardware.memory_rate,
+        "overhead_s": members * hardware.fitted.unit_overhead_s + ops * hardware.fitted.op_overhead_s,
+    }
 
 
 def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup, *, reduce: bool) -> None:
-    policy, host_bw = setup.policy, setup.hardware.host_bw_gbs * 1e9
+    policy, host_bw, memory_rate = setup.policy, setup.hardware.host_bw_gbs * 1e9, setup.hardware.memory_rate
     gathered: dict[str, float] = {}
     in_flight: list[str] = []
     reduced: dict[str, float] = {}
+    loss_due = True
     events = step_events([(unit.name, unit.trainable) for unit in units.values()], policy, reduce=reduce)
     for event in events:
         unit = units.get(event.unit)
@@ -176,7 +205,8 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
             while policy.waits_before_gather(len(in_flight)):
                 streams.wait(gathered[in_flight.pop(0)])
             if policy.cpu_offload:
-                streams.run(unit.shard_bytes / host_bw)
+                streams.run(host_copies_s=unit.shard_bytes / host_bw)
+            streams.run(casts_s=unit.gather_cast_bytes / memory_rate)
             gathered[event.unit] = streams.issue(unit.traffic.gather)
             in_flight.append(event.unit)
         elif event.op is Op.WAIT:
@@ -185,11 +215,14 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
         elif event.op is Op.RESHARD:
             in_flight = [name for name in in_flight if name != event.unit]
         elif event.op is Op.FORWARD and unit is not None:
-            streams.run(_pass_seconds(unit.forward_flops, unit.forward_bytes, unit.forward_ops, unit.param_bytes, unit.members, setup))
+            streams.run(**_pass_seconds(unit.forward_flops, unit.forward_bytes, unit.forward_ops, unit.param_bytes, unit.members, setup))
         elif event.op is Op.BACKWARD and unit is not None:
+            if loss_due:  # the loss's forward and backward come between the last forward and the first backward
+                streams.run(loss_s=setup.loss_bytes / memory_rate)
+                loss_due = False
             again, flops = setup.recomputes.of_forward(unit.forward_flops, unit.forward_attention_flops)
             streams.run(
-                _pass_seconds(
+                **_pass_seconds(
                     unit.backward_flops + flops,
                     unit.backward_bytes + again * unit.forward_bytes,
                     unit.backward_ops + again * unit.forward_ops,
@@ -203,8 +236,9 @@ def _micro_batch(streams: _Streams, units: dict[str, UnitCost], setup: StepSetup
         elif event.op is Op.COMPLETE and unit is not None:
             streams.wait(reduced.pop(event.unit, 0.0))
             streams.wait(streams.issue(unit.traffic.replica_reduce))
+            streams.run(casts_s=unit.reduce_cast_bytes / memory_rate)
             if policy.cpu_offload:
-                streams.run(unit.shard_bytes / host_bw)
+                streams.run(host_copies_s=unit.shard_bytes / host_bw)
         elif event.op is Op.END and reduce:
             streams.issue(setup.flags)
 
@@ -224,8 +258,7 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
         _micro_batch(streams, by_name, setup, reduce=not setup.no_sync or index == setup.micro_batches - 1)
     hardware = setup.hardware
     moved = setup.optimizer_bytes * hardware.fitted.optimizer_passes
-    optimizer = moved / (hardware.memory_bw_gbs * 1e9) + setup.optimizer_tensors * hardware.fitted.optimizer_tensor_s
-    streams.run(optimizer)
+    streams.run(optimizer_s=moved / hardware.memory_rate + setup.optimizer_tensors * hardware.fitted.optimizer_tensor_s)
     slowdown = hardware.compute_slowdown(setup.ranks_per_node)
     step = shared_cores_seconds(max(streams.compute, streams.comm), streams.busy_compute, slowdown)
     compute_s = streams.busy_compute * slowdown
@@ -244,4 +277,6 @@ def simulate(units: Sequence[UnitCost], setup: StepSetup) -> StepTime:
         hardware_tflops_per_device=(flops + recomputed) / step / 1e12 if step else 0.0,
         mfu=flops / step / peak if step else 0.0,
         tokens_per_s=setup.tokens_per_step / step if step else 0.0,
+        terms={term: seconds * slowdown for term, seconds in streams.terms.items()},
+        compute_dtype=setup.compute_dtype,
     )

@@ -176,11 +176,17 @@ def test_without_communication_the_step_is_the_compute_time(bucket_bytes):
     flops = 2 * (counter.get_total_flops() + 2 * 2 * 4 * 16 * 16 * 16)
     assert time.flops == flops
     # every pass at 1 TFLOP/s and 3 GB/s for the bytes the other operators move, plus the
-    # overhead (2 passes x 3 wrapped modules x 2 micro-batches); AdamW's 28 bytes per element of the
-    # rank's quarter of the parameters at 3 GB/s
+    # overhead (2 passes x 3 wrapped modules x 2 micro-batches); AdamW's 8 passes, 80 bytes per element
+    # of the rank's quarter of the parameters, at 3 GB/s; per micro-batch the loss on 16 rows of fp32
+    # logits (log-softmax read+write, the one-hot gradient, log-softmax's backward: 6 x 4 bytes each);
+    # in fp32 over 4 ranks an all-gather sends the rank's quarter as it is (no cast), and each
+    # reduction concatenates the full gradient (8 bytes) and averages the quarter it gets (8 bytes):
+    # 2.5 x the bytes reduced
     moved = 2 * sum(work.forward_bytes + work.backward_bytes for work in costs.work_per_sequence)
-    expected = flops / 1e12 + moved / 3e9 + 2 * 3 * 2 * 1e-4 + 124672 // 4 * 28 / 3e9
-    assert moved > 0
+    loss = 2 * 16 * logits.shape[-1] * 6 * 4
+    casts = 2.5 * time.comm_bytes["reduce_scatter"]
+    expected = flops / 1e12 + (moved + loss + casts) / 3e9 + 2 * 3 * 2 * 1e-4 + 124672 // 4 * 80 / 3e9
+    assert moved > 0 and time.terms["loss_s"] == pytest.approx(loss / 3e9) and time.terms["casts_s"] == pytest.approx(casts / 3e9)
     assert time.step_time_s == pytest.approx(expected, rel=1e-6, abs=1e-9)
     assert time.compute_s == pytest.approx(expected, rel=1e-6, abs=1e-9)
     assert time.exposed_comm_s == pytest.approx(0.0, abs=1e-9)
@@ -194,12 +200,12 @@ def test_per_operator_parameter_and_optimizer_terms_add_what_they_say():
     terms = base.with_values(op_overhead_s=2e-6, param_passes=3.0, optimizer_tensor_s=5e-6, optimizer_passes=2.5)
     before, after = predict(request, base, costs).time, predict(request, terms, costs).time
     # one rank, 8 sequences: every unit's forward and backward once, its full fp32 parameters
-    # 3 times per pass at 3 GB/s; the optimizer 1.5 more times its 28 bytes per element
+    # 3 times per pass at 3 GB/s; the optimizer 1.5 more times its 80 bytes per element
     numel = sum(p.numel() for p in resolve("gpt-tiny").build(device="meta").parameters())
     ops = sum(work.forward_ops + work.backward_ops for work in costs.work_per_sequence)
     tensors = sum(len(plan.params) for plan in costs.plans)
     assert ops > 0 and tensors == len(list(resolve("gpt-tiny").build(device="meta").parameters()))
-    added = ops * 2e-6 + 2 * 3.0 * numel * 4 / 3e9 + tensors * 5e-6 + 1.5 * numel * 28 / 3e9
+    added = ops * 2e-6 + 2 * 3.0 * numel * 4 / 3e9 + tensors * 5e-6 + 1.5 * numel * 80 / 3e9
     assert after.step_time_s - before.step_time_s == pytest.approx(added, rel=1e-6)
 
 
@@ -574,6 +580,9 @@ def test_calibrate_measures_this_machine_into_a_profile_that_plan_reads(tmp_path
     assert 0 <= gather <= MAX_LATENCY_S and 0 <= profile.fitted.reduce_overhead_s <= MAX_LATENCY_S
     assert gather + profile.fitted.reduce_overhead_s > 0
     assert profile.intra_bw_gbs > 0 and 0 < profile.fitted.efficiency <= 1
+    # the copy gives the bandwidth, the elementwise sum the share of it such kernels reach
+    assert profile.memory_bw_gbs > 0 and 0 < profile.memory_efficiency <= 1
+    assert profile.host_bw_gbs == profile.memory_bw_gbs
     assert 1 <= profile.fitted.compute_contention <= MAX_CONTENTION and 1 <= profile.fitted.all_cores_slowdown <= MAX_CONTENTION
     timed = _invoke([*args, "--time", "--hardware", str(out), "--json"])
     assert timed.exit_code == 0, timed.output
@@ -631,3 +640,17 @@ def test_profile_file_round_trips_and_drives_the_prediction(tmp_path):
     )
     assert two_nodes["ranks_per_node"] == 8 and one_node["ranks_per_node"] == 16
     assert two_nodes["comm_s"] > one_node["comm_s"] and two_nodes["comm_bytes"] == one_node["comm_bytes"]
+
+
+def test_network_line_leaves_out_launches_whose_time_does_not_grow_with_bytes(monkeypatch):
+    import importlib
+
+    from fsdpkit.errors import UsageError
+
+    measure = importlib.import_module("fsdpkit.plan.calibrate.measure")  # the package exports a function of that name
+    lines = iter([(1e-4, float("inf")), (2e-4, 2e9), (1e-4, float("inf")), (3e-4, 1e9), (1e-4, 3e9)])
+    monkeypatch.setattr(measure, "_bench_line", lambda ranks: next(lines))
+    assert measure.network_line(2, 0.0) == (2e-4, 2e9)  # the medians of the three finite lines
+    monkeypatch.setattr(measure, "_bench_line", lambda ranks: (1e-4, float("inf")))
+    with pytest.raises(UsageError, match="did not grow with their bytes"):
+        measure.network_line(2, 0.0)

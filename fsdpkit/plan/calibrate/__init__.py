@@ -1,13 +1,14 @@
 """`fsdpkit plan --calibrate OUT.toml`: a hardware profile of this machine, measured.
 
-    memory    a large copy gives the memory bandwidth (the optimizer step, the operators
-              that are not matrix products)
+    memory    a large copy gives the memory bandwidth, a large elementwise sum the share of
+              it that bandwidth-bound kernels reach (memory_efficiency: the optimizer step,
+              the operators that are not matrix products, the loss, the casts)
     compute   a large matrix product gives the peak; the engine's training step on one
               rank of several models (`--model` and two of many narrow and few wide units)
               at two micro-batch sizes, taking turns, gives by non-negative least squares
               the achieved fraction of the peak (efficiency), the cost per unit and pass
               and per parameter byte and pass, and the optimizer's cost per tensor and its
-              traffic over the minimum. The cost per operator is not fitted (0): these
+              traffic over its kernels'. The cost per operator is not fitted (0): these
               models' operators grow with their units, so the two cannot be told apart
     network   `fsdpkit bench` of the engine's all-gather and reduce-scatter on `ranks` local
               processes: the least-squares line of time against size gives the bus

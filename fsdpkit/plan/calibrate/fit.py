@@ -16,7 +16,7 @@ from ..predict import ModelCosts, model_costs
 from ..profile import MAX_CONTENTION, FittedTerms, Hardware
 from ..request import PlanRequest
 from ..simulate import shared_cores_seconds
-from .measure import Measured, StepSample
+from .measure import Measured, MemoryRates, StepSample
 from .runs import calibration_specs
 
 MAX_LATENCY_S = 0.1
@@ -101,11 +101,11 @@ def compute_terms(samples: Sequence[StepSample]) -> ComputeTerms:
 
 
 def measured_profile(
-    request: PlanRequest, compute: tuple[float, float, list[StepSample]], network: tuple[float, float], ranks: int
+    request: PlanRequest, compute: tuple[float, MemoryRates, list[StepSample]], network: tuple[float, float], ranks: int
 ) -> Hardware:
-    """The profile from measure_steps' (peak, memory bandwidth, samples) and network_line's
+    """The profile from measure_steps' (peak, memory rates, samples) and network_line's
     (latency, bus bandwidth) on `ranks` ranks, before fit_collectives."""
-    peak, bandwidth_memory, samples = compute
+    peak, memory, samples = compute
     terms = compute_terms(samples)
     if terms.seconds_per_flop > 0:  # the models' matrix products may outrun the probe's
         peak = max(peak, 1.0 / terms.seconds_per_flop)
@@ -117,18 +117,19 @@ def measured_profile(
         fitted=FittedTerms(
             efficiency=1.0 / terms.seconds_per_flop / peak if terms.seconds_per_flop > 0 else 1.0,
             unit_overhead_s=terms.unit_overhead_s,
-            param_passes=terms.seconds_per_param_byte * bandwidth_memory,
+            param_passes=terms.seconds_per_param_byte * memory.elementwise,
             optimizer_tensor_s=terms.optimizer_tensor_s,
             optimizer_passes=terms.optimizer_passes,
         ),
         memory_gb=_memory_gb(),
-        memory_bw_gbs=bandwidth_memory / 1e9,
+        memory_bw_gbs=memory.copy / 1e9,
+        memory_efficiency=memory.efficiency,
         ranks_per_node=1024,
         intra_bw_gbs=bandwidth / 1e9,
         intra_latency_s=latency,
         inter_bw_gbs=bandwidth / 1e9,
         inter_latency_s=latency,
-        host_bw_gbs=bandwidth_memory / 1e9,
+        host_bw_gbs=memory.copy / 1e9,
         overlap=False,
         compute_slots=len(os.sched_getaffinity(0)),
     )

@@ -1,11 +1,13 @@
-"""Timing for calibration: a large matrix product and copy (the peak and the memory
-bandwidth), the engine's training step of a model on one rank, `fsdpkit bench`'s collectives,
-and the engine's steps on several local processes (calibrate.runs' placements).
+"""Timing for calibration: a large matrix product, copy and elementwise sum (the peak, the
+memory bandwidth and the share of it elementwise kernels reach), the engine's training step
+of a model on one rank, `fsdpkit bench`'s collectives, and the engine's steps on several
+local processes (calibrate.runs' placements).
 
 Numbers are medians of repeated timings, each going on for at least the seconds asked for."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -15,10 +17,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...errors import UsageError
 from ...models.recipe import Optimizer
 from ..flops import unit_work
+from ..kernels import loss_bytes, optimizer_bytes_per_element, reduce_cast_bytes
 from ..meta import build_meta_model
-from ..predict import OPTIMIZER_TRAFFIC, ModelCosts, predict
+from ..predict import OPTIMIZER_KERNEL, ModelCosts, predict
 from ..profile import Hardware
 from ..request import PlanRequest
 from .runs import TimedStep
@@ -32,28 +36,45 @@ WARMUP_STEPS = 3
 STEPS = 8  # at least
 
 
+@dataclass(frozen=True)
+class MemoryRates:
+    """Bytes per second of a large copy (the memory bandwidth) and of a large elementwise sum."""
+
+    copy: float
+    elementwise: float
+
+    @property
+    def efficiency(self) -> float:
+        """The share of the bandwidth elementwise kernels reach (Hardware.memory_efficiency)."""
+        return min(1.0, self.elementwise / self.copy)
+
+
 class Probes:
-    """A large matrix product (the peak) and a large copy (the memory bandwidth)."""
+    """A large matrix product (the peak), a large copy (the memory bandwidth) and a large
+    elementwise sum (what bandwidth-bound kernels reach of it)."""
 
     SIZE = 1024
+    VECTOR = 128 * 1024**2 // 4  # elements: well beyond the caches
 
     def __init__(self) -> None:
         self.a, self.b = torch.randn(self.SIZE, self.SIZE), torch.randn(self.SIZE, self.SIZE)
-        self.source = torch.empty(256 * 1024**2 // 4)  # well beyond the caches
-        self.target = torch.empty_like(self.source)
+        self.source, self.other, self.target = (torch.empty(self.VECTOR) for _ in range(3))
 
-    def time(self) -> tuple[float, float]:
-        """Seconds of (the product, the copy)."""
+    def time(self) -> tuple[float, float, float]:
+        """Seconds of (the product, the copy, the sum)."""
         start = time.perf_counter()
         self.a @ self.b
-        middle = time.perf_counter()
+        product = time.perf_counter()
         self.target.copy_(self.source)
-        return middle - start, time.perf_counter() - middle
+        copy = time.perf_counter()
+        torch.add(self.source, self.other, out=self.target)
+        return product - start, copy - product, time.perf_counter() - copy
 
-    def rates(self, timings: list[tuple[float, float]]) -> tuple[float, float]:
-        """(FLOP/s, bytes/s) from the medians."""
-        product, copy = (statistics.median(t[i] for t in timings) for i in (0, 1))
-        return 2 * self.SIZE**3 / product, 2 * self.source.numel() * 4 / copy
+    def rates(self, timings: list[tuple[float, float, float]]) -> tuple[float, MemoryRates]:
+        """(FLOP/s, memory rates) from the medians: the copy reads and writes a vector, the sum reads two."""
+        product, copy, add = (statistics.median(t[i] for t in timings) for i in (0, 1, 2))
+        vector = self.VECTOR * 4
+        return 2 * self.SIZE**3 / product, MemoryRates(2 * vector / copy, 3 * vector / add)
 
 
 @dataclass(frozen=True)
@@ -61,12 +82,12 @@ class StepSample:
     """One model's measured step on one in-process rank, with what the step-time model charges."""
 
     flops: float  # forward + backward
-    memory_s: float  # the other operators' bytes at the memory bandwidth
+    memory_s: float  # the other operators', the loss's and the gradient copies' bytes at the elementwise rate
     unit_passes: int  # wrapped modules x 2 (a forward and a backward each)
     param_bytes: float  # the unsharded parameters x 2 passes
     forward_backward_s: float
     tensors: int  # parameter tensors the optimizer steps over
-    optimizer_memory_s: float  # the optimizer's minimal bytes at the memory bandwidth
+    optimizer_memory_s: float  # the optimizer's kernels' bytes at the elementwise rate
     optimizer_s: float
 
 
@@ -83,7 +104,10 @@ class ModelRun:
         self.source, self.plans, self.seq_len = meta.source, meta.plans, request.seq_len  # the engine's units
         self.work = unit_work(meta.source, list(meta.plans), 1, self.seq_len)
         self.numel = sum(p.numel() for p in meta.model.parameters() if p.requires_grad)
-        self.optimizer_bytes = self.numel * OPTIMIZER_TRAFFIC[Optimizer.ADAMW]
+        self.optimizer_bytes = self.numel * optimizer_bytes_per_element(Optimizer.ADAMW, OPTIMIZER_KERNEL)
+        # one rank in fp32: no casts, the reductions' gradient copies
+        self.copy_bytes = reduce_cast_bytes(self.numel, self.numel, master=4, compute=4, reduce=4, offload=False)
+        self.logits = max(w.logits for w in self.work)
         torch.manual_seed(0)
         model = self.source.build(device="cpu", seed=0)
         self.model = shard(model, sharding, wrap=meta.policy, group=group, device="cpu")
@@ -100,11 +124,12 @@ class ModelRun:
         self.optimizer.zero_grad(set_to_none=True)
         return middle - start, time.perf_counter() - middle
 
-    def sample(self, batch: int, timings: list[tuple[float, float]], bytes_per_second: float) -> StepSample:
-        work = self.work
+    def sample(self, batch: int, timings: list[tuple[float, float]], memory: MemoryRates) -> StepSample:
+        work, bytes_per_second = self.work, memory.elementwise
+        moved = batch * sum(w.forward_bytes + w.backward_bytes for w in work) + self.copy_bytes
         return StepSample(
             flops=float(batch * sum(w.forward_flops + w.backward_flops for w in work)),
-            memory_s=batch * sum(w.forward_bytes + w.backward_bytes for w in work) / bytes_per_second,
+            memory_s=(moved + loss_bytes(batch * self.seq_len, self.logits, compute=4)) / bytes_per_second,
             unit_passes=2 * sum(len(plan.members) for plan in self.plans),
             param_bytes=2.0 * self.numel * 4,
             forward_backward_s=statistics.median(t[0] for t in timings),
@@ -116,8 +141,8 @@ class ModelRun:
 
 def measure_steps(
     request: PlanRequest, specs: Sequence[str], batches: tuple[int, ...], seconds: float
-) -> tuple[float, float, list[StepSample]]:
-    """(peak FLOP/s, memory bytes/s, samples): the matrix product, the copy and the engine's
+) -> tuple[float, MemoryRates, list[StepSample]]:
+    """(peak FLOP/s, memory rates, samples): the matrix product, the copy, the sum and the engine's
     training step (forward, backward, AdamW) of each model at each batch on one rank take
     turns, so that load from other processes falls on all of them alike."""
     import torch.distributed as dist
@@ -128,7 +153,7 @@ def measure_steps(
         probes = Probes()
         runs = [ModelRun(request, spec) for spec in specs]
         cases = [(run, batch) for run in runs for batch in batches]
-        probed: list[tuple[float, float]] = []
+        probed: list[tuple[float, float, float]] = []
         timings: list[list[tuple[float, float]]] = [[] for _ in cases]
         started = time.perf_counter()
         round_index = 0
@@ -150,11 +175,20 @@ def network_line(ranks: int, seconds: float) -> tuple[float, float]:
     """(latency per ring step s, bus bandwidth bytes/s) of the engine's collectives on `ranks` local
     processes: the medians over `fsdpkit bench` launches, NETWORK_RUNS at least and until
     `seconds` have passed. One launch's line swings: gloo over loopback here gave 0.42-3.4 GB/s
-    from one launch to the next."""
+    from one launch to the next. A launch whose times do not grow with the bytes (a machine too
+    busy to measure) gives no bandwidth and is left out, up to 2 x NETWORK_RUNS of them."""
     lines: list[tuple[float, float]] = []
-    started = time.perf_counter()
-    while len(lines) < NETWORK_RUNS or time.perf_counter() - started < seconds:
-        lines.append(_bench_line(ranks))
+    started, left_out = time.perf_counter(), 0
+    while (len(lines) < NETWORK_RUNS or time.perf_counter() - started < seconds) and left_out < 2 * NETWORK_RUNS:
+        line = _bench_line(ranks)
+        if math.isfinite(line[1]):
+            lines.append(line)
+        else:
+            left_out += 1
+    if not lines:
+        raise UsageError(
+            f"calibrate: in {left_out} launches the collectives' time did not grow with their bytes (a busy machine); run it again"
+        )
     return statistics.median(line[0] for line in lines), statistics.median(line[1] for line in lines)
 
 
