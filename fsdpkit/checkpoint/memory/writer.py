@@ -34,6 +34,7 @@ from ...dist.comm import new_group
 from ...engine.view import describe
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME, rank_file_name
+from ..format.writer import CacheMode
 from ..live.background import HostBuffers
 from ..live.checkpointer import manifest_of
 from ..live.copy_order import Event, OverlappedCopy, streams_for
@@ -121,7 +122,7 @@ class SnapshotWriter:
                 self.take(step, training_state)
                 return
             if self.reports_skips:
-                self.warn(f"snapshot of step {step} skipped: the one of step {self.pending} is still being written")
+                self.warn(f"snapshot of step {step} skipped: the one of step {self.pending} is not finished on every rank yet")
         finally:
             self.stall_seconds += time.perf_counter() - started
 
@@ -154,7 +155,7 @@ class SnapshotWriter:
                 copied.synchronize()
                 faults.reached("snapshot", step)
                 directory = self.store.begin(step, manifest)
-                write_rank(directory, manifest, self.shard_rank, local)
+                write_rank(directory, manifest, self.shard_rank, local, cache=CacheMode.CACHED)  # tmpfs: memory already
                 header = self.store.finish(step, self.shard_rank, self.shard_factor)
             except OSError as error:
                 self.failed = True

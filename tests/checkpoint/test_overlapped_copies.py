@@ -1,15 +1,23 @@
-"""The device-to-host copy's order (copy_order.py) on a fake device: its copy stream runs a
-queued copy only when something waits for it, as a busy GPU may. The host copy must hold the
-parameters as the snapshot's step left them, although the training thread never waited and
-the next optimizer step changed them; and the host buffers exist before the first copy."""
+"""Copies to host memory that overlap training. The order (copy_order.py) on a fake device,
+whose copy stream runs a queued copy only when something waits for it, as a busy GPU may: the
+host copy must hold the parameters as the snapshot's step left them, although the training
+thread never waited and the next optimizer step changed them; the host buffers exist before
+the first copy. Then the snapshot writer itself, one rank on CPU."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+import fsdpkit
 from fsdpkit.checkpoint.live.background import HostBuffers
 from fsdpkit.checkpoint.live.copy_order import OverlappedCopy
+from fsdpkit.checkpoint.live.model_state import tensor_table
+from fsdpkit.checkpoint.live.tensors import CheckpointReader
+from fsdpkit.checkpoint.memory.store import SnapshotStore
+from fsdpkit.checkpoint.memory.writer import SnapshotWriter
+from fsdpkit.engine.view import describe
 
 
 class FakeEvent:
@@ -113,3 +121,38 @@ def test_an_optimizer_step_with_no_copy_in_flight_waits_for_nothing():
     _step(model, optimizer, 2)
     assert device.log.count("training stream waits for the event") == 1
     assert torch.equal(host["weight"].reshape(before.shape), before)
+
+
+def test_a_snapshot_holds_its_step_and_one_due_before_every_rank_finished_is_skipped_in_one_line(tmp_path):
+    """The real writer, one rank: what it wrote for step 1 is the model and AdamW state as step
+    1 left them, though step 2 ran meanwhile; step 2's snapshot, due before the ranks confirmed
+    step 1's, is skipped with one line; every copy went into the buffers reserved at the start."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = fsdpkit.shard(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        store = SnapshotStore.create(tmp_path, run_id="run-a", node_rank=0)
+        lines: list[str] = []
+        writer = SnapshotWriter(store, model, optimizer, peers=None, warn=lines.append)
+        reserved = {dtype: b.data_ptr() for dtype, b in writer.host_buffers.buffers.items()}
+        _step(model, optimizer, 1)
+        _, local = tensor_table(describe(model), model, optimizer)
+        expected = {name: (held, data.clone()) for name, (held, data) in local.items()}
+        writer.offer(1, {})
+        _step(model, optimizer, 2)
+        writer.offer(2, {})
+        writer.wait()
+        assert lines == ["snapshot of step 2 skipped: the one of step 1 is not finished on every rank yet"]
+        assert store.steps() == [1] and store.refusal(1, 0, 1) is None
+        with CheckpointReader(store.step_dir(1), validate_all=False) as reader:  # as a restore reads it
+            for name, (held, data) in expected.items():
+                assert torch.equal(reader.read_range(name, held), data), name
+                assert not name.startswith("optim.exp_avg") or not torch.equal(local[name][1], data), name  # step 2 changed it
+        writer.confirm(1.0, 1)
+        writer.offer(3, {})
+        writer.wait()
+        assert store.steps() == [1, 3] and len(lines) == 1
+        assert {dtype: b.data_ptr() for dtype, b in writer.host_buffers.buffers.items()} == reserved
+    finally:
+        dist.destroy_process_group()
