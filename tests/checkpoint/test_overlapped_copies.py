@@ -2,9 +2,11 @@
 whose copy stream runs a queued copy only when something waits for it, as a busy GPU may: the
 host copy must hold the parameters as the snapshot's step left them, although the training
 thread never waited and the next optimizer step changed them; the host buffers exist before
-the first copy. Then the snapshot writer itself, one rank on CPU."""
+the first copy. Then the snapshot writer and an async save that cannot keep up, one rank on CPU."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.distributed as dist
@@ -155,4 +157,40 @@ def test_a_snapshot_holds_its_step_and_one_due_before_every_rank_finished_is_ski
         assert store.steps() == [1, 3] and len(lines) == 1
         assert {dtype: b.data_ptr() for dtype, b in writer.host_buffers.buffers.items()} == reserved
     finally:
+        dist.destroy_process_group()
+
+
+def test_a_save_that_waits_for_the_previous_async_save_says_how_long_it_stalled(tmp_path, monkeypatch):
+    """The previous save's writing is held for 0.3 s: the next save's call waits for it, counts
+    the wait in the stall and says so in one line; both saves then hold their own step."""
+    from fsdpkit.checkpoint.live import checkpointer as live
+
+    release = threading.Event()
+    real_run_save = live.run_save
+
+    def held_run_save(job, ranks, timings):
+        release.wait(10)
+        return real_run_save(job, ranks, timings)
+
+    monkeypatch.setattr(live, "run_save", held_run_save)
+    lines: list[str] = []
+    monkeypatch.setattr(live.log, "warn", lines.append)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = fsdpkit.shard(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        saver = fsdpkit.Checkpointer(model, optimizer, async_save=True)
+        _step(model, optimizer, 1)
+        saver.save(tmp_path, step=1)
+        threading.Timer(0.3, release.set).start()
+        saver.save(tmp_path, step=2)
+        saver.wait()
+        (line,) = lines
+        waited = float(line.split("stalled training ")[1].split(" s")[0])
+        assert line == f"save of step 2 stalled training {waited:.2f} s: the async save of step 1 was still being written"
+        assert 0.25 <= waited <= saver.stall_seconds
+        assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000001", "step-00000002"]
+    finally:
+        release.set()
         dist.destroy_process_group()
