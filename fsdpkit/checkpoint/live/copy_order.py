@@ -15,6 +15,7 @@ once in the calling thread):
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 import torch
@@ -130,4 +131,13 @@ class OverlappedCopy:
             self.unguarded = None
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.register_step_pre_hook(lambda *_: self.before_update())
+        """Make `before_update` the optimizer's step pre-hook (holding no reference to the
+        buffers: they go with this object)."""
+        this = weakref.ref(self)
+
+        def wait_for_copy(*_: object) -> None:
+            copy = this()
+            if copy is not None:
+                copy.before_update()
+
+        optimizer.register_step_pre_hook(wait_for_copy)
