@@ -11,8 +11,8 @@ go to `save-dir/step-N` through DCP's FileSystemWriter (one file per rank, fsync
 gloo process group of their own (on the training group the background save aborts); older
 checkpoints are removed once a newer one is complete (`--keep-last 1`).
 
-As in `fsdpkit train`: `tokens_per_second` counts the steps after the first;
-`save_stall_seconds` is the time the training thread spent saving between steps (waiting for
+As in `fsdpkit train`: `step_tokens_per_second` counts the steps after the first;
+`save_stall_s` is the time the training thread spent saving between steps (waiting for
 the previous save, `get_state_dict`, and `async_save` until it returns: the staging copy, the
 hand-off), the save after the last step and waiting for it excluded; the slowest rank's.
 """
@@ -118,8 +118,8 @@ def _train(args: argparse.Namespace) -> dict:
         "steps": args.steps,
         "global_batch_size": args.batch,
         "seq_len": args.seq_len,
-        "tokens_per_second": tokens / counted,
-        "save_stall_seconds": stall,
+        "step_tokens_per_second": tokens / counted,
+        "save_stall_s": stall,
         "saves": saver.saves if saver else 0,
         "save_timings": None,
     }

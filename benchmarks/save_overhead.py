@@ -12,7 +12,7 @@ model, units, AdamW and synthetic batches). By default the built-in gpt2 (124M) 
 CPU, 12 steps of 2 x 128 tokens, saving model and AdamW state every 2 steps (keeping the last
 checkpoint, in a temporary directory removed afterwards). A run's tokens/s counts what a step
 costs the training thread, saves included: tokens over the steps after the first, divided by
-those steps' time (the summary's `tokens_per_second`) plus `save_stall_seconds` (the time the
+those steps' time (the summary's `step_tokens_per_second`) plus `save_stall_s` (the time the
 training thread spent in saves between steps: the snapshot and waiting for the previous save
 when async, all of it when synchronous; the save after the last step is not counted). The
 stall per save divides it by the saves counted. The ratios to the run without saving, per
@@ -90,7 +90,7 @@ def run_once(mode: str, args: argparse.Namespace, work: Path) -> dict:
 def tokens_per_second(summary: dict) -> float:
     """Tokens over the steps after the first, per second of those steps plus the save stall."""
     tokens = summary["global_batch_size"] * summary["seq_len"] * (summary["steps"] - 1)
-    return tokens / (tokens / summary["tokens_per_second"] + summary["save_stall_seconds"])
+    return tokens / (tokens / summary["step_tokens_per_second"] + summary["save_stall_s"])
 
 
 def shares(timings: dict) -> dict[str, float]:
@@ -147,13 +147,13 @@ def summarize(args: argparse.Namespace, modes: list[str], rounds: list[dict[str,
     for mode in modes:
         rates = [tokens_per_second(summaries[mode]) for summaries in rounds]
         ratios = [rate / tokens_per_second(summaries[BASELINE[mode]]) for rate, summaries in zip(rates, rounds, strict=True)]
-        stalls = [s[mode]["save_stall_seconds"] / counted_saves if mode != BASELINE[mode] else 0.0 for s in rounds]
+        stalls = [s[mode]["save_stall_s"] / counted_saves if mode != BASELINE[mode] else 0.0 for s in rounds]
         entry = {
             "tokens_per_second": statistics.median(rates),
             "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
-            "save_stall_seconds": statistics.median(s[mode]["save_stall_seconds"] for s in rounds),
+            "save_stall_s": statistics.median(s[mode]["save_stall_s"] for s in rounds),
             "stall_per_save_median": statistics.median(stalls),
             "stall_per_save_min": min(stalls),
             "stall_per_save_max": max(stalls),

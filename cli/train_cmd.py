@@ -78,7 +78,7 @@ def train(
 
 
 def format_summary(summary: TrainSummary) -> str:
-    losses, rate = summary.losses, summary.tokens_per_second
+    losses, step_rate = summary.losses, summary.step_tokens_per_second
     lines = [
         f"model            {summary.model} ({summary.num_params:,} parameters)",
         f"world size       {summary.world_size} ({summary.strategy} sharding, {summary.device}, mixed precision {summary.mixed_precision})",
@@ -86,7 +86,8 @@ def format_summary(summary: TrainSummary) -> str:
         f"resumed from     step {summary.resumed_from_step}" if summary.resumed_from_step is not None else "",
         f"learning rate    {summary.lr:g} peak" if summary.lr is not None else "",
         f"loss             {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "loss             (no steps run)",
-        f"throughput       {rate:,.0f} tokens/s (global batch, steps after the first)" if rate else "",
+        f"throughput       {summary.tokens_per_second:,.0f} tokens/s over {summary.elapsed_seconds:.1f} s of wall time (saves included)",
+        f"step throughput  {step_rate:,.0f} tokens/s in the steps alone (steps after the first)" if step_rate else "",
         f"peak memory      {format_size(summary.peak_memory_bytes)} per rank (max over ranks)",
     ]
     for entry in summary.eval_losses:
@@ -103,8 +104,10 @@ def format_summary(summary: TrainSummary) -> str:
     lines.append(f"checkpoint       {summary.checkpoint or 'not saved (no --save-dir)'}")
     saves = (summary.save_timings or {}).get("saves")
     if saves:
-        stall = f"{summary.save_stall_seconds:.2f} s in the training thread between steps"
+        stall = f"{summary.save_stall_s:.2f} s in the training thread between steps"
         lines.append(f"save stall       {stall} ({count(saves, 'save')}; max over ranks)")
+    if summary.snapshot_stall_s:
+        lines.append(f"snapshot stall   {summary.snapshot_stall_s:.2f} s in the training thread (max over ranks)")
     return "\n".join(line for line in lines if line)
 
 

@@ -407,8 +407,7 @@ def _run_steps(trainer: Trainer, stop: StopSignals, outputs: Outputs, throughput
         if trainer.checkpointer and saving and trainer.step % saving == 0 and trainer.step < config.steps:
             trainer.save()  # the save after the last step is _train's
         elif trainer.snapshots and trainer.step % config.checkpoint.snapshot_every == 0 and trainer.step < config.steps:
-            if trainer.snapshots.ready:
-                trainer.snapshots.take(trainer.step, trainer.training_state())
+            trainer.snapshots.offer(trainer.step, trainer.training_state())
     return losses, eval_losses
 
 
@@ -441,9 +440,10 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSum
         if trainer.streamed:
             trainer.streamed.close()
     elapsed = time.perf_counter() - started
-    peak_and_stall = torch.tensor([peak_memory_bytes(trainer.device), stall], dtype=torch.float64, device=trainer.device)
-    trainer.comms.all_reduce(peak_and_stall, None, op=dist.ReduceOp.MAX, label="peak memory and save stall")
-    peak, stall = peak_and_stall.tolist()
+    snapshot_stall = trainer.snapshots.stall_seconds if trainer.snapshots else 0.0
+    peak_and_stalls = torch.tensor([peak_memory_bytes(trainer.device), stall, snapshot_stall], dtype=torch.float64, device=trainer.device)
+    trainer.comms.all_reduce(peak_and_stalls, None, op=dist.ReduceOp.MAX, label="peak memory and stalls")
+    peak, stall, snapshot_stall = peak_and_stalls.tolist()
     if trainer.rank != 0:
         return None
     history = outputs.progress_log.history if outputs.progress_log else None
@@ -469,11 +469,13 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSum
         seq_len=config.data.seq_len,
         losses=losses,
         eval_losses=eval_losses,
-        tokens_per_second=throughput.tokens_per_second,
+        tokens_per_second=config.tokens_per_step * (trainer.step - trainer.start_step) / elapsed,
+        step_tokens_per_second=throughput.tokens_per_second,
         elapsed_seconds=elapsed,
         peak_memory_bytes=int(peak),
         checkpoint=trainer.checkpointer.last_saved if trainer.checkpointer else None,
-        save_stall_seconds=stall,
+        save_stall_s=stall,
+        snapshot_stall_s=snapshot_stall,
         save_timings=dataclasses.asdict(trainer.checkpointer.timings) if trainer.checkpointer else None,
         restarts=attempt,
         steps_redone=history.steps_redone(trainer.start_step) if history is not None else (0 if not attempt else None),

@@ -23,11 +23,13 @@ class TrainSummary:
     seq_len: int
     losses: list[float]  # one per step run, over every attempt
     eval_losses: list[dict[str, Any]]  # {"step": s, "loss": l}
-    tokens_per_second: float | None  # global batch over every step but the first
-    elapsed_seconds: float
+    tokens_per_second: float  # the global batch of every step this process ran, over elapsed_seconds
+    step_tokens_per_second: float | None  # the same over the steps' own time, every step but the first
+    elapsed_seconds: float  # the first step's start to the last save's end: saves and snapshots included
     peak_memory_bytes: int  # max over ranks
     checkpoint: str | None  # the last checkpoint saved (None: no --save-dir)
-    save_stall_seconds: float  # training-thread time spent in saves between steps, max over ranks
+    save_stall_s: float  # training-thread time spent in saves between steps, max over ranks
+    snapshot_stall_s: float  # training-thread time spent in snapshots, max over ranks
     save_timings: dict[str, Any] | None
     restarts: int
     steps_redone: int | None  # steps run again after restarts (None: not known)

@@ -60,11 +60,11 @@ def save_worker(directory: str) -> str:
 
 def async_saves(model, optimizer, run_dir: str) -> bool:
     """Step 2 as it is, then step 3 with every weight + 1: each save's weights change at once
-    after save() returns (the snapshot must not see that). True when the second save reused
-    the first one's host buffers."""
+    after save() returns (the snapshot must not see that). True when both saves used the host
+    buffers the Checkpointer allocated when it was made."""
     saver = fsdpkit.Checkpointer(model, optimizer, async_save=True)
     shards = [param.tensor for unit in describe(model).units for param in unit.params]
-    pointers = []
+    pointers = [{dtype: buffer.data_ptr() for dtype, buffer in saver.host_buffers.buffers.items()}]
     for step in (2, 3):
         saver.save(run_dir, step=step)
         with torch.no_grad():
@@ -72,7 +72,7 @@ def async_saves(model, optimizer, run_dir: str) -> bool:
                 shard.add_(1.0)
         saver.wait()
         pointers.append({dtype: buffer.data_ptr() for dtype, buffer in saver.host_buffers.buffers.items()})
-    return bool(pointers[0]) and pointers[0] == pointers[1] and saver.timings.saves == 2 and saver.stall_seconds > 0
+    return bool(pointers[0]) and pointers[0] == pointers[1] == pointers[2] and saver.timings.saves == 2 and saver.stall_seconds > 0
 
 
 def load_worker(directory: str) -> dict:

@@ -129,10 +129,10 @@ def test_summary_names_the_save_stall_only_when_saves_happened(flag_run):
     from fsdpkit.train.summary import TrainSummary
 
     summary = TrainSummary.from_json(flag_run.summary)
-    assert summary.save_stall_seconds == 0 and summary.save_timings is None  # no --save-dir
+    assert summary.save_stall_s == 0 and summary.snapshot_stall_s == 0 and summary.save_timings is None  # no --save-dir
     assert "save stall" not in format_summary(summary)
     assert "checkpoint       not saved (no --save-dir)" in format_summary(summary)
-    saved = dataclasses.replace(summary, save_stall_seconds=1.5, save_timings={"saves": 3}, checkpoint="run/step-00000006")
+    saved = dataclasses.replace(summary, save_stall_s=1.5, save_timings={"saves": 3}, checkpoint="run/step-00000006")
     text = format_summary(saved)
     assert "save stall       1.50 s in the training thread between steps (3 saves; max over ranks)" in text
     assert "checkpoint       run/step-00000006" in text
@@ -146,11 +146,12 @@ def test_metrics_lines_follow_the_steps(flag_run):
     assert all(r["peak_memory_bytes"] > 0 and r["lr"] > 0 for r in records)
 
 
-def test_throughput_is_the_global_batch_over_every_step_but_the_first(flag_run):
+def test_step_throughput_is_the_global_batch_over_every_step_but_the_first(flag_run):
     step_times = [r["step_time_s"] for r in flag_run.metrics()]
     tokens_per_step = 8 * 32
     expected = tokens_per_step * 5 / sum(step_times[1:])
-    assert flag_run.summary["tokens_per_second"] == pytest.approx(expected, rel=1e-9)
+    assert flag_run.summary["step_tokens_per_second"] == pytest.approx(expected, rel=1e-9)
+    assert flag_run.summary["tokens_per_second"] == pytest.approx(tokens_per_step * 6 / flag_run.summary["elapsed_seconds"], rel=1e-9)
 
 
 def test_log_without_a_terminal_is_plain_lines(flag_run):
@@ -190,7 +191,7 @@ def test_report_draws_the_metrics_as_a_png(flag_run, tmp_path):
 
 def test_config_file_from_print_config_replays_the_same_run(flag_run, file_run):
     assert file_run.exit_code == 0, file_run.stderr
-    timing = {"tokens_per_second", "elapsed_seconds", "peak_memory_bytes"}
+    timing = {"tokens_per_second", "step_tokens_per_second", "elapsed_seconds", "peak_memory_bytes"}
     assert {k: v for k, v in file_run.summary.items() if k not in timing} == {k: v for k, v in flag_run.summary.items() if k not in timing}
     assert [r["loss"] for r in file_run.metrics()] == [r["loss"] for r in flag_run.metrics()]
     assert (file_run.directory / "tb").is_dir()

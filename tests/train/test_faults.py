@@ -187,9 +187,21 @@ def test_the_summary_reports_the_time_saves_held_up_training(reference):
     training thread's stall; the save after the last step holds up no step and is not."""
     summary = reference.summary
     timings = summary["save_timings"]  # rank 0's
-    assert timings["saves"] == STEPS // 2 and 0 < summary["save_stall_seconds"] < timings["total"]
+    assert timings["saves"] == STEPS // 2 and 0 < summary["save_stall_s"] < timings["total"]
     parts = timings["snapshot"] + timings["checksum"] + timings["write"] + timings["fsync"]
     assert min(timings.values()) >= 0 and parts <= timings["total"]
+
+
+def test_tokens_per_second_counts_the_saves_and_step_tokens_per_second_does_not(reference):
+    """The same run: `tokens_per_second` is every step's tokens over the wall time, saves
+    included; `step_tokens_per_second` the steps alone, which with the save stall fit in it."""
+    summary = reference.summary
+    tokens_per_step = 4 * 32
+    assert summary["tokens_per_second"] == pytest.approx(tokens_per_step * STEPS / summary["elapsed_seconds"], rel=1e-9)
+    step_seconds = tokens_per_step * (STEPS - 1) / summary["step_tokens_per_second"]  # every step but the first
+    assert step_seconds + summary["save_stall_s"] < summary["elapsed_seconds"]
+    assert summary["step_tokens_per_second"] > summary["tokens_per_second"]
+    assert summary["save_stall_s"] > 0 and summary["snapshot_stall_s"] == 0  # saves, no snapshots (no --max-restarts)
 
 
 def test_a_locked_directory_is_refused_before_launching(tmp_path):
@@ -261,7 +273,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(case, refer
     resumed = "--resume" in flags
     assert run.summary["losses"] == summary["losses"][4 if resumed else 0 :]
     assert run.summary["resumed_from_step"] == (4 if resumed else None)
-    assert run.summary["restarts"] == 1 and run.summary["steps"] == STEPS and run.summary["save_stall_seconds"] >= 0
+    assert run.summary["restarts"] == 1 and run.summary["steps"] == STEPS and run.summary["save_stall_s"] >= 0
     if redone is None:
         assert run.summary["steps_redone"] >= 1  # where the main thread was when the writer thread died varies
     else:

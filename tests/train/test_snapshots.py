@@ -205,6 +205,7 @@ def test_a_killed_worker_resumes_from_memory_passing_over_a_torn_and_a_corrupt_s
     assert min(recovery["relaunch_s"], recovery["rendezvous_s"], recovery["restore_s"]) >= 0 and parts <= recovery["recovery_s"]
     assert run.summary["losses"] == reference.summary["losses"]
     assert_bitwise_equal(weights(run.run_dir), weights(reference.run_dir))
+    assert reference.summary["snapshot_stall_s"] > 0 and reference.summary["save_stall_s"] == 0  # snapshots, no saves between steps
     assert _stores_of(process.pid) == []  # removed when the run ended
     assert planted["live"].is_dir() and not planted["dead"].exists()  # a dead run's reclaimed, a live run's kept
 

@@ -2,12 +2,11 @@
 by every save; the lower OS priority of the thread that writes; and the counters that show
 where a save's time goes (`SaveTimings`).
 
-An async save copies this rank's tensors into `HostBuffers` in one pass, in the training
-thread, before `Checkpointer.save` returns (so training may change them at once); the
-background thread then writes and checksums from there in `WRITE_CHUNK_BYTES` pieces (both
-release the GIL), at nice +10. The next save waits for the previous one before it copies, so
-one set of buffers is enough; they are allocated on the first save and again only when the
-table of tensors changes.
+An async save copies this rank's tensors into `HostBuffers`, allocated when the run starts,
+in the order copy_order.py gives (from a GPU on a stream of its own, which the next optimizer
+step waits for); the background thread then writes and checksums from there in
+`WRITE_CHUNK_BYTES` pieces (both release the GIL), at nice +10. The next save waits for the
+previous one before it copies, so one set of buffers is enough.
 """
 
 from __future__ import annotations
@@ -38,37 +37,45 @@ class SaveTimings:
 
 
 class HostBuffers:
-    """One flat host tensor per dtype holding a copy of named 1-D tensors, reused while the
-    names, dtypes and sizes stay the same. Pinned when the tensors live on a GPU."""
+    """One flat host tensor per dtype holding the copies of named 1-D tensors, each a view of
+    it, reused while the names, dtypes and sizes stay the same. `reserve` allocates them when
+    the run starts (pinned for a GPU, every page touched), so that no snapshot pays for it; a
+    table that outgrows them allocates again."""
 
     def __init__(self) -> None:
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self._views: dict[str, torch.Tensor] = {}
         self._key: tuple | None = None
+        self._pin = False
 
-    def copy(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy every tensor into the buffers (allocating them if the table changed); returns
-        the host views, by name. The copies are complete when this returns."""
+    def reserve(self, numels: dict[torch.dtype, int], *, pin: bool) -> None:
+        """Allocate room for `numels` elements of each dtype now."""
+        self._pin = pin and torch.cuda.is_available()
+        self.buffers = {dtype: self._allocate(dtype, numel) for dtype, numel in numels.items()}
+
+    def views(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The host view each tensor is copied into, by name (allocating room the buffers lack)."""
         key = tuple((name, tensor.dtype, tensor.numel()) for name, tensor in tensors.items())
         if key != self._key:
-            self._allocate(tensors)
+            self._carve(tensors)
             self._key = key
-        on_device = False
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                on_device = on_device or tensor.device.type != "cpu"
-                self._views[name].copy_(tensor.detach().reshape(-1), non_blocking=tensor.device.type == "cuda")
-        if on_device and torch.cuda.is_available():
-            torch.cuda.synchronize()
         return dict(self._views)
 
-    def _allocate(self, tensors: dict[str, torch.Tensor]) -> None:
-        sizes: dict[torch.dtype, int] = {}
+    def _allocate(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buffer = torch.empty(numel, dtype=dtype, pin_memory=self._pin)
+        if not self._pin:
+            buffer.zero_()  # the first copy into it should not fault its pages in
+        return buffer
+
+    def _carve(self, tensors: dict[str, torch.Tensor]) -> None:
+        numels: dict[torch.dtype, int] = {}
         for tensor in tensors.values():
-            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
-        pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors.values())
-        self.buffers = {dtype: torch.empty(size, dtype=dtype, pin_memory=pin) for dtype, size in sizes.items()}
-        offsets = dict.fromkeys(sizes, 0)
+            numels[tensor.dtype] = numels.get(tensor.dtype, 0) + tensor.numel()
+        self._pin = self._pin or (torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors.values()))
+        for dtype, numel in numels.items():
+            if dtype not in self.buffers or self.buffers[dtype].numel() < numel:
+                self.buffers[dtype] = self._allocate(dtype, numel)
+        offsets = dict.fromkeys(numels, 0)
         self._views = {}
         for name, tensor in tensors.items():
             start = offsets[tensor.dtype]

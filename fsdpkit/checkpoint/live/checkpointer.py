@@ -34,6 +34,7 @@ from ..format.manifest import Manifest, check_compatible
 from ..format.placement import Placement, TensorSpec
 from ..format.reader import is_full_checkpoint
 from .background import HostBuffers, SaveTimings, lower_thread_priority
+from .copy_order import DoneEvent, Event, OverlappedCopy, streams_for
 from .model_state import (
     buffer_shapes,
     check_full,
@@ -41,6 +42,8 @@ from .model_state import (
     load_weights,
     model_params,
     optimizer_hyperparameters,
+    persistent_buffers,
+    planned_numels,
     stateless_params,
     tensor_table,
     view_params,
@@ -52,11 +55,12 @@ from .tensors import CheckpointReader, RangeReader, full_reader
 
 
 class Checkpointer:
-    """Saves and loads one sharded model with its optimizer. With async_save, save() copies
-    this rank's tensors into `host_buffers` (allocated once, reused by every save while the
-    table of tensors stays the same) and returns; a background thread at lower priority writes
-    and checksums from there while training goes on (background.py). At most one save is in
-    flight: the next save (or wait()) waits for it. Every rank must call save/load/wait.
+    """Saves and loads one sharded model with its optimizer. With async_save, save() queues
+    the copy of this rank's tensors into `host_buffers` (allocated here, reused by every save)
+    and returns; the optimizer's next step waits for the copy (copy_order.py; without an
+    optimizer, save() waits for it); a background thread at lower priority writes and
+    checksums from there while training goes on (background.py). At most one save is in
+    flight: the next save (or wait()) waits for it, and says so in one line. Every rank must call save/load/wait.
     `timings` (SaveTimings) sums where this rank's save time went; `stall_seconds` how long
     the calling (training) thread spent inside save() and wait(): the snapshot, waiting for a
     previous save, and for a synchronous save all of it.
@@ -81,24 +85,48 @@ class Checkpointer:
         self.error: BaseException | None = None
         self.last_saved: str | None = None
         self.host_buffers = HostBuffers()
+        self.copy: OverlappedCopy | None = None
+        if async_save and view.writes_shards:  # the buffers now, when the run starts, not at the first save
+            self.host_buffers.reserve(planned_numels(view, module, optimizer), pin=view.device.type == "cuda")
+            self.copy = OverlappedCopy(self.host_buffers, streams_for(view.device))
+            if optimizer is not None:
+                self.copy.guard(optimizer)
         self.timings = SaveTimings()
         self.stall_seconds = 0.0
+        self.in_flight: int | None = None  # the step of the async save being written
 
     # ----- saving
     def save(self, run_dir: str | os.PathLike, *, step: int, training_state: dict | None = None, keep_last: int | None = None) -> None:
         started = time.perf_counter()
         try:
-            self._join()
+            self._join_before(step)
             self._start_save(Path(run_dir), step, training_state, keep_last)
         finally:
             self.stall_seconds += time.perf_counter() - started
 
+    def _join_before(self, step: int) -> None:
+        """Wait for the save in flight; one line (rank 0's) when it held this one up."""
+        if self.thread is None or not self.thread.is_alive():
+            self._join()
+            return
+        started = time.perf_counter()
+        self._join()
+        if self.ranks.rank == 0:
+            log.warn(
+                f"save of step {step} stalled training {time.perf_counter() - started:.2f} s: "
+                f"the async save of step {self.in_flight} was still being written"
+            )
+
     def _start_save(self, run_dir: Path, step: int, training_state: dict | None, keep_last: int | None) -> None:
         view = describe(self.module)
         table, local = tensor_table(view, self.module, self.optimizer)
-        if self.async_save and view.writes_shards:
+        copied: Event = DoneEvent()
+        if self.copy is not None:
             started = time.perf_counter()
-            snapshot = self.host_buffers.copy({name: data for name, (_, data) in local.items()})
+            buffers = frozenset(persistent_buffers(self.module))
+            snapshot, copied = self.copy.start({name: data for name, (_, data) in local.items()}, on_training=buffers)
+            if self.optimizer is None:
+                copied.synchronize()  # no optimizer step waits for the copy: nothing else guards the parameters
             local = {name: (held, snapshot[name]) for name, (held, _) in local.items()}
             seconds = time.perf_counter() - started
             self.timings.snapshot += seconds
@@ -107,14 +135,16 @@ class Checkpointer:
         device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
         job = SaveJob(view, run_dir, step, manifest, local if view.writes_shards else None, keep_last, device)
         if self.async_save:
-            self.thread = threading.Thread(target=self._run_save, args=(job,), name="fsdpkit-async-save", daemon=True)
+            self.in_flight = step
+            self.thread = threading.Thread(target=self._run_save, args=(job, copied), name="fsdpkit-async-save", daemon=True)
             self.thread.start()
         else:
             self._save(job)
 
-    def _run_save(self, job: SaveJob) -> None:
+    def _run_save(self, job: SaveJob, copied: Event) -> None:
         lower_thread_priority()
         try:
+            copied.synchronize()
             self._save(job)
         except BaseException as error:  # re-raised in the training thread by wait()
             self.error = error

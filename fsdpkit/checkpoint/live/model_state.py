@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 from ...engine.view import ShardedModelView
-from ...errors import DataCheckError
+from ...errors import DataCheckError, RunError
 from ...flat_layout import ElementRange
 from ..format.placement import TensorSpec
-from .optim_state import StateLayout, expected_state_tensors, saved_states
+from .optim_state import StateLayout, expected_state_tensors, kept_states, saved_states
 from .tensors import RangeReader, TensorReader, safetensors_dtype
 
 
@@ -88,6 +88,37 @@ def tensor_table(
     for specs in states.values():
         table.extend(specs)
     return table, local
+
+
+def planned_numels(view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[torch.dtype, int]:
+    """Elements per dtype of this rank's `tensor_table` data once the optimizer has stepped,
+    known before it has: the states `kept_states` finds (each like its parameter in its dtype,
+    a one-value state as float32): an upper bound (a parameter the optimizer never steps gets
+    none), without the states of an optimizer that cannot tell which it keeps."""
+    numels: dict[torch.dtype, int] = {}
+
+    def add(dtype: torch.dtype, numel: int) -> None:
+        numels[dtype] = numels.get(dtype, 0) + numel
+
+    layouts: dict[int, StateLayout] = {}
+    if optimizer is not None:
+        try:
+            kept = kept_states(optimizer, [])
+        except RunError:  # its state gets room at the first copy
+            kept = [{} for _ in optimizer.param_groups]
+        for group, layout in zip(optimizer.param_groups, kept, strict=True):
+            layouts.update({id(p): layout for p in group["params"]})
+    for unit in view.units:
+        for param in unit.params:
+            add(param.tensor.dtype, param.tensor.numel())
+            for shape in layouts.get(id(param.tensor), {}).values() if param.requires_grad else ():
+                if shape is None:
+                    add(param.tensor.dtype, param.tensor.numel())
+                else:
+                    add(torch.float32, 1)
+    for tensor in persistent_buffers(module).values():
+        add(tensor.dtype, tensor.numel())
+    return numels
 
 
 def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:

@@ -145,14 +145,16 @@ def write_rank(
     local: dict[str, tuple[ElementRange, torch.Tensor]],
     *,
     timings: SaveTimings | None = None,
+    cache: CacheMode = CacheMode.DIRECT,
 ) -> Path:
     """Write rank `rank`'s file of `manifest` from this rank's data (fsynced), in pieces of at
     most WRITE_CHUNK_BYTES (each one write and one crc32 update, both without the GIL); the
-    time of each part is added to `timings`."""
+    time of each part is added to `timings`. `cache` CACHED where the file lives in memory
+    (tmpfs): written straight from the data, with no staging copy."""
     timings = timings if timings is not None else SaveTimings()
     layout = manifest.layout().file_layout(rank)
     path = directory / rank_file_name(rank, manifest.shard_factor)
-    with RankFileWriter(path, layout, cache=CacheMode.DIRECT) as writer:
+    with RankFileWriter(path, layout, cache=cache) as writer:
         for fragment in layout.fragments:
             name = manifest.tensors[fragment.tensor].name
             held, data = local[name]

@@ -1,13 +1,15 @@
-"""Taking snapshots: every K steps each rank copies what a checkpoint holds of it into reused
-host buffers (in the training thread, as an async save does), and a background thread at lower
-priority writes its rank file and then its header into the node's store (store.py); with
+"""Taking snapshots: every K steps each rank copies what a checkpoint holds of it into host
+buffers allocated when the run starts (from a GPU on a copy stream that the next optimizer
+step waits for: copy_order.py), and a background thread writes its rank file
+and then its header into the node's store (store.py); with
 several nodes the thread also sends the file to the rank's buddy on the next node, and receives
 the one its own source sends, over a process group of their own.
 
 Two slots: a rank writes step S only after every rank has finished the previous snapshot
 (`finished_flag`, summed over the ranks in the step's loss all-reduce, then `confirm`), and
 first removes its own files older than that previous one. So a node holds at most two steps of
-each rank's files, and always one that every rank has complete.
+each rank's files, and always one that every rank has complete. A snapshot due while the
+previous one is still being written is skipped, in one line.
 
 A write that fails (shared memory full...) is one warning line; that rank takes no more
 snapshots, and restarts resume from disk.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,9 +34,11 @@ from ...dist.comm import new_group
 from ...engine.view import describe
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME, rank_file_name
+from ..format.writer import CacheMode
 from ..live.background import HostBuffers
 from ..live.checkpointer import manifest_of
-from ..live.model_state import tensor_table
+from ..live.copy_order import Event, OverlappedCopy, streams_for
+from ..live.model_state import persistent_buffers, planned_numels, tensor_table
 from ..live.save_protocol import write_rank
 from ..live.tensors import byte_view
 from .store import Header, SnapshotStore
@@ -60,7 +65,10 @@ class Peers:
 
 
 class SnapshotWriter:
-    """This rank's snapshots into `store`. `warn`: where the one line of a failed write goes."""
+    """This rank's snapshots into `store`. `warn`: where the one line of a failed write, or of
+    a skipped snapshot (rank 0's), goes. The host buffers are allocated here, when the run
+    starts; the copy into them is ordered as copy_order.py says (the optimizer's next step
+    waits for it); `stall_seconds` sums the training thread's time in `offer`."""
 
     def __init__(
         self,
@@ -78,12 +86,18 @@ class SnapshotWriter:
         self.warn = warn
         view = describe(module)
         self.shard_rank, self.shard_factor = view.shard_rank, view.shard_factor
+        self.reports_skips = dist.get_rank() == 0
         self.host_buffers = HostBuffers()
+        self.host_buffers.reserve(planned_numels(view, module, optimizer), pin=view.device.type == "cuda")
+        self.copy = OverlappedCopy(self.host_buffers, streams_for(view.device))
+        if optimizer is not None:
+            self.copy.guard(optimizer)
         self.thread: threading.Thread | None = None
         self.failed = False
         self.pending: int | None = None  # the step of the last snapshot started
         self.confirmed: int | None = None  # the newest step every rank has finished
         self.copies: set[int] = set()  # the rank files this rank keeps copies of (its source's)
+        self.stall_seconds = 0.0
 
     @property
     def ready(self) -> bool:
@@ -100,34 +114,48 @@ class SnapshotWriter:
         if self.pending is not None and round(finished) == world_size:
             self.confirmed = self.pending
 
+    def offer(self, step: int, training_state: dict) -> None:
+        """Snapshot `step` if the previous snapshot is done on every rank; else skip it, in one line."""
+        started = time.perf_counter()
+        try:
+            if self.ready:
+                self.take(step, training_state)
+                return
+            if self.reports_skips:
+                self.warn(f"snapshot of step {step} skipped: the one of step {self.pending} is not finished on every rank yet")
+        finally:
+            self.stall_seconds += time.perf_counter() - started
+
     def take(self, step: int, training_state: dict) -> None:
-        """Snapshot `step` (call only when `ready`): copy now, write in the background."""
+        """Snapshot `step` (call only when `ready`): queue the copy now, write in the background."""
         self.pending = step
-        held = None
-        manifest = None
+        held, manifest, copied = None, None, None
         if not self.failed:
-            if self.confirmed is not None:
-                for rank in {self.shard_rank, *self.copies}:  # its own files and the copies it keeps of its source's
-                    self.store.prune_rank(rank, self.shard_factor, keep_from=self.confirmed)
             view = describe(self.module)
             table, local = tensor_table(view, self.module, self.optimizer)
-            copies = self.host_buffers.copy({name: data for name, (_, data) in local.items()})
-            held = {name: (held, copies[name]) for name, (held, _) in local.items()}
+            buffers = frozenset(persistent_buffers(self.module))
+            host, copied = self.copy.start({name: data for name, (_, data) in local.items()}, on_training=buffers)
+            held = {name: (held, host[name]) for name, (held, _) in local.items()}
             manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.store.run_id, step)
         elif self.peers is None:
             return
-        self.thread = threading.Thread(target=self._write, args=(step, manifest, held), name="fsdpkit-snapshot", daemon=True)
+        self.thread = threading.Thread(target=self._write, args=(step, manifest, held, copied), name="fsdpkit-snapshot", daemon=True)
         self.thread.start()
 
-    def _write(self, step: int, manifest: Manifest | None, local: dict | None) -> None:
-        """Write (`manifest` None: this rank gave up), then trade files with the peers. At the
-        thread's own priority: a copy in memory is short, and a slow one delays the next."""
+    def _write(self, step: int, manifest: Manifest | None, local: dict | None, copied: Event | None) -> None:
+        """Prune, wait for the copy, write (`manifest` None: this rank gave up), then trade files
+        with the peers. At the thread's own priority: a write to memory is short, and a slow one
+        skips the next snapshot."""
         header = None
-        if manifest is not None and local is not None:
+        if manifest is not None and local is not None and copied is not None:
             try:
+                if self.confirmed is not None:
+                    for rank in {self.shard_rank, *self.copies}:  # its own files and the copies it keeps of its source's
+                        self.store.prune_rank(rank, self.shard_factor, keep_from=self.confirmed)
+                copied.synchronize()
                 faults.reached("snapshot", step)
                 directory = self.store.begin(step, manifest)
-                write_rank(directory, manifest, self.shard_rank, local)
+                write_rank(directory, manifest, self.shard_rank, local, cache=CacheMode.CACHED)  # tmpfs: memory already
                 header = self.store.finish(step, self.shard_rank, self.shard_factor)
             except OSError as error:
                 self.failed = True
