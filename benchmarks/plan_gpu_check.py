@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 RUNS = ("plain", "snapshot", "async_save", "compile")
-RUN_FIELDS = ("elapsed_seconds", "tokens_per_second", "step_tokens_per_second", "save_stall_seconds", "snapshot_stall_seconds", "lr")
+RUN_FIELDS = ("elapsed_seconds", "tokens_per_second", "step_tokens_per_second", "save_stall_s", "snapshot_stall_s", "lr")
 
 
 def read_parts(results: Path) -> dict[str, dict[str, Any]]:

@@ -62,7 +62,7 @@ def _write(results: Path, name: str, rc: int, seconds: int, document: dict | Non
 
 
 def test_report_gathers_parts_and_records_failures(tmp_path):
-    run = {"elapsed_seconds": 20.0, "tokens_per_second": 40000.0, "step_tokens_per_second": 41000.0, "save_stall_seconds": 0.0}
+    run = {"elapsed_seconds": 20.0, "tokens_per_second": 40000.0, "step_tokens_per_second": 41000.0, "save_stall_s": 0.0}
     losses = [10.0 - 0.1 * step for step in range(40)]
     _write(tmp_path, "compat_straight", 0, 12, {"losses": losses})
     _write(tmp_path, "compat_resume", 0, 9, {"losses": losses[20:]})
