@@ -25,8 +25,14 @@ from .request import PlanRequest
 from .simulate import Recompute, StepSetup, StepTime, UnitCost, simulate
 from .traffic import sharded_unit_traffic, wire_itemsizes
 
-# The optimizer as fsdpkit train and torch.optim build it by default.
-OPTIMIZER_KERNEL = OptimizerKernel.EAGER
+
+def optimizer_kernel(request: PlanRequest, hardware: Hardware) -> OptimizerKernel:
+    """The optimizer's kernel the request runs: as `fsdpkit train` builds AdamW, fused where every
+    rank has a device of its own (a GPU) and the parameters stay on it, torch's default otherwise."""
+    if request.optimizer_kernel is not None:
+        return request.optimizer_kernel
+    on_device = hardware.compute_slots == 0 and not request.cpu_offload
+    return OptimizerKernel.FUSED if on_device else OptimizerKernel.EAGER
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,7 @@ def predict(
         no_sync=request.no_sync,
         compute_dtype="fp32" if precision == "none" else precision,
         optimizer_bytes=sum(size.local_numel for size in sizes if size.trainable)
-        * optimizer_bytes_per_element(request.optimizer, OPTIMIZER_KERNEL),
+        * optimizer_bytes_per_element(request.optimizer, optimizer_kernel(request, hardware)),
         loss_bytes=loss_bytes(batch * request.seq_len, max(w.logits for w in costs.work_per_sequence), compute=compute_bytes),
         optimizer_tensors=sum(param.requires_grad for plan in costs.plans for param in plan.params),
         flags=flags_collective(sum(len(plan.params) for plan in costs.plans), world),

@@ -10,6 +10,7 @@ from ..engine.config import ShardingConfig
 from ..engine.step_policy import StepPolicy
 from ..errors import UsageError
 from ..models.recipe import Optimizer
+from .kernels import OptimizerKernel
 
 KNOWN_OPTIMIZERS = (Optimizer.ADAMW, Optimizer.SGD)
 
@@ -30,6 +31,8 @@ class PlanRequest:
     wrap: tuple[str, ...] = ()
     wrap_min_params: int | None = None
     wrap_every: int = 1
+    # None: what `fsdpkit train` runs (fused on a device of its own per rank, without CPU offload)
+    optimizer_kernel: OptimizerKernel | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in KNOWN_OPTIMIZERS:

@@ -3,6 +3,7 @@ hand counts, and the built-in GPU profiles' prediction of a published step."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from fsdpkit.models.recipe import Optimizer
 from fsdpkit.plan.calibrate.measure import MemoryRates
 from fsdpkit.plan.kernels import OptimizerKernel, gather_cast_bytes, loss_bytes, optimizer_bytes_per_element, reduce_cast_bytes
-from fsdpkit.plan.predict import model_costs, predict
+from fsdpkit.plan.predict import model_costs, optimizer_kernel, predict
 from fsdpkit.plan.profile import BUILT_IN
 from fsdpkit.train.config import TrainConfig
 
@@ -60,7 +61,8 @@ def test_memory_efficiency_is_the_elementwise_rate_over_the_copys():
 @pytest.fixture(scope="module")
 def gpt2_xl():
     values = {"model": {"name": "gpt2-xl"}, "data": {"global_batch_size": 8, "seq_len": 1024}, "sharding": {"mixed_precision": "bf16"}}
-    request = TrainConfig.from_values(values).plan_request(1)
+    # the measured run's AdamW was torch's default (eager) kernel
+    request = dataclasses.replace(TrainConfig.from_values(values).plan_request(1), optimizer_kernel=OptimizerKernel.EAGER)
     return request, model_costs(request)
 
 
@@ -91,3 +93,15 @@ def test_h100_prediction_differs_from_the_h200s_by_its_memory_bandwidth_alone(gp
         ratio = 4800 / 3350 if term in bound else 1.0
         assert math.isclose(h100.terms[term], h200.terms[term] * ratio, rel_tol=1e-9, abs_tol=1e-15), term
     assert h100.step_time_s > h200.step_time_s
+
+
+def test_the_default_optimizer_kernel_is_the_one_train_builds(gpt2_xl):
+    # fsdpkit train runs fused AdamW where every parameter is on a GPU: so does the plan by default
+    request, _ = gpt2_xl
+    default = dataclasses.replace(request, optimizer_kernel=None)
+    offloaded = dataclasses.replace(default, sharding=dataclasses.replace(default.sharding, cpu_offload=True))
+    cpu = next(hardware for name, hardware in BUILT_IN.items() if hardware.compute_slots)
+    assert optimizer_kernel(default, BUILT_IN["h200-ib400"]) is OptimizerKernel.FUSED
+    assert optimizer_kernel(offloaded, BUILT_IN["h200-ib400"]) is OptimizerKernel.EAGER
+    assert optimizer_kernel(default, cpu) is OptimizerKernel.EAGER
+    assert optimizer_kernel(request, BUILT_IN["h200-ib400"]) is OptimizerKernel.EAGER

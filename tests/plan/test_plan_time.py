@@ -37,6 +37,7 @@ from fsdpkit.plan.calibrate.fit import (
 )
 from fsdpkit.plan.calibrate.measure import Measured, StepSample, on_first_ranks
 from fsdpkit.plan.calibrate.runs import TimedStep, all_cores_runs, link_runs, more_ranks_runs
+from fsdpkit.plan.kernels import OptimizerKernel
 from fsdpkit.plan.predict import activation_peak, model_costs, predict
 from fsdpkit.plan.profile import BUILT_IN, MAX_CONTENTION, FittedTerms, Hardware, load, to_toml
 from fsdpkit.plan.request import PlanRequest
@@ -62,7 +63,9 @@ def _configs(world: int) -> list[dict]:
 def _request(world: int, values: dict) -> PlanRequest:
     data = {"global_batch_size": 8, "seq_len": 16, **values.get("data", {})}
     model = values.get("model", {"name": "gpt-tiny"})
-    return TrainConfig.from_values({"model": model, "data": data, "sharding": values["sharding"]}).plan_request(world)
+    request = TrainConfig.from_values({"model": model, "data": data, "sharding": values["sharding"]}).plan_request(world)
+    # the hand counts here charge torch's default AdamW kernel, whatever device the profile is
+    return dataclasses.replace(request, optimizer_kernel=OptimizerKernel.EAGER)
 
 
 def comm_bytes_worker() -> list[dict]:

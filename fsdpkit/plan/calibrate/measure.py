@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from ...errors import UsageError
 from ...models.recipe import Optimizer
 from ..flops import unit_work
-from ..kernels import loss_bytes, optimizer_bytes_per_element, reduce_cast_bytes
+from ..kernels import OptimizerKernel, loss_bytes, optimizer_bytes_per_element, reduce_cast_bytes
 from ..meta import build_meta_model
-from ..predict import OPTIMIZER_KERNEL, ModelCosts, predict
+from ..predict import ModelCosts, predict
 from ..profile import Hardware
 from ..request import PlanRequest
 from .runs import TimedStep
@@ -104,7 +104,7 @@ class ModelRun:
         self.source, self.plans, self.seq_len = meta.source, meta.plans, request.seq_len  # the engine's units
         self.work = unit_work(meta.source, list(meta.plans), 1, self.seq_len)
         self.numel = sum(p.numel() for p in meta.model.parameters() if p.requires_grad)
-        self.optimizer_bytes = self.numel * optimizer_bytes_per_element(Optimizer.ADAMW, OPTIMIZER_KERNEL)
+        self.optimizer_bytes = self.numel * optimizer_bytes_per_element(Optimizer.ADAMW, OptimizerKernel.EAGER)  # the CPU AdamW below
         # one rank in fp32: no casts, the reductions' gradient copies
         self.copy_bytes = reduce_cast_bytes(self.numel, self.numel, master=4, compute=4, reduce=4, offload=False)
         self.logits = max(w.logits for w in self.work)
