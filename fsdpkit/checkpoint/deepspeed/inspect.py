@@ -16,21 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ...flat_layout import ElementRange
 from ..format.bytecopy import SourceTensor
-from .rankfile import crc_problems_of
+from ..torchfile.savefile import coverage_problems, crc_problems_of
+from ..torchfile.unpickler import count_items
 from .table import FORMAT, open_deepspeed
 
 LARGEST = 5
 PARAM_GROUPS_ITEM = "optimizer.param_groups"  # the optimizer's hyperparameters, one item per group setting
-
-
-def count_items(value: Any) -> int:
-    if isinstance(value, dict):
-        return sum(count_items(v) for v in value.values()) or 1
-    if isinstance(value, list):
-        return sum(count_items(v) for v in value) or 1
-    return 1
 
 
 def _tensor(source: SourceTensor) -> dict:
@@ -72,23 +64,6 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> dict:
             "items": {key: count_items(value) for key, value in {**checkpoint.items, PARAM_GROUPS_ITEM: checkpoint.param_groups}.items()},
             "files": [{"name": rf.path.name, "size": rf.size} for rf in checkpoint.opened],
         }
-
-
-def coverage_problems(directory: Path, sources: list[SourceTensor]) -> list[str]:
-    """Each tensor's pieces cover its elements exactly once, in order."""
-    problems = []
-    for source in sources:
-        position = 0
-        for piece in sorted(source.pieces_in(ElementRange(0, source.numel)), key=lambda p: p.range.start):
-            if piece.range.start != position:
-                what = "overlap" if piece.range.start < position else "gap"
-                problems.append(f"{directory}: {source.name!r}: {what} at element {min(position, piece.range.start)}")
-                break
-            position = piece.range.end
-        else:
-            if position != source.numel:
-                problems.append(f"{directory}: {source.name!r}: covered up to element {position} of {source.numel}")
-    return problems
 
 
 def verify_deepspeed(path: str | os.PathLike[str]) -> dict:

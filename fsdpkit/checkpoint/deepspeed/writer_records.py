@@ -11,8 +11,8 @@ DeepSpeed loads the file.
 from __future__ import annotations
 
 from ...errors import UsageError
-from ..dcp.archive import _LEGACY
-from ..dcp.pickler import Global, NewObject, Raw, Reduce, pickled_int, pickled_text
+from ..torchfile.archive import LEGACY_STORAGE_NAMES as _LEGACY
+from ..torchfile.pickler import Global, NewObject, Raw, Reduce, pickled_int, pickled_text
 
 LOSS_SCALER = Global("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 ZERO_STAGE = Global("deepspeed.runtime.zero.config", "ZeroStageEnum")

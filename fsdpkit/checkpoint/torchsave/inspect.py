@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ..deepspeed.inspect import count_items, coverage_problems
-from ..deepspeed.rankfile import crc_problems_of
 from ..format.bytecopy import SourceTensor
+from ..torchfile.savefile import coverage_problems, crc_problems_of
+from ..torchfile.unpickler import count_items
 from .table import FORMAT, open_rank_state_dicts
 
 LARGEST = 5
