@@ -1,4 +1,4 @@
-"""`fsdpkit inspect CKPT`: a checkpoint's summary (sharded, full safetensors or DCP) as text or JSON."""
+"""`fsdpkit inspect CKPT`: a checkpoint's summary, in any format fsdpkit reads, as text or JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from fsdpkit.checkpoint.offline.any_checkpoint import DCP, DEEPSPEED, TORCH_SAVE, detect_format
+from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, READ_LABELS, TORCH_SAVE, Keys, detect_format
 from fsdpkit.sizes import format_size
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
@@ -18,34 +18,17 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("inspect")
 @handle_errors
 def inspect(
-    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir), full safetensors, torch DCP or DeepSpeed ZeRO."),
+    ckpt: Path = typer.Argument(..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
     dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
+    from .deepspeed_cmd import inspect_lines, torchsave_lines
+
     found = detect_format(ckpt)
-    if found == DCP:
-        from fsdpkit.checkpoint.dcp.inspect import summarize_dcp
-
-        summary = summarize_dcp(ckpt, model_key=dcp_model_key, optimizer_key=dcp_optimizer_key)
-        text = _dcp_lines
-    elif found == DEEPSPEED:
-        from fsdpkit.checkpoint.deepspeed.inspect import summarize_deepspeed
-
-        from .deepspeed_cmd import inspect_lines
-
-        summary, text = summarize_deepspeed(ckpt), inspect_lines
-    elif found == TORCH_SAVE:
-        from fsdpkit.checkpoint.torchsave.inspect import summarize_torchsave
-
-        from .deepspeed_cmd import torchsave_lines
-
-        summary, text = summarize_torchsave(ckpt), torchsave_lines
-    else:
-        from fsdpkit.checkpoint.offline.verify import summarize
-
-        summary, text = summarize(ckpt), _lines
+    summary = found.inspect(ckpt, Keys(dcp_model_key, dcp_optimizer_key))
+    text = {DCP: _dcp_lines, DEEPSPEED: inspect_lines, TORCH_SAVE: torchsave_lines}.get(found.name, _lines)
     if as_json:
         print_json(summary)
     else:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from fsdpkit.checkpoint.offline.any_checkpoint import DCP, DEEPSPEED, TORCH_SAVE, detect_format
+from fsdpkit.checkpoint.offline.formats import READ_LABELS, detect_format
 from fsdpkit.sizes import count, format_size
 
 from .common import byte_progress, handle_errors, print_json
@@ -17,28 +17,12 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("verify")
 @handle_errors
 def verify(
-    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir), full safetensors, torch DCP or DeepSpeed ZeRO."),
+    ckpt: Path = typer.Argument(..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ) -> None:
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
-    found = detect_format(ckpt)
-    if found == DCP:
-        from fsdpkit.checkpoint.dcp.inspect import verify_dcp
-
-        report = verify_dcp(ckpt)
-    elif found == DEEPSPEED:
-        from fsdpkit.checkpoint.deepspeed.inspect import verify_deepspeed
-
-        report = verify_deepspeed(ckpt)
-    elif found == TORCH_SAVE:
-        from fsdpkit.checkpoint.torchsave.inspect import verify_torchsave
-
-        report = verify_torchsave(ckpt)
-    else:
-        from fsdpkit.checkpoint.offline.verify import verify_checkpoint
-
-        with byte_progress("verify") as progress:
-            report = verify_checkpoint(ckpt, progress=progress)
+    with byte_progress("verify") as progress:
+        report = detect_format(ckpt).verify(ckpt, progress)
     if as_json:
         print_json(report)
     elif report["ok"]:

@@ -440,13 +440,18 @@ def test_every_route_names_known_options_and_a_converter_of_one_shape():
     import importlib
     import inspect
 
-    from fsdpkit.checkpoint.offline.routes import OPTION_FLAGS, ROUTES, SOURCES, ConvertRequest, route_for
+    from fsdpkit.checkpoint.offline.formats import FORMATS, TARGETS
+    from fsdpkit.checkpoint.offline.routes import OPTION_FLAGS, ROUTES, ConvertRequest, route_for
 
     fields = {f.name for f in dataclasses.fields(ConvertRequest)}
     assert set(OPTION_FLAGS) <= fields
-    assert list(SOURCES.values())[-1] is None and None not in list(SOURCES.values())[:-1]  # one catch-all, last
     for (source, target), route in ROUTES.items():
-        assert source in SOURCES and set(route.required) <= set(OPTION_FLAGS) and set(route.optional) <= set(OPTION_FLAGS)
+        assert (
+            source in FORMATS
+            and target in TARGETS
+            and set(route.required) <= set(OPTION_FLAGS)
+            and set(route.optional) <= set(OPTION_FLAGS)
+        )
         module, _, name = route.converter.partition(":")
         function = getattr(importlib.import_module(module), name)
         assert list(inspect.signature(function).parameters) == ["src", "dst", "request", "progress"], route.converter

@@ -79,11 +79,11 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], output: Dcp
     if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         full = open_full(path, with_optimizer=has_optimizer_files(path))
         report = sources_to_dcp(list(full.tensors), path, Path(dst), aliases=full.aliases, groups=[], output=output)
-        return {**report, "from": "safetensors-full"}
+        return {**report, "from": "full"}
     sharded = open_sharded(path)
     groups = (sharded.manifest.training_state.get("optimizer") or {}).get("groups") or []
     report = sources_to_dcp(sharded.sources(), path, Path(dst), aliases=sharded.manifest.aliases, groups=groups, output=output)
-    return {**report, "from": "fsdpkit-checkpoint"}
+    return {**report, "from": "sharded"}
 
 
 def _carried(directory: Path, location: Location):

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .convert import FullOutput, Progress
-from .routes import SOURCES, ConvertRequest, route_for
+from .formats import detect_format
+from .routes import ConvertRequest, route_for
 
 if TYPE_CHECKING:
     from ..dcp.export import DcpOutput
@@ -21,16 +22,8 @@ def _resolve(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def source_format(src: str | Path) -> str:
-    """The first format in SOURCES whose detector takes `src` (the last one has none)."""
-    for name, detector in SOURCES.items():
-        if detector is None or _resolve(detector)(Path(src)):
-            return name
-    raise AssertionError("the last source format has no detector")
-
-
 def convert(src: str | Path, dst: str | Path, request: ConvertRequest, progress: Progress | None = None) -> dict:
-    route = route_for(source_format(src), request)
+    route = route_for(detect_format(src).name, request)
     return _resolve(route.converter)(Path(src), Path(dst), request, progress)
 
 

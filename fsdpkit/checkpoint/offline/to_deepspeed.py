@@ -107,14 +107,14 @@ def to_deepspeed(
     if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
         full = open_full(path, with_optimizer=True)
         recorded: list[dict] = []
-        tensors, kind, steps, saved_world = {t.name: t for t in full.tensors}, "safetensors-full", 0, 1
+        tensors, kind, steps, saved_world = {t.name: t for t in full.tensors}, "full", 0, 1
         aliases = full.aliases
     else:
         sharded = open_sharded(path)
         state = sharded.manifest.training_state
         tensors = {t.name: t for t in sharded.sources()}
         recorded = (state.get("optimizer") or {}).get("groups") or []
-        kind, steps, saved_world = "fsdpkit-checkpoint", int(state.get("step", 0) or 0), sharded.manifest.shard_factor
+        kind, steps, saved_world = "sharded", int(state.get("step", 0) or 0), sharded.manifest.shard_factor
         aliases = sharded.manifest.aliases
     run = build_run(tensors, recorded, RunShape(stage, world_size or saved_world, steps, aliases))
     return write_run(run, path, Path(dst), source_kind=kind, overwrite=overwrite, progress=progress)

@@ -32,7 +32,6 @@ from ..format.names import FORMAT_NAME, is_optimizer_tensor, numel
 from ..format.placement import FileLayout
 from ..format.reader import RankFile, ShardedCheckpoint, has_optimizer_files, open_full, open_sharded, v2_crcs
 from ..format.storage import resolve_checkpoint
-from .any_checkpoint import FULL, detect_format
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
 PROGRESS_BYTES = 8 * 1024 * 1024
@@ -42,8 +41,6 @@ def verify_checkpoint(
     path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, progress: Callable[[int, int], None] | None = None
 ) -> dict:
     path = Path(path)
-    if path.exists() and detect_format(path) == FULL:
-        return _verify_full(path)
     report: dict[str, Any] = {"path": str(path), "kind": "sharded", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
     try:
         step_dir = resolve_checkpoint(path)
@@ -130,7 +127,7 @@ def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Calla
     return problems
 
 
-def _verify_full(path: Path) -> dict:
+def verify_full(path: Path) -> dict:
     report: dict[str, Any] = {"path": str(path), "kind": "full", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
     try:
         full = open_full(path, with_optimizer=has_optimizer_files(path))
@@ -159,18 +156,19 @@ def _tensor_stats(items: list[tuple[str, str, tuple[int, ...]]]) -> dict:
     }
 
 
+def summarize_full(path: Path) -> dict:
+    full = open_full(path, with_optimizer=has_optimizer_files(path))
+    summary: dict[str, Any] = {
+        "path": str(path),
+        "format": "full",
+        "files": [{"name": f.name, "size": f.stat().st_size} for f in full.files],
+        "aliases": full.aliases,
+    }
+    summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in full.tensors]))
+    return summary
+
+
 def summarize(path: str | Path) -> dict:
-    path = Path(path)
-    if path.exists() and detect_format(path) == FULL:
-        full = open_full(path, with_optimizer=has_optimizer_files(path))
-        summary: dict[str, Any] = {
-            "path": str(path),
-            "format": "safetensors-full",
-            "files": [{"name": f.name, "size": f.stat().st_size} for f in full.files],
-            "aliases": full.aliases,
-        }
-        summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in full.tensors]))
-        return summary
     checkpoint = open_sharded(path)
     manifest = checkpoint.manifest
     state = manifest.training_state
