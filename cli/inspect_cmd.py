@@ -54,9 +54,7 @@ def _lines(summary: dict) -> list[str]:
         f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, "
         f"{format_size(summary['model']['bytes'])}",
         f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
-        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
-        "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
-        f"files       {len(summary['files'])}, {format_size(sum(f['size'] for f in summary['files']))}",
+        *tensor_lines(summary),
     ]
     if summary["aliases"]:
         lines.append("tied        " + ", ".join(f"{a} -> {t}" for a, t in summary["aliases"].items()))
@@ -93,9 +91,7 @@ def _dcp_lines(summary: dict) -> list[str]:
         f"{format_size(summary['model']['bytes'])}",
         f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
         f"chunks      {summary['chunks']} in {len(summary['tensors'])} tensors",
-        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
-        "largest     " + "; ".join(f"{t['key']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
-        f"files       {len(summary['files'])}, {format_size(sum(f['size'] for f in summary['files']))}",
+        *tensor_lines(summary, name="key"),
     ]
     if summary["other_tensors"]:
         lines.append("other       " + ", ".join(summary["other_tensors"][:8]) + (" ..." if len(summary["other_tensors"]) > 8 else ""))
@@ -104,6 +100,16 @@ def _dcp_lines(summary: dict) -> list[str]:
         lines.append(f"bytes items {len(summary['bytes_items'])}, {size} (never unpickled), by key:")
         lines += item_lines(summary["items"])
     return lines
+
+
+def tensor_lines(summary: dict, *, name: str = "name", files_read: str = "") -> list[str]:
+    """The dtypes, the largest tensors (each under its `name` key) and the files, in any format's summary."""
+    files = summary["files"]
+    return [
+        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
+        "largest     " + "; ".join(f"{t[name]} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
+        f"files       {len(files)}{files_read}, {format_size(sum(f['size'] for f in files))}",
+    ]
 
 
 def item_lines(groups: dict[str, int]) -> list[str]:

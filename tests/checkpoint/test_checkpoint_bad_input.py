@@ -270,9 +270,9 @@ def test_verify_reads_files_whole_or_in_blocks_alike(ckpt, monkeypatch):
     monkeypatch.setattr(verify, "WHOLE_FILE_BYTES", 0)
     advanced: list[int] = []
     blocks = verify.verify_checkpoint(ckpt, chunk_size=7, progress=lambda done, total: advanced.append(done))
-    assert whole["problems"] == blocks["problems"] and len(blocks["problems"]) == 1
-    assert f"{RANK1}: checksum mismatch in tensor 'h.1.mlp.weight'" in blocks["problems"][0]
-    assert whole["bytes"] == blocks["bytes"] == sum(advanced) > 0
+    assert whole.problems == blocks.problems and len(blocks.problems) == 1
+    assert f"{RANK1}: checksum mismatch in tensor 'h.1.mlp.weight'" in blocks.problems[0]
+    assert whole.bytes == blocks.bytes == sum(advanced) > 0
 
 
 def test_checkpoint_of_another_model(pristine):

@@ -131,7 +131,7 @@ def test_counts_are_singular_for_one_and_sizes_agree(tmp_path, monkeypatch):
 
     assert run("convert", "run", "full", "--to", "full").startswith("wrote full: 1 file, 2 tensors, 1.4 MiB")
     assert run("reshard", "run", "r3", "--world-size", "3").startswith("wrote r3: 3 files, 2 tensors, 1.4 MiB")
-    assert "sharded, 2 tensors, 1.4 MiB" in run("verify", "r3")
+    assert "sharded, 2 tensors, 6 fragments, 1.4 MiB" in run("verify", "r3")
     written = json.loads(run("convert", "run", "dcp", "--to", "dcp", "--world-size", "2", "--json"))
     assert written["files"] == ["__0_0.distcp", "__1_0.distcp"] and (tmp_path / "dcp" / ".metadata").is_file()
     assert run("reshard", "dcp", "d1", "--world-size", "1").startswith("wrote d1: 1 file, 2 tensors, 1.4 MiB")

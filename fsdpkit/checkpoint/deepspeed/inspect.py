@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 from ...errors import DataCheckError
 from ..format.bytecopy import SourceTensor
-from ..torchfile.savefile import coverage_problems, crc_problems_of
+from ..format.report import VerifyReport
+from ..torchfile.savefile import verify_saved_files
 from ..torchfile.unpickler import count_items
 from .table import FORMAT, open_deepspeed
 
@@ -66,30 +66,17 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> dict:
         }
 
 
-def verify_deepspeed(path: str | os.PathLike[str]) -> dict:
-    report: dict[str, Any] = {"path": str(path), "kind": FORMAT, "ok": False, "problems": [], "tensors": 0, "bytes": 0, "checked": []}
+def verify_deepspeed(path: str | os.PathLike[str]) -> VerifyReport:
+    report = VerifyReport(str(path), FORMAT)
     try:
         checkpoint = open_deepspeed(Path(path))
     except DataCheckError as error:
-        report["problems"].append(str(error))
-        return report
+        return report.failed(str(error))
     with checkpoint:
-        problems = coverage_problems(checkpoint.directory, checkpoint.sources)
-        storages, found = crc_problems_of(checkpoint.opened)
-        problems.extend(found)
-        report.update(
-            ok=not problems,
-            problems=problems,
-            tensors=len(checkpoint.sources),
-            files=len(checkpoint.opened),
-            storages=storages,
-            bytes=sum(s.nbytes for s in checkpoint.sources),
-            checked=[
-                f"{len(checkpoint.opened)} rank files present ({checkpoint.world_size} ranks), each a readable zip",
-                "every data.pkl through the allow-list unpickler",
-                "every tensor inside its storage",
-                f"{storages} storages against the zip's CRC-32",
-                "every parameter and optimizer state covered exactly once by the partitions",
-            ],
-        )
+        verify_saved_files(report, checkpoint.directory, checkpoint.sources, checkpoint.opened)
+        report.checked = [
+            f"{len(checkpoint.opened)} rank files present ({checkpoint.world_size} ranks), each a readable zip",
+            *report.checked,
+            "every parameter and optimizer state covered exactly once by the partitions",
+        ]
     return report

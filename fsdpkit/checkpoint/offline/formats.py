@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import UsageError
 from ..format.names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name
+from ..format.report import VerifyReport
 
 if TYPE_CHECKING:
     from .any_checkpoint import AnyCheckpoint
@@ -52,7 +53,7 @@ class Format:
     detect: Callable[[Path], bool]
     open: Callable[[Path, Keys], AnyCheckpoint]
     inspect: Callable[[Path, Keys], dict]  # the summary `inspect` prints
-    verify: Callable[[Path, Progress | None], dict]  # every check the format allows; "ok", "problems"
+    verify: Callable[[Path, Progress | None], VerifyReport]  # every check the format allows
     reshard: Callable[[Path, Path, ReshardRequest], dict] | None  # None: a format without ranks to lay out
     written: bool  # `convert --to <name>` writes it
 
@@ -132,31 +133,31 @@ def _inspect_torchsave(path: Path, keys: Keys) -> dict:
     return summarize_torchsave(path)
 
 
-def _verify_fsdpkit(path: Path, progress: Progress | None) -> dict:
+def _verify_fsdpkit(path: Path, progress: Progress | None) -> VerifyReport:
     from .verify import verify_checkpoint
 
     return verify_checkpoint(path, progress=progress)
 
 
-def _verify_full(path: Path, progress: Progress | None) -> dict:
+def _verify_full(path: Path, progress: Progress | None) -> VerifyReport:
     from .verify import verify_full
 
     return verify_full(path)
 
 
-def _verify_dcp(path: Path, progress: Progress | None) -> dict:
+def _verify_dcp(path: Path, progress: Progress | None) -> VerifyReport:
     from ..dcp.inspect import verify_dcp
 
     return verify_dcp(path)
 
 
-def _verify_deepspeed(path: Path, progress: Progress | None) -> dict:
+def _verify_deepspeed(path: Path, progress: Progress | None) -> VerifyReport:
     from ..deepspeed.inspect import verify_deepspeed
 
     return verify_deepspeed(path)
 
 
-def _verify_torchsave(path: Path, progress: Progress | None) -> dict:
+def _verify_torchsave(path: Path, progress: Progress | None) -> VerifyReport:
     from ..torchsave.inspect import verify_torchsave
 
     return verify_torchsave(path)

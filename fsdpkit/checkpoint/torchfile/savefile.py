@@ -23,6 +23,7 @@ from ..format.bytecopy import SourceTensor
 from ..format.crc import crc32
 from ..format.files import open_regular, read_exactly
 from ..format.names import numel
+from ..format.report import VerifyReport
 from .unpickler import TensorRecord
 from .zipread import Window, record_start, tensor_bytes
 
@@ -138,3 +139,20 @@ def coverage_problems(directory: Path, sources: list[SourceTensor]) -> list[str]
             if position != source.numel:
                 problems.append(f"{directory}: {source.name!r}: covered up to element {position} of {source.numel}")
     return problems
+
+
+def verify_saved_files(report: VerifyReport, directory: Path, sources: list[SourceTensor], opened: list[SaveFile]) -> VerifyReport:
+    """`report` of the `torch.save` files `opened` holding `sources`: every storage against the
+    zip's CRC-32 and every tensor covered exactly once; what a format checks besides (its files
+    present, its records read) it adds to `report.checked` after these."""
+    problems = coverage_problems(directory, sources)
+    storages, found = crc_problems_of(opened)
+    problems.extend(found)
+    report.ok, report.problems, report.tensors, report.bytes = not problems, problems, len(sources), sum(s.nbytes for s in sources)
+    report.counts = {"file": len(opened), "storage": storages}
+    report.checked = [
+        "every data.pkl through the allow-list unpickler",
+        "every tensor inside its storage",
+        f"{storages} storages against the zip's CRC-32",
+    ]
+    return report
