@@ -235,6 +235,16 @@ def test_a_directory_that_is_no_checkpoint_is_bad_input(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt"]
 
 
+def test_reshard_of_a_format_without_ranks_says_what_to_do(ckpt, tmp_path):
+    assert run_cli("convert", ckpt, tmp_path / "full", "--to", "full").exit_code == 0
+    result = run_cli("reshard", tmp_path / "full", tmp_path / "out", "--world-size", "2")
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    expected = (
+        f"error: {tmp_path / 'full'}: a full safetensors checkpoint has no ranks to lay out: convert it --to sharded, dcp or deepspeed"
+    )
+    assert result.stderr.strip() == expected
+
+
 def test_a_checkpoint_that_fails_its_checks_exits_3(ckpt):
     _flip_data_byte(ckpt)
     installed = subprocess.run([Path(sys.executable).parent / "fsdpkit", "verify", ckpt], capture_output=True, text=True, timeout=120)

@@ -232,7 +232,10 @@ def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], reques
     """`reshard`: the checkpoint at `src` laid out for `request.world_size` ranks, in its format."""
     found = detect_format(src)
     if found.reshard is None:
-        raise UsageError(f"{src}: a {found.label} checkpoint has no rank layout that fsdpkit writes: convert it (fsdpkit convert --to ...)")
+        targets = [name for name in TARGETS if name != found.name]
+        raise UsageError(
+            f"{src}: a {found.label} checkpoint has no ranks to lay out: convert it --to {', '.join(targets[:-1])} or {targets[-1]}"
+        )
     if request.world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {request.world_size}")
     return found.reshard(Path(src), Path(dst), request)
