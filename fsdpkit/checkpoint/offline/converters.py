@@ -64,10 +64,16 @@ def full_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Pro
     )
 
 
-def safetensors_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from ..dcp.export import to_dcp
+def sharded_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from ..dcp.export import sharded_to_dcp as convert_sharded
 
-    return to_dcp(src, dst, _dcp_output(request))
+    return convert_sharded(src, dst, _dcp_output(request))
+
+
+def full_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from ..dcp.export import full_to_dcp as convert_full
+
+    return convert_full(src, dst, _dcp_output(request))
 
 
 def _dcp_output(request: ConvertRequest) -> DcpOutput:

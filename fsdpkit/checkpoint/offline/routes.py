@@ -65,8 +65,8 @@ _DCP_OUTPUT_WHY = "the optimizer state, when there is one, goes with it"
 ROUTES: dict[tuple[str, str], Route] = {
     (SHARDED, "full"): Route(f"{_CONVERTERS}:sharded_to_full", optional=_FULL_OUTPUT),
     (FULL, "sharded"): Route(f"{_CONVERTERS}:full_to_sharded", required=("world_size",), optional=("model", "cast_to", "with_optimizer")),
-    (SHARDED, "dcp"): Route(f"{_CONVERTERS}:safetensors_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
-    (FULL, "dcp"): Route(f"{_CONVERTERS}:safetensors_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
+    (SHARDED, "dcp"): Route(f"{_CONVERTERS}:sharded_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
+    (FULL, "dcp"): Route(f"{_CONVERTERS}:full_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
     (DCP, "full"): Route(f"{_CONVERTERS}:dcp_to_full", optional=("model", *_FULL_OUTPUT, *_DCP_KEYS)),
     (DCP, "sharded"): Route(
         f"{_CONVERTERS}:dcp_to_sharded",

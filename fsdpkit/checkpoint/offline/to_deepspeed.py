@@ -21,10 +21,11 @@ from ...flat_layout import ElementRange
 from ..deepspeed.table import open_deepspeed
 from ..deepspeed.writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
 from ..format.bytecopy import ByteEngine, SourceTensor
-from ..format.names import MANIFEST_NAME, is_optimizer_tensor, optim_tensor_name
-from ..format.reader import is_full_checkpoint, open_full, open_sharded
+from ..format.names import is_optimizer_tensor, optim_tensor_name
+from ..format.reader import open_full, open_sharded
 from ..format.storage import staged_output
 from .convert import Progress, progress_callback
+from .formats import FULL, detect_format
 
 _STEP_FORMATS = {"F32": "<f", "F64": "<d", "I64": "<q", "I32": "<i"}
 
@@ -104,7 +105,7 @@ def to_deepspeed(
     progress: Progress | None = None,
 ) -> dict:
     path = Path(src)
-    if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
+    if detect_format(path).name == FULL:
         full = open_full(path, with_optimizer=True)
         recorded: list[dict] = []
         tensors, kind, steps, saved_world = {t.name: t for t in full.tensors}, "full", 0, 1
