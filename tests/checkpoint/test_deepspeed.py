@@ -342,6 +342,31 @@ def test_verl_rank_state_dicts(fsdp2, tmp_path):
     assert not marker.exists() and not (tmp_path / "never").exists()
 
 
+def test_verl_to_dcp_is_what_dcp_load_gives(fsdp2, tmp_path):
+    """verl's FSDP2 files --to dcp at 3 ranks: torch's dcp.load gives every weight and Adam state
+    of FSDP2's own full state dicts; the param group's settings are carried."""
+    import torch.distributed.checkpoint as dcp
+
+    verl, expected = fsdp2[0] / "verl" / "fsdp2", fsdp2[1]["verl"]["tensors"]
+    written = run_cli("convert", verl, tmp_path / "dcp", "--to", "dcp", "--world-size", "3", "--json")
+    assert written.exit_code == 0, written.output
+    assert json.loads(written.output)["param_groups"] == 1
+    model = {name: torch.empty_like(t) for name, t in expected.items() if not name.startswith("optim.")}
+    state: dict = {}
+    for name, tensor in expected.items():
+        if name.startswith("optim."):
+            _, kind, param = name.split(".", 2)
+            state.setdefault(param, {})[kind] = torch.empty_like(tensor)
+    groups = [dict.fromkeys((*SETTINGS, "params"))]
+    loaded = {"model": model, "optimizer": {"state": state, "param_groups": groups}}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert all(torch.equal(model[name], expected[name]) for name in model)
+    assert all(torch.equal(t, expected[f"optim.{kind}.{param}"]) for param, kinds in state.items() for kind, t in kinds.items())
+    assert len(model) == 21 and sum(len(kinds) for kinds in state.values()) == 60
+    assert [{k: g[k] for k in SETTINGS} for g in groups] == fsdp2[1]["verl"]["param_groups"]
+    assert sorted(groups[0]["params"]) == sorted(state)
+
+
 def test_verl_fsdp1_sharded_tensors(fsdp2, tmp_path):
     """verl's files under FSDP1 (SHARDED_STATE_DICT: ShardedTensors of whole-row chunks, written
     at 2 ranks in the launch): inspect, verify, convert --to full (every tensor equal to FSDP1's

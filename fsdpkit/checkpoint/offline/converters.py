@@ -188,3 +188,9 @@ def torchsave_to_full(src: Path, dst: Path, request: ConvertRequest, progress: P
 
     export = describe(request.model).export if request.model is not None else None
     return convert_torchsave(src, dst, export=export, with_optimizer=request.with_optimizer, options=_full_output(request, progress))
+
+
+def torchsave_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .from_torchsave import torchsave_to_dcp as convert_torchsave
+
+    return convert_torchsave(src, dst, _dcp_output(request))

@@ -82,6 +82,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ),
     (DEEPSPEED, "dcp"): Route(f"{_CONVERTERS}:deepspeed_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
     (TORCH_SAVE, "full"): Route(f"{_CONVERTERS}:torchsave_to_full", optional=("model", *_FULL_OUTPUT)),
+    (TORCH_SAVE, "dcp"): Route(f"{_CONVERTERS}:torchsave_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
     (DCP, "dcp"): Route(f"{_CONVERTERS}:dcp_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
     **{
         (source, "deepspeed"): Route(
