@@ -15,6 +15,7 @@ from .routes import ConvertRequest, route_for
 
 if TYPE_CHECKING:
     from ..dcp.export import DcpOutput
+    from .dcp_to_sharded import ShardedTarget
 
 
 def _resolve(spec: str):
@@ -156,14 +157,14 @@ def deepspeed_to_full(src: Path, dst: Path, request: ConvertRequest, progress: P
     return convert_deepspeed(src, dst, export=export, with_optimizer=request.with_optimizer, options=_full_output(request, progress))
 
 
-def deepspeed_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+def _sharded_target(request: ConvertRequest, progress: Progress | None) -> ShardedTarget:
+    """The fsdpkit checkpoint of `--world-size` ranks laid out by `--model`'s placement."""
     from .dcp_to_sharded import ShardedTarget
-    from .from_deepspeed import deepspeed_to_sharded as convert_deepspeed
     from .model_description import describe
 
     assert request.world_size is not None and request.model is not None  # required by the route
     description = describe(request.model)
-    target = ShardedTarget(
+    return ShardedTarget(
         request.world_size,
         description.placement,
         f"model {request.model!r}",
@@ -173,7 +174,18 @@ def deepspeed_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress
         request.overwrite,
         progress,
     )
-    return convert_deepspeed(src, dst, target)
+
+
+def deepspeed_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .from_deepspeed import deepspeed_to_sharded as convert_deepspeed
+
+    return convert_deepspeed(src, dst, _sharded_target(request, progress))
+
+
+def torchsave_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .from_torchsave import torchsave_to_sharded as convert_torchsave
+
+    return convert_torchsave(src, dst, _sharded_target(request, progress))
 
 
 def deepspeed_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
@@ -194,3 +206,10 @@ def torchsave_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Pr
     from .from_torchsave import torchsave_to_dcp as convert_torchsave
 
     return convert_torchsave(src, dst, _dcp_output(request))
+
+
+def torchsave_to_deepspeed(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .from_torchsave import torchsave_to_deepspeed as convert_torchsave
+
+    assert request.stage is not None  # the route requires it
+    return convert_torchsave(src, dst, stage=request.stage, world_size=request.world_size, overwrite=request.overwrite, progress=progress)

@@ -82,6 +82,17 @@ ROUTES: dict[tuple[str, str], Route] = {
     ),
     (DEEPSPEED, "dcp"): Route(f"{_CONVERTERS}:deepspeed_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
     (TORCH_SAVE, "full"): Route(f"{_CONVERTERS}:torchsave_to_full", optional=("model", *_FULL_OUTPUT)),
+    (TORCH_SAVE, "sharded"): Route(
+        f"{_CONVERTERS}:torchsave_to_sharded",
+        required=("world_size", "model"),
+        why="--model names the model whose flat-parameter layout to write; the optimizer state goes with it",
+    ),
+    (TORCH_SAVE, "deepspeed"): Route(
+        f"{_CONVERTERS}:torchsave_to_deepspeed",
+        required=("stage",),
+        optional=("world_size",),
+        why="DeepSpeed's ZeRO stage and ranks (default: the files') to lay the fp32 weights and AdamW state out for",
+    ),
     (TORCH_SAVE, "dcp"): Route(f"{_CONVERTERS}:torchsave_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
     (DCP, "dcp"): Route(f"{_CONVERTERS}:dcp_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
     **{
