@@ -14,6 +14,8 @@ from importlib import metadata
 import typer
 import typer.rich_utils
 
+from fsdpkit.checkpoint.offline.formats import CONVERT_HELP, RESHARD_LABELS
+
 from .group import FsdpkitGroup
 
 HELP_WIDTH = 100  # help fits 100 columns (fewer on a narrower terminal)
@@ -26,13 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         f"{__package__}.plan_cmd",
         "Per-rank memory and predicted step time of a sharded run before launching it (meta device).",
     ),
-    "convert": (
-        f"{__package__}.convert_cmd",
-        "Convert between sharded fsdpkit checkpoints, full Hugging Face-style safetensors and torch DCP.",
-    ),
+    "convert": (f"{__package__}.convert_cmd", CONVERT_HELP),
     "reshard": (
         f"{__package__}.reshard_cmd",
-        "Lay a sharded checkpoint out for another world size, offline (model and optimizer state).",
+        f"Lay a checkpoint ({RESHARD_LABELS}) out for another world size, offline, in its own format.",
     ),
     "inspect": (
         f"{__package__}.inspect_cmd",

@@ -1,4 +1,4 @@
-"""`fsdpkit convert SRC DST --to full|sharded|dcp|deepspeed`: parse the options into one ConvertRequest;
+"""`fsdpkit convert SRC DST --to sharded|dcp|deepspeed|full`: parse the options into one ConvertRequest;
 which of them apply to which source format and target is the library's table
 (fsdpkit/checkpoint/offline/routes.py)."""
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from fsdpkit import log
+from fsdpkit.checkpoint.offline.formats import READ_LABELS, TARGETS
 from fsdpkit.checkpoint.offline.routes import ConvertRequest
 from fsdpkit.sizes import parse_size
 
@@ -21,14 +22,12 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("convert")
 @handle_errors
 def convert(
-    src: Path = typer.Argument(
-        ..., help="Source checkpoint: sharded (run or step dir) for --to full; full safetensors for --to sharded; or torch DCP."
-    ),
+    src: Path = typer.Argument(..., help=f"Source checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
     dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
     to: str = typer.Option(
         ...,
         "--to",
-        help="full, sharded, dcp (torch DCP, FSDP2's layout, chunked for --world-size ranks) or deepspeed (ZeRO --stage, N ranks).",
+        help=f"{' | '.join(TARGETS)}: dcp is FSDP2's layout chunked for --world-size ranks, deepspeed ZeRO --stage at N ranks.",
     ),
     world_size: int | None = typer.Option(None, "--world-size", help="Ranks of the sharded output (--to sharded) or of DCP's chunks."),
     model: str | None = typer.Option(
@@ -46,7 +45,7 @@ def convert(
     dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
-    """Convert between sharded fsdpkit checkpoints, full Hugging Face-style safetensors, torch DCP and DeepSpeed ZeRO."""
+    """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
     from fsdpkit.checkpoint.offline.converters import convert as run_convert
 
     request = ConvertRequest(

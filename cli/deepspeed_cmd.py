@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fsdpkit.sizes import format_size
 
-from .inspect_cmd import item_lines
+from .inspect_cmd import item_lines, tensor_lines
 
 
 def inspect_lines(s: dict) -> list[str]:
@@ -19,9 +19,7 @@ def inspect_lines(s: dict) -> list[str]:
         f"{len(model['buffers'])} buffers), {model['elements']:,} elements, {format_size(model['bytes'])}; tied: {tied}",
         f"optimizer   {optim['tensors']} tensors ({', '.join(optim['states']) or 'none'}), {format_size(optim['bytes'])}, "
         f"{len(optim['param_groups'])} param groups",
-        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in s["dtypes"].items()),
-        "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in s["largest"]),
-        f"files       {len(s['files'])}, {format_size(sum(f['size'] for f in s['files']))}",
+        *tensor_lines(s),
         "items       by key:",
         *item_lines(s["items"]),
     ]
@@ -38,9 +36,7 @@ def torchsave_lines(s: dict) -> list[str]:
         f"format      torch-save-ranks (per-rank torch.save state dicts of {s['sharding']}), {s['world_size']} ranks",
         f"model       {model['tensors']} tensors, {model['elements']:,} elements, {format_size(model['bytes'])}",
         f"optimizer   {optimizer}",
-        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in s["dtypes"].items()),
-        "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in s["largest"]),
-        f"files       {len(s['files'])} read, {format_size(sum(f['size'] for f in s['files']))}",
+        *tensor_lines(s, files_read=" read"),
         f"not read    {', '.join(s['not_read']) or 'nothing'}",
         *(["items       rank 0's extra state, by key:", *item_lines(s["items"])] if s["items"] else []),
     ]

@@ -1,4 +1,4 @@
-"""`fsdpkit inspect CKPT`: a checkpoint's summary (sharded, full safetensors or DCP) as text or JSON."""
+"""`fsdpkit inspect CKPT`: a checkpoint's summary, in any format fsdpkit reads, as text or JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from fsdpkit.checkpoint.offline.any_checkpoint import DCP, DEEPSPEED, TORCH_SAVE, detect_format
+from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, READ_LABELS, TORCH_SAVE, Keys, detect_format
 from fsdpkit.sizes import format_size
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
@@ -18,34 +18,17 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("inspect")
 @handle_errors
 def inspect(
-    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir), full safetensors, torch DCP or DeepSpeed ZeRO."),
+    ckpt: Path = typer.Argument(..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
     dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
+    from .deepspeed_cmd import inspect_lines, torchsave_lines
+
     found = detect_format(ckpt)
-    if found == DCP:
-        from fsdpkit.checkpoint.dcp.inspect import summarize_dcp
-
-        summary = summarize_dcp(ckpt, model_key=dcp_model_key, optimizer_key=dcp_optimizer_key)
-        text = _dcp_lines
-    elif found == DEEPSPEED:
-        from fsdpkit.checkpoint.deepspeed.inspect import summarize_deepspeed
-
-        from .deepspeed_cmd import inspect_lines
-
-        summary, text = summarize_deepspeed(ckpt), inspect_lines
-    elif found == TORCH_SAVE:
-        from fsdpkit.checkpoint.torchsave.inspect import summarize_torchsave
-
-        from .deepspeed_cmd import torchsave_lines
-
-        summary, text = summarize_torchsave(ckpt), torchsave_lines
-    else:
-        from fsdpkit.checkpoint.offline.verify import summarize
-
-        summary, text = summarize(ckpt), _lines
+    summary = found.inspect(ckpt, Keys(dcp_model_key, dcp_optimizer_key))
+    text = {DCP: _dcp_lines, DEEPSPEED: inspect_lines, TORCH_SAVE: torchsave_lines}.get(found.name, _lines)
     if as_json:
         print_json(summary)
     else:
@@ -71,9 +54,7 @@ def _lines(summary: dict) -> list[str]:
         f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, "
         f"{format_size(summary['model']['bytes'])}",
         f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
-        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
-        "largest     " + "; ".join(f"{t['name']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
-        f"files       {len(summary['files'])}, {format_size(sum(f['size'] for f in summary['files']))}",
+        *tensor_lines(summary),
     ]
     if summary["aliases"]:
         lines.append("tied        " + ", ".join(f"{a} -> {t}" for a, t in summary["aliases"].items()))
@@ -110,9 +91,7 @@ def _dcp_lines(summary: dict) -> list[str]:
         f"{format_size(summary['model']['bytes'])}",
         f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
         f"chunks      {summary['chunks']} in {len(summary['tensors'])} tensors",
-        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
-        "largest     " + "; ".join(f"{t['key']} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
-        f"files       {len(summary['files'])}, {format_size(sum(f['size'] for f in summary['files']))}",
+        *tensor_lines(summary, name="key"),
     ]
     if summary["other_tensors"]:
         lines.append("other       " + ", ".join(summary["other_tensors"][:8]) + (" ..." if len(summary["other_tensors"]) > 8 else ""))
@@ -121,6 +100,16 @@ def _dcp_lines(summary: dict) -> list[str]:
         lines.append(f"bytes items {len(summary['bytes_items'])}, {size} (never unpickled), by key:")
         lines += item_lines(summary["items"])
     return lines
+
+
+def tensor_lines(summary: dict, *, name: str = "name", files_read: str = "") -> list[str]:
+    """The dtypes, the largest tensors (each under its `name` key) and the files, in any format's summary."""
+    files = summary["files"]
+    return [
+        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
+        "largest     " + "; ".join(f"{t[name]} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
+        f"files       {len(files)}{files_read}, {format_size(sum(f['size'] for f in files))}",
+    ]
 
 
 def item_lines(groups: dict[str, int]) -> list[str]:

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import typer
 
-from fsdpkit.checkpoint.offline.any_checkpoint import DCP, DEEPSPEED, TORCH_SAVE, detect_format
-from fsdpkit.sizes import count, format_size
+from fsdpkit.checkpoint.offline.formats import READ_LABELS, detect_format
 
 from .common import byte_progress, handle_errors, print_json
 
@@ -17,54 +16,17 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("verify")
 @handle_errors
 def verify(
-    ckpt: Path = typer.Argument(..., help="A checkpoint: sharded (run or step dir), full safetensors, torch DCP or DeepSpeed ZeRO."),
+    ckpt: Path = typer.Argument(..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ) -> None:
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
-    found = detect_format(ckpt)
-    if found == DCP:
-        from fsdpkit.checkpoint.dcp.inspect import verify_dcp
-
-        report = verify_dcp(ckpt)
-    elif found == DEEPSPEED:
-        from fsdpkit.checkpoint.deepspeed.inspect import verify_deepspeed
-
-        report = verify_deepspeed(ckpt)
-    elif found == TORCH_SAVE:
-        from fsdpkit.checkpoint.torchsave.inspect import verify_torchsave
-
-        report = verify_torchsave(ckpt)
-    else:
-        from fsdpkit.checkpoint.offline.verify import verify_checkpoint
-
-        with byte_progress("verify") as progress:
-            report = verify_checkpoint(ckpt, progress=progress)
+    with byte_progress("verify") as progress:
+        report = detect_format(ckpt).verify(ckpt, progress)
     if as_json:
-        print_json(report)
-    elif report["ok"]:
-        typer.echo(f"ok {report['path']}: {_what_was_checked(report)}")
-    if not report["ok"]:
-        more = len(report["problems"]) - 1
-        typer.echo(f"error: {report['problems'][0]}" + (f" (+{more} more problems, listed by --json)" if more else ""), err=True)
+        print_json(report.to_json())
+    elif report.ok:
+        typer.echo(f"ok {report.path}: {report.summary_line()}")
+    if not report.ok:
+        more = len(report.problems) - 1
+        typer.echo(f"error: {report.problems[0]}" + (f" (+{more} more problems, listed by --json)" if more else ""), err=True)
         raise typer.Exit(3)
-
-
-def _what_was_checked(report: dict) -> str:
-    size = format_size(report["bytes"])
-    if report["kind"] == "dcp":
-        return (
-            f"dcp, {count(report['tensors'], 'tensor')}, {count(report['chunks'], 'chunk')}, "
-            f"{count(report['bytes_items'], 'bytes item')}, {size}; checked: {'; '.join(report['checked'])}; "
-            f"not checked: {'; '.join(report['not_checked'])}"
-        )
-    if report["kind"] in ("deepspeed", "torch-save-ranks"):
-        return f"{report['kind']}, {report['tensors']} tensors, {report['files']} files, {size}; checked: {'; '.join(report['checked'])}"
-    if report["kind"] == "full":
-        return (
-            f"full safetensors, {report['tensors']} tensors in {count(report['files'], 'file')}, {size}: headers, file sizes and the "
-            "index checked (this format has no checksums)"
-        )
-    return (
-        f"sharded, {report['tensors']} tensors, {size}: the crc32 of all {report['fragments']} fragments, file sizes, "
-        "headers, fragment coverage and file names checked"
-    )

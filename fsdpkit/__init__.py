@@ -38,7 +38,7 @@ _EXPORTS = {
     "Checkpointer": "fsdpkit.checkpoint.live.checkpointer",
     "save": "fsdpkit.checkpoint.live.checkpointer",
     "load": "fsdpkit.checkpoint.live.checkpointer",
-    "open_checkpoint": "fsdpkit.checkpoint.offline.any_checkpoint",
+    "open_checkpoint": "fsdpkit.checkpoint.offline.formats",
     "MixedPrecision": "fsdpkit.engine.config",
     "ShardingConfig": "fsdpkit.engine.config",
     "WrapPolicy": "fsdpkit.engine.wrapping",

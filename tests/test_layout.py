@@ -1,7 +1,8 @@
 """The layout docs/development.md draws is the layout of the code: every package in its map
 exists with exactly the modules the map names, every import stays within what the map allows
-(so none runs back up), packages import each other without a cycle, few modules sit loose at
-the top, and no function is longer than a screen."""
+(so none runs back up), packages import each other without a cycle, a checkpoint format's
+package imports only the shared layers, no private name crosses a module, few modules sit
+loose at the top, and no function is longer than a screen."""
 
 from __future__ import annotations
 
@@ -106,6 +107,47 @@ def test_packages_import_each_other_without_a_cycle():
 
     for folder in sorted(edges):
         visit(folder, ())
+
+
+CHECKPOINT = "fsdpkit/checkpoint/"
+CHECKPOINT_LAYERS = {"format/", "torchfile/", "live/", "memory/", "offline/"}  # what is not one format's package
+FORMAT_MAY_IMPORT = {"fsdpkit/", f"{CHECKPOINT}format/", f"{CHECKPOINT}torchfile/"}
+
+
+def test_a_format_package_imports_only_the_shared_layers():
+    rows = layout_map()
+    formats = [f for f in rows if f.startswith(CHECKPOINT) and f != CHECKPOINT and f.removeprefix(CHECKPOINT) not in CHECKPOINT_LAYERS]
+    assert formats, "no format package found under fsdpkit/checkpoint/"
+    wrong = {folder: sorted(rows[folder][1] - FORMAT_MAY_IMPORT) for folder in formats if rows[folder][1] - FORMAT_MAY_IMPORT}
+    assert not wrong, wrong
+
+
+def private_crossings(path: Path) -> list[str]:
+    """`from module import _name` and `module._name` where the module is fsdpkit's (one file)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    modules: set[str] = set()  # local names bound to fsdpkit modules
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__" and (node.level or (node.module or "").startswith("fsdpkit")):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {alias.name}")
+                elif alias.name.islower():
+                    modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            modules.update(alias.asname or alias.name for alias in node.names if alias.name.startswith("fsdpkit"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_a_module():
+    found = [
+        line for path in sorted([*(ROOT / "fsdpkit").rglob("*.py"), *(ROOT / "cli").rglob("*.py")]) for line in private_crossings(path)
+    ]
+    assert not found, "\n".join(found)
 
 
 def test_few_modules_are_loose_at_the_top():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import log
 from ..checkpoint.format.reader import has_optimizer_files
-from ..checkpoint.offline.any_checkpoint import FULL, SHARDED, detect_format
+from ..checkpoint.offline.formats import FULL, SHARDED, detect_format
 from ..errors import UsageError
 from ..paths import check_writable_directory
 from .config import TrainConfig
@@ -34,7 +34,7 @@ def foreign_format(path: str | None, *, init_from: bool = False) -> str | None:
     """The format of `path` when the run must convert it first (None: read it as it is)."""
     if not path or not Path(path).exists():
         return None  # the reader says what is wrong
-    found = detect_format(Path(path))
+    found = detect_format(path).name
     return None if found == SHARDED or (init_from and found == FULL) else found
 
 

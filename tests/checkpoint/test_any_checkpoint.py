@@ -59,7 +59,7 @@ def test_sharded_and_full_read_like_safe_open(sample):
             stored = {"head.weight": "wte.weight"}.get(name, name)
             return (optimizer if stored.startswith("optim.") else model).get_tensor(stored)
 
-        for path, expected_format in ((run, "fsdpkit-checkpoint"), (full, "safetensors-full"), (files[0], "safetensors-full")):
+        for path, expected_format in ((run, "sharded"), (full, "full"), (files[0], "full")):
             with fsdpkit.open_checkpoint(path) as checkpoint:
                 assert checkpoint.format == expected_format
                 names = set(model.keys()) | {"head.weight"} | (set(optimizer.keys()) if path != files[0] else set())
@@ -112,7 +112,7 @@ def test_diff_of_a_run_and_its_transformers_export(tmp_path):
         assert "transformer.h.0.attn.c_attn.weight" in exported.keys()  # the export is in transformers' layout
     result = run_cli("diff", run, tmp_path / "hf")
     assert result.exit_code == 0, result.output
-    assert "equal: fsdpkit-checkpoint" in result.stdout and "29 equal" in result.stdout
+    assert "equal: sharded" in result.stdout and "29 equal" in result.stdout
     assert "prefix 'transformer.' taken away, 8 weights transposed back" in result.stdout
     weights["h.1.mlp.c_fc.weight"][3, 5] += 1.0
     changed = save_checkpoint(tmp_path / "changed", 1, weights, world_size=1, aliases={"lm_head.weight": "wte.weight"})

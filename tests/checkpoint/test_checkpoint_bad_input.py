@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,7 +155,6 @@ COMMON = {
     "unknown version": Case(lambda run: _manifest_edit(run, lambda d: d.update(version=99)), "format version 99"),
     "latest garbage": Case(lambda run: (run / "latest").write_text("../../etc"), "expected a step directory name"),
     "latest dangling": Case(lambda run: shutil.rmtree(_step(run)), "names step-00000004, which is missing"),
-    "empty dir": Case(lambda run: [shutil.rmtree(run), run.mkdir()], "not an fsdpkit checkpoint"),
 }
 CASES = {
     2: {
@@ -208,6 +208,49 @@ def test_every_command_rejects_bad_checkpoint(pristines, tmp_path, version, case
     _no_leftovers(tmp_path, ["src"] + extra)
 
 
+NOT_A_CHECKPOINT = "not a checkpoint fsdpkit reads (fsdpkit, DCP, DeepSpeed, verl, full safetensors)"
+
+
+def test_a_directory_that_is_no_checkpoint_is_bad_input(tmp_path):
+    """Exit 2 and one line naming every format read, from every command that reads a checkpoint
+    (a checkpoint that fails its checks exits 3, above); the installed command exits alike."""
+    empty, text = tmp_path / "empty", tmp_path / "notes.txt"
+    empty.mkdir()
+    text.write_text("hello")
+    for path in (empty, text):
+        for command in (
+            ("verify", path),
+            ("inspect", path),
+            ("convert", path, tmp_path / "out", "--to", "full"),
+            ("reshard", path, tmp_path / "out", "--world-size", "2"),
+            ("diff", path, path),
+            ("train", "--model", "gpt-tiny", "--resume", path, "--steps", "1"),
+        ):
+            result = run_cli(*command)
+            assert result.exit_code == 2, (command, result.output)
+            assert result.stderr.strip() == f"error: {path}: {NOT_A_CHECKPOINT}", (command, result.stderr)
+    fsdpkit = Path(sys.executable).parent / "fsdpkit"
+    installed = subprocess.run([fsdpkit, "inspect", empty], capture_output=True, text=True, timeout=120)
+    assert installed.returncode == 2 and installed.stderr.strip() == f"error: {empty}: {NOT_A_CHECKPOINT}", installed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt"]
+
+
+def test_reshard_of_a_format_without_ranks_says_what_to_do(ckpt, tmp_path):
+    assert run_cli("convert", ckpt, tmp_path / "full", "--to", "full").exit_code == 0
+    result = run_cli("reshard", tmp_path / "full", tmp_path / "out", "--world-size", "2")
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    expected = (
+        f"error: {tmp_path / 'full'}: a full safetensors checkpoint has no ranks to lay out: convert it --to sharded, dcp or deepspeed"
+    )
+    assert result.stderr.strip() == expected
+
+
+def test_a_checkpoint_that_fails_its_checks_exits_3(ckpt):
+    _flip_data_byte(ckpt)
+    installed = subprocess.run([Path(sys.executable).parent / "fsdpkit", "verify", ckpt], capture_output=True, text=True, timeout=120)
+    assert installed.returncode == 3 and "checksum mismatch" in installed.stderr, installed
+
+
 def test_reader_detects_flipped_byte_before_use(ckpt):
     _flip_data_byte(ckpt)
     reader = CheckpointReader(ckpt)  # headers and sizes are fine
@@ -237,9 +280,9 @@ def test_verify_reads_files_whole_or_in_blocks_alike(ckpt, monkeypatch):
     monkeypatch.setattr(verify, "WHOLE_FILE_BYTES", 0)
     advanced: list[int] = []
     blocks = verify.verify_checkpoint(ckpt, chunk_size=7, progress=lambda done, total: advanced.append(done))
-    assert whole["problems"] == blocks["problems"] and len(blocks["problems"]) == 1
-    assert f"{RANK1}: checksum mismatch in tensor 'h.1.mlp.weight'" in blocks["problems"][0]
-    assert whole["bytes"] == blocks["bytes"] == sum(advanced) > 0
+    assert whole.problems == blocks.problems and len(blocks.problems) == 1
+    assert f"{RANK1}: checksum mismatch in tensor 'h.1.mlp.weight'" in blocks.problems[0]
+    assert whole.bytes == blocks.bytes == sum(advanced) > 0
 
 
 def test_checkpoint_of_another_model(pristine):
@@ -272,7 +315,11 @@ def _no_leftovers(directory, allowed):
         (("reshard", "{src}", "{tmp}/out"), 2, "--world-size is required"),
         (("convert", "{src}", "{tmp}/out", "--to", "full", "--chunk-size", "12Q"), 2, "unknown size unit"),
         (("convert", "{tmp}/nothing", "{tmp}/out", "--to", "full"), 2, "does not exist"),
-        (("convert", "{src}", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "not a full safetensors checkpoint"),
+        (
+            ("convert", "{src}", "{tmp}/out", "--to", "sharded", "--world-size", "2"),
+            2,
+            "a sharded checkpoint cannot be converted --to sharded",
+        ),
         (("convert", "{src}/step-00000004/manifest.json", "{tmp}/out", "--to", "sharded", "--world-size", "2"), 3, "no weight_map"),
     ],
 )

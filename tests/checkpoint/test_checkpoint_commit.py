@@ -139,7 +139,7 @@ def test_killed_saver_always_leaves_a_loadable_checkpoint(tmp_path):
         proc.wait()
         last = int(rest[-1]) if rest else last
         report = verify_checkpoint(run)
-        assert report["ok"], report["problems"]
+        assert report.ok, report.problems
         reader = CheckpointReader(run)
         step = reader.training_state["step"]
         assert step in (last, last + 1)  # the one it reported, or one committed just before the kill

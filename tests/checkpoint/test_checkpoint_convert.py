@@ -184,10 +184,9 @@ def test_inspect_and_verify_report(sharded):
     report = run_cli("verify", runs[4], "--json")
     assert report.exit_code == 0 and json.loads(report.stdout)["ok"] is True
     fragments = json.loads(report.stdout)["fragments"]
-    assert run_cli("verify", runs[4]).stdout.startswith(f"ok {runs[4]}: sharded, {len(tensors)} tensors, ")
-    assert f"the crc32 of all {fragments} fragments, file sizes, headers, fragment coverage and file names checked" in (
-        run_cli("verify", runs[4]).stdout
-    )
+    line = run_cli("verify", runs[4]).stdout
+    assert line.startswith(f"ok {runs[4]}: sharded, {len(tensors)} tensors, {fragments} fragments, ")
+    assert line.rstrip().endswith(f"checked: the crc32 of all {fragments} fragments; file sizes; headers; fragment coverage; file names")
 
 
 def test_inspect_and_verify_of_a_full_export_count_its_optimizer_state(sharded, tmp_path):
@@ -198,8 +197,8 @@ def test_inspect_and_verify_of_a_full_export_count_its_optimizer_state(sharded, 
     assert summary["model"]["tensors"] == len(model) and summary["optimizer"]["tensors"] == len(tensors) - len(model) > 0
     result = run_cli("verify", tmp_path / "full")
     assert result.exit_code == 0 and result.stderr == ""
-    assert result.stdout.startswith(f"ok {tmp_path / 'full'}: full safetensors, {len(tensors)} tensors in 2 files, ")
-    assert result.stdout.rstrip().endswith("headers, file sizes and the index checked (this format has no checksums)")
+    assert result.stdout.startswith(f"ok {tmp_path / 'full'}: full, {len(tensors)} tensors, 2 files, ")
+    assert result.stdout.rstrip().endswith("checked: headers; file sizes; the index; not checked: the data (this format has no checksums)")
 
 
 def test_convert_to_sharded_with_model_plan(tmp_path):
@@ -246,7 +245,7 @@ def test_many_small_blocks(sharded, tmp_path, chunk):
 
     _, tensors, runs = sharded
     reshard(runs[2].parent, tmp_path / "r3", world_size=3, chunk_size=chunk)
-    assert verify_checkpoint(tmp_path / "r3")["ok"]
+    assert verify_checkpoint(tmp_path / "r3").ok
     convert_to_full(tmp_path / "r3", tmp_path / "full", with_optimizer=True, options=FullOutput(chunk_size=chunk))
     _assert_full_equal(tmp_path / "full", _model_tensors(tensors))
     _assert_full_equal(tmp_path / "full", {n: t for n, t in tensors.items() if n.startswith("optim.")}, prefix="optimizer")
@@ -341,13 +340,13 @@ def test_reshard_to_many_files_and_back(sharded, tmp_path):
     )
     done = []
     report = verify_checkpoint(tmp_path / "r37", progress=lambda count, total: done.append((count, total)))
-    assert report["ok"] and report["fragments"] > 37 and sum(count for count, _ in done) == report["bytes"] == done[0][1]
+    assert report.ok and report.counts["fragment"] > 37 and sum(count for count, _ in done) == report.bytes == done[0][1]
     victim = tmp_path / "r37" / "rank-00030-of-00037.safetensors"
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 1
     victim.write_bytes(bytes(raw))
     report = verify_checkpoint(tmp_path / "r37")
-    assert len(report["problems"]) == 1 and "rank-00030-of-00037.safetensors: checksum mismatch" in report["problems"][0]
+    assert len(report.problems) == 1 and "rank-00030-of-00037.safetensors: checksum mismatch" in report.problems[0]
     with pytest.raises(DataCheckError, match="checksum mismatch in rank-00030-of-00037.safetensors"):
         reshard(tmp_path / "r37", tmp_path / "out", world_size=2)
     broken = tmp_path / "broken"
@@ -440,13 +439,18 @@ def test_every_route_names_known_options_and_a_converter_of_one_shape():
     import importlib
     import inspect
 
-    from fsdpkit.checkpoint.offline.routes import OPTION_FLAGS, ROUTES, SOURCES, ConvertRequest, route_for
+    from fsdpkit.checkpoint.offline.formats import FORMATS, TARGETS
+    from fsdpkit.checkpoint.offline.routes import OPTION_FLAGS, ROUTES, ConvertRequest, route_for
 
     fields = {f.name for f in dataclasses.fields(ConvertRequest)}
     assert set(OPTION_FLAGS) <= fields
-    assert list(SOURCES.values())[-1] is None and None not in list(SOURCES.values())[:-1]  # one catch-all, last
     for (source, target), route in ROUTES.items():
-        assert source in SOURCES and set(route.required) <= set(OPTION_FLAGS) and set(route.optional) <= set(OPTION_FLAGS)
+        assert (
+            source in FORMATS
+            and target in TARGETS
+            and set(route.required) <= set(OPTION_FLAGS)
+            and set(route.optional) <= set(OPTION_FLAGS)
+        )
         module, _, name = route.converter.partition(":")
         function = getattr(importlib.import_module(module), name)
         assert list(inspect.signature(function).parameters) == ["src", "dst", "request", "progress"], route.converter

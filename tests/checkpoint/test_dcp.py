@@ -280,7 +280,7 @@ def test_bad_inputs(saved, tmp_path):
         assert run_cli("diff", directory, root / "llama-torch_save").exit_code == 3
         assert tree_snapshot(directory) == before
     assert not marker.exists()  # the payload never ran
-    assert run_cli("inspect", neither).exit_code == 3
+    assert run_cli("inspect", neither).exit_code == 2  # no checkpoint at all: bad input, not a failed check
     result = run_cli("convert", root / "llama-torch_save", tmp_path / "out", "--to", "full", "--dcp-model-key", "nope")
     assert result.exit_code == 2 and "top-level keys: model, optimizer, train_state" in _one_error_line(result)
     assert not (tmp_path / "out").exists()

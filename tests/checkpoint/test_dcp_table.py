@@ -10,9 +10,10 @@ import pickle
 import pytest
 import torch
 
-from fsdpkit.checkpoint.dcp import unpickler
 from fsdpkit.checkpoint.dcp.boxes import coverage_problem, flat_runs, run_count
+from fsdpkit.checkpoint.dcp.unpickler import METADATA_GLOBALS
 from fsdpkit.checkpoint.dcp.writer import dim0_chunks
+from fsdpkit.checkpoint.torchfile import unpickler
 from fsdpkit.errors import DataCheckError
 
 
@@ -58,16 +59,14 @@ def test_unpickler_refuses_everything_else(tmp_path):
     marker = tmp_path / "marker"
     for protocol in range(0, pickle.HIGHEST_PROTOCOL + 1):
         with pytest.raises(DataCheckError, match="not allowed"):
-            unpickler.restricted_loads(pickle.dumps(_Payload(marker), protocol=protocol), allowed=unpickler.METADATA_GLOBALS, where="x")
+            unpickler.restricted_loads(pickle.dumps(_Payload(marker), protocol=protocol), allowed=METADATA_GLOBALS, where="x")
     with pytest.raises(DataCheckError, match="not allowed"):
-        unpickler.restricted_loads(pickle.dumps(torch.nn.Linear(2, 2)), allowed=unpickler.METADATA_GLOBALS, where="x")
+        unpickler.restricted_loads(pickle.dumps(torch.nn.Linear(2, 2)), allowed=METADATA_GLOBALS, where="x")
     with pytest.raises(DataCheckError, match="persistent id"):
-        unpickler.restricted_loads(b"\x80\x02X\x01\x00\x00\x00aQ.", allowed=unpickler.METADATA_GLOBALS, where="x")
+        unpickler.restricted_loads(b"\x80\x02X\x01\x00\x00\x00aQ.", allowed=METADATA_GLOBALS, where="x")
     assert not marker.exists()
-    assert unpickler.restricted_loads(pickle.dumps(torch.Size([2, 3])), allowed=unpickler.METADATA_GLOBALS, where="x") == (2, 3)
-    assert unpickler.restricted_loads(pickle.dumps(torch.bfloat16), allowed=unpickler.METADATA_GLOBALS, where="x") == unpickler.Dtype(
-        "BF16"
-    )
+    assert unpickler.restricted_loads(pickle.dumps(torch.Size([2, 3])), allowed=METADATA_GLOBALS, where="x") == (2, 3)
+    assert unpickler.restricted_loads(pickle.dumps(torch.bfloat16), allowed=METADATA_GLOBALS, where="x") == unpickler.Dtype("BF16")
 
 
 def _getattr_pickle(module: str, name: str, attribute: str) -> bytes:

@@ -342,6 +342,50 @@ def test_verl_rank_state_dicts(fsdp2, tmp_path):
     assert not marker.exists() and not (tmp_path / "never").exists()
 
 
+def test_verl_to_dcp_and_sharded_hold_fsdp2s_state(fsdp2, tmp_path):
+    """verl's FSDP2 files --to dcp at 3 ranks: torch's dcp.load gives every weight and Adam state
+        of FSDP2's own full state dicts; the param group's settings are carried. --to sharded at 3
+        ranks by the model's placement holds them too, the step taken from Adam's; --to deepspeed at
+    ZeRO-2 and 3 ranks gives zero_to_fp32 the weights, and holds the moments."""
+    import torch.distributed.checkpoint as dcp
+
+    verl, expected = fsdp2[0] / "verl" / "fsdp2", fsdp2[1]["verl"]["tensors"]
+    written = run_cli("convert", verl, tmp_path / "dcp", "--to", "dcp", "--world-size", "3", "--json")
+    assert written.exit_code == 0, written.output
+    assert json.loads(written.output)["param_groups"] == 1
+    model = {name: torch.empty_like(t) for name, t in expected.items() if not name.startswith("optim.")}
+    state: dict = {}
+    for name, tensor in expected.items():
+        if name.startswith("optim."):
+            _, kind, param = name.split(".", 2)
+            state.setdefault(param, {})[kind] = torch.empty_like(tensor)
+    groups = [dict.fromkeys((*SETTINGS, "params"))]
+    loaded = {"model": model, "optimizer": {"state": state, "param_groups": groups}}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert all(torch.equal(model[name], expected[name]) for name in model)
+    assert all(torch.equal(t, expected[f"optim.{kind}.{param}"]) for param, kinds in state.items() for kind, t in kinds.items())
+    assert len(model) == 21 and sum(len(kinds) for kinds in state.values()) == 60
+    assert [{k: g[k] for k in SETTINGS} for g in groups] == fsdp2[1]["verl"]["param_groups"]
+    assert sorted(groups[0]["params"]) == sorted(state)
+    deepspeed_worker.llama_config().save_pretrained(tmp_path / "llama")
+    args = ("--to", "sharded", "--world-size", "3", "--model", f"hf:{tmp_path / 'llama'}", "--json")
+    result = run_cli("convert", verl, tmp_path / "sh", *args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["optimizer_tensors"] == 60 and json.loads(result.stdout)["step"] == 1
+    with fsdpkit.open_checkpoint(tmp_path / "sh") as checkpoint:
+        assert all(torch.equal(checkpoint.get_tensor(name), tensor) for name, tensor in expected.items())
+    assert run_cli("verify", tmp_path / "sh").exit_code == 0
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    result = run_cli("convert", verl, tmp_path / "ds", "--to", "deepspeed", "--stage", "2", "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ds"))
+    model_names = {name for name in expected if not name.startswith("optim.")}
+    assert set(weights) == model_names and all(torch.equal(weights[name], expected[name]) for name in weights)
+    with fsdpkit.open_checkpoint(tmp_path / "ds") as checkpoint:
+        assert all(torch.equal(checkpoint.get_tensor(name), expected[name]) for name in expected if name.startswith("optim.exp_avg"))
+
+
 def test_verl_fsdp1_sharded_tensors(fsdp2, tmp_path):
     """verl's files under FSDP1 (SHARDED_STATE_DICT: ShardedTensors of whole-row chunks, written
     at 2 ranks in the launch): inspect, verify, convert --to full (every tensor equal to FSDP1's

@@ -49,6 +49,32 @@ def test_help_shows_brackets_literally():
         assert result.exit_code == 0 and text in " ".join(result.stdout.replace("│", " ").split()), result.stdout
 
 
+def test_help_lists_every_format_fsdpkit_reads_and_writes():
+    """`fsdpkit --help`'s convert line, and the SRC of convert, inspect and verify, name every
+    format of the one table; convert's --to every format it writes; reshard's SRC every format
+    it lays out."""
+    from fsdpkit_cli.app import app
+    from typer.testing import CliRunner
+
+    from fsdpkit.checkpoint.offline.formats import FORMATS
+
+    def shown(*args: str) -> str:
+        result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        return " ".join(result.stdout.replace("│", " ").split())
+
+    convert_line = shown("--help").split(" convert ", 1)[1].split(" reshard ", 1)[0]
+    for command in ("convert", "inspect", "verify"):
+        text = shown(command, "--help")
+        assert all(f.label in text for f in FORMATS.values()), (command, text)
+    assert all(f.label in convert_line for f in FORMATS.values()), convert_line
+    written = [f.name for f in FORMATS.values() if f.written]
+    assert set(written) == {"sharded", "full", "dcp", "deepspeed"}
+    assert all(name in convert_line for name in written) and all(name in shown("convert", "--help") for name in written)
+    resharded = [f.label for f in FORMATS.values() if f.reshard is not None]
+    assert resharded == ["fsdpkit", "DCP", "DeepSpeed"] and all(label in shown("reshard", "--help") for label in resharded)
+
+
 def test_help_panels_group_the_train_options():
     from fsdpkit_cli.group import load_command
 
@@ -105,7 +131,7 @@ def test_counts_are_singular_for_one_and_sizes_agree(tmp_path, monkeypatch):
 
     assert run("convert", "run", "full", "--to", "full").startswith("wrote full: 1 file, 2 tensors, 1.4 MiB")
     assert run("reshard", "run", "r3", "--world-size", "3").startswith("wrote r3: 3 files, 2 tensors, 1.4 MiB")
-    assert "sharded, 2 tensors, 1.4 MiB" in run("verify", "r3")
+    assert "sharded, 2 tensors, 6 fragments, 1.4 MiB" in run("verify", "r3")
     written = json.loads(run("convert", "run", "dcp", "--to", "dcp", "--world-size", "2", "--json"))
     assert written["files"] == ["__0_0.distcp", "__1_0.distcp"] and (tmp_path / "dcp" / ".metadata").is_file()
     assert run("reshard", "dcp", "d1", "--world-size", "1").startswith("wrote d1: 1 file, 2 tensors, 1.4 MiB")

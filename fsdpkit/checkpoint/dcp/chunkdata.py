@@ -17,22 +17,18 @@ safetensors blob of its chunks (named by the flattened key, their offsets in the
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ..format.files import read_exactly
-from ..format.names import MAX_HEADER_BYTES, Header, numel, parse_header_bytes
-from . import unpickler as u
+from ..format.names import MAX_HEADER_BYTES, Header, parse_header_bytes
+from ..torchfile import unpickler as u
+from ..torchfile.zipread import Window, read_record, record_start, tensor_bytes
 
-ZIP_MAGIC = b"PK\x03\x04"
-LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header: 30 bytes
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 TORCH_SAVE, SAFETENSORS = "torch_save", "safetensors"
 
@@ -44,101 +40,36 @@ class ChunkData:
     serialization: str
 
 
-class _Window(io.RawIOBase):
-    """Bytes [start, start + length) of an open file, as a seekable read-only file."""
-
-    def __init__(self, fd: int, start: int, length: int):
-        super().__init__()
-        self._fd, self._start, self._length, self._position = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._position, 2: self._length}[whence]
-        self._position = max(0, base + offset)
-        return self._position
-
-    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
-        count = max(0, min(len(buffer), self._length - self._position))
-        data = os.pread(self._fd, count, self._start + self._position) if count else b""
-        buffer[: len(data)] = data
-        self._position += len(data)
-        return len(data)
-
-
 def torch_save_data(fd: int, path: Path, start: int, length: int, *, key: str, dtype: str, shape: tuple[int, ...]) -> ChunkData:
     """The data range of the `torch.save` archive at [start, start + length) of `path`, checked
     against the chunk's dtype and shape."""
     where = f"{path}: chunk of {key!r} at byte {start}"
     try:
-        archive = zipfile.ZipFile(_Window(fd, start, length))
+        archive = zipfile.ZipFile(Window(fd, start, length))
         names = archive.namelist()
         pickles = [name for name in names if name.endswith("/data.pkl") and name.count("/") == 1]
         if len(pickles) != 1:
             raise DataCheckError(f"{where}: not a torch.save archive (no data.pkl)")
         prefix = pickles[0][: -len("data.pkl")]
-        if f"{prefix}byteorder" in names and _record(fd, path, start, length, archive.getinfo(f"{prefix}byteorder"), where) != b"little":
+        if (
+            f"{prefix}byteorder" in names
+            and read_record(fd, path, start, length, archive.getinfo(f"{prefix}byteorder"), where) != b"little"
+        ):
             raise DataCheckError(f"{where}: big-endian data is not supported")
-        raw = _record(fd, path, start, length, archive.getinfo(pickles[0]), where)
+        raw = read_record(fd, path, start, length, archive.getinfo(pickles[0]), where)
         record = u.restricted_loads(raw, allowed=u.TENSOR_GLOBALS, where=f"{where} data.pkl", storages=True)
         if not isinstance(record, u.TensorRecord):
             raise DataCheckError(f"{where}: holds a {type(record).__name__}, not a tensor")
         info = archive.getinfo(f"{prefix}data/{record.storage.key}")
     except (zipfile.BadZipFile, KeyError, OSError, ValueError, EOFError) as error:
         raise DataCheckError(f"{where}: not a readable torch.save archive ({str(error)[:100]})") from None
-    skip = _check_record(where, record, dtype, shape, info.file_size)
-    nbytes = numel(shape) * dtype_info(dtype).itemsize
-    return ChunkData(start + _data_start(fd, path, start, length, info, where) + skip, nbytes, TORCH_SAVE)
-
-
-def _data_start(fd: int, path: Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> int:
-    """Where the stored record `info` starts inside the archive (its local header read)."""
-    if info.compress_type != zipfile.ZIP_STORED:
-        raise DataCheckError(f"{where}: record {info.filename} is compressed")
-    header = read_exactly(fd, LOCAL_HEADER.size, start + info.header_offset, path)
-    magic, *_, name_length, extra_length = LOCAL_HEADER.unpack(header)
-    if magic != ZIP_MAGIC:
-        raise DataCheckError(f"{where}: the header of record {info.filename} is damaged")
-    data_start = info.header_offset + LOCAL_HEADER.size + name_length + extra_length
-    if data_start + info.file_size > length:
-        raise DataCheckError(f"{where}: record {info.filename} ends past the chunk's {length} bytes")
-    return data_start
-
-
-def _record(fd: int, path: Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> bytes:
-    """A small stored record's bytes, read directly: torch.save with crc32 off writes 0 for
-    every record's crc32, which zipfile would refuse."""
-    return read_exactly(fd, info.file_size, start + _data_start(fd, path, start, length, info, where), path)
-
-
-def _check_record(where: str, record: u.TensorRecord, dtype: str, shape: tuple[int, ...], stored: int) -> int:
-    """The bytes before the tensor's data in its storage (a contiguous view at an offset);
-    anything else than a contiguous little-endian tensor inside its storage is refused."""
     found = record.dtype or record.storage.storage_type.dtype
     if found != dtype:
         raise DataCheckError(f"{where}: holds {found}, the metadata says {dtype}")
     if record.shape != shape:
         raise DataCheckError(f"{where}: holds shape {list(record.shape)}, the metadata says {list(shape)}")
-    expected_stride, step = [], 1
-    for dim in reversed(shape):
-        expected_stride.append(step)
-        step *= dim
-    if numel(shape) > 1 and tuple(s for s, d in zip(record.stride, shape, strict=True) if d > 1) != tuple(
-        s for s, d in zip(reversed(expected_stride), shape, strict=True) if d > 1
-    ):
-        raise DataCheckError(f"{where}: tensor is not contiguous (stride {list(record.stride)}), which fsdpkit does not read")
-    itemsize = dtype_info(dtype).itemsize
-    skip, nbytes = record.storage_offset * itemsize, numel(shape) * itemsize
-    if record.storage_offset < 0 or skip + nbytes > stored:
-        raise DataCheckError(f"{where}: {nbytes} bytes at element {record.storage_offset} of a storage of {stored} bytes (outside it)")
-    return skip
+    _, skip, nbytes = tensor_bytes(record, info.file_size, where)
+    return ChunkData(start + record_start(fd, path, start, length, info, where) + skip, nbytes, TORCH_SAVE)
 
 
 def safetensors_blob(fd: int, path: Path, start: int, size: int) -> tuple[Header, dict]:

@@ -19,8 +19,8 @@ from pathlib import Path
 from ...errors import UsageError
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
 from ..format.files import open_regular, read_exactly
-from ..format.names import MANIFEST_NAME, split_optim_tensor_name
-from ..format.reader import has_optimizer_files, is_full_checkpoint, open_full, open_sharded
+from ..format.names import split_optim_tensor_name
+from ..format.reader import has_optimizer_files, open_full, open_sharded
 from ..format.storage import staged_output
 from .metadata import DcpMetadata, Location
 from .param_groups import param_group_items
@@ -73,17 +73,20 @@ def sources_to_dcp(
     }
 
 
-def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], output: DcpOutput) -> dict:
-    """An fsdpkit sharded checkpoint or a full safetensors directory as a DCP checkpoint."""
+def full_to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], output: DcpOutput) -> dict:
+    """A full safetensors checkpoint (with its optimizer files, when there are any) as a DCP checkpoint."""
     path = Path(src)
-    if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
-        full = open_full(path, with_optimizer=has_optimizer_files(path))
-        report = sources_to_dcp(list(full.tensors), path, Path(dst), aliases=full.aliases, groups=[], output=output)
-        return {**report, "from": "safetensors-full"}
-    sharded = open_sharded(path)
+    full = open_full(path, with_optimizer=has_optimizer_files(path))
+    report = sources_to_dcp(list(full.tensors), path, Path(dst), aliases=full.aliases, groups=[], output=output)
+    return {**report, "from": "full"}
+
+
+def sharded_to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], output: DcpOutput) -> dict:
+    """An fsdpkit sharded checkpoint, its optimizer state and param groups, as a DCP checkpoint."""
+    sharded = open_sharded(src)
     groups = (sharded.manifest.training_state.get("optimizer") or {}).get("groups") or []
-    report = sources_to_dcp(sharded.sources(), path, Path(dst), aliases=sharded.manifest.aliases, groups=groups, output=output)
-    return {**report, "from": "fsdpkit-checkpoint"}
+    report = sources_to_dcp(sharded.sources(), Path(src), Path(dst), aliases=sharded.manifest.aliases, groups=groups, output=output)
+    return {**report, "from": "sharded"}
 
 
 def _carried(directory: Path, location: Location):

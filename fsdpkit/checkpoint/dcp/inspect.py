@@ -17,6 +17,7 @@ from typing import Any
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ..format.names import numel
+from ..format.report import VerifyReport
 from .layout import detect_layout
 from .metadata import DcpTensor, read_metadata
 from .table import DcpCheckpoint, open_dcp
@@ -85,24 +86,12 @@ def item_groups(item_keys: list[str], tensor_keys: list[str]) -> dict[str, int]:
     return dict(groups)
 
 
-def verify_dcp(path: str | os.PathLike[str]) -> dict:
-    report: dict[str, Any] = {
-        "path": str(path),
-        "kind": FORMAT,
-        "ok": False,
-        "problems": [],
-        "tensors": 0,
-        "chunks": 0,
-        "bytes_items": 0,
-        "bytes": 0,
-        "checked": [],
-        "not_checked": [NOT_CHECKED],
-    }
+def verify_dcp(path: str | os.PathLike[str]) -> VerifyReport:
+    report = VerifyReport(str(path), FORMAT, not_checked=[NOT_CHECKED])
     try:
         metadata = read_metadata(Path(path))
     except DataCheckError as error:
-        report["problems"].append(str(error))
-        return report
+        return report.failed(str(error))
     with DcpCheckpoint(metadata) as checkpoint:
         problems = checkpoint.structure_problems()
         chunks = 0
@@ -115,19 +104,14 @@ def verify_dcp(path: str | os.PathLike[str]) -> dict:
                     chunks += 1
                 except DataCheckError as error:
                     problems.append(str(error))
-        report.update(
-            ok=not problems,
-            problems=problems,
-            tensors=len(metadata.tensors),
-            chunks=chunks,
-            bytes_items=len(metadata.bytes_items),
-            bytes=sum(map(_nbytes, metadata.tensors.values())),
-            serialization=checkpoint.serializations,
-            checked=[
-                "metadata (allow-list unpickler)",
-                "every file present, regular, holding its byte ranges",
-                "every chunk's record parsed, its shape and dtype as declared",
-                "each tensor's chunks cover it exactly once",
-            ],
-        )
+        report.ok, report.problems = not problems, problems
+        report.tensors, report.bytes = len(metadata.tensors), sum(map(_nbytes, metadata.tensors.values()))
+        report.counts = {"chunk": chunks, "bytes item": len(metadata.bytes_items)}
+        report.extra = {"serialization": checkpoint.serializations}
+        report.checked = [
+            "metadata (allow-list unpickler)",
+            "every file present, regular, holding its byte ranges",
+            "every chunk's record parsed, its shape and dtype as declared",
+            "each tensor's chunks cover it exactly once",
+        ]
     return report

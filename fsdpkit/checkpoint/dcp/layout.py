@@ -106,9 +106,16 @@ def _top_keys(metadata: DcpMetadata) -> str:
     return "top-level keys: " + (", ".join(tops) if tops else "none, the tensors are at the top level")
 
 
-def require_model(layout: DcpLayout, metadata: DcpMetadata) -> None:
+def model_and_optimizer(
+    checkpoint: DcpCheckpoint, *, model_key: str | None, optimizer_key: str | None
+) -> tuple[DcpLayout, list[SourceTensor], list[SourceTensor]]:
+    """The layout a conversion reads (the model keys found, else one line naming the flag),
+    and its (model, optimizer) tensors as sources under fsdpkit's names."""
+    layout = detect_layout(checkpoint.metadata, model_key=model_key, optimizer_key=optimizer_key)
     if not layout.model:
-        raise DataCheckError(f"{metadata.directory}: no model tensors found; name them with --dcp-model-key")
+        raise DataCheckError(f"{checkpoint.metadata.directory}: no model tensors found; name them with --dcp-model-key")
+    model, optim = layout_sources(checkpoint, layout)
+    return layout, model, optim
 
 
 def layout_sources(checkpoint: DcpCheckpoint, layout: DcpLayout) -> tuple[list[SourceTensor], list[SourceTensor]]:

@@ -20,6 +20,7 @@ from typing import Any
 from ...errors import DataCheckError
 from ..format.files import open_regular, read_exactly
 from ..format.names import is_safe_file_name, numel
+from ..torchfile.unpickler import Dtype, restricted_loads
 from . import unpickler as u
 
 METADATA_NAME = ".metadata"
@@ -88,7 +89,7 @@ def read_metadata(directory: str | os.PathLike[str]) -> DcpMetadata:
         raw = read_exactly(fd, size, 0, path)
     finally:
         os.close(fd)
-    root = u.restricted_loads(raw, allowed=u.METADATA_GLOBALS, where=str(path))
+    root = restricted_loads(raw, allowed=u.METADATA_GLOBALS, where=str(path))
     if not isinstance(root, u.Metadata):
         raise DataCheckError(f"{path}: holds a {type(root).__name__}, not DCP metadata")
     return _checked(directory, path, root)
@@ -143,7 +144,7 @@ def _locations(where: Path, storage: dict) -> dict[tuple[str, tuple[int, ...] | 
 def _tensor(where: Path, key: str, item: u.TensorStorageMetadata, locations: dict) -> DcpTensor:
     properties, size, chunks = item.get("properties"), item.get("size"), item.get("chunks")
     state = properties.get("state") if isinstance(properties, u.TensorProperties) else None
-    if not isinstance(state, tuple) or not state or not isinstance(state[0], u.Dtype):
+    if not isinstance(state, tuple) or not state or not isinstance(state[0], Dtype):
         raise DataCheckError(f"{where}: tensor {key!r} has no dtype in its properties")
     if not isinstance(size, tuple) or not isinstance(chunks, list):
         raise DataCheckError(f"{where}: tensor {key!r} has no size or chunk list")

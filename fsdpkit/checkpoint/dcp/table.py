@@ -20,6 +20,7 @@ from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.files import open_regular, read_exactly
 from ..format.names import Header
+from ..torchfile.zipread import ZIP_MAGIC
 from . import chunkdata
 from .boxes import coverage_problem, flat_runs
 from .metadata import METADATA_NAME, Chunk, DcpMetadata, DcpTensor, Location, read_metadata
@@ -104,7 +105,7 @@ class DcpCheckpoint:
                 f"{path}: chunk of {tensor.key!r} ends at byte {location.offset + location.length}, the file at {size} (truncated)"
             )
         magic = os.pread(fd, 4, location.offset)
-        if magic == chunkdata.ZIP_MAGIC:
+        if magic == ZIP_MAGIC:
             return chunkdata.torch_save_data(
                 fd, path, location.offset, location.length, key=tensor.key, dtype=tensor.dtype, shape=chunk.sizes
             )

@@ -22,10 +22,10 @@ from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.names import numel
+from ..torchfile.archive import archive_parts
+from ..torchfile.rawout import RawOutput
 from . import pickler
-from .archive import archive_parts
 from .metadata import METADATA_NAME
-from .rawout import RawOutput
 
 DcpPath = tuple[str | int, ...]
 

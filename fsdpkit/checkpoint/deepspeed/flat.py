@@ -22,7 +22,7 @@ from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece
-from .rankfile import TensorRange
+from ..torchfile.savefile import TensorRange
 
 
 @dataclass(frozen=True)

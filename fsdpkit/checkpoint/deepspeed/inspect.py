@@ -13,24 +13,16 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 from ...errors import DataCheckError
-from ...flat_layout import ElementRange
 from ..format.bytecopy import SourceTensor
-from .rankfile import crc_problems_of
+from ..format.report import VerifyReport
+from ..torchfile.savefile import verify_saved_files
+from ..torchfile.unpickler import count_items
 from .table import FORMAT, open_deepspeed
 
 LARGEST = 5
 PARAM_GROUPS_ITEM = "optimizer.param_groups"  # the optimizer's hyperparameters, one item per group setting
-
-
-def count_items(value: Any) -> int:
-    if isinstance(value, dict):
-        return sum(count_items(v) for v in value.values()) or 1
-    if isinstance(value, list):
-        return sum(count_items(v) for v in value) or 1
-    return 1
 
 
 def _tensor(source: SourceTensor) -> dict:
@@ -74,47 +66,17 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> dict:
         }
 
 
-def coverage_problems(directory: Path, sources: list[SourceTensor]) -> list[str]:
-    """Each tensor's pieces cover its elements exactly once, in order."""
-    problems = []
-    for source in sources:
-        position = 0
-        for piece in sorted(source.pieces_in(ElementRange(0, source.numel)), key=lambda p: p.range.start):
-            if piece.range.start != position:
-                what = "overlap" if piece.range.start < position else "gap"
-                problems.append(f"{directory}: {source.name!r}: {what} at element {min(position, piece.range.start)}")
-                break
-            position = piece.range.end
-        else:
-            if position != source.numel:
-                problems.append(f"{directory}: {source.name!r}: covered up to element {position} of {source.numel}")
-    return problems
-
-
-def verify_deepspeed(path: str | os.PathLike[str]) -> dict:
-    report: dict[str, Any] = {"path": str(path), "kind": FORMAT, "ok": False, "problems": [], "tensors": 0, "bytes": 0, "checked": []}
+def verify_deepspeed(path: str | os.PathLike[str]) -> VerifyReport:
+    report = VerifyReport(str(path), FORMAT)
     try:
         checkpoint = open_deepspeed(Path(path))
     except DataCheckError as error:
-        report["problems"].append(str(error))
-        return report
+        return report.failed(str(error))
     with checkpoint:
-        problems = coverage_problems(checkpoint.directory, checkpoint.sources)
-        storages, found = crc_problems_of(checkpoint.opened)
-        problems.extend(found)
-        report.update(
-            ok=not problems,
-            problems=problems,
-            tensors=len(checkpoint.sources),
-            files=len(checkpoint.opened),
-            storages=storages,
-            bytes=sum(s.nbytes for s in checkpoint.sources),
-            checked=[
-                f"{len(checkpoint.opened)} rank files present ({checkpoint.world_size} ranks), each a readable zip",
-                "every data.pkl through the allow-list unpickler",
-                "every tensor inside its storage",
-                f"{storages} storages against the zip's CRC-32",
-                "every parameter and optimizer state covered exactly once by the partitions",
-            ],
-        )
+        verify_saved_files(report, checkpoint.directory, checkpoint.sources, checkpoint.opened)
+        report.checked = [
+            f"{len(checkpoint.opened)} rank files present ({checkpoint.world_size} ranks), each a readable zip",
+            *report.checked,
+            "every parameter and optimizer state covered exactly once by the partitions",
+        ]
     return report

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
-from ..dcp import unpickler as u
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.names import optim_tensor_name
+from ..torchfile import unpickler as u
+from ..torchfile.savefile import SaveFile, TensorRange
 from . import flat as f
-from .rankfile import RankFile, TensorRange
 
 if TYPE_CHECKING:
     from .table import DeepSpeedCheckpoint
@@ -31,13 +31,13 @@ def _itemsize(dtype: str) -> int:
     return dtype_info(dtype).itemsize
 
 
-def _dict(value: Any, what: str, where: RankFile, version: str) -> dict:
+def _dict(value: Any, what: str, where: SaveFile, version: str) -> dict:
     if not isinstance(value, dict):
         raise DataCheckError(f"{where.path}: {what} is not a dict: a layout fsdpkit does not read (ds_version {version})")
     return value
 
 
-def add_sources(checkpoint: DeepSpeedCheckpoint, models: list[RankFile], optims: list[RankFile]) -> None:
+def add_sources(checkpoint: DeepSpeedCheckpoint, models: list[SaveFile], optims: list[SaveFile]) -> None:
     version = checkpoint.ds_version
     head = models[0]
     state = _dict(head.state, "the model states", head, version)
@@ -51,10 +51,10 @@ def add_sources(checkpoint: DeepSpeedCheckpoint, models: list[RankFile], optims:
     checkpoint.buffers = tuple(s.name for s in model)
     frozen = _frozen(checkpoint, models)
     checkpoint.frozen = tuple(s.name for s in frozen)
-    from .table import _get, _shapes
+    from .table import param_shapes_of, state_entry
 
-    param_shapes = _shapes(_get(state, "param_shapes", head.path, version), head.path, version)
-    optimizer_states = [_get(o.state, "optimizer_state_dict", o.path, version) for o in optims]
+    param_shapes = param_shapes_of(state_entry(state, "param_shapes", head.path, version), head.path, version)
+    optimizer_states = [state_entry(o.state, "optimizer_state_dict", o.path, version) for o in optims]
     if checkpoint.stage <= 2:
         trainable, slots, flats = _zero12(param_shapes, optims, optimizer_states, version)
     else:
@@ -66,7 +66,7 @@ def add_sources(checkpoint: DeepSpeedCheckpoint, models: list[RankFile], optims:
     checkpoint.optimizer, checkpoint.param_groups = _moments(checkpoint, optims, optimizer_states, slots, flats, param_shapes)
 
 
-def _module_only(head: RankFile, buffers: set[str]) -> dict[str, tuple[int, ...]]:
+def _module_only(head: SaveFile, buffers: set[str]) -> dict[str, tuple[int, ...]]:
     """Stage 1 lists no frozen parameters (`frozen_param_shapes` None): they are the module's
     tensors that are neither trained (`param_shapes`), buffers nor tied names."""
     state = head.state
@@ -80,7 +80,7 @@ def _module_only(head: RankFile, buffers: set[str]) -> dict[str, tuple[int, ...]
     }
 
 
-def _frozen(checkpoint: DeepSpeedCheckpoint, models: list[RankFile]) -> list[SourceTensor]:
+def _frozen(checkpoint: DeepSpeedCheckpoint, models: list[SaveFile]) -> list[SourceTensor]:
     shapes = models[0].state.get("frozen_param_shapes")
     if shapes is None and checkpoint.stage <= 2:
         return [
@@ -106,7 +106,7 @@ def _frozen(checkpoint: DeepSpeedCheckpoint, models: list[RankFile]) -> list[Sou
     return out
 
 
-def _group_list(value: Any, what: str, where: RankFile, version: str) -> list:
+def _group_list(value: Any, what: str, where: SaveFile, version: str) -> list:
     if not isinstance(value, list) or not all(isinstance(v, u.TensorRecord) for v in value):
         raise DataCheckError(f"{where.path}: {what} is not a list of tensors: a layout fsdpkit does not read (ds_version {version})")
     return value
@@ -196,7 +196,7 @@ def _group_states(base: Any, groups: int) -> list[dict] | None:
 
 
 def _param_groups(base: Any) -> list[dict]:
-    from ..dcp.unpickler import plain
+    from ..torchfile.unpickler import plain
 
     groups = base.get("param_groups") if isinstance(base, dict) else None
     if not isinstance(groups, list):

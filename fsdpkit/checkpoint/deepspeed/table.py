@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ..dcp import unpickler as u
 from ..format.bytecopy import SourceTensor
+from ..torchfile import unpickler as u
+from ..torchfile.savefile import SaveFile
 from .files import RankFiles, resolve
-from .rankfile import RankFile
-from .unpickler import DeepSpeedRecord
+from .unpickler import DeepSpeedRecord, loads
 
 FORMAT = "deepspeed"
 
@@ -44,7 +44,7 @@ class DeepSpeedCheckpoint:
     param_groups: list[dict] = field(default_factory=list)  # hyperparameters, tensors left out
     items: dict[str, Any] = field(default_factory=dict)  # top-level non-tensor items of the model file
     loss_scaler: Any = None  # rank 0's optimizer loss scaler, as its record
-    opened: list[RankFile] = field(default_factory=list)
+    opened: list[SaveFile] = field(default_factory=list)
 
     @property
     def directory(self) -> Path:
@@ -74,13 +74,13 @@ class DeepSpeedCheckpoint:
         self.close()
 
 
-def _get(state: Any, key: str, where: Path, ds_version: str) -> Any:
+def state_entry(state: Any, key: str, where: Path, ds_version: str) -> Any:
     if not isinstance(state, dict) or key not in state:
         raise DataCheckError(f"{where}: no {key!r}: a layout fsdpkit does not read (ds_version {ds_version})")
     return state[key]
 
 
-def _shapes(value: Any, where: Path, version: str) -> list[dict[str, tuple[int, ...]]]:
+def param_shapes_of(value: Any, where: Path, version: str) -> list[dict[str, tuple[int, ...]]]:
     groups = value if isinstance(value, list) else [value]
     if not all(isinstance(g, dict) and all(isinstance(s, tuple) for s in g.values()) for g in groups):
         raise DataCheckError(f"{where}: param_shapes is not a list of name -> shape: a layout fsdpkit does not read (ds_version {version})")
@@ -98,7 +98,7 @@ def open_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedCheckpoint:
     """The checkpoint at `path` (save or tag directory), every rank file's pickle read and every
     parameter's place checked (DataCheckError naming what is wrong)."""
     files = resolve(path)
-    opened: list[RankFile] = []
+    opened: list[SaveFile] = []
     try:
         return _build(files, opened)
     except BaseException:
@@ -107,25 +107,25 @@ def open_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedCheckpoint:
         raise
 
 
-def _open(files: list[Path], opened: list[RankFile]) -> list[RankFile]:
+def _open(files: list[Path], opened: list[SaveFile]) -> list[SaveFile]:
     out = []
     for path in files:
-        rank_file = RankFile(path)
+        rank_file = SaveFile(path, loads)
         opened.append(rank_file)
         out.append(rank_file)
     return out
 
 
-def _build(files: RankFiles, opened: list[RankFile]) -> DeepSpeedCheckpoint:
+def _build(files: RankFiles, opened: list[SaveFile]) -> DeepSpeedCheckpoint:
     optims = _open(list(files.optim_files), opened)
     models = _open([files.model_file] if files.model_file else list(files.rank_model_files), opened)
     head = models[0]
     version = str(head.state.get("ds_version", "unknown")) if isinstance(head.state, dict) else "unknown"
-    first = _get(optims[0].state, "optimizer_state_dict", optims[0].path, version)
+    first = state_entry(optims[0].state, "optimizer_state_dict", optims[0].path, version)
     stage = _stage(first, optims[0].path, version)
     world_size = _world_size(first, optims[0].path, version)
     for rank_file in optims:
-        state = _get(rank_file.state, "optimizer_state_dict", rank_file.path, version)
+        state = state_entry(rank_file.state, "optimizer_state_dict", rank_file.path, version)
         if (found := _world_size(state, rank_file.path, version)) != world_size:
             raise DataCheckError(f"{rank_file.path}: saved by {found} ranks, rank 0's file by {world_size} (files of two runs?)")
         if (found := _stage(state, rank_file.path, version)) != stage:
@@ -155,14 +155,14 @@ def _stage(optimizer_state: Any, where: Path, version: str) -> int:
 
 
 def _world_size(optimizer_state: Any, where: Path, version: str) -> int:
-    value = _get(optimizer_state, "partition_count", where, version)
+    value = state_entry(optimizer_state, "partition_count", where, version)
     value = max(value) if isinstance(value, list) and value else value
     if type(value) is not int or value < 1:
         raise DataCheckError(f"{where}: partition_count {value!r}: a layout fsdpkit does not read (ds_version {version})")
     return value
 
 
-def _precision(files: RankFiles, head: RankFile) -> str:
+def _precision(files: RankFiles, head: SaveFile) -> str:
     if files.optim_prefix:
         return files.optim_prefix.rstrip("_").upper()
     module = head.state.get("module") if isinstance(head.state, dict) else None
@@ -170,7 +170,7 @@ def _precision(files: RankFiles, head: RankFile) -> str:
     return "BF16" if "BF16" in dtypes else "F16" if "F16" in dtypes else "F32"
 
 
-def _same_tag(rank_files: list[RankFile], files: RankFiles) -> None:
+def _same_tag(rank_files: list[SaveFile], files: RankFiles) -> None:
     steps = {rf.path.name: rf.state.get("global_steps") for rf in rank_files if isinstance(rf.state, dict) and "global_steps" in rf.state}
     if len(set(steps.values())) > 1:
         detail = ", ".join(f"{name}: {step}" for name, step in sorted(steps.items())[:4])

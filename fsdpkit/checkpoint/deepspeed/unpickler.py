@@ -1,5 +1,5 @@
-"""The allow-list for the `data.pkl` of a DeepSpeed rank file: the DCP allow-list's tensor and
-storage records, plus DeepSpeed's own classes mapped by name to inert records (never imported).
+"""The allow-list for the `data.pkl` of a DeepSpeed rank file: torch's allow-list for a whole
+state dict (`torchfile.unpickler`), plus DeepSpeed's own classes mapped by name to inert records (never imported).
 
 DeepSpeed pickles its checkpoint state whole: the ZeRO stage as `ZeroStageEnum`, the loss
 scaler object, the bf16 optimizer's `fragment_address` records, the engine's config. Each
@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import DataCheckError
-from ..dcp import unpickler as u
+from ..torchfile import unpickler as u
 
 
 class DeepSpeedRecord(u.Record):
@@ -47,34 +46,8 @@ DEEPSPEED_CLASSES = (
 )
 
 
-def _device(*args: Any) -> str:
-    return ":".join(str(a) for a in args)
-
-
-def _from_type(rebuild: Any, _new_type: Any, args: Any, _state: Any) -> Any:
-    """`torch._tensor._rebuild_from_type_v2`: a tensor (subclass) rebuilt by `rebuild(*args)`;
-    here only the allowed tensor rebuilds, the subclass and its attributes dropped."""
-    if rebuild not in (u._tensor_v2, u._tensor_v3) or not isinstance(args, tuple):
-        raise DataCheckError("_rebuild_from_type_v2 of something else than a tensor")
-    return rebuild(*args)
-
-
-def _parameter(data: Any, requires_grad: Any = None, hooks: Any = None, *rest: Any) -> Any:
-    if not isinstance(data, u.TensorRecord):
-        raise DataCheckError("a Parameter without a tensor")
-    return data
-
-
-TENSOR_TYPE = "tensor type"
-
 DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = {
-    **u.TENSOR_GLOBALS,
-    ("torch", "Size"): u._size,
-    ("torch", "device"): _device,
-    ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
-    ("torch._utils", "_rebuild_parameter"): _parameter,
-    ("torch", "Tensor"): TENSOR_TYPE,
-    ("torch.nn.parameter", "Parameter"): TENSOR_TYPE,
+    **u.STATE_DICT_GLOBALS,
     **{(module, name): _record_class(module, name) for module, name in DEEPSPEED_CLASSES},
 }
 

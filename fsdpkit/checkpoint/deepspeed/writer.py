@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import UsageError
-from ..dcp.pickler import Ordered, dumps
-from ..dcp.rawout import RawOutput
 from ..format import workers
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import numel
+from ..torchfile.pickler import Ordered, dumps
+from ..torchfile.rawout import RawOutput
 from . import writer_records as records
 from .partition import RankPartition, Segment, partitions
 from .writer_model import StoragePickle, model_states
@@ -171,7 +171,7 @@ def _stage12_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, 
             Ordered([(name, records.fragment_address(count, start)) for name, start, count in part.slice_mappings()]) for part in rank_parts
         ],
     }
-    return dumps({"optimizer_state_dict": state, **_common(run)}, prelude=False), pickle.storages
+    return dumps({"optimizer_state_dict": state, **_common(run)}), pickle.storages
 
 
 def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
@@ -186,7 +186,7 @@ def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, l
         "optimizer_state_dict": base,
         "fp32_flat_groups": fp32,
     }
-    return dumps({"optimizer_state_dict": state, **_common(run)}, prelude=False), pickle.storages
+    return dumps({"optimizer_state_dict": state, **_common(run)}), pickle.storages
 
 
 def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None] | None = None) -> list[str]:

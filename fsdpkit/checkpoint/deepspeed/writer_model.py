@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
-from ..dcp.pickler import Ordered, Raw, dumps
-from ..dcp.rawout import RawOutput
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.crc import cast_into
 from ..format.names import numel
+from ..torchfile.pickler import Ordered, Raw, dumps
+from ..torchfile.rawout import RawOutput
 from . import writer_records as records
 from .writer_zip import Storage
 
@@ -129,4 +129,4 @@ def model_states(run: DsRun, rank: int | None, common: dict[str, Any]) -> tuple[
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
         **common,
     }
-    return dumps(state, prelude=False), pickle.storages
+    return dumps(state), pickle.storages

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import UsageError
-from ..dcp.archive import _LEGACY
-from ..dcp.pickler import Global, NewObject, Raw, Reduce, pickled_int, pickled_text
+from ..torchfile.archive import LEGACY_STORAGE_NAMES as _LEGACY
+from ..torchfile.pickler import Global, NewObject, Raw, Reduce, pickled_int, pickled_text
 
 LOSS_SCALER = Global("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 DYNAMIC_LOSS_SCALER = Global("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")

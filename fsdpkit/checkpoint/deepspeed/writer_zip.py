@@ -12,9 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...errors import UsageError
-from ..dcp.archive import _END, MAX_RECORD_BYTES, _central, _local
-from ..dcp.rawout import RawOutput
 from ..format.bytecopy import ByteEngine
+from ..torchfile.archive import END_RECORD as _END
+from ..torchfile.archive import MAX_RECORD_BYTES
+from ..torchfile.archive import central_header as _central
+from ..torchfile.archive import local_header as _local
+from ..torchfile.rawout import RawOutput
 
 
 @dataclass(frozen=True)

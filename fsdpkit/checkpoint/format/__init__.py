@@ -12,6 +12,7 @@ saves (fsdpkit.checkpoint.live), the offline commands (fsdpkit.checkpoint.offlin
 - bytecopy      the one byte engine: every copy of byte ranges between files, checksums verified
 - reader        the one reader of files: sharded and full checkpoints, validated
 - writer        the one writer: streamed safetensors files, rank files, whole sharded outputs
+- report        what `verify` reports of a checkpoint in any format
 - export        how a model's checkpoint is handed to transformers (names, transposes, config)
 
 Nothing here imports torch or a package above it; importing this package imports nothing.

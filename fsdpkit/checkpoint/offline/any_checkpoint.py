@@ -1,8 +1,9 @@
 """One Python reader for every checkpoint format the offline commands read, the way
-`safetensors.safe_open` reads one file: `fsdpkit.open_checkpoint(path)`.
+`safetensors.safe_open` reads one file: `fsdpkit.open_checkpoint(path)` (formats.py tells the
+format and calls its opener here).
 
     with fsdpkit.open_checkpoint("run") as checkpoint:      # fsdpkit, full safetensors, DCP, DeepSpeed, per-rank torch.save
-        checkpoint.format                       # "fsdpkit-checkpoint", "safetensors-full", "dcp", "deepspeed", "torch-save-ranks"
+        checkpoint.format                       # "sharded", "full", "dcp", "deepspeed", "torch-save-ranks"
         for name in checkpoint.keys():
             checkpoint.shape(name), checkpoint.dtype(name)  # (768, 3072), "F32"
         weight = checkpoint.get_tensor("blocks.0.mlp.c_fc.weight")
@@ -28,7 +29,6 @@ table (`sources`) and never import it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,12 +40,10 @@ from ...flat_layout import ElementRange
 from ..dcp.boxes import flat_runs
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.export import ExportLayout
-from ..format.names import MANIFEST_NAME
+from .formats import Keys
 
 if TYPE_CHECKING:
     import torch
-
-SHARDED, FULL, DCP, DEEPSPEED, TORCH_SAVE = "fsdpkit-checkpoint", "safetensors-full", "dcp", "deepspeed", "torch-save-ranks"
 
 
 @dataclass
@@ -53,13 +51,13 @@ class AnyCheckpoint:
     """A checkpoint of any format as named tensors and non-tensor items (see the module docstring)."""
 
     path: str
-    format: str
     model: dict[str, SourceTensor]  # tied aliases included
     optimizer: dict[str, SourceTensor]
     other: dict[str, SourceTensor] = field(default_factory=dict)  # DCP tensors neither model nor optimizer
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> the stored name
     export_layout: ExportLayout | None = None  # a full export whose names/orientation differ from the model's
     items: dict[str, Callable[[], Any]] = field(default_factory=dict)  # non-tensor item -> its reader
+    format: str = ""  # its name in formats.FORMATS, set by the one that opened it
     _close: Callable[[], None] = lambda: None
     _engine: ByteEngine | None = None
 
@@ -188,37 +186,7 @@ def box_of(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[i
     return tuple(offsets), tuple(sizes), tuple(picks)
 
 
-def detect_format(path: Path) -> str:
-    """Which format the checkpoint at `path` is in (its reader says what is wrong with it)."""
-    from ..dcp.metadata import is_dcp_checkpoint
-    from ..deepspeed.files import is_deepspeed_checkpoint
-    from ..format.reader import is_full_checkpoint
-    from ..torchsave.table import is_torchsave_checkpoint
-
-    if is_dcp_checkpoint(path):
-        return DCP
-    if is_deepspeed_checkpoint(path):
-        return DEEPSPEED
-    if is_torchsave_checkpoint(path):
-        return TORCH_SAVE
-    if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
-        return FULL
-    return SHARDED
-
-
-def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> AnyCheckpoint:
-    """The checkpoint at `path` in any format (`model_key`, `optimizer_key`: a DCP checkpoint's
-    top-level keys of the model and the optimizer state, found by themselves when not given;
-    other formats ignore them)."""
-    path = Path(path)
-    if not path.exists():
-        raise UsageError(f"{path}: does not exist")
-    openers = {DCP: _open_dcp, DEEPSPEED: _open_deepspeed, TORCH_SAVE: _open_torch_save, FULL: _open_full, SHARDED: _open_sharded}
-    opener = openers[detect_format(path)]
-    return opener(path, model_key, optimizer_key)
-
-
-def _open_torch_save(path: Path, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
+def open_torchsave_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     from ..torchsave.table import open_rank_state_dicts
 
     checkpoint = open_rank_state_dicts(path)
@@ -227,7 +195,7 @@ def _open_torch_save(path: Path, model_key: str | None, optimizer_key: str | Non
     items = {key: _value(value) for key, value in checkpoint.extra_state.items()}
     if optimizer:
         items["optimizer.param_groups"] = _value(checkpoint.optim.param_groups)
-    return AnyCheckpoint(str(checkpoint.directory), TORCH_SAVE, model, optimizer, items=items, _close=checkpoint.close)
+    return AnyCheckpoint(str(checkpoint.directory), model, optimizer, items=items, _close=checkpoint.close)
 
 
 def _with_aliases(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> dict[str, SourceTensor]:
@@ -250,32 +218,32 @@ def _value(value: Any) -> Callable[[], Any]:
     return lambda: value
 
 
-def _open_sharded(path: Path, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
+def open_sharded_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     from ..format.reader import open_sharded
 
     sharded = open_sharded(path)
     model, optimizer = _split(sharded.sources(), sharded.manifest.aliases)
     items = {key: _value(value) for key, value in sharded.manifest.training_state.items()}
-    return AnyCheckpoint(str(sharded.step_dir), SHARDED, model, optimizer, aliases=dict(sharded.manifest.aliases), items=items)
+    return AnyCheckpoint(str(sharded.step_dir), model, optimizer, aliases=dict(sharded.manifest.aliases), items=items)
 
 
-def _open_full(path: Path, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
+def open_full_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     from ..format.reader import has_optimizer_files, open_full
 
     full = open_full(path, with_optimizer=path.is_dir() and has_optimizer_files(path))
     model, optimizer = _split(list(full.tensors), full.aliases)
     items = {key: _value(value) for key, value in full.metadata.items()}
-    return AnyCheckpoint(str(path), FULL, model, optimizer, aliases=dict(full.aliases), export_layout=full.layout, items=items)
+    return AnyCheckpoint(str(path), model, optimizer, aliases=dict(full.aliases), export_layout=full.layout, items=items)
 
 
-def _open_dcp(path: Path, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
+def open_dcp_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     from ..dcp.layout import detect_layout, layout_sources
     from ..dcp.param_groups import plain_value
     from ..dcp.table import open_dcp
 
     checkpoint = open_dcp(path)
     try:
-        layout = detect_layout(checkpoint.metadata, model_key=model_key, optimizer_key=optimizer_key)
+        layout = detect_layout(checkpoint.metadata, model_key=keys.model, optimizer_key=keys.optimizer)
         model, optimizer = layout_sources(checkpoint, layout)
         other = {key: checkpoint.source(key) for key in layout.other}
     except BaseException:
@@ -287,7 +255,6 @@ def _open_dcp(path: Path, model_key: str | None, optimizer_key: str | None) -> A
 
     return AnyCheckpoint(
         str(path),
-        DCP,
         {t.name: t for t in model},
         {t.name: t for t in optimizer},
         other,
@@ -296,7 +263,7 @@ def _open_dcp(path: Path, model_key: str | None, optimizer_key: str | None) -> A
     )
 
 
-def _open_deepspeed(path: Path, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
+def open_deepspeed_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     from ..deepspeed.table import open_deepspeed
 
     checkpoint = open_deepspeed(path)
@@ -304,7 +271,6 @@ def _open_deepspeed(path: Path, model_key: str | None, optimizer_key: str | None
     items["optimizer.param_groups"] = _value(checkpoint.param_groups)
     return AnyCheckpoint(
         str(checkpoint.directory),
-        DEEPSPEED,
         _with_aliases({t.name: t for t in checkpoint.model}, checkpoint.aliases),
         {t.name: t for t in checkpoint.optimizer},
         aliases=dict(checkpoint.aliases),

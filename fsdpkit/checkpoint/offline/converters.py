@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .convert import FullOutput, Progress
-from .routes import SOURCES, ConvertRequest, route_for
+from .formats import detect_format
+from .routes import ConvertRequest, route_for
 
 if TYPE_CHECKING:
     from ..dcp.export import DcpOutput
+    from .dcp_to_sharded import ShardedTarget
 
 
 def _resolve(spec: str):
@@ -21,16 +23,8 @@ def _resolve(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def source_format(src: str | Path) -> str:
-    """The first format in SOURCES whose detector takes `src` (the last one has none)."""
-    for name, detector in SOURCES.items():
-        if detector is None or _resolve(detector)(Path(src)):
-            return name
-    raise AssertionError("the last source format has no detector")
-
-
 def convert(src: str | Path, dst: str | Path, request: ConvertRequest, progress: Progress | None = None) -> dict:
-    route = route_for(source_format(src), request)
+    route = route_for(detect_format(src).name, request)
     return _resolve(route.converter)(Path(src), Path(dst), request, progress)
 
 
@@ -71,10 +65,16 @@ def full_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Pro
     )
 
 
-def safetensors_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from ..dcp.export import to_dcp
+def sharded_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from ..dcp.export import sharded_to_dcp as convert_sharded
 
-    return to_dcp(src, dst, _dcp_output(request))
+    return convert_sharded(src, dst, _dcp_output(request))
+
+
+def full_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from ..dcp.export import full_to_dcp as convert_full
+
+    return convert_full(src, dst, _dcp_output(request))
 
 
 def _dcp_output(request: ConvertRequest) -> DcpOutput:
@@ -157,14 +157,14 @@ def deepspeed_to_full(src: Path, dst: Path, request: ConvertRequest, progress: P
     return convert_deepspeed(src, dst, export=export, with_optimizer=request.with_optimizer, options=_full_output(request, progress))
 
 
-def deepspeed_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+def _sharded_target(request: ConvertRequest, progress: Progress | None) -> ShardedTarget:
+    """The fsdpkit checkpoint of `--world-size` ranks laid out by `--model`'s placement."""
     from .dcp_to_sharded import ShardedTarget
-    from .from_deepspeed import deepspeed_to_sharded as convert_deepspeed
     from .model_description import describe
 
     assert request.world_size is not None and request.model is not None  # required by the route
     description = describe(request.model)
-    target = ShardedTarget(
+    return ShardedTarget(
         request.world_size,
         description.placement,
         f"model {request.model!r}",
@@ -174,7 +174,18 @@ def deepspeed_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress
         request.overwrite,
         progress,
     )
-    return convert_deepspeed(src, dst, target)
+
+
+def deepspeed_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .from_deepspeed import deepspeed_to_sharded as convert_deepspeed
+
+    return convert_deepspeed(src, dst, _sharded_target(request, progress))
+
+
+def torchsave_to_sharded(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .from_torchsave import torchsave_to_sharded as convert_torchsave
+
+    return convert_torchsave(src, dst, _sharded_target(request, progress))
 
 
 def deepspeed_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
@@ -189,3 +200,16 @@ def torchsave_to_full(src: Path, dst: Path, request: ConvertRequest, progress: P
 
     export = describe(request.model).export if request.model is not None else None
     return convert_torchsave(src, dst, export=export, with_optimizer=request.with_optimizer, options=_full_output(request, progress))
+
+
+def torchsave_to_dcp(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .from_torchsave import torchsave_to_dcp as convert_torchsave
+
+    return convert_torchsave(src, dst, _dcp_output(request))
+
+
+def torchsave_to_deepspeed(src: Path, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .from_torchsave import torchsave_to_deepspeed as convert_torchsave
+
+    assert request.stage is not None  # the route requires it
+    return convert_torchsave(src, dst, stage=request.stage, world_size=request.world_size, overwrite=request.overwrite, progress=progress)

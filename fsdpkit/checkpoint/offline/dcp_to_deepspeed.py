@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..dcp.layout import detect_layout, layout_sources, require_model
+from ..dcp.layout import model_and_optimizer
 from ..dcp.table import open_dcp
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE
 from .convert import Progress
@@ -27,9 +27,7 @@ def dcp_to_deepspeed(
     progress: Progress | None = None,
 ) -> dict:
     with open_dcp(src) as checkpoint:
-        layout = detect_layout(checkpoint.metadata, model_key=model_key, optimizer_key=optimizer_key)
-        require_model(layout, checkpoint.metadata)
-        model, optim = layout_sources(checkpoint, layout)
+        layout, model, optim = model_and_optimizer(checkpoint, model_key=model_key, optimizer_key=optimizer_key)
         groups = dcp_param_groups(checkpoint, layout.optimizer_key, {}) if layout.optimizer else []
         steps = optimizer_steps(optim, DEFAULT_CHUNK_SIZE)
         run = build_run({s.name: s for s in model + optim}, groups, RunShape(stage, world_size, steps))

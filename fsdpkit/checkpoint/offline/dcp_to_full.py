@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from ...errors import DataCheckError
-from ..dcp.layout import detect_layout, layout_sources, require_model
+from ..dcp.layout import model_and_optimizer
 from ..dcp.table import open_dcp
 from ..format.export import HfExport
 from .convert import FullOutput, write_full
@@ -32,9 +32,7 @@ def dcp_to_full(
     options: FullOutput | None = None,
 ) -> dict:
     with open_dcp(src) as checkpoint:
-        layout = detect_layout(checkpoint.metadata, model_key=model_key, optimizer_key=optimizer_key)
-        require_model(layout, checkpoint.metadata)
-        model, optim = layout_sources(checkpoint, layout)
+        layout, model, optim = model_and_optimizer(checkpoint, model_key=model_key, optimizer_key=optimizer_key)
         if with_optimizer and not optim:
             raise DataCheckError(f"{src}: --with-optimizer given but no optimizer state was found (name it with --dcp-optimizer-key)")
         optim = optim if with_optimizer else []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ...errors import UsageError
 from ...flat_layout import ElementRange
-from ..dcp.layout import detect_layout, layout_sources, require_model
+from ..dcp.layout import model_and_optimizer
 from ..dcp.param_groups import read_param_groups
 from ..dcp.table import DcpCheckpoint, open_dcp
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
@@ -151,9 +151,7 @@ def dcp_to_sharded(
     if world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
     with open_dcp(src) as checkpoint:
-        layout = detect_layout(checkpoint.metadata, model_key=model_key, optimizer_key=optimizer_key)
-        require_model(layout, checkpoint.metadata)
-        model, optim = layout_sources(checkpoint, layout)
+        layout, model, optim = model_and_optimizer(checkpoint, model_key=model_key, optimizer_key=optimizer_key)
         groups = dcp_param_groups(checkpoint, layout.optimizer_key, aliases) if layout.optimizer else []
         target = ShardedTarget(world_size, placement, placement_source, aliases, export, chunk_size, overwrite, progress)
         report = sources_to_sharded(model + optim, Path(src), Path(dst), target, param_groups=groups)

@@ -27,8 +27,8 @@ from ...errors import UsageError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.names import is_optimizer_tensor
-from .any_checkpoint import open_checkpoint
 from .diff_names import SideReader, comparable, name_hints
+from .formats import open_checkpoint
 
 _NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1"}
 _NUMPY_DTYPES |= {"U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "u1"}

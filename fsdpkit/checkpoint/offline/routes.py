@@ -1,11 +1,9 @@
 """Which `convert` options apply to which source format and target: one row per (source, target).
 
-Pure data and one check, no reading of checkpoints, no torch. A source format is told by its
-detector, tried in SOURCES' order; the last one has none and takes whatever is left (its readers
-say what is wrong with a path that is not a checkpoint). Each route names the function that
-converts (`module:function`, called as `function(src, dst, request, progress)`, imported only
-when it runs). Adding a format is one row in SOURCES and one route per target it reaches, with
-its function; adding an option is one field of ConvertRequest and one entry of OPTION_FLAGS.
+Pure data and one check, no reading of checkpoints, no torch. A source is named as
+formats.FORMATS names it. Each route names the function that converts (`module:function`,
+called as `function(src, dst, request, progress)`, imported only when it runs); adding an
+option is one field of ConvertRequest and one entry of OPTION_FLAGS.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from dataclasses import dataclass
 
 from ...errors import UsageError
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE
+from .formats import DCP, DEEPSPEED, FULL, SHARDED, TARGETS, TORCH_SAVE
 
 # the options a route may take or need, by ConvertRequest field, as the command line spells them
 OPTION_FLAGS = {
@@ -58,56 +57,60 @@ class Route:
     why: str = ""  # appended to a message about this route's options
 
 
-# (detector "module:function" taking the path, or None for the last, catch-all format)
-SOURCES: dict[str, str | None] = {
-    "dcp": "fsdpkit.checkpoint.dcp.metadata:is_dcp_checkpoint",
-    "deepspeed": "fsdpkit.checkpoint.deepspeed.files:is_deepspeed_checkpoint",
-    "torch-save-ranks": "fsdpkit.checkpoint.torchsave.table:is_torchsave_checkpoint",
-    "safetensors": None,  # fsdpkit sharded (to full, dcp) or full safetensors (to sharded, dcp)
-}
-
 _CONVERTERS = "fsdpkit.checkpoint.offline.converters"
 _FULL_OUTPUT = ("max_shard_size", "cast_to", "with_optimizer")
 _DCP_KEYS = ("model_key", "optimizer_key")
 _DCP_OUTPUT_WHY = "the optimizer state, when there is one, goes with it"
 
 ROUTES: dict[tuple[str, str], Route] = {
-    ("safetensors", "full"): Route(f"{_CONVERTERS}:sharded_to_full", optional=_FULL_OUTPUT),
-    ("safetensors", "sharded"): Route(
-        f"{_CONVERTERS}:full_to_sharded", required=("world_size",), optional=("model", "cast_to", "with_optimizer")
-    ),
-    ("safetensors", "dcp"): Route(f"{_CONVERTERS}:safetensors_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
-    ("dcp", "full"): Route(f"{_CONVERTERS}:dcp_to_full", optional=("model", *_FULL_OUTPUT, *_DCP_KEYS)),
-    ("dcp", "sharded"): Route(
+    (SHARDED, "full"): Route(f"{_CONVERTERS}:sharded_to_full", optional=_FULL_OUTPUT),
+    (FULL, "sharded"): Route(f"{_CONVERTERS}:full_to_sharded", required=("world_size",), optional=("model", "cast_to", "with_optimizer")),
+    (SHARDED, "dcp"): Route(f"{_CONVERTERS}:sharded_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
+    (FULL, "dcp"): Route(f"{_CONVERTERS}:full_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
+    (DCP, "full"): Route(f"{_CONVERTERS}:dcp_to_full", optional=("model", *_FULL_OUTPUT, *_DCP_KEYS)),
+    (DCP, "sharded"): Route(
         f"{_CONVERTERS}:dcp_to_sharded",
         required=("world_size", "model"),
         optional=("with_optimizer", *_DCP_KEYS),
         why="--model names the model whose flat-parameter layout to write; the optimizer state goes with it",
     ),
-    ("deepspeed", "full"): Route(f"{_CONVERTERS}:deepspeed_to_full", optional=("model", *_FULL_OUTPUT)),
-    ("deepspeed", "sharded"): Route(
+    (DEEPSPEED, "full"): Route(f"{_CONVERTERS}:deepspeed_to_full", optional=("model", *_FULL_OUTPUT)),
+    (DEEPSPEED, "sharded"): Route(
         f"{_CONVERTERS}:deepspeed_to_sharded",
         required=("world_size", "model"),
         why="--model names the model whose flat-parameter layout to write; the optimizer state goes with it",
     ),
-    ("deepspeed", "dcp"): Route(f"{_CONVERTERS}:deepspeed_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
-    ("torch-save-ranks", "full"): Route(f"{_CONVERTERS}:torchsave_to_full", optional=("model", *_FULL_OUTPUT)),
-    ("dcp", "dcp"): Route(f"{_CONVERTERS}:dcp_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
-    ("safetensors", "deepspeed"): Route(
-        f"{_CONVERTERS}:safetensors_to_deepspeed",
+    (DEEPSPEED, "dcp"): Route(f"{_CONVERTERS}:deepspeed_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
+    (TORCH_SAVE, "full"): Route(f"{_CONVERTERS}:torchsave_to_full", optional=("model", *_FULL_OUTPUT)),
+    (TORCH_SAVE, "sharded"): Route(
+        f"{_CONVERTERS}:torchsave_to_sharded",
+        required=("world_size", "model"),
+        why="--model names the model whose flat-parameter layout to write; the optimizer state goes with it",
+    ),
+    (TORCH_SAVE, "deepspeed"): Route(
+        f"{_CONVERTERS}:torchsave_to_deepspeed",
         required=("stage",),
         optional=("world_size",),
-        why="DeepSpeed's ZeRO stage and ranks (default: the source's) to lay the fp32 weights and AdamW state out for",
+        why="DeepSpeed's ZeRO stage and ranks (default: the files') to lay the fp32 weights and AdamW state out for",
     ),
-    ("dcp", "deepspeed"): Route(
+    (TORCH_SAVE, "dcp"): Route(f"{_CONVERTERS}:torchsave_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
+    (DCP, "dcp"): Route(f"{_CONVERTERS}:dcp_to_dcp", optional=("world_size",), why=_DCP_OUTPUT_WHY),
+    **{
+        (source, "deepspeed"): Route(
+            f"{_CONVERTERS}:safetensors_to_deepspeed",
+            required=("stage",),
+            optional=("world_size",),
+            why="DeepSpeed's ZeRO stage and ranks (default: the source's) to lay the fp32 weights and AdamW state out for",
+        )
+        for source in (SHARDED, FULL)
+    },
+    (DCP, "deepspeed"): Route(
         f"{_CONVERTERS}:dcp_to_deepspeed",
         required=("stage", "world_size"),
         optional=_DCP_KEYS,
         why="DeepSpeed's ZeRO stage and ranks to lay the fp32 weights and AdamW state out for",
     ),
 }
-
-TARGETS = tuple(dict.fromkeys(target for _, target in ROUTES))
 
 
 def route_for(source: str, request: ConvertRequest) -> Route:
@@ -119,7 +122,8 @@ def route_for(source: str, request: ConvertRequest) -> Route:
     route = ROUTES.get((source, request.to))
     if route is None:
         reachable = [target for (known, target) in ROUTES if known == source]
-        raise UsageError(f"a {source} checkpoint cannot be converted --to {request.to}: use --to {' or '.join(reachable)}")
+        same = "; `fsdpkit reshard` lays it out for another world size" if source == request.to else ""
+        raise UsageError(f"a {source} checkpoint cannot be converted --to {request.to}: use --to {' or '.join(reachable)}{same}")
     why = f" ({route.why})" if route.why else ""
     for name in request.given():
         if name not in route.required and name not in route.optional:

@@ -22,10 +22,11 @@ from ..deepspeed.table import open_deepspeed
 from ..deepspeed.writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
 from ..deepspeed.writer_precision import Precision, saved_scale
 from ..format.bytecopy import ByteEngine, SourceTensor
-from ..format.names import MANIFEST_NAME, is_optimizer_tensor, optim_tensor_name
-from ..format.reader import is_full_checkpoint, open_full, open_sharded
+from ..format.names import is_optimizer_tensor, optim_tensor_name
+from ..format.reader import open_full, open_sharded
 from ..format.storage import staged_output
 from .convert import Progress, progress_callback
+from .formats import FULL, detect_format
 
 _STEP_FORMATS = {"F32": "<f", "F64": "<d", "I64": "<q", "I32": "<i"}
 
@@ -105,17 +106,17 @@ def to_deepspeed(
     progress: Progress | None = None,
 ) -> dict:
     path = Path(src)
-    if is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()):
+    if detect_format(path).name == FULL:
         full = open_full(path, with_optimizer=True)
         recorded: list[dict] = []
-        tensors, kind, steps, saved_world = {t.name: t for t in full.tensors}, "safetensors-full", 0, 1
+        tensors, kind, steps, saved_world = {t.name: t for t in full.tensors}, "full", 0, 1
         aliases = full.aliases
     else:
         sharded = open_sharded(path)
         state = sharded.manifest.training_state
         tensors = {t.name: t for t in sharded.sources()}
         recorded = (state.get("optimizer") or {}).get("groups") or []
-        kind, steps, saved_world = "fsdpkit-checkpoint", int(state.get("step", 0) or 0), sharded.manifest.shard_factor
+        kind, steps, saved_world = "sharded", int(state.get("step", 0) or 0), sharded.manifest.shard_factor
         aliases = sharded.manifest.aliases
     run = build_run(tensors, recorded, RunShape(stage, world_size or saved_world, steps, aliases))
     return write_run(run, path, Path(dst), source_kind=kind, overwrite=overwrite, progress=progress)

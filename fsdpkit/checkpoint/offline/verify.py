@@ -6,7 +6,7 @@ v1: as listed, keys and dtypes agreeing), nothing else in the directory, and the
 every fragment, recomputed file by file through one reused buffer (no torch; memory does not
 grow with the world size). Full checkpoints (model.safetensors / index, and the optimizer's
 files of an export that has them): headers, sizes and the index; they carry no checksums.
-`verify_checkpoint` returns a JSON-able report; `ok` is true when `problems` is empty.
+`verify_checkpoint` returns a `VerifyReport`; `ok` is true when `problems` is empty.
 
 `summarize(path)` (`fsdpkit inspect`): what a checkpoint holds, headers only, no data read:
 format, version, world size, strategy, placement, step and samples, tensor counts and bytes
@@ -31,8 +31,8 @@ from ..format.manifest import load_manifest
 from ..format.names import FORMAT_NAME, is_optimizer_tensor, numel
 from ..format.placement import FileLayout
 from ..format.reader import RankFile, ShardedCheckpoint, has_optimizer_files, open_full, open_sharded, v2_crcs
+from ..format.report import VerifyReport
 from ..format.storage import resolve_checkpoint
-from .any_checkpoint import FULL, detect_format
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
 PROGRESS_BYTES = 8 * 1024 * 1024
@@ -40,18 +40,14 @@ PROGRESS_BYTES = 8 * 1024 * 1024
 
 def verify_checkpoint(
     path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, progress: Callable[[int, int], None] | None = None
-) -> dict:
-    path = Path(path)
-    if path.exists() and detect_format(path) == FULL:
-        return _verify_full(path)
-    report: dict[str, Any] = {"path": str(path), "kind": "sharded", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
+) -> VerifyReport:
+    report = VerifyReport(str(path), "sharded")
     try:
         step_dir = resolve_checkpoint(path)
-        report["path"] = str(step_dir)
+        report.path = str(step_dir)
         manifest = load_manifest(step_dir)
     except DataCheckError as error:
-        report["problems"].append(str(error))
-        return report
+        return report.failed(str(error))
     checkpoint = ShardedCheckpoint(step_dir, manifest)
     total = sum(t.nbytes for t in manifest.tensors)
     if progress:
@@ -60,7 +56,9 @@ def verify_checkpoint(
         checkpoint, chunk_size, progress=(lambda count: progress(count, total)) if progress else None
     )
     problems.extend(checkpoint.unexpected_files())
-    report.update(ok=not problems, problems=problems, tensors=len(manifest.tensors), fragments=fragments, bytes=checked)
+    report.ok, report.problems, report.tensors, report.bytes = not problems, problems, len(manifest.tensors), checked
+    report.counts = {"fragment": fragments}
+    report.checked = [f"the crc32 of all {fragments} fragments", "file sizes", "headers", "fragment coverage", "file names"]
     return report
 
 
@@ -130,14 +128,15 @@ def _check_crcs(rank_file: RankFile, manifest, buffer: bytearray, advance: Calla
     return problems
 
 
-def _verify_full(path: Path) -> dict:
-    report: dict[str, Any] = {"path": str(path), "kind": "full", "ok": False, "problems": [], "tensors": 0, "fragments": 0, "bytes": 0}
+def verify_full(path: Path) -> VerifyReport:
+    report = VerifyReport(str(path), "full", not_checked=["the data (this format has no checksums)"])
     try:
         full = open_full(path, with_optimizer=has_optimizer_files(path))
     except DataCheckError as error:
-        report["problems"].append(str(error))
-        return report
-    report.update(ok=True, tensors=len(full.tensors), files=len(full.files), bytes=sum(t.nbytes for t in full.tensors))
+        return report.failed(str(error))
+    report.ok, report.tensors, report.bytes = True, len(full.tensors), sum(t.nbytes for t in full.tensors)
+    report.counts = {"file": len(full.files)}
+    report.checked = ["headers", "file sizes", "the index"]
     return report
 
 
@@ -159,18 +158,19 @@ def _tensor_stats(items: list[tuple[str, str, tuple[int, ...]]]) -> dict:
     }
 
 
+def summarize_full(path: Path) -> dict:
+    full = open_full(path, with_optimizer=has_optimizer_files(path))
+    summary: dict[str, Any] = {
+        "path": str(path),
+        "format": "full",
+        "files": [{"name": f.name, "size": f.stat().st_size} for f in full.files],
+        "aliases": full.aliases,
+    }
+    summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in full.tensors]))
+    return summary
+
+
 def summarize(path: str | Path) -> dict:
-    path = Path(path)
-    if path.exists() and detect_format(path) == FULL:
-        full = open_full(path, with_optimizer=has_optimizer_files(path))
-        summary: dict[str, Any] = {
-            "path": str(path),
-            "format": "safetensors-full",
-            "files": [{"name": f.name, "size": f.stat().st_size} for f in full.files],
-            "aliases": full.aliases,
-        }
-        summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in full.tensors]))
-        return summary
     checkpoint = open_sharded(path)
     manifest = checkpoint.manifest
     state = manifest.training_state

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ..deepspeed.inspect import count_items, coverage_problems
-from ..deepspeed.rankfile import crc_problems_of
 from ..format.bytecopy import SourceTensor
+from ..format.report import VerifyReport
+from ..torchfile.savefile import verify_saved_files
+from ..torchfile.unpickler import count_items
 from .table import FORMAT, open_rank_state_dicts
 
 LARGEST = 5
@@ -51,34 +52,24 @@ def _why(not_read: str) -> str:
     return f" (optimizer files: {not_read})" if not_read else ""
 
 
-def verify_torchsave(path: str | os.PathLike[str]) -> dict:
-    report: dict[str, Any] = {"path": str(path), "kind": FORMAT, "ok": False, "problems": [], "tensors": 0, "bytes": 0, "checked": []}
+def verify_torchsave(path: str | os.PathLike[str]) -> VerifyReport:
+    report = VerifyReport(str(path), FORMAT)
     try:
         checkpoint = open_rank_state_dicts(Path(path))
     except DataCheckError as error:
-        report["problems"].append(str(error))
-        return report
+        return report.failed(str(error))
     with checkpoint:
-        sources = checkpoint.model + checkpoint.optimizer
-        problems = coverage_problems(checkpoint.directory, sources)
-        storages, found = crc_problems_of(checkpoint.opened)
-        problems.extend(found)
-        report.update(
-            ok=not problems,
-            problems=problems,
-            tensors=len(sources),
-            files=len(checkpoint.opened),
-            bytes=sum(s.nbytes for s in sources),
-            checked=[
-                f"{len(checkpoint.opened)} files present ({checkpoint.world_size} ranks' model files"
-                + (", optimizer files" if checkpoint.optimizer else "")
-                + (", extra state files" if checkpoint.extra_state else "")
-                + "), each a readable zip",
-                "every data.pkl through the allow-list unpickler",
-                "every tensor inside its storage",
-                f"{storages} storages against the zip's CRC-32",
-                "every tensor covered exactly once by the ranks' parts",
-                f"not read: {', '.join(checkpoint.other_files) or 'nothing'}" + _why(checkpoint.optim.not_read),
-            ],
+        verify_saved_files(report, checkpoint.directory, checkpoint.model + checkpoint.optimizer, checkpoint.opened)
+        files = (
+            f"{len(checkpoint.opened)} files present ({checkpoint.world_size} ranks' model files"
+            + (", optimizer files" if checkpoint.optimizer else "")
+            + (", extra state files" if checkpoint.extra_state else "")
+            + "), each a readable zip"
         )
+        report.checked = [
+            files,
+            *report.checked,
+            "every tensor covered exactly once by the ranks' parts",
+            f"not read: {', '.join(checkpoint.other_files) or 'nothing'}" + _why(checkpoint.optim.not_read),
+        ]
     return report

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..dcp import unpickler as u
-from ..deepspeed.rankfile import RankFile
 from ..format.bytecopy import SourceTensor
 from ..format.names import optim_tensor_name
+from ..torchfile import unpickler as u
+from ..torchfile.savefile import SaveFile
 from .tensors import FSDP1, FSDP2, sharding_of, source_tensor
 from .unpickler import DTensorRecord, loads
 
@@ -31,7 +31,7 @@ class OptimizerState:
     tensors: list[SourceTensor] = field(default_factory=list)  # optim.<state>.<param name>
     param_groups: list[dict[str, Any]] = field(default_factory=list)  # each group's settings, without its "params"
     not_read: str = ""  # why optimizer files that are there are not read ("" when read, or when there are none)
-    opened: list[RankFile] = field(default_factory=list)
+    opened: list[SaveFile] = field(default_factory=list)
 
 
 def open_optimizer(directory: Path, world_size: int, model_state: dict[str, Any], model: list[SourceTensor]) -> OptimizerState:
@@ -47,10 +47,10 @@ def open_optimizer(directory: Path, world_size: int, model_state: dict[str, Any]
     if sharding != FSDP2:
         why = "FSDP1's is kept as shards of flat parameters" if sharding == FSDP1 else "no model tensor is a DTensor"
         return OptimizerState(not_read=f"the optimizer state is keyed by parameter index, not name, and {why}")
-    opened: list[RankFile] = []
+    opened: list[SaveFile] = []
     found = OptimizerState(not_read="not opened")
     try:
-        opened.extend(RankFile(path, loads) for path in paths)
+        opened.extend(SaveFile(path, loads) for path in paths)
         found = _read(opened, [name for name, record in model_state.items() if isinstance(record, DTensorRecord)], model)
     finally:
         if found.not_read:  # kept open only when read
@@ -70,7 +70,7 @@ def _groups(state: Any) -> list[dict[str, Any]] | None:
     return groups
 
 
-def _read(files: list[RankFile], parameters: list[str], model: list[SourceTensor]) -> OptimizerState:
+def _read(files: list[SaveFile], parameters: list[str], model: list[SourceTensor]) -> OptimizerState:
     states = [rank_file.state for rank_file in files]
     groups = [_groups(state) for state in states]
     if any(g is None for g in groups):

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ..dcp import unpickler as u
-from ..deepspeed.rankfile import RankFile
 from ..format.bytecopy import SourceTensor
+from ..torchfile import unpickler as u
+from ..torchfile.savefile import SaveFile
 from .optim import OptimizerState, open_optimizer
 from .tensors import sharding_of, source_tensor
 from .unpickler import extra_state_loads, loads
@@ -54,7 +54,7 @@ class RankStateDicts:
     optim: OptimizerState = field(default_factory=OptimizerState)
     extra_state: dict[str, Any] = field(default_factory=dict)  # rank 0's extra state, as plain values
     other_files: list[str] = field(default_factory=list)  # the .pt files not read (unread optim_..., others)
-    opened: list[RankFile] = field(default_factory=list)  # the model files, the optimizer files read, the extra state files
+    opened: list[SaveFile] = field(default_factory=list)  # the model files, the optimizer files read, the extra state files
 
     @property
     def optimizer(self) -> list[SourceTensor]:
@@ -87,7 +87,7 @@ def open_rank_state_dicts(path: str | os.PathLike[str]) -> RankStateDicts:
     checkpoint = RankStateDicts(directory, world_size)
     try:
         for rank in range(world_size):
-            checkpoint.opened.append(RankFile(files[rank][1], loads))
+            checkpoint.opened.append(SaveFile(files[rank][1], loads))
         states = [_state(f) for f in checkpoint.opened]
         checkpoint.model = _tensors(checkpoint.opened, states)
         checkpoint.sharding = sharding_of(states[0].values())
@@ -102,14 +102,14 @@ def open_rank_state_dicts(path: str | os.PathLike[str]) -> RankStateDicts:
     return checkpoint
 
 
-def _state(rank_file: RankFile) -> dict[str, Any]:
+def _state(rank_file: SaveFile) -> dict[str, Any]:
     state = rank_file.state
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise DataCheckError(f"{rank_file.path}: not a state dict of named tensors")
     return state
 
 
-def _tensors(files: list[RankFile], states: list[dict[str, Any]]) -> list[SourceTensor]:
+def _tensors(files: list[SaveFile], states: list[dict[str, Any]]) -> list[SourceTensor]:
     names = list(states[0])
     for rank_file, state in zip(files, states, strict=True):
         if list(state) != names:
@@ -117,13 +117,13 @@ def _tensors(files: list[RankFile], states: list[dict[str, Any]]) -> list[Source
     return [source_tensor(name, files, [s[name] for s in states]) for name in names]
 
 
-def _extra_state(directory: Path, world_size: int, opened: list[RankFile]) -> dict[str, Any]:
+def _extra_state(directory: Path, world_size: int, opened: list[SaveFile]) -> dict[str, Any]:
     """Open the extra state files there are (appended to `opened`); rank 0's items, plain."""
     paths = [directory / f"extra_state_world_size_{world_size}_rank_{rank}.pt" for rank in range(world_size)]
     files = []
     for path in paths:
         if path.exists():
-            files.append(RankFile(path, extra_state_loads))
+            files.append(SaveFile(path, extra_state_loads))
             opened.append(files[-1])
     if not files or files[0].path != paths[0]:
         return {}

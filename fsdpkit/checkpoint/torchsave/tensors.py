@@ -16,10 +16,10 @@ from typing import Any
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
-from ..dcp import unpickler as u
-from ..deepspeed.rankfile import RankFile
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.names import numel
+from ..torchfile import unpickler as u
+from ..torchfile.savefile import SaveFile
 from .unpickler import DTensorRecord, Replicate, Shard, ShardedTensorRecord
 
 FSDP2, FSDP1, PLAIN = "FSDP2 DTensors", "FSDP1 ShardedTensors", "plain tensors"
@@ -33,7 +33,7 @@ def sharding_of(records: Any) -> str:
     return FSDP2 if DTensorRecord in kinds else PLAIN
 
 
-def source_tensor(name: str, files: list[RankFile], records: list[Any]) -> SourceTensor:
+def source_tensor(name: str, files: list[SaveFile], records: list[Any]) -> SourceTensor:
     """The whole tensor `name` from each rank's record of it (rank order)."""
     first = records[0]
     if isinstance(first, u.TensorRecord):
@@ -65,7 +65,7 @@ def source_tensor(name: str, files: list[RankFile], records: list[Any]) -> Sourc
     return SourceTensor(name, first.shape, dtype, tuple(pieces))
 
 
-def _sharded_tensor(name: str, files: list[RankFile], records: list[Any]) -> SourceTensor:
+def _sharded_tensor(name: str, files: list[SaveFile], records: list[Any]) -> SourceTensor:
     """Every rank's local shards, each a block of whole rows, covering the tensor exactly once."""
     shape, dtype = records[0].shape, records[0].dtype
     row = numel(shape[1:])
@@ -102,5 +102,5 @@ def _piece(name: str, where: Any, start: int) -> SourcePiece:
     )
 
 
-def _refuse(rank_file: RankFile, name: str, what: str) -> SourceTensor:
+def _refuse(rank_file: SaveFile, name: str, what: str) -> SourceTensor:
     raise DataCheckError(f"{rank_file.path}: {name!r} is {what}, which fsdpkit does not read")

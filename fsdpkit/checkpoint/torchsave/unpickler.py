@@ -1,5 +1,5 @@
 """The allow-list for the `data.pkl` of a per-rank state dict holding FSDP2 DTensors or FSDP1
-ShardedTensors: the DeepSpeed allow-list's tensors and containers, plus the classes a pickled
+ShardedTensors: torch's allow-list for a whole state dict (`torchfile.unpickler`), plus the classes a pickled
 DTensor or ShardedTensor names (spec, device mesh, placements, shard metadata, sharding spec),
 mapped to inert records, never imported.
 
@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import DataCheckError
-from ..dcp import unpickler as u
-from ..deepspeed.unpickler import DEEPSPEED_GLOBALS
+from ..torchfile import unpickler as u
 
 DTENSOR = "torch.distributed.tensor.DTensor"
 SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
@@ -84,7 +83,7 @@ def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *rest: Any) -> _Wrapper:
         raise DataCheckError(f"a tensor subclass {cls!r}: only DTensors and ShardedTensors are read")
     if not isinstance(dtype, u.Dtype):
         raise DataCheckError(f"a {cls} without a dtype")
-    return _Wrapper(cls, u._size(size), dtype.name)
+    return _Wrapper(cls, u.torch_size(size), dtype.name)
 
 
 def _from_type(rebuild: Any, new_type: Any, args: Any, state: Any) -> Any:
@@ -92,7 +91,7 @@ def _from_type(rebuild: Any, new_type: Any, args: Any, state: Any) -> Any:
     if rebuild is _wrapper_subclass and isinstance(args, tuple):
         wrapper = rebuild(*args)
         return _dtensor(wrapper, state) if wrapper.cls == DTENSOR else _sharded_tensor(wrapper, state)
-    if rebuild not in (u._tensor_v2, u._tensor_v3) or not isinstance(args, tuple):
+    if rebuild not in (u.rebuild_tensor_v2, u.rebuild_tensor_v3) or not isinstance(args, tuple):
         raise DataCheckError("_rebuild_from_type_v2 of something else than a tensor")
     return rebuild(*args)
 
@@ -118,7 +117,7 @@ def _sharded_tensor(wrapper: _Wrapper, state: Any) -> ShardedTensorRecord:
         if not isinstance(metadata, ShardMetadata) or not isinstance(tensor, u.TensorRecord):
             raise DataCheckError("a ShardedTensor's local shard without its tensor and metadata")
         offsets, sizes = metadata.get("shard_offsets"), metadata.get("shard_sizes")
-        shards.append(LocalShard(u._size(offsets), u._size(sizes), tensor))
+        shards.append(LocalShard(u.torch_size(offsets), u.torch_size(sizes), tensor))
     return ShardedTensorRecord(wrapper.shape, wrapper.dtype, tuple(shards))
 
 
@@ -144,17 +143,17 @@ _SPEC_CLASSES = (
 )
 
 TORCHSAVE_GLOBALS: dict[tuple[str, str], Any] = {
-    **DEEPSPEED_GLOBALS,
+    **u.STATE_DICT_GLOBALS,
     ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
     ("torch._utils", "_rebuild_wrapper_subclass"): _wrapper_subclass,
     ("torch.distributed.tensor", "DTensor"): DTENSOR,
-    ("torch.serialization", "_get_layout"): u._layout,
+    ("torch.serialization", "_get_layout"): u.tensor_layout,
     ("torch.distributed.tensor.placement_types", "Shard"): Shard,
     ("torch.distributed.tensor.placement_types", "Replicate"): Replicate,
     ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor"): SHARDED_TENSOR,
     (f"{_SHARDED_MODULE}.shard", "Shard"): _Shard,
     ("torch.distributed._shard.metadata", "ShardMetadata"): ShardMetadata,
-    (f"{_SHARDED_MODULE}.metadata", "MEM_FORMAT_ENCODING"): u._memory_format,
+    (f"{_SHARDED_MODULE}.metadata", "MEM_FORMAT_ENCODING"): u.memory_format,
     ("__builtin__", "getattr"): _getattr,
     ("builtins", "getattr"): _getattr,
     **{(module, name): _record(module, name) for module, name in _SPEC_CLASSES},

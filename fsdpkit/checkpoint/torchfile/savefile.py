@@ -1,5 +1,5 @@
-"""One DeepSpeed rank file (a `torch.save` zip) read without torch: its `data.pkl` through the
-allow-list unpickler, its storages as byte ranges of the file.
+"""One `torch.save` file (a DeepSpeed rank file, a per-rank state dict) read without torch: its
+`data.pkl` through a format's allow-list unpickler, its storages as byte ranges of the file.
 
 `torch.save` writes every record stored (uncompressed): `<archive>/data.pkl`, `<archive>/
 byteorder`, `<archive>/data/<key>` per storage, each with the zip's CRC-32. Only the central
@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...dtypes import dtype_info
 from ...errors import DataCheckError
-from ..dcp import unpickler as u
-from ..dcp.chunkdata import _data_start, _Window
+from ...flat_layout import ElementRange
+from ..format.bytecopy import SourceTensor
 from ..format.crc import crc32
 from ..format.files import open_regular, read_exactly
 from ..format.names import numel
-from .unpickler import loads
+from ..format.report import VerifyReport
+from .unpickler import TensorRecord
+from .zipread import Window, record_start, tensor_bytes
 
 CRC_BLOCK = 1 << 20
 
@@ -44,10 +45,10 @@ class TensorRange:
     dtype: str
 
 
-class RankFile:
-    """An open rank file: `state` (the unpickled tree, tensors as `TensorRecord`s), storages."""
+class SaveFile:
+    """An open `torch.save` file: `state` (the unpickled tree, tensors as `TensorRecord`s), storages."""
 
-    def __init__(self, path: Path, unpickle: Callable[..., Any] = loads):
+    def __init__(self, path: Path, unpickle: Callable[..., Any]):
         """`unpickle(raw, where=...)`: the allow-list unpickler of its data.pkl."""
         self.path = path
         self._unpickle = unpickle
@@ -66,7 +67,7 @@ class RankFile:
     def _read(self) -> tuple[Any, dict[str, StorageEntry]]:
         where = str(self.path)
         try:
-            archive = zipfile.ZipFile(_Window(self.fd, 0, self.size))
+            archive = zipfile.ZipFile(Window(self.fd, 0, self.size))
             infos = archive.infolist()
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
             raise DataCheckError(f"{where}: not a readable torch.save zip ({str(error)[:80]}; truncated?)") from None
@@ -76,34 +77,25 @@ class RankFile:
         prefix = pickles[0].filename[: -len("data.pkl")]
         storages = {}
         for info in infos:
-            start = _data_start(self.fd, self.path, 0, self.size, info, where)
+            start = record_start(self.fd, self.path, 0, self.size, info, where)
             if info.filename == f"{prefix}byteorder" and read_exactly(self.fd, info.file_size, start, self.path) != b"little":
                 raise DataCheckError(f"{where}: big-endian data is not supported")
             if info.filename.startswith(f"{prefix}data/"):
                 storages[info.filename[len(f"{prefix}data/") :]] = StorageEntry(start, info.file_size, info.CRC)
-        pickle_start = _data_start(self.fd, self.path, 0, self.size, pickles[0], where)
+        pickle_start = record_start(self.fd, self.path, 0, self.size, pickles[0], where)
         raw = read_exactly(self.fd, pickles[0].file_size, pickle_start, self.path)
         return self._unpickle(raw, where=f"{where} data.pkl"), storages
 
     def tensor_range(self, record: Any, what: str) -> TensorRange:
         """Where a contiguous tensor's elements lie in this file (checked inside its storage)."""
         where = f"{self.path}: {what}"
-        if not isinstance(record, u.TensorRecord):
+        if not isinstance(record, TensorRecord):
             raise DataCheckError(f"{where}: expected a tensor, found {type(record).__name__}")
-        dtype = record.dtype or record.storage.storage_type.dtype
-        if dtype is None:
-            raise DataCheckError(f"{where}: a tensor without a dtype")
-        count = numel(record.shape)
-        if count > 1 and len([d for d in record.shape if d > 1]) > 1:
-            _require_contiguous(record, where)
         entry = self.storages.get(record.storage.key)
         if entry is None:
             raise DataCheckError(f"{where}: storage {record.storage.key!r} is missing from the zip")
-        itemsize = dtype_info(dtype).itemsize
-        skip, nbytes = record.storage_offset * itemsize, count * itemsize
-        if record.storage_offset < 0 or skip + nbytes > entry.nbytes:
-            raise DataCheckError(f"{where}: {nbytes} bytes at element {record.storage_offset} of a storage of {entry.nbytes} bytes")
-        return TensorRange(self.path, entry.offset + skip, count, dtype)
+        dtype, skip, _ = tensor_bytes(record, entry.nbytes, where)
+        return TensorRange(self.path, entry.offset + skip, numel(record.shape), dtype)
 
     def crc_problems(self) -> tuple[int, list[str]]:
         """(storages checked against the zip's CRC-32, one line per mismatch)."""
@@ -122,17 +114,7 @@ class RankFile:
         return checked, problems
 
 
-def _require_contiguous(record: u.TensorRecord, where: str) -> None:
-    expected, step = [], 1
-    for dim in reversed(record.shape):
-        expected.append(step)
-        step *= dim
-    dims = [(s, e) for s, e, d in zip(record.stride, reversed(expected), record.shape, strict=True) if d > 1]
-    if any(s != e for s, e in dims):
-        raise DataCheckError(f"{where}: tensor is not contiguous (stride {list(record.stride)}), which fsdpkit does not read")
-
-
-def crc_problems_of(rank_files: list[RankFile]) -> tuple[int, list[str]]:
+def crc_problems_of(rank_files: list[SaveFile]) -> tuple[int, list[str]]:
     """(storages checked against their zip's CRC-32, one line per mismatch) over `rank_files`."""
     checked, problems = 0, []
     for rank_file in rank_files:
@@ -140,3 +122,37 @@ def crc_problems_of(rank_files: list[RankFile]) -> tuple[int, list[str]]:
         checked += count
         problems.extend(found)
     return checked, problems
+
+
+def coverage_problems(directory: Path, sources: list[SourceTensor]) -> list[str]:
+    """Each tensor's pieces cover its elements exactly once, in order."""
+    problems = []
+    for source in sources:
+        position = 0
+        for piece in sorted(source.pieces_in(ElementRange(0, source.numel)), key=lambda p: p.range.start):
+            if piece.range.start != position:
+                what = "overlap" if piece.range.start < position else "gap"
+                problems.append(f"{directory}: {source.name!r}: {what} at element {min(position, piece.range.start)}")
+                break
+            position = piece.range.end
+        else:
+            if position != source.numel:
+                problems.append(f"{directory}: {source.name!r}: covered up to element {position} of {source.numel}")
+    return problems
+
+
+def verify_saved_files(report: VerifyReport, directory: Path, sources: list[SourceTensor], opened: list[SaveFile]) -> VerifyReport:
+    """`report` of the `torch.save` files `opened` holding `sources`: every storage against the
+    zip's CRC-32 and every tensor covered exactly once; what a format checks besides (its files
+    present, its records read) it adds to `report.checked` after these."""
+    problems = coverage_problems(directory, sources)
+    storages, found = crc_problems_of(opened)
+    problems.extend(found)
+    report.ok, report.problems, report.tensors, report.bytes = not problems, problems, len(sources), sum(s.nbytes for s in sources)
+    report.counts = {"file": len(opened), "storage": storages}
+    report.checked = [
+        "every data.pkl through the allow-list unpickler",
+        "every tensor inside its storage",
+        f"{storages} storages against the zip's CRC-32",
+    ]
+    return report

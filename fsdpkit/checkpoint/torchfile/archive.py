@@ -1,5 +1,5 @@
-"""One tensor as a `torch.save` archive, written without torch: what DCP's reader `torch.load`s
-for each chunk of the torch_save serialization.
+"""`torch.save` zip archives written without torch: the records' headers, and one tensor as a
+whole archive (what DCP's reader `torch.load`s for each chunk of the torch_save serialization).
 
 The archive is a zip of stored records, as torch writes it: `archive/data.pkl` (a protocol-2
 pickle of `_rebuild_tensor_v2(storage, 0, shape, stride, False, OrderedDict())`, or `_v3` with
@@ -22,16 +22,15 @@ import zlib
 from ...dtypes import dtype_info
 from ...errors import UsageError
 from .pickler import pickled_int, pickled_text
-from .unpickler import STORAGE_DTYPES, TORCH_DTYPES
+from .unpickler import STORAGE_DTYPES, TORCH_DTYPE_NAMES
 
 ALIGNMENT = 64
 MAX_RECORD_BYTES = 0xFFFFFFFF
 NAME = "archive"
-_LEGACY = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
-_TORCH_NAMES = {dtype: name for name, dtype in reversed(list(TORCH_DTYPES.items()))}  # the canonical spelling comes first
+LEGACY_STORAGE_NAMES = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
-_END = struct.Struct("<IHHHHIIH")
+END_RECORD = struct.Struct("<IHHHHIIH")
 _PAD_ID = 0x4246  # the extra field torch pads records with ("FB")
 
 
@@ -46,18 +45,18 @@ def data_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
     for dim in reversed(shape):
         stride.append(numel)
         numel *= dim
-    legacy = _LEGACY.get(dtype)
+    legacy = LEGACY_STORAGE_NAMES.get(dtype)
     rebuild = b"ctorch._utils\n_rebuild_tensor_v2\n" if legacy else b"ctorch._utils\n_rebuild_tensor_v3\n"
     storage_class = f"ctorch\n{legacy}\n" if legacy else "ctorch.storage\nUntypedStorage\n"
     count = numel if legacy else numel * dtype_info(dtype).itemsize
     storage = b"(" + pickled_text("storage") + storage_class.encode() + pickled_text("0") + pickled_text("cpu") + pickled_int(count) + b"tQ"
     hooks = b"ccollections\nOrderedDict\n)R"
-    tail = b"" if legacy else f"ctorch\n{_TORCH_NAMES[dtype]}\n".encode()
+    tail = b"" if legacy else f"ctorch\n{TORCH_DTYPE_NAMES[dtype]}\n".encode()
     arguments = storage + pickled_int(0) + _ints(shape) + _ints(tuple(reversed(stride))) + b"\x89" + hooks + tail
     return b"\x80\x02" + rebuild + b"(" + arguments + b"tR."
 
 
-def _local(name: bytes, crc: int, size: int, position: int) -> bytes:
+def local_header(name: bytes, crc: int, size: int, position: int) -> bytes:
     """A local header whose data starts aligned; its extra field pads."""
     bare = position + _LOCAL.size + len(name)
     pad = (-(bare + 4)) % ALIGNMENT
@@ -83,21 +82,22 @@ def archive_parts(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[byte
     for record, payload in before_data:
         name = f"{NAME}/{record}".encode()
         crc = zlib.crc32(payload)
-        central += _central(name, crc, len(payload), len(head))
-        head += _local(name, crc, len(payload), len(head)) + payload
+        central += central_header(name, crc, len(payload), len(head))
+        head += local_header(name, crc, len(payload), len(head)) + payload
     name = f"{NAME}/data/0".encode()
-    central += _central(name, 0, nbytes, len(head))
-    head += _local(name, 0, nbytes, len(head))
+    central += central_header(name, 0, nbytes, len(head))
+    head += local_header(name, 0, nbytes, len(head))
     position = len(head) + nbytes
     for record, payload in after_data:
         name = f"{NAME}/{record}".encode()
         crc = zlib.crc32(payload)
-        central += _central(name, crc, len(payload), position + len(tail))
-        tail += _local(name, crc, len(payload), position + len(tail)) + payload
+        central += central_header(name, crc, len(payload), position + len(tail))
+        tail += local_header(name, crc, len(payload), position + len(tail)) + payload
     count = len(before_data) + 1 + len(after_data)
-    end = _END.pack(0x06054B50, 0, 0, count, count, len(central), position + len(tail), 0)
+    end = END_RECORD.pack(0x06054B50, 0, 0, count, count, len(central), position + len(tail), 0)
     return bytes(head), bytes(tail + central + end)
 
 
-def _central(name: bytes, crc: int, size: int, offset: int) -> bytes:
+def central_header(name: bytes, crc: int, size: int, offset: int) -> bytes:
+    """The central directory's entry of a stored record whose local header is at `offset`."""
     return _CENTRAL.pack(0x02014B50, 0, 0, 0, 0, 0, 0, crc, size, size, len(name), 0, 0, 0, 0, 0, offset) + name

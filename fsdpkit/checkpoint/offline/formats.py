@@ -1,0 +1,241 @@
+"""Every checkpoint format fsdpkit reads, by its one name: FORMATS. The name is the one the
+command line (`convert --to`), the `--json` reports and `open_checkpoint(...).format` use.
+
+Each row is the format's face: how it is told (`detect`), opened as a table of named tensors
+(`open`, the `AnyCheckpoint` of any_checkpoint.py), summarized (`inspect`), verified and, where
+fsdpkit writes the format, laid out for another world size (`reshard`). `detect_format` is the
+only place that tells a format; `inspect`, `verify` and `reshard` go through the row and never
+ask which format it is. Adding a format is its package and one row here. Each function imports
+its package when it runs, so reading this table imports nothing of the formats.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...errors import UsageError
+from ..format.names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name
+from ..format.report import VerifyReport
+
+if TYPE_CHECKING:
+    from .any_checkpoint import AnyCheckpoint
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+SHARDED, DCP, DEEPSPEED, TORCH_SAVE, FULL = "sharded", "dcp", "deepspeed", "torch-save-ranks", "full"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """A DCP checkpoint's top-level keys of the model and the optimizer state (None: found by
+    themselves); other formats have no such keys."""
+
+    model: str | None = None
+    optimizer: str | None = None
+
+
+@dataclass(frozen=True)
+class ReshardRequest:
+    world_size: int
+    chunk_size: int
+    overwrite: bool = False
+    progress: Progress | None = None
+    warn: Callable[[str], None] | None = None
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    label: str  # how help and messages name it
+    detect: Callable[[Path], bool]
+    open: Callable[[Path, Keys], AnyCheckpoint]
+    inspect: Callable[[Path, Keys], dict]  # the summary `inspect` prints
+    verify: Callable[[Path, Progress | None], VerifyReport]  # every check the format allows
+    reshard: Callable[[Path, Path, ReshardRequest], dict] | None  # None: a format without ranks to lay out
+    written: bool  # `convert --to <name>` writes it
+
+
+def _is_sharded(path: Path) -> bool:
+    """A step directory (its manifest), or a run directory (`latest`, or step-* directories)."""
+    if not path.is_dir():
+        return False
+    if (path / MANIFEST_NAME).exists() or (path / LATEST_NAME).exists():
+        return True
+    return any(parse_step_dir_name(child.name) is not None for child in path.iterdir())
+
+
+def _is_dcp(path: Path) -> bool:
+    from ..dcp.metadata import is_dcp_checkpoint
+
+    return is_dcp_checkpoint(path)
+
+
+def _is_deepspeed(path: Path) -> bool:
+    from ..deepspeed.files import is_deepspeed_checkpoint
+
+    return is_deepspeed_checkpoint(path)
+
+
+def _is_torchsave(path: Path) -> bool:
+    from ..torchsave.table import is_torchsave_checkpoint
+
+    return is_torchsave_checkpoint(path)
+
+
+def _is_full(path: Path) -> bool:
+    from ..format.reader import is_full_checkpoint
+
+    return is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists())
+
+
+def _opener(name: str) -> Callable[[Path, Keys], AnyCheckpoint]:
+    """any_checkpoint's `open_<name>_checkpoint`, imported when it runs."""
+
+    def open_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
+        from . import any_checkpoint
+
+        opened: AnyCheckpoint = getattr(any_checkpoint, f"open_{name}_checkpoint")(path, keys)
+        return opened
+
+    return open_checkpoint
+
+
+def _inspect_fsdpkit(path: Path, keys: Keys) -> dict:
+    from .verify import summarize
+
+    return summarize(path)
+
+
+def _inspect_full(path: Path, keys: Keys) -> dict:
+    from .verify import summarize_full
+
+    return summarize_full(path)
+
+
+def _inspect_dcp(path: Path, keys: Keys) -> dict:
+    from ..dcp.inspect import summarize_dcp
+
+    return summarize_dcp(path, model_key=keys.model, optimizer_key=keys.optimizer)
+
+
+def _inspect_deepspeed(path: Path, keys: Keys) -> dict:
+    from ..deepspeed.inspect import summarize_deepspeed
+
+    return summarize_deepspeed(path)
+
+
+def _inspect_torchsave(path: Path, keys: Keys) -> dict:
+    from ..torchsave.inspect import summarize_torchsave
+
+    return summarize_torchsave(path)
+
+
+def _verify_fsdpkit(path: Path, progress: Progress | None) -> VerifyReport:
+    from .verify import verify_checkpoint
+
+    return verify_checkpoint(path, progress=progress)
+
+
+def _verify_full(path: Path, progress: Progress | None) -> VerifyReport:
+    from .verify import verify_full
+
+    return verify_full(path)
+
+
+def _verify_dcp(path: Path, progress: Progress | None) -> VerifyReport:
+    from ..dcp.inspect import verify_dcp
+
+    return verify_dcp(path)
+
+
+def _verify_deepspeed(path: Path, progress: Progress | None) -> VerifyReport:
+    from ..deepspeed.inspect import verify_deepspeed
+
+    return verify_deepspeed(path)
+
+
+def _verify_torchsave(path: Path, progress: Progress | None) -> VerifyReport:
+    from ..torchsave.inspect import verify_torchsave
+
+    return verify_torchsave(path)
+
+
+def _reshard_sharded(src: Path, dst: Path, request: ReshardRequest) -> dict:
+    from .convert import reshard
+
+    return reshard(
+        src,
+        dst,
+        world_size=request.world_size,
+        chunk_size=request.chunk_size,
+        overwrite=request.overwrite,
+        progress=request.progress,
+        warn=request.warn,
+    )
+
+
+def _reshard_dcp(src: Path, dst: Path, request: ReshardRequest) -> dict:
+    from ..dcp.export import reshard_dcp
+
+    return reshard_dcp(src, dst, world_size=request.world_size, chunk_size=request.chunk_size, overwrite=request.overwrite)
+
+
+def _reshard_deepspeed(src: Path, dst: Path, request: ReshardRequest) -> dict:
+    from .to_deepspeed import reshard_deepspeed
+
+    return reshard_deepspeed(src, dst, world_size=request.world_size, overwrite=request.overwrite, progress=request.progress)
+
+
+# In the order messages list them. A DeepSpeed save directory has a `latest` as fsdpkit's run
+# directory does: `detect_format` tries fsdpkit's own format last.
+FORMATS: dict[str, Format] = {
+    SHARDED: Format(SHARDED, "fsdpkit", _is_sharded, _opener("sharded"), _inspect_fsdpkit, _verify_fsdpkit, _reshard_sharded, True),
+    DCP: Format(DCP, "DCP", _is_dcp, _opener("dcp"), _inspect_dcp, _verify_dcp, _reshard_dcp, True),
+    DEEPSPEED: Format(
+        DEEPSPEED, "DeepSpeed", _is_deepspeed, _opener("deepspeed"), _inspect_deepspeed, _verify_deepspeed, _reshard_deepspeed, True
+    ),
+    TORCH_SAVE: Format(TORCH_SAVE, "verl", _is_torchsave, _opener("torchsave"), _inspect_torchsave, _verify_torchsave, None, False),
+    FULL: Format(FULL, "full safetensors", _is_full, _opener("full"), _inspect_full, _verify_full, None, True),
+}
+READ_LABELS = ", ".join(f.label for f in FORMATS.values())  # "fsdpkit, DCP, DeepSpeed, verl, full safetensors"
+RESHARD_LABELS = ", ".join(f.label for f in FORMATS.values() if f.reshard is not None)
+TARGETS = tuple(name for name, found in FORMATS.items() if found.written)
+CONVERT_HELP = f"Convert a checkpoint ({READ_LABELS}) --to {', '.join(TARGETS[:-1])} or {TARGETS[-1]}."
+
+
+def detect_format(path: str | os.PathLike[str]) -> Format:
+    """The format of the checkpoint at `path`; a UsageError when it is none that fsdpkit reads
+    (the format's reader then says what is wrong inside it)."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{path}: does not exist")
+    for found in sorted(FORMATS.values(), key=lambda f: f.name == SHARDED):
+        if found.detect(path):
+            return found
+    raise UsageError(f"{path}: not a checkpoint fsdpkit reads ({READ_LABELS})")
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> AnyCheckpoint:
+    """The checkpoint at `path` in any format (`model_key`, `optimizer_key`: a DCP checkpoint's
+    top-level keys of the model and the optimizer state, found by themselves when not given;
+    other formats ignore them)."""
+    found = detect_format(path)
+    opened = found.open(Path(path), Keys(model_key, optimizer_key))
+    opened.format = found.name
+    return opened
+
+
+def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], request: ReshardRequest) -> dict:
+    """`reshard`: the checkpoint at `src` laid out for `request.world_size` ranks, in its format."""
+    found = detect_format(src)
+    if found.reshard is None:
+        targets = [name for name in TARGETS if name != found.name]
+        raise UsageError(
+            f"{src}: a {found.label} checkpoint has no ranks to lay out: convert it --to {', '.join(targets[:-1])} or {targets[-1]}"
+        )
+    if request.world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {request.world_size}")
+    return found.reshard(Path(src), Path(dst), request)
