@@ -1,6 +1,5 @@
 """`fsdpkit convert SRC DST --to sharded|dcp|deepspeed|full`: parse the options into one ConvertRequest;
-which of them apply to which source format and target is the library's table
-(fsdpkit/checkpoint/offline/routes.py)."""
+which of them apply is the library's table of formats (fsdpkit/checkpoint/offline/formats.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import typer
 
 from fsdpkit import log
 from fsdpkit.checkpoint.offline.formats import READ_LABELS, TARGETS
-from fsdpkit.checkpoint.offline.routes import ConvertRequest
+from fsdpkit.checkpoint.offline.request import ConvertRequest
 from fsdpkit.sizes import parse_size
 
 from .checkpoint_options import CHUNK_HELP, MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, cast_name, chunk_bytes, print_written
@@ -46,7 +45,7 @@ def convert(
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
     """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
-    from fsdpkit.checkpoint.offline.converters import convert as run_convert
+    from fsdpkit.checkpoint.offline.formats import convert_any
 
     request = ConvertRequest(
         to=to,
@@ -62,7 +61,7 @@ def convert(
         overwrite=overwrite,
     )
     with byte_progress("convert") as progress:
-        result = run_convert(src, dst, request, progress)
+        result = convert_any(src, dst, request, progress)
     for line in result.get("warnings", []):
         log.warn(line)
     print_written(result, as_json)

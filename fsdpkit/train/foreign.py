@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import log
-from ..checkpoint.format.reader import has_optimizer_files
 from ..checkpoint.offline.formats import FULL, SHARDED, detect_format
 from ..errors import UsageError
 from ..paths import check_writable_directory
@@ -60,7 +59,7 @@ def converted(config: TrainConfig, world_size: int) -> Iterator[TrainConfig]:
     try:
         target = holder / "checkpoint"
         log.note(f"converting the {found} checkpoint {source} for {world_size} ranks of {config.model.name} into {target}")
-        _convert(Path(source), target, found, config.model.name, world_size)
+        _convert(Path(source), target, config.model.name, world_size)
         if field == "resume":
             local = dataclasses.replace(checkpoint, resume=str(target))
         else:
@@ -78,9 +77,8 @@ def _holder_parent(save_dir: str | None) -> str | None:
     return save_dir
 
 
-def _convert(source: Path, target: Path, found: str, model: str, world_size: int) -> None:
-    from ..checkpoint.offline.converters import convert
-    from ..checkpoint.offline.routes import ConvertRequest
+def _convert(source: Path, target: Path, model: str, world_size: int) -> None:
+    from ..checkpoint.offline.formats import convert_any
+    from ..checkpoint.offline.request import ConvertRequest
 
-    with_optimizer = found == FULL and source.is_dir() and has_optimizer_files(source)
-    convert(source, target, ConvertRequest(to="sharded", world_size=world_size, model=model, with_optimizer=with_optimizer))
+    convert_any(source, target, ConvertRequest(to="sharded", world_size=world_size, model=model))

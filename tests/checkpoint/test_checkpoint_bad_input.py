@@ -378,7 +378,8 @@ def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monke
     """With 64-byte chunks every tensor takes several blocks: an error while reading one
     reaches the caller and the staged output is removed."""
     from fsdpkit.checkpoint.format import bytecopy
-    from fsdpkit.checkpoint.offline.convert import FullOutput, convert_to_full
+    from fsdpkit.checkpoint.offline.formats import convert_any
+    from fsdpkit.checkpoint.offline.request import ConvertRequest
 
     calls = {"n": 0}
     original = bytecopy.ByteEngine._view
@@ -391,7 +392,7 @@ def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monke
 
     monkeypatch.setattr(bytecopy.ByteEngine, "_view", failing)
     with pytest.raises(error):
-        convert_to_full(ckpt, tmp_path / "out", options=FullOutput(chunk_size=64))
+        convert_any(ckpt, tmp_path / "out", ConvertRequest(to="full", chunk_size=64))
     _no_leftovers(tmp_path, ["src"])
 
 

@@ -240,13 +240,15 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
 def test_many_small_blocks(sharded, tmp_path, chunk):
     """Chunks far smaller than the tensors: every copy takes many blocks, output checksums
     combined block by block; results stay exact."""
-    from fsdpkit.checkpoint.offline.convert import FullOutput, convert_to_full, reshard
+    from fsdpkit.checkpoint.offline.convert import reshard
+    from fsdpkit.checkpoint.offline.formats import convert_any
+    from fsdpkit.checkpoint.offline.request import ConvertRequest
     from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
     _, tensors, runs = sharded
     reshard(runs[2].parent, tmp_path / "r3", world_size=3, chunk_size=chunk)
     assert verify_checkpoint(tmp_path / "r3").ok
-    convert_to_full(tmp_path / "r3", tmp_path / "full", with_optimizer=True, options=FullOutput(chunk_size=chunk))
+    convert_any(tmp_path / "r3", tmp_path / "full", ConvertRequest(to="full", with_optimizer=True, chunk_size=chunk))
     _assert_full_equal(tmp_path / "full", _model_tensors(tensors))
     _assert_full_equal(tmp_path / "full", {n: t for n, t in tensors.items() if n.startswith("optim.")}, prefix="optimizer")
 
@@ -432,33 +434,23 @@ def _some_value(option: str):
     return 2 if option in ("world_size", "max_shard_size") else True if option == "with_optimizer" else "x"
 
 
-def test_every_route_names_known_options_and_a_converter_of_one_shape():
-    """The route table (which options apply to which source format and target) names only
-    options ConvertRequest has and the command line spells, and functions that exist."""
+def test_every_writer_and_opener_names_known_options():
+    """The table of formats names, for each target's writer and each source's opener, only
+    options ConvertRequest has and the command line spells; with what the writer needs given,
+    the options check passes, and each option neither side takes is refused in one line."""
     import dataclasses
-    import importlib
-    import inspect
 
     from fsdpkit.checkpoint.offline.formats import FORMATS, TARGETS
-    from fsdpkit.checkpoint.offline.routes import OPTION_FLAGS, ROUTES, ConvertRequest, route_for
+    from fsdpkit.checkpoint.offline.request import OPTION_FLAGS, ConvertRequest, check_options
 
-    fields = {f.name for f in dataclasses.fields(ConvertRequest)}
-    assert set(OPTION_FLAGS) <= fields
-    for (source, target), route in ROUTES.items():
-        assert (
-            source in FORMATS
-            and target in TARGETS
-            and set(route.required) <= set(OPTION_FLAGS)
-            and set(route.optional) <= set(OPTION_FLAGS)
-        )
-        module, _, name = route.converter.partition(":")
-        function = getattr(importlib.import_module(module), name)
-        assert list(inspect.signature(function).parameters) == ["src", "dst", "request", "progress"], route.converter
-        given = {
-            name: 2 if name in ("world_size", "max_shard_size") else True if name == "with_optimizer" else "x" for name in route.required
-        }
-        assert route_for(source, ConvertRequest(to=target, **given)) is route
-        for name in set(OPTION_FLAGS) - set(route.required) - set(route.optional):
-            value = _some_value(name)
-            with pytest.raises(UsageError, match=f"^{OPTION_FLAGS[name]} does not apply to --to {target} from a {source} checkpoint"):
-                route_for(source, ConvertRequest(to=target, **given, **{name: value}))
+    assert set(OPTION_FLAGS) <= {f.name for f in dataclasses.fields(ConvertRequest)}
+    for source, found in FORMATS.items():
+        for target in TARGETS:
+            writes = FORMATS[target].writes
+            known = {*writes.needs, *writes.takes, *found.reads.takes}
+            assert known <= set(OPTION_FLAGS)
+            given = {name: _some_value(name) for name in writes.needs}
+            check_options(source, found.reads, writes, ConvertRequest(to=target, **given))
+            for name in set(OPTION_FLAGS) - known:
+                with pytest.raises(UsageError, match=f"^{OPTION_FLAGS[name]} does not apply to --to {target} from a {source} checkpoint"):
+                    check_options(source, found.reads, writes, ConvertRequest(to=target, **given, **{name: _some_value(name)}))

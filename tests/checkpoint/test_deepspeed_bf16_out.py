@@ -159,7 +159,7 @@ def _as_fp16(src: Path, dst: Path, scale: DynamicScale | None = None) -> dict:
         run = replace(
             build_run({t.name: t for t in checkpoint.sources}, checkpoint.groups(), shape), precision=Precision.F16, loss_scale=scale
         )
-        return write_run(run, src, dst, source_kind="deepspeed", overwrite=False, progress=None)
+        return write_run(run, src, dst, overwrite=False, progress=None)
 
 
 def _zero_to_fp32(save_dir: Path) -> dict[str, torch.Tensor]:

@@ -24,7 +24,13 @@ import torch
 from support.checkpoint_files import run_cli, save_checkpoint
 from support.distributed import run_distributed
 
-from fsdpkit.checkpoint.offline.to_deepspeed import to_deepspeed
+from fsdpkit.checkpoint.offline.formats import convert_any
+from fsdpkit.checkpoint.offline.request import ConvertRequest
+
+
+def to_deepspeed(src: Path, dst: Path, *, stage: int, world_size: int, progress=None) -> dict:
+    return convert_any(src, dst, ConvertRequest(to="deepspeed", stage=stage, world_size=world_size), progress)
+
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU with gloo, in the launched workers too
 

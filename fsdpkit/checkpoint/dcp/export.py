@@ -1,10 +1,10 @@
-"""DCP output: `convert SRC OUT --to dcp` (an fsdpkit checkpoint or full safetensors -> FSDP2's
+"""DCP output: `convert SRC OUT --to dcp` (any checkpoint's tensor table -> FSDP2's
 `{"model", "optimizer"}` layout) and `reshard DCP OUT --world-size N` (DCP -> DCP chunked as
 FSDP2 at N ranks, every item kept, bytes items byte for byte).
 
 Names: a model tensor `name` is `model.<name>` (tied aliases too: FSDP2's state dict holds
 every name), `optim.<state>.<param>` is `optimizer.state.<param>.<state>`, and the optimizer's
-param groups recorded in an fsdpkit checkpoint become `optimizer.param_groups.<i>.<setting>`
+param groups the source records become `optimizer.param_groups.<i>.<setting>`
 items, as `get_state_dict` gives them, nested by group index and flattened per parameter
 (`optimizer.param_groups.<fqn>.<setting>`), so either `flatten_optimizer_state_dict` setting loads.
 Written under a temporary name, renamed when complete.
@@ -20,7 +20,6 @@ from ...errors import UsageError
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
 from ..format.files import open_regular, read_exactly
 from ..format.names import split_optim_tensor_name
-from ..format.reader import has_optimizer_files, open_full, open_sharded
 from ..format.storage import staged_output
 from .metadata import DcpMetadata, Location
 from .param_groups import param_group_items
@@ -71,22 +70,6 @@ def sources_to_dcp(
         "param_groups": len(groups),
         "bytes": total,
     }
-
-
-def full_to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], output: DcpOutput) -> dict:
-    """A full safetensors checkpoint (with its optimizer files, when there are any) as a DCP checkpoint."""
-    path = Path(src)
-    full = open_full(path, with_optimizer=has_optimizer_files(path))
-    report = sources_to_dcp(list(full.tensors), path, Path(dst), aliases=full.aliases, groups=[], output=output)
-    return {**report, "from": "full"}
-
-
-def sharded_to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], output: DcpOutput) -> dict:
-    """An fsdpkit sharded checkpoint, its optimizer state and param groups, as a DCP checkpoint."""
-    sharded = open_sharded(src)
-    groups = (sharded.manifest.training_state.get("optimizer") or {}).get("groups") or []
-    report = sources_to_dcp(sharded.sources(), Path(src), Path(dst), aliases=sharded.manifest.aliases, groups=groups, output=output)
-    return {**report, "from": "sharded"}
 
 
 def _carried(directory: Path, location: Location):

@@ -29,6 +29,7 @@ table (`sources`) and never import it.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,8 @@ from ...errors import UsageError
 from ...flat_layout import ElementRange
 from ..dcp.boxes import flat_runs
 from ..format.bytecopy import ByteEngine, SourceTensor
-from ..format.export import ExportLayout
+from ..format.export import ExportLayout, HfExport
+from ..format.names import split_optim_tensor_name
 from .formats import Keys
 
 if TYPE_CHECKING:
@@ -58,6 +60,13 @@ class AnyCheckpoint:
     export_layout: ExportLayout | None = None  # a full export whose names/orientation differ from the model's
     items: dict[str, Callable[[], Any]] = field(default_factory=dict)  # non-tensor item -> its reader
     format: str = ""  # its name in formats.FORMATS, set by the one that opened it
+    opened_from: str = ""  # the path it was opened by (a run directory, where `path` is its step), likewise
+    groups: list[dict] = field(default_factory=list)  # the optimizer's param groups: [{"settings", "params"}]
+    step: int = 0  # optimizer steps taken
+    export: HfExport | None = None  # the export recipe it records
+    world_size: int = 1  # ranks it was saved by
+    facts: dict[str, Any] = field(default_factory=dict)  # what a convert report says of the source
+    full_dtype: str | None = None  # floats as `--to full` writes them unless --dtype (DeepSpeed's: fp32, as zero_to_fp32)
     _close: Callable[[], None] = lambda: None
     _engine: ByteEngine | None = None
 
@@ -69,6 +78,10 @@ class AnyCheckpoint:
         if not self._sources:
             self._sources = {**self.model, **self.optimizer, **self.other}
         return self._sources
+
+    def stored(self) -> list[SourceTensor]:
+        """Model tensors under their stored names only (no tied alias), then the optimizer state."""
+        return [t for name, t in self.model.items() if name not in self.aliases] + list(self.optimizer.values())
 
     def keys(self) -> list[str]:
         return list(self.sources)
@@ -193,9 +206,38 @@ def open_torchsave_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     model = {t.name: t for t in checkpoint.model}
     optimizer = {t.name: t for t in checkpoint.optimizer}
     items = {key: _value(value) for key, value in checkpoint.extra_state.items()}
+    groups = []
     if optimizer:
         items["optimizer.param_groups"] = _value(checkpoint.optim.param_groups)
-    return AnyCheckpoint(str(checkpoint.directory), model, optimizer, items=items, _close=checkpoint.close)
+        # verl's one group holds every parameter the optimizer files hold state of
+        params = list(dict.fromkeys(split[1] for name in optimizer if (split := split_optim_tensor_name(name))))
+        groups = [{"settings": settings, "params": params} for settings in checkpoint.optim.param_groups]
+    return AnyCheckpoint(
+        str(checkpoint.directory),
+        model,
+        optimizer,
+        items=items,
+        groups=groups,
+        step=steps_taken(checkpoint.optimizer),
+        world_size=checkpoint.world_size,
+        facts={"from_world_size": checkpoint.world_size, "not_read": checkpoint.other_files},
+        _close=checkpoint.close,
+    )
+
+
+def steps_taken(optimizer: list[SourceTensor]) -> int:
+    """Adam's step (an F32 scalar, the same for every parameter): the optimizer steps taken, 0 without one."""
+    steps = [
+        s for s in optimizer if (split := split_optim_tensor_name(s.name)) and split[0] == "step" and s.numel == 1 and s.dtype == "F32"
+    ]
+    if not steps:
+        return 0
+    copier, out = ByteEngine(), bytearray(4)
+    try:
+        copier.read_into(steps[0], ElementRange(0, 1), memoryview(out))
+    finally:
+        copier.close()
+    return int(struct.unpack("<f", out)[0])
 
 
 def _with_aliases(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> dict[str, SourceTensor]:
@@ -219,12 +261,24 @@ def _value(value: Any) -> Callable[[], Any]:
 
 
 def open_sharded_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
+    from ..format.export import export_of
     from ..format.reader import open_sharded
 
     sharded = open_sharded(path)
+    state = sharded.manifest.training_state
     model, optimizer = _split(sharded.sources(), sharded.manifest.aliases)
-    items = {key: _value(value) for key, value in sharded.manifest.training_state.items()}
-    return AnyCheckpoint(str(sharded.step_dir), model, optimizer, aliases=dict(sharded.manifest.aliases), items=items)
+    items = {key: _value(value) for key, value in state.items()}
+    return AnyCheckpoint(
+        str(sharded.step_dir),
+        model,
+        optimizer,
+        aliases=dict(sharded.manifest.aliases),
+        items=items,
+        groups=(state.get("optimizer") or {}).get("groups") or [],
+        step=int(state.get("step", 0) or 0),
+        export=export_of(state, where=str(sharded.step_dir)),
+        world_size=sharded.manifest.shard_factor,
+    )
 
 
 def open_full_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
@@ -238,7 +292,7 @@ def open_full_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
 
 def open_dcp_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     from ..dcp.layout import detect_layout, layout_sources
-    from ..dcp.param_groups import plain_value
+    from ..dcp.param_groups import plain_value, read_param_groups
     from ..dcp.table import open_dcp
 
     checkpoint = open_dcp(path)
@@ -246,6 +300,11 @@ def open_dcp_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
         layout = detect_layout(checkpoint.metadata, model_key=keys.model, optimizer_key=keys.optimizer)
         model, optimizer = layout_sources(checkpoint, layout)
         other = {key: checkpoint.source(key) for key in layout.other}
+        groups = (
+            read_param_groups(list(checkpoint.metadata.bytes_items), checkpoint.read_bytes_item, optimizer_key=layout.optimizer_key or "")
+            if layout.optimizer
+            else []
+        )
     except BaseException:
         checkpoint.close()
         raise
@@ -259,6 +318,9 @@ def open_dcp_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
         {t.name: t for t in optimizer},
         other,
         items={key: item(key) for key in checkpoint.metadata.bytes_items},
+        groups=groups,
+        step=steps_taken(optimizer),
+        facts={"model_key": layout.model_key},
         _close=checkpoint.close,
     )
 
@@ -275,5 +337,10 @@ def open_deepspeed_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
         {t.name: t for t in checkpoint.optimizer},
         aliases=dict(checkpoint.aliases),
         items=items,
+        groups=checkpoint.groups(),
+        step=steps_taken(checkpoint.optimizer),
+        world_size=checkpoint.world_size,
+        facts={"stage": checkpoint.stage, "from_world_size": checkpoint.world_size},
+        full_dtype="F32",
         _close=checkpoint.close,
     )

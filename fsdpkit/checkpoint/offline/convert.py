@@ -1,22 +1,18 @@
-"""`fsdpkit convert`: sharded <-> full safetensors checkpoints, streaming, no torch.
+"""`--to full` (`to_full`: any checkpoint opened as a tensor table -> a Hugging Face-style
+directory, `model.safetensors` or `model-0000k-of-0000N.safetensors` + index; with
+`--with-optimizer`, `optimizer*` files likewise) and `fsdpkit reshard` of fsdpkit's own format,
+streaming, no torch. Both check free disk, write under a temporary name and rename (see
+`storage.staged_output`), copy through the byte engine (memory bounded by `chunk_size`), verify
+source checksums as they read, cast floats to `cast_to` ("F32", "F16", "BF16") on the way out,
+and return a JSON-able summary.
 
-`convert_to_full(src, dst, ...)`: a sharded checkpoint (run or step directory) -> a Hugging
-Face-style directory (`model.safetensors` or `model-0000k-of-0000N.safetensors` + index;
-with `with_optimizer`, `optimizer*` files likewise). `convert_to_sharded(src, dst, ...)`: a
-full checkpoint -> an fsdpkit sharded checkpoint for `world_size` ranks, laid out by the
-placement given (a model's flat-parameter units: `fsdpkit.models.units.placement_for_model`) or,
-without one, an even split per tensor. Both validate SRC completely first, check free disk, write
-under a temporary name and rename (see `storage.staged_output`), copy through the byte engine
-(memory bounded by `chunk_size`), verify source checksums as they read, and cast floats to
-`cast_to` ("F32", "F16", "BF16") on the way out. They return a JSON-able summary.
-
-Models from elsewhere: when the checkpoint's training state holds an export recipe
-(`checkpoint/export.py`: a Hugging Face model, or the built-in GPT in GPT-2's layout),
-`convert_to_full` writes what transformers needs beside the weights (config.json, the
-generation config and tokenizer files of the directory the model came from) and the weights
-under transformers' names and orientation (a transposed tensor is held whole, twice, one at a
-time; below). `convert_to_sharded` undoes a recorded layout unless the
-`--model` placement names the exported tensors as they are.
+Models from elsewhere: when the source records an export recipe (`format/export.py`: a Hugging
+Face model, or the built-in GPT in GPT-2's layout) or `--model` names one, `to_full` writes
+what transformers needs beside the weights (config.json, the generation config and tokenizer
+files of the directory the model came from) and the weights under transformers' names and
+orientation (a transposed tensor is held whole, twice, one at a time; below). `--to sharded`
+undoes a recorded layout (`restore_layout`) unless the `--model` placement names the exported
+tensors as they are.
 
 Export layouts applied to tensors (`restore_layout`, `transposed_bytes`): a transposed tensor
 is read whole (cast on the way when asked) and transposed in memory with numpy, so the memory
@@ -37,21 +33,25 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
-from ..format.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport, export_of
+from ..format.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport
 from ..format.files import open_regular
 from ..format.manifest import resharded_training_state
 from ..format.names import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
 from ..format.placement import Placement
-from ..format.reader import FullCheckpoint, open_full, open_sharded
+from ..format.reader import open_full, open_sharded
 from ..format.storage import staged_output
 from ..format.writer import CacheMode, StreamingWriter, write_sharded
+
+if TYPE_CHECKING:
+    from .any_checkpoint import AnyCheckpoint
+    from .request import ConvertRequest
 
 SCRATCH_NAME = ".fsdpkit-transposed.safetensors"  # tensors transposed back, removed before the output is renamed
 
@@ -66,35 +66,28 @@ def progress_callback(progress: Progress | None, total: int) -> Callable[[int], 
     return lambda done: progress(done, total)
 
 
-def convert_to_full(src: str | Path, dst: str | Path, *, with_optimizer: bool = False, options: FullOutput | None = None) -> dict:
-    checkpoint = open_sharded(src)
-    export = export_of(checkpoint.manifest.training_state, where=str(checkpoint.step_dir))
-    sources = checkpoint.sources()
-    model = [t for t in sources if not is_optimizer_tensor(t.name)]
-    optim = [t for t in sources if is_optimizer_tensor(t.name)]
-    if with_optimizer and not optim:
-        raise DataCheckError(f"{checkpoint.step_dir}: --with-optimizer given but the checkpoint has no optimizer state")
+def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    """`--to full`: the model tensors under their stored names (a full export's layout when the
+    source records one or `--model` names one), and with `--with-optimizer` the optimizer state;
+    without it, a source's optimizer state is left out with a warning."""
+    from .model_description import describe
+
+    warnings = []
+    if request.with_optimizer and not opened.optimizer:
+        raise DataCheckError(f"{opened.path}: --with-optimizer given but the checkpoint has no optimizer state")
+    if opened.optimizer and not request.with_optimizer:
+        warnings.append(f"the optimizer state ({len(opened.optimizer)} tensors) is not written: add --with-optimizer")
+    export = describe(request.model).export if request.model is not None else opened.export
+    cast_to = request.cast_to or opened.full_dtype
+    model = [t for name, t in opened.model.items() if name not in opened.aliases]
+    if opened.full_dtype is not None:  # as zero_to_fp32.py: in safetensors' own order (wider dtypes first, then by name)
+        model.sort(key=lambda s: (-dtype_info(output_dtype(s.dtype, cast_to)).itemsize, s.name))
+    optim = list(opened.optimizer.values()) if request.with_optimizer else []
+    src = Path(opened.opened_from)
     report = write_full(
-        model,
-        optim if with_optimizer else [],
-        Path(dst),
-        src=Path(src),
-        export=export,
-        aliases=checkpoint.manifest.aliases,
-        options=options or FullOutput(),
+        model, optim, dst, src=src, export=export, aliases=opened.aliases, request=request, progress=progress, cast_to=cast_to
     )
-    return {"src": str(checkpoint.step_dir), "dst": str(dst), "to": "full", **report}
-
-
-@dataclass(frozen=True)
-class FullOutput:
-    """How a full (Hugging Face style) checkpoint is written."""
-
-    max_shard_size: int | None = None
-    cast_to: str | None = None
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    overwrite: bool = False
-    progress: Progress | None = None
+    return {"to": "full", **report, "dtype": cast_to, "warnings": warnings + report["warnings"]}
 
 
 def write_full(
@@ -105,7 +98,9 @@ def write_full(
     src: Path,
     export: HfExport | None,
     aliases: dict[str, str],
-    options: FullOutput,
+    request: ConvertRequest,
+    progress: Progress | None,
+    cast_to: str | None,
 ) -> dict:
     """Write `model` (and `optim`, when not empty) as full safetensors at `dst`, streamed through
     the byte engine, under a temporary name renamed when complete: the one writer of full
@@ -113,7 +108,7 @@ def write_full(
     and warnings."""
     layout = export.layout if export is not None else ExportLayout()
     outputs = [("model", model)] + ([("optimizer", optim)] if optim else [])
-    by_name, file_groups = _full_files(outputs, layout, cast_to=options.cast_to, max_shard_size=options.max_shard_size)
+    by_name, file_groups = _full_files(outputs, layout, cast_to=cast_to, max_shard_size=request.max_shard_size)
     total = sum(t.nbytes for _, tensors in outputs for t in tensors)
     out_total = sum(nbytes(shape, dtype) for _, files in file_groups for _, group in files for _, dtype, shape in group)
     metadata = {"format": "pt"}
@@ -125,8 +120,8 @@ def write_full(
         model_metadata[LAYOUT_METADATA_KEY] = json.dumps(layout.to_json(), sort_keys=True)
     written: list[str] = []
     warnings: list[str] = []
-    with staged_output(dst, src=src, overwrite=options.overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
-        copier = ByteEngine(chunk_size=options.chunk_size, progress=progress_callback(options.progress, total))
+    with staged_output(dst, src=src, overwrite=request.overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
+        copier = ByteEngine(chunk_size=request.chunk_size, progress=progress_callback(progress, total))
         try:
             for prefix, files in file_groups:
                 for file_name, group in files:
@@ -142,7 +137,7 @@ def write_full(
         if export is not None:
             float_dtypes = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
             written += _write_hf_files(tmp, export, float_dtypes[0] if float_dtypes else None, warnings)
-    return {"files": written, "tensors": len(by_name), "bytes": out_total, "dtype": options.cast_to, "warnings": warnings}
+    return {"files": written, "tensors": len(by_name), "bytes": out_total, "warnings": warnings}
 
 
 def _full_files(outputs, layout: ExportLayout, *, cast_to: str | None, max_shard_size: int | None):
@@ -202,73 +197,6 @@ def check_placement_matches(placement: Placement, sources: list[SourceTensor], *
         raise DataCheckError(f"{where}: does not match {source}: {detail}")
 
 
-def convert_to_sharded(
-    src: str | Path,
-    dst: str | Path,
-    *,
-    world_size: int,
-    placement: Placement | None = None,
-    placement_source: str = "the placement",
-    aliases: dict[str, str] | None = None,
-    cast_to: str | None = None,
-    with_optimizer: bool = False,
-    strategy: str = "full",
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-) -> dict:
-    """`aliases`: the model's tied names ({alias: stored name}), for files that store a tied
-    weight once without saying so (transformers' save_pretrained)."""
-    if world_size < 1:
-        raise UsageError(f"--world-size must be >= 1, got {world_size}")
-    full = open_full(src, with_optimizer=with_optimizer)
-    sources = list(full.tensors)
-    # the export layout to undo (None: the names already are the model's, or match the placement)
-    restore = None if placement is not None and _names_match(placement, sources) else full.layout
-    total = sum(s.nbytes for s in sources)
-    needed = 2 * sum(s.numel * dtype_info(output_dtype(s.dtype, cast_to)).itemsize for s in sources) + world_size * 65536
-    needed_for = f" for {world_size} rank files (--world-size {world_size})"
-    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=needed, needed_for=needed_for) as tmp:
-        stored = full.aliases
-        if restore is not None:
-            sources, stored = restore_layout(full, restore, tmp / SCRATCH_NAME, chunk_size=chunk_size)
-        names = {s.name for s in sources}
-        aliases = {**{a: t for a, t in (aliases or {}).items() if a not in names and t in names}, **stored}
-        if placement is None:
-            placement = Placement.even()
-        else:
-            check_placement_matches(placement, sources, where=Path(src), source=placement_source)
-        written = write_sharded(
-            tmp,
-            sources=sources,
-            placement=placement,
-            world_size=world_size,
-            strategy=strategy,
-            training_state={},
-            aliases=aliases,
-            cast_to=cast_to,
-            chunk_size=chunk_size,
-            progress=progress_callback(progress, total),
-        )
-        (tmp / SCRATCH_NAME).unlink(missing_ok=True)
-    return {
-        "src": str(src),
-        "dst": str(dst),
-        "to": "sharded",
-        "world_size": world_size,
-        "placement": placement.kind,
-        "files": written.files,
-        "tensors": len(written.manifest.tensors),
-        "bytes": written.bytes,
-        "dtype": cast_to,
-    }
-
-
-def _names_match(placement: Placement, sources: list[SourceTensor]) -> bool:
-    names = {s.name for s in sources}
-    return all(name in names for name in placement.param_shapes())
-
-
 def split_into_files(
     tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None
 ) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
@@ -317,21 +245,20 @@ def transposed_bytes(copier: ByteEngine, source: SourceTensor, out_dtype: str):
 
 
 def restore_layout(
-    full: FullCheckpoint, layout: ExportLayout, scratch: Path, *, chunk_size: int
+    tensors: list[SourceTensor], aliases: dict[str, str], layout: ExportLayout, where: Path, scratch: Path, *, chunk_size: int
 ) -> tuple[list[SourceTensor], dict[str, str]]:
-    """The tensors of a full checkpoint written with `layout` (its `full.layout`), under
-    fsdpkit's names and orientation, and its aliases likewise. Transposed tensors are transposed
-    back into the safetensors file `scratch` (the caller removes it); the others are read where
-    they are."""
+    """The tensors of a full checkpoint written with `layout`, under fsdpkit's names and
+    orientation, and its aliases likewise. Transposed tensors are transposed back into the
+    safetensors file `scratch` (the caller removes it); the others are read where they are."""
     renamed, back = [], []
-    for tensor in full.tensors:
+    for tensor in tensors:
         if is_optimizer_tensor(tensor.name):  # optimizer state keeps fsdpkit's names and orientation
             renamed.append(tensor)
             continue
         original = layout.original_name(tensor.name)
         if original is None:
             raise DataCheckError(
-                f"{full.root}: tensor {tensor.name!r} does not follow the export layout the files record (prefix {layout.prefix!r})"
+                f"{where}: tensor {tensor.name!r} does not follow the export layout the files record (prefix {layout.prefix!r})"
             )
         if layout.is_transposed(original, tuple(reversed(tensor.shape))):  # square ones too (attn.c_proj)
             back.append((original, tensor))
@@ -349,7 +276,7 @@ def restore_layout(
             copier.close()
         restored = {t.name: t for t in open_full(scratch).tensors}
         renamed += [restored[name] for name, _ in back]
-    aliases = {layout.original_name(alias) or alias: layout.original_name(target) or target for alias, target in full.aliases.items()}
+    aliases = {layout.original_name(alias) or alias: layout.original_name(target) or target for alias, target in aliases.items()}
     return renamed, aliases
 
 

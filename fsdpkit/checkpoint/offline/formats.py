@@ -3,10 +3,11 @@ command line (`convert --to`), the `--json` reports and `open_checkpoint(...).fo
 
 Each row is the format's face: how it is told (`detect`), opened as a table of named tensors
 (`open`, the `AnyCheckpoint` of any_checkpoint.py), summarized (`inspect`), verified and, where
-fsdpkit writes the format, laid out for another world size (`reshard`). `detect_format` is the
-only place that tells a format; `inspect`, `verify` and `reshard` go through the row and never
-ask which format it is. Adding a format is its package and one row here. Each function imports
-its package when it runs, so reading this table imports nothing of the formats.
+fsdpkit writes the format, written from any opened checkpoint (`write`) and laid out for another
+world size (`reshard`). `detect_format` is the only place that tells a format; `convert` is
+`FORMATS[to].write(open(src))`, and `inspect`, `verify` and `reshard` go through the row too,
+never asking which format it is. Adding a format is its package and one row here. Each function
+imports its package when it runs, so reading this table imports nothing of the formats.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import UsageError
+from ...errors import DataCheckError, UsageError
 from ..format.names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name
 from ..format.report import VerifyReport
+from .request import ConvertRequest, Options, check_options
 
 if TYPE_CHECKING:
     from .any_checkpoint import AnyCheckpoint
@@ -46,6 +48,9 @@ class ReshardRequest:
     warn: Callable[[str], None] | None = None
 
 
+Writer = Callable[["AnyCheckpoint", Path, ConvertRequest, "Progress | None"], dict]  # (opened, dst, request, progress) -> report
+
+
 @dataclass(frozen=True)
 class Format:
     name: str
@@ -55,7 +60,9 @@ class Format:
     inspect: Callable[[Path, Keys], dict]  # the summary `inspect` prints
     verify: Callable[[Path, Progress | None], VerifyReport]  # every check the format allows
     reshard: Callable[[Path, Path, ReshardRequest], dict] | None  # None: a format without ranks to lay out
-    written: bool  # `convert --to <name>` writes it
+    write: Writer | None  # `convert --to <name>` from any opened checkpoint; None: not written
+    writes: Options = Options()  # the options `write` takes
+    reads: Options = Options()  # the options `open` takes
 
 
 def _is_sharded(path: Path) -> bool:
@@ -189,20 +196,89 @@ def _reshard_deepspeed(src: Path, dst: Path, request: ReshardRequest) -> dict:
     return reshard_deepspeed(src, dst, world_size=request.world_size, overwrite=request.overwrite, progress=request.progress)
 
 
+def _write_sharded(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .to_sharded import to_sharded
+
+    return to_sharded(opened, dst, request, progress)
+
+
+def _write_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .convert import to_full
+
+    return to_full(opened, dst, request, progress)
+
+
+def _write_dcp(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    """FSDP2's `{"model", "optimizer"}` layout chunked for `--world-size` ranks (default 1): the
+    model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups."""
+    from ..dcp.export import DcpOutput, sources_to_dcp
+
+    output = DcpOutput(request.world_size or 1, request.chunk_size, request.overwrite)
+    return sources_to_dcp(opened.stored(), Path(opened.opened_from), dst, aliases=opened.aliases, groups=opened.groups, output=output)
+
+
+def _write_deepspeed(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .to_deepspeed import to_deepspeed
+
+    return to_deepspeed(opened, dst, request, progress)
+
+
+_TO_SHARDED = Options(
+    needs=("world_size",),
+    takes=("model", "cast_to", "with_optimizer"),
+    why="--model names the model whose flat-parameter layout to write, default an even split per tensor; the optimizer state goes with it",
+)
+_TO_DCP = Options(takes=("world_size",), why="the optimizer state, when there is one, goes with it")
+_TO_DEEPSPEED = Options(
+    needs=("stage",),
+    takes=("world_size",),
+    why="DeepSpeed's ZeRO stage and ranks (default: the source's) to lay the fp32 weights and AdamW state out for",
+)
+_TO_FULL = Options(takes=("model", "max_shard_size", "cast_to", "with_optimizer"))
+
 # In the order messages list them. A DeepSpeed save directory has a `latest` as fsdpkit's run
 # directory does: `detect_format` tries fsdpkit's own format last.
 FORMATS: dict[str, Format] = {
-    SHARDED: Format(SHARDED, "fsdpkit", _is_sharded, _opener("sharded"), _inspect_fsdpkit, _verify_fsdpkit, _reshard_sharded, True),
-    DCP: Format(DCP, "DCP", _is_dcp, _opener("dcp"), _inspect_dcp, _verify_dcp, _reshard_dcp, True),
-    DEEPSPEED: Format(
-        DEEPSPEED, "DeepSpeed", _is_deepspeed, _opener("deepspeed"), _inspect_deepspeed, _verify_deepspeed, _reshard_deepspeed, True
+    SHARDED: Format(
+        SHARDED,
+        "fsdpkit",
+        _is_sharded,
+        _opener("sharded"),
+        _inspect_fsdpkit,
+        _verify_fsdpkit,
+        _reshard_sharded,
+        _write_sharded,
+        _TO_SHARDED,
     ),
-    TORCH_SAVE: Format(TORCH_SAVE, "verl", _is_torchsave, _opener("torchsave"), _inspect_torchsave, _verify_torchsave, None, False),
-    FULL: Format(FULL, "full safetensors", _is_full, _opener("full"), _inspect_full, _verify_full, None, True),
+    DCP: Format(
+        DCP,
+        "DCP",
+        _is_dcp,
+        _opener("dcp"),
+        _inspect_dcp,
+        _verify_dcp,
+        _reshard_dcp,
+        _write_dcp,
+        _TO_DCP,
+        reads=Options(takes=("model_key", "optimizer_key")),
+    ),
+    DEEPSPEED: Format(
+        DEEPSPEED,
+        "DeepSpeed",
+        _is_deepspeed,
+        _opener("deepspeed"),
+        _inspect_deepspeed,
+        _verify_deepspeed,
+        _reshard_deepspeed,
+        _write_deepspeed,
+        _TO_DEEPSPEED,
+    ),
+    TORCH_SAVE: Format(TORCH_SAVE, "verl", _is_torchsave, _opener("torchsave"), _inspect_torchsave, _verify_torchsave, None, None),
+    FULL: Format(FULL, "full safetensors", _is_full, _opener("full"), _inspect_full, _verify_full, None, _write_full, _TO_FULL),
 }
 READ_LABELS = ", ".join(f.label for f in FORMATS.values())  # "fsdpkit, DCP, DeepSpeed, verl, full safetensors"
 RESHARD_LABELS = ", ".join(f.label for f in FORMATS.values() if f.reshard is not None)
-TARGETS = tuple(name for name, found in FORMATS.items() if found.written)
+TARGETS = tuple(name for name, found in FORMATS.items() if found.write is not None)
 CONVERT_HELP = f"Convert a checkpoint ({READ_LABELS}) --to {', '.join(TARGETS[:-1])} or {TARGETS[-1]}."
 
 
@@ -224,7 +300,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = Non
     other formats ignore them)."""
     found = detect_format(path)
     opened = found.open(Path(path), Keys(model_key, optimizer_key))
-    opened.format = found.name
+    opened.format, opened.opened_from = found.name, str(path)
     return opened
 
 
@@ -239,3 +315,27 @@ def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], reques
     if request.world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {request.world_size}")
     return found.reshard(Path(src), Path(dst), request)
+
+
+def convert_any(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], request: ConvertRequest, progress: Progress | None = None
+) -> dict:
+    """`convert`: the checkpoint at `src`, opened as a tensor table, written by `request.to`'s
+    writer (to its own format: `fsdpkit reshard`)."""
+    source = detect_format(src)
+    target = FORMATS.get(request.to)
+    if target is None or target.write is None:
+        raise UsageError(f"unknown --to {request.to!r}: use {', '.join(TARGETS[:-1])} or {TARGETS[-1]}")
+    if target is source:
+        others = [name for name in TARGETS if name != source.name]
+        raise UsageError(
+            f"a {source.name} checkpoint cannot be converted --to {target.name}: use --to {' or '.join(others)}; "
+            "`fsdpkit reshard` lays it out for another world size"
+        )
+    check_options(source.name, source.reads, target.writes, request)
+    with open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key) as opened:
+        if not opened.model:
+            hint = "; name them with --dcp-model-key" if "model_key" in source.reads.takes else ""
+            raise DataCheckError(f"{src}: no model tensors found{hint}")
+        facts = {"src": opened.path, "dst": str(dst), "from": source.name, **opened.facts}
+        return {**facts, **target.write(opened, Path(dst), request, progress)}

@@ -1,11 +1,11 @@
-"""`convert SRC OUT --to deepspeed --stage S [--world-size N]`: an fsdpkit sharded checkpoint
-or a full safetensors directory with its optimizer file, as a DeepSpeed ZeRO checkpoint; and
+"""`convert SRC OUT --to deepspeed --stage S [--world-size N]`: any checkpoint opened as a
+tensor table with its Adam state, as a DeepSpeed ZeRO checkpoint; and
 `reshard DS OUT --world-size N`: a DeepSpeed checkpoint laid out for N ranks, same stage and precision,
 which DeepSpeed's plain `load_checkpoint` at N ranks resumes (no universal checkpoint).
 
 A parameter is a model tensor with Adam moments (`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`);
 its group's step is `optim.step.<name>` of the group's first parameter. The groups and their
-settings (lr, betas, eps, weight decay) are the ones the fsdpkit run recorded; a source without
+settings (lr, betas, eps, weight decay) are the ones the source recorded; a source without
 them is one group with AdamW's defaults. Written under a temporary name, renamed when complete.
 """
 
@@ -15,6 +15,7 @@ import os
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
@@ -23,10 +24,12 @@ from ..deepspeed.writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
 from ..deepspeed.writer_precision import Precision, saved_scale
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import is_optimizer_tensor, optim_tensor_name
-from ..format.reader import open_full, open_sharded
 from ..format.storage import staged_output
 from .convert import Progress, progress_callback
-from .formats import FULL, detect_format
+
+if TYPE_CHECKING:
+    from .any_checkpoint import AnyCheckpoint
+    from .request import ConvertRequest
 
 _STEP_FORMATS = {"F32": "<f", "F64": "<d", "I64": "<q", "I32": "<i"}
 
@@ -96,33 +99,16 @@ def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], shape: Run
     )
 
 
-def to_deepspeed(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    stage: int,
-    world_size: int | None = None,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-) -> dict:
-    path = Path(src)
-    if detect_format(path).name == FULL:
-        full = open_full(path, with_optimizer=True)
-        recorded: list[dict] = []
-        tensors, kind, steps, saved_world = {t.name: t for t in full.tensors}, "full", 0, 1
-        aliases = full.aliases
-    else:
-        sharded = open_sharded(path)
-        state = sharded.manifest.training_state
-        tensors = {t.name: t for t in sharded.sources()}
-        recorded = (state.get("optimizer") or {}).get("groups") or []
-        kind, steps, saved_world = "sharded", int(state.get("step", 0) or 0), sharded.manifest.shard_factor
-        aliases = sharded.manifest.aliases
-    run = build_run(tensors, recorded, RunShape(stage, world_size or saved_world, steps, aliases))
-    return write_run(run, path, Path(dst), source_kind=kind, overwrite=overwrite, progress=progress)
+def to_deepspeed(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    """`--to deepspeed`: a DeepSpeed ZeRO checkpoint of `--stage` at `--world-size` ranks
+    (default: the source's) of the parameters with Adam state, their groups and step."""
+    assert request.stage is not None  # the writer needs it
+    tensors = {t.name: t for t in opened.stored()}
+    run = build_run(tensors, opened.groups, RunShape(request.stage, request.world_size or opened.world_size, opened.step, opened.aliases))
+    return write_run(run, Path(opened.opened_from), dst, overwrite=request.overwrite, progress=progress)
 
 
-def write_run(run: DsRun, src: Path, dst: Path, *, source_kind: str, overwrite: bool, progress: Progress | None) -> dict:
+def write_run(run: DsRun, src: Path, dst: Path, *, overwrite: bool, progress: Progress | None) -> dict:
     """`run` written as a DeepSpeed checkpoint at `dst` (staged, renamed when complete)."""
     total = sum(p.master.nbytes * 3 for g in run.groups for p in g.params)
     with staged_output(dst, src=src, overwrite=overwrite, needed_bytes=total + 4096 * (run.world_size + 4) * 4) as tmp:
@@ -130,7 +116,6 @@ def write_run(run: DsRun, src: Path, dst: Path, *, source_kind: str, overwrite: 
     return {
         "src": str(src),
         "dst": str(dst),
-        "from": source_kind,
         "to": "deepspeed",
         "stage": run.stage,
         "world_size": run.world_size,
@@ -162,4 +147,4 @@ def reshard_deepspeed(
         )
         run = build_run(tensors, checkpoint.groups(), shape)
         run = replace(run, precision=Precision(checkpoint.precision), loss_scale=saved_scale(checkpoint.loss_scaler))
-        return write_run(run, Path(src), Path(dst), source_kind="deepspeed", overwrite=overwrite, progress=progress)
+        return write_run(run, Path(src), Path(dst), overwrite=overwrite, progress=progress)

@@ -1,0 +1,103 @@
+"""`convert SRC OUT --to sharded --world-size N [--model M]`: any checkpoint opened as a tensor
+table -> an fsdpkit sharded checkpoint with its optimizer state, so `fsdpkit train --resume OUT`
+continues the run at any N (no torch).
+
+The model tensors and the optimizer state (`optim.<state>.<fqn>`) are laid out by the model's
+flat-parameter placement (`--model`) or, without one, an even split per tensor, and written by
+the fsdpkit writer chunk by chunk. A full export's layout (names, transposed tensors) is undone
+unless the placement names the tensors as they are. Tied weights: a state dict that holds every
+name (FSDP2's) keeps the canonical one and records the alias. The training state takes the
+step, the optimizer's param groups and the export recipe the source records (or `--model`'s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...dtypes import dtype_info
+from ...errors import DataCheckError
+from ...flat_layout import ElementRange
+from ..format.bytecopy import SourceTensor
+from ..format.export import EXPORT_STATE_KEY
+from ..format.names import output_dtype, split_optim_tensor_name
+from ..format.placement import Placement
+from ..format.storage import staged_output
+from ..format.writer import write_sharded
+from .any_checkpoint import AnyCheckpoint
+from .convert import SCRATCH_NAME, Progress, check_placement_matches, progress_callback, restore_layout
+from .request import ConvertRequest
+
+
+def _canonical(sources: list[SourceTensor], aliases: dict[str, str]) -> list[SourceTensor]:
+    """Drop the alias names of tied weights (model and optimizer state) whose canonical name is there;
+    a tensor kept only under an alias is renamed to the canonical name."""
+    names = {s.name for s in sources}
+    kept = []
+    for source in sources:
+        optim = split_optim_tensor_name(source.name)
+        param = optim[1] if optim else source.name
+        if param in aliases:
+            canonical = f"optim.{optim[0]}.{aliases[param]}" if optim else aliases[param]
+            if canonical in names:
+                continue
+            source = SourceTensor(canonical, source.shape, source.dtype, tuple(source.pieces_in(ElementRange(0, source.numel))))
+        kept.append(source)
+    return kept
+
+
+def to_sharded(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+    from .model_description import describe
+
+    assert request.world_size is not None  # the writer needs it
+    world_size = request.world_size
+    description = describe(request.model) if request.model is not None else None
+    placement = description.placement if description is not None else Placement.even()
+    src = Path(opened.opened_from)
+    if request.with_optimizer and not opened.optimizer:
+        raise DataCheckError(f"{src}: --with-optimizer given but the checkpoint has no optimizer state")
+    sources = opened.stored()
+    names = {s.name for s in sources}
+    needed = 2 * sum(s.numel * dtype_info(output_dtype(s.dtype, request.cast_to)).itemsize for s in sources) + world_size * 65536
+    needed_for = f" for {world_size} rank files (--world-size {world_size})"
+    with staged_output(dst, src=src, overwrite=request.overwrite, needed_bytes=needed, needed_for=needed_for) as tmp:
+        stored = opened.aliases
+        if opened.export_layout is not None and not (description and all(n in names for n in placement.param_shapes())):
+            sources, stored = restore_layout(
+                sources, opened.aliases, opened.export_layout, src, tmp / SCRATCH_NAME, chunk_size=request.chunk_size
+            )
+        aliases = {**(description.aliases if description else {}), **stored}
+        sources = _canonical(sources, aliases)
+        kept = {s.name for s in sources}
+        if description is not None:
+            model = [s for s in sources if not split_optim_tensor_name(s.name)]
+            check_placement_matches(placement, model, where=src, source=f"model {request.model!r}")
+        groups = [{**g, "params": list(dict.fromkeys(aliases.get(n, n) for n in g.get("params", [])))} for g in opened.groups]
+        state: dict = {"step": opened.step, "optimizer_steps": opened.step, "optimizer": {"stateless": [], "groups": groups}}
+        export = description.export if description is not None and description.export is not None else opened.export
+        if export is not None:
+            state[EXPORT_STATE_KEY] = export.to_json()
+        written = write_sharded(
+            tmp,
+            sources=sources,
+            placement=placement,
+            world_size=world_size,
+            strategy="full",
+            training_state=state,
+            aliases={a: t for a, t in aliases.items() if t in kept and a not in kept},
+            cast_to=request.cast_to,
+            chunk_size=request.chunk_size,
+            progress=progress_callback(progress, sum(s.nbytes for s in sources)),
+        )
+        (tmp / SCRATCH_NAME).unlink(missing_ok=True)
+    return {
+        "to": "sharded",
+        "world_size": world_size,
+        "placement": placement.kind,
+        "step": opened.step,
+        "optimizer_tensors": len([s for s in sources if split_optim_tensor_name(s.name)]),
+        "files": written.files,
+        "tensors": len(written.manifest.tensors),
+        "bytes": written.bytes,
+        "dtype": request.cast_to,
+        "param_groups": len(groups),
+    }
