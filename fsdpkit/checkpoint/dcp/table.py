@@ -104,7 +104,7 @@ class DcpCheckpoint:
             raise DataCheckError(
                 f"{path}: chunk of {tensor.key!r} ends at byte {location.offset + location.length}, the file at {size} (truncated)"
             )
-        magic = os.pread(fd, 4, location.offset)
+        magic = read_exactly(fd, min(len(ZIP_MAGIC), location.length), location.offset, path)
         if magic == ZIP_MAGIC:
             return chunkdata.torch_save_data(
                 fd, path, location.offset, location.length, key=tensor.key, dtype=tensor.dtype, shape=chunk.sizes

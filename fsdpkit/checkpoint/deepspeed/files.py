@@ -24,7 +24,9 @@ MAX_TAG_BYTES = 4096
 
 
 @dataclass(frozen=True)
-class RankFiles:
+class DeepSpeedFiles:
+    """The files of one DeepSpeed tag directory, in rank order."""
+
     tag_dir: Path
     tag: str
     model_file: Path | None  # ZeRO 1/2's one model file
@@ -68,7 +70,7 @@ def tag_directory(path: Path) -> tuple[Path, str]:
     return path, path.name
 
 
-def resolve(path: str | os.PathLike[str]) -> RankFiles:
+def resolve(path: str | os.PathLike[str]) -> DeepSpeedFiles:
     """The rank files of the checkpoint at `path`, numbered 0..N-1 without gaps (DataCheckError)."""
     tag_dir, tag = tag_directory(Path(path))
     names = sorted(p.name for p in tag_dir.iterdir())
@@ -93,7 +95,7 @@ def resolve(path: str | os.PathLike[str]) -> RankFiles:
     model_file = tag_dir / MODEL_FILE if (tag_dir / MODEL_FILE).exists() else None
     if model_file is None and not zero_model:
         raise DataCheckError(f"{tag_dir}: no model states file ({MODEL_FILE} or zero_pp_rank_N_mp_rank_00_model_states.pt)")
-    return RankFiles(
+    return DeepSpeedFiles(
         tag_dir,
         tag,
         model_file,

@@ -52,21 +52,23 @@ class Flat:
 
 
 @dataclass(frozen=True)
-class ParamSlot:
+class ZeroSlot:
+    """One parameter inside DeepSpeed's flat arrays (fsdpkit's own flat parameters hold `flat_layout.ParamSlot`s)."""
+
     name: str
     shape: tuple[int, ...]
     group: int  # ZeRO 1/2: the parameter group; ZeRO 3: 0 (one flat array per rank)
     offset: int  # running offset in its flat array (ZeRO 3: in each rank's)
 
 
-def zero12_slots(param_shapes: Sequence[dict[str, tuple[int, ...]]], group_sizes: Sequence[int], ranks: int) -> list[ParamSlot]:
+def zero12_slots(param_shapes: Sequence[dict[str, tuple[int, ...]]], group_sizes: Sequence[int], ranks: int) -> list[ZeroSlot]:
     """Slots of ZeRO 1/2: running offsets per group; the group's padded size must be what the
     partitions hold (DeepSpeed aligns each group to 2 * ranks elements, zero_to_fp32's check)."""
     slots = []
     for group, (shapes, available) in enumerate(zip(param_shapes, group_sizes, strict=True)):
         offset = 0
         for name, shape in shapes.items():
-            slots.append(ParamSlot(name, shape, group, offset))
+            slots.append(ZeroSlot(name, shape, group, offset))
             offset += math.prod(shape)
         align = 2 * ranks
         if align * math.ceil(offset / align) != align * math.ceil(available / align):
@@ -74,23 +76,23 @@ def zero12_slots(param_shapes: Sequence[dict[str, tuple[int, ...]]], group_sizes
     return slots
 
 
-def zero3_slots(param_shapes: Sequence[dict[str, tuple[int, ...]]], rank_numel: int, ranks: int) -> list[ParamSlot]:
+def zero3_slots(param_shapes: Sequence[dict[str, tuple[int, ...]]], rank_numel: int, ranks: int) -> list[ZeroSlot]:
     slots, offset = [], 0
     for shapes in param_shapes:
         for name, shape in shapes.items():
-            slots.append(ParamSlot(name, shape, 0, offset))
+            slots.append(ZeroSlot(name, shape, 0, offset))
             offset += math.ceil(math.prod(shape) / ranks)
     if offset != rank_numel:
         raise DataCheckError(f"the parameters take {offset} elements per rank, each rank's partitions hold {rank_numel}")
     return slots
 
 
-def zero12_pieces(slot: ParamSlot, groups: Sequence[Flat]) -> list[SourcePiece]:
+def zero12_pieces(slot: ZeroSlot, groups: Sequence[Flat]) -> list[SourcePiece]:
     """`groups[g]`: group g's partitions of every rank, in rank order, as one flat array."""
     return groups[slot.group].pieces(slot.name, slot.offset, math.prod(slot.shape), 0)
 
 
-def zero3_pieces(slot: ParamSlot, ranks: Sequence[Flat]) -> list[SourcePiece]:
+def zero3_pieces(slot: ZeroSlot, ranks: Sequence[Flat]) -> list[SourcePiece]:
     """`ranks[r]`: rank r's partitions of every group, as one flat array."""
     total = math.prod(slot.shape)
     per_rank = math.ceil(total / len(ranks))

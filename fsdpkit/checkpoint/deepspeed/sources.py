@@ -100,7 +100,7 @@ def _frozen(checkpoint: DeepSpeedCheckpoint, models: list[SaveFile]) -> list[Sou
             continue
         ranges = [m.tensor_range((m.state.get("frozen_param_fragments") or {}).get(name), f"frozen parameter {name!r}") for m in models]
         flats = [f.Flat((r,)) for r in ranges]
-        slot = f.ParamSlot(name, tuple(shape), 0, 0)
+        slot = f.ZeroSlot(name, tuple(shape), 0, 0)
         pieces = f.zero3_pieces(slot, flats)
         out.append(SourceTensor(name, tuple(shape), ranges[0].dtype, tuple(pieces)))
     return out

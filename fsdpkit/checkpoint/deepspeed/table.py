@@ -22,7 +22,7 @@ from ...errors import DataCheckError
 from ..format.bytecopy import SourceTensor
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import SaveFile
-from .files import RankFiles, resolve
+from .files import DeepSpeedFiles, resolve
 from .unpickler import DeepSpeedRecord, loads
 
 FORMAT = "deepspeed"
@@ -30,7 +30,7 @@ FORMAT = "deepspeed"
 
 @dataclass
 class DeepSpeedCheckpoint:
-    files: RankFiles
+    files: DeepSpeedFiles
     stage: int
     world_size: int
     precision: str  # the module's dtype (F32, BF16, F16)
@@ -116,7 +116,7 @@ def _open(files: list[Path], opened: list[SaveFile]) -> list[SaveFile]:
     return out
 
 
-def _build(files: RankFiles, opened: list[SaveFile]) -> DeepSpeedCheckpoint:
+def _build(files: DeepSpeedFiles, opened: list[SaveFile]) -> DeepSpeedCheckpoint:
     optims = _open(list(files.optim_files), opened)
     models = _open([files.model_file] if files.model_file else list(files.rank_model_files), opened)
     head = models[0]
@@ -162,7 +162,7 @@ def _world_size(optimizer_state: Any, where: Path, version: str) -> int:
     return value
 
 
-def _precision(files: RankFiles, head: SaveFile) -> str:
+def _precision(files: DeepSpeedFiles, head: SaveFile) -> str:
     if files.optim_prefix:
         return files.optim_prefix.rstrip("_").upper()
     module = head.state.get("module") if isinstance(head.state, dict) else None
@@ -170,7 +170,7 @@ def _precision(files: RankFiles, head: SaveFile) -> str:
     return "BF16" if "BF16" in dtypes else "F16" if "F16" in dtypes else "F32"
 
 
-def _same_tag(rank_files: list[SaveFile], files: RankFiles) -> None:
+def _same_tag(rank_files: list[SaveFile], files: DeepSpeedFiles) -> None:
     steps = {rf.path.name: rf.state.get("global_steps") for rf in rank_files if isinstance(rf.state, dict) and "global_steps" in rf.state}
     if len(set(steps.values())) > 1:
         detail = ", ".join(f"{name}: {step}" for name, step in sorted(steps.items())[:4])

@@ -1,6 +1,7 @@
-"""Checkpoint files at the system-call level (no torch): the one way a file is opened for
-reading (`open_regular`: without blocking, so a FIFO in place of a file cannot hang, and
-only a regular file accepted), exact reads, vectored writes, source files mapped in bounded
+"""Checkpoint files at the system-call level (no torch), the one module that reads their bytes:
+the one way a file is opened for reading (`open_regular`: without blocking, so a FIFO in place
+of a file cannot hang, and only a regular file accepted), exact reads, streamed blocks
+(`read_blocks`), vectored writes, source files mapped in bounded
 windows (`MappedFiles`) for the byte engine, and the writes of its outputs run by worker
 threads (`WriteQueue`), so the kernel copies on one core while the engine checksums and
 plans on the other.
@@ -13,6 +14,7 @@ import mmap
 import os
 import stat
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,16 +47,32 @@ def open_regular(path: Path) -> tuple[int, int]:
     return fd, info.st_size
 
 
-def read_regular(path: Path, limit: int) -> bytes:
-    """The start of regular file `path`, at most `limit` bytes (a DataCheckError otherwise)."""
+def read_regular(path: Path, limit: int | None = None) -> bytes:
+    """Regular file `path` (a DataCheckError otherwise), its first `limit` bytes where given."""
     fd, size = open_regular(path)
     try:
-        return read_exactly(fd, min(size, limit), 0, path)
+        return read_exactly(fd, size if limit is None else min(size, limit), 0, path)
+    finally:
+        os.close(fd)
+
+
+def read_blocks(path: Path, buffer: memoryview, start: int = 0, end: int | None = None) -> Iterator[memoryview]:
+    """Bytes [start, end) of regular file `path` (to its end without `end`), front to back, read
+    into `buffer` one block at a time; each block is valid until the next is read."""
+    fd, size = open_regular(path)
+    try:
+        end = size if end is None else end
+        while start < end:
+            block = buffer[: min(len(buffer), end - start)]
+            pread_into(fd, start, block, path)
+            yield block
+            start += len(block)
     finally:
         os.close(fd)
 
 
 def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:
+    """Bytes [offset, offset + count) of `fd`; a file that ends before is a DataCheckError."""
     data = os.pread(fd, count, offset)
     while len(data) < count:
         more = os.pread(fd, count - len(data), offset + len(data))
@@ -64,11 +82,17 @@ def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:
     return data
 
 
+def read_some(fd: int, offset: int, view: memoryview) -> int:
+    """Read what one call gives, at most `view`'s bytes, from byte `offset` of `fd` into `view`:
+    how many (0 at the end of the file)."""
+    return os.preadv(fd, [view], offset)
+
+
 def pread_into(fd: int, offset: int, view: memoryview, path: Path) -> None:
     """Fill `view` from byte `offset` of `fd`."""
     done = 0
     while done < view.nbytes:
-        count = os.preadv(fd, [view[done:]], offset + done)
+        count = read_some(fd, offset + done, view[done:])
         if count == 0:
             raise DataCheckError(f"{path}: file ends at byte {offset + done}, {view.nbytes - done} bytes early (truncated)")
         done += count

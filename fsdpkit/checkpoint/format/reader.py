@@ -47,7 +47,7 @@ from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
 from .export import ExportLayout, layout_of
-from .files import open_regular, pread_into, read_exactly
+from .files import open_regular, pread_into, read_blocks, read_exactly
 from .manifest import Manifest, V1Listing, load_manifest
 from .names import (
     CRC_METADATA_KEY,
@@ -79,10 +79,9 @@ def read_header(path: str | Path, *, expected_size: int | None = None) -> Header
     try:
         if expected_size is not None and size != expected_size:
             raise DataCheckError(f"{path}: file is {size} bytes, the manifest says {expected_size}")
-        prefix = os.pread(fd, 8, 0)
-        if len(prefix) < 8:
+        if size < 8:
             raise DataCheckError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
-        (header_len,) = struct.unpack("<Q", prefix)
+        (header_len,) = struct.unpack("<Q", read_exactly(fd, 8, 0, path))
         if header_len > MAX_HEADER_BYTES:
             raise DataCheckError(f"{path}: header claims {header_len} bytes, over the {MAX_HEADER_BYTES}-byte limit")
         if 8 + header_len > size:
@@ -132,17 +131,10 @@ class RankFile:
         relative to the data buffer, block); each block is valid until the next is read."""
         if not len(self):
             return
-        fd, _ = open_regular(self.path)
-        try:
-            position, end = self.begins[0], self.ends[-1]
-            while position < end:
-                count = os.preadv(fd, [buffer[: min(len(buffer), end - position)]], self.data_start + position)
-                if count == 0:
-                    raise DataCheckError(f"{self.path}: file ends before its data does (truncated)")
-                yield position, buffer[:count]
-                position += count
-        finally:
-            os.close(fd)
+        position = self.begins[0]
+        for block in read_blocks(self.path, buffer, self.data_start + position, self.data_start + self.ends[-1]):
+            yield position, block
+            position += len(block)
 
 
 def check_v2_size(path: Path, size: int, expected: FileLayout) -> None:

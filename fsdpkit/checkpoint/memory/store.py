@@ -32,6 +32,7 @@ from pathlib import Path
 from ...errors import DataCheckError
 from ...sizes import format_size
 from ..format.crc import crc32
+from ..format.files import read_blocks, read_regular
 from ..format.lock import holder_alive, process_identity
 from ..format.manifest import Manifest, load_manifest, save_manifest
 from ..format.names import MANIFEST_NAME, parse_step_dir_name, rank_file_name, step_dir_name
@@ -45,7 +46,7 @@ _RANK_FILE = re.compile(r"^rank-(\d+)-of-\d+\.safetensors")
 
 
 @dataclass(frozen=True)
-class Header:
+class SnapshotHeader:
     """What a snapshot rank file is: written after the file, read before it is trusted."""
 
     step: int
@@ -66,7 +67,7 @@ class Header:
         }
 
     @classmethod
-    def from_json(cls, document: object) -> Header:
+    def from_json(cls, document: object) -> SnapshotHeader:
         if not isinstance(document, dict):
             raise ValueError("not a JSON object")
         return cls(
@@ -80,12 +81,11 @@ class Header:
 
 
 def file_crc32(path: Path) -> tuple[int, int]:
-    """(crc32, size) of a whole file."""
+    """(crc32, size) of a whole file (a DataCheckError where it cannot be read)."""
     crc, size = 0, 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(READ_CHUNK_BYTES):
-            crc = crc32(chunk, crc)
-            size += len(chunk)
+    for block in read_blocks(path, memoryview(bytearray(READ_CHUNK_BYTES))):
+        crc = crc32(block, crc)
+        size += len(block)
     return crc, size
 
 
@@ -134,15 +134,15 @@ class SnapshotStore:
             tmp.rmdir()
         return directory
 
-    def finish(self, step: int, rank: int, world_size: int) -> Header:
+    def finish(self, step: int, rank: int, world_size: int) -> SnapshotHeader:
         """Write the header of rank file `rank` of `step`, last."""
         path = self.step_dir(step) / rank_file_name(rank, world_size)
         crc, size = file_crc32(path)
-        header = Header(step, self.run_id, rank, world_size, size, crc)
+        header = SnapshotHeader(step, self.run_id, rank, world_size, size, crc)
         _write_atomically(self._header_path(step, rank, world_size), json.dumps(header.to_json()).encode())
         return header
 
-    def put(self, header: Header, data: memoryview | bytes, *, manifest: memoryview | bytes | None = None) -> None:
+    def put(self, header: SnapshotHeader, data: memoryview | bytes, *, manifest: memoryview | bytes | None = None) -> None:
         """A copy of a rank file received from another rank (a buddy's, or for a restore),
         with the step's manifest where this node has none."""
         directory = self.step_dir(header.step)
@@ -189,9 +189,9 @@ class SnapshotStore:
             return []
         return sorted({int(match.group(1)) for name in names if (match := _RANK_FILE.match(name))})
 
-    def header(self, step: int, rank: int, world_size: int) -> Header | None:
+    def header(self, step: int, rank: int, world_size: int) -> SnapshotHeader | None:
         try:
-            return Header.from_json(json.loads(self._header_path(step, rank, world_size).read_text()))
+            return SnapshotHeader.from_json(json.loads(self._header_path(step, rank, world_size).read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -208,8 +208,8 @@ class SnapshotStore:
             return f"{name} of step {step}: its header is for step {header.step}, rank {header.rank} of {header.world_size}"
         try:
             crc, size = file_crc32(self.step_dir(step) / name)
-        except OSError as error:
-            return f"{name} of step {step}: unreadable ({error.strerror or error})"
+        except DataCheckError as error:
+            return f"{name} of step {step}: unreadable ({error})"
         if size != header.size:
             return f"{name} of step {step}: {size} bytes, its header says {header.size}"
         if crc != header.crc32:
@@ -220,11 +220,15 @@ class SnapshotStore:
             return f"{name} of step {step}: {error}"
         return None
 
-    def read(self, step: int, rank: int, world_size: int) -> tuple[Header, bytes]:
+    def read(self, step: int, rank: int, world_size: int) -> tuple[SnapshotHeader, bytes]:
         header = self.header(step, rank, world_size)
         if header is None:
             raise FileNotFoundError(f"{self._header_path(step, rank, world_size)}")
-        return header, (self.step_dir(step) / rank_file_name(rank, world_size)).read_bytes()
+        return header, self.rank_bytes(step, rank, world_size)
+
+    def rank_bytes(self, step: int, rank: int, world_size: int) -> bytes:
+        """Rank file `rank` of `step`, whole."""
+        return read_regular(self.step_dir(step) / rank_file_name(rank, world_size))
 
 
 def reclaim_stale(root: str | Path) -> list[Path]:

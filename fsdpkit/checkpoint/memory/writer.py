@@ -33,7 +33,7 @@ from ...dist import faults
 from ...dist.comm import new_group
 from ...engine.view import describe
 from ..format.manifest import Manifest
-from ..format.names import MANIFEST_NAME, rank_file_name
+from ..format.names import MANIFEST_NAME
 from ..format.writer import CacheMode
 from ..live.background import HostBuffers
 from ..live.checkpointer import manifest_of
@@ -41,7 +41,7 @@ from ..live.copy_order import Event, OverlappedCopy, streams_for
 from ..live.model_state import persistent_buffers, planned_numels, tensor_table
 from ..live.save_protocol import write_rank
 from ..live.tensors import byte_view
-from .store import Header, SnapshotStore
+from .store import SnapshotHeader, SnapshotStore
 
 MAX_PARTS = 3
 
@@ -166,13 +166,13 @@ class SnapshotWriter:
         if self.peers is not None:
             self._exchange(header)
 
-    def _exchange(self, header: Header | None) -> None:
+    def _exchange(self, header: SnapshotHeader | None) -> None:
         """Send this rank's file (if any) to its buddy, and keep the one its source sends."""
         peers = self.peers
         assert peers is not None
         parts = []
         if header is not None:
-            parts = [header_bytes(header), (self.store.step_dir(header.step) / rank_file_name(header.rank, header.world_size)).read_bytes()]
+            parts = [header_bytes(header), self.store.rank_bytes(header.step, header.rank, header.world_size)]
         sent = send_parts(parts, peers.buddy, peers.group)
         received = receive_parts(peers.source, peers.group)
         for work in sent:
@@ -217,12 +217,12 @@ def receive_parts(source: int, group: Any) -> list[memoryview]:
     return parts
 
 
-def header_bytes(header: Header) -> bytes:
+def header_bytes(header: SnapshotHeader) -> bytes:
     return json.dumps(header.to_json()).encode()
 
 
-def header_of(raw: memoryview) -> Header:
-    return Header.from_json(json.loads(bytes(raw).decode()))
+def header_of(raw: memoryview) -> SnapshotHeader:
+    return SnapshotHeader.from_json(json.loads(bytes(raw).decode()))
 
 
 def local_world_size() -> int:

@@ -15,10 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import ByteEngine, SourceTensor
-from ..format.files import IOV_MAX, copy_range, open_regular, write_views
+from ..format.files import IOV_MAX, copy_range, create, open_regular, read_exactly, write_views
 
 BUFFER_BYTES = 8 * 1024 * 1024
 KERNEL_COPY_BYTES = 64 * 1024  # byte ranges at least this large are copied by the kernel
@@ -28,7 +27,7 @@ class RawOutput:
     def __init__(self, path: Path, engine: ByteEngine, progress: Callable[[int], None] | None = None):
         self.path, self.position = path, 0
         self._engine, self._progress = engine, progress
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._fd = create(path)
         self._pending: list[bytes | bytearray | memoryview] = []  # written by one writev
         self._pending_bytes = 0
         self._sources: dict[Path, int] = {}
@@ -86,10 +85,7 @@ class RawOutput:
         if fd is None:
             fd = self._sources[path] = open_regular(path)[0]
         if nbytes < KERNEL_COPY_BYTES:
-            data = os.pread(fd, nbytes, offset)
-            if len(data) != nbytes:
-                raise DataCheckError(f"{path}: file ends at byte {offset + len(data)}, before byte {offset + nbytes} (truncated)")
-            self.write(data)
+            self.write(read_exactly(fd, nbytes, offset, path))
             return
         self._flush()
         copy_range(fd, offset, nbytes, self._fd, self.position, path)

@@ -9,14 +9,13 @@ tensor record inside its storage.
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zipfile
 from pathlib import Path
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
-from ..format.files import read_exactly
+from ..format.files import read_exactly, read_some
 from ..format.names import numel
 from .unpickler import TensorRecord
 
@@ -47,10 +46,9 @@ class Window(io.RawIOBase):
 
     def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
         count = max(0, min(len(buffer), self._length - self._position))
-        data = os.pread(self._fd, count, self._start + self._position) if count else b""
-        buffer[: len(data)] = data
-        self._position += len(data)
-        return len(data)
+        done = read_some(self._fd, self._start + self._position, memoryview(buffer).cast("B")[:count]) if count else 0
+        self._position += done
+        return done
 
 
 def record_start(fd: int, path: Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> int:
