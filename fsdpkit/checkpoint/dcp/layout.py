@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ...errors import DataCheckError, UsageError
+from ...errors import UsageError
 from ..format.bytecopy import SourceTensor
 from ..format.names import optim_tensor_name
 from .metadata import DcpMetadata
@@ -104,18 +104,6 @@ def _top_keys(metadata: DcpMetadata) -> str:
     paths = [_path_of(metadata, key) for key in [*metadata.tensors, *metadata.bytes_items]]
     tops = sorted({str(path[0]) for path in paths if len(path) > 1})
     return "top-level keys: " + (", ".join(tops) if tops else "none, the tensors are at the top level")
-
-
-def model_and_optimizer(
-    checkpoint: DcpCheckpoint, *, model_key: str | None, optimizer_key: str | None
-) -> tuple[DcpLayout, list[SourceTensor], list[SourceTensor]]:
-    """The layout a conversion reads (the model keys found, else one line naming the flag),
-    and its (model, optimizer) tensors as sources under fsdpkit's names."""
-    layout = detect_layout(checkpoint.metadata, model_key=model_key, optimizer_key=optimizer_key)
-    if not layout.model:
-        raise DataCheckError(f"{checkpoint.metadata.directory}: no model tensors found; name them with --dcp-model-key")
-    model, optim = layout_sources(checkpoint, layout)
-    return layout, model, optim
 
 
 def layout_sources(checkpoint: DcpCheckpoint, layout: DcpLayout) -> tuple[list[SourceTensor], list[SourceTensor]]:
