@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from fsdpkit.checkpoint.dcp.inspect import DcpSummary
+from fsdpkit.checkpoint.format.summary import FullSummary, ShardedSummary, Summary
 from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, READ_LABELS, TORCH_SAVE, Keys, detect_format
 from fsdpkit.sizes import format_size
 
@@ -30,34 +32,30 @@ def inspect(
     summary = found.inspect(ckpt, Keys(dcp_model_key, dcp_optimizer_key))
     text = {DCP: _dcp_lines, DEEPSPEED: inspect_lines, TORCH_SAVE: torchsave_lines}.get(found.name, _lines)
     if as_json:
-        print_json(summary)
+        print_json(summary.to_json())
     else:
         typer.echo("\n".join(text(summary)))
 
 
-def _lines(summary: dict) -> list[str]:
-    lines = [
-        f"path        {summary['path']}",
-        f"format      {summary['format']}" + (f" v{summary['version']}" if "version" in summary else ""),
-    ]
-    if "world_size" in summary:
+def _lines(summary: FullSummary) -> list[str]:
+    sharded = summary if isinstance(summary, ShardedSummary) else None
+    lines = [f"path        {summary.path}", f"format      {summary.format}" + (f" v{sharded.version}" if sharded else "")]
+    if sharded:
         lines += [
-            f"world size  {summary['world_size']}  strategy {summary['strategy']}  "
-            f"placement {summary['placement']} ({summary['units']} units)",
-            f"step        {summary['step']}  samples {summary['samples']}",
+            f"world size  {sharded.world_size}  strategy {sharded.strategy}  placement {sharded.placement} ({sharded.units} units)",
+            f"step        {sharded.step}  samples {sharded.samples}",
         ]
-    if summary.get("config"):
-        lines.append(f"run         {_run_settings(summary['config'])}")
-    if summary.get("data_position"):
-        lines.append(f"data        {_data_position(summary['data_position'])}")
+        if sharded.config:
+            lines.append(f"run         {_run_settings(sharded.config)}")
+        if sharded.data_position:
+            lines.append(f"data        {_data_position(sharded.data_position)}")
     lines += [
-        f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, "
-        f"{format_size(summary['model']['bytes'])}",
-        f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
+        f"model       {summary.model.tensors} tensors, {summary.model.elements:,} elements, {format_size(summary.model.bytes)}",
+        f"optimizer   {summary.optimizer.tensors} tensors, {format_size(summary.optimizer.bytes)}",
         *tensor_lines(summary),
     ]
-    if summary["aliases"]:
-        lines.append("tied        " + ", ".join(f"{a} -> {t}" for a, t in summary["aliases"].items()))
+    if summary.aliases:
+        lines.append("tied        " + ", ".join(f"{a} -> {t}" for a, t in summary.aliases.items()))
     return lines
 
 
@@ -82,33 +80,32 @@ def _run_settings(config: dict) -> str:
     )
 
 
-def _dcp_lines(summary: dict) -> list[str]:
+def _dcp_lines(summary: DcpSummary) -> list[str]:
     lines = [
-        f"path        {summary['path']}",
-        f"format      dcp v{summary['version']} ({', '.join(summary['serialization']) or 'no tensors'})",
-        f"layout      model key {summary['model_key']!r}, optimizer key {summary['optimizer_key']!r}",
-        f"model       {summary['model']['tensors']} tensors, {summary['model']['elements']:,} elements, "
-        f"{format_size(summary['model']['bytes'])}",
-        f"optimizer   {summary['optimizer']['tensors']} tensors, {format_size(summary['optimizer']['bytes'])}",
-        f"chunks      {summary['chunks']} in {len(summary['tensors'])} tensors",
-        *tensor_lines(summary, name="key"),
+        f"path        {summary.path}",
+        f"format      dcp v{summary.version} ({', '.join(summary.serialization) or 'no tensors'})",
+        f"layout      model key {summary.model_key!r}, optimizer key {summary.optimizer_key!r}",
+        f"model       {summary.model.tensors} tensors, {summary.model.elements:,} elements, {format_size(summary.model.bytes)}",
+        f"optimizer   {summary.optimizer.tensors} tensors, {format_size(summary.optimizer.bytes)}",
+        f"chunks      {summary.chunks} in {len(summary.tensors)} tensors",
+        *tensor_lines(summary),
     ]
-    if summary["other_tensors"]:
-        lines.append("other       " + ", ".join(summary["other_tensors"][:8]) + (" ..." if len(summary["other_tensors"]) > 8 else ""))
-    if summary["bytes_items"]:
-        size = format_size(sum(b["bytes"] for b in summary["bytes_items"]))
-        lines.append(f"bytes items {len(summary['bytes_items'])}, {size} (never unpickled), by key:")
-        lines += item_lines(summary["items"])
+    if summary.other_tensors:
+        lines.append("other       " + ", ".join(summary.other_tensors[:8]) + (" ..." if len(summary.other_tensors) > 8 else ""))
+    if summary.bytes_items:
+        size = format_size(sum(b.bytes for b in summary.bytes_items))
+        lines.append(f"bytes items {len(summary.bytes_items)}, {size} (never unpickled), by key:")
+        lines += item_lines(summary.items)
     return lines
 
 
-def tensor_lines(summary: dict, *, name: str = "name", files_read: str = "") -> list[str]:
-    """The dtypes, the largest tensors (each under its `name` key) and the files, in any format's summary."""
-    files = summary["files"]
+def tensor_lines(summary: Summary, *, files_read: str = "") -> list[str]:
+    """The dtypes, the largest tensors (each by its `label`) and the files, in any format's summary."""
+    files = summary.files
     return [
-        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary["dtypes"].items()),
-        "largest     " + "; ".join(f"{t[name]} {t['dtype']}{t['shape']} {format_size(t['bytes'])}" for t in summary["largest"]),
-        f"files       {len(files)}{files_read}, {format_size(sum(f['size'] for f in files))}",
+        "dtypes      " + ", ".join(f"{k}: {v}" for k, v in summary.dtypes.items()),
+        "largest     " + "; ".join(f"{t.label} {t.dtype}{t.shape} {format_size(t.bytes)}" for t in summary.largest),
+        f"files       {len(files)}{files_read}, {format_size(sum(f.size for f in files))}",
     ]
 
 

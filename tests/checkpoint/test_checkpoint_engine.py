@@ -122,7 +122,7 @@ def test_save_at_one_world_size_load_strictly_at_another(tmp_path, save_world, l
     assert results[0]["empty"]
     # save(..., step=S) records S: a resumed run continues from it, inspect shows it
     assert {result["resumed_step"] for result in results.values()} == {2}
-    assert [summarize(Path(tmp_path) / "async" / f"step-0000000{s}")["step"] for s in (2, 3)] == [2, 3]
+    assert [summarize(Path(tmp_path) / "async" / f"step-0000000{s}").step for s in (2, 3)] == [2, 3]
     for name, tensor in ref_weights.items():
         assert ((results[0]["weights"][name] - tensor).norm() / tensor.norm()).item() < 1e-5, name
     assert not any(name.startswith("branch.") for name in ref_state)

@@ -1,4 +1,4 @@
-"""`fsdpkit inspect` and `fsdpkit verify` of a DCP checkpoint, as JSON-able dicts (no torch).
+"""`fsdpkit inspect` and `fsdpkit verify` of a DCP checkpoint: a `DcpSummary` and a `VerifyReport` (no torch).
 
 inspect: format, serialization, the model / optimizer keys found, every tensor (its key,
 fsdpkit name, dtype, shape, chunks, bytes), the bytes items (listed with their sizes, never
@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ..format.names import numel
 from ..format.report import VerifyReport
+from ..format.summary import FileEntry, ModelCounts, OptimizerCounts, Summary, TensorEntry, largest
 from .layout import detect_layout
 from .metadata import DcpTensor, read_metadata
 from .table import DcpCheckpoint, open_dcp
 
 FORMAT = "dcp"
-LARGEST = 5
 NOT_CHECKED = "tensor values (DCP stores no checksums)"
 
 
@@ -31,7 +31,37 @@ def _nbytes(tensor: DcpTensor) -> int:
     return numel(tensor.shape) * dtype_info(tensor.dtype).itemsize
 
 
-def summarize_dcp(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> dict:
+@dataclass(frozen=True)
+class DcpTensorEntry(TensorEntry):
+    key: str
+    chunks: int
+
+    @property
+    def label(self) -> str:
+        return self.key
+
+
+@dataclass(frozen=True)
+class BytesItem:
+    key: str
+    file: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class DcpSummary(Summary):
+    version: str | None
+    serialization: list[str]
+    model_key: str | None  # None: no model found
+    optimizer_key: str | None
+    other_tensors: list[str]  # keys of neither the model nor the optimizer
+    chunks: int
+    tensors: list[DcpTensorEntry]
+    bytes_items: list[BytesItem]
+    items: dict[str, int]  # the bytes items counted by group (`item_groups`)
+
+
+def summarize_dcp(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> DcpSummary:
     with open_dcp(path) as checkpoint:
         metadata = checkpoint.metadata
         layout = detect_layout(metadata, model_key=model_key, optimizer_key=optimizer_key)
@@ -39,38 +69,29 @@ def summarize_dcp(path: str | os.PathLike[str], *, model_key: str | None = None,
             if tensor.chunks:
                 checkpoint.chunk_data(tensor, tensor.chunks[0])
         names = {key: name for name, key in layout.names.items()}
-        tensors: list[dict[str, Any]] = [
-            {
-                "key": t.key,
-                "name": names.get(t.key),
-                "dtype": t.dtype,
-                "shape": list(t.shape),
-                "chunks": len(t.chunks),
-                "bytes": _nbytes(t),
-            }
-            for t in metadata.tensors.values()
+        tensors = [
+            DcpTensorEntry(names.get(t.key), t.dtype, list(t.shape), _nbytes(t), t.key, len(t.chunks)) for t in metadata.tensors.values()
         ]
         model = [metadata.tensors[key] for key in layout.model.values()]
         optim = [metadata.tensors[key] for key in layout.optimizer.values()]
-        summary: dict[str, Any] = {
-            "path": str(metadata.directory),
-            "format": FORMAT,
-            "version": metadata.version,
-            "serialization": checkpoint.serializations,
-            "model_key": layout.model_key,
-            "optimizer_key": layout.optimizer_key,
-            "model": {"tensors": len(model), "bytes": sum(map(_nbytes, model)), "elements": sum(numel(t.shape) for t in model)},
-            "optimizer": {"tensors": len(optim), "bytes": sum(map(_nbytes, optim))},
-            "other_tensors": list(layout.other),
-            "dtypes": dict(Counter(t.dtype for t in metadata.tensors.values())),
-            "chunks": sum(len(t.chunks) for t in metadata.tensors.values()),
-            "largest": sorted(tensors, key=lambda t: t["bytes"], reverse=True)[:LARGEST],
-            "tensors": tensors,
-            "bytes_items": [{"key": b.key, "file": b.location.file, "bytes": b.location.length} for b in metadata.bytes_items.values()],
-            "items": item_groups(list(metadata.bytes_items), [*layout.model.values(), *layout.optimizer.values()]),
-            "files": [{"name": name, "size": checkpoint.file(name)[1]} for name in metadata.files],
-        }
-    return summary
+        return DcpSummary(
+            path=str(metadata.directory),
+            format=FORMAT,
+            model=ModelCounts(len(model), sum(numel(t.shape) for t in model), sum(map(_nbytes, model))),
+            optimizer=OptimizerCounts(len(optim), sum(map(_nbytes, optim))),
+            dtypes=dict(Counter(t.dtype for t in metadata.tensors.values())),
+            largest=largest(tensors),
+            files=[FileEntry(name, checkpoint.file(name)[1]) for name in metadata.files],
+            version=metadata.version,
+            serialization=checkpoint.serializations,
+            model_key=layout.model_key,
+            optimizer_key=layout.optimizer_key,
+            other_tensors=list(layout.other),
+            chunks=sum(len(t.chunks) for t in metadata.tensors.values()),
+            tensors=tensors,
+            bytes_items=[BytesItem(b.key, b.location.file, b.location.length) for b in metadata.bytes_items.values()],
+            items=item_groups(list(metadata.bytes_items), [*layout.model.values(), *layout.optimizer.values()]),
+        )
 
 
 def item_groups(item_keys: list[str], tensor_keys: list[str]) -> dict[str, int]:

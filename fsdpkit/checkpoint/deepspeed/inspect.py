@@ -1,5 +1,5 @@
-"""`fsdpkit inspect` and `fsdpkit verify` of a DeepSpeed ZeRO checkpoint, as JSON-able dicts
-(no torch, no deepspeed).
+"""`fsdpkit inspect` and `fsdpkit verify` of a DeepSpeed ZeRO checkpoint: a `DeepSpeedSummary`
+and a `VerifyReport` (no torch, no deepspeed).
 
 inspect: stage, precision, ranks, ds_version, global step, the parameters (trainable, frozen,
 tied, buffers), the optimizer state and its param groups, the non-tensor items grouped by
@@ -12,58 +12,73 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DataCheckError
-from ..format.bytecopy import SourceTensor
 from ..format.report import VerifyReport
+from ..format.summary import FileEntry, ModelCounts, OptimizerStates, Summary, TensorEntry, largest, tensor_entry
 from ..torchfile.savefile import verify_saved_files
 from ..torchfile.unpickler import count_items
 from .table import FORMAT, open_deepspeed
 
-LARGEST = 5
 PARAM_GROUPS_ITEM = "optimizer.param_groups"  # the optimizer's hyperparameters, one item per group setting
 
 
-def _tensor(source: SourceTensor) -> dict:
-    return {"name": source.name, "dtype": source.dtype, "shape": list(source.shape), "bytes": source.nbytes}
+@dataclass(frozen=True)
+class DeepSpeedModel(ModelCounts):
+    trainable: int  # held by the optimizer as fp32 masters
+    frozen: list[str]
+    buffers: list[str]
+    tied: dict[str, str]
 
 
-def summarize_deepspeed(path: str | os.PathLike[str]) -> dict:
+@dataclass(frozen=True)
+class DeepSpeedSummary(Summary):
+    model: DeepSpeedModel
+    optimizer: OptimizerStates
+    tag: str
+    stage: int
+    precision: str
+    world_size: int
+    ds_version: str
+    global_steps: int | None
+    tensors: list[TensorEntry]
+    items: dict[str, int]  # the non-tensor items, counted by top-level key
+
+
+def summarize_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedSummary:
     with open_deepspeed(path) as checkpoint:
-        model = [_tensor(s) for s in checkpoint.model]
+        model = [tensor_entry(s) for s in checkpoint.model]
         optim = checkpoint.optimizer
         trainable = len(model) - len(checkpoint.frozen) - len(checkpoint.buffers)
-        return {
-            "path": str(checkpoint.directory),
-            "format": FORMAT,
-            "tag": checkpoint.files.tag,
-            "stage": checkpoint.stage,
-            "precision": checkpoint.precision,
-            "world_size": checkpoint.world_size,
-            "ds_version": checkpoint.ds_version,
-            "global_steps": checkpoint.global_steps,
-            "model": {
-                "tensors": len(model),
-                "trainable": trainable,
-                "frozen": list(checkpoint.frozen),
-                "buffers": list(checkpoint.buffers),
-                "tied": checkpoint.aliases,
-                "elements": sum(s.numel for s in checkpoint.model),
-                "bytes": sum(t["bytes"] for t in model),
-            },
-            "optimizer": {
-                "tensors": len(optim),
-                "states": sorted(Counter(s.name.split(".")[1] for s in optim)),
-                "bytes": sum(s.nbytes for s in optim),
-                "param_groups": checkpoint.param_groups,
-            },
-            "dtypes": dict(Counter(s.dtype for s in checkpoint.sources)),
-            "largest": sorted(model, key=lambda t: t["bytes"], reverse=True)[:LARGEST],
-            "tensors": model + [_tensor(s) for s in optim],
-            "items": {key: count_items(value) for key, value in {**checkpoint.items, PARAM_GROUPS_ITEM: checkpoint.param_groups}.items()},
-            "files": [{"name": rf.path.name, "size": rf.size} for rf in checkpoint.opened],
-        }
+        return DeepSpeedSummary(
+            path=str(checkpoint.directory),
+            format=FORMAT,
+            model=DeepSpeedModel(
+                len(model),
+                sum(s.numel for s in checkpoint.model),
+                sum(t.bytes for t in model),
+                trainable,
+                list(checkpoint.frozen),
+                list(checkpoint.buffers),
+                checkpoint.aliases,
+            ),
+            optimizer=OptimizerStates(
+                len(optim), sum(s.nbytes for s in optim), sorted(Counter(s.name.split(".")[1] for s in optim)), checkpoint.param_groups
+            ),
+            dtypes=dict(Counter(s.dtype for s in checkpoint.sources)),
+            largest=largest(model),
+            files=[FileEntry(rf.path.name, rf.size) for rf in checkpoint.opened],
+            tag=checkpoint.files.tag,
+            stage=checkpoint.stage,
+            precision=checkpoint.precision,
+            world_size=checkpoint.world_size,
+            ds_version=checkpoint.ds_version,
+            global_steps=checkpoint.global_steps,
+            tensors=model + [tensor_entry(s) for s in optim],
+            items={key: count_items(value) for key, value in {**checkpoint.items, PARAM_GROUPS_ITEM: checkpoint.param_groups}.items()},
+        )
 
 
 def verify_deepspeed(path: str | os.PathLike[str]) -> VerifyReport:

@@ -24,6 +24,7 @@ from ..format.report import VerifyReport
 from .request import ConvertRequest, Options, check_options
 
 if TYPE_CHECKING:
+    from ..format.summary import Summary
     from .any_checkpoint import AnyCheckpoint
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
@@ -57,7 +58,7 @@ class Format:
     label: str  # how help and messages name it
     detect: Callable[[Path], bool]
     open: Callable[[Path, Keys], AnyCheckpoint]
-    inspect: Callable[[Path, Keys], dict]  # the summary `inspect` prints
+    inspect: Callable[[Path, Keys], Summary]  # the summary `inspect` prints
     verify: Callable[[Path, Progress | None], VerifyReport]  # every check the format allows
     reshard: Callable[[Path, Path, ReshardRequest], dict] | None  # None: a format without ranks to lay out
     write: Writer | None  # `convert --to <name>` from any opened checkpoint; None: not written
@@ -110,31 +111,31 @@ def _opener(name: str) -> Callable[[Path, Keys], AnyCheckpoint]:
     return open_checkpoint
 
 
-def _inspect_fsdpkit(path: Path, keys: Keys) -> dict:
+def _inspect_fsdpkit(path: Path, keys: Keys) -> Summary:
     from .verify import summarize
 
     return summarize(path)
 
 
-def _inspect_full(path: Path, keys: Keys) -> dict:
+def _inspect_full(path: Path, keys: Keys) -> Summary:
     from .verify import summarize_full
 
     return summarize_full(path)
 
 
-def _inspect_dcp(path: Path, keys: Keys) -> dict:
+def _inspect_dcp(path: Path, keys: Keys) -> Summary:
     from ..dcp.inspect import summarize_dcp
 
     return summarize_dcp(path, model_key=keys.model, optimizer_key=keys.optimizer)
 
 
-def _inspect_deepspeed(path: Path, keys: Keys) -> dict:
+def _inspect_deepspeed(path: Path, keys: Keys) -> Summary:
     from ..deepspeed.inspect import summarize_deepspeed
 
     return summarize_deepspeed(path)
 
 
-def _inspect_torchsave(path: Path, keys: Keys) -> dict:
+def _inspect_torchsave(path: Path, keys: Keys) -> Summary:
     from ..torchsave.inspect import summarize_torchsave
 
     return summarize_torchsave(path)

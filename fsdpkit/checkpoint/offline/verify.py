@@ -8,7 +8,7 @@ grow with the world size). Full checkpoints (model.safetensors / index, and the 
 files of an export that has them): headers, sizes and the index; they carry no checksums.
 `verify_checkpoint` returns a `VerifyReport`; `ok` is true when `problems` is empty.
 
-`summarize(path)` (`fsdpkit inspect`): what a checkpoint holds, headers only, no data read:
+`summarize(path)` (`fsdpkit inspect`), a `ShardedSummary`: what a checkpoint holds, headers only, no data read:
 format, version, world size, strategy, placement, step and samples, tensor counts and bytes
 for the model and the optimizer, the training run's settings, dtypes, the largest tensors, files with sizes, tied-weight
 aliases (full checkpoints: files, the optimizer's too when an export has them, tensors, bytes,
@@ -18,21 +18,19 @@ checkpoints raise `DataCheckError`.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE
 from ..format.crc import crc32
 from ..format.manifest import load_manifest
-from ..format.names import FORMAT_NAME, is_optimizer_tensor, numel
+from ..format.names import FORMAT_NAME
 from ..format.placement import FileLayout
 from ..format.reader import RankFile, ShardedCheckpoint, has_optimizer_files, open_full, open_sharded, v2_crcs
 from ..format.report import VerifyReport
 from ..format.storage import resolve_checkpoint
+from ..format.summary import FileEntry, FullSummary, ShardedSummary, tensor_stats
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
 PROGRESS_BYTES = 8 * 1024 * 1024
@@ -140,56 +138,31 @@ def verify_full(path: Path) -> VerifyReport:
     return report
 
 
-LARGEST = 5
-
-
-def _tensor_stats(items: list[tuple[str, str, tuple[int, ...]]]) -> dict:
-    def size(item):
-        return numel(item[2]) * dtype_info(item[1]).itemsize
-
-    model = [i for i in items if not is_optimizer_tensor(i[0])]
-    optim = [i for i in items if is_optimizer_tensor(i[0])]
-    largest = sorted(items, key=size, reverse=True)[:LARGEST]
-    return {
-        "model": {"tensors": len(model), "bytes": sum(map(size, model)), "elements": sum(numel(i[2]) for i in model)},
-        "optimizer": {"tensors": len(optim), "bytes": sum(map(size, optim))},
-        "dtypes": dict(Counter(i[1] for i in items)),
-        "largest": [{"name": n, "dtype": d, "shape": list(s), "bytes": size((n, d, s))} for n, d, s in largest],
-    }
-
-
-def summarize_full(path: Path) -> dict:
+def summarize_full(path: Path) -> FullSummary:
     full = open_full(path, with_optimizer=has_optimizer_files(path))
-    summary: dict[str, Any] = {
-        "path": str(path),
-        "format": "full",
-        "files": [{"name": f.name, "size": f.stat().st_size} for f in full.files],
-        "aliases": full.aliases,
-    }
-    summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in full.tensors]))
-    return summary
+    files = [FileEntry(f.name, f.stat().st_size) for f in full.files]
+    return FullSummary(str(path), "full", *tensor_stats([(t.name, t.dtype, t.shape) for t in full.tensors]), files, full.aliases)
 
 
-def summarize(path: str | Path) -> dict:
+def summarize(path: str | Path) -> ShardedSummary:
     checkpoint = open_sharded(path)
     manifest = checkpoint.manifest
     state = manifest.training_state
     files = [checkpoint.rank_file(index) for index in range(len(checkpoint.file_names()))]
-    summary = {
-        "path": str(checkpoint.step_dir),
-        "format": FORMAT_NAME,
-        "version": manifest.version,
-        "world_size": manifest.shard_factor,
-        "strategy": manifest.strategy,
-        "placement": manifest.placement.kind,
-        "units": len(manifest.placement.units),
-        "step": state.get("step"),
-        "samples": state.get("samples"),
-        "data_position": state.get("data_position"),  # where the training data loader stood (fsdpkit train)
-        "config": state.get("config"),  # the training run's settings (fsdpkit train), if it recorded them
-        "fragments": sum(len(f) for f in files),
-        "files": [{"name": f.path.name, "size": f.size} for f in files],
-        "aliases": manifest.aliases,
-    }
-    summary.update(_tensor_stats([(t.name, t.dtype, t.shape) for t in manifest.tensors]))
-    return summary
+    return ShardedSummary(
+        str(checkpoint.step_dir),
+        FORMAT_NAME,
+        *tensor_stats([(t.name, t.dtype, t.shape) for t in manifest.tensors]),
+        files=[FileEntry(f.path.name, f.size) for f in files],
+        aliases=manifest.aliases,
+        version=manifest.version,
+        world_size=manifest.shard_factor,
+        strategy=manifest.strategy,
+        placement=manifest.placement.kind,
+        units=len(manifest.placement.units),
+        step=state.get("step"),
+        samples=state.get("samples"),
+        data_position=state.get("data_position"),
+        config=state.get("config"),
+        fragments=sum(len(f) for f in files),
+    )

@@ -1,51 +1,58 @@
-"""`fsdpkit inspect` and `fsdpkit verify` of per-rank `torch.save` state dicts, as JSON-able dicts."""
+"""`fsdpkit inspect` and `fsdpkit verify` of per-rank `torch.save` state dicts: a `TorchSaveSummary` and a `VerifyReport`."""
 
 from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ..format.bytecopy import SourceTensor
 from ..format.report import VerifyReport
+from ..format.summary import FileEntry, ModelCounts, OptimizerStates, Summary, TensorEntry, largest, tensor_entry
 from ..torchfile.savefile import verify_saved_files
 from ..torchfile.unpickler import count_items
 from .table import FORMAT, open_rank_state_dicts
 
-LARGEST = 5
+
+@dataclass(frozen=True)
+class TorchSaveOptimizer(OptimizerStates):
+    not_read: str  # why the optimizer files were not read ("": they were)
 
 
-def _tensor(source: SourceTensor) -> dict[str, Any]:
-    return {"name": source.name, "dtype": source.dtype, "shape": list(source.shape), "bytes": source.nbytes}
+@dataclass(frozen=True)
+class TorchSaveSummary(Summary):
+    optimizer: TorchSaveOptimizer
+    world_size: int
+    sharding: str
+    tensors: list[TensorEntry]
+    items: dict[str, int]  # rank 0's extra state, counted by top-level key
+    extra_state: dict[str, Any]
+    not_read: list[str]  # files of the directory not read
 
 
-def summarize_torchsave(path: str | os.PathLike[str]) -> dict:
+def summarize_torchsave(path: str | os.PathLike[str]) -> TorchSaveSummary:
     with open_rank_state_dicts(path) as checkpoint:
-        model = [_tensor(s) for s in checkpoint.model]
+        model = [tensor_entry(s) for s in checkpoint.model]
         optim = checkpoint.optim
-        return {
-            "path": str(checkpoint.directory),
-            "format": FORMAT,
-            "world_size": checkpoint.world_size,
-            "sharding": checkpoint.sharding,
-            "model": {"tensors": len(model), "elements": sum(s.numel for s in checkpoint.model), "bytes": sum(t["bytes"] for t in model)},
-            "optimizer": {
-                "tensors": len(optim.tensors),
-                "states": sorted(Counter(s.name.split(".")[1] for s in optim.tensors)),
-                "bytes": sum(s.nbytes for s in optim.tensors),
-                "param_groups": optim.param_groups,
-                "not_read": optim.not_read,
-            },
-            "dtypes": dict(Counter(s.dtype for s in checkpoint.model + optim.tensors)),
-            "largest": sorted(model, key=lambda t: t["bytes"], reverse=True)[:LARGEST],
-            "tensors": model + [_tensor(s) for s in optim.tensors],
-            "items": {key: count_items(value) for key, value in checkpoint.extra_state.items()},
-            "extra_state": checkpoint.extra_state,
-            "not_read": checkpoint.other_files,
-            "files": [{"name": rf.path.name, "size": rf.size} for rf in checkpoint.opened],
-        }
+        states = sorted(Counter(s.name.split(".")[1] for s in optim.tensors))
+        optim_bytes = sum(s.nbytes for s in optim.tensors)
+        return TorchSaveSummary(
+            path=str(checkpoint.directory),
+            format=FORMAT,
+            model=ModelCounts(len(model), sum(s.numel for s in checkpoint.model), sum(t.bytes for t in model)),
+            optimizer=TorchSaveOptimizer(len(optim.tensors), optim_bytes, states, optim.param_groups, optim.not_read),
+            dtypes=dict(Counter(s.dtype for s in checkpoint.model + optim.tensors)),
+            largest=largest(model),
+            files=[FileEntry(rf.path.name, rf.size) for rf in checkpoint.opened],
+            world_size=checkpoint.world_size,
+            sharding=checkpoint.sharding,
+            tensors=model + [tensor_entry(s) for s in optim.tensors],
+            items={key: count_items(value) for key, value in checkpoint.extra_state.items()},
+            extra_state=checkpoint.extra_state,
+            not_read=checkpoint.other_files,
+        )
 
 
 def _why(not_read: str) -> str:
