@@ -15,18 +15,22 @@ import signal
 import socket
 import subprocess
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
-from support.checkpoint_files import save_checkpoint
+from support.checkpoint_files import make_manifest, sample_tensors, save_checkpoint
 from test_faults import assert_bitwise_equal, finish, start, stopped_worker, weights
 
 from fsdpkit.checkpoint.format.lock import process_identity
 from fsdpkit.checkpoint.format.names import rank_file_name
+from fsdpkit.checkpoint.format.writer import CacheMode
+from fsdpkit.checkpoint.live.save_protocol import write_rank
 from fsdpkit.checkpoint.memory.choice import Choice, Source, Transfer, choose
 from fsdpkit.checkpoint.memory.recovery import verified_files
 from fsdpkit.checkpoint.memory.store import DEFAULT_ROOT, HEADER_SUFFIX, OWNER_NAME, STORE_PREFIX, SnapshotStore, reclaim_stale, room_line
+from fsdpkit.flat_layout import ElementRange
 from fsdpkit.train.config import TrainConfig
 from fsdpkit.train.snapshots import needed_bytes, wanted
 
@@ -41,9 +45,20 @@ def _store_with(tmp_path: Path, steps: list[int], *, world_size: int = 2, run_id
         store.step_dir(step).mkdir()
         (store.step_dir(step) / "manifest.json").write_text("{}")
         for rank in range(world_size):
-            (store.step_dir(step) / rank_file_name(rank, world_size)).write_bytes(bytes([step, rank]) * 100)
-            store.finish(step, rank, world_size)
+            data = bytes([step, rank]) * 100
+            (store.step_dir(step) / rank_file_name(rank, world_size)).write_bytes(data)
+            store.finish(step, rank, world_size, zlib.crc32(data))
     return store
+
+
+def test_the_writers_crc32_of_a_rank_file_is_that_of_its_bytes(tmp_path):
+    """The snapshot header's crc32 comes from the writer (header and fragment crcs combined), not from reading the file again."""
+    tensors = sample_tensors()
+    manifest = make_manifest(tensors, world_size=3)
+    whole = {n: (ElementRange(0, t.numel()), t.reshape(-1)) for n, t in tensors.items()}
+    for rank in range(3):
+        crc = write_rank(tmp_path, manifest, rank, whole, cache=CacheMode.CACHED)
+        assert crc == zlib.crc32((tmp_path / rank_file_name(rank, 3)).read_bytes())
 
 
 def test_a_snapshot_file_counts_only_with_its_header_and_matching_bytes(tmp_path):

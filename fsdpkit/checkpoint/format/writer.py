@@ -10,7 +10,7 @@ safetensors library does; the result reads back with `safetensors.safe_open`.
 `RankFileWriter(path, file_layout)` writes a v2 rank file whose header the manifest derives
 (`placement.FileLayout`); after each fragment the caller gives its crc32 (`end_fragment`),
 and `close` writes the crc32 hex digits into the header's `__metadata__` (fixed width, so the
-header's length never changes).
+header's length never changes); `file_crc32` is then the whole file's, combined from those.
 
 Data arrives in any number of pieces; small ones are gathered in a 1 MiB buffer so a file of
 many small fragments costs a few system calls. The `cache` mode (`CacheMode`) says how the
@@ -51,6 +51,7 @@ import numpy
 
 from ...dtypes import dtype_info
 from .bytecopy import SourceTensor
+from .crc import crc32, crc32_combine
 from .manifest import Manifest, save_manifest
 from .names import numel, output_dtype, rank_file_name
 from .placement import FileLayout, Placement, TensorSpec
@@ -304,6 +305,16 @@ class RankFileWriter(_FileWriter):
         if self._fd >= 0 and self._crcs:
             self.patch(self.layout.crc_offset, "".join(f"{crc:08x}" for crc in self._crcs).encode("ascii"))
         return super().close()
+
+    def file_crc32(self) -> int:
+        """The crc32 of the whole file as written: its header's, combined with each fragment's
+        (the fragments lie back to back after it), so nothing is read again."""
+        crc = 0
+        for part in self.layout.header_with(self._crcs):
+            crc = crc32(part, crc)
+        for (start, end), fragment_crc in zip(self.layout.spans, self._crcs, strict=True):
+            crc = crc32_combine(crc, fragment_crc, end - start)
+        return crc
 
 
 @dataclass(frozen=True)

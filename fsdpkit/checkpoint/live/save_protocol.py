@@ -146,11 +146,11 @@ def write_rank(
     *,
     timings: SaveTimings | None = None,
     cache: CacheMode = CacheMode.DIRECT,
-) -> Path:
+) -> int:
     """Write rank `rank`'s file of `manifest` from this rank's data (fsynced), in pieces of at
     most WRITE_CHUNK_BYTES (each one write and one crc32 update, both without the GIL); the
     time of each part is added to `timings`. `cache` CACHED where the file lives in memory
-    (tmpfs): written straight from the data, with no staging copy."""
+    (tmpfs): written straight from the data, with no staging copy. Returns the whole file's crc32."""
     timings = timings if timings is not None else SaveTimings()
     layout = manifest.layout().file_layout(rank)
     path = directory / rank_file_name(rank, manifest.shard_factor)
@@ -175,4 +175,4 @@ def write_rank(
             writer.end_fragment(crc)
     timings.write += writer.write_seconds
     timings.fsync += writer.fsync_seconds
-    return path
+    return writer.file_crc32()

@@ -134,10 +134,10 @@ class SnapshotStore:
             tmp.rmdir()
         return directory
 
-    def finish(self, step: int, rank: int, world_size: int) -> SnapshotHeader:
-        """Write the header of rank file `rank` of `step`, last."""
-        path = self.step_dir(step) / rank_file_name(rank, world_size)
-        crc, size = file_crc32(path)
+    def finish(self, step: int, rank: int, world_size: int, crc: int) -> SnapshotHeader:
+        """Write the header of rank file `rank` of `step`, last; `crc` is the file's, as its writer
+        computed it while writing (the file is not read again)."""
+        size = (self.step_dir(step) / rank_file_name(rank, world_size)).stat().st_size
         header = SnapshotHeader(step, self.run_id, rank, world_size, size, crc)
         _write_atomically(self._header_path(step, rank, world_size), json.dumps(header.to_json()).encode())
         return header

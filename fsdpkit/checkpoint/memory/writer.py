@@ -155,8 +155,8 @@ class SnapshotWriter:
                 copied.synchronize()
                 faults.reached("snapshot", step)
                 directory = self.store.begin(step, manifest)
-                write_rank(directory, manifest, self.shard_rank, local, cache=CacheMode.CACHED)  # tmpfs: memory already
-                header = self.store.finish(step, self.shard_rank, self.shard_factor)
+                crc = write_rank(directory, manifest, self.shard_rank, local, cache=CacheMode.CACHED)  # tmpfs: memory already
+                header = self.store.finish(step, self.shard_rank, self.shard_factor, crc)
             except OSError as error:
                 self.failed = True
                 self.store.discard(step, self.shard_rank, self.shard_factor)  # not the step: others write into it
