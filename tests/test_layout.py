@@ -173,3 +173,19 @@ def test_pyproject_installs_every_package():
     listed = set(project["tool"]["setuptools"]["packages"])
     folders = {"fsdpkit_cli" if folder == "cli/" else folder.rstrip("/").replace("/", ".") for folder in package_folders()}
     assert listed == folders
+
+
+FILE_READS = {"pread", "preadv", "read", "readv"}  # os's calls that read a file's bytes
+
+
+def test_checkpoint_file_bytes_are_read_in_one_module():
+    """Every byte of a checkpoint file is read through format/files.py (read_blocks, pread_into,
+    read_exactly, read_some, its mappings): no other module calls os's reads itself."""
+    found = []
+    for path in sorted((ROOT / "fsdpkit" / "checkpoint").rglob("*.py")):
+        if path == ROOT / "fsdpkit" / "checkpoint" / "format" / "files.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" and node.attr in FILE_READS:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} calls os.{node.attr}")
+    assert not found, "\n".join(found)
