@@ -44,7 +44,7 @@ import json, sys, torch
 from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
-from fsdpkit.models.units import unit_plan_for_model
+from fsdpkit.models.units import unit_specs_for_model
 from fsdpkit.checkpoint.format import storage
 from fsdpkit.checkpoint.format.manifest import Manifest
 from fsdpkit.checkpoint.format.placement import Placement, TensorSpec
@@ -52,7 +52,7 @@ from fsdpkit.checkpoint.live.save_protocol import write_rank
 from fsdpkit.flat_layout import ElementRange
 
 work, model, world, with_optim = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
-units = unit_plan_for_model(model)
+units = unit_specs_for_model(model)
 g = torch.Generator().manual_seed(0)
 state = {name: torch.randn(shape, generator=g) for unit in units for name, shape in unit}
 if with_optim:
@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _estimate_bytes(python: str, model: str) -> int:
     code = (
-        "import sys; from fsdpkit.models.units import unit_plan_for_model; import math; "
-        "print(sum(math.prod(s) * 4 for u in unit_plan_for_model(sys.argv[1]) for _, s in u))"
+        "import sys; from fsdpkit.models.units import unit_specs_for_model; import math; "
+        "print(sum(math.prod(s) * 4 for u in unit_specs_for_model(sys.argv[1]) for _, s in u))"
     )
     return int(subprocess.run([python, "-c", code, model], capture_output=True, text=True, check=True).stdout)
 
