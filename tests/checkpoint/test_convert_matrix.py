@@ -1,9 +1,9 @@
 """`fsdpkit convert` for every (source, target) pair through the command line, 5 sources x 4
-targets. Each source is written by its own tool: fsdpkit's sharded format as training writes it,
-full safetensors by transformers' `save_pretrained`, DCP by FSDP2 and `dcp.save`, DeepSpeed
+targets, all holding one small Llama. Each source is written by its own tool: fsdpkit's sharded
+format as training writes it, full safetensors by transformers' `save_pretrained`, DCP by FSDP2 and `dcp.save`, DeepSpeed
 ZeRO-2 by DeepSpeed's `save_checkpoint` and verl's per-rank torch.save files by FSDP2 (one launch
 of 2 gloo ranks writes the last three). Each target is read back by its own tool and compared
-exactly with the source's tensors: full by safetensors, DCP by torch's `dcp_to_torch_save`,
+exactly with the source's tensors: full by safetensors and transformers' `from_pretrained`, DCP by torch's `dcp_to_torch_save`,
 DeepSpeed by DeepSpeed's `zero_to_fp32`, sharded by fsdpkit's reader. A same-format pair is
 `fsdpkit reshard --world-size 3` instead (full has no ranks: its convert is refused). What a
 pair cannot hold is one line: full (no Adam state) -> DeepSpeed is refused, and the optimizer
@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support import deepspeed_worker
-from support.checkpoint_files import SAMPLE_UNITS, run_cli, sample_tensors, save_checkpoint
+from support.checkpoint_files import run_cli, save_checkpoint
 from support.distributed import run_distributed
 
 import fsdpkit
@@ -72,7 +72,8 @@ def sources(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     root = tmp_path_factory.mktemp("sources")
     launched = run_distributed(_write_launched_sources, 2, str(root))[0]
 
-    params = sample_tensors()
+    torch.manual_seed(2)
+    params = dict(LlamaForCausalLM(deepspeed_worker.llama_config()).state_dict())
     generator = torch.Generator().manual_seed(1)
     optimizer = {}
     for name, tensor in params.items():
@@ -80,7 +81,7 @@ def sources(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
         optimizer[f"optim.exp_avg_sq.{name}"] = torch.rand(tensor.shape, generator=generator)
         optimizer[f"optim.step.{name}"] = torch.tensor(float(SHARDED_STEP))
     sharded_tensors = {**params, **optimizer}
-    save_checkpoint(root / "sharded", SHARDED_STEP, sharded_tensors, world_size=2, units=SAMPLE_UNITS)
+    save_checkpoint(root / "sharded", SHARDED_STEP, sharded_tensors, world_size=2)
 
     torch.manual_seed(0)
     LlamaForCausalLM(deepspeed_worker.llama_config()).save_pretrained(root / "full")
@@ -104,6 +105,20 @@ def _read_full(path: Path) -> dict:
     if (path / "optimizer.safetensors").exists():
         tensors.update(load_file(path / "optimizer.safetensors"))
     return _split(tensors)
+
+
+def _assert_from_pretrained(path: Path, model: dict[str, torch.Tensor]) -> None:
+    """transformers loads the full output, given the model's config.json as a user adds it, as
+    the Llama it is: every weight found and equal."""
+    from transformers import LlamaForCausalLM
+
+    deepspeed_worker.llama_config().save_pretrained(path)
+    loaded, info = LlamaForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info
+    state = loaded.state_dict()
+    assert sorted(state) == sorted(model)
+    for name, tensor in model.items():
+        assert torch.equal(state[name], tensor), name
 
 
 def _read_dcp(path: Path) -> dict:
@@ -159,6 +174,8 @@ def test_convert(sources, tmp_path, source, target):
         result = run_cli("convert", src, dst, "--to", target, *TARGET_OPTIONS[target], *with_optimizer)
     assert result.exit_code == 0, result.output
     _assert_same_state(READERS[target](dst), expected)
+    if target == "full":
+        _assert_from_pretrained(dst, expected["model"])
 
 
 @pytest.mark.parametrize("source", [name for name in SOURCES if name != "full"])
@@ -170,3 +187,4 @@ def test_full_without_optimizer_says_so(sources, tmp_path, source):
     assert f"warning: the optimizer state ({count} tensors) is not written: add --with-optimizer" in result.stderr.splitlines()
     assert not (tmp_path / "out" / "optimizer.safetensors").exists()
     _assert_same_state(_read_full(tmp_path / "out"), {**expected, "optimizer": {}, "steps": {}})
+    _assert_from_pretrained(tmp_path / "out", expected["model"])
