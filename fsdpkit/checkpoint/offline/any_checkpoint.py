@@ -1,6 +1,5 @@
-"""One Python reader for every checkpoint format the offline commands read, the way
-`safetensors.safe_open` reads one file: `fsdpkit.open_checkpoint(path)` (formats.py tells the
-format and calls its opener here).
+"""`fsdpkit.open_checkpoint(path)`: a checkpoint of any format, read the way `safetensors.safe_open`
+reads one file (formats.py tells the format and calls its opener here).
 
     with fsdpkit.open_checkpoint("run") as checkpoint:      # fsdpkit, full safetensors, DCP, DeepSpeed, per-rank torch.save
         checkpoint.format                       # "sharded", "full", "dcp", "deepspeed", "torch-save-ranks"
@@ -10,25 +9,16 @@ format and calls its opener here).
         rows = checkpoint.get_slice("wte.weight")[1000:1010]  # only those rows' bytes are read
         checkpoint.item_keys(), checkpoint.get_item("step")  # the non-tensor items
 
-It puts one face on the format readers (`format.reader` for fsdpkit and full checkpoints,
-`dcp.table`, `deepspeed.table`, `torchsave.table`), which stay the only readers of their formats. The names are
-the ones `diff` compares: the model's names and `optim.<state>.<param>` (a DCP checkpoint's
-other tensors under their DCP keys; a full checkpoint's as stored); tied aliases are names too.
-Bytes are read through the byte engine: a slice reads the byte runs it covers, except that a
-checksummed fragment (fsdpkit sharded) is read whole, once, the first time any of it is wanted,
-so that its crc32 is checked. Non-tensor items: an fsdpkit checkpoint's training state (top-level
-keys), a full checkpoint's `__metadata__`, a DCP checkpoint's bytes items (plain values only:
-one that names a class is refused, never unpickled), a DeepSpeed model file's top-level
-non-tensor entries and `optimizer.param_groups`, per-rank torch.save files' rank 0 extra state
-(top-level keys; tensors and numpy arrays as their dtype and shape) and `optimizer.param_groups`
-where their optimizer files are read.
-
-torch is imported by `get_tensor` and `get_slice` only; the offline commands use the tensor
-table (`sources`) and never import it.
+The names are the ones `diff` compares: the model's names and `optim.<state>.<param>` (a DCP
+checkpoint's other tensors under their DCP keys); tied aliases are names too. A slice reads only
+the byte runs it covers, except that a checksummed fragment (fsdpkit sharded) is read whole,
+once, so that its crc32 is checked. A DCP bytes item that names a class is refused, never
+unpickled. torch is imported by `get_tensor` and `get_slice` only.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...dtypes import dtype_info
-from ...errors import UsageError
+from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..dcp.boxes import flat_runs
 from ..format.bytecopy import ByteEngine, SourceTensor
@@ -152,21 +142,14 @@ class TensorSlice:
         shape = tuple(self._source.shape)
         offsets, sizes, picks = box_of(index, shape)
         itemsize = dtype_info(self._source.dtype).itemsize
-        data = bytearray(max(1, _count(sizes)) * itemsize)
+        data = bytearray(max(1, math.prod(sizes)) * itemsize)
         view = memoryview(data)
         for first, count, within in flat_runs(shape, offsets, sizes) if shape else [(0, 1, 0)]:
             out = view[within * itemsize : (within + count) * itemsize]
             self._checkpoint.read_into(self._source, ElementRange(first, first + count), out)
-        flat = torch.frombuffer(data, dtype=dtype_info(self._source.dtype).torch)[: _count(sizes)]
+        flat = torch.frombuffer(data, dtype=dtype_info(self._source.dtype).torch)[: math.prod(sizes)]
         box = flat.reshape(sizes)
         return box if all(pick == slice(None) for pick in picks) else box[picks].clone()
-
-
-def _count(sizes: tuple[int, ...]) -> int:
-    total = 1
-    for size in sizes:
-        total *= size
-    return total
 
 
 def box_of(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
@@ -232,12 +215,23 @@ def steps_taken(optimizer: list[SourceTensor]) -> int:
     ]
     if not steps:
         return 0
-    copier, out = ByteEngine(), bytearray(4)
+    engine = ByteEngine()
     try:
-        copier.read_into(steps[0], ElementRange(0, 1), memoryview(out))
+        return int(read_step(engine, steps[0]))
     finally:
-        copier.close()
-    return int(struct.unpack("<f", out)[0])
+        engine.close()
+
+
+_STEP_FORMATS = {"F32": "<f", "F64": "<d", "I64": "<q", "I32": "<i"}
+
+
+def read_step(engine: ByteEngine, source: SourceTensor) -> float:
+    fmt = _STEP_FORMATS.get(source.dtype)
+    if fmt is None or source.nbytes != struct.calcsize(fmt):
+        raise DataCheckError(f"{source.name}: a step of {source.dtype} {list(source.shape)}, expected one number")
+    data = bytearray(source.nbytes)
+    engine.read_into(source, ElementRange(0, 1), memoryview(data))
+    return float(struct.unpack(fmt, data)[0])
 
 
 def _with_aliases(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> dict[str, SourceTensor]:

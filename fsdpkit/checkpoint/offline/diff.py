@@ -1,23 +1,16 @@
-"""`fsdpkit diff A B`: two checkpoints of any format compared tensor by tensor (no torch).
-
-Each side is opened by `open_checkpoint` (any_checkpoint.py) as a table of named tensors under
-fsdpkit's names (the model's names and `optim.<state>.<param>`), tied aliases included. A full
-export whose names and orientation were changed for transformers (`convert --to full --model`
-of the built-in GPT: a `transformer.` prefix, Conv1D weights transposed), compared with a side
-in the model's own layout, is read back into it (diff_names.py). For every name: present in
-one only, a dtype or shape mismatch (a 2-D one saying whether it is a transpose), or the values
-compared block by block (`chunk_size` bytes of each side at a time, so memory does not grow
-with the tensor; a weight transposed back is held whole): bitwise equal, else the largest
-absolute and relative difference, and whether every element satisfies |a - b| <= atol + rtol *
-|b| (NaN equals NaN). Checksums of sharded checkpoints are verified as their bytes are read.
-Names found in one side only are explained where a prefix added to one side's names gives the
-other's.
+"""`fsdpkit diff A B`: two checkpoints of any format compared tensor by tensor (no torch), each
+opened by `open_checkpoint` under fsdpkit's names (a full export read back into the model's
+layout where the other side is in it: diff_names.py). Values are compared `chunk_size` bytes of
+each side at a time, so memory does not grow with the tensor (a weight transposed back is held
+whole): bitwise equal, else the largest absolute and relative difference, and whether every
+element satisfies |a - b| <= atol + rtol * |b| (NaN equals NaN).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -119,10 +112,22 @@ def diff(
             tensors_a, tensors_b, notes = comparable(a, b)
             names_a = [n for n in tensors_a if not (model_only and is_optimizer_tensor(n))]
             names_b = [n for n in tensors_b if not (model_only and is_optimizer_tensor(n))]
-            results, hints = _compare_all(tensors_a, tensors_b, names_a, names_b, tolerance, chunk_size, progress)
-    counts: dict[str, int] = {}
-    for result in results:
-        counts[result["status"]] = counts.get(result["status"], 0) + 1
+            common = [n for n in names_a if n in tensors_b]
+            total = sum(tensors_a[n].nbytes for n in common)
+            if progress is not None:
+                progress(0, total)
+            only_a = [n for n in names_a if n not in tensors_b]
+            only_b = [n for n in names_b if n not in tensors_a]
+            results = [{"name": n, "status": "only_a"} for n in only_a] + [{"name": n, "status": "only_b"} for n in only_b]
+            readers = (SideReader(ByteEngine(chunk_size=chunk_size)), SideReader(ByteEngine(chunk_size=chunk_size)))
+            try:
+                for name in common:
+                    results.append(compare_tensor(readers, tensors_a[name], tensors_b[name], tolerance, chunk_size))
+                    if progress is not None:
+                        progress(tensors_a[name].nbytes, total)
+            finally:
+                readers[0].close()
+                readers[1].close()
     return {
         "a": {"path": a.path, "format": a.format, "tensors": len(names_a)},
         "b": {"path": b.path, "format": b.format, "tensors": len(names_b)},
@@ -130,36 +135,8 @@ def diff(
         "rtol": tolerance.rtol,
         "model_only": model_only,
         "equal": all(r["status"] in ("equal", "close") for r in results),
-        "counts": counts,
+        "counts": dict(Counter(r["status"] for r in results)),
         "names": notes,
-        "hints": hints,
+        "hints": name_hints(only_a, only_b),
         "tensors": results,
     }
-
-
-def _compare_all(
-    tensors_a: dict[str, SourceTensor],
-    tensors_b: dict[str, SourceTensor],
-    names_a: list[str],
-    names_b: list[str],
-    tolerance: Tolerance,
-    chunk_size: int,
-    progress: Callable[[int, int], None] | None,
-) -> tuple[list[dict], list[str]]:
-    common = [n for n in names_a if n in tensors_b]
-    total = sum(tensors_a[n].nbytes for n in common)
-    if progress is not None:
-        progress(0, total)
-    only_a = [n for n in names_a if n not in tensors_b]
-    only_b = [n for n in names_b if n not in tensors_a]
-    results = [{"name": n, "status": "only_a"} for n in only_a] + [{"name": n, "status": "only_b"} for n in only_b]
-    readers = (SideReader(ByteEngine(chunk_size=chunk_size)), SideReader(ByteEngine(chunk_size=chunk_size)))
-    try:
-        for name in common:
-            results.append(compare_tensor(readers, tensors_a[name], tensors_b[name], tolerance, chunk_size))
-            if progress is not None:
-                progress(tensors_a[name].nbytes, total)
-    finally:
-        readers[0].close()
-        readers[1].close()
-    return results, name_hints(only_a, only_b)

@@ -1,13 +1,9 @@
-"""`diff` by the model's own names: a full export read back into the model's layout, and what
-is left of the names that differ said in words (no torch).
-
-A full checkpoint that `convert --to full --model` wrote in transformers' names and orientation
-records its export layout (`format.export.ExportLayout`). Compared with a side in the model's
-own layout (an fsdpkit, DCP or DeepSpeed checkpoint, or a full one without a layout), its model
-tensors are named as the model names them and its transposed weights are read transposed back
-(`TransposedSource`, held whole while compared; the optimizer state keeps the model's names
-on export). Names still in one side only are explained where a prefix added to (or taken from)
-one side's names gives the other's.
+"""`diff` by the model's own names: a full export that `convert --to full --model` wrote in
+transformers' names and orientation (its recorded `ExportLayout`), compared with a side in the
+model's own layout, is read back into it: model tensors renamed, transposed weights read
+transposed back (held whole while compared); the optimizer state keeps the model's names on
+export. Names still in one side only are explained where a prefix added to one side's names
+gives the other's.
 """
 
 from __future__ import annotations

@@ -1,22 +1,19 @@
-"""Every checkpoint format fsdpkit reads, by its one name: FORMATS. The name is the one the
-command line (`convert --to`), the `--json` reports and `open_checkpoint(...).format` use.
-
-Each row is the format's face: how it is told (`detect`), opened as a table of named tensors
-(`open`, the `AnyCheckpoint` of any_checkpoint.py), summarized (`inspect`), verified and, where
-fsdpkit writes the format, written from any opened checkpoint (`write`) and laid out for another
-world size (`reshard`). `detect_format` is the only place that tells a format; `convert` is
-`FORMATS[to].write(open(src))`, and `inspect`, `verify` and `reshard` go through the row too,
-never asking which format it is. Adding a format is its package and one row here. Each function
-imports its package when it runs, so reading this table imports nothing of the formats.
+"""Every checkpoint format fsdpkit reads, by its one name (the one `convert --to`, the `--json`
+reports and `open_checkpoint(...).format` use): FORMATS, one row per format. `detect_format` is
+the only place that tells a format; `convert` is `FORMATS[to].write(open(src))`, and `inspect`,
+`verify` and `reshard` go through the row too. Adding a format is its package and one row here.
+Each row's functions import their package when they run, so reading this table imports nothing
+of the formats.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...errors import DataCheckError, UsageError
 from ..format.names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name
@@ -66,6 +63,16 @@ class Format:
     reads: Options = Options()  # the options `open` takes
 
 
+def _lazy(module: str, name: str, arity: int = 1) -> Callable[..., Any]:
+    """`name` of `module` (relative to this package), imported when it runs and called with the
+    row's first `arity` arguments."""
+
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module, __package__), name)(*args[:arity])
+
+    return call
+
+
 def _is_sharded(path: Path) -> bool:
     """A step directory (its manifest), or a run directory (`latest`, or step-* directories)."""
     if not path.is_dir():
@@ -75,100 +82,16 @@ def _is_sharded(path: Path) -> bool:
     return any(parse_step_dir_name(child.name) is not None for child in path.iterdir())
 
 
-def _is_dcp(path: Path) -> bool:
-    from ..dcp.metadata import is_dcp_checkpoint
-
-    return is_dcp_checkpoint(path)
-
-
-def _is_deepspeed(path: Path) -> bool:
-    from ..deepspeed.files import is_deepspeed_checkpoint
-
-    return is_deepspeed_checkpoint(path)
-
-
-def _is_torchsave(path: Path) -> bool:
-    from ..torchsave.table import is_torchsave_checkpoint
-
-    return is_torchsave_checkpoint(path)
-
-
 def _is_full(path: Path) -> bool:
     from ..format.reader import is_full_checkpoint
 
     return is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists())
 
 
-def _opener(name: str) -> Callable[[Path, Keys], AnyCheckpoint]:
-    """any_checkpoint's `open_<name>_checkpoint`, imported when it runs."""
-
-    def open_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
-        from . import any_checkpoint
-
-        opened: AnyCheckpoint = getattr(any_checkpoint, f"open_{name}_checkpoint")(path, keys)
-        return opened
-
-    return open_checkpoint
-
-
-def _inspect_fsdpkit(path: Path, keys: Keys) -> Summary:
-    from .verify import summarize
-
-    return summarize(path)
-
-
-def _inspect_full(path: Path, keys: Keys) -> Summary:
-    from .verify import summarize_full
-
-    return summarize_full(path)
-
-
 def _inspect_dcp(path: Path, keys: Keys) -> Summary:
     from ..dcp.inspect import summarize_dcp
 
     return summarize_dcp(path, model_key=keys.model, optimizer_key=keys.optimizer)
-
-
-def _inspect_deepspeed(path: Path, keys: Keys) -> Summary:
-    from ..deepspeed.inspect import summarize_deepspeed
-
-    return summarize_deepspeed(path)
-
-
-def _inspect_torchsave(path: Path, keys: Keys) -> Summary:
-    from ..torchsave.inspect import summarize_torchsave
-
-    return summarize_torchsave(path)
-
-
-def _verify_fsdpkit(path: Path, progress: Progress | None) -> VerifyReport:
-    from .verify import verify_checkpoint
-
-    return verify_checkpoint(path, progress=progress)
-
-
-def _verify_full(path: Path, progress: Progress | None) -> VerifyReport:
-    from .verify import verify_full
-
-    return verify_full(path)
-
-
-def _verify_dcp(path: Path, progress: Progress | None) -> VerifyReport:
-    from ..dcp.inspect import verify_dcp
-
-    return verify_dcp(path)
-
-
-def _verify_deepspeed(path: Path, progress: Progress | None) -> VerifyReport:
-    from ..deepspeed.inspect import verify_deepspeed
-
-    return verify_deepspeed(path)
-
-
-def _verify_torchsave(path: Path, progress: Progress | None) -> VerifyReport:
-    from ..torchsave.inspect import verify_torchsave
-
-    return verify_torchsave(path)
 
 
 def _reshard_sharded(src: Path, dst: Path, request: ReshardRequest) -> dict:
@@ -197,18 +120,6 @@ def _reshard_deepspeed(src: Path, dst: Path, request: ReshardRequest) -> dict:
     return reshard_deepspeed(src, dst, world_size=request.world_size, overwrite=request.overwrite, progress=request.progress)
 
 
-def _write_sharded(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from .to_sharded import to_sharded
-
-    return to_sharded(opened, dst, request, progress)
-
-
-def _write_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from .convert import to_full
-
-    return to_full(opened, dst, request, progress)
-
-
 def _write_dcp(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
     """FSDP2's `{"model", "optimizer"}` layout chunked for `--world-size` ranks (default 1): the
     model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups."""
@@ -216,12 +127,6 @@ def _write_dcp(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progre
 
     output = DcpOutput(request.world_size or 1, request.chunk_size, request.overwrite)
     return sources_to_dcp(opened.stored(), Path(opened.opened_from), dst, aliases=opened.aliases, groups=opened.groups, output=output)
-
-
-def _write_deepspeed(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from .to_deepspeed import to_deepspeed
-
-    return to_deepspeed(opened, dst, request, progress)
 
 
 _TO_SHARDED = Options(
@@ -244,20 +149,20 @@ FORMATS: dict[str, Format] = {
         SHARDED,
         "fsdpkit",
         _is_sharded,
-        _opener("sharded"),
-        _inspect_fsdpkit,
-        _verify_fsdpkit,
+        _lazy(".any_checkpoint", "open_sharded_checkpoint", 2),
+        _lazy(".verify", "summarize"),
+        _lazy(".verify", "verify_checkpoint", 2),
         _reshard_sharded,
-        _write_sharded,
+        _lazy(".to_sharded", "to_sharded", 4),
         _TO_SHARDED,
     ),
     DCP: Format(
         DCP,
         "DCP",
-        _is_dcp,
-        _opener("dcp"),
+        _lazy("..dcp.metadata", "is_dcp_checkpoint"),
+        _lazy(".any_checkpoint", "open_dcp_checkpoint", 2),
         _inspect_dcp,
-        _verify_dcp,
+        _lazy("..dcp.inspect", "verify_dcp"),
         _reshard_dcp,
         _write_dcp,
         _TO_DCP,
@@ -266,16 +171,35 @@ FORMATS: dict[str, Format] = {
     DEEPSPEED: Format(
         DEEPSPEED,
         "DeepSpeed",
-        _is_deepspeed,
-        _opener("deepspeed"),
-        _inspect_deepspeed,
-        _verify_deepspeed,
+        _lazy("..deepspeed.files", "is_deepspeed_checkpoint"),
+        _lazy(".any_checkpoint", "open_deepspeed_checkpoint", 2),
+        _lazy("..deepspeed.inspect", "summarize_deepspeed"),
+        _lazy("..deepspeed.inspect", "verify_deepspeed"),
         _reshard_deepspeed,
-        _write_deepspeed,
+        _lazy(".to_deepspeed", "to_deepspeed", 4),
         _TO_DEEPSPEED,
     ),
-    TORCH_SAVE: Format(TORCH_SAVE, "verl", _is_torchsave, _opener("torchsave"), _inspect_torchsave, _verify_torchsave, None, None),
-    FULL: Format(FULL, "full safetensors", _is_full, _opener("full"), _inspect_full, _verify_full, None, _write_full, _TO_FULL),
+    TORCH_SAVE: Format(
+        TORCH_SAVE,
+        "verl",
+        _lazy("..torchsave.table", "is_torchsave_checkpoint"),
+        _lazy(".any_checkpoint", "open_torchsave_checkpoint", 2),
+        _lazy("..torchsave.inspect", "summarize_torchsave"),
+        _lazy("..torchsave.inspect", "verify_torchsave"),
+        None,
+        None,
+    ),
+    FULL: Format(
+        FULL,
+        "full safetensors",
+        _is_full,
+        _lazy(".any_checkpoint", "open_full_checkpoint", 2),
+        _lazy(".verify", "summarize_full"),
+        _lazy(".verify", "verify_full"),
+        None,
+        _lazy(".convert", "to_full", 4),
+        _TO_FULL,
+    ),
 }
 READ_LABELS = ", ".join(f.label for f in FORMATS.values())  # "fsdpkit, DCP, DeepSpeed, verl, full safetensors"
 RESHARD_LABELS = ", ".join(f.label for f in FORMATS.values() if f.reshard is not None)
