@@ -22,6 +22,7 @@ import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ from ...flat_layout import ElementRange
 from ..dcp.boxes import flat_runs
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.export import ExportLayout, HfExport
-from ..format.names import split_optim_tensor_name
+from ..format.names import is_optimizer_tensor, split_optim_tensor_name
 from .formats import Keys
 
 if TYPE_CHECKING:
@@ -60,14 +61,10 @@ class AnyCheckpoint:
     _close: Callable[[], None] = lambda: None
     _engine: ByteEngine | None = None
 
-    _sources: dict[str, SourceTensor] = field(default_factory=dict)
-
-    @property
+    @cached_property
     def sources(self) -> dict[str, SourceTensor]:
         """Every tensor by name: model, optimizer state, then the rest."""
-        if not self._sources:
-            self._sources = {**self.model, **self.optimizer, **self.other}
-        return self._sources
+        return {**self.model, **self.optimizer, **self.other}
 
     def stored(self) -> list[SourceTensor]:
         """Model tensors under their stored names only (no tied alias), then the optimizer state."""
@@ -187,11 +184,11 @@ def open_torchsave_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
 
     checkpoint = open_rank_state_dicts(path)
     model = {t.name: t for t in checkpoint.model}
-    optimizer = {t.name: t for t in checkpoint.optimizer}
-    items = {key: _value(value) for key, value in checkpoint.extra_state.items()}
+    optimizer = {t.name: t for t in checkpoint.optim.tensors}
+    items = _values(checkpoint.extra_state)
     groups = []
     if optimizer:
-        items["optimizer.param_groups"] = _value(checkpoint.optim.param_groups)
+        items |= _values({"optimizer.param_groups": checkpoint.optim.param_groups})
         # verl's one group holds every parameter the optimizer files hold state of
         params = list(dict.fromkeys(split[1] for name in optimizer if (split := split_optim_tensor_name(name))))
         groups = [{"settings": settings, "params": params} for settings in checkpoint.optim.param_groups]
@@ -201,7 +198,7 @@ def open_torchsave_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
         optimizer,
         items=items,
         groups=groups,
-        step=steps_taken(checkpoint.optimizer),
+        step=steps_taken(checkpoint.optim.tensors),
         world_size=checkpoint.world_size,
         facts={"from_world_size": checkpoint.world_size, "not_read": checkpoint.other_files},
         _close=checkpoint.close,
@@ -243,15 +240,14 @@ def _with_aliases(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> 
 
 
 def _split(tensors: list[SourceTensor], aliases: dict[str, str]) -> tuple[dict[str, SourceTensor], dict[str, SourceTensor]]:
-    from ..format.names import is_optimizer_tensor
-
     model = {t.name: t for t in tensors if not is_optimizer_tensor(t.name)}
     optimizer = {t.name: t for t in tensors if is_optimizer_tensor(t.name)}
     return _with_aliases(model, aliases), optimizer
 
 
-def _value(value: Any) -> Callable[[], Any]:
-    return lambda: value
+def _values(values: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """Readers of items already read."""
+    return {key: partial(values.__getitem__, key) for key in values}
 
 
 def open_sharded_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
@@ -261,13 +257,12 @@ def open_sharded_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     sharded = open_sharded(path)
     state = sharded.manifest.training_state
     model, optimizer = _split(sharded.sources(), sharded.manifest.aliases)
-    items = {key: _value(value) for key, value in state.items()}
     return AnyCheckpoint(
         str(sharded.step_dir),
         model,
         optimizer,
         aliases=dict(sharded.manifest.aliases),
-        items=items,
+        items=_values(state),
         groups=(state.get("optimizer") or {}).get("groups") or [],
         step=int(state.get("step", 0) or 0),
         export=export_of(state, where=str(sharded.step_dir)),
@@ -280,7 +275,7 @@ def open_full_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
 
     full = open_full(path, with_optimizer=path.is_dir() and has_optimizer_files(path))
     model, optimizer = _split(list(full.tensors), full.aliases)
-    items = {key: _value(value) for key, value in full.metadata.items()}
+    items = _values(full.metadata)
     return AnyCheckpoint(str(path), model, optimizer, aliases=dict(full.aliases), export_layout=full.layout, items=items)
 
 
@@ -323,8 +318,7 @@ def open_deepspeed_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     from ..deepspeed.table import open_deepspeed
 
     checkpoint = open_deepspeed(path)
-    items = {key: _value(value) for key, value in checkpoint.items.items()}
-    items["optimizer.param_groups"] = _value(checkpoint.param_groups)
+    items = _values({**checkpoint.items, "optimizer.param_groups": checkpoint.param_groups})
     return AnyCheckpoint(
         str(checkpoint.directory),
         _with_aliases({t.name: t for t in checkpoint.model}, checkpoint.aliases),

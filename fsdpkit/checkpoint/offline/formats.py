@@ -73,6 +73,17 @@ def _lazy(module: str, name: str, arity: int = 1) -> Callable[..., Any]:
     return call
 
 
+def _reshard(module: str, name: str, *fields: str) -> Callable[[Path, Path, ReshardRequest], dict]:
+    """`name` of `module`, imported when it runs and called with the source, the destination and
+    the request's `fields` as keywords."""
+
+    def call(src: Path, dst: Path, request: ReshardRequest) -> dict:
+        reshard: Callable[..., dict] = getattr(importlib.import_module(module, __package__), name)
+        return reshard(src, dst, **{field: getattr(request, field) for field in fields})
+
+    return call
+
+
 def _is_sharded(path: Path) -> bool:
     """A step directory (its manifest), or a run directory (`latest`, or step-* directories)."""
     if not path.is_dir():
@@ -92,32 +103,6 @@ def _inspect_dcp(path: Path, keys: Keys) -> Summary:
     from ..dcp.inspect import summarize_dcp
 
     return summarize_dcp(path, model_key=keys.model, optimizer_key=keys.optimizer)
-
-
-def _reshard_sharded(src: Path, dst: Path, request: ReshardRequest) -> dict:
-    from .convert import reshard
-
-    return reshard(
-        src,
-        dst,
-        world_size=request.world_size,
-        chunk_size=request.chunk_size,
-        overwrite=request.overwrite,
-        progress=request.progress,
-        warn=request.warn,
-    )
-
-
-def _reshard_dcp(src: Path, dst: Path, request: ReshardRequest) -> dict:
-    from ..dcp.export import reshard_dcp
-
-    return reshard_dcp(src, dst, world_size=request.world_size, chunk_size=request.chunk_size, overwrite=request.overwrite)
-
-
-def _reshard_deepspeed(src: Path, dst: Path, request: ReshardRequest) -> dict:
-    from .to_deepspeed import reshard_deepspeed
-
-    return reshard_deepspeed(src, dst, world_size=request.world_size, overwrite=request.overwrite, progress=request.progress)
 
 
 def _write_dcp(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
@@ -152,7 +137,7 @@ FORMATS: dict[str, Format] = {
         _lazy(".any_checkpoint", "open_sharded_checkpoint", 2),
         _lazy(".verify", "summarize"),
         _lazy(".verify", "verify_checkpoint", 2),
-        _reshard_sharded,
+        _reshard(".convert", "reshard", "world_size", "chunk_size", "overwrite", "progress", "warn"),
         _lazy(".to_sharded", "to_sharded", 4),
         _TO_SHARDED,
     ),
@@ -163,7 +148,7 @@ FORMATS: dict[str, Format] = {
         _lazy(".any_checkpoint", "open_dcp_checkpoint", 2),
         _inspect_dcp,
         _lazy("..dcp.inspect", "verify_dcp"),
-        _reshard_dcp,
+        _reshard("..dcp.export", "reshard_dcp", "world_size", "chunk_size", "overwrite"),
         _write_dcp,
         _TO_DCP,
         reads=Options(takes=("model_key", "optimizer_key")),
@@ -175,7 +160,7 @@ FORMATS: dict[str, Format] = {
         _lazy(".any_checkpoint", "open_deepspeed_checkpoint", 2),
         _lazy("..deepspeed.inspect", "summarize_deepspeed"),
         _lazy("..deepspeed.inspect", "verify_deepspeed"),
-        _reshard_deepspeed,
+        _reshard(".to_deepspeed", "reshard_deepspeed", "world_size", "overwrite", "progress"),
         _lazy(".to_deepspeed", "to_deepspeed", 4),
         _TO_DEEPSPEED,
     ),

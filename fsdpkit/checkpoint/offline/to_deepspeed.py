@@ -1,12 +1,10 @@
-"""`convert SRC OUT --to deepspeed --stage S [--world-size N]`: any checkpoint opened as a
-tensor table with its Adam state, as a DeepSpeed ZeRO checkpoint; and
-`reshard DS OUT --world-size N`: a DeepSpeed checkpoint laid out for N ranks, same stage and precision,
-which DeepSpeed's plain `load_checkpoint` at N ranks resumes (no universal checkpoint).
+"""`convert SRC OUT --to deepspeed --stage S [--world-size N]`: any checkpoint opened as a tensor
+table with its Adam state, as a DeepSpeed ZeRO checkpoint; and `reshard DS OUT --world-size N`:
+a DeepSpeed checkpoint laid out for N ranks, which DeepSpeed's plain `load_checkpoint` resumes.
 
 A parameter is a model tensor with Adam moments (`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`);
-its group's step is `optim.step.<name>` of the group's first parameter. The groups and their
-settings (lr, betas, eps, weight decay) are the ones the source recorded; a source without
-them is one group with AdamW's defaults. Written under a temporary name, renamed when complete.
+its group's step is `optim.step.<name>` of the group's first parameter. A source without recorded
+param groups is one group with AdamW's defaults.
 """
 
 from __future__ import annotations
