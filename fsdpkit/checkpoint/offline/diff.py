@@ -1,9 +1,12 @@
 """`fsdpkit diff A B`: two checkpoints of any format compared tensor by tensor (no torch), each
-opened by `open_checkpoint` under fsdpkit's names (a full export read back into the model's
-layout where the other side is in it: diff_names.py). Values are compared `chunk_size` bytes of
-each side at a time, so memory does not grow with the tensor (a weight transposed back is held
-whole): bitwise equal, else the largest absolute and relative difference, and whether every
-element satisfies |a - b| <= atol + rtol * |b| (NaN equals NaN).
+opened by `open_checkpoint` under fsdpkit's names. A full export that `convert --to full --model`
+wrote in transformers' names and orientation (its recorded `ExportLayout`), compared with a side
+in the model's own layout, is read back into it: model tensors renamed, transposed weights read
+transposed back and held whole while compared (the optimizer state keeps the model's names on
+export). Values are compared `chunk_size` bytes of each side at a time, so memory does not grow
+with the tensor: bitwise equal, else the largest absolute and relative difference, and whether
+every element satisfies |a - b| <= atol + rtol * |b| (NaN equals NaN). Names in one side only
+are explained where a prefix added to one side's names gives the other's.
 """
 
 from __future__ import annotations
@@ -19,9 +22,98 @@ from ...dtypes import dtype_info
 from ...errors import UsageError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
+from ..format.export import ExportLayout
 from ..format.names import is_optimizer_tensor
-from .diff_names import SideReader, comparable, name_hints
+from .any_checkpoint import AnyCheckpoint
+from .convert import progress_callback, transposed_bytes
 from .formats import open_checkpoint
+
+HINT_SAMPLE = 200  # names looked at to find a prefix
+
+
+class TransposedSource(SourceTensor):
+    """A 2-D weight stored transposed, in the model's orientation; `stored` is what the file holds."""
+
+    stored: SourceTensor  # set through object.__setattr__: SourceTensor is frozen
+
+    def __init__(self, name: str, stored: SourceTensor):
+        super().__init__(name, tuple(reversed(stored.shape)), stored.dtype)
+        object.__setattr__(self, "stored", stored)
+
+
+class SideReader:
+    """Element ranges of one side's tensors; a transposed weight is transposed back once, whole."""
+
+    def __init__(self, engine: ByteEngine):
+        self.engine = engine
+        self._held: tuple[str, bytes] | None = None  # the last weight transposed back
+
+    def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
+        if not isinstance(tensor, TransposedSource):
+            self.engine.read_into(tensor, wanted, out)
+            return
+        if self._held is None or self._held[0] != tensor.name:
+            self._held = (tensor.name, transposed_bytes(self.engine, tensor.stored, tensor.dtype).tobytes())
+        itemsize = out.nbytes // max(wanted.size, 1)
+        out[:] = self._held[1][wanted.start * itemsize : wanted.end * itemsize]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def comparable(a: AnyCheckpoint, b: AnyCheckpoint) -> tuple[dict[str, SourceTensor], dict[str, SourceTensor], dict[str, str]]:
+    """Both sides' model and optimizer tensors under names that compare, and, per side ("a",
+    "b") whose export layout was read back, what was done."""
+    tensors = [{**a.model, **a.optimizer}, {**b.model, **b.optimizer}]
+    notes: dict[str, str] = {}
+    layouts = [a.export_layout, b.export_layout]
+    for side, (layout, other) in enumerate(zip(layouts, reversed(layouts), strict=True)):
+        if layout is not None and not layout.is_identity and other is None:
+            tensors[side], notes["ab"[side]] = _read_back(tensors[side], layout)
+    return tensors[0], tensors[1], notes
+
+
+def _read_back(tensors: dict[str, SourceTensor], layout: ExportLayout) -> tuple[dict[str, SourceTensor], str]:
+    out: dict[str, SourceTensor] = {}
+    transposed = 0
+    for stored_name, source in tensors.items():
+        name = stored_name if is_optimizer_tensor(stored_name) else layout.original_name(stored_name) or stored_name
+        if name != stored_name and layout.is_transposed(name, tuple(reversed(source.shape))):
+            out[name] = TransposedSource(name, source)
+            transposed += 1
+        else:
+            out[name] = source if name == stored_name else SourceTensor(name, source.shape, source.dtype, _all_pieces(source))
+    how = f"prefix {layout.prefix!r} taken away" if layout.prefix else "names kept"
+    return out, f"transformers' export read back as the model names it: {how}, {transposed} weights transposed back"
+
+
+def _all_pieces(source: SourceTensor) -> tuple:
+    return tuple(source.pieces_in(ElementRange(0, source.numel)))
+
+
+def name_hints(only_a: list[str], only_b: list[str]) -> list[str]:
+    """How the names in one side only relate, where a prefix explains most of them."""
+    hints = []
+    for (this, names), (that, others) in (("a", only_a), ("b", only_b)), (("b", only_b), ("a", only_a)):
+        prefix = _common_prefix(names[:HINT_SAMPLE], set(others))
+        if prefix is not None:
+            matched = sum(1 for name in names if name[len(prefix) :] in set(others) and name.startswith(prefix))
+            hints.append(f"{matched} names in {this} only are {that}'s with the prefix {prefix!r} added")
+    return hints
+
+
+def _common_prefix(names: list[str], others: set[str]) -> str | None:
+    """The prefix that, taken from the most of `names`, gives a name in `others` (at least half)."""
+    counts: Counter[str] = Counter()
+    for name in names:
+        for cut in range(1, len(name)):
+            if name[cut - 1] == "." and name[cut:] in others:
+                counts[name[:cut]] += 1
+    if not counts:
+        return None
+    prefix, count = counts.most_common(1)[0]
+    return prefix if 2 * count >= len(names) else None
+
 
 _NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1"}
 _NUMPY_DTYPES |= {"U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "u1"}
@@ -113,9 +205,7 @@ def diff(
             names_a = [n for n in tensors_a if not (model_only and is_optimizer_tensor(n))]
             names_b = [n for n in tensors_b if not (model_only and is_optimizer_tensor(n))]
             common = [n for n in names_a if n in tensors_b]
-            total = sum(tensors_a[n].nbytes for n in common)
-            if progress is not None:
-                progress(0, total)
+            advance = progress_callback(progress, sum(tensors_a[n].nbytes for n in common))
             only_a = [n for n in names_a if n not in tensors_b]
             only_b = [n for n in names_b if n not in tensors_a]
             results = [{"name": n, "status": "only_a"} for n in only_a] + [{"name": n, "status": "only_b"} for n in only_b]
@@ -123,8 +213,8 @@ def diff(
             try:
                 for name in common:
                     results.append(compare_tensor(readers, tensors_a[name], tensors_b[name], tolerance, chunk_size))
-                    if progress is not None:
-                        progress(tensors_a[name].nbytes, total)
+                    if advance is not None:
+                        advance(tensors_a[name].nbytes)
             finally:
                 readers[0].close()
                 readers[1].close()

@@ -46,9 +46,6 @@ class ReshardRequest:
     warn: Callable[[str], None] | None = None
 
 
-Writer = Callable[["AnyCheckpoint", Path, ConvertRequest, "Progress | None"], dict]  # (opened, dst, request, progress) -> report
-
-
 @dataclass(frozen=True)
 class Format:
     name: str
@@ -58,7 +55,7 @@ class Format:
     inspect: Callable[[Path, Keys], Summary]  # the summary `inspect` prints
     verify: Callable[[Path, Progress | None], VerifyReport]  # every check the format allows
     reshard: Callable[[Path, Path, ReshardRequest], dict] | None  # None: a format without ranks to lay out
-    write: Writer | None  # `convert --to <name>` from any opened checkpoint; None: not written
+    write: Callable[[AnyCheckpoint, Path, ConvertRequest, Progress | None], dict] | None  # `convert --to` it; None: not written
     writes: Options = Options()  # the options `write` takes
     reads: Options = Options()  # the options `open` takes
 

@@ -39,10 +39,6 @@ class ConvertRequest:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     overwrite: bool = False
 
-    def given(self) -> list[str]:
-        """The options that were given, in OPTION_FLAGS' order."""
-        return [name for name in OPTION_FLAGS if getattr(self, name) not in (None, False)]
-
 
 @dataclass(frozen=True)
 class Options:
@@ -59,8 +55,8 @@ def check_options(source: str, reads: Options, writes: Options, request: Convert
     needs is given and every count is positive."""
     why = f" ({writes.why})" if writes.why else ""
     allowed = (*writes.needs, *writes.takes, *reads.takes)
-    for name in request.given():
-        if name not in allowed:
+    for name in OPTION_FLAGS:
+        if getattr(request, name) not in (None, False) and name not in allowed:
             takes = ", ".join(OPTION_FLAGS[n] for n in allowed)
             also = f"; it takes {takes}" if takes else ""
             raise UsageError(f"{OPTION_FLAGS[name]} does not apply to --to {request.to} from a {source} checkpoint{also}{why}")

@@ -28,14 +28,6 @@ if TYPE_CHECKING:
     from .request import ConvertRequest
 
 
-def _groups(tensors: dict[str, SourceTensor], recorded: list[dict]) -> list[tuple[list[str], dict]]:
-    """(parameter names, settings) of each group."""
-    if recorded:
-        return [(list(g.get("params", [])), dict(g.get("settings", {}))) for g in recorded]
-    names = [n for n in tensors if optim_tensor_name(MOMENTS[0], n) in tensors]
-    return [(names, {})]
-
-
 @dataclass(frozen=True)
 class RunShape:
     """What a DeepSpeed run is laid out as, beyond its tensors."""
@@ -52,9 +44,11 @@ def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], shape: Run
     """The DeepSpeed run of a table of named tensors (model and `optim.<state>.<name>`): the
     groups' parameters with their Adam state; every other model tensor a buffer (when named
     so) or a frozen parameter."""
+    adam = [n for n in tensors if optim_tensor_name(MOMENTS[0], n) in tensors]
+    named = [(list(g.get("params", [])), dict(g.get("settings", {}))) for g in recorded] or [(adam, {})]
     groups, engine = [], ByteEngine()
     try:
-        for names, settings in _groups(tensors, recorded):
+        for names, settings in named:
             params = []
             for name in names:
                 if name not in tensors:

@@ -22,6 +22,7 @@ from ..format.reader import RankFile, ShardedCheckpoint, has_optimizer_files, op
 from ..format.report import VerifyReport
 from ..format.storage import resolve_checkpoint
 from ..format.summary import FileEntry, FullSummary, ShardedSummary, tensor_stats
+from .convert import progress_callback
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
 PROGRESS_BYTES = 8 * 1024 * 1024
@@ -38,12 +39,8 @@ def verify_checkpoint(
     except DataCheckError as error:
         return report.failed(str(error))
     checkpoint = ShardedCheckpoint(step_dir, manifest)
-    total = sum(t.nbytes for t in manifest.tensors)
-    if progress:
-        progress(0, total)
-    problems, fragments, checked = check_files(
-        checkpoint, chunk_size, progress=(lambda count: progress(count, total)) if progress else None
-    )
+    advance = progress_callback(progress, sum(t.nbytes for t in manifest.tensors))
+    problems, fragments, checked = check_files(checkpoint, chunk_size, progress=advance)
     problems.extend(checkpoint.unexpected_files())
     report.ok, report.problems, report.tensors, report.bytes = not problems, problems, len(manifest.tensors), checked
     report.counts = {"fragment": fragments}
