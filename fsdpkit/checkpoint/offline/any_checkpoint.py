@@ -179,7 +179,7 @@ def box_of(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[i
     return tuple(offsets), tuple(sizes), tuple(picks)
 
 
-def open_torchsave_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
+def open_torchsave_checkpoint(path: Path) -> AnyCheckpoint:
     from ..torchsave.table import open_rank_state_dicts
 
     checkpoint = open_rank_state_dicts(path)
@@ -250,7 +250,7 @@ def _values(values: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     return {key: partial(values.__getitem__, key) for key in values}
 
 
-def open_sharded_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
+def open_sharded_checkpoint(path: Path) -> AnyCheckpoint:
     from ..format.export import export_of
     from ..format.reader import open_sharded
 
@@ -270,7 +270,7 @@ def open_sharded_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     )
 
 
-def open_full_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
+def open_full_checkpoint(path: Path) -> AnyCheckpoint:
     from ..format.reader import has_optimizer_files, open_full
 
     full = open_full(path, with_optimizer=path.is_dir() and has_optimizer_files(path))
@@ -314,7 +314,7 @@ def open_dcp_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     )
 
 
-def open_deepspeed_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
+def open_deepspeed_checkpoint(path: Path) -> AnyCheckpoint:
     from ..deepspeed.table import open_deepspeed
 
     checkpoint = open_deepspeed(path)

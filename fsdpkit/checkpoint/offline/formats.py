@@ -131,7 +131,7 @@ FORMATS: dict[str, Format] = {
         SHARDED,
         "fsdpkit",
         _is_sharded,
-        _lazy(".any_checkpoint", "open_sharded_checkpoint", 2),
+        _lazy(".any_checkpoint", "open_sharded_checkpoint"),
         _lazy(".verify", "summarize"),
         _lazy(".verify", "verify_checkpoint", 2),
         _reshard(".convert", "reshard", "world_size", "chunk_size", "overwrite", "progress", "warn"),
@@ -154,7 +154,7 @@ FORMATS: dict[str, Format] = {
         DEEPSPEED,
         "DeepSpeed",
         _lazy("..deepspeed.files", "is_deepspeed_checkpoint"),
-        _lazy(".any_checkpoint", "open_deepspeed_checkpoint", 2),
+        _lazy(".any_checkpoint", "open_deepspeed_checkpoint"),
         _lazy("..deepspeed.inspect", "summarize_deepspeed"),
         _lazy("..deepspeed.inspect", "verify_deepspeed"),
         _reshard(".to_deepspeed", "reshard_deepspeed", "world_size", "overwrite", "progress"),
@@ -165,7 +165,7 @@ FORMATS: dict[str, Format] = {
         TORCH_SAVE,
         "verl",
         _lazy("..torchsave.table", "is_torchsave_checkpoint"),
-        _lazy(".any_checkpoint", "open_torchsave_checkpoint", 2),
+        _lazy(".any_checkpoint", "open_torchsave_checkpoint"),
         _lazy("..torchsave.inspect", "summarize_torchsave"),
         _lazy("..torchsave.inspect", "verify_torchsave"),
         None,
@@ -175,7 +175,7 @@ FORMATS: dict[str, Format] = {
         FULL,
         "full safetensors",
         _is_full,
-        _lazy(".any_checkpoint", "open_full_checkpoint", 2),
+        _lazy(".any_checkpoint", "open_full_checkpoint"),
         _lazy(".verify", "summarize_full"),
         _lazy(".verify", "verify_full"),
         None,
@@ -202,9 +202,7 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> AnyCheckpoint:
-    """The checkpoint at `path` in any format (`model_key`, `optimizer_key`: a DCP checkpoint's
-    top-level keys of the model and the optimizer state, found by themselves when not given;
-    other formats ignore them)."""
+    """The checkpoint at `path` in any format (`model_key`, `optimizer_key`: a DCP checkpoint's, as `Keys`)."""
     found = detect_format(path)
     opened = found.open(Path(path), Keys(model_key, optimizer_key))
     opened.format, opened.opened_from = found.name, str(path)
