@@ -33,7 +33,7 @@ from ..dcp.boxes import flat_runs
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.export import ExportLayout, HfExport
 from ..format.names import is_optimizer_tensor, split_optim_tensor_name
-from .formats import Keys
+from .request import Keys
 
 if TYPE_CHECKING:
     import torch

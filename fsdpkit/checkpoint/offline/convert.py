@@ -29,7 +29,7 @@ from ..format.placement import Placement
 from ..format.reader import open_full, open_sharded
 from ..format.storage import staged_output
 from ..format.writer import CacheMode, StreamingWriter, write_sharded
-from .formats import Progress
+from .request import Progress
 
 if TYPE_CHECKING:
     from .any_checkpoint import AnyCheckpoint

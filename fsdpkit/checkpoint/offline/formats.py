@@ -2,48 +2,43 @@
 reports and `open_checkpoint(...).format` use): FORMATS, one row per format. `detect_format` is
 the only place that tells a format; `convert` is `FORMATS[to].write(open(src))`, and `inspect`,
 `verify` and `reshard` go through the row too. Adding a format is its package and one row here.
-Each row's functions import their package when they run, so reading this table imports nothing
-of the formats.
+Reading the table imports no torch: the offline side of every format is pure Python.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from ...errors import DataCheckError, UsageError
+from ..dcp.export import DcpOutput, reshard_dcp, sources_to_dcp
+from ..dcp.inspect import summarize_dcp, verify_dcp
+from ..dcp.metadata import is_dcp_checkpoint
+from ..deepspeed.files import is_deepspeed_checkpoint
+from ..deepspeed.inspect import summarize_deepspeed, verify_deepspeed
 from ..format.names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name
+from ..format.reader import is_full_checkpoint
 from ..format.report import VerifyReport
-from .request import ConvertRequest, Options, check_options
+from ..format.summary import Summary
+from ..torchsave.inspect import summarize_torchsave, verify_torchsave
+from ..torchsave.table import is_torchsave_checkpoint
+from .any_checkpoint import (
+    AnyCheckpoint,
+    open_dcp_checkpoint,
+    open_deepspeed_checkpoint,
+    open_full_checkpoint,
+    open_sharded_checkpoint,
+    open_torchsave_checkpoint,
+)
+from .convert import reshard, to_full
+from .request import ConvertRequest, Keys, Options, Progress, ReshardRequest, check_options
+from .to_deepspeed import reshard_deepspeed, to_deepspeed
+from .to_sharded import to_sharded
+from .verify import summarize, summarize_full, verify_checkpoint, verify_full
 
-if TYPE_CHECKING:
-    from ..format.summary import Summary
-    from .any_checkpoint import AnyCheckpoint
-
-Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 SHARDED, DCP, DEEPSPEED, TORCH_SAVE, FULL = "sharded", "dcp", "deepspeed", "torch-save-ranks", "full"
-
-
-@dataclass(frozen=True)
-class Keys:
-    """A DCP checkpoint's top-level keys of the model and the optimizer state (None: found by
-    themselves); other formats have no such keys."""
-
-    model: str | None = None
-    optimizer: str | None = None
-
-
-@dataclass(frozen=True)
-class ReshardRequest:
-    world_size: int
-    chunk_size: int
-    overwrite: bool = False
-    progress: Progress | None = None
-    warn: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,27 +55,6 @@ class Format:
     reads: Options = Options()  # the options `open` takes
 
 
-def _lazy(module: str, name: str, arity: int = 1) -> Callable[..., Any]:
-    """`name` of `module` (relative to this package), imported when it runs and called with the
-    row's first `arity` arguments."""
-
-    def call(*args: Any) -> Any:
-        return getattr(importlib.import_module(module, __package__), name)(*args[:arity])
-
-    return call
-
-
-def _reshard(module: str, name: str, *fields: str) -> Callable[[Path, Path, ReshardRequest], dict]:
-    """`name` of `module`, imported when it runs and called with the source, the destination and
-    the request's `fields` as keywords."""
-
-    def call(src: Path, dst: Path, request: ReshardRequest) -> dict:
-        reshard: Callable[..., dict] = getattr(importlib.import_module(module, __package__), name)
-        return reshard(src, dst, **{field: getattr(request, field) for field in fields})
-
-    return call
-
-
 def _is_sharded(path: Path) -> bool:
     """A step directory (its manifest), or a run directory (`latest`, or step-* directories)."""
     if not path.is_dir():
@@ -91,22 +65,16 @@ def _is_sharded(path: Path) -> bool:
 
 
 def _is_full(path: Path) -> bool:
-    from ..format.reader import is_full_checkpoint
-
     return is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists())
 
 
 def _inspect_dcp(path: Path, keys: Keys) -> Summary:
-    from ..dcp.inspect import summarize_dcp
-
     return summarize_dcp(path, model_key=keys.model, optimizer_key=keys.optimizer)
 
 
 def _write_dcp(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
     """FSDP2's `{"model", "optimizer"}` layout chunked for `--world-size` ranks (default 1): the
     model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups."""
-    from ..dcp.export import DcpOutput, sources_to_dcp
-
     output = DcpOutput(request.world_size or 1, request.chunk_size, request.overwrite)
     return sources_to_dcp(opened.stored(), Path(opened.opened_from), dst, aliases=opened.aliases, groups=opened.groups, output=output)
 
@@ -131,21 +99,23 @@ FORMATS: dict[str, Format] = {
         SHARDED,
         "fsdpkit",
         _is_sharded,
-        _lazy(".any_checkpoint", "open_sharded_checkpoint"),
-        _lazy(".verify", "summarize"),
-        _lazy(".verify", "verify_checkpoint", 2),
-        _reshard(".convert", "reshard", "world_size", "chunk_size", "overwrite", "progress", "warn"),
-        _lazy(".to_sharded", "to_sharded", 4),
+        lambda path, keys: open_sharded_checkpoint(path),
+        lambda path, keys: summarize(path),
+        verify_checkpoint,
+        lambda src, dst, r: reshard(
+            src, dst, world_size=r.world_size, chunk_size=r.chunk_size, overwrite=r.overwrite, progress=r.progress, warn=r.warn
+        ),
+        to_sharded,
         _TO_SHARDED,
     ),
     DCP: Format(
         DCP,
         "DCP",
-        _lazy("..dcp.metadata", "is_dcp_checkpoint"),
-        _lazy(".any_checkpoint", "open_dcp_checkpoint", 2),
+        is_dcp_checkpoint,
+        open_dcp_checkpoint,
         _inspect_dcp,
-        _lazy("..dcp.inspect", "verify_dcp"),
-        _reshard("..dcp.export", "reshard_dcp", "world_size", "chunk_size", "overwrite"),
+        lambda path, progress: verify_dcp(path),
+        lambda src, dst, r: reshard_dcp(src, dst, world_size=r.world_size, chunk_size=r.chunk_size, overwrite=r.overwrite),
         _write_dcp,
         _TO_DCP,
         reads=Options(takes=("model_key", "optimizer_key")),
@@ -153,21 +123,21 @@ FORMATS: dict[str, Format] = {
     DEEPSPEED: Format(
         DEEPSPEED,
         "DeepSpeed",
-        _lazy("..deepspeed.files", "is_deepspeed_checkpoint"),
-        _lazy(".any_checkpoint", "open_deepspeed_checkpoint"),
-        _lazy("..deepspeed.inspect", "summarize_deepspeed"),
-        _lazy("..deepspeed.inspect", "verify_deepspeed"),
-        _reshard(".to_deepspeed", "reshard_deepspeed", "world_size", "overwrite", "progress"),
-        _lazy(".to_deepspeed", "to_deepspeed", 4),
+        is_deepspeed_checkpoint,
+        lambda path, keys: open_deepspeed_checkpoint(path),
+        lambda path, keys: summarize_deepspeed(path),
+        lambda path, progress: verify_deepspeed(path),
+        lambda src, dst, r: reshard_deepspeed(src, dst, world_size=r.world_size, overwrite=r.overwrite, progress=r.progress),
+        to_deepspeed,
         _TO_DEEPSPEED,
     ),
     TORCH_SAVE: Format(
         TORCH_SAVE,
         "verl",
-        _lazy("..torchsave.table", "is_torchsave_checkpoint"),
-        _lazy(".any_checkpoint", "open_torchsave_checkpoint"),
-        _lazy("..torchsave.inspect", "summarize_torchsave"),
-        _lazy("..torchsave.inspect", "verify_torchsave"),
+        is_torchsave_checkpoint,
+        lambda path, keys: open_torchsave_checkpoint(path),
+        lambda path, keys: summarize_torchsave(path),
+        lambda path, progress: verify_torchsave(path),
         None,
         None,
     ),
@@ -175,11 +145,11 @@ FORMATS: dict[str, Format] = {
         FULL,
         "full safetensors",
         _is_full,
-        _lazy(".any_checkpoint", "open_full_checkpoint"),
-        _lazy(".verify", "summarize_full"),
-        _lazy(".verify", "verify_full"),
+        lambda path, keys: open_full_checkpoint(path),
+        lambda path, keys: summarize_full(path),
+        lambda path, progress: verify_full(path),
         None,
-        _lazy(".convert", "to_full", 4),
+        to_full,
         _TO_FULL,
     ),
 }

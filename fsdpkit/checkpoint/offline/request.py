@@ -4,6 +4,7 @@ options its opener reads). Pure data and one check: no reading of checkpoints, n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...errors import UsageError
@@ -67,3 +68,24 @@ def check_options(source: str, reads: Options, writes: Options, request: Convert
         value = getattr(request, name)
         if value is not None and value < 1:
             raise UsageError(f"{OPTION_FLAGS[name]} must be >= 1, got {value}")
+
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+
+
+@dataclass(frozen=True)
+class Keys:
+    """A DCP checkpoint's top-level keys of the model and the optimizer state (None: found by
+    themselves); other formats have no such keys."""
+
+    model: str | None = None
+    optimizer: str | None = None
+
+
+@dataclass(frozen=True)
+class ReshardRequest:
+    world_size: int
+    chunk_size: int
+    overwrite: bool = False
+    progress: Progress | None = None
+    warn: Callable[[str], None] | None = None
