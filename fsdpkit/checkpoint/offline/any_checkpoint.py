@@ -1,6 +1,5 @@
-"""One Python reader for every checkpoint format the offline commands read, the way
-`safetensors.safe_open` reads one file: `fsdpkit.open_checkpoint(path)` (formats.py tells the
-format and calls its opener here).
+"""`fsdpkit.open_checkpoint(path)`: a checkpoint of any format, read the way `safetensors.safe_open`
+reads one file (formats.py tells the format and calls its opener here).
 
     with fsdpkit.open_checkpoint("run") as checkpoint:      # fsdpkit, full safetensors, DCP, DeepSpeed, per-rank torch.save
         checkpoint.format                       # "sharded", "full", "dcp", "deepspeed", "torch-save-ranks"
@@ -10,39 +9,31 @@ format and calls its opener here).
         rows = checkpoint.get_slice("wte.weight")[1000:1010]  # only those rows' bytes are read
         checkpoint.item_keys(), checkpoint.get_item("step")  # the non-tensor items
 
-It puts one face on the format readers (`format.reader` for fsdpkit and full checkpoints,
-`dcp.table`, `deepspeed.table`, `torchsave.table`), which stay the only readers of their formats. The names are
-the ones `diff` compares: the model's names and `optim.<state>.<param>` (a DCP checkpoint's
-other tensors under their DCP keys; a full checkpoint's as stored); tied aliases are names too.
-Bytes are read through the byte engine: a slice reads the byte runs it covers, except that a
-checksummed fragment (fsdpkit sharded) is read whole, once, the first time any of it is wanted,
-so that its crc32 is checked. Non-tensor items: an fsdpkit checkpoint's training state (top-level
-keys), a full checkpoint's `__metadata__`, a DCP checkpoint's bytes items (plain values only:
-one that names a class is refused, never unpickled), a DeepSpeed model file's top-level
-non-tensor entries and `optimizer.param_groups`, per-rank torch.save files' rank 0 extra state
-(top-level keys; tensors and numpy arrays as their dtype and shape) and `optimizer.param_groups`
-where their optimizer files are read.
-
-torch is imported by `get_tensor` and `get_slice` only; the offline commands use the tensor
-table (`sources`) and never import it.
+The names are the ones `diff` compares: the model's names and `optim.<state>.<param>` (a DCP
+checkpoint's other tensors under their DCP keys); tied aliases are names too. A slice reads only
+the byte runs it covers, except that a checksummed fragment (fsdpkit sharded) is read whole,
+once, so that its crc32 is checked. A DCP bytes item that names a class is refused, never
+unpickled. torch is imported by `get_tensor` and `get_slice` only.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...dtypes import dtype_info
-from ...errors import UsageError
+from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..dcp.boxes import flat_runs
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.export import ExportLayout, HfExport
-from ..format.names import split_optim_tensor_name
-from .formats import Keys
+from ..format.names import is_optimizer_tensor, split_optim_tensor_name
+from .request import Keys
 
 if TYPE_CHECKING:
     import torch
@@ -70,14 +61,10 @@ class AnyCheckpoint:
     _close: Callable[[], None] = lambda: None
     _engine: ByteEngine | None = None
 
-    _sources: dict[str, SourceTensor] = field(default_factory=dict)
-
-    @property
+    @cached_property
     def sources(self) -> dict[str, SourceTensor]:
         """Every tensor by name: model, optimizer state, then the rest."""
-        if not self._sources:
-            self._sources = {**self.model, **self.optimizer, **self.other}
-        return self._sources
+        return {**self.model, **self.optimizer, **self.other}
 
     def stored(self) -> list[SourceTensor]:
         """Model tensors under their stored names only (no tied alias), then the optimizer state."""
@@ -152,21 +139,14 @@ class TensorSlice:
         shape = tuple(self._source.shape)
         offsets, sizes, picks = box_of(index, shape)
         itemsize = dtype_info(self._source.dtype).itemsize
-        data = bytearray(max(1, _count(sizes)) * itemsize)
+        data = bytearray(max(1, math.prod(sizes)) * itemsize)
         view = memoryview(data)
         for first, count, within in flat_runs(shape, offsets, sizes) if shape else [(0, 1, 0)]:
             out = view[within * itemsize : (within + count) * itemsize]
             self._checkpoint.read_into(self._source, ElementRange(first, first + count), out)
-        flat = torch.frombuffer(data, dtype=dtype_info(self._source.dtype).torch)[: _count(sizes)]
+        flat = torch.frombuffer(data, dtype=dtype_info(self._source.dtype).torch)[: math.prod(sizes)]
         box = flat.reshape(sizes)
         return box if all(pick == slice(None) for pick in picks) else box[picks].clone()
-
-
-def _count(sizes: tuple[int, ...]) -> int:
-    total = 1
-    for size in sizes:
-        total *= size
-    return total
 
 
 def box_of(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
@@ -199,16 +179,16 @@ def box_of(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[i
     return tuple(offsets), tuple(sizes), tuple(picks)
 
 
-def open_torchsave_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
+def open_torchsave_checkpoint(path: Path) -> AnyCheckpoint:
     from ..torchsave.table import open_rank_state_dicts
 
     checkpoint = open_rank_state_dicts(path)
     model = {t.name: t for t in checkpoint.model}
-    optimizer = {t.name: t for t in checkpoint.optimizer}
-    items = {key: _value(value) for key, value in checkpoint.extra_state.items()}
+    optimizer = {t.name: t for t in checkpoint.optim.tensors}
+    items = _values(checkpoint.extra_state)
     groups = []
     if optimizer:
-        items["optimizer.param_groups"] = _value(checkpoint.optim.param_groups)
+        items |= _values({"optimizer.param_groups": checkpoint.optim.param_groups})
         # verl's one group holds every parameter the optimizer files hold state of
         params = list(dict.fromkeys(split[1] for name in optimizer if (split := split_optim_tensor_name(name))))
         groups = [{"settings": settings, "params": params} for settings in checkpoint.optim.param_groups]
@@ -218,7 +198,7 @@ def open_torchsave_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
         optimizer,
         items=items,
         groups=groups,
-        step=steps_taken(checkpoint.optimizer),
+        step=steps_taken(checkpoint.optim.tensors),
         world_size=checkpoint.world_size,
         facts={"from_world_size": checkpoint.world_size, "not_read": checkpoint.other_files},
         _close=checkpoint.close,
@@ -232,12 +212,23 @@ def steps_taken(optimizer: list[SourceTensor]) -> int:
     ]
     if not steps:
         return 0
-    copier, out = ByteEngine(), bytearray(4)
+    engine = ByteEngine()
     try:
-        copier.read_into(steps[0], ElementRange(0, 1), memoryview(out))
+        return int(read_step(engine, steps[0]))
     finally:
-        copier.close()
-    return int(struct.unpack("<f", out)[0])
+        engine.close()
+
+
+_STEP_FORMATS = {"F32": "<f", "F64": "<d", "I64": "<q", "I32": "<i"}
+
+
+def read_step(engine: ByteEngine, source: SourceTensor) -> float:
+    fmt = _STEP_FORMATS.get(source.dtype)
+    if fmt is None or source.nbytes != struct.calcsize(fmt):
+        raise DataCheckError(f"{source.name}: a step of {source.dtype} {list(source.shape)}, expected one number")
+    data = bytearray(source.nbytes)
+    engine.read_into(source, ElementRange(0, 1), memoryview(data))
+    return float(struct.unpack(fmt, data)[0])
 
 
 def _with_aliases(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> dict[str, SourceTensor]:
@@ -249,31 +240,29 @@ def _with_aliases(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> 
 
 
 def _split(tensors: list[SourceTensor], aliases: dict[str, str]) -> tuple[dict[str, SourceTensor], dict[str, SourceTensor]]:
-    from ..format.names import is_optimizer_tensor
-
     model = {t.name: t for t in tensors if not is_optimizer_tensor(t.name)}
     optimizer = {t.name: t for t in tensors if is_optimizer_tensor(t.name)}
     return _with_aliases(model, aliases), optimizer
 
 
-def _value(value: Any) -> Callable[[], Any]:
-    return lambda: value
+def _values(values: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """Readers of items already read."""
+    return {key: partial(values.__getitem__, key) for key in values}
 
 
-def open_sharded_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
+def open_sharded_checkpoint(path: Path) -> AnyCheckpoint:
     from ..format.export import export_of
     from ..format.reader import open_sharded
 
     sharded = open_sharded(path)
     state = sharded.manifest.training_state
     model, optimizer = _split(sharded.sources(), sharded.manifest.aliases)
-    items = {key: _value(value) for key, value in state.items()}
     return AnyCheckpoint(
         str(sharded.step_dir),
         model,
         optimizer,
         aliases=dict(sharded.manifest.aliases),
-        items=items,
+        items=_values(state),
         groups=(state.get("optimizer") or {}).get("groups") or [],
         step=int(state.get("step", 0) or 0),
         export=export_of(state, where=str(sharded.step_dir)),
@@ -281,12 +270,12 @@ def open_sharded_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     )
 
 
-def open_full_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
+def open_full_checkpoint(path: Path) -> AnyCheckpoint:
     from ..format.reader import has_optimizer_files, open_full
 
     full = open_full(path, with_optimizer=path.is_dir() and has_optimizer_files(path))
     model, optimizer = _split(list(full.tensors), full.aliases)
-    items = {key: _value(value) for key, value in full.metadata.items()}
+    items = _values(full.metadata)
     return AnyCheckpoint(str(path), model, optimizer, aliases=dict(full.aliases), export_layout=full.layout, items=items)
 
 
@@ -325,12 +314,11 @@ def open_dcp_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
     )
 
 
-def open_deepspeed_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
+def open_deepspeed_checkpoint(path: Path) -> AnyCheckpoint:
     from ..deepspeed.table import open_deepspeed
 
     checkpoint = open_deepspeed(path)
-    items = {key: _value(value) for key, value in checkpoint.items.items()}
-    items["optimizer.param_groups"] = _value(checkpoint.param_groups)
+    items = _values({**checkpoint.items, "optimizer.param_groups": checkpoint.param_groups})
     return AnyCheckpoint(
         str(checkpoint.directory),
         _with_aliases({t.name: t for t in checkpoint.model}, checkpoint.aliases),

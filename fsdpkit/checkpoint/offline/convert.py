@@ -1,31 +1,12 @@
-"""`--to full` (`to_full`: any checkpoint opened as a tensor table -> a Hugging Face-style
-directory, `model.safetensors` or `model-0000k-of-0000N.safetensors` + index; with
-`--with-optimizer`, `optimizer*` files likewise) and `fsdpkit reshard` of fsdpkit's own format,
-streaming, no torch. Both check free disk, write under a temporary name and rename (see
-`storage.staged_output`), copy through the byte engine (memory bounded by `chunk_size`), verify
-source checksums as they read, cast floats to `cast_to` ("F32", "F16", "BF16") on the way out,
-and return a JSON-able summary.
+"""`convert --to full` (any checkpoint opened as a tensor table -> a Hugging Face-style
+directory of safetensors files and index, `optimizer*` files likewise with `--with-optimizer`)
+and `fsdpkit reshard` of fsdpkit's own format: streamed through the byte engine (memory bounded
+by `chunk_size`), staged (`storage.staged_output`), casting floats to `cast_to` on the way out.
 
-Models from elsewhere: when the source records an export recipe (`format/export.py`: a Hugging
-Face model, or the built-in GPT in GPT-2's layout) or `--model` names one, `to_full` writes
-what transformers needs beside the weights (config.json, the generation config and tokenizer
-files of the directory the model came from) and the weights under transformers' names and
-orientation (a transposed tensor is held whole, twice, one at a time; below). `--to sharded`
-undoes a recorded layout (`restore_layout`) unless the `--model` placement names the exported
-tensors as they are.
-
-Export layouts applied to tensors (`restore_layout`, `transposed_bytes`): a transposed tensor
-is read whole (cast on the way when asked) and transposed in memory with numpy, so the memory
-bound of a conversion that transposes is the engine's mapped windows plus two copies of the
-largest transposed tensor (GPT-2 XL's mlp.c_fc: 1600 x 6400 fp32 = 41 MB, twice). Every other
-tensor still streams in chunks.
-
-`reshard(src, dst, world_size=M)` (`fsdpkit reshard`): a sharded checkpoint of world size W ->
-the same checkpoint for M ranks, by range arithmetic and byte copies: the manifest's placement
-is laid out again at M, every new fragment is read from the overlapping old fragments, old
-checksums verified as their bytes pass, new ones computed. Model and optimizer state both
-move; the training state is kept except its `per_rank` part, dropped with a warning when M !=
-W.
+Export layouts (`format/export.py`): a transposed tensor is read whole and transposed in memory
+with numpy, so a conversion that transposes holds the engine's mapped windows plus two copies of
+the largest transposed tensor (GPT-2 XL's mlp.c_fc: 1600 x 6400 fp32 = 41 MB, twice); every other
+tensor streams in chunks.
 """
 
 from __future__ import annotations
@@ -48,14 +29,13 @@ from ..format.placement import Placement
 from ..format.reader import open_full, open_sharded
 from ..format.storage import staged_output
 from ..format.writer import CacheMode, StreamingWriter, write_sharded
+from .request import Progress
 
 if TYPE_CHECKING:
     from .any_checkpoint import AnyCheckpoint
     from .request import ConvertRequest
 
 SCRATCH_NAME = ".fsdpkit-transposed.safetensors"  # tensors transposed back, removed before the output is renamed
-
-Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 
 
 def progress_callback(progress: Progress | None, total: int) -> Callable[[int], None] | None:
@@ -82,45 +62,14 @@ def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress:
     model = [t for name, t in opened.model.items() if name not in opened.aliases]
     if opened.full_dtype is not None:  # as zero_to_fp32.py: in safetensors' own order (wider dtypes first, then by name)
         model.sort(key=lambda s: (-dtype_info(output_dtype(s.dtype, cast_to)).itemsize, s.name))
-    optim = list(opened.optimizer.values()) if request.with_optimizer else []
-    src = Path(opened.opened_from)
-    report = write_full(
-        model, optim, dst, src=src, export=export, aliases=opened.aliases, request=request, progress=progress, cast_to=cast_to
-    )
-    return {"to": "full", **report, "dtype": cast_to, "warnings": warnings + report["warnings"]}
-
-
-def write_full(
-    model: list[SourceTensor],
-    optim: list[SourceTensor],
-    dst: Path,
-    *,
-    src: Path,
-    export: HfExport | None,
-    aliases: dict[str, str],
-    request: ConvertRequest,
-    progress: Progress | None,
-    cast_to: str | None,
-) -> dict:
-    """Write `model` (and `optim`, when not empty) as full safetensors at `dst`, streamed through
-    the byte engine, under a temporary name renamed when complete: the one writer of full
-    checkpoints, whatever format the sources come from. Returns the files, tensors, bytes, dtype
-    and warnings."""
     layout = export.layout if export is not None else ExportLayout()
-    outputs = [("model", model)] + ([("optimizer", optim)] if optim else [])
+    outputs = [("model", model)] + ([("optimizer", list(opened.optimizer.values()))] if request.with_optimizer else [])
     by_name, file_groups = _full_files(outputs, layout, cast_to=cast_to, max_shard_size=request.max_shard_size)
     total = sum(t.nbytes for _, tensors in outputs for t in tensors)
     out_total = sum(nbytes(shape, dtype) for _, files in file_groups for _, group in files for _, dtype, shape in group)
-    metadata = {"format": "pt"}
-    exported_aliases = {layout.exported_name(a): layout.exported_name(t) for a, t in aliases.items()}
-    if exported_aliases:
-        metadata[TIED_METADATA_KEY] = json.dumps(exported_aliases, sort_keys=True)
-    model_metadata = dict(metadata)
-    if not layout.is_identity:
-        model_metadata[LAYOUT_METADATA_KEY] = json.dumps(layout.to_json(), sort_keys=True)
+    metadata, model_metadata = _full_metadata(layout, opened.aliases)
     written: list[str] = []
-    warnings: list[str] = []
-    with staged_output(dst, src=src, overwrite=request.overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
+    with staged_output(dst, src=Path(opened.opened_from), overwrite=request.overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
         copier = ByteEngine(chunk_size=request.chunk_size, progress=progress_callback(progress, total))
         try:
             for prefix, files in file_groups:
@@ -137,7 +86,20 @@ def write_full(
         if export is not None:
             float_dtypes = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
             written += _write_hf_files(tmp, export, float_dtypes[0] if float_dtypes else None, warnings)
-    return {"files": written, "tensors": len(by_name), "bytes": out_total, "warnings": warnings}
+    return {"to": "full", "files": written, "tensors": len(by_name), "bytes": out_total, "warnings": warnings, "dtype": cast_to}
+
+
+def _full_metadata(layout: ExportLayout, aliases: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The safetensors metadata of the optimizer's files and of the model's (which records a
+    layout that is not the identity)."""
+    metadata = {"format": "pt"}
+    exported_aliases = {layout.exported_name(a): layout.exported_name(t) for a, t in aliases.items()}
+    if exported_aliases:
+        metadata[TIED_METADATA_KEY] = json.dumps(exported_aliases, sort_keys=True)
+    model_metadata = dict(metadata)
+    if not layout.is_identity:
+        model_metadata[LAYOUT_METADATA_KEY] = json.dumps(layout.to_json(), sort_keys=True)
+    return metadata, model_metadata
 
 
 def _full_files(outputs, layout: ExportLayout, *, cast_to: str | None, max_shard_size: int | None):

@@ -1,23 +1,19 @@
-"""`fsdpkit diff A B`: two checkpoints of any format compared tensor by tensor (no torch).
-
-Each side is opened by `open_checkpoint` (any_checkpoint.py) as a table of named tensors under
-fsdpkit's names (the model's names and `optim.<state>.<param>`), tied aliases included. A full
-export whose names and orientation were changed for transformers (`convert --to full --model`
-of the built-in GPT: a `transformer.` prefix, Conv1D weights transposed), compared with a side
-in the model's own layout, is read back into it (diff_names.py). For every name: present in
-one only, a dtype or shape mismatch (a 2-D one saying whether it is a transpose), or the values
-compared block by block (`chunk_size` bytes of each side at a time, so memory does not grow
-with the tensor; a weight transposed back is held whole): bitwise equal, else the largest
-absolute and relative difference, and whether every element satisfies |a - b| <= atol + rtol *
-|b| (NaN equals NaN). Checksums of sharded checkpoints are verified as their bytes are read.
-Names found in one side only are explained where a prefix added to one side's names gives the
-other's.
+"""`fsdpkit diff A B`: two checkpoints of any format compared tensor by tensor (no torch), each
+opened by `open_checkpoint` under fsdpkit's names. A full export that `convert --to full --model`
+wrote in transformers' names and orientation (its recorded `ExportLayout`), compared with a side
+in the model's own layout, is read back into it: model tensors renamed, transposed weights read
+transposed back and held whole while compared (the optimizer state keeps the model's names on
+export). Values are compared `chunk_size` bytes of each side at a time, so memory does not grow
+with the tensor: bitwise equal, else the largest absolute and relative difference, and whether
+every element satisfies |a - b| <= atol + rtol * |b| (NaN equals NaN). Names in one side only
+are explained where a prefix added to one side's names gives the other's.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +22,98 @@ from ...dtypes import dtype_info
 from ...errors import UsageError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
+from ..format.export import ExportLayout
 from ..format.names import is_optimizer_tensor
-from .diff_names import SideReader, comparable, name_hints
+from .any_checkpoint import AnyCheckpoint
+from .convert import progress_callback, transposed_bytes
 from .formats import open_checkpoint
+
+HINT_SAMPLE = 200  # names looked at to find a prefix
+
+
+class TransposedSource(SourceTensor):
+    """A 2-D weight stored transposed, in the model's orientation; `stored` is what the file holds."""
+
+    stored: SourceTensor  # set through object.__setattr__: SourceTensor is frozen
+
+    def __init__(self, name: str, stored: SourceTensor):
+        super().__init__(name, tuple(reversed(stored.shape)), stored.dtype)
+        object.__setattr__(self, "stored", stored)
+
+
+class SideReader:
+    """Element ranges of one side's tensors; a transposed weight is transposed back once, whole."""
+
+    def __init__(self, engine: ByteEngine):
+        self.engine = engine
+        self._held: tuple[str, bytes] | None = None  # the last weight transposed back
+
+    def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
+        if not isinstance(tensor, TransposedSource):
+            self.engine.read_into(tensor, wanted, out)
+            return
+        if self._held is None or self._held[0] != tensor.name:
+            self._held = (tensor.name, transposed_bytes(self.engine, tensor.stored, tensor.dtype).tobytes())
+        itemsize = out.nbytes // max(wanted.size, 1)
+        out[:] = self._held[1][wanted.start * itemsize : wanted.end * itemsize]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def comparable(a: AnyCheckpoint, b: AnyCheckpoint) -> tuple[dict[str, SourceTensor], dict[str, SourceTensor], dict[str, str]]:
+    """Both sides' model and optimizer tensors under names that compare, and, per side ("a",
+    "b") whose export layout was read back, what was done."""
+    tensors = [{**a.model, **a.optimizer}, {**b.model, **b.optimizer}]
+    notes: dict[str, str] = {}
+    layouts = [a.export_layout, b.export_layout]
+    for side, (layout, other) in enumerate(zip(layouts, reversed(layouts), strict=True)):
+        if layout is not None and not layout.is_identity and other is None:
+            tensors[side], notes["ab"[side]] = _read_back(tensors[side], layout)
+    return tensors[0], tensors[1], notes
+
+
+def _read_back(tensors: dict[str, SourceTensor], layout: ExportLayout) -> tuple[dict[str, SourceTensor], str]:
+    out: dict[str, SourceTensor] = {}
+    transposed = 0
+    for stored_name, source in tensors.items():
+        name = stored_name if is_optimizer_tensor(stored_name) else layout.original_name(stored_name) or stored_name
+        if name != stored_name and layout.is_transposed(name, tuple(reversed(source.shape))):
+            out[name] = TransposedSource(name, source)
+            transposed += 1
+        else:
+            out[name] = source if name == stored_name else SourceTensor(name, source.shape, source.dtype, _all_pieces(source))
+    how = f"prefix {layout.prefix!r} taken away" if layout.prefix else "names kept"
+    return out, f"transformers' export read back as the model names it: {how}, {transposed} weights transposed back"
+
+
+def _all_pieces(source: SourceTensor) -> tuple:
+    return tuple(source.pieces_in(ElementRange(0, source.numel)))
+
+
+def name_hints(only_a: list[str], only_b: list[str]) -> list[str]:
+    """How the names in one side only relate, where a prefix explains most of them."""
+    hints = []
+    for (this, names), (that, others) in (("a", only_a), ("b", only_b)), (("b", only_b), ("a", only_a)):
+        prefix = _common_prefix(names[:HINT_SAMPLE], set(others))
+        if prefix is not None:
+            matched = sum(1 for name in names if name[len(prefix) :] in set(others) and name.startswith(prefix))
+            hints.append(f"{matched} names in {this} only are {that}'s with the prefix {prefix!r} added")
+    return hints
+
+
+def _common_prefix(names: list[str], others: set[str]) -> str | None:
+    """The prefix that, taken from the most of `names`, gives a name in `others` (at least half)."""
+    counts: Counter[str] = Counter()
+    for name in names:
+        for cut in range(1, len(name)):
+            if name[cut - 1] == "." and name[cut:] in others:
+                counts[name[:cut]] += 1
+    if not counts:
+        return None
+    prefix, count = counts.most_common(1)[0]
+    return prefix if 2 * count >= len(names) else None
+
 
 _NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1"}
 _NUMPY_DTYPES |= {"U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "u1"}
@@ -119,10 +204,20 @@ def diff(
             tensors_a, tensors_b, notes = comparable(a, b)
             names_a = [n for n in tensors_a if not (model_only and is_optimizer_tensor(n))]
             names_b = [n for n in tensors_b if not (model_only and is_optimizer_tensor(n))]
-            results, hints = _compare_all(tensors_a, tensors_b, names_a, names_b, tolerance, chunk_size, progress)
-    counts: dict[str, int] = {}
-    for result in results:
-        counts[result["status"]] = counts.get(result["status"], 0) + 1
+            common = [n for n in names_a if n in tensors_b]
+            advance = progress_callback(progress, sum(tensors_a[n].nbytes for n in common))
+            only_a = [n for n in names_a if n not in tensors_b]
+            only_b = [n for n in names_b if n not in tensors_a]
+            results = [{"name": n, "status": "only_a"} for n in only_a] + [{"name": n, "status": "only_b"} for n in only_b]
+            readers = (SideReader(ByteEngine(chunk_size=chunk_size)), SideReader(ByteEngine(chunk_size=chunk_size)))
+            try:
+                for name in common:
+                    results.append(compare_tensor(readers, tensors_a[name], tensors_b[name], tolerance, chunk_size))
+                    if advance is not None:
+                        advance(tensors_a[name].nbytes)
+            finally:
+                readers[0].close()
+                readers[1].close()
     return {
         "a": {"path": a.path, "format": a.format, "tensors": len(names_a)},
         "b": {"path": b.path, "format": b.format, "tensors": len(names_b)},
@@ -130,36 +225,8 @@ def diff(
         "rtol": tolerance.rtol,
         "model_only": model_only,
         "equal": all(r["status"] in ("equal", "close") for r in results),
-        "counts": counts,
+        "counts": dict(Counter(r["status"] for r in results)),
         "names": notes,
-        "hints": hints,
+        "hints": name_hints(only_a, only_b),
         "tensors": results,
     }
-
-
-def _compare_all(
-    tensors_a: dict[str, SourceTensor],
-    tensors_b: dict[str, SourceTensor],
-    names_a: list[str],
-    names_b: list[str],
-    tolerance: Tolerance,
-    chunk_size: int,
-    progress: Callable[[int, int], None] | None,
-) -> tuple[list[dict], list[str]]:
-    common = [n for n in names_a if n in tensors_b]
-    total = sum(tensors_a[n].nbytes for n in common)
-    if progress is not None:
-        progress(0, total)
-    only_a = [n for n in names_a if n not in tensors_b]
-    only_b = [n for n in names_b if n not in tensors_a]
-    results = [{"name": n, "status": "only_a"} for n in only_a] + [{"name": n, "status": "only_b"} for n in only_b]
-    readers = (SideReader(ByteEngine(chunk_size=chunk_size)), SideReader(ByteEngine(chunk_size=chunk_size)))
-    try:
-        for name in common:
-            results.append(compare_tensor(readers, tensors_a[name], tensors_b[name], tolerance, chunk_size))
-            if progress is not None:
-                progress(tensors_a[name].nbytes, total)
-    finally:
-        readers[0].close()
-        readers[1].close()
-    return results, name_hints(only_a, only_b)

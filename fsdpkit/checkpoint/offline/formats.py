@@ -1,13 +1,8 @@
-"""Every checkpoint format fsdpkit reads, by its one name: FORMATS. The name is the one the
-command line (`convert --to`), the `--json` reports and `open_checkpoint(...).format` use.
-
-Each row is the format's face: how it is told (`detect`), opened as a table of named tensors
-(`open`, the `AnyCheckpoint` of any_checkpoint.py), summarized (`inspect`), verified and, where
-fsdpkit writes the format, written from any opened checkpoint (`write`) and laid out for another
-world size (`reshard`). `detect_format` is the only place that tells a format; `convert` is
-`FORMATS[to].write(open(src))`, and `inspect`, `verify` and `reshard` go through the row too,
-never asking which format it is. Adding a format is its package and one row here. Each function
-imports its package when it runs, so reading this table imports nothing of the formats.
+"""Every checkpoint format fsdpkit reads, by its one name (the one `convert --to`, the `--json`
+reports and `open_checkpoint(...).format` use): FORMATS, one row per format. `detect_format` is
+the only place that tells a format; `convert` is `FORMATS[to].write(open(src))`, and `inspect`,
+`verify` and `reshard` go through the row too. Adding a format is its package and one row here.
+Reading the table imports no torch: the offline side of every format is pure Python.
 """
 
 from __future__ import annotations
@@ -16,40 +11,34 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ...errors import DataCheckError, UsageError
+from ..dcp.export import DcpOutput, reshard_dcp, sources_to_dcp
+from ..dcp.inspect import summarize_dcp, verify_dcp
+from ..dcp.metadata import is_dcp_checkpoint
+from ..deepspeed.files import is_deepspeed_checkpoint
+from ..deepspeed.inspect import summarize_deepspeed, verify_deepspeed
 from ..format.names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name
+from ..format.reader import is_full_checkpoint
 from ..format.report import VerifyReport
-from .request import ConvertRequest, Options, check_options
+from ..format.summary import Summary
+from ..torchsave.inspect import summarize_torchsave, verify_torchsave
+from ..torchsave.table import is_torchsave_checkpoint
+from .any_checkpoint import (
+    AnyCheckpoint,
+    open_dcp_checkpoint,
+    open_deepspeed_checkpoint,
+    open_full_checkpoint,
+    open_sharded_checkpoint,
+    open_torchsave_checkpoint,
+)
+from .convert import reshard, to_full
+from .request import ConvertRequest, Keys, Options, Progress, ReshardRequest, check_options
+from .to_deepspeed import reshard_deepspeed, to_deepspeed
+from .to_sharded import to_sharded
+from .verify import summarize, summarize_full, verify_checkpoint, verify_full
 
-if TYPE_CHECKING:
-    from ..format.summary import Summary
-    from .any_checkpoint import AnyCheckpoint
-
-Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 SHARDED, DCP, DEEPSPEED, TORCH_SAVE, FULL = "sharded", "dcp", "deepspeed", "torch-save-ranks", "full"
-
-
-@dataclass(frozen=True)
-class Keys:
-    """A DCP checkpoint's top-level keys of the model and the optimizer state (None: found by
-    themselves); other formats have no such keys."""
-
-    model: str | None = None
-    optimizer: str | None = None
-
-
-@dataclass(frozen=True)
-class ReshardRequest:
-    world_size: int
-    chunk_size: int
-    overwrite: bool = False
-    progress: Progress | None = None
-    warn: Callable[[str], None] | None = None
-
-
-Writer = Callable[["AnyCheckpoint", Path, ConvertRequest, "Progress | None"], dict]  # (opened, dst, request, progress) -> report
 
 
 @dataclass(frozen=True)
@@ -61,7 +50,7 @@ class Format:
     inspect: Callable[[Path, Keys], Summary]  # the summary `inspect` prints
     verify: Callable[[Path, Progress | None], VerifyReport]  # every check the format allows
     reshard: Callable[[Path, Path, ReshardRequest], dict] | None  # None: a format without ranks to lay out
-    write: Writer | None  # `convert --to <name>` from any opened checkpoint; None: not written
+    write: Callable[[AnyCheckpoint, Path, ConvertRequest, Progress | None], dict] | None  # `convert --to` it; None: not written
     writes: Options = Options()  # the options `write` takes
     reads: Options = Options()  # the options `open` takes
 
@@ -75,153 +64,19 @@ def _is_sharded(path: Path) -> bool:
     return any(parse_step_dir_name(child.name) is not None for child in path.iterdir())
 
 
-def _is_dcp(path: Path) -> bool:
-    from ..dcp.metadata import is_dcp_checkpoint
-
-    return is_dcp_checkpoint(path)
-
-
-def _is_deepspeed(path: Path) -> bool:
-    from ..deepspeed.files import is_deepspeed_checkpoint
-
-    return is_deepspeed_checkpoint(path)
-
-
-def _is_torchsave(path: Path) -> bool:
-    from ..torchsave.table import is_torchsave_checkpoint
-
-    return is_torchsave_checkpoint(path)
-
-
 def _is_full(path: Path) -> bool:
-    from ..format.reader import is_full_checkpoint
-
     return is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists())
 
 
-def _opener(name: str) -> Callable[[Path, Keys], AnyCheckpoint]:
-    """any_checkpoint's `open_<name>_checkpoint`, imported when it runs."""
-
-    def open_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
-        from . import any_checkpoint
-
-        opened: AnyCheckpoint = getattr(any_checkpoint, f"open_{name}_checkpoint")(path, keys)
-        return opened
-
-    return open_checkpoint
-
-
-def _inspect_fsdpkit(path: Path, keys: Keys) -> Summary:
-    from .verify import summarize
-
-    return summarize(path)
-
-
-def _inspect_full(path: Path, keys: Keys) -> Summary:
-    from .verify import summarize_full
-
-    return summarize_full(path)
-
-
 def _inspect_dcp(path: Path, keys: Keys) -> Summary:
-    from ..dcp.inspect import summarize_dcp
-
     return summarize_dcp(path, model_key=keys.model, optimizer_key=keys.optimizer)
-
-
-def _inspect_deepspeed(path: Path, keys: Keys) -> Summary:
-    from ..deepspeed.inspect import summarize_deepspeed
-
-    return summarize_deepspeed(path)
-
-
-def _inspect_torchsave(path: Path, keys: Keys) -> Summary:
-    from ..torchsave.inspect import summarize_torchsave
-
-    return summarize_torchsave(path)
-
-
-def _verify_fsdpkit(path: Path, progress: Progress | None) -> VerifyReport:
-    from .verify import verify_checkpoint
-
-    return verify_checkpoint(path, progress=progress)
-
-
-def _verify_full(path: Path, progress: Progress | None) -> VerifyReport:
-    from .verify import verify_full
-
-    return verify_full(path)
-
-
-def _verify_dcp(path: Path, progress: Progress | None) -> VerifyReport:
-    from ..dcp.inspect import verify_dcp
-
-    return verify_dcp(path)
-
-
-def _verify_deepspeed(path: Path, progress: Progress | None) -> VerifyReport:
-    from ..deepspeed.inspect import verify_deepspeed
-
-    return verify_deepspeed(path)
-
-
-def _verify_torchsave(path: Path, progress: Progress | None) -> VerifyReport:
-    from ..torchsave.inspect import verify_torchsave
-
-    return verify_torchsave(path)
-
-
-def _reshard_sharded(src: Path, dst: Path, request: ReshardRequest) -> dict:
-    from .convert import reshard
-
-    return reshard(
-        src,
-        dst,
-        world_size=request.world_size,
-        chunk_size=request.chunk_size,
-        overwrite=request.overwrite,
-        progress=request.progress,
-        warn=request.warn,
-    )
-
-
-def _reshard_dcp(src: Path, dst: Path, request: ReshardRequest) -> dict:
-    from ..dcp.export import reshard_dcp
-
-    return reshard_dcp(src, dst, world_size=request.world_size, chunk_size=request.chunk_size, overwrite=request.overwrite)
-
-
-def _reshard_deepspeed(src: Path, dst: Path, request: ReshardRequest) -> dict:
-    from .to_deepspeed import reshard_deepspeed
-
-    return reshard_deepspeed(src, dst, world_size=request.world_size, overwrite=request.overwrite, progress=request.progress)
-
-
-def _write_sharded(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from .to_sharded import to_sharded
-
-    return to_sharded(opened, dst, request, progress)
-
-
-def _write_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from .convert import to_full
-
-    return to_full(opened, dst, request, progress)
 
 
 def _write_dcp(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
     """FSDP2's `{"model", "optimizer"}` layout chunked for `--world-size` ranks (default 1): the
     model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups."""
-    from ..dcp.export import DcpOutput, sources_to_dcp
-
     output = DcpOutput(request.world_size or 1, request.chunk_size, request.overwrite)
     return sources_to_dcp(opened.stored(), Path(opened.opened_from), dst, aliases=opened.aliases, groups=opened.groups, output=output)
-
-
-def _write_deepspeed(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from .to_deepspeed import to_deepspeed
-
-    return to_deepspeed(opened, dst, request, progress)
 
 
 _TO_SHARDED = Options(
@@ -244,21 +99,23 @@ FORMATS: dict[str, Format] = {
         SHARDED,
         "fsdpkit",
         _is_sharded,
-        _opener("sharded"),
-        _inspect_fsdpkit,
-        _verify_fsdpkit,
-        _reshard_sharded,
-        _write_sharded,
+        lambda path, keys: open_sharded_checkpoint(path),
+        lambda path, keys: summarize(path),
+        verify_checkpoint,
+        lambda src, dst, r: reshard(
+            src, dst, world_size=r.world_size, chunk_size=r.chunk_size, overwrite=r.overwrite, progress=r.progress, warn=r.warn
+        ),
+        to_sharded,
         _TO_SHARDED,
     ),
     DCP: Format(
         DCP,
         "DCP",
-        _is_dcp,
-        _opener("dcp"),
+        is_dcp_checkpoint,
+        open_dcp_checkpoint,
         _inspect_dcp,
-        _verify_dcp,
-        _reshard_dcp,
+        lambda path, progress: verify_dcp(path),
+        lambda src, dst, r: reshard_dcp(src, dst, world_size=r.world_size, chunk_size=r.chunk_size, overwrite=r.overwrite),
         _write_dcp,
         _TO_DCP,
         reads=Options(takes=("model_key", "optimizer_key")),
@@ -266,16 +123,35 @@ FORMATS: dict[str, Format] = {
     DEEPSPEED: Format(
         DEEPSPEED,
         "DeepSpeed",
-        _is_deepspeed,
-        _opener("deepspeed"),
-        _inspect_deepspeed,
-        _verify_deepspeed,
-        _reshard_deepspeed,
-        _write_deepspeed,
+        is_deepspeed_checkpoint,
+        lambda path, keys: open_deepspeed_checkpoint(path),
+        lambda path, keys: summarize_deepspeed(path),
+        lambda path, progress: verify_deepspeed(path),
+        lambda src, dst, r: reshard_deepspeed(src, dst, world_size=r.world_size, overwrite=r.overwrite, progress=r.progress),
+        to_deepspeed,
         _TO_DEEPSPEED,
     ),
-    TORCH_SAVE: Format(TORCH_SAVE, "verl", _is_torchsave, _opener("torchsave"), _inspect_torchsave, _verify_torchsave, None, None),
-    FULL: Format(FULL, "full safetensors", _is_full, _opener("full"), _inspect_full, _verify_full, None, _write_full, _TO_FULL),
+    TORCH_SAVE: Format(
+        TORCH_SAVE,
+        "verl",
+        is_torchsave_checkpoint,
+        lambda path, keys: open_torchsave_checkpoint(path),
+        lambda path, keys: summarize_torchsave(path),
+        lambda path, progress: verify_torchsave(path),
+        None,
+        None,
+    ),
+    FULL: Format(
+        FULL,
+        "full safetensors",
+        _is_full,
+        lambda path, keys: open_full_checkpoint(path),
+        lambda path, keys: summarize_full(path),
+        lambda path, progress: verify_full(path),
+        None,
+        to_full,
+        _TO_FULL,
+    ),
 }
 READ_LABELS = ", ".join(f.label for f in FORMATS.values())  # "fsdpkit, DCP, DeepSpeed, verl, full safetensors"
 RESHARD_LABELS = ", ".join(f.label for f in FORMATS.values() if f.reshard is not None)
@@ -296,9 +172,7 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> AnyCheckpoint:
-    """The checkpoint at `path` in any format (`model_key`, `optimizer_key`: a DCP checkpoint's
-    top-level keys of the model and the optimizer state, found by themselves when not given;
-    other formats ignore them)."""
+    """The checkpoint at `path` in any format (`model_key`, `optimizer_key`: a DCP checkpoint's, as `Keys`)."""
     found = detect_format(path)
     opened = found.open(Path(path), Keys(model_key, optimizer_key))
     opened.format, opened.opened_from = found.name, str(path)

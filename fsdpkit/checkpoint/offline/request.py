@@ -4,6 +4,7 @@ options its opener reads). Pure data and one check: no reading of checkpoints, n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...errors import UsageError
@@ -39,10 +40,6 @@ class ConvertRequest:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     overwrite: bool = False
 
-    def given(self) -> list[str]:
-        """The options that were given, in OPTION_FLAGS' order."""
-        return [name for name in OPTION_FLAGS if getattr(self, name) not in (None, False)]
-
 
 @dataclass(frozen=True)
 class Options:
@@ -59,8 +56,8 @@ def check_options(source: str, reads: Options, writes: Options, request: Convert
     needs is given and every count is positive."""
     why = f" ({writes.why})" if writes.why else ""
     allowed = (*writes.needs, *writes.takes, *reads.takes)
-    for name in request.given():
-        if name not in allowed:
+    for name in OPTION_FLAGS:
+        if getattr(request, name) not in (None, False) and name not in allowed:
             takes = ", ".join(OPTION_FLAGS[n] for n in allowed)
             also = f"; it takes {takes}" if takes else ""
             raise UsageError(f"{OPTION_FLAGS[name]} does not apply to --to {request.to} from a {source} checkpoint{also}{why}")
@@ -71,3 +68,24 @@ def check_options(source: str, reads: Options, writes: Options, request: Convert
         value = getattr(request, name)
         if value is not None and value < 1:
             raise UsageError(f"{OPTION_FLAGS[name]} must be >= 1, got {value}")
+
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+
+
+@dataclass(frozen=True)
+class Keys:
+    """A DCP checkpoint's top-level keys of the model and the optimizer state (None: found by
+    themselves); other formats have no such keys."""
+
+    model: str | None = None
+    optimizer: str | None = None
+
+
+@dataclass(frozen=True)
+class ReshardRequest:
+    world_size: int
+    chunk_size: int
+    overwrite: bool = False
+    progress: Progress | None = None
+    warn: Callable[[str], None] | None = None

@@ -1,56 +1,31 @@
-"""`convert SRC OUT --to deepspeed --stage S [--world-size N]`: any checkpoint opened as a
-tensor table with its Adam state, as a DeepSpeed ZeRO checkpoint; and
-`reshard DS OUT --world-size N`: a DeepSpeed checkpoint laid out for N ranks, same stage and precision,
-which DeepSpeed's plain `load_checkpoint` at N ranks resumes (no universal checkpoint).
+"""`convert SRC OUT --to deepspeed --stage S [--world-size N]`: any checkpoint opened as a tensor
+table with its Adam state, as a DeepSpeed ZeRO checkpoint; and `reshard DS OUT --world-size N`:
+a DeepSpeed checkpoint laid out for N ranks, which DeepSpeed's plain `load_checkpoint` resumes.
 
 A parameter is a model tensor with Adam moments (`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`);
-its group's step is `optim.step.<name>` of the group's first parameter. The groups and their
-settings (lr, betas, eps, weight decay) are the ones the source recorded; a source without
-them is one group with AdamW's defaults. Written under a temporary name, renamed when complete.
+its group's step is `optim.step.<name>` of the group's first parameter. A source without recorded
+param groups is one group with AdamW's defaults.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import DataCheckError, UsageError
-from ...flat_layout import ElementRange
 from ..deepspeed.table import open_deepspeed
 from ..deepspeed.writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
 from ..deepspeed.writer_precision import Precision, saved_scale
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import is_optimizer_tensor, optim_tensor_name
 from ..format.storage import staged_output
+from .any_checkpoint import AnyCheckpoint, read_step
 from .convert import Progress, progress_callback
 
 if TYPE_CHECKING:
-    from .any_checkpoint import AnyCheckpoint
     from .request import ConvertRequest
-
-_STEP_FORMATS = {"F32": "<f", "F64": "<d", "I64": "<q", "I32": "<i"}
-
-
-def _step(engine: ByteEngine, source: SourceTensor | None) -> float:
-    if source is None:
-        return 0.0
-    fmt = _STEP_FORMATS.get(source.dtype)
-    if fmt is None or source.nbytes != struct.calcsize(fmt):
-        raise DataCheckError(f"{source.name}: a step of {source.dtype} {list(source.shape)}, expected one number")
-    data = bytearray(source.nbytes)
-    engine.read_into(source, ElementRange(0, 1), memoryview(data))
-    return float(struct.unpack(fmt, data)[0])
-
-
-def _groups(tensors: dict[str, SourceTensor], recorded: list[dict]) -> list[tuple[list[str], dict]]:
-    """(parameter names, settings) of each group."""
-    if recorded:
-        return [(list(g.get("params", [])), dict(g.get("settings", {}))) for g in recorded]
-    names = [n for n in tensors if optim_tensor_name(MOMENTS[0], n) in tensors]
-    return [(names, {})]
 
 
 @dataclass(frozen=True)
@@ -69,17 +44,19 @@ def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], shape: Run
     """The DeepSpeed run of a table of named tensors (model and `optim.<state>.<name>`): the
     groups' parameters with their Adam state; every other model tensor a buffer (when named
     so) or a frozen parameter."""
+    adam = [n for n in tensors if optim_tensor_name(MOMENTS[0], n) in tensors]
+    named = [(list(g.get("params", [])), dict(g.get("settings", {}))) for g in recorded] or [(adam, {})]
     groups, engine = [], ByteEngine()
     try:
-        for names, settings in _groups(tensors, recorded):
+        for names, settings in named:
             params = []
             for name in names:
                 if name not in tensors:
                     raise DataCheckError(f"the optimizer's group names parameter {name!r}, which the checkpoint does not hold")
                 moments = {m: tensors[k] for m in MOMENTS if (k := optim_tensor_name(m, name)) in tensors}
                 params.append(DsParam(name, tensors[name], moments))
-            first = names[0] if names else ""
-            groups.append(DsGroup(params, _step(engine, tensors.get(optim_tensor_name("step", first))), settings))
+            step = tensors.get(optim_tensor_name("step", names[0] if names else ""))
+            groups.append(DsGroup(params, read_step(engine, step) if step is not None else 0.0, settings))
     finally:
         engine.close()
     if not any(g.params for g in groups):

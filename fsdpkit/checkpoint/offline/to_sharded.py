@@ -1,13 +1,7 @@
 """`convert SRC OUT --to sharded --world-size N [--model M]`: any checkpoint opened as a tensor
-table -> an fsdpkit sharded checkpoint with its optimizer state, so `fsdpkit train --resume OUT`
-continues the run at any N (no torch).
-
-The model tensors and the optimizer state (`optim.<state>.<fqn>`) are laid out by the model's
-flat-parameter placement (`--model`) or, without one, an even split per tensor, and written by
-the fsdpkit writer chunk by chunk. A full export's layout (names, transposed tensors) is undone
-unless the placement names the tensors as they are. Tied weights: a state dict that holds every
-name (FSDP2's) keeps the canonical one and records the alias. The training state takes the
-step, the optimizer's param groups and the export recipe the source records (or `--model`'s).
+table -> an fsdpkit sharded checkpoint with its optimizer state, which `fsdpkit train --resume
+OUT` continues at any N. Laid out by `--model`'s flat-parameter placement, or an even split per
+tensor; a full export's layout is undone unless the placement names the tensors as they are.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""`fsdpkit verify`: every check a checkpoint can be put through, as a list of problems.
+"""`fsdpkit verify` and `fsdpkit inspect` of fsdpkit's sharded checkpoints and full ones.
 
-Sharded checkpoints: the manifest (schema, version, tensor table, placement, aliases), every
-rank file (a regular file, present, of the size and with the header the manifest derives;
-v1: as listed, keys and dtypes agreeing), nothing else in the directory, and the crc32 of
-every fragment, recomputed file by file through one reused buffer (no torch; memory does not
-grow with the world size). Full checkpoints (model.safetensors / index, and the optimizer's
-files of an export that has them): headers, sizes and the index; they carry no checksums.
-`verify_checkpoint` returns a `VerifyReport`; `ok` is true when `problems` is empty.
-
-`summarize(path)` (`fsdpkit inspect`), a `ShardedSummary`: what a checkpoint holds, headers only, no data read:
-format, version, world size, strategy, placement, step and samples, tensor counts and bytes
-for the model and the optimizer, the training run's settings, dtypes, the largest tensors, files with sizes, tied-weight
-aliases (full checkpoints: files, the optimizer's too when an export has them, tensors, bytes,
-dtypes, largest tensors). Invalid
-checkpoints raise `DataCheckError`.
+A sharded checkpoint's verify checks the manifest, every rank file (present, regular, of the
+size and with the header the manifest derives), nothing else in the directory, and the crc32 of
+every fragment, file by file through one reused buffer (memory does not grow with the world
+size). Full checkpoints carry no checksums: headers, sizes and the index. `summarize` reads
+headers only.
 """
 
 from __future__ import annotations
@@ -31,13 +22,14 @@ from ..format.reader import RankFile, ShardedCheckpoint, has_optimizer_files, op
 from ..format.report import VerifyReport
 from ..format.storage import resolve_checkpoint
 from ..format.summary import FileEntry, FullSummary, ShardedSummary, tensor_stats
+from .convert import progress_callback
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
 PROGRESS_BYTES = 8 * 1024 * 1024
 
 
 def verify_checkpoint(
-    path: str | Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, progress: Callable[[int, int], None] | None = None
+    path: str | Path, progress: Callable[[int, int], None] | None = None, *, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> VerifyReport:
     report = VerifyReport(str(path), "sharded")
     try:
@@ -47,12 +39,8 @@ def verify_checkpoint(
     except DataCheckError as error:
         return report.failed(str(error))
     checkpoint = ShardedCheckpoint(step_dir, manifest)
-    total = sum(t.nbytes for t in manifest.tensors)
-    if progress:
-        progress(0, total)
-    problems, fragments, checked = check_files(
-        checkpoint, chunk_size, progress=(lambda count: progress(count, total)) if progress else None
-    )
+    advance = progress_callback(progress, sum(t.nbytes for t in manifest.tensors))
+    problems, fragments, checked = check_files(checkpoint, chunk_size, progress=advance)
     problems.extend(checkpoint.unexpected_files())
     report.ok, report.problems, report.tensors, report.bytes = not problems, problems, len(manifest.tensors), checked
     report.counts = {"fragment": fragments}

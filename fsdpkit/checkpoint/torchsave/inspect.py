@@ -55,10 +55,6 @@ def summarize_torchsave(path: str | os.PathLike[str]) -> TorchSaveSummary:
         )
 
 
-def _why(not_read: str) -> str:
-    return f" (optimizer files: {not_read})" if not_read else ""
-
-
 def verify_torchsave(path: str | os.PathLike[str]) -> VerifyReport:
     report = VerifyReport(str(path), FORMAT)
     try:
@@ -66,10 +62,10 @@ def verify_torchsave(path: str | os.PathLike[str]) -> VerifyReport:
     except DataCheckError as error:
         return report.failed(str(error))
     with checkpoint:
-        verify_saved_files(report, checkpoint.directory, checkpoint.model + checkpoint.optimizer, checkpoint.opened)
+        verify_saved_files(report, checkpoint.directory, checkpoint.model + checkpoint.optim.tensors, checkpoint.opened)
         files = (
             f"{len(checkpoint.opened)} files present ({checkpoint.world_size} ranks' model files"
-            + (", optimizer files" if checkpoint.optimizer else "")
+            + (", optimizer files" if checkpoint.optim.tensors else "")
             + (", extra state files" if checkpoint.extra_state else "")
             + "), each a readable zip"
         )
@@ -77,6 +73,7 @@ def verify_torchsave(path: str | os.PathLike[str]) -> VerifyReport:
             files,
             *report.checked,
             "every tensor covered exactly once by the ranks' parts",
-            f"not read: {', '.join(checkpoint.other_files) or 'nothing'}" + _why(checkpoint.optim.not_read),
+            f"not read: {', '.join(checkpoint.other_files) or 'nothing'}"
+            + (f" (optimizer files: {checkpoint.optim.not_read})" if checkpoint.optim.not_read else ""),
         ]
     return report

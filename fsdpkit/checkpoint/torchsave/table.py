@@ -1,13 +1,8 @@
-"""Per-rank `torch.save` state dicts as a table of tensors whose elements lie at byte ranges of
-the rank files (no torch): `model_world_size_W_rank_R.pt` for R in 0..W-1, as verl's FSDP
-checkpoint manager writes them beside `optim_...` and `extra_state_...` files.
-
-Each tensor is put together from its ranks' records by `tensors.source_tensor` (FSDP2
-DTensors, FSDP1 ShardedTensors, plain tensors); the optimizer files are read by `optim` where
-their parameter indices map to names, and otherwise listed as not read, with the reason. The
-extra state files (the LR scheduler's state and each rank's RNG states) are read through the
-same allow-list, numpy's arrays admitted as records; rank 0's items are the checkpoint's
-non-tensor items, as plain values (a tensor or array as its dtype and shape).
+"""Per-rank `torch.save` state dicts (`model_world_size_W_rank_R.pt` for R in 0..W-1, beside
+`optim_...` and `extra_state_...` files, as verl's FSDP checkpoint manager writes them) as a
+table of tensors at byte ranges of the rank files. The extra state files (the LR scheduler's
+state, each rank's RNG states) are read through the allow-list with numpy's arrays admitted;
+rank 0's items are the checkpoint's non-tensor items, as plain values.
 """
 
 from __future__ import annotations
@@ -55,10 +50,6 @@ class RankStateDicts:
     extra_state: dict[str, Any] = field(default_factory=dict)  # rank 0's extra state, as plain values
     other_files: list[str] = field(default_factory=list)  # the .pt files not read (unread optim_..., others)
     opened: list[SaveFile] = field(default_factory=list)  # the model files, the optimizer files read, the extra state files
-
-    @property
-    def optimizer(self) -> list[SourceTensor]:
-        return self.optim.tensors
 
     def close(self) -> None:
         for rank_file in self.opened:

@@ -16,6 +16,7 @@ Any other global is a DataCheckError naming it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ...errors import DataCheckError
@@ -160,10 +161,8 @@ TORCHSAVE_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-def loads(raw: bytes, *, where: str) -> Any:
-    """Unpickle a rank file's `data.pkl`: tensors become `TensorRecord`s, DTensors `DTensorRecord`s,
-    ShardedTensors `ShardedTensorRecord`s."""
-    return u.restricted_loads(raw, allowed=TORCHSAVE_GLOBALS, where=where, storages=True)
+# a rank file's `data.pkl`: tensors as `TensorRecord`s, DTensors `DTensorRecord`s, ShardedTensors `ShardedTensorRecord`s
+loads = partial(u.restricted_loads, allowed=TORCHSAVE_GLOBALS, storages=True)
 
 
 class NumpyDtype(u.Record):
@@ -200,8 +199,4 @@ EXTRA_STATE_GLOBALS: dict[tuple[str, str], Any] = {
     ("numpy", "dtype"): NumpyDtype,
     ("_codecs", "encode"): _latin1,
 }
-
-
-def extra_state_loads(raw: bytes, *, where: str) -> Any:
-    """Unpickle an extra state file's `data.pkl` (`EXTRA_STATE_GLOBALS`)."""
-    return u.restricted_loads(raw, allowed=EXTRA_STATE_GLOBALS, where=where, storages=True)
+extra_state_loads = partial(u.restricted_loads, allowed=EXTRA_STATE_GLOBALS, storages=True)
