@@ -1,15 +1,12 @@
-"""Parameters as slices of DeepSpeed's flat fp32 buffers (pure arithmetic, no files read).
+"""Parameters as slices of DeepSpeed's flat fp32 buffers (pure arithmetic, no files read), laid
+out as `partition` describes.
 
 A `Flat` is a run of tensors (each a `TensorRange` of a rank file) read as one flat array;
 `pieces(name, first, count, dest)` gives the `SourcePiece`s for its elements
 [first, first + count), placed at elements [dest, dest + count) of the parameter.
-
-- ZeRO 1 and 2: each parameter group is flattened in `param_shapes` order, padded, and cut in
-  equal partitions, one per rank: a parameter is the slice at its running offset of the
-  group's partitions read in rank order (it may span ranks).
-- ZeRO 3: every parameter is cut by itself into `ceil(numel / ranks)` elements per rank (the
-  last rank padded) and each rank's partitions are concatenated over all groups: rank r holds
-  elements [r * p, (r + 1) * p) of a parameter at the same running offset of its flat array.
+ZeRO 1/2 read one `Flat` per group (its partitions in rank order: a parameter is the slice at
+its running offset, and may span ranks); ZeRO 3 one per rank (its partitions of every group:
+rank r holds elements [r * p, (r + 1) * p) of a parameter at the same running offset).
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece
 from ..torchfile.savefile import TensorRange
+from .partition import NCCL_START_ALIGNMENT_FACTOR
 
 
 @dataclass(frozen=True)
@@ -51,6 +49,13 @@ class Flat:
         return out
 
 
+def flats_of(stage: int, per_rank: Sequence[Sequence[TensorRange]]) -> list[Flat]:
+    """`per_rank[r][g]`: rank r's partition of group g."""
+    if stage <= 2:
+        return [Flat(tuple(rank[g] for rank in per_rank)) for g in range(len(per_rank[0]))]
+    return [Flat(tuple(rank)) for rank in per_rank]
+
+
 @dataclass(frozen=True)
 class ZeroSlot:
     """One parameter inside DeepSpeed's flat arrays (fsdpkit's own flat parameters hold `flat_layout.ParamSlot`s)."""
@@ -63,14 +68,14 @@ class ZeroSlot:
 
 def zero12_slots(param_shapes: Sequence[dict[str, tuple[int, ...]]], group_sizes: Sequence[int], ranks: int) -> list[ZeroSlot]:
     """Slots of ZeRO 1/2: running offsets per group; the group's padded size must be what the
-    partitions hold (DeepSpeed aligns each group to 2 * ranks elements, zero_to_fp32's check)."""
+    partitions hold (zero_to_fp32's check)."""
     slots = []
     for group, (shapes, available) in enumerate(zip(param_shapes, group_sizes, strict=True)):
         offset = 0
         for name, shape in shapes.items():
             slots.append(ZeroSlot(name, shape, group, offset))
             offset += math.prod(shape)
-        align = 2 * ranks
+        align = NCCL_START_ALIGNMENT_FACTOR * ranks
         if align * math.ceil(offset / align) != align * math.ceil(available / align):
             raise DataCheckError(f"parameter group {group}: the parameters take {offset} elements, the partitions hold {available}")
     return slots
@@ -87,17 +92,13 @@ def zero3_slots(param_shapes: Sequence[dict[str, tuple[int, ...]]], rank_numel: 
     return slots
 
 
-def zero12_pieces(slot: ZeroSlot, groups: Sequence[Flat]) -> list[SourcePiece]:
-    """`groups[g]`: group g's partitions of every rank, in rank order, as one flat array."""
-    return groups[slot.group].pieces(slot.name, slot.offset, math.prod(slot.shape), 0)
-
-
-def zero3_pieces(slot: ZeroSlot, ranks: Sequence[Flat]) -> list[SourcePiece]:
-    """`ranks[r]`: rank r's partitions of every group, as one flat array."""
+def slot_pieces(stage: int, slot: ZeroSlot, flats: Sequence[Flat]) -> list[SourcePiece]:
     total = math.prod(slot.shape)
-    per_rank = math.ceil(total / len(ranks))
+    if stage <= 2:
+        return flats[slot.group].pieces(slot.name, slot.offset, total, 0)
+    per_rank = math.ceil(total / len(flats))
     out = []
-    for rank, flat in enumerate(ranks):
+    for rank, flat in enumerate(flats):
         first = rank * per_rank
         count = min(per_rank, total - first)
         if count > 0:

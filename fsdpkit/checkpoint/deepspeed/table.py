@@ -1,19 +1,11 @@
 """A DeepSpeed ZeRO checkpoint as a table of tensors whose elements lie at byte ranges of its
-rank files (no torch, no deepspeed): what inspect, verify, convert and diff read.
-
-The model is what DeepSpeed's `zero_to_fp32.py` gives: the buffers (from the model states
-file, as stored), the frozen parameters (ZeRO 1/2: whole in the model file; ZeRO 3: one
-fragment per rank), and every trainable parameter as its fp32 master weights, sliced from the
-optimizer files' flat partitions (`flat`). Tied parameters (`shared_params`) are aliases of
-the name DeepSpeed kept. The optimizer state is Adam's moments under fsdpkit's names
-(`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`, laid out as the fp32 partitions) and its
-`step` per parameter group (`optim.step.<name>`).
+rank files (no torch, no deepspeed; the tensors: `sources`): what inspect, verify, convert and
+diff read. Tied parameters (`shared_params`) are aliases of the name DeepSpeed kept.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +15,7 @@ from ..format.bytecopy import SourceTensor
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import SaveFile
 from .files import DeepSpeedFiles, resolve
+from .sources import add_sources, state_entry
 from .unpickler import DeepSpeedRecord, loads
 
 FORMAT = "deepspeed"
@@ -74,26 +67,6 @@ class DeepSpeedCheckpoint:
         self.close()
 
 
-def state_entry(state: Any, key: str, where: Path, ds_version: str) -> Any:
-    if not isinstance(state, dict) or key not in state:
-        raise DataCheckError(f"{where}: no {key!r}: a layout fsdpkit does not read (ds_version {ds_version})")
-    return state[key]
-
-
-def param_shapes_of(value: Any, where: Path, version: str) -> list[dict[str, tuple[int, ...]]]:
-    groups = value if isinstance(value, list) else [value]
-    if not all(isinstance(g, dict) and all(isinstance(s, tuple) for s in g.values()) for g in groups):
-        raise DataCheckError(f"{where}: param_shapes is not a list of name -> shape: a layout fsdpkit does not read (ds_version {version})")
-    return groups
-
-
-def _tensors(value: Any) -> Iterator[tuple[str, u.TensorRecord]]:
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(item, u.TensorRecord):
-                yield str(key), item
-
-
 def open_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedCheckpoint:
     """The checkpoint at `path` (save or tag directory), every rank file's pickle read and every
     parameter's place checked (DataCheckError naming what is wrong)."""
@@ -107,25 +80,16 @@ def open_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedCheckpoint:
         raise
 
 
-def _open(files: list[Path], opened: list[SaveFile]) -> list[SaveFile]:
-    out = []
-    for path in files:
-        rank_file = SaveFile(path, loads)
-        opened.append(rank_file)
-        out.append(rank_file)
-    return out
-
-
 def _build(files: DeepSpeedFiles, opened: list[SaveFile]) -> DeepSpeedCheckpoint:
-    optims = _open(list(files.optim_files), opened)
-    models = _open([files.model_file] if files.model_file else list(files.rank_model_files), opened)
+    for path in (*files.optim_files, *([files.model_file] if files.model_file else files.rank_model_files)):
+        opened.append(SaveFile(path, loads))
+    optims, models = opened[: len(files.optim_files)], opened[len(files.optim_files) :]
     head = models[0]
     version = str(head.state.get("ds_version", "unknown")) if isinstance(head.state, dict) else "unknown"
-    first = state_entry(optims[0].state, "optimizer_state_dict", optims[0].path, version)
-    stage = _stage(first, optims[0].path, version)
-    world_size = _world_size(first, optims[0].path, version)
-    for rank_file in optims:
-        state = state_entry(rank_file.state, "optimizer_state_dict", rank_file.path, version)
+    states = [state_entry(o.state, "optimizer_state_dict", o.path, version) for o in optims]
+    stage = _stage(states[0], optims[0].path, version)
+    world_size = _world_size(states[0], optims[0].path, version)
+    for rank_file, state in zip(optims, states, strict=True):
         if (found := _world_size(state, rank_file.path, version)) != world_size:
             raise DataCheckError(f"{rank_file.path}: saved by {found} ranks, rank 0's file by {world_size} (files of two runs?)")
         if (found := _stage(state, rank_file.path, version)) != stage:
@@ -135,13 +99,12 @@ def _build(files: DeepSpeedFiles, opened: list[SaveFile]) -> DeepSpeedCheckpoint
     if stage == 3 and len(models) != world_size:
         raise DataCheckError(f"{files.tag_dir}: {len(models)} ZeRO-3 model files, the checkpoint was saved by {world_size} ranks")
     _same_tag(models + optims, files)
+    steps = head.state.get("global_steps")
     checkpoint = DeepSpeedCheckpoint(
-        files, stage, world_size, _precision(files, head), version, _int_or_none(head.state.get("global_steps")), opened=opened
+        files, stage, world_size, _precision(files, head), version, steps if type(steps) is int else None, opened=opened
     )
-    from .sources import add_sources
-
-    add_sources(checkpoint, models, optims)
-    checkpoint.loss_scaler = first.get("loss_scaler")
+    add_sources(checkpoint, models, optims, states)
+    checkpoint.loss_scaler = states[0].get("loss_scaler")
     checkpoint.items = {k: u.plain(v) for k, v in head.state.items() if k != "module" and not isinstance(v, u.TensorRecord)}
     return checkpoint
 
@@ -166,7 +129,8 @@ def _precision(files: DeepSpeedFiles, head: SaveFile) -> str:
     if files.optim_prefix:
         return files.optim_prefix.rstrip("_").upper()
     module = head.state.get("module") if isinstance(head.state, dict) else None
-    dtypes = {r.dtype or r.storage.storage_type.dtype for _, r in _tensors(module)}
+    records = module.values() if isinstance(module, dict) else ()
+    dtypes = {r.dtype or r.storage.storage_type.dtype for r in records if isinstance(r, u.TensorRecord)}
     return "BF16" if "BF16" in dtypes else "F16" if "F16" in dtypes else "F32"
 
 
@@ -175,7 +139,3 @@ def _same_tag(rank_files: list[SaveFile], files: DeepSpeedFiles) -> None:
     if len(set(steps.values())) > 1:
         detail = ", ".join(f"{name}: {step}" for name, step in sorted(steps.items())[:4])
         raise DataCheckError(f"{files.tag_dir}: rank files of different steps ({detail}): files of two saves?")
-
-
-def _int_or_none(value: Any) -> int | None:
-    return value if type(value) is int else None
