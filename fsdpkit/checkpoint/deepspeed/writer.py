@@ -1,14 +1,8 @@
 """Writing a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 master weights with AdamW state,
-of an fp32, bf16 or fp16 run: `writer_precision`) laid out for N data-parallel ranks, as
-DeepSpeed 0.19.8's `engine.save_checkpoint(dir, tag)` writes it, so its plain
-`engine.load_checkpoint(dir)` at N ranks resumes it, optimizer included:
-
-- `latest` (the tag) and `<tag>/`;
-- stages 1 and 2: `mp_rank_00_model_states.pt` (the module's state dict, `writer_model`) and per rank
-  `[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt` (its partition of each group's flat fp32
-  master weights and Adam moments, `partition.flat_partitions`);
-- stage 3: per rank `zero_pp_rank_<r>_mp_rank_00_model_states.pt` (empty parameters, the
-  shapes, the rank's fragments of the frozen ones) and `..._optim_states.pt` (`partition.param_partitions`).
+of an fp32, bf16 or fp16 run: `writer_precision`) laid out for N data-parallel ranks
+(`partition`), as DeepSpeed 0.19.8's `engine.save_checkpoint(dir, tag)` writes it, so its plain
+`engine.load_checkpoint(dir)` at N ranks resumes it, optimizer included. Stage 3's model files
+hold empty parameters, the shapes and the rank's fragments of the frozen ones (`writer_model`).
 
 No torch or DeepSpeed: every file is a torch zip (`writer_zip`) whose data.pkl is pickled by
 name (`writer_records`), and every partition's bytes are copied from the sources' byte ranges.
@@ -29,8 +23,9 @@ from ..format.names import numel
 from ..torchfile.pickler import Ordered, dumps
 from ..torchfile.rawout import RawOutput
 from . import writer_records as records
-from .partition import RankPartition, Segment, partitions
-from .writer_model import StoragePickle, model_states
+from .files import MODEL_FILE
+from .partition import RankPartition, partitions
+from .writer_model import StoragePickle, model_states, segment_storage
 from .writer_precision import Precision
 from .writer_zip import Storage, write_torch_zip
 
@@ -85,14 +80,6 @@ class DsRun:
         return f"global_step{self.global_steps}"
 
 
-def model_file(rank: int | None) -> str:
-    return "mp_rank_00_model_states.pt" if rank is None else f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-
-
-def optim_file(rank: int, precision: Precision) -> str:
-    return f"{precision.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
 def _check(run: DsRun) -> None:
     for group in run.groups:
         for param in group.params:
@@ -112,19 +99,6 @@ def _settings(group: DsGroup, index: int) -> dict[str, Any]:
     return settings | {"params": [index]}
 
 
-def _flat(sources: dict[str, SourceTensor], segments: tuple[Segment, ...]) -> Storage:
-    """A rank's flat fp32 partition: the parameters' parts and the zeros between them."""
-
-    def fill(out: RawOutput, engine: ByteEngine) -> None:
-        for segment in segments:
-            if segment.name is None:
-                out.write(bytes(4 * segment.elements.size))
-            else:
-                out.copy(sources[segment.name], segment.elements)
-
-    return Storage(4 * sum(s.elements.size for s in segments), fill)
-
-
 def _step(value: float) -> Storage:
     return Storage(4, lambda out, engine: out.write(struct.pack("<f", value)))
 
@@ -133,7 +107,7 @@ def _adam_state(pickle: StoragePickle, run: DsRun, rank_parts: list[RankPartitio
     """The base optimizer's state_dict over the rank's flat partitions, one per group."""
     state, groups = {}, []
     for index, (group, part) in enumerate(zip(run.groups, rank_parts, strict=True)):
-        moments = {m: _flat({p.name: p.moments[m] for p in group.params}, part.segments) for m in MOMENTS}
+        moments = {m: segment_storage({p.name: p.moments[m] for p in group.params}, part.segments) for m in MOMENTS}
         state[index] = {
             "step": pickle.tensor(_step(group.step), ()),
             **{m: pickle.tensor(moments[m], (part.numel,)) for m in MOMENTS},
@@ -146,17 +120,24 @@ def _common(run: DsRun) -> dict[str, Any]:
     return {"ds_config": {"zero_optimization": {"stage": run.stage}, **run.precision.config}, "ds_version": DS_VERSION}
 
 
-def _masters(group: DsGroup) -> dict[str, SourceTensor]:
-    return {p.name: p.master for p in group.params}
-
-
-def _stage12_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
+def _optim_states(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
+    """A rank's optimizer states file: the Adam state, then the rank's fp32 partition of each group."""
     pickle = StoragePickle()
     base = _adam_state(pickle, run, rank_parts)
     fp32 = []
     for group, part in zip(run.groups, rank_parts, strict=True):
-        unpadded = part.segments[:-1] if part.padding else part.segments
-        fp32.append(pickle.tensor(_flat(_masters(group), unpadded), (part.numel - part.padding,)))
+        unpadded = part.segments[:-1] if part.padding else part.segments  # stages 1/2: the group's padding is left out
+        fp32.append(pickle.tensor(segment_storage({p.name: p.master for p in group.params}, unpadded), (part.numel - part.padding,)))
+    if run.stage == 3:
+        state = {
+            "zero_stage": records.zero_stage(3),
+            **run.precision.scaler_state(run.loss_scale),
+            "overflow": False,
+            "partition_count": run.world_size,
+            "optimizer_state_dict": base,
+            "fp32_flat_groups": fp32,
+        }
+        return dumps({"optimizer_state_dict": state, **_common(run)}), pickle.storages
     state = {
         **run.precision.scaler_state(run.loss_scale),
         "overflow": False,
@@ -174,21 +155,6 @@ def _stage12_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, 
     return dumps({"optimizer_state_dict": state, **_common(run)}), pickle.storages
 
 
-def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
-    pickle = StoragePickle()
-    base = _adam_state(pickle, run, rank_parts)
-    fp32 = [pickle.tensor(_flat(_masters(group), part.segments), (part.numel,)) for group, part in zip(run.groups, rank_parts, strict=True)]
-    state = {
-        "zero_stage": records.zero_stage(3),
-        **run.precision.scaler_state(run.loss_scale),
-        "overflow": False,
-        "partition_count": run.world_size,
-        "optimizer_state_dict": base,
-        "fp32_flat_groups": fp32,
-    }
-    return dumps({"optimizer_state_dict": state, **_common(run)}), pickle.storages
-
-
 def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None] | None = None) -> list[str]:
     """`latest` and the tag directory's files in `directory` (not synced: the caller's staged
     output syncs); returns the files' paths relative to `directory`. The files are shared out
@@ -197,11 +163,11 @@ def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None]
     layouts = [partitions(run.stage, [(p.name, numel(p.master.shape)) for p in g.params], run.world_size) for g in run.groups]
     files: list[tuple[str, tuple[bytes, list[Storage]]]] = []
     if run.stage != 3:
-        files.append((model_file(None), model_states(run, None, _common(run))))
+        files.append((MODEL_FILE, model_states(run, None, _common(run))))
     for rank, rank_parts in enumerate(zip(*layouts, strict=True)):
         if run.stage == 3:
-            files.append((model_file(rank), model_states(run, rank, _common(run))))
-        files.append((optim_file(rank, run.precision), (_stage3_optim if run.stage == 3 else _stage12_optim)(run, list(rank_parts))))
+            files.append((f"zero_pp_rank_{rank}_{MODEL_FILE}", model_states(run, rank, _common(run))))
+        files.append((f"{run.precision.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", _optim_states(run, list(rank_parts))))
     tag = directory / run.tag
     tag.mkdir()
 

@@ -6,8 +6,7 @@ the name it is tied to. Stage 2 also lists the frozen parameters (`frozen_param_
 their fragments (the same storages); stage 1 lists none, as DeepSpeed does.
 Stage 3: one file per rank, parameters empty, buffers whole, each frozen parameter's fragment
 the rank's part of it (`ceil(numel / N)` elements, the last ranks zero-padded).
-Every tensor in the run's dtype (`writer_precision`): a bf16 or fp16 run's trainable parameters
-are its fp32 masters rounded to nearest even, its floating frozen ones and buffers cast alike.
+Every tensor in the run's dtype (`writer_precision`).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from ..format.names import numel
 from ..torchfile.pickler import Ordered, Raw, dumps
 from ..torchfile.rawout import RawOutput
 from . import writer_records as records
+from .partition import Segment, param_partitions
 from .writer_zip import Storage
 
 if TYPE_CHECKING:
@@ -49,28 +49,30 @@ def _cast(out: RawOutput, engine: ByteEngine, source: SourceTensor, wanted: Elem
         out.write(cast_into(data, source.dtype, dtype, bytearray(chunk.size * dtype_info(dtype).itemsize)))
 
 
-def elements(source: SourceTensor, wanted: ElementRange, padded_to: int, dtype: str) -> Storage:
-    """Elements `wanted` of `source` as `dtype`, then zeros up to `padded_to` elements."""
+def segment_storage(sources: dict[str, SourceTensor], segments: tuple[Segment, ...], dtype: str = "F32") -> Storage:
+    """The segments' elements of `sources` as `dtype`, and the zeros of the padding segments."""
     itemsize = dtype_info(dtype).itemsize
 
     def fill(out: RawOutput, engine: ByteEngine) -> None:
-        if wanted.size and dtype == source.dtype:
-            out.copy(source, wanted)
-        elif wanted.size:
-            _cast(out, engine, source, wanted, dtype)
-        out.write(bytes(itemsize * (padded_to - wanted.size)))
+        for segment in segments:
+            if segment.name is None:
+                out.write(bytes(itemsize * segment.elements.size))
+            elif sources[segment.name].dtype == dtype:
+                out.copy(sources[segment.name], segment.elements)
+            else:
+                _cast(out, engine, sources[segment.name], segment.elements, dtype)
 
-    return Storage(itemsize * padded_to, fill)
+    return Storage(itemsize * sum(s.elements.size for s in segments), fill)
 
 
 def _whole(source: SourceTensor, dtype: str) -> Storage:
-    return elements(source, ElementRange(0, numel(source.shape)), numel(source.shape), dtype)
+    return segment_storage({source.name: source}, (Segment(source.name, ElementRange(0, numel(source.shape))),), dtype)
 
 
-def _fragment(source: SourceTensor, rank: int, world_size: int, dtype: str) -> Storage:
-    total = numel(source.shape)
-    size = -(-total // world_size)
-    return elements(source, ElementRange(min(rank * size, total), min((rank + 1) * size, total)), size, dtype)
+def _fragment(pickle: StoragePickle, source: SourceTensor, rank: int, world_size: int, dtype: str) -> Raw:
+    """Stage 3's part of a frozen parameter on `rank`."""
+    part = param_partitions([(source.name, numel(source.shape))], world_size)[rank]
+    return pickle.tensor(segment_storage({source.name: source}, part.segments, dtype), (part.numel,), dtype)
 
 
 EMPTY = Storage(0, lambda out, engine: None)
@@ -79,18 +81,17 @@ EMPTY = Storage(0, lambda out, engine: None)
 def model_states(run: DsRun, rank: int | None, common: dict[str, Any]) -> tuple[bytes, list[Storage]]:
     """The model states file of stages 1 and 2 (`rank` None) or of stage 3's rank `rank`."""
     pickle, module, keys = StoragePickle(), [], {}
-    params = [p.master for g in run.groups for p in g.params]
-    dtypes = {s.name: run.precision.module_dtype(s.dtype) for s in (*params, *run.frozen, *run.buffers)}
-    for source in (*params, *run.frozen, *run.buffers):
+    tensors = {s.name: s for s in (*(p.master for g in run.groups for p in g.params), *run.frozen, *run.buffers)}
+    dtypes = {name: run.precision.module_dtype(s.dtype) for name, s in tensors.items()}
+    for name, source in tensors.items():
         if rank is None or source in run.buffers:
-            module.append((source.name, pickle.tensor(_whole(source, dtypes[source.name]), tuple(source.shape), dtypes[source.name])))
-            keys[source.name] = len(pickle.storages) - 1
+            module.append((name, pickle.tensor(_whole(source, dtypes[name]), tuple(source.shape), dtypes[name])))
+            keys[name] = len(pickle.storages) - 1
         else:
-            module.append((source.name, pickle.tensor(EMPTY, (0,), dtypes[source.name])))
-    by_name = {s.name: s for s in (*params, *run.frozen, *run.buffers)}
+            module.append((name, pickle.tensor(EMPTY, (0,), dtypes[name])))
     for alias, kept in run.aliases.items():
         if kept in keys:  # the storage of the name it is tied to
-            module.append((alias, records.tensor(dtypes[kept], keys[kept], tuple(by_name[kept].shape))))
+            module.append((alias, records.tensor(dtypes[kept], keys[kept], tuple(tensors[kept].shape))))
         else:
             module.append((alias, pickle.tensor(EMPTY, (0,), dtypes[kept])))
     if rank is None and run.stage == 1:
@@ -101,12 +102,7 @@ def model_states(run: DsRun, rank: int | None, common: dict[str, Any]) -> tuple[
             [
                 (s.name, records.tensor(dtypes[s.name], keys[s.name], tuple(s.shape)))
                 if rank is None
-                else (
-                    s.name,
-                    pickle.tensor(
-                        _fragment(s, rank, run.world_size, dtypes[s.name]), (-(-numel(s.shape) // run.world_size),), dtypes[s.name]
-                    ),
-                )
+                else (s.name, _fragment(pickle, s, rank, run.world_size, dtypes[s.name]))
                 for s in run.frozen
             ]
         )
