@@ -1,12 +1,5 @@
 """`fsdpkit inspect` and `fsdpkit verify` of a DeepSpeed ZeRO checkpoint: a `DeepSpeedSummary`
-and a `VerifyReport` (no torch, no deepspeed).
-
-inspect: stage, precision, ranks, ds_version, global step, the parameters (trainable, frozen,
-tied, buffers), the optimizer state and its param groups, the non-tensor items grouped by
-top-level key, the files. verify: every rank file present and a readable zip whose pickle
-passes the allow-list, every storage inside its file and matching the zip's CRC-32, every
-parameter covered exactly once by the partitions (each element by one piece).
-"""
+and a `VerifyReport` (no torch, no deepspeed)."""
 
 from __future__ import annotations
 

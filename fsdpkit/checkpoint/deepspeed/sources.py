@@ -2,7 +2,7 @@
 `zero_to_fp32.py` gives: the buffers (from the model states file, as stored), the frozen
 parameters (ZeRO 1/2: whole in the model file; ZeRO 3: one fragment per rank), and every
 trainable parameter as its fp32 master weights, sliced from the optimizer files' flat
-partitions (`flat`). The optimizer state is Adam's moments under fsdpkit's names
+partitions (`partition`). The optimizer state is Adam's moments under fsdpkit's names
 (`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`, laid out as the fp32 partitions) and its
 `step` per parameter group (`optim.step.<name>`).
 """
@@ -20,7 +20,7 @@ from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.names import optim_tensor_name
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import SaveFile, TensorRange
-from . import flat as f
+from . import partition as f
 
 if TYPE_CHECKING:
     from .table import DeepSpeedCheckpoint
