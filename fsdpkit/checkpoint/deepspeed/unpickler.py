@@ -30,8 +30,7 @@ def _record_class(module: str, name: str) -> type[DeepSpeedRecord]:
     return type(name, (DeepSpeedRecord,), {"qualname": f"{module}.{name}"})
 
 
-# The DeepSpeed globals its checkpoints name (0.19): the stage enum, the loss scalers, the
-# bf16/ZeRO fragment records, and the config enums an engine may pickle in its state.
+# The DeepSpeed globals its checkpoints name (0.19), the config enums an engine may pickle included
 DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = u.STATE_DICT_GLOBALS | {
     (module, name): _record_class(module, name)
     for module, name in (

@@ -5,8 +5,7 @@ trainable parameters, the frozen ones, the buffers, and each tied name as the sa
 the name it is tied to. Stage 2 also lists the frozen parameters (`frozen_param_shapes`) with
 their fragments (the same storages); stage 1 lists none, as DeepSpeed does.
 Stage 3: one file per rank, parameters empty, buffers whole, each frozen parameter's fragment
-the rank's part of it (`ceil(numel / N)` elements, the last ranks zero-padded).
-Every tensor in the run's dtype (`writer_precision`).
+the rank's part of it (`partition`). Every tensor in the run's dtype (`writer_precision`).
 """
 
 from __future__ import annotations

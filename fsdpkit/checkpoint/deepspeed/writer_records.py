@@ -1,12 +1,7 @@
-"""The objects of DeepSpeed's checkpoint files as pickle records (`dcp.pickler`), written
+"""The objects of DeepSpeed's checkpoint files as pickle records (`torchfile.pickler`), written
 without DeepSpeed or torch: its classes are named by module and name and looked up only when
-DeepSpeed loads the file.
-
-- a tensor: `torch._utils._rebuild_tensor_v2` over storage `key` (a legacy typed storage,
-  as torch.save writes float32 and bfloat16 tensors);
-- `LossScaler` (a static scale of 1.0), fp16's `DynamicLossScaler`,
-  `ZeroStageEnum(stage)`, `fragment_address(numel, start)`;
-- `torch.Size`.
+DeepSpeed loads the file. Tensors are `_rebuild_tensor_v2` over a legacy typed storage, as
+torch.save writes float32, bfloat16 and float16 tensors.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A `torch.save` zip archive of many storages, written without torch: `data.pkl`, then one
 uncompressed `data/<key>` record per storage (64-byte aligned, filled by the caller straight
-into the file, e.g. from a source's byte ranges, read through the writer's byte engine), then torch's trailing records and the
-central directory. Like `dcp.archive`, data records carry crc32 0 (torch.load does not check
-it); archives of 4 GiB or more need zip64, which is refused.
+into the file), then torch's trailing records and the central directory. Like
+`torchfile.archive`, data records carry crc32 0 (torch.load does not check it); archives of
+4 GiB or more need zip64, which is refused.
 """
 
 from __future__ import annotations
