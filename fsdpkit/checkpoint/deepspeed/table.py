@@ -93,7 +93,7 @@ def open_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedCheckpoint:
 
 
 def _build(files: DeepSpeedFiles, opened: list[SaveFile]) -> DeepSpeedCheckpoint:
-    for path in (*files.optim_files, *([files.model_file] if files.model_file else files.rank_model_files)):
+    for path in (*files.optim_files, *files.model_files):
         opened.append(SaveFile(path, loads))
     optims, models = opened[: len(files.optim_files)], opened[len(files.optim_files) :]
     head = models[0]
@@ -260,16 +260,9 @@ def _trainable(stage, param_shapes, optims, states, version):  # type: ignore[no
     return [SourceTensor(s.name, s.shape, "F32", tuple(f.slot_pieces(stage, s, flats))) for s in slots], slots
 
 
-def _base_state(state: dict) -> Any:
-    for key in ("base_optimizer_state", "optimizer_state_dict"):
-        if key in state:
-            return state[key]
-    return None
-
-
 def _moments(stage, optims, states, slots, param_shapes):  # type: ignore[no-untyped-def]
     """Adam's moments, laid out as the fp32 partitions, and the step of each group."""
-    bases = [_base_state(s) for s in states]
+    bases = [s.get("base_optimizer_state", s.get("optimizer_state_dict")) for s in states]
     per_group = [_group_states(b, len(param_shapes)) for b in bases]
     if any(p is None for p in per_group):
         return [], _param_groups(bases[0])
@@ -291,14 +284,10 @@ def _moments(stage, optims, states, slots, param_shapes):  # type: ignore[no-unt
 
 
 def _group_states(base: Any, groups: int) -> list[dict] | None:
-    if isinstance(base, list) and len(base) == groups and all(isinstance(g, dict) for g in base):
-        return base
+    found = base if isinstance(base, list) and len(base) == groups else None
     if isinstance(base, dict) and isinstance(base.get("state"), dict):
-        state = base["state"]
-        found = [state.get(g) for g in range(groups)]
-        if all(isinstance(g, dict) for g in found):
-            return found  # type: ignore[return-value]
-    return None
+        found = [base["state"].get(g) for g in range(groups)]
+    return found if found is not None and all(isinstance(g, dict) for g in found) else None
 
 
 def _param_groups(base: Any) -> list[dict]:

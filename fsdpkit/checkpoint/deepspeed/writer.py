@@ -1,8 +1,14 @@
 """Writing a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 master weights with AdamW state,
 of an fp32, bf16 or fp16 run: `writer_precision`) laid out for N data-parallel ranks
 (`partition`), as DeepSpeed 0.19.8's `engine.save_checkpoint(dir, tag)` writes it, so its plain
-`engine.load_checkpoint(dir)` at N ranks resumes it, optimizer included. Stage 3's model files
-hold empty parameters, the shapes and the rank's fragments of the frozen ones (`writer_model`).
+`engine.load_checkpoint(dir)` at N ranks resumes it, optimizer included.
+
+Stages 1 and 2: one `mp_rank_00_model_states.pt` holding the module's state dict whole: the
+trainable parameters, the frozen ones, the buffers, and each tied name as the same storage as
+the name it is tied to. Stage 2 also lists the frozen parameters (`frozen_param_shapes`) with
+their fragments (the same storages); stage 1 lists none, as DeepSpeed does. Stage 3: one model
+states file per rank, parameters empty, buffers whole, each frozen parameter's fragment the
+rank's part of it. Every module tensor is in the run's dtype.
 
 No torch or DeepSpeed: every file is a torch zip (`writer_zip`) whose data.pkl is pickled by
 name (`writer_records`), and every partition's bytes are copied from the sources' byte ranges.
@@ -17,17 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import UsageError
+from ...flat_layout import ElementRange
 from ..format import workers
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import numel
-from ..torchfile.pickler import Ordered, dumps
+from ..torchfile.pickler import Ordered, Raw, dumps
 from ..torchfile.rawout import RawOutput
 from . import writer_records as records
 from .files import MODEL_FILE
-from .partition import RankPartition, partitions
-from .writer_model import StoragePickle, model_states, segment_storage
+from .partition import RankPartition, Segment, param_partitions, partitions
 from .writer_precision import Precision
-from .writer_zip import Storage, write_torch_zip
+from .writer_zip import Storage, StoragePickle, segment_storage, write_torch_zip
 
 DS_VERSION = "0.19.8"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -153,6 +159,69 @@ def _optim_states(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, l
         ],
     }
     return dumps({"optimizer_state_dict": state, **_common(run)}), pickle.storages
+
+
+def _whole(source: SourceTensor, dtype: str) -> Storage:
+    return segment_storage({source.name: source}, (Segment(source.name, ElementRange(0, numel(source.shape))),), dtype)
+
+
+def _fragment(pickle: StoragePickle, source: SourceTensor, rank: int, world_size: int, dtype: str) -> Raw:
+    """Stage 3's part of a frozen parameter on `rank`."""
+    part = param_partitions([(source.name, numel(source.shape))], world_size)[rank]
+    return pickle.tensor(segment_storage({source.name: source}, part.segments, dtype), (part.numel,), dtype)
+
+
+EMPTY = Storage(0, lambda out, engine: None)
+
+
+def model_states(run: DsRun, rank: int | None, common: dict[str, Any]) -> tuple[bytes, list[Storage]]:
+    """The model states file of stages 1 and 2 (`rank` None) or of stage 3's rank `rank`."""
+    pickle, module, keys = StoragePickle(), [], {}
+    tensors = {s.name: s for s in (*(p.master for g in run.groups for p in g.params), *run.frozen, *run.buffers)}
+    dtypes = {name: run.precision.module_dtype(s.dtype) for name, s in tensors.items()}
+    for name, source in tensors.items():
+        if rank is None or source in run.buffers:
+            module.append((name, pickle.tensor(_whole(source, dtypes[name]), tuple(source.shape), dtypes[name])))
+            keys[name] = len(pickle.storages) - 1
+        else:
+            module.append((name, pickle.tensor(EMPTY, (0,), dtypes[name])))
+    for alias, kept in run.aliases.items():
+        if kept in keys:  # the storage of the name it is tied to
+            module.append((alias, records.tensor(dtypes[kept], keys[kept], tuple(tensors[kept].shape))))
+        else:
+            module.append((alias, pickle.tensor(EMPTY, (0,), dtypes[kept])))
+    if rank is None and run.stage == 1:
+        frozen_shapes, fragments = None, None
+    else:
+        frozen_shapes = Ordered([(s.name, records.size(tuple(s.shape))) for s in run.frozen])
+        fragments = Ordered(
+            [
+                (s.name, records.tensor(dtypes[s.name], keys[s.name], tuple(s.shape)))
+                if rank is None
+                else (s.name, _fragment(pickle, s, rank, run.world_size, dtypes[s.name]))
+                for s in run.frozen
+            ]
+        )
+    state = {
+        "module": Ordered(module),
+        "buffer_names": [s.name for s in run.buffers],
+        "optimizer": None,
+        "param_shapes": [Ordered([(p.name, records.size(tuple(p.master.shape))) for p in group.params]) for group in run.groups],
+        "frozen_param_shapes": frozen_shapes,
+        "shared_params": dict(run.aliases),
+        "frozen_param_fragments": fragments,
+        "lr_scheduler": None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": 0,
+        "global_steps": run.global_steps,
+        "global_samples": run.global_samples,
+        "dp_world_size": run.world_size,
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        **common,
+    }
+    return dumps(state), pickle.storages
 
 
 def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None] | None = None) -> list[str]:
