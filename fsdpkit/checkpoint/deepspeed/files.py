@@ -59,8 +59,7 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
 
 def tag_directory(path: Path) -> tuple[Path, str]:
     if (path / LATEST).is_file() and not _holds_rank_files(path):
-        raw = (path / LATEST).read_bytes()[:MAX_TAG_BYTES]
-        tag = raw.decode("utf-8", "replace").strip()
+        tag = (path / LATEST).read_bytes()[:MAX_TAG_BYTES].decode("utf-8", "replace").strip()
         if not tag or "/" in tag or tag in (".", ".."):
             raise DataCheckError(f"{path / LATEST}: names no usable tag ({tag[:60]!r})")
         if not (path / tag).is_dir():

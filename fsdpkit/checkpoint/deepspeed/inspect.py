@@ -15,8 +15,6 @@ from ..torchfile.savefile import verify_saved_files
 from ..torchfile.unpickler import count_items
 from .table import FORMAT, open_deepspeed
 
-PARAM_GROUPS_ITEM = "optimizer.param_groups"  # the optimizer's hyperparameters, one item per group setting
-
 
 @dataclass(frozen=True)
 class DeepSpeedModel(ModelCounts):
@@ -44,7 +42,6 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedSummary:
     with open_deepspeed(path) as checkpoint:
         model = [tensor_entry(s) for s in checkpoint.model]
         optim = checkpoint.optimizer
-        trainable = len(model) - len(checkpoint.frozen) - len(checkpoint.buffers)
         return DeepSpeedSummary(
             path=str(checkpoint.directory),
             format=FORMAT,
@@ -52,7 +49,7 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedSummary:
                 len(model),
                 sum(s.numel for s in checkpoint.model),
                 sum(t.bytes for t in model),
-                trainable,
+                len(model) - len(checkpoint.frozen) - len(checkpoint.buffers),
                 list(checkpoint.frozen),
                 list(checkpoint.buffers),
                 checkpoint.aliases,
@@ -70,7 +67,7 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedSummary:
             ds_version=checkpoint.ds_version,
             global_steps=checkpoint.global_steps,
             tensors=model + [tensor_entry(s) for s in optim],
-            items={key: count_items(value) for key, value in {**checkpoint.items, PARAM_GROUPS_ITEM: checkpoint.param_groups}.items()},
+            items={k: count_items(v) for k, v in {**checkpoint.items, "optimizer.param_groups": checkpoint.param_groups}.items()},
         )
 
 

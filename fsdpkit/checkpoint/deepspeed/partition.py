@@ -1,5 +1,6 @@
 """How DeepSpeed ZeRO lays parameter groups out across N data-parallel ranks (pure arithmetic):
-`partitions` as the writer cuts them, `Flat`s and slots as the reader finds parameters in them.
+`partitions` as the writer cuts them into `Segment`s, `Flat`s and slots as the reader finds
+parameters in them (a `Flat`: a run of a rank file's tensors read as one flat array).
 
 Stages 1 and 2 flatten the group's parameters in order into one buffer, pad its end to a
 multiple of `2 * N` elements (`nccl_start_alignment_factor` times the world size) and cut it
@@ -12,11 +13,6 @@ Stage 3 partitions every parameter on its own: `ceil(numel / N)` elements per ra
 ranks padded with zeros, and a rank's flat group is its part of each parameter in order. Read
 back (one `Flat` per rank, its partitions of every group), rank r holds elements
 [r * p, (r + 1) * p) of a parameter at the same running offset.
-
-A rank's flat buffer is written as `Segment`s (a range of a parameter's flat elements, or
-padding) and read as a `Flat`: a run of tensors (each a `TensorRange` of a rank file) whose
-`pieces(name, first, count, dest)` are the `SourcePiece`s of its elements [first, first + count),
-placed at elements [dest, dest + count) of the parameter.
 """
 
 from __future__ import annotations
@@ -118,6 +114,7 @@ class Flat:
         return sum(p.numel for p in self.parts)
 
     def pieces(self, name: str, first: int, count: int, dest: int) -> list[SourcePiece]:
+        """Elements [first, first + count) of the array, placed at [dest, dest + count) of parameter `name`."""
         if first + count > self.numel:
             raise DataCheckError(f"{name!r}: elements up to {first + count} of a flat buffer of {self.numel} (too short)")
         out, start = [], 0

@@ -203,24 +203,19 @@ def add_sources(checkpoint: DeepSpeedCheckpoint, models: list[SaveFile], optims:
     checkpoint.optimizer, checkpoint.param_groups = _moments(checkpoint.stage, optims, states, slots, param_shapes)
 
 
-def _module_only(head: SaveFile, buffers: set[str]) -> list[SourceTensor]:
-    """Stage 1 lists no frozen parameters (`frozen_param_shapes` None): they are the module's
-    tensors that are neither trained (`param_shapes`), buffers nor tied names."""
-    state = head.state
-    trained = {name for group in (state.get("param_shapes") or []) if isinstance(group, dict) for name in group}
-    skip = trained | buffers | set(state.get("shared_params") or {})
-    return [
-        _whole(name, tuple(record.shape), head.tensor_range(record, f"frozen parameter {name!r}"))
-        for name, record in (state.get("module") or {}).items()
-        if isinstance(record, u.TensorRecord) and name not in skip
-    ]
-
-
 def _frozen(checkpoint: DeepSpeedCheckpoint, models: list[SaveFile]) -> list[SourceTensor]:
     head = models[0]
     shapes = head.state.get("frozen_param_shapes")
     if shapes is None and checkpoint.stage <= 2:
-        return _module_only(head, set(checkpoint.buffers))
+        # Stage 1 lists no frozen parameters: they are the module's tensors that are neither
+        # trained (`param_shapes`), buffers nor tied names.
+        trained = {name for group in (head.state.get("param_shapes") or []) if isinstance(group, dict) for name in group}
+        skip = trained | set(checkpoint.buffers) | set(head.state.get("shared_params") or {})
+        return [
+            _whole(name, tuple(record.shape), head.tensor_range(record, f"frozen parameter {name!r}"))
+            for name, record in (head.state.get("module") or {}).items()
+            if isinstance(record, u.TensorRecord) and name not in skip
+        ]
     out = []
     for name, shape in (shapes or {}).items():
         what = f"frozen parameter {name!r}"

@@ -26,13 +26,9 @@ class DeepSpeedRecord(u.Record):
         return inner if inner is not self else self.qualname
 
 
-def _record_class(module: str, name: str) -> type[DeepSpeedRecord]:
-    return type(name, (DeepSpeedRecord,), {"qualname": f"{module}.{name}"})
-
-
 # The DeepSpeed globals its checkpoints name (0.19), the config enums an engine may pickle included
 DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = u.STATE_DICT_GLOBALS | {
-    (module, name): _record_class(module, name)
+    (module, name): type(name, (DeepSpeedRecord,), {"qualname": f"{module}.{name}"})
     for module, name in (
         ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
         ("deepspeed.runtime.zero.offload_config", "OffloadDeviceEnum"),

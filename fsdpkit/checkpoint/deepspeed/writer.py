@@ -3,12 +3,10 @@ of an fp32, bf16 or fp16 run: `writer_precision`) laid out for N data-parallel r
 (`partition`), as DeepSpeed 0.19.8's `engine.save_checkpoint(dir, tag)` writes it, so its plain
 `engine.load_checkpoint(dir)` at N ranks resumes it, optimizer included.
 
-Stages 1 and 2: one `mp_rank_00_model_states.pt` holding the module's state dict whole: the
-trainable parameters, the frozen ones, the buffers, and each tied name as the same storage as
-the name it is tied to. Stage 2 also lists the frozen parameters (`frozen_param_shapes`) with
-their fragments (the same storages); stage 1 lists none, as DeepSpeed does. Stage 3: one model
-states file per rank, parameters empty, buffers whole, each frozen parameter's fragment the
-rank's part of it. Every module tensor is in the run's dtype.
+Stages 1 and 2's one model states file holds the module's state dict whole, each tied name as
+the storage of the name it is tied to; stage 2 also lists the frozen parameters with their
+fragments (the same storages), stage 1 none, as DeepSpeed does. Stage 3's model states file of
+each rank: parameters empty, buffers whole, the rank's fragment of each frozen parameter.
 
 No torch or DeepSpeed: every file is a torch zip (`writer_zip`) whose data.pkl is pickled by
 name (`writer_records`), and every partition's bytes are copied from the sources' byte ranges.
@@ -98,11 +96,8 @@ def _check(run: DsRun) -> None:
 
 
 def _settings(group: DsGroup, index: int) -> dict[str, Any]:
-    settings = dict(ADAMW_DEFAULTS)
-    for key, value in group.settings.items():
-        if key in ADAMW_DEFAULTS:
-            settings[key] = tuple(value) if isinstance(value, list) else value
-    return settings | {"params": [index]}
+    given = {key: tuple(value) if isinstance(value, list) else value for key, value in group.settings.items() if key in ADAMW_DEFAULTS}
+    return ADAMW_DEFAULTS | given | {"params": [index]}
 
 
 def _step(value: float) -> Storage:
@@ -113,11 +108,9 @@ def _adam_state(pickle: StoragePickle, run: DsRun, rank_parts: list[RankPartitio
     """The base optimizer's state_dict over the rank's flat partitions, one per group."""
     state, groups = {}, []
     for index, (group, part) in enumerate(zip(run.groups, rank_parts, strict=True)):
-        moments = {m: segment_storage({p.name: p.moments[m] for p in group.params}, part.segments) for m in MOMENTS}
-        state[index] = {
-            "step": pickle.tensor(_step(group.step), ()),
-            **{m: pickle.tensor(moments[m], (part.numel,)) for m in MOMENTS},
-        }
+        state[index] = {"step": pickle.tensor(_step(group.step), ())}
+        for m in MOMENTS:
+            state[index][m] = pickle.tensor(segment_storage({p.name: p.moments[m] for p in group.params}, part.segments), (part.numel,))
         groups.append(_settings(group, index))
     return {"state": state, "param_groups": groups}
 
