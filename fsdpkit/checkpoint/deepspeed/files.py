@@ -29,8 +29,7 @@ class DeepSpeedFiles:
 
     tag_dir: Path
     tag: str
-    model_file: Path | None  # ZeRO 1/2's one model file
-    rank_model_files: tuple[Path, ...]  # ZeRO 3's, in rank order
+    model_files: tuple[Path, ...]  # ZeRO 1/2's one model file, or ZeRO 3's in rank order
     optim_files: tuple[Path, ...]  # in rank order
     optim_prefix: str  # "", "bf16_" or "fp16_"
 
@@ -60,8 +59,7 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
 
 def tag_directory(path: Path) -> tuple[Path, str]:
     if (path / LATEST).is_file() and not _holds_rank_files(path):
-        raw = (path / LATEST).read_bytes()[:MAX_TAG_BYTES]
-        tag = raw.decode("utf-8", "replace").strip()
+        tag = (path / LATEST).read_bytes()[:MAX_TAG_BYTES].decode("utf-8", "replace").strip()
         if not tag or "/" in tag or tag in (".", ".."):
             raise DataCheckError(f"{path / LATEST}: names no usable tag ({tag[:60]!r})")
         if not (path / tag).is_dir():
@@ -92,17 +90,10 @@ def resolve(path: str | os.PathLike[str]) -> DeepSpeedFiles:
     _no_gaps(tag_dir, "optimizer", optim)
     if zero_model:
         _no_gaps(tag_dir, "model", zero_model)
-    model_file = tag_dir / MODEL_FILE if (tag_dir / MODEL_FILE).exists() else None
-    if model_file is None and not zero_model:
+    model_files = (tag_dir / MODEL_FILE,) if (tag_dir / MODEL_FILE).exists() else tuple(zero_model[r] for r in sorted(zero_model))
+    if not model_files:
         raise DataCheckError(f"{tag_dir}: no model states file ({MODEL_FILE} or zero_pp_rank_N_mp_rank_00_model_states.pt)")
-    return DeepSpeedFiles(
-        tag_dir,
-        tag,
-        model_file,
-        tuple(zero_model[r] for r in sorted(zero_model)),
-        tuple(optim[r] for r in sorted(optim)),
-        prefixes.pop(),
-    )
+    return DeepSpeedFiles(tag_dir, tag, model_files, tuple(optim[r] for r in sorted(optim)), prefixes.pop())
 
 
 def _single_mp(path: Path, mp_rank: str) -> None:

@@ -1,12 +1,5 @@
 """`fsdpkit inspect` and `fsdpkit verify` of a DeepSpeed ZeRO checkpoint: a `DeepSpeedSummary`
-and a `VerifyReport` (no torch, no deepspeed).
-
-inspect: stage, precision, ranks, ds_version, global step, the parameters (trainable, frozen,
-tied, buffers), the optimizer state and its param groups, the non-tensor items grouped by
-top-level key, the files. verify: every rank file present and a readable zip whose pickle
-passes the allow-list, every storage inside its file and matching the zip's CRC-32, every
-parameter covered exactly once by the partitions (each element by one piece).
-"""
+and a `VerifyReport` (no torch, no deepspeed)."""
 
 from __future__ import annotations
 
@@ -21,8 +14,6 @@ from ..format.summary import FileEntry, ModelCounts, OptimizerStates, Summary, T
 from ..torchfile.savefile import verify_saved_files
 from ..torchfile.unpickler import count_items
 from .table import FORMAT, open_deepspeed
-
-PARAM_GROUPS_ITEM = "optimizer.param_groups"  # the optimizer's hyperparameters, one item per group setting
 
 
 @dataclass(frozen=True)
@@ -51,7 +42,6 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedSummary:
     with open_deepspeed(path) as checkpoint:
         model = [tensor_entry(s) for s in checkpoint.model]
         optim = checkpoint.optimizer
-        trainable = len(model) - len(checkpoint.frozen) - len(checkpoint.buffers)
         return DeepSpeedSummary(
             path=str(checkpoint.directory),
             format=FORMAT,
@@ -59,7 +49,7 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedSummary:
                 len(model),
                 sum(s.numel for s in checkpoint.model),
                 sum(t.bytes for t in model),
-                trainable,
+                len(model) - len(checkpoint.frozen) - len(checkpoint.buffers),
                 list(checkpoint.frozen),
                 list(checkpoint.buffers),
                 checkpoint.aliases,
@@ -77,7 +67,7 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedSummary:
             ds_version=checkpoint.ds_version,
             global_steps=checkpoint.global_steps,
             tensors=model + [tensor_entry(s) for s in optim],
-            items={key: count_items(value) for key, value in {**checkpoint.items, PARAM_GROUPS_ITEM: checkpoint.param_groups}.items()},
+            items={k: count_items(v) for k, v in {**checkpoint.items, "optimizer.param_groups": checkpoint.param_groups}.items()},
         )
 
 

@@ -1,22 +1,31 @@
-"""How DeepSpeed ZeRO lays one parameter group out across N data-parallel ranks (pure arithmetic).
+"""How DeepSpeed ZeRO lays parameter groups out across N data-parallel ranks (pure arithmetic):
+`partitions` as the writer cuts them into `Segment`s, `Flat`s and slots as the reader finds
+parameters in them (a `Flat`: a run of a rank file's tensors read as one flat array).
 
 Stages 1 and 2 flatten the group's parameters in order into one buffer, pad its end to a
 multiple of `2 * N` elements (`nccl_start_alignment_factor` times the world size) and cut it
 into N equal partitions; the padding lies at the end of the last ranks. A rank's
-`param_slice_mappings` name each parameter its partition touches with the part it holds.
+`param_slice_mappings` name each parameter its partition touches with the part it holds. Read
+back, a parameter is the slice at its running offset of the group's partitions in rank order
+(one `Flat` per group; it may span ranks).
 
 Stage 3 partitions every parameter on its own: `ceil(numel / N)` elements per rank, the last
-ranks padded with zeros, and a rank's flat group is its part of each parameter in order.
-
-A rank's flat buffer is a list of `Segment`s: a range of a parameter's flat elements, or padding.
+ranks padded with zeros, and a rank's flat group is its part of each parameter in order. Read
+back (one `Flat` per rank, its partitions of every group), rank r holds elements
+[r * p, (r + 1) * p) of a parameter at the same running offset.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...errors import UsageError
+from ...dtypes import dtype_info
+from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
+from ..format.bytecopy import SourcePiece
+from ..torchfile.savefile import TensorRange
 
 NCCL_START_ALIGNMENT_FACTOR = 2
 STAGES = (1, 2, 3)
@@ -50,10 +59,6 @@ class RankPartition:
         return out
 
 
-def _padding(count: int) -> Segment:
-    return Segment(None, ElementRange(0, count))
-
-
 def flat_partitions(params: list[tuple[str, int]], world_size: int) -> list[RankPartition]:
     """Stages 1 and 2: the group's flat buffer (params as (name, numel), in order) cut for N ranks."""
     total = sum(numel for _, numel in params)
@@ -71,7 +76,7 @@ def flat_partitions(params: list[tuple[str, int]], world_size: int) -> list[Rank
             offset += numel
         padding = min(size, end - max(start, total)) if end > total else 0
         if padding:
-            segments.append(_padding(padding))
+            segments.append(Segment(None, ElementRange(0, padding)))
         partitions.append(RankPartition(tuple(segments), padding))
     return partitions
 
@@ -87,7 +92,7 @@ def param_partitions(params: list[tuple[str, int]], world_size: int) -> list[Ran
             if low < high:
                 segments.append(Segment(name, ElementRange(low, high)))
             if size - (high - low):
-                segments.append(_padding(size - (high - low)))
+                segments.append(Segment(None, ElementRange(0, size - (high - low))))
         partitions.append(RankPartition(tuple(segments), 0))
     return partitions
 
@@ -98,3 +103,87 @@ def partitions(stage: int, params: list[tuple[str, int]], world_size: int) -> li
     if world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
     return (param_partitions if stage == 3 else flat_partitions)(params, world_size)
+
+
+@dataclass(frozen=True)
+class Flat:
+    parts: tuple[TensorRange, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.parts)
+
+    def pieces(self, name: str, first: int, count: int, dest: int) -> list[SourcePiece]:
+        """Elements [first, first + count) of the array, placed at [dest, dest + count) of parameter `name`."""
+        if first + count > self.numel:
+            raise DataCheckError(f"{name!r}: elements up to {first + count} of a flat buffer of {self.numel} (too short)")
+        out, start = [], 0
+        for part in self.parts:
+            lo, hi = max(first, start), min(first + count, start + part.numel)
+            if lo < hi:
+                itemsize = dtype_info(part.dtype).itemsize
+                at = dest + lo - first
+                out.append(
+                    SourcePiece(
+                        ElementRange(at, at + hi - lo), part.path, part.offset + (lo - start) * itemsize, (hi - lo) * itemsize, None, name
+                    )
+                )
+            start += part.numel
+        return out
+
+
+def flats_of(stage: int, per_rank: Sequence[Sequence[TensorRange]]) -> list[Flat]:
+    """`per_rank[r][g]`: rank r's partition of group g."""
+    if stage <= 2:
+        return [Flat(tuple(rank[g] for rank in per_rank)) for g in range(len(per_rank[0]))]
+    return [Flat(tuple(rank)) for rank in per_rank]
+
+
+@dataclass(frozen=True)
+class ZeroSlot:
+    """One parameter inside DeepSpeed's flat arrays (fsdpkit's own flat parameters hold `flat_layout.ParamSlot`s)."""
+
+    name: str
+    shape: tuple[int, ...]
+    group: int  # ZeRO 1/2: the parameter group; ZeRO 3: 0 (one flat array per rank)
+    offset: int  # running offset in its flat array (ZeRO 3: in each rank's)
+
+
+def zero12_slots(param_shapes: Sequence[dict[str, tuple[int, ...]]], group_sizes: Sequence[int], ranks: int) -> list[ZeroSlot]:
+    """Slots of ZeRO 1/2: running offsets per group; the group's padded size must be what the
+    partitions hold (zero_to_fp32's check)."""
+    slots = []
+    for group, (shapes, available) in enumerate(zip(param_shapes, group_sizes, strict=True)):
+        offset = 0
+        for name, shape in shapes.items():
+            slots.append(ZeroSlot(name, shape, group, offset))
+            offset += math.prod(shape)
+        align = NCCL_START_ALIGNMENT_FACTOR * ranks
+        if align * math.ceil(offset / align) != align * math.ceil(available / align):
+            raise DataCheckError(f"parameter group {group}: the parameters take {offset} elements, the partitions hold {available}")
+    return slots
+
+
+def zero3_slots(param_shapes: Sequence[dict[str, tuple[int, ...]]], rank_numel: int, ranks: int) -> list[ZeroSlot]:
+    slots, offset = [], 0
+    for shapes in param_shapes:
+        for name, shape in shapes.items():
+            slots.append(ZeroSlot(name, shape, 0, offset))
+            offset += math.ceil(math.prod(shape) / ranks)
+    if offset != rank_numel:
+        raise DataCheckError(f"the parameters take {offset} elements per rank, each rank's partitions hold {rank_numel}")
+    return slots
+
+
+def slot_pieces(stage: int, slot: ZeroSlot, flats: Sequence[Flat]) -> list[SourcePiece]:
+    total = math.prod(slot.shape)
+    if stage <= 2:
+        return flats[slot.group].pieces(slot.name, slot.offset, total, 0)
+    per_rank = math.ceil(total / len(flats))
+    out = []
+    for rank, flat in enumerate(flats):
+        first = rank * per_rank
+        count = min(per_rank, total - first)
+        if count > 0:
+            out.extend(flat.pieces(slot.name, slot.offset, count, first))
+    return out

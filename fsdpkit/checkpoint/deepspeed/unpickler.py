@@ -1,10 +1,7 @@
 """The allow-list for the `data.pkl` of a DeepSpeed rank file: torch's allow-list for a whole
-state dict (`torchfile.unpickler`), plus DeepSpeed's own classes mapped by name to inert records (never imported).
-
-DeepSpeed pickles its checkpoint state whole: the ZeRO stage as `ZeroStageEnum`, the loss
-scaler object, the bf16 optimizer's `fragment_address` records, the engine's config. Each
-such name below becomes a `DeepSpeedRecord` that keeps the arguments and state pickle hands
-it; nothing is called. Any other global is a `DataCheckError` naming it.
+state dict (`torchfile.unpickler`), plus DeepSpeed's own classes by name, each a
+`DeepSpeedRecord` that keeps the arguments and state pickle hands it (never imported, nothing
+called). Any other global is a `DataCheckError` naming it.
 """
 
 from __future__ import annotations
@@ -29,26 +26,18 @@ class DeepSpeedRecord(u.Record):
         return inner if inner is not self else self.qualname
 
 
-def _record_class(module: str, name: str) -> type[DeepSpeedRecord]:
-    return type(name, (DeepSpeedRecord,), {"qualname": f"{module}.{name}"})
-
-
-# The DeepSpeed globals its checkpoints name (0.19): the stage enum, the loss scalers, the
-# bf16/ZeRO fragment records, and the config enums an engine may pickle in its state.
-DEEPSPEED_CLASSES = (
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    ("deepspeed.runtime.zero.offload_config", "OffloadDeviceEnum"),
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    ("deepspeed.utils.tensor_fragment", "fragment_address"),
-    ("deepspeed.checkpoint.utils", "fragment_address"),
-    ("deepspeed.runtime.utils", "fragment_address"),
-)
-
-
-DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = {
-    **u.STATE_DICT_GLOBALS,
-    **{(module, name): _record_class(module, name) for module, name in DEEPSPEED_CLASSES},
+# The DeepSpeed globals its checkpoints name (0.19), the config enums an engine may pickle included
+DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = u.STATE_DICT_GLOBALS | {
+    (module, name): type(name, (DeepSpeedRecord,), {"qualname": f"{module}.{name}"})
+    for module, name in (
+        ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+        ("deepspeed.runtime.zero.offload_config", "OffloadDeviceEnum"),
+        ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+        ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+        ("deepspeed.utils.tensor_fragment", "fragment_address"),
+        ("deepspeed.checkpoint.utils", "fragment_address"),
+        ("deepspeed.runtime.utils", "fragment_address"),
+    )
 }
 
 

@@ -1,14 +1,12 @@
 """Writing a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 master weights with AdamW state,
-of an fp32, bf16 or fp16 run: `writer_precision`) laid out for N data-parallel ranks, as
-DeepSpeed 0.19.8's `engine.save_checkpoint(dir, tag)` writes it, so its plain
-`engine.load_checkpoint(dir)` at N ranks resumes it, optimizer included:
+of an fp32, bf16 or fp16 run: `writer_precision`) laid out for N data-parallel ranks
+(`partition`), as DeepSpeed 0.19.8's `engine.save_checkpoint(dir, tag)` writes it, so its plain
+`engine.load_checkpoint(dir)` at N ranks resumes it, optimizer included.
 
-- `latest` (the tag) and `<tag>/`;
-- stages 1 and 2: `mp_rank_00_model_states.pt` (the module's state dict, `writer_model`) and per rank
-  `[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt` (its partition of each group's flat fp32
-  master weights and Adam moments, `partition.flat_partitions`);
-- stage 3: per rank `zero_pp_rank_<r>_mp_rank_00_model_states.pt` (empty parameters, the
-  shapes, the rank's fragments of the frozen ones) and `..._optim_states.pt` (`partition.param_partitions`).
+Stages 1 and 2's one model states file holds the module's state dict whole, each tied name as
+the storage of the name it is tied to; stage 2 also lists the frozen parameters with their
+fragments (the same storages), stage 1 none, as DeepSpeed does. Stage 3's model states file of
+each rank: parameters empty, buffers whole, the rank's fragment of each frozen parameter.
 
 No torch or DeepSpeed: every file is a torch zip (`writer_zip`) whose data.pkl is pickled by
 name (`writer_records`), and every partition's bytes are copied from the sources' byte ranges.
@@ -23,16 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import UsageError
+from ...flat_layout import ElementRange
 from ..format import workers
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import numel
-from ..torchfile.pickler import Ordered, dumps
+from ..torchfile.pickler import Ordered, Raw, dumps
 from ..torchfile.rawout import RawOutput
 from . import writer_records as records
-from .partition import RankPartition, Segment, partitions
-from .writer_model import StoragePickle, model_states
+from .files import MODEL_FILE
+from .partition import RankPartition, Segment, param_partitions, partitions
 from .writer_precision import Precision
-from .writer_zip import Storage, write_torch_zip
+from .writer_zip import Storage, StoragePickle, segment_storage, write_torch_zip
 
 DS_VERSION = "0.19.8"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -85,14 +84,6 @@ class DsRun:
         return f"global_step{self.global_steps}"
 
 
-def model_file(rank: int | None) -> str:
-    return "mp_rank_00_model_states.pt" if rank is None else f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-
-
-def optim_file(rank: int, precision: Precision) -> str:
-    return f"{precision.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
 def _check(run: DsRun) -> None:
     for group in run.groups:
         for param in group.params:
@@ -105,24 +96,8 @@ def _check(run: DsRun) -> None:
 
 
 def _settings(group: DsGroup, index: int) -> dict[str, Any]:
-    settings = dict(ADAMW_DEFAULTS)
-    for key, value in group.settings.items():
-        if key in ADAMW_DEFAULTS:
-            settings[key] = tuple(value) if isinstance(value, list) else value
-    return settings | {"params": [index]}
-
-
-def _flat(sources: dict[str, SourceTensor], segments: tuple[Segment, ...]) -> Storage:
-    """A rank's flat fp32 partition: the parameters' parts and the zeros between them."""
-
-    def fill(out: RawOutput, engine: ByteEngine) -> None:
-        for segment in segments:
-            if segment.name is None:
-                out.write(bytes(4 * segment.elements.size))
-            else:
-                out.copy(sources[segment.name], segment.elements)
-
-    return Storage(4 * sum(s.elements.size for s in segments), fill)
+    given = {key: tuple(value) if isinstance(value, list) else value for key, value in group.settings.items() if key in ADAMW_DEFAULTS}
+    return ADAMW_DEFAULTS | given | {"params": [index]}
 
 
 def _step(value: float) -> Storage:
@@ -133,11 +108,9 @@ def _adam_state(pickle: StoragePickle, run: DsRun, rank_parts: list[RankPartitio
     """The base optimizer's state_dict over the rank's flat partitions, one per group."""
     state, groups = {}, []
     for index, (group, part) in enumerate(zip(run.groups, rank_parts, strict=True)):
-        moments = {m: _flat({p.name: p.moments[m] for p in group.params}, part.segments) for m in MOMENTS}
-        state[index] = {
-            "step": pickle.tensor(_step(group.step), ()),
-            **{m: pickle.tensor(moments[m], (part.numel,)) for m in MOMENTS},
-        }
+        state[index] = {"step": pickle.tensor(_step(group.step), ())}
+        for m in MOMENTS:
+            state[index][m] = pickle.tensor(segment_storage({p.name: p.moments[m] for p in group.params}, part.segments), (part.numel,))
         groups.append(_settings(group, index))
     return {"state": state, "param_groups": groups}
 
@@ -146,17 +119,24 @@ def _common(run: DsRun) -> dict[str, Any]:
     return {"ds_config": {"zero_optimization": {"stage": run.stage}, **run.precision.config}, "ds_version": DS_VERSION}
 
 
-def _masters(group: DsGroup) -> dict[str, SourceTensor]:
-    return {p.name: p.master for p in group.params}
-
-
-def _stage12_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
+def _optim_states(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
+    """A rank's optimizer states file: the Adam state, then the rank's fp32 partition of each group."""
     pickle = StoragePickle()
     base = _adam_state(pickle, run, rank_parts)
     fp32 = []
     for group, part in zip(run.groups, rank_parts, strict=True):
-        unpadded = part.segments[:-1] if part.padding else part.segments
-        fp32.append(pickle.tensor(_flat(_masters(group), unpadded), (part.numel - part.padding,)))
+        unpadded = part.segments[:-1] if part.padding else part.segments  # stages 1/2: the group's padding is left out
+        fp32.append(pickle.tensor(segment_storage({p.name: p.master for p in group.params}, unpadded), (part.numel - part.padding,)))
+    if run.stage == 3:
+        state = {
+            "zero_stage": records.zero_stage(3),
+            **run.precision.scaler_state(run.loss_scale),
+            "overflow": False,
+            "partition_count": run.world_size,
+            "optimizer_state_dict": base,
+            "fp32_flat_groups": fp32,
+        }
+        return dumps({"optimizer_state_dict": state, **_common(run)}), pickle.storages
     state = {
         **run.precision.scaler_state(run.loss_scale),
         "overflow": False,
@@ -174,19 +154,67 @@ def _stage12_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, 
     return dumps({"optimizer_state_dict": state, **_common(run)}), pickle.storages
 
 
-def _stage3_optim(run: DsRun, rank_parts: list[RankPartition]) -> tuple[bytes, list[Storage]]:
-    pickle = StoragePickle()
-    base = _adam_state(pickle, run, rank_parts)
-    fp32 = [pickle.tensor(_flat(_masters(group), part.segments), (part.numel,)) for group, part in zip(run.groups, rank_parts, strict=True)]
+def _whole(source: SourceTensor, dtype: str) -> Storage:
+    return segment_storage({source.name: source}, (Segment(source.name, ElementRange(0, numel(source.shape))),), dtype)
+
+
+def _fragment(pickle: StoragePickle, source: SourceTensor, rank: int, world_size: int, dtype: str) -> Raw:
+    """Stage 3's part of a frozen parameter on `rank`."""
+    part = param_partitions([(source.name, numel(source.shape))], world_size)[rank]
+    return pickle.tensor(segment_storage({source.name: source}, part.segments, dtype), (part.numel,), dtype)
+
+
+EMPTY = Storage(0, lambda out, engine: None)
+
+
+def model_states(run: DsRun, rank: int | None, common: dict[str, Any]) -> tuple[bytes, list[Storage]]:
+    """The model states file of stages 1 and 2 (`rank` None) or of stage 3's rank `rank`."""
+    pickle, module, keys = StoragePickle(), [], {}
+    tensors = {s.name: s for s in (*(p.master for g in run.groups for p in g.params), *run.frozen, *run.buffers)}
+    dtypes = {name: run.precision.module_dtype(s.dtype) for name, s in tensors.items()}
+    for name, source in tensors.items():
+        if rank is None or source in run.buffers:
+            module.append((name, pickle.tensor(_whole(source, dtypes[name]), tuple(source.shape), dtypes[name])))
+            keys[name] = len(pickle.storages) - 1
+        else:
+            module.append((name, pickle.tensor(EMPTY, (0,), dtypes[name])))
+    for alias, kept in run.aliases.items():
+        if kept in keys:  # the storage of the name it is tied to
+            module.append((alias, records.tensor(dtypes[kept], keys[kept], tuple(tensors[kept].shape))))
+        else:
+            module.append((alias, pickle.tensor(EMPTY, (0,), dtypes[kept])))
+    if rank is None and run.stage == 1:
+        frozen_shapes, fragments = None, None
+    else:
+        frozen_shapes = Ordered([(s.name, records.size(tuple(s.shape))) for s in run.frozen])
+        fragments = Ordered(
+            [
+                (s.name, records.tensor(dtypes[s.name], keys[s.name], tuple(s.shape)))
+                if rank is None
+                else (s.name, _fragment(pickle, s, rank, run.world_size, dtypes[s.name]))
+                for s in run.frozen
+            ]
+        )
     state = {
-        "zero_stage": records.zero_stage(3),
-        **run.precision.scaler_state(run.loss_scale),
-        "overflow": False,
-        "partition_count": run.world_size,
-        "optimizer_state_dict": base,
-        "fp32_flat_groups": fp32,
+        "module": Ordered(module),
+        "buffer_names": [s.name for s in run.buffers],
+        "optimizer": None,
+        "param_shapes": [Ordered([(p.name, records.size(tuple(p.master.shape))) for p in group.params]) for group in run.groups],
+        "frozen_param_shapes": frozen_shapes,
+        "shared_params": dict(run.aliases),
+        "frozen_param_fragments": fragments,
+        "lr_scheduler": None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": 0,
+        "global_steps": run.global_steps,
+        "global_samples": run.global_samples,
+        "dp_world_size": run.world_size,
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        **common,
     }
-    return dumps({"optimizer_state_dict": state, **_common(run)}), pickle.storages
+    return dumps(state), pickle.storages
 
 
 def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None] | None = None) -> list[str]:
@@ -197,11 +225,11 @@ def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None]
     layouts = [partitions(run.stage, [(p.name, numel(p.master.shape)) for p in g.params], run.world_size) for g in run.groups]
     files: list[tuple[str, tuple[bytes, list[Storage]]]] = []
     if run.stage != 3:
-        files.append((model_file(None), model_states(run, None, _common(run))))
+        files.append((MODEL_FILE, model_states(run, None, _common(run))))
     for rank, rank_parts in enumerate(zip(*layouts, strict=True)):
         if run.stage == 3:
-            files.append((model_file(rank), model_states(run, rank, _common(run))))
-        files.append((optim_file(rank, run.precision), (_stage3_optim if run.stage == 3 else _stage12_optim)(run, list(rank_parts))))
+            files.append((f"zero_pp_rank_{rank}_{MODEL_FILE}", model_states(run, rank, _common(run))))
+        files.append((f"{run.precision.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", _optim_states(run, list(rank_parts))))
     tag = directory / run.tag
     tag.mkdir()
 

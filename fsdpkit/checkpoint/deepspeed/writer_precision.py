@@ -1,14 +1,10 @@
 """What a DeepSpeed run's precision changes in its checkpoint, as DeepSpeed 0.19.8 writes it
 (pure data; the fp32 master weights and Adam's moments are laid out alike at every precision):
-
-- the module's state dict: trainable parameters, and every floating frozen parameter and
-  buffer, in the run's dtype (DeepSpeed casts the module with `.bfloat16()` or `.half()`), the
-  trainable ones rounded from the fp32 masters as DeepSpeed's step leaves them;
-- the optimizer files: `bf16_zero_pp_rank_*` for bf16 runs, `zero_pp_rank_*` for fp16 and fp32;
-- `ds_config`: `bf16` or `fp16` enabled;
-- the loss scaler: a static 1.0 for fp32 and bf16; for fp16 DeepSpeed's `DynamicLossScaler`,
-  the source's when it was an fp16 run, else with DeepSpeed's defaults as a fresh fp16 run
-  starts it (a bf16 run has no scale to carry over).
+the module's floating tensors are in the run's dtype (DeepSpeed casts the module with
+`.bfloat16()` or `.half()`; trainable ones rounded from the fp32 masters as its step leaves
+them), bf16 runs name their optimizer files `bf16_zero_pp_rank_*`, and the loss scaler is a
+static 1.0 for fp32 and bf16; for fp16 DeepSpeed's `DynamicLossScaler`, the source's when it
+was an fp16 run, else DeepSpeed's defaults as a fresh fp16 run starts it.
 """
 
 from __future__ import annotations

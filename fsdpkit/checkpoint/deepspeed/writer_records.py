@@ -1,26 +1,18 @@
-"""The objects of DeepSpeed's checkpoint files as pickle records (`dcp.pickler`), written
+"""The objects of DeepSpeed's checkpoint files as pickle records (`torchfile.pickler`), written
 without DeepSpeed or torch: its classes are named by module and name and looked up only when
-DeepSpeed loads the file.
-
-- a tensor: `torch._utils._rebuild_tensor_v2` over storage `key` (a legacy typed storage,
-  as torch.save writes float32 and bfloat16 tensors);
-- `LossScaler` (a static scale of 1.0), fp16's `DynamicLossScaler`,
-  `ZeroStageEnum(stage)`, `fragment_address(numel, start)`;
-- `torch.Size`.
+DeepSpeed loads the file. Tensors are `_rebuild_tensor_v2` over a legacy typed storage, as
+torch.save writes float32, bfloat16 and float16 tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, asdict, dataclass
 
 from ...errors import UsageError
 from ..torchfile.archive import LEGACY_STORAGE_NAMES as _LEGACY
 from ..torchfile.pickler import Global, NewObject, Raw, Reduce, pickled_int, pickled_text
 
-LOSS_SCALER = Global("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 DYNAMIC_LOSS_SCALER = Global("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
-ZERO_STAGE = Global("deepspeed.runtime.zero.config", "ZeroStageEnum")
-FRAGMENT_ADDRESS = Global("deepspeed.utils.tensor_fragment", "fragment_address")
 
 
 def _ints(values: tuple[int, ...]) -> bytes:
@@ -48,37 +40,35 @@ def size(shape: tuple[int, ...]) -> Reduce:
 
 
 def loss_scaler() -> NewObject:
-    return NewObject(LOSS_SCALER, {"cur_scale": 1.0, "dynamic": False})
+    return NewObject(Global("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), {"cur_scale": 1.0, "dynamic": False})
 
 
 @dataclass(frozen=True)
 class DynamicScale:
-    """The state of DeepSpeed's `DynamicLossScaler`, its attributes by name (the defaults: as its
-    `__init__` leaves it, no step counted, no overflow seen)."""
+    """The state of DeepSpeed's `DynamicLossScaler`, its attributes by name in the order it
+    pickles them (the defaults: as its `__init__` leaves it, no step counted, no overflow seen)."""
 
     cur_scale: float
+    _: KW_ONLY
+    cur_iter: int = 0
+    last_overflow_iter: int = -1
+    scale_factor: float = 2.0
     scale_window: int
     min_scale: float
     delayed_shift: int  # hysteresis
     cur_hysteresis: int
-    cur_iter: int = 0
-    last_overflow_iter: int = -1
-    scale_factor: float = 2.0
     consecutive_hysteresis: bool = False
     raise_error_at_min_scale: bool = True
 
 
 def dynamic_loss_scaler(scale: DynamicScale) -> NewObject:
-    state = {"cur_scale": scale.cur_scale, "dynamic": True, "cur_iter": scale.cur_iter, "last_overflow_iter": scale.last_overflow_iter}
-    state |= {"scale_factor": scale.scale_factor, "scale_window": scale.scale_window, "min_scale": scale.min_scale}
-    state |= {"delayed_shift": scale.delayed_shift, "cur_hysteresis": scale.cur_hysteresis}
-    state |= {"consecutive_hysteresis": scale.consecutive_hysteresis, "raise_error_at_min_scale": scale.raise_error_at_min_scale}
-    return NewObject(DYNAMIC_LOSS_SCALER, state | {"dtype": Global("torch", "float16")})
+    state = {"cur_scale": scale.cur_scale, "dynamic": True} | asdict(scale) | {"dtype": Global("torch", "float16")}
+    return NewObject(DYNAMIC_LOSS_SCALER, state)
 
 
 def zero_stage(stage: int) -> Reduce:
-    return Reduce(ZERO_STAGE, (stage,))
+    return Reduce(Global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (stage,))
 
 
 def fragment_address(numel: int, start: int) -> NewObject:
-    return NewObject(FRAGMENT_ADDRESS, {"numel": numel, "start": start})
+    return NewObject(Global("deepspeed.utils.tensor_fragment", "fragment_address"), {"numel": numel, "start": start})
