@@ -27,7 +27,7 @@ from ...errors import DataCheckError
 from ..format.files import read_exactly
 from ..format.names import MAX_HEADER_BYTES, Header, parse_header_bytes
 from ..torchfile import unpickler as u
-from ..torchfile.zipread import Window, read_record, record_start, tensor_bytes
+from ..torchfile.zipread import record_start, tensor_bytes, torch_save_pickle
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 TORCH_SAVE, SAFETENSORS = "torch_save", "safetensors"
@@ -45,18 +45,7 @@ def torch_save_data(fd: int, path: Path, start: int, length: int, *, key: str, d
     against the chunk's dtype and shape."""
     where = f"{path}: chunk of {key!r} at byte {start}"
     try:
-        archive = zipfile.ZipFile(Window(fd, start, length))
-        names = archive.namelist()
-        pickles = [name for name in names if name.endswith("/data.pkl") and name.count("/") == 1]
-        if len(pickles) != 1:
-            raise DataCheckError(f"{where}: not a torch.save archive (no data.pkl)")
-        prefix = pickles[0][: -len("data.pkl")]
-        if (
-            f"{prefix}byteorder" in names
-            and read_record(fd, path, start, length, archive.getinfo(f"{prefix}byteorder"), where) != b"little"
-        ):
-            raise DataCheckError(f"{where}: big-endian data is not supported")
-        raw = read_record(fd, path, start, length, archive.getinfo(pickles[0]), where)
+        archive, prefix, raw = torch_save_pickle(fd, path, start, length, where)
         record = u.restricted_loads(raw, allowed=u.TENSOR_GLOBALS, where=f"{where} data.pkl", storages=True)
         if not isinstance(record, u.TensorRecord):
             raise DataCheckError(f"{where}: holds a {type(record).__name__}, not a tensor")

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from ...errors import UsageError
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
-from ..format.files import open_regular, read_exactly
 from ..format.names import split_optim_tensor_name
 from ..format.storage import staged_output
-from .metadata import DcpMetadata, Location
+from .metadata import DcpMetadata, DcpPath
 from .param_groups import param_group_items
 from .table import open_dcp
 from .writer import OutBytes, OutTensor, torch_saved, write_dcp
@@ -46,16 +46,13 @@ class DcpOutput:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     overwrite: bool = False
 
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise UsageError(f"--world-size must be >= 1, got {self.world_size}")
 
-def sources_to_dcp(
-    sources: list[SourceTensor], src: Path, dst: Path, *, aliases: dict[str, str], groups: list[dict], output: DcpOutput
-) -> dict:
-    """Model and optimizer sources (fsdpkit's names) and the optimizer's param groups
-    (fsdpkit's form) as a DCP checkpoint at `dst`, staged and renamed when complete."""
-    if output.world_size < 1:
-        raise UsageError(f"--world-size must be >= 1, got {output.world_size}")
-    tensors = _out_tensors(sources, aliases)
-    items = [OutBytes(path, read) for path, read in param_group_items(groups, torch_saved)]
+
+def _write(src: Path, dst: Path, tensors: list[OutTensor], items: list[OutBytes], output: DcpOutput, counts: dict) -> dict:
+    """The checkpoint staged at `dst` and renamed when complete; what was written, with `counts`."""
     total = sum(t.source.nbytes for t in tensors)
     needed = total + (output.world_size + len(tensors)) * 4096
     with staged_output(dst, src=src, overwrite=output.overwrite, needed_bytes=needed) as tmp:
@@ -67,23 +64,21 @@ def sources_to_dcp(
         "world_size": output.world_size,
         "files": files,
         "tensors": len(tensors),
-        "param_groups": len(groups),
+        **counts,
         "bytes": total,
     }
 
 
-def _carried(directory: Path, location: Location):
-    def read() -> bytes:
-        fd, _ = open_regular(directory / location.file)
-        try:
-            return read_exactly(fd, location.length, location.offset, directory / location.file)
-        finally:
-            os.close(fd)
-
-    return read
+def sources_to_dcp(
+    sources: list[SourceTensor], src: Path, dst: Path, *, aliases: dict[str, str], groups: list[dict], output: DcpOutput
+) -> dict:
+    """Model and optimizer sources (fsdpkit's names) and the optimizer's param groups
+    (fsdpkit's form) as a DCP checkpoint at `dst`."""
+    items = [OutBytes(path, read) for path, read in param_group_items(groups, torch_saved)]
+    return _write(src, dst, _out_tensors(sources, aliases), items, output, {"param_groups": len(groups)})
 
 
-def _path(metadata: DcpMetadata, key: str) -> tuple[str | int, ...]:
+def _path(metadata: DcpMetadata, key: str) -> DcpPath:
     return metadata.paths.get(key) or (key,)
 
 
@@ -96,22 +91,9 @@ def reshard_dcp(
     overwrite: bool = False,
 ) -> dict:
     """A DCP checkpoint chunked as FSDP2 at `world_size` ranks; every item kept."""
-    if world_size < 1:
-        raise UsageError(f"--world-size must be >= 1, got {world_size}")
+    output = DcpOutput(world_size, chunk_size, overwrite)
     with open_dcp(src) as checkpoint:
         metadata = checkpoint.metadata
         tensors = [OutTensor(_path(metadata, key), checkpoint.source(key)) for key in metadata.tensors]
-        items = [OutBytes(_path(metadata, key), _carried(metadata.directory, b.location)) for key, b in metadata.bytes_items.items()]
-        total = sum(t.source.nbytes for t in tensors)
-        with staged_output(Path(dst), src=Path(src), overwrite=overwrite, needed_bytes=total + (world_size + len(tensors)) * 4096) as tmp:
-            files = write_dcp(tmp, tensors, items, world_size=world_size, chunk_size=chunk_size)
-    return {
-        "src": str(src),
-        "dst": str(dst),
-        "to": "dcp",
-        "world_size": world_size,
-        "files": files,
-        "tensors": len(tensors),
-        "bytes_items": len(items),
-        "bytes": total,
-    }
+        items = [OutBytes(_path(metadata, key), partial(checkpoint.read_bytes_item, key)) for key in metadata.bytes_items]
+        return _write(Path(src), Path(dst), tensors, items, output, {"bytes_items": len(items)})

@@ -24,12 +24,10 @@ from typing import TYPE_CHECKING
 from ...errors import UsageError
 from ..format.bytecopy import SourceTensor
 from ..format.names import optim_tensor_name
-from .metadata import DcpMetadata
+from .metadata import DcpMetadata, DcpPath, flat_key
 
 if TYPE_CHECKING:
     from .table import DcpCheckpoint
-
-Path = tuple[str | int, ...]
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ class DcpLayout:
         return {**self.model, **self.optimizer}
 
 
-def _path_of(metadata: DcpMetadata, key: str) -> Path:
+def _path_of(metadata: DcpMetadata, key: str) -> DcpPath:
     path = metadata.paths.get(key)
     if path:
         return path
@@ -53,11 +51,7 @@ def _path_of(metadata: DcpMetadata, key: str) -> Path:
     return (head, rest) if dot and head in ("model", "optimizer") else (key,)
 
 
-def _joined(prefix: Path) -> str:
-    return ".".join(str(p) for p in prefix)
-
-
-def _optimizer_entry(path: Path) -> tuple[Path, str, str] | None:
+def _optimizer_entry(path: DcpPath) -> tuple[DcpPath, str, str] | None:
     """(prefix, fqn, state key) when `path` is optimizer state: (*prefix, "state", fqn, key) or
     (*prefix, "state.<fqn>.<key>")."""
     for i, part in enumerate(path):
@@ -74,14 +68,14 @@ def detect_layout(metadata: DcpMetadata, *, model_key: str | None = None, optimi
     paths = {key: _path_of(metadata, key) for key in metadata.tensors}
     entries = {key: entry for key, path in paths.items() if (entry := _optimizer_entry(path)) is not None}
     if optimizer_key is None:
-        counts = Counter(_joined(prefix) for prefix, _, _ in entries.values())
+        counts = Counter(flat_key(prefix) for prefix, _, _ in entries.values())
         optimizer_key = counts.most_common(1)[0][0] if counts else None
-    elif not any(_joined(prefix) == optimizer_key for prefix, _, _ in entries.values()):
+    elif not any(flat_key(prefix) == optimizer_key for prefix, _, _ in entries.values()):
         raise UsageError(f"{metadata.directory}: no optimizer state under --dcp-optimizer-key {optimizer_key!r} ({_top_keys(metadata)})")
     optimizer = {}
     if optimizer_key is not None:
         for key, (prefix, fqn, state) in entries.items():
-            if _joined(prefix) == optimizer_key and "." not in state:
+            if flat_key(prefix) == optimizer_key and "." not in state:
                 optimizer[optim_tensor_name(state, fqn)] = key
     rest = {key: path for key, path in paths.items() if key not in optimizer.values()}
     groups: Counter[str] = Counter("" if len(path) == 1 else str(path[0]) for path in rest.values())
@@ -95,7 +89,7 @@ def detect_layout(metadata: DcpMetadata, *, model_key: str | None = None, optimi
         if model_key == "" and len(path) == 1:
             model[str(path[0])] = key
         elif model_key and len(path) > 1 and path[0] == model_key:
-            model[_joined(path[1:])] = key
+            model[flat_key(path[1:])] = key
     other = tuple(key for key in rest if key not in model.values())
     return DcpLayout(model_key if model else None, optimizer_key if optimizer else None, model, optimizer, other)
 

@@ -25,6 +25,11 @@ from . import unpickler as u
 
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
+DcpPath = tuple[str | int, ...]  # where an item sits in the nested state dict, e.g. ("model", "wte.weight")
+
+
+def flat_key(path: DcpPath) -> str:
+    return ".".join(str(part) for part in path)
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ class DcpMetadata:
     version: str | None
     tensors: dict[str, DcpTensor]
     bytes_items: dict[str, DcpBytes]
-    paths: dict[str, tuple[str | int, ...]]  # flattened key -> its path in the nested state dict (may be empty)
+    paths: dict[str, DcpPath]  # flattened key -> its path (may be empty)
 
     @property
     def files(self) -> list[str]:
@@ -115,9 +120,7 @@ def _checked(directory: Path, where: Path, root: u.Metadata) -> DcpMetadata:
         else:
             raise DataCheckError(f"{where}: item {key!r} is a {type(item).__name__}, expected tensor or bytes metadata")
     version = root.get("version")
-    return DcpMetadata(
-        directory, version if isinstance(version, str) else None, tensors, bytes_items, _paths(where, root.get("planner_data"))
-    )
+    return DcpMetadata(directory, version if isinstance(version, str) else None, tensors, bytes_items, _paths(root.get("planner_data")))
 
 
 def _locations(where: Path, storage: dict) -> dict[tuple[str, tuple[int, ...] | None], Location]:
@@ -165,12 +168,10 @@ def _tensor(where: Path, key: str, item: u.TensorStorageMetadata, locations: dic
     return DcpTensor(key, state[0].name, shape, tuple(parsed))
 
 
-def _paths(where: Path, planner_data: Any) -> dict[str, tuple[str | int, ...]]:
+def _paths(planner_data: Any) -> dict[str, DcpPath]:
     """The default planner's {flattened key: path}; empty when another planner wrote none."""
     if not isinstance(planner_data, dict):
         return {}
-    paths = {}
-    for key, path in planner_data.items():
-        if isinstance(key, str) and isinstance(path, tuple) and all(isinstance(p, (str, int)) for p in path):
-            paths[key] = path
-    return paths
+    return {
+        k: p for k, p in planner_data.items() if isinstance(k, str) and isinstance(p, tuple) and all(isinstance(x, (str, int)) for x in p)
+    }

@@ -25,14 +25,12 @@ from ..format.names import numel
 from ..torchfile.archive import archive_parts
 from ..torchfile.rawout import RawOutput
 from . import pickler
-from .metadata import METADATA_NAME
-
-DcpPath = tuple[str | int, ...]
+from .metadata import METADATA_NAME, DcpPath, flat_key
 
 
 @dataclass(frozen=True)
 class OutTensor:
-    path: DcpPath  # where it sits in the nested state dict, e.g. ("model", "wte.weight")
+    path: DcpPath
     source: SourceTensor
 
 
@@ -40,10 +38,6 @@ class OutTensor:
 class OutBytes:
     path: DcpPath
     read: Callable[[], bytes]  # the item's raw bytes, as stored
-
-
-def flat_key(path: DcpPath) -> str:
-    return ".".join(str(part) for part in path)
 
 
 def dim0_chunks(rows: int, world_size: int) -> list[tuple[int, int]]:

@@ -25,7 +25,7 @@ from ..format.files import open_regular, read_exactly
 from ..format.names import numel
 from ..format.report import VerifyReport
 from .unpickler import TensorRecord
-from .zipread import Window, record_start, tensor_bytes
+from .zipread import record_start, tensor_bytes, torch_save_pickle
 
 CRC_BLOCK = 1 << 20
 
@@ -67,23 +67,14 @@ class SaveFile:
     def _read(self) -> tuple[Any, dict[str, StorageEntry]]:
         where = str(self.path)
         try:
-            archive = zipfile.ZipFile(Window(self.fd, 0, self.size))
-            infos = archive.infolist()
+            archive, prefix, raw = torch_save_pickle(self.fd, self.path, 0, self.size, where)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
             raise DataCheckError(f"{where}: not a readable torch.save zip ({str(error)[:80]}; truncated?)") from None
-        pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
-        if len(pickles) != 1:
-            raise DataCheckError(f"{where}: not a torch.save archive (no data.pkl)")
-        prefix = pickles[0].filename[: -len("data.pkl")]
         storages = {}
-        for info in infos:
+        for info in archive.infolist():
             start = record_start(self.fd, self.path, 0, self.size, info, where)
-            if info.filename == f"{prefix}byteorder" and read_exactly(self.fd, info.file_size, start, self.path) != b"little":
-                raise DataCheckError(f"{where}: big-endian data is not supported")
             if info.filename.startswith(f"{prefix}data/"):
                 storages[info.filename[len(f"{prefix}data/") :]] = StorageEntry(start, info.file_size, info.CRC)
-        pickle_start = record_start(self.fd, self.path, 0, self.size, pickles[0], where)
-        raw = read_exactly(self.fd, pickles[0].file_size, pickle_start, self.path)
         return self._unpickle(raw, where=f"{where} data.pkl"), storages
 
     def tensor_range(self, record: Any, what: str) -> TensorRange:
@@ -114,16 +105,6 @@ class SaveFile:
         return checked, problems
 
 
-def crc_problems_of(rank_files: list[SaveFile]) -> tuple[int, list[str]]:
-    """(storages checked against their zip's CRC-32, one line per mismatch) over `rank_files`."""
-    checked, problems = 0, []
-    for rank_file in rank_files:
-        count, found = rank_file.crc_problems()
-        checked += count
-        problems.extend(found)
-    return checked, problems
-
-
 def coverage_problems(directory: Path, sources: list[SourceTensor]) -> list[str]:
     """Each tensor's pieces cover its elements exactly once, in order."""
     problems = []
@@ -145,9 +126,11 @@ def verify_saved_files(report: VerifyReport, directory: Path, sources: list[Sour
     """`report` of the `torch.save` files `opened` holding `sources`: every storage against the
     zip's CRC-32 and every tensor covered exactly once; what a format checks besides (its files
     present, its records read) it adds to `report.checked` after these."""
-    problems = coverage_problems(directory, sources)
-    storages, found = crc_problems_of(opened)
-    problems.extend(found)
+    problems, storages = coverage_problems(directory, sources), 0
+    for rank_file in opened:
+        count, found = rank_file.crc_problems()
+        storages += count
+        problems.extend(found)
     report.ok, report.problems, report.tensors, report.bytes = not problems, problems, len(sources), sum(s.nbytes for s in sources)
     report.counts = {"file": len(opened), "storage": storages}
     report.checked = [

@@ -17,34 +17,21 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from ...dtypes import DTYPES
 from ...errors import DataCheckError
 
-# torch's dtype attribute names -> the safetensors spelling used everywhere in fsdpkit
-TORCH_DTYPES = {
-    "float32": "F32",
+# torch's dtype attribute names -> the safetensors spelling used everywhere in fsdpkit; the
+# legacy aliases (torch.float, torch.long...) too
+TORCH_DTYPES = {d.torch_name: d.name for d in DTYPES} | {
     "float": "F32",
-    "float64": "F64",
     "double": "F64",
-    "float16": "F16",
     "half": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
     "long": "I64",
-    "int32": "I32",
     "int": "I32",
-    "int16": "I16",
     "short": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-    "uint16": "U16",
-    "uint32": "U32",
-    "uint64": "U64",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fn": "F8_E4M3",
 }
-# the safetensors spelling -> torch's canonical dtype name (the canonical spelling comes first above)
-TORCH_DTYPE_NAMES = {dtype: name for name, dtype in reversed(list(TORCH_DTYPES.items()))}
+# the safetensors spelling -> torch's canonical dtype name
+TORCH_DTYPE_NAMES = {d.name: d.torch_name for d in DTYPES}
 # torch.save's legacy typed storage classes (`torch.FloatStorage`...) -> dtype
 STORAGE_DTYPES = {
     "FloatStorage": "F32",

@@ -2,13 +2,13 @@
 CRC checks: torch.save with crc32 off writes 0 for every record's crc32, which zipfile refuses.
 
 `Window` is the range as a seekable file (for zipfile's central directory); `record_start`
-finds a stored record's data through its local header; `tensor_bytes` places a contiguous
-tensor record inside its storage.
+finds a stored record's data through its local header.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import struct
 import zipfile
 from pathlib import Path
@@ -70,18 +70,29 @@ def read_record(fd: int, path: Path, start: int, length: int, info: zipfile.ZipI
     return read_exactly(fd, info.file_size, start + record_start(fd, path, start, length, info, where), path)
 
 
+def torch_save_pickle(fd: int, path: Path, start: int, length: int, where: str) -> tuple[zipfile.ZipFile, str, bytes]:
+    """(the zip, its records' prefix, its data.pkl's bytes) of the `torch.save` archive at byte
+    `start`; a big-endian one is refused. A damaged zip raises zipfile's and os's errors."""
+    archive = zipfile.ZipFile(Window(fd, start, length))
+    names = archive.namelist()
+    pickles = [name for name in names if name.endswith("/data.pkl") and name.count("/") == 1]
+    if len(pickles) != 1:
+        raise DataCheckError(f"{where}: not a torch.save archive (no data.pkl)")
+    prefix = pickles[0][: -len("data.pkl")]
+    byteorder = f"{prefix}byteorder"
+    if byteorder in names and read_record(fd, path, start, length, archive.getinfo(byteorder), where) != b"little":
+        raise DataCheckError(f"{where}: big-endian data is not supported")
+    return archive, prefix, read_record(fd, path, start, length, archive.getinfo(pickles[0]), where)
+
+
 def tensor_bytes(record: TensorRecord, stored: int, where: str) -> tuple[str, int, int]:
     """(dtype, bytes before the tensor's data in its storage of `stored` bytes, the data's bytes)
     of a contiguous tensor inside its storage; anything else is refused."""
     dtype = record.dtype or record.storage.storage_type.dtype
     if dtype is None:
         raise DataCheckError(f"{where}: a tensor without a dtype")
-    expected, step = [], 1
-    for dim in reversed(record.shape):
-        expected.append(step)
-        step *= dim
-    dims = [(s, e) for s, e, d in zip(record.stride, reversed(expected), record.shape, strict=True) if d > 1]
-    if any(s != e for s, e in dims):
+    contiguous = [math.prod(record.shape[d + 1 :]) for d in range(len(record.shape))]
+    if any(s != c for s, c, d in zip(record.stride, contiguous, record.shape, strict=True) if d > 1):
         raise DataCheckError(f"{where}: tensor is not contiguous (stride {list(record.stride)}), which fsdpkit does not read")
     itemsize = dtype_info(dtype).itemsize
     skip, nbytes = record.storage_offset * itemsize, numel(record.shape) * itemsize
