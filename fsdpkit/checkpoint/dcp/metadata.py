@@ -5,9 +5,10 @@ torch 2.13's `FileSystemWriter` pickles a `Metadata`: `state_dict_metadata` maps
 flattened key to a `TensorStorageMetadata` (properties with the dtype, size, chunks as
 offsets + sizes) or a `BytesStorageMetadata`; `storage_data` maps `MetadataIndex(fqn,
 offset)` to `_StorageInfo(relative_path, offset, length)`, where the item's bytes lie;
-`planner_data` maps each flattened key to its path in the nested state dict. Everything is
-validated here: types, shapes, dtypes, that every chunk and bytes item has a storage entry,
-file names inside the directory. Problems are one-line `DataCheckError`s.
+`planner_data` maps each flattened key to its path in the nested state dict. The allow-list
+is torch's (`torchfile.unpickler`) plus these classes as inert records, never imported.
+Everything is validated here: types, shapes, dtypes, that every chunk and bytes item has a
+storage entry, file names inside the directory. Problems are one-line `DataCheckError`s.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from typing import Any
 from ...errors import DataCheckError
 from ..format.files import open_regular, read_exactly
 from ..format.names import is_safe_file_name, numel
-from ..torchfile.unpickler import Dtype, restricted_loads
-from . import unpickler as u
+from ..torchfile.unpickler import TORCH_DTYPES, Dtype, Record, memory_format, ordered_dict, restricted_loads, tensor_layout, torch_size
 
+DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+DCP_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
 DcpPath = tuple[str | int, ...]  # where an item sits in the nested state dict, e.g. ("model", "wte.weight")
@@ -44,10 +46,6 @@ class Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     location: Location
-
-    @property
-    def numel(self) -> int:
-        return numel(self.sizes)
 
 
 @dataclass(frozen=True)
@@ -78,6 +76,65 @@ class DcpMetadata:
         return sorted(names)
 
 
+class Metadata(Record):
+    pass
+
+
+class TensorStorageMetadata(Record):
+    pass
+
+
+class BytesStorageMetadata(Record):
+    pass
+
+
+class ChunkStorageMetadata(Record):
+    pass
+
+
+class TensorProperties(Record):
+    pass
+
+
+class StorageMeta(Record):
+    pass
+
+
+class MetadataIndex(Record):
+    pass
+
+
+class StorageInfo(Record):
+    pass
+
+
+def _path(*parts: Any) -> str:
+    if not all(isinstance(part, str) for part in parts):
+        raise DataCheckError("a pickled path must be made of strings")
+    return "/".join(parts)
+
+
+METADATA_GLOBALS: dict[tuple[str, str], Any] = {
+    (DCP_METADATA_MODULE, "Metadata"): Metadata,
+    (DCP_METADATA_MODULE, "TensorStorageMetadata"): TensorStorageMetadata,
+    (DCP_METADATA_MODULE, "BytesStorageMetadata"): BytesStorageMetadata,
+    (DCP_METADATA_MODULE, "ChunkStorageMetadata"): ChunkStorageMetadata,
+    (DCP_METADATA_MODULE, "TensorProperties"): TensorProperties,
+    (DCP_METADATA_MODULE, "StorageMeta"): StorageMeta,
+    (DCP_METADATA_MODULE, "MetadataIndex"): MetadataIndex,
+    (DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): memory_format,
+    (DCP_FILESYSTEM_MODULE, "_StorageInfo"): StorageInfo,
+    ("torch", "Size"): torch_size,
+    ("torch.serialization", "_get_layout"): tensor_layout,
+    ("pathlib", "PosixPath"): _path,
+    ("pathlib", "WindowsPath"): _path,
+    ("pathlib", "PurePosixPath"): _path,
+    ("pathlib", "Path"): _path,
+    ("collections", "OrderedDict"): ordered_dict,
+    **{("torch", name): Dtype(dtype) for name, dtype in TORCH_DTYPES.items()},
+}
+
+
 def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
     """A directory holding DCP's `.metadata` (whatever it holds: reading it checks that)."""
     path = Path(path)
@@ -94,13 +151,13 @@ def read_metadata(directory: str | os.PathLike[str]) -> DcpMetadata:
         raw = read_exactly(fd, size, 0, path)
     finally:
         os.close(fd)
-    root = restricted_loads(raw, allowed=u.METADATA_GLOBALS, where=str(path))
-    if not isinstance(root, u.Metadata):
+    root = restricted_loads(raw, allowed=METADATA_GLOBALS, where=str(path))
+    if not isinstance(root, Metadata):
         raise DataCheckError(f"{path}: holds a {type(root).__name__}, not DCP metadata")
     return _checked(directory, path, root)
 
 
-def _checked(directory: Path, where: Path, root: u.Metadata) -> DcpMetadata:
+def _checked(directory: Path, where: Path, root: Metadata) -> DcpMetadata:
     items, storage = root.get("state_dict_metadata"), root.get("storage_data")
     if not isinstance(items, dict) or not isinstance(storage, dict):
         raise DataCheckError(f"{where}: DCP metadata without state_dict_metadata or storage_data (not written by FileSystemWriter?)")
@@ -110,12 +167,12 @@ def _checked(directory: Path, where: Path, root: u.Metadata) -> DcpMetadata:
     for key, item in items.items():
         if not isinstance(key, str):
             raise DataCheckError(f"{where}: a key of type {type(key).__name__}, expected str")
-        if isinstance(item, u.BytesStorageMetadata):
+        if isinstance(item, BytesStorageMetadata):
             location = locations.get((key, None))
             if location is None:
                 raise DataCheckError(f"{where}: bytes item {key!r} has no storage entry")
             bytes_items[key] = DcpBytes(key, location)
-        elif isinstance(item, u.TensorStorageMetadata):
+        elif isinstance(item, TensorStorageMetadata):
             tensors[key] = _tensor(where, key, item, locations)
         else:
             raise DataCheckError(f"{where}: item {key!r} is a {type(item).__name__}, expected tensor or bytes metadata")
@@ -126,7 +183,7 @@ def _checked(directory: Path, where: Path, root: u.Metadata) -> DcpMetadata:
 def _locations(where: Path, storage: dict) -> dict[tuple[str, tuple[int, ...] | None], Location]:
     found: dict[tuple[str, tuple[int, ...] | None], Location] = {}
     for index, info in storage.items():
-        if not isinstance(index, u.MetadataIndex) or not isinstance(info, u.StorageInfo):
+        if not isinstance(index, MetadataIndex) or not isinstance(info, StorageInfo):
             raise DataCheckError(
                 f"{where}: storage_data holds {type(index).__name__} -> {type(info).__name__}, expected DCP's storage info"
             )
@@ -144,17 +201,16 @@ def _locations(where: Path, storage: dict) -> dict[tuple[str, tuple[int, ...] | 
     return found
 
 
-def _tensor(where: Path, key: str, item: u.TensorStorageMetadata, locations: dict) -> DcpTensor:
-    properties, size, chunks = item.get("properties"), item.get("size"), item.get("chunks")
-    state = properties.get("state") if isinstance(properties, u.TensorProperties) else None
+def _tensor(where: Path, key: str, item: TensorStorageMetadata, locations: dict) -> DcpTensor:
+    properties, shape, chunks = item.get("properties"), item.get("size"), item.get("chunks")
+    state = properties.get("state") if isinstance(properties, TensorProperties) else None
     if not isinstance(state, tuple) or not state or not isinstance(state[0], Dtype):
         raise DataCheckError(f"{where}: tensor {key!r} has no dtype in its properties")
-    if not isinstance(size, tuple) or not isinstance(chunks, list):
+    if not isinstance(shape, tuple) or not isinstance(chunks, list):
         raise DataCheckError(f"{where}: tensor {key!r} has no size or chunk list")
-    shape = size
     parsed = []
     for chunk in chunks:
-        offsets, sizes = (chunk.get("offsets"), chunk.get("sizes")) if isinstance(chunk, u.ChunkStorageMetadata) else (None, None)
+        offsets, sizes = (chunk.get("offsets"), chunk.get("sizes")) if isinstance(chunk, ChunkStorageMetadata) else (None, None)
         if not isinstance(offsets, tuple) or not isinstance(sizes, tuple) or len(offsets) != len(shape) or len(sizes) != len(shape):
             raise DataCheckError(f"{where}: tensor {key!r} {list(shape)} has a chunk of another rank: {offsets} + {sizes}")
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
