@@ -3,7 +3,6 @@
 A DCP chunk is a box of the tensor, stored C-contiguous. In the tensor's flat form it is a set
 of contiguous runs: the dimensions after the last one the box does not span whole collapse
 into one run per index of the dimensions before it. A dim-0 shard (FSDP2) is one run.
-`covers_exactly_once` checks a tensor's boxes tile it: no overlap, no gap.
 """
 
 from __future__ import annotations

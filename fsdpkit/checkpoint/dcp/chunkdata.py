@@ -1,14 +1,10 @@
 """Where a DCP chunk's raw tensor bytes lie inside its `.distcp` file (no torch).
 
-`torch_save` serialization: each chunk is a whole `torch.save` archive at its byte range, a
-zip of stored (uncompressed) records: `<name>/data.pkl` (a pickle of the tensor record: its
-storage, offset, shape, stride, dtype), `<name>/byteorder`, `<name>/data/<key>` (the
-storage's bytes). The pickle is read with the allow-list unpickler (only
-`_rebuild_tensor_v2/v3`, storage classes, dtypes, OrderedDict); the record must be a
-contiguous little-endian tensor of the chunk's shape and dtype inside its storage (a view at
-a storage offset is read from there; a non-contiguous one is refused, naming the chunk), and
-its bytes are then a plain byte range of the file. Small records are read through their zip
-local headers, not zipfile: torch.save with crc32 off writes 0 crc32s, which zipfile refuses.
+`torch_save` serialization: each chunk is a whole `torch.save` archive (`torchfile.zipread`)
+at its byte range. Its data.pkl, read with the allow-list unpickler, must be a contiguous
+little-endian tensor of the chunk's shape and dtype inside its storage (a view at a storage
+offset is read from there; a non-contiguous one is refused, naming the chunk); its bytes are
+then a plain byte range of the file.
 
 `safetensors` serialization: each file is the rank's bytes items followed by one
 safetensors blob of its chunks (named by the flattened key, their offsets in the blob's

@@ -1,13 +1,9 @@
-"""DCP output: `convert SRC OUT --to dcp` (any checkpoint's tensor table -> FSDP2's
-`{"model", "optimizer"}` layout) and `reshard DCP OUT --world-size N` (DCP -> DCP chunked as
-FSDP2 at N ranks, every item kept, bytes items byte for byte).
-
-Names: a model tensor `name` is `model.<name>` (tied aliases too: FSDP2's state dict holds
-every name), `optim.<state>.<param>` is `optimizer.state.<param>.<state>`, and the optimizer's
-param groups the source records become `optimizer.param_groups.<i>.<setting>`
-items, as `get_state_dict` gives them, nested by group index and flattened per parameter
-(`optimizer.param_groups.<fqn>.<setting>`), so either `flatten_optimizer_state_dict` setting loads.
-Written under a temporary name, renamed when complete.
+"""DCP output chunked as FSDP2 at N ranks, staged and renamed when complete: `convert SRC OUT
+--to dcp` (any checkpoint's tensors in FSDP2's `{"model", "optimizer"}` layout, the param
+groups in both of `get_state_dict`'s layouts: `param_groups`) and `reshard DCP OUT
+--world-size N` (every item kept, bytes items byte for byte). A model tensor `name` is
+`model.<name>` (tied aliases too: FSDP2's state dict holds every name), `optim.<state>.<param>`
+is `optimizer.state.<param>.<state>`.
 """
 
 from __future__ import annotations
@@ -21,21 +17,9 @@ from ...errors import UsageError
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
 from ..format.names import split_optim_tensor_name
 from ..format.storage import staged_output
-from .metadata import DcpMetadata, DcpPath
 from .param_groups import param_group_items
 from .table import open_dcp
 from .writer import OutBytes, OutTensor, torch_saved, write_dcp
-
-
-def _out_tensors(sources: list[SourceTensor], aliases: dict[str, str]) -> list[OutTensor]:
-    out, by_name = [], {s.name: s for s in sources}
-    for source in sources:
-        optim = split_optim_tensor_name(source.name)
-        out.append(OutTensor(("optimizer", "state", optim[1], optim[0]) if optim else ("model", source.name), source))
-    for alias, stored in aliases.items():
-        if alias not in by_name and stored in by_name:
-            out.append(OutTensor(("model", alias), by_name[stored]))
-    return out
 
 
 @dataclass(frozen=True)
@@ -52,7 +36,6 @@ class DcpOutput:
 
 
 def _write(src: Path, dst: Path, tensors: list[OutTensor], items: list[OutBytes], output: DcpOutput, counts: dict) -> dict:
-    """The checkpoint staged at `dst` and renamed when complete; what was written, with `counts`."""
     total = sum(t.source.nbytes for t in tensors)
     needed = total + (output.world_size + len(tensors)) * 4096
     with staged_output(dst, src=src, overwrite=output.overwrite, needed_bytes=needed) as tmp:
@@ -72,14 +55,16 @@ def _write(src: Path, dst: Path, tensors: list[OutTensor], items: list[OutBytes]
 def sources_to_dcp(
     sources: list[SourceTensor], src: Path, dst: Path, *, aliases: dict[str, str], groups: list[dict], output: DcpOutput
 ) -> dict:
-    """Model and optimizer sources (fsdpkit's names) and the optimizer's param groups
-    (fsdpkit's form) as a DCP checkpoint at `dst`."""
+    """Model and optimizer sources and param groups, in fsdpkit's names and form, as DCP at `dst`."""
+    tensors, by_name = [], {s.name: s for s in sources}
+    for source in sources:
+        optim = split_optim_tensor_name(source.name)
+        tensors.append(OutTensor(("optimizer", "state", optim[1], optim[0]) if optim else ("model", source.name), source))
+    tensors += [
+        OutTensor(("model", alias), by_name[stored]) for alias, stored in aliases.items() if alias not in by_name and stored in by_name
+    ]
     items = [OutBytes(path, read) for path, read in param_group_items(groups, torch_saved)]
-    return _write(src, dst, _out_tensors(sources, aliases), items, output, {"param_groups": len(groups)})
-
-
-def _path(metadata: DcpMetadata, key: str) -> DcpPath:
-    return metadata.paths.get(key) or (key,)
+    return _write(src, dst, tensors, items, output, {"param_groups": len(groups)})
 
 
 def reshard_dcp(
@@ -94,6 +79,6 @@ def reshard_dcp(
     output = DcpOutput(world_size, chunk_size, overwrite)
     with open_dcp(src) as checkpoint:
         metadata = checkpoint.metadata
-        tensors = [OutTensor(_path(metadata, key), checkpoint.source(key)) for key in metadata.tensors]
-        items = [OutBytes(_path(metadata, key), partial(checkpoint.read_bytes_item, key)) for key in metadata.bytes_items]
+        tensors = [OutTensor(metadata.paths.get(key) or (key,), checkpoint.source(key)) for key in metadata.tensors]
+        items = [OutBytes(metadata.paths.get(key) or (key,), partial(checkpoint.read_bytes_item, key)) for key in metadata.bytes_items]
         return _write(Path(src), Path(dst), tensors, items, output, {"bytes_items": len(items)})

@@ -1,10 +1,6 @@
-"""`fsdpkit inspect` and `fsdpkit verify` of a DCP checkpoint: a `DcpSummary` and a `VerifyReport` (no torch).
-
-inspect: format, serialization, the model / optimizer keys found, every tensor (its key,
-fsdpkit name, dtype, shape, chunks, bytes), the bytes items (listed with their sizes, never
-unpickled, and counted by their top-level key: `item_groups`), files. verify: every file a regular file holding the byte ranges named, every
-chunk's record parsed and checked against the declared shape and dtype, each tensor's chunks
-covering it exactly once. DCP stores no checksums: the report says what was not checked.
+"""`fsdpkit inspect` and `fsdpkit verify` of a DCP checkpoint (no torch). Bytes items are
+listed with their sizes, never unpickled; DCP stores no checksums, so verify checks the
+structure and says what it did not check.
 """
 
 from __future__ import annotations
@@ -68,7 +64,7 @@ def summarize_dcp(path: str | os.PathLike[str], *, model_key: str | None = None,
         for tensor in metadata.tensors.values():  # one chunk per file tells its serialization
             if tensor.chunks:
                 checkpoint.chunk_data(tensor, tensor.chunks[0])
-        names = {key: name for name, key in layout.names.items()}
+        names = {key: name for name, key in [*layout.model.items(), *layout.optimizer.items()]}
         tensors = [
             DcpTensorEntry(names.get(t.key), t.dtype, list(t.shape), _nbytes(t), t.key, len(t.chunks)) for t in metadata.tensors.values()
         ]

@@ -1,18 +1,15 @@
-"""Which DCP keys are the model and which the optimizer state, under fsdpkit's names.
-
-The layouts met in practice, found by themselves:
+"""Which DCP keys are the model and which the optimizer state, under fsdpkit's names (the
+model's fqn, and `optim.<state>.<fqn>`). The layouts met in practice, found by themselves:
 
 - a plain `model.state_dict()`: every tensor at the top level, named by its fqn;
 - `{"model": model_sd, "optimizer": optim_sd, ...}` as torchtitan and accelerate nest
-  `get_state_dict(model, optimizer)`; other top-level items (a scheduler, a dataloader, the
-  train state) are kept apart;
+  `get_state_dict(model, optimizer)`; other top-level items are kept apart;
 - optimizer state as FSDP2's `get_state_dict` gives it: `state.<fqn>.<key>` (nested, or
   flattened into one key with `flatten_optimizer_state_dict`) and `param_groups`.
 
-Paths come from the default planner's `planner_data` (the exact path of every key in the
-nested state dict); without it the flattened keys are split at `model.` / `optimizer.`.
-`--dcp-model-key` / `--dcp-optimizer-key` name the top-level keys instead ("" is the top
-level itself). fsdpkit's names: the model's fqn, and `optim.<state>.<fqn>`.
+Paths come from the default planner's `planner_data`; without it the flattened keys are split
+at `model.` / `optimizer.`. `--dcp-model-key` / `--dcp-optimizer-key` name the top-level keys
+instead ("" is the top level itself).
 """
 
 from __future__ import annotations
@@ -37,10 +34,6 @@ class DcpLayout:
     model: dict[str, str] = field(default_factory=dict)  # fsdpkit name -> DCP key
     optimizer: dict[str, str] = field(default_factory=dict)  # optim.<state>.<fqn> -> DCP key
     other: tuple[str, ...] = ()  # tensor keys that are neither
-
-    @property
-    def names(self) -> dict[str, str]:
-        return {**self.model, **self.optimizer}
 
 
 def _path_of(metadata: DcpMetadata, key: str) -> DcpPath:

@@ -1,12 +1,7 @@
 """A DCP checkpoint as a table of tensors whose elements lie at byte ranges of its files (no
-torch): what inspect, verify, convert, reshard and diff read.
-
-`open_dcp(path)` reads `.metadata` (allow-list unpickler), checks that every file it names is
-a regular file inside the directory holding each item's byte range, and that each tensor's
-chunks cover it exactly once. Where each chunk's data starts inside its item (`chunkdata`) is
-found when the chunk is first read and cached. `source(key, name)` is a
-`checkpoint.bytecopy.SourceTensor` over the chunks (one piece per contiguous run of a chunk in
-the tensor's flat form), so the byte copier and gatherer read DCP like any other checkpoint.
+torch): what inspect, verify, convert, reshard and diff read. `open_dcp` checks that every file
+is a regular file inside the directory holding its byte ranges, and that each tensor's chunks
+cover it exactly once; a chunk's data is located (`chunkdata`) when first read.
 """
 
 from __future__ import annotations

@@ -59,15 +59,6 @@ def rank_file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-@dataclass
-class _Written:
-    """What the rank files hold: each tensor's chunks (offsets, sizes) and where every item sits."""
-
-    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
-    # key, offsets and chunk index (None for a bytes item), file, offset, length
-    storage: list[tuple[str, tuple[int, ...] | None, int | None, str, int, int]]
-
-
 def _chunks_by_rank(tensors: list[OutTensor], world_size: int) -> list[list[tuple[OutTensor, tuple[int, ...], tuple[int, ...]]]]:
     """(tensor, offsets, sizes) of every chunk, per rank, in the tensors' order."""
     by_rank: list[list] = [[] for _ in range(world_size)]
@@ -82,41 +73,37 @@ def _chunks_by_rank(tensors: list[OutTensor], world_size: int) -> list[list[tupl
     return by_rank
 
 
-def _write_rank_file(out: RawOutput, chunks: list, name: str, written: _Written) -> None:
-    for tensor, offsets, sizes in chunks:
-        source, key = tensor.source, flat_key(tensor.path)
-        first = offsets[0] * numel(source.shape[1:]) if offsets else 0
-        wanted = ElementRange(first, first + numel(sizes))
-        head, tail = archive_parts(source.dtype, sizes, wanted.size * dtype_info(source.dtype).itemsize)
-        position = out.position
-        out.write(head)
-        out.copy(source, wanted)
-        out.write(tail)
-        written.storage.append((key, offsets, len(written.chunks[key]), name, position, out.position - position))
-        written.chunks[key].append((offsets, sizes))
-
-
 def write_dcp(
     directory: Path, tensors: list[OutTensor], bytes_items: list[OutBytes], *, world_size: int, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> list[str]:
     """Every rank file and `.metadata` in `directory` (not synced: the caller's staged output
     syncs); returns the rank files' names (as a sharded checkpoint's do, not counting its metadata)."""
-    written = _Written({flat_key(t.path): [] for t in tensors}, [])
+    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {flat_key(t.path): [] for t in tensors}  # (offsets, sizes)
+    storage: list[tuple] = []  # key, offsets and chunk index (None for a bytes item), file, offset, length
     copier = ByteEngine(chunk_size=chunk_size)
     try:
-        for rank, chunks in enumerate(_chunks_by_rank(tensors, world_size)):
+        for rank, rank_chunks in enumerate(_chunks_by_rank(tensors, world_size)):
             name = rank_file_name(rank)
             with RawOutput(directory / name, copier) as out:
-                _write_rank_file(out, chunks, name, written)
-                if rank == 0:
-                    for item in bytes_items:
-                        position = out.position
-                        out.write(item.read())
-                        written.storage.append((flat_key(item.path), None, None, name, position, out.position - position))
+                for tensor, offsets, sizes in rank_chunks:
+                    source, key = tensor.source, flat_key(tensor.path)
+                    first = offsets[0] * numel(source.shape[1:]) if offsets else 0
+                    wanted = ElementRange(first, first + numel(sizes))
+                    head, tail = archive_parts(source.dtype, sizes, wanted.size * dtype_info(source.dtype).itemsize)
+                    position = out.position
+                    out.write(head)
+                    out.copy(source, wanted)
+                    out.write(tail)
+                    storage.append((key, offsets, len(chunks[key]), name, position, out.position - position))
+                    chunks[key].append((offsets, sizes))
+                for item in bytes_items if rank == 0 else []:
+                    position = out.position
+                    out.write(item.read())
+                    storage.append((flat_key(item.path), None, None, name, position, out.position - position))
     finally:
         copier.close()
     with open(directory / METADATA_NAME, "wb") as f:
-        f.write(_metadata_bytes(tensors, bytes_items, written))
+        f.write(_metadata_bytes(tensors, bytes_items, chunks, storage))
         os.fsync(f.fileno())
     return [rank_file_name(rank) for rank in range(world_size)]
 
@@ -165,16 +152,14 @@ def _storage_entry(key: str, offsets: tuple[int, ...] | None, index: int | None,
     return Raw(_INDEX + pickled_text(key) + where + b"ub"), Raw(stored)
 
 
-def _metadata_bytes(tensors: list[OutTensor], bytes_items: list[OutBytes], written: _Written) -> bytes:
+def _metadata_bytes(tensors: list[OutTensor], bytes_items: list[OutBytes], chunks: dict, storage: list[tuple]) -> bytes:
     """DCP's `Metadata` as FileSystemWriter's finish pickles it (version 1.0.0, no storage_meta)."""
-    tensor_items = (
-        (flat_key(t.path), _tensor_metadata(t.source.dtype, tuple(t.source.shape), written.chunks[flat_key(t.path)])) for t in tensors
-    )
+    tensor_items = ((flat_key(t.path), _tensor_metadata(t.source.dtype, tuple(t.source.shape), chunks[flat_key(t.path)])) for t in tensors)
     byte_items = ((flat_key(b.path), NewObject(_dcp("BytesStorageMetadata"), {})) for b in bytes_items)
     state = {
         "state_dict_metadata": Pairs(itertools.chain(tensor_items, byte_items)),
         "planner_data": {flat_key(t.path): t.path for t in tensors} | {flat_key(b.path): b.path for b in bytes_items},
-        "storage_data": Pairs(_storage_entry(*entry) for entry in written.storage),
+        "storage_data": Pairs(_storage_entry(*entry) for entry in storage),
         "storage_meta": None,
         "version": "1.0.0",
     }

@@ -1,7 +1,5 @@
-"""Pickles written without torch (protocol 2): a tree of plain values and the records below
-(a global, a call, an object given its state, bytes already pickled) as the opcodes torch's
-own pickles hold. A pickle is a byte stream of opcodes; the globals it names are only looked
-up when it is loaded.
+"""Pickles written without torch (protocol 2): a tree of plain values and the records below, as
+the opcodes torch's own pickles hold; the globals they name are only looked up when loaded.
 """
 
 from __future__ import annotations

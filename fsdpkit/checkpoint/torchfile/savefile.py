@@ -1,11 +1,7 @@
 """One `torch.save` file (a DeepSpeed rank file, a per-rank state dict) read without torch: its
-`data.pkl` through a format's allow-list unpickler, its storages as byte ranges of the file.
-
-`torch.save` writes every record stored (uncompressed): `<archive>/data.pkl`, `<archive>/
-byteorder`, `<archive>/data/<key>` per storage, each with the zip's CRC-32. Only the central
-directory and `data.pkl` are read here; a tensor is a `TensorRecord` whose bytes are a range of
-its storage entry (`tensor_range`), which the byte engine reads when asked. `crc_problems`
-checks every storage against the zip's CRC-32, block by block.
+`data.pkl` through a format's allow-list unpickler, its storages (stored records
+`<archive>/data/<key>`, each with the zip's CRC-32) as byte ranges of the file, which the byte
+engine reads when asked.
 """
 
 from __future__ import annotations

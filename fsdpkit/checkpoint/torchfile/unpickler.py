@@ -1,12 +1,8 @@
-"""The allow-list unpickler of torch's pickles: the `data.pkl` of a `torch.save` zip and DCP's
-`.metadata` (no torch, nothing from the file runs).
-
-`pickle.Unpickler.find_class` is the only way a pickle reaches a callable; here it returns
-fsdpkit's own inert stand-ins for the few globals these files name (`torch.Size`, dtypes, the
-strided layout, OrderedDict, the tensor and storage records of `torch.save`; a format adds its
-own). Any other global is a `DataCheckError` naming it, raised before anything is built.
-Persistent ids (storages) are only recorded. The stand-ins keep the state pickle hands them
-and never call anything.
+"""The allow-list unpickler of torch's pickles (no torch, nothing from the file runs):
+`find_class`, the only way a pickle reaches a callable, returns fsdpkit's inert stand-ins for
+the few globals these files name (a format adds its own); any other global is a
+`DataCheckError` naming it, raised before anything is built. Persistent ids (storages) are
+only recorded.
 """
 
 from __future__ import annotations
