@@ -76,36 +76,21 @@ class DcpMetadata:
         return sorted(names)
 
 
-class Metadata(Record):
-    pass
-
-
-class TensorStorageMetadata(Record):
-    pass
-
-
-class BytesStorageMetadata(Record):
-    pass
-
-
-class ChunkStorageMetadata(Record):
-    pass
-
-
-class TensorProperties(Record):
-    pass
-
-
-class StorageMeta(Record):
-    pass
-
-
-class MetadataIndex(Record):
-    pass
-
-
-class StorageInfo(Record):
-    pass
+# DCP's classes in `.metadata` as inert records of the same names (never imported); `StorageInfo`
+# is the filesystem module's `_StorageInfo`, the others are the metadata module's
+RECORDS: dict[str, type[Record]] = {
+    name: type(name, (Record,), {})
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
+        "StorageInfo",
+    )
+}
 
 
 def _path(*parts: Any) -> str:
@@ -115,15 +100,9 @@ def _path(*parts: Any) -> str:
 
 
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    (DCP_METADATA_MODULE, "Metadata"): Metadata,
-    (DCP_METADATA_MODULE, "TensorStorageMetadata"): TensorStorageMetadata,
-    (DCP_METADATA_MODULE, "BytesStorageMetadata"): BytesStorageMetadata,
-    (DCP_METADATA_MODULE, "ChunkStorageMetadata"): ChunkStorageMetadata,
-    (DCP_METADATA_MODULE, "TensorProperties"): TensorProperties,
-    (DCP_METADATA_MODULE, "StorageMeta"): StorageMeta,
-    (DCP_METADATA_MODULE, "MetadataIndex"): MetadataIndex,
+    **{(DCP_METADATA_MODULE, name): record for name, record in RECORDS.items() if name != "StorageInfo"},
+    (DCP_FILESYSTEM_MODULE, "_StorageInfo"): RECORDS["StorageInfo"],
     (DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): memory_format,
-    (DCP_FILESYSTEM_MODULE, "_StorageInfo"): StorageInfo,
     ("torch", "Size"): torch_size,
     ("torch.serialization", "_get_layout"): tensor_layout,
     ("pathlib", "PosixPath"): _path,
@@ -152,12 +131,12 @@ def read_metadata(directory: str | os.PathLike[str]) -> DcpMetadata:
     finally:
         os.close(fd)
     root = restricted_loads(raw, allowed=METADATA_GLOBALS, where=str(path))
-    if not isinstance(root, Metadata):
+    if not isinstance(root, RECORDS["Metadata"]):
         raise DataCheckError(f"{path}: holds a {type(root).__name__}, not DCP metadata")
     return _checked(directory, path, root)
 
 
-def _checked(directory: Path, where: Path, root: Metadata) -> DcpMetadata:
+def _checked(directory: Path, where: Path, root: Record) -> DcpMetadata:
     items, storage = root.get("state_dict_metadata"), root.get("storage_data")
     if not isinstance(items, dict) or not isinstance(storage, dict):
         raise DataCheckError(f"{where}: DCP metadata without state_dict_metadata or storage_data (not written by FileSystemWriter?)")
@@ -167,12 +146,12 @@ def _checked(directory: Path, where: Path, root: Metadata) -> DcpMetadata:
     for key, item in items.items():
         if not isinstance(key, str):
             raise DataCheckError(f"{where}: a key of type {type(key).__name__}, expected str")
-        if isinstance(item, BytesStorageMetadata):
+        if isinstance(item, RECORDS["BytesStorageMetadata"]):
             location = locations.get((key, None))
             if location is None:
                 raise DataCheckError(f"{where}: bytes item {key!r} has no storage entry")
             bytes_items[key] = DcpBytes(key, location)
-        elif isinstance(item, TensorStorageMetadata):
+        elif isinstance(item, RECORDS["TensorStorageMetadata"]):
             tensors[key] = _tensor(where, key, item, locations)
         else:
             raise DataCheckError(f"{where}: item {key!r} is a {type(item).__name__}, expected tensor or bytes metadata")
@@ -183,7 +162,7 @@ def _checked(directory: Path, where: Path, root: Metadata) -> DcpMetadata:
 def _locations(where: Path, storage: dict) -> dict[tuple[str, tuple[int, ...] | None], Location]:
     found: dict[tuple[str, tuple[int, ...] | None], Location] = {}
     for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(info, StorageInfo):
+        if not isinstance(index, RECORDS["MetadataIndex"]) or not isinstance(info, RECORDS["StorageInfo"]):
             raise DataCheckError(
                 f"{where}: storage_data holds {type(index).__name__} -> {type(info).__name__}, expected DCP's storage info"
             )
@@ -201,16 +180,16 @@ def _locations(where: Path, storage: dict) -> dict[tuple[str, tuple[int, ...] | 
     return found
 
 
-def _tensor(where: Path, key: str, item: TensorStorageMetadata, locations: dict) -> DcpTensor:
+def _tensor(where: Path, key: str, item: Record, locations: dict) -> DcpTensor:
     properties, shape, chunks = item.get("properties"), item.get("size"), item.get("chunks")
-    state = properties.get("state") if isinstance(properties, TensorProperties) else None
+    state = properties.get("state") if isinstance(properties, RECORDS["TensorProperties"]) else None
     if not isinstance(state, tuple) or not state or not isinstance(state[0], Dtype):
         raise DataCheckError(f"{where}: tensor {key!r} has no dtype in its properties")
     if not isinstance(shape, tuple) or not isinstance(chunks, list):
         raise DataCheckError(f"{where}: tensor {key!r} has no size or chunk list")
     parsed = []
     for chunk in chunks:
-        offsets, sizes = (chunk.get("offsets"), chunk.get("sizes")) if isinstance(chunk, ChunkStorageMetadata) else (None, None)
+        offsets, sizes = (chunk.get("offsets"), chunk.get("sizes")) if isinstance(chunk, RECORDS["ChunkStorageMetadata"]) else (None, None)
         if not isinstance(offsets, tuple) or not isinstance(sizes, tuple) or len(offsets) != len(shape) or len(sizes) != len(shape):
             raise DataCheckError(f"{where}: tensor {key!r} {list(shape)} has a chunk of another rank: {offsets} + {sizes}")
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):

@@ -28,9 +28,7 @@ class DcpCheckpoint:
         self._files: dict[str, tuple[int, int]] = {}  # name -> (fd, size)
         self._blobs: dict[tuple[str, int], tuple[Header, dict]] = {}
         self._data: dict[tuple[str, tuple[int, ...]], chunkdata.ChunkData] = {}
-        self._serializations: set[str] = set()
 
-    # ----- files
     def file(self, name: str) -> tuple[int, int]:
         """(fd, size) of a data file, opened once (a regular file inside the directory)."""
         found = self._files.get(name)
@@ -70,7 +68,6 @@ class DcpCheckpoint:
         return problems
 
     def opened(self, name: str) -> bool:
-        """Whether data file `name` has been opened (it exists and is a regular file)."""
         return name in self._files
 
     def _range_problem(self, key: str, location: Location) -> list[str]:
@@ -81,14 +78,12 @@ class DcpCheckpoint:
             return [f"{self.directory / location.file}: item {key!r} spans bytes up to {end}, the file has {size} (truncated)"]
         return []
 
-    # ----- chunk data
     def chunk_data(self, tensor: DcpTensor, chunk: Chunk) -> chunkdata.ChunkData:
         """Where the chunk's raw bytes lie (parsed once, checked against the metadata)."""
         cache_key = (tensor.key, chunk.offsets)
         found = self._data.get(cache_key)
         if found is None:
             found = self._data[cache_key] = self._locate(tensor, chunk)
-            self._serializations.add(found.serialization)
         return found
 
     def _locate(self, tensor: DcpTensor, chunk: Chunk) -> chunkdata.ChunkData:
@@ -122,10 +117,9 @@ class DcpCheckpoint:
     @property
     def serializations(self) -> list[str]:
         """The serializations of the chunks located so far."""
-        return sorted(self._serializations)
+        return sorted({data.serialization for data in self._data.values()})
 
     def source(self, key: str, name: str | None = None) -> SourceTensor:
-        """Tensor `key` as a source of element ranges, named `name` (default: its key)."""
         tensor = self.metadata.tensors.get(key)
         if tensor is None:
             raise UsageError(f"{self.directory}: no tensor {key!r}")

@@ -101,9 +101,11 @@ class SaveFile:
         return checked, problems
 
 
-def coverage_problems(directory: Path, sources: list[SourceTensor]) -> list[str]:
-    """Each tensor's pieces cover its elements exactly once, in order."""
-    problems = []
+def verify_saved_files(report: VerifyReport, directory: Path, sources: list[SourceTensor], opened: list[SaveFile]) -> VerifyReport:
+    """`report` of the `torch.save` files `opened` holding `sources`: every storage against the
+    zip's CRC-32 and every tensor covered exactly once, in order; what a format checks besides
+    (its files present, its records read) it adds to `report.checked` after these."""
+    problems, storages = [], 0
     for source in sources:
         position = 0
         for piece in sorted(source.pieces_in(ElementRange(0, source.numel)), key=lambda p: p.range.start):
@@ -115,14 +117,6 @@ def coverage_problems(directory: Path, sources: list[SourceTensor]) -> list[str]
         else:
             if position != source.numel:
                 problems.append(f"{directory}: {source.name!r}: covered up to element {position} of {source.numel}")
-    return problems
-
-
-def verify_saved_files(report: VerifyReport, directory: Path, sources: list[SourceTensor], opened: list[SaveFile]) -> VerifyReport:
-    """`report` of the `torch.save` files `opened` holding `sources`: every storage against the
-    zip's CRC-32 and every tensor covered exactly once; what a format checks besides (its files
-    present, its records read) it adds to `report.checked` after these."""
-    problems, storages = coverage_problems(directory, sources), 0
     for rank_file in opened:
         count, found = rank_file.crc_problems()
         storages += count

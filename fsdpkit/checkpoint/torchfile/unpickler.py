@@ -148,8 +148,10 @@ def ordered_dict(*args: Any) -> dict:
     return OrderedDict()
 
 
-def rebuild_tensor_v2(storage: Any, offset: Any, shape: Any, stride: Any, *rest: Any) -> TensorRecord:
-    return _tensor_record(storage, offset, shape, stride, None)
+def rebuild_tensor_v2(storage: Any, offset: Any, shape: Any, stride: Any, *rest: Any, dtype: str | None = None) -> TensorRecord:
+    if not isinstance(storage, StorageRef) or type(offset) is not int:
+        raise DataCheckError("a tensor record without a storage or offset")
+    return TensorRecord(storage, offset, torch_size(shape), torch_size(stride), dtype)
 
 
 def rebuild_tensor_v3(
@@ -157,13 +159,7 @@ def rebuild_tensor_v3(
 ) -> TensorRecord:
     if not isinstance(dtype, Dtype):
         raise DataCheckError("_rebuild_tensor_v3 without a dtype")
-    return _tensor_record(storage, offset, shape, stride, dtype.name)
-
-
-def _tensor_record(storage: Any, offset: Any, shape: Any, stride: Any, dtype: str | None) -> TensorRecord:
-    if not isinstance(storage, StorageRef) or type(offset) is not int:
-        raise DataCheckError("a tensor record without a storage or offset")
-    return TensorRecord(storage, offset, torch_size(shape), torch_size(stride), dtype)
+    return rebuild_tensor_v2(storage, offset, shape, stride, dtype=dtype.name)
 
 
 TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
