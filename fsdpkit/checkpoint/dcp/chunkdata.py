@@ -1,6 +1,6 @@
 """Where a DCP chunk's raw tensor bytes lie inside its `.distcp` file (no torch).
 
-`torch_save` serialization: each chunk is a whole `torch.save` archive (`torchfile.zipread`)
+`torch_save` serialization: each chunk is a whole `torch.save` archive (`torchfile.savefile`)
 at its byte range. Its data.pkl, read with the allow-list unpickler, must be a contiguous
 little-endian tensor of the chunk's shape and dtype inside its storage (a view at a storage
 offset is read from there; a non-contiguous one is refused, naming the chunk); its bytes are
@@ -23,7 +23,7 @@ from ...errors import DataCheckError
 from ..format.files import read_exactly
 from ..format.names import MAX_HEADER_BYTES, Header, parse_header_bytes
 from ..torchfile import unpickler as u
-from ..torchfile.zipread import record_start, tensor_bytes, torch_save_pickle
+from ..torchfile.savefile import record_start, tensor_bytes, torch_save_pickle
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 TORCH_SAVE, SAFETENSORS = "torch_save", "safetensors"

@@ -15,7 +15,7 @@ from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.files import open_regular, read_exactly
 from ..format.names import Header
-from ..torchfile.zipread import ZIP_MAGIC
+from ..torchfile.savefile import ZIP_MAGIC
 from . import chunkdata
 from .boxes import coverage_problem, flat_runs
 from .metadata import METADATA_NAME, Chunk, DcpMetadata, DcpTensor, Location, read_metadata
