@@ -1,14 +1,11 @@
-"""DCP's `.metadata`, read through the allow-list unpickler and checked into plain records
-(no torch).
+"""DCP's `.metadata` (no torch), read through the allow-list unpickler (torch's, plus DCP's
+classes as inert records) and checked into plain records.
 
 torch 2.13's `FileSystemWriter` pickles a `Metadata`: `state_dict_metadata` maps each
 flattened key to a `TensorStorageMetadata` (properties with the dtype, size, chunks as
 offsets + sizes) or a `BytesStorageMetadata`; `storage_data` maps `MetadataIndex(fqn,
 offset)` to `_StorageInfo(relative_path, offset, length)`, where the item's bytes lie;
-`planner_data` maps each flattened key to its path in the nested state dict. The allow-list
-is torch's (`torchfile.unpickler`) plus these classes as inert records, never imported.
-Everything is validated here: types, shapes, dtypes, that every chunk and bytes item has a
-storage entry, file names inside the directory. Problems are one-line `DataCheckError`s.
+`planner_data` maps each flattened key to its path in the nested state dict.
 """
 
 from __future__ import annotations
@@ -76,8 +73,7 @@ class DcpMetadata:
         return sorted(names)
 
 
-# DCP's classes in `.metadata` as inert records of the same names (never imported); `StorageInfo`
-# is the filesystem module's `_StorageInfo`, the others are the metadata module's
+# `StorageInfo` is the filesystem module's `_StorageInfo`, the others are the metadata module's
 RECORDS: dict[str, type[Record]] = {
     name: type(name, (Record,), {})
     for name in (

@@ -1,20 +1,17 @@
 """Writing a DCP checkpoint as torch 2.13's `FileSystemWriter` does (torch_save serialization),
-chunked as FSDP2 shards each tensor at N ranks: dim 0 cut by `torch.chunk` (ceil(rows / N)
-rows per rank, the last ranks fewer or none), one `__<rank>_0.distcp` file per rank, scalars
-and bytes items in rank 0's file, then `.metadata`.
-
-Each chunk is its own `torch.save` archive (`torchfile.archive`, what DCP's reader
-`torch.load`s): its head, the chunk's bytes copied from the source's byte ranges
-(`torchfile.rawout`), its tail. Bytes items are copied byte for byte, never unpickled.
+chunked as FSDP2 shards each tensor at N ranks: dim 0 cut by `torch.chunk`, one
+`__<rank>_0.distcp` file per rank, scalars and bytes items (copied byte for byte, never
+unpickled) in rank 0's file. Each chunk is its own `torch.save` archive (`torchfile.archive`),
+its data copied from the source's byte ranges (`torchfile.rawout`).
 
 `.metadata` is pickled without torch (protocol 2) as exactly the objects `FileSystemWriter`
 pickles: `Metadata`, `TensorStorageMetadata`, `ChunkStorageMetadata`, `BytesStorageMetadata`,
 `MetadataIndex` (dataclasses: `copyreg.__newobj__` + their `__dict__`), `TensorProperties`
 (its `__getstate__` tuple), `_StorageInfo` (its `__dict__` without the None fields),
-`torch.Size`, dtypes (`torch.float32`), `torch.strided` and the contiguous memory format, so
-`pickle.load` in torch gives DCP's real classes. The records of every chunk and storage entry
-(a million at a large world size) are pickled directly as `Raw` bytes, made one at a time as
-they are written; the globals and keys they repeat are memoized once.
+`torch.Size`, dtypes, `torch.strided` and the contiguous memory format, so `pickle.load` in
+torch gives DCP's real classes. The records of every chunk and storage entry (a million at a
+large world size) are pickled as `Raw` bytes made as they are written, the globals and keys
+they repeat memoized once.
 """
 
 from __future__ import annotations
@@ -137,7 +134,6 @@ def _size(values: tuple[int, ...]) -> bytes:
 
 
 def _tensor_metadata(dtype: str, shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> NewObject:
-    """A `TensorStorageMetadata` of a tensor of `dtype` (safetensors spelling) and `shape`."""
     layout = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))
     contiguous = Reduce(_dcp("_MEM_FORMAT_ENCODING"), (0,))
     properties = NewObject(_dcp("TensorProperties"), (Global("torch", TORCH_DTYPE_NAMES[dtype]), layout, False, contiguous, False))

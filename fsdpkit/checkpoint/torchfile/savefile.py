@@ -45,9 +45,6 @@ class Window(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def tell(self) -> int:
-        return self._position
-
     def seek(self, offset: int, whence: int = 0) -> int:
         base = {0: 0, 1: self._position, 2: self._length}[whence]
         self._position = max(0, base + offset)
@@ -75,7 +72,6 @@ def record_start(fd: int, path: Path, start: int, length: int, info: zipfile.Zip
 
 
 def read_record(fd: int, path: Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> bytes:
-    """A small stored record's bytes."""
     return read_exactly(fd, info.file_size, start + record_start(fd, path, start, length, info, where), path)
 
 
