@@ -65,11 +65,11 @@ def detect_layout(metadata: DcpMetadata, *, model_key: str | None = None, optimi
         optimizer_key = counts.most_common(1)[0][0] if counts else None
     elif not any(flat_key(prefix) == optimizer_key for prefix, _, _ in entries.values()):
         raise UsageError(f"{metadata.directory}: no optimizer state under --dcp-optimizer-key {optimizer_key!r} ({_top_keys(metadata)})")
-    optimizer = {}
-    if optimizer_key is not None:
-        for key, (prefix, fqn, state) in entries.items():
-            if flat_key(prefix) == optimizer_key and "." not in state:
-                optimizer[optim_tensor_name(state, fqn)] = key
+    optimizer = {
+        optim_tensor_name(state, fqn): key
+        for key, (prefix, fqn, state) in entries.items()
+        if flat_key(prefix) == optimizer_key and "." not in state
+    }
     rest = {key: path for key, path in paths.items() if key not in optimizer.values()}
     groups: Counter[str] = Counter("" if len(path) == 1 else str(path[0]) for path in rest.values())
     if model_key is None:

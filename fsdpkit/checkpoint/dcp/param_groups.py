@@ -3,10 +3,8 @@
 FSDP2's `get_state_dict` stores them as bytes items, one per setting: nested by group index
 (`optimizer.param_groups.<i>.<setting>`, and `.params`, the fqns), or flattened per parameter
 (`optimizer.param_groups.<fqn>.<setting>`, torchtitan, `flatten_optimizer_state_dict=True`).
-Each item is a `torch.save` archive of a plain value; it is read with an unpickler that
-refuses every global, so only numbers, strings, None and containers come out.
-
-fsdpkit's form of the groups (the training state's `optimizer.groups`): a list of
+Each item is a `torch.save` archive of a plain value, read with an unpickler that refuses every
+global. fsdpkit's form of the groups (the training state's `optimizer.groups`): a list of
 `{"settings": {...}, "params": [fqn, ...]}`, tuples as lists.
 """
 

@@ -15,6 +15,7 @@ from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.files import open_regular, read_exactly
 from ..format.names import Header
+from ..format.storage import checkpoint_file
 from ..torchfile.savefile import ZIP_MAGIC
 from . import chunkdata
 from .boxes import coverage_problem, flat_runs
@@ -31,13 +32,9 @@ class DcpCheckpoint:
 
     def file(self, name: str) -> tuple[int, int]:
         """(fd, size) of a data file, opened once (a regular file inside the directory)."""
-        found = self._files.get(name)
-        if found is None:
-            path = self.directory / name
-            if path.is_symlink() and os.path.dirname(os.path.realpath(path)) != os.path.realpath(self.directory):
-                raise DataCheckError(f"{path}: symlink points outside the checkpoint directory")
-            found = self._files[name] = open_regular(path)
-        return found
+        if name not in self._files:
+            self._files[name] = open_regular(checkpoint_file(self.directory, name))
+        return self._files[name]
 
     def close(self) -> None:
         while self._files:

@@ -1,16 +1,13 @@
 """`torch.save` zip archives written without torch: the records' headers, and one tensor as a
-whole archive (what DCP's reader `torch.load`s for each chunk of the torch_save serialization).
-
-The archive is a zip of stored records, as torch writes it: `archive/data.pkl` (a protocol-2
-pickle of `_rebuild_tensor_v2(storage, 0, shape, stride, False, OrderedDict())`, or `_v3` with
-an untyped storage and the dtype for dtypes without a legacy storage class), `.format_version`,
-`.storage_alignment`, `byteorder`, `data/0` (the raw little-endian bytes, aligned to 64 bytes
-from the archive's start), `version`, `.data/serialization_id`. `archive_parts(dtype, shape,
-nbytes)` gives the bytes before and after the data, so the data itself is copied from the
-source straight into the file. The data record's crc32 is 0, as torch.save writes it with
-`torch.serialization.set_crc32_options(False)`: torch.load does not check it, and computing
-it would read every byte in user space. Chunks of 4 GiB or more need zip64 and are refused
-(`MAX_RECORD_BYTES`).
+whole archive (what DCP's reader `torch.load`s for each chunk of the torch_save serialization):
+stored records `archive/data.pkl` (`_rebuild_tensor_v2(storage, 0, shape, stride, False,
+OrderedDict())`, or `_v3` with an untyped storage and the dtype for dtypes without a legacy
+storage class), `.format_version`, `.storage_alignment`, `byteorder`, `data/0` (the raw
+little-endian bytes, aligned to 64 bytes from the archive's start), `version`,
+`.data/serialization_id`. The data is copied from the source straight into the file between
+the `archive_parts`; its crc32 is 0, as torch.save writes it with crc32 off: torch.load does
+not check it, and computing it would read every byte in user space. Chunks of 4 GiB or more
+need zip64 and are refused.
 """
 
 from __future__ import annotations

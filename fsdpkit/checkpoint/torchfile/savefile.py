@@ -130,10 +130,9 @@ class SaveFile:
     def __init__(self, path: Path, unpickle: Callable[..., Any]):
         """`unpickle(raw, where=...)`: the allow-list unpickler of its data.pkl."""
         self.path = path
-        self._unpickle = unpickle
         self.fd, self.size = open_regular(path)
         try:
-            self.state, self.storages = self._read()
+            self.state, self.storages = self._read(unpickle)
         except BaseException:
             os.close(self.fd)
             raise
@@ -143,7 +142,7 @@ class SaveFile:
             os.close(self.fd)
             self.fd = -1
 
-    def _read(self) -> tuple[Any, dict[str, StorageEntry]]:
+    def _read(self, unpickle: Callable[..., Any]) -> tuple[Any, dict[str, StorageEntry]]:
         where = str(self.path)
         try:
             archive, prefix, raw = torch_save_pickle(self.fd, self.path, 0, self.size, where)
@@ -154,7 +153,7 @@ class SaveFile:
             start = record_start(self.fd, self.path, 0, self.size, info, where)
             if info.filename.startswith(f"{prefix}data/"):
                 storages[info.filename[len(f"{prefix}data/") :]] = StorageEntry(start, info.file_size, info.CRC)
-        return self._unpickle(raw, where=f"{where} data.pkl"), storages
+        return unpickle(raw, where=f"{where} data.pkl"), storages
 
     def tensor_range(self, record: Any, what: str) -> TensorRange:
         """Where a contiguous tensor's elements lie in this file (checked inside its storage)."""
