@@ -129,28 +129,24 @@ def read_metadata(directory: str | os.PathLike[str]) -> DcpMetadata:
     root = restricted_loads(raw, allowed=METADATA_GLOBALS, where=str(path))
     if not isinstance(root, RECORDS["Metadata"]):
         raise DataCheckError(f"{path}: holds a {type(root).__name__}, not DCP metadata")
-    return _checked(directory, path, root)
-
-
-def _checked(directory: Path, where: Path, root: Record) -> DcpMetadata:
     items, storage = root.get("state_dict_metadata"), root.get("storage_data")
     if not isinstance(items, dict) or not isinstance(storage, dict):
-        raise DataCheckError(f"{where}: DCP metadata without state_dict_metadata or storage_data (not written by FileSystemWriter?)")
-    locations = _locations(where, storage)
+        raise DataCheckError(f"{path}: DCP metadata without state_dict_metadata or storage_data (not written by FileSystemWriter?)")
+    locations = _locations(path, storage)
     tensors: dict[str, DcpTensor] = {}
     bytes_items: dict[str, DcpBytes] = {}
     for key, item in items.items():
         if not isinstance(key, str):
-            raise DataCheckError(f"{where}: a key of type {type(key).__name__}, expected str")
+            raise DataCheckError(f"{path}: a key of type {type(key).__name__}, expected str")
         if isinstance(item, RECORDS["BytesStorageMetadata"]):
             location = locations.get((key, None))
             if location is None:
-                raise DataCheckError(f"{where}: bytes item {key!r} has no storage entry")
+                raise DataCheckError(f"{path}: bytes item {key!r} has no storage entry")
             bytes_items[key] = DcpBytes(key, location)
         elif isinstance(item, RECORDS["TensorStorageMetadata"]):
-            tensors[key] = _tensor(where, key, item, locations)
+            tensors[key] = _tensor(path, key, item, locations)
         else:
-            raise DataCheckError(f"{where}: item {key!r} is a {type(item).__name__}, expected tensor or bytes metadata")
+            raise DataCheckError(f"{path}: item {key!r} is a {type(item).__name__}, expected tensor or bytes metadata")
     version = root.get("version")
     return DcpMetadata(directory, version if isinstance(version, str) else None, tensors, bytes_items, _paths(root.get("planner_data")))
 
@@ -201,8 +197,5 @@ def _tensor(where: Path, key: str, item: Record, locations: dict) -> DcpTensor:
 
 def _paths(planner_data: Any) -> dict[str, DcpPath]:
     """The default planner's {flattened key: path}; empty when another planner wrote none."""
-    if not isinstance(planner_data, dict):
-        return {}
-    return {
-        k: p for k, p in planner_data.items() if isinstance(k, str) and isinstance(p, tuple) and all(isinstance(x, (str, int)) for x in p)
-    }
+    pairs = planner_data.items() if isinstance(planner_data, dict) else ()
+    return {k: p for k, p in pairs if isinstance(k, str) and isinstance(p, tuple) and all(isinstance(x, (str, int)) for x in p)}
