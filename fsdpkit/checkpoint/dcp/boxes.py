@@ -25,8 +25,7 @@ def flat_runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
     if split < 0:
         yield 0, count, 0
         return
-    inner = math.prod(shape[split + 1 :])
-    run = sizes[split] * inner
+    run = sizes[split] * math.prod(shape[split + 1 :])
     strides = [math.prod(shape[d + 1 :]) for d in range(dims)]
     base = sum(o * s for o, s in zip(offsets, strides, strict=True))
     for position, index in enumerate(itertools.product(*(range(s) for s in sizes[:split]))):

@@ -37,8 +37,7 @@ class ChunkData:
 
 
 def torch_save_data(fd: int, path: Path, start: int, length: int, *, key: str, dtype: str, shape: tuple[int, ...]) -> ChunkData:
-    """The data range of the `torch.save` archive at [start, start + length) of `path`, checked
-    against the chunk's dtype and shape."""
+    """The data range of the `torch.save` archive at byte `start`, checked against the chunk's dtype and shape."""
     where = f"{path}: chunk of {key!r} at byte {start}"
     try:
         archive, prefix, raw = torch_save_pickle(fd, path, start, length, where)

@@ -6,7 +6,9 @@ cover it exactly once; a chunk's data is located (`chunkdata`) when first read.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ...dtypes import dtype_info
@@ -139,21 +141,14 @@ class DcpCheckpoint:
 class DcpSource(SourceTensor):
     """A DCP tensor; its pieces are located when first asked for."""
 
-    _checkpoint: DcpCheckpoint  # set through object.__setattr__: SourceTensor is frozen
-    _tensor: DcpTensor
-    _pieces: tuple[SourcePiece, ...] | None
+    _pieces: Callable[[], tuple[SourcePiece, ...]]  # set through object.__setattr__: SourceTensor is frozen
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: str, checkpoint: DcpCheckpoint, tensor: DcpTensor):
         super().__init__(name, shape, dtype)
-        object.__setattr__(self, "_checkpoint", checkpoint)
-        object.__setattr__(self, "_tensor", tensor)
-        object.__setattr__(self, "_pieces", None)
+        object.__setattr__(self, "_pieces", functools.cache(functools.partial(checkpoint.pieces, tensor, name)))
 
     def pieces_in(self, wanted: ElementRange) -> list[SourcePiece]:
-        if self._pieces is None:
-            object.__setattr__(self, "_pieces", self._checkpoint.pieces(self._tensor, self.name))
-        assert self._pieces is not None
-        return [p for p in self._pieces if p.range.start < wanted.end and wanted.start < p.range.end]
+        return [p for p in self._pieces() if p.range.start < wanted.end and wanted.start < p.range.end]
 
 
 def open_dcp(path: str | os.PathLike[str]) -> DcpCheckpoint:

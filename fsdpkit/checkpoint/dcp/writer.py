@@ -73,8 +73,7 @@ def _chunks_by_rank(tensors: list[OutTensor], world_size: int) -> list[list[tupl
 def write_dcp(
     directory: Path, tensors: list[OutTensor], bytes_items: list[OutBytes], *, world_size: int, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> list[str]:
-    """Every rank file and `.metadata` in `directory` (not synced: the caller's staged output
-    syncs); returns the rank files' names (as a sharded checkpoint's do, not counting its metadata)."""
+    """Every rank file and `.metadata` in `directory`, not synced (the caller's staged output syncs); the rank files' names."""
     chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {flat_key(t.path): [] for t in tensors}  # (offsets, sizes)
     storage: list[tuple] = []  # key, offsets and chunk index (None for a bytes item), file, offset, length
     copier = ByteEngine(chunk_size=chunk_size)
@@ -128,8 +127,7 @@ _STORAGE = _STORAGE_CLS + b")\x81}(" + _PATH
 
 
 def _size(values: tuple[int, ...]) -> bytes:
-    """`torch.Size(values)`: the hot path (a million of them at a large world size) is written
-    directly rather than through `emit`."""
+    """`torch.Size(values)`, written directly: the hot path (a million of them at a large world size)."""
     return _SIZE + b"((" + b"".join(map(pickled_int, values)) + b"ttR"
 
 

@@ -24,7 +24,6 @@ from .unpickler import STORAGE_DTYPES, TORCH_DTYPE_NAMES
 
 ALIGNMENT = 64
 MAX_RECORD_BYTES = 0xFFFFFFFF
-NAME = "archive"
 LEGACY_STORAGE_NAMES = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -78,7 +77,7 @@ def archive_parts(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[byte
     head, tail, central = bytearray(), bytearray(), bytearray()
     out, base = head, 0  # records before the data go into head, those after it into tail, at `base`
     for record, payload in records:
-        name = f"{NAME}/{record}".encode()
+        name = f"archive/{record}".encode()
         crc, size = (0, nbytes) if payload is None else (zlib.crc32(payload), len(payload))
         central += central_header(name, crc, size, base + len(out))
         out += local_header(name, crc, size, base + len(out)) + (payload or b"")

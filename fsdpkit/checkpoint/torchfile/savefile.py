@@ -76,8 +76,7 @@ def read_record(fd: int, path: Path, start: int, length: int, info: zipfile.ZipI
 
 
 def torch_save_pickle(fd: int, path: Path, start: int, length: int, where: str) -> tuple[zipfile.ZipFile, str, bytes]:
-    """(the zip, its records' prefix, its data.pkl's bytes) of the `torch.save` archive at byte
-    `start`; a big-endian one is refused. A damaged zip raises zipfile's and os's errors."""
+    """(the zip, its records' prefix, its data.pkl) of the `torch.save` archive at byte `start`, not big-endian."""
     archive = zipfile.ZipFile(Window(fd, start, length))
     names = archive.namelist()
     pickles = [name for name in names if name.endswith("/data.pkl") and name.count("/") == 1]
