@@ -1,15 +1,11 @@
 """Which DCP keys are the model and which the optimizer state, under fsdpkit's names (the
-model's fqn, and `optim.<state>.<fqn>`). The layouts met in practice, found by themselves:
-
-- a plain `model.state_dict()`: every tensor at the top level, named by its fqn;
-- `{"model": model_sd, "optimizer": optim_sd, ...}` as torchtitan and accelerate nest
-  `get_state_dict(model, optimizer)`; other top-level items are kept apart;
-- optimizer state as FSDP2's `get_state_dict` gives it: `state.<fqn>.<key>` (nested, or
-  flattened into one key with `flatten_optimizer_state_dict`) and `param_groups`.
-
-Paths come from the default planner's `planner_data`; without it the flattened keys are split
-at `model.` / `optimizer.`. `--dcp-model-key` / `--dcp-optimizer-key` name the top-level keys
-instead ("" is the top level itself).
+model's fqn, and `optim.<state>.<fqn>`), found by themselves in the layouts met in practice: a
+plain `model.state_dict()` (every tensor at the top level); `{"model": ..., "optimizer": ...,
+...}` as torchtitan and accelerate nest `get_state_dict(model, optimizer)`, other top-level
+items kept apart; optimizer state as `state.<fqn>.<key>`, nested or flattened into one key
+(`flatten_optimizer_state_dict`). Paths come from the default planner's `planner_data`;
+without it the flattened keys are split at `model.` / `optimizer.`. `--dcp-model-key` /
+`--dcp-optimizer-key` name the top-level keys instead ("" is the top level itself).
 """
 
 from __future__ import annotations
