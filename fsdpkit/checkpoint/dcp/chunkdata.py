@@ -58,10 +58,9 @@ def torch_save_data(fd: int, path: Path, start: int, length: int, *, key: str, d
 
 def safetensors_blob(fd: int, path: Path, start: int, size: int) -> tuple[Header, dict]:
     """The header of the safetensors blob at byte `start` of `path`, and its sharding info."""
-    prefix = read_exactly(fd, 8, start, path) if start + 8 <= size else b""
-    if len(prefix) < 8:
+    if start + 8 > size:
         raise DataCheckError(f"{path}: no safetensors header at byte {start} (truncated)")
-    (header_len,) = struct.unpack("<Q", prefix)
+    (header_len,) = struct.unpack("<Q", read_exactly(fd, 8, start, path))
     if header_len > MAX_HEADER_BYTES or start + 8 + header_len > size:
         raise DataCheckError(f"{path}: safetensors header at byte {start} claims {header_len} bytes (truncated or not safetensors)")
     header = parse_header_bytes(read_exactly(fd, header_len, start + 8, path), path=path)

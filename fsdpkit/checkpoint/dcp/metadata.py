@@ -112,8 +112,7 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 
 def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
     """A directory holding DCP's `.metadata` (whatever it holds: reading it checks that)."""
-    path = Path(path)
-    return path.is_dir() and (path / METADATA_NAME).exists()
+    return Path(path).is_dir() and (Path(path) / METADATA_NAME).exists()
 
 
 def read_metadata(directory: str | os.PathLike[str]) -> DcpMetadata:

@@ -18,7 +18,6 @@ from ...errors import DataCheckError
 
 # torch's dtype attribute names, the legacy aliases too -> the safetensors spelling used everywhere in fsdpkit
 TORCH_DTYPES = {d.torch_name: d.name for d in DTYPES} | dict(float="F32", double="F64", half="F16", long="I64", int="I32", short="I16")
-# the safetensors spelling -> torch's canonical dtype name
 TORCH_DTYPE_NAMES = {d.name: d.torch_name for d in DTYPES}
 # torch.save's legacy typed storage classes (`torch.FloatStorage`...) -> dtype
 STORAGE_DTYPES = {
