@@ -3,7 +3,6 @@
 A DCP chunk is a box of the tensor, stored C-contiguous. In the tensor's flat form it is a set
 of contiguous runs: the dimensions after the last one the box does not span whole collapse
 into one run per index of the dimensions before it. A dim-0 shard (FSDP2) is one run.
-`covers_exactly_once` checks a tensor's boxes tile it: no overlap, no gap.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ def flat_runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
     if split < 0:
         yield 0, count, 0
         return
-    inner = math.prod(shape[split + 1 :])
-    run = sizes[split] * inner
+    run = sizes[split] * math.prod(shape[split + 1 :])
     strides = [math.prod(shape[d + 1 :]) for d in range(dims)]
     base = sum(o * s for o, s in zip(offsets, strides, strict=True))
     for position, index in enumerate(itertools.product(*(range(s) for s in sizes[:split]))):

@@ -1,14 +1,10 @@
 """Where a DCP chunk's raw tensor bytes lie inside its `.distcp` file (no torch).
 
-`torch_save` serialization: each chunk is a whole `torch.save` archive at its byte range, a
-zip of stored (uncompressed) records: `<name>/data.pkl` (a pickle of the tensor record: its
-storage, offset, shape, stride, dtype), `<name>/byteorder`, `<name>/data/<key>` (the
-storage's bytes). The pickle is read with the allow-list unpickler (only
-`_rebuild_tensor_v2/v3`, storage classes, dtypes, OrderedDict); the record must be a
-contiguous little-endian tensor of the chunk's shape and dtype inside its storage (a view at
-a storage offset is read from there; a non-contiguous one is refused, naming the chunk), and
-its bytes are then a plain byte range of the file. Small records are read through their zip
-local headers, not zipfile: torch.save with crc32 off writes 0 crc32s, which zipfile refuses.
+`torch_save` serialization: each chunk is a whole `torch.save` archive (`torchfile.savefile`)
+at its byte range. Its data.pkl, read with the allow-list unpickler, must be a contiguous
+little-endian tensor of the chunk's shape and dtype inside its storage (a view at a storage
+offset is read from there; a non-contiguous one is refused, naming the chunk); its bytes are
+then a plain byte range of the file.
 
 `safetensors` serialization: each file is the rank's bytes items followed by one
 safetensors blob of its chunks (named by the flattened key, their offsets in the blob's
@@ -27,7 +23,7 @@ from ...errors import DataCheckError
 from ..format.files import read_exactly
 from ..format.names import MAX_HEADER_BYTES, Header, parse_header_bytes
 from ..torchfile import unpickler as u
-from ..torchfile.zipread import Window, read_record, record_start, tensor_bytes
+from ..torchfile.savefile import record_start, tensor_bytes, torch_save_pickle
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 TORCH_SAVE, SAFETENSORS = "torch_save", "safetensors"
@@ -41,22 +37,10 @@ class ChunkData:
 
 
 def torch_save_data(fd: int, path: Path, start: int, length: int, *, key: str, dtype: str, shape: tuple[int, ...]) -> ChunkData:
-    """The data range of the `torch.save` archive at [start, start + length) of `path`, checked
-    against the chunk's dtype and shape."""
+    """The data range of the `torch.save` archive at byte `start`, checked against the chunk's dtype and shape."""
     where = f"{path}: chunk of {key!r} at byte {start}"
     try:
-        archive = zipfile.ZipFile(Window(fd, start, length))
-        names = archive.namelist()
-        pickles = [name for name in names if name.endswith("/data.pkl") and name.count("/") == 1]
-        if len(pickles) != 1:
-            raise DataCheckError(f"{where}: not a torch.save archive (no data.pkl)")
-        prefix = pickles[0][: -len("data.pkl")]
-        if (
-            f"{prefix}byteorder" in names
-            and read_record(fd, path, start, length, archive.getinfo(f"{prefix}byteorder"), where) != b"little"
-        ):
-            raise DataCheckError(f"{where}: big-endian data is not supported")
-        raw = read_record(fd, path, start, length, archive.getinfo(pickles[0]), where)
+        archive, prefix, raw = torch_save_pickle(fd, path, start, length, where)
         record = u.restricted_loads(raw, allowed=u.TENSOR_GLOBALS, where=f"{where} data.pkl", storages=True)
         if not isinstance(record, u.TensorRecord):
             raise DataCheckError(f"{where}: holds a {type(record).__name__}, not a tensor")
@@ -74,10 +58,9 @@ def torch_save_data(fd: int, path: Path, start: int, length: int, *, key: str, d
 
 def safetensors_blob(fd: int, path: Path, start: int, size: int) -> tuple[Header, dict]:
     """The header of the safetensors blob at byte `start` of `path`, and its sharding info."""
-    prefix = read_exactly(fd, 8, start, path) if start + 8 <= size else b""
-    if len(prefix) < 8:
+    if start + 8 > size:
         raise DataCheckError(f"{path}: no safetensors header at byte {start} (truncated)")
-    (header_len,) = struct.unpack("<Q", prefix)
+    (header_len,) = struct.unpack("<Q", read_exactly(fd, 8, start, path))
     if header_len > MAX_HEADER_BYTES or start + 8 + header_len > size:
         raise DataCheckError(f"{path}: safetensors header at byte {start} claims {header_len} bytes (truncated or not safetensors)")
     header = parse_header_bytes(read_exactly(fd, header_len, start + 8, path), path=path)

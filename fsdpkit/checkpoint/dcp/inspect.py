@@ -1,10 +1,6 @@
-"""`fsdpkit inspect` and `fsdpkit verify` of a DCP checkpoint: a `DcpSummary` and a `VerifyReport` (no torch).
-
-inspect: format, serialization, the model / optimizer keys found, every tensor (its key,
-fsdpkit name, dtype, shape, chunks, bytes), the bytes items (listed with their sizes, never
-unpickled, and counted by their top-level key: `item_groups`), files. verify: every file a regular file holding the byte ranges named, every
-chunk's record parsed and checked against the declared shape and dtype, each tensor's chunks
-covering it exactly once. DCP stores no checksums: the report says what was not checked.
+"""`fsdpkit inspect` and `fsdpkit verify` of a DCP checkpoint (no torch). Bytes items are
+listed with their sizes, never unpickled; DCP stores no checksums, so verify checks the
+structure and says what it did not check.
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ from .metadata import DcpTensor, read_metadata
 from .table import DcpCheckpoint, open_dcp
 
 FORMAT = "dcp"
-NOT_CHECKED = "tensor values (DCP stores no checksums)"
 
 
 def _nbytes(tensor: DcpTensor) -> int:
@@ -68,7 +63,7 @@ def summarize_dcp(path: str | os.PathLike[str], *, model_key: str | None = None,
         for tensor in metadata.tensors.values():  # one chunk per file tells its serialization
             if tensor.chunks:
                 checkpoint.chunk_data(tensor, tensor.chunks[0])
-        names = {key: name for name, key in layout.names.items()}
+        names = {key: name for name, key in [*layout.model.items(), *layout.optimizer.items()]}
         tensors = [
             DcpTensorEntry(names.get(t.key), t.dtype, list(t.shape), _nbytes(t), t.key, len(t.chunks)) for t in metadata.tensors.values()
         ]
@@ -108,7 +103,7 @@ def item_groups(item_keys: list[str], tensor_keys: list[str]) -> dict[str, int]:
 
 
 def verify_dcp(path: str | os.PathLike[str]) -> VerifyReport:
-    report = VerifyReport(str(path), FORMAT, not_checked=[NOT_CHECKED])
+    report = VerifyReport(str(path), FORMAT, not_checked=["tensor values (DCP stores no checksums)"])
     try:
         metadata = read_metadata(Path(path))
     except DataCheckError as error:

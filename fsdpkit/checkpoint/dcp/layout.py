@@ -1,18 +1,11 @@
-"""Which DCP keys are the model and which the optimizer state, under fsdpkit's names.
-
-The layouts met in practice, found by themselves:
-
-- a plain `model.state_dict()`: every tensor at the top level, named by its fqn;
-- `{"model": model_sd, "optimizer": optim_sd, ...}` as torchtitan and accelerate nest
-  `get_state_dict(model, optimizer)`; other top-level items (a scheduler, a dataloader, the
-  train state) are kept apart;
-- optimizer state as FSDP2's `get_state_dict` gives it: `state.<fqn>.<key>` (nested, or
-  flattened into one key with `flatten_optimizer_state_dict`) and `param_groups`.
-
-Paths come from the default planner's `planner_data` (the exact path of every key in the
-nested state dict); without it the flattened keys are split at `model.` / `optimizer.`.
-`--dcp-model-key` / `--dcp-optimizer-key` name the top-level keys instead ("" is the top
-level itself). fsdpkit's names: the model's fqn, and `optim.<state>.<fqn>`.
+"""Which DCP keys are the model and which the optimizer state, under fsdpkit's names (the
+model's fqn, and `optim.<state>.<fqn>`), found by themselves in the layouts met in practice: a
+plain `model.state_dict()` (every tensor at the top level); `{"model": ..., "optimizer": ...,
+...}` as torchtitan and accelerate nest `get_state_dict(model, optimizer)`, other top-level
+items kept apart; optimizer state as `state.<fqn>.<key>`, nested or flattened into one key
+(`flatten_optimizer_state_dict`). Paths come from the default planner's `planner_data`;
+without it the flattened keys are split at `model.` / `optimizer.`. `--dcp-model-key` /
+`--dcp-optimizer-key` name the top-level keys instead ("" is the top level itself).
 """
 
 from __future__ import annotations
@@ -24,12 +17,10 @@ from typing import TYPE_CHECKING
 from ...errors import UsageError
 from ..format.bytecopy import SourceTensor
 from ..format.names import optim_tensor_name
-from .metadata import DcpMetadata
+from .metadata import DcpMetadata, DcpPath, flat_key
 
 if TYPE_CHECKING:
     from .table import DcpCheckpoint
-
-Path = tuple[str | int, ...]
 
 
 @dataclass(frozen=True)
@@ -40,12 +31,8 @@ class DcpLayout:
     optimizer: dict[str, str] = field(default_factory=dict)  # optim.<state>.<fqn> -> DCP key
     other: tuple[str, ...] = ()  # tensor keys that are neither
 
-    @property
-    def names(self) -> dict[str, str]:
-        return {**self.model, **self.optimizer}
 
-
-def _path_of(metadata: DcpMetadata, key: str) -> Path:
+def _path_of(metadata: DcpMetadata, key: str) -> DcpPath:
     path = metadata.paths.get(key)
     if path:
         return path
@@ -53,11 +40,7 @@ def _path_of(metadata: DcpMetadata, key: str) -> Path:
     return (head, rest) if dot and head in ("model", "optimizer") else (key,)
 
 
-def _joined(prefix: Path) -> str:
-    return ".".join(str(p) for p in prefix)
-
-
-def _optimizer_entry(path: Path) -> tuple[Path, str, str] | None:
+def _optimizer_entry(path: DcpPath) -> tuple[DcpPath, str, str] | None:
     """(prefix, fqn, state key) when `path` is optimizer state: (*prefix, "state", fqn, key) or
     (*prefix, "state.<fqn>.<key>")."""
     for i, part in enumerate(path):
@@ -74,15 +57,15 @@ def detect_layout(metadata: DcpMetadata, *, model_key: str | None = None, optimi
     paths = {key: _path_of(metadata, key) for key in metadata.tensors}
     entries = {key: entry for key, path in paths.items() if (entry := _optimizer_entry(path)) is not None}
     if optimizer_key is None:
-        counts = Counter(_joined(prefix) for prefix, _, _ in entries.values())
+        counts = Counter(flat_key(prefix) for prefix, _, _ in entries.values())
         optimizer_key = counts.most_common(1)[0][0] if counts else None
-    elif not any(_joined(prefix) == optimizer_key for prefix, _, _ in entries.values()):
+    elif not any(flat_key(prefix) == optimizer_key for prefix, _, _ in entries.values()):
         raise UsageError(f"{metadata.directory}: no optimizer state under --dcp-optimizer-key {optimizer_key!r} ({_top_keys(metadata)})")
-    optimizer = {}
-    if optimizer_key is not None:
-        for key, (prefix, fqn, state) in entries.items():
-            if _joined(prefix) == optimizer_key and "." not in state:
-                optimizer[optim_tensor_name(state, fqn)] = key
+    optimizer = {
+        optim_tensor_name(state, fqn): key
+        for key, (prefix, fqn, state) in entries.items()
+        if flat_key(prefix) == optimizer_key and "." not in state
+    }
     rest = {key: path for key, path in paths.items() if key not in optimizer.values()}
     groups: Counter[str] = Counter("" if len(path) == 1 else str(path[0]) for path in rest.values())
     if model_key is None:
@@ -95,7 +78,7 @@ def detect_layout(metadata: DcpMetadata, *, model_key: str | None = None, optimi
         if model_key == "" and len(path) == 1:
             model[str(path[0])] = key
         elif model_key and len(path) > 1 and path[0] == model_key:
-            model[_joined(path[1:])] = key
+            model[flat_key(path[1:])] = key
     other = tuple(key for key in rest if key not in model.values())
     return DcpLayout(model_key if model else None, optimizer_key if optimizer else None, model, optimizer, other)
 

@@ -1,13 +1,11 @@
-"""DCP's `.metadata`, read through the allow-list unpickler and checked into plain records
-(no torch).
+"""DCP's `.metadata` (no torch), read through the allow-list unpickler (torch's, plus DCP's
+classes as inert records) and checked into plain records.
 
 torch 2.13's `FileSystemWriter` pickles a `Metadata`: `state_dict_metadata` maps each
 flattened key to a `TensorStorageMetadata` (properties with the dtype, size, chunks as
 offsets + sizes) or a `BytesStorageMetadata`; `storage_data` maps `MetadataIndex(fqn,
 offset)` to `_StorageInfo(relative_path, offset, length)`, where the item's bytes lie;
-`planner_data` maps each flattened key to its path in the nested state dict. Everything is
-validated here: types, shapes, dtypes, that every chunk and bytes item has a storage entry,
-file names inside the directory. Problems are one-line `DataCheckError`s.
+`planner_data` maps each flattened key to its path in the nested state dict.
 """
 
 from __future__ import annotations
@@ -20,11 +18,17 @@ from typing import Any
 from ...errors import DataCheckError
 from ..format.files import open_regular, read_exactly
 from ..format.names import is_safe_file_name, numel
-from ..torchfile.unpickler import Dtype, restricted_loads
-from . import unpickler as u
+from ..torchfile.unpickler import TORCH_DTYPES, Dtype, Record, memory_format, ordered_dict, restricted_loads, tensor_layout, torch_size
 
+DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+DCP_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
+DcpPath = tuple[str | int, ...]  # where an item sits in the nested state dict, e.g. ("model", "wte.weight")
+
+
+def flat_key(path: DcpPath) -> str:
+    return ".".join(str(part) for part in path)
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,6 @@ class Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     location: Location
-
-    @property
-    def numel(self) -> int:
-        return numel(self.sizes)
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class DcpMetadata:
     version: str | None
     tensors: dict[str, DcpTensor]
     bytes_items: dict[str, DcpBytes]
-    paths: dict[str, tuple[str | int, ...]]  # flattened key -> its path in the nested state dict (may be empty)
+    paths: dict[str, DcpPath]  # flattened key -> its path (may be empty)
 
     @property
     def files(self) -> list[str]:
@@ -73,10 +73,46 @@ class DcpMetadata:
         return sorted(names)
 
 
+# `StorageInfo` is the filesystem module's `_StorageInfo`, the others are the metadata module's
+RECORDS: dict[str, type[Record]] = {
+    name: type(name, (Record,), {})
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
+        "StorageInfo",
+    )
+}
+
+
+def _path(*parts: Any) -> str:
+    if not all(isinstance(part, str) for part in parts):
+        raise DataCheckError("a pickled path must be made of strings")
+    return "/".join(parts)
+
+
+METADATA_GLOBALS: dict[tuple[str, str], Any] = {
+    **{(DCP_METADATA_MODULE, name): record for name, record in RECORDS.items() if name != "StorageInfo"},
+    (DCP_FILESYSTEM_MODULE, "_StorageInfo"): RECORDS["StorageInfo"],
+    (DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): memory_format,
+    ("torch", "Size"): torch_size,
+    ("torch.serialization", "_get_layout"): tensor_layout,
+    ("pathlib", "PosixPath"): _path,
+    ("pathlib", "WindowsPath"): _path,
+    ("pathlib", "PurePosixPath"): _path,
+    ("pathlib", "Path"): _path,
+    ("collections", "OrderedDict"): ordered_dict,
+    **{("torch", name): Dtype(dtype) for name, dtype in TORCH_DTYPES.items()},
+}
+
+
 def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
     """A directory holding DCP's `.metadata` (whatever it holds: reading it checks that)."""
-    path = Path(path)
-    return path.is_dir() and (path / METADATA_NAME).exists()
+    return Path(path).is_dir() and (Path(path) / METADATA_NAME).exists()
 
 
 def read_metadata(directory: str | os.PathLike[str]) -> DcpMetadata:
@@ -89,41 +125,35 @@ def read_metadata(directory: str | os.PathLike[str]) -> DcpMetadata:
         raw = read_exactly(fd, size, 0, path)
     finally:
         os.close(fd)
-    root = restricted_loads(raw, allowed=u.METADATA_GLOBALS, where=str(path))
-    if not isinstance(root, u.Metadata):
+    root = restricted_loads(raw, allowed=METADATA_GLOBALS, where=str(path))
+    if not isinstance(root, RECORDS["Metadata"]):
         raise DataCheckError(f"{path}: holds a {type(root).__name__}, not DCP metadata")
-    return _checked(directory, path, root)
-
-
-def _checked(directory: Path, where: Path, root: u.Metadata) -> DcpMetadata:
     items, storage = root.get("state_dict_metadata"), root.get("storage_data")
     if not isinstance(items, dict) or not isinstance(storage, dict):
-        raise DataCheckError(f"{where}: DCP metadata without state_dict_metadata or storage_data (not written by FileSystemWriter?)")
-    locations = _locations(where, storage)
+        raise DataCheckError(f"{path}: DCP metadata without state_dict_metadata or storage_data (not written by FileSystemWriter?)")
+    locations = _locations(path, storage)
     tensors: dict[str, DcpTensor] = {}
     bytes_items: dict[str, DcpBytes] = {}
     for key, item in items.items():
         if not isinstance(key, str):
-            raise DataCheckError(f"{where}: a key of type {type(key).__name__}, expected str")
-        if isinstance(item, u.BytesStorageMetadata):
+            raise DataCheckError(f"{path}: a key of type {type(key).__name__}, expected str")
+        if isinstance(item, RECORDS["BytesStorageMetadata"]):
             location = locations.get((key, None))
             if location is None:
-                raise DataCheckError(f"{where}: bytes item {key!r} has no storage entry")
+                raise DataCheckError(f"{path}: bytes item {key!r} has no storage entry")
             bytes_items[key] = DcpBytes(key, location)
-        elif isinstance(item, u.TensorStorageMetadata):
-            tensors[key] = _tensor(where, key, item, locations)
+        elif isinstance(item, RECORDS["TensorStorageMetadata"]):
+            tensors[key] = _tensor(path, key, item, locations)
         else:
-            raise DataCheckError(f"{where}: item {key!r} is a {type(item).__name__}, expected tensor or bytes metadata")
+            raise DataCheckError(f"{path}: item {key!r} is a {type(item).__name__}, expected tensor or bytes metadata")
     version = root.get("version")
-    return DcpMetadata(
-        directory, version if isinstance(version, str) else None, tensors, bytes_items, _paths(where, root.get("planner_data"))
-    )
+    return DcpMetadata(directory, version if isinstance(version, str) else None, tensors, bytes_items, _paths(root.get("planner_data")))
 
 
 def _locations(where: Path, storage: dict) -> dict[tuple[str, tuple[int, ...] | None], Location]:
     found: dict[tuple[str, tuple[int, ...] | None], Location] = {}
     for index, info in storage.items():
-        if not isinstance(index, u.MetadataIndex) or not isinstance(info, u.StorageInfo):
+        if not isinstance(index, RECORDS["MetadataIndex"]) or not isinstance(info, RECORDS["StorageInfo"]):
             raise DataCheckError(
                 f"{where}: storage_data holds {type(index).__name__} -> {type(info).__name__}, expected DCP's storage info"
             )
@@ -141,17 +171,16 @@ def _locations(where: Path, storage: dict) -> dict[tuple[str, tuple[int, ...] | 
     return found
 
 
-def _tensor(where: Path, key: str, item: u.TensorStorageMetadata, locations: dict) -> DcpTensor:
-    properties, size, chunks = item.get("properties"), item.get("size"), item.get("chunks")
-    state = properties.get("state") if isinstance(properties, u.TensorProperties) else None
+def _tensor(where: Path, key: str, item: Record, locations: dict) -> DcpTensor:
+    properties, shape, chunks = item.get("properties"), item.get("size"), item.get("chunks")
+    state = properties.get("state") if isinstance(properties, RECORDS["TensorProperties"]) else None
     if not isinstance(state, tuple) or not state or not isinstance(state[0], Dtype):
         raise DataCheckError(f"{where}: tensor {key!r} has no dtype in its properties")
-    if not isinstance(size, tuple) or not isinstance(chunks, list):
+    if not isinstance(shape, tuple) or not isinstance(chunks, list):
         raise DataCheckError(f"{where}: tensor {key!r} has no size or chunk list")
-    shape = size
     parsed = []
     for chunk in chunks:
-        offsets, sizes = (chunk.get("offsets"), chunk.get("sizes")) if isinstance(chunk, u.ChunkStorageMetadata) else (None, None)
+        offsets, sizes = (chunk.get("offsets"), chunk.get("sizes")) if isinstance(chunk, RECORDS["ChunkStorageMetadata"]) else (None, None)
         if not isinstance(offsets, tuple) or not isinstance(sizes, tuple) or len(offsets) != len(shape) or len(sizes) != len(shape):
             raise DataCheckError(f"{where}: tensor {key!r} {list(shape)} has a chunk of another rank: {offsets} + {sizes}")
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
@@ -165,12 +194,7 @@ def _tensor(where: Path, key: str, item: u.TensorStorageMetadata, locations: dic
     return DcpTensor(key, state[0].name, shape, tuple(parsed))
 
 
-def _paths(where: Path, planner_data: Any) -> dict[str, tuple[str | int, ...]]:
+def _paths(planner_data: Any) -> dict[str, DcpPath]:
     """The default planner's {flattened key: path}; empty when another planner wrote none."""
-    if not isinstance(planner_data, dict):
-        return {}
-    paths = {}
-    for key, path in planner_data.items():
-        if isinstance(key, str) and isinstance(path, tuple) and all(isinstance(p, (str, int)) for p in path):
-            paths[key] = path
-    return paths
+    pairs = planner_data.items() if isinstance(planner_data, dict) else ()
+    return {k: p for k, p in pairs if isinstance(k, str) and isinstance(p, tuple) and all(isinstance(x, (str, int)) for x in p)}

@@ -1,13 +1,10 @@
-"""The optimizer's param groups of a DCP checkpoint (lr, betas, eps, weight decay... and the
-fqns of each group), and the bytes items that write them back.
+"""The optimizer's param groups of a DCP checkpoint (settings and fqns), and the bytes items that write them.
 
 FSDP2's `get_state_dict` stores them as bytes items, one per setting: nested by group index
 (`optimizer.param_groups.<i>.<setting>`, and `.params`, the fqns), or flattened per parameter
 (`optimizer.param_groups.<fqn>.<setting>`, torchtitan, `flatten_optimizer_state_dict=True`).
-Each item is a `torch.save` archive of a plain value; it is read with an unpickler that
-refuses every global, so only numbers, strings, None and containers come out.
-
-fsdpkit's form of the groups (the training state's `optimizer.groups`): a list of
+Each item is a `torch.save` archive of a plain value, read with an unpickler that refuses every
+global. fsdpkit's form of the groups (the training state's `optimizer.groups`): a list of
 `{"settings": {...}, "params": [fqn, ...]}`, tuples as lists.
 """
 
@@ -46,10 +43,6 @@ def plain_value(raw: bytes, *, where: str) -> Any:
         raise DataCheckError(f"{where}: unreadable param group setting ({error})") from None
 
 
-def _json(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
 def read_param_groups(keys: list[str], read: Callable[[str], bytes], *, optimizer_key: str) -> list[dict]:
     """fsdpkit's param groups from the DCP bytes items `keys` (read by `read(key)`)."""
     prefix = f"{optimizer_key}.{PARAM_GROUPS}." if optimizer_key else f"{PARAM_GROUPS}."
@@ -59,7 +52,8 @@ def read_param_groups(keys: list[str], read: Callable[[str], bytes], *, optimize
         if not key.startswith(prefix):
             continue
         head, _, setting = key[len(prefix) :].rpartition(".")
-        value = _json(plain_value(read(key), where=key))
+        value = plain_value(read(key), where=key)
+        value = list(value) if isinstance(value, tuple) else value
         if head.isdigit():
             nested.setdefault(int(head), {})[setting] = value
         elif head:

@@ -1,17 +1,14 @@
 """A DCP checkpoint as a table of tensors whose elements lie at byte ranges of its files (no
-torch): what inspect, verify, convert, reshard and diff read.
-
-`open_dcp(path)` reads `.metadata` (allow-list unpickler), checks that every file it names is
-a regular file inside the directory holding each item's byte range, and that each tensor's
-chunks cover it exactly once. Where each chunk's data starts inside its item (`chunkdata`) is
-found when the chunk is first read and cached. `source(key, name)` is a
-`checkpoint.bytecopy.SourceTensor` over the chunks (one piece per contiguous run of a chunk in
-the tensor's flat form), so the byte copier and gatherer read DCP like any other checkpoint.
+torch): what inspect, verify, convert, reshard and diff read. `open_dcp` checks that every file
+is a regular file inside the directory holding its byte ranges, and that each tensor's chunks
+cover it exactly once; a chunk's data is located (`chunkdata`) when first read.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ...dtypes import dtype_info
@@ -20,7 +17,8 @@ from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.files import open_regular, read_exactly
 from ..format.names import Header
-from ..torchfile.zipread import ZIP_MAGIC
+from ..format.storage import checkpoint_file
+from ..torchfile.savefile import ZIP_MAGIC
 from . import chunkdata
 from .boxes import coverage_problem, flat_runs
 from .metadata import METADATA_NAME, Chunk, DcpMetadata, DcpTensor, Location, read_metadata
@@ -33,18 +31,12 @@ class DcpCheckpoint:
         self._files: dict[str, tuple[int, int]] = {}  # name -> (fd, size)
         self._blobs: dict[tuple[str, int], tuple[Header, dict]] = {}
         self._data: dict[tuple[str, tuple[int, ...]], chunkdata.ChunkData] = {}
-        self._serializations: set[str] = set()
 
-    # ----- files
     def file(self, name: str) -> tuple[int, int]:
         """(fd, size) of a data file, opened once (a regular file inside the directory)."""
-        found = self._files.get(name)
-        if found is None:
-            path = self.directory / name
-            if path.is_symlink() and os.path.dirname(os.path.realpath(path)) != os.path.realpath(self.directory):
-                raise DataCheckError(f"{path}: symlink points outside the checkpoint directory")
-            found = self._files[name] = open_regular(path)
-        return found
+        if name not in self._files:
+            self._files[name] = open_regular(checkpoint_file(self.directory, name))
+        return self._files[name]
 
     def close(self) -> None:
         while self._files:
@@ -75,7 +67,6 @@ class DcpCheckpoint:
         return problems
 
     def opened(self, name: str) -> bool:
-        """Whether data file `name` has been opened (it exists and is a regular file)."""
         return name in self._files
 
     def _range_problem(self, key: str, location: Location) -> list[str]:
@@ -86,14 +77,12 @@ class DcpCheckpoint:
             return [f"{self.directory / location.file}: item {key!r} spans bytes up to {end}, the file has {size} (truncated)"]
         return []
 
-    # ----- chunk data
     def chunk_data(self, tensor: DcpTensor, chunk: Chunk) -> chunkdata.ChunkData:
         """Where the chunk's raw bytes lie (parsed once, checked against the metadata)."""
         cache_key = (tensor.key, chunk.offsets)
         found = self._data.get(cache_key)
         if found is None:
             found = self._data[cache_key] = self._locate(tensor, chunk)
-            self._serializations.add(found.serialization)
         return found
 
     def _locate(self, tensor: DcpTensor, chunk: Chunk) -> chunkdata.ChunkData:
@@ -127,10 +116,9 @@ class DcpCheckpoint:
     @property
     def serializations(self) -> list[str]:
         """The serializations of the chunks located so far."""
-        return sorted(self._serializations)
+        return sorted({data.serialization for data in self._data.values()})
 
     def source(self, key: str, name: str | None = None) -> SourceTensor:
-        """Tensor `key` as a source of element ranges, named `name` (default: its key)."""
         tensor = self.metadata.tensors.get(key)
         if tensor is None:
             raise UsageError(f"{self.directory}: no tensor {key!r}")
@@ -153,21 +141,14 @@ class DcpCheckpoint:
 class DcpSource(SourceTensor):
     """A DCP tensor; its pieces are located when first asked for."""
 
-    _checkpoint: DcpCheckpoint  # set through object.__setattr__: SourceTensor is frozen
-    _tensor: DcpTensor
-    _pieces: tuple[SourcePiece, ...] | None
+    _pieces: Callable[[], tuple[SourcePiece, ...]]  # set through object.__setattr__: SourceTensor is frozen
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: str, checkpoint: DcpCheckpoint, tensor: DcpTensor):
         super().__init__(name, shape, dtype)
-        object.__setattr__(self, "_checkpoint", checkpoint)
-        object.__setattr__(self, "_tensor", tensor)
-        object.__setattr__(self, "_pieces", None)
+        object.__setattr__(self, "_pieces", functools.cache(functools.partial(checkpoint.pieces, tensor, name)))
 
     def pieces_in(self, wanted: ElementRange) -> list[SourcePiece]:
-        if self._pieces is None:
-            object.__setattr__(self, "_pieces", self._checkpoint.pieces(self._tensor, self.name))
-        assert self._pieces is not None
-        return [p for p in self._pieces if p.range.start < wanted.end and wanted.start < p.range.end]
+        return [p for p in self._pieces() if p.range.start < wanted.end and wanted.start < p.range.end]
 
 
 def open_dcp(path: str | os.PathLike[str]) -> DcpCheckpoint:

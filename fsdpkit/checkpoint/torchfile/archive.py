@@ -1,21 +1,19 @@
 """`torch.save` zip archives written without torch: the records' headers, and one tensor as a
-whole archive (what DCP's reader `torch.load`s for each chunk of the torch_save serialization).
-
-The archive is a zip of stored records, as torch writes it: `archive/data.pkl` (a protocol-2
-pickle of `_rebuild_tensor_v2(storage, 0, shape, stride, False, OrderedDict())`, or `_v3` with
-an untyped storage and the dtype for dtypes without a legacy storage class), `.format_version`,
-`.storage_alignment`, `byteorder`, `data/0` (the raw little-endian bytes, aligned to 64 bytes
-from the archive's start), `version`, `.data/serialization_id`. `archive_parts(dtype, shape,
-nbytes)` gives the bytes before and after the data, so the data itself is copied from the
-source straight into the file. The data record's crc32 is 0, as torch.save writes it with
-`torch.serialization.set_crc32_options(False)`: torch.load does not check it, and computing
-it would read every byte in user space. Chunks of 4 GiB or more need zip64 and are refused
-(`MAX_RECORD_BYTES`).
+whole archive (what DCP's reader `torch.load`s for each chunk of the torch_save serialization):
+stored records `archive/data.pkl` (`_rebuild_tensor_v2(storage, 0, shape, stride, False,
+OrderedDict())`, or `_v3` with an untyped storage and the dtype for dtypes without a legacy
+storage class), `.format_version`, `.storage_alignment`, `byteorder`, `data/0` (the raw
+little-endian bytes, aligned to 64 bytes from the archive's start), `version`,
+`.data/serialization_id`. The data is copied from the source straight into the file between
+the `archive_parts`; its crc32 is 0, as torch.save writes it with crc32 off: torch.load does
+not check it, and computing it would read every byte in user space. Chunks of 4 GiB or more
+need zip64 and are refused.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import zlib
 
@@ -26,7 +24,6 @@ from .unpickler import STORAGE_DTYPES, TORCH_DTYPE_NAMES
 
 ALIGNMENT = 64
 MAX_RECORD_BYTES = 0xFFFFFFFF
-NAME = "archive"
 LEGACY_STORAGE_NAMES = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -40,11 +37,8 @@ def _ints(values: tuple[int, ...]) -> bytes:
 
 def data_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
     """The data.pkl of a contiguous tensor of `dtype` and `shape` in storage "0"."""
-    numel = 1
-    stride = []
-    for dim in reversed(shape):
-        stride.append(numel)
-        numel *= dim
+    stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+    numel = math.prod(shape)
     legacy = LEGACY_STORAGE_NAMES.get(dtype)
     rebuild = b"ctorch._utils\n_rebuild_tensor_v2\n" if legacy else b"ctorch._utils\n_rebuild_tensor_v3\n"
     storage_class = f"ctorch\n{legacy}\n" if legacy else "ctorch.storage\nUntypedStorage\n"
@@ -52,7 +46,7 @@ def data_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
     storage = b"(" + pickled_text("storage") + storage_class.encode() + pickled_text("0") + pickled_text("cpu") + pickled_int(count) + b"tQ"
     hooks = b"ccollections\nOrderedDict\n)R"
     tail = b"" if legacy else f"ctorch\n{TORCH_DTYPE_NAMES[dtype]}\n".encode()
-    arguments = storage + pickled_int(0) + _ints(shape) + _ints(tuple(reversed(stride))) + b"\x89" + hooks + tail
+    arguments = storage + pickled_int(0) + _ints(shape) + _ints(stride) + b"\x89" + hooks + tail
     return b"\x80\x02" + rebuild + b"(" + arguments + b"tR."
 
 
@@ -71,30 +65,25 @@ def archive_parts(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[byte
         raise UsageError(
             f"a DCP chunk of {nbytes} bytes (4 GiB or more) needs zip64, which fsdpkit does not write; use a larger --world-size"
         )
-    before_data = [
+    records = [
         ("data.pkl", data_pickle(dtype, shape)),
         (".format_version", b"1"),
         (".storage_alignment", b"64"),
         ("byteorder", b"little"),
+        ("data/0", None),
+        ("version", b"3\n"),
+        (".data/serialization_id", b"0" * 40),
     ]
-    after_data = [("version", b"3\n"), (".data/serialization_id", b"0" * 40)]
     head, tail, central = bytearray(), bytearray(), bytearray()
-    for record, payload in before_data:
-        name = f"{NAME}/{record}".encode()
-        crc = zlib.crc32(payload)
-        central += central_header(name, crc, len(payload), len(head))
-        head += local_header(name, crc, len(payload), len(head)) + payload
-    name = f"{NAME}/data/0".encode()
-    central += central_header(name, 0, nbytes, len(head))
-    head += local_header(name, 0, nbytes, len(head))
-    position = len(head) + nbytes
-    for record, payload in after_data:
-        name = f"{NAME}/{record}".encode()
-        crc = zlib.crc32(payload)
-        central += central_header(name, crc, len(payload), position + len(tail))
-        tail += local_header(name, crc, len(payload), position + len(tail)) + payload
-    count = len(before_data) + 1 + len(after_data)
-    end = END_RECORD.pack(0x06054B50, 0, 0, count, count, len(central), position + len(tail), 0)
+    out, base = head, 0  # records before the data go into head, those after it into tail, at `base`
+    for record, payload in records:
+        name = f"archive/{record}".encode()
+        crc, size = (0, nbytes) if payload is None else (zlib.crc32(payload), len(payload))
+        central += central_header(name, crc, size, base + len(out))
+        out += local_header(name, crc, size, base + len(out)) + (payload or b"")
+        if payload is None:  # the data record's header: its bytes come from the source
+            out, base = tail, len(head) + nbytes
+    end = END_RECORD.pack(0x06054B50, 0, 0, len(records), len(records), len(central), base + len(tail), 0)
     return bytes(head), bytes(tail + central + end)
 
 

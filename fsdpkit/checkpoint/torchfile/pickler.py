@@ -1,7 +1,5 @@
-"""Pickles written without torch (protocol 2): a tree of plain values and the records below
-(a global, a call, an object given its state, bytes already pickled) as the opcodes torch's
-own pickles hold. A pickle is a byte stream of opcodes; the globals it names are only looked
-up when it is loaded.
+"""Pickles written without torch (protocol 2): a tree of plain values and the records below, as
+the opcodes torch's own pickles hold; the globals they name are only looked up when loaded.
 """
 
 from __future__ import annotations
@@ -41,11 +39,8 @@ class Pairs:
     items: Iterable[tuple[Any, Any]]
 
 
-@dataclass(frozen=True)
-class Ordered:
+class Ordered(Pairs):
     """An `collections.OrderedDict` of `items` (pairs), in their order."""
-
-    items: Iterable[tuple[Any, Any]]
 
 
 @dataclass(frozen=True)
@@ -83,25 +78,14 @@ def emit(value: Any, out: bytearray) -> None:
         out += b"G" + struct.pack(">d", value)
     elif isinstance(value, str):
         out += pickled_text(value)
-    elif isinstance(value, tuple):
-        out += b"("
+    elif isinstance(value, (tuple, list)):
+        out += b"(" if isinstance(value, tuple) else b"]("
         for item in value:
             emit(item, out)
-        out += b"t"
-    elif isinstance(value, list):
-        out += b"]("
-        for item in value:
-            emit(item, out)
-        out += b"e"
+        out += b"t" if isinstance(value, tuple) else b"e"
     elif isinstance(value, (dict, Pairs)):
-        out += b"}("
+        out += b"ccollections\nOrderedDict\n)R(" if isinstance(value, Ordered) else b"}("
         for key, item in value.items() if isinstance(value, dict) else value.items:
-            emit(key, out)
-            emit(item, out)
-        out += b"u"
-    elif isinstance(value, Ordered):
-        out += b"ccollections\nOrderedDict\n)R("
-        for key, item in value.items:
             emit(key, out)
             emit(item, out)
         out += b"u"

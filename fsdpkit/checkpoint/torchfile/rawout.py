@@ -1,11 +1,7 @@
-"""One output file written from raw byte ranges of source files (no torch, no tensors).
-
-`RawOutput.copy(source, wanted)` appends the bytes of elements `wanted` of a `SourceTensor`:
-pieces without a checksum (DCP chunks, safetensors tensors) are byte ranges the kernel copies
-from file to file (`files.copy_range`: `os.copy_file_range`, else read and write) when large,
-and small ones are read into the write buffer; pieces with a crc32 (fsdpkit checkpoints) are
-read through the byte engine, which checks them. Small writes gather into one `writev` of
-at most `BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
+"""One output file written from raw byte ranges of source files (no torch, no tensors): large
+pieces without a checksum are copied by the kernel (`files.copy_range`); small ones, and those
+with a crc32 (read through the byte engine, which checks them), gather into one `writev` of at
+most `BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
 """
 
 from __future__ import annotations

@@ -1,31 +1,109 @@
-"""One `torch.save` file (a DeepSpeed rank file, a per-rank state dict) read without torch: its
-`data.pkl` through a format's allow-list unpickler, its storages as byte ranges of the file.
-
-`torch.save` writes every record stored (uncompressed): `<archive>/data.pkl`, `<archive>/
-byteorder`, `<archive>/data/<key>` per storage, each with the zip's CRC-32. Only the central
-directory and `data.pkl` are read here; a tensor is a `TensorRecord` whose bytes are a range of
-its storage entry (`tensor_range`), which the byte engine reads when asked. `crc_problems`
-checks every storage against the zip's CRC-32, block by block.
+"""A `torch.save` zip read without torch: at a byte range of an open file (a DCP chunk), or a
+whole file (`SaveFile`: a DeepSpeed rank file, a per-rank state dict) with its `data.pkl`
+through a format's allow-list unpickler and its storages (stored records `<archive>/data/<key>`,
+each with the zip's CRC-32) as byte ranges the byte engine reads when asked. Records are read
+through their local headers, not zipfile: torch.save with crc32 off writes 0 for every record's
+crc32, which zipfile refuses.
 """
 
 from __future__ import annotations
 
+import io
+import math
 import os
+import struct
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import SourceTensor
 from ..format.crc import crc32
-from ..format.files import open_regular, read_exactly
+from ..format.files import open_regular, read_exactly, read_some
 from ..format.names import numel
 from ..format.report import VerifyReport
 from .unpickler import TensorRecord
-from .zipread import Window, record_start, tensor_bytes
+
+ZIP_MAGIC = b"PK\x03\x04"
+LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header: 30 bytes
+
+
+class Window(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, as a seekable read-only file."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        super().__init__()
+        self._fd, self._start, self._length, self._position = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._position, 2: self._length}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+        count = max(0, min(len(buffer), self._length - self._position))
+        done = read_some(self._fd, self._start + self._position, memoryview(buffer).cast("B")[:count]) if count else 0
+        self._position += done
+        return done
+
+
+def record_start(fd: int, path: Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> int:
+    """Where the stored record `info` starts inside the archive at `start` (its local header read)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise DataCheckError(f"{where}: record {info.filename} is compressed")
+    header = read_exactly(fd, LOCAL_HEADER.size, start + info.header_offset, path)
+    magic, *_, name_length, extra_length = LOCAL_HEADER.unpack(header)
+    if magic != ZIP_MAGIC:
+        raise DataCheckError(f"{where}: the header of record {info.filename} is damaged")
+    data_start = info.header_offset + LOCAL_HEADER.size + name_length + extra_length
+    if data_start + info.file_size > length:
+        raise DataCheckError(f"{where}: record {info.filename} ends past the archive's {length} bytes")
+    return data_start
+
+
+def read_record(fd: int, path: Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> bytes:
+    return read_exactly(fd, info.file_size, start + record_start(fd, path, start, length, info, where), path)
+
+
+def torch_save_pickle(fd: int, path: Path, start: int, length: int, where: str) -> tuple[zipfile.ZipFile, str, bytes]:
+    """(the zip, its records' prefix, its data.pkl) of the `torch.save` archive at byte `start`, not big-endian."""
+    archive = zipfile.ZipFile(Window(fd, start, length))
+    names = archive.namelist()
+    pickles = [name for name in names if name.endswith("/data.pkl") and name.count("/") == 1]
+    if len(pickles) != 1:
+        raise DataCheckError(f"{where}: not a torch.save archive (no data.pkl)")
+    prefix = pickles[0][: -len("data.pkl")]
+    byteorder = f"{prefix}byteorder"
+    if byteorder in names and read_record(fd, path, start, length, archive.getinfo(byteorder), where) != b"little":
+        raise DataCheckError(f"{where}: big-endian data is not supported")
+    return archive, prefix, read_record(fd, path, start, length, archive.getinfo(pickles[0]), where)
+
+
+def tensor_bytes(record: TensorRecord, stored: int, where: str) -> tuple[str, int, int]:
+    """(dtype, bytes before the tensor's data in its storage of `stored` bytes, the data's bytes)
+    of a contiguous tensor inside its storage; anything else is refused."""
+    dtype = record.dtype or record.storage.storage_type.dtype
+    if dtype is None:
+        raise DataCheckError(f"{where}: a tensor without a dtype")
+    contiguous = [math.prod(record.shape[d + 1 :]) for d in range(len(record.shape))]
+    if any(s != c for s, c, d in zip(record.stride, contiguous, record.shape, strict=True) if d > 1):
+        raise DataCheckError(f"{where}: tensor is not contiguous (stride {list(record.stride)}), which fsdpkit does not read")
+    itemsize = dtype_info(dtype).itemsize
+    skip, nbytes = record.storage_offset * itemsize, numel(record.shape) * itemsize
+    if record.storage_offset < 0 or skip + nbytes > stored:
+        raise DataCheckError(f"{where}: {nbytes} bytes at element {record.storage_offset} of a storage of {stored} bytes (outside it)")
+    return dtype, skip, nbytes
+
 
 CRC_BLOCK = 1 << 20
 
@@ -51,10 +129,9 @@ class SaveFile:
     def __init__(self, path: Path, unpickle: Callable[..., Any]):
         """`unpickle(raw, where=...)`: the allow-list unpickler of its data.pkl."""
         self.path = path
-        self._unpickle = unpickle
         self.fd, self.size = open_regular(path)
         try:
-            self.state, self.storages = self._read()
+            self.state, self.storages = self._read(unpickle)
         except BaseException:
             os.close(self.fd)
             raise
@@ -64,27 +141,18 @@ class SaveFile:
             os.close(self.fd)
             self.fd = -1
 
-    def _read(self) -> tuple[Any, dict[str, StorageEntry]]:
+    def _read(self, unpickle: Callable[..., Any]) -> tuple[Any, dict[str, StorageEntry]]:
         where = str(self.path)
         try:
-            archive = zipfile.ZipFile(Window(self.fd, 0, self.size))
-            infos = archive.infolist()
+            archive, prefix, raw = torch_save_pickle(self.fd, self.path, 0, self.size, where)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
             raise DataCheckError(f"{where}: not a readable torch.save zip ({str(error)[:80]}; truncated?)") from None
-        pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
-        if len(pickles) != 1:
-            raise DataCheckError(f"{where}: not a torch.save archive (no data.pkl)")
-        prefix = pickles[0].filename[: -len("data.pkl")]
         storages = {}
-        for info in infos:
+        for info in archive.infolist():
             start = record_start(self.fd, self.path, 0, self.size, info, where)
-            if info.filename == f"{prefix}byteorder" and read_exactly(self.fd, info.file_size, start, self.path) != b"little":
-                raise DataCheckError(f"{where}: big-endian data is not supported")
             if info.filename.startswith(f"{prefix}data/"):
                 storages[info.filename[len(f"{prefix}data/") :]] = StorageEntry(start, info.file_size, info.CRC)
-        pickle_start = record_start(self.fd, self.path, 0, self.size, pickles[0], where)
-        raw = read_exactly(self.fd, pickles[0].file_size, pickle_start, self.path)
-        return self._unpickle(raw, where=f"{where} data.pkl"), storages
+        return unpickle(raw, where=f"{where} data.pkl"), storages
 
     def tensor_range(self, record: Any, what: str) -> TensorRange:
         """Where a contiguous tensor's elements lie in this file (checked inside its storage)."""
@@ -114,19 +182,11 @@ class SaveFile:
         return checked, problems
 
 
-def crc_problems_of(rank_files: list[SaveFile]) -> tuple[int, list[str]]:
-    """(storages checked against their zip's CRC-32, one line per mismatch) over `rank_files`."""
-    checked, problems = 0, []
-    for rank_file in rank_files:
-        count, found = rank_file.crc_problems()
-        checked += count
-        problems.extend(found)
-    return checked, problems
-
-
-def coverage_problems(directory: Path, sources: list[SourceTensor]) -> list[str]:
-    """Each tensor's pieces cover its elements exactly once, in order."""
-    problems = []
+def verify_saved_files(report: VerifyReport, directory: Path, sources: list[SourceTensor], opened: list[SaveFile]) -> VerifyReport:
+    """`report` of the `torch.save` files `opened` holding `sources`: every storage against the
+    zip's CRC-32 and every tensor covered exactly once, in order; what a format checks besides
+    (its files present, its records read) it adds to `report.checked` after these."""
+    problems, storages = [], 0
     for source in sources:
         position = 0
         for piece in sorted(source.pieces_in(ElementRange(0, source.numel)), key=lambda p: p.range.start):
@@ -138,16 +198,10 @@ def coverage_problems(directory: Path, sources: list[SourceTensor]) -> list[str]
         else:
             if position != source.numel:
                 problems.append(f"{directory}: {source.name!r}: covered up to element {position} of {source.numel}")
-    return problems
-
-
-def verify_saved_files(report: VerifyReport, directory: Path, sources: list[SourceTensor], opened: list[SaveFile]) -> VerifyReport:
-    """`report` of the `torch.save` files `opened` holding `sources`: every storage against the
-    zip's CRC-32 and every tensor covered exactly once; what a format checks besides (its files
-    present, its records read) it adds to `report.checked` after these."""
-    problems = coverage_problems(directory, sources)
-    storages, found = crc_problems_of(opened)
-    problems.extend(found)
+    for rank_file in opened:
+        count, found = rank_file.crc_problems()
+        storages += count
+        problems.extend(found)
     report.ok, report.problems, report.tensors, report.bytes = not problems, problems, len(sources), sum(s.nbytes for s in sources)
     report.counts = {"file": len(opened), "storage": storages}
     report.checked = [

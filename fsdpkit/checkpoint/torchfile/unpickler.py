@@ -1,12 +1,8 @@
-"""The allow-list unpickler of torch's pickles: the `data.pkl` of a `torch.save` zip and DCP's
-`.metadata` (no torch, nothing from the file runs).
-
-`pickle.Unpickler.find_class` is the only way a pickle reaches a callable; here it returns
-fsdpkit's own inert stand-ins for the few globals these files name (`torch.Size`, dtypes, the
-strided layout, OrderedDict, the tensor and storage records of `torch.save`; a format adds its
-own). Any other global is a `DataCheckError` naming it, raised before anything is built.
-Persistent ids (storages) are only recorded. The stand-ins keep the state pickle hands them
-and never call anything.
+"""The allow-list unpickler of torch's pickles (no torch, nothing from the file runs):
+`find_class`, the only way a pickle reaches a callable, returns fsdpkit's inert stand-ins for
+the few globals these files name (a format adds its own); any other global is a
+`DataCheckError` naming it, raised before anything is built. Persistent ids (storages) are
+only recorded.
 """
 
 from __future__ import annotations
@@ -17,34 +13,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from ...dtypes import DTYPES
 from ...errors import DataCheckError
 
-# torch's dtype attribute names -> the safetensors spelling used everywhere in fsdpkit
-TORCH_DTYPES = {
-    "float32": "F32",
-    "float": "F32",
-    "float64": "F64",
-    "double": "F64",
-    "float16": "F16",
-    "half": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "long": "I64",
-    "int32": "I32",
-    "int": "I32",
-    "int16": "I16",
-    "short": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-    "uint16": "U16",
-    "uint32": "U32",
-    "uint64": "U64",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fn": "F8_E4M3",
-}
-# the safetensors spelling -> torch's canonical dtype name (the canonical spelling comes first above)
-TORCH_DTYPE_NAMES = {dtype: name for name, dtype in reversed(list(TORCH_DTYPES.items()))}
+# torch's dtype attribute names, the legacy aliases too -> the safetensors spelling used everywhere in fsdpkit
+TORCH_DTYPES = {d.torch_name: d.name for d in DTYPES} | dict(float="F32", double="F64", half="F16", long="I64", int="I32", short="I16")
+TORCH_DTYPE_NAMES = {d.name: d.torch_name for d in DTYPES}
 # torch.save's legacy typed storage classes (`torch.FloatStorage`...) -> dtype
 STORAGE_DTYPES = {
     "FloatStorage": "F32",
@@ -165,8 +139,10 @@ def ordered_dict(*args: Any) -> dict:
     return OrderedDict()
 
 
-def rebuild_tensor_v2(storage: Any, offset: Any, shape: Any, stride: Any, *rest: Any) -> TensorRecord:
-    return _tensor_record(storage, offset, shape, stride, None)
+def rebuild_tensor_v2(storage: Any, offset: Any, shape: Any, stride: Any, *rest: Any, dtype: str | None = None) -> TensorRecord:
+    if not isinstance(storage, StorageRef) or type(offset) is not int:
+        raise DataCheckError("a tensor record without a storage or offset")
+    return TensorRecord(storage, offset, torch_size(shape), torch_size(stride), dtype)
 
 
 def rebuild_tensor_v3(
@@ -174,13 +150,7 @@ def rebuild_tensor_v3(
 ) -> TensorRecord:
     if not isinstance(dtype, Dtype):
         raise DataCheckError("_rebuild_tensor_v3 without a dtype")
-    return _tensor_record(storage, offset, shape, stride, dtype.name)
-
-
-def _tensor_record(storage: Any, offset: Any, shape: Any, stride: Any, dtype: str | None) -> TensorRecord:
-    if not isinstance(storage, StorageRef) or type(offset) is not int:
-        raise DataCheckError("a tensor record without a storage or offset")
-    return TensorRecord(storage, offset, torch_size(shape), torch_size(stride), dtype)
+    return rebuild_tensor_v2(storage, offset, shape, stride, dtype=dtype.name)
 
 
 TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
