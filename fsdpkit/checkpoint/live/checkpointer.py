@@ -1,17 +1,9 @@
-"""Saving and loading one sharded model with its optimizer: the `Checkpointer`, and the
-functions built on it.
+"""Saving and loading one sharded model with its optimizer: the `Checkpointer`, the functions
+built on it, starting from a checkpoint's weights, and the check before launch.
 
-Saving: every rank builds the same manifest (format 2: nothing in it depends on the rank) from
-the model-state map (`model_state.tensor_table`) and runs the save protocol (`save_protocol`),
-in the training thread or, with async_save, in a background thread from host copies. Loading:
-each local fragment is read from the files that hold the overlapping fragments, and only from
-those, so a checkpoint saved at W ranks loads at any W' and under any strategy. Tied weights are
-stored once with their alias recorded. With hybrid or no sharding, only the first replica writes.
-
-Also here: starting from a full or sharded checkpoint's weights (`init_weights_from`), and the
-check, on a model built on the meta device, that a checkpoint fits it (`check_before_launch`).
-A save records the model's export recipe (from its model source) in the training state, for
-`convert --to full`.
+Every rank builds the same manifest (nothing in it depends on the rank). Loading reads each
+local fragment from the files that hold the overlapping fragments, and only from those, so a
+checkpoint saved at W ranks loads at any W' and under any strategy.
 """
 
 from __future__ import annotations
@@ -33,25 +25,24 @@ from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible
 from ..format.placement import Placement, TensorSpec
 from ..format.reader import is_full_checkpoint
-from .background import HostBuffers, SaveTimings, lower_thread_priority
-from .copy_order import DoneEvent, Event, OverlappedCopy, streams_for
+from .copy_order import DoneEvent, Event, HostBuffers, OverlappedCopy
 from .model_state import (
-    buffer_shapes,
     check_full,
     expected_tensors,
     load_weights,
     model_params,
     optimizer_hyperparameters,
     persistent_buffers,
-    planned_numels,
     stateless_params,
     tensor_table,
     view_params,
 )
-from .optim_state import load_optimizer_state, states_to_load
+from .optim_state import StateLayout, load_optimizer_state, states_to_load
 from .replica_reads import shared_load
-from .save_protocol import Ranks, SaveJob, run_save
+from .save_protocol import Ranks, SaveJob, SaveTimings, run_save
 from .tensors import CheckpointReader, RangeReader, full_reader
+
+BACKGROUND_NICENESS = 10
 
 
 class Checkpointer:
@@ -84,13 +75,8 @@ class Checkpointer:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_saved: str | None = None
-        self.host_buffers = HostBuffers()
-        self.copy: OverlappedCopy | None = None
-        if async_save and view.writes_shards:  # the buffers now, when the run starts, not at the first save
-            self.host_buffers.reserve(planned_numels(view, module, optimizer), pin=view.device.type == "cuda")
-            self.copy = OverlappedCopy(self.host_buffers, streams_for(view.device))
-            if optimizer is not None:
-                self.copy.guard(optimizer)
+        self.copy = OverlappedCopy.reserved(view, module, optimizer) if async_save and view.writes_shards else None
+        self.host_buffers = self.copy.buffers if self.copy is not None else HostBuffers()
         self.timings = SaveTimings()
         self.stall_seconds = 0.0
         self.in_flight: int | None = None  # the step of the async save being written
@@ -142,7 +128,11 @@ class Checkpointer:
             self._save(job)
 
     def _run_save(self, job: SaveJob, copied: Event) -> None:
-        lower_thread_priority()
+        try:  # Linux applies setpriority to one thread by its id; elsewhere the thread keeps its priority
+            thread = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICENESS))
+        except (AttributeError, OSError):
+            pass
         try:
             copied.synchronize()
             self._save(job)
@@ -182,14 +172,8 @@ class Checkpointer:
         such as snapshots in shared memory)."""
         view = describe(self.module)
         with CheckpointReader(path, validate_all=False) as checkpoint:
-            states = None
-            if self.optimizer is not None:
-                names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
-                where = str(checkpoint.step_dir)
-                states = states_to_load(self.optimizer, names, checkpoint.training_state, checkpoint.tensor_names(), where=where)
-            stateless = stateless_params(checkpoint.training_state)
-            expected = expected_tensors(view_params(view), buffer_shapes(self.module), states, stateless=stateless)
-            missing_optim = check_compatible(checkpoint.manifest, expected, strict=strict, where=str(checkpoint.step_dir))
+            names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
+            states, missing_optim = check_sharded(checkpoint, view_params(view), self.module, self.optimizer, names, strict=strict)
             if missing_optim and view.rank == 0:
                 log.warn(f"{checkpoint.step_dir}: no optimizer state for {len(missing_optim)} tensors; theirs starts fresh")
 
@@ -264,7 +248,7 @@ def init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
         Checkpointer(module, None).load(path, strict=False)
         return
     view = describe(module)
-    expected = expected_tensors(view_params(view), buffer_shapes(module), None)
+    expected = expected_tensors(view_params(view), module)
     with full_reader(path, list(expected)) as reader:
         check_full(reader, expected, path)
         load_weights(view, module, reader)
@@ -274,21 +258,30 @@ def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer:
     """Validate a checkpoint against an unsharded model (built on the meta device) before any
     process starts: any problem is a DataCheckError (exit 3). `optimizer` (over the model's
     parameters) when resuming, None when only the weights are wanted."""
-    params, buffers = model_params(model), buffer_shapes(model)
+    params = model_params(model)
     if is_full_checkpoint(Path(path)) and optimizer is None:
-        expected = expected_tensors(params, buffers, None)
+        expected = expected_tensors(params, model)
         with full_reader(path, list(expected)) as reader:
             check_full(reader, expected, path)
         return
     with CheckpointReader(path) as reader:
-        states = None
-        if optimizer is not None:
-            names = {id(p): name for name, p in model.named_parameters()}
-            states = states_to_load(optimizer, names, reader.training_state, reader.tensor_names(), where=str(reader.step_dir))
-        stateless = stateless_params(reader.training_state)
-        check_compatible(
-            reader.manifest,
-            expected_tensors(params, buffers, states, stateless=stateless),
-            strict=strict and optimizer is not None,
-            where=str(reader.step_dir),
-        )
+        names = {id(p): name for name, p in model.named_parameters()}
+        check_sharded(reader, params, model, optimizer, names, strict=strict and optimizer is not None)
+
+
+def check_sharded(
+    reader: CheckpointReader,
+    params: list[tuple[str, tuple[int, ...], bool]],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    names: dict[int, str],
+    *,
+    strict: bool,
+) -> tuple[dict[str, StateLayout] | None, list[str]]:
+    """Check a sharded checkpoint against a model (`names`: each parameter's, by id of the tensor
+    the optimizer holds): (the optimizer's states to load, None without one; the optimizer
+    tensors the checkpoint lacks)."""
+    where = str(reader.step_dir)
+    states = None if optimizer is None else states_to_load(optimizer, names, reader.training_state, reader.tensor_names(), where=where)
+    expected = expected_tensors(params, module, states, stateless=stateless_params(reader.training_state))
+    return states, check_compatible(reader.manifest, expected, strict=strict, where=where)

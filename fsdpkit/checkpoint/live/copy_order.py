@@ -1,7 +1,8 @@
-"""The device-to-host copy of a snapshot or an async save, overlapped with training.
+"""The device-to-host copy of a snapshot or an async save, overlapped with training, into host
+buffers allocated when the run starts and reused by every save.
 
-The order, on the device's streams (`Streams`: CUDA's, or the host's, where everything runs at
-once in the calling thread):
+The order, on the device's streams (CUDA's, or the host's, where everything runs at once in
+the calling thread):
 
 1. the training thread copies the buffers on the training stream (the next forward may change
    them: BatchNorm's running statistics), makes the copy stream wait for the training stream
@@ -19,8 +20,10 @@ import weakref
 from typing import Protocol
 
 import torch
+import torch.nn as nn
 
-from .background import HostBuffers
+from ...engine.view import ShardedModelView
+from .model_state import planned_numels
 
 
 class Event(Protocol):
@@ -28,27 +31,60 @@ class Event(Protocol):
         """Block the calling thread until the work recorded before the event is done."""
 
 
-class Streams(Protocol):
-    """The stream operations a copy is ordered with."""
-
-    def copy_on_training(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
-
-    def copy_waits_for_training(self) -> None: ...
-
-    def copy_on_copy_stream(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
-
-    def record_on_copy_stream(self) -> Event: ...
-
-    def training_waits_for(self, event: Event) -> None: ...
-
-
 class DoneEvent:
     def synchronize(self) -> None:
         pass
 
 
+class HostBuffers:
+    """One flat host tensor per dtype holding the copies of named 1-D tensors, each a view of
+    it, reused while the names, dtypes and sizes stay the same. `reserve` allocates them when
+    the run starts (pinned for a GPU, every page touched), so that no snapshot pays for it; a
+    table that outgrows them allocates again."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._views: dict[str, torch.Tensor] = {}
+        self._key: tuple | None = None
+        self._pin = False
+
+    def reserve(self, numels: dict[torch.dtype, int], *, pin: bool) -> None:
+        self._pin = pin and torch.cuda.is_available()
+        self.buffers = {dtype: self._allocate(dtype, numel) for dtype, numel in numels.items()}
+
+    def views(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The host view each tensor is copied into, by name (allocating room the buffers lack)."""
+        key = tuple((name, tensor.dtype, tensor.numel()) for name, tensor in tensors.items())
+        if key != self._key:
+            self._carve(tensors)
+            self._key = key
+        return dict(self._views)
+
+    def _allocate(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buffer = torch.empty(numel, dtype=dtype, pin_memory=self._pin)
+        if not self._pin:
+            buffer.zero_()  # the first copy into it should not fault its pages in
+        return buffer
+
+    def _carve(self, tensors: dict[str, torch.Tensor]) -> None:
+        numels: dict[torch.dtype, int] = {}
+        for tensor in tensors.values():
+            numels[tensor.dtype] = numels.get(tensor.dtype, 0) + tensor.numel()
+        self._pin = self._pin or (torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors.values()))
+        for dtype, numel in numels.items():
+            if dtype not in self.buffers or self.buffers[dtype].numel() < numel:
+                self.buffers[dtype] = self._allocate(dtype, numel)
+        offsets = dict.fromkeys(numels, 0)
+        self._views = {}
+        for name, tensor in tensors.items():
+            start = offsets[tensor.dtype]
+            self._views[name] = self.buffers[tensor.dtype][start : start + tensor.numel()]
+            offsets[tensor.dtype] = start + tensor.numel()
+
+
 class HostStreams:
-    """No device: each copy runs in the calling thread (torch copies release the GIL)."""
+    """The stream operations a copy is ordered with. Here, with no device, each copy runs in
+    the calling thread (torch copies release the GIL)."""
 
     def copy_on_training(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
@@ -66,7 +102,7 @@ class HostStreams:
         pass
 
 
-class CudaStreams:
+class CudaStreams(HostStreams):
     """The training thread's current stream, and a copy stream of its own on `device`."""
 
     def __init__(self, device: torch.device) -> None:
@@ -94,17 +130,24 @@ class CudaStreams:
         torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]
 
 
-def streams_for(device: torch.device) -> Streams:
-    return CudaStreams(device) if device.type == "cuda" else HostStreams()
-
-
 class OverlappedCopy:
     """Copies named tensors into `buffers` in the order above; at most one copy guarded at a time."""
 
-    def __init__(self, buffers: HostBuffers, streams: Streams) -> None:
+    def __init__(self, buffers: HostBuffers, streams: HostStreams) -> None:
         self.buffers = buffers
         self.streams = streams
         self.unguarded: Event | None = None  # the last copy's event, until an optimizer step waits for it
+
+    @classmethod
+    def reserved(cls, view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> OverlappedCopy:
+        """The copy of this rank's checkpoint data, into buffers allocated now (when the run
+        starts, not at the first save), guarding `optimizer`'s steps."""
+        buffers = HostBuffers()
+        buffers.reserve(planned_numels(view, module, optimizer), pin=view.device.type == "cuda")
+        copy = cls(buffers, CudaStreams(view.device) if view.device.type == "cuda" else HostStreams())
+        if optimizer is not None:
+            copy.guard(optimizer)
+        return copy
 
     def start(
         self, tensors: dict[str, torch.Tensor], *, on_training: frozenset[str] = frozenset()
@@ -124,20 +167,15 @@ class OverlappedCopy:
         self.unguarded = event
         return host, event
 
-    def before_update(self) -> None:
-        """What the next optimizer step does first: the training stream waits for the copy."""
-        if self.unguarded is not None:
-            self.streams.training_waits_for(self.unguarded)
-            self.unguarded = None
-
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make `before_update` the optimizer's step pre-hook (holding no reference to the
-        buffers: they go with this object)."""
+        """Make the optimizer's next step wait for the copy, on the training stream (its step
+        pre-hook holds no reference to the buffers: they go with this object)."""
         this = weakref.ref(self)
 
         def wait_for_copy(*_: object) -> None:
             copy = this()
-            if copy is not None:
-                copy.before_update()
+            if copy is not None and copy.unguarded is not None:
+                copy.streams.training_waits_for(copy.unguarded)
+                copy.unguarded = None
 
         optimizer.register_step_pre_hook(wait_for_copy)

@@ -11,6 +11,7 @@ gives what a save writes, `expected_tensors` what a load needs, `load_weights` a
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Set as AbstractSet
 
 import torch
@@ -19,8 +20,9 @@ import torch.nn as nn
 from ...engine.view import ShardedModelView
 from ...errors import DataCheckError, RunError
 from ...flat_layout import ElementRange
+from ..format.names import optim_tensor_name
 from ..format.placement import TensorSpec
-from .optim_state import StateLayout, expected_state_tensors, kept_states, saved_states
+from .optim_state import StateLayout, kept_states, saved_states
 from .tensors import RangeReader, TensorReader, safetensors_dtype
 
 
@@ -36,17 +38,20 @@ def stateless_params(training_state: dict) -> set[str]:
 
 def expected_tensors(
     params: list[tuple[str, tuple[int, ...], bool]],
-    buffers: dict[str, tuple[int, ...]],
-    optimizer_states: dict[str, StateLayout] | None,
+    module: nn.Module,
+    optimizer_states: dict[str, StateLayout] | None = None,
     *,
     stateless: AbstractSet[str] = frozenset(),
 ) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must hold for a model: (name, shape, requires_grad) of each
-    parameter under its canonical name, the buffers, and the optimizer state of trainable
+    parameter under its canonical name, the module's buffers, and the optimizer state of trainable
     parameters (`stateless`: those whose state the checkpoint rightly lacks)."""
     expected = {name: tuple(shape) for name, shape, _ in params}
-    expected.update(buffers)
-    expected.update(expected_state_tensors(params, optimizer_states or {}, stateless))
+    expected.update({name: tuple(t.shape) for name, t in persistent_buffers(module).items()})
+    for name, shape, trainable in params:
+        if trainable and name not in stateless:
+            for key, scalar_shape in (optimizer_states or {}).get(name, {}).items():
+                expected[optim_tensor_name(key, name)] = tuple(shape) if scalar_shape is None else scalar_shape
     return expected
 
 
@@ -57,10 +62,6 @@ def view_params(view: ShardedModelView) -> list[tuple[str, tuple[int, ...], bool
 def model_params(model: nn.Module) -> list[tuple[str, tuple[int, ...], bool]]:
     """Canonical names (first in named_parameters order, as the engine's unit plan) of an unsharded model."""
     return [(name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()]
-
-
-def buffer_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(t.shape) for name, t in persistent_buffers(module).items()}
 
 
 def tensor_table(
@@ -95,11 +96,7 @@ def planned_numels(view: ShardedModelView, module: nn.Module, optimizer: torch.o
     known before it has: the states `kept_states` finds (each like its parameter in its dtype,
     a one-value state as float32): an upper bound (a parameter the optimizer never steps gets
     none), without the states of an optimizer that cannot tell which it keeps."""
-    numels: dict[torch.dtype, int] = {}
-
-    def add(dtype: torch.dtype, numel: int) -> None:
-        numels[dtype] = numels.get(dtype, 0) + numel
-
+    numels: Counter[torch.dtype] = Counter()
     layouts: dict[int, StateLayout] = {}
     if optimizer is not None:
         try:
@@ -110,15 +107,15 @@ def planned_numels(view: ShardedModelView, module: nn.Module, optimizer: torch.o
             layouts.update({id(p): layout for p in group["params"]})
     for unit in view.units:
         for param in unit.params:
-            add(param.tensor.dtype, param.tensor.numel())
+            numels[param.tensor.dtype] += param.tensor.numel()
             for shape in layouts.get(id(param.tensor), {}).values() if param.requires_grad else ():
                 if shape is None:
-                    add(param.tensor.dtype, param.tensor.numel())
+                    numels[param.tensor.dtype] += param.tensor.numel()
                 else:
-                    add(torch.float32, 1)
+                    numels[torch.float32] += 1
     for tensor in persistent_buffers(module).values():
-        add(tensor.dtype, tensor.numel())
-    return numels
+        numels[tensor.dtype] += tensor.numel()
+    return dict(numels)
 
 
 def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:

@@ -82,20 +82,6 @@ def states_to_load(
     return states
 
 
-def expected_state_tensors(
-    params: Iterable[tuple[str, Shape, bool]], states: Mapping[str, StateLayout], stateless: Iterable[str]
-) -> dict[str, Shape]:
-    """The stored name and shape of every state of every trainable parameter (name, shape,
-    requires_grad) except those of `stateless` ones (the saved optimizer never stepped them)."""
-    skip = set(stateless)
-    expected = {}
-    for name, shape, trainable in params:
-        if trainable and name not in skip:
-            for key, scalar_shape in states.get(name, {}).items():
-                expected[optim_tensor_name(key, name)] = tuple(shape) if scalar_shape is None else scalar_shape
-    return expected
-
-
 def saved_states(
     name: str, fragment: ElementRange, shard: torch.Tensor, state: Mapping[str, Any]
 ) -> Iterable[tuple[str, str, Shape | None, ElementRange, torch.Tensor]]:

@@ -52,14 +52,11 @@ class Requests:
         self.checkpoint = checkpoint
         self.asked: list[Request] = []
 
-    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
-        return self._ask(name, wanted, None)
-
     def read_tensor(self, name: str) -> torch.Tensor:
         source = self.checkpoint.source(name)
-        return self._ask(name, ElementRange(0, source.numel), tuple(source.shape))
+        return self.read_range(name, ElementRange(0, source.numel), tuple(source.shape))
 
-    def _ask(self, name: str, wanted: ElementRange, shape: tuple[int, ...] | None) -> torch.Tensor:
+    def read_range(self, name: str, wanted: ElementRange, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         request = Request(name, wanted, dtype_info(self.checkpoint.source(name).dtype).torch, shape)
         self.asked.append(request)
         out = torch.empty(wanted.size, dtype=request.dtype)
@@ -73,14 +70,11 @@ class Served:
         self.asked, self.buffer, self.offsets = asked, buffer, offsets
         self.next = 0
 
-    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
-        return self._serve(name, wanted)
-
     def read_tensor(self, name: str) -> torch.Tensor:
         request = self.asked[self.next]
-        return self._serve(name, request.wanted).reshape(request.shape if request.shape is not None else (-1,))
+        return self.read_range(name, request.wanted).reshape(request.shape if request.shape is not None else (-1,))
 
-    def _serve(self, name: str, wanted: ElementRange) -> torch.Tensor:
+    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
         request, at = self.asked[self.next], self.offsets[self.next]
         if (request.name, request.wanted) != (name, wanted):
             raise AssertionError(f"a shared load asked for {name} {wanted} where it first asked for {request.name} {request.wanted}")

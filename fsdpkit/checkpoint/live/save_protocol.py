@@ -35,8 +35,24 @@ from ..format.crc import crc32
 from ..format.manifest import Manifest
 from ..format.names import rank_file_name
 from ..format.writer import CacheMode, RankFileWriter
-from .background import WRITE_CHUNK_BYTES, SaveTimings
 from .tensors import raw_bytes
+
+WRITE_CHUNK_BYTES = 32 * 1024 * 1024  # one os.write and one crc32 update, each without the GIL; fewer pieces, fewer GIL hand-overs
+
+
+@dataclass
+class SaveTimings:
+    """Seconds this rank spent on saves so far, summed over `saves`. `snapshot` is copying the
+    tensors to host memory (into HostBuffers, or fragment by fragment from a device); `checksum`
+    crc32; `write` os.write; `fsync` the rank file's fsync; `total` the whole saves (snapshot,
+    collectives and commit included; for async saves mostly in the background)."""
+
+    saves: int = 0
+    snapshot: float = 0.0
+    checksum: float = 0.0
+    write: float = 0.0
+    fsync: float = 0.0
+    total: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,10 +81,6 @@ class Ranks:
         flags = torch.tensor(values, dtype=torch.int64, device=device)
         self.comm.all_reduce(flags, self.group, op=dist.ReduceOp.MIN, label=label)
         return [int(v) for v in flags.tolist()]
-
-    def all_agree(self, ok: bool, device: torch.device, *, label: str) -> bool:
-        """Whether this step succeeded on every rank."""
-        return self.min_over_ranks([1 if ok else 0], device, label=label)[0] == 1
 
     def from_rank0(self, action: Callable[[], Any], *, where: Path, label: str) -> tuple[Any, str | None]:
         """(result, None) of `action` run on rank 0, or (None, why it failed: an OSError on
@@ -118,7 +130,7 @@ def _write_and_commit(job: SaveJob, tmp: Path, ranks: Ranks, timings: SaveTiming
             faults.reached("save", job.step)
         except OSError as error:
             failure = storage.os_error_line(error, tmp)
-    if not ranks.all_agree(failure is None, job.device, label="checkpoint files written"):
+    if ranks.min_over_ranks([1 if failure is None else 0], job.device, label="checkpoint files written") != [1]:
         raise RunError(
             f"checkpoint step {job.step} not saved, previous checkpoint kept: " + (failure or "another rank could not write its file")
         )

@@ -17,7 +17,6 @@ from ...dtypes import dtype_info, of_torch
 from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.manifest import Manifest
-from ..format.placement import TensorSpec
 from ..format.reader import FullCheckpoint, open_full, open_sharded, open_sharded_lazily
 
 
@@ -110,10 +109,6 @@ class CheckpointReader(TensorReader):
     @property
     def training_state(self) -> dict:
         return self.manifest.training_state
-
-    def tensor(self, name: str) -> TensorSpec:
-        """The tensor table's entry for `name` (an alias resolves to its stored tensor)."""
-        return self.manifest.tensor(name)
 
     def fragments(self, name: str) -> list[tuple[str, ElementRange]]:
         """(file name, element range) of every fragment of tensor `name`, in order."""

@@ -24,8 +24,8 @@ from ..format.manifest import load_manifest
 from ..format.names import MANIFEST_NAME
 from ..live.checkpointer import Checkpointer
 from .choice import Choice, Source, choose
-from .store import SnapshotStore
-from .writer import header_bytes, header_of, local_world_size, receive_parts, send_parts
+from .store import SnapshotHeader, SnapshotStore
+from .writer import local_world_size, receive_parts, send_parts
 
 
 def verified_files(
@@ -81,11 +81,11 @@ def fetch(store: SnapshotStore, choice: Choice, world_size: int) -> None:
         if rank == transfer.sender:
             header, payload = store.read(choice.step, transfer.file, world_size)
             manifest_bytes = (store.step_dir(choice.step) / MANIFEST_NAME).read_bytes()
-            for work in send_parts([header_bytes(header), manifest_bytes, payload], transfer.receiver, None):
+            for work in send_parts([header.to_bytes(), manifest_bytes, payload], transfer.receiver, None):
                 work.wait()
         elif rank == transfer.receiver:
             head, manifest, data = receive_parts(transfer.sender, None)
-            store.put(header_of(head), data, manifest=manifest)
+            store.put(SnapshotHeader.from_bytes(head), data, manifest=manifest)
     dist.barrier()
 
 

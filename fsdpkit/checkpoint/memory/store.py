@@ -56,18 +56,13 @@ class SnapshotHeader:
     size: int
     crc32: int
 
-    def to_json(self) -> dict:
-        return {
-            "step": self.step,
-            "run": self.run_id,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "size": self.size,
-            "crc32": f"{self.crc32:08x}",
-        }
+    def to_bytes(self) -> bytes:
+        fields = {"step": self.step, "run": self.run_id, "rank": self.rank, "world_size": self.world_size, "size": self.size}
+        return json.dumps({**fields, "crc32": f"{self.crc32:08x}"}).encode()
 
     @classmethod
-    def from_json(cls, document: object) -> SnapshotHeader:
+    def from_bytes(cls, raw: bytes | memoryview) -> SnapshotHeader:
+        document = json.loads(bytes(raw).decode())
         if not isinstance(document, dict):
             raise ValueError("not a JSON object")
         return cls(
@@ -139,7 +134,7 @@ class SnapshotStore:
         computed it while writing (the file is not read again)."""
         size = (self.step_dir(step) / rank_file_name(rank, world_size)).stat().st_size
         header = SnapshotHeader(step, self.run_id, rank, world_size, size, crc)
-        _write_atomically(self._header_path(step, rank, world_size), json.dumps(header.to_json()).encode())
+        _write_atomically(self._header_path(step, rank, world_size), header.to_bytes())
         return header
 
     def put(self, header: SnapshotHeader, data: memoryview | bytes, *, manifest: memoryview | bytes | None = None) -> None:
@@ -153,7 +148,7 @@ class SnapshotStore:
         self._header_path(header.step, header.rank, header.world_size).unlink(missing_ok=True)
         with open(path, "wb") as f:
             f.write(data)
-        _write_atomically(self._header_path(header.step, header.rank, header.world_size), json.dumps(header.to_json()).encode())
+        _write_atomically(self._header_path(header.step, header.rank, header.world_size), header.to_bytes())
 
     def _header_path(self, step: int, rank: int, world_size: int) -> Path:
         return self.step_dir(step) / (rank_file_name(rank, world_size) + HEADER_SUFFIX)
@@ -164,17 +159,13 @@ class SnapshotStore:
         self._header_path(step, rank, world_size).unlink(missing_ok=True)
         (self.step_dir(step) / rank_file_name(rank, world_size)).unlink(missing_ok=True)
 
-    def drop(self, step: int, rank: int, world_size: int) -> None:
-        """Remove one rank file of a finished step, and the step when nothing is left."""
-        self.discard(step, rank, world_size)
-        if not self.files(step):  # another rank of this node may be removing it too
-            shutil.rmtree(self.step_dir(step), ignore_errors=True)
-
     def prune_rank(self, rank: int, world_size: int, *, keep_from: int) -> None:
-        """Remove rank file `rank` of every step before `keep_from`."""
+        """Remove rank file `rank` of every step before `keep_from`, and a step left empty."""
         for step in self.steps():
             if step < keep_from:
-                self.drop(step, rank, world_size)
+                self.discard(step, rank, world_size)
+                if not self.files(step):  # another rank of this node may be removing it too
+                    shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     # ----- reading
     def steps(self) -> list[int]:
@@ -191,7 +182,7 @@ class SnapshotStore:
 
     def header(self, step: int, rank: int, world_size: int) -> SnapshotHeader | None:
         try:
-            return SnapshotHeader.from_json(json.loads(self._header_path(step, rank, world_size).read_text()))
+            return SnapshotHeader.from_bytes(self._header_path(step, rank, world_size).read_bytes())
         except (OSError, ValueError, KeyError, TypeError):
             return None
 

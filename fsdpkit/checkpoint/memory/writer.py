@@ -17,7 +17,6 @@ snapshots, and restarts resume from disk.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -35,10 +34,9 @@ from ...engine.view import describe
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..format.writer import CacheMode
-from ..live.background import HostBuffers
 from ..live.checkpointer import manifest_of
-from ..live.copy_order import Event, OverlappedCopy, streams_for
-from ..live.model_state import persistent_buffers, planned_numels, tensor_table
+from ..live.copy_order import Event, OverlappedCopy
+from ..live.model_state import persistent_buffers, tensor_table
 from ..live.save_protocol import write_rank
 from ..live.tensors import byte_view
 from .store import SnapshotHeader, SnapshotStore
@@ -87,11 +85,8 @@ class SnapshotWriter:
         view = describe(module)
         self.shard_rank, self.shard_factor = view.shard_rank, view.shard_factor
         self.reports_skips = dist.get_rank() == 0
-        self.host_buffers = HostBuffers()
-        self.host_buffers.reserve(planned_numels(view, module, optimizer), pin=view.device.type == "cuda")
-        self.copy = OverlappedCopy(self.host_buffers, streams_for(view.device))
-        if optimizer is not None:
-            self.copy.guard(optimizer)
+        self.copy = OverlappedCopy.reserved(view, module, optimizer)
+        self.host_buffers = self.copy.buffers
         self.thread: threading.Thread | None = None
         self.failed = False
         self.pending: int | None = None  # the step of the last snapshot started
@@ -172,13 +167,13 @@ class SnapshotWriter:
         assert peers is not None
         parts = []
         if header is not None:
-            parts = [header_bytes(header), self.store.rank_bytes(header.step, header.rank, header.world_size)]
+            parts = [header.to_bytes(), self.store.rank_bytes(header.step, header.rank, header.world_size)]
         sent = send_parts(parts, peers.buddy, peers.group)
         received = receive_parts(peers.source, peers.group)
         for work in sent:
             work.wait()
         if received:
-            copy = header_of(received[0])
+            copy = SnapshotHeader.from_bytes(received[0])
             try:
                 if (self.store.step_dir(copy.step) / MANIFEST_NAME).is_file():  # this node's ranks wrote the step's manifest
                     self.store.put(copy, received[1])
@@ -215,14 +210,6 @@ def receive_parts(source: int, group: Any) -> list[memoryview]:
         parts.append(raw[at : at + length])
         at += length
     return parts
-
-
-def header_bytes(header: SnapshotHeader) -> bytes:
-    return json.dumps(header.to_json()).encode()
-
-
-def header_of(raw: memoryview) -> SnapshotHeader:
-    return SnapshotHeader.from_json(json.loads(bytes(raw).decode()))
 
 
 def local_world_size() -> int:
