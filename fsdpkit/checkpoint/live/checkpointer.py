@@ -46,15 +46,12 @@ BACKGROUND_NICENESS = 10
 
 
 class Checkpointer:
-    """Saves and loads one sharded model with its optimizer. With async_save, save() queues
-    the copy of this rank's tensors into `host_buffers` (allocated here, reused by every save)
-    and returns; the optimizer's next step waits for the copy (copy_order.py; without an
-    optimizer, save() waits for it); a background thread at lower priority writes and
-    checksums from there while training goes on (background.py). At most one save is in
-    flight: the next save (or wait()) waits for it, and says so in one line. Every rank must call save/load/wait.
-    `timings` (SaveTimings) sums where this rank's save time went; `stall_seconds` how long
-    the calling (training) thread spent inside save() and wait(): the snapshot, waiting for a
-    previous save, and for a synchronous save all of it.
+    """Saves and loads one sharded model with its optimizer; every rank must call save/load/wait.
+    With async_save, save() queues the copy of this rank's tensors into `host_buffers` and
+    returns (copy_order.py; without an optimizer, save() waits for the copy); a thread at lower
+    priority writes from there while training goes on. At most one save is in flight: the next
+    save (or wait()) waits for it, and says so in one line. `timings` sums where this rank's save
+    time went; `stall_seconds` the training thread's time inside save() and wait().
 
     `run_id` names the run that writes (default: this process; pass `RunLock.run_id` so that a
     restarted worker counts as the same run): `keep_last` prunes only this run's checkpoints.
@@ -85,23 +82,16 @@ class Checkpointer:
     def save(self, run_dir: str | os.PathLike, *, step: int, training_state: dict | None = None, keep_last: int | None = None) -> None:
         started = time.perf_counter()
         try:
-            self._join_before(step)
+            held_up = self.thread is not None and self.thread.is_alive()
+            self._join()
+            if held_up and self.ranks.rank == 0:
+                log.warn(
+                    f"save of step {step} stalled training {time.perf_counter() - started:.2f} s: "
+                    f"the async save of step {self.in_flight} was still being written"
+                )
             self._start_save(Path(run_dir), step, training_state, keep_last)
         finally:
             self.stall_seconds += time.perf_counter() - started
-
-    def _join_before(self, step: int) -> None:
-        """Wait for the save in flight; one line (rank 0's) when it held this one up."""
-        if self.thread is None or not self.thread.is_alive():
-            self._join()
-            return
-        started = time.perf_counter()
-        self._join()
-        if self.ranks.rank == 0:
-            log.warn(
-                f"save of step {step} stalled training {time.perf_counter() - started:.2f} s: "
-                f"the async save of step {self.in_flight} was still being written"
-            )
 
     def _start_save(self, run_dir: Path, step: int, training_state: dict | None, keep_last: int | None) -> None:
         view = describe(self.module)
@@ -182,8 +172,7 @@ class Checkpointer:
                 if self.optimizer is not None and states is not None:
                     params = [(p.name, p.fragment.param_range, p.tensor) for unit in view.units for p in unit.params if p.requires_grad]
                     stored = set(checkpoint.tensor_names())
-                    state = checkpoint.training_state
-                    load_optimizer_state(self.optimizer, params, states, state, stored, reader.read_range, reader.read_tensor)
+                    load_optimizer_state(self.optimizer, params, states, checkpoint.training_state, stored, reader)
 
             if every_replica or view.replicate_group is None:
                 load(checkpoint)

@@ -1,11 +1,6 @@
-"""One model-state map: a sharded model and its optimizer <-> the checkpoint's tensor table.
-
-The engine is read only through `fsdpkit.engine.view.describe`: its units, each parameter's
-name, shape and this rank's fragment. Parameters are stored under the model's own names, then
-buffers, then optimizer state `optim.<state>.<param name>` laid out like its parameter (a
-scalar state such as Adam's step lives with its parameter's first element). `tensor_table`
-gives what a save writes, `expected_tensors` what a load needs, `load_weights` and
-`load_optimizer_state` copy this rank's part back.
+"""A sharded model and its optimizer <-> the checkpoint's tensor table, reading the engine only
+through `fsdpkit.engine.view.describe`. Parameters are stored under the model's own names, then
+buffers, then optimizer states (optim_state.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ through the optimizer's own `load_state_dict`, which places and casts it as torc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ import torch
 from ...errors import DataCheckError, RunError
 from ...flat_layout import ElementRange
 from ..format.names import optim_tensor_name, split_optim_tensor_name
+from .tensors import RangeReader
 
 Shape = tuple[int, ...]
 # state name -> None: laid out like its parameter; a shape: one value of that shape
@@ -109,8 +110,7 @@ def load_optimizer_state(
     states: Mapping[str, StateLayout],
     training_state: dict,
     stored: set[str],
-    read_range: Callable[[str, ElementRange], torch.Tensor],
-    read_tensor: Callable[[str], torch.Tensor],
+    reader: RangeReader,
 ) -> None:
     """Give `optimizer` the saved run's group settings and the stored state of each parameter
     (name, this rank's fragment, the tensor the optimizer holds), through its own load_state_dict."""
@@ -121,10 +121,10 @@ def load_optimizer_state(
         param_state = {}
         for key, scalar_shape in states.get(name, {}).items():
             stored_name = optim_tensor_name(key, name)
-            if stored_name in stored:
-                param_state[key] = (
-                    read_range(stored_name, fragment) if scalar_shape is None else read_tensor(stored_name).reshape(scalar_shape)
-                )
+            if stored_name in stored and scalar_shape is not None:
+                param_state[key] = reader.read_tensor(stored_name).reshape(scalar_shape)
+            elif stored_name in stored:
+                param_state[key] = reader.read_range(stored_name, fragment)
         if param_state:
             loaded[id(tensor)] = param_state
     state_dict = optimizer.state_dict()

@@ -1,17 +1,14 @@
 """A load whose storage reads the replicas share (hybrid or no sharding, R copies of each
-shard): the first replica reads from storage and each of its ranks broadcasts what it read
-to its replicate group, so storage serves each byte once per load instead of R times.
+shard): the first replica reads from storage and broadcasts what it read to its replicate
+group, so storage serves each byte once per load instead of R times.
 
-A load runs twice through the same code (`load_weights`, `load_optimizer_state`): first
-against `Requests`, which hands out uninitialised tensors and records each range asked for,
-then against the ranges themselves, served in the same order. Every rank of a replicate
-group holds the same fragments, so it asks for the same ranges in the same order, and their
-sizes and dtypes come from the manifest: the first replica reads them into one buffer, and
-one broadcast per replicate group carries it (a broadcast costs a latency step per rank of
-the group, so one for the whole load rather than one per tensor). The buffer starts with a
-header that holds the first replica's error when its read failed (a checksum that does not
-match, a file gone): every replica then fails with it at once, rather than wait for a broadcast
-until the timeout.
+A load runs twice through the same code: first against `Requests`, which hands out
+uninitialised tensors and records each range asked for, then against the ranges themselves,
+served in the same order. Every rank of a replicate group holds the same fragments, so it asks
+for the same ranges in the same order: the first replica reads them into one buffer, and one
+broadcast carries it (not one per tensor: each costs a latency step per rank). The buffer
+starts with a header that holds the first replica's error when its read failed: every replica
+then fails with it at once, rather than wait for a broadcast until the timeout.
 """
 
 from __future__ import annotations

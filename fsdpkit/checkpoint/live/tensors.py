@@ -1,7 +1,5 @@
-"""Checkpoint bytes as torch tensors: a torch dtype's checkpoint name, a tensor's raw bytes, and
-element ranges of named tensors read into tensors through the byte engine (every checksummed
-piece verified the first time it is touched): a sharded checkpoint (`CheckpointReader`), a full
-one (`full_reader`), or a full one written with an export layout (`RestoredReader`).
+"""Checkpoint bytes as torch tensors: dtype names, raw bytes, and readers of element ranges of
+named tensors from a sharded checkpoint, a full one, or a full one with an export layout.
 """
 
 from __future__ import annotations
@@ -32,10 +30,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 
 def raw_bytes(data: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor, copied to CPU if needed."""
-    flat = data.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    flat = flat.contiguous()
+    flat = data.detach().reshape(-1).cpu().contiguous()
     return byte_view(flat) if flat.numel() else memoryview(b"")
 
 
@@ -95,20 +90,11 @@ class CheckpointReader(TensorReader):
     rank reads only the files its chunk overlaps; otherwise every file is validated first."""
 
     def __init__(self, path: str | os.PathLike, *, validate_all: bool = True):
-        self.checkpoint = open_sharded(path) if validate_all else open_sharded_lazily(path)
-        super().__init__(self.checkpoint.sources(), self.checkpoint.manifest.aliases)
-
-    @property
-    def step_dir(self) -> Path:
-        return self.checkpoint.step_dir
-
-    @property
-    def manifest(self) -> Manifest:
-        return self.checkpoint.manifest
-
-    @property
-    def training_state(self) -> dict:
-        return self.manifest.training_state
+        checkpoint = open_sharded(path) if validate_all else open_sharded_lazily(path)
+        super().__init__(checkpoint.sources(), checkpoint.manifest.aliases)
+        self.step_dir: Path = checkpoint.step_dir
+        self.manifest: Manifest = checkpoint.manifest
+        self.training_state: dict = checkpoint.manifest.training_state
 
     def fragments(self, name: str) -> list[tuple[str, ElementRange]]:
         """(file name, element range) of every fragment of tensor `name`, in order."""

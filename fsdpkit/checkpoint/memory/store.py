@@ -34,7 +34,7 @@ from ...sizes import format_size
 from ..format.crc import crc32
 from ..format.files import read_blocks, read_regular
 from ..format.lock import holder_alive, process_identity
-from ..format.manifest import Manifest, load_manifest, save_manifest
+from ..format.manifest import load_manifest
 from ..format.names import MANIFEST_NAME, parse_step_dir_name, rank_file_name, step_dir_name
 
 STORE_PREFIX = "fsdpkit-snapshots-"
@@ -75,15 +75,6 @@ class SnapshotHeader:
         )
 
 
-def file_crc32(path: Path) -> tuple[int, int]:
-    """(crc32, size) of a whole file (a DataCheckError where it cannot be read)."""
-    crc, size = 0, 0
-    for block in read_blocks(path, memoryview(bytearray(READ_CHUNK_BYTES))):
-        crc = crc32(block, crc)
-        size += len(block)
-    return crc, size
-
-
 def _write_atomically(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
     with open(tmp, "wb") as f:
@@ -117,16 +108,12 @@ class SnapshotStore:
     def step_dir(self, step: int) -> Path:
         return self.path / step_dir_name(step)
 
-    def begin(self, step: int, manifest: Manifest) -> Path:
-        """The directory of `step`, with its manifest (every writer writes the same one)."""
+    def begin(self, step: int, manifest: bytes | memoryview | None) -> Path:
+        """The directory of `step`, with `manifest` where it has none (every writer writes the same one)."""
         directory = self.step_dir(step)
         directory.mkdir(exist_ok=True)
-        if not (directory / MANIFEST_NAME).is_file():
-            tmp = directory / f".tmp-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
-            save_manifest(tmp, manifest)
-            os.replace(tmp / MANIFEST_NAME, directory / MANIFEST_NAME)
-            tmp.rmdir()
+        if manifest is not None and not (directory / MANIFEST_NAME).is_file():
+            _write_atomically(directory / MANIFEST_NAME, bytes(manifest))
         return directory
 
     def finish(self, step: int, rank: int, world_size: int, crc: int) -> SnapshotHeader:
@@ -140,14 +127,9 @@ class SnapshotStore:
     def put(self, header: SnapshotHeader, data: memoryview | bytes, *, manifest: memoryview | bytes | None = None) -> None:
         """A copy of a rank file received from another rank (a buddy's, or for a restore),
         with the step's manifest where this node has none."""
-        directory = self.step_dir(header.step)
-        directory.mkdir(exist_ok=True)
-        if manifest is not None and not (directory / MANIFEST_NAME).is_file():
-            _write_atomically(directory / MANIFEST_NAME, bytes(manifest))
-        path = directory / rank_file_name(header.rank, header.world_size)
-        self._header_path(header.step, header.rank, header.world_size).unlink(missing_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
+        directory = self.begin(header.step, manifest)
+        self.discard(header.step, header.rank, header.world_size)
+        (directory / rank_file_name(header.rank, header.world_size)).write_bytes(data)
         _write_atomically(self._header_path(header.step, header.rank, header.world_size), header.to_bytes())
 
     def _header_path(self, step: int, rank: int, world_size: int) -> Path:
@@ -197,8 +179,11 @@ class SnapshotStore:
             return f"{name} of step {step}: written by run {header.run_id}, not {self.run_id}"
         if (header.step, header.rank, header.world_size) != (step, rank, world_size):
             return f"{name} of step {step}: its header is for step {header.step}, rank {header.rank} of {header.world_size}"
+        crc, size = 0, 0
         try:
-            crc, size = file_crc32(self.step_dir(step) / name)
+            for block in read_blocks(self.step_dir(step) / name, memoryview(bytearray(READ_CHUNK_BYTES))):
+                crc = crc32(block, crc)
+                size += len(block)
         except DataCheckError as error:
             return f"{name} of step {step}: unreadable ({error})"
         if size != header.size:

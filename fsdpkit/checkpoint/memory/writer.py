@@ -1,9 +1,7 @@
-"""Taking snapshots: every K steps each rank copies what a checkpoint holds of it into host
-buffers allocated when the run starts (from a GPU on a copy stream that the next optimizer
-step waits for: copy_order.py), and a background thread writes its rank file
-and then its header into the node's store (store.py); with
-several nodes the thread also sends the file to the rank's buddy on the next node, and receives
-the one its own source sends, over a process group of their own.
+"""Taking snapshots: every K steps each rank copies its part of a checkpoint to host memory
+(copy_order.py), and a thread writes its rank file and then its header into the node's store;
+with several nodes the thread also sends the file to the rank's buddy on the next node, and
+receives the one its own source sends, over a process group of their own.
 
 Two slots: a rank writes step S only after every rank has finished the previous snapshot
 (`finished_flag`, summed over the ranks in the step's loss all-reduce, then `confirm`), and
@@ -64,9 +62,7 @@ class Peers:
 
 class SnapshotWriter:
     """This rank's snapshots into `store`. `warn`: where the one line of a failed write, or of
-    a skipped snapshot (rank 0's), goes. The host buffers are allocated here, when the run
-    starts; the copy into them is ordered as copy_order.py says (the optimizer's next step
-    waits for it); `stall_seconds` sums the training thread's time in `offer`."""
+    a skipped snapshot (rank 0's), goes; `stall_seconds` sums the training thread's time in `offer`."""
 
     def __init__(
         self,
@@ -84,7 +80,6 @@ class SnapshotWriter:
         self.warn = warn
         view = describe(module)
         self.shard_rank, self.shard_factor = view.shard_rank, view.shard_factor
-        self.reports_skips = dist.get_rank() == 0
         self.copy = OverlappedCopy.reserved(view, module, optimizer)
         self.host_buffers = self.copy.buffers
         self.thread: threading.Thread | None = None
@@ -93,11 +88,6 @@ class SnapshotWriter:
         self.confirmed: int | None = None  # the newest step every rank has finished
         self.copies: set[int] = set()  # the rank files this rank keeps copies of (its source's)
         self.stall_seconds = 0.0
-
-    @property
-    def ready(self) -> bool:
-        """Whether a snapshot may start now (the same on every rank: see the module docstring)."""
-        return self.pending is None or self.pending == self.confirmed
 
     def finished_flag(self) -> float:
         """1 when this rank has nothing in flight (or has given up), for the ranks' sum."""
@@ -113,16 +103,16 @@ class SnapshotWriter:
         """Snapshot `step` if the previous snapshot is done on every rank; else skip it, in one line."""
         started = time.perf_counter()
         try:
-            if self.ready:
+            if self.pending is None or self.pending == self.confirmed:  # the same on every rank
                 self.take(step, training_state)
                 return
-            if self.reports_skips:
+            if dist.get_rank() == 0:
                 self.warn(f"snapshot of step {step} skipped: the one of step {self.pending} is not finished on every rank yet")
         finally:
             self.stall_seconds += time.perf_counter() - started
 
     def take(self, step: int, training_state: dict) -> None:
-        """Snapshot `step` (call only when `ready`): queue the copy now, write in the background."""
+        """Snapshot `step` (call only through `offer`): queue the copy now, write in the background."""
         self.pending = step
         held, manifest, copied = None, None, None
         if not self.failed:
@@ -149,7 +139,7 @@ class SnapshotWriter:
                         self.store.prune_rank(rank, self.shard_factor, keep_from=self.confirmed)
                 copied.synchronize()
                 faults.reached("snapshot", step)
-                directory = self.store.begin(step, manifest)
+                directory = self.store.begin(step, manifest.to_bytes())
                 crc = write_rank(directory, manifest, self.shard_rank, local, cache=CacheMode.CACHED)  # tmpfs: memory already
                 header = self.store.finish(step, self.shard_rank, self.shard_factor, crc)
             except OSError as error:
