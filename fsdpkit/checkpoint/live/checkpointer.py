@@ -30,10 +30,8 @@ from .model_state import (
     check_full,
     expected_tensors,
     load_weights,
-    model_params,
     optimizer_hyperparameters,
     persistent_buffers,
-    stateless_params,
     tensor_table,
     view_params,
 )
@@ -109,7 +107,7 @@ class Checkpointer:
             self.timings.total += seconds
         manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.run_id, step)
         device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
-        job = SaveJob(view, run_dir, step, manifest, local if view.writes_shards else None, keep_last, device)
+        job = SaveJob(view.shard_rank, run_dir, step, manifest, local if view.writes_shards else None, keep_last, device)
         if self.async_save:
             self.in_flight = step
             self.thread = threading.Thread(target=self._run_save, args=(job, copied), name="fsdpkit-async-save", daemon=True)
@@ -155,11 +153,9 @@ class Checkpointer:
 
     # ----- loading
     def load(self, path: str | os.PathLike, *, strict: bool = True, every_replica: bool = False) -> dict:
-        """Load weights (and optimizer state) from a checkpoint saved at any world size;
-        returns its training state. Every chunk's fragments are checksum-verified as read.
-        With replicas (hybrid, no sharding), the first replica reads and broadcasts to the
-        others (replica_reads.py), unless `every_replica` (a store each node holds locally,
-        such as snapshots in shared memory)."""
+        """Load weights (and optimizer state) from a checkpoint saved at any world size; returns
+        its training state. With replicas, the first reads and broadcasts to the others
+        (replica_reads.py), unless `every_replica` (a store on each node: snapshots)."""
         view = describe(self.module)
         with CheckpointReader(path, validate_all=False) as checkpoint:
             names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
@@ -247,7 +243,7 @@ def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer:
     """Validate a checkpoint against an unsharded model (built on the meta device) before any
     process starts: any problem is a DataCheckError (exit 3). `optimizer` (over the model's
     parameters) when resuming, None when only the weights are wanted."""
-    params = model_params(model)
+    params = [(name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()]  # canonical: the first name
     if is_full_checkpoint(Path(path)) and optimizer is None:
         expected = expected_tensors(params, model)
         with full_reader(path, list(expected)) as reader:
@@ -267,10 +263,10 @@ def check_sharded(
     *,
     strict: bool,
 ) -> tuple[dict[str, StateLayout] | None, list[str]]:
-    """Check a sharded checkpoint against a model (`names`: each parameter's, by id of the tensor
-    the optimizer holds): (the optimizer's states to load, None without one; the optimizer
-    tensors the checkpoint lacks)."""
+    """Check a sharded checkpoint against a model (`names`: by id of the tensor the optimizer
+    holds): (the optimizer's states to load, or None; the optimizer tensors it lacks)."""
     where = str(reader.step_dir)
     states = None if optimizer is None else states_to_load(optimizer, names, reader.training_state, reader.tensor_names(), where=where)
-    expected = expected_tensors(params, module, states, stateless=stateless_params(reader.training_state))
+    stateless = set((reader.training_state.get("optimizer") or {}).get("stateless", []))  # the saved optimizer never stepped them
+    expected = expected_tensors(params, module, states, stateless=stateless)
     return states, check_compatible(reader.manifest, expected, strict=strict, where=where)

@@ -17,7 +17,7 @@ the calling thread):
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -26,26 +26,23 @@ from ...engine.view import ShardedModelView
 from .model_state import planned_numels
 
 
-class Event(Protocol):
-    def synchronize(self) -> None:
-        """Block the calling thread until the work recorded before the event is done."""
-
-
 class DoneEvent:
+    """The event of copies that ran in the calling thread: done when recorded."""
+
     def synchronize(self) -> None:
         pass
 
 
+Event = DoneEvent | torch.cuda.Event  # synchronize() blocks until the work recorded before it is done
+
+
 class HostBuffers:
     """One flat host tensor per dtype holding the copies of named 1-D tensors, each a view of
-    it, reused while the names, dtypes and sizes stay the same. `reserve` allocates them when
-    the run starts (pinned for a GPU, every page touched), so that no snapshot pays for it; a
-    table that outgrows them allocates again."""
+    it. `reserve` allocates them when the run starts (pinned for a GPU, every page touched), so
+    that no snapshot pays for it; a table that outgrows them allocates again."""
 
     def __init__(self) -> None:
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
-        self._views: dict[str, torch.Tensor] = {}
-        self._key: tuple | None = None
         self._pin = False
 
     def reserve(self, numels: dict[torch.dtype, int], *, pin: bool) -> None:
@@ -54,11 +51,20 @@ class HostBuffers:
 
     def views(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The host view each tensor is copied into, by name (allocating room the buffers lack)."""
-        key = tuple((name, tensor.dtype, tensor.numel()) for name, tensor in tensors.items())
-        if key != self._key:
-            self._carve(tensors)
-            self._key = key
-        return dict(self._views)
+        numels: Counter[torch.dtype] = Counter()
+        for tensor in tensors.values():
+            numels[tensor.dtype] += tensor.numel()
+        self._pin = self._pin or (torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors.values()))
+        for dtype, numel in numels.items():
+            if dtype not in self.buffers or self.buffers[dtype].numel() < numel:
+                self.buffers[dtype] = self._allocate(dtype, numel)
+        offsets = dict.fromkeys(numels, 0)
+        views = {}
+        for name, tensor in tensors.items():
+            start = offsets[tensor.dtype]
+            views[name] = self.buffers[tensor.dtype][start : start + tensor.numel()]
+            offsets[tensor.dtype] = start + tensor.numel()
+        return views
 
     def _allocate(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         buffer = torch.empty(numel, dtype=dtype, pin_memory=self._pin)
@@ -66,28 +72,13 @@ class HostBuffers:
             buffer.zero_()  # the first copy into it should not fault its pages in
         return buffer
 
-    def _carve(self, tensors: dict[str, torch.Tensor]) -> None:
-        numels: dict[torch.dtype, int] = {}
-        for tensor in tensors.values():
-            numels[tensor.dtype] = numels.get(tensor.dtype, 0) + tensor.numel()
-        self._pin = self._pin or (torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors.values()))
-        for dtype, numel in numels.items():
-            if dtype not in self.buffers or self.buffers[dtype].numel() < numel:
-                self.buffers[dtype] = self._allocate(dtype, numel)
-        offsets = dict.fromkeys(numels, 0)
-        self._views = {}
-        for name, tensor in tensors.items():
-            start = offsets[tensor.dtype]
-            self._views[name] = self.buffers[tensor.dtype][start : start + tensor.numel()]
-            offsets[tensor.dtype] = start + tensor.numel()
-
 
 class HostStreams:
-    """The stream operations a copy is ordered with. Here, with no device, each copy runs in
-    the calling thread (torch copies release the GIL)."""
+    """The stream operations a copy is ordered with; with no device, each runs in the calling
+    thread (torch copies release the GIL)."""
 
     def copy_on_training(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=True)  # on a CUDA stream, queued; between host tensors, done
 
     def copy_waits_for_training(self) -> None:
         pass
@@ -108,9 +99,6 @@ class CudaStreams(HostStreams):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device)
-
-    def copy_on_training(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=True)
 
     def copy_waits_for_training(self) -> None:
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -140,8 +128,7 @@ class OverlappedCopy:
 
     @classmethod
     def reserved(cls, view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> OverlappedCopy:
-        """The copy of this rank's checkpoint data, into buffers allocated now (when the run
-        starts, not at the first save), guarding `optimizer`'s steps."""
+        """The copy of this rank's checkpoint data into buffers allocated now, when the run starts."""
         buffers = HostBuffers()
         buffers.reserve(planned_numels(view, module, optimizer), pin=view.device.type == "cuda")
         copy = cls(buffers, CudaStreams(view.device) if view.device.type == "cuda" else HostStreams())

@@ -26,11 +26,6 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in module.state_dict().items() if name not in params and "." + name not in params}
 
 
-def stateless_params(training_state: dict) -> set[str]:
-    """Trainable parameters the saved optimizer held no state for (it never stepped them)."""
-    return set((training_state.get("optimizer") or {}).get("stateless", []))
-
-
 def expected_tensors(
     params: list[tuple[str, tuple[int, ...], bool]],
     module: nn.Module,
@@ -54,18 +49,12 @@ def view_params(view: ShardedModelView) -> list[tuple[str, tuple[int, ...], bool
     return [(p.name, p.shape, p.requires_grad) for unit in view.units for p in unit.params]
 
 
-def model_params(model: nn.Module) -> list[tuple[str, tuple[int, ...], bool]]:
-    """Canonical names (first in named_parameters order, as the engine's unit plan) of an unsharded model."""
-    return [(name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()]
-
-
 def tensor_table(
     view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> tuple[list[TensorSpec], dict[str, tuple[ElementRange, torch.Tensor]]]:
-    """What a checkpoint of this model stores, in order: parameters (unit by unit), buffers,
-    then each optimizer state (`optim.<state>.<param>`, as its parameter, or a scalar), and this
-    rank's data of each: (element range held here, 1-D tensor: the live tensor, not a copy).
-    The table is the same on every rank; the data is what this rank holds."""
+    """What a checkpoint of this model stores, in order: parameters (unit by unit), buffers, then
+    each optimizer state; the same on every rank. And this rank's data of each: (element range
+    held here, the live 1-D tensor, not a copy)."""
     table: list[TensorSpec] = []
     local: dict[str, tuple[ElementRange, torch.Tensor]] = {}
     states: dict[str, list[TensorSpec]] = {}
@@ -87,10 +76,9 @@ def tensor_table(
 
 
 def planned_numels(view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[torch.dtype, int]:
-    """Elements per dtype of this rank's `tensor_table` data once the optimizer has stepped,
-    known before it has: the states `kept_states` finds (each like its parameter in its dtype,
-    a one-value state as float32): an upper bound (a parameter the optimizer never steps gets
-    none), without the states of an optimizer that cannot tell which it keeps."""
+    """Elements per dtype of this rank's `tensor_table` data once the optimizer has stepped, known
+    before it has (a one-value state as float32): an upper bound, without the states of an
+    optimizer that cannot tell which it keeps."""
     numels: Counter[torch.dtype] = Counter()
     layouts: dict[int, StateLayout] = {}
     if optimizer is not None:

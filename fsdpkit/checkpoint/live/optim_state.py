@@ -31,8 +31,7 @@ StateLayout = dict[str, Shape | None]
 
 
 def kept_states(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> list[StateLayout]:
-    """For each param group of `optimizer`, under the saved run's settings, the states it keeps
-    for each of its parameters."""
+    """For each param group of `optimizer`, the states it keeps under the saved run's settings."""
     stand_ins = []
     for group in optimizer.param_groups:
         like = group["params"][0] if group["params"] else torch.empty(0)

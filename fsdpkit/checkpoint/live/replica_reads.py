@@ -84,9 +84,6 @@ def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Col
     replicas: recorded, read on the first replica, broadcast over each replicate group, served."""
     requests = Requests(checkpoint)
     load(requests)
-    if not requests.asked:
-        load(Served([], torch.empty(0, dtype=torch.uint8), []))
-        return
     offsets, total = [], HEADER_BYTES
     for request in requests.asked:
         offsets.append(total)

@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from ...dist import faults
 from ...dist.comm import Collectives
-from ...engine.view import ShardedModelView
 from ...errors import RunError
 from ...flat_layout import ElementRange
 from ..format import storage
@@ -57,10 +56,10 @@ class SaveTimings:
 
 @dataclass(frozen=True)
 class SaveJob:
-    """One save: what to write (`local`: this rank's data, None where it writes no file), where,
-    and on which device the ranks' flags are reduced."""
+    """One save (`local`: this rank's data, None where it writes no file; `device`: where the
+    ranks' flags are reduced)."""
 
-    view: ShardedModelView
+    shard_rank: int
     run_dir: Path
     step: int
     manifest: Manifest
@@ -126,7 +125,7 @@ def _write_and_commit(job: SaveJob, tmp: Path, ranks: Ranks, timings: SaveTiming
     failure = None
     if job.local is not None:
         try:
-            write_rank(tmp, job.manifest, job.view.shard_rank, job.local, timings=timings)
+            write_rank(tmp, job.manifest, job.shard_rank, job.local, timings=timings)
             faults.reached("save", job.step)
         except OSError as error:
             failure = storage.os_error_line(error, tmp)
@@ -159,10 +158,9 @@ def write_rank(
     timings: SaveTimings | None = None,
     cache: CacheMode = CacheMode.DIRECT,
 ) -> int:
-    """Write rank `rank`'s file of `manifest` from this rank's data (fsynced), in pieces of at
-    most WRITE_CHUNK_BYTES (each one write and one crc32 update, both without the GIL); the
-    time of each part is added to `timings`. `cache` CACHED where the file lives in memory
-    (tmpfs): written straight from the data, with no staging copy. Returns the whole file's crc32."""
+    """Write rank `rank`'s file of `manifest` from this rank's data (fsynced), in pieces of
+    WRITE_CHUNK_BYTES, adding the time of each part to `timings`. `cache` CACHED where the file
+    lives in memory (tmpfs): written with no staging copy. Returns the whole file's crc32."""
     timings = timings if timings is not None else SaveTimings()
     layout = manifest.layout().file_layout(rank)
     path = directory / rank_file_name(rank, manifest.shard_factor)

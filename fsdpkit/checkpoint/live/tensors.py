@@ -44,7 +44,7 @@ class RangeReader(Protocol):
 
 class TensorReader:
     """Element ranges of named tensors as torch tensors, through the byte engine (every
-    checksummed piece verified the first time it is touched)."""
+    checksummed piece verified when first touched)."""
 
     def __init__(self, sources: list[SourceTensor], aliases: dict[str, str]):
         self._sources = {source.name: source for source in sources}
@@ -144,9 +144,8 @@ class RestoredReader(TensorReader):
 
 
 def full_reader(path: str | os.PathLike, names: Sequence[str] = ()) -> TensorReader:
-    """A full (Hugging Face style) checkpoint's tensors, tied aliases resolved. When its files
-    record an export layout and the `names` asked for are not there as stored, they are read
-    through the layout (RestoredReader)."""
+    """A full (Hugging Face style) checkpoint's tensors, tied aliases resolved; through its
+    export layout (RestoredReader) where the `names` asked for are not there as stored."""
     full = open_full(path)
     stored = {t.name for t in full.tensors} | set(full.aliases)
     if full.layout is not None and not all(name in stored for name in names):

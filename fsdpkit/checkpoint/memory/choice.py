@@ -39,29 +39,26 @@ class Choice:
 def choose(held: list[dict[int, list[int]]], needed: list[list[int]], node_of: list[int], *, disk_step: int | None) -> Choice:
     """`held[r]`: {step: files rank r verified in its node's store}; `needed[r]`: the files rank
     r loads; `node_of[r]`: its node; `disk_step`: the newest disk checkpoint's step (None: none)."""
-    world = len(held)
     steps = sorted({step for by_step in held for step in by_step}, reverse=True)
     for step in steps:
         if disk_step is not None and step <= disk_step:
             break
-        transfers = _transfers(step, held, needed, node_of, world)
+        transfers = _transfers(step, held, needed, node_of)
         if transfers is not None:
             return Choice(Source.PEER if transfers else Source.MEMORY, step, transfers)
     return Choice(Source.DISK, disk_step) if disk_step is not None else Choice(Source.NONE, None)
 
 
-def _transfers(
-    step: int, held: list[dict[int, list[int]]], needed: list[list[int]], node_of: list[int], world: int
-) -> tuple[Transfer, ...] | None:
+def _transfers(step: int, held: list[dict[int, list[int]]], needed: list[list[int]], node_of: list[int]) -> tuple[Transfer, ...] | None:
     """What must move for every rank to have its needed files of `step` on its node (one copy
     per node: to the node's lowest rank that needs it); None when some file is held nowhere."""
     holders: dict[int, list[int]] = {}
-    for rank in range(world):
-        for file in held[rank].get(step, []):
+    for rank, by_step in enumerate(held):
+        for file in by_step.get(step, []):
             holders.setdefault(file, []).append(rank)
     transfers: dict[tuple[int, int], Transfer] = {}
-    for rank in range(world):
-        for file in needed[rank]:
+    for rank, files in enumerate(needed):
+        for file in files:
             ranks = holders.get(file, [])
             if not ranks:
                 return None

@@ -55,19 +55,12 @@ def agree(
     local_world = local_world_size()
     rank = dist.get_rank()
     held = verified_files(store, view.shard_factor, local_rank=rank % local_world, local_world=local_world, warn=warn) if store else {}
-    shared = whole_tensor_files(store, held)
+    # the files every rank's load reads besides its own (the layout's whole tensors): every step's manifest is the same
+    shared = load_manifest(store.step_dir(max(held))).layout().whole_tensor_files() if store and held else set()
     gathered = comms.all_gather_object((held, view.shard_rank, shared, rank // local_world), None, label="snapshots held")
     everyone = set().union(*(g[2] for g in gathered))  # the same on every rank that has a manifest
     needed = [sorted({g[1], *everyone}) for g in gathered]
     return choose([g[0] for g in gathered], needed, [g[3] for g in gathered], disk_step=disk_step)
-
-
-def whole_tensor_files(store: SnapshotStore | None, held: dict[int, list[int]]) -> set[int]:
-    """The files every rank's load reads besides its own (the layout's whole tensors), from a
-    manifest this node holds (every step's is the same: one model, one world size)."""
-    if store is None or not held:
-        return set()
-    return load_manifest(store.step_dir(max(held))).layout().whole_tensor_files()
 
 
 def fetch(store: SnapshotStore, choice: Choice, world_size: int) -> None:

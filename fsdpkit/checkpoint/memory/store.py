@@ -87,8 +87,7 @@ class SnapshotStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        owner = json.loads((self.path / OWNER_NAME).read_text())
-        self.run_id: str = owner["run"]
+        self.run_id: str = json.loads((self.path / OWNER_NAME).read_text())["run"]
 
     @classmethod
     def create(cls, root: str | Path, *, run_id: str, node_rank: int) -> SnapshotStore:
@@ -117,8 +116,7 @@ class SnapshotStore:
         return directory
 
     def finish(self, step: int, rank: int, world_size: int, crc: int) -> SnapshotHeader:
-        """Write the header of rank file `rank` of `step`, last; `crc` is the file's, as its writer
-        computed it while writing (the file is not read again)."""
+        """Write the header of rank file `rank` of `step`, last; `crc` as its writer computed it."""
         size = (self.step_dir(step) / rank_file_name(rank, world_size)).stat().st_size
         header = SnapshotHeader(step, self.run_id, rank, world_size, size, crc)
         _write_atomically(self._header_path(step, rank, world_size), header.to_bytes())
@@ -200,11 +198,7 @@ class SnapshotStore:
         header = self.header(step, rank, world_size)
         if header is None:
             raise FileNotFoundError(f"{self._header_path(step, rank, world_size)}")
-        return header, self.rank_bytes(step, rank, world_size)
-
-    def rank_bytes(self, step: int, rank: int, world_size: int) -> bytes:
-        """Rank file `rank` of `step`, whole."""
-        return read_regular(self.step_dir(step) / rank_file_name(rank, world_size))
+        return header, read_regular(self.step_dir(step) / rank_file_name(rank, world_size))
 
 
 def reclaim_stale(root: str | Path) -> list[Path]:

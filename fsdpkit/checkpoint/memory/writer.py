@@ -157,7 +157,7 @@ class SnapshotWriter:
         assert peers is not None
         parts = []
         if header is not None:
-            parts = [header.to_bytes(), self.store.rank_bytes(header.step, header.rank, header.world_size)]
+            parts = [header.to_bytes(), self.store.read(header.step, header.rank, header.world_size)[1]]
         sent = send_parts(parts, peers.buddy, peers.group)
         received = receive_parts(peers.source, peers.group)
         for work in sent:
