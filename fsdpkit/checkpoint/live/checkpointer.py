@@ -52,9 +52,7 @@ class Checkpointer:
     time went; `stall_seconds` the training thread's time inside save() and wait().
 
     `run_id` names the run that writes (default: this process; pass `RunLock.run_id` so that a
-    restarted worker counts as the same run): `keep_last` prunes only this run's checkpoints.
-    A save that fails on any rank (an OSError: disk full, read-only...) raises one RunError on
-    every rank, leaves no temporary directory and keeps the previous checkpoint."""
+    restarted worker counts as the same run): `keep_last` prunes only this run's checkpoints."""
 
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False, run_id: str | None = None

@@ -7,10 +7,9 @@ A state is stored as `optim.<state>.<param>` in one of two layouts:
 - one value (Adam's step, NAdam's mu_product): stored whole, so it loads at any world size.
 
 Which states an optimizer keeps, and in which layout, is found by one step of a throwaway
-optimizer of the same class, built from the same group settings over a two-element stand-in
-per group (`kept_states`); the real parameters and state are not touched. On loading, a
-stored state the optimizer would not keep is an error naming it, and the loaded state goes
-through the optimizer's own `load_state_dict`, which places and casts it as torch does.
+optimizer of the same class and group settings over a two-element stand-in per group
+(`kept_states`). The loaded state goes through the optimizer's own `load_state_dict`, which
+places and casts it as torch does.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The save protocol, every rank taking part (torch collectives through `comm.Collectives`).
 
-1. Rank 0 creates the temporary step directory (`storage.begin`) and broadcasts its path or
-   why it could not.
+1. Rank 0 creates the temporary step directory and broadcasts its path or why it could not.
 2. The ranks check, with one all-reduce, that they all see the directory and agree on the
-   manifest (a digest of the tensor table and placement: every rank builds the same one).
-3. Each rank that writes shards writes its own rank file (`write_rank`), fsynced, no gather to
-   rank 0; all ranks agree that every file was written.
-4. Rank 0 commits (`storage.commit`: manifest, renames, `latest`, pruning) and broadcasts the
-   result.
+   manifest (a digest of the tensor table and placement).
+3. Each rank that writes shards writes its own rank file, fsynced, no gather to rank 0; all
+   ranks agree that every file was written.
+4. Rank 0 commits (manifest, renames, `latest`, pruning) and broadcasts the result.
 
 Any OSError on any rank (a full disk, a read-only directory) fails the save on every rank with
 one RunError naming it; the temporary directory is removed and the previous checkpoint kept.

@@ -103,10 +103,9 @@ class CheckpointReader(TensorReader):
 
 
 class RestoredReader(TensorReader):
-    """A full checkpoint written with an export layout (`checkpoint/export.py`: the built-in GPT
-    in GPT-2's names and Conv1D orientation), read under fsdpkit's names and orientation. An
-    element range of a transposed weight is read as one short run from each stored row, so a
-    rank still reads about the bytes it owns."""
+    """A full checkpoint written with an export layout (export.py), read under fsdpkit's names and
+    orientation. A range of a transposed weight is read as one short run from each stored row,
+    so a rank still reads about the bytes it owns."""
 
     def __init__(self, full: FullCheckpoint):
         layout = full.layout

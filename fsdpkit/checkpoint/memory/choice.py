@@ -1,15 +1,11 @@
-"""Which snapshot a restarted group restores (pure arithmetic, no I/O).
-
-Every rank reports, for each step in its node's store, the rank files it verified there
-(`held`). A step can be restored when every rank's needed files (its own shard's, and those
-holding the tensors stored whole, which every rank reads) are held somewhere: on the rank's own node
-(`memory`), or, for some rank, only on another node, whose holder then sends them (`peer`).
-The newest such step wins, unless the newest disk checkpoint is as new (`disk`).
+"""Which snapshot a restarted group restores (pure arithmetic, no I/O): the newest step whose
+needed files every rank finds on its own node (`memory`), or, for some rank, only on another
+node, whose holder then sends them (`peer`); unless the newest disk checkpoint is as new (`disk`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -33,7 +29,7 @@ class Transfer:
 class Choice:
     source: Source
     step: int | None
-    transfers: tuple[Transfer, ...] = field(default=())
+    transfers: tuple[Transfer, ...] = ()
 
 
 def choose(held: list[dict[int, list[int]]], needed: list[list[int]], node_of: list[int], *, disk_step: int | None) -> Choice:

@@ -8,9 +8,7 @@ Two slots: a rank writes step S only after every rank has finished the previous 
 first removes its own files older than that previous one. So a node holds at most two steps of
 each rank's files, and always one that every rank has complete. A snapshot due while the
 previous one is still being written is skipped, in one line.
-
-A write that fails (shared memory full...) is one warning line; that rank takes no more
-snapshots, and restarts resume from disk.
+A write that fails (shared memory full...) is one warning line, and that rank's last snapshot.
 """
 
 from __future__ import annotations
