@@ -20,25 +20,18 @@ from ... import log
 from ...dist.comm import Collectives, new_group
 from ...engine.model_hooks import hooks_of
 from ...engine.view import ShardedModelView, describe
+from ...errors import DataCheckError
 from ..format.export import EXPORT_STATE_KEY
 from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible
 from ..format.placement import Placement, TensorSpec
 from ..format.reader import is_full_checkpoint
 from .copy_order import DoneEvent, Event, HostBuffers, OverlappedCopy
-from .model_state import (
-    check_full,
-    expected_tensors,
-    load_weights,
-    optimizer_hyperparameters,
-    persistent_buffers,
-    tensor_table,
-    view_params,
-)
+from .model_state import expected_tensors, load_weights, optimizer_hyperparameters, persistent_buffers, tensor_table, view_params
 from .optim_state import StateLayout, load_optimizer_state, states_to_load
 from .replica_reads import shared_load
 from .save_protocol import Ranks, SaveJob, SaveTimings, run_save
-from .tensors import CheckpointReader, RangeReader, full_reader
+from .tensors import CheckpointReader, RangeReader, TensorReader, full_reader
 
 BACKGROUND_NICENESS = 10
 
@@ -74,7 +67,6 @@ class Checkpointer:
         self.stall_seconds = 0.0
         self.in_flight: int | None = None  # the step of the async save being written
 
-    # ----- saving
     def save(self, run_dir: str | os.PathLike, *, step: int, training_state: dict | None = None, keep_last: int | None = None) -> None:
         started = time.perf_counter()
         try:
@@ -149,7 +141,6 @@ class Checkpointer:
             error, self.error = self.error, None
             raise error
 
-    # ----- loading
     def load(self, path: str | os.PathLike, *, strict: bool = True, every_replica: bool = False) -> dict:
         """Load weights (and optimizer state) from a checkpoint saved at any world size; returns
         its training state. With replicas, the first reads and broadcasts to the others
@@ -224,7 +215,6 @@ def load(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str |
     return Checkpointer(module, optimizer).load(path, strict=strict)
 
 
-# ----- weights only, and checks before launch
 def init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
     """Load weights only, from a sharded checkpoint or a full (Hugging Face style) one."""
     if not is_full_checkpoint(Path(path)):
@@ -268,3 +258,13 @@ def check_sharded(
     stateless = set((reader.training_state.get("optimizer") or {}).get("stateless", []))  # the saved optimizer never stepped them
     expected = expected_tensors(params, module, states, stateless=stateless)
     return states, check_compatible(reader.manifest, expected, strict=strict, where=where)
+
+
+def check_full(reader: TensorReader, expected: dict[str, tuple[int, ...]], path: str | os.PathLike) -> None:
+    for name, shape in expected.items():
+        try:
+            source = reader.source(name)
+        except KeyError:
+            raise DataCheckError(f"{path}: no tensor {name!r} (a checkpoint of another model?)") from None
+        if tuple(source.shape) != tuple(shape):
+            raise DataCheckError(f"{path}: tensor {name!r} has shape {list(source.shape)}, the model {list(shape)}")

@@ -142,15 +142,14 @@ class OverlappedCopy:
         """Queue the copies (`on_training`: the names copied on the training stream); returns the
         host views by name, valid once the event is done."""
         host = self.buffers.views(tensors)
-        streams = self.streams
         with torch.no_grad():
             for name in on_training:
-                streams.copy_on_training(host[name], tensors[name].detach().reshape(-1))
-            streams.copy_waits_for_training()
+                self.streams.copy_on_training(host[name], tensors[name].detach().reshape(-1))
+            self.streams.copy_waits_for_training()
             for name, tensor in tensors.items():
                 if name not in on_training:
-                    streams.copy_on_copy_stream(host[name], tensor.detach().reshape(-1))
-        event = streams.record_on_copy_stream()
+                    self.streams.copy_on_copy_stream(host[name], tensor.detach().reshape(-1))
+        event = self.streams.record_on_copy_stream()
         self.unguarded = event
         return host, event
 

@@ -5,7 +5,6 @@ buffers, then optimizer states (optim_state.py).
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Set as AbstractSet
 
@@ -13,12 +12,12 @@ import torch
 import torch.nn as nn
 
 from ...engine.view import ShardedModelView
-from ...errors import DataCheckError, RunError
+from ...errors import RunError
 from ...flat_layout import ElementRange
 from ..format.names import optim_tensor_name
 from ..format.placement import TensorSpec
 from .optim_state import StateLayout, kept_states, saved_states
-from .tensors import RangeReader, TensorReader, safetensors_dtype
+from .tensors import RangeReader, safetensors_dtype
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -92,10 +91,7 @@ def planned_numels(view: ShardedModelView, module: nn.Module, optimizer: torch.o
         for param in unit.params:
             numels[param.tensor.dtype] += param.tensor.numel()
             for shape in layouts.get(id(param.tensor), {}).values() if param.requires_grad else ():
-                if shape is None:
-                    numels[param.tensor.dtype] += param.tensor.numel()
-                else:
-                    numels[torch.float32] += 1
+                numels[param.tensor.dtype if shape is None else torch.float32] += param.tensor.numel() if shape is None else 1
     for tensor in persistent_buffers(module).values():
         numels[tensor.dtype] += tensor.numel()
     return dict(numels)
@@ -118,7 +114,6 @@ def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimize
 
 
 def load_weights(view: ShardedModelView, module: nn.Module, reader: RangeReader) -> None:
-    """Copy this rank's fragment of every parameter, and every buffer, from `reader`."""
     with torch.no_grad():
         for unit in view.units:
             for param in unit.params:
@@ -126,13 +121,3 @@ def load_weights(view: ShardedModelView, module: nn.Module, reader: RangeReader)
                     param.tensor.copy_(reader.read_range(param.name, param.fragment.param_range))
         for name, buffer in persistent_buffers(module).items():
             buffer.copy_(reader.read_tensor(name).to(buffer.dtype))
-
-
-def check_full(reader: TensorReader, expected: dict[str, tuple[int, ...]], path: str | os.PathLike) -> None:
-    for name, shape in expected.items():
-        try:
-            source = reader.source(name)
-        except KeyError:
-            raise DataCheckError(f"{path}: no tensor {name!r} (a checkpoint of another model?)") from None
-        if tuple(source.shape) != tuple(shape):
-            raise DataCheckError(f"{path}: tensor {name!r} has shape {list(source.shape)}, the model {list(shape)}")

@@ -136,7 +136,6 @@ def load_optimizer_state(
 
 
 def saved_groups(training_state: dict) -> list[dict]:
-    """The saved optimizer's param groups: their settings and parameter names."""
     return (training_state.get("optimizer") or {}).get("groups") or []
 
 

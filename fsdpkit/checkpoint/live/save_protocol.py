@@ -68,8 +68,6 @@ class SaveJob:
 
 @dataclass(frozen=True)
 class Ranks:
-    """The ranks that save together: collectives on `group`."""
-
     comm: Collectives
     group: Any
     rank: int

@@ -37,12 +37,10 @@ def verified_files(
         for file in store.files(step):
             if file % local_world != local_rank:
                 continue
-            if store.header(step, file, world_size) is None:
-                continue  # torn by the kill, or of another world size: never taken, nothing to say
             reason = store.refusal(step, file, world_size)
             if reason is None:
                 held.setdefault(step, []).append(file)
-            else:
+            elif store.header(step, file, world_size) is not None:  # none: torn by the kill, or of another world size
                 warn(f"snapshot refused: {reason}")
     return held
 
@@ -97,9 +95,7 @@ def restore(
     choice = agree(store, module, comms, disk_step=disk_step, warn=warn)
     if store is None or choice.source not in (Source.MEMORY, Source.PEER) or choice.step is None:
         return choice, None
-    world_size = describe(module).shard_factor
-    fetch(store, choice, world_size)
+    fetch(store, choice, describe(module).shard_factor)
     step_dir = store.step_dir(choice.step)
     load_manifest(step_dir)  # a plain DataCheckError here, rather than deep in the reader
-    state = Checkpointer(module, optimizer).load(step_dir, every_replica=True)  # each node's own memory
-    return choice, state
+    return choice, Checkpointer(module, optimizer).load(step_dir, every_replica=True)  # each node's own memory

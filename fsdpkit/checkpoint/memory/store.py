@@ -83,8 +83,6 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 class SnapshotStore:
-    """One node's snapshot directory of one run."""
-
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.run_id: str = json.loads((self.path / OWNER_NAME).read_text())["run"]
@@ -103,7 +101,6 @@ class SnapshotStore:
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
-    # ----- writing (each rank its own files)
     def step_dir(self, step: int) -> Path:
         return self.path / step_dir_name(step)
 
@@ -123,8 +120,7 @@ class SnapshotStore:
         return header
 
     def put(self, header: SnapshotHeader, data: memoryview | bytes, *, manifest: memoryview | bytes | None = None) -> None:
-        """A copy of a rank file received from another rank (a buddy's, or for a restore),
-        with the step's manifest where this node has none."""
+        """A rank file received from another rank (a buddy's, or for a restore), and its step's manifest."""
         directory = self.begin(header.step, manifest)
         self.discard(header.step, header.rank, header.world_size)
         (directory / rank_file_name(header.rank, header.world_size)).write_bytes(data)
@@ -147,7 +143,6 @@ class SnapshotStore:
                 if not self.files(step):  # another rank of this node may be removing it too
                     shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
-    # ----- reading
     def steps(self) -> list[int]:
         found = [parse_step_dir_name(name) for name in os.listdir(self.path)] if self.path.is_dir() else []
         return sorted(step for step in found if step is not None)
@@ -205,11 +200,8 @@ def reclaim_stale(root: str | Path) -> list[Path]:
     """Remove the stores under `root` whose owner no longer runs on this host; returns them.
     A store of another host, or of an owner that cannot be told dead, is kept."""
     removed: list[Path] = []
-    root = Path(root)
-    if not root.is_dir():
-        return removed
     host = socket.gethostname()
-    for path in root.iterdir():
+    for path in Path(root).iterdir() if Path(root).is_dir() else ():
         if not path.name.startswith(STORE_PREFIX) or not path.is_dir():
             continue
         try:

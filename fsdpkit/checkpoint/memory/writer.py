@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -193,11 +194,8 @@ def receive_parts(source: int, group: Any) -> list[memoryview]:
         return []
     body = torch.empty(sum(lengths), dtype=torch.uint8)
     dist.recv(body, source, group=group)
-    raw, parts, at = byte_view(body), [], 0
-    for length in lengths[:count]:
-        parts.append(raw[at : at + length])
-        at += length
-    return parts
+    raw, ends = byte_view(body), list(accumulate(lengths[:count]))
+    return [raw[end - length : end] for length, end in zip(lengths[:count], ends, strict=True)]
 
 
 def local_world_size() -> int:
