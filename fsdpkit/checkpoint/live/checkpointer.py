@@ -38,14 +38,12 @@ BACKGROUND_NICENESS = 10
 
 class Checkpointer:
     """Saves and loads one sharded model with its optimizer; every rank must call save/load/wait.
-    With async_save, save() queues the copy of this rank's tensors into `host_buffers` and
-    returns (copy_order.py; without an optimizer, save() waits for the copy); a thread at lower
-    priority writes from there while training goes on. At most one save is in flight: the next
-    save (or wait()) waits for it, and says so in one line. `timings` sums where this rank's save
-    time went; `stall_seconds` the training thread's time inside save() and wait().
-
-    `run_id` names the run that writes (default: this process; pass `RunLock.run_id` so that a
-    restarted worker counts as the same run): `keep_last` prunes only this run's checkpoints."""
+    With async_save, save() queues the copy of this rank's tensors into `host_buffers`
+    (copy_order.py) and returns; a thread at lower priority writes from there. At most one save
+    is in flight: the next save (or wait()) waits for it, and says so in one line.
+    `stall_seconds` is the training thread's time inside save() and wait(). `run_id` names the
+    run that writes (pass `RunLock.run_id`, so that a restarted worker counts as the same run):
+    `keep_last` prunes only this run's checkpoints."""
 
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False, run_id: str | None = None

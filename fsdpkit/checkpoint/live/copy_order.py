@@ -74,8 +74,7 @@ class HostBuffers:
 
 
 class HostStreams:
-    """The stream operations a copy is ordered with; with no device, each runs in the calling
-    thread (torch copies release the GIL)."""
+    """The stream operations a copy is ordered with; with no device, each runs in the calling thread."""
 
     def copy_on_training(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)  # on a CUDA stream, queued; between host tensors, done

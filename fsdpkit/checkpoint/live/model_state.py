@@ -32,9 +32,8 @@ def expected_tensors(
     *,
     stateless: AbstractSet[str] = frozenset(),
 ) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint must hold for a model: (name, shape, requires_grad) of each
-    parameter under its canonical name, the module's buffers, and the optimizer state of trainable
-    parameters (`stateless`: those whose state the checkpoint rightly lacks)."""
+    """Every tensor a checkpoint must hold for a model: its `params` (name, shape, requires_grad),
+    buffers, and trainable parameters' optimizer state (`stateless`: those rightly without)."""
     expected = {name: tuple(shape) for name, shape, _ in params}
     expected.update({name: tuple(t.shape) for name, t in persistent_buffers(module).items()})
     for name, shape, trainable in params:

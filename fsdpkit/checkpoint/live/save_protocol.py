@@ -40,9 +40,8 @@ WRITE_CHUNK_BYTES = 32 * 1024 * 1024  # one os.write and one crc32 update, each 
 @dataclass
 class SaveTimings:
     """Seconds this rank spent on saves so far, summed over `saves`. `snapshot` is copying the
-    tensors to host memory (into HostBuffers, or fragment by fragment from a device); `checksum`
-    crc32; `write` os.write; `fsync` the rank file's fsync; `total` the whole saves (snapshot,
-    collectives and commit included; for async saves mostly in the background)."""
+    tensors to host memory; `checksum` crc32; `write` os.write; `fsync` the rank file's fsync;
+    `total` the whole saves (collectives and commit included; async ones mostly in the background)."""
 
     saves: int = 0
     snapshot: float = 0.0

@@ -85,9 +85,8 @@ class TensorReader:
 
 
 class CheckpointReader(TensorReader):
-    """A sharded checkpoint (run dir, following `latest`, or step dir) with a validated manifest.
-    `validate_all=False` (loading in a worker) validates each file when first touched, so a
-    rank reads only the files its chunk overlaps; otherwise every file is validated first."""
+    """A sharded checkpoint (run dir, following `latest`, or step dir) with a validated manifest;
+    `validate_all=False` (a worker's load) validates each file when first touched, not all first."""
 
     def __init__(self, path: str | os.PathLike, *, validate_all: bool = True):
         checkpoint = open_sharded(path) if validate_all else open_sharded_lazily(path)

@@ -89,9 +89,8 @@ def restore(
     disk_step: int | None,
     warn: Callable[[str], None],
 ) -> tuple[Choice, dict | None]:
-    """The steps above: (the choice, the snapshot's training state; None when the choice is
-    disk or nothing, which the caller loads as before). Every rank calls it, `store` None on a
-    node that keeps no snapshots."""
+    """The steps above, on every rank (`store` None on a node that keeps no snapshots): (the choice,
+    the snapshot's training state; None for disk or nothing, which the caller loads as before)."""
     choice = agree(store, module, comms, disk_step=disk_step, warn=warn)
     if store is None or choice.source not in (Source.MEMORY, Source.PEER) or choice.step is None:
         return choice, None

@@ -13,9 +13,6 @@ A rank file counts only once its header is there and agrees with it: the header 
 last (a temporary file renamed into place), so a file torn by a kill is never taken; a file
 whose bytes do not give the header's crc32 is refused with one line saying why. Each writer
 keeps at most two steps of its files, and of the copies it keeps (`prune_rank`).
-
-A store whose owner is gone (not running on this host, or another process by now) is stale:
-`reclaim_stale` removes it. A live owner's store is never touched.
 """
 
 from __future__ import annotations

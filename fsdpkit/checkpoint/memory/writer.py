@@ -52,8 +52,7 @@ class Peers:
 
     @classmethod
     def of(cls, rank: int, world_size: int, local_world_size: int) -> Peers | None:
-        """None on one node (every rank file is in this node's store already). Every rank
-        calls it: making the group is a collective."""
+        """None on one node. Every rank calls it: making the group is a collective."""
         if world_size <= local_world_size:
             return None
         return cls((rank + local_world_size) % world_size, (rank - local_world_size) % world_size, new_group(backend="gloo"))
@@ -127,9 +126,8 @@ class SnapshotWriter:
         self.thread.start()
 
     def _write(self, step: int, manifest: Manifest | None, local: dict | None, copied: Event | None) -> None:
-        """Prune, wait for the copy, write (`manifest` None: this rank gave up), then trade files
-        with the peers. At the thread's own priority: a write to memory is short, and a slow one
-        skips the next snapshot."""
+        """Prune, wait for the copy, write (`manifest` None: this rank gave up), then trade files with
+        the peers; at the thread's own priority: a write to memory is short, a slow one skips the next."""
         header = None
         if manifest is not None and local is not None and copied is not None:
             try:
@@ -148,15 +146,11 @@ class SnapshotWriter:
                     f"snapshot of step {step} not taken ({error.strerror or error}); this rank takes no more, checkpoints on disk only"
                 )
         if self.peers is not None:
-            self._exchange(header)
+            self._exchange(self.peers, header)
 
-    def _exchange(self, header: SnapshotHeader | None) -> None:
+    def _exchange(self, peers: Peers, header: SnapshotHeader | None) -> None:
         """Send this rank's file (if any) to its buddy, and keep the one its source sends."""
-        peers = self.peers
-        assert peers is not None
-        parts = []
-        if header is not None:
-            parts = [header.to_bytes(), self.store.read(header.step, header.rank, header.world_size)[1]]
+        parts = [] if header is None else [header.to_bytes(), self.store.read(header.step, header.rank, header.world_size)[1]]
         sent = send_parts(parts, peers.buddy, peers.group)
         received = receive_parts(peers.source, peers.group)
         for work in sent:
