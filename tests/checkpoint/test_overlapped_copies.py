@@ -13,8 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdpkit
-from fsdpkit.checkpoint.live.background import HostBuffers
-from fsdpkit.checkpoint.live.copy_order import OverlappedCopy
+from fsdpkit.checkpoint.live.copy_order import HostBuffers, OverlappedCopy
 from fsdpkit.checkpoint.live.model_state import tensor_table
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.checkpoint.memory.store import SnapshotStore

@@ -1,17 +1,9 @@
-"""Saving and loading one sharded model with its optimizer: the `Checkpointer`, and the
-functions built on it.
+"""Saving and loading one sharded model with its optimizer: the `Checkpointer`, the functions
+built on it, starting from a checkpoint's weights, and the check before launch.
 
-Saving: every rank builds the same manifest (format 2: nothing in it depends on the rank) from
-the model-state map (`model_state.tensor_table`) and runs the save protocol (`save_protocol`),
-in the training thread or, with async_save, in a background thread from host copies. Loading:
-each local fragment is read from the files that hold the overlapping fragments, and only from
-those, so a checkpoint saved at W ranks loads at any W' and under any strategy. Tied weights are
-stored once with their alias recorded. With hybrid or no sharding, only the first replica writes.
-
-Also here: starting from a full or sharded checkpoint's weights (`init_weights_from`), and the
-check, on a model built on the meta device, that a checkpoint fits it (`check_before_launch`).
-A save records the model's export recipe (from its model source) in the training state, for
-`convert --to full`.
+Every rank builds the same manifest (nothing in it depends on the rank). Loading reads each
+local fragment from the files that hold the overlapping fragments, and only from those, so a
+checkpoint saved at W ranks loads at any W' and under any strategy.
 """
 
 from __future__ import annotations
@@ -28,47 +20,30 @@ from ... import log
 from ...dist.comm import Collectives, new_group
 from ...engine.model_hooks import hooks_of
 from ...engine.view import ShardedModelView, describe
+from ...errors import DataCheckError
 from ..format.export import EXPORT_STATE_KEY
 from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible
 from ..format.placement import Placement, TensorSpec
 from ..format.reader import is_full_checkpoint
-from .background import HostBuffers, SaveTimings, lower_thread_priority
-from .copy_order import DoneEvent, Event, OverlappedCopy, streams_for
-from .model_state import (
-    buffer_shapes,
-    check_full,
-    expected_tensors,
-    load_weights,
-    model_params,
-    optimizer_hyperparameters,
-    persistent_buffers,
-    planned_numels,
-    stateless_params,
-    tensor_table,
-    view_params,
-)
-from .optim_state import load_optimizer_state, states_to_load
+from .copy_order import DoneEvent, Event, HostBuffers, OverlappedCopy
+from .model_state import expected_tensors, load_weights, optimizer_hyperparameters, persistent_buffers, tensor_table, view_params
+from .optim_state import StateLayout, load_optimizer_state, states_to_load
 from .replica_reads import shared_load
-from .save_protocol import Ranks, SaveJob, run_save
-from .tensors import CheckpointReader, RangeReader, full_reader
+from .save_protocol import Ranks, SaveJob, SaveTimings, run_save
+from .tensors import CheckpointReader, RangeReader, TensorReader, full_reader
+
+BACKGROUND_NICENESS = 10
 
 
 class Checkpointer:
-    """Saves and loads one sharded model with its optimizer. With async_save, save() queues
-    the copy of this rank's tensors into `host_buffers` (allocated here, reused by every save)
-    and returns; the optimizer's next step waits for the copy (copy_order.py; without an
-    optimizer, save() waits for it); a background thread at lower priority writes and
-    checksums from there while training goes on (background.py). At most one save is in
-    flight: the next save (or wait()) waits for it, and says so in one line. Every rank must call save/load/wait.
-    `timings` (SaveTimings) sums where this rank's save time went; `stall_seconds` how long
-    the calling (training) thread spent inside save() and wait(): the snapshot, waiting for a
-    previous save, and for a synchronous save all of it.
-
-    `run_id` names the run that writes (default: this process; pass `RunLock.run_id` so that a
-    restarted worker counts as the same run): `keep_last` prunes only this run's checkpoints.
-    A save that fails on any rank (an OSError: disk full, read-only...) raises one RunError on
-    every rank, leaves no temporary directory and keeps the previous checkpoint."""
+    """Saves and loads one sharded model with its optimizer; every rank must call save/load/wait.
+    With async_save, save() queues the copy of this rank's tensors into `host_buffers`
+    (copy_order.py) and returns; a thread at lower priority writes from there. At most one save
+    is in flight: the next save (or wait()) waits for it, and says so in one line.
+    `stall_seconds` is the training thread's time inside save() and wait(). `run_id` names the
+    run that writes (pass `RunLock.run_id`, so that a restarted worker counts as the same run):
+    `keep_last` prunes only this run's checkpoints."""
 
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False, run_id: str | None = None
@@ -84,38 +59,25 @@ class Checkpointer:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_saved: str | None = None
-        self.host_buffers = HostBuffers()
-        self.copy: OverlappedCopy | None = None
-        if async_save and view.writes_shards:  # the buffers now, when the run starts, not at the first save
-            self.host_buffers.reserve(planned_numels(view, module, optimizer), pin=view.device.type == "cuda")
-            self.copy = OverlappedCopy(self.host_buffers, streams_for(view.device))
-            if optimizer is not None:
-                self.copy.guard(optimizer)
+        self.copy = OverlappedCopy.reserved(view, module, optimizer) if async_save and view.writes_shards else None
+        self.host_buffers = self.copy.buffers if self.copy is not None else HostBuffers()
         self.timings = SaveTimings()
         self.stall_seconds = 0.0
         self.in_flight: int | None = None  # the step of the async save being written
 
-    # ----- saving
     def save(self, run_dir: str | os.PathLike, *, step: int, training_state: dict | None = None, keep_last: int | None = None) -> None:
         started = time.perf_counter()
         try:
-            self._join_before(step)
+            held_up = self.thread is not None and self.thread.is_alive()
+            self._join()
+            if held_up and self.ranks.rank == 0:
+                log.warn(
+                    f"save of step {step} stalled training {time.perf_counter() - started:.2f} s: "
+                    f"the async save of step {self.in_flight} was still being written"
+                )
             self._start_save(Path(run_dir), step, training_state, keep_last)
         finally:
             self.stall_seconds += time.perf_counter() - started
-
-    def _join_before(self, step: int) -> None:
-        """Wait for the save in flight; one line (rank 0's) when it held this one up."""
-        if self.thread is None or not self.thread.is_alive():
-            self._join()
-            return
-        started = time.perf_counter()
-        self._join()
-        if self.ranks.rank == 0:
-            log.warn(
-                f"save of step {step} stalled training {time.perf_counter() - started:.2f} s: "
-                f"the async save of step {self.in_flight} was still being written"
-            )
 
     def _start_save(self, run_dir: Path, step: int, training_state: dict | None, keep_last: int | None) -> None:
         view = describe(self.module)
@@ -133,7 +95,7 @@ class Checkpointer:
             self.timings.total += seconds
         manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.run_id, step)
         device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
-        job = SaveJob(view, run_dir, step, manifest, local if view.writes_shards else None, keep_last, device)
+        job = SaveJob(view.shard_rank, run_dir, step, manifest, local if view.writes_shards else None, keep_last, device)
         if self.async_save:
             self.in_flight = step
             self.thread = threading.Thread(target=self._run_save, args=(job, copied), name="fsdpkit-async-save", daemon=True)
@@ -142,7 +104,11 @@ class Checkpointer:
             self._save(job)
 
     def _run_save(self, job: SaveJob, copied: Event) -> None:
-        lower_thread_priority()
+        try:  # Linux applies setpriority to one thread by its id; elsewhere the thread keeps its priority
+            thread = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICENESS))
+        except (AttributeError, OSError):
+            pass
         try:
             copied.synchronize()
             self._save(job)
@@ -173,23 +139,14 @@ class Checkpointer:
             error, self.error = self.error, None
             raise error
 
-    # ----- loading
     def load(self, path: str | os.PathLike, *, strict: bool = True, every_replica: bool = False) -> dict:
-        """Load weights (and optimizer state) from a checkpoint saved at any world size;
-        returns its training state. Every chunk's fragments are checksum-verified as read.
-        With replicas (hybrid, no sharding), the first replica reads and broadcasts to the
-        others (replica_reads.py), unless `every_replica` (a store each node holds locally,
-        such as snapshots in shared memory)."""
+        """Load weights (and optimizer state) from a checkpoint saved at any world size; returns
+        its training state. With replicas, the first reads and broadcasts to the others
+        (replica_reads.py), unless `every_replica` (a store on each node: snapshots)."""
         view = describe(self.module)
         with CheckpointReader(path, validate_all=False) as checkpoint:
-            states = None
-            if self.optimizer is not None:
-                names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
-                where = str(checkpoint.step_dir)
-                states = states_to_load(self.optimizer, names, checkpoint.training_state, checkpoint.tensor_names(), where=where)
-            stateless = stateless_params(checkpoint.training_state)
-            expected = expected_tensors(view_params(view), buffer_shapes(self.module), states, stateless=stateless)
-            missing_optim = check_compatible(checkpoint.manifest, expected, strict=strict, where=str(checkpoint.step_dir))
+            names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
+            states, missing_optim = check_sharded(checkpoint, view_params(view), self.module, self.optimizer, names, strict=strict)
             if missing_optim and view.rank == 0:
                 log.warn(f"{checkpoint.step_dir}: no optimizer state for {len(missing_optim)} tensors; theirs starts fresh")
 
@@ -198,8 +155,7 @@ class Checkpointer:
                 if self.optimizer is not None and states is not None:
                     params = [(p.name, p.fragment.param_range, p.tensor) for unit in view.units for p in unit.params if p.requires_grad]
                     stored = set(checkpoint.tensor_names())
-                    state = checkpoint.training_state
-                    load_optimizer_state(self.optimizer, params, states, state, stored, reader.read_range, reader.read_tensor)
+                    load_optimizer_state(self.optimizer, params, states, checkpoint.training_state, stored, reader)
 
             if every_replica or view.replicate_group is None:
                 load(checkpoint)
@@ -257,14 +213,13 @@ def load(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str |
     return Checkpointer(module, optimizer).load(path, strict=strict)
 
 
-# ----- weights only, and checks before launch
 def init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
     """Load weights only, from a sharded checkpoint or a full (Hugging Face style) one."""
     if not is_full_checkpoint(Path(path)):
         Checkpointer(module, None).load(path, strict=False)
         return
     view = describe(module)
-    expected = expected_tensors(view_params(view), buffer_shapes(module), None)
+    expected = expected_tensors(view_params(view), module)
     with full_reader(path, list(expected)) as reader:
         check_full(reader, expected, path)
         load_weights(view, module, reader)
@@ -274,21 +229,40 @@ def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer:
     """Validate a checkpoint against an unsharded model (built on the meta device) before any
     process starts: any problem is a DataCheckError (exit 3). `optimizer` (over the model's
     parameters) when resuming, None when only the weights are wanted."""
-    params, buffers = model_params(model), buffer_shapes(model)
+    params = [(name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()]  # canonical: the first name
     if is_full_checkpoint(Path(path)) and optimizer is None:
-        expected = expected_tensors(params, buffers, None)
+        expected = expected_tensors(params, model)
         with full_reader(path, list(expected)) as reader:
             check_full(reader, expected, path)
         return
     with CheckpointReader(path) as reader:
-        states = None
-        if optimizer is not None:
-            names = {id(p): name for name, p in model.named_parameters()}
-            states = states_to_load(optimizer, names, reader.training_state, reader.tensor_names(), where=str(reader.step_dir))
-        stateless = stateless_params(reader.training_state)
-        check_compatible(
-            reader.manifest,
-            expected_tensors(params, buffers, states, stateless=stateless),
-            strict=strict and optimizer is not None,
-            where=str(reader.step_dir),
-        )
+        names = {id(p): name for name, p in model.named_parameters()}
+        check_sharded(reader, params, model, optimizer, names, strict=strict and optimizer is not None)
+
+
+def check_sharded(
+    reader: CheckpointReader,
+    params: list[tuple[str, tuple[int, ...], bool]],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    names: dict[int, str],
+    *,
+    strict: bool,
+) -> tuple[dict[str, StateLayout] | None, list[str]]:
+    """Check a sharded checkpoint against a model (`names`: by id of the tensor the optimizer
+    holds): (the optimizer's states to load, or None; the optimizer tensors it lacks)."""
+    where = str(reader.step_dir)
+    states = None if optimizer is None else states_to_load(optimizer, names, reader.training_state, reader.tensor_names(), where=where)
+    stateless = set((reader.training_state.get("optimizer") or {}).get("stateless", []))  # the saved optimizer never stepped them
+    expected = expected_tensors(params, module, states, stateless=stateless)
+    return states, check_compatible(reader.manifest, expected, strict=strict, where=where)
+
+
+def check_full(reader: TensorReader, expected: dict[str, tuple[int, ...]], path: str | os.PathLike) -> None:
+    for name, shape in expected.items():
+        try:
+            source = reader.source(name)
+        except KeyError:
+            raise DataCheckError(f"{path}: no tensor {name!r} (a checkpoint of another model?)") from None
+        if tuple(source.shape) != tuple(shape):
+            raise DataCheckError(f"{path}: tensor {name!r} has shape {list(source.shape)}, the model {list(shape)}")

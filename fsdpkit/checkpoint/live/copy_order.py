@@ -1,7 +1,8 @@
-"""The device-to-host copy of a snapshot or an async save, overlapped with training.
+"""The device-to-host copy of a snapshot or an async save, overlapped with training, into host
+buffers allocated when the run starts and reused by every save.
 
-The order, on the device's streams (`Streams`: CUDA's, or the host's, where everything runs at
-once in the calling thread):
+The order, on the device's streams (CUDA's, or the host's, where everything runs at once in
+the calling thread):
 
 1. the training thread copies the buffers on the training stream (the next forward may change
    them: BatchNorm's running statistics), makes the copy stream wait for the training stream
@@ -16,42 +17,67 @@ once in the calling thread):
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from collections import Counter
 
 import torch
+import torch.nn as nn
 
-from .background import HostBuffers
-
-
-class Event(Protocol):
-    def synchronize(self) -> None:
-        """Block the calling thread until the work recorded before the event is done."""
-
-
-class Streams(Protocol):
-    """The stream operations a copy is ordered with."""
-
-    def copy_on_training(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
-
-    def copy_waits_for_training(self) -> None: ...
-
-    def copy_on_copy_stream(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
-
-    def record_on_copy_stream(self) -> Event: ...
-
-    def training_waits_for(self, event: Event) -> None: ...
+from ...engine.view import ShardedModelView
+from .model_state import planned_numels
 
 
 class DoneEvent:
+    """The event of copies that ran in the calling thread: done when recorded."""
+
     def synchronize(self) -> None:
         pass
 
 
+Event = DoneEvent | torch.cuda.Event  # synchronize() blocks until the work recorded before it is done
+
+
+class HostBuffers:
+    """One flat host tensor per dtype holding the copies of named 1-D tensors, each a view of
+    it. `reserve` allocates them when the run starts (pinned for a GPU, every page touched), so
+    that no snapshot pays for it; a table that outgrows them allocates again."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._pin = False
+
+    def reserve(self, numels: dict[torch.dtype, int], *, pin: bool) -> None:
+        self._pin = pin and torch.cuda.is_available()
+        self.buffers = {dtype: self._allocate(dtype, numel) for dtype, numel in numels.items()}
+
+    def views(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The host view each tensor is copied into, by name (allocating room the buffers lack)."""
+        numels: Counter[torch.dtype] = Counter()
+        for tensor in tensors.values():
+            numels[tensor.dtype] += tensor.numel()
+        self._pin = self._pin or (torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors.values()))
+        for dtype, numel in numels.items():
+            if dtype not in self.buffers or self.buffers[dtype].numel() < numel:
+                self.buffers[dtype] = self._allocate(dtype, numel)
+        offsets = dict.fromkeys(numels, 0)
+        views = {}
+        for name, tensor in tensors.items():
+            start = offsets[tensor.dtype]
+            views[name] = self.buffers[tensor.dtype][start : start + tensor.numel()]
+            offsets[tensor.dtype] = start + tensor.numel()
+        return views
+
+    def _allocate(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buffer = torch.empty(numel, dtype=dtype, pin_memory=self._pin)
+        if not self._pin:
+            buffer.zero_()  # the first copy into it should not fault its pages in
+        return buffer
+
+
 class HostStreams:
-    """No device: each copy runs in the calling thread (torch copies release the GIL)."""
+    """The stream operations a copy is ordered with; with no device, each runs in the calling thread."""
 
     def copy_on_training(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=True)  # on a CUDA stream, queued; between host tensors, done
 
     def copy_waits_for_training(self) -> None:
         pass
@@ -66,15 +92,12 @@ class HostStreams:
         pass
 
 
-class CudaStreams:
+class CudaStreams(HostStreams):
     """The training thread's current stream, and a copy stream of its own on `device`."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device)
-
-    def copy_on_training(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=True)
 
     def copy_waits_for_training(self) -> None:
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -94,17 +117,23 @@ class CudaStreams:
         torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]
 
 
-def streams_for(device: torch.device) -> Streams:
-    return CudaStreams(device) if device.type == "cuda" else HostStreams()
-
-
 class OverlappedCopy:
     """Copies named tensors into `buffers` in the order above; at most one copy guarded at a time."""
 
-    def __init__(self, buffers: HostBuffers, streams: Streams) -> None:
+    def __init__(self, buffers: HostBuffers, streams: HostStreams) -> None:
         self.buffers = buffers
         self.streams = streams
         self.unguarded: Event | None = None  # the last copy's event, until an optimizer step waits for it
+
+    @classmethod
+    def reserved(cls, view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> OverlappedCopy:
+        """The copy of this rank's checkpoint data into buffers allocated now, when the run starts."""
+        buffers = HostBuffers()
+        buffers.reserve(planned_numels(view, module, optimizer), pin=view.device.type == "cuda")
+        copy = cls(buffers, CudaStreams(view.device) if view.device.type == "cuda" else HostStreams())
+        if optimizer is not None:
+            copy.guard(optimizer)
+        return copy
 
     def start(
         self, tensors: dict[str, torch.Tensor], *, on_training: frozenset[str] = frozenset()
@@ -112,32 +141,26 @@ class OverlappedCopy:
         """Queue the copies (`on_training`: the names copied on the training stream); returns the
         host views by name, valid once the event is done."""
         host = self.buffers.views(tensors)
-        streams = self.streams
         with torch.no_grad():
             for name in on_training:
-                streams.copy_on_training(host[name], tensors[name].detach().reshape(-1))
-            streams.copy_waits_for_training()
+                self.streams.copy_on_training(host[name], tensors[name].detach().reshape(-1))
+            self.streams.copy_waits_for_training()
             for name, tensor in tensors.items():
                 if name not in on_training:
-                    streams.copy_on_copy_stream(host[name], tensor.detach().reshape(-1))
-        event = streams.record_on_copy_stream()
+                    self.streams.copy_on_copy_stream(host[name], tensor.detach().reshape(-1))
+        event = self.streams.record_on_copy_stream()
         self.unguarded = event
         return host, event
 
-    def before_update(self) -> None:
-        """What the next optimizer step does first: the training stream waits for the copy."""
-        if self.unguarded is not None:
-            self.streams.training_waits_for(self.unguarded)
-            self.unguarded = None
-
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make `before_update` the optimizer's step pre-hook (holding no reference to the
-        buffers: they go with this object)."""
+        """Make the optimizer's next step wait for the copy, on the training stream (its step
+        pre-hook holds no reference to the buffers: they go with this object)."""
         this = weakref.ref(self)
 
         def wait_for_copy(*_: object) -> None:
             copy = this()
-            if copy is not None:
-                copy.before_update()
+            if copy is not None and copy.unguarded is not None:
+                copy.streams.training_waits_for(copy.unguarded)
+                copy.unguarded = None
 
         optimizer.register_step_pre_hook(wait_for_copy)

@@ -1,27 +1,23 @@
-"""One model-state map: a sharded model and its optimizer <-> the checkpoint's tensor table.
-
-The engine is read only through `fsdpkit.engine.view.describe`: its units, each parameter's
-name, shape and this rank's fragment. Parameters are stored under the model's own names, then
-buffers, then optimizer state `optim.<state>.<param name>` laid out like its parameter (a
-scalar state such as Adam's step lives with its parameter's first element). `tensor_table`
-gives what a save writes, `expected_tensors` what a load needs, `load_weights` and
-`load_optimizer_state` copy this rank's part back.
+"""A sharded model and its optimizer <-> the checkpoint's tensor table, reading the engine only
+through `fsdpkit.engine.view.describe`. Parameters are stored under the model's own names, then
+buffers, then optimizer states (optim_state.py).
 """
 
 from __future__ import annotations
 
-import os
+from collections import Counter
 from collections.abc import Set as AbstractSet
 
 import torch
 import torch.nn as nn
 
 from ...engine.view import ShardedModelView
-from ...errors import DataCheckError, RunError
+from ...errors import RunError
 from ...flat_layout import ElementRange
+from ..format.names import optim_tensor_name
 from ..format.placement import TensorSpec
-from .optim_state import StateLayout, expected_state_tensors, kept_states, saved_states
-from .tensors import RangeReader, TensorReader, safetensors_dtype
+from .optim_state import StateLayout, kept_states, saved_states
+from .tensors import RangeReader, safetensors_dtype
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -29,24 +25,21 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in module.state_dict().items() if name not in params and "." + name not in params}
 
 
-def stateless_params(training_state: dict) -> set[str]:
-    """Trainable parameters the saved optimizer held no state for (it never stepped them)."""
-    return set((training_state.get("optimizer") or {}).get("stateless", []))
-
-
 def expected_tensors(
     params: list[tuple[str, tuple[int, ...], bool]],
-    buffers: dict[str, tuple[int, ...]],
-    optimizer_states: dict[str, StateLayout] | None,
+    module: nn.Module,
+    optimizer_states: dict[str, StateLayout] | None = None,
     *,
     stateless: AbstractSet[str] = frozenset(),
 ) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint must hold for a model: (name, shape, requires_grad) of each
-    parameter under its canonical name, the buffers, and the optimizer state of trainable
-    parameters (`stateless`: those whose state the checkpoint rightly lacks)."""
+    """Every tensor a checkpoint must hold for a model: its `params` (name, shape, requires_grad),
+    buffers, and trainable parameters' optimizer state (`stateless`: those rightly without)."""
     expected = {name: tuple(shape) for name, shape, _ in params}
-    expected.update(buffers)
-    expected.update(expected_state_tensors(params, optimizer_states or {}, stateless))
+    expected.update({name: tuple(t.shape) for name, t in persistent_buffers(module).items()})
+    for name, shape, trainable in params:
+        if trainable and name not in stateless:
+            for key, scalar_shape in (optimizer_states or {}).get(name, {}).items():
+                expected[optim_tensor_name(key, name)] = tuple(shape) if scalar_shape is None else scalar_shape
     return expected
 
 
@@ -54,22 +47,12 @@ def view_params(view: ShardedModelView) -> list[tuple[str, tuple[int, ...], bool
     return [(p.name, p.shape, p.requires_grad) for unit in view.units for p in unit.params]
 
 
-def model_params(model: nn.Module) -> list[tuple[str, tuple[int, ...], bool]]:
-    """Canonical names (first in named_parameters order, as the engine's unit plan) of an unsharded model."""
-    return [(name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()]
-
-
-def buffer_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(t.shape) for name, t in persistent_buffers(module).items()}
-
-
 def tensor_table(
     view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> tuple[list[TensorSpec], dict[str, tuple[ElementRange, torch.Tensor]]]:
-    """What a checkpoint of this model stores, in order: parameters (unit by unit), buffers,
-    then each optimizer state (`optim.<state>.<param>`, as its parameter, or a scalar), and this
-    rank's data of each: (element range held here, 1-D tensor: the live tensor, not a copy).
-    The table is the same on every rank; the data is what this rank holds."""
+    """What a checkpoint of this model stores, in order: parameters (unit by unit), buffers, then
+    each optimizer state; the same on every rank. And this rank's data of each: (element range
+    held here, the live 1-D tensor, not a copy)."""
     table: list[TensorSpec] = []
     local: dict[str, tuple[ElementRange, torch.Tensor]] = {}
     states: dict[str, list[TensorSpec]] = {}
@@ -91,15 +74,10 @@ def tensor_table(
 
 
 def planned_numels(view: ShardedModelView, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[torch.dtype, int]:
-    """Elements per dtype of this rank's `tensor_table` data once the optimizer has stepped,
-    known before it has: the states `kept_states` finds (each like its parameter in its dtype,
-    a one-value state as float32): an upper bound (a parameter the optimizer never steps gets
-    none), without the states of an optimizer that cannot tell which it keeps."""
-    numels: dict[torch.dtype, int] = {}
-
-    def add(dtype: torch.dtype, numel: int) -> None:
-        numels[dtype] = numels.get(dtype, 0) + numel
-
+    """Elements per dtype of this rank's `tensor_table` data once the optimizer has stepped, known
+    before it has (a one-value state as float32): an upper bound, without the states of an
+    optimizer that cannot tell which it keeps."""
+    numels: Counter[torch.dtype] = Counter()
     layouts: dict[int, StateLayout] = {}
     if optimizer is not None:
         try:
@@ -110,15 +88,12 @@ def planned_numels(view: ShardedModelView, module: nn.Module, optimizer: torch.o
             layouts.update({id(p): layout for p in group["params"]})
     for unit in view.units:
         for param in unit.params:
-            add(param.tensor.dtype, param.tensor.numel())
+            numels[param.tensor.dtype] += param.tensor.numel()
             for shape in layouts.get(id(param.tensor), {}).values() if param.requires_grad else ():
-                if shape is None:
-                    add(param.tensor.dtype, param.tensor.numel())
-                else:
-                    add(torch.float32, 1)
+                numels[param.tensor.dtype if shape is None else torch.float32] += param.tensor.numel() if shape is None else 1
     for tensor in persistent_buffers(module).values():
-        add(tensor.dtype, tensor.numel())
-    return numels
+        numels[tensor.dtype] += tensor.numel()
+    return dict(numels)
 
 
 def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:
@@ -138,7 +113,6 @@ def optimizer_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimize
 
 
 def load_weights(view: ShardedModelView, module: nn.Module, reader: RangeReader) -> None:
-    """Copy this rank's fragment of every parameter, and every buffer, from `reader`."""
     with torch.no_grad():
         for unit in view.units:
             for param in unit.params:
@@ -146,13 +120,3 @@ def load_weights(view: ShardedModelView, module: nn.Module, reader: RangeReader)
                     param.tensor.copy_(reader.read_range(param.name, param.fragment.param_range))
         for name, buffer in persistent_buffers(module).items():
             buffer.copy_(reader.read_tensor(name).to(buffer.dtype))
-
-
-def check_full(reader: TensorReader, expected: dict[str, tuple[int, ...]], path: str | os.PathLike) -> None:
-    for name, shape in expected.items():
-        try:
-            source = reader.source(name)
-        except KeyError:
-            raise DataCheckError(f"{path}: no tensor {name!r} (a checkpoint of another model?)") from None
-        if tuple(source.shape) != tuple(shape):
-            raise DataCheckError(f"{path}: tensor {name!r} has shape {list(source.shape)}, the model {list(shape)}")

@@ -7,15 +7,14 @@ A state is stored as `optim.<state>.<param>` in one of two layouts:
 - one value (Adam's step, NAdam's mu_product): stored whole, so it loads at any world size.
 
 Which states an optimizer keeps, and in which layout, is found by one step of a throwaway
-optimizer of the same class, built from the same group settings over a two-element stand-in
-per group (`kept_states`); the real parameters and state are not touched. On loading, a
-stored state the optimizer would not keep is an error naming it, and the loaded state goes
-through the optimizer's own `load_state_dict`, which places and casts it as torch does.
+optimizer of the same class and group settings over a two-element stand-in per group
+(`kept_states`). The loaded state goes through the optimizer's own `load_state_dict`, which
+places and casts it as torch does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ import torch
 from ...errors import DataCheckError, RunError
 from ...flat_layout import ElementRange
 from ..format.names import optim_tensor_name, split_optim_tensor_name
+from .tensors import RangeReader
 
 Shape = tuple[int, ...]
 # state name -> None: laid out like its parameter; a shape: one value of that shape
@@ -30,8 +30,7 @@ StateLayout = dict[str, Shape | None]
 
 
 def kept_states(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> list[StateLayout]:
-    """For each param group of `optimizer`, under the saved run's settings, the states it keeps
-    for each of its parameters."""
+    """For each param group of `optimizer`, the states it keeps under the saved run's settings."""
     stand_ins = []
     for group in optimizer.param_groups:
         like = group["params"][0] if group["params"] else torch.empty(0)
@@ -82,20 +81,6 @@ def states_to_load(
     return states
 
 
-def expected_state_tensors(
-    params: Iterable[tuple[str, Shape, bool]], states: Mapping[str, StateLayout], stateless: Iterable[str]
-) -> dict[str, Shape]:
-    """The stored name and shape of every state of every trainable parameter (name, shape,
-    requires_grad) except those of `stateless` ones (the saved optimizer never stepped them)."""
-    skip = set(stateless)
-    expected = {}
-    for name, shape, trainable in params:
-        if trainable and name not in skip:
-            for key, scalar_shape in states.get(name, {}).items():
-                expected[optim_tensor_name(key, name)] = tuple(shape) if scalar_shape is None else scalar_shape
-    return expected
-
-
 def saved_states(
     name: str, fragment: ElementRange, shard: torch.Tensor, state: Mapping[str, Any]
 ) -> Iterable[tuple[str, str, Shape | None, ElementRange, torch.Tensor]]:
@@ -123,8 +108,7 @@ def load_optimizer_state(
     states: Mapping[str, StateLayout],
     training_state: dict,
     stored: set[str],
-    read_range: Callable[[str, ElementRange], torch.Tensor],
-    read_tensor: Callable[[str], torch.Tensor],
+    reader: RangeReader,
 ) -> None:
     """Give `optimizer` the saved run's group settings and the stored state of each parameter
     (name, this rank's fragment, the tensor the optimizer holds), through its own load_state_dict."""
@@ -135,10 +119,10 @@ def load_optimizer_state(
         param_state = {}
         for key, scalar_shape in states.get(name, {}).items():
             stored_name = optim_tensor_name(key, name)
-            if stored_name in stored:
-                param_state[key] = (
-                    read_range(stored_name, fragment) if scalar_shape is None else read_tensor(stored_name).reshape(scalar_shape)
-                )
+            if stored_name in stored and scalar_shape is not None:
+                param_state[key] = reader.read_tensor(stored_name).reshape(scalar_shape)
+            elif stored_name in stored:
+                param_state[key] = reader.read_range(stored_name, fragment)
         if param_state:
             loaded[id(tensor)] = param_state
     state_dict = optimizer.state_dict()
@@ -152,7 +136,6 @@ def load_optimizer_state(
 
 
 def saved_groups(training_state: dict) -> list[dict]:
-    """The saved optimizer's param groups: their settings and parameter names."""
     return (training_state.get("optimizer") or {}).get("groups") or []
 
 

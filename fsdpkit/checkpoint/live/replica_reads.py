@@ -1,17 +1,14 @@
 """A load whose storage reads the replicas share (hybrid or no sharding, R copies of each
-shard): the first replica reads from storage and each of its ranks broadcasts what it read
-to its replicate group, so storage serves each byte once per load instead of R times.
+shard): the first replica reads from storage and broadcasts what it read to its replicate
+group, so storage serves each byte once per load instead of R times.
 
-A load runs twice through the same code (`load_weights`, `load_optimizer_state`): first
-against `Requests`, which hands out uninitialised tensors and records each range asked for,
-then against the ranges themselves, served in the same order. Every rank of a replicate
-group holds the same fragments, so it asks for the same ranges in the same order, and their
-sizes and dtypes come from the manifest: the first replica reads them into one buffer, and
-one broadcast per replicate group carries it (a broadcast costs a latency step per rank of
-the group, so one for the whole load rather than one per tensor). The buffer starts with a
-header that holds the first replica's error when its read failed (a checksum that does not
-match, a file gone): every replica then fails with it at once, rather than wait for a broadcast
-until the timeout.
+A load runs twice through the same code: first against `Requests`, which hands out
+uninitialised tensors and records each range asked for, then against the ranges themselves,
+served in the same order. Every rank of a replicate group holds the same fragments, so it asks
+for the same ranges in the same order: the first replica reads them into one buffer, and one
+broadcast carries it (not one per tensor: each costs a latency step per rank). The buffer
+starts with a header that holds the first replica's error when its read failed: every replica
+then fails with it at once, rather than wait for a broadcast until the timeout.
 """
 
 from __future__ import annotations
@@ -39,10 +36,11 @@ class Request:
     wanted: ElementRange
     dtype: torch.dtype
     shape: tuple[int, ...] | None  # a whole tensor's shape; None for a range (1-D)
+    at: int  # where it starts in the broadcast buffer
 
     @property
     def nbytes(self) -> int:
-        return self.wanted.size * torch.empty(0, dtype=self.dtype).element_size()
+        return self.wanted.size * self.dtype.itemsize
 
 
 class Requests:
@@ -51,17 +49,16 @@ class Requests:
     def __init__(self, checkpoint: CheckpointReader) -> None:
         self.checkpoint = checkpoint
         self.asked: list[Request] = []
-
-    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
-        return self._ask(name, wanted, None)
+        self.total = HEADER_BYTES
 
     def read_tensor(self, name: str) -> torch.Tensor:
         source = self.checkpoint.source(name)
-        return self._ask(name, ElementRange(0, source.numel), tuple(source.shape))
+        return self.read_range(name, ElementRange(0, source.numel), tuple(source.shape))
 
-    def _ask(self, name: str, wanted: ElementRange, shape: tuple[int, ...] | None) -> torch.Tensor:
-        request = Request(name, wanted, dtype_info(self.checkpoint.source(name).dtype).torch, shape)
+    def read_range(self, name: str, wanted: ElementRange, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        request = Request(name, wanted, dtype_info(self.checkpoint.source(name).dtype).torch, shape, self.total)
         self.asked.append(request)
+        self.total += -(-request.nbytes // ALIGN) * ALIGN
         out = torch.empty(wanted.size, dtype=request.dtype)
         return out if shape is None else out.reshape(shape)
 
@@ -69,23 +66,21 @@ class Requests:
 class Served:
     """The recorded ranges, out of the broadcast buffer, asked for again in the same order."""
 
-    def __init__(self, asked: list[Request], buffer: torch.Tensor, offsets: list[int]) -> None:
-        self.asked, self.buffer, self.offsets = asked, buffer, offsets
+    def __init__(self, asked: list[Request], buffer: torch.Tensor) -> None:
+        self.asked, self.buffer = asked, buffer
         self.next = 0
-
-    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
-        return self._serve(name, wanted)
 
     def read_tensor(self, name: str) -> torch.Tensor:
         request = self.asked[self.next]
-        return self._serve(name, request.wanted).reshape(request.shape if request.shape is not None else (-1,))
+        return self.read_range(name, request.wanted).reshape(request.shape if request.shape is not None else (-1,))
 
-    def _serve(self, name: str, wanted: ElementRange) -> torch.Tensor:
-        request, at = self.asked[self.next], self.offsets[self.next]
+    def read_range(self, name: str, wanted: ElementRange) -> torch.Tensor:
+        request = self.asked[self.next]
         if (request.name, request.wanted) != (name, wanted):
             raise AssertionError(f"a shared load asked for {name} {wanted} where it first asked for {request.name} {request.wanted}")
         self.next += 1
-        return self.buffer[at : at + request.nbytes].view(request.dtype).clone()  # its own storage: the buffer is freed after the load
+        # its own storage: the buffer is freed after the load
+        return self.buffer[request.at : request.at + request.nbytes].view(request.dtype).clone()
 
 
 def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Collectives, load: Callable[[RangeReader], None]) -> None:
@@ -93,15 +88,8 @@ def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Col
     replicas: recorded, read on the first replica, broadcast over each replicate group, served."""
     requests = Requests(checkpoint)
     load(requests)
-    if not requests.asked:
-        load(Served([], torch.empty(0, dtype=torch.uint8), []))
-        return
-    offsets, total = [], HEADER_BYTES
-    for request in requests.asked:
-        offsets.append(total)
-        total += -(-request.nbytes // ALIGN) * ALIGN
-    buffer = torch.zeros(total, dtype=torch.uint8)
-    failure = _read_on_first_replica(checkpoint, requests.asked, offsets, buffer) if view.writes_shards else None
+    buffer = torch.zeros(requests.total, dtype=torch.uint8)
+    failure = _read_on_first_replica(checkpoint, requests.asked, buffer) if view.writes_shards else None
     buffer = buffer.to(view.device)
     first_replica = dist.get_global_rank(view.group, view.rank % view.shard_factor)  # this group's rank there
     comms.broadcast(buffer, first_replica, view.replicate_group, label="load")
@@ -110,18 +98,17 @@ def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Col
     error = bytes(buffer[:HEADER_BYTES].cpu().numpy()).rstrip(b"\0")
     if error:
         raise DataCheckError(error.decode(errors="replace"))
-    load(Served(requests.asked, buffer, offsets))
+    load(Served(requests.asked, buffer))
 
 
-def _read_on_first_replica(
-    checkpoint: CheckpointReader, asked: list[Request], offsets: list[int], buffer: torch.Tensor
-) -> DataCheckError | None:
+def _read_on_first_replica(checkpoint: CheckpointReader, asked: list[Request], buffer: torch.Tensor) -> DataCheckError | None:
     """Read the ranges into `buffer`; a read that fails is written into its header instead,
     and returned as the error to raise once the others have it."""
     try:
-        for request, at in zip(asked, offsets, strict=True):
+        for request in asked:
             if request.wanted.size:
-                byte_view(buffer[at : at + request.nbytes])[:] = byte_view(checkpoint.read_range(request.name, request.wanted))
+                into = byte_view(buffer[request.at : request.at + request.nbytes])
+                into[:] = byte_view(checkpoint.read_range(request.name, request.wanted))
         return None
     except (DataCheckError, OSError) as error:
         failure = error if isinstance(error, DataCheckError) else DataCheckError(f"{checkpoint.step_dir}: {error}")

@@ -1,13 +1,11 @@
 """The save protocol, every rank taking part (torch collectives through `comm.Collectives`).
 
-1. Rank 0 creates the temporary step directory (`storage.begin`) and broadcasts its path or
-   why it could not.
+1. Rank 0 creates the temporary step directory and broadcasts its path or why it could not.
 2. The ranks check, with one all-reduce, that they all see the directory and agree on the
-   manifest (a digest of the tensor table and placement: every rank builds the same one).
-3. Each rank that writes shards writes its own rank file (`write_rank`), fsynced, no gather to
-   rank 0; all ranks agree that every file was written.
-4. Rank 0 commits (`storage.commit`: manifest, renames, `latest`, pruning) and broadcasts the
-   result.
+   manifest (a digest of the tensor table and placement).
+3. Each rank that writes shards writes its own rank file, fsynced, no gather to rank 0; all
+   ranks agree that every file was written.
+4. Rank 0 commits (manifest, renames, `latest`, pruning) and broadcasts the result.
 
 Any OSError on any rank (a full disk, a read-only directory) fails the save on every rank with
 one RunError naming it; the temporary directory is removed and the previous checkpoint kept.
@@ -27,7 +25,6 @@ import torch.distributed as dist
 
 from ...dist import faults
 from ...dist.comm import Collectives
-from ...engine.view import ShardedModelView
 from ...errors import RunError
 from ...flat_layout import ElementRange
 from ..format import storage
@@ -35,16 +32,31 @@ from ..format.crc import crc32
 from ..format.manifest import Manifest
 from ..format.names import rank_file_name
 from ..format.writer import CacheMode, RankFileWriter
-from .background import WRITE_CHUNK_BYTES, SaveTimings
 from .tensors import raw_bytes
+
+WRITE_CHUNK_BYTES = 32 * 1024 * 1024  # one os.write and one crc32 update, each without the GIL; fewer pieces, fewer GIL hand-overs
+
+
+@dataclass
+class SaveTimings:
+    """Seconds this rank spent on saves so far, summed over `saves`. `snapshot` is copying the
+    tensors to host memory; `checksum` crc32; `write` os.write; `fsync` the rank file's fsync;
+    `total` the whole saves (collectives and commit included; async ones mostly in the background)."""
+
+    saves: int = 0
+    snapshot: float = 0.0
+    checksum: float = 0.0
+    write: float = 0.0
+    fsync: float = 0.0
+    total: float = 0.0
 
 
 @dataclass(frozen=True)
 class SaveJob:
-    """One save: what to write (`local`: this rank's data, None where it writes no file), where,
-    and on which device the ranks' flags are reduced."""
+    """One save (`local`: this rank's data, None where it writes no file; `device`: where the
+    ranks' flags are reduced)."""
 
-    view: ShardedModelView
+    shard_rank: int
     run_dir: Path
     step: int
     manifest: Manifest
@@ -55,8 +67,6 @@ class SaveJob:
 
 @dataclass(frozen=True)
 class Ranks:
-    """The ranks that save together: collectives on `group`."""
-
     comm: Collectives
     group: Any
     rank: int
@@ -65,10 +75,6 @@ class Ranks:
         flags = torch.tensor(values, dtype=torch.int64, device=device)
         self.comm.all_reduce(flags, self.group, op=dist.ReduceOp.MIN, label=label)
         return [int(v) for v in flags.tolist()]
-
-    def all_agree(self, ok: bool, device: torch.device, *, label: str) -> bool:
-        """Whether this step succeeded on every rank."""
-        return self.min_over_ranks([1 if ok else 0], device, label=label)[0] == 1
 
     def from_rank0(self, action: Callable[[], Any], *, where: Path, label: str) -> tuple[Any, str | None]:
         """(result, None) of `action` run on rank 0, or (None, why it failed: an OSError on
@@ -114,11 +120,11 @@ def _write_and_commit(job: SaveJob, tmp: Path, ranks: Ranks, timings: SaveTiming
     failure = None
     if job.local is not None:
         try:
-            write_rank(tmp, job.manifest, job.view.shard_rank, job.local, timings=timings)
+            write_rank(tmp, job.manifest, job.shard_rank, job.local, timings=timings)
             faults.reached("save", job.step)
         except OSError as error:
             failure = storage.os_error_line(error, tmp)
-    if not ranks.all_agree(failure is None, job.device, label="checkpoint files written"):
+    if ranks.min_over_ranks([1 if failure is None else 0], job.device, label="checkpoint files written") != [1]:
         raise RunError(
             f"checkpoint step {job.step} not saved, previous checkpoint kept: " + (failure or "another rank could not write its file")
         )
@@ -147,10 +153,9 @@ def write_rank(
     timings: SaveTimings | None = None,
     cache: CacheMode = CacheMode.DIRECT,
 ) -> int:
-    """Write rank `rank`'s file of `manifest` from this rank's data (fsynced), in pieces of at
-    most WRITE_CHUNK_BYTES (each one write and one crc32 update, both without the GIL); the
-    time of each part is added to `timings`. `cache` CACHED where the file lives in memory
-    (tmpfs): written straight from the data, with no staging copy. Returns the whole file's crc32."""
+    """Write rank `rank`'s file of `manifest` from this rank's data (fsynced), in pieces of
+    WRITE_CHUNK_BYTES, adding the time of each part to `timings`. `cache` CACHED where the file
+    lives in memory (tmpfs): written with no staging copy. Returns the whole file's crc32."""
     timings = timings if timings is not None else SaveTimings()
     layout = manifest.layout().file_layout(rank)
     path = directory / rank_file_name(rank, manifest.shard_factor)

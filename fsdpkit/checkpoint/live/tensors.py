@@ -1,7 +1,5 @@
-"""Checkpoint bytes as torch tensors: a torch dtype's checkpoint name, a tensor's raw bytes, and
-element ranges of named tensors read into tensors through the byte engine (every checksummed
-piece verified the first time it is touched): a sharded checkpoint (`CheckpointReader`), a full
-one (`full_reader`), or a full one written with an export layout (`RestoredReader`).
+"""Checkpoint bytes as torch tensors: dtype names, raw bytes, and readers of element ranges of
+named tensors from a sharded checkpoint, a full one, or a full one with an export layout.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from ...dtypes import dtype_info, of_torch
 from ...flat_layout import ElementRange
 from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.manifest import Manifest
-from ..format.placement import TensorSpec
 from ..format.reader import FullCheckpoint, open_full, open_sharded, open_sharded_lazily
 
 
@@ -33,10 +30,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 
 def raw_bytes(data: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor, copied to CPU if needed."""
-    flat = data.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    flat = flat.contiguous()
+    flat = data.detach().reshape(-1).cpu().contiguous()
     return byte_view(flat) if flat.numel() else memoryview(b"")
 
 
@@ -50,7 +44,7 @@ class RangeReader(Protocol):
 
 class TensorReader:
     """Element ranges of named tensors as torch tensors, through the byte engine (every
-    checksummed piece verified the first time it is touched)."""
+    checksummed piece verified when first touched)."""
 
     def __init__(self, sources: list[SourceTensor], aliases: dict[str, str]):
         self._sources = {source.name: source for source in sources}
@@ -91,29 +85,15 @@ class TensorReader:
 
 
 class CheckpointReader(TensorReader):
-    """A sharded checkpoint (run dir, following `latest`, or step dir) with a validated manifest.
-    `validate_all=False` (loading in a worker) validates each file when first touched, so a
-    rank reads only the files its chunk overlaps; otherwise every file is validated first."""
+    """A sharded checkpoint (run dir, following `latest`, or step dir) with a validated manifest;
+    `validate_all=False` (a worker's load) validates each file when first touched, not all first."""
 
     def __init__(self, path: str | os.PathLike, *, validate_all: bool = True):
-        self.checkpoint = open_sharded(path) if validate_all else open_sharded_lazily(path)
-        super().__init__(self.checkpoint.sources(), self.checkpoint.manifest.aliases)
-
-    @property
-    def step_dir(self) -> Path:
-        return self.checkpoint.step_dir
-
-    @property
-    def manifest(self) -> Manifest:
-        return self.checkpoint.manifest
-
-    @property
-    def training_state(self) -> dict:
-        return self.manifest.training_state
-
-    def tensor(self, name: str) -> TensorSpec:
-        """The tensor table's entry for `name` (an alias resolves to its stored tensor)."""
-        return self.manifest.tensor(name)
+        checkpoint = open_sharded(path) if validate_all else open_sharded_lazily(path)
+        super().__init__(checkpoint.sources(), checkpoint.manifest.aliases)
+        self.step_dir: Path = checkpoint.step_dir
+        self.manifest: Manifest = checkpoint.manifest
+        self.training_state: dict = checkpoint.manifest.training_state
 
     def fragments(self, name: str) -> list[tuple[str, ElementRange]]:
         """(file name, element range) of every fragment of tensor `name`, in order."""
@@ -122,10 +102,9 @@ class CheckpointReader(TensorReader):
 
 
 class RestoredReader(TensorReader):
-    """A full checkpoint written with an export layout (`checkpoint/export.py`: the built-in GPT
-    in GPT-2's names and Conv1D orientation), read under fsdpkit's names and orientation. An
-    element range of a transposed weight is read as one short run from each stored row, so a
-    rank still reads about the bytes it owns."""
+    """A full checkpoint written with an export layout (export.py), read under fsdpkit's names and
+    orientation. A range of a transposed weight is read as one short run from each stored row,
+    so a rank still reads about the bytes it owns."""
 
     def __init__(self, full: FullCheckpoint):
         layout = full.layout
@@ -163,9 +142,8 @@ class RestoredReader(TensorReader):
 
 
 def full_reader(path: str | os.PathLike, names: Sequence[str] = ()) -> TensorReader:
-    """A full (Hugging Face style) checkpoint's tensors, tied aliases resolved. When its files
-    record an export layout and the `names` asked for are not there as stored, they are read
-    through the layout (RestoredReader)."""
+    """A full (Hugging Face style) checkpoint's tensors, tied aliases resolved; through its
+    export layout (RestoredReader) where the `names` asked for are not there as stored."""
     full = open_full(path)
     stored = {t.name for t in full.tensors} | set(full.aliases)
     if full.layout is not None and not all(name in stored for name in names):

@@ -1,15 +1,11 @@
-"""Which snapshot a restarted group restores (pure arithmetic, no I/O).
-
-Every rank reports, for each step in its node's store, the rank files it verified there
-(`held`). A step can be restored when every rank's needed files (its own shard's, and those
-holding the tensors stored whole, which every rank reads) are held somewhere: on the rank's own node
-(`memory`), or, for some rank, only on another node, whose holder then sends them (`peer`).
-The newest such step wins, unless the newest disk checkpoint is as new (`disk`).
+"""Which snapshot a restarted group restores (pure arithmetic, no I/O): the newest step whose
+needed files every rank finds on its own node (`memory`), or, for some rank, only on another
+node, whose holder then sends them (`peer`); unless the newest disk checkpoint is as new (`disk`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -33,35 +29,32 @@ class Transfer:
 class Choice:
     source: Source
     step: int | None
-    transfers: tuple[Transfer, ...] = field(default=())
+    transfers: tuple[Transfer, ...] = ()
 
 
 def choose(held: list[dict[int, list[int]]], needed: list[list[int]], node_of: list[int], *, disk_step: int | None) -> Choice:
     """`held[r]`: {step: files rank r verified in its node's store}; `needed[r]`: the files rank
     r loads; `node_of[r]`: its node; `disk_step`: the newest disk checkpoint's step (None: none)."""
-    world = len(held)
     steps = sorted({step for by_step in held for step in by_step}, reverse=True)
     for step in steps:
         if disk_step is not None and step <= disk_step:
             break
-        transfers = _transfers(step, held, needed, node_of, world)
+        transfers = _transfers(step, held, needed, node_of)
         if transfers is not None:
             return Choice(Source.PEER if transfers else Source.MEMORY, step, transfers)
     return Choice(Source.DISK, disk_step) if disk_step is not None else Choice(Source.NONE, None)
 
 
-def _transfers(
-    step: int, held: list[dict[int, list[int]]], needed: list[list[int]], node_of: list[int], world: int
-) -> tuple[Transfer, ...] | None:
+def _transfers(step: int, held: list[dict[int, list[int]]], needed: list[list[int]], node_of: list[int]) -> tuple[Transfer, ...] | None:
     """What must move for every rank to have its needed files of `step` on its node (one copy
     per node: to the node's lowest rank that needs it); None when some file is held nowhere."""
     holders: dict[int, list[int]] = {}
-    for rank in range(world):
-        for file in held[rank].get(step, []):
+    for rank, by_step in enumerate(held):
+        for file in by_step.get(step, []):
             holders.setdefault(file, []).append(rank)
     transfers: dict[tuple[int, int], Transfer] = {}
-    for rank in range(world):
-        for file in needed[rank]:
+    for rank, files in enumerate(needed):
+        for file in files:
             ranks = holders.get(file, [])
             if not ranks:
                 return None

@@ -24,8 +24,8 @@ from ..format.manifest import load_manifest
 from ..format.names import MANIFEST_NAME
 from ..live.checkpointer import Checkpointer
 from .choice import Choice, Source, choose
-from .store import SnapshotStore
-from .writer import header_bytes, header_of, local_world_size, receive_parts, send_parts
+from .store import SnapshotHeader, SnapshotStore
+from .writer import local_world_size, receive_parts, send_parts
 
 
 def verified_files(
@@ -37,12 +37,10 @@ def verified_files(
         for file in store.files(step):
             if file % local_world != local_rank:
                 continue
-            if store.header(step, file, world_size) is None:
-                continue  # torn by the kill, or of another world size: never taken, nothing to say
             reason = store.refusal(step, file, world_size)
             if reason is None:
                 held.setdefault(step, []).append(file)
-            else:
+            elif store.header(step, file, world_size) is not None:  # none: torn by the kill, or of another world size
                 warn(f"snapshot refused: {reason}")
     return held
 
@@ -55,19 +53,12 @@ def agree(
     local_world = local_world_size()
     rank = dist.get_rank()
     held = verified_files(store, view.shard_factor, local_rank=rank % local_world, local_world=local_world, warn=warn) if store else {}
-    shared = whole_tensor_files(store, held)
+    # the files every rank's load reads besides its own (the layout's whole tensors): every step's manifest is the same
+    shared = load_manifest(store.step_dir(max(held))).layout().whole_tensor_files() if store and held else set()
     gathered = comms.all_gather_object((held, view.shard_rank, shared, rank // local_world), None, label="snapshots held")
     everyone = set().union(*(g[2] for g in gathered))  # the same on every rank that has a manifest
     needed = [sorted({g[1], *everyone}) for g in gathered]
     return choose([g[0] for g in gathered], needed, [g[3] for g in gathered], disk_step=disk_step)
-
-
-def whole_tensor_files(store: SnapshotStore | None, held: dict[int, list[int]]) -> set[int]:
-    """The files every rank's load reads besides its own (the layout's whole tensors), from a
-    manifest this node holds (every step's is the same: one model, one world size)."""
-    if store is None or not held:
-        return set()
-    return load_manifest(store.step_dir(max(held))).layout().whole_tensor_files()
 
 
 def fetch(store: SnapshotStore, choice: Choice, world_size: int) -> None:
@@ -81,11 +72,11 @@ def fetch(store: SnapshotStore, choice: Choice, world_size: int) -> None:
         if rank == transfer.sender:
             header, payload = store.read(choice.step, transfer.file, world_size)
             manifest_bytes = (store.step_dir(choice.step) / MANIFEST_NAME).read_bytes()
-            for work in send_parts([header_bytes(header), manifest_bytes, payload], transfer.receiver, None):
+            for work in send_parts([header.to_bytes(), manifest_bytes, payload], transfer.receiver, None):
                 work.wait()
         elif rank == transfer.receiver:
             head, manifest, data = receive_parts(transfer.sender, None)
-            store.put(header_of(head), data, manifest=manifest)
+            store.put(SnapshotHeader.from_bytes(head), data, manifest=manifest)
     dist.barrier()
 
 
@@ -98,15 +89,12 @@ def restore(
     disk_step: int | None,
     warn: Callable[[str], None],
 ) -> tuple[Choice, dict | None]:
-    """The steps above: (the choice, the snapshot's training state; None when the choice is
-    disk or nothing, which the caller loads as before). Every rank calls it, `store` None on a
-    node that keeps no snapshots."""
+    """The steps above, on every rank (`store` None on a node that keeps no snapshots): (the choice,
+    the snapshot's training state; None for disk or nothing, which the caller loads as before)."""
     choice = agree(store, module, comms, disk_step=disk_step, warn=warn)
     if store is None or choice.source not in (Source.MEMORY, Source.PEER) or choice.step is None:
         return choice, None
-    world_size = describe(module).shard_factor
-    fetch(store, choice, world_size)
+    fetch(store, choice, describe(module).shard_factor)
     step_dir = store.step_dir(choice.step)
     load_manifest(step_dir)  # a plain DataCheckError here, rather than deep in the reader
-    state = Checkpointer(module, optimizer).load(step_dir, every_replica=True)  # each node's own memory
-    return choice, state
+    return choice, Checkpointer(module, optimizer).load(step_dir, every_replica=True)  # each node's own memory

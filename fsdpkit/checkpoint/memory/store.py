@@ -13,9 +13,6 @@ A rank file counts only once its header is there and agrees with it: the header 
 last (a temporary file renamed into place), so a file torn by a kill is never taken; a file
 whose bytes do not give the header's crc32 is refused with one line saying why. Each writer
 keeps at most two steps of its files, and of the copies it keeps (`prune_rank`).
-
-A store whose owner is gone (not running on this host, or another process by now) is stale:
-`reclaim_stale` removes it. A live owner's store is never touched.
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from ...sizes import format_size
 from ..format.crc import crc32
 from ..format.files import read_blocks, read_regular
 from ..format.lock import holder_alive, process_identity
-from ..format.manifest import Manifest, load_manifest, save_manifest
+from ..format.manifest import load_manifest
 from ..format.names import MANIFEST_NAME, parse_step_dir_name, rank_file_name, step_dir_name
 
 STORE_PREFIX = "fsdpkit-snapshots-"
@@ -56,18 +53,13 @@ class SnapshotHeader:
     size: int
     crc32: int
 
-    def to_json(self) -> dict:
-        return {
-            "step": self.step,
-            "run": self.run_id,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "size": self.size,
-            "crc32": f"{self.crc32:08x}",
-        }
+    def to_bytes(self) -> bytes:
+        fields = {"step": self.step, "run": self.run_id, "rank": self.rank, "world_size": self.world_size, "size": self.size}
+        return json.dumps({**fields, "crc32": f"{self.crc32:08x}"}).encode()
 
     @classmethod
-    def from_json(cls, document: object) -> SnapshotHeader:
+    def from_bytes(cls, raw: bytes | memoryview) -> SnapshotHeader:
+        document = json.loads(bytes(raw).decode())
         if not isinstance(document, dict):
             raise ValueError("not a JSON object")
         return cls(
@@ -80,15 +72,6 @@ class SnapshotHeader:
         )
 
 
-def file_crc32(path: Path) -> tuple[int, int]:
-    """(crc32, size) of a whole file (a DataCheckError where it cannot be read)."""
-    crc, size = 0, 0
-    for block in read_blocks(path, memoryview(bytearray(READ_CHUNK_BYTES))):
-        crc = crc32(block, crc)
-        size += len(block)
-    return crc, size
-
-
 def _write_atomically(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
     with open(tmp, "wb") as f:
@@ -97,12 +80,9 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 class SnapshotStore:
-    """One node's snapshot directory of one run."""
-
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        owner = json.loads((self.path / OWNER_NAME).read_text())
-        self.run_id: str = owner["run"]
+        self.run_id: str = json.loads((self.path / OWNER_NAME).read_text())["run"]
 
     @classmethod
     def create(cls, root: str | Path, *, run_id: str, node_rank: int) -> SnapshotStore:
@@ -118,42 +98,30 @@ class SnapshotStore:
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
-    # ----- writing (each rank its own files)
     def step_dir(self, step: int) -> Path:
         return self.path / step_dir_name(step)
 
-    def begin(self, step: int, manifest: Manifest) -> Path:
-        """The directory of `step`, with its manifest (every writer writes the same one)."""
+    def begin(self, step: int, manifest: bytes | memoryview | None) -> Path:
+        """The directory of `step`, with `manifest` where it has none (every writer writes the same one)."""
         directory = self.step_dir(step)
-        directory.mkdir(exist_ok=True)
-        if not (directory / MANIFEST_NAME).is_file():
-            tmp = directory / f".tmp-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
-            save_manifest(tmp, manifest)
-            os.replace(tmp / MANIFEST_NAME, directory / MANIFEST_NAME)
-            tmp.rmdir()
-        return directory
-
-    def finish(self, step: int, rank: int, world_size: int, crc: int) -> SnapshotHeader:
-        """Write the header of rank file `rank` of `step`, last; `crc` is the file's, as its writer
-        computed it while writing (the file is not read again)."""
-        size = (self.step_dir(step) / rank_file_name(rank, world_size)).stat().st_size
-        header = SnapshotHeader(step, self.run_id, rank, world_size, size, crc)
-        _write_atomically(self._header_path(step, rank, world_size), json.dumps(header.to_json()).encode())
-        return header
-
-    def put(self, header: SnapshotHeader, data: memoryview | bytes, *, manifest: memoryview | bytes | None = None) -> None:
-        """A copy of a rank file received from another rank (a buddy's, or for a restore),
-        with the step's manifest where this node has none."""
-        directory = self.step_dir(header.step)
         directory.mkdir(exist_ok=True)
         if manifest is not None and not (directory / MANIFEST_NAME).is_file():
             _write_atomically(directory / MANIFEST_NAME, bytes(manifest))
-        path = directory / rank_file_name(header.rank, header.world_size)
-        self._header_path(header.step, header.rank, header.world_size).unlink(missing_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-        _write_atomically(self._header_path(header.step, header.rank, header.world_size), json.dumps(header.to_json()).encode())
+        return directory
+
+    def finish(self, step: int, rank: int, world_size: int, crc: int) -> SnapshotHeader:
+        """Write the header of rank file `rank` of `step`, last; `crc` as its writer computed it."""
+        size = (self.step_dir(step) / rank_file_name(rank, world_size)).stat().st_size
+        header = SnapshotHeader(step, self.run_id, rank, world_size, size, crc)
+        _write_atomically(self._header_path(step, rank, world_size), header.to_bytes())
+        return header
+
+    def put(self, header: SnapshotHeader, data: memoryview | bytes, *, manifest: memoryview | bytes | None = None) -> None:
+        """A rank file received from another rank (a buddy's, or for a restore), and its step's manifest."""
+        directory = self.begin(header.step, manifest)
+        self.discard(header.step, header.rank, header.world_size)
+        (directory / rank_file_name(header.rank, header.world_size)).write_bytes(data)
+        _write_atomically(self._header_path(header.step, header.rank, header.world_size), header.to_bytes())
 
     def _header_path(self, step: int, rank: int, world_size: int) -> Path:
         return self.step_dir(step) / (rank_file_name(rank, world_size) + HEADER_SUFFIX)
@@ -164,19 +132,14 @@ class SnapshotStore:
         self._header_path(step, rank, world_size).unlink(missing_ok=True)
         (self.step_dir(step) / rank_file_name(rank, world_size)).unlink(missing_ok=True)
 
-    def drop(self, step: int, rank: int, world_size: int) -> None:
-        """Remove one rank file of a finished step, and the step when nothing is left."""
-        self.discard(step, rank, world_size)
-        if not self.files(step):  # another rank of this node may be removing it too
-            shutil.rmtree(self.step_dir(step), ignore_errors=True)
-
     def prune_rank(self, rank: int, world_size: int, *, keep_from: int) -> None:
-        """Remove rank file `rank` of every step before `keep_from`."""
+        """Remove rank file `rank` of every step before `keep_from`, and a step left empty."""
         for step in self.steps():
             if step < keep_from:
-                self.drop(step, rank, world_size)
+                self.discard(step, rank, world_size)
+                if not self.files(step):  # another rank of this node may be removing it too
+                    shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
-    # ----- reading
     def steps(self) -> list[int]:
         found = [parse_step_dir_name(name) for name in os.listdir(self.path)] if self.path.is_dir() else []
         return sorted(step for step in found if step is not None)
@@ -191,7 +154,7 @@ class SnapshotStore:
 
     def header(self, step: int, rank: int, world_size: int) -> SnapshotHeader | None:
         try:
-            return SnapshotHeader.from_json(json.loads(self._header_path(step, rank, world_size).read_text()))
+            return SnapshotHeader.from_bytes(self._header_path(step, rank, world_size).read_bytes())
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -206,8 +169,11 @@ class SnapshotStore:
             return f"{name} of step {step}: written by run {header.run_id}, not {self.run_id}"
         if (header.step, header.rank, header.world_size) != (step, rank, world_size):
             return f"{name} of step {step}: its header is for step {header.step}, rank {header.rank} of {header.world_size}"
+        crc, size = 0, 0
         try:
-            crc, size = file_crc32(self.step_dir(step) / name)
+            for block in read_blocks(self.step_dir(step) / name, memoryview(bytearray(READ_CHUNK_BYTES))):
+                crc = crc32(block, crc)
+                size += len(block)
         except DataCheckError as error:
             return f"{name} of step {step}: unreadable ({error})"
         if size != header.size:
@@ -224,22 +190,15 @@ class SnapshotStore:
         header = self.header(step, rank, world_size)
         if header is None:
             raise FileNotFoundError(f"{self._header_path(step, rank, world_size)}")
-        return header, self.rank_bytes(step, rank, world_size)
-
-    def rank_bytes(self, step: int, rank: int, world_size: int) -> bytes:
-        """Rank file `rank` of `step`, whole."""
-        return read_regular(self.step_dir(step) / rank_file_name(rank, world_size))
+        return header, read_regular(self.step_dir(step) / rank_file_name(rank, world_size))
 
 
 def reclaim_stale(root: str | Path) -> list[Path]:
     """Remove the stores under `root` whose owner no longer runs on this host; returns them.
     A store of another host, or of an owner that cannot be told dead, is kept."""
     removed: list[Path] = []
-    root = Path(root)
-    if not root.is_dir():
-        return removed
     host = socket.gethostname()
-    for path in root.iterdir():
+    for path in Path(root).iterdir() if Path(root).is_dir() else ():
         if not path.name.startswith(STORE_PREFIX) or not path.is_dir():
             continue
         try:

@@ -1,28 +1,24 @@
-"""Taking snapshots: every K steps each rank copies what a checkpoint holds of it into host
-buffers allocated when the run starts (from a GPU on a copy stream that the next optimizer
-step waits for: copy_order.py), and a background thread writes its rank file
-and then its header into the node's store (store.py); with
-several nodes the thread also sends the file to the rank's buddy on the next node, and receives
-the one its own source sends, over a process group of their own.
+"""Taking snapshots: every K steps each rank copies its part of a checkpoint to host memory
+(copy_order.py), and a thread writes its rank file and then its header into the node's store;
+with several nodes the thread also sends the file to the rank's buddy on the next node, and
+receives the one its own source sends, over a process group of their own.
 
 Two slots: a rank writes step S only after every rank has finished the previous snapshot
 (`finished_flag`, summed over the ranks in the step's loss all-reduce, then `confirm`), and
 first removes its own files older than that previous one. So a node holds at most two steps of
 each rank's files, and always one that every rank has complete. A snapshot due while the
 previous one is still being written is skipped, in one line.
-
-A write that fails (shared memory full...) is one warning line; that rank takes no more
-snapshots, and restarts resume from disk.
+A write that fails (shared memory full...) is one warning line, and that rank's last snapshot.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -35,10 +31,9 @@ from ...engine.view import describe
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..format.writer import CacheMode
-from ..live.background import HostBuffers
 from ..live.checkpointer import manifest_of
-from ..live.copy_order import Event, OverlappedCopy, streams_for
-from ..live.model_state import persistent_buffers, planned_numels, tensor_table
+from ..live.copy_order import Event, OverlappedCopy
+from ..live.model_state import persistent_buffers, tensor_table
 from ..live.save_protocol import write_rank
 from ..live.tensors import byte_view
 from .store import SnapshotHeader, SnapshotStore
@@ -57,8 +52,7 @@ class Peers:
 
     @classmethod
     def of(cls, rank: int, world_size: int, local_world_size: int) -> Peers | None:
-        """None on one node (every rank file is in this node's store already). Every rank
-        calls it: making the group is a collective."""
+        """None on one node. Every rank calls it: making the group is a collective."""
         if world_size <= local_world_size:
             return None
         return cls((rank + local_world_size) % world_size, (rank - local_world_size) % world_size, new_group(backend="gloo"))
@@ -66,9 +60,7 @@ class Peers:
 
 class SnapshotWriter:
     """This rank's snapshots into `store`. `warn`: where the one line of a failed write, or of
-    a skipped snapshot (rank 0's), goes. The host buffers are allocated here, when the run
-    starts; the copy into them is ordered as copy_order.py says (the optimizer's next step
-    waits for it); `stall_seconds` sums the training thread's time in `offer`."""
+    a skipped snapshot (rank 0's), goes; `stall_seconds` sums the training thread's time in `offer`."""
 
     def __init__(
         self,
@@ -86,23 +78,14 @@ class SnapshotWriter:
         self.warn = warn
         view = describe(module)
         self.shard_rank, self.shard_factor = view.shard_rank, view.shard_factor
-        self.reports_skips = dist.get_rank() == 0
-        self.host_buffers = HostBuffers()
-        self.host_buffers.reserve(planned_numels(view, module, optimizer), pin=view.device.type == "cuda")
-        self.copy = OverlappedCopy(self.host_buffers, streams_for(view.device))
-        if optimizer is not None:
-            self.copy.guard(optimizer)
+        self.copy = OverlappedCopy.reserved(view, module, optimizer)
+        self.host_buffers = self.copy.buffers
         self.thread: threading.Thread | None = None
         self.failed = False
         self.pending: int | None = None  # the step of the last snapshot started
         self.confirmed: int | None = None  # the newest step every rank has finished
         self.copies: set[int] = set()  # the rank files this rank keeps copies of (its source's)
         self.stall_seconds = 0.0
-
-    @property
-    def ready(self) -> bool:
-        """Whether a snapshot may start now (the same on every rank: see the module docstring)."""
-        return self.pending is None or self.pending == self.confirmed
 
     def finished_flag(self) -> float:
         """1 when this rank has nothing in flight (or has given up), for the ranks' sum."""
@@ -118,16 +101,16 @@ class SnapshotWriter:
         """Snapshot `step` if the previous snapshot is done on every rank; else skip it, in one line."""
         started = time.perf_counter()
         try:
-            if self.ready:
+            if self.pending is None or self.pending == self.confirmed:  # the same on every rank
                 self.take(step, training_state)
                 return
-            if self.reports_skips:
+            if dist.get_rank() == 0:
                 self.warn(f"snapshot of step {step} skipped: the one of step {self.pending} is not finished on every rank yet")
         finally:
             self.stall_seconds += time.perf_counter() - started
 
     def take(self, step: int, training_state: dict) -> None:
-        """Snapshot `step` (call only when `ready`): queue the copy now, write in the background."""
+        """Snapshot `step` (call only through `offer`): queue the copy now, write in the background."""
         self.pending = step
         held, manifest, copied = None, None, None
         if not self.failed:
@@ -143,9 +126,8 @@ class SnapshotWriter:
         self.thread.start()
 
     def _write(self, step: int, manifest: Manifest | None, local: dict | None, copied: Event | None) -> None:
-        """Prune, wait for the copy, write (`manifest` None: this rank gave up), then trade files
-        with the peers. At the thread's own priority: a write to memory is short, and a slow one
-        skips the next snapshot."""
+        """Prune, wait for the copy, write (`manifest` None: this rank gave up), then trade files with
+        the peers; at the thread's own priority: a write to memory is short, a slow one skips the next."""
         header = None
         if manifest is not None and local is not None and copied is not None:
             try:
@@ -154,7 +136,7 @@ class SnapshotWriter:
                         self.store.prune_rank(rank, self.shard_factor, keep_from=self.confirmed)
                 copied.synchronize()
                 faults.reached("snapshot", step)
-                directory = self.store.begin(step, manifest)
+                directory = self.store.begin(step, manifest.to_bytes())
                 crc = write_rank(directory, manifest, self.shard_rank, local, cache=CacheMode.CACHED)  # tmpfs: memory already
                 header = self.store.finish(step, self.shard_rank, self.shard_factor, crc)
             except OSError as error:
@@ -164,21 +146,17 @@ class SnapshotWriter:
                     f"snapshot of step {step} not taken ({error.strerror or error}); this rank takes no more, checkpoints on disk only"
                 )
         if self.peers is not None:
-            self._exchange(header)
+            self._exchange(self.peers, header)
 
-    def _exchange(self, header: SnapshotHeader | None) -> None:
+    def _exchange(self, peers: Peers, header: SnapshotHeader | None) -> None:
         """Send this rank's file (if any) to its buddy, and keep the one its source sends."""
-        peers = self.peers
-        assert peers is not None
-        parts = []
-        if header is not None:
-            parts = [header_bytes(header), self.store.rank_bytes(header.step, header.rank, header.world_size)]
+        parts = [] if header is None else [header.to_bytes(), self.store.read(header.step, header.rank, header.world_size)[1]]
         sent = send_parts(parts, peers.buddy, peers.group)
         received = receive_parts(peers.source, peers.group)
         for work in sent:
             work.wait()
         if received:
-            copy = header_of(received[0])
+            copy = SnapshotHeader.from_bytes(received[0])
             try:
                 if (self.store.step_dir(copy.step) / MANIFEST_NAME).is_file():  # this node's ranks wrote the step's manifest
                     self.store.put(copy, received[1])
@@ -210,19 +188,8 @@ def receive_parts(source: int, group: Any) -> list[memoryview]:
         return []
     body = torch.empty(sum(lengths), dtype=torch.uint8)
     dist.recv(body, source, group=group)
-    raw, parts, at = byte_view(body), [], 0
-    for length in lengths[:count]:
-        parts.append(raw[at : at + length])
-        at += length
-    return parts
-
-
-def header_bytes(header: SnapshotHeader) -> bytes:
-    return json.dumps(header.to_json()).encode()
-
-
-def header_of(raw: memoryview) -> SnapshotHeader:
-    return SnapshotHeader.from_json(json.loads(bytes(raw).decode()))
+    raw, ends = byte_view(body), list(accumulate(lengths[:count]))
+    return [raw[end - length : end] for length, end in zip(lengths[:count], ends, strict=True)]
 
 
 def local_world_size() -> int:
