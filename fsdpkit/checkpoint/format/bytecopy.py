@@ -1,40 +1,22 @@
 """The one byte engine (no torch): every command that moves checkpoint bytes goes through a
-`ByteEngine`. Reshard and `convert --to sharded` assemble rank files (`write_rank_file`),
-`convert --to full` and export stream tensors into a writer (`copy`), loading reads element
-ranges into memory (`read_into`).
+`ByteEngine`: rank files (`write_rank_file`: reshard, `convert --to sharded`), streams into a
+writer (`copy`: `convert --to full`, export), element ranges into memory (`read_into`: loading).
+How it moves bytes, by fragment size, is docs/checkpoint-format.md's "How convert and reshard
+copy"; mappings are windows of two `WINDOW_BYTES` blocks in a bounded LRU, so peak RSS does not
+grow with the checkpoint.
 
 A `SourceTensor` says where each element range of a tensor lies: `SourcePiece`s (range, file,
-byte offset, crc32 or None). Sharded checkpoints give one piece per fragment (with its
-checksum); full safetensors files one piece per tensor (no checksum).
-
-How bytes move, chosen by fragment size:
-
-- large fragments (at least `KERNEL_COPY_BYTES`, no cast): the kernel copies them from file to
-  file (`os.copy_file_range`, else read and write), while the engine checksums the same
-  bytes through a read-only mapping, so they cross user space never;
-- many small fragments (a large world size: millions of a few KB each): slices of mapped
-  source windows are gathered and a whole rank file is one `writev`;
-- rank files over `WHOLE_FILE_BYTES` are written by two worker threads (`files.WriteQueue`),
-  two files at once, while the engine checksums the next bytes; smaller ones by the engine
-  itself (with threads, every unmapped window costs a TLB shootdown);
-- casts (`--dtype`) and streams into a writer: block by block through the mapping.
-
-Mappings are windows of two `WINDOW_BYTES` blocks, kept in a bounded LRU (peak RSS does not
-grow with the checkpoint). Checksums take one pass: every block is checksummed once
-(`crc.crc32`); that value is the output fragment's crc32 (combined when a fragment was cut
-from several blocks) and is combined into the running crc32 of the source piece it came from
-(`crc.crc32_combine`). When a source piece's last byte has passed, its crc32 must equal the
-stored one, else a `DataCheckError`. Fragments of each tensor must be asked for in increasing
-order, each source piece read front to back, which the placements guarantee; `finish()`
-checks that every piece started was read to its end. An engine writing a share of the rank
-files (`workers`) may start a piece where its first fragment does: `finish_parts()` returns
-the pieces it read only in part, each with the crc32 of the bytes it read, and `check_parts`
-checks every piece's parts together. `read_into` (random access) checks a piece whole the
-first time any part of it is wanted.
-
-A file is opened without blocking (a FIFO is refused) and its size taken when first used; a
-piece that would end beyond it is a `DataCheckError`. Sources are checkpoints at rest (a file
-truncated while mapped would raise SIGBUS).
+byte offset, crc32 or None: full safetensors files carry none). Every block is checksummed once:
+that is the output fragment's crc32 (combined when a fragment was cut from several blocks), and
+it is combined into the running crc32 of its source piece, which must equal the stored one when
+the piece's last byte has passed, else a `DataCheckError`. So the fragments of each tensor must
+be asked for in increasing order, each piece read front to back, as the placements guarantee;
+`finish()` checks that every piece started was read to its end. An engine writing a share of
+the rank files (`workers`) may start a piece mid-way: `finish_parts()` returns the pieces it
+read in part, each with the crc32 of the bytes it read, for `check_parts`. `read_into` (random
+access) checks a piece whole the first time any part of it is wanted. A piece that would end
+beyond its file is a `DataCheckError`; sources are checkpoints at rest (a file truncated while
+mapped would raise SIGBUS).
 """
 
 from __future__ import annotations
@@ -143,7 +125,7 @@ class ByteEngine:
     def __init__(
         self,
         sources: Sequence[SourceTensor] = (),
-        out_dtypes: list[str] | None = None,
+        out_dtypes: Sequence[str] = (),
         *,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         progress: Callable[[int], None] | None = None,
@@ -151,7 +133,6 @@ class ByteEngine:
         if chunk_size < 64:
             raise ValueError(f"chunk size must be at least 64 bytes, got {chunk_size}")
         self.block = min(chunk_size, WINDOW_BYTES) // 8 * 8  # whole elements of any dtype
-        out_dtypes = out_dtypes if out_dtypes is not None else [s.dtype for s in sources]
         self._cursors = [_Cursor(source, dtype) for source, dtype in zip(sources, out_dtypes, strict=True)]
         self._named: dict[tuple[str, str], _Cursor] = {}  # cursors of tensors given to copy()
         self._verified: set[tuple[int, int]] = set()  # (file, offset) of pieces read_into checked whole
@@ -195,7 +176,7 @@ class ByteEngine:
             crc = 0
             for first in range(start, end, step):
                 last = min(first + step, end)
-                part = self.fragment(t, first, last, views)
+                part = self.fragments((t,), (first,), (last,), views)[0]
                 size = (stop - begin) * (last - first) // (end - start)
                 crc = crc32_combine(crc, part, size) if first > start else part
                 pending += size
@@ -207,13 +188,10 @@ class ByteEngine:
             writes.submit(lane, pending, write_views, fd, views, path, at)
         writes.submit(lane, layout.data_start, write_views, fd, layout.header_with(crcs), path, 0)
 
-    def fragment(self, tensor: int, start: int, end: int, views: list) -> int:
-        """Append the bytes of elements [start, end) of source `tensor` to `views`; their crc32."""
-        return self.fragments((tensor,), (start,), (end,), views)[0]
-
     def fragments(self, tensors, starts, ends, views: list) -> list[int]:
-        """`fragment` for each (tensor, start, end) in turn; their crc32s. A fragment inside the
-        window its piece last used takes the inlined path (a large world size has millions)."""
+        """Append the bytes of elements [start, end) of source `tensor` to `views`, for each (tensor,
+        start, end) in turn; their crc32s. A fragment inside the window its piece last used takes
+        the inlined path (a large world size has millions)."""
         crcs = []
         cursors, block = self._cursors, self.block
         done = 0
@@ -314,20 +292,14 @@ class ByteEngine:
         return at + count
 
     # ----- streams (convert --to full, export layouts)
-    def copy(
-        self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None], *, checksum: bool = False
-    ) -> int | None:
-        """Stream elements `wanted` of `tensor`, cast to `out_dtype`, into `sink`; with `checksum`,
-        return the crc32 of what was handed on."""
+    def copy(self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None]) -> None:
+        """Stream elements `wanted` of `tensor`, cast to `out_dtype`, into `sink`."""
         cursor = self._named.get((tensor.name, out_dtype))
         if cursor is None or cursor.source is not tensor:
             cursor = self._named[(tensor.name, out_dtype)] = _Cursor(tensor, out_dtype)
-        out_crc = 0
-        for view, crc in self._cast_blocks(cursor, wanted.start, wanted.end):
+        for view, _ in self._cast_blocks(cursor, wanted.start, wanted.end):
             sink(view)
-            out_crc = crc32_combine(out_crc, crc, view.nbytes) if checksum else 0
             self._report()
-        return out_crc if checksum else None
 
     # ----- loading
     def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
@@ -411,8 +383,8 @@ class ByteEngine:
         elif piece.crc32 is not None and piece.running != piece.crc32:
             raise DataCheckError(f"{self._files.paths[piece.file]}: {mismatch(piece.label, piece.crc32, piece.running)}")
 
-    def _report(self) -> None:
-        if self._progress is not None and self.bytes_read - self._reported >= PROGRESS_BYTES:
+    def _report(self, at_least: int = PROGRESS_BYTES) -> None:
+        if self._progress is not None and self.bytes_read - self._reported >= at_least:
             self._progress(self.bytes_read - self._reported)
             self._reported = self.bytes_read
 
@@ -431,9 +403,7 @@ class ByteEngine:
 
     def close(self) -> None:
         """Wait for every queued write (raising the first that failed), close the files."""
-        if self._progress is not None and self.bytes_read > self._reported:
-            self._progress(self.bytes_read - self._reported)
-            self._reported = self.bytes_read
+        self._report(at_least=1)
         writes, self._writes = self._writes, None
         try:
             if writes is not None:

@@ -1,10 +1,8 @@
 """Checkpoint files at the system-call level (no torch), the one module that reads their bytes:
 the one way a file is opened for reading (`open_regular`: without blocking, so a FIFO in place
-of a file cannot hang, and only a regular file accepted), exact reads, streamed blocks
-(`read_blocks`), vectored writes, source files mapped in bounded
-windows (`MappedFiles`) for the byte engine, and the writes of its outputs run by worker
-threads (`WriteQueue`), so the kernel copies on one core while the engine checksums and
-plans on the other.
+of a file cannot hang, and only a regular file accepted), exact reads, vectored writes, source
+files mapped in bounded windows (`MappedFiles`), and writes run by worker threads
+(`WriteQueue`), so the kernel copies on one core while the byte engine checksums on the other.
 """
 
 from __future__ import annotations
@@ -73,13 +71,9 @@ def read_blocks(path: Path, buffer: memoryview, start: int = 0, end: int | None 
 
 def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:
     """Bytes [offset, offset + count) of `fd`; a file that ends before is a DataCheckError."""
-    data = os.pread(fd, count, offset)
-    while len(data) < count:
-        more = os.pread(fd, count - len(data), offset + len(data))
-        if not more:
-            raise DataCheckError(f"{path}: file ends at byte {offset + len(data)}, {count - len(data)} bytes early (truncated)")
-        data += more
-    return data
+    data = bytearray(count)
+    pread_into(fd, offset, memoryview(data), path)
+    return bytes(data)
 
 
 def read_some(fd: int, offset: int, view: memoryview) -> int:

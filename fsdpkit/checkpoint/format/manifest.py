@@ -1,17 +1,9 @@
-"""The manifest of a sharded checkpoint: schema, JSON round trip, validation (no torch).
-
-Version 2 (written): only what cannot be derived, so its size does not depend on the world
-size: world size, strategy, the file naming rule, the placement (the model's flat-parameter
-units, or "even"), the tensor table (name, dtype, shape of every stored tensor, in order),
-tied-weight aliases, the training state, and the id of the run that wrote it. Where each
-fragment lives, every file's size and header are derived (`placement.ShardLayout`); each
-fragment's crc32 is in its rank file's header. Version 1 (read): additionally lists every
-file with its size and every fragment with its file, key, range and crc32 (`V1Listing`).
-
-`load_manifest(step_dir)` / `Manifest.from_json(document, where=...)` accept only a
-well-formed manifest of either version; anything else is a one-line `DataCheckError` naming
-`where` and the wrong value. `check_compatible` says whether a checkpoint fits a model,
-before any weight is read. JSON layout: docs/checkpoint-format.md.
+"""The manifest of a sharded checkpoint (docs/checkpoint-format.md): schema, JSON round trip,
+validation (no torch). Version 2 (written) holds only what cannot be derived, so its size does
+not depend on the world size; version 1 (read) also lists every file and fragment (`V1Listing`).
+Only a well-formed manifest of either version is accepted; anything else is a one-line
+`DataCheckError` naming `where` and the wrong value. `check_compatible` says whether a
+checkpoint fits a model, before any weight is read.
 """
 
 from __future__ import annotations

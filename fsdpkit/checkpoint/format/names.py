@@ -1,8 +1,5 @@
-"""Names and constants of the fsdpkit checkpoint format (no I/O, no torch).
-
-The spec is docs/checkpoint-format.md. Everything here is pure and shared by the writer,
-the readers, convert, reshard, verify and inspect.
-"""
+"""Names and constants of the fsdpkit checkpoint format, bounded JSON and safetensors headers
+(pure: no I/O, no torch)."""
 
 from __future__ import annotations
 
@@ -167,9 +164,7 @@ def parse_header_bytes(raw: bytes, *, path: Path) -> Header:
     metadata = document.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise DataCheckError(f"{path}: __metadata__ must map strings to strings")
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in document.items():
-        tensors[name] = _tensor_info(name, entry, path)
+    tensors = {name: _tensor_info(name, entry, path) for name, entry in document.items()}
     spans = sorted((t.begin, t.end, name) for name, t in tensors.items())
     position = 0
     for begin, end, name in spans:

@@ -1,28 +1,11 @@
 """Where every fragment of every saved tensor lives at a world size: pure range arithmetic,
-derived from the manifest, never listed in it (format v2; docs/checkpoint-format.md).
-
-A `Placement` is either
-
-- "flat": the model's flat-parameter units (the engine's unit plan), each an ordered list of
-  parameter names; a unit is laid out with the engine's own `FlatLayout` at shard factor W;
-- "even": no unit plan; every tensor is split with `even_split_ranges(numel, W)`.
-
-`ShardLayout(placement, tensors, world_size)` derives, for the manifest's tensor table, which
-element ranges rank r's file holds:
-
-- a parameter of a flat placement: its intersection with chunk r of its unit;
-- `optim.<state>.<param>` with the numel of a planned parameter: the same ranges as that
-  parameter (optimizer state is laid out exactly like its parameter);
-- `optim.<state>.<param>` of one element (a scalar such as Adam's step): whole, on the rank
-  that holds the parameter's first element;
-- any other tensor under a flat placement (buffers...): whole, on rank 0;
-- every tensor under an even placement: `even_split_ranges(numel, W)[r]`.
-
-Empty ranges are not stored. A rank file stores its fragments in the order of the tensor
-table, stably sorted by descending element size (so every fragment starts aligned), packed
-with no gaps; `FileLayout` gives each fragment's byte span and the whole file header. The
-header is deterministic (`header_bytes`), so the file's size is derived too; only the
-fragments' crc32s (in the header's `__metadata__`) come from the data.
+derived from the manifest, never listed in it (format v2). The rules are docs/checkpoint-format.md's
+"Where each fragment lives" and "Rank files": a "flat" placement lays each of the model's units
+out with the engine's own `FlatLayout`, an "even" one splits every tensor with
+`even_split_ranges`; optimizer state is laid out like its parameter, a scalar state whole with
+its parameter's first element, anything else under a flat placement whole on rank 0. A rank
+file's header is deterministic (`FileLayout`), so its size is derived too; only the fragments'
+crc32s (in its `__metadata__`) come from the data.
 """
 
 from __future__ import annotations

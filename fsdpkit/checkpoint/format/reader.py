@@ -1,34 +1,20 @@
-"""The one reader of checkpoint files (no torch): safetensors headers, sharded checkpoints of
-format v2 (and v1), full Hugging Face style checkpoints; every file validated before a data
-byte of it is used. Bytes themselves are read by `bytecopy.ByteEngine` from the
-`SourceTensor`s this module describes.
+"""The one reader of checkpoint files (no torch): sharded checkpoints of format v2 (and v1) and
+full Hugging Face style ones (docs/checkpoint-format.md's "Reading", "Version 1" and "Full
+checkpoints"), every file validated before a data byte of it is used. Bytes themselves are read
+by `bytecopy.ByteEngine` from the `SourceTensor`s this module describes. Every file is opened
+with `files.open_regular`; nothing outside the checkpoint directory is read
+(`storage.checkpoint_file`); every problem is a one-line `DataCheckError` naming the file.
 
-Every file is opened with `files.open_regular`: O_NONBLOCK (a FIFO in place of a file cannot
-block), then fstat, and anything but a regular file is refused. Nothing outside the checkpoint
-directory is read (`storage.checkpoint_file`). Every problem is a one-line `DataCheckError`
-naming the file.
-
-Sharded, v2: each rank file's size and whole header are derived from the manifest
-(`placement.ShardLayout`); the file must have exactly that size and that header, except the crc32
-hex digits in its `__metadata__`, which give each fragment's checksum. v1: the manifest lists
-files, sizes and fragments; headers are parsed and checked against the listing.
 `open_sharded_lazily(path)` validates files as they are first touched (a loading rank touches
 only the files its chunk overlaps); `open_sharded(path)` validates every file first (the
-offline commands). `ShardedCheckpoint.source(name)` gives the pieces of a tensor, computed on
-demand, so memory does not grow with world size x tensors.
+offline commands). A tensor's pieces are computed on demand, so memory does not grow with
+world size x tensors.
 
-Safetensors (huggingface/safetensors): 8 bytes little-endian u64 N, N bytes of JSON header
-(`{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`),
-then the byte buffer, which the offsets index with no holes. `read_header(path)` (full and
-v1 files) checks the length against the file size and the 100 MB limit, the JSON (nesting
-capped), every dtype, spans equal to numel * itemsize tiling the buffer exactly, and that
-the file ends where the buffer does.
-
-Full: `model.safetensors`, or `model-0000k-of-0000N.safetensors` plus
-`model.safetensors.index.json`; optimizer state likewise under `optimizer*`; tied weights
-stored once, with `{"fsdpkit_tied_weights": JSON {alias: stored name}}` in the metadata.
-`open_full(path)` accepts a directory holding either layout, a `.safetensors` file or an
-index file (no checksums: full files carry none).
+Safetensors: 8 bytes little-endian u64 N, N bytes of JSON header (`{"name": {"dtype", "shape",
+"data_offsets": [begin, end]}, "__metadata__": {str: str}}`), then the byte buffer, which the
+offsets index with no holes. `read_header(path)` (full and v1 files) checks the length against
+the file size and the 100 MB limit, the JSON (nesting capped), every dtype, spans equal to
+numel * itemsize tiling the buffer exactly, and that the file ends where the buffer does.
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
-"""Checkpoint directories on disk: finding them, keeping paths inside them, and making them
-appear atomically (no torch).
+"""Checkpoint directories on disk (no torch): finding them, keeping paths inside them, making
+them appear atomically, pruning. The save protocol is docs/checkpoint-format.md's "Directory
+layout": a crash at any point leaves `latest` naming a complete checkpoint.
 
-Finding: `resolve_checkpoint(path)` accepts a step directory (it holds manifest.json) or a
-run directory: there it follows `latest`, or, when `latest` is absent (a crash before the
-very first `latest` was written), takes the highest complete `step-NNNNNNNN`. In-progress
-`.tmp-*` directories are never taken. `checkpoint_file(step_dir, name)` refuses names or
-symlinks that would leave the directory.
+Training saves: `begin(run_dir, step)` makes the temporary directory every rank writes into,
+`commit` (one process, rank 0) makes it step `step` and replaces `latest`, `abort` removes it.
+Pruning removes only checkpoints of the run that wrote this one (the manifest's run id, see
+lock.py): another run's directories, complete or in progress, are never deleted.
 
-Training saves (a run directory)::
-
-    tmp = begin(run_dir, step)          # run_dir/.tmp-step-NNNNNNNN-<random>; every rank writes here
-    ... every rank writes its rank file ...
-    final = commit(tmp, run_dir, step, manifest, keep_last=3)   # one process (rank 0)
-
-`commit` checks that every rank file the manifest derives is in `tmp` (a missing one usually
-means the ranks do not share a filesystem; each rank fsynced its own), writes manifest.json,
-fsyncs it and the directory, renames `tmp` to `step-NNNNNNNN`, fsyncs the run directory, then
-replaces `latest` atomically (temporary file, fsync, `os.replace`). Only after that, `keep_last`
-prunes, and only the checkpoints of the run that wrote this one (the manifest's run id; see
-lock.py): another run's directories, complete or in progress, are never deleted. A crash at
-any point leaves `latest` naming a complete checkpoint (or, before the first commit, no
-`latest` and no step directory). `abort(tmp)` removes an unfinished one.
-
-Offline outputs (convert, reshard): `staged_output(dst, src=..., overwrite=..., needed_bytes=...)`
-refuses, before anything is written, DST equal to, inside or containing SRC, an existing DST
-without `overwrite`, a read-only destination directory and an output larger than its whole
-filesystem (UsageErrors), and too little free disk (a RunError); it yields a hidden temporary sibling directory,
-syncs (`sync_files`) and renames it to DST on success, and removes it on any error; an
-OSError (a read-only, full or size-limited destination) becomes one line naming the path and
-the errno (`RunError`).
+Offline outputs (convert, reshard): `staged_output` refuses, before anything is written, DST
+equal to, inside or containing SRC, an existing DST without `overwrite`, a read-only
+destination and an output larger than its whole filesystem (UsageErrors), and too little free
+disk (a RunError); it yields a hidden temporary sibling directory, syncs and renames it to DST
+on success, and removes it on any error; an OSError becomes one line naming the path and the
+errno (`RunError`).
 """
 
 from __future__ import annotations
@@ -121,6 +105,7 @@ def checkpoint_file(step_dir: Path, name: str) -> Path:
 
 # ----- durability
 def fsync_dir(path: Path) -> None:
+    """fsync a directory (or a file)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -134,11 +119,7 @@ def sync_files(directory: Path, names: list[str]) -> None:
     and an fsync per file; few files, or no syncfs: fsync each."""
     if len(names) <= SYNCFS_FILES or not _syncfs(directory):
         for name in names:
-            fd = os.open(directory / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(directory / name)
     fsync_dir(directory)
 
 
@@ -237,13 +218,7 @@ def prune(run_dir: str | Path, *, keep_last: int, run_id: str) -> list[Path]:
     Returns what was removed."""
     run_dir = Path(run_dir)
     latest = read_latest(run_dir)
-    mine = []
-    for _, path in complete_steps(run_dir):
-        try:
-            if load_manifest(path).run_id == run_id:
-                mine.append(path)
-        except DataCheckError:
-            continue  # unreadable: not provably ours
+    mine = _steps_of_run(run_dir, run_id)
     removed = []
     for path in mine[: max(0, len(mine) - keep_last)]:
         if path.name != latest:
@@ -269,13 +244,18 @@ def remove_unfinished(run_dir: str | Path, *, run_id: str) -> list[Path]:
 
 def newest_of_run(run_dir: str | Path, *, run_id: str) -> Path | None:
     """The newest complete checkpoint in `run_dir` that run `run_id` wrote, or None."""
-    for _, path in reversed(complete_steps(run_dir)):
-        try:
+    mine = _steps_of_run(run_dir, run_id)
+    return mine[-1] if mine else None
+
+
+def _steps_of_run(run_dir: str | Path, run_id: str) -> list[Path]:
+    """The complete steps that run `run_id` wrote, oldest first (an unreadable one is not provably its)."""
+    mine = []
+    for _, path in complete_steps(run_dir):
+        with contextlib.suppress(DataCheckError):
             if load_manifest(path).run_id == run_id:
-                return path
-        except DataCheckError:
-            continue
-    return None
+                mine.append(path)
+    return mine
 
 
 def os_error_line(error: OSError, where: Path) -> str:

@@ -1,35 +1,17 @@
 """The one writer of checkpoint files (no torch): safetensors files whose header is known before
-their data, streamed in bounded memory. Used by training saves (each rank its own file),
-convert and reshard (every rank file of a new layout, `write_sharded`) and `convert --to
-full` (`StreamingWriter`).
+their data, written front to back in bounded memory.
 
 `StreamingWriter(path, entries, metadata=...)` lays the header out from (name, dtype, shape)
-alone: entries in the order given after a stable sort by descending itemsize (so every tensor
-starts aligned to its element size), header padded with spaces to a multiple of 8, as the
-safetensors library does; the result reads back with `safetensors.safe_open`.
-`RankFileWriter(path, file_layout)` writes a v2 rank file whose header the manifest derives
-(`placement.FileLayout`); after each fragment the caller gives its crc32 (`end_fragment`),
-and `close` writes the crc32 hex digits into the header's `__metadata__` (fixed width, so the
-header's length never changes); `file_crc32` is then the whole file's, combined from those.
-
-Data arrives in any number of pieces; small ones are gathered in a 1 MiB buffer so a file of
-many small fragments costs a few system calls. The `cache` mode (`CacheMode`) says how the
-data passes the kernel's page cache: CACHED leaves it there; WRITE_BEHIND starts the
-writeback of every completed `WRITE_BEHIND_BYTES` at once (`posix_fadvise(DONTNEED)`: dirty
-data is never dropped), so the disk works while the copy goes on and a multi-GB output does
-not fill the page cache; DIRECT (files of at least `DIRECT_MIN_BYTES`) copies the data into
-an 8 MiB page-aligned staging buffer and writes it whole with O_DIRECT, past the cache: no
-page-cache copy, no writeback and no reclaim for the kernel to do on the cores training uses,
-and an fsync that finds nothing dirty; the last partial buffer and header patches are written
-cached.
-`close()` fsyncs unless the caller syncs many files at once (`sync=False`, then
-`storage.sync_files`, as `staged_output` does); `write_seconds` and `fsync_seconds` count the
-time spent in those system calls. On an exception inside a `with` block the partial file is
-removed.
-
-`write_sharded` (convert --to sharded, reshard) writes every rank file of a layout with the
-byte engine (`bytecopy.ByteEngine.write_rank_file`; many files by several processes,
-`workers.write_rank_files`), then the manifest.
+alone, as the safetensors library does: entries stably sorted by descending itemsize (so every
+tensor starts aligned), header padded with spaces to a multiple of 8. `RankFileWriter(path,
+file_layout)` writes a v2 rank file whose header the manifest derives; after each fragment the
+caller gives its crc32 (`end_fragment`), and `close` writes the hex digits into the header
+(fixed width, so its length never changes). Small pieces are gathered in a 1 MiB buffer, so a
+file of many small fragments costs a few system calls. `CacheMode` says how the data passes
+the page cache: DIRECT (an 8 MiB page-aligned staging buffer, O_DIRECT) leaves the kernel no
+page-cache copy, writeback or reclaim to do on the cores training uses. `close()` fsyncs
+unless the caller syncs many files at once (`sync=False`, then `storage.sync_files`). On an
+exception inside a `with` block the partial file is removed.
 """
 
 from __future__ import annotations
@@ -52,8 +34,9 @@ import numpy
 from ...dtypes import dtype_info
 from .bytecopy import SourceTensor
 from .crc import crc32, crc32_combine
+from .files import create
 from .manifest import Manifest, save_manifest
-from .names import numel, output_dtype, rank_file_name
+from .names import TensorInfo, numel, output_dtype, rank_file_name
 from .placement import FileLayout, Placement, TensorSpec
 from .workers import write_rank_files
 
@@ -76,21 +59,9 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class Span:
-    """Where one entry's data sits, relative to the start of the data buffer."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-def layout_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None) -> tuple[bytes, list[tuple[str, Span]]]:
+def layout_header(
+    entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None
+) -> tuple[bytes, list[tuple[str, TensorInfo]]]:
     """The header bytes (length prefix included, padded to 8) and each entry's data span, in write order."""
     names = [name for name, _, _ in entries]
     if len(set(names)) != len(names) or "__metadata__" in names:
@@ -102,7 +73,7 @@ def layout_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dic
     spans, position = [], 0
     for name, dtype, shape in ordered:
         size = numel(shape) * dtype_info(dtype).itemsize
-        info = Span(dtype, tuple(int(d) for d in shape), position, position + size)
+        info = TensorInfo(dtype, tuple(int(d) for d in shape), position, position + size)
         document[name] = {"dtype": dtype, "shape": list(info.shape), "data_offsets": [info.begin, info.end]}
         spans.append((name, info))
         position += size
@@ -130,20 +101,15 @@ class _FileWriter:
         self.write_seconds = 0.0
         self.fsync_seconds = 0.0
         self.direct_bytes = 0  # written with O_DIRECT, past the page cache
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        self._fd = os.open(self.path, flags, 0o644)
-        self._mode = self._mode_here(cache, size)
-        direct = self._mode is CacheMode.DIRECT
+        self._fd = create(self.path)
+        if cache is CacheMode.WRITE_BEHIND and not hasattr(os, "posix_fadvise"):
+            cache = CacheMode.CACHED
+        if cache is CacheMode.DIRECT and not (size >= DIRECT_MIN_BYTES and _set_direct(self._fd, True)):
+            cache = CacheMode.CACHED
+        self._mode = cache
+        direct = cache is CacheMode.DIRECT
         self._buffer: bytearray | mmap.mmap = mmap.mmap(-1, DIRECT_BUFFER_BYTES) if direct else bytearray(min(BUFFER_BYTES, size))
         self.write(header)
-
-    def _mode_here(self, cache: CacheMode, size: int) -> CacheMode:
-        """`cache`, or CACHED where this file or system cannot have it."""
-        if cache is CacheMode.WRITE_BEHIND and not hasattr(os, "posix_fadvise"):
-            return CacheMode.CACHED
-        if cache is CacheMode.DIRECT and not (size >= DIRECT_MIN_BYTES and _set_direct(self._fd, True)):
-            return CacheMode.CACHED
-        return cache
 
     def write(self, data) -> None:
         """Append bytes (anything exposing the buffer protocol)."""
