@@ -7,6 +7,7 @@ files mapped in bounded windows (`MappedFiles`), and writes run by worker thread
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -45,28 +46,32 @@ def open_regular(path: Path) -> tuple[int, int]:
     return fd, info.st_size
 
 
-def read_regular(path: Path, limit: int | None = None) -> bytes:
-    """Regular file `path` (a DataCheckError otherwise), its first `limit` bytes where given."""
+@contextlib.contextmanager
+def regular_file(path: Path) -> Iterator[tuple[int, int]]:
+    """`open_regular(path)`, the descriptor closed when the block is left."""
     fd, size = open_regular(path)
     try:
-        return read_exactly(fd, size if limit is None else min(size, limit), 0, path)
+        yield fd, size
     finally:
         os.close(fd)
+
+
+def read_regular(path: Path, limit: int | None = None) -> bytes:
+    """Regular file `path` (a DataCheckError otherwise), its first `limit` bytes where given."""
+    with regular_file(path) as (fd, size):
+        return read_exactly(fd, size if limit is None else min(size, limit), 0, path)
 
 
 def read_blocks(path: Path, buffer: memoryview, start: int = 0, end: int | None = None) -> Iterator[memoryview]:
     """Bytes [start, end) of regular file `path` (to its end without `end`), front to back, read
     into `buffer` one block at a time; each block is valid until the next is read."""
-    fd, size = open_regular(path)
-    try:
+    with regular_file(path) as (fd, size):
         end = size if end is None else end
         while start < end:
             block = buffer[: min(len(buffer), end - start)]
             pread_into(fd, start, block, path)
             yield block
             start += len(block)
-    finally:
-        os.close(fd)
 
 
 def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:

@@ -33,7 +33,7 @@ from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
 from .export import ExportLayout, layout_of
-from .files import open_regular, pread_into, read_blocks, read_exactly
+from .files import pread_into, read_blocks, read_exactly, regular_file
 from .manifest import Manifest, V1Listing, load_manifest
 from .names import (
     CRC_METADATA_KEY,
@@ -61,8 +61,7 @@ CACHED_PIECES = 256
 def read_header(path: str | Path, *, expected_size: int | None = None) -> Header:
     """Parse and validate the header of a safetensors file (see the module docstring)."""
     path = Path(path)
-    fd, size = open_regular(path)
-    try:
+    with regular_file(path) as (fd, size):
         if expected_size is not None and size != expected_size:
             raise DataCheckError(f"{path}: file is {size} bytes, the manifest says {expected_size}")
         if size < 8:
@@ -73,8 +72,6 @@ def read_header(path: str | Path, *, expected_size: int | None = None) -> Header
         if 8 + header_len > size:
             raise DataCheckError(f"{path}: header claims {header_len} bytes but the file has only {size} bytes")
         raw = read_exactly(fd, header_len, 8, path)
-    finally:
-        os.close(fd)
     header = parse_header_bytes(raw, path=path)
     end = header.file_size
     if end != size:
@@ -176,25 +173,19 @@ class ShardedCheckpoint:
 
     def _validate_v2(self, rank: int, expected: FileLayout) -> RankFile:
         path = self.rank_file_path(rank)
-        fd, size = open_regular(path)
-        try:
+        with regular_file(path) as (fd, size):
             check_v2_size(path, size, expected)
             raw = read_exactly(fd, len(expected.header), 0, path)
-        finally:
-            os.close(fd)
         return RankFile(path, size, expected.data_start, expected.tensors, expected.spans, v2_crcs(path, raw, expected))
 
     def read_whole_v2(self, rank: int, expected: FileLayout, buffer: memoryview) -> tuple[Path, memoryview]:
         """Rank file `rank` of a v2 checkpoint, of the size its layout derives, read whole into
         `buffer` (at least that size): (its path, the bytes read)."""
         path = self.rank_file_path(rank)
-        fd, size = open_regular(path)
-        try:
+        with regular_file(path) as (fd, size):
             check_v2_size(path, size, expected)
             view = buffer[:size]
             pread_into(fd, 0, view, path)
-        finally:
-            os.close(fd)
         return path, view
 
     def rank_file_path(self, rank: int) -> Path:
@@ -411,13 +402,10 @@ def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> 
 
 
 def _index_files(index_path: Path) -> list[Path]:
-    fd, size = open_regular(index_path)
-    try:
+    with regular_file(index_path) as (fd, size):
         if size > MAX_HEADER_BYTES:
             raise DataCheckError(f"{index_path}: {size} bytes, over the {MAX_HEADER_BYTES}-byte limit for an index")
         raw = read_exactly(fd, size, 0, index_path)
-    finally:
-        os.close(fd)
     document = parse_json(raw, where=str(index_path), what="index")
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:

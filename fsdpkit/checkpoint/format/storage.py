@@ -61,8 +61,7 @@ def read_latest(run_dir: Path) -> str | None:
     if not latest.exists():
         return None
     try:
-        raw = latest.read_bytes()[:256]
-        name = raw.decode("ascii").strip()
+        name = latest.read_bytes()[:256].decode("ascii").strip()
     except (OSError, UnicodeDecodeError) as error:
         raise DataCheckError(f"{latest}: unreadable ({error})") from None
     if parse_step_dir_name(name) is None or not is_safe_file_name(name):
@@ -81,10 +80,9 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         return path
     name = read_latest(path)
     if name is not None:
-        target = path / name
-        if not (target / MANIFEST_NAME).is_file():
+        if not (path / name / MANIFEST_NAME).is_file():
             raise DataCheckError(f"{path / LATEST_NAME}: names {name}, which is missing or has no {MANIFEST_NAME}")
-        return target
+        return path / name
     steps = complete_steps(path)
     if steps:
         return steps[-1][1]
@@ -96,10 +94,8 @@ def checkpoint_file(step_dir: Path, name: str) -> Path:
     if not is_safe_file_name(name):
         raise DataCheckError(f"{step_dir}: file name {name!r} is not a plain file name inside the checkpoint")
     path = step_dir / name
-    if path.is_symlink():
-        root = os.path.realpath(step_dir)
-        if os.path.dirname(os.path.realpath(path)) != root:
-            raise DataCheckError(f"{path}: symlink points outside the checkpoint directory")
+    if path.is_symlink() and os.path.dirname(os.path.realpath(path)) != os.path.realpath(step_dir):
+        raise DataCheckError(f"{path}: symlink points outside the checkpoint directory")
     return path
 
 

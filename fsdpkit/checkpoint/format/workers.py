@@ -12,6 +12,7 @@ itself, which the DeepSpeed writer uses too (its files shared out by size, `even
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Callable, Sequence
@@ -160,14 +161,10 @@ class _Children:
         """Kill the children still running (after an error) and reap them all."""
         for receive, pid in self._pids.items():
             if receive not in self._results:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
             receive.close()
         self._pids.clear()
 
@@ -177,7 +174,5 @@ def _send_error(send: Connection, error: BaseException) -> None:
     try:
         send.send(("error", error))
     except BaseException:
-        try:
+        with contextlib.suppress(BaseException):
             send.send(("error", RunError(f"{type(error).__name__}: {error}")))
-        except BaseException:
-            pass
