@@ -144,12 +144,10 @@ class ByteEngine:
 
     # ----- rank files (reshard, convert --to sharded)
     def write_rank_file(self, path: Path, layout: FileLayout) -> None:
-        """Rank file `layout` at `path`, its fragments from the sources; the caller syncs the
-        whole output once `close` has waited for every write. A small file is one `writev` of
-        its complete header and mapped slices, here; a larger one is queued to the write
-        threads in steps at their offsets, its header with the crc32 digits last, and fsynced
-        there (the disk writes it while the next is copied). On an error a small file is
-        removed; the caller removes the output."""
+        """Rank file `layout` at `path`: a small one is one `writev` of its header and mapped
+        slices, here; a larger one is queued to the write threads in steps, its header with the
+        crc32 digits last, and fsynced there (the disk writes it while the next is copied). The
+        caller syncs and, on an error, removes the whole output once `close` has returned."""
         if layout.size <= WHOLE_FILE_BYTES:
             views: list = []
             crcs = self.fragments(layout.tensors, layout.starts, layout.ends, views)
@@ -215,18 +213,13 @@ class ByteEngine:
                     if piece.done == piece.nbytes:
                         self._finish_piece(cursor, piece)
                     continue
-            crcs.append(self._gather(cursor, start, end, views))
+            out_crc = 0  # the general case: several pieces or blocks, a new window, a cast
+            for view, crc in self._cast_blocks(cursor, start, end):
+                views.append(view)
+                out_crc = crc32_combine(out_crc, crc, len(view))
+            crcs.append(out_crc)
         self.bytes_read += done
         return crcs
-
-    def _gather(self, cursor: _Cursor, start: int, end: int, views: list) -> int:
-        """The general case of `fragments`: several pieces, several blocks, a new window, a cast."""
-        out_crc, fresh = 0, True
-        for view, crc in self._cast_blocks(cursor, start, end):
-            views.append(view)
-            out_crc = crc if fresh else crc32_combine(out_crc, crc, len(view))
-            fresh = False
-        return out_crc
 
     def _cast_blocks(self, cursor: _Cursor, start: int, end: int) -> Iterator[tuple[memoryview, int]]:
         """(bytes, their crc32) of elements [start, end) block by block, cast when asked."""
@@ -267,12 +260,11 @@ class ByteEngine:
     def _send(self, cursor: _Cursor, start: int, end: int, out: tuple[int, int, Path], at: int) -> int:
         """Elements [start, end) copied by the kernel to byte `at` of output `out` (lane, fd,
         path), checksummed on the way through the mapping; their crc32."""
-        out_crc, fresh = 0, True
+        out_crc = 0
         run: _Piece | None = None  # bytes [offset, offset + count) of its file are not yet queued
         offset = count = 0
         for piece, view, crc in self._blocks(cursor, start, end):
-            out_crc = crc if fresh else crc32_combine(out_crc, crc, view.nbytes)
-            fresh = False
+            out_crc = crc32_combine(out_crc, crc, view.nbytes)
             if run is piece:
                 count += view.nbytes
                 continue

@@ -70,7 +70,6 @@ def _describe(holder: dict | None) -> str:
 class RunLock:
     def __init__(self, path: Path, holder: dict):
         self.path = path
-        self.holder = holder
         self.run_id: str = holder["run"]
 
     @classmethod

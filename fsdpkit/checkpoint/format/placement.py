@@ -240,7 +240,6 @@ class ShardLayout:
         return tensors, starts, ends
 
     def piece_count(self, tensor: int) -> int:
-        """How many fragments `tensor` has."""
         numel = self.tensors[tensor].numel
         if not numel:
             return 0

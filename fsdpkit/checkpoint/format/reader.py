@@ -59,7 +59,6 @@ CACHED_PIECES = 256
 
 # ----- safetensors headers (full and v1 files)
 def read_header(path: str | Path, *, expected_size: int | None = None) -> Header:
-    """Parse and validate the header of a safetensors file (see the module docstring)."""
     path = Path(path)
     with regular_file(path) as (fd, size):
         if expected_size is not None and size != expected_size:

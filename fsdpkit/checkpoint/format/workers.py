@@ -120,7 +120,11 @@ class _Children:
                 send.send(("done", function(send.send)))
                 status = 0
             except BaseException as error:
-                _send_error(send, error)
+                try:
+                    send.send(("error", error))
+                except BaseException:  # one that cannot be pickled: a RunError with its line
+                    with contextlib.suppress(BaseException):
+                        send.send(("error", RunError(f"{type(error).__name__}: {error}")))
             finally:
                 os._exit(status)
         send.close()
@@ -167,12 +171,3 @@ class _Children:
                 os.waitpid(pid, 0)
             receive.close()
         self._pids.clear()
-
-
-def _send_error(send: Connection, error: BaseException) -> None:
-    """Send `error` to the parent; one that cannot be pickled, as a RunError with its line."""
-    try:
-        send.send(("error", error))
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            send.send(("error", RunError(f"{type(error).__name__}: {error}")))

@@ -224,14 +224,8 @@ class _FileWriter:
 
 
 class StreamingWriter(_FileWriter):
-    """Write one safetensors file whose header is known up front; data arrives in pieces.
-
-    Usage::
-
-        with StreamingWriter(path, entries, metadata={"format": "pt"}) as w:
-            for name, info in w.order:        # the order data must be written in
-                w.write(piece)                # any number of pieces per tensor, in order
-    """
+    """One safetensors file: the data of each tensor of `order`, in that order, written in any
+    number of pieces."""
 
     def __init__(
         self,
