@@ -218,7 +218,8 @@ def _parse_v2(doc: dict, where: str) -> Manifest:
     for item in table:
         if not isinstance(item, list) or len(item) != 3:
             raise DataCheckError(f"{where}: tensor entry {short(item)} is not [name, dtype, shape]")
-        tensors.append(_tensor_spec(*item, where))
+        name, dtype, shape = item
+        tensors.append(_tensor_spec(name, dtype, shape, where))
     _check_table(tensors, aliases, where)
     placement = Placement.from_json(doc.get("placement"), shapes={t.name: t.shape for t in tensors}, where=where)
     run_id = doc.get("run")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeGuard
@@ -188,3 +189,26 @@ def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
     if offsets[1] - offsets[0] != expected:
         raise DataCheckError(f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}")
     return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def layout_header(
+    entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None
+) -> tuple[bytes, list[tuple[str, TensorInfo]]]:
+    """The header bytes (length prefix included, padded to 8) and each entry's data span, in write order."""
+    names = [name for name, _, _ in entries]
+    if len(set(names)) != len(names) or "__metadata__" in names:
+        raise ValueError(f"duplicate or reserved tensor names in one safetensors file: {names}")
+    ordered = sorted(entries, key=lambda e: -dtype_info(e[1]).itemsize)  # stable: keeps caller order within a size
+    document: dict[str, object] = {}
+    if metadata:
+        document["__metadata__"] = dict(metadata)
+    spans, position = [], 0
+    for name, dtype, shape in ordered:
+        size = numel(shape) * dtype_info(dtype).itemsize
+        info = TensorInfo(dtype, tuple(int(d) for d in shape), position, position + size)
+        document[name] = {"dtype": dtype, "shape": list(info.shape), "data_offsets": [info.begin, info.end]}
+        spans.append((name, info))
+        position += size
+    raw = json.dumps(document, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw, spans

@@ -11,7 +11,6 @@ crc32s (in its `__metadata__`) come from the data.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import struct
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import NamedTuple
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange, FlatLayout
-from .names import CRC_METADATA_KEY, split_optim_tensor_name
+from .names import CRC_METADATA_KEY, layout_header, split_optim_tensor_name
 
 Shape = tuple[int, ...]
 MAX_CACHED_HEADER_BYTES = 32 << 20  # bounds the rank file headers a ShardLayout keeps
@@ -149,9 +148,7 @@ class ShardLayout:
             raise ValueError(f"world size must be >= 1, got {world_size}")
         self.placement, self.tensors, self.world_size = placement, list(tensors), world_size
         index = {t.name: i for i, t in enumerate(self.tensors)}
-        self._itemsize = [dtype_info(t.dtype).itemsize for t in self.tensors]
-        self._order_key = [(8 - size) * len(self.tensors) + i for i, size in enumerate(self._itemsize)]
-        self._keys = [json.dumps(t.name) + ':{"dtype":"' + t.dtype + '","shape":[' for t in self.tensors]
+        self._order_key = [(8 - dtype_info(t.dtype).itemsize) * len(self.tensors) + i for i, t in enumerate(self.tensors)]
         # flat: per unit, (chunk, numel, slot starts, slot ends, followers of each slot)
         self._units: list[tuple[int, int, list[int], list[int], list[list[int]]]] = []
         self._slot_of: dict[int, tuple[int, int]] = {}  # tensor -> (unit, slot) for tensors laid out like a parameter
@@ -301,26 +298,18 @@ class ShardLayout:
     def _shared_layout(self, tensors: list[int], sizes: tuple[int, ...]):
         """(order into data order or None, tensors in data order, spans, header, crc offset, size)."""
         order = sorted(range(len(tensors)), key=lambda i: self._order_key[tensors[i]])
-        spans, entries, position = [], [], 0
-        for i in order:
-            t = tensors[i]
-            nbytes = sizes[i] * self._itemsize[t]
-            spans.append((position, position + nbytes))
-            entries.append(f'{self._keys[t]}{sizes[i]}],"data_offsets":[{position},{position + nbytes}]}}')
-            position += nbytes
-        metadata = '{"__metadata__":{"format":"pt","' + CRC_METADATA_KEY + '":"'
-        text = metadata + "0" * (8 * len(tensors)) + '"}' + "".join("," + e for e in entries) + "}"
-        raw = text.encode("ascii")
-        raw += b" " * (-(8 + len(raw)) % 8)
-        header = struct.pack("<Q", len(raw)) + raw
+        entries: list[tuple[str, str, Shape]] = [
+            (self.tensors[tensors[i]].name, self.tensors[tensors[i]].dtype, (sizes[i],)) for i in order
+        ]
+        header, placed = layout_header(entries, {"format": "pt", CRC_METADATA_KEY: "0" * (8 * len(tensors))})
         identity = order == list(range(len(order)))
         return (
             None if identity else tuple(order),
             tuple(tensors[i] for i in order),
-            tuple(spans),
+            tuple((info.begin, info.end) for _, info in placed),
             header,
-            8 + len(metadata),
-            len(header) + position,
+            8 + len('{"__metadata__":{"format":"pt","' + CRC_METADATA_KEY + '":"'),
+            len(header) + sum(info.nbytes for _, info in placed),
         )
 
 

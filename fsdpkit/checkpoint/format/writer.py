@@ -19,10 +19,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import mmap
 import os
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,12 +29,11 @@ from pathlib import Path
 
 import numpy
 
-from ...dtypes import dtype_info
 from .bytecopy import SourceTensor
 from .crc import crc32, crc32_combine
 from .files import create
 from .manifest import Manifest, save_manifest
-from .names import TensorInfo, numel, output_dtype, rank_file_name
+from .names import layout_header, output_dtype, rank_file_name
 from .placement import FileLayout, Placement, TensorSpec
 from .workers import write_rank_files
 
@@ -57,29 +54,6 @@ def _set_direct(fd: int, on: bool) -> bool:
     except OSError:
         return False
     return True
-
-
-def layout_header(
-    entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None
-) -> tuple[bytes, list[tuple[str, TensorInfo]]]:
-    """The header bytes (length prefix included, padded to 8) and each entry's data span, in write order."""
-    names = [name for name, _, _ in entries]
-    if len(set(names)) != len(names) or "__metadata__" in names:
-        raise ValueError(f"duplicate or reserved tensor names in one safetensors file: {names}")
-    ordered = sorted(entries, key=lambda e: -dtype_info(e[1]).itemsize)  # stable: keeps caller order within a size
-    document: dict[str, object] = {}
-    if metadata:
-        document["__metadata__"] = dict(metadata)
-    spans, position = [], 0
-    for name, dtype, shape in ordered:
-        size = numel(shape) * dtype_info(dtype).itemsize
-        info = TensorInfo(dtype, tuple(int(d) for d in shape), position, position + size)
-        document[name] = {"dtype": dtype, "shape": list(info.shape), "data_offsets": [info.begin, info.end]}
-        spans.append((name, info))
-        position += size
-    raw = json.dumps(document, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-(8 + len(raw)) % 8)
-    return struct.pack("<Q", len(raw)) + raw, spans
 
 
 class CacheMode(Enum):
