@@ -194,7 +194,9 @@ def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
 def layout_header(
     entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None
 ) -> tuple[bytes, list[tuple[str, TensorInfo]]]:
-    """The header bytes (length prefix included, padded to 8) and each entry's data span, in write order."""
+    """The header bytes (length prefix included, padded with spaces to a multiple of 8, as the
+    safetensors library does) and each entry's data span, in write order: stably sorted by
+    descending itemsize, so every tensor starts aligned."""
     names = [name for name, _, _ in entries]
     if len(set(names)) != len(names) or "__metadata__" in names:
         raise ValueError(f"duplicate or reserved tensor names in one safetensors file: {names}")

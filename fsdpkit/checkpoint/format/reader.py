@@ -46,6 +46,7 @@ from .names import (
     TIED_METADATA_KEY,
     Header,
     is_safe_file_name,
+    numel,
     parse_header_bytes,
     parse_json,
     rank_file_name,
@@ -388,14 +389,7 @@ def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> 
             if name in seen:
                 raise DataCheckError(f"{file}: tensor {name!r} is also in {seen[name]}")
             seen[name] = file
-            piece = SourcePiece(
-                ElementRange(0, info.nbytes // dtype_info(info.dtype).itemsize),
-                file,
-                header.data_start + info.begin,
-                info.nbytes,
-                None,
-                name,
-            )
+            piece = SourcePiece(ElementRange(0, numel(info.shape)), file, header.data_start + info.begin, info.nbytes, None, name)
             tensors.append(SourceTensor(name, info.shape, info.dtype, (piece,) if info.nbytes else ()))
     return FullCheckpoint(root, tuple(files), tuple(tensors), aliases, layout, metadata)
 

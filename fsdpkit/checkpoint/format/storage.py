@@ -159,9 +159,8 @@ def abort(tmp_dir: str | Path) -> None:
 
 
 def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manifest, *, keep_last: int | None = None) -> Path:
-    """Make the save in `tmp_dir` step `step` of `run_dir` (see the module docstring). Every rank
-    file must be in `tmp_dir` already, written and fsynced by its rank. `keep_last` then prunes
-    the checkpoints of the run that wrote this one (`manifest.run_id`), never another's."""
+    """Make the save in `tmp_dir` step `step` of `run_dir`, then prune (`keep_last`). Every rank
+    file must be in `tmp_dir` already, written and fsynced by its rank."""
     tmp_dir, run_dir = Path(tmp_dir), Path(run_dir)
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -209,9 +208,8 @@ def _replace_latest(run_dir: Path, name: str) -> None:
 
 def prune(run_dir: str | Path, *, keep_last: int, run_id: str) -> list[Path]:
     """Remove the complete steps of run `run_id` but its newest `keep_last` (never the one
-    `latest` names), and that run's leftover temporary directories of crashed saves. A
-    directory another run wrote (another id, or none: older checkpoints) is never touched.
-    Returns what was removed."""
+    `latest` names), and that run's leftover temporary directories; what was removed. A
+    directory another run wrote (another id, or none: older checkpoints) is never touched."""
     run_dir = Path(run_dir)
     latest = read_latest(run_dir)
     mine = _steps_of_run(run_dir, run_id)

@@ -1,17 +1,11 @@
 """The one writer of checkpoint files (no torch): safetensors files whose header is known before
-their data, written front to back in bounded memory.
-
-`StreamingWriter(path, entries, metadata=...)` lays the header out from (name, dtype, shape)
-alone, as the safetensors library does: entries stably sorted by descending itemsize (so every
-tensor starts aligned), header padded with spaces to a multiple of 8. `RankFileWriter(path,
-file_layout)` writes a v2 rank file whose header the manifest derives; after each fragment the
-caller gives its crc32 (`end_fragment`), and `close` writes the hex digits into the header
-(fixed width, so its length never changes). Small pieces are gathered in a 1 MiB buffer, so a
-file of many small fragments costs a few system calls. `CacheMode` says how the data passes
-the page cache: DIRECT (an 8 MiB page-aligned staging buffer, O_DIRECT) leaves the kernel no
-page-cache copy, writeback or reclaim to do on the cores training uses. `close()` fsyncs
-unless the caller syncs many files at once (`sync=False`, then `storage.sync_files`). On an
-exception inside a `with` block the partial file is removed.
+their data (`names.layout_header`, or a rank file's `placement.FileLayout`), written front to
+back in bounded memory. Small pieces are gathered in a 1 MiB buffer, so a file of many small
+fragments costs a few system calls. `CacheMode` says how the data passes the page cache: DIRECT
+(an 8 MiB page-aligned staging buffer, O_DIRECT) leaves the kernel no page-cache copy,
+writeback or reclaim to do on the cores training uses. `close()` fsyncs unless the caller syncs
+many files at once (`sync=False`, then `storage.sync_files`). On an exception inside a `with`
+block the partial file is removed.
 """
 
 from __future__ import annotations
@@ -215,8 +209,9 @@ class StreamingWriter(_FileWriter):
 
 
 class RankFileWriter(_FileWriter):
-    """Write one v2 rank file laid out by `layout`: each fragment's bytes in data order, then
-    `end_fragment(crc32)`."""
+    """One v2 rank file laid out by `layout`: each fragment's bytes in data order, then
+    `end_fragment(crc32)`; `close` writes the crc32 hex digits into the header (fixed width, so
+    its length never changes)."""
 
     def __init__(self, path: str | Path, layout: FileLayout, *, cache: CacheMode = CacheMode.CACHED, sync: bool = True):
         self.layout = layout
@@ -271,10 +266,8 @@ def write_sharded(
     chunk_size: int,
     progress: Callable[[int], None] | None = None,
 ) -> WrittenCheckpoint:
-    """A whole sharded checkpoint (v2) in `directory`: every rank file of `placement` at
-    `world_size`, copied from `sources` by the byte engine (source checksums verified on the
-    way, output crc32s from the bytes written; `workers`), then manifest.json; `storage.staged_output`
-    syncs them all at once. Every rank gets a file, possibly with no tensors."""
+    """A whole sharded checkpoint (v2) in `directory`: every rank file (possibly with no tensors),
+    copied from `sources` by the byte engine, then manifest.json; the caller syncs them all."""
     tensors = tuple(TensorSpec(s.name, output_dtype(s.dtype, cast_to), tuple(s.shape)) for s in sources)
     manifest = Manifest(world_size, strategy, placement, tensors, dict(aliases), dict(training_state))
     write_rank_files(directory, manifest.layout(), sources, [t.dtype for t in tensors], chunk_size=chunk_size, progress=progress)
