@@ -1,22 +1,18 @@
 """The one byte engine (no torch): every command that moves checkpoint bytes goes through a
-`ByteEngine`: rank files (`write_rank_file`: reshard, `convert --to sharded`), streams into a
-writer (`copy`: `convert --to full`, export), element ranges into memory (`read_into`: loading).
-How it moves bytes, by fragment size, is docs/checkpoint-format.md's "How convert and reshard
-copy"; mappings are windows of two `WINDOW_BYTES` blocks in a bounded LRU, so peak RSS does not
-grow with the checkpoint.
+`ByteEngine`: rank files (`write_rank_file`), streams into a writer (`copy`), element ranges
+into memory (`read_into`). How it moves bytes is docs/checkpoint-format.md's "How convert and
+reshard copy"; mappings are windows of two `WINDOW_BYTES` blocks in a bounded LRU, so peak RSS
+does not grow with the checkpoint.
 
 A `SourceTensor` says where each element range of a tensor lies: `SourcePiece`s (range, file,
-byte offset, crc32 or None: full safetensors files carry none). Every block is checksummed once:
-that is the output fragment's crc32 (combined when a fragment was cut from several blocks), and
-it is combined into the running crc32 of its source piece, which must equal the stored one when
-the piece's last byte has passed, else a `DataCheckError`. So the fragments of each tensor must
-be asked for in increasing order, each piece read front to back, as the placements guarantee;
-`finish()` checks that every piece started was read to its end. An engine writing a share of
-the rank files (`workers`) may start a piece mid-way: `finish_parts()` returns the pieces it
-read in part, each with the crc32 of the bytes it read, for `check_parts`. `read_into` (random
-access) checks a piece whole the first time any part of it is wanted. A piece that would end
-beyond its file is a `DataCheckError`; sources are checkpoints at rest (a file truncated while
-mapped would raise SIGBUS).
+byte offset, crc32 or None). Every block is checksummed once: that is the output fragment's
+crc32, and it is combined into the running crc32 of its source piece, which must equal the
+stored one when the piece's last byte has passed, else a `DataCheckError`. So the fragments of
+each tensor must be asked for in increasing order, each piece read front to back, as the
+placements guarantee; `finish()` checks that every piece started was read to its end, and
+`finish_parts()` returns the pieces an engine writing a share of the rank files (`workers`) read
+only in part, with their crc32s, for `check_parts`. Sources are checkpoints at rest (a file
+truncated while mapped would raise SIGBUS).
 """
 
 from __future__ import annotations

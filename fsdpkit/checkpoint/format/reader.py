@@ -1,14 +1,11 @@
 """The one reader of checkpoint files (no torch): sharded checkpoints of format v2 (and v1) and
 full Hugging Face style ones (docs/checkpoint-format.md's "Reading", "Version 1" and "Full
-checkpoints"), every file validated before a data byte of it is used. Bytes themselves are read
-by `bytecopy.ByteEngine` from the `SourceTensor`s this module describes. Every file is opened
-with `files.open_regular`; nothing outside the checkpoint directory is read
-(`storage.checkpoint_file`); every problem is a one-line `DataCheckError` naming the file.
-
-`open_sharded_lazily(path)` validates files as they are first touched (a loading rank touches
-only the files its chunk overlaps); `open_sharded(path)` validates every file first (the
-offline commands). A tensor's pieces are computed on demand, so memory does not grow with
-world size x tensors.
+checkpoints"), every file opened with `files.open_regular`, inside the checkpoint directory
+(`storage.checkpoint_file`) and validated before a data byte of it is used; every problem is a
+one-line `DataCheckError` naming the file. `open_sharded_lazily(path)` validates files as they
+are first touched (a loading rank touches only the files its chunk overlaps), `open_sharded(path)`
+every file first (the offline commands). A tensor's pieces are computed on demand, so memory
+does not grow with world size x tensors.
 
 Safetensors: 8 bytes little-endian u64 N, N bytes of JSON header (`{"name": {"dtype", "shape",
 "data_offsets": [begin, end]}, "__metadata__": {str: str}}`), then the byte buffer, which the

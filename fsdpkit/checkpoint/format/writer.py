@@ -153,9 +153,9 @@ class _FileWriter:
             self._flush()
             self.patch(offset, data)
 
-    def close(self) -> int:
+    def close(self) -> None:
         if self._fd < 0:
-            return self.size
+            return
         try:
             self._end_direct()
             self._flush()
@@ -167,7 +167,6 @@ class _FileWriter:
                 self.fsync_seconds += time.perf_counter() - started
         finally:
             self._release()
-        return self.size
 
     def abort(self) -> None:
         self._release()
@@ -227,13 +226,13 @@ class RankFileWriter(_FileWriter):
             raise ValueError(f"{self.path}: fragment {index} ends at byte {self._written + self._buffered}, its layout at {end}")
         self._crcs.append(crc32)
 
-    def close(self) -> int:
+    def close(self) -> None:
         if self._fd >= 0 and len(self._crcs) != len(self.layout.fragments):
             self.abort()
             raise ValueError(f"{self.path}: {len(self._crcs)} of {len(self.layout.fragments)} fragments written")
         if self._fd >= 0 and self._crcs:
             self.patch(self.layout.crc_offset, "".join(f"{crc:08x}" for crc in self._crcs).encode("ascii"))
-        return super().close()
+        super().close()
 
     def file_crc32(self) -> int:
         """The crc32 of the whole file as written: its header's, combined with each fragment's
