@@ -76,9 +76,13 @@ def read_blocks(path: Path, buffer: memoryview, start: int = 0, end: int | None 
 
 def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:
     """Bytes [offset, offset + count) of `fd`; a file that ends before is a DataCheckError."""
-    data = bytearray(count)
-    pread_into(fd, offset, memoryview(data), path)
-    return bytes(data)
+    data = os.pread(fd, count, offset)
+    while len(data) < count:
+        more = os.pread(fd, count - len(data), offset + len(data))
+        if not more:
+            raise DataCheckError(f"{path}: file ends at byte {offset + len(data)}, {count - len(data)} bytes early (truncated)")
+        data += more
+    return data
 
 
 def read_some(fd: int, offset: int, view: memoryview) -> int:

@@ -197,7 +197,7 @@ class ShardedCheckpoint:
     def _validate_v1(self, index: int) -> RankFile:
         name, size = self._listing().files[index]
         header = read_header(checkpoint_file(self.step_dir, name), expected_size=size)
-        tensors, spans, crcs, keys = [], [], [], set()
+        entries, keys = [], set()  # (begin, end, tensor, crc32) of each fragment
         for t, frag in self._v1_files()[name][1]:
             spec = self.manifest.tensors[t]
             keys.add(frag.key)
@@ -209,16 +209,12 @@ class ShardedCheckpoint:
                 raise DataCheckError(f"{where} has dtype {info.dtype}, the manifest says {spec.dtype}")
             if info.shape != (frag.end - frag.start,):
                 raise DataCheckError(f"{where} has shape {list(info.shape)}, the manifest says [{frag.end - frag.start}]")
-            tensors.append(t)
-            spans.append((info.begin, info.end))
-            crcs.append(frag.crc32)
+            entries.append((info.begin, info.end, t, frag.crc32))
         extra = sorted(set(header.tensors) - keys)
         if extra:
             raise DataCheckError(f"{header.path}: keys {extra[:3]} are not in the manifest")
-        order = sorted(range(len(spans)), key=lambda i: spans[i])
-        return RankFile(
-            header.path, size, header.data_start, [tensors[i] for i in order], [spans[i] for i in order], [crcs[i] for i in order]
-        )
+        entries.sort()
+        return RankFile(header.path, size, header.data_start, [e[2] for e in entries], [e[:2] for e in entries], [e[3] for e in entries])
 
     def _v1_files(self) -> dict[str, tuple[int, list]]:
         if self._v1_index is None:

@@ -231,7 +231,7 @@ class RankFileWriter(_FileWriter):
             self.abort()
             raise ValueError(f"{self.path}: {len(self._crcs)} of {len(self.layout.fragments)} fragments written")
         if self._fd >= 0 and self._crcs:
-            self.patch(self.layout.crc_offset, "".join(f"{crc:08x}" for crc in self._crcs).encode("ascii"))
+            self.patch(self.layout.crc_offset, self.layout.header_with(self._crcs)[1])
         super().close()
 
     def file_crc32(self) -> int:
