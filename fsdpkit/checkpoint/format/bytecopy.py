@@ -305,20 +305,16 @@ class ByteEngine:
                 start = piece.offset + (part.start - piece.range.start) * itemsize
                 pread_into(self._files.fd(file), start, out[part.start * itemsize - base : part.end * itemsize - base], piece.path)
                 continue
-            first, crc, used = piece.range.start * itemsize, 0, None
-            for at in range(0, piece.nbytes, self.block):
-                start, window = self._files.window(file, piece.offset + at)
-                if used is not None and used[1] is not window:
-                    self._files.release(file, *used)  # read past: a load's mapped pages stay bounded
-                used = (start, window)
-                view = window[piece.offset + at - start : piece.offset + min(at + self.block, piece.nbytes) - start]
+            reading, first, crc = _Piece(piece, file, 0), piece.range.start * itemsize, 0
+            for at in range(0, piece.nbytes, self.block):  # windows read past are released: a load's mapped pages stay bounded
+                view = self._view(reading, piece.offset + at, min(self.block, piece.nbytes - at))
                 crc = crc32(view, crc)
                 lo, hi = max(first + at, part.start * itemsize), min(first + at + view.nbytes, part.end * itemsize)
                 if lo < hi:
                     out[lo - base : hi - base] = view[lo - first - at : hi - first - at]
                 del view
-            if used is not None:
-                self._files.release(file, *used)
+            if reading.window is not None:
+                self._files.release(file, reading.window_start, reading.window)
             if crc != piece.crc32:
                 raise DataCheckError(f"{piece.path}: {mismatch(piece.label, piece.crc32, crc)}")
             self._verified.add((file, piece.offset))

@@ -147,7 +147,6 @@ class ShardLayout:
         if world_size < 1:
             raise ValueError(f"world size must be >= 1, got {world_size}")
         self.placement, self.tensors, self.world_size = placement, list(tensors), world_size
-        index = {t.name: i for i, t in enumerate(self.tensors)}
         self._order_key = [(8 - dtype_info(t.dtype).itemsize) * len(self.tensors) + i for i, t in enumerate(self.tensors)]
         # flat: per unit, (chunk, numel, slot starts, slot ends, followers of each slot)
         self._units: list[tuple[int, int, list[int], list[int], list[list[int]]]] = []
@@ -157,7 +156,7 @@ class ShardLayout:
         self._whole: list[int] = []  # tensors stored whole on rank 0
         self._even: list[tuple[int, int, int]] = []  # (non-empty ranks, per-rank elements, tensor), most ranks first
         if placement.kind == "flat":
-            self._init_flat(index)
+            self._init_flat()
         else:
             for i, t in enumerate(self.tensors):
                 if t.numel:
@@ -168,7 +167,7 @@ class ShardLayout:
         self._headers: dict[tuple, tuple] = {}  # fragment signature -> what file_layout shares between ranks
         self._cached_bytes = 0
 
-    def _init_flat(self, index: dict[str, int]) -> None:
+    def _init_flat(self) -> None:
         param_slot: dict[str, tuple[int, int, int]] = {}  # name -> (unit, slot, numel)
         for u, unit in enumerate(self.placement.units):
             layout = FlatLayout.from_shapes(list(unit), self.world_size)
@@ -216,20 +215,18 @@ class ShardLayout:
             while s < len(slot_starts) and slot_starts[s] < hi:
                 begin = slot_starts[s]
                 first, last = max(begin, lo) - begin, min(slot_ends[s], hi) - begin
-                for t in followers[s]:
-                    tensors.append(t)
-                    starts.append(first)
-                    ends.append(last)
+                tensors.extend(followers[s])
+                starts.extend([first] * len(followers[s]))
+                ends.extend([last] * len(followers[s]))
                 s += 1
-        for t in self._held_first.get(rank, ()):
-            tensors.append(t)
-            starts.append(0)
-            ends.append(1)
+        held = self._held_first.get(rank, [])
+        tensors.extend(held)
+        starts.extend([0] * len(held))
+        ends.extend([1] * len(held))
         if rank == 0:
-            for t in self._whole:
-                tensors.append(t)
-                starts.append(0)
-                ends.append(self.tensors[t].numel)
+            tensors.extend(self._whole)
+            starts.extend([0] * len(self._whole))
+            ends.extend(self.tensors[t].numel for t in self._whole)
         for _, per_rank, t in self._even[: bisect.bisect_left(self._even_counts, -rank)]:
             tensors.append(t)
             starts.append(rank * per_rank)
