@@ -99,8 +99,7 @@ def split_optim_tensor_name(name: str) -> tuple[str, str] | None:
     """(state, param name) of `optim.<state>.<param>`, or None for a scalar/other tensor."""
     if not is_optimizer_tensor(name):
         return None
-    rest = name[len(OPTIM_PREFIX) :]
-    state, dot, param = rest.partition(".")
+    state, dot, param = name[len(OPTIM_PREFIX) :].partition(".")
     return (state, param) if dot and state and param else None
 
 

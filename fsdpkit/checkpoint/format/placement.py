@@ -233,17 +233,22 @@ class ShardLayout:
             ends.append(min((rank + 1) * per_rank, self.tensors[t].numel))
         return tensors, starts, ends
 
-    def piece_count(self, tensor: int) -> int:
+    def _spread(self, tensor: int) -> tuple[int, int]:
+        """(begin, chunk): rank r holds elements [max(r * chunk - begin, 0), min((r + 1) * chunk -
+        begin, numel)) of `tensor`, so element e lies on rank (begin + e) // chunk. A scalar
+        state is (its rank, 1), a tensor stored whole on rank 0 (0, numel)."""
         numel = self.tensors[tensor].numel
-        if not numel:
-            return 0
         if tensor in self._slot_of:
             u, s = self._slot_of[tensor]
-            chunk, begin = self._units[u][0], self._units[u][2][s]
-            return (begin + numel - 1) // chunk - begin // chunk + 1
-        if tensor in self._first_holder or self.placement.kind == "flat":
-            return 1
-        return -(-numel // -(-numel // self.world_size))
+            return self._units[u][2][s], self._units[u][0]
+        if tensor in self._first_holder:
+            return self._first_holder[tensor], 1
+        return 0, numel if self.placement.kind == "flat" else -(-numel // self.world_size)
+
+    def piece_count(self, tensor: int) -> int:
+        numel = self.tensors[tensor].numel
+        begin, chunk = self._spread(tensor)
+        return (begin + numel - 1) // chunk - begin // chunk + 1 if numel else 0
 
     def pieces(self, tensor: int, wanted: ElementRange | None = None) -> list[tuple[int, ElementRange]]:
         """(rank, range) of every fragment of `tensor` that meets `wanted` (default: all of them),
@@ -252,21 +257,9 @@ class ShardLayout:
         wanted = wanted if wanted is not None else ElementRange(0, numel)
         if not wanted.size:
             return []
-        if tensor in self._slot_of:
-            u, s = self._slot_of[tensor]
-            chunk, _, starts, _, _ = self._units[u]
-            begin = starts[s]
-            first, last = (begin + wanted.start) // chunk, (begin + wanted.end - 1) // chunk
-            return [(r, ElementRange(max(r * chunk - begin, 0), min((r + 1) * chunk - begin, numel))) for r in range(first, last + 1)]
-        if tensor in self._first_holder:
-            return [(self._first_holder[tensor], ElementRange(0, numel))]
-        if self.placement.kind == "flat":
-            return [(0, ElementRange(0, numel))]
-        per_rank = -(-numel // self.world_size)
-        return [
-            (r, ElementRange(r * per_rank, min((r + 1) * per_rank, numel)))
-            for r in range(wanted.start // per_rank, (wanted.end - 1) // per_rank + 1)
-        ]
+        begin, chunk = self._spread(tensor)
+        first, last = (begin + wanted.start) // chunk, (begin + wanted.end - 1) // chunk
+        return [(r, ElementRange(max(r * chunk - begin, 0), min((r + 1) * chunk - begin, numel))) for r in range(first, last + 1)]
 
     def whole_tensor_files(self) -> set[int]:
         """The ranks whose files hold tensors stored whole (scalar states with their
