@@ -138,7 +138,6 @@ class ByteEngine:
         self._progress, self._reported = progress, 0
         self.bytes_read = 0  # source bytes handed on so far
 
-    # ----- rank files (reshard, convert --to sharded)
     def write_rank_file(self, path: Path, layout: FileLayout) -> None:
         """Rank file `layout` at `path`: a small one is one `writev` of its header and mapped
         slices, here; a larger one is queued to the write threads in steps, its header with the
@@ -279,7 +278,6 @@ class ByteEngine:
         self._writes.copy(lane, self._files.fd(piece.file), offset, count, fd, at, path)
         return at + count
 
-    # ----- streams (convert --to full, export layouts)
     def copy(self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None]) -> None:
         """Stream elements `wanted` of `tensor`, cast to `out_dtype`, into `sink`."""
         cursor = self._named.get((tensor.name, out_dtype))
@@ -289,7 +287,6 @@ class ByteEngine:
             sink(view)
             self._report()
 
-    # ----- loading
     def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
         """Random access (loading): the bytes of elements `wanted` of `tensor` into `out`. A piece
         with a checksum is read whole, and its crc32 checked, the first time any part of it is
@@ -319,7 +316,6 @@ class ByteEngine:
                 raise DataCheckError(f"{piece.path}: {mismatch(piece.label, piece.crc32, crc)}")
             self._verified.add((file, piece.offset))
 
-    # ----- source pieces
     def _file_of(self, piece: SourcePiece) -> int:
         """The number of the file holding `piece`, checked to be long enough."""
         number = self._files.number(piece.path)

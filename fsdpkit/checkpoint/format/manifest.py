@@ -157,7 +157,6 @@ def save_manifest(directory: str | Path, manifest: Manifest) -> Path:
     return path
 
 
-# ----- validation
 def _int(value: object, what: str, where: str, *, minimum: int = 0, maximum: int = 1 << 62) -> int:
     if type(value) is not int or not minimum <= value <= maximum:
         raise DataCheckError(f"{where}: {what} must be an int in [{minimum}, {maximum}], got {short(value)}")
@@ -343,7 +342,6 @@ def _v1_placement(document: object, world_size: int, where: str) -> Placement:
     return Placement.flat(units)
 
 
-# ----- fitting a model, and another world size
 def check_compatible(
     manifest: Manifest, expected: dict[str, tuple[int, ...]], *, strict: bool = True, where: str = "checkpoint"
 ) -> list[str]:

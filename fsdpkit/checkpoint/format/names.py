@@ -132,7 +132,6 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     return document
 
 
-# ----- safetensors headers (huggingface/safetensors): parsed and validated, no I/O
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str

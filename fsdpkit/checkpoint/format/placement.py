@@ -194,7 +194,6 @@ class ShardLayout:
             elif t.numel:
                 self._whole.append(i)
 
-    # ----- fragments
     def fragments(self, rank: int) -> list[FileFragment]:
         """Rank `rank`'s non-empty fragments, in data order."""
         return list(self.file_layout(rank).fragments)
@@ -267,7 +266,6 @@ class ShardLayout:
         its own file and these."""
         return {rank for tensor in range(len(self.tensors)) if tensor not in self._slot_of for rank, _ in self.pieces(tensor)}
 
-    # ----- files
     def file_layout(self, rank: int) -> FileLayout:
         """Rank `rank`'s file. Its header depends only on which tensors the rank holds and how
         many elements of each, which many ranks share (at a large world size most chunks lie

@@ -55,7 +55,6 @@ _HEX = re.compile(rb"[0-9a-f]*")
 CACHED_PIECES = 256
 
 
-# ----- safetensors headers (full and v1 files)
 def read_header(path: str | Path, *, expected_size: int | None = None) -> Header:
     path = Path(path)
     with regular_file(path) as (fd, size):
@@ -76,7 +75,6 @@ def read_header(path: str | Path, *, expected_size: int | None = None) -> Header
     return header
 
 
-# ----- sharded checkpoints
 class RankFile:
     """A validated rank file: its fragments in data order (tensor index, byte span, crc32) in
     compact arrays (a few dozen bytes per fragment), and a lookup by tensor."""
@@ -153,7 +151,6 @@ class ShardedCheckpoint:
         self._v1_index: dict[str, tuple[int, list]] | None = None  # v1: file name -> (position, [(tensor, fragment)])
         self._located: dict[int, list[tuple[int, ElementRange]]] = {}  # tensor -> (file, range) of its fragments, if few
 
-    # ----- files
     def file_names(self) -> list[str]:
         if self.manifest.listing is not None:
             return [name for name, _ in self.manifest.listing.files]
@@ -244,7 +241,6 @@ class ShardedCheckpoint:
             + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")
         ]
 
-    # ----- tensors
     def source(self, name: str) -> SourceTensor:
         index = self.manifest.tensor_index(name)
         spec = self.manifest.tensors[index]
@@ -322,7 +318,6 @@ def open_sharded(path: str | os.PathLike[str]) -> ShardedCheckpoint:
     return checkpoint
 
 
-# ----- full checkpoints
 @dataclass(frozen=True)
 class FullCheckpoint:
     root: Path

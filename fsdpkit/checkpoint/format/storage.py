@@ -42,7 +42,6 @@ from .names import (
 )
 
 
-# ----- finding a checkpoint
 def complete_steps(run_dir: str | Path) -> list[tuple[int, Path]]:
     """The complete step directories of a run, oldest first."""
     run_dir = Path(run_dir)
@@ -99,7 +98,6 @@ def checkpoint_file(step_dir: Path, name: str) -> Path:
     return path
 
 
-# ----- durability
 def fsync_dir(path: Path) -> None:
     """fsync a directory (or a file)."""
     fd = os.open(path, os.O_RDONLY)
@@ -140,7 +138,6 @@ def _syncfs(directory: Path) -> bool:
     return True
 
 
-# ----- training saves in a run directory
 def _run_tag(run_id: str | None) -> str:
     """8 hex digits naming a run in temporary directory names."""
     return hashlib.blake2b((run_id or "").encode(), digest_size=4).hexdigest()
@@ -258,7 +255,6 @@ def os_error_line(error: OSError, where: Path) -> str:
     return f"{error.filename or where}: {error.strerror or error} ({name})"
 
 
-# ----- offline outputs (convert, reshard)
 def check_destination(dst: Path, *, src: Path, overwrite: bool) -> None:
     src_root = os.path.realpath(src)  # a directory, or a single file (a full checkpoint's .safetensors or index)
     dst_real = os.path.realpath(dst)
