@@ -391,13 +391,10 @@ def _index_files(index_path: Path) -> list[Path]:
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise DataCheckError(f"{index_path}: no weight_map object")
-    names = []
     for tensor, file in weight_map.items():
         if not is_safe_file_name(file):
             raise DataCheckError(f"{index_path}: tensor {tensor!r} maps to {str(file)[:80]!r}, not a file name inside the directory")
-        if file not in names:
-            names.append(file)
-    files = [checkpoint_file(index_path.parent, name) for name in names]
+    files = [checkpoint_file(index_path.parent, name) for name in dict.fromkeys(weight_map.values())]
     for file in files:
         header = read_header(file)
         listed = {t for t, f in weight_map.items() if f == file.name}
