@@ -92,7 +92,6 @@ def read_some(fd: int, offset: int, view: memoryview) -> int:
 
 
 def pread_into(fd: int, offset: int, view: memoryview, path: Path) -> None:
-    """Fill `view` from byte `offset` of `fd`."""
     done = 0
     while done < view.nbytes:
         count = read_some(fd, offset + done, view[done:])
@@ -184,7 +183,6 @@ class WriteQueue:
         self._in_flight += nbytes
 
     def copy(self, lane: int, source: int, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
-        """Queue `copy_range` of those bytes of `source`."""
         duplicate = os.dup(source)  # the caller may close `source` before the copy runs
         self._open.add(duplicate)
         self.submit(lane, 0, self._copy, duplicate, offset, count, fd, out_offset, path)
