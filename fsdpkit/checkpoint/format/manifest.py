@@ -325,8 +325,7 @@ def _v1_placement(document: object, world_size: int, where: str) -> Placement:
             raise DataCheckError(f"{where}: plan unit {index} has no list of params")
         spec = []
         for param in params:
-            name = param.get("name") if isinstance(param, dict) else None
-            shape = param.get("shape") if isinstance(param, dict) else None
+            name, shape = (param.get("name"), param.get("shape")) if isinstance(param, dict) else (None, None)
             if not isinstance(name, str) or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
                 raise DataCheckError(f"{where}: plan unit {index} has an invalid param entry {short(param)}")
             if name in seen:

@@ -117,10 +117,8 @@ def parse_json(raw: bytes, *, where: str, what: str = "JSON") -> object:
         value, depth = pending.pop()
         if depth > MAX_JSON_DEPTH:
             raise DataCheckError(f"{where}: {what} is nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(value, dict):
-            pending.extend((v, depth + 1) for v in value.values() if isinstance(v, (dict, list)))
-        elif isinstance(value, list):
-            pending.extend((v, depth + 1) for v in value if isinstance(v, (dict, list)))
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        pending.extend((v, depth + 1) for v in children if isinstance(v, (dict, list)))
     return document
 
 
