@@ -1,39 +1,17 @@
 """The one byte engine (no torch): every command that moves checkpoint bytes goes through a
-`ByteEngine`. Reshard and `convert --to sharded` assemble rank files (`write_rank_file`),
-`convert --to full` and export stream tensors into a writer (`copy`), loading reads element
-ranges into memory (`read_into`).
+`ByteEngine`: rank files (`write_rank_file`), streams into a writer (`copy`), element ranges
+into memory (`read_into`). How it moves bytes is docs/checkpoint-format.md's "How convert and
+reshard copy"; mappings are windows of two `WINDOW_BYTES` blocks in a bounded LRU, so peak RSS
+does not grow with the checkpoint.
 
 A `SourceTensor` says where each element range of a tensor lies: `SourcePiece`s (range, file,
-byte offset, crc32 or None). Sharded checkpoints give one piece per fragment (with its
-checksum); full safetensors files one piece per tensor (no checksum).
-
-How bytes move, chosen by fragment size:
-
-- large fragments (at least `KERNEL_COPY_BYTES`, no cast): the kernel copies them from file to
-  file (`os.copy_file_range`, else read and write), while the engine checksums the same
-  bytes through a read-only mapping, so they cross user space never;
-- many small fragments (a large world size: millions of a few KB each): slices of mapped
-  source windows are gathered and a whole rank file is one `writev`;
-- rank files over `WHOLE_FILE_BYTES` are written by two worker threads (`files.WriteQueue`),
-  two files at once, while the engine checksums the next bytes; smaller ones by the engine
-  itself (with threads, every unmapped window costs a TLB shootdown);
-- casts (`--dtype`) and streams into a writer: block by block through the mapping.
-
-Mappings are windows of two `WINDOW_BYTES` blocks, kept in a bounded LRU (peak RSS does not
-grow with the checkpoint). Checksums take one pass: every block is checksummed once
-(`crc.crc32`); that value is the output fragment's crc32 (combined when a fragment was cut
-from several blocks) and is combined into the running crc32 of the source piece it came from
-(`crc.crc32_combine`). When a source piece's last byte has passed, its crc32 must equal the
-stored one, else a `DataCheckError`. Fragments of each tensor must be asked for in increasing
-order, each source piece read front to back, which the placements guarantee; `finish()`
-checks that every piece started was read to its end. An engine writing a share of the rank
-files (`workers`) may start a piece where its first fragment does: `finish_parts()` returns
-the pieces it read only in part, each with the crc32 of the bytes it read, and `check_parts`
-checks every piece's parts together. `read_into` (random access) checks a piece whole the
-first time any part of it is wanted.
-
-A file is opened without blocking (a FIFO is refused) and its size taken when first used; a
-piece that would end beyond it is a `DataCheckError`. Sources are checkpoints at rest (a file
+byte offset, crc32 or None). Every block is checksummed once: that is the output fragment's
+crc32, and it is combined into the running crc32 of its source piece, which must equal the
+stored one when the piece's last byte has passed, else a `DataCheckError`. So the fragments of
+each tensor must be asked for in increasing order, each piece read front to back, as the
+placements guarantee; `finish()` checks that every piece started was read to its end, and
+`finish_parts()` returns the pieces an engine writing a share of the rank files (`workers`) read
+only in part, with their crc32s, for `check_parts`. Sources are checkpoints at rest (a file
 truncated while mapped would raise SIGBUS).
 """
 
@@ -143,7 +121,7 @@ class ByteEngine:
     def __init__(
         self,
         sources: Sequence[SourceTensor] = (),
-        out_dtypes: list[str] | None = None,
+        out_dtypes: Sequence[str] = (),
         *,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         progress: Callable[[int], None] | None = None,
@@ -151,7 +129,6 @@ class ByteEngine:
         if chunk_size < 64:
             raise ValueError(f"chunk size must be at least 64 bytes, got {chunk_size}")
         self.block = min(chunk_size, WINDOW_BYTES) // 8 * 8  # whole elements of any dtype
-        out_dtypes = out_dtypes if out_dtypes is not None else [s.dtype for s in sources]
         self._cursors = [_Cursor(source, dtype) for source, dtype in zip(sources, out_dtypes, strict=True)]
         self._named: dict[tuple[str, str], _Cursor] = {}  # cursors of tensors given to copy()
         self._verified: set[tuple[int, int]] = set()  # (file, offset) of pieces read_into checked whole
@@ -161,14 +138,11 @@ class ByteEngine:
         self._progress, self._reported = progress, 0
         self.bytes_read = 0  # source bytes handed on so far
 
-    # ----- rank files (reshard, convert --to sharded)
     def write_rank_file(self, path: Path, layout: FileLayout) -> None:
-        """Rank file `layout` at `path`, its fragments from the sources; the caller syncs the
-        whole output once `close` has waited for every write. A small file is one `writev` of
-        its complete header and mapped slices, here; a larger one is queued to the write
-        threads in steps at their offsets, its header with the crc32 digits last, and fsynced
-        there (the disk writes it while the next is copied). On an error a small file is
-        removed; the caller removes the output."""
+        """Rank file `layout` at `path`: a small one is one `writev` of its header and mapped
+        slices, here; a larger one is queued to the write threads in steps, its header with the
+        crc32 digits last, and fsynced there (the disk writes it while the next is copied). The
+        caller syncs and, on an error, removes the whole output once `close` has returned."""
         if layout.size <= WHOLE_FILE_BYTES:
             views: list = []
             crcs = self.fragments(layout.tensors, layout.starts, layout.ends, views)
@@ -195,7 +169,7 @@ class ByteEngine:
             crc = 0
             for first in range(start, end, step):
                 last = min(first + step, end)
-                part = self.fragment(t, first, last, views)
+                part = self.fragments((t,), (first,), (last,), views)[0]
                 size = (stop - begin) * (last - first) // (end - start)
                 crc = crc32_combine(crc, part, size) if first > start else part
                 pending += size
@@ -207,13 +181,10 @@ class ByteEngine:
             writes.submit(lane, pending, write_views, fd, views, path, at)
         writes.submit(lane, layout.data_start, write_views, fd, layout.header_with(crcs), path, 0)
 
-    def fragment(self, tensor: int, start: int, end: int, views: list) -> int:
-        """Append the bytes of elements [start, end) of source `tensor` to `views`; their crc32."""
-        return self.fragments((tensor,), (start,), (end,), views)[0]
-
     def fragments(self, tensors, starts, ends, views: list) -> list[int]:
-        """`fragment` for each (tensor, start, end) in turn; their crc32s. A fragment inside the
-        window its piece last used takes the inlined path (a large world size has millions)."""
+        """Append the bytes of elements [start, end) of source `tensor` to `views`, for each (tensor,
+        start, end) in turn; their crc32s. A fragment inside the window its piece last used takes
+        the inlined path (a large world size has millions)."""
         crcs = []
         cursors, block = self._cursors, self.block
         done = 0
@@ -237,18 +208,13 @@ class ByteEngine:
                     if piece.done == piece.nbytes:
                         self._finish_piece(cursor, piece)
                     continue
-            crcs.append(self._gather(cursor, start, end, views))
+            out_crc = 0  # the general case: several pieces or blocks, a new window, a cast
+            for view, crc in self._cast_blocks(cursor, start, end):
+                views.append(view)
+                out_crc = crc32_combine(out_crc, crc, len(view))
+            crcs.append(out_crc)
         self.bytes_read += done
         return crcs
-
-    def _gather(self, cursor: _Cursor, start: int, end: int, views: list) -> int:
-        """The general case of `fragments`: several pieces, several blocks, a new window, a cast."""
-        out_crc, fresh = 0, True
-        for view, crc in self._cast_blocks(cursor, start, end):
-            views.append(view)
-            out_crc = crc if fresh else crc32_combine(out_crc, crc, len(view))
-            fresh = False
-        return out_crc
 
     def _cast_blocks(self, cursor: _Cursor, start: int, end: int) -> Iterator[tuple[memoryview, int]]:
         """(bytes, their crc32) of elements [start, end) block by block, cast when asked."""
@@ -289,12 +255,11 @@ class ByteEngine:
     def _send(self, cursor: _Cursor, start: int, end: int, out: tuple[int, int, Path], at: int) -> int:
         """Elements [start, end) copied by the kernel to byte `at` of output `out` (lane, fd,
         path), checksummed on the way through the mapping; their crc32."""
-        out_crc, fresh = 0, True
+        out_crc = 0
         run: _Piece | None = None  # bytes [offset, offset + count) of its file are not yet queued
         offset = count = 0
         for piece, view, crc in self._blocks(cursor, start, end):
-            out_crc = crc if fresh else crc32_combine(out_crc, crc, view.nbytes)
-            fresh = False
+            out_crc = crc32_combine(out_crc, crc, view.nbytes)
             if run is piece:
                 count += view.nbytes
                 continue
@@ -313,23 +278,15 @@ class ByteEngine:
         self._writes.copy(lane, self._files.fd(piece.file), offset, count, fd, at, path)
         return at + count
 
-    # ----- streams (convert --to full, export layouts)
-    def copy(
-        self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None], *, checksum: bool = False
-    ) -> int | None:
-        """Stream elements `wanted` of `tensor`, cast to `out_dtype`, into `sink`; with `checksum`,
-        return the crc32 of what was handed on."""
+    def copy(self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None]) -> None:
+        """Stream elements `wanted` of `tensor`, cast to `out_dtype`, into `sink`."""
         cursor = self._named.get((tensor.name, out_dtype))
         if cursor is None or cursor.source is not tensor:
             cursor = self._named[(tensor.name, out_dtype)] = _Cursor(tensor, out_dtype)
-        out_crc = 0
-        for view, crc in self._cast_blocks(cursor, wanted.start, wanted.end):
+        for view, _ in self._cast_blocks(cursor, wanted.start, wanted.end):
             sink(view)
-            out_crc = crc32_combine(out_crc, crc, view.nbytes) if checksum else 0
             self._report()
-        return out_crc if checksum else None
 
-    # ----- loading
     def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
         """Random access (loading): the bytes of elements `wanted` of `tensor` into `out`. A piece
         with a checksum is read whole, and its crc32 checked, the first time any part of it is
@@ -345,25 +302,20 @@ class ByteEngine:
                 start = piece.offset + (part.start - piece.range.start) * itemsize
                 pread_into(self._files.fd(file), start, out[part.start * itemsize - base : part.end * itemsize - base], piece.path)
                 continue
-            first, crc, used = piece.range.start * itemsize, 0, None
-            for at in range(0, piece.nbytes, self.block):
-                start, window = self._files.window(file, piece.offset + at)
-                if used is not None and used[1] is not window:
-                    self._files.release(file, *used)  # read past: a load's mapped pages stay bounded
-                used = (start, window)
-                view = window[piece.offset + at - start : piece.offset + min(at + self.block, piece.nbytes) - start]
+            reading, first, crc = _Piece(piece, file, 0), piece.range.start * itemsize, 0
+            for at in range(0, piece.nbytes, self.block):  # windows read past are released: a load's mapped pages stay bounded
+                view = self._view(reading, piece.offset + at, min(self.block, piece.nbytes - at))
                 crc = crc32(view, crc)
                 lo, hi = max(first + at, part.start * itemsize), min(first + at + view.nbytes, part.end * itemsize)
                 if lo < hi:
                     out[lo - base : hi - base] = view[lo - first - at : hi - first - at]
                 del view
-            if used is not None:
-                self._files.release(file, *used)
+            if reading.window is not None:
+                self._files.release(file, reading.window_start, reading.window)
             if crc != piece.crc32:
                 raise DataCheckError(f"{piece.path}: {mismatch(piece.label, piece.crc32, crc)}")
             self._verified.add((file, piece.offset))
 
-    # ----- source pieces
     def _file_of(self, piece: SourcePiece) -> int:
         """The number of the file holding `piece`, checked to be long enough."""
         number = self._files.number(piece.path)
@@ -411,8 +363,8 @@ class ByteEngine:
         elif piece.crc32 is not None and piece.running != piece.crc32:
             raise DataCheckError(f"{self._files.paths[piece.file]}: {mismatch(piece.label, piece.crc32, piece.running)}")
 
-    def _report(self) -> None:
-        if self._progress is not None and self.bytes_read - self._reported >= PROGRESS_BYTES:
+    def _report(self, at_least: int = PROGRESS_BYTES) -> None:
+        if self._progress is not None and self.bytes_read - self._reported >= at_least:
             self._progress(self.bytes_read - self._reported)
             self._reported = self.bytes_read
 
@@ -431,9 +383,7 @@ class ByteEngine:
 
     def close(self) -> None:
         """Wait for every queued write (raising the first that failed), close the files."""
-        if self._progress is not None and self.bytes_read > self._reported:
-            self._progress(self.bytes_read - self._reported)
-            self._reported = self.bytes_read
+        self._report(at_least=1)
         writes, self._writes = self._writes, None
         try:
             if writes is not None:

@@ -1,13 +1,9 @@
-"""crc32 (zlib's, computed by zlib-ng: its folding code runs at tens of GB/s where the
-zlib a Python links may manage one) and casts of raw bytes (no I/O).
-
-`crc32(data, value=0)` is `zlib.crc32`; `crc32_combine(crc(A), crc(B), len(B))` is
-`crc(A + B)`. The copy paths checksum each block of bytes once and combine: the crc32 of a
-source fragment from the crc32s of the pieces it was cut into, or of an output fragment from
-the blocks it was assembled from.
+"""crc32 (zlib's, computed by zlib-ng: tens of GB/s where the zlib a Python links may manage
+one; `crc32_combine(crc(A), crc(B), len(B))` is `crc(A + B)`, so every block is checksummed
+once), and casts of raw bytes (no I/O).
 
 Casts between float dtypes of raw little-endian bytes (`cast_into`; numpy, imported on first
-cast only), rounding as torch does: round to nearest even, BF16 from F32 bits like c10's
+cast only) round as torch does: to nearest even, BF16 from F32 bits like c10's
 `round_to_nearest_even` (NaN -> 0x7FC0), F64 -> BF16 or F16 through F32.
 """
 
@@ -116,11 +112,8 @@ def _f32_to_bf16_into(np, values, out) -> None:
 def _cast_block(np, src, src_dtype: str, dst_dtype: str, out) -> None:
     """Cast raw bytes `src` into raw bytes `out` (both uint8 arrays of matching element counts)."""
     if dst_dtype == "BF16":
-        values = src.view(np.float64).astype(np.float32) if src_dtype == "F64" else _to_f32(np, src, src_dtype)
-        _f32_to_bf16_into(np, values, out.view(np.uint16))
-    elif src_dtype == "BF16":
+        _f32_to_bf16_into(np, _to_f32(np, src, src_dtype), out.view(np.uint16))
+    elif src_dtype == "BF16" or (src_dtype, dst_dtype) == ("F64", "F16"):  # F64 through F32, as torch rounds (twice)
         np.copyto(out.view(_numpy_float(np, dst_dtype)), _to_f32(np, src, src_dtype), casting="unsafe")
-    elif src_dtype == "F64" and dst_dtype == "F16":  # through F32, as torch rounds (twice)
-        np.copyto(out.view(np.float16), src.view(np.float64).astype(np.float32), casting="unsafe")
     else:
         np.copyto(out.view(_numpy_float(np, dst_dtype)), src.view(_numpy_float(np, src_dtype)), casting="unsafe")

@@ -1,16 +1,10 @@
-"""How a model's weights are handed to Hugging Face transformers (no torch, no I/O).
-
-A model source says, in an `HfExport`, what `fsdpkit convert --to full` writes next to the
-weights so that `AutoModelForCausalLM.from_pretrained(OUT)` loads them: the `config.json`
-document, the side files (generation config, tokenizer) to copy from the directory the model
-came from, and, when fsdpkit's own names or orientation differ from transformers' (the
-built-in GPT: nn.Linear weights, no `transformer.` prefix), the renaming and the 2-D weights
-that are stored transposed. Hugging Face models need neither: their names are transformers'.
-
-The recipe travels in the checkpoint's training state (`EXPORT_STATE_KEY`), so a run knows
-where its model came from through reshard and convert. A full checkpoint whose names or
-orientation were changed carries the layout part in its metadata (`LAYOUT_METADATA_KEY`),
-so reading it back (`--init-from`, `convert --to sharded`) restores fsdpkit's own layout.
+"""How a model's weights are handed to Hugging Face transformers (no torch, no I/O; the format:
+docs/checkpoint-format.md, "Export to transformers"). A model source says, in an `HfExport`,
+what `convert --to full` writes so that `AutoModelForCausalLM.from_pretrained(OUT)` loads it:
+config.json, the side files to copy, and, where fsdpkit's names or orientation differ from
+transformers' (the built-in GPT), the renaming and the transposed 2-D weights. The recipe
+travels in the training state (`EXPORT_STATE_KEY`) through reshard and convert; a full file
+written with a layout records it (`LAYOUT_METADATA_KEY`) so reading it back restores fsdpkit's.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Checkpoint files at the system-call level (no torch), the one module that reads their bytes:
 the one way a file is opened for reading (`open_regular`: without blocking, so a FIFO in place
-of a file cannot hang, and only a regular file accepted), exact reads, streamed blocks
-(`read_blocks`), vectored writes, source files mapped in bounded
-windows (`MappedFiles`) for the byte engine, and the writes of its outputs run by worker
-threads (`WriteQueue`), so the kernel copies on one core while the engine checksums and
-plans on the other.
+of a file cannot hang, and only a regular file accepted), exact reads, vectored writes, source
+files mapped in bounded windows (`MappedFiles`), and writes run by worker threads
+(`WriteQueue`), so the kernel copies on one core while the byte engine checksums on the other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -47,28 +46,32 @@ def open_regular(path: Path) -> tuple[int, int]:
     return fd, info.st_size
 
 
-def read_regular(path: Path, limit: int | None = None) -> bytes:
-    """Regular file `path` (a DataCheckError otherwise), its first `limit` bytes where given."""
+@contextlib.contextmanager
+def regular_file(path: Path) -> Iterator[tuple[int, int]]:
+    """`open_regular(path)`, the descriptor closed when the block is left."""
     fd, size = open_regular(path)
     try:
-        return read_exactly(fd, size if limit is None else min(size, limit), 0, path)
+        yield fd, size
     finally:
         os.close(fd)
+
+
+def read_regular(path: Path, limit: int | None = None) -> bytes:
+    """Regular file `path` (a DataCheckError otherwise), its first `limit` bytes where given."""
+    with regular_file(path) as (fd, size):
+        return read_exactly(fd, size if limit is None else min(size, limit), 0, path)
 
 
 def read_blocks(path: Path, buffer: memoryview, start: int = 0, end: int | None = None) -> Iterator[memoryview]:
     """Bytes [start, end) of regular file `path` (to its end without `end`), front to back, read
     into `buffer` one block at a time; each block is valid until the next is read."""
-    fd, size = open_regular(path)
-    try:
+    with regular_file(path) as (fd, size):
         end = size if end is None else end
         while start < end:
             block = buffer[: min(len(buffer), end - start)]
             pread_into(fd, start, block, path)
             yield block
             start += len(block)
-    finally:
-        os.close(fd)
 
 
 def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:
@@ -89,7 +92,6 @@ def read_some(fd: int, offset: int, view: memoryview) -> int:
 
 
 def pread_into(fd: int, offset: int, view: memoryview, path: Path) -> None:
-    """Fill `view` from byte `offset` of `fd`."""
     done = 0
     while done < view.nbytes:
         count = read_some(fd, offset + done, view[done:])
@@ -181,7 +183,6 @@ class WriteQueue:
         self._in_flight += nbytes
 
     def copy(self, lane: int, source: int, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
-        """Queue `copy_range` of those bytes of `source`."""
         duplicate = os.dup(source)  # the caller may close `source` before the copy runs
         self._open.add(duplicate)
         self.submit(lane, 0, self._copy, duplicate, offset, count, fd, out_offset, path)

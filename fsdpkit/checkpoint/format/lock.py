@@ -1,17 +1,14 @@
 """One writer per run directory: a lock file naming the run that holds it (no torch).
 
-    with RunLock.acquire("run", warn=print) as lock:   # before any process starts
-        ... train with Checkpointer(..., run_id=lock.run_id) ...
-
-`run/.lock` holds JSON `{"host", "pid", "started", "run"}`: the host name, the process id and
-start time of the holder, and the run id that the checkpoints it writes carry (`--keep-last`
-prunes only checkpoints with this id): made from the holder's identity, or given (a run that
-goes on from its own newest checkpoint keeps that checkpoint's id). A second `acquire` while the holder lives is a
-`UsageError` naming the holder. A stale lock (its pid is not running on this host, or is
-another process than the one that took the lock) is taken over, with a message through
-`warn`. A lock held from another host is never taken over: only that host can tell whether
-its holder is alive. Creating the lock file is atomic (O_EXCL); taking over renames the stale
-file first, so of two processes racing for it one wins.
+`run/.lock` holds JSON `{"host", "pid", "started", "run"}`: the holder's host name, process id
+and start time, and the run id that the checkpoints it writes carry (`--keep-last` prunes only
+checkpoints with this id): made from the holder's identity, or given (a run that goes on from
+its own newest checkpoint keeps that checkpoint's id). A second `acquire` while the holder lives
+is a `UsageError` naming the holder. A stale lock (its pid is not running on this host, or is
+another process than the one that took it) is taken over, with a message through `warn`; one
+held from another host never is (only that host can tell whether its holder is alive).
+Creating the lock file is atomic (O_EXCL); taking over renames the stale file first, so of two
+processes racing for it one wins.
 """
 
 from __future__ import annotations
@@ -73,7 +70,6 @@ def _describe(holder: dict | None) -> str:
 class RunLock:
     def __init__(self, path: Path, holder: dict):
         self.path = path
-        self.holder = holder
         self.run_id: str = holder["run"]
 
     @classmethod

@@ -1,17 +1,9 @@
-"""The manifest of a sharded checkpoint: schema, JSON round trip, validation (no torch).
-
-Version 2 (written): only what cannot be derived, so its size does not depend on the world
-size: world size, strategy, the file naming rule, the placement (the model's flat-parameter
-units, or "even"), the tensor table (name, dtype, shape of every stored tensor, in order),
-tied-weight aliases, the training state, and the id of the run that wrote it. Where each
-fragment lives, every file's size and header are derived (`placement.ShardLayout`); each
-fragment's crc32 is in its rank file's header. Version 1 (read): additionally lists every
-file with its size and every fragment with its file, key, range and crc32 (`V1Listing`).
-
-`load_manifest(step_dir)` / `Manifest.from_json(document, where=...)` accept only a
-well-formed manifest of either version; anything else is a one-line `DataCheckError` naming
-`where` and the wrong value. `check_compatible` says whether a checkpoint fits a model,
-before any weight is read. JSON layout: docs/checkpoint-format.md.
+"""The manifest of a sharded checkpoint (docs/checkpoint-format.md): schema, JSON round trip,
+validation (no torch). Version 2 (written) holds only what cannot be derived, so its size does
+not depend on the world size; version 1 (read) also lists every file and fragment (`V1Listing`).
+Only a well-formed manifest of either version is accepted; anything else is a one-line
+`DataCheckError` naming `where` and the wrong value. `check_compatible` says whether a
+checkpoint fits a model, before any weight is read.
 """
 
 from __future__ import annotations
@@ -165,7 +157,6 @@ def save_manifest(directory: str | Path, manifest: Manifest) -> Path:
     return path
 
 
-# ----- validation
 def _int(value: object, what: str, where: str, *, minimum: int = 0, maximum: int = 1 << 62) -> int:
     if type(value) is not int or not minimum <= value <= maximum:
         raise DataCheckError(f"{where}: {what} must be an int in [{minimum}, {maximum}], got {short(value)}")
@@ -334,8 +325,7 @@ def _v1_placement(document: object, world_size: int, where: str) -> Placement:
             raise DataCheckError(f"{where}: plan unit {index} has no list of params")
         spec = []
         for param in params:
-            name = param.get("name") if isinstance(param, dict) else None
-            shape = param.get("shape") if isinstance(param, dict) else None
+            name, shape = (param.get("name"), param.get("shape")) if isinstance(param, dict) else (None, None)
             if not isinstance(name, str) or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
                 raise DataCheckError(f"{where}: plan unit {index} has an invalid param entry {short(param)}")
             if name in seen:
@@ -351,7 +341,6 @@ def _v1_placement(document: object, world_size: int, where: str) -> Placement:
     return Placement.flat(units)
 
 
-# ----- fitting a model, and another world size
 def check_compatible(
     manifest: Manifest, expected: dict[str, tuple[int, ...]], *, strict: bool = True, where: str = "checkpoint"
 ) -> list[str]:

@@ -1,14 +1,12 @@
-"""Names and constants of the fsdpkit checkpoint format (no I/O, no torch).
-
-The spec is docs/checkpoint-format.md. Everything here is pure and shared by the writer,
-the readers, convert, reshard, verify and inspect.
-"""
+"""Names and constants of the fsdpkit checkpoint format, bounded JSON and safetensors headers
+(pure: no I/O, no torch)."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeGuard
@@ -101,8 +99,7 @@ def split_optim_tensor_name(name: str) -> tuple[str, str] | None:
     """(state, param name) of `optim.<state>.<param>`, or None for a scalar/other tensor."""
     if not is_optimizer_tensor(name):
         return None
-    rest = name[len(OPTIM_PREFIX) :]
-    state, dot, param = rest.partition(".")
+    state, dot, param = name[len(OPTIM_PREFIX) :].partition(".")
     return (state, param) if dot and state and param else None
 
 
@@ -120,10 +117,8 @@ def parse_json(raw: bytes, *, where: str, what: str = "JSON") -> object:
         value, depth = pending.pop()
         if depth > MAX_JSON_DEPTH:
             raise DataCheckError(f"{where}: {what} is nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(value, dict):
-            pending.extend((v, depth + 1) for v in value.values() if isinstance(v, (dict, list)))
-        elif isinstance(value, list):
-            pending.extend((v, depth + 1) for v in value if isinstance(v, (dict, list)))
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        pending.extend((v, depth + 1) for v in children if isinstance(v, (dict, list)))
     return document
 
 
@@ -135,7 +130,6 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     return document
 
 
-# ----- safetensors headers (huggingface/safetensors): parsed and validated, no I/O
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str
@@ -167,9 +161,7 @@ def parse_header_bytes(raw: bytes, *, path: Path) -> Header:
     metadata = document.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise DataCheckError(f"{path}: __metadata__ must map strings to strings")
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in document.items():
-        tensors[name] = _tensor_info(name, entry, path)
+    tensors = {name: _tensor_info(name, entry, path) for name, entry in document.items()}
     spans = sorted((t.begin, t.end, name) for name, t in tensors.items())
     position = 0
     for begin, end, name in spans:
@@ -193,3 +185,28 @@ def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
     if offsets[1] - offsets[0] != expected:
         raise DataCheckError(f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}")
     return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def layout_header(
+    entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None
+) -> tuple[bytes, list[tuple[str, TensorInfo]]]:
+    """The header bytes (length prefix included, padded with spaces to a multiple of 8, as the
+    safetensors library does) and each entry's data span, in write order: stably sorted by
+    descending itemsize, so every tensor starts aligned."""
+    names = [name for name, _, _ in entries]
+    if len(set(names)) != len(names) or "__metadata__" in names:
+        raise ValueError(f"duplicate or reserved tensor names in one safetensors file: {names}")
+    ordered = sorted(entries, key=lambda e: -dtype_info(e[1]).itemsize)  # stable: keeps caller order within a size
+    document: dict[str, object] = {}
+    if metadata:
+        document["__metadata__"] = dict(metadata)
+    spans, position = [], 0
+    for name, dtype, shape in ordered:
+        size = numel(shape) * dtype_info(dtype).itemsize
+        info = TensorInfo(dtype, tuple(int(d) for d in shape), position, position + size)
+        document[name] = {"dtype": dtype, "shape": list(info.shape), "data_offsets": [info.begin, info.end]}
+        spans.append((name, info))
+        position += size
+    raw = json.dumps(document, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw, spans

@@ -1,34 +1,16 @@
 """Where every fragment of every saved tensor lives at a world size: pure range arithmetic,
-derived from the manifest, never listed in it (format v2; docs/checkpoint-format.md).
-
-A `Placement` is either
-
-- "flat": the model's flat-parameter units (the engine's unit plan), each an ordered list of
-  parameter names; a unit is laid out with the engine's own `FlatLayout` at shard factor W;
-- "even": no unit plan; every tensor is split with `even_split_ranges(numel, W)`.
-
-`ShardLayout(placement, tensors, world_size)` derives, for the manifest's tensor table, which
-element ranges rank r's file holds:
-
-- a parameter of a flat placement: its intersection with chunk r of its unit;
-- `optim.<state>.<param>` with the numel of a planned parameter: the same ranges as that
-  parameter (optimizer state is laid out exactly like its parameter);
-- `optim.<state>.<param>` of one element (a scalar such as Adam's step): whole, on the rank
-  that holds the parameter's first element;
-- any other tensor under a flat placement (buffers...): whole, on rank 0;
-- every tensor under an even placement: `even_split_ranges(numel, W)[r]`.
-
-Empty ranges are not stored. A rank file stores its fragments in the order of the tensor
-table, stably sorted by descending element size (so every fragment starts aligned), packed
-with no gaps; `FileLayout` gives each fragment's byte span and the whole file header. The
-header is deterministic (`header_bytes`), so the file's size is derived too; only the
-fragments' crc32s (in the header's `__metadata__`) come from the data.
+derived from the manifest, never listed in it (format v2). The rules are docs/checkpoint-format.md's
+"Where each fragment lives" and "Rank files": a "flat" placement lays each of the model's units
+out with the engine's own `FlatLayout`, an "even" one splits every tensor with
+`even_split_ranges`; optimizer state is laid out like its parameter, a scalar state whole with
+its parameter's first element, anything else under a flat placement whole on rank 0. A rank
+file's header is deterministic (`FileLayout`), so its size is derived too; only the fragments'
+crc32s (in its `__metadata__`) come from the data.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import struct
 from dataclasses import dataclass
@@ -37,7 +19,7 @@ from typing import NamedTuple
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange, FlatLayout
-from .names import CRC_METADATA_KEY, split_optim_tensor_name
+from .names import CRC_METADATA_KEY, layout_header, split_optim_tensor_name
 
 Shape = tuple[int, ...]
 MAX_CACHED_HEADER_BYTES = 32 << 20  # bounds the rank file headers a ShardLayout keeps
@@ -165,10 +147,7 @@ class ShardLayout:
         if world_size < 1:
             raise ValueError(f"world size must be >= 1, got {world_size}")
         self.placement, self.tensors, self.world_size = placement, list(tensors), world_size
-        index = {t.name: i for i, t in enumerate(self.tensors)}
-        self._itemsize = [dtype_info(t.dtype).itemsize for t in self.tensors]
-        self._order_key = [(8 - size) * len(self.tensors) + i for i, size in enumerate(self._itemsize)]
-        self._keys = [json.dumps(t.name) + ':{"dtype":"' + t.dtype + '","shape":[' for t in self.tensors]
+        self._order_key = [(8 - dtype_info(t.dtype).itemsize) * len(self.tensors) + i for i, t in enumerate(self.tensors)]
         # flat: per unit, (chunk, numel, slot starts, slot ends, followers of each slot)
         self._units: list[tuple[int, int, list[int], list[int], list[list[int]]]] = []
         self._slot_of: dict[int, tuple[int, int]] = {}  # tensor -> (unit, slot) for tensors laid out like a parameter
@@ -177,7 +156,7 @@ class ShardLayout:
         self._whole: list[int] = []  # tensors stored whole on rank 0
         self._even: list[tuple[int, int, int]] = []  # (non-empty ranks, per-rank elements, tensor), most ranks first
         if placement.kind == "flat":
-            self._init_flat(index)
+            self._init_flat()
         else:
             for i, t in enumerate(self.tensors):
                 if t.numel:
@@ -188,7 +167,7 @@ class ShardLayout:
         self._headers: dict[tuple, tuple] = {}  # fragment signature -> what file_layout shares between ranks
         self._cached_bytes = 0
 
-    def _init_flat(self, index: dict[str, int]) -> None:
+    def _init_flat(self) -> None:
         param_slot: dict[str, tuple[int, int, int]] = {}  # name -> (unit, slot, numel)
         for u, unit in enumerate(self.placement.units):
             layout = FlatLayout.from_shapes(list(unit), self.world_size)
@@ -215,7 +194,6 @@ class ShardLayout:
             elif t.numel:
                 self._whole.append(i)
 
-    # ----- fragments
     def fragments(self, rank: int) -> list[FileFragment]:
         """Rank `rank`'s non-empty fragments, in data order."""
         return list(self.file_layout(rank).fragments)
@@ -236,38 +214,40 @@ class ShardLayout:
             while s < len(slot_starts) and slot_starts[s] < hi:
                 begin = slot_starts[s]
                 first, last = max(begin, lo) - begin, min(slot_ends[s], hi) - begin
-                for t in followers[s]:
-                    tensors.append(t)
-                    starts.append(first)
-                    ends.append(last)
+                tensors.extend(followers[s])
+                starts.extend([first] * len(followers[s]))
+                ends.extend([last] * len(followers[s]))
                 s += 1
-        for t in self._held_first.get(rank, ()):
-            tensors.append(t)
-            starts.append(0)
-            ends.append(1)
+        held = self._held_first.get(rank, [])
+        tensors.extend(held)
+        starts.extend([0] * len(held))
+        ends.extend([1] * len(held))
         if rank == 0:
-            for t in self._whole:
-                tensors.append(t)
-                starts.append(0)
-                ends.append(self.tensors[t].numel)
+            tensors.extend(self._whole)
+            starts.extend([0] * len(self._whole))
+            ends.extend(self.tensors[t].numel for t in self._whole)
         for _, per_rank, t in self._even[: bisect.bisect_left(self._even_counts, -rank)]:
             tensors.append(t)
             starts.append(rank * per_rank)
             ends.append(min((rank + 1) * per_rank, self.tensors[t].numel))
         return tensors, starts, ends
 
-    def piece_count(self, tensor: int) -> int:
-        """How many fragments `tensor` has."""
+    def _spread(self, tensor: int) -> tuple[int, int]:
+        """(begin, chunk): rank r holds elements [max(r * chunk - begin, 0), min((r + 1) * chunk -
+        begin, numel)) of `tensor`, so element e lies on rank (begin + e) // chunk. A scalar
+        state is (its rank, 1), a tensor stored whole on rank 0 (0, numel)."""
         numel = self.tensors[tensor].numel
-        if not numel:
-            return 0
         if tensor in self._slot_of:
             u, s = self._slot_of[tensor]
-            chunk, begin = self._units[u][0], self._units[u][2][s]
-            return (begin + numel - 1) // chunk - begin // chunk + 1
-        if tensor in self._first_holder or self.placement.kind == "flat":
-            return 1
-        return -(-numel // -(-numel // self.world_size))
+            return self._units[u][2][s], self._units[u][0]
+        if tensor in self._first_holder:
+            return self._first_holder[tensor], 1
+        return 0, numel if self.placement.kind == "flat" else -(-numel // self.world_size)
+
+    def piece_count(self, tensor: int) -> int:
+        numel = self.tensors[tensor].numel
+        begin, chunk = self._spread(tensor)
+        return (begin + numel - 1) // chunk - begin // chunk + 1 if numel else 0
 
     def pieces(self, tensor: int, wanted: ElementRange | None = None) -> list[tuple[int, ElementRange]]:
         """(rank, range) of every fragment of `tensor` that meets `wanted` (default: all of them),
@@ -276,21 +256,9 @@ class ShardLayout:
         wanted = wanted if wanted is not None else ElementRange(0, numel)
         if not wanted.size:
             return []
-        if tensor in self._slot_of:
-            u, s = self._slot_of[tensor]
-            chunk, _, starts, _, _ = self._units[u]
-            begin = starts[s]
-            first, last = (begin + wanted.start) // chunk, (begin + wanted.end - 1) // chunk
-            return [(r, ElementRange(max(r * chunk - begin, 0), min((r + 1) * chunk - begin, numel))) for r in range(first, last + 1)]
-        if tensor in self._first_holder:
-            return [(self._first_holder[tensor], ElementRange(0, numel))]
-        if self.placement.kind == "flat":
-            return [(0, ElementRange(0, numel))]
-        per_rank = -(-numel // self.world_size)
-        return [
-            (r, ElementRange(r * per_rank, min((r + 1) * per_rank, numel)))
-            for r in range(wanted.start // per_rank, (wanted.end - 1) // per_rank + 1)
-        ]
+        begin, chunk = self._spread(tensor)
+        first, last = (begin + wanted.start) // chunk, (begin + wanted.end - 1) // chunk
+        return [(r, ElementRange(max(r * chunk - begin, 0), min((r + 1) * chunk - begin, numel))) for r in range(first, last + 1)]
 
     def whole_tensor_files(self) -> set[int]:
         """The ranks whose files hold tensors stored whole (scalar states with their
@@ -298,7 +266,6 @@ class ShardLayout:
         its own file and these."""
         return {rank for tensor in range(len(self.tensors)) if tensor not in self._slot_of for rank, _ in self.pieces(tensor)}
 
-    # ----- files
     def file_layout(self, rank: int) -> FileLayout:
         """Rank `rank`'s file. Its header depends only on which tensors the rank holds and how
         many elements of each, which many ranks share (at a large world size most chunks lie
@@ -319,26 +286,18 @@ class ShardLayout:
     def _shared_layout(self, tensors: list[int], sizes: tuple[int, ...]):
         """(order into data order or None, tensors in data order, spans, header, crc offset, size)."""
         order = sorted(range(len(tensors)), key=lambda i: self._order_key[tensors[i]])
-        spans, entries, position = [], [], 0
-        for i in order:
-            t = tensors[i]
-            nbytes = sizes[i] * self._itemsize[t]
-            spans.append((position, position + nbytes))
-            entries.append(f'{self._keys[t]}{sizes[i]}],"data_offsets":[{position},{position + nbytes}]}}')
-            position += nbytes
-        metadata = '{"__metadata__":{"format":"pt","' + CRC_METADATA_KEY + '":"'
-        text = metadata + "0" * (8 * len(tensors)) + '"}' + "".join("," + e for e in entries) + "}"
-        raw = text.encode("ascii")
-        raw += b" " * (-(8 + len(raw)) % 8)
-        header = struct.pack("<Q", len(raw)) + raw
+        entries: list[tuple[str, str, Shape]] = [
+            (self.tensors[tensors[i]].name, self.tensors[tensors[i]].dtype, (sizes[i],)) for i in order
+        ]
+        header, placed = layout_header(entries, {"format": "pt", CRC_METADATA_KEY: "0" * (8 * len(tensors))})
         identity = order == list(range(len(order)))
         return (
             None if identity else tuple(order),
             tuple(tensors[i] for i in order),
-            tuple(spans),
+            tuple((info.begin, info.end) for _, info in placed),
             header,
-            8 + len(metadata),
-            len(header) + position,
+            8 + len('{"__metadata__":{"format":"pt","' + CRC_METADATA_KEY + '":"'),
+            len(header) + sum(info.nbytes for _, info in placed),
         )
 
 

@@ -1,34 +1,17 @@
-"""The one reader of checkpoint files (no torch): safetensors headers, sharded checkpoints of
-format v2 (and v1), full Hugging Face style checkpoints; every file validated before a data
-byte of it is used. Bytes themselves are read by `bytecopy.ByteEngine` from the
-`SourceTensor`s this module describes.
+"""The one reader of checkpoint files (no torch): sharded checkpoints of format v2 (and v1) and
+full Hugging Face style ones (docs/checkpoint-format.md's "Reading", "Version 1" and "Full
+checkpoints"), every file opened with `files.open_regular`, inside the checkpoint directory
+(`storage.checkpoint_file`) and validated before a data byte of it is used; every problem is a
+one-line `DataCheckError` naming the file. `open_sharded_lazily(path)` validates files as they
+are first touched (a loading rank touches only the files its chunk overlaps), `open_sharded(path)`
+every file first (the offline commands). A tensor's pieces are computed on demand, so memory
+does not grow with world size x tensors.
 
-Every file is opened with `files.open_regular`: O_NONBLOCK (a FIFO in place of a file cannot
-block), then fstat, and anything but a regular file is refused. Nothing outside the checkpoint
-directory is read (`storage.checkpoint_file`). Every problem is a one-line `DataCheckError`
-naming the file.
-
-Sharded, v2: each rank file's size and whole header are derived from the manifest
-(`placement.ShardLayout`); the file must have exactly that size and that header, except the crc32
-hex digits in its `__metadata__`, which give each fragment's checksum. v1: the manifest lists
-files, sizes and fragments; headers are parsed and checked against the listing.
-`open_sharded_lazily(path)` validates files as they are first touched (a loading rank touches
-only the files its chunk overlaps); `open_sharded(path)` validates every file first (the
-offline commands). `ShardedCheckpoint.source(name)` gives the pieces of a tensor, computed on
-demand, so memory does not grow with world size x tensors.
-
-Safetensors (huggingface/safetensors): 8 bytes little-endian u64 N, N bytes of JSON header
-(`{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`),
-then the byte buffer, which the offsets index with no holes. `read_header(path)` (full and
-v1 files) checks the length against the file size and the 100 MB limit, the JSON (nesting
-capped), every dtype, spans equal to numel * itemsize tiling the buffer exactly, and that
-the file ends where the buffer does.
-
-Full: `model.safetensors`, or `model-0000k-of-0000N.safetensors` plus
-`model.safetensors.index.json`; optimizer state likewise under `optimizer*`; tied weights
-stored once, with `{"fsdpkit_tied_weights": JSON {alias: stored name}}` in the metadata.
-`open_full(path)` accepts a directory holding either layout, a `.safetensors` file or an
-index file (no checksums: full files carry none).
+Safetensors: 8 bytes little-endian u64 N, N bytes of JSON header (`{"name": {"dtype", "shape",
+"data_offsets": [begin, end]}, "__metadata__": {str: str}}`), then the byte buffer, which the
+offsets index with no holes. `read_header(path)` (full and v1 files) checks the length against
+the file size and the 100 MB limit, the JSON (nesting capped), every dtype, spans equal to
+numel * itemsize tiling the buffer exactly, and that the file ends where the buffer does.
 """
 
 from __future__ import annotations
@@ -47,7 +30,7 @@ from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
 from .export import ExportLayout, layout_of
-from .files import open_regular, pread_into, read_blocks, read_exactly
+from .files import pread_into, read_blocks, read_exactly, regular_file
 from .manifest import Manifest, V1Listing, load_manifest
 from .names import (
     CRC_METADATA_KEY,
@@ -60,6 +43,7 @@ from .names import (
     TIED_METADATA_KEY,
     Header,
     is_safe_file_name,
+    numel,
     parse_header_bytes,
     parse_json,
     rank_file_name,
@@ -71,12 +55,9 @@ _HEX = re.compile(rb"[0-9a-f]*")
 CACHED_PIECES = 256
 
 
-# ----- safetensors headers (full and v1 files)
 def read_header(path: str | Path, *, expected_size: int | None = None) -> Header:
-    """Parse and validate the header of a safetensors file (see the module docstring)."""
     path = Path(path)
-    fd, size = open_regular(path)
-    try:
+    with regular_file(path) as (fd, size):
         if expected_size is not None and size != expected_size:
             raise DataCheckError(f"{path}: file is {size} bytes, the manifest says {expected_size}")
         if size < 8:
@@ -87,8 +68,6 @@ def read_header(path: str | Path, *, expected_size: int | None = None) -> Header
         if 8 + header_len > size:
             raise DataCheckError(f"{path}: header claims {header_len} bytes but the file has only {size} bytes")
         raw = read_exactly(fd, header_len, 8, path)
-    finally:
-        os.close(fd)
     header = parse_header_bytes(raw, path=path)
     end = header.file_size
     if end != size:
@@ -96,7 +75,6 @@ def read_header(path: str | Path, *, expected_size: int | None = None) -> Header
     return header
 
 
-# ----- sharded checkpoints
 class RankFile:
     """A validated rank file: its fragments in data order (tensor index, byte span, crc32) in
     compact arrays (a few dozen bytes per fragment), and a lookup by tensor."""
@@ -173,7 +151,6 @@ class ShardedCheckpoint:
         self._v1_index: dict[str, tuple[int, list]] | None = None  # v1: file name -> (position, [(tensor, fragment)])
         self._located: dict[int, list[tuple[int, ElementRange]]] = {}  # tensor -> (file, range) of its fragments, if few
 
-    # ----- files
     def file_names(self) -> list[str]:
         if self.manifest.listing is not None:
             return [name for name, _ in self.manifest.listing.files]
@@ -190,25 +167,19 @@ class ShardedCheckpoint:
 
     def _validate_v2(self, rank: int, expected: FileLayout) -> RankFile:
         path = self.rank_file_path(rank)
-        fd, size = open_regular(path)
-        try:
+        with regular_file(path) as (fd, size):
             check_v2_size(path, size, expected)
             raw = read_exactly(fd, len(expected.header), 0, path)
-        finally:
-            os.close(fd)
         return RankFile(path, size, expected.data_start, expected.tensors, expected.spans, v2_crcs(path, raw, expected))
 
     def read_whole_v2(self, rank: int, expected: FileLayout, buffer: memoryview) -> tuple[Path, memoryview]:
         """Rank file `rank` of a v2 checkpoint, of the size its layout derives, read whole into
         `buffer` (at least that size): (its path, the bytes read)."""
         path = self.rank_file_path(rank)
-        fd, size = open_regular(path)
-        try:
+        with regular_file(path) as (fd, size):
             check_v2_size(path, size, expected)
             view = buffer[:size]
             pread_into(fd, 0, view, path)
-        finally:
-            os.close(fd)
         return path, view
 
     def rank_file_path(self, rank: int) -> Path:
@@ -223,7 +194,7 @@ class ShardedCheckpoint:
     def _validate_v1(self, index: int) -> RankFile:
         name, size = self._listing().files[index]
         header = read_header(checkpoint_file(self.step_dir, name), expected_size=size)
-        tensors, spans, crcs, keys = [], [], [], set()
+        entries, keys = [], set()  # (begin, end, tensor, crc32) of each fragment
         for t, frag in self._v1_files()[name][1]:
             spec = self.manifest.tensors[t]
             keys.add(frag.key)
@@ -235,16 +206,12 @@ class ShardedCheckpoint:
                 raise DataCheckError(f"{where} has dtype {info.dtype}, the manifest says {spec.dtype}")
             if info.shape != (frag.end - frag.start,):
                 raise DataCheckError(f"{where} has shape {list(info.shape)}, the manifest says [{frag.end - frag.start}]")
-            tensors.append(t)
-            spans.append((info.begin, info.end))
-            crcs.append(frag.crc32)
+            entries.append((info.begin, info.end, t, frag.crc32))
         extra = sorted(set(header.tensors) - keys)
         if extra:
             raise DataCheckError(f"{header.path}: keys {extra[:3]} are not in the manifest")
-        order = sorted(range(len(spans)), key=lambda i: spans[i])
-        return RankFile(
-            header.path, size, header.data_start, [tensors[i] for i in order], [spans[i] for i in order], [crcs[i] for i in order]
-        )
+        entries.sort()
+        return RankFile(header.path, size, header.data_start, [e[2] for e in entries], [e[:2] for e in entries], [e[3] for e in entries])
 
     def _v1_files(self) -> dict[str, tuple[int, list]]:
         if self._v1_index is None:
@@ -274,7 +241,6 @@ class ShardedCheckpoint:
             + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")
         ]
 
-    # ----- tensors
     def source(self, name: str) -> SourceTensor:
         index = self.manifest.tensor_index(name)
         spec = self.manifest.tensors[index]
@@ -352,7 +318,6 @@ def open_sharded(path: str | os.PathLike[str]) -> ShardedCheckpoint:
     return checkpoint
 
 
-# ----- full checkpoints
 @dataclass(frozen=True)
 class FullCheckpoint:
     root: Path
@@ -412,37 +377,24 @@ def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> 
             if name in seen:
                 raise DataCheckError(f"{file}: tensor {name!r} is also in {seen[name]}")
             seen[name] = file
-            piece = SourcePiece(
-                ElementRange(0, info.nbytes // dtype_info(info.dtype).itemsize),
-                file,
-                header.data_start + info.begin,
-                info.nbytes,
-                None,
-                name,
-            )
+            piece = SourcePiece(ElementRange(0, numel(info.shape)), file, header.data_start + info.begin, info.nbytes, None, name)
             tensors.append(SourceTensor(name, info.shape, info.dtype, (piece,) if info.nbytes else ()))
     return FullCheckpoint(root, tuple(files), tuple(tensors), aliases, layout, metadata)
 
 
 def _index_files(index_path: Path) -> list[Path]:
-    fd, size = open_regular(index_path)
-    try:
+    with regular_file(index_path) as (fd, size):
         if size > MAX_HEADER_BYTES:
             raise DataCheckError(f"{index_path}: {size} bytes, over the {MAX_HEADER_BYTES}-byte limit for an index")
         raw = read_exactly(fd, size, 0, index_path)
-    finally:
-        os.close(fd)
     document = parse_json(raw, where=str(index_path), what="index")
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise DataCheckError(f"{index_path}: no weight_map object")
-    names = []
     for tensor, file in weight_map.items():
         if not is_safe_file_name(file):
             raise DataCheckError(f"{index_path}: tensor {tensor!r} maps to {str(file)[:80]!r}, not a file name inside the directory")
-        if file not in names:
-            names.append(file)
-    files = [checkpoint_file(index_path.parent, name) for name in names]
+    files = [checkpoint_file(index_path.parent, name) for name in dict.fromkeys(weight_map.values())]
     for file in files:
         header = read_header(file)
         listed = {t for t, f in weight_map.items() if f == file.name}

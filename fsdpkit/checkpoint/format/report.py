@@ -45,7 +45,6 @@ class VerifyReport:
         }
 
     def summary_line(self) -> str:
-        """What was checked, in one line."""
         counted = "".join(f", {count(value, name)}" for name, value in self.counts.items())
         line = f"{self.kind}, {count(self.tensors, 'tensor')}{counted}, {format_size(self.bytes)}; checked: {'; '.join(self.checked)}"
         return line + (f"; not checked: {'; '.join(self.not_checked)}" if self.not_checked else "")

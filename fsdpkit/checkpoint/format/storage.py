@@ -1,34 +1,18 @@
-"""Checkpoint directories on disk: finding them, keeping paths inside them, and making them
-appear atomically (no torch).
+"""Checkpoint directories on disk (no torch): finding them, keeping paths inside them, making
+them appear atomically, pruning. The save protocol is docs/checkpoint-format.md's "Directory
+layout": a crash at any point leaves `latest` naming a complete checkpoint.
 
-Finding: `resolve_checkpoint(path)` accepts a step directory (it holds manifest.json) or a
-run directory: there it follows `latest`, or, when `latest` is absent (a crash before the
-very first `latest` was written), takes the highest complete `step-NNNNNNNN`. In-progress
-`.tmp-*` directories are never taken. `checkpoint_file(step_dir, name)` refuses names or
-symlinks that would leave the directory.
+Training saves: `begin(run_dir, step)` makes the temporary directory every rank writes into,
+`commit` (one process, rank 0) makes it step `step` and replaces `latest`, `abort` removes it.
+Pruning removes only checkpoints of the run that wrote this one (the manifest's run id, see
+lock.py): another run's directories, complete or in progress, are never deleted.
 
-Training saves (a run directory)::
-
-    tmp = begin(run_dir, step)          # run_dir/.tmp-step-NNNNNNNN-<random>; every rank writes here
-    ... every rank writes its rank file ...
-    final = commit(tmp, run_dir, step, manifest, keep_last=3)   # one process (rank 0)
-
-`commit` checks that every rank file the manifest derives is in `tmp` (a missing one usually
-means the ranks do not share a filesystem; each rank fsynced its own), writes manifest.json,
-fsyncs it and the directory, renames `tmp` to `step-NNNNNNNN`, fsyncs the run directory, then
-replaces `latest` atomically (temporary file, fsync, `os.replace`). Only after that, `keep_last`
-prunes, and only the checkpoints of the run that wrote this one (the manifest's run id; see
-lock.py): another run's directories, complete or in progress, are never deleted. A crash at
-any point leaves `latest` naming a complete checkpoint (or, before the first commit, no
-`latest` and no step directory). `abort(tmp)` removes an unfinished one.
-
-Offline outputs (convert, reshard): `staged_output(dst, src=..., overwrite=..., needed_bytes=...)`
-refuses, before anything is written, DST equal to, inside or containing SRC, an existing DST
-without `overwrite`, a read-only destination directory and an output larger than its whole
-filesystem (UsageErrors), and too little free disk (a RunError); it yields a hidden temporary sibling directory,
-syncs (`sync_files`) and renames it to DST on success, and removes it on any error; an
-OSError (a read-only, full or size-limited destination) becomes one line naming the path and
-the errno (`RunError`).
+Offline outputs (convert, reshard): `staged_output` refuses, before anything is written, DST
+equal to, inside or containing SRC, an existing DST without `overwrite`, a read-only
+destination and an output larger than its whole filesystem (UsageErrors), and too little free
+disk (a RunError); it yields a hidden temporary sibling directory, syncs and renames it to DST
+on success, and removes it on any error; an OSError becomes one line naming the path and the
+errno (`RunError`).
 """
 
 from __future__ import annotations
@@ -58,7 +42,6 @@ from .names import (
 )
 
 
-# ----- finding a checkpoint
 def complete_steps(run_dir: str | Path) -> list[tuple[int, Path]]:
     """The complete step directories of a run, oldest first."""
     run_dir = Path(run_dir)
@@ -77,8 +60,7 @@ def read_latest(run_dir: Path) -> str | None:
     if not latest.exists():
         return None
     try:
-        raw = latest.read_bytes()[:256]
-        name = raw.decode("ascii").strip()
+        name = latest.read_bytes()[:256].decode("ascii").strip()
     except (OSError, UnicodeDecodeError) as error:
         raise DataCheckError(f"{latest}: unreadable ({error})") from None
     if parse_step_dir_name(name) is None or not is_safe_file_name(name):
@@ -97,10 +79,9 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         return path
     name = read_latest(path)
     if name is not None:
-        target = path / name
-        if not (target / MANIFEST_NAME).is_file():
+        if not (path / name / MANIFEST_NAME).is_file():
             raise DataCheckError(f"{path / LATEST_NAME}: names {name}, which is missing or has no {MANIFEST_NAME}")
-        return target
+        return path / name
     steps = complete_steps(path)
     if steps:
         return steps[-1][1]
@@ -112,15 +93,13 @@ def checkpoint_file(step_dir: Path, name: str) -> Path:
     if not is_safe_file_name(name):
         raise DataCheckError(f"{step_dir}: file name {name!r} is not a plain file name inside the checkpoint")
     path = step_dir / name
-    if path.is_symlink():
-        root = os.path.realpath(step_dir)
-        if os.path.dirname(os.path.realpath(path)) != root:
-            raise DataCheckError(f"{path}: symlink points outside the checkpoint directory")
+    if path.is_symlink() and os.path.dirname(os.path.realpath(path)) != os.path.realpath(step_dir):
+        raise DataCheckError(f"{path}: symlink points outside the checkpoint directory")
     return path
 
 
-# ----- durability
 def fsync_dir(path: Path) -> None:
+    """fsync a directory (or a file)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -134,11 +113,7 @@ def sync_files(directory: Path, names: list[str]) -> None:
     and an fsync per file; few files, or no syncfs: fsync each."""
     if len(names) <= SYNCFS_FILES or not _syncfs(directory):
         for name in names:
-            fd = os.open(directory / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(directory / name)
     fsync_dir(directory)
 
 
@@ -163,7 +138,6 @@ def _syncfs(directory: Path) -> bool:
     return True
 
 
-# ----- training saves in a run directory
 def _run_tag(run_id: str | None) -> str:
     """8 hex digits naming a run in temporary directory names."""
     return hashlib.blake2b((run_id or "").encode(), digest_size=4).hexdigest()
@@ -182,9 +156,8 @@ def abort(tmp_dir: str | Path) -> None:
 
 
 def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manifest, *, keep_last: int | None = None) -> Path:
-    """Make the save in `tmp_dir` step `step` of `run_dir` (see the module docstring). Every rank
-    file must be in `tmp_dir` already, written and fsynced by its rank. `keep_last` then prunes
-    the checkpoints of the run that wrote this one (`manifest.run_id`), never another's."""
+    """Make the save in `tmp_dir` step `step` of `run_dir`, then prune (`keep_last`). Every rank
+    file must be in `tmp_dir` already, written and fsynced by its rank."""
     tmp_dir, run_dir = Path(tmp_dir), Path(run_dir)
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -232,18 +205,11 @@ def _replace_latest(run_dir: Path, name: str) -> None:
 
 def prune(run_dir: str | Path, *, keep_last: int, run_id: str) -> list[Path]:
     """Remove the complete steps of run `run_id` but its newest `keep_last` (never the one
-    `latest` names), and that run's leftover temporary directories of crashed saves. A
-    directory another run wrote (another id, or none: older checkpoints) is never touched.
-    Returns what was removed."""
+    `latest` names), and that run's leftover temporary directories; what was removed. A
+    directory another run wrote (another id, or none: older checkpoints) is never touched."""
     run_dir = Path(run_dir)
     latest = read_latest(run_dir)
-    mine = []
-    for _, path in complete_steps(run_dir):
-        try:
-            if load_manifest(path).run_id == run_id:
-                mine.append(path)
-        except DataCheckError:
-            continue  # unreadable: not provably ours
+    mine = _steps_of_run(run_dir, run_id)
     removed = []
     for path in mine[: max(0, len(mine) - keep_last)]:
         if path.name != latest:
@@ -269,13 +235,18 @@ def remove_unfinished(run_dir: str | Path, *, run_id: str) -> list[Path]:
 
 def newest_of_run(run_dir: str | Path, *, run_id: str) -> Path | None:
     """The newest complete checkpoint in `run_dir` that run `run_id` wrote, or None."""
-    for _, path in reversed(complete_steps(run_dir)):
-        try:
+    mine = _steps_of_run(run_dir, run_id)
+    return mine[-1] if mine else None
+
+
+def _steps_of_run(run_dir: str | Path, run_id: str) -> list[Path]:
+    """The complete steps that run `run_id` wrote, oldest first (an unreadable one is not provably its)."""
+    mine = []
+    for _, path in complete_steps(run_dir):
+        with contextlib.suppress(DataCheckError):
             if load_manifest(path).run_id == run_id:
-                return path
-        except DataCheckError:
-            continue
-    return None
+                mine.append(path)
+    return mine
 
 
 def os_error_line(error: OSError, where: Path) -> str:
@@ -284,7 +255,6 @@ def os_error_line(error: OSError, where: Path) -> str:
     return f"{error.filename or where}: {error.strerror or error} ({name})"
 
 
-# ----- offline outputs (convert, reshard)
 def check_destination(dst: Path, *, src: Path, overwrite: bool) -> None:
     src_root = os.path.realpath(src)  # a directory, or a single file (a full checkpoint's .safetensors or index)
     dst_real = os.path.realpath(dst)

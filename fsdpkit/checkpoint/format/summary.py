@@ -34,7 +34,6 @@ class TensorEntry:
 
     @property
     def label(self) -> str:
-        """What the text output calls it."""
         return str(self.name)
 
 

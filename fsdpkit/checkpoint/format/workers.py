@@ -1,25 +1,18 @@
 """The rank files of a new layout written by several processes (no torch). At a large world
-size a reshard is bound by one core: computing each rank file's layout, gathering its
-fragments of a few KB and their crc32s, and the `writev` that copies them into a new file.
-So the ranks are cut into contiguous shares, the first written by this process and each
-other by a child forked from it (the layout tables and the sources are inherited, never
-sent); each process computes the layouts of its own ranks only.
-
-Every output file, and so every crc32 in its header, comes from one process. A source piece
-that a share boundary cuts is read in part by two processes: each returns the crc32 of its
-part (`ByteEngine.finish_parts`), and the parts are combined and checked here
-(`crc.check_parts`), as one process would have checked the whole piece.
-
-A child sends its progress (bytes), then its result or the exception it raised, through a
-pipe. The first error of any process is raised here once every child has been stopped and
-reaped, so the caller's staging directory can be removed with nothing still writing into it.
-Fewer than SPLIT_RANK_FILES files (a few large files, written by the engine's threads), one
-core, or no `os.fork`: this process writes them all. `in_processes` is the sharing itself, which
-the DeepSpeed writer uses too (its files shared out by size, `even_shares`).
+size a reshard is bound by one core (each rank file's layout, gathering its fragments of a few
+KB and their crc32s, the `writev`), so the ranks are cut into contiguous shares, each but the
+first written by a child forked from this process (the layout tables and the sources are
+inherited, never sent). Every output file comes from one process; a source piece that a share
+boundary cuts is read in part by two, and the parts' crc32s are combined and checked here
+(`crc.check_parts`). A child sends its progress, then its result or its exception, through a
+pipe; the first error is raised once every child has been stopped and reaped, so the caller can
+remove its staging directory with nothing still writing into it. `in_processes` is the sharing
+itself, which the DeepSpeed writer uses too (its files shared out by size, `even_shares`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Callable, Sequence
@@ -127,7 +120,11 @@ class _Children:
                 send.send(("done", function(send.send)))
                 status = 0
             except BaseException as error:
-                _send_error(send, error)
+                try:
+                    send.send(("error", error))
+                except BaseException:  # one that cannot be pickled: a RunError with its line
+                    with contextlib.suppress(BaseException):
+                        send.send(("error", RunError(f"{type(error).__name__}: {error}")))
             finally:
                 os._exit(status)
         send.close()
@@ -168,24 +165,9 @@ class _Children:
         """Kill the children still running (after an error) and reap them all."""
         for receive, pid in self._pids.items():
             if receive not in self._results:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
             receive.close()
         self._pids.clear()
-
-
-def _send_error(send: Connection, error: BaseException) -> None:
-    """Send `error` to the parent; one that cannot be pickled, as a RunError with its line."""
-    try:
-        send.send(("error", error))
-    except BaseException:
-        try:
-            send.send(("error", RunError(f"{type(error).__name__}: {error}")))
-        except BaseException:
-            pass

@@ -1,35 +1,11 @@
 """The one writer of checkpoint files (no torch): safetensors files whose header is known before
-their data, streamed in bounded memory. Used by training saves (each rank its own file),
-convert and reshard (every rank file of a new layout, `write_sharded`) and `convert --to
-full` (`StreamingWriter`).
-
-`StreamingWriter(path, entries, metadata=...)` lays the header out from (name, dtype, shape)
-alone: entries in the order given after a stable sort by descending itemsize (so every tensor
-starts aligned to its element size), header padded with spaces to a multiple of 8, as the
-safetensors library does; the result reads back with `safetensors.safe_open`.
-`RankFileWriter(path, file_layout)` writes a v2 rank file whose header the manifest derives
-(`placement.FileLayout`); after each fragment the caller gives its crc32 (`end_fragment`),
-and `close` writes the crc32 hex digits into the header's `__metadata__` (fixed width, so the
-header's length never changes); `file_crc32` is then the whole file's, combined from those.
-
-Data arrives in any number of pieces; small ones are gathered in a 1 MiB buffer so a file of
-many small fragments costs a few system calls. The `cache` mode (`CacheMode`) says how the
-data passes the kernel's page cache: CACHED leaves it there; WRITE_BEHIND starts the
-writeback of every completed `WRITE_BEHIND_BYTES` at once (`posix_fadvise(DONTNEED)`: dirty
-data is never dropped), so the disk works while the copy goes on and a multi-GB output does
-not fill the page cache; DIRECT (files of at least `DIRECT_MIN_BYTES`) copies the data into
-an 8 MiB page-aligned staging buffer and writes it whole with O_DIRECT, past the cache: no
-page-cache copy, no writeback and no reclaim for the kernel to do on the cores training uses,
-and an fsync that finds nothing dirty; the last partial buffer and header patches are written
-cached.
-`close()` fsyncs unless the caller syncs many files at once (`sync=False`, then
-`storage.sync_files`, as `staged_output` does); `write_seconds` and `fsync_seconds` count the
-time spent in those system calls. On an exception inside a `with` block the partial file is
-removed.
-
-`write_sharded` (convert --to sharded, reshard) writes every rank file of a layout with the
-byte engine (`bytecopy.ByteEngine.write_rank_file`; many files by several processes,
-`workers.write_rank_files`), then the manifest.
+their data (`names.layout_header`, or a rank file's `placement.FileLayout`), written front to
+back in bounded memory. Small pieces are gathered in a 1 MiB buffer, so a file of many small
+fragments costs a few system calls. `CacheMode` says how the data passes the page cache: DIRECT
+(an 8 MiB page-aligned staging buffer, O_DIRECT) leaves the kernel no page-cache copy,
+writeback or reclaim to do on the cores training uses. `close()` fsyncs unless the caller syncs
+many files at once (`sync=False`, then `storage.sync_files`). On an exception inside a `with`
+block the partial file is removed.
 """
 
 from __future__ import annotations
@@ -37,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import mmap
 import os
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,11 +23,11 @@ from pathlib import Path
 
 import numpy
 
-from ...dtypes import dtype_info
 from .bytecopy import SourceTensor
 from .crc import crc32, crc32_combine
+from .files import create
 from .manifest import Manifest, save_manifest
-from .names import numel, output_dtype, rank_file_name
+from .names import layout_header, output_dtype, rank_file_name
 from .placement import FileLayout, Placement, TensorSpec
 from .workers import write_rank_files
 
@@ -76,41 +50,6 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class Span:
-    """Where one entry's data sits, relative to the start of the data buffer."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-def layout_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None) -> tuple[bytes, list[tuple[str, Span]]]:
-    """The header bytes (length prefix included, padded to 8) and each entry's data span, in write order."""
-    names = [name for name, _, _ in entries]
-    if len(set(names)) != len(names) or "__metadata__" in names:
-        raise ValueError(f"duplicate or reserved tensor names in one safetensors file: {names}")
-    ordered = sorted(entries, key=lambda e: -dtype_info(e[1]).itemsize)  # stable: keeps caller order within a size
-    document: dict[str, object] = {}
-    if metadata:
-        document["__metadata__"] = dict(metadata)
-    spans, position = [], 0
-    for name, dtype, shape in ordered:
-        size = numel(shape) * dtype_info(dtype).itemsize
-        info = Span(dtype, tuple(int(d) for d in shape), position, position + size)
-        document[name] = {"dtype": dtype, "shape": list(info.shape), "data_offsets": [info.begin, info.end]}
-        spans.append((name, info))
-        position += size
-    raw = json.dumps(document, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-(8 + len(raw)) % 8)
-    return struct.pack("<Q", len(raw)) + raw, spans
-
-
 class CacheMode(Enum):
     """How a written file's data goes through the kernel's page cache."""
 
@@ -130,20 +69,15 @@ class _FileWriter:
         self.write_seconds = 0.0
         self.fsync_seconds = 0.0
         self.direct_bytes = 0  # written with O_DIRECT, past the page cache
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        self._fd = os.open(self.path, flags, 0o644)
-        self._mode = self._mode_here(cache, size)
-        direct = self._mode is CacheMode.DIRECT
+        self._fd = create(self.path)
+        if cache is CacheMode.WRITE_BEHIND and not hasattr(os, "posix_fadvise"):
+            cache = CacheMode.CACHED
+        if cache is CacheMode.DIRECT and not (size >= DIRECT_MIN_BYTES and _set_direct(self._fd, True)):
+            cache = CacheMode.CACHED
+        self._mode = cache
+        direct = cache is CacheMode.DIRECT
         self._buffer: bytearray | mmap.mmap = mmap.mmap(-1, DIRECT_BUFFER_BYTES) if direct else bytearray(min(BUFFER_BYTES, size))
         self.write(header)
-
-    def _mode_here(self, cache: CacheMode, size: int) -> CacheMode:
-        """`cache`, or CACHED where this file or system cannot have it."""
-        if cache is CacheMode.WRITE_BEHIND and not hasattr(os, "posix_fadvise"):
-            return CacheMode.CACHED
-        if cache is CacheMode.DIRECT and not (size >= DIRECT_MIN_BYTES and _set_direct(self._fd, True)):
-            return CacheMode.CACHED
-        return cache
 
     def write(self, data) -> None:
         """Append bytes (anything exposing the buffer protocol)."""
@@ -219,9 +153,9 @@ class _FileWriter:
             self._flush()
             self.patch(offset, data)
 
-    def close(self) -> int:
+    def close(self) -> None:
         if self._fd < 0:
-            return self.size
+            return
         try:
             self._end_direct()
             self._flush()
@@ -233,7 +167,6 @@ class _FileWriter:
                 self.fsync_seconds += time.perf_counter() - started
         finally:
             self._release()
-        return self.size
 
     def abort(self) -> None:
         self._release()
@@ -258,14 +191,8 @@ class _FileWriter:
 
 
 class StreamingWriter(_FileWriter):
-    """Write one safetensors file whose header is known up front; data arrives in pieces.
-
-    Usage::
-
-        with StreamingWriter(path, entries, metadata={"format": "pt"}) as w:
-            for name, info in w.order:        # the order data must be written in
-                w.write(piece)                # any number of pieces per tensor, in order
-    """
+    """One safetensors file: the data of each tensor of `order`, in that order, written in any
+    number of pieces."""
 
     def __init__(
         self,
@@ -281,8 +208,9 @@ class StreamingWriter(_FileWriter):
 
 
 class RankFileWriter(_FileWriter):
-    """Write one v2 rank file laid out by `layout`: each fragment's bytes in data order, then
-    `end_fragment(crc32)`."""
+    """One v2 rank file laid out by `layout`: each fragment's bytes in data order, then
+    `end_fragment(crc32)`; `close` writes the crc32 hex digits into the header (fixed width, so
+    its length never changes)."""
 
     def __init__(self, path: str | Path, layout: FileLayout, *, cache: CacheMode = CacheMode.CACHED, sync: bool = True):
         self.layout = layout
@@ -298,13 +226,13 @@ class RankFileWriter(_FileWriter):
             raise ValueError(f"{self.path}: fragment {index} ends at byte {self._written + self._buffered}, its layout at {end}")
         self._crcs.append(crc32)
 
-    def close(self) -> int:
+    def close(self) -> None:
         if self._fd >= 0 and len(self._crcs) != len(self.layout.fragments):
             self.abort()
             raise ValueError(f"{self.path}: {len(self._crcs)} of {len(self.layout.fragments)} fragments written")
         if self._fd >= 0 and self._crcs:
-            self.patch(self.layout.crc_offset, "".join(f"{crc:08x}" for crc in self._crcs).encode("ascii"))
-        return super().close()
+            self.patch(self.layout.crc_offset, self.layout.header_with(self._crcs)[1])
+        super().close()
 
     def file_crc32(self) -> int:
         """The crc32 of the whole file as written: its header's, combined with each fragment's
@@ -337,10 +265,8 @@ def write_sharded(
     chunk_size: int,
     progress: Callable[[int], None] | None = None,
 ) -> WrittenCheckpoint:
-    """A whole sharded checkpoint (v2) in `directory`: every rank file of `placement` at
-    `world_size`, copied from `sources` by the byte engine (source checksums verified on the
-    way, output crc32s from the bytes written; `workers`), then manifest.json; `storage.staged_output`
-    syncs them all at once. Every rank gets a file, possibly with no tensors."""
+    """A whole sharded checkpoint (v2) in `directory`: every rank file (possibly with no tensors),
+    copied from `sources` by the byte engine, then manifest.json; the caller syncs them all."""
     tensors = tuple(TensorSpec(s.name, output_dtype(s.dtype, cast_to), tuple(s.shape)) for s in sources)
     manifest = Manifest(world_size, strategy, placement, tensors, dict(aliases), dict(training_state))
     write_rank_files(directory, manifest.layout(), sources, [t.dtype for t in tensors], chunk_size=chunk_size, progress=progress)
