@@ -1,24 +1,22 @@
 """The one byte engine (no torch): every command that moves checkpoint bytes goes through a
 `ByteEngine`: rank files (`write_rank_file`), streams into a writer (`copy`), element ranges
-into memory (`read_into`). How it moves bytes is docs/checkpoint-format.md's "How convert and
-reshard copy"; mappings are windows of two `WINDOW_BYTES` blocks in a bounded LRU, so peak RSS
-does not grow with the checkpoint.
+into memory (`read_into`). How it moves and checks bytes is docs/checkpoint-format.md's "How
+convert and reshard copy"; mappings are windows of two `WINDOW_BYTES` blocks in a bounded LRU.
 
-A `SourceTensor` says where each element range of a tensor lies: `SourcePiece`s (range, file,
-byte offset, crc32 or None). Every block is checksummed once: that is the output fragment's
-crc32, and it is combined into the running crc32 of its source piece, which must equal the
-stored one when the piece's last byte has passed, else a `DataCheckError`. So the fragments of
-each tensor must be asked for in increasing order, each piece read front to back, as the
-placements guarantee; `finish()` checks that every piece started was read to its end, and
-`finish_parts()` returns the pieces an engine writing a share of the rank files (`workers`) read
-only in part, with their crc32s, for `check_parts`. Sources are checkpoints at rest (a file
-truncated while mapped would raise SIGBUS).
+A `SourceTensor` says where each element range of a tensor lies (`SourcePiece`s). A source
+piece's running crc32 is checked when its last byte has passed (a `DataCheckError`), so the
+fragments of each tensor must be asked for in increasing order, as the placements guarantee;
+`finish()` checks that every piece started was read to its end, and `finish_parts()` returns
+the pieces an engine writing a share of the rank files (`workers`) read only in part, for
+`check_parts`. Sources are checkpoints at rest (a file truncated while mapped would raise SIGBUS).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -74,26 +72,12 @@ class SourceTensor:
 class _Piece:
     """A source piece being read, and how far: bytes [begin, done) from its start, `running` their crc32."""
 
-    __slots__ = (
-        "first",
-        "last",
-        "file",
-        "offset",
-        "nbytes",
-        "crc32",
-        "label",
-        "begin",
-        "done",
-        "running",
-        "window",
-        "window_start",
-        "window_end",
-    )
+    __slots__ = ("source", "first", "last", "file", "offset", "nbytes", "begin", "done", "running", "window", "window_start", "window_end")
 
     def __init__(self, source: SourcePiece, file: int, begin: int):
+        self.source = source
         self.first, self.last = source.range.start, source.range.end  # elements of the tensor
         self.file, self.offset, self.nbytes = file, source.offset, source.nbytes  # absolute byte offset in the file
-        self.crc32, self.label = source.crc32, source.label
         self.begin = self.done = begin
         self.running = 0
         self.window: memoryview | None = None  # the mapping last used, and the file offsets it covers
@@ -217,7 +201,6 @@ class ByteEngine:
         return crcs
 
     def _cast_blocks(self, cursor: _Cursor, start: int, end: int) -> Iterator[tuple[memoryview, int]]:
-        """(bytes, their crc32) of elements [start, end) block by block, cast when asked."""
         for _, view, crc in self._blocks(cursor, start, end):
             if cursor.cast is not None:
                 view = cast_into(view, *cursor.cast, bytearray(view.nbytes // cursor.itemsize * dtype_info(cursor.cast[1]).itemsize))
@@ -232,11 +215,9 @@ class ByteEngine:
         while position < end:
             piece = self._piece_at(cursor, position, end)
             stop = min(end, piece.last)
-            if (position - piece.first) * itemsize != piece.done:
-                raise AssertionError(
-                    f"{piece.label}: read at byte {(position - piece.first) * itemsize}, "
-                    f"expected {piece.done} (fragments must be read in order)"
-                )
+            at = (position - piece.first) * itemsize
+            if at != piece.done:
+                raise AssertionError(f"{piece.source.label}: read at byte {at}, expected {piece.done} (fragments must be read in order)")
             remaining = (stop - position) * itemsize
             while remaining:
                 nbytes = min(remaining, self.block)
@@ -254,29 +235,18 @@ class ByteEngine:
 
     def _send(self, cursor: _Cursor, start: int, end: int, out: tuple[int, int, Path], at: int) -> int:
         """Elements [start, end) copied by the kernel to byte `at` of output `out` (lane, fd,
-        path), checksummed on the way through the mapping; their crc32."""
-        out_crc = 0
-        run: _Piece | None = None  # bytes [offset, offset + count) of its file are not yet queued
-        offset = count = 0
-        for piece, view, crc in self._blocks(cursor, start, end):
-            out_crc = crc32_combine(out_crc, crc, view.nbytes)
-            if run is piece:
-                count += view.nbytes
-                continue
-            if run is not None:
-                at = self._copy_run(run, offset, count, out, at)
-            run, offset, count = piece, piece.offset + piece.done - view.nbytes, view.nbytes
-        if run is not None:
-            self._copy_run(run, offset, count, out, at)
-        return out_crc
-
-    def _copy_run(self, piece: _Piece, offset: int, count: int, out: tuple[int, int, Path], at: int) -> int:
-        """Queue the copy of bytes [offset, offset + count) of the piece's file to byte `at` of
-        output `out`; where the next bytes go."""
+        path), one copy per source piece, checksummed on the way through the mapping; their crc32."""
         assert self._writes is not None
         lane, fd, path = out
-        self._writes.copy(lane, self._files.fd(piece.file), offset, count, fd, at, path)
-        return at + count
+        out_crc = 0
+        for piece, blocks in groupby(self._blocks(cursor, start, end), key=itemgetter(0)):
+            count = 0
+            for _, view, crc in blocks:
+                out_crc = crc32_combine(out_crc, crc, view.nbytes)
+                count += view.nbytes
+            self._writes.copy(lane, self._files.fd(piece.file), piece.offset + piece.done - count, count, fd, at, path)
+            at += count
+        return out_crc
 
     def copy(self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, sink: Callable[[memoryview], None]) -> None:
         """Stream elements `wanted` of `tensor`, cast to `out_dtype`, into `sink`."""
@@ -360,8 +330,8 @@ class ByteEngine:
         piece.window = None
         if piece.begin:
             self._parts.append(self._part(piece))
-        elif piece.crc32 is not None and piece.running != piece.crc32:
-            raise DataCheckError(f"{self._files.paths[piece.file]}: {mismatch(piece.label, piece.crc32, piece.running)}")
+        elif piece.source.crc32 is not None and piece.running != piece.source.crc32:
+            raise DataCheckError(f"{self._files.paths[piece.file]}: {mismatch(piece.source.label, piece.source.crc32, piece.running)}")
 
     def _report(self, at_least: int = PROGRESS_BYTES) -> None:
         if self._progress is not None and self.bytes_read - self._reported >= at_least:
@@ -379,7 +349,7 @@ class ByteEngine:
 
     def _part(self, piece: _Piece) -> PartRead:
         path = self._files.paths[piece.file]
-        return PartRead(path, piece.offset, piece.nbytes, piece.crc32, piece.label, piece.begin, piece.done, piece.running)
+        return PartRead(path, piece.offset, piece.nbytes, piece.source.crc32, piece.source.label, piece.begin, piece.done, piece.running)
 
     def close(self) -> None:
         """Wait for every queued write (raising the first that failed), close the files."""
