@@ -1,13 +1,11 @@
-"""The rank files of a new layout written by several processes (no torch). At a large world
-size a reshard is bound by one core (each rank file's layout, gathering its fragments of a few
-KB and their crc32s, the `writev`), so the ranks are cut into contiguous shares, each but the
-first written by a child forked from this process (the layout tables and the sources are
-inherited, never sent). Every output file comes from one process; a source piece that a share
-boundary cuts is read in part by two, and the parts' crc32s are combined and checked here
-(`crc.check_parts`). A child sends its progress, then its result or its exception, through a
-pipe; the first error is raised once every child has been stopped and reaped, so the caller can
-remove its staging directory with nothing still writing into it. `in_processes` is the sharing
-itself, which the DeepSpeed writer uses too (its files shared out by size, `even_shares`).
+"""The rank files of a new layout written by several processes (no torch), as
+docs/checkpoint-format.md's "How convert and reshard copy" says: at a large world size a reshard
+is bound by one core, so the ranks are cut into contiguous shares, each but the first written by
+a child forked from this process (the layout tables and the sources are inherited, never sent).
+A child sends its progress, then its result or its exception, through a pipe; the first error is
+raised once every child has been stopped and reaped, so the caller can remove its staging
+directory with nothing still writing into it. `in_processes` is the sharing itself, which the
+DeepSpeed writer uses too (its files shared out by size, `even_shares`).
 """
 
 from __future__ import annotations
@@ -79,26 +77,22 @@ def write_rank_files(
     *,
     chunk_size: int,
     progress: Callable[[int], None] | None = None,
-) -> int:
-    """Every rank file of `layout` in `directory`, by `process_count` processes; their bytes."""
+) -> None:
+    """Every rank file of `layout` in `directory`, by `process_count` processes."""
     count = process_count(layout.world_size)
     cuts = [layout.world_size * share // count for share in range(count + 1)]
 
-    def write(ranks: range, report: Callable[[int], None] | None) -> tuple[int, list[PartRead]]:
+    def write(ranks: range, report: Callable[[int], None] | None) -> list[PartRead]:
         engine = ByteEngine(sources, out_dtypes, chunk_size=chunk_size, progress=report)
-        total = 0
         try:
             for rank in ranks:
-                file_layout = layout.file_layout(rank)
-                engine.write_rank_file(directory / rank_file_name(rank, layout.world_size), file_layout)
-                total += file_layout.size
+                engine.write_rank_file(directory / rank_file_name(rank, layout.world_size), layout.file_layout(rank))
         finally:
             engine.close()
-        return total, engine.finish_parts()
+        return engine.finish_parts()
 
     results = in_processes([range(cuts[share], cuts[share + 1]) for share in range(count)], write, progress)
-    check_parts([part for _, parts in results for part in parts])
-    return sum(total for total, _ in results)
+    check_parts([part for parts in results for part in parts])
 
 
 class _Children:
@@ -134,19 +128,16 @@ class _Children:
         """This process's progress; then whatever the children have sent (their first error raised)."""
         if self._progress is not None:
             self._progress(nbytes)
-        for receive in self._running():
+        for receive in self._pids:
             while receive not in self._results and receive.poll():
                 self._take(receive)
 
     def results(self) -> list:
         """Every child's result in the order they were started, once all have finished."""
-        while running := self._running():
+        while running := [receive for receive in self._pids if receive not in self._results]:
             for receive in wait(running):
                 self._take(receive)  # type: ignore[arg-type]
         return [self._results[receive][1] for receive in self._pids]
-
-    def _running(self) -> list[Connection]:
-        return [receive for receive in self._pids if receive not in self._results]
 
     def _take(self, receive: Connection) -> None:
         try:
