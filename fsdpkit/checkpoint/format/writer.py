@@ -87,16 +87,13 @@ class _FileWriter:
         if self._mode is CacheMode.DIRECT:
             self._stage(view)
             return
-        if self._buffered + view.nbytes <= len(self._buffer):
-            self._buffer[self._buffered : self._buffered + view.nbytes] = view
-            self._buffered += view.nbytes
-            return
-        self._flush()
-        if view.nbytes < len(self._buffer):
-            self._buffer[: view.nbytes] = view
-            self._buffered = view.nbytes
-        else:
-            self._write_all(view)
+        if self._buffered + view.nbytes > len(self._buffer):
+            self._flush()
+            if view.nbytes >= len(self._buffer):
+                self._write_all(view)
+                return
+        self._buffer[self._buffered : self._buffered + view.nbytes] = view
+        self._buffered += view.nbytes
 
     def _stage(self, view: memoryview) -> None:
         """Direct mode: every byte goes through the staging buffer, which is written whole, so
@@ -237,9 +234,7 @@ class RankFileWriter(_FileWriter):
     def file_crc32(self) -> int:
         """The crc32 of the whole file as written: its header's, combined with each fragment's
         (the fragments lie back to back after it), so nothing is read again."""
-        crc = 0
-        for part in self.layout.header_with(self._crcs):
-            crc = crc32(part, crc)
+        crc = crc32(b"".join(self.layout.header_with(self._crcs)))
         for (start, end), fragment_crc in zip(self.layout.spans, self._crcs, strict=True):
             crc = crc32_combine(crc, fragment_crc, end - start)
         return crc
