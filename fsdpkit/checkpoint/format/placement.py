@@ -1,11 +1,8 @@
 """Where every fragment of every saved tensor lives at a world size: pure range arithmetic,
-derived from the manifest, never listed in it (format v2). The rules are docs/checkpoint-format.md's
-"Where each fragment lives" and "Rank files": a "flat" placement lays each of the model's units
-out with the engine's own `FlatLayout`, an "even" one splits every tensor with
-`even_split_ranges`; optimizer state is laid out like its parameter, a scalar state whole with
-its parameter's first element, anything else under a flat placement whole on rank 0. A rank
-file's header is deterministic (`FileLayout`), so its size is derived too; only the fragments'
-crc32s (in its `__metadata__`) come from the data.
+derived from the manifest, never listed in it (format v2), by docs/checkpoint-format.md's
+"Where each fragment lives" and "Rank files" (a "flat" placement lays each unit out with the
+engine's own `FlatLayout`). A rank file's header is deterministic (`FileLayout`), so its size
+is derived too; only the fragments' crc32s (in its `__metadata__`) come from the data.
 """
 
 from __future__ import annotations
@@ -171,16 +168,11 @@ class ShardLayout:
         param_slot: dict[str, tuple[int, int, int]] = {}  # name -> (unit, slot, numel)
         for u, unit in enumerate(self.placement.units):
             layout = FlatLayout.from_shapes(list(unit), self.world_size)
-            starts: list[int] = []
-            ends: list[int] = []
-            followers: list[list[int]] = []
-            for slot in layout.slots:
-                if slot.numel:
-                    param_slot[slot.name] = (u, len(starts), slot.numel)
-                    starts.append(slot.offset)
-                    ends.append(slot.offset + slot.numel)
-                    followers.append([])
-            self._units.append((layout.chunk_numel, layout.numel, starts, ends, followers))
+            slots = [slot for slot in layout.slots if slot.numel]
+            param_slot.update((slot.name, (u, s, slot.numel)) for s, slot in enumerate(slots))
+            starts = [slot.offset for slot in slots]
+            ends = [slot.offset + slot.numel for slot in slots]
+            self._units.append((layout.chunk_numel, layout.numel, starts, ends, [[] for _ in slots]))
         for i, t in enumerate(self.tensors):
             owner = t.name if t.name in param_slot else (split_optim_tensor_name(t.name) or (None, None))[1]
             if owner in param_slot and t.numel == param_slot[owner][2]:
@@ -218,14 +210,10 @@ class ShardLayout:
                 starts.extend([first] * len(followers[s]))
                 ends.extend([last] * len(followers[s]))
                 s += 1
-        held = self._held_first.get(rank, [])
-        tensors.extend(held)
-        starts.extend([0] * len(held))
-        ends.extend([1] * len(held))
-        if rank == 0:
-            tensors.extend(self._whole)
-            starts.extend([0] * len(self._whole))
-            ends.extend(self.tensors[t].numel for t in self._whole)
+        whole = self._held_first.get(rank, []) + (self._whole if rank == 0 else [])  # scalar states, then rank 0's whole tensors
+        tensors.extend(whole)
+        starts.extend([0] * len(whole))
+        ends.extend(self.tensors[t].numel for t in whole)
         for _, per_rank, t in self._even[: bisect.bisect_left(self._even_counts, -rank)]:
             tensors.append(t)
             starts.append(rank * per_rank)
@@ -290,9 +278,8 @@ class ShardLayout:
             (self.tensors[tensors[i]].name, self.tensors[tensors[i]].dtype, (sizes[i],)) for i in order
         ]
         header, placed = layout_header(entries, {"format": "pt", CRC_METADATA_KEY: "0" * (8 * len(tensors))})
-        identity = order == list(range(len(order)))
         return (
-            None if identity else tuple(order),
+            None if order == list(range(len(order))) else tuple(order),
             tuple(tensors[i] for i in order),
             tuple((info.begin, info.end) for _, info in placed),
             header,
