@@ -1,8 +1,6 @@
 """How a model's weights are handed to Hugging Face transformers (no torch, no I/O; the format:
-docs/checkpoint-format.md, "Export to transformers"). A model source says, in an `HfExport`,
-what `convert --to full` writes so that `AutoModelForCausalLM.from_pretrained(OUT)` loads it:
-config.json, the side files to copy, and, where fsdpkit's names or orientation differ from
-transformers' (the built-in GPT), the renaming and the transposed 2-D weights. The recipe
+docs/checkpoint-format.md, "Export to transformers"): a model source's `HfExport` says what
+`convert --to full` writes so that `AutoModelForCausalLM.from_pretrained(OUT)` loads it. It
 travels in the training state (`EXPORT_STATE_KEY`) through reshard and convert; a full file
 written with a layout records it (`LAYOUT_METADATA_KEY`) so reading it back restores fsdpkit's.
 """

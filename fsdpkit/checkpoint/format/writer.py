@@ -63,11 +63,9 @@ class _FileWriter:
 
     def _open(self, path: str | Path, header: bytes, size: int, *, cache: CacheMode, sync: bool) -> None:
         self.path, self.size, self.sync = Path(path), size, sync
-        self._written = 0
+        self._written = self._buffered = 0
         self._flushed = 0  # bytes whose writeback was started (WRITE_BEHIND)
-        self._buffered = 0
-        self.write_seconds = 0.0
-        self.fsync_seconds = 0.0
+        self.write_seconds = self.fsync_seconds = 0.0
         self.direct_bytes = 0  # written with O_DIRECT, past the page cache
         self._fd = create(self.path)
         if cache is CacheMode.WRITE_BEHIND and not hasattr(os, "posix_fadvise"):
