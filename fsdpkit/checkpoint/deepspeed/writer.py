@@ -101,7 +101,7 @@ def _settings(group: DsGroup, index: int) -> dict[str, Any]:
 
 
 def _step(value: float) -> Storage:
-    return Storage(4, lambda out, engine: out.write(struct.pack("<f", value)))
+    return Storage(4, lambda out: out.write(struct.pack("<f", value)))
 
 
 def _adam_state(pickle: StoragePickle, run: DsRun, rank_parts: list[RankPartition]) -> dict:
@@ -164,7 +164,7 @@ def _fragment(pickle: StoragePickle, source: SourceTensor, rank: int, world_size
     return pickle.tensor(segment_storage({source.name: source}, part.segments, dtype), (part.numel,), dtype)
 
 
-EMPTY = Storage(0, lambda out, engine: None)
+EMPTY = Storage(0, lambda out: None)
 
 
 def model_states(run: DsRun, rank: int | None, common: dict[str, Any]) -> tuple[bytes, list[Storage]]:
@@ -238,7 +238,7 @@ def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None]
         try:
             for name, content in files[share.start : share.stop]:
                 with RawOutput(tag / name, engine, report) as out:
-                    write_torch_zip(out, engine, name.removesuffix(".pt"), *content)
+                    write_torch_zip(out, name.removesuffix(".pt"), *content)
         finally:
             engine.close()
 
