@@ -25,15 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.files import open_regular, read_exactly
-from ..format.names import MAX_HEADER_BYTES, Header, parse_header_bytes
+from ..format.names import MAX_HEADER_BYTES, Header, numel, parse_header_bytes
 from ..format.storage import checkpoint_file
 from ..torchfile import unpickler as u
-from ..torchfile.savefile import ZIP_MAGIC, record_start, tensor_bytes, torch_save_pickle
+from ..torchfile.savefile import ZIP_MAGIC, TensorRange, record_start, tensor_bytes, torch_save_pickle
 from .boxes import coverage_problem, flat_runs
 from .metadata import METADATA_NAME, Chunk, DcpMetadata, DcpTensor, Location, read_metadata
 
@@ -85,10 +84,9 @@ def safetensors_blob(fd: int, path: Path, start: int, size: int) -> tuple[Header
     return header, sharding if isinstance(sharding, dict) else {}
 
 
-def safetensors_data(
-    path: Path, start: int, blob: tuple[Header, dict], *, key: str, dtype: str, shape: tuple[int, ...], offsets: tuple[int, ...]
-) -> ChunkData:
+def safetensors_data(path: Path, start: int, blob: tuple[Header, dict], tensor: DcpTensor, chunk: Chunk) -> ChunkData:
     header, sharding = blob
+    key, dtype, shape, offsets = tensor.key, tensor.dtype, chunk.sizes, chunk.offsets
     info = header.tensors.get(key)
     where = f"{path}: chunk of {key!r}"
     if info is None:
@@ -166,17 +164,16 @@ class DcpCheckpoint:
         location = chunk.location
         fd, size = self.file(location.file)
         path = self.directory / location.file
-        if location.offset + location.length > size:
-            raise DataCheckError(
-                f"{path}: chunk of {tensor.key!r} ends at byte {location.offset + location.length}, the file at {size} (truncated)"
-            )
+        end = location.offset + location.length
+        if end > size:
+            raise DataCheckError(f"{path}: chunk of {tensor.key!r} ends at byte {end}, the file at {size} (truncated)")
         magic = read_exactly(fd, min(len(ZIP_MAGIC), location.length), location.offset, path)
         if magic == ZIP_MAGIC:
             return torch_save_data(fd, path, location.offset, location.length, key=tensor.key, dtype=tensor.dtype, shape=chunk.sizes)
         blob = self._blobs.get((location.file, location.offset))
         if blob is None:
             blob = self._blobs[(location.file, location.offset)] = safetensors_blob(fd, path, location.offset, size)
-        return safetensors_data(path, location.offset, blob, key=tensor.key, dtype=tensor.dtype, shape=chunk.sizes, offsets=chunk.offsets)
+        return safetensors_data(path, location.offset, blob, tensor, chunk)
 
     def read_bytes_item(self, key: str) -> bytes:
         """The raw bytes of bytes item `key` (a `torch.save` archive; nothing is unpickled here)."""
@@ -198,15 +195,12 @@ class DcpCheckpoint:
         return DcpSource(name or key, tensor.shape, tensor.dtype, self, tensor)
 
     def pieces(self, tensor: DcpTensor, name: str) -> tuple[SourcePiece, ...]:
-        itemsize = dtype_info(tensor.dtype).itemsize
         pieces = []
         for chunk in tensor.chunks:
-            data = self.chunk_data(tensor, chunk)
-            path = self.directory / chunk.location.file
+            offset = self.chunk_data(tensor, chunk).offset
+            data = TensorRange(self.directory / chunk.location.file, offset, numel(chunk.sizes), tensor.dtype)
             for first, count, within in flat_runs(tensor.shape, chunk.offsets, chunk.sizes):
-                pieces.append(
-                    SourcePiece(ElementRange(first, first + count), path, data.offset + within * itemsize, count * itemsize, None, name)
-                )
+                pieces.append(data.piece(name, within, count, first))
         pieces.sort(key=lambda piece: piece.range.start)
         return tuple(pieces)
 

@@ -120,7 +120,7 @@ def segment_storage(sources: dict[str, SourceTensor], segments: tuple[Segment, .
 
 
 def write_torch_zip(out: RawOutput, prefix: str, data_pkl: bytes, storages: list[Storage]) -> None:
-    """The archive, as the whole of `out` (written from its start)."""
+    """`data_pkl` and `storages` as a `torch.save` zip: the whole of `out`, written from its start."""
     total = len(data_pkl) + sum(s.nbytes for s in storages) + 4096 * (len(storages) + 8)
     if total > MAX_RECORD_BYTES:
         raise UsageError(f"{out.path}: a rank file of about {total} bytes (4 GiB or more) needs zip64, which fsdpkit does not write")
