@@ -46,18 +46,16 @@ def _overlap(a: tuple[Sequence[int], Sequence[int]], b: tuple[Sequence[int], Seq
 def coverage_problem(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> str | None:
     """None when the non-empty boxes tile `shape` exactly once, else what is wrong."""
     boxes = [box for box in boxes if math.prod(box[1])]
-    total = math.prod(shape)
     if not shape:
         return None if len(boxes) == 1 else f"{len(boxes)} chunks of a scalar"
-    ordered = sorted(boxes, key=lambda box: tuple(box[0]))
     active: list[tuple[Sequence[int], Sequence[int]]] = []
-    for box in ordered:  # sweep along dimension 0: only boxes still open there can overlap
+    for box in sorted(boxes, key=lambda box: tuple(box[0])):  # sweep along dimension 0: only boxes still open there can overlap
         active = [other for other in active if other[0][0] + other[1][0] > box[0][0]]
         for other in active:
             if _overlap(box, other):
                 return f"chunks at {list(other[0])} and {list(box[0])} overlap"
         active.append(box)
     covered = sum(math.prod(box[1]) for box in boxes)
-    if covered != total:
-        return f"chunks cover {covered} of {total} elements (a gap)"
+    if covered != math.prod(shape):
+        return f"chunks cover {covered} of {math.prod(shape)} elements (a gap)"
     return None

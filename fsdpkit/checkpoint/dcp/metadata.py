@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ..format.files import open_regular, read_exactly
+from ..format.files import read_exactly, regular_file
 from ..format.names import is_safe_file_name, numel
 from ..torchfile.unpickler import TORCH_DTYPES, Dtype, Record, memory_format, ordered_dict, restricted_loads, tensor_layout, torch_size
 
@@ -101,10 +101,7 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     (DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): memory_format,
     ("torch", "Size"): torch_size,
     ("torch.serialization", "_get_layout"): tensor_layout,
-    ("pathlib", "PosixPath"): _path,
-    ("pathlib", "WindowsPath"): _path,
-    ("pathlib", "PurePosixPath"): _path,
-    ("pathlib", "Path"): _path,
+    **{("pathlib", name): _path for name in ("PosixPath", "WindowsPath", "PurePosixPath", "Path")},
     ("collections", "OrderedDict"): ordered_dict,
     **{("torch", name): Dtype(dtype) for name, dtype in TORCH_DTYPES.items()},
 }
@@ -118,13 +115,10 @@ def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
 def read_metadata(directory: str | os.PathLike[str]) -> DcpMetadata:
     directory = Path(directory)
     path = directory / METADATA_NAME
-    fd, size = open_regular(path)
-    try:
+    with regular_file(path) as (fd, size):
         if size > MAX_METADATA_BYTES:
             raise DataCheckError(f"{path}: {size} bytes, over the {MAX_METADATA_BYTES}-byte limit for DCP metadata")
         raw = read_exactly(fd, size, 0, path)
-    finally:
-        os.close(fd)
     root = restricted_loads(raw, allowed=METADATA_GLOBALS, where=str(path))
     if not isinstance(root, RECORDS["Metadata"]):
         raise DataCheckError(f"{path}: holds a {type(root).__name__}, not DCP metadata")

@@ -1,27 +1,102 @@
 """A DCP checkpoint as a table of tensors whose elements lie at byte ranges of its files (no
 torch): what inspect, verify, convert, reshard and diff read. `open_dcp` checks that every file
 is a regular file inside the directory holding its byte ranges, and that each tensor's chunks
-cover it exactly once; a chunk's data is located (`chunkdata`) when first read.
+cover it exactly once; a chunk's data is located when first read.
+
+`torch_save` serialization: each chunk is a whole `torch.save` archive (`torchfile.savefile`)
+at its byte range. Its data.pkl, read with the allow-list unpickler, must be a contiguous
+little-endian tensor of the chunk's shape and dtype inside its storage (a view at a storage
+offset is read from there; a non-contiguous one is refused, naming the chunk); its bytes are
+then a plain byte range of the file.
+
+`safetensors` serialization: each file is the rank's bytes items followed by one
+safetensors blob of its chunks (named by the flattened key, their offsets in the blob's
+`DCP_SHARDING_INFO` metadata); every chunk's storage entry points at the blob's start.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import struct
+import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.files import open_regular, read_exactly
-from ..format.names import Header
+from ..format.names import MAX_HEADER_BYTES, Header, numel, parse_header_bytes
 from ..format.storage import checkpoint_file
-from ..torchfile.savefile import ZIP_MAGIC
-from . import chunkdata
+from ..torchfile import unpickler as u
+from ..torchfile.savefile import ZIP_MAGIC, TensorRange, record_start, tensor_bytes, torch_save_pickle
 from .boxes import coverage_problem, flat_runs
 from .metadata import METADATA_NAME, Chunk, DcpMetadata, DcpTensor, Location, read_metadata
+
+SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+TORCH_SAVE, SAFETENSORS = "torch_save", "safetensors"
+
+
+@dataclass(frozen=True)
+class ChunkData:
+    offset: int  # absolute offset of the chunk's first data byte in its file
+    nbytes: int
+    serialization: str
+
+
+def torch_save_data(fd: int, path: Path, start: int, length: int, *, key: str, dtype: str, shape: tuple[int, ...]) -> ChunkData:
+    """The data range of the `torch.save` archive at byte `start`, checked against the chunk's dtype and shape."""
+    where = f"{path}: chunk of {key!r} at byte {start}"
+    try:
+        archive, prefix, raw = torch_save_pickle(fd, path, start, length, where)
+        record = u.restricted_loads(raw, allowed=u.TENSOR_GLOBALS, where=f"{where} data.pkl", storages=True)
+        if not isinstance(record, u.TensorRecord):
+            raise DataCheckError(f"{where}: holds a {type(record).__name__}, not a tensor")
+        info = archive.getinfo(f"{prefix}data/{record.storage.key}")
+    except (zipfile.BadZipFile, KeyError, OSError, ValueError, EOFError) as error:
+        raise DataCheckError(f"{where}: not a readable torch.save archive ({str(error)[:100]})") from None
+    found = record.dtype or record.storage.storage_type.dtype
+    if found != dtype:
+        raise DataCheckError(f"{where}: holds {found}, the metadata says {dtype}")
+    if record.shape != shape:
+        raise DataCheckError(f"{where}: holds shape {list(record.shape)}, the metadata says {list(shape)}")
+    _, skip, nbytes = tensor_bytes(record, info.file_size, where)
+    return ChunkData(start + record_start(fd, path, start, length, info, where) + skip, nbytes, TORCH_SAVE)
+
+
+def safetensors_blob(fd: int, path: Path, start: int, size: int) -> tuple[Header, dict]:
+    """The header of the safetensors blob at byte `start` of `path`, and its sharding info."""
+    if start + 8 > size:
+        raise DataCheckError(f"{path}: no safetensors header at byte {start} (truncated)")
+    (header_len,) = struct.unpack("<Q", read_exactly(fd, 8, start, path))
+    if header_len > MAX_HEADER_BYTES or start + 8 + header_len > size:
+        raise DataCheckError(f"{path}: safetensors header at byte {start} claims {header_len} bytes (truncated or not safetensors)")
+    header = parse_header_bytes(read_exactly(fd, header_len, start + 8, path), path=path)
+    if start + header.file_size > size:
+        raise DataCheckError(f"{path}: safetensors data at byte {start} ends at {start + header.file_size}, the file at {size} (truncated)")
+    try:
+        sharding = json.loads(header.metadata.get(SHARDING_INFO_KEY, "{}"))
+    except ValueError:
+        raise DataCheckError(f"{path}: {SHARDING_INFO_KEY} is not JSON") from None
+    return header, sharding if isinstance(sharding, dict) else {}
+
+
+def safetensors_data(path: Path, start: int, blob: tuple[Header, dict], tensor: DcpTensor, chunk: Chunk) -> ChunkData:
+    header, sharding = blob
+    key, dtype, shape, offsets = tensor.key, tensor.dtype, chunk.sizes, chunk.offsets
+    info = header.tensors.get(key)
+    where = f"{path}: chunk of {key!r}"
+    if info is None:
+        raise DataCheckError(f"{where} is missing from the safetensors data at byte {start}")
+    if info.dtype != dtype or info.shape != shape:
+        raise DataCheckError(f"{where}: holds {info.dtype}{list(info.shape)}, the metadata says {dtype}{list(shape)}")
+    saved = (sharding.get(key) or {}).get("saved_offsets")
+    if saved is not None and tuple(saved) != offsets:
+        raise DataCheckError(f"{where}: the file holds the chunk at {saved}, the metadata at {list(offsets)}")
+    return ChunkData(start + header.data_start + info.begin, info.nbytes, SAFETENSORS)
 
 
 class DcpCheckpoint:
@@ -30,7 +105,7 @@ class DcpCheckpoint:
         self.directory = metadata.directory
         self._files: dict[str, tuple[int, int]] = {}  # name -> (fd, size)
         self._blobs: dict[tuple[str, int], tuple[Header, dict]] = {}
-        self._data: dict[tuple[str, tuple[int, ...]], chunkdata.ChunkData] = {}
+        self._data: dict[tuple[str, tuple[int, ...]], ChunkData] = {}
 
     def file(self, name: str) -> tuple[int, int]:
         """(fd, size) of a data file, opened once (a regular file inside the directory)."""
@@ -77,7 +152,7 @@ class DcpCheckpoint:
             return [f"{self.directory / location.file}: item {key!r} spans bytes up to {end}, the file has {size} (truncated)"]
         return []
 
-    def chunk_data(self, tensor: DcpTensor, chunk: Chunk) -> chunkdata.ChunkData:
+    def chunk_data(self, tensor: DcpTensor, chunk: Chunk) -> ChunkData:
         """Where the chunk's raw bytes lie (parsed once, checked against the metadata)."""
         cache_key = (tensor.key, chunk.offsets)
         found = self._data.get(cache_key)
@@ -85,25 +160,20 @@ class DcpCheckpoint:
             found = self._data[cache_key] = self._locate(tensor, chunk)
         return found
 
-    def _locate(self, tensor: DcpTensor, chunk: Chunk) -> chunkdata.ChunkData:
+    def _locate(self, tensor: DcpTensor, chunk: Chunk) -> ChunkData:
         location = chunk.location
         fd, size = self.file(location.file)
         path = self.directory / location.file
-        if location.offset + location.length > size:
-            raise DataCheckError(
-                f"{path}: chunk of {tensor.key!r} ends at byte {location.offset + location.length}, the file at {size} (truncated)"
-            )
+        end = location.offset + location.length
+        if end > size:
+            raise DataCheckError(f"{path}: chunk of {tensor.key!r} ends at byte {end}, the file at {size} (truncated)")
         magic = read_exactly(fd, min(len(ZIP_MAGIC), location.length), location.offset, path)
         if magic == ZIP_MAGIC:
-            return chunkdata.torch_save_data(
-                fd, path, location.offset, location.length, key=tensor.key, dtype=tensor.dtype, shape=chunk.sizes
-            )
+            return torch_save_data(fd, path, location.offset, location.length, key=tensor.key, dtype=tensor.dtype, shape=chunk.sizes)
         blob = self._blobs.get((location.file, location.offset))
         if blob is None:
-            blob = self._blobs[(location.file, location.offset)] = chunkdata.safetensors_blob(fd, path, location.offset, size)
-        return chunkdata.safetensors_data(
-            path, location.offset, blob, key=tensor.key, dtype=tensor.dtype, shape=chunk.sizes, offsets=chunk.offsets
-        )
+            blob = self._blobs[(location.file, location.offset)] = safetensors_blob(fd, path, location.offset, size)
+        return safetensors_data(path, location.offset, blob, tensor, chunk)
 
     def read_bytes_item(self, key: str) -> bytes:
         """The raw bytes of bytes item `key` (a `torch.save` archive; nothing is unpickled here)."""
@@ -125,15 +195,12 @@ class DcpCheckpoint:
         return DcpSource(name or key, tensor.shape, tensor.dtype, self, tensor)
 
     def pieces(self, tensor: DcpTensor, name: str) -> tuple[SourcePiece, ...]:
-        itemsize = dtype_info(tensor.dtype).itemsize
         pieces = []
         for chunk in tensor.chunks:
-            data = self.chunk_data(tensor, chunk)
-            path = self.directory / chunk.location.file
+            offset = self.chunk_data(tensor, chunk).offset
+            data = TensorRange(self.directory / chunk.location.file, offset, numel(chunk.sizes), tensor.dtype)
             for first, count, within in flat_runs(tensor.shape, chunk.offsets, chunk.sizes):
-                pieces.append(
-                    SourcePiece(ElementRange(first, first + count), path, data.offset + within * itemsize, count * itemsize, None, name)
-                )
+                pieces.append(data.piece(name, within, count, first))
         pieces.sort(key=lambda piece: piece.range.start)
         return tuple(pieces)
 

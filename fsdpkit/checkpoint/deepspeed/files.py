@@ -71,11 +71,10 @@ def tag_directory(path: Path) -> tuple[Path, str]:
 def resolve(path: str | os.PathLike[str]) -> DeepSpeedFiles:
     """The rank files of the checkpoint at `path`, numbered 0..N-1 without gaps (DataCheckError)."""
     tag_dir, tag = tag_directory(Path(path))
-    names = sorted(p.name for p in tag_dir.iterdir())
     optim: dict[int, Path] = {}
     zero_model: dict[int, Path] = {}
     prefixes = set()
-    for name in names:
+    for name in sorted(p.name for p in tag_dir.iterdir()):
         if (found := ZERO_OPTIM.match(name)) is not None:
             _single_mp(tag_dir / name, found.group(3))
             prefixes.add(found.group(1) or "")

@@ -21,7 +21,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..format.bytecopy import SourcePiece
@@ -121,13 +120,7 @@ class Flat:
         for part in self.parts:
             lo, hi = max(first, start), min(first + count, start + part.numel)
             if lo < hi:
-                itemsize = dtype_info(part.dtype).itemsize
-                at = dest + lo - first
-                out.append(
-                    SourcePiece(
-                        ElementRange(at, at + hi - lo), part.path, part.offset + (lo - start) * itemsize, (hi - lo) * itemsize, None, name
-                    )
-                )
+                out.append(part.piece(name, lo - start, hi - lo, dest + lo - first))
             start += part.numel
         return out
 

@@ -18,10 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...dtypes import dtype_info
 from ...errors import DataCheckError
-from ...flat_layout import ElementRange
-from ..format.bytecopy import SourcePiece, SourceTensor
+from ..format.bytecopy import SourceTensor
 from ..format.names import optim_tensor_name
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import SaveFile, TensorRange
@@ -168,10 +166,7 @@ def _param_shapes(state: dict, where: Path, version: str) -> list[dict[str, tupl
 
 
 def _whole(name: str, shape: tuple[int, ...], where: TensorRange) -> SourceTensor:
-    nbytes = where.numel * dtype_info(where.dtype).itemsize
-    return SourceTensor(
-        name, shape, where.dtype, (SourcePiece(ElementRange(0, where.numel), where.path, where.offset, nbytes, None, name),)
-    )
+    return SourceTensor(name, shape, where.dtype, (where.piece(name, 0, where.numel, 0),))
 
 
 def _dict(value: Any, what: str, where: SaveFile, version: str) -> dict:

@@ -8,8 +8,9 @@ the storage of the name it is tied to; stage 2 also lists the frozen parameters 
 fragments (the same storages), stage 1 none, as DeepSpeed does. Stage 3's model states file of
 each rank: parameters empty, buffers whole, the rank's fragment of each frozen parameter.
 
-No torch or DeepSpeed: every file is a torch zip (`writer_zip`) whose data.pkl is pickled by
-name (`writer_records`), and every partition's bytes are copied from the sources' byte ranges.
+No torch or DeepSpeed: every file is a torch zip (`torchfile.archive`; 4 GiB or more would need
+zip64, which is refused) whose data.pkl is pickled by name (`writer_records`), and every
+partition's bytes are copied from the sources' byte ranges, cast where the output's dtype differs.
 """
 
 from __future__ import annotations
@@ -20,18 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...dtypes import dtype_info
 from ...errors import UsageError
 from ...flat_layout import ElementRange
 from ..format import workers
 from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import numel
+from ..torchfile.archive import MAX_RECORD_BYTES, torch_zip_parts
 from ..torchfile.pickler import Ordered, Raw, dumps
 from ..torchfile.rawout import RawOutput
 from . import writer_records as records
 from .files import MODEL_FILE
 from .partition import RankPartition, Segment, param_partitions, partitions
 from .writer_precision import Precision
-from .writer_zip import Storage, StoragePickle, segment_storage, write_torch_zip
 
 DS_VERSION = "0.19.8"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -84,6 +86,54 @@ class DsRun:
         return f"global_step{self.global_steps}"
 
 
+@dataclass(frozen=True)
+class Storage:
+    nbytes: int
+    fill: Callable[[RawOutput], None]  # appends exactly `nbytes`
+
+
+class StoragePickle:
+    """A data.pkl under construction: its storages, in the order they are named."""
+
+    def __init__(self) -> None:
+        self.storages: list[Storage] = []
+
+    def tensor(self, storage: Storage, shape: tuple[int, ...], dtype: str = "F32") -> Raw:
+        self.storages.append(storage)
+        return records.tensor(dtype, len(self.storages) - 1, shape)
+
+
+def segment_storage(sources: dict[str, SourceTensor], segments: tuple[Segment, ...], dtype: str = "F32") -> Storage:
+    """The segments' elements of `sources` as `dtype`, and the zeros of the padding segments."""
+    itemsize = dtype_info(dtype).itemsize
+
+    def fill(out: RawOutput) -> None:
+        for segment in segments:
+            if segment.name is None:
+                out.write(bytes(itemsize * segment.elements.size))
+            elif sources[segment.name].dtype == dtype:
+                out.copy(sources[segment.name], segment.elements)
+            else:
+                out.copy_via_engine(sources[segment.name], segment.elements, dtype)
+
+    return Storage(itemsize * sum(s.elements.size for s in segments), fill)
+
+
+def write_torch_zip(out: RawOutput, prefix: str, data_pkl: bytes, storages: list[Storage]) -> None:
+    """`data_pkl` and `storages` as a `torch.save` zip: the whole of `out`, written from its start."""
+    total = len(data_pkl) + sum(s.nbytes for s in storages) + 4096 * (len(storages) + 8)
+    if total > MAX_RECORD_BYTES:
+        raise UsageError(f"{out.path}: a rank file of about {total} bytes (4 GiB or more) needs zip64, which fsdpkit does not write")
+    parts = torch_zip_parts(prefix, data_pkl, [s.nbytes for s in storages])
+    for key, storage in enumerate(storages):
+        out.write(parts[key])
+        start = out.position
+        storage.fill(out)
+        if out.position - start != storage.nbytes:
+            raise AssertionError(f"{out.path}: storage {key} took {out.position - start} bytes, not {storage.nbytes}")
+    out.write(parts[-1])
+
+
 def _check(run: DsRun) -> None:
     for group in run.groups:
         for param in group.params:
@@ -101,7 +151,7 @@ def _settings(group: DsGroup, index: int) -> dict[str, Any]:
 
 
 def _step(value: float) -> Storage:
-    return Storage(4, lambda out, engine: out.write(struct.pack("<f", value)))
+    return Storage(4, lambda out: out.write(struct.pack("<f", value)))
 
 
 def _adam_state(pickle: StoragePickle, run: DsRun, rank_parts: list[RankPartition]) -> dict:
@@ -164,7 +214,7 @@ def _fragment(pickle: StoragePickle, source: SourceTensor, rank: int, world_size
     return pickle.tensor(segment_storage({source.name: source}, part.segments, dtype), (part.numel,), dtype)
 
 
-EMPTY = Storage(0, lambda out, engine: None)
+EMPTY = Storage(0, lambda out: None)
 
 
 def model_states(run: DsRun, rank: int | None, common: dict[str, Any]) -> tuple[bytes, list[Storage]]:
@@ -183,18 +233,13 @@ def model_states(run: DsRun, rank: int | None, common: dict[str, Any]) -> tuple[
             module.append((alias, records.tensor(dtypes[kept], keys[kept], tuple(tensors[kept].shape))))
         else:
             module.append((alias, pickle.tensor(EMPTY, (0,), dtypes[kept])))
-    if rank is None and run.stage == 1:
-        frozen_shapes, fragments = None, None
-    else:
+    frozen_shapes, fragments = None, None  # stage 1 lists no frozen parameters
+    if rank is not None:
+        fragments = Ordered([(s.name, _fragment(pickle, s, rank, run.world_size, dtypes[s.name])) for s in run.frozen])
+    elif run.stage != 1:
+        fragments = Ordered([(s.name, records.tensor(dtypes[s.name], keys[s.name], tuple(s.shape))) for s in run.frozen])
+    if fragments is not None:
         frozen_shapes = Ordered([(s.name, records.size(tuple(s.shape))) for s in run.frozen])
-        fragments = Ordered(
-            [
-                (s.name, records.tensor(dtypes[s.name], keys[s.name], tuple(s.shape)))
-                if rank is None
-                else (s.name, _fragment(pickle, s, rank, run.world_size, dtypes[s.name]))
-                for s in run.frozen
-            ]
-        )
     state = {
         "module": Ordered(module),
         "buffer_names": [s.name for s in run.buffers],
@@ -238,7 +283,7 @@ def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None]
         try:
             for name, content in files[share.start : share.stop]:
                 with RawOutput(tag / name, engine, report) as out:
-                    write_torch_zip(out, engine, name.removesuffix(".pt"), *content)
+                    write_torch_zip(out, name.removesuffix(".pt"), *content)
         finally:
             engine.close()
 

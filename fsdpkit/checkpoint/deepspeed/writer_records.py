@@ -9,30 +9,17 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, asdict, dataclass
 
 from ...errors import UsageError
-from ..torchfile.archive import LEGACY_STORAGE_NAMES as _LEGACY
-from ..torchfile.pickler import Global, NewObject, Raw, Reduce, pickled_int, pickled_text
+from ..torchfile.archive import LEGACY_STORAGE_NAMES, tensor_pickle
+from ..torchfile.pickler import Global, NewObject, Raw, Reduce
 
 DYNAMIC_LOSS_SCALER = Global("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
 
 
-def _ints(values: tuple[int, ...]) -> bytes:
-    return b"(" + b"".join(pickled_int(v) for v in values) + b"t" if values else b")"
-
-
 def tensor(dtype: str, key: int, shape: tuple[int, ...]) -> Raw:
     """A contiguous tensor of `shape` filling storage `key` from its start."""
-    legacy = _LEGACY.get(dtype)
-    if legacy is None:
+    if dtype not in LEGACY_STORAGE_NAMES:
         raise UsageError(f"DeepSpeed output of {dtype} tensors is not supported (float32, bfloat16, float16 are)")
-    numel, stride = 1, []
-    for dim in reversed(shape):
-        stride.append(numel)
-        numel *= dim
-    storage = b"(" + pickled_text("storage") + f"ctorch\n{legacy}\n".encode() + pickled_text(str(key)) + pickled_text("cpu")
-    storage += pickled_int(numel) + b"tQ"
-    hooks = b"ccollections\nOrderedDict\n)R"
-    arguments = storage + pickled_int(0) + _ints(shape) + _ints(tuple(reversed(stride))) + b"\x89" + hooks
-    return Raw(b"ctorch._utils\n_rebuild_tensor_v2\n(" + arguments + b"tR")
+    return Raw(tensor_pickle(dtype, str(key), shape))
 
 
 def size(shape: tuple[int, ...]) -> Reduce:

@@ -16,6 +16,7 @@ import functools
 import math
 import struct
 import zlib
+from collections.abc import Sequence
 
 from ...dtypes import dtype_info
 from ...errors import UsageError
@@ -35,19 +36,19 @@ def _ints(values: tuple[int, ...]) -> bytes:
     return b"(" + b"".join(pickled_int(v) for v in values) + b"t" if values else b")"
 
 
-def data_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
-    """The data.pkl of a contiguous tensor of `dtype` and `shape` in storage "0"."""
+def tensor_pickle(dtype: str, key: str, shape: tuple[int, ...]) -> bytes:
+    """The pickle opcodes of a contiguous tensor of `dtype` and `shape` filling storage `key` from its start."""
     stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
     numel = math.prod(shape)
     legacy = LEGACY_STORAGE_NAMES.get(dtype)
     rebuild = b"ctorch._utils\n_rebuild_tensor_v2\n" if legacy else b"ctorch._utils\n_rebuild_tensor_v3\n"
     storage_class = f"ctorch\n{legacy}\n" if legacy else "ctorch.storage\nUntypedStorage\n"
     count = numel if legacy else numel * dtype_info(dtype).itemsize
-    storage = b"(" + pickled_text("storage") + storage_class.encode() + pickled_text("0") + pickled_text("cpu") + pickled_int(count) + b"tQ"
+    storage = b"(" + pickled_text("storage") + storage_class.encode() + pickled_text(key) + pickled_text("cpu") + pickled_int(count) + b"tQ"
     hooks = b"ccollections\nOrderedDict\n)R"
     tail = b"" if legacy else f"ctorch\n{TORCH_DTYPE_NAMES[dtype]}\n".encode()
     arguments = storage + pickled_int(0) + _ints(shape) + _ints(stride) + b"\x89" + hooks + tail
-    return b"\x80\x02" + rebuild + b"(" + arguments + b"tR."
+    return rebuild + b"(" + arguments + b"tR"
 
 
 def local_header(name: bytes, crc: int, size: int, position: int) -> bytes:
@@ -65,26 +66,29 @@ def archive_parts(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[byte
         raise UsageError(
             f"a DCP chunk of {nbytes} bytes (4 GiB or more) needs zip64, which fsdpkit does not write; use a larger --world-size"
         )
-    records = [
-        ("data.pkl", data_pickle(dtype, shape)),
-        (".format_version", b"1"),
-        (".storage_alignment", b"64"),
-        ("byteorder", b"little"),
-        ("data/0", None),
-        ("version", b"3\n"),
-        (".data/serialization_id", b"0" * 40),
-    ]
-    head, tail, central = bytearray(), bytearray(), bytearray()
-    out, base = head, 0  # records before the data go into head, those after it into tail, at `base`
+    head, tail = torch_zip_parts("archive", b"\x80\x02" + tensor_pickle(dtype, "0", shape) + b".", [nbytes])
+    return head, tail
+
+
+def torch_zip_parts(prefix: str, data_pkl: bytes, sizes: Sequence[int]) -> list[bytes]:
+    """The bytes of a `torch.save` archive around its storages' data (`sizes[key]` bytes each, in
+    records `<prefix>/data/<key>`): part `key` goes before storage `key`'s data, the last part after
+    the last storage's."""
+    records: list[tuple[str, bytes | int]] = [("data.pkl", data_pkl), (".format_version", b"1"), (".storage_alignment", b"64")]
+    records += [("byteorder", b"little"), *((f"data/{key}", size) for key, size in enumerate(sizes))]
+    records += [("version", b"3\n"), (".data/serialization_id", b"0" * 40)]
+    parts, central, position = [bytearray()], bytearray(), 0
     for record, payload in records:
-        name = f"archive/{record}".encode()
-        crc, size = (0, nbytes) if payload is None else (zlib.crc32(payload), len(payload))
-        central += central_header(name, crc, size, base + len(out))
-        out += local_header(name, crc, size, base + len(out)) + (payload or b"")
-        if payload is None:  # the data record's header: its bytes come from the source
-            out, base = tail, len(head) + nbytes
-    end = END_RECORD.pack(0x06054B50, 0, 0, len(records), len(records), len(central), base + len(tail), 0)
-    return bytes(head), bytes(tail + central + end)
+        name = f"{prefix}/{record}".encode()
+        crc, size = (0, payload) if isinstance(payload, int) else (zlib.crc32(payload), len(payload))
+        central += central_header(name, crc, size, position)
+        header = local_header(name, crc, size, position)
+        parts[-1] += header if isinstance(payload, int) else header + payload
+        position += len(header) + size
+        if isinstance(payload, int):  # a storage's record: its data comes from the source, between the parts
+            parts.append(bytearray())
+    parts[-1] += central + END_RECORD.pack(0x06054B50, 0, 0, len(records), len(records), len(central), position, 0)
+    return [bytes(part) for part in parts]
 
 
 def central_header(name: bytes, crc: int, size: int, offset: int) -> bytes:

@@ -13,6 +13,7 @@ from pathlib import Path
 from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
 from ..format.bytecopy import ByteEngine, SourceTensor
+from ..format.crc import cast_into
 from ..format.files import IOV_MAX, copy_range, create, open_regular, read_exactly, write_views
 
 BUFFER_BYTES = 8 * 1024 * 1024
@@ -58,7 +59,7 @@ class RawOutput:
                 raise AssertionError(f"{source.name}: no source piece holds element {wanted.start + done}")
             nbytes = part.size * itemsize
             if piece.crc32 is not None:
-                self._checked(source, part, itemsize)
+                self.copy_via_engine(source, part, source.dtype)
             else:
                 offset = piece.offset + (part.start - piece.range.start) * itemsize
                 self._raw(piece.path, offset, nbytes)
@@ -68,12 +69,16 @@ class RawOutput:
         if done != wanted.size:
             raise AssertionError(f"{source.name}: source pieces end at element {wanted.start + done}, not {wanted.end}")
 
-    def _checked(self, source: SourceTensor, part: ElementRange, itemsize: int) -> None:
+    def copy_via_engine(self, source: SourceTensor, wanted: ElementRange, dtype: str) -> None:
+        """Append elements `wanted` of `source` as `dtype`, read through the byte engine (which checks crc32s)."""
+        itemsize = dtype_info(source.dtype).itemsize
         step = max(1, BUFFER_BYTES // itemsize)
-        for first in range(part.start, part.end, step):
-            chunk = ElementRange(first, min(first + step, part.end))
-            data = bytearray(chunk.size * itemsize)
-            self._engine.read_into(source, chunk, memoryview(data))
+        for first in range(wanted.start, wanted.end, step):
+            chunk = ElementRange(first, min(first + step, wanted.end))
+            data = memoryview(bytearray(chunk.size * itemsize))
+            self._engine.read_into(source, chunk, data)
+            if dtype != source.dtype:
+                data = cast_into(data, source.dtype, dtype, bytearray(chunk.size * dtype_info(dtype).itemsize))
             self.write(data)
 
     def _raw(self, path: Path, offset: int, nbytes: int) -> None:

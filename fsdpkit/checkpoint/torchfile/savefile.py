@@ -21,7 +21,7 @@ from typing import Any
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
-from ..format.bytecopy import SourceTensor
+from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.crc import crc32
 from ..format.files import open_regular, read_exactly, read_some
 from ..format.names import numel
@@ -122,6 +122,11 @@ class TensorRange:
     numel: int
     dtype: str
 
+    def piece(self, name: str, first: int, count: int, dest: int) -> SourcePiece:
+        """Its elements [first, first + count), placed at [dest, dest + count) of tensor `name`."""
+        itemsize = dtype_info(self.dtype).itemsize
+        return SourcePiece(ElementRange(dest, dest + count), self.path, self.offset + first * itemsize, count * itemsize, None, name)
+
 
 class SaveFile:
     """An open `torch.save` file: `state` (the unpickled tree, tensors as `TensorRecord`s), storages."""
@@ -171,11 +176,9 @@ class SaveFile:
         for key, entry in self.storages.items():
             if entry.crc32 == 0 and entry.nbytes > 0:
                 continue
-            value, position = 0, entry.offset
-            while position < entry.offset + entry.nbytes:
-                count = min(CRC_BLOCK, entry.offset + entry.nbytes - position)
-                value = crc32(read_exactly(self.fd, count, position, self.path), value)
-                position += count
+            value, end = 0, entry.offset + entry.nbytes
+            for position in range(entry.offset, end, CRC_BLOCK):
+                value = crc32(read_exactly(self.fd, min(CRC_BLOCK, end - position), position, self.path), value)
             checked += 1
             if value != entry.crc32:
                 problems.append(f"{self.path}: storage {key!r}: CRC-32 {value:08x}, the zip says {entry.crc32:08x} (damaged)")

@@ -108,10 +108,8 @@ def plain(value: Any) -> Any:
 
 def count_items(value: Any) -> int:
     """The leaves of a record tree (an empty container counts as one)."""
-    if isinstance(value, dict):
-        return sum(count_items(v) for v in value.values()) or 1
-    if isinstance(value, list):
-        return sum(count_items(v) for v in value) or 1
+    if isinstance(value, (dict, list)):
+        return sum(map(count_items, value.values() if isinstance(value, dict) else value)) or 1
     return 1
 
 
