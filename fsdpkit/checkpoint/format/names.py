@@ -59,9 +59,7 @@ def nbytes(shape: tuple[int, ...] | list[int], dtype: str) -> int:
 
 def output_dtype(dtype: str, cast_to: str | None) -> str:
     """The dtype a tensor gets on the way out: floats are cast, ints/bools/fp8 are kept."""
-    if cast_to is None or not dtype_info(dtype).castable:
-        return dtype
-    return cast_to
+    return dtype if cast_to is None or not dtype_info(dtype).castable else cast_to
 
 
 def rank_file_name(rank: int, world_size: int) -> str:

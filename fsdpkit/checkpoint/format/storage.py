@@ -36,7 +36,8 @@ from .names import (
 def complete_steps(run_dir: str | Path) -> list[tuple[int, Path]]:
     """The complete step directories of a run, oldest first."""
     run_dir = Path(run_dir)
-    named = ((parse_step_dir_name(child.name), child) for child in (run_dir.iterdir() if run_dir.is_dir() else ()))
+    children = run_dir.iterdir() if run_dir.is_dir() else ()
+    named = ((parse_step_dir_name(child.name), child) for child in children)
     return sorted((step, child) for step, child in named if step is not None and (child / MANIFEST_NAME).is_file())
 
 
@@ -164,7 +165,7 @@ def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manife
         else:
             (run_dir / LATEST_NAME).unlink()
             fsync_dir(run_dir)
-    old = run_dir / f"{TMP_PREFIX}old-{final.name}-{_run_tag(manifest.run_id)}-{uuid.uuid4().hex[:8]}"  # where a re-saved step's goes
+    old = run_dir / f"{TMP_PREFIX}old-{final.name}-{_run_tag(manifest.run_id)}-{uuid.uuid4().hex[:8]}"  # a re-saved step's old copy
     if final.exists():
         os.rename(final, old)
     os.rename(tmp_dir, final)
