@@ -94,9 +94,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def sync_files(directory: Path, names: list[str]) -> None:
-    """Make files `names` in `directory`, and the directory, durable. Many files: one
-    syncfs(2) of their filesystem (what `sync` does, for one filesystem), instead of an open
-    and an fsync per file; few files, or no syncfs: fsync each."""
+    """Make files `names` in `directory`, and the directory, durable: many files by one syncfs(2)
+    of their filesystem instead of an open and an fsync each; few files, or no syncfs: fsync each."""
     if len(names) <= SYNCFS_FILES or not _syncfs(directory):
         for name in names:
             fsync_dir(directory / name)
