@@ -1,10 +1,7 @@
 """crc32 (zlib's, computed by zlib-ng: tens of GB/s where the zlib a Python links may manage
-one; `crc32_combine(crc(A), crc(B), len(B))` is `crc(A + B)`, so every block is checksummed
-once), and casts of raw bytes (no I/O).
-
-Casts between float dtypes of raw little-endian bytes (`cast_into`; numpy, imported on first
-cast only) round as torch does: to nearest even, BF16 from F32 bits like c10's
-`round_to_nearest_even` (NaN -> 0x7FC0), F64 -> BF16 or F16 through F32.
+one) and casts between float dtypes of raw little-endian bytes (`cast_into`; numpy, imported on
+first cast only), rounding as docs/checkpoint-format.md's "Full checkpoints" says, BF16 from F32
+bits like c10's `round_to_nearest_even` (NaN -> 0x7FC0). No I/O.
 """
 
 from __future__ import annotations

@@ -48,7 +48,6 @@ def open_regular(path: Path) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def regular_file(path: Path) -> Iterator[tuple[int, int]]:
-    """`open_regular(path)`, the descriptor closed when the block is left."""
     fd, size = open_regular(path)
     try:
         yield fd, size
@@ -123,6 +122,15 @@ def write_views(fd: int, views: list, path: Path, offset: int = -1) -> None:
 
 def create(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def replace_file(path: Path, data: bytes, tmp: Path) -> None:
+    """Replace `path` atomically by a file holding `data`: written to `tmp`, fsynced, renamed."""
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def write_file(path: Path, views: list) -> None:

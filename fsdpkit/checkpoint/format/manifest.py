@@ -1,22 +1,19 @@
-"""The manifest of a sharded checkpoint (docs/checkpoint-format.md): schema, JSON round trip,
-validation (no torch). Version 2 (written) holds only what cannot be derived, so its size does
-not depend on the world size; version 1 (read) also lists every file and fragment (`V1Listing`).
-Only a well-formed manifest of either version is accepted; anything else is a one-line
-`DataCheckError` naming `where` and the wrong value. `check_compatible` says whether a
-checkpoint fits a model, before any weight is read.
+"""The manifest of a sharded checkpoint (docs/checkpoint-format.md's "manifest.json" and
+"Version 1"): schema, JSON round trip, validation (no torch). Only a well-formed manifest of
+either version is accepted; anything else is a one-line `DataCheckError` naming `where` and the
+wrong value. `check_compatible` says whether a checkpoint fits a model, before any weight is read.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...dtypes import is_known_dtype
 from ...errors import DataCheckError
-from ...flat_layout import ElementRange, FlatLayout
-from .files import read_regular
+from ...flat_layout import FlatLayout
+from .files import read_regular, replace_file
 from .names import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -36,18 +33,12 @@ MAX_WORLD_SIZE = 1 << 24
 
 
 @dataclass(frozen=True)
-class FragmentEntry:
-    """A v1 manifest's listed fragment."""
-
+class FragmentEntry:  # a fragment a v1 manifest lists
     file: str  # a file name inside the checkpoint directory
     key: str  # the safetensors key in that file
     start: int
     end: int
     crc32: int  # zlib.crc32 of the fragment's bytes as stored
-
-    @property
-    def range(self) -> ElementRange:
-        return ElementRange(self.start, self.end)
 
 
 @dataclass(frozen=True)
@@ -80,9 +71,6 @@ class Manifest:
             return self._index[self.aliases.get(name, name)]
         except KeyError:
             raise KeyError(f"no tensor {name!r} in the checkpoint") from None
-
-    def tensor(self, name: str) -> TensorSpec:
-        return self.tensors[self.tensor_index(name)]
 
     def layout(self) -> ShardLayout:
         """Where every fragment lives (version 2)."""
@@ -146,14 +134,8 @@ def load_manifest(step_dir: str | Path) -> Manifest:
 
 
 def save_manifest(directory: str | Path, manifest: Manifest) -> Path:
-    """Write `directory/manifest.json` (via a temporary name, fsynced, renamed)."""
     path = Path(directory) / MANIFEST_NAME
-    tmp = path.with_name(MANIFEST_NAME + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(manifest.to_bytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_file(path, manifest.to_bytes(), path.with_name(MANIFEST_NAME + ".tmp"))
     return path
 
 
@@ -166,8 +148,7 @@ def _int(value: object, what: str, where: str, *, minimum: int = 0, maximum: int
 def _common(doc: dict, where: str) -> tuple[int, str, dict, dict]:
     world_size = _int(doc.get("world_size"), "world_size", where, minimum=1, maximum=MAX_WORLD_SIZE)
     strategy = doc.get("strategy")
-    if isinstance(strategy, str):
-        strategy = LEGACY_STRATEGIES.get(strategy, strategy)
+    strategy = LEGACY_STRATEGIES.get(strategy, strategy) if isinstance(strategy, str) else strategy
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise DataCheckError(f"{where}: strategy {short(strategy)} is not one of {', '.join(STRATEGIES)}")
     aliases = doc.get("aliases", {})
@@ -266,16 +247,8 @@ def _parse_v1(doc: dict, where: str) -> Manifest:
             if (frag.file, frag.key) in used:
                 raise DataCheckError(f"{where}: key {frag.key!r} of {frag.file} is used twice")
             used.add((frag.file, frag.key))
-    return Manifest(
-        world_size,
-        strategy,
-        placement,
-        tuple(tensors),
-        dict(aliases),
-        training_state,
-        version=1,
-        listing=V1Listing(tuple(files), fragments),
-    )
+    listing = V1Listing(tuple(files), fragments)
+    return Manifest(world_size, strategy, placement, tuple(tensors), dict(aliases), training_state, version=1, listing=listing)
 
 
 def _v1_fragments(spec: TensorSpec, frags: object, files: list[tuple[str, int]], where: str) -> tuple[FragmentEntry, ...]:
@@ -357,21 +330,18 @@ def check_compatible(
         if (have := stored.get(name)) is not None and tuple(have) != tuple(shape)
     ]
     if wrong:
-        raise DataCheckError(f"{where}: shapes differ from the model: {', '.join(wrong[:3])}" + _more(wrong))
+        raise DataCheckError(f"{where}: shapes differ from the model: {', '.join(wrong[:3])}{_more(wrong)}")
     missing_model = [n for n in expected if n not in stored and not is_optimizer_tensor(n)]
     if missing_model:
-        raise DataCheckError(
-            f"{where}: missing model tensors {missing_model[:3]}" + _more(missing_model) + " (a checkpoint of another model?)"
-        )
+        raise DataCheckError(f"{where}: missing model tensors {missing_model[:3]}{_more(missing_model)} (a checkpoint of another model?)")
     extra = [n for n in stored if n not in expected and not is_optimizer_tensor(n) and n not in manifest.aliases]
     if extra:
-        raise DataCheckError(f"{where}: tensors the model does not have: {extra[:3]}" + _more(extra) + " (a checkpoint of another model?)")
+        raise DataCheckError(f"{where}: tensors the model does not have: {extra[:3]}{_more(extra)} (a checkpoint of another model?)")
     missing_optim = [n for n in expected if n not in stored and is_optimizer_tensor(n)]
     if missing_optim and strict:
         raise DataCheckError(
-            f"{where}: missing optimizer state {missing_optim[:3]}"
-            + _more(missing_optim)
-            + "; pass --no-strict to start that state fresh (a parameter the saved run did not train?)"
+            f"{where}: missing optimizer state {missing_optim[:3]}{_more(missing_optim)}; "
+            "pass --no-strict to start that state fresh (a parameter the saved run did not train?)"
         )
     return missing_optim
 

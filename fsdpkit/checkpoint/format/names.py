@@ -59,9 +59,7 @@ def nbytes(shape: tuple[int, ...] | list[int], dtype: str) -> int:
 
 def output_dtype(dtype: str, cast_to: str | None) -> str:
     """The dtype a tensor gets on the way out: floats are cast, ints/bools/fp8 are kept."""
-    if cast_to is None or not dtype_info(dtype).castable:
-        return dtype
-    return cast_to
+    return dtype if cast_to is None or not dtype_info(dtype).castable else cast_to
 
 
 def rank_file_name(rank: int, world_size: int) -> str:
@@ -162,9 +160,8 @@ def parse_header_bytes(raw: bytes, *, path: Path) -> Header:
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise DataCheckError(f"{path}: __metadata__ must map strings to strings")
     tensors = {name: _tensor_info(name, entry, path) for name, entry in document.items()}
-    spans = sorted((t.begin, t.end, name) for name, t in tensors.items())
     position = 0
-    for begin, end, name in spans:
+    for begin, end, name in sorted((t.begin, t.end, name) for name, t in tensors.items()):
         if begin != position:
             raise DataCheckError(f"{path}: tensor {name!r} starts at byte {begin}, expected {position} (hole or overlap)")
         position = end
@@ -181,7 +178,7 @@ def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
         raise DataCheckError(f"{path}: tensor {name!r} has invalid shape {str(shape)[:80]}")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]:
         raise DataCheckError(f"{path}: tensor {name!r} has invalid data_offsets {str(offsets)[:80]}")
-    expected = numel(shape) * dtype_info(dtype).itemsize
+    expected = nbytes(shape, dtype)
     if offsets[1] - offsets[0] != expected:
         raise DataCheckError(f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}")
     return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
@@ -202,11 +199,10 @@ def layout_header(
         document["__metadata__"] = dict(metadata)
     spans, position = [], 0
     for name, dtype, shape in ordered:
-        size = numel(shape) * dtype_info(dtype).itemsize
-        info = TensorInfo(dtype, tuple(int(d) for d in shape), position, position + size)
+        info = TensorInfo(dtype, tuple(int(d) for d in shape), position, position + nbytes(shape, dtype))
         document[name] = {"dtype": dtype, "shape": list(info.shape), "data_offsets": [info.begin, info.end]}
         spans.append((name, info))
-        position += size
+        position = info.end
     raw = json.dumps(document, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % 8)
     return struct.pack("<Q", len(raw)) + raw, spans

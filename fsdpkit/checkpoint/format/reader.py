@@ -1,17 +1,13 @@
-"""The one reader of checkpoint files (no torch): sharded checkpoints of format v2 (and v1) and
-full Hugging Face style ones (docs/checkpoint-format.md's "Reading", "Version 1" and "Full
-checkpoints"), every file opened with `files.open_regular`, inside the checkpoint directory
-(`storage.checkpoint_file`) and validated before a data byte of it is used; every problem is a
-one-line `DataCheckError` naming the file. `open_sharded_lazily(path)` validates files as they
-are first touched (a loading rank touches only the files its chunk overlaps), `open_sharded(path)`
-every file first (the offline commands). A tensor's pieces are computed on demand, so memory
+"""The one reader of checkpoint files (no torch): sharded checkpoints (v2 and v1) and full Hugging
+Face style ones, as docs/checkpoint-format.md's "Reading", "Version 1" and "Full checkpoints"
+say. Every file is opened with `files.open_regular`, inside the checkpoint directory
+(`storage.checkpoint_file`), and validated before a data byte of it is used; every problem is a
+one-line `DataCheckError` naming the file. A tensor's pieces are computed on demand, so memory
 does not grow with world size x tensors.
 
 Safetensors: 8 bytes little-endian u64 N, N bytes of JSON header (`{"name": {"dtype", "shape",
 "data_offsets": [begin, end]}, "__metadata__": {str: str}}`), then the byte buffer, which the
-offsets index with no holes. `read_header(path)` (full and v1 files) checks the length against
-the file size and the 100 MB limit, the JSON (nesting capped), every dtype, spans equal to
-numel * itemsize tiling the buffer exactly, and that the file ends where the buffer does.
+offsets tile with no holes; the file ends where the buffer does.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from ...flat_layout import ElementRange
 from .bytecopy import SourcePiece, SourceTensor
 from .export import ExportLayout, layout_of
 from .files import pread_into, read_blocks, read_exactly, regular_file
-from .manifest import Manifest, V1Listing, load_manifest
+from .manifest import FragmentEntry, Manifest, load_manifest
 from .names import (
     CRC_METADATA_KEY,
     MANIFEST_NAME,
@@ -69,9 +65,8 @@ def read_header(path: str | Path, *, expected_size: int | None = None) -> Header
             raise DataCheckError(f"{path}: header claims {header_len} bytes but the file has only {size} bytes")
         raw = read_exactly(fd, header_len, 8, path)
     header = parse_header_bytes(raw, path=path)
-    end = header.file_size
-    if end != size:
-        raise DataCheckError(f"{path}: data ends at byte {end} but the file is {size} bytes (truncated or extended)")
+    if header.file_size != size:
+        raise DataCheckError(f"{path}: data ends at byte {header.file_size} but the file is {size} bytes (truncated or extended)")
     return header
 
 
@@ -115,14 +110,6 @@ class RankFile:
             position += len(block)
 
 
-def check_v2_size(path: Path, size: int, expected: FileLayout) -> None:
-    if size != expected.size:
-        raise DataCheckError(
-            f"{path}: file is {size} bytes, the layout the manifest gives has {expected.size} "
-            f"(truncated, extended or from another checkpoint)"
-        )
-
-
 def v2_crcs(path: Path, raw: bytes, expected: FileLayout) -> tuple[int, ...]:
     """The fragments' crc32s from a v2 rank file's header `raw`, which must be exactly the
     header the layout derives except for the crc32 hex digits (else a DataCheckError)."""
@@ -148,12 +135,20 @@ class ShardedCheckpoint:
         self.step_dir, self.manifest = step_dir, manifest
         self.layout = manifest.layout() if manifest.listing is None else None
         self._files: dict[int, RankFile] = {}
-        self._v1_index: dict[str, tuple[int, list]] | None = None  # v1: file name -> (position, [(tensor, fragment)])
-        self._located: dict[int, list[tuple[int, ElementRange]]] = {}  # tensor -> (file, range) of its fragments, if few
+        self._located: dict[int, list[tuple[int, ElementRange]]] = {}  # tensor -> (file, range) of its fragments: v1 all, v2 few
+        self._v1_files = manifest.listing.files if manifest.listing is not None else ()
+        self._v1_in_file: list[list[tuple[int, FragmentEntry]]] = [[] for _ in self._v1_files]  # (tensor, fragment) by file
+        if manifest.listing is not None:  # v1 lists what v2 derives: indexed here by file and by tensor
+            position = {name: i for i, (name, _) in enumerate(self._v1_files)}
+            for t, spec in enumerate(manifest.tensors):
+                fragments = manifest.listing.fragments[spec.name]
+                self._located[t] = [(position[f.file], ElementRange(f.start, f.end)) for f in fragments]
+                for frag in fragments:
+                    self._v1_in_file[position[frag.file]].append((t, frag))
 
     def file_names(self) -> list[str]:
-        if self.manifest.listing is not None:
-            return [name for name, _ in self.manifest.listing.files]
+        if self.layout is None:
+            return [name for name, _ in self._v1_files]
         return [rank_file_name(rank, self.manifest.shard_factor) for rank in range(self.manifest.shard_factor)]
 
     def rank_file(self, index: int, *, cache: bool = True) -> RankFile:
@@ -166,36 +161,33 @@ class ShardedCheckpoint:
         return found
 
     def _validate_v2(self, rank: int, expected: FileLayout) -> RankFile:
-        path = self.rank_file_path(rank)
-        with regular_file(path) as (fd, size):
-            check_v2_size(path, size, expected)
-            raw = read_exactly(fd, len(expected.header), 0, path)
-        return RankFile(path, size, expected.data_start, expected.tensors, expected.spans, v2_crcs(path, raw, expected))
+        raw = bytearray(len(expected.header))
+        path = self._read_v2(rank, expected, memoryview(raw))
+        return RankFile(path, expected.size, expected.data_start, expected.tensors, expected.spans, v2_crcs(path, bytes(raw), expected))
 
     def read_whole_v2(self, rank: int, expected: FileLayout, buffer: memoryview) -> tuple[Path, memoryview]:
-        """Rank file `rank` of a v2 checkpoint, of the size its layout derives, read whole into
-        `buffer` (at least that size): (its path, the bytes read)."""
-        path = self.rank_file_path(rank)
+        """Rank file `rank` of a v2 checkpoint read whole into `buffer` (at least the size its
+        layout derives): (its path, the bytes read)."""
+        view = buffer[: expected.size]
+        return self._read_v2(rank, expected, view), view
+
+    def _read_v2(self, rank: int, expected: FileLayout, into: memoryview) -> Path:
+        """Read the first bytes of rank file `rank`, which must be of the size its layout derives, into `into`."""
+        path = checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.shard_factor))
         with regular_file(path) as (fd, size):
-            check_v2_size(path, size, expected)
-            view = buffer[:size]
-            pread_into(fd, 0, view, path)
-        return path, view
-
-    def rank_file_path(self, rank: int) -> Path:
-        return checkpoint_file(self.step_dir, rank_file_name(rank, self.manifest.shard_factor))
-
-    def _listing(self) -> V1Listing:
-        """The file and fragment listing of a v1 manifest (v2 derives both from the placement)."""
-        if self.manifest.listing is None:
-            raise AssertionError(f"{self.step_dir}: a v2 checkpoint has no v1 listing")
-        return self.manifest.listing
+            if size != expected.size:
+                raise DataCheckError(
+                    f"{path}: file is {size} bytes, the layout the manifest gives has {expected.size} "
+                    f"(truncated, extended or from another checkpoint)"
+                )
+            pread_into(fd, 0, into, path)
+        return path
 
     def _validate_v1(self, index: int) -> RankFile:
-        name, size = self._listing().files[index]
+        name, size = self._v1_files[index]
         header = read_header(checkpoint_file(self.step_dir, name), expected_size=size)
         entries, keys = [], set()  # (begin, end, tensor, crc32) of each fragment
-        for t, frag in self._v1_files()[name][1]:
+        for t, frag in self._v1_in_file[index]:
             spec = self.manifest.tensors[t]
             keys.add(frag.key)
             info = header.tensors.get(frag.key)
@@ -213,14 +205,6 @@ class ShardedCheckpoint:
         entries.sort()
         return RankFile(header.path, size, header.data_start, [e[2] for e in entries], [e[:2] for e in entries], [e[3] for e in entries])
 
-    def _v1_files(self) -> dict[str, tuple[int, list]]:
-        if self._v1_index is None:
-            self._v1_index = {name: (i, []) for i, name in enumerate(self.file_names())}
-            for t, spec in enumerate(self.manifest.tensors):
-                for frag in self._listing().fragments[spec.name]:
-                    self._v1_index[frag.file][1].append((t, frag))
-        return self._v1_index
-
     def check_files(self) -> list[str]:
         """Validate every file (and that the directory holds nothing else); one line per problem."""
         problems = []
@@ -234,32 +218,27 @@ class ShardedCheckpoint:
     def unexpected_files(self) -> list[str]:
         expected = set(self.file_names()) | {MANIFEST_NAME}
         extra = sorted(entry.name for entry in os.scandir(self.step_dir) if entry.name not in expected)
-        if not extra:
-            return []
-        return [
-            f"{self.step_dir}: holds files the manifest does not account for: {extra[:3]}"
-            + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")
-        ]
+        more = f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""
+        return [f"{self.step_dir}: holds files the manifest does not account for: {extra[:3]}{more}"] if extra else []
 
     def source(self, name: str) -> SourceTensor:
-        index = self.manifest.tensor_index(name)
-        spec = self.manifest.tensors[index]
-        return _Source(spec.name, spec.shape, spec.dtype, self, index)
+        return _Source(self, self.manifest.tensor_index(name))
 
     def sources(self) -> list[SourceTensor]:
-        return [self.source(t.name) for t in self.manifest.tensors]
+        return [_Source(self, index) for index in range(len(self.manifest.tensors))]
 
     def pieces(self, tensor: int, wanted: ElementRange) -> list[SourcePiece]:
         """The pieces of `tensor` that meet `wanted`, in order; only their files are validated
         (and only once). Where the fragments of a tensor of few fragments lie is worked out once;
         for one of many (a large world size), only for the range asked for."""
         located = self._located.get(tensor)
-        if located is None and self._fragment_count(tensor) <= CACHED_PIECES:
-            located = self._located[tensor] = self._locate(tensor, None)
         if located is None:
-            located = self._locate(tensor, wanted)
-        else:
-            located = [(i, rng) for i, rng in located if rng.start < wanted.end and wanted.start < rng.end]
+            assert self.layout is not None  # a v1 checkpoint has every tensor located on opening
+            if self.layout.piece_count(tensor) > CACHED_PIECES:
+                located = self.layout.pieces(tensor, wanted)
+            else:
+                located = self._located[tensor] = self.layout.pieces(tensor, None)
+        located = [(i, rng) for i, rng in located if rng.start < wanted.end and wanted.start < rng.end]
         spec = self.manifest.tensors[tensor]
         itemsize = dtype_info(spec.dtype).itemsize
         pieces = []
@@ -269,22 +248,6 @@ class ShardedCheckpoint:
             pieces.append(SourcePiece(rng, rank_file.path, offset, rng.size * itemsize, crc, spec.name))
         return pieces
 
-    def _fragment_count(self, tensor: int) -> int:
-        if self.layout is None:
-            return len(self._listing().fragments[self.manifest.tensors[tensor].name])
-        return self.layout.piece_count(tensor)
-
-    def _locate(self, tensor: int, wanted: ElementRange | None) -> list[tuple[int, ElementRange]]:
-        """(file index, range) of the fragments of `tensor` meeting `wanted` (all when None)."""
-        if self.layout is not None:
-            return self.layout.pieces(tensor, wanted)
-        files = self._v1_files()
-        return [
-            (files[f.file][0], f.range)
-            for f in self._listing().fragments[self.manifest.tensors[tensor].name]
-            if wanted is None or (f.start < wanted.end and wanted.start < f.end)
-        ]
-
 
 class _Source(SourceTensor):
     """A tensor of a sharded checkpoint; its pieces are found when a range is asked for."""
@@ -292,8 +255,9 @@ class _Source(SourceTensor):
     _checkpoint: ShardedCheckpoint  # set through object.__setattr__: SourceTensor is frozen
     _index: int
 
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, checkpoint: ShardedCheckpoint, index: int):
-        super().__init__(name, shape, dtype)
+    def __init__(self, checkpoint: ShardedCheckpoint, index: int):
+        spec = checkpoint.manifest.tensors[index]
+        super().__init__(spec.name, spec.shape, spec.dtype)
         object.__setattr__(self, "_checkpoint", checkpoint)
         object.__setattr__(self, "_index", index)
 

@@ -1,18 +1,8 @@
 """Checkpoint directories on disk (no torch): finding them, keeping paths inside them, making
-them appear atomically, pruning. The save protocol is docs/checkpoint-format.md's "Directory
-layout": a crash at any point leaves `latest` naming a complete checkpoint.
-
-Training saves: `begin(run_dir, step)` makes the temporary directory every rank writes into,
-`commit` (one process, rank 0) makes it step `step` and replaces `latest`, `abort` removes it.
-Pruning removes only checkpoints of the run that wrote this one (the manifest's run id, see
-lock.py): another run's directories, complete or in progress, are never deleted.
-
-Offline outputs (convert, reshard): `staged_output` refuses, before anything is written, DST
-equal to, inside or containing SRC, an existing DST without `overwrite`, a read-only
-destination and an output larger than its whole filesystem (UsageErrors), and too little free
-disk (a RunError); it yields a hidden temporary sibling directory, syncs and renames it to DST
-on success, and removes it on any error; an OSError becomes one line naming the path and the
-errno (`RunError`).
+them appear atomically (the save protocol is docs/checkpoint-format.md's "Directory layout": a
+crash at any point leaves `latest` naming a complete checkpoint), pruning only the run's own
+checkpoints (the manifest's run id, see lock.py). Offline outputs (convert, reshard) are written
+into a hidden temporary sibling that `staged_output` renames to DST on success.
 """
 
 from __future__ import annotations
@@ -29,6 +19,7 @@ from pathlib import Path
 from ...errors import DataCheckError, RunError, UsageError
 from ...paths import file_in_the_way, nearest_existing, unwritable_parent
 from ...sizes import format_size
+from .files import replace_file
 from .manifest import Manifest, load_manifest, save_manifest
 from .names import (
     LATEST_NAME,
@@ -45,13 +36,9 @@ from .names import (
 def complete_steps(run_dir: str | Path) -> list[tuple[int, Path]]:
     """The complete step directories of a run, oldest first."""
     run_dir = Path(run_dir)
-    steps = []
-    if run_dir.is_dir():
-        for child in run_dir.iterdir():
-            step = parse_step_dir_name(child.name)
-            if step is not None and (child / MANIFEST_NAME).is_file():
-                steps.append((step, child))
-    return sorted(steps)
+    children = run_dir.iterdir() if run_dir.is_dir() else ()
+    named = ((parse_step_dir_name(child.name), child) for child in children)
+    return sorted((step, child) for step, child in named if step is not None and (child / MANIFEST_NAME).is_file())
 
 
 def read_latest(run_dir: Path) -> str | None:
@@ -99,7 +86,6 @@ def checkpoint_file(step_dir: Path, name: str) -> Path:
 
 
 def fsync_dir(path: Path) -> None:
-    """fsync a directory (or a file)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -108,9 +94,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def sync_files(directory: Path, names: list[str]) -> None:
-    """Make files `names` in `directory`, and the directory, durable. Many files: one
-    syncfs(2) of their filesystem (what `sync` does, for one filesystem), instead of an open
-    and an fsync per file; few files, or no syncfs: fsync each."""
+    """Make files `names` in `directory`, and the directory, durable: many files by one syncfs(2)
+    of their filesystem instead of an open and an fsync each; few files, or no syncfs: fsync each."""
     if len(names) <= SYNCFS_FILES or not _syncfs(directory):
         for name in names:
             fsync_dir(directory / name)
@@ -172,20 +157,18 @@ def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manife
     save_manifest(tmp_dir, manifest)
     fsync_dir(tmp_dir)
     final = run_dir / step_dir_name(step)
-    if final.exists():  # re-saving a step: first make sure `latest` does not name the directory being replaced
-        if read_latest(run_dir) == final.name:
-            others = [path for _, path in complete_steps(run_dir) if path != final]
-            if others:
-                _replace_latest(run_dir, others[-1].name)
-            else:
-                (run_dir / LATEST_NAME).unlink()
-                fsync_dir(run_dir)
-        old = run_dir / f"{TMP_PREFIX}old-{final.name}-{_run_tag(manifest.run_id)}-{uuid.uuid4().hex[:8]}"
+    if final.exists() and read_latest(run_dir) == final.name:  # re-saving that step: `latest` must first name another
+        others = [path for _, path in complete_steps(run_dir) if path != final]
+        if others:
+            _replace_latest(run_dir, others[-1].name)
+        else:
+            (run_dir / LATEST_NAME).unlink()
+            fsync_dir(run_dir)
+    old = run_dir / f"{TMP_PREFIX}old-{final.name}-{_run_tag(manifest.run_id)}-{uuid.uuid4().hex[:8]}"  # a re-saved step's old copy
+    if final.exists():
         os.rename(final, old)
-        os.rename(tmp_dir, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp_dir, final)
+    os.rename(tmp_dir, final)
+    shutil.rmtree(old, ignore_errors=True)
     fsync_dir(run_dir)
     _replace_latest(run_dir, final.name)
     if keep_last is not None and manifest.run_id is not None:
@@ -194,12 +177,7 @@ def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manife
 
 
 def _replace_latest(run_dir: Path, name: str) -> None:
-    tmp = run_dir / f"{TMP_PREFIX}{LATEST_NAME}-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, run_dir / LATEST_NAME)
+    replace_file(run_dir / LATEST_NAME, (name + "\n").encode(), run_dir / f"{TMP_PREFIX}{LATEST_NAME}-{uuid.uuid4().hex[:8]}")
     fsync_dir(run_dir)
 
 
@@ -210,11 +188,9 @@ def prune(run_dir: str | Path, *, keep_last: int, run_id: str) -> list[Path]:
     run_dir = Path(run_dir)
     latest = read_latest(run_dir)
     mine = _steps_of_run(run_dir, run_id)
-    removed = []
-    for path in mine[: max(0, len(mine) - keep_last)]:
-        if path.name != latest:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+    removed = [path for path in mine[: max(0, len(mine) - keep_last)] if path.name != latest]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     return removed + remove_unfinished(run_dir, run_id=run_id)
 
 
@@ -222,14 +198,11 @@ def remove_unfinished(run_dir: str | Path, *, run_id: str) -> list[Path]:
     """Remove the temporary directories that saves of run `run_id` left behind (a crash, a
     killed worker); another run's are never touched. Call it only while no save of that run
     is in flight. Returns what was removed."""
-    tag = f"-{_run_tag(run_id)}-"
-    removed: list[Path] = []
-    if not Path(run_dir).is_dir():  # nothing saved yet
-        return removed
-    for child in Path(run_dir).iterdir():
-        if child.is_dir() and child.name.startswith((f"{TMP_PREFIX}{STEP_PREFIX}", f"{TMP_PREFIX}old-")) and tag in child.name:
-            shutil.rmtree(child, ignore_errors=True)
-            removed.append(child)
+    tag, prefixes = f"-{_run_tag(run_id)}-", (f"{TMP_PREFIX}{STEP_PREFIX}", f"{TMP_PREFIX}old-")
+    children = Path(run_dir).iterdir() if Path(run_dir).is_dir() else ()  # no directory: nothing saved yet
+    removed = [child for child in children if child.is_dir() and child.name.startswith(prefixes) and tag in child.name]
+    for child in removed:
+        shutil.rmtree(child, ignore_errors=True)
     return removed
 
 
@@ -314,14 +287,12 @@ def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_b
     try:
         yield tmp
         sync_files(tmp, [entry.name for entry in os.scandir(tmp) if entry.is_file()])
+        old = parent / f"{TMP_PREFIX}old-{dst.name}-{token}"  # what DST held, if anything
         if dst.exists() or dst.is_symlink():
-            old = parent / f"{TMP_PREFIX}old-{dst.name}-{token}"
             os.rename(dst, old)
-            os.rename(tmp, dst)
-            fsync_dir(parent)
-            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-        else:
-            os.rename(tmp, dst)
+        os.rename(tmp, dst)
+        fsync_dir(parent)
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink(missing_ok=True)
         fsync_dir(parent)
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,8 +1,6 @@
 """What `inspect` reports of a checkpoint: one dataclass per format's shape, each a `Summary`
-(path, format, the model's and the optimizer's counts, dtypes, the largest tensors, files)
-with what that format adds; `to_json` is `--json`'s document, its keys the fields' names.
-The summaries of fsdpkit's own and full safetensors checkpoints are defined here, the other
-formats' in their packages."""
+with what that format adds; `to_json` is `--json`'s document, its keys the fields' names. The
+other formats' summaries are defined in their packages."""
 
 from __future__ import annotations
 
@@ -12,9 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...dtypes import dtype_info
 from .bytecopy import SourceTensor
-from .names import is_optimizer_tensor, numel
+from .names import is_optimizer_tensor, nbytes, numel
 
 LARGEST = 5  # the largest tensors a summary lists
 
@@ -95,7 +92,7 @@ class ShardedSummary(FullSummary):
 
 def tensor_stats(items: list[tuple[str, str, tuple[int, ...]]]) -> tuple[ModelCounts, OptimizerCounts, dict[str, int], list[TensorEntry]]:
     """A summary's model, optimizer, dtypes and largest of (name, dtype, shape) items, optimizer states told by their names."""
-    entries = [TensorEntry(name, dtype, list(shape), numel(shape) * dtype_info(dtype).itemsize) for name, dtype, shape in items]
+    entries = [TensorEntry(name, dtype, list(shape), nbytes(shape, dtype)) for name, dtype, shape in items]
     model = [e for e in entries if not is_optimizer_tensor(str(e.name))]
     optim = [e for e in entries if is_optimizer_tensor(str(e.name))]
     return (
