@@ -15,6 +15,7 @@ import math
 import os
 from collections import Counter
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,17 +79,15 @@ def _read_back(tensors: dict[str, SourceTensor], layout: ExportLayout) -> tuple[
     transposed = 0
     for stored_name, source in tensors.items():
         name = stored_name if is_optimizer_tensor(stored_name) else layout.original_name(stored_name) or stored_name
-        if name != stored_name and layout.is_transposed(name, tuple(reversed(source.shape))):
+        if name == stored_name:
+            out[name] = source
+        elif layout.is_transposed(name, tuple(reversed(source.shape))):
             out[name] = TransposedSource(name, source)
             transposed += 1
         else:
-            out[name] = source if name == stored_name else SourceTensor(name, source.shape, source.dtype, _all_pieces(source))
+            out[name] = SourceTensor(name, source.shape, source.dtype, tuple(source.pieces_in(ElementRange(0, source.numel))))
     how = f"prefix {layout.prefix!r} taken away" if layout.prefix else "names kept"
     return out, f"transformers' export read back as the model names it: {how}, {transposed} weights transposed back"
-
-
-def _all_pieces(source: SourceTensor) -> tuple:
-    return tuple(source.pieces_in(ElementRange(0, source.numel)))
 
 
 def name_hints(only_a: list[str], only_b: list[str]) -> list[str]:
@@ -210,14 +209,11 @@ def diff(
             only_b = [n for n in names_b if n not in tensors_a]
             results = [{"name": n, "status": "only_a"} for n in only_a] + [{"name": n, "status": "only_b"} for n in only_b]
             readers = (SideReader(ByteEngine(chunk_size=chunk_size)), SideReader(ByteEngine(chunk_size=chunk_size)))
-            try:
+            with closing(readers[0]), closing(readers[1]):
                 for name in common:
                     results.append(compare_tensor(readers, tensors_a[name], tensors_b[name], tolerance, chunk_size))
                     if advance is not None:
                         advance(tensors_a[name].nbytes)
-            finally:
-                readers[0].close()
-                readers[1].close()
     return {
         "a": {"path": a.path, "format": a.format, "tensors": len(names_a)},
         "b": {"path": b.path, "format": b.format, "tensors": len(names_b)},

@@ -68,10 +68,6 @@ def _is_full(path: Path) -> bool:
     return is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists())
 
 
-def _inspect_dcp(path: Path, keys: Keys) -> Summary:
-    return summarize_dcp(path, model_key=keys.model, optimizer_key=keys.optimizer)
-
-
 def _write_dcp(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
     """FSDP2's `{"model", "optimizer"}` layout chunked for `--world-size` ranks (default 1): the
     model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups."""
@@ -113,7 +109,7 @@ FORMATS: dict[str, Format] = {
         "DCP",
         is_dcp_checkpoint,
         open_dcp_checkpoint,
-        _inspect_dcp,
+        lambda path, keys: summarize_dcp(path, model_key=keys.model, optimizer_key=keys.optimizer),
         lambda path, progress: verify_dcp(path),
         lambda src, dst, r: reshard_dcp(src, dst, world_size=r.world_size, chunk_size=r.chunk_size, overwrite=r.overwrite),
         _write_dcp,

@@ -92,9 +92,7 @@ def _from_type(rebuild: Any, new_type: Any, args: Any, state: Any) -> Any:
     if rebuild is _wrapper_subclass and isinstance(args, tuple):
         wrapper = rebuild(*args)
         return _dtensor(wrapper, state) if wrapper.cls == DTENSOR else _sharded_tensor(wrapper, state)
-    if rebuild not in (u.rebuild_tensor_v2, u.rebuild_tensor_v3) or not isinstance(args, tuple):
-        raise DataCheckError("_rebuild_from_type_v2 of something else than a tensor")
-    return rebuild(*args)
+    return u.rebuild_from_type(rebuild, new_type, args, state)
 
 
 def _dtensor(wrapper: _Wrapper, state: Any) -> DTensorRecord:
