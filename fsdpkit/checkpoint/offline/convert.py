@@ -23,7 +23,6 @@ from ..format.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfEx
 from ..format.files import open_regular
 from ..format.manifest import resharded_training_state
 from ..format.names import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
-from ..format.placement import Placement
 from ..format.reader import open_full, open_sharded
 from ..format.storage import staged_output
 from ..format.writer import CacheMode, StreamingWriter, write_sharded
@@ -141,15 +140,6 @@ def _write_hf_files(directory: Path, export: HfExport, weight_dtype: str | None,
     return written
 
 
-def check_placement_matches(placement: Placement, sources: list[SourceTensor], *, where: Path, source: str) -> None:
-    shapes, expected = {s.name: s.shape for s in sources}, placement.param_shapes()
-    missing = [name for name in expected if name not in shapes]
-    wrong = [f"{name} {list(shapes[name])} (model: {list(shape)})" for name, shape in expected.items() if shapes.get(name, shape) != shape]
-    if missing or wrong:
-        detail = f"missing {missing[:3]}" if missing else f"different shapes {wrong[:3]}"
-        raise DataCheckError(f"{where}: does not match {source}: {detail}")
-
-
 def split_into_files(
     tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None
 ) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
@@ -166,8 +156,7 @@ def split_into_files(
         size += size_bytes
     if len(groups) == 1:
         return [(f"{prefix}.safetensors", groups[0])]
-    count = len(groups)
-    return [(f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors", group) for i, group in enumerate(groups)]
+    return [(f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors", group) for i, group in enumerate(groups)]
 
 
 def index_document(files: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> dict:
