@@ -167,7 +167,6 @@ def open_torchsave_checkpoint(path: Path) -> AnyCheckpoint:
     from ..torchsave.table import open_rank_state_dicts
 
     checkpoint = open_rank_state_dicts(path)
-    model = {t.name: t for t in checkpoint.model}
     optimizer = {t.name: t for t in checkpoint.optim.tensors}
     items = _values(checkpoint.extra_state)
     groups = []
@@ -178,7 +177,7 @@ def open_torchsave_checkpoint(path: Path) -> AnyCheckpoint:
         groups = [{"settings": settings, "params": params} for settings in checkpoint.optim.param_groups]
     return AnyCheckpoint(
         str(checkpoint.directory),
-        model,
+        {t.name: t for t in checkpoint.model},
         optimizer,
         items=items,
         groups=groups,

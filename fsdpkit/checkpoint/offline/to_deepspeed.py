@@ -62,7 +62,6 @@ def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], shape: Run
         raise UsageError("the source holds no parameter with Adam state (optim.exp_avg.<name>): nothing to write for DeepSpeed")
     trained = {p.name for g in groups for p in g.params}
     others = [t for name, t in tensors.items() if name not in trained and not is_optimizer_tensor(name) and name not in shape.aliases]
-    aliases = {a: k for a, k in shape.aliases.items() if k in tensors}
     return DsRun(
         groups,
         shape.stage,
@@ -70,7 +69,7 @@ def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], shape: Run
         shape.global_steps,
         frozen=tuple(t for t in others if t.name not in shape.buffers),
         buffers=tuple(t for t in others if t.name in shape.buffers),
-        aliases=aliases,
+        aliases={a: k for a, k in shape.aliases.items() if k in tensors},
         global_samples=shape.global_samples,
     )
 
