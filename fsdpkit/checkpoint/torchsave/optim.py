@@ -58,9 +58,7 @@ def _groups(state: Any) -> list[dict[str, Any]] | None:
     if not isinstance(state, dict) or not isinstance(state.get("state"), dict) or not isinstance(state.get("param_groups"), list):
         return None
     groups = state["param_groups"]
-    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
-        return None
-    return groups
+    return groups if all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups) else None
 
 
 def _read(files: list[SaveFile], parameters: list[str], model: list[SourceTensor]) -> OptimizerState:

@@ -26,12 +26,8 @@ _MODEL_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 
 
 def _model_files(directory: Path) -> dict[int, tuple[int, Path]]:
-    found = {}
-    for path in directory.iterdir():
-        match = _MODEL_FILE.fullmatch(path.name)
-        if match:
-            found[int(match.group(2))] = (int(match.group(1)), path)
-    return found
+    """rank -> (world size, path) of each model file."""
+    return {int(match.group(2)): (int(match.group(1)), path) for path in directory.iterdir() if (match := _MODEL_FILE.fullmatch(path.name))}
 
 
 def is_torchsave_checkpoint(path: str | os.PathLike[str]) -> bool:
