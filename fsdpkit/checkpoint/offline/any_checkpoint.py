@@ -1,19 +1,7 @@
 """`fsdpkit.open_checkpoint(path)`: a checkpoint of any format, read the way `safetensors.safe_open`
-reads one file (formats.py tells the format and calls its opener here).
-
-    with fsdpkit.open_checkpoint("run") as checkpoint:      # fsdpkit, full safetensors, DCP, DeepSpeed, per-rank torch.save
-        checkpoint.format                       # "sharded", "full", "dcp", "deepspeed", "torch-save-ranks"
-        for name in checkpoint.keys():
-            checkpoint.shape(name), checkpoint.dtype(name)  # (768, 3072), "F32"
-        weight = checkpoint.get_tensor("blocks.0.mlp.c_fc.weight")
-        rows = checkpoint.get_slice("wte.weight")[1000:1010]  # only those rows' bytes are read
-        checkpoint.item_keys(), checkpoint.get_item("step")  # the non-tensor items
-
-The names are the ones `diff` compares: the model's names and `optim.<state>.<param>` (a DCP
-checkpoint's other tensors under their DCP keys); tied aliases are names too. A slice reads only
-the byte runs it covers, except that a checksummed fragment (fsdpkit sharded) is read whole,
-once, so that its crc32 is checked. A DCP bytes item that names a class is refused, never
-unpickled. torch is imported by `get_tensor` and `get_slice` only.
+reads one file (formats.py tells the format and calls its opener here). Its names, slices and items:
+docs/checkpoints.md, "Reading any checkpoint in Python". A DCP bytes item that names a class is
+refused, never unpickled. torch is imported by `get_tensor` and `get_slice` only.
 """
 
 from __future__ import annotations
@@ -21,6 +9,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
@@ -155,35 +144,29 @@ def box_of(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[i
     parts = index if isinstance(index, tuple) else (index,)
     if len(parts) > len(shape):
         raise IndexError(f"{len(parts)} indices for a tensor of {len(shape)} dimensions {list(shape)}")
-    offsets: list[int] = []
-    sizes: list[int] = []
-    picks: list[Any] = []
+    box: list[tuple[int, int, Any]] = []  # (offset, size, pick) per dimension
     for dim, extent in enumerate(shape):
         part = parts[dim] if dim < len(parts) else slice(None)
         if isinstance(part, slice):
             start, stop, step = part.indices(extent)
             if step < 1:
                 raise IndexError(f"dimension {dim}: a slice step must be positive, got {step}")
-            offsets.append(start)
-            sizes.append(max(0, stop - start))
-            picks.append(slice(None, None, step) if step > 1 else slice(None))
+            box.append((start, max(0, stop - start), slice(None, None, step) if step > 1 else slice(None)))
         elif isinstance(part, int) and not isinstance(part, bool):
             at = part + extent if part < 0 else part
             if not 0 <= at < extent:
                 raise IndexError(f"index {part} is out of range for dimension {dim} of size {extent}")
-            offsets.append(at)
-            sizes.append(1)
-            picks.append(0)
+            box.append((at, 1, 0))
         else:
             raise IndexError(f"dimension {dim}: index with ints and slices, got {part!r}")
-    return tuple(offsets), tuple(sizes), tuple(picks)
+    offsets, sizes, picks = zip(*box, strict=True) if box else ((), (), ())  # a scalar's box has no dimension
+    return offsets, sizes, picks
 
 
 def open_torchsave_checkpoint(path: Path) -> AnyCheckpoint:
     from ..torchsave.table import open_rank_state_dicts
 
     checkpoint = open_rank_state_dicts(path)
-    model = {t.name: t for t in checkpoint.model}
     optimizer = {t.name: t for t in checkpoint.optim.tensors}
     items = _values(checkpoint.extra_state)
     groups = []
@@ -194,7 +177,7 @@ def open_torchsave_checkpoint(path: Path) -> AnyCheckpoint:
         groups = [{"settings": settings, "params": params} for settings in checkpoint.optim.param_groups]
     return AnyCheckpoint(
         str(checkpoint.directory),
-        model,
+        {t.name: t for t in checkpoint.model},
         optimizer,
         items=items,
         groups=groups,
@@ -212,11 +195,8 @@ def steps_taken(optimizer: list[SourceTensor]) -> int:
     ]
     if not steps:
         return 0
-    engine = ByteEngine()
-    try:
+    with closing(ByteEngine()) as engine:
         return int(read_step(engine, steps[0]))
-    finally:
-        engine.close()
 
 
 _STEP_FORMATS = {"F32": "<f", "F64": "<d", "I64": "<q", "I32": "<i"}
@@ -275,8 +255,7 @@ def open_full_checkpoint(path: Path) -> AnyCheckpoint:
 
     full = open_full(path, with_optimizer=path.is_dir() and has_optimizer_files(path))
     model, optimizer = _split(list(full.tensors), full.aliases)
-    items = _values(full.metadata)
-    return AnyCheckpoint(str(path), model, optimizer, aliases=dict(full.aliases), export_layout=full.layout, items=items)
+    return AnyCheckpoint(str(path), model, optimizer, aliases=dict(full.aliases), export_layout=full.layout, items=_values(full.metadata))
 
 
 def open_dcp_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
@@ -318,13 +297,12 @@ def open_deepspeed_checkpoint(path: Path) -> AnyCheckpoint:
     from ..deepspeed.table import open_deepspeed
 
     checkpoint = open_deepspeed(path)
-    items = _values({**checkpoint.items, "optimizer.param_groups": checkpoint.param_groups})
     return AnyCheckpoint(
         str(checkpoint.directory),
         _with_aliases({t.name: t for t in checkpoint.model}, checkpoint.aliases),
         {t.name: t for t in checkpoint.optimizer},
         aliases=dict(checkpoint.aliases),
-        items=items,
+        items=_values({**checkpoint.items, "optimizer.param_groups": checkpoint.param_groups}),
         groups=checkpoint.groups(),
         step=steps_taken(checkpoint.optimizer),
         world_size=checkpoint.world_size,

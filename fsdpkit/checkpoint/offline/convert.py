@@ -2,11 +2,8 @@
 directory of safetensors files and index, `optimizer*` files likewise with `--with-optimizer`)
 and `fsdpkit reshard` of fsdpkit's own format: streamed through the byte engine (memory bounded
 by `chunk_size`), staged (`storage.staged_output`), casting floats to `cast_to` on the way out.
-
-Export layouts (`format/export.py`): a transposed tensor is read whole and transposed in memory
-with numpy, so a conversion that transposes holds the engine's mapped windows plus two copies of
-the largest transposed tensor (GPT-2 XL's mlp.c_fc: 1600 x 6400 fp32 = 41 MB, twice); every other
-tensor streams in chunks.
+A transposed tensor of an export layout is read whole and transposed in memory with numpy
+(what that costs: docs/hugging-face.md); every other tensor streams in chunks.
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +23,6 @@ from ..format.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfEx
 from ..format.files import open_regular
 from ..format.manifest import resharded_training_state
 from ..format.names import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
-from ..format.placement import Placement
 from ..format.reader import open_full, open_sharded
 from ..format.storage import staged_output
 from ..format.writer import CacheMode, StreamingWriter, write_sharded
@@ -70,8 +67,7 @@ def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress:
     metadata, model_metadata = _full_metadata(layout, opened.aliases)
     written: list[str] = []
     with staged_output(dst, src=Path(opened.opened_from), overwrite=request.overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
-        copier = ByteEngine(chunk_size=request.chunk_size, progress=progress_callback(progress, total))
-        try:
+        with closing(ByteEngine(chunk_size=request.chunk_size, progress=progress_callback(progress, total))) as copier:
             for prefix, files in file_groups:
                 for file_name, group in files:
                     _write_full_file(tmp / file_name, group, by_name, copier, model_metadata if prefix == "model" else metadata)
@@ -81,8 +77,6 @@ def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress:
                     (tmp / index_name).write_text(json.dumps(index_document(files), indent=2) + "\n")
                     written.append(index_name)
             copier.finish()
-        finally:
-            copier.close()
         if export is not None:
             float_dtypes = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
             written += _write_hf_files(tmp, export, float_dtypes[0] if float_dtypes else None, warnings)
@@ -146,19 +140,6 @@ def _write_hf_files(directory: Path, export: HfExport, weight_dtype: str | None,
     return written
 
 
-def check_placement_matches(placement: Placement, sources: list[SourceTensor], *, where: Path, source: str) -> None:
-    shapes = {s.name: s.shape for s in sources}
-    missing = [name for name in placement.param_shapes() if name not in shapes]
-    wrong = [
-        f"{name} {list(shapes[name])} (model: {list(shape)})"
-        for name, shape in placement.param_shapes().items()
-        if name in shapes and shapes[name] != shape
-    ]
-    if missing or wrong:
-        detail = f"missing {missing[:3]}" if missing else f"different shapes {wrong[:3]}"
-        raise DataCheckError(f"{where}: does not match {source}: {detail}")
-
-
 def split_into_files(
     tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None
 ) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
@@ -175,8 +156,7 @@ def split_into_files(
         size += size_bytes
     if len(groups) == 1:
         return [(f"{prefix}.safetensors", groups[0])]
-    count = len(groups)
-    return [(f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors", group) for i, group in enumerate(groups)]
+    return [(f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors", group) for i, group in enumerate(groups)]
 
 
 def index_document(files: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> dict:
@@ -227,15 +207,14 @@ def restore_layout(
         else:
             renamed.append(SourceTensor(original, tensor.shape, tensor.dtype, tensor.pieces))
     if back:
-        copier = ByteEngine(chunk_size=chunk_size)
-        try:
-            entries = [(name, tensor.dtype, tuple(reversed(tensor.shape))) for name, tensor in back]
-            with StreamingWriter(scratch, entries, metadata={"format": "pt"}, sync=False) as writer:
-                by_name = dict(back)
-                for name, _ in writer.order:
-                    writer.write(transposed_bytes(copier, by_name[name], by_name[name].dtype))
-        finally:
-            copier.close()
+        entries = [(name, tensor.dtype, tuple(reversed(tensor.shape))) for name, tensor in back]
+        with (
+            closing(ByteEngine(chunk_size=chunk_size)) as copier,
+            StreamingWriter(scratch, entries, metadata={"format": "pt"}, sync=False) as writer,
+        ):
+            by_name = dict(back)
+            for name, _ in writer.order:
+                writer.write(transposed_bytes(copier, by_name[name], by_name[name].dtype))
         restored = {t.name: t for t in open_full(scratch).tensors}
         renamed += [restored[name] for name, _ in back]
     aliases = {layout.original_name(alias) or alias: layout.original_name(target) or target for alias, target in aliases.items()}

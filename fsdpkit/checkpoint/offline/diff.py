@@ -1,12 +1,7 @@
 """`fsdpkit diff A B`: two checkpoints of any format compared tensor by tensor (no torch), each
-opened by `open_checkpoint` under fsdpkit's names. A full export that `convert --to full --model`
-wrote in transformers' names and orientation (its recorded `ExportLayout`), compared with a side
-in the model's own layout, is read back into it: model tensors renamed, transposed weights read
-transposed back and held whole while compared (the optimizer state keeps the model's names on
-export). Values are compared `chunk_size` bytes of each side at a time, so memory does not grow
-with the tensor: bitwise equal, else the largest absolute and relative difference, and whether
-every element satisfies |a - b| <= atol + rtol * |b| (NaN equals NaN). Names in one side only
-are explained where a prefix added to one side's names gives the other's.
+opened by `open_checkpoint` under fsdpkit's names; what is compared and how: docs/dcp.md. A full
+export read back into the model's layout has its transposed weights read transposed back and held
+whole while compared; every other tensor is compared `chunk_size` bytes of each side at a time.
 """
 
 from __future__ import annotations
@@ -15,6 +10,7 @@ import math
 import os
 from collections import Counter
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,24 +37,19 @@ class TransposedSource(SourceTensor):
         object.__setattr__(self, "stored", stored)
 
 
-class SideReader:
+class SideReader(ByteEngine):
     """Element ranges of one side's tensors; a transposed weight is transposed back once, whole."""
 
-    def __init__(self, engine: ByteEngine):
-        self.engine = engine
-        self._held: tuple[str, bytes] | None = None  # the last weight transposed back
+    _held: tuple[str, bytes] | None = None  # the last weight transposed back
 
     def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
         if not isinstance(tensor, TransposedSource):
-            self.engine.read_into(tensor, wanted, out)
+            super().read_into(tensor, wanted, out)
             return
         if self._held is None or self._held[0] != tensor.name:
-            self._held = (tensor.name, transposed_bytes(self.engine, tensor.stored, tensor.dtype).tobytes())
+            self._held = (tensor.name, transposed_bytes(self, tensor.stored, tensor.dtype).tobytes())
         itemsize = out.nbytes // max(wanted.size, 1)
         out[:] = self._held[1][wanted.start * itemsize : wanted.end * itemsize]
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 def comparable(a: AnyCheckpoint, b: AnyCheckpoint) -> tuple[dict[str, SourceTensor], dict[str, SourceTensor], dict[str, str]]:
@@ -78,26 +69,25 @@ def _read_back(tensors: dict[str, SourceTensor], layout: ExportLayout) -> tuple[
     transposed = 0
     for stored_name, source in tensors.items():
         name = stored_name if is_optimizer_tensor(stored_name) else layout.original_name(stored_name) or stored_name
-        if name != stored_name and layout.is_transposed(name, tuple(reversed(source.shape))):
+        if name == stored_name:
+            out[name] = source
+        elif layout.is_transposed(name, tuple(reversed(source.shape))):
             out[name] = TransposedSource(name, source)
             transposed += 1
         else:
-            out[name] = source if name == stored_name else SourceTensor(name, source.shape, source.dtype, _all_pieces(source))
+            out[name] = SourceTensor(name, source.shape, source.dtype, tuple(source.pieces_in(ElementRange(0, source.numel))))
     how = f"prefix {layout.prefix!r} taken away" if layout.prefix else "names kept"
     return out, f"transformers' export read back as the model names it: {how}, {transposed} weights transposed back"
-
-
-def _all_pieces(source: SourceTensor) -> tuple:
-    return tuple(source.pieces_in(ElementRange(0, source.numel)))
 
 
 def name_hints(only_a: list[str], only_b: list[str]) -> list[str]:
     """How the names in one side only relate, where a prefix explains most of them."""
     hints = []
     for (this, names), (that, others) in (("a", only_a), ("b", only_b)), (("b", only_b), ("a", only_a)):
-        prefix = _common_prefix(names[:HINT_SAMPLE], set(others))
+        other_names = set(others)
+        prefix = _common_prefix(names[:HINT_SAMPLE], other_names)
         if prefix is not None:
-            matched = sum(1 for name in names if name[len(prefix) :] in set(others) and name.startswith(prefix))
+            matched = sum(1 for name in names if name[len(prefix) :] in other_names and name.startswith(prefix))
             hints.append(f"{matched} names in {this} only are {that}'s with the prefix {prefix!r} added")
     return hints
 
@@ -209,15 +199,12 @@ def diff(
             only_a = [n for n in names_a if n not in tensors_b]
             only_b = [n for n in names_b if n not in tensors_a]
             results = [{"name": n, "status": "only_a"} for n in only_a] + [{"name": n, "status": "only_b"} for n in only_b]
-            readers = (SideReader(ByteEngine(chunk_size=chunk_size)), SideReader(ByteEngine(chunk_size=chunk_size)))
-            try:
+            readers = (SideReader(chunk_size=chunk_size), SideReader(chunk_size=chunk_size))
+            with closing(readers[0]), closing(readers[1]):
                 for name in common:
                     results.append(compare_tensor(readers, tensors_a[name], tensors_b[name], tolerance, chunk_size))
                     if advance is not None:
                         advance(tensors_a[name].nbytes)
-            finally:
-                readers[0].close()
-                readers[1].close()
     return {
         "a": {"path": a.path, "format": a.format, "tensors": len(names_a)},
         "b": {"path": b.path, "format": b.format, "tensors": len(names_b)},

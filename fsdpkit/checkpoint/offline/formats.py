@@ -64,33 +64,12 @@ def _is_sharded(path: Path) -> bool:
     return any(parse_step_dir_name(child.name) is not None for child in path.iterdir())
 
 
-def _is_full(path: Path) -> bool:
-    return is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists())
-
-
-def _inspect_dcp(path: Path, keys: Keys) -> Summary:
-    return summarize_dcp(path, model_key=keys.model, optimizer_key=keys.optimizer)
-
-
 def _write_dcp(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
     """FSDP2's `{"model", "optimizer"}` layout chunked for `--world-size` ranks (default 1): the
     model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups."""
     output = DcpOutput(request.world_size or 1, request.chunk_size, request.overwrite)
     return sources_to_dcp(opened.stored(), Path(opened.opened_from), dst, aliases=opened.aliases, groups=opened.groups, output=output)
 
-
-_TO_SHARDED = Options(
-    needs=("world_size",),
-    takes=("model", "cast_to", "with_optimizer"),
-    why="--model names the model whose flat-parameter layout to write, default an even split per tensor; the optimizer state goes with it",
-)
-_TO_DCP = Options(takes=("world_size",), why="the optimizer state, when there is one, goes with it")
-_TO_DEEPSPEED = Options(
-    needs=("stage",),
-    takes=("world_size",),
-    why="DeepSpeed's ZeRO stage and ranks (default: the source's) to lay the fp32 weights and AdamW state out for",
-)
-_TO_FULL = Options(takes=("model", "max_shard_size", "cast_to", "with_optimizer"))
 
 # In the order messages list them. A DeepSpeed save directory has a `latest` as fsdpkit's run
 # directory does: `detect_format` tries fsdpkit's own format last.
@@ -106,18 +85,23 @@ FORMATS: dict[str, Format] = {
             src, dst, world_size=r.world_size, chunk_size=r.chunk_size, overwrite=r.overwrite, progress=r.progress, warn=r.warn
         ),
         to_sharded,
-        _TO_SHARDED,
+        Options(
+            needs=("world_size",),
+            takes=("model", "cast_to", "with_optimizer"),
+            why="--model names the model whose flat-parameter layout to write, default an even split per tensor;"
+            " the optimizer state goes with it",
+        ),
     ),
     DCP: Format(
         DCP,
         "DCP",
         is_dcp_checkpoint,
         open_dcp_checkpoint,
-        _inspect_dcp,
+        lambda path, keys: summarize_dcp(path, model_key=keys.model, optimizer_key=keys.optimizer),
         lambda path, progress: verify_dcp(path),
         lambda src, dst, r: reshard_dcp(src, dst, world_size=r.world_size, chunk_size=r.chunk_size, overwrite=r.overwrite),
         _write_dcp,
-        _TO_DCP,
+        Options(takes=("world_size",), why="the optimizer state, when there is one, goes with it"),
         reads=Options(takes=("model_key", "optimizer_key")),
     ),
     DEEPSPEED: Format(
@@ -129,7 +113,11 @@ FORMATS: dict[str, Format] = {
         lambda path, progress: verify_deepspeed(path),
         lambda src, dst, r: reshard_deepspeed(src, dst, world_size=r.world_size, overwrite=r.overwrite, progress=r.progress),
         to_deepspeed,
-        _TO_DEEPSPEED,
+        Options(
+            needs=("stage",),
+            takes=("world_size",),
+            why="DeepSpeed's ZeRO stage and ranks (default: the source's) to lay the fp32 weights and AdamW state out for",
+        ),
     ),
     TORCH_SAVE: Format(
         TORCH_SAVE,
@@ -144,13 +132,13 @@ FORMATS: dict[str, Format] = {
     FULL: Format(
         FULL,
         "full safetensors",
-        _is_full,
+        lambda path: is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists()),
         lambda path, keys: open_full_checkpoint(path),
         lambda path, keys: summarize_full(path),
         lambda path, progress: verify_full(path),
         None,
         to_full,
-        _TO_FULL,
+        Options(takes=("model", "max_shard_size", "cast_to", "with_optimizer")),
     ),
 }
 READ_LABELS = ", ".join(f.label for f in FORMATS.values())  # "fsdpkit, DCP, DeepSpeed, verl, full safetensors"

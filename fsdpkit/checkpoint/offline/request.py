@@ -21,7 +21,6 @@ OPTION_FLAGS = {
     "optimizer_key": "--dcp-optimizer-key",
     "stage": "--stage",
 }
-POSITIVE = ("world_size", "max_shard_size")  # integer options that must be >= 1 when given
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def check_options(source: str, reads: Options, writes: Options, request: Convert
     for name in writes.needs:
         if getattr(request, name) is None:
             raise UsageError(f"--to {request.to} from a {source} checkpoint needs {OPTION_FLAGS[name]}{why}")
-    for name in POSITIVE:
+    for name in ("world_size", "max_shard_size"):  # integer options that must be >= 1 when given
         value = getattr(request, name)
         if value is not None and value < 1:
             raise UsageError(f"{OPTION_FLAGS[name]} must be >= 1, got {value}")

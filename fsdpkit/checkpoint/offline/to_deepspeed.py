@@ -10,6 +10,7 @@ param groups is one group with AdamW's defaults.
 from __future__ import annotations
 
 import os
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,8 +47,8 @@ def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], shape: Run
     so) or a frozen parameter."""
     adam = [n for n in tensors if optim_tensor_name(MOMENTS[0], n) in tensors]
     named = [(list(g.get("params", [])), dict(g.get("settings", {}))) for g in recorded] or [(adam, {})]
-    groups, engine = [], ByteEngine()
-    try:
+    groups = []
+    with closing(ByteEngine()) as engine:
         for names, settings in named:
             params = []
             for name in names:
@@ -57,13 +58,10 @@ def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], shape: Run
                 params.append(DsParam(name, tensors[name], moments))
             step = tensors.get(optim_tensor_name("step", names[0] if names else ""))
             groups.append(DsGroup(params, read_step(engine, step) if step is not None else 0.0, settings))
-    finally:
-        engine.close()
     if not any(g.params for g in groups):
         raise UsageError("the source holds no parameter with Adam state (optim.exp_avg.<name>): nothing to write for DeepSpeed")
     trained = {p.name for g in groups for p in g.params}
     others = [t for name, t in tensors.items() if name not in trained and not is_optimizer_tensor(name) and name not in shape.aliases]
-    aliases = {a: k for a, k in shape.aliases.items() if k in tensors}
     return DsRun(
         groups,
         shape.stage,
@@ -71,7 +69,7 @@ def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], shape: Run
         shape.global_steps,
         frozen=tuple(t for t in others if t.name not in shape.buffers),
         buffers=tuple(t for t in others if t.name in shape.buffers),
-        aliases=aliases,
+        aliases={a: k for a, k in shape.aliases.items() if k in tensors},
         global_samples=shape.global_samples,
     )
 

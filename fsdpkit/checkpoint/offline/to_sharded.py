@@ -18,7 +18,7 @@ from ..format.placement import Placement
 from ..format.storage import staged_output
 from ..format.writer import write_sharded
 from .any_checkpoint import AnyCheckpoint
-from .convert import SCRATCH_NAME, Progress, check_placement_matches, progress_callback, restore_layout
+from .convert import SCRATCH_NAME, Progress, progress_callback, restore_layout
 from .request import ConvertRequest
 
 
@@ -37,6 +37,15 @@ def _canonical(sources: list[SourceTensor], aliases: dict[str, str]) -> list[Sou
             source = SourceTensor(canonical, source.shape, source.dtype, tuple(source.pieces_in(ElementRange(0, source.numel))))
         kept.append(source)
     return kept
+
+
+def check_placement_matches(placement: Placement, sources: list[SourceTensor], *, where: Path, source: str) -> None:
+    shapes, expected = {s.name: s.shape for s in sources}, placement.param_shapes()
+    missing = [name for name in expected if name not in shapes]
+    wrong = [f"{name} {list(shapes[name])} (model: {list(shape)})" for name, shape in expected.items() if shapes.get(name, shape) != shape]
+    if missing or wrong:
+        detail = f"missing {missing[:3]}" if missing else f"different shapes {wrong[:3]}"
+        raise DataCheckError(f"{where}: does not match {source}: {detail}")
 
 
 def to_sharded(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:

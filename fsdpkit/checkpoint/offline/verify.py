@@ -1,10 +1,7 @@
-"""`fsdpkit verify` and `fsdpkit inspect` of fsdpkit's sharded checkpoints and full ones.
-
-A sharded checkpoint's verify checks the manifest, every rank file (present, regular, of the
-size and with the header the manifest derives), nothing else in the directory, and the crc32 of
-every fragment, file by file through one reused buffer (memory does not grow with the world
-size). Full checkpoints carry no checksums: headers, sizes and the index. `summarize` reads
-headers only.
+"""`fsdpkit verify` and `fsdpkit inspect` of fsdpkit's sharded checkpoints and full ones. A sharded
+checkpoint's rank files are checked one by one through one reused buffer (memory does not grow with
+the world size; what is checked: `VerifyReport.checked`); full checkpoints carry no checksums.
+`summarize` reads headers only.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import DataCheckError
-from ..format.bytecopy import DEFAULT_CHUNK_SIZE
+from ..format.bytecopy import DEFAULT_CHUNK_SIZE, PROGRESS_BYTES
 from ..format.crc import crc32
 from ..format.manifest import load_manifest
 from ..format.names import FORMAT_NAME
@@ -25,7 +22,6 @@ from ..format.summary import FileEntry, FullSummary, ShardedSummary, tensor_stat
 from .convert import progress_callback
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
-PROGRESS_BYTES = 8 * 1024 * 1024
 
 
 def verify_checkpoint(
@@ -84,10 +80,9 @@ def _check_whole_v2(checkpoint: ShardedCheckpoint, rank: int, expected: FileLayo
     path, view = checkpoint.read_whole_v2(rank, expected, buffer)
     size, start = len(view), expected.data_start
     stored = v2_crcs(path, bytes(view[:start]), expected)
-    problems = []
-    for (begin, end), crc, tensor in zip(expected.spans, stored, expected.tensors, strict=True):
-        if crc32(view[start + begin : start + end]) != crc:
-            problems.append(_mismatch(path, checkpoint.manifest.tensors[tensor].name, crc, crc32(view[start + begin : start + end])))
+    found = [crc32(view[start + begin : start + end]) for begin, end in expected.spans]
+    names = [checkpoint.manifest.tensors[tensor].name for tensor in expected.tensors]
+    problems = [_mismatch(path, name, crc, got) for name, crc, got in zip(names, stored, found, strict=True) if got != crc]
     return problems, len(expected.tensors), size - start
 
 

@@ -1,15 +1,8 @@
 """The optimizer files of per-rank `torch.save` state dicts (`optim_world_size_W_rank_R.pt`, as
-verl's FSDP checkpoint manager writes them): each rank's `optimizer.state_dict()` of a torch
-optimizer over an FSDP2 module's parameters, `{"state": {index: {"step": ..., "exp_avg":
-DTensor, ...}}, "param_groups": [{..., "params": [index, ...]}]}`, read without torch.
-
-The file names no parameter: an index is a place in the order the optimizer was given its
-parameters. With one param group listing as many parameters as the model file holds DTensors
-(verl's optimizer over `module.parameters()`, whose order is the state dict's order of its
-parameters), index i is the i-th DTensor of the model file, and each state tensor is read as
-`optim.<state>.<name>`, each state but a scalar (step) shaped as its parameter. Otherwise (several groups,
-other counts, FSDP1's flat parameters, plain tensors) the files are not read and
-`OptimizerState.not_read` says why.
+verl's FSDP checkpoint manager writes them): each rank's `optimizer.state_dict()`, `{"state": {index:
+{"step": ..., "exp_avg": DTensor, ...}}, "param_groups": [{..., "params": [index, ...]}]}`, read
+without torch. When its indices map to parameter names and when the files are not read
+(`OptimizerState.not_read` says why): docs/deepspeed.md, "Per-rank torch.save state dicts (verl)".
 """
 
 from __future__ import annotations
@@ -65,9 +58,7 @@ def _groups(state: Any) -> list[dict[str, Any]] | None:
     if not isinstance(state, dict) or not isinstance(state.get("state"), dict) or not isinstance(state.get("param_groups"), list):
         return None
     groups = state["param_groups"]
-    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
-        return None
-    return groups
+    return groups if all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups) else None
 
 
 def _read(files: list[SaveFile], parameters: list[str], model: list[SourceTensor]) -> OptimizerState:

@@ -26,12 +26,8 @@ _MODEL_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 
 
 def _model_files(directory: Path) -> dict[int, tuple[int, Path]]:
-    found = {}
-    for path in directory.iterdir():
-        match = _MODEL_FILE.fullmatch(path.name)
-        if match:
-            found[int(match.group(2))] = (int(match.group(1)), path)
-    return found
+    """rank -> (world size, path) of each model file."""
+    return {int(match.group(2)): (int(match.group(1)), path) for path in directory.iterdir() if (match := _MODEL_FILE.fullmatch(path.name))}
 
 
 def is_torchsave_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -77,8 +73,7 @@ def open_rank_state_dicts(path: str | os.PathLike[str]) -> RankStateDicts:
         )
     checkpoint = RankStateDicts(directory, world_size)
     try:
-        for rank in range(world_size):
-            checkpoint.opened.append(SaveFile(files[rank][1], loads))
+        checkpoint.opened.extend(SaveFile(files[rank][1], loads) for rank in range(world_size))
         states = [_state(f) for f in checkpoint.opened]
         checkpoint.model = _tensors(checkpoint.opened, states)
         checkpoint.sharding = sharding_of(states[0].values())
@@ -111,11 +106,9 @@ def _tensors(files: list[SaveFile], states: list[dict[str, Any]]) -> list[Source
 def _extra_state(directory: Path, world_size: int, opened: list[SaveFile]) -> dict[str, Any]:
     """Open the extra state files there are (appended to `opened`); rank 0's items, plain."""
     paths = [directory / f"extra_state_world_size_{world_size}_rank_{rank}.pt" for rank in range(world_size)]
-    files = []
-    for path in paths:
-        if path.exists():
-            files.append(SaveFile(path, extra_state_loads))
-            opened.append(files[-1])
+    first = len(opened)
+    opened.extend(SaveFile(path, extra_state_loads) for path in paths if path.exists())  # each closed with `opened`, even on a failure
+    files = opened[first:]
     if not files or files[0].path != paths[0]:
         return {}
     state = files[0].state

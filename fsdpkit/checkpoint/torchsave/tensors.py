@@ -1,12 +1,6 @@
 """One tensor of per-rank `torch.save` state dicts from its ranks' records: where its elements
-lie in the rank files (no torch).
-
-A plain tensor, or a replicated DTensor, is rank 0's. A DTensor sharded on dim 0 over a 1-D
-mesh (FSDP2) is its ranks' local tensors in rank order. A ShardedTensor (FSDP1's
-SHARDED_STATE_DICT) is its ranks' local shards at their offsets, each a block of whole rows
-(offsets zero but in dim 0, the whole extent of every other dim), so a contiguous range of
-elements; the shards must cover the tensor exactly once. Anything else is refused with one
-line naming the tensor.
+lie in the rank files (no torch). Which DTensors and ShardedTensors are read, and how, and which
+are refused with one line naming the tensor: docs/deepspeed.md, "Per-rank torch.save state dicts (verl)".
 """
 
 from __future__ import annotations

@@ -48,13 +48,6 @@ class ShardedTensorRecord:
     shards: tuple[LocalShard, ...]  # this rank's (none where it holds no part)
 
 
-@dataclass(frozen=True)
-class _Wrapper:
-    cls: Any
-    shape: tuple[int, ...]
-    dtype: str
-
-
 class Shard(u.Record):
     pass
 
@@ -79,35 +72,34 @@ def _record(module: str, name: str) -> type[u.Record]:
     return type(name, (u.Record,), {"qualname": f"{module}.{name}"})
 
 
-def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *rest: Any) -> _Wrapper:
+def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *rest: Any) -> tuple[str, tuple[int, ...], str]:
+    """(class, the whole tensor's shape, dtype) of a DTensor or ShardedTensor."""
     if cls not in (DTENSOR, SHARDED_TENSOR):
         raise DataCheckError(f"a tensor subclass {cls!r}: only DTensors and ShardedTensors are read")
     if not isinstance(dtype, u.Dtype):
         raise DataCheckError(f"a {cls} without a dtype")
-    return _Wrapper(cls, u.torch_size(size), dtype.name)
+    return cls, u.torch_size(size), dtype.name
 
 
 def _from_type(rebuild: Any, new_type: Any, args: Any, state: Any) -> Any:
     """`torch._tensor._rebuild_from_type_v2`: a plain tensor, a Parameter's, a DTensor or a ShardedTensor."""
     if rebuild is _wrapper_subclass and isinstance(args, tuple):
-        wrapper = rebuild(*args)
-        return _dtensor(wrapper, state) if wrapper.cls == DTENSOR else _sharded_tensor(wrapper, state)
-    if rebuild not in (u.rebuild_tensor_v2, u.rebuild_tensor_v3) or not isinstance(args, tuple):
-        raise DataCheckError("_rebuild_from_type_v2 of something else than a tensor")
-    return rebuild(*args)
+        cls, shape, dtype = rebuild(*args)
+        return _dtensor(shape, state) if cls == DTENSOR else _sharded_tensor(shape, dtype, state)
+    return u.rebuild_from_type(rebuild, new_type, args, state)
 
 
-def _dtensor(wrapper: _Wrapper, state: Any) -> DTensorRecord:
+def _dtensor(shape: tuple[int, ...], state: Any) -> DTensorRecord:
     if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) form
         state = {**(state[0] or {}), **(state[1] or {})}
     state = state if isinstance(state, dict) else {}
     local, spec = state.get("_local_tensor"), state.get("_spec")
     if not isinstance(local, u.TensorRecord) or not isinstance(spec, u.Record):
         raise DataCheckError("a DTensor without its local tensor and spec")
-    return DTensorRecord(wrapper.shape, local, tuple(spec.get("placements") or ()))
+    return DTensorRecord(shape, local, tuple(spec.get("placements") or ()))
 
 
-def _sharded_tensor(wrapper: _Wrapper, state: Any) -> ShardedTensorRecord:
+def _sharded_tensor(shape: tuple[int, ...], dtype: str, state: Any) -> ShardedTensorRecord:
     """The state `ShardedTensor.__getstate__` gives: (local shards, metadata, ...)."""
     if not isinstance(state, tuple) or len(state) < 2 or not isinstance(state[0], list):
         raise DataCheckError("a ShardedTensor without its local shards")
@@ -119,7 +111,7 @@ def _sharded_tensor(wrapper: _Wrapper, state: Any) -> ShardedTensorRecord:
             raise DataCheckError("a ShardedTensor's local shard without its tensor and metadata")
         offsets, sizes = metadata.get("shard_offsets"), metadata.get("shard_sizes")
         shards.append(LocalShard(u.torch_size(offsets), u.torch_size(sizes), tensor))
-    return ShardedTensorRecord(wrapper.shape, wrapper.dtype, tuple(shards))
+    return ShardedTensorRecord(shape, dtype, tuple(shards))
 
 
 def _getattr(owner: Any, name: Any) -> Any:
