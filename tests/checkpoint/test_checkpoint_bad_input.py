@@ -419,6 +419,7 @@ def test_failed_write_fails_the_reshard(ckpt, tmp_path, monkeypatch, streamed):
     else:
         original = bytecopy.write_file
         monkeypatch.setattr(bytecopy, "write_file", failing)
+    gc.collect()  # descriptors that earlier tests left to the collector (tensors received from workers) close now, not midway
     open_before = len(os.listdir("/proc/self/fd"))
     result = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "3")
     assert result.exit_code == 1, result.output
