@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...dtypes import dtype_info
 from ...errors import DataCheckError
-from ...flat_layout import ElementRange
-from ..format.bytecopy import SourcePiece, SourceTensor
+from ..format.bytecopy import SourceTensor
 from ..format.names import numel
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import SaveFile
@@ -32,7 +30,7 @@ def source_tensor(name: str, files: list[SaveFile], records: list[Any]) -> Sourc
     first = records[0]
     if isinstance(first, u.TensorRecord):
         where = files[0].tensor_range(first, name)
-        return SourceTensor(name, tuple(first.shape), where.dtype, (_piece(name, where, 0),))
+        return SourceTensor(name, tuple(first.shape), where.dtype, (where.piece(name, 0, where.numel, 0),))
     if isinstance(first, ShardedTensorRecord):
         return _sharded_tensor(name, files, records)
     if not isinstance(first, DTensorRecord):
@@ -42,7 +40,7 @@ def source_tensor(name: str, files: list[SaveFile], records: list[Any]) -> Sourc
     placement = first.placements[0]
     if isinstance(placement, Replicate):
         where = files[0].tensor_range(first.local, name)
-        return SourceTensor(name, first.shape, where.dtype, (_piece(name, where, 0),))
+        return SourceTensor(name, first.shape, where.dtype, (where.piece(name, 0, where.numel, 0),))
     if not isinstance(placement, Shard) or placement.get("dim") != 0:
         return _refuse(files[0], name, f"a DTensor placed as {type(placement).__name__} {placement.__dict__}")
     dtype = files[0].tensor_range(first.local, name).dtype
@@ -52,7 +50,7 @@ def source_tensor(name: str, files: list[SaveFile], records: list[Any]) -> Sourc
             return _refuse(rank_file, name, f"not the DTensor of shape {list(first.shape)} rank 0 holds")
         where = rank_file.tensor_range(record.local, name)
         if where.numel:
-            pieces.append(_piece(name, where, start))
+            pieces.append(where.piece(name, 0, where.numel, start))
         start += where.numel
     if start != numel(first.shape):
         return _refuse(files[0], name, f"the ranks' parts hold {start} elements, its shape {list(first.shape)}")
@@ -77,7 +75,7 @@ def _sharded_tensor(name: str, files: list[SaveFile], records: list[Any]) -> Sou
             if where.dtype != dtype:
                 return _refuse(rank_file, name, f"a {dtype} ShardedTensor with a {where.dtype} shard")
             if where.numel:
-                pieces.append(_piece(name, where, shard.offsets[0] * row))
+                pieces.append(where.piece(name, 0, where.numel, shard.offsets[0] * row))
     problem = f"{files[0].path.parent}: ShardedTensor {name!r} {list(shape)}: its ranks' shards"
     position = 0
     for piece in sorted(pieces, key=lambda p: p.range.start):
@@ -88,12 +86,6 @@ def _sharded_tensor(name: str, files: list[SaveFile], records: list[Any]) -> Sou
     if position != numel(shape):
         raise DataCheckError(f"{problem} end at element {position} of {numel(shape)} (damaged, or files of two runs?)")
     return SourceTensor(name, shape, dtype, tuple(pieces))
-
-
-def _piece(name: str, where: Any, start: int) -> SourcePiece:
-    return SourcePiece(
-        ElementRange(start, start + where.numel), where.path, where.offset, where.numel * dtype_info(where.dtype).itemsize, None, name
-    )
 
 
 def _refuse(rank_file: SaveFile, name: str, what: str) -> SourceTensor:
