@@ -38,12 +38,10 @@ BACKGROUND_NICENESS = 10
 
 class Checkpointer:
     """Saves and loads one sharded model with its optimizer; every rank must call save/load/wait.
-    With async_save, save() queues the copy of this rank's tensors into `host_buffers`
-    (copy_order.py) and returns; a thread at lower priority writes from there. At most one save
-    is in flight: the next save (or wait()) waits for it, and says so in one line.
-    `stall_seconds` is the training thread's time inside save() and wait(). `run_id` names the
-    run that writes (pass `RunLock.run_id`, so that a restarted worker counts as the same run):
-    `keep_last` prunes only this run's checkpoints."""
+    With async_save, save() queues the copy into `host_buffers` (copy_order.py) and returns; a
+    thread writes from there, one save at a time (docs/checkpoints.md). `run_id` names the run that
+    writes (pass `RunLock.run_id`, so that a restarted worker counts as the same run): `keep_last`
+    prunes only this run's checkpoints."""
 
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False, run_id: str | None = None
@@ -67,14 +65,15 @@ class Checkpointer:
 
     def save(self, run_dir: str | os.PathLike, *, step: int, training_state: dict | None = None, keep_last: int | None = None) -> None:
         started = time.perf_counter()
+        held_up = self.thread is not None and self.thread.is_alive()
+        self.wait()
+        if held_up and self.ranks.rank == 0:
+            log.warn(
+                f"save of step {step} stalled training {time.perf_counter() - started:.2f} s: "
+                f"the async save of step {self.in_flight} was still being written"
+            )
+        started = time.perf_counter()
         try:
-            held_up = self.thread is not None and self.thread.is_alive()
-            self._join()
-            if held_up and self.ranks.rank == 0:
-                log.warn(
-                    f"save of step {step} stalled training {time.perf_counter() - started:.2f} s: "
-                    f"the async save of step {self.in_flight} was still being written"
-                )
             self._start_save(Path(run_dir), step, training_state, keep_last)
         finally:
             self.stall_seconds += time.perf_counter() - started
@@ -127,17 +126,14 @@ class Checkpointer:
         """Wait for the save in flight, if any; raise its error."""
         started = time.perf_counter()
         try:
-            self._join()
+            if self.thread is not None:
+                self.thread.join()
+                self.thread = None
+            if self.error is not None:
+                error, self.error = self.error, None
+                raise error
         finally:
             self.stall_seconds += time.perf_counter() - started
-
-    def _join(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
 
     def load(self, path: str | os.PathLike, *, strict: bool = True, every_replica: bool = False) -> dict:
         """Load weights (and optimizer state) from a checkpoint saved at any world size; returns

@@ -114,7 +114,13 @@ def load_optimizer_state(
     (name, this rank's fragment, the tensor the optimizer holds), through its own load_state_dict."""
     for group, settings in zip(optimizer.param_groups, restored_settings(optimizer, saved_groups(training_state)), strict=True):
         group.update(settings)
-    loaded: dict[int, dict[str, torch.Tensor]] = {}
+    state_dict = optimizer.state_dict()
+    index = {
+        id(p): i
+        for group, packed in zip(optimizer.param_groups, state_dict["param_groups"], strict=True)
+        for p, i in zip(group["params"], packed["params"], strict=True)
+    }
+    state_dict["state"] = {}
     for name, fragment, tensor in params:
         param_state = {}
         for key, scalar_shape in states.get(name, {}).items():
@@ -124,14 +130,7 @@ def load_optimizer_state(
             elif stored_name in stored:
                 param_state[key] = reader.read_range(stored_name, fragment)
         if param_state:
-            loaded[id(tensor)] = param_state
-    state_dict = optimizer.state_dict()
-    index = {
-        id(p): i
-        for group, packed in zip(optimizer.param_groups, state_dict["param_groups"], strict=True)
-        for p, i in zip(group["params"], packed["params"], strict=True)
-    }
-    state_dict["state"] = {index[key]: value for key, value in loaded.items()}
+            state_dict["state"][index[id(tensor)]] = param_state
     optimizer.load_state_dict(state_dict)
 
 

@@ -89,29 +89,22 @@ def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Col
     requests = Requests(checkpoint)
     load(requests)
     buffer = torch.zeros(requests.total, dtype=torch.uint8)
-    failure = _read_on_first_replica(checkpoint, requests.asked, buffer) if view.writes_shards else None
+    failure = None
+    try:
+        for request in requests.asked if view.writes_shards else ():
+            if request.wanted.size:
+                into = byte_view(buffer[request.at : request.at + request.nbytes])
+                into[:] = byte_view(checkpoint.read_range(request.name, request.wanted))
+    except (DataCheckError, OSError) as error:  # into the header: every replica fails with it, once it has the broadcast
+        failure = error if isinstance(error, DataCheckError) else DataCheckError(f"{checkpoint.step_dir}: {error}")
+        message = str(failure).encode()[: HEADER_BYTES - 1]
+        buffer[: len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
     buffer = buffer.to(view.device)
     first_replica = dist.get_global_rank(view.group, view.rank % view.shard_factor)  # this group's rank there
     comms.broadcast(buffer, first_replica, view.replicate_group, label="load")
     if failure is not None:
         raise failure
-    error = bytes(buffer[:HEADER_BYTES].cpu().numpy()).rstrip(b"\0")
-    if error:
-        raise DataCheckError(error.decode(errors="replace"))
+    header = bytes(buffer[:HEADER_BYTES].cpu().numpy()).rstrip(b"\0")
+    if header:
+        raise DataCheckError(header.decode(errors="replace"))
     load(Served(requests.asked, buffer))
-
-
-def _read_on_first_replica(checkpoint: CheckpointReader, asked: list[Request], buffer: torch.Tensor) -> DataCheckError | None:
-    """Read the ranges into `buffer`; a read that fails is written into its header instead,
-    and returned as the error to raise once the others have it."""
-    try:
-        for request in asked:
-            if request.wanted.size:
-                into = byte_view(buffer[request.at : request.at + request.nbytes])
-                into[:] = byte_view(checkpoint.read_range(request.name, request.wanted))
-        return None
-    except (DataCheckError, OSError) as error:
-        failure = error if isinstance(error, DataCheckError) else DataCheckError(f"{checkpoint.step_dir}: {error}")
-        message = str(failure).encode()[: HEADER_BYTES - 1]
-        buffer[: len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
-        return failure
