@@ -8,6 +8,7 @@ checkpoint saved at W ranks loads at any W' and under any strategy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -74,40 +75,35 @@ class Checkpointer:
             )
         started = time.perf_counter()
         try:
-            self._start_save(Path(run_dir), step, training_state, keep_last)
+            view = describe(self.module)
+            table, local = tensor_table(view, self.module, self.optimizer)
+            copied: Event = DoneEvent()
+            if self.copy is not None:
+                copying = time.perf_counter()
+                buffers = frozenset(persistent_buffers(self.module))
+                snapshot, copied = self.copy.start({name: data for name, (_, data) in local.items()}, on_training=buffers)
+                if self.optimizer is None:
+                    copied.synchronize()  # no optimizer step waits for the copy: nothing else guards the parameters
+                local = {name: (held, snapshot[name]) for name, (held, _) in local.items()}
+                seconds = time.perf_counter() - copying
+                self.timings.snapshot += seconds
+                self.timings.total += seconds
+            manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.run_id, step)
+            device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
+            job = SaveJob(view.shard_rank, Path(run_dir), step, manifest, local if view.writes_shards else None, keep_last, device)
+            if self.async_save:
+                self.in_flight = step
+                self.thread = threading.Thread(target=self._run_save, args=(job, copied), name="fsdpkit-async-save", daemon=True)
+                self.thread.start()
+            else:
+                self._save(job)
         finally:
             self.stall_seconds += time.perf_counter() - started
 
-    def _start_save(self, run_dir: Path, step: int, training_state: dict | None, keep_last: int | None) -> None:
-        view = describe(self.module)
-        table, local = tensor_table(view, self.module, self.optimizer)
-        copied: Event = DoneEvent()
-        if self.copy is not None:
-            started = time.perf_counter()
-            buffers = frozenset(persistent_buffers(self.module))
-            snapshot, copied = self.copy.start({name: data for name, (_, data) in local.items()}, on_training=buffers)
-            if self.optimizer is None:
-                copied.synchronize()  # no optimizer step waits for the copy: nothing else guards the parameters
-            local = {name: (held, snapshot[name]) for name, (held, _) in local.items()}
-            seconds = time.perf_counter() - started
-            self.timings.snapshot += seconds
-            self.timings.total += seconds
-        manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.run_id, step)
-        device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
-        job = SaveJob(view.shard_rank, run_dir, step, manifest, local if view.writes_shards else None, keep_last, device)
-        if self.async_save:
-            self.in_flight = step
-            self.thread = threading.Thread(target=self._run_save, args=(job, copied), name="fsdpkit-async-save", daemon=True)
-            self.thread.start()
-        else:
-            self._save(job)
-
     def _run_save(self, job: SaveJob, copied: Event) -> None:
-        try:  # Linux applies setpriority to one thread by its id; elsewhere the thread keeps its priority
+        with contextlib.suppress(AttributeError, OSError):  # Linux applies setpriority to one thread by its id; elsewhere it keeps its own
             thread = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICENESS))
-        except (AttributeError, OSError):
-            pass
         try:
             copied.synchronize()
             self._save(job)

@@ -1,17 +1,14 @@
 """The device-to-host copy of a snapshot or an async save, overlapped with training, into host
-buffers allocated when the run starts and reused by every save.
-
-The order, on the device's streams (CUDA's, or the host's, where everything runs at once in
-the calling thread):
+buffers allocated when the run starts. The order, on the device's streams (CUDA's, or the
+host's, where everything runs at once in the calling thread):
 
 1. the training thread copies the buffers on the training stream (the next forward may change
    them: BatchNorm's running statistics), makes the copy stream wait for the training stream
-   (so the copies see the optimizer step just taken), queues the parameters' and optimizer
-   states' copies on the copy stream, records an event after them, and goes on;
+   (to see the optimizer step just taken), queues the other copies on the copy stream, records
+   an event after them, and goes on;
 2. the writer thread waits for that event before it reads the host buffers;
-3. the next optimizer step makes the training stream wait for the event before it changes a
-   parameter (`guard` installs this as the optimizer's step pre-hook): the training thread
-   itself never waits.
+3. the next optimizer step (`guard`: its step pre-hook) makes the training stream wait for the
+   event before it changes a parameter: the training thread itself never waits.
 """
 
 from __future__ import annotations

@@ -82,10 +82,9 @@ def planned_numels(view: ShardedModelView, module: nn.Module, optimizer: torch.o
     if optimizer is not None:
         try:
             kept = kept_states(optimizer, [])
+            layouts = {id(p): layout for group, layout in zip(optimizer.param_groups, kept, strict=True) for p in group["params"]}
         except RunError:  # its state gets room at the first copy
-            kept = [{} for _ in optimizer.param_groups]
-        for group, layout in zip(optimizer.param_groups, kept, strict=True):
-            layouts.update({id(p): layout for p in group["params"]})
+            pass
     for unit in view.units:
         for param in unit.params:
             numels[param.tensor.dtype] += param.tensor.numel()

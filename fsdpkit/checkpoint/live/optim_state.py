@@ -1,10 +1,6 @@
-"""Any torch optimizer's per-parameter state <-> the checkpoint's tensor table.
-
-A state is stored as `optim.<state>.<param>` in one of two layouts:
-
-- laid out like its parameter: the optimizer keeps one value per element of the rank's
-  1-D fragment (Adam's exp_avg, SGD's momentum_buffer...); sharded like the parameter;
-- one value (Adam's step, NAdam's mu_product): stored whole, so it loads at any world size.
+"""Any torch optimizer's per-parameter state <-> the checkpoint's tensor table, as
+`optim.<state>.<param>` (docs/checkpoint-format.md): laid out like its parameter's 1-D fragment
+(Adam's exp_avg, SGD's momentum_buffer...), or one value stored whole (Adam's step).
 
 Which states an optimizer keeps, and in which layout, is found by one step of a throwaway
 optimizer of the same class and group settings over a two-element stand-in per group

@@ -79,8 +79,7 @@ class Served:
         if (request.name, request.wanted) != (name, wanted):
             raise AssertionError(f"a shared load asked for {name} {wanted} where it first asked for {request.name} {request.wanted}")
         self.next += 1
-        # its own storage: the buffer is freed after the load
-        return self.buffer[request.at : request.at + request.nbytes].view(request.dtype).clone()
+        return self.buffer[request.at : request.at + request.nbytes].view(request.dtype).clone()  # the buffer is freed after the load
 
 
 def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Collectives, load: Callable[[RangeReader], None]) -> None:

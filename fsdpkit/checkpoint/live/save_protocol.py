@@ -88,13 +88,12 @@ class Ranks:
 
 def run_save(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
     """The protocol above; returns the committed step directory."""
-    begun, failure = ranks.from_rank0(
-        lambda: str(storage.begin(job.run_dir, job.step, run_id=job.manifest.run_id)), where=job.run_dir, label="checkpoint directory"
+    tmp, failure = ranks.from_rank0(
+        lambda: storage.begin(job.run_dir, job.step, run_id=job.manifest.run_id), where=job.run_dir, label="checkpoint directory"
     )
     try:
         if failure:
             raise RunError(f"checkpoint step {job.step} not saved: {failure}")
-        tmp = Path(begun)
         digest = manifest_digest(job.manifest)
         visible, low, high = ranks.min_over_ranks(
             [1 if tmp.is_dir() else 0, digest, -digest], job.device, label="checkpoint directory visible, same tensors"
@@ -125,8 +124,8 @@ def run_save(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
             raise RunError(f"checkpoint step {job.step} not saved, previous checkpoint kept: {failure}")
         return path
     except BaseException:  # a collective failed (a rank died or stopped...): nothing half-written stays
-        if begun is not None and ranks.rank == 0:
-            storage.abort(begun)
+        if tmp is not None and ranks.rank == 0:
+            storage.abort(tmp)
         raise
 
 

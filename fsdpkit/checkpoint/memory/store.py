@@ -72,8 +72,7 @@ class SnapshotHeader:
 
 def _write_atomically(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as f:
-        f.write(data)
+    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
