@@ -1,9 +1,7 @@
 """Saving and loading one sharded model with its optimizer: the `Checkpointer`, the functions
-built on it, starting from a checkpoint's weights, and the check before launch.
-
-Every rank builds the same manifest (nothing in it depends on the rank). Loading reads each
-local fragment from the files that hold the overlapping fragments, and only from those, so a
-checkpoint saved at W ranks loads at any W' and under any strategy.
+built on it, starting from a checkpoint's weights, and the check before launch. Every rank builds
+the same manifest; a load reads only the files that hold its fragments, so a checkpoint saved at
+W ranks loads at any W' and under any strategy (docs/checkpoints.md).
 """
 
 from __future__ import annotations

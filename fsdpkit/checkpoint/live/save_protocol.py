@@ -94,7 +94,9 @@ def run_save(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
     try:
         if failure:
             raise RunError(f"checkpoint step {job.step} not saved: {failure}")
-        digest = manifest_digest(job.manifest)
+        # 63 bits that every rank must agree on before writing: the tensor table and placement
+        text = repr((job.manifest.shard_factor, job.manifest.placement, job.manifest.tensors, sorted(job.manifest.aliases.items())))
+        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
         visible, low, high = ranks.min_over_ranks(
             [1 if tmp.is_dir() else 0, digest, -digest], job.device, label="checkpoint directory visible, same tensors"
         )
@@ -127,12 +129,6 @@ def run_save(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
         if tmp is not None and ranks.rank == 0:
             storage.abort(tmp)
         raise
-
-
-def manifest_digest(manifest: Manifest) -> int:
-    """63 bits that every rank must agree on before writing: the tensor table and placement."""
-    text = repr((manifest.shard_factor, manifest.placement, manifest.tensors, sorted(manifest.aliases.items())))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def write_rank(
