@@ -1,6 +1,5 @@
-"""A load whose storage reads the replicas share (hybrid or no sharding, R copies of each
-shard): the first replica reads from storage and broadcasts what it read to its replicate
-group, so storage serves each byte once per load instead of R times.
+"""A load whose storage reads the replicas share (hybrid or no sharding; docs/faults.md): the
+first replica reads from storage and broadcasts what it read to its replicate group.
 
 A load runs twice through the same code: first against `Requests`, which hands out
 uninitialised tensors and records each range asked for, then against the ranges themselves,

@@ -1,6 +1,5 @@
 """A run's snapshots in shared memory (no torch): one directory per node under a tmpfs
-(`/dev/shm`), owned by the process that created it (the node's launcher), so that it outlives
-the workers that write it.
+(`/dev/shm`), owned by the node's launcher, which outlives the workers that write it.
 
     <root>/fsdpkit-snapshots-<run tag>-node<N>-<owner pid>/
         owner.json                          host, pid and start time of the owner, the run id
