@@ -1,13 +1,12 @@
 """Saving and loading one sharded model with its optimizer: the `Checkpointer`, the functions
-built on it, starting from a checkpoint's weights, and the check before launch.
-
-Every rank builds the same manifest (nothing in it depends on the rank). Loading reads each
-local fragment from the files that hold the overlapping fragments, and only from those, so a
-checkpoint saved at W ranks loads at any W' and under any strategy.
+built on it, starting from a checkpoint's weights, and the check before launch. Every rank builds
+the same manifest; a load reads only the files that hold its fragments, so a checkpoint saved at
+W ranks loads at any W' and under any strategy (docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -38,12 +37,10 @@ BACKGROUND_NICENESS = 10
 
 class Checkpointer:
     """Saves and loads one sharded model with its optimizer; every rank must call save/load/wait.
-    With async_save, save() queues the copy of this rank's tensors into `host_buffers`
-    (copy_order.py) and returns; a thread at lower priority writes from there. At most one save
-    is in flight: the next save (or wait()) waits for it, and says so in one line.
-    `stall_seconds` is the training thread's time inside save() and wait(). `run_id` names the
-    run that writes (pass `RunLock.run_id`, so that a restarted worker counts as the same run):
-    `keep_last` prunes only this run's checkpoints."""
+    With async_save, save() queues the copy into `host_buffers` (copy_order.py) and returns; a
+    thread writes from there, one save at a time (docs/checkpoints.md). `run_id` names the run that
+    writes (pass `RunLock.run_id`, so that a restarted worker counts as the same run): `keep_last`
+    prunes only this run's checkpoints."""
 
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, async_save: bool = False, run_id: str | None = None
@@ -67,48 +64,44 @@ class Checkpointer:
 
     def save(self, run_dir: str | os.PathLike, *, step: int, training_state: dict | None = None, keep_last: int | None = None) -> None:
         started = time.perf_counter()
+        held_up = self.thread is not None and self.thread.is_alive()
+        self.wait()
+        if held_up and self.ranks.rank == 0:
+            log.warn(
+                f"save of step {step} stalled training {time.perf_counter() - started:.2f} s: "
+                f"the async save of step {self.in_flight} was still being written"
+            )
+        started = time.perf_counter()
         try:
-            held_up = self.thread is not None and self.thread.is_alive()
-            self._join()
-            if held_up and self.ranks.rank == 0:
-                log.warn(
-                    f"save of step {step} stalled training {time.perf_counter() - started:.2f} s: "
-                    f"the async save of step {self.in_flight} was still being written"
-                )
-            self._start_save(Path(run_dir), step, training_state, keep_last)
+            view = describe(self.module)
+            table, local = tensor_table(view, self.module, self.optimizer)
+            copied: Event = DoneEvent()
+            if self.copy is not None:
+                copying = time.perf_counter()
+                buffers = frozenset(persistent_buffers(self.module))
+                snapshot, copied = self.copy.start({name: data for name, (_, data) in local.items()}, on_training=buffers)
+                if self.optimizer is None:
+                    copied.synchronize()  # no optimizer step waits for the copy: nothing else guards the parameters
+                local = {name: (held, snapshot[name]) for name, (held, _) in local.items()}
+                seconds = time.perf_counter() - copying
+                self.timings.snapshot += seconds
+                self.timings.total += seconds
+            manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.run_id, step)
+            device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
+            job = SaveJob(view.shard_rank, Path(run_dir), step, manifest, local if view.writes_shards else None, keep_last, device)
+            if self.async_save:
+                self.in_flight = step
+                self.thread = threading.Thread(target=self._run_save, args=(job, copied), name="fsdpkit-async-save", daemon=True)
+                self.thread.start()
+            else:
+                self._save(job)
         finally:
             self.stall_seconds += time.perf_counter() - started
 
-    def _start_save(self, run_dir: Path, step: int, training_state: dict | None, keep_last: int | None) -> None:
-        view = describe(self.module)
-        table, local = tensor_table(view, self.module, self.optimizer)
-        copied: Event = DoneEvent()
-        if self.copy is not None:
-            started = time.perf_counter()
-            buffers = frozenset(persistent_buffers(self.module))
-            snapshot, copied = self.copy.start({name: data for name, (_, data) in local.items()}, on_training=buffers)
-            if self.optimizer is None:
-                copied.synchronize()  # no optimizer step waits for the copy: nothing else guards the parameters
-            local = {name: (held, snapshot[name]) for name, (held, _) in local.items()}
-            seconds = time.perf_counter() - started
-            self.timings.snapshot += seconds
-            self.timings.total += seconds
-        manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.run_id, step)
-        device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
-        job = SaveJob(view.shard_rank, run_dir, step, manifest, local if view.writes_shards else None, keep_last, device)
-        if self.async_save:
-            self.in_flight = step
-            self.thread = threading.Thread(target=self._run_save, args=(job, copied), name="fsdpkit-async-save", daemon=True)
-            self.thread.start()
-        else:
-            self._save(job)
-
     def _run_save(self, job: SaveJob, copied: Event) -> None:
-        try:  # Linux applies setpriority to one thread by its id; elsewhere the thread keeps its priority
+        with contextlib.suppress(AttributeError, OSError):  # Linux applies setpriority to one thread by its id; elsewhere it keeps its own
             thread = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICENESS))
-        except (AttributeError, OSError):
-            pass
         try:
             copied.synchronize()
             self._save(job)
@@ -127,17 +120,14 @@ class Checkpointer:
         """Wait for the save in flight, if any; raise its error."""
         started = time.perf_counter()
         try:
-            self._join()
+            if self.thread is not None:
+                self.thread.join()
+                self.thread = None
+            if self.error is not None:
+                error, self.error = self.error, None
+                raise error
         finally:
             self.stall_seconds += time.perf_counter() - started
-
-    def _join(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
 
     def load(self, path: str | os.PathLike, *, strict: bool = True, every_replica: bool = False) -> dict:
         """Load weights (and optimizer state) from a checkpoint saved at any world size; returns

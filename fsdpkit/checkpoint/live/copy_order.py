@@ -1,17 +1,14 @@
 """The device-to-host copy of a snapshot or an async save, overlapped with training, into host
-buffers allocated when the run starts and reused by every save.
-
-The order, on the device's streams (CUDA's, or the host's, where everything runs at once in
-the calling thread):
+buffers allocated when the run starts. The order, on the device's streams (CUDA's, or the
+host's, where everything runs at once in the calling thread):
 
 1. the training thread copies the buffers on the training stream (the next forward may change
    them: BatchNorm's running statistics), makes the copy stream wait for the training stream
-   (so the copies see the optimizer step just taken), queues the parameters' and optimizer
-   states' copies on the copy stream, records an event after them, and goes on;
+   (to see the optimizer step just taken), queues the other copies on the copy stream, records
+   an event after them, and goes on;
 2. the writer thread waits for that event before it reads the host buffers;
-3. the next optimizer step makes the training stream wait for the event before it changes a
-   parameter (`guard` installs this as the optimizer's step pre-hook): the training thread
-   itself never waits.
+3. the next optimizer step (`guard`: its step pre-hook) makes the training stream wait for the
+   event before it changes a parameter: the training thread itself never waits.
 """
 
 from __future__ import annotations
@@ -52,19 +49,15 @@ class HostBuffers:
     def views(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The host view each tensor is copied into, by name (allocating room the buffers lack)."""
         numels: Counter[torch.dtype] = Counter()
-        for tensor in tensors.values():
+        starts = {}
+        for name, tensor in tensors.items():
+            starts[name] = numels[tensor.dtype]
             numels[tensor.dtype] += tensor.numel()
         self._pin = self._pin or (torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors.values()))
         for dtype, numel in numels.items():
             if dtype not in self.buffers or self.buffers[dtype].numel() < numel:
                 self.buffers[dtype] = self._allocate(dtype, numel)
-        offsets = dict.fromkeys(numels, 0)
-        views = {}
-        for name, tensor in tensors.items():
-            start = offsets[tensor.dtype]
-            views[name] = self.buffers[tensor.dtype][start : start + tensor.numel()]
-            offsets[tensor.dtype] = start + tensor.numel()
-        return views
+        return {name: self.buffers[t.dtype][starts[name] : starts[name] + t.numel()] for name, t in tensors.items()}
 
     def _allocate(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         buffer = torch.empty(numel, dtype=dtype, pin_memory=self._pin)
@@ -148,9 +141,8 @@ class OverlappedCopy:
             for name, tensor in tensors.items():
                 if name not in on_training:
                     self.streams.copy_on_copy_stream(host[name], tensor.detach().reshape(-1))
-        event = self.streams.record_on_copy_stream()
-        self.unguarded = event
-        return host, event
+        self.unguarded = self.streams.record_on_copy_stream()
+        return host, self.unguarded
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the optimizer's next step wait for the copy, on the training stream (its step

@@ -1,10 +1,10 @@
-"""A sharded model and its optimizer <-> the checkpoint's tensor table, reading the engine only
-through `fsdpkit.engine.view.describe`. Parameters are stored under the model's own names, then
-buffers, then optimizer states (optim_state.py).
+"""A sharded model and its optimizer <-> the checkpoint's tensor table (optimizer states:
+optim_state.py), reading the engine only through `fsdpkit.engine.view.describe`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Set as AbstractSet
 
@@ -80,12 +80,9 @@ def planned_numels(view: ShardedModelView, module: nn.Module, optimizer: torch.o
     numels: Counter[torch.dtype] = Counter()
     layouts: dict[int, StateLayout] = {}
     if optimizer is not None:
-        try:
+        with contextlib.suppress(RunError):  # an optimizer that cannot tell its states gets room at the first copy
             kept = kept_states(optimizer, [])
-        except RunError:  # its state gets room at the first copy
-            kept = [{} for _ in optimizer.param_groups]
-        for group, layout in zip(optimizer.param_groups, kept, strict=True):
-            layouts.update({id(p): layout for p in group["params"]})
+            layouts = {id(p): layout for group, layout in zip(optimizer.param_groups, kept, strict=True) for p in group["params"]}
     for unit in view.units:
         for param in unit.params:
             numels[param.tensor.dtype] += param.tensor.numel()

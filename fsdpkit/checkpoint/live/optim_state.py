@@ -1,10 +1,6 @@
-"""Any torch optimizer's per-parameter state <-> the checkpoint's tensor table.
-
-A state is stored as `optim.<state>.<param>` in one of two layouts:
-
-- laid out like its parameter: the optimizer keeps one value per element of the rank's
-  1-D fragment (Adam's exp_avg, SGD's momentum_buffer...); sharded like the parameter;
-- one value (Adam's step, NAdam's mu_product): stored whole, so it loads at any world size.
+"""Any torch optimizer's per-parameter state <-> the checkpoint's tensor table, as
+`optim.<state>.<param>` (docs/checkpoint-format.md): laid out like its parameter's 1-D fragment
+(Adam's exp_avg, SGD's momentum_buffer...), or one value stored whole (Adam's step).
 
 Which states an optimizer keeps, and in which layout, is found by one step of a throwaway
 optimizer of the same class and group settings over a two-element stand-in per group
@@ -114,7 +110,13 @@ def load_optimizer_state(
     (name, this rank's fragment, the tensor the optimizer holds), through its own load_state_dict."""
     for group, settings in zip(optimizer.param_groups, restored_settings(optimizer, saved_groups(training_state)), strict=True):
         group.update(settings)
-    loaded: dict[int, dict[str, torch.Tensor]] = {}
+    state_dict = optimizer.state_dict()
+    index = {
+        id(p): i
+        for group, packed in zip(optimizer.param_groups, state_dict["param_groups"], strict=True)
+        for p, i in zip(group["params"], packed["params"], strict=True)
+    }
+    state_dict["state"] = {}
     for name, fragment, tensor in params:
         param_state = {}
         for key, scalar_shape in states.get(name, {}).items():
@@ -124,14 +126,7 @@ def load_optimizer_state(
             elif stored_name in stored:
                 param_state[key] = reader.read_range(stored_name, fragment)
         if param_state:
-            loaded[id(tensor)] = param_state
-    state_dict = optimizer.state_dict()
-    index = {
-        id(p): i
-        for group, packed in zip(optimizer.param_groups, state_dict["param_groups"], strict=True)
-        for p, i in zip(group["params"], packed["params"], strict=True)
-    }
-    state_dict["state"] = {index[key]: value for key, value in loaded.items()}
+            state_dict["state"][index[id(tensor)]] = param_state
     optimizer.load_state_dict(state_dict)
 
 

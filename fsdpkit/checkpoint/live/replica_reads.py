@@ -1,6 +1,5 @@
-"""A load whose storage reads the replicas share (hybrid or no sharding, R copies of each
-shard): the first replica reads from storage and broadcasts what it read to its replicate
-group, so storage serves each byte once per load instead of R times.
+"""A load whose storage reads the replicas share (hybrid or no sharding; docs/faults.md): the
+first replica reads from storage and broadcasts what it read to its replicate group.
 
 A load runs twice through the same code: first against `Requests`, which hands out
 uninitialised tensors and records each range asked for, then against the ranges themselves,
@@ -79,8 +78,7 @@ class Served:
         if (request.name, request.wanted) != (name, wanted):
             raise AssertionError(f"a shared load asked for {name} {wanted} where it first asked for {request.name} {request.wanted}")
         self.next += 1
-        # its own storage: the buffer is freed after the load
-        return self.buffer[request.at : request.at + request.nbytes].view(request.dtype).clone()
+        return self.buffer[request.at : request.at + request.nbytes].view(request.dtype).clone()  # the buffer is freed after the load
 
 
 def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Collectives, load: Callable[[RangeReader], None]) -> None:
@@ -89,29 +87,22 @@ def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Col
     requests = Requests(checkpoint)
     load(requests)
     buffer = torch.zeros(requests.total, dtype=torch.uint8)
-    failure = _read_on_first_replica(checkpoint, requests.asked, buffer) if view.writes_shards else None
+    failure = None
+    try:
+        for request in requests.asked if view.writes_shards else ():
+            if request.wanted.size:
+                into = byte_view(buffer[request.at : request.at + request.nbytes])
+                into[:] = byte_view(checkpoint.read_range(request.name, request.wanted))
+    except (DataCheckError, OSError) as error:  # into the header: every replica fails with it, once it has the broadcast
+        failure = error if isinstance(error, DataCheckError) else DataCheckError(f"{checkpoint.step_dir}: {error}")
+        message = str(failure).encode()[: HEADER_BYTES - 1]
+        buffer[: len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
     buffer = buffer.to(view.device)
     first_replica = dist.get_global_rank(view.group, view.rank % view.shard_factor)  # this group's rank there
     comms.broadcast(buffer, first_replica, view.replicate_group, label="load")
     if failure is not None:
         raise failure
-    error = bytes(buffer[:HEADER_BYTES].cpu().numpy()).rstrip(b"\0")
-    if error:
-        raise DataCheckError(error.decode(errors="replace"))
+    header = bytes(buffer[:HEADER_BYTES].cpu().numpy()).rstrip(b"\0")
+    if header:
+        raise DataCheckError(header.decode(errors="replace"))
     load(Served(requests.asked, buffer))
-
-
-def _read_on_first_replica(checkpoint: CheckpointReader, asked: list[Request], buffer: torch.Tensor) -> DataCheckError | None:
-    """Read the ranges into `buffer`; a read that fails is written into its header instead,
-    and returned as the error to raise once the others have it."""
-    try:
-        for request in asked:
-            if request.wanted.size:
-                into = byte_view(buffer[request.at : request.at + request.nbytes])
-                into[:] = byte_view(checkpoint.read_range(request.name, request.wanted))
-        return None
-    except (DataCheckError, OSError) as error:
-        failure = error if isinstance(error, DataCheckError) else DataCheckError(f"{checkpoint.step_dir}: {error}")
-        message = str(failure).encode()[: HEADER_BYTES - 1]
-        buffer[: len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
-        return failure

@@ -4,11 +4,9 @@
 2. The ranks check, with one all-reduce, that they all see the directory and agree on the
    manifest (a digest of the tensor table and placement).
 3. Each rank that writes shards writes its own rank file, fsynced, no gather to rank 0; all
-   ranks agree that every file was written.
+   ranks agree that every file was written: an OSError on any rank (a full disk) fails the save
+   on every rank with one RunError naming it, the temporary directory removed.
 4. Rank 0 commits (manifest, renames, `latest`, pruning) and broadcasts the result.
-
-Any OSError on any rank (a full disk, a read-only directory) fails the save on every rank with
-one RunError naming it; the temporary directory is removed and the previous checkpoint kept.
 """
 
 from __future__ import annotations
@@ -39,9 +37,7 @@ WRITE_CHUNK_BYTES = 32 * 1024 * 1024  # one os.write and one crc32 update, each 
 
 @dataclass
 class SaveTimings:
-    """Seconds this rank spent on saves so far, summed over `saves`. `snapshot` is copying the
-    tensors to host memory; `checksum` crc32; `write` os.write; `fsync` the rank file's fsync;
-    `total` the whole saves (collectives and commit included; async ones mostly in the background)."""
+    """Seconds this rank spent on saves so far, summed over `saves` (each field: docs/checkpoints.md)."""
 
     saves: int = 0
     snapshot: float = 0.0
@@ -92,56 +88,47 @@ class Ranks:
 
 def run_save(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
     """The protocol above; returns the committed step directory."""
-    begun, failure = ranks.from_rank0(
-        lambda: str(storage.begin(job.run_dir, job.step, run_id=job.manifest.run_id)), where=job.run_dir, label="checkpoint directory"
+    tmp, failure = ranks.from_rank0(
+        lambda: storage.begin(job.run_dir, job.step, run_id=job.manifest.run_id), where=job.run_dir, label="checkpoint directory"
     )
     try:
         if failure:
             raise RunError(f"checkpoint step {job.step} not saved: {failure}")
-        return _write_and_commit(job, Path(begun), ranks, timings)
+        # 63 bits that every rank must agree on before writing: the tensor table and placement
+        text = repr((job.manifest.shard_factor, job.manifest.placement, job.manifest.tensors, sorted(job.manifest.aliases.items())))
+        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+        visible, low, high = ranks.min_over_ranks(
+            [1 if tmp.is_dir() else 0, digest, -digest], job.device, label="checkpoint directory visible, same tensors"
+        )
+        if not visible:
+            raise RunError(f"save directory {tmp} is not visible to every rank: --save-dir must be on a filesystem every node sees")
+        if low != -high:
+            raise RunError(
+                f"ranks disagree on what to save at step {job.step} (tensor table or placement differ, "
+                f"e.g. optimizer state for different parameters)"
+            )
+        if job.local is not None:
+            try:
+                write_rank(tmp, job.manifest, job.shard_rank, job.local, timings=timings)
+                faults.reached("save", job.step)
+            except OSError as error:
+                failure = storage.os_error_line(error, tmp)
+        if ranks.min_over_ranks([1 if failure is None else 0], job.device, label="checkpoint files written") != [1]:
+            raise RunError(
+                f"checkpoint step {job.step} not saved, previous checkpoint kept: " + (failure or "another rank could not write its file")
+            )
+        path, failure = ranks.from_rank0(
+            lambda: str(storage.commit(tmp, job.run_dir, job.step, job.manifest, keep_last=job.keep_last)),
+            where=tmp,
+            label="checkpoint committed",
+        )
+        if failure:
+            raise RunError(f"checkpoint step {job.step} not saved, previous checkpoint kept: {failure}")
+        return path
     except BaseException:  # a collective failed (a rank died or stopped...): nothing half-written stays
-        if begun is not None and ranks.rank == 0:
-            storage.abort(begun)
+        if tmp is not None and ranks.rank == 0:
+            storage.abort(tmp)
         raise
-
-
-def _write_and_commit(job: SaveJob, tmp: Path, ranks: Ranks, timings: SaveTimings) -> str:
-    digest = manifest_digest(job.manifest)
-    visible, low, high = ranks.min_over_ranks(
-        [1 if tmp.is_dir() else 0, digest, -digest], job.device, label="checkpoint directory visible, same tensors"
-    )
-    if not visible:
-        raise RunError(f"save directory {tmp} is not visible to every rank: --save-dir must be on a filesystem every node sees")
-    if low != -high:
-        raise RunError(
-            f"ranks disagree on what to save at step {job.step} (tensor table or placement differ, "
-            f"e.g. optimizer state for different parameters)"
-        )
-    failure = None
-    if job.local is not None:
-        try:
-            write_rank(tmp, job.manifest, job.shard_rank, job.local, timings=timings)
-            faults.reached("save", job.step)
-        except OSError as error:
-            failure = storage.os_error_line(error, tmp)
-    if ranks.min_over_ranks([1 if failure is None else 0], job.device, label="checkpoint files written") != [1]:
-        raise RunError(
-            f"checkpoint step {job.step} not saved, previous checkpoint kept: " + (failure or "another rank could not write its file")
-        )
-    path, failure = ranks.from_rank0(
-        lambda: str(storage.commit(tmp, job.run_dir, job.step, job.manifest, keep_last=job.keep_last)),
-        where=tmp,
-        label="checkpoint committed",
-    )
-    if failure:
-        raise RunError(f"checkpoint step {job.step} not saved, previous checkpoint kept: {failure}")
-    return path
-
-
-def manifest_digest(manifest: Manifest) -> int:
-    """63 bits that every rank must agree on before writing: the tensor table and placement."""
-    text = repr((manifest.shard_factor, manifest.placement, manifest.tensors, sorted(manifest.aliases.items())))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def write_rank(

@@ -35,8 +35,7 @@ class Choice:
 def choose(held: list[dict[int, list[int]]], needed: list[list[int]], node_of: list[int], *, disk_step: int | None) -> Choice:
     """`held[r]`: {step: files rank r verified in its node's store}; `needed[r]`: the files rank
     r loads; `node_of[r]`: its node; `disk_step`: the newest disk checkpoint's step (None: none)."""
-    steps = sorted({step for by_step in held for step in by_step}, reverse=True)
-    for step in steps:
+    for step in sorted({step for by_step in held for step in by_step}, reverse=True):
         if disk_step is not None and step <= disk_step:
             break
         transfers = _transfers(step, held, needed, node_of)

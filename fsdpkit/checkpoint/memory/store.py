@@ -1,6 +1,5 @@
 """A run's snapshots in shared memory (no torch): one directory per node under a tmpfs
-(`/dev/shm`), owned by the process that created it (the node's launcher), so that it outlives
-the workers that write it.
+(`/dev/shm`), owned by the node's launcher, which outlives the workers that write it.
 
     <root>/fsdpkit-snapshots-<run tag>-node<N>-<owner pid>/
         owner.json                          host, pid and start time of the owner, the run id
@@ -9,10 +8,8 @@ the workers that write it.
             rank-RRRRR-of-WWWWW.safetensors one rank file (this node's, or a buddy's copy)
             rank-RRRRR-of-WWWWW.snapshot    its header: step, run id, rank, world size, size, crc32
 
-A rank file counts only once its header is there and agrees with it: the header is written
-last (a temporary file renamed into place), so a file torn by a kill is never taken; a file
-whose bytes do not give the header's crc32 is refused with one line saying why. Each writer
-keeps at most two steps of its files, and of the copies it keeps (`prune_rank`).
+A rank file counts only once its header is there and agrees with it (docs/faults.md): the
+header is written last (a temporary file renamed into place), so a file torn by a kill has none.
 """
 
 from __future__ import annotations
@@ -74,8 +71,7 @@ class SnapshotHeader:
 
 def _write_atomically(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as f:
-        f.write(data)
+    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
@@ -198,9 +194,7 @@ def reclaim_stale(root: str | Path) -> list[Path]:
     A store of another host, or of an owner that cannot be told dead, is kept."""
     removed: list[Path] = []
     host = socket.gethostname()
-    for path in Path(root).iterdir() if Path(root).is_dir() else ():
-        if not path.name.startswith(STORE_PREFIX) or not path.is_dir():
-            continue
+    for path in Path(root).glob(f"{STORE_PREFIX}*/"):  # directories only
         try:
             owner = json.loads((path / OWNER_NAME).read_text())
         except (OSError, ValueError):

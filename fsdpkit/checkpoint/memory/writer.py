@@ -1,14 +1,9 @@
-"""Taking snapshots: every K steps each rank copies its part of a checkpoint to host memory
-(copy_order.py), and a thread writes its rank file and then its header into the node's store;
-with several nodes the thread also sends the file to the rank's buddy on the next node, and
-receives the one its own source sends, over a process group of their own.
-
-Two slots: a rank writes step S only after every rank has finished the previous snapshot
-(`finished_flag`, summed over the ranks in the step's loss all-reduce, then `confirm`), and
-first removes its own files older than that previous one. So a node holds at most two steps of
-each rank's files, and always one that every rank has complete. A snapshot due while the
-previous one is still being written is skipped, in one line.
-A write that fails (shared memory full...) is one warning line, and that rank's last snapshot.
+"""Taking snapshots (what and why: docs/faults.md): every K steps each rank copies its part of a
+checkpoint to host memory (copy_order.py), and a thread writes its rank file and then its header
+into the node's store, and with several nodes trades files with its buddy (`Peers`). A rank writes
+step S only after every rank has finished the previous snapshot (`finished_flag`, summed over the
+ranks in the step's loss all-reduce, then `confirm`), and first removes its own files older than
+that one: two slots, one of which every rank has complete.
 """
 
 from __future__ import annotations
@@ -89,47 +84,43 @@ class SnapshotWriter:
 
     def finished_flag(self) -> float:
         """1 when this rank has nothing in flight (or has given up), for the ranks' sum."""
-        if self.thread is not None and not self.thread.is_alive():
-            self.thread = None
-        return 1.0 if self.thread is None else 0.0
+        return 0.0 if self.thread is not None and self.thread.is_alive() else 1.0
 
     def confirm(self, finished: float, world_size: int) -> None:
         if self.pending is not None and round(finished) == world_size:
             self.confirmed = self.pending
 
     def offer(self, step: int, training_state: dict) -> None:
-        """Snapshot `step` if the previous snapshot is done on every rank; else skip it, in one line."""
+        """Snapshot `step` if the previous snapshot is done on every rank: queue the copy now, write
+        in the background; else skip it, in one line."""
         started = time.perf_counter()
         try:
-            if self.pending is None or self.pending == self.confirmed:  # the same on every rank
-                self.take(step, training_state)
+            if self.pending is not None and self.pending != self.confirmed:  # the same on every rank
+                if dist.get_rank() == 0:
+                    self.warn(f"snapshot of step {step} skipped: the one of step {self.pending} is not finished on every rank yet")
                 return
-            if dist.get_rank() == 0:
-                self.warn(f"snapshot of step {step} skipped: the one of step {self.pending} is not finished on every rank yet")
+            self.pending = step
+            staged = None
+            if not self.failed:
+                view = describe(self.module)
+                table, local = tensor_table(view, self.module, self.optimizer)
+                buffers = frozenset(persistent_buffers(self.module))
+                host, copied = self.copy.start({name: data for name, (_, data) in local.items()}, on_training=buffers)
+                manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.store.run_id, step)
+                staged = manifest, {name: (held, host[name]) for name, (held, _) in local.items()}, copied
+            elif self.peers is None:
+                return
+            self.thread = threading.Thread(target=self._write, args=(step, staged), name="fsdpkit-snapshot", daemon=True)
+            self.thread.start()
         finally:
             self.stall_seconds += time.perf_counter() - started
 
-    def take(self, step: int, training_state: dict) -> None:
-        """Snapshot `step` (call only through `offer`): queue the copy now, write in the background."""
-        self.pending = step
-        held, manifest, copied = None, None, None
-        if not self.failed:
-            view = describe(self.module)
-            table, local = tensor_table(view, self.module, self.optimizer)
-            buffers = frozenset(persistent_buffers(self.module))
-            host, copied = self.copy.start({name: data for name, (_, data) in local.items()}, on_training=buffers)
-            held = {name: (held, host[name]) for name, (held, _) in local.items()}
-            manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.store.run_id, step)
-        elif self.peers is None:
-            return
-        self.thread = threading.Thread(target=self._write, args=(step, manifest, held, copied), name="fsdpkit-snapshot", daemon=True)
-        self.thread.start()
-
-    def _write(self, step: int, manifest: Manifest | None, local: dict | None, copied: Event | None) -> None:
-        """Prune, wait for the copy, write (`manifest` None: this rank gave up), then trade files with
+    def _write(self, step: int, staged: tuple[Manifest, dict, Event] | None) -> None:
+        """Prune, wait for the copy, write (`staged` None: this rank gave up), then trade files with
         the peers; at the thread's own priority: a write to memory is short, a slow one skips the next."""
         header = None
-        if manifest is not None and local is not None and copied is not None:
+        if staged is not None:
+            manifest, local, copied = staged
             try:
                 if self.confirmed is not None:
                     for rank in {self.shard_rank, *self.copies}:  # its own files and the copies it keeps of its source's
