@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import typer
 
+from fsdpkit.checkpoint.format.report import WriteReport
 from fsdpkit.dist.host import available_memory_bytes
 from fsdpkit.dtypes import from_spelling
 from fsdpkit.errors import UsageError
@@ -59,12 +60,9 @@ def required_world_size(world_size: int | None) -> int:
     return world_size
 
 
-def print_written(result: dict, as_json: bool) -> None:
+def print_written(report: WriteReport, as_json: bool) -> None:
     """What convert or reshard wrote: one JSON document, or one line."""
     if as_json:
-        print_json(result)
-        return
-    typer.echo(
-        f"wrote {result['dst']}: {count(len(result['files']), 'file')}, {count(result['tensors'], 'tensor')}, "
-        f"{format_size(result['bytes'])}"
-    )
+        print_json(report.to_json())
+    else:
+        typer.echo(report.summary_line())

@@ -62,6 +62,6 @@ def convert(
     )
     with byte_progress("convert") as progress:
         result = convert_any(src, dst, request, progress)
-    for line in result.get("warnings", []):
+    for line in result.warnings:
         log.warn(line)
     print_written(result, as_json)

@@ -11,6 +11,7 @@ state left out of full output without --with-optimizer is a warning."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -168,11 +169,14 @@ def test_convert(sources, tmp_path, source, target):
         assert not dst.exists()
         return
     if source == target:
-        result = run_cli("reshard", src, dst, "--world-size", "3")
+        result = run_cli("reshard", src, dst, "--world-size", "3", "--json")
     else:
         with_optimizer = ["--with-optimizer"] if expected["optimizer"] and target in ("sharded", "full") else []
-        result = run_cli("convert", src, dst, "--to", target, *TARGET_OPTIONS[target], *with_optimizer)
+        result = run_cli("convert", src, dst, "--to", target, *TARGET_OPTIONS[target], *with_optimizer, "--json")
     assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)  # the same keys whatever the pair, and the files it names are there
+    assert {"src", "dst", "files", "tensors", "bytes", "warnings"} <= set(report) and report["dst"] == str(dst), report
+    assert report["files"] and all((dst / name).is_file() for name in report["files"]) and report["tensors"] > 0, report
     _assert_same_state(READERS[target](dst), expected)
     if target == "full":
         _assert_from_pretrained(dst, expected["model"])

@@ -24,11 +24,12 @@ import torch
 from support.checkpoint_files import run_cli, save_checkpoint
 from support.distributed import run_distributed
 
+from fsdpkit.checkpoint.format.report import WriteReport
 from fsdpkit.checkpoint.offline.formats import convert_any
 from fsdpkit.checkpoint.offline.request import ConvertRequest
 
 
-def to_deepspeed(src: Path, dst: Path, *, stage: int, world_size: int, progress=None) -> dict:
+def to_deepspeed(src: Path, dst: Path, *, stage: int, world_size: int, progress=None) -> WriteReport:
     return convert_any(src, dst, ConvertRequest(to="deepspeed", stage=stage, world_size=world_size), progress)
 
 
@@ -198,10 +199,10 @@ def resumed(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float], dic
             result = run_cli("convert", run, out, "--to", "deepspeed", "--stage", "3", "--world-size", str(WORLD_SIZE))
             assert result.exit_code == 0, result.output
         else:
-            assert to_deepspeed(run, out, stage=stage, world_size=WORLD_SIZE)["world_size"] == WORLD_SIZE
+            assert to_deepspeed(run, out, stage=stage, world_size=WORLD_SIZE).details["world_size"] == WORLD_SIZE
         directories[str(stage)] = (stage, str(out), False)
     # a DeepSpeed checkpoint of 2 ranks resharded to 3 (read by the DeepSpeed reader, written again)
-    assert to_deepspeed(run, root / "ds2-at-2", stage=2, world_size=2)["world_size"] == 2
+    assert to_deepspeed(run, root / "ds2-at-2", stage=2, world_size=2).details["world_size"] == 2
     result = run_cli("reshard", root / "ds2-at-2", root / "ds2-at-3", "--world-size", str(WORLD_SIZE))
     assert result.exit_code == 0, result.output
     directories[RESHARDED] = (2, str(root / "ds2-at-3"), False)
@@ -213,7 +214,7 @@ def resumed(tmp_path_factory) -> tuple[dict[str, torch.Tensor], list[float], dic
     directories[UNIVERSAL] = (2, str(root / "ds2-at-2"), True)
     tied = _tied_source()
     run = save_checkpoint(root / "tied", 1, tied, world_size=2, aliases={"out.weight": "inp.weight"})
-    assert to_deepspeed(run, root / "ds-tied", stage=2, world_size=WORLD_SIZE)["world_size"] == WORLD_SIZE
+    assert to_deepspeed(run, root / "ds-tied", stage=2, world_size=WORLD_SIZE).details["world_size"] == WORLD_SIZE
     return tensors, losses, run_distributed(_resume_all, WORLD_SIZE, directories, str(root / "ds-tied"))
 
 
@@ -254,12 +255,12 @@ def test_written_files(tmp_path: Path) -> None:
     run = save_checkpoint(tmp_path / "run", STEPS_BEFORE, tensors, world_size=1)
     one = to_deepspeed(run, tmp_path / "s1", stage=1, world_size=2)
     three = to_deepspeed(run, tmp_path / "s3", stage=3, world_size=2)
-    assert one["files"] == [
+    assert one.files == [
         "latest",
         "global_step2/mp_rank_00_model_states.pt",
         *(f"global_step2/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)),
     ]
-    assert sorted(three["files"]) == sorted(
+    assert sorted(three.files) == sorted(
         ["latest", *(f"global_step2/zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(2) for kind in ("model", "optim"))]
     )
     assert (tmp_path / "s3" / "latest").read_text() == "global_step2"

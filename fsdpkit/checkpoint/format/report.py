@@ -1,5 +1,5 @@
-"""What `verify` reports of a checkpoint in any format: one record, the same keys in `--json`
-whatever the format, and one line of what was checked."""
+"""What `verify` reports of a checkpoint, and what `convert` and `reshard` report of what they
+wrote, in any format: one record each, the same keys in `--json` whatever the format, and one line."""
 
 from __future__ import annotations
 
@@ -48,3 +48,38 @@ class VerifyReport:
         counted = "".join(f", {count(value, name)}" for name, value in self.counts.items())
         line = f"{self.kind}, {count(self.tensors, 'tensor')}{counted}, {format_size(self.bytes)}; checked: {'; '.join(self.checked)}"
         return line + (f"; not checked: {'; '.join(self.not_checked)}" if self.not_checked else "")
+
+
+@dataclass(frozen=True)
+class WriteReport:
+    """What `convert` or `reshard` wrote; `details` holds what the target format adds (its world
+    size, ZeRO stage, placement, dtype...), which `--json` carries beside the other keys."""
+
+    src: str
+    dst: str
+    files: list[str]
+    tensors: int
+    bytes: int
+    warnings: list[str]
+    details: dict[str, Any]
+
+    @classmethod
+    def of(cls, written: dict[str, Any]) -> WriteReport:
+        """The report of a writer's result, which names src, dst, files, tensors and bytes."""
+        common = {name: written[name] for name in ("src", "dst", "files", "tensors", "bytes")}
+        details = {key: value for key, value in written.items() if key not in common and key != "warnings"}
+        return cls(**common, warnings=list(written.get("warnings", [])), details=details)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "src": self.src,
+            "dst": self.dst,
+            **self.details,
+            "files": self.files,
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "warnings": self.warnings,
+        }
+
+    def summary_line(self) -> str:
+        return f"wrote {self.dst}: {count(len(self.files), 'file')}, {count(self.tensors, 'tensor')}, {format_size(self.bytes)}"

@@ -20,7 +20,7 @@ from ..deepspeed.files import is_deepspeed_checkpoint
 from ..deepspeed.inspect import summarize_deepspeed, verify_deepspeed
 from ..format.names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name
 from ..format.reader import is_full_checkpoint
-from ..format.report import VerifyReport
+from ..format.report import VerifyReport, WriteReport
 from ..format.summary import Summary
 from ..torchsave.inspect import summarize_torchsave, verify_torchsave
 from ..torchsave.table import is_torchsave_checkpoint
@@ -167,7 +167,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = Non
     return opened
 
 
-def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], request: ReshardRequest) -> dict:
+def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], request: ReshardRequest) -> WriteReport:
     """`reshard`: the checkpoint at `src` laid out for `request.world_size` ranks, in its format."""
     found = detect_format(src)
     if found.reshard is None:
@@ -177,12 +177,12 @@ def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], reques
         )
     if request.world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {request.world_size}")
-    return found.reshard(Path(src), Path(dst), request)
+    return WriteReport.of(found.reshard(Path(src), Path(dst), request))
 
 
 def convert_any(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], request: ConvertRequest, progress: Progress | None = None
-) -> dict:
+) -> WriteReport:
     """`convert`: the checkpoint at `src`, opened as a tensor table, written by `request.to`'s
     writer (to its own format: `fsdpkit reshard`)."""
     source = detect_format(src)
@@ -201,4 +201,4 @@ def convert_any(
             hint = "; name them with --dcp-model-key" if "model_key" in source.reads.takes else ""
             raise DataCheckError(f"{src}: no model tensors found{hint}")
         facts = {"src": opened.path, "dst": str(dst), "from": source.name, **opened.facts}
-        return {**facts, **target.write(opened, Path(dst), request, progress)}
+        return WriteReport.of({**facts, **target.write(opened, Path(dst), request, progress)})
