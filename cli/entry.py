@@ -38,7 +38,16 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def unraisable_hook(unraisable: sys.UnraisableHookArgs) -> None:
+    """Python's report of an exception it could not raise, except an interrupt: one raised in a
+    weakref callback of the import machinery or in a `__del__` is swallowed there, and already
+    marked in the environment, so it ends the run as any other, without a traceback."""
+    if unraisable.exc_type is None or not issubclass(unraisable.exc_type, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
+
+
 def main() -> None:
+    sys.unraisablehook = unraisable_hook
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGALRM, _interrupt)
     try:

@@ -343,6 +343,26 @@ def test_history_of_attempts_counts_the_steps_run_again():
 SIGINT_WAVES = ((0.5, 0.8, 1.1, 1.4, 1.8, 2.2, 2.7, 3.2, 3.8, 4.5), (5.0, 6.0, 7.0, 8.5, 10.0, 12.0, 14.0, 17.0, 20.0, 24.0))
 
 
+def test_an_interrupt_python_cannot_raise_leaves_no_traceback():
+    """A KeyboardInterrupt raised where Python can only report it (a `__del__`, a weakref callback
+    of the import machinery) is not reported under the CLI's hook; any other exception still is,
+    and without the hook the interrupt is too."""
+    code = (
+        "import sys\n"
+        "from fsdpkit_cli.entry import unraisable_hook\n"
+        "if sys.argv[1] == 'hook':\n"
+        "    sys.unraisablehook = unraisable_hook\n"
+        "class Interrupted:\n"
+        "    def __del__(self): raise KeyboardInterrupt\n"
+        "class Failing:\n"
+        "    def __del__(self): raise ValueError('reported')\n"
+        "Interrupted(); Failing()\n"
+    )
+    hooked, plain = (subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True) for mode in ("hook", "plain"))
+    assert hooked.returncode == 0 and "ValueError: reported" in hooked.stderr and "KeyboardInterrupt" not in hooked.stderr, hooked.stderr
+    assert "KeyboardInterrupt" in plain.stderr and "ValueError: reported" in plain.stderr, plain.stderr
+
+
 def test_sigint_at_any_moment_is_one_line_and_exit_130(tmp_path):
     """SIGINT while the CLI imports, parses, validates, starts the workers, trains or saves: one
     line and exit 130, no process left (an interrupt that code below torch's imports swallowed
