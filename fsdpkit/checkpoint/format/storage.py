@@ -157,18 +157,20 @@ def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manife
     save_manifest(tmp_dir, manifest)
     fsync_dir(tmp_dir)
     final = run_dir / step_dir_name(step)
-    if final.exists() and read_latest(run_dir) == final.name:  # re-saving that step: `latest` must first name another
-        others = [path for _, path in complete_steps(run_dir) if path != final]
-        if others:
-            _replace_latest(run_dir, others[-1].name)
-        else:
-            (run_dir / LATEST_NAME).unlink()
-            fsync_dir(run_dir)
-    old = run_dir / f"{TMP_PREFIX}old-{final.name}-{_run_tag(manifest.run_id)}-{uuid.uuid4().hex[:8]}"  # a re-saved step's old copy
-    if final.exists():
+    if final.exists():  # re-saving a step: first make sure `latest` does not name the directory being replaced
+        if read_latest(run_dir) == final.name:
+            others = [path for _, path in complete_steps(run_dir) if path != final]
+            if others:
+                _replace_latest(run_dir, others[-1].name)
+            else:
+                (run_dir / LATEST_NAME).unlink()
+                fsync_dir(run_dir)
+        old = run_dir / f"{TMP_PREFIX}old-{final.name}-{_run_tag(manifest.run_id)}-{uuid.uuid4().hex[:8]}"
         os.rename(final, old)
-    os.rename(tmp_dir, final)
-    shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp_dir, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp_dir, final)
     fsync_dir(run_dir)
     _replace_latest(run_dir, final.name)
     if keep_last is not None and manifest.run_id is not None:
@@ -287,12 +289,14 @@ def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_b
     try:
         yield tmp
         sync_files(tmp, [entry.name for entry in os.scandir(tmp) if entry.is_file()])
-        old = parent / f"{TMP_PREFIX}old-{dst.name}-{token}"  # what DST held, if anything
-        if dst.exists() or dst.is_symlink():
+        if dst.exists() or dst.is_symlink():  # what DST held goes aside, then away once DST is the output
+            old = parent / f"{TMP_PREFIX}old-{dst.name}-{token}"
             os.rename(dst, old)
-        os.rename(tmp, dst)
-        fsync_dir(parent)
-        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink(missing_ok=True)
+            os.rename(tmp, dst)
+            fsync_dir(parent)
+            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        else:
+            os.rename(tmp, dst)
         fsync_dir(parent)
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -86,6 +86,9 @@ def shared_load(checkpoint: CheckpointReader, view: ShardedModelView, comms: Col
     replicas: recorded, read on the first replica, broadcast over each replicate group, served."""
     requests = Requests(checkpoint)
     load(requests)
+    if not requests.asked:  # nothing to read: no buffer, no broadcast
+        load(Served([], torch.empty(0, dtype=torch.uint8)))
+        return
     buffer = torch.zeros(requests.total, dtype=torch.uint8)
     failure = None
     try:

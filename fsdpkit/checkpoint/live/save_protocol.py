@@ -107,6 +107,7 @@ def run_save(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
                 f"ranks disagree on what to save at step {job.step} (tensor table or placement differ, "
                 f"e.g. optimizer state for different parameters)"
             )
+        failure = None
         if job.local is not None:
             try:
                 write_rank(tmp, job.manifest, job.shard_rank, job.local, timings=timings)
