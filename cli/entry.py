@@ -39,10 +39,13 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def unraisable_hook(unraisable: sys.UnraisableHookArgs) -> None:
-    """Python's report of an exception it could not raise, except an interrupt: one raised in a
-    weakref callback of the import machinery or in a `__del__` is swallowed there, and already
-    marked in the environment, so it ends the run as any other, without a traceback."""
-    if unraisable.exc_type is None or not issubclass(unraisable.exc_type, KeyboardInterrupt):
+    """Python's report of an exception it could not raise, except an interrupt (one raised in a
+    weakref callback of the import machinery or in a `__del__`, where Python can only report it):
+    that one comes again through the timer, as one held back during torch's import does, so the
+    run still ends with one line and exit 130, and without a traceback."""
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)
+    else:
         sys.__unraisablehook__(unraisable)
 
 
