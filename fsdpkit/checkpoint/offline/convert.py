@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,21 +25,13 @@ from ..format.names import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optim
 from ..format.reader import open_full, open_sharded
 from ..format.storage import staged_output
 from ..format.writer import CacheMode, StreamingWriter, write_sharded
-from .request import Progress
+from .request import Progress, progress_callback
 
 if TYPE_CHECKING:
     from .any_checkpoint import AnyCheckpoint
     from .request import ConvertRequest
 
 SCRATCH_NAME = ".fsdpkit-transposed.safetensors"  # tensors transposed back, removed before the output is renamed
-
-
-def progress_callback(progress: Progress | None, total: int) -> Callable[[int], None] | None:
-    """`progress` told the total now, as the byte engine's callback of bytes just done."""
-    if progress is None:
-        return None
-    progress(0, total)
-    return lambda done: progress(done, total)
 
 
 def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:

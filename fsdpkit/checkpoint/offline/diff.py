@@ -21,8 +21,9 @@ from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.export import ExportLayout
 from ..format.names import is_optimizer_tensor
 from .any_checkpoint import AnyCheckpoint
-from .convert import progress_callback, transposed_bytes
+from .convert import transposed_bytes
 from .formats import open_checkpoint
+from .request import progress_callback
 
 HINT_SAMPLE = 200  # names looked at to find a prefix
 

@@ -88,3 +88,11 @@ class ReshardRequest:
     overwrite: bool = False
     progress: Progress | None = None
     warn: Callable[[str], None] | None = None
+
+
+def progress_callback(progress: Progress | None, total: int) -> Callable[[int], None] | None:
+    """`progress` told the total now, as the byte engine's callback of bytes just done."""
+    if progress is None:
+        return None
+    progress(0, total)
+    return lambda done: progress(done, total)

@@ -23,7 +23,7 @@ from ..format.bytecopy import ByteEngine, SourceTensor
 from ..format.names import is_optimizer_tensor, optim_tensor_name
 from ..format.storage import staged_output
 from .any_checkpoint import AnyCheckpoint, read_step
-from .convert import Progress, progress_callback
+from .request import Progress, progress_callback
 
 if TYPE_CHECKING:
     from .request import ConvertRequest

@@ -18,8 +18,8 @@ from ..format.placement import Placement
 from ..format.storage import staged_output
 from ..format.writer import write_sharded
 from .any_checkpoint import AnyCheckpoint
-from .convert import SCRATCH_NAME, Progress, progress_callback, restore_layout
-from .request import ConvertRequest
+from .convert import SCRATCH_NAME, restore_layout
+from .request import ConvertRequest, Progress, progress_callback
 
 
 def _canonical(sources: list[SourceTensor], aliases: dict[str, str]) -> list[SourceTensor]:

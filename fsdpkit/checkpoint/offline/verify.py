@@ -19,7 +19,7 @@ from ..format.reader import RankFile, ShardedCheckpoint, has_optimizer_files, op
 from ..format.report import VerifyReport
 from ..format.storage import resolve_checkpoint
 from ..format.summary import FileEntry, FullSummary, ShardedSummary, tensor_stats
-from .convert import progress_callback
+from .request import progress_callback
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
 
