@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 
 from fsdpkit import log
+from fsdpkit.checkpoint.core.request import ConvertRequest
 from fsdpkit.checkpoint.offline.formats import READ_LABELS, TARGETS
-from fsdpkit.checkpoint.offline.request import ConvertRequest
 from fsdpkit.sizes import parse_size
 
 from .checkpoint_options import CHUNK_HELP, MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, cast_name, chunk_bytes, print_written
@@ -45,7 +45,7 @@ def convert(
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
     """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
-    from fsdpkit.checkpoint.offline.formats import convert_any
+    from fsdpkit.checkpoint.offline.convert import convert_any
 
     request = ConvertRequest(
         to=to,

@@ -1,259 +1,49 @@
-"""`convert --to full` (any checkpoint opened as a tensor table -> a Hugging Face-style
-directory of safetensors files and index, `optimizer*` files likewise with `--with-optimizer`)
-and `fsdpkit reshard` of fsdpkit's own format: streamed through the byte engine (memory bounded
-by `chunk_size`), staged (`storage.staged_output`), casting floats to `cast_to` on the way out.
-A transposed tensor of an export layout is read whole and transposed in memory with numpy
-(what that costs: docs/hugging-face.md); every other tensor streams in chunks.
-"""
+"""`convert` and `reshard` of any format: the source's format told (formats.py), the request
+checked against it and the target, then the target format's `write` (or the source format's own
+`reshard`) does the work and returns its `WriteReport`."""
 
 from __future__ import annotations
 
-import json
-import shutil
-from contextlib import closing
+import os
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
-from ...flat_layout import ElementRange
-from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
-from ..format.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport
-from ..format.files import open_regular
-from ..format.manifest import resharded_training_state
-from ..format.names import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
-from ..format.reader import open_full, open_sharded
-from ..format.storage import staged_output
-from ..format.writer import CacheMode, StreamingWriter, write_sharded
-from .request import Progress, progress_callback
-
-if TYPE_CHECKING:
-    from .any_checkpoint import AnyCheckpoint
-    from .request import ConvertRequest
-
-SCRATCH_NAME = ".fsdpkit-transposed.safetensors"  # tensors transposed back, removed before the output is renamed
+from ..core.report import WriteReport
+from ..core.request import ConvertRequest, Progress, ReshardRequest, check_options
+from .formats import FORMATS, TARGETS, detect_format, open_checkpoint
 
 
-def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    """`--to full`: the model tensors under their stored names (a full export's layout when the
-    source records one or `--model` names one), and with `--with-optimizer` the optimizer state;
-    without it, a source's optimizer state is left out with a warning."""
-    from .model_description import describe
-
-    warnings = []
-    if request.with_optimizer and not opened.optimizer:
-        raise DataCheckError(f"{opened.path}: --with-optimizer given but the checkpoint has no optimizer state")
-    if opened.optimizer and not request.with_optimizer:
-        warnings.append(f"the optimizer state ({len(opened.optimizer)} tensors) is not written: add --with-optimizer")
-    export = describe(request.model).export if request.model is not None else opened.export
-    cast_to = request.cast_to or opened.full_dtype
-    model = [t for name, t in opened.model.items() if name not in opened.aliases]
-    if opened.full_dtype is not None:  # as zero_to_fp32.py: in safetensors' own order (wider dtypes first, then by name)
-        model.sort(key=lambda s: (-dtype_info(output_dtype(s.dtype, cast_to)).itemsize, s.name))
-    layout = export.layout if export is not None else ExportLayout()
-    outputs = [("model", model)] + ([("optimizer", list(opened.optimizer.values()))] if request.with_optimizer else [])
-    by_name, file_groups = _full_files(outputs, layout, cast_to=cast_to, max_shard_size=request.max_shard_size)
-    total = sum(t.nbytes for _, tensors in outputs for t in tensors)
-    out_total = sum(nbytes(shape, dtype) for _, files in file_groups for _, group in files for _, dtype, shape in group)
-    metadata, model_metadata = _full_metadata(layout, opened.aliases)
-    written: list[str] = []
-    with staged_output(dst, src=Path(opened.opened_from), overwrite=request.overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
-        with closing(ByteEngine(chunk_size=request.chunk_size, progress=progress_callback(progress, total))) as copier:
-            for prefix, files in file_groups:
-                for file_name, group in files:
-                    _write_full_file(tmp / file_name, group, by_name, copier, model_metadata if prefix == "model" else metadata)
-                    written.append(file_name)
-                if len(files) > 1:
-                    index_name = MODEL_INDEX if prefix == "model" else OPTIM_INDEX
-                    (tmp / index_name).write_text(json.dumps(index_document(files), indent=2) + "\n")
-                    written.append(index_name)
-            copier.finish()
-        if export is not None:
-            float_dtypes = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
-            written += _write_hf_files(tmp, export, float_dtypes[0] if float_dtypes else None, warnings)
-    return {"to": "full", "files": written, "tensors": len(by_name), "bytes": out_total, "warnings": warnings, "dtype": cast_to}
-
-
-def _full_metadata(layout: ExportLayout, aliases: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """The safetensors metadata of the optimizer's files and of the model's (which records a
-    layout that is not the identity)."""
-    metadata = {"format": "pt"}
-    exported_aliases = {layout.exported_name(a): layout.exported_name(t) for a, t in aliases.items()}
-    if exported_aliases:
-        metadata[TIED_METADATA_KEY] = json.dumps(exported_aliases, sort_keys=True)
-    model_metadata = dict(metadata)
-    if not layout.is_identity:
-        model_metadata[LAYOUT_METADATA_KEY] = json.dumps(layout.to_json(), sort_keys=True)
-    return metadata, model_metadata
-
-
-def _full_files(outputs, layout: ExportLayout, *, cast_to: str | None, max_shard_size: int | None):
-    """(output name -> (source, transposed), [(prefix, [(file name, entries)])]) of a full
-    checkpoint: model tensors under their exported names and orientation, optimizer state as
-    stored, each group split into files of at most `max_shard_size` bytes."""
-    by_name: dict[str, tuple[SourceTensor, bool]] = {}
-    file_groups = []
-    for prefix, tensors in outputs:
-        entries = []
-        for t in tensors:
-            flip = prefix == "model" and layout.is_transposed(t.name, t.shape)
-            name = layout.exported_name(t.name) if prefix == "model" else t.name
-            by_name[name] = (t, flip)
-            entries.append((name, output_dtype(t.dtype, cast_to), tuple(reversed(t.shape)) if flip else t.shape))
-        file_groups.append((prefix, split_into_files(entries, prefix=prefix, max_shard_size=max_shard_size)))
-    return by_name, file_groups
-
-
-def _write_full_file(path: Path, group, by_name: dict[str, tuple[SourceTensor, bool]], copier: ByteEngine, metadata: dict) -> None:
-    with StreamingWriter(path, group, metadata=metadata, cache=CacheMode.WRITE_BEHIND, sync=False) as writer:  # staged_output syncs
-        for name, info in writer.order:
-            source, flip = by_name[name]
-            if flip:
-                writer.write(transposed_bytes(copier, source, info.dtype))
-            else:
-                copier.copy(source, ElementRange(0, source.numel), info.dtype, writer.write)
-
-
-def _write_hf_files(directory: Path, export: HfExport, weight_dtype: str | None, warnings: list[str]) -> list[str]:
-    """config.json, and the side files of the directory the model came from that are still there."""
-    (directory / CONFIG_NAME).write_text(json.dumps(export.config_for(weight_dtype), indent=2, sort_keys=True) + "\n")
-    written = [CONFIG_NAME]
-    for name in export.files:
-        path = Path(export.files_from or ".") / name
-        try:
-            fd, _ = open_regular(path)
-        except DataCheckError as error:
-            warnings.append(f"{name} not copied: {error}")
-            continue
-        with open(fd, "rb") as source, open(directory / name, "wb") as target:
-            shutil.copyfileobj(source, target)
-        written.append(name)
-    return written
-
-
-def split_into_files(
-    tensors: list[tuple[str, str, tuple[int, ...]]], *, prefix: str, max_shard_size: int | None
-) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
-    """Greedy split of (name, dtype, shape) in order into files of at most `max_shard_size` bytes
-    (a tensor larger than that gets a file of its own). One file is `<prefix>.safetensors`."""
-    groups: list[list] = [[]]
-    size = 0
-    for entry in tensors:
-        size_bytes = nbytes(entry[2], entry[1])
-        if max_shard_size is not None and groups[-1] and size + size_bytes > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(entry)
-        size += size_bytes
-    if len(groups) == 1:
-        return [(f"{prefix}.safetensors", groups[0])]
-    return [(f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors", group) for i, group in enumerate(groups)]
-
-
-def index_document(files: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> dict:
-    total = sum(nbytes(shape, dtype) for _, group in files for _, dtype, shape in group)
-    return {"metadata": {"total_size": total}, "weight_map": {name: file for file, group in files for name, _, _ in group}}
-
-
-_UNSIGNED = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
-
-
-def transposed_bytes(copier: ByteEngine, source: SourceTensor, out_dtype: str):
-    """The 2-D tensor `source`, cast to `out_dtype`, transposed: a C-contiguous numpy array of
-    its raw elements (unsigned integers of the element size, whatever the dtype)."""
-    import numpy as np
-
-    rows, cols = source.shape
-    itemsize = dtype_info(out_dtype).itemsize
-    data = bytearray(rows * cols * itemsize)
-    filled = 0
-
-    def collect(view: memoryview) -> None:
-        nonlocal filled
-        data[filled : filled + view.nbytes] = view
-        filled += view.nbytes
-
-    copier.copy(source, ElementRange(0, source.numel), out_dtype, collect)
-    return np.ascontiguousarray(np.frombuffer(data, dtype=_UNSIGNED[itemsize]).reshape(rows, cols).T)
-
-
-def restore_layout(
-    tensors: list[SourceTensor], aliases: dict[str, str], layout: ExportLayout, where: Path, scratch: Path, *, chunk_size: int
-) -> tuple[list[SourceTensor], dict[str, str]]:
-    """The tensors of a full checkpoint written with `layout`, under fsdpkit's names and
-    orientation, and its aliases likewise. Transposed tensors are transposed back into the
-    safetensors file `scratch` (the caller removes it); the others are read where they are."""
-    renamed, back = [], []
-    for tensor in tensors:
-        if is_optimizer_tensor(tensor.name):  # optimizer state keeps fsdpkit's names and orientation
-            renamed.append(tensor)
-            continue
-        original = layout.original_name(tensor.name)
-        if original is None:
-            raise DataCheckError(
-                f"{where}: tensor {tensor.name!r} does not follow the export layout the files record (prefix {layout.prefix!r})"
-            )
-        if layout.is_transposed(original, tuple(reversed(tensor.shape))):  # square ones too (attn.c_proj)
-            back.append((original, tensor))
-        else:
-            renamed.append(SourceTensor(original, tensor.shape, tensor.dtype, tensor.pieces))
-    if back:
-        entries = [(name, tensor.dtype, tuple(reversed(tensor.shape))) for name, tensor in back]
-        with (
-            closing(ByteEngine(chunk_size=chunk_size)) as copier,
-            StreamingWriter(scratch, entries, metadata={"format": "pt"}, sync=False) as writer,
-        ):
-            by_name = dict(back)
-            for name, _ in writer.order:
-                writer.write(transposed_bytes(copier, by_name[name], by_name[name].dtype))
-        restored = {t.name: t for t in open_full(scratch).tensors}
-        renamed += [restored[name] for name, _ in back]
-    aliases = {layout.original_name(alias) or alias: layout.original_name(target) or target for alias, target in aliases.items()}
-    return renamed, aliases
-
-
-def reshard(
-    src: str | Path,
-    dst: str | Path,
-    *,
-    world_size: int,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-    warn=None,
-) -> dict:
-    if world_size < 1:
-        raise UsageError(f"--world-size must be >= 1, got {world_size}")
-    checkpoint = open_sharded(src)
-    old = checkpoint.manifest
-    state, warnings = resharded_training_state(old.training_state, old_world_size=old.shard_factor, new_world_size=world_size)
-    for line in warnings:
-        if warn is not None:
-            warn(line)
-    sources = checkpoint.sources()
-    total = sum(s.nbytes for s in sources)
-    needed_for = f" for {world_size} rank files (--world-size {world_size})"
-    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=total + world_size * 65536, needed_for=needed_for) as tmp:
-        written = write_sharded(
-            tmp,
-            sources=sources,
-            placement=old.placement,
-            world_size=world_size,
-            strategy=old.strategy,
-            training_state=state,
-            aliases=old.aliases,
-            cast_to=None,
-            chunk_size=chunk_size,
-            progress=progress_callback(progress, total),
+def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], request: ReshardRequest) -> WriteReport:
+    """`reshard`: the checkpoint at `src` laid out for `request.world_size` ranks, in its format."""
+    found = detect_format(src)
+    if not found.reshardable:
+        targets = [name for name in TARGETS if name != found.name]
+        raise UsageError(
+            f"{src}: a {found.label} checkpoint has no ranks to lay out: convert it --to {', '.join(targets[:-1])} or {targets[-1]}"
         )
-    return {
-        "src": str(checkpoint.step_dir),
-        "dst": str(dst),
-        "from_world_size": old.shard_factor,
-        "world_size": world_size,
-        "placement": old.placement.kind,
-        "files": written.files,
-        "tensors": len(written.manifest.tensors),
-        "bytes": written.bytes,
-        "warnings": warnings,
-    }
+    return found.reshard(Path(src), Path(dst), request)
+
+
+def convert_any(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], request: ConvertRequest, progress: Progress | None = None
+) -> WriteReport:
+    """`convert`: the checkpoint at `src`, opened as a tensor table, written by `request.to`'s
+    writer (to its own format: `fsdpkit reshard`)."""
+    source = detect_format(src)
+    target = FORMATS.get(request.to)
+    if target is None or not target.writable:
+        raise UsageError(f"unknown --to {request.to!r}: use {', '.join(TARGETS[:-1])} or {TARGETS[-1]}")
+    if target is source:
+        others = [name for name in TARGETS if name != source.name]
+        raise UsageError(
+            f"a {source.name} checkpoint cannot be converted --to {target.name}: use --to {' or '.join(others)}; "
+            "`fsdpkit reshard` lays it out for another world size"
+        )
+    check_options(source.name, source.reads, target.writes, request)
+    with open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key) as opened:
+        if not opened.model:
+            hint = "; name them with --dcp-model-key" if "model_key" in source.reads.takes else ""
+            raise DataCheckError(f"{src}: no model tensors found{hint}")
+        written = target.write(opened, Path(dst), request, progress)
+        return replace(written, details={"from": source.name, **opened.facts, **written.details})
