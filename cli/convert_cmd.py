@@ -45,7 +45,7 @@ def convert(
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
     """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
-    from fsdpkit.checkpoint.offline.convert import convert_any
+    from fsdpkit.checkpoint.offline.formats import convert_any
 
     request = ConvertRequest(
         to=to,

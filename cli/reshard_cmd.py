@@ -27,7 +27,7 @@ def reshard(
 ) -> None:
     """Lay a checkpoint out for another world size, offline, in its own format (model and optimizer state)."""
     from fsdpkit.checkpoint.core.request import ReshardRequest
-    from fsdpkit.checkpoint.offline.convert import reshard_any
+    from fsdpkit.checkpoint.offline.formats import reshard_any
 
     ranks, chunk = required_world_size(world_size), chunk_bytes(chunk_size)
     with byte_progress("reshard") as progress:

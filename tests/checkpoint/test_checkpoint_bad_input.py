@@ -379,7 +379,7 @@ def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monke
     reaches the caller and the staged output is removed."""
     from fsdpkit.checkpoint.core import bytecopy
     from fsdpkit.checkpoint.core.request import ConvertRequest
-    from fsdpkit.checkpoint.offline.convert import convert_any
+    from fsdpkit.checkpoint.offline.formats import convert_any
 
     calls = {"n": 0}
     original = bytecopy.ByteEngine._view

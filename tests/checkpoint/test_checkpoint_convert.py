@@ -251,7 +251,7 @@ def test_many_small_blocks(sharded, tmp_path, chunk):
     combined block by block; results stay exact."""
     from fsdpkit.checkpoint.core.request import ConvertRequest
     from fsdpkit.checkpoint.format.verify import verify_checkpoint
-    from fsdpkit.checkpoint.offline.convert import convert_any
+    from fsdpkit.checkpoint.offline.formats import convert_any
 
     _, tensors, runs = sharded
     reshard(runs[2].parent, tmp_path / "r3", world_size=3, chunk_size=chunk)

@@ -304,7 +304,7 @@ def test_format_library_and_offline_commands_load_no_torch():
     )
     done = _python(script)
     loaded = set(json.loads(done.stdout))
-    assert {"fsdpkit.checkpoint.core.bytecopy", "fsdpkit.checkpoint.format.writer", "fsdpkit.checkpoint.offline.convert"} <= loaded
+    assert {"fsdpkit.checkpoint.core.bytecopy", "fsdpkit.checkpoint.format.writer", "fsdpkit.checkpoint.offline.formats"} <= loaded
     assert not [name for name in loaded if name.split(".")[0] == "torch" or name.startswith("fsdpkit.checkpoint.live")]
 
 

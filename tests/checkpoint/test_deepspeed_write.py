@@ -26,7 +26,7 @@ from support.distributed import run_distributed
 
 from fsdpkit.checkpoint.core.report import WriteReport
 from fsdpkit.checkpoint.core.request import ConvertRequest
-from fsdpkit.checkpoint.offline.convert import convert_any
+from fsdpkit.checkpoint.offline.formats import convert_any
 
 
 def to_deepspeed(src: Path, dst: Path, *, stage: int, world_size: int, progress=None) -> WriteReport:
