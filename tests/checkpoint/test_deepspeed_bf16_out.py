@@ -238,14 +238,19 @@ def test_written_files_are_deepspeeds_bf16_and_fp16_layouts(runs, stage: int) ->
 def test_deepspeed_loads_fp16_output(runs, stage: int) -> None:
     """What DeepSpeed's loader accepts of fsdpkit's fp16 output on CPU: an fp32 engine reads the
     `zero_pp_rank_*` files, with the fp32 masters and moments of the bf16 output, its module the
-    fp16 weights, and the fp16 dynamic loss scaler as saved; a bf16 engine asks for `bf16_` files."""
+    fp16 weights (ZeRO-3: its trained parameters the fp32 masters, which it copies into the module),
+    and the fp16 dynamic loss scaler as saved; a bf16 engine asks for `bf16_` files."""
     for rank, results in runs[2].items():
         fp16, bf16 = results[(stage, "fp16")], results[(stage, "resharded")]
         for name, value in bf16["tensors"].items():
-            if name.startswith("module.") and stage == 2:
-                fp32 = bf16["tensors"].get(name.removeprefix("module."), value)  # frozen and buffer: bf16
-                assert torch.equal(fp16["tensors"][name], fp32.half().float()), (rank, name)
-            elif not name.startswith("module."):
+            if name.startswith("module."):
+                master = bf16["tensors"].get(name.removeprefix("module."))  # None: the frozen bias, the buffer (bf16)
+                if stage == 3 and master is not None:  # ZeRO-3 sets a trained parameter from its fp32 partition
+                    expected = master.reshape(value.shape)
+                else:  # the fp16 file's weights
+                    expected = (value if master is None else master).half().float()
+                assert torch.equal(fp16["tensors"][name], expected), (rank, name)
+            else:
                 assert torch.equal(fp16["tensors"][name], value), (rank, name)
         assert fp16["scaler"][0] == "DynamicLossScaler" and fp16["scaler"][1]["cur_scale"] == 2**16
         assert fp16["global_steps"] == STEPS_BEFORE
