@@ -24,11 +24,15 @@ def no_launch(monkeypatch):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def inductor_cache_in_basetemp(tmp_path_factory):
-    """torch.compile's code under pytest's base directory (removed with it), not /tmp's shared
-    cache; workers and commands the tests start inherit it."""
+def temporary_files_in_basetemp(tmp_path_factory):
+    """torch.compile's code and the temporary files of the commands the tests start (TMPDIR: a
+    launcher killed before it could remove its workers' files) under pytest's base directory,
+    removed with it, not in /tmp; workers and commands inherit both."""
+    basetemp = tmp_path_factory.getbasetemp()
+    (basetemp / "tmp").mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(basetemp / "inductor"))
+        patch.setenv("TMPDIR", str(basetemp / "tmp"))
         yield
 
 

@@ -240,18 +240,18 @@ def test_deepspeed_loads_fp16_output(runs, stage: int) -> None:
     `zero_pp_rank_*` files, with the fp32 masters and moments of the bf16 output, its module the
     fp16 weights (ZeRO-3: its trained parameters the fp32 masters, which it copies into the module),
     and the fp16 dynamic loss scaler as saved; a bf16 engine asks for `bf16_` files."""
+    reference = _zero_to_fp32(runs[0] / f"z{stage}")  # DeepSpeed's own weights of the saved bf16 run
     for rank, results in runs[2].items():
         fp16, bf16 = results[(stage, "fp16")], results[(stage, "resharded")]
         for name, value in bf16["tensors"].items():
-            if name.startswith("module."):
-                master = bf16["tensors"].get(name.removeprefix("module."))  # None: the frozen bias, the buffer (bf16)
-                if stage == 3 and master is not None:  # ZeRO-3 sets a trained parameter from its fp32 partition
-                    expected = master.reshape(value.shape)
-                else:  # the fp16 file's weights
-                    expected = (value if master is None else master).half().float()
-                assert torch.equal(fp16["tensors"][name], expected), (rank, name)
-            else:
+            if not name.startswith("module."):
                 assert torch.equal(fp16["tensors"][name], value), (rank, name)
+        assert {f"module.{name}" for name in reference} == {name for name in fp16["tensors"] if name.startswith("module.")}
+        for name, weight in reference.items():
+            loaded = fp16["tensors"][f"module.{name}"]
+            trained = name in bf16["tensors"]  # has an fp32 master; the frozen bias and the buffer do not
+            expected = weight if stage == 3 and trained else weight.half()  # ZeRO-3 sets a trained one from its partition
+            assert torch.equal(loaded, expected.float().reshape(loaded.shape)), (rank, name)
         assert fp16["scaler"][0] == "DynamicLossScaler" and fp16["scaler"][1]["cur_scale"] == 2**16
         assert fp16["global_steps"] == STEPS_BEFORE
         assert results[(stage, "fp16 into bf16")] == f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
