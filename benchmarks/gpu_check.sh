@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks in at most 8 minutes on one GPU; one JSON document and a table of what they measure.
+# The GPU checks in at most 9 minutes on one GPU; one JSON document and a table of what they measure.
 #
 #     bash benchmarks/gpu_check.sh                      # results under $OUT (or ./gpu-check-results)
 #     GPU_CHECK_DRY_RUN=1 bash benchmarks/gpu_check.sh  # print each part's command, run nothing
 #
-# Parts, each under its own time limit (together 475 s); one that fails or runs out of time is
+# Parts, each under its own time limit (together 505 s); one that fails or runs out of time is
 # recorded with its error and the others still run:
 #   compat_*     gpt-small bf16: 40 steps straight; 20 steps saved, resumed to 40: losses bitwise equal
 #   engine       benchmarks/engine.py, gpt2-xl bf16, 8 x 1024: fsdpkit, FSDP2 and DDP (step, TFLOP/s, MFU, peak)
 #   plain, snapshot, async_save   gpt2-large bf16, 100 steps of 8 x 1024: plain, with --max-restarts 1
 #                --snapshot-every 10, with --async-save --save-every 10 (elapsed and tokens/s against plain)
 #   compile      the plain run with --compile, 30 steps (tokens/s leaves the compiling first step out)
+#   snapshot_check  benchmarks/snapshot_check.py: an async save and an in-memory snapshot copied to the host
+#                while the next steps run on the GPU hold the step they name, bitwise
 #   plan         plan --time of the engine's configuration on the GPU's built-in profile
 # benchmarks/plan_gpu_check.py gathers them into gpu-check.json and gpu-check.md (printed), the
 # plan against the engine's measured step included. The exit status is the number of failed parts.
@@ -80,6 +82,7 @@ part async_save 80 "$FSDPKIT" train "${ONE_GPU[@]}" "${LARGE[@]}" --steps 100 --
     --save-dir "$RESULTS/async-run"
 # tokens/s leaves the first step (the compilation) out: 30 steps measure the compiled step
 part compile 60 "$FSDPKIT" train "${ONE_GPU[@]}" "${LARGE[@]}" --steps 30 --compile
+part snapshot_check 30 "$PY" benchmarks/snapshot_check.py --device cuda --json
 
 if [ "$DRY_RUN" = 1 ]; then
     printf 'report\t%s\n' "$PY benchmarks/plan_gpu_check.py $RESULTS"

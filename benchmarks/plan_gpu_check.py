@@ -51,6 +51,14 @@ def compat(parts: dict) -> dict[str, Any]:
     return {"bitwise_equal": tail == resumed["losses"], "steps_compared": len(resumed["losses"])}
 
 
+def snapshot_check(parts: dict) -> dict[str, Any]:
+    """Whether the async save and the snapshot copied while the GPU trained on hold their step, bitwise."""
+    document = parts.get("snapshot_check", {}).get("document")
+    if not document:
+        return {"holds_its_step": None}
+    return {key: document[key] for key in ("holds_its_step", "step", "async_save", "snapshot")}
+
+
 def engine(parts: dict) -> list[dict[str, Any]]:
     document = parts.get("engine", {}).get("document") or {}
     keys = ("system", "step_ms_median", "step_ms_min", "step_ms_max", "model_tflops_per_gpu", "mfu", "peak_bytes_per_rank")
@@ -88,7 +96,8 @@ def table(report: dict[str, Any]) -> str:
     lines = [f"# gpu_check on {report['device'].get('gpu', '?')} (torch {report['device'].get('torch', '?')})", ""]
     lines += ["| part | rc | seconds | error |", "| --- | ---: | ---: | --- |"]
     lines += [f"| {name} | {p['rc']} | {p['seconds']} | {p.get('error', '')} |" for name, p in report["parts"].items()]
-    lines += ["", f"save at 20, resume to 40: losses bitwise equal: {report['compat']['bitwise_equal']}", ""]
+    lines += ["", f"save at 20, resume to 40: losses bitwise equal: {report['compat']['bitwise_equal']}"]
+    lines += [f"async save and snapshot copied while training: hold their step bitwise: {report['snapshot_check']['holds_its_step']}", ""]
     lines += ["| system | step ms (min-max) | TFLOP/s | MFU | peak GiB |", "| --- | ---: | ---: | ---: | ---: |"]
     for row in report["engine"]:
         peak = (row["peak_bytes_per_rank"] or 0) / 2**30
@@ -122,6 +131,7 @@ def main() -> None:
         "device": device,
         "parts": {name: {k: v for k, v in part.items() if k != "document"} for name, part in parts.items()},
         "compat": compat(parts),
+        "snapshot_check": snapshot_check(parts),
         "engine": measured,
         "runs": runs(parts),
         "plan": plan(parts, measured),

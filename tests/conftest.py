@@ -5,6 +5,8 @@ launcher, the reference models and loop, checkpoint files written by hand) live 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 
@@ -19,3 +21,28 @@ def no_launch(monkeypatch):
 
     monkeypatch.setattr(launcher, "launch", launch)
     monkeypatch.setattr(bench_runner, "launch", launch)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_in_basetemp(tmp_path_factory):
+    """torch.compile's code and the temporary files of the commands the tests start (TMPDIR: a
+    launcher killed before it could remove its workers' files) under pytest's base directory,
+    removed with it, not in /tmp; workers and commands inherit both."""
+    basetemp = tmp_path_factory.getbasetemp()
+    (basetemp / "tmp").mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(basetemp / "inductor"))
+        patch.setenv("TMPDIR", str(basetemp / "tmp"))
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_tmp_removed(request, tmp_path_factory):
+    """The directories a test file made under pytest's base directory (its module fixtures'
+    runs and checkpoints, up to gigabytes), removed when the file's tests end, unless one failed."""
+    basetemp = tmp_path_factory.getbasetemp()
+    before, failed = set(basetemp.iterdir()), request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for path in set(basetemp.iterdir()) - before:
+            shutil.rmtree(path, ignore_errors=True)

@@ -23,7 +23,9 @@ import logging
 import math
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,6 +42,7 @@ RDZV_BACKENDS = ("c10d", "static")
 DEFAULT_TIMEOUT_SECONDS = 300.0
 STOP_ENV = "FSDPKIT_STOP"  # "1": a SIGTERM reached the launcher; workers stop after their step
 INTERRUPTED_ENV = "FSDPKIT_INTERRUPTED"  # "1": the console script got a SIGINT (one that was swallowed too)
+LOG_DIR_PREFIX = "fsdpkit-launch-"  # the workers' error files, removed when the launch ends
 SHUTDOWN_SECONDS = 5  # a worker the agent stops (after a failure, or on SIGINT) is killed after this
 
 
@@ -167,7 +170,7 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     # The launcher logs every worker's traceback; fsdpkit reports the failure in one line instead.
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
@@ -178,30 +181,13 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     single_node = options.nnodes == 1 and not options.endpoint
     endpoint = (_local_endpoint(options.rdzv_backend) if single_node else options.endpoint) or ""
-    seconds = math.ceil(options.timeout)
-    config = LaunchConfig(
-        min_nodes=options.nnodes,
-        max_nodes=options.nnodes,
-        nproc_per_node=options.local_processes,
-        run_id=options.job_id or "fsdpkit-" + uuid.uuid4().hex[:8],
-        rdzv_backend=options.rdzv_backend,
-        rdzv_endpoint=endpoint,
-        rdzv_configs={
-            "join_timeout": seconds,
-            "timeout": seconds,
-            **({"rank": options.node_rank} if options.rdzv_backend == "static" else {}),
-        },
-        max_restarts=options.max_restarts,
-        monitor_interval=0.1,
-        start_method="forkserver",
-        signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT: _stop_signals
-    )
     try:
         preload_fork_server(worker_fn)
         with _stop_signals(), _prompt_stops(), sigint_blocked_in_new_workers():
             if os.environ.get(INTERRUPTED_ENV) == "1":  # an interrupt some code before here swallowed
                 raise KeyboardInterrupt
-            return elastic_launch(config, WorkerEntry(worker_fn))(*args)
+            with _worker_logs() as log_dir:
+                return elastic_launch(_launch_config(options, endpoint, log_dir), WorkerEntry(worker_fn))(*args)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()  # the only one: torch reports the first worker to exit
         reason = _failure_reason(failure)
@@ -218,6 +204,43 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
             f"the rendezvous at {endpoint} did not complete within --timeout {options.timeout:g} s "
             f"({options.nnodes} nodes expected): {detail}"
         ) from None
+
+
+def _launch_config(options: LaunchOptions, endpoint: str, log_dir: str) -> Any:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    seconds = math.ceil(options.timeout)
+    return LaunchConfig(
+        min_nodes=options.nnodes,
+        max_nodes=options.nnodes,
+        nproc_per_node=options.local_processes,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        run_id=options.job_id or "fsdpkit-" + uuid.uuid4().hex[:8],
+        rdzv_backend=options.rdzv_backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs={
+            "join_timeout": seconds,
+            "timeout": seconds,
+            **({"rank": options.node_rank} if options.rdzv_backend == "static" else {}),
+        },
+        max_restarts=options.max_restarts,
+        monitor_interval=0.1,
+        start_method="forkserver",
+        signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT: _stop_signals
+    )
+
+
+@contextlib.contextmanager
+def _worker_logs() -> Iterator[str]:
+    """The directory of the workers' error files (torch's agent reads a failed worker's reason
+    from it), under TMPDIR and removed when the launch ends: torch's own default, a
+    /tmp/torchelastic_* directory per launch, stays behind."""
+    log_dir = tempfile.mkdtemp(prefix=LOG_DIR_PREFIX)
+    try:
+        yield log_dir
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -255,7 +278,7 @@ def _prompt_stops() -> Iterator[None]:
     stopped one; one finishing its step) wherever its agent closes the workers (PContext.close:
     a restart passes 30 s whatever the launch asked, and torch 2.11's LaunchConfig has no
     shutdown_timeout) and where the process context finds a failed worker (ProcessContext.join
-    without a grace period)."""
+    without a grace period). A finished process context also removes its workers' traceback files."""
     from torch.distributed.elastic.multiprocessing.api import PContext
     from torch.multiprocessing.spawn import ProcessContext
 
@@ -265,7 +288,15 @@ def _prompt_stops() -> Iterator[None]:
         close(self, death_sig, min(timeout, SHUTDOWN_SECONDS))
 
     def prompt_join(self: Any, timeout: float | None = None, grace_period: float | None = None) -> bool:
-        return join(self, timeout, SHUTDOWN_SECONDS / 2 if grace_period is None else grace_period)
+        finished = True  # a raised failure ends the context too
+        try:
+            finished = join(self, timeout, SHUTDOWN_SECONDS / 2 if grace_period is None else grace_period)
+            return finished
+        finally:
+            if finished:  # the traceback files a failed worker wrote under TMPDIR, never removed by torch
+                for path in self.error_files:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(path)
 
     # Patching torch's classes in place for the duration: the stubs do not allow assigning to them.
     PContext.close, ProcessContext.join = prompt_close, prompt_join  # type: ignore[method-assign]

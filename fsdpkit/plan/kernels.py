@@ -31,6 +31,12 @@ class OptimizerKernel(enum.Enum):
     FUSED = "fused"  # torch's fused=True: one kernel for the whole update
 
 
+def optimizer_kernel_for(parameters_on_gpu: bool) -> OptimizerKernel:
+    """The optimizer kernel `fsdpkit train` builds and the plan charges: torch's fused one where
+    every parameter is on a GPU, its default otherwise (CPU, or --cpu-offload's host shards)."""
+    return OptimizerKernel.FUSED if parameters_on_gpu else OptimizerKernel.EAGER
+
+
 # (operation, tensors read, tensors written) per element, every tensor fp32
 OPTIMIZER_PASSES: dict[tuple[Optimizer, OptimizerKernel], tuple[tuple[str, int, int], ...]] = {
     (Optimizer.ADAMW, OptimizerKernel.EAGER): (

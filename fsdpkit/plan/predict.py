@@ -17,7 +17,14 @@ from ..engine.step_policy import StepPolicy
 from ..engine.traffic import flags_collective
 from ..models.recipe import precision_names
 from .flops import UnitWork
-from .kernels import OptimizerKernel, gather_cast_bytes, loss_bytes, optimizer_bytes_per_element, reduce_cast_bytes
+from .kernels import (
+    OptimizerKernel,
+    gather_cast_bytes,
+    loss_bytes,
+    optimizer_bytes_per_element,
+    optimizer_kernel_for,
+    reduce_cast_bytes,
+)
 from .memory import MemoryPlan, UnitSizes, plan_from_sizes, unit_sizes
 from .meta import build_meta_model
 from .profile import Hardware
@@ -27,12 +34,11 @@ from .traffic import sharded_unit_traffic, wire_itemsizes
 
 
 def optimizer_kernel(request: PlanRequest, hardware: Hardware) -> OptimizerKernel:
-    """The optimizer's kernel the request runs: as `fsdpkit train` builds AdamW, fused where every
-    rank has a device of its own (a GPU) and the parameters stay on it, torch's default otherwise."""
+    """The optimizer's kernel the request runs: the one `fsdpkit train` builds, its parameters on a
+    GPU where every rank has a device of its own and they stay on it."""
     if request.optimizer_kernel is not None:
         return request.optimizer_kernel
-    on_device = hardware.compute_slots == 0 and not request.cpu_offload
-    return OptimizerKernel.FUSED if on_device else OptimizerKernel.EAGER
+    return optimizer_kernel_for(hardware.compute_slots == 0 and not request.cpu_offload)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from ..engine.view import describe
 from ..models.recipe import Optimizer, precision_names
 from ..models.source import resolve
 from ..models.units import wrap_policy
+from ..plan.kernels import OptimizerKernel, optimizer_kernel_for
 from .attempts import History, Restart, RunContext, attempt_number, read_records
 from .collective_failure import collective_failure
 from .config import Device, TrainConfig
@@ -57,12 +58,14 @@ def pick_device(device: Device) -> torch.device:
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW runs torch's fused kernel when every parameter is on CUDA; otherwise (CPU, or
-    --cpu-offload's host shards) torch's default implementation, bitwise as it always was."""
+    """AdamW with the kernel the planner charges (`optimizer_kernel_for`): torch's fused one when
+    every parameter is on CUDA; otherwise (CPU, or --cpu-offload's host shards) torch's default
+    implementation, bitwise as it always was."""
     optimizer = config.optimizer
     groups = fsdpkit.param_groups(model, weight_decay=optimizer.weight_decay)
     if optimizer.name is Optimizer.ADAMW:
-        fused = True if all(p.is_cuda for group in groups for p in group["params"]) else None
+        kernel = optimizer_kernel_for(all(p.is_cuda for group in groups for p in group["params"]))
+        fused = True if kernel is OptimizerKernel.FUSED else None
         return torch.optim.AdamW(groups, lr=config.peak_lr, betas=optimizer.betas, fused=fused)
     return torch.optim.SGD(groups, lr=config.peak_lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov)
 

@@ -197,7 +197,8 @@ def test_diff_takes_deepspeed(saved, tmp_path):
 
 def test_convert_sharded_holds_deepspeed_state(saved, tmp_path):
     """--to sharded at 3 ranks (ZeRO-3 from 2): every weight and Adam state equal to the DeepSpeed
-    checkpoint's, the step taken from Adam's; without --model, an even split."""
+    checkpoint's, the step taken from Adam's; without --model, an even split that holds the same
+    values (diff, and DeepSpeed's zero_to_fp32 functions' weights and moments)."""
     deepspeed_worker.llama_config().save_pretrained(tmp_path / "llama")
     model = f"hf:{tmp_path / 'llama'}"
     result = run_cli("convert", saved / "z3_bf16", tmp_path / "sh", "--to", "sharded", "--world-size", "3", "--model", model, "--json")
@@ -208,6 +209,10 @@ def test_convert_sharded_holds_deepspeed_state(saved, tmp_path):
     assert run_cli("verify", tmp_path / "sh").exit_code == 0
     assert run_cli("convert", saved / "z3_bf16", tmp_path / "x", "--to", "sharded", "--world-size", "3").exit_code == 0  # even split
     assert run_cli("verify", tmp_path / "x").exit_code == 0
+    assert run_cli("diff", saved / "z3_bf16", tmp_path / "x").exit_code == 0
+    expected = deepspeed_worker.deepspeed_tensors(str(saved / "z3_bf16"))["tensors"]  # weights and moments by DeepSpeed's functions
+    with fsdpkit.open_checkpoint(tmp_path / "x") as checkpoint:
+        assert all(torch.equal(checkpoint.get_tensor(name).reshape(t.shape), t) for name, t in expected.items())
 
 
 @pytest.fixture(scope="module")
@@ -347,7 +352,8 @@ def test_verl_to_dcp_and_sharded_hold_fsdp2s_state(fsdp2, tmp_path):
     """verl's FSDP2 files --to dcp at 3 ranks: torch's dcp.load gives every weight and Adam state
         of FSDP2's own full state dicts; the param group's settings are carried. --to sharded at 3
         ranks by the model's placement holds them too, the step taken from Adam's; --to deepspeed at
-    ZeRO-2 and 3 ranks gives zero_to_fp32 the weights, and holds the moments."""
+    ZeRO-2 and 3 ranks gives zero_to_fp32 the weights, and DeepSpeed's own merge of its moment
+    partitions (zero_to_fp32's functions) the moments."""
     import torch.distributed.checkpoint as dcp
 
     verl, expected = fsdp2[0] / "verl" / "fsdp2", fsdp2[1]["verl"]["tensors"]
@@ -383,8 +389,11 @@ def test_verl_to_dcp_and_sharded_hold_fsdp2s_state(fsdp2, tmp_path):
     weights = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ds"))
     model_names = {name for name in expected if not name.startswith("optim.")}
     assert set(weights) == model_names and all(torch.equal(weights[name], expected[name]) for name in weights)
-    with fsdpkit.open_checkpoint(tmp_path / "ds") as checkpoint:
-        assert all(torch.equal(checkpoint.get_tensor(name), expected[name]) for name in expected if name.startswith("optim.exp_avg"))
+    moments = {
+        name: t for name, t in deepspeed_worker.deepspeed_tensors(str(tmp_path / "ds"))["tensors"].items() if name.startswith("optim.")
+    }
+    assert set(moments) == {name for name in expected if name.startswith("optim.exp_avg")}
+    assert all(torch.equal(t.reshape(expected[name].shape), expected[name]) for name, t in moments.items())
 
 
 def test_verl_fsdp1_sharded_tensors(fsdp2, tmp_path):

@@ -238,15 +238,20 @@ def test_written_files_are_deepspeeds_bf16_and_fp16_layouts(runs, stage: int) ->
 def test_deepspeed_loads_fp16_output(runs, stage: int) -> None:
     """What DeepSpeed's loader accepts of fsdpkit's fp16 output on CPU: an fp32 engine reads the
     `zero_pp_rank_*` files, with the fp32 masters and moments of the bf16 output, its module the
-    fp16 weights, and the fp16 dynamic loss scaler as saved; a bf16 engine asks for `bf16_` files."""
+    fp16 weights (ZeRO-3: its trained parameters the fp32 masters, which it copies into the module),
+    and the fp16 dynamic loss scaler as saved; a bf16 engine asks for `bf16_` files."""
+    reference = _zero_to_fp32(runs[0] / f"z{stage}")  # DeepSpeed's own weights of the saved bf16 run
     for rank, results in runs[2].items():
         fp16, bf16 = results[(stage, "fp16")], results[(stage, "resharded")]
         for name, value in bf16["tensors"].items():
-            if name.startswith("module.") and stage == 2:
-                fp32 = bf16["tensors"].get(name.removeprefix("module."), value)  # frozen and buffer: bf16
-                assert torch.equal(fp16["tensors"][name], fp32.half().float()), (rank, name)
-            elif not name.startswith("module."):
+            if not name.startswith("module."):
                 assert torch.equal(fp16["tensors"][name], value), (rank, name)
+        assert {f"module.{name}" for name in reference} == {name for name in fp16["tensors"] if name.startswith("module.")}
+        for name, weight in reference.items():
+            loaded = fp16["tensors"][f"module.{name}"]
+            trained = name in bf16["tensors"]  # has an fp32 master; the frozen bias and the buffer do not
+            expected = weight if stage == 3 and trained else weight.half()  # ZeRO-3 sets a trained one from its partition
+            assert torch.equal(loaded, expected.float().reshape(loaded.shape)), (rank, name)
         assert fp16["scaler"][0] == "DynamicLossScaler" and fp16["scaler"][1]["cur_scale"] == 2**16
         assert fp16["global_steps"] == STEPS_BEFORE
         assert results[(stage, "fp16 into bf16")] == f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"

@@ -71,6 +71,12 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None
     optimizer.zero_grad()
 
 
+def _local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's checkpoint tensors as the model and optimizer hold them now, copied."""
+    _, local = tensor_table(describe(model), model, optimizer)
+    return {name: (held, data.clone()) for name, (held, data) in local.items()}
+
+
 def test_the_next_optimizer_step_waits_for_the_copy_and_the_training_thread_never_does():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
@@ -138,8 +144,8 @@ def test_a_snapshot_holds_its_step_and_one_due_before_every_rank_finished_is_ski
         writer = SnapshotWriter(store, model, optimizer, peers=None, warn=lines.append)
         reserved = {dtype: b.data_ptr() for dtype, b in writer.host_buffers.buffers.items()}
         _step(model, optimizer, 1)
+        expected = _local_state(model, optimizer)
         _, local = tensor_table(describe(model), model, optimizer)
-        expected = {name: (held, data.clone()) for name, (held, data) in local.items()}
         writer.offer(1, {})
         _step(model, optimizer, 2)
         writer.offer(2, {})
@@ -161,7 +167,8 @@ def test_a_snapshot_holds_its_step_and_one_due_before_every_rank_finished_is_ski
 
 def test_a_save_that_waits_for_the_previous_async_save_says_how_long_it_stalled(tmp_path, monkeypatch):
     """The previous save's writing is held for 0.3 s: the next save's call waits for it, counts
-    the wait in the stall and says so in one line; both saves then hold their own step."""
+        the wait in the stall and says so in one line; each save holds the model and AdamW state of its
+    own step, though a training step ran between them and changed every tensor."""
     from fsdpkit.checkpoint.live import checkpointer as live
 
     release = threading.Event()
@@ -180,8 +187,12 @@ def test_a_save_that_waits_for_the_previous_async_save_says_how_long_it_stalled(
         model = fsdpkit.shard(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         saver = fsdpkit.Checkpointer(model, optimizer, async_save=True)
+        expected = {}
         _step(model, optimizer, 1)
+        expected[1] = _local_state(model, optimizer)
         saver.save(tmp_path, step=1)
+        _step(model, optimizer, 2)
+        expected[2] = _local_state(model, optimizer)
         threading.Timer(0.3, release.set).start()
         saver.save(tmp_path, step=2)
         saver.wait()
@@ -190,6 +201,11 @@ def test_a_save_that_waits_for_the_previous_async_save_says_how_long_it_stalled(
         assert line == f"save of step 2 stalled training {waited:.2f} s: the async save of step 1 was still being written"
         assert 0.25 <= waited <= saver.stall_seconds
         assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000001", "step-00000002"]
+        for step, state in expected.items():
+            with CheckpointReader(tmp_path / f"step-{step:08d}", validate_all=False) as reader:
+                for name, (held, data) in state.items():
+                    assert torch.equal(reader.read_range(name, held), data), (step, name)
+        assert not any(torch.equal(expected[1][name][1], expected[2][name][1]) for name in expected[1])  # step 2 changed each
     finally:
         release.set()
         dist.destroy_process_group()

@@ -1,13 +1,19 @@
 """The launcher's workers: forked from a server that imported torch once, they still start with
-the launcher's environment as it is at each launch, and its thread count."""
+the launcher's environment as it is at each launch, and its thread count. Their error files lie
+under TMPDIR while they run, a failure's reason is read from them, and a launch leaves nothing
+behind there (torch's default is a torchelastic_* directory per launch)."""
 
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
+import pytest
 import torch
 from support.distributed import run_distributed
 
+from fsdpkit.errors import RunError
 
 
 def _environment() -> tuple[str | None, str | None, str, int]:
@@ -26,3 +32,21 @@ def test_each_launch_hands_its_workers_the_environment_as_it_is_then(monkeypatch
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     second = run_distributed(_environment, 2)
     assert second == {0: ("second", None, "0", 2), 1: ("second", None, "1", 2)}
+
+
+def _error_file() -> str:
+    return os.environ["TORCHELASTIC_ERROR_FILE"]
+
+
+def _fail() -> None:
+    raise ValueError("the reason in the error file")
+
+
+def test_a_launch_keeps_its_workers_files_under_tmpdir_and_leaves_none_there(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # what TMPDIR sets
+    error_files = run_distributed(_error_file, 2)
+    assert all(Path(path).is_relative_to(tmp_path) for path in error_files.values()), error_files
+    with pytest.raises(RunError, match="ValueError: the reason in the error file"):
+        run_distributed(_fail, 2)
+    # multiprocessing's own pymp-* directory, where this launch started its fork server, goes when this process exits
+    assert sorted(path.name for path in tmp_path.iterdir() if not path.name.startswith("pymp-")) == []

@@ -37,7 +37,7 @@ def test_dry_run_commands_parse_against_the_real_cli(monkeypatch, capsys):
     names = [name for name, _ in parts]
     assert names == [
         *("compat_straight", "compat_save", "compat_resume", "engine", "plan"),
-        *("plain", "snapshot", "async_save", "compile", "report"),
+        *("plain", "snapshot", "async_save", "compile", "snapshot_check", "report"),
     ]
     assert not os.path.exists("/nonexistent/results")  # a dry run writes nothing
     checked = 0
@@ -78,10 +78,13 @@ def test_report_gathers_parts_and_records_failures(tmp_path):
     _write(tmp_path, "snapshot", 0, 41, {**run, "elapsed_seconds": 21.0})
     _write(tmp_path, "compile", 2, 1, None, err="Traceback\nerror: no such option: --compile\n")
     _write(tmp_path, "async_save", 124, 80, None)
+    held = {"tensors": 3, "bitwise_equal": True, "wrong": [], "changed_after": 3}
+    _write(tmp_path, "snapshot_check", 0, 20, {"step": 3, "async_save": held, "snapshot": held, "holds_its_step": True})
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks/plan_gpu_check.py"), str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 2, done.stderr  # two parts failed
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert report["compat"] == {"bitwise_equal": True, "steps_compared": 20}
+    assert report["snapshot_check"]["holds_its_step"] is True and report["snapshot_check"]["async_save"] == held
     assert report["parts"]["compile"]["error"] == "error: no such option: --compile"
     assert report["parts"]["async_save"]["error"] == "timed out"
     assert report["runs"]["snapshot"]["elapsed_vs_plain"] == pytest.approx(21.0 / 20.0)
@@ -92,3 +95,15 @@ def test_report_gathers_parts_and_records_failures(tmp_path):
     (tmp_path / "compat_resume.out").write_text(json.dumps({"losses": [*losses[20:39], 0.0]}) + "\n")
     subprocess.run([sys.executable, str(ROOT / "benchmarks/plan_gpu_check.py"), str(tmp_path)], capture_output=True, check=False)
     assert json.loads((tmp_path / "gpu-check.json").read_text())["compat"]["bitwise_equal"] is False
+
+
+def test_snapshot_check_runs_on_cpu_and_finds_its_step_in_both_saves():
+    """benchmarks/snapshot_check.py, the part that needs the GPU's streams to mean much, run here on
+    CPU at a small width: both saves hold the step they name and the steps after changed every tensor."""
+    command = [sys.executable, str(ROOT / "benchmarks/snapshot_check.py"), "--device", "cpu", "--n-embd", "64", "--n-layer", "2", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["holds_its_step"] is True
+    for kind in ("async_save", "snapshot"):
+        assert result[kind]["bitwise_equal"] and result[kind]["tensors"] == result[kind]["changed_after"] > 0, result

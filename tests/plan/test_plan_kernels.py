@@ -10,10 +10,17 @@ import pytest
 
 from fsdpkit.models.recipe import Optimizer
 from fsdpkit.plan.calibrate.measure import MemoryRates
-from fsdpkit.plan.kernels import OptimizerKernel, gather_cast_bytes, loss_bytes, optimizer_bytes_per_element, reduce_cast_bytes
+from fsdpkit.plan.kernels import (
+    OptimizerKernel,
+    gather_cast_bytes,
+    loss_bytes,
+    optimizer_bytes_per_element,
+    optimizer_kernel_for,
+    reduce_cast_bytes,
+)
 from fsdpkit.plan.predict import model_costs, optimizer_kernel, predict
 from fsdpkit.plan.profile import BUILT_IN
-from fsdpkit.train.config import TrainConfig
+from fsdpkit.train.config import ModelConfig, TrainConfig
 
 # gpt2-xl, bf16, 8 x 1024 tokens, one H200 (torch 2.11, CUDA 13): fsdpkit's median step in
 # benchmarks/engine.py, as docs/performance.md records it ("The planner against an H200").
@@ -95,8 +102,17 @@ def test_h100_prediction_differs_from_the_h200s_by_its_memory_bandwidth_alone(gp
     assert h100.step_time_s > h200.step_time_s
 
 
-def test_the_default_optimizer_kernel_is_the_one_train_builds(gpt2_xl):
-    # fsdpkit train runs fused AdamW where every parameter is on a GPU: so does the plan by default
+def test_train_and_the_plan_take_the_optimizer_kernel_from_one_rule(gpt2_xl, monkeypatch):
+    """One rule: fused AdamW where every parameter is on a GPU. The plan's default asks it
+    whether a run's parameters are on a GPU (a GPU per rank, not offloaded); `train` builds its
+    AdamW with the kernel it gives (here, on CPU, torch's default; told fused, fused)."""
+    import torch
+
+    from fsdpkit.plan import predict as plan_predict
+    from fsdpkit.train import loop
+
+    assert optimizer_kernel_for(True) is OptimizerKernel.FUSED and optimizer_kernel_for(False) is OptimizerKernel.EAGER
+    assert loop.optimizer_kernel_for is plan_predict.optimizer_kernel_for is optimizer_kernel_for
     request, _ = gpt2_xl
     default = dataclasses.replace(request, optimizer_kernel=None)
     offloaded = dataclasses.replace(default, sharding=dataclasses.replace(default.sharding, cpu_offload=True))
@@ -104,4 +120,9 @@ def test_the_default_optimizer_kernel_is_the_one_train_builds(gpt2_xl):
     assert optimizer_kernel(default, BUILT_IN["h200-ib400"]) is OptimizerKernel.FUSED
     assert optimizer_kernel(offloaded, BUILT_IN["h200-ib400"]) is OptimizerKernel.EAGER
     assert optimizer_kernel(default, cpu) is OptimizerKernel.EAGER
-    assert optimizer_kernel(request, BUILT_IN["h200-ib400"]) is OptimizerKernel.EAGER
+    assert optimizer_kernel(request, BUILT_IN["h200-ib400"]) is OptimizerKernel.EAGER  # an explicit kernel is kept
+    config = TrainConfig(model=ModelConfig(name="gpt-tiny"))
+    assert loop.build_optimizer(torch.nn.Linear(2, 2), config).defaults["fused"] is None
+    asked: list[bool] = []
+    monkeypatch.setattr(loop, "optimizer_kernel_for", lambda on_gpu: asked.append(on_gpu) or OptimizerKernel.FUSED)
+    assert loop.build_optimizer(torch.nn.Linear(2, 2), config).defaults["fused"] is True and asked == [False]

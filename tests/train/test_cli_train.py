@@ -146,12 +146,11 @@ def test_metrics_lines_follow_the_steps(flag_run):
     assert all(r["peak_memory_bytes"] > 0 and r["lr"] > 0 for r in records)
 
 
-def test_step_throughput_is_the_global_batch_over_every_step_but_the_first(flag_run):
+def test_every_steps_own_time_and_the_stalls_fit_in_the_elapsed_time(flag_run):
     step_times = [r["step_time_s"] for r in flag_run.metrics()]
-    tokens_per_step = 8 * 32
-    expected = tokens_per_step * 5 / sum(step_times[1:])
-    assert flag_run.summary["step_tokens_per_second"] == pytest.approx(expected, rel=1e-9)
-    assert flag_run.summary["tokens_per_second"] == pytest.approx(tokens_per_step * 6 / flag_run.summary["elapsed_seconds"], rel=1e-9)
+    summary = flag_run.summary
+    assert len(step_times) == 6 and min(step_times) > 0
+    assert sum(step_times) + summary["save_stall_s"] + summary["snapshot_stall_s"] <= summary["elapsed_seconds"]
 
 
 def test_log_without_a_terminal_is_plain_lines(flag_run):
