@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import log
-from ..checkpoint.offline.formats import FULL, SHARDED, detect_format
+from ..checkpoint.offline.formats import FULL, SHARDED, detect_format, open_checkpoint
 from ..errors import UsageError
 from ..paths import check_writable_directory
 from .config import TrainConfig
@@ -38,9 +38,14 @@ def foreign_format(path: str | None, *, init_from: bool = False) -> str | None:
 
 
 def check_model_named(path: str, explicit_model: str | None, flag: str) -> None:
-    """A converted checkpoint records no settings: --model must name its model."""
+    """A converted checkpoint records no settings: --model must name its model. The checkpoint is
+    read first, so a corrupt or truncated one is called that (DataCheckError), whatever the flags."""
     found = foreign_format(path, init_from=flag == "--init-from")
-    if found is not None and not explicit_model:
+    if found is None:
+        return
+    with open_checkpoint(path):
+        pass
+    if not explicit_model:
         raise UsageError(f"{flag} {path} is a {found} checkpoint, which records no fsdpkit settings: name its model with --model")
 
 
