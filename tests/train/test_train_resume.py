@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -46,7 +47,7 @@ def weights(path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    summary = train(*SETTINGS, "--steps", "6", "--save-every", "3", "--save-dir", str(root / "run"))
+    summary = train(*SETTINGS, "--steps", "6", "--save-every", "3", "--keep-last", "2", "--save-dir", str(root / "run"))
     return root, summary
 
 
@@ -88,6 +89,25 @@ def test_print_config_of_a_resume_shows_the_saved_settings_and_each_override_war
         f"warning: --seq-len 16 replaces 32 saved in {step_dir}",
         f"warning: --betas 0.9,0.95 replaces 0.8,0.9 saved in {step_dir}",
     ]
+
+
+def test_a_resume_saves_as_the_run_did_unless_told_otherwise(run, tmp_path):
+    """--save-every and --keep-last are saved settings too: a resume into a --save-dir takes them
+    (--print-config shows them), a flag still wins and says so, and without a --save-dir nothing
+    about saving is carried."""
+    root, _ = run
+    step_dir = root / "run" / "step-00000006"
+    carried, warnings = _print_config("--resume", str(root / "run"), "--save-dir", str(tmp_path / "new"))
+    assert warnings == [] and carried["checkpoint"]["save_every"] == 3 and carried["checkpoint"]["keep_last"] == 2
+    given, warnings = _print_config("--resume", str(root / "run"), "--save-dir", str(tmp_path / "new"), "--save-every", "4")
+    assert given["checkpoint"]["save_every"] == 4 and given["checkpoint"]["keep_last"] == 2
+    assert warnings == [f"warning: --save-every 4 replaces 3 saved in {step_dir}"]
+    unsaved, warnings = _print_config("--resume", str(root / "run"))
+    assert warnings == [] and unsaved["checkpoint"]["save_every"] == 0 and "keep_last" not in unsaved["checkpoint"]
+    # the run goes on in its own directory (a copy): saved at 9 and 12, only the newest two kept
+    shutil.copytree(root / "run", tmp_path / "run")
+    train("--resume", str(tmp_path / "run"), "--steps", "12", "--save-dir", str(tmp_path / "run"))
+    assert [step for step, _ in complete_steps(tmp_path / "run")] == [9, 12]
 
 
 def test_a_checkpoint_of_another_model_names_the_model_it_was_saved_from(run):
@@ -158,12 +178,13 @@ def test_a_run_and_its_resumes_are_one_run(tmp_path, no_launch, monkeypatch):
     refused = runner.invoke(app, [*common, "--steps", "2"])  # refused before launch: in this process
     run = tmp_path / "run"
     writers = [load_manifest(path).run_id for _, path in complete_steps(run)]
-    assert len(writers) == 3 and len(set(writers)) == 1 and writers[0], writers
+    assert len(writers) == 4 and len(set(writers)) == 1 and writers[0], writers  # the resume saves every step, as the run did
     (line,) = refused.stderr.splitlines()
     assert (
         refused.exit_code == 2
         and no_launch == []
-        and f"checkpoints step-00000001, step-00000002, step-00000004 of another run (run {writers[0]}, model gpt-tiny): " in line
+        and f"checkpoints step-00000002, step-00000003, step-00000004 (and 1 earlier) of another run (run {writers[0]}, model gpt-tiny): "
+        in line
     ), line
     assert continued_run_id(run, run) == writers[0] == continued_run_id(run, run / "step-00000004")
     assert continued_run_id(run, run / "step-00000002") is None and continued_run_id(run, None) is None
