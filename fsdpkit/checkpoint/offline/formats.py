@@ -8,6 +8,7 @@ Reading the table imports no torch: the offline side of every format is pure Pyt
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from .any_checkpoint import (
     open_sharded_checkpoint,
     open_torchsave_checkpoint,
 )
-from .convert import reshard, to_full
+from .convert import SCRATCH_NAME, reshard, restore_layout, to_full
 from .request import ConvertRequest, Keys, Options, Progress, ReshardRequest, check_options
 from .to_deepspeed import reshard_deepspeed, to_deepspeed
 from .to_sharded import to_sharded
@@ -66,9 +67,18 @@ def _is_sharded(path: Path) -> bool:
 
 def _write_dcp(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
     """FSDP2's `{"model", "optimizer"}` layout chunked for `--world-size` ranks (default 1): the
-    model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups."""
+    model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups.
+    The names and orientation are the model's own: a full export's layout is undone, as `--to sharded`
+    undoes it (its transposed weights transposed back in a scratch file beside `dst`, removed after)."""
     output = DcpOutput(request.world_size or 1, request.chunk_size, request.overwrite)
-    return sources_to_dcp(opened.stored(), Path(opened.opened_from), dst, aliases=opened.aliases, groups=opened.groups, output=output)
+    src = Path(opened.opened_from)
+    if opened.export_layout is None or opened.export_layout.is_identity:
+        return sources_to_dcp(opened.stored(), src, dst, aliases=opened.aliases, groups=opened.groups, output=output)
+    with tempfile.TemporaryDirectory(prefix=".fsdpkit-", dir=dst.parent) as scratch:
+        sources, aliases = restore_layout(
+            opened.stored(), opened.aliases, opened.export_layout, src, Path(scratch) / SCRATCH_NAME, chunk_size=request.chunk_size
+        )
+        return sources_to_dcp(sources, src, dst, aliases=aliases, groups=opened.groups, output=output)
 
 
 # In the order messages list them. A DeepSpeed save directory has a `latest` as fsdpkit's run
