@@ -155,3 +155,17 @@ def test_an_export_converted_to_dcp_has_the_models_names_as_to_sharded_does(tmp_
         dcp.load(loaded, checkpoint_id=tmp_path / "dcp", no_dist=True)
     assert all(torch.equal(loaded["model"][name], weights[name]) for name in weights)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # the scratch file is gone
+
+
+def test_inspect_of_a_checkpoint_converted_from_dcp_prints_nothing_unknown(tmp_path):
+    """A DCP checkpoint (torch's own) records no sample count: `inspect` of its conversion says
+    the step and leaves the samples out, never `None`."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # torch says it assumes a single process: it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": {"w": torch.arange(12.0).reshape(3, 4)}}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert run_cli("convert", tmp_path / "dcp", tmp_path / "run", "--to", "sharded", "--world-size", "2").exit_code == 0
+    result = run_cli("inspect", tmp_path / "run")
+    assert result.exit_code == 0 and "None" not in result.stdout and "samples" not in result.stdout, result.stdout
+    assert "step        " in result.stdout
