@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import log
+from ..checkpoint.offline.any_checkpoint import recorded_data_source
 from ..checkpoint.offline.formats import FULL, SHARDED, detect_format, open_checkpoint
 from ..errors import UsageError
 from ..paths import check_writable_directory
@@ -60,6 +61,8 @@ def converted(config: TrainConfig, world_size: int) -> Iterator[TrainConfig]:
     if source is None or found is None:
         yield config
         return
+    if field == "resume":
+        _note_other_data(source, config.data.source)
     holder = Path(tempfile.mkdtemp(prefix=HOLDER_PREFIX, dir=_holder_parent(checkpoint.save_dir)))
     try:
         target = holder / "checkpoint"
@@ -72,6 +75,15 @@ def converted(config: TrainConfig, world_size: int) -> Iterator[TrainConfig]:
         yield dataclasses.replace(config, checkpoint=local)
     finally:
         shutil.rmtree(holder, ignore_errors=True)
+
+
+def _note_other_data(source: str, data: str) -> None:
+    """One line when the checkpoint records the data its run trained on and this run reads other
+    data: its loss starts where that data, not this one, left it."""
+    with open_checkpoint(source) as opened:
+        recorded = recorded_data_source(opened)
+    if recorded is not None and recorded != data:
+        log.note(f"--data {data}: {source} was trained on {recorded}; the resumed run reads other data")
 
 
 def _holder_parent(save_dir: str | None) -> str | None:

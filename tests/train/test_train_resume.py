@@ -12,16 +12,23 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from fsdpkit_cli.app import app
+from support.checkpoint_files import run_cli, save_checkpoint
 from typer.testing import CliRunner
 
+from fsdpkit import log
 from fsdpkit.checkpoint.format.manifest import load_manifest
 from fsdpkit.checkpoint.format.storage import complete_steps
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
+from fsdpkit.models.source import resolve
 from fsdpkit.train import launcher
+from fsdpkit.train.config import TrainConfig
+from fsdpkit.train.foreign import converted
 from fsdpkit.train.save_dir import continued_run_id
 
 runner = CliRunner()
@@ -188,3 +195,32 @@ def test_a_run_and_its_resumes_are_one_run(tmp_path, no_launch, monkeypatch):
     ), line
     assert continued_run_id(run, run) == writers[0] == continued_run_id(run, run / "step-00000004")
     assert continued_run_id(run, run / "step-00000002") is None and continued_run_id(run, None) is None
+
+
+def test_a_resume_from_a_dcp_conversion_on_other_data_says_so(tmp_path, capfd):
+    """`convert --to dcp` of a run keeps the data source it trained on; a resume from that DCP
+    reading other data says so in one note before it converts; the same data, or a DCP that
+    records none (torch's own), says nothing."""
+    weights = {k: v for k, v in resolve("gpt-tiny").build(seed=0).state_dict().items() if k != "lm_head.weight"}
+    state = {"step": 1, "config": {"data": {"source": "synthetic"}}}
+    save_checkpoint(tmp_path / "run", 1, weights, world_size=1, aliases={"lm_head.weight": "wte.weight"}, training_state=state)
+    assert run_cli("convert", tmp_path / "run", tmp_path / "dcp", "--to", "dcp").exit_code == 0
+    with warnings.catch_warnings():  # torch says it assumes a single process: it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": weights}, checkpoint_id=tmp_path / "torch-dcp", no_dist=True)
+    (tmp_path / "text.txt").write_text("other data " * 200)
+    log.setup()
+    capfd.readouterr()
+    notes = {}
+    for name, data in (("dcp", str(tmp_path / "text.txt")), ("dcp", "synthetic"), ("torch-dcp", str(tmp_path / "text.txt"))):
+        values = {"model": {"name": "gpt-tiny"}, "data": {"source": data}, "checkpoint": {"resume": str(tmp_path / name)}}
+        with converted(TrainConfig.from_values(values), 1):
+            pass
+        notes[(name, data)] = [line for line in capfd.readouterr().err.splitlines() if not line.startswith("converting ")]
+    assert notes == {
+        ("dcp", str(tmp_path / "text.txt")): [
+            f"--data {tmp_path / 'text.txt'}: {tmp_path / 'dcp'} was trained on synthetic; the resumed run reads other data"
+        ],
+        ("dcp", "synthetic"): [],
+        ("torch-dcp", str(tmp_path / "text.txt")): [],
+    }

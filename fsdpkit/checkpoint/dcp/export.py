@@ -21,6 +21,9 @@ from .param_groups import param_group_items
 from .table import open_dcp
 from .writer import OutBytes, OutTensor, torch_saved, write_dcp
 
+DATA_SOURCE_PATH = ("fsdpkit", "data_source")  # a bytes item beside FSDP2's "model" and "optimizer"; dcp.load asks for neither
+DATA_SOURCE_KEY = ".".join(DATA_SOURCE_PATH)  # as the metadata flattens it
+
 
 @dataclass(frozen=True)
 class DcpOutput:
@@ -53,9 +56,17 @@ def _write(src: Path, dst: Path, tensors: list[OutTensor], items: list[OutBytes]
 
 
 def sources_to_dcp(
-    sources: list[SourceTensor], src: Path, dst: Path, *, aliases: dict[str, str], groups: list[dict], output: DcpOutput
+    sources: list[SourceTensor],
+    src: Path,
+    dst: Path,
+    *,
+    aliases: dict[str, str],
+    groups: list[dict],
+    output: DcpOutput,
+    data_source: str | None = None,
 ) -> dict:
-    """Model and optimizer sources and param groups, in fsdpkit's names and form, as DCP at `dst`."""
+    """Model and optimizer sources and param groups, in fsdpkit's names and form, as DCP at `dst`;
+    and the data source the run trained on, when known (DATA_SOURCE_PATH: a resume on other data says so)."""
     tensors, by_name = [], {s.name: s for s in sources}
     for source in sources:
         optim = split_optim_tensor_name(source.name)
@@ -64,6 +75,8 @@ def sources_to_dcp(
         OutTensor(("model", alias), by_name[stored]) for alias, stored in aliases.items() if alias not in by_name and stored in by_name
     ]
     items = [OutBytes(path, read) for path, read in param_group_items(groups, torch_saved)]
+    if data_source is not None:
+        items.append(OutBytes(DATA_SOURCE_PATH, partial(torch_saved, data_source)))
     return _write(src, dst, tensors, items, output, {"param_groups": len(groups)})
 
 

@@ -225,6 +225,20 @@ def _split(tensors: list[SourceTensor], aliases: dict[str, str]) -> tuple[dict[s
     return _with_aliases(model, aliases), optimizer
 
 
+def recorded_data_source(opened: AnyCheckpoint) -> str | None:
+    """The data source the run that wrote `opened` trained on, where it records one: an fsdpkit
+    checkpoint's config, or the item fsdpkit's `convert --to dcp` writes from it."""
+    from ..dcp.export import DATA_SOURCE_KEY
+
+    if DATA_SOURCE_KEY in opened.items:
+        value = opened.items[DATA_SOURCE_KEY]()
+    else:
+        config = opened.items["config"]() if "config" in opened.items else None
+        data = config.get("data") if isinstance(config, dict) else None
+        value = data.get("source") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def _values(values: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     """Readers of items already read."""
     return {key: partial(values.__getitem__, key) for key in values}

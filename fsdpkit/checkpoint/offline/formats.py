@@ -32,6 +32,7 @@ from .any_checkpoint import (
     open_full_checkpoint,
     open_sharded_checkpoint,
     open_torchsave_checkpoint,
+    recorded_data_source,
 )
 from .convert import SCRATCH_NAME, reshard, restore_layout, to_full
 from .request import ConvertRequest, Keys, Options, Progress, ReshardRequest, check_options
@@ -71,14 +72,16 @@ def _write_dcp(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progre
     The names and orientation are the model's own: a full export's layout is undone, as `--to sharded`
     undoes it (its transposed weights transposed back in a scratch file beside `dst`, removed after)."""
     output = DcpOutput(request.world_size or 1, request.chunk_size, request.overwrite)
-    src = Path(opened.opened_from)
+    src, data_source = Path(opened.opened_from), recorded_data_source(opened)
     if opened.export_layout is None or opened.export_layout.is_identity:
-        return sources_to_dcp(opened.stored(), src, dst, aliases=opened.aliases, groups=opened.groups, output=output)
+        return sources_to_dcp(
+            opened.stored(), src, dst, aliases=opened.aliases, groups=opened.groups, output=output, data_source=data_source
+        )
     with tempfile.TemporaryDirectory(prefix=".fsdpkit-", dir=dst.parent) as scratch:
         sources, aliases = restore_layout(
             opened.stored(), opened.aliases, opened.export_layout, src, Path(scratch) / SCRATCH_NAME, chunk_size=request.chunk_size
         )
-        return sources_to_dcp(sources, src, dst, aliases=aliases, groups=opened.groups, output=output)
+        return sources_to_dcp(sources, src, dst, aliases=aliases, groups=opened.groups, output=output, data_source=data_source)
 
 
 # In the order messages list them. A DeepSpeed save directory has a `latest` as fsdpkit's run
