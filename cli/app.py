@@ -9,7 +9,6 @@ this one: what they share is in common.py and group.py.
 from __future__ import annotations
 
 import shutil
-from importlib import metadata
 
 import typer
 import typer.rich_utils
@@ -74,13 +73,11 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        try:
-            torch_version = f" (torch {metadata.version('torch')})"
-        except metadata.PackageNotFoundError:
-            torch_version = ""
         from fsdpkit import __version__
+        from fsdpkit.dist import torch_window
 
-        typer.echo(f"fsdpkit {__version__}{torch_version}")
+        torch_version = torch_window.installed_torch_version()
+        typer.echo(f"fsdpkit {__version__}" + (f" (torch {torch_version})" if torch_version else ""))
         raise typer.Exit(0)
 
 

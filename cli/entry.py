@@ -1,7 +1,8 @@
 """The `fsdpkit` console script: the CLI imported and run inside one handler, so that Ctrl-C at
-any moment, the imports of the first second included, ends with `error: interrupted` and exit
-130, never a traceback. (Before it runs, for the first tenth of a second or so, Python itself is
-starting, and a Ctrl-C then gets Python's own traceback: this module imports nothing slow.)
+any moment, the imports of the first second included, and pressed again and again, ends with one
+`error: interrupted` line and exit 130, never a traceback. (Before it runs, for the first tenth of
+a second or so, Python itself is starting, and a Ctrl-C then gets Python's own traceback: this
+module imports nothing slow.)
 
 A KeyboardInterrupt can be swallowed by code that catches everything (an optional import
 somewhere below torch, say); the SIGINT handler therefore also leaves a mark in the
@@ -9,6 +10,11 @@ environment (INTERRUPTED_ENV), which `fsdpkit.dist.launch` checks before it star
 A KeyboardInterrupt raised while torch's own import runs can abort the interpreter (a C++
 initialiser sees a Python error), so an interrupt that comes then is raised once the import
 is over: a timer (SIGALRM) looks again shortly after.
+
+The interrupt is raised once: a second or third Ctrl-C, or the timer, while the first one's
+exit is under way (its KeyboardInterrupt or the exit it became is being handled, or the run is
+in its last cleanup) only leaves the mark; the timer is stopped and SIGALRM ignored on the way
+out, so it cannot end the process after Python has put the default action back.
 """
 
 from __future__ import annotations
@@ -27,42 +33,62 @@ def _importing(name: str) -> bool:
     return bool(getattr(spec, "_initializing", False))
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    os.environ[INTERRUPTED_ENV] = "1"
-    if _importing("torch"):
-        signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)
-        return
-    handler = signal.getsignal(signal.SIGINT)
-    if signum == signal.SIGALRM and callable(handler) and handler is not _interrupt:
-        handler(signal.SIGINT, frame)  # the launcher's own, while it runs
-    raise KeyboardInterrupt
+class Interrupts:
+    """The console script's handler of SIGINT and of the retry timer's SIGALRM, and its hook for
+    exceptions Python can only report."""
 
+    def __init__(self) -> None:
+        self.raised = False  # a KeyboardInterrupt was raised (and not lost where Python could only report it)
+        self.finishing = False  # the run's last cleanup: nothing is raised any more
 
-def unraisable_hook(unraisable: sys.UnraisableHookArgs) -> None:
-    """Python's report of an exception it could not raise, except an interrupt (one raised in a
-    weakref callback of the import machinery or in a `__del__`, where Python can only report it):
-    that one comes again through the timer, as one held back during torch's import does, so the
-    run still ends with one line and exit 130, and without a traceback."""
-    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-        signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)
-    else:
-        sys.__unraisablehook__(unraisable)
+    def __call__(self, signum: int, frame: object) -> None:
+        os.environ[INTERRUPTED_ENV] = "1"
+        if self.raised or self.finishing or isinstance(sys.exception(), (KeyboardInterrupt, SystemExit)):
+            return  # an interrupt's exit (or the run's end) is under way: this one changes nothing
+        if _importing("torch"):
+            signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)
+            return
+        self.raised = True
+        handler = signal.getsignal(signal.SIGINT)
+        if signum == signal.SIGALRM and callable(handler) and handler is not self:
+            handler(signal.SIGINT, frame)  # the launcher's own, while it runs
+        raise KeyboardInterrupt
+
+    def unraisable_hook(self, unraisable: sys.UnraisableHookArgs) -> None:
+        """Python's report of an exception it could not raise, except an interrupt (one raised in a
+        weakref callback of the import machinery or in a `__del__`, where Python can only report
+        it): that one comes again through the timer, as one held back during torch's import does,
+        so the run still ends with one line and exit 130, and without a traceback."""
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            self.raised = False
+            signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)
+        else:
+            sys.__unraisablehook__(unraisable)
+
+    def stop(self) -> None:
+        """No interrupt raised from here on: the timer stopped, both signals ignored."""
+        self.finishing = True
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def main() -> None:
-    sys.unraisablehook = unraisable_hook
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGALRM, _interrupt)
+    interrupts = Interrupts()
+    sys.unraisablehook = interrupts.unraisable_hook
+    signal.signal(signal.SIGINT, interrupts)
+    signal.signal(signal.SIGALRM, interrupts)
     try:
         from .app import main as run
 
         run()
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
+        interrupts.stop()
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # nor the wait for the launch's helpers
+        interrupts.finishing = True  # before any call: a handler may run at each one
+        interrupts.stop()  # nor during the wait for the launch's helpers
         from fsdpkit.dist.worker_entry import stop_fork_server
 
         stop_fork_server()

@@ -7,13 +7,19 @@ one line on stderr and exit 2; a group run with no arguments prints its help onc
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import errno
 import importlib
 import inspect
+import os
 import re
+import select
 import sys
+from collections.abc import Iterator
 from typing import Any
 
+import rich.console
 import typer
 from typer.core import TyperCommand, TyperGroup
 
@@ -64,6 +70,40 @@ def load_command(module_name: str, name: str) -> Any:
     return command
 
 
+def stdout_reader_gone() -> bool:
+    """True when stdout is a pipe whose reader has closed it (`fsdpkit ... | head` after head's lines)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's captured output)
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _broken_pipe(console: rich.console.Console) -> None:
+    raise BrokenPipeError(errno.EPIPE, "stdout's reader is gone")
+
+
+# rich answers a broken pipe with exit 1 (help is printed by rich): leave it to output_may_be_cut_short
+rich.console.Console.on_broken_pipe = _broken_pipe  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def output_may_be_cut_short() -> Iterator[None]:
+    """A reader of stdout gone (`| head`) ends the command with exit 0 and nothing on stderr, as
+    `ls | head` does: what is left to print goes nowhere. Any other broken pipe is an error."""
+    try:
+        yield
+    except BrokenPipeError:
+        if not stdout_reader_gone():
+            raise
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(nowhere, sys.stdout.fileno())  # the text still buffered is flushed there at exit
+        os.close(nowhere)
+        raise typer.Exit(0) from None
+
+
 class FsdpkitGroup(TyperGroup):
     """Typer's group with one-line usage errors, commands loaded from `command_table`
     (name -> (module defining `command_app`, short help)) and flag-type-free help."""
@@ -89,10 +129,22 @@ class FsdpkitGroup(TyperGroup):
             code = error.exit_code
         code = code if isinstance(code, int) else 0
         if code == INTERRUPTED:  # Typer's code for a KeyboardInterrupt, wherever it came (parsing, loading torch, a command)
-            typer.echo("error: interrupted", err=True)
+            try:
+                if standalone_mode:
+                    sys.exit(code)
+            finally:  # written as the exit is under way, when a further Ctrl-C raises nothing (entry.py): once
+                typer.echo("error: interrupted", err=True)
         if standalone_mode:
             sys.exit(code)
         return code
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with output_may_be_cut_short():  # --help is printed while the context is made
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with output_may_be_cut_short():  # a command's output, or its --help
+            return super().invoke(ctx)
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if not args and self.no_args_is_help and not ctx.resilient_parsing:

@@ -44,7 +44,8 @@ def _lines(summary: FullSummary) -> list[str]:
     if sharded:
         lines += [
             f"world size  {sharded.world_size}  strategy {sharded.strategy}  placement {sharded.placement} ({sharded.units} units)",
-            f"step        {sharded.step}  samples {sharded.samples}",
+            f"step        {'unknown' if sharded.step is None else sharded.step}"
+            + (f"  samples {sharded.samples}" if sharded.samples is not None else ""),  # a converted checkpoint counts none
         ]
         if sharded.config:
             lines.append(f"run         {_run_settings(sharded.config)}")

@@ -21,6 +21,14 @@ from .common import FsdpkitCommand, handle_errors, print_json
 from .settings_options import given_values, setting_parameters, with_parameters
 
 ALL_SECTIONS = (TOP, *SECTIONS)
+# --print-config shows first the sections, and in each the keys, that runs change most (TOML's order is free).
+SHOWN_FIRST: dict[str, tuple[str, ...]] = {
+    "model": ("name",),
+    "optimizer": ("lr", "warmup_steps", "schedule", "decay_steps"),
+    "data": ("source", "seq_len", "global_batch_size", "grad_accum"),
+    "checkpoint": ("save_dir", "save_every", "keep_last", "resume"),
+    "launch": ("nproc_per_node", "nnodes"),
+}
 PANELS = ("Model", "Data", "Sharding", "Precision", "Memory", "Overlap", "Communication", "Optimizer", "Checkpoints", "Launch", "Output")
 
 HELP = """Train a model with fsdpkit's sharded engine across several processes.
@@ -64,7 +72,10 @@ def train(
     for line in overrides:
         log.warn(line)
     if print_config:
-        typer.echo(to_toml(config.to_values(), header="fsdpkit train config (fsdpkit train --config FILE replays it)"), nl=False)
+        typer.echo(
+            to_toml(most_changed_first(config.to_values()), header="fsdpkit train config (fsdpkit train --config FILE replays it)"),
+            nl=False,
+        )
         return
     from fsdpkit.train.launcher import run_training
 
@@ -75,6 +86,19 @@ def train(
         print_json(summary.to_json())
     else:
         typer.echo(format_summary(summary))
+
+
+def most_changed_first(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` (the top-level keys, then one table per section) reordered by SHOWN_FIRST."""
+    tables = [name for name in SHOWN_FIRST if name in values] + [name for name in values if name not in SHOWN_FIRST]
+    ordered = {}
+    for name in tables:
+        table = values[name]
+        if isinstance(table, dict):
+            first = [key for key in SHOWN_FIRST.get(name, ()) if key in table]
+            table = {key: table[key] for key in [*first, *(key for key in table if key not in first)]}
+        ordered[name] = table
+    return ordered
 
 
 def format_summary(summary: TrainSummary) -> str:

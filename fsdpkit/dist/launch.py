@@ -246,15 +246,19 @@ def _worker_logs() -> Iterator[str]:
 @contextlib.contextmanager
 def _stop_signals() -> Iterator[None]:
     """SIGTERM: pass it on to the workers, and to those started later (STOP_ENV); a second
-    SIGTERM or SIGINT: pass SIGINT on and raise KeyboardInterrupt (the agent then stops the
-    workers, killing any still there after SHUTDOWN_SECONDS)."""
+    SIGTERM or SIGINT: pass SIGINT on and raise KeyboardInterrupt, once (the agent then stops the
+    workers, killing any still there after SHUTDOWN_SECONDS, and a later one must not cut that short)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
+    stopping: list[int] = []  # the signal that raised KeyboardInterrupt: raised once, the agent's cleanup is not cut short
+
     def stop_now(signum: int, frame: Any) -> None:
         _signal_workers(signal.SIGINT)
-        raise KeyboardInterrupt
+        if not stopping:
+            stopping.append(signum)
+            raise KeyboardInterrupt
 
     def stop_after_step(signum: int, frame: Any) -> None:
         if os.environ.get(STOP_ENV) == "1":

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import log
-from ..checkpoint.offline.formats import FULL, SHARDED, detect_format
+from ..checkpoint.core.any_checkpoint import recorded_data_source
+from ..checkpoint.offline.formats import FULL, SHARDED, detect_format, open_checkpoint
 from ..errors import UsageError
 from ..paths import check_writable_directory
 from .config import TrainConfig
@@ -38,9 +39,14 @@ def foreign_format(path: str | None, *, init_from: bool = False) -> str | None:
 
 
 def check_model_named(path: str, explicit_model: str | None, flag: str) -> None:
-    """A converted checkpoint records no settings: --model must name its model."""
+    """A converted checkpoint records no settings: --model must name its model. The checkpoint is
+    read first, so a corrupt or truncated one is called that (DataCheckError), whatever the flags."""
     found = foreign_format(path, init_from=flag == "--init-from")
-    if found is not None and not explicit_model:
+    if found is None:
+        return
+    with open_checkpoint(path):
+        pass
+    if not explicit_model:
         raise UsageError(f"{flag} {path} is a {found} checkpoint, which records no fsdpkit settings: name its model with --model")
 
 
@@ -55,6 +61,8 @@ def converted(config: TrainConfig, world_size: int) -> Iterator[TrainConfig]:
     if source is None or found is None:
         yield config
         return
+    if field == "resume":
+        _note_other_data(source, config.data.source)
     holder = Path(tempfile.mkdtemp(prefix=HOLDER_PREFIX, dir=_holder_parent(checkpoint.save_dir)))
     try:
         target = holder / "checkpoint"
@@ -67,6 +75,15 @@ def converted(config: TrainConfig, world_size: int) -> Iterator[TrainConfig]:
         yield dataclasses.replace(config, checkpoint=local)
     finally:
         shutil.rmtree(holder, ignore_errors=True)
+
+
+def _note_other_data(source: str, data: str) -> None:
+    """One line when the checkpoint records the data its run trained on and this run reads other
+    data: its loss starts where that data, not this one, left it."""
+    with open_checkpoint(source) as opened:
+        recorded = recorded_data_source(opened)
+    if recorded is not None and recorded != data:
+        log.note(f"--data {data}: {source} was trained on {recorded}; the resumed run reads other data")
 
 
 def _holder_parent(save_dir: str | None) -> str | None:

@@ -4,12 +4,14 @@ from the checkpoint (its training state records the whole config), not from the 
     values, overrides = resume_values(explicit, saved_run(path))
 
 Carried from the checkpoint: the seed, the model, data, sharding (strategy, precision, ...) and
-optimizer sections (with the schedule), and the step count the run ends at. A value given
-explicitly (a flag, or a --config file) wins; for a carried setting other than the step count
-that differs from the saved one, `overrides` holds one line naming the setting, the saved
-value and the new one. The world size, the device, the checkpoint, logging and launch settings
-are this run's own: they are never carried, and changing them says nothing. A checkpoint in
-another format (foreign.py) carries no settings: the flags are the run's, --model among them.
+optimizer sections (with the schedule), the step count the run ends at, and how the run saves
+(--save-every, --keep-last, --async-save: when this run saves too, given --save-dir; and
+--snapshot-every). A value given explicitly (a flag, or a --config file) wins; for a carried
+setting other than the step count that differs from the saved one, `overrides` holds one line
+naming the setting, the saved value and the new one. The world size, the device, where the run
+saves, what it resumes from, logging and launch settings are this run's own: they are never
+carried, and changing them says nothing. A checkpoint in another format (foreign.py) carries no
+settings: the flags are the run's, --model among them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from .foreign import check_model_named, foreign_format
 
 CARRIED_SECTIONS = ("model", "data", "sharding", "optimizer")
 CARRIED_TOP = ("seed", "steps")
+CARRIED_SAVES = ("save_every", "keep_last", "async_save", "snapshot_every")  # of the checkpoint section
+NEED_SAVE_DIR = ("save_every", "keep_last", "async_save")  # carried only into a run that saves
 SILENT = ("steps",)  # carried as the default, but changing it is the point of many resumes
 
 
@@ -56,22 +60,27 @@ def _flags() -> dict[tuple[str, str], str]:
     return {(section.name, spec.key): spec.long_flag for section in (TOP, *SECTIONS) for spec in section.settings}
 
 
-def carried_values(saved: Mapping[str, Any]) -> dict[str, Any]:
+def carried_values(saved: Mapping[str, Any], *, saves: bool) -> dict[str, Any]:
     """The part of a saved config a resumed run starts from (keys this version no longer knows
-    are left out)."""
+    are left out); `saves`: the resumed run has a --save-dir, so the save cadence comes too."""
     flags = _flags()
     carried: dict[str, Any] = {key: saved[key] for key in CARRIED_TOP if key in saved}
     for name in CARRIED_SECTIONS:
         section = saved.get(name)
         if isinstance(section, Mapping):
             carried[name] = {key: value for key, value in section.items() if (name, key) in flags}
+    checkpoint = saved.get("checkpoint")
+    if isinstance(checkpoint, Mapping):
+        keys = [key for key in CARRIED_SAVES if saves or key not in NEED_SAVE_DIR]
+        carried["checkpoint"] = {key: checkpoint[key] for key in keys if key in checkpoint}
     return carried
 
 
 def resume_values(explicit: Mapping[str, Any], saved: SavedRun) -> tuple[dict[str, Any], list[str]]:
     """`explicit` (nested plain values) over the saved run's carried settings; and one line for
     each explicit value that replaces a different saved one."""
-    carried = carried_values(saved.values)
+    checkpoint = explicit.get("checkpoint")
+    carried = carried_values(saved.values, saves=isinstance(checkpoint, Mapping) and bool(checkpoint.get("save_dir")))
     flags = _flags()
     overrides = []
     for (section, key), flag in flags.items():

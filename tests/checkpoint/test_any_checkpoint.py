@@ -5,6 +5,7 @@ launches: test_dcp.py, test_deepspeed.py); `diff` of a run and its own transform
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -128,3 +129,43 @@ def test_diff_of_a_run_and_its_transformers_export(tmp_path):
     other = save_checkpoint(tmp_path / "prefixed", 1, prefixed, world_size=1)
     result = run_cli("diff", changed, other)
     assert result.exit_code == 3 and "28 names in b only are a's with the prefix 'model.' added" in result.stdout, result.stdout
+
+
+def test_an_export_converted_to_dcp_has_the_models_names_as_to_sharded_does(tmp_path):
+    """`convert --to dcp` of the built-in GPT's transformers export undoes its layout (prefix and
+    transposed Conv1D weights) as `--to sharded` does: torch's dcp.load finds the model's own
+    names and weights in it, and diff of the run against either conversion says equal."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdpkit.models.source import resolve
+
+    source = resolve("gpt-tiny")
+    weights = {k: v for k, v in source.build(seed=0).state_dict().items() if k != "lm_head.weight"}
+    state = {"step": 1, "export": source.export.to_json()}
+    run = save_checkpoint(tmp_path / "run", 1, weights, world_size=2, aliases={"lm_head.weight": "wte.weight"}, training_state=state)
+    assert run_cli("convert", run, tmp_path / "hf", "--to", "full").exit_code == 0
+    for to, extra in (("dcp", ()), ("sharded", ("--world-size", "2"))):
+        result = run_cli("convert", tmp_path / "hf", tmp_path / to, "--to", to, *extra)
+        assert result.exit_code == 0, result.output
+        result = run_cli("diff", run, tmp_path / to)
+        assert result.exit_code == 0 and "equal: sharded" in result.stdout, result.stdout
+    loaded = {"model": {name: torch.empty_like(tensor) for name, tensor in weights.items()}}
+    with warnings.catch_warnings():  # torch says it assumes a single process: it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(loaded, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert all(torch.equal(loaded["model"][name], weights[name]) for name in weights)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # the scratch file is gone
+
+
+def test_inspect_of_a_checkpoint_converted_from_dcp_prints_nothing_unknown(tmp_path):
+    """A DCP checkpoint (torch's own) records no sample count: `inspect` of its conversion says
+    the step and leaves the samples out, never `None`."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # torch says it assumes a single process: it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": {"w": torch.arange(12.0).reshape(3, 4)}}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert run_cli("convert", tmp_path / "dcp", tmp_path / "run", "--to", "sharded", "--world-size", "2").exit_code == 0
+    result = run_cli("inspect", tmp_path / "run")
+    assert result.exit_code == 0 and "None" not in result.stdout and "samples" not in result.stdout, result.stdout
+    assert "step        " in result.stdout

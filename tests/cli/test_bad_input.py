@@ -12,9 +12,11 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from fsdpkit_cli.app import app
 from support.checkpoint_files import save_checkpoint, tree_snapshot
 from typer.testing import CliRunner
@@ -39,6 +41,9 @@ CASES = [
     (TRAIN + ("--init-from", "corrupt"), 3, "rank-00001-of-00002.safetensors"),
     (TRAIN + ("--resume", "good", "--init-from", "good"), 2, "--resume and --init-from exclude each other"),
     (TRAIN + ("--resume", "dcp"), 2, "--resume dcp is a dcp checkpoint, which records no fsdpkit settings: name its model with --model"),
+    (TRAIN + ("--resume", "broken.safetensors"), 3, "broken.safetensors: truncated safetensors file"),  # read before --model is asked for
+    (TRAIN + ("--resume", "broken-dcp"), 3, "broken-dcp/.metadata: not a readable pickle"),
+    (TRAIN + ("--init-from", "broken-dcp"), 3, "broken-dcp/.metadata: not a readable pickle"),
     (TRAIN + ("--init-from", "dcp"), 2, "--init-from dcp is a dcp checkpoint, which records no fsdpkit settings: name its model"),
     (TRAIN + ("--keep-last", "2"), 2, "need --save-dir"),
     (TRAIN + ("--global-batch-size", "3"), 2, "--global-batch-size 3 is not divisible by world size 2"),
@@ -71,6 +76,7 @@ CASES = [
     (("reshard", "good", "out", "--world-size", "0"), 2, "--world-size must be >= 1, got 0"),
     (("reshard", "missing", "out", "--world-size", "2"), 2, "missing: does not exist"),
     (("reshard", "corrupt", "out", "--world-size", "3"), 3, "rank-00001-of-00002.safetensors"),
+    (("reshard", "broken.safetensors", "out", "--world-size", "2"), 3, "broken.safetensors: truncated safetensors file"),
     # inspect, verify
     (("inspect",), 2, "missing argument 'ckpt'"),
     (("inspect", "missing"), 2, "missing: does not exist"),
@@ -105,8 +111,9 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
-    """A working directory with a good and a corrupt checkpoint, a DCP directory, an empty directory, a text
-    file, an existing destination, and a run directory whose lock this process holds."""
+    """A working directory with a good and a corrupt checkpoint, a DCP checkpoint (torch's) and a broken one,
+    a full safetensors file holding `{}`, an empty directory, a text file, an existing destination, and a
+    run directory whose lock this process holds."""
     root = tmp_path_factory.mktemp("scratch")
     tensors = {"w": torch.arange(40, dtype=torch.float32), "b": torch.ones(3)}
     save_checkpoint(root / "good", 1, tensors, world_size=2)
@@ -115,8 +122,12 @@ def scratch(tmp_path_factory):
     rank_file.write_bytes(rank_file.read_bytes()[:-4])
     (root / "empty").mkdir()
     (root / "existing").mkdir()
-    (root / "dcp").mkdir()
-    (root / "dcp" / ".metadata").write_bytes(b"")  # a DCP directory as far as telling its format goes
+    with warnings.catch_warnings():  # torch says it assumes a single process: it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": tensors["w"]}, checkpoint_id=root / "dcp", no_dist=True)
+    (root / "broken-dcp").mkdir()
+    (root / "broken-dcp" / ".metadata").write_bytes(b"")  # a DCP directory as far as telling its format goes
+    (root / "broken.safetensors").write_text("{}")
     (root / "notes.txt").write_text("hello\n")
     with RunLock.acquire(root / "locked"):
         yield root
@@ -133,7 +144,17 @@ def test_bad_input_is_one_line_the_right_exit_code_and_nothing_written(scratch, 
     assert "Traceback" not in result.output
     assert result.stdout == ""
     assert tree_snapshot(scratch) == before
-    assert sorted(os.listdir(scratch)) == ["corrupt", "dcp", "empty", "existing", "good", "locked", "notes.txt"]
+    assert sorted(os.listdir(scratch)) == [
+        "broken-dcp",
+        "broken.safetensors",
+        "corrupt",
+        "dcp",
+        "empty",
+        "existing",
+        "good",
+        "locked",
+        "notes.txt",
+    ]
 
 
 def test_the_table_spans_every_command():

@@ -4,6 +4,7 @@ no file in the repository cites an issue number, which means nothing to a reader
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,26 @@ def test_every_warning_is_one_line_and_quiet_keeps_only_warnings():
     warnings = ["warning: a python warning, over two lines", "warning: an fsdpkit warning"]
     assert _stderr(quiet=False) == [*warnings, "a note"]
     assert _stderr(quiet=True) == warnings
+
+
+def test_output_whose_reader_stops_early_is_a_success_with_nothing_on_stderr():
+    """`fsdpkit train --help | head -3` exits 0 quietly, as `ls | head` does: through a real pipe
+    whose reader closes it at once (the first write fails) or after three lines, as head does."""
+    fsdpkit = str(Path(sys.executable).with_name("fsdpkit"))
+    runs = []
+    for args, lines_read in ((["train", "--help"], 0), (["train", "--help"], 3), (["convert", "--help"], 0), (["--help"], 3)):
+        read_end, write_end = os.pipe()
+        runs.append((args, lines_read, read_end, subprocess.Popen([fsdpkit, *args], stdout=write_end, stderr=subprocess.PIPE)))
+        os.close(write_end)
+        if not lines_read:
+            os.close(read_end)  # before the command has written anything: its first write fails
+    for args, lines_read, read_end, process in runs:
+        head = []
+        if lines_read:
+            with os.fdopen(read_end, "rb") as reader:
+                head = [reader.readline() for _ in range(lines_read)]
+        _, stderr = process.communicate(timeout=60)
+        assert (process.returncode, stderr.decode()) == (0, ""), (args, head)
 
 
 def test_help_shows_brackets_literally():

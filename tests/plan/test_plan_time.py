@@ -577,11 +577,10 @@ def test_calibrate_measures_this_machine_into_a_profile_that_plan_reads(tmp_path
     assert result.exit_code == 0, result.output
     profile = load(str(out))
     assert profile.compute_slots == len(os.sched_getaffinity(0)) and not profile.overlap
-    # a reduction costs something beyond its bytes; how it splits from an all-gather's cost is
-    # fitted from two steps whose difference (15 all-gathers) is near this machine's noise
+    # The structure of the fit, not its figures: a latency or an overhead fitted from a difference
+    # near this machine's noise may be 0 on a loaded machine (benchmarks/plan_time.py reports them).
     gather = profile.intra_latency_s + profile.fitted.collective_overhead_s
     assert 0 <= gather <= MAX_LATENCY_S and 0 <= profile.fitted.reduce_overhead_s <= MAX_LATENCY_S
-    assert gather + profile.fitted.reduce_overhead_s > 0
     assert profile.intra_bw_gbs > 0 and 0 < profile.fitted.efficiency <= 1
     # the copy gives the bandwidth, the elementwise sum the share of it such kernels reach
     assert profile.memory_bw_gbs > 0 and 0 < profile.memory_efficiency <= 1

@@ -349,6 +349,22 @@ def _print_config(*args: str) -> dict:
     return tomllib.loads(result.stdout)
 
 
+def test_print_config_shows_the_settings_runs_change_most_first():
+    """The step count, the model, the learning rate and its warm-up, the batch, where to save and
+    how many processes within the first screen; the file reads back as the same config."""
+    printed = invoke("train", "--print-config").stdout
+    line_of, section = {}, ""
+    for number, line in enumerate(printed.splitlines(), 1):
+        if line.startswith("["):
+            section = line.strip("[]")
+        elif " =" in line:
+            line_of[f"{section}.{line.lstrip('# ').split(' =')[0]}".lstrip(".")] = number
+    first = ["steps", "model.name", "optimizer.lr", "optimizer.warmup_steps", "data.seq_len", "data.global_batch_size"]
+    assert max(line_of[key] for key in first) <= 30 and line_of["checkpoint.save_dir"] <= 45, line_of
+    assert line_of["launch.nproc_per_node"] < line_of["sharding.strategy"]
+    assert _print_config() == tomllib.loads(printed)
+
+
 def test_torchrun_launch_spellings():
     launch = _print_config(
         "--nproc_per_node",

@@ -348,11 +348,11 @@ def test_an_interrupt_python_cannot_raise_is_delivered_again():
     any other exception is still reported. Without the hook the interrupt is lost."""
     code = (
         "import signal, sys, time\n"
-        "from fsdpkit_cli.entry import unraisable_hook\n"
-        "def interrupt(signum, frame): raise KeyboardInterrupt\n"
-        "signal.signal(signal.SIGALRM, interrupt)  # as the CLI's own handler does\n"
+        "from fsdpkit_cli.entry import Interrupts\n"
+        "interrupts = Interrupts()\n"
+        "signal.signal(signal.SIGALRM, interrupts)  # as the CLI does\n"
         "if sys.argv[1] == 'hook':\n"
-        "    sys.unraisablehook = unraisable_hook\n"
+        "    sys.unraisablehook = interrupts.unraisable_hook\n"
         "class Interrupted:\n"
         "    def __del__(self): raise KeyboardInterrupt\n"
         "class Failing:\n"
@@ -368,6 +368,30 @@ def test_an_interrupt_python_cannot_raise_is_delivered_again():
     assert hooked.stdout == "interrupted\n" and "ValueError: reported" in hooked.stderr, (hooked.stdout, hooked.stderr)
     assert "KeyboardInterrupt" not in hooked.stderr, hooked.stderr
     assert plain.stdout == "not interrupted\n" and "KeyboardInterrupt" in plain.stderr, (plain.stdout, plain.stderr)
+
+
+def test_an_interrupt_held_back_during_torchs_import_does_not_come_again_in_the_exit():
+    """Ctrl-C while torch is imported arms the retry timer; a second one just after the import is
+    raised at once. The timer then fires during the exit (here an exit made slow on purpose): it
+    must neither raise a second KeyboardInterrupt (a traceback) nor, once Python has put SIGALRM's
+    default action back, kill the process (exit 142)."""
+    code = (
+        "import atexit, os, signal, sys, time, types\n"
+        "from fsdpkit_cli import entry\n"
+        "torch_spec = types.SimpleNamespace(_initializing=True)\n"
+        "def run():\n"
+        "    sys.modules['torch'] = types.SimpleNamespace(__spec__=torch_spec)  # torch being imported\n"
+        "    os.kill(os.getpid(), signal.SIGINT)  # held back: the timer looks again shortly after\n"
+        "    time.sleep(0.005)\n"
+        "    torch_spec._initializing = False\n"
+        "    os.kill(os.getpid(), signal.SIGINT)  # raised at once\n"
+        "    time.sleep(5)\n"
+        "sys.modules['fsdpkit_cli.app'] = types.SimpleNamespace(main=run)  # the command line, without Typer\n"
+        "atexit.register(time.sleep, 1.0)  # the timer fires meanwhile\n"
+        "entry.main()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (130, "error: interrupted\n")
 
 
 def test_sigint_at_any_moment_is_one_line_and_exit_130(tmp_path):
@@ -391,4 +415,51 @@ def test_sigint_at_any_moment_is_one_line_and_exit_130(tmp_path):
             lines = [line for line in run.stderr.splitlines() if not line.startswith(("launching ", "training: "))]  # progress lines
             if (run.exit_code, lines) != (130, ["error: interrupted"]) or left_in_session(process.pid):
                 failures.append((delay, "group" if to_group else "launcher", run.exit_code, run.stderr[-2000:]))
+    assert failures == []
+
+
+# Ctrl-C pressed three times, 0.1 s apart, to the process group, at twelve moments of the start-up,
+# each counted from what the launcher is doing, so that a busy machine moves the moments with it:
+# from when torch's import has begun (the library is mapped; an interrupt during the import is held
+# back and raised when it ends) and from when the launch has begun (its first child process).
+SIGINT_BURSTS = (
+    *(("torch", offset) for offset in (0.1, 0.3, 0.6, 0.9, 1.3, 1.8)),
+    *(("launch", offset) for offset in (0.0, 0.2, 0.5, 0.8, 1.2, 2.0)),
+)
+SIGINTS_PER_BURST, BURST_GAP_SECONDS = 3, 0.1
+
+
+def _begun(pid: int, stage: str) -> bool:
+    if stage == "launch":
+        return bool(_children(pid))
+    try:
+        return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_sigint_pressed_three_times_at_any_moment_is_one_line_and_exit_130(tmp_path):
+    """A burst of Ctrl-C while torch is imported, as the import ends, as the workers start: one
+    line and exit 130 every time, never a traceback or a death by the retry timer's SIGALRM (142)."""
+    runs = [(stage, offset, start(tmp_path / f"{stage}-{offset}", "--steps", "100000")) for stage, offset in SIGINT_BURSTS]
+    moments: dict[int, list[float]] = {}  # run -> when its SIGINTs are due
+    deadline = time.monotonic() + 240
+    while len(moments) < len(runs) or any(moments.values()):
+        assert time.monotonic() < deadline, "the launches did not reach their stages"
+        now = time.monotonic()
+        for index, (stage, offset, process) in enumerate(runs):
+            if index not in moments and (process.poll() is not None or _begun(process.pid, stage)):
+                moments[index] = [now + offset + k * BURST_GAP_SECONDS for k in range(SIGINTS_PER_BURST)]
+            due = moments.get(index, [])
+            while due and due[0] <= now:
+                due.pop(0)
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGINT)
+        time.sleep(0.01)
+    failures = []
+    for stage, offset, process in runs:
+        run = finish(process, tmp_path, timeout=120)
+        lines = [line for line in run.stderr.splitlines() if not line.startswith(("launching ", "training: "))]  # progress lines
+        if (run.exit_code, lines) != (130, ["error: interrupted"]) or left_in_session(process.pid):
+            failures.append((stage, offset, run.exit_code, run.stderr[-2000:]))
     assert failures == []

@@ -8,20 +8,28 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
+import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from fsdpkit_cli.app import app
+from support.checkpoint_files import run_cli, save_checkpoint
 from typer.testing import CliRunner
 
+from fsdpkit import log
 from fsdpkit.checkpoint.format.manifest import load_manifest
 from fsdpkit.checkpoint.format.save_dir import continued_run_id
 from fsdpkit.checkpoint.format.storage import complete_steps
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
+from fsdpkit.models.source import resolve
 from fsdpkit.train import launcher
+from fsdpkit.train.config import TrainConfig
+from fsdpkit.train.foreign import converted
 
 runner = CliRunner()
 # Every carried setting away from its default, so that a resume that fell back to a default would differ.
@@ -46,7 +54,7 @@ def weights(path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    summary = train(*SETTINGS, "--steps", "6", "--save-every", "3", "--save-dir", str(root / "run"))
+    summary = train(*SETTINGS, "--steps", "6", "--save-every", "3", "--keep-last", "2", "--save-dir", str(root / "run"))
     return root, summary
 
 
@@ -88,6 +96,25 @@ def test_print_config_of_a_resume_shows_the_saved_settings_and_each_override_war
         f"warning: --seq-len 16 replaces 32 saved in {step_dir}",
         f"warning: --betas 0.9,0.95 replaces 0.8,0.9 saved in {step_dir}",
     ]
+
+
+def test_a_resume_saves_as_the_run_did_unless_told_otherwise(run, tmp_path):
+    """--save-every and --keep-last are saved settings too: a resume into a --save-dir takes them
+    (--print-config shows them), a flag still wins and says so, and without a --save-dir nothing
+    about saving is carried."""
+    root, _ = run
+    step_dir = root / "run" / "step-00000006"
+    carried, warnings = _print_config("--resume", str(root / "run"), "--save-dir", str(tmp_path / "new"))
+    assert warnings == [] and carried["checkpoint"]["save_every"] == 3 and carried["checkpoint"]["keep_last"] == 2
+    given, warnings = _print_config("--resume", str(root / "run"), "--save-dir", str(tmp_path / "new"), "--save-every", "4")
+    assert given["checkpoint"]["save_every"] == 4 and given["checkpoint"]["keep_last"] == 2
+    assert warnings == [f"warning: --save-every 4 replaces 3 saved in {step_dir}"]
+    unsaved, warnings = _print_config("--resume", str(root / "run"))
+    assert warnings == [] and unsaved["checkpoint"]["save_every"] == 0 and "keep_last" not in unsaved["checkpoint"]
+    # the run goes on in its own directory (a copy): saved at 9 and 12, only the newest two kept
+    shutil.copytree(root / "run", tmp_path / "run")
+    train("--resume", str(tmp_path / "run"), "--steps", "12", "--save-dir", str(tmp_path / "run"))
+    assert [step for step, _ in complete_steps(tmp_path / "run")] == [9, 12]
 
 
 def test_a_checkpoint_of_another_model_names_the_model_it_was_saved_from(run):
@@ -158,12 +185,42 @@ def test_a_run_and_its_resumes_are_one_run(tmp_path, no_launch, monkeypatch):
     refused = runner.invoke(app, [*common, "--steps", "2"])  # refused before launch: in this process
     run = tmp_path / "run"
     writers = [load_manifest(path).run_id for _, path in complete_steps(run)]
-    assert len(writers) == 3 and len(set(writers)) == 1 and writers[0], writers
+    assert len(writers) == 4 and len(set(writers)) == 1 and writers[0], writers  # the resume saves every step, as the run did
     (line,) = refused.stderr.splitlines()
     assert (
         refused.exit_code == 2
         and no_launch == []
-        and f"checkpoints step-00000001, step-00000002, step-00000004 of another run (run {writers[0]}, model gpt-tiny): " in line
+        and f"checkpoints step-00000002, step-00000003, step-00000004 (and 1 earlier) of another run (run {writers[0]}, model gpt-tiny): "
+        in line
     ), line
     assert continued_run_id(run, run) == writers[0] == continued_run_id(run, run / "step-00000004")
     assert continued_run_id(run, run / "step-00000002") is None and continued_run_id(run, None) is None
+
+
+def test_a_resume_from_a_dcp_conversion_on_other_data_says_so(tmp_path, capfd):
+    """`convert --to dcp` of a run keeps the data source it trained on; a resume from that DCP
+    reading other data says so in one note before it converts; the same data, or a DCP that
+    records none (torch's own), says nothing."""
+    weights = {k: v for k, v in resolve("gpt-tiny").build(seed=0).state_dict().items() if k != "lm_head.weight"}
+    state = {"step": 1, "config": {"data": {"source": "synthetic"}}}
+    save_checkpoint(tmp_path / "run", 1, weights, world_size=1, aliases={"lm_head.weight": "wte.weight"}, training_state=state)
+    assert run_cli("convert", tmp_path / "run", tmp_path / "dcp", "--to", "dcp").exit_code == 0
+    with warnings.catch_warnings():  # torch says it assumes a single process: it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": weights}, checkpoint_id=tmp_path / "torch-dcp", no_dist=True)
+    (tmp_path / "text.txt").write_text("other data " * 200)
+    log.setup()
+    capfd.readouterr()
+    notes = {}
+    for name, data in (("dcp", str(tmp_path / "text.txt")), ("dcp", "synthetic"), ("torch-dcp", str(tmp_path / "text.txt"))):
+        values = {"model": {"name": "gpt-tiny"}, "data": {"source": data}, "checkpoint": {"resume": str(tmp_path / name)}}
+        with converted(TrainConfig.from_values(values), 1):
+            pass
+        notes[(name, data)] = [line for line in capfd.readouterr().err.splitlines() if not line.startswith("converting ")]
+    assert notes == {
+        ("dcp", str(tmp_path / "text.txt")): [
+            f"--data {tmp_path / 'text.txt'}: {tmp_path / 'dcp'} was trained on synthetic; the resumed run reads other data"
+        ],
+        ("dcp", "synthetic"): [],
+        ("torch-dcp", str(tmp_path / "text.txt")): [],
+    }

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import cached_property, partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...dtypes import dtype_info
@@ -20,7 +21,7 @@ from ...flat_layout import ElementRange
 from .boxes import flat_runs
 from .bytecopy import ByteEngine, SourceTensor
 from .export import ExportLayout, HfExport
-from .names import is_optimizer_tensor, split_optim_tensor_name
+from .names import DATA_SOURCE_KEY, is_optimizer_tensor, split_optim_tensor_name
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +46,9 @@ class AnyCheckpoint:
     world_size: int = 1  # ranks it was saved by
     facts: dict[str, Any] = field(default_factory=dict)  # what a convert report says of the source
     full_dtype: str | None = None  # floats as `--to full` writes them unless --dtype (DeepSpeed's: fp32, as zero_to_fp32)
+    # a full export's stored tensors and aliases under the model's own names and orientation, its
+    # transposed tensors transposed back into the given scratch file (read in chunks of the given size)
+    restore_layout: Callable[[Path, int], tuple[list[SourceTensor], dict[str, str]]] | None = None
     _close: Callable[[], None] = lambda: None
     _engine: ByteEngine | None = None
 
@@ -196,6 +200,18 @@ def split_model_optimizer(tensors: list[SourceTensor], aliases: dict[str, str]) 
     model = {t.name: t for t in tensors if not is_optimizer_tensor(t.name)}
     optimizer = {t.name: t for t in tensors if is_optimizer_tensor(t.name)}
     return with_aliases(model, aliases), optimizer
+
+
+def recorded_data_source(opened: AnyCheckpoint) -> str | None:
+    """The data source the run that wrote `opened` trained on, where it records one: an fsdpkit
+    checkpoint's config, or the item fsdpkit's `convert --to dcp` writes from it."""
+    if DATA_SOURCE_KEY in opened.items:
+        value = opened.items[DATA_SOURCE_KEY]()
+    else:
+        config = opened.items["config"]() if "config" in opened.items else None
+        data = config.get("data") if isinstance(config, dict) else None
+        value = data.get("source") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def item_readers(values: dict[str, Any]) -> dict[str, Callable[[], Any]]:

@@ -15,6 +15,10 @@ from typing import TypeGuard
 from ...dtypes import dtype_info, is_known_dtype
 from ...errors import DataCheckError
 
+DATA_SOURCE_PATH = ("fsdpkit", "data_source")  # a DCP bytes item beside FSDP2's "model" and "optimizer"; dcp.load asks for neither
+DATA_SOURCE_KEY = ".".join(DATA_SOURCE_PATH)  # as DCP's metadata flattens it
+SCRATCH_NAME = ".fsdpkit-transposed.safetensors"  # tensors transposed back, removed before the output is renamed
+
 STEP_PREFIX = "step-"  # a run directory's step-* directories (fsdpkit's, told apart from DeepSpeed's tags)
 TMP_PREFIX = ".tmp-"  # in-progress directories: never a checkpoint until renamed
 

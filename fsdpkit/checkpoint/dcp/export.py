@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
-from ..core.names import split_optim_tensor_name
+from ..core.names import DATA_SOURCE_PATH, split_optim_tensor_name
 from ..core.report import WriteReport
 from ..core.staging import staged_output
 from .param_groups import param_group_items
@@ -41,9 +41,17 @@ def _write(src: Path, dst: Path, tensors: list[OutTensor], items: list[OutBytes]
 
 
 def sources_to_dcp(
-    sources: list[SourceTensor], src: Path, dst: Path, *, aliases: dict[str, str], groups: list[dict], output: DcpOutput
+    sources: list[SourceTensor],
+    src: Path,
+    dst: Path,
+    *,
+    aliases: dict[str, str],
+    groups: list[dict],
+    output: DcpOutput,
+    data_source: str | None = None,
 ) -> WriteReport:
-    """Model and optimizer sources and param groups, in fsdpkit's names and form, as DCP at `dst`."""
+    """Model and optimizer sources and param groups, in fsdpkit's names and form, as DCP at `dst`;
+    and the data source the run trained on, when known (DATA_SOURCE_PATH: a resume on other data says so)."""
     tensors, by_name = [], {s.name: s for s in sources}
     for source in sources:
         optim = split_optim_tensor_name(source.name)
@@ -52,6 +60,8 @@ def sources_to_dcp(
         OutTensor(("model", alias), by_name[stored]) for alias, stored in aliases.items() if alias not in by_name and stored in by_name
     ]
     items = [OutBytes(path, read) for path, read in param_group_items(groups, torch_saved)]
+    if data_source is not None:
+        items.append(OutBytes(DATA_SOURCE_PATH, partial(torch_saved, data_source)))
     return _write(src, dst, tensors, items, output, {"param_groups": len(groups)})
 
 

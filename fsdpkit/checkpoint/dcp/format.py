@@ -4,11 +4,13 @@ inspected, verified, written in FSDP2's `{"model", "optimizer"}` layout and resh
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..core.any_checkpoint import AnyCheckpoint, steps_taken
+from ..core.any_checkpoint import AnyCheckpoint, recorded_data_source, steps_taken
+from ..core.names import SCRATCH_NAME
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
 from .export import DcpOutput, reshard_dcp, sources_to_dcp
@@ -38,9 +40,18 @@ class DcpFormat:
 
     def write(self, opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
         """FSDP2's `{"model", "optimizer"}` layout chunked for `--world-size` ranks (default 1): the
-        model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups."""
+        model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups.
+        The names and orientation are the model's own: a full export's layout is undone, as `--to sharded`
+        undoes it (its transposed weights transposed back in a scratch file beside `dst`, removed after)."""
         output = DcpOutput(request.world_size or 1, request.chunk_size, request.overwrite)
-        return sources_to_dcp(opened.stored(), Path(opened.opened_from), dst, aliases=opened.aliases, groups=opened.groups, output=output)
+        src, data_source = Path(opened.opened_from), recorded_data_source(opened)
+        if opened.restore_layout is None:
+            return sources_to_dcp(
+                opened.stored(), src, dst, aliases=opened.aliases, groups=opened.groups, output=output, data_source=data_source
+            )
+        with tempfile.TemporaryDirectory(prefix=".fsdpkit-", dir=dst.parent) as scratch:
+            sources, aliases = opened.restore_layout(Path(scratch) / SCRATCH_NAME, request.chunk_size)
+            return sources_to_dcp(sources, src, dst, aliases=aliases, groups=opened.groups, output=output, data_source=data_source)
 
     def reshard(self, src: Path, dst: Path, request: ReshardRequest) -> WriteReport:
         return reshard_dcp(src, dst, world_size=request.world_size, chunk_size=request.chunk_size, overwrite=request.overwrite)

@@ -16,7 +16,7 @@ from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardReque
 from ..core.summary import FullSummary
 from .names import MANIFEST_NAME
 from .reader import is_full_checkpoint
-from .to_full import to_full
+from .to_full import restore_layout, to_full
 from .verify import summarize_full, verify_full
 
 
@@ -36,9 +36,15 @@ class FullFormat:
 
         full = open_full(path, with_optimizer=path.is_dir() and has_optimizer_files(path))
         model, optimizer = split_model_optimizer(list(full.tensors), full.aliases)
-        return AnyCheckpoint(
+        opened = AnyCheckpoint(
             str(path), model, optimizer, aliases=dict(full.aliases), export_layout=full.layout, items=item_readers(full.metadata)
         )
+        if full.layout is not None and not full.layout.is_identity:
+            layout = full.layout
+            opened.restore_layout = lambda scratch, chunk_size: restore_layout(
+                opened.stored(), opened.aliases, layout, path, scratch, chunk_size=chunk_size
+            )
+        return opened
 
     def inspect(self, path: Path, keys: Keys) -> FullSummary:
         return summarize_full(path)

@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from ..core.any_checkpoint import AnyCheckpoint
     from ..core.request import ConvertRequest
 
-SCRATCH_NAME = ".fsdpkit-transposed.safetensors"  # tensors transposed back, removed before the output is renamed
-
 
 def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
     """`--to full`: the model tensors under their stored names (a full export's layout when the

@@ -16,14 +16,14 @@ from ...flat_layout import ElementRange
 from ..core.any_checkpoint import AnyCheckpoint
 from ..core.bytecopy import SourceTensor
 from ..core.export import EXPORT_STATE_KEY
-from ..core.names import output_dtype, split_optim_tensor_name
+from ..core.names import SCRATCH_NAME, output_dtype, split_optim_tensor_name
 from ..core.report import WriteReport
 from ..core.request import ConvertRequest, Progress, ReshardRequest, progress_callback
 from ..core.staging import staged_output
 from .manifest import resharded_training_state
 from .placement import Placement
 from .reader import open_sharded
-from .to_full import SCRATCH_NAME, restore_layout
+from .to_full import restore_layout
 from .writer import write_sharded
 
 

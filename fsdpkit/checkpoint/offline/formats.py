@@ -57,6 +57,8 @@ def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], reques
     """`reshard`: the checkpoint at `src` laid out for `request.world_size` ranks, in its format."""
     found = detect_format(src)
     if not found.reshardable:
+        with found.open(Path(src), Keys(None, None)):  # a corrupt one is called that first (DataCheckError)
+            pass
         targets = [name for name in TARGETS if name != found.name]
         raise UsageError(
             f"{src}: a {found.label} checkpoint has no ranks to lay out: convert it --to {', '.join(targets[:-1])} or {targets[-1]}"
