@@ -47,6 +47,8 @@ class AnyCheckpoint:
     world_size: int = 1  # ranks it was saved by
     facts: dict[str, Any] = field(default_factory=dict)  # what a convert report says of the source
     full_dtype: str | None = None  # floats as `--to full` writes them unless --dtype (DeepSpeed's: fp32, as zero_to_fp32)
+    # a format whose names are not transformers': its model as transformers loads it (given `--model`, or None)
+    transformers_view: Callable[[str | None], AnyCheckpoint] | None = None
     _close: Callable[[], None] = lambda: None
     _engine: ByteEngine | None = None
 
@@ -310,3 +312,32 @@ def open_deepspeed_checkpoint(path: Path) -> AnyCheckpoint:
         full_dtype="F32",
         _close=checkpoint.close,
     )
+
+
+def open_megatron_checkpoint(path: Path) -> AnyCheckpoint:
+    from ..megatron.shape import checked, shape_of_model
+    from ..megatron.table import open_megatron
+    from ..megatron.to_hf import hf_model
+
+    checkpoint = open_megatron(path)
+    where = str(checkpoint.files.root)
+
+    def transformers_view(model: str | None) -> AnyCheckpoint:
+        shape = checkpoint.shape if model is None else checked(shape_of_model(model).completed(checkpoint.shape), where)
+        found = hf_model(checkpoint.model, shape, where)
+        export = HfExport(found.config, ExportLayout(transposed=found.transposed))
+        view = AnyCheckpoint(where, {t.name: t for t in found.tensors}, {}, export=export, facts=opened.facts)
+        view.format, view.opened_from = opened.format, opened.opened_from
+        return view
+
+    opened = AnyCheckpoint(
+        where,
+        dict(checkpoint.model),
+        dict(checkpoint.optimizer),
+        {key: t for key, t in checkpoint.stored.items() if key not in checkpoint.model and key not in checkpoint.optimizer},
+        items=_values(checkpoint.common),
+        facts={"generation": checkpoint.generation},
+        transformers_view=transformers_view,
+        _close=checkpoint.close,
+    )
+    return opened

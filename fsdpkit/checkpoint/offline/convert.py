@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,8 @@ def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress:
     from .model_description import describe
 
     warnings = []
+    if opened.transformers_view is not None:  # the model under transformers' names, shaped by --model where given
+        opened, request = opened.transformers_view(request.model), replace(request, model=None)
     if request.with_optimizer and not opened.optimizer:
         raise DataCheckError(f"{opened.path}: --with-optimizer given but the checkpoint has no optimizer state")
     if opened.optimizer and not request.with_optimizer:

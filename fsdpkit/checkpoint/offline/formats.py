@@ -22,6 +22,7 @@ from ..format.names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name
 from ..format.reader import is_full_checkpoint
 from ..format.report import VerifyReport, WriteReport
 from ..format.summary import Summary
+from ..megatron.format import MegatronFormat
 from ..torchsave.inspect import summarize_torchsave, verify_torchsave
 from ..torchsave.table import is_torchsave_checkpoint
 from .any_checkpoint import (
@@ -29,6 +30,7 @@ from .any_checkpoint import (
     open_dcp_checkpoint,
     open_deepspeed_checkpoint,
     open_full_checkpoint,
+    open_megatron_checkpoint,
     open_sharded_checkpoint,
     open_torchsave_checkpoint,
 )
@@ -39,6 +41,8 @@ from .to_sharded import to_sharded
 from .verify import summarize, summarize_full, verify_checkpoint, verify_full
 
 SHARDED, DCP, DEEPSPEED, TORCH_SAVE, FULL = "sharded", "dcp", "deepspeed", "torch-save-ranks", "full"
+MEGATRON_FORMAT = MegatronFormat()
+MEGATRON = MEGATRON_FORMAT.name
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,16 @@ FORMATS: dict[str, Format] = {
             why="--model names the model whose flat-parameter layout to write, default an even split per tensor;"
             " the optimizer state goes with it",
         ),
+    ),
+    MEGATRON: Format(  # before DCP: its torch_dist directories are DCP's too
+        MEGATRON,
+        MEGATRON_FORMAT.label,
+        MEGATRON_FORMAT.detect,
+        lambda path, keys: open_megatron_checkpoint(path),
+        lambda path, keys: MEGATRON_FORMAT.inspect(path),
+        lambda path, progress: MEGATRON_FORMAT.verify(path),
+        None,
+        None,
     ),
     DCP: Format(
         DCP,
