@@ -116,6 +116,7 @@ def from_hf_config(config: dict, where: str) -> ModelShape:
     if model_type not in ("llama", "qwen2", "mistral"):
         raise UsageError(f"{where}: model_type {model_type!r}; a Megatron shape is read from llama, qwen2 or gpt2 configs")
     heads = config.get("num_attention_heads")
+    bias = bool(config.get("attention_bias")) if model_type != "qwen2" else False
     return ModelShape(
         layers=config.get("num_hidden_layers"),
         hidden=config.get("hidden_size"),
@@ -129,6 +130,9 @@ def from_hf_config(config: dict, where: str) -> ModelShape:
         norm_epsilon=config.get("rms_norm_eps"),
         rope_theta=config.get("rope_theta"),
         max_positions=config.get("max_position_embeddings"),
+        qkv_bias=model_type == "qwen2" or bias,
+        linear_bias=bias or bool(config.get("mlp_bias")),
+        tied=bool(config.get("tie_word_embeddings", model_type != "llama")),
         recorded_by=where,
     )
 

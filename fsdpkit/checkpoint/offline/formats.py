@@ -37,6 +37,7 @@ from .any_checkpoint import (
 from .convert import reshard, to_full
 from .request import ConvertRequest, Keys, Options, Progress, ReshardRequest, check_options
 from .to_deepspeed import reshard_deepspeed, to_deepspeed
+from .to_megatron import to_megatron
 from .to_sharded import to_sharded
 from .verify import summarize, summarize_full, verify_checkpoint, verify_full
 
@@ -104,7 +105,8 @@ FORMATS: dict[str, Format] = {
         lambda path, keys: MEGATRON_FORMAT.inspect(path),
         lambda path, progress: MEGATRON_FORMAT.verify(path),
         None,
-        None,
+        to_megatron,
+        Options(takes=("model",), why="--model hf:DIR names the transformers config of the model's shape"),
     ),
     DCP: Format(
         DCP,
