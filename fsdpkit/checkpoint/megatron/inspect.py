@@ -131,6 +131,7 @@ def verify_megatron(path: str | os.PathLike[str]) -> VerifyReport:
         hashes = integrity_hashes(files.weights)
         open_megatron(path).close()  # the common state through the allow-list, the model's shape
     except DataCheckError as error:
+        report.ok = False
         return report.failed(str(error))
     buffer = memoryview(bytearray(HASH_BLOCK))
     for name, digest in hashes.items():
