@@ -162,3 +162,26 @@ def shape_of_model(spec: str) -> ModelShape:
     except ValueError:
         raise UsageError(f"{config_path}: not JSON") from None
     return from_hf_config(config, str(config_path))
+
+
+def megatron_args(shape: ModelShape) -> dict[str, Any]:
+    """The shape as Megatron-LM's `args` name it (what a checkpoint fsdpkit writes records)."""
+    return {
+        "num_layers": shape.layers,
+        "hidden_size": shape.hidden,
+        "num_attention_heads": shape.heads,
+        "group_query_attention": shape.query_groups != shape.heads,
+        "num_query_groups": shape.query_groups,
+        "kv_channels": shape.head_dim,
+        "ffn_hidden_size": shape.ffn,
+        "padded_vocab_size": shape.vocab,
+        "normalization": shape.norm,
+        "swiglu": shape.activation == SWIGLU,
+        "position_embedding_type": shape.position_embedding,
+        "norm_epsilon": shape.norm_epsilon,
+        "rotary_base": shape.rope_theta,
+        "max_position_embeddings": shape.max_positions,
+        "add_qkv_bias": bool(shape.qkv_bias),
+        "add_bias_linear": bool(shape.linear_bias),
+        "untie_embeddings_and_output_weights": not shape.tied,
+    }

@@ -43,7 +43,7 @@ def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress:
 
     warnings = []
     if opened.transformers_view is not None:  # the model under transformers' names, shaped by --model where given
-        opened, request = opened.transformers_view(request.model), replace(request, model=None)
+        opened, request = as_transformers(opened, request, request.model), replace(request, model=None)
     if request.with_optimizer and not opened.optimizer:
         raise DataCheckError(f"{opened.path}: --with-optimizer given but the checkpoint has no optimizer state")
     if opened.optimizer and not request.with_optimizer:
@@ -75,6 +75,18 @@ def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress:
             float_dtypes = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
             written += _write_hf_files(tmp, export, float_dtypes[0] if float_dtypes else None, warnings)
     return {"to": "full", "files": written, "tensors": len(by_name), "bytes": out_total, "warnings": warnings, "dtype": cast_to}
+
+
+def as_transformers(opened: AnyCheckpoint, request: ConvertRequest, shape_from: str | None) -> AnyCheckpoint:
+    """A checkpoint whose names are not transformers' (Megatron) as its model under transformers'
+    names; its optimizer state is not converted (a UsageError with --with-optimizer)."""
+    assert opened.transformers_view is not None
+    if request.with_optimizer:
+        raise UsageError(
+            f"{opened.opened_from}: --with-optimizer: a {opened.format} checkpoint's optimizer state is not converted, only its model"
+            " (its distributed optimizer keeps flat buffers per data-parallel rank in an order the checkpoint does not record)"
+        )
+    return opened.transformers_view(shape_from)
 
 
 def _full_metadata(layout: ExportLayout, aliases: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:

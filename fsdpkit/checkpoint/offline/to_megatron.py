@@ -7,6 +7,7 @@ the bytes item `common_state/shard_0_1` (0.19) and as `common.pt` (what 0.16 to 
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ from ..format.export import CONFIG_NAME
 from ..format.storage import staged_output
 from ..megatron.files import BACKEND_CONFIG, COMMON_PT, COMMON_STATE_KEY
 from ..megatron.from_hf import extra_state_keys, megatron_tensors
-from ..megatron.shape import ModelShape, checked, from_hf_config, shape_of_model
+from ..megatron.shape import ModelShape, checked, from_hf_config, megatron_args, shape_of_model
 from .request import ConvertRequest, Progress
 
 if TYPE_CHECKING:
@@ -46,10 +47,10 @@ def to_megatron(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progr
     shape = checked(shape, opened.path)
     tensors = megatron_tensors(hf, shape, opened.path)
     assert shape.layers
-    common = torch_saved({"checkpoint_version": 3.0, "iteration": 0})
-    none = torch_saved([None])
+    state = {"args": argparse.Namespace(**megatron_args(shape)), "checkpoint_version": 3.0, "iteration": 0}
+    common, none = torch_saved(state), torch_saved([None])
     items = [OutBytes((key,), lambda: none) for key in extra_state_keys(shape.layers)]
-    items.append(OutBytes((f"{COMMON_STATE_KEY}/shard_0_1",), lambda: torch_saved([{"checkpoint_version": 3.0, "iteration": 0}])))
+    items.append(OutBytes((f"{COMMON_STATE_KEY}/shard_0_1",), lambda: torch_saved([state])))
     total = sum(t.nbytes for t in tensors)
     with staged_output(dst, src=Path(opened.opened_from), overwrite=request.overwrite, needed_bytes=total + (1 << 20)) as tmp:
         files = write_dcp(tmp, [OutTensor((t.name,), t) for t in tensors], items, world_size=1, chunk_size=request.chunk_size)

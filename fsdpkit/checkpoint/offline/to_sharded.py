@@ -18,7 +18,7 @@ from ..format.placement import Placement
 from ..format.storage import staged_output
 from ..format.writer import write_sharded
 from .any_checkpoint import AnyCheckpoint
-from .convert import SCRATCH_NAME, restore_layout
+from .convert import SCRATCH_NAME, as_transformers, restore_layout
 from .request import ConvertRequest, Progress, progress_callback
 
 
@@ -52,6 +52,8 @@ def to_sharded(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progre
     from .model_description import describe
 
     assert request.world_size is not None  # the writer needs it
+    if opened.transformers_view is not None:  # Megatron: the model as transformers names it, as an hf: model's are
+        opened = as_transformers(opened, request, None)
     world_size = request.world_size
     description = describe(request.model) if request.model is not None else None
     placement = description.placement if description is not None else Placement.even()
