@@ -102,15 +102,18 @@ def save_checkpoint(
     parallel: Parallel = Parallel(),
     iteration: int | None = None,
     backend: str = "torch_dist",
+    layout: str = "megatron_lm",
 ) -> torch.Tensor | None:
     """Megatron writes a `torch_dist` checkpoint of a seeded model into `directory` (as Megatron-LM
     does: model, args, checkpoint_version, iteration, rng_state; no optimizer, see
-    OPTIMIZER_ON_CPU). `backend` "zarr" is the legacy format (megatron-core <= 0.15 with zarr 2). With `iteration`, `directory` is a
+    OPTIMIZER_ON_CPU). `backend` "zarr" is the legacy format (megatron-core <= 0.15 with zarr 2). `layout`
+    "nemo2" writes what NeMo 2's MegatronStrategy saves into a checkpoint's `weights/`: model keys
+    under "module.", and Lightning's entries as the common state instead of Megatron-LM's. With `iteration`, `directory` is a
     Megatron-LM save root: the checkpoint goes to `iter_{iteration:07d}/` beside
     `latest_checkpointed_iteration.txt`. Returns Megatron's logits [batch, seq, vocab] of the saved
     weights on `tokens` [batch, seq] when given."""
     job = {"kind": "save", "directory": directory, "shape": asdict(model_shape), "tokens": tokens, "seed": seed}
-    job.update(iteration=iteration, backend=backend)
+    job.update(iteration=iteration, backend=backend, layout=layout)
     return _launch(job, parallel)
 
 
@@ -120,7 +123,9 @@ def forward_logits(model_shape: MegatronShape, tokens: torch.Tensor, *, seed: in
     return _launch(job, parallel)
 
 
-def load_logits(directory: str, model_shape: MegatronShape, tokens: torch.Tensor, *, parallel: Parallel = Parallel()) -> torch.Tensor:
+def load_logits(
+    directory: str, model_shape: MegatronShape, tokens: torch.Tensor, *, parallel: Parallel = Parallel(), key_prefix: str = ""
+) -> torch.Tensor:
     """`dist_checkpointing.load` of the `torch_dist` checkpoint `directory` into a model of
     `model_shape` at `parallel` (built from another seed, so every weight must come from the
     checkpoint; a missing key fails the load); returns Megatron's logits on `tokens`."""
@@ -391,6 +396,21 @@ def _job_save(job: dict, parallel: Parallel) -> torch.Tensor | None:
     return logits
 
 
+def _nemo2_state(model, step: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """NeMo 2's MegatronStrategy.save_checkpoint: Lightning's checkpoint dict with the Megatron
+    module's sharded state dict under "module." (MegatronParallel's prefix for the wrapped model)."""
+    return {
+        "epoch": 0,
+        "global_step": step,
+        "pytorch-lightning_version": "2.5.1",
+        "state_dict": {},
+        "sharded_state_dict": model.sharded_state_dict(prefix="module."),
+        "loops": {},
+        "callbacks": {},
+        "hyper_parameters": {},
+    }
+
+
 def _checkpoint_dir(root: str, iteration: int | None) -> str:
     return root if iteration is None else os.path.join(root, f"iter_{iteration:07d}")
 
@@ -416,9 +436,10 @@ def _job_load(job: dict, parallel: Parallel) -> torch.Tensor | None:
 
     _init_parallel(parallel)
     model = _build_model(MegatronShape(**job["shape"]), parallel, job["seed"])
-    request = {"model": model.sharded_state_dict()}
+    request = {"model": model.sharded_state_dict(prefix=job["prefix"])}
     loaded = dist_checkpointing.load(request, job["directory"], strict=StrictHandling.RAISE_UNEXPECTED)
-    model.load_state_dict(loaded["model"], strict=True)
+    state = {key.removeprefix(job["prefix"]): value for key, value in loaded["model"].items()}
+    model.load_state_dict(state, strict=True)
     return _forward(model, job["tokens"])
 
 
