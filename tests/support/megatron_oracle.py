@@ -128,8 +128,10 @@ def load_logits(
 ) -> torch.Tensor:
     """`dist_checkpointing.load` of the `torch_dist` checkpoint `directory` into a model of
     `model_shape` at `parallel` (built from another seed, so every weight must come from the
-    checkpoint; a missing key fails the load); returns Megatron's logits on `tokens`."""
+    checkpoint; a missing key fails the load); returns Megatron's logits on `tokens`.
+    `key_prefix` "module." reads a NeMo 2 checkpoint's `weights/`."""
     job = {"kind": "load", "directory": directory, "shape": asdict(model_shape), "tokens": tokens, "seed": 12345}
+    job["prefix"] = key_prefix
     return _launch(job, parallel)
 
 
