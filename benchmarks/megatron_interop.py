@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dcp_interop import FSDPKIT, check_free, measure_rss, uncache
+from dcp_interop import FSDPKIT, check_free, measure_rss, run, uncache
 
 HIDDEN, HEADS, GROUPS, FFN, VOCAB = 2048, 16, 8, 5632, 32000
 
@@ -96,11 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--work", type=Path, default=None, help="Scratch directory (default: a temporary one, removed).")
+    parser.add_argument("--write-llama", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.write_llama is not None:
+        write_llama(args.write_llama, args.layers)
+        return 0
     work = Path(tempfile.mkdtemp(prefix="megatron-interop-", dir=args.work))
     try:
         check_free(work, 4_500_000_000 * max(args.layers, 1) // 8, "the set-up and outputs")
-        size = write_llama(work / "hf", args.layers)
+        # written by a child: this process stays small, so its children's peak RSS is their own
+        run([sys.executable, __file__, "--write-llama", str(work / "hf"), "--layers", str(args.layers)])
+        size = sum(path.stat().st_size for path in (work / "hf").iterdir())
         uncache(work / "hf")
         setup = measure_rss([FSDPKIT, "convert", str(work / "hf"), str(work / "megatron"), "--to", "megatron"])
         shutil.rmtree(work / "hf")

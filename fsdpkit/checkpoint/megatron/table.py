@@ -60,7 +60,7 @@ class MegatronCheckpoint:
 
 
 def _generation(weights: Path, dcp: DcpCheckpoint) -> str:
-    if b"\nMCoreMetadata\n" in read_regular(weights / METADATA_NAME):
+    if b"MCoreMetadata" in read_regular(weights / METADATA_NAME):
         return GEN_015
     if any(key.startswith(f"{COMMON_STATE_KEY}/") for key in dcp.metadata.bytes_items):
         return GEN_019

@@ -1,0 +1,108 @@
+"""Checkpoints that megatron-core itself wrote (committed under tests/fixtures/megatron/, with
+Megatron's own `load_plain_tensors` of each and its forward's logits): fsdpkit opens every
+generation there without Megatron, each unstacked layer equals Megatron's stacked tensor's row,
+and transformers' logits of `convert --to full` are within 1e-5 of Megatron's forward."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fsdpkit.checkpoint.offline.formats import open_checkpoint
+from support.checkpoint_files import run_cli
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
+FOUND = sorted(
+    p.parent.name
+    for p in FIXTURES.glob("*/expected.safetensors")
+    if json.loads((p.parent / "expected.json").read_text())["backend"] == "torch_dist"
+)
+TOLERANCE = 1e-5
+
+
+def checkpoint_of(name: str) -> Path:
+    return FIXTURES / name / "checkpoint"
+
+
+def hf_config(shape: dict) -> dict:
+    """The transformers config of the fixture's shape, from what its writer recorded (expected.json)."""
+    if shape["style"] == "gpt":
+        return {
+            "model_type": "gpt2",
+            "n_embd": shape["hidden_size"],
+            "n_layer": shape["num_layers"],
+            "n_head": shape["num_attention_heads"],
+            "n_inner": shape["ffn_hidden_size"],
+            "n_positions": shape["max_position_embeddings"],
+        }
+    return {
+        "model_type": "qwen2" if shape["style"] == "qwen2" else "llama",
+        "hidden_size": shape["hidden_size"],
+        "num_hidden_layers": shape["num_layers"],
+        "num_attention_heads": shape["num_attention_heads"],
+        "num_key_value_heads": shape["num_query_groups"],
+        "intermediate_size": shape["ffn_hidden_size"],
+    }
+
+
+def test_fixtures_are_there():
+    assert FOUND, f"no torch_dist fixture under {FIXTURES}"
+
+
+@pytest.mark.parametrize("name", FOUND)
+def test_every_layer_equals_megatrons_own_reading(name):
+    expected = load_file(FIXTURES / name / "expected.safetensors")
+    with open_checkpoint(checkpoint_of(name)) as opened:
+        assert opened.format == "megatron"
+        for key, whole in expected.items():
+            if key.startswith("oracle."):
+                continue
+            if key.startswith("decoder.layers."):
+                for layer in range(whole.shape[0]):
+                    name_of_layer = key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
+                    assert torch.equal(opened.get_tensor(name_of_layer), whole[layer]), name_of_layer
+            assert torch.equal(opened.get_tensor(key), whole), key
+
+
+@pytest.mark.parametrize("name", FOUND)
+def test_hf_conversion_gives_megatrons_logits(name, tmp_path):
+    import transformers
+
+    document = json.loads((FIXTURES / name / "expected.json").read_text())
+    summary = json.loads(run_cli("inspect", checkpoint_of(name), "--json").stdout)
+    assert summary["generation"].startswith(
+        {"0.15": "torch_dist 0.15", "0.16": "torch_dist 0.16", "0.19": "torch_dist 0.19"}[document["versions"]["megatron-core"][:4]]
+    )
+    model = []
+    if not summary["model_shape"].get("recorded_by"):  # the checkpoint records no args: its writer's shape
+        (tmp_path / "config").mkdir()
+        (tmp_path / "config" / "config.json").write_text(json.dumps(hf_config({**document["shape"], "style": document["style"]})))
+        model = ["--model", f"hf:{tmp_path / 'config'}"]
+    done = run_cli("convert", checkpoint_of(name), tmp_path / "hf", "--to", "full", *model)
+    assert done.exit_code == 0, done.output
+    expected = load_file(FIXTURES / name / "expected.safetensors")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        logits = hf(expected["oracle.tokens"]).logits
+    assert (logits - expected["oracle.logits"]).abs().max().item() < TOLERANCE
+
+
+KIT_TARGETS = [".metadata", "common.pt", "shard"]
+
+
+@pytest.mark.parametrize("payload", ["os.system", "builtins.exec"])
+@pytest.mark.parametrize("target", KIT_TARGETS)
+def test_a_poisoned_file_is_refused_with_nothing_run(tmp_path, target, payload):
+    from support.megatron_malicious import BASE, poison
+
+    if not (FIXTURES / BASE[target] / "checkpoint").is_dir():
+        pytest.skip(f"the kit's base fixture {BASE[target]} is not committed")
+    sentinel = tmp_path / "ran"
+    checkpoint = poison(tmp_path / "ckpt", target, sentinel, payload)
+    for command in (["inspect"], ["verify"], ["convert", "--to", "full"]):
+        out = [tmp_path / "out"] if command[0] == "convert" else []
+        done = run_cli(command[0], checkpoint, *out, *command[1:])
+        assert done.exit_code == 3, (command, done.output)
+        assert not sentinel.exists() and not (tmp_path / "out").exists()
