@@ -17,7 +17,7 @@ from ..dcp.inspect import verify_dcp
 from ..format.files import read_blocks, read_regular
 from ..format.report import VerifyReport
 from ..format.summary import FileEntry, OptimizerCounts, Summary, tensor_stats
-from .files import INTEGRITY_NAME, find_files
+from .files import INTEGRITY_NAME, TORCH_DIST, find_files
 from .layers import OPTIMIZER_PREFIX
 from .table import MEGATRON_METADATA_GLOBALS, MegatronCheckpoint, open_megatron
 
@@ -68,7 +68,6 @@ def summarize_megatron(path: str | os.PathLike[str]) -> MegatronSummary:
 
 
 def _summary(checkpoint: MegatronCheckpoint) -> MegatronSummary:
-    metadata = checkpoint.dcp.metadata
     items = [(key, t.dtype, tuple(t.shape)) for key, t in checkpoint.stored.items()]
     model, _, dtypes, largest = tensor_stats([i for i in items if not i[0].startswith(OPTIMIZER_PREFIX)])
     optim, _, _, _ = tensor_stats([i for i in items if i[0].startswith(OPTIMIZER_PREFIX)])
@@ -79,14 +78,14 @@ def _summary(checkpoint: MegatronCheckpoint) -> MegatronSummary:
         optimizer=OptimizerCounts(optim.tensors, optim.bytes),
         dtypes=dict(Counter(t.dtype for t in checkpoint.stored.values())),
         largest=largest,
-        files=[FileEntry(name, checkpoint.dcp.file(name)[1]) for name in metadata.files],
+        files=[FileEntry(name, size) for name, size in checkpoint.data_files()],
         generation=checkpoint.generation,
         nemo=checkpoint.files.context is not None,
         parallel=parallel_sizes(checkpoint.common),
         model_shape=checkpoint.shape.to_json(),
         optimizer_kind=optimizer_kind(list(checkpoint.stored), checkpoint.common),
-        stored_keys=len(metadata.tensors),
-        bytes_items=len(metadata.bytes_items),
+        stored_keys=len(checkpoint.stored),
+        bytes_items=len(checkpoint.objects),
         common_keys=sorted(checkpoint.common),
     )
 
@@ -121,15 +120,24 @@ def _sha256(path: Path, buffer: memoryview) -> str:
     return digest.hexdigest()
 
 
+def _zarr_report(weights: Path) -> VerifyReport:
+    report = VerifyReport(str(weights), FORMAT, not_checked=["tensor values (zarr stores no checksums)"])
+    report.ok = True
+    report.checked = ["every array's .zarray", "every chunk file present, regular, of its chunk's size"]
+    return report
+
+
 def verify_megatron(path: str | os.PathLike[str]) -> VerifyReport:
     files = find_files(path)
     if files is None:
         return VerifyReport(str(path), FORMAT).failed(f"{path}: not a Megatron checkpoint")
-    report = verify_dcp(files.weights, MEGATRON_METADATA_GLOBALS)
+    report = verify_dcp(files.weights, MEGATRON_METADATA_GLOBALS) if files.backend == TORCH_DIST else _zarr_report(files.weights)
     report.path, report.kind = str(files.root), FORMAT
     try:
         hashes = integrity_hashes(files.weights)
-        open_megatron(path).close()  # the common state through the allow-list, the model's shape
+        with open_megatron(path) as checkpoint:  # the common state through the allow-list, the model's shape
+            if checkpoint.dcp is None:
+                report.tensors, report.bytes = len(checkpoint.stored), sum(t.nbytes for t in checkpoint.stored.values())
     except DataCheckError as error:
         report.ok = False
         return report.failed(str(error))

@@ -20,10 +20,11 @@ from ..format.bytecopy import SourceTensor
 from ..format.files import read_regular
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import SaveFile, torch_save_pickle
-from .files import COMMON_PT, COMMON_STATE_KEY, NEMO_MODEL_YAML, MegatronFiles, find_files
+from .files import COMMON_PT, COMMON_STATE_KEY, NEMO_MODEL_YAML, TORCH_DIST, MegatronFiles, find_files
 from .layers import OPTIMIZER_PREFIX, stacked_layers, unstacked
 from .shape import GELU, LAYERNORM, LEARNED, RMSNORM, ROPE, SWIGLU, ModelShape, checked, from_megatron_args
 from .unpickler import loads_common
+from .zarr import zarr_tensors
 
 MCORE_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 PLANNER_MODULE = "torch.distributed.checkpoint.planner"
@@ -34,6 +35,7 @@ MEGATRON_METADATA_GLOBALS = METADATA_GLOBALS | {
     # Megatron keeps every rank's save plan in the metadata (`all_local_plans`): inert records
     **{(PLANNER_MODULE, name): type(name, (u.Record,), {}) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")},
 }
+GEN_ZARR = "zarr (before 0.16)"
 GEN_015, GEN_016, GEN_019 = "torch_dist 0.15 (MCoreMetadata)", "torch_dist 0.16-0.18 (common.pt)", "torch_dist 0.19 (common_state)"
 MAX_YAML_BYTES = 1 << 22
 
@@ -41,16 +43,25 @@ MAX_YAML_BYTES = 1 << 22
 @dataclass
 class MegatronCheckpoint:
     files: MegatronFiles
-    dcp: DcpCheckpoint
+    dcp: DcpCheckpoint | None  # None: a zarr checkpoint
     generation: str
     common: dict[str, Any]  # the common state, records made plain
     shape: ModelShape  # recorded and read off the tensors
     stored: dict[str, SourceTensor]  # every tensor by its stored key
     model: dict[str, SourceTensor] = field(default_factory=dict)  # the model's names, layers unstacked
     optimizer: dict[str, SourceTensor] = field(default_factory=dict)
+    objects: list[str] = field(default_factory=list)  # the non-tensor items' keys (never unpickled)
 
     def close(self) -> None:
-        self.dcp.close()
+        if self.dcp is not None:
+            self.dcp.close()
+
+    def data_files(self) -> list[tuple[str, int]]:
+        """(name inside the weights directory, size) of every file holding tensor data."""
+        if self.dcp is not None:
+            return [(name, self.dcp.file(name)[1]) for name in self.dcp.metadata.files]
+        paths = {piece.path for t in self.stored.values() for piece in t.pieces}
+        return [(str(p.relative_to(self.files.weights)), p.stat().st_size) for p in sorted(paths)]
 
     def __enter__(self) -> MegatronCheckpoint:
         return self
@@ -67,14 +78,14 @@ def _generation(weights: Path, dcp: DcpCheckpoint) -> str:
     return GEN_016
 
 
-def read_common(weights: Path, dcp: DcpCheckpoint) -> Any:
+def read_common(weights: Path, dcp: DcpCheckpoint | None) -> Any:
     """The common state (tensors as records), {} when there is none."""
     if (weights / COMMON_PT).exists():
         saved = SaveFile(weights / COMMON_PT, loads_common)
         saved.close()
         return saved.state
-    keys = [key for key in dcp.metadata.bytes_items if key.startswith(f"{COMMON_STATE_KEY}/")]
-    if not keys:
+    keys = [key for key in dcp.metadata.bytes_items if key.startswith(f"{COMMON_STATE_KEY}/")] if dcp is not None else []
+    if not keys or dcp is None:
         return {}
     location = dcp.metadata.bytes_items[keys[0]].location
     fd, _ = dcp.file(location.file)
@@ -145,17 +156,20 @@ def open_megatron(path: str | os.PathLike[str]) -> MegatronCheckpoint:
     files = find_files(path)
     if files is None:
         raise DataCheckError(f"{path}: not a Megatron checkpoint (no metadata.json)")
-    if files.backend != "torch_dist":
-        raise DataCheckError(f"{files.weights}: a {files.backend} checkpoint: fsdpkit reads Megatron's torch_dist")
-    dcp = open_dcp(files.weights, MEGATRON_METADATA_GLOBALS)
+    dcp = open_dcp(files.weights, MEGATRON_METADATA_GLOBALS) if files.backend == TORCH_DIST else None
     try:
+        if dcp is not None:
+            stored = {key: dcp.source(key) for key in dcp.metadata.tensors}
+            objects, generation = list(dcp.metadata.bytes_items), _generation(files.weights, dcp)
+        else:
+            stored, objects = zarr_tensors(files.weights)
+            generation = GEN_ZARR
         common = _plain_common(read_common(files.weights, dcp))
-        stored = {key: dcp.source(key) for key in dcp.metadata.tensors}
         model = unstacked({k: t for k, t in stored.items() if not k.startswith(OPTIMIZER_PREFIX)})
         optimizer = {k: t for k, t in stored.items() if k.startswith(OPTIMIZER_PREFIX)}
-        shape = recorded_shape(files, common).completed(tensor_shape(model, stored))
-        shape = checked(shape, str(files.root))
-        return MegatronCheckpoint(files, dcp, _generation(files.weights, dcp), common, shape, stored, model, optimizer)
+        shape = checked(recorded_shape(files, common).completed(tensor_shape(model, stored)), str(files.root))
+        return MegatronCheckpoint(files, dcp, generation, common, shape, stored, model, optimizer, objects)
     except BaseException:
-        dcp.close()
+        if dcp is not None:
+            dcp.close()
         raise

@@ -4,6 +4,7 @@ architecture `hf.architecture_of` picks, each tensor a range view of the stored 
 from __future__ import annotations
 
 from ...errors import DataCheckError
+from ...flat_layout import ElementRange
 from ..format.bytecopy import SourceTensor
 from . import hf
 from .shape import ModelShape
@@ -38,7 +39,13 @@ def hf_model(model: dict[str, SourceTensor], shape: ModelShape, where: str) -> h
     if not tied:
         tensors.append(_named(model["output_layer.weight"], "lm_head.weight"))
     config = gpt2_config(shape, tied) if architecture == hf.GPT2 else llama_config(shape, tied, architecture)
+    tensors.sort(key=_stored_at)  # in the order their bytes lie: the copy reads each file front to back
     return hf.HfModel(architecture, tensors, config, hf.GPT2_TRANSPOSED if architecture == hf.GPT2 else ())
+
+
+def _stored_at(tensor: SourceTensor) -> tuple[str, int]:
+    first = tensor.pieces_in(ElementRange(0, 1))
+    return (str(first[0].path), first[0].offset) if first else ("", 0)
 
 
 def _named(source: SourceTensor, name: str) -> SourceTensor:
