@@ -1,8 +1,8 @@
 """Megatron's legacy `zarr` backend (removed in 0.16) read without the zarr package (no torch):
 one directory per tensor key holding `.zarray` (zarr v2 JSON: shape, chunks, dtype, order,
 compressor) and one file per chunk named by its grid index (`i.j.k`), each the chunk's raw
-C-order bytes; a directory holding `shard_*.pt` files instead is a sharded object (never
-unpickled here). Uncompressed chunks of a grid that divides the shape are read; a compressor,
+C-order bytes; a directory holding `shard_*.pt` files instead is a sharded object, its
+pickles checked by the allow-list unpickler and otherwise left alone. Uncompressed chunks of a grid that divides the shape are read; a compressor,
 filters, Fortran order or a padded edge chunk is refused in one line."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from ..dcp.boxes import flat_runs
 from ..format.bytecopy import SourcePiece, SourceTensor
 from ..format.files import read_regular
 from ..format.names import numel
-from ..torchfile.savefile import TensorRange
+from ..torchfile.savefile import SaveFile, TensorRange
+from .unpickler import loads_common
 
 ZARRAY = ".zarray"
 ZARR_DTYPES = {
@@ -83,6 +84,8 @@ def zarr_tensors(weights: Path) -> tuple[dict[str, SourceTensor], list[str]]:
             tensors[directory.name] = zarr_source(read_zarray(directory))
         elif any(directory.glob("shard_*.pt")):
             objects.append(directory.name)
+            for shard in sorted(directory.glob("shard_*.pt")):  # through the allow-list: a pickle naming another global is refused
+                SaveFile(shard, loads_common).close()
     if not tensors:
         raise DataCheckError(f"{weights}: a zarr checkpoint without any array")
     return tensors, objects
