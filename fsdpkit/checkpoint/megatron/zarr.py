@@ -2,8 +2,9 @@
 one directory per tensor key holding `.zarray` (zarr v2 JSON: shape, chunks, dtype, order,
 compressor) and one file per chunk named by its grid index (`i.j.k`), each the chunk's raw
 C-order bytes; a directory holding `shard_*.pt` files instead is a sharded object, its
-pickles checked by the allow-list unpickler and otherwise left alone. Uncompressed chunks of a grid that divides the shape are read; a compressor,
-filters, Fortran order or a padded edge chunk is refused in one line."""
+pickles checked by the allow-list unpickler and otherwise left alone. Uncompressed chunks of
+a grid that divides the shape are read; a compressor, filters, Fortran order or a padded edge
+chunk is refused in one line."""
 
 from __future__ import annotations
 
