@@ -109,6 +109,12 @@ def test_hf_to_megatron_loads_in_megatron_at_tp2_pp2(saved, tmp_path):
     assert (loaded - logits).abs().max().item() < TOLERANCE
     diff = run_cli("diff", directory, tmp_path / "back")
     assert diff.exit_code == 0, diff.output
+    # through DCP, whose checkpoint records no config: the shape named with --model, every tensor Megatron's own
+    assert run_cli("convert", tmp_path / "hf", tmp_path / "dcp", "--to", "dcp").exit_code == 0
+    assert run_cli("convert", tmp_path / "dcp", tmp_path / "from-dcp", "--to", "megatron").exit_code == 2
+    done = run_cli("convert", tmp_path / "dcp", tmp_path / "from-dcp", "--to", "megatron", "--model", f"hf:{tmp_path / 'hf'}")
+    assert done.exit_code == 0, done.output
+    assert run_cli("diff", directory, tmp_path / "from-dcp").exit_code == 0
 
 
 class Boom:

@@ -151,6 +151,16 @@ def tensor_shape(model: dict[str, SourceTensor], stored: dict[str, SourceTensor]
     )
 
 
+NEMO_MODULE_PREFIX = "module."  # NeMo 2 stores the model under its Lightning module's attribute
+
+
+def _model_names(tensors: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
+    """The model's tensors under Megatron's own names: NeMo's `module.` taken away where every key has it."""
+    if tensors and all(key.startswith(NEMO_MODULE_PREFIX) for key in tensors):
+        return {key.removeprefix(NEMO_MODULE_PREFIX): tensor for key, tensor in tensors.items()}
+    return tensors
+
+
 def open_megatron(path: str | os.PathLike[str]) -> MegatronCheckpoint:
     """The checkpoint at `path` with its metadata, files and common state checked (DataCheckError)."""
     files = find_files(path)
@@ -165,7 +175,7 @@ def open_megatron(path: str | os.PathLike[str]) -> MegatronCheckpoint:
             stored, objects = zarr_tensors(files.weights)
             generation = GEN_ZARR
         common = _plain_common(read_common(files.weights, dcp))
-        model = unstacked({k: t for k, t in stored.items() if not k.startswith(OPTIMIZER_PREFIX)})
+        model = unstacked(_model_names({k: t for k, t in stored.items() if not k.startswith(OPTIMIZER_PREFIX)}))
         optimizer = {k: t for k, t in stored.items() if k.startswith(OPTIMIZER_PREFIX)}
         shape = checked(recorded_shape(files, common).completed(tensor_shape(model, stored)), str(files.root))
         return MegatronCheckpoint(files, dcp, generation, common, shape, stored, model, optimizer, objects)
