@@ -103,17 +103,19 @@ def save_checkpoint(
     iteration: int | None = None,
     backend: str = "torch_dist",
     layout: str = "megatron_lm",
+    integrity: bool = False,
 ) -> torch.Tensor | None:
     """Megatron writes a `torch_dist` checkpoint of a seeded model into `directory` (as Megatron-LM
     does: model, args, checkpoint_version, iteration, rng_state; no optimizer, see
     OPTIMIZER_ON_CPU). `backend` "zarr" is the legacy format (megatron-core <= 0.15 with zarr 2). `layout`
     "nemo2" writes what NeMo 2's MegatronStrategy saves into a checkpoint's `weights/`: model keys
-    under "module.", and Lightning's entries as the common state instead of Megatron-LM's. With `iteration`, `directory` is a
+    under "module.", and Lightning's entries as the common state instead of Megatron-LM's.
+    `integrity` (megatron-core >= 0.19) adds `integrity.json`, the SHA-256 of every file. With `iteration`, `directory` is a
     Megatron-LM save root: the checkpoint goes to `iter_{iteration:07d}/` beside
     `latest_checkpointed_iteration.txt`. Returns Megatron's logits [batch, seq, vocab] of the saved
     weights on `tokens` [batch, seq] when given."""
     job = {"kind": "save", "directory": directory, "shape": asdict(model_shape), "tokens": tokens, "seed": seed}
-    job.update(iteration=iteration, backend=backend, layout=layout)
+    job.update(iteration=iteration, backend=backend, layout=layout, integrity=integrity)
     return _launch(job, parallel)
 
 
@@ -382,15 +384,19 @@ def _job_save(job: dict, parallel: Parallel) -> torch.Tensor | None:
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
     }
-    state: dict[str, Any] = {"args": megatron_lm_args(s, parallel, iteration), "checkpoint_version": 3.0, "iteration": iteration}
-    state["model"] = model.sharded_state_dict(metadata=content_metadata)
-    state["rng_state"] = _rng_state(parallel)
-    state["num_floating_point_operations_so_far"] = 0
+    if job["layout"] == "nemo2":
+        state = _nemo2_state(model, iteration)
+    else:
+        state = {"args": megatron_lm_args(s, parallel, iteration), "checkpoint_version": 3.0, "iteration": iteration}
+        state["model"] = model.sharded_state_dict(metadata=content_metadata)
+        state["rng_state"] = _rng_state(parallel)
+        state["num_floating_point_operations_so_far"] = 0
     directory = _checkpoint_dir(job["directory"], job["iteration"])
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(state, directory, sharded_strategy=(job["backend"], 1), content_metadata=content_metadata)
+    integrity = {"verify_integrity": True} if job.get("integrity") else {}
+    dist_checkpointing.save(state, directory, sharded_strategy=(job["backend"], 1), content_metadata=content_metadata, **integrity)
     dist.barrier()
     if dist.get_rank() == 0 and job["iteration"] is not None:
         with open(os.path.join(job["directory"], "latest_checkpointed_iteration.txt"), "w") as f:
