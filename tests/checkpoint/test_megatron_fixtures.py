@@ -102,3 +102,16 @@ def test_a_poisoned_file_is_refused_with_nothing_run(tmp_path, target, payload):
         done = run_cli(command[0], checkpoint, *out, *command[1:])
         assert done.exit_code == 3, (command, done.output)
         assert not sentinel.exists() and not (tmp_path / "out").exists()
+
+
+def test_verify_checks_the_sha256_that_integrity_json_lists(tmp_path):
+    import shutil
+
+    checkpoint = shutil.copytree(checkpoint_of("mcore_0_19_torch_dist"), tmp_path / "ckpt")
+    assert (checkpoint / "integrity.json").exists()
+    assert run_cli("verify", checkpoint).exit_code == 0
+    data = bytearray((checkpoint / "__1_0.distcp").read_bytes())
+    data[100] ^= 1  # a flipped bit inside a tensor's bytes: DCP's structure still holds
+    (checkpoint / "__1_0.distcp").write_bytes(bytes(data))
+    done = run_cli("verify", checkpoint)
+    assert done.exit_code == 3 and "__1_0.distcp: SHA-256" in done.output, done.output
