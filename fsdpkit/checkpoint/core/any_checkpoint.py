@@ -45,6 +45,8 @@ class AnyCheckpoint:
     world_size: int = 1  # ranks it was saved by
     facts: dict[str, Any] = field(default_factory=dict)  # what a convert report says of the source
     full_dtype: str | None = None  # floats as `--to full` writes them unless --dtype (DeepSpeed's: fp32, as zero_to_fp32)
+    # a format whose names are not transformers': its model as transformers loads it (given `--model`, or None)
+    transformers_view: Callable[[str | None], AnyCheckpoint] | None = None
     _close: Callable[[], None] = lambda: None
     _engine: ByteEngine | None = None
 
