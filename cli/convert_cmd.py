@@ -1,4 +1,4 @@
-"""`fsdpkit convert SRC DST --to sharded|dcp|deepspeed|full`: parse the options into one ConvertRequest;
+"""`fsdpkit convert SRC DST --to sharded|dcp|deepspeed|megatron|full`: parse the options into one ConvertRequest;
 which of them apply is the library's table of formats (fsdpkit/checkpoint/offline/formats.py)."""
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ def convert(
     ),
     world_size: int | None = typer.Option(None, "--world-size", help="Ranks of the sharded output (--to sharded) or of DCP's chunks."),
     model: str | None = typer.Option(
-        None, "--model", help="Lay out by this model's flat-parameter plan (--to sharded); default: even split per tensor."
+        None,
+        "--model",
+        help="Lay out by this model's flat-parameter plan (--to sharded; default: even split per tensor);"
+        " hf:DIR: the shape of a Megatron model (from or --to megatron) where its checkpoint records none.",
     ),
     max_shard_size: str | None = typer.Option(
         None, "--max-shard-size", help="Split full output into files of at most this size, e.g. 5GB (with model.safetensors.index.json)."

@@ -9,7 +9,8 @@ import typer
 from fsdpkit.checkpoint.core.request import Keys
 from fsdpkit.checkpoint.core.summary import FullSummary, ShardedSummary, Summary
 from fsdpkit.checkpoint.dcp.inspect import DcpSummary
-from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, READ_LABELS, TORCH_SAVE, detect_format
+from fsdpkit.checkpoint.megatron.inspect import MegatronSummary
+from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, MEGATRON, READ_LABELS, TORCH_SAVE, detect_format
 from fsdpkit.sizes import format_size
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
@@ -31,7 +32,7 @@ def inspect(
 
     found = detect_format(ckpt)
     summary = found.inspect(ckpt, Keys(dcp_model_key, dcp_optimizer_key))
-    text = {DCP: _dcp_lines, DEEPSPEED: inspect_lines, TORCH_SAVE: torchsave_lines}.get(found.name, _lines)
+    text = {DCP: _dcp_lines, MEGATRON: _megatron_lines, DEEPSPEED: inspect_lines, TORCH_SAVE: torchsave_lines}.get(found.name, _lines)
     if as_json:
         print_json(summary.to_json())
     else:
@@ -99,6 +100,24 @@ def _dcp_lines(summary: DcpSummary) -> list[str]:
         lines.append(f"bytes items {len(summary.bytes_items)}, {size} (never unpickled), by key:")
         lines += item_lines(summary.items)
     return lines
+
+
+def _megatron_lines(summary: MegatronSummary) -> list[str]:
+    parallel = ", ".join(f"{name} {size}" for name, size in summary.parallel.items()) or "not recorded"
+    shape = ", ".join(f"{k} {v}" for k, v in summary.model_shape.items() if k != "recorded_by")
+    recorded = summary.model_shape.get("recorded_by") or "heads and query groups not recorded (convert takes --model hf:DIR)"
+    return [
+        f"path        {summary.path}",
+        f"format      megatron {summary.generation}" + (", NeMo 2 (context/ + weights/)" if summary.nemo else ""),
+        f"parallel    {parallel}",
+        f"shape       {shape}",
+        f"recorded by {recorded}",
+        f"model       {summary.model.tensors} stored tensors, {summary.model.elements:,} elements, {format_size(summary.model.bytes)}",
+        f"optimizer   {summary.optimizer_kind or 'none'}: {summary.optimizer.tensors} tensors, {format_size(summary.optimizer.bytes)}",
+        f"stored      {summary.stored_keys} tensor keys, {summary.bytes_items} bytes items (never unpickled)",
+        "common      " + (", ".join(summary.common_keys) or "empty"),
+        *tensor_lines(summary),
+    ]
 
 
 def tensor_lines(summary: Summary, *, files_read: str = "") -> list[str]:

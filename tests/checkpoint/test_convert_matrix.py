@@ -159,7 +159,7 @@ def test_convert(sources, tmp_path, source, target):
     if source == target == "full":
         line = _refusal_line(run_cli("convert", src, dst, "--to", "full"))
         assert line == (
-            "error: a full checkpoint cannot be converted --to full: use --to sharded or dcp or deepspeed; "
+            "error: a full checkpoint cannot be converted --to full: use --to sharded or megatron or dcp or deepspeed; "
             "`fsdpkit reshard` lays it out for another world size"
         )
         return

@@ -90,7 +90,7 @@ def test_help_lists_every_format_fsdpkit_reads_and_writes():
         assert all(f.label in text for f in FORMATS.values()), (command, text)
     assert all(f.label in convert_line for f in FORMATS.values()), convert_line
     written = [f.name for f in FORMATS.values() if f.writable]
-    assert set(written) == {"sharded", "full", "dcp", "deepspeed"}
+    assert set(written) == {"sharded", "full", "dcp", "deepspeed", "megatron"}
     assert all(name in convert_line for name in written) and all(name in shown("convert", "--help") for name in written)
     resharded = [f.label for f in FORMATS.values() if f.reshardable]
     assert resharded == ["fsdpkit", "DCP", "DeepSpeed"] and all(label in shown("reshard", "--help") for label in resharded)

@@ -49,6 +49,8 @@ class AnyCheckpoint:
     # a full export's stored tensors and aliases under the model's own names and orientation, its
     # transposed tensors transposed back into the given scratch file (read in chunks of the given size)
     restore_layout: Callable[[Path, int], tuple[list[SourceTensor], dict[str, str]]] | None = None
+    # a format whose names are not transformers': its model as transformers loads it (given `--model`, or None)
+    transformers_view: Callable[[str | None], AnyCheckpoint] | None = None
     _close: Callable[[], None] = lambda: None
     _engine: ByteEngine | None = None
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
@@ -16,7 +18,7 @@ from ..core.names import numel
 from ..core.report import VerifyReport
 from ..core.summary import FileEntry, ModelCounts, OptimizerCounts, Summary, TensorEntry, largest
 from .layout import detect_layout
-from .metadata import DcpTensor, read_metadata
+from .metadata import METADATA_GLOBALS, DcpTensor, read_metadata
 from .table import DcpCheckpoint, open_dcp
 
 FORMAT = "dcp"
@@ -102,10 +104,11 @@ def item_groups(item_keys: list[str], tensor_keys: list[str]) -> dict[str, int]:
     return dict(groups)
 
 
-def verify_dcp(path: str | os.PathLike[str]) -> VerifyReport:
+def verify_dcp(path: str | os.PathLike[str], allowed: Mapping[tuple[str, str], Any] = METADATA_GLOBALS) -> VerifyReport:
+    """`allowed`: the metadata's allow-list (a format built on DCP adds its own records)."""
     report = VerifyReport(str(path), FORMAT, not_checked=["tensor values (DCP stores no checksums)"])
     try:
-        metadata = read_metadata(Path(path))
+        metadata = read_metadata(Path(path), allowed)
     except DataCheckError as error:
         return report.failed(str(error))
     with DcpCheckpoint(metadata) as checkpoint:

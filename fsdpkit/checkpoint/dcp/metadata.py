@@ -11,6 +11,7 @@ offset)` to `_StorageInfo(relative_path, offset, length)`, where the item's byte
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,14 +113,15 @@ def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
     return Path(path).is_dir() and (Path(path) / METADATA_NAME).exists()
 
 
-def read_metadata(directory: str | os.PathLike[str]) -> DcpMetadata:
+def read_metadata(directory: str | os.PathLike[str], allowed: Mapping[tuple[str, str], Any] = METADATA_GLOBALS) -> DcpMetadata:
+    """`allowed`: the unpickler's allow-list (a format built on DCP adds its own records)."""
     directory = Path(directory)
     path = directory / METADATA_NAME
     with regular_file(path) as (fd, size):
         if size > MAX_METADATA_BYTES:
             raise DataCheckError(f"{path}: {size} bytes, over the {MAX_METADATA_BYTES}-byte limit for DCP metadata")
         raw = read_exactly(fd, size, 0, path)
-    root = restricted_loads(raw, allowed=METADATA_GLOBALS, where=str(path))
+    root = restricted_loads(raw, allowed=dict(allowed), where=str(path))
     if not isinstance(root, RECORDS["Metadata"]):
         raise DataCheckError(f"{path}: holds a {type(root).__name__}, not DCP metadata")
     items, storage = root.get("state_dict_metadata"), root.get("storage_data")

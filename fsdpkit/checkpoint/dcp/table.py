@@ -21,9 +21,10 @@ import json
 import os
 import struct
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
@@ -34,7 +35,7 @@ from ..core.names import MAX_HEADER_BYTES, Header, numel, parse_header_bytes
 from ..core.staging import checkpoint_file
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import ZIP_MAGIC, TensorRange, record_start, tensor_bytes, torch_save_pickle
-from .metadata import METADATA_NAME, Chunk, DcpMetadata, DcpTensor, Location, read_metadata
+from .metadata import METADATA_GLOBALS, METADATA_NAME, Chunk, DcpMetadata, DcpTensor, Location, read_metadata
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 TORCH_SAVE, SAFETENSORS = "torch_save", "safetensors"
@@ -218,12 +219,13 @@ class DcpSource(SourceTensor):
         return [p for p in self._pieces() if p.range.start < wanted.end and wanted.start < p.range.end]
 
 
-def open_dcp(path: str | os.PathLike[str]) -> DcpCheckpoint:
-    """A DCP checkpoint with its metadata, files and chunk coverage checked (DataCheckError)."""
+def open_dcp(path: str | os.PathLike[str], allowed: Mapping[tuple[str, str], Any] = METADATA_GLOBALS) -> DcpCheckpoint:
+    """A DCP checkpoint with its metadata, files and chunk coverage checked (DataCheckError);
+    `allowed`: its metadata's allow-list."""
     path = Path(path)
     if not (path / METADATA_NAME).exists():
         raise DataCheckError(f"{path}: not a DCP checkpoint (no {METADATA_NAME})")
-    checkpoint = DcpCheckpoint(read_metadata(path))
+    checkpoint = DcpCheckpoint(read_metadata(path, allowed))
     problems = checkpoint.structure_problems()
     if problems:
         checkpoint.close()

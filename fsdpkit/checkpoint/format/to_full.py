@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import shutil
 from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...dtypes import dtype_info
-from ...errors import DataCheckError
+from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport
@@ -40,6 +41,8 @@ def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress:
     from ..core.model_description import describe
 
     warnings = []
+    if opened.transformers_view is not None:  # the model under transformers' names, shaped by --model where given
+        opened, request = as_transformers(opened, request, request.model), replace(request, model=None)
     if request.with_optimizer and not opened.optimizer:
         raise DataCheckError(f"{opened.path}: --with-optimizer given but the checkpoint has no optimizer state")
     if opened.optimizer and not request.with_optimizer:
@@ -71,6 +74,18 @@ def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress:
             float_dtypes = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
             written += _write_hf_files(tmp, export, float_dtypes[0] if float_dtypes else None, warnings)
     return WriteReport(opened.path, str(dst), written, len(by_name), out_total, warnings, {"to": "full", "dtype": cast_to})
+
+
+def as_transformers(opened: AnyCheckpoint, request: ConvertRequest, shape_from: str | None) -> AnyCheckpoint:
+    """A checkpoint whose names are not transformers' (Megatron) as its model under transformers'
+    names; its optimizer state is not converted (a UsageError with --with-optimizer)."""
+    assert opened.transformers_view is not None
+    if request.with_optimizer:
+        raise UsageError(
+            f"{opened.opened_from}: --with-optimizer: a {opened.format} checkpoint's optimizer state is not converted, only its model"
+            " (its distributed optimizer keeps flat buffers per data-parallel rank in an order the checkpoint does not record)"
+        )
+    return opened.transformers_view(shape_from)
 
 
 def _full_metadata(layout: ExportLayout, aliases: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:

@@ -23,7 +23,7 @@ from ..core.staging import staged_output
 from .manifest import resharded_training_state
 from .placement import Placement
 from .reader import open_sharded
-from .to_full import restore_layout
+from .to_full import as_transformers, restore_layout
 from .writer import write_sharded
 
 
@@ -57,6 +57,8 @@ def to_sharded(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progre
     from ..core.model_description import describe
 
     assert request.world_size is not None  # the writer needs it
+    if opened.transformers_view is not None:  # Megatron: the model as transformers names it, as an hf: model's are
+        opened = as_transformers(opened, request, None)
     world_size = request.world_size
     description = describe(request.model) if request.model is not None else None
     placement = Placement.flat(description.units) if description is not None else Placement.even()

@@ -55,7 +55,10 @@ class SideReader(ByteEngine):
 
 def comparable(a: AnyCheckpoint, b: AnyCheckpoint) -> tuple[dict[str, SourceTensor], dict[str, SourceTensor], dict[str, str]]:
     """Both sides' model and optimizer tensors under names that compare, and, per side ("a",
-    "b") whose export layout was read back, what was done."""
+    "b") whose export layout was read back, what was done. A side whose names are not
+    transformers' (Megatron) against one that has them is compared under transformers' names."""
+    if (a.transformers_view is None) != (b.transformers_view is None):
+        a, b = _as_transformers(a), _as_transformers(b)
     tensors = [{**a.model, **a.optimizer}, {**b.model, **b.optimizer}]
     notes: dict[str, str] = {}
     layouts = [a.export_layout, b.export_layout]
@@ -63,6 +66,16 @@ def comparable(a: AnyCheckpoint, b: AnyCheckpoint) -> tuple[dict[str, SourceTens
         if layout is not None and not layout.is_identity and other is None:
             tensors[side], notes["ab"[side]] = _read_back(tensors[side], layout)
     return tensors[0], tensors[1], notes
+
+
+def _as_transformers(side: AnyCheckpoint) -> AnyCheckpoint:
+    """A side under transformers' names, its weights in the orientation transformers' files hold them."""
+    if side.transformers_view is None:
+        return side
+    view = side.transformers_view(None)
+    layout = view.export.layout if view.export is not None else ExportLayout()
+    view.model = {n: TransposedSource(n, t) if layout.is_transposed(n, t.shape) else t for n, t in view.model.items()}
+    return view
 
 
 def _read_back(tensors: dict[str, SourceTensor], layout: ExportLayout) -> tuple[dict[str, SourceTensor], str]:

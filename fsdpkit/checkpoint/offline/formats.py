@@ -21,13 +21,24 @@ from ..dcp.format import DcpFormat
 from ..deepspeed.format import DeepSpeedFormat
 from ..format.format import ShardedFormat
 from ..format.full_format import FullFormat
+from ..megatron.format import MegatronFormat
 from ..torchsave.format import TorchSaveFormat
 
-# In the order messages list them. A DeepSpeed save directory has a `latest` as fsdpkit's run
-# directory does: `detect_format` tries fsdpkit's own format last.
-FORMATS: dict[str, Format] = {f.name: f for f in (ShardedFormat(), DcpFormat(), DeepSpeedFormat(), TorchSaveFormat(), FullFormat())}
-SHARDED, DCP, DEEPSPEED, TORCH_SAVE, FULL = ShardedFormat.name, DcpFormat.name, DeepSpeedFormat.name, TorchSaveFormat.name, FullFormat.name
-READ_LABELS = ", ".join(f.label for f in FORMATS.values())  # "fsdpkit, DCP, DeepSpeed, verl, full safetensors"
+# In the order messages list them and `detect_format` tries them. A Megatron torch_dist directory
+# is a DCP directory too: Megatron comes before DCP. A DeepSpeed save directory has a `latest` as
+# fsdpkit's run directory does: `detect_format` tries fsdpkit's own format last.
+FORMATS: dict[str, Format] = {
+    f.name: f for f in (ShardedFormat(), MegatronFormat(), DcpFormat(), DeepSpeedFormat(), TorchSaveFormat(), FullFormat())
+}
+SHARDED, MEGATRON, DCP, DEEPSPEED, TORCH_SAVE, FULL = (
+    ShardedFormat.name,
+    MegatronFormat.name,
+    DcpFormat.name,
+    DeepSpeedFormat.name,
+    TorchSaveFormat.name,
+    FullFormat.name,
+)
+READ_LABELS = ", ".join(f.label for f in FORMATS.values())  # "fsdpkit, Megatron, DCP, DeepSpeed, verl, full safetensors"
 RESHARD_LABELS = ", ".join(f.label for f in FORMATS.values() if f.reshardable)
 TARGETS = tuple(name for name, found in FORMATS.items() if found.writable)
 CONVERT_HELP = f"Convert a checkpoint ({READ_LABELS}) --to {', '.join(TARGETS[:-1])} or {TARGETS[-1]}."

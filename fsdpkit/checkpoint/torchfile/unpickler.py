@@ -194,6 +194,40 @@ STATE_DICT_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
+class NumpyDtype(Record):
+    qualname = "numpy.dtype"
+
+
+class NumpyArray(Record):
+    """`numpy._core.multiarray._reconstruct(ndarray, (0,), b"b")`, then its state: (version,
+    shape, dtype, Fortran order, the bytes)."""
+
+    qualname = "numpy.ndarray"
+
+    def plain_value(self) -> str:
+        state = self.get("state")
+        if isinstance(state, tuple) and len(state) == 5 and isinstance(state[2], NumpyDtype) and isinstance(state[1], tuple):
+            dtype = state[2].get("args", ("?",))[0]
+            return f"numpy array {dtype}{list(state[1])}"
+        return "numpy array"
+
+
+def _latin1(text: Any, encoding: Any = None) -> bytes:
+    """`_codecs.encode(text, "latin1")`: how pickle protocol 2 writes bytes."""
+    if not isinstance(text, str) or encoding != "latin1":
+        raise DataCheckError(f"_codecs.encode of {type(text).__name__} with {str(encoding)[:20]!r}: only latin1 text is read")
+    return text.encode("latin1")
+
+
+# numpy arrays (an RNG state's, as `np.random.get_state()` gives it) as records, and bytes
+NUMPY_GLOBALS: dict[tuple[str, str], Any] = {
+    **{(f"numpy.{core}.multiarray", "_reconstruct"): NumpyArray for core in ("core", "_core")},
+    ("numpy", "ndarray"): NumpyArray.qualname,
+    ("numpy", "dtype"): NumpyDtype,
+    ("_codecs", "encode"): _latin1,
+}
+
+
 class _AllowListUnpickler(pickle.Unpickler):
     def __init__(self, raw: bytes, allowed: dict[tuple[str, str], Any], where: str, *, storages: bool):
         super().__init__(io.BytesIO(raw))

@@ -157,38 +157,10 @@ TORCHSAVE_GLOBALS: dict[tuple[str, str], Any] = {
 loads = partial(u.restricted_loads, allowed=TORCHSAVE_GLOBALS, storages=True)
 
 
-class NumpyDtype(u.Record):
-    qualname = "numpy.dtype"
-
-
-class NumpyArray(u.Record):
-    """`numpy._core.multiarray._reconstruct(ndarray, (0,), b"b")`, then its state: (version,
-    shape, dtype, Fortran order, the bytes)."""
-
-    qualname = "numpy.ndarray"
-
-    def plain_value(self) -> str:
-        state = self.get("state")
-        if isinstance(state, tuple) and len(state) == 5 and isinstance(state[2], NumpyDtype) and isinstance(state[1], tuple):
-            dtype = state[2].get("args", ("?",))[0]
-            return f"numpy array {dtype}{list(state[1])}"
-        return "numpy array"
-
-
-def _latin1(text: Any, encoding: Any = None) -> bytes:
-    """`_codecs.encode(text, "latin1")`: how pickle protocol 2 writes bytes."""
-    if not isinstance(text, str) or encoding != "latin1":
-        raise DataCheckError(f"_codecs.encode of {type(text).__name__} with {str(encoding)[:20]!r}: only latin1 text is read")
-    return text.encode("latin1")
-
-
 # A training run's extra state (verl's `extra_state_...`: the LR scheduler's state dict and the
 # RNG states, numpy's among them) adds numpy arrays and dtypes, as records, and bytes.
 EXTRA_STATE_GLOBALS: dict[tuple[str, str], Any] = {
     **TORCHSAVE_GLOBALS,
-    **{(f"numpy.{core}.multiarray", "_reconstruct"): NumpyArray for core in ("core", "_core")},
-    ("numpy", "ndarray"): NumpyArray.qualname,
-    ("numpy", "dtype"): NumpyDtype,
-    ("_codecs", "encode"): _latin1,
+    **u.NUMPY_GLOBALS,
 }
 extra_state_loads = partial(u.restricted_loads, allowed=EXTRA_STATE_GLOBALS, storages=True)

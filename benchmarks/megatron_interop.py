@@ -1,0 +1,139 @@
+"""fsdpkit on Megatron-Core `torch_dist` checkpoints: time and peak memory of Megatron -> Hugging
+Face and back, against `cp -r` of the checkpoint, side by side, alternating.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/megatron_interop.py --repeat 3
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/megatron_interop.py --layers 2 --repeat 1 --json
+
+Set-up: a Llama-shaped transformers checkpoint of random bf16 weights (hidden 2048, 16 heads in
+8 query groups, ffn 5632, vocab 32000, `--layers` 8: about 1.0 GB) is written with safetensors,
+then converted by `fsdpkit convert --to megatron` into a `torch_dist` checkpoint (its time and
+peak RSS are reported too). Each round runs, in an order that rotates from round to round, each
+command as its own process, its input first dropped from the page cache (wall time with a final
+`sync`, peak RSS from `wait4`): `fsdpkit convert MEGATRON OUT --to full` (unstacking the layers
+and splitting QKV and fc1 as it copies), and `cp -r MEGATRON OUT`.
+
+Reported: median and range over `--repeat` rounds, each command's peak RSS, and the ratio of
+convert to `cp -r` per round; `--json` prints them as one document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from dcp_interop import FSDPKIT, check_free, measure_rss, run, uncache
+
+HIDDEN, HEADS, GROUPS, FFN, VOCAB = 2048, 16, 8, 5632, 32000
+
+
+def write_llama(directory: Path, layers: int) -> int:
+    """A Llama-shaped transformers checkpoint of random bf16 weights; its bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    head = HIDDEN // HEADS
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (HIDDEN,),
+            p + "self_attn.q_proj.weight": (HEADS * head, HIDDEN),
+            p + "self_attn.k_proj.weight": (GROUPS * head, HIDDEN),
+            p + "self_attn.v_proj.weight": (GROUPS * head, HIDDEN),
+            p + "self_attn.o_proj.weight": (HIDDEN, HEADS * head),
+            p + "post_attention_layernorm.weight": (HIDDEN,),
+            p + "mlp.gate_proj.weight": (FFN, HIDDEN),
+            p + "mlp.up_proj.weight": (FFN, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, FFN),
+        }
+    generator = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(shape, generator=generator, dtype=torch.bfloat16) * 0.02 for name, shape in shapes.items()}
+    directory.mkdir(parents=True)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": GROUPS,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": False,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return sum(t.numel() * 2 for t in tensors.values())
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def rounds(work: Path, megatron: Path, repeat: int) -> dict[str, list[dict]]:
+    commands = {
+        "fsdpkit convert --to full": [FSDPKIT, "convert", str(megatron), str(work / "hf-out"), "--to", "full"],
+        "cp -r": ["/bin/cp", "-r", str(megatron), str(work / "copy")],
+    }
+    results: dict[str, list[dict]] = {name: [] for name in commands}
+    names = list(commands)
+    for round_ in range(repeat):
+        for name in names[round_ % 2 :] + names[: round_ % 2]:
+            uncache(megatron)
+            results[name].append(measure_rss(commands[name]))
+            for leftover in ("hf-out", "copy"):
+                shutil.rmtree(work / leftover, ignore_errors=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--work", type=Path, default=None, help="Scratch directory (default: a temporary one, removed).")
+    parser.add_argument("--write-llama", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.write_llama is not None:
+        write_llama(args.write_llama, args.layers)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="megatron-interop-", dir=args.work))
+    try:
+        check_free(work, 4_500_000_000 * max(args.layers, 1) // 8, "the set-up and outputs")
+        # written by a child: this process stays small, so its children's peak RSS is their own
+        run([sys.executable, __file__, "--write-llama", str(work / "hf"), "--layers", str(args.layers)])
+        size = sum(path.stat().st_size for path in (work / "hf").iterdir())
+        uncache(work / "hf")
+        setup = measure_rss([FSDPKIT, "convert", str(work / "hf"), str(work / "megatron"), "--to", "megatron"])
+        shutil.rmtree(work / "hf")
+        results = rounds(work, work / "megatron", args.repeat)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ratios = [c["seconds"] / p["seconds"] for c, p in zip(results["fsdpkit convert --to full"], results["cp -r"], strict=True)]
+    document = {
+        "checkpoint_bytes": size,
+        "to_megatron": setup,
+        "commands": {
+            name: {"seconds": summary([r["seconds"] for r in runs]), "peak_rss": max(r["peak_rss"] for r in runs)}
+            for name, runs in results.items()
+        },
+        "convert_over_cp": summary(ratios),
+    }
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(f"checkpoint {size / 1e9:.2f} GB; --to megatron {setup['seconds']:.2f} s, peak RSS {setup['peak_rss'] / 1e6:.0f} MB")
+        for name, found in document["commands"].items():
+            s = found["seconds"]
+            print(f"{name:28} {s['median']:7.2f} s [{s['min']:.2f}, {s['max']:.2f}]  peak RSS {found['peak_rss'] / 1e6:5.0f} MB")
+        r = document["convert_over_cp"]
+        print(f"convert / cp -r per round: {r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Megatron checkpoints against Megatron itself: megatron-core writes `torch_dist` checkpoints of
+tiny Llama, Qwen2 and GPT models at TP=2 PP=2 on CPU; fsdpkit, with no Megatron in its process,
+inspects and verifies them, reads their tensors (unstacked layers equal torch's DCP
+reading of the stacked ones), converts them to Hugging Face files whose `from_pretrained` logits equal
+Megatron's forward, and back to `torch_dist`, which Megatron's `dist_checkpointing.load` loads at
+TP=2 PP=2 with the same logits. A malicious common state is refused with nothing run."""
+
+import importlib.util
+import json
+import pickle
+
+import pytest
+import torch
+from support.checkpoint_files import run_cli
+
+from fsdpkit.checkpoint.offline.formats import open_checkpoint
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed (the [megatron] test extra: pip install -e '.[megatron]')",
+)
+TOLERANCE = 1e-5
+
+
+def tokens_for(model_shape) -> torch.Tensor:
+    return torch.randint(0, model_shape.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{style: (directory, shape, Megatron's logits)}, each written by Megatron at TP=2 PP=2, lazily."""
+    from support import megatron_oracle
+
+    found = {}
+
+    def get(style: str):
+        if style not in found:
+            directory = tmp_path_factory.mktemp(style)
+            model_shape = megatron_oracle.shape(style, num_layers=4)
+            logits = megatron_oracle.save_checkpoint(str(directory), model_shape, tokens_for(model_shape), seed=7)
+            found[style] = (directory, model_shape, logits)
+        return found[style]
+
+    return get
+
+
+def hf_logits(directory, tokens: torch.Tensor) -> tuple[str, torch.Tensor]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return type(model).__name__, model(tokens).logits
+
+
+@pytest.mark.parametrize(
+    ("style", "architecture"), [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("gpt", "GPT2LMHeadModel")]
+)
+def test_megatron_to_hf_gives_megatrons_logits(saved, tmp_path, style, architecture):
+    directory, model_shape, logits = saved(style)
+    done = run_cli("convert", directory, tmp_path / "hf", "--to", "full", "--json")
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["from"] == "megatron"
+    name, got = hf_logits(tmp_path / "hf", tokens_for(model_shape))
+    assert name == architecture
+    assert (got - logits).abs().max().item() < TOLERANCE
+
+
+def test_inspect_verify_and_tensors_match_torchs_dcp_reading(saved):
+    directory, model_shape, _ = saved("llama")
+    summary = json.loads(run_cli("inspect", directory, "--json").stdout)
+    assert summary["format"] == "megatron" and summary["generation"].startswith("torch_dist 0.16")
+    assert summary["parallel"] == {"tensor": 2, "pipeline": 2, "data": 1}
+    recorded = summary["model_shape"]
+    assert (recorded["layers"], recorded["heads"], recorded["query_groups"], recorded["ffn"]) == (4, 4, 2, 96)
+    assert (recorded["norm"], recorded["activation"], recorded["position_embedding"]) == ("RMSNorm", "swiglu", "rope")
+    assert summary["optimizer_kind"] is None
+    verified = run_cli("verify", directory, "--json")
+    assert verified.exit_code == 0 and json.loads(verified.stdout)["ok"], verified.stdout
+
+    plain = dcp_plain_tensors(directory, ["decoder.layers.self_attention.linear_qkv.weight", "decoder.layers.mlp.linear_fc1.weight"])
+    with open_checkpoint(directory) as opened:
+        assert opened.format == "megatron"
+        stacked = plain["decoder.layers.self_attention.linear_qkv.weight"]
+        for layer in range(4):
+            got = opened.get_tensor(f"decoder.layers.{layer}.self_attention.linear_qkv.weight")
+            assert torch.equal(got, stacked[layer])
+        fc1 = plain["decoder.layers.mlp.linear_fc1.weight"]
+        assert torch.equal(opened.get_slice("decoder.layers.2.mlp.linear_fc1.weight")[94:100], fc1[2, 94:100])
+
+
+def dcp_plain_tensors(directory, keys: list[str]) -> dict[str, torch.Tensor]:
+    """torch's own DCP reader (no process group): the stacked tensors whole."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    state = {key: torch.empty(tuple(metadata.state_dict_metadata[key].size)) for key in keys}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    return state
+
+
+def test_hf_to_megatron_loads_in_megatron_at_tp2_pp2(saved, tmp_path):
+    from support import megatron_oracle
+
+    directory, model_shape, logits = saved("qwen2")
+    assert run_cli("convert", directory, tmp_path / "hf", "--to", "full").exit_code == 0
+    done = run_cli("convert", tmp_path / "hf", tmp_path / "back", "--to", "megatron")
+    assert done.exit_code == 0, done.output
+    loaded = megatron_oracle.load_logits(str(tmp_path / "back"), model_shape, tokens_for(model_shape))
+    assert (loaded - logits).abs().max().item() < TOLERANCE
+    diff = run_cli("diff", directory, tmp_path / "back")
+    assert diff.exit_code == 0, diff.output
+    # through DCP, whose checkpoint records no config: the shape named with --model, every tensor Megatron's own
+    assert run_cli("convert", tmp_path / "hf", tmp_path / "dcp", "--to", "dcp").exit_code == 0
+    assert run_cli("convert", tmp_path / "dcp", tmp_path / "from-dcp", "--to", "megatron").exit_code == 2
+    done = run_cli("convert", tmp_path / "dcp", tmp_path / "from-dcp", "--to", "megatron", "--model", f"hf:{tmp_path / 'hf'}")
+    assert done.exit_code == 0, done.output
+    assert run_cli("diff", directory, tmp_path / "from-dcp").exit_code == 0
+
+
+class Boom:
+    def __reduce__(self):
+        return (print, ("ran",))
+
+
+def test_a_malicious_common_state_is_refused_and_nothing_runs(saved, tmp_path):
+    import shutil
+
+    directory, _, _ = saved("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(directory, bad)
+    torch.save({"args": Boom()}, bad / "common.pt")
+    for command in ("inspect", "verify"):
+        done = run_cli(command, bad)
+        assert done.exit_code == 3, done.output
+        assert ".print, which is not allowed" in done.output and "ran" not in done.output
+    metadata = (bad / ".metadata").read_bytes()
+    (bad / ".metadata").write_bytes(pickle.dumps(Boom()))
+    done = run_cli("convert", bad, tmp_path / "out", "--to", "full")
+    assert done.exit_code == 3 and ".print, which is not allowed" in done.output
+    assert not (tmp_path / "out").exists() and metadata

@@ -1,0 +1,466 @@
+"""Megatron-Core itself as the oracle for Megatron checkpoints: it writes `torch_dist` checkpoints
+of a tiny GPTModel, runs its own forward, and loads a checkpoint back into a model, all on CPU
+with gloo (local layer spec, no Transformer Engine, no Apex).
+
+Every public function spawns `tp * pp * dp` processes (torch.multiprocessing, spawn start
+method), so a script calling them needs an `if __name__ == "__main__":` guard. This module
+imports only torch and megatron-core (no fsdpkit), so the fixture scripts beside the committed
+fixtures can use it under other megatron-core versions in throwaway environments.
+
+Styles (one model shape each, see `shape`):
+- llama: RMSNorm, SwiGLU, RoPE, GQA (query groups < heads), no biases, untied output layer.
+- qwen2: llama plus a bias on the fused QKV projection.
+- gpt:   LayerNorm, GELU, learned absolute positions, biases everywhere, tied output layer.
+
+Weights are deterministic given (style, seed, tp, pp): Megatron initialises on CPU from the
+seed, then every parameter gets a seeded perturbation (so norms and biases are not 1 and 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+STYLES = ("llama", "qwen2", "gpt")
+OPTIMIZER_SHARDING = "dp_reshardable"  # Megatron-LM's default distributed optimizer format, recorded in content_metadata
+OPTIMIZER_ON_CPU = (
+    "megatron-core 0.16.1's DistributedOptimizer cannot be built on CPU: MixedPrecisionOptimizer.__init__ allocates "
+    "torch.tensor(..., device='cuda') (optimizer/optimizer.py:473-485) and DistributedOptimizer refuses any parameter whose "
+    "type() is not 'torch.cuda.FloatTensor'/'HalfTensor'/'BFloat16Tensor' (optimizer/distrib_optimizer.py:361-435)"
+)
+
+
+@dataclass(frozen=True)
+class MegatronShape:
+    style: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int  # already padded: Megatron-LM's padded_vocab_size
+    max_position_embeddings: int
+    normalization: str  # "RMSNorm" | "LayerNorm"
+    swiglu: bool
+    position_embedding_type: str  # "rope" | "learned_absolute"
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    untie_embeddings_and_output_weights: bool
+    norm_epsilon: float = 1e-5
+    rotary_base: int = 10000
+
+
+def shape(style: str, **overrides: Any) -> MegatronShape:
+    """The default tiny shape of a style; keyword overrides replace fields (e.g. num_layers=2)."""
+    if style not in STYLES:
+        raise ValueError(f"style {style!r} is not one of {STYLES}")
+    llama_like = style != "gpt"
+    base = MegatronShape(
+        style=style,
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2 if llama_like else 4,
+        ffn_hidden_size=96 if llama_like else 256,
+        vocab_size=128,
+        max_position_embeddings=32,
+        normalization="RMSNorm" if llama_like else "LayerNorm",
+        swiglu=llama_like,
+        position_embedding_type="rope" if llama_like else "learned_absolute",
+        add_bias_linear=not llama_like,
+        add_qkv_bias=style == "qwen2",
+        untie_embeddings_and_output_weights=llama_like,
+    )
+    return replace(base, **overrides)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    tp: int = 2
+    pp: int = 2
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def save_checkpoint(
+    directory: str,
+    model_shape: MegatronShape,
+    tokens: torch.Tensor | None = None,
+    *,
+    seed: int = 0,
+    parallel: Parallel = Parallel(),
+    iteration: int | None = None,
+    backend: str = "torch_dist",
+    layout: str = "megatron_lm",
+    integrity: bool = False,
+) -> torch.Tensor | None:
+    """Megatron writes a `torch_dist` checkpoint of a seeded model into `directory` (as Megatron-LM
+    does: model, args, checkpoint_version, iteration, rng_state; no optimizer, see
+    OPTIMIZER_ON_CPU). `backend` "zarr" is the legacy format (megatron-core <= 0.15 with zarr 2). `layout`
+    "nemo2" writes what NeMo 2's MegatronStrategy saves into a checkpoint's `weights/`: model keys
+    under "module.", and Lightning's entries as the common state instead of Megatron-LM's.
+    `integrity` (megatron-core >= 0.19) adds `integrity.json`, the SHA-256 of every file. With `iteration`, `directory` is a
+    Megatron-LM save root: the checkpoint goes to `iter_{iteration:07d}/` beside
+    `latest_checkpointed_iteration.txt`. Returns Megatron's logits [batch, seq, vocab] of the saved
+    weights on `tokens` [batch, seq] when given."""
+    job = {"kind": "save", "directory": directory, "shape": asdict(model_shape), "tokens": tokens, "seed": seed}
+    job.update(iteration=iteration, backend=backend, layout=layout, integrity=integrity)
+    return _launch(job, parallel)
+
+
+def forward_logits(model_shape: MegatronShape, tokens: torch.Tensor, *, seed: int = 0, parallel: Parallel = Parallel()) -> torch.Tensor:
+    """Megatron's logits [batch, seq, vocab] on `tokens` of the seeded model (nothing saved)."""
+    job = {"kind": "forward", "shape": asdict(model_shape), "tokens": tokens, "seed": seed}
+    return _launch(job, parallel)
+
+
+def load_logits(
+    directory: str, model_shape: MegatronShape, tokens: torch.Tensor, *, parallel: Parallel = Parallel(), key_prefix: str = ""
+) -> torch.Tensor:
+    """`dist_checkpointing.load` of the `torch_dist` checkpoint `directory` into a model of
+    `model_shape` at `parallel` (built from another seed, so every weight must come from the
+    checkpoint; a missing key fails the load); returns Megatron's logits on `tokens`.
+    `key_prefix` "module." reads a NeMo 2 checkpoint's `weights/`."""
+    job = {"kind": "load", "directory": directory, "shape": asdict(model_shape), "tokens": tokens, "seed": 12345}
+    job["prefix"] = key_prefix
+    return _launch(job, parallel)
+
+
+def plain_tensors(directory: str) -> dict[str, Any]:
+    """Megatron's own `dist_checkpointing.load_plain_tensors`: every tensor of the checkpoint,
+    whole and unsharded, under its checkpoint key (one process)."""
+    job = {"kind": "plain", "directory": directory}
+    return _launch(job, Parallel(tp=1, pp=1, dp=1))
+
+
+def common_state(directory: str) -> dict[str, Any]:
+    """Megatron's own `dist_checkpointing.load_common_state_dict` (args, iteration, ...)."""
+    job = {"kind": "common", "directory": directory}
+    return _launch(job, Parallel(tp=1, pp=1, dp=1))
+
+
+def megatron_lm_args(model_shape: MegatronShape, parallel: Parallel, iteration: int) -> argparse.Namespace:
+    """The subset of Megatron-LM's `args` that describes the model and the run, under
+    Megatron-LM's own names (the whole Namespace has several hundred entries)."""
+    s = model_shape
+    return argparse.Namespace(
+        num_layers=s.num_layers,
+        hidden_size=s.hidden_size,
+        ffn_hidden_size=s.ffn_hidden_size,
+        num_attention_heads=s.num_attention_heads,
+        group_query_attention=s.num_query_groups != s.num_attention_heads,
+        num_query_groups=s.num_query_groups,
+        kv_channels=s.hidden_size // s.num_attention_heads,
+        max_position_embeddings=s.max_position_embeddings,
+        seq_length=s.max_position_embeddings,
+        position_embedding_type=s.position_embedding_type,
+        rotary_base=s.rotary_base,
+        rotary_percent=1.0,
+        use_rotary_position_embeddings=s.position_embedding_type == "rope",
+        normalization=s.normalization,
+        norm_epsilon=s.norm_epsilon,
+        swiglu=s.swiglu,
+        openai_gelu=False,
+        squared_relu=False,
+        add_bias_linear=s.add_bias_linear,
+        add_qkv_bias=s.add_qkv_bias,
+        untie_embeddings_and_output_weights=s.untie_embeddings_and_output_weights,
+        qk_layernorm=False,
+        num_experts=None,
+        padded_vocab_size=s.vocab_size,
+        make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        data_parallel_size=parallel.dp,
+        world_size=parallel.world,
+        sequence_parallel=False,
+        use_distributed_optimizer=True,
+        ckpt_format="torch_dist",
+        use_dist_ckpt=True,
+        dist_ckpt_optim_fully_reshardable=False,
+        params_dtype=torch.float32,
+        fp16=False,
+        bf16=False,
+        optimizer="adam",
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        lr=1e-3,
+        weight_decay=0.0,
+        iteration=iteration,
+        train_iters=iteration,
+        consumed_train_samples=iteration,
+        transformer_impl="local",
+        tokenizer_type="NullTokenizer",
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(job: dict, parallel: Parallel) -> Any:
+    with tempfile.TemporaryDirectory(prefix="megatron_oracle_") as results:
+        port = _free_port()
+        mp.start_processes(_entry, args=(parallel, port, job, results), nprocs=parallel.world, start_method="spawn")
+        path = os.path.join(results, "result.pt")
+        return torch.load(path, weights_only=False) if os.path.exists(path) else None
+
+
+def _entry(rank: int, parallel: Parallel, port: int, job: dict, results: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=parallel.world)
+    try:
+        _cpu_shims()
+        result = _JOBS[job["kind"]](job, parallel)
+        if result is not None:
+            torch.save(result, os.path.join(results, "result.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _cpu_shims() -> None:
+    """Megatron assumes CUDA in a few places that the CPU run does not need."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]  # the tied embedding's first all-reduce
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # type: ignore[method-assign,assignment,misc]
+
+
+def _init_parallel(parallel: Parallel) -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp)
+
+
+def _transformer_config(s: MegatronShape, parallel: Parallel):  # type: ignore[no-untyped-def]
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=s.num_layers,
+        hidden_size=s.hidden_size,
+        num_attention_heads=s.num_attention_heads,
+        num_query_groups=s.num_query_groups,
+        ffn_hidden_size=s.ffn_hidden_size,
+        kv_channels=s.hidden_size // s.num_attention_heads,
+        normalization=s.normalization,
+        layernorm_epsilon=s.norm_epsilon,
+        gated_linear_unit=s.swiglu,
+        activation_func=F.silu if s.swiglu else F.gelu,
+        add_bias_linear=s.add_bias_linear,
+        add_qkv_bias=s.add_qkv_bias,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _build_model(s: MegatronShape, parallel: Parallel, seed: int):  # type: ignore[no-untyped-def]
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config=_transformer_config(s, parallel),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=s.normalization),
+        vocab_size=s.vocab_size,
+        max_sequence_length=s.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not s.untie_embeddings_and_output_weights,
+        position_embedding_type=s.position_embedding_type,
+        rotary_base=s.rotary_base,
+    )
+    _perturb(model, seed)
+    _tie_output_to_embedding(model)
+    return model
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    """Seeded noise on every parameter: the same on the TP ranks that replicate a parameter,
+    different per TP rank for a TP-sharded one, different per pipeline stage."""
+    import zlib
+
+    from megatron.core import parallel_state
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            sharded = getattr(param, "tensor_model_parallel", False)
+            key = f"{seed}/{pp_rank}/{tp_rank if sharded else -1}/{name}"
+            generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+
+
+def _tie_output_to_embedding(model) -> None:  # type: ignore[no-untyped-def]
+    """A tied model on several stages keeps a copy of the embedding on the last stage; Megatron
+    makes it equal to the first stage's by one all-reduce over the embedding group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not model.share_embeddings_and_output_weights or parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return
+    weight = model.shared_embedding_or_output_weight()
+    with torch.no_grad():
+        if parallel_state.is_pipeline_last_stage():
+            weight.zero_()
+        dist.all_reduce(weight.data, group=parallel_state.get_embedding_group())
+
+
+def _forward(model, tokens: torch.Tensor) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+    """Megatron's forward through the pipeline stages; the full-vocabulary logits on the last
+    stage's TP rank 0, None elsewhere."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True: not attended
+    model.eval()
+    with torch.no_grad():
+        if not parallel_state.is_pipeline_first_stage():
+            hidden = torch.empty(seq, batch, model.config.hidden_size)
+            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(tokens, positions, mask)
+        if not parallel_state.is_pipeline_last_stage():
+            dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
+        logits = gather_from_tensor_model_parallel_region(out)
+    first_replica = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    return logits if first_replica else None
+
+
+def _job_forward(job: dict, parallel: Parallel) -> torch.Tensor | None:
+    _init_parallel(parallel)
+    model = _build_model(MegatronShape(**job["shape"]), parallel, job["seed"])
+    return _forward(model, job["tokens"])
+
+
+def _job_save(job: dict, parallel: Parallel) -> torch.Tensor | None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    _init_parallel(parallel)
+    s = MegatronShape(**job["shape"])
+    model = _build_model(s, parallel, job["seed"])
+    logits = _forward(model, job["tokens"]) if job["tokens"] is not None else None
+    iteration = job["iteration"] or 0
+    content_metadata = {
+        "distrib_optim_sharding_type": OPTIMIZER_SHARDING,
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+    }
+    if job["layout"] == "nemo2":
+        state = _nemo2_state(model, iteration)
+    else:
+        state = {"args": megatron_lm_args(s, parallel, iteration), "checkpoint_version": 3.0, "iteration": iteration}
+        state["model"] = model.sharded_state_dict(metadata=content_metadata)
+        state["rng_state"] = _rng_state(parallel)
+        state["num_floating_point_operations_so_far"] = 0
+    directory = _checkpoint_dir(job["directory"], job["iteration"])
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+    dist.barrier()
+    integrity = {"verify_integrity": True} if job.get("integrity") else {}
+    dist_checkpointing.save(state, directory, sharded_strategy=(job["backend"], 1), content_metadata=content_metadata, **integrity)
+    dist.barrier()
+    if dist.get_rank() == 0 and job["iteration"] is not None:
+        with open(os.path.join(job["directory"], "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    return logits
+
+
+def _nemo2_state(model, step: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """NeMo 2's MegatronStrategy.save_checkpoint: Lightning's checkpoint dict with the Megatron
+    module's sharded state dict under "module." (MegatronParallel's prefix for the wrapped model)."""
+    return {
+        "epoch": 0,
+        "global_step": step,
+        "pytorch-lightning_version": "2.5.1",
+        "state_dict": {},
+        "sharded_state_dict": model.sharded_state_dict(prefix="module."),
+        "loops": {},
+        "callbacks": {},
+        "hyper_parameters": {},
+    }
+
+
+def _checkpoint_dir(root: str, iteration: int | None) -> str:
+    return root if iteration is None else os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _rng_state(parallel: Parallel):  # type: ignore[no-untyped-def]
+    """Megatron-LM's rng_state ShardedObject (no CUDA generator on CPU, so no cuda_rng_state)."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    states = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(), "torch_rng_state": torch.get_rng_state()}]
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    return ShardedObject("rng_state", states, (parallel.pp, parallel.tp), (pp_rank, tp_rank), replica_id=dp_rank)
+
+
+def _job_load(job: dict, parallel: Parallel) -> torch.Tensor | None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    _init_parallel(parallel)
+    model = _build_model(MegatronShape(**job["shape"]), parallel, job["seed"])
+    request = {"model": model.sharded_state_dict(prefix=job["prefix"])}
+    loaded = dist_checkpointing.load(request, job["directory"], strict=StrictHandling.RAISE_UNEXPECTED)
+    state = {key.removeprefix(job["prefix"]): value for key, value in loaded["model"].items()}
+    model.load_state_dict(state, strict=True)
+    return _forward(model, job["tokens"])
+
+
+def _job_plain(job: dict, parallel: Parallel) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    return dict(dist_checkpointing.load_plain_tensors(job["directory"]))
+
+
+def _job_common(job: dict, parallel: Parallel) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    return dict(dist_checkpointing.load_common_state_dict(job["directory"]))
+
+
+_JOBS = {"save": _job_save, "forward": _job_forward, "load": _job_load, "plain": _job_plain, "common": _job_common}
