@@ -208,7 +208,7 @@ def test_every_command_rejects_bad_checkpoint(pristines, tmp_path, version, case
     _no_leftovers(tmp_path, ["src"] + extra)
 
 
-NOT_A_CHECKPOINT = "not a checkpoint fsdpkit reads (fsdpkit, DCP, DeepSpeed, verl, full safetensors)"
+NOT_A_CHECKPOINT = "not a checkpoint fsdpkit reads (fsdpkit, Megatron, DCP, DeepSpeed, verl, full safetensors)"
 
 
 def test_a_directory_that_is_no_checkpoint_is_bad_input(tmp_path):
@@ -240,7 +240,7 @@ def test_reshard_of_a_format_without_ranks_says_what_to_do(ckpt, tmp_path):
     result = run_cli("reshard", tmp_path / "full", tmp_path / "out", "--world-size", "2")
     assert result.exit_code == 2 and not (tmp_path / "out").exists()
     expected = (
-        f"error: {tmp_path / 'full'}: a full safetensors checkpoint has no ranks to lay out: convert it --to sharded, dcp or deepspeed"
+        f"error: {tmp_path / 'full'}: a full safetensors checkpoint has no ranks to lay out: convert it --to sharded, megatron, dcp or deepspeed"
     )
     assert result.stderr.strip() == expected
 

@@ -81,7 +81,7 @@ CASES = [
     (("inspect",), 2, "missing argument 'ckpt'"),
     (("inspect", "missing"), 2, "missing: does not exist"),
     (("inspect", "corrupt"), 3, "rank-00001-of-00002.safetensors"),
-    (("inspect", "empty"), 2, "empty: not a checkpoint fsdpkit reads (fsdpkit, DCP, DeepSpeed, verl, full safetensors)"),
+    (("inspect", "empty"), 2, "empty: not a checkpoint fsdpkit reads (fsdpkit, Megatron, DCP, DeepSpeed, verl, full safetensors)"),
     (("verify", "missing"), 2, "missing: does not exist"),
     (("verify", "corrupt"), 3, "rank-00001-of-00002.safetensors"),
     (("verify", "good", "--bogus"), 2, "no such option: --bogus"),

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.nn as nn
+from typing import TYPE_CHECKING, Any
 
 from ..format import storage
 from ..format.lock import RunLock
 from ..format.manifest import Manifest, load_manifest
 from ..format.names import parse_step_dir_name
 from ..format.save_dir import check_save_dir, continued_run_id, set_aside
-from .checkpointer import Checkpointer, check_before_launch, init_weights_from
-from .save_protocol import SaveTimings
+
+if TYPE_CHECKING:  # torch is imported when a run starts, not while its flags are checked
+    import torch
+    import torch.nn as nn
+
+    from .save_protocol import SaveTimings
 
 __all__ = [
     "CheckpointManager",
@@ -28,7 +29,6 @@ __all__ = [
     "check_before_launch",
     "check_save_dir",
     "continued_run_id",
-    "init_weights_from",
     "saved_checkpoint",
     "set_aside",
 ]
@@ -59,6 +59,8 @@ class CheckpointManager:
         self.save_dir = Path(save_dir) if save_dir else None
         self.model, self.optimizer = model, optimizer
         self.keep_last, self.run_id = keep_last, run_id
+        from .checkpointer import Checkpointer
+
         self.checkpointer = Checkpointer(model, optimizer, async_save=async_save, run_id=run_id) if self.save_dir else None
 
     @property
@@ -89,10 +91,14 @@ class CheckpointManager:
 
     def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> dict[str, Any]:
         """Model and optimizer state from the checkpoint at `path` (saved at any world size); its training state."""
+        from .checkpointer import Checkpointer
+
         return Checkpointer(self.model, self.optimizer).load(path, strict=strict)
 
     def init_weights(self, path: str | os.PathLike[str]) -> None:
         """Weights only, from a sharded or a full checkpoint (--init-from)."""
+        from .checkpointer import init_weights_from
+
         init_weights_from(self.model, path)
 
     @staticmethod
@@ -111,3 +117,11 @@ class CheckpointManager:
     @property
     def timings(self) -> SaveTimings | None:
         return self.checkpointer.timings if self.checkpointer is not None else None
+
+
+def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool) -> None:
+    """The checkpoint at `path` checked against the unsharded meta model (and its optimizer when
+    resuming) before any process starts: a problem is a DataCheckError (exit 3)."""
+    from . import checkpointer
+
+    checkpointer.check_before_launch(path, model=model, optimizer=optimizer, strict=strict)
