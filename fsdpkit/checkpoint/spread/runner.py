@@ -284,6 +284,12 @@ def run_spread(task: SpreadTask, options: LaunchOptions, show: Show | None = Non
         return spread_worker(task)
     if options.nnodes == 1 and options.nproc_per_node == 1:
         return run_ranks(task, Solo(), show)
+    if options.node_rank == 0:  # bad input: one line and exit 2 (or 3) here, before any worker starts
+        header, job = _lead(task, options.world_size)
+        if job is not None:
+            job.close()
+        if header["error"] is not None:
+            _raise(*header["error"])
     try:
         return launch(spread_worker, task, options=options).get(0)
     except RunError as error:
