@@ -169,3 +169,30 @@ def test_bad_input_is_one_line_before_any_worker_starts(source, tmp_path, no_lau
 
 def no_launch_launch(*_args, **_kwargs):
     raise AssertionError("bad input must be rejected before launching")
+
+
+def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_path):
+    """Two nodes of one process each (fsdpkit's --nnodes, --node-rank, --master-addr, --master-port)
+    and, at the same time, `torchrun -m fsdpkit_cli convert` with two processes."""
+    import socket
+    import subprocess
+    import sys
+
+    root, _, clean = source
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    common = ["convert", str(root / "run"), "--to", "full", "--max-shard-size", SHARD, "--with-optimizer"]
+    nodes = [
+        [sys.executable, "-m", "fsdpkit_cli", *common[:2], str(tmp_path / "nodes"), *common[2:], "--nproc-per-node", "1", "--nnodes", "2"]
+        + ["--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        for rank in (0, 1)
+    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fsdpkit_cli"]
+    torchrun += [*common[:2], str(tmp_path / "torchrun"), *common[2:]]
+    started = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args in [*nodes, torchrun]]
+    outputs = [process.communicate(timeout=240)[0] for process in started]
+    assert [process.returncode for process in started] == [0, 0, 0], outputs
+    assert "wrote" in outputs[0] and "wrote" not in outputs[1]  # node 0's rank 0 reports; node 1 says nothing
+    assert _files(tmp_path / "nodes") == _files(clean)
+    assert _files(tmp_path / "torchrun") == _files(clean)
