@@ -6,9 +6,10 @@ from pathlib import Path
 
 import typer
 
+from fsdpkit.checkpoint.core.request import Keys
+from fsdpkit.checkpoint.core.summary import FullSummary, ShardedSummary, Summary
 from fsdpkit.checkpoint.dcp.inspect import DcpSummary
-from fsdpkit.checkpoint.format.summary import FullSummary, ShardedSummary, Summary
-from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, READ_LABELS, TORCH_SAVE, Keys, detect_format
+from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, READ_LABELS, TORCH_SAVE, detect_format
 from fsdpkit.sizes import format_size
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP

@@ -28,7 +28,8 @@ def reshard(
     **settings: Any,
 ) -> None:
     """Lay a checkpoint out for another world size, offline, in its own format (model and optimizer state)."""
-    from fsdpkit.checkpoint.offline.formats import ReshardRequest, reshard_any
+    from fsdpkit.checkpoint.core.request import ReshardRequest
+    from fsdpkit.checkpoint.offline.formats import reshard_any
     from fsdpkit.checkpoint.spread.runner import SpreadTask
 
     ranks, chunk = required_world_size(world_size), chunk_bytes(chunk_size)

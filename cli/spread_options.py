@@ -79,7 +79,6 @@ def spread_lines(result: Any) -> list[str]:
 def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_json: bool) -> Any:
     """Run `task` spread (or print its plan with --dry-run); what convert and reshard print, or
     verify's report, on rank 0; None on the other ranks, and after a dry run."""
-    from fsdpkit.checkpoint.format.report import WriteReport
     from fsdpkit.checkpoint.spread.dryrun import dry_run as plan_only
     from fsdpkit.checkpoint.spread.runner import as_json as figures
     from fsdpkit.checkpoint.spread.runner import open_task_job, run_spread
@@ -105,4 +104,4 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
     if task.command == "verify":
         result.report.extra["spread"] = figures(result)
         return result.report
-    return WriteReport.of({**result.report, "dst": task.dst, "spread": figures(result)})
+    return dataclasses.replace(result.report, details={**result.report.details, "spread": figures(result)})

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from fsdpkit.checkpoint.format.bytecopy import DEFAULT_CHUNK_SIZE
+from fsdpkit.checkpoint.core.bytecopy import DEFAULT_CHUNK_SIZE
 from fsdpkit.checkpoint.offline.formats import READ_LABELS, detect_format
 
 from .common import byte_progress, print_json

@@ -21,9 +21,10 @@ import os
 import time
 from pathlib import Path
 
+from ..checkpoint.core.staging import fsync_dir
 from ..checkpoint.format.manifest import load_manifest
 from ..checkpoint.format.names import LATEST_NAME
-from ..checkpoint.format.storage import complete_steps, fsync_dir, resolve_checkpoint
+from ..checkpoint.format.storage import complete_steps, resolve_checkpoint
 from ..errors import DataCheckError, UsageError
 
 EARLIER_PREFIX = "earlier-"

@@ -196,3 +196,26 @@ def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_pat
     assert "wrote" in outputs[0] and "wrote" not in outputs[1]  # node 0's rank 0 reports; node 1 says nothing
     assert _files(tmp_path / "nodes") == _files(clean)
     assert _files(tmp_path / "torchrun") == _files(clean)
+
+
+def test_a_node_that_does_not_see_the_same_paths_is_named(tmp_path):
+    """What each rank checks before writing: its listing of SRC matches rank 0's, and it reads
+    the token rank 0 wrote into DST's staging area (on a node without the shared filesystem it
+    cannot)."""
+    from fsdpkit.checkpoint.spread.runner import SpreadTask, view_problem
+    from fsdpkit.checkpoint.spread.staging import STATE_DIR, TOKEN_NAME, fingerprint
+
+    class Job:
+        def facts(self):
+            return {"source": [["rank-00000-of-00001.safetensors", 100, 1]]}
+
+    staging = tmp_path / ".tmp-out-resumable"
+    (staging / STATE_DIR).mkdir(parents=True)
+    (staging / STATE_DIR / TOKEN_NAME).write_text("token-of-rank-0\n")
+    task = SpreadTask("convert", "SRC", str(tmp_path / "out"))
+    header = {"digest": fingerprint(Job().facts()), "staging": str(staging), "token": "token-of-rank-0"}
+    assert view_problem(task, Job(), header, 3) is None
+    elsewhere = view_problem(task, Job(), {**header, "staging": str(tmp_path / "not-on-this-node")}, 3)
+    assert elsewhere is not None and "rank 3" in elsewhere and "every node must see the same DST" in elsewhere
+    other_source = view_problem(task, Job(), {**header, "digest": "0" * 32}, 2)
+    assert other_source is not None and "rank 2" in other_source and "sees SRC differently" in other_source

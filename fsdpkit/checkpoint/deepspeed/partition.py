@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
-from ..format.bytecopy import SourcePiece
+from ..core.bytecopy import SourcePiece
 from ..torchfile.savefile import TensorRange
 
 NCCL_START_ALIGNMENT_FACTOR = 2

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...sizes import format_size
-from ..format.files import open_regular, pread_into
+from ..core.files import open_regular, pread_into
 from .jobs import source_listing
 from .plan import Plan, make_plan
 

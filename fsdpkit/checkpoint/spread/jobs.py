@@ -10,24 +10,25 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ...dtypes import dtype_info
 from ...errors import UsageError
 from ...flat_layout import ElementRange
-from ..format.bytecopy import ByteEngine
-from ..format.crc import PartRead, check_parts, crc32, crc32_combine
+from ..core.bytecopy import ByteEngine
+from ..core.crc import PartRead, check_parts, crc32, crc32_combine
+from ..core.names import layout_header
+from ..core.report import VerifyReport, WriteReport
+from ..core.request import ConvertRequest, check_options
 from ..format.manifest import Manifest, load_manifest, resharded_training_state, save_manifest
-from ..format.names import FORMAT_NAME, layout_header, rank_file_name
+from ..format.names import FORMAT_NAME, rank_file_name
 from ..format.placement import TensorSpec
 from ..format.reader import ShardedCheckpoint, open_sharded
-from ..format.report import VerifyReport
 from ..format.storage import resolve_checkpoint
-from ..offline.convert import transposed_bytes
+from ..format.to_full import full_output, transposed_bytes
+from ..format.verify import check_files
 from ..offline.formats import FORMATS, FULL, SHARDED, detect_format, open_checkpoint
-from ..offline.request import ConvertRequest, check_options
-from ..offline.verify import check_files
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
@@ -52,6 +53,18 @@ def _parts_json(parts: list[PartRead]) -> list[list]:
     return [[str(p.path), *p[1:]] for p in parts]
 
 
+def safetensors_file(name: str, header: bytes, order, *, whole: set[str], splittable: bool) -> OutputFile:
+    """An output safetensors file of `header` and tensors `order` ((name, TensorInfo) in data
+    order): cut at any element boundary when `splittable`, but inside no tensor of `whole`."""
+    cuts = []
+    for tensor, info in order:
+        begin, end = len(header) + info.begin, len(header) + info.end
+        if end > begin and splittable:
+            cuts.append((begin, end, end - begin if tensor in whole else dtype_info(info.dtype).itemsize))
+    size = len(header) + sum(info.nbytes for _, info in order)
+    return OutputFile(name, size, tuple(cuts), "" if splittable else SINGLE_FILE)
+
+
 class FullJob:
     """`convert --to full` from any format: one safetensors file per output file, cut by byte
     range into parts when there are several files (any element boundary of a tensor that is
@@ -60,8 +73,6 @@ class FullJob:
     command = "convert"
 
     def __init__(self, src: str, request: ConvertRequest):
-        from ..offline.convert import full_output
-
         self.stack = ExitStack()
         self.opened = self.stack.enter_context(open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key))
         self.src, self.request = src, request
@@ -69,17 +80,8 @@ class FullJob:
         self.layouts = [layout_header(entries, metadata) for _, entries, metadata in self.output.files]
         many = len(self.layouts) > 1
         named = zip(self.output.files, self.layouts, strict=True)
-        self.files = [self._file(name, header, order, many) for (name, _, _), (header, order) in named]
-
-    def _file(self, name: str, header: bytes, order, many: bool) -> OutputFile:
-        cuts = []
-        for tensor, info in order:
-            begin, end = len(header) + info.begin, len(header) + info.end
-            step = end - begin if self.output.by_name[tensor][1] else dtype_info(info.dtype).itemsize
-            if end > begin and many:
-                cuts.append((begin, end, step))
-        size = len(header) + sum(info.nbytes for _, info in order)
-        return OutputFile(name, size, tuple(cuts), "" if many else SINGLE_FILE)
+        whole = {name for name, (_, flip) in self.output.by_name.items() if flip}
+        self.files = [safetensors_file(name, header, order, whole=whole, splittable=many) for (name, _, _), (header, order) in named]
 
     def facts(self) -> dict:
         request = {k: v for k, v in asdict(self.request).items() if k not in ("chunk_size", "overwrite")}
@@ -108,11 +110,10 @@ class FullJob:
         parts = engine.finish_parts()
         return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, engine.bytes_read, _parts_json(parts))
 
-    def commit(self, directory: Path, results: list[PartResult]) -> dict:
+    def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))
-        written = self.output.commit_files(directory)
-        facts = {"src": self.opened.path, "from": self.opened.format, **self.opened.facts}
-        return {**facts, **self.output.report(written)}
+        written = self.output.report(self.output.commit_files(directory), src=self.opened.path, dst=Path(dst))
+        return replace(written, details={"from": self.opened.format, **self.opened.facts, **written.details})
 
     def close(self) -> None:
         self.stack.close()
@@ -155,20 +156,15 @@ class ReshardJob:
             crc = crc32_combine(crc, fragment_crc, end - start)
         return PartResult(part.file, part.index, name, part.begin, part.end, crc, engine.bytes_read, _parts_json(parts))
 
-    def commit(self, directory: Path, results: list[PartResult]) -> dict:
+    def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))
         save_manifest(directory, self.manifest)
         old = self.checkpoint.manifest
-        return {
-            "src": str(self.checkpoint.step_dir),
-            "from_world_size": old.shard_factor,
-            "world_size": self.manifest.shard_factor,
-            "placement": old.placement.kind,
-            "files": [f.name for f in self.files],
-            "tensors": len(self.manifest.tensors),
-            "bytes": sum(t.nbytes for t in self.manifest.tensors),
-            "warnings": self.warnings,
-        }
+        details = {"from_world_size": old.shard_factor, "world_size": self.manifest.shard_factor, "placement": old.placement.kind}
+        files, tensors = [f.name for f in self.files], len(self.manifest.tensors)
+        return WriteReport(
+            str(self.checkpoint.step_dir), dst, files, tensors, sum(t.nbytes for t in self.manifest.tensors), self.warnings, details
+        )
 
     def close(self) -> None:
         pass

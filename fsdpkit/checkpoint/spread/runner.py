@@ -23,8 +23,8 @@ from typing import Any
 from ...dist import faults
 from ...dist.launch import LaunchOptions, launch, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
-from ..format.bytecopy import DEFAULT_CHUNK_SIZE
-from ..offline.request import ConvertRequest
+from ..core.bytecopy import DEFAULT_CHUNK_SIZE
+from ..core.request import ConvertRequest
 from .jobs import open_job
 from .plan import Plan, make_plan
 from .progress import SharedCount, Show
@@ -113,7 +113,7 @@ def _raise(kind: str, message: str) -> None:
     raise {"UsageError": UsageError, "DataCheckError": DataCheckError}.get(kind, RunError)(message)
 
 
-def _check_same_view(task: SpreadTask, job: Any, header: dict, rank: int) -> str | None:
+def view_problem(task: SpreadTask, job: Any, header: dict, rank: int) -> str | None:
     """A line when this rank does not see what rank 0 sees (the source, DST's staging area)."""
     host = socket.gethostname()
     if fingerprint(job.facts()) != header["digest"]:
@@ -135,7 +135,7 @@ def run_ranks(task: SpreadTask, comm: Any, show: Show | None = None) -> SpreadRe
     problem = None
     try:
         job = job or open_task_job(task)
-        problem = _check_same_view(task, job, header, comm.rank)
+        problem = view_problem(task, job, header, comm.rank)
     except FsdpkitError as error:
         problem = f"rank {comm.rank} on {socket.gethostname()}: {error}"
     problems = [line for line in comm.all_gather(problem) if line]
@@ -188,7 +188,8 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
         return None
     done = [*kept.values(), *(r for _, rs, _ in gathered for r in rs)]
     ranks = [f for _, _, f in gathered]
-    report = job.commit(staging.path, done) if staging is not None else job.report(done)
+    assert staging is None or task.dst is not None
+    report = job.commit(staging.path, done, task.dst) if staging is not None else job.report(done)
     if staging is not None:
         assert task.dst is not None
         staging.commit(Path(task.dst), overwrite=task.overwrite)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from ...errors import RunError, UsageError
 from ...paths import file_in_the_way, unwritable_parent
-from ..format.names import TMP_PREFIX
-from ..format.storage import check_destination, check_free_space, fsync_dir, os_error_line, read_only_line, sync_files
+from ..core.names import TMP_PREFIX
+from ..core.staging import check_destination, check_free_space, fsync_dir, os_error_line, read_only_line, sync_files
 
 STATE_DIR = ".fsdpkit-spread"
 PLAN_NAME = "plan.json"

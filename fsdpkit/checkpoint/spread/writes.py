@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..format.crc import crc32
+from ..core.crc import crc32
 
 BUFFER_BYTES = 1 << 20
 
