@@ -169,6 +169,16 @@ def test_a_killed_rank_then_the_same_command_continues(source, tmp_path):
     assert spread["bytes_read"] <= 0.55 * total
 
 
+def test_a_rank_that_hangs_is_named_once_the_timeout_passes(source, tmp_path):
+    root, _, _ = source
+    dst = tmp_path / "out"
+    hung = _convert(root / "run", dst, "--nproc-per-node", "2", "--timeout", "3", env={FAULT_ENV: "stop:1:2:convert"})
+    assert hung.exit_code == 1, hung.output
+    line = [line for line in hung.output.splitlines() if line.startswith("error:")]
+    assert len(line) == 1 and "rank 1 stopped while writing " in line[0] and "nothing committed" in line[0], hung.output
+    assert not dst.exists()
+
+
 def test_bad_input_is_one_line_before_any_worker_starts(source, tmp_path, no_launch, monkeypatch):
     from fsdpkit.checkpoint.spread import runner
 

@@ -1,6 +1,8 @@
 """One progress count of every rank's bytes, shown by rank 0 only: each rank posts its count to
 the process group's store (a few bytes every half second, never the data), rank 0 sums them in
-a thread and shows the sum on stderr: a tqdm bar on a terminal, otherwise a line every 10 s."""
+a thread and shows the sum on stderr: a tqdm bar on a terminal, otherwise a line every 10 s.
+Each rank also posts the part it begins and that it finished, so that rank 0 can name a rank
+that died or hangs, and its part, when the gather fails."""
 
 from __future__ import annotations
 
@@ -89,6 +91,24 @@ class SharedCount:
         if found > self.shown and self.show is not None:
             self.show(found - self.shown, self.total)
             self.shown = found
+
+    def begin_part(self, label: str) -> None:
+        """What this rank writes now, for the line that names a rank that stops answering."""
+        if self.store is not None:
+            self.store.set(f"{self.key}/part/{self.rank}", label)
+
+    def finished(self) -> None:
+        if self.store is not None:
+            self.store.set(f"{self.key}/done/{self.rank}", "1")
+
+    def unfinished(self) -> list[tuple[int, str]]:
+        """(rank, the part it last began) of every rank that has not finished its parts."""
+        found = []
+        for rank in range(self.world_size):
+            if not self.store.check([f"{self.key}/done/{rank}"]):
+                part = f"{self.key}/part/{rank}"
+                found.append((rank, self.store.get(part).decode() if self.store.check([part]) else ""))
+        return found
 
     def stop(self) -> None:
         self.post()

@@ -164,20 +164,22 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
     try:
         for number, part in enumerate(todo, 1):
             try:
+                count.begin_part(plan.label(part))
                 faults.reached(task.command, number)
                 result = job.run_part(part, staging.path if staging else None, count.add)
+                if staging is not None:
+                    staging.record(result)
             except (FsdpkitError, OSError, ValueError, AssertionError) as error:
                 kind = type(error).__name__ if isinstance(error, FsdpkitError) else "RunError"
                 failure = (kind, f"rank {comm.rank} on {figures.host}: {plan.label(part)}: {error}")
                 break
-            if staging is not None:
-                staging.record(result)
             results.append(result)
             figures.bytes_read += result.bytes_read
+        count.finished()
     finally:
         count.stop()
     figures.seconds = time.monotonic() - started
-    gathered = comm.all_gather((failure, results, figures))
+    gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
     failures = [f for f, _, _ in gathered if f is not None]
     if failures:
         kept_note = ""
@@ -194,6 +196,22 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
         assert task.dst is not None
         staging.commit(Path(task.dst), overwrite=task.overwrite)
     return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), str(staging.path) if staging else None)
+
+
+def _gather_naming_the_stopped(comm: Any, count: SharedCount, value: Any) -> list[Any]:
+    """The last gather; when it fails, the ranks that never finished their parts (dead, or
+    stuck past --timeout) named with the part each was writing."""
+    try:
+        return comm.all_gather(value)
+    except RunError:
+        try:
+            stopped = count.unfinished() if count.store is not None else []
+        except Exception:  # the store went down with rank 0: the gather's own line is all there is
+            stopped = []
+        if not stopped:
+            raise
+        named = "; ".join(f"rank {rank} stopped" + (f" while writing {label}" if label else "") for rank, label in stopped)
+        raise RunError(f"{named} (it died, or did not answer within the timeout); nothing committed") from None
 
 
 class Group:
@@ -226,7 +244,7 @@ class Group:
             collective(*args, **kwargs)
         except RuntimeError as error:  # a peer died or timed out: gloo says which connection, not which rank
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise RunError(f"rank {self.rank}: another rank stopped answering ({reason}); nothing committed") from None
+            raise RunError(f"rank {self.rank}: another rank stopped answering ({reason})") from None
 
 
 def spread_worker(task: SpreadTask) -> SpreadResult | None:
@@ -249,7 +267,7 @@ def spread_worker(task: SpreadTask) -> SpreadResult | None:
 def failed_part_line(task: SpreadTask, line: str) -> str:
     """A launch's failure line, with the part the failed rank was writing and what is kept."""
     found = re.search(r"worker rank (\d+)", line)
-    if not task.writes or task.dst is None or found is None:
+    if not task.writes or task.dst is None or found is None or "run the same command again" in line:
         return line
     staging = Staging(staging_path(Path(task.dst)))
     try:
@@ -259,9 +277,10 @@ def failed_part_line(task: SpreadTask, line: str) -> str:
     kept = staging.records()
     rank = int(found.group(1))
     left = [part for part in plan.parts_of(rank) if (part.file, part.index) not in kept]
-    where = f" while writing {plan.label(left[0])}" if left else ""
+    where = f" while writing {plan.label(left[0])}" if left and "while writing" not in line else ""
+    nothing = "" if "nothing committed" in line else "; nothing committed"
     return (
-        f"{line}{where}; nothing committed; {len(kept)} of {len(plan.parts)} parts are kept in {staging.path}: "
+        f"{line}{where}{nothing}; {len(kept)} of {len(plan.parts)} parts are kept in {staging.path}: "
         "run the same command again to continue (--restart starts over)"
     )
 
