@@ -28,13 +28,17 @@ def reshard(
     **settings: Any,
 ) -> None:
     """Lay a checkpoint out for another world size, offline, in its own format (model and optimizer state)."""
+    from dataclasses import replace
+
     from fsdpkit.checkpoint.core.request import ReshardRequest
     from fsdpkit.checkpoint.offline.formats import reshard_any
     from fsdpkit.checkpoint.spread.runner import SpreadTask
 
-    ranks, chunk = required_world_size(world_size), chunk_bytes(chunk_size)
+    request = ReshardRequest(required_world_size(world_size))  # --world-size is checked before --chunk-size
+    request = replace(request, chunk_size=chunk_bytes(chunk_size), overwrite=overwrite, warn=log.warn)
     options = launch_options(ctx, settings, dry_run=dry_run, restart=restart)
     if options is not None:
+        ranks, chunk = request.world_size, request.chunk_size
         task = SpreadTask("reshard", str(src), str(dst), world_size=ranks, chunk_size=chunk, overwrite=overwrite, restart=restart)
         result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json)
         if result is None:
@@ -43,8 +47,7 @@ def reshard(
             log.warn(line)
     else:
         with byte_progress("reshard") as progress:
-            request = ReshardRequest(ranks, chunk, overwrite=overwrite, progress=progress, warn=log.warn)
-            result = reshard_any(src, dst, request)
+            result = reshard_any(src, dst, replace(request, progress=progress))
     print_written(result, as_json)
 
 

@@ -20,7 +20,7 @@ from ..core.bytecopy import ByteEngine
 from ..core.crc import PartRead, check_parts, crc32, crc32_combine
 from ..core.names import layout_header
 from ..core.report import VerifyReport, WriteReport
-from ..core.request import ConvertRequest, check_options
+from ..core.request import ConvertRequest, check_count, check_options
 from ..format.manifest import Manifest, load_manifest, resharded_training_state, save_manifest
 from ..format.names import FORMAT_NAME, rank_file_name
 from ..format.placement import TensorSpec
@@ -125,8 +125,7 @@ class ReshardJob:
     command = "reshard"
 
     def __init__(self, src: str, world_size: int, chunk_size: int):
-        if world_size < 1:
-            raise UsageError(f"--world-size must be >= 1, got {world_size}")
+        check_count("world_size", world_size)
         self.src, self.chunk_size = src, chunk_size
         self.checkpoint = open_sharded(src)
         old = self.checkpoint.manifest
