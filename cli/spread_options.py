@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
 
 from fsdpkit.dist.launch import LaunchOptions, under_torchrun
+from fsdpkit.errors import FsdpkitError
 from fsdpkit.settings import Section, settings_of
 from fsdpkit.sizes import format_size
 
@@ -87,6 +89,8 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
 
     task = dataclasses.replace(task, timeout=options.timeout)
     if dry_run:
+        if under_torchrun() and os.environ.get("RANK") != "0":
+            return None
         job = open_task_job(task)
         try:
             planned = plan_only(job, task.src, options.world_size)
@@ -94,8 +98,16 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
             job.close()
         print_json(planned.to_json()) if as_json else typer.echo("\n".join(planned.lines()))
         return None
-    with byte_progress(task.command) as progress:
-        result = run_spread(task, options, progress)
+    if options.nnodes == 1 and options.nproc_per_node == 1 and not under_torchrun():
+        with byte_progress(task.command) as progress:  # workers show their own bar, on rank 0
+            result = run_spread(task, options, progress)
+    else:
+        try:
+            result = run_spread(task, options)
+        except FsdpkitError as error:
+            if under_torchrun() and os.environ.get("RANK") != "0":  # the same line comes from rank 0
+                raise typer.Exit(error.exit_code) from None
+            raise
     if result is None:
         return None
     if not as_json:
