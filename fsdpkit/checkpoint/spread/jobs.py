@@ -83,6 +83,10 @@ class FullJob:
         whole = {name for name, (_, flip) in self.output.by_name.items() if flip}
         self.files = [safetensors_file(name, header, order, whole=whole, splittable=many) for (name, _, _), (header, order) in named]
 
+    @property
+    def source_bytes(self) -> int:
+        return self.output.source_bytes
+
     def facts(self) -> dict:
         request = {k: v for k, v in asdict(self.request).items() if k not in ("chunk_size", "overwrite")}
         return {"command": "convert", "request": request, "source": source_listing(self.opened.opened_from), "files": self.file_sizes()}
@@ -136,6 +140,10 @@ class ReshardJob:
         self.layout = self.manifest.layout()
         self.files = [OutputFile(rank_file_name(r, world_size), self.layout.file_layout(r).size) for r in range(world_size)]
 
+    @property
+    def source_bytes(self) -> int:
+        return sum(s.nbytes for s in self.sources)
+
     def facts(self) -> dict:
         source = source_listing(self.src)
         return {"command": "reshard", "world_size": self.manifest.shard_factor, "source": source, "files": self.file_sizes()}
@@ -180,6 +188,10 @@ class VerifyJob:
         self.checkpoint = ShardedCheckpoint(step_dir, load_manifest(step_dir))
         names = self.checkpoint.file_names()
         self.files = [OutputFile(name, _size(step_dir / name)) for name in names]
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(t.nbytes for t in self.checkpoint.manifest.tensors)
 
     def facts(self) -> dict:
         return {"command": "verify", "source": source_listing(self.checkpoint.step_dir)}

@@ -92,6 +92,7 @@ def open_task_job(task: SpreadTask):
 
 def _lead(task: SpreadTask, world_size: int) -> tuple[dict, Any]:
     """Rank 0's first step: the header every rank gets (or the error every rank raises)."""
+    job = None
     try:
         job = open_task_job(task)
         plan = make_plan(job.files, world_size)
@@ -106,6 +107,8 @@ def _lead(task: SpreadTask, world_size: int) -> tuple[dict, Any]:
             header.update(staging=str(staging.path), token=staging.token())
         return header, job
     except FsdpkitError as error:
+        if job is not None:
+            job.close()
         return {"error": (type(error).__name__, str(error))}, None
 
 
@@ -155,7 +158,8 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
     kept = staging.records() if staging is not None else {}
     mine = plan.parts_of(comm.rank)
     todo = [part for part in mine if (part.file, part.index) not in kept]
-    total = plan.total_bytes - sum(r.end - r.begin for r in kept.values()) if task.writes else plan.total_bytes
+    left = plan.total_bytes - sum(r.end - r.begin for r in kept.values())
+    total = job.source_bytes * left // max(1, plan.total_bytes)  # the count is of source bytes read
     count = SharedCount(comm.store, rank=comm.rank, world_size=comm.world_size, key="fsdpkit-spread", show=show, total=total)
     figures = RankFigures(comm.rank, socket.gethostname(), len(mine), len(mine) - len(todo), sum(p.nbytes for p in mine))
     started, results, failure = time.monotonic(), [], None
