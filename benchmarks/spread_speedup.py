@@ -8,8 +8,9 @@ Makes the source once in a temporary directory (random fp32 tensors of 64 MiB, w
 safetensors by numpy, converted --to sharded --world-size 2), then, --rounds times, runs each
 command in its own process in turn (the plain one-process command, --nproc-per-node 1, 2),
 each into a new output directory removed afterwards, its wall time including the start of
-its processes (torch's import by the workers), and the peak RSS of the process tree's largest
-process. Reports the median and the range of the ratio of 2 processes to 1 per round: on a
+its processes (torch's import by the workers), the slowest rank's own work (`--json`'s
+`spread.ranks[].seconds`: no start, no planning), and the peak RSS of the process tree's
+largest process. Reports the median and the range of the ratios of 2 processes to 1 per round: on a
 shared machine only ratios measured side by side mean much, and their spread says how much.
 """
 
@@ -55,11 +56,15 @@ def make_source(root: Path, gib: float) -> Path:
     return source
 
 
-def timed(command: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MB of the largest process of its tree)."""
+def timed(command: list[str]) -> tuple[float, float, float | None]:
+    """(wall seconds, peak RSS in MB of the largest process of its tree, seconds of the slowest
+    rank's own work as --json reports it: the wall time less starting processes and planning)."""
     started = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    done = subprocess.run([*command, "--json"], check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    seconds = time.perf_counter() - started
+    spread = json.loads(done.stdout).get("spread")
+    work = max(rank["seconds"] for rank in spread["ranks"]) if spread else None
+    return seconds, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, work
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,15 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         flags = ["--to", "full", "--dtype", "bf16", "--max-shard-size", "256MB"]
         variants = {"plain": [], "nproc1": ["--nproc-per-node", "1"], "nproc2": ["--nproc-per-node", "2"]}
         times: dict[str, list[float]] = {name: [] for name in variants}
+        work: dict[str, list[float]] = {name: [] for name in variants if name != "plain"}
         peak = 0.0
         for round_number in range(args.rounds):
             for name, extra in variants.items():
                 out = Path(tmp) / f"out-{name}-{round_number}"
-                seconds, rss = timed([*base, str(out), *flags, *extra])
+                seconds, rss, ranks_seconds = timed([*base, str(out), *flags, *extra])
                 times[name].append(seconds)
+                if ranks_seconds is not None:
+                    work[name].append(ranks_seconds)
                 peak = max(peak, rss)
                 shutil.rmtree(out)
         ratios = [two / one for two, one in zip(times["nproc2"], times["nproc1"], strict=True)]
+        work_ratios = [two / one for two, one in zip(work["nproc2"], work["nproc1"], strict=True)]
     result = {
         "gib": args.gib,
         "cpus": os.cpu_count(),
@@ -90,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {name: [round(s, 2) for s in values] for name, values in times.items()},
         "ratio_2_vs_1_median": round(statistics.median(ratios), 3),
         "ratio_2_vs_1_range": [round(min(ratios), 3), round(max(ratios), 3)],
+        "work_seconds": {name: [round(s, 2) for s in values] for name, values in work.items()},
+        "work_ratio_2_vs_1_median": round(statistics.median(work_ratios), 3),
+        "work_ratio_2_vs_1_range": [round(min(work_ratios), 3), round(max(work_ratios), 3)],
         "peak_rss_mb": round(peak),
     }
     print(json.dumps(result, indent=None if args.json else 2))
