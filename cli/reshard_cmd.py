@@ -12,7 +12,7 @@ from fsdpkit.checkpoint.offline.formats import RESHARD_LABELS
 
 from .checkpoint_options import CHUNK_HELP, chunk_bytes, print_written, required_world_size
 from .common import byte_progress
-from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command
+from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command, spreads_from
 
 
 def reshard(
@@ -36,7 +36,7 @@ def reshard(
 
     request = ReshardRequest(required_world_size(world_size))  # --world-size is checked before --chunk-size
     request = replace(request, chunk_size=chunk_bytes(chunk_size), overwrite=overwrite, warn=log.warn)
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart)
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads_from(src))
     if options is not None:
         ranks, chunk = request.world_size, request.chunk_size
         task = SpreadTask("reshard", str(src), str(dst), world_size=ranks, chunk_size=chunk, overwrite=overwrite, restart=restart)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import sys
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -47,16 +48,34 @@ Restart = Annotated[
 ]
 
 
-def launch_options(ctx: typer.Context, settings: dict[str, Any], *, dry_run: bool, restart: bool) -> LaunchOptions | None:
+def launch_options(ctx: typer.Context, settings: dict[str, Any], *, dry_run: bool, restart: bool, spreads: bool) -> LaunchOptions | None:
     """The launch of a spread run, or None when nothing asks for one (no launch flag, no
-    --dry-run or --restart, not under torchrun): then the command runs as it always did."""
+    --dry-run or --restart, and not a command that `spreads` started by torchrun as its
+    workers): then the command runs as it always did."""
     given = given_values((LAUNCH,), ctx, settings).get("launch", {})
-    if not given and not dry_run and not restart and not under_torchrun():
+    if not given and not dry_run and not restart and not (spreads and _torchrun_worker()):
         return None
     options = LAUNCH.from_values(given, where="")
     if options.nproc_per_node is None and options.nnodes == 1 and not under_torchrun():
         options = LAUNCH.from_values({**given, "nproc_per_node": 1}, where="")
     return options
+
+
+def _torchrun_worker() -> bool:
+    """A worker torchrun started, whose process group is not already running (the command may
+    be run by code inside another run's worker: it then runs as it always did)."""
+    dist = sys.modules.get("torch.distributed")
+    return under_torchrun() and not (dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def spreads_from(src: Any) -> bool:
+    """Whether reshard and verify of `src` spread under torchrun (fsdpkit's own format only)."""
+    from fsdpkit.checkpoint.offline.formats import SHARDED, detect_format
+
+    try:
+        return detect_format(src).name == SHARDED
+    except FsdpkitError:  # the one-process path says what is wrong with it
+        return False
 
 
 def spread_command(name: str, body: Callable[..., Any]) -> typer.Typer:
@@ -93,7 +112,8 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
             return None
         job = open_task_job(task)
         try:
-            planned = plan_only(job, task.src, options.world_size)
+            world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else options.world_size
+            planned = plan_only(job, task.src, world_size)
         finally:
             job.close()
         print_json(planned.to_json()) if as_json else typer.echo("\n".join(planned.lines()))

@@ -11,7 +11,7 @@ from fsdpkit.checkpoint.core.bytecopy import DEFAULT_CHUNK_SIZE
 from fsdpkit.checkpoint.offline.formats import READ_LABELS, detect_format
 
 from .common import byte_progress, print_json
-from .spread_options import DryRun, launch_options, run_spread_command, spread_command
+from .spread_options import DryRun, launch_options, run_spread_command, spread_command, spreads_from
 
 
 def verify(
@@ -24,7 +24,7 @@ def verify(
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
     from fsdpkit.checkpoint.spread.runner import SpreadTask
 
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=False)
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=spreads_from(ckpt))
     if options is not None:
         report = run_spread_command(
             SpreadTask("verify", str(ckpt), chunk_size=DEFAULT_CHUNK_SIZE), options, dry_run=dry_run, as_json=as_json
