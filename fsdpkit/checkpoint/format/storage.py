@@ -1,5 +1,5 @@
-"""Checkpoint directories on disk (no torch): finding them, keeping paths inside them, making
-them appear atomically (the save protocol is docs/checkpoint-format.md's "Directory layout": a
+"""fsdpkit's run directories on disk (no torch): finding their checkpoints, making them appear
+atomically (the save protocol is docs/checkpoint-format.md's "Directory layout": a
 crash at any point leaves `latest` naming a complete checkpoint), pruning only the run's own
 checkpoints (the manifest's run id, see lock.py).
 """

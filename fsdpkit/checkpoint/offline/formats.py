@@ -39,7 +39,7 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: does not exist")
-    for found in sorted(FORMATS.values(), key=lambda f: f.name == SHARDED):
+    for found in [*(f for f in FORMATS.values() if f.name != SHARDED), FORMATS[SHARDED]]:
         if found.detect(path):
             return found
     raise UsageError(f"{path}: not a checkpoint fsdpkit reads ({READ_LABELS})")
