@@ -63,7 +63,7 @@ def convert(
         chunk_size=chunk_bytes(chunk_size),
         overwrite=overwrite,
     )
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=to == "full")
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=lambda: to == "full")
     if options is not None:
         task = SpreadTask("convert", str(src), str(dst), request, chunk_size=request.chunk_size, overwrite=overwrite, restart=restart)
         result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json)

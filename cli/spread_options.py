@@ -48,12 +48,14 @@ Restart = Annotated[
 ]
 
 
-def launch_options(ctx: typer.Context, settings: dict[str, Any], *, dry_run: bool, restart: bool, spreads: bool) -> LaunchOptions | None:
+def launch_options(
+    ctx: typer.Context, settings: dict[str, Any], *, dry_run: bool, restart: bool, spreads: Callable[[], bool]
+) -> LaunchOptions | None:
     """The launch of a spread run, or None when nothing asks for one (no launch flag, no
     --dry-run or --restart, and not a command that `spreads` started by torchrun as its
     workers): then the command runs as it always did."""
     given = given_values((LAUNCH,), ctx, settings).get("launch", {})
-    if not given and not dry_run and not restart and not (spreads and _torchrun_worker()):
+    if not given and not dry_run and not restart and not (_torchrun_worker() and spreads()):
         return None
     options = LAUNCH.from_values(given, where="")
     if options.nproc_per_node is None and options.nnodes == 1 and not under_torchrun():
@@ -68,14 +70,18 @@ def _torchrun_worker() -> bool:
     return under_torchrun() and not (dist is not None and dist.is_available() and dist.is_initialized())
 
 
-def spreads_from(src: Any) -> bool:
-    """Whether reshard and verify of `src` spread under torchrun (fsdpkit's own format only)."""
+def spreads_from(src: Any) -> Callable[[], bool]:
+    """Whether reshard and verify of `src` spread under torchrun (fsdpkit's own format only),
+    asked only there."""
     from fsdpkit.checkpoint.offline.formats import SHARDED, detect_format
 
-    try:
-        return detect_format(src).name == SHARDED
-    except FsdpkitError:  # the one-process path says what is wrong with it
-        return False
+    def sharded() -> bool:
+        try:
+            return detect_format(src).name == SHARDED
+        except FsdpkitError:  # the one-process path says what is wrong with it
+            return False
+
+    return sharded
 
 
 def spread_command(name: str, body: Callable[..., Any]) -> typer.Typer:
