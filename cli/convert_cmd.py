@@ -4,6 +4,7 @@ which of them apply is the library's table of formats (fsdpkit/checkpoint/offlin
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -13,14 +14,12 @@ from fsdpkit.checkpoint.offline.formats import READ_LABELS, TARGETS
 from fsdpkit.sizes import parse_size
 
 from .checkpoint_options import CHUNK_HELP, MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, cast_name, chunk_bytes, print_written
-from .common import byte_progress, handle_errors
+from .common import byte_progress
+from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command
 
-command_app = typer.Typer(add_completion=False)
 
-
-@command_app.command("convert")
-@handle_errors
 def convert(
+    ctx: typer.Context,
     src: Path = typer.Argument(..., help=f"Source checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
     dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
     to: str = typer.Option(
@@ -46,9 +45,13 @@ def convert(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
     dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
+    dry_run: DryRun = False,
+    restart: Restart = False,
+    **settings: Any,
 ) -> None:
     """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
     from fsdpkit.checkpoint.offline.formats import convert_any
+    from fsdpkit.checkpoint.spread.runner import SpreadTask
 
     request = ConvertRequest(
         to=to,
@@ -63,8 +66,18 @@ def convert(
         chunk_size=chunk_bytes(chunk_size),
         overwrite=overwrite,
     )
-    with byte_progress("convert") as progress:
-        result = convert_any(src, dst, request, progress)
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=lambda: to == "full")
+    if options is not None:
+        task = SpreadTask("convert", str(src), str(dst), request, chunk_size=request.chunk_size, overwrite=overwrite, restart=restart)
+        result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json)
+        if result is None:
+            return
+    else:
+        with byte_progress("convert") as progress:
+            result = convert_any(src, dst, request, progress)
     for line in result.warnings:
         log.warn(line)
     print_written(result, as_json)
+
+
+command_app = spread_command("convert", convert)

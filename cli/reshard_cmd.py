@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -10,29 +11,44 @@ from fsdpkit import log
 from fsdpkit.checkpoint.offline.formats import RESHARD_LABELS
 
 from .checkpoint_options import CHUNK_HELP, chunk_bytes, print_written, required_world_size
-from .common import byte_progress, handle_errors
+from .common import byte_progress
+from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command, spreads_from
 
-command_app = typer.Typer(add_completion=False)
 
-
-@command_app.command("reshard")
-@handle_errors
 def reshard(
+    ctx: typer.Context,
     src: Path = typer.Argument(..., help=f"A checkpoint: {RESHARD_LABELS} (an fsdpkit run or step directory), written in its format."),
     dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
     world_size: int | None = typer.Option(None, "--world-size", help="Number of ranks of the new layout."),
     chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
+    dry_run: DryRun = False,
+    restart: Restart = False,
+    **settings: Any,
 ) -> None:
     """Lay a checkpoint out for another world size, offline, in its own format (model and optimizer state)."""
     from dataclasses import replace
 
     from fsdpkit.checkpoint.core.request import ReshardRequest
     from fsdpkit.checkpoint.offline.formats import reshard_any
+    from fsdpkit.checkpoint.spread.runner import SpreadTask
 
     request = ReshardRequest(required_world_size(world_size))  # --world-size is checked before --chunk-size
     request = replace(request, chunk_size=chunk_bytes(chunk_size), overwrite=overwrite, warn=log.warn)
-    with byte_progress("reshard") as progress:
-        result = reshard_any(src, dst, replace(request, progress=progress))
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads_from(src))
+    if options is not None:
+        ranks, chunk = request.world_size, request.chunk_size
+        task = SpreadTask("reshard", str(src), str(dst), world_size=ranks, chunk_size=chunk, overwrite=overwrite, restart=restart)
+        result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json)
+        if result is None:
+            return
+        for line in result.warnings:
+            log.warn(line)
+    else:
+        with byte_progress("reshard") as progress:
+            result = reshard_any(src, dst, replace(request, progress=progress))
     print_written(result, as_json)
+
+
+command_app = spread_command("reshard", reshard)

@@ -3,25 +3,37 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
+from fsdpkit.checkpoint.core.bytecopy import DEFAULT_CHUNK_SIZE
 from fsdpkit.checkpoint.offline.formats import READ_LABELS, detect_format
 
-from .common import byte_progress, handle_errors, print_json
+from .common import byte_progress, print_json
+from .spread_options import DryRun, launch_options, run_spread_command, spread_command, spreads_from
 
-command_app = typer.Typer(add_completion=False)
 
-
-@command_app.command("verify")
-@handle_errors
 def verify(
+    ctx: typer.Context,
     ckpt: Path = typer.Argument(..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
+    dry_run: DryRun = False,
+    **settings: Any,
 ) -> None:
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
-    with byte_progress("verify") as progress:
-        report = detect_format(ckpt).verify(ckpt, progress)
+    from fsdpkit.checkpoint.spread.runner import SpreadTask
+
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=spreads_from(ckpt))
+    if options is not None:
+        report = run_spread_command(
+            SpreadTask("verify", str(ckpt), chunk_size=DEFAULT_CHUNK_SIZE), options, dry_run=dry_run, as_json=as_json
+        )
+        if report is None:
+            return
+    else:
+        with byte_progress("verify") as progress:
+            report = detect_format(ckpt).verify(ckpt, progress)
     if as_json:
         print_json(report.to_json())
     elif report.ok:
@@ -30,3 +42,6 @@ def verify(
         more = len(report.problems) - 1
         typer.echo(f"error: {report.problems[0]}" + (f" (+{more} more problems, listed by --json)" if more else ""), err=True)
         raise typer.Exit(3)
+
+
+command_app = spread_command("verify", verify)

@@ -110,7 +110,7 @@ def test_packages_import_each_other_without_a_cycle():
 
 
 CHECKPOINT = "fsdpkit/checkpoint/"
-CHECKPOINT_LAYERS = {"core/", "torchfile/", "live/", "memory/", "offline/"}  # what is not one format's package
+CHECKPOINT_LAYERS = {"core/", "torchfile/", "live/", "memory/", "offline/", "spread/"}  # what is not one format's package
 FORMAT_MAY_IMPORT = {"fsdpkit/", f"{CHECKPOINT}core/", f"{CHECKPOINT}torchfile/"}
 BUILT_ON_DCP = {f"{CHECKPOINT}megatron/"}  # a format stored as DCP underneath reads it through dcp/
 

@@ -9,6 +9,8 @@ torch's elastic agent restarts runs clean), so that tests hit a fault at a known
                           writing its own rank file (in the writer thread with --async-save)
     stop:1:3              rank 1 SIGSTOPs itself at the end of step 3
     full:0:4:snapshot     rank 0's snapshot of step 4 finds shared memory full (ENOSPC)
+    kill:1:2:convert      rank 1 of a spread convert (or reshard, verify) SIGKILLs itself as it
+                          starts its 2nd part (full:1:2:convert: that part's write finds the disk full)
     skip:1:3:all_gather   rank 1 does not take part in its first all_gather of step 3 (or another
                           collective kind: all_reduce, reduce_scatter, ...): it stops issuing
                           collectives there and waits, as a rank stuck before a collective would

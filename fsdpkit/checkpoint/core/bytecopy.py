@@ -143,11 +143,12 @@ class ByteEngine:
         self._progress, self._reported = progress, 0
         self.bytes_read = 0  # source bytes handed on so far
 
-    def write_rank_file(self, path: Path, layout: RankFileLayout) -> None:
+    def write_rank_file(self, path: Path, layout: RankFileLayout) -> list[int]:
         """Rank file `layout` at `path`: a small one is one `writev` of its header and mapped
         slices, here; a larger one is queued to the write threads in steps, its header with the
         crc32 digits last, and fsynced there (the disk writes it while the next is copied). The
-        caller syncs and, on an error, removes the whole output once `close` has returned."""
+        caller syncs and, on an error, removes the whole output once `close` has returned.
+        Returns the crc32 of each fragment written."""
         if layout.size <= WHOLE_FILE_BYTES:
             views: list = []
             crcs = self.fragments(layout.tensors, layout.starts, layout.ends, views)
@@ -156,11 +157,12 @@ class ByteEngine:
             if self._writes is None:
                 self._writes = WriteQueue()
             fd = self._writes.open(path)
-            self._stream_rank_file(fd, path, layout, self._writes)
+            crcs = self._stream_rank_file(fd, path, layout, self._writes)
             self._writes.seal(layout.rank, fd)
         self._report()
+        return crcs
 
-    def _stream_rank_file(self, fd: int, path: Path, layout: RankFileLayout, writes: WriteQueue) -> None:
+    def _stream_rank_file(self, fd: int, path: Path, layout: RankFileLayout, writes: WriteQueue) -> list[int]:
         views: list = []
         crcs, pending, at, lane = [], 0, layout.data_start, layout.rank  # pending: bytes of `views`, to be written at `at`
         for t, start, end, (begin, stop) in zip(layout.tensors, layout.starts, layout.ends, layout.spans, strict=True):
@@ -185,6 +187,7 @@ class ByteEngine:
         if views:
             writes.submit(lane, pending, write_views, fd, views, path, at)
         writes.submit(lane, layout.data_start, write_views, fd, layout.header_with(crcs), path, 0)
+        return crcs
 
     def fragments(self, tensors, starts, ends, views: list) -> list[int]:
         """Append the bytes of elements [start, end) of source `tensor` to `views`, for each (tensor,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from contextlib import closing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,49 @@ if TYPE_CHECKING:
     from ..core.request import ConvertRequest
 
 
-def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
+@dataclass(frozen=True)
+class FullOutput:
+    """What `--to full` will write: each safetensors file with its (name, dtype, shape) entries
+    and metadata, where each tensor comes from (and whether it is transposed), and what the
+    commit adds (the indexes, config.json and the model directory's side files)."""
+
+    files: list[tuple[str, list[tuple[str, str, tuple[int, ...]]], dict[str, str]]]
+    file_groups: list  # [(prefix, [(file name, entries)])]
+    by_name: dict[str, tuple[SourceTensor, bool]]
+    export: HfExport | None
+    cast_to: str | None
+    source_bytes: int
+    warnings: list[str]
+
+    @property
+    def bytes(self) -> int:
+        return sum(nbytes(shape, dtype) for _, entries, _ in self.files for _, dtype, shape in entries)
+
+    def write_file(self, path: Path, file: int, copier: ByteEngine) -> None:
+        """Output file number `file`, whole, at `path`."""
+        name, group, metadata = self.files[file]
+        _write_full_file(path, group, self.by_name, copier, metadata)
+
+    def commit_files(self, directory: Path) -> list[str]:
+        """The indexes and the Hugging Face files, written into `directory` once every data file
+        is there; every file name the output holds, in order."""
+        written: list[str] = []
+        for prefix, files in self.file_groups:
+            written += [file_name for file_name, _ in files]
+            if len(files) > 1:
+                index_name = MODEL_INDEX if prefix == "model" else OPTIM_INDEX
+                (directory / index_name).write_text(json.dumps(index_document(files), indent=2) + "\n")
+                written.append(index_name)
+        if self.export is not None:
+            float_dtypes = [dtype for _, group in self.file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
+            written += _write_hf_files(directory, self.export, float_dtypes[0] if float_dtypes else None, self.warnings)
+        return written
+
+    def report(self, written: list[str], *, src: str, dst: Path) -> WriteReport:
+        return WriteReport(src, str(dst), written, len(self.by_name), self.bytes, self.warnings, {"to": "full", "dtype": self.cast_to})
+
+
+def full_output(opened: AnyCheckpoint, request: ConvertRequest) -> FullOutput:
     """`--to full`: the model tensors under their stored names (a full export's layout when the
     source records one or `--model` names one), and with `--with-optimizer` the optimizer state;
     without it, a source's optimizer state is left out with a warning."""
@@ -55,25 +97,22 @@ def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress:
     layout = export.layout if export is not None else ExportLayout()
     outputs = [("model", model)] + ([("optimizer", list(opened.optimizer.values()))] if request.with_optimizer else [])
     by_name, file_groups = _full_files(outputs, layout, cast_to=cast_to, max_shard_size=request.max_shard_size)
-    total = sum(t.nbytes for _, tensors in outputs for t in tensors)
-    out_total = sum(nbytes(shape, dtype) for _, files in file_groups for _, group in files for _, dtype, shape in group)
     metadata, model_metadata = _full_metadata(layout, opened.aliases)
-    written: list[str] = []
-    with staged_output(dst, src=Path(opened.opened_from), overwrite=request.overwrite, needed_bytes=out_total + (1 << 20)) as tmp:
-        with closing(ByteEngine(chunk_size=request.chunk_size, progress=progress_callback(progress, total))) as copier:
-            for prefix, files in file_groups:
-                for file_name, group in files:
-                    _write_full_file(tmp / file_name, group, by_name, copier, model_metadata if prefix == "model" else metadata)
-                    written.append(file_name)
-                if len(files) > 1:
-                    index_name = MODEL_INDEX if prefix == "model" else OPTIM_INDEX
-                    (tmp / index_name).write_text(json.dumps(index_document(files), indent=2) + "\n")
-                    written.append(index_name)
+    files = [(name, group, model_metadata if prefix == "model" else metadata) for prefix, named in file_groups for name, group in named]
+    total = sum(t.nbytes for _, tensors in outputs for t in tensors)
+    return FullOutput(files, file_groups, by_name, export, cast_to, total, warnings)
+
+
+def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
+    """`--to full` in this process (`full_output` says what it writes)."""
+    output = full_output(opened, request)
+    with staged_output(dst, src=Path(opened.opened_from), overwrite=request.overwrite, needed_bytes=output.bytes + (1 << 20)) as tmp:
+        with closing(ByteEngine(chunk_size=request.chunk_size, progress=progress_callback(progress, output.source_bytes))) as copier:
+            for file, (file_name, _, _) in enumerate(output.files):
+                output.write_file(tmp / file_name, file, copier)
             copier.finish()
-        if export is not None:
-            float_dtypes = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
-            written += _write_hf_files(tmp, export, float_dtypes[0] if float_dtypes else None, warnings)
-    return WriteReport(opened.path, str(dst), written, len(by_name), out_total, warnings, {"to": "full", "dtype": cast_to})
+        written = output.commit_files(tmp)
+    return output.report(written, src=opened.path, dst=dst)
 
 
 def as_transformers(opened: AnyCheckpoint, request: ConvertRequest, shape_from: str | None) -> AnyCheckpoint:

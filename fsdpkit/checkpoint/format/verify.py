@@ -6,7 +6,7 @@ the world size; what is checked: `VerifyReport.checked`); full checkpoints carry
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ...errors import DataCheckError
@@ -45,14 +45,18 @@ def verify_checkpoint(
 
 
 def check_files(
-    checkpoint: ShardedCheckpoint, chunk_size: int, *, progress: Callable[[int], None] | None = None
+    checkpoint: ShardedCheckpoint,
+    chunk_size: int,
+    *,
+    progress: Callable[[int], None] | None = None,
+    indices: Sequence[int] | None = None,
 ) -> tuple[list[str], int, int]:
-    """Every rank file: (one line per problem, fragments checked, bytes checked). A v2 file of
+    """Every rank file (or those of `indices`): (one line per problem, fragments checked, bytes checked). A v2 file of
     at most WHOLE_FILE_BYTES is read with one system call into a reused buffer, its header
     compared with the derived one, and each fragment's crc32 computed on a slice of it."""
     problems, fragments, checked, unreported = [], 0, 0, 0
     buffer = bytearray(max(chunk_size, WHOLE_FILE_BYTES if checkpoint.layout is not None else 0))
-    for index in range(len(checkpoint.file_names())):
+    for index in range(len(checkpoint.file_names())) if indices is None else indices:
         try:
             expected = checkpoint.layout.file_layout(index) if checkpoint.layout is not None else None
             if expected is not None and expected.size <= WHOLE_FILE_BYTES:

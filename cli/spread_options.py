@@ -1,0 +1,145 @@
+"""What convert, reshard and verify share to run spread over processes and nodes: train's launch
+flags (--nproc-per-node, --nnodes, --node-rank, --master-addr, --master-port, ...), --dry-run,
+and the lines that say how the work was shared. Without any of them (and outside torchrun) the
+commands run as they always did, in this process."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+
+from fsdpkit.dist.launch import LaunchOptions, under_torchrun
+from fsdpkit.errors import FsdpkitError
+from fsdpkit.settings import Section, settings_of
+from fsdpkit.sizes import format_size
+
+from .common import FsdpkitCommand, handle_errors
+from .settings_options import given_values, setting_parameters, with_parameters
+
+LAUNCH_KEYS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "timeout")
+LAUNCH = Section(
+    "launch",
+    "Spread over processes and nodes",
+    tuple(s for s in settings_of(LaunchOptions) if s.key in LAUNCH_KEYS),
+    LaunchOptions,
+    lambda options: {key: getattr(options, key) for key in LAUNCH_KEYS},
+)
+DryRun = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="Print the plan (files and bytes per rank, largest share vs mean, predicted time) and write nothing.",
+        rich_help_panel="Spread over processes and nodes",
+    ),
+]
+Restart = Annotated[
+    bool,
+    typer.Option(
+        "--restart",
+        help="Discard the partial output an interrupted spread run left beside DST instead of continuing it.",
+        rich_help_panel="Spread over processes and nodes",
+    ),
+]
+
+
+def launch_options(
+    ctx: typer.Context, settings: dict[str, Any], *, dry_run: bool, restart: bool, spreads: Callable[[], bool]
+) -> LaunchOptions | None:
+    """The launch of a spread run, or None when nothing asks for one (no launch flag, no
+    --dry-run or --restart, and not a command that `spreads` started by torchrun as its
+    workers): then the command runs as it always did."""
+    given = given_values((LAUNCH,), ctx, settings).get("launch", {})
+    if not given and not dry_run and not restart and not (_torchrun_worker() and spreads()):
+        return None
+    options = LAUNCH.from_values(given, where="")
+    if options.nproc_per_node is None and options.nnodes == 1 and not under_torchrun():
+        options = LAUNCH.from_values({**given, "nproc_per_node": 1}, where="")
+    return options
+
+
+def _torchrun_worker() -> bool:
+    """A worker torchrun started, whose process group is not already running (the command may
+    be run by code inside another run's worker: it then runs as it always did)."""
+    dist = sys.modules.get("torch.distributed")
+    return under_torchrun() and not (dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def spreads_from(src: Any) -> Callable[[], bool]:
+    """Whether reshard and verify of `src` spread under torchrun (fsdpkit's own format only),
+    asked only there."""
+    from fsdpkit.checkpoint.offline.formats import SHARDED, detect_format
+
+    def sharded() -> bool:
+        try:
+            return detect_format(src).name == SHARDED
+        except FsdpkitError:  # the one-process path says what is wrong with it
+            return False
+
+    return sharded
+
+
+def spread_command(name: str, body: Callable[..., Any]) -> typer.Typer:
+    """A one-command Typer app: `body(ctx, ..., **settings)` with its own options and the launch flags."""
+    own = [p for key, p in inspect.signature(body, eval_str=True).parameters.items() if key != "settings"]
+    app = typer.Typer(add_completion=False)
+    app.command(name, cls=FsdpkitCommand, help=body.__doc__)(handle_errors(with_parameters(body, own + setting_parameters((LAUNCH,)))))
+    return app
+
+
+def spread_lines(result: Any) -> list[str]:
+    """How the work was shared: one line, and the notes of the plan."""
+    plan = result.plan
+    kept = f", {result.kept_parts} parts kept from an earlier run" if result.kept_parts else ""
+    line = (
+        f"spread over {plan.world_size} ranks: largest share {format_size(max(plan.rank_bytes()))} = {plan.imbalance:.3f}x the mean, "
+        f"{format_size(result.bytes_read)} read{kept}"
+    )
+    return [line, *(f"note: {note}" for note in plan.notes)]
+
+
+def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_json: bool) -> Any:
+    """Run `task` spread (or print its plan with --dry-run); what convert and reshard print, or
+    verify's report, on rank 0; None on the other ranks, and after a dry run."""
+    from fsdpkit.checkpoint.spread.dryrun import dry_run as plan_only
+    from fsdpkit.checkpoint.spread.runner import as_json as figures
+    from fsdpkit.checkpoint.spread.runner import open_task_job, run_spread
+
+    from .common import byte_progress, print_json
+
+    task = dataclasses.replace(task, timeout=options.timeout)
+    if dry_run:
+        if under_torchrun() and os.environ.get("RANK") != "0":
+            return None
+        job = open_task_job(task)
+        try:
+            world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else options.world_size
+            planned = plan_only(job, task.src, world_size)
+        finally:
+            job.close()
+        print_json(planned.to_json()) if as_json else typer.echo("\n".join(planned.lines()))
+        return None
+    if options.nnodes == 1 and options.nproc_per_node == 1 and not under_torchrun():
+        with byte_progress(task.command) as progress:  # workers show their own bar, on rank 0
+            result = run_spread(task, options, progress)
+    else:
+        try:
+            result = run_spread(task, options)
+        except FsdpkitError as error:
+            if under_torchrun() and os.environ.get("RANK") != "0":  # the same line comes from rank 0
+                raise typer.Exit(error.exit_code) from None
+            raise
+    if result is None:
+        return None
+    if not as_json:
+        for line in spread_lines(result):
+            typer.echo(line, err=True)
+    if task.command == "verify":
+        result.report.extra["spread"] = figures(result)
+        return result.report
+    return dataclasses.replace(result.report, details={**result.report.details, "spread": figures(result)})

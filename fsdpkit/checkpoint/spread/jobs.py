@@ -1,0 +1,247 @@
+"""What a spread command writes or checks, as output files of known size (`files`, which the plan
+shares out), how one rank does one part of them (`run_part`) and rank 0's last step (`commit`),
+for each command that spreads: `convert --to full` from any format, `reshard` and `verify` of
+fsdpkit's own format. Each rank opens the source itself (its headers and manifest, no tensor
+data) and derives the same files; the runner checks that every rank derived the same ones.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from ...dtypes import dtype_info
+from ...errors import UsageError
+from ...flat_layout import ElementRange
+from ..core.bytecopy import ByteEngine
+from ..core.crc import PartRead, check_parts, crc32, crc32_combine
+from ..core.names import layout_header
+from ..core.report import VerifyReport, WriteReport
+from ..core.request import ConvertRequest, check_count, check_options
+from ..format.manifest import Manifest, load_manifest, resharded_training_state, save_manifest
+from ..format.names import FORMAT_NAME, rank_file_name
+from ..format.placement import TensorSpec
+from ..format.reader import ShardedCheckpoint, open_sharded
+from ..format.storage import resolve_checkpoint
+from ..format.to_full import full_output, transposed_bytes
+from ..format.verify import check_files
+from ..offline.formats import FORMATS, FULL, SHARDED, detect_format, open_checkpoint
+from .plan import OutputFile, Part
+from .staging import PartResult
+from .writes import PartSink
+
+Progress = Callable[[int], None] | None
+SINGLE_FILE = "a single-file safetensors output is written by one process (--max-shard-size cuts it into files)"
+
+
+def source_listing(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
+    """(relative path, size, mtime in ns) of every file of a source: what the fingerprint of a
+    conversion, and the check that every node sees the same source, rest on."""
+    root = Path(path)
+    found = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return [(str(p.relative_to(root)) if p != root else p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in found]
+
+
+def part_reads(results: list[PartResult]) -> list[PartRead]:
+    return [PartRead(Path(p[0]), *p[1:]) for result in results for p in result.source_parts]
+
+
+def _parts_json(parts: list[PartRead]) -> list[list]:
+    return [[str(p.path), *p[1:]] for p in parts]
+
+
+def safetensors_file(name: str, header: bytes, order, *, whole: set[str], splittable: bool) -> OutputFile:
+    """An output safetensors file of `header` and tensors `order` ((name, TensorInfo) in data
+    order): cut at any element boundary when `splittable`, but inside no tensor of `whole`."""
+    cuts = []
+    for tensor, info in order:
+        begin, end = len(header) + info.begin, len(header) + info.end
+        if end > begin and splittable:
+            cuts.append((begin, end, end - begin if tensor in whole else dtype_info(info.dtype).itemsize))
+    size = len(header) + sum(info.nbytes for _, info in order)
+    return OutputFile(name, size, tuple(cuts), "" if splittable else SINGLE_FILE)
+
+
+class FullJob:
+    """`convert --to full` from any format: one safetensors file per output file, cut by byte
+    range into parts when there are several files (any element boundary of a tensor that is
+    not transposed; a transposed one is read whole by the rank whose part starts it)."""
+
+    command = "convert"
+
+    def __init__(self, src: str, request: ConvertRequest):
+        self.stack = ExitStack()
+        self.opened = self.stack.enter_context(open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key))
+        self.src, self.request = src, request
+        self.output = full_output(self.opened, request)
+        self.layouts = [layout_header(entries, metadata) for _, entries, metadata in self.output.files]
+        many = len(self.layouts) > 1
+        named = zip(self.output.files, self.layouts, strict=True)
+        whole = {name for name, (_, flip) in self.output.by_name.items() if flip}
+        self.files = [safetensors_file(name, header, order, whole=whole, splittable=many) for (name, _, _), (header, order) in named]
+
+    @property
+    def source_bytes(self) -> int:
+        return self.output.source_bytes
+
+    def facts(self) -> dict:
+        request = {k: v for k, v in asdict(self.request).items() if k not in ("chunk_size", "overwrite")}
+        return {"command": "convert", "request": request, "source": source_listing(self.opened.opened_from), "files": self.file_sizes()}
+
+    def file_sizes(self) -> list[tuple[str, int]]:
+        return [(f.name, f.nbytes) for f in self.files]
+
+    def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
+        header, order = self.layouts[part.file]
+        name = self.files[part.file].name
+        engine = ByteEngine(chunk_size=self.request.chunk_size, progress=progress)
+        with PartSink(directory / name, part.begin, part.end) as sink:
+            sink.write(memoryview(header)[part.begin : min(part.end, len(header))])
+            for tensor, info in order:
+                lo, hi = max(part.begin, len(header) + info.begin), min(part.end, len(header) + info.end)
+                if lo >= hi:
+                    continue
+                source, flip = self.output.by_name[tensor]
+                itemsize = dtype_info(info.dtype).itemsize
+                first, last = (lo - len(header) - info.begin) // itemsize, (hi - len(header) - info.begin) // itemsize
+                if flip:
+                    sink.write(memoryview(transposed_bytes(engine, source, info.dtype)).cast("B")[first * itemsize : last * itemsize])
+                else:
+                    engine.copy(source, ElementRange(first, last), info.dtype, sink.write)
+        parts = engine.finish_parts()
+        return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, engine.bytes_read, _parts_json(parts))
+
+    def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
+        check_parts(part_reads(results))
+        written = self.output.report(self.output.commit_files(directory), src=self.opened.path, dst=Path(dst))
+        return replace(written, details={"from": self.opened.format, **self.opened.facts, **written.details})
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+class ReshardJob:
+    """`reshard` of fsdpkit's format: one rank file per output file, each written whole."""
+
+    command = "reshard"
+
+    def __init__(self, src: str, world_size: int, chunk_size: int):
+        check_count("world_size", world_size)
+        self.src, self.chunk_size = src, chunk_size
+        self.checkpoint = open_sharded(src)
+        old = self.checkpoint.manifest
+        state, self.warnings = resharded_training_state(old.training_state, old_world_size=old.shard_factor, new_world_size=world_size)
+        self.sources = self.checkpoint.sources()
+        tensors = tuple(TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in self.sources)
+        self.manifest = Manifest(world_size, old.strategy, old.placement, tensors, dict(old.aliases), dict(state))
+        self.layout = self.manifest.layout()
+        self.files = [OutputFile(rank_file_name(r, world_size), self.layout.file_layout(r).size) for r in range(world_size)]
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(s.nbytes for s in self.sources)
+
+    def facts(self) -> dict:
+        source = source_listing(self.src)
+        return {"command": "reshard", "world_size": self.manifest.shard_factor, "source": source, "files": self.file_sizes()}
+
+    def file_sizes(self) -> list[tuple[str, int]]:
+        return [(f.name, f.nbytes) for f in self.files]
+
+    def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
+        name, layout = self.files[part.file].name, self.layout.file_layout(part.file)
+        engine = ByteEngine(self.sources, [s.dtype for s in self.sources], chunk_size=self.chunk_size, progress=progress)
+        try:
+            crcs = engine.write_rank_file(directory / name, layout)
+        finally:
+            parts = engine.finish_parts()
+        crc = crc32(b"".join(layout.header_with(crcs)))
+        for (start, end), fragment_crc in zip(layout.spans, crcs, strict=True):
+            crc = crc32_combine(crc, fragment_crc, end - start)
+        return PartResult(part.file, part.index, name, part.begin, part.end, crc, engine.bytes_read, _parts_json(parts))
+
+    def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
+        check_parts(part_reads(results))
+        save_manifest(directory, self.manifest)
+        old = self.checkpoint.manifest
+        details = {"from_world_size": old.shard_factor, "world_size": self.manifest.shard_factor, "placement": old.placement.kind}
+        files, tensors = [f.name for f in self.files], len(self.manifest.tensors)
+        return WriteReport(
+            str(self.checkpoint.step_dir), dst, files, tensors, sum(t.nbytes for t in self.manifest.tensors), self.warnings, details
+        )
+
+    def close(self) -> None:
+        pass
+
+
+class VerifyJob:
+    """`verify` of fsdpkit's format: each rank file checked whole by one rank."""
+
+    command = "verify"
+
+    def __init__(self, src: str, chunk_size: int):
+        step_dir = resolve_checkpoint(src)
+        self.src, self.chunk_size = src, chunk_size
+        self.checkpoint = ShardedCheckpoint(step_dir, load_manifest(step_dir))
+        names = self.checkpoint.file_names()
+        self.files = [OutputFile(name, _size(step_dir / name)) for name in names]
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(t.nbytes for t in self.checkpoint.manifest.tensors)
+
+    def facts(self) -> dict:
+        return {"command": "verify", "source": source_listing(self.checkpoint.step_dir)}
+
+    def file_sizes(self) -> list[tuple[str, int]]:
+        return [(f.name, f.nbytes) for f in self.files]
+
+    def run_part(self, part: Part, directory: Path | None, progress: Progress) -> PartResult:
+        problems, fragments, checked = check_files(self.checkpoint, self.chunk_size, progress=progress, indices=[part.file])
+        name = self.files[part.file].name
+        return PartResult(part.file, part.index, name, part.begin, part.end, bytes_read=checked, problems=problems, fragments=fragments)
+
+    def report(self, results: list[PartResult]) -> VerifyReport:
+        manifest = self.checkpoint.manifest
+        report = VerifyReport(str(self.checkpoint.step_dir), "sharded")
+        problems = [line for result in sorted(results, key=lambda r: r.file) for line in result.problems]
+        problems.extend(self.checkpoint.unexpected_files())
+        fragments = sum(r.fragments for r in results)
+        report.ok, report.problems, report.tensors = not problems, problems, len(manifest.tensors)
+        report.bytes = sum(r.bytes_read for r in results)
+        report.counts = {"fragment": fragments}
+        report.checked = [f"the crc32 of all {fragments} fragments", "file sizes", "headers", "fragment coverage", "file names"]
+        return report
+
+    def close(self) -> None:
+        pass
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def open_job(command: str, src: str, *, request: ConvertRequest | None = None, world_size: int | None = None, chunk_size: int):
+    """The job of a spread command; a UsageError for a format or target that does not spread."""
+    found = detect_format(src)
+    if command == "convert":
+        assert request is not None
+        target = FORMATS.get(request.to)
+        if request.to != FULL or target is None:
+            raise UsageError(f"--nproc-per-node and --nnodes spread convert --to full only (not --to {request.to})")
+        if found is target:
+            raise UsageError(f"a {found.name} checkpoint cannot be converted --to {target.name}")
+        check_options(found.name, found.reads, target.writes, request)
+        return FullJob(src, request)
+    if found.name != SHARDED:
+        raise UsageError(f"--nproc-per-node and --nnodes spread {command} of {FORMAT_NAME}'s own checkpoints only; {src} is {found.label}")
+    if command == "reshard":
+        assert world_size is not None
+        return ReshardJob(src, world_size, chunk_size)
+    return VerifyJob(src, chunk_size)

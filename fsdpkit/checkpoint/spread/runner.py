@@ -1,0 +1,320 @@
+"""The spread run: one plan, every rank its share, rank 0's commit (docs/distributed-conversion.md).
+
+    rank 0   opens the source, plans, prepares the staging area (a token in it) -> broadcast
+    every    opens the source, checks it derives the same output and sees the token -> all_gather
+    every    writes (or checks) its parts, records each one, skips those recorded before
+    every    -> all_gather of failures, checksums, figures; any failure: all stop, nothing committed
+    rank 0   checks every source checksum read in parts, writes the manifest/index, renames to DST
+
+gloo carries only these small objects; the bytes go from the source files to the output files
+in each rank. One process (world size 1) runs the same steps without a process group or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...dist import faults
+from ...dist.launch import LaunchOptions, launch, under_torchrun
+from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
+from ..core.bytecopy import DEFAULT_CHUNK_SIZE
+from ..core.request import ConvertRequest
+from .jobs import open_job
+from .plan import Plan, make_plan
+from .progress import SharedCount, Show
+from .staging import Staging, fingerprint, prepare, staging_path
+
+PLAN_FILE = "plan-rank0.json"
+
+
+@dataclass(frozen=True)
+class SpreadTask:
+    """What a spread command was asked: the command, its source and destination, its options."""
+
+    command: str  # "convert", "reshard" or "verify"
+    src: str
+    dst: str | None = None
+    request: ConvertRequest | None = None  # convert's
+    world_size: int | None = None  # reshard's
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    overwrite: bool = False
+    restart: bool = False
+    timeout: float = 300.0
+
+    @property
+    def writes(self) -> bool:
+        return self.command != "verify"
+
+
+@dataclass
+class RankFigures:
+    rank: int
+    host: str
+    parts: int = 0  # parts planned for this rank
+    kept: int = 0  # of them, recorded by an earlier run and not written again
+    bytes_planned: int = 0
+    bytes_read: int = 0  # source bytes read in this run
+    seconds: float = 0.0
+
+
+@dataclass
+class SpreadResult:
+    report: Any  # the writer's report (a dict), or verify's VerifyReport
+    plan: Plan
+    ranks: list[RankFigures]
+    kept_parts: int
+    bytes_read: int
+    staging: str | None = None
+    details: dict = field(default_factory=dict)
+
+
+class Solo:
+    """The coordination of a run of one process."""
+
+    rank, world_size, store = 0, 1, None
+
+    def broadcast(self, value: Any) -> Any:
+        return value
+
+    def all_gather(self, value: Any) -> list[Any]:
+        return [value]
+
+
+def open_task_job(task: SpreadTask):
+    return open_job(task.command, task.src, request=task.request, world_size=task.world_size, chunk_size=task.chunk_size)
+
+
+def _lead(task: SpreadTask, world_size: int) -> tuple[dict, Any]:
+    """Rank 0's first step: the header every rank gets (or the error every rank raises)."""
+    job = None
+    try:
+        job = open_task_job(task)
+        plan = make_plan(job.files, world_size)
+        digest = fingerprint(job.facts())
+        header = {"error": None, "plan": plan.to_json(), "digest": digest, "staging": None, "token": None}
+        if task.writes:
+            assert task.dst is not None
+            dst = Path(task.dst)
+            src = Path(getattr(getattr(job, "opened", None), "opened_from", task.src))
+            staging, _ = prepare(dst, src=src, digest=digest, overwrite=task.overwrite, restart=task.restart, needed_bytes=plan.total_bytes)
+            (staging.state / PLAN_FILE).write_text(json.dumps(plan.to_json()))
+            header.update(staging=str(staging.path), token=staging.token())
+        return header, job
+    except FsdpkitError as error:
+        if job is not None:
+            job.close()
+        return {"error": (type(error).__name__, str(error))}, None
+
+
+def _raise(kind: str, message: str) -> None:
+    raise {"UsageError": UsageError, "DataCheckError": DataCheckError}.get(kind, RunError)(message)
+
+
+def view_problem(task: SpreadTask, job: Any, header: dict, rank: int) -> str | None:
+    """A line when this rank does not see what rank 0 sees (the source, DST's staging area)."""
+    host = socket.gethostname()
+    if fingerprint(job.facts()) != header["digest"]:
+        return f"rank {rank} on {host} sees {task.src} differently from rank 0 (other files or sizes): every node must see the same path"
+    if header["staging"] is not None and Staging(Path(header["staging"])).token() != header["token"]:
+        return (
+            f"rank {rank} on {host} does not see {header['staging']} as rank 0 wrote it: with local paths every node must see "
+            "the same DST (a filesystem all nodes share); nothing committed"
+        )
+    return None
+
+
+def run_ranks(task: SpreadTask, comm: Any, show: Show | None = None) -> SpreadResult | None:
+    """This rank's part of the run (see the module docstring); rank 0 returns the result."""
+    header, job = _lead(task, comm.world_size) if comm.rank == 0 else (None, None)
+    header = comm.broadcast(header)
+    if header["error"] is not None:
+        _raise(*header["error"])
+    problem = None
+    try:
+        job = job or open_task_job(task)
+        problem = view_problem(task, job, header, comm.rank)
+    except FsdpkitError as error:
+        problem = f"rank {comm.rank} on {socket.gethostname()}: {error}"
+    problems = [line for line in comm.all_gather(problem) if line]
+    if problems or job is None:
+        if job is not None:
+            job.close()
+        raise RunError(problems[0] if problems else f"rank {comm.rank}: the source was not opened")
+    try:
+        return _work_and_commit(task, job, header, comm, show)
+    finally:
+        job.close()
+
+
+def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: Show | None) -> SpreadResult | None:
+    plan = Plan.from_json(header["plan"])
+    staging = Staging(Path(header["staging"])) if header["staging"] else None
+    kept = staging.records() if staging is not None else {}
+    mine = plan.parts_of(comm.rank)
+    todo = [part for part in mine if (part.file, part.index) not in kept]
+    left = plan.total_bytes - sum(r.end - r.begin for r in kept.values())
+    total = job.source_bytes * left // max(1, plan.total_bytes)  # the count is of source bytes read
+    count = SharedCount(comm.store, rank=comm.rank, world_size=comm.world_size, key="fsdpkit-spread", show=show, total=total)
+    figures = RankFigures(comm.rank, socket.gethostname(), len(mine), len(mine) - len(todo), sum(p.nbytes for p in mine))
+    started, results, failure = time.monotonic(), [], None
+    count.post()
+    count.start()
+    try:
+        for number, part in enumerate(todo, 1):
+            try:
+                count.begin_part(plan.label(part))
+                faults.reached(task.command, number)
+                result = job.run_part(part, staging.path if staging else None, count.add)
+                if staging is not None:
+                    staging.record(result)
+            except (FsdpkitError, OSError, ValueError, AssertionError) as error:
+                kind = type(error).__name__ if isinstance(error, FsdpkitError) else "RunError"
+                failure = (kind, f"rank {comm.rank} on {figures.host}: {plan.label(part)}: {error}")
+                break
+            results.append(result)
+            figures.bytes_read += result.bytes_read
+        count.finished()
+    finally:
+        count.stop()
+    figures.seconds = time.monotonic() - started
+    gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
+    failures = [f for f, _, _ in gathered if f is not None]
+    if failures:
+        kept_note = ""
+        if staging is not None:
+            kept_note = f"; nothing committed; the parts finished are kept in {staging.path}: run the same command again to continue"
+        _raise(failures[0][0], failures[0][1] + (f" (+{len(failures) - 1} more ranks failed)" if len(failures) > 1 else "") + kept_note)
+    if comm.rank != 0:
+        return None
+    done = [*kept.values(), *(r for _, rs, _ in gathered for r in rs)]
+    ranks = [f for _, _, f in gathered]
+    assert staging is None or task.dst is not None
+    report = job.commit(staging.path, done, task.dst) if staging is not None else job.report(done)
+    if staging is not None:
+        assert task.dst is not None
+        staging.commit(Path(task.dst), overwrite=task.overwrite)
+    return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), str(staging.path) if staging else None)
+
+
+def _gather_naming_the_stopped(comm: Any, count: SharedCount, value: Any) -> list[Any]:
+    """The last gather; when it fails, the ranks that never finished their parts (dead, or
+    stuck past --timeout) named with the part each was writing."""
+    try:
+        return comm.all_gather(value)
+    except RunError:
+        try:
+            stopped = count.unfinished() if count.store is not None else []
+        except Exception:  # the store went down with rank 0: the gather's own line is all there is
+            stopped = []
+        if not stopped:
+            raise
+        named = "; ".join(f"rank {rank} stopped" + (f" while writing {label}" if label else "") for rank, label in stopped)
+        raise RunError(f"{named} (it died, or did not answer within the timeout); nothing committed") from None
+
+
+class Group:
+    """The coordination of a run in a gloo process group (initialized by the caller)."""
+
+    def __init__(self, timeout: float):
+        import datetime
+        import os
+
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=timeout)
+        )
+
+    def broadcast(self, value: Any) -> Any:
+        box = [value]
+        self._call(self.dist.broadcast_object_list, box, src=0)
+        return box[0]
+
+    def all_gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self._call(self.dist.all_gather_object, out, value)
+        return out
+
+    def _call(self, collective: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            collective(*args, **kwargs)
+        except RuntimeError as error:  # a peer died or timed out: gloo says which connection, not which rank
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RunError(f"rank {self.rank}: another rank stopped answering ({reason})") from None
+
+
+def spread_worker(task: SpreadTask) -> SpreadResult | None:
+    """A worker's run: the process group from the launcher's (or torchrun's) environment."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from .progress import stderr_progress
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=task.timeout))
+    show, close = stderr_progress(task.command) if dist.get_rank() == 0 else (None, lambda: None)
+    try:
+        return run_ranks(task, Group(task.timeout), show)
+    finally:
+        close()
+        dist.destroy_process_group()
+
+
+def failed_part_line(task: SpreadTask, line: str) -> str:
+    """A launch's failure line, with the part the failed rank was writing and what is kept."""
+    found = re.search(r"worker rank (\d+)", line)
+    if not task.writes or task.dst is None or found is None or "run the same command again" in line:
+        return line
+    staging = Staging(staging_path(Path(task.dst)))
+    try:
+        plan = Plan.from_json(json.loads((staging.state / PLAN_FILE).read_text()))
+    except (OSError, ValueError, KeyError):
+        return line
+    kept = staging.records()
+    rank = int(found.group(1))
+    left = [part for part in plan.parts_of(rank) if (part.file, part.index) not in kept]
+    where = f" while writing {plan.label(left[0])}" if left and "while writing" not in line else ""
+    nothing = "" if "nothing committed" in line else "; nothing committed"
+    return (
+        f"{line}{where}{nothing}; {len(kept)} of {len(plan.parts)} parts are kept in {staging.path}: "
+        "run the same command again to continue (--restart starts over)"
+    )
+
+
+def as_json(result: SpreadResult) -> dict:
+    shares = result.plan.rank_bytes()
+    return {
+        "world_size": result.plan.world_size,
+        "largest_share_vs_mean": round(result.plan.imbalance, 4),
+        "kept_parts": result.kept_parts,
+        "bytes_read": result.bytes_read,
+        "ranks": [{**asdict(f), "share_bytes": shares[f.rank]} for f in result.ranks],
+        "notes": list(result.plan.notes),
+    }
+
+
+def run_spread(task: SpreadTask, options: LaunchOptions, show: Show | None = None) -> SpreadResult | None:
+    """The run in this process (world size 1), in `options`' workers, or, under torchrun, as one
+    worker of it; rank 0's result (None on the other ranks and nodes)."""
+    if under_torchrun():
+        return spread_worker(task)
+    if options.nnodes == 1 and options.nproc_per_node == 1:
+        return run_ranks(task, Solo(), show)
+    if options.node_rank == 0:  # bad input: one line and exit 2 (or 3) here, before any worker starts
+        header, job = _lead(task, options.world_size)
+        if job is not None:
+            job.close()
+        if header["error"] is not None:
+            _raise(*header["error"])
+    try:
+        return launch(spread_worker, task, options=options).get(0)
+    except RunError as error:
+        raise RunError(failed_part_line(task, str(error))) from None

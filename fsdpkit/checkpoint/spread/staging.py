@@ -1,0 +1,164 @@
+"""The staging area of a spread conversion: a hidden sibling of DST whose name does not change
+between runs, so that the same command run again after a crash finds it and continues.
+
+    .tmp-DST-resumable/
+      model-00001-of-00004.safetensors ...     the output files, as they are written
+      .fsdpkit-spread/plan.json                what is being written (its fingerprint)
+      .fsdpkit-spread/token                    what every rank must read to know it sees this path
+      .fsdpkit-spread/done/00001-00000.json    one record per part written, fsynced and checksummed
+
+A part with a record whose file is there is kept by a later run; the rest is redone. A staging
+area of another conversion (another source, other options) is refused unless `--restart`,
+which discards it. The commit removes `.fsdpkit-spread`, syncs the files and renames the area to
+DST (DST's old contents, with --overwrite, go aside first and away after); until then DST is
+untouched.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ...errors import RunError, UsageError
+from ...paths import file_in_the_way, unwritable_parent
+from ..core.names import TMP_PREFIX
+from ..core.staging import check_destination, check_free_space, fsync_dir, os_error_line, read_only_line, sync_files
+
+STATE_DIR = ".fsdpkit-spread"
+PLAN_NAME = "plan.json"
+TOKEN_NAME = "token"
+DONE_DIR = "done"
+
+
+@dataclass
+class PartResult:
+    """What one rank did with one part: the checksum of the bytes it wrote (or, verifying, the
+    problems it found), the source bytes it read, and the source pieces it read only in part
+    (`PartRead`s as lists, for the commit's check of every source checksum)."""
+
+    file: int
+    index: int
+    name: str
+    begin: int
+    end: int
+    crc32: int = 0
+    bytes_read: int = 0
+    source_parts: list[list] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    fragments: int = 0
+
+
+def staging_path(dst: Path) -> Path:
+    return dst.absolute().parent / f"{TMP_PREFIX}{dst.name}-resumable"
+
+
+def fingerprint(facts: dict) -> str:
+    """A short digest of what a conversion writes from what (same digest: the same output)."""
+    return hashlib.blake2b(json.dumps(facts, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Staging:
+    path: Path
+
+    @property
+    def state(self) -> Path:
+        return self.path / STATE_DIR
+
+    def token(self) -> str | None:
+        """The token rank 0 wrote; None when this process does not see it."""
+        try:
+            return (self.state / TOKEN_NAME).read_text().strip()
+        except OSError:
+            return None
+
+    def record(self, result: PartResult) -> None:
+        """Make part `result` durable, then record it (a record names only fsynced bytes)."""
+        fd = os.open(self.path / result.name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        done = self.state / DONE_DIR
+        name = f"{result.file:05d}-{result.index:05d}.json"
+        tmp = done / f".{name}.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(asdict(result)))
+        os.replace(tmp, done / name)
+
+    def records(self) -> dict[tuple[int, int], PartResult]:
+        """The parts recorded as written, whose file is still there and long enough."""
+        found = {}
+        done = self.state / DONE_DIR
+        for entry in sorted(done.iterdir()) if done.is_dir() else ():
+            if entry.name.startswith("."):
+                continue
+            try:
+                result = PartResult(**json.loads(entry.read_text()))
+                size = (self.path / result.name).stat().st_size
+            except (OSError, ValueError, TypeError):
+                continue
+            if size >= result.end:
+                found[(result.file, result.index)] = result
+        return found
+
+    def commit(self, dst: Path, *, overwrite: bool) -> None:
+        """The staging area becomes DST (see the module docstring)."""
+        parent = dst.absolute().parent
+        try:
+            shutil.rmtree(self.state)
+            sync_files(self.path, [entry.name for entry in os.scandir(self.path) if entry.is_file()])
+            if dst.exists() or dst.is_symlink():
+                if not overwrite:
+                    raise UsageError(f"destination {dst} appeared while the conversion ran; pass --overwrite to replace it")
+                old = parent / f"{TMP_PREFIX}old-{dst.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(dst, old)
+                os.rename(self.path, dst)
+                fsync_dir(parent)
+                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+            else:
+                os.rename(self.path, dst)
+            fsync_dir(parent)
+        except OSError as error:
+            raise RunError(f"committing {dst} failed: {os_error_line(error, self.path)}") from None
+
+
+def prepare(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool, needed_bytes: int) -> tuple[Staging, int]:
+    """Rank 0: the staging area of DST for the conversion `digest`, made or found again
+    (`restart`: made anew), with a new token; and how many parts it already holds."""
+    check_destination(dst, src=src, overwrite=overwrite)
+    staging = Staging(staging_path(dst))
+    parent = staging.path.parent
+    if (blocker := file_in_the_way(parent)) is not None:
+        raise UsageError(f"destination {dst} cannot be created: {blocker} is a file, not a directory; nothing written")
+    if (unwritable := unwritable_parent(parent)) is not None:
+        raise UsageError(read_only_line(Path(unwritable)))
+    plan_file = staging.state / PLAN_NAME
+    if staging.path.exists() and not restart:
+        try:
+            found = json.loads(plan_file.read_text()).get("fingerprint")
+        except (OSError, ValueError, AttributeError):
+            found = None
+        if found != digest:
+            raise UsageError(
+                f"{staging.path} holds the partial output of another conversion (other source or options): "
+                "pass --restart to discard it, or remove it"
+            )
+    try:
+        if restart and staging.path.exists():
+            shutil.rmtree(staging.path)
+        (staging.state / DONE_DIR).mkdir(parents=True, exist_ok=True)
+        kept = len(staging.records())
+        check_free_space(parent, needed_bytes)
+        (staging.state / PLAN_NAME).write_text(json.dumps({"fingerprint": digest}) + "\n")
+        (staging.state / TOKEN_NAME).write_text(uuid.uuid4().hex + "\n")
+    except OSError as error:
+        if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise UsageError(read_only_line(Path(error.filename or parent), error.errno)) from None
+        raise RunError(f"cannot write to {parent}: {os_error_line(error, parent)}") from None
+    return staging, kept

@@ -1,0 +1,59 @@
+"""One part of an output file written in place (no torch): bytes [begin, end) of a file that
+several processes may write at once, each its own range, front to back through a 1 MiB buffer,
+with the crc32 of what it wrote. The file is created by whichever part comes first and never
+truncated (a part written again after a crash overwrites its own range)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..core.crc import crc32
+
+BUFFER_BYTES = 1 << 20
+
+
+class PartSink:
+    def __init__(self, path: Path, begin: int, end: int):
+        self.path, self.at, self.end = path, begin, end
+        self.crc = 0
+        self._buffer = bytearray(BUFFER_BYTES)
+        self._buffered = 0
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+    def write(self, data) -> None:
+        view = data if isinstance(data, memoryview) and data.format == "B" else memoryview(data).cast("B")
+        if not view.nbytes:
+            return
+        if self.at + self._buffered + view.nbytes > self.end:
+            raise ValueError(f"{self.path}: writing past byte {self.end}, the end of this part")
+        self.crc = crc32(view, self.crc)
+        if self._buffered + view.nbytes > len(self._buffer):
+            self._flush()
+            if view.nbytes >= len(self._buffer):
+                self._pwrite(view)
+                return
+        self._buffer[self._buffered : self._buffered + view.nbytes] = view
+        self._buffered += view.nbytes
+
+    def _flush(self) -> None:
+        if self._buffered:
+            self._pwrite(memoryview(self._buffer)[: self._buffered])
+            self._buffered = 0
+
+    def _pwrite(self, view: memoryview) -> None:
+        while view.nbytes:
+            count = os.pwrite(self._fd, view, self.at)
+            view, self.at = view[count:], self.at + count
+
+    def __enter__(self) -> PartSink:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._flush()
+                if self.at != self.end:
+                    raise ValueError(f"{self.path}: part ends at byte {self.at}, expected {self.end}")
+        finally:
+            os.close(self._fd)

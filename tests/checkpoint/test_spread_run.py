@@ -1,0 +1,250 @@
+"""convert --to full, reshard and verify spread over 1, 2 and 4 processes: the same bytes as the
+one-process commands and as the tensors the test wrote (read back by safetensors); a failing or
+killed rank commits nothing; the same command again continues, re-reading only what was not
+finished; bad input is refused before any worker starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support.checkpoint_files import run_cli, save_checkpoint
+
+from fsdpkit.checkpoint.spread.staging import staging_path
+from fsdpkit.dist.faults import FAULT_ENV
+
+SHARD = "150KB"
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    model = {f"layer.{i}.weight": torch.randn(40 + 9 * i, 64, generator=g) for i in range(24)}
+    model["ids"] = torch.arange(100, dtype=torch.int64)
+    optim = {f"optim.exp_avg.{n}": torch.randn(t.shape, generator=g) for n, t in model.items() if n.startswith("layer")}
+    optim |= {f"optim.exp_avg_sq.{n}": torch.rand(t.shape, generator=g) for n, t in model.items() if n.startswith("layer")}
+    return {**model, **optim}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spread")
+    tensors = _tensors()
+    save_checkpoint(root / "run", 5, tensors, world_size=4, training_state={"step": 5})
+    clean = root / "clean"
+    result = run_cli("convert", root / "run", clean, "--to", "full", "--max-shard-size", SHARD, "--with-optimizer")
+    assert result.exit_code == 0, result.output
+    return root, tensors, clean
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def _convert(src, dst, *flags, env=None):
+    args = ["convert", src, dst, "--to", "full", "--max-shard-size", SHARD, "--with-optimizer", "--json", *flags]
+    return run_cli(*args) if env is None else _with_env(env, args)
+
+
+def _with_env(env: dict, args: list):
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return run_cli(*args)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _loaded(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+def test_full_output_is_the_same_bytes_from_1_2_and_4_processes(source, tmp_path):
+    root, tensors, clean = source
+    expected = _files(clean)
+    for nproc in (1, 2, 4):
+        result = _convert(root / "run", tmp_path / f"n{nproc}", "--nproc-per-node", str(nproc))
+        assert result.exit_code == 0, result.output
+        assert _files(tmp_path / f"n{nproc}") == expected, nproc
+        spread = json.loads(result.stdout)["spread"]
+        assert spread["world_size"] == nproc and len(spread["ranks"]) == nproc
+        assert spread["largest_share_vs_mean"] <= 1.1
+    loaded = _loaded(tmp_path / "n4")  # the oracle: the tensors the test wrote, read by safetensors
+    assert set(loaded) == set(tensors)
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+
+
+def test_a_file_larger_than_a_fair_share_is_cut_across_ranks(source, tmp_path):
+    root, tensors, _ = source
+    args = ("convert", root / "run", tmp_path / "out", "--to", "full", "--max-shard-size", "400KB", "--json")
+    plain = run_cli(*args[:2], tmp_path / "plain", *args[3:])
+    assert plain.exit_code == 0, plain.output
+    dry = run_cli(*args, "--nproc-per-node", "4", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    planned = json.loads(dry.stdout)
+    assert sum(len(r["parts"]) for r in planned["ranks"]) > len(json.loads(plain.stdout)["files"]) - 1  # more parts than files
+    assert planned["largest_share_vs_mean"] <= 1.1 and planned["predicted_seconds"] >= 0
+    assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
+    result = run_cli(*args, "--nproc-per-node", "4")
+    assert result.exit_code == 0, result.output
+    assert _files(tmp_path / "out") == _files(tmp_path / "plain")
+    single = run_cli("convert", root / "run", tmp_path / "one", "--to", "full", "--nproc-per-node", "2", "--dry-run")
+    assert single.exit_code == 0 and "cannot be split" in single.stdout and "model.safetensors" in single.stdout
+
+
+def test_deepspeed_and_dcp_sources_give_the_one_process_bytes(source, tmp_path):
+    """DeepSpeed ZeRO-3 (every tensor cut over its ranks: pieces read in part by several ranks)
+    and DCP sources, written by fsdpkit from the test's tensors."""
+    root, tensors, _ = source
+    for target, flags in (("deepspeed", ("--stage", "3", "--world-size", "2")), ("dcp", ("--world-size", "2"))):
+        made = run_cli("convert", root / "run", tmp_path / target, "--to", target, *flags)
+        assert made.exit_code == 0, made.output
+    cases = (("deepspeed", ("--dtype", "bf16", "--max-shard-size", "100KB"), "3"), ("dcp", ("--max-shard-size", SHARD), "2"))
+    for name, flags, nproc in cases:
+        one = run_cli("convert", tmp_path / name, tmp_path / f"{name}-1", "--to", "full", *flags)
+        assert one.exit_code == 0, one.output
+        spread = run_cli("convert", tmp_path / name, tmp_path / f"{name}-n", "--to", "full", *flags, "--nproc-per-node", nproc)
+        assert spread.exit_code == 0, spread.output
+        assert _files(tmp_path / f"{name}-n") == _files(tmp_path / f"{name}-1"), name
+    loaded = _loaded(tmp_path / "dcp-n")
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items() if not n.startswith("optim."))
+
+
+def test_reshard_and_verify_spread_over_two_processes(source, tmp_path):
+    root, _, _ = source
+    plain = run_cli("reshard", root / "run", tmp_path / "plain", "--world-size", "3")
+    assert plain.exit_code == 0, plain.output
+    result = run_cli("reshard", root / "run", tmp_path / "out", "--world-size", "3", "--nproc-per-node", "2", "--json")
+    assert result.exit_code == 0, result.output
+    assert _files(tmp_path / "out") == _files(tmp_path / "plain")
+    verified = run_cli("verify", tmp_path / "out", "--nproc-per-node", "2", "--json")
+    assert verified.exit_code == 0, verified.output
+    report = json.loads(verified.stdout)
+    assert report["ok"] and report["spread"]["world_size"] == 2
+    victim = tmp_path / "out" / "rank-00002-of-00003.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    broken = run_cli("verify", tmp_path / "out", "--nproc-per-node", "2")
+    assert broken.exit_code == 3 and "rank-00002-of-00003.safetensors" in broken.output and "checksum mismatch" in broken.output
+
+
+def test_a_rank_that_fails_stops_every_rank_and_commits_nothing(source, tmp_path):
+    root, _, _ = source
+    dst = tmp_path / "out"
+    result = _convert(root / "run", dst, "--nproc-per-node", "2", env={FAULT_ENV: "full:1:2:convert"})
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "rank 1" in lines[0] and ".safetensors" in lines[0] and "No space left" in lines[0], result.output
+    assert not dst.exists() and staging_path(dst).exists()
+    restart = _convert(root / "run", dst, "--nproc-per-node", "1", "--restart")
+    assert restart.exit_code == 0, restart.output
+    assert json.loads(restart.stdout)["spread"]["kept_parts"] == 0 and not staging_path(dst).exists()
+
+
+def test_a_killed_rank_then_the_same_command_continues(source, tmp_path):
+    root, _, clean = source
+    dst = tmp_path / "out"
+    total = sum(p.stat().st_size for p in clean.glob("*.safetensors"))
+    parts = len(list(clean.glob("*.safetensors")))
+    killed = _convert(root / "run", dst, "--nproc-per-node", "2", env={FAULT_ENV: f"kill:1:{parts // 4 + 1}:convert"})
+    assert killed.exit_code == 1, killed.output
+    line = [line for line in killed.output.splitlines() if line.startswith("error:")]
+    assert len(line) == 1 and "rank 1" in line[0] and "while writing " in line[0] and "nothing committed" in line[0], killed.output
+    assert not dst.exists()
+    rerun = _convert(root / "run", dst, "--nproc-per-node", "2")
+    assert rerun.exit_code == 0, rerun.output
+    assert _files(dst) == _files(clean)
+    spread = json.loads(rerun.stdout)["spread"]
+    assert spread["kept_parts"] >= parts // 4
+    assert spread["bytes_read"] <= 0.55 * total
+
+
+def test_a_rank_that_hangs_is_named_once_the_timeout_passes(source, tmp_path):
+    root, _, _ = source
+    dst = tmp_path / "out"
+    hung = _convert(root / "run", dst, "--nproc-per-node", "2", "--timeout", "3", env={FAULT_ENV: "stop:1:2:convert"})
+    assert hung.exit_code == 1, hung.output
+    line = [line for line in hung.output.splitlines() if line.startswith("error:")]
+    assert len(line) == 1 and "rank 1 stopped while writing " in line[0] and "nothing committed" in line[0], hung.output
+    assert not dst.exists()
+
+
+def test_bad_input_is_one_line_before_any_worker_starts(source, tmp_path, no_launch, monkeypatch):
+    from fsdpkit.checkpoint.spread import runner
+
+    monkeypatch.setattr(runner, "launch", no_launch_launch)
+    root, _, clean = source
+    wrong = run_cli("convert", root / "run", tmp_path / "x", "--to", "sharded", "--world-size", "2", "--nproc-per-node", "2")
+    assert wrong.exit_code == 2 and "--to full only" in wrong.output
+    there = run_cli("convert", root / "run", clean, "--to", "full", "--nproc-per-node", "2")
+    assert there.exit_code == 2 and "already exists" in there.output
+    staging = staging_path(tmp_path / "y")
+    staging.mkdir()
+    other = run_cli("convert", root / "run", tmp_path / "y", "--to", "full", "--nproc-per-node", "2")
+    assert other.exit_code == 2 and "--restart" in other.output and staging.exists()
+    shutil.rmtree(staging)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def no_launch_launch(*_args, **_kwargs):
+    raise AssertionError("bad input must be rejected before launching")
+
+
+def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_path):
+    """Two nodes of one process each (fsdpkit's --nnodes, --node-rank, --master-addr, --master-port)
+    and, at the same time, `torchrun -m fsdpkit_cli convert` with two processes."""
+    import socket
+    import subprocess
+    import sys
+
+    root, _, clean = source
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    common = ["convert", str(root / "run"), "--to", "full", "--max-shard-size", SHARD, "--with-optimizer"]
+    nodes = [
+        [sys.executable, "-m", "fsdpkit_cli", *common[:2], str(tmp_path / "nodes"), *common[2:], "--nproc-per-node", "1", "--nnodes", "2"]
+        + ["--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        for rank in (0, 1)
+    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fsdpkit_cli"]
+    torchrun += [*common[:2], str(tmp_path / "torchrun"), *common[2:]]
+    started = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args in [*nodes, torchrun]]
+    outputs = [process.communicate(timeout=240)[0] for process in started]
+    assert [process.returncode for process in started] == [0, 0, 0], outputs
+    assert "wrote" in outputs[0] and "wrote" not in outputs[1]  # node 0's rank 0 reports; node 1 says nothing
+    assert _files(tmp_path / "nodes") == _files(clean)
+    assert _files(tmp_path / "torchrun") == _files(clean)
+
+
+def test_a_node_that_does_not_see_the_same_paths_is_named(tmp_path):
+    """What each rank checks before writing: its listing of SRC matches rank 0's, and it reads
+    the token rank 0 wrote into DST's staging area (on a node without the shared filesystem it
+    cannot)."""
+    from fsdpkit.checkpoint.spread.runner import SpreadTask, view_problem
+    from fsdpkit.checkpoint.spread.staging import STATE_DIR, TOKEN_NAME, fingerprint
+
+    class Job:
+        def facts(self):
+            return {"source": [["rank-00000-of-00001.safetensors", 100, 1]]}
+
+    staging = tmp_path / ".tmp-out-resumable"
+    (staging / STATE_DIR).mkdir(parents=True)
+    (staging / STATE_DIR / TOKEN_NAME).write_text("token-of-rank-0\n")
+    task = SpreadTask("convert", "SRC", str(tmp_path / "out"))
+    header = {"digest": fingerprint(Job().facts()), "staging": str(staging), "token": "token-of-rank-0"}
+    assert view_problem(task, Job(), header, 3) is None
+    elsewhere = view_problem(task, Job(), {**header, "staging": str(tmp_path / "not-on-this-node")}, 3)
+    assert elsewhere is not None and "rank 3" in elsewhere and "every node must see the same DST" in elsewhere
+    other_source = view_problem(task, Job(), {**header, "digest": "0" * 32}, 2)
+    assert other_source is not None and "rank 2" in other_source and "sees SRC differently" in other_source
