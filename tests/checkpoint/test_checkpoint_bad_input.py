@@ -239,7 +239,10 @@ def test_reshard_of_a_format_without_ranks_says_what_to_do(ckpt, tmp_path):
     assert run_cli("convert", ckpt, tmp_path / "full", "--to", "full").exit_code == 0
     result = run_cli("reshard", tmp_path / "full", tmp_path / "out", "--world-size", "2")
     assert result.exit_code == 2 and not (tmp_path / "out").exists()
-    expected = f"error: {tmp_path / 'full'}: a full safetensors checkpoint has no ranks to lay out: convert it --to sharded, megatron, dcp or deepspeed"
+    expected = (
+        f"error: {tmp_path / 'full'}: a full safetensors checkpoint has no ranks to lay out:"
+        " convert it --to sharded, megatron, dcp or deepspeed"
+    )
     assert result.stderr.strip() == expected
 
 

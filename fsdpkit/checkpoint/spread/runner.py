@@ -156,6 +156,7 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
     plan = Plan.from_json(header["plan"])
     staging = Staging(Path(header["staging"])) if header["staging"] else None
     kept = staging.records() if staging is not None else {}
+    comm.all_gather(None)  # every rank has read what earlier runs finished before any rank records this run's parts
     mine = plan.parts_of(comm.rank)
     todo = [part for part in mine if (part.file, part.index) not in kept]
     left = plan.total_bytes - sum(r.end - r.begin for r in kept.values())
