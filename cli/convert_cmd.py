@@ -3,8 +3,6 @@ which of them apply is the library's table of formats (fsdpkit/checkpoint/offlin
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from fsdpkit import log
@@ -21,8 +19,8 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("convert")
 @handle_errors
 def convert(
-    src: Path = typer.Argument(..., help=f"Source checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
-    dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
+    src: str = typer.Argument(..., help=f"Source checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
+    dst: str = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
     to: str = typer.Option(
         ...,
         "--to",
@@ -46,6 +44,9 @@ def convert(
 ) -> None:
     """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
     from fsdpkit.checkpoint.offline.formats import convert_any
+    from fsdpkit.checkpoint.offline.locations import local_only
+
+    local_only(src, dst, what="convert")
 
     request = ConvertRequest(
         to=to,

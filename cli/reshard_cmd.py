@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from fsdpkit import log
@@ -18,8 +16,8 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("reshard")
 @handle_errors
 def reshard(
-    src: Path = typer.Argument(..., help=f"A checkpoint: {RESHARD_LABELS} (an fsdpkit run or step directory), written in its format."),
-    dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
+    src: str = typer.Argument(..., help=f"A checkpoint: {RESHARD_LABELS} (an fsdpkit run or step directory), written in its format."),
+    dst: str = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
     world_size: int | None = typer.Option(None, "--world-size", help="Number of ranks of the new layout."),
     chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
@@ -27,6 +25,9 @@ def reshard(
 ) -> None:
     """Lay a checkpoint out for another world size, offline, in its own format (model and optimizer state)."""
     from fsdpkit.checkpoint.offline.formats import ReshardRequest, reshard_any
+    from fsdpkit.checkpoint.offline.locations import local_only
+
+    local_only(src, dst, what="reshard")
 
     ranks, chunk = required_world_size(world_size), chunk_bytes(chunk_size)
     with byte_progress("reshard") as progress:

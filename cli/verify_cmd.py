@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
-from fsdpkit.checkpoint.offline.formats import READ_LABELS, detect_format
+from fsdpkit.checkpoint.offline.formats import READ_LABELS
 
 from .common import byte_progress, handle_errors, print_json
 
@@ -16,12 +14,16 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("verify")
 @handle_errors
 def verify(
-    ckpt: Path = typer.Argument(..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
+    ckpt: str = typer.Argument(
+        ..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory); fsdpkit's also at s3://, gs://, az://."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ) -> None:
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
+    from fsdpkit.checkpoint.offline.locations import verify_at
+
     with byte_progress("verify") as progress:
-        report = detect_format(ckpt).verify(ckpt, progress)
+        report = verify_at(ckpt, progress)
     if as_json:
         print_json(report.to_json())
     elif report.ok:

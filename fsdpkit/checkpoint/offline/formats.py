@@ -33,6 +33,7 @@ from .any_checkpoint import (
     open_torchsave_checkpoint,
 )
 from .convert import reshard, to_full
+from .locations import local_only
 from .request import ConvertRequest, Keys, Options, Progress, ReshardRequest, check_options
 from .to_deepspeed import reshard_deepspeed, to_deepspeed
 from .to_sharded import to_sharded
@@ -150,6 +151,7 @@ CONVERT_HELP = f"Convert a checkpoint ({READ_LABELS}) --to {', '.join(TARGETS[:-
 def detect_format(path: str | os.PathLike[str]) -> Format:
     """The format of the checkpoint at `path`; a UsageError when it is none that fsdpkit reads
     (the format's reader then says what is wrong inside it)."""
+    local_only(path, what="this reader")
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: does not exist")
@@ -161,6 +163,7 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
 
 def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> AnyCheckpoint:
     """The checkpoint at `path` in any format (`model_key`, `optimizer_key`: a DCP checkpoint's, as `Keys`)."""
+    local_only(path, what="open_checkpoint")
     found = detect_format(path)
     opened = found.open(Path(path), Keys(model_key, optimizer_key))
     opened.format, opened.opened_from = found.name, str(path)
@@ -169,6 +172,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = Non
 
 def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], request: ReshardRequest) -> WriteReport:
     """`reshard`: the checkpoint at `src` laid out for `request.world_size` ranks, in its format."""
+    local_only(src, dst, what="reshard")
     found = detect_format(src)
     if found.reshard is None:
         targets = [name for name in TARGETS if name != found.name]
@@ -185,6 +189,7 @@ def convert_any(
 ) -> WriteReport:
     """`convert`: the checkpoint at `src`, opened as a tensor table, written by `request.to`'s
     writer (to its own format: `fsdpkit reshard`)."""
+    local_only(src, dst, what="convert")
     source = detect_format(src)
     target = FORMATS.get(request.to)
     if target is None or target.write is None:

@@ -1,0 +1,120 @@
+"""The offline commands on object storage, against moto's S3 server: `verify` and `inspect` of
+a checkpoint in a bucket give what they give of the same checkpoint on a local disk (the local
+reader is the oracle; boto3 uploads the files), through a proxy that fails requests too; the
+commands and flags that do not take URLs yet say so in one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("obstore", reason="the cloud extra installs obstore")
+
+from support.checkpoint_files import run_cli, sample_optimizer, sample_tensors, save_checkpoint  # noqa: E402
+from support.fault_proxy import FaultProxy  # noqa: E402
+from support.object_store import s3_client  # noqa: E402
+
+
+def _upload(client, bucket: str, root: Path, prefix: str) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root).as_posix()}")
+
+
+@pytest.fixture
+def run_in_bucket(s3_bucket, s3_endpoint, tmp_path):
+    """A run of two steps, world size 2, on disk and under s3://BUCKET/runs/a."""
+    params = sample_tensors()
+    tensors = {**params, **sample_optimizer(params)}
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, tensors, world_size=2)
+    save_checkpoint(run, 2, tensors, world_size=2)
+    _upload(s3_client(s3_endpoint), s3_bucket, run, "runs/a")
+    return run, f"s3://{s3_bucket}/runs/a"
+
+
+def _json(*args: str) -> tuple[int, dict]:
+    result = run_cli(*args, "--json")
+    return result.exit_code, json.loads(result.stdout)
+
+
+def _same(local: dict, remote: dict, run: Path, url: str) -> None:
+    assert json.loads(json.dumps(remote).replace(url, str(run))) == local
+
+
+def test_verify_and_inspect_in_a_bucket_match_the_local_checkpoint(run_in_bucket):
+    run, url = run_in_bucket
+    for command in ("verify", "inspect"):
+        local_code, local = _json(command, str(run))
+        code, remote = _json(command, url)
+        assert code == local_code == 0
+        _same(local, remote, run, url)
+    assert remote["path"] == f"{url}/step-00000002"  # `latest` named the step
+    result = run_cli("verify", f"{url}/step-00000001")
+    assert result.exit_code == 0 and result.stdout.startswith(f"ok {url}/step-00000001: sharded, ")
+
+
+def test_a_corrupt_byte_in_a_bucket_is_found_as_locally(run_in_bucket, s3_bucket, s3_endpoint):
+    run, url = run_in_bucket
+    rank_file = run / "step-00000002" / "rank-00001-of-00002.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    data[-3] ^= 0x40
+    rank_file.write_bytes(bytes(data))
+    s3_client(s3_endpoint).put_object(Bucket=s3_bucket, Key="runs/a/step-00000002/rank-00001-of-00002.safetensors", Body=bytes(data))
+    local_code, local = _json("verify", str(run))
+    code, remote = _json("verify", url)
+    assert code == local_code == 3 and len(local["problems"]) == 1 and "checksum mismatch" in local["problems"][0]
+    _same(local, remote, run, url)
+
+
+def test_verify_through_failing_requests_gives_the_clean_answer(run_in_bucket, s3_endpoint, monkeypatch):
+    run, url = run_in_bucket
+    clean = _json("verify", url)
+    with FaultProxy(s3_endpoint, fraction=0.2, seed=5) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        assert _json("verify", url) == clean
+        code, remote = _json("inspect", url)
+    assert code == 0
+    _same(_json("inspect", str(run))[1], remote, run, url)
+    assert sum(proxy.faults.values()) > 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("convert", "{url}", "{tmp}/out", "--to", "full"),
+        ("convert", "{tmp}/run", "{url}-full", "--to", "full"),
+        ("reshard", "{url}", "{tmp}/out", "--world-size", "1"),
+        ("diff", "{url}", "{tmp}/run"),
+    ],
+)
+def test_commands_without_urls_yet_say_so(run_in_bucket, tmp_path, args):
+    run, url = run_in_bucket
+    result = run_cli(*(arg.format(url=url, tmp=tmp_path) for arg in args))
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: s3://") and "does not take object-storage URLs yet (inspect and verify do)" in result.output
+    assert result.output.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_train_and_open_checkpoint_without_urls_yet_say_so(run_in_bucket, no_launch):
+    from fsdpkit.checkpoint.offline.formats import open_checkpoint
+    from fsdpkit.errors import UsageError
+
+    run, url = run_in_bucket
+    for flag in ("--save-dir", "--resume", "--init-from"):
+        result = run_cli("train", "--steps", "1", flag, url)
+        assert result.exit_code == 2 and result.output == f"error: {flag} {url}: train does not take object-storage URLs yet " + (
+            "(inspect and verify do); use a local directory\n"
+        )
+    with pytest.raises(UsageError, match="open_checkpoint does not take object-storage URLs yet"):
+        open_checkpoint(url)
+
+
+def test_a_missing_prefix_or_bucket_is_one_line(s3_bucket):
+    for command in ("verify", "inspect"):
+        result = run_cli(command, f"s3://{s3_bucket}/no/such/run")
+        assert result.exit_code == 2 and result.output == f"error: s3://{s3_bucket}/no/such/run: no objects under this prefix\n"
+    result = run_cli("verify", "s3://no-such-bucket-here/run")
+    assert result.exit_code == 2 and "the bucket does not exist" in result.output
