@@ -43,10 +43,7 @@ def convert(
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
     """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
-    from fsdpkit.checkpoint.offline.formats import convert_any
-    from fsdpkit.checkpoint.offline.locations import local_only
-
-    local_only(src, dst, what="convert")
+    from fsdpkit.checkpoint.offline.locations import convert_at
 
     request = ConvertRequest(
         to=to,
@@ -62,7 +59,7 @@ def convert(
         overwrite=overwrite,
     )
     with byte_progress("convert") as progress:
-        result = convert_any(src, dst, request, progress)
+        result = convert_at(src, dst, request, progress)
     for line in result.warnings:
         log.warn(line)
     print_written(result, as_json)

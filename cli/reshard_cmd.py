@@ -24,13 +24,11 @@ def reshard(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
     """Lay a checkpoint out for another world size, offline, in its own format (model and optimizer state)."""
-    from fsdpkit.checkpoint.offline.formats import ReshardRequest, reshard_any
-    from fsdpkit.checkpoint.offline.locations import local_only
-
-    local_only(src, dst, what="reshard")
+    from fsdpkit.checkpoint.offline.formats import ReshardRequest
+    from fsdpkit.checkpoint.offline.locations import reshard_at
 
     ranks, chunk = required_world_size(world_size), chunk_bytes(chunk_size)
     with byte_progress("reshard") as progress:
         request = ReshardRequest(ranks, chunk, overwrite=overwrite, progress=progress, warn=log.warn)
-        result = reshard_any(src, dst, request)
+        result = reshard_at(src, dst, request)
     print_written(result, as_json)

@@ -94,7 +94,10 @@ def test_a_write_that_keeps_failing_names_the_object_and_commits_nothing(s3_buck
     with FaultProxy(s3_endpoint, fraction=1.0, kinds=("503",)) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         storage = open_storage(f"s3://{s3_bucket}/p")
-        with pytest.raises(RunError, match=rf"s3://{s3_bucket}/p/manifest.json: write failed after retries, nothing committed: .*503"):
+        with pytest.raises(
+            RunError,
+            match=rf"s3://{s3_bucket}/p/manifest.json: write failed after retries, nothing committed: HTTP 503 .*SlowDown",
+        ):
             storage.commit("manifest.json", b"{}")
     assert s3_client(s3_endpoint).list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
 

@@ -6,6 +6,7 @@ commands and flags that do not take URLs yet say so in one line, exit 2."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,6 @@ def test_verify_through_failing_requests_gives_the_clean_answer(run_in_bucket, s
     "args",
     [
         ("convert", "{url}", "{tmp}/out", "--to", "full"),
-        ("convert", "{tmp}/run", "{url}-full", "--to", "full"),
         ("reshard", "{url}", "{tmp}/out", "--world-size", "1"),
         ("diff", "{url}", "{tmp}/run"),
     ],
@@ -94,7 +94,10 @@ def test_commands_without_urls_yet_say_so(run_in_bucket, tmp_path, args):
     run, url = run_in_bucket
     result = run_cli(*(arg.format(url=url, tmp=tmp_path) for arg in args))
     assert result.exit_code == 2, result.output
-    assert result.output.startswith("error: s3://") and "does not take object-storage URLs yet (inspect and verify do)" in result.output
+    assert (
+        result.output.startswith("error: s3://")
+        and "does not take object-storage URLs yet (inspect and verify do, convert and reshard write to them)" in result.output
+    )
     assert result.output.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
@@ -118,3 +121,59 @@ def test_a_missing_prefix_or_bucket_is_one_line(s3_bucket):
         assert result.exit_code == 2 and result.output == f"error: s3://{s3_bucket}/no/such/run: no objects under this prefix\n"
     result = run_cli("verify", "s3://no-such-bucket-here/run")
     assert result.exit_code == 2 and "the bucket does not exist" in result.output
+
+
+def test_a_dcp_checkpoint_fsdpkit_writes_to_a_bucket_loads_with_torchs_fsspec_reader(run_in_bucket, s3_bucket):
+    """torch's own FsspecReader (through s3fs) is the oracle: it loads what `convert --to dcp s3://` wrote."""
+    pytest.importorskip("s3fs", reason="the test extra installs s3fs")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    run, _ = run_in_bucket
+    url = f"s3://{s3_bucket}/out/dcp"
+    result = run_cli("convert", str(run), url, "--to", "dcp", "--world-size", "2")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"wrote {url}: ")
+    expected = sample_tensors()
+    loaded = {"model": {name: torch.zeros_like(tensor) for name, tensor in expected.items()}}
+    dcp.load(loaded, storage_reader=FsspecReader(url), no_dist=True)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded["model"][name], tensor), name
+
+
+def test_convert_and_reshard_to_a_bucket_write_what_they_write_locally(run_in_bucket, s3_bucket, s3_endpoint, tmp_path):
+    """Every object (read back by boto3) is byte for byte the file the same command writes locally."""
+    run, _ = run_in_bucket
+    client = s3_client(s3_endpoint)
+    for command, extra in (("convert", ("--to", "full", "--with-optimizer")), ("reshard", ("--world-size", "3"))):
+        url, local = f"s3://{s3_bucket}/out/{command}", tmp_path / command
+        assert run_cli(command, str(run), url, *extra).exit_code == 0
+        assert run_cli(command, str(run), str(local), *extra).exit_code == 0
+        objects = client.list_objects_v2(Bucket=s3_bucket, Prefix=f"out/{command}/")["Contents"]
+        written = {o["Key"][len(f"out/{command}/") :]: client.get_object(Bucket=s3_bucket, Key=o["Key"])["Body"].read() for o in objects}
+        assert written == {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()}
+        result = run_cli(command, str(run), url, *extra)
+        assert result.exit_code == 2 and "already holds" in result.output and "pass --overwrite" in result.output
+        assert run_cli(command, str(run), url, *extra, "--overwrite").exit_code == 0
+    code, remote = _json("verify", f"s3://{s3_bucket}/out/reshard")
+    assert code == 0 and remote["ok"] and remote["counts" if "counts" in remote else "fragments"]
+
+
+def test_a_failed_upload_commits_nothing_and_leaves_no_upload_open(run_in_bucket, s3_bucket, s3_endpoint, monkeypatch, tmp_path):
+    import fsdpkit.checkpoint.storage.objects as objects
+
+    run, _ = run_in_bucket
+    monkeypatch.setattr(objects, "RETRIES", 1)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "staging"))
+    (tmp_path / "staging").mkdir()
+    url = f"s3://{s3_bucket}/out/failed"
+    with FaultProxy(s3_endpoint, fraction=1.0, kinds=("503",), methods=("PUT",)) as proxy:  # every part and PUT fails
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        result = run_cli("reshard", str(run), url, "--world-size", "2")
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"error: {url}/") and "failed after retries, nothing committed" in result.output
+    client = s3_client(s3_endpoint)
+    assert [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="out/").get("Contents", [])] == []
+    assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    assert list((tmp_path / "staging").iterdir()) == []  # the staged output is gone too

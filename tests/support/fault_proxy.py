@@ -22,9 +22,17 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", 
 class FaultProxy:
     """`with FaultProxy(upstream, fraction=0.05) as proxy:` then send requests to `proxy.url`."""
 
-    def __init__(self, upstream: str, *, fraction: float, seed: int = 0, kinds: tuple[str, ...] = ("503", "500", "drop")):
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        fraction: float,
+        seed: int = 0,
+        kinds: tuple[str, ...] = ("503", "500", "drop"),
+        methods: tuple[str, ...] = ("GET", "HEAD", "PUT", "POST", "DELETE"),
+    ):
         self.upstream = urlsplit(upstream)
-        self.fraction, self.kinds = fraction, kinds
+        self.fraction, self.kinds, self.methods = fraction, kinds, methods  # only requests of `methods` fail
         self.faults: dict[str, int] = dict.fromkeys(kinds, 0)
         self.requests = 0
         self._random = random.Random(seed)
@@ -42,11 +50,11 @@ class FaultProxy:
         self._server.shutdown()
         self._server.server_close()
 
-    def draw(self) -> str | None:
+    def draw(self, method: str) -> str | None:
         """The fault for the next request, or None."""
         with self._lock:
             self.requests += 1
-            if self._random.random() >= self.fraction:
+            if method not in self.methods or self._random.random() >= self.fraction:
                 return None
             kind = self.kinds[sum(self.faults.values()) % len(self.kinds)]  # each kind in turn
             self.faults[kind] += 1
@@ -73,7 +81,7 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
         def _any(self) -> None:
             body = self._body()
-            fault = proxy.draw()
+            fault = proxy.draw(self.command)
             if fault == "drop":
                 self.connection.shutdown(socket.SHUT_RDWR)
                 self.close_connection = True

@@ -9,6 +9,7 @@ one line naming the object and the reason."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -188,17 +189,18 @@ def _translated(error: Exception, where: str, operation: str) -> FsdpkitError:
         return _Missing(f"{where}: object is missing")
     if isinstance(error, UnauthenticatedError | PermissionDeniedError) or "InvalidAccessKeyId" in str(error):
         return UsageError(f"{where}: access denied ({reason}); check the credentials in the environment or the profile")
-    if operation == "read":
-        return RunError(f"{where}: reading failed after retries: {reason}")
-    return RunError(f"{where}: {operation} failed after retries, nothing committed: {reason}")
+    if operation == "write":
+        return RunError(f"{where}: write failed after retries, nothing committed: {reason}")
+    return RunError(f"{where}: {operation} failed after retries: {reason}")
 
 
 def _reason(error: Exception) -> str:
-    """The first line of an obstore error that says what went wrong, without the request's
-    headers (which may carry a signature) and at most 300 characters."""
-    text = " ".join(str(error).split())
-    for marker in ("Server returned non-2xx status code:", "Error performing", "Client error"):
-        if marker in text:
-            text = text[text.index(marker) :]
-            break
+    """What went wrong, in one line of at most 300 characters: the HTTP status and the store's
+    error code and message where it answered, without obstore's debug dump of the request."""
+    text = " ".join(str(error).split()).partition(" Debug source:")[0]
+    status = re.search(r"status code: (\d{3}[^:<]*)", text)
+    code, message = re.search(r"<Code>([^<]*)</Code>", text), re.search(r"<Message>([^<]*)</Message>", text)
+    if status is not None:
+        said = f" ({code.group(1)}: {message.group(1) if message else ''})" if code else ""
+        return f"HTTP {status.group(1).strip()}{said}"[:300]
     return text[:300] or type(error).__name__
