@@ -110,8 +110,8 @@ def test_packages_import_each_other_without_a_cycle():
 
 
 CHECKPOINT = "fsdpkit/checkpoint/"
-CHECKPOINT_LAYERS = {"format/", "torchfile/", "live/", "memory/", "offline/"}  # what is not one format's package
-FORMAT_MAY_IMPORT = {"fsdpkit/", f"{CHECKPOINT}format/", f"{CHECKPOINT}torchfile/"}
+CHECKPOINT_LAYERS = {"format/", "torchfile/", "live/", "memory/", "offline/", "storage/"}  # what is not one format's package
+FORMAT_MAY_IMPORT = {"fsdpkit/", f"{CHECKPOINT}format/", f"{CHECKPOINT}storage/", f"{CHECKPOINT}torchfile/"}
 
 
 def test_a_format_package_imports_only_the_shared_layers():

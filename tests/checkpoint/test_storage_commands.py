@@ -177,3 +177,32 @@ def test_a_failed_upload_commits_nothing_and_leaves_no_upload_open(run_in_bucket
     assert [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="out/").get("Contents", [])] == []
     assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
     assert list((tmp_path / "staging").iterdir()) == []  # the staged output is gone too
+
+
+def test_a_dcp_checkpoint_torchs_fsspec_writer_put_in_a_bucket_is_read_there(s3_bucket, s3_endpoint, tmp_path):
+    """torch writes the same state dict twice, to the bucket (FsspecWriter through s3fs) and to a
+    directory (FileSystemWriter); fsdpkit's verify and inspect of the bucket's give what they give
+    of the directory's, and the summary counts the state dict's tensors."""
+    pytest.importorskip("s3fs", reason="the test extra installs s3fs")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    params = sample_tensors()
+    state = {"model": params, "optimizer": {"state": {name: {"exp_avg": t * 0.5} for name, t in params.items()}}}
+    url, local = f"s3://{s3_bucket}/dcp/torch", tmp_path / "dcp"
+    dcp.save(state, storage_writer=FsspecWriter(url), no_dist=True)
+    dcp.save(state, storage_writer=FileSystemWriter(str(local)), no_dist=True)
+    for command in ("verify", "inspect"):
+        local_code, expected = _json(command, str(local))
+        code, found = _json(command, url)
+        assert code == local_code == 0
+        _same(expected, found, local, url)
+    assert found["model"]["tensors"] == len(params) and found["model"]["bytes"] == sum(t.nbytes for t in params.values())
+    assert found["optimizer"]["tensors"] == len(params)
+    client = s3_client(s3_endpoint)
+    data = next(o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="dcp/torch/")["Contents"] if o["Key"].endswith(".distcp"))
+    body = client.get_object(Bucket=s3_bucket, Key=data)["Body"].read()
+    client.put_object(Bucket=s3_bucket, Key=data, Body=body[: len(body) // 2])  # truncated
+    result = run_cli("verify", url)
+    assert result.exit_code == 3 and f"s3://{s3_bucket}/{data}" in result.output and "truncated" in result.output

@@ -1,6 +1,6 @@
 """The offline commands at a location: a local path goes to the table of formats; an
 object-store URL (`s3://`, `gs://`, `az://`) is read through the storage face, by the formats
-that read through it so far (fsdpkit's own, version 2). `convert` and `reshard` write to a URL
+that read through it so far (fsdpkit's own, version 2, and DCP). `convert` and `reshard` write to a URL
 by writing the output into a local temporary directory (TMPDIR), then publishing it through the
 face, the commit object last. A command or format that does not take URLs yet says so in one
 line (UsageError), before anything is read."""
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import UsageError
+from ..dcp.stored import is_stored_dcp, summarize_stored_dcp, verify_stored_dcp
 from ..format.report import VerifyReport, WriteReport
 from ..format.stored import is_stored_sharded, summarize_stored, verify_stored
 from ..format.summary import Summary
@@ -22,7 +23,7 @@ from ..storage.location import is_url, open_storage
 from ..storage.upload import check_destination, publish
 from .request import ConvertRequest, Keys, Progress, ReshardRequest, progress_callback
 
-URL_READERS = "fsdpkit (version 2)"  # the formats read from object storage so far
+URL_READERS = "fsdpkit (version 2), DCP"  # the formats read from object storage so far
 
 
 def verify_at(location: str | os.PathLike[str], progress: Progress | None = None) -> VerifyReport:
@@ -32,6 +33,8 @@ def verify_at(location: str | os.PathLike[str], progress: Progress | None = None
 
         return detect_format(location).verify(Path(location), progress)
     storage, listed = _listed(str(location))
+    if is_stored_dcp(listed):
+        return verify_stored_dcp(storage, listed)
     if not is_stored_sharded(listed):
         raise UsageError(f"{location}: no checkpoint fsdpkit reads from object storage yet ({URL_READERS}) under this prefix")
     total = sum(size for name, size in listed.items() if name.rpartition("/")[2].startswith("rank-"))
@@ -46,6 +49,8 @@ def inspect_at(location: str | os.PathLike[str], keys: Keys) -> tuple[str, Summa
         found = detect_format(location)
         return found.name, found.inspect(Path(location), keys)
     storage, listed = _listed(str(location))
+    if is_stored_dcp(listed):
+        return "dcp", summarize_stored_dcp(storage, listed, model_key=keys.model, optimizer_key=keys.optimizer)
     if not is_stored_sharded(listed):
         raise UsageError(f"{location}: no checkpoint fsdpkit reads from object storage yet ({URL_READERS}) under this prefix")
     return "sharded", summarize_stored(storage, listed)

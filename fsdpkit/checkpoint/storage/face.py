@@ -3,9 +3,8 @@ directory or object store. Names are `/`-separated keys relative to the storage'
 directory, or a URL's prefix); a storage never sees a path outside its root.
 
 - `read_blocks` streams byte ranges of one object front to back, in blocks of at most
-  `block_bytes`, several requests in flight, issued in offset order, at most
-  `READS_IN_FLIGHT` blocks held: memory is bounded whatever the object's size, and each byte is
-  fetched once.
+  `block_bytes`, several requests in flight, issued in offset order, a few blocks held: memory
+  is bounded whatever the object's size, and each byte is fetched once.
 - `write` is a stream into one object, which appears only when the stream ends without an
   error (an object store's multipart upload is aborted on an error).
 - `commit` writes the object that makes a checkpoint whole (a manifest, DCP's `.metadata`,
@@ -20,8 +19,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-READ_BLOCK_BYTES = 8 << 20  # one ranged GET, as boto3's transfers use
-READS_IN_FLIGHT = 8  # blocks requested ahead: at most READS_IN_FLIGHT * READ_BLOCK_BYTES held
+READ_BLOCK_BYTES = 8 << 20  # a block handed to the reader
 PART_BYTES = 8 << 20  # one part of a multipart upload
 PARTS_IN_FLIGHT = 8  # parts uploaded at once: at most PARTS_IN_FLIGHT * PART_BYTES held
 

@@ -1,6 +1,7 @@
 """The storage face over an object store (S3, GCS, Azure) through obstore, Rust's object_store:
-requests run outside the GIL, several in flight. Reads are ranged GETs of READ_BLOCK_BYTES,
-READS_IN_FLIGHT ahead, issued in offset order; writes are multipart uploads of PART_BYTES
+requests run outside the GIL, several in flight. Reads are streamed GETs of segments of
+SEGMENT_BYTES, the next requested while one is consumed, issued in offset order, each read
+ahead a few blocks (bounded memory, each byte fetched once, one request per segment); writes are multipart uploads of PART_BYTES
 parts, PARTS_IN_FLIGHT at once, aborted when the stream fails; the commit is one PUT, the
 conditional create a PUT with `If-None-Match: *`. Throttling (503 SlowDown), other 5xx answers
 and dropped connections are retried with exponential backoff and jitter; what still fails is
@@ -9,16 +10,18 @@ one line naming the object and the reason."""
 from __future__ import annotations
 
 import contextlib
+import queue
 import re
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError, install_hint
 from .credentials import store_config
-from .face import PART_BYTES, PARTS_IN_FLIGHT, READ_BLOCK_BYTES, READS_IN_FLIGHT
+from .face import PART_BYTES, PARTS_IN_FLIGHT, READ_BLOCK_BYTES
 from .location import SCHEMES, ObjectUrl
 from .names import checked_name
 
@@ -26,6 +29,9 @@ RETRIES = 10
 RETRY_TIMEOUT = timedelta(minutes=3)
 BACKOFF = {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}
 DELETE_BATCH = 1000
+SEGMENT_BYTES = 64 << 20  # one streamed GET
+SEGMENTS_IN_FLIGHT = 2  # the next segment is requested while one is consumed
+BLOCKS_AHEAD = 2  # blocks a segment's stream reads ahead: at most SEGMENTS_IN_FLIGHT * (BLOCKS_AHEAD + 1) blocks held
 
 
 class ObjectStorage:
@@ -73,25 +79,57 @@ class ObjectStorage:
     def read_blocks(
         self, name: str, ranges: Iterable[tuple[int, int]], *, block_bytes: int = READ_BLOCK_BYTES
     ) -> Iterator[tuple[int, memoryview]]:
+        """Streamed GETs of segments of at most SEGMENT_BYTES, SEGMENTS_IN_FLIGHT of them at once
+        (the next requested while one is consumed), each read ahead at most BLOCKS_AHEAD blocks."""
+        segments = [(offset, min(offset + SEGMENT_BYTES, end)) for start, end in ranges for offset in range(start, end, SEGMENT_BYTES)]
+        stop = threading.Event()
+        with ThreadPoolExecutor(SEGMENTS_IN_FLIGHT, thread_name_prefix="fsdpkit-get") as pool:
+            queues: deque[queue.Queue] = deque()
+            try:
+                for index, (start, _) in enumerate(segments):
+                    while len(queues) < SEGMENTS_IN_FLIGHT and index + len(queues) < len(segments):
+                        ahead = segments[index + len(queues)]
+                        queues.append(queue.Queue(BLOCKS_AHEAD))
+                        pool.submit(self._stream, name, *ahead, block_bytes, queues[-1], stop)
+                    yield from self._drained(queues.popleft(), start, block_bytes)
+            finally:
+                stop.set()
+                for waiting in queues:  # unblock producers still putting
+                    with contextlib.suppress(queue.Empty):
+                        while True:
+                            waiting.get_nowait()
+
+    def _stream(self, name: str, start: int, end: int, block_bytes: int, into: queue.Queue, stop: threading.Event) -> None:
+        """Put the bytes [start, end) of object `name` into `into` as they arrive, then None; an
+        error in their place. A stream cut after some bytes resumes where it stopped."""
         import obstore
 
-        blocks = ((offset, min(offset + block_bytes, end)) for start, end in ranges for offset in range(start, end, block_bytes))
-        pending: deque[tuple[int, Future]] = deque()
-        with ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="fsdpkit-get") as pool:
+        position, resumed = start, 0
+        while position < end and not stop.is_set():
             try:
-                for start, end in blocks:
-                    pending.append((start, pool.submit(self._call, obstore.get_range, name, start=start, end=end)))
-                    if len(pending) >= READS_IN_FLIGHT:
-                        yield self._taken(pending)
-                while pending:
-                    yield self._taken(pending)
-            finally:
-                for _, future in pending:
-                    future.cancel()
+                result = self._call(obstore.get, name, options={"range": (position, end)})
+                for chunk in result.stream(min_chunk_size=block_bytes):
+                    position += len(chunk)
+                    while not stop.is_set():
+                        with contextlib.suppress(queue.Full):
+                            into.put(chunk, timeout=0.5)
+                            break
+            except Exception as error:
+                resumed += 1
+                if resumed > RETRIES or isinstance(error, FsdpkitError):
+                    into.put(error if isinstance(error, FsdpkitError) else _translated(error, self.where(name), "read"))
+                    return
+        into.put(None)
 
-    def _taken(self, pending: deque[tuple[int, Future]]) -> tuple[int, memoryview]:
-        start, future = pending.popleft()
-        return start, memoryview(future.result())
+    def _drained(self, source: queue.Queue, start: int, block_bytes: int) -> Iterator[tuple[int, memoryview]]:
+        position = start
+        while (chunk := source.get()) is not None:
+            if isinstance(chunk, Exception):
+                raise chunk
+            view = memoryview(chunk)
+            for first in range(0, len(view), block_bytes):
+                yield position + first, view[first : first + block_bytes]
+            position += len(view)
 
     def list(self, prefix: str = "") -> dict[str, int]:
         import obstore
