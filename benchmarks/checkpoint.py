@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fsdpkit.checkpoint.format.bytecopy import DEFAULT_CHUNK_SIZE  # noqa: E402  (torch-free imports only here)
+from fsdpkit.checkpoint.core.bytecopy import DEFAULT_CHUNK_SIZE  # noqa: E402  (torch-free imports only here)
 from fsdpkit.sizes import format_size, parse_size  # noqa: E402
 
 SETUP = r"""

@@ -6,8 +6,8 @@ from __future__ import annotations
 import typer
 
 from fsdpkit import log
+from fsdpkit.checkpoint.core.request import ConvertRequest
 from fsdpkit.checkpoint.offline.formats import READ_LABELS, TARGETS
-from fsdpkit.checkpoint.offline.request import ConvertRequest
 from fsdpkit.sizes import parse_size
 
 from .checkpoint_options import CHUNK_HELP, MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, cast_name, chunk_bytes, print_written

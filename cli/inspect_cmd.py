@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import typer
 
+from fsdpkit.checkpoint.core.request import Keys
+from fsdpkit.checkpoint.core.summary import FullSummary, ShardedSummary, Summary
 from fsdpkit.checkpoint.dcp.inspect import DcpSummary
-from fsdpkit.checkpoint.format.summary import FullSummary, ShardedSummary, Summary
-from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, READ_LABELS, TORCH_SAVE, Keys
+from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, READ_LABELS, TORCH_SAVE
 from fsdpkit.sizes import format_size
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
@@ -19,7 +20,7 @@ command_app = typer.Typer(add_completion=False)
 @handle_errors
 def inspect(
     ckpt: str = typer.Argument(
-        ..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory); fsdpkit's also at s3://, gs://, az://."
+        ..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory); fsdpkit's and DCP also at s3://, gs://, az://."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
     dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),

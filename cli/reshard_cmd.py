@@ -24,11 +24,13 @@ def reshard(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
 ) -> None:
     """Lay a checkpoint out for another world size, offline, in its own format (model and optimizer state)."""
-    from fsdpkit.checkpoint.offline.formats import ReshardRequest
+    from dataclasses import replace
+
+    from fsdpkit.checkpoint.core.request import ReshardRequest
     from fsdpkit.checkpoint.offline.locations import reshard_at
 
-    ranks, chunk = required_world_size(world_size), chunk_bytes(chunk_size)
+    request = ReshardRequest(required_world_size(world_size))  # --world-size is checked before --chunk-size
+    request = replace(request, chunk_size=chunk_bytes(chunk_size), overwrite=overwrite, warn=log.warn)
     with byte_progress("reshard") as progress:
-        request = ReshardRequest(ranks, chunk, overwrite=overwrite, progress=progress, warn=log.warn)
-        result = reshard_at(src, dst, request)
+        result = reshard_at(src, dst, replace(request, progress=progress))
     print_written(result, as_json)

@@ -15,7 +15,7 @@ command_app = typer.Typer(add_completion=False)
 @handle_errors
 def verify(
     ckpt: str = typer.Argument(
-        ..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory); fsdpkit's also at s3://, gs://, az://."
+        ..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory); fsdpkit's and DCP also at s3://, gs://, az://."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ) -> None:

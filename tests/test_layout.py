@@ -110,8 +110,8 @@ def test_packages_import_each_other_without_a_cycle():
 
 
 CHECKPOINT = "fsdpkit/checkpoint/"
-CHECKPOINT_LAYERS = {"format/", "torchfile/", "live/", "memory/", "offline/", "storage/"}  # what is not one format's package
-FORMAT_MAY_IMPORT = {"fsdpkit/", f"{CHECKPOINT}format/", f"{CHECKPOINT}storage/", f"{CHECKPOINT}torchfile/"}
+CHECKPOINT_LAYERS = {"core/", "storage/", "torchfile/", "live/", "memory/", "offline/"}  # what is not one format's package
+FORMAT_MAY_IMPORT = {"fsdpkit/", f"{CHECKPOINT}core/", f"{CHECKPOINT}storage/", f"{CHECKPOINT}torchfile/"}
 
 
 def test_a_format_package_imports_only_the_shared_layers():
@@ -179,12 +179,12 @@ FILE_READS = {"pread", "preadv", "read", "readv"}  # os's calls that read a file
 
 
 def test_checkpoint_file_bytes_are_read_in_one_module():
-    """Every byte of a checkpoint file is read through format/files.py (read_blocks, pread_into,
+    """Every byte of a checkpoint file is read through core/files.py (read_blocks, pread_into,
     read_exactly, read_some, its mappings) or the local storage face (storage/local.py): no other
     module calls os's reads itself."""
     found = []
     for path in sorted((ROOT / "fsdpkit" / "checkpoint").rglob("*.py")):
-        if path.relative_to(ROOT).as_posix() in ("fsdpkit/checkpoint/format/files.py", "fsdpkit/checkpoint/storage/local.py"):
+        if path.relative_to(ROOT).as_posix() in ("fsdpkit/checkpoint/core/files.py", "fsdpkit/checkpoint/storage/local.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" and node.attr in FILE_READS:

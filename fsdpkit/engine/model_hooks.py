@@ -11,7 +11,7 @@ A model declares `ModelHooks` with a method `fsdpkit_hooks(self) -> ModelHooks` 
   precision: constants the model computes with in fp32 itself, such as rotary frequencies,
   which 16 bits would round (a bf16 inv_freq misplaces position 1000 by up to 2 radians).
 - `export`: how `convert --to full` hands the model to transformers
-  (`fsdpkit.checkpoint.format.export.HfExport`); a checkpoint records it.
+  (`fsdpkit.checkpoint.core.export.HfExport`); a checkpoint records it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ HOOKS_ATTR = "fsdpkit_hooks"
 class ModelHooks:
     init_parameter: Callable[[str, Any], None] | None = None  # (name, torch.Tensor)
     keep_dtype_buffers: frozenset[str] = frozenset()
-    export: Any = None  # fsdpkit.checkpoint.format.export.HfExport
+    export: Any = None  # fsdpkit.checkpoint.core.export.HfExport
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ the prefix, stores those four weights transposed, and writes a GPT2Config.
 
 from __future__ import annotations
 
-from ..checkpoint.format.export import ExportLayout, HfExport
+from ..checkpoint.core.export import ExportLayout, HfExport
 
 CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 GPT2_LAYOUT = ExportLayout(prefix="transformer.", unprefixed=("lm_head.weight",), transposed=CONV1D_WEIGHTS)

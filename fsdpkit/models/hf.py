@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..checkpoint.format.export import SIDE_FILES, HfExport
+from ..checkpoint.core.export import SIDE_FILES, HfExport
 from ..checkpoint.format.reader import is_full_checkpoint
 from ..engine.model_hooks import ModelHooks, declare_hooks
 from ..errors import UsageError, install_hint

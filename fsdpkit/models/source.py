@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from ..checkpoint.format.export import HfExport
+from ..checkpoint.core.export import HfExport
 from ..engine.model_hooks import declare_hooks, hooks_of
 from ..errors import UsageError
 from . import hf

@@ -78,7 +78,7 @@ def _holder_parent(save_dir: str | None) -> str | None:
 
 
 def _convert(source: Path, target: Path, model: str, world_size: int) -> None:
+    from ..checkpoint.core.request import ConvertRequest
     from ..checkpoint.offline.formats import convert_any
-    from ..checkpoint.offline.request import ConvertRequest
 
     convert_any(source, target, ConvertRequest(to="sharded", world_size=world_size, model=model))

@@ -24,8 +24,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import log
-from ..checkpoint.format.lock import RunLock
-from ..checkpoint.live.checkpointer import check_before_launch
+from ..checkpoint.live.manager import RunLock, check_before_launch, check_save_dir, continued_run_id, set_aside
 from ..dist.launch import launch, under_torchrun
 from ..errors import DataCheckError, UsageError
 from ..models.source import resolve
@@ -38,7 +37,6 @@ from .loop import build_optimizer, train_worker
 from .metrics import check_tensorboard_installed
 from .model_setup import initial_weights, inspect_model
 from .resume import saved_run
-from .save_dir import check_save_dir, continued_run_id, set_aside
 from .snapshots import snapshot_store
 from .summary import TrainSummary
 from .trackers import check_installed
@@ -144,7 +142,7 @@ def _no_conversion_under_torchrun(config: TrainConfig) -> None:
 
 
 def _set_aside_earlier_run(config: TrainConfig) -> None:
-    """--new-run: the earlier checkpoints of --save-dir move aside (save_dir.py)."""
+    """--new-run: the earlier checkpoints of --save-dir move aside (checkpoint/format/save_dir.py)."""
     if config.checkpoint.new_run and config.checkpoint.save_dir:
         moved = set_aside(config.checkpoint.save_dir)
         if moved is not None:
@@ -171,7 +169,7 @@ def launch_line(config: TrainConfig) -> str:
 @contextlib.contextmanager
 def _run_lock(config: TrainConfig) -> Iterator[str | None]:
     """The run id of --save-dir's lock, held until the block ends (None without --save-dir): a
-    run resumed from its own newest checkpoint keeps that run's id (save_dir.py). On several
+    run resumed from its own newest checkpoint keeps that run's id (checkpoint/format/save_dir.py). On several
     nodes every node's launcher would want the lock of the one shared directory: there the run
     id is the rendezvous id all nodes share, and no lock is taken."""
     save_dir = config.checkpoint.save_dir

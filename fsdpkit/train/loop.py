@@ -25,9 +25,7 @@ import torch.nn.functional as F
 import fsdpkit
 
 from .. import log
-from ..checkpoint.format import storage
-from ..checkpoint.format.names import parse_step_dir_name
-from ..checkpoint.live.checkpointer import init_weights_from
+from ..checkpoint.live.manager import CheckpointManager
 from ..checkpoint.memory.choice import Source
 from ..checkpoint.memory.recovery import restore
 from ..data.streaming import StreamPosition
@@ -110,7 +108,7 @@ class Trainer:
         own = None  # the newest checkpoint this run saved, for a restarted attempt
         self.restarted = self._restarted()
         if self.restarted and checkpoint.save_dir and context.run_id:
-            own = storage.newest_of_run(checkpoint.save_dir, run_id=context.run_id)
+            own = CheckpointManager.newest_of_run(checkpoint.save_dir, context.run_id)
         weights = initial_weights(checkpoint, self.source)
         model = build_for_training(config.model, self.source, config.seed, weights_follow=bool(own or weights or checkpoint.resume))
         wrap = wrap_policy(config.model, self.source, model)
@@ -137,13 +135,16 @@ class Trainer:
         self.optimizer_steps = 0  # steps the optimizer took (fp16 skips do not count)
         self.last_grad_norm: float | None = None
         self.resumed_from_step: int | None = None
-        self.checkpointer = (
-            fsdpkit.Checkpointer(self.model, self.optimizer, async_save=checkpoint.async_save, run_id=context.run_id)
-            if checkpoint.save_dir
-            else None
+        self.checkpoints = CheckpointManager(
+            checkpoint.save_dir,
+            self.model,
+            self.optimizer,
+            async_save=checkpoint.async_save,
+            keep_last=checkpoint.keep_last,
+            run_id=context.run_id,
         )
-        if self.restarted and checkpoint.save_dir and context.run_id and self.rank == 0:
-            storage.remove_unfinished(checkpoint.save_dir, run_id=context.run_id)  # a save the failure cut short
+        if self.restarted and self.rank == 0:
+            self.checkpoints.remove_unfinished()  # a save the failure cut short
         self.snapshots = open_writer(context.snapshot_dir, config, self.model, self.optimizer)
         self.source_of_state = self._start_from(own, weights, context)
         self.start_step = self.step  # where this attempt starts
@@ -166,21 +167,21 @@ class Trainer:
         and its own checkpoints; the first from --resume, --init-from or the seed."""
         checkpoint = self.config.checkpoint
         if self.restarted and wanted(self.config):
-            disk_step = parse_step_dir_name(own.name) if own is not None else None
+            disk_step = CheckpointManager.step_of(own) if own is not None else None
             store = self.snapshots.store if self.snapshots else None
             choice, state = restore(store, self.model, self.optimizer, self.comms, disk_step=disk_step, warn=log.warn)
             if state is not None:
                 self.restore(state)
                 return choice.source
         if own is not None:
-            self.restore(fsdpkit.Checkpointer(self.model, self.optimizer).load(own))
+            self.restore(self.checkpoints.load(own))
             return Source.DISK
         if checkpoint.resume:
-            self.restore(fsdpkit.Checkpointer(self.model, self.optimizer).load(checkpoint.resume, strict=checkpoint.strict))
+            self.restore(self.checkpoints.load(checkpoint.resume, strict=checkpoint.strict))
             self.resumed_from_step = self.step
             return Source.DISK
         if weights:
-            init_weights_from(self.model, weights)
+            self.checkpoints.init_weights(weights)
         return Source.NONE
 
     def training_state(self) -> dict[str, Any]:
@@ -252,11 +253,8 @@ class Trainer:
         return [local_rows(batch[m * micro_rows : (m + 1) * micro_rows], self.rank, self.world_size) for m in range(data.grad_accum)]
 
     def save(self) -> None:
-        checkpoint = self.config.checkpoint
-        if self.checkpointer is None:
-            raise AssertionError("Trainer.save() without --save-dir")
         self.current_step = self.step
-        self.checkpointer.save(checkpoint.save_dir, step=self.step, training_state=self.training_state(), keep_last=checkpoint.keep_last)
+        self.checkpoints.save(step=self.step, training_state=self.training_state())
 
     def _loss_on(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.to(self.device)
@@ -404,7 +402,7 @@ def _run_steps(trainer: Trainer, stop: StopSignals, outputs: Outputs, throughput
             outputs.progress_log.stepped(trainer.step, loss, eval_loss=record.get("eval_loss"), metrics_offset=offset)
         outputs.progress.update(trainer.step, loss=loss, tokens_per_second=throughput.tokens_per_second)
         faults.reached("step", trainer.step)
-        if trainer.checkpointer and saving and trainer.step % saving == 0 and trainer.step < config.steps:
+        if trainer.checkpoints.saves and saving and trainer.step % saving == 0 and trainer.step < config.steps:
             trainer.save()  # the save after the last step is _train's
         elif trainer.snapshots and trainer.step % config.checkpoint.snapshot_every == 0 and trainer.step < config.steps:
             trainer.snapshots.offer(trainer.step, trainer.training_state())
@@ -417,12 +415,12 @@ def _finish_saves(trainer: Trainer, *, saved_at_stop: bool) -> float:
     save after the last step, and waiting for it, hold up no step)."""
     if trainer.snapshots:
         trainer.snapshots.wait()
-    if not trainer.checkpointer:
+    if not trainer.checkpoints.saves:
         return 0.0
-    stall = trainer.checkpointer.stall_seconds
+    stall = trainer.checkpoints.stall_seconds
     if not saved_at_stop:
         trainer.save()
-    trainer.checkpointer.wait()
+    trainer.checkpoints.wait()
     return stall
 
 
@@ -473,10 +471,10 @@ def _train(trainer: Trainer, stop: StopSignals, context: RunContext) -> TrainSum
         step_tokens_per_second=throughput.tokens_per_second,
         elapsed_seconds=elapsed,
         peak_memory_bytes=int(peak),
-        checkpoint=trainer.checkpointer.last_saved if trainer.checkpointer else None,
+        checkpoint=trainer.checkpoints.last_saved,
         save_stall_s=stall,
         snapshot_stall_s=snapshot_stall,
-        save_timings=dataclasses.asdict(trainer.checkpointer.timings) if trainer.checkpointer else None,
+        save_timings=dataclasses.asdict(timings) if (timings := trainer.checkpoints.timings) is not None else None,
         restarts=attempt,
         steps_redone=history.steps_redone(trainer.start_step) if history is not None else (0 if not attempt else None),
         preempted=trainer.stopping and trainer.step < config.steps,

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.format.manifest import load_manifest
-from ..checkpoint.format.storage import resolve_checkpoint
+from ..checkpoint.live.manager import saved_checkpoint
 from ..settings import merge
 from .config import SECTIONS, TOP, TrainConfig, check_local
 from .foreign import check_model_named, foreign_format
@@ -47,8 +46,7 @@ class SavedRun:
 def saved_run(path: str | Path) -> SavedRun:
     """The run a checkpoint (a run directory or a step directory) comes from; a missing or
     corrupt checkpoint raises the reader's UsageError / DataCheckError."""
-    step_dir = resolve_checkpoint(path)
-    manifest = load_manifest(step_dir)
+    step_dir, manifest = saved_checkpoint(path)
     state = manifest.training_state or {}
     config = state.get("config")
     return SavedRun(step_dir, state.get("step"), manifest.run_id, dict(config) if isinstance(config, Mapping) else {})

@@ -72,7 +72,7 @@ def test_sharded_and_full_read_like_safe_open(sample):
 
 def test_a_slice_reads_only_its_bytes(sample, monkeypatch):
     """Rows of a full checkpoint's tensor: only their bytes are read (pread sizes recorded)."""
-    from fsdpkit.checkpoint.format import bytecopy
+    from fsdpkit.checkpoint.core import bytecopy
 
     _, full, tensors = sample
     sizes = []

@@ -273,7 +273,7 @@ def test_verify_lists_every_problem(ckpt):
 def test_verify_reads_files_whole_or_in_blocks_alike(ckpt, monkeypatch):
     """Small rank files are read whole, large ones a block at a time: a flipped byte and the
     byte count come out the same either way, with blocks that cut fragments anywhere."""
-    from fsdpkit.checkpoint.offline import verify
+    from fsdpkit.checkpoint.format import verify
 
     _flip_data_byte(ckpt)
     whole = verify.verify_checkpoint(ckpt)
@@ -356,7 +356,7 @@ def test_not_enough_disk_space(ckpt, tmp_path, monkeypatch):
 
 
 def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch):
-    from fsdpkit.checkpoint.format import bytecopy
+    from fsdpkit.checkpoint.core import bytecopy
 
     calls = {"n": 0}
     original = bytecopy.ByteEngine._view
@@ -377,9 +377,9 @@ def test_interrupted_convert_leaves_no_partial_destination(ckpt, tmp_path, monke
 def test_error_while_reading_leaves_no_partial_destination(ckpt, tmp_path, monkeypatch, error):
     """With 64-byte chunks every tensor takes several blocks: an error while reading one
     reaches the caller and the staged output is removed."""
-    from fsdpkit.checkpoint.format import bytecopy
+    from fsdpkit.checkpoint.core import bytecopy
+    from fsdpkit.checkpoint.core.request import ConvertRequest
     from fsdpkit.checkpoint.offline.formats import convert_any
-    from fsdpkit.checkpoint.offline.request import ConvertRequest
 
     calls = {"n": 0}
     original = bytecopy.ByteEngine._view
@@ -401,7 +401,7 @@ def test_failed_write_fails_the_reshard(ckpt, tmp_path, monkeypatch, streamed):
     """Large rank files are written by worker threads: a write failing there (no space) ends
     the reshard with one line naming it, exit 1, nothing is left and no descriptor stays open;
     as for small files, written whole by the main thread."""
-    from fsdpkit.checkpoint.format import bytecopy, files
+    from fsdpkit.checkpoint.core import bytecopy, files
 
     calls = {"n": 0}
 

@@ -19,8 +19,8 @@ from support.checkpoint_files import SAMPLE_UNITS, make_manifest, sample_tensors
 from fsdpkit.checkpoint.format import storage
 from fsdpkit.checkpoint.format.manifest import save_manifest
 from fsdpkit.checkpoint.format.storage import resolve_checkpoint
+from fsdpkit.checkpoint.format.verify import verify_checkpoint
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
-from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 from fsdpkit.errors import DataCheckError, RunError
 
 TESTS = Path(__file__).resolve().parents[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from support.checkpoint_files import SAMPLE_UNITS, run_cli, sample_buffers, sample_optimizer, sample_tensors, save_checkpoint, tree_snapshot
 
+from fsdpkit.checkpoint.core.report import WriteReport
+from fsdpkit.checkpoint.core.request import ReshardRequest
+from fsdpkit.checkpoint.format.format import ShardedFormat
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.errors import UsageError
 from fsdpkit.flat_layout import ElementRange, FlatLayout
@@ -18,6 +22,11 @@ from fsdpkit.models.source import build_model
 from fsdpkit.models.units import unit_specs_for_model
 
 ALIASES = {"lm_head.weight": "wte.weight"}
+
+
+def reshard(src, dst, **request) -> WriteReport:
+    """fsdpkit's own reshard, as `fsdpkit reshard` calls it."""
+    return ShardedFormat().reshard(Path(src), Path(dst), ReshardRequest(**request))
 
 
 def everything():
@@ -240,10 +249,9 @@ def test_convert_to_sharded_with_model_plan(tmp_path):
 def test_many_small_blocks(sharded, tmp_path, chunk):
     """Chunks far smaller than the tensors: every copy takes many blocks, output checksums
     combined block by block; results stay exact."""
-    from fsdpkit.checkpoint.offline.convert import reshard
+    from fsdpkit.checkpoint.core.request import ConvertRequest
+    from fsdpkit.checkpoint.format.verify import verify_checkpoint
     from fsdpkit.checkpoint.offline.formats import convert_any
-    from fsdpkit.checkpoint.offline.request import ConvertRequest
-    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
 
     _, tensors, runs = sharded
     reshard(runs[2].parent, tmp_path / "r3", world_size=3, chunk_size=chunk)
@@ -262,8 +270,7 @@ def test_large_fragments_copied_by_the_kernel(sharded, tmp_path, monkeypatch, un
     import errno
     import os
 
-    from fsdpkit.checkpoint.format import bytecopy
-    from fsdpkit.checkpoint.offline.convert import reshard
+    from fsdpkit.checkpoint.core import bytecopy
     from fsdpkit.errors import DataCheckError
 
     _, tensors, runs = sharded
@@ -324,8 +331,7 @@ def test_reshard_to_many_files_and_back(sharded, tmp_path):
     fragments: the results are exact, verify reports every fragment, and a flipped byte is
     caught on either side, leaving nothing behind."""
     from fsdpkit.checkpoint.format.reader import read_header
-    from fsdpkit.checkpoint.offline.convert import reshard
-    from fsdpkit.checkpoint.offline.verify import verify_checkpoint
+    from fsdpkit.checkpoint.format.verify import verify_checkpoint
     from fsdpkit.errors import DataCheckError
 
     _, tensors, runs = sharded
@@ -372,14 +378,14 @@ def test_reshard_by_two_processes_equals_one(sharded, tmp_path, monkeypatch):
     import errno
     import re
 
-    from fsdpkit.checkpoint.format import bytecopy, workers
-    from fsdpkit.checkpoint.offline.convert import reshard
+    from fsdpkit.checkpoint.core import bytecopy, workers
+    from fsdpkit.checkpoint.format import writer
     from fsdpkit.errors import DataCheckError, RunError
 
     _, tensors, runs = sharded
     assert workers.process_count(64) == 1
     parts = []
-    monkeypatch.setattr(workers, "check_parts", lambda found: parts.extend(found) or bytecopy.check_parts(found))
+    monkeypatch.setattr(writer, "check_parts", lambda found: parts.extend(found) or bytecopy.check_parts(found))
     for world in (37, 64):
         reshard(runs[2], tmp_path / f"one{world}", world_size=world)
     assert parts == []
@@ -440,8 +446,8 @@ def test_every_writer_and_opener_names_known_options():
     the options check passes, and each option neither side takes is refused in one line."""
     import dataclasses
 
+    from fsdpkit.checkpoint.core.request import OPTION_FLAGS, ConvertRequest, check_options
     from fsdpkit.checkpoint.offline.formats import FORMATS, TARGETS
-    from fsdpkit.checkpoint.offline.request import OPTION_FLAGS, ConvertRequest, check_options
 
     assert set(OPTION_FLAGS) <= {f.name for f in dataclasses.fields(ConvertRequest)}
     for source, found in FORMATS.items():

@@ -18,8 +18,8 @@ from support.distributed import run_distributed
 from support.models import EdgeCaseNet
 
 import fsdpkit
+from fsdpkit.checkpoint.format.verify import summarize
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
-from fsdpkit.checkpoint.offline.verify import summarize
 from fsdpkit.engine.view import describe
 from fsdpkit.errors import RunError
 

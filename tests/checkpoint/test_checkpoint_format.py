@@ -18,9 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from support.checkpoint_files import SAMPLE_UNITS, make_manifest, sample_tensors, save_checkpoint, write_ranks
 
-from fsdpkit.checkpoint.format.crc import cast_into, crc32, crc32_combine
+from fsdpkit.checkpoint.core.crc import cast_into, crc32, crc32_combine
+from fsdpkit.checkpoint.core.names import split_optim_tensor_name
 from fsdpkit.checkpoint.format.manifest import Manifest
-from fsdpkit.checkpoint.format.names import split_optim_tensor_name
 from fsdpkit.checkpoint.format.placement import Placement, ShardLayout, TensorSpec
 from fsdpkit.checkpoint.format.reader import read_header
 from fsdpkit.checkpoint.format.storage import resolve_checkpoint
@@ -292,18 +292,19 @@ def _python(script: str) -> subprocess.CompletedProcess:
 
 
 def test_format_library_and_offline_commands_load_no_torch():
-    """Every module of fsdpkit.checkpoint.format (the on-disk format) and fsdpkit.checkpoint.offline imported in a
-    fresh process: neither torch nor the torch side (fsdpkit.checkpoint.live) comes with them."""
+    """Every module of fsdpkit.checkpoint.core (the shared core), fsdpkit.checkpoint.format (the on-disk format) and
+    fsdpkit.checkpoint.offline imported in a fresh process: neither torch nor the torch side (fsdpkit.checkpoint.live)
+    comes with them."""
     script = (
         "import importlib, json, pkgutil, sys\n"
-        "for package in ('fsdpkit.checkpoint.format', 'fsdpkit.checkpoint.offline'):\n"
+        "for package in ('fsdpkit.checkpoint.core', 'fsdpkit.checkpoint.format', 'fsdpkit.checkpoint.offline'):\n"
         "    for module in pkgutil.iter_modules(importlib.import_module(package).__path__):\n"
         "        importlib.import_module(f'{package}.{module.name}')\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     done = _python(script)
     loaded = set(json.loads(done.stdout))
-    assert {"fsdpkit.checkpoint.format.bytecopy", "fsdpkit.checkpoint.format.writer", "fsdpkit.checkpoint.offline.convert"} <= loaded
+    assert {"fsdpkit.checkpoint.core.bytecopy", "fsdpkit.checkpoint.format.writer", "fsdpkit.checkpoint.offline.formats"} <= loaded
     assert not [name for name in loaded if name.split(".")[0] == "torch" or name.startswith("fsdpkit.checkpoint.live")]
 
 
@@ -316,9 +317,9 @@ def test_model_description_comes_from_a_child_process_and_equals_the_in_process_
 
     script = (
         "import json, sys\n"
-        "from fsdpkit.checkpoint.offline.model_description import describe\n"
+        "from fsdpkit.checkpoint.core.model_description import describe\n"
         "d = describe('gpt-tiny')\n"
-        "print(json.dumps([[[n, list(s)] for n, s in u] for u in d.placement.units]))\n"
+        "print(json.dumps([[[n, list(s)] for n, s in u] for u in d.units]))\n"
         "print(json.dumps(d.aliases))\n"
         "print(json.dumps(d.export.to_json()))\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))\n"
@@ -333,7 +334,7 @@ def test_model_description_comes_from_a_child_process_and_equals_the_in_process_
     assert aliases == tied and tied  # gpt-tiny ties its head to the embedding
     assert export == resolve("gpt-tiny").export.to_json()
     bad = subprocess.run(
-        [sys.executable, "-c", "from fsdpkit.checkpoint.offline.model_description import describe; describe('no-such')"],
+        [sys.executable, "-c", "from fsdpkit.checkpoint.core.model_description import describe; describe('no-such')"],
         capture_output=True,
         text=True,
     )

@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 
-from fsdpkit.checkpoint.dcp.boxes import coverage_problem, flat_runs, run_count
+from fsdpkit.checkpoint.core.boxes import coverage_problem, flat_runs, run_count
 from fsdpkit.checkpoint.dcp.metadata import METADATA_GLOBALS
 from fsdpkit.checkpoint.dcp.writer import dim0_chunks
 from fsdpkit.checkpoint.torchfile import unpickler

@@ -25,9 +25,9 @@ from support.deepspeed_worker import init_deepspeed
 from support.distributed import run_distributed
 
 from fsdpkit.checkpoint.deepspeed.table import open_deepspeed
+from fsdpkit.checkpoint.deepspeed.to_deepspeed import RunShape, build_run, write_run
 from fsdpkit.checkpoint.deepspeed.writer_precision import Precision
 from fsdpkit.checkpoint.deepspeed.writer_records import DynamicScale
-from fsdpkit.checkpoint.offline.to_deepspeed import RunShape, build_run, write_run
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU with gloo, in the launched workers too
 

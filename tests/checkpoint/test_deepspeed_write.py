@@ -24,9 +24,9 @@ import torch
 from support.checkpoint_files import run_cli, save_checkpoint
 from support.distributed import run_distributed
 
-from fsdpkit.checkpoint.format.report import WriteReport
+from fsdpkit.checkpoint.core.report import WriteReport
+from fsdpkit.checkpoint.core.request import ConvertRequest
 from fsdpkit.checkpoint.offline.formats import convert_any
-from fsdpkit.checkpoint.offline.request import ConvertRequest
 
 
 def to_deepspeed(src: Path, dst: Path, *, stage: int, world_size: int, progress=None) -> WriteReport:
@@ -276,7 +276,7 @@ def test_files_are_the_same_written_by_one_or_two_processes(tmp_path: Path, monk
     corrupt source fails either way with the same error and nothing left behind."""
     import re
 
-    from fsdpkit.checkpoint.format import workers
+    from fsdpkit.checkpoint.core import workers
     from fsdpkit.errors import DataCheckError
 
     assert workers.even_shares([5, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 6)]
@@ -368,8 +368,8 @@ def test_dcp_to_deepspeed_carries_tensors_and_settings(tmp_path: Path) -> None:
     """fsdpkit -> DCP -> DeepSpeed (no launch): the DeepSpeed reader finds the source's
     weights, moments, step and group settings (DeepSpeed itself loads this writer's output
     in the launches above)."""
+    from fsdpkit.checkpoint.core.bytecopy import ByteEngine
     from fsdpkit.checkpoint.deepspeed.table import open_deepspeed
-    from fsdpkit.checkpoint.format.bytecopy import ByteEngine
     from fsdpkit.flat_layout import ElementRange
 
     tensors, _ = _reference()

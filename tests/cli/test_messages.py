@@ -68,10 +68,10 @@ def test_help_lists_every_format_fsdpkit_reads_and_writes():
         text = shown(command, "--help")
         assert all(f.label in text for f in FORMATS.values()), (command, text)
     assert all(f.label in convert_line for f in FORMATS.values()), convert_line
-    written = [f.name for f in FORMATS.values() if f.write is not None]
+    written = [f.name for f in FORMATS.values() if f.writable]
     assert set(written) == {"sharded", "full", "dcp", "deepspeed"}
     assert all(name in convert_line for name in written) and all(name in shown("convert", "--help") for name in written)
-    resharded = [f.label for f in FORMATS.values() if f.reshard is not None]
+    resharded = [f.label for f in FORMATS.values() if f.reshardable]
     assert resharded == ["fsdpkit", "DCP", "DeepSpeed"] and all(label in shown("reshard", "--help") for label in resharded)
 
 

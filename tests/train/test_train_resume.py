@@ -18,10 +18,10 @@ from fsdpkit_cli.app import app
 from typer.testing import CliRunner
 
 from fsdpkit.checkpoint.format.manifest import load_manifest
+from fsdpkit.checkpoint.format.save_dir import continued_run_id
 from fsdpkit.checkpoint.format.storage import complete_steps
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.train import launcher
-from fsdpkit.train.save_dir import continued_run_id
 
 runner = CliRunner()
 # Every carried setting away from its default, so that a resume that fell back to a default would differ.

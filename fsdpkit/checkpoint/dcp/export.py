@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from ...errors import UsageError
-from ..format.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
-from ..format.names import split_optim_tensor_name
-from ..format.storage import staged_output
+from ..core.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
+from ..core.names import split_optim_tensor_name
+from ..core.report import WriteReport
+from ..core.staging import staged_output
 from .param_groups import param_group_items
 from .table import open_dcp
 from .writer import OutBytes, OutTensor, torch_saved, write_dcp
@@ -30,31 +30,19 @@ class DcpOutput:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     overwrite: bool = False
 
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise UsageError(f"--world-size must be >= 1, got {self.world_size}")
 
-
-def _write(src: Path, dst: Path, tensors: list[OutTensor], items: list[OutBytes], output: DcpOutput, counts: dict) -> dict:
+def _write(src: Path, dst: Path, tensors: list[OutTensor], items: list[OutBytes], output: DcpOutput, counts: dict) -> WriteReport:
     total = sum(t.source.nbytes for t in tensors)
     needed = total + (output.world_size + len(tensors)) * 4096
     with staged_output(dst, src=src, overwrite=output.overwrite, needed_bytes=needed) as tmp:
         files = write_dcp(tmp, tensors, items, world_size=output.world_size, chunk_size=output.chunk_size)
-    return {
-        "src": str(src),
-        "dst": str(dst),
-        "to": "dcp",
-        "world_size": output.world_size,
-        "files": files,
-        "tensors": len(tensors),
-        **counts,
-        "bytes": total,
-    }
+    details = {"to": "dcp", "world_size": output.world_size, **counts}
+    return WriteReport(str(src), str(dst), files, len(tensors), total, [], details)
 
 
 def sources_to_dcp(
     sources: list[SourceTensor], src: Path, dst: Path, *, aliases: dict[str, str], groups: list[dict], output: DcpOutput
-) -> dict:
+) -> WriteReport:
     """Model and optimizer sources and param groups, in fsdpkit's names and form, as DCP at `dst`."""
     tensors, by_name = [], {s.name: s for s in sources}
     for source in sources:
@@ -74,7 +62,7 @@ def reshard_dcp(
     world_size: int,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     overwrite: bool = False,
-) -> dict:
+) -> WriteReport:
     """A DCP checkpoint chunked as FSDP2 at `world_size` ranks; every item kept."""
     output = DcpOutput(world_size, chunk_size, overwrite)
     with open_dcp(src) as checkpoint:

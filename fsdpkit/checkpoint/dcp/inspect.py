@@ -12,9 +12,9 @@ from pathlib import Path
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
-from ..format.names import numel
-from ..format.report import VerifyReport
-from ..format.summary import FileEntry, ModelCounts, OptimizerCounts, Summary, TensorEntry, largest
+from ..core.names import numel
+from ..core.report import VerifyReport
+from ..core.summary import FileEntry, ModelCounts, OptimizerCounts, Summary, TensorEntry, largest
 from .layout import detect_layout
 from .metadata import DcpTensor, read_metadata
 from .table import DcpCheckpoint, open_dcp

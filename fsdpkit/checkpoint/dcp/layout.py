@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ...errors import UsageError
-from ..format.bytecopy import SourceTensor
-from ..format.names import optim_tensor_name
+from ..core.bytecopy import SourceTensor
+from ..core.names import optim_tensor_name
 from .metadata import DcpMetadata, DcpPath, flat_key
 
 if TYPE_CHECKING:

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ..format.files import read_exactly, regular_file
-from ..format.names import is_safe_file_name, numel
+from ..core.files import read_exactly, regular_file
+from ..core.names import is_safe_file_name, numel
 from ..torchfile.unpickler import TORCH_DTYPES, Dtype, Record, memory_format, ordered_dict, restricted_loads, tensor_layout, torch_size
 
 DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"

@@ -5,7 +5,7 @@ same `verify` and `inspect` as for a local directory."""
 from __future__ import annotations
 
 from ...errors import DataCheckError
-from ..format.report import VerifyReport
+from ..core.report import VerifyReport
 from ..storage.face import Storage
 from .inspect import FORMAT, DcpSummary, summarize_opened, verify_opened
 from .metadata import MAX_METADATA_BYTES, METADATA_NAME, DcpMetadata, parse_metadata

@@ -27,15 +27,15 @@ from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
-from ..format.bytecopy import SourcePiece, SourceTensor
-from ..format.files import Descriptor, open_regular, read_exactly
-from ..format.names import MAX_HEADER_BYTES, Header, numel, parse_header_bytes
-from ..format.storage import checkpoint_file
+from ..core.boxes import coverage_problem, flat_runs
+from ..core.bytecopy import SourcePiece, SourceTensor
+from ..core.files import Descriptor, open_regular, read_exactly
+from ..core.names import MAX_HEADER_BYTES, Header, numel, parse_header_bytes
+from ..core.staging import checkpoint_file
 from ..storage.face import Storage
 from ..storage.handle import open_handle
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import ZIP_MAGIC, TensorRange, record_start, tensor_bytes, torch_save_pickle
-from .boxes import coverage_problem, flat_runs
 from .metadata import METADATA_NAME, Chunk, DcpMetadata, DcpTensor, Location, read_metadata
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"

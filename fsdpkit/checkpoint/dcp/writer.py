@@ -25,8 +25,8 @@ from pathlib import Path
 
 from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
-from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
-from ..format.names import numel
+from ..core.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
+from ..core.names import numel
 from ..torchfile.archive import archive_parts
 from ..torchfile.pickler import Global, NewObject, Pairs, Raw, Reduce, dumps, pickled_int, pickled_text
 from ..torchfile.rawout import RawOutput

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DataCheckError
-from ..format.names import STEP_PREFIX
+from ..core.names import STEP_PREFIX
 
 LATEST = "latest"
 MODEL_FILE = "mp_rank_00_model_states.pt"

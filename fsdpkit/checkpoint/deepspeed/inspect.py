@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DataCheckError
-from ..format.report import VerifyReport
-from ..format.summary import FileEntry, ModelCounts, OptimizerStates, Summary, TensorEntry, largest, tensor_entry
+from ..core.report import VerifyReport
+from ..core.summary import FileEntry, ModelCounts, OptimizerStates, Summary, TensorEntry, largest, tensor_entry
 from ..torchfile.savefile import verify_saved_files
 from ..torchfile.unpickler import count_items
 from .table import FORMAT, open_deepspeed

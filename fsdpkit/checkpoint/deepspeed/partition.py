@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
-from ..format.bytecopy import SourcePiece
+from ..core.bytecopy import SourcePiece
 from ..torchfile.savefile import TensorRange
 
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -99,8 +99,6 @@ def param_partitions(params: list[tuple[str, int]], world_size: int) -> list[Ran
 def partitions(stage: int, params: list[tuple[str, int]], world_size: int) -> list[RankPartition]:
     if stage not in STAGES:
         raise UsageError(f"--stage must be one of {', '.join(map(str, STAGES))}, got {stage}")
-    if world_size < 1:
-        raise UsageError(f"--world-size must be >= 1, got {world_size}")
     return (param_partitions if stage == 3 else flat_partitions)(params, world_size)
 
 

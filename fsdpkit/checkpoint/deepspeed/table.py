@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ..format.bytecopy import SourceTensor
-from ..format.names import optim_tensor_name
+from ..core.bytecopy import SourceTensor
+from ..core.names import optim_tensor_name
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import SaveFile, TensorRange
 from . import partition as f

@@ -24,9 +24,9 @@ from typing import Any
 from ...dtypes import dtype_info
 from ...errors import UsageError
 from ...flat_layout import ElementRange
-from ..format import workers
-from ..format.bytecopy import ByteEngine, SourceTensor
-from ..format.names import numel
+from ..core import workers
+from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.names import numel
 from ..torchfile.archive import MAX_RECORD_BYTES, torch_zip_parts
 from ..torchfile.pickler import Ordered, Raw, dumps
 from ..torchfile.rawout import RawOutput

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
-from .files import read_regular
+from ..core.files import read_regular
 
 LOCK_NAME = ".lock"
 

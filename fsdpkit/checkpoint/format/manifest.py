@@ -13,7 +13,8 @@ from pathlib import Path
 from ...dtypes import is_known_dtype
 from ...errors import DataCheckError
 from ...flat_layout import FlatLayout
-from .files import read_regular, replace_file
+from ..core.files import read_regular, replace_file
+from ..core.names import is_optimizer_tensor, is_safe_file_name, parse_json
 from .names import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -23,9 +24,6 @@ from .names import (
     RANK_FILE_RULE,
     READ_VERSIONS,
     STRATEGIES,
-    is_optimizer_tensor,
-    is_safe_file_name,
-    parse_json,
 )
 from .placement import Placement, ShardLayout, TensorSpec, short
 

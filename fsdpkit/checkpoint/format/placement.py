@@ -16,7 +16,8 @@ from typing import NamedTuple
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange, FlatLayout
-from .names import CRC_METADATA_KEY, layout_header, split_optim_tensor_name
+from ..core.names import layout_header, split_optim_tensor_name
+from .names import CRC_METADATA_KEY
 
 Shape = tuple[int, ...]
 MAX_CACHED_HEADER_BYTES = 32 << 20  # bounds the rank file headers a ShardLayout keeps

@@ -1,7 +1,7 @@
 """The one reader of checkpoint files (no torch): sharded checkpoints (v2 and v1) and full Hugging
 Face style ones, as docs/checkpoint-format.md's "Reading", "Version 1" and "Full checkpoints"
 say. Every file is opened with `files.open_regular`, inside the checkpoint directory
-(`storage.checkpoint_file`), and validated before a data byte of it is used; every problem is a
+(`staging.checkpoint_file`), and validated before a data byte of it is used; every problem is a
 one-line `DataCheckError` naming the file. A tensor's pieces are computed on demand, so memory
 does not grow with world size x tensors.
 
@@ -24,13 +24,10 @@ from pathlib import Path
 from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
-from .bytecopy import SourcePiece, SourceTensor
-from .export import ExportLayout, layout_of
-from .files import pread_into, read_blocks, read_exactly, regular_file
-from .manifest import FragmentEntry, Manifest, load_manifest
-from .names import (
-    CRC_METADATA_KEY,
-    MANIFEST_NAME,
+from ..core.bytecopy import SourcePiece, SourceTensor
+from ..core.export import ExportLayout, layout_of
+from ..core.files import pread_into, read_blocks, read_exactly, regular_file
+from ..core.names import (
     MAX_HEADER_BYTES,
     MODEL_INDEX,
     MODEL_SINGLE,
@@ -42,10 +39,12 @@ from .names import (
     numel,
     parse_header_bytes,
     parse_json,
-    rank_file_name,
 )
+from ..core.staging import checkpoint_file
+from .manifest import FragmentEntry, Manifest, load_manifest
+from .names import CRC_METADATA_KEY, MANIFEST_NAME, rank_file_name
 from .placement import FileLayout
-from .storage import checkpoint_file, resolve_checkpoint
+from .storage import resolve_checkpoint
 
 _HEX = re.compile(rb"[0-9a-f]*")
 CACHED_PIECES = 256

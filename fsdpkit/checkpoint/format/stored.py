@@ -11,25 +11,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ...errors import DataCheckError, UsageError
+from ..core.crc import crc32
+from ..core.names import is_safe_file_name, parse_json
+from ..core.report import VerifyReport
+from ..core.summary import FileEntry, ShardedSummary, tensor_stats
 from ..storage.face import Storage
-from .crc import crc32
 from .manifest import Manifest
-from .names import (
-    FORMAT_NAME,
-    LATEST_NAME,
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    is_safe_file_name,
-    parse_json,
-    parse_step_dir_name,
-    rank_file_name,
-)
+from .names import FORMAT_NAME, LATEST_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir_name, rank_file_name
 from .placement import FileLayout
 from .reader import v2_crcs
-from .report import VerifyReport
-from .summary import FileEntry, ShardedSummary, tensor_stats
 
-FILES_IN_FLIGHT = 4  # rank files read at once, each READS_IN_FLIGHT blocks ahead
+FILES_IN_FLIGHT = 4  # rank files read at once, each a bounded stream (storage/objects.py)
 BLOCK_BYTES = 8 << 20
 
 

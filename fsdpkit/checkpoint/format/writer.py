@@ -4,7 +4,7 @@ back in bounded memory. Small pieces are gathered in a 1 MiB buffer, so a file o
 fragments costs a few system calls. `CacheMode` says how the data passes the page cache: DIRECT
 (an 8 MiB page-aligned staging buffer, O_DIRECT) leaves the kernel no page-cache copy,
 writeback or reclaim to do on the cores training uses. `close()` fsyncs unless the caller syncs
-many files at once (`sync=False`, then `storage.sync_files`). On an exception inside a `with`
+many files at once (`sync=False`, then `staging.sync_files`). On an exception inside a `with`
 block the partial file is removed.
 """
 
@@ -16,20 +16,21 @@ import fcntl
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
 import numpy
 
-from .bytecopy import SourceTensor
-from .crc import crc32, crc32_combine
-from .files import create
+from ..core import workers
+from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.crc import PartRead, check_parts, crc32, crc32_combine
+from ..core.files import create
+from ..core.names import layout_header, output_dtype
 from .manifest import Manifest, save_manifest
-from .names import layout_header, output_dtype, rank_file_name
-from .placement import FileLayout, Placement, TensorSpec
-from .workers import write_rank_files
+from .names import rank_file_name
+from .placement import FileLayout, Placement, ShardLayout, TensorSpec
 
 WRITE_BEHIND_BYTES = 32 * 1024 * 1024
 BUFFER_BYTES = 1024 * 1024
@@ -266,3 +267,29 @@ def write_sharded(
     save_manifest(directory, manifest)
     files = [rank_file_name(rank, world_size) for rank in range(world_size)]
     return WrittenCheckpoint(manifest, files, sum(t.nbytes for t in manifest.tensors))
+
+
+def write_rank_files(
+    directory: Path,
+    layout: ShardLayout,
+    sources: Sequence[SourceTensor],
+    out_dtypes: list[str],
+    *,
+    chunk_size: int,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Every rank file of `layout` in `directory`, by `process_count` processes."""
+    count = workers.process_count(layout.world_size)
+    cuts = [layout.world_size * share // count for share in range(count + 1)]
+
+    def write(ranks: range, report: Callable[[int], None] | None) -> list[PartRead]:
+        engine = ByteEngine(sources, out_dtypes, chunk_size=chunk_size, progress=report)
+        try:
+            for rank in ranks:
+                engine.write_rank_file(directory / rank_file_name(rank, layout.world_size), layout.file_layout(rank))
+        finally:
+            engine.close()
+        return engine.finish_parts()
+
+    results = workers.in_processes([range(cuts[share], cuts[share + 1]) for share in range(count)], write, progress)
+    check_parts([part for parts in results for part in parts])

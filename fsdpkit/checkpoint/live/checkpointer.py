@@ -20,7 +20,7 @@ from ...dist.comm import Collectives, new_group
 from ...engine.model_hooks import hooks_of
 from ...engine.view import ShardedModelView, describe
 from ...errors import DataCheckError
-from ..format.export import EXPORT_STATE_KEY
+from ..core.export import EXPORT_STATE_KEY
 from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible
 from ..format.placement import Placement, TensorSpec

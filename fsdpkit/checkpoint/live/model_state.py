@@ -14,7 +14,7 @@ import torch.nn as nn
 from ...engine.view import ShardedModelView
 from ...errors import RunError
 from ...flat_layout import ElementRange
-from ..format.names import optim_tensor_name
+from ..core.names import optim_tensor_name
 from ..format.placement import TensorSpec
 from .optim_state import StateLayout, kept_states, saved_states
 from .tensors import RangeReader, safetensors_dtype

@@ -17,7 +17,7 @@ import torch
 
 from ...errors import DataCheckError, RunError
 from ...flat_layout import ElementRange
-from ..format.names import optim_tensor_name, split_optim_tensor_name
+from ..core.names import optim_tensor_name, split_optim_tensor_name
 from .tensors import RangeReader
 
 Shape = tuple[int, ...]

@@ -25,8 +25,9 @@ from ...dist import faults
 from ...dist.comm import Collectives
 from ...errors import RunError
 from ...flat_layout import ElementRange
+from ..core.crc import crc32
+from ..core.staging import os_error_line
 from ..format import storage
-from ..format.crc import crc32
 from ..format.manifest import Manifest
 from ..format.names import rank_file_name
 from ..format.writer import CacheMode, RankFileWriter
@@ -80,7 +81,7 @@ class Ranks:
             try:
                 outcome = (action(), None)
             except OSError as error:
-                outcome = (None, storage.os_error_line(error, where))
+                outcome = (None, os_error_line(error, where))
             except RunError as error:
                 outcome = (None, str(error))
         return self.comm.broadcast_object(outcome, 0, self.group, label=label)
@@ -113,7 +114,7 @@ def run_save(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
                 write_rank(tmp, job.manifest, job.shard_rank, job.local, timings=timings)
                 faults.reached("save", job.step)
             except OSError as error:
-                failure = storage.os_error_line(error, tmp)
+                failure = os_error_line(error, tmp)
         if ranks.min_over_ranks([1 if failure is None else 0], job.device, label="checkpoint files written") != [1]:
             raise RunError(
                 f"checkpoint step {job.step} not saved, previous checkpoint kept: " + (failure or "another rank could not write its file")

@@ -13,7 +13,7 @@ import torch
 
 from ...dtypes import dtype_info, of_torch
 from ...flat_layout import ElementRange
-from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
+from ..core.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
 from ..format.manifest import Manifest
 from ..format.reader import FullCheckpoint, open_full, open_sharded, open_sharded_lazily
 

@@ -17,13 +17,13 @@ from typing import Any
 from ...dtypes import dtype_info
 from ...errors import UsageError
 from ...flat_layout import ElementRange
-from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
-from ..format.export import ExportLayout
-from ..format.names import is_optimizer_tensor
-from .any_checkpoint import AnyCheckpoint
-from .convert import transposed_bytes
+from ..core.any_checkpoint import AnyCheckpoint
+from ..core.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
+from ..core.export import ExportLayout
+from ..core.names import is_optimizer_tensor
+from ..core.request import progress_callback
+from ..format.to_full import transposed_bytes
 from .formats import open_checkpoint
-from .request import progress_callback
 
 HINT_SAMPLE = 200  # names looked at to find a prefix
 

@@ -14,14 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import UsageError
+from ..core.report import VerifyReport, WriteReport
+from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest, progress_callback
+from ..core.summary import Summary
 from ..dcp.stored import is_stored_dcp, summarize_stored_dcp, verify_stored_dcp
-from ..format.report import VerifyReport, WriteReport
 from ..format.stored import is_stored_sharded, summarize_stored, verify_stored
-from ..format.summary import Summary
 from ..storage.face import Storage
 from ..storage.location import is_url, open_storage
 from ..storage.upload import check_destination, publish
-from .request import ConvertRequest, Keys, Progress, ReshardRequest, progress_callback
 
 URL_READERS = "fsdpkit (version 2), DCP"  # the formats read from object storage so far
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
-from ..format.bytecopy import ByteEngine, SourceTensor
-from ..format.crc import cast_into
-from ..format.files import IOV_MAX, copy_range, create, open_regular, read_exactly, write_views
+from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.crc import cast_into
+from ..core.files import IOV_MAX, copy_range, create, open_regular, read_exactly, write_views
 
 BUFFER_BYTES = 8 * 1024 * 1024
 KERNEL_COPY_BYTES = 64 * 1024  # byte ranges at least this large are copied by the kernel

@@ -21,11 +21,11 @@ from typing import Any
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
-from ..format.bytecopy import SourcePiece, SourceTensor
-from ..format.crc import crc32
-from ..format.files import Descriptor, open_regular, read_exactly, read_some
-from ..format.names import numel
-from ..format.report import VerifyReport
+from ..core.bytecopy import SourcePiece, SourceTensor
+from ..core.crc import crc32
+from ..core.files import Descriptor, open_regular, read_exactly, read_some
+from ..core.names import numel
+from ..core.report import VerifyReport
 from .unpickler import TensorRecord
 
 ZIP_MAGIC = b"PK\x03\x04"

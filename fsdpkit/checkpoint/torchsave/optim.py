@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..format.bytecopy import SourceTensor
-from ..format.names import optim_tensor_name
+from ..core.bytecopy import SourceTensor
+from ..core.names import optim_tensor_name
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import SaveFile
 from .tensors import FSDP1, FSDP2, sharding_of, source_tensor

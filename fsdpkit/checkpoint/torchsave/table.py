@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ..format.bytecopy import SourceTensor
+from ..core.bytecopy import SourceTensor
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import SaveFile
 from .optim import OptimizerState, open_optimizer

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import DataCheckError
-from ..format.bytecopy import SourceTensor
-from ..format.names import numel
+from ..core.bytecopy import SourceTensor
+from ..core.names import numel
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import SaveFile
 from .unpickler import DTensorRecord, Replicate, Shard, ShardedTensorRecord

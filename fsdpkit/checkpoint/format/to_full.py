@@ -1,7 +1,8 @@
 """`convert --to full` (any checkpoint opened as a tensor table -> a Hugging Face-style
-directory of safetensors files and index, `optimizer*` files likewise with `--with-optimizer`)
-and `fsdpkit reshard` of fsdpkit's own format: streamed through the byte engine (memory bounded
-by `chunk_size`), staged (`storage.staged_output`), casting floats to `cast_to` on the way out.
+directory of safetensors files and index, `optimizer*` files likewise with `--with-optimizer`):
+streamed through the byte engine (memory bounded by `chunk_size`), staged
+(`staging.staged_output`), casting floats to `cast_to` on the way out; and a full export's layout
+undone (`restore_layout`), for `--to sharded` and `diff`.
 A transposed tensor of an export layout is read whole and transposed in memory with numpy
 (what that costs: docs/hugging-face.md); every other tensor streams in chunks.
 """
@@ -15,30 +16,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...dtypes import dtype_info
-from ...errors import DataCheckError, UsageError
+from ...errors import DataCheckError
 from ...flat_layout import ElementRange
-from ..format.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
-from ..format.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport
-from ..format.files import open_regular
-from ..format.manifest import resharded_training_state
-from ..format.names import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
-from ..format.reader import open_full, open_sharded
-from ..format.storage import staged_output
-from ..format.writer import CacheMode, StreamingWriter, write_sharded
-from .request import Progress, progress_callback
+from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport
+from ..core.files import open_regular
+from ..core.names import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
+from ..core.report import WriteReport
+from ..core.request import Progress, progress_callback
+from ..core.staging import staged_output
+from .reader import open_full
+from .writer import CacheMode, StreamingWriter
 
 if TYPE_CHECKING:
-    from .any_checkpoint import AnyCheckpoint
-    from .request import ConvertRequest
+    from ..core.any_checkpoint import AnyCheckpoint
+    from ..core.request import ConvertRequest
 
 SCRATCH_NAME = ".fsdpkit-transposed.safetensors"  # tensors transposed back, removed before the output is renamed
 
 
-def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
     """`--to full`: the model tensors under their stored names (a full export's layout when the
     source records one or `--model` names one), and with `--with-optimizer` the optimizer state;
     without it, a source's optimizer state is left out with a warning."""
-    from .model_description import describe
+    from ..core.model_description import describe
 
     warnings = []
     if request.with_optimizer and not opened.optimizer:
@@ -71,7 +72,7 @@ def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress:
         if export is not None:
             float_dtypes = [dtype for _, group in file_groups[0][1] for _, dtype, _ in group if dtype_info(dtype).castable]
             written += _write_hf_files(tmp, export, float_dtypes[0] if float_dtypes else None, warnings)
-    return {"to": "full", "files": written, "tensors": len(by_name), "bytes": out_total, "warnings": warnings, "dtype": cast_to}
+    return WriteReport(opened.path, str(dst), written, len(by_name), out_total, warnings, {"to": "full", "dtype": cast_to})
 
 
 def _full_metadata(layout: ExportLayout, aliases: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -210,50 +211,3 @@ def restore_layout(
         renamed += [restored[name] for name, _ in back]
     aliases = {layout.original_name(alias) or alias: layout.original_name(target) or target for alias, target in aliases.items()}
     return renamed, aliases
-
-
-def reshard(
-    src: str | Path,
-    dst: str | Path,
-    *,
-    world_size: int,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-    warn=None,
-) -> dict:
-    if world_size < 1:
-        raise UsageError(f"--world-size must be >= 1, got {world_size}")
-    checkpoint = open_sharded(src)
-    old = checkpoint.manifest
-    state, warnings = resharded_training_state(old.training_state, old_world_size=old.shard_factor, new_world_size=world_size)
-    for line in warnings:
-        if warn is not None:
-            warn(line)
-    sources = checkpoint.sources()
-    total = sum(s.nbytes for s in sources)
-    needed_for = f" for {world_size} rank files (--world-size {world_size})"
-    with staged_output(dst, src=Path(src), overwrite=overwrite, needed_bytes=total + world_size * 65536, needed_for=needed_for) as tmp:
-        written = write_sharded(
-            tmp,
-            sources=sources,
-            placement=old.placement,
-            world_size=world_size,
-            strategy=old.strategy,
-            training_state=state,
-            aliases=old.aliases,
-            cast_to=None,
-            chunk_size=chunk_size,
-            progress=progress_callback(progress, total),
-        )
-    return {
-        "src": str(checkpoint.step_dir),
-        "dst": str(dst),
-        "from_world_size": old.shard_factor,
-        "world_size": world_size,
-        "placement": old.placement.kind,
-        "files": written.files,
-        "tensors": len(written.manifest.tensors),
-        "bytes": written.bytes,
-        "warnings": warnings,
-    }

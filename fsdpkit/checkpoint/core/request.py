@@ -1,6 +1,7 @@
 """What `convert` was asked to write (ConvertRequest) and the check of its options against the
-target's row of FORMATS (which options its writer takes and needs) and the source's (the
-options its opener reads). Pure data and one check: no reading of checkpoints, no torch."""
+target format's `writes` (which options its writer takes and needs) and the source's `reads`
+(the options its opener takes); what `reshard` was asked (ReshardRequest, its world size checked
+when it is made). Pure data and checks: no reading of checkpoints, no torch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...errors import UsageError
-from ..format.bytecopy import DEFAULT_CHUNK_SIZE
+from .bytecopy import DEFAULT_CHUNK_SIZE
 
 # the options a writer or an opener may take, by ConvertRequest field, as the command line spells them
 OPTION_FLAGS = {
@@ -64,9 +65,13 @@ def check_options(source: str, reads: Options, writes: Options, request: Convert
         if getattr(request, name) is None:
             raise UsageError(f"--to {request.to} from a {source} checkpoint needs {OPTION_FLAGS[name]}{why}")
     for name in ("world_size", "max_shard_size"):  # integer options that must be >= 1 when given
-        value = getattr(request, name)
-        if value is not None and value < 1:
-            raise UsageError(f"{OPTION_FLAGS[name]} must be >= 1, got {value}")
+        check_count(name, getattr(request, name))
+
+
+def check_count(name: str, value: int | None) -> None:
+    """A UsageError naming the option unless `value` (a count such as the world size) is >= 1 or not given."""
+    if value is not None and value < 1:
+        raise UsageError(f"{OPTION_FLAGS[name]} must be >= 1, got {value}")
 
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
@@ -83,11 +88,16 @@ class Keys:
 
 @dataclass(frozen=True)
 class ReshardRequest:
+    """What `reshard` was asked to write: the new layout's ranks and how to copy."""
+
     world_size: int
-    chunk_size: int
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     overwrite: bool = False
     progress: Progress | None = None
     warn: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        check_count("world_size", self.world_size)
 
 
 def progress_callback(progress: Progress | None, total: int) -> Callable[[int], None] | None:

@@ -1,5 +1,5 @@
 """`fsdpkit.open_checkpoint(path)`: a checkpoint of any format, read the way `safetensors.safe_open`
-reads one file (formats.py tells the format and calls its opener here). Its names, slices and items:
+reads one file (offline/formats.py tells the format; the format's `open` builds it with the helpers here). Its names, slices and items:
 docs/checkpoints.md, "Reading any checkpoint in Python". A DCP bytes item that names a class is
 refused, never unpickled. torch is imported by `get_tensor` and `get_slice` only.
 """
@@ -12,17 +12,15 @@ from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import cached_property, partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
-from ..dcp.boxes import flat_runs
-from ..format.bytecopy import ByteEngine, SourceTensor
-from ..format.export import ExportLayout, HfExport
-from ..format.names import is_optimizer_tensor, split_optim_tensor_name
-from .request import Keys
+from .boxes import flat_runs
+from .bytecopy import ByteEngine, SourceTensor
+from .export import ExportLayout, HfExport
+from .names import is_optimizer_tensor, split_optim_tensor_name
 
 if TYPE_CHECKING:
     import torch
@@ -163,31 +161,6 @@ def box_of(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[i
     return offsets, sizes, picks
 
 
-def open_torchsave_checkpoint(path: Path) -> AnyCheckpoint:
-    from ..torchsave.table import open_rank_state_dicts
-
-    checkpoint = open_rank_state_dicts(path)
-    optimizer = {t.name: t for t in checkpoint.optim.tensors}
-    items = _values(checkpoint.extra_state)
-    groups = []
-    if optimizer:
-        items |= _values({"optimizer.param_groups": checkpoint.optim.param_groups})
-        # verl's one group holds every parameter the optimizer files hold state of
-        params = list(dict.fromkeys(split[1] for name in optimizer if (split := split_optim_tensor_name(name))))
-        groups = [{"settings": settings, "params": params} for settings in checkpoint.optim.param_groups]
-    return AnyCheckpoint(
-        str(checkpoint.directory),
-        {t.name: t for t in checkpoint.model},
-        optimizer,
-        items=items,
-        groups=groups,
-        step=steps_taken(checkpoint.optim.tensors),
-        world_size=checkpoint.world_size,
-        facts={"from_world_size": checkpoint.world_size, "not_read": checkpoint.other_files},
-        _close=checkpoint.close,
-    )
-
-
 def steps_taken(optimizer: list[SourceTensor]) -> int:
     """Adam's step (an F32 scalar, the same for every parameter): the optimizer steps taken, 0 without one."""
     steps = [
@@ -211,7 +184,7 @@ def read_step(engine: ByteEngine, source: SourceTensor) -> float:
     return float(struct.unpack(fmt, data)[0])
 
 
-def _with_aliases(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> dict[str, SourceTensor]:
+def with_aliases(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> dict[str, SourceTensor]:
     """Tied weights under every name (a DCP checkpoint stores each name)."""
     for alias, stored in aliases.items():
         if alias not in tensors and stored in tensors:
@@ -219,94 +192,12 @@ def _with_aliases(tensors: dict[str, SourceTensor], aliases: dict[str, str]) -> 
     return tensors
 
 
-def _split(tensors: list[SourceTensor], aliases: dict[str, str]) -> tuple[dict[str, SourceTensor], dict[str, SourceTensor]]:
+def split_model_optimizer(tensors: list[SourceTensor], aliases: dict[str, str]) -> tuple[dict[str, SourceTensor], dict[str, SourceTensor]]:
     model = {t.name: t for t in tensors if not is_optimizer_tensor(t.name)}
     optimizer = {t.name: t for t in tensors if is_optimizer_tensor(t.name)}
-    return _with_aliases(model, aliases), optimizer
+    return with_aliases(model, aliases), optimizer
 
 
-def _values(values: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+def item_readers(values: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     """Readers of items already read."""
     return {key: partial(values.__getitem__, key) for key in values}
-
-
-def open_sharded_checkpoint(path: Path) -> AnyCheckpoint:
-    from ..format.export import export_of
-    from ..format.reader import open_sharded
-
-    sharded = open_sharded(path)
-    state = sharded.manifest.training_state
-    model, optimizer = _split(sharded.sources(), sharded.manifest.aliases)
-    return AnyCheckpoint(
-        str(sharded.step_dir),
-        model,
-        optimizer,
-        aliases=dict(sharded.manifest.aliases),
-        items=_values(state),
-        groups=(state.get("optimizer") or {}).get("groups") or [],
-        step=int(state.get("step", 0) or 0),
-        export=export_of(state, where=str(sharded.step_dir)),
-        world_size=sharded.manifest.shard_factor,
-    )
-
-
-def open_full_checkpoint(path: Path) -> AnyCheckpoint:
-    from ..format.reader import has_optimizer_files, open_full
-
-    full = open_full(path, with_optimizer=path.is_dir() and has_optimizer_files(path))
-    model, optimizer = _split(list(full.tensors), full.aliases)
-    return AnyCheckpoint(str(path), model, optimizer, aliases=dict(full.aliases), export_layout=full.layout, items=_values(full.metadata))
-
-
-def open_dcp_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
-    from ..dcp.layout import detect_layout, layout_sources
-    from ..dcp.param_groups import plain_value, read_param_groups
-    from ..dcp.table import open_dcp
-
-    checkpoint = open_dcp(path)
-    try:
-        layout = detect_layout(checkpoint.metadata, model_key=keys.model, optimizer_key=keys.optimizer)
-        model, optimizer = layout_sources(checkpoint, layout)
-        other = {key: checkpoint.source(key) for key in layout.other}
-        groups = (
-            read_param_groups(list(checkpoint.metadata.bytes_items), checkpoint.read_bytes_item, optimizer_key=layout.optimizer_key or "")
-            if layout.optimizer
-            else []
-        )
-    except BaseException:
-        checkpoint.close()
-        raise
-
-    def item(key: str) -> Callable[[], Any]:
-        return lambda: plain_value(checkpoint.read_bytes_item(key), where=f"{path}: bytes item {key!r}")
-
-    return AnyCheckpoint(
-        str(path),
-        {t.name: t for t in model},
-        {t.name: t for t in optimizer},
-        other,
-        items={key: item(key) for key in checkpoint.metadata.bytes_items},
-        groups=groups,
-        step=steps_taken(optimizer),
-        facts={"model_key": layout.model_key},
-        _close=checkpoint.close,
-    )
-
-
-def open_deepspeed_checkpoint(path: Path) -> AnyCheckpoint:
-    from ..deepspeed.table import open_deepspeed
-
-    checkpoint = open_deepspeed(path)
-    return AnyCheckpoint(
-        str(checkpoint.directory),
-        _with_aliases({t.name: t for t in checkpoint.model}, checkpoint.aliases),
-        {t.name: t for t in checkpoint.optimizer},
-        aliases=dict(checkpoint.aliases),
-        items=_values({**checkpoint.items, "optimizer.param_groups": checkpoint.param_groups}),
-        groups=checkpoint.groups(),
-        step=steps_taken(checkpoint.optimizer),
-        world_size=checkpoint.world_size,
-        facts={"stage": checkpoint.stage, "from_world_size": checkpoint.world_size},
-        full_dtype="F32",
-        _close=checkpoint.close,
-    )

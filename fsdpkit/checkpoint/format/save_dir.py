@@ -21,10 +21,11 @@ import os
 import time
 from pathlib import Path
 
-from ..checkpoint.format.manifest import load_manifest
-from ..checkpoint.format.names import LATEST_NAME
-from ..checkpoint.format.storage import complete_steps, fsync_dir, resolve_checkpoint
-from ..errors import DataCheckError, UsageError
+from ...errors import DataCheckError, UsageError
+from ..core.staging import fsync_dir
+from .manifest import load_manifest
+from .names import LATEST_NAME
+from .storage import complete_steps, resolve_checkpoint
 
 EARLIER_PREFIX = "earlier-"
 

@@ -63,13 +63,6 @@ class WriteReport:
     warnings: list[str]
     details: dict[str, Any]
 
-    @classmethod
-    def of(cls, written: dict[str, Any]) -> WriteReport:
-        """The report of a writer's result, which names src, dst, files, tensors and bytes."""
-        common = {name: written[name] for name in ("src", "dst", "files", "tensors", "bytes")}
-        details = {key: value for key, value in written.items() if key not in common and key != "warnings"}
-        return cls(**common, warnings=list(written.get("warnings", [])), details=details)
-
     def to_json(self) -> dict[str, Any]:
         return {
             "src": self.src,

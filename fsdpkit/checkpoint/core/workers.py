@@ -1,11 +1,11 @@
-"""The rank files of a new layout written by several processes (no torch), as
-docs/checkpoint-format.md's "How convert and reshard copy" says: at a large world size a reshard
-is bound by one core, so the ranks are cut into contiguous shares, each but the first written by
-a child forked from this process (the layout tables and the sources are inherited, never sent).
+"""Output files written by several processes (no torch), as docs/checkpoint-format.md's "How
+convert and reshard copy" says: at a large world size a reshard is bound by one core, so the files
+are cut into contiguous shares, each but the first written by a child forked from this process
+(the layout tables and the sources are inherited, never sent).
 A child sends its progress, then its result or its exception, through a pipe; the first error is
 raised once every child has been stopped and reaped, so the caller can remove its staging
-directory with nothing still writing into it. `in_processes` is the sharing itself, which the
-DeepSpeed writer uses too (its files shared out by size, `even_shares`).
+directory with nothing still writing into it. fsdpkit's rank files (`format.writer`) and the
+DeepSpeed writer (its files shared out by size, `even_shares`) use it.
 """
 
 from __future__ import annotations
@@ -16,14 +16,9 @@ import signal
 from collections.abc import Callable, Sequence
 from functools import partial
 from multiprocessing.connection import Connection, Pipe, wait
-from pathlib import Path
 from typing import TypeVar
 
 from ...errors import RunError
-from .bytecopy import ByteEngine, SourceTensor
-from .crc import PartRead, check_parts
-from .names import rank_file_name
-from .placement import ShardLayout
 
 SPLIT_RANK_FILES = 1024  # outputs of at least this many rank files are written by several processes
 MAX_PROCESSES = 2
@@ -67,32 +62,6 @@ def in_processes(
         return [first, *children.results()]
     finally:
         children.stop()
-
-
-def write_rank_files(
-    directory: Path,
-    layout: ShardLayout,
-    sources: Sequence[SourceTensor],
-    out_dtypes: list[str],
-    *,
-    chunk_size: int,
-    progress: Callable[[int], None] | None = None,
-) -> None:
-    """Every rank file of `layout` in `directory`, by `process_count` processes."""
-    count = process_count(layout.world_size)
-    cuts = [layout.world_size * share // count for share in range(count + 1)]
-
-    def write(ranks: range, report: Callable[[int], None] | None) -> list[PartRead]:
-        engine = ByteEngine(sources, out_dtypes, chunk_size=chunk_size, progress=report)
-        try:
-            for rank in ranks:
-                engine.write_rank_file(directory / rank_file_name(rank, layout.world_size), layout.file_layout(rank))
-        finally:
-            engine.close()
-        return engine.finish_parts()
-
-    results = in_processes([range(cuts[share], cuts[share + 1]) for share in range(count)], write, progress)
-    check_parts([part for parts in results for part in parts])
 
 
 class _Children:

@@ -16,17 +16,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import DataCheckError, UsageError
-from ..deepspeed.table import open_deepspeed
-from ..deepspeed.writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
-from ..deepspeed.writer_precision import Precision, saved_scale
-from ..format.bytecopy import ByteEngine, SourceTensor
-from ..format.names import is_optimizer_tensor, optim_tensor_name
-from ..format.storage import staged_output
-from .any_checkpoint import AnyCheckpoint, read_step
-from .request import Progress, progress_callback
+from ..core.any_checkpoint import AnyCheckpoint, read_step
+from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.names import is_optimizer_tensor, optim_tensor_name
+from ..core.report import WriteReport
+from ..core.request import Progress, progress_callback
+from ..core.staging import staged_output
+from .table import open_deepspeed
+from .writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
+from .writer_precision import Precision, saved_scale
 
 if TYPE_CHECKING:
-    from .request import ConvertRequest
+    from ..core.request import ConvertRequest
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def build_run(tensors: dict[str, SourceTensor], recorded: list[dict], shape: Run
     )
 
 
-def to_deepspeed(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
+def to_deepspeed(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
     """`--to deepspeed`: a DeepSpeed ZeRO checkpoint of `--stage` at `--world-size` ranks
     (default: the source's) of the parameters with Adam state, their groups and step."""
     assert request.stage is not None  # the writer needs it
@@ -83,22 +84,14 @@ def to_deepspeed(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, prog
     return write_run(run, Path(opened.opened_from), dst, overwrite=request.overwrite, progress=progress)
 
 
-def write_run(run: DsRun, src: Path, dst: Path, *, overwrite: bool, progress: Progress | None) -> dict:
+def write_run(run: DsRun, src: Path, dst: Path, *, overwrite: bool, progress: Progress | None) -> WriteReport:
     """`run` written as a DeepSpeed checkpoint at `dst` (staged, renamed when complete)."""
     total = sum(p.master.nbytes * 3 for g in run.groups for p in g.params)
     with staged_output(dst, src=src, overwrite=overwrite, needed_bytes=total + 4096 * (run.world_size + 4) * 4) as tmp:
         files = write_deepspeed(tmp, run, progress_callback(progress, total))
-    return {
-        "src": str(src),
-        "dst": str(dst),
-        "to": "deepspeed",
-        "stage": run.stage,
-        "world_size": run.world_size,
-        "tag": run.tag,
-        "files": files,
-        "tensors": sum(len(g.params) for g in run.groups),  # parameters, each with its fp32 master and moments
-        "bytes": total,
-    }
+    details = {"to": "deepspeed", "stage": run.stage, "world_size": run.world_size, "tag": run.tag}
+    parameters = sum(len(g.params) for g in run.groups)  # each with its fp32 master and moments
+    return WriteReport(str(src), str(dst), files, parameters, total, [], details)
 
 
 def reshard_deepspeed(
@@ -108,7 +101,7 @@ def reshard_deepspeed(
     world_size: int,
     overwrite: bool = False,
     progress: Progress | None = None,
-) -> dict:
+) -> WriteReport:
     with open_deepspeed(src) as checkpoint:
         tensors = {t.name: t for t in checkpoint.sources}
         samples = checkpoint.items.get("global_samples")

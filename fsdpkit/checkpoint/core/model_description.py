@@ -11,13 +11,12 @@ import sys
 from dataclasses import dataclass
 
 from ...errors import UsageError
-from ..format.export import HfExport
-from ..format.placement import Placement
+from .export import HfExport
 
 
 @dataclass(frozen=True)
 class ModelDescription:
-    placement: Placement  # the flat-parameter units the engine shards the model into
+    units: list[list[tuple[str, tuple[int, ...]]]]  # the flat-parameter units the engine shards the model into: (name, shape)
     aliases: dict[str, str]  # tied parameters: {other name: canonical name}
     export: HfExport | None  # what `convert --to full` writes for transformers
 
@@ -32,7 +31,7 @@ def describe(model: str) -> ModelDescription:
     units = [[(name, tuple(shape)) for name, shape in unit] for unit in document["units"]]
     export = document["export"]
     return ModelDescription(
-        Placement.flat(units),
+        units,
         dict(document["aliases"]),
         None if export is None else HfExport.from_json(export, where=f"model {model!r}"),
     )

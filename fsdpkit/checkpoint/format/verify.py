@@ -10,16 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import DataCheckError
-from ..format.bytecopy import DEFAULT_CHUNK_SIZE, PROGRESS_BYTES
-from ..format.crc import crc32
-from ..format.manifest import load_manifest
-from ..format.names import FORMAT_NAME
-from ..format.placement import FileLayout
-from ..format.reader import RankFile, ShardedCheckpoint, has_optimizer_files, open_full, open_sharded, v2_crcs
-from ..format.report import VerifyReport
-from ..format.storage import resolve_checkpoint
-from ..format.summary import FileEntry, FullSummary, ShardedSummary, tensor_stats
-from .request import progress_callback
+from ..core.bytecopy import DEFAULT_CHUNK_SIZE, PROGRESS_BYTES
+from ..core.crc import crc32
+from ..core.report import VerifyReport
+from ..core.request import progress_callback
+from ..core.summary import FileEntry, FullSummary, ShardedSummary, tensor_stats
+from .manifest import load_manifest
+from .names import FORMAT_NAME
+from .placement import FileLayout
+from .reader import RankFile, ShardedCheckpoint, has_optimizer_files, open_full, open_sharded, v2_crcs
+from .storage import resolve_checkpoint
 
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole
 

@@ -1,7 +1,9 @@
-"""`convert SRC OUT --to sharded --world-size N [--model M]`: any checkpoint opened as a tensor
-table -> an fsdpkit sharded checkpoint with its optimizer state, which `fsdpkit train --resume
-OUT` continues at any N. Laid out by `--model`'s flat-parameter placement, or an even split per
-tensor; a full export's layout is undone unless the placement names the tensors as they are.
+"""fsdpkit's sharded output. `convert SRC OUT --to sharded --world-size N [--model M]`: any
+checkpoint opened as a tensor table -> an fsdpkit sharded checkpoint with its optimizer state,
+which `fsdpkit train --resume OUT` continues at any N. Laid out by `--model`'s flat-parameter
+placement, or an even split per tensor; a full export's layout is undone unless the placement
+names the tensors as they are. `reshard OUT2 --world-size N`: an fsdpkit checkpoint laid out for
+N ranks with the same placement, its training state carried over.
 """
 
 from __future__ import annotations
@@ -11,15 +13,18 @@ from pathlib import Path
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
-from ..format.bytecopy import SourceTensor
-from ..format.export import EXPORT_STATE_KEY
-from ..format.names import output_dtype, split_optim_tensor_name
-from ..format.placement import Placement
-from ..format.storage import staged_output
-from ..format.writer import write_sharded
-from .any_checkpoint import AnyCheckpoint
-from .convert import SCRATCH_NAME, restore_layout
-from .request import ConvertRequest, Progress, progress_callback
+from ..core.any_checkpoint import AnyCheckpoint
+from ..core.bytecopy import SourceTensor
+from ..core.export import EXPORT_STATE_KEY
+from ..core.names import output_dtype, split_optim_tensor_name
+from ..core.report import WriteReport
+from ..core.request import ConvertRequest, Progress, ReshardRequest, progress_callback
+from ..core.staging import staged_output
+from .manifest import resharded_training_state
+from .placement import Placement
+from .reader import open_sharded
+from .to_full import SCRATCH_NAME, restore_layout
+from .writer import write_sharded
 
 
 def _canonical(sources: list[SourceTensor], aliases: dict[str, str]) -> list[SourceTensor]:
@@ -48,13 +53,13 @@ def check_placement_matches(placement: Placement, sources: list[SourceTensor], *
         raise DataCheckError(f"{where}: does not match {source}: {detail}")
 
 
-def to_sharded(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> dict:
-    from .model_description import describe
+def to_sharded(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
+    from ..core.model_description import describe
 
     assert request.world_size is not None  # the writer needs it
     world_size = request.world_size
     description = describe(request.model) if request.model is not None else None
-    placement = description.placement if description is not None else Placement.even()
+    placement = Placement.flat(description.units) if description is not None else Placement.even()
     src = Path(opened.opened_from)
     if request.with_optimizer and not opened.optimizer:
         raise DataCheckError(f"{src}: --with-optimizer given but the checkpoint has no optimizer state")
@@ -92,15 +97,43 @@ def to_sharded(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progre
             progress=progress_callback(progress, sum(s.nbytes for s in sources)),
         )
         (tmp / SCRATCH_NAME).unlink(missing_ok=True)
-    return {
+    details = {
         "to": "sharded",
         "world_size": world_size,
         "placement": placement.kind,
         "step": opened.step,
         "optimizer_tensors": len([s for s in sources if split_optim_tensor_name(s.name)]),
-        "files": written.files,
-        "tensors": len(written.manifest.tensors),
-        "bytes": written.bytes,
         "dtype": request.cast_to,
         "param_groups": len(groups),
     }
+    return WriteReport(opened.path, str(dst), written.files, len(written.manifest.tensors), written.bytes, [], details)
+
+
+def reshard_sharded(src: Path, dst: Path, request: ReshardRequest) -> WriteReport:
+    """The checkpoint at `src` (a run or step directory) laid out for `request.world_size` ranks at
+    `dst`; per-rank training state that cannot follow is dropped with a warning (`request.warn`)."""
+    world_size = request.world_size
+    checkpoint = open_sharded(src)
+    old = checkpoint.manifest
+    state, warnings = resharded_training_state(old.training_state, old_world_size=old.shard_factor, new_world_size=world_size)
+    for line in warnings:
+        if request.warn is not None:
+            request.warn(line)
+    sources = checkpoint.sources()
+    total = sum(s.nbytes for s in sources)
+    needed_for = f" for {world_size} rank files (--world-size {world_size})"
+    with staged_output(dst, src=src, overwrite=request.overwrite, needed_bytes=total + world_size * 65536, needed_for=needed_for) as tmp:
+        written = write_sharded(
+            tmp,
+            sources=sources,
+            placement=old.placement,
+            world_size=world_size,
+            strategy=old.strategy,
+            training_state=state,
+            aliases=old.aliases,
+            cast_to=None,
+            chunk_size=request.chunk_size,
+            progress=progress_callback(request.progress, total),
+        )
+    details = {"from_world_size": old.shard_factor, "world_size": world_size, "placement": old.placement.kind}
+    return WriteReport(str(checkpoint.step_dir), str(dst), written.files, len(written.manifest.tensors), written.bytes, warnings, details)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from operator import itemgetter
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
@@ -26,7 +26,6 @@ from ...flat_layout import ElementRange
 from .crc import PartRead, cast_into, check_parts, crc32, crc32_combine, mismatch
 from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, pread_into, write_file, write_views
 from .names import numel
-from .placement import FileLayout
 
 DEFAULT_CHUNK_SIZE = 512 * 1024  # bytes per block: read, checksummed and handed on while in the L2 cache
 KERNEL_COPY_BYTES = 256 << 10  # fragments at least this large are copied by the kernel
@@ -97,6 +96,28 @@ class _Cursor:
         self.current: _Piece | None = None  # the piece the last read ended in
 
 
+class RankFileLayout(Protocol):
+    """What `write_rank_file` needs of one rank file's layout (fsdpkit's `placement.FileLayout`):
+    its fragments in data order, each one's byte span in the data buffer, the header and the size."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def tensors(self) -> tuple[int, ...]: ...
+    @property
+    def starts(self) -> tuple[int, ...]: ...
+    @property
+    def ends(self) -> tuple[int, ...]: ...
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def data_start(self) -> int: ...
+
+    def header_with(self, crcs) -> list[bytes]: ...
+
+
 class ByteEngine:
     """See the module docstring. `sources` (with their output dtypes) are the tensors that
     `fragments` and `write_rank_file` address by index; `copy` and `read_into` take any tensor.
@@ -122,7 +143,7 @@ class ByteEngine:
         self._progress, self._reported = progress, 0
         self.bytes_read = 0  # source bytes handed on so far
 
-    def write_rank_file(self, path: Path, layout: FileLayout) -> None:
+    def write_rank_file(self, path: Path, layout: RankFileLayout) -> None:
         """Rank file `layout` at `path`: a small one is one `writev` of its header and mapped
         slices, here; a larger one is queued to the write threads in steps, its header with the
         crc32 digits last, and fsynced there (the disk writes it while the next is copied). The
@@ -139,7 +160,7 @@ class ByteEngine:
             self._writes.seal(layout.rank, fd)
         self._report()
 
-    def _stream_rank_file(self, fd: int, path: Path, layout: FileLayout, writes: WriteQueue) -> None:
+    def _stream_rank_file(self, fd: int, path: Path, layout: RankFileLayout, writes: WriteQueue) -> None:
         views: list = []
         crcs, pending, at, lane = [], 0, layout.data_start, layout.rank  # pending: bytes of `views`, to be written at `at`
         for t, start, end, (begin, stop) in zip(layout.tensors, layout.starts, layout.ends, layout.spans, strict=True):
