@@ -39,12 +39,11 @@ def diff_command(
 
     Each tensor is bitwise equal, within the tolerance (close), different (max abs and max rel difference), of another
     dtype or shape, or present in one checkpoint only."""
-    from fsdpkit.checkpoint.offline.diff import Tolerance, diff
-    from fsdpkit.checkpoint.offline.locations import local_only
+    from fsdpkit.checkpoint.offline.diff import Tolerance
+    from fsdpkit.checkpoint.offline.locations import diff_at
 
-    local_only(a, b, what="diff")
     with byte_progress("diff") as progress:
-        result = diff(
+        result = diff_at(
             a,
             b,
             tolerance=Tolerance(atol, rtol),

@@ -1,79 +1,118 @@
-"""The offline commands at a location: a local path goes to the table of formats; an
-object-store URL (`s3://`, `gs://`, `az://`) is read through the storage face, by the formats
-that read through it so far (fsdpkit's own, version 2, and DCP). `convert` and `reshard` write to a URL
-by writing the output into a local temporary directory (TMPDIR), then publishing it through the
-face, the commit object last. A command or format that does not take URLs yet says so in one
-line (UsageError), before anything is read."""
+"""The offline commands at a location: a local path goes to the registry of formats; an
+object-store URL (`s3://`, `gs://`, `az://`) is read through the storage face. `verify` and
+`inspect` stream fsdpkit's format (version 2) and DCP from the store; the other formats, and
+the sources of `convert`, `reshard` and `diff`, are copied through the face into a local
+temporary directory first (TMPDIR). `convert` and `reshard` write to a URL by writing the output
+into a local temporary directory, then publishing it through the face, the commit object last.
+What does not take URLs yet (`open_checkpoint`, train's checkpoint flags) says so in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from ...errors import UsageError
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest, progress_callback
 from ..core.summary import Summary
 from ..dcp.stored import is_stored_dcp, summarize_stored_dcp, verify_stored_dcp
-from ..format.stored import is_stored_sharded, summarize_stored, verify_stored
+from ..format.stored import is_stored_sharded, resolve_stored, summarize_stored, verify_stored
+from ..storage.download import download
 from ..storage.face import Storage
 from ..storage.location import is_url, open_storage
 from ..storage.upload import check_destination, publish
 
-URL_READERS = "fsdpkit (version 2), DCP"  # the formats read from object storage so far
-
 
 def verify_at(location: str | os.PathLike[str], progress: Progress | None = None) -> VerifyReport:
-    """`verify`: every check the checkpoint's format allows, local or in an object store."""
-    if not is_url(location):
-        from .formats import detect_format
+    """`verify`: every check the checkpoint's format allows, local or in an object store
+    (fsdpkit's format and DCP streamed, the others from a local copy)."""
+    from .formats import detect_format
 
-        return detect_format(location).verify(Path(location), progress)
-    storage, listed = _listed(str(location))
-    if is_stored_dcp(listed):
-        return verify_stored_dcp(storage, listed)
-    if not is_stored_sharded(listed):
-        raise UsageError(f"{location}: no checkpoint fsdpkit reads from object storage yet ({URL_READERS}) under this prefix")
-    total = sum(size for name, size in listed.items() if name.rpartition("/")[2].startswith("rank-"))
-    return verify_stored(storage, listed, progress_callback(progress, total))
+    if is_url(location):
+        storage, listed = _listed(str(location))
+        if is_stored_dcp(listed):
+            return verify_stored_dcp(storage, listed)
+        if is_stored_sharded(listed):
+            total = sum(size for name, size in listed.items() if name.rpartition("/")[2].startswith("rank-"))
+            return verify_stored(storage, listed, progress_callback(progress, total))
+    with local_source(location) as (path, renamed):
+        report = detect_format(path).verify(Path(path), progress)
+        return dataclasses.replace(report, path=renamed(report.path), problems=[renamed(line) for line in report.problems])
 
 
 def inspect_at(location: str | os.PathLike[str], keys: Keys) -> tuple[str, Summary]:
     """`inspect`: (the format's name, the summary) of the checkpoint at `location`."""
-    if not is_url(location):
-        from .formats import detect_format
+    from .formats import detect_format
 
-        found = detect_format(location)
-        return found.name, found.inspect(Path(location), keys)
-    storage, listed = _listed(str(location))
-    if is_stored_dcp(listed):
-        return "dcp", summarize_stored_dcp(storage, listed, model_key=keys.model, optimizer_key=keys.optimizer)
-    if not is_stored_sharded(listed):
-        raise UsageError(f"{location}: no checkpoint fsdpkit reads from object storage yet ({URL_READERS}) under this prefix")
-    return "sharded", summarize_stored(storage, listed)
+    if is_url(location):
+        storage, listed = _listed(str(location))
+        if is_stored_dcp(listed):
+            return "dcp", summarize_stored_dcp(storage, listed, model_key=keys.model, optimizer_key=keys.optimizer)
+        if is_stored_sharded(listed):
+            return "sharded", summarize_stored(storage, listed)
+    with local_source(location) as (path, renamed):
+        found = detect_format(path)
+        summary = found.inspect(Path(path), keys)
+        return found.name, dataclasses.replace(summary, path=renamed(summary.path))
 
 
 def convert_at(src: str, dst: str, request: ConvertRequest, progress: Progress | None = None) -> WriteReport:
-    """`convert` from a local source to a local directory or an object-store URL."""
+    """`convert` from a local directory or an object-store URL to either."""
     from .formats import convert_any
 
-    if not is_url(dst):
-        return convert_any(src, dst, request, progress)
-    local_only(src, what="convert")
-    return _published(dst, request.overwrite, lambda out: convert_any(src, out, request, progress))
+    with local_source(src) as (path, renamed):
+        if not is_url(dst):
+            report = convert_any(path, dst, request, progress)
+        else:
+            report = _published(dst, request.overwrite, lambda out: convert_any(path, out, request, progress))
+        return dataclasses.replace(report, src=renamed(report.src))
 
 
 def reshard_at(src: str, dst: str, request: ReshardRequest) -> WriteReport:
-    """`reshard` from a local source to a local directory or an object-store URL."""
+    """`reshard` from a local directory or an object-store URL to either."""
     from .formats import reshard_any
 
-    if not is_url(dst):
-        return reshard_any(src, dst, request)
-    local_only(src, what="reshard")
-    return _published(dst, request.overwrite, lambda out: reshard_any(src, out, request))
+    with local_source(src) as (path, renamed):
+        if not is_url(dst):
+            report = reshard_any(path, dst, request)
+        else:
+            report = _published(dst, request.overwrite, lambda out: reshard_any(path, out, request))
+        return dataclasses.replace(report, src=renamed(report.src))
+
+
+def diff_at(a: str, b: str, **options: Any) -> dict:
+    """`diff` of two checkpoints, each a local directory or an object-store URL."""
+    from .diff import diff
+
+    with local_source(a) as (path_a, renamed_a), local_source(b) as (path_b, renamed_b):
+        result = diff(path_a, path_b, **options)
+    result["a"]["path"], result["b"]["path"] = renamed_a(result["a"]["path"]), renamed_b(result["b"]["path"])
+    return result
+
+
+@contextlib.contextmanager
+def local_source(location: str | os.PathLike[str]) -> Iterator[tuple[str, Callable[[str], str]]]:
+    """(a local path holding the checkpoint at `location`, a function that names the location
+    again in the messages and reports of that path): a local path itself; a URL's objects
+    downloaded through the face into a temporary directory (TMPDIR; of an fsdpkit run, the
+    step its `latest` names only), removed after."""
+    if not is_url(location):
+        yield str(location), lambda text: text
+        return
+    storage, listed = _listed(str(location))
+    step = resolve_stored(storage, listed)[0] if not is_stored_dcp(listed) and is_stored_sharded(listed) else ""
+    prefix = f"{step}/" if step else ""
+    wanted = {name: size for name, size in listed.items() if name.startswith(prefix) and "/" not in name[len(prefix) :]} if step else listed
+    with tempfile.TemporaryDirectory(prefix="fsdpkit-src-") as staging:
+        download(storage, wanted, Path(staging))
+        path = str(Path(staging) / step) if step else staging
+        url = storage.where(step) if step else storage.root
+        yield path, lambda text: text.replace(path, url)
 
 
 def _published(url: str, overwrite: bool, write: Callable[[Path], WriteReport]) -> WriteReport:
@@ -92,7 +131,7 @@ def local_only(*locations: str | os.PathLike[str] | None, what: str) -> None:
     for location in locations:
         if location is not None and is_url(location):
             raise UsageError(
-                f"{location}: {what} does not take object-storage URLs yet (inspect and verify do, convert and reshard write to them); "
+                f"{location}: {what} does not take object-storage URLs yet (inspect, verify, convert, reshard and diff do); "
                 "use a local directory"
             )
 
