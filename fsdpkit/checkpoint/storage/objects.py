@@ -29,7 +29,7 @@ RETRIES = 10
 RETRY_TIMEOUT = timedelta(minutes=3)
 BACKOFF = {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}
 DELETE_BATCH = 1000
-SEGMENT_BYTES = 64 << 20  # one streamed GET
+SEGMENT_BYTES = 256 << 20  # one streamed GET (memory is bounded by the blocks read ahead, not by this)
 SEGMENTS_IN_FLIGHT = 2  # the next segment is requested while one is consumed
 BLOCKS_AHEAD = 2  # blocks a segment's stream reads ahead: at most SEGMENTS_IN_FLIGHT * (BLOCKS_AHEAD + 1) blocks held
 
