@@ -105,17 +105,28 @@ def test_convert_reshard_and_diff_read_a_bucket_as_a_directory(run_in_bucket, s3
     _same(local, remote, tmp_path / "convert-disk", f"s3://{s3_bucket}/full")
 
 
-def test_train_and_open_checkpoint_without_urls_yet_say_so(run_in_bucket, no_launch):
-    from fsdpkit.checkpoint.offline.formats import open_checkpoint
-    from fsdpkit.errors import UsageError
-
+def test_train_without_urls_yet_says_so(run_in_bucket, no_launch):
     run, url = run_in_bucket
     for flag in ("--save-dir", "--resume", "--init-from"):
         result = run_cli("train", "--steps", "1", flag, url)
         assert result.exit_code == 2 and result.output.startswith(f"error: {flag} {url}: train does not take object-storage URLs yet")
         assert result.output.count("\n") == 1
-    with pytest.raises(UsageError, match="open_checkpoint does not take object-storage URLs yet"):
-        open_checkpoint(url)
+
+
+def test_open_checkpoint_of_a_url_reads_the_tensors_and_cleans_up(run_in_bucket, monkeypatch, tmp_path):
+    import torch
+
+    from fsdpkit.checkpoint.offline.formats import open_checkpoint
+
+    _, url = run_in_bucket
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "staging"))
+    (tmp_path / "staging").mkdir()
+    expected = sample_tensors()
+    with open_checkpoint(url) as opened:
+        assert opened.opened_from == url and sorted(opened.model) == sorted(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(opened.get_tensor(name), tensor), name
+    assert list((tmp_path / "staging").iterdir()) == []
 
 
 def test_a_missing_prefix_or_bucket_is_one_line(s3_bucket):

@@ -21,8 +21,9 @@ from ..dcp.format import DcpFormat
 from ..deepspeed.format import DeepSpeedFormat
 from ..format.format import ShardedFormat
 from ..format.full_format import FullFormat
+from ..storage.location import is_url
 from ..torchsave.format import TorchSaveFormat
-from .locations import local_only
+from .locations import local_only, open_at
 
 # In the order messages list them. A DeepSpeed save directory has a `latest` as fsdpkit's run
 # directory does: `detect_format` tries fsdpkit's own format last.
@@ -49,7 +50,8 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
 
 def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> AnyCheckpoint:
     """The checkpoint at `path` in any format (`model_key`, `optimizer_key`: a DCP checkpoint's, as `Keys`)."""
-    local_only(path, what="open_checkpoint")
+    if is_url(path):
+        return open_at(str(path), model_key=model_key, optimizer_key=optimizer_key)
     found = detect_format(path)
     opened = found.open(Path(path), Keys(model_key, optimizer_key))
     opened.format, opened.opened_from = found.name, str(path)

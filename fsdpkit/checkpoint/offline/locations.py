@@ -4,7 +4,8 @@ object-store URL (`s3://`, `gs://`, `az://`) is read through the storage face. `
 the sources of `convert`, `reshard` and `diff`, are copied through the face into a local
 temporary directory first (TMPDIR). `convert` and `reshard` write to a URL by writing the output
 into a local temporary directory, then publishing it through the face, the commit object last.
-What does not take URLs yet (`open_checkpoint`, train's checkpoint flags) says so in one line."""
+`open_checkpoint` of a URL opens such a copy, removed when the checkpoint is closed. What does
+not take URLs yet (train's checkpoint flags) says so in one line."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import UsageError
+from ..core.any_checkpoint import AnyCheckpoint
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest, progress_callback
 from ..core.summary import Summary
@@ -93,6 +95,30 @@ def diff_at(a: str, b: str, **options: Any) -> dict:
         result = diff(path_a, path_b, **options)
     result["a"]["path"], result["b"]["path"] = renamed_a(result["a"]["path"]), renamed_b(result["b"]["path"])
     return result
+
+
+def open_at(location: str, *, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
+    """`open_checkpoint` of a URL: its objects copied through the face into a temporary
+    directory, which closing the checkpoint removes."""
+    from .formats import open_checkpoint
+
+    staging = contextlib.ExitStack()
+    path, _ = staging.enter_context(local_source(location))
+    try:
+        opened = open_checkpoint(path, model_key=model_key, optimizer_key=optimizer_key)
+    except BaseException:
+        staging.close()
+        raise
+    close = opened._close
+
+    def close_and_remove() -> None:
+        try:
+            close()
+        finally:
+            staging.close()
+
+    opened._close, opened.opened_from = close_and_remove, location
+    return opened
 
 
 @contextlib.contextmanager
