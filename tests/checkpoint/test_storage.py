@@ -178,8 +178,20 @@ def test_an_object_of_many_segments_streams_in_order(s3_bucket, monkeypatch):
     blocks = list(storage.read_blocks("obj", ranges, block_bytes=300_000))
     assert [offset for offset, _ in blocks] == sorted(offset for offset, _ in blocks)
     assert b"".join(bytes(block) for _, block in blocks) == b"".join(data[start:end] for start, end in ranges)
-    before = threading.active_count()
     stream = storage.read_blocks("obj", [(0, len(data))], block_bytes=100_000)
     assert bytes(next(stream)[1]) == data[:100_000]
     stream.close()
-    assert threading.active_count() <= before
+    assert not [thread.name for thread in threading.enumerate() if thread.name.startswith("fsdpkit-get")]
+
+
+def test_a_long_write_waits_for_its_parts_and_stays_whole(s3_bucket, s3_endpoint, monkeypatch):
+    """The writer waits for the parts in flight every PARTS_IN_FLIGHT parts (bounded memory);
+    boto3 reads back every byte."""
+    import fsdpkit.checkpoint.storage.objects as objects
+
+    monkeypatch.setattr(objects, "PARTS_IN_FLIGHT", 1)
+    data = os.urandom(3 * PART_BYTES + 5)
+    with open_storage(f"s3://{s3_bucket}/p").write("obj") as stream:
+        for first in range(0, len(data), 1 << 20):
+            stream.write(data[first : first + (1 << 20)])
+    assert s3_client(s3_endpoint).get_object(Bucket=s3_bucket, Key="p/obj")["Body"].read() == data

@@ -203,12 +203,22 @@ class ObjectStorage:
 
 
 class _ObjectStream:
+    """A multipart upload written to; every PARTS_IN_FLIGHT parts it waits for the parts in
+    flight (obstore's writer takes what it is given without waiting, so a store slower than the
+    writer would otherwise pile the parts up in memory)."""
+
     def __init__(self, upload: Any, where: str):
         self._upload, self._where = upload, where
+        self._unflushed = 0
 
     def write(self, data: bytes | memoryview, /) -> int:
         try:
-            return self._upload.write(data)
+            written = self._upload.write(data)
+            self._unflushed += written
+            if self._unflushed >= PART_BYTES * PARTS_IN_FLIGHT:
+                self._upload.flush()
+                self._unflushed = 0
+            return written
         except Exception as error:
             raise _translated(error, self._where, "write") from None
 
