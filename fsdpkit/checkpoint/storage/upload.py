@@ -49,8 +49,8 @@ def publish(directory: Path, storage: Storage, existing: dict[str, int], progres
         with ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="fsdpkit-upload") as pool:
             for _ in pool.map(lambda name: _upload(source, storage, name, progress), data):
                 pass
-        if commit is not None:
-            storage.commit(commit, source.read(commit))
+        if commit is not None:  # streamed too: a full checkpoint's one file is its commit object
+            _upload(source, storage, commit, progress)
     except BaseException:
         with contextlib.suppress(Exception):  # the first failure is the one to report
             storage.delete(data)
