@@ -220,3 +220,20 @@ def test_a_dcp_checkpoint_torchs_fsspec_writer_put_in_a_bucket_is_read_there(s3_
     client.put_object(Bucket=s3_bucket, Key=data, Body=body[: len(body) // 2])  # truncated
     result = run_cli("verify", url)
     assert result.exit_code == 3 and f"s3://{s3_bucket}/{data}" in result.output and "truncated" in result.output
+
+
+def test_reshard_bucket_to_bucket_through_failing_requests_writes_the_clean_output(
+    run_in_bucket, s3_bucket, s3_endpoint, monkeypatch, tmp_path
+):
+    """10% of the requests answered 503 or 500 or dropped: the output is byte for byte the local one."""
+    run, url = run_in_bucket
+    assert run_cli("reshard", str(run), str(tmp_path / "local"), "--world-size", "3").exit_code == 0
+    with FaultProxy(s3_endpoint, fraction=0.1, seed=11) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        result = run_cli("reshard", url, f"s3://{s3_bucket}/out/faulty", "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    assert sum(proxy.faults.values()) > 0
+    client = s3_client(s3_endpoint)
+    objects = client.list_objects_v2(Bucket=s3_bucket, Prefix="out/faulty/")["Contents"]
+    written = {o["Key"][len("out/faulty/") :]: client.get_object(Bucket=s3_bucket, Key=o["Key"])["Body"].read() for o in objects}
+    assert written == {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
