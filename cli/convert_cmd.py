@@ -3,7 +3,6 @@ which of them apply is the library's table of formats (fsdpkit/checkpoint/offlin
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -20,8 +19,8 @@ from .spread_options import DryRun, Restart, launch_options, run_spread_command,
 
 def convert(
     ctx: typer.Context,
-    src: Path = typer.Argument(..., help=f"Source checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
-    dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
+    src: str = typer.Argument(..., help=f"Source checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
+    dst: str = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
     to: str = typer.Option(
         ...,
         "--to",
@@ -50,7 +49,7 @@ def convert(
     **settings: Any,
 ) -> None:
     """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
-    from fsdpkit.checkpoint.offline.formats import convert_any
+    from fsdpkit.checkpoint.offline.locations import convert_at
     from fsdpkit.checkpoint.spread.runner import SpreadTask
 
     request = ConvertRequest(
@@ -66,7 +65,7 @@ def convert(
         chunk_size=chunk_bytes(chunk_size),
         overwrite=overwrite,
     )
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=lambda: to == "full")
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=lambda: to == "full", locations=(src, dst))
     if options is not None:
         task = SpreadTask("convert", str(src), str(dst), request, chunk_size=request.chunk_size, overwrite=overwrite, restart=restart)
         result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json)
@@ -74,7 +73,7 @@ def convert(
             return
     else:
         with byte_progress("convert") as progress:
-            result = convert_any(src, dst, request, progress)
+            result = convert_at(src, dst, request, progress)
     for line in result.warnings:
         log.warn(line)
     print_written(result, as_json)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, chunk_bytes
@@ -27,8 +25,8 @@ def _line(result: dict) -> str:
 @command_app.command("diff")
 @handle_errors
 def diff_command(
-    a: Path = typer.Argument(..., help="A checkpoint: fsdpkit sharded (run or step dir), full safetensors, torch DCP or DeepSpeed ZeRO."),
-    b: Path = typer.Argument(..., help="The checkpoint to compare it with (any of the same formats)."),
+    a: str = typer.Argument(..., help="A checkpoint: fsdpkit sharded (run or step dir), full safetensors, torch DCP or DeepSpeed ZeRO."),
+    b: str = typer.Argument(..., help="The checkpoint to compare it with (any of the same formats)."),
     atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance: equal when |a - b| <= atol + rtol * |b|."),
     rtol: float = typer.Option(0.0, "--rtol", help="Relative tolerance."),
     model_only: bool = typer.Option(False, "--model-only", help="Compare the model tensors only (no optimizer state)."),
@@ -41,10 +39,11 @@ def diff_command(
 
     Each tensor is bitwise equal, within the tolerance (close), different (max abs and max rel difference), of another
     dtype or shape, or present in one checkpoint only."""
-    from fsdpkit.checkpoint.offline.diff import Tolerance, diff
+    from fsdpkit.checkpoint.offline.diff import Tolerance
+    from fsdpkit.checkpoint.offline.locations import diff_at
 
     with byte_progress("diff") as progress:
-        result = diff(
+        result = diff_at(
             a,
             b,
             tolerance=Tolerance(atol, rtol),

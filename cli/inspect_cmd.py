@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from fsdpkit.checkpoint.core.request import Keys
 from fsdpkit.checkpoint.core.summary import FullSummary, ShardedSummary, Summary
 from fsdpkit.checkpoint.dcp.inspect import DcpSummary
 from fsdpkit.checkpoint.megatron.inspect import MegatronSummary
-from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, MEGATRON, READ_LABELS, TORCH_SAVE, detect_format
+from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, MEGATRON, READ_LABELS, TORCH_SAVE
 from fsdpkit.sizes import format_size
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
@@ -22,17 +20,20 @@ command_app = typer.Typer(add_completion=False)
 @command_app.command("inspect")
 @handle_errors
 def inspect(
-    ckpt: Path = typer.Argument(..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
+    ckpt: str = typer.Argument(
+        ..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory); fsdpkit's and DCP also at s3://, gs://, az://."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
     dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
 ) -> None:
     """Summarize a checkpoint: format, world size, step, tensors and bytes, dtypes, largest tensors, files."""
+    from fsdpkit.checkpoint.offline.locations import inspect_at
+
     from .deepspeed_cmd import inspect_lines, torchsave_lines
 
-    found = detect_format(ckpt)
-    summary = found.inspect(ckpt, Keys(dcp_model_key, dcp_optimizer_key))
-    text = {DCP: _dcp_lines, MEGATRON: _megatron_lines, DEEPSPEED: inspect_lines, TORCH_SAVE: torchsave_lines}.get(found.name, _lines)
+    name, summary = inspect_at(ckpt, Keys(dcp_model_key, dcp_optimizer_key))
+    text = {DCP: _dcp_lines, MEGATRON: _megatron_lines, DEEPSPEED: inspect_lines, TORCH_SAVE: torchsave_lines}.get(name, _lines)
     if as_json:
         print_json(summary.to_json())
     else:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -17,8 +16,8 @@ from .spread_options import DryRun, Restart, launch_options, run_spread_command,
 
 def reshard(
     ctx: typer.Context,
-    src: Path = typer.Argument(..., help=f"A checkpoint: {RESHARD_LABELS} (an fsdpkit run or step directory), written in its format."),
-    dst: Path = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
+    src: str = typer.Argument(..., help=f"A checkpoint: {RESHARD_LABELS} (an fsdpkit run or step directory), written in its format."),
+    dst: str = typer.Argument(..., help="Destination directory (must not exist, unless --overwrite)."),
     world_size: int | None = typer.Option(None, "--world-size", help="Number of ranks of the new layout."),
     chunk_size: str = typer.Option("512K", "--chunk-size", help=CHUNK_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
@@ -31,12 +30,12 @@ def reshard(
     from dataclasses import replace
 
     from fsdpkit.checkpoint.core.request import ReshardRequest
-    from fsdpkit.checkpoint.offline.formats import reshard_any
+    from fsdpkit.checkpoint.offline.locations import reshard_at
     from fsdpkit.checkpoint.spread.runner import SpreadTask
 
     request = ReshardRequest(required_world_size(world_size))  # --world-size is checked before --chunk-size
     request = replace(request, chunk_size=chunk_bytes(chunk_size), overwrite=overwrite, warn=log.warn)
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads_from(src))
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads_from(src), locations=(src, dst))
     if options is not None:
         ranks, chunk = request.world_size, request.chunk_size
         task = SpreadTask("reshard", str(src), str(dst), world_size=ranks, chunk_size=chunk, overwrite=overwrite, restart=restart)
@@ -47,7 +46,7 @@ def reshard(
             log.warn(line)
     else:
         with byte_progress("reshard") as progress:
-            result = reshard_any(src, dst, replace(request, progress=progress))
+            result = reshard_at(src, dst, replace(request, progress=progress))
     print_written(result, as_json)
 
 

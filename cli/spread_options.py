@@ -49,14 +49,17 @@ Restart = Annotated[
 
 
 def launch_options(
-    ctx: typer.Context, settings: dict[str, Any], *, dry_run: bool, restart: bool, spreads: Callable[[], bool]
+    ctx: typer.Context, settings: dict[str, Any], *, dry_run: bool, restart: bool, spreads: Callable[[], bool], locations: tuple[str, ...]
 ) -> LaunchOptions | None:
     """The launch of a spread run, or None when nothing asks for one (no launch flag, no
     --dry-run or --restart, and not a command that `spreads` started by torchrun as its
-    workers): then the command runs as it always did."""
+    workers): then the command runs as it always did. A spread run takes local `locations` only."""
     given = given_values((LAUNCH,), ctx, settings).get("launch", {})
     if not given and not dry_run and not restart and not (_torchrun_worker() and spreads()):
         return None
+    from fsdpkit.checkpoint.offline.locations import local_only
+
+    local_only(*locations, what="a conversion spread over processes")
     options = LAUNCH.from_values(given, where="")
     if options.nproc_per_node is None and options.nnodes == 1 and not under_torchrun():
         options = LAUNCH.from_values({**given, "nproc_per_node": 1}, where="")

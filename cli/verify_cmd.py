@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import typer
 
 from fsdpkit.checkpoint.core.bytecopy import DEFAULT_CHUNK_SIZE
-from fsdpkit.checkpoint.offline.formats import READ_LABELS, detect_format
+from fsdpkit.checkpoint.offline.formats import READ_LABELS
 
 from .common import byte_progress, print_json
 from .spread_options import DryRun, launch_options, run_spread_command, spread_command, spreads_from
@@ -16,15 +15,18 @@ from .spread_options import DryRun, launch_options, run_spread_command, spread_c
 
 def verify(
     ctx: typer.Context,
-    ckpt: Path = typer.Argument(..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory)."),
+    ckpt: str = typer.Argument(
+        ..., help=f"A checkpoint: {READ_LABELS} (an fsdpkit run or step directory); fsdpkit's and DCP also at s3://, gs://, az://."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
     dry_run: DryRun = False,
     **settings: Any,
 ) -> None:
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
+    from fsdpkit.checkpoint.offline.locations import verify_at
     from fsdpkit.checkpoint.spread.runner import SpreadTask
 
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=spreads_from(ckpt))
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=spreads_from(ckpt), locations=(ckpt,))
     if options is not None:
         report = run_spread_command(
             SpreadTask("verify", str(ckpt), chunk_size=DEFAULT_CHUNK_SIZE), options, dry_run=dry_run, as_json=as_json
@@ -33,7 +35,7 @@ def verify(
             return
     else:
         with byte_progress("verify") as progress:
-            report = detect_format(ckpt).verify(ckpt, progress)
+            report = verify_at(ckpt, progress)
     if as_json:
         print_json(report.to_json())
     elif report.ok:

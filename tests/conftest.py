@@ -46,3 +46,31 @@ def module_tmp_removed(request, tmp_path_factory):
     if request.session.testsfailed == failed:
         for path in set(basetemp.iterdir()) - before:
             shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server in this process for the whole session (the cloud and test extras)."""
+    pytest.importorskip("moto.server", reason="the test extra installs moto[server]")
+    from support.object_store import moto_server
+
+    with moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, monkeypatch, request):
+    """A new, empty bucket on the test server, and the environment that reaches it; no other
+    AWS setting (a profile, a session token) leaks in from the machine."""
+    import os
+    import re
+
+    from support.object_store import s3_client, s3_environment
+
+    for name in [name for name in os.environ if name.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    for name, value in s3_environment(s3_endpoint).items():
+        monkeypatch.setenv(name, value)
+    bucket = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:50].strip("-") + "-bkt"
+    s3_client(s3_endpoint).create_bucket(Bucket=bucket)
+    return bucket

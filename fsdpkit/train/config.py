@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpoint.storage.location import is_url
 from ..data.tokens import TokenDtype
 from ..dist.launch import LaunchOptions
 from ..engine.config import BACKWARD_PREFETCH, GATHER_DTYPES, STRATEGIES, ShardingConfig
@@ -210,6 +211,16 @@ class CheckpointConfig:
             raise UsageError("--save-every, --keep-last, --async-save and --new-run need --save-dir")
         if self.resume and self.init_from:
             raise UsageError("--resume and --init-from exclude each other: resume continues a run, init-from starts one from weights")
+        check_local(save_dir=self.save_dir, resume=self.resume, init_from=self.init_from)
+
+
+def check_local(**locations: object) -> None:
+    """A UsageError naming the first of the checkpoint flags `locations` (save_dir=..., resume=...)
+    that is an object-storage URL: train does not take one yet."""
+    for name, value in locations.items():
+        if isinstance(value, str) and is_url(value):
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {value}: train does not take object-storage URLs yet (inspect and verify do); use a local directory")
 
 
 @dataclass(frozen=True)

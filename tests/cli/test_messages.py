@@ -200,5 +200,5 @@ def test_every_install_hint_has_one_form_from_one_function():
     assert spelled == [Path("fsdpkit/errors.py")], spelled
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
     named = {extra for text in sources.values() for extra in re.findall(r"install_hint\(['\"]([^'\"]+)['\"]\)", text)}
-    assert named == {"plot", "tensorboard", "hf", "data", "wandb", "mlflow"} and named <= extras.keys(), named
+    assert named == {"plot", "tensorboard", "hf", "data", "wandb", "mlflow", "cloud"} and named <= extras.keys(), named
     assert install_hint("plot") == "pip install 'fsdpkit[plot]'"

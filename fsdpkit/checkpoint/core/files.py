@@ -18,6 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ...errors import DataCheckError
+from ..storage.handle import ObjectHandle
+
+Descriptor = int | ObjectHandle  # a file descriptor, or an object of a storage read through the face
 
 WINDOW_BYTES = 512 << 10  # a mapping covers two such blocks, so any block of at most one fits in one mapping
 MAX_WINDOWS = 96  # mappings kept: at most 2 * MAX_WINDOWS * WINDOW_BYTES of mapped pages
@@ -73,21 +76,29 @@ def read_blocks(path: Path, buffer: memoryview, start: int = 0, end: int | None 
             start += len(block)
 
 
-def read_exactly(fd: int, count: int, offset: int, path: Path) -> bytes:
+def _pread(fd: Descriptor, count: int, offset: int) -> bytes:
+    return os.pread(fd, count, offset) if isinstance(fd, int) else fd.pread(count, offset)
+
+
+def read_exactly(fd: Descriptor, count: int, offset: int, path: str | Path) -> bytes:
     """Bytes [offset, offset + count) of `fd`; a file that ends before is a DataCheckError."""
-    data = os.pread(fd, count, offset)
+    data = _pread(fd, count, offset)
     while len(data) < count:
-        more = os.pread(fd, count - len(data), offset + len(data))
+        more = _pread(fd, count - len(data), offset + len(data))
         if not more:
             raise DataCheckError(f"{path}: file ends at byte {offset + len(data)}, {count - len(data)} bytes early (truncated)")
         data += more
     return data
 
 
-def read_some(fd: int, offset: int, view: memoryview) -> int:
+def read_some(fd: Descriptor, offset: int, view: memoryview) -> int:
     """Read what one call gives, at most `view`'s bytes, from byte `offset` of `fd` into `view`:
     how many (0 at the end of the file)."""
-    return os.preadv(fd, [view], offset)
+    if isinstance(fd, int):
+        return os.preadv(fd, [view], offset)
+    data = fd.pread(len(view), offset)
+    view[: len(data)] = data
+    return len(data)
 
 
 def pread_into(fd: int, offset: int, view: memoryview, path: Path) -> None:

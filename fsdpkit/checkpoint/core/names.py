@@ -125,7 +125,7 @@ class Header:
         return self.data_start + max((t.end for t in self.tensors.values()), default=0)
 
 
-def parse_header_bytes(raw: bytes, *, path: Path) -> Header:
+def parse_header_bytes(raw: bytes, *, path: str | Path) -> Header:
     document = parse_json(raw, where=str(path), what="safetensors header")
     if not isinstance(document, dict):
         raise DataCheckError(f"{path}: safetensors header is a {type(document).__name__}, expected an object")
@@ -138,10 +138,10 @@ def parse_header_bytes(raw: bytes, *, path: Path) -> Header:
         if begin != position:
             raise DataCheckError(f"{path}: tensor {name!r} starts at byte {begin}, expected {position} (hole or overlap)")
         position = end
-    return Header(path=path, data_start=8 + len(raw), tensors=tensors, metadata=dict(metadata))
+    return Header(path=Path(path), data_start=8 + len(raw), tensors=tensors, metadata=dict(metadata))
 
 
-def _tensor_info(name: str, entry: object, path: Path) -> TensorInfo:
+def _tensor_info(name: str, entry: object, path: str | Path) -> TensorInfo:
     if not isinstance(entry, dict):
         raise DataCheckError(f"{path}: header entry {name!r} is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")

@@ -60,35 +60,40 @@ class DcpSummary(Summary):
 
 def summarize_dcp(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> DcpSummary:
     with open_dcp(path) as checkpoint:
-        metadata = checkpoint.metadata
-        layout = detect_layout(metadata, model_key=model_key, optimizer_key=optimizer_key)
-        for tensor in metadata.tensors.values():  # one chunk per file tells its serialization
-            if tensor.chunks:
-                checkpoint.chunk_data(tensor, tensor.chunks[0])
-        names = {key: name for name, key in [*layout.model.items(), *layout.optimizer.items()]}
-        tensors = [
-            DcpTensorEntry(names.get(t.key), t.dtype, list(t.shape), _nbytes(t), t.key, len(t.chunks)) for t in metadata.tensors.values()
-        ]
-        model = [metadata.tensors[key] for key in layout.model.values()]
-        optim = [metadata.tensors[key] for key in layout.optimizer.values()]
-        return DcpSummary(
-            path=str(metadata.directory),
-            format=FORMAT,
-            model=ModelCounts(len(model), sum(numel(t.shape) for t in model), sum(map(_nbytes, model))),
-            optimizer=OptimizerCounts(len(optim), sum(map(_nbytes, optim))),
-            dtypes=dict(Counter(t.dtype for t in metadata.tensors.values())),
-            largest=largest(tensors),
-            files=[FileEntry(name, checkpoint.file(name)[1]) for name in metadata.files],
-            version=metadata.version,
-            serialization=checkpoint.serializations,
-            model_key=layout.model_key,
-            optimizer_key=layout.optimizer_key,
-            other_tensors=list(layout.other),
-            chunks=sum(len(t.chunks) for t in metadata.tensors.values()),
-            tensors=tensors,
-            bytes_items=[BytesItem(b.key, b.location.file, b.location.length) for b in metadata.bytes_items.values()],
-            items=item_groups(list(metadata.bytes_items), [*layout.model.values(), *layout.optimizer.values()]),
-        )
+        return summarize_opened(checkpoint, model_key=model_key, optimizer_key=optimizer_key)
+
+
+def summarize_opened(checkpoint: DcpCheckpoint, *, model_key: str | None, optimizer_key: str | None) -> DcpSummary:
+    """The summary of an opened DCP checkpoint, local or in a storage."""
+    metadata = checkpoint.metadata
+    layout = detect_layout(metadata, model_key=model_key, optimizer_key=optimizer_key)
+    for tensor in metadata.tensors.values():  # one chunk per file tells its serialization
+        if tensor.chunks:
+            checkpoint.chunk_data(tensor, tensor.chunks[0])
+    names = {key: name for name, key in [*layout.model.items(), *layout.optimizer.items()]}
+    tensors = [
+        DcpTensorEntry(names.get(t.key), t.dtype, list(t.shape), _nbytes(t), t.key, len(t.chunks)) for t in metadata.tensors.values()
+    ]
+    model = [metadata.tensors[key] for key in layout.model.values()]
+    optim = [metadata.tensors[key] for key in layout.optimizer.values()]
+    return DcpSummary(
+        path=str(metadata.directory),
+        format=FORMAT,
+        model=ModelCounts(len(model), sum(numel(t.shape) for t in model), sum(map(_nbytes, model))),
+        optimizer=OptimizerCounts(len(optim), sum(map(_nbytes, optim))),
+        dtypes=dict(Counter(t.dtype for t in metadata.tensors.values())),
+        largest=largest(tensors),
+        files=[FileEntry(name, checkpoint.file(name)[1]) for name in metadata.files],
+        version=metadata.version,
+        serialization=checkpoint.serializations,
+        model_key=layout.model_key,
+        optimizer_key=layout.optimizer_key,
+        other_tensors=list(layout.other),
+        chunks=sum(len(t.chunks) for t in metadata.tensors.values()),
+        tensors=tensors,
+        bytes_items=[BytesItem(b.key, b.location.file, b.location.length) for b in metadata.bytes_items.values()],
+        items=item_groups(list(metadata.bytes_items), [*layout.model.values(), *layout.optimizer.values()]),
+    )
 
 
 def item_groups(item_keys: list[str], tensor_keys: list[str]) -> dict[str, int]:
@@ -112,25 +117,31 @@ def verify_dcp(path: str | os.PathLike[str], allowed: Mapping[tuple[str, str], A
     except DataCheckError as error:
         return report.failed(str(error))
     with DcpCheckpoint(metadata) as checkpoint:
-        problems = checkpoint.structure_problems()
-        chunks = 0
-        for tensor in metadata.tensors.values():
-            for chunk in tensor.chunks:
-                if not checkpoint.opened(chunk.location.file):
-                    continue  # reported missing
-                try:
-                    checkpoint.chunk_data(tensor, chunk)
-                    chunks += 1
-                except DataCheckError as error:
-                    problems.append(str(error))
-        report.ok, report.problems = not problems, problems
-        report.tensors, report.bytes = len(metadata.tensors), sum(map(_nbytes, metadata.tensors.values()))
-        report.counts = {"chunk": chunks, "bytes item": len(metadata.bytes_items)}
-        report.extra = {"serialization": checkpoint.serializations}
-        report.checked = [
-            "metadata (allow-list unpickler)",
-            "every file present, regular, holding its byte ranges",
-            "every chunk's record parsed, its shape and dtype as declared",
-            "each tensor's chunks cover it exactly once",
-        ]
+        return verify_opened(checkpoint, report)
+
+
+def verify_opened(checkpoint: DcpCheckpoint, report: VerifyReport) -> VerifyReport:
+    """Every check of an opened DCP checkpoint, local or in a storage, into `report`."""
+    metadata = checkpoint.metadata
+    problems = checkpoint.structure_problems()
+    chunks = 0
+    for tensor in metadata.tensors.values():
+        for chunk in tensor.chunks:
+            if not checkpoint.opened(chunk.location.file):
+                continue  # reported missing
+            try:
+                checkpoint.chunk_data(tensor, chunk)
+                chunks += 1
+            except DataCheckError as error:
+                problems.append(str(error))
+    report.ok, report.problems = not problems, problems
+    report.tensors, report.bytes = len(metadata.tensors), sum(map(_nbytes, metadata.tensors.values()))
+    report.counts = {"chunk": chunks, "bytes item": len(metadata.bytes_items)}
+    report.extra = {"serialization": checkpoint.serializations}
+    report.checked = [
+        "metadata (allow-list unpickler)",
+        "every file present, regular, holding its byte ranges",
+        "every chunk's record parsed, its shape and dtype as declared",
+        "each tensor's chunks cover it exactly once",
+    ]
     return report

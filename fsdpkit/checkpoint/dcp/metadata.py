@@ -62,7 +62,7 @@ class DcpBytes:
 
 @dataclass(frozen=True)
 class DcpMetadata:
-    directory: Path
+    directory: str  # the checkpoint's directory or URL
     version: str | None
     tensors: dict[str, DcpTensor]
     bytes_items: dict[str, DcpBytes]
@@ -115,13 +115,19 @@ def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 def read_metadata(directory: str | os.PathLike[str], allowed: Mapping[tuple[str, str], Any] = METADATA_GLOBALS) -> DcpMetadata:
     """`allowed`: the unpickler's allow-list (a format built on DCP adds its own records)."""
-    directory = Path(directory)
-    path = directory / METADATA_NAME
+    path = Path(directory) / METADATA_NAME
     with regular_file(path) as (fd, size):
         if size > MAX_METADATA_BYTES:
             raise DataCheckError(f"{path}: {size} bytes, over the {MAX_METADATA_BYTES}-byte limit for DCP metadata")
         raw = read_exactly(fd, size, 0, path)
-    root = restricted_loads(raw, allowed=dict(allowed), where=str(path))
+    return parse_metadata(raw, str(directory), where=str(path), allowed=allowed)
+
+
+def parse_metadata(raw: bytes, directory: str, *, where: str, allowed: Mapping[tuple[str, str], Any] = METADATA_GLOBALS) -> DcpMetadata:
+    """The metadata of the DCP checkpoint at `directory` (a path or URL) from its `.metadata`'s
+    bytes `raw` (read from `where`), through the allow-list unpickler (`allowed`)."""
+    path = where
+    root = restricted_loads(raw, allowed=dict(allowed), where=where)
     if not isinstance(root, RECORDS["Metadata"]):
         raise DataCheckError(f"{path}: holds a {type(root).__name__}, not DCP metadata")
     items, storage = root.get("state_dict_metadata"), root.get("storage_data")
@@ -146,7 +152,7 @@ def read_metadata(directory: str | os.PathLike[str], allowed: Mapping[tuple[str,
     return DcpMetadata(directory, version if isinstance(version, str) else None, tensors, bytes_items, _paths(root.get("planner_data")))
 
 
-def _locations(where: Path, storage: dict) -> dict[tuple[str, tuple[int, ...] | None], Location]:
+def _locations(where: str, storage: dict) -> dict[tuple[str, tuple[int, ...] | None], Location]:
     found: dict[tuple[str, tuple[int, ...] | None], Location] = {}
     for index, info in storage.items():
         if not isinstance(index, RECORDS["MetadataIndex"]) or not isinstance(info, RECORDS["StorageInfo"]):
@@ -167,7 +173,7 @@ def _locations(where: Path, storage: dict) -> dict[tuple[str, tuple[int, ...] | 
     return found
 
 
-def _tensor(where: Path, key: str, item: Record, locations: dict) -> DcpTensor:
+def _tensor(where: str, key: str, item: Record, locations: dict) -> DcpTensor:
     properties, shape, chunks = item.get("properties"), item.get("size"), item.get("chunks")
     state = properties.get("state") if isinstance(properties, RECORDS["TensorProperties"]) else None
     if not isinstance(state, tuple) or not state or not isinstance(state[0], Dtype):

@@ -30,9 +30,11 @@ from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..core.boxes import coverage_problem, flat_runs
 from ..core.bytecopy import SourcePiece, SourceTensor
-from ..core.files import open_regular, read_exactly
+from ..core.files import Descriptor, open_regular, read_exactly
 from ..core.names import MAX_HEADER_BYTES, Header, numel, parse_header_bytes
 from ..core.staging import checkpoint_file
+from ..storage.face import Storage
+from ..storage.handle import open_handle
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import ZIP_MAGIC, TensorRange, record_start, tensor_bytes, torch_save_pickle
 from .metadata import METADATA_GLOBALS, METADATA_NAME, Chunk, DcpMetadata, DcpTensor, Location, read_metadata
@@ -48,7 +50,9 @@ class ChunkData:
     serialization: str
 
 
-def torch_save_data(fd: int, path: Path, start: int, length: int, *, key: str, dtype: str, shape: tuple[int, ...]) -> ChunkData:
+def torch_save_data(
+    fd: Descriptor, path: str | Path, start: int, length: int, *, key: str, dtype: str, shape: tuple[int, ...]
+) -> ChunkData:
     """The data range of the `torch.save` archive at byte `start`, checked against the chunk's dtype and shape."""
     where = f"{path}: chunk of {key!r} at byte {start}"
     try:
@@ -68,7 +72,7 @@ def torch_save_data(fd: int, path: Path, start: int, length: int, *, key: str, d
     return ChunkData(start + record_start(fd, path, start, length, info, where) + skip, nbytes, TORCH_SAVE)
 
 
-def safetensors_blob(fd: int, path: Path, start: int, size: int) -> tuple[Header, dict]:
+def safetensors_blob(fd: Descriptor, path: str | Path, start: int, size: int) -> tuple[Header, dict]:
     """The header of the safetensors blob at byte `start` of `path`, and its sharding info."""
     if start + 8 > size:
         raise DataCheckError(f"{path}: no safetensors header at byte {start} (truncated)")
@@ -85,7 +89,7 @@ def safetensors_blob(fd: int, path: Path, start: int, size: int) -> tuple[Header
     return header, sharding if isinstance(sharding, dict) else {}
 
 
-def safetensors_data(path: Path, start: int, blob: tuple[Header, dict], tensor: DcpTensor, chunk: Chunk) -> ChunkData:
+def safetensors_data(path: str | Path, start: int, blob: tuple[Header, dict], tensor: DcpTensor, chunk: Chunk) -> ChunkData:
     header, sharding = blob
     key, dtype, shape, offsets = tensor.key, tensor.dtype, chunk.sizes, chunk.offsets
     info = header.tensors.get(key)
@@ -101,22 +105,35 @@ def safetensors_data(path: Path, start: int, blob: tuple[Header, dict], tensor: 
 
 
 class DcpCheckpoint:
-    def __init__(self, metadata: DcpMetadata):
+    def __init__(self, metadata: DcpMetadata, storage: Storage | None = None):
+        """The checkpoint `metadata` describes, its files in a local directory, or in `storage`
+        (an object store: read through the face)."""
         self.metadata = metadata
         self.directory = metadata.directory
-        self._files: dict[str, tuple[int, int]] = {}  # name -> (fd, size)
+        self._storage = storage
+        self._files: dict[str, tuple[Descriptor, int]] = {}  # name -> (fd or object handle, size)
         self._blobs: dict[tuple[str, int], tuple[Header, dict]] = {}
         self._data: dict[tuple[str, tuple[int, ...]], ChunkData] = {}
 
-    def file(self, name: str) -> tuple[int, int]:
-        """(fd, size) of a data file, opened once (a regular file inside the directory)."""
+    def file(self, name: str) -> tuple[Descriptor, int]:
+        """(fd, size) of a data file, opened once (a regular file inside the directory), or
+        (handle, size) of an object in the storage."""
         if name not in self._files:
-            self._files[name] = open_regular(checkpoint_file(self.directory, name))
+            if self._storage is None:
+                self._files[name] = open_regular(checkpoint_file(Path(self.directory), name))
+            else:
+                self._files[name] = open_handle(self._storage, name)
         return self._files[name]
+
+    def where(self, name: str) -> str:
+        """The path or URL of file `name`, for messages."""
+        return self._storage.where(name) if self._storage is not None else str(Path(self.directory) / name)
 
     def close(self) -> None:
         while self._files:
-            os.close(self._files.popitem()[1][0])
+            fd = self._files.popitem()[1][0]
+            if isinstance(fd, int):
+                os.close(fd)
 
     def __enter__(self) -> DcpCheckpoint:
         return self
@@ -150,7 +167,7 @@ class DcpCheckpoint:
             return []  # already reported missing
         size, end = self._files[location.file][1], location.offset + location.length
         if end > size:
-            return [f"{self.directory / location.file}: item {key!r} spans bytes up to {end}, the file has {size} (truncated)"]
+            return [f"{self.where(location.file)}: item {key!r} spans bytes up to {end}, the file has {size} (truncated)"]
         return []
 
     def chunk_data(self, tensor: DcpTensor, chunk: Chunk) -> ChunkData:
@@ -164,7 +181,7 @@ class DcpCheckpoint:
     def _locate(self, tensor: DcpTensor, chunk: Chunk) -> ChunkData:
         location = chunk.location
         fd, size = self.file(location.file)
-        path = self.directory / location.file
+        path = self.where(location.file)
         end = location.offset + location.length
         if end > size:
             raise DataCheckError(f"{path}: chunk of {tensor.key!r} ends at byte {end}, the file at {size} (truncated)")
@@ -182,7 +199,7 @@ class DcpCheckpoint:
         if item is None:
             raise UsageError(f"{self.directory}: no bytes item {key!r}")
         fd, _ = self.file(item.location.file)
-        return read_exactly(fd, item.location.length, item.location.offset, self.directory / item.location.file)
+        return read_exactly(fd, item.location.length, item.location.offset, self.where(item.location.file))
 
     @property
     def serializations(self) -> list[str]:
@@ -199,7 +216,7 @@ class DcpCheckpoint:
         pieces = []
         for chunk in tensor.chunks:
             offset = self.chunk_data(tensor, chunk).offset
-            data = TensorRange(self.directory / chunk.location.file, offset, numel(chunk.sizes), tensor.dtype)
+            data = TensorRange(Path(self.directory) / chunk.location.file, offset, numel(chunk.sizes), tensor.dtype)
             for first, count, within in flat_runs(tensor.shape, chunk.offsets, chunk.sizes):
                 pieces.append(data.piece(name, within, count, first))
         pieces.sort(key=lambda piece: piece.range.start)

@@ -109,7 +109,7 @@ class RankFile:
             position += len(block)
 
 
-def v2_crcs(path: Path, raw: bytes, expected: FileLayout) -> tuple[int, ...]:
+def v2_crcs(path: str | Path, raw: bytes, expected: FileLayout) -> tuple[int, ...]:
     """The fragments' crc32s from a v2 rank file's header `raw`, which must be exactly the
     header the layout derives except for the crc32 hex digits (else a DataCheckError)."""
     if raw[:8] != expected.header[:8]:

@@ -22,7 +22,9 @@ from ..deepspeed.format import DeepSpeedFormat
 from ..format.format import ShardedFormat
 from ..format.full_format import FullFormat
 from ..megatron.format import MegatronFormat
+from ..storage.location import is_url
 from ..torchsave.format import TorchSaveFormat
+from .locations import local_only, open_at
 
 # In the order messages list them and `detect_format` tries them. A Megatron torch_dist directory
 # is a DCP directory too: Megatron comes before DCP. A DeepSpeed save directory has a `latest` as
@@ -47,6 +49,7 @@ CONVERT_HELP = f"Convert a checkpoint ({READ_LABELS}) --to {', '.join(TARGETS[:-
 def detect_format(path: str | os.PathLike[str]) -> Format:
     """The format of the checkpoint at `path`; a UsageError when it is none that fsdpkit reads
     (the format's reader then says what is wrong inside it)."""
+    local_only(path, what="this reader")
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: does not exist")
@@ -58,6 +61,8 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
 
 def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> AnyCheckpoint:
     """The checkpoint at `path` in any format (`model_key`, `optimizer_key`: a DCP checkpoint's, as `Keys`)."""
+    if is_url(path):
+        return open_at(str(path), model_key=model_key, optimizer_key=optimizer_key)
     found = detect_format(path)
     opened = found.open(Path(path), Keys(model_key, optimizer_key))
     opened.format, opened.opened_from = found.name, str(path)
@@ -66,6 +71,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = Non
 
 def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], request: ReshardRequest) -> WriteReport:
     """`reshard`: the checkpoint at `src` laid out for `request.world_size` ranks, in its format."""
+    local_only(src, dst, what="reshard")
     found = detect_format(src)
     if not found.reshardable:
         with found.open(Path(src), Keys(None, None)):  # a corrupt one is called that first (DataCheckError)
@@ -82,6 +88,7 @@ def convert_any(
 ) -> WriteReport:
     """`convert`: the checkpoint at `src`, opened as a tensor table, written by `request.to`'s
     writer (to its own format: `fsdpkit reshard`)."""
+    local_only(src, dst, what="convert")
     source = detect_format(src)
     target = FORMATS.get(request.to)
     if target is None or not target.writable:

@@ -23,7 +23,7 @@ from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..core.bytecopy import SourcePiece, SourceTensor
 from ..core.crc import crc32
-from ..core.files import open_regular, read_exactly, read_some
+from ..core.files import Descriptor, open_regular, read_exactly, read_some
 from ..core.names import numel
 from ..core.report import VerifyReport
 from .unpickler import TensorRecord
@@ -35,7 +35,7 @@ LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header: 30 bytes
 class Window(io.RawIOBase):
     """Bytes [start, start + length) of an open file, as a seekable read-only file."""
 
-    def __init__(self, fd: int, start: int, length: int):
+    def __init__(self, fd: Descriptor, start: int, length: int):
         super().__init__()
         self._fd, self._start, self._length, self._position = fd, start, length, 0
 
@@ -57,7 +57,7 @@ class Window(io.RawIOBase):
         return done
 
 
-def record_start(fd: int, path: Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> int:
+def record_start(fd: Descriptor, path: str | Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> int:
     """Where the stored record `info` starts inside the archive at `start` (its local header read)."""
     if info.compress_type != zipfile.ZIP_STORED:
         raise DataCheckError(f"{where}: record {info.filename} is compressed")
@@ -71,11 +71,11 @@ def record_start(fd: int, path: Path, start: int, length: int, info: zipfile.Zip
     return data_start
 
 
-def read_record(fd: int, path: Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> bytes:
+def read_record(fd: Descriptor, path: str | Path, start: int, length: int, info: zipfile.ZipInfo, where: str) -> bytes:
     return read_exactly(fd, info.file_size, start + record_start(fd, path, start, length, info, where), path)
 
 
-def torch_save_pickle(fd: int, path: Path, start: int, length: int, where: str) -> tuple[zipfile.ZipFile, str, bytes]:
+def torch_save_pickle(fd: Descriptor, path: str | Path, start: int, length: int, where: str) -> tuple[zipfile.ZipFile, str, bytes]:
     """(the zip, its records' prefix, its data.pkl) of the `torch.save` archive at byte `start`, not big-endian."""
     archive = zipfile.ZipFile(Window(fd, start, length))
     names = archive.namelist()

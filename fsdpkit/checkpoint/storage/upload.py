@@ -1,0 +1,68 @@
+"""A checkpoint directory written locally, published to a storage through the face: every
+object but the commit object first (UPLOADS_IN_FLIGHT files at once, each a multipart upload
+streamed from the file in blocks), then the commit object alone (a manifest, DCP's
+`.metadata`, DeepSpeed's `latest`, a full checkpoint's index or its one file). An existing
+destination loses its commit object before anything else is written, so no reader takes a mix
+of old and new objects for a checkpoint; objects of the old checkpoint the new one does not
+replace are removed last. A failed upload aborts its multipart uploads, removes what it
+uploaded and commits nothing."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ...errors import UsageError
+from .face import READ_BLOCK_BYTES, Storage
+from .local import LocalStorage
+
+UPLOADS_IN_FLIGHT = 2  # files uploaded at once, each PARTS_IN_FLIGHT parts of PART_BYTES: 128 MiB held at most
+COMMIT_NAMES = (
+    "manifest.json",
+    ".metadata",
+    "latest",
+    "model.safetensors.index.json",
+    "model.safetensors",
+)  # the first of these the output holds is its commit object
+
+
+def check_destination(storage: Storage, *, overwrite: bool) -> dict[str, int]:
+    """The objects already under the destination (name -> size); a UsageError when there are any
+    and `overwrite` is not given."""
+    existing = storage.list()
+    if existing and not overwrite:
+        raise UsageError(f"destination {storage.root} already holds {len(existing)} objects; pass --overwrite to replace them")
+    return existing
+
+
+def publish(directory: Path, storage: Storage, existing: dict[str, int], progress: Callable[[int], None] | None = None) -> list[str]:
+    """Upload the files under `directory` to `storage`, the commit object last; the names written."""
+    source = LocalStorage(directory)
+    names = sorted(source.list())
+    commit = next((name for name in COMMIT_NAMES if name in names), None)
+    old_commits = [name for name in COMMIT_NAMES if name in existing]
+    storage.delete(old_commits)
+    data = [name for name in names if name != commit]
+    try:
+        with ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="fsdpkit-upload") as pool:
+            for _ in pool.map(lambda name: _upload(source, storage, name, progress), data):
+                pass
+        if commit is not None:  # streamed too: a full checkpoint's one file is its commit object
+            _upload(source, storage, commit, progress)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the first failure is the one to report
+            storage.delete(data)
+        raise
+    storage.delete(sorted(set(existing) - set(names) - set(old_commits)))
+    return names
+
+
+def _upload(source: LocalStorage, storage: Storage, name: str, progress: Callable[[int], None] | None) -> None:
+    size = source.size(name) or 0
+    with storage.write(name) as stream:
+        for _, block in source.read_blocks(name, [(0, size)], block_bytes=READ_BLOCK_BYTES):
+            stream.write(block)
+            if progress is not None:
+                progress(len(block))

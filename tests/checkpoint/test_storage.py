@@ -1,0 +1,197 @@
+"""The storage face against a real S3 endpoint (moto's server) and a local directory: ranged
+reads, multipart writes, the conditional create, retries through a fault-injecting proxy,
+and the one-line errors for missing credentials, buckets and other clouds' URLs. boto3, a
+client independent of fsdpkit's, is the oracle for what is on the server."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fsdpkit.checkpoint.storage.face import PART_BYTES, READ_BLOCK_BYTES
+from fsdpkit.checkpoint.storage.location import open_storage, parse_url
+from fsdpkit.errors import DataCheckError, RunError, UsageError
+
+pytest.importorskip("obstore", reason="the cloud extra installs obstore")
+
+from support.fault_proxy import FaultProxy  # noqa: E402
+from support.object_store import s3_client  # noqa: E402
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request, tmp_path):
+    if request.param == "local":
+        return open_storage(tmp_path / "store")
+    bucket = request.getfixturevalue("s3_bucket")
+    return open_storage(f"s3://{bucket}/run/one")
+
+
+def test_ranged_reads_multipart_write_list_delete(storage):
+    data = os.urandom(2 * PART_BYTES + 12345)  # three parts on an object store
+    with storage.write("step/rank-0.bin") as stream:
+        for first in range(0, len(data), 3 << 20):
+            stream.write(memoryview(data)[first : first + (3 << 20)])
+    storage.put("step/small", b"abc")
+    assert storage.list() == {"step/rank-0.bin": len(data), "step/small": 3}
+    assert storage.list("step") == storage.list() and storage.list("ste") == {}
+    assert storage.size("step/rank-0.bin") == len(data) and storage.size("nothing") is None
+    assert storage.read("step/rank-0.bin", 5, 105) == data[5:105]
+    ranges = [(7, 20), (1000, 1000 + 3 * READ_BLOCK_BYTES // 2), (len(data) - 10, len(data))]
+    blocks = [(offset, bytes(block)) for offset, block in storage.read_blocks("step/rank-0.bin", ranges)]
+    assert [offset for offset, _ in blocks] == sorted(offset for offset, _ in blocks)
+    assert b"".join(block for _, block in blocks) == b"".join(data[start:end] for start, end in ranges)
+    assert all(len(block) <= READ_BLOCK_BYTES for _, block in blocks)
+    storage.delete(["step/small", "step/never-written"])
+    assert list(storage.list()) == ["step/rank-0.bin"]
+    with pytest.raises(DataCheckError, match="missing"):
+        storage.read("step/small")
+
+
+def test_a_failed_write_leaves_nothing(storage):
+    with pytest.raises(KeyError), storage.write("big") as stream:
+        stream.write(os.urandom(PART_BYTES + 1))  # one part uploaded on an object store
+        raise KeyError("interrupted")
+    assert storage.list() == {}
+
+
+def test_conditional_create_makes_one_writer(storage):
+    assert storage.create_exclusive("lock", b"first")
+    assert not storage.create_exclusive("lock", b"second")
+    assert storage.read("lock") == b"first"
+
+
+def test_an_aborted_multipart_upload_is_gone_from_the_server(s3_bucket, s3_endpoint):
+    storage = open_storage(f"s3://{s3_bucket}/p")
+    with pytest.raises(KeyError), storage.write("big") as stream:
+        stream.write(os.urandom(2 * PART_BYTES))
+        raise KeyError("interrupted")
+    client = s3_client(s3_endpoint)
+    assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    assert client.list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
+
+
+def test_faults_are_retried(s3_bucket, s3_endpoint, monkeypatch):
+    data = os.urandom(3 * PART_BYTES + 99)
+    with FaultProxy(s3_endpoint, fraction=0.3, seed=3) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        storage = open_storage(f"s3://{s3_bucket}/p")
+        with storage.write("obj") as stream:
+            stream.write(data)
+        storage.commit("manifest.json", b"{}")
+        got = b"".join(bytes(block) for _, block in storage.read_blocks("obj", [(0, len(data))], block_bytes=1 << 20))
+        listed = storage.list()
+    assert all(proxy.faults.values()), proxy.faults  # each kind of fault was met and survived
+    assert got == data and listed == {"obj": len(data), "manifest.json": 2}
+    body = s3_client(s3_endpoint).get_object(Bucket=s3_bucket, Key="p/obj")["Body"].read()
+    assert body == data
+
+
+def test_a_write_that_keeps_failing_names_the_object_and_commits_nothing(s3_bucket, s3_endpoint, monkeypatch):
+    import fsdpkit.checkpoint.storage.objects as objects
+
+    monkeypatch.setattr(objects, "RETRIES", 1)
+    with FaultProxy(s3_endpoint, fraction=1.0, kinds=("503",)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        storage = open_storage(f"s3://{s3_bucket}/p")
+        with pytest.raises(
+            RunError,
+            match=rf"s3://{s3_bucket}/p/manifest.json: write failed after retries, nothing committed: HTTP 503 .*SlowDown",
+        ):
+            storage.commit("manifest.json", b"{}")
+    assert s3_client(s3_endpoint).list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
+
+
+def test_a_missing_bucket_is_one_line(s3_bucket):
+    with pytest.raises(UsageError, match="s3://no-such-bucket-here: the bucket does not exist"):
+        open_storage("s3://no-such-bucket-here").list()
+
+
+def test_credentials_come_from_a_profile(s3_bucket, tmp_path, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(UsageError, match="no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"):
+        open_storage(f"s3://{s3_bucket}/p")
+    credentials = tmp_path / "credentials"
+    credentials.write_text("[train]\naws_access_key_id = testing\naws_secret_access_key = s3cr3t-value\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_PROFILE", "other")
+    with pytest.raises(UsageError, match="AWS_PROFILE=other: no such profile"):
+        open_storage(f"s3://{s3_bucket}/p")
+    monkeypatch.setenv("AWS_PROFILE", "train")
+    storage = open_storage(f"s3://{s3_bucket}/p")
+    storage.put("x", b"1")
+    assert storage.list() == {"x": 1}
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("gs://bucket/run", "gs://bucket/run: no Google Cloud credentials found: set GOOGLE_APPLICATION_CREDENTIALS"),
+        ("az://container/run", "az://container/run: no Azure storage account: set AZURE_STORAGE_ACCOUNT_NAME"),
+        ("ftp://host/run", "unknown storage scheme 'ftp'"),
+        ("s3:///run", "no bucket named"),
+        ("s3://Bad_Bucket/run", "not a valid bucket name"),
+        ("s3://bucket/a/../b", "has an empty, '.' or '..' part"),
+    ],
+)
+def test_urls_fsdpkit_cannot_use_are_one_line(url, message, monkeypatch, tmp_path):
+    for name in [name for name in os.environ if name.startswith(("GOOGLE_", "AZURE_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(UsageError, match=message):
+        open_storage(url)
+
+
+def test_azure_with_an_account_needs_a_secret(monkeypatch, tmp_path):
+    for name in [name for name in os.environ if name.startswith("AZURE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+    with pytest.raises(UsageError, match="no Azure credentials found: set AZURE_STORAGE_ACCOUNT_KEY"):
+        open_storage("az://container/run")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "a2V5")
+    assert parse_url("az://container/run/x").prefix == "run/x"
+    assert open_storage("az://container/run").where("a/b") == "az://container/run/a/b"
+
+
+def test_no_secret_in_any_message(s3_bucket, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDWRONG")
+    with pytest.raises(UsageError) as raised:
+        open_storage("s3://no-such-bucket-here/p").list()
+    assert "s3cr3t" not in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_an_object_of_many_segments_streams_in_order(s3_bucket, monkeypatch):
+    """Segments (one streamed GET each, two in flight) and blocks cut at odd sizes come back
+    in offset order, every byte once; a reader that stops early leaves no stream behind."""
+    import threading
+
+    import fsdpkit.checkpoint.storage.objects as objects
+
+    monkeypatch.setattr(objects, "SEGMENT_BYTES", 1 << 20)
+    data = os.urandom(5 * (1 << 20) + 777)
+    storage = open_storage(f"s3://{s3_bucket}/p")
+    storage.put("obj", data)
+    ranges = [(3, 2 * (1 << 20) + 5), (2 * (1 << 20) + 9, len(data))]
+    blocks = list(storage.read_blocks("obj", ranges, block_bytes=300_000))
+    assert [offset for offset, _ in blocks] == sorted(offset for offset, _ in blocks)
+    assert b"".join(bytes(block) for _, block in blocks) == b"".join(data[start:end] for start, end in ranges)
+    stream = storage.read_blocks("obj", [(0, len(data))], block_bytes=100_000)
+    assert bytes(next(stream)[1]) == data[:100_000]
+    stream.close()
+    assert not [thread.name for thread in threading.enumerate() if thread.name.startswith("fsdpkit-get")]
+
+
+def test_a_long_write_waits_for_its_parts_and_stays_whole(s3_bucket, s3_endpoint, monkeypatch):
+    """The writer waits for the parts in flight every PARTS_IN_FLIGHT parts (bounded memory);
+    boto3 reads back every byte."""
+    import fsdpkit.checkpoint.storage.objects as objects
+
+    monkeypatch.setattr(objects, "PARTS_IN_FLIGHT", 1)
+    data = os.urandom(3 * PART_BYTES + 5)
+    with open_storage(f"s3://{s3_bucket}/p").write("obj") as stream:
+        for first in range(0, len(data), 1 << 20):
+            stream.write(data[first : first + (1 << 20)])
+    assert s3_client(s3_endpoint).get_object(Bucket=s3_bucket, Key="p/obj")["Body"].read() == data

@@ -1,0 +1,121 @@
+"""A small HTTP proxy in front of a test server that answers a given fraction of requests
+with a fault: `503 SlowDown` (S3's throttling), another 5xx, or a connection dropped without
+an answer. The request is read whole first, so a fault never reaches the server; which requests
+fail comes from a seeded generator, so a run is repeatable; the kinds take turns. `faults` counts what was injected."""
+
+from __future__ import annotations
+
+import http.client
+import random
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+SLOW_DOWN = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
+INTERNAL = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>'
+)
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+
+
+class FaultProxy:
+    """`with FaultProxy(upstream, fraction=0.05) as proxy:` then send requests to `proxy.url`."""
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        fraction: float,
+        seed: int = 0,
+        kinds: tuple[str, ...] = ("503", "500", "drop"),
+        methods: tuple[str, ...] = ("GET", "HEAD", "PUT", "POST", "DELETE"),
+    ):
+        self.upstream = urlsplit(upstream)
+        self.fraction, self.kinds, self.methods = fraction, kinds, methods  # only requests of `methods` fail
+        self.faults: dict[str, int] = dict.fromkeys(kinds, 0)
+        self.requests = 0
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def draw(self, method: str) -> str | None:
+        """The fault for the next request, or None."""
+        with self._lock:
+            self.requests += 1
+            if method not in self.methods or self._random.random() >= self.fraction:
+                return None
+            kind = self.kinds[sum(self.faults.values()) % len(self.kinds)]  # each kind in turn
+            self.faults[kind] += 1
+            return kind
+
+
+def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def _body(self) -> bytes:
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                chunks = []
+                while size := int(self.rfile.readline().split(b";")[0], 16):
+                    chunks.append(self.rfile.read(size))
+                    self.rfile.readline()
+                while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                return b"".join(chunks)
+            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+        def _any(self) -> None:
+            body = self._body()
+            fault = proxy.draw(self.command)
+            if fault == "drop":
+                self.connection.shutdown(socket.SHUT_RDWR)
+                self.close_connection = True
+                return
+            if fault is not None:
+                payload = SLOW_DOWN if fault == "503" else INTERNAL
+                self.send_response(int(fault))
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                return
+            self._forward(body)
+
+        def _forward(self, body: bytes) -> None:
+            upstream = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+            headers = {key: value for key, value in self.headers.items() if key.lower() not in HOP_BY_HOP}
+            if self.headers.get("Transfer-Encoding"):
+                headers["Content-Length"] = str(len(body))
+            try:
+                upstream.request(self.command, self.path, body=body if body or self.command in ("PUT", "POST") else None, headers=headers)
+                answer = upstream.getresponse()
+                payload = answer.read()
+                self.send_response(answer.status, answer.reason)
+                for key, value in answer.getheaders():
+                    if key.lower() not in HOP_BY_HOP and key.lower() != "content-length":
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(payload)) if self.command != "HEAD" else answer.getheader("Content-Length", "0"))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
+            finally:
+                upstream.close()
+
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+    return Handler
