@@ -2,7 +2,7 @@
 # they create .venv, install torch (TORCH_SPEC, from pip's configured index: its default build
 # for this platform, which on Linux is the CUDA one; TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # picks the CPU wheels) and fsdpkit itself with its optional extras (plot, tensorboard, hf, data, wandb,
-# mlflow, deepspeed, megatron, cloud: the tests cover them; lint: ruff, mypy and vulture for `make lint`; the core needs none of them), then run.
+# mlflow, deepspeed, megatron, cloud, cloud-test: the tests cover them; lint: ruff, mypy and vulture for `make lint`; the core needs none of them), then run.
 # pip's own output shows what is being downloaded and installed.
 PYTHON ?= python3
 VENV ?= .venv
@@ -25,8 +25,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "== $(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX)) (the largest download)"
 	$(PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	@echo "== fsdpkit, editable, with the extras test, lint, plot, tensorboard, hf, data, wandb, mlflow, deepspeed, megatron, cloud"
-	$(PY) -m pip install -e ".[test,lint,plot,tensorboard,hf,data,wandb,mlflow,deepspeed,megatron,cloud]"
+	@echo "== fsdpkit, editable, with the extras test, lint, plot, tensorboard, hf, data, wandb, mlflow, deepspeed, megatron, cloud, cloud-test"
+	$(PY) -m pip install -e ".[test,lint,plot,tensorboard,hf,data,wandb,mlflow,deepspeed,megatron,cloud,cloud-test]"
 	touch $(STAMP)
 	@echo "== installed: $(VENV)/bin/fsdpkit"
 

@@ -139,7 +139,7 @@ def test_a_missing_prefix_or_bucket_is_one_line(s3_bucket):
 
 def test_a_dcp_checkpoint_fsdpkit_writes_to_a_bucket_loads_with_torchs_fsspec_reader(run_in_bucket, s3_bucket):
     """torch's own FsspecReader (through s3fs) is the oracle: it loads what `convert --to dcp s3://` wrote."""
-    pytest.importorskip("s3fs", reason="the test extra installs s3fs")
+    pytest.importorskip("s3fs", reason="the cloud-test extra installs s3fs")
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -197,7 +197,7 @@ def test_a_dcp_checkpoint_torchs_fsspec_writer_put_in_a_bucket_is_read_there(s3_
     """torch writes the same state dict twice, to the bucket (FsspecWriter through s3fs) and to a
     directory (FileSystemWriter); fsdpkit's verify and inspect of the bucket's give what they give
     of the directory's, and the summary counts the state dict's tensors."""
-    pytest.importorskip("s3fs", reason="the test extra installs s3fs")
+    pytest.importorskip("s3fs", reason="the cloud-test extra installs s3fs")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
