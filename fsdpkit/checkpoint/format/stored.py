@@ -14,12 +14,13 @@ from ...errors import DataCheckError, UsageError
 from ..core.crc import crc32
 from ..core.names import is_safe_file_name, parse_json
 from ..core.report import VerifyReport
-from ..core.summary import FileEntry, ShardedSummary, tensor_stats
+from ..core.summary import FileEntry, ShardedSummary
 from ..storage.face import Storage
 from .manifest import Manifest
-from .names import FORMAT_NAME, LATEST_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir_name, rank_file_name
+from .names import LATEST_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir_name, rank_file_name
 from .placement import FileLayout
 from .reader import v2_crcs
+from .verify import sharded_summary
 
 FILES_IN_FLIGHT = 4  # rank files read at once, each a bounded stream (storage/objects.py)
 BLOCK_BYTES = 8 << 20
@@ -143,24 +144,10 @@ def _stored_crcs(storage: Storage, listed: dict[str, int], name: str, expected: 
 
 def summarize_stored(storage: Storage, listed: dict[str, int]) -> ShardedSummary:
     step, manifest = resolve_stored(storage, listed)
-    layout, state = manifest.layout(), manifest.training_state
+    layout = manifest.layout()
     names = [_in(step, rank_file_name(rank, manifest.shard_factor)) for rank in range(manifest.shard_factor)]
     for rank, name in enumerate(names):  # each header checked, as the local reader does
         _stored_crcs(storage, listed, name, layout.file_layout(rank))
-    return ShardedSummary(
-        storage.where(step) if step else storage.root,
-        FORMAT_NAME,
-        *tensor_stats([(t.name, t.dtype, t.shape) for t in manifest.tensors]),
-        files=[FileEntry(name.rpartition("/")[2], listed[name]) for name in names],
-        aliases=manifest.aliases,
-        version=manifest.version,
-        world_size=manifest.shard_factor,
-        strategy=manifest.strategy,
-        placement=manifest.placement.kind,
-        units=len(manifest.placement.units),
-        step=state.get("step"),
-        samples=state.get("samples"),
-        data_position=state.get("data_position"),
-        config=state.get("config"),
-        fragments=sum(len(layout.file_layout(rank).tensors) for rank in range(manifest.shard_factor)),
-    )
+    files = [FileEntry(name.rpartition("/")[2], listed[name]) for name in names]
+    fragments = sum(len(layout.file_layout(rank).tensors) for rank in range(manifest.shard_factor))
+    return sharded_summary(storage.where(step) if step else storage.root, manifest, files, fragments)

@@ -15,7 +15,7 @@ from ..core.crc import crc32
 from ..core.report import VerifyReport
 from ..core.request import progress_callback
 from ..core.summary import FileEntry, FullSummary, ShardedSummary, tensor_stats
-from .manifest import load_manifest
+from .manifest import Manifest, load_manifest
 from .names import FORMAT_NAME
 from .placement import FileLayout
 from .reader import RankFile, ShardedCheckpoint, has_optimizer_files, open_full, open_sharded, v2_crcs
@@ -134,13 +134,18 @@ def summarize_full(path: Path) -> FullSummary:
 def summarize(path: str | Path) -> ShardedSummary:
     checkpoint = open_sharded(path)
     manifest = checkpoint.manifest
-    state = manifest.training_state
     files = [checkpoint.rank_file(index) for index in range(len(checkpoint.file_names()))]
+    return sharded_summary(str(checkpoint.step_dir), manifest, [FileEntry(f.path.name, f.size) for f in files], sum(len(f) for f in files))
+
+
+def sharded_summary(where: str, manifest: Manifest, files: list[FileEntry], fragments: int) -> ShardedSummary:
+    """What `inspect` says of an fsdpkit checkpoint, wherever its files are read from."""
+    state = manifest.training_state
     return ShardedSummary(
-        str(checkpoint.step_dir),
+        where,
         FORMAT_NAME,
         *tensor_stats([(t.name, t.dtype, t.shape) for t in manifest.tensors]),
-        files=[FileEntry(f.path.name, f.size) for f in files],
+        files=files,
         aliases=manifest.aliases,
         version=manifest.version,
         world_size=manifest.shard_factor,
@@ -151,5 +156,5 @@ def summarize(path: str | Path) -> ShardedSummary:
         samples=state.get("samples"),
         data_position=state.get("data_position"),
         config=state.get("config"),
-        fragments=sum(len(f) for f in files),
+        fragments=fragments,
     )
