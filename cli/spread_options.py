@@ -87,6 +87,13 @@ def spreads_from(src: Any) -> Callable[[], bool]:
     return sharded
 
 
+def spread_target(to: str) -> bool:
+    """Whether `convert --to to` spreads under torchrun."""
+    from fsdpkit.checkpoint.spread.jobs import SPREAD_TARGETS
+
+    return to in SPREAD_TARGETS
+
+
 def spread_command(name: str, body: Callable[..., Any]) -> typer.Typer:
     """A one-command Typer app: `body(ctx, ..., **settings)` with its own options and the launch flags."""
     own = [p for key, p in inspect.signature(body, eval_str=True).parameters.items() if key != "settings"]

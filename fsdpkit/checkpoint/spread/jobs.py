@@ -10,20 +10,21 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ...dtypes import dtype_info
 from ...errors import UsageError
 from ...flat_layout import ElementRange
-from ..core.bytecopy import ByteEngine
+from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.crc import PartRead, check_parts, crc32, crc32_combine
 from ..core.names import layout_header
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, check_count, check_options
 from ..format.manifest import Manifest, load_manifest, resharded_training_state, save_manifest
 from ..format.names import FORMAT_NAME, rank_file_name
-from ..format.placement import TensorSpec
+from ..format.placement import ShardLayout, TensorSpec
 from ..format.reader import ShardedCheckpoint, open_sharded
 from ..format.storage import resolve_checkpoint
 from ..format.to_full import full_output, transposed_bytes
@@ -123,6 +124,37 @@ class FullJob:
         self.stack.close()
 
 
+@dataclass(frozen=True)
+class RankFiles:
+    """fsdpkit's rank files copied from `sources`, laid out by `layout`, cast to `dtypes` (one per source)."""
+
+    sources: list[SourceTensor]
+    layout: ShardLayout
+    dtypes: list[str]
+
+    @classmethod
+    def of(cls, sources: list[SourceTensor], manifest: Manifest) -> RankFiles:
+        return cls(sources, manifest.layout(), [t.dtype for t in manifest.tensors])
+
+    def files(self) -> list[OutputFile]:
+        world_size = self.layout.world_size
+        return [OutputFile(rank_file_name(r, world_size), self.layout.file_layout(r).size) for r in range(world_size)]
+
+
+def rank_file_part(part: Part, path: Path, rank_files: RankFiles, chunk_size: int, progress: Progress) -> PartResult:
+    """Rank file `part.file` written whole at `path`."""
+    layout = rank_files.layout.file_layout(part.file)
+    engine = ByteEngine(rank_files.sources, rank_files.dtypes, chunk_size=chunk_size, progress=progress)
+    try:
+        crcs = engine.write_rank_file(path, layout)
+    finally:
+        parts = engine.finish_parts()
+    crc = crc32(b"".join(layout.header_with(crcs)))
+    for (start, end), fragment_crc in zip(layout.spans, crcs, strict=True):
+        crc = crc32_combine(crc, fragment_crc, end - start)
+    return PartResult(part.file, part.index, path.name, part.begin, part.end, crc, engine.bytes_read, _parts_json(parts))
+
+
 class ReshardJob:
     """`reshard` of fsdpkit's format: one rank file per output file, each written whole."""
 
@@ -137,8 +169,8 @@ class ReshardJob:
         self.sources = self.checkpoint.sources()
         tensors = tuple(TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in self.sources)
         self.manifest = Manifest(world_size, old.strategy, old.placement, tensors, dict(old.aliases), dict(state))
-        self.layout = self.manifest.layout()
-        self.files = [OutputFile(rank_file_name(r, world_size), self.layout.file_layout(r).size) for r in range(world_size)]
+        self.rank_files = RankFiles.of(self.sources, self.manifest)
+        self.files = self.rank_files.files()
 
     @property
     def source_bytes(self) -> int:
@@ -152,16 +184,7 @@ class ReshardJob:
         return [(f.name, f.nbytes) for f in self.files]
 
     def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
-        name, layout = self.files[part.file].name, self.layout.file_layout(part.file)
-        engine = ByteEngine(self.sources, [s.dtype for s in self.sources], chunk_size=self.chunk_size, progress=progress)
-        try:
-            crcs = engine.write_rank_file(directory / name, layout)
-        finally:
-            parts = engine.finish_parts()
-        crc = crc32(b"".join(layout.header_with(crcs)))
-        for (start, end), fragment_crc in zip(layout.spans, crcs, strict=True):
-            crc = crc32_combine(crc, fragment_crc, end - start)
-        return PartResult(part.file, part.index, name, part.begin, part.end, crc, engine.bytes_read, _parts_json(parts))
+        return rank_file_part(part, directory / self.files[part.file].name, self.rank_files, self.chunk_size, progress)
 
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))
@@ -227,18 +250,28 @@ def _size(path: Path) -> int:
         return 0
 
 
+def sharded_job(src: str, request: ConvertRequest):
+    from .sharded_job import ShardedJob  # it imports this module
+
+    return ShardedJob(src, request)
+
+
+CONVERT_JOBS: dict[str, Callable[[str, ConvertRequest], Any]] = {FULL: FullJob, SHARDED: sharded_job}
+SPREAD_TARGETS = tuple(CONVERT_JOBS)  # what `convert --to` spreads over processes
+
+
 def open_job(command: str, src: str, *, request: ConvertRequest | None = None, world_size: int | None = None, chunk_size: int):
     """The job of a spread command; a UsageError for a format or target that does not spread."""
     found = detect_format(src)
     if command == "convert":
         assert request is not None
         target = FORMATS.get(request.to)
-        if request.to != FULL or target is None:
-            raise UsageError(f"--nproc-per-node and --nnodes spread convert --to full only (not --to {request.to})")
+        if request.to not in CONVERT_JOBS or target is None:
+            raise UsageError(f"--nproc-per-node and --nnodes spread convert --to {', '.join(SPREAD_TARGETS)} only (not --to {request.to})")
         if found is target:
             raise UsageError(f"a {found.name} checkpoint cannot be converted --to {target.name}")
         check_options(found.name, found.reads, target.writes, request)
-        return FullJob(src, request)
+        return CONVERT_JOBS[request.to](src, request)
     if found.name != SHARDED:
         raise UsageError(f"--nproc-per-node and --nnodes spread {command} of {FORMAT_NAME}'s own checkpoints only; {src} is {found.label}")
     if command == "reshard":

@@ -1,0 +1,61 @@
+"""convert --to sharded and --to dcp from other formats, spread over 1 and 2 processes: the same
+bytes as the one-process command, and the tensors the test wrote read back by an independent
+reader (safetensors for fsdpkit's rank files via fsdpkit's loader of a full export, torch's
+`dcp.load` for DCP)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support.checkpoint_files import run_cli, save_checkpoint
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    model = {f"layer.{i}.weight": torch.randn(30 + 7 * i, 48, generator=g) for i in range(10)}
+    model["ids"] = torch.arange(50, dtype=torch.int64)
+    optim = {f"optim.exp_avg.{n}": torch.randn(t.shape, generator=g) for n, t in model.items() if n.startswith("layer")}
+    optim |= {f"optim.exp_avg_sq.{n}": torch.rand(t.shape, generator=g) for n, t in model.items() if n.startswith("layer")}
+    return {**model, **optim}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spread-formats")
+    tensors = _tensors()
+    save_checkpoint(root / "run", 3, tensors, world_size=2, training_state={"step": 3})
+    made_with = (("deepspeed", ("--stage", "3", "--world-size", "2")), ("dcp", ("--world-size", "2")), ("full", ("--with-optimizer",)))
+    for name, flags in made_with:
+        made = run_cli("convert", root / "run", root / name, "--to", name, *flags)
+        assert made.exit_code == 0, made.output
+    return root, tensors
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def _same_as_one_process(src: Path, out: Path, *flags: str) -> dict:
+    one = run_cli("convert", src, out / "one", *flags)
+    assert one.exit_code == 0, one.output
+    for nproc in ("1", "2"):
+        spread = run_cli("convert", src, out / f"n{nproc}", *flags, "--nproc-per-node", nproc, "--json")
+        assert spread.exit_code == 0, spread.output
+        assert _files(out / f"n{nproc}") == _files(out / "one"), (src.name, nproc)
+    return json.loads(spread.stdout)
+
+
+@pytest.mark.parametrize("name", ["deepspeed", "dcp", "full"])
+def test_to_sharded_is_the_one_process_bytes(sources, tmp_path, name):
+    root, tensors = sources
+    report = _same_as_one_process(root / name, tmp_path, "--to", "sharded", "--world-size", "3", "--with-optimizer", "--dtype", "bf16")
+    assert report["spread"]["world_size"] == 2 and report["from"] == name and report["world_size"] == 3
+    back = run_cli("convert", tmp_path / "n2", tmp_path / "back", "--to", "full", "--with-optimizer")
+    assert back.exit_code == 0, back.output
+    loaded = {k: v for path in sorted((tmp_path / "back").glob("*.safetensors")) for k, v in load_file(path).items()}
+    assert set(tensors) <= set(loaded)  # DeepSpeed's adds each parameter's optimizer step
+    assert all(torch.equal(loaded[n], t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in tensors.items())
