@@ -59,3 +59,20 @@ def test_to_sharded_is_the_one_process_bytes(sources, tmp_path, name):
     loaded = {k: v for path in sorted((tmp_path / "back").glob("*.safetensors")) for k, v in load_file(path).items()}
     assert set(tensors) <= set(loaded)  # DeepSpeed's adds each parameter's optimizer step
     assert all(torch.equal(loaded[n], t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in tensors.items())
+
+
+@pytest.mark.parametrize(("name", "ranks"), [("deepspeed", "3"), ("full", "1")])
+def test_to_dcp_is_the_one_process_bytes_and_what_dcp_load_reads(sources, tmp_path, name, ranks):
+    """--world-size 1: one rank file larger than a fair share, cut between the two processes."""
+    import torch.distributed.checkpoint as dcp
+
+    root, tensors = sources
+    report = _same_as_one_process(root / name, tmp_path, "--to", "dcp", "--world-size", ranks)
+    assert report["from"] == name and report["world_size"] == int(ranks) and report["spread"]["world_size"] == 2
+    model = {n: torch.empty_like(t) for n, t in tensors.items() if not n.startswith("optim.")}
+    state = {
+        n.removeprefix("optim.exp_avg."): {"exp_avg": torch.empty_like(t)} for n, t in tensors.items() if n.startswith("optim.exp_avg.")
+    }
+    dcp.load({"model": model, "optimizer": {"state": state}}, checkpoint_id=str(tmp_path / "n2"))
+    assert all(torch.equal(model[n], tensors[n]) for n in model)
+    assert all(torch.equal(s["exp_avg"], tensors[f"optim.exp_avg.{n}"]) for n, s in state.items())

@@ -29,7 +29,7 @@ from ..format.reader import ShardedCheckpoint, open_sharded
 from ..format.storage import resolve_checkpoint
 from ..format.to_full import full_output, transposed_bytes
 from ..format.verify import check_files
-from ..offline.formats import FORMATS, FULL, SHARDED, detect_format, open_checkpoint
+from ..offline.formats import DCP, FORMATS, FULL, SHARDED, detect_format, open_checkpoint
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
@@ -46,11 +46,17 @@ def source_listing(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
     return [(str(p.relative_to(root)) if p != root else p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in found]
 
 
+def convert_facts(request: ConvertRequest, opened_from: str, files: list[tuple[str, int]]) -> dict:
+    """What a spread conversion's fingerprint rests on: the options, the source's listing, the output files."""
+    options = {k: v for k, v in asdict(request).items() if k not in ("chunk_size", "overwrite")}
+    return {"command": "convert", "request": options, "source": source_listing(opened_from), "files": files}
+
+
 def part_reads(results: list[PartResult]) -> list[PartRead]:
     return [PartRead(Path(p[0]), *p[1:]) for result in results for p in result.source_parts]
 
 
-def _parts_json(parts: list[PartRead]) -> list[list]:
+def parts_json(parts: list[PartRead]) -> list[list]:
     return [[str(p.path), *p[1:]] for p in parts]
 
 
@@ -89,8 +95,7 @@ class FullJob:
         return self.output.source_bytes
 
     def facts(self) -> dict:
-        request = {k: v for k, v in asdict(self.request).items() if k not in ("chunk_size", "overwrite")}
-        return {"command": "convert", "request": request, "source": source_listing(self.opened.opened_from), "files": self.file_sizes()}
+        return convert_facts(self.request, self.opened.opened_from, self.file_sizes())
 
     def file_sizes(self) -> list[tuple[str, int]]:
         return [(f.name, f.nbytes) for f in self.files]
@@ -113,7 +118,7 @@ class FullJob:
                 else:
                     engine.copy(source, ElementRange(first, last), info.dtype, sink.write)
         parts = engine.finish_parts()
-        return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, engine.bytes_read, _parts_json(parts))
+        return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, engine.bytes_read, parts_json(parts))
 
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))
@@ -152,7 +157,7 @@ def rank_file_part(part: Part, path: Path, rank_files: RankFiles, chunk_size: in
     crc = crc32(b"".join(layout.header_with(crcs)))
     for (start, end), fragment_crc in zip(layout.spans, crcs, strict=True):
         crc = crc32_combine(crc, fragment_crc, end - start)
-    return PartResult(part.file, part.index, path.name, part.begin, part.end, crc, engine.bytes_read, _parts_json(parts))
+    return PartResult(part.file, part.index, path.name, part.begin, part.end, crc, engine.bytes_read, parts_json(parts))
 
 
 class ReshardJob:
@@ -256,7 +261,13 @@ def sharded_job(src: str, request: ConvertRequest):
     return ShardedJob(src, request)
 
 
-CONVERT_JOBS: dict[str, Callable[[str, ConvertRequest], Any]] = {FULL: FullJob, SHARDED: sharded_job}
+def dcp_job(src: str, request: ConvertRequest):
+    from .dcp_job import DcpJob  # it imports this module
+
+    return DcpJob(src, request)
+
+
+CONVERT_JOBS: dict[str, Callable[[str, ConvertRequest], Any]] = {FULL: FullJob, SHARDED: sharded_job, DCP: dcp_job}
 SPREAD_TARGETS = tuple(CONVERT_JOBS)  # what `convert --to` spreads over processes
 
 

@@ -5,7 +5,6 @@ by one rank from the source's byte ranges (cast as `--dtype` asks), the manifest
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import asdict
 from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
@@ -16,15 +15,9 @@ from ..core.request import ConvertRequest
 from ..format.manifest import save_manifest
 from ..format.to_sharded import restores_layout, sharded_output, sharded_source
 from ..offline.formats import open_checkpoint
-from .jobs import Progress, RankFiles, part_reads, rank_file_part, source_listing
+from .jobs import Progress, RankFiles, convert_facts, part_reads, rank_file_part
 from .plan import Part
 from .staging import PartResult
-
-
-def convert_facts(request: ConvertRequest, opened_from: str, files: list[tuple[str, int]]) -> dict:
-    """What a spread conversion's fingerprint rests on: the options, the source's listing, the output files."""
-    options = {k: v for k, v in asdict(request).items() if k not in ("chunk_size", "overwrite")}
-    return {"command": "convert", "request": options, "source": source_listing(opened_from), "files": files}
 
 
 class ShardedJob:
