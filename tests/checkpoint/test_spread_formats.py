@@ -36,7 +36,7 @@ def sources(tmp_path_factory):
 
 
 def _files(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def _same_as_one_process(src: Path, out: Path, *flags: str) -> dict:
@@ -76,3 +76,16 @@ def test_to_dcp_is_the_one_process_bytes_and_what_dcp_load_reads(sources, tmp_pa
     dcp.load({"model": model, "optimizer": {"state": state}}, checkpoint_id=str(tmp_path / "n2"))
     assert all(torch.equal(model[n], tensors[n]) for n in model)
     assert all(torch.equal(s["exp_avg"], tensors[f"optim.exp_avg.{n}"]) for n, s in state.items())
+
+
+@pytest.mark.parametrize(
+    ("name", "flags"), [("dcp", ("--stage", "3", "--world-size", "3")), ("full", ("--stage", "2", "--world-size", "2"))]
+)
+def test_to_deepspeed_is_the_one_process_bytes_and_what_zero_to_fp32_reads(sources, tmp_path, name, flags):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    root, tensors = sources
+    report = _same_as_one_process(root / name, tmp_path, "--to", "deepspeed", *flags)
+    assert report["from"] == name and report["files"][0] == "latest" and report["spread"]["world_size"] == 2
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "n2"))
+    assert all(torch.equal(weights[n], t) for n, t in tensors.items() if n.startswith("layer."))

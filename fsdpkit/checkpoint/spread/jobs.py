@@ -29,7 +29,7 @@ from ..format.reader import ShardedCheckpoint, open_sharded
 from ..format.storage import resolve_checkpoint
 from ..format.to_full import full_output, transposed_bytes
 from ..format.verify import check_files
-from ..offline.formats import DCP, FORMATS, FULL, SHARDED, detect_format, open_checkpoint
+from ..offline.formats import DCP, DEEPSPEED, FORMATS, FULL, SHARDED, detect_format, open_checkpoint
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
@@ -267,7 +267,18 @@ def dcp_job(src: str, request: ConvertRequest):
     return DcpJob(src, request)
 
 
-CONVERT_JOBS: dict[str, Callable[[str, ConvertRequest], Any]] = {FULL: FullJob, SHARDED: sharded_job, DCP: dcp_job}
+def deepspeed_job(src: str, request: ConvertRequest):
+    from .deepspeed_job import DeepSpeedJob  # it imports this module
+
+    return DeepSpeedJob(src, request)
+
+
+CONVERT_JOBS: dict[str, Callable[[str, ConvertRequest], Any]] = {
+    FULL: FullJob,
+    SHARDED: sharded_job,
+    DCP: dcp_job,
+    DEEPSPEED: deepspeed_job,
+}
 SPREAD_TARGETS = tuple(CONVERT_JOBS)  # what `convert --to` spreads over processes
 
 

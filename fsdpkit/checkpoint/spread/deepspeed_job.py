@@ -1,0 +1,103 @@
+"""`convert --to deepspeed` from another format, spread: the tag directory's files of
+`deepspeed.writer.deepspeed_files` (each a torch zip of one rank's model or optimizer states),
+each written whole by one rank, `latest` written by rank 0 last. The output is the one-process
+writer's, byte for byte."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+from ...errors import DataCheckError
+from ...flat_layout import ElementRange
+from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.crc import check_parts
+from ..core.report import WriteReport
+from ..core.request import ConvertRequest
+from ..core.staging import fsync_dir
+from ..deepspeed.to_deepspeed import RunShape, build_run
+from ..deepspeed.writer import deepspeed_files
+from ..offline.formats import open_checkpoint
+from .jobs import Progress, convert_facts, part_reads, parts_json
+from .plan import OutputFile, Part
+from .staging import PartResult
+from .writes import PartSink
+
+LATEST = "latest"
+
+
+class SinkOutput:
+    """A whole output file written through a `PartSink`, as the DeepSpeed writer's storages append to it."""
+
+    def __init__(self, sink: PartSink, engine: ByteEngine):
+        self.path, self.position = sink.path, 0
+        self.sink, self.engine = sink, engine
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.sink.write(data)
+        self.position += len(data)
+
+    def copy(self, source: SourceTensor, wanted: ElementRange) -> None:
+        self.engine.copy(source, wanted, source.dtype, self.write)
+
+    def copy_via_engine(self, source: SourceTensor, wanted: ElementRange, dtype: str) -> None:
+        self.engine.copy(source, wanted, dtype, self.write)
+
+
+class DeepSpeedJob:
+    command = "convert"
+
+    def __init__(self, src: str, request: ConvertRequest):
+        assert request.stage is not None  # check_options: --to deepspeed needs it
+        self.stack = ExitStack()
+        self.opened = opened = self.stack.enter_context(
+            open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key)
+        )
+        self.request = request
+        try:
+            if not opened.model:
+                raise DataCheckError(f"{src}: no model tensors found")
+            tensors = {t.name: t for t in opened.stored()}
+            shape = RunShape(request.stage, request.world_size or opened.world_size, opened.step, opened.aliases)
+            self.run = build_run(tensors, opened.groups, shape)
+            self.contents = deepspeed_files(self.run)
+        except BaseException:
+            self.stack.close()
+            raise
+        self.files = [OutputFile(f"{self.run.tag}/{file.name}", file.nbytes) for file in self.contents]
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(p.master.nbytes * 3 for g in self.run.groups for p in g.params)
+
+    def facts(self) -> dict:
+        return convert_facts(self.request, self.opened.opened_from, [(f.name, f.nbytes) for f in self.files])
+
+    def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
+        name = self.files[part.file].name
+        (directory / self.run.tag).mkdir(exist_ok=True)
+        engine = ByteEngine(chunk_size=self.request.chunk_size, progress=progress)
+        with PartSink(directory / name, part.begin, part.end) as sink:
+            self.contents[part.file].write(SinkOutput(sink, engine))
+        parts = engine.finish_parts()
+        return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, engine.bytes_read, parts_json(parts))
+
+    def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
+        check_parts(part_reads(results))
+        (directory / LATEST).write_text(self.run.tag)  # the staging area's commit syncs it
+        fsync_dir(directory / self.run.tag)
+        run = self.run
+        details = {
+            "from": self.opened.format,
+            **self.opened.facts,
+            "to": "deepspeed",
+            "stage": run.stage,
+            "world_size": run.world_size,
+            "tag": run.tag,
+        }
+        parameters = sum(len(g.params) for g in run.groups)
+        files = [LATEST, *(f.name for f in self.files)]
+        return WriteReport(self.opened.opened_from, dst, files, parameters, self.source_bytes, [], details)
+
+    def close(self) -> None:
+        self.stack.close()
