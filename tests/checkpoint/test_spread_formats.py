@@ -89,3 +89,21 @@ def test_to_deepspeed_is_the_one_process_bytes_and_what_zero_to_fp32_reads(sourc
     assert report["from"] == name and report["files"][0] == "latest" and report["spread"]["world_size"] == 2
     weights = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "n2"))
     assert all(torch.equal(weights[n], t) for n, t in tensors.items() if n.startswith("layer."))
+
+
+def test_to_megatron_is_the_one_process_bytes(tmp_path):
+    """A tiny Llama from transformers; torch's DCP reader (no process group) reads its embedding back."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    embedding = load_file(tmp_path / "hf" / "model.safetensors")["model.embed_tokens.weight"]
+    report = _same_as_one_process(tmp_path / "hf", tmp_path, "--to", "megatron")
+    assert report["files"] == ["__0_0.distcp", ".metadata", "common.pt", "metadata.json"] and report["spread"]["world_size"] == 2
+    state = {"embedding.word_embeddings.weight": torch.empty_like(embedding)}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path / "n2")), no_dist=True)
+    assert torch.equal(state["embedding.word_embeddings.weight"], embedding)

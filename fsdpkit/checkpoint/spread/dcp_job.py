@@ -1,8 +1,8 @@
-"""`convert --to dcp` from another format, spread: the `__<rank>_0.distcp` files of
+"""`convert --to dcp` and `--to megatron` (DCP underneath) from another format, spread: the `__<rank>_0.distcp` files of
 `dcp.writer.plan_dcp`'s plan, each written by one rank or cut by byte range into parts (at any
 element boundary of a chunk's data; the archives' headers and the bytes items are known before
-any data is read), `.metadata` written by rank 0 last. The output is the one-process writer's,
-byte for byte."""
+any data is read), `.metadata` (and Megatron's common files) written by rank 0 last. The output
+is the one-process writer's, byte for byte."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from pathlib import Path
 from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
-from ..core.any_checkpoint import recorded_data_source
+from ..core.any_checkpoint import AnyCheckpoint, recorded_data_source
 from ..core.bytecopy import ByteEngine
 from ..core.crc import check_parts
 from ..core.report import WriteReport
 from ..core.request import ConvertRequest
 from ..dcp.export import dcp_entries
 from ..dcp.metadata import METADATA_NAME
-from ..dcp.writer import DcpRecord, plan_dcp, rank_file_name
+from ..dcp.writer import DcpRecord, OutBytes, OutTensor, plan_dcp, rank_file_name
+from ..megatron.to_megatron import megatron_output
 from ..offline.formats import open_checkpoint
 from .jobs import Progress, convert_facts, part_reads, parts_json
 from .plan import OutputFile, Part
@@ -45,6 +46,8 @@ def _literal(sink: PartSink, data: bytes, at: int, part: Part) -> None:
 
 
 class DcpJob:
+    """`convert --to dcp`; `entries` and `commit_files` are what `--to megatron` changes."""
+
     command = "convert"
 
     def __init__(self, src: str, request: ConvertRequest):
@@ -56,18 +59,23 @@ class DcpJob:
         try:
             if not opened.model:
                 raise DataCheckError(f"{src}: no model tensors found")
-            if opened.restore_layout is not None:
-                raise UsageError(
-                    f"{src}: a full export in its own names and orientation is converted --to dcp in one process "
-                    "(its transposed weights are transposed back into one scratch file): leave out the launch flags"
-                )
-            data_source = recorded_data_source(opened)
-            tensors, items = dcp_entries(opened.stored(), aliases=opened.aliases, groups=opened.groups, data_source=data_source)
-            self.plan = plan_dcp(tensors, items, world_size=request.world_size or 1)
+            tensors, items, world_size = self.entries(opened, request)
+            self.plan = plan_dcp(tensors, items, world_size=world_size)
         except BaseException:
             self.stack.close()
             raise
         self.files = [dcp_file(rank_file_name(r), records, self.plan.file_size(r)) for r, records in enumerate(self.plan.ranks)]
+
+    def entries(self, opened: AnyCheckpoint, request: ConvertRequest) -> tuple[list[OutTensor], list[OutBytes], int]:
+        """The tensors and bytes items written, and the world size they are chunked for."""
+        if opened.restore_layout is not None:
+            raise UsageError(
+                f"{opened.opened_from}: a full export in its own names and orientation is converted --to dcp in one process "
+                "(its transposed weights are transposed back into one scratch file): leave out the launch flags"
+            )
+        data_source = recorded_data_source(opened)
+        tensors, items = dcp_entries(opened.stored(), aliases=opened.aliases, groups=opened.groups, data_source=data_source)
+        return tensors, items, request.world_size or 1
 
     @property
     def source_bytes(self) -> int:
@@ -102,15 +110,28 @@ class DcpJob:
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))
         (directory / METADATA_NAME).write_bytes(self.plan.metadata_bytes())  # the staging area's commit syncs it
-        details = {
-            "from": self.opened.format,
-            **self.opened.facts,
-            "to": "dcp",
-            "world_size": len(self.files),
-            "param_groups": len(self.opened.groups),
-        }
+        return self.commit_files(directory, dst)
+
+    def commit_files(self, directory: Path, dst: str) -> WriteReport:
+        """What is written after `.metadata`, and the report."""
+        details = {"from": self.opened.format, **self.opened.facts, "to": "dcp", "world_size": len(self.files)}
+        details["param_groups"] = len(self.opened.groups)
         files = [f.name for f in self.files]
         return WriteReport(self.opened.opened_from, dst, files, len(self.plan.tensors), self.source_bytes, [], details)
 
     def close(self) -> None:
         self.stack.close()
+
+
+class MegatronJob(DcpJob):
+    """`convert --to megatron`: DCP's one rank file (cut by byte range), then `.metadata`, `common.pt`
+    and `metadata.json` by rank 0."""
+
+    def entries(self, opened: AnyCheckpoint, request: ConvertRequest) -> tuple[list[OutTensor], list[OutBytes], int]:
+        self.output = megatron_output(opened, request)
+        return self.output.tensors, self.output.items, 1
+
+    def commit_files(self, directory: Path, dst: str) -> WriteReport:
+        files = [*(f.name for f in self.files), METADATA_NAME, *self.output.write_common(directory)]
+        details = {"from": self.opened.format, **self.opened.facts, "to": "megatron", "shape": self.output.shape.to_json()}
+        return WriteReport(self.opened.path, dst, files, len(self.output.tensors), self.output.nbytes, [], details)

@@ -21,7 +21,7 @@ from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.crc import PartRead, check_parts, crc32, crc32_combine
 from ..core.names import layout_header
 from ..core.report import VerifyReport, WriteReport
-from ..core.request import ConvertRequest, check_count, check_options
+from ..core.request import ConvertRequest, check_count
 from ..format.manifest import Manifest, load_manifest, resharded_training_state, save_manifest
 from ..format.names import FORMAT_NAME, rank_file_name
 from ..format.placement import ShardLayout, TensorSpec
@@ -29,7 +29,7 @@ from ..format.reader import ShardedCheckpoint, open_sharded
 from ..format.storage import resolve_checkpoint
 from ..format.to_full import full_output, transposed_bytes
 from ..format.verify import check_files
-from ..offline.formats import DCP, DEEPSPEED, FORMATS, FULL, SHARDED, detect_format, open_checkpoint
+from ..offline.formats import DCP, DEEPSPEED, FULL, MEGATRON, SHARDED, convert_target, detect_format, open_checkpoint
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
@@ -267,6 +267,12 @@ def dcp_job(src: str, request: ConvertRequest):
     return DcpJob(src, request)
 
 
+def megatron_job(src: str, request: ConvertRequest):
+    from .dcp_job import MegatronJob  # it imports this module
+
+    return MegatronJob(src, request)
+
+
 def deepspeed_job(src: str, request: ConvertRequest):
     from .deepspeed_job import DeepSpeedJob  # it imports this module
 
@@ -278,6 +284,7 @@ CONVERT_JOBS: dict[str, Callable[[str, ConvertRequest], Any]] = {
     SHARDED: sharded_job,
     DCP: dcp_job,
     DEEPSPEED: deepspeed_job,
+    MEGATRON: megatron_job,
 }
 SPREAD_TARGETS = tuple(CONVERT_JOBS)  # what `convert --to` spreads over processes
 
@@ -287,13 +294,8 @@ def open_job(command: str, src: str, *, request: ConvertRequest | None = None, w
     found = detect_format(src)
     if command == "convert":
         assert request is not None
-        target = FORMATS.get(request.to)
-        if request.to not in CONVERT_JOBS or target is None:
-            raise UsageError(f"--nproc-per-node and --nnodes spread convert --to {', '.join(SPREAD_TARGETS)} only (not --to {request.to})")
-        if found is target:
-            raise UsageError(f"a {found.name} checkpoint cannot be converted --to {target.name}")
-        check_options(found.name, found.reads, target.writes, request)
-        return CONVERT_JOBS[request.to](src, request)
+        target = convert_target(found, request)  # every format fsdpkit writes spreads
+        return CONVERT_JOBS[target.name](src, request)
     if found.name != SHARDED:
         raise UsageError(f"--nproc-per-node and --nnodes spread {command} of {FORMAT_NAME}'s own checkpoints only; {src} is {found.label}")
     if command == "reshard":
