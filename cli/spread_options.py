@@ -73,18 +73,18 @@ def _torchrun_worker() -> bool:
     return under_torchrun() and not (dist is not None and dist.is_available() and dist.is_initialized())
 
 
-def spreads_from(src: Any) -> Callable[[], bool]:
-    """Whether reshard and verify of `src` spread under torchrun (fsdpkit's own format only),
-    asked only there."""
-    from fsdpkit.checkpoint.offline.formats import SHARDED, detect_format
+def spreads_from(command: str, src: Any) -> Callable[[], bool]:
+    """Whether `command` (reshard or verify) of `src` spreads under torchrun, asked only there."""
+    from fsdpkit.checkpoint.offline.formats import detect_format
+    from fsdpkit.checkpoint.spread.jobs import spreads
 
-    def sharded() -> bool:
+    def spread() -> bool:
         try:
-            return detect_format(src).name == SHARDED
+            return spreads(command, detect_format(src).name)
         except FsdpkitError:  # the one-process path says what is wrong with it
             return False
 
-    return sharded
+    return spread
 
 
 def spread_target(to: str) -> bool:

@@ -107,3 +107,21 @@ def test_to_megatron_is_the_one_process_bytes(tmp_path):
     state = {"embedding.word_embeddings.weight": torch.empty_like(embedding)}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path / "n2")), no_dist=True)
     assert torch.equal(state["embedding.word_embeddings.weight"], embedding)
+
+
+@pytest.mark.parametrize("name", ["dcp", "deepspeed"])
+def test_reshard_of_dcp_and_deepspeed_is_the_one_process_bytes(sources, tmp_path, name):
+    root, tensors = sources
+    one = run_cli("reshard", root / name, tmp_path / "one", "--world-size", "3")
+    assert one.exit_code == 0, one.output
+    spread = run_cli("reshard", root / name, tmp_path / "n2", "--world-size", "3", "--nproc-per-node", "2", "--json")
+    assert spread.exit_code == 0, spread.output
+    assert _files(tmp_path / "n2") == _files(tmp_path / "one")
+    report = json.loads(spread.stdout)
+    assert report["world_size"] == 3 and report["spread"]["world_size"] == 2
+    back = run_cli("convert", tmp_path / "n2", tmp_path / "back", "--to", "full")  # read by the one-process path
+    assert back.exit_code == 0, back.output
+    loaded = load_file(tmp_path / "back" / "model.safetensors")
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items() if n.startswith("layer."))
+    verify = run_cli("verify", root / name, "--nproc-per-node", "2")
+    assert verify.exit_code == 2 and "verify of fsdpkit checkpoints only" in verify.output

@@ -7,22 +7,24 @@ is the one-process writer's, byte for byte."""
 from __future__ import annotations
 
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
-from ..core.any_checkpoint import AnyCheckpoint, recorded_data_source
+from ..core.any_checkpoint import recorded_data_source
 from ..core.bytecopy import ByteEngine
 from ..core.crc import check_parts
 from ..core.report import WriteReport
 from ..core.request import ConvertRequest
 from ..dcp.export import dcp_entries
 from ..dcp.metadata import METADATA_NAME
+from ..dcp.table import open_dcp
 from ..dcp.writer import DcpRecord, OutBytes, OutTensor, plan_dcp, rank_file_name
 from ..megatron.to_megatron import megatron_output
 from ..offline.formats import open_checkpoint
-from .jobs import Progress, convert_facts, part_reads, parts_json
+from .jobs import Progress, convert_facts, part_reads, parts_json, source_listing
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
@@ -46,31 +48,31 @@ def _literal(sink: PartSink, data: bytes, at: int, part: Part) -> None:
 
 
 class DcpJob:
-    """`convert --to dcp`; `entries` and `commit_files` are what `--to megatron` changes."""
+    """`convert --to dcp`; `entries` and `commit_files` are what `--to megatron` and `reshard` change."""
 
     command = "convert"
 
     def __init__(self, src: str, request: ConvertRequest):
         self.stack = ExitStack()
-        self.opened = opened = self.stack.enter_context(
-            open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key)
-        )
-        self.request = request
+        self.src, self.request = src, request
         try:
-            if not opened.model:
-                raise DataCheckError(f"{src}: no model tensors found")
-            tensors, items, world_size = self.entries(opened, request)
+            tensors, items, world_size = self.entries(src, request)
             self.plan = plan_dcp(tensors, items, world_size=world_size)
         except BaseException:
             self.stack.close()
             raise
         self.files = [dcp_file(rank_file_name(r), records, self.plan.file_size(r)) for r, records in enumerate(self.plan.ranks)]
 
-    def entries(self, opened: AnyCheckpoint, request: ConvertRequest) -> tuple[list[OutTensor], list[OutBytes], int]:
-        """The tensors and bytes items written, and the world size they are chunked for."""
+    def entries(self, src: str, request: ConvertRequest) -> tuple[list[OutTensor], list[OutBytes], int]:
+        """The source opened (closed with `stack`): the tensors and bytes items written, and the world size they are chunked for."""
+        self.opened = opened = self.stack.enter_context(
+            open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key)
+        )
+        if not opened.model:
+            raise DataCheckError(f"{src}: no model tensors found")
         if opened.restore_layout is not None:
             raise UsageError(
-                f"{opened.opened_from}: a full export in its own names and orientation is converted --to dcp in one process "
+                f"{src}: a full export in its own names and orientation is converted --to dcp in one process "
                 "(its transposed weights are transposed back into one scratch file): leave out the launch flags"
             )
         data_source = recorded_data_source(opened)
@@ -127,7 +129,10 @@ class MegatronJob(DcpJob):
     """`convert --to megatron`: DCP's one rank file (cut by byte range), then `.metadata`, `common.pt`
     and `metadata.json` by rank 0."""
 
-    def entries(self, opened: AnyCheckpoint, request: ConvertRequest) -> tuple[list[OutTensor], list[OutBytes], int]:
+    def entries(self, src: str, request: ConvertRequest) -> tuple[list[OutTensor], list[OutBytes], int]:
+        self.opened = opened = self.stack.enter_context(open_checkpoint(src))
+        if not opened.model:
+            raise DataCheckError(f"{src}: no model tensors found")
         self.output = megatron_output(opened, request)
         return self.output.tensors, self.output.items, 1
 
@@ -135,3 +140,29 @@ class MegatronJob(DcpJob):
         files = [*(f.name for f in self.files), METADATA_NAME, *self.output.write_common(directory)]
         details = {"from": self.opened.format, **self.opened.facts, "to": "megatron", "shape": self.output.shape.to_json()}
         return WriteReport(self.opened.path, dst, files, len(self.output.tensors), self.output.nbytes, [], details)
+
+
+class DcpReshardJob(DcpJob):
+    """`reshard` of a DCP checkpoint: every item kept (bytes items byte for byte), chunked as FSDP2 at `world_size` ranks."""
+
+    command = "reshard"
+
+    def __init__(self, src: str, world_size: int, chunk_size: int):
+        super().__init__(src, ConvertRequest(to="dcp", world_size=world_size, chunk_size=chunk_size))
+
+    def entries(self, src: str, request: ConvertRequest) -> tuple[list[OutTensor], list[OutBytes], int]:
+        assert request.world_size is not None
+        checkpoint = self.stack.enter_context(open_dcp(src))
+        metadata = checkpoint.metadata
+        tensors = [OutTensor(metadata.paths.get(key) or (key,), checkpoint.source(key)) for key in metadata.tensors]
+        items = [OutBytes(metadata.paths.get(key) or (key,), partial(checkpoint.read_bytes_item, key)) for key in metadata.bytes_items]
+        return tensors, items, request.world_size
+
+    def facts(self) -> dict:
+        files = [(f.name, f.nbytes) for f in self.files]
+        return {"command": "reshard", "world_size": len(self.files), "source": source_listing(self.src), "files": files}
+
+    def commit_files(self, directory: Path, dst: str) -> WriteReport:
+        details = {"to": "dcp", "world_size": len(self.files), "bytes_items": len(self.plan.items)}
+        files = [f.name for f in self.files]
+        return WriteReport(str(Path(self.src)), dst, files, len(self.plan.tensors), self.source_bytes, [], details)

@@ -15,10 +15,11 @@ from ..core.crc import check_parts
 from ..core.report import WriteReport
 from ..core.request import ConvertRequest
 from ..core.staging import fsync_dir
-from ..deepspeed.to_deepspeed import RunShape, build_run
-from ..deepspeed.writer import deepspeed_files
+from ..deepspeed.table import open_deepspeed
+from ..deepspeed.to_deepspeed import RunShape, build_run, resharded_run
+from ..deepspeed.writer import DsRun, deepspeed_files
 from ..offline.formats import open_checkpoint
-from .jobs import Progress, convert_facts, part_reads, parts_json
+from .jobs import Progress, convert_facts, part_reads, parts_json, source_listing
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
@@ -48,23 +49,28 @@ class DeepSpeedJob:
     command = "convert"
 
     def __init__(self, src: str, request: ConvertRequest):
-        assert request.stage is not None  # check_options: --to deepspeed needs it
         self.stack = ExitStack()
-        self.opened = opened = self.stack.enter_context(
-            open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key)
-        )
-        self.request = request
+        self.src, self.request = src, request
         try:
-            if not opened.model:
-                raise DataCheckError(f"{src}: no model tensors found")
-            tensors = {t.name: t for t in opened.stored()}
-            shape = RunShape(request.stage, request.world_size or opened.world_size, opened.step, opened.aliases)
-            self.run = build_run(tensors, opened.groups, shape)
+            self.run = self.build(src, request)
             self.contents = deepspeed_files(self.run)
         except BaseException:
             self.stack.close()
             raise
         self.files = [OutputFile(f"{self.run.tag}/{file.name}", file.nbytes) for file in self.contents]
+
+    def build(self, src: str, request: ConvertRequest) -> DsRun:
+        """The source opened (closed with `stack`), and the run written."""
+        assert request.stage is not None  # check_options: --to deepspeed needs it
+        self.opened = opened = self.stack.enter_context(
+            open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key)
+        )
+        if not opened.model:
+            raise DataCheckError(f"{src}: no model tensors found")
+        tensors = {t.name: t for t in opened.stored()}
+        return build_run(
+            tensors, opened.groups, RunShape(request.stage, request.world_size or opened.world_size, opened.step, opened.aliases)
+        )
 
     @property
     def source_bytes(self) -> int:
@@ -87,17 +93,33 @@ class DeepSpeedJob:
         (directory / LATEST).write_text(self.run.tag)  # the staging area's commit syncs it
         fsync_dir(directory / self.run.tag)
         run = self.run
-        details = {
-            "from": self.opened.format,
-            **self.opened.facts,
-            "to": "deepspeed",
-            "stage": run.stage,
-            "world_size": run.world_size,
-            "tag": run.tag,
-        }
+        details = {"to": "deepspeed", "stage": run.stage, "world_size": run.world_size, "tag": run.tag}
         parameters = sum(len(g.params) for g in run.groups)
         files = [LATEST, *(f.name for f in self.files)]
-        return WriteReport(self.opened.opened_from, dst, files, parameters, self.source_bytes, [], details)
+        return WriteReport(str(Path(self.src)), dst, files, parameters, self.source_bytes, [], self.source_details() | details)
+
+    def source_details(self) -> dict:
+        return {"from": self.opened.format, **self.opened.facts}
 
     def close(self) -> None:
         self.stack.close()
+
+
+class DeepSpeedReshardJob(DeepSpeedJob):
+    """`reshard` of a DeepSpeed checkpoint: the same run laid out for `world_size` ranks."""
+
+    command = "reshard"
+
+    def __init__(self, src: str, world_size: int, chunk_size: int):
+        super().__init__(src, ConvertRequest(to="deepspeed", world_size=world_size, chunk_size=chunk_size))
+
+    def build(self, src: str, request: ConvertRequest) -> DsRun:
+        assert request.world_size is not None
+        return resharded_run(self.stack.enter_context(open_deepspeed(src)), request.world_size)
+
+    def facts(self) -> dict:
+        files = [(f.name, f.nbytes) for f in self.files]
+        return {"command": "reshard", "world_size": self.run.world_size, "source": source_listing(self.src), "files": files}
+
+    def source_details(self) -> dict:
+        return {}

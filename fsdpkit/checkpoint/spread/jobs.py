@@ -23,13 +23,13 @@ from ..core.names import layout_header
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, check_count
 from ..format.manifest import Manifest, load_manifest, resharded_training_state, save_manifest
-from ..format.names import FORMAT_NAME, rank_file_name
+from ..format.names import rank_file_name
 from ..format.placement import ShardLayout, TensorSpec
 from ..format.reader import ShardedCheckpoint, open_sharded
 from ..format.storage import resolve_checkpoint
 from ..format.to_full import full_output, transposed_bytes
 from ..format.verify import check_files
-from ..offline.formats import DCP, DEEPSPEED, FULL, MEGATRON, SHARDED, convert_target, detect_format, open_checkpoint
+from ..offline.formats import DCP, DEEPSPEED, FORMATS, FULL, MEGATRON, SHARDED, convert_target, detect_format, open_checkpoint
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
@@ -166,7 +166,6 @@ class ReshardJob:
     command = "reshard"
 
     def __init__(self, src: str, world_size: int, chunk_size: int):
-        check_count("world_size", world_size)
         self.src, self.chunk_size = src, chunk_size
         self.checkpoint = open_sharded(src)
         old = self.checkpoint.manifest
@@ -289,6 +288,21 @@ CONVERT_JOBS: dict[str, Callable[[str, ConvertRequest], Any]] = {
 SPREAD_TARGETS = tuple(CONVERT_JOBS)  # what `convert --to` spreads over processes
 
 
+def dcp_reshard_job(src: str, world_size: int, chunk_size: int):
+    from .dcp_job import DcpReshardJob  # it imports this module
+
+    return DcpReshardJob(src, world_size, chunk_size)
+
+
+def deepspeed_reshard_job(src: str, world_size: int, chunk_size: int):
+    from .deepspeed_job import DeepSpeedReshardJob  # it imports this module
+
+    return DeepSpeedReshardJob(src, world_size, chunk_size)
+
+
+RESHARD_JOBS: dict[str, Callable[[str, int, int], Any]] = {SHARDED: ReshardJob, DCP: dcp_reshard_job, DEEPSPEED: deepspeed_reshard_job}
+
+
 def open_job(command: str, src: str, *, request: ConvertRequest | None = None, world_size: int | None = None, chunk_size: int):
     """The job of a spread command; a UsageError for a format or target that does not spread."""
     found = detect_format(src)
@@ -296,9 +310,16 @@ def open_job(command: str, src: str, *, request: ConvertRequest | None = None, w
         assert request is not None
         target = convert_target(found, request)  # every format fsdpkit writes spreads
         return CONVERT_JOBS[target.name](src, request)
-    if found.name != SHARDED:
-        raise UsageError(f"--nproc-per-node and --nnodes spread {command} of {FORMAT_NAME}'s own checkpoints only; {src} is {found.label}")
+    if not spreads(command, found.name):
+        labels = ", ".join(FORMATS[name].label for name in (RESHARD_JOBS if command == "reshard" else (SHARDED,)))
+        raise UsageError(f"--nproc-per-node and --nnodes spread {command} of {labels} checkpoints only; {src} is {found.label}")
     if command == "reshard":
+        check_count("world_size", world_size)
         assert world_size is not None
-        return ReshardJob(src, world_size, chunk_size)
+        return RESHARD_JOBS[found.name](src, world_size, chunk_size)
     return VerifyJob(src, chunk_size)
+
+
+def spreads(command: str, format_name: str) -> bool:
+    """Whether `command` (reshard or verify) of a checkpoint of format `format_name` spreads."""
+    return format_name in (RESHARD_JOBS if command == "reshard" else (SHARDED,))
