@@ -1,4 +1,4 @@
-"""What convert, reshard and verify share to run spread over processes and nodes: train's launch
+"""What convert, reshard, verify and diff share to run spread over processes and nodes: train's launch
 flags (--nproc-per-node, --nnodes, --node-rank, --master-addr, --master-port, ...), --dry-run,
 and the lines that say how the work was shared. Without any of them (and outside torchrun) the
 commands run as they always did, in this process."""
@@ -149,6 +149,8 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
     if not as_json:
         for line in spread_lines(result):
             typer.echo(line, err=True)
+    if task.command == "diff":  # its report is the one-process diff's
+        return result.report
     if task.command == "verify":
         result.report.extra["spread"] = figures(result)
         return result.report

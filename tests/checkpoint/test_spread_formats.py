@@ -125,3 +125,22 @@ def test_reshard_of_dcp_and_deepspeed_is_the_one_process_bytes(sources, tmp_path
     assert all(torch.equal(loaded[n], t) for n, t in tensors.items() if n.startswith("layer."))
     verify = run_cli("verify", root / name, "--nproc-per-node", "2")
     assert verify.exit_code == 2 and "verify of fsdpkit checkpoints only" in verify.output
+
+
+def test_diff_spread_over_two_processes_prints_the_one_process_diff(sources, tmp_path):
+    root, tensors = sources
+    changed = dict(tensors)
+    changed["layer.3.weight"] = tensors["layer.3.weight"] + 1e-3
+    changed["layer.7.weight"] = tensors["layer.7.weight"].flip(0)
+    del changed["ids"]
+    save_checkpoint(tmp_path / "other", 3, changed, world_size=3, training_state={"step": 3})
+    for flags in ((), ("--json",), ("--json", "--atol", "0.01")):
+        one = run_cli("diff", root / "full", tmp_path / "other", *flags)
+        spread = run_cli("diff", root / "full", tmp_path / "other", *flags, "--nproc-per-node", "2")
+        assert one.exit_code == spread.exit_code == 3 and spread.stdout == one.stdout, flags
+    report = json.loads(spread.stdout)
+    assert {r["name"]: r["status"] for r in report["tensors"] if r["status"] != "equal"} == {
+        "ids": "only_a",
+        "layer.3.weight": "close",
+        "layer.7.weight": "different",
+    }

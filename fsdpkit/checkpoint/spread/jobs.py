@@ -29,6 +29,7 @@ from ..format.reader import ShardedCheckpoint, open_sharded
 from ..format.storage import resolve_checkpoint
 from ..format.to_full import full_output, transposed_bytes
 from ..format.verify import check_files
+from ..offline.diff import DiffRequest
 from ..offline.formats import DCP, DEEPSPEED, FORMATS, FULL, MEGATRON, SHARDED, convert_target, detect_format, open_checkpoint
 from .plan import OutputFile, Part
 from .staging import PartResult
@@ -303,11 +304,18 @@ def deepspeed_reshard_job(src: str, world_size: int, chunk_size: int):
 RESHARD_JOBS: dict[str, Callable[[str, int, int], Any]] = {SHARDED: ReshardJob, DCP: dcp_reshard_job, DEEPSPEED: deepspeed_reshard_job}
 
 
-def open_job(command: str, src: str, *, request: ConvertRequest | None = None, world_size: int | None = None, chunk_size: int):
+def open_job(
+    command: str, src: str, *, request: ConvertRequest | DiffRequest | None = None, world_size: int | None = None, chunk_size: int
+):
     """The job of a spread command; a UsageError for a format or target that does not spread."""
+    if command == "diff":
+        from .diff_job import DiffJob  # it imports this module
+
+        assert isinstance(request, DiffRequest)
+        return DiffJob(src, request)
     found = detect_format(src)
     if command == "convert":
-        assert request is not None
+        assert isinstance(request, ConvertRequest)
         target = convert_target(found, request)  # every format fsdpkit writes spreads
         return CONVERT_JOBS[target.name](src, request)
     if not spreads(command, found.name):

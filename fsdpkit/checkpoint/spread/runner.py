@@ -25,6 +25,7 @@ from ...dist.launch import LaunchOptions, launch, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
+from ..offline.diff import DiffRequest
 from .jobs import open_job
 from .plan import Plan, make_plan
 from .progress import SharedCount, Show
@@ -37,10 +38,10 @@ PLAN_FILE = "plan-rank0.json"
 class SpreadTask:
     """What a spread command was asked: the command, its source and destination, its options."""
 
-    command: str  # "convert", "reshard" or "verify"
+    command: str  # "convert", "reshard", "verify" or "diff"
     src: str
     dst: str | None = None
-    request: ConvertRequest | None = None  # convert's
+    request: ConvertRequest | DiffRequest | None = None  # convert's or diff's
     world_size: int | None = None  # reshard's
     chunk_size: int = DEFAULT_CHUNK_SIZE
     overwrite: bool = False
@@ -49,7 +50,7 @@ class SpreadTask:
 
     @property
     def writes(self) -> bool:
-        return self.command != "verify"
+        return self.command in ("convert", "reshard")
 
 
 @dataclass
