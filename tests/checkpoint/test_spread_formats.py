@@ -6,6 +6,7 @@ reader (safetensors for fsdpkit's rank files via fsdpkit's loader of a full expo
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,26 @@ def test_diff_spread_over_two_processes_prints_the_one_process_diff(sources, tmp
         "layer.3.weight": "close",
         "layer.7.weight": "different",
     }
+
+
+@pytest.mark.parametrize(("target", "flags"), [("dcp", ("--world-size", "1")), ("deepspeed", ("--stage", "3", "--world-size", "3"))])
+def test_a_killed_rank_then_the_same_command_continues(sources, tmp_path, target, flags):
+    """DCP's one rank file cut into parts; DeepSpeed's files in the tag directory, each whole."""
+    from fsdpkit.checkpoint.spread.staging import staging_path
+    from fsdpkit.dist.faults import FAULT_ENV
+
+    root, _ = sources
+    args = ("convert", root / "full", tmp_path / "out", "--to", target, *flags, "--json")
+    one = run_cli("convert", root / "full", tmp_path / "one", "--to", target, *flags)
+    assert one.exit_code == 0, one.output
+    os.environ[FAULT_ENV] = "kill:1:2:convert"
+    try:
+        killed = run_cli(*args, "--nproc-per-node", "2")
+    finally:
+        del os.environ[FAULT_ENV]
+    assert killed.exit_code == 1 and "rank 1" in killed.output and "nothing committed" in killed.output, killed.output
+    assert not (tmp_path / "out").exists() and staging_path(tmp_path / "out").exists()
+    rerun = run_cli(*args, "--nproc-per-node", "2")
+    assert rerun.exit_code == 0, rerun.output
+    assert json.loads(rerun.stdout)["spread"]["kept_parts"] >= 1
+    assert _files(tmp_path / "out") == _files(tmp_path / "one")
