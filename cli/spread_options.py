@@ -76,7 +76,7 @@ def _torchrun_worker() -> bool:
 def spreads_from(command: str, src: Any) -> Callable[[], bool]:
     """Whether `command` (reshard or verify) of `src` spreads under torchrun, asked only there."""
     from fsdpkit.checkpoint.offline.formats import detect_format
-    from fsdpkit.checkpoint.spread.jobs import spreads
+    from fsdpkit.checkpoint.spread.dispatch import spreads
 
     def spread() -> bool:
         try:
@@ -89,7 +89,7 @@ def spreads_from(command: str, src: Any) -> Callable[[], bool]:
 
 def spread_target(to: str) -> bool:
     """Whether `convert --to to` spreads under torchrun."""
-    from fsdpkit.checkpoint.spread.jobs import SPREAD_TARGETS
+    from fsdpkit.checkpoint.spread.dispatch import SPREAD_TARGETS
 
     return to in SPREAD_TARGETS
 

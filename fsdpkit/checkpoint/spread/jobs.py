@@ -1,8 +1,9 @@
 """What a spread command writes or checks, as output files of known size (`files`, which the plan
-shares out), how one rank does one part of them (`run_part`) and rank 0's last step (`commit`),
-for each command that spreads: `convert --to full` from any format, `reshard` and `verify` of
-fsdpkit's own format. Each rank opens the source itself (its headers and manifest, no tensor
-data) and derives the same files; the runner checks that every rank derived the same ones.
+shares out), how one rank does one part of them (`run_part`) and rank 0's last step (`commit`):
+here `convert --to full` from any format, `reshard` and `verify` of fsdpkit's own format, and
+what the other jobs share (`dcp_job`, `deepspeed_job`, `sharded_job`, `diff_job`; `dispatch`
+picks one). Each rank opens the source itself (its headers and manifest, no tensor data) and
+derives the same files; the runner checks that every rank derived the same ones.
 """
 
 from __future__ import annotations
@@ -12,16 +13,14 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from ...dtypes import dtype_info
-from ...errors import UsageError
 from ...flat_layout import ElementRange
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.crc import PartRead, check_parts, crc32, crc32_combine
 from ..core.names import layout_header
 from ..core.report import VerifyReport, WriteReport
-from ..core.request import ConvertRequest, check_count
+from ..core.request import ConvertRequest
 from ..format.manifest import Manifest, load_manifest, resharded_training_state, save_manifest
 from ..format.names import rank_file_name
 from ..format.placement import ShardLayout, TensorSpec
@@ -29,8 +28,7 @@ from ..format.reader import ShardedCheckpoint, open_sharded
 from ..format.storage import resolve_checkpoint
 from ..format.to_full import full_output, transposed_bytes
 from ..format.verify import check_files
-from ..offline.diff import DiffRequest
-from ..offline.formats import DCP, DEEPSPEED, FORMATS, FULL, MEGATRON, SHARDED, convert_target, detect_format, open_checkpoint
+from ..offline.formats import open_checkpoint
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
@@ -253,81 +251,3 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def sharded_job(src: str, request: ConvertRequest):
-    from .sharded_job import ShardedJob  # it imports this module
-
-    return ShardedJob(src, request)
-
-
-def dcp_job(src: str, request: ConvertRequest):
-    from .dcp_job import DcpJob  # it imports this module
-
-    return DcpJob(src, request)
-
-
-def megatron_job(src: str, request: ConvertRequest):
-    from .dcp_job import MegatronJob  # it imports this module
-
-    return MegatronJob(src, request)
-
-
-def deepspeed_job(src: str, request: ConvertRequest):
-    from .deepspeed_job import DeepSpeedJob  # it imports this module
-
-    return DeepSpeedJob(src, request)
-
-
-CONVERT_JOBS: dict[str, Callable[[str, ConvertRequest], Any]] = {
-    FULL: FullJob,
-    SHARDED: sharded_job,
-    DCP: dcp_job,
-    DEEPSPEED: deepspeed_job,
-    MEGATRON: megatron_job,
-}
-SPREAD_TARGETS = tuple(CONVERT_JOBS)  # what `convert --to` spreads over processes
-
-
-def dcp_reshard_job(src: str, world_size: int, chunk_size: int):
-    from .dcp_job import DcpReshardJob  # it imports this module
-
-    return DcpReshardJob(src, world_size, chunk_size)
-
-
-def deepspeed_reshard_job(src: str, world_size: int, chunk_size: int):
-    from .deepspeed_job import DeepSpeedReshardJob  # it imports this module
-
-    return DeepSpeedReshardJob(src, world_size, chunk_size)
-
-
-RESHARD_JOBS: dict[str, Callable[[str, int, int], Any]] = {SHARDED: ReshardJob, DCP: dcp_reshard_job, DEEPSPEED: deepspeed_reshard_job}
-
-
-def open_job(
-    command: str, src: str, *, request: ConvertRequest | DiffRequest | None = None, world_size: int | None = None, chunk_size: int
-):
-    """The job of a spread command; a UsageError for a format or target that does not spread."""
-    if command == "diff":
-        from .diff_job import DiffJob  # it imports this module
-
-        assert isinstance(request, DiffRequest)
-        return DiffJob(src, request)
-    found = detect_format(src)
-    if command == "convert":
-        assert isinstance(request, ConvertRequest)
-        target = convert_target(found, request)  # every format fsdpkit writes spreads
-        return CONVERT_JOBS[target.name](src, request)
-    if not spreads(command, found.name):
-        labels = ", ".join(FORMATS[name].label for name in (RESHARD_JOBS if command == "reshard" else (SHARDED,)))
-        raise UsageError(f"--nproc-per-node and --nnodes spread {command} of {labels} checkpoints only; {src} is {found.label}")
-    if command == "reshard":
-        check_count("world_size", world_size)
-        assert world_size is not None
-        return RESHARD_JOBS[found.name](src, world_size, chunk_size)
-    return VerifyJob(src, chunk_size)
-
-
-def spreads(command: str, format_name: str) -> bool:
-    """Whether `command` (reshard or verify) of a checkpoint of format `format_name` spreads."""
-    return format_name in (RESHARD_JOBS if command == "reshard" else (SHARDED,))

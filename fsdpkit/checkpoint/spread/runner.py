@@ -26,7 +26,7 @@ from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
 from ..offline.diff import DiffRequest
-from .jobs import open_job
+from .dispatch import open_job
 from .plan import Plan, make_plan
 from .progress import SharedCount, Show
 from .staging import Staging, fingerprint, prepare, staging_path
