@@ -25,6 +25,7 @@ from .staging import PartResult
 from .writes import PartSink
 
 LATEST = "latest"
+WHOLE = "each DeepSpeed file is written by one process"
 
 
 class SinkOutput:
@@ -57,7 +58,7 @@ class DeepSpeedJob:
         except BaseException:
             self.stack.close()
             raise
-        self.files = [OutputFile(f"{self.run.tag}/{file.name}", file.nbytes) for file in self.contents]
+        self.files = [OutputFile(f"{self.run.tag}/{file.name}", file.nbytes, why_whole=WHOLE) for file in self.contents]
 
     def build(self, src: str, request: ConvertRequest) -> DsRun:
         """The source opened (closed with `stack`), and the run written."""
