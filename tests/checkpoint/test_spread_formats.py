@@ -168,3 +168,24 @@ def test_a_killed_rank_then_the_same_command_continues(sources, tmp_path, target
     assert rerun.exit_code == 0, rerun.output
     assert json.loads(rerun.stdout)["spread"]["kept_parts"] >= 1
     assert _files(tmp_path / "out") == _files(tmp_path / "one")
+
+
+def test_a_transformers_export_in_its_own_layout(tmp_path):
+    """The built-in GPT's export (a prefix added, weights transposed): diff, which reads it back
+    transposed, spreads to the one-process output; --to sharded and --to dcp, which would transpose
+    it back into one scratch file, are one line and exit 2 with a launch flag, nothing written."""
+    from fsdpkit.models.source import resolve
+
+    source = resolve("gpt-tiny")
+    weights = {k: v for k, v in source.build(seed=0).state_dict().items() if k != "lm_head.weight"}
+    state = {"step": 1, "export": source.export.to_json()}
+    run = save_checkpoint(tmp_path / "run", 1, weights, world_size=2, aliases={"lm_head.weight": "wte.weight"}, training_state=state)
+    assert run_cli("convert", run, tmp_path / "hf", "--to", "full").exit_code == 0
+    one = run_cli("diff", run, tmp_path / "hf")
+    spread = run_cli("diff", run, tmp_path / "hf", "--nproc-per-node", "2")
+    assert one.exit_code == spread.exit_code == 0 and spread.stdout == one.stdout and "8 weights transposed back" in one.stdout
+    for to, flags in (("sharded", ("--world-size", "2")), ("dcp", ())):
+        refused = run_cli("convert", tmp_path / "hf", tmp_path / to, "--to", to, *flags, "--nproc-per-node", "2")
+        lines = [line for line in refused.output.splitlines() if line.strip()]
+        assert refused.exit_code == 2 and len(lines) == 1 and "in one process" in lines[0], refused.output
+        assert not (tmp_path / to).exists() and not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
