@@ -80,7 +80,7 @@ def test_to_dcp_is_the_one_process_bytes_and_what_dcp_load_reads(sources, tmp_pa
 
 
 @pytest.mark.parametrize(
-    ("name", "flags"), [("dcp", ("--stage", "3", "--world-size", "3")), ("full", ("--stage", "2", "--world-size", "2"))]
+    ("name", "flags"), [("dcp", ("--stage", "3", "--world-size", "3")), ("full", ("--stage", "2", "--world-size", "1"))]
 )
 def test_to_deepspeed_is_the_one_process_bytes_and_what_zero_to_fp32_reads(sources, tmp_path, name, flags):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -171,9 +171,13 @@ def test_a_killed_rank_then_the_same_command_continues(sources, tmp_path, target
 
 
 def test_a_transformers_export_in_its_own_layout(tmp_path):
-    """The built-in GPT's export (a prefix added, weights transposed): diff, which reads it back
-    transposed, spreads to the one-process output; --to sharded and --to dcp, which would transpose
-    it back into one scratch file, are one line and exit 2 with a launch flag, nothing written."""
+    """The built-in GPT (a tied weight) and its export (a prefix added, weights transposed): --to
+    dcp of the run writes the tied weight twice from one checksummed piece; diff, which reads the
+    export back transposed, spreads to the one-process output; --to sharded and --to dcp of the
+    export, which would transpose it back into one scratch file, are one line and exit 2 with a
+    launch flag, nothing written."""
+    import torch.distributed.checkpoint as dcp
+
     from fsdpkit.models.source import resolve
 
     source = resolve("gpt-tiny")
@@ -184,6 +188,10 @@ def test_a_transformers_export_in_its_own_layout(tmp_path):
     one = run_cli("diff", run, tmp_path / "hf")
     spread = run_cli("diff", run, tmp_path / "hf", "--nproc-per-node", "2")
     assert one.exit_code == spread.exit_code == 0 and spread.stdout == one.stdout and "8 weights transposed back" in one.stdout
+    _same_as_one_process(run, tmp_path / "tied", "--to", "dcp")  # lm_head.weight: wte.weight's checksummed piece read again
+    model = {name: torch.empty_like(weights["wte.weight"]) for name in ("wte.weight", "lm_head.weight")}
+    dcp.load({"model": model}, checkpoint_id=str(tmp_path / "tied" / "n2"))
+    assert all(torch.equal(t, weights["wte.weight"]) for t in model.values())
     for to, flags in (("sharded", ("--world-size", "2")), ("dcp", ())):
         refused = run_cli("convert", tmp_path / "hf", tmp_path / to, "--to", to, *flags, "--nproc-per-node", "2")
         lines = [line for line in refused.output.splitlines() if line.strip()]

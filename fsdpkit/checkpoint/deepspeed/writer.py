@@ -278,6 +278,17 @@ class DsFile:
     def write(self, out: ByteOutput) -> None:
         write_torch_zip(out, self.name.removesuffix(".pt"), self.data_pkl, self.storages)
 
+    def storage_spans(self, step: int) -> tuple[tuple[int, int, int], ...]:
+        """(first, last, step) of each storage's data in the file: where a part of it may start."""
+        parts = torch_zip_parts(self.name.removesuffix(".pt"), self.data_pkl, [s.nbytes for s in self.storages])
+        spans, position = [], 0
+        for part, storage in zip(parts, self.storages, strict=False):
+            position += len(part)
+            if storage.nbytes:
+                spans.append((position, position + storage.nbytes, step))
+            position += storage.nbytes
+        return tuple(spans)
+
 
 def deepspeed_files(run: DsRun) -> list[DsFile]:
     """The files of `run`'s tag directory, before any is written (`latest` names the tag)."""

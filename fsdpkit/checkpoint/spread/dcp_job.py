@@ -14,7 +14,6 @@ from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..core.any_checkpoint import recorded_data_source
-from ..core.bytecopy import ByteEngine
 from ..core.crc import check_parts
 from ..core.report import WriteReport
 from ..core.request import ConvertRequest
@@ -24,7 +23,7 @@ from ..dcp.table import open_dcp
 from ..dcp.writer import DcpRecord, OutBytes, OutTensor, plan_dcp, rank_file_name
 from ..megatron.to_megatron import megatron_output
 from ..offline.formats import open_checkpoint
-from .jobs import Progress, convert_facts, part_reads, parts_json, source_listing
+from .jobs import CheckedReads, Progress, convert_facts, part_reads, source_listing
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
@@ -88,26 +87,28 @@ class DcpJob:
 
     def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
         name = self.files[part.file].name
-        engine = ByteEngine(chunk_size=self.request.chunk_size, progress=progress)
-        with PartSink(directory / name, part.begin, part.end) as sink:
-            for record in self.plan.ranks[part.file]:
-                if record.position >= part.end or record.position + record.length <= part.begin:
-                    continue
-                if record.chunk is None:
-                    assert record.item is not None
-                    _literal(sink, record.item, record.position, part)
-                    continue
-                head, tail = record.chunk.archive()
-                _literal(sink, head, record.position, part)
-                lo, hi = max(part.begin, record.data_begin), min(part.end, record.data_end)
-                if lo < hi:
-                    source, wanted = record.chunk.tensor.source, record.chunk.wanted
-                    itemsize = dtype_info(source.dtype).itemsize
-                    first, last = (lo - record.data_begin) // itemsize, (hi - record.data_begin) // itemsize
-                    engine.copy(source, ElementRange(wanted.start + first, wanted.start + last), source.dtype, sink.write)
-                _literal(sink, tail, record.data_end, part)
-        parts = engine.finish_parts()
-        return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, engine.bytes_read, parts_json(parts))
+        reads = CheckedReads(self.request.chunk_size, progress)
+        try:
+            with PartSink(directory / name, part.begin, part.end) as sink:
+                for record in self.plan.ranks[part.file]:
+                    if record.position >= part.end or record.position + record.length <= part.begin:
+                        continue
+                    if record.chunk is None:
+                        assert record.item is not None
+                        _literal(sink, record.item, record.position, part)
+                        continue
+                    head, tail = record.chunk.archive()
+                    _literal(sink, head, record.position, part)
+                    lo, hi = max(part.begin, record.data_begin), min(part.end, record.data_end)
+                    if lo < hi:
+                        source, wanted = record.chunk.tensor.source, record.chunk.wanted
+                        itemsize = dtype_info(source.dtype).itemsize
+                        first, last = (lo - record.data_begin) // itemsize, (hi - record.data_begin) // itemsize
+                        reads.copy(source, ElementRange(wanted.start + first, wanted.start + last), source.dtype, sink.write)
+                    _literal(sink, tail, record.data_end, part)
+        finally:
+            source_parts = reads.finish()
+        return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, reads.bytes_read, source_parts)
 
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))

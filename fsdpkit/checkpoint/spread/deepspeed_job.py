@@ -1,16 +1,18 @@
-"""`convert --to deepspeed` from another format, spread: the tag directory's files of
-`deepspeed.writer.deepspeed_files` (each a torch zip of one rank's model or optimizer states),
-each written whole by one rank, `latest` written by rank 0 last. The output is the one-process
-writer's, byte for byte."""
+"""`convert --to deepspeed` from another format, and `reshard` of a DeepSpeed checkpoint, spread:
+the tag directory's files of `deepspeed.writer.deepspeed_files` (each a torch zip of one rank's
+model or optimizer states, whose records are known before any data is read), each written by
+one rank or cut by byte range inside its storages' data, `latest` written by rank 0 last. The
+output is the one-process writer's, byte for byte."""
 
 from __future__ import annotations
 
 from contextlib import ExitStack
 from pathlib import Path
 
+from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
-from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.bytecopy import SourceTensor
 from ..core.crc import check_parts
 from ..core.report import WriteReport
 from ..core.request import ConvertRequest
@@ -19,31 +21,42 @@ from ..deepspeed.table import open_deepspeed
 from ..deepspeed.to_deepspeed import RunShape, build_run, resharded_run
 from ..deepspeed.writer import DsRun, deepspeed_files
 from ..offline.formats import open_checkpoint
-from .jobs import Progress, convert_facts, part_reads, parts_json, source_listing
+from .jobs import CheckedReads, Progress, convert_facts, part_reads, source_listing
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
 
 LATEST = "latest"
-WHOLE = "each DeepSpeed file is written by one process"
+CUT_STEP = 4  # a part of a DeepSpeed file starts at a multiple of 4 bytes into a storage's data
 
 
-class SinkOutput:
-    """A whole output file written through a `PartSink`, as the DeepSpeed writer's storages append to it."""
+class RangeOutput:
+    """A file's contents, appended from its start as the DeepSpeed writer does, of which only
+    bytes [sink's begin, end) reach `sink`; storage elements outside them are not read."""
 
-    def __init__(self, sink: PartSink, engine: ByteEngine):
+    def __init__(self, sink: PartSink, reads: CheckedReads, begin: int, end: int):
         self.path, self.position = sink.path, 0
-        self.sink, self.engine = sink, engine
+        self.sink, self.reads, self.begin, self.end = sink, reads, begin, end
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.sink.write(data)
-        self.position += len(data)
+        view = memoryview(data).cast("B")
+        lo, hi = max(self.begin, self.position), min(self.end, self.position + view.nbytes)
+        if lo < hi:
+            self.sink.write(view[lo - self.position : hi - self.position])
+        self.position += view.nbytes
 
     def copy(self, source: SourceTensor, wanted: ElementRange) -> None:
-        self.engine.copy(source, wanted, source.dtype, self.write)
+        self.copy_via_engine(source, wanted, source.dtype)
 
     def copy_via_engine(self, source: SourceTensor, wanted: ElementRange, dtype: str) -> None:
-        self.engine.copy(source, wanted, dtype, self.write)
+        itemsize = dtype_info(dtype).itemsize
+        start, nbytes = self.position, wanted.size * itemsize
+        lo, hi = max(self.begin, start), min(self.end, start + nbytes)
+        if lo < hi:  # the elements that hold bytes [lo, hi), the first and last cut by `write`
+            first, last = (lo - start) // itemsize, -(-(hi - start) // itemsize)
+            self.position = start + first * itemsize
+            self.reads.copy(source, ElementRange(wanted.start + first, wanted.start + last), dtype, self.write)
+        self.position = start + nbytes
 
 
 class DeepSpeedJob:
@@ -58,7 +71,7 @@ class DeepSpeedJob:
         except BaseException:
             self.stack.close()
             raise
-        self.files = [OutputFile(f"{self.run.tag}/{file.name}", file.nbytes, why_whole=WHOLE) for file in self.contents]
+        self.files = [OutputFile(f"{self.run.tag}/{file.name}", file.nbytes, file.storage_spans(CUT_STEP)) for file in self.contents]
 
     def build(self, src: str, request: ConvertRequest) -> DsRun:
         """The source opened (closed with `stack`), and the run written."""
@@ -83,11 +96,13 @@ class DeepSpeedJob:
     def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
         name = self.files[part.file].name
         (directory / self.run.tag).mkdir(exist_ok=True)
-        engine = ByteEngine(chunk_size=self.request.chunk_size, progress=progress)
-        with PartSink(directory / name, part.begin, part.end) as sink:
-            self.contents[part.file].write(SinkOutput(sink, engine))
-        parts = engine.finish_parts()
-        return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, engine.bytes_read, parts_json(parts))
+        reads = CheckedReads(self.request.chunk_size, progress)
+        try:
+            with PartSink(directory / name, part.begin, part.end) as sink:
+                self.contents[part.file].write(RangeOutput(sink, reads, part.begin, part.end))
+        finally:
+            source_parts = reads.finish()
+        return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, reads.bytes_read, source_parts)
 
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))

@@ -17,7 +17,7 @@ from pathlib import Path
 from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
 from ..core.bytecopy import ByteEngine, SourceTensor
-from ..core.crc import PartRead, check_parts, crc32, crc32_combine
+from ..core.crc import PartRead, cast_into, check_parts, crc32, crc32_combine
 from ..core.names import layout_header
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest
@@ -57,6 +57,38 @@ def part_reads(results: list[PartResult]) -> list[PartRead]:
 
 def parts_json(parts: list[PartRead]) -> list[list]:
     return [[str(p.path), *p[1:]] for p in parts]
+
+
+READ_BLOCK_BYTES = 8 * 1024 * 1024
+
+
+class CheckedReads:
+    """Element ranges of source tensors read as the one-process DCP and DeepSpeed writers read them
+    (random access: a piece with a checksum is read whole and checked the first time any of it is
+    wanted), so that a piece read by several parts, in any order, even twice (a tied weight), is
+    checked without the parts having to meet end to end; the bytes wanted are counted and shown."""
+
+    def __init__(self, chunk_size: int, progress: Progress):
+        self.engine, self.progress, self.bytes_read = ByteEngine(chunk_size=chunk_size), progress, 0
+
+    def copy(self, source: SourceTensor, wanted: ElementRange, dtype: str, write: Callable[[memoryview], None]) -> None:
+        """Elements `wanted` of `source`, cast to `dtype`, into `write`."""
+        itemsize = dtype_info(source.dtype).itemsize
+        step = max(1, READ_BLOCK_BYTES // itemsize)
+        for first in range(wanted.start, wanted.end, step):
+            block = ElementRange(first, min(first + step, wanted.end))
+            data = memoryview(bytearray(block.size * itemsize))
+            self.engine.read_into(source, block, data)
+            if dtype != source.dtype:
+                data = cast_into(data, source.dtype, dtype, bytearray(block.size * dtype_info(dtype).itemsize))
+            write(data)
+            self.bytes_read += block.size * itemsize
+            if self.progress is not None:
+                self.progress(block.size * itemsize)
+
+    def finish(self) -> list[list]:
+        """Close the files; what the commit checks (nothing: each piece was checked whole)."""
+        return parts_json(self.engine.finish_parts())
 
 
 def safetensors_file(name: str, header: bytes, order, *, whole: set[str], splittable: bool) -> OutputFile:
