@@ -25,6 +25,7 @@ from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible
 from ..format.placement import Placement, TensorSpec
 from ..format.reader import is_full_checkpoint
+from ..storage.location import is_url
 from .copy_order import DoneEvent, Event, HostBuffers, OverlappedCopy
 from .model_state import expected_tensors, load_weights, optimizer_hyperparameters, persistent_buffers, tensor_table, view_params
 from .optim_state import StateLayout, load_optimizer_state, states_to_load
@@ -88,7 +89,8 @@ class Checkpointer:
                 self.timings.total += seconds
             manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.run_id, step)
             device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
-            job = SaveJob(view.shard_rank, Path(run_dir), step, manifest, local if view.writes_shards else None, keep_last, device)
+            location = str(run_dir).rstrip("/") if is_url(run_dir) else Path(run_dir)
+            job = SaveJob(view.shard_rank, location, step, manifest, local if view.writes_shards else None, keep_last, device)
             if self.async_save:
                 self.in_flight = step
                 self.thread = threading.Thread(target=self._run_save, args=(job, copied), name="fsdpkit-async-save", daemon=True)
