@@ -8,12 +8,16 @@ retries names the object, exits 1 and commits nothing."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from fsdpkit_cli.app import app
+from support.fault_proxy import FaultProxy
 from support.object_store import s3_client
 from typer.testing import CliRunner
 
@@ -53,9 +57,9 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Six steps, uninterrupted, saved locally at the end."""
+    """Six steps, uninterrupted, saved locally every two."""
     root = tmp_path_factory.mktemp("reference")
-    return train("--steps", "6", "--save-every", "6", "--save-dir", str(root / "run")), root / "run"
+    return train("--steps", "6", "--save-every", "2", "--save-dir", str(root / "run")), root / "run"
 
 
 def test_a_run_saved_to_a_bucket_resumes_from_it_bitwise(reference, s3_bucket, s3_endpoint, tmp_path):
@@ -76,8 +80,50 @@ def test_a_run_saved_to_a_bucket_resumes_from_it_bitwise(reference, s3_bucket, s
         *[f"step-00000006/rank-0000{rank}-of-00002.safetensors" for rank in range(2)],
     ]  # keep-last 1 removed step 3's objects; the lock is gone
     assert listed == ["latest", *[name for name in listed if name.startswith("step-")]]
-    mine, expected = weights(downloaded(s3_endpoint, s3_bucket, "runs/a", tmp_path / "copy")), weights(local)
+    mine, expected = weights(downloaded(s3_endpoint, s3_bucket, "runs/a", tmp_path / "copy")), weights(local / "step-00000006")
     assert mine.keys() == expected.keys() and all(torch.equal(mine[name], expected[name]) for name in expected)
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
     inspected = runner.invoke(app, ["inspect", url, "--json"])
     assert inspected.exit_code == 0 and json.loads(inspected.stdout)["path"] == f"{url}/step-00000006"
+
+
+def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_takes_the_previous_one(reference, s3_bucket, s3_endpoint, tmp_path):
+    """The proxy holds the uploads of step 4's rank files; the whole run is SIGKILLed then."""
+    full, local = reference
+    url = f"s3://{s3_bucket}/runs/k"
+    command = [FSDPKIT, "train", *COMMON, "--steps", "6", "--save-every", "2", "--save-dir", url, "--quiet"]
+    with FaultProxy(s3_endpoint, fraction=1.0, kinds=("hold",), methods=("PUT", "POST"), only="step-00000004/rank-") as proxy:
+        run = subprocess.Popen(command, env={**os.environ, "AWS_ENDPOINT_URL": proxy.url}, cwd=tmp_path, start_new_session=True)
+        try:
+            assert proxy.held.wait(120), "the save of step 4 never started"
+        finally:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    listed = keys(s3_endpoint, s3_bucket, "runs/k")
+    assert "step-00000004/manifest.json" not in listed and "step-00000002/manifest.json" in listed
+    assert s3_client(s3_endpoint).get_object(Bucket=s3_bucket, Key="runs/k/latest")["Body"].read() == b"step-00000002\n"
+    inspected = runner.invoke(app, ["inspect", url, "--json"])
+    assert inspected.exit_code == 0 and json.loads(inspected.stdout)["path"] == f"{url}/step-00000002"
+    result = runner.invoke(app, ["train", "--resume", url, "--save-dir", url, "--json"])  # the same run, its lock stale
+    assert result.exit_code == 0, result.output
+    assert "took over the lock" in result.stderr
+    resumed = json.loads(result.stdout)
+    assert resumed["resumed_from_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    mine, expected = weights(downloaded(s3_endpoint, s3_bucket, "runs/k", tmp_path / "copy")), weights(local / "step-00000006")
+    assert mine.keys() == expected.keys() and all(torch.equal(mine[name], expected[name]) for name in expected)
+    for step in (2, 4, 6):  # step 4 saved again whole
+        assert [name for name in keys(s3_endpoint, s3_bucket, "runs/k") if name.startswith(f"step-0000000{step}/")] == [
+            f"step-0000000{step}/manifest.json",
+            *[f"step-0000000{step}/rank-0000{rank}-of-00002.safetensors" for rank in range(2)],
+        ]
+
+
+def test_a_save_that_fails_after_retries_names_the_object_exits_1_and_commits_nothing(s3_bucket, s3_endpoint, tmp_path, monkeypatch):
+    url = f"s3://{s3_bucket}/runs/f"
+    with FaultProxy(s3_endpoint, fraction=1.0, kinds=("400",), methods=("PUT", "POST"), only="step-00000002/rank-00001") as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        result = runner.invoke(app, ["train", *COMMON, "--steps", "2", "--save-every", "2", "--save-dir", url])
+    assert result.exit_code == 1, result.output
+    said = result.output.strip().splitlines()[-1]
+    assert f"{url}/step-00000002/rank-00001-of-00002.safetensors: write failed after retries, nothing committed: HTTP 400" in said, said
+    assert [name for name in keys(s3_endpoint, s3_bucket, "runs/f") if name.endswith(("manifest.json", "latest"))] == []

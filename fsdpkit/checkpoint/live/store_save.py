@@ -7,9 +7,9 @@ every rank taking part; no rename anywhere (format/run_store.py):
    placement).
 3. Each rank that writes shards streams its own rank file into the store from the bytes it
    holds (the host buffers an async save copied into, or the parameters and optimizer state of a
-   synchronous one): a multipart upload, PARTS_IN_FLIGHT parts at once, aborted on an error. All
-   ranks agree that every file was written; a failure on any rank fails the save on every rank
-   with one RunError naming the object and the reason, and nothing is committed.
+   synchronous one): a multipart upload, PARTS_IN_FLIGHT parts at once, aborted on an error. The
+   ranks gather what failed; a failure on any rank fails the save on every rank with one
+   RunError naming the object and the reason, and nothing is committed.
 4. Rank 0 commits: the step's manifest, then `latest`, then keep-last-k.
 
 A save cut short leaves objects under a step that has no manifest: no reader or `--resume` takes
@@ -49,10 +49,9 @@ def save_to_store(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
             faults.reached("save", job.step)
         except (FsdpkitError, OSError) as error:
             failure = str(error)
-    if ranks.min_over_ranks([1 if failure is None else 0], job.device, label="checkpoint files written") != [1]:
-        raise RunError(
-            f"checkpoint step {job.step} not saved, previous checkpoint kept: " + (failure or "another rank could not write its file")
-        )
+    failures = [line for line in ranks.comm.all_gather_object(failure, ranks.group, label="checkpoint files written") if line]
+    if failures:  # every rank names the first object that failed and why
+        raise RunError(f"checkpoint step {job.step} not saved, previous checkpoint kept: {failures[0]}")
     path, failure = ranks.from_rank0(
         _guarded(lambda: run_store.commit(storage, job.step, job.manifest, keep_last=job.keep_last)),
         where=url,
