@@ -57,3 +57,17 @@ def test_a_reshard_killed_mid_upload_commits_nothing_and_runs_again(s3_bucket, s
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
     again = run_cli("reshard", str(run), url, "--world-size", "3")
     assert again.exit_code == 2 and "pass --overwrite" in again.output  # a whole checkpoint is never replaced unasked
+
+
+def test_the_lock_of_a_run_in_a_bucket_is_one_conditional_create(s3_bucket, s3_endpoint):
+    from fsdpkit.checkpoint.format.lock import RunLock
+    from fsdpkit.errors import UsageError
+
+    url = f"s3://{s3_bucket}/runs/locked"
+    first = RunLock.acquire(url, run_id="run-a")
+    with pytest.raises(UsageError, match=f"{url} is in use by another run: pid {os.getpid()} on .* \\(run run-a\\) holds {url}/.lock"):
+        RunLock.acquire(url, run_id="run-b")  # this process is alive: never taken over
+    first.release()
+    assert _objects(s3_endpoint, s3_bucket, "runs/locked") == {}
+    with RunLock.acquire(url, run_id="run-b") as second:
+        assert second.run_id == "run-b" and b'"run": "run-b"' in _objects(s3_endpoint, s3_bucket, "runs/locked")[".lock"]

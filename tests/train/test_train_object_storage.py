@@ -62,33 +62,12 @@ def reference(tmp_path_factory):
     return train("--steps", "6", "--save-every", "2", "--save-dir", str(root / "run")), root / "run"
 
 
-def test_a_run_saved_to_a_bucket_resumes_from_it_bitwise(reference, s3_bucket, s3_endpoint, tmp_path):
-    full, local = reference
-    url = f"s3://{s3_bucket}/runs/a"
-    first = train("--steps", "3", "--save-every", "3", "--save-dir", url)
-    assert first["checkpoint"] == f"{url}/step-00000003" and first["losses"] == full["losses"][:3]
-    assert keys(s3_endpoint, s3_bucket, "runs/a") == ["latest", "step-00000003/manifest.json", *[
-        f"step-00000003/rank-0000{rank}-of-00002.safetensors" for rank in range(2)
-    ]]  # fmt: skip
-    result = runner.invoke(app, ["train", "--resume", url, "--save-dir", url, "--steps", "6", "--async-save", "--keep-last", "1", "--json"])
-    assert result.exit_code == 0, result.output
-    resumed = json.loads(result.stdout)
-    assert resumed["resumed_from_step"] == 3 and resumed["losses"] == full["losses"][3:]
-    listed = keys(s3_endpoint, s3_bucket, "runs/a")
-    assert [name for name in listed if name.startswith("step-")] == [
-        "step-00000006/manifest.json",
-        *[f"step-00000006/rank-0000{rank}-of-00002.safetensors" for rank in range(2)],
-    ]  # keep-last 1 removed step 3's objects; the lock is gone
-    assert listed == ["latest", *[name for name in listed if name.startswith("step-")]]
-    mine, expected = weights(downloaded(s3_endpoint, s3_bucket, "runs/a", tmp_path / "copy")), weights(local / "step-00000006")
-    assert mine.keys() == expected.keys() and all(torch.equal(mine[name], expected[name]) for name in expected)
-    assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
-    inspected = runner.invoke(app, ["inspect", url, "--json"])
-    assert inspected.exit_code == 0 and json.loads(inspected.stdout)["path"] == f"{url}/step-00000006"
-
-
-def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_takes_the_previous_one(reference, s3_bucket, s3_endpoint, tmp_path):
-    """The proxy holds the uploads of step 4's rank files; the whole run is SIGKILLed then."""
+def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_from_the_bucket_ends_bitwise(
+    reference, s3_bucket, s3_endpoint, tmp_path
+):
+    """The proxy holds the uploads of step 4's rank files; the whole run is SIGKILLed then. The
+    resume (async saves, keep-last 1, the same run: it takes over the dead run's lock) ends
+    bitwise equal to the uninterrupted local run."""
     full, local = reference
     url = f"s3://{s3_bucket}/runs/k"
     command = [FSDPKIT, "train", *COMMON, "--steps", "6", "--save-every", "2", "--save-dir", url, "--quiet"]
@@ -100,22 +79,34 @@ def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_takes_the_
             os.killpg(run.pid, signal.SIGKILL)
             run.wait()
     listed = keys(s3_endpoint, s3_bucket, "runs/k")
-    assert "step-00000004/manifest.json" not in listed and "step-00000002/manifest.json" in listed
+    assert [name for name in listed if name.endswith("manifest.json")] == ["step-00000002/manifest.json"]
     assert s3_client(s3_endpoint).get_object(Bucket=s3_bucket, Key="runs/k/latest")["Body"].read() == b"step-00000002\n"
     inspected = runner.invoke(app, ["inspect", url, "--json"])
     assert inspected.exit_code == 0 and json.loads(inspected.stdout)["path"] == f"{url}/step-00000002"
-    result = runner.invoke(app, ["train", "--resume", url, "--save-dir", url, "--json"])  # the same run, its lock stale
+    result = runner.invoke(app, ["train", "--resume", url, "--save-dir", url, "--async-save", "--keep-last", "1", "--json"])
     assert result.exit_code == 0, result.output
     assert "took over the lock" in result.stderr
     resumed = json.loads(result.stdout)
     assert resumed["resumed_from_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    assert resumed["checkpoint"] == f"{url}/step-00000006"
     mine, expected = weights(downloaded(s3_endpoint, s3_bucket, "runs/k", tmp_path / "copy")), weights(local / "step-00000006")
     assert mine.keys() == expected.keys() and all(torch.equal(mine[name], expected[name]) for name in expected)
-    for step in (2, 4, 6):  # step 4 saved again whole
-        assert [name for name in keys(s3_endpoint, s3_bucket, "runs/k") if name.startswith(f"step-0000000{step}/")] == [
-            f"step-0000000{step}/manifest.json",
-            *[f"step-0000000{step}/rank-0000{rank}-of-00002.safetensors" for rank in range(2)],
-        ]
+    assert keys(s3_endpoint, s3_bucket, "runs/k") == [  # keep-last 1: the old steps' objects are gone, and the lock
+        "latest",
+        "step-00000006/manifest.json",
+        *[f"step-00000006/rank-0000{rank}-of-00002.safetensors" for rank in range(2)],
+    ]
+    assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+
+
+def test_init_from_a_bucket_starts_from_the_same_weights_as_from_the_directory(reference, s3_bucket, s3_endpoint):
+    full, local = reference
+    client = s3_client(s3_endpoint)
+    for path in (local / "step-00000006").iterdir():  # put there by boto3
+        client.upload_file(str(path), s3_bucket, f"ckpt/step-00000006/{path.name}")
+    from_bucket = train("--steps", "1", "--init-from", f"s3://{s3_bucket}/ckpt")
+    from_directory = train("--steps", "1", "--init-from", str(local / "step-00000006"))
+    assert from_bucket["losses"] == from_directory["losses"] and from_bucket["losses"][0] != full["losses"][0]  # not the seed's weights
 
 
 def test_a_save_that_fails_after_retries_names_the_object_exits_1_and_commits_nothing(s3_bucket, s3_endpoint, tmp_path, monkeypatch):
