@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from ...errors import DataCheckError, RunError, UsageError
+from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ..core.crc import crc32
 from ..core.names import STEP_PREFIX
 from ..storage.download import download
@@ -180,7 +180,8 @@ def resolve_url(url: str) -> tuple[str, Manifest]:
 def local_copy(url: str) -> Iterator[Path]:
     """The checkpoint at `url` (a run's `latest` step, a step, or any other checkpoint's objects)
     copied through the face into a temporary directory (TMPDIR) for the block: the step's
-    objects only, streamed in bounded memory."""
+    objects only, streamed in bounded memory. An fsdpkit error raised in the block names the
+    URL, not the copy."""
     storage = open_storage(url)
     listed = listed_run(storage)
     if not listed:
@@ -190,7 +191,11 @@ def local_copy(url: str) -> Iterator[Path]:
     wanted = {name: size for name, size in listed.items() if name.startswith(prefix) and "/" not in name[len(prefix) :]}
     with tempfile.TemporaryDirectory(prefix="fsdpkit-load-") as staging:
         download(storage, wanted, Path(staging))
-        yield Path(staging) / step if step else Path(staging)
+        local = Path(staging) / step if step else Path(staging)
+        try:
+            yield local
+        except FsdpkitError as error:
+            raise type(error)(str(error).replace(str(local), storage.where(step) if step else storage.root)) from None
 
 
 def same_url(a: str, b: str) -> bool:
