@@ -34,7 +34,7 @@ from ..storage.location import is_url, open_storage
 from .manifest import Manifest
 from .names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name, rank_file_name, step_dir_name
 from .placement import FileLayout
-from .stored import is_stored_sharded, resolve_stored
+from .stored import is_stored_sharded, resolve_stored, summarize_stored
 
 CRC_CHUNK_BYTES = 32 << 20  # one crc32 update without the GIL
 
@@ -172,6 +172,20 @@ def resolve_url(url: str) -> tuple[str, Manifest]:
     listed = listed_run(storage)
     if not listed:
         raise UsageError(f"{url}: no objects under this prefix (no checkpoint there)")
+    step, manifest = resolve_stored(storage, listed)
+    return (storage.where(step) if step else storage.root), manifest
+
+
+def checked_stored(url: str) -> tuple[str, Manifest] | None:
+    """(the URL of the step, its manifest) of the fsdpkit checkpoint at `url`, every rank file's
+    header checked against it in the bucket (ranged reads); None for another kind of checkpoint."""
+    storage = open_storage(url)
+    listed = listed_run(storage)
+    if not listed:
+        raise UsageError(f"{url}: no objects under this prefix (no checkpoint there)")
+    if not is_stored_sharded(listed):
+        return None
+    summarize_stored(storage, listed)
     step, manifest = resolve_stored(storage, listed)
     return (storage.where(step) if step else storage.root), manifest
 

@@ -141,6 +141,10 @@ def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer:
     resuming) before any process starts: a problem is a DataCheckError (exit 3)."""
     from . import checkpointer
 
+    stored = run_store.checked_stored(str(path)) if is_url(path) else None
+    if stored is not None:  # its manifest and the rank files' headers, read in the bucket
+        checkpointer.check_before_launch(path, model=model, optimizer=optimizer, strict=strict, stored=stored)
+        return
     with _local(path) as local:
         checkpointer.check_before_launch(local, model=model, optimizer=optimizer, strict=strict)
 
