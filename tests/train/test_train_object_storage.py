@@ -99,14 +99,27 @@ def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_from_the_b
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
 
 
-def test_init_from_a_bucket_starts_from_the_same_weights_as_from_the_directory(reference, s3_bucket, s3_endpoint):
+def test_init_from_and_save_to_a_bucket_through_failing_requests_equal_the_same_run_on_disk(
+    reference, s3_bucket, s3_endpoint, tmp_path, monkeypatch
+):
+    """5% of the requests fail (503, 500, dropped); the run from and to the bucket ends as the run
+    from and to directories does: the same losses, and rank files byte for byte the same."""
     full, local = reference
     client = s3_client(s3_endpoint)
     for path in (local / "step-00000006").iterdir():  # put there by boto3
         client.upload_file(str(path), s3_bucket, f"ckpt/step-00000006/{path.name}")
-    from_bucket = train("--steps", "1", "--init-from", f"s3://{s3_bucket}/ckpt")
-    from_directory = train("--steps", "1", "--init-from", str(local / "step-00000006"))
-    assert from_bucket["losses"] == from_directory["losses"] and from_bucket["losses"][0] != full["losses"][0]  # not the seed's weights
+    flags = ["--steps", "2", "--save-every", "2"]
+    on_disk = train(*flags, "--init-from", str(local / "step-00000006"), "--save-dir", str(tmp_path / "out"))
+    with FaultProxy(s3_endpoint, fraction=0.05, seed=3) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        in_bucket = train(*flags, "--init-from", f"s3://{s3_bucket}/ckpt", "--save-dir", f"s3://{s3_bucket}/out")
+    assert sum(proxy.faults.values()) > 0
+    assert in_bucket["losses"] == on_disk["losses"] and in_bucket["losses"][0] != full["losses"][0]  # not the seed's weights
+    rank_files = sorted(path.name for path in (tmp_path / "out" / "step-00000002").glob("rank-*"))
+    assert len(rank_files) == 2
+    for name in rank_files:
+        stored = client.get_object(Bucket=s3_bucket, Key=f"out/step-00000002/{name}")["Body"].read()
+        assert stored == (tmp_path / "out" / "step-00000002" / name).read_bytes(), name
 
 
 def test_a_save_that_fails_after_retries_names_the_object_exits_1_and_commits_nothing(s3_bucket, s3_endpoint, tmp_path, monkeypatch):
@@ -118,3 +131,15 @@ def test_a_save_that_fails_after_retries_names_the_object_exits_1_and_commits_no
     said = result.output.strip().splitlines()[-1]
     assert f"{url}/step-00000002/rank-00001-of-00002.safetensors: write failed after retries, nothing committed: HTTP 400" in said, said
     assert [name for name in keys(s3_endpoint, s3_bucket, "runs/f") if name.endswith(("manifest.json", "latest"))] == []
+
+
+def test_a_truncated_rank_file_in_the_bucket_is_exit_3_before_launch_naming_the_object(reference, s3_bucket, s3_endpoint, no_launch):
+    _, local = reference
+    client = s3_client(s3_endpoint)
+    for path in (local / "step-00000002").iterdir():
+        data = path.read_bytes()
+        client.put_object(Bucket=s3_bucket, Key=f"bad/step-00000002/{path.name}", Body=data[:-4] if "rank-00001" in path.name else data)
+    result = runner.invoke(app, ["train", "--resume", f"s3://{s3_bucket}/bad", "--nproc-per-node", "2"])
+    assert result.exit_code == 3, result.output
+    assert result.output.startswith(f"error: s3://{s3_bucket}/bad/step-00000002/rank-00001-of-00002.safetensors: file is ")
+    assert result.output.count("\n") == 1
