@@ -10,6 +10,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible
 from ..format.placement import Placement, TensorSpec
 from ..format.reader import is_full_checkpoint
+from ..format.run_store import local_copy
 from ..storage.location import is_url
 from .copy_order import DoneEvent, Event, HostBuffers, OverlappedCopy
 from .model_state import expected_tensors, load_weights, optimizer_hyperparameters, persistent_buffers, tensor_table, view_params
@@ -136,7 +138,7 @@ class Checkpointer:
         its training state. With replicas, the first reads and broadcasts to the others
         (replica_reads.py), unless `every_replica` (a store on each node: snapshots)."""
         view = describe(self.module)
-        with CheckpointReader(path, validate_all=False) as checkpoint:
+        with local_checkpoint(path) as local, CheckpointReader(local, validate_all=False) as checkpoint:
             names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
             states, missing_optim = check_sharded(
                 checkpoint.manifest, str(checkpoint.step_dir), view_params(view), self.module, self.optimizer, names, strict=strict
@@ -209,6 +211,22 @@ def load(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str |
 
 def init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
     """Load weights only, from a sharded checkpoint or a full (Hugging Face style) one."""
+    with local_checkpoint(path) as local:
+        _init_weights_from(module, local)
+
+
+@contextlib.contextmanager
+def local_checkpoint(path: str | os.PathLike) -> Iterator[str | os.PathLike]:
+    """`path` itself, or the checkpoint at an object-store URL copied through the storage face
+    into a temporary directory for the block (the readers of a load read local files)."""
+    if not is_url(path):
+        yield path
+        return
+    with local_copy(str(path)) as local:
+        yield local
+
+
+def _init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
     if not is_full_checkpoint(Path(path)):
         Checkpointer(module, None).load(path, strict=False)
         return

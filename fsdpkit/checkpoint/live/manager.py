@@ -11,9 +11,7 @@ load copies the step through the storage face into a temporary directory first (
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -108,15 +106,13 @@ class CheckpointManager:
         """Model and optimizer state from the checkpoint at `path` (saved at any world size); its training state."""
         from .checkpointer import Checkpointer
 
-        with _local(path) as local:
-            return Checkpointer(self.model, self.optimizer).load(local, strict=strict)
+        return Checkpointer(self.model, self.optimizer).load(path, strict=strict)
 
     def init_weights(self, path: str | os.PathLike[str]) -> None:
         """Weights only, from a sharded or a full checkpoint (--init-from)."""
         from .checkpointer import init_weights_from
 
-        with _local(path) as local:
-            init_weights_from(self.model, local)
+        init_weights_from(self.model, path)
 
     @staticmethod
     def step_of(step_dir: str | Path) -> int | None:
@@ -145,20 +141,10 @@ def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer:
     if stored is not None:  # its manifest and the rank files' headers, read in the bucket
         checkpointer.check_before_launch(path, model=model, optimizer=optimizer, strict=strict, stored=stored)
         return
-    with _local(path) as local:
+    with checkpointer.local_checkpoint(path) as local:
         checkpointer.check_before_launch(local, model=model, optimizer=optimizer, strict=strict)
 
 
 def _location(save_dir: str | os.PathLike[str]) -> str | Path:
     """A URL as it is (a Path would fold its `//`), a local directory as a Path."""
     return str(save_dir).rstrip("/") if is_url(save_dir) else Path(save_dir)
-
-
-@contextlib.contextmanager
-def _local(path: str | os.PathLike[str]) -> Iterator[str | os.PathLike[str]]:
-    """`path` itself, or the checkpoint at a URL copied into a temporary directory for the block."""
-    if not is_url(path):
-        yield path
-        return
-    with run_store.local_copy(str(path)) as local:
-        yield local
