@@ -1,13 +1,15 @@
 """fsdpkit's sharded checkpoints read through the storage face (an object store, or any
 storage): the step a location denotes, `verify` with every fragment's crc32 computed as the
-bytes stream in (FILES_IN_FLIGHT rank files at once, each one's ranged reads in offset order,
-each byte fetched once), and `inspect`'s summary from the manifest and the rank files' headers.
+bytes stream in (FILES_IN_FLIGHT rank files at once, each read in one stream from its first
+byte, header then data, each byte fetched once), and `inspect`'s summary from the manifest and the rank files' headers.
 Version 2 checkpoints only: a version 1 manifest lists what version 2 derives, and is read from
 local directories."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from ...errors import DataCheckError, UsageError
@@ -93,24 +95,45 @@ def verify_stored(storage: Storage, listed: dict[str, int], progress: Callable[[
 def _check_file(
     storage: Storage, listed: dict[str, int], manifest: Manifest, name: str, expected: FileLayout, progress: Callable[[int], None] | None
 ) -> tuple[list[str], int]:
-    """(one line per problem, data bytes checked) of one rank file, its crc32s computed block by block."""
+    """(one line per problem, data bytes checked) of one rank file, read in one stream front to
+    back: its header first, then the data, each fragment's crc32 computed block by block."""
+    where = storage.where(name)
     try:
-        stored = _stored_crcs(storage, listed, name, expected)
+        _check_size(listed, where, name, expected)
+        with contextlib.closing(storage.read_blocks(name, [(0, expected.size)], block_bytes=BLOCK_BYTES)) as blocks:
+            header, data = _split(_counted(blocks, progress), expected.data_start)
+            stored = v2_crcs(where, header, expected)
+            return _check_data(where, manifest, data, expected, stored), expected.size - expected.data_start
     except DataCheckError as error:
         return [str(error)], 0
-    try:
-        return _check_data(storage, manifest, name, expected, stored, progress), expected.size - expected.data_start
-    except DataCheckError as error:
-        return [str(error)], 0
+
+
+def _counted(blocks: Iterator[tuple[int, memoryview]], progress: Callable[[int], None] | None) -> Iterator[tuple[int, memoryview]]:
+    for offset, block in blocks:
+        yield offset, block
+        if progress is not None:
+            progress(len(block))
+
+
+def _split(blocks: Iterator[tuple[int, memoryview]], data_start: int) -> tuple[bytes, Iterator[tuple[int, memoryview]]]:
+    """(the first `data_start` bytes of `blocks`, the blocks after them)."""
+    header, rest = bytearray(), list[tuple[int, memoryview]]()
+    while len(header) < data_start:
+        offset, block = next(blocks)
+        take = data_start - len(header)
+        header += block[:take]
+        if take < len(block):
+            rest.append((offset + take, block[take:]))
+    return bytes(header), itertools.chain(rest, blocks)
 
 
 def _check_data(
-    storage: Storage, manifest: Manifest, name: str, expected: FileLayout, stored: tuple[int, ...], progress: Callable[[int], None] | None
+    where: str, manifest: Manifest, blocks: Iterator[tuple[int, memoryview]], expected: FileLayout, stored: tuple[int, ...]
 ) -> list[str]:
     """One line per fragment whose crc32 differs from `stored`, the data read front to back."""
-    where, problems = storage.where(name), []
+    problems: list[str] = []
     spans, index, crc = expected.spans, 0, 0
-    for offset, block in storage.read_blocks(name, [(expected.data_start, expected.size)], block_bytes=BLOCK_BYTES):
+    for offset, block in blocks:
         position = offset - expected.data_start
         base = position
         while base < position + len(block) and index < len(spans):
@@ -124,13 +147,10 @@ def _check_data(
                         f"{where}: checksum mismatch in tensor {tensor!r}: stored crc32 {stored[index]:08x}, data gives {crc:08x}"
                     )
                 index, crc = index + 1, 0
-        if progress is not None:
-            progress(len(block))
     return problems
 
 
-def _stored_crcs(storage: Storage, listed: dict[str, int], name: str, expected: FileLayout) -> tuple[int, ...]:
-    where = storage.where(name)
+def _check_size(listed: dict[str, int], where: str, name: str, expected: FileLayout) -> None:
     size = listed.get(name)
     if size is None:
         raise DataCheckError(f"{where}: file is missing")
@@ -139,6 +159,11 @@ def _stored_crcs(storage: Storage, listed: dict[str, int], name: str, expected: 
             f"{where}: file is {size} bytes, the layout the manifest gives has {expected.size} "
             "(truncated, extended or from another checkpoint)"
         )
+
+
+def _stored_crcs(storage: Storage, listed: dict[str, int], name: str, expected: FileLayout) -> tuple[int, ...]:
+    where = storage.where(name)
+    _check_size(listed, where, name, expected)
     return v2_crcs(where, storage.read(name, 0, expected.data_start), expected)
 
 

@@ -14,7 +14,7 @@ import queue
 import re
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -31,7 +31,10 @@ BACKOFF = {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta
 DELETE_BATCH = 1000
 SEGMENT_BYTES = 256 << 20  # one streamed GET (memory is bounded by the blocks read ahead, not by this)
 SEGMENTS_IN_FLIGHT = 2  # the next segment is requested while one is consumed
-BLOCKS_AHEAD = 2  # blocks a segment's stream reads ahead: at most SEGMENTS_IN_FLIGHT * (BLOCKS_AHEAD + 1) blocks held
+BLOCKS_AHEAD = 2  # blocks' worth of bytes a segment's stream reads ahead: at most SEGMENTS_IN_FLIGHT * (BLOCKS_AHEAD + 1) blocks held
+CHUNK_BYTES = (
+    1 << 20
+)  # the pieces a stream hands over: obstore joins the body's frames into them, a copy that costs more the larger they are
 
 
 class ObjectStorage:
@@ -78,10 +81,11 @@ class ObjectStorage:
 
     def read_blocks(
         self, name: str, ranges: Iterable[tuple[int, int]], *, block_bytes: int = READ_BLOCK_BYTES
-    ) -> Iterator[tuple[int, memoryview]]:
+    ) -> Generator[tuple[int, memoryview], None, None]:
         """Streamed GETs of segments of at most SEGMENT_BYTES, SEGMENTS_IN_FLIGHT of them at once
         (the next requested while one is consumed), each read ahead at most BLOCKS_AHEAD blocks."""
         segments = [(offset, min(offset + SEGMENT_BYTES, end)) for start, end in ranges for offset in range(start, end, SEGMENT_BYTES)]
+        chunk_bytes = min(block_bytes, CHUNK_BYTES)
         stop = threading.Event()
         with ThreadPoolExecutor(SEGMENTS_IN_FLIGHT, thread_name_prefix="fsdpkit-get") as pool:
             queues: deque[queue.Queue] = deque()
@@ -89,8 +93,8 @@ class ObjectStorage:
                 for index, (start, _) in enumerate(segments):
                     while len(queues) < SEGMENTS_IN_FLIGHT and index + len(queues) < len(segments):
                         ahead = segments[index + len(queues)]
-                        queues.append(queue.Queue(BLOCKS_AHEAD))
-                        pool.submit(self._stream, name, *ahead, block_bytes, queues[-1], stop)
+                        queues.append(queue.Queue(max(1, BLOCKS_AHEAD * block_bytes // chunk_bytes)))
+                        pool.submit(self._stream, name, *ahead, chunk_bytes, queues[-1], stop)
                     yield from self._drained(queues.popleft(), start, block_bytes)
             finally:
                 stop.set()
@@ -99,27 +103,26 @@ class ObjectStorage:
                         while True:
                             waiting.get_nowait()
 
-    def _stream(self, name: str, start: int, end: int, block_bytes: int, into: queue.Queue, stop: threading.Event) -> None:
-        """Put the bytes [start, end) of object `name` into `into` as they arrive, then None; an
-        error in their place. A stream cut after some bytes resumes where it stopped."""
+    def _stream(self, name: str, start: int, end: int, chunk_bytes: int, into: queue.Queue, stop: threading.Event) -> None:
+        """Put the bytes [start, end) of object `name` into `into` as they arrive, in pieces of
+        at least `chunk_bytes` (but the last), then None; an error in their place. A stream cut
+        after some bytes resumes where it stopped; a reader that stopped ends it."""
         import obstore
 
         position, resumed = start, 0
         while position < end and not stop.is_set():
             try:
                 result = self._call(obstore.get, name, options={"range": (position, end)})
-                for chunk in result.stream(min_chunk_size=block_bytes):
+                for chunk in result.stream(min_chunk_size=chunk_bytes):
                     position += len(chunk)
-                    while not stop.is_set():
-                        with contextlib.suppress(queue.Full):
-                            into.put(chunk, timeout=0.5)
-                            break
+                    if not _put(into, chunk, stop):
+                        return
             except Exception as error:
                 resumed += 1
                 if resumed > RETRIES or isinstance(error, FsdpkitError):
-                    into.put(error if isinstance(error, FsdpkitError) else _translated(error, self.where(name), "read"))
+                    _put(into, error if isinstance(error, FsdpkitError) else _translated(error, self.where(name), "read"), stop)
                     return
-        into.put(None)
+        _put(into, None, stop)
 
     def _drained(self, source: queue.Queue, start: int, block_bytes: int) -> Iterator[tuple[int, memoryview]]:
         position = start
@@ -221,6 +224,15 @@ class _ObjectStream:
             return written
         except Exception as error:
             raise _translated(error, self._where, "write") from None
+
+
+def _put(into: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """`item` put into `into` once there is room, unless the reader stops first (False)."""
+    while not stop.is_set():
+        with contextlib.suppress(queue.Full):
+            into.put(item, timeout=0.5)
+            return True
+    return False
 
 
 class _Missing(DataCheckError):
