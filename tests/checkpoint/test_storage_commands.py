@@ -83,6 +83,19 @@ def test_verify_through_failing_requests_gives_the_clean_answer(run_in_bucket, s
     assert sum(proxy.faults.values()) > 0
 
 
+def test_verify_progress_in_a_bucket_ends_at_the_bytes_of_the_step_it_checks(run_in_bucket):
+    """A run of two steps: the progress of `verify` counts the rank files of the step `latest`
+    names, each byte once, up to a total of exactly their size on disk."""
+    from fsdpkit.checkpoint.offline.locations import verify_at
+
+    run, url = run_in_bucket
+    calls: list[tuple[int, int]] = []
+    assert verify_at(url, lambda done, total: calls.append((done, total))).ok
+    on_disk = sum(path.stat().st_size for path in (run / "step-00000002").glob("rank-*"))
+    assert {total for _, total in calls} == {on_disk}
+    assert sum(done for done, _ in calls) == on_disk
+
+
 def test_convert_reshard_and_diff_read_a_bucket_as_a_directory(run_in_bucket, s3_bucket, s3_endpoint, tmp_path):
     """A source in a bucket gives the same output as the same source on disk, byte for byte;
     a full checkpoint in a bucket (a format read from a local copy) inspects as on disk."""

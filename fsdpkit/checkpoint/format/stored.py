@@ -16,6 +16,7 @@ from ...errors import DataCheckError, UsageError
 from ..core.crc import crc32
 from ..core.names import is_safe_file_name, parse_json
 from ..core.report import VerifyReport
+from ..core.request import Progress, progress_callback
 from ..core.summary import FileEntry, ShardedSummary
 from ..storage.face import Storage
 from .manifest import Manifest
@@ -68,7 +69,7 @@ def _in(step: str, name: str) -> str:
     return f"{step}/{name}" if step else name
 
 
-def verify_stored(storage: Storage, listed: dict[str, int], progress: Callable[[int], None] | None = None) -> VerifyReport:
+def verify_stored(storage: Storage, listed: dict[str, int], progress: Progress | None = None) -> VerifyReport:
     report = VerifyReport(storage.root, "sharded")
     try:
         step, manifest = resolve_stored(storage, listed)
@@ -77,8 +78,9 @@ def verify_stored(storage: Storage, listed: dict[str, int], progress: Callable[[
     report.path = storage.where(step) if step else storage.root
     layout = manifest.layout()
     files = [(_in(step, rank_file_name(rank, manifest.shard_factor)), layout.file_layout(rank)) for rank in range(manifest.shard_factor)]
+    count = progress_callback(progress, sum(listed.get(name, 0) for name, _ in files))
     with ThreadPoolExecutor(FILES_IN_FLIGHT, thread_name_prefix="fsdpkit-verify") as pool:
-        results = list(pool.map(lambda file: _check_file(storage, listed, manifest, file[0], file[1], progress), files))
+        results = list(pool.map(lambda file: _check_file(storage, listed, manifest, file[0], file[1], count), files))
     problems = [problem for found, _ in results for problem in found]
     expected = {name for name, _ in files} | {_in(step, MANIFEST_NAME)}
     extra = sorted(
