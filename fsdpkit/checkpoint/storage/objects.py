@@ -33,9 +33,8 @@ DELETE_BATCH = 1000
 SEGMENT_BYTES = 256 << 20  # one streamed GET (memory is bounded by the blocks read ahead, not by this)
 SEGMENTS_IN_FLIGHT = 2  # the next segment is requested while one is read
 BLOCKS_AHEAD = 2  # blocks' worth of bytes a segment's stream reads ahead: at most SEGMENTS_IN_FLIGHT * (BLOCKS_AHEAD + 1) blocks held
-CHUNK_BYTES = (
-    1 << 20
-)  # the pieces a stream hands over: obstore joins the body's frames into them, a copy that costs more the larger they are
+# the pieces a stream hands over: obstore joins the body's frames into them, a copy that costs more the larger they are
+CHUNK_BYTES = 1 << 20
 
 
 class ObjectStorage:
