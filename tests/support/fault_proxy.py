@@ -1,9 +1,11 @@
 """A small HTTP proxy in front of a test server that answers a given fraction of requests
 with a fault: `503 SlowDown` (S3's throttling), another 5xx, a 400 (which no client retries),
-a connection dropped without an answer, or a request held unanswered until the proxy closes
-(`held` is set when the first one arrives: the moment to kill a client mid-upload); `only`
-limits the faults to requests whose path holds it. The request is read whole first, so a fault never reaches the server; which requests
-fail comes from a seeded generator, so a run is repeatable; the kinds take turns. `faults` counts what was injected."""
+a connection dropped without an answer, a request held unanswered until the proxy closes
+(`held` is set when the first one arrives: the moment to kill a client mid-upload), or
+(`cut`, asked for by name) an answer cut off after half its body; `only` limits the faults to
+requests whose path holds it. The request is read whole first, so a fault other than `cut`
+never reaches the server; which requests fail comes from a seeded generator, so a run is
+repeatable; the kinds take turns. `faults` counts what was injected."""
 
 from __future__ import annotations
 
@@ -99,6 +101,9 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 self.connection.shutdown(socket.SHUT_RDWR)
                 self.close_connection = True
                 return
+            if fault == "cut":
+                self._forward(body, cut=True)
+                return
             if fault is not None:
                 payload = PAYLOADS[fault]
                 self.send_response(int(fault))
@@ -109,7 +114,7 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 return
             self._forward(body)
 
-        def _forward(self, body: bytes) -> None:
+        def _forward(self, body: bytes, *, cut: bool = False) -> None:
             upstream = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
             headers = {key: value for key, value in self.headers.items() if key.lower() not in HOP_BY_HOP}
             if self.headers.get("Transfer-Encoding"):
@@ -124,7 +129,12 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                         self.send_header(key, value)
                 self.send_header("Content-Length", str(len(payload)) if self.command != "HEAD" else answer.getheader("Content-Length", "0"))
                 self.end_headers()
-                if self.command != "HEAD":
+                if cut:
+                    self.wfile.write(payload[: len(payload) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                elif self.command != "HEAD":
                     self.wfile.write(payload)
             finally:
                 upstream.close()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from ...errors import UsageError
 from ..core.any_checkpoint import AnyCheckpoint
 from ..core.report import VerifyReport, WriteReport
-from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest, progress_callback
+from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest
 from ..core.summary import Summary
 from ..dcp.stored import is_stored_dcp, summarize_stored_dcp, verify_stored_dcp
 from ..format.stored import is_stored_sharded, resolve_stored, summarize_stored, verify_stored
@@ -43,8 +43,7 @@ def verify_at(location: str | os.PathLike[str], progress: Progress | None = None
         if is_stored_dcp(listed):
             return verify_stored_dcp(storage, listed)
         if is_stored_sharded(listed):
-            total = sum(size for name, size in listed.items() if name.rpartition("/")[2].startswith("rank-"))
-            return verify_stored(storage, listed, progress_callback(progress, total))
+            return verify_stored(storage, listed, progress)
     with local_source(location) as (path, renamed):
         report = detect_format(path).verify(Path(path), progress)
         return dataclasses.replace(report, path=renamed(report.path), problems=[renamed(line) for line in report.problems])
