@@ -6,8 +6,10 @@
     every    -> all_gather of failures, checksums, figures; any failure: all stop, nothing committed
     rank 0   checks every source checksum read in parts, writes the manifest/index, renames to DST
 
-gloo carries only these small objects; the bytes go from the source files to the output files
-in each rank. One process (world size 1) runs the same steps without a process group or torch.
+Only these small objects pass between ranks; the bytes go from the source files to the output
+files in each rank. They pass through a gloo group under torchrun and across nodes, and on one
+node through rank 0's hub (`hub`, `processes`: the launching process is rank 0, its workers need
+no torch). One process (world size 1) runs the same steps without either.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from ...dist.launch import LaunchOptions, launch, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
+from .hub import Hub
 from .jobs import open_job
 from .plan import Plan, make_plan
-from .progress import SharedCount, Show
+from .processes import start_workers, stop_workers
+from .progress import SharedCount, Show, stderr_progress
 from .staging import Staging, fingerprint, prepare, staging_path
 
 PLAN_FILE = "plan-rank0.json"
+WORKERS_EXIT_SECONDS = 5.0  # after a run that succeeded, a worker still there is killed after this
 
 
 @dataclass(frozen=True)
@@ -130,15 +135,20 @@ def view_problem(task: SpreadTask, job: Any, header: dict, rank: int) -> str | N
 
 
 def run_ranks(task: SpreadTask, comm: Any, show: Show | None = None) -> SpreadResult | None:
-    """This rank's part of the run (see the module docstring); rank 0 returns the result."""
-    header, job = _lead(task, comm.world_size) if comm.rank == 0 else (None, None)
+    """This rank's part of the run (see the module docstring); rank 0 returns the result. The
+    other ranks open the source while rank 0 plans."""
+    header, job, problem = None, None, None
+    try:
+        header, job = _lead(task, comm.world_size) if comm.rank == 0 else (None, open_task_job(task))
+    except FsdpkitError as error:
+        problem = f"rank {comm.rank} on {socket.gethostname()}: {error}"
     header = comm.broadcast(header)
     if header["error"] is not None:
+        if job is not None:
+            job.close()
         _raise(*header["error"])
-    problem = None
     try:
-        job = job or open_task_job(task)
-        problem = view_problem(task, job, header, comm.rank)
+        problem = problem or (view_problem(task, job, header, comm.rank) if job is not None else None)
     except FsdpkitError as error:
         problem = f"rank {comm.rank} on {socket.gethostname()}: {error}"
     problems = [line for line in comm.all_gather(problem) if line]
@@ -258,8 +268,6 @@ def spread_worker(task: SpreadTask) -> SpreadResult | None:
 
     import torch.distributed as dist
 
-    from .progress import stderr_progress
-
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=task.timeout))
     show, close = stderr_progress(task.command) if dist.get_rank() == 0 else (None, lambda: None)
     try:
@@ -309,6 +317,8 @@ def run_spread(task: SpreadTask, options: LaunchOptions, show: Show | None = Non
         return spread_worker(task)
     if options.nnodes == 1 and options.nproc_per_node == 1:
         return run_ranks(task, Solo(), show)
+    if options.nnodes == 1:
+        return run_on_this_node(task, options.local_processes)
     if options.node_rank == 0:  # bad input: one line and exit 2 (or 3) here, before any worker starts
         header, job = _lead(task, options.world_size)
         if job is not None:
@@ -319,3 +329,22 @@ def run_spread(task: SpreadTask, options: LaunchOptions, show: Show | None = Non
         return launch(spread_worker, task, options=options).get(0)
     except RunError as error:
         raise RunError(failed_part_line(task, str(error))) from None
+
+
+def run_on_this_node(task: SpreadTask, world_size: int) -> SpreadResult | None:
+    """Rank 0 here, its workers (`processes`) started first: they start and open the source while
+    rank 0 opens it and plans. Bad input is rank 0's one line; the workers then leave, having
+    written nothing."""
+    hub = Hub(world_size, task.timeout, task)
+    show, close = stderr_progress(task.command)
+    grace = 0.5
+    try:
+        start_workers(hub)
+        result = run_ranks(task, hub, show)
+        grace = WORKERS_EXIT_SECONDS
+        return result
+    except RunError as error:
+        raise RunError(failed_part_line(task, str(error))) from None
+    finally:
+        close()
+        stop_workers(hub, grace=grace)
