@@ -17,6 +17,7 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -72,6 +73,12 @@ class Hub:
     def all_gather(self, value: Any) -> list[Any]:
         return self._wait(self._give(0, value))
 
+    def gather_later(self, value: Any) -> tuple[Callable[[], bool], Callable[[], list[Any]]]:
+        """Rank 0's value given now: (whether every rank has given its own, every rank's value
+        once they have, waiting for them as `all_gather` does)."""
+        number = self._give(0, value)
+        return (lambda: self._complete(number)), (lambda: self._wait(number))
+
     def close(self) -> None:
         self._closed = True
         self.listener.close()
@@ -120,6 +127,10 @@ class Hub:
         with self._changed:
             self._left.setdefault(rank, reason)
             self._changed.notify_all()
+
+    def _complete(self, number: int) -> bool:
+        with self._changed:
+            return len(self._rounds[number]) == self.world_size
 
     def _wait(self, number: int) -> list[Any]:
         deadline = time.monotonic() + self.timeout
