@@ -7,8 +7,9 @@ to. Each worker asks and waits for the answer:
     ("set", key, value) | ("get", key) | ("check", keys)   -> ("ok", result)
     ("failed", reason)       no answer: why this worker is about to exit
 
-A gather on rank 0 fails, naming the rank, when a rank that has not given its value has exited
-or does not within the timeout; a worker whose rank 0 has gone fails its own.
+A gather fails, naming the rank, when a rank that has not given its value has exited, or has not
+been heard from (a gather, a post of its progress) for the timeout: a rank still at work posts
+its count every half second. A worker whose rank 0 has gone fails its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -27,13 +29,16 @@ POLL_SECONDS = 0.05
 
 
 class KeyStore:
-    """The few keys the progress count posts: what a TCPStore's set, get and check give."""
+    """The few keys the progress count posts: what a TCPStore's set, get and check give.
+    `heard` is called on each set (rank 0's own: a sign of life)."""
 
-    def __init__(self) -> None:
+    def __init__(self, heard: Callable[[], None] = lambda: None) -> None:
         self._values: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        self.heard = heard
 
     def set(self, key: str, value: str) -> None:
+        self.heard()
         with self._lock:
             self._values[key] = value.encode()
 
@@ -56,7 +61,8 @@ class Hub:
         self.key = secrets.token_bytes(32)
         self.listener = Listener(("127.0.0.1", 0), authkey=self.key)
         self.address: tuple[str, int] = self.listener.address  # type: ignore[assignment]
-        self.store = KeyStore()
+        self._heard = [time.monotonic()] * world_size  # when each rank was last heard from
+        self.store = KeyStore(heard=lambda: self._hear(0))
         self.processes: dict[int, Any] = {}  # rank -> its Popen, to name how a rank that left did
         self._changed = threading.Condition()
         self._rounds: list[dict[int, Any]] = []
@@ -89,7 +95,7 @@ class Hub:
                 conn = self.listener.accept()
                 _, rank = conn.recv()
                 conn.send(self.task)
-            except (OSError, EOFError):  # the listener closed, or a connection without the key
+            except (OSError, EOFError, AuthenticationError):  # the listener closed, or a connection without the key
                 if self._closed:
                     return
                 continue
@@ -99,6 +105,7 @@ class Hub:
         try:
             while True:
                 message = conn.recv()
+                self._hear(rank)
                 if message[0] == "failed":
                     self._leave(rank, f"failed: {message[1]}")
                     continue
@@ -128,12 +135,14 @@ class Hub:
             self._left.setdefault(rank, reason)
             self._changed.notify_all()
 
+    def _hear(self, rank: int) -> None:
+        self._heard[rank] = time.monotonic()
+
     def _complete(self, number: int) -> bool:
         with self._changed:
             return len(self._rounds[number]) == self.world_size
 
     def _wait(self, number: int) -> list[Any]:
-        deadline = time.monotonic() + self.timeout
         with self._changed:
             values = self._rounds[number]
             while len(values) < self.world_size:
@@ -141,8 +150,9 @@ class Hub:
                 gone = [rank for rank in missing if rank in self._left or self._exit_code(rank) is not None]
                 if gone:
                     raise RunError(f"worker rank {gone[0]} {self._how_it_left(gone[0])}")
-                if time.monotonic() > deadline:
-                    raise RunError(f"worker rank {missing[0]} did not answer within --timeout {self.timeout:g} s")
+                silent = [rank for rank in missing if time.monotonic() - self._heard[rank] > self.timeout]
+                if silent:
+                    raise RunError(f"rank {silent[0]} did not answer within --timeout {self.timeout:g} s")
                 self._changed.wait(POLL_SECONDS)
             return [values[rank] for rank in range(self.world_size)]
 
