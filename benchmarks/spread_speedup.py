@@ -1,7 +1,7 @@
 """`convert --to full --dtype bf16` of an fp32 fsdpkit checkpoint (a CPU-bound conversion: every
 element is cast) with `--nproc-per-node 2` against 1, on this machine, side by side:
 
-    .venv/bin/python benchmarks/spread_speedup.py                 # 2 GiB of fp32 weights, 3 rounds
+    .venv/bin/python benchmarks/spread_speedup.py                 # 2 GiB of fp32 weights, 5 rounds
     .venv/bin/python benchmarks/spread_speedup.py --gib 0.5 --rounds 5 --json
 
 Makes the source once in a temporary directory (random fp32 tensors of 64 MiB, written as full
@@ -72,7 +72,7 @@ def timed(command: list[str]) -> tuple[float, float, float | None]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fsdpkit-spread-", dir=os.environ.get("TMPDIR")) as tmp:
