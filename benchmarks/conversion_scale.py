@@ -18,8 +18,9 @@ ranks: fp32 weights and Adam's two moments per parameter), `convert --to full`'s
 headers, tensor map), the output files and the plan; then the copy's bounded buffers and the
 mapped source windows at most; and the interpreter with fsdpkit's modules, measured here as the
 RSS of a fresh process that imported the spread runner (the workers of one node import no torch).
-Not counted: each rank file's unpickled state, which the reader keeps (a ZeRO-3 model states file
-holds a record per parameter), since there are no rank files here.
+Not counted: the rank files' unpickled state while they are open (the reader keeps rank 0's model
+states file whole, of the others' only their step and frozen fragments, and the optimizer files'
+states), since there are no rank files here.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from .unpickler import DeepSpeedRecord, loads
 
 FORMAT = "deepspeed"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+EVERY_RANK_MODEL_KEYS = ("global_steps", "frozen_param_fragments")  # what is read of every rank's model states file
 
 
 @dataclass
@@ -91,8 +92,13 @@ def open_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedCheckpoint:
 
 
 def _build(files: DeepSpeedFiles, opened: list[SaveFile]) -> DeepSpeedCheckpoint:
-    for path in (*files.optim_files, *files.model_files):
-        opened.append(SaveFile(path, loads))
+    for number, path in enumerate((*files.optim_files, *files.model_files)):
+        rank_file = SaveFile(path, loads)
+        opened.append(rank_file)
+        if number > len(files.optim_files) and isinstance(rank_file.state, dict):
+            # Rank 0's model states file is read whole; of the others' (ZeRO-3: one each, with a
+            # record per parameter) only these, kept as each is opened, not N copies.
+            rank_file.state = {key: value for key, value in rank_file.state.items() if key in EVERY_RANK_MODEL_KEYS}
     optims, models = opened[: len(files.optim_files)], opened[len(files.optim_files) :]
     head = models[0]
     version = str(head.state.get("ds_version", "unknown")) if isinstance(head.state, dict) else "unknown"
