@@ -187,7 +187,9 @@ def test_bad_input_is_one_line_and_writes_nothing(source, tmp_path, no_launch, m
     monkeypatch.setattr(runner, "launch", no_launch_launch)
     root, _, clean = source
     wrong = run_cli("convert", root / "run", tmp_path / "x", "--to", "sharded", "--world-size", "2", "--nproc-per-node", "2")
-    assert wrong.exit_code == 2 and "--to full only" in wrong.output
+    assert wrong.exit_code == 2 and "cannot be converted --to sharded" in wrong.output
+    unknown = run_cli("convert", root / "run", tmp_path / "x", "--to", "onnx", "--nproc-per-node", "2")
+    assert unknown.exit_code == 2 and "unknown --to 'onnx'" in unknown.output
     there = run_cli("convert", root / "run", clean, "--to", "full", "--nproc-per-node", "2")
     assert there.exit_code == 2 and "already exists" in there.output
     staging = staging_path(tmp_path / "y")

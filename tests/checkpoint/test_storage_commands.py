@@ -2,7 +2,7 @@
 `convert`, `reshard` and `diff` of a checkpoint in a bucket give what they give of the same
 checkpoint on a local disk (the local reader is the oracle; boto3 uploads and reads back the
 objects), through a proxy that fails requests too; torch's own DCP code reads what fsdpkit
-writes there and writes what fsdpkit reads; what does not take URLs yet says so in one line."""
+writes there and writes what fsdpkit reads; train's URLs are checked before launch in one line."""
 
 from __future__ import annotations
 
@@ -105,11 +105,18 @@ def test_convert_reshard_and_diff_read_a_bucket_as_a_directory(run_in_bucket, s3
     _same(local, remote, tmp_path / "convert-disk", f"s3://{s3_bucket}/full")
 
 
-def test_train_without_urls_yet_says_so(run_in_bucket, no_launch):
-    run, url = run_in_bucket
-    for flag in ("--save-dir", "--resume", "--init-from"):
-        result = run_cli("train", "--steps", "1", flag, url)
-        assert result.exit_code == 2 and result.output.startswith(f"error: {flag} {url}: train does not take object-storage URLs yet")
+def test_train_checks_its_urls_before_launch_in_one_line(run_in_bucket, s3_bucket, no_launch):
+    _, url = run_in_bucket
+    cases = {
+        ("--save-dir", "s3://no-such-bucket-here/run"): "the bucket does not exist",
+        ("--resume", f"s3://{s3_bucket}/no/such/run"): "no objects under this prefix",
+        ("--init-from", f"s3://{s3_bucket}/no/such/run"): "no objects under this prefix",
+        ("--new-run", "--save-dir", f"s3://{s3_bucket}/runs/new"): "an object store cannot set the earlier checkpoints aside",
+        ("--save-dir", url): "already holds checkpoints step-00000001, step-00000002 of another run",
+    }
+    for flags, said in cases.items():
+        result = run_cli("train", "--steps", "1", *flags)
+        assert result.exit_code == 2 and result.output.startswith("error: ") and said in result.output, (flags, result.output)
         assert result.output.count("\n") == 1
 
 

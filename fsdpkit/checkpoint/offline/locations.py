@@ -15,7 +15,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...errors import UsageError
 from ..core.any_checkpoint import AnyCheckpoint
@@ -28,6 +28,9 @@ from ..storage.download import download
 from ..storage.face import Storage
 from ..storage.location import is_url, open_storage
 from ..storage.upload import check_destination, publish
+
+if TYPE_CHECKING:
+    from .diff import DiffRequest
 
 
 def verify_at(location: str | os.PathLike[str], progress: Progress | None = None) -> VerifyReport:
@@ -87,12 +90,12 @@ def reshard_at(src: str, dst: str, request: ReshardRequest) -> WriteReport:
         return dataclasses.replace(report, src=renamed(report.src))
 
 
-def diff_at(a: str, b: str, **options: Any) -> dict:
+def diff_at(a: str, request: DiffRequest, progress: Callable[[int, int], None] | None = None) -> dict:
     """`diff` of two checkpoints, each a local directory or an object-store URL."""
     from .diff import diff
 
-    with local_source(a) as (path_a, renamed_a), local_source(b) as (path_b, renamed_b):
-        result = diff(path_a, path_b, **options)
+    with local_source(a) as (path_a, renamed_a), local_source(request.b) as (path_b, renamed_b):
+        result = diff(path_a, dataclasses.replace(request, b=path_b), progress)
     result["a"]["path"], result["b"]["path"] = renamed_a(result["a"]["path"]), renamed_b(result["b"]["path"])
     return result
 

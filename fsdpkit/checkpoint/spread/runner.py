@@ -27,8 +27,9 @@ from ...dist.launch import LaunchOptions, launch, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
+from ..offline.diff import DiffRequest
+from .dispatch import open_job
 from .hub import Hub
-from .jobs import open_job
 from .plan import Plan, make_plan
 from .processes import start_workers, stop_workers
 from .progress import SharedCount, Show, stderr_progress
@@ -42,10 +43,10 @@ WORKERS_EXIT_SECONDS = 5.0  # after a run that succeeded, a worker still there i
 class SpreadTask:
     """What a spread command was asked: the command, its source and destination, its options."""
 
-    command: str  # "convert", "reshard" or "verify"
+    command: str  # "convert", "reshard", "verify" or "diff"
     src: str
     dst: str | None = None
-    request: ConvertRequest | None = None  # convert's
+    request: ConvertRequest | DiffRequest | None = None  # convert's or diff's
     world_size: int | None = None  # reshard's
     chunk_size: int = DEFAULT_CHUNK_SIZE
     overwrite: bool = False
@@ -54,7 +55,7 @@ class SpreadTask:
 
     @property
     def writes(self) -> bool:
-        return self.command != "verify"
+        return self.command in ("convert", "reshard")
 
 
 @dataclass
