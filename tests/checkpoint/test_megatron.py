@@ -184,6 +184,13 @@ def test_transformers_gpt2_to_megatron_loads_in_megatron_at_tp2_pp2(tmp_path):
     assert run_cli("convert", tmp_path / "meg", tmp_path / "back", "--to", "full").exit_code == 0
     name, got = hf_logits(tmp_path / "back", tokens)
     assert name == "GPT2LMHeadModel" and (got - expected).abs().max().item() < TOLERANCE
+    # through fsdpkit's own format, whose export recipe gives the shape: torch reads the same tensors
+    done = run_cli(
+        "convert", tmp_path / "hf", tmp_path / "sharded", "--to", "sharded", "--world-size", "2", "--model", f"hf:{tmp_path / 'hf'}"
+    )
+    assert done.exit_code == 0, done.output
+    assert run_cli("convert", tmp_path / "sharded", tmp_path / "meg2", "--to", "megatron").exit_code == 0
+    assert_same_dcp_tensors(tmp_path / "meg", tmp_path / "meg2")
 
 
 def test_megatron_gpt_through_hf_and_dcp_back_to_megatron_gives_megatrons_own_tensors(saved, tmp_path):
@@ -196,14 +203,26 @@ def test_megatron_gpt_through_hf_and_dcp_back_to_megatron_gives_megatrons_own_te
     assert run_cli("convert", tmp_path / "hf", tmp_path / "dcp", "--to", "dcp").exit_code == 0
     done = run_cli("convert", tmp_path / "dcp", tmp_path / "from-dcp", "--to", "megatron", "--model", f"hf:{tmp_path / 'hf'}")
     assert done.exit_code == 0, done.output
+    keys = assert_same_dcp_tensors(directory, tmp_path / "back")
+    assert "embedding.position_embeddings.weight" in keys and "decoder.layers.self_attention.linear_qkv.bias" in keys
+    assert_same_dcp_tensors(directory, tmp_path / "from-dcp")
+    # a GPT-2 whose math Megatron's GPT does not have: one line, nothing written
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"activation_function": "relu"}))
+    done = run_cli("convert", tmp_path / "hf", tmp_path / "relu", "--to", "megatron")
+    assert done.exit_code == 3 and "activation_function 'relu'" in done.output and not (tmp_path / "relu").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def assert_same_dcp_tensors(expected, got) -> list[str]:
+    """torch's DCP reader finds the same tensor keys in both checkpoints, each equal; the keys."""
     import torch.distributed.checkpoint as dcp
 
-    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    keys = sorted(key for key, item in metadata.items() if hasattr(item, "size"))
-    assert "embedding.position_embeddings.weight" in keys and "decoder.layers.self_attention.linear_qkv.bias" in keys
-    megatrons = dcp_plain_tensors(directory, keys)
-    for output in ("back", "from-dcp"):
-        written = dcp.FileSystemReader(str(tmp_path / output)).read_metadata().state_dict_metadata
-        assert sorted(key for key, item in written.items() if hasattr(item, "size")) == keys
-        ours = dcp_plain_tensors(tmp_path / output, keys)
-        assert all(torch.equal(ours[key], megatrons[key]) for key in keys), output
+    keys = {}
+    for directory in (expected, got):
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+        keys[directory] = sorted(key for key, item in metadata.items() if hasattr(item, "size"))
+    assert keys[got] == keys[expected]
+    a, b = dcp_plain_tensors(expected, keys[expected]), dcp_plain_tensors(got, keys[expected])
+    assert [key for key in keys[expected] if not torch.equal(a[key], b[key])] == []
+    return keys[expected]
