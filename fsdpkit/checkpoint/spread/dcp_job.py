@@ -21,7 +21,7 @@ from ..dcp.export import dcp_entries
 from ..dcp.metadata import METADATA_NAME
 from ..dcp.table import open_dcp
 from ..dcp.writer import DcpRecord, OutBytes, OutTensor, plan_dcp, rank_file_name
-from ..megatron.to_megatron import megatron_output
+from ..megatron.to_megatron import SCRATCH_NAME, megatron_output
 from ..offline.formats import open_checkpoint
 from .jobs import CheckedReads, Progress, convert_facts, part_reads, source_listing
 from .plan import OutputFile, Part
@@ -134,7 +134,12 @@ class MegatronJob(DcpJob):
         self.opened = opened = self.stack.enter_context(open_checkpoint(src))
         if not opened.model:
             raise DataCheckError(f"{src}: no model tensors found")
-        self.output = megatron_output(opened, request)
+        self.output = megatron_output(opened, request, Path(SCRATCH_NAME))
+        if self.output.flipped:
+            raise UsageError(
+                f"{src}: transformers' GPT-2 Conv1D weights are converted --to megatron in one process "
+                "(they are transposed into one scratch file): leave out the launch flags"
+            )
         return self.output.tensors, self.output.items, 1
 
     def commit_files(self, directory: Path, dst: str) -> WriteReport:
