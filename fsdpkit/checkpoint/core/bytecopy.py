@@ -264,11 +264,21 @@ class ByteEngine:
         lane, fd, path = out
         out_crc = 0
         for piece, blocks in groupby(self._blocks(cursor, start, end), key=itemgetter(0)):
-            count = 0
+            source = self._files.fd(piece.file)
+            count, views, pending = 0, [], 0  # an object's bytes (no kernel copy) are written from their views
             for _, view, crc in blocks:
                 out_crc = crc32_combine(out_crc, crc, view.nbytes)
                 count += view.nbytes
-            self._writes.copy(lane, self._files.fd(piece.file), piece.offset + piece.done - count, count, fd, at, path)
+                if not isinstance(source, int):
+                    views.append(view)
+                    pending += view.nbytes
+                    if pending >= WHOLE_FILE_BYTES:
+                        self._writes.submit(lane, pending, write_views, fd, views, path, at + count - pending)
+                        views, pending = [], 0
+            if isinstance(source, int):
+                self._writes.copy(lane, source, piece.offset + piece.done - count, count, fd, at, path)
+            elif views:
+                self._writes.submit(lane, pending, write_views, fd, views, path, at + count - pending)
             at += count
         return out_crc
 

@@ -30,7 +30,7 @@ from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..core.boxes import coverage_problem, flat_runs
 from ..core.bytecopy import SourcePiece, SourceTensor
-from ..core.files import Descriptor, open_regular, read_exactly
+from ..core.files import Descriptor, open_regular, read_exactly, source_path
 from ..core.names import MAX_HEADER_BYTES, Header, numel, parse_header_bytes
 from ..core.staging import checkpoint_file
 from ..storage.face import Storage
@@ -120,14 +120,14 @@ class DcpCheckpoint:
         (handle, size) of an object in the storage."""
         if name not in self._files:
             if self._storage is None:
-                self._files[name] = open_regular(checkpoint_file(Path(self.directory), name))
+                self._files[name] = open_regular(checkpoint_file(source_path(self.directory), name))
             else:
                 self._files[name] = open_handle(self._storage, name)
         return self._files[name]
 
     def where(self, name: str) -> str:
         """The path or URL of file `name`, for messages."""
-        return self._storage.where(name) if self._storage is not None else str(Path(self.directory) / name)
+        return self._storage.where(name) if self._storage is not None else str(source_path(self.directory) / name)
 
     def close(self) -> None:
         while self._files:
@@ -216,7 +216,7 @@ class DcpCheckpoint:
         pieces = []
         for chunk in tensor.chunks:
             offset = self.chunk_data(tensor, chunk).offset
-            data = TensorRange(Path(self.directory) / chunk.location.file, offset, numel(chunk.sizes), tensor.dtype)
+            data = TensorRange(source_path(self.directory) / chunk.location.file, offset, numel(chunk.sizes), tensor.dtype)
             for first, count, within in flat_runs(tensor.shape, chunk.offsets, chunk.sizes):
                 pieces.append(data.piece(name, within, count, first))
         pieces.sort(key=lambda piece: piece.range.start)
@@ -239,7 +239,7 @@ class DcpSource(SourceTensor):
 def open_dcp(path: str | os.PathLike[str], allowed: Mapping[tuple[str, str], Any] = METADATA_GLOBALS) -> DcpCheckpoint:
     """A DCP checkpoint with its metadata, files and chunk coverage checked (DataCheckError);
     `allowed`: its metadata's allow-list."""
-    path = Path(path)
+    path = source_path(path)
     if not (path / METADATA_NAME).exists():
         raise DataCheckError(f"{path}: not a DCP checkpoint (no {METADATA_NAME})")
     checkpoint = DcpCheckpoint(read_metadata(path, allowed))

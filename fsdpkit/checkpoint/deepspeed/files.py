@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DataCheckError
+from ..core.files import source_path
 from ..core.names import STEP_PREFIX
 
 LATEST = "latest"
@@ -42,7 +43,7 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
     """A tag directory of rank files, or a save directory whose `latest` names one (or names a
     missing tag that is not an fsdpkit step directory: the reader then says what is missing).
     A `latest` that names no plain directory name is left to the fsdpkit reader's message."""
-    path = Path(path)
+    path = source_path(path)
     if not path.is_dir():
         return False
     if _holds_rank_files(path):
@@ -70,7 +71,7 @@ def tag_directory(path: Path) -> tuple[Path, str]:
 
 def resolve(path: str | os.PathLike[str]) -> DeepSpeedFiles:
     """The rank files of the checkpoint at `path`, numbered 0..N-1 without gaps (DataCheckError)."""
-    tag_dir, tag = tag_directory(Path(path))
+    tag_dir, tag = tag_directory(source_path(path))
     optim: dict[int, Path] = {}
     zero_model: dict[int, Path] = {}
     prefixes = set()

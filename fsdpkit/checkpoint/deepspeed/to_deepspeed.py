@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ...errors import DataCheckError, UsageError
 from ..core.any_checkpoint import AnyCheckpoint, read_step
 from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.files import source_path
 from ..core.names import is_optimizer_tensor, optim_tensor_name
 from ..core.report import WriteReport
 from ..core.request import Progress, progress_callback
@@ -115,4 +116,4 @@ def reshard_deepspeed(
         )
         run = build_run(tensors, checkpoint.groups(), shape)
         run = replace(run, precision=Precision(checkpoint.precision), loss_scale=saved_scale(checkpoint.loss_scaler))
-        return write_run(run, Path(src), Path(dst), overwrite=overwrite, progress=progress)
+        return write_run(run, source_path(src), Path(dst), overwrite=overwrite, progress=progress)
