@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DataCheckError
-from ..core.files import source_path
+from ..core.files import read_regular, source_path
 from ..core.names import STEP_PREFIX
 
 LATEST = "latest"
@@ -50,7 +50,7 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
         return True
     if not (path / LATEST).is_file():
         return False
-    tag = (path / LATEST).read_bytes()[:MAX_TAG_BYTES].decode("utf-8", "replace").strip()
+    tag = read_regular(path / LATEST, MAX_TAG_BYTES).decode("utf-8", "replace").strip()
     if not tag or "/" in tag or tag in (".", ".."):
         return False
     if (path / tag).is_dir():
@@ -60,7 +60,7 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
 
 def tag_directory(path: Path) -> tuple[Path, str]:
     if (path / LATEST).is_file() and not _holds_rank_files(path):
-        tag = (path / LATEST).read_bytes()[:MAX_TAG_BYTES].decode("utf-8", "replace").strip()
+        tag = read_regular(path / LATEST, MAX_TAG_BYTES).decode("utf-8", "replace").strip()
         if not tag or "/" in tag or tag in (".", ".."):
             raise DataCheckError(f"{path / LATEST}: names no usable tag ({tag[:60]!r})")
         if not (path / tag).is_dir():

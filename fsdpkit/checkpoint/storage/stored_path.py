@@ -102,7 +102,8 @@ class StoredPath:
         return self.storage.read(self.key)
 
     def read_text(self, encoding: str = "utf-8") -> str:
-        return self.read_bytes().decode(encoding)
+        self.stat()
+        return self.storage.read(self.key).decode(encoding)
 
     def handle(self) -> tuple[ObjectHandle, int]:
         """(handle, size) of this object, read through the face."""

@@ -1,0 +1,163 @@
+"""Every format read in place from a bucket (moto's S3 server): each source is written by its own
+tool (DeepSpeed's `save_checkpoint` at ZeRO-3, verl's per-rank `torch.save` files of FSDP2,
+torch's `dcp.save` through its `FsspecWriter` straight into the bucket, safetensors' `save_file`,
+Megatron-Core's own fixtures), the local copy holds the same bytes, and `convert`, `reshard`,
+`diff`, `inspect` and `verify` of the URL give what they give of the local copy, byte for byte.
+The oracle is the local reading of the same files. A URL source is never copied to disk: the
+GETs the server answers add up to the source's bytes and a little metadata, and TMPDIR stays
+empty while the command runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("obstore", reason="the cloud extra installs obstore")
+
+from support.checkpoint_files import run_cli, sample_tensors  # noqa: E402
+from support.distributed import run_distributed  # noqa: E402
+from support.fault_proxy import FaultProxy  # noqa: E402
+from support.object_store import s3_client  # noqa: E402
+
+MEGATRON = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
+FORMATS = ("deepspeed", "torch-save-ranks", "full", "dcp", "megatron", "megatron-zarr")
+CONVERTS = {  # format -> the conversions run from it
+    "deepspeed": [("--to", "full", "--with-optimizer"), ("--to", "sharded", "--world-size", "3")],
+    "torch-save-ranks": [("--to", "full", "--with-optimizer"), ("--to", "dcp", "--world-size", "2")],
+    "full": [("--to", "sharded", "--world-size", "2"), ("--to", "dcp", "--world-size", "3")],
+    "dcp": [("--to", "full", "--with-optimizer"), ("--to", "deepspeed", "--stage", "3", "--world-size", "2")],
+    "megatron": [
+        (
+            "--to",
+            "full",
+        ),
+        ("--to", "sharded", "--world-size", "2"),
+    ],
+    "megatron-zarr": [
+        (
+            "--to",
+            "full",
+        )
+    ],
+}
+RESHARDABLE = ("deepspeed", "dcp")
+
+
+def _launched(root: str) -> None:
+    """2 gloo ranks: DeepSpeed's ZeRO-3 run saved by DeepSpeed, and verl's files of an FSDP2 run."""
+    from support import deepspeed_worker
+    from support.fsdp2_loader import sharded_llama, write_verl
+    from support.verl_fsdp1 import train_step
+
+    deepspeed_worker.init_deepspeed()
+    deepspeed_worker.train_and_save(root, "deepspeed", 3, "fp32")
+    model, optimizer = sharded_llama(False)
+    train_step(model, optimizer)
+    write_verl(f"{root}/torch-save-ranks", model, optimizer)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    """The sources other tools write to a local directory (DCP is written into each test's bucket)."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("sources")
+    run_distributed(_launched, 2, str(root))
+    (root / "full").mkdir()
+    save_file(sample_tensors(), str(root / "full" / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(MEGATRON / "mcore_0_16_torch_dist" / "checkpoint", root / "megatron")
+    shutil.copytree(MEGATRON / "mcore_0_15_zarr" / "checkpoint", root / "megatron-zarr")
+    return root
+
+
+def _source(name: str, written: Path, bucket: str, endpoint: str, tmp_path: Path) -> tuple[Path, str]:
+    """(the local copy, the URL) of source `name`, the same bytes in both."""
+    client, url = s3_client(endpoint), f"s3://{bucket}/src/{name}"
+    if name == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        params = sample_tensors()
+        state = {"model": params, "optimizer": {"state": {n: {"exp_avg": t * 0.5, "exp_avg_sq": t * t} for n, t in params.items()}}}
+        dcp.save(state, storage_writer=FsspecWriter(url), no_dist=True)
+        local = tmp_path / "dcp"
+        for item in client.list_objects_v2(Bucket=bucket, Prefix="src/dcp/")["Contents"]:
+            (local / item["Key"].removeprefix("src/dcp/")).parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(bucket, item["Key"], str(local / item["Key"].removeprefix("src/dcp/")))
+        return local, url
+    local = written / name
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), bucket, f"src/{name}/{path.relative_to(local).as_posix()}")
+    return local, url
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _json(*args: object) -> tuple[int, dict]:
+    result = run_cli(*args, "--json")
+    assert result.stdout, result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_bucket_source_gives_what_its_local_copy_gives(name, written, s3_bucket, s3_endpoint, tmp_path):
+    local, url = _source(name, written, s3_bucket, s3_endpoint, tmp_path)
+    for index, options in enumerate(CONVERTS[name]):
+        from_disk, from_bucket = tmp_path / f"disk-{index}", tmp_path / f"bucket-{index}"
+        done = run_cli("convert", local, from_disk, *options)
+        assert done.exit_code == 0, done.output
+        done = run_cli("convert", url, from_bucket, *options)
+        assert done.exit_code == 0, done.output
+        assert _files(from_bucket) == _files(from_disk), options
+    if name in RESHARDABLE:
+        assert run_cli("reshard", local, tmp_path / "reshard-disk", "--world-size", "3").exit_code == 0
+        done = run_cli("reshard", url, tmp_path / "reshard-bucket", "--world-size", "3")
+        assert done.exit_code == 0, done.output
+        assert _files(tmp_path / "reshard-bucket") == _files(tmp_path / "reshard-disk")
+    for command in ("inspect", "verify"):
+        local_code, expected = _json(command, local)
+        code, found = _json(command, url)
+        assert code == local_code == 0
+        assert json.loads(json.dumps(found).replace(url, str(local))) == expected
+    code, diff = _json("diff", url, local)
+    assert code == 0 and diff["equal"] and {r["status"] for r in diff["tensors"]} == {"equal"}, diff
+
+
+def _watch_size(directory: Path, stop: threading.Event, peak: list[int]) -> None:
+    while not stop.wait(0.01):
+        size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+        peak[0] = max(peak[0], size)
+
+
+def test_a_bucket_source_is_fetched_once_and_never_copied_to_disk(written, s3_bucket, s3_endpoint, tmp_path, monkeypatch):
+    """DeepSpeed ZeRO-3 -> full with Adam's moments: the GETs the server answers hold the
+    source's bytes once plus its metadata (a few headers and zip directories read twice), and
+    nothing lands in TMPDIR while the command runs."""
+    local, url = _source("deepspeed", written, s3_bucket, s3_endpoint, tmp_path)
+    source_bytes = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    stop, peak = threading.Event(), [0]
+    watcher = threading.Thread(target=_watch_size, args=(scratch, stop, peak))
+    with FaultProxy(s3_endpoint, fraction=0.0) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        watcher.start()
+        try:
+            done = run_cli("convert", url, tmp_path / "out", "--to", "full", "--with-optimizer")
+        finally:
+            stop.set()
+            watcher.join()
+    assert done.exit_code == 0, done.output
+    assert peak[0] == 0 and not os.listdir(scratch)
+    assert proxy.got_bytes <= source_bytes * 1.1 + (1 << 20), (proxy.got_bytes, source_bytes)
