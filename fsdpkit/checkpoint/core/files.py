@@ -310,12 +310,13 @@ class MappedFiles:
             self._fds.move_to_end(number)
         return fd
 
-    def window(self, number: int, offset: int) -> tuple[int, memoryview]:
+    def window(self, number: int, offset: int, until: int) -> tuple[int, memoryview]:
         """(file offset where it starts, the mapping) of a window holding at least bytes
-        [offset, offset + WINDOW_BYTES) of file `number`, or up to its end."""
+        [offset, offset + WINDOW_BYTES) of file `number`, or up to its end; of an object, up to
+        `until` (where the read ends) at most, from a streamed GET that ends there."""
         fd = self.fd(number)
-        if not isinstance(fd, int):  # an object: a window from its stream, starting at `offset`
-            return offset, memoryview(fd.window(offset, 2 * WINDOW_BYTES))
+        if not isinstance(fd, int):
+            return offset, memoryview(fd.window(offset, 2 * WINDOW_BYTES, until))
         block = offset // WINDOW_BYTES
         key = (number, block)
         view = self._windows.get(key)

@@ -116,7 +116,7 @@ def verify_dcp(path: str | os.PathLike[str], allowed: Mapping[tuple[str, str], A
         metadata = read_metadata(source_path(path), allowed)
     except DataCheckError as error:
         return report.failed(str(error))
-    with DcpCheckpoint(metadata) as checkpoint:
+    with DcpCheckpoint(metadata, root=source_path(path)) as checkpoint:
         return verify_opened(checkpoint, report)
 
 

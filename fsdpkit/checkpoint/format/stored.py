@@ -26,11 +26,6 @@ FILES_IN_FLIGHT = 4  # rank files read at once, each a bounded stream (storage/o
 BLOCK_BYTES = 8 << 20
 
 
-def is_stored_sharded(listed: dict[str, int]) -> bool:
-    """The objects `listed` (name -> size) hold an fsdpkit step or run."""
-    return MANIFEST_NAME in listed or LATEST_NAME in listed or any(_step_of(name) is not None for name in listed)
-
-
 def _step_of(name: str) -> str | None:
     first, _, rest = name.partition("/")
     return first if rest == MANIFEST_NAME and parse_step_dir_name(first) is not None else None

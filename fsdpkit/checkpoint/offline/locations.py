@@ -20,8 +20,10 @@ from ..core.files import source_path
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest, progress_callback
 from ..core.summary import Summary
-from ..dcp.stored import is_stored_dcp, summarize_stored_dcp, verify_stored_dcp
-from ..format.stored import is_stored_sharded, summarize_stored, verify_stored
+from ..dcp.format import DcpFormat
+from ..dcp.stored import summarize_stored_dcp, verify_stored_dcp
+from ..format.format import ShardedFormat
+from ..format.stored import summarize_stored, verify_stored
 from ..storage.face import Storage
 from ..storage.location import is_url, open_storage
 from ..storage.stored_path import stored_root
@@ -42,33 +44,28 @@ def verify_at(location: str | os.PathLike[str], progress: Progress | None = None
     (fsdpkit's format and DCP by their stored readers, FILES_IN_FLIGHT objects at once)."""
     from .formats import detect_format
 
-    if is_url(location):
-        storage, listed = _listed(str(location))
-        if is_stored_dcp(listed):
-            return verify_stored_dcp(storage, listed)
-        if is_stored_sharded(listed):
-            total = sum(size for name, size in listed.items() if name.rpartition("/")[2].startswith("rank-"))
-            return verify_stored(storage, listed, progress_callback(progress, total))
-        path = source_path(stored_root(storage, listed))
-    else:
-        path = Path(location)
-    return detect_format(path).verify(path, progress)
+    stored = _listed(str(location)) if is_url(location) else None
+    path = source_path(stored_root(*stored)) if stored is not None else Path(location)
+    found = detect_format(path)
+    if stored is not None and found.name == DcpFormat.name:
+        return verify_stored_dcp(*stored)
+    if stored is not None and found.name == ShardedFormat.name:
+        total = sum(size for name, size in stored[1].items() if name.rpartition("/")[2].startswith("rank-"))
+        return verify_stored(*stored, progress_callback(progress, total))
+    return found.verify(path, progress)
 
 
 def inspect_at(location: str | os.PathLike[str], keys: Keys) -> tuple[str, Summary]:
     """`inspect`: (the format's name, the summary) of the checkpoint at `location`."""
     from .formats import detect_format
 
-    if is_url(location):
-        storage, listed = _listed(str(location))
-        if is_stored_dcp(listed):
-            return "dcp", summarize_stored_dcp(storage, listed, model_key=keys.model, optimizer_key=keys.optimizer)
-        if is_stored_sharded(listed):
-            return "sharded", summarize_stored(storage, listed)
-        path = source_path(stored_root(storage, listed))
-    else:
-        path = Path(location)
+    stored = _listed(str(location)) if is_url(location) else None
+    path = source_path(stored_root(*stored)) if stored is not None else Path(location)
     found = detect_format(path)
+    if stored is not None and found.name == DcpFormat.name:
+        return found.name, summarize_stored_dcp(*stored, model_key=keys.model, optimizer_key=keys.optimizer)
+    if stored is not None and found.name == ShardedFormat.name:
+        return found.name, summarize_stored(*stored)
     return found.name, found.inspect(path, keys)
 
 

@@ -3,9 +3,11 @@ that parse headers, zip directories and pickles at scattered offsets (DCP's chun
 is a ranged GET through the face, and aligned blocks of BLOCK_BYTES around small reads are
 kept (at most KEPT_BLOCKS), since such parsers read many small pieces close together.
 
-The byte engine reads tensor bytes through `window` instead: one streamed GET per run of
-forward reads (the face's `read_blocks`: requests in offset order, a few blocks read ahead), so
-a conversion that reads a file front to back fetches each byte once in one request."""
+The byte engine reads tensor bytes through `window` instead: one streamed GET per run of bytes
+it reads (the face's `read_blocks`: requests in offset order, a few blocks read ahead, bounded
+memory) that ends where the read ends, or MIN_GET_BYTES on, and goes on serving windows while
+the reads continue where the last one stopped; so each byte is fetched once whatever order the
+runs are read in, and MIN_GET_BYTES at most is fetched for nothing where a read jumps."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from .face import Storage
 BLOCK_BYTES = 256 << 10
 KEPT_BLOCKS = 16  # at most 4 MiB held per object
 STREAM_BLOCK_BYTES = 1 << 20  # a block of a window's stream
-SKIP_BYTES = 4 << 20  # a gap in forward reads up to this is read through; a longer one starts a new GET
+MIN_GET_BYTES = 1 << 20  # a window's GET reads on at least this far (small reads in a row share one)
 
 
 class ObjectHandle:
@@ -27,6 +29,7 @@ class ObjectHandle:
         self._blocks: OrderedDict[int, bytes] = OrderedDict()
         self._stream: Iterator[tuple[int, memoryview]] | None = None  # the GET windows are read from
         self._held, self._held_start, self._streamed = bytearray(), 0, 0  # bytes [held_start, streamed) of it
+        self._stream_end = 0  # where the stream's GET ends
 
     def pread(self, count: int, offset: int) -> bytes:
         """Bytes [offset, offset + count), fewer only where the object ends."""
@@ -39,15 +42,16 @@ class ObjectHandle:
         data = b"".join(self._block(index) for index in range(first, last + 1))
         return data[offset - first * BLOCK_BYTES : end - first * BLOCK_BYTES]
 
-    def window(self, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length), fewer where the object ends, from the stream of the
-        windows before it when it starts at or after theirs (a gap of at most SKIP_BYTES read
-        through), else from a new streamed GET that runs from `offset` to the object's end."""
-        end = min(offset + length, self.size)
-        if self._stream is None or offset < self._held_start or offset > self._streamed + SKIP_BYTES:
+    def window(self, offset: int, length: int, until: int) -> bytes:
+        """Bytes [offset, offset + length) of a read that ends at `until` (fewer where the GET
+        ends): from the stream the windows before it came from when it continues them, else from
+        a new streamed GET from `offset` to `until`, or MIN_GET_BYTES on, or the object's end."""
+        if self._stream is None or not self._held_start <= offset <= self._streamed or offset >= self._stream_end:
             self.close()
-            self._stream = self.storage.read_blocks(self.name, [(offset, self.size)], block_bytes=STREAM_BLOCK_BYTES)
+            self._stream_end = min(max(until, offset + MIN_GET_BYTES), self.size)
+            self._stream = self.storage.read_blocks(self.name, [(offset, self._stream_end)], block_bytes=STREAM_BLOCK_BYTES)
             self._held_start = self._streamed = offset
+        end = min(offset + length, self._stream_end)
         while self._streamed < end:
             _, block = next(self._stream)
             self._held += block
