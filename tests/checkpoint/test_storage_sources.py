@@ -177,3 +177,21 @@ def test_a_bucket_source_is_fetched_once_and_never_copied_to_disk(s3_bucket, s3_
     assert source_bytes <= proxy.got_bytes <= source_bytes + (1 << 20), (proxy.got_bytes, source_bytes)
     assert run_cli("convert", local, tmp_path / "local", "--to", "sharded", "--world-size", "2").exit_code == 0
     assert _files(tmp_path / "out") == _files(tmp_path / "local")
+
+
+def test_a_version_1_checkpoint_in_a_bucket_verifies_and_inspects_as_on_disk(s3_bucket, s3_endpoint, tmp_path):
+    from support.checkpoint_files import sample_optimizer
+    from support.checkpoint_v1 import write_v1
+
+    params = sample_tensors()
+    step_dir = write_v1(
+        tmp_path / "v1" / "step-00000004", {**params, **sample_optimizer(params)}, world_size=2, units=None, training_state={"step": 4}
+    )
+    client, url = s3_client(s3_endpoint), f"s3://{s3_bucket}/v1/step-00000004"
+    for path in sorted(step_dir.iterdir()):
+        client.upload_file(str(path), s3_bucket, f"v1/step-00000004/{path.name}")
+    for command in ("verify", "inspect"):
+        local_code, expected = _json(command, step_dir)
+        code, found = _json(command, url)
+        assert code == local_code == 0 and expected.get("version", 1) == 1
+        assert json.loads(json.dumps(found).replace(url, str(step_dir))) == expected
