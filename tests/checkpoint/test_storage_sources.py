@@ -195,3 +195,16 @@ def test_a_version_1_checkpoint_in_a_bucket_verifies_and_inspects_as_on_disk(s3_
         code, found = _json(command, url)
         assert code == local_code == 0 and expected.get("version", 1) == 1
         assert json.loads(json.dumps(found).replace(url, str(step_dir))) == expected
+
+
+def test_a_deepspeed_zero3_source_is_fetched_at_most_once(written, s3_bucket, s3_endpoint, tmp_path, monkeypatch):
+    """ZeRO-3 -> full with Adam's moments reads each rank file's partitions in the output's order,
+    not the file's: the headers, zip directories and pickles are fetched once (shared blocks) and
+    every tensor's bytes once, so the GETs hold no more than the source (its scripts unread)."""
+    local, url = _source("deepspeed", written, s3_bucket, s3_endpoint, tmp_path)
+    source_bytes = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+    with FaultProxy(s3_endpoint, fraction=0.0) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        done = run_cli("convert", url, tmp_path / "out", "--to", "full", "--with-optimizer")
+    assert done.exit_code == 0, done.output
+    assert proxy.got_bytes <= source_bytes, (proxy.got_bytes, source_bytes)

@@ -13,7 +13,9 @@ from typing import NamedTuple
 
 from ...errors import DataCheckError
 from .face import Storage
-from .handle import ObjectHandle, open_handle
+from .handle import BlockCache, ObjectHandle
+
+SHARED_BLOCKS = 64  # header blocks the handles of one listed checkpoint keep between them (16 MiB)
 
 
 class _Listing:
@@ -21,6 +23,7 @@ class _Listing:
 
     def __init__(self, storage: Storage, listed: dict[str, int]):
         self.storage, self.sizes = storage, listed
+        self.blocks = BlockCache(SHARED_BLOCKS)
         self.directories = {""}
         for name in listed:
             parts = name.split("/")[:-1]
@@ -109,7 +112,10 @@ class StoredPath:
         """(handle, size) of this object, read through the face."""
         if self.is_dir() and not self.is_file():
             raise DataCheckError(f"{self}: is a directory, expected a file")
-        return open_handle(self.storage, self.key)
+        size = self._listing.sizes.get(self.key)
+        if size is None:
+            raise DataCheckError(f"{self}: file is missing")
+        return ObjectHandle(self.storage, self.key, size, self._listing.blocks), size
 
     def __str__(self) -> str:
         return self.storage.where(self.key)
