@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,28 @@ def source_shape(opened: AnyCheckpoint, model: str | None) -> ModelShape:
     raise UsageError(f"{opened.path}: no config.json or export recipe says the model's shape: name one with --model hf:DIR")
 
 
-def to_megatron(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
+@dataclass(frozen=True)
+class MegatronOutput:
+    """What `--to megatron` writes: DCP's tensors and bytes items (one rank file), `common.pt`'s
+    bytes, and the model's shape."""
+
+    tensors: list[OutTensor]
+    items: list[OutBytes]
+    common: bytes
+    shape: ModelShape
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.source.nbytes for t in self.tensors)
+
+    def write_common(self, directory: Path) -> list[str]:
+        """`common.pt` and `metadata.json` in `directory`; their names."""
+        (directory / COMMON_PT).write_bytes(self.common)
+        (directory / BACKEND_CONFIG).write_text(json.dumps(BACKEND))
+        return [COMMON_PT, BACKEND_CONFIG]
+
+
+def megatron_output(opened: AnyCheckpoint, request: ConvertRequest) -> MegatronOutput:
     """See the module docstring."""
     layout = opened.export.layout if opened.export is not None else None
     hf = {layout.exported_name(n) if layout else n: t for n, t in opened.model.items()}
@@ -53,10 +75,15 @@ def to_megatron(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progr
     common, none = torch_saved(state), torch_saved([None])
     items = [OutBytes((key,), lambda: none) for key in extra_state_keys(shape.layers)]
     items.append(OutBytes((f"{COMMON_STATE_KEY}/shard_0_1",), lambda: torch_saved([state])))
-    total = sum(t.nbytes for t in tensors)
+    return MegatronOutput([OutTensor((t.name,), t) for t in tensors], items, common, shape)
+
+
+def to_megatron(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
+    """See the module docstring."""
+    output = megatron_output(opened, request)
+    total = output.nbytes
     with staged_output(dst, src=Path(opened.opened_from), overwrite=request.overwrite, needed_bytes=total + (1 << 20)) as tmp:
-        files = write_dcp(tmp, [OutTensor((t.name,), t) for t in tensors], items, world_size=1, chunk_size=request.chunk_size)
-        (tmp / COMMON_PT).write_bytes(common)
-        (tmp / BACKEND_CONFIG).write_text(json.dumps(BACKEND))
-    written = [*files, ".metadata", COMMON_PT, BACKEND_CONFIG]
-    return WriteReport(opened.path, str(dst), written, len(tensors), total, [], {"to": "megatron", "shape": shape.to_json()})
+        files = write_dcp(tmp, output.tensors, output.items, world_size=1, chunk_size=request.chunk_size)
+        common = output.write_common(tmp)
+    written = [*files, ".metadata", *common]
+    return WriteReport(opened.path, str(dst), written, len(output.tensors), total, [], {"to": "megatron", "shape": output.shape.to_json()})

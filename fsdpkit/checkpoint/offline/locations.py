@@ -4,7 +4,7 @@ same readers (`source_at`: the URL's objects as a `StoredPath`): nothing of a so
 to local disk. `verify` and `inspect` of fsdpkit's format (version 2) and DCP have stored
 readers of their own (several objects at once). `convert` and `reshard` write to a URL by
 writing the output into a local temporary directory, then publishing it through the face, the
-commit object last. What does not take URLs yet (train's checkpoint flags) says so in one line."""
+commit object last. What does not take URLs (a conversion spread over processes) says so in one line."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...errors import UsageError
 from ..core.files import source_path
 from ..core.report import VerifyReport, WriteReport
-from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest, progress_callback
+from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest
 from ..core.summary import Summary
 from ..dcp.format import DcpFormat
 from ..dcp.stored import summarize_stored_dcp, verify_stored_dcp
@@ -28,6 +28,9 @@ from ..storage.face import Storage
 from ..storage.location import is_url, open_storage
 from ..storage.stored_path import stored_root
 from ..storage.upload import check_destination, publish
+
+if TYPE_CHECKING:
+    from .diff import DiffRequest
 
 
 def source_at(location: str | os.PathLike[str]) -> Path:
@@ -50,8 +53,7 @@ def verify_at(location: str | os.PathLike[str], progress: Progress | None = None
     if stored is not None and found.name == DcpFormat.name:
         return verify_stored_dcp(*stored)
     if stored is not None and found.name == ShardedFormat.name:
-        total = sum(size for name, size in stored[1].items() if name.rpartition("/")[2].startswith("rank-"))
-        return verify_stored(*stored, progress_callback(progress, total))
+        return verify_stored(*stored, progress)
     return found.verify(path, progress)
 
 
@@ -89,11 +91,12 @@ def reshard_at(src: str, dst: str, request: ReshardRequest) -> WriteReport:
     return _published(dst, request.overwrite, lambda out: reshard_any(source, out, request))
 
 
-def diff_at(a: str, b: str, **options: Any) -> dict:
-    """`diff` of two checkpoints, each a local directory or an object-store URL (read in place)."""
+def diff_at(a: str, request: DiffRequest, progress: Callable[[int, int], None] | None = None) -> dict:
+    """`diff` of two checkpoints, each a local directory or an object-store URL (`open_checkpoint`
+    reads a URL in place)."""
     from .diff import diff
 
-    return diff(source_at(a), source_at(b), **options)
+    return diff(a, request, progress)
 
 
 def _published(url: str, overwrite: bool, write: Callable[[Path], WriteReport]) -> WriteReport:
