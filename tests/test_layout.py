@@ -208,3 +208,83 @@ def test_every_fsdpkit_name_a_benchmark_imports_exists():
                 if not hasattr(loaded, name) and not submodule:
                     missing.append(f"{path.name}: {module}.{name}")
     assert not missing, "\n".join(missing)
+
+
+READER_PACKAGES = ("core", "offline", "dcp", "deepspeed", "megatron", "torchsave", "torchfile", "format")  # read checkpoints
+LOCAL_IO_ALLOWED = {  # module -> why it may touch local files itself
+    "fsdpkit/checkpoint/core/files.py": "the local fast path: pread, mapped windows, kernel copies",
+    "fsdpkit/checkpoint/core/staging.py": "a local output directory staged, synced and renamed; no source bytes",
+    "fsdpkit/checkpoint/format/lock.py": "the run lock and /proc, not checkpoint content",
+    "fsdpkit/checkpoint/format/save_dir.py": "train's local save directory compared with --resume",
+    "fsdpkit/checkpoint/megatron/shape.py": "--model hf:DIR names a local model directory, not a checkpoint",
+}
+PATH_READS = {"read_bytes", "read_text"}  # a Path's methods that read a file (and `open()` or `open("rb")`)
+OS_READS = {"open", "fdopen", "scandir", "listdir", "walk", "stat", "lstat"}
+OS_PATH_PURE = {"join", "basename", "dirname", "split", "splitext", "normpath", "sep"}
+WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT"}
+
+
+def local_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) of each call in `tree` that reads a local file or lists a local directory
+    itself: open() and os.open() other than for writing, mmap.mmap other than for writing, a
+    Path's read_bytes/read_text/open, os's listings and stats, os.path's queries."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func, text = node.func, ast.unparse(node)
+        if isinstance(func, ast.Name) and func.id == "open":
+            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            if not (isinstance(mode, ast.Constant) and set(str(mode.value)) & set("wax")):
+                found.append((node.lineno, "open()"))
+        elif isinstance(func, ast.Attribute):
+            owner = ast.unparse(func.value)
+            if (
+                owner in ("os", "io")
+                and func.attr in OS_READS
+                and not (func.attr == "open" and WRITE_FLAGS & set(text.replace("os.", " ").split()))
+            ):
+                found.append((node.lineno, f"{owner}.{func.attr}"))
+            elif owner == "mmap" and func.attr == "mmap" and "ACCESS_WRITE" not in text and not text.startswith("mmap.mmap(-1"):
+                found.append((node.lineno, "mmap.mmap"))
+            elif owner == "os.path" and func.attr not in OS_PATH_PURE:
+                found.append((node.lineno, f"os.path.{func.attr}"))
+            elif func.attr in PATH_READS and owner not in ("os", "io", "mmap") and not owner.endswith(("storage", "Storage")):
+                found.append((node.lineno, f".{func.attr}()"))
+            elif func.attr == "open" and (not node.args or isinstance(node.args[0], ast.Constant)):  # Path.open, not Format.open(path, ...)
+                found.append((node.lineno, ".open()"))
+    return sorted(found)
+
+
+def test_checkpoint_content_is_read_through_the_storage_face_or_the_local_fast_path():
+    """The readers of every format read a checkpoint through core/files.py (open_regular,
+    read_regular, read_blocks, the byte engine's windows), which reads a local file or, for a
+    checkpoint in a bucket, the storage face; and they ask for directories through the path they
+    were given (a local Path or a StoredPath: is_dir, iterdir, glob). No reader opens, maps,
+    lists or stats a file itself, so none can miss a bucket or read a local file in its place."""
+    found = []
+    for package in READER_PACKAGES:
+        for path in sorted((ROOT / "fsdpkit" / "checkpoint" / package).glob("*.py")):
+            name = path.relative_to(ROOT).as_posix()
+            if name not in LOCAL_IO_ALLOWED:
+                found += [f"{name}:{line} {what}" for line, what in local_reads(ast.parse(path.read_text()))]
+    assert not found, "\n".join(found)
+
+
+def test_the_local_reads_check_finds_what_it_is_for():
+    planted = ast.parse(
+        "with open(path) as f: f.read()\n"
+        "open(path, 'rb')\n"
+        "os.open(path, os.O_RDONLY)\n"
+        "(path / 'latest').read_bytes()\n"
+        "os.path.getsize(path)\n"
+        "mmap.mmap(fd, 0, access=mmap.ACCESS_READ)\n"
+        "os.listdir(path)\n"
+        "with Path(path).open('rb') as f: f.read()\n"
+    )
+    assert [line for line, _ in local_reads(planted)] == [1, 2, 3, 4, 5, 6, 7, 8]
+    harmless = ast.parse(
+        "open(path, 'wb')\nos.open(path, os.O_WRONLY | os.O_CREAT)\nstorage.read('x')\nos.path.join(a, b)\n"
+        "found.open(source, keys)\nmmap.mmap(-1, 4096)\n"
+    )
+    assert local_reads(harmless) == []

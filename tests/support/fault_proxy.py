@@ -45,6 +45,7 @@ class FaultProxy:
         self.held, self.released = threading.Event(), threading.Event()
         self.faults: dict[str, int] = dict.fromkeys(kinds, 0)
         self.requests = 0
+        self.got_bytes = 0  # bytes of the answers to GETs the server gave
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -123,6 +124,9 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 upstream.request(self.command, self.path, body=body if body or self.command in ("PUT", "POST") else None, headers=headers)
                 answer = upstream.getresponse()
                 payload = answer.read()
+                if self.command == "GET":
+                    with proxy._lock:
+                        proxy.got_bytes += len(payload)
                 self.send_response(answer.status, answer.reason)
                 for key, value in answer.getheaders():
                     if key.lower() not in HOP_BY_HOP and key.lower() != "content-length":

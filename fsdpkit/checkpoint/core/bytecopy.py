@@ -243,9 +243,10 @@ class ByteEngine:
             if at != piece.done:
                 raise AssertionError(f"{piece.source.label}: read at byte {at}, expected {piece.done} (fragments must be read in order)")
             remaining = (stop - position) * itemsize
+            until = piece.offset + (stop - piece.first) * itemsize  # where this read of the piece ends
             while remaining:
                 nbytes = min(remaining, self.block)
-                view = self._view(piece, piece.offset + piece.done, nbytes)
+                view = self._view(piece, piece.offset + piece.done, nbytes, until)
                 crc = crc32(view)
                 piece.running = crc32_combine(piece.running, crc, nbytes) if piece.done else crc
                 piece.done += nbytes
@@ -264,11 +265,21 @@ class ByteEngine:
         lane, fd, path = out
         out_crc = 0
         for piece, blocks in groupby(self._blocks(cursor, start, end), key=itemgetter(0)):
-            count = 0
+            source = self._files.fd(piece.file)
+            count, views, pending = 0, [], 0  # an object's bytes (no kernel copy) are written from their views
             for _, view, crc in blocks:
                 out_crc = crc32_combine(out_crc, crc, view.nbytes)
                 count += view.nbytes
-            self._writes.copy(lane, self._files.fd(piece.file), piece.offset + piece.done - count, count, fd, at, path)
+                if not isinstance(source, int):
+                    views.append(view)
+                    pending += view.nbytes
+                    if pending >= WHOLE_FILE_BYTES:
+                        self._writes.submit(lane, pending, write_views, fd, views, path, at + count - pending)
+                        views, pending = [], 0
+            if isinstance(source, int):
+                self._writes.copy(lane, source, piece.offset + piece.done - count, count, fd, at, path)
+            elif views:
+                self._writes.submit(lane, pending, write_views, fd, views, path, at + count - pending)
             at += count
         return out_crc
 
@@ -327,7 +338,7 @@ class ByteEngine:
                 continue
             reading, first, crc = _Piece(piece, file, 0), piece.range.start * itemsize, 0
             for at in range(0, piece.nbytes, self.block):  # windows read past are released: a load's mapped pages stay bounded
-                view = self._view(reading, piece.offset + at, min(self.block, piece.nbytes - at))
+                view = self._view(reading, piece.offset + at, min(self.block, piece.nbytes - at), piece.offset + piece.nbytes)
                 crc = crc32(view, crc)
                 lo, hi = max(first + at, part.start * itemsize), min(first + at + view.nbytes, part.end * itemsize)
                 if lo < hi:
@@ -365,12 +376,13 @@ class ByteEngine:
             raise AssertionError(f"{cursor.source.name}: no source piece holds element {position}")
         return piece
 
-    def _view(self, piece: _Piece, offset: int, nbytes: int) -> memoryview:
+    def _view(self, piece: _Piece, offset: int, nbytes: int, until: int) -> memoryview:
+        """Bytes [offset, offset + nbytes) of `piece`, read on to `until` (an object's GET ends there)."""
         window = piece.window
         if window is None or not (piece.window_start <= offset and offset + nbytes <= piece.window_end):
             if window is not None:  # reads move forward: the piece is done with its window
                 self._files.release(piece.file, piece.window_start, window)
-            piece.window_start, window = self._files.window(piece.file, offset)
+            piece.window_start, window = self._files.window(piece.file, offset, until)
             piece.window = window
             piece.window_end = piece.window_start + len(window)
         return window[offset - piece.window_start : offset - piece.window_start + nbytes]

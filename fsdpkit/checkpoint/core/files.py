@@ -3,6 +3,10 @@ the one way a file is opened for reading (`open_regular`: without blocking, so a
 of a file cannot hang, and only a regular file accepted), exact reads, vectored writes, source
 files mapped in bounded windows (`MappedFiles`), and writes run by worker threads
 (`WriteQueue`), so the kernel copies on one core while the byte engine checksums on the other.
+
+A source path may be a `StoredPath` (a checkpoint in a bucket, read in place): it opens as an
+`ObjectHandle`, whose bytes come through the storage face (ranged reads; the byte engine's
+windows from streamed GETs in offset order) where a local file's come from `pread` and mappings.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 from ...errors import DataCheckError
 from ..storage.handle import ObjectHandle
+from ..storage.stored_path import StoredPath
 
 Descriptor = int | ObjectHandle  # a file descriptor, or an object of a storage read through the face
 
@@ -32,8 +38,17 @@ QUEUED_WRITES = 256  # each kernel copy holds a duplicate of its source's descri
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 
 
-def open_regular(path: Path) -> tuple[int, int]:
-    """(fd, size) of a regular file opened read-only without blocking, else a DataCheckError."""
+def source_path(location: str | os.PathLike[str] | StoredPath) -> Path:
+    """The path a reader takes: a `StoredPath` as it is (typed as the `Path` it stands in for),
+    anything else as a local `Path`."""
+    return cast(Path, location) if isinstance(location, StoredPath) else Path(location)
+
+
+def open_regular(path: Path) -> tuple[Descriptor, int]:
+    """(fd, size) of a regular file opened read-only without blocking, else a DataCheckError;
+    (handle, size) of an object of a storage (a `StoredPath`)."""
+    if isinstance(path, StoredPath):
+        return path.handle()
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -49,13 +64,21 @@ def open_regular(path: Path) -> tuple[int, int]:
     return fd, info.st_size
 
 
+def close(fd: Descriptor) -> None:
+    """Close a file descriptor, or end an object handle's stream."""
+    if isinstance(fd, int):
+        os.close(fd)
+    else:
+        fd.close()
+
+
 @contextlib.contextmanager
-def regular_file(path: Path) -> Iterator[tuple[int, int]]:
+def regular_file(path: Path) -> Iterator[tuple[Descriptor, int]]:
     fd, size = open_regular(path)
     try:
         yield fd, size
     finally:
-        os.close(fd)
+        close(fd)
 
 
 def read_regular(path: Path, limit: int | None = None) -> bytes:
@@ -66,7 +89,12 @@ def read_regular(path: Path, limit: int | None = None) -> bytes:
 
 def read_blocks(path: Path, buffer: memoryview, start: int = 0, end: int | None = None) -> Iterator[memoryview]:
     """Bytes [start, end) of regular file `path` (to its end without `end`), front to back, read
-    into `buffer` one block at a time; each block is valid until the next is read."""
+    into `buffer` one block at a time (an object's, as the face's stream gives them); each block is
+    valid until the next is read."""
+    if isinstance(path, StoredPath):
+        end = path.stat().st_size if end is None else end
+        yield from (block for _, block in path.storage.read_blocks(path.key, [(start, end)], block_bytes=len(buffer)))
+        return
     with regular_file(path) as (fd, size):
         end = size if end is None else end
         while start < end:
@@ -101,7 +129,7 @@ def read_some(fd: Descriptor, offset: int, view: memoryview) -> int:
     return len(data)
 
 
-def pread_into(fd: int, offset: int, view: memoryview, path: Path) -> None:
+def pread_into(fd: Descriptor, offset: int, view: memoryview, path: Path) -> None:
     done = 0
     while done < view.nbytes:
         count = read_some(fd, offset + done, view[done:])
@@ -156,9 +184,15 @@ def write_file(path: Path, views: list) -> None:
     os.close(fd)
 
 
-def copy_range(source: int, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
+def copy_range(source: Descriptor, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
     """Bytes [offset, offset + count) of file `source` to `out_offset` of `fd`: the kernel copies
-    them (copy_file_range), else, where this kernel or filesystem pair refuses, read and write."""
+    them (copy_file_range), else, where this kernel or filesystem pair refuses or `source` is an
+    object, read and write."""
+    if not isinstance(source, int):
+        for at in range(offset, offset + count, 8 << 20):
+            data = read_exactly(source, min(8 << 20, offset + count - at), at, path)
+            write_views(fd, [data], path, out_offset + at - offset)
+        return
     kernel = hasattr(os, "copy_file_range")
     while count:
         try:
@@ -253,7 +287,7 @@ class MappedFiles:
         self._numbers: dict[Path, int] = {}
         self.paths: list[Path] = []
         self.sizes: list[int] = []
-        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._fds: OrderedDict[int, Descriptor] = OrderedDict()
         self._windows: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
 
     def number(self, path: Path) -> int:
@@ -267,7 +301,7 @@ class MappedFiles:
             self._trim_fds()
         return number
 
-    def fd(self, number: int) -> int:
+    def fd(self, number: int) -> Descriptor:
         fd = self._fds.get(number)
         if fd is None:
             fd = self._fds[number] = open_regular(self.paths[number])[0]
@@ -276,16 +310,20 @@ class MappedFiles:
             self._fds.move_to_end(number)
         return fd
 
-    def window(self, number: int, offset: int) -> tuple[int, memoryview]:
+    def window(self, number: int, offset: int, until: int) -> tuple[int, memoryview]:
         """(file offset where it starts, the mapping) of a window holding at least bytes
-        [offset, offset + WINDOW_BYTES) of file `number`, or up to its end."""
+        [offset, offset + WINDOW_BYTES) of file `number`, or up to its end; of an object, up to
+        `until` (where the read ends) at most, from a streamed GET that ends there."""
+        fd = self.fd(number)
+        if not isinstance(fd, int):
+            return offset, memoryview(fd.window(offset, 2 * WINDOW_BYTES, until))
         block = offset // WINDOW_BYTES
         key = (number, block)
         view = self._windows.get(key)
         if view is None:
             start = block * WINDOW_BYTES
             length = min(2 * WINDOW_BYTES, self.sizes[number] - start)
-            view = self._windows[key] = memoryview(mmap.mmap(self.fd(number), length, access=mmap.ACCESS_READ, offset=start))
+            view = self._windows[key] = memoryview(mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=start))
             if len(self._windows) > MAX_WINDOWS:
                 self._windows.popitem(last=False)
         else:
@@ -300,9 +338,9 @@ class MappedFiles:
 
     def _trim_fds(self) -> None:
         while len(self._fds) > MAX_OPEN_FILES:
-            os.close(self._fds.popitem(last=False)[1])
+            close(self._fds.popitem(last=False)[1])
 
     def close(self) -> None:
         self._windows.clear()
         while self._fds:
-            os.close(self._fds.popitem()[1])
+            close(self._fds.popitem()[1])

@@ -14,6 +14,7 @@ from typing import TypeGuard
 
 from ...dtypes import dtype_info, is_known_dtype
 from ...errors import DataCheckError
+from ..core.files import source_path
 
 DATA_SOURCE_PATH = ("fsdpkit", "data_source")  # a DCP bytes item beside FSDP2's "model" and "optimizer"; dcp.load asks for neither
 DATA_SOURCE_KEY = ".".join(DATA_SOURCE_PATH)  # as DCP's metadata flattens it
@@ -138,7 +139,7 @@ def parse_header_bytes(raw: bytes, *, path: str | Path) -> Header:
         if begin != position:
             raise DataCheckError(f"{path}: tensor {name!r} starts at byte {begin}, expected {position} (hole or overlap)")
         position = end
-    return Header(path=Path(path), data_start=8 + len(raw), tensors=tensors, metadata=dict(metadata))
+    return Header(path=source_path(path), data_start=8 + len(raw), tensors=tensors, metadata=dict(metadata))
 
 
 def _tensor_info(name: str, entry: object, path: str | Path) -> TensorInfo:

@@ -16,6 +16,8 @@ from pathlib import Path
 from ...errors import DataCheckError, RunError, UsageError
 from ...paths import file_in_the_way, nearest_existing, unwritable_parent
 from ...sizes import format_size
+from ..storage.stored_path import StoredPath
+from .files import source_path
 from .names import TMP_PREFIX, is_safe_file_name
 
 
@@ -74,7 +76,10 @@ def os_error_line(error: OSError, where: Path | str) -> str:
 
 
 def check_destination(dst: Path, *, src: Path, overwrite: bool) -> None:
-    src_root = os.path.realpath(src)  # a directory, or a single file (a full checkpoint's .safetensors or index)
+    """A local `dst` that may be written: outside the source `src` (a checkpoint in a storage is
+    outside every local directory), and absent or a directory `overwrite` may replace."""
+    # a directory, or a single file (a full checkpoint's .safetensors or index); no local path starts with a NUL
+    src_root = os.path.realpath(src) if not isinstance(src, StoredPath) else "\0"
     dst_real = os.path.realpath(dst)
     if dst_real == src_root or dst_real.startswith(src_root + os.sep):
         raise UsageError(f"destination {dst} is inside the source {src}; choose a directory outside it")
@@ -112,8 +117,8 @@ def read_only_line(directory: Path, error_number: int | None = None) -> str:
 
 @contextlib.contextmanager
 def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_bytes: int, needed_for: str = "") -> Iterator[Path]:
-    dst, src = Path(dst), Path(src)
-    check_destination(dst, src=src, overwrite=overwrite)
+    dst = Path(dst)
+    check_destination(dst, src=source_path(src), overwrite=overwrite)
     parent = dst.absolute().parent
     token = uuid.uuid4().hex[:8]
     tmp = parent / f"{TMP_PREFIX}{dst.name}-{token}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from multiprocessing.connection import Connection, Pipe, wait
@@ -26,8 +27,10 @@ T = TypeVar("T")
 
 
 def process_count(files: int, *, split_at: int = SPLIT_RANK_FILES) -> int:
-    """How many processes write `files` output files (several from `split_at` files on)."""
-    if files < split_at or not hasattr(os, "fork"):
+    """How many processes write `files` output files (several from `split_at` files on). A
+    process that has loaded the object-store client writes alone: its runtime's threads, which
+    serve a bucket's reads, do not survive a fork."""
+    if files < split_at or not hasattr(os, "fork") or "obstore" in sys.modules:
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(MAX_PROCESSES, cores, files))

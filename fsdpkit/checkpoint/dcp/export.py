@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE, SourceTensor
+from ..core.files import source_path
 from ..core.names import DATA_SOURCE_PATH, split_optim_tensor_name
 from ..core.report import WriteReport
 from ..core.staging import staged_output
@@ -87,4 +88,4 @@ def reshard_dcp(
         metadata = checkpoint.metadata
         tensors = [OutTensor(metadata.paths.get(key) or (key,), checkpoint.source(key)) for key in metadata.tensors]
         items = [OutBytes(metadata.paths.get(key) or (key,), partial(checkpoint.read_bytes_item, key)) for key in metadata.bytes_items]
-        return _write(Path(src), Path(dst), tensors, items, output, {"bytes_items": len(items)})
+        return _write(source_path(src), Path(dst), tensors, items, output, {"bytes_items": len(items)})

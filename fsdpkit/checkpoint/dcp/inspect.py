@@ -9,11 +9,11 @@ import os
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
+from ..core.files import source_path
 from ..core.names import numel
 from ..core.report import VerifyReport
 from ..core.summary import FileEntry, ModelCounts, OptimizerCounts, Summary, TensorEntry, largest
@@ -113,10 +113,10 @@ def verify_dcp(path: str | os.PathLike[str], allowed: Mapping[tuple[str, str], A
     """`allowed`: the metadata's allow-list (a format built on DCP adds its own records)."""
     report = VerifyReport(str(path), FORMAT, not_checked=["tensor values (DCP stores no checksums)"])
     try:
-        metadata = read_metadata(Path(path), allowed)
+        metadata = read_metadata(source_path(path), allowed)
     except DataCheckError as error:
         return report.failed(str(error))
-    with DcpCheckpoint(metadata) as checkpoint:
+    with DcpCheckpoint(metadata, root=source_path(path)) as checkpoint:
         return verify_opened(checkpoint, report)
 
 

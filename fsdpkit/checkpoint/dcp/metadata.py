@@ -13,11 +13,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
-from ..core.files import read_exactly, regular_file
+from ..core.files import read_exactly, regular_file, source_path
 from ..core.names import is_safe_file_name, numel
 from ..torchfile.unpickler import TORCH_DTYPES, Dtype, Record, memory_format, ordered_dict, restricted_loads, tensor_layout, torch_size
 
@@ -110,12 +109,12 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 
 def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
     """A directory holding DCP's `.metadata` (whatever it holds: reading it checks that)."""
-    return Path(path).is_dir() and (Path(path) / METADATA_NAME).exists()
+    return source_path(path).is_dir() and (source_path(path) / METADATA_NAME).exists()
 
 
 def read_metadata(directory: str | os.PathLike[str], allowed: Mapping[tuple[str, str], Any] = METADATA_GLOBALS) -> DcpMetadata:
     """`allowed`: the unpickler's allow-list (a format built on DCP adds its own records)."""
-    path = Path(directory) / METADATA_NAME
+    path = source_path(directory) / METADATA_NAME
     with regular_file(path) as (fd, size):
         if size > MAX_METADATA_BYTES:
             raise DataCheckError(f"{path}: {size} bytes, over the {MAX_METADATA_BYTES}-byte limit for DCP metadata")

@@ -12,10 +12,6 @@ from .metadata import MAX_METADATA_BYTES, METADATA_NAME, DcpMetadata, parse_meta
 from .table import DcpCheckpoint
 
 
-def is_stored_dcp(listed: dict[str, int]) -> bool:
-    return METADATA_NAME in listed
-
-
 def _metadata(storage: Storage, listed: dict[str, int]) -> DcpMetadata:
     where = storage.where(METADATA_NAME)
     if listed[METADATA_NAME] > MAX_METADATA_BYTES:

@@ -30,7 +30,7 @@ from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..core.boxes import coverage_problem, flat_runs
 from ..core.bytecopy import SourcePiece, SourceTensor
-from ..core.files import Descriptor, open_regular, read_exactly
+from ..core.files import Descriptor, open_regular, read_exactly, source_path
 from ..core.names import MAX_HEADER_BYTES, Header, numel, parse_header_bytes
 from ..core.staging import checkpoint_file
 from ..storage.face import Storage
@@ -105,11 +105,12 @@ def safetensors_data(path: str | Path, start: int, blob: tuple[Header, dict], te
 
 
 class DcpCheckpoint:
-    def __init__(self, metadata: DcpMetadata, storage: Storage | None = None):
-        """The checkpoint `metadata` describes, its files in a local directory, or in `storage`
-        (an object store: read through the face)."""
+    def __init__(self, metadata: DcpMetadata, storage: Storage | None = None, *, root: Path | None = None):
+        """The checkpoint `metadata` describes, its files in a local directory (`root`, a
+        `StoredPath` for a bucket read in place), or in `storage` (read through the face)."""
         self.metadata = metadata
         self.directory = metadata.directory
+        self._root = root if root is not None else Path(metadata.directory)
         self._storage = storage
         self._files: dict[str, tuple[Descriptor, int]] = {}  # name -> (fd or object handle, size)
         self._blobs: dict[tuple[str, int], tuple[Header, dict]] = {}
@@ -120,14 +121,14 @@ class DcpCheckpoint:
         (handle, size) of an object in the storage."""
         if name not in self._files:
             if self._storage is None:
-                self._files[name] = open_regular(checkpoint_file(Path(self.directory), name))
+                self._files[name] = open_regular(checkpoint_file(self._root, name))
             else:
                 self._files[name] = open_handle(self._storage, name)
         return self._files[name]
 
     def where(self, name: str) -> str:
         """The path or URL of file `name`, for messages."""
-        return self._storage.where(name) if self._storage is not None else str(Path(self.directory) / name)
+        return self._storage.where(name) if self._storage is not None else str(self._root / name)
 
     def close(self) -> None:
         while self._files:
@@ -216,7 +217,7 @@ class DcpCheckpoint:
         pieces = []
         for chunk in tensor.chunks:
             offset = self.chunk_data(tensor, chunk).offset
-            data = TensorRange(Path(self.directory) / chunk.location.file, offset, numel(chunk.sizes), tensor.dtype)
+            data = TensorRange(self._root / chunk.location.file, offset, numel(chunk.sizes), tensor.dtype)
             for first, count, within in flat_runs(tensor.shape, chunk.offsets, chunk.sizes):
                 pieces.append(data.piece(name, within, count, first))
         pieces.sort(key=lambda piece: piece.range.start)
@@ -239,10 +240,10 @@ class DcpSource(SourceTensor):
 def open_dcp(path: str | os.PathLike[str], allowed: Mapping[tuple[str, str], Any] = METADATA_GLOBALS) -> DcpCheckpoint:
     """A DCP checkpoint with its metadata, files and chunk coverage checked (DataCheckError);
     `allowed`: its metadata's allow-list."""
-    path = Path(path)
+    path = source_path(path)
     if not (path / METADATA_NAME).exists():
         raise DataCheckError(f"{path}: not a DCP checkpoint (no {METADATA_NAME})")
-    checkpoint = DcpCheckpoint(read_metadata(path, allowed))
+    checkpoint = DcpCheckpoint(read_metadata(path, allowed), root=path)
     problems = checkpoint.structure_problems()
     if problems:
         checkpoint.close()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DataCheckError
+from ..core.files import read_regular, source_path
 from ..core.names import STEP_PREFIX
 
 LATEST = "latest"
@@ -42,14 +43,14 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
     """A tag directory of rank files, or a save directory whose `latest` names one (or names a
     missing tag that is not an fsdpkit step directory: the reader then says what is missing).
     A `latest` that names no plain directory name is left to the fsdpkit reader's message."""
-    path = Path(path)
+    path = source_path(path)
     if not path.is_dir():
         return False
     if _holds_rank_files(path):
         return True
     if not (path / LATEST).is_file():
         return False
-    tag = (path / LATEST).read_bytes()[:MAX_TAG_BYTES].decode("utf-8", "replace").strip()
+    tag = read_regular(path / LATEST, MAX_TAG_BYTES).decode("utf-8", "replace").strip()
     if not tag or "/" in tag or tag in (".", ".."):
         return False
     if (path / tag).is_dir():
@@ -59,7 +60,7 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
 
 def tag_directory(path: Path) -> tuple[Path, str]:
     if (path / LATEST).is_file() and not _holds_rank_files(path):
-        tag = (path / LATEST).read_bytes()[:MAX_TAG_BYTES].decode("utf-8", "replace").strip()
+        tag = read_regular(path / LATEST, MAX_TAG_BYTES).decode("utf-8", "replace").strip()
         if not tag or "/" in tag or tag in (".", ".."):
             raise DataCheckError(f"{path / LATEST}: names no usable tag ({tag[:60]!r})")
         if not (path / tag).is_dir():
@@ -70,7 +71,7 @@ def tag_directory(path: Path) -> tuple[Path, str]:
 
 def resolve(path: str | os.PathLike[str]) -> DeepSpeedFiles:
     """The rank files of the checkpoint at `path`, numbered 0..N-1 without gaps (DataCheckError)."""
-    tag_dir, tag = tag_directory(Path(path))
+    tag_dir, tag = tag_directory(source_path(path))
     optim: dict[int, Path] = {}
     zero_model: dict[int, Path] = {}
     prefixes = set()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 from ...errors import DataCheckError
+from ..core.files import source_path
 from ..core.report import VerifyReport
 from ..core.summary import FileEntry, ModelCounts, OptimizerStates, Summary, TensorEntry, largest, tensor_entry
 from ..torchfile.savefile import verify_saved_files
@@ -74,7 +74,7 @@ def summarize_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedSummary:
 def verify_deepspeed(path: str | os.PathLike[str]) -> VerifyReport:
     report = VerifyReport(str(path), FORMAT)
     try:
-        checkpoint = open_deepspeed(Path(path))
+        checkpoint = open_deepspeed(source_path(path))
     except DataCheckError as error:
         return report.failed(str(error))
     with checkpoint:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ...errors import DataCheckError, UsageError
 from ..core.any_checkpoint import AnyCheckpoint, read_step
 from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.files import source_path
 from ..core.names import is_optimizer_tensor, optim_tensor_name
 from ..core.report import WriteReport
 from ..core.request import Progress, progress_callback
@@ -103,7 +104,7 @@ def reshard_deepspeed(
     progress: Progress | None = None,
 ) -> WriteReport:
     with open_deepspeed(src) as checkpoint:
-        return write_run(resharded_run(checkpoint, world_size), Path(src), Path(dst), overwrite=overwrite, progress=progress)
+        return write_run(resharded_run(checkpoint, world_size), source_path(src), Path(dst), overwrite=overwrite, progress=progress)
 
 
 def resharded_run(checkpoint: DeepSpeedCheckpoint, world_size: int) -> DsRun:

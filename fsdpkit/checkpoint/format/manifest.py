@@ -13,7 +13,7 @@ from pathlib import Path
 from ...dtypes import is_known_dtype
 from ...errors import DataCheckError
 from ...flat_layout import FlatLayout
-from ..core.files import read_regular, replace_file
+from ..core.files import read_regular, replace_file, source_path
 from ..core.names import is_optimizer_tensor, is_safe_file_name, parse_json
 from .names import (
     FORMAT_NAME,
@@ -122,7 +122,7 @@ class Manifest:
 
 
 def load_manifest(step_dir: str | Path) -> Manifest:
-    path = Path(step_dir) / MANIFEST_NAME
+    path = source_path(step_dir) / MANIFEST_NAME
     if not path.exists() and not path.is_symlink():
         raise DataCheckError(f"{path}: missing; {step_dir} is not an fsdpkit checkpoint")
     raw = read_regular(path, MAX_MANIFEST_BYTES + 1)
@@ -132,7 +132,7 @@ def load_manifest(step_dir: str | Path) -> Manifest:
 
 
 def save_manifest(directory: str | Path, manifest: Manifest) -> Path:
-    path = Path(directory) / MANIFEST_NAME
+    path = source_path(directory) / MANIFEST_NAME
     replace_file(path, manifest.to_bytes(), path.with_name(MANIFEST_NAME + ".tmp"))
     return path
 

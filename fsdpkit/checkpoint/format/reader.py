@@ -26,7 +26,7 @@ from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..core.bytecopy import SourcePiece, SourceTensor
 from ..core.export import ExportLayout, layout_of
-from ..core.files import pread_into, read_blocks, read_exactly, regular_file
+from ..core.files import pread_into, read_blocks, read_exactly, regular_file, source_path
 from ..core.names import (
     MAX_HEADER_BYTES,
     MODEL_INDEX,
@@ -51,7 +51,7 @@ CACHED_PIECES = 256
 
 
 def read_header(path: str | Path, *, expected_size: int | None = None) -> Header:
-    path = Path(path)
+    path = source_path(path)
     with regular_file(path) as (fd, size):
         if expected_size is not None and size != expected_size:
             raise DataCheckError(f"{path}: file is {size} bytes, the manifest says {expected_size}")
@@ -216,7 +216,7 @@ class ShardedCheckpoint:
 
     def unexpected_files(self) -> list[str]:
         expected = set(self.file_names()) | {MANIFEST_NAME}
-        extra = sorted(entry.name for entry in os.scandir(self.step_dir) if entry.name not in expected)
+        extra = sorted(entry.name for entry in self.step_dir.iterdir() if entry.name not in expected)
         more = f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""
         return [f"{self.step_dir}: holds files the manifest does not account for: {extra[:3]}{more}"] if extra else []
 
@@ -307,7 +307,7 @@ def has_optimizer_files(path: Path) -> bool:
 
 
 def open_full(path: str | os.PathLike[str], *, with_optimizer: bool = False) -> FullCheckpoint:
-    path = Path(path)
+    path = source_path(path)
     if not path.exists():
         raise UsageError(f"{path}: does not exist")
     if not path.is_dir():

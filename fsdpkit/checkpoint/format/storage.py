@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 from ...errors import DataCheckError, RunError, UsageError
-from ..core.files import replace_file
+from ..core.files import read_regular, replace_file, source_path
 from ..core.names import STEP_PREFIX, TMP_PREFIX, is_safe_file_name
 from ..core.staging import fsync_dir
 from .manifest import Manifest, load_manifest, save_manifest
@@ -23,7 +23,7 @@ from .names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name, rank_file_na
 
 def complete_steps(run_dir: str | Path) -> list[tuple[int, Path]]:
     """The complete step directories of a run, oldest first."""
-    run_dir = Path(run_dir)
+    run_dir = source_path(run_dir)
     children = run_dir.iterdir() if run_dir.is_dir() else ()
     named = ((parse_step_dir_name(child.name), child) for child in children)
     return sorted((step, child) for step, child in named if step is not None and (child / MANIFEST_NAME).is_file())
@@ -35,7 +35,7 @@ def read_latest(run_dir: Path) -> str | None:
     if not latest.exists():
         return None
     try:
-        name = latest.read_bytes()[:256].decode("ascii").strip()
+        name = read_regular(latest, 256).decode("ascii").strip()
     except (OSError, UnicodeDecodeError) as error:
         raise DataCheckError(f"{latest}: unreadable ({error})") from None
     if parse_step_dir_name(name) is None or not is_safe_file_name(name):
@@ -45,7 +45,7 @@ def read_latest(run_dir: Path) -> str | None:
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The step directory that `path` (a step directory or a run directory) denotes."""
-    path = Path(path)
+    path = source_path(path)
     if not path.exists():
         raise UsageError(f"{path}: does not exist")
     if not path.is_dir():
@@ -86,7 +86,7 @@ def commit(tmp_dir: str | Path, run_dir: str | Path, step: int, manifest: Manife
     tmp_dir, run_dir = Path(tmp_dir), Path(run_dir)
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    present = {entry.name for entry in os.scandir(tmp_dir)}
+    present = {entry.name for entry in tmp_dir.iterdir()}
     for rank in range(manifest.shard_factor):
         name = rank_file_name(rank, manifest.shard_factor)
         if name not in present:

@@ -2,8 +2,8 @@
 storage): the step a location denotes, `verify` with every fragment's crc32 computed as the
 bytes stream in (FILES_IN_FLIGHT rank files at once, each read in one stream from its first
 byte, header then data, each byte fetched once), and `inspect`'s summary from the manifest and the rank files' headers.
-Version 2 checkpoints only: a version 1 manifest lists what version 2 derives, and is read from
-local directories."""
+A version 1 manifest lists what version 2 derives: its step is read by the reader of local
+directories, over the bucket in place (a `StoredPath`)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,22 @@ import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
 from ..core.crc import crc32
+from ..core.files import source_path
 from ..core.names import is_safe_file_name, parse_json
 from ..core.report import VerifyReport
 from ..core.request import Progress, progress_callback
 from ..core.summary import FileEntry, ShardedSummary
 from ..storage.face import Storage
+from ..storage.stored_path import stored_root
 from .manifest import Manifest
 from .names import LATEST_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir_name, rank_file_name
 from .placement import FileLayout
 from .reader import v2_crcs
-from .verify import sharded_summary
+from .verify import sharded_summary, summarize, verify_checkpoint
 
 FILES_IN_FLIGHT = 4  # rank files read at once, each a bounded stream (storage/objects.py)
 BLOCK_BYTES = 8 << 20
@@ -59,10 +62,12 @@ def resolve_stored(storage: Storage, listed: dict[str, int]) -> tuple[str, Manif
     if listed[name] > MAX_MANIFEST_BYTES:
         raise DataCheckError(f"{storage.where(name)}: over the {MAX_MANIFEST_BYTES}-byte manifest limit")
     where = storage.where(name)
-    manifest = Manifest.from_json(parse_json(storage.read(name), where=where, what="manifest"), where=where)
-    if manifest.listing is not None:
-        raise UsageError(f"{where}: a version 1 checkpoint is read from a local directory only; download it, or convert it locally")
-    return step, manifest
+    return step, Manifest.from_json(parse_json(storage.read(name), where=where, what="manifest"), where=where)
+
+
+def _step_path(storage: Storage, listed: dict[str, int], step: str) -> Path:
+    root = source_path(stored_root(storage, listed))
+    return root / step if step else root
 
 
 def _in(step: str, name: str) -> str:
@@ -75,6 +80,8 @@ def verify_stored(storage: Storage, listed: dict[str, int], progress: Progress |
         step, manifest = resolve_stored(storage, listed)
     except DataCheckError as error:
         return report.failed(str(error))
+    if manifest.listing is not None:  # version 1 lists what version 2 derives: the local reader, reading the bucket in place
+        return verify_checkpoint(_step_path(storage, listed, step), progress)
     report.path = storage.where(step) if step else storage.root
     layout = manifest.layout()
     files = [(_in(step, rank_file_name(rank, manifest.shard_factor)), layout.file_layout(rank)) for rank in range(manifest.shard_factor)]
@@ -171,6 +178,8 @@ def _stored_crcs(storage: Storage, listed: dict[str, int], name: str, expected: 
 
 def summarize_stored(storage: Storage, listed: dict[str, int]) -> ShardedSummary:
     step, manifest = resolve_stored(storage, listed)
+    if manifest.listing is not None:
+        return summarize(_step_path(storage, listed, step))
     layout = manifest.layout()
     names = [_in(step, rank_file_name(rank, manifest.shard_factor)) for rank in range(manifest.shard_factor)]
     for rank, name in enumerate(names):  # each header checked, as the local reader does

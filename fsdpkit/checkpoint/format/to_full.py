@@ -10,7 +10,6 @@ A transposed tensor of an export layout is read whole and transposed in memory w
 from __future__ import annotations
 
 import json
-import shutil
 from contextlib import closing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,7 +20,7 @@ from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport
-from ..core.files import open_regular
+from ..core.files import read_regular
 from ..core.names import MODEL_INDEX, OPTIM_INDEX, TIED_METADATA_KEY, is_optimizer_tensor, nbytes, output_dtype
 from ..core.report import WriteReport
 from ..core.request import Progress, progress_callback
@@ -174,12 +173,11 @@ def _write_hf_files(directory: Path, export: HfExport, weight_dtype: str | None,
     for name in export.files:
         path = Path(export.files_from or ".") / name
         try:
-            fd, _ = open_regular(path)
+            data = read_regular(path)
         except DataCheckError as error:
             warnings.append(f"{name} not copied: {error}")
             continue
-        with open(fd, "rb") as source, open(directory / name, "wb") as target:
-            shutil.copyfileobj(source, target)
+        (directory / name).write_bytes(data)
         written.append(name)
     return written
 

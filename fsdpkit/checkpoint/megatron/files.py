@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DataCheckError
-from ..core.files import read_regular
+from ..core.files import read_regular, source_path
 
 BACKEND_CONFIG = "metadata.json"
 COMMON_PT = "common.pt"
@@ -48,7 +48,7 @@ def _step_dir(path: Path) -> Path:
 def find_files(path: str | os.PathLike[str]) -> MegatronFiles | None:
     """The checkpoint's parts, or None when `path` is no Megatron checkpoint (a
     `metadata.json` of another backend is a DataCheckError)."""
-    path = Path(path)
+    path = source_path(path)
     if not path.is_dir():
         return None
     root = _step_dir(path)

@@ -9,6 +9,7 @@ from pathlib import Path
 from ...errors import UsageError
 from ..core.any_checkpoint import AnyCheckpoint, item_readers
 from ..core.export import ExportLayout, HfExport
+from ..core.files import source_path
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
 from .files import is_megatron_checkpoint
@@ -24,7 +25,7 @@ class MegatronFormat:
     reshardable = False
 
     def detect(self, path: Path) -> bool:
-        return is_megatron_checkpoint(Path(path))
+        return is_megatron_checkpoint(source_path(path))
 
     def open(self, path: Path, keys: Keys) -> AnyCheckpoint:
         return open_megatron_checkpoint(path)

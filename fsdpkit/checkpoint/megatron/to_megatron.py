@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ...errors import UsageError
 from ..core.bytecopy import SourceTensor
 from ..core.export import CONFIG_NAME
+from ..core.files import read_regular
 from ..core.report import WriteReport
 from ..core.request import ConvertRequest, Progress
 from ..core.staging import staged_output
@@ -39,7 +40,7 @@ def source_shape(opened: AnyCheckpoint, model: str | None) -> ModelShape:
         return shape_of_model(model)
     config_path = Path(opened.path) / CONFIG_NAME
     if config_path.is_file():
-        return from_hf_config(json.loads(config_path.read_text(encoding="utf-8")), str(config_path))
+        return from_hf_config(json.loads(read_regular(config_path).decode("utf-8")), str(config_path))
     if opened.export is not None:
         return from_hf_config(opened.export.config, f"{opened.path}: export recipe")
     raise UsageError(f"{opened.path}: no config.json or export recipe says the model's shape: name one with --model hf:DIR")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
 from ..core.any_checkpoint import AnyCheckpoint
+from ..core.files import source_path
 from ..core.protocol import Format
 from ..core.report import WriteReport
 from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest, check_options
@@ -24,7 +25,7 @@ from ..format.full_format import FullFormat
 from ..megatron.format import MegatronFormat
 from ..storage.location import is_url
 from ..torchsave.format import TorchSaveFormat
-from .locations import local_only, open_at
+from .locations import local_only, source_at
 
 # In the order messages list them and `detect_format` tries them. A Megatron torch_dist directory
 # is a DCP directory too: Megatron comes before DCP. A DeepSpeed save directory has a `latest` as
@@ -50,7 +51,7 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
     """The format of the checkpoint at `path`; a UsageError when it is none that fsdpkit reads
     (the format's reader then says what is wrong inside it)."""
     local_only(path, what="this reader")
-    path = Path(path)
+    path = source_path(path)
     if not path.exists():
         raise UsageError(f"{path}: does not exist")
     for found in [*(f for f in FORMATS.values() if f.name != SHARDED), FORMATS[SHARDED]]:
@@ -61,10 +62,9 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
 
 def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = None, optimizer_key: str | None = None) -> AnyCheckpoint:
     """The checkpoint at `path` in any format (`model_key`, `optimizer_key`: a DCP checkpoint's, as `Keys`)."""
-    if is_url(path):
-        return open_at(str(path), model_key=model_key, optimizer_key=optimizer_key)
-    found = detect_format(path)
-    opened = found.open(Path(path), Keys(model_key, optimizer_key))
+    source = source_at(path) if is_url(path) else source_path(path)
+    found = detect_format(source)
+    opened = found.open(source, Keys(model_key, optimizer_key))
     opened.format, opened.opened_from = found.name, str(path)
     return opened
 
@@ -74,13 +74,13 @@ def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], reques
     local_only(src, dst, what="reshard")
     found = detect_format(src)
     if not found.reshardable:
-        with found.open(Path(src), Keys(None, None)):  # a corrupt one is called that first (DataCheckError)
+        with found.open(source_path(src), Keys(None, None)):  # a corrupt one is called that first (DataCheckError)
             pass
         targets = [name for name in TARGETS if name != found.name]
         raise UsageError(
             f"{src}: a {found.label} checkpoint has no ranks to lay out: convert it --to {', '.join(targets[:-1])} or {targets[-1]}"
         )
-    return found.reshard(Path(src), Path(dst), request)
+    return found.reshard(source_path(src), Path(dst), request)
 
 
 def convert_target(source: Format, request: ConvertRequest) -> Format:

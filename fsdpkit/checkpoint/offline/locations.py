@@ -1,146 +1,102 @@
 """The offline commands at a location: a local path goes to the registry of formats; an
-object-store URL (`s3://`, `gs://`, `az://`) is read through the storage face. `verify` and
-`inspect` stream fsdpkit's format (version 2) and DCP from the store; the other formats, and
-the sources of `convert`, `reshard` and `diff`, are copied through the face into a local
-temporary directory first (TMPDIR). `convert` and `reshard` write to a URL by writing the output
-into a local temporary directory, then publishing it through the face, the commit object last.
-`open_checkpoint` of a URL opens such a copy, removed when the checkpoint is closed. What does
-not take URLs yet (train's checkpoint flags) says so in one line."""
+object-store URL (`s3://`, `gs://`, `az://`) is read in place through the storage face, by the
+same readers (`source_at`: the URL's objects as a `StoredPath`): nothing of a source is copied
+to local disk. `verify` and `inspect` of fsdpkit's format (version 2) and DCP have stored
+readers of their own (several objects at once). `convert` and `reshard` write to a URL by
+writing the output into a local temporary directory, then publishing it through the face, the
+commit object last. What does not take URLs (a conversion spread over processes) says so in one line."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import UsageError
-from ..core.any_checkpoint import AnyCheckpoint
+from ..core.files import source_path
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest
 from ..core.summary import Summary
-from ..dcp.stored import is_stored_dcp, summarize_stored_dcp, verify_stored_dcp
-from ..format.stored import is_stored_sharded, resolve_stored, summarize_stored, verify_stored
-from ..storage.download import download
+from ..dcp.format import DcpFormat
+from ..dcp.stored import summarize_stored_dcp, verify_stored_dcp
+from ..format.format import ShardedFormat
+from ..format.stored import summarize_stored, verify_stored
 from ..storage.face import Storage
 from ..storage.location import is_url, open_storage
+from ..storage.stored_path import stored_root
 from ..storage.upload import check_destination, publish
 
 if TYPE_CHECKING:
     from .diff import DiffRequest
 
 
+def source_at(location: str | os.PathLike[str]) -> Path:
+    """The path the readers of every format take for `location`: a local path as it is; an
+    object-store URL's objects listed once and read in place through the face (a `StoredPath`:
+    ranged reads of headers and metadata, tensor bytes streamed in offset order), never copied."""
+    if not is_url(location):
+        return Path(location)
+    return source_path(stored_root(*_listed(str(location))))
+
+
 def verify_at(location: str | os.PathLike[str], progress: Progress | None = None) -> VerifyReport:
     """`verify`: every check the checkpoint's format allows, local or in an object store
-    (fsdpkit's format and DCP streamed, the others from a local copy)."""
+    (fsdpkit's format and DCP by their stored readers, FILES_IN_FLIGHT objects at once)."""
     from .formats import detect_format
 
-    if is_url(location):
-        storage, listed = _listed(str(location))
-        if is_stored_dcp(listed):
-            return verify_stored_dcp(storage, listed)
-        if is_stored_sharded(listed):
-            return verify_stored(storage, listed, progress)
-    with local_source(location) as (path, renamed):
-        report = detect_format(path).verify(Path(path), progress)
-        return dataclasses.replace(report, path=renamed(report.path), problems=[renamed(line) for line in report.problems])
+    stored = _listed(str(location)) if is_url(location) else None
+    path = source_path(stored_root(*stored)) if stored is not None else Path(location)
+    found = detect_format(path)
+    if stored is not None and found.name == DcpFormat.name:
+        return verify_stored_dcp(*stored)
+    if stored is not None and found.name == ShardedFormat.name:
+        return verify_stored(*stored, progress)
+    return found.verify(path, progress)
 
 
 def inspect_at(location: str | os.PathLike[str], keys: Keys) -> tuple[str, Summary]:
     """`inspect`: (the format's name, the summary) of the checkpoint at `location`."""
     from .formats import detect_format
 
-    if is_url(location):
-        storage, listed = _listed(str(location))
-        if is_stored_dcp(listed):
-            return "dcp", summarize_stored_dcp(storage, listed, model_key=keys.model, optimizer_key=keys.optimizer)
-        if is_stored_sharded(listed):
-            return "sharded", summarize_stored(storage, listed)
-    with local_source(location) as (path, renamed):
-        found = detect_format(path)
-        summary = found.inspect(Path(path), keys)
-        return found.name, dataclasses.replace(summary, path=renamed(summary.path))
+    stored = _listed(str(location)) if is_url(location) else None
+    path = source_path(stored_root(*stored)) if stored is not None else Path(location)
+    found = detect_format(path)
+    if stored is not None and found.name == DcpFormat.name:
+        return found.name, summarize_stored_dcp(*stored, model_key=keys.model, optimizer_key=keys.optimizer)
+    if stored is not None and found.name == ShardedFormat.name:
+        return found.name, summarize_stored(*stored)
+    return found.name, found.inspect(path, keys)
 
 
 def convert_at(src: str, dst: str, request: ConvertRequest, progress: Progress | None = None) -> WriteReport:
-    """`convert` from a local directory or an object-store URL to either."""
+    """`convert` from a local directory or an object-store URL (read in place) to either."""
     from .formats import convert_any
 
-    with local_source(src) as (path, renamed):
-        if not is_url(dst):
-            report = convert_any(path, dst, request, progress)
-        else:
-            report = _published(dst, request.overwrite, lambda out: convert_any(path, out, request, progress))
-        return dataclasses.replace(report, src=renamed(report.src))
+    source = source_at(src)
+    if not is_url(dst):
+        return convert_any(source, dst, request, progress)
+    return _published(dst, request.overwrite, lambda out: convert_any(source, out, request, progress))
 
 
 def reshard_at(src: str, dst: str, request: ReshardRequest) -> WriteReport:
-    """`reshard` from a local directory or an object-store URL to either."""
+    """`reshard` from a local directory or an object-store URL (read in place) to either."""
     from .formats import reshard_any
 
-    with local_source(src) as (path, renamed):
-        if not is_url(dst):
-            report = reshard_any(path, dst, request)
-        else:
-            report = _published(dst, request.overwrite, lambda out: reshard_any(path, out, request))
-        return dataclasses.replace(report, src=renamed(report.src))
+    source = source_at(src)
+    if not is_url(dst):
+        return reshard_any(source, dst, request)
+    return _published(dst, request.overwrite, lambda out: reshard_any(source, out, request))
 
 
 def diff_at(a: str, request: DiffRequest, progress: Callable[[int, int], None] | None = None) -> dict:
-    """`diff` of two checkpoints, each a local directory or an object-store URL."""
+    """`diff` of two checkpoints, each a local directory or an object-store URL (`open_checkpoint`
+    reads a URL in place)."""
     from .diff import diff
 
-    with local_source(a) as (path_a, renamed_a), local_source(request.b) as (path_b, renamed_b):
-        result = diff(path_a, dataclasses.replace(request, b=path_b), progress)
-    result["a"]["path"], result["b"]["path"] = renamed_a(result["a"]["path"]), renamed_b(result["b"]["path"])
-    return result
-
-
-def open_at(location: str, *, model_key: str | None, optimizer_key: str | None) -> AnyCheckpoint:
-    """`open_checkpoint` of a URL: its objects copied through the face into a temporary
-    directory, which closing the checkpoint removes."""
-    from .formats import open_checkpoint
-
-    staging = contextlib.ExitStack()
-    path, _ = staging.enter_context(local_source(location))
-    try:
-        opened = open_checkpoint(path, model_key=model_key, optimizer_key=optimizer_key)
-    except BaseException:
-        staging.close()
-        raise
-    close = opened._close
-
-    def close_and_remove() -> None:
-        try:
-            close()
-        finally:
-            staging.close()
-
-    opened._close, opened.opened_from = close_and_remove, location
-    return opened
-
-
-@contextlib.contextmanager
-def local_source(location: str | os.PathLike[str]) -> Iterator[tuple[str, Callable[[str], str]]]:
-    """(a local path holding the checkpoint at `location`, a function that names the location
-    again in the messages and reports of that path): a local path itself; a URL's objects
-    downloaded through the face into a temporary directory (TMPDIR; of an fsdpkit run, the
-    step its `latest` names only), removed after."""
-    if not is_url(location):
-        yield str(location), lambda text: text
-        return
-    storage, listed = _listed(str(location))
-    step = resolve_stored(storage, listed)[0] if not is_stored_dcp(listed) and is_stored_sharded(listed) else ""
-    prefix = f"{step}/" if step else ""
-    wanted = {name: size for name, size in listed.items() if name.startswith(prefix) and "/" not in name[len(prefix) :]} if step else listed
-    with tempfile.TemporaryDirectory(prefix="fsdpkit-src-") as staging:
-        download(storage, wanted, Path(staging))
-        path = str(Path(staging) / step) if step else staging
-        url = storage.where(step) if step else storage.root
-        yield path, lambda text: text.replace(path, url)
+    return diff(a, request, progress)
 
 
 def _published(url: str, overwrite: bool, write: Callable[[Path], WriteReport]) -> WriteReport:

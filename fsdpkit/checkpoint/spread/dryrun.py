@@ -5,13 +5,12 @@ disk behind it, so the prediction is a lower bound there)."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...sizes import format_size
-from ..core.files import open_regular, pread_into
+from ..core.files import close, open_regular, pread_into
 from .jobs import source_listing
 from .plan import Plan, make_plan
 
@@ -81,7 +80,7 @@ def read_bandwidth(src: str) -> tuple[float, str]:
             pread_into(fd, done, buffer[:count], path)
             done += count
     finally:
-        os.close(fd)
+        close(fd)
     seconds = time.perf_counter() - started
     return (done / seconds if seconds > 0 else 0.0), f"{name} ({format_size(done)})"
 

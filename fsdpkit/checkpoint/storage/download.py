@@ -1,7 +1,7 @@
 """Objects of a storage copied into a local directory through the face (streamed, each byte
-fetched once, DOWNLOADS_IN_FLIGHT objects at once), for the readers that read a local
-directory only: the source of `convert`, `reshard` and `diff`, and the formats `verify` and
-`inspect` do not stream yet. The directory must hold them all; that is checked first."""
+fetched once, DOWNLOADS_IN_FLIGHT objects at once), for train's loads of a run in a bucket
+(`format/run_store.py`); the offline commands read a bucket in place (`stored_path`). The
+directory must hold them all; that is checked first."""
 
 from __future__ import annotations
 

@@ -1,23 +1,58 @@
 """An object of a storage read at offsets as a file descriptor is (`pread`), for the readers
 that parse headers, zip directories and pickles at scattered offsets (DCP's chunks): each read
 is a ranged GET through the face, and aligned blocks of BLOCK_BYTES around small reads are
-kept (at most KEPT_BLOCKS), since such parsers read many small pieces close together."""
+kept (at most KEPT_BLOCKS), since such parsers read many small pieces close together. The
+handles of one listed checkpoint (`StoredPath`) share their kept blocks (`BlockCache`), so the
+headers that detection, opening and reading each parse are fetched once.
+
+The byte engine reads tensor bytes through `window` instead: one streamed GET per run of bytes
+it reads (the face's `read_blocks`: requests in offset order, a few blocks read ahead, bounded
+memory) that ends where the read ends, so each byte is fetched once whatever order the runs are
+read in; a run the kept blocks hold whole (a small file's) is served from them, no GET."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from ...errors import DataCheckError
 from .face import Storage
 
 BLOCK_BYTES = 256 << 10
 KEPT_BLOCKS = 16  # at most 4 MiB held per object
+STREAM_BLOCK_BYTES = 1 << 20  # a block of a window's stream
+
+
+class BlockCache:
+    """Blocks of objects by (name, index), the `limit` used last kept."""
+
+    def __init__(self, limit: int = KEPT_BLOCKS):
+        self._limit, self._lock = limit, threading.Lock()
+        self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+
+    def get(self, key: tuple[str, int]) -> bytes | None:
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is not None:
+                self._blocks.move_to_end(key)
+            return block
+
+    def put(self, key: tuple[str, int], block: bytes) -> None:
+        with self._lock:
+            self._blocks[key] = block
+            if len(self._blocks) > self._limit:
+                self._blocks.popitem(last=False)
 
 
 class ObjectHandle:
-    def __init__(self, storage: Storage, name: str, size: int):
+    def __init__(self, storage: Storage, name: str, size: int, blocks: BlockCache | None = None):
+        """`blocks`: the kept blocks, shared with other handles; this handle's own without."""
         self.storage, self.name, self.size = storage, name, size
-        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+        self._blocks = blocks if blocks is not None else BlockCache()
+        self._stream: Iterator[tuple[int, memoryview]] | None = None  # the GET windows are read from
+        self._held, self._held_start, self._streamed = bytearray(), 0, 0  # bytes [held_start, streamed) of it
+        self._stream_end = 0  # where the stream's GET ends
 
     def pread(self, count: int, offset: int) -> bytes:
         """Bytes [offset, offset + count), fewer only where the object ends."""
@@ -30,15 +65,52 @@ class ObjectHandle:
         data = b"".join(self._block(index) for index in range(first, last + 1))
         return data[offset - first * BLOCK_BYTES : end - first * BLOCK_BYTES]
 
+    def window(self, offset: int, length: int, until: int) -> bytes:
+        """Bytes [offset, offset + length) of a read that ends at `until` (fewer where the GET
+        ends): from the kept blocks when they hold it, from the stream the windows before it came
+        from when it continues them, else from a new streamed GET from `offset` to `until`."""
+        kept = self._kept(offset, min(offset + length, until, self.size))
+        if kept is not None:
+            return kept
+        if self._stream is None or not self._held_start <= offset <= self._streamed or offset >= self._stream_end:
+            self.close()
+            self._stream_end = min(max(until, offset + 1), self.size)
+            self._stream = self.storage.read_blocks(self.name, [(offset, self._stream_end)], block_bytes=STREAM_BLOCK_BYTES)
+            self._held_start = self._streamed = offset
+        end = min(offset + length, self._stream_end)
+        while self._streamed < end:
+            _, block = next(self._stream)
+            self._held += block
+            self._streamed += len(block)
+        del self._held[: offset - self._held_start]  # windows move forward: what is before this one is done
+        self._held_start = offset
+        return bytes(self._held[: end - offset])
+
+    def _kept(self, start: int, end: int) -> bytes | None:
+        """Bytes [start, end) when the kept blocks hold them all, else None."""
+        first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
+        if end <= start:
+            return None
+        blocks = [self._blocks.get((self.name, index)) for index in range(first, last + 1)]
+        found = [block for block in blocks if block is not None]
+        if len(found) < len(blocks):
+            return None
+        return b"".join(found)[start - first * BLOCK_BYTES : end - first * BLOCK_BYTES]
+
+    def close(self) -> None:
+        """End the stream of windows (its GET and read-ahead)."""
+        stream, self._stream = self._stream, None
+        end = getattr(stream, "close", None)  # a generator's: its finally stops the GETs in flight
+        if end is not None:
+            end()
+        self._held = bytearray()
+
     def _block(self, index: int) -> bytes:
-        block = self._blocks.get(index)
+        block = self._blocks.get((self.name, index))
         if block is None:
             start = index * BLOCK_BYTES
-            block = self._blocks[index] = self.storage.read(self.name, start, min(start + BLOCK_BYTES, self.size))
-            if len(self._blocks) > KEPT_BLOCKS:
-                self._blocks.popitem(last=False)
-        else:
-            self._blocks.move_to_end(index)
+            block = self.storage.read(self.name, start, min(start + BLOCK_BYTES, self.size))
+            self._blocks.put((self.name, index), block)
         return block
 
 

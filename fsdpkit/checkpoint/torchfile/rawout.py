@@ -15,7 +15,7 @@ from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.crc import cast_into
-from ..core.files import IOV_MAX, copy_range, create, open_regular, read_exactly, write_views
+from ..core.files import IOV_MAX, Descriptor, close, copy_range, create, open_regular, read_exactly, write_views
 
 BUFFER_BYTES = 8 * 1024 * 1024
 KERNEL_COPY_BYTES = 64 * 1024  # byte ranges at least this large are copied by the kernel
@@ -41,7 +41,7 @@ class RawOutput:
         self._fd = create(path)
         self._pending: list[bytes | bytearray | memoryview] = []  # written by one writev
         self._pending_bytes = 0
-        self._sources: dict[Path, int] = {}
+        self._sources: dict[Path, Descriptor] = {}
 
     def __enter__(self) -> RawOutput:
         return self
@@ -53,7 +53,7 @@ class RawOutput:
         finally:
             os.close(self._fd)
             while self._sources:
-                os.close(self._sources.popitem()[1])
+                close(self._sources.popitem()[1])
             if kind is not None:
                 self.path.unlink(missing_ok=True)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import struct
 import zipfile
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..core.bytecopy import SourcePiece, SourceTensor
 from ..core.crc import crc32
-from ..core.files import Descriptor, open_regular, read_exactly, read_some
+from ..core.files import Descriptor, close, open_regular, read_exactly, read_some
 from ..core.names import numel
 from ..core.report import VerifyReport
 from .unpickler import TensorRecord
@@ -138,13 +137,13 @@ class SaveFile:
         try:
             self.state, self.storages = self._read(unpickle)
         except BaseException:
-            os.close(self.fd)
+            close(self.fd)
             raise
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.size >= 0:
+            close(self.fd)
+            self.size = -1  # closed
 
     def _read(self, unpickle: Callable[..., Any]) -> tuple[Any, dict[str, StorageEntry]]:
         where = str(self.path)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ...errors import DataCheckError
+from ..core.files import source_path
 from ..core.report import VerifyReport
 from ..core.summary import FileEntry, ModelCounts, OptimizerStates, Summary, TensorEntry, largest, tensor_entry
 from ..torchfile.savefile import verify_saved_files
@@ -58,7 +58,7 @@ def summarize_torchsave(path: str | os.PathLike[str]) -> TorchSaveSummary:
 def verify_torchsave(path: str | os.PathLike[str]) -> VerifyReport:
     report = VerifyReport(str(path), FORMAT)
     try:
-        checkpoint = open_rank_state_dicts(Path(path))
+        checkpoint = open_rank_state_dicts(source_path(path))
     except DataCheckError as error:
         return report.failed(str(error))
     with checkpoint:

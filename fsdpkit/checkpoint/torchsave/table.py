@@ -15,6 +15,7 @@ from typing import Any
 
 from ...errors import DataCheckError
 from ..core.bytecopy import SourceTensor
+from ..core.files import source_path
 from ..torchfile import unpickler as u
 from ..torchfile.savefile import SaveFile
 from .optim import OptimizerState, open_optimizer
@@ -32,7 +33,7 @@ def _model_files(directory: Path) -> dict[int, tuple[int, Path]]:
 
 def is_torchsave_checkpoint(path: str | os.PathLike[str]) -> bool:
     """A directory holding `model_world_size_W_rank_0.pt`."""
-    path = Path(path)
+    path = source_path(path)
     return path.is_dir() and 0 in _model_files(path)
 
 
@@ -61,7 +62,7 @@ class RankStateDicts:
 def open_rank_state_dicts(path: str | os.PathLike[str]) -> RankStateDicts:
     """Every rank's model file (and optimizer file, where it maps to names) read through the
     allow-list; each tensor's place checked."""
-    directory = Path(path)
+    directory = source_path(path)
     files = _model_files(directory)
     if 0 not in files:
         raise DataCheckError(f"{directory}: no model_world_size_W_rank_0.pt")

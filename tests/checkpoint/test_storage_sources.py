@@ -1,0 +1,210 @@
+"""Every format read in place from a bucket (moto's S3 server): each source is written by its own
+tool (DeepSpeed's `save_checkpoint` at ZeRO-3, verl's per-rank `torch.save` files of FSDP2,
+torch's `dcp.save` through its `FsspecWriter` straight into the bucket, safetensors' `save_file`,
+Megatron-Core's own fixtures), the local copy holds the same bytes, and `convert`, `reshard`,
+`diff`, `inspect` and `verify` of the URL give what they give of the local copy, byte for byte.
+The oracle is the local reading of the same files. A URL source is never copied to disk: the
+GETs the server answers add up to the source's bytes and a little metadata, and TMPDIR stays
+empty while the command runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("obstore", reason="the cloud extra installs obstore")
+
+from support.checkpoint_files import run_cli, sample_tensors  # noqa: E402
+from support.distributed import run_distributed  # noqa: E402
+from support.fault_proxy import FaultProxy  # noqa: E402
+from support.object_store import s3_client  # noqa: E402
+
+MEGATRON = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
+FORMATS = ("deepspeed", "torch-save-ranks", "full", "dcp", "megatron", "megatron-zarr")
+CONVERTS = {  # format -> the conversions run from it
+    "deepspeed": [("--to", "full", "--with-optimizer"), ("--to", "sharded", "--world-size", "3")],
+    "torch-save-ranks": [
+        (
+            "--to",
+            "full",
+        ),
+        ("--to", "dcp", "--world-size", "2"),
+    ],
+    "full": [("--to", "sharded", "--world-size", "2"), ("--to", "dcp", "--world-size", "3")],
+    "dcp": [("--to", "full", "--with-optimizer"), ("--to", "deepspeed", "--stage", "3", "--world-size", "2")],
+    "megatron": [
+        (
+            "--to",
+            "full",
+        ),
+        ("--to", "sharded", "--world-size", "2"),
+    ],
+    "megatron-zarr": [
+        (
+            "--to",
+            "full",
+        )
+    ],
+}
+RESHARDABLE = ("deepspeed", "dcp")
+
+
+def _launched(root: str) -> None:
+    """2 gloo ranks: DeepSpeed's ZeRO-3 run saved by DeepSpeed, and verl's files of an FSDP2 run."""
+    from support import deepspeed_worker
+    from support.fsdp2_loader import sharded_llama, write_verl
+    from support.verl_fsdp1 import train_step
+
+    deepspeed_worker.init_deepspeed()
+    deepspeed_worker.train_and_save(root, "deepspeed", 3, "fp32")
+    model, optimizer = sharded_llama(False)
+    train_step(model, optimizer)
+    write_verl(f"{root}/torch-save-ranks", model, optimizer)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    """The sources other tools write to a local directory (DCP is written into each test's bucket)."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("sources")
+    run_distributed(_launched, 2, str(root))
+    (root / "full").mkdir()
+    save_file(sample_tensors(), str(root / "full" / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(MEGATRON / "mcore_0_16_torch_dist" / "checkpoint", root / "megatron")
+    shutil.copytree(MEGATRON / "mcore_0_15_zarr" / "checkpoint", root / "megatron-zarr")
+    return root
+
+
+def _source(name: str, written: Path, bucket: str, endpoint: str, tmp_path: Path) -> tuple[Path, str]:
+    """(the local copy, the URL) of source `name`, the same bytes in both."""
+    client, url = s3_client(endpoint), f"s3://{bucket}/src/{name}"
+    if name == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        params = sample_tensors()
+        state = {"model": params, "optimizer": {"state": {n: {"exp_avg": t * 0.5, "exp_avg_sq": t * t} for n, t in params.items()}}}
+        dcp.save(state, storage_writer=FsspecWriter(url), no_dist=True)
+        local = tmp_path / "dcp"
+        for item in client.list_objects_v2(Bucket=bucket, Prefix="src/dcp/")["Contents"]:
+            (local / item["Key"].removeprefix("src/dcp/")).parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(bucket, item["Key"], str(local / item["Key"].removeprefix("src/dcp/")))
+        return local, url
+    local = written / name
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), bucket, f"src/{name}/{path.relative_to(local).as_posix()}")
+    return local, url
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _json(*args: object) -> tuple[int, dict]:
+    result = run_cli(*args, "--json")
+    assert result.stdout, result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_bucket_source_gives_what_its_local_copy_gives(name, written, s3_bucket, s3_endpoint, tmp_path):
+    local, url = _source(name, written, s3_bucket, s3_endpoint, tmp_path)
+    for index, options in enumerate(CONVERTS[name]):
+        from_disk, from_bucket = tmp_path / f"disk-{index}", tmp_path / f"bucket-{index}"
+        done = run_cli("convert", local, from_disk, *options)
+        assert done.exit_code == 0, done.output
+        done = run_cli("convert", url, from_bucket, *options)
+        assert done.exit_code == 0, done.output
+        assert _files(from_bucket) == _files(from_disk), options
+    if name in RESHARDABLE:
+        assert run_cli("reshard", local, tmp_path / "reshard-disk", "--world-size", "3").exit_code == 0
+        done = run_cli("reshard", url, tmp_path / "reshard-bucket", "--world-size", "3")
+        assert done.exit_code == 0, done.output
+        assert _files(tmp_path / "reshard-bucket") == _files(tmp_path / "reshard-disk")
+    for command in ("inspect", "verify"):
+        local_code, expected = _json(command, local)
+        code, found = _json(command, url)
+        assert code == local_code == 0
+        assert json.loads(json.dumps(found).replace(url, str(local))) == expected
+    code, diff = _json("diff", url, local)
+    assert code == 0 and diff["equal"] and {r["status"] for r in diff["tensors"]} == {"equal"}, diff
+
+
+def _watch_size(directory: Path, stop: threading.Event, peak: list[int]) -> None:
+    while not stop.wait(0.01):
+        size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+        peak[0] = max(peak[0], size)
+
+
+def test_a_bucket_source_is_fetched_once_and_never_copied_to_disk(s3_bucket, s3_endpoint, tmp_path, monkeypatch):
+    """A full checkpoint of 16 MiB (safetensors' own file) laid out for 2 ranks from its bucket:
+    each rank file takes half of every tensor, so the source is read in two passes that skip
+    about; the GETs the server answers still hold each byte of it once, plus its header read
+    a few times (a 256 KiB block per reader), and nothing lands in TMPDIR while the command runs."""
+    from safetensors.torch import save_file
+
+    tensors = {f"layer{i}.weight": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(i)) for i in range(4)}
+    local = tmp_path / "full"
+    local.mkdir()
+    save_file(tensors, str(local / "model.safetensors"), metadata={"format": "pt"})
+    source_bytes = (local / "model.safetensors").stat().st_size
+    s3_client(s3_endpoint).upload_file(str(local / "model.safetensors"), s3_bucket, "src/full/model.safetensors")
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    stop, peak = threading.Event(), [0]
+    watcher = threading.Thread(target=_watch_size, args=(scratch, stop, peak))
+    with FaultProxy(s3_endpoint, fraction=0.0) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        watcher.start()
+        try:
+            done = run_cli("convert", f"s3://{s3_bucket}/src/full", tmp_path / "out", "--to", "sharded", "--world-size", "2")
+        finally:
+            stop.set()
+            watcher.join()
+    assert done.exit_code == 0, done.output
+    assert peak[0] == 0 and not os.listdir(scratch)
+    assert source_bytes <= proxy.got_bytes <= source_bytes + (1 << 20), (proxy.got_bytes, source_bytes)
+    assert run_cli("convert", local, tmp_path / "local", "--to", "sharded", "--world-size", "2").exit_code == 0
+    assert _files(tmp_path / "out") == _files(tmp_path / "local")
+
+
+def test_a_version_1_checkpoint_in_a_bucket_verifies_and_inspects_as_on_disk(s3_bucket, s3_endpoint, tmp_path):
+    from support.checkpoint_files import sample_optimizer
+    from support.checkpoint_v1 import write_v1
+
+    params = sample_tensors()
+    step_dir = write_v1(
+        tmp_path / "v1" / "step-00000004", {**params, **sample_optimizer(params)}, world_size=2, units=None, training_state={"step": 4}
+    )
+    client, url = s3_client(s3_endpoint), f"s3://{s3_bucket}/v1/step-00000004"
+    for path in sorted(step_dir.iterdir()):
+        client.upload_file(str(path), s3_bucket, f"v1/step-00000004/{path.name}")
+    for command in ("verify", "inspect"):
+        local_code, expected = _json(command, step_dir)
+        code, found = _json(command, url)
+        assert code == local_code == 0 and expected.get("version", 1) == 1
+        assert json.loads(json.dumps(found).replace(url, str(step_dir))) == expected
+
+
+def test_a_deepspeed_zero3_source_is_fetched_at_most_once(written, s3_bucket, s3_endpoint, tmp_path, monkeypatch):
+    """ZeRO-3 -> full with Adam's moments reads each rank file's partitions in the output's order,
+    not the file's: the headers, zip directories and pickles are fetched once (shared blocks) and
+    every tensor's bytes once, so the GETs hold no more than the source (its scripts unread)."""
+    local, url = _source("deepspeed", written, s3_bucket, s3_endpoint, tmp_path)
+    source_bytes = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+    with FaultProxy(s3_endpoint, fraction=0.0) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        done = run_cli("convert", url, tmp_path / "out", "--to", "full", "--with-optimizer")
+    assert done.exit_code == 0, done.output
+    assert proxy.got_bytes <= source_bytes, (proxy.got_bytes, source_bytes)
