@@ -311,10 +311,12 @@ class ByteEngine:
             part = piece.range.intersect(wanted)
             if piece.crc32 is not None or part.size * itemsize < KERNEL_COPY_BYTES:
                 continue
+            fd = self._files.fd(self._file_of(piece))
+            if not isinstance(fd, int):  # an object in a bucket: its bytes come through the face
+                continue
             if part.start > position:
                 self.copy(tensor, ElementRange(position, part.start), out_dtype, sink)
-            number = self._file_of(piece)
-            send(self._files.fd(number), piece.offset + (part.start - piece.range.start) * itemsize, part.size * itemsize)
+            send(fd, piece.offset + (part.start - piece.range.start) * itemsize, part.size * itemsize)
             self.bytes_read += part.size * itemsize
             self._report()
             position = part.end
