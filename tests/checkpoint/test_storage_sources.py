@@ -208,3 +208,25 @@ def test_a_deepspeed_zero3_source_is_fetched_at_most_once(written, s3_bucket, s3
         done = run_cli("convert", url, tmp_path / "out", "--to", "full", "--with-optimizer")
     assert done.exit_code == 0, done.output
     assert proxy.got_bytes <= source_bytes, (proxy.got_bytes, source_bytes)
+
+
+def test_large_unchecked_pieces_of_a_bucket_source_stream_through_the_face(s3_bucket, s3_endpoint, tmp_path):
+    """A DCP checkpoint (torch's `dcp.save`) of 1 MiB tensors, which have no checksum: on disk
+    the kernel copies them file to file; from a bucket their bytes come through the face, and
+    `--to full` writes the same files either way."""
+    import torch.distributed.checkpoint as dcp
+
+    tensors = {f"layer{i}.weight": torch.randn(512, 512, generator=torch.Generator().manual_seed(i)) for i in range(3)}
+    local = tmp_path / "dcp"
+    dcp.save(tensors, checkpoint_id=str(local), no_dist=True)
+    client = s3_client(s3_endpoint)
+    for path in sorted(local.iterdir()):
+        client.upload_file(str(path), s3_bucket, f"src/big-dcp/{path.name}")
+    done = run_cli("convert", f"s3://{s3_bucket}/src/big-dcp", tmp_path / "bucket", "--to", "full")
+    assert done.exit_code == 0, done.output
+    assert run_cli("convert", local, tmp_path / "disk", "--to", "full").exit_code == 0
+    assert _files(tmp_path / "bucket") == _files(tmp_path / "disk")
+    from safetensors.torch import load_file
+
+    loaded = load_file(str(tmp_path / "bucket" / "model.safetensors"))
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in tensors.items()), sorted(loaded)

@@ -24,7 +24,7 @@ from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from .crc import PartRead, cast_into, check_parts, crc32, crc32_combine, mismatch
-from .files import IOV_MAX, WINDOW_BYTES, MappedFiles, WriteQueue, pread_into, write_file, write_views
+from .files import IOV_MAX, WINDOW_BYTES, Descriptor, MappedFiles, WriteQueue, pread_into, write_file, write_views
 from .names import numel
 
 DEFAULT_CHUNK_SIZE = 512 * 1024  # bytes per block: read, checksummed and handed on while in the L2 cache
@@ -298,11 +298,11 @@ class ByteEngine:
         wanted: ElementRange,
         out_dtype: str,
         sink: Callable[[memoryview], None],
-        send: Callable[[int, int, int], None],
+        send: Callable[[Descriptor, int, int], None],
     ) -> None:
         """As `copy`, except that each source piece with no checksum (nothing to check on the way)
         holding at least KERNEL_COPY_BYTES of `wanted`, uncast, is never mapped: `send(fd, offset,
-        count)` has the kernel copy its bytes."""
+        count)` has the kernel copy its bytes (an object in a bucket streams them through the face)."""
         if out_dtype != tensor.dtype:
             self.copy(tensor, wanted, out_dtype, sink)
             return
@@ -311,12 +311,10 @@ class ByteEngine:
             part = piece.range.intersect(wanted)
             if piece.crc32 is not None or part.size * itemsize < KERNEL_COPY_BYTES:
                 continue
-            fd = self._files.fd(self._file_of(piece))
-            if not isinstance(fd, int):  # an object in a bucket: its bytes come through the face
-                continue
             if part.start > position:
                 self.copy(tensor, ElementRange(position, part.start), out_dtype, sink)
-            send(fd, piece.offset + (part.start - piece.range.start) * itemsize, part.size * itemsize)
+            number = self._file_of(piece)
+            send(self._files.fd(number), piece.offset + (part.start - piece.range.start) * itemsize, part.size * itemsize)
             self.bytes_read += part.size * itemsize
             self._report()
             position = part.end

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..core import workers
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.crc import PartRead, check_parts, crc32, crc32_combine
-from ..core.files import copy_range, create
+from ..core.files import Descriptor, copy_range, create
 from ..core.names import layout_header, output_dtype
 from .manifest import Manifest, save_manifest
 from .names import rank_file_name
@@ -92,7 +92,7 @@ class _FileWriter:
         self._buffer[self._buffered : self._buffered + view.nbytes] = view
         self._buffered += view.nbytes
 
-    def send(self, source: int, offset: int, count: int) -> None:
+    def send(self, source: Descriptor, offset: int, count: int) -> None:
         """Append bytes [offset, offset + count) of the open file `source`, copied by the kernel
         (copy_file_range: they never pass through this process). A DIRECT file goes on cached."""
         if self._written + self._buffered + count > self.size:
