@@ -124,6 +124,7 @@ def train_and_save(
     steps: int = 3,
     bucket_size: int | None = None,
     bf16: bool = False,
+    moments_directory: str | None = None,
 ) -> None:
     """Megatron-LM's training as far as the checkpoint sees it: the seeded model wrapped in
     Megatron's DistributedDataParallel with its DistributedOptimizer (Adam with decoupled weight
@@ -133,18 +134,23 @@ def train_and_save(
     entry of `directories` ({sharding type: directory}, from OPTIMIZER_SHARDINGS), all of the same
     trained state. `bucket_size` (elements) splits the grad buffers into buckets as Megatron-LM's
     --overlap-grad-reduce does; None: one bucket per buffer. `bf16`: bf16 parameters with fp32
-    main parameters. On CPU with gloo, see `_optimizer_cpu_shims`."""
+    main parameters. `moments_directory`: Megatron's own view of the trained Adam state, for
+    `moments` (see `_save_moments`). On CPU with gloo, see `_optimizer_cpu_shims`.
+
+    (Megatron's `fully_reshardable` save is no oracle for the moments: 0.16.1 places a bucket's
+    parameters by their index in the padded buffer within its unpadded gather, so where a bucket
+    ends off a multiple of lcm(DP, 128), e.g. before the tied embedding's own bucket at PP > 1,
+    the next bucket's parameters come out shifted.)"""
     job = {"kind": "train", "directories": directories, "shape": asdict(model_shape), "seed": seed, "steps": steps}
-    job.update(bucket_size=bucket_size, bf16=bf16)
+    job.update(bucket_size=bucket_size, bf16=bf16, moments_directory=moments_directory)
     _launch(job, parallel)
 
 
-def optimizer_state(directory: str) -> dict[str, torch.Tensor]:
-    """Megatron's own reading of the optimizer state of a `fully_reshardable` checkpoint: each
-    parameter's `optimizer.state.<param|exp_avg|exp_avg_sq>.<checkpoint key>`, whole (as the model
-    tensor of that key is stored: layers stacked, QKV and fc1 fused), from
+def moments(moments_directory: str) -> dict[str, dict[str, torch.Tensor]]:
+    """{state: {checkpoint key: tensor}}: Megatron's view of the Adam state that
+    `train_and_save(..., moments_directory=...)` saved, read whole by Megatron's own
     `dist_checkpointing.load_plain_tensors`."""
-    return {key: value for key, value in plain_tensors(directory).items() if key.startswith("optimizer.state.")}
+    return {state: plain_tensors(os.path.join(moments_directory, state)) for state in ("exp_avg", "exp_avg_sq")}
 
 
 def forward_logits(model_shape: MegatronShape, tokens: torch.Tensor, *, seed: int = 0, parallel: Parallel = Parallel()) -> torch.Tensor:
@@ -495,8 +501,7 @@ def _train_step(model, tokens: torch.Tensor) -> None:  # type: ignore[no-untyped
 
 
 def _job_train(job: dict, parallel: Parallel) -> None:
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -523,6 +528,15 @@ def _job_train(job: dict, parallel: Parallel) -> None:
         finalize_model_grads([model])
         stepped, _, _ = optimizer.step()
         assert stepped, "Megatron's optimizer skipped a step"
+    _save_trained(job, parallel, s, module, optimizer, dtype, overlap)
+    if job["moments_directory"] is not None:
+        _save_moments(job["moments_directory"], module, optimizer)
+
+
+def _save_trained(job: dict, parallel: Parallel, s: MegatronShape, module, optimizer, dtype: torch.dtype, overlap: bool) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
     for sharding, root in job["directories"].items():
         metadata = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
         args = megatron_lm_args(s, parallel, job["steps"])
@@ -537,6 +551,50 @@ def _job_train(job: dict, parallel: Parallel) -> None:
             os.makedirs(root, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(state, root, sharded_strategy=("torch_dist", 1), content_metadata=metadata)
+        dist.barrier()
+
+
+def _save_moments(root: str, module, optimizer) -> None:  # type: ignore[no-untyped-def]
+    """Megatron's own view of each parameter's Adam state: the inner optimizer's state of every
+    data-parallel rank's share of the parameter (found by the parameter itself, through the
+    DistributedOptimizer's own range map), summed over the data-parallel group into the whole
+    (tensor-parallel-local) parameter, copied into the parameter, and saved through the model's
+    own sharded state dict, so `root/<state>/` holds the state under the model's checkpoint keys,
+    laid out by Megatron (layers stacked, QKV and fc1 as the model's)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    assert len(inner) == 1, "one distributed optimizer expected"
+    distributed = inner[0]
+    group = parallel_state.get_data_parallel_group()
+    params = [p for _, p in module.named_parameters()]
+    gathered: dict[str, list[torch.Tensor]] = {"exp_avg": [], "exp_avg_sq": []}
+    ranges = {
+        p: m
+        for gbuf in distributed.gbuf_ranges
+        for by_dtype in gbuf.values()
+        for bucket in by_dtype
+        for p, m in bucket["param_map"].items()
+    }
+    for param in params:
+        held = distributed._get_main_param_and_optimizer_states(param) if param in ranges else {}
+        for state, found in gathered.items():
+            whole = torch.zeros(param.numel(), dtype=torch.float32)
+            if param in ranges:
+                span = ranges[param]["param"]
+                whole[span.start : span.end] = held[state].float()
+            dist.all_reduce(whole, group=group)
+            found.append(whole)
+    for state, found in gathered.items():
+        with torch.no_grad():
+            for param, whole in zip(params, found, strict=True):
+                param.copy_(whole.view_as(param))
+        directory = os.path.join(root, state)
+        if dist.get_rank() == 0:
+            os.makedirs(directory, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({"model": module.sharded_state_dict()}, directory, sharded_strategy=("torch_dist", 1))
         dist.barrier()
 
 

@@ -26,6 +26,8 @@ from .names import DATA_SOURCE_KEY, is_optimizer_tensor, split_optim_tensor_name
 if TYPE_CHECKING:
     import torch
 
+OPTIMIZER_NOT_CONVERTED = "optimizer_not_converted"  # a fact: why the source's optimizer state cannot be converted
+
 
 @dataclass
 class AnyCheckpoint:
