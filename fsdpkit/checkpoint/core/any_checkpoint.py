@@ -44,6 +44,7 @@ class AnyCheckpoint:
     opened_from: str = ""  # the path it was opened by (a run directory, where `path` is its step), likewise
     groups: list[dict] = field(default_factory=list)  # the optimizer's param groups: [{"settings", "params"}]
     step: int = 0  # optimizer steps taken
+    step_once: bool = False  # the step is recorded once (Megatron's param groups), not as a tensor per parameter
     export: HfExport | None = None  # the export recipe it records
     world_size: int = 1  # ranks it was saved by
     facts: dict[str, Any] = field(default_factory=dict)  # what a convert report says of the source

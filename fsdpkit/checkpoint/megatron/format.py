@@ -72,6 +72,7 @@ def open_megatron_checkpoint(path: Path) -> AnyCheckpoint:
             facts=opened.facts,
             groups=moments.groups,
             step=moments.steps,
+            step_once=True,
         )
         view.format, view.opened_from = opened.format, opened.opened_from
         return view
@@ -84,6 +85,7 @@ def open_megatron_checkpoint(path: Path) -> AnyCheckpoint:
         items=item_readers(checkpoint.common),
         groups=moments.groups,
         step=moments.steps,
+        step_once=True,
         facts={"generation": checkpoint.generation, **optimizer_facts(moments)},
         transformers_view=transformers_view,
         _close=checkpoint.close,
