@@ -1,12 +1,13 @@
 """Megatron's distributed optimizer state against Megatron itself: megatron-core trains a tiny
-Llama-shaped model for three Adam steps on CPU (TP=2, DP=2, the grad buffer split into six
+Llama-shaped model for three Adam steps on CPU (TP=2, DP=2, the grad buffer split into
 buckets) and saves it in Megatron-LM's default `dp_reshardable` sharding (flat buckets per rank,
 no parameter names) and as `fully_reshardable`; beside them it saves its own view of each
 parameter's exp_avg and exp_avg_sq (the inner Adam's state found through the parameter itself,
 laid out by the model's own sharded state dict). fsdpkit, with no Megatron in its process, gives
 every moment equal to Megatron's, carries them through `convert --to sharded --with-optimizer`
-under transformers' names, and `train --resume` continues from the converted checkpoint. A tied,
-pipelined GPT model (TP=1, PP=2, DP=2: the embedding's own bucket on both stages) likewise."""
+under transformers' names, and `train --resume` continues from the converted checkpoint. A tied
+GPT model at TP=2 PP=2 (the embedding's own bucket on both stages, each (tp, pp) rank its own
+buffers) likewise."""
 
 import argparse
 import importlib.util
@@ -37,18 +38,13 @@ def trained(tmp_path_factory):
     def get(style: str):
         if style not in found:
             root = tmp_path_factory.mktemp(style)
+            # hidden 48: norms and biases end off the 64-element alignment
             if style == "llama":
-                model_shape, parallel, buckets = (
-                    megatron_oracle.shape("llama", num_layers=2),
-                    megatron_oracle.Parallel(tp=2, pp=1, dp=2),
-                    5000,
-                )
+                model_shape = megatron_oracle.shape("llama", num_layers=2, hidden_size=48)
+                parallel, buckets = megatron_oracle.Parallel(tp=2, pp=1, dp=2), 5000
             else:
-                model_shape, parallel, buckets = (
-                    megatron_oracle.shape("gpt", num_layers=2),
-                    megatron_oracle.Parallel(tp=1, pp=2, dp=2),
-                    None,
-                )
+                model_shape = megatron_oracle.shape("gpt", num_layers=2, hidden_size=48)
+                parallel, buckets = megatron_oracle.Parallel(tp=2, pp=2, dp=1), None
             directories = {"dp_reshardable": str(root / "dp"), "fully_reshardable": str(root / "full")}
             megatron_oracle.train_and_save(
                 directories, model_shape, parallel=parallel, bucket_size=buckets, moments_directory=str(root / "moments")
@@ -80,6 +76,12 @@ def by_layer(stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[key] = tensor
     return out
+
+
+def dcp_keys(directory) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return list(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
 
 
 def megatrons_moments(root) -> dict[str, torch.Tensor]:
@@ -121,6 +123,7 @@ def test_dp_reshardable_moments_equal_megatrons(trained):
     expected = megatrons_moments(root)
     summary = json.loads(run_cli("inspect", root / "dp", "--json").stdout)
     assert "dp_reshardable" in summary["optimizer_kind"] and summary["parallel"] == {"tensor": 2, "pipeline": 1, "data": 2}
+    assert len([k for k in dcp_keys(root / "dp") if k.endswith(".exp_avg")]) == 2 * 4  # four buckets per TP rank
     with fsdpkit.open_checkpoint(root / "dp") as opened:
         assert set(opened.optimizer) == set(expected) and opened.step == 3
         for name, tensor in expected.items():
