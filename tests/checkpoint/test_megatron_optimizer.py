@@ -122,7 +122,8 @@ def test_dp_reshardable_moments_equal_megatrons(trained):
     root, _ = trained("llama")
     expected = megatrons_moments(root)
     summary = json.loads(run_cli("inspect", root / "dp", "--json").stdout)
-    assert "dp_reshardable" in summary["optimizer_kind"] and summary["parallel"] == {"tensor": 2, "pipeline": 1, "data": 2}
+    assert "dp_reshardable" in summary["optimizer_kind"] and "moments by parameter, step 3" in summary["optimizer_kind"]
+    assert summary["parallel"] == {"tensor": 2, "pipeline": 1, "data": 2}
     assert len([k for k in dcp_keys(root / "dp") if k.endswith(".exp_avg")]) == 2 * 4  # four buckets per TP rank
     with fsdpkit.open_checkpoint(root / "dp") as opened:
         assert set(opened.optimizer) == set(expected) and opened.step == 3
@@ -177,6 +178,7 @@ def test_a_layout_fsdpkit_cannot_rebuild_is_refused_in_one_line(trained, tmp_pat
     refused = run_cli("convert", changed, tmp_path / "out", "--to", "sharded", "--world-size", "2", "--with-optimizer")
     assert refused.exit_code == 2 and not (tmp_path / "out").exists()
     assert "transformer_impl 'transformer_engine'" in refused.output and len(refused.output.strip().splitlines()) == 1
+    assert "moments not convertible" in json.loads(run_cli("inspect", changed, "--json").stdout)["optimizer_kind"]
     done = run_cli("convert", changed, tmp_path / "model-only", "--to", "full", "--json")
     assert done.exit_code == 0 and "not converted" not in done.stderr, done.output
     assert "transformer_engine" in json.loads(done.stdout)["optimizer_not_converted"]
