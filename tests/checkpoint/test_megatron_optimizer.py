@@ -6,8 +6,8 @@ parameter's exp_avg and exp_avg_sq (the inner Adam's state found through the par
 laid out by the model's own sharded state dict). fsdpkit, with no Megatron in its process, gives
 every moment equal to Megatron's, carries them through `convert --to sharded --with-optimizer`
 under transformers' names, and `train --resume` continues from the converted checkpoint. A tied
-GPT model at TP=2 PP=2 (the embedding's own bucket on both stages, each (tp, pp) rank its own
-buffers) likewise."""
+GPT model at TP=2 PP=2 with bf16 weights and fp32 main parameters (the embedding's own bucket on
+both stages, each (tp, pp) rank its own buffers) likewise."""
 
 import argparse
 import importlib.util
@@ -47,7 +47,12 @@ def trained(tmp_path_factory):
                 parallel, buckets = megatron_oracle.Parallel(tp=2, pp=2, dp=1), None
             directories = {"dp_reshardable": str(root / "dp"), "fully_reshardable": str(root / "full")}
             megatron_oracle.train_and_save(
-                directories, model_shape, parallel=parallel, bucket_size=buckets, moments_directory=str(root / "moments")
+                directories,
+                model_shape,
+                parallel=parallel,
+                bucket_size=buckets,
+                bf16=style == "gpt",
+                moments_directory=str(root / "moments"),
             )
             found[style] = (root, model_shape)
         return found[style]
@@ -187,6 +192,7 @@ def test_a_layout_fsdpkit_cannot_rebuild_is_refused_in_one_line(trained, tmp_pat
 def test_tied_pipelined_moments_equal_megatrons(trained, tmp_path):
     root, _ = trained("gpt")
     expected = megatrons_moments(root)
+    assert any("dtype_(torch.bfloat16, torch.float32)" in key for key in dcp_keys(root / "dp"))  # bf16 weights, fp32 state
     with fsdpkit.open_checkpoint(root / "dp") as opened:
         assert set(opened.optimizer) == set(expected)
         for name, tensor in expected.items():

@@ -514,7 +514,12 @@ def _job_train(job: dict, parallel: Parallel) -> None:
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, bucket_size=job["bucket_size"]
     )
-    model = DistributedDataParallel(module.config, ddp_config, module)
+    if job["bf16"]:  # Megatron-LM's wrapper: inputs cast to bf16, the last stage's output back to fp32
+        from megatron.core.transformer.module import Float16Module
+
+        model = DistributedDataParallel(module.config, ddp_config, Float16Module(module.config, module))
+    else:
+        model = DistributedDataParallel(module.config, ddp_config, module)
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=1e-3, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
         use_distributed_optimizer=True, bf16=job["bf16"], params_dtype=dtype,
@@ -530,7 +535,8 @@ def _job_train(job: dict, parallel: Parallel) -> None:
         assert stepped, "Megatron's optimizer skipped a step"
     _save_trained(job, parallel, s, module, optimizer, dtype, overlap)
     if job["moments_directory"] is not None:
-        _save_moments(job["moments_directory"], module, optimizer)
+        fp32 = module if dtype == torch.float32 else _build_model(s, parallel, job["seed"], torch.float32)  # holds fp32 moments
+        _save_moments(job["moments_directory"], module, optimizer, fp32)
 
 
 def _save_trained(job: dict, parallel: Parallel, s: MegatronShape, module, optimizer, dtype: torch.dtype, overlap: bool) -> None:  # type: ignore[no-untyped-def]
@@ -554,13 +560,14 @@ def _save_trained(job: dict, parallel: Parallel, s: MegatronShape, module, optim
         dist.barrier()
 
 
-def _save_moments(root: str, module, optimizer) -> None:  # type: ignore[no-untyped-def]
+def _save_moments(root: str, module, optimizer, fp32) -> None:  # type: ignore[no-untyped-def]
     """Megatron's own view of each parameter's Adam state: the inner optimizer's state of every
     data-parallel rank's share of the parameter (found by the parameter itself, through the
     DistributedOptimizer's own range map), summed over the data-parallel group into the whole
-    (tensor-parallel-local) parameter, copied into the parameter, and saved through the model's
-    own sharded state dict, so `root/<state>/` holds the state under the model's checkpoint keys,
-    laid out by Megatron (layers stacked, QKV and fc1 as the model's)."""
+    (tensor-parallel-local) parameter, copied into the parameter of `fp32` (the model itself, or
+    its float32 twin for a bf16 model), and saved through that model's own sharded state dict,
+    so `root/<state>/` holds the state under the model's checkpoint keys, laid out by Megatron
+    (layers stacked, QKV and fc1 as the model's)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
 
@@ -586,15 +593,16 @@ def _save_moments(root: str, module, optimizer) -> None:  # type: ignore[no-unty
                 whole[span.start : span.end] = held[state].float()
             dist.all_reduce(whole, group=group)
             found.append(whole)
+    targets = [p for _, p in fp32.named_parameters()]
     for state, found in gathered.items():
         with torch.no_grad():
-            for param, whole in zip(params, found, strict=True):
+            for param, whole in zip(targets, found, strict=True):
                 param.copy_(whole.view_as(param))
         directory = os.path.join(root, state)
         if dist.get_rank() == 0:
             os.makedirs(directory, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save({"model": module.sharded_state_dict()}, directory, sharded_strategy=("torch_dist", 1))
+        dist_checkpointing.save({"model": fp32.sharded_state_dict()}, directory, sharded_strategy=("torch_dist", 1))
         dist.barrier()
 
 
