@@ -7,7 +7,8 @@ boto3 moving the same objects on the same server, side by side in one run.
 
 Makes a full safetensors checkpoint of random fp32 tensors (4 M elements each, gpt2-sized
 layers), converts it locally to fsdpkit's sharded format at --world-size ranks, uploads it with
-boto3, then times, each in its own process (peak RSS from wait4), median of --repeat rounds:
+boto3, then times, each in its own process (peak RSS and CPU time from wait4), median of
+--repeat interleaved rounds after one that compiles the bytecode:
 
 - fsdpkit verify s3://...     (every fragment's crc32 as the bytes stream in)
 - boto3 download_fileobj      (max_concurrency=10, into a sink that keeps nothing)
@@ -120,15 +121,23 @@ for path in sorted(full.iterdir()):
 """
 
 
-def _timed(command: list[str]) -> tuple[float, int]:
-    """(seconds, peak RSS bytes) of one process."""
+def _timed(command: list[str], env: dict[str, str]) -> tuple[float, int, float]:
+    """(seconds, peak RSS bytes, CPU seconds) of one process."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - start
     if status != 0:
         raise SystemExit(f"{' '.join(command[:4])} failed (status {status})")
-    return seconds, usage.ru_maxrss * 1024
+    return seconds, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
+
+
+def _compiled_env(work: str) -> dict[str, str]:
+    """The environment of the timed commands: bytecode cached under `work` (an installed package
+    has its bytecode compiled, as boto3's is; with PYTHONDONTWRITEBYTECODE set, fsdpkit's own
+    modules alone would be compiled again in every run)."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    return {**env, "PYTHONPYCACHEPREFIX": f"{work}/bytecode"}
 
 
 def main() -> None:
@@ -174,22 +183,32 @@ def _run(args: argparse.Namespace) -> None:
         convert = [sys.executable, "-m", "fsdpkit_cli", "convert", f"{url}/run", f"{url}/out-fsdpkit", "--to", "full", "--overwrite"]
         commands |= {"fsdpkit convert s3:// s3://": convert}
         commands |= {"boto3 download + upload": [sys.executable, "-c", TRANSFER, args.bucket, prefix, f"{work}/full"]}
-        _report(args, commands, total, server_is_local)
+        env = _compiled_env(work)
+        for name in ("fsdpkit verify s3://", *READERS):  # a round that compiles the bytecode, not counted
+            _timed(commands[name], env)
+        _report(args, commands, env, total, server_is_local)
 
 
-def _report(args: argparse.Namespace, commands: dict[str, list[str]], total: int, server_is_local: bool) -> None:
-    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
+def _report(args: argparse.Namespace, commands: dict[str, list[str]], env: dict[str, str], total: int, server_is_local: bool) -> None:
+    runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
+    load = os.getloadavg()[0]
     for _ in range(args.repeat):  # interleaved, so a slow moment of the machine falls on every reader alike
         for name, command in commands.items():
-            runs[name].append(_timed(command))
+            runs[name].append(_timed(command, env))
     where = "moto's server, this machine" if server_is_local else os.environ["AWS_ENDPOINT_URL"]
     print(f"{format_size(total)} in {args.world_size} rank files on {where}; median of {args.repeat}")
-    medians = {name: statistics.median(t for t, _ in found) for name, found in runs.items()}
+    print(f"load average (1 min) {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} CPUs")
+    medians = {name: statistics.median(t for t, _, _ in found) for name, found in runs.items()}
     for name, found in runs.items():
-        seconds = medians[name]
-        print(f"{name:26} {seconds:7.2f} s  {total / seconds / 1e6:8.1f} MB/s  peak RSS {format_size(max(r for _, r in found))}")
-    fastest = min(medians[name] for name in READERS)
-    print(f"verify / the faster boto3 reader: {medians['fsdpkit verify s3://'] / fastest:.2f}x")
+        seconds, cpu = medians[name], statistics.median(c for _, _, c in found)
+        rss = format_size(max(r for _, r, _ in found))
+        print(f"{name:26} {seconds:7.2f} s  {total / seconds / 1e6:8.1f} MB/s  CPU {cpu:5.2f} s  peak RSS {rss}")
+    fastest = min(READERS, key=lambda name: medians[name])
+    rounds = [v / r for (v, _, _), (r, _, _) in zip(runs["fsdpkit verify s3://"], runs[fastest], strict=True)]
+    print(
+        f"verify / the faster boto3 reader: {medians['fsdpkit verify s3://'] / medians[fastest]:.2f}x "
+        f"(round by round {min(rounds):.2f}x to {max(rounds):.2f}x)"
+    )
     print(f"convert / boto3 download + upload: {medians['fsdpkit convert s3:// s3://'] / medians['boto3 download + upload']:.2f}x")
 
 

@@ -14,6 +14,8 @@ import typer
 from typer.core import TyperCommand
 
 from fsdpkit.errors import FsdpkitError, UsageError
+from fsdpkit.progress import LINE_SECONDS
+from fsdpkit.progress import byte_progress as byte_progress  # the commands' byte bar, the library's
 
 # flags of other tools, and the flag that says the same here (named when the command has it)
 NEAR_MISSES = {
@@ -61,50 +63,10 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-PROGRESS_LINE_SECONDS = 10.0
-
-
-@contextlib.contextmanager
-def byte_progress(desc: str) -> Iterator[Callable[[int, int], None]]:
-    """progress(done_bytes, total_bytes) callbacks shown on stderr: a tqdm bar on a terminal,
-    otherwise one plain line every PROGRESS_LINE_SECONDS (a log gets no carriage returns)."""
-    from fsdpkit.sizes import format_size
-
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, leave=False)
-
-        def update(done: int, total: int) -> None:
-            if bar.total != total:
-                bar.total = total
-                bar.refresh()
-            if done:
-                bar.update(done)
-
-        try:
-            yield update
-        finally:
-            bar.close()
-        return
-    state = {"done": 0, "last": time.monotonic()}
-
-    def log(done: int, total: int) -> None:
-        state["done"] += done
-        now = time.monotonic()
-        if now - state["last"] >= PROGRESS_LINE_SECONDS:
-            state["last"] = now
-            share = f" ({100 * state['done'] / total:.0f}%)" if total else ""
-            sys.stderr.write(f"{desc}: {format_size(state['done'])} of {format_size(total)}{share}\n")
-            sys.stderr.flush()
-
-    yield log
-
-
 @contextlib.contextmanager
 def count_progress(desc: str, *, unit: str) -> Iterator[Callable[[int], None]]:
     """progress(n) callbacks that count items on stderr: a tqdm bar on a terminal, otherwise one
-    plain line every PROGRESS_LINE_SECONDS."""
+    plain line every LINE_SECONDS."""
     if sys.stderr.isatty():
         from tqdm import tqdm
 
@@ -116,7 +78,7 @@ def count_progress(desc: str, *, unit: str) -> Iterator[Callable[[int], None]]:
     def log(done: int) -> None:
         state["done"] += done
         now = time.monotonic()
-        if now - state["last"] >= PROGRESS_LINE_SECONDS:
+        if now - state["last"] >= LINE_SECONDS:
             state["last"] = now
             sys.stderr.write(f"{desc}: {state['done']:,} {unit}s\n")
             sys.stderr.flush()

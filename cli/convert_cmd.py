@@ -14,7 +14,7 @@ from fsdpkit.sizes import parse_size
 
 from .checkpoint_options import CHUNK_HELP, MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, cast_name, chunk_bytes, print_written
 from .common import byte_progress
-from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command
+from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command, spread_target
 
 
 def convert(
@@ -65,7 +65,7 @@ def convert(
         chunk_size=chunk_bytes(chunk_size),
         overwrite=overwrite,
     )
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=lambda: to == "full", locations=(src, dst))
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=lambda: spread_target(to), locations=(src, dst))
     if options is not None:
         task = SpreadTask("convert", str(src), str(dst), request, chunk_size=request.chunk_size, overwrite=overwrite, restart=restart)
         result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, chunk_bytes
-from .common import byte_progress, handle_errors, print_json
-
-command_app = typer.Typer(add_completion=False)
+from .common import byte_progress, print_json
+from .spread_options import DryRun, launch_options, run_spread_command, spread_command
 
 SHOWN = 20  # differing tensors listed in the text output
 
@@ -22,9 +23,8 @@ def _line(result: dict) -> str:
     return f"{status:9} {result['name']}"
 
 
-@command_app.command("diff")
-@handle_errors
 def diff_command(
+    ctx: typer.Context,
     a: str = typer.Argument(..., help="A checkpoint: fsdpkit sharded (run or step dir), full safetensors, torch DCP or DeepSpeed ZeRO."),
     b: str = typer.Argument(..., help="The checkpoint to compare it with (any of the same formats)."),
     atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance: equal when |a - b| <= atol + rtol * |b|."),
@@ -34,24 +34,29 @@ def diff_command(
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as one JSON document."),
     dcp_model_key: str | None = typer.Option(None, "--dcp-model-key", help=MODEL_KEY_HELP),
     dcp_optimizer_key: str | None = typer.Option(None, "--dcp-optimizer-key", help=OPTIMIZER_KEY_HELP),
+    dry_run: DryRun = False,
+    **settings: Any,
 ) -> None:
     """Compare two checkpoints of any format tensor by tensor; exit 0 when equal within the tolerance, 3 when not.
 
     Each tensor is bitwise equal, within the tolerance (close), different (max abs and max rel difference), of another
     dtype or shape, or present in one checkpoint only."""
-    from fsdpkit.checkpoint.offline.diff import Tolerance
+    from fsdpkit.checkpoint.offline.diff import DiffRequest, Tolerance
     from fsdpkit.checkpoint.offline.locations import diff_at
+    from fsdpkit.checkpoint.spread.runner import SpreadTask
 
-    with byte_progress("diff") as progress:
-        result = diff_at(
-            a,
-            b,
-            tolerance=Tolerance(atol, rtol),
-            model_only=model_only,
-            dcp_keys=(dcp_model_key, dcp_optimizer_key),
-            chunk_size=chunk_bytes(chunk_size),
-            progress=progress,
+    chunk = chunk_bytes(chunk_size)
+    request = DiffRequest(b, Tolerance(atol, rtol), model_only, (dcp_model_key, dcp_optimizer_key), chunk)
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=lambda: True, locations=(a, b))
+    if options is not None:
+        result = run_spread_command(
+            SpreadTask("diff", str(a), request=request, chunk_size=chunk), options, dry_run=dry_run, as_json=as_json
         )
+        if result is None:
+            return
+    else:
+        with byte_progress("diff") as progress:
+            result = diff_at(a, request, progress)
     if as_json:
         print_json(result)
     else:
@@ -67,3 +72,6 @@ def diff_command(
         typer.echo("\n".join(lines))
     if not result["equal"]:
         raise typer.Exit(3)
+
+
+command_app = spread_command("diff", diff_command)

@@ -35,7 +35,7 @@ def reshard(
 
     request = ReshardRequest(required_world_size(world_size))  # --world-size is checked before --chunk-size
     request = replace(request, chunk_size=chunk_bytes(chunk_size), overwrite=overwrite, warn=log.warn)
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads_from(src), locations=(src, dst))
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads_from("reshard", src), locations=(src, dst))
     if options is not None:
         ranks, chunk = request.world_size, request.chunk_size
         task = SpreadTask("reshard", str(src), str(dst), world_size=ranks, chunk_size=chunk, overwrite=overwrite, restart=restart)

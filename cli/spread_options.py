@@ -1,4 +1,4 @@
-"""What convert, reshard and verify share to run spread over processes and nodes: train's launch
+"""What convert, reshard, verify and diff share to run spread over processes and nodes: train's launch
 flags (--nproc-per-node, --nnodes, --node-rank, --master-addr, --master-port, ...), --dry-run,
 and the lines that say how the work was shared. Without any of them (and outside torchrun) the
 commands run as they always did, in this process."""
@@ -73,18 +73,25 @@ def _torchrun_worker() -> bool:
     return under_torchrun() and not (dist is not None and dist.is_available() and dist.is_initialized())
 
 
-def spreads_from(src: Any) -> Callable[[], bool]:
-    """Whether reshard and verify of `src` spread under torchrun (fsdpkit's own format only),
-    asked only there."""
-    from fsdpkit.checkpoint.offline.formats import SHARDED, detect_format
+def spreads_from(command: str, src: Any) -> Callable[[], bool]:
+    """Whether `command` (reshard or verify) of `src` spreads under torchrun, asked only there."""
+    from fsdpkit.checkpoint.offline.formats import detect_format
+    from fsdpkit.checkpoint.spread.dispatch import spreads
 
-    def sharded() -> bool:
+    def spread() -> bool:
         try:
-            return detect_format(src).name == SHARDED
+            return spreads(command, detect_format(src).name)
         except FsdpkitError:  # the one-process path says what is wrong with it
             return False
 
-    return sharded
+    return spread
+
+
+def spread_target(to: str) -> bool:
+    """Whether `convert --to to` spreads under torchrun."""
+    from fsdpkit.checkpoint.spread.dispatch import SPREAD_TARGETS
+
+    return to in SPREAD_TARGETS
 
 
 def spread_command(name: str, body: Callable[..., Any]) -> typer.Typer:
@@ -142,6 +149,8 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
     if not as_json:
         for line in spread_lines(result):
             typer.echo(line, err=True)
+    if task.command == "diff":  # its report is the one-process diff's
+        return result.report
     if task.command == "verify":
         result.report.extra["spread"] = figures(result)
         return result.report

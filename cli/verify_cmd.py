@@ -26,7 +26,7 @@ def verify(
     from fsdpkit.checkpoint.offline.locations import verify_at
     from fsdpkit.checkpoint.spread.runner import SpreadTask
 
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=spreads_from(ckpt), locations=(ckpt,))
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=spreads_from("verify", ckpt), locations=(ckpt,))
     if options is not None:
         report = run_spread_command(
             SpreadTask("verify", str(ckpt), chunk_size=DEFAULT_CHUNK_SIZE), options, dry_run=dry_run, as_json=as_json

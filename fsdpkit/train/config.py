@@ -211,16 +211,11 @@ class CheckpointConfig:
             raise UsageError("--save-every, --keep-last, --async-save and --new-run need --save-dir")
         if self.resume and self.init_from:
             raise UsageError("--resume and --init-from exclude each other: resume continues a run, init-from starts one from weights")
-        check_local(save_dir=self.save_dir, resume=self.resume, init_from=self.init_from)
-
-
-def check_local(**locations: object) -> None:
-    """A UsageError naming the first of the checkpoint flags `locations` (save_dir=..., resume=...)
-    that is an object-storage URL: train does not take one yet."""
-    for name, value in locations.items():
-        if isinstance(value, str) and is_url(value):
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} {value}: train does not take object-storage URLs yet (inspect and verify do); use a local directory")
+        if self.new_run and self.save_dir and is_url(self.save_dir):
+            raise UsageError(
+                f"--new-run --save-dir {self.save_dir}: an object store cannot set the earlier checkpoints aside; "
+                "give the new run a prefix of its own"
+            )
 
 
 @dataclass(frozen=True)

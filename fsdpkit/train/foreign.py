@@ -23,6 +23,7 @@ from pathlib import Path
 from .. import log
 from ..checkpoint.core.any_checkpoint import recorded_data_source
 from ..checkpoint.offline.formats import FULL, SHARDED, detect_format, open_checkpoint
+from ..checkpoint.storage.location import is_url
 from ..errors import UsageError
 from ..paths import check_writable_directory
 from .config import TrainConfig
@@ -87,7 +88,7 @@ def _note_other_data(source: str, data: str) -> None:
 
 
 def _holder_parent(save_dir: str | None) -> str | None:
-    if save_dir is None:
+    if save_dir is None or is_url(save_dir):
         return None
     check_writable_directory(save_dir, "--save-dir")
     Path(save_dir).mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import log
-from ..checkpoint.live.manager import RunLock, check_before_launch, check_save_dir, continued_run_id, set_aside
+from ..checkpoint.live.manager import RunLock, check_before_launch, check_reachable, check_save_dir, continued_run_id, set_aside
+from ..checkpoint.storage.location import is_url
 from ..dist.launch import launch, under_torchrun
 from ..errors import DataCheckError, UsageError
 from ..models.source import resolve
@@ -79,8 +80,7 @@ def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None)
         raise UsageError("--device cuda requested but no CUDA device is available")
     checkpoint = config.checkpoint
     if checkpoint.save_dir:
-        check_writable_directory(checkpoint.save_dir, "--save-dir")
-        check_save_dir(checkpoint.save_dir, resume=checkpoint.resume, new_run=checkpoint.new_run, run_id=run_id)
+        _check_save_dir(checkpoint.save_dir, config, run_id)
     if config.logging.metrics:
         check_writable_file(config.logging.metrics, "--metrics")
     if config.logging.wandb or config.logging.mlflow:
@@ -101,6 +101,15 @@ def validate(config: TrainConfig, world_size: int, *, run_id: str | None = None)
     if weights:
         check_before_launch(weights, model=info.meta_model, optimizer=None, strict=False)
     return info.num_params
+
+
+def _check_save_dir(save_dir: str, config: TrainConfig, run_id: str | None) -> None:
+    """--save-dir can be written (a local directory, or a bucket these credentials list) and holds no other run's checkpoints."""
+    if is_url(save_dir):
+        check_reachable(save_dir)
+    else:
+        check_writable_directory(save_dir, "--save-dir")
+    check_save_dir(save_dir, resume=config.checkpoint.resume, new_run=config.checkpoint.new_run, run_id=run_id)
 
 
 def run_training(config: TrainConfig) -> TrainSummary | None:

@@ -165,7 +165,7 @@ class Trainer:
     def restart(self) -> Restart:
         return Restart(self.source_of_state.value, self.started_at, self.joined_at, self.restored_at)
 
-    def _start_from(self, own: Path | None, weights: str | None, context: RunContext) -> Source:
+    def _start_from(self, own: str | Path | None, weights: str | None, context: RunContext) -> Source:
         """Restore this attempt's state: a restarted attempt from the newest of its snapshots
         and its own checkpoints; the first from --resume, --init-from or the seed."""
         checkpoint = self.config.checkpoint

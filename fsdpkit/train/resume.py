@@ -23,7 +23,7 @@ from typing import Any
 
 from ..checkpoint.live.manager import saved_checkpoint
 from ..settings import merge
-from .config import SECTIONS, TOP, TrainConfig, check_local
+from .config import SECTIONS, TOP, TrainConfig
 from .foreign import check_model_named, foreign_format
 
 CARRIED_SECTIONS = ("model", "data", "sharding", "optimizer")
@@ -37,7 +37,7 @@ SILENT = ("steps",)  # carried as the default, but changing it is the point of m
 class SavedRun:
     """What a checkpoint says about the run that wrote it."""
 
-    step_dir: Path
+    step_dir: str | Path  # a directory, or an object-store URL
     step: int | None
     run_id: str | None
     values: dict[str, Any]  # its config as plain values ({} when a checkpoint records none)
@@ -119,7 +119,6 @@ def train_config(explicit: Mapping[str, Any], *, where: str = "") -> tuple[Train
     checkpoint = checkpoint if isinstance(checkpoint, Mapping) else {}
     model = model_section.get("name") if isinstance(model_section, Mapping) else None
     resume = checkpoint.get("resume")
-    check_local(save_dir=checkpoint.get("save_dir"), resume=resume, init_from=checkpoint.get("init_from"))
     for flag, path in (("--resume", resume), ("--init-from", checkpoint.get("init_from"))):
         if path:
             check_model_named(str(path), model, flag)

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from contextlib import closing
 
 import pytest
 import torch
@@ -395,3 +396,35 @@ def test_a_failed_direct_write_raises_its_own_error_and_leaves_no_file(tmp_path,
         with RankFileWriter(path, layout, cache=CacheMode.DIRECT) as writer:
             writer.write(raw_bytes(tensors["w"]))
     assert failure.value.filename == str(path) and not path.exists()
+
+
+@pytest.mark.parametrize("cache", [CacheMode.WRITE_BEHIND, CacheMode.DIRECT])
+def test_kernel_copies_of_unchecked_pieces_interleave_with_mapped_ones(tmp_path, cache):
+    """copy_or_send: pieces without a checksum of at least KERNEL_COPY_BYTES go to the kernel, the
+    small and the checksummed ones through the mapping (a wrong checksum still fails), a cast
+    through numpy; safetensors reads back exactly the source's elements."""
+    from fsdpkit.checkpoint.core.bytecopy import KERNEL_COPY_BYTES, ByteEngine, SourcePiece, SourceTensor
+
+    values = torch.randn(DIRECT_BUFFER_BYTES // 2 + 300, generator=torch.Generator().manual_seed(0))  # a DIRECT file: 24 MiB
+    raw = raw_bytes(values).tobytes()
+    (tmp_path / "src.bin").write_bytes(b"pad!" + raw)
+    bounds = [0, 100, 100 + KERNEL_COPY_BYTES // 4, 200 + KERNEL_COPY_BYTES // 4, values.numel()]  # small, large, small, large
+    pieces = []
+    for i, (first, last) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        crc = zlib.crc32(raw[first * 4 : last * 4]) if i == 2 else None
+        pieces.append(SourcePiece(ElementRange(first, last), tmp_path / "src.bin", 4 + first * 4, (last - first) * 4, crc, "t"))
+    source = SourceTensor("t", (values.numel(),), "F32", tuple(pieces))
+    sent: list[int] = []
+    entries = [("t", "F32", (values.numel(),)), ("cast", "BF16", (values.numel(),))]
+    path = tmp_path / "out.safetensors"
+    with closing(ByteEngine()) as engine, StreamingWriter(path, entries, cache=cache) as writer:
+        send = lambda fd, offset, count: (sent.append(count), writer.send(fd, offset, count))  # noqa: E731
+        engine.copy_or_send(source, ElementRange(0, values.numel()), "F32", writer.write, send)
+        engine.copy_or_send(source, ElementRange(0, values.numel()), "BF16", writer.write, send)
+    assert sent == [(bounds[2] - bounds[1]) * 4, (bounds[4] - bounds[3]) * 4]
+    loaded = load_file(path)
+    assert torch.equal(loaded["t"], values) and torch.equal(loaded["cast"], values.bfloat16())
+
+    bad = SourceTensor("t", source.shape, "F32", (*pieces[:2], pieces[2]._replace(crc32=1), pieces[3]))
+    with pytest.raises(DataCheckError, match="crc32"), closing(ByteEngine()) as engine:
+        engine.copy_or_send(bad, ElementRange(0, values.numel()), "F32", lambda view: None, lambda *a: None)

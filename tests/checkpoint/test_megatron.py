@@ -138,3 +138,91 @@ def test_a_malicious_common_state_is_refused_and_nothing_runs(saved, tmp_path):
     done = run_cli("convert", bad, tmp_path / "out", "--to", "full")
     assert done.exit_code == 3 and ".print, which is not allowed" in done.output
     assert not (tmp_path / "out").exists() and metadata
+
+
+def transformers_gpt2(directory, model_shape, activation: str):
+    """A GPT2LMHeadModel of `model_shape` with seeded noise on every weight, saved by transformers itself; the model."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=model_shape.vocab_size,
+        n_positions=model_shape.max_position_embeddings,
+        n_embd=model_shape.hidden_size,
+        n_layer=model_shape.num_layers,
+        n_head=model_shape.num_attention_heads,
+        n_inner=model_shape.ffn_hidden_size,
+        activation_function=activation,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    model.save_pretrained(str(directory))
+    return model
+
+
+def test_transformers_gpt2_to_megatron_loads_in_megatron_at_tp2_pp2(tmp_path):
+    """GPT-2 as transformers saves it (Conv1D weights (in, out), c_attn [all q; all k; all v], tied
+    head, gelu_new): Megatron loads fsdpkit's torch_dist at TP=2 PP=2 and its logits are transformers'."""
+    from support import megatron_oracle
+
+    model_shape = megatron_oracle.shape("gpt", num_layers=2, openai_gelu=True)
+    tokens = tokens_for(model_shape)
+    model = transformers_gpt2(tmp_path / "hf", model_shape, "gelu_new")
+    with torch.no_grad():
+        expected = model(tokens).logits
+    done = run_cli("convert", tmp_path / "hf", tmp_path / "meg", "--to", "megatron", "--json")
+    assert done.exit_code == 0, done.output
+    assert not list((tmp_path / "meg").glob(".*conv1d*"))  # the transposing scratch file is gone
+    loaded = megatron_oracle.load_logits(str(tmp_path / "meg"), model_shape, tokens)
+    assert (loaded - expected).abs().max().item() < TOLERANCE
+    # and back: transformers loads the Megatron checkpoint's export with the source's logits
+    assert run_cli("convert", tmp_path / "meg", tmp_path / "back", "--to", "full").exit_code == 0
+    name, got = hf_logits(tmp_path / "back", tokens)
+    assert name == "GPT2LMHeadModel" and (got - expected).abs().max().item() < TOLERANCE
+    # through fsdpkit's own format, whose export recipe gives the shape: torch reads the same tensors
+    done = run_cli(
+        "convert", tmp_path / "hf", tmp_path / "sharded", "--to", "sharded", "--world-size", "2", "--model", f"hf:{tmp_path / 'hf'}"
+    )
+    assert done.exit_code == 0, done.output
+    assert run_cli("convert", tmp_path / "sharded", tmp_path / "meg2", "--to", "megatron").exit_code == 0
+    assert_same_dcp_tensors(tmp_path / "meg", tmp_path / "meg2")
+
+
+def test_megatron_gpt_through_hf_and_dcp_back_to_megatron_gives_megatrons_own_tensors(saved, tmp_path):
+    """Megatron's GPT checkpoint -> full -> megatron, and full -> DCP (the model's (out, in)
+    orientation, no config) -> megatron: torch's DCP reading of every tensor equals Megatron's own."""
+    directory, _, _ = saved("gpt")
+    assert run_cli("convert", directory, tmp_path / "hf", "--to", "full").exit_code == 0
+    done = run_cli("convert", tmp_path / "hf", tmp_path / "back", "--to", "megatron")
+    assert done.exit_code == 0, done.output
+    assert run_cli("convert", tmp_path / "hf", tmp_path / "dcp", "--to", "dcp").exit_code == 0
+    done = run_cli("convert", tmp_path / "dcp", tmp_path / "from-dcp", "--to", "megatron", "--model", f"hf:{tmp_path / 'hf'}")
+    assert done.exit_code == 0, done.output
+    keys = assert_same_dcp_tensors(directory, tmp_path / "back")
+    assert "embedding.position_embeddings.weight" in keys and "decoder.layers.self_attention.linear_qkv.bias" in keys
+    assert_same_dcp_tensors(directory, tmp_path / "from-dcp")
+    # a GPT-2 whose math Megatron's GPT does not have: one line, nothing written
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"activation_function": "relu"}))
+    done = run_cli("convert", tmp_path / "hf", tmp_path / "relu", "--to", "megatron")
+    assert done.exit_code == 3 and "activation_function 'relu'" in done.output and not (tmp_path / "relu").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def assert_same_dcp_tensors(expected, got) -> list[str]:
+    """torch's DCP reader finds the same tensor keys in both checkpoints, each equal; the keys."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = {}
+    for directory in (expected, got):
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+        keys[directory] = sorted(key for key, item in metadata.items() if hasattr(item, "size"))
+    assert keys[got] == keys[expected]
+    a, b = dcp_plain_tensors(expected, keys[expected]), dcp_plain_tensors(got, keys[expected])
+    assert [key for key in keys[expected] if not torch.equal(a[key], b[key])] == []
+    return keys[expected]

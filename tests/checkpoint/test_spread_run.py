@@ -1,7 +1,7 @@
 """convert --to full, reshard and verify spread over 1, 2 and 4 processes: the same bytes as the
 one-process commands and as the tensors the test wrote (read back by safetensors); a failing or
 killed rank commits nothing; the same command again continues, re-reading only what was not
-finished; bad input is refused before any worker starts."""
+finished; bad input is refused before any rank writes."""
 
 from __future__ import annotations
 
@@ -179,13 +179,17 @@ def test_a_rank_that_hangs_is_named_once_the_timeout_passes(source, tmp_path):
     assert not dst.exists()
 
 
-def test_bad_input_is_one_line_before_any_worker_starts(source, tmp_path, no_launch, monkeypatch):
+def test_bad_input_is_one_line_and_writes_nothing(source, tmp_path, no_launch, monkeypatch):
+    """Found by rank 0 before any rank writes; on one node the workers, started first so that
+    they open the source while rank 0 plans, then leave (torch's launcher is never started)."""
     from fsdpkit.checkpoint.spread import runner
 
     monkeypatch.setattr(runner, "launch", no_launch_launch)
     root, _, clean = source
     wrong = run_cli("convert", root / "run", tmp_path / "x", "--to", "sharded", "--world-size", "2", "--nproc-per-node", "2")
-    assert wrong.exit_code == 2 and "--to full only" in wrong.output
+    assert wrong.exit_code == 2 and "cannot be converted --to sharded" in wrong.output
+    unknown = run_cli("convert", root / "run", tmp_path / "x", "--to", "onnx", "--nproc-per-node", "2")
+    assert unknown.exit_code == 2 and "unknown --to 'onnx'" in unknown.output
     there = run_cli("convert", root / "run", clean, "--to", "full", "--nproc-per-node", "2")
     assert there.exit_code == 2 and "already exists" in there.output
     staging = staging_path(tmp_path / "y")

@@ -46,6 +46,8 @@ def test_ranged_reads_multipart_write_list_delete(storage):
     assert list(storage.list()) == ["step/rank-0.bin"]
     with pytest.raises(DataCheckError, match="missing"):
         storage.read("step/small")
+    with pytest.raises(DataCheckError, match=f"ends at byte {len(data)}, 10 bytes early"):  # on disk and in a bucket alike
+        list(storage.read_blocks("step/rank-0.bin", [(len(data) - 100, len(data) + 10)]))
 
 
 def test_a_failed_write_leaves_nothing(storage):
@@ -85,6 +87,23 @@ def test_faults_are_retried(s3_bucket, s3_endpoint, monkeypatch):
     assert got == data and listed == {"obj": len(data), "manifest.json": 2}
     body = s3_client(s3_endpoint).get_object(Bucket=s3_bucket, Key="p/obj")["Body"].read()
     assert body == data
+
+
+def test_a_read_cut_off_midway_resumes_where_it_stopped(s3_bucket, s3_endpoint, monkeypatch):
+    """GETs whose answers end after half their bytes: each stream resumes from the byte where it
+    was cut, so every byte comes once and in order, in one segment and across several."""
+    import fsdpkit.checkpoint.storage.objects as objects
+
+    data = os.urandom(3 * (1 << 20) + 333)
+    open_storage(f"s3://{s3_bucket}/p").put("obj", data)
+    for segment_bytes in (objects.SEGMENT_BYTES, 1 << 20):
+        monkeypatch.setattr(objects, "SEGMENT_BYTES", segment_bytes)
+        with FaultProxy(s3_endpoint, fraction=0.5, seed=7, kinds=("cut",), methods=("GET",)) as proxy:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+            blocks = list(open_storage(f"s3://{s3_bucket}/p").read_blocks("obj", [(5, len(data))], block_bytes=300_000))
+        assert proxy.faults["cut"] > 0
+        assert [offset for offset, _ in blocks] == sorted(offset for offset, _ in blocks)
+        assert b"".join(bytes(block) for _, block in blocks) == data[5:]
 
 
 def test_a_write_that_keeps_failing_names_the_object_and_commits_nothing(s3_bucket, s3_endpoint, monkeypatch):

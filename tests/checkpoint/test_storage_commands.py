@@ -2,7 +2,7 @@
 `convert`, `reshard` and `diff` of a checkpoint in a bucket give what they give of the same
 checkpoint on a local disk (the local reader is the oracle; boto3 uploads and reads back the
 objects), through a proxy that fails requests too; torch's own DCP code reads what fsdpkit
-writes there and writes what fsdpkit reads; what does not take URLs yet says so in one line."""
+writes there and writes what fsdpkit reads; train's URLs are checked before launch in one line."""
 
 from __future__ import annotations
 
@@ -83,6 +83,19 @@ def test_verify_through_failing_requests_gives_the_clean_answer(run_in_bucket, s
     assert sum(proxy.faults.values()) > 0
 
 
+def test_verify_progress_in_a_bucket_ends_at_the_bytes_of_the_step_it_checks(run_in_bucket):
+    """A run of two steps: the progress of `verify` counts the rank files of the step `latest`
+    names, each byte once, up to a total of exactly their size on disk."""
+    from fsdpkit.checkpoint.offline.locations import verify_at
+
+    run, url = run_in_bucket
+    calls: list[tuple[int, int]] = []
+    assert verify_at(url, lambda done, total: calls.append((done, total))).ok
+    on_disk = sum(path.stat().st_size for path in (run / "step-00000002").glob("rank-*"))
+    assert {total for _, total in calls} == {on_disk}
+    assert sum(done for done, _ in calls) == on_disk
+
+
 def test_convert_reshard_and_diff_read_a_bucket_as_a_directory(run_in_bucket, s3_bucket, s3_endpoint, tmp_path):
     """A source in a bucket gives the same output as the same source on disk, byte for byte;
     a full checkpoint in a bucket (a format read from a local copy) inspects as on disk."""
@@ -105,11 +118,18 @@ def test_convert_reshard_and_diff_read_a_bucket_as_a_directory(run_in_bucket, s3
     _same(local, remote, tmp_path / "convert-disk", f"s3://{s3_bucket}/full")
 
 
-def test_train_without_urls_yet_says_so(run_in_bucket, no_launch):
-    run, url = run_in_bucket
-    for flag in ("--save-dir", "--resume", "--init-from"):
-        result = run_cli("train", "--steps", "1", flag, url)
-        assert result.exit_code == 2 and result.output.startswith(f"error: {flag} {url}: train does not take object-storage URLs yet")
+def test_train_checks_its_urls_before_launch_in_one_line(run_in_bucket, s3_bucket, no_launch):
+    _, url = run_in_bucket
+    cases = {
+        ("--save-dir", "s3://no-such-bucket-here/run"): "the bucket does not exist",
+        ("--resume", f"s3://{s3_bucket}/no/such/run"): "no objects under this prefix",
+        ("--init-from", f"s3://{s3_bucket}/no/such/run"): "no objects under this prefix",
+        ("--new-run", "--save-dir", f"s3://{s3_bucket}/runs/new"): "an object store cannot set the earlier checkpoints aside",
+        ("--save-dir", url): "already holds checkpoints step-00000001, step-00000002 of another run",
+    }
+    for flags, said in cases.items():
+        result = run_cli("train", "--steps", "1", *flags)
+        assert result.exit_code == 2 and result.output.startswith("error: ") and said in result.output, (flags, result.output)
         assert result.output.count("\n") == 1
 
 
@@ -137,21 +157,39 @@ def test_a_missing_prefix_or_bucket_is_one_line(s3_bucket):
     assert result.exit_code == 2 and "the bucket does not exist" in result.output
 
 
-def test_a_dcp_checkpoint_fsdpkit_writes_to_a_bucket_loads_with_torchs_fsspec_reader(run_in_bucket, s3_bucket):
-    """torch's own FsspecReader (through s3fs) is the oracle: it loads what `convert --to dcp s3://` wrote."""
+def _fsspec_reader(url: str):
     pytest.importorskip("s3fs", reason="the cloud-test extra installs s3fs")
-    import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
+    return FsspecReader(url)
+
+
+def _s3torchconnector_reader(url: str):
+    """AWS's S3StorageReader; its client takes the endpoint from AWS_ENDPOINT_URL and needs
+    path-style addressing for a server on 127.0.0.1."""
+    pytest.importorskip("s3torchconnector.dcp", reason="the cloud-test extra installs s3torchconnector")
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector.dcp import S3StorageReader
+
+    return S3StorageReader("us-east-1", url, s3client_config=S3ClientConfig(force_path_style=True))
+
+
+@pytest.mark.parametrize("reader", [_fsspec_reader, _s3torchconnector_reader], ids=["fsspec", "s3torchconnector"])
+def test_a_dcp_checkpoint_fsdpkit_writes_to_a_bucket_loads_with_torchs_readers(run_in_bucket, s3_bucket, reader):
+    """torch's own FsspecReader (through s3fs) and AWS's S3StorageReader (s3torchconnector) are
+    the oracles: each loads what `convert --to dcp s3://` wrote, equal to the tensors saved locally."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     run, _ = run_in_bucket
-    url = f"s3://{s3_bucket}/out/dcp"
+    url = f"s3://{s3_bucket}/out/{reader.__name__.strip('_')}"  # the bucket's name is cut short, so one for both readers
+    storage_reader = reader(url)
     result = run_cli("convert", str(run), url, "--to", "dcp", "--world-size", "2")
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith(f"wrote {url}: ")
     expected = sample_tensors()
     loaded = {"model": {name: torch.zeros_like(tensor) for name, tensor in expected.items()}}
-    dcp.load(loaded, storage_reader=FsspecReader(url), no_dist=True)
+    dcp.load(loaded, storage_reader=storage_reader, no_dist=True)
     for name, tensor in expected.items():
         assert torch.equal(loaded["model"][name], tensor), name
 

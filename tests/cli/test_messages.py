@@ -55,6 +55,18 @@ def test_output_whose_reader_stops_early_is_a_success_with_nothing_on_stderr():
         assert (process.returncode, stderr.decode()) == (0, ""), (args, head)
 
 
+def test_byte_progress_in_a_log_is_a_plain_line_with_the_share_done(monkeypatch, capsys):
+    """Where stderr is not a terminal (a log), the byte count the commands and a spread run's
+    rank 0 show is a plain line, no carriage return, with the share done."""
+    import fsdpkit.progress as progress
+
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)
+    with progress.byte_progress("verify") as show:
+        show(1 << 20, 4 << 20)
+        show(1 << 20, 4 << 20)
+    assert capsys.readouterr().err == "verify: 1.0 MiB of 4.0 MiB (25%)\nverify: 2.0 MiB of 4.0 MiB (50%)\n"
+
+
 def test_help_shows_brackets_literally():
     from fsdpkit_cli.app import app
     from typer.testing import CliRunner

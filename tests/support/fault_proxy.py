@@ -1,7 +1,11 @@
 """A small HTTP proxy in front of a test server that answers a given fraction of requests
-with a fault: `503 SlowDown` (S3's throttling), another 5xx, or a connection dropped without
-an answer. The request is read whole first, so a fault never reaches the server; which requests
-fail comes from a seeded generator, so a run is repeatable; the kinds take turns. `faults` counts what was injected."""
+with a fault: `503 SlowDown` (S3's throttling), another 5xx, a 400 (which no client retries),
+a connection dropped without an answer, a request held unanswered until the proxy closes
+(`held` is set when the first one arrives: the moment to kill a client mid-upload), or
+(`cut`, asked for by name) an answer cut off after half its body; `only` limits the faults to
+requests whose path holds it. The request is read whole first, so a fault other than `cut`
+never reaches the server; which requests fail comes from a seeded generator, so a run is
+repeatable; the kinds take turns. `faults` counts what was injected."""
 
 from __future__ import annotations
 
@@ -16,6 +20,10 @@ SLOW_DOWN = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>
 INTERNAL = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>'
 )
+BAD_REQUEST = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidRequest</Code><Message>Injected by the test proxy.</Message></Error>'
+)
+PAYLOADS = {"503": SLOW_DOWN, "500": INTERNAL, "400": BAD_REQUEST}
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
 
@@ -30,9 +38,11 @@ class FaultProxy:
         seed: int = 0,
         kinds: tuple[str, ...] = ("503", "500", "drop"),
         methods: tuple[str, ...] = ("GET", "HEAD", "PUT", "POST", "DELETE"),
+        only: str = "",
     ):
         self.upstream = urlsplit(upstream)
-        self.fraction, self.kinds, self.methods = fraction, kinds, methods  # only requests of `methods` fail
+        self.fraction, self.kinds, self.methods, self.only = fraction, kinds, methods, only  # only requests of `methods` fail
+        self.held, self.released = threading.Event(), threading.Event()
         self.faults: dict[str, int] = dict.fromkeys(kinds, 0)
         self.requests = 0
         self._random = random.Random(seed)
@@ -47,14 +57,15 @@ class FaultProxy:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.released.set()
         self._server.shutdown()
         self._server.server_close()
 
-    def draw(self, method: str) -> str | None:
+    def draw(self, method: str, path: str = "") -> str | None:
         """The fault for the next request, or None."""
         with self._lock:
             self.requests += 1
-            if method not in self.methods or self._random.random() >= self.fraction:
+            if method not in self.methods or self.only not in path or self._random.random() >= self.fraction:
                 return None
             kind = self.kinds[sum(self.faults.values()) % len(self.kinds)]  # each kind in turn
             self.faults[kind] += 1
@@ -81,13 +92,20 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
         def _any(self) -> None:
             body = self._body()
-            fault = proxy.draw(self.command)
+            fault = proxy.draw(self.command, self.path)
+            if fault == "hold":
+                proxy.held.set()
+                proxy.released.wait()
+                fault = "drop"
             if fault == "drop":
                 self.connection.shutdown(socket.SHUT_RDWR)
                 self.close_connection = True
                 return
+            if fault == "cut":
+                self._forward(body, cut=True)
+                return
             if fault is not None:
-                payload = SLOW_DOWN if fault == "503" else INTERNAL
+                payload = PAYLOADS[fault]
                 self.send_response(int(fault))
                 self.send_header("Content-Type", "application/xml")
                 self.send_header("Content-Length", str(len(payload)))
@@ -96,7 +114,7 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 return
             self._forward(body)
 
-        def _forward(self, body: bytes) -> None:
+        def _forward(self, body: bytes, *, cut: bool = False) -> None:
             upstream = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
             headers = {key: value for key, value in self.headers.items() if key.lower() not in HOP_BY_HOP}
             if self.headers.get("Transfer-Encoding"):
@@ -111,7 +129,12 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                         self.send_header(key, value)
                 self.send_header("Content-Length", str(len(payload)) if self.command != "HEAD" else answer.getheader("Content-Length", "0"))
                 self.end_headers()
-                if self.command != "HEAD":
+                if cut:
+                    self.wfile.write(payload[: len(payload) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                elif self.command != "HEAD":
                     self.wfile.write(payload)
             finally:
                 upstream.close()

@@ -52,6 +52,7 @@ class MegatronShape:
     untie_embeddings_and_output_weights: bool
     norm_epsilon: float = 1e-5
     rotary_base: int = 10000
+    openai_gelu: bool = False  # GELU's tanh approximation (Megatron-LM's --openai-gelu, transformers' gelu_new)
 
 
 def shape(style: str, **overrides: Any) -> MegatronShape:
@@ -205,7 +206,7 @@ def megatron_lm_args(model_shape: MegatronShape, parallel: Parallel, iteration: 
         normalization=s.normalization,
         norm_epsilon=s.norm_epsilon,
         swiglu=s.swiglu,
-        openai_gelu=False,
+        openai_gelu=s.openai_gelu,
         squared_relu=False,
         add_bias_linear=s.add_bias_linear,
         add_qkv_bias=s.add_qkv_bias,
@@ -289,6 +290,7 @@ def _init_parallel(parallel: Parallel) -> None:
 def _transformer_config(s: MegatronShape, parallel: Parallel, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.utils import openai_gelu
 
     return TransformerConfig(
         num_layers=s.num_layers,
@@ -300,7 +302,7 @@ def _transformer_config(s: MegatronShape, parallel: Parallel, dtype: torch.dtype
         normalization=s.normalization,
         layernorm_epsilon=s.norm_epsilon,
         gated_linear_unit=s.swiglu,
-        activation_func=F.silu if s.swiglu else F.gelu,
+        activation_func=F.silu if s.swiglu else openai_gelu if s.openai_gelu else F.gelu,
         add_bias_linear=s.add_bias_linear,
         add_qkv_bias=s.add_qkv_bias,
         tensor_model_parallel_size=parallel.tp,

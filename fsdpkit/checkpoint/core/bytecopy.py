@@ -281,6 +281,35 @@ class ByteEngine:
             sink(view)
             self._report()
 
+    def copy_or_send(
+        self,
+        tensor: SourceTensor,
+        wanted: ElementRange,
+        out_dtype: str,
+        sink: Callable[[memoryview], None],
+        send: Callable[[int, int, int], None],
+    ) -> None:
+        """As `copy`, except that each source piece with no checksum (nothing to check on the way)
+        holding at least KERNEL_COPY_BYTES of `wanted`, uncast, is never mapped: `send(fd, offset,
+        count)` has the kernel copy its bytes."""
+        if out_dtype != tensor.dtype:
+            self.copy(tensor, wanted, out_dtype, sink)
+            return
+        itemsize, position = dtype_info(tensor.dtype).itemsize, wanted.start
+        for piece in tensor.pieces_in(wanted):
+            part = piece.range.intersect(wanted)
+            if piece.crc32 is not None or part.size * itemsize < KERNEL_COPY_BYTES:
+                continue
+            if part.start > position:
+                self.copy(tensor, ElementRange(position, part.start), out_dtype, sink)
+            number = self._file_of(piece)
+            send(self._files.fd(number), piece.offset + (part.start - piece.range.start) * itemsize, part.size * itemsize)
+            self.bytes_read += part.size * itemsize
+            self._report()
+            position = part.end
+        if position < wanted.end:
+            self.copy(tensor, ElementRange(position, wanted.end), out_dtype, sink)
+
     def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
         """Random access (loading): the bytes of elements `wanted` of `tensor` into `out`. A piece
         with a checksum is read whole, and its crc32 checked, the first time any part of it is

@@ -67,7 +67,7 @@ def _syncfs(directory: Path) -> bool:
     return True
 
 
-def os_error_line(error: OSError, where: Path) -> str:
+def os_error_line(error: OSError, where: Path | str) -> str:
     """One line for an OSError: the path, the reason and the errno's name."""
     name = errno.errorcode.get(error.errno, str(error.errno)) if error.errno else "?"
     return f"{error.filename or where}: {error.strerror or error} ({name})"

@@ -40,6 +40,23 @@ def _write(src: Path, dst: Path, tensors: list[OutTensor], items: list[OutBytes]
     return WriteReport(str(src), str(dst), files, len(tensors), total, [], details)
 
 
+def dcp_entries(
+    sources: list[SourceTensor], *, aliases: dict[str, str], groups: list[dict], data_source: str | None
+) -> tuple[list[OutTensor], list[OutBytes]]:
+    """The tensors and bytes items `sources_to_dcp` writes (see there)."""
+    tensors, by_name = [], {s.name: s for s in sources}
+    for source in sources:
+        optim = split_optim_tensor_name(source.name)
+        tensors.append(OutTensor(("optimizer", "state", optim[1], optim[0]) if optim else ("model", source.name), source))
+    tensors += [
+        OutTensor(("model", alias), by_name[stored]) for alias, stored in aliases.items() if alias not in by_name and stored in by_name
+    ]
+    items = [OutBytes(path, read) for path, read in param_group_items(groups, torch_saved)]
+    if data_source is not None:
+        items.append(OutBytes(DATA_SOURCE_PATH, partial(torch_saved, data_source)))
+    return tensors, items
+
+
 def sources_to_dcp(
     sources: list[SourceTensor],
     src: Path,
@@ -52,16 +69,7 @@ def sources_to_dcp(
 ) -> WriteReport:
     """Model and optimizer sources and param groups, in fsdpkit's names and form, as DCP at `dst`;
     and the data source the run trained on, when known (DATA_SOURCE_PATH: a resume on other data says so)."""
-    tensors, by_name = [], {s.name: s for s in sources}
-    for source in sources:
-        optim = split_optim_tensor_name(source.name)
-        tensors.append(OutTensor(("optimizer", "state", optim[1], optim[0]) if optim else ("model", source.name), source))
-    tensors += [
-        OutTensor(("model", alias), by_name[stored]) for alias, stored in aliases.items() if alias not in by_name and stored in by_name
-    ]
-    items = [OutBytes(path, read) for path, read in param_group_items(groups, torch_saved)]
-    if data_source is not None:
-        items.append(OutBytes(DATA_SOURCE_PATH, partial(torch_saved, data_source)))
+    tensors, items = dcp_entries(sources, aliases=aliases, groups=groups, data_source=data_source)
     return _write(src, dst, tensors, items, output, {"param_groups": len(groups)})
 
 

@@ -56,50 +56,119 @@ def rank_file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def _chunks_by_rank(tensors: list[OutTensor], world_size: int) -> list[list[tuple[OutTensor, tuple[int, ...], tuple[int, ...]]]]:
-    """(tensor, offsets, sizes) of every chunk, per rank, in the tensors' order."""
-    by_rank: list[list] = [[] for _ in range(world_size)]
+@dataclass(frozen=True)
+class DcpChunk:
+    """Rows `offsets[0]` on of `tensor` (`sizes` elements per dimension): one `torch.save` archive."""
+
+    tensor: OutTensor
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def wanted(self) -> ElementRange:
+        source = self.tensor.source
+        first = self.offsets[0] * numel(source.shape[1:]) if self.offsets else 0
+        return ElementRange(first, first + numel(self.sizes))
+
+    def archive(self) -> tuple[bytes, bytes]:
+        """The archive's bytes before and after the chunk's data."""
+        source = self.tensor.source
+        return archive_parts(source.dtype, self.sizes, self.wanted.size * dtype_info(source.dtype).itemsize)
+
+
+@dataclass(frozen=True)
+class DcpRecord:
+    """What lies at bytes [position, position + length) of a rank file: a chunk's archive (its
+    data at [data_begin, data_end)) or a bytes item (`item`, copied as stored)."""
+
+    key: str
+    position: int
+    length: int
+    chunk: DcpChunk | None = None
+    index: int | None = None  # the chunk's index among its tensor's chunks
+    item: bytes | None = None
+    data_begin: int = 0
+    data_end: int = 0
+
+
+@dataclass(frozen=True)
+class DcpPlan:
+    """Every rank file of a DCP output, record by record, before any is written (no data read)."""
+
+    tensors: list[OutTensor]
+    items: list[tuple[DcpPath, bytes]]
+    ranks: list[list[DcpRecord]]
+
+    def file_size(self, rank: int) -> int:
+        records = self.ranks[rank]
+        return records[-1].position + records[-1].length if records else 0
+
+    def metadata_bytes(self) -> bytes:
+        chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {flat_key(t.path): [] for t in self.tensors}
+        storage = []
+        for rank, records in enumerate(self.ranks):
+            for record in records:
+                if record.chunk is not None:
+                    chunks[record.key].append((record.chunk.offsets, record.chunk.sizes))
+                offsets = record.chunk.offsets if record.chunk is not None else None
+                storage.append((record.key, offsets, record.index, rank_file_name(rank), record.position, record.length))
+        return _metadata_bytes(self.tensors, [path for path, _ in self.items], chunks, storage)
+
+
+def plan_dcp(tensors: list[OutTensor], bytes_items: list[OutBytes], *, world_size: int) -> DcpPlan:
+    """Each tensor chunked as FSDP2 at `world_size` ranks (dim 0 by `torch.chunk`, scalars and the
+    bytes items, read here, in rank 0's file)."""
+    by_rank: list[list[DcpChunk]] = [[] for _ in range(world_size)]
     for tensor in tensors:
         shape = tuple(tensor.source.shape)
         if not shape:
-            by_rank[0].append((tensor, (), ()))
+            by_rank[0].append(DcpChunk(tensor, (), ()))
             continue
         for rank, (start, end) in enumerate(dim0_chunks(shape[0], world_size)):
             if start < end:
-                by_rank[rank].append((tensor, (start, *[0] * (len(shape) - 1)), (end - start, *shape[1:])))
-    return by_rank
+                by_rank[rank].append(DcpChunk(tensor, (start, *[0] * (len(shape) - 1)), (end - start, *shape[1:])))
+    items = [(item.path, item.read()) for item in bytes_items]
+    counts: dict[str, int] = {}
+    ranks = []
+    for rank, rank_chunks in enumerate(by_rank):
+        records, position = [], 0
+        for chunk in rank_chunks:
+            key = flat_key(chunk.tensor.path)
+            head, tail = chunk.archive()
+            data = chunk.wanted.size * dtype_info(chunk.tensor.source.dtype).itemsize
+            begin = position + len(head)
+            records.append(DcpRecord(key, position, len(head) + data + len(tail), chunk, counts.get(key, 0), None, begin, begin + data))
+            counts[key] = counts.get(key, 0) + 1
+            position += records[-1].length
+        for path, item in items if rank == 0 else []:
+            records.append(DcpRecord(flat_key(path), position, len(item), item=item))
+            position += len(item)
+        ranks.append(records)
+    return DcpPlan(tensors, items, ranks)
 
 
 def write_dcp(
     directory: Path, tensors: list[OutTensor], bytes_items: list[OutBytes], *, world_size: int, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> list[str]:
     """Every rank file and `.metadata` in `directory`, not synced (the caller's staged output syncs); the rank files' names."""
-    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {flat_key(t.path): [] for t in tensors}  # (offsets, sizes)
-    storage: list[tuple] = []  # key, offsets and chunk index (None for a bytes item), file, offset, length
+    plan = plan_dcp(tensors, bytes_items, world_size=world_size)
     copier = ByteEngine(chunk_size=chunk_size)
     try:
-        for rank, rank_chunks in enumerate(_chunks_by_rank(tensors, world_size)):
-            name = rank_file_name(rank)
-            with RawOutput(directory / name, copier) as out:
-                for tensor, offsets, sizes in rank_chunks:
-                    source, key = tensor.source, flat_key(tensor.path)
-                    first = offsets[0] * numel(source.shape[1:]) if offsets else 0
-                    wanted = ElementRange(first, first + numel(sizes))
-                    head, tail = archive_parts(source.dtype, sizes, wanted.size * dtype_info(source.dtype).itemsize)
-                    position = out.position
+        for rank, records in enumerate(plan.ranks):
+            with RawOutput(directory / rank_file_name(rank), copier) as out:
+                for record in records:
+                    if record.chunk is None:
+                        assert record.item is not None
+                        out.write(record.item)
+                        continue
+                    head, tail = record.chunk.archive()
                     out.write(head)
-                    out.copy(source, wanted)
+                    out.copy(record.chunk.tensor.source, record.chunk.wanted)
                     out.write(tail)
-                    storage.append((key, offsets, len(chunks[key]), name, position, out.position - position))
-                    chunks[key].append((offsets, sizes))
-                for item in bytes_items if rank == 0 else []:
-                    position = out.position
-                    out.write(item.read())
-                    storage.append((flat_key(item.path), None, None, name, position, out.position - position))
     finally:
         copier.close()
     with open(directory / METADATA_NAME, "wb") as f:
-        f.write(_metadata_bytes(tensors, bytes_items, chunks, storage))
+        f.write(plan.metadata_bytes())
         os.fsync(f.fileno())
     return [rank_file_name(rank) for rank in range(world_size)]
 
@@ -146,13 +215,13 @@ def _storage_entry(key: str, offsets: tuple[int, ...] | None, index: int | None,
     return Raw(_INDEX + pickled_text(key) + where + b"ub"), Raw(stored)
 
 
-def _metadata_bytes(tensors: list[OutTensor], bytes_items: list[OutBytes], chunks: dict, storage: list[tuple]) -> bytes:
+def _metadata_bytes(tensors: list[OutTensor], bytes_paths: list[DcpPath], chunks: dict, storage: list[tuple]) -> bytes:
     """DCP's `Metadata` as FileSystemWriter's finish pickles it (version 1.0.0, no storage_meta)."""
     tensor_items = ((flat_key(t.path), _tensor_metadata(t.source.dtype, tuple(t.source.shape), chunks[flat_key(t.path)])) for t in tensors)
-    byte_items = ((flat_key(b.path), NewObject(_dcp("BytesStorageMetadata"), {})) for b in bytes_items)
+    byte_items = ((flat_key(path), NewObject(_dcp("BytesStorageMetadata"), {})) for path in bytes_paths)
     state = {
         "state_dict_metadata": Pairs(itertools.chain(tensor_items, byte_items)),
-        "planner_data": {flat_key(t.path): t.path for t in tensors} | {flat_key(b.path): b.path for b in bytes_items},
+        "planner_data": {flat_key(t.path): t.path for t in tensors} | {flat_key(path): path for path in bytes_paths},
         "storage_data": Pairs(_storage_entry(*entry) for entry in storage),
         "storage_meta": None,
         "version": "1.0.0",

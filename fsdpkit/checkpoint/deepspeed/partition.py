@@ -13,17 +13,22 @@ Stage 3 partitions every parameter on its own: `ceil(numel / N)` elements per ra
 ranks padded with zeros, and a rank's flat group is its part of each parameter in order. Read
 back (one `Flat` per rank, its partitions of every group), rank r holds elements
 [r * p, (r + 1) * p) of a parameter at the same running offset.
+
+A parameter read back is a `ZeroSource`: its slot and the flats, its pieces worked out for the
+elements a reader asks for and never listed (listed, a ZeRO-3 checkpoint of N ranks holds N
+pieces a parameter: 405B parameters and their Adam moments saved by 1024 ranks are 3.5 M).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
-from ..core.bytecopy import SourcePiece
+from ..core.bytecopy import SourcePiece, SourceTensor
 from ..torchfile.savefile import TensorRange
 
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -123,11 +128,11 @@ class Flat:
         return out
 
 
-def flats_of(stage: int, per_rank: Sequence[Sequence[TensorRange]]) -> list[Flat]:
+def flats_of(stage: int, per_rank: Sequence[Sequence[TensorRange]]) -> tuple[Flat, ...]:
     """`per_rank[r][g]`: rank r's partition of group g."""
     if stage <= 2:
-        return [Flat(tuple(rank[g] for rank in per_rank)) for g in range(len(per_rank[0]))]
-    return [Flat(tuple(rank)) for rank in per_rank]
+        return tuple(Flat(tuple(rank[g] for rank in per_rank)) for g in range(len(per_rank[0])))
+    return tuple(Flat(tuple(rank)) for rank in per_rank)
 
 
 @dataclass(frozen=True)
@@ -166,15 +171,47 @@ def zero3_slots(param_shapes: Sequence[dict[str, tuple[int, ...]]], rank_numel: 
     return slots
 
 
-def slot_pieces(stage: int, slot: ZeroSlot, flats: Sequence[Flat]) -> list[SourcePiece]:
+def slot_pieces(stage: int, slot: ZeroSlot, flats: Sequence[Flat], wanted: ElementRange | None = None) -> list[SourcePiece]:
+    """The pieces of `slot`'s parameter, in order; with `wanted`, only those that meet it."""
     total = math.prod(slot.shape)
     if stage <= 2:
-        return flats[slot.group].pieces(slot.name, slot.offset, total, 0)
+        found = flats[slot.group].pieces(slot.name, slot.offset, total, 0)
+        return found if wanted is None else [p for p in found if p.range.start < wanted.end and wanted.start < p.range.end]
     per_rank = math.ceil(total / len(flats))
+    ranks = range(len(flats)) if wanted is None or not per_rank else range(wanted.start // per_rank, -(-wanted.end // per_rank))
     out = []
-    for rank, flat in enumerate(flats):
+    for rank in ranks:
         first = rank * per_rank
         count = min(per_rank, total - first)
-        if count > 0:
-            out.extend(flat.pieces(slot.name, slot.offset, count, first))
-    return out
+        if count > 0 and rank < len(flats):
+            out.extend(flats[rank].pieces(slot.name, slot.offset, count, first))
+    return out if wanted is None else [p for p in out if p.range.start < wanted.end and wanted.start < p.range.end]
+
+
+def check_fits(stage: int, slots: Sequence[ZeroSlot], flats: Sequence[Flat]) -> None:
+    """What reading every slot's pieces would find first (DataCheckError): a flat array too short."""
+    sizes = [flat.numel for flat in flats]
+    lowest = list(itertools.accumulate(sizes, min))  # lowest[r]: the shortest of flats 0..r
+    for slot in slots:
+        total = math.prod(slot.shape)
+        if stage <= 2:
+            needs = [(slot.offset + total, sizes[slot.group])]
+        else:  # ranks 0..full-1 hold per_rank elements each, rank `full` the rest
+            per_rank = math.ceil(total / len(flats))
+            full, rest = divmod(total, per_rank) if per_rank else (0, 0)
+            needs = ([(slot.offset + per_rank, lowest[full - 1])] if full else []) + ([(slot.offset + rest, sizes[full])] if rest else [])
+        for need, size in needs:
+            if need > size:
+                raise DataCheckError(f"{slot.name!r}: elements up to {need} of a flat buffer of {size} (too short)")
+
+
+@dataclass(frozen=True)
+class ZeroSource(SourceTensor):
+    """A tensor laid out as a parameter in DeepSpeed's flat arrays (see the module docstring)."""
+
+    stage: int = 3
+    slot: ZeroSlot = ZeroSlot("", (), 0, 0)
+    flats: tuple[Flat, ...] = field(default=(), compare=False, repr=False)
+
+    def pieces_in(self, wanted: ElementRange) -> list[SourcePiece]:
+        return slot_pieces(self.stage, self.slot, self.flats, wanted)

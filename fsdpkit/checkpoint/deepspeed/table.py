@@ -29,6 +29,7 @@ from .unpickler import DeepSpeedRecord, loads
 
 FORMAT = "deepspeed"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+EVERY_RANK_MODEL_KEYS = ("global_steps", "frozen_param_fragments")  # what is read of every rank's model states file
 
 
 @dataclass
@@ -91,8 +92,13 @@ def open_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedCheckpoint:
 
 
 def _build(files: DeepSpeedFiles, opened: list[SaveFile]) -> DeepSpeedCheckpoint:
-    for path in (*files.optim_files, *files.model_files):
-        opened.append(SaveFile(path, loads))
+    for number, path in enumerate((*files.optim_files, *files.model_files)):
+        rank_file = SaveFile(path, loads)
+        opened.append(rank_file)
+        if number > len(files.optim_files) and isinstance(rank_file.state, dict):
+            # Rank 0's model states file is read whole; of the others' (ZeRO-3: one each, with a
+            # record per parameter) only these, kept as each is opened, not N copies.
+            rank_file.state = {key: value for key, value in rank_file.state.items() if key in EVERY_RANK_MODEL_KEYS}
     optims, models = opened[: len(files.optim_files)], opened[len(files.optim_files) :]
     head = models[0]
     version = str(head.state.get("ds_version", "unknown")) if isinstance(head.state, dict) else "unknown"
@@ -221,8 +227,9 @@ def _frozen(checkpoint: DeepSpeedCheckpoint, models: list[SaveFile]) -> list[Sou
             out.append(_whole(name, tuple(shape), where))
         else:
             ranges = [m.tensor_range((m.state.get("frozen_param_fragments") or {}).get(name), what) for m in models]
-            pieces = f.slot_pieces(3, f.ZeroSlot(name, tuple(shape), 0, 0), [f.Flat((r,)) for r in ranges])
-            out.append(SourceTensor(name, tuple(shape), ranges[0].dtype, tuple(pieces)))
+            flats = tuple(f.Flat((r,)) for r in ranges)
+            f.check_fits(3, [f.ZeroSlot(name, tuple(shape), 0, 0)], flats)
+            out.append(f.ZeroSource(name, tuple(shape), ranges[0].dtype, stage=3, slot=f.ZeroSlot(name, tuple(shape), 0, 0), flats=flats))
     return out
 
 
@@ -247,7 +254,8 @@ def _trainable(stage, param_shapes, optims, states, version):  # type: ignore[no
         if len(sizes) != 1:
             raise DataCheckError(f"{optims[0].path.parent}: the ranks' fp32 partitions differ in size ({sorted(sizes)})")
         slots = f.zero3_slots(param_shapes, sizes.pop(), len(optims))
-    return [SourceTensor(s.name, s.shape, "F32", tuple(f.slot_pieces(stage, s, flats))) for s in slots], slots
+    f.check_fits(stage, slots, flats)
+    return [f.ZeroSource(s.name, s.shape, "F32", stage=stage, slot=s, flats=flats) for s in slots], slots
 
 
 def _moments(stage, optims, states, slots, param_shapes):  # type: ignore[no-untyped-def]
@@ -264,7 +272,8 @@ def _moments(stage, optims, states, slots, param_shapes):  # type: ignore[no-unt
                 for o, rank in zip(optims, per_group, strict=True)
             ]
             flats = f.flats_of(stage, per_rank)
-            out += [SourceTensor(optim_tensor_name(key, s.name), s.shape, "F32", tuple(f.slot_pieces(stage, s, flats))) for s in slots]
+            f.check_fits(stage, slots, flats)
+            out += [f.ZeroSource(optim_tensor_name(key, s.name), s.shape, "F32", stage=stage, slot=s, flats=flats) for s in slots]
     group_of = {name: g for g, shapes in enumerate(param_shapes) for name in shapes}
     for slot in slots:
         step = per_group[0][group_of[slot.name]].get("step")

@@ -22,7 +22,7 @@ from ..core.names import is_optimizer_tensor, optim_tensor_name
 from ..core.report import WriteReport
 from ..core.request import Progress, progress_callback
 from ..core.staging import staged_output
-from .table import open_deepspeed
+from .table import DeepSpeedCheckpoint, open_deepspeed
 from .writer import MOMENTS, DsGroup, DsParam, DsRun, write_deepspeed
 from .writer_precision import Precision, saved_scale
 
@@ -103,16 +103,20 @@ def reshard_deepspeed(
     progress: Progress | None = None,
 ) -> WriteReport:
     with open_deepspeed(src) as checkpoint:
-        tensors = {t.name: t for t in checkpoint.sources}
-        samples = checkpoint.items.get("global_samples")
-        shape = RunShape(
-            checkpoint.stage,
-            world_size,
-            checkpoint.global_steps or 0,
-            checkpoint.aliases,
-            checkpoint.buffers,
-            samples if type(samples) is int else 0,
-        )
-        run = build_run(tensors, checkpoint.groups(), shape)
-        run = replace(run, precision=Precision(checkpoint.precision), loss_scale=saved_scale(checkpoint.loss_scaler))
-        return write_run(run, Path(src), Path(dst), overwrite=overwrite, progress=progress)
+        return write_run(resharded_run(checkpoint, world_size), Path(src), Path(dst), overwrite=overwrite, progress=progress)
+
+
+def resharded_run(checkpoint: DeepSpeedCheckpoint, world_size: int) -> DsRun:
+    """The run of `checkpoint` laid out for `world_size` ranks, its precision and loss scale kept."""
+    tensors = {t.name: t for t in checkpoint.sources}
+    samples = checkpoint.items.get("global_samples")
+    shape = RunShape(
+        checkpoint.stage,
+        world_size,
+        checkpoint.global_steps or 0,
+        checkpoint.aliases,
+        checkpoint.buffers,
+        samples if type(samples) is int else 0,
+    )
+    run = build_run(tensors, checkpoint.groups(), shape)
+    return replace(run, precision=Precision(checkpoint.precision), loss_scale=saved_scale(checkpoint.loss_scaler))

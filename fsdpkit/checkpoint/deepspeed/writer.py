@@ -29,7 +29,7 @@ from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.names import numel
 from ..torchfile.archive import MAX_RECORD_BYTES, torch_zip_parts
 from ..torchfile.pickler import Ordered, Raw, dumps
-from ..torchfile.rawout import RawOutput
+from ..torchfile.rawout import ByteOutput, RawOutput
 from . import writer_records as records
 from .files import MODEL_FILE
 from .partition import RankPartition, Segment, param_partitions, partitions
@@ -89,7 +89,7 @@ class DsRun:
 @dataclass(frozen=True)
 class Storage:
     nbytes: int
-    fill: Callable[[RawOutput], None]  # appends exactly `nbytes`
+    fill: Callable[[ByteOutput], None]  # appends exactly `nbytes`
 
 
 class StoragePickle:
@@ -107,7 +107,7 @@ def segment_storage(sources: dict[str, SourceTensor], segments: tuple[Segment, .
     """The segments' elements of `sources` as `dtype`, and the zeros of the padding segments."""
     itemsize = dtype_info(dtype).itemsize
 
-    def fill(out: RawOutput) -> None:
+    def fill(out: ByteOutput) -> None:
         for segment in segments:
             if segment.name is None:
                 out.write(bytes(itemsize * segment.elements.size))
@@ -119,7 +119,7 @@ def segment_storage(sources: dict[str, SourceTensor], segments: tuple[Segment, .
     return Storage(itemsize * sum(s.elements.size for s in segments), fill)
 
 
-def write_torch_zip(out: RawOutput, prefix: str, data_pkl: bytes, storages: list[Storage]) -> None:
+def write_torch_zip(out: ByteOutput, prefix: str, data_pkl: bytes, storages: list[Storage]) -> None:
     """`data_pkl` and `storages` as a `torch.save` zip: the whole of `out`, written from its start."""
     total = len(data_pkl) + sum(s.nbytes for s in storages) + 4096 * (len(storages) + 8)
     if total > MAX_RECORD_BYTES:
@@ -262,32 +262,68 @@ def model_states(run: DsRun, rank: int | None, common: dict[str, Any]) -> tuple[
     return dumps(state), pickle.storages
 
 
+@dataclass(frozen=True)
+class DsFile:
+    """One file of the tag directory: `name`, its data.pkl and its storages, `nbytes` in all."""
+
+    name: str
+    data_pkl: bytes
+    storages: list[Storage]
+
+    @property
+    def nbytes(self) -> int:
+        parts = torch_zip_parts(self.name.removesuffix(".pt"), self.data_pkl, [s.nbytes for s in self.storages])
+        return sum(len(part) for part in parts) + sum(s.nbytes for s in self.storages)
+
+    def write(self, out: ByteOutput) -> None:
+        write_torch_zip(out, self.name.removesuffix(".pt"), self.data_pkl, self.storages)
+
+    def storage_spans(self, step: int) -> tuple[tuple[int, int, int], ...]:
+        """(first, last, step) of each storage's data in the file: where a part of it may start."""
+        parts = torch_zip_parts(self.name.removesuffix(".pt"), self.data_pkl, [s.nbytes for s in self.storages])
+        spans, position = [], 0
+        for part, storage in zip(parts, self.storages, strict=False):
+            position += len(part)
+            if storage.nbytes:
+                spans.append((position, position + storage.nbytes, step))
+            position += storage.nbytes
+        return tuple(spans)
+
+
+def deepspeed_files(run: DsRun) -> list[DsFile]:
+    """The files of `run`'s tag directory, before any is written (`latest` names the tag)."""
+    _check(run)
+    layouts = [partitions(run.stage, [(p.name, numel(p.master.shape)) for p in g.params], run.world_size) for g in run.groups]
+    files: list[DsFile] = []
+    if run.stage != 3:
+        files.append(DsFile(MODEL_FILE, *model_states(run, None, _common(run))))
+    for rank, rank_parts in enumerate(zip(*layouts, strict=True)):
+        if run.stage == 3:
+            files.append(DsFile(f"zero_pp_rank_{rank}_{MODEL_FILE}", *model_states(run, rank, _common(run))))
+        files.append(
+            DsFile(f"{run.precision.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", *_optim_states(run, list(rank_parts)))
+        )
+    return files
+
+
 def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None] | None = None) -> list[str]:
     """`latest` and the tag directory's files in `directory` (not synced: the caller's staged
     output syncs); returns the files' paths relative to `directory`. The files are shared out
     by size between `workers.process_count` processes."""
-    _check(run)
-    layouts = [partitions(run.stage, [(p.name, numel(p.master.shape)) for p in g.params], run.world_size) for g in run.groups]
-    files: list[tuple[str, tuple[bytes, list[Storage]]]] = []
-    if run.stage != 3:
-        files.append((MODEL_FILE, model_states(run, None, _common(run))))
-    for rank, rank_parts in enumerate(zip(*layouts, strict=True)):
-        if run.stage == 3:
-            files.append((f"zero_pp_rank_{rank}_{MODEL_FILE}", model_states(run, rank, _common(run))))
-        files.append((f"{run.precision.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", _optim_states(run, list(rank_parts))))
+    files = deepspeed_files(run)
     tag = directory / run.tag
     tag.mkdir()
 
     def write(share: range, report: Callable[[int], None] | None) -> None:
         engine = ByteEngine()
         try:
-            for name, content in files[share.start : share.stop]:
-                with RawOutput(tag / name, engine, report) as out:
-                    write_torch_zip(out, name.removesuffix(".pt"), *content)
+            for file in files[share.start : share.stop]:
+                with RawOutput(tag / file.name, engine, report) as out:
+                    file.write(out)
         finally:
             engine.close()
 
-    sizes = [sum(s.nbytes for s in storages) for _, (_, storages) in files]
+    sizes = [sum(s.nbytes for s in file.storages) for file in files]
     workers.in_processes(workers.even_shares(sizes, workers.process_count(len(files), split_at=SPLIT_FILES)), write, progress)
     (directory / "latest").write_text(run.tag)
-    return ["latest", *(f"{run.tag}/{name}" for name, _ in files)]
+    return ["latest", *(f"{run.tag}/{file.name}" for file in files)]

@@ -9,6 +9,11 @@ another process than the one that took it) is taken over, with a message through
 held from another host never is (only that host can tell whether its holder is alive).
 Creating the lock file is atomic (O_EXCL); taking over renames the stale file first, so of two
 processes racing for it one wins.
+
+A run directory in an object store (a URL) holds `.lock` the same way, made with the storage's
+conditional create (`If-None-Match: *`): of two runs starting at once, one gets it. Taking over
+a stale lock there deletes it and creates it again (a check, then a delete: two runs taking over
+the same stale lock in the same instant may both proceed; docs/object-storage.md).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
 from ..core.files import read_regular
+from ..storage.face import Storage
+from ..storage.location import is_url, open_storage
 
 LOCK_NAME = ".lock"
 
@@ -68,12 +75,14 @@ def _describe(holder: dict | None) -> str:
 
 
 class RunLock:
-    def __init__(self, path: Path, holder: dict):
-        self.path = path
+    def __init__(self, path: Path | None, holder: dict, storage: Storage | None = None):
+        self.path, self.storage = path, storage  # a local file, or `.lock` of an object store
         self.run_id: str = holder["run"]
 
     @classmethod
     def acquire(cls, run_dir: str | os.PathLike, *, warn: Callable[[str], None] | None = None, run_id: str | None = None) -> RunLock:
+        if is_url(run_dir):
+            return _acquire_stored(open_storage(str(run_dir)), warn=warn, run_id=run_id)
         run_dir = Path(run_dir)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -113,6 +122,12 @@ class RunLock:
 
     def release(self) -> None:
         """Remove the lock file, if it is still this lock's."""
+        if self.storage is not None:
+            if (_read_stored(self.storage) or {}).get("run") == self.run_id:
+                self.storage.delete([LOCK_NAME])
+            return
+        if self.path is None:
+            return
         current = _read(self.path)
         if current is not None and current.get("run") == self.run_id:
             self.path.unlink(missing_ok=True)
@@ -128,5 +143,34 @@ def _read(path: Path) -> dict | None:
     try:
         document = json.loads(read_regular(path, 4096).decode("utf-8"))
     except (DataCheckError, OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _acquire_stored(storage: Storage, *, warn: Callable[[str], None] | None, run_id: str | None) -> RunLock:
+    identity = process_identity()
+    holder = {**identity, "run": run_id or run_id_of(identity)}
+    where = storage.where(LOCK_NAME)
+    for _ in range(3):
+        if storage.create_exclusive(LOCK_NAME, json.dumps(holder).encode() + b"\n"):
+            return RunLock(None, holder, storage)
+        current = _read_stored(storage)
+        if current is None and storage.size(LOCK_NAME) is None:
+            continue  # released in between
+        if current is None or current.get("host") != identity["host"] or holder_alive(current):
+            raise UsageError(
+                f"{storage.root} is in use by another run: {_describe(current)} holds {where}; wait for it "
+                f"to finish, or remove that object if that run is gone"
+            )
+        storage.delete([LOCK_NAME])
+        if warn is not None:
+            warn(f"took over the lock of {storage.root} from {_describe(current)}, which is no longer running")
+    raise UsageError(f"{storage.root}: could not take the lock {where} (other processes keep taking it)")
+
+
+def _read_stored(storage: Storage) -> dict | None:
+    try:
+        document = json.loads(storage.read(LOCK_NAME)[:4096].decode("utf-8"))
+    except (DataCheckError, UnicodeDecodeError, ValueError, RecursionError):
         return None
     return document if isinstance(document, dict) else None

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
 from ..core.staging import fsync_dir
+from ..storage.location import is_url
+from . import run_store
 from .manifest import load_manifest
 from .names import LATEST_NAME
 from .storage import complete_steps, resolve_checkpoint
@@ -45,6 +47,8 @@ def continues(save_dir: str | Path, resume: str | Path | None) -> bool:
     directory, or one of its step directories)?"""
     if not resume:
         return False
+    if is_url(save_dir):
+        return run_store.continues(str(save_dir), resume)
     save, source = os.path.realpath(save_dir), os.path.realpath(resume)
     return source == save or os.path.dirname(source) == save
 
@@ -54,6 +58,10 @@ def continued_run_id(save_dir: str | Path, resume: str | Path | None) -> str | N
     checkpoint it resumes, when that is the newest in `save_dir`; None (a new id) otherwise."""
     if resume is None or not continues(save_dir, resume):
         return None
+    if is_url(save_dir):
+        newest = run_store.writers(str(save_dir))[-1:]
+        resumed_url, resumed_manifest = run_store.resolve_url(str(resume))
+        return resumed_manifest.run_id if newest and run_store.same_url(resumed_url, f"{save_dir}/{newest[0][0]}") else None
     steps = complete_steps(save_dir)
     resumed = resolve_checkpoint(resume)
     if not steps or os.path.realpath(steps[-1][1]) != os.path.realpath(resumed):
@@ -66,7 +74,16 @@ def check_save_dir(save_dir: str | Path, *, resume: str | Path | None, new_run: 
     checkpoints (`run_id`, e.g. a worker that torchrun restarted) do not count."""
     if new_run or continues(save_dir, resume):
         return
-    found = [(path, *_writer(path)) for _, path in complete_steps(save_dir)]
+    found: list[tuple[Path, str | None, str | None]]
+    if is_url(save_dir):
+        found = [(Path(name), writer, None) for name, writer in run_store.writers(str(save_dir))]
+        then = "or give the new run a prefix of its own (an object store cannot set them aside for --new-run)"
+    else:
+        found = [(path, *_writer(path)) for _, path in complete_steps(save_dir)]
+        then = (
+            "or start a new run there with --new-run "
+            f"(its checkpoints are then moved to {Path(save_dir) / (EARLIER_PREFIX + 'YYYYMMDD-HHMMSS')})"
+        )
     others = [(path, writer, model) for path, writer, model in found if writer is None or writer != run_id]
     if not others:
         return
@@ -74,8 +91,7 @@ def check_save_dir(save_dir: str | Path, *, resume: str | Path | None, new_run: 
     runs = sorted({f"run {writer or 'unknown'}" + (f", model {model}" if model else "") for _, writer, model in others})
     raise UsageError(
         f"--save-dir {save_dir} already holds checkpoints {names} of another run ({'; '.join(runs)}): "
-        f"continue that run with --resume {save_dir}, or start a new run there with --new-run "
-        f"(its checkpoints are then moved to {Path(save_dir) / (EARLIER_PREFIX + 'YYYYMMDD-HHMMSS')})"
+        f"continue that run with --resume {save_dir}, {then}"
     )
 
 

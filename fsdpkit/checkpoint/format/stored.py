@@ -1,19 +1,22 @@
 """fsdpkit's sharded checkpoints read through the storage face (an object store, or any
 storage): the step a location denotes, `verify` with every fragment's crc32 computed as the
-bytes stream in (FILES_IN_FLIGHT rank files at once, each one's ranged reads in offset order,
-each byte fetched once), and `inspect`'s summary from the manifest and the rank files' headers.
+bytes stream in (FILES_IN_FLIGHT rank files at once, each read in one stream from its first
+byte, header then data, each byte fetched once), and `inspect`'s summary from the manifest and the rank files' headers.
 Version 2 checkpoints only: a version 1 manifest lists what version 2 derives, and is read from
 local directories."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from ...errors import DataCheckError, UsageError
 from ..core.crc import crc32
 from ..core.names import is_safe_file_name, parse_json
 from ..core.report import VerifyReport
+from ..core.request import Progress, progress_callback
 from ..core.summary import FileEntry, ShardedSummary
 from ..storage.face import Storage
 from .manifest import Manifest
@@ -66,7 +69,7 @@ def _in(step: str, name: str) -> str:
     return f"{step}/{name}" if step else name
 
 
-def verify_stored(storage: Storage, listed: dict[str, int], progress: Callable[[int], None] | None = None) -> VerifyReport:
+def verify_stored(storage: Storage, listed: dict[str, int], progress: Progress | None = None) -> VerifyReport:
     report = VerifyReport(storage.root, "sharded")
     try:
         step, manifest = resolve_stored(storage, listed)
@@ -75,8 +78,9 @@ def verify_stored(storage: Storage, listed: dict[str, int], progress: Callable[[
     report.path = storage.where(step) if step else storage.root
     layout = manifest.layout()
     files = [(_in(step, rank_file_name(rank, manifest.shard_factor)), layout.file_layout(rank)) for rank in range(manifest.shard_factor)]
+    count = progress_callback(progress, sum(listed.get(name, 0) for name, _ in files))
     with ThreadPoolExecutor(FILES_IN_FLIGHT, thread_name_prefix="fsdpkit-verify") as pool:
-        results = list(pool.map(lambda file: _check_file(storage, listed, manifest, file[0], file[1], progress), files))
+        results = list(pool.map(lambda file: _check_file(storage, listed, manifest, file[0], file[1], count), files))
     problems = [problem for found, _ in results for problem in found]
     expected = {name for name, _ in files} | {_in(step, MANIFEST_NAME)}
     extra = sorted(
@@ -93,24 +97,45 @@ def verify_stored(storage: Storage, listed: dict[str, int], progress: Callable[[
 def _check_file(
     storage: Storage, listed: dict[str, int], manifest: Manifest, name: str, expected: FileLayout, progress: Callable[[int], None] | None
 ) -> tuple[list[str], int]:
-    """(one line per problem, data bytes checked) of one rank file, its crc32s computed block by block."""
+    """(one line per problem, data bytes checked) of one rank file, read in one stream front to
+    back: its header first, then the data, each fragment's crc32 computed block by block."""
+    where = storage.where(name)
     try:
-        stored = _stored_crcs(storage, listed, name, expected)
+        _check_size(listed, where, name, expected)
+        with contextlib.closing(storage.read_blocks(name, [(0, expected.size)], block_bytes=BLOCK_BYTES)) as blocks:
+            header, data = _split(_counted(blocks, progress), expected.data_start)
+            stored = v2_crcs(where, header, expected)
+            return _check_data(where, manifest, data, expected, stored), expected.size - expected.data_start
     except DataCheckError as error:
         return [str(error)], 0
-    try:
-        return _check_data(storage, manifest, name, expected, stored, progress), expected.size - expected.data_start
-    except DataCheckError as error:
-        return [str(error)], 0
+
+
+def _counted(blocks: Iterator[tuple[int, memoryview]], progress: Callable[[int], None] | None) -> Iterator[tuple[int, memoryview]]:
+    for offset, block in blocks:
+        yield offset, block
+        if progress is not None:
+            progress(len(block))
+
+
+def _split(blocks: Iterator[tuple[int, memoryview]], data_start: int) -> tuple[bytes, Iterator[tuple[int, memoryview]]]:
+    """(the first `data_start` bytes of `blocks`, the blocks after them)."""
+    header, rest = bytearray(), list[tuple[int, memoryview]]()
+    while len(header) < data_start:
+        offset, block = next(blocks)
+        take = data_start - len(header)
+        header += block[:take]
+        if take < len(block):
+            rest.append((offset + take, block[take:]))
+    return bytes(header), itertools.chain(rest, blocks)
 
 
 def _check_data(
-    storage: Storage, manifest: Manifest, name: str, expected: FileLayout, stored: tuple[int, ...], progress: Callable[[int], None] | None
+    where: str, manifest: Manifest, blocks: Iterator[tuple[int, memoryview]], expected: FileLayout, stored: tuple[int, ...]
 ) -> list[str]:
     """One line per fragment whose crc32 differs from `stored`, the data read front to back."""
-    where, problems = storage.where(name), []
+    problems: list[str] = []
     spans, index, crc = expected.spans, 0, 0
-    for offset, block in storage.read_blocks(name, [(expected.data_start, expected.size)], block_bytes=BLOCK_BYTES):
+    for offset, block in blocks:
         position = offset - expected.data_start
         base = position
         while base < position + len(block) and index < len(spans):
@@ -124,13 +149,10 @@ def _check_data(
                         f"{where}: checksum mismatch in tensor {tensor!r}: stored crc32 {stored[index]:08x}, data gives {crc:08x}"
                     )
                 index, crc = index + 1, 0
-        if progress is not None:
-            progress(len(block))
     return problems
 
 
-def _stored_crcs(storage: Storage, listed: dict[str, int], name: str, expected: FileLayout) -> tuple[int, ...]:
-    where = storage.where(name)
+def _check_size(listed: dict[str, int], where: str, name: str, expected: FileLayout) -> None:
     size = listed.get(name)
     if size is None:
         raise DataCheckError(f"{where}: file is missing")
@@ -139,6 +161,11 @@ def _stored_crcs(storage: Storage, listed: dict[str, int], name: str, expected: 
             f"{where}: file is {size} bytes, the layout the manifest gives has {expected.size} "
             "(truncated, extended or from another checkpoint)"
         )
+
+
+def _stored_crcs(storage: Storage, listed: dict[str, int], name: str, expected: FileLayout) -> tuple[int, ...]:
+    where = storage.where(name)
+    _check_size(listed, where, name, expected)
     return v2_crcs(where, storage.read(name, 0, expected.data_start), expected)
 
 

@@ -164,7 +164,7 @@ def _write_full_file(path: Path, group, by_name: dict[str, tuple[SourceTensor, b
             if flip:
                 writer.write(transposed_bytes(copier, source, info.dtype))
             else:
-                copier.copy(source, ElementRange(0, source.numel), info.dtype, writer.write)
+                copier.copy_or_send(source, ElementRange(0, source.numel), info.dtype, writer.write, writer.send)
 
 
 def _write_hf_files(directory: Path, export: HfExport, weight_dtype: str | None, warnings: list[str]) -> list[str]:

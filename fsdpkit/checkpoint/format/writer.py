@@ -21,12 +21,10 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-import numpy
-
 from ..core import workers
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.crc import PartRead, check_parts, crc32, crc32_combine
-from ..core.files import create
+from ..core.files import copy_range, create
 from ..core.names import layout_header, output_dtype
 from .manifest import Manifest, save_manifest
 from .names import rank_file_name
@@ -94,9 +92,26 @@ class _FileWriter:
         self._buffer[self._buffered : self._buffered + view.nbytes] = view
         self._buffered += view.nbytes
 
+    def send(self, source: int, offset: int, count: int) -> None:
+        """Append bytes [offset, offset + count) of the open file `source`, copied by the kernel
+        (copy_file_range: they never pass through this process). A DIRECT file goes on cached."""
+        if self._written + self._buffered + count > self.size:
+            raise ValueError(f"{self.path}: writing past the {self.size} bytes the header announced")
+        self._end_direct()
+        self._flush()
+        started = time.perf_counter()
+        copy_range(source, offset, count, self._fd, self._written, self.path)
+        self._written += count
+        os.lseek(self._fd, self._written, os.SEEK_SET)  # copy_range writes at offsets; write() goes on from here
+        self.write_seconds += time.perf_counter() - started
+        self._write_behind()
+
     def _stage(self, view: memoryview) -> None:
         """Direct mode: every byte goes through the staging buffer, which is written whole, so
-        every write starts at a multiple of its (page-aligned) size. numpy copies without the GIL."""
+        every write starts at a multiple of its (page-aligned) size. numpy copies without the GIL
+        (imported here: the commands that never write past the page cache start without it)."""
+        import numpy
+
         staging = numpy.frombuffer(self._buffer, dtype=numpy.uint8)
         source = numpy.frombuffer(view, dtype=numpy.uint8)
         taken = 0
@@ -133,6 +148,9 @@ class _FileWriter:
             self._written += count
             self.direct_bytes += count if self._mode is CacheMode.DIRECT else 0
         self.write_seconds += time.perf_counter() - started
+        self._write_behind()
+
+    def _write_behind(self) -> None:
         if self._mode is CacheMode.WRITE_BEHIND and self._written - self._flushed >= WRITE_BEHIND_BYTES:
             os.posix_fadvise(self._fd, self._flushed, self._written - self._flushed, os.POSIX_FADV_DONTNEED)
             self._flushed = self._written

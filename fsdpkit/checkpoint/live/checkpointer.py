@@ -10,6 +10,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +26,8 @@ from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible
 from ..format.placement import Placement, TensorSpec
 from ..format.reader import is_full_checkpoint
+from ..format.run_store import local_copy
+from ..storage.location import is_url
 from .copy_order import DoneEvent, Event, HostBuffers, OverlappedCopy
 from .model_state import expected_tensors, load_weights, optimizer_hyperparameters, persistent_buffers, tensor_table, view_params
 from .optim_state import StateLayout, load_optimizer_state, states_to_load
@@ -88,7 +91,8 @@ class Checkpointer:
                 self.timings.total += seconds
             manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.run_id, step)
             device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
-            job = SaveJob(view.shard_rank, Path(run_dir), step, manifest, local if view.writes_shards else None, keep_last, device)
+            location = str(run_dir).rstrip("/") if is_url(run_dir) else Path(run_dir)
+            job = SaveJob(view.shard_rank, location, step, manifest, local if view.writes_shards else None, keep_last, device)
             if self.async_save:
                 self.in_flight = step
                 self.thread = threading.Thread(target=self._run_save, args=(job, copied), name="fsdpkit-async-save", daemon=True)
@@ -134,9 +138,11 @@ class Checkpointer:
         its training state. With replicas, the first reads and broadcasts to the others
         (replica_reads.py), unless `every_replica` (a store on each node: snapshots)."""
         view = describe(self.module)
-        with CheckpointReader(path, validate_all=False) as checkpoint:
+        with local_checkpoint(path) as local, CheckpointReader(local, validate_all=False) as checkpoint:
             names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
-            states, missing_optim = check_sharded(checkpoint, view_params(view), self.module, self.optimizer, names, strict=strict)
+            states, missing_optim = check_sharded(
+                checkpoint.manifest, str(checkpoint.step_dir), view_params(view), self.module, self.optimizer, names, strict=strict
+            )
             if missing_optim and view.rank == 0:
                 log.warn(f"{checkpoint.step_dir}: no optimizer state for {len(missing_optim)} tensors; theirs starts fresh")
 
@@ -205,6 +211,22 @@ def load(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str |
 
 def init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
     """Load weights only, from a sharded checkpoint or a full (Hugging Face style) one."""
+    with local_checkpoint(path) as local:
+        _init_weights_from(module, local)
+
+
+@contextlib.contextmanager
+def local_checkpoint(path: str | os.PathLike) -> Iterator[str | os.PathLike]:
+    """`path` itself, or the checkpoint at an object-store URL copied through the storage face
+    into a temporary directory for the block (the readers of a load read local files)."""
+    if not is_url(path):
+        yield path
+        return
+    with local_copy(str(path)) as local:
+        yield local
+
+
+def _init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
     if not is_full_checkpoint(Path(path)):
         Checkpointer(module, None).load(path, strict=False)
         return
@@ -215,23 +237,37 @@ def init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
         load_weights(view, module, reader)
 
 
-def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool) -> None:
+def check_before_launch(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strict: bool,
+    stored: tuple[str, Manifest] | None = None,
+) -> None:
     """Validate a checkpoint against an unsharded model (built on the meta device) before any
     process starts: any problem is a DataCheckError (exit 3). `optimizer` (over the model's
-    parameters) when resuming, None when only the weights are wanted."""
+    parameters) when resuming, None when only the weights are wanted. `stored`: (where, manifest)
+    of a sharded checkpoint in an object store, whose rank files' headers were checked there."""
     params = [(name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()]  # canonical: the first name
+    names = {id(p): name for name, p in model.named_parameters()}
+    if stored is not None:
+        check_sharded(stored[1], stored[0], params, model, optimizer, names, strict=strict and optimizer is not None)
+        return
     if is_full_checkpoint(Path(path)) and optimizer is None:
         expected = expected_tensors(params, model)
         with full_reader(path, list(expected)) as reader:
             check_full(reader, expected, path)
         return
-    with CheckpointReader(path) as reader:
-        names = {id(p): name for name, p in model.named_parameters()}
-        check_sharded(reader, params, model, optimizer, names, strict=strict and optimizer is not None)
+    with CheckpointReader(path) as checkpoint:
+        check_sharded(
+            checkpoint.manifest, str(checkpoint.step_dir), params, model, optimizer, names, strict=strict and optimizer is not None
+        )
 
 
 def check_sharded(
-    reader: CheckpointReader,
+    manifest: Manifest,
+    where: str,
     params: list[tuple[str, tuple[int, ...], bool]],
     module: nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -239,13 +275,15 @@ def check_sharded(
     *,
     strict: bool,
 ) -> tuple[dict[str, StateLayout] | None, list[str]]:
-    """Check a sharded checkpoint against a model (`names`: by id of the tensor the optimizer
-    holds): (the optimizer's states to load, or None; the optimizer tensors it lacks)."""
-    where = str(reader.step_dir)
-    states = None if optimizer is None else states_to_load(optimizer, names, reader.training_state, reader.tensor_names(), where=where)
-    stateless = set((reader.training_state.get("optimizer") or {}).get("stateless", []))  # the saved optimizer never stepped them
+    """Check a sharded checkpoint's manifest (of the step at `where`) against a model (`names`: by
+    id of the tensor the optimizer holds): (the optimizer's states to load, or None; the optimizer
+    tensors it lacks)."""
+    state = manifest.training_state
+    stored = [tensor.name for tensor in manifest.tensors]
+    states = None if optimizer is None else states_to_load(optimizer, names, state, stored, where=where)
+    stateless = set((state.get("optimizer") or {}).get("stateless", []))  # the saved optimizer never stepped them
     expected = expected_tensors(params, module, states, stateless=stateless)
-    return states, check_compatible(reader.manifest, expected, strict=strict, where=where)
+    return states, check_compatible(manifest, expected, strict=strict, where=where)
 
 
 def check_full(reader: TensorReader, expected: dict[str, tuple[int, ...]], path: str | os.PathLike) -> None:

@@ -3,6 +3,10 @@ is: the lock on it, whose checkpoints it holds (save_dir.py: one run per directo
 sets the others aside), the newest step this run saved, keep-last-k, the removal of saves a
 failure cut short, async saves, and loading from it or from any other checkpoint. `fsdpkit train`
 talks to this module alone about checkpoints on disk.
+
+`save_dir`, `--resume` and `--init-from` may be object-store URLs (`s3://bucket/prefix`): saves
+stream each rank's file into the store from the same host buffers (format/run_store.py), and a
+load copies the step through the storage face into a temporary directory first (TMPDIR).
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..format import storage
+from ..format import run_store, storage
 from ..format.lock import RunLock
 from ..format.manifest import Manifest, load_manifest
 from ..format.names import parse_step_dir_name
+from ..format.run_store import check_reachable
 from ..format.save_dir import check_save_dir, continued_run_id, set_aside
+from ..storage.location import is_url, open_storage
 
 if TYPE_CHECKING:  # torch is imported when a run starts, not while its flags are checked
     import torch
@@ -27,6 +33,7 @@ __all__ = [
     "CheckpointManager",
     "RunLock",
     "check_before_launch",
+    "check_reachable",
     "check_save_dir",
     "continued_run_id",
     "saved_checkpoint",
@@ -34,9 +41,11 @@ __all__ = [
 ]
 
 
-def saved_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Manifest]:
-    """The step directory that `path` (a run or step directory) denotes, and its manifest; a
-    missing or corrupt checkpoint raises the reader's UsageError / DataCheckError."""
+def saved_checkpoint(path: str | os.PathLike[str]) -> tuple[str | Path, Manifest]:
+    """The step directory (or URL) that `path` (a run or step directory, or URL) denotes, and its
+    manifest; a missing or corrupt checkpoint raises the reader's UsageError / DataCheckError."""
+    if is_url(path):
+        return run_store.resolve_url(str(path))
     step_dir = storage.resolve_checkpoint(path)
     return step_dir, load_manifest(step_dir)
 
@@ -56,7 +65,7 @@ class CheckpointManager:
         keep_last: int | None = None,
         run_id: str | None = None,
     ) -> None:
-        self.save_dir = Path(save_dir) if save_dir else None
+        self.save_dir = _location(save_dir) if save_dir else None
         self.model, self.optimizer = model, optimizer
         self.keep_last, self.run_id = keep_last, run_id
         from .checkpointer import Checkpointer
@@ -68,14 +77,18 @@ class CheckpointManager:
         return self.checkpointer is not None
 
     @staticmethod
-    def newest_of_run(save_dir: str | Path, run_id: str) -> Path | None:
+    def newest_of_run(save_dir: str | Path, run_id: str) -> str | Path | None:
         """The newest complete checkpoint run `run_id` saved in `save_dir` (a restarted attempt goes
         on from it; asked before the model it would load into is built)."""
+        if is_url(save_dir):
+            return run_store.newest_of_run(str(save_dir), run_id=run_id)
         return storage.newest_of_run(save_dir, run_id=run_id)
 
     def remove_unfinished(self) -> None:
         """Remove the saves of this run a failure cut short (call on one rank, with no save in flight)."""
-        if self.save_dir is not None and self.run_id is not None:
+        if isinstance(self.save_dir, str):
+            run_store.remove_unfinished(open_storage(self.save_dir))
+        elif self.save_dir is not None and self.run_id is not None:
             storage.remove_unfinished(self.save_dir, run_id=self.run_id)
 
     def save(self, *, step: int, training_state: dict[str, Any]) -> None:
@@ -102,9 +115,9 @@ class CheckpointManager:
         init_weights_from(self.model, path)
 
     @staticmethod
-    def step_of(step_dir: Path) -> int | None:
-        """The step a step directory's name gives."""
-        return parse_step_dir_name(step_dir.name)
+    def step_of(step_dir: str | Path) -> int | None:
+        """The step a step directory's name (or URL) gives."""
+        return parse_step_dir_name(str(step_dir).rstrip("/").rpartition("/")[2])
 
     @property
     def stall_seconds(self) -> float:
@@ -124,4 +137,14 @@ def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer:
     resuming) before any process starts: a problem is a DataCheckError (exit 3)."""
     from . import checkpointer
 
-    checkpointer.check_before_launch(path, model=model, optimizer=optimizer, strict=strict)
+    stored = run_store.checked_stored(str(path)) if is_url(path) else None
+    if stored is not None:  # its manifest and the rank files' headers, read in the bucket
+        checkpointer.check_before_launch(path, model=model, optimizer=optimizer, strict=strict, stored=stored)
+        return
+    with checkpointer.local_checkpoint(path) as local:
+        checkpointer.check_before_launch(local, model=model, optimizer=optimizer, strict=strict)
+
+
+def _location(save_dir: str | os.PathLike[str]) -> str | Path:
+    """A URL as it is (a Path would fold its `//`), a local directory as a Path."""
+    return str(save_dir).rstrip("/") if is_url(save_dir) else Path(save_dir)

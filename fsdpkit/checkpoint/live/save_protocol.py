@@ -54,7 +54,7 @@ class SaveJob:
     ranks' flags are reduced)."""
 
     shard_rank: int
-    run_dir: Path
+    run_dir: Path | str  # a directory, or an object-store URL (store_save.py)
     step: int
     manifest: Manifest
     local: dict[str, tuple[ElementRange, torch.Tensor]] | None
@@ -73,7 +73,7 @@ class Ranks:
         self.comm.all_reduce(flags, self.group, op=dist.ReduceOp.MIN, label=label)
         return [int(v) for v in flags.tolist()]
 
-    def from_rank0(self, action: Callable[[], Any], *, where: Path, label: str) -> tuple[Any, str | None]:
+    def from_rank0(self, action: Callable[[], Any], *, where: Path | str, label: str) -> tuple[Any, str | None]:
         """(result, None) of `action` run on rank 0, or (None, why it failed: an OSError on
         `where` or a RunError), on every rank."""
         outcome: tuple[Any, str | None] = (None, None)
@@ -89,25 +89,17 @@ class Ranks:
 
 def run_save(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
     """The protocol above; returns the committed step directory."""
+    if isinstance(job.run_dir, str):
+        from .store_save import save_to_store
+
+        return save_to_store(job, ranks, timings)
     tmp, failure = ranks.from_rank0(
         lambda: storage.begin(job.run_dir, job.step, run_id=job.manifest.run_id), where=job.run_dir, label="checkpoint directory"
     )
     try:
         if failure:
             raise RunError(f"checkpoint step {job.step} not saved: {failure}")
-        # 63 bits that every rank must agree on before writing: the tensor table and placement
-        text = repr((job.manifest.shard_factor, job.manifest.placement, job.manifest.tensors, sorted(job.manifest.aliases.items())))
-        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-        visible, low, high = ranks.min_over_ranks(
-            [1 if tmp.is_dir() else 0, digest, -digest], job.device, label="checkpoint directory visible, same tensors"
-        )
-        if not visible:
-            raise RunError(f"save directory {tmp} is not visible to every rank: --save-dir must be on a filesystem every node sees")
-        if low != -high:
-            raise RunError(
-                f"ranks disagree on what to save at step {job.step} (tensor table or placement differ, "
-                f"e.g. optimizer state for different parameters)"
-            )
+        check_agreement(job, ranks, visible=tmp.is_dir(), where=tmp)
         failure = None
         if job.local is not None:
             try:
@@ -131,6 +123,24 @@ def run_save(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
         if tmp is not None and ranks.rank == 0:
             storage.abort(tmp)
         raise
+
+
+def check_agreement(job: SaveJob, ranks: Ranks, *, visible: bool, where: object) -> None:
+    """One all-reduce: every rank sees where the save goes (`visible`) and builds the same tensor
+    table and placement; a RunError on every rank otherwise."""
+    # 63 bits that every rank must agree on before writing: the tensor table and placement
+    text = repr((job.manifest.shard_factor, job.manifest.placement, job.manifest.tensors, sorted(job.manifest.aliases.items())))
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    seen, low, high = ranks.min_over_ranks(
+        [1 if visible else 0, digest, -digest], job.device, label="checkpoint directory visible, same tensors"
+    )
+    if not seen:
+        raise RunError(f"save directory {where} is not visible to every rank: --save-dir must be on a filesystem every node sees")
+    if low != -high:
+        raise RunError(
+            f"ranks disagree on what to save at step {job.step} (tensor table or placement differ, "
+            f"e.g. optimizer state for different parameters)"
+        )
 
 
 def write_rank(

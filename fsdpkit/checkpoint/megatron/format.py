@@ -13,7 +13,6 @@ from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
 from .files import is_megatron_checkpoint
 from .inspect import FORMAT, MegatronSummary, summarize_megatron, verify_megatron
-from .to_megatron import to_megatron
 
 
 class MegatronFormat:
@@ -37,6 +36,8 @@ class MegatronFormat:
         return verify_megatron(path)
 
     def write(self, opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
+        from .to_megatron import to_megatron  # the writer and DCP's: imported by --to megatron only
+
         return to_megatron(opened, dst, request, progress)
 
     def reshard(self, src: Path, dst: Path, request: ReshardRequest) -> WriteReport:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ...errors import DataCheckError
 from ..core.bytecopy import SourceTensor
 from .joined import row_blocks
-from .shape import GELU, LAYERNORM, LEARNED, RMSNORM, ROPE, SWIGLU, ModelShape
+from .shape import GELU, GELU_TANH, LAYERNORM, LEARNED, RMSNORM, ROPE, SWIGLU, ModelShape
 
 LLAMA, QWEN2, GPT2 = "LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
 GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -42,7 +42,7 @@ def architecture_of(shape: ModelShape, where: str) -> str:
     key = (shape.norm, shape.activation, shape.position_embedding)
     if key == (RMSNORM, SWIGLU, ROPE):
         return QWEN2 if shape.qkv_bias and not shape.linear_bias else LLAMA
-    if key == (LAYERNORM, GELU, LEARNED) and shape.query_groups == shape.heads and shape.linear_bias:
+    if key in ((LAYERNORM, GELU, LEARNED), (LAYERNORM, GELU_TANH, LEARNED)) and shape.query_groups == shape.heads and shape.linear_bias:
         return GPT2
     raise DataCheckError(
         f"{where}: norm {shape.norm}, activation {shape.activation}, position embedding {shape.position_embedding},"

@@ -10,7 +10,7 @@ from typing import Any
 from ...errors import DataCheckError, UsageError
 
 RMSNORM, LAYERNORM = "RMSNorm", "LayerNorm"
-SWIGLU, GELU = "swiglu", "gelu"
+SWIGLU, GELU, GELU_TANH = "swiglu", "gelu", "gelu_tanh"  # gelu_tanh: Megatron-LM's openai_gelu, transformers' gelu_new
 ROPE, LEARNED = "rope", "learned_absolute"
 
 
@@ -56,8 +56,11 @@ def _get(source: Any, *names: str) -> Any:
 
 
 def _activation(config: dict) -> str | None:
-    if _get(config, "swiglu") or (_get(config, "gated_linear_unit") and "silu" in str(_get(config, "activation_func") or "silu")):
+    named = str(_get(config, "activation_func") or "")
+    if _get(config, "swiglu") or (_get(config, "gated_linear_unit") and "silu" in (named or "silu")):
         return SWIGLU
+    if _get(config, "openai_gelu") or "openai_gelu" in named:
+        return GELU_TANH
     hf = _get(config, "hidden_act", "activation_function")
     if hf in ("silu", "swish"):
         return SWIGLU
@@ -99,20 +102,7 @@ def from_hf_config(config: dict, where: str) -> ModelShape:
     """A transformers config.json (Llama, Qwen2, GPT-2)."""
     model_type = config.get("model_type")
     if model_type == "gpt2":
-        heads = config.get("n_head")
-        return ModelShape(
-            layers=config.get("n_layer"),
-            hidden=config.get("n_embd"),
-            heads=heads,
-            query_groups=heads,
-            ffn=config.get("n_inner") or 4 * int(config.get("n_embd") or 0) or None,
-            norm=LAYERNORM,
-            activation=GELU,
-            position_embedding=LEARNED,
-            norm_epsilon=config.get("layer_norm_epsilon"),
-            max_positions=config.get("n_positions"),
-            recorded_by=where,
-        )
+        return _gpt2_shape(config, where)
     if model_type not in ("llama", "qwen2", "mistral"):
         raise UsageError(f"{where}: model_type {model_type!r}; a Megatron shape is read from llama, qwen2 or gpt2 configs")
     heads = config.get("num_attention_heads")
@@ -133,6 +123,37 @@ def from_hf_config(config: dict, where: str) -> ModelShape:
         qkv_bias=model_type == "qwen2" or bias,
         linear_bias=bias or bool(config.get("mlp_bias")),
         tied=bool(config.get("tie_word_embeddings", model_type != "llama")),
+        recorded_by=where,
+    )
+
+
+GPT2_ACTIVATIONS = {"gelu": GELU, "gelu_new": GELU_TANH, "gelu_pytorch_tanh": GELU_TANH}
+
+
+def _gpt2_shape(config: dict, where: str) -> ModelShape:
+    """A GPT-2 config: LayerNorm, GELU, learned positions, biases everywhere, one key head per query head."""
+    activation = GPT2_ACTIVATIONS.get(config.get("activation_function", "gelu_new"))
+    if activation is None or config.get("scale_attn_by_inverse_layer_idx") or config.get("scale_attn_weights") is False:
+        raise DataCheckError(
+            f"{where}: activation_function {config.get('activation_function')!r}, scale_attn_weights {config.get('scale_attn_weights')},"
+            f" scale_attn_by_inverse_layer_idx {config.get('scale_attn_by_inverse_layer_idx')}: Megatron's GPT takes gelu or"
+            " gelu_new, attention scaled by 1/sqrt(head size)"
+        )
+    heads = config.get("n_head")
+    return ModelShape(
+        layers=config.get("n_layer"),
+        hidden=config.get("n_embd"),
+        heads=heads,
+        query_groups=heads,
+        ffn=config.get("n_inner") or 4 * int(config.get("n_embd") or 0) or None,
+        norm=LAYERNORM,
+        activation=activation,
+        position_embedding=LEARNED,
+        norm_epsilon=config.get("layer_norm_epsilon"),
+        max_positions=config.get("n_positions"),
+        qkv_bias=True,
+        linear_bias=True,
+        tied=bool(config.get("tie_word_embeddings", True)),
         recorded_by=where,
     )
 
@@ -177,6 +198,7 @@ def megatron_args(shape: ModelShape) -> dict[str, Any]:
         "padded_vocab_size": shape.vocab,
         "normalization": shape.norm,
         "swiglu": shape.activation == SWIGLU,
+        "openai_gelu": shape.activation == GELU_TANH,
         "position_embedding_type": shape.position_embedding,
         "norm_epsilon": shape.norm_epsilon,
         "rotary_base": shape.rope_theta,

@@ -7,7 +7,7 @@ from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..core.bytecopy import SourceTensor
 from . import hf
-from .shape import ModelShape
+from .shape import GELU_TANH, ModelShape
 
 NEEDED = ("layers", "hidden", "heads", "query_groups", "head_dim", "ffn", "vocab", "norm", "activation", "position_embedding")
 
@@ -90,7 +90,7 @@ def gpt2_config(shape: ModelShape, tied: bool) -> dict:
         "n_positions": shape.max_positions,
         "vocab_size": shape.vocab,
         "layer_norm_epsilon": shape.norm_epsilon or 1e-5,
-        "activation_function": "gelu",
+        "activation_function": "gelu_new" if shape.activation == GELU_TANH else "gelu",
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,

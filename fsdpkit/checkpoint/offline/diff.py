@@ -191,43 +191,68 @@ def compare_tensor(copiers: tuple[SideReader, SideReader], a: SourceTensor, b: S
     return {"name": a.name, "status": status, "max_abs": comparison.max_abs, "max_rel": comparison.max_rel}
 
 
-def diff(
-    path_a: str | os.PathLike[str],
-    path_b: str | os.PathLike[str],
-    *,
-    tolerance: Tolerance = Tolerance(),
-    model_only: bool = False,
-    dcp_keys: tuple[str | None, str | None] = (None, None),
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    progress: Callable[[int, int], None] | None = None,
-) -> dict:
+@dataclass(frozen=True)
+class DiffRequest:
+    """What `diff A B` was asked, besides A."""
+
+    b: str
+    tolerance: Tolerance = Tolerance()
+    model_only: bool = False
+    dcp_keys: tuple[str | None, str | None] = (None, None)
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+
+
+class Sides:
+    """Two opened checkpoints' tensors under names that compare: those in both (`common`, in A's
+    order, each compared by `compare_tensor`) and those in one only."""
+
+    def __init__(self, a: AnyCheckpoint, b: AnyCheckpoint, request: DiffRequest):
+        self.a, self.b, self.request = a, b, request
+        self.tensors_a, self.tensors_b, self.notes = comparable(a, b)
+        model_only = request.model_only
+        self.names_a = [n for n in self.tensors_a if not (model_only and is_optimizer_tensor(n))]
+        self.names_b = [n for n in self.tensors_b if not (model_only and is_optimizer_tensor(n))]
+        self.common = [n for n in self.names_a if n in self.tensors_b]
+
+    def readers(self) -> tuple[SideReader, SideReader]:
+        return SideReader(chunk_size=self.request.chunk_size), SideReader(chunk_size=self.request.chunk_size)
+
+    def compare(self, readers: tuple[SideReader, SideReader], name: str) -> dict:
+        request = self.request
+        return compare_tensor(readers, self.tensors_a[name], self.tensors_b[name], request.tolerance, request.chunk_size)
+
+    def result(self, compared: list[dict]) -> dict:
+        """The comparison as a JSON-able dict, from `compare`'s result for each of `common`, in order."""
+        only_a = [n for n in self.names_a if n not in self.tensors_b]
+        only_b = [n for n in self.names_b if n not in self.tensors_a]
+        results = [{"name": n, "status": "only_a"} for n in only_a] + [{"name": n, "status": "only_b"} for n in only_b] + compared
+        return {
+            "a": {"path": self.a.path, "format": self.a.format, "tensors": len(self.names_a)},
+            "b": {"path": self.b.path, "format": self.b.format, "tensors": len(self.names_b)},
+            "atol": self.request.tolerance.atol,
+            "rtol": self.request.tolerance.rtol,
+            "model_only": self.request.model_only,
+            "equal": all(r["status"] in ("equal", "close") for r in results),
+            "counts": dict(Counter(r["status"] for r in results)),
+            "names": self.notes,
+            "hints": name_hints(only_a, only_b),
+            "tensors": results,
+        }
+
+
+def diff(path_a: str | os.PathLike[str], request: DiffRequest, progress: Callable[[int, int], None] | None = None) -> dict:
     """The comparison as a JSON-able dict; `equal` is true when every tensor is present in both
     and equal within the tolerance."""
-    with open_checkpoint(path_a, model_key=dcp_keys[0], optimizer_key=dcp_keys[1]) as a:
-        with open_checkpoint(path_b, model_key=dcp_keys[0], optimizer_key=dcp_keys[1]) as b:
-            tensors_a, tensors_b, notes = comparable(a, b)
-            names_a = [n for n in tensors_a if not (model_only and is_optimizer_tensor(n))]
-            names_b = [n for n in tensors_b if not (model_only and is_optimizer_tensor(n))]
-            common = [n for n in names_a if n in tensors_b]
-            advance = progress_callback(progress, sum(tensors_a[n].nbytes for n in common))
-            only_a = [n for n in names_a if n not in tensors_b]
-            only_b = [n for n in names_b if n not in tensors_a]
-            results = [{"name": n, "status": "only_a"} for n in only_a] + [{"name": n, "status": "only_b"} for n in only_b]
-            readers = (SideReader(chunk_size=chunk_size), SideReader(chunk_size=chunk_size))
+    model_key, optimizer_key = request.dcp_keys
+    with open_checkpoint(path_a, model_key=model_key, optimizer_key=optimizer_key) as a:
+        with open_checkpoint(request.b, model_key=model_key, optimizer_key=optimizer_key) as b:
+            sides = Sides(a, b, request)
+            advance = progress_callback(progress, sum(sides.tensors_a[n].nbytes for n in sides.common))
+            compared = []
+            readers = sides.readers()
             with closing(readers[0]), closing(readers[1]):
-                for name in common:
-                    results.append(compare_tensor(readers, tensors_a[name], tensors_b[name], tolerance, chunk_size))
+                for name in sides.common:
+                    compared.append(sides.compare(readers, name))
                     if advance is not None:
-                        advance(tensors_a[name].nbytes)
-    return {
-        "a": {"path": a.path, "format": a.format, "tensors": len(names_a)},
-        "b": {"path": b.path, "format": b.format, "tensors": len(names_b)},
-        "atol": tolerance.atol,
-        "rtol": tolerance.rtol,
-        "model_only": model_only,
-        "equal": all(r["status"] in ("equal", "close") for r in results),
-        "counts": dict(Counter(r["status"] for r in results)),
-        "names": notes,
-        "hints": name_hints(only_a, only_b),
-        "tensors": results,
-    }
+                        advance(sides.tensors_a[name].nbytes)
+            return sides.result(compared)

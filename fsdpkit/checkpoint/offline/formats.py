@@ -83,13 +83,9 @@ def reshard_any(src: str | os.PathLike[str], dst: str | os.PathLike[str], reques
     return found.reshard(Path(src), Path(dst), request)
 
 
-def convert_any(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], request: ConvertRequest, progress: Progress | None = None
-) -> WriteReport:
-    """`convert`: the checkpoint at `src`, opened as a tensor table, written by `request.to`'s
-    writer (to its own format: `fsdpkit reshard`)."""
-    local_only(src, dst, what="convert")
-    source = detect_format(src)
+def convert_target(source: Format, request: ConvertRequest) -> Format:
+    """The format `request` converts a `source` checkpoint to; a UsageError for one it cannot, or
+    for an option that does not apply."""
     target = FORMATS.get(request.to)
     if target is None or not target.writable:
         raise UsageError(f"unknown --to {request.to!r}: use {', '.join(TARGETS[:-1])} or {TARGETS[-1]}")
@@ -100,6 +96,17 @@ def convert_any(
             "`fsdpkit reshard` lays it out for another world size"
         )
     check_options(source.name, source.reads, target.writes, request)
+    return target
+
+
+def convert_any(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], request: ConvertRequest, progress: Progress | None = None
+) -> WriteReport:
+    """`convert`: the checkpoint at `src`, opened as a tensor table, written by `request.to`'s
+    writer (to its own format: `fsdpkit reshard`)."""
+    local_only(src, dst, what="convert")
+    source = detect_format(src)
+    target = convert_target(source, request)
     with open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key) as opened:
         if not opened.model:
             hint = "; name them with --dcp-model-key" if "model_key" in source.reads.takes else ""

@@ -15,12 +15,12 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...errors import UsageError
 from ..core.any_checkpoint import AnyCheckpoint
 from ..core.report import VerifyReport, WriteReport
-from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest, progress_callback
+from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest
 from ..core.summary import Summary
 from ..dcp.stored import is_stored_dcp, summarize_stored_dcp, verify_stored_dcp
 from ..format.stored import is_stored_sharded, resolve_stored, summarize_stored, verify_stored
@@ -28,6 +28,9 @@ from ..storage.download import download
 from ..storage.face import Storage
 from ..storage.location import is_url, open_storage
 from ..storage.upload import check_destination, publish
+
+if TYPE_CHECKING:
+    from .diff import DiffRequest
 
 
 def verify_at(location: str | os.PathLike[str], progress: Progress | None = None) -> VerifyReport:
@@ -40,8 +43,7 @@ def verify_at(location: str | os.PathLike[str], progress: Progress | None = None
         if is_stored_dcp(listed):
             return verify_stored_dcp(storage, listed)
         if is_stored_sharded(listed):
-            total = sum(size for name, size in listed.items() if name.rpartition("/")[2].startswith("rank-"))
-            return verify_stored(storage, listed, progress_callback(progress, total))
+            return verify_stored(storage, listed, progress)
     with local_source(location) as (path, renamed):
         report = detect_format(path).verify(Path(path), progress)
         return dataclasses.replace(report, path=renamed(report.path), problems=[renamed(line) for line in report.problems])
@@ -87,12 +89,12 @@ def reshard_at(src: str, dst: str, request: ReshardRequest) -> WriteReport:
         return dataclasses.replace(report, src=renamed(report.src))
 
 
-def diff_at(a: str, b: str, **options: Any) -> dict:
+def diff_at(a: str, request: DiffRequest, progress: Callable[[int, int], None] | None = None) -> dict:
     """`diff` of two checkpoints, each a local directory or an object-store URL."""
     from .diff import diff
 
-    with local_source(a) as (path_a, renamed_a), local_source(b) as (path_b, renamed_b):
-        result = diff(path_a, path_b, **options)
+    with local_source(a) as (path_a, renamed_a), local_source(request.b) as (path_b, renamed_b):
+        result = diff(path_a, dataclasses.replace(request, b=path_b), progress)
     result["a"]["path"], result["b"]["path"] = renamed_a(result["a"]["path"]), renamed_b(result["b"]["path"])
     return result
 

@@ -1,8 +1,9 @@
 """What a spread command writes or checks, as output files of known size (`files`, which the plan
-shares out), how one rank does one part of them (`run_part`) and rank 0's last step (`commit`),
-for each command that spreads: `convert --to full` from any format, `reshard` and `verify` of
-fsdpkit's own format. Each rank opens the source itself (its headers and manifest, no tensor
-data) and derives the same files; the runner checks that every rank derived the same ones.
+shares out), how one rank does one part of them (`run_part`) and rank 0's last step (`commit`):
+here `convert --to full` from any format, `reshard` and `verify` of fsdpkit's own format, and
+what the other jobs share (`dcp_job`, `deepspeed_job`, `sharded_job`, `diff_job`; `dispatch`
+picks one). Each rank opens the source itself (its headers and manifest, no tensor data) and
+derives the same files; the runner checks that every rank derived the same ones.
 """
 
 from __future__ import annotations
@@ -10,25 +11,24 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ...errors import UsageError
 from ...flat_layout import ElementRange
-from ..core.bytecopy import ByteEngine
-from ..core.crc import PartRead, check_parts, crc32, crc32_combine
+from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.crc import PartRead, cast_into, check_parts, crc32, crc32_combine
 from ..core.names import layout_header
 from ..core.report import VerifyReport, WriteReport
-from ..core.request import ConvertRequest, check_count, check_options
+from ..core.request import ConvertRequest
 from ..format.manifest import Manifest, load_manifest, resharded_training_state, save_manifest
-from ..format.names import FORMAT_NAME, rank_file_name
-from ..format.placement import TensorSpec
+from ..format.names import rank_file_name
+from ..format.placement import ShardLayout, TensorSpec
 from ..format.reader import ShardedCheckpoint, open_sharded
 from ..format.storage import resolve_checkpoint
 from ..format.to_full import full_output, transposed_bytes
 from ..format.verify import check_files
-from ..offline.formats import FORMATS, FULL, SHARDED, detect_format, open_checkpoint
+from ..offline.formats import open_checkpoint
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
@@ -45,12 +45,50 @@ def source_listing(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
     return [(str(p.relative_to(root)) if p != root else p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in found]
 
 
+def convert_facts(request: ConvertRequest, opened_from: str, files: list[tuple[str, int]]) -> dict:
+    """What a spread conversion's fingerprint rests on: the options, the source's listing, the output files."""
+    options = {k: v for k, v in asdict(request).items() if k not in ("chunk_size", "overwrite")}
+    return {"command": "convert", "request": options, "source": source_listing(opened_from), "files": files}
+
+
 def part_reads(results: list[PartResult]) -> list[PartRead]:
     return [PartRead(Path(p[0]), *p[1:]) for result in results for p in result.source_parts]
 
 
-def _parts_json(parts: list[PartRead]) -> list[list]:
+def parts_json(parts: list[PartRead]) -> list[list]:
     return [[str(p.path), *p[1:]] for p in parts]
+
+
+READ_BLOCK_BYTES = 8 * 1024 * 1024
+
+
+class CheckedReads:
+    """Element ranges of source tensors read as the one-process DCP and DeepSpeed writers read them
+    (random access: a piece with a checksum is read whole and checked the first time any of it is
+    wanted), so that a piece read by several parts, in any order, even twice (a tied weight), is
+    checked without the parts having to meet end to end; the bytes wanted are counted and shown."""
+
+    def __init__(self, chunk_size: int, progress: Progress):
+        self.engine, self.progress, self.bytes_read = ByteEngine(chunk_size=chunk_size), progress, 0
+
+    def copy(self, source: SourceTensor, wanted: ElementRange, dtype: str, write: Callable[[memoryview], None]) -> None:
+        """Elements `wanted` of `source`, cast to `dtype`, into `write`."""
+        itemsize = dtype_info(source.dtype).itemsize
+        step = max(1, READ_BLOCK_BYTES // itemsize)
+        for first in range(wanted.start, wanted.end, step):
+            block = ElementRange(first, min(first + step, wanted.end))
+            data = memoryview(bytearray(block.size * itemsize))
+            self.engine.read_into(source, block, data)
+            if dtype != source.dtype:
+                data = cast_into(data, source.dtype, dtype, bytearray(block.size * dtype_info(dtype).itemsize))
+            write(data)
+            self.bytes_read += block.size * itemsize
+            if self.progress is not None:
+                self.progress(block.size * itemsize)
+
+    def finish(self) -> list[list]:
+        """Close the files; what the commit checks (nothing: each piece was checked whole)."""
+        return parts_json(self.engine.finish_parts())
 
 
 def safetensors_file(name: str, header: bytes, order, *, whole: set[str], splittable: bool) -> OutputFile:
@@ -88,8 +126,7 @@ class FullJob:
         return self.output.source_bytes
 
     def facts(self) -> dict:
-        request = {k: v for k, v in asdict(self.request).items() if k not in ("chunk_size", "overwrite")}
-        return {"command": "convert", "request": request, "source": source_listing(self.opened.opened_from), "files": self.file_sizes()}
+        return convert_facts(self.request, self.opened.opened_from, self.file_sizes())
 
     def file_sizes(self) -> list[tuple[str, int]]:
         return [(f.name, f.nbytes) for f in self.files]
@@ -112,7 +149,7 @@ class FullJob:
                 else:
                     engine.copy(source, ElementRange(first, last), info.dtype, sink.write)
         parts = engine.finish_parts()
-        return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, engine.bytes_read, _parts_json(parts))
+        return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, engine.bytes_read, parts_json(parts))
 
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))
@@ -123,13 +160,43 @@ class FullJob:
         self.stack.close()
 
 
+@dataclass(frozen=True)
+class RankFiles:
+    """fsdpkit's rank files copied from `sources`, laid out by `layout`, cast to `dtypes` (one per source)."""
+
+    sources: list[SourceTensor]
+    layout: ShardLayout
+    dtypes: list[str]
+
+    @classmethod
+    def of(cls, sources: list[SourceTensor], manifest: Manifest) -> RankFiles:
+        return cls(sources, manifest.layout(), [t.dtype for t in manifest.tensors])
+
+    def files(self) -> list[OutputFile]:
+        world_size = self.layout.world_size
+        return [OutputFile(rank_file_name(r, world_size), self.layout.file_layout(r).size) for r in range(world_size)]
+
+
+def rank_file_part(part: Part, path: Path, rank_files: RankFiles, chunk_size: int, progress: Progress) -> PartResult:
+    """Rank file `part.file` written whole at `path`."""
+    layout = rank_files.layout.file_layout(part.file)
+    engine = ByteEngine(rank_files.sources, rank_files.dtypes, chunk_size=chunk_size, progress=progress)
+    try:
+        crcs = engine.write_rank_file(path, layout)
+    finally:
+        parts = engine.finish_parts()
+    crc = crc32(b"".join(layout.header_with(crcs)))
+    for (start, end), fragment_crc in zip(layout.spans, crcs, strict=True):
+        crc = crc32_combine(crc, fragment_crc, end - start)
+    return PartResult(part.file, part.index, path.name, part.begin, part.end, crc, engine.bytes_read, parts_json(parts))
+
+
 class ReshardJob:
     """`reshard` of fsdpkit's format: one rank file per output file, each written whole."""
 
     command = "reshard"
 
     def __init__(self, src: str, world_size: int, chunk_size: int):
-        check_count("world_size", world_size)
         self.src, self.chunk_size = src, chunk_size
         self.checkpoint = open_sharded(src)
         old = self.checkpoint.manifest
@@ -137,8 +204,8 @@ class ReshardJob:
         self.sources = self.checkpoint.sources()
         tensors = tuple(TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in self.sources)
         self.manifest = Manifest(world_size, old.strategy, old.placement, tensors, dict(old.aliases), dict(state))
-        self.layout = self.manifest.layout()
-        self.files = [OutputFile(rank_file_name(r, world_size), self.layout.file_layout(r).size) for r in range(world_size)]
+        self.rank_files = RankFiles.of(self.sources, self.manifest)
+        self.files = self.rank_files.files()
 
     @property
     def source_bytes(self) -> int:
@@ -152,16 +219,7 @@ class ReshardJob:
         return [(f.name, f.nbytes) for f in self.files]
 
     def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
-        name, layout = self.files[part.file].name, self.layout.file_layout(part.file)
-        engine = ByteEngine(self.sources, [s.dtype for s in self.sources], chunk_size=self.chunk_size, progress=progress)
-        try:
-            crcs = engine.write_rank_file(directory / name, layout)
-        finally:
-            parts = engine.finish_parts()
-        crc = crc32(b"".join(layout.header_with(crcs)))
-        for (start, end), fragment_crc in zip(layout.spans, crcs, strict=True):
-            crc = crc32_combine(crc, fragment_crc, end - start)
-        return PartResult(part.file, part.index, name, part.begin, part.end, crc, engine.bytes_read, _parts_json(parts))
+        return rank_file_part(part, directory / self.files[part.file].name, self.rank_files, self.chunk_size, progress)
 
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))
@@ -225,23 +283,3 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def open_job(command: str, src: str, *, request: ConvertRequest | None = None, world_size: int | None = None, chunk_size: int):
-    """The job of a spread command; a UsageError for a format or target that does not spread."""
-    found = detect_format(src)
-    if command == "convert":
-        assert request is not None
-        target = FORMATS.get(request.to)
-        if request.to != FULL or target is None:
-            raise UsageError(f"--nproc-per-node and --nnodes spread convert --to full only (not --to {request.to})")
-        if found is target:
-            raise UsageError(f"a {found.name} checkpoint cannot be converted --to {target.name}")
-        check_options(found.name, found.reads, target.writes, request)
-        return FullJob(src, request)
-    if found.name != SHARDED:
-        raise UsageError(f"--nproc-per-node and --nnodes spread {command} of {FORMAT_NAME}'s own checkpoints only; {src} is {found.label}")
-    if command == "reshard":
-        assert world_size is not None
-        return ReshardJob(src, world_size, chunk_size)
-    return VerifyJob(src, chunk_size)

@@ -1,48 +1,19 @@
 """One progress count of every rank's bytes, shown by rank 0 only: each rank posts its count to
 the process group's store (a few bytes every half second, never the data), rank 0 sums them in
-a thread and shows the sum on stderr: a tqdm bar on a terminal, otherwise a line every 10 s.
+a thread and shows the sum on stderr (fsdpkit/progress.py: a tqdm bar on a terminal, otherwise a
+line every 10 s).
 Each rank also posts the part it begins and that it finished, so that rank 0 can name a rank
 that died or hangs, and its part, when the gather fails."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Callable
+
+from ...progress import ByteProgress as Show
+from ...progress import stderr_progress as stderr_progress  # rank 0's bar, the one the command line shows
 
 POST_SECONDS = 0.5
-LINE_SECONDS = 10.0
-
-Show = Callable[[int, int], None]  # (bytes just done, bytes in all)
-
-
-def stderr_progress(desc: str) -> tuple[Show, Callable[[], None]]:
-    """(show, close) of a byte count on stderr."""
-    from ...sizes import format_size
-
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, leave=False)
-
-        def update(done: int, total: int) -> None:
-            if bar.total != total:
-                bar.total = total
-                bar.refresh()
-            bar.update(done)
-
-        return update, bar.close
-    done_bytes, last = [0], [time.monotonic()]
-
-    def line(done: int, total: int) -> None:
-        done_bytes[0] += done
-        if time.monotonic() - last[0] >= LINE_SECONDS:
-            last[0] = time.monotonic()
-            sys.stderr.write(f"{desc}: {format_size(done_bytes[0])} of {format_size(total)}\n")
-            sys.stderr.flush()
-
-    return line, lambda: None
 
 
 class SharedCount:

@@ -6,8 +6,10 @@
     every    -> all_gather of failures, checksums, figures; any failure: all stop, nothing committed
     rank 0   checks every source checksum read in parts, writes the manifest/index, renames to DST
 
-gloo carries only these small objects; the bytes go from the source files to the output files
-in each rank. One process (world size 1) runs the same steps without a process group or torch.
+Only these small objects pass between ranks; the bytes go from the source files to the output
+files in each rank. They pass through a gloo group under torchrun and across nodes, and on one
+node through rank 0's hub (`hub`, `processes`: the launching process is rank 0, its workers need
+no torch). One process (world size 1) runs the same steps without either.
 """
 
 from __future__ import annotations
@@ -25,22 +27,26 @@ from ...dist.launch import LaunchOptions, launch, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
-from .jobs import open_job
+from ..offline.diff import DiffRequest
+from .dispatch import open_job
+from .hub import Hub
 from .plan import Plan, make_plan
-from .progress import SharedCount, Show
-from .staging import Staging, fingerprint, prepare, staging_path
+from .processes import start_workers, stop_workers
+from .progress import SharedCount, Show, stderr_progress
+from .staging import PartResult, Staging, fingerprint, prepare, staging_path
 
 PLAN_FILE = "plan-rank0.json"
+WORKERS_EXIT_SECONDS = 5.0  # after a run that succeeded, a worker still there is killed after this
 
 
 @dataclass(frozen=True)
 class SpreadTask:
     """What a spread command was asked: the command, its source and destination, its options."""
 
-    command: str  # "convert", "reshard" or "verify"
+    command: str  # "convert", "reshard", "verify" or "diff"
     src: str
     dst: str | None = None
-    request: ConvertRequest | None = None  # convert's
+    request: ConvertRequest | DiffRequest | None = None  # convert's or diff's
     world_size: int | None = None  # reshard's
     chunk_size: int = DEFAULT_CHUNK_SIZE
     overwrite: bool = False
@@ -49,7 +55,7 @@ class SpreadTask:
 
     @property
     def writes(self) -> bool:
-        return self.command != "verify"
+        return self.command in ("convert", "reshard")
 
 
 @dataclass
@@ -97,14 +103,15 @@ def _lead(task: SpreadTask, world_size: int) -> tuple[dict, Any]:
         job = open_task_job(task)
         plan = make_plan(job.files, world_size)
         digest = fingerprint(job.facts())
-        header = {"error": None, "plan": plan.to_json(), "digest": digest, "staging": None, "token": None}
+        header: dict[str, Any] = {"error": None, "plan": plan.to_json(), "digest": digest, "staging": None, "token": None, "kept": []}
         if task.writes:
             assert task.dst is not None
             dst = Path(task.dst)
             src = Path(getattr(getattr(job, "opened", None), "opened_from", task.src))
             staging, _ = prepare(dst, src=src, digest=digest, overwrite=task.overwrite, restart=task.restart, needed_bytes=plan.total_bytes)
             (staging.state / PLAN_FILE).write_text(json.dumps(plan.to_json()))
-            header.update(staging=str(staging.path), token=staging.token())
+            kept = [asdict(result) for result in staging.records().values()]  # read before any rank records a part
+            header.update(staging=str(staging.path), token=staging.token(), kept=kept)
         return header, job
     except FsdpkitError as error:
         if job is not None:
@@ -130,59 +137,61 @@ def view_problem(task: SpreadTask, job: Any, header: dict, rank: int) -> str | N
 
 
 def run_ranks(task: SpreadTask, comm: Any, show: Show | None = None) -> SpreadResult | None:
-    """This rank's part of the run (see the module docstring); rank 0 returns the result."""
-    header, job = _lead(task, comm.world_size) if comm.rank == 0 else (None, None)
-    header = comm.broadcast(header)
-    if header["error"] is not None:
-        _raise(*header["error"])
-    problem = None
+    """This rank's part of the run (see the module docstring); rank 0 returns the result. The
+    other ranks open the source while rank 0 plans; on one node rank 0 starts on its parts while
+    they do, and learns what they saw (`Views`) between its parts."""
+    header, job, problem = None, None, None
     try:
-        job = job or open_task_job(task)
-        problem = view_problem(task, job, header, comm.rank)
+        header, job = _lead(task, comm.world_size) if comm.rank == 0 else (None, open_task_job(task))
     except FsdpkitError as error:
         problem = f"rank {comm.rank} on {socket.gethostname()}: {error}"
-    problems = [line for line in comm.all_gather(problem) if line]
-    if problems or job is None:
+    header = comm.broadcast(header)
+    try:
+        if header["error"] is not None:
+            _raise(*header["error"])
+        try:
+            problem = problem or (view_problem(task, job, header, comm.rank) if job is not None else None)
+        except FsdpkitError as error:
+            problem = f"rank {comm.rank} on {socket.gethostname()}: {error}"
+        views = Views(comm, problem)
+        if views.ready() or job is None:
+            views.check()
+        return _work_and_commit(task, job, header, comm, show, views)
+    finally:
         if job is not None:
             job.close()
-        raise RunError(problems[0] if problems else f"rank {comm.rank}: the source was not opened")
-    try:
-        return _work_and_commit(task, job, header, comm, show)
-    finally:
-        job.close()
 
 
-def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: Show | None) -> SpreadResult | None:
+class Views:
+    """Every rank's line when it does not see what rank 0 sees, gathered: at once, or, where the
+    coordination can gather later (rank 0's hub), as soon as every rank has given its own."""
+
+    def __init__(self, comm: Any, problem: str | None):
+        later = getattr(comm, "gather_later", None)
+        if later is None:
+            values = comm.all_gather(problem)
+            self.ready, self.values = (lambda: True), (lambda: values)
+        else:
+            self.ready, self.values = later(problem)
+
+    def check(self) -> None:
+        problems = [line for line in self.values() if line]
+        if problems:
+            raise RunError(problems[0])
+
+
+def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: Show | None, views: Views) -> SpreadResult | None:
     plan = Plan.from_json(header["plan"])
     staging = Staging(Path(header["staging"])) if header["staging"] else None
-    kept = staging.records() if staging is not None else {}
-    comm.all_gather(None)  # every rank has read what earlier runs finished before any rank records this run's parts
+    kept = {(r["file"], r["index"]): PartResult(**r) for r in header["kept"]}
     mine = plan.parts_of(comm.rank)
     todo = [part for part in mine if (part.file, part.index) not in kept]
     left = plan.total_bytes - sum(r.end - r.begin for r in kept.values())
     total = job.source_bytes * left // max(1, plan.total_bytes)  # the count is of source bytes read
     count = SharedCount(comm.store, rank=comm.rank, world_size=comm.world_size, key="fsdpkit-spread", show=show, total=total)
     figures = RankFigures(comm.rank, socket.gethostname(), len(mine), len(mine) - len(todo), sum(p.nbytes for p in mine))
-    started, results, failure = time.monotonic(), [], None
-    count.post()
-    count.start()
-    try:
-        for number, part in enumerate(todo, 1):
-            try:
-                count.begin_part(plan.label(part))
-                faults.reached(task.command, number)
-                result = job.run_part(part, staging.path if staging else None, count.add)
-                if staging is not None:
-                    staging.record(result)
-            except (FsdpkitError, OSError, ValueError, AssertionError) as error:
-                kind = type(error).__name__ if isinstance(error, FsdpkitError) else "RunError"
-                failure = (kind, f"rank {comm.rank} on {figures.host}: {plan.label(part)}: {error}")
-                break
-            results.append(result)
-            figures.bytes_read += result.bytes_read
-        count.finished()
-    finally:
-        count.stop()
+    started = time.monotonic()
+    results, failure = _run_parts(task, job, plan, todo, staging, count, views, figures)
     figures.seconds = time.monotonic() - started
     gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
     failures = [f for f, _, _ in gathered if f is not None]
@@ -201,6 +210,38 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
         assert task.dst is not None
         staging.commit(Path(task.dst), overwrite=task.overwrite)
     return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), str(staging.path) if staging else None)
+
+
+def _run_parts(
+    task: SpreadTask, job: Any, plan: Plan, todo: list, staging: Staging | None, count: SharedCount, views: Views, figures: RankFigures
+):
+    """This rank's parts written (or checked) and recorded: (their results, the first failure);
+    a line of `views` (another rank does not see what rank 0 sees) is raised between parts."""
+    results: list[PartResult] = []
+    failure = None
+    count.post()
+    count.start()
+    try:
+        for number, part in enumerate(todo, 1):
+            if views.ready():
+                views.check()
+            try:
+                count.begin_part(plan.label(part))
+                faults.reached(task.command, number)
+                result = job.run_part(part, staging.path if staging else None, count.add)
+                if staging is not None:
+                    staging.record(result)
+            except (FsdpkitError, OSError, ValueError, AssertionError) as error:
+                kind = type(error).__name__ if isinstance(error, FsdpkitError) else "RunError"
+                failure = (kind, f"rank {figures.rank} on {figures.host}: {plan.label(part)}: {error}")
+                break
+            results.append(result)
+            figures.bytes_read += result.bytes_read
+        views.check()
+        count.finished()
+    finally:
+        count.stop()
+    return results, failure
 
 
 def _gather_naming_the_stopped(comm: Any, count: SharedCount, value: Any) -> list[Any]:
@@ -258,8 +299,6 @@ def spread_worker(task: SpreadTask) -> SpreadResult | None:
 
     import torch.distributed as dist
 
-    from .progress import stderr_progress
-
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=task.timeout))
     show, close = stderr_progress(task.command) if dist.get_rank() == 0 else (None, lambda: None)
     try:
@@ -309,6 +348,8 @@ def run_spread(task: SpreadTask, options: LaunchOptions, show: Show | None = Non
         return spread_worker(task)
     if options.nnodes == 1 and options.nproc_per_node == 1:
         return run_ranks(task, Solo(), show)
+    if options.nnodes == 1:
+        return run_on_this_node(task, options.local_processes)
     if options.node_rank == 0:  # bad input: one line and exit 2 (or 3) here, before any worker starts
         header, job = _lead(task, options.world_size)
         if job is not None:
@@ -319,3 +360,22 @@ def run_spread(task: SpreadTask, options: LaunchOptions, show: Show | None = Non
         return launch(spread_worker, task, options=options).get(0)
     except RunError as error:
         raise RunError(failed_part_line(task, str(error))) from None
+
+
+def run_on_this_node(task: SpreadTask, world_size: int) -> SpreadResult | None:
+    """Rank 0 here, its workers (`processes`) started first: they start and open the source while
+    rank 0 opens it and plans. Bad input is rank 0's one line; the workers then leave, having
+    written nothing."""
+    hub = Hub(world_size, task.timeout, task)
+    show, close = stderr_progress(task.command)
+    grace = 0.5
+    try:
+        start_workers(hub)
+        result = run_ranks(task, hub, show)
+        grace = WORKERS_EXIT_SECONDS
+        return result
+    except RunError as error:
+        raise RunError(failed_part_line(task, str(error))) from None
+    finally:
+        close()
+        stop_workers(hub, grace=grace)

@@ -15,7 +15,7 @@ directory, or a URL's prefix); a storage never sees a path outside its root.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -49,7 +49,7 @@ class Storage(Protocol):
 
     def read_blocks(
         self, name: str, ranges: Iterable[tuple[int, int]], *, block_bytes: int = READ_BLOCK_BYTES
-    ) -> Iterator[tuple[int, memoryview]]:
+    ) -> Generator[tuple[int, memoryview], None, None]:
         """(offset, bytes) of `ranges` of object `name` in order, blocks of at most `block_bytes`;
         a block is valid until the next is taken."""
         ...

@@ -10,7 +10,7 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
 
 from ...errors import DataCheckError, RunError
@@ -50,7 +50,7 @@ class LocalStorage:
 
     def read_blocks(
         self, name: str, ranges: Iterable[tuple[int, int]], *, block_bytes: int = READ_BLOCK_BYTES
-    ) -> Iterator[tuple[int, memoryview]]:
+    ) -> Generator[tuple[int, memoryview], None, None]:
         buffer = memoryview(bytearray(block_bytes))
         with self._open(name) as (fd, _):
             for start, end in ranges:

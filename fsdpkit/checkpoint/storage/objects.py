@@ -1,7 +1,8 @@
 """The storage face over an object store (S3, GCS, Azure) through obstore, Rust's object_store:
 requests run outside the GIL, several in flight. Reads are streamed GETs of segments of
-SEGMENT_BYTES, the next requested while one is consumed, issued in offset order, each read
-ahead a few blocks (bounded memory, each byte fetched once, one request per segment); writes are multipart uploads of PART_BYTES
+SEGMENT_BYTES, the next requested while one is read, issued in offset order, each read ahead
+a few blocks (bounded memory, each byte fetched once, one request per segment; a stream cut
+midway obstore resumes where it stopped); writes are multipart uploads of PART_BYTES
 parts, PARTS_IN_FLIGHT at once, aborted when the stream fails; the commit is one PUT, the
 conditional create a PUT with `If-None-Match: *`. Throttling (503 SlowDown), other 5xx answers
 and dropped connections are retried with exponential backoff and jitter; what still fails is
@@ -14,7 +15,7 @@ import queue
 import re
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -30,8 +31,10 @@ RETRY_TIMEOUT = timedelta(minutes=3)
 BACKOFF = {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}
 DELETE_BATCH = 1000
 SEGMENT_BYTES = 256 << 20  # one streamed GET (memory is bounded by the blocks read ahead, not by this)
-SEGMENTS_IN_FLIGHT = 2  # the next segment is requested while one is consumed
-BLOCKS_AHEAD = 2  # blocks a segment's stream reads ahead: at most SEGMENTS_IN_FLIGHT * (BLOCKS_AHEAD + 1) blocks held
+SEGMENTS_IN_FLIGHT = 2  # the next segment is requested while one is read
+BLOCKS_AHEAD = 2  # blocks' worth of bytes a segment's stream reads ahead: at most SEGMENTS_IN_FLIGHT * (BLOCKS_AHEAD + 1) blocks held
+# the pieces a stream hands over: obstore joins the body's frames into them, a copy that costs more the larger they are
+CHUNK_BYTES = 1 << 20
 
 
 class ObjectStorage:
@@ -78,58 +81,60 @@ class ObjectStorage:
 
     def read_blocks(
         self, name: str, ranges: Iterable[tuple[int, int]], *, block_bytes: int = READ_BLOCK_BYTES
-    ) -> Iterator[tuple[int, memoryview]]:
-        """Streamed GETs of segments of at most SEGMENT_BYTES, SEGMENTS_IN_FLIGHT of them at once
-        (the next requested while one is consumed), each read ahead at most BLOCKS_AHEAD blocks."""
+    ) -> Generator[tuple[int, memoryview], None, None]:
+        """Streamed GETs of segments of at most SEGMENT_BYTES, issued in offset order: the
+        segment being read streams in this thread, and the next SEGMENTS_IN_FLIGHT - 1 are
+        requested meanwhile, each read ahead at most BLOCKS_AHEAD blocks by a thread of its own
+        (an object of one segment, the most common, needs no thread)."""
         segments = [(offset, min(offset + SEGMENT_BYTES, end)) for start, end in ranges for offset in range(start, end, SEGMENT_BYTES)]
+        chunk_bytes = min(block_bytes, CHUNK_BYTES)
         stop = threading.Event()
-        with ThreadPoolExecutor(SEGMENTS_IN_FLIGHT, thread_name_prefix="fsdpkit-get") as pool:
-            queues: deque[queue.Queue] = deque()
+        ahead: deque[queue.Queue] = deque()  # the segments after the one read here, in order
+        with ThreadPoolExecutor(SEGMENTS_IN_FLIGHT - 1, thread_name_prefix="fsdpkit-get") as pool:
             try:
-                for index, (start, _) in enumerate(segments):
-                    while len(queues) < SEGMENTS_IN_FLIGHT and index + len(queues) < len(segments):
-                        ahead = segments[index + len(queues)]
-                        queues.append(queue.Queue(BLOCKS_AHEAD))
-                        pool.submit(self._stream, name, *ahead, block_bytes, queues[-1], stop)
-                    yield from self._drained(queues.popleft(), start, block_bytes)
+                for index, (start, end) in enumerate(segments):
+                    chunks = _drained(ahead.popleft()) if index else self._chunks(name, start, end, chunk_bytes)
+                    while len(ahead) < SEGMENTS_IN_FLIGHT - 1 and (following := index + 1 + len(ahead)) < len(segments):
+                        ahead.append(queue.Queue(max(1, BLOCKS_AHEAD * block_bytes // chunk_bytes)))
+                        pool.submit(self._read_ahead, name, *segments[following], chunk_bytes, ahead[-1], stop)
+                    yield from _blocks(chunks, start, block_bytes)
             finally:
                 stop.set()
-                for waiting in queues:  # unblock producers still putting
+                for waiting in ahead:  # unblock threads still putting
                     with contextlib.suppress(queue.Empty):
                         while True:
                             waiting.get_nowait()
 
-    def _stream(self, name: str, start: int, end: int, block_bytes: int, into: queue.Queue, stop: threading.Event) -> None:
-        """Put the bytes [start, end) of object `name` into `into` as they arrive, then None; an
-        error in their place. A stream cut after some bytes resumes where it stopped."""
+    def _chunks(self, name: str, start: int, end: int, chunk_bytes: int) -> Iterator[Any]:
+        """The bytes [start, end) of object `name` as they arrive, in pieces of at least
+        `chunk_bytes` (but the last); the GET is issued now, before the first piece is taken.
+        obstore resumes a stream cut midway from the byte where it stopped."""
         import obstore
 
-        position, resumed = start, 0
-        while position < end and not stop.is_set():
-            try:
-                result = self._call(obstore.get, name, options={"range": (position, end)})
-                for chunk in result.stream(min_chunk_size=block_bytes):
-                    position += len(chunk)
-                    while not stop.is_set():
-                        with contextlib.suppress(queue.Full):
-                            into.put(chunk, timeout=0.5)
-                            break
-            except Exception as error:
-                resumed += 1
-                if resumed > RETRIES or isinstance(error, FsdpkitError):
-                    into.put(error if isinstance(error, FsdpkitError) else _translated(error, self.where(name), "read"))
-                    return
-        into.put(None)
+        return self._streamed(self._call(obstore.get, name, options={"range": (start, end)}), name, start, end, chunk_bytes)
 
-    def _drained(self, source: queue.Queue, start: int, block_bytes: int) -> Iterator[tuple[int, memoryview]]:
+    def _streamed(self, result: Any, name: str, start: int, end: int, chunk_bytes: int) -> Iterator[Any]:
         position = start
-        while (chunk := source.get()) is not None:
-            if isinstance(chunk, Exception):
-                raise chunk
-            view = memoryview(chunk)
-            for first in range(0, len(view), block_bytes):
-                yield position + first, view[first : first + block_bytes]
-            position += len(view)
+        try:
+            for chunk in result.stream(min_chunk_size=chunk_bytes):
+                position += len(chunk)
+                yield chunk
+        except Exception as error:
+            raise _translated(error, self.where(name), "read") from None
+        if position < end:
+            raise DataCheckError(f"{self.where(name)}: object ends at byte {position}, {end - position} bytes early (truncated)")
+
+    def _read_ahead(self, name: str, start: int, end: int, chunk_bytes: int, into: queue.Queue, stop: threading.Event) -> None:
+        """Put the pieces of bytes [start, end) of object `name` into `into`, then None; an
+        error in their place. A reader that stopped ends it."""
+        try:
+            for chunk in self._chunks(name, start, end, chunk_bytes):
+                if not _put(into, chunk, stop):
+                    return
+        except FsdpkitError as error:
+            _put(into, error, stop)
+            return
+        _put(into, None, stop)
 
     def list(self, prefix: str = "") -> dict[str, int]:
         import obstore
@@ -221,6 +226,33 @@ class _ObjectStream:
             return written
         except Exception as error:
             raise _translated(error, self._where, "write") from None
+
+
+def _drained(source: queue.Queue) -> Iterator[Any]:
+    """The pieces a read-ahead thread puts into `source`, up to its None; its error raised."""
+    while (chunk := source.get()) is not None:
+        if isinstance(chunk, Exception):
+            raise chunk
+        yield chunk
+
+
+def _blocks(chunks: Iterable[Any], start: int, block_bytes: int) -> Iterator[tuple[int, memoryview]]:
+    """(offset, view) of `chunks`, the bytes from `start` on, cut into blocks of at most `block_bytes`."""
+    position = start
+    for chunk in chunks:
+        view = memoryview(chunk)
+        for first in range(0, len(view), block_bytes):
+            yield position + first, view[first : first + block_bytes]
+        position += len(view)
+
+
+def _put(into: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """`item` put into `into` once there is room, unless the reader stops first (False)."""
+    while not stop.is_set():
+        with contextlib.suppress(queue.Full):
+            into.put(item, timeout=0.5)
+            return True
+    return False
 
 
 class _Missing(DataCheckError):

@@ -5,7 +5,11 @@ streamed from the file in blocks), then the commit object alone (a manifest, DCP
 destination loses its commit object before anything else is written, so no reader takes a mix
 of old and new objects for a checkpoint; objects of the old checkpoint the new one does not
 replace are removed last. A failed upload aborts its multipart uploads, removes what it
-uploaded and commits nothing."""
+uploaded and commits nothing.
+
+WRITING_MARKER is written before anything else and removed after the commit: a destination that
+holds it and no commit object is what an interrupted write (a killed process) left, which no
+reader takes for a checkpoint and a rerun replaces without --overwrite."""
 
 from __future__ import annotations
 
@@ -26,15 +30,21 @@ COMMIT_NAMES = (
     "model.safetensors.index.json",
     "model.safetensors",
 )  # the first of these the output holds is its commit object
+WRITING_MARKER = ".fsdpkit-writing"  # present while a publish is under way
 
 
 def check_destination(storage: Storage, *, overwrite: bool) -> dict[str, int]:
     """The objects already under the destination (name -> size); a UsageError when there are any
     and `overwrite` is not given."""
     existing = storage.list()
-    if existing and not overwrite:
+    if existing and not overwrite and not interrupted(existing):
         raise UsageError(f"destination {storage.root} already holds {len(existing)} objects; pass --overwrite to replace them")
     return existing
+
+
+def interrupted(existing: dict[str, int]) -> bool:
+    """`existing` is what an interrupted publish left: its marker, and no commit object."""
+    return WRITING_MARKER in existing and not any(name in existing for name in COMMIT_NAMES)
 
 
 def publish(directory: Path, storage: Storage, existing: dict[str, int], progress: Callable[[int], None] | None = None) -> list[str]:
@@ -43,6 +53,7 @@ def publish(directory: Path, storage: Storage, existing: dict[str, int], progres
     names = sorted(source.list())
     commit = next((name for name in COMMIT_NAMES if name in names), None)
     old_commits = [name for name in COMMIT_NAMES if name in existing]
+    storage.put(WRITING_MARKER, b"")
     storage.delete(old_commits)
     data = [name for name in names if name != commit]
     try:
@@ -53,9 +64,10 @@ def publish(directory: Path, storage: Storage, existing: dict[str, int], progres
             _upload(source, storage, commit, progress)
     except BaseException:
         with contextlib.suppress(Exception):  # the first failure is the one to report
-            storage.delete(data)
+            storage.delete(data if existing else [*data, WRITING_MARKER])  # over an old checkpoint, the marker says what is left
         raise
-    storage.delete(sorted(set(existing) - set(names) - set(old_commits)))
+    storage.delete(sorted(set(existing) - set(names) - set(old_commits) - {WRITING_MARKER}))
+    storage.delete([WRITING_MARKER])
     return names
 
 

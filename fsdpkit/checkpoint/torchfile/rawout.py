@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
@@ -18,6 +19,19 @@ from ..core.files import IOV_MAX, copy_range, create, open_regular, read_exactly
 
 BUFFER_BYTES = 8 * 1024 * 1024
 KERNEL_COPY_BYTES = 64 * 1024  # byte ranges at least this large are copied by the kernel
+
+
+class ByteOutput(Protocol):
+    """What a file's contents are appended to: a `RawOutput`, or a byte range of a file written in parts."""
+
+    path: Path
+    position: int
+
+    def write(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    def copy(self, source: SourceTensor, wanted: ElementRange) -> None: ...
+
+    def copy_via_engine(self, source: SourceTensor, wanted: ElementRange, dtype: str) -> None: ...
 
 
 class RawOutput:

@@ -1,0 +1,87 @@
+"""Rank 0's hub, which coordinates a spread run on one node without torch: every rank gets every
+rank's value and rank 0's broadcast, the workers' posts reach rank 0's store; a rank still
+posting its progress is waited for however long it takes, a silent one is named once the
+timeout passes, and one whose process exited is named with how it exited."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from fsdpkit.checkpoint.spread.hub import Hub, HubClient
+from fsdpkit.errors import RunError
+
+
+def _worker(hub: Hub, rank: int, body, out: dict) -> threading.Thread:
+    def run() -> None:
+        client = HubClient(hub.address, hub.key, rank, hub.world_size)
+        try:
+            out[rank] = body(client)
+        except RunError as error:
+            out[rank] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_every_rank_gets_every_value_and_the_posts_reach_rank_0():
+    hub = Hub(3, 30.0, task={"command": "convert"})
+    out: dict = {}
+
+    def body(client: HubClient):
+        header = client.broadcast(None)
+        client.store.set(f"count/{client.rank}", str(10 * client.rank))
+        return client.task, header, client.all_gather(client.rank * 2), client.store.check(["count/0"])
+
+    threads = [_worker(hub, rank, body, out) for rank in (1, 2)]
+    assert hub.broadcast("plan") == "plan"
+    hub.store.set("count/0", "0")
+    assert hub.all_gather(0) == [0, 2, 4]
+    for thread in threads:
+        thread.join(10)
+    assert out[1] == ({"command": "convert"}, "plan", [0, 2, 4], True) and out[2][2] == [0, 2, 4]
+    assert int(hub.store.get("count/2")) == 20
+    hub.close()
+
+
+def test_a_rank_still_posting_its_progress_is_waited_for_past_the_timeout():
+    hub = Hub(2, 0.5, task=None)
+    out: dict = {}
+
+    def slow(client: HubClient):
+        for step in range(12):  # 1.2 s of work, posting every 0.1 s: more than twice the timeout
+            client.store.set("count/1", str(step))
+            time.sleep(0.1)
+        return client.all_gather("done")
+
+    thread = _worker(hub, 1, slow, out)
+    assert hub.all_gather("rank 0 done") == ["rank 0 done", "done"]
+    thread.join(10)
+    hub.close()
+
+
+def test_a_silent_rank_is_named_once_the_timeout_passes():
+    hub = Hub(2, 0.3, task=None)
+    _worker(hub, 1, lambda client: time.sleep(5), {})
+    with pytest.raises(RunError, match=r"^rank 1 did not answer within --timeout 0.3 s$"):
+        hub.all_gather(None)
+    hub.close()
+
+
+def test_a_rank_whose_process_exited_is_named():
+    hub = Hub(3, 30.0, task=None)
+    hub.processes[2] = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    out: dict = {}
+    _worker(hub, 1, lambda client: client.all_gather("one"), out)
+    with pytest.raises(RunError, match=r"^worker rank 2 exited with code 3$"):
+        hub.all_gather("zero")
+    deadline = time.monotonic() + 10
+    while 1 not in out and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert isinstance(out[1], RunError) and "worker rank 2 exited with code 3" in str(out[1])  # the worker's gather fails too
+    hub.close()

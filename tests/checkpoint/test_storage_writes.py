@@ -1,0 +1,73 @@
+"""Writes to object storage interrupted, against moto's S3 server through the real CLI: a
+`reshard ... s3://` SIGKILLed while the proxy holds one of its uploads leaves no commit object,
+`inspect` of the prefix finds no checkpoint, and the same command run again succeeds without
+--overwrite and writes, object for object, what the command writes to a local directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("obstore", reason="the cloud extra installs obstore")
+
+from support.checkpoint_files import run_cli, sample_optimizer, sample_tensors, save_checkpoint  # noqa: E402
+from support.fault_proxy import FaultProxy  # noqa: E402
+from support.object_store import s3_client  # noqa: E402
+
+FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
+
+
+def _objects(endpoint: str, bucket: str, prefix: str) -> dict[str, bytes]:
+    client = s3_client(endpoint)
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])
+    return {item["Key"][len(prefix) + 1 :]: client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read() for item in listed}
+
+
+def test_a_reshard_killed_mid_upload_commits_nothing_and_runs_again(s3_bucket, s3_endpoint, tmp_path):
+    params = sample_tensors()
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, {**params, **sample_optimizer(params)}, world_size=2)
+    url = f"s3://{s3_bucket}/out"
+    command = [FSDPKIT, "reshard", str(run), url, "--world-size", "3"]
+    with FaultProxy(s3_endpoint, fraction=1.0, kinds=("hold",), methods=("PUT", "POST"), only="out/rank-00001") as proxy:
+        env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url}
+        killed = subprocess.Popen(
+            command, env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            assert proxy.held.wait(60), "the upload of rank 1's file never started"
+        finally:
+            os.killpg(killed.pid, signal.SIGKILL)
+            killed.wait()
+    left = _objects(s3_endpoint, s3_bucket, "out")
+    assert "manifest.json" not in left and left  # something went up, not the commit object
+    result = run_cli("inspect", url)
+    assert result.exit_code != 0 and result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
+    assert run_cli("reshard", str(run), url, "--world-size", "3").exit_code == 0  # no --overwrite needed
+    assert run_cli("reshard", str(run), str(tmp_path / "local"), "--world-size", "3").exit_code == 0
+    local = {
+        path.relative_to(tmp_path / "local").as_posix(): path.read_bytes() for path in (tmp_path / "local").rglob("*") if path.is_file()
+    }
+    assert _objects(s3_endpoint, s3_bucket, "out") == local
+    assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    again = run_cli("reshard", str(run), url, "--world-size", "3")
+    assert again.exit_code == 2 and "pass --overwrite" in again.output  # a whole checkpoint is never replaced unasked
+
+
+def test_the_lock_of_a_run_in_a_bucket_is_one_conditional_create(s3_bucket, s3_endpoint):
+    from fsdpkit.checkpoint.format.lock import RunLock
+    from fsdpkit.errors import UsageError
+
+    url = f"s3://{s3_bucket}/runs/locked"
+    first = RunLock.acquire(url, run_id="run-a")
+    with pytest.raises(UsageError, match=f"{url} is in use by another run: pid {os.getpid()} on .* \\(run run-a\\) holds {url}/.lock"):
+        RunLock.acquire(url, run_id="run-b")  # this process is alive: never taken over
+    first.release()
+    assert _objects(s3_endpoint, s3_bucket, "runs/locked") == {}
+    with RunLock.acquire(url, run_id="run-b") as second:
+        assert second.run_id == "run-b" and b'"run": "run-b"' in _objects(s3_endpoint, s3_bucket, "runs/locked")[".lock"]
