@@ -166,6 +166,9 @@ def test_convert_with_optimizer_and_train_resumes(trained, tmp_path):
     with fsdpkit.open_checkpoint(tmp_path / "sharded") as converted:
         steps = [converted.get_tensor(n).item() for n in converted.optimizer if n.startswith("optim.step.")]
         assert steps == [3.0] * (len(expected) // 2)
+    spread = ["convert", root / "dp", tmp_path / "spread", "--to", "sharded", "--world-size", "2", "--nproc-per-node", "2"]
+    refused = run_cli(*spread, "--with-optimizer")  # the step has no scratch file to come from there
+    assert refused.exit_code == 2 and "convert in one process" in refused.output and not (tmp_path / "spread").exists()
     common = ["--model", f"hf:{tmp_path / 'full'}", "--nproc-per-node", "2", "--seq-len", "8", "--global-batch-size", "4", "--json"]
     resumed = run_cli("train", *common, "--resume", tmp_path / "sharded", "--steps", "4", "--save-dir", tmp_path / "resumed")
     assert resumed.exit_code == 0, resumed.output
