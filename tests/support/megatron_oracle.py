@@ -31,11 +31,7 @@ import torch.multiprocessing as mp
 
 STYLES = ("llama", "qwen2", "gpt")
 OPTIMIZER_SHARDING = "dp_reshardable"  # Megatron-LM's default distributed optimizer format, recorded in content_metadata
-OPTIMIZER_ON_CPU = (
-    "megatron-core 0.16.1's DistributedOptimizer cannot be built on CPU: MixedPrecisionOptimizer.__init__ allocates "
-    "torch.tensor(..., device='cuda') (optimizer/optimizer.py:473-485) and DistributedOptimizer refuses any parameter whose "
-    "type() is not 'torch.cuda.FloatTensor'/'HalfTensor'/'BFloat16Tensor' (optimizer/distrib_optimizer.py:361-435)"
-)
+OPTIMIZER_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 
 
 @dataclass(frozen=True)
@@ -107,8 +103,8 @@ def save_checkpoint(
     integrity: bool = False,
 ) -> torch.Tensor | None:
     """Megatron writes a `torch_dist` checkpoint of a seeded model into `directory` (as Megatron-LM
-    does: model, args, checkpoint_version, iteration, rng_state; no optimizer, see
-    OPTIMIZER_ON_CPU). `backend` "zarr" is the legacy format (megatron-core <= 0.15 with zarr 2). `layout`
+    does: model, args, checkpoint_version, iteration, rng_state; no optimizer: `train_and_save`
+    writes one). `backend` "zarr" is the legacy format (megatron-core <= 0.15 with zarr 2). `layout`
     "nemo2" writes what NeMo 2's MegatronStrategy saves into a checkpoint's `weights/`: model keys
     under "module.", and Lightning's entries as the common state instead of Megatron-LM's.
     `integrity` (megatron-core >= 0.19) adds `integrity.json`, the SHA-256 of every file. With `iteration`, `directory` is a
@@ -118,6 +114,44 @@ def save_checkpoint(
     job = {"kind": "save", "directory": directory, "shape": asdict(model_shape), "tokens": tokens, "seed": seed}
     job.update(iteration=iteration, backend=backend, layout=layout, integrity=integrity)
     return _launch(job, parallel)
+
+
+def train_and_save(
+    directories: dict[str, str],
+    model_shape: MegatronShape,
+    *,
+    seed: int = 0,
+    parallel: Parallel = Parallel(tp=2, pp=1, dp=2),
+    steps: int = 3,
+    bucket_size: int | None = None,
+    bf16: bool = False,
+    moments_directory: str | None = None,
+) -> None:
+    """Megatron-LM's training as far as the checkpoint sees it: the seeded model wrapped in
+    Megatron's DistributedDataParallel with its DistributedOptimizer (Adam with decoupled weight
+    decay, Megatron's default param groups: no decay on biases and norms), `steps` real steps on
+    seeded tokens (a two-stage pipeline by hand where pp is 2; the tied embedding's gradients
+    all-reduced by Megatron's finalize_model_grads), then one save of model and optimizer per
+    entry of `directories` ({sharding type: directory}, from OPTIMIZER_SHARDINGS), all of the same
+    trained state. `bucket_size` (elements) splits the grad buffers into buckets as Megatron-LM's
+    --overlap-grad-reduce does; None: one bucket per buffer. `bf16`: bf16 parameters with fp32
+    main parameters. `moments_directory`: Megatron's own view of the trained Adam state, for
+    `moments` (see `_save_moments`). On CPU with gloo, see `_optimizer_cpu_shims`.
+
+    (Megatron's `fully_reshardable` save is no oracle for the moments: 0.16.1 places a bucket's
+    parameters by their index in the padded buffer within its unpadded gather, so where a bucket
+    ends off a multiple of lcm(DP, 128), e.g. before the tied embedding's own bucket at PP > 1,
+    the next bucket's parameters come out shifted.)"""
+    job = {"kind": "train", "directories": directories, "shape": asdict(model_shape), "seed": seed, "steps": steps}
+    job.update(bucket_size=bucket_size, bf16=bf16, moments_directory=moments_directory)
+    _launch(job, parallel)
+
+
+def moments(moments_directory: str) -> dict[str, dict[str, torch.Tensor]]:
+    """{state: {checkpoint key: tensor}}: Megatron's view of the Adam state that
+    `train_and_save(..., moments_directory=...)` saved, read whole by Megatron's own
+    `dist_checkpointing.load_plain_tensors`."""
+    return {state: plain_tensors(os.path.join(moments_directory, state)) for state in ("exp_avg", "exp_avg_sq")}
 
 
 def forward_logits(model_shape: MegatronShape, tokens: torch.Tensor, *, seed: int = 0, parallel: Parallel = Parallel()) -> torch.Tensor:
@@ -253,7 +287,7 @@ def _init_parallel(parallel: Parallel) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp)
 
 
-def _transformer_config(s: MegatronShape, parallel: Parallel):  # type: ignore[no-untyped-def]
+def _transformer_config(s: MegatronShape, parallel: Parallel, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.utils import openai_gelu
@@ -274,8 +308,9 @@ def _transformer_config(s: MegatronShape, parallel: Parallel):  # type: ignore[n
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -287,14 +322,14 @@ def _transformer_config(s: MegatronShape, parallel: Parallel):  # type: ignore[n
     )
 
 
-def _build_model(s: MegatronShape, parallel: Parallel, seed: int):  # type: ignore[no-untyped-def]
+def _build_model(s: MegatronShape, parallel: Parallel, seed: int, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     torch.manual_seed(seed)
     model = GPTModel(
-        config=_transformer_config(s, parallel),
+        config=_transformer_config(s, parallel, dtype),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=s.normalization),
         vocab_size=s.vocab_size,
         max_sequence_length=s.max_position_embeddings,
@@ -406,6 +441,173 @@ def _job_save(job: dict, parallel: Parallel) -> torch.Tensor | None:
     return logits
 
 
+def _optimizer_cpu_shims() -> None:
+    """megatron-core's DistributedOptimizer assumes CUDA in three places, shimmed here for the
+    oracle's process only: MixedPrecisionOptimizer.__init__ allocates torch.tensor(...,
+    device='cuda') and the grad buffers go to torch.cuda.current_device() (both land on the CPU
+    through a torch function mode), and DistributedOptimizer takes only parameters whose type() is
+    'torch.cuda.FloatTensor'/'HalfTensor'/'BFloat16Tensor' (a CPU float tensor reports its CUDA
+    type name)."""
+    from torch.overrides import TorchFunctionMode
+
+    class OnCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = dict(kwargs or {})
+            device = kwargs.get("device")
+            if device == "cpu" or device is None:
+                return func(*args, **kwargs)
+            if isinstance(device, int) or torch.device(device).type == "cuda":
+                kwargs["device"] = "cpu"
+            return func(*args, **kwargs)
+
+    OnCpu().__enter__()  # for the rest of this spawned process
+    cpu_type = torch.Tensor.type
+    cuda_names = {"torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Tensor"}
+
+    def reported_type(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if args or kwargs:
+            return cpu_type(self, *args, **kwargs)
+        name = cpu_type(self)
+        return name.replace("torch.", "torch.cuda.", 1) if name in cuda_names else name
+
+    torch.Tensor.type = reported_type  # type: ignore[method-assign,assignment]
+
+
+def _train_step(model, tokens: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    """One forward and backward of next-token loss through one or two pipeline stages (DDP's
+    hooks gather the gradients into its buffers)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+    hidden = None
+    if not first:
+        hidden = torch.empty(seq, batch, model.config.hidden_size, dtype=model.config.params_dtype)
+        dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+        hidden.requires_grad_()
+        model.module.set_input_tensor(hidden)
+    labels = torch.roll(tokens, -1, dims=1)
+    out = model(tokens, positions, mask, labels=labels if last else None)
+    if last:
+        out.float().mean().backward()
+        if hidden is not None:
+            dist.send(hidden.grad.contiguous(), dst=parallel_state.get_pipeline_model_parallel_prev_rank())
+        return
+    dist.send(out.detach().contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+    grad = torch.empty_like(out)
+    dist.recv(grad, src=parallel_state.get_pipeline_model_parallel_next_rank())
+    out.backward(grad)
+
+
+def _job_train(job: dict, parallel: Parallel) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    _optimizer_cpu_shims()
+    _init_parallel(parallel)
+    s = MegatronShape(**job["shape"])
+    dtype = torch.bfloat16 if job["bf16"] else torch.float32
+    module = _build_model(s, parallel, job["seed"], dtype)
+    overlap = job["bucket_size"] is not None
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, bucket_size=job["bucket_size"]
+    )
+    if job["bf16"]:  # Megatron-LM's wrapper: inputs cast to bf16, the last stage's output back to fp32
+        from megatron.core.transformer.module import Float16Module
+
+        model = DistributedDataParallel(module.config, ddp_config, Float16Module(module.config, module))
+    else:
+        model = DistributedDataParallel(module.config, ddp_config, module)
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=1e-3, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+        use_distributed_optimizer=True, bf16=job["bf16"], params_dtype=dtype,
+    )  # fmt: skip
+    optimizer = get_megatron_optimizer(optimizer_config, [model])
+    generator = torch.Generator().manual_seed(1000 + job["seed"] + parallel_state.get_data_parallel_rank())
+    for _ in range(job["steps"]):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        _train_step(model, torch.randint(0, s.vocab_size, (2, 8), generator=generator))
+        finalize_model_grads([model])
+        stepped, _, _ = optimizer.step()
+        assert stepped, "Megatron's optimizer skipped a step"
+    _save_trained(job, parallel, s, module, optimizer, dtype, overlap)
+    if job["moments_directory"] is not None:
+        fp32 = module if dtype == torch.float32 else _build_model(s, parallel, job["seed"], torch.float32)  # holds fp32 moments
+        _save_moments(job["moments_directory"], module, optimizer, fp32)
+
+
+def _save_trained(job: dict, parallel: Parallel, s: MegatronShape, module, optimizer, dtype: torch.dtype, overlap: bool) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    for sharding, root in job["directories"].items():
+        metadata = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        args = megatron_lm_args(s, parallel, job["steps"])
+        args.dist_ckpt_optim_fully_reshardable = sharding == "fully_reshardable"
+        args.overlap_grad_reduce, args.ddp_bucket_size = overlap, job["bucket_size"]
+        args.bf16, args.params_dtype, args.adam_beta2, args.weight_decay = job["bf16"], dtype, 0.95, 0.01
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": job["steps"], "num_floating_point_operations_so_far": 0}
+        state["model"] = module.sharded_state_dict(metadata=metadata)
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=metadata)
+        state["rng_state"] = _rng_state(parallel)
+        if dist.get_rank() == 0:
+            os.makedirs(root, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(state, root, sharded_strategy=("torch_dist", 1), content_metadata=metadata)
+        dist.barrier()
+
+
+def _save_moments(root: str, module, optimizer, fp32) -> None:  # type: ignore[no-untyped-def]
+    """Megatron's own view of each parameter's Adam state: the inner optimizer's state of every
+    data-parallel rank's share of the parameter (found by the parameter itself, through the
+    DistributedOptimizer's own range map), summed over the data-parallel group into the whole
+    (tensor-parallel-local) parameter, copied into the parameter of `fp32` (the model itself, or
+    its float32 twin for a bf16 model), and saved through that model's own sharded state dict,
+    so `root/<state>/` holds the state under the model's checkpoint keys, laid out by Megatron
+    (layers stacked, QKV and fc1 as the model's)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    assert len(inner) == 1, "one distributed optimizer expected"
+    distributed = inner[0]
+    group = parallel_state.get_data_parallel_group()
+    params = [p for _, p in module.named_parameters()]
+    gathered: dict[str, list[torch.Tensor]] = {"exp_avg": [], "exp_avg_sq": []}
+    ranges = {
+        p: m
+        for gbuf in distributed.gbuf_ranges
+        for by_dtype in gbuf.values()
+        for bucket in by_dtype
+        for p, m in bucket["param_map"].items()
+    }
+    for param in params:
+        held = distributed._get_main_param_and_optimizer_states(param) if param in ranges else {}
+        for state, found in gathered.items():
+            whole = torch.zeros(param.numel(), dtype=torch.float32)
+            if param in ranges:
+                span = ranges[param]["param"]
+                whole[span.start : span.end] = held[state].float()
+            dist.all_reduce(whole, group=group)
+            found.append(whole)
+    targets = [p for _, p in fp32.named_parameters()]
+    for state, found in gathered.items():
+        with torch.no_grad():
+            for param, whole in zip(targets, found, strict=True):
+                param.copy_(whole.view_as(param))
+        directory = os.path.join(root, state)
+        if dist.get_rank() == 0:
+            os.makedirs(directory, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({"model": fp32.sharded_state_dict()}, directory, sharded_strategy=("torch_dist", 1))
+        dist.barrier()
+
+
 def _nemo2_state(model, step: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """NeMo 2's MegatronStrategy.save_checkpoint: Lightning's checkpoint dict with the Megatron
     module's sharded state dict under "module." (MegatronParallel's prefix for the wrapped model)."""
@@ -465,4 +667,4 @@ def _job_common(job: dict, parallel: Parallel) -> dict[str, Any]:
     return dict(dist_checkpointing.load_common_state_dict(job["directory"]))
 
 
-_JOBS = {"save": _job_save, "forward": _job_forward, "load": _job_load, "plain": _job_plain, "common": _job_common}
+_JOBS = {"train": _job_train, "save": _job_save, "forward": _job_forward, "load": _job_load, "plain": _job_plain, "common": _job_common}

@@ -26,6 +26,8 @@ from .names import DATA_SOURCE_KEY, is_optimizer_tensor, split_optim_tensor_name
 if TYPE_CHECKING:
     import torch
 
+OPTIMIZER_NOT_CONVERTED = "optimizer_not_converted"  # a fact: why the source's optimizer state cannot be converted
+
 
 @dataclass
 class AnyCheckpoint:
@@ -42,6 +44,7 @@ class AnyCheckpoint:
     opened_from: str = ""  # the path it was opened by (a run directory, where `path` is its step), likewise
     groups: list[dict] = field(default_factory=list)  # the optimizer's param groups: [{"settings", "params"}]
     step: int = 0  # optimizer steps taken
+    step_once: bool = False  # the step is recorded once (Megatron's param groups), not as a tensor per parameter
     export: HfExport | None = None  # the export recipe it records
     world_size: int = 1  # ranks it was saved by
     facts: dict[str, Any] = field(default_factory=dict)  # what a convert report says of the source

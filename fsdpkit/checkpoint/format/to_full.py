@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
+from ..core.any_checkpoint import OPTIMIZER_NOT_CONVERTED
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.export import CONFIG_NAME, LAYOUT_METADATA_KEY, ExportLayout, HfExport
 from ..core.files import read_regular
@@ -115,14 +116,13 @@ def to_full(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress:
 
 
 def as_transformers(opened: AnyCheckpoint, request: ConvertRequest, shape_from: str | None) -> AnyCheckpoint:
-    """A checkpoint whose names are not transformers' (Megatron) as its model under transformers'
-    names; its optimizer state is not converted (a UsageError with --with-optimizer)."""
+    """A checkpoint whose names are not transformers' (Megatron) as its model, and its optimizer
+    state, under transformers' names; with --with-optimizer, a UsageError where the source says
+    why its optimizer state cannot be converted."""
     assert opened.transformers_view is not None
-    if request.with_optimizer:
-        raise UsageError(
-            f"{opened.opened_from}: --with-optimizer: a {opened.format} checkpoint's optimizer state is not converted, only its model"
-            " (its distributed optimizer keeps flat buffers per data-parallel rank in an order the checkpoint does not record)"
-        )
+    refused = opened.facts.get(OPTIMIZER_NOT_CONVERTED)
+    if request.with_optimizer and refused:
+        raise UsageError(f"--with-optimizer: {refused}")
     return opened.transformers_view(shape_from)
 
 

@@ -8,17 +8,18 @@ N ranks with the same placement, its training state carried over.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ...errors import DataCheckError
+from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..core.any_checkpoint import AnyCheckpoint
-from ..core.bytecopy import SourceTensor
+from ..core.bytecopy import SourcePiece, SourceTensor
 from ..core.export import EXPORT_STATE_KEY
 from ..core.model_description import ModelDescription
-from ..core.names import SCRATCH_NAME, output_dtype, split_optim_tensor_name
+from ..core.names import SCRATCH_NAME, optim_tensor_name, output_dtype, split_optim_tensor_name
 from ..core.report import WriteReport
 from ..core.request import ConvertRequest, Progress, ReshardRequest, progress_callback
 from ..core.staging import staged_output
@@ -27,6 +28,8 @@ from .placement import Placement, TensorSpec
 from .reader import open_sharded
 from .to_full import as_transformers, restore_layout
 from .writer import write_sharded
+
+STEP_SCRATCH_NAME = ".fsdpkit-step.scratch"  # the one step value of a source that records it once
 
 
 def _canonical(sources: list[SourceTensor], aliases: dict[str, str]) -> list[SourceTensor]:
@@ -44,6 +47,36 @@ def _canonical(sources: list[SourceTensor], aliases: dict[str, str]) -> list[Sou
             source = SourceTensor(canonical, source.shape, source.dtype, tuple(source.pieces_in(ElementRange(0, source.numel))))
         kept.append(source)
     return kept
+
+
+def step_sources(sources: list[SourceTensor], step: int, scratch: Path) -> list[SourceTensor]:
+    """Adam's step as a tensor for each parameter with moments, for a source that records it
+    once: the one float32 value written to `scratch` (removed once the rank files are written)."""
+    params = [split[1] for s in sources if (split := split_optim_tensor_name(s.name)) and split[0] == "exp_avg"]
+    if not params:
+        return []
+    scratch.write_bytes(struct.pack("<f", float(step)))
+    piece = SourcePiece(ElementRange(0, 1), scratch, 0, 4, None, "step")
+    return [
+        SourceTensor(optim_tensor_name("step", param), (), "F32", (piece._replace(key=optim_tensor_name("step", param)),))
+        for param in params
+    ]
+
+
+def with_steps(opened: AnyCheckpoint, sources: list[SourceTensor], request: ConvertRequest, scratch: Path | None) -> list[SourceTensor]:
+    """`sources` with a step per parameter where the source records it once (Megatron), written
+    beside `scratch`; a spread conversion (no scratch) refuses --with-optimizer and leaves the
+    moments out otherwise."""
+    if not opened.step_once or not any(split_optim_tensor_name(s.name) for s in sources):
+        return sources
+    if scratch is not None:
+        return sources + step_sources(sources, opened.step, scratch.with_name(STEP_SCRATCH_NAME))
+    if request.with_optimizer:
+        raise UsageError(
+            f"{opened.opened_from}: --with-optimizer: a {opened.format} checkpoint records Adam's step once, which a spread"
+            " conversion does not write per parameter: convert in one process"
+        )
+    return [s for s in sources if not split_optim_tensor_name(s.name)]
 
 
 def check_placement_matches(placement: Placement, sources: list[SourceTensor], *, where: Path, source: str) -> None:
@@ -97,7 +130,7 @@ def sharded_output(
         assert opened.export_layout is not None and scratch is not None
         sources, stored = restore_layout(sources, opened.aliases, opened.export_layout, src, scratch, chunk_size=request.chunk_size)
     aliases = {**(description.aliases if description else {}), **stored}
-    sources = _canonical(sources, aliases)
+    sources = with_steps(opened, _canonical(sources, aliases), request, scratch)
     kept = {s.name for s in sources}
     if description is not None:
         model = [s for s in sources if not split_optim_tensor_name(s.name)]
@@ -149,6 +182,7 @@ def to_sharded(opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progre
             progress=progress_callback(progress, sum(s.nbytes for s in output.sources)),
         )
         (tmp / SCRATCH_NAME).unlink(missing_ok=True)
+        (tmp / STEP_SCRATCH_NAME).unlink(missing_ok=True)
     return WriteReport(opened.path, str(dst), written.files, len(written.manifest.tensors), written.bytes, [], output.details)
 
 

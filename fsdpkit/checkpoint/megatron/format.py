@@ -48,28 +48,47 @@ class MegatronFormat:
 def open_megatron_checkpoint(path: Path) -> AnyCheckpoint:
     """Megatron's own names; `transformers_view(model)` gives the model under transformers' names,
     shaped by `model` (`hf:DIR`) where the checkpoint records no shape of its own."""
+    from .moments import hf_moments, moments_of, optimizer_facts
     from .shape import checked, shape_of_model
     from .table import open_megatron
     from .to_hf import hf_model
 
     checkpoint = open_megatron(path)
     where = str(checkpoint.files.root)
+    try:
+        moments = moments_of(checkpoint)
+    except BaseException:
+        checkpoint.close()
+        raise
 
     def transformers_view(model: str | None) -> AnyCheckpoint:
         shape = checkpoint.shape if model is None else checked(shape_of_model(model).completed(checkpoint.shape), where)
         found = hf_model(checkpoint.model, shape, where)
         export = HfExport(found.config, ExportLayout(transposed=found.transposed))
-        view = AnyCheckpoint(where, {t.name: t for t in found.tensors}, {}, export=export, facts=opened.facts)
+        optimizer = hf_moments(moments.tensors, checkpoint.model, shape, where)
+        view = AnyCheckpoint(
+            where,
+            {t.name: t for t in found.tensors},
+            optimizer,
+            export=export,
+            facts=opened.facts,
+            groups=moments.groups,
+            step=moments.steps,
+            step_once=True,
+        )
         view.format, view.opened_from = opened.format, opened.opened_from
         return view
 
     opened = AnyCheckpoint(
         where,
         dict(checkpoint.model),
-        dict(checkpoint.optimizer),
-        {key: t for key, t in checkpoint.stored.items() if key not in checkpoint.model and key not in checkpoint.optimizer},
+        dict(moments.tensors),
+        {key: t for key, t in checkpoint.stored.items() if key not in checkpoint.model},
         items=item_readers(checkpoint.common),
-        facts={"generation": checkpoint.generation},
+        groups=moments.groups,
+        step=moments.steps,
+        step_once=True,
+        facts={"generation": checkpoint.generation, **optimizer_facts(moments)},
         transformers_view=transformers_view,
         _close=checkpoint.close,
     )

@@ -19,6 +19,7 @@ from ..core.summary import FileEntry, OptimizerCounts, Summary, tensor_stats
 from ..dcp.inspect import verify_dcp
 from .files import INTEGRITY_NAME, TORCH_DIST, find_files
 from .layers import OPTIMIZER_PREFIX
+from .moments import Moments, moments_of
 from .table import MEGATRON_METADATA_GLOBALS, MegatronCheckpoint, open_megatron
 
 FORMAT = "megatron"
@@ -62,6 +63,15 @@ def optimizer_kind(keys: list[str], common: dict[str, Any]) -> str | None:
     return f"{kind}, by parameter ({', '.join(states)})"
 
 
+def _with_moments(kind: str | None, moments: Moments) -> str | None:
+    """The optimizer's kind, and whether its Adam moments convert (step taken), or why not."""
+    if kind is None or moments.sharding is None:
+        return kind
+    if moments.refused is not None:
+        return f"{kind}; moments not convertible: {moments.refused}"
+    return f"{kind}; Adam's moments by parameter, step {moments.steps}"
+
+
 def summarize_megatron(path: str | os.PathLike[str]) -> MegatronSummary:
     with open_megatron(path) as checkpoint:
         return _summary(checkpoint)
@@ -83,7 +93,7 @@ def _summary(checkpoint: MegatronCheckpoint) -> MegatronSummary:
         nemo=checkpoint.files.context is not None,
         parallel=parallel_sizes(checkpoint.common),
         model_shape=checkpoint.shape.to_json(),
-        optimizer_kind=optimizer_kind(list(checkpoint.stored), checkpoint.common),
+        optimizer_kind=_with_moments(optimizer_kind(list(checkpoint.stored), checkpoint.common), moments_of(checkpoint)),
         stored_keys=len(checkpoint.stored),
         bytes_items=len(checkpoint.objects),
         common_keys=sorted(checkpoint.common),

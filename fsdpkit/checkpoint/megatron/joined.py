@@ -29,28 +29,34 @@ class JoinedSource(SourceTensor):
         object.__setattr__(self, "starts", tuple(itertools.accumulate((r.size for _, r in parts), initial=0)))
 
     def pieces_in(self, wanted: ElementRange) -> list[SourcePiece]:
-        itemsize = dtype_info(self.dtype).itemsize
-        found = []
-        for (source, taken), start in zip(self.parts, self.starts, strict=False):
-            low, high = max(wanted.start, start), min(wanted.end, start + taken.size)
-            if low >= high:
-                continue
-            shift = taken.start - start  # element e here is element e + shift of the source
-            for piece in source.pieces_in(ElementRange(low + shift, high + shift)):
-                first, last = max(piece.range.start, low + shift), min(piece.range.end, high + shift)
-                whole = (first, last) == (piece.range.start, piece.range.end)
-                offset = piece.offset + (first - piece.range.start) * itemsize
-                found.append(
-                    SourcePiece(
-                        ElementRange(first - shift, last - shift),
-                        piece.path,
-                        offset,
-                        (last - first) * itemsize,
-                        piece.crc32 if whole else None,
-                        piece.key,
-                    )
+        return clipped_pieces(self.parts, self.starts, wanted, dtype_info(self.dtype).itemsize)
+
+
+def clipped_pieces(
+    parts: tuple[Part, ...] | list[Part], starts: tuple[int, ...] | list[int], wanted: ElementRange, itemsize: int
+) -> list[SourcePiece]:
+    """The pieces of `wanted` where part i (a source and its range) holds elements from `starts[i]` on."""
+    found = []
+    for (source, taken), start in zip(parts, starts, strict=False):
+        low, high = max(wanted.start, start), min(wanted.end, start + taken.size)
+        if low >= high:
+            continue
+        shift = taken.start - start  # element e here is element e + shift of the source
+        for piece in source.pieces_in(ElementRange(low + shift, high + shift)):
+            first, last = max(piece.range.start, low + shift), min(piece.range.end, high + shift)
+            whole = (first, last) == (piece.range.start, piece.range.end)
+            offset = piece.offset + (first - piece.range.start) * itemsize
+            found.append(
+                SourcePiece(
+                    ElementRange(first - shift, last - shift),
+                    piece.path,
+                    offset,
+                    (last - first) * itemsize,
+                    piece.crc32 if whole else None,
+                    piece.key,
                 )
-        return found
+            )
+    return found
 
 
 def rows(source: SourceTensor, first: int, count: int) -> ElementRange:

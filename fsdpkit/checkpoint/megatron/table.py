@@ -84,9 +84,16 @@ def read_common(weights: Path, dcp: DcpCheckpoint | None) -> Any:
         saved = SaveFile(weights / COMMON_PT, loads_common)
         saved.close()
         return saved.state
-    keys = [key for key in dcp.metadata.bytes_items if key.startswith(f"{COMMON_STATE_KEY}/")] if dcp is not None else []
-    if not keys or dcp is None:
-        return {}
+    found = read_object(weights, dcp, COMMON_STATE_KEY) if dcp is not None else None
+    return {} if found is None else found
+
+
+def read_object(weights: Path, dcp: DcpCheckpoint, key: str) -> Any:
+    """A `ShardedObject` saved as the bytes item `key/shard_...` (its first shard), through the
+    allow-list (tensors as records); None without one."""
+    keys = [item for item in dcp.metadata.bytes_items if item.startswith(f"{key}/")]
+    if not keys:
+        return None
     location = dcp.metadata.bytes_items[keys[0]].location
     fd, _ = dcp.file(location.file)
     where = f"{weights / location.file}: {keys[0]}"
