@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -102,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         write_llama(args.write_llama, args.layers)
         return 0
     work = Path(tempfile.mkdtemp(prefix="megatron-interop-", dir=args.work))
+    # fsdpkit's bytecode cached (the set-up's convert compiles it), as an installed package's is:
+    # with PYTHONDONTWRITEBYTECODE set every timed run would compile fsdpkit's modules again
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = str(work / "bytecode")
     try:
         check_free(work, 4_500_000_000 * max(args.layers, 1) // 8, "the set-up and outputs")
         # written by a child: this process stays small, so its children's peak RSS is their own
