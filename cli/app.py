@@ -8,10 +8,10 @@ this one: what they share is in common.py and group.py.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import typer
-import typer.rich_utils
 
 from fsdpkit.checkpoint.offline.formats import CONVERT_HELP, RESHARD_LABELS
 
@@ -60,7 +60,8 @@ class RootGroup(FsdpkitGroup):
     command_table = COMMANDS
 
 
-typer.rich_utils.MAX_WIDTH = min(HELP_WIDTH, shutil.get_terminal_size((HELP_WIDTH, 24)).columns)
+# typer's help width, read when its help renderer is first imported (help only: a command's run never imports it)
+os.environ.setdefault("TERMINAL_WIDTH", str(min(HELP_WIDTH, shutil.get_terminal_size((HELP_WIDTH, 24)).columns)))
 
 app = typer.Typer(
     name="fsdpkit",

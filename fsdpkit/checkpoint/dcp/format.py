@@ -7,15 +7,16 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.any_checkpoint import AnyCheckpoint, recorded_data_source, steps_taken
 from ..core.names import SCRATCH_NAME
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
-from .export import DcpOutput, reshard_dcp, sources_to_dcp
-from .inspect import DcpSummary, summarize_dcp, verify_dcp
 from .metadata import is_dcp_checkpoint
+
+if TYPE_CHECKING:
+    from .inspect import DcpSummary
 
 
 class DcpFormat:
@@ -33,9 +34,13 @@ class DcpFormat:
         return open_dcp_checkpoint(path, keys)
 
     def inspect(self, path: Path, keys: Keys) -> DcpSummary:
+        from .inspect import summarize_dcp
+
         return summarize_dcp(path, model_key=keys.model, optimizer_key=keys.optimizer)
 
     def verify(self, path: Path, progress: Progress | None) -> VerifyReport:
+        from .inspect import verify_dcp
+
         return verify_dcp(path)
 
     def write(self, opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
@@ -43,6 +48,8 @@ class DcpFormat:
         model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups.
         The names and orientation are the model's own: a full export's layout is undone, as `--to sharded`
         undoes it (its transposed weights transposed back in a scratch file beside `dst`, removed after)."""
+        from .export import DcpOutput, sources_to_dcp  # the writer: imported by --to dcp only
+
         output = DcpOutput(request.world_size or 1, request.chunk_size, request.overwrite)
         src, data_source = Path(opened.opened_from), recorded_data_source(opened)
         if opened.restore_layout is None:
@@ -54,6 +61,8 @@ class DcpFormat:
             return sources_to_dcp(sources, src, dst, aliases=aliases, groups=opened.groups, output=output, data_source=data_source)
 
     def reshard(self, src: Path, dst: Path, request: ReshardRequest) -> WriteReport:
+        from .export import reshard_dcp
+
         return reshard_dcp(src, dst, world_size=request.world_size, chunk_size=request.chunk_size, overwrite=request.overwrite)
 
 

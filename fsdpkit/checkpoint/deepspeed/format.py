@@ -5,13 +5,15 @@ ZeRO stage (`to_deepspeed`) and resharded for another world size."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..core.any_checkpoint import AnyCheckpoint, item_readers, steps_taken, with_aliases
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
 from .files import is_deepspeed_checkpoint
-from .inspect import DeepSpeedSummary, summarize_deepspeed, verify_deepspeed
-from .to_deepspeed import reshard_deepspeed, to_deepspeed
+
+if TYPE_CHECKING:
+    from .inspect import DeepSpeedSummary
 
 
 class DeepSpeedFormat:
@@ -48,13 +50,21 @@ class DeepSpeedFormat:
         )
 
     def inspect(self, path: Path, keys: Keys) -> DeepSpeedSummary:
+        from .inspect import summarize_deepspeed
+
         return summarize_deepspeed(path)
 
     def verify(self, path: Path, progress: Progress | None) -> VerifyReport:
+        from .inspect import verify_deepspeed
+
         return verify_deepspeed(path)
 
     def write(self, opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
+        from .to_deepspeed import to_deepspeed
+
         return to_deepspeed(opened, dst, request, progress)
 
     def reshard(self, src: Path, dst: Path, request: ReshardRequest) -> WriteReport:
+        from .to_deepspeed import reshard_deepspeed
+
         return reshard_deepspeed(src, dst, world_size=request.world_size, overwrite=request.overwrite, progress=request.progress)

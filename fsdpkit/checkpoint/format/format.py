@@ -11,7 +11,6 @@ from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
 from ..core.summary import ShardedSummary
 from .names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name
-from .to_sharded import reshard_sharded, to_sharded
 from .verify import summarize, verify_checkpoint
 
 
@@ -62,7 +61,11 @@ class ShardedFormat:
         return verify_checkpoint(path, progress)
 
     def write(self, opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
+        from .to_sharded import to_sharded  # the writer: imported by --to sharded only
+
         return to_sharded(opened, dst, request, progress)
 
     def reshard(self, src: Path, dst: Path, request: ReshardRequest) -> WriteReport:
+        from .to_sharded import reshard_sharded
+
         return reshard_sharded(src, dst, request)

@@ -4,14 +4,17 @@ verified, never written (`convert` writes them out in the other formats) and nev
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...errors import UsageError
 from ..core.any_checkpoint import AnyCheckpoint, item_readers, steps_taken
 from ..core.names import split_optim_tensor_name
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
-from .inspect import TorchSaveSummary, summarize_torchsave, verify_torchsave
 from .table import is_torchsave_checkpoint
+
+if TYPE_CHECKING:
+    from .inspect import TorchSaveSummary
 
 
 class TorchSaveFormat:
@@ -50,9 +53,13 @@ class TorchSaveFormat:
         )
 
     def inspect(self, path: Path, keys: Keys) -> TorchSaveSummary:
+        from .inspect import summarize_torchsave
+
         return summarize_torchsave(path)
 
     def verify(self, path: Path, progress: Progress | None) -> VerifyReport:
+        from .inspect import verify_torchsave
+
         return verify_torchsave(path)
 
     def write(self, opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
