@@ -321,6 +321,19 @@ class ByteEngine:
         if position < wanted.end:
             self.copy(tensor, ElementRange(position, wanted.end), out_dtype, sink)
 
+    def checked_blocks(self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, block_bytes: int) -> Iterator[memoryview]:
+        """Elements `wanted` of `tensor`, cast to `out_dtype`, in blocks of at most `block_bytes`
+        of the source, each read by `read_into` (random access, checksums checked)."""
+        itemsize = dtype_info(tensor.dtype).itemsize
+        step = max(1, block_bytes // itemsize)
+        for first in range(wanted.start, wanted.end, step):
+            block = ElementRange(first, min(first + step, wanted.end))
+            data = memoryview(bytearray(block.size * itemsize))
+            self.read_into(tensor, block, data)
+            if out_dtype != tensor.dtype:
+                data = cast_into(data, tensor.dtype, out_dtype, bytearray(block.size * dtype_info(out_dtype).itemsize))
+            yield data
+
     def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
         """Random access (loading): the bytes of elements `wanted` of `tensor` into `out`. A piece
         with a checksum is read whole, and its crc32 checked, the first time any part of it is

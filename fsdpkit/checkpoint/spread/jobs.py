@@ -17,7 +17,7 @@ from pathlib import Path
 from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
 from ..core.bytecopy import ByteEngine, SourceTensor
-from ..core.crc import PartRead, cast_into, check_parts, crc32, crc32_combine
+from ..core.crc import PartRead, check_parts, crc32, crc32_combine
 from ..core.names import layout_header
 from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest
@@ -74,17 +74,12 @@ class CheckedReads:
     def copy(self, source: SourceTensor, wanted: ElementRange, dtype: str, write: Callable[[memoryview], None]) -> None:
         """Elements `wanted` of `source`, cast to `dtype`, into `write`."""
         itemsize = dtype_info(source.dtype).itemsize
-        step = max(1, READ_BLOCK_BYTES // itemsize)
-        for first in range(wanted.start, wanted.end, step):
-            block = ElementRange(first, min(first + step, wanted.end))
-            data = memoryview(bytearray(block.size * itemsize))
-            self.engine.read_into(source, block, data)
-            if dtype != source.dtype:
-                data = cast_into(data, source.dtype, dtype, bytearray(block.size * dtype_info(dtype).itemsize))
+        for data in self.engine.checked_blocks(source, wanted, dtype, READ_BLOCK_BYTES):
             write(data)
-            self.bytes_read += block.size * itemsize
+            nbytes = data.nbytes // dtype_info(dtype).itemsize * itemsize  # of the source
+            self.bytes_read += nbytes
             if self.progress is not None:
-                self.progress(block.size * itemsize)
+                self.progress(nbytes)
 
     def finish(self) -> list[list]:
         """Close the files; what the commit checks (nothing: each piece was checked whole)."""

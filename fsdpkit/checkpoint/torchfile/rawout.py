@@ -14,7 +14,6 @@ from typing import Protocol
 from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
 from ..core.bytecopy import ByteEngine, SourceTensor
-from ..core.crc import cast_into
 from ..core.files import IOV_MAX, Descriptor, close, copy_range, create, open_regular, read_exactly, write_views
 
 BUFFER_BYTES = 8 * 1024 * 1024
@@ -85,14 +84,7 @@ class RawOutput:
 
     def copy_via_engine(self, source: SourceTensor, wanted: ElementRange, dtype: str) -> None:
         """Append elements `wanted` of `source` as `dtype`, read through the byte engine (which checks crc32s)."""
-        itemsize = dtype_info(source.dtype).itemsize
-        step = max(1, BUFFER_BYTES // itemsize)
-        for first in range(wanted.start, wanted.end, step):
-            chunk = ElementRange(first, min(first + step, wanted.end))
-            data = memoryview(bytearray(chunk.size * itemsize))
-            self._engine.read_into(source, chunk, data)
-            if dtype != source.dtype:
-                data = cast_into(data, source.dtype, dtype, bytearray(chunk.size * dtype_info(dtype).itemsize))
+        for data in self._engine.checked_blocks(source, wanted, dtype, BUFFER_BYTES):
             self.write(data)
 
     def _raw(self, path: Path, offset: int, nbytes: int) -> None:
