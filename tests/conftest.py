@@ -51,7 +51,6 @@ def module_tmp_removed(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server in this process for the whole session (the cloud and test extras)."""
-    pytest.importorskip("moto.server", reason="the cloud-test extra installs moto[server]")
     from support.object_store import moto_server
 
     with moto_server() as endpoint:

@@ -5,7 +5,6 @@ reading of the stacked ones), converts them to Hugging Face files whose `from_pr
 Megatron's forward, and back to `torch_dist`, which Megatron's `dist_checkpointing.load` loads at
 TP=2 PP=2 with the same logits. A malicious common state is refused with nothing run."""
 
-import importlib.util
 import json
 import pickle
 
@@ -15,10 +14,6 @@ from support.checkpoint_files import run_cli
 
 from fsdpkit.checkpoint.offline.formats import open_checkpoint
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (the [megatron] test extra: pip install -e '.[megatron]')",
-)
 TOLERANCE = 1e-5
 
 

@@ -10,7 +10,6 @@ GPT model at TP=2 PP=2 with bf16 weights and fp32 main parameters (the embedding
 both stages, each (tp, pp) rank its own buffers) likewise."""
 
 import argparse
-import importlib.util
 import json
 import shutil
 
@@ -20,10 +19,6 @@ from support.checkpoint_files import run_cli
 
 import fsdpkit
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (the [megatron] test extra: pip install -e '.[megatron]')",
-)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 

@@ -2,16 +2,9 @@
 TP=2 PP=2 on CPU and its own `dist_checkpointing.load` of it, into a model built from another
 seed, gives the same logits as the model that was saved."""
 
-import importlib.util
 import os
 
-import pytest
 import torch
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (the [megatron] test extra: pip install -e '.[megatron]')",
-)
 
 
 def test_megatron_saves_and_loads_its_own_checkpoint(tmp_path):

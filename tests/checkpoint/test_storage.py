@@ -8,15 +8,12 @@ from __future__ import annotations
 import os
 
 import pytest
+from support.fault_proxy import FaultProxy
+from support.object_store import s3_client
 
 from fsdpkit.checkpoint.storage.face import PART_BYTES, READ_BLOCK_BYTES
 from fsdpkit.checkpoint.storage.location import open_storage, parse_url
 from fsdpkit.errors import DataCheckError, RunError, UsageError
-
-pytest.importorskip("obstore", reason="the cloud extra installs obstore")
-
-from support.fault_proxy import FaultProxy  # noqa: E402
-from support.object_store import s3_client  # noqa: E402
 
 
 @pytest.fixture(params=["local", "s3"])

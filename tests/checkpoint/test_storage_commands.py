@@ -11,12 +11,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("obstore", reason="the cloud extra installs obstore")
-
-from support.checkpoint_files import run_cli, sample_optimizer, sample_tensors, save_checkpoint  # noqa: E402
-from support.fault_proxy import FaultProxy  # noqa: E402
-from support.object_store import s3_client  # noqa: E402
+from support.checkpoint_files import run_cli, sample_optimizer, sample_tensors, save_checkpoint
+from support.fault_proxy import FaultProxy
+from support.object_store import s3_client
 
 
 def _upload(client, bucket: str, root: Path, prefix: str) -> None:
@@ -158,7 +155,6 @@ def test_a_missing_prefix_or_bucket_is_one_line(s3_bucket):
 
 
 def _fsspec_reader(url: str):
-    pytest.importorskip("s3fs", reason="the cloud-test extra installs s3fs")
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(url)
@@ -167,7 +163,6 @@ def _fsspec_reader(url: str):
 def _s3torchconnector_reader(url: str):
     """AWS's S3StorageReader; its client takes the endpoint from AWS_ENDPOINT_URL and needs
     path-style addressing for a server on 127.0.0.1."""
-    pytest.importorskip("s3torchconnector.dcp", reason="the cloud-test extra installs s3torchconnector")
     from s3torchconnector import S3ClientConfig
     from s3torchconnector.dcp import S3StorageReader
 
@@ -235,7 +230,6 @@ def test_a_dcp_checkpoint_torchs_fsspec_writer_put_in_a_bucket_is_read_there(s3_
     """torch writes the same state dict twice, to the bucket (FsspecWriter through s3fs) and to a
     directory (FileSystemWriter); fsdpkit's verify and inspect of the bucket's give what they give
     of the directory's, and the summary counts the state dict's tensors."""
-    pytest.importorskip("s3fs", reason="the cloud-test extra installs s3fs")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter

@@ -18,13 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip("obstore", reason="the cloud extra installs obstore")
-
-from support.checkpoint_files import run_cli, sample_tensors  # noqa: E402
-from support.distributed import run_distributed  # noqa: E402
-from support.fault_proxy import FaultProxy  # noqa: E402
-from support.object_store import s3_client  # noqa: E402
+from support.checkpoint_files import run_cli, sample_tensors
+from support.distributed import run_distributed
+from support.fault_proxy import FaultProxy
+from support.object_store import s3_client
 
 MEGATRON = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
 FORMATS = ("deepspeed", "torch-save-ranks", "full", "dcp", "megatron", "megatron-zarr")

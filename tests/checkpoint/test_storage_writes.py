@@ -12,12 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("obstore", reason="the cloud extra installs obstore")
-
-from support.checkpoint_files import run_cli, sample_optimizer, sample_tensors, save_checkpoint  # noqa: E402
-from support.fault_proxy import FaultProxy  # noqa: E402
-from support.object_store import s3_client  # noqa: E402
+from support.checkpoint_files import run_cli, sample_optimizer, sample_tensors, save_checkpoint
+from support.fault_proxy import FaultProxy
+from support.object_store import s3_client
 
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
 

@@ -23,8 +23,6 @@ from typer.testing import CliRunner
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
 
-pytest.importorskip("obstore", reason="the cloud extra installs obstore")
-
 runner = CliRunner()
 COMMON = ["--nproc-per-node", "2", "--seq-len", "32", "--global-batch-size", "8", "--lr-schedule", "cosine", "--warmup-steps", "2"]
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
