@@ -15,7 +15,6 @@ from typer.core import TyperCommand
 
 from fsdpkit.errors import FsdpkitError, UsageError
 from fsdpkit.progress import LINE_SECONDS
-from fsdpkit.progress import byte_progress as byte_progress  # the commands' byte bar, the library's
 
 # flags of other tools, and the flag that says the same here (named when the command has it)
 NEAR_MISSES = {

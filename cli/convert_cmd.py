@@ -10,10 +10,10 @@ import typer
 from fsdpkit import log
 from fsdpkit.checkpoint.core.request import ConvertRequest
 from fsdpkit.checkpoint.offline.formats import READ_LABELS, TARGETS
+from fsdpkit.progress import byte_progress
 from fsdpkit.sizes import parse_size
 
 from .checkpoint_options import CHUNK_HELP, MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, cast_name, chunk_bytes, print_written
-from .common import byte_progress
 from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command, spread_target
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import typer
 
 from fsdpkit.errors import UsageError
+from fsdpkit.progress import byte_progress
 from fsdpkit.sizes import format_size
 
-from .common import byte_progress, count_progress, handle_errors, print_json
+from .common import count_progress, handle_errors, print_json
 
 command_app = typer.Typer(add_completion=False)
 

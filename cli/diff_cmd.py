@@ -6,8 +6,10 @@ from typing import Any
 
 import typer
 
+from fsdpkit.progress import byte_progress
+
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, chunk_bytes
-from .common import byte_progress, print_json
+from .common import print_json
 from .spread_options import DryRun, launch_options, run_spread_command, spread_command
 
 SHOWN = 20  # differing tensors listed in the text output

@@ -8,9 +8,9 @@ import typer
 
 from fsdpkit import log
 from fsdpkit.checkpoint.offline.formats import RESHARD_LABELS
+from fsdpkit.progress import byte_progress
 
 from .checkpoint_options import CHUNK_HELP, chunk_bytes, print_written, required_world_size
-from .common import byte_progress
 from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command, spreads_from
 
 

@@ -119,8 +119,9 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
     from fsdpkit.checkpoint.spread.dryrun import dry_run as plan_only
     from fsdpkit.checkpoint.spread.runner import as_json as figures
     from fsdpkit.checkpoint.spread.runner import open_task_job, run_spread
+    from fsdpkit.progress import byte_progress
 
-    from .common import byte_progress, print_json
+    from .common import print_json
 
     task = dataclasses.replace(task, timeout=options.timeout)
     if dry_run:

@@ -8,8 +8,9 @@ import typer
 
 from fsdpkit.checkpoint.core.bytecopy import DEFAULT_CHUNK_SIZE
 from fsdpkit.checkpoint.offline.formats import READ_LABELS
+from fsdpkit.progress import byte_progress
 
-from .common import byte_progress, print_json
+from .common import print_json
 from .spread_options import DryRun, launch_options, run_spread_command, spread_command, spreads_from
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ...progress import ByteProgress as Show
-from ...progress import stderr_progress as stderr_progress  # rank 0's bar, the one the command line shows
+from ...progress import ByteProgress
 
 POST_SECONDS = 0.5
 
@@ -20,7 +19,7 @@ class SharedCount:
     """This rank's byte count, posted to `store` (None: a run of one process), and on rank 0 the
     thread that shows the sum of every rank's."""
 
-    def __init__(self, store, *, rank: int, world_size: int, key: str, show: Show | None, total: int):
+    def __init__(self, store, *, rank: int, world_size: int, key: str, show: ByteProgress | None, total: int):
         self.store, self.rank, self.world_size, self.key = store, rank, world_size, key
         self.show, self.total = show, total
         self.done, self.posted_at, self.shown = 0, 0.0, 0

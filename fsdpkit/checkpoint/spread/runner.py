@@ -25,6 +25,7 @@ from typing import Any
 from ...dist import faults
 from ...dist.launch import LaunchOptions, launch, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
+from ...progress import ByteProgress, stderr_progress
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
 from ..offline.diff import DiffRequest
@@ -32,7 +33,7 @@ from .dispatch import open_job
 from .hub import Hub
 from .plan import Plan, make_plan
 from .processes import start_workers, stop_workers
-from .progress import SharedCount, Show, stderr_progress
+from .progress import SharedCount
 from .staging import PartResult, Staging, fingerprint, prepare, staging_path
 
 PLAN_FILE = "plan-rank0.json"
@@ -136,7 +137,7 @@ def view_problem(task: SpreadTask, job: Any, header: dict, rank: int) -> str | N
     return None
 
 
-def run_ranks(task: SpreadTask, comm: Any, show: Show | None = None) -> SpreadResult | None:
+def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> SpreadResult | None:
     """This rank's part of the run (see the module docstring); rank 0 returns the result. The
     other ranks open the source while rank 0 plans; on one node rank 0 starts on its parts while
     they do, and learns what they saw (`Views`) between its parts."""
@@ -180,7 +181,7 @@ class Views:
             raise RunError(problems[0])
 
 
-def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: Show | None, views: Views) -> SpreadResult | None:
+def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views) -> SpreadResult | None:
     plan = Plan.from_json(header["plan"])
     staging = Staging(Path(header["staging"])) if header["staging"] else None
     kept = {(r["file"], r["index"]): PartResult(**r) for r in header["kept"]}
@@ -341,7 +342,7 @@ def as_json(result: SpreadResult) -> dict:
     }
 
 
-def run_spread(task: SpreadTask, options: LaunchOptions, show: Show | None = None) -> SpreadResult | None:
+def run_spread(task: SpreadTask, options: LaunchOptions, show: ByteProgress | None = None) -> SpreadResult | None:
     """The run in this process (world size 1), in `options`' workers, or, under torchrun, as one
     worker of it; rank 0's result (None on the other ranks and nodes)."""
     if under_torchrun():
