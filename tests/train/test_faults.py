@@ -183,11 +183,12 @@ def test_a_stale_lock_is_taken_over_with_a_message(reference):
 
 
 def test_the_summary_reports_the_time_saves_held_up_training(reference):
-    """Saved every 2 of 8 steps, synchronously: all of every save between steps is in the
-    training thread's stall; the save after the last step holds up no step and is not."""
+    """Saved every 2 of 8 steps, synchronously: the saves between steps held up the training
+    thread. (The stall is the largest over ranks and the timings are rank 0's, so the two are not
+    compared: a slower rank 1 makes the stall exceed rank 0's total.)"""
     summary = reference.summary
     timings = summary["save_timings"]  # rank 0's
-    assert timings["saves"] == STEPS // 2 and 0 < summary["save_stall_s"] < timings["total"]
+    assert timings["saves"] == STEPS // 2 and summary["save_stall_s"] > 0
     parts = timings["snapshot"] + timings["checksum"] + timings["write"] + timings["fsync"]
     assert min(timings.values()) >= 0 and parts <= timings["total"]
 
