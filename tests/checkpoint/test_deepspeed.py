@@ -122,6 +122,19 @@ def test_inspect_and_verify(saved):
         assert result.exit_code == 0 and "CRC-32" in result.output, result.output
 
 
+def test_verify_spread_prints_the_one_process_report(saved, fsdp2, tmp_path):
+    """DeepSpeed's ZeRO-3 files and verl's, spread over 1 and 2 processes; a byte of a storage
+    changed: the same CRC-32 line, exit 3."""
+    from support.spread_verify import assert_spread_verify_is_one_process, storage_offset
+
+    zero3 = Path(shutil.copytree(saved / "z3_bf16", tmp_path / "z3"))
+    victim = max(zero3.rglob("*.pt"), key=lambda p: p.stat().st_size)
+    assert "CRC-32" in assert_spread_verify_is_one_process(zero3, victim, storage_offset(victim))
+    verl = Path(shutil.copytree(fsdp2[0] / "verl" / "fsdp2", tmp_path / "verl"))
+    victim = verl / "optim_world_size_2_rank_1.pt"
+    assert "CRC-32" in assert_spread_verify_is_one_process(verl, victim, storage_offset(victim))
+
+
 def test_reading_needs_no_deepspeed(saved, tmp_path):
     code = (
         "import sys; sys.modules['deepspeed'] = None\n"

@@ -83,6 +83,18 @@ def test_inspect_verify_and_tensors_match_torchs_dcp_reading(saved):
         assert torch.equal(opened.get_slice("decoder.layers.2.mlp.linear_fc1.weight")[94:100], fc1[2, 94:100])
 
 
+def test_verify_spread_prints_the_one_process_report(saved, tmp_path):
+    """Megatron's torch_dist files, spread over 1 and 2 processes; a byte of a chunk's record
+    changed: the same line, exit 3."""
+    import shutil
+
+    from support.spread_verify import assert_spread_verify_is_one_process
+
+    directory = shutil.copytree(saved("llama")[0], tmp_path / "llama")
+    victim = sorted(directory.glob("*.distcp"))[-1]
+    assert "not a readable pickle" in assert_spread_verify_is_one_process(directory, victim, 28)
+
+
 def dcp_plain_tensors(directory, keys: list[str]) -> dict[str, torch.Tensor]:
     """torch's own DCP reader (no process group): the stacked tensors whole."""
     import torch.distributed.checkpoint as dcp

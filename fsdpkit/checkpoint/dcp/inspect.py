@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Container, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...dtypes import dtype_info
@@ -109,35 +109,61 @@ def item_groups(item_keys: list[str], tensor_keys: list[str]) -> dict[str, int]:
     return dict(groups)
 
 
-def verify_dcp(path: str | os.PathLike[str], allowed: Mapping[tuple[str, str], Any] = METADATA_GLOBALS) -> VerifyReport:
-    """`allowed`: the metadata's allow-list (a format built on DCP adds its own records)."""
+def verify_dcp(
+    path: str | os.PathLike[str], allowed: Mapping[tuple[str, str], Any] = METADATA_GLOBALS, found: ChunkChecks | None = None
+) -> VerifyReport:
+    """`allowed`: the metadata's allow-list (a format built on DCP adds its own records); `found`:
+    the chunks already checked (by the ranks of a spread verify), else they are checked here."""
     report = VerifyReport(str(path), FORMAT, not_checked=["tensor values (DCP stores no checksums)"])
     try:
         metadata = read_metadata(source_path(path), allowed)
     except DataCheckError as error:
         return report.failed(str(error))
     with DcpCheckpoint(metadata, root=source_path(path)) as checkpoint:
-        return verify_opened(checkpoint, report)
+        return verify_opened(checkpoint, report, found)
 
 
-def verify_opened(checkpoint: DcpCheckpoint, report: VerifyReport) -> VerifyReport:
-    """Every check of an opened DCP checkpoint, local or in a storage, into `report`."""
+@dataclass
+class ChunkChecks:
+    """Chunks located and checked: how many passed, the problems at their (tensor, chunk) places
+    in the metadata's order, the serializations found."""
+
+    checked: int = 0
+    problems: list[tuple[int, int, str]] = field(default_factory=list)
+    serializations: set[str] = field(default_factory=set)
+
+    def add(self, other: ChunkChecks) -> None:
+        self.checked += other.checked
+        self.problems.extend(other.problems)
+        self.serializations |= other.serializations
+
+
+def chunk_checks(checkpoint: DcpCheckpoint, files: Container[str] | None = None) -> ChunkChecks:
+    """Every chunk of an opened file (of `files`, or of all) located and checked against the metadata."""
+    found = ChunkChecks()
+    for number, tensor in enumerate(checkpoint.metadata.tensors.values()):
+        for index, chunk in enumerate(tensor.chunks):
+            if not checkpoint.opened(chunk.location.file) or (files is not None and chunk.location.file not in files):
+                continue  # a file not opened is reported missing
+            try:
+                found.serializations.add(checkpoint.chunk_data(tensor, chunk).serialization)
+                found.checked += 1
+            except DataCheckError as error:
+                found.problems.append((number, index, str(error)))
+    return found
+
+
+def verify_opened(checkpoint: DcpCheckpoint, report: VerifyReport, found: ChunkChecks | None = None) -> VerifyReport:
+    """Every check of an opened DCP checkpoint, local or in a storage, into `report` (`found`: its
+    chunks already checked)."""
     metadata = checkpoint.metadata
     problems = checkpoint.structure_problems()
-    chunks = 0
-    for tensor in metadata.tensors.values():
-        for chunk in tensor.chunks:
-            if not checkpoint.opened(chunk.location.file):
-                continue  # reported missing
-            try:
-                checkpoint.chunk_data(tensor, chunk)
-                chunks += 1
-            except DataCheckError as error:
-                problems.append(str(error))
+    found = found if found is not None else chunk_checks(checkpoint)
+    problems.extend(line for _, _, line in sorted(found.problems))
     report.ok, report.problems = not problems, problems
     report.tensors, report.bytes = len(metadata.tensors), sum(map(_nbytes, metadata.tensors.values()))
-    report.counts = {"chunk": chunks, "bytes item": len(metadata.bytes_items)}
-    report.extra = {"serialization": checkpoint.serializations}
+    report.counts = {"chunk": found.checked, "bytes item": len(metadata.bytes_items)}
+    report.extra = {"serialization": sorted(found.serializations)}
     report.checked = [
         "metadata (allow-list unpickler)",
         "every file present, regular, holding its byte ranges",

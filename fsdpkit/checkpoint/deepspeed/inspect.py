@@ -13,7 +13,7 @@ from ..core.report import VerifyReport
 from ..core.summary import FileEntry, ModelCounts, OptimizerStates, Summary, TensorEntry, largest, tensor_entry
 from ..torchfile.savefile import verify_saved_files
 from ..torchfile.unpickler import count_items
-from .table import FORMAT, open_deepspeed
+from .table import FORMAT, DeepSpeedCheckpoint, open_deepspeed
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,16 @@ def verify_deepspeed(path: str | os.PathLike[str]) -> VerifyReport:
     except DataCheckError as error:
         return report.failed(str(error))
     with checkpoint:
-        verify_saved_files(report, checkpoint.directory, checkpoint.sources, checkpoint.opened)
-        report.checked = [
-            f"{len(checkpoint.opened)} rank files present ({checkpoint.world_size} ranks), each a readable zip",
-            *report.checked,
-            "every parameter and optimizer state covered exactly once by the partitions",
-        ]
+        return verify_opened(checkpoint, report)
+
+
+def verify_opened(checkpoint: DeepSpeedCheckpoint, report: VerifyReport, crcs: list[tuple[int, list[str]]] | None = None) -> VerifyReport:
+    """Every check of an opened DeepSpeed checkpoint into `report` (`crcs`: its files' storages
+    already checked, by the ranks of a spread verify)."""
+    verify_saved_files(report, checkpoint.directory, checkpoint.sources, checkpoint.opened, crcs)
+    report.checked = [
+        f"{len(checkpoint.opened)} rank files present ({checkpoint.world_size} ranks), each a readable zip",
+        *report.checked,
+        "every parameter and optimizer state covered exactly once by the partitions",
+    ]
     return report

@@ -16,7 +16,7 @@ from ...errors import DataCheckError
 from ..core.files import read_blocks, read_regular
 from ..core.report import VerifyReport
 from ..core.summary import FileEntry, OptimizerCounts, Summary, tensor_stats
-from ..dcp.inspect import verify_dcp
+from ..dcp.inspect import ChunkChecks, verify_dcp
 from .files import INTEGRITY_NAME, TORCH_DIST, find_files
 from .layers import OPTIMIZER_PREFIX
 from .moments import Moments, moments_of
@@ -137,11 +137,31 @@ def _zarr_report(weights: Path) -> VerifyReport:
     return report
 
 
-def verify_megatron(path: str | os.PathLike[str]) -> VerifyReport:
+@dataclass
+class MegatronChecks:
+    """What the ranks of a spread verify checked: the DCP chunks, and each hashed file's problem (or None)."""
+
+    chunks: ChunkChecks | None
+    hashed: dict[str, str | None]
+
+
+def hash_problem(target: Path, digest: str, buffer: memoryview) -> str | None:
+    """The line when file `target`'s SHA-256 is not `digest` (or it cannot be read); None when it is."""
+    try:
+        found = _sha256(target, buffer)
+    except (DataCheckError, OSError) as error:
+        return f"{target}: listed in {INTEGRITY_NAME} but not readable ({error})"
+    return None if found == digest.lower() else f"{target}: SHA-256 {found}, {INTEGRITY_NAME} says {digest}"
+
+
+def verify_megatron(path: str | os.PathLike[str], found: MegatronChecks | None = None) -> VerifyReport:
+    """`found`: the chunks and hashed files already checked (by the ranks of a spread verify),
+    else they are checked here."""
     files = find_files(path)
     if files is None:
         return VerifyReport(str(path), FORMAT).failed(f"{path}: not a Megatron checkpoint")
-    report = verify_dcp(files.weights, MEGATRON_METADATA_GLOBALS) if files.backend == TORCH_DIST else _zarr_report(files.weights)
+    chunks = found.chunks if found is not None else None
+    report = verify_dcp(files.weights, MEGATRON_METADATA_GLOBALS, chunks) if files.backend == TORCH_DIST else _zarr_report(files.weights)
     report.path, report.kind = str(files.root), FORMAT
     try:
         hashes = integrity_hashes(files.weights)
@@ -153,14 +173,9 @@ def verify_megatron(path: str | os.PathLike[str]) -> VerifyReport:
         return report.failed(str(error))
     buffer = memoryview(bytearray(HASH_BLOCK))
     for name, digest in hashes.items():
-        target = files.weights / name
-        try:
-            found = _sha256(target, buffer)
-        except (DataCheckError, OSError) as error:
-            report.problems.append(f"{target}: listed in {INTEGRITY_NAME} but not readable ({error})")
-            continue
-        if found != digest.lower():
-            report.problems.append(f"{target}: SHA-256 {found}, {INTEGRITY_NAME} says {digest}")
+        problem = found.hashed[name] if found is not None else hash_problem(files.weights / name, digest, buffer)
+        if problem is not None:
+            report.problems.append(problem)
     report.ok = not report.problems
     if hashes:
         report.counts["hashed file"] = len(hashes)

@@ -1,6 +1,6 @@
 """Which job runs a spread command: `convert` to every format fsdpkit writes, `reshard` of every
-format with ranks, `verify` of fsdpkit's own, `diff` of any two checkpoints; a UsageError in one
-line for what does not spread."""
+format with ranks, `verify` of every format it reads, `diff` of any two checkpoints; a UsageError
+in one line for what does not spread."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .deepspeed_job import DeepSpeedJob, DeepSpeedReshardJob
 from .diff_job import DiffJob
 from .jobs import FullJob, ReshardJob, VerifyJob
 from .sharded_job import ShardedJob
+from .verify_jobs import VERIFY_JOBS
 
 CONVERT_JOBS: dict[str, Callable[[str, ConvertRequest], Any]] = {
     FULL: FullJob,
@@ -42,16 +43,16 @@ def open_job(
         assert isinstance(request, ConvertRequest)
         target = convert_target(found, request)  # every format fsdpkit writes spreads
         return CONVERT_JOBS[target.name](src, request)
+    if command == "verify":
+        return VerifyJob(src, chunk_size) if found.name == SHARDED else VERIFY_JOBS[found.name](src)
     if not spreads(command, found.name):
-        labels = ", ".join(FORMATS[name].label for name in (RESHARD_JOBS if command == "reshard" else (SHARDED,)))
+        labels = ", ".join(FORMATS[name].label for name in RESHARD_JOBS)
         raise UsageError(f"--nproc-per-node and --nnodes spread {command} of {labels} checkpoints only; {src} is {found.label}")
-    if command == "reshard":
-        check_count("world_size", world_size)
-        assert world_size is not None
-        return RESHARD_JOBS[found.name](src, world_size, chunk_size)
-    return VerifyJob(src, chunk_size)
+    check_count("world_size", world_size)
+    assert world_size is not None
+    return RESHARD_JOBS[found.name](src, world_size, chunk_size)
 
 
 def spreads(command: str, format_name: str) -> bool:
     """Whether `command` (reshard or verify) of a checkpoint of format `format_name` spreads."""
-    return format_name in (RESHARD_JOBS if command == "reshard" else (SHARDED,))
+    return format_name in (RESHARD_JOBS if command == "reshard" else (SHARDED, *VERIFY_JOBS))

@@ -184,10 +184,17 @@ class SaveFile:
         return checked, problems
 
 
-def verify_saved_files(report: VerifyReport, directory: Path, sources: list[SourceTensor], opened: list[SaveFile]) -> VerifyReport:
+def verify_saved_files(
+    report: VerifyReport,
+    directory: Path,
+    sources: list[SourceTensor],
+    opened: list[SaveFile],
+    crcs: list[tuple[int, list[str]]] | None = None,
+) -> VerifyReport:
     """`report` of the `torch.save` files `opened` holding `sources`: every storage against the
-    zip's CRC-32 and every tensor covered exactly once, in order; what a format checks besides
-    (its files present, its records read) it adds to `report.checked` after these."""
+    zip's CRC-32 (`crcs`: each file's `crc_problems()`, found by the ranks of a spread verify, else
+    here) and every tensor covered exactly once, in order; what a format checks besides (its
+    files present, its records read) it adds to `report.checked` after these."""
     problems, storages = [], 0
     for source in sources:
         position = 0
@@ -200,8 +207,7 @@ def verify_saved_files(report: VerifyReport, directory: Path, sources: list[Sour
         else:
             if position != source.numel:
                 problems.append(f"{directory}: {source.name!r}: covered up to element {position} of {source.numel}")
-    for rank_file in opened:
-        count, found = rank_file.crc_problems()
+    for count, found in crcs if crcs is not None else (rank_file.crc_problems() for rank_file in opened):
         storages += count
         problems.extend(found)
     report.ok, report.problems, report.tensors, report.bytes = not problems, problems, len(sources), sum(s.nbytes for s in sources)

@@ -13,7 +13,7 @@ from ..core.report import VerifyReport
 from ..core.summary import FileEntry, ModelCounts, OptimizerStates, Summary, TensorEntry, largest, tensor_entry
 from ..torchfile.savefile import verify_saved_files
 from ..torchfile.unpickler import count_items
-from .table import FORMAT, open_rank_state_dicts
+from .table import FORMAT, RankStateDicts, open_rank_state_dicts
 
 
 @dataclass(frozen=True)
@@ -62,18 +62,24 @@ def verify_torchsave(path: str | os.PathLike[str]) -> VerifyReport:
     except DataCheckError as error:
         return report.failed(str(error))
     with checkpoint:
-        verify_saved_files(report, checkpoint.directory, checkpoint.model + checkpoint.optim.tensors, checkpoint.opened)
-        files = (
-            f"{len(checkpoint.opened)} files present ({checkpoint.world_size} ranks' model files"
-            + (", optimizer files" if checkpoint.optim.tensors else "")
-            + (", extra state files" if checkpoint.extra_state else "")
-            + "), each a readable zip"
-        )
-        report.checked = [
-            files,
-            *report.checked,
-            "every tensor covered exactly once by the ranks' parts",
-            f"not read: {', '.join(checkpoint.other_files) or 'nothing'}"
-            + (f" (optimizer files: {checkpoint.optim.not_read})" if checkpoint.optim.not_read else ""),
-        ]
+        return verify_opened(checkpoint, report)
+
+
+def verify_opened(checkpoint: RankStateDicts, report: VerifyReport, crcs: list[tuple[int, list[str]]] | None = None) -> VerifyReport:
+    """Every check of opened per-rank state dicts into `report` (`crcs`: their files' storages
+    already checked, by the ranks of a spread verify)."""
+    verify_saved_files(report, checkpoint.directory, checkpoint.model + checkpoint.optim.tensors, checkpoint.opened, crcs)
+    files = (
+        f"{len(checkpoint.opened)} files present ({checkpoint.world_size} ranks' model files"
+        + (", optimizer files" if checkpoint.optim.tensors else "")
+        + (", extra state files" if checkpoint.extra_state else "")
+        + "), each a readable zip"
+    )
+    report.checked = [
+        files,
+        *report.checked,
+        "every tensor covered exactly once by the ranks' parts",
+        f"not read: {', '.join(checkpoint.other_files) or 'nothing'}"
+        + (f" (optimizer files: {checkpoint.optim.not_read})" if checkpoint.optim.not_read else ""),
+    ]
     return report
