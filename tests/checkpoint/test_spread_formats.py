@@ -197,3 +197,34 @@ def test_a_transformers_export_in_its_own_layout(tmp_path):
         lines = [line for line in refused.output.splitlines() if line.strip()]
         assert refused.exit_code == 2 and len(lines) == 1 and "in one process" in lines[0], refused.output
         assert not (tmp_path / to).exists() and not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+
+
+def test_to_dcp_under_torchrun_and_on_two_nodes_of_two_is_the_one_process_bytes(sources, tmp_path):
+    """`--to dcp` from DeepSpeed: `torchrun --nproc-per-node 2 -m fsdpkit_cli`, and two nodes of two
+    processes each on loopback (fsdpkit's --nnodes 2 --node-rank R --master-addr 127.0.0.1), at
+    the same time."""
+    import socket
+    import subprocess
+    import sys
+
+    root, _ = sources
+    flags = ["--to", "dcp", "--world-size", "3"]
+    one = run_cli("convert", root / "deepspeed", tmp_path / "one", *flags)
+    assert one.exit_code == 0, one.output
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "fsdpkit_cli", "convert", str(root / "deepspeed")]
+    nodes = [
+        [*command, str(tmp_path / "nodes"), *flags, "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", str(rank)]
+        + ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        for rank in (0, 1)
+    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fsdpkit_cli"]
+    torchrun += ["convert", str(root / "deepspeed"), str(tmp_path / "torchrun"), *flags]
+    started = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args in [*nodes, torchrun]]
+    outputs = [process.communicate(timeout=300)[0] for process in started]
+    assert [process.returncode for process in started] == [0, 0, 0], outputs
+    assert "spread over 4 ranks" in outputs[0] and "spread over 2 ranks" in outputs[2], outputs
+    assert _files(tmp_path / "nodes") == _files(tmp_path / "one")
+    assert _files(tmp_path / "torchrun") == _files(tmp_path / "one")
