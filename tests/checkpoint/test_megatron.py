@@ -185,7 +185,11 @@ def test_transformers_gpt2_to_megatron_loads_in_megatron_at_tp2_pp2(tmp_path):
     done = run_cli("convert", tmp_path / "hf", tmp_path / "meg", "--to", "megatron", "--json")
     assert done.exit_code == 0, done.output
     assert not list((tmp_path / "meg").glob(".*conv1d*"))  # the transposing scratch file is gone
-    loaded = megatron_oracle.load_logits(str(tmp_path / "meg"), model_shape, tokens)
+    for nproc in ("1", "2"):  # spread: each rank transposes the weights its byte ranges take
+        spread = run_cli("convert", tmp_path / "hf", tmp_path / f"meg-{nproc}", "--to", "megatron", "--nproc-per-node", nproc)
+        assert spread.exit_code == 0, spread.output
+        assert _files(tmp_path / f"meg-{nproc}") == _files(tmp_path / "meg"), nproc
+    loaded = megatron_oracle.load_logits(str(tmp_path / "meg-2"), model_shape, tokens)
     assert (loaded - expected).abs().max().item() < TOLERANCE
     # and back: transformers loads the Megatron checkpoint's export with the source's logits
     assert run_cli("convert", tmp_path / "meg", tmp_path / "back", "--to", "full").exit_code == 0
@@ -198,6 +202,10 @@ def test_transformers_gpt2_to_megatron_loads_in_megatron_at_tp2_pp2(tmp_path):
     assert done.exit_code == 0, done.output
     assert run_cli("convert", tmp_path / "sharded", tmp_path / "meg2", "--to", "megatron").exit_code == 0
     assert_same_dcp_tensors(tmp_path / "meg", tmp_path / "meg2")
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def test_megatron_gpt_through_hf_and_dcp_back_to_megatron_gives_megatrons_own_tensors(saved, tmp_path):

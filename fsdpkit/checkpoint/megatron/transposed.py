@@ -4,6 +4,7 @@ byte engine then reads as any other source."""
 
 from __future__ import annotations
 
+from collections.abc import Container
 from contextlib import closing
 from pathlib import Path
 
@@ -30,13 +31,18 @@ def transposed_sources(scratch: Path, tensors: dict[str, SourceTensor]) -> dict[
     return found
 
 
-def write_transposed(scratch: Path, tensors: dict[str, SourceTensor], chunk_size: int) -> None:
-    """The file `scratch` (the caller removes it): each 2-D tensor transposed, one after another."""
+def write_transposed(scratch: Path, tensors: dict[str, SourceTensor], chunk_size: int, only: Container[str] | None = None) -> None:
+    """The file `scratch` (the caller removes it): each 2-D tensor transposed, one after another;
+    with `only`, those tensors alone, each at its place (a sparse file: a spread rank's part)."""
     import numpy as np
 
     with closing(ByteEngine(chunk_size=chunk_size)) as engine, open(scratch, "wb") as out:
-        for tensor in tensors.values():
-            data = bytearray(tensor.nbytes)
-            engine.read_into(tensor, ElementRange(0, tensor.numel), memoryview(data))
-            unsigned = np.frombuffer(data, dtype=_UNSIGNED[dtype_info(tensor.dtype).itemsize]).reshape(tensor.shape)
-            out.write(np.ascontiguousarray(unsigned.T).data)
+        offset = 0
+        for name, tensor in tensors.items():
+            if only is None or name in only:
+                data = bytearray(tensor.nbytes)
+                engine.read_into(tensor, ElementRange(0, tensor.numel), memoryview(data))
+                unsigned = np.frombuffer(data, dtype=_UNSIGNED[dtype_info(tensor.dtype).itemsize]).reshape(tensor.shape)
+                out.seek(offset)
+                out.write(np.ascontiguousarray(unsigned.T).data)
+            offset += tensor.nbytes

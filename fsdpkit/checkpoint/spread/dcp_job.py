@@ -6,6 +6,8 @@ is the one-process writer's, byte for byte."""
 
 from __future__ import annotations
 
+import os
+import socket
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -14,14 +16,16 @@ from ...dtypes import dtype_info
 from ...errors import DataCheckError, UsageError
 from ...flat_layout import ElementRange
 from ..core.any_checkpoint import recorded_data_source
+from ..core.bytecopy import SourcePiece
 from ..core.crc import check_parts
 from ..core.report import WriteReport
 from ..core.request import ConvertRequest
 from ..dcp.export import dcp_entries
 from ..dcp.metadata import METADATA_NAME
 from ..dcp.table import open_dcp
-from ..dcp.writer import DcpRecord, OutBytes, OutTensor, plan_dcp, rank_file_name
+from ..dcp.writer import DcpPlan, DcpRecord, OutBytes, OutTensor, plan_dcp, rank_file_name
 from ..megatron.to_megatron import SCRATCH_NAME, megatron_output
+from ..megatron.transposed import write_transposed
 from ..offline.formats import open_checkpoint
 from .jobs import CheckedReads, Progress, convert_facts, part_reads, source_listing
 from .plan import OutputFile, Part
@@ -86,11 +90,15 @@ class DcpJob:
         return convert_facts(self.request, self.opened.opened_from, [(f.name, f.nbytes) for f in self.files])
 
     def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
+        return self.write_part(self.plan, part, directory, progress)
+
+    def write_part(self, plan: DcpPlan, part: Part, directory: Path, progress: Progress) -> PartResult:
+        """Part `part` of `plan`'s file `part.file` written in `directory`."""
         name = self.files[part.file].name
         reads = CheckedReads(self.request.chunk_size, progress)
         try:
             with PartSink(directory / name, part.begin, part.end) as sink:
-                for record in self.plan.ranks[part.file]:
+                for record in plan.ranks[part.file]:
                     if record.position >= part.end or record.position + record.length <= part.begin:
                         continue
                     if record.chunk is None:
@@ -126,21 +134,44 @@ class DcpJob:
         self.stack.close()
 
 
+def _pieces_in(record: DcpRecord, part: Part) -> list[SourcePiece]:
+    """The source pieces the data of `record` that falls in `part` is read from."""
+    lo, hi = max(part.begin, record.data_begin), min(part.end, record.data_end)
+    if record.chunk is None or lo >= hi:
+        return []
+    source, wanted = record.chunk.tensor.source, record.chunk.wanted
+    itemsize = dtype_info(source.dtype).itemsize
+    first, last = (lo - record.data_begin) // itemsize, (hi - record.data_begin) // itemsize
+    return source.pieces_in(ElementRange(wanted.start + first, wanted.start + last))
+
+
 class MegatronJob(DcpJob):
-    """`convert --to megatron`: DCP's one rank file (cut by byte range), then `.metadata`, `common.pt`
-    and `metadata.json` by rank 0."""
+    """`convert --to megatron`: DCP's one rank file (cut by byte range; transformers' GPT-2 Conv1D
+    weights transposed by the rank that writes them), then `.metadata`, `common.pt` and
+    `metadata.json` by rank 0."""
 
     def entries(self, src: str, request: ConvertRequest) -> tuple[list[OutTensor], list[OutBytes], int]:
         self.opened = opened = self.stack.enter_context(open_checkpoint(src))
         if not opened.model:
             raise DataCheckError(f"{src}: no model tensors found")
         self.output = megatron_output(opened, request, Path(SCRATCH_NAME))
-        if self.output.flipped:
-            raise UsageError(
-                f"{src}: transformers' GPT-2 Conv1D weights are converted --to megatron in one process "
-                "(they are transposed into one scratch file): leave out the launch flags"
-            )
         return self.output.tensors, self.output.items, 1
+
+    def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
+        """transformers' GPT-2 Conv1D weights, (in, out), are read transposed from a scratch file of
+        this rank's own in the staging area, holding only those that this part's byte range takes
+        (one weight in memory at a time, as in one process), removed when the part is written."""
+        if not self.output.flipped:
+            return super().run_part(part, directory, progress)
+        scratch = directory / f"{SCRATCH_NAME}.{socket.gethostname()}.{os.getpid()}"
+        output = megatron_output(self.opened, self.request, scratch)
+        plan = plan_dcp(output.tensors, output.items, world_size=1)
+        taken = {p.key for record in plan.ranks[part.file] for p in _pieces_in(record, part) if p.path == scratch}
+        try:
+            write_transposed(scratch, output.flipped, self.request.chunk_size, only=taken)
+            return self.write_part(plan, part, directory, progress)
+        finally:
+            scratch.unlink(missing_ok=True)
 
     def commit_files(self, directory: Path, dst: str) -> WriteReport:
         files = [*(f.name for f in self.files), METADATA_NAME, *self.output.write_common(directory)]
