@@ -228,3 +228,26 @@ def test_to_dcp_under_torchrun_and_on_two_nodes_of_two_is_the_one_process_bytes(
     assert "spread over 4 ranks" in outputs[0] and "spread over 2 ranks" in outputs[2], outputs
     assert _files(tmp_path / "nodes") == _files(tmp_path / "one")
     assert _files(tmp_path / "torchrun") == _files(tmp_path / "one")
+
+
+def test_gpt2_to_megatron_transposes_by_blocks_of_rows(tmp_path, monkeypatch):
+    """transformers' GPT-2 --to megatron, spread in this process with blocks of two rows: the
+    one-process bytes (whole weights at once), and torch's DCP reader gives transformers' Conv1D
+    weights transposed (Megatron loads the spread output in test_megatron)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fsdpkit.checkpoint.megatron import transposed
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    model.save_pretrained(tmp_path / "hf")
+    one = run_cli("convert", tmp_path / "hf", tmp_path / "one", "--to", "megatron")
+    assert one.exit_code == 0, one.output
+    monkeypatch.setattr(transposed, "TRANSPOSE_BLOCK_BYTES", 2 * 128 * 4)  # two rows of c_fc's (32, 128)
+    spread = run_cli("convert", tmp_path / "hf", tmp_path / "n1", "--to", "megatron", "--nproc-per-node", "1")
+    assert spread.exit_code == 0, spread.output
+    assert _files(tmp_path / "n1") == _files(tmp_path / "one")
+    fc1 = torch.empty(2, 128, 32)
+    dcp.load({"decoder.layers.mlp.linear_fc1.weight": fc1}, storage_reader=dcp.FileSystemReader(str(tmp_path / "n1")), no_dist=True)
+    assert all(torch.equal(fc1[i], model.transformer.h[i].mlp.c_fc.weight.T) for i in range(2))

@@ -160,7 +160,7 @@ class MegatronJob(DcpJob):
     def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
         """transformers' GPT-2 Conv1D weights, (in, out), are read transposed from a scratch file of
         this rank's own in the staging area, holding only those that this part's byte range takes
-        (one weight in memory at a time, as in one process), removed when the part is written."""
+        (by blocks of a weight's rows, as in one process), removed when the part is written."""
         if not self.output.flipped:
             return super().run_part(part, directory, progress)
         scratch = directory / f"{SCRATCH_NAME}.{socket.gethostname()}.{os.getpid()}"
