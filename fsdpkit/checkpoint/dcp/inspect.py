@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,12 +138,14 @@ class ChunkChecks:
         self.serializations |= other.serializations
 
 
-def chunk_checks(checkpoint: DcpCheckpoint, files: Container[str] | None = None) -> ChunkChecks:
-    """Every chunk of an opened file (of `files`, or of all) located and checked against the metadata."""
+def chunk_checks(checkpoint: DcpCheckpoint, within: Callable[[str, int], bool] | None = None) -> ChunkChecks:
+    """Every chunk of an opened file (those whose record's file and offset are `within`, or all)
+    located and checked against the metadata."""
     found = ChunkChecks()
     for number, tensor in enumerate(checkpoint.metadata.tensors.values()):
         for index, chunk in enumerate(tensor.chunks):
-            if not checkpoint.opened(chunk.location.file) or (files is not None and chunk.location.file not in files):
+            location = chunk.location
+            if not checkpoint.opened(location.file) or (within is not None and not within(location.file, location.offset)):
                 continue  # a file not opened is reported missing
             try:
                 found.serializations.add(checkpoint.chunk_data(tensor, chunk).serialization)

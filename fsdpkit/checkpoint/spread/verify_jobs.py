@@ -1,11 +1,13 @@
-"""`verify` of the formats other than fsdpkit's own, spread: each data file is one unit of the
-plan (its bytes), checked whole by the rank it falls to with the format's own check (DeepSpeed's
-and verl's storages against the zip's CRC-32, DCP's and Megatron's chunk records, Megatron's
-SHA-256 of the files `integrity.json` lists); a rank returns what it found as JSON, and rank 0
-passes it to the format's one-process verify, which checks the metadata itself and writes the
-one-process report. A full safetensors checkpoint has no checksums (its headers are all verify
-reads): rank 0 reads them, and there is nothing to share. A source that does not open plans no
-files: rank 0's one-process verify reports it, as it does in one process."""
+"""`verify` of the formats other than fsdpkit's own, spread: the data files are the plan's units
+(their bytes), checked by the ranks they fall to with the format's own check (DeepSpeed's and
+verl's storages against the zip's CRC-32, DCP's and Megatron's chunk records, Megatron's SHA-256
+of the files `integrity.json` lists). A file may be cut where a checked record starts (a storage,
+a chunk's record), except a hashed one (SHA-256 runs front to back). A rank returns what it found
+as JSON, each finding with its place in the one-process order, and rank 0 passes them to the
+format's one-process verify, which checks the metadata itself and writes the one-process report.
+A full safetensors checkpoint has no checksums (its headers are all verify reads): rank 0 reads
+them, and there is nothing to share. A source that does not open plans no files: rank 0's
+one-process verify reports it, as it does in one process."""
 
 from __future__ import annotations
 
@@ -63,17 +65,32 @@ class FileVerify:
 
 
 def _findings(results: list[PartResult]) -> list[Any]:
-    return [json.loads(r.problems[0]) for r in sorted(results, key=lambda r: r.file)]
+    """What every part found, in file order."""
+    return [json.loads(r.problems[0]) for r in sorted(results, key=lambda r: (r.file, r.index))]
 
 
-def _sized(directory: Path, names: list[str]) -> list[OutputFile]:
-    sizes = []
+def _unit(name: str, nbytes: int, starts: list[int]) -> OutputFile:
+    """File `name`, which may be cut where any of `starts` (the offsets of checked records) is."""
+    return OutputFile(name, nbytes, tuple((at, at, 1) for at in sorted(set(starts)) if 0 < at < nbytes))
+
+
+def _sized(directory: Path, names: list[str], starts: dict[str, list[int]]) -> list[OutputFile]:
+    units = []
     for name in names:
         try:
-            sizes.append(OutputFile(name, os.stat(directory / name).st_size))
+            units.append(_unit(name, os.stat(directory / name).st_size, starts.get(name, [])))
         except OSError:
-            sizes.append(OutputFile(name, 0))  # missing: the one-process checks say so
-    return sizes
+            units.append(OutputFile(name, 0))  # missing: the one-process checks say so
+    return units
+
+
+def _record_starts(checkpoint: DcpCheckpoint) -> dict[str, list[int]]:
+    """The offset of every chunk's record, by file."""
+    starts: dict[str, list[int]] = {}
+    for tensor in checkpoint.metadata.tensors.values():
+        for chunk in tensor.chunks:
+            starts.setdefault(chunk.location.file, []).append(chunk.location.offset)
+    return starts
 
 
 SAVED_FILES: dict[str, tuple[Any, Any, Any, str]] = {
@@ -98,15 +115,19 @@ class SavedFilesVerify(FileVerify):
         except DataCheckError:
             self.checkpoint = None
             return
-        self.files = [OutputFile(f.path.name, f.size) for f in self.checkpoint.opened]
+        opened = self.checkpoint.opened
+        self.files = [_unit(f.path.name, f.size, [entry.offset for entry in f.storages.values()]) for f in opened]
 
     def run_part(self, part: Part, directory: Path | None, progress: Progress) -> PartResult:
-        return self.result(part, self.checkpoint.opened[part.file].crc_problems(), progress)
+        return self.result(part, self.checkpoint.opened[part.file].crc_checks(part.begin, part.end), progress)
 
     def report(self, results: list[PartResult]) -> VerifyReport:
         if self.checkpoint is None:
             return self.one_process(self.path)
-        crcs = [(count, problems) for count, problems in _findings(results)]
+        checks: list[list] = [[] for _ in self.files]
+        for result in results:
+            checks[result.file].extend(json.loads(result.problems[0]))
+        crcs = [(len(found), [problem for _, problem in sorted(found) if problem is not None]) for found in checks]
         return self.verify_opened(self.checkpoint, VerifyReport(str(self.path), self.format), crcs)
 
     def close(self) -> None:
@@ -114,13 +135,14 @@ class SavedFilesVerify(FileVerify):
             self.checkpoint.close()
 
 
-def _chunks_json(checkpoint: DcpCheckpoint, name: str) -> dict:
-    """The chunks of file `name` checked (none when it does not open: the structure check says so)."""
+def _chunks_json(checkpoint: DcpCheckpoint, name: str, part: Part) -> dict:
+    """The chunks whose records start in `part` of file `name` checked (none when it does not
+    open: the structure check says so)."""
     try:
         checkpoint.file(name)
     except DataCheckError:
         return {"checked": 0, "problems": [], "serializations": []}
-    found = chunk_checks(checkpoint, {name})
+    found = chunk_checks(checkpoint, lambda file, offset: file == name and part.begin <= offset < part.end)
     return {"checked": found.checked, "problems": found.problems, "serializations": sorted(found.serializations)}
 
 
@@ -142,11 +164,11 @@ class DcpVerify(FileVerify):
             self.checkpoint = None
             return
         self.checkpoint = DcpCheckpoint(metadata, root=source_path(self.path))
-        self.files = _sized(self.path, list(metadata.files))
+        self.files = _sized(self.path, list(metadata.files), _record_starts(self.checkpoint))
 
     def run_part(self, part: Part, directory: Path | None, progress: Progress) -> PartResult:
         assert self.checkpoint is not None
-        return self.result(part, _chunks_json(self.checkpoint, self.files[part.file].name), progress)
+        return self.result(part, _chunks_json(self.checkpoint, self.files[part.file].name, part), progress)
 
     def report(self, results: list[PartResult]) -> VerifyReport:
         return verify_dcp(self.path, found=_chunks_of(_findings(results)) if self.checkpoint is not None else None)
@@ -176,13 +198,15 @@ class MegatronVerify(FileVerify):
             return
         self.opened = True
         names = set(self.checkpoint.metadata.files) if self.checkpoint is not None else set()
-        self.files = _sized(self.weights, sorted(names | set(self.hashes)))
+        starts = _record_starts(self.checkpoint) if self.checkpoint is not None else {}
+        cut = {name: at for name, at in starts.items() if name not in self.hashes}  # a hash is taken front to back
+        self.files = _sized(self.weights, sorted(names | set(self.hashes)), cut)
 
     def run_part(self, part: Part, directory: Path | None, progress: Progress) -> PartResult:
         name = self.files[part.file].name
         found: dict[str, Any] = {"hashed": {}}
         if self.checkpoint is not None and name in self.checkpoint.metadata.files:
-            found.update(_chunks_json(self.checkpoint, name))
+            found.update(_chunks_json(self.checkpoint, name, part))
         if name in self.hashes:
             found["hashed"][name] = hash_problem(self.weights / name, self.hashes[name], memoryview(bytearray(HASH_BLOCK)))
         return self.result(part, found, progress)

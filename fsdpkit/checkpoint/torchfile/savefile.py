@@ -171,17 +171,22 @@ class SaveFile:
 
     def crc_problems(self) -> tuple[int, list[str]]:
         """(storages checked against the zip's CRC-32, one line per mismatch)."""
-        checked, problems = 0, []
-        for key, entry in self.storages.items():
-            if entry.crc32 == 0 and entry.nbytes > 0:
+        checks = self.crc_checks(0, self.size)
+        return len(checks), [problem for _, problem in checks if problem is not None]
+
+    def crc_checks(self, begin: int, end: int) -> list[tuple[int, str | None]]:
+        """Each storage whose data starts in bytes [begin, end) checked against the zip's CRC-32:
+        (its place among the storages, the line when it does not match, else None)."""
+        checks: list[tuple[int, str | None]] = []
+        for place, (key, entry) in enumerate(self.storages.items()):
+            if not begin <= entry.offset < end or (entry.crc32 == 0 and entry.nbytes > 0):
                 continue
-            value, end = 0, entry.offset + entry.nbytes
-            for position in range(entry.offset, end, CRC_BLOCK):
-                value = crc32(read_exactly(self.fd, min(CRC_BLOCK, end - position), position, self.path), value)
-            checked += 1
-            if value != entry.crc32:
-                problems.append(f"{self.path}: storage {key!r}: CRC-32 {value:08x}, the zip says {entry.crc32:08x} (damaged)")
-        return checked, problems
+            value, stop = 0, entry.offset + entry.nbytes
+            for position in range(entry.offset, stop, CRC_BLOCK):
+                value = crc32(read_exactly(self.fd, min(CRC_BLOCK, stop - position), position, self.path), value)
+            damaged = f"{self.path}: storage {key!r}: CRC-32 {value:08x}, the zip says {entry.crc32:08x} (damaged)"
+            checks.append((place, None if value == entry.crc32 else damaged))
+        return checks
 
 
 def verify_saved_files(
