@@ -40,13 +40,14 @@ def assert_spread_verify_is_one_process(path: Path, victim: Path, offset: int) -
     return errors[0][0]
 
 
-def storage_offset(path: Path) -> int:
-    """The offset of the first data byte of the largest storage in `path`, a torch.save zip (read by zipfile)."""
+def storage_offset(path: Path, key: str | None = None) -> int:
+    """The offset of the middle byte of storage `key` (or the largest) in `path`, a torch.save zip (read by zipfile)."""
     import struct
     import zipfile
 
     with zipfile.ZipFile(path) as archive:
-        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+        stored = [i for i in archive.infolist() if "/data/" in i.filename]
+        info = max(stored, key=lambda i: i.file_size) if key is None else next(i for i in stored if i.filename.endswith(f"/data/{key}"))
     with open(path, "rb") as f:
         f.seek(info.header_offset + 26)
         name_length, extra_length = struct.unpack("<HH", f.read(4))
