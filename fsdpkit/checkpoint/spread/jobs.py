@@ -1,7 +1,7 @@
 """What a spread command writes or checks, as output files of known size (`files`, which the plan
 shares out), how one rank does one part of them (`run_part`) and rank 0's last step (`commit`):
 here `convert --to full` from any format, `reshard` and `verify` of fsdpkit's own format, and
-what the other jobs share (`dcp_job`, `deepspeed_job`, `sharded_job`, `diff_job`; `dispatch`
+what the other jobs share (`dcp_job`, `deepspeed_job`, `sharded_job`, `diff_job`, `verify_jobs`; `dispatch`
 picks one). Each rank opens the source itself (its headers and manifest, no tensor data) and
 derives the same files; the runner checks that every rank derived the same ones.
 """
