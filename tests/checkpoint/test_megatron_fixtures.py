@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.checkpoint_files import run_cli
+from support.spread_verify import assert_spread_verify_is_one_process
 
 from fsdpkit.checkpoint.offline.formats import open_checkpoint
 
@@ -82,8 +83,9 @@ def test_verify_checks_the_sha256_that_integrity_json_lists(tmp_path):
     checkpoint = shutil.copytree(checkpoint_of("mcore_0_19_torch_dist"), tmp_path / "ckpt")
     assert (checkpoint / "integrity.json").exists()
     assert run_cli("verify", checkpoint).exit_code == 0
-    data = bytearray((checkpoint / "__1_0.distcp").read_bytes())
-    data[100] ^= 1  # a flipped bit inside a tensor's bytes: DCP's structure still holds
-    (checkpoint / "__1_0.distcp").write_bytes(bytes(data))
-    done = run_cli("verify", checkpoint)
-    assert done.exit_code == 3 and "__1_0.distcp: SHA-256" in done.output, done.output
+    # spread over 1 and 2 processes, then a flipped byte inside a tensor's bytes (DCP's structure still holds)
+    line = assert_spread_verify_is_one_process(checkpoint, checkpoint / "__1_0.distcp", 100)
+    assert "__1_0.distcp: SHA-256" in line, line
+    zarr = checkpoint_of("mcore_0_15_zarr")  # no data checked: the same report from rank 0
+    one, spread = run_cli("verify", zarr), run_cli("verify", zarr, "--nproc-per-node", "2")
+    assert one.exit_code == spread.exit_code == 0 and spread.stdout == one.stdout, spread.output
