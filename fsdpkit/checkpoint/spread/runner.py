@@ -7,30 +7,32 @@
     rank 0   checks every source checksum read in parts, writes the manifest/index, renames to DST
 
 Only these small objects pass between ranks; the bytes go from the source files to the output
-files in each rank. They pass through a gloo group under torchrun and across nodes, and on one
-node through rank 0's hub (`hub`, `processes`: the launching process is rank 0, its workers need
-no torch). One process (world size 1) runs the same steps without either.
+files in each rank. They pass through a gloo group under torchrun, and with fsdpkit's own flags,
+on one node or several, through rank 0's hub (`hub`, `processes`: the launching process of node
+0 is rank 0, no rank needs torch). One process (world size 1) runs the same steps without either.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import resource
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...dist import faults
-from ...dist.launch import LaunchOptions, launch, under_torchrun
+from ...dist.launch import LaunchOptions, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ...progress import ByteProgress, stderr_progress
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
 from ..offline.diff import DiffRequest
 from .dispatch import open_job
-from .hub import Hub
+from .hub import Hub, HubClient, RankGone, shared_key
 from .plan import Plan, make_plan
 from .processes import start_workers, stop_workers
 from .progress import SharedCount
@@ -68,6 +70,8 @@ class RankFigures:
     bytes_planned: int = 0
     bytes_read: int = 0  # source bytes read in this run
     seconds: float = 0.0
+    peak_rss_bytes: int = 0  # this process's peak resident memory, once its parts were written
+    torch: bool = False  # whether this process imported torch
 
 
 @dataclass
@@ -194,6 +198,8 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
     started = time.monotonic()
     results, failure = _run_parts(task, job, plan, todo, staging, count, views, figures)
     figures.seconds = time.monotonic() - started
+    figures.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
+    figures.torch = "torch" in sys.modules
     gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
     failures = [f for f, _, _ in gathered if f is not None]
     if failures:
@@ -250,11 +256,13 @@ def _gather_naming_the_stopped(comm: Any, count: SharedCount, value: Any) -> lis
     stuck past --timeout) named with the part each was writing."""
     try:
         return comm.all_gather(value)
-    except RunError:
+    except RunError as error:
         try:
             stopped = count.unfinished() if count.store is not None else []
         except Exception:  # the store went down with rank 0: the gather's own line is all there is
             stopped = []
+        if isinstance(error, RankGone):  # the hub knows which rank left; the others are still at work
+            stopped = [(rank, label) for rank, label in stopped if rank == error.rank]
         if not stopped:
             raise
         named = "; ".join(f"rank {rank} stopped" + (f" while writing {label}" if label else "") for rank, label in stopped)
@@ -343,40 +351,59 @@ def as_json(result: SpreadResult) -> dict:
 
 
 def run_spread(task: SpreadTask, options: LaunchOptions, show: ByteProgress | None = None) -> SpreadResult | None:
-    """The run in this process (world size 1), in `options`' workers, or, under torchrun, as one
-    worker of it; rank 0's result (None on the other ranks and nodes)."""
+    """The run in this process (world size 1), with its workers on this node and the other nodes'
+    ranks (`run_on_nodes`), or, under torchrun, as one worker of it; rank 0's result (None on the
+    other ranks and nodes)."""
     if under_torchrun():
         return spread_worker(task)
     if options.nnodes == 1 and options.nproc_per_node == 1:
         return run_ranks(task, Solo(), show)
-    if options.nnodes == 1:
-        return run_on_this_node(task, options.local_processes)
-    if options.node_rank == 0:  # bad input: one line and exit 2 (or 3) here, before any worker starts
-        header, job = _lead(task, options.world_size)
-        if job is not None:
-            job.close()
-        if header["error"] is not None:
-            _raise(*header["error"])
-    try:
-        return launch(spread_worker, task, options=options).get(0)
-    except RunError as error:
-        raise RunError(failed_part_line(task, str(error))) from None
+    return run_on_nodes(task, options)
 
 
-def run_on_this_node(task: SpreadTask, world_size: int) -> SpreadResult | None:
-    """Rank 0 here, its workers (`processes`) started first: they start and open the source while
-    rank 0 opens it and plans. Bad input is rank 0's one line; the workers then leave, having
-    written nothing."""
-    hub = Hub(world_size, task.timeout, task)
-    show, close = stderr_progress(task.command)
-    grace = 0.5
+def run_on_nodes(task: SpreadTask, options: LaunchOptions) -> SpreadResult | None:
+    """This node's ranks: the first is this process, the others (`processes`) are started first,
+    so that they start and open the source while rank 0 opens it and plans. Node 0's first is
+    rank 0, which serves the hub (`_rank_0_hub`). Bad input is rank 0's one line; the other
+    ranks then leave, having written nothing."""
+    per_node, world_size = options.local_processes, options.world_size
+    first = options.node_rank * per_node
+    hub, address, key = _rank_0_hub(task, options, first)
+    show, close = stderr_progress(task.command) if hub is not None else (None, lambda: None)
+    connected: list[Hub | HubClient] = [hub] if hub is not None else []
+    processes: dict = {}
+    grace = 0.5 if options.nnodes == 1 else WORKERS_EXIT_SECONDS  # on failure: other nodes' ranks get the line
     try:
-        start_workers(hub)
-        result = run_ranks(task, hub, show)
+        processes = start_workers(address, key, range(first + 1, first + per_node), world_size, task.timeout)
+        if hub is not None:
+            hub.processes.update(processes)
+        else:
+            connected.append(HubClient(address, key, first, world_size, task.timeout))
+        result = run_ranks(connected[0].task, connected[0], show)
         grace = WORKERS_EXIT_SECONDS
         return result
     except RunError as error:
         raise RunError(failed_part_line(task, str(error))) from None
     finally:
         close()
-        stop_workers(hub, grace=grace)
+        if hub is not None:
+            hub.wait_until_left(grace)
+        stop_workers(processes, grace=grace)
+        for connection in connected:
+            connection.close()
+
+
+def _rank_0_hub(task: SpreadTask, options: LaunchOptions, first: int) -> tuple[Hub | None, tuple[str, int], bytes]:
+    """Node 0's hub (None on the other nodes), where this node's ranks reach it, and its key. On
+    one node: a free local port, a key made for the run. Across nodes: --master-port of every
+    interface, reached at --master-addr, with a key every node derives from the run's arguments
+    (and $FSDPKIT_SPREAD_KEY): a node given another command is refused."""
+    if options.nnodes == 1:
+        hub = Hub(options.world_size, task.timeout, task)
+        return hub, hub.address, hub.key
+    host, _, port = (options.endpoint or "").rpartition(":")
+    key = shared_key(host, port, str(options.world_size), repr(task))
+    if first != 0:
+        return None, (host, int(port)), key
+    hub = Hub(options.world_size, task.timeout, task, listen=("", int(port)), key=key)
+    return hub, ("127.0.0.1", int(port)), key
