@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import resource
 import socket
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ...dist import faults
+from ...dist.host import peak_rss_bytes
 from ...dist.launch import LaunchOptions, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ...progress import ByteProgress, stderr_progress
@@ -198,7 +198,7 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
     started = time.monotonic()
     results, failure = _run_parts(task, job, plan, todo, staging, count, views, figures)
     figures.seconds = time.monotonic() - started
-    figures.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
+    figures.peak_rss_bytes = peak_rss_bytes()
     figures.torch = "torch" in sys.modules
     gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
     failures = [f for f, _, _ in gathered if f is not None]
