@@ -230,6 +230,47 @@ def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_pat
     assert all(r["torch"] and r["peak_rss_bytes"] > 0 for r in under_torchrun), under_torchrun
 
 
+def test_a_rank_killed_on_the_second_node_stops_both_nodes_and_commits_nothing(source, tmp_path):
+    """Rank 3, a worker on node 1, SIGKILLed as it starts its 2nd part: its connection to rank 0
+    closes; both nodes' commands stop with one line naming rank 3 (not the ranks still at work)
+    and the part, and DST is not there."""
+    import socket
+    import subprocess
+    import sys
+
+    root, _, _ = source
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dst = tmp_path / "out"
+    flags = ["--to", "full", "--max-shard-size", SHARD, "--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    env = {**os.environ, FAULT_ENV: "kill:3:2:convert"}
+    nodes = [
+        [
+            sys.executable,
+            "-m",
+            "fsdpkit_cli",
+            "convert",
+            str(root / "run"),
+            str(dst),
+            *flags,
+            "--master-port",
+            str(port),
+            "--node-rank",
+            str(rank),
+        ]
+        for rank in (0, 1)
+    ]
+    started = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in nodes]
+    outputs = [process.communicate(timeout=120) for process in started]
+    assert [process.returncode for process in started] == [1, 1], outputs
+    for _, err in outputs:
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and lines[0].startswith("error: rank 3 stopped while writing model-"), err
+        assert "nothing committed" in lines[0] and "rank 1" not in lines[0] and "rank 2" not in lines[0], err
+    assert not dst.exists() and staging_path(dst).exists()
+
+
 def test_a_node_that_does_not_see_the_same_paths_is_named(tmp_path):
     """What each rank checks before writing: its listing of SRC matches rank 0's, and it reads
     the token rank 0 wrote into DST's staging area (on a node without the shared filesystem it
