@@ -113,3 +113,27 @@ def test_a_killed_rank_commits_nothing_in_the_bucket_and_the_rerun_continues(sou
     assert json.loads(rerun.stdout)["spread"]["kept_parts"] >= 2
     assert _objects(s3_endpoint, s3_bucket, "out") == _files(tmp_path / "one")
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+
+
+def test_reshard_verify_and_diff_of_fsdpkit_checkpoints_in_a_bucket(s3_bucket, s3_endpoint, tmp_path):
+    """reshard bucket -> bucket gives the one-process local bytes; verify and diff of URLs spread
+    over 2 processes say what the one-process commands say of the local copies."""
+    tensors = _tensors()
+    save_checkpoint(tmp_path / "run", 2, tensors, world_size=2, training_state={"step": 2})
+    client = s3_client(s3_endpoint)
+    for path in sorted((tmp_path / "run").rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), s3_bucket, f"run/{path.relative_to(tmp_path / 'run').as_posix()}")
+    run, out = f"s3://{s3_bucket}/run", f"s3://{s3_bucket}/r3"
+    spread = run_cli("reshard", run, out, "--world-size", "3", "--nproc-per-node", "2")
+    one = run_cli("reshard", tmp_path / "run", tmp_path / "r3", "--world-size", "3")
+    assert spread.exit_code == one.exit_code == 0, spread.output + one.output
+    assert _objects(s3_endpoint, s3_bucket, "r3") == _files(tmp_path / "r3")
+    verify = run_cli("verify", out, "--nproc-per-node", "2")
+    assert verify.exit_code == 0 and verify.stdout.startswith(f"ok {out}"), verify.output
+    changed = {**tensors, "layer.2.weight": tensors["layer.2.weight"].flip(0)}
+    save_checkpoint(tmp_path / "other", 2, changed, world_size=3, training_state={"step": 2})
+    diff_one = run_cli("diff", tmp_path / "r3", tmp_path / "other", "--json")
+    diff_spread = run_cli("diff", out, tmp_path / "other", "--json", "--nproc-per-node", "2")
+    assert diff_one.exit_code == diff_spread.exit_code == 3, diff_spread.output
+    assert json.loads(diff_spread.stdout.replace(out, str(tmp_path / "r3"))) == json.loads(diff_one.stdout)

@@ -252,7 +252,7 @@ class VerifyJob:
         return sum(t.nbytes for t in self.checkpoint.manifest.tensors)
 
     def facts(self) -> dict:
-        return {"command": "verify", "source": source_listing(self.checkpoint.step_dir)}
+        return {"command": "verify", "source": source_listing(str(self.checkpoint.step_dir))}  # a URL as its string
 
     def file_sizes(self) -> list[tuple[str, int]]:
         return [(f.name, f.nbytes) for f in self.files]
