@@ -95,10 +95,8 @@ def _run(args: argparse.Namespace, local_server: bool) -> None:
         load = os.getloadavg()[0]
         rounds.append((load, _timed(commands[1]), _timed(commands[2])))
     ratios = [two[0] / one[0] for _, one, two in rounds]
-    print(
     where = "moto, this machine" if local_server else os.environ["AWS_ENDPOINT_URL"]
     print(f"{args.size / 1e6:.0f} MB of fp32 at 2 ranks -> full bf16, s3:// to s3://, {where}")
-    )
     for load, one, two in rounds:
         print(f"  load {load:5.1f}: 1 process {one[0]:6.2f} s ({one[1] >> 20} MiB), 2 processes {two[0]:6.2f} s ({two[1] >> 20} MiB)")
     print(
