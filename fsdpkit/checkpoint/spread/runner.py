@@ -5,6 +5,7 @@
     every    writes (or checks) its parts, records each one, skips those recorded before
     every    -> all_gather of failures, checksums, figures; any failure: all stop, nothing committed
     rank 0   checks every source checksum read in parts, writes the manifest/index, renames to DST
+             (to a bucket, `bucket`: each rank uploaded its whole files; rank 0 uploads the commit object last)
 
 Only these small objects pass between ranks; the bytes go from the source files to the output
 files in each rank. They pass through a gloo group under torchrun, and with fsdpkit's own flags,
@@ -188,7 +189,7 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
         views = Views(comm, problem)
         if views.ready() or job is None:
             views.check()
-        return _work_and_commit(task, job, header, comm, show, views)
+        return _with_staging(task, job, header, comm, show, views)
     finally:
         if job is not None:
             job.close()
@@ -212,16 +213,17 @@ class Views:
             raise RunError(problems[0])
 
 
-def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views) -> SpreadResult | None:
+def _with_staging(task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views) -> SpreadResult | None:
+    """`_work_and_commit` with the staging area rank 0 named (a bucket's: this rank's scratch removed after)."""
     staging = staging_at(header["staging"]) if header["staging"] else None
     try:
-        return _work_in(task, job, header, comm, show, views, staging)
+        return _work_and_commit(task, job, header, comm, show, views, staging)
     finally:
         if staging is not None:
             staging.close()
 
 
-def _work_in(
+def _work_and_commit(
     task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views, staging: Staging | BucketStaging | None
 ) -> SpreadResult | None:
     plan = Plan.from_json(header["plan"])
