@@ -139,3 +139,29 @@ def test_reshard_verify_and_diff_of_fsdpkit_checkpoints_in_a_bucket(s3_bucket, s
     diff_spread = run_cli("diff", out, tmp_path / "other", "--json", "--nproc-per-node", "2")
     assert diff_one.exit_code == diff_spread.exit_code == 3, diff_spread.output
     assert json.loads(diff_spread.stdout.replace(out, str(tmp_path / "r3"))) == json.loads(diff_one.stdout)
+
+
+def test_the_staging_record_in_the_bucket_is_kept_refused_or_discarded(s3_bucket, s3_endpoint):
+    """prepare_bucket against the server, the objects listed by boto3: the same conversion finds
+    its records again, another is refused unless --restart (which drops them), a whole
+    checkpoint needs --overwrite and then loses its commit object first, and what a run leaves
+    is what a one-process write to the URL replaces without --overwrite."""
+    from fsdpkit.checkpoint.spread.bucket import prepare_bucket
+    from fsdpkit.checkpoint.storage.upload import check_destination
+    from fsdpkit.errors import UsageError
+
+    client, url = s3_client(s3_endpoint), f"s3://{s3_bucket}/out"
+    client.put_object(Bucket=s3_bucket, Key="out/manifest.json", Body=b"{}")
+    client.put_object(Bucket=s3_bucket, Key="out/a.safetensors", Body=b"x" * 10)
+    with pytest.raises(UsageError, match="--overwrite"):
+        prepare_bucket(url, digest="one", overwrite=False, restart=False)
+    staging = prepare_bucket(url, digest="one", overwrite=True, restart=False)
+    assert "manifest.json" not in _objects(s3_endpoint, s3_bucket, "out")  # no reader takes old and new for one checkpoint
+    staging.write_state("done/00000-00000.json", json.dumps({"file": 0, "index": 0, "name": "a.safetensors", "begin": 0, "end": 10}))
+    check_destination(staging.storage, overwrite=False)  # an interrupted write: replaced without --overwrite
+    assert list(prepare_bucket(url, digest="one", overwrite=False, restart=False).records()) == [(0, 0)]
+    with pytest.raises(UsageError, match="--restart"):
+        prepare_bucket(url, digest="two", overwrite=False, restart=False)
+    assert prepare_bucket(url, digest="two", overwrite=False, restart=True).records() == {}
+    names = set(_objects(s3_endpoint, s3_bucket, "out"))
+    assert names == {"a.safetensors", ".fsdpkit-writing", ".fsdpkit-spread/plan.json", ".fsdpkit-spread/token"}
