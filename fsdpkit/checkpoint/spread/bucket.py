@@ -67,7 +67,7 @@ class BucketStaging:
     def path(self) -> Path:
         """The local directory this rank writes a file into before uploading it."""
         if self._scratch is None:
-            self._scratch = Path(tempfile.mkdtemp(prefix="fsdpkit-spread-"))
+            self._scratch = Path(tempfile.mkdtemp(prefix="fsdpkit-upload-scratch-"))
         return self._scratch
 
     def write_state(self, name: str, text: str) -> None:
