@@ -5,6 +5,7 @@
     every    writes (or checks) its parts, records each one, skips those recorded before
     every    -> all_gather of failures, checksums, figures; any failure: all stop, nothing committed
     rank 0   checks every source checksum read in parts, writes the manifest/index, renames to DST
+             (to a bucket, `bucket`: each rank uploaded its whole files; rank 0 uploads the commit object last)
 
 Only these small objects pass between ranks; the bytes go from the source files to the output
 files in each rank. They pass through a gloo group under torchrun, and with fsdpkit's own flags,
@@ -31,6 +32,8 @@ from ...progress import ByteProgress, stderr_progress
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
 from ..offline.diff import DiffRequest
+from ..storage.location import is_url
+from .bucket import BucketStaging, bucket_plan, prepare_bucket, staging_at
 from .dispatch import open_job
 from .hub import Hub, HubClient, RankGone, shared_key
 from .plan import Plan, make_plan
@@ -59,6 +62,11 @@ class SpreadTask:
     @property
     def writes(self) -> bool:
         return self.command in ("convert", "reshard")
+
+    @property
+    def to_bucket(self) -> bool:
+        """It writes to an object-store URL (every rank uploads its own files)."""
+        return self.writes and self.dst is not None and is_url(self.dst)
 
 
 @dataclass
@@ -106,22 +114,34 @@ def _lead(task: SpreadTask, world_size: int) -> tuple[dict, Any]:
     job = None
     try:
         job = open_task_job(task)
-        plan = make_plan(job.files, world_size)
+        plan = task_plan(task, job, world_size)
         digest = fingerprint(job.facts())
         header: dict[str, Any] = {"error": None, "plan": plan.to_json(), "digest": digest, "staging": None, "token": None, "kept": []}
         if task.writes:
-            assert task.dst is not None
-            dst = Path(task.dst)
-            src = Path(getattr(getattr(job, "opened", None), "opened_from", task.src))
-            staging, _ = prepare(dst, src=src, digest=digest, overwrite=task.overwrite, restart=task.restart, needed_bytes=plan.total_bytes)
-            (staging.state / PLAN_FILE).write_text(json.dumps(plan.to_json()))
+            staging = _prepare(task, job, digest, plan)
+            staging.write_state(PLAN_FILE, json.dumps(plan.to_json()))
             kept = [asdict(result) for result in staging.records().values()]  # read before any rank records a part
-            header.update(staging=str(staging.path), token=staging.token(), kept=kept)
+            header.update(staging=task.dst if task.to_bucket else staging.where, token=staging.token(), kept=kept)
         return header, job
     except FsdpkitError as error:
         if job is not None:
             job.close()
         return {"error": (type(error).__name__, str(error))}, None
+
+
+def task_plan(task: SpreadTask, job: Any, world_size: int) -> Plan:
+    """The plan of `task`: whole files only when it writes to a bucket."""
+    return bucket_plan(job.files, world_size) if task.to_bucket else make_plan(job.files, world_size)
+
+
+def _prepare(task: SpreadTask, job: Any, digest: str, plan: Plan) -> Staging | BucketStaging:
+    """Rank 0: the staging area of DST, made or found again."""
+    assert task.dst is not None
+    if task.to_bucket:
+        return prepare_bucket(task.dst, digest=digest, overwrite=task.overwrite, restart=task.restart)
+    src = Path(getattr(getattr(job, "opened", None), "opened_from", task.src))
+    needed = plan.total_bytes
+    return prepare(Path(task.dst), src=src, digest=digest, overwrite=task.overwrite, restart=task.restart, needed_bytes=needed)[0]
 
 
 def _raise(kind: str, message: str) -> None:
@@ -133,12 +153,20 @@ def view_problem(task: SpreadTask, job: Any, header: dict, rank: int) -> str | N
     host = socket.gethostname()
     if fingerprint(job.facts()) != header["digest"]:
         return f"rank {rank} on {host} sees {task.src} differently from rank 0 (other files or sizes): every node must see the same path"
-    if header["staging"] is not None and Staging(Path(header["staging"])).token() != header["token"]:
+    if header["staging"] is not None and _seen_token(header["staging"]) != header["token"]:
         return (
             f"rank {rank} on {host} does not see {header['staging']} as rank 0 wrote it: with local paths every node must see "
-            "the same DST (a filesystem all nodes share); nothing committed"
+            "the same DST (a filesystem all nodes share), with a URL the same bucket; nothing committed"
         )
     return None
+
+
+def _seen_token(location: str) -> str | None:
+    staging = staging_at(location)
+    try:
+        return staging.token()
+    finally:
+        staging.close()
 
 
 def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> SpreadResult | None:
@@ -161,7 +189,7 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
         views = Views(comm, problem)
         if views.ready() or job is None:
             views.check()
-        return _work_and_commit(task, job, header, comm, show, views)
+        return _with_staging(task, job, header, comm, show, views)
     finally:
         if job is not None:
             job.close()
@@ -185,9 +213,20 @@ class Views:
             raise RunError(problems[0])
 
 
-def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views) -> SpreadResult | None:
+def _with_staging(task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views) -> SpreadResult | None:
+    """`_work_and_commit` with the staging area rank 0 named (a bucket's: this rank's scratch removed after)."""
+    staging = staging_at(header["staging"]) if header["staging"] else None
+    try:
+        return _work_and_commit(task, job, header, comm, show, views, staging)
+    finally:
+        if staging is not None:
+            staging.close()
+
+
+def _work_and_commit(
+    task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views, staging: Staging | BucketStaging | None
+) -> SpreadResult | None:
     plan = Plan.from_json(header["plan"])
-    staging = Staging(Path(header["staging"])) if header["staging"] else None
     kept = {(r["file"], r["index"]): PartResult(**r) for r in header["kept"]}
     mine = plan.parts_of(comm.rank)
     todo = [part for part in mine if (part.file, part.index) not in kept]
@@ -205,22 +244,29 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
     if failures:
         kept_note = ""
         if staging is not None:
-            kept_note = f"; nothing committed; the parts finished are kept in {staging.path}: run the same command again to continue"
+            kept_note = f"; nothing committed; the parts finished are kept in {staging.where}: run the same command again to continue"
         _raise(failures[0][0], failures[0][1] + (f" (+{len(failures) - 1} more ranks failed)" if len(failures) > 1 else "") + kept_note)
     if comm.rank != 0:
         return None
     done = [*kept.values(), *(r for _, rs, _ in gathered for r in rs)]
     ranks = [f for _, _, f in gathered]
-    assert staging is None or task.dst is not None
-    report = job.commit(staging.path, done, task.dst) if staging is not None else job.report(done)
-    if staging is not None:
+    if staging is None:
+        report = job.report(done)
+    else:
         assert task.dst is not None
-        staging.commit(Path(task.dst), overwrite=task.overwrite)
-    return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), str(staging.path) if staging else None)
+        report = staging.commit_job(job, done, task.dst, overwrite=task.overwrite)
+    return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), staging.where if staging else None)
 
 
 def _run_parts(
-    task: SpreadTask, job: Any, plan: Plan, todo: list, staging: Staging | None, count: SharedCount, views: Views, figures: RankFigures
+    task: SpreadTask,
+    job: Any,
+    plan: Plan,
+    todo: list,
+    staging: Staging | BucketStaging | None,
+    count: SharedCount,
+    views: Views,
+    figures: RankFigures,
 ):
     """This rank's parts written (or checked) and recorded: (their results, the first failure);
     a line of `views` (another rank does not see what rank 0 sees) is raised between parts."""
@@ -322,18 +368,20 @@ def failed_part_line(task: SpreadTask, line: str) -> str:
     found = re.search(r"worker rank (\d+)", line)
     if not task.writes or task.dst is None or found is None or "run the same command again" in line:
         return line
-    staging = Staging(staging_path(Path(task.dst)))
+    staging = staging_at(task.dst if task.to_bucket else str(staging_path(Path(task.dst))))
     try:
-        plan = Plan.from_json(json.loads((staging.state / PLAN_FILE).read_text()))
-    except (OSError, ValueError, KeyError):
+        plan = Plan.from_json(json.loads(staging.read_state(PLAN_FILE) or ""))
+        kept = staging.records()
+    except (FsdpkitError, ValueError, KeyError):
         return line
-    kept = staging.records()
+    finally:
+        staging.close()
     rank = int(found.group(1))
     left = [part for part in plan.parts_of(rank) if (part.file, part.index) not in kept]
     where = f" while writing {plan.label(left[0])}" if left and "while writing" not in line else ""
     nothing = "" if "nothing committed" in line else "; nothing committed"
     return (
-        f"{line}{where}{nothing}; {len(kept)} of {len(plan.parts)} parts are kept in {staging.path}: "
+        f"{line}{where}{nothing}; {len(kept)} of {len(plan.parts)} parts are kept in {staging.where}: "
         "run the same command again to continue (--restart starts over)"
     )
 

@@ -58,10 +58,10 @@ def publish(directory: Path, storage: Storage, existing: dict[str, int], progres
     data = [name for name in names if name != commit]
     try:
         with ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="fsdpkit-upload") as pool:
-            for _ in pool.map(lambda name: _upload(source, storage, name, progress), data):
+            for _ in pool.map(lambda name: upload_file(source, storage, name, progress), data):
                 pass
         if commit is not None:  # streamed too: a full checkpoint's one file is its commit object
-            _upload(source, storage, commit, progress)
+            upload_file(source, storage, commit, progress)
     except BaseException:
         with contextlib.suppress(Exception):  # the first failure is the one to report
             storage.delete(data if existing else [*data, WRITING_MARKER])  # over an old checkpoint, the marker says what is left
@@ -71,7 +71,8 @@ def publish(directory: Path, storage: Storage, existing: dict[str, int], progres
     return names
 
 
-def _upload(source: LocalStorage, storage: Storage, name: str, progress: Callable[[int], None] | None) -> None:
+def upload_file(source: LocalStorage, storage: Storage, name: str, progress: Callable[[int], None] | None = None) -> None:
+    """File `name` of `source` streamed into object `name` of `storage` (a multipart upload)."""
     size = source.size(name) or 0
     with storage.write(name) as stream:
         for _, block in source.read_blocks(name, [(0, size)], block_bytes=READ_BLOCK_BYTES):
