@@ -16,7 +16,7 @@ from support.object_store import s3_client
 
 from fsdpkit.checkpoint.storage.credentials import S3Access
 from fsdpkit.checkpoint.storage.location import open_storage
-from fsdpkit.checkpoint.storage.sigv4 import S3Requests, canonical_query
+from fsdpkit.checkpoint.storage.sigv4 import S3Requests
 from fsdpkit.checkpoint.storage.stale_uploads import OpenUpload, abort_stale_uploads, stale_uploads
 
 REQUESTS = [
@@ -38,9 +38,10 @@ def test_the_signature_equals_botocores(endpoint, token):
     for method, key, query in REQUESTS:
         path = requests.path(key)
         mine = requests.signed_headers(method, path, query, now)
-        theirs = AWSRequest(
+        theirs = AWSRequest(  # botocore encodes the query's parameters itself
             method=method,
-            url=f"{requests.scheme}://{requests.host}{path}?{canonical_query(query)}",
+            url=f"{requests.scheme}://{requests.host}{path}",
+            params=query,
             headers={"x-amz-content-sha256": mine["x-amz-content-sha256"]},
         )
         with mock.patch("botocore.auth.get_current_datetime", return_value=now.replace(tzinfo=None)):
