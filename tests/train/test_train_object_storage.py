@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -64,11 +65,12 @@ def reference(tmp_path_factory):
 
 
 def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_from_the_bucket_ends_bitwise(
-    reference, s3_bucket, s3_endpoint, tmp_path
+    reference, s3_bucket, s3_endpoint, tmp_path, monkeypatch
 ):
     """The proxy holds the uploads of step 4's rank files; the whole run is SIGKILLed then. The
-    resume (async saves, keep-last 1, the same run: it takes over the dead run's lock) ends
-    bitwise equal to the uninterrupted local run."""
+    resume (async saves, keep-last 1, the same run: it takes over the dead run's lock) reads the
+    bucket in place (no file of the size of a rank file lands in TMPDIR) and ends bitwise equal
+    to the uninterrupted local run."""
     full, local = reference
     url = f"s3://{s3_bucket}/runs/k"
     command = [FSDPKIT, "train", *COMMON, "--steps", "6", "--save-every", "2", "--save-dir", url, "--quiet"]
@@ -84,8 +86,21 @@ def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_from_the_b
     assert s3_client(s3_endpoint).get_object(Bucket=s3_bucket, Key="runs/k/latest")["Body"].read() == b"step-00000002\n"
     inspected = runner.invoke(app, ["inspect", url, "--json"])
     assert inspected.exit_code == 0 and json.loads(inspected.stdout)["path"] == f"{url}/step-00000002"
-    result = runner.invoke(app, ["train", "--resume", url, "--save-dir", url, "--async-save", "--keep-last", "1", "--json"])
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    stop, largest = threading.Event(), [0]
+    watcher = threading.Thread(target=_watch_largest_file, args=(scratch, stop, largest))
+    watcher.start()
+    try:
+        result = runner.invoke(app, ["train", "--resume", url, "--save-dir", url, "--async-save", "--keep-last", "1", "--json"])
+    finally:
+        stop.set()
+        watcher.join()
     assert result.exit_code == 0, result.output
+    rank_file_bytes = min(path.stat().st_size for path in (local / "step-00000002").glob("rank-*"))
+    assert largest[0] < rank_file_bytes // 4, f"a file of {largest[0]} bytes in TMPDIR during the resume"
     assert "took over the lock" in result.stderr
     resumed = json.loads(result.stdout)
     assert resumed["resumed_from_step"] == 2 and resumed["losses"] == full["losses"][2:]
