@@ -65,7 +65,7 @@ def reference(tmp_path_factory):
 
 
 def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_from_the_bucket_ends_bitwise(
-    reference, s3_bucket, s3_endpoint, tmp_path, monkeypatch
+    reference, s3_bucket, s3_endpoint, tmp_path
 ):
     """The proxy holds the uploads of step 4's rank files; the whole run is SIGKILLed then. The
     resume (async saves, keep-last 1, the same run: it takes over the dead run's lock) reads the
@@ -86,12 +86,9 @@ def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_from_the_b
     assert s3_client(s3_endpoint).get_object(Bucket=s3_bucket, Key="runs/k/latest")["Body"].read() == b"step-00000002\n"
     inspected = runner.invoke(app, ["inspect", url, "--json"])
     assert inspected.exit_code == 0 and json.loads(inspected.stdout)["path"] == f"{url}/step-00000002"
-    scratch = tmp_path / "tmpdir"
-    scratch.mkdir()
-    monkeypatch.setenv("TMPDIR", str(scratch))
-    monkeypatch.setattr(tempfile, "tempdir", None)
+    temporary = Path(os.environ.get("TMPDIR") or tempfile.gettempdir())  # the session's, which the fork server's workers inherited
     stop, largest = threading.Event(), [0]
-    watcher = threading.Thread(target=_watch_largest_file, args=(scratch, stop, largest))
+    watcher = threading.Thread(target=_watch_largest_file, args=(temporary, stop, largest, set(temporary.rglob("*"))))
     watcher.start()
     try:
         result = runner.invoke(app, ["train", "--resume", url, "--save-dir", url, "--async-save", "--keep-last", "1", "--json"])
@@ -208,9 +205,10 @@ def _assert_no_half_checkpoint(client, bucket: str, prefix: str, reference: Path
             assert all(size == (reference / key).stat().st_size for key, size in files.items()), (step, files)
 
 
-def _watch_largest_file(directory: Path, stop: threading.Event, largest: list[int]) -> None:
+def _watch_largest_file(directory: Path, stop: threading.Event, largest: list[int], before: frozenset | set = frozenset()) -> None:
+    """The size of the largest file under `directory` (but those `before`) until `stop`, into `largest[0]`."""
     while not stop.wait(0.02):
-        for path in directory.rglob("*"):
+        for path in set(directory.rglob("*")) - before:
             try:
                 largest[0] = max(largest[0], path.stat().st_size if path.is_file() else 0)
             except OSError:
