@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 
 from ...errors import UsageError
 from .face import READ_BLOCK_BYTES, Storage
 from .local import LocalStorage
+from .stale_uploads import abort_stale_uploads
 
 UPLOADS_IN_FLIGHT = 2  # files uploaded at once, each PARTS_IN_FLIGHT parts of PART_BYTES: 128 MiB held at most
 COMMIT_NAMES = (
@@ -53,7 +55,10 @@ def publish(directory: Path, storage: Storage, existing: dict[str, int], progres
     names = sorted(source.list())
     commit = next((name for name in COMMIT_NAMES if name in names), None)
     old_commits = [name for name in COMMIT_NAMES if name in existing]
+    started = datetime.now(UTC)
     storage.put(WRITING_MARKER, b"")
+    if WRITING_MARKER in existing:  # a write cut short: the uploads it left open go
+        abort_stale_uploads(storage, initiated_before=started)
     storage.delete(old_commits)
     data = [name for name in names if name != commit]
     try:
