@@ -17,7 +17,8 @@ table as the DeepSpeed reader builds it (`add_sources`, from synthetic rank file
 ranks: fp32 weights and Adam's two moments per parameter), `convert --to full`'s output (files,
 headers, tensor map), the output files and the plan; then the copy's bounded buffers and the
 mapped source windows at most; and the interpreter with fsdpkit's modules, measured here as the
-RSS of a fresh process that imported the spread runner (the workers of one node import no torch).
+RSS of a fresh process that imported the spread runner (with fsdpkit's own flags no rank, on any
+node, imports torch; under torchrun each worker holds torch too, about 190 MB more).
 Not counted: the rank files' unpickled state while they are open (the reader keeps rank 0's model
 states file whole, of the others' only their step and frozen fragments, and the optimizer files'
 states), since there are no rank files here.

@@ -53,13 +53,14 @@ def launch_options(
 ) -> LaunchOptions | None:
     """The launch of a spread run, or None when nothing asks for one (no launch flag, no
     --dry-run or --restart, and not a command that `spreads` started by torchrun as its
-    workers): then the command runs as it always did. A spread run takes local `locations` only."""
+    workers): then the command runs as it always did. A URL among `locations` that fsdpkit
+    cannot use is one line here, before any worker starts."""
     given = given_values((LAUNCH,), ctx, settings).get("launch", {})
     if not given and not dry_run and not restart and not (_torchrun_worker() and spreads()):
         return None
-    from fsdpkit.checkpoint.offline.locations import local_only
+    from fsdpkit.checkpoint.offline.locations import check_urls
 
-    local_only(*locations, what="a conversion spread over processes")
+    check_urls(*locations)
     options = LAUNCH.from_values(given, where="")
     if options.nproc_per_node is None and options.nnodes == 1 and not under_torchrun():
         options = LAUNCH.from_values({**given, "nproc_per_node": 1}, where="")
@@ -130,7 +131,7 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
         job = open_task_job(task)
         try:
             world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else options.world_size
-            planned = plan_only(job, task.src, world_size)
+            planned = plan_only(job, task, world_size)
         finally:
             job.close()
         print_json(planned.to_json()) if as_json else typer.echo("\n".join(planned.lines()))

@@ -1,8 +1,10 @@
-"""What this machine has: memory available to new allocations (for checks before launch)."""
+"""What this machine has: memory available to new allocations (for checks before launch); this
+process's peak resident memory."""
 
 from __future__ import annotations
 
 import os
+import resource
 
 
 def available_memory_bytes() -> int:
@@ -15,3 +17,16 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def peak_rss_bytes() -> int:
+    """The peak RSS of this process's own address space (Linux's VmHWM; ru_maxrss, the fallback,
+    survives fork and exec, so it would count the process this one was started from)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

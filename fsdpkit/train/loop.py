@@ -12,7 +12,6 @@ import base64
 import contextlib
 import dataclasses
 import os
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ from ..checkpoint.memory.recovery import restore
 from ..data.streaming import StreamPosition
 from ..dist import faults
 from ..dist.comm import CollectiveError, Collectives
+from ..dist.host import peak_rss_bytes
 from ..engine.view import describe
 from ..models.recipe import Optimizer, precision_names
 from ..models.source import resolve
@@ -71,18 +71,10 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: the allocator's peak. CPU: the peak RSS of this worker's own address space (Linux's
-    VmHWM; ru_maxrss survives exec, so it would count the launcher the worker was started from)."""
+    """CUDA: the allocator's peak. CPU: the peak RSS of this worker's own address space."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return peak_rss_bytes()
 
 
 class Trainer:

@@ -201,3 +201,25 @@ def test_tied_pipelined_moments_equal_megatrons(trained, tmp_path):
         moments = [n for n in converted.optimizer if n.startswith("optim.exp_avg.")]
         assert len(moments) == len(converted.model)  # GPT-2 keeps no lm_head of its own: tied to wte
         assert all(converted.shape(n) == converted.shape(n.removeprefix("optim.exp_avg.")) for n in moments)
+
+
+def test_fully_sharded_model_space_is_refused_in_one_line(trained, tmp_path):
+    """megatron-core 0.16.1 cannot save `fully_sharded_model_space` (its ShardedTensor refuses the
+    flattened_range that sharding builds), so no such checkpoint is tested: one that records it
+    (Megatron's fully_reshardable save, its common state saying fully_sharded_model_space) has its
+    moments refused in one line, and its model still converts."""
+    root, _ = trained("llama")
+    changed = tmp_path / "fsms"
+    shutil.copytree(root / "full", changed)
+    common = torch.load(changed / "common.pt", weights_only=False)
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    common["optimizer"]["param_state_sharding_type"] = "fully_sharded_model_space"
+    common["content_metadata"]["distrib_optim_sharding_type"] = "fully_sharded_model_space"
+    torch.save(common, changed / "common.pt")
+    refused = run_cli("convert", changed, tmp_path / "out", "--to", "sharded", "--world-size", "2", "--with-optimizer")
+    assert refused.exit_code == 2 and not (tmp_path / "out").exists()
+    assert "fully_sharded_model_space sharding is not converted" in refused.output and len(refused.output.strip().splitlines()) == 1
+    assert "moments not convertible" in json.loads(run_cli("inspect", changed, "--json").stdout)["optimizer_kind"]
+    done = run_cli("convert", changed, tmp_path / "model-only", "--to", "full", "--json")
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["optimizer"] == "fully_sharded_model_space"

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fsdpkit.checkpoint.spread.hub import Hub, HubClient
+from fsdpkit.checkpoint.spread.hub import Hub, HubClient, shared_key
 from fsdpkit.errors import RunError
 
 
@@ -85,3 +85,65 @@ def test_a_rank_whose_process_exited_is_named():
         time.sleep(0.05)
     assert isinstance(out[1], RunError) and "worker rank 2 exited with code 3" in str(out[1])  # the worker's gather fails too
     hub.close()
+
+
+def test_across_nodes_a_rank_with_another_key_or_rank_is_refused_and_named():
+    """Across nodes the key is derived from the run: a node started with another command gets
+    another key and is refused (both sides say so); a rank given twice is refused at join."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hub = Hub(3, 0.5, task="task", listen=("", port), key=shared_key("127.0.0.1", str(port), "3", "convert A B"))
+    address = ("127.0.0.1", port)
+    with pytest.raises(RunError, match=r"^rank 1: rank 0 at 127.0.0.1:\d+ refused this node's key: every node must run the same command"):
+        HubClient(address, shared_key("127.0.0.1", str(port), "3", "convert A C"), 1, 3, timeout=5)
+    joined = HubClient(address, shared_key("127.0.0.1", str(port), "3", "convert A B"), 1, 3, timeout=5)
+    assert joined.task == "task"
+    with pytest.raises(RunError, match=r"^rank 1 joined twice or is outside 1..2: give each node its own --node-rank$"):
+        HubClient(address, hub.key, 1, 3, timeout=5)
+    with pytest.raises(RunError, match=r"^rank 2 counts 4 ranks, rank 0 3"):
+        HubClient(address, hub.key, 2, 4, timeout=5)
+    with pytest.raises(
+        RunError, match=r"^rank \d did not answer within --timeout 0.5 s \(refused connections from 127.0.0.1 with another key\)$"
+    ):
+        hub.all_gather(None)
+    hub.close()
+
+
+def test_a_worker_waits_for_a_rank_0_that_starts_later():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    key = shared_key("later")
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.setdefault(1, HubClient(("127.0.0.1", port), key, 1, 2, timeout=20).broadcast(None)))
+    thread.start()
+    time.sleep(0.5)
+    hub = Hub(2, 20.0, task=None, listen=("", port), key=key)
+    hub.broadcast("plan")
+    thread.join(20)
+    assert out == {1: "plan"}
+    hub.close()
+
+
+def test_a_failed_gather_names_only_the_rank_that_left():
+    """Other ranks still at work when one died are not named (they have not finished yet)."""
+    from fsdpkit.checkpoint.spread.hub import RankGone
+    from fsdpkit.checkpoint.spread.runner import _gather_naming_the_stopped
+
+    class Comm:
+        def all_gather(self, value):
+            raise RankGone("worker rank 3 closed its connection (it exited, or its node went away)", 3)
+
+    class Count:
+        store = object()
+
+        def unfinished(self):
+            return [(1, "model-00002.safetensors"), (3, "model-00007.safetensors")]
+
+    with pytest.raises(RunError, match=r"^rank 3 stopped while writing model-00007.safetensors \(it died"):
+        _gather_naming_the_stopped(Comm(), Count(), None)

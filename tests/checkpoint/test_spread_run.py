@@ -179,12 +179,9 @@ def test_a_rank_that_hangs_is_named_once_the_timeout_passes(source, tmp_path):
     assert not dst.exists()
 
 
-def test_bad_input_is_one_line_and_writes_nothing(source, tmp_path, no_launch, monkeypatch):
+def test_bad_input_is_one_line_and_writes_nothing(source, tmp_path, no_launch):
     """Found by rank 0 before any rank writes; on one node the workers, started first so that
     they open the source while rank 0 plans, then leave (torch's launcher is never started)."""
-    from fsdpkit.checkpoint.spread import runner
-
-    monkeypatch.setattr(runner, "launch", no_launch_launch)
     root, _, clean = source
     wrong = run_cli("convert", root / "run", tmp_path / "x", "--to", "sharded", "--world-size", "2", "--nproc-per-node", "2")
     assert wrong.exit_code == 2 and "cannot be converted --to sharded" in wrong.output
@@ -200,13 +197,10 @@ def test_bad_input_is_one_line_and_writes_nothing(source, tmp_path, no_launch, m
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def no_launch_launch(*_args, **_kwargs):
-    raise AssertionError("bad input must be rejected before launching")
-
-
 def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_path):
-    """Two nodes of one process each (fsdpkit's --nnodes, --node-rank, --master-addr, --master-port)
-    and, at the same time, `torchrun -m fsdpkit_cli convert` with two processes."""
+    """Two nodes of two processes each (fsdpkit's --nnodes, --node-rank, --master-addr,
+    --master-port: rank 0's hub over TCP, no torch in any rank) and, at the same time, `torchrun
+    -m fsdpkit_cli convert` with two processes (a gloo group)."""
     import socket
     import subprocess
     import sys
@@ -215,20 +209,66 @@ def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_pat
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    common = ["convert", str(root / "run"), "--to", "full", "--max-shard-size", SHARD, "--with-optimizer"]
+    common = ["convert", str(root / "run"), "--to", "full", "--max-shard-size", SHARD, "--with-optimizer", "--json"]
     nodes = [
-        [sys.executable, "-m", "fsdpkit_cli", *common[:2], str(tmp_path / "nodes"), *common[2:], "--nproc-per-node", "1", "--nnodes", "2"]
+        [sys.executable, "-m", "fsdpkit_cli", *common[:2], str(tmp_path / "nodes"), *common[2:], "--nproc-per-node", "2", "--nnodes", "2"]
         + ["--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
         for rank in (0, 1)
     ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fsdpkit_cli"]
     torchrun += [*common[:2], str(tmp_path / "torchrun"), *common[2:]]
-    started = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args in [*nodes, torchrun]]
-    outputs = [process.communicate(timeout=240)[0] for process in started]
+    started = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in [*nodes, torchrun]]
+    outputs = [process.communicate(timeout=240) for process in started]
     assert [process.returncode for process in started] == [0, 0, 0], outputs
-    assert "wrote" in outputs[0] and "wrote" not in outputs[1]  # node 0's rank 0 reports; node 1 says nothing
+    assert outputs[1][0] == ""  # node 0's rank 0 reports; node 1 says nothing
     assert _files(tmp_path / "nodes") == _files(clean)
     assert _files(tmp_path / "torchrun") == _files(clean)
+    ranks = json.loads(outputs[0][0])["spread"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and not any(r["torch"] for r in ranks)  # node 1's ranks 2, 3 too
+    assert all(0 < r["peak_rss_bytes"] <= 300 * 2**20 for r in ranks), ranks
+    under_torchrun = json.loads(outputs[2][0])["spread"]["ranks"]
+    assert all(r["torch"] and r["peak_rss_bytes"] > 0 for r in under_torchrun), under_torchrun
+
+
+def test_a_rank_killed_on_the_second_node_stops_both_nodes_and_commits_nothing(source, tmp_path):
+    """Rank 3, a worker on node 1, SIGKILLed as it starts its 2nd part: its connection to rank 0
+    closes; both nodes' commands stop with one line naming rank 3 (not the ranks still at work)
+    and the part, and DST is not there."""
+    import socket
+    import subprocess
+    import sys
+
+    root, _, _ = source
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dst = tmp_path / "out"
+    flags = ["--to", "full", "--max-shard-size", SHARD, "--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    env = {**os.environ, FAULT_ENV: "kill:3:2:convert"}
+    nodes = [
+        [
+            sys.executable,
+            "-m",
+            "fsdpkit_cli",
+            "convert",
+            str(root / "run"),
+            str(dst),
+            *flags,
+            "--master-port",
+            str(port),
+            "--node-rank",
+            str(rank),
+        ]
+        for rank in (0, 1)
+    ]
+    started = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in nodes]
+    outputs = [process.communicate(timeout=120) for process in started]
+    assert [process.returncode for process in started] == [1, 1], outputs
+    for _, err in outputs:
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and lines[0].startswith("error: rank 3 stopped while writing model-"), err
+        assert "nothing committed" in lines[0] and "rank 1" not in lines[0] and "rank 2" not in lines[0], err
+    assert not dst.exists() and staging_path(dst).exists()
 
 
 def test_a_node_that_does_not_see_the_same_paths_is_named(tmp_path):

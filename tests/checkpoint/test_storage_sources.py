@@ -227,3 +227,23 @@ def test_large_unchecked_pieces_of_a_bucket_source_stream_through_the_face(s3_bu
 
     loaded = load_file(str(tmp_path / "bucket" / "model.safetensors"))
     assert all(torch.equal(loaded[name], tensor) for name, tensor in tensors.items()), sorted(loaded)
+
+
+def test_a_transformers_model_in_a_bucket_converts_to_megatron_by_its_config_json(s3_bucket, s3_endpoint, tmp_path):
+    """GPT-2 as transformers saves it (config.json beside model.safetensors) in a bucket: `--to
+    megatron` reads the model's shape from the bucket's config.json, as from the local copy's,
+    and writes the same bytes."""
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4, n_inner=64)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(str(tmp_path / "gpt2"))
+    client = s3_client(s3_endpoint)
+    for path in sorted((tmp_path / "gpt2").iterdir()):
+        client.upload_file(str(path), s3_bucket, f"gpt2/{path.name}")
+    done = run_cli("convert", tmp_path / "gpt2", tmp_path / "from-disk", "--to", "megatron")
+    assert done.exit_code == 0, done.output
+    done = run_cli("convert", f"s3://{s3_bucket}/gpt2", tmp_path / "from-bucket", "--to", "megatron", "--json")
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["shape"]["layers"] == 2
+    assert _files(tmp_path / "from-bucket") == _files(tmp_path / "from-disk")

@@ -3,7 +3,9 @@ with a fault: `503 SlowDown` (S3's throttling), another 5xx, a 400 (which no cli
 a connection dropped without an answer, a request held unanswered until the proxy closes
 (`held` is set when the first one arrives: the moment to kill a client mid-upload), or
 (`cut`, asked for by name) an answer cut off after half its body; `only` limits the faults to
-requests whose path holds it. The request is read whole first, so a fault other than `cut`
+requests whose path holds it (or one of them). `arm(passing)` instead holds the requests that
+would fail after the next `passing` of them, until `release()` drops them: a moment of an
+upload to kill its client at, again and again. The request is read whole first, so a fault other than `cut`
 never reaches the server; which requests fail comes from a seeded generator, so a run is
 repeatable; the kinds take turns. `faults` counts what was injected."""
 
@@ -38,10 +40,12 @@ class FaultProxy:
         seed: int = 0,
         kinds: tuple[str, ...] = ("503", "500", "drop"),
         methods: tuple[str, ...] = ("GET", "HEAD", "PUT", "POST", "DELETE"),
-        only: str = "",
+        only: str | tuple[str, ...] = "",
     ):
         self.upstream = urlsplit(upstream)
-        self.fraction, self.kinds, self.methods, self.only = fraction, kinds, methods, only  # only requests of `methods` fail
+        self.fraction, self.kinds, self.methods = fraction, kinds, methods  # only requests of `methods` fail
+        self.only = (only,) if isinstance(only, str) else only
+        self._passing: int | None = None  # with arm(): requests still to pass before the holding starts; None: not armed
         self.held, self.released = threading.Event(), threading.Event()
         self.faults: dict[str, int] = dict.fromkeys(kinds, 0)
         self.requests = 0
@@ -62,11 +66,28 @@ class FaultProxy:
         self._server.shutdown()
         self._server.server_close()
 
+    def arm(self, passing: int) -> None:
+        """Hold the requests that would fail after the next `passing` of them, until release()."""
+        with self._lock:
+            self._passing = passing
+            self.held, self.released = threading.Event(), threading.Event()
+
+    def release(self) -> None:
+        """Drop the requests held, and hold no more."""
+        with self._lock:
+            self._passing = None
+            self.released.set()
+
     def draw(self, method: str, path: str = "") -> str | None:
         """The fault for the next request, or None."""
         with self._lock:
             self.requests += 1
-            if method not in self.methods or self.only not in path or self._random.random() >= self.fraction:
+            if method not in self.methods or not any(part in path for part in self.only) or self._random.random() >= self.fraction:
+                return None
+            if self.kinds == ("hold",) and self.released.is_set():
+                return None
+            if self._passing:
+                self._passing -= 1
                 return None
             kind = self.kinds[sum(self.faults.values()) % len(self.kinds)]  # each kind in turn
             self.faults[kind] += 1

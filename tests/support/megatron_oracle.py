@@ -172,6 +172,12 @@ def load_logits(
     return _launch(job, parallel)
 
 
+def load_logits_of(checkpoints: list[tuple[str, MegatronShape, torch.Tensor]], *, parallel: Parallel = Parallel()) -> list[torch.Tensor]:
+    """`load_logits` of each (directory, shape, tokens), all in one launch (one start-up of Megatron)."""
+    entries = [{"directory": d, "shape": asdict(s), "tokens": t, "seed": 12345, "prefix": ""} for d, s, t in checkpoints]
+    return _launch({"kind": "load_many", "entries": entries}, parallel)
+
+
 def plain_tensors(directory: str) -> dict[str, Any]:
     """Megatron's own `dist_checkpointing.load_plain_tensors`: every tensor of the checkpoint,
     whole and unsharded, under its checkpoint key (one process)."""
@@ -643,16 +649,26 @@ def _rng_state(parallel: Parallel):  # type: ignore[no-untyped-def]
 
 
 def _job_load(job: dict, parallel: Parallel) -> torch.Tensor | None:
+    _init_parallel(parallel)
+    return _load_and_forward(job, parallel)
+
+
+def _load_and_forward(job: dict, parallel: Parallel) -> torch.Tensor | None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    _init_parallel(parallel)
     model = _build_model(MegatronShape(**job["shape"]), parallel, job["seed"])
     request = {"model": model.sharded_state_dict(prefix=job["prefix"])}
     loaded = dist_checkpointing.load(request, job["directory"], strict=StrictHandling.RAISE_UNEXPECTED)
     state = {key.removeprefix(job["prefix"]): value for key, value in loaded["model"].items()}
     model.load_state_dict(state, strict=True)
     return _forward(model, job["tokens"])
+
+
+def _job_load_many(job: dict, parallel: Parallel) -> list[torch.Tensor | None] | None:
+    _init_parallel(parallel)
+    found = [_load_and_forward(entry, parallel) for entry in job["entries"]]
+    return found if found[0] is not None else None  # the logits' rank alone writes the result
 
 
 def _job_plain(job: dict, parallel: Parallel) -> dict[str, Any]:
@@ -667,4 +683,12 @@ def _job_common(job: dict, parallel: Parallel) -> dict[str, Any]:
     return dict(dist_checkpointing.load_common_state_dict(job["directory"]))
 
 
-_JOBS = {"train": _job_train, "save": _job_save, "forward": _job_forward, "load": _job_load, "plain": _job_plain, "common": _job_common}
+_JOBS = {
+    "train": _job_train,
+    "save": _job_save,
+    "forward": _job_forward,
+    "load": _job_load,
+    "load_many": _job_load_many,
+    "plain": _job_plain,
+    "common": _job_common,
+}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.processes import children, workers
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.train.attempts import History
@@ -81,33 +82,6 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     assert all(torch.equal(a[name], b[name]) for name in a), [n for n in a if not torch.equal(a[n], b[n])]
-
-
-def workers(launcher: int) -> list[int]:
-    """The launcher's worker processes: the children of its fork server (not its resource
-    tracker)."""
-    found = []
-    for pid in _children(launcher):
-        command = _command_line(pid)
-        if "multiprocessing.forkserver" in command:
-            found += _children(pid)
-        elif "resource_tracker" not in command:
-            found.append(pid)
-    return found
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for task in Path(f"/proc/{pid}/task").iterdir() for p in (task / "children").read_text().split()]
-    except OSError:  # gone meanwhile
-        return []
-
-
-def _command_line(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def stopped_worker(process: subprocess.Popen, deadline: float = 240) -> int:
@@ -432,7 +406,7 @@ SIGINTS_PER_BURST, BURST_GAP_SECONDS = 3, 0.1
 
 def _begun(pid: int, stage: str) -> bool:
     if stage == "launch":
-        return bool(_children(pid))
+        return bool(children(pid))
     try:
         return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
     except OSError:

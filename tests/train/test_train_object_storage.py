@@ -12,6 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ import torch
 from fsdpkit_cli.app import app
 from support.fault_proxy import FaultProxy
 from support.object_store import s3_client
+from support.processes import workers
 from typer.testing import CliRunner
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
@@ -64,8 +68,9 @@ def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_from_the_b
     reference, s3_bucket, s3_endpoint, tmp_path
 ):
     """The proxy holds the uploads of step 4's rank files; the whole run is SIGKILLed then. The
-    resume (async saves, keep-last 1, the same run: it takes over the dead run's lock) ends
-    bitwise equal to the uninterrupted local run."""
+    resume (async saves, keep-last 1, the same run: it takes over the dead run's lock) reads the
+    bucket in place (no file of the size of a rank file lands in TMPDIR) and ends bitwise equal
+    to the uninterrupted local run."""
     full, local = reference
     url = f"s3://{s3_bucket}/runs/k"
     command = [FSDPKIT, "train", *COMMON, "--steps", "6", "--save-every", "2", "--save-dir", url, "--quiet"]
@@ -81,8 +86,18 @@ def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_from_the_b
     assert s3_client(s3_endpoint).get_object(Bucket=s3_bucket, Key="runs/k/latest")["Body"].read() == b"step-00000002\n"
     inspected = runner.invoke(app, ["inspect", url, "--json"])
     assert inspected.exit_code == 0 and json.loads(inspected.stdout)["path"] == f"{url}/step-00000002"
-    result = runner.invoke(app, ["train", "--resume", url, "--save-dir", url, "--async-save", "--keep-last", "1", "--json"])
+    temporary = Path(os.environ.get("TMPDIR") or tempfile.gettempdir())  # the session's, which the fork server's workers inherited
+    stop, largest = threading.Event(), [0]
+    watcher = threading.Thread(target=_watch_largest_file, args=(temporary, stop, largest, set(temporary.rglob("*"))))
+    watcher.start()
+    try:
+        result = runner.invoke(app, ["train", "--resume", url, "--save-dir", url, "--async-save", "--keep-last", "1", "--json"])
+    finally:
+        stop.set()
+        watcher.join()
     assert result.exit_code == 0, result.output
+    rank_file_bytes = min(path.stat().st_size for path in (local / "step-00000002").glob("rank-*"))
+    assert largest[0] < rank_file_bytes // 4, f"a file of {largest[0]} bytes in TMPDIR during the resume"
     assert "took over the lock" in result.stderr
     resumed = json.loads(result.stdout)
     assert resumed["resumed_from_step"] == 2 and resumed["losses"] == full["losses"][2:]
@@ -95,6 +110,109 @@ def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_from_the_b
         *[f"step-00000006/rank-0000{rank}-of-00002.safetensors" for rank in range(2)],
     ]
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+
+
+SMALL = ["--model", "gpt-small", "--steps", "6", "--save-every", "2"]  # rank files of 19 MiB: 3 parts each
+KILL_MOMENTS = (0, 1, 2, 3, 4, 6, 8, 9, 10, 11)  # of a save's 12 writes: 2 x (create, 3 parts, complete), the manifest, `latest`
+
+
+@pytest.fixture(scope="module")
+def small_reference(tmp_path_factory):
+    """gpt-small, six steps, uninterrupted, saved locally every two."""
+    root = tmp_path_factory.mktemp("small")
+    return train(*SMALL, "--save-dir", str(root / "run")), root / "run"
+
+
+def test_workers_killed_at_ten_moments_of_save_uploads_leave_no_upload_open_and_the_run_ends_bitwise(
+    small_reference, s3_bucket, s3_endpoint, tmp_path
+):
+    """One run with --max-restarts 10; the proxy holds a save's writes from the k-th on, and both
+    workers are SIGKILLed there, for 10 moments k: before, between and after the multipart uploads'
+    parts, before the manifest, before `latest`. After each kill the bucket holds no step with a
+    manifest whose rank files are not whole, and no upload the kill before left open (the
+    restarted workers' next save aborted them: moto reports every upload as initiated in 2010, so
+    the sweep's time bound is checked in test_storage_sigv4.py); the restarts resume from the bucket
+    with nothing landing in TMPDIR; the run ends with no upload open, its losses and weights bitwise
+    those of the uninterrupted local run."""
+    full, local = small_reference
+    url, client = f"s3://{s3_bucket}/runs/r", s3_client(s3_endpoint)
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    command = [FSDPKIT, "train", *COMMON, *SMALL, "--save-dir", url, "--max-restarts", "10", "--quiet", "--json"]
+    stop, largest = threading.Event(), [0]
+    watcher = threading.Thread(target=_watch_largest_file, args=(scratch, stop, largest))
+    watcher.start()
+    left_open: set[str] = set()
+    with FaultProxy(s3_endpoint, fraction=1.0, kinds=("hold",), methods=("PUT", "POST"), only=("/step-", "/latest")) as proxy:
+        proxy.arm(KILL_MOMENTS[0])
+        env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url, "TMPDIR": str(scratch)}
+        run = subprocess.Popen(command, env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            for following in (*KILL_MOMENTS[1:], None):
+                assert proxy.held.wait(180), "no save reached the moment to kill it"
+                _kill_workers(run.pid)
+                uploads = {u["UploadId"] for u in client.list_multipart_uploads(Bucket=s3_bucket, Prefix="runs/r/").get("Uploads", [])}
+                assert not uploads & left_open, "an upload a killed save left open outlived the next save"
+                left_open = uploads
+                _assert_no_half_checkpoint(client, s3_bucket, "runs/r/", local)
+                proxy.release()
+                if following is not None:
+                    time.sleep(0.5)  # the killed workers' connections are closed
+                    proxy.arm(following)
+            out, err = run.communicate(timeout=300)
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
+            stop.set()
+            watcher.join()
+    assert run.returncode == 0, err.decode()
+    summary = json.loads(out)
+    assert summary["restarts"] == 10 and summary["losses"] == full["losses"]
+    assert client.list_multipart_uploads(Bucket=s3_bucket, Prefix="runs/r/").get("Uploads", []) == []
+    assert largest[0] < (1 << 20), f"a file of {largest[0]} bytes in TMPDIR during the run"
+    mine, expected = weights(downloaded(s3_endpoint, s3_bucket, "runs/r", tmp_path / "copy")), weights(local / "step-00000006")
+    assert mine.keys() == expected.keys() and all(torch.equal(mine[name], expected[name]) for name in expected)
+
+
+def _kill_workers(launcher: int) -> None:
+    """SIGKILL every worker of the launcher at once, and wait until they are gone."""
+    pids = workers(launcher)
+    assert pids, "no workers to kill"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def _assert_no_half_checkpoint(client, bucket: str, prefix: str, reference: Path) -> None:
+    """Every step holding a manifest holds each rank file, at the size of the reference run's."""
+    listed = {item["Key"][len(prefix) :]: item["Size"] for item in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])}
+    for name in listed:
+        if name.endswith("/manifest.json"):
+            step = name.rpartition("/")[0]
+            manifest = json.loads(client.get_object(Bucket=bucket, Key=f"{prefix}{name}")["Body"].read())
+            files = {key: size for key, size in listed.items() if key.startswith(f"{step}/rank-")}
+            assert len(files) == manifest["world_size"], (step, files)
+            assert all(size == (reference / key).stat().st_size for key, size in files.items()), (step, files)
+
+
+def _watch_largest_file(directory: Path, stop: threading.Event, largest: list[int], before: frozenset | set = frozenset()) -> None:
+    """The size of the largest file under `directory` (but those `before`) until `stop`, into `largest[0]`."""
+    while not stop.wait(0.02):
+        for path in set(directory.rglob("*")) - before:
+            try:
+                largest[0] = max(largest[0], path.stat().st_size if path.is_file() else 0)
+            except OSError:
+                continue
 
 
 def test_init_from_and_save_to_a_bucket_through_failing_requests_equal_the_same_run_on_disk(

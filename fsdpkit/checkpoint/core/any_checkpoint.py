@@ -42,6 +42,7 @@ class AnyCheckpoint:
     items: dict[str, Callable[[], Any]] = field(default_factory=dict)  # non-tensor item -> its reader
     format: str = ""  # its name in formats.FORMATS, set by the one that opened it
     opened_from: str = ""  # the path it was opened by (a run directory, where `path` is its step), likewise
+    opened_at: Path | None = None  # `opened_from` as the readers took it (a `StoredPath` in an object store), likewise
     groups: list[dict] = field(default_factory=list)  # the optimizer's param groups: [{"settings", "params"}]
     step: int = 0  # optimizer steps taken
     step_once: bool = False  # the step is recorded once (Megatron's param groups), not as a tensor per parameter

@@ -2,7 +2,8 @@
 face. There is no rename, so a save writes its step's objects under their final names and the
 step becomes a checkpoint only when its commit object appears:
 
-1. `begin`: a step saved again first loses its manifest (and `latest`, if it named it), then
+1. `begin`: the multipart uploads a killed run left open are aborted; a step saved again
+   first loses its manifest (and `latest`, if it named it), then
    its other objects;
 2. each rank streams its rank file (`write_rank_file`): crc32s computed from the bytes in memory
    first, so the header is whole before the first byte goes up (a multipart upload, aborted on
@@ -21,16 +22,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 
-from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
+from ...errors import DataCheckError, RunError, UsageError
 from ..core.crc import crc32
+from ..core.files import source_path
 from ..core.names import STEP_PREFIX
-from ..storage.download import download
 from ..storage.face import Storage
 from ..storage.location import is_url, open_storage
+from ..storage.stale_uploads import abort_stale_uploads
+from ..storage.stored_path import stored_root
 from .manifest import Manifest
 from .names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name, rank_file_name, step_dir_name
 from .placement import FileLayout
@@ -71,8 +74,11 @@ def _remove_step(storage: Storage, listed: dict[str, int], step_name: str) -> No
     storage.delete([name for name in _objects_of(listed, step_name) if name != f"{step_name}/{MANIFEST_NAME}"])
 
 
-def begin(storage: Storage, step: int) -> None:
-    """Make room for step `step`: what an earlier save of it left goes, `latest` first moved off it."""
+def begin(storage: Storage, step: int, *, writer_started: datetime) -> None:
+    """Make room for step `step`: the multipart uploads a killed writer left open are aborted
+    (those initiated before `writer_started`, when this writer began), and what an earlier save
+    of the step left goes, `latest` first moved off it."""
+    abort_stale_uploads(storage, initiated_before=writer_started)
     listed = listed_run(storage)
     name = step_dir_name(step)
     if not _objects_of(listed, name):
@@ -190,26 +196,18 @@ def checked_stored(url: str) -> tuple[str, Manifest] | None:
     return (storage.where(step) if step else storage.root), manifest
 
 
-@contextlib.contextmanager
-def local_copy(url: str) -> Iterator[Path]:
+def stored_checkpoint(url: str) -> Path:
     """The checkpoint at `url` (a run's `latest` step, a step, or any other checkpoint's objects)
-    copied through the face into a temporary directory (TMPDIR) for the block: the step's
-    objects only, streamed in bounded memory. An fsdpkit error raised in the block names the
-    URL, not the copy."""
+    as a path the readers read in place (a `StoredPath`): the objects are listed once and each
+    reader's bytes come straight from the bucket through the face's streamed GETs (bounded
+    memory, nothing copied to disk); messages name the URL."""
     storage = open_storage(url)
     listed = listed_run(storage)
     if not listed:
         raise UsageError(f"{url}: no objects under this prefix (no checkpoint there)")
     step = resolve_stored(storage, listed)[0] if is_stored_sharded(listed) else ""
-    prefix = f"{step}/" if step else ""
-    wanted = {name: size for name, size in listed.items() if name.startswith(prefix) and "/" not in name[len(prefix) :]}
-    with tempfile.TemporaryDirectory(prefix="fsdpkit-load-") as staging:
-        download(storage, wanted, Path(staging))
-        local = Path(staging) / step if step else Path(staging)
-        try:
-            yield local
-        except FsdpkitError as error:
-            raise type(error)(str(error).replace(str(local), storage.where(step) if step else storage.root)) from None
+    root = source_path(stored_root(storage, listed))
+    return root / step if step else root
 
 
 def same_url(a: str, b: str) -> bool:

@@ -10,7 +10,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -22,11 +22,12 @@ from ...engine.model_hooks import hooks_of
 from ...engine.view import ShardedModelView, describe
 from ...errors import DataCheckError
 from ..core.export import EXPORT_STATE_KEY
+from ..core.files import source_path
 from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible
 from ..format.placement import Placement, TensorSpec
 from ..format.reader import is_full_checkpoint
-from ..format.run_store import local_copy
+from ..format.run_store import stored_checkpoint
 from ..storage.location import is_url
 from .copy_order import DoneEvent, Event, HostBuffers, OverlappedCopy
 from .model_state import expected_tensors, load_weights, optimizer_hyperparameters, persistent_buffers, tensor_table, view_params
@@ -56,6 +57,7 @@ class Checkpointer:
         group = new_group(backend="gloo") if async_save else view.group
         self.ranks = Ranks(Collectives(), group, view.rank)
         self.run_id = run_id or run_id_of(process_identity())  # only rank 0's is ever written
+        self.started = datetime.now(UTC)  # no upload of this process's saves began before it
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_saved: str | None = None
@@ -92,7 +94,7 @@ class Checkpointer:
             manifest = manifest_of(view, self.module, self.optimizer, table, training_state, self.run_id, step)
             device = torch.device("cpu") if self.async_save else view.device  # NCCL groups reduce device tensors
             location = str(run_dir).rstrip("/") if is_url(run_dir) else Path(run_dir)
-            job = SaveJob(view.shard_rank, location, step, manifest, local if view.writes_shards else None, keep_last, device)
+            job = SaveJob(view.shard_rank, location, step, manifest, local if view.writes_shards else None, keep_last, device, self.started)
             if self.async_save:
                 self.in_flight = step
                 self.thread = threading.Thread(target=self._run_save, args=(job, copied), name="fsdpkit-async-save", daemon=True)
@@ -138,7 +140,7 @@ class Checkpointer:
         its training state. With replicas, the first reads and broadcasts to the others
         (replica_reads.py), unless `every_replica` (a store on each node: snapshots)."""
         view = describe(self.module)
-        with local_checkpoint(path) as local, CheckpointReader(local, validate_all=False) as checkpoint:
+        with CheckpointReader(checkpoint_path(path), validate_all=False) as checkpoint:
             names = {id(p.tensor): p.name for unit in view.units for p in unit.params}
             states, missing_optim = check_sharded(
                 checkpoint.manifest, str(checkpoint.step_dir), view_params(view), self.module, self.optimizer, names, strict=strict
@@ -211,23 +213,18 @@ def load(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str |
 
 def init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
     """Load weights only, from a sharded checkpoint or a full (Hugging Face style) one."""
-    with local_checkpoint(path) as local:
-        _init_weights_from(module, local)
+    _init_weights_from(module, checkpoint_path(path))
 
 
-@contextlib.contextmanager
-def local_checkpoint(path: str | os.PathLike) -> Iterator[str | os.PathLike]:
-    """`path` itself, or the checkpoint at an object-store URL copied through the storage face
-    into a temporary directory for the block (the readers of a load read local files)."""
-    if not is_url(path):
-        yield path
-        return
-    with local_copy(str(path)) as local:
-        yield local
+def checkpoint_path(path: str | os.PathLike) -> Path:
+    """The path the readers of a load take: `path` itself, or the checkpoint at an object-store
+    URL read in place (each rank's GETs stream the manifest and the bytes of the files it reads
+    straight into memory; nothing is copied to disk)."""
+    return stored_checkpoint(str(path)) if is_url(path) else source_path(path)
 
 
 def _init_weights_from(module: nn.Module, path: str | os.PathLike) -> None:
-    if not is_full_checkpoint(Path(path)):
+    if not is_full_checkpoint(source_path(path)):
         Checkpointer(module, None).load(path, strict=False)
         return
     view = describe(module)
@@ -254,7 +251,7 @@ def check_before_launch(
     if stored is not None:
         check_sharded(stored[1], stored[0], params, model, optimizer, names, strict=strict and optimizer is not None)
         return
-    if is_full_checkpoint(Path(path)) and optimizer is None:
+    if is_full_checkpoint(source_path(path)) and optimizer is None:
         expected = expected_tensors(params, model)
         with full_reader(path, list(expected)) as reader:
             check_full(reader, expected, path)

@@ -141,8 +141,7 @@ def check_before_launch(path: str | os.PathLike, *, model: nn.Module, optimizer:
     if stored is not None:  # its manifest and the rank files' headers, read in the bucket
         checkpointer.check_before_launch(path, model=model, optimizer=optimizer, strict=strict, stored=stored)
         return
-    with checkpointer.local_checkpoint(path) as local:
-        checkpointer.check_before_launch(local, model=model, optimizer=optimizer, strict=strict)
+    checkpointer.check_before_launch(checkpointer.checkpoint_path(path), model=model, optimizer=optimizer, strict=strict)
 
 
 def _location(save_dir: str | os.PathLike[str]) -> str | Path:

@@ -15,6 +15,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ class SaveJob:
     local: dict[str, tuple[ElementRange, torch.Tensor]] | None
     keep_last: int | None
     device: torch.device
+    writer_started: datetime  # when this process's checkpointer began: an upload under the run initiated earlier is a killed writer's
 
 
 @dataclass(frozen=True)

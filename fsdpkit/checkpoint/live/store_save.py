@@ -1,8 +1,10 @@
 """The save protocol (save_protocol.py) into an object store (`--save-dir s3://bucket/prefix`),
 every rank taking part; no rename anywhere (format/run_store.py):
 
-1. Rank 0 clears what an earlier save of the same step left (its manifest first) and broadcasts
-   whether it could.
+1. Rank 0 aborts the multipart uploads a killed writer left open under the run (initiated
+   before this process's checkpointer began: none of this run's own is in flight between saves,
+   and the lock keeps other runs out), clears what an earlier save of the same step left (its
+   manifest first) and broadcasts whether it could.
 2. The ranks agree, with one all-reduce, on the manifest (a digest of the tensor table and
    placement).
 3. Each rank that writes shards streams its own rank file into the store from the bytes it
@@ -38,7 +40,9 @@ def save_to_store(job: SaveJob, ranks: Ranks, timings: SaveTimings) -> str:
     """The protocol above; returns the committed step's URL."""
     url = str(job.run_dir)
     storage = open_storage(url)
-    _, failure = ranks.from_rank0(_guarded(lambda: run_store.begin(storage, job.step)), where=url, label="checkpoint prefix")
+    _, failure = ranks.from_rank0(
+        _guarded(lambda: run_store.begin(storage, job.step, writer_started=job.writer_started)), where=url, label="checkpoint prefix"
+    )
     if failure:
         raise RunError(f"checkpoint step {job.step} not saved: {failure}")
     check_agreement(job, ranks, visible=True, where=url)

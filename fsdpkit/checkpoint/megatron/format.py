@@ -76,7 +76,7 @@ def open_megatron_checkpoint(path: Path) -> AnyCheckpoint:
             step=moments.steps,
             step_once=True,
         )
-        view.format, view.opened_from = opened.format, opened.opened_from
+        view.format, view.opened_from, view.opened_at = opened.format, opened.opened_from, opened.opened_at
         return view
 
     opened = AnyCheckpoint(

@@ -1,8 +1,8 @@
 """Adam's moments of a Megatron checkpoint by the model's own names (`optim.exp_avg.<name>`,
 `optim.exp_avg_sq.<name>`, layers unstacked; pure range arithmetic, nothing read but the
 optimizer's small param-group record):
-- `fully_reshardable` and `fully_sharded_model_space`: one tensor per parameter and state,
-  `optimizer.state.<state>.<model key>`, stacked as the model's tensor is;
+- `fully_reshardable`: one tensor per parameter and state, `optimizer.state.<state>.<model key>`,
+  stacked as the model's tensor is (one recorded as `fully_sharded_model_space` is refused);
 - `dp_reshardable` (Megatron-LM's default): flat buckets per (tensor, pipeline) parallel rank,
   each parameter found where `buffers` lays it out and joined over the tensor-parallel ranks as
   the model's tensor is split (rows, columns, gated fc1's two halves, or replicated).
@@ -35,13 +35,14 @@ GROUP_SETTINGS = ("betas", "eps", "amsgrad")  # carried into fsdpkit's groups wi
 
 
 DP_RESHARDABLE, MODEL_SPACE = "dp_reshardable", "by parameter (fully_reshardable or fully_sharded_model_space)"
+FULLY_SHARDED_MODEL_SPACE = "fully_sharded_model_space"  # refused: untested (see `recorded_sharding`)
 DP_GROUP_RECORD = "optimizer.distributed.dp_group_idx_0.optimizer"  # param groups with the step, a ShardedObject
 
 
 @dataclass
 class Moments:
     tensors: dict[str, SourceTensor] = field(default_factory=dict)  # optim.<state>.<model name>
-    sharding: str | None = None  # DP_RESHARDABLE or MODEL_SPACE; None without optimizer state
+    sharding: str | None = None  # DP_RESHARDABLE, MODEL_SPACE or FULLY_SHARDED_MODEL_SPACE; None without optimizer state
     refused: str | None = None  # why the moments are not given, in one line
     steps: int = 0
     groups: list[dict] = field(default_factory=list)  # fsdpkit's form: [{"settings", "params"}]
@@ -53,8 +54,14 @@ def moments_of(checkpoint: MegatronCheckpoint) -> Moments:
     if not optimizer:
         return Moments()
     dp = any(BUCKET_KEY.match(key) for key in optimizer)
-    sharding = DP_RESHARDABLE if dp else MODEL_SPACE
+    untested = not dp and recorded_sharding(checkpoint.common) == FULLY_SHARDED_MODEL_SPACE
+    sharding = DP_RESHARDABLE if dp else FULLY_SHARDED_MODEL_SPACE if untested else MODEL_SPACE
     try:
+        if untested:
+            raise UsageError(
+                f"{where}: optimizer state in Megatron's deprecated {FULLY_SHARDED_MODEL_SPACE} sharding is not converted (untested: "
+                "megatron-core 0.16.1 cannot write one to test against); save it as dp_reshardable or fully_reshardable"
+            )
         if dp:
             args = checkpoint.common.get("args")
             if not isinstance(args, dict):
@@ -71,6 +78,21 @@ def moments_of(checkpoint: MegatronCheckpoint) -> Moments:
         return Moments(sharding=sharding, refused=str(refused))
     steps, groups = optimizer_groups(record)
     return Moments(tensors, sharding, None, steps, groups)
+
+
+def recorded_sharding(common: dict[str, Any]) -> str | None:
+    """The distributed optimizer's sharding type as the common state records it (megatron-core
+    0.16: `optimizer.param_state_sharding_type`, else the save's `content_metadata`); None where
+    it records none. `fully_sharded_model_space` stores flattened per-rank slices of each
+    parameter, which megatron-core 0.16.1's ShardedTensor refuses to save ("flattened_range is
+    not supported"), so no checkpoint of it could be tested here."""
+    for record, key in (
+        (common.get("optimizer"), "param_state_sharding_type"),
+        (common.get("content_metadata"), "distrib_optim_sharding_type"),
+    ):
+        if isinstance(record, dict) and isinstance(record.get(key), str):
+            return record[key]
+    return None
 
 
 class ColumnBlocks(SourceTensor):

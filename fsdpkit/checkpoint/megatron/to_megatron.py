@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
 from ...errors import UsageError
@@ -35,12 +35,23 @@ SCRATCH_NAME = ".conv1d-transposed"  # in the staging directory, removed before 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 
 
+def config_files(opened: AnyCheckpoint) -> list[Path]:
+    """Where the source's config.json may be: in the directory it was opened by (read through the
+    storage face when that is in an object store; a DeepSpeed save directory's, beside `latest`),
+    then, for a local source, in the one holding its tensors (a step or tag directory)."""
+    opened_by = opened.opened_at if opened.opened_at is not None else Path(opened.opened_from or opened.path)
+    found = [(opened_by if opened_by.is_dir() else opened_by.parent) / CONFIG_NAME]
+    if isinstance(opened_by, PurePath) and Path(opened.path) / CONFIG_NAME not in found:
+        found.append(Path(opened.path) / CONFIG_NAME)
+    return found
+
+
 def source_shape(opened: AnyCheckpoint, model: str | None) -> ModelShape:
     if model is not None:
         return shape_of_model(model)
-    config_path = Path(opened.path) / CONFIG_NAME
-    if config_path.is_file():
-        return from_hf_config(json.loads(read_regular(config_path).decode("utf-8")), str(config_path))
+    for config_path in config_files(opened):
+        if config_path.is_file():
+            return from_hf_config(json.loads(read_regular(config_path).decode("utf-8")), str(config_path))
     if opened.export is not None:
         return from_hf_config(opened.export.config, f"{opened.path}: export recipe")
     raise UsageError(f"{opened.path}: no config.json or export recipe says the model's shape: name one with --model hf:DIR")

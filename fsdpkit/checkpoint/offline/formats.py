@@ -65,7 +65,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, model_key: str | None = Non
     source = source_at(path) if is_url(path) else source_path(path)
     found = detect_format(source)
     opened = found.open(source, Keys(model_key, optimizer_key))
-    opened.format, opened.opened_from = found.name, str(path)
+    opened.format, opened.opened_from, opened.opened_at = found.name, str(path), source
     return opened
 
 

@@ -4,7 +4,8 @@ same readers (`source_at`: the URL's objects as a `StoredPath`): nothing of a so
 to local disk. `verify` and `inspect` of fsdpkit's format (version 2) and DCP have stored
 readers of their own (several objects at once). `convert` and `reshard` write to a URL by
 writing the output into a local temporary directory, then publishing it through the face, the
-commit object last. What does not take URLs (a conversion spread over processes) says so in one line."""
+commit object last (spread over processes, each rank uploads its own files: `spread.bucket`).
+What does not take URLs says so in one line."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ..dcp.stored import summarize_stored_dcp, verify_stored_dcp
 from ..format.format import ShardedFormat
 from ..format.stored import summarize_stored, verify_stored
 from ..storage.face import Storage
-from ..storage.location import is_url, open_storage
+from ..storage.location import is_url, open_storage, parse_url
 from ..storage.stored_path import stored_root
 from ..storage.upload import check_destination, publish
 
@@ -118,6 +119,14 @@ def local_only(*locations: str | os.PathLike[str] | None, what: str) -> None:
                 f"{location}: {what} does not take object-storage URLs yet (inspect, verify, convert, reshard and diff do); "
                 "use a local directory"
             )
+
+
+def check_urls(*locations: str | os.PathLike[str] | None) -> None:
+    """A UsageError in one line for the first URL among `locations` that fsdpkit cannot use (its
+    scheme, bucket or prefix), before anything starts."""
+    for location in locations:
+        if location is not None and is_url(location):
+            parse_url(str(location))
 
 
 def _listed(url: str) -> tuple[Storage, dict[str, int]]:

@@ -27,6 +27,7 @@ from ..dcp.writer import DcpPlan, DcpRecord, OutBytes, OutTensor, plan_dcp, rank
 from ..megatron.to_megatron import SCRATCH_NAME, megatron_output
 from ..megatron.transposed import write_transposed
 from ..offline.formats import open_checkpoint
+from ..offline.locations import source_at
 from .jobs import CheckedReads, Progress, convert_facts, part_reads, source_listing
 from .plan import OutputFile, Part
 from .staging import PartResult
@@ -189,7 +190,7 @@ class DcpReshardJob(DcpJob):
 
     def entries(self, src: str, request: ConvertRequest) -> tuple[list[OutTensor], list[OutBytes], int]:
         assert request.world_size is not None
-        checkpoint = self.stack.enter_context(open_dcp(src))
+        checkpoint = self.stack.enter_context(open_dcp(source_at(src)))
         metadata = checkpoint.metadata
         tensors = [OutTensor(metadata.paths.get(key) or (key,), checkpoint.source(key)) for key in metadata.tensors]
         items = [OutBytes(metadata.paths.get(key) or (key,), partial(checkpoint.read_bytes_item, key)) for key in metadata.bytes_items]

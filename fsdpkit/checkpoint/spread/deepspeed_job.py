@@ -21,6 +21,7 @@ from ..deepspeed.table import open_deepspeed
 from ..deepspeed.to_deepspeed import RunShape, build_run, resharded_run
 from ..deepspeed.writer import DsRun, deepspeed_files
 from ..offline.formats import open_checkpoint
+from ..offline.locations import source_at
 from .jobs import CheckedReads, Progress, convert_facts, part_reads, source_listing
 from .plan import OutputFile, Part
 from .staging import PartResult
@@ -107,6 +108,7 @@ class DeepSpeedJob:
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))
         (directory / LATEST).write_text(self.run.tag)  # the staging area's commit syncs it
+        (directory / self.run.tag).mkdir(exist_ok=True)  # a bucket's rank 0 may have written none of its files
         fsync_dir(directory / self.run.tag)
         run = self.run
         details = {"to": "deepspeed", "stage": run.stage, "world_size": run.world_size, "tag": run.tag}
@@ -131,7 +133,7 @@ class DeepSpeedReshardJob(DeepSpeedJob):
 
     def build(self, src: str, request: ConvertRequest) -> DsRun:
         assert request.world_size is not None
-        return resharded_run(self.stack.enter_context(open_deepspeed(src)), request.world_size)
+        return resharded_run(self.stack.enter_context(open_deepspeed(source_at(src))), request.world_size)
 
     def facts(self) -> dict:
         files = [(f.name, f.nbytes) for f in self.files]

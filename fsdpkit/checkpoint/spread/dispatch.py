@@ -11,6 +11,7 @@ from ...errors import UsageError
 from ..core.request import ConvertRequest, check_count
 from ..offline.diff import DiffRequest
 from ..offline.formats import DCP, DEEPSPEED, FORMATS, FULL, MEGATRON, SHARDED, convert_target, detect_format
+from ..offline.locations import source_at
 from .dcp_job import DcpJob, DcpReshardJob, MegatronJob
 from .deepspeed_job import DeepSpeedJob, DeepSpeedReshardJob
 from .diff_job import DiffJob
@@ -38,7 +39,7 @@ def open_job(
     if command == "diff":
         assert isinstance(request, DiffRequest)
         return DiffJob(src, request)
-    found = detect_format(src)
+    found = detect_format(source_at(src))
     if command == "convert":
         assert isinstance(request, ConvertRequest)
         target = convert_target(found, request)  # every format fsdpkit writes spreads

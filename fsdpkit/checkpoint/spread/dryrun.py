@@ -11,8 +11,10 @@ from pathlib import Path
 
 from ...sizes import format_size
 from ..core.files import close, open_regular, pread_into
+from ..storage.location import is_url, open_storage
 from .jobs import source_listing
-from .plan import Plan, make_plan
+from .plan import Plan
+from .runner import SpreadTask, task_plan
 
 MEASURE_BYTES = 64 << 20
 BLOCK_BYTES = 4 << 20
@@ -65,6 +67,8 @@ class DryRun:
 
 def read_bandwidth(src: str) -> tuple[float, str]:
     """Bytes per second one process reads from the largest file of `src`, and that file's name."""
+    if is_url(src):
+        return _object_bandwidth(src)
     root = Path(src)
     listing = source_listing(root)
     if not listing:
@@ -85,6 +89,20 @@ def read_bandwidth(src: str) -> tuple[float, str]:
     return (done / seconds if seconds > 0 else 0.0), f"{name} ({format_size(done)})"
 
 
-def dry_run(job, src: str, world_size: int) -> DryRun:
-    rate, where = read_bandwidth(src)
-    return DryRun(make_plan(job.files, world_size), rate, where)
+def _object_bandwidth(url: str) -> tuple[float, str]:
+    """`read_bandwidth` of the largest object under `url`, read through the storage face."""
+    storage = open_storage(url)
+    listing = storage.list()
+    if not listing:
+        return 0.0, "nothing"
+    name, size = max(listing.items(), key=lambda entry: entry[1])
+    done, started = 0, time.perf_counter()
+    for _, block in storage.read_blocks(name, [(0, min(size, MEASURE_BYTES))], block_bytes=BLOCK_BYTES):
+        done += block.nbytes
+    seconds = time.perf_counter() - started
+    return (done / seconds if seconds > 0 else 0.0), f"{name} ({format_size(done)})"
+
+
+def dry_run(job, task: SpreadTask, world_size: int) -> DryRun:
+    rate, where = read_bandwidth(task.src)
+    return DryRun(task_plan(task, job, world_size), rate, where)

@@ -1,19 +1,25 @@
-"""The coordination of a spread run on one node, without torch: rank 0 (the process that launched
-the run) serves the other ranks over a local socket (multiprocessing.connection, with a key made
-for the run): the gathers and broadcasts of small objects, and the store the progress count posts
-to. Each worker asks and waits for the answer:
+"""The coordination of a spread run without torch: rank 0 (the process that launched the run on
+node 0) serves the other ranks over a socket (multiprocessing.connection, with a key): the
+gathers and broadcasts of small objects, and the store the progress count posts to. On one node
+it listens on a free local port with a key made for the run; across nodes on --master-port of
+every interface, with a key every node derives from the run (`shared_key`). Each worker asks
+and waits for the answer:
 
-    ("gather", value)        -> ("ok", [every rank's value]) or ("error", line)
+    ("join", rank, world_size) -> ("ok", task) or ("error", line)
+    ("gather", value)        -> ("ok", [every rank's value]), ("gone", (line, rank)) or ("error", line)
     ("set", key, value) | ("get", key) | ("check", keys)   -> ("ok", result)
     ("failed", reason)       no answer: why this worker is about to exit
 
-A gather fails, naming the rank, when a rank that has not given its value has exited, or has not
-been heard from (a gather, a post of its progress) for the timeout: a rank still at work posts
-its count every half second. A worker whose rank 0 has gone fails its own.
+A gather fails, naming the rank, when a rank that has not given its value has exited or closed
+its connection (a process that dies, on any node, closes it), or has not been heard from (a
+gather, a post of its progress) for the timeout: a rank still at work posts its count every
+half second. A worker whose rank 0 has gone fails its own.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import secrets
 import signal
 import threading
@@ -26,6 +32,24 @@ from typing import Any
 from ...errors import RunError
 
 POLL_SECONDS = 0.05
+CONNECT_RETRY_SECONDS = 0.2  # a worker whose rank 0 is not listening yet tries again after this
+KEY_ENV = "FSDPKIT_SPREAD_KEY"  # a secret every node's environment holds: part of the shared key
+LOCAL = ("127.0.0.1", 0)  # one node: a free port on loopback
+
+
+def shared_key(*run: str) -> bytes:
+    """The key of a run across nodes: what every node knows alike (the run's arguments, given
+    as `run`, and $FSDPKIT_SPREAD_KEY where set). Without that variable it keeps out connections
+    of other runs, not someone who knows the command line."""
+    return hashlib.sha256("\0".join([os.environ.get(KEY_ENV, ""), *run]).encode()).digest()
+
+
+class RankGone(RunError):
+    """A gather that failed because `rank` left (exited, closed its connection) or went silent."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
 
 
 class KeyStore:
@@ -52,15 +76,21 @@ class KeyStore:
 
 
 class Hub:
-    """Rank 0's side: `address` and `key` are what a worker needs to join; `task` is sent to each."""
+    """Rank 0's side: `address` and `key` are what a worker needs to join (`listen`: where, by
+    default a free port on loopback; `key`: by default one made for the run); `task` is sent to each."""
 
     rank = 0
 
-    def __init__(self, world_size: int, timeout: float, task: Any):
+    def __init__(self, world_size: int, timeout: float, task: Any, *, listen: tuple[str, int] = LOCAL, key: bytes | None = None):
         self.world_size, self.timeout, self.task = world_size, timeout, task
-        self.key = secrets.token_bytes(32)
-        self.listener = Listener(("127.0.0.1", 0), authkey=self.key)
+        self.key = key or secrets.token_bytes(32)
+        try:
+            self.listener = Listener(listen, authkey=self.key)
+        except OSError as error:
+            raise RunError(f"rank 0 cannot listen on {listen[0] or '*'}:{listen[1]} for the other ranks: {error}") from None
         self.address: tuple[str, int] = self.listener.address  # type: ignore[assignment]
+        self._joined: set[int] = set()
+        self._refused: list[str] = []  # peers that came without this run's key
         self._heard = [time.monotonic()] * world_size  # when each rank was last heard from
         self.store = KeyStore(heard=lambda: self._hear(0))
         self.processes: dict[int, Any] = {}  # rank -> its Popen, to name how a rank that left did
@@ -89,17 +119,47 @@ class Hub:
         self._closed = True
         self.listener.close()
 
+    def wait_until_left(self, seconds: float) -> None:
+        """Wait up to `seconds` for every other rank to close its connection (or its process to exit)."""
+        deadline = time.monotonic() + seconds
+        with self._changed:
+            while time.monotonic() < deadline and any(
+                rank not in self._left and self._exit_code(rank) is None for rank in range(1, self.world_size)
+            ):
+                self._changed.wait(POLL_SECONDS)
+
     def _accept(self) -> None:
         while True:
             try:
                 conn = self.listener.accept()
-                _, rank = conn.recv()
-                conn.send(self.task)
-            except (OSError, EOFError, AuthenticationError):  # the listener closed, or a connection without the key
+                _, rank, world_size = conn.recv()
+            except AuthenticationError:  # another run's key (another command line, or another $FSDPKIT_SPREAD_KEY)
+                peer = self.listener.last_accepted
+                self._refused.append(peer[0] if isinstance(peer, tuple) else str(peer))
+                continue
+            except (OSError, EOFError, ValueError):  # the listener closed, or a connection that left
                 if self._closed:
                     return
                 continue
-            threading.Thread(target=self._serve, args=(conn, rank), daemon=True).start()
+            problem = self._join_problem(rank, world_size)
+            try:
+                conn.send(("error", problem) if problem else ("ok", self.task))
+            except OSError:
+                continue
+            if problem is None:
+                threading.Thread(target=self._serve, args=(conn, rank), daemon=True).start()
+
+    def _join_problem(self, rank: int, world_size: int) -> str | None:
+        with self._changed:
+            if world_size != self.world_size:
+                return (
+                    f"rank {rank} counts {world_size} ranks, rank 0 {self.world_size}: "
+                    "every node must give the same --nnodes and --nproc-per-node"
+                )
+            if not 0 < rank < self.world_size or rank in self._joined:
+                return f"rank {rank} joined twice or is outside 1..{self.world_size - 1}: give each node its own --node-rank"
+            self._joined.add(rank)
+            return None
 
     def _serve(self, conn: Connection, rank: int) -> None:
         try:
@@ -112,6 +172,8 @@ class Hub:
                 if message[0] == "gather":
                     try:
                         answer: tuple[str, Any] = ("ok", self._wait(self._give(rank, message[1])))
+                    except RankGone as error:
+                        answer = ("gone", (str(error), error.rank))
                     except RunError as error:
                         answer = ("error", str(error))
                 else:
@@ -149,10 +211,13 @@ class Hub:
                 missing = [rank for rank in range(self.world_size) if rank not in values]
                 gone = [rank for rank in missing if rank in self._left or self._exit_code(rank) is not None]
                 if gone:
-                    raise RunError(f"worker rank {gone[0]} {self._how_it_left(gone[0])}")
+                    raise RankGone(f"worker rank {gone[0]} {self._how_it_left(gone[0])}", gone[0])
                 silent = [rank for rank in missing if time.monotonic() - self._heard[rank] > self.timeout]
                 if silent:
-                    raise RunError(f"rank {silent[0]} did not answer within --timeout {self.timeout:g} s")
+                    refused = (
+                        f" (refused connections from {', '.join(sorted(set(self._refused)))} with another key)" if self._refused else ""
+                    )
+                    raise RankGone(f"rank {silent[0]} did not answer within --timeout {self.timeout:g} s{refused}", silent[0])
                 self._changed.wait(POLL_SECONDS)
             return [values[rank] for rank in range(self.world_size)]
 
@@ -172,7 +237,7 @@ class Hub:
             except Exception:  # still running with its connection closed
                 code = None
         if code is None:
-            return "closed its connection"
+            return "closed its connection" if process is not None else "closed its connection (it exited, or its node went away)"
         if code < 0:
             return f"was killed by {signal.Signals(-code).name}"
         return f"exited with code {code}"
@@ -181,13 +246,15 @@ class Hub:
 class HubClient:
     """A worker's side: the same collectives and store as rank 0's, each one question and its answer."""
 
-    def __init__(self, address: tuple[str, int], key: bytes, rank: int, world_size: int):
+    def __init__(self, address: tuple[str, int], key: bytes, rank: int, world_size: int, timeout: float = 300.0):
         self.rank, self.world_size = rank, world_size
-        self.conn = Client(address, authkey=key)
-        self.conn.send(("join", rank))
-        self.task = self.conn.recv()
+        self.conn = _connect(address, key, rank, timeout)
         self._lock = threading.Lock()
+        self.task = self.ask("join", rank, world_size)
         self.store = _RemoteStore(self)
+
+    def close(self) -> None:
+        self.conn.close()
 
     def broadcast(self, value: Any) -> Any:
         return self.all_gather(None)[0]
@@ -208,9 +275,30 @@ class HubClient:
                 kind, value = self.conn.recv()
             except (EOFError, OSError):
                 raise RunError(f"rank {self.rank}: rank 0 stopped answering") from None
+        if kind == "gone":
+            raise RankGone(*value)
         if kind == "error":
             raise RunError(value)
         return value
+
+
+def _connect(address: tuple[str, int], key: bytes, rank: int, timeout: float) -> Connection:
+    """A connection to rank 0's hub, tried again until `timeout` while it does not listen yet
+    (another node's rank 0 may start later)."""
+    where = f"{address[0]}:{address[1]}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client(address, authkey=key)
+        except AuthenticationError:
+            raise RunError(
+                f"rank {rank}: rank 0 at {where} refused this node's key: every node must run the same command "
+                "(and the same $FSDPKIT_SPREAD_KEY where set)"
+            ) from None
+        except (OSError, EOFError) as error:
+            if time.monotonic() > deadline:
+                raise RunError(f"rank {rank}: rank 0 did not answer at {where} within --timeout {timeout:g} s ({error})") from None
+            time.sleep(CONNECT_RETRY_SECONDS)
 
 
 class _RemoteStore:

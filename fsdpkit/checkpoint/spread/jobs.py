@@ -29,6 +29,8 @@ from ..format.storage import resolve_checkpoint
 from ..format.to_full import full_output, transposed_bytes
 from ..format.verify import check_files
 from ..offline.formats import open_checkpoint
+from ..offline.locations import source_at
+from ..storage.location import is_url, open_storage
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink
@@ -39,7 +41,10 @@ SINGLE_FILE = "a single-file safetensors output is written by one process (--max
 
 def source_listing(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
     """(relative path, size, mtime in ns) of every file of a source: what the fingerprint of a
-    conversion, and the check that every node sees the same source, rest on."""
+    conversion, and the check that every node sees the same source, rest on. An object-store
+    URL's objects, listed, have no time here (0)."""
+    if is_url(path):
+        return sorted((name, size, 0) for name, size in open_storage(path).list().items())
     root = Path(path)
     found = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     return [(str(p.relative_to(root)) if p != root else p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in found]
@@ -193,7 +198,7 @@ class ReshardJob:
 
     def __init__(self, src: str, world_size: int, chunk_size: int):
         self.src, self.chunk_size = src, chunk_size
-        self.checkpoint = open_sharded(src)
+        self.checkpoint = open_sharded(source_at(src))
         old = self.checkpoint.manifest
         state, self.warnings = resharded_training_state(old.training_state, old_world_size=old.shard_factor, new_world_size=world_size)
         self.sources = self.checkpoint.sources()
@@ -236,7 +241,7 @@ class VerifyJob:
     command = "verify"
 
     def __init__(self, src: str, chunk_size: int):
-        step_dir = resolve_checkpoint(src)
+        step_dir = resolve_checkpoint(source_at(src))
         self.src, self.chunk_size = src, chunk_size
         self.checkpoint = ShardedCheckpoint(step_dir, load_manifest(step_dir))
         names = self.checkpoint.file_names()
@@ -247,7 +252,7 @@ class VerifyJob:
         return sum(t.nbytes for t in self.checkpoint.manifest.tensors)
 
     def facts(self) -> dict:
-        return {"command": "verify", "source": source_listing(self.checkpoint.step_dir)}
+        return {"command": "verify", "source": source_listing(str(self.checkpoint.step_dir))}  # a URL as its string
 
     def file_sizes(self) -> list[tuple[str, int]]:
         return [(f.name, f.nbytes) for f in self.files]

@@ -5,11 +5,12 @@
     every    writes (or checks) its parts, records each one, skips those recorded before
     every    -> all_gather of failures, checksums, figures; any failure: all stop, nothing committed
     rank 0   checks every source checksum read in parts, writes the manifest/index, renames to DST
+             (to a bucket, `bucket`: each rank uploaded its whole files; rank 0 uploads the commit object last)
 
 Only these small objects pass between ranks; the bytes go from the source files to the output
-files in each rank. They pass through a gloo group under torchrun and across nodes, and on one
-node through rank 0's hub (`hub`, `processes`: the launching process is rank 0, its workers need
-no torch). One process (world size 1) runs the same steps without either.
+files in each rank. They pass through a gloo group under torchrun, and with fsdpkit's own flags,
+on one node or several, through rank 0's hub (`hub`, `processes`: the launching process of node
+0 is rank 0, no rank needs torch). One process (world size 1) runs the same steps without either.
 """
 
 from __future__ import annotations
@@ -17,20 +18,24 @@ from __future__ import annotations
 import json
 import re
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...dist import faults
-from ...dist.launch import LaunchOptions, launch, under_torchrun
+from ...dist.host import peak_rss_bytes
+from ...dist.launch import LaunchOptions, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ...progress import ByteProgress, stderr_progress
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
 from ..offline.diff import DiffRequest
+from ..storage.location import is_url
+from .bucket import BucketStaging, bucket_plan, prepare_bucket, staging_at
 from .dispatch import open_job
-from .hub import Hub
+from .hub import Hub, HubClient, RankGone, shared_key
 from .plan import Plan, make_plan
 from .processes import start_workers, stop_workers
 from .progress import SharedCount
@@ -58,6 +63,11 @@ class SpreadTask:
     def writes(self) -> bool:
         return self.command in ("convert", "reshard")
 
+    @property
+    def to_bucket(self) -> bool:
+        """It writes to an object-store URL (every rank uploads its own files)."""
+        return self.writes and self.dst is not None and is_url(self.dst)
+
 
 @dataclass
 class RankFigures:
@@ -68,6 +78,8 @@ class RankFigures:
     bytes_planned: int = 0
     bytes_read: int = 0  # source bytes read in this run
     seconds: float = 0.0
+    peak_rss_bytes: int = 0  # this process's peak resident memory, once its parts were written
+    torch: bool = False  # whether this process imported torch
 
 
 @dataclass
@@ -102,22 +114,34 @@ def _lead(task: SpreadTask, world_size: int) -> tuple[dict, Any]:
     job = None
     try:
         job = open_task_job(task)
-        plan = make_plan(job.files, world_size)
+        plan = task_plan(task, job, world_size)
         digest = fingerprint(job.facts())
         header: dict[str, Any] = {"error": None, "plan": plan.to_json(), "digest": digest, "staging": None, "token": None, "kept": []}
         if task.writes:
-            assert task.dst is not None
-            dst = Path(task.dst)
-            src = Path(getattr(getattr(job, "opened", None), "opened_from", task.src))
-            staging, _ = prepare(dst, src=src, digest=digest, overwrite=task.overwrite, restart=task.restart, needed_bytes=plan.total_bytes)
-            (staging.state / PLAN_FILE).write_text(json.dumps(plan.to_json()))
+            staging = _prepare(task, job, digest, plan)
+            staging.write_state(PLAN_FILE, json.dumps(plan.to_json()))
             kept = [asdict(result) for result in staging.records().values()]  # read before any rank records a part
-            header.update(staging=str(staging.path), token=staging.token(), kept=kept)
+            header.update(staging=task.dst if task.to_bucket else staging.where, token=staging.token(), kept=kept)
         return header, job
     except FsdpkitError as error:
         if job is not None:
             job.close()
         return {"error": (type(error).__name__, str(error))}, None
+
+
+def task_plan(task: SpreadTask, job: Any, world_size: int) -> Plan:
+    """The plan of `task`: whole files only when it writes to a bucket."""
+    return bucket_plan(job.files, world_size) if task.to_bucket else make_plan(job.files, world_size)
+
+
+def _prepare(task: SpreadTask, job: Any, digest: str, plan: Plan) -> Staging | BucketStaging:
+    """Rank 0: the staging area of DST, made or found again."""
+    assert task.dst is not None
+    if task.to_bucket:
+        return prepare_bucket(task.dst, digest=digest, overwrite=task.overwrite, restart=task.restart)
+    src = Path(getattr(getattr(job, "opened", None), "opened_from", task.src))
+    needed = plan.total_bytes
+    return prepare(Path(task.dst), src=src, digest=digest, overwrite=task.overwrite, restart=task.restart, needed_bytes=needed)[0]
 
 
 def _raise(kind: str, message: str) -> None:
@@ -129,12 +153,20 @@ def view_problem(task: SpreadTask, job: Any, header: dict, rank: int) -> str | N
     host = socket.gethostname()
     if fingerprint(job.facts()) != header["digest"]:
         return f"rank {rank} on {host} sees {task.src} differently from rank 0 (other files or sizes): every node must see the same path"
-    if header["staging"] is not None and Staging(Path(header["staging"])).token() != header["token"]:
+    if header["staging"] is not None and _seen_token(header["staging"]) != header["token"]:
         return (
             f"rank {rank} on {host} does not see {header['staging']} as rank 0 wrote it: with local paths every node must see "
-            "the same DST (a filesystem all nodes share); nothing committed"
+            "the same DST (a filesystem all nodes share), with a URL the same bucket; nothing committed"
         )
     return None
+
+
+def _seen_token(location: str) -> str | None:
+    staging = staging_at(location)
+    try:
+        return staging.token()
+    finally:
+        staging.close()
 
 
 def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> SpreadResult | None:
@@ -157,7 +189,7 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
         views = Views(comm, problem)
         if views.ready() or job is None:
             views.check()
-        return _work_and_commit(task, job, header, comm, show, views)
+        return _with_staging(task, job, header, comm, show, views)
     finally:
         if job is not None:
             job.close()
@@ -181,9 +213,20 @@ class Views:
             raise RunError(problems[0])
 
 
-def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views) -> SpreadResult | None:
+def _with_staging(task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views) -> SpreadResult | None:
+    """`_work_and_commit` with the staging area rank 0 named (a bucket's: this rank's scratch removed after)."""
+    staging = staging_at(header["staging"]) if header["staging"] else None
+    try:
+        return _work_and_commit(task, job, header, comm, show, views, staging)
+    finally:
+        if staging is not None:
+            staging.close()
+
+
+def _work_and_commit(
+    task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views, staging: Staging | BucketStaging | None
+) -> SpreadResult | None:
     plan = Plan.from_json(header["plan"])
-    staging = Staging(Path(header["staging"])) if header["staging"] else None
     kept = {(r["file"], r["index"]): PartResult(**r) for r in header["kept"]}
     mine = plan.parts_of(comm.rank)
     todo = [part for part in mine if (part.file, part.index) not in kept]
@@ -194,27 +237,36 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
     started = time.monotonic()
     results, failure = _run_parts(task, job, plan, todo, staging, count, views, figures)
     figures.seconds = time.monotonic() - started
+    figures.peak_rss_bytes = peak_rss_bytes()
+    figures.torch = "torch" in sys.modules
     gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
     failures = [f for f, _, _ in gathered if f is not None]
     if failures:
         kept_note = ""
         if staging is not None:
-            kept_note = f"; nothing committed; the parts finished are kept in {staging.path}: run the same command again to continue"
+            kept_note = f"; nothing committed; the parts finished are kept in {staging.where}: run the same command again to continue"
         _raise(failures[0][0], failures[0][1] + (f" (+{len(failures) - 1} more ranks failed)" if len(failures) > 1 else "") + kept_note)
     if comm.rank != 0:
         return None
     done = [*kept.values(), *(r for _, rs, _ in gathered for r in rs)]
     ranks = [f for _, _, f in gathered]
-    assert staging is None or task.dst is not None
-    report = job.commit(staging.path, done, task.dst) if staging is not None else job.report(done)
-    if staging is not None:
+    if staging is None:
+        report = job.report(done)
+    else:
         assert task.dst is not None
-        staging.commit(Path(task.dst), overwrite=task.overwrite)
-    return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), str(staging.path) if staging else None)
+        report = staging.commit_job(job, done, task.dst, overwrite=task.overwrite)
+    return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), staging.where if staging else None)
 
 
 def _run_parts(
-    task: SpreadTask, job: Any, plan: Plan, todo: list, staging: Staging | None, count: SharedCount, views: Views, figures: RankFigures
+    task: SpreadTask,
+    job: Any,
+    plan: Plan,
+    todo: list,
+    staging: Staging | BucketStaging | None,
+    count: SharedCount,
+    views: Views,
+    figures: RankFigures,
 ):
     """This rank's parts written (or checked) and recorded: (their results, the first failure);
     a line of `views` (another rank does not see what rank 0 sees) is raised between parts."""
@@ -250,11 +302,13 @@ def _gather_naming_the_stopped(comm: Any, count: SharedCount, value: Any) -> lis
     stuck past --timeout) named with the part each was writing."""
     try:
         return comm.all_gather(value)
-    except RunError:
+    except RunError as error:
         try:
             stopped = count.unfinished() if count.store is not None else []
         except Exception:  # the store went down with rank 0: the gather's own line is all there is
             stopped = []
+        if isinstance(error, RankGone):  # the hub knows which rank left; the others are still at work
+            stopped = [(rank, label) for rank, label in stopped if rank == error.rank]
         if not stopped:
             raise
         named = "; ".join(f"rank {rank} stopped" + (f" while writing {label}" if label else "") for rank, label in stopped)
@@ -314,18 +368,20 @@ def failed_part_line(task: SpreadTask, line: str) -> str:
     found = re.search(r"worker rank (\d+)", line)
     if not task.writes or task.dst is None or found is None or "run the same command again" in line:
         return line
-    staging = Staging(staging_path(Path(task.dst)))
+    staging = staging_at(task.dst if task.to_bucket else str(staging_path(Path(task.dst))))
     try:
-        plan = Plan.from_json(json.loads((staging.state / PLAN_FILE).read_text()))
-    except (OSError, ValueError, KeyError):
+        plan = Plan.from_json(json.loads(staging.read_state(PLAN_FILE) or ""))
+        kept = staging.records()
+    except (FsdpkitError, ValueError, KeyError):
         return line
-    kept = staging.records()
+    finally:
+        staging.close()
     rank = int(found.group(1))
     left = [part for part in plan.parts_of(rank) if (part.file, part.index) not in kept]
     where = f" while writing {plan.label(left[0])}" if left and "while writing" not in line else ""
     nothing = "" if "nothing committed" in line else "; nothing committed"
     return (
-        f"{line}{where}{nothing}; {len(kept)} of {len(plan.parts)} parts are kept in {staging.path}: "
+        f"{line}{where}{nothing}; {len(kept)} of {len(plan.parts)} parts are kept in {staging.where}: "
         "run the same command again to continue (--restart starts over)"
     )
 
@@ -343,40 +399,59 @@ def as_json(result: SpreadResult) -> dict:
 
 
 def run_spread(task: SpreadTask, options: LaunchOptions, show: ByteProgress | None = None) -> SpreadResult | None:
-    """The run in this process (world size 1), in `options`' workers, or, under torchrun, as one
-    worker of it; rank 0's result (None on the other ranks and nodes)."""
+    """The run in this process (world size 1), with its workers on this node and the other nodes'
+    ranks (`run_on_nodes`), or, under torchrun, as one worker of it; rank 0's result (None on the
+    other ranks and nodes)."""
     if under_torchrun():
         return spread_worker(task)
     if options.nnodes == 1 and options.nproc_per_node == 1:
         return run_ranks(task, Solo(), show)
-    if options.nnodes == 1:
-        return run_on_this_node(task, options.local_processes)
-    if options.node_rank == 0:  # bad input: one line and exit 2 (or 3) here, before any worker starts
-        header, job = _lead(task, options.world_size)
-        if job is not None:
-            job.close()
-        if header["error"] is not None:
-            _raise(*header["error"])
-    try:
-        return launch(spread_worker, task, options=options).get(0)
-    except RunError as error:
-        raise RunError(failed_part_line(task, str(error))) from None
+    return run_on_nodes(task, options)
 
 
-def run_on_this_node(task: SpreadTask, world_size: int) -> SpreadResult | None:
-    """Rank 0 here, its workers (`processes`) started first: they start and open the source while
-    rank 0 opens it and plans. Bad input is rank 0's one line; the workers then leave, having
-    written nothing."""
-    hub = Hub(world_size, task.timeout, task)
-    show, close = stderr_progress(task.command)
-    grace = 0.5
+def run_on_nodes(task: SpreadTask, options: LaunchOptions) -> SpreadResult | None:
+    """This node's ranks: the first is this process, the others (`processes`) are started first,
+    so that they start and open the source while rank 0 opens it and plans. Node 0's first is
+    rank 0, which serves the hub (`_rank_0_hub`). Bad input is rank 0's one line; the other
+    ranks then leave, having written nothing."""
+    per_node, world_size = options.local_processes, options.world_size
+    first = options.node_rank * per_node
+    hub, address, key = _rank_0_hub(task, options, first)
+    show, close = stderr_progress(task.command) if hub is not None else (None, lambda: None)
+    connected: list[Hub | HubClient] = [hub] if hub is not None else []
+    processes: dict = {}
+    grace = 0.5 if options.nnodes == 1 else WORKERS_EXIT_SECONDS  # on failure: other nodes' ranks get the line
     try:
-        start_workers(hub)
-        result = run_ranks(task, hub, show)
+        processes = start_workers(address, key, range(first + 1, first + per_node), world_size, task.timeout)
+        if hub is not None:
+            hub.processes.update(processes)
+        else:
+            connected.append(HubClient(address, key, first, world_size, task.timeout))
+        result = run_ranks(connected[0].task, connected[0], show)
         grace = WORKERS_EXIT_SECONDS
         return result
     except RunError as error:
         raise RunError(failed_part_line(task, str(error))) from None
     finally:
         close()
-        stop_workers(hub, grace=grace)
+        if hub is not None:
+            hub.wait_until_left(grace)
+        stop_workers(processes, grace=grace)
+        for connection in connected:
+            connection.close()
+
+
+def _rank_0_hub(task: SpreadTask, options: LaunchOptions, first: int) -> tuple[Hub | None, tuple[str, int], bytes]:
+    """Node 0's hub (None on the other nodes), where this node's ranks reach it, and its key. On
+    one node: a free local port, a key made for the run. Across nodes: --master-port of every
+    interface, reached at --master-addr, with a key every node derives from the run's arguments
+    (and $FSDPKIT_SPREAD_KEY): a node given another command is refused."""
+    if options.nnodes == 1:
+        hub = Hub(options.world_size, task.timeout, task)
+        return hub, hub.address, hub.key
+    host, _, port = (options.endpoint or "").rpartition(":")
+    key = shared_key(host, port, str(options.world_size), repr(task))
+    if first != 0:
+        return None, (host, int(port)), key
+    hub = Hub(options.world_size, task.timeout, task, listen=("", int(port)), key=key)
+    return hub, ("127.0.0.1", int(port)), key

@@ -24,6 +24,7 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ...errors import RunError, UsageError
 from ...paths import file_in_the_way, unwritable_parent
@@ -71,12 +72,24 @@ class Staging:
     def state(self) -> Path:
         return self.path / STATE_DIR
 
-    def token(self) -> str | None:
-        """The token rank 0 wrote; None when this process does not see it."""
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
+    def write_state(self, name: str, text: str) -> None:
+        (self.state / name).write_text(text)
+
+    def read_state(self, name: str) -> str | None:
+        """State file `name`; None when this process does not see it."""
         try:
-            return (self.state / TOKEN_NAME).read_text().strip()
+            return (self.state / name).read_text()
         except OSError:
             return None
+
+    def token(self) -> str | None:
+        """The token rank 0 wrote; None when this process does not see it."""
+        found = self.read_state(TOKEN_NAME)
+        return found.strip() if found is not None else None
 
     def record(self, result: PartResult) -> None:
         """Make part `result` durable, then record it (a record names only fsynced bytes)."""
@@ -106,6 +119,15 @@ class Staging:
             if size >= result.end:
                 found[(result.file, result.index)] = result
         return found
+
+    def commit_job(self, job: Any, done: list[PartResult], dst: str, *, overwrite: bool) -> Any:
+        """Rank 0: the job's commit files written here, then the staging area becomes DST."""
+        report = job.commit(self.path, done, dst)
+        self.commit(Path(dst), overwrite=overwrite)
+        return report
+
+    def close(self) -> None:
+        pass
 
     def commit(self, dst: Path, *, overwrite: bool) -> None:
         """The staging area becomes DST (see the module docstring)."""

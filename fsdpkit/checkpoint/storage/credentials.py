@@ -10,7 +10,7 @@ from __future__ import annotations
 import configparser
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...errors import UsageError
 from .location import ObjectUrl
@@ -105,3 +105,31 @@ def _azure(url: ObjectUrl) -> dict[str, Any]:
             "AZURE_CLIENT_SECRET and AZURE_TENANT_ID, or AZURE_USE_AZURE_CLI=true"
         )
     return {"account_name": account}
+
+
+class S3Access(NamedTuple):
+    """What a request signed here (`sigv4.py`) needs: the keys, the region and the endpoint the
+    face's obstore store gets from `store_config` and the environment. Its repr hides the keys."""
+
+    access_key_id: str
+    secret_access_key: str
+    session_token: str | None
+    region: str
+    endpoint: str | None  # an S3-compatible store's (path-style requests); None for AWS itself
+
+    def __repr__(self) -> str:
+        return f"S3Access(region={self.region!r}, endpoint={self.endpoint!r})"
+
+
+def s3_access(url: ObjectUrl) -> S3Access | None:
+    """The static keys for `url`'s S3 store (the environment's, else the profile's, as
+    `store_config` picks them); None where the store signs with a web identity or a container
+    role, which only obstore resolves."""
+    config = _s3(url)
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        key, secret, token = (os.environ.get(name) for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"))
+    else:
+        key, secret, token = (config.get(name) for name in ("access_key_id", "secret_access_key", "session_token"))
+    if not key or not secret:
+        return None
+    return S3Access(key, secret, token or None, config["region"], config.get("endpoint"))

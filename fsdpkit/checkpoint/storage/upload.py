@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 
 from ...errors import UsageError
 from .face import READ_BLOCK_BYTES, Storage
 from .local import LocalStorage
+from .stale_uploads import abort_stale_uploads
 
 UPLOADS_IN_FLIGHT = 2  # files uploaded at once, each PARTS_IN_FLIGHT parts of PART_BYTES: 128 MiB held at most
 COMMIT_NAMES = (
@@ -53,15 +55,18 @@ def publish(directory: Path, storage: Storage, existing: dict[str, int], progres
     names = sorted(source.list())
     commit = next((name for name in COMMIT_NAMES if name in names), None)
     old_commits = [name for name in COMMIT_NAMES if name in existing]
+    started = datetime.now(UTC)
     storage.put(WRITING_MARKER, b"")
+    if WRITING_MARKER in existing:  # a write cut short: the uploads it left open go
+        abort_stale_uploads(storage, initiated_before=started)
     storage.delete(old_commits)
     data = [name for name in names if name != commit]
     try:
         with ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="fsdpkit-upload") as pool:
-            for _ in pool.map(lambda name: _upload(source, storage, name, progress), data):
+            for _ in pool.map(lambda name: upload_file(source, storage, name, progress), data):
                 pass
         if commit is not None:  # streamed too: a full checkpoint's one file is its commit object
-            _upload(source, storage, commit, progress)
+            upload_file(source, storage, commit, progress)
     except BaseException:
         with contextlib.suppress(Exception):  # the first failure is the one to report
             storage.delete(data if existing else [*data, WRITING_MARKER])  # over an old checkpoint, the marker says what is left
@@ -71,7 +76,8 @@ def publish(directory: Path, storage: Storage, existing: dict[str, int], progres
     return names
 
 
-def _upload(source: LocalStorage, storage: Storage, name: str, progress: Callable[[int], None] | None) -> None:
+def upload_file(source: LocalStorage, storage: Storage, name: str, progress: Callable[[int], None] | None = None) -> None:
+    """File `name` of `source` streamed into object `name` of `storage` (a multipart upload)."""
     size = source.size(name) or 0
     with storage.write(name) as stream:
         for _, block in source.read_blocks(name, [(0, size)], block_bytes=READ_BLOCK_BYTES):

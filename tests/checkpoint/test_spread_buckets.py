@@ -1,0 +1,167 @@
+"""convert spread over 2 processes from a bucket to a bucket (moto's S3 server; no shared
+filesystem: every rank reads the source and writes its own files in the bucket): the objects,
+read back by boto3, are byte for byte the files the one-process command writes from the same
+checkpoint on a local disk, and the format's own reader reads them (safetensors, torch's
+`dcp.load`); a killed rank commits nothing, and the same command continues."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support.checkpoint_files import run_cli, save_checkpoint
+from support.object_store import s3_client
+
+SHARD = "8KB"  # several output files from the small model below
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    model = {f"layer.{i}.weight": torch.randn(12 + 3 * i, 32, generator=g) for i in range(6)}
+    optim = {f"optim.exp_avg.{n}": torch.randn(t.shape, generator=g) for n, t in model.items()}
+    return {**model, **optim, **{f"optim.exp_avg_sq.{n}": torch.rand(t.shape, generator=g) for n, t in model.items()}}
+
+
+@pytest.fixture
+def source(s3_bucket, s3_endpoint, tmp_path):
+    """A DeepSpeed ZeRO-3 checkpoint on disk and under s3://BUCKET/src."""
+    tensors = _tensors()
+    save_checkpoint(tmp_path / "run", 2, tensors, world_size=2, training_state={"step": 2})
+    made = run_cli("convert", tmp_path / "run", tmp_path / "src", "--to", "deepspeed", "--stage", "3", "--world-size", "2")
+    assert made.exit_code == 0, made.output
+    client = s3_client(s3_endpoint)
+    for path in sorted((tmp_path / "src").rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), s3_bucket, f"src/{path.relative_to(tmp_path / 'src').as_posix()}")
+    return tmp_path / "src", f"s3://{s3_bucket}/src", tensors
+
+
+def _objects(endpoint: str, bucket: str, prefix: str) -> dict[str, bytes]:
+    client = s3_client(endpoint)
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])
+    return {o["Key"][len(prefix) + 1 :]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read() for o in listed}
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _downloaded(objects: dict[str, bytes], directory: Path) -> Path:
+    for name, data in objects.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(data)
+    return directory
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--to", "full", "--with-optimizer", "--max-shard-size", "16KB"), ("--to", "dcp", "--world-size", "3")],
+    ids=["full", "dcp"],
+)
+def test_bucket_to_bucket_over_two_processes_is_the_one_process_bytes(source, s3_bucket, s3_endpoint, tmp_path, flags):
+    local, url, tensors = source
+    out = f"out-{flags[1]}"  # the bucket's name is cut from the test's: both cases share it
+    one = run_cli("convert", local, tmp_path / "one", *flags)
+    assert one.exit_code == 0, one.output
+    dry = run_cli("convert", url, f"s3://{s3_bucket}/{out}", *flags, "--nproc-per-node", "2", "--dry-run")
+    assert dry.exit_code == 0 and "written whole by one rank" in dry.output, dry.output
+    assert _objects(s3_endpoint, s3_bucket, out) == {}  # a dry run writes nothing
+    spread = run_cli("convert", url, f"s3://{s3_bucket}/{out}", *flags, "--nproc-per-node", "2", "--json")
+    assert spread.exit_code == 0, spread.output
+    report = json.loads(spread.stdout)
+    assert report["dst"] == f"s3://{s3_bucket}/{out}" and report["spread"]["world_size"] == 2
+    assert all(rank["parts"] for rank in report["spread"]["ranks"])  # both ranks wrote files
+    written = _objects(s3_endpoint, s3_bucket, out)
+    assert written == _files(tmp_path / "one")  # no marker, no staging objects left
+    back = _downloaded(written, tmp_path / "back")
+    model = {n: t for n, t in tensors.items() if n.startswith("layer.")}
+    if flags[1] == "full":
+        loaded = {k: v for path in sorted(back.glob("*.safetensors")) for k, v in load_file(path).items()}
+        assert "model.safetensors" in written  # one model file, the commit object (rank 0 uploads it last), and the optimizer's files
+        assert model.keys() <= loaded.keys() and all(torch.equal(loaded[n], t) for n, t in model.items())
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": {n: torch.zeros_like(t) for n, t in model.items()}}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(back)), no_dist=True)
+        assert all(torch.equal(state["model"][n], t) for n, t in model.items())
+
+
+def test_a_killed_rank_commits_nothing_in_the_bucket_and_the_rerun_continues(source, s3_bucket, s3_endpoint, tmp_path):
+    from fsdpkit.dist.faults import FAULT_ENV
+
+    local, url, _ = source
+    dst, flags = f"s3://{s3_bucket}/out", ("--to", "full", "--max-shard-size", SHARD)
+    one = run_cli("convert", local, tmp_path / "one", *flags)
+    assert one.exit_code == 0, one.output
+    os.environ[FAULT_ENV] = "kill:1:2:convert"  # rank 1 dies as it starts its second file
+    try:
+        killed = run_cli("convert", url, dst, *flags, "--nproc-per-node", "2")
+    finally:
+        del os.environ[FAULT_ENV]
+    assert killed.exit_code == 1 and "nothing committed" in killed.output, killed.output
+    assert "rank 1 stopped while writing model-" in killed.output, killed.output
+    left = _objects(s3_endpoint, s3_bucket, "out")
+    assert ".fsdpkit-writing" in left and "model.safetensors.index.json" not in left  # no reader takes it for a checkpoint
+    assert any(name.startswith(".fsdpkit-spread/done/") for name in left)
+    other = run_cli("convert", url, dst, "--to", "full", "--nproc-per-node", "2")
+    assert other.exit_code == 2 and "--restart" in other.output, other.output
+    rerun = run_cli("convert", url, dst, *flags, "--nproc-per-node", "2", "--json")
+    assert rerun.exit_code == 0, rerun.output
+    assert json.loads(rerun.stdout)["spread"]["kept_parts"] >= 2
+    assert _objects(s3_endpoint, s3_bucket, "out") == _files(tmp_path / "one")
+    assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+
+
+def test_reshard_verify_and_diff_of_fsdpkit_checkpoints_in_a_bucket(s3_bucket, s3_endpoint, tmp_path):
+    """reshard bucket -> bucket gives the one-process local bytes; verify and diff of URLs spread
+    over 2 processes say what the one-process commands say of the local copies."""
+    tensors = _tensors()
+    save_checkpoint(tmp_path / "run", 2, tensors, world_size=2, training_state={"step": 2})
+    client = s3_client(s3_endpoint)
+    for path in sorted((tmp_path / "run").rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), s3_bucket, f"run/{path.relative_to(tmp_path / 'run').as_posix()}")
+    run, out = f"s3://{s3_bucket}/run", f"s3://{s3_bucket}/r3"
+    spread = run_cli("reshard", run, out, "--world-size", "3", "--nproc-per-node", "2")
+    one = run_cli("reshard", tmp_path / "run", tmp_path / "r3", "--world-size", "3")
+    assert spread.exit_code == one.exit_code == 0, spread.output + one.output
+    assert _objects(s3_endpoint, s3_bucket, "r3") == _files(tmp_path / "r3")
+    verify = run_cli("verify", out, "--nproc-per-node", "2")
+    assert verify.exit_code == 0 and verify.stdout.startswith(f"ok {out}"), verify.output
+    changed = {**tensors, "layer.2.weight": tensors["layer.2.weight"].flip(0)}
+    save_checkpoint(tmp_path / "other", 2, changed, world_size=3, training_state={"step": 2})
+    diff_one = run_cli("diff", tmp_path / "r3", tmp_path / "other", "--json")
+    diff_spread = run_cli("diff", out, tmp_path / "other", "--json", "--nproc-per-node", "2")
+    assert diff_one.exit_code == diff_spread.exit_code == 3, diff_spread.output
+    assert json.loads(diff_spread.stdout.replace(out, str(tmp_path / "r3"))) == json.loads(diff_one.stdout)
+
+
+def test_the_staging_record_in_the_bucket_is_kept_refused_or_discarded(s3_bucket, s3_endpoint):
+    """prepare_bucket against the server, the objects listed by boto3: the same conversion finds
+    its records again, another is refused unless --restart (which drops them), a whole
+    checkpoint needs --overwrite and then loses its commit object first, and what a run leaves
+    is what a one-process write to the URL replaces without --overwrite."""
+    from fsdpkit.checkpoint.spread.bucket import prepare_bucket
+    from fsdpkit.checkpoint.storage.upload import check_destination
+    from fsdpkit.errors import UsageError
+
+    client, url = s3_client(s3_endpoint), f"s3://{s3_bucket}/out"
+    client.put_object(Bucket=s3_bucket, Key="out/manifest.json", Body=b"{}")
+    client.put_object(Bucket=s3_bucket, Key="out/a.safetensors", Body=b"x" * 10)
+    with pytest.raises(UsageError, match="--overwrite"):
+        prepare_bucket(url, digest="one", overwrite=False, restart=False)
+    staging = prepare_bucket(url, digest="one", overwrite=True, restart=False)
+    assert "manifest.json" not in _objects(s3_endpoint, s3_bucket, "out")  # no reader takes old and new for one checkpoint
+    staging.write_state("done/00000-00000.json", json.dumps({"file": 0, "index": 0, "name": "a.safetensors", "begin": 0, "end": 10}))
+    check_destination(staging.storage, overwrite=False)  # an interrupted write: replaced without --overwrite
+    assert list(prepare_bucket(url, digest="one", overwrite=False, restart=False).records()) == [(0, 0)]
+    with pytest.raises(UsageError, match="--restart"):
+        prepare_bucket(url, digest="two", overwrite=False, restart=False)
+    assert prepare_bucket(url, digest="two", overwrite=False, restart=True).records() == {}
+    names = set(_objects(s3_endpoint, s3_bucket, "out"))
+    assert names == {"a.safetensors", ".fsdpkit-writing", ".fsdpkit-spread/plan.json", ".fsdpkit-spread/token"}
