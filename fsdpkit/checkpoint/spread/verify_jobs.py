@@ -7,7 +7,8 @@ as JSON, each finding with its place in the one-process order, and rank 0 passes
 format's one-process verify, which checks the metadata itself and writes the one-process report.
 A full safetensors checkpoint has no checksums (its headers are all verify reads): rank 0 reads
 them, and there is nothing to share. A source that does not open plans no files: rank 0's
-one-process verify reports it, as it does in one process."""
+one-process verify reports it, as it does in one process. A source in an object store is verified
+in one process (its stored readers are not shared out here)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...errors import DataCheckError
+from ...errors import DataCheckError, UsageError
 from ..core.files import source_path
 from ..core.report import VerifyReport
 from ..dcp.inspect import ChunkChecks, chunk_checks, verify_dcp
@@ -29,6 +30,7 @@ from ..format.verify import verify_full
 from ..megatron.files import TORCH_DIST, find_files
 from ..megatron.inspect import HASH_BLOCK, MegatronChecks, hash_problem, integrity_hashes, verify_megatron
 from ..megatron.table import MEGATRON_METADATA_GLOBALS
+from ..storage.location import is_url
 from ..torchsave import inspect as torchsave_inspect
 from ..torchsave.table import open_rank_state_dicts
 from .jobs import Progress, source_listing
@@ -42,6 +44,11 @@ class FileVerify:
     command = "verify"
 
     def __init__(self, src: str):
+        if is_url(src):
+            raise UsageError(
+                f"{src}: verify of this format in an object store runs in one process (fsdpkit's own spreads from there): "
+                "leave out the launch flags"
+            )
         self.path = Path(src)
         self.files: list[OutputFile] = []
 
