@@ -50,7 +50,6 @@ def convert(
 ) -> None:
     """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
     from fsdpkit.checkpoint.offline.locations import convert_at
-    from fsdpkit.checkpoint.spread.runner import SpreadTask
 
     request = ConvertRequest(
         to=to,
@@ -67,6 +66,8 @@ def convert(
     )
     options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=lambda: spread_target(to), locations=(src, dst))
     if options is not None:
+        from fsdpkit.checkpoint.spread.runner import SpreadTask  # the spread machinery: imported only when spread
+
         task = SpreadTask("convert", str(src), str(dst), request, chunk_size=request.chunk_size, overwrite=overwrite, restart=restart)
         result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json)
         if result is None:
