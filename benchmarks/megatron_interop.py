@@ -13,9 +13,9 @@ command as its own process, its input first dropped from the page cache (wall ti
 and splitting QKV and fc1 as it copies), and `cp -r MEGATRON OUT`.
 
 Reported: median and range over `--repeat` rounds, each command's peak RSS, and the ratio of
-convert to `cp -r` per round; then the phases of convert (start: Python and the CLI's imports;
-open: the checkpoint's metadata; copy; commit: the sync and rename), from one more run per
-round through the CLI in a process that times them; `--json` prints them as one document.
+convert to `cp -r` per round; then the phases of convert (start: Python, the CLI's imports and
+parsing; open: the checkpoint's metadata; copy; commit: the sync, rename and report), from one
+more run per round through the CLI in a process that times them; `--json` prints them all.
 """
 
 from __future__ import annotations
@@ -78,38 +78,37 @@ def write_llama(directory: Path, layers: int) -> int:
 
 def phase_child(megatron: Path, out: Path) -> None:
     """One `convert --to full` through the CLI in this process (spawned, input uncached), its
-    phases timed: start (Python and the CLI's imports, from the parent's clock at spawn), open
-    (reading the checkpoint's metadata into the Hugging Face view), copy (the data files) and
-    commit (their sync and the rename); one JSON line on stdout."""
+    phases timed: start (Python, the CLI's imports and parsing, from the parent's clock at
+    spawn), open (reading the checkpoint's metadata into the Hugging Face view), copy (the data
+    files), commit (their sync, the rename and the report); one JSON line on stdout."""
     spawned = float(os.environ["MEGATRON_INTEROP_SPAWNED"])
     import contextlib
-    import time
 
-    from fsdpkit_cli import convert_cmd  # noqa: F401  (what the CLI imports to run convert)
     from fsdpkit_cli.app import main as cli
 
     from fsdpkit.checkpoint.core import staging
     from fsdpkit.checkpoint.offline import formats
 
-    phases = {"start": time.time() - spawned, "open": 0.0, "commit": 0.0}
+    marks: dict[str, float] = {}
 
-    def timed(phase: str, function):
+    def marked(before: str, after: str, function):
         def run(*args, **kwargs):
-            started = time.time()
+            marks[before] = time.time()
             try:
                 return function(*args, **kwargs)
             finally:
-                phases[phase] += time.time() - started
+                marks[after] = time.time()
 
         return run
 
-    formats.open_checkpoint = timed("open", formats.open_checkpoint)
-    staging.sync_files = timed("commit", staging.sync_files)
-    started = time.time()
+    formats.open_checkpoint = marked("open", "opened", formats.open_checkpoint)
+    staging.sync_files = marked("commit", "synced", staging.sync_files)
     sys.argv = ["fsdpkit", "convert", str(megatron), str(out), "--to", "full"]
     with contextlib.redirect_stdout(sys.stderr), contextlib.suppress(SystemExit):
         cli()
-    phases["copy"] = time.time() - started - phases["open"] - phases["commit"]
+    ended = time.time()
+    phases = {"start": marks["open"] - spawned, "open": marks["opened"] - marks["open"]}
+    phases |= {"copy": marks["commit"] - marks["opened"], "commit": ended - marks["commit"]}
     print(json.dumps(phases))
 
 
