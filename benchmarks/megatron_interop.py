@@ -84,7 +84,7 @@ def phase_child(megatron: Path, out: Path) -> None:
     spawned = float(os.environ["MEGATRON_INTEROP_SPAWNED"])
     import contextlib
 
-    from fsdpkit_cli.app import main as cli
+    from fsdpkit_cli import app
 
     from fsdpkit.checkpoint.core import staging
     from fsdpkit.checkpoint.offline import formats
@@ -105,7 +105,7 @@ def phase_child(megatron: Path, out: Path) -> None:
     staging.sync_files = marked("commit", "synced", staging.sync_files)
     sys.argv = ["fsdpkit", "convert", str(megatron), str(out), "--to", "full"]
     with contextlib.redirect_stdout(sys.stderr), contextlib.suppress(SystemExit):
-        cli()
+        app.main()
     ended = time.time()
     phases = {"start": marks["open"] - spawned, "open": marks["opened"] - marks["open"]}
     phases |= {"copy": marks["commit"] - marks["opened"], "commit": ended - marks["commit"]}
