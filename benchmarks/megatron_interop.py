@@ -13,7 +13,9 @@ command as its own process, its input first dropped from the page cache (wall ti
 and splitting QKV and fc1 as it copies), and `cp -r MEGATRON OUT`.
 
 Reported: median and range over `--repeat` rounds, each command's peak RSS, and the ratio of
-convert to `cp -r` per round; `--json` prints them as one document.
+convert to `cp -r` per round; then the phases of convert (start: Python, the CLI's imports and
+parsing; open: the checkpoint's metadata; copy; commit: the sync, rename and report), from one
+more run per round through the CLI in a process that times them; `--json` prints them all.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from dcp_interop import FSDPKIT, check_free, measure_rss, run, uncache
 
 HIDDEN, HEADS, GROUPS, FFN, VOCAB = 2048, 16, 8, 5632, 32000
+PHASES = ("start", "open", "copy", "commit")
 
 
 def write_llama(directory: Path, layers: int) -> int:
@@ -71,24 +76,74 @@ def write_llama(directory: Path, layers: int) -> int:
     return sum(t.numel() * 2 for t in tensors.values())
 
 
+def phase_child(megatron: Path, out: Path) -> None:
+    """One `convert --to full` through the CLI in this process (spawned, input uncached), its
+    phases timed: start (Python, the CLI's imports and parsing, from the parent's clock at
+    spawn), open (reading the checkpoint's metadata into the Hugging Face view), copy (the data
+    files), commit (their sync, the rename and the report); one JSON line on stdout."""
+    spawned = float(os.environ["MEGATRON_INTEROP_SPAWNED"])
+    import contextlib
+
+    from fsdpkit_cli import app
+
+    from fsdpkit.checkpoint.core import staging
+    from fsdpkit.checkpoint.offline import formats
+
+    marks: dict[str, float] = {}
+
+    def marked(before: str, after: str, function):
+        def run(*args, **kwargs):
+            marks[before] = time.time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                marks[after] = time.time()
+
+        return run
+
+    formats.open_checkpoint = marked("open", "opened", formats.open_checkpoint)
+    staging.sync_files = marked("commit", "synced", staging.sync_files)
+    sys.argv = ["fsdpkit", "convert", str(megatron), str(out), "--to", "full"]
+    with contextlib.redirect_stdout(sys.stderr), contextlib.suppress(SystemExit):
+        app.main()
+    ended = time.time()
+    phases = {"start": marks["open"] - spawned, "open": marks["opened"] - marks["open"]}
+    phases |= {"copy": marks["commit"] - marks["opened"], "commit": ended - marks["commit"]}
+    print(json.dumps(phases))
+
+
+def phases_of_convert(megatron: Path, out: Path) -> dict[str, float]:
+    uncache(megatron)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_INTEROP_SPAWNED": repr(time.time())}
+    found = subprocess.run(
+        [sys.executable, __file__, "--phases-of", str(megatron), str(out)], env=environment, capture_output=True, text=True
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    if found.returncode or not found.stdout.strip():
+        raise SystemExit(f"the phase run failed: {found.stderr[-400:]}")
+    return json.loads(found.stdout.splitlines()[-1])
+
+
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def rounds(work: Path, megatron: Path, repeat: int) -> dict[str, list[dict]]:
+def rounds(work: Path, megatron: Path, repeat: int) -> tuple[dict[str, list[dict]], list[dict[str, float]]]:
     commands = {
         "fsdpkit convert --to full": [FSDPKIT, "convert", str(megatron), str(work / "hf-out"), "--to", "full"],
         "cp -r": ["/bin/cp", "-r", str(megatron), str(work / "copy")],
     }
     results: dict[str, list[dict]] = {name: [] for name in commands}
     names = list(commands)
+    phases: list[dict[str, float]] = []
     for round_ in range(repeat):
         for name in names[round_ % 2 :] + names[: round_ % 2]:
             uncache(megatron)
             results[name].append(measure_rss(commands[name]))
             for leftover in ("hf-out", "copy"):
                 shutil.rmtree(work / leftover, ignore_errors=True)
-    return results
+        phases.append(phases_of_convert(megatron, work / "hf-out"))
+    return results, phases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--work", type=Path, default=None, help="Scratch directory (default: a temporary one, removed).")
     parser.add_argument("--write-llama", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--phases-of", type=Path, nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.phases_of is not None:
+        phase_child(*args.phases_of)
+        return 0
     if args.write_llama is not None:
         write_llama(args.write_llama, args.layers)
         return 0
@@ -115,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         uncache(work / "hf")
         setup = measure_rss([FSDPKIT, "convert", str(work / "hf"), str(work / "megatron"), "--to", "megatron"])
         shutil.rmtree(work / "hf")
-        results = rounds(work, work / "megatron", args.repeat)
+        results, phases = rounds(work, work / "megatron", args.repeat)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratios = [c["seconds"] / p["seconds"] for c, p in zip(results["fsdpkit convert --to full"], results["cp -r"], strict=True)]
@@ -127,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, runs in results.items()
         },
         "convert_over_cp": summary(ratios),
+        "convert_phases": {phase: summary([found[phase] for found in phases]) for phase in PHASES},
     }
     if args.json:
         print(json.dumps(document, indent=2))
@@ -137,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:28} {s['median']:7.2f} s [{s['min']:.2f}, {s['max']:.2f}]  peak RSS {found['peak_rss'] / 1e6:5.0f} MB")
         r = document["convert_over_cp"]
         print(f"convert / cp -r per round: {r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]")
+        found = document["convert_phases"]
+        print(
+            "phases of convert (one more run per round):",
+            ", ".join(f"{p} {found[p]['median']:.2f} s [{found[p]['min']:.2f}, {found[p]['max']:.2f}]" for p in PHASES),
+        )
     return 0
 
 

@@ -50,7 +50,6 @@ def convert(
 ) -> None:
     """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
     from fsdpkit.checkpoint.offline.locations import convert_at
-    from fsdpkit.checkpoint.spread.runner import SpreadTask
 
     request = ConvertRequest(
         to=to,
@@ -67,8 +66,7 @@ def convert(
     )
     options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=lambda: spread_target(to), locations=(src, dst))
     if options is not None:
-        task = SpreadTask("convert", str(src), str(dst), request, chunk_size=request.chunk_size, overwrite=overwrite, restart=restart)
-        result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json)
+        result = run_spread_command(spread_task(src, dst, request, restart=restart), options, dry_run=dry_run, as_json=as_json)
         if result is None:
             return
     else:
@@ -77,6 +75,13 @@ def convert(
     for line in result.warnings:
         log.warn(line)
     print_written(result, as_json)
+
+
+def spread_task(src: str, dst: str, request: ConvertRequest, *, restart: bool) -> Any:
+    """The spread run of `convert` (its machinery imported only when a convert is spread)."""
+    from fsdpkit.checkpoint.spread.runner import SpreadTask
+
+    return SpreadTask("convert", str(src), str(dst), request, chunk_size=request.chunk_size, overwrite=request.overwrite, restart=restart)
 
 
 command_app = spread_command("convert", convert)

@@ -428,3 +428,36 @@ def test_kernel_copies_of_unchecked_pieces_interleave_with_mapped_ones(tmp_path,
     bad = SourceTensor("t", source.shape, "F32", (*pieces[:2], pieces[2]._replace(crc32=1), pieces[3]))
     with pytest.raises(DataCheckError, match="crc32"), closing(ByteEngine()) as engine:
         engine.copy_or_send(bad, ElementRange(0, values.numel()), "F32", lambda view: None, lambda *a: None)
+
+
+def test_write_behind_leaves_kernel_copies_to_the_final_sync(tmp_path, monkeypatch):
+    """WRITE_BEHIND starts the writeback of written bytes every WRITE_BEHIND_BYTES, never of bytes
+    the kernel copied (`send`), which the caller's sync writes back; the file holds both."""
+    from fsdpkit.checkpoint.format import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "WRITE_BEHIND_BYTES", 1 << 20)
+    advised: list[tuple[int, int]] = []
+    real_fadvise = os.posix_fadvise
+    monkeypatch.setattr(
+        os,
+        "posix_fadvise",
+        lambda fd, offset, length, advice: (advised.append((offset, offset + length)), real_fadvise(fd, offset, length, advice))[1],
+    )
+    sent, written = os.urandom(3 << 20), os.urandom(3 << 20)
+    (tmp_path / "src.bin").write_bytes(sent)
+    entries = [("a", "U8", (len(sent),)), ("b", "U8", (len(written),))]
+    path = tmp_path / "out.safetensors"
+    with StreamingWriter(path, entries, cache=CacheMode.WRITE_BEHIND, sync=False) as out:
+        data_start = out._written + out._buffered  # the header
+        source = os.open(tmp_path / "src.bin", os.O_RDONLY)
+        try:
+            out.send(source, 0, len(sent))
+        finally:
+            os.close(source)
+        for at in range(0, len(written), 256 << 10):
+            out.write(written[at : at + (256 << 10)])
+    copied = (data_start, data_start + len(sent))
+    assert advised and all(end <= copied[0] or start >= copied[1] for start, end in advised)
+    assert sum(end - start for start, end in advised) >= len(written) - (1 << 20)
+    loaded = load_file(path)
+    assert loaded["a"].numpy().tobytes() == sent and loaded["b"].numpy().tobytes() == written

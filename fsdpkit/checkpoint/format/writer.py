@@ -53,7 +53,10 @@ class CacheMode(Enum):
     """How a written file's data goes through the kernel's page cache."""
 
     CACHED = "cached"  # written back whenever the kernel likes
-    WRITE_BEHIND = "write-behind"  # writeback started every WRITE_BEHIND_BYTES, those pages then dropped
+    # writeback started every WRITE_BEHIND_BYTES written, those pages then dropped; bytes copied by the
+    # kernel (`send`) are left to the final sync: starting their writeback here cost more CPU and time
+    # than the sync's writeback of them (docs/megatron.md)
+    WRITE_BEHIND = "write-behind"
     DIRECT = "direct"  # O_DIRECT from an aligned staging buffer, no page cache (CACHED where the filesystem refuses it)
 
 
@@ -104,7 +107,7 @@ class _FileWriter:
         self._written += count
         os.lseek(self._fd, self._written, os.SEEK_SET)  # copy_range writes at offsets; write() goes on from here
         self.write_seconds += time.perf_counter() - started
-        self._write_behind()
+        self._flushed = self._written  # kernel copies are left to the final sync (CacheMode.WRITE_BEHIND)
 
     def _stage(self, view: memoryview) -> None:
         """Direct mode: every byte goes through the staging buffer, which is written whole, so
