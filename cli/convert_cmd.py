@@ -68,7 +68,7 @@ def convert(
     options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=lambda: spread_target(to), locations=(src, dst))
     if options is not None:
         task = SpreadTask("convert", str(src), str(dst), request, chunk_size=request.chunk_size, overwrite=overwrite, restart=restart)
-        result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json)
+        result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json, early=ctx.obj)
         if result is None:
             return
     else:

@@ -206,7 +206,9 @@ def no_launch_launch(*_args, **_kwargs):
 
 def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_path):
     """Two nodes of one process each (fsdpkit's --nnodes, --node-rank, --master-addr, --master-port)
-    and, at the same time, `torchrun -m fsdpkit_cli convert` with two processes."""
+    and, at the same time, `torchrun -m fsdpkit_cli convert` with two processes, and the command
+    line with `--nproc-per-node 2` (its worker started before the CLI is imported), with good
+    input and with bad."""
     import socket
     import subprocess
     import sys
@@ -223,9 +225,16 @@ def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_pat
     ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fsdpkit_cli"]
     torchrun += [*common[:2], str(tmp_path / "torchrun"), *common[2:]]
-    started = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args in [*nodes, torchrun]]
+    early = [sys.executable, "-m", "fsdpkit_cli", *common[:2], str(tmp_path / "early"), *common[2:], "--nproc-per-node", "2"]
+    bad = [*early[:5], str(tmp_path / "bad"), "--to", "nothing", "--nproc-per-node", "2"]
+    started = [
+        subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args in [*nodes, torchrun, early, bad]
+    ]
     outputs = [process.communicate(timeout=240)[0] for process in started]
-    assert [process.returncode for process in started] == [0, 0, 0], outputs
+    assert [process.returncode for process in started] == [0, 0, 0, 0, 2], outputs
+    assert outputs[4].startswith("error: unknown --to 'nothing'") and len(outputs[4].splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
+    assert _files(tmp_path / "early") == _files(clean)
     assert "wrote" in outputs[0] and "wrote" not in outputs[1]  # node 0's rank 0 reports; node 1 says nothing
     assert _files(tmp_path / "nodes") == _files(clean)
     assert _files(tmp_path / "torchrun") == _files(clean)
@@ -252,3 +261,18 @@ def test_a_node_that_does_not_see_the_same_paths_is_named(tmp_path):
     assert elsewhere is not None and "rank 3" in elsewhere and "every node must see the same DST" in elsewhere
     other_source = view_problem(task, Job(), {**header, "digest": "0" * 32}, 2)
     assert other_source is not None and "rank 2" in other_source and "sees SRC differently" in other_source
+
+
+def test_which_command_lines_start_their_workers_first(monkeypatch):
+    from fsdpkit.checkpoint.spread.processes import early_nproc
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "4"]) == 4
+    assert early_nproc(["verify", "a", "--nproc_per_node=2", "--json"]) == 2
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "1"]) is None  # runs in this process
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "cpu"]) is None
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "2", "--dry-run"]) is None
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "2", "--nnodes", "2"]) is None
+    assert early_nproc(["train", "--nproc-per-node", "2"]) is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "2"]) is None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import socket
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,7 +33,7 @@ from ..offline.diff import DiffRequest
 from .dispatch import open_job
 from .hub import Hub
 from .plan import Plan, make_plan
-from .processes import start_workers, stop_workers
+from .processes import EarlyWorkers, start_workers, stop_workers
 from .progress import SharedCount
 from .staging import PartResult, Staging, fingerprint, prepare, staging_path
 
@@ -68,6 +69,8 @@ class RankFigures:
     bytes_planned: int = 0
     bytes_read: int = 0  # source bytes read in this run
     seconds: float = 0.0
+    peak_rss_mb: float = 0.0  # this process's, when its parts were done
+    marks: dict[str, float] = field(default_factory=dict)  # time.monotonic() as each step ended (Marks)
 
 
 @dataclass
@@ -93,15 +96,26 @@ class Solo:
         return [value]
 
 
+class Marks(dict):
+    """When each step of a rank ended, on the machine's monotonic clock (one for all its processes):
+    begun (this rank's run began), opened (its source), planned (rank 0 planned; a worker got the
+    plan), working (its first part began), worked (its last part ended), gathered (every rank's
+    report came), committed (rank 0)."""
+
+    def mark(self, step: str) -> None:
+        self[step] = time.monotonic()
+
+
 def open_task_job(task: SpreadTask):
     return open_job(task.command, task.src, request=task.request, world_size=task.world_size, chunk_size=task.chunk_size)
 
 
-def _lead(task: SpreadTask, world_size: int) -> tuple[dict, Any]:
+def _lead(task: SpreadTask, world_size: int, marks: Marks) -> tuple[dict, Any]:
     """Rank 0's first step: the header every rank gets (or the error every rank raises)."""
     job = None
     try:
         job = open_task_job(task)
+        marks.mark("opened")
         plan = make_plan(job.files, world_size)
         digest = fingerprint(job.facts())
         header: dict[str, Any] = {"error": None, "plan": plan.to_json(), "digest": digest, "staging": None, "token": None, "kept": []}
@@ -113,6 +127,7 @@ def _lead(task: SpreadTask, world_size: int) -> tuple[dict, Any]:
             (staging.state / PLAN_FILE).write_text(json.dumps(plan.to_json()))
             kept = [asdict(result) for result in staging.records().values()]  # read before any rank records a part
             header.update(staging=str(staging.path), token=staging.token(), kept=kept)
+        marks.mark("planned")
         return header, job
     except FsdpkitError as error:
         if job is not None:
@@ -141,12 +156,18 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
     """This rank's part of the run (see the module docstring); rank 0 returns the result. The
     other ranks open the source while rank 0 plans; on one node rank 0 starts on its parts while
     they do, and learns what they saw (`Views`) between its parts."""
-    header, job, problem = None, None, None
+    header, job, problem, marks = None, None, None, Marks()
+    marks.mark("begun")
     try:
-        header, job = _lead(task, comm.world_size) if comm.rank == 0 else (None, open_task_job(task))
+        if comm.rank == 0:
+            header, job = _lead(task, comm.world_size, marks)
+        else:
+            job = open_task_job(task)
+            marks.mark("opened")
     except FsdpkitError as error:
         problem = f"rank {comm.rank} on {socket.gethostname()}: {error}"
     header = comm.broadcast(header)
+    marks.setdefault("planned", time.monotonic())
     try:
         if header["error"] is not None:
             _raise(*header["error"])
@@ -157,7 +178,7 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
         views = Views(comm, problem)
         if views.ready() or job is None:
             views.check()
-        return _work_and_commit(task, job, header, comm, show, views)
+        return _work_and_commit(task, job, header, comm, show, views, marks)
     finally:
         if job is not None:
             job.close()
@@ -181,7 +202,9 @@ class Views:
             raise RunError(problems[0])
 
 
-def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views) -> SpreadResult | None:
+def _work_and_commit(
+    task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views, marks: Marks
+) -> SpreadResult | None:
     plan = Plan.from_json(header["plan"])
     staging = Staging(Path(header["staging"])) if header["staging"] else None
     kept = {(r["file"], r["index"]): PartResult(**r) for r in header["kept"]}
@@ -190,11 +213,14 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
     left = plan.total_bytes - sum(r.end - r.begin for r in kept.values())
     total = job.source_bytes * left // max(1, plan.total_bytes)  # the count is of source bytes read
     count = SharedCount(comm.store, rank=comm.rank, world_size=comm.world_size, key="fsdpkit-spread", show=show, total=total)
-    figures = RankFigures(comm.rank, socket.gethostname(), len(mine), len(mine) - len(todo), sum(p.nbytes for p in mine))
-    started = time.monotonic()
+    figures = RankFigures(comm.rank, socket.gethostname(), len(mine), len(mine) - len(todo), sum(p.nbytes for p in mine), marks=marks)
+    marks.mark("working")
     results, failure = _run_parts(task, job, plan, todo, staging, count, views, figures)
-    figures.seconds = time.monotonic() - started
+    marks.mark("worked")
+    figures.seconds = marks["worked"] - marks["working"]
+    figures.peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
+    marks.mark("gathered")
     failures = [f for f, _, _ in gathered if f is not None]
     if failures:
         kept_note = ""
@@ -210,6 +236,7 @@ def _work_and_commit(task: SpreadTask, job: Any, header: dict, comm: Any, show: 
     if staging is not None:
         assert task.dst is not None
         staging.commit(Path(task.dst), overwrite=task.overwrite)
+    ranks[0].marks = {**marks, "committed": time.monotonic()}
     return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), str(staging.path) if staging else None)
 
 
@@ -342,17 +369,20 @@ def as_json(result: SpreadResult) -> dict:
     }
 
 
-def run_spread(task: SpreadTask, options: LaunchOptions, show: ByteProgress | None = None) -> SpreadResult | None:
-    """The run in this process (world size 1), in `options`' workers, or, under torchrun, as one
-    worker of it; rank 0's result (None on the other ranks and nodes)."""
+def run_spread(
+    task: SpreadTask, options: LaunchOptions, show: ByteProgress | None = None, early: EarlyWorkers | None = None
+) -> SpreadResult | None:
+    """The run in this process (world size 1), in `options`' workers (on one node those of
+    `early` that the command line started already), or, under torchrun, as one worker of it;
+    rank 0's result (None on the other ranks and nodes)."""
     if under_torchrun():
         return spread_worker(task)
     if options.nnodes == 1 and options.nproc_per_node == 1:
         return run_ranks(task, Solo(), show)
     if options.nnodes == 1:
-        return run_on_this_node(task, options.local_processes)
+        return run_on_this_node(task, options.local_processes, early)
     if options.node_rank == 0:  # bad input: one line and exit 2 (or 3) here, before any worker starts
-        header, job = _lead(task, options.world_size)
+        header, job = _lead(task, options.world_size, Marks())
         if job is not None:
             job.close()
         if header["error"] is not None:
@@ -363,7 +393,7 @@ def run_spread(task: SpreadTask, options: LaunchOptions, show: ByteProgress | No
         raise RunError(failed_part_line(task, str(error))) from None
 
 
-def run_on_this_node(task: SpreadTask, world_size: int) -> SpreadResult | None:
+def run_on_this_node(task: SpreadTask, world_size: int, early: EarlyWorkers | None = None) -> SpreadResult | None:
     """Rank 0 here, its workers (`processes`) started first: they start and open the source while
     rank 0 opens it and plans. Bad input is rank 0's one line; the workers then leave, having
     written nothing."""
@@ -371,7 +401,7 @@ def run_on_this_node(task: SpreadTask, world_size: int) -> SpreadResult | None:
     show, close = stderr_progress(task.command)
     grace = 0.5
     try:
-        start_workers(hub)
+        start_workers(hub, early)
         result = run_ranks(task, hub, show)
         grace = WORKERS_EXIT_SECONDS
         return result
