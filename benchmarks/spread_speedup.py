@@ -19,7 +19,11 @@ slowest rank's own work; each rank's phases from its `--json` marks (on the mach
 clock, from the moment the command was started): start (the interpreter, imports, starting the
 workers), open (the source's metadata), plan (rank 0: planning and the staging area; a worker:
 waiting for the plan), work (its parts), wait (for the other ranks' reports), commit (rank 0), exit;
-the peak RSS of each process; and the load average at each round's start.
+the peak RSS of each process; and the load average at each round's start. And what a loaded
+machine blurs less: the CPU seconds of the whole command (all its processes), and of its busiest
+rank until its parts were done (each rank's start, opening, planning and work: on two idle cores,
+the two ranks' run side by side, so the ratio of the busiest rank's to one process's is about
+what the wall time's would be there).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -92,17 +97,21 @@ def make_source(root: Path, layers: int) -> tuple[Path, int]:
 
 def timed(command: list[str]) -> dict:
     """One run: its wall time, and per rank its phases (seconds) and peak RSS (MB)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     done = subprocess.run([*command, "--json"], check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     ended = time.monotonic()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the command's process and its workers (it waits for them)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     ranks = []
     for rank in json.loads(done.stdout)["spread"]["ranks"]:
         marks = {"launched": started, **rank["marks"]}
         phases = {name: marks[end] - marks[begin or "launched"] for name, begin, end in PHASES if end in marks}
         if "committed" in marks:
             phases["exit"] = ended - marks["committed"]
-        ranks.append({"phases": phases, "peak_rss_mb": rank["peak_rss_mb"], "work": rank["seconds"]})
-    return {"wall": ended - started, "work": max(rank["work"] for rank in ranks), "ranks": ranks}
+        ranks.append({"phases": phases, "peak_rss_mb": rank["peak_rss_mb"], "work": rank["seconds"], "cpu": rank["cpu_seconds"]})
+    slowest = max(rank["cpu"] for rank in ranks)
+    return {"wall": ended - started, "work": max(rank["work"] for rank in ranks), "cpu": cpu, "slowest_rank_cpu": slowest, "ranks": ranks}
 
 
 def spread_of(values: list[float]) -> dict:
@@ -114,7 +123,7 @@ def summary(runs: dict[str, list[dict]], loads: list[float], weight_bytes: int) 
     result: dict = {"fp32_weight_gb": round(weight_bytes / 1e9, 2), "rounds": len(one), "cpus": os.cpu_count()}
     result["load_average_per_round"] = loads
     result["load_average_after"] = [round(load, 2) for load in os.getloadavg()]
-    for key in ("wall", "work"):
+    for key in ("wall", "work", "cpu", "slowest_rank_cpu"):
         result[f"{key}_seconds"] = {n: [round(run[key], 2) for run in runs[n]] for n in runs}
         result[f"{key}_ratio_2_vs_1"] = spread_of([b[key] / a[key] for a, b in zip(one, two, strict=True)])
     result["phases_median_seconds"] = {

@@ -70,6 +70,7 @@ class RankFigures:
     bytes_read: int = 0  # source bytes read in this run
     seconds: float = 0.0
     peak_rss_mb: float = 0.0  # this process's, when its parts were done
+    cpu_seconds: float = 0.0  # this process's (user and system), from its start until its parts were done
     marks: dict[str, float] = field(default_factory=dict)  # time.monotonic() as each step ended (Marks)
 
 
@@ -218,7 +219,8 @@ def _work_and_commit(
     results, failure = _run_parts(task, job, plan, todo, staging, count, views, figures)
     marks.mark("worked")
     figures.seconds = marks["worked"] - marks["working"]
-    figures.peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    figures.peak_rss_mb, figures.cpu_seconds = round(used.ru_maxrss / 1024, 1), round(used.ru_utime + used.ru_stime, 3)
     gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
     marks.mark("gathered")
     failures = [f for f, _, _ in gathered if f is not None]
