@@ -18,10 +18,13 @@ import signal
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from ...dist.interrupts import INTERRUPTED_EXIT_CODE
 from ...errors import FsdpkitError
-from .hub import Hub, HubClient
+
+if TYPE_CHECKING:  # the command line imports this module before anything else: it stays light
+    from .hub import Hub
 
 HUB_ENV = "FSDPKIT_SPREAD_HUB"  # HOST:PORT:KEY (hex) of rank 0's hub
 WORKER_CODE = "from fsdpkit.checkpoint.spread.processes import worker_main; worker_main()"
@@ -142,6 +145,8 @@ def early_worker_main() -> None:
 def worker_main() -> None:
     """A worker's whole life: join the hub, run this rank's share of the task it sends, exit."""
     signal.signal(signal.SIGINT, lambda *_: os._exit(INTERRUPTED_EXIT_CODE))
+    from .hub import HubClient
+
     host, port, key = os.environ.pop(HUB_ENV).rsplit(":", 2)
     client = HubClient((host, int(port)), bytes.fromhex(key), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     from .runner import run_ranks
