@@ -96,21 +96,25 @@ def make_source(root: Path, layers: int) -> tuple[Path, int]:
     return source, weight_bytes
 
 
-def timed(command: list[str]) -> dict:
+def timed(command: list[str], env: dict[str, str] | None = None) -> dict:
     """One run: its wall time, and per rank its phases (seconds) and peak RSS (MB)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
-    done = subprocess.run([*command, "--json"], check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    done = subprocess.run(
+        [*command, "--json"], check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=tempfile.gettempdir()
+    )  # not this tree: `-m` puts the working directory first on sys.path
     ended = time.monotonic()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the command's process and its workers (it waits for them)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     ranks = []
     for rank in json.loads(done.stdout)["spread"]["ranks"]:
-        marks = {"launched": started, **rank["marks"]}
+        marks = {"launched": started, **rank.get("marks", {})}  # a baseline's fsdpkit may report no marks
         phases = {name: marks[end] - marks[begin or "launched"] for name, begin, end in PHASES if end in marks}
         if "committed" in marks:
             phases["exit"] = ended - marks["committed"]
-        ranks.append({"phases": phases, "peak_rss_mb": rank["peak_rss_mb"], "work": rank["seconds"], "cpu": rank["cpu_seconds"]})
+        ranks.append(
+            {"phases": phases, "peak_rss_mb": rank.get("peak_rss_mb", 0), "work": rank["seconds"], "cpu": rank.get("cpu_seconds", 0)}
+        )
     slowest = max(rank["cpu"] for rank in ranks)
     return {"wall": ended - started, "work": max(rank["work"] for rank in ranks), "cpu": cpu, "slowest_rank_cpu": slowest, "ranks": ranks}
 
@@ -120,13 +124,15 @@ def spread_of(values: list[float]) -> dict:
 
 
 def summary(runs: dict[str, list[dict]], loads: list[float], weight_bytes: int) -> dict:
-    one, two = runs["1"], runs["2"]
-    result: dict = {"fp32_weight_gb": round(weight_bytes / 1e9, 2), "rounds": len(one), "cpus": os.cpu_count()}
+    result: dict = {"fp32_weight_gb": round(weight_bytes / 1e9, 2), "rounds": len(runs["1"]), "cpus": os.cpu_count()}
     result["load_average_per_round"] = loads
     result["load_average_after"] = [round(load, 2) for load in os.getloadavg()]
+    pairs = [("2", "1"), *((("2 baseline", "1 baseline"), ("2", "2 baseline")) if "1 baseline" in runs else ())]
     for key in ("wall", "work", "cpu", "slowest_rank_cpu"):
         result[f"{key}_seconds"] = {n: [round(run[key], 2) for run in runs[n]] for n in runs}
-        result[f"{key}_ratio_2_vs_1"] = spread_of([b[key] / a[key] for a, b in zip(one, two, strict=True)])
+        for two, one in pairs:
+            ratios = [b[key] / a[key] if a[key] else float("nan") for a, b in zip(runs[one], runs[two], strict=True)]
+            result[f"{key}_ratio_{two.replace(' ', '_')}_vs_{one.replace(' ', '_')}"] = spread_of(ratios)
     result["phases_median_seconds"] = {
         f"{n} processes, rank {rank}": {
             phase: round(statistics.median(run["ranks"][rank]["phases"].get(phase, 0.0) for run in runs[n]), 3)
@@ -134,10 +140,10 @@ def summary(runs: dict[str, list[dict]], loads: list[float], weight_bytes: int) 
             if phase in runs[n][0]["ranks"][rank]["phases"]
         }
         for n in runs
-        for rank in range(int(n))
+        for rank in range(int(n[0]))
     }
     result["peak_rss_mb_max"] = {
-        f"{n} processes, rank {rank}": max(run["ranks"][rank]["peak_rss_mb"] for run in runs[n]) for n in runs for rank in range(int(n))
+        f"{n} processes, rank {rank}": max(run["ranks"][rank]["peak_rss_mb"] for run in runs[n]) for n in runs for rank in range(int(n[0]))
     }
     return result
 
@@ -148,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-shard-size", default="200MB")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--baseline", metavar="PYTHONPATH", help="also run both with this PYTHONPATH ('' for the installed fsdpkit), in the same rounds"
+    )
     parser.add_argument("--make-source-in", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.make_source_in is not None:
@@ -160,13 +169,17 @@ def main(argv: list[str] | None = None) -> int:
         flags = ["--to", "full", "--dtype", "bf16", "--max-shard-size", args.max_shard_size]
         timed([*base, str(Path(tmp) / "warm-up"), *flags, "--nproc-per-node", "1"])  # the weights into the page cache
         shutil.rmtree(Path(tmp) / "warm-up")
-        runs: dict[str, list[dict]] = {"1": [], "2": []}
+        variants: dict[str, dict[str, str] | None] = {"1": None, "2": None}
+        if args.baseline is not None:
+            old = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | ({"PYTHONPATH": args.baseline} if args.baseline else {})
+            variants |= {"1 baseline": old, "2 baseline": old}
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
         loads = []
         for round_number in range(args.rounds):
             loads.append(round(os.getloadavg()[0], 2))
-            for nproc in ("1", "2") if round_number % 2 == 0 else ("2", "1"):
-                out = Path(tmp) / f"out-{nproc}-{round_number}"
-                runs[nproc].append(timed([*base, str(out), *flags, "--nproc-per-node", nproc]))
+            for name in list(variants) if round_number % 2 == 0 else list(variants)[::-1]:
+                out = Path(tmp) / f"out-{name.replace(' ', '-')}-{round_number}"
+                runs[name].append(timed([*base, str(out), *flags, "--nproc-per-node", name[0]], variants[name]))
                 shutil.rmtree(out)
     print(json.dumps(summary(runs, loads, weight_bytes), indent=None if args.json else 2))
     return 0
