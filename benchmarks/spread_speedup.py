@@ -9,7 +9,7 @@ The source is made once in a temporary directory, by a process of its own (a chi
 would start from this process's): GPT-2's tensor shapes (n_embd 1280, vocab 50257,
 1024 positions, `--layers` blocks) with random fp32 weights and Adam's two moments, written as full
 safetensors by numpy (one file per block) and converted by fsdpkit `--to deepspeed --stage 3
---world-size 2` (DeepSpeed's own layout: `zero_pp_rank_*_mp_rank_00_{model,optim}_states.pt`,
+--world-size 4` (DeepSpeed's own layout: `zero_pp_rank_*_mp_rank_00_{model,optim}_states.pt`,
 the fp32 weights in each rank's flat group; DeepSpeed's `zero_to_fp32` reads it, a test checks).
 Then, after one run not counted (the weights into the page cache), `--rounds` times,
 `--nproc-per-node 1` and `2` each run in its own process, their order alternating from round to
@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy
 
 EMBD, VOCAB, POSITIONS = 1280, 50257, 1024
+SOURCE_RANKS = "4"  # the DeepSpeed run's: each optimizer file under 4 GiB (fsdpkit writes no zip64)
 PHASES = (("start", None, "begun"), ("open", "begun", "opened"), ("plan", "opened", "planned"), ("work", "working", "worked"))
 PHASES += (("wait", "worked", "gathered"), ("commit", "gathered", "committed"))
 
@@ -57,7 +58,7 @@ def block_shapes(index: int) -> dict[str, tuple[int, ...]]:
 
 
 def make_source(root: Path, layers: int) -> tuple[Path, int]:
-    """A DeepSpeed ZeRO-3 checkpoint of 2 ranks of a GPT-2-shaped model; (it, its fp32 weight bytes)."""
+    """A DeepSpeed ZeRO-3 checkpoint of SOURCE_RANKS ranks of a GPT-2-shaped model; (it, its fp32 weight bytes)."""
     from safetensors.numpy import save_file
 
     rng = numpy.random.default_rng(0)
@@ -89,7 +90,7 @@ def make_source(root: Path, layers: int) -> tuple[Path, int]:
         "--stage",
         "3",
         "--world-size",
-        "2",
+        SOURCE_RANKS,
     ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     shutil.rmtree(full)
