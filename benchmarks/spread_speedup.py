@@ -1,19 +1,30 @@
-"""`convert --to full --dtype bf16` of an fp32 fsdpkit checkpoint (a CPU-bound conversion: every
-element is cast) with `--nproc-per-node 2` against 1, on this machine, side by side:
+"""A CPU-bound conversion spread over 2 processes against 1, on this machine, side by side:
+DeepSpeed ZeRO-3 (fp32 weights and Adam) of a gpt2-large-sized model -> Hugging Face bf16 in
+files of `--max-shard-size` (every weight read, cast to bf16 and checksummed):
 
-    .venv/bin/python benchmarks/spread_speedup.py                 # 2 GiB of fp32 weights, 5 rounds
-    .venv/bin/python benchmarks/spread_speedup.py --gib 0.5 --rounds 5 --json
+    .venv/bin/python benchmarks/spread_speedup.py                   # gpt2-large: 36 layers, 3.1 GB fp32, 5 rounds
+    .venv/bin/python benchmarks/spread_speedup.py --layers 6 --rounds 3 --json
 
-Makes the source once in a temporary directory (random fp32 tensors of 64 MiB, written as full
-safetensors by numpy, converted --to sharded --world-size 2), then, --rounds times, runs each
-command in its own process in turn (the plain one-process command, --nproc-per-node 1, 2),
-each into a new output directory removed afterwards, its wall time including the start of
-its processes, the slowest rank's own work (`--json`'s `spread.ranks[].seconds`: no start, no
-planning), what is left (starting, opening the source, planning, committing), and the peak RSS
-of the process tree's largest process. Reports, for the wall time and for the work alone, the
-median and the range of the ratios of 2 processes to 1 per round, and the load average at the
-start of each round: on a shared machine only ratios measured side by side mean much, and their
-spread (and the load) says how much.
+The source is made once in a temporary directory, by a process of its own (a child's peak RSS
+would start from this process's): GPT-2's tensor shapes (n_embd 1280, vocab 50257,
+1024 positions, `--layers` blocks) with random fp32 weights and Adam's two moments, written as full
+safetensors by numpy (one file per block) and converted by fsdpkit `--to deepspeed --stage 3
+--world-size 4` (DeepSpeed's own layout: `zero_pp_rank_*_mp_rank_00_{model,optim}_states.pt`,
+the fp32 weights in each rank's flat group; DeepSpeed's `zero_to_fp32` reads it, a test checks).
+Then, after one run not counted (the weights into the page cache), `--rounds` times,
+`--nproc-per-node 1` and `2` each run in its own process, their order alternating from round to
+round, each into a new directory removed afterwards.
+
+Reported (medians, and the spread of the per-round ratios of 2 processes to 1): the wall time; the
+slowest rank's own work; each rank's phases from its `--json` marks (on the machine's monotonic
+clock, from the moment the command was started): start (the interpreter, imports, starting the
+workers), open (the source's metadata), plan (rank 0: planning and the staging area; a worker:
+waiting for the plan), work (its parts), wait (for the other ranks' reports), commit (rank 0), exit;
+the peak RSS of each process; and the load average at each round's start. And what a loaded
+machine blurs less: the CPU seconds of the whole command (all its processes), and of its busiest
+rank until its parts were done (each rank's start, opening, planning and work: on two idle cores,
+the two ranks' run side by side, so the ratio of the busiest rank's to one process's is about
+what the wall time's would be there).
 """
 
 from __future__ import annotations
@@ -32,85 +43,145 @@ from pathlib import Path
 
 import numpy
 
-TENSOR_MIB = 64
+EMBD, VOCAB, POSITIONS = 1280, 50257, 1024
+SOURCE_RANKS = "4"  # the DeepSpeed run's: each optimizer file under 4 GiB (fsdpkit writes no zip64)
+PHASES = (("start", None, "begun"), ("open", "begun", "opened"), ("plan", "opened", "planned"), ("work", "working", "worked"))
+PHASES += (("wait", "worked", "gathered"), ("commit", "gathered", "committed"))
 
 
-def make_source(root: Path, gib: float) -> Path:
+def block_shapes(index: int) -> dict[str, tuple[int, ...]]:
+    h = f"h.{index}."
+    shapes = {h + "ln_1.weight": (EMBD,), h + "ln_1.bias": (EMBD,), h + "attn.c_attn.weight": (EMBD, 3 * EMBD)}
+    shapes |= {h + "attn.c_attn.bias": (3 * EMBD,), h + "attn.c_proj.weight": (EMBD, EMBD), h + "attn.c_proj.bias": (EMBD,)}
+    shapes |= {h + "ln_2.weight": (EMBD,), h + "ln_2.bias": (EMBD,), h + "mlp.c_fc.weight": (EMBD, 4 * EMBD)}
+    return shapes | {h + "mlp.c_fc.bias": (4 * EMBD,), h + "mlp.c_proj.weight": (4 * EMBD, EMBD), h + "mlp.c_proj.bias": (EMBD,)}
+
+
+def make_source(root: Path, layers: int) -> tuple[Path, int]:
+    """A DeepSpeed ZeRO-3 checkpoint of SOURCE_RANKS ranks of a GPT-2-shaped model; (it, its fp32 weight bytes)."""
     from safetensors.numpy import save_file
 
     rng = numpy.random.default_rng(0)
-    count = max(1, int(gib * 1024 / TENSOR_MIB))
-    full = root / "full"
+    groups = [{"wte.weight": (VOCAB, EMBD), "wpe.weight": (POSITIONS, EMBD), "ln_f.weight": (EMBD,), "ln_f.bias": (EMBD,)}]
+    groups += [block_shapes(index) for index in range(layers)]
+    full, weight_map, weight_bytes = root / "full", {}, 0
     full.mkdir()
-    for index in range(count):
-        save_file(
-            {f"layer.{index}.weight": rng.standard_normal(TENSOR_MIB << 18, dtype=numpy.float32).reshape(-1, 1024)},
-            full / f"part{index}.safetensors",
-        )
-    names = [f"part{index}.safetensors" for index in range(count)]
-    weight_map = {f"layer.{index}.weight": names[index] for index in range(count)}
+    for number, shapes in enumerate(groups):
+        tensors = {}
+        for name, shape in shapes.items():
+            weight = rng.standard_normal(shape, dtype=numpy.float32)
+            moment = numpy.abs(weight) * numpy.float32(1e-3)
+            tensors |= {name: weight, f"optim.exp_avg.{name}": moment, f"optim.exp_avg_sq.{name}": moment * moment}
+            weight_bytes += weight.nbytes
+        file = f"part{number:03d}.safetensors"
+        save_file(tensors, full / file)
+        weight_map |= dict.fromkeys(tensors, file)
     (full / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    source = root / "sharded"
-    subprocess.run(
-        [sys.executable, "-m", "fsdpkit_cli", "convert", str(full), str(source), "--to", "sharded", "--world-size", "2"], check=True
-    )
+    source = root / "deepspeed"
+    command = [
+        sys.executable,
+        "-m",
+        "fsdpkit_cli",
+        "convert",
+        str(full),
+        str(source),
+        "--to",
+        "deepspeed",
+        "--stage",
+        "3",
+        "--world-size",
+        SOURCE_RANKS,
+    ]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     shutil.rmtree(full)
-    return source
+    return source, weight_bytes
 
 
-def timed(command: list[str]) -> tuple[float, float, float | None]:
-    """(wall seconds, peak RSS in MB of the largest process of its tree, seconds of the slowest
-    rank's own work as --json reports it: the wall time less starting processes and planning)."""
-    started = time.perf_counter()
-    done = subprocess.run([*command, "--json"], check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    seconds = time.perf_counter() - started
-    spread = json.loads(done.stdout).get("spread")
-    work = max(rank["seconds"] for rank in spread["ranks"]) if spread else None
-    return seconds, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, work
+def timed(command: list[str], env: dict[str, str] | None = None) -> dict:
+    """One run: its wall time, and per rank its phases (seconds) and peak RSS (MB)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    done = subprocess.run(
+        [*command, "--json"], check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=tempfile.gettempdir()
+    )  # not this tree: `-m` puts the working directory first on sys.path
+    ended = time.monotonic()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the command's process and its workers (it waits for them)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    ranks = []
+    for rank in json.loads(done.stdout)["spread"]["ranks"]:
+        marks = {"launched": started, **rank.get("marks", {})}  # a baseline's fsdpkit may report no marks
+        phases = {name: marks[end] - marks[begin or "launched"] for name, begin, end in PHASES if end in marks}
+        if "committed" in marks:
+            phases["exit"] = ended - marks["committed"]
+        peak_rss_mb = round(rank.get("peak_rss_bytes", 0) / 2**20, 1)  # VmHWM (a baseline's fsdpkit may report none)
+        ranks.append({"phases": phases, "peak_rss_mb": peak_rss_mb, "work": rank["seconds"], "cpu": rank.get("cpu_seconds", 0)})
+    slowest = max(rank["cpu"] for rank in ranks)
+    return {"wall": ended - started, "work": max(rank["work"] for rank in ranks), "cpu": cpu, "slowest_rank_cpu": slowest, "ranks": ranks}
+
+
+def spread_of(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def summary(runs: dict[str, list[dict]], loads: list[float], weight_bytes: int) -> dict:
+    result: dict = {"fp32_weight_gb": round(weight_bytes / 1e9, 2), "rounds": len(runs["1"]), "cpus": os.cpu_count()}
+    result["load_average_per_round"] = loads
+    result["load_average_after"] = [round(load, 2) for load in os.getloadavg()]
+    pairs = [("2", "1"), *((("2 baseline", "1 baseline"), ("2", "2 baseline")) if "1 baseline" in runs else ())]
+    for key in ("wall", "work", "cpu", "slowest_rank_cpu"):
+        result[f"{key}_seconds"] = {n: [round(run[key], 2) for run in runs[n]] for n in runs}
+        for two, one in pairs:
+            ratios = [b[key] / a[key] if a[key] else float("nan") for a, b in zip(runs[one], runs[two], strict=True)]
+            result[f"{key}_ratio_{two.replace(' ', '_')}_vs_{one.replace(' ', '_')}"] = spread_of(ratios)
+    result["phases_median_seconds"] = {
+        f"{n} processes, rank {rank}": {
+            phase: round(statistics.median(run["ranks"][rank]["phases"].get(phase, 0.0) for run in runs[n]), 3)
+            for phase in ("start", "open", "plan", "work", "wait", "commit", "exit")
+            if phase in runs[n][0]["ranks"][rank]["phases"]
+        }
+        for n in runs
+        for rank in range(int(n[0]))
+    }
+    result["peak_rss_mb_max"] = {
+        f"{n} processes, rank {rank}": max(run["ranks"][rank]["peak_rss_mb"] for run in runs[n]) for n in runs for rank in range(int(n[0]))
+    }
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gib", type=float, default=2.0)
+    parser.add_argument("--layers", type=int, default=36, help="GPT-2 blocks: 36 is gpt2-large (774M parameters), 24 gpt2-medium")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-shard-size", default="200MB")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--baseline", metavar="PYTHONPATH", help="also run both with this PYTHONPATH ('' for the installed fsdpkit), in the same rounds"
+    )
+    parser.add_argument("--make-source-in", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.make_source_in is not None:
+        print(make_source(args.make_source_in, args.layers)[1])
+        return 0
     with tempfile.TemporaryDirectory(prefix="fsdpkit-spread-", dir=os.environ.get("TMPDIR")) as tmp:
-        source = make_source(Path(tmp), args.gib)
+        made = [sys.executable, __file__, "--layers", str(args.layers), "--make-source-in", tmp]  # apart: this process stays small
+        source, weight_bytes = Path(tmp) / "deepspeed", int(subprocess.run(made, check=True, stdout=subprocess.PIPE, text=True).stdout)
         base = [sys.executable, "-m", "fsdpkit_cli", "convert", str(source)]
-        flags = ["--to", "full", "--dtype", "bf16", "--max-shard-size", "256MB"]
-        variants = {"plain": [], "nproc1": ["--nproc-per-node", "1"], "nproc2": ["--nproc-per-node", "2"]}
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        work: dict[str, list[float]] = {name: [] for name in variants if name != "plain"}
-        peak, loads = 0.0, []
+        flags = ["--to", "full", "--dtype", "bf16", "--max-shard-size", args.max_shard_size]
+        timed([*base, str(Path(tmp) / "warm-up"), *flags, "--nproc-per-node", "1"])  # the weights into the page cache
+        shutil.rmtree(Path(tmp) / "warm-up")
+        variants: dict[str, dict[str, str] | None] = {"1": None, "2": None}
+        if args.baseline is not None:
+            old = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | ({"PYTHONPATH": args.baseline} if args.baseline else {})
+            variants |= {"1 baseline": old, "2 baseline": old}
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        loads = []
         for round_number in range(args.rounds):
             loads.append(round(os.getloadavg()[0], 2))
-            for name, extra in variants.items():
-                out = Path(tmp) / f"out-{name}-{round_number}"
-                seconds, rss, ranks_seconds = timed([*base, str(out), *flags, *extra])
-                times[name].append(seconds)
-                if ranks_seconds is not None:
-                    work[name].append(ranks_seconds)
-                peak = max(peak, rss)
+            for name in list(variants) if round_number % 2 == 0 else list(variants)[::-1]:
+                out = Path(tmp) / f"out-{name.replace(' ', '-')}-{round_number}"
+                runs[name].append(timed([*base, str(out), *flags, "--nproc-per-node", name[0]], variants[name]))
                 shutil.rmtree(out)
-        ratios = [two / one for two, one in zip(times["nproc2"], times["nproc1"], strict=True)]
-        work_ratios = [two / one for two, one in zip(work["nproc2"], work["nproc1"], strict=True)]
-    rest = {name: [wall - own for wall, own in zip(times[name], work[name], strict=True)] for name in work}
-    result = {
-        "gib": args.gib,
-        "cpus": os.cpu_count(),
-        "load_average_per_round": loads,
-        "load_average_after": [round(load, 2) for load in os.getloadavg()],
-        "seconds": {name: [round(s, 2) for s in values] for name, values in times.items()},
-        "ratio_2_vs_1_median": round(statistics.median(ratios), 3),
-        "ratio_2_vs_1_range": [round(min(ratios), 3), round(max(ratios), 3)],
-        "work_seconds": {name: [round(s, 2) for s in values] for name, values in work.items()},
-        "work_ratio_2_vs_1_median": round(statistics.median(work_ratios), 3),
-        "work_ratio_2_vs_1_range": [round(min(work_ratios), 3), round(max(work_ratios), 3)],
-        "rest_seconds_median": {name: round(statistics.median(values), 2) for name, values in rest.items()},
-        "peak_rss_mb": round(peak),
-    }
-    print(json.dumps(result, indent=None if args.json else 2))
+    print(json.dumps(summary(runs, loads, weight_bytes), indent=None if args.json else 2))
     return 0
 
 

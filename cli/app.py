@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 import typer
 
@@ -94,8 +95,9 @@ def _root(
     check_installed_torch()
 
 
-def main() -> None:
-    app()
+def main(early: Any = None) -> None:
+    """The CLI; `early`: the workers a spread run's command line started before it was parsed."""
+    app(obj=early)
 
 
 if __name__ == "__main__":

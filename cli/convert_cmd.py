@@ -66,7 +66,8 @@ def convert(
     )
     options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=lambda: spread_target(to), locations=(src, dst))
     if options is not None:
-        result = run_spread_command(spread_task(src, dst, request, restart=restart), options, dry_run=dry_run, as_json=as_json)
+        task = spread_task(src, dst, request, restart=restart)
+        result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json, early=ctx.obj)
         if result is None:
             return
     else:

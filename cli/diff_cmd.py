@@ -52,7 +52,7 @@ def diff_command(
     options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=lambda: True, locations=(a, b))
     if options is not None:
         result = run_spread_command(
-            SpreadTask("diff", str(a), request=request, chunk_size=chunk), options, dry_run=dry_run, as_json=as_json
+            SpreadTask("diff", str(a), request=request, chunk_size=chunk), options, dry_run=dry_run, as_json=as_json, early=ctx.obj
         )
         if result is None:
             return

@@ -78,10 +78,15 @@ def main() -> None:
     sys.unraisablehook = interrupts.unraisable_hook
     signal.signal(signal.SIGINT, interrupts)
     signal.signal(signal.SIGALRM, interrupts)
+    early = None
     try:
+        if any(arg.startswith(("--nproc-per-node", "--nproc_per_node")) for arg in sys.argv):  # a spread run's workers, first
+            from fsdpkit.checkpoint.spread.processes import start_early
+
+            early = start_early(sys.argv[1:])
         from .app import main as run
 
-        run()
+        run(early)
     except KeyboardInterrupt:
         interrupts.stop()
         sys.stderr.write("error: interrupted\n")
@@ -89,6 +94,8 @@ def main() -> None:
     finally:
         interrupts.finishing = True  # before any call: a handler may run at each one
         interrupts.stop()  # nor during the wait for the launch's helpers
+        if early is not None:
+            early.close()
         from fsdpkit.dist.worker_entry import stop_fork_server
 
         stop_fork_server()

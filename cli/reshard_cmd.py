@@ -39,7 +39,7 @@ def reshard(
     if options is not None:
         ranks, chunk = request.world_size, request.chunk_size
         task = SpreadTask("reshard", str(src), str(dst), world_size=ranks, chunk_size=chunk, overwrite=overwrite, restart=restart)
-        result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json)
+        result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json, early=ctx.obj)
         if result is None:
             return
         for line in result.warnings:

@@ -114,9 +114,10 @@ def spread_lines(result: Any) -> list[str]:
     return [line, *(f"note: {note}" for note in plan.notes)]
 
 
-def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_json: bool) -> Any:
+def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_json: bool, early: Any = None) -> Any:
     """Run `task` spread (or print its plan with --dry-run); what convert and reshard print, or
-    verify's report, on rank 0; None on the other ranks, and after a dry run."""
+    verify's report, on rank 0; None on the other ranks, and after a dry run. `early`: the
+    workers the command line started (`fsdpkit.checkpoint.spread.processes.start_early`)."""
     from fsdpkit.checkpoint.spread.dryrun import dry_run as plan_only
     from fsdpkit.checkpoint.spread.runner import as_json as figures
     from fsdpkit.checkpoint.spread.runner import open_task_job, run_spread
@@ -141,7 +142,7 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
             result = run_spread(task, options, progress)
     else:
         try:
-            result = run_spread(task, options)
+            result = run_spread(task, options, early=early)
         except FsdpkitError as error:
             if under_torchrun() and os.environ.get("RANK") != "0":  # the same line comes from rank 0
                 raise typer.Exit(error.exit_code) from None

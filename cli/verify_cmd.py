@@ -30,7 +30,7 @@ def verify(
     options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=spreads_from("verify", ckpt), locations=(ckpt,))
     if options is not None:
         report = run_spread_command(
-            SpreadTask("verify", str(ckpt), chunk_size=DEFAULT_CHUNK_SIZE), options, dry_run=dry_run, as_json=as_json
+            SpreadTask("verify", str(ckpt), chunk_size=DEFAULT_CHUNK_SIZE), options, dry_run=dry_run, as_json=as_json, early=ctx.obj
         )
         if report is None:
             return

@@ -199,8 +199,10 @@ def test_bad_input_is_one_line_and_writes_nothing(source, tmp_path, no_launch):
 
 def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_path):
     """Two nodes of two processes each (fsdpkit's --nnodes, --node-rank, --master-addr,
-    --master-port: rank 0's hub over TCP, no torch in any rank) and, at the same time, `torchrun
-    -m fsdpkit_cli convert` with two processes (a gloo group)."""
+    --master-port: rank 0's hub over TCP, no torch in any rank, each node's worker started before
+    the CLI is imported) and, at the same time, `torchrun -m fsdpkit_cli convert` with two
+    processes (a gloo group), and one node's `--nproc-per-node 2` (its worker started early too),
+    with good input and with bad."""
     import socket
     import subprocess
     import sys
@@ -217,15 +219,23 @@ def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_pat
     ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fsdpkit_cli"]
     torchrun += [*common[:2], str(tmp_path / "torchrun"), *common[2:]]
-    started = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in [*nodes, torchrun]]
+    early = [sys.executable, "-m", "fsdpkit_cli", *common[:2], str(tmp_path / "early"), *common[2:], "--nproc-per-node", "2"]
+    bad = [*early[:5], str(tmp_path / "bad"), "--to", "nothing", "--nproc-per-node", "2"]
+    runs = [*nodes, torchrun, early, bad]
+    started = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in runs]
     outputs = [process.communicate(timeout=240) for process in started]
-    assert [process.returncode for process in started] == [0, 0, 0], outputs
+    assert [process.returncode for process in started] == [0, 0, 0, 0, 2], outputs
+    assert outputs[4][1].startswith("error: unknown --to 'nothing'") and len(outputs[4][1].splitlines()) == 1, outputs[4]
+    assert not (tmp_path / "bad").exists()
+    assert _files(tmp_path / "early") == _files(clean)
     assert outputs[1][0] == ""  # node 0's rank 0 reports; node 1 says nothing
     assert _files(tmp_path / "nodes") == _files(clean)
     assert _files(tmp_path / "torchrun") == _files(clean)
     ranks = json.loads(outputs[0][0])["spread"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and not any(r["torch"] for r in ranks)  # node 1's ranks 2, 3 too
-    assert all(0 < r["peak_rss_bytes"] <= 300 * 2**20 for r in ranks), ranks
+    assert all(0 < r["peak_rss_bytes"] <= 300 * 2**20 and r["cpu_seconds"] > 0 for r in ranks), ranks
+    steps = ["begun", "opened", "planned", "working", "worked"]  # each on its node's own clock
+    assert [sorted(r["marks"], key=r["marks"].get) for r in ranks] == [[*steps, "gathered", "committed"], *[steps] * 3], ranks
     under_torchrun = json.loads(outputs[2][0])["spread"]["ranks"]
     assert all(r["torch"] and r["peak_rss_bytes"] > 0 for r in under_torchrun), under_torchrun
 
@@ -292,3 +302,46 @@ def test_a_node_that_does_not_see_the_same_paths_is_named(tmp_path):
     assert elsewhere is not None and "rank 3" in elsewhere and "every node must see the same DST" in elsewhere
     other_source = view_problem(task, Job(), {**header, "digest": "0" * 32}, 2)
     assert other_source is not None and "rank 2" in other_source and "sees SRC differently" in other_source
+
+
+def test_which_command_lines_start_their_workers_first(monkeypatch):
+    from fsdpkit.checkpoint.spread.processes import early_nproc
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "4"]) == 4
+    assert early_nproc(["verify", "a", "--nproc_per_node=2", "--json"]) == 2
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "1"]) is None  # runs in this process
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "cpu"]) is None
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "2", "--dry-run"]) is None
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1"]) == 2  # this node's
+    assert early_nproc(["train", "--nproc-per-node", "2"]) is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "2"]) is None
+
+
+def test_the_workers_started_early_join_as_this_nodes_ranks(monkeypatch):
+    """Node 2 of 3, 3 processes each: the command line's two early workers are the processes that
+    join rank 0 as ranks 7 and 8 of 9, with the key, rank and world size given on their stdin."""
+    import threading
+    from multiprocessing.connection import Client, Listener
+
+    from fsdpkit.checkpoint.spread.processes import start_early, start_workers, stop_workers
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    early = start_early(["convert", "a", "b", "--nproc-per-node", "3", "--nnodes", "3", "--node-rank", "2", "--master-port", "1"])
+    assert early is not None and sorted(early.processes) == [1, 2]
+    started = set(early.processes.values())
+    key, joined = b"k" * 32, []
+    with Listener(("127.0.0.1", 0), authkey=key) as hub:
+        processes = start_workers(hub.address, key, range(7, 9), 9, 60.0, early)
+        stand_ins = threading.Timer(120, lambda: [Client(hub.address, authkey=key).send(("join", None, 0)) for _ in processes])
+        stand_ins.start()  # workers that never join fail the test instead of hanging it
+        for _ in processes:
+            with hub.accept() as conn:
+                joined.append(conn.recv())
+                conn.send(("error", "no run here"))
+        stand_ins.cancel()
+    stop_workers(processes, grace=60)
+    assert sorted(processes) == [7, 8] and set(processes.values()) == started and early.processes == {}
+    assert sorted(joined) == [("join", 7, 9), ("join", 8, 9)]
+    assert [process.returncode for process in processes.values()] == [1, 1]  # the hub's refusal: a RunError

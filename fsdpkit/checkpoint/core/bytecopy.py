@@ -118,6 +118,12 @@ class RankFileLayout(Protocol):
     def header_with(self, crcs) -> list[bytes]: ...
 
 
+def _cast(cursor: _Cursor, view: memoryview) -> memoryview:
+    """A block of the cursor's source bytes cast to its output dtype."""
+    assert cursor.cast is not None
+    return cast_into(view, *cursor.cast, bytearray(view.nbytes // cursor.itemsize * dtype_info(cursor.cast[1]).itemsize))
+
+
 class ByteEngine:
     """See the module docstring. `sources` (with their output dtypes) are the tensors that
     `fragments` and `write_rank_file` address by index; `copy` and `read_into` take any tensor.
@@ -227,7 +233,7 @@ class ByteEngine:
     def _cast_blocks(self, cursor: _Cursor, start: int, end: int) -> Iterator[tuple[memoryview, int]]:
         for _, view, crc in self._blocks(cursor, start, end):
             if cursor.cast is not None:
-                view = cast_into(view, *cursor.cast, bytearray(view.nbytes // cursor.itemsize * dtype_info(cursor.cast[1]).itemsize))
+                view = _cast(cursor, view)
                 crc = crc32(view)
             yield view, crc
 
@@ -288,8 +294,8 @@ class ByteEngine:
         cursor = self._named.get((tensor.name, out_dtype))
         if cursor is None or cursor.source is not tensor:
             cursor = self._named[(tensor.name, out_dtype)] = _Cursor(tensor, out_dtype)
-        for view, _ in self._cast_blocks(cursor, wanted.start, wanted.end):
-            sink(view)
+        for _, view, _ in self._blocks(cursor, wanted.start, wanted.end):  # the sink checksums what it writes
+            sink(view if cursor.cast is None else _cast(cursor, view))
             self._report()
 
     def copy_or_send(

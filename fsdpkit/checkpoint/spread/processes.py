@@ -2,13 +2,19 @@
 `--nnodes` with `--master-addr`/`--master-port`; torchrun's workers use a gloo group instead):
 the launching process of each node is one rank (node 0's is rank 0, which serves the hub, `hub`);
 the node's other ranks are plain Python processes, started all at once, each importing only what
-its work needs (no torch), that join rank 0's hub and run their parts. A worker that fails leaves
-the line to rank 0 (it got the same one from the last gather) and exits with its exit code; on
-Ctrl-C every worker leaves quietly.
+its work needs (no torch), that join rank 0's hub and run their parts.
+The command line `fsdpkit convert|reshard|verify|diff ... --nproc-per-node N` starts its node's
+workers first thing (`start_early`, before the CLI's own imports): each imports what a run needs,
+in parallel with the launching process's imports, then waits on its stdin for its rank and the
+hub's address, which the launching process writes once it has them (or closes, when the command
+turns out not to be a spread run: the worker leaves having done nothing).
+A worker that fails leaves the line to rank 0 (it got the same one from the last gather) and
+exits with its exit code; on Ctrl-C every worker leaves quietly.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,31 +23,104 @@ import time
 
 from ...dist.interrupts import INTERRUPTED_EXIT_CODE
 from ...errors import FsdpkitError
-from .hub import HubClient
 
 HUB_ENV = "FSDPKIT_SPREAD_HUB"  # HOST:PORT:KEY (hex) of rank 0's hub
 TIMEOUT_ENV = "FSDPKIT_SPREAD_TIMEOUT"  # --timeout: how long a worker tries to reach rank 0
 WORKER_CODE = "from fsdpkit.checkpoint.spread.processes import worker_main; worker_main()"
+EARLY_CODE = (  # Ctrl-C during the imports: the worker leaves quietly, as later
+    f"import os, signal; signal.signal(signal.SIGINT, lambda *_: os._exit({INTERRUPTED_EXIT_CODE})); "
+    "from fsdpkit.checkpoint.spread.processes import early_worker_main; early_worker_main()"
+)
+SPREAD_COMMANDS = ("convert", "reshard", "verify", "diff")
+NOT_EARLY_FLAGS = ("--dry-run", "--help", "-h")
 
 
-def start_workers(address: tuple[str, int], key: bytes, ranks: range, world_size: int, timeout: float) -> dict[int, subprocess.Popen]:
-    """`ranks` (this node's but its first), each told where rank 0's hub is (and its key) in its environment."""
+class EarlyWorkers:
+    """A node's workers started before the command line was parsed (by local rank 1..N-1),
+    waiting for their run's settings."""
+
+    def __init__(self, processes: dict[int, subprocess.Popen]):
+        self.processes = processes
+
+    def take(self, local_rank: int) -> subprocess.Popen | None:
+        return self.processes.pop(local_rank, None)
+
+    def close(self) -> None:
+        """The workers not taken leave (their stdin closes: nothing to do)."""
+        for process in self.processes.values():
+            _close_quietly(process)
+        self.processes = {}
+
+
+def early_nproc(argv: list[str]) -> int | None:
+    """N of `convert|reshard|verify|diff ... --nproc-per-node N` (on this node) outside torchrun
+    (None for anything else: the workers then start as the run begins)."""
+    if not argv or argv[0] not in SPREAD_COMMANDS or "TORCHELASTIC_RUN_ID" in os.environ:
+        return None
+    flags = [arg.split("=", 1)[0].replace("_", "-") for arg in argv]
+    if any(flag in NOT_EARLY_FLAGS for flag in flags) or "--nproc-per-node" not in flags:
+        return None
+    at = flags.index("--nproc-per-node")
+    value = argv[at].split("=", 1)[1] if "=" in argv[at] else (argv[at + 1] if at + 1 < len(argv) else "")
+    return int(value) if value.isdigit() and int(value) > 1 else None
+
+
+def start_early(argv: list[str]) -> EarlyWorkers | None:
+    """This node's workers of the spread run `argv` (the command line, less the program) asks for, if any."""
+    per_node = early_nproc(argv)
+    if per_node is None:
+        return None
+    processes = {
+        local_rank: subprocess.Popen(
+            [sys.executable, "-c", EARLY_CODE], env=_worker_env(local_rank), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL
+        )
+        for local_rank in range(1, per_node)
+    }
+    return EarlyWorkers(processes)
+
+
+def start_workers(
+    address: tuple[str, int], key: bytes, ranks: range, world_size: int, timeout: float, early: EarlyWorkers | None = None
+) -> dict[int, subprocess.Popen]:
+    """`ranks` (this node's but its first), each told where rank 0's hub is (and its key): on its
+    stdin if the command line started it (`early`), else in its environment."""
     host, port = address
     processes = {}
     for local_rank, rank in enumerate(ranks, 1):
-        env = {
-            **os.environ,
-            HUB_ENV: f"{host}:{port}:{key.hex()}",
-            "RANK": str(rank),
-            "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(world_size),
-            TIMEOUT_ENV: str(timeout),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        }
-        processes[rank] = subprocess.Popen(
-            [sys.executable, "-c", WORKER_CODE], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
-        )
+        run = {HUB_ENV: f"{host}:{port}:{key.hex()}", "RANK": str(rank), "WORLD_SIZE": str(world_size), TIMEOUT_ENV: str(timeout)}
+        process = early.take(local_rank) if early is not None else None
+        if process is not None:
+            _hand(process, json.dumps(run))
+        else:
+            env = _worker_env(local_rank, run)
+            process = subprocess.Popen([sys.executable, "-c", WORKER_CODE], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        processes[rank] = process
+    if early is not None:
+        early.close()
     return processes
+
+
+def _worker_env(local_rank: int, run: dict[str, str] | None = None) -> dict[str, str]:
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    return {**os.environ, "LOCAL_RANK": str(local_rank), "OMP_NUM_THREADS": threads, **(run or {})}
+
+
+def _hand(process: subprocess.Popen, line: str) -> None:
+    """`line` to a worker waiting on its stdin, which then closes."""
+    try:
+        assert process.stdin is not None
+        process.stdin.write(f"{line}\n".encode())
+    except OSError:  # it has gone: the hub sees it exit
+        pass
+    _close_quietly(process)
+
+
+def _close_quietly(process: subprocess.Popen) -> None:
+    try:
+        if process.stdin is not None:
+            process.stdin.close()
+    except OSError:  # it has gone: the hub sees it exit
+        pass
 
 
 def stop_workers(processes: dict[int, subprocess.Popen], *, grace: float) -> None:
@@ -55,9 +134,22 @@ def stop_workers(processes: dict[int, subprocess.Popen], *, grace: float) -> Non
             process.wait()
 
 
+def early_worker_main() -> None:
+    """A worker started early: the run's imports, then its rank and the hub's address from stdin, then its life."""
+    from . import dispatch, runner  # noqa: F401  (imported now, while rank 0 imports the CLI)
+
+    line = sys.stdin.readline().strip()
+    if not line:
+        os._exit(0)
+    os.environ.update(json.loads(line))
+    worker_main()
+
+
 def worker_main() -> None:
     """A worker's whole life: join the hub, run this rank's share of the task it sends, exit."""
     signal.signal(signal.SIGINT, lambda *_: os._exit(INTERRUPTED_EXIT_CODE))
+    from .hub import HubClient
+
     host, port, key = os.environ.pop(HUB_ENV).rsplit(":", 2)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
@@ -74,3 +166,5 @@ def worker_main() -> None:
     except BaseException as error:
         client.failed(f"{type(error).__name__}: {error}")
         raise
+    sys.stderr.flush()
+    os._exit(0)  # its parts written and reported: no interpreter teardown for rank 0 to wait for

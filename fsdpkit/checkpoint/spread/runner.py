@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import socket
 import sys
 import time
@@ -37,7 +38,7 @@ from .bucket import BucketStaging, bucket_plan, prepare_bucket, staging_at
 from .dispatch import open_job
 from .hub import Hub, HubClient, RankGone, shared_key
 from .plan import Plan, make_plan
-from .processes import start_workers, stop_workers
+from .processes import EarlyWorkers, start_workers, stop_workers
 from .progress import SharedCount
 from .staging import PartResult, Staging, fingerprint, prepare, staging_path
 
@@ -80,6 +81,8 @@ class RankFigures:
     seconds: float = 0.0
     peak_rss_bytes: int = 0  # this process's peak resident memory, once its parts were written
     torch: bool = False  # whether this process imported torch
+    cpu_seconds: float = 0.0  # this process's (user and system), from its start until its parts were done
+    marks: dict[str, float] = field(default_factory=dict)  # time.monotonic() as each step ended (Marks)
 
 
 @dataclass
@@ -105,15 +108,26 @@ class Solo:
         return [value]
 
 
+class Marks(dict):
+    """When each step of a rank ended, on its node's monotonic clock (one for all the node's processes):
+    begun (this rank's run began), opened (its source), planned (rank 0 planned; a worker got the
+    plan), working (its first part began), worked (its last part ended), gathered (every rank's
+    report came), committed (rank 0)."""
+
+    def mark(self, step: str) -> None:
+        self[step] = time.monotonic()
+
+
 def open_task_job(task: SpreadTask):
     return open_job(task.command, task.src, request=task.request, world_size=task.world_size, chunk_size=task.chunk_size)
 
 
-def _lead(task: SpreadTask, world_size: int) -> tuple[dict, Any]:
+def _lead(task: SpreadTask, world_size: int, marks: Marks) -> tuple[dict, Any]:
     """Rank 0's first step: the header every rank gets (or the error every rank raises)."""
     job = None
     try:
         job = open_task_job(task)
+        marks.mark("opened")
         plan = task_plan(task, job, world_size)
         digest = fingerprint(job.facts())
         header: dict[str, Any] = {"error": None, "plan": plan.to_json(), "digest": digest, "staging": None, "token": None, "kept": []}
@@ -122,6 +136,7 @@ def _lead(task: SpreadTask, world_size: int) -> tuple[dict, Any]:
             staging.write_state(PLAN_FILE, json.dumps(plan.to_json()))
             kept = [asdict(result) for result in staging.records().values()]  # read before any rank records a part
             header.update(staging=task.dst if task.to_bucket else staging.where, token=staging.token(), kept=kept)
+        marks.mark("planned")
         return header, job
     except FsdpkitError as error:
         if job is not None:
@@ -173,12 +188,18 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
     """This rank's part of the run (see the module docstring); rank 0 returns the result. The
     other ranks open the source while rank 0 plans; on one node rank 0 starts on its parts while
     they do, and learns what they saw (`Views`) between its parts."""
-    header, job, problem = None, None, None
+    header, job, problem, marks = None, None, None, Marks()
+    marks.mark("begun")
     try:
-        header, job = _lead(task, comm.world_size) if comm.rank == 0 else (None, open_task_job(task))
+        if comm.rank == 0:
+            header, job = _lead(task, comm.world_size, marks)
+        else:
+            job = open_task_job(task)
+            marks.mark("opened")
     except FsdpkitError as error:
         problem = f"rank {comm.rank} on {socket.gethostname()}: {error}"
     header = comm.broadcast(header)
+    marks.setdefault("planned", time.monotonic())
     try:
         if header["error"] is not None:
             _raise(*header["error"])
@@ -189,7 +210,7 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
         views = Views(comm, problem)
         if views.ready() or job is None:
             views.check()
-        return _with_staging(task, job, header, comm, show, views)
+        return _with_staging(task, job, header, comm, show, views, marks)
     finally:
         if job is not None:
             job.close()
@@ -213,18 +234,27 @@ class Views:
             raise RunError(problems[0])
 
 
-def _with_staging(task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views) -> SpreadResult | None:
+def _with_staging(
+    task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views, marks: Marks
+) -> SpreadResult | None:
     """`_work_and_commit` with the staging area rank 0 named (a bucket's: this rank's scratch removed after)."""
     staging = staging_at(header["staging"]) if header["staging"] else None
     try:
-        return _work_and_commit(task, job, header, comm, show, views, staging)
+        return _work_and_commit(task, job, header, comm, show, views, staging, marks)
     finally:
         if staging is not None:
             staging.close()
 
 
 def _work_and_commit(
-    task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views, staging: Staging | BucketStaging | None
+    task: SpreadTask,
+    job: Any,
+    header: dict,
+    comm: Any,
+    show: ByteProgress | None,
+    views: Views,
+    staging: Staging | BucketStaging | None,
+    marks: Marks,
 ) -> SpreadResult | None:
     plan = Plan.from_json(header["plan"])
     kept = {(r["file"], r["index"]): PartResult(**r) for r in header["kept"]}
@@ -233,13 +263,16 @@ def _work_and_commit(
     left = plan.total_bytes - sum(r.end - r.begin for r in kept.values())
     total = job.source_bytes * left // max(1, plan.total_bytes)  # the count is of source bytes read
     count = SharedCount(comm.store, rank=comm.rank, world_size=comm.world_size, key="fsdpkit-spread", show=show, total=total)
-    figures = RankFigures(comm.rank, socket.gethostname(), len(mine), len(mine) - len(todo), sum(p.nbytes for p in mine))
-    started = time.monotonic()
+    figures = RankFigures(comm.rank, socket.gethostname(), len(mine), len(mine) - len(todo), sum(p.nbytes for p in mine), marks=marks)
+    marks.mark("working")
     results, failure = _run_parts(task, job, plan, todo, staging, count, views, figures)
-    figures.seconds = time.monotonic() - started
-    figures.peak_rss_bytes = peak_rss_bytes()
+    marks.mark("worked")
+    figures.seconds = marks["worked"] - marks["working"]
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    figures.peak_rss_bytes, figures.cpu_seconds = peak_rss_bytes(), round(used.ru_utime + used.ru_stime, 3)
     figures.torch = "torch" in sys.modules
     gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
+    marks.mark("gathered")
     failures = [f for f, _, _ in gathered if f is not None]
     if failures:
         kept_note = ""
@@ -255,6 +288,7 @@ def _work_and_commit(
     else:
         assert task.dst is not None
         report = staging.commit_job(job, done, task.dst, overwrite=task.overwrite)
+    ranks[0].marks = {**marks, "committed": time.monotonic()}
     return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), staging.where if staging else None)
 
 
@@ -398,22 +432,25 @@ def as_json(result: SpreadResult) -> dict:
     }
 
 
-def run_spread(task: SpreadTask, options: LaunchOptions, show: ByteProgress | None = None) -> SpreadResult | None:
-    """The run in this process (world size 1), with its workers on this node and the other nodes'
-    ranks (`run_on_nodes`), or, under torchrun, as one worker of it; rank 0's result (None on the
-    other ranks and nodes)."""
+def run_spread(
+    task: SpreadTask, options: LaunchOptions, show: ByteProgress | None = None, early: EarlyWorkers | None = None
+) -> SpreadResult | None:
+    """The run in this process (world size 1), with its workers on this node (those of `early`
+    that the command line started already, and more if it needs them) and the other nodes' ranks
+    (`run_on_nodes`), or, under torchrun, as one worker of it; rank 0's result (None on the other
+    ranks and nodes)."""
     if under_torchrun():
         return spread_worker(task)
     if options.nnodes == 1 and options.nproc_per_node == 1:
         return run_ranks(task, Solo(), show)
-    return run_on_nodes(task, options)
+    return run_on_nodes(task, options, early)
 
 
-def run_on_nodes(task: SpreadTask, options: LaunchOptions) -> SpreadResult | None:
-    """This node's ranks: the first is this process, the others (`processes`) are started first,
-    so that they start and open the source while rank 0 opens it and plans. Node 0's first is
-    rank 0, which serves the hub (`_rank_0_hub`). Bad input is rank 0's one line; the other
-    ranks then leave, having written nothing."""
+def run_on_nodes(task: SpreadTask, options: LaunchOptions, early: EarlyWorkers | None = None) -> SpreadResult | None:
+    """This node's ranks: the first is this process, the others (`processes`) are started first
+    (or were, by the command line: `early`), so that they start and open the source while rank 0
+    opens it and plans. Node 0's first is rank 0, which serves the hub (`_rank_0_hub`). Bad input
+    is rank 0's one line; the other ranks then leave, having written nothing."""
     per_node, world_size = options.local_processes, options.world_size
     first = options.node_rank * per_node
     hub, address, key = _rank_0_hub(task, options, first)
@@ -422,7 +459,7 @@ def run_on_nodes(task: SpreadTask, options: LaunchOptions) -> SpreadResult | Non
     processes: dict = {}
     grace = 0.5 if options.nnodes == 1 else WORKERS_EXIT_SECONDS  # on failure: other nodes' ranks get the line
     try:
-        processes = start_workers(address, key, range(first + 1, first + per_node), world_size, task.timeout)
+        processes = start_workers(address, key, range(first + 1, first + per_node), world_size, task.timeout, early)
         if hub is not None:
             hub.processes.update(processes)
         else:

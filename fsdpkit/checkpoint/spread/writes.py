@@ -1,7 +1,8 @@
 """One part of an output file written in place (no torch): bytes [begin, end) of a file that
-several processes may write at once, each its own range, front to back through a 1 MiB buffer,
-with the crc32 of what it wrote. The file is created by whichever part comes first and never
-truncated (a part written again after a crash overwrites its own range)."""
+several processes may write at once, each its own range, front to back through a 1 MiB buffer
+(a block of DIRECT_BYTES or more is written as it comes, uncopied), with the crc32 of what it
+wrote. The file is created by whichever part comes first and never truncated (a part written
+again after a crash overwrites its own range)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from ..core.crc import crc32
 
 BUFFER_BYTES = 1 << 20
+DIRECT_BYTES = 1 << 17
 
 
 class PartSink:
@@ -28,9 +30,9 @@ class PartSink:
         if self.at + self._buffered + view.nbytes > self.end:
             raise ValueError(f"{self.path}: writing past byte {self.end}, the end of this part")
         self.crc = crc32(view, self.crc)
-        if self._buffered + view.nbytes > len(self._buffer):
+        if view.nbytes >= DIRECT_BYTES or self._buffered + view.nbytes > len(self._buffer):
             self._flush()
-            if view.nbytes >= len(self._buffer):
+            if view.nbytes >= DIRECT_BYTES:
                 self._pwrite(view)
                 return
         self._buffer[self._buffered : self._buffered + view.nbytes] = view
