@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,54 @@ def test_the_lock_of_a_run_in_a_bucket_is_one_conditional_create(s3_bucket, s3_e
     assert _objects(s3_endpoint, s3_bucket, "runs/locked") == {}
     with RunLock.acquire(url, run_id="run-b") as second:
         assert second.run_id == "run-b" and b'"run": "run-b"' in _objects(s3_endpoint, s3_bucket, "runs/locked")[".lock"]
+
+
+def _bytes_under(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+@pytest.mark.parametrize(
+    ("command", "extra", "spooled"),
+    [
+        ("convert", ("--to", "full", "--with-optimizer"), False),
+        ("convert", ("--to", "dcp", "--world-size", "2"), False),
+        ("convert", ("--to", "deepspeed", "--stage", "3", "--world-size", "2"), False),
+        ("reshard", ("--world-size", "3"), True),
+    ],
+    ids=["full", "dcp", "deepspeed", "reshard"],
+)
+def test_output_to_a_bucket_streams_with_bounded_local_disk(s3_bucket, s3_endpoint, tmp_path, monkeypatch, command, extra, spooled):
+    """`convert`/`reshard` of a 12 MiB checkpoint (with its Adam moments) to a bucket: TMPDIR,
+    sampled at every write into an upload, holds at most a few KiB (the commit-time files) where
+    the format is written in offset order, and at most one rank file of fsdpkit's format (its
+    header, holding the crc32s, goes in last), never the output; it is empty afterwards; and
+    every object is byte for byte the file the same command writes to a local directory."""
+    import torch
+
+    import fsdpkit.checkpoint.storage.objects as objects
+
+    generator = torch.Generator().manual_seed(0)
+    params = {f"h.{i}.weight": torch.randn(512, 512, generator=generator) for i in range(4)}
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, {**params, **sample_optimizer(params)}, world_size=2)
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    peak, write = [0], objects._ObjectStream.write
+
+    def sampled(self, data, /):
+        peak[0] = max(peak[0], _bytes_under(scratch))
+        return write(self, data)
+
+    monkeypatch.setattr(objects._ObjectStream, "write", sampled)
+    url = f"s3://{s3_bucket}/out/{command}-{extra[1]}"
+    assert run_cli(command, str(run), url, *extra).exit_code == 0
+    monkeypatch.undo()
+    assert list(scratch.iterdir()) == []
+    assert run_cli(command, str(run), str(tmp_path / "local"), *extra).exit_code == 0
+    local = {p.relative_to(tmp_path / "local").as_posix(): p.read_bytes() for p in (tmp_path / "local").rglob("*") if p.is_file()}
+    assert _objects(s3_endpoint, s3_bucket, url.split("/", 3)[3]) == local
+    output, largest = sum(map(len, local.values())), max(map(len, local.values()))
+    assert output > 12 << 20
+    assert peak[0] <= (largest if spooled else 64 << 10), (peak[0], largest)

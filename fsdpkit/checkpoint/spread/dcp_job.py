@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ...errors import DataCheckError, UsageError
+from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..core.any_checkpoint import recorded_data_source
 from ..core.crc import check_parts
@@ -23,10 +23,10 @@ from ..dcp.table import open_dcp
 from ..dcp.writer import DcpRecord, OutBytes, OutTensor, plan_dcp, rank_file_name
 from ..megatron.to_megatron import SCRATCH_NAME, megatron_output
 from ..offline.formats import open_checkpoint
-from .jobs import CheckedReads, Progress, convert_facts, part_reads, source_listing
+from .jobs import CheckedReads, OneProcessOnly, Progress, convert_facts, part_reads, source_listing
 from .plan import OutputFile, Part
 from .staging import PartResult
-from .writes import PartSink
+from .writes import PartSink, StreamSink
 
 
 def dcp_file(name: str, records: list[DcpRecord], nbytes: int) -> OutputFile:
@@ -39,7 +39,7 @@ def dcp_file(name: str, records: list[DcpRecord], nbytes: int) -> OutputFile:
     return OutputFile(name, nbytes, cuts)
 
 
-def _literal(sink: PartSink, data: bytes, at: int, part: Part) -> None:
+def _literal(sink: PartSink | StreamSink, data: bytes, at: int, part: Part) -> None:
     """The bytes of `data`, which lies at byte `at` of the file, that fall in `part`."""
     lo, hi = max(part.begin, at), min(part.end, at + len(data))
     if lo < hi:
@@ -70,7 +70,7 @@ class DcpJob:
         if not opened.model:
             raise DataCheckError(f"{src}: no model tensors found")
         if opened.restore_layout is not None:
-            raise UsageError(
+            raise OneProcessOnly(
                 f"{src}: a full export in its own names and orientation is converted --to dcp in one process "
                 "(its transposed weights are transposed back into one scratch file): leave out the launch flags"
             )
@@ -86,28 +86,32 @@ class DcpJob:
         return convert_facts(self.request, self.opened.opened_from, [(f.name, f.nbytes) for f in self.files])
 
     def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
-        name = self.files[part.file].name
+        with PartSink(directory / self.files[part.file].name, part.begin, part.end) as sink:
+            return self.write_part(part, sink, progress)
+
+    def write_part(self, part: Part, sink: PartSink | StreamSink, progress: Progress) -> PartResult:
+        """Bytes [part.begin, part.end) of file `part.file`, in offset order, into `sink`."""
         reads = CheckedReads(self.request.chunk_size, progress)
         try:
-            with PartSink(directory / name, part.begin, part.end) as sink:
-                for record in self.plan.ranks[part.file]:
-                    if record.position >= part.end or record.position + record.length <= part.begin:
-                        continue
-                    if record.chunk is None:
-                        assert record.item is not None
-                        _literal(sink, record.item, record.position, part)
-                        continue
-                    head, tail = record.chunk.archive()
-                    _literal(sink, head, record.position, part)
-                    lo, hi = max(part.begin, record.data_begin), min(part.end, record.data_end)
-                    if lo < hi:
-                        source, wanted = record.chunk.tensor.source, record.chunk.wanted
-                        itemsize = dtype_info(source.dtype).itemsize
-                        first, last = (lo - record.data_begin) // itemsize, (hi - record.data_begin) // itemsize
-                        reads.copy(source, ElementRange(wanted.start + first, wanted.start + last), source.dtype, sink.write)
-                    _literal(sink, tail, record.data_end, part)
+            for record in self.plan.ranks[part.file]:
+                if record.position >= part.end or record.position + record.length <= part.begin:
+                    continue
+                if record.chunk is None:
+                    assert record.item is not None
+                    _literal(sink, record.item, record.position, part)
+                    continue
+                head, tail = record.chunk.archive()
+                _literal(sink, head, record.position, part)
+                lo, hi = max(part.begin, record.data_begin), min(part.end, record.data_end)
+                if lo < hi:
+                    source, wanted = record.chunk.tensor.source, record.chunk.wanted
+                    itemsize = dtype_info(source.dtype).itemsize
+                    first, last = (lo - record.data_begin) // itemsize, (hi - record.data_begin) // itemsize
+                    reads.copy(source, ElementRange(wanted.start + first, wanted.start + last), source.dtype, sink.write)
+                _literal(sink, tail, record.data_end, part)
         finally:
             source_parts = reads.finish()
+        name = self.files[part.file].name
         return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, reads.bytes_read, source_parts)
 
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
@@ -136,7 +140,7 @@ class MegatronJob(DcpJob):
             raise DataCheckError(f"{src}: no model tensors found")
         self.output = megatron_output(opened, request, Path(SCRATCH_NAME))
         if self.output.flipped:
-            raise UsageError(
+            raise OneProcessOnly(
                 f"{src}: transformers' GPT-2 Conv1D weights are converted --to megatron in one process "
                 "(they are transposed into one scratch file): leave out the launch flags"
             )
@@ -171,4 +175,4 @@ class DcpReshardJob(DcpJob):
     def commit_files(self, directory: Path, dst: str) -> WriteReport:
         details = {"to": "dcp", "world_size": len(self.files), "bytes_items": len(self.plan.items)}
         files = [f.name for f in self.files]
-        return WriteReport(str(Path(self.src)), dst, files, len(self.plan.tensors), self.source_bytes, [], details)
+        return WriteReport(str(self.src), dst, files, len(self.plan.tensors), self.source_bytes, [], details)

@@ -14,12 +14,12 @@ reader takes for a checkpoint and a rerun replaces without --overwrite."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ...errors import UsageError
-from .face import READ_BLOCK_BYTES, Storage
+from .face import READ_BLOCK_BYTES, Storage, WriteStream
 from .local import LocalStorage
 
 UPLOADS_IN_FLIGHT = 2  # files uploaded at once, each PARTS_IN_FLIGHT parts of PART_BYTES: 128 MiB held at most
@@ -47,34 +47,59 @@ def interrupted(existing: dict[str, int]) -> bool:
     return WRITING_MARKER in existing and not any(name in existing for name in COMMIT_NAMES)
 
 
+def commit_object(names: Iterable[str]) -> str | None:
+    """The commit object among `names`: the first of COMMIT_NAMES they hold."""
+    held = set(names)
+    return next((name for name in COMMIT_NAMES if name in held), None)
+
+
+@contextlib.contextmanager
+def publishing(storage: Storage, existing: dict[str, int]) -> Iterator[list[str]]:
+    """The frame of a write to `storage` over `existing` objects: WRITING_MARKER first and the
+    old commit objects deleted; the block writes its objects (the commit object last) and
+    appends each name to the list it is given. A block that fails removes what it wrote; one
+    that ends removes the old checkpoint's objects it did not replace, then the marker."""
+    old_commits = [name for name in COMMIT_NAMES if name in existing]
+    storage.put(WRITING_MARKER, b"")
+    storage.delete(old_commits)
+    written: list[str] = []
+    try:
+        yield written
+    except BaseException:
+        with contextlib.suppress(Exception):  # the first failure is the one to report
+            storage.delete(written if existing else [*written, WRITING_MARKER])  # over an old checkpoint, the marker says what is left
+        raise
+    storage.delete(sorted(set(existing) - set(written) - set(old_commits) - {WRITING_MARKER}))
+    storage.delete([WRITING_MARKER])
+
+
 def publish(directory: Path, storage: Storage, existing: dict[str, int], progress: Callable[[int], None] | None = None) -> list[str]:
     """Upload the files under `directory` to `storage`, the commit object last; the names written."""
     source = LocalStorage(directory)
     names = sorted(source.list())
-    commit = next((name for name in COMMIT_NAMES if name in names), None)
-    old_commits = [name for name in COMMIT_NAMES if name in existing]
-    storage.put(WRITING_MARKER, b"")
-    storage.delete(old_commits)
+    commit = commit_object(names)
     data = [name for name in names if name != commit]
-    try:
+    with publishing(storage, existing) as written:
+        written += data  # removed again on a failure, as the ones uploaded are
         with ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="fsdpkit-upload") as pool:
-            for _ in pool.map(lambda name: _upload(source, storage, name, progress), data):
+            for _ in pool.map(lambda name: upload_file(source, storage, name, progress), data):
                 pass
         if commit is not None:  # streamed too: a full checkpoint's one file is its commit object
-            _upload(source, storage, commit, progress)
-    except BaseException:
-        with contextlib.suppress(Exception):  # the first failure is the one to report
-            storage.delete(data if existing else [*data, WRITING_MARKER])  # over an old checkpoint, the marker says what is left
-        raise
-    storage.delete(sorted(set(existing) - set(names) - set(old_commits) - {WRITING_MARKER}))
-    storage.delete([WRITING_MARKER])
+            upload_file(source, storage, commit, progress)
+            written.append(commit)
     return names
 
 
-def _upload(source: LocalStorage, storage: Storage, name: str, progress: Callable[[int], None] | None) -> None:
-    size = source.size(name) or 0
+def upload_file(source: LocalStorage, storage: Storage, name: str, progress: Callable[[int], None] | None = None) -> None:
+    """Object `name` of `source` streamed into `storage` (one multipart upload)."""
     with storage.write(name) as stream:
-        for _, block in source.read_blocks(name, [(0, size)], block_bytes=READ_BLOCK_BYTES):
-            stream.write(block)
-            if progress is not None:
-                progress(len(block))
+        copy_into(source, name, stream, progress)
+
+
+def copy_into(source: LocalStorage, name: str, stream: WriteStream, progress: Callable[[int], None] | None = None) -> None:
+    """The bytes of object `name` of `source` written to `stream`, in blocks."""
+    size = source.size(name) or 0
+    for _, block in source.read_blocks(name, [(0, size)], block_bytes=READ_BLOCK_BYTES):
+        stream.write(block)
+        if progress is not None:
+            progress(len(block))
