@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -76,21 +77,22 @@ def _bytes_under(directory: Path) -> int:
 
 
 @pytest.mark.parametrize(
-    ("command", "extra", "spooled"),
+    ("command", "extra", "spooled", "commit"),
     [
-        ("convert", ("--to", "full", "--with-optimizer"), False),
-        ("convert", ("--to", "dcp", "--world-size", "2"), False),
-        ("convert", ("--to", "deepspeed", "--stage", "3", "--world-size", "2"), False),
-        ("reshard", ("--world-size", "3"), True),
+        ("convert", ("--to", "full", "--with-optimizer"), False, "model.safetensors"),
+        ("convert", ("--to", "dcp", "--world-size", "2"), False, ".metadata"),
+        ("convert", ("--to", "deepspeed", "--stage", "3", "--world-size", "2"), False, "latest"),
+        ("reshard", ("--world-size", "3"), True, "manifest.json"),
     ],
     ids=["full", "dcp", "deepspeed", "reshard"],
 )
-def test_output_to_a_bucket_streams_with_bounded_local_disk(s3_bucket, s3_endpoint, tmp_path, monkeypatch, command, extra, spooled):
+def test_output_to_a_bucket_streams_with_bounded_local_disk(s3_bucket, s3_endpoint, tmp_path, monkeypatch, command, extra, spooled, commit):
     """`convert`/`reshard` of a 12 MiB checkpoint (with its Adam moments) to a bucket: TMPDIR,
     sampled at every write into an upload, holds at most a few KiB (the commit-time files) where
     the format is written in offset order, and at most one rank file of fsdpkit's format (its
-    header, holding the crc32s, goes in last), never the output; it is empty afterwards; and
-    every object is byte for byte the file the same command writes to a local directory."""
+    header, holding the crc32s, goes in last), never the output; it is empty afterwards; the
+    commit object is the last upload completed; and every object is byte for byte the file the
+    same command writes to a local directory."""
     import torch
 
     import fsdpkit.checkpoint.storage.objects as objects
@@ -109,7 +111,17 @@ def test_output_to_a_bucket_streams_with_bounded_local_disk(s3_bucket, s3_endpoi
         peak[0] = max(peak[0], _bytes_under(scratch))
         return write(self, data)
 
+    completed: list[str] = []
+    upload = objects.ObjectStorage.write
+
+    @contextlib.contextmanager
+    def recorded(self, name):
+        with upload(self, name) as stream:
+            yield stream
+        completed.append(name)
+
     monkeypatch.setattr(objects._ObjectStream, "write", sampled)
+    monkeypatch.setattr(objects.ObjectStorage, "write", recorded)
     url = f"s3://{s3_bucket}/out/{command}-{extra[1]}"
     assert run_cli(command, str(run), url, *extra).exit_code == 0
     monkeypatch.undo()
@@ -120,3 +132,30 @@ def test_output_to_a_bucket_streams_with_bounded_local_disk(s3_bucket, s3_endpoi
     output, largest = sum(map(len, local.values())), max(map(len, local.values()))
     assert output > 12 << 20
     assert peak[0] <= (largest if spooled else 64 << 10), (peak[0], largest)
+    assert sorted(completed) == sorted(local) and completed[-1] == commit, completed
+
+
+def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_endpoint, tmp_path, monkeypatch):
+    """`convert --to full` to a bucket whose every part upload fails (the multipart upload itself
+    is created): exit 1 naming the object, no object left (the marker removed too), no multipart
+    upload left open, nothing in TMPDIR."""
+    import torch
+
+    import fsdpkit.checkpoint.storage.objects as objects
+
+    generator = torch.Generator().manual_seed(0)
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, {f"h.{i}.weight": torch.randn(1024, 1024, generator=generator) for i in range(3)}, world_size=2)
+    monkeypatch.setattr(objects, "RETRIES", 1)
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    url = f"s3://{s3_bucket}/out/failed"
+    with FaultProxy(s3_endpoint, fraction=1.0, kinds=("503",), methods=("PUT",), only="out/failed/model.safetensors") as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        result = run_cli("convert", str(run), url, "--to", "full")
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"error: {url}/model.safetensors: write failed after retries, nothing committed"), result.output
+    assert _objects(s3_endpoint, s3_bucket, "out") == {}
+    assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    assert list(scratch.iterdir()) == []

@@ -1,4 +1,6 @@
-"""A checkpoint directory written locally, published to a storage through the face: every
+"""Output published to a storage through the face: `publishing` is the frame of every such
+write, whose objects its block writes (streamed by `spread/to_storage.py`), and `publish` a
+checkpoint directory written locally, uploaded in it: every
 object but the commit object first (UPLOADS_IN_FLIGHT files at once, each a multipart upload
 streamed from the file in blocks), then the commit object alone (a manifest, DCP's
 `.metadata`, DeepSpeed's `latest`, a full checkpoint's index or its one file). An existing
