@@ -123,10 +123,11 @@ def test_output_to_a_bucket_streams_with_bounded_local_disk(s3_bucket, s3_endpoi
     monkeypatch.setattr(objects._ObjectStream, "write", sampled)
     monkeypatch.setattr(objects.ObjectStorage, "write", recorded)
     url = f"s3://{s3_bucket}/out/{command}-{extra[1]}"
-    assert run_cli(command, str(run), url, *extra).exit_code == 0
+    remote = run_cli(command, str(run), url, *extra, "--json")
     monkeypatch.undo()
     assert list(scratch.iterdir()) == []
-    assert run_cli(command, str(run), str(tmp_path / "local"), *extra).exit_code == 0
+    here = run_cli(command, str(run), str(tmp_path / "local"), *extra, "--json")
+    assert remote.exit_code == here.exit_code == 0 and remote.stdout.replace(url, str(tmp_path / "local")) == here.stdout
     local = {p.relative_to(tmp_path / "local").as_posix(): p.read_bytes() for p in (tmp_path / "local").rglob("*") if p.is_file()}
     assert _objects(s3_endpoint, s3_bucket, url.split("/", 3)[3]) == local
     output, largest = sum(map(len, local.values())), max(map(len, local.values()))
@@ -159,3 +160,34 @@ def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_e
     assert _objects(s3_endpoint, s3_bucket, "out") == {}
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
     assert list(scratch.iterdir()) == []
+
+
+def test_reshard_of_dcp_and_deepspeed_and_megatron_output_to_a_bucket_are_the_local_bytes(s3_bucket, s3_endpoint, tmp_path):
+    """The writers the commands stream through for these (DCP's and DeepSpeed's reshard, a tiny
+    Llama from transformers `--to megatron`): every object is the file the same command writes
+    to a local directory, and the report is the local one, the URL in place of the path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    params = sample_tensors()
+    save_checkpoint(tmp_path / "run", 1, {**params, **sample_optimizer(params)}, world_size=2)
+    assert run_cli("convert", tmp_path / "run", tmp_path / "dcp", "--to", "dcp", "--world-size", "2").exit_code == 0
+    assert run_cli("convert", tmp_path / "run", tmp_path / "deepspeed", "--to", "deepspeed", "--stage", "2").exit_code == 0
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    for name, args in (
+        ("dcp", ("reshard", tmp_path / "dcp")),
+        ("deepspeed", ("reshard", tmp_path / "deepspeed")),
+        ("megatron", ("convert", tmp_path / "hf")),
+    ):
+        extra = ("--to", "megatron") if name == "megatron" else ("--world-size", "3")
+        url, local = f"s3://{s3_bucket}/out/{name}", tmp_path / f"local-{name}"
+        remote = run_cli(*args, url, *extra, "--json")
+        here = run_cli(*args, local, *extra, "--json")
+        assert remote.exit_code == here.exit_code == 0, remote.output
+        assert remote.stdout.replace(url, str(local)) == here.stdout
+        files = {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()}
+        assert _objects(s3_endpoint, s3_bucket, f"out/{name}") == files, name

@@ -30,6 +30,7 @@ from ..format.storage import resolve_checkpoint
 from ..format.to_full import full_output, transposed_bytes
 from ..format.verify import check_files
 from ..offline.formats import open_checkpoint
+from ..storage.location import is_url
 from .plan import OutputFile, Part
 from .staging import PartResult
 from .writes import PartSink, StreamSink
@@ -160,7 +161,8 @@ class FullJob:
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))
         written = self.output.report(self.output.commit_files(directory), src=self.opened.path, dst=Path(dst))
-        return replace(written, details={"from": self.opened.format, **self.opened.facts, **written.details})
+        details = {"from": self.opened.format, **self.opened.facts, **written.details}
+        return replace(written, dst=dst if is_url(dst) else written.dst, details=details)  # a URL is no Path
 
     def close(self) -> None:
         self.stack.close()
