@@ -1,7 +1,8 @@
 """One part of an output file written in place (no torch): bytes [begin, end) of a file that
 several processes may write at once, each its own range, front to back through a 1 MiB buffer,
 with the crc32 of what it wrote. The file is created by whichever part comes first and never
-truncated (a part written again after a crash overwrites its own range)."""
+truncated (a part written again after a crash overwrites its own range). `StreamSink` takes
+the same bytes, front to back, into a storage's write stream (an object, no local file)."""
 
 from __future__ import annotations
 
