@@ -126,7 +126,8 @@ def _lead(task: SpreadTask, world_size: int) -> tuple[dict, Any]:
     except FsdpkitError as error:
         if job is not None:
             job.close()
-        return {"error": (type(error).__name__, str(error))}, None
+        kind = "UsageError" if isinstance(error, UsageError) else type(error).__name__  # OneProcessOnly is one
+        return {"error": (kind, str(error))}, None
 
 
 def task_plan(task: SpreadTask, job: Any, world_size: int) -> Plan:
