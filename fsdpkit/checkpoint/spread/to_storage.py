@@ -75,9 +75,8 @@ def convert_to(src: str, dst: str, request: ConvertRequest, progress: Progress |
     """`convert` from a local directory or a URL (read in place) to either; to a URL streamed."""
     if not is_url(dst):
         return convert_at(src, dst, request, progress)
-    source = source_at(src)
     try:
-        job = open_job("convert", source, request=request, chunk_size=request.chunk_size)  # type: ignore[arg-type]
+        job = open_job("convert", src, request=request, chunk_size=request.chunk_size)
     except OneProcessOnly:
         return convert_at(src, dst, request, progress)
     return _streamed(job, dst, overwrite=request.overwrite, progress=progress)
@@ -87,10 +86,9 @@ def reshard_to(src: str, dst: str, request: ReshardRequest) -> WriteReport:
     """`reshard` from a local directory or a URL (read in place) to either; to a URL streamed."""
     if not is_url(dst):
         return reshard_at(src, dst, request)
-    source = source_at(src)
-    if detect_format(source).name not in RESHARD_JOBS:
+    if detect_format(source_at(src)).name not in RESHARD_JOBS:
         return reshard_at(src, dst, request)  # says in one line that it has no ranks to lay out
-    job = open_job("reshard", source, world_size=request.world_size, chunk_size=request.chunk_size)  # type: ignore[arg-type]
+    job = open_job("reshard", src, world_size=request.world_size, chunk_size=request.chunk_size)
     report = _streamed(job, dst, overwrite=request.overwrite, progress=request.progress)
     for line in report.warnings if request.warn is not None else ():
         request.warn(line)  # type: ignore[misc]
