@@ -35,8 +35,6 @@ from ..storage.face import Storage
 from ..storage.local import LocalStorage
 from ..storage.location import is_url, open_storage
 from ..storage.upload import check_destination, commit_object, copy_into, publishing, upload_file
-from .dispatch import RESHARD_JOBS, open_job
-from .jobs import OneProcessOnly
 from .plan import Part
 from .staging import PartResult
 from .writes import StreamSink
@@ -75,6 +73,9 @@ def convert_to(src: str, dst: str, request: ConvertRequest, progress: Progress |
     """`convert` from a local directory or a URL (read in place) to either; to a URL streamed."""
     if not is_url(dst):
         return convert_at(src, dst, request, progress)
+    from .dispatch import open_job  # the spread jobs only for a URL: a local convert starts without them
+    from .jobs import OneProcessOnly
+
     try:
         job = open_job("convert", src, request=request, chunk_size=request.chunk_size)
     except OneProcessOnly:
@@ -86,6 +87,8 @@ def reshard_to(src: str, dst: str, request: ReshardRequest) -> WriteReport:
     """`reshard` from a local directory or a URL (read in place) to either; to a URL streamed."""
     if not is_url(dst):
         return reshard_at(src, dst, request)
+    from .dispatch import RESHARD_JOBS, open_job
+
     if detect_format(source_at(src)).name not in RESHARD_JOBS:
         return reshard_at(src, dst, request)  # says in one line that it has no ranks to lay out
     job = open_job("reshard", src, world_size=request.world_size, chunk_size=request.chunk_size)

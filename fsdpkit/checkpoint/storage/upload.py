@@ -24,7 +24,6 @@ from pathlib import Path
 from ...errors import UsageError
 from .face import READ_BLOCK_BYTES, Storage, WriteStream
 from .local import LocalStorage
-from .stale_uploads import abort_stale_uploads
 
 UPLOADS_IN_FLIGHT = 2  # files uploaded at once, each PARTS_IN_FLIGHT parts of PART_BYTES: 128 MiB held at most
 COMMIT_NAMES = (
@@ -67,6 +66,8 @@ def publishing(storage: Storage, existing: dict[str, int]) -> Iterator[list[str]
     started = datetime.now(UTC)
     storage.put(WRITING_MARKER, b"")
     if WRITING_MARKER in existing:  # a write cut short: the uploads it left open go
+        from .stale_uploads import abort_stale_uploads  # its S3 client only when there is one to sweep
+
         abort_stale_uploads(storage, initiated_before=started)
     storage.delete(old_commits)
     written: list[str] = []
