@@ -282,8 +282,10 @@ def _run_parts(
             try:
                 count.begin_part(plan.label(part))
                 faults.reached(task.command, number)
-                result = job.run_part(part, staging.path if staging else None, count.add)
-                if staging is not None:
+                if staging is None:
+                    result = job.run_part(part, None, count.add)
+                else:
+                    result = staging.write_part(job, part, count.add)
                     staging.record(result)
             except (FsdpkitError, OSError, ValueError, AssertionError) as error:
                 kind = type(error).__name__ if isinstance(error, FsdpkitError) else "RunError"
