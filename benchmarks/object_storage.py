@@ -17,7 +17,14 @@ boto3, then times, each in its own process (peak RSS and CPU time from wait4), m
 - boto3 download + upload     (download_file of the source's objects, max_concurrency=10, then
                                upload_file of the full output, made locally beforehand)
 
-and prints the ratio of verify to the faster boto3 reader and of convert to boto3's transfers. Without AWS_ENDPOINT_URL it starts
+and prints the ratio of verify to the faster boto3 reader and of convert to boto3's transfers.
+`--only convert` times the convert rows alone; `--baseline DIR` (a checkout of another fsdpkit
+commit, e.g. `git worktree add --detach /tmp/base main`) times that checkout's convert in the
+same rounds, as a before/after under the same load:
+
+    .venv/bin/python benchmarks/object_storage.py --only convert --baseline /tmp/base
+
+Without AWS_ENDPOINT_URL it starts
 moto's server (`moto[server]`) in a process of its own on 127.0.0.1; moto copies a whole object
 for each ranged GET, so its figures show the server's costs as much as the clients'.
 """
@@ -39,6 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 from fsdpkit.sizes import format_size, parse_size  # noqa: E402
 
+CONVERT = "fsdpkit convert s3:// s3://"
+BASELINE = "fsdpkit convert (--baseline)"
 READERS = {
     "boto3 download_fileobj": r"""
 import sys, boto3
@@ -146,6 +155,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--bucket", default="fsdpkit-bench")
+    parser.add_argument("--only", choices=("verify", "convert"), help="time these rows alone")
+    parser.add_argument("--baseline", type=Path, help="another fsdpkit checkout whose convert is timed in the same rounds")
     args = parser.parse_args()
     server = None
     if not os.environ.get("AWS_ENDPOINT_URL"):
@@ -178,38 +189,62 @@ def _run(args: argparse.Namespace) -> None:
             str(int(server_is_local)),
         ]
         total = int(subprocess.run([*setup, work], check=True, capture_output=True, text=True).stdout.split()[-1])
-        commands = {"fsdpkit verify s3://": [sys.executable, "-m", "fsdpkit_cli", "verify", f"{url}/run"]}
-        commands |= {name: [sys.executable, "-c", code, args.bucket, prefix] for name, code in READERS.items()}
-        convert = [sys.executable, "-m", "fsdpkit_cli", "convert", f"{url}/run", f"{url}/out-fsdpkit", "--to", "full", "--overwrite"]
-        commands |= {"fsdpkit convert s3:// s3://": convert}
-        commands |= {"boto3 download + upload": [sys.executable, "-c", TRANSFER, args.bucket, prefix, f"{work}/full"]}
+        commands: dict[str, list[str]] = {}
+        if args.only != "convert":
+            commands |= {"fsdpkit verify s3://": [sys.executable, "-m", "fsdpkit_cli", "verify", f"{url}/run"]}
+            commands |= {name: [sys.executable, "-c", code, args.bucket, prefix] for name, code in READERS.items()}
         env = _compiled_env(work)
-        for name in ("fsdpkit verify s3://", *READERS):  # a round that compiles the bytecode, not counted
-            _timed(commands[name], env)
-        _report(args, commands, env, total, server_is_local)
+        envs = {}
+        if args.only != "verify":
+            convert = [sys.executable, "-m", "fsdpkit_cli", "convert", f"{url}/run", f"{url}/out-fsdpkit", "--to", "full", "--overwrite"]
+            commands |= {CONVERT: convert}
+            if args.baseline is not None:
+                commands |= {BASELINE: [*convert[:-2], f"{url}/out-baseline", "--to", "full", "--overwrite"]}
+                envs[BASELINE] = _checkout_env(args.baseline.resolve(), work, env)
+            commands |= {"boto3 download + upload": [sys.executable, "-c", TRANSFER, args.bucket, prefix, f"{work}/full"]}
+        for name in commands:  # a round that compiles the bytecode, not counted
+            if not name.startswith("boto3"):
+                _timed(commands[name], envs.get(name, env))
+        _report(args, commands, envs, env, total, server_is_local)
 
 
-def _report(args: argparse.Namespace, commands: dict[str, list[str]], env: dict[str, str], total: int, server_is_local: bool) -> None:
+def _checkout_env(checkout: Path, work: str, env: dict[str, str]) -> dict[str, str]:
+    """The environment that runs `checkout`'s fsdpkit and CLI (its `cli/` as `fsdpkit_cli`)."""
+    shim = Path(work, "baseline-shim")
+    shim.mkdir()
+    (shim / "fsdpkit_cli").symlink_to(checkout / "cli")
+    return {**env, "PYTHONPATH": f"{checkout}{os.pathsep}{shim}", "PYTHONPYCACHEPREFIX": f"{work}/bytecode-baseline"}
+
+
+def _report(
+    args: argparse.Namespace, commands: dict[str, list[str]], envs: dict[str, dict[str, str]], env: dict[str, str], total: int, local: bool
+) -> None:
     runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
     load = os.getloadavg()[0]
     for _ in range(args.repeat):  # interleaved, so a slow moment of the machine falls on every reader alike
         for name, command in commands.items():
-            runs[name].append(_timed(command, env))
-    where = "moto's server, this machine" if server_is_local else os.environ["AWS_ENDPOINT_URL"]
+            runs[name].append(_timed(command, envs.get(name, env)))
+    where = "moto's server, this machine" if local else os.environ["AWS_ENDPOINT_URL"]
     print(f"{format_size(total)} in {args.world_size} rank files on {where}; median of {args.repeat}")
     print(f"load average (1 min) {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} CPUs")
     medians = {name: statistics.median(t for t, _, _ in found) for name, found in runs.items()}
     for name, found in runs.items():
         seconds, cpu = medians[name], statistics.median(c for _, _, c in found)
         rss = format_size(max(r for _, r, _ in found))
-        print(f"{name:26} {seconds:7.2f} s  {total / seconds / 1e6:8.1f} MB/s  CPU {cpu:5.2f} s  peak RSS {rss}")
-    fastest = min(READERS, key=lambda name: medians[name])
-    rounds = [v / r for (v, _, _), (r, _, _) in zip(runs["fsdpkit verify s3://"], runs[fastest], strict=True)]
-    print(
-        f"verify / the faster boto3 reader: {medians['fsdpkit verify s3://'] / medians[fastest]:.2f}x "
-        f"(round by round {min(rounds):.2f}x to {max(rounds):.2f}x)"
-    )
-    print(f"convert / boto3 download + upload: {medians['fsdpkit convert s3:// s3://'] / medians['boto3 download + upload']:.2f}x")
+        print(f"{name:30} {seconds:7.2f} s  {total / seconds / 1e6:8.1f} MB/s  CPU {cpu:5.2f} s  peak RSS {rss}")
+    if "fsdpkit verify s3://" in runs:
+        fastest = min(READERS, key=lambda name: medians[name])
+        _ratio("verify / the faster boto3 reader", runs["fsdpkit verify s3://"], runs[fastest])
+    for name in (CONVERT, BASELINE):
+        if name in runs:
+            _ratio(f"{name.removeprefix('fsdpkit ')} / boto3 download + upload", runs[name], runs["boto3 download + upload"])
+
+
+def _ratio(what: str, runs: list[tuple[float, int, float]], against: list[tuple[float, int, float]]) -> None:
+    """The ratio of the medians, and its spread round by round."""
+    rounds = [a / b for (a, _, _), (b, _, _) in zip(runs, against, strict=True)]
+    median = statistics.median(t for t, _, _ in runs) / statistics.median(t for t, _, _ in against)
+    print(f"{what}: {median:.2f}x (round by round {min(rounds):.2f}x to {max(rounds):.2f}x)")
 
 
 if __name__ == "__main__":

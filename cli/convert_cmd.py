@@ -49,7 +49,7 @@ def convert(
     **settings: Any,
 ) -> None:
     """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
-    from fsdpkit.checkpoint.offline.locations import convert_at
+    from fsdpkit.checkpoint.spread.to_storage import convert_to
 
     request = ConvertRequest(
         to=to,
@@ -72,7 +72,7 @@ def convert(
             return
     else:
         with byte_progress("convert") as progress:
-            result = convert_at(src, dst, request, progress)
+            result = convert_to(src, dst, request, progress)
     for line in result.warnings:
         log.warn(line)
     print_written(result, as_json)

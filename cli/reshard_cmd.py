@@ -30,8 +30,8 @@ def reshard(
     from dataclasses import replace
 
     from fsdpkit.checkpoint.core.request import ReshardRequest
-    from fsdpkit.checkpoint.offline.locations import reshard_at
     from fsdpkit.checkpoint.spread.runner import SpreadTask
+    from fsdpkit.checkpoint.spread.to_storage import reshard_to
 
     request = ReshardRequest(required_world_size(world_size))  # --world-size is checked before --chunk-size
     request = replace(request, chunk_size=chunk_bytes(chunk_size), overwrite=overwrite, warn=log.warn)
@@ -46,7 +46,7 @@ def reshard(
             log.warn(line)
     else:
         with byte_progress("reshard") as progress:
-            result = reshard_at(src, dst, replace(request, progress=progress))
+            result = reshard_to(src, dst, replace(request, progress=progress))
     print_written(result, as_json)
 
 

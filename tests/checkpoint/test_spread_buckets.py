@@ -165,3 +165,38 @@ def test_the_staging_record_in_the_bucket_is_kept_refused_or_discarded(s3_bucket
     assert prepare_bucket(url, digest="two", overwrite=False, restart=True).records() == {}
     names = set(_objects(s3_endpoint, s3_bucket, "out"))
     assert names == {"a.safetensors", ".fsdpkit-writing", ".fsdpkit-spread/plan.json", ".fsdpkit-spread/token"}
+
+
+def _without_spread(stdout: str) -> dict:
+    report = json.loads(stdout)
+    report.pop("spread", None)
+    return report
+
+
+def test_verify_of_deepspeed_and_dcp_checkpoints_in_a_bucket_spreads(source, s3_bucket, s3_endpoint, tmp_path):
+    """verify of a DeepSpeed ZeRO-3 and a torch DCP checkpoint (written by `dcp.save`) in a bucket,
+    spread over 2 processes that each read their own files' ranges there, says what the one-process
+    verify of the same URL says; a truncated object is the same one error line, exit 3."""
+    import torch.distributed.checkpoint as dcp
+
+    local, url, tensors = source
+    dcp.save({k: v for k, v in tensors.items() if k.startswith("layer")}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    client = s3_client(s3_endpoint)
+    for path in sorted((tmp_path / "dcp").iterdir()):
+        client.upload_file(str(path), s3_bucket, f"dcp/{path.name}")
+    for where in (url, f"s3://{s3_bucket}/dcp"):
+        one = run_cli("verify", where, "--json")
+        spread = run_cli("verify", where, "--json", "--nproc-per-node", "2")
+        assert one.exit_code == spread.exit_code == 0, one.output + spread.output
+        assert _without_spread(spread.stdout) == _without_spread(one.stdout)
+        assert json.loads(spread.stdout)["spread"]["world_size"] == 2
+    not_checked = json.loads(run_cli("verify", local, "--json").stdout)["not_checked"]
+    assert any(line.startswith("8 storages") for line in not_checked)  # fsdpkit's DeepSpeed writer records no CRC-32
+    data = f"dcp/{next(p.name for p in (tmp_path / 'dcp').iterdir() if p.suffix == '.distcp')}"
+    body = client.get_object(Bucket=s3_bucket, Key=data)["Body"].read()
+    client.put_object(Bucket=s3_bucket, Key=data, Body=body[: len(body) // 2])  # truncated
+    where = f"s3://{s3_bucket}/dcp"
+    one, spread = run_cli("verify", where), run_cli("verify", where, "--nproc-per-node", "2")
+    errors = [[line for line in r.output.splitlines() if line.startswith("error:")] for r in (one, spread)]
+    assert one.exit_code == spread.exit_code == 3 and len(errors[0]) == 1 and errors[0] == errors[1], (one.output, spread.output)
+    assert data in errors[0][0]

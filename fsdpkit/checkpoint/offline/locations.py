@@ -2,10 +2,12 @@
 object-store URL (`s3://`, `gs://`, `az://`) is read in place through the storage face, by the
 same readers (`source_at`: the URL's objects as a `StoredPath`): nothing of a source is copied
 to local disk. `verify` and `inspect` of fsdpkit's format (version 2) and DCP have stored
-readers of their own (several objects at once). `convert` and `reshard` write to a URL by
-writing the output into a local temporary directory, then publishing it through the face, the
-commit object last (spread over processes, each rank uploads its own files: `spread.bucket`).
-What does not take URLs says so in one line."""
+readers of their own (several objects at once). `convert_at` and `reshard_at` write to a URL
+by writing the output into a local temporary directory, then publishing it through the face,
+the commit object last: the commands stream to a URL instead (`spread/to_storage.py`, from the
+spread jobs' plans) and come here for what those leave to one process; spread over processes,
+each rank uploads its own files (`spread/bucket.py`). What does not take URLs says so in one
+line."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ bucket itself, no shared filesystem.
       .fsdpkit-spread/done/00001-00000.json     one record per file uploaded, with its crc32
 
 One object cannot be written by two processes, so each output file is written whole by one rank
-(`bucket_plan`): the rank spools it into a local scratch directory (as large as that one file),
-uploads it (a multipart upload) and removes it, then records it. Rank 0 commits last: the commit
+(`bucket_plan`): the rank writes it as the one-process command does (`to_storage`: streamed as
+a multipart upload, a rank file of fsdpkit's format spooled locally first), then records it. Rank 0 commits last: the commit
 files (manifest, `.metadata`, `latest`, index) through `storage.upload.publish`, the commit
 object alone and last, then the staging objects and the marker go. Until then no reader takes
 the prefix for a checkpoint (it has no commit object), and a one-process write to DST replaces
@@ -25,17 +25,18 @@ import json
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ...errors import FsdpkitError, UsageError
 from ..storage.face import Storage
-from ..storage.local import LocalStorage
 from ..storage.location import is_url, open_storage
-from ..storage.upload import COMMIT_NAMES, WRITING_MARKER, check_destination, publish, upload_file
-from .plan import OutputFile, Plan, make_plan
+from ..storage.upload import COMMIT_NAMES, WRITING_MARKER, check_destination, publish
+from .plan import OutputFile, Part, Plan, make_plan
 from .staging import DONE_DIR, PLAN_NAME, STATE_DIR, TOKEN_NAME, PartResult, Staging
+from .to_storage import write_planned_file
 
 WHOLE_FILES = "the destination is a bucket: each output file is written whole by one rank (one object is written by one process)"
 
@@ -84,13 +85,19 @@ class BucketStaging:
         found = self.read_state(TOKEN_NAME)
         return found.strip() if found is not None else None
 
+    def write_part(self, job: Any, part: Part, progress: Callable[[int], None]) -> PartResult:
+        """File `part.file` (whole) written into the bucket as `to_storage` writes one: streamed,
+        or a rank file spooled and uploaded; a data file that is the commit object into the local
+        scratch, uploaded with the commit."""
+        if job.files[part.file].name in COMMIT_NAMES:
+            return job.run_part(part, self.path, progress)
+        return write_planned_file(job, part.file, self.storage, progress)
+
     def record(self, result: PartResult) -> None:
-        """Upload the file `result` wrote, remove it here, then record it (a record names only
-        an object whose upload completed). The commit object stays for the commit."""
+        """Record the file `result` names, its object complete (`write_part`). The commit object
+        is not recorded: it is written with the commit."""
         if result.name in COMMIT_NAMES:
             return
-        upload_file(LocalStorage(self.path), self.storage, result.name)
-        (self.path / result.name).unlink()
         self.write_state(f"{DONE_DIR}/{result.file:05d}-{result.index:05d}.json", json.dumps(asdict(result)))
 
     def records(self) -> dict[tuple[int, int], PartResult]:

@@ -6,14 +6,13 @@ is the one-process writer's, byte for byte."""
 
 from __future__ import annotations
 
-import os
-import socket
+import tempfile
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
 from ...dtypes import dtype_info
-from ...errors import DataCheckError, UsageError
+from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..core.any_checkpoint import recorded_data_source
 from ..core.bytecopy import SourcePiece
@@ -28,10 +27,10 @@ from ..megatron.to_megatron import SCRATCH_NAME, megatron_output
 from ..megatron.transposed import write_transposed
 from ..offline.formats import open_checkpoint
 from ..offline.locations import source_at
-from .jobs import CheckedReads, Progress, convert_facts, part_reads, source_listing
+from .jobs import CheckedReads, OneProcessOnly, Progress, convert_facts, part_reads, source_listing
 from .plan import OutputFile, Part
 from .staging import PartResult
-from .writes import PartSink
+from .writes import PartSink, StreamSink
 
 
 def dcp_file(name: str, records: list[DcpRecord], nbytes: int) -> OutputFile:
@@ -44,7 +43,7 @@ def dcp_file(name: str, records: list[DcpRecord], nbytes: int) -> OutputFile:
     return OutputFile(name, nbytes, cuts)
 
 
-def _literal(sink: PartSink, data: bytes, at: int, part: Part) -> None:
+def _literal(sink: PartSink | StreamSink, data: bytes, at: int, part: Part) -> None:
     """The bytes of `data`, which lies at byte `at` of the file, that fall in `part`."""
     lo, hi = max(part.begin, at), min(part.end, at + len(data))
     if lo < hi:
@@ -75,7 +74,7 @@ class DcpJob:
         if not opened.model:
             raise DataCheckError(f"{src}: no model tensors found")
         if opened.restore_layout is not None:
-            raise UsageError(
+            raise OneProcessOnly(
                 f"{src}: a full export in its own names and orientation is converted --to dcp in one process "
                 "(its transposed weights are transposed back into one scratch file): leave out the launch flags"
             )
@@ -91,32 +90,36 @@ class DcpJob:
         return convert_facts(self.request, self.opened.opened_from, [(f.name, f.nbytes) for f in self.files])
 
     def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
-        return self.write_part(self.plan, part, directory, progress)
+        with PartSink(directory / self.files[part.file].name, part.begin, part.end) as sink:
+            return self.write_part(part, sink, progress)
 
-    def write_part(self, plan: DcpPlan, part: Part, directory: Path, progress: Progress) -> PartResult:
-        """Part `part` of `plan`'s file `part.file` written in `directory`."""
-        name = self.files[part.file].name
+    def write_part(self, part: Part, sink: PartSink | StreamSink, progress: Progress) -> PartResult:
+        """Bytes [part.begin, part.end) of file `part.file`, in offset order, into `sink`."""
+        return self.write_planned(self.plan, part, sink, progress)
+
+    def write_planned(self, plan: DcpPlan, part: Part, sink: PartSink | StreamSink, progress: Progress) -> PartResult:
+        """Bytes [part.begin, part.end) of `plan`'s file `part.file`, in offset order, into `sink`."""
         reads = CheckedReads(self.request.chunk_size, progress)
         try:
-            with PartSink(directory / name, part.begin, part.end) as sink:
-                for record in plan.ranks[part.file]:
-                    if record.position >= part.end or record.position + record.length <= part.begin:
-                        continue
-                    if record.chunk is None:
-                        assert record.item is not None
-                        _literal(sink, record.item, record.position, part)
-                        continue
-                    head, tail = record.chunk.archive()
-                    _literal(sink, head, record.position, part)
-                    lo, hi = max(part.begin, record.data_begin), min(part.end, record.data_end)
-                    if lo < hi:
-                        source, wanted = record.chunk.tensor.source, record.chunk.wanted
-                        itemsize = dtype_info(source.dtype).itemsize
-                        first, last = (lo - record.data_begin) // itemsize, (hi - record.data_begin) // itemsize
-                        reads.copy(source, ElementRange(wanted.start + first, wanted.start + last), source.dtype, sink.write)
-                    _literal(sink, tail, record.data_end, part)
+            for record in plan.ranks[part.file]:
+                if record.position >= part.end or record.position + record.length <= part.begin:
+                    continue
+                if record.chunk is None:
+                    assert record.item is not None
+                    _literal(sink, record.item, record.position, part)
+                    continue
+                head, tail = record.chunk.archive()
+                _literal(sink, head, record.position, part)
+                lo, hi = max(part.begin, record.data_begin), min(part.end, record.data_end)
+                if lo < hi:
+                    source, wanted = record.chunk.tensor.source, record.chunk.wanted
+                    itemsize = dtype_info(source.dtype).itemsize
+                    first, last = (lo - record.data_begin) // itemsize, (hi - record.data_begin) // itemsize
+                    reads.copy(source, ElementRange(wanted.start + first, wanted.start + last), source.dtype, sink.write)
+                _literal(sink, tail, record.data_end, part)
         finally:
             source_parts = reads.finish()
+        name = self.files[part.file].name
         return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, reads.bytes_read, source_parts)
 
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
@@ -158,21 +161,19 @@ class MegatronJob(DcpJob):
         self.output = megatron_output(opened, request, Path(SCRATCH_NAME))
         return self.output.tensors, self.output.items, 1
 
-    def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
+    def write_part(self, part: Part, sink: PartSink | StreamSink, progress: Progress) -> PartResult:
         """transformers' GPT-2 Conv1D weights, (in, out), are read transposed from a scratch file of
-        this rank's own in the staging area, holding only those that this part's byte range takes
-        (by blocks of a weight's rows, as in one process), removed when the part is written."""
+        this rank's own in a temporary directory, holding only those that this part's byte range
+        takes (by blocks of a weight's rows, as in one process), removed when the part is written."""
         if not self.output.flipped:
-            return super().run_part(part, directory, progress)
-        scratch = directory / f"{SCRATCH_NAME}.{socket.gethostname()}.{os.getpid()}"
-        output = megatron_output(self.opened, self.request, scratch)
-        plan = plan_dcp(output.tensors, output.items, world_size=1)
-        taken = {p.key for record in plan.ranks[part.file] for p in _pieces_in(record, part) if p.path == scratch}
-        try:
+            return super().write_part(part, sink, progress)
+        with tempfile.TemporaryDirectory(prefix="fsdpkit-transposed-") as directory:
+            scratch = Path(directory) / SCRATCH_NAME
+            output = megatron_output(self.opened, self.request, scratch)
+            plan = plan_dcp(output.tensors, output.items, world_size=1)
+            taken = {p.key for record in plan.ranks[part.file] for p in _pieces_in(record, part) if p.path == scratch}
             write_transposed(scratch, output.flipped, self.request.chunk_size, only=taken)
-            return self.write_part(plan, part, directory, progress)
-        finally:
-            scratch.unlink(missing_ok=True)
+            return self.write_planned(plan, part, sink, progress)
 
     def commit_files(self, directory: Path, dst: str) -> WriteReport:
         files = [*(f.name for f in self.files), METADATA_NAME, *self.output.write_common(directory)]
@@ -203,4 +204,4 @@ class DcpReshardJob(DcpJob):
     def commit_files(self, directory: Path, dst: str) -> WriteReport:
         details = {"to": "dcp", "world_size": len(self.files), "bytes_items": len(self.plan.items)}
         files = [f.name for f in self.files]
-        return WriteReport(str(Path(self.src)), dst, files, len(self.plan.tensors), self.source_bytes, [], details)
+        return WriteReport(str(self.src), dst, files, len(self.plan.tensors), self.source_bytes, [], details)

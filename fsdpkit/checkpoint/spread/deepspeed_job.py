@@ -25,7 +25,7 @@ from ..offline.locations import source_at
 from .jobs import CheckedReads, Progress, convert_facts, part_reads, source_listing
 from .plan import OutputFile, Part
 from .staging import PartResult
-from .writes import PartSink
+from .writes import PartSink, StreamSink
 
 LATEST = "latest"
 CUT_STEP = 4  # a part of a DeepSpeed file starts at a multiple of 4 bytes into a storage's data
@@ -35,7 +35,7 @@ class RangeOutput:
     """A file's contents, appended from its start as the DeepSpeed writer does, of which only
     bytes [sink's begin, end) reach `sink`; storage elements outside them are not read."""
 
-    def __init__(self, sink: PartSink, reads: CheckedReads, begin: int, end: int):
+    def __init__(self, sink: PartSink | StreamSink, reads: CheckedReads, begin: int, end: int):
         self.path, self.position = sink.path, 0
         self.sink, self.reads, self.begin, self.end = sink, reads, begin, end
 
@@ -95,14 +95,18 @@ class DeepSpeedJob:
         return convert_facts(self.request, self.opened.opened_from, [(f.name, f.nbytes) for f in self.files])
 
     def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
-        name = self.files[part.file].name
         (directory / self.run.tag).mkdir(exist_ok=True)
+        with PartSink(directory / self.files[part.file].name, part.begin, part.end) as sink:
+            return self.write_part(part, sink, progress)
+
+    def write_part(self, part: Part, sink: PartSink | StreamSink, progress: Progress) -> PartResult:
+        """Bytes [part.begin, part.end) of file `part.file`, in offset order, into `sink`."""
         reads = CheckedReads(self.request.chunk_size, progress)
         try:
-            with PartSink(directory / name, part.begin, part.end) as sink:
-                self.contents[part.file].write(RangeOutput(sink, reads, part.begin, part.end))
+            self.contents[part.file].write(RangeOutput(sink, reads, part.begin, part.end))
         finally:
             source_parts = reads.finish()
+        name = self.files[part.file].name
         return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, reads.bytes_read, source_parts)
 
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
@@ -114,7 +118,7 @@ class DeepSpeedJob:
         details = {"to": "deepspeed", "stage": run.stage, "world_size": run.world_size, "tag": run.tag}
         parameters = sum(len(g.params) for g in run.groups)
         files = [LATEST, *(f.name for f in self.files)]
-        return WriteReport(str(Path(self.src)), dst, files, parameters, self.source_bytes, [], self.source_details() | details)
+        return WriteReport(str(self.src), dst, files, parameters, self.source_bytes, [], self.source_details() | details)
 
     def source_details(self) -> dict:
         return {"from": self.opened.format, **self.opened.facts}

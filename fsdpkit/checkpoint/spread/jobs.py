@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ...dtypes import dtype_info
+from ...errors import UsageError
 from ...flat_layout import ElementRange
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.crc import PartRead, check_parts, crc32, crc32_combine
@@ -33,9 +34,15 @@ from ..offline.locations import source_at
 from ..storage.location import is_url, open_storage
 from .plan import OutputFile, Part
 from .staging import PartResult
-from .writes import PartSink
+from .writes import PartSink, StreamSink
 
 Progress = Callable[[int], None] | None
+
+
+class OneProcessOnly(UsageError):
+    """A conversion that only the one-process writer does (it needs a local scratch file)."""
+
+
 SINGLE_FILE = "a single-file safetensors output is written by one process (--max-shard-size cuts it into files)"
 
 
@@ -132,29 +139,34 @@ class FullJob:
         return [(f.name, f.nbytes) for f in self.files]
 
     def run_part(self, part: Part, directory: Path, progress: Progress) -> PartResult:
+        with PartSink(directory / self.files[part.file].name, part.begin, part.end) as sink:
+            return self.write_part(part, sink, progress)
+
+    def write_part(self, part: Part, sink: PartSink | StreamSink, progress: Progress) -> PartResult:
+        """Bytes [part.begin, part.end) of file `part.file`, in offset order, into `sink`."""
         header, order = self.layouts[part.file]
         name = self.files[part.file].name
         engine = ByteEngine(chunk_size=self.request.chunk_size, progress=progress)
-        with PartSink(directory / name, part.begin, part.end) as sink:
-            sink.write(memoryview(header)[part.begin : min(part.end, len(header))])
-            for tensor, info in order:
-                lo, hi = max(part.begin, len(header) + info.begin), min(part.end, len(header) + info.end)
-                if lo >= hi:
-                    continue
-                source, flip = self.output.by_name[tensor]
-                itemsize = dtype_info(info.dtype).itemsize
-                first, last = (lo - len(header) - info.begin) // itemsize, (hi - len(header) - info.begin) // itemsize
-                if flip:
-                    sink.write(memoryview(transposed_bytes(engine, source, info.dtype)).cast("B")[first * itemsize : last * itemsize])
-                else:
-                    engine.copy(source, ElementRange(first, last), info.dtype, sink.write)
+        sink.write(memoryview(header)[part.begin : min(part.end, len(header))])
+        for tensor, info in order:
+            lo, hi = max(part.begin, len(header) + info.begin), min(part.end, len(header) + info.end)
+            if lo >= hi:
+                continue
+            source, flip = self.output.by_name[tensor]
+            itemsize = dtype_info(info.dtype).itemsize
+            first, last = (lo - len(header) - info.begin) // itemsize, (hi - len(header) - info.begin) // itemsize
+            if flip:
+                sink.write(memoryview(transposed_bytes(engine, source, info.dtype)).cast("B")[first * itemsize : last * itemsize])
+            else:
+                engine.copy(source, ElementRange(first, last), info.dtype, sink.write)
         parts = engine.finish_parts()
         return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, engine.bytes_read, parts_json(parts))
 
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))
         written = self.output.report(self.output.commit_files(directory), src=self.opened.path, dst=Path(dst))
-        return replace(written, details={"from": self.opened.format, **self.opened.facts, **written.details})
+        details = {"from": self.opened.format, **self.opened.facts, **written.details}
+        return replace(written, dst=dst if is_url(dst) else written.dst, details=details)  # a URL is no Path
 
     def close(self) -> None:
         self.stack.close()

@@ -141,7 +141,8 @@ def _lead(task: SpreadTask, world_size: int, marks: Marks) -> tuple[dict, Any]:
     except FsdpkitError as error:
         if job is not None:
             job.close()
-        return {"error": (type(error).__name__, str(error))}, None
+        kind = "UsageError" if isinstance(error, UsageError) else type(error).__name__  # OneProcessOnly is one
+        return {"error": (kind, str(error))}, None
 
 
 def task_plan(task: SpreadTask, job: Any, world_size: int) -> Plan:
@@ -315,8 +316,10 @@ def _run_parts(
             try:
                 count.begin_part(plan.label(part))
                 faults.reached(task.command, number)
-                result = job.run_part(part, staging.path if staging else None, count.add)
-                if staging is not None:
+                if staging is None:
+                    result = job.run_part(part, None, count.add)
+                else:
+                    result = staging.write_part(job, part, count.add)
                     staging.record(result)
             except (FsdpkitError, OSError, ValueError, AssertionError) as error:
                 kind = type(error).__name__ if isinstance(error, FsdpkitError) else "RunError"

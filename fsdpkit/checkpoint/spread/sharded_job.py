@@ -7,7 +7,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from pathlib import Path
 
-from ...errors import DataCheckError, UsageError
+from ...errors import DataCheckError
 from ..core.crc import check_parts
 from ..core.model_description import describe
 from ..core.report import WriteReport
@@ -15,7 +15,7 @@ from ..core.request import ConvertRequest
 from ..format.manifest import save_manifest
 from ..format.to_sharded import restores_layout, sharded_output, sharded_source
 from ..offline.formats import open_checkpoint
-from .jobs import Progress, RankFiles, convert_facts, part_reads, rank_file_part
+from .jobs import OneProcessOnly, Progress, RankFiles, convert_facts, part_reads, rank_file_part
 from .plan import Part
 from .staging import PartResult
 
@@ -33,7 +33,7 @@ class ShardedJob:
             source = sharded_source(self.opened, request)
             description = describe(request.model) if request.model is not None else None
             if restores_layout(source, description):
-                raise UsageError(
+                raise OneProcessOnly(
                     f"{src}: a full export in its own names and orientation is converted --to sharded in one process "
                     "(its transposed weights are transposed back into one scratch file): leave out the launch flags"
                 )

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from ...errors import RunError, UsageError
 from ...paths import file_in_the_way, unwritable_parent
 from ..core.names import TMP_PREFIX
 from ..core.staging import check_destination, check_free_space, fsync_dir, os_error_line, read_only_line, sync_files
+from .plan import Part
 
 STATE_DIR = ".fsdpkit-spread"
 PLAN_NAME = "plan.json"
@@ -90,6 +92,10 @@ class Staging:
         """The token rank 0 wrote; None when this process does not see it."""
         found = self.read_state(TOKEN_NAME)
         return found.strip() if found is not None else None
+
+    def write_part(self, job: Any, part: Part, progress: Callable[[int], None]) -> PartResult:
+        """Part `part` of `job`'s plan written in place in the output's directory."""
+        return job.run_part(part, self.path, progress)
 
     def record(self, result: PartResult) -> None:
         """Make part `result` durable, then record it (a record names only fsynced bytes)."""

@@ -7,18 +7,17 @@ as JSON, each finding with its place in the one-process order, and rank 0 passes
 format's one-process verify, which checks the metadata itself and writes the one-process report.
 A full safetensors checkpoint has no checksums (its headers are all verify reads): rank 0 reads
 them, and there is nothing to share. A source that does not open plans no files: rank 0's
-one-process verify reports it, as it does in one process. A source in an object store is verified
-in one process (its stored readers are not shared out here)."""
+one-process verify reports it, as it does in one process. A source in an object store is read in
+place by every rank (`source_at`), each fetching only the byte ranges of its own parts."""
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...errors import DataCheckError, UsageError
+from ...errors import DataCheckError
 from ..core.files import source_path
 from ..core.report import VerifyReport
 from ..dcp.inspect import ChunkChecks, chunk_checks, verify_dcp
@@ -30,7 +29,7 @@ from ..format.verify import verify_full
 from ..megatron.files import TORCH_DIST, find_files
 from ..megatron.inspect import HASH_BLOCK, MegatronChecks, hash_problem, integrity_hashes, verify_megatron
 from ..megatron.table import MEGATRON_METADATA_GLOBALS
-from ..storage.location import is_url
+from ..offline.locations import source_at
 from ..torchsave import inspect as torchsave_inspect
 from ..torchsave.table import open_rank_state_dicts
 from .jobs import Progress, source_listing
@@ -44,12 +43,8 @@ class FileVerify:
     command = "verify"
 
     def __init__(self, src: str):
-        if is_url(src):
-            raise UsageError(
-                f"{src}: verify of this format in an object store runs in one process (fsdpkit's own spreads from there): "
-                "leave out the launch flags"
-            )
-        self.path = Path(src)
+        self.src = src
+        self.path = source_at(src)
         self.files: list[OutputFile] = []
 
     @property
@@ -57,7 +52,7 @@ class FileVerify:
         return sum(f.nbytes for f in self.files)
 
     def facts(self) -> dict:
-        return {"command": "verify", "source": source_listing(self.path)}
+        return {"command": "verify", "source": source_listing(self.src)}
 
     def result(self, part: Part, found: Any, progress: Progress) -> PartResult:
         """Part `part` (one whole file) checked, `found` its findings as JSON."""
@@ -85,7 +80,7 @@ def _sized(directory: Path, names: list[str], starts: dict[str, list[int]]) -> l
     units = []
     for name in names:
         try:
-            units.append(_unit(name, os.stat(directory / name).st_size, starts.get(name, [])))
+            units.append(_unit(name, (directory / name).stat().st_size, starts.get(name, [])))
         except OSError:
             units.append(OutputFile(name, 0))  # missing: the one-process checks say so
     return units
@@ -142,14 +137,16 @@ class SavedFilesVerify(FileVerify):
             self.checkpoint.close()
 
 
-def _chunks_json(checkpoint: DcpCheckpoint, name: str, part: Part) -> dict:
-    """The chunks whose records start in `part` of file `name` checked (none when it does not
-    open: the structure check says so)."""
+def _chunks_json(checkpoint: DcpCheckpoint, file: OutputFile, part: Part) -> dict:
+    """The chunks whose records start in `part` of `file` checked (the last part also takes the
+    records the metadata places past the file's end: a truncated file's); none when the file does
+    not open (the structure check says so)."""
     try:
-        checkpoint.file(name)
+        checkpoint.file(file.name)
     except DataCheckError:
         return {"checked": 0, "problems": [], "serializations": []}
-    found = chunk_checks(checkpoint, lambda file, offset: file == name and part.begin <= offset < part.end)
+    end = part.end if part.end < file.nbytes else float("inf")
+    found = chunk_checks(checkpoint, lambda name, offset: name == file.name and part.begin <= offset < end)
     return {"checked": found.checked, "problems": found.problems, "serializations": sorted(found.serializations)}
 
 
@@ -175,7 +172,7 @@ class DcpVerify(FileVerify):
 
     def run_part(self, part: Part, directory: Path | None, progress: Progress) -> PartResult:
         assert self.checkpoint is not None
-        return self.result(part, _chunks_json(self.checkpoint, self.files[part.file].name, part), progress)
+        return self.result(part, _chunks_json(self.checkpoint, self.files[part.file], part), progress)
 
     def report(self, results: list[PartResult]) -> VerifyReport:
         return verify_dcp(self.path, found=_chunks_of(_findings(results)) if self.checkpoint is not None else None)
@@ -213,7 +210,7 @@ class MegatronVerify(FileVerify):
         name = self.files[part.file].name
         found: dict[str, Any] = {"hashed": {}}
         if self.checkpoint is not None and name in self.checkpoint.metadata.files:
-            found.update(_chunks_json(self.checkpoint, name, part))
+            found.update(_chunks_json(self.checkpoint, self.files[part.file], part))
         if name in self.hashes:
             found["hashed"][name] = hash_problem(self.weights / name, self.hashes[name], memoryview(bytearray(HASH_BLOCK)))
         return self.result(part, found, progress)

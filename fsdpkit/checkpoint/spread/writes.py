@@ -2,7 +2,8 @@
 several processes may write at once, each its own range, front to back through a 1 MiB buffer
 (a block of DIRECT_BYTES or more is written as it comes, uncopied), with the crc32 of what it
 wrote. The file is created by whichever part comes first and never truncated (a part written
-again after a crash overwrites its own range)."""
+again after a crash overwrites its own range). `StreamSink` takes the same bytes, front to back,
+into a storage's write stream (an object, no local file)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 from pathlib import Path
 
 from ..core.crc import crc32
+from ..storage.face import WriteStream
 
 BUFFER_BYTES = 1 << 20
 DIRECT_BYTES = 1 << 17
@@ -59,3 +61,46 @@ class PartSink:
                     raise ValueError(f"{self.path}: part ends at byte {self.at}, expected {self.end}")
         finally:
             os.close(self._fd)
+
+
+class StreamSink:
+    """Bytes [begin, end) of an output file written front to back into a storage's write
+    stream (a multipart upload into an object store: no local copy), through a 1 MiB buffer
+    for the small writes (archive headers, bytes items), with the crc32 of what it wrote: the
+    sink of a part that `PartSink` writes in place, where the file is an object."""
+
+    def __init__(self, stream: WriteStream, where: str, begin: int, end: int):
+        self.path, self.at, self.end = where, begin, end
+        self.crc = 0
+        self._stream = stream
+        self._buffer = bytearray()
+
+    def write(self, data) -> None:
+        view = data if isinstance(data, memoryview) and data.format == "B" else memoryview(data).cast("B")
+        if not view.nbytes:
+            return
+        if self.at + len(self._buffer) + view.nbytes > self.end:
+            raise ValueError(f"{self.path}: writing past byte {self.end}, the end of this part")
+        self.crc = crc32(view, self.crc)
+        if len(self._buffer) + view.nbytes > BUFFER_BYTES:
+            self._flush()
+            if view.nbytes >= BUFFER_BYTES:
+                self._stream.write(view)
+                self.at += view.nbytes
+                return
+        self._buffer += view
+
+    def _flush(self) -> None:
+        if self._buffer:
+            self._stream.write(bytes(self._buffer))
+            self.at += len(self._buffer)
+            self._buffer.clear()
+
+    def __enter__(self) -> StreamSink:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self._flush()
+            if self.at != self.end:
+                raise ValueError(f"{self.path}: part ends at byte {self.at}, expected {self.end}")

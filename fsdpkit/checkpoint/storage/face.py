@@ -25,7 +25,9 @@ PARTS_IN_FLIGHT = 8  # parts uploaded at once: at most PARTS_IN_FLIGHT * PART_BY
 
 
 class WriteStream(Protocol):
-    def write(self, data: bytes | memoryview, /) -> int: ...
+    def write(self, data: bytes | memoryview, /) -> int:
+        """Append `data`; the caller may reuse its buffer as soon as this returns."""
+        ...
 
 
 class Storage(Protocol):

@@ -210,13 +210,18 @@ class ObjectStorage:
 class _ObjectStream:
     """A multipart upload written to; every PARTS_IN_FLIGHT parts it waits for the parts in
     flight (obstore's writer takes what it is given without waiting, so a store slower than the
-    writer would otherwise pile the parts up in memory)."""
+    writer would otherwise pile the parts up in memory). A writable buffer it is given is copied
+    first: obstore holds a reference to the caller's buffer until the part is sent, and a buffer
+    the caller fills again (a reader's reused block) would go up with its later bytes; read-only
+    views (bytes a GET returned, a read-only mapping of a file) go as they are."""
 
     def __init__(self, upload: Any, where: str):
         self._upload, self._where = upload, where
         self._unflushed = 0
 
     def write(self, data: bytes | memoryview, /) -> int:
+        if not isinstance(data, bytes) and not (isinstance(data, memoryview) and data.readonly):
+            data = bytes(data)  # obstore keeps the caller's buffer, uncopied, until its part goes up
         try:
             written = self._upload.write(data)
             self._unflushed += written

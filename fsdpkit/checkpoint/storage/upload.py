@@ -1,4 +1,6 @@
-"""A checkpoint directory written locally, published to a storage through the face: every
+"""Output published to a storage through the face: `publishing` is the frame of every such
+write, whose objects its block writes (streamed by `spread/to_storage.py`), and `publish` a
+checkpoint directory written locally, uploaded in it: every
 object but the commit object first (UPLOADS_IN_FLIGHT files at once, each a multipart upload
 streamed from the file in blocks), then the commit object alone (a manifest, DCP's
 `.metadata`, DeepSpeed's `latest`, a full checkpoint's index or its one file). An existing
@@ -14,15 +16,14 @@ reader takes for a checkpoint and a rerun replaces without --overwrite."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
 from ...errors import UsageError
-from .face import READ_BLOCK_BYTES, Storage
+from .face import READ_BLOCK_BYTES, Storage, WriteStream
 from .local import LocalStorage
-from .stale_uploads import abort_stale_uploads
 
 UPLOADS_IN_FLIGHT = 2  # files uploaded at once, each PARTS_IN_FLIGHT parts of PART_BYTES: 128 MiB held at most
 COMMIT_NAMES = (
@@ -49,38 +50,64 @@ def interrupted(existing: dict[str, int]) -> bool:
     return WRITING_MARKER in existing and not any(name in existing for name in COMMIT_NAMES)
 
 
-def publish(directory: Path, storage: Storage, existing: dict[str, int], progress: Callable[[int], None] | None = None) -> list[str]:
-    """Upload the files under `directory` to `storage`, the commit object last; the names written."""
-    source = LocalStorage(directory)
-    names = sorted(source.list())
-    commit = next((name for name in COMMIT_NAMES if name in names), None)
+def commit_object(names: Iterable[str]) -> str | None:
+    """The commit object among `names`: the first of COMMIT_NAMES they hold."""
+    held = set(names)
+    return next((name for name in COMMIT_NAMES if name in held), None)
+
+
+@contextlib.contextmanager
+def publishing(storage: Storage, existing: dict[str, int]) -> Iterator[list[str]]:
+    """The frame of a write to `storage` over `existing` objects: WRITING_MARKER first and the
+    old commit objects deleted; the block writes its objects (the commit object last) and
+    appends each name to the list it is given. A block that fails removes what it wrote; one
+    that ends removes the old checkpoint's objects it did not replace, then the marker."""
     old_commits = [name for name in COMMIT_NAMES if name in existing]
     started = datetime.now(UTC)
     storage.put(WRITING_MARKER, b"")
     if WRITING_MARKER in existing:  # a write cut short: the uploads it left open go
+        from .stale_uploads import abort_stale_uploads  # its S3 client only when there is one to sweep
+
         abort_stale_uploads(storage, initiated_before=started)
     storage.delete(old_commits)
-    data = [name for name in names if name != commit]
+    written: list[str] = []
     try:
+        yield written
+    except BaseException:
+        with contextlib.suppress(Exception):  # the first failure is the one to report
+            storage.delete(written if existing else [*written, WRITING_MARKER])  # over an old checkpoint, the marker says what is left
+        raise
+    storage.delete(sorted(set(existing) - set(written) - set(old_commits) - {WRITING_MARKER}))
+    storage.delete([WRITING_MARKER])
+
+
+def publish(directory: Path, storage: Storage, existing: dict[str, int], progress: Callable[[int], None] | None = None) -> list[str]:
+    """Upload the files under `directory` to `storage`, the commit object last; the names written."""
+    source = LocalStorage(directory)
+    names = sorted(source.list())
+    commit = commit_object(names)
+    data = [name for name in names if name != commit]
+    with publishing(storage, existing) as written:
+        written += data  # removed again on a failure, as the ones uploaded are
         with ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="fsdpkit-upload") as pool:
             for _ in pool.map(lambda name: upload_file(source, storage, name, progress), data):
                 pass
         if commit is not None:  # streamed too: a full checkpoint's one file is its commit object
             upload_file(source, storage, commit, progress)
-    except BaseException:
-        with contextlib.suppress(Exception):  # the first failure is the one to report
-            storage.delete(data if existing else [*data, WRITING_MARKER])  # over an old checkpoint, the marker says what is left
-        raise
-    storage.delete(sorted(set(existing) - set(names) - set(old_commits) - {WRITING_MARKER}))
-    storage.delete([WRITING_MARKER])
+            written.append(commit)
     return names
 
 
 def upload_file(source: LocalStorage, storage: Storage, name: str, progress: Callable[[int], None] | None = None) -> None:
-    """File `name` of `source` streamed into object `name` of `storage` (a multipart upload)."""
-    size = source.size(name) or 0
+    """Object `name` of `source` streamed into `storage` (one multipart upload)."""
     with storage.write(name) as stream:
-        for _, block in source.read_blocks(name, [(0, size)], block_bytes=READ_BLOCK_BYTES):
-            stream.write(block)
-            if progress is not None:
-                progress(len(block))
+        copy_into(source, name, stream, progress)
+
+
+def copy_into(source: LocalStorage, name: str, stream: WriteStream, progress: Callable[[int], None] | None = None) -> None:
+    """The bytes of object `name` of `source` written to `stream`, in blocks."""
+    size = source.size(name) or 0
+    for _, block in source.read_blocks(name, [(0, size)], block_bytes=READ_BLOCK_BYTES):
+        stream.write(block)
+        if progress is not None:
+            progress(len(block))

@@ -23,8 +23,12 @@ KERNEL_COPY_BYTES = 64 * 1024  # byte ranges at least this large are copied by t
 class ByteOutput(Protocol):
     """What a file's contents are appended to: a `RawOutput`, or a byte range of a file written in parts."""
 
-    path: Path
     position: int
+
+    @property
+    def path(self) -> Path | str:
+        """For messages: the file, or the object's URL."""
+        ...
 
     def write(self, data: bytes | bytearray | memoryview) -> None: ...
 
