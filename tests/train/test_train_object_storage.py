@@ -149,7 +149,7 @@ def test_workers_killed_at_ten_moments_of_save_uploads_leave_no_upload_open_and_
         run = subprocess.Popen(command, env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             for following in (*KILL_MOMENTS[1:], None):
-                assert proxy.held.wait(180), "no save reached the moment to kill it"
+                _wait_for_the_hold(proxy, run)
                 _kill_workers(run.pid)
                 uploads = {u["UploadId"] for u in client.list_multipart_uploads(Bucket=s3_bucket, Prefix="runs/r/").get("Uploads", [])}
                 assert not uploads & left_open, "an upload a killed save left open outlived the next save"
@@ -173,6 +173,15 @@ def test_workers_killed_at_ten_moments_of_save_uploads_leave_no_upload_open_and_
     assert largest[0] < (1 << 20), f"a file of {largest[0]} bytes in TMPDIR during the run"
     mine, expected = weights(downloaded(s3_endpoint, s3_bucket, "runs/r", tmp_path / "copy")), weights(local / "step-00000006")
     assert mine.keys() == expected.keys() and all(torch.equal(mine[name], expected[name]) for name in expected)
+
+
+def _wait_for_the_hold(proxy: FaultProxy, run: subprocess.Popen) -> None:
+    """Until the proxy holds the armed write; the run's own error if it ended before that."""
+    deadline = time.monotonic() + 300
+    while not proxy.held.wait(1.0):
+        if run.poll() is not None:
+            raise AssertionError(f"the run ended (exit {run.returncode}) before the armed write: {run.stderr.read().decode()[-2000:]}")
+        assert time.monotonic() < deadline, "no save reached the moment to kill it"
 
 
 def _kill_workers(launcher: int) -> None:
