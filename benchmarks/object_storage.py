@@ -110,7 +110,7 @@ from fsdpkit.checkpoint.live.save_protocol import write_rank
 from fsdpkit.flat_layout import ElementRange
 from fsdpkit.models.units import placement_for_model
 
-model, size, world, ds_world, bucket, create, work = sys.argv[1:8]
+model, size, world, ds_world, bucket, create, work, only = sys.argv[1:9]
 world, size, work = int(world), int(size), Path(work)
 if model:
     placement = placement_for_model(model)
@@ -143,13 +143,17 @@ for rank in range(world):
 storage.commit(tmp, work / "sharded", 1000, manifest)
 fsdpkit = [sys.executable, "-m", "fsdpkit_cli", "convert"]
 quiet = dict(check=True, stdout=subprocess.DEVNULL)
-subprocess.run([*fsdpkit, f"{work}/sharded", f"{work}/ds", "--to", "deepspeed", "--stage", "3", "--world-size", ds_world], **quiet)
-subprocess.run([*fsdpkit, f"{work}/ds", f"{work}/full", "--to", "full"], **quiet)
+if only != "verify":
+    subprocess.run([*fsdpkit, f"{work}/sharded", f"{work}/ds", "--to", "deepspeed", "--stage", "3", "--world-size", ds_world], **quiet)
+    subprocess.run([*fsdpkit, f"{work}/ds", f"{work}/full", "--to", "full"], **quiet)
 client = boto3.client("s3")
 if create == "1":
     client.create_bucket(Bucket=bucket)
 for local, prefix in (("sharded", "bench/run"), ("ds", "bench/ds")):
     total = 0
+    if only and only != {"sharded": "verify", "ds": "convert"}[local]:
+        print(0, 0)
+        continue
     for path in sorted(p for p in (work / local).rglob("*") if p.is_file()):
         client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(work / local).as_posix()}")
         total += path.stat().st_size
@@ -195,7 +199,7 @@ def main() -> None:
         "--model", default="gpt2", help="model whose layer shapes the checkpoint has, with AdamW moments (default gpt2: 124M, 1.5 GB)"
     )
     parser.add_argument("--size", help="a quick run instead: 2048x2048 fp32 layers with their AdamW moments, this many bytes in all")
-    parser.add_argument("--world-size", type=int, default=4, help="rank files of the fsdpkit checkpoint verify reads")
+    parser.add_argument("--world-size", type=int, default=8, help="rank files of the fsdpkit checkpoint verify reads")
     parser.add_argument("--ds-world-size", type=int, default=2, help="ranks of the DeepSpeed ZeRO-3 checkpoint convert reads")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--bucket", default="fsdpkit-bench")
@@ -225,7 +229,9 @@ def _run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as work:
         setup = [sys.executable, "-c", SETUP, model, str(parse_size(args.size or "0")), str(args.world_size), str(args.ds_world_size)]
         print(f"setting up {args.model if model else args.size} + AdamW moments in {args.bucket} ...", file=sys.stderr, flush=True)
-        found = subprocess.run([*setup, args.bucket, str(int(server_is_local)), work], check=True, capture_output=True, text=True)
+        found = subprocess.run(
+            [*setup, args.bucket, str(int(server_is_local)), work, args.only or ""], check=True, capture_output=True, text=True
+        )
         sizes = [tuple(int(v) for v in line.split()) for line in found.stdout.strip().splitlines()[-2:]]
         commands: dict[str, list[str]] = {}
         if args.only != "convert":
@@ -273,8 +279,10 @@ def _report(
     (sharded, sharded_files), (ds, ds_files) = sizes
     what = f"{args.model} + AdamW" if not args.size else f"{args.size} of 2048x2048 fp32 layers + AdamW"
     print(f"{what} on {where}; median of {args.repeat} interleaved rounds")
-    print(f"verify reads fsdpkit's format: {format_size(sharded)} in {sharded_files} files, {args.world_size} rank files")
-    print(f"convert reads DeepSpeed ZeRO-3: {format_size(ds)} in {ds_files} files, {args.ds_world_size} ranks, to full (the weights)")
+    if args.only != "convert":
+        print(f"verify reads fsdpkit's format: {format_size(sharded)} in {sharded_files} files, {args.world_size} rank files")
+    if args.only != "verify":
+        print(f"convert reads DeepSpeed ZeRO-3: {format_size(ds)} in {ds_files} files, {args.ds_world_size} ranks, to full (the weights)")
     print(f"load average (1 min) {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} CPUs")
     medians = {name: statistics.median(t for t, _, _ in found) for name, found in runs.items()}
     for name, found in runs.items():
