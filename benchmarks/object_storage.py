@@ -203,6 +203,9 @@ def main() -> None:
     parser.add_argument("--ds-world-size", type=int, default=2, help="ranks of the DeepSpeed ZeRO-3 checkpoint convert reads")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--bucket", default="fsdpkit-bench")
+    parser.add_argument(
+        "--no-compile-round", action="store_true", help="skip the uncounted first round (a long run: its bytecode compiling is noise)"
+    )
     parser.add_argument("--only", choices=("verify", "convert"), help="time these rows alone")
     parser.add_argument("--baseline", type=Path, help="another fsdpkit checkout whose convert is timed in the same rounds")
     args = parser.parse_args()
@@ -247,7 +250,7 @@ def _run(args: argparse.Namespace) -> None:
                 envs[BASELINE] = _checkout_env(args.baseline.resolve(), work, env)
             commands |= {TRANSFER_NAME: [sys.executable, "-c", TRANSFER, args.bucket, "bench/ds", f"{work}/full"]}
         for name in commands:  # a round that compiles the bytecode, not counted
-            if not name.startswith("boto3"):
+            if not name.startswith("boto3") and not args.no_compile_round:
                 _timed(commands[name], envs.get(name, env))
         _report(args, commands, envs, env, sizes, server_is_local)
 
@@ -289,7 +292,7 @@ def _report(
         seconds, cpu = medians[name], statistics.median(c for _, _, c in found)
         total = sharded if name == VERIFY or name in READERS else ds
         rss = format_size(max(r for _, r, _ in found))
-        print(f"{name:30} {seconds:7.2f} s  {total / seconds / 1e6:8.1f} MB/s read  CPU {cpu:5.2f} s  peak RSS {rss}")
+        print(f"{name:30} {seconds:7.2f} s  {total / seconds / 1e6:8.1f} MB/s of the source  CPU {cpu:5.2f} s  peak RSS {rss}")
     if VERIFY in runs:
         fastest = min(READERS, key=lambda name: medians[name])
         _ratio(f"verify / the faster boto3 reader ({fastest})", runs[VERIFY], runs[fastest])
