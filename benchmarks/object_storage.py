@@ -10,8 +10,10 @@ random fp32 weights and their AdamW state (exp_avg, exp_avg_sq, step): about 1.5
 written in fsdpkit's sharded format at --world-size rank files, converted locally `--to
 deepspeed --stage 3` at --ds-world-size ranks (DeepSpeed's own layout: its zero_to_fp32 reads
 it in the tests) and from there `--to full`, and both checkpoints are uploaded with boto3. Then
-it times, each in its own process (peak RSS and CPU time from wait4), --repeat interleaved
-rounds after one that compiles the bytecode:
+it times, each in its own process (peak RSS and CPU time from wait4), interleaved rounds
+after one that compiles the bytecode (--repeat of the verify rows; --convert-repeat of the
+convert rows, default 1, since gpt2's convert takes minutes a round on moto; without --size
+the convert rows get no compiling round, which costs them a second or two of minutes):
 
 - fsdpkit verify s3://.../run  (the fsdpkit checkpoint: every fragment's crc32 as the bytes stream in)
 - boto3 download_fileobj       (max_concurrency=10, into a sink that keeps nothing)
@@ -201,7 +203,10 @@ def main() -> None:
     parser.add_argument("--size", help="a quick run instead: 2048x2048 fp32 layers with their AdamW moments, this many bytes in all")
     parser.add_argument("--world-size", type=int, default=8, help="rank files of the fsdpkit checkpoint verify reads")
     parser.add_argument("--ds-world-size", type=int, default=2, help="ranks of the DeepSpeed ZeRO-3 checkpoint convert reads")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of the verify rows")
+    parser.add_argument(
+        "--convert-repeat", type=int, default=1, help="rounds of the convert rows (default 1: gpt2's take minutes a round on moto)"
+    )
     parser.add_argument("--bucket", default="fsdpkit-bench")
     parser.add_argument(
         "--no-compile-round", action="store_true", help="skip the uncounted first round (a long run: its bytecode compiling is noise)"
@@ -250,7 +255,8 @@ def _run(args: argparse.Namespace) -> None:
                 envs[BASELINE] = _checkout_env(args.baseline.resolve(), work, env)
             commands |= {TRANSFER_NAME: [sys.executable, "-c", TRANSFER, args.bucket, "bench/ds", f"{work}/full"]}
         for name in commands:  # a round that compiles the bytecode, not counted
-            if not name.startswith("boto3") and not args.no_compile_round:
+            long_convert = name in (CONVERT, BASELINE) and not args.size  # gpt2's: minutes a run on moto
+            if not name.startswith("boto3") and not long_convert and not args.no_compile_round:
                 _timed(commands[name], envs.get(name, env))
         _report(args, commands, envs, env, sizes, server_is_local)
 
@@ -273,15 +279,18 @@ def _report(
 ) -> None:
     runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
     load = os.getloadavg()[0]
-    for round_number in range(args.repeat):  # interleaved, so a slow moment of the machine falls on every reader alike
+    rounds = {name: args.convert_repeat if name in (CONVERT, BASELINE, TRANSFER_NAME) else args.repeat for name in commands}
+    for round_number in range(max(rounds.values())):  # interleaved, so a slow moment of the machine falls on every reader alike
         for name, command in commands.items():
+            if round_number >= rounds[name]:
+                continue
             runs[name].append(_timed(command, envs.get(name, env)))
             seconds, rss, _ = runs[name][-1]
             print(f"round {round_number + 1}: {name} {seconds:.2f} s, peak RSS {format_size(rss)}", file=sys.stderr, flush=True)
     where = "moto's server, this machine" if local else os.environ["AWS_ENDPOINT_URL"]
     (sharded, sharded_files), (ds, ds_files) = sizes
     what = f"{args.model} + AdamW" if not args.size else f"{args.size} of 2048x2048 fp32 layers + AdamW"
-    print(f"{what} on {where}; median of {args.repeat} interleaved rounds")
+    print(f"{what} on {where}; median of {args.repeat} interleaved rounds of verify, {args.convert_repeat} of convert")
     if args.only != "convert":
         print(f"verify reads fsdpkit's format: {format_size(sharded)} in {sharded_files} files, {args.world_size} rank files")
     if args.only != "verify":
