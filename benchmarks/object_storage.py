@@ -1,23 +1,32 @@
 """Object-storage benchmark: `fsdpkit verify s3://` and `fsdpkit convert s3:// s3://` against
 boto3 moving the same objects on the same server, side by side in one run.
 
-    .venv/bin/python benchmarks/object_storage.py                 # 256 MB checkpoint, 4 ranks, moto's server
-    .venv/bin/python benchmarks/object_storage.py --size 1GB --world-size 8
+    .venv/bin/python benchmarks/object_storage.py                 # gpt2 + AdamW (1.5 GB), moto's server
+    .venv/bin/python benchmarks/object_storage.py --size 256MB    # a quick run: 2048x2048 layers + AdamW
     AWS_ENDPOINT_URL=... .venv/bin/python benchmarks/object_storage.py --bucket my-bench-bucket   # a real store
 
-Makes a full safetensors checkpoint of random fp32 tensors (4 M elements each, gpt2-sized
-layers), converts it locally to fsdpkit's sharded format at --world-size ranks, uploads it with
-boto3, then times, each in its own process (peak RSS and CPU time from wait4), median of
---repeat interleaved rounds after one that compiles the bytecode:
+Makes a checkpoint of --model's layer shapes (default gpt2: GPT-2 small, 124M parameters) with
+random fp32 weights and their AdamW state (exp_avg, exp_avg_sq, step): about 1.5 GB. It is
+written in fsdpkit's sharded format at --world-size rank files, converted locally `--to
+deepspeed --stage 3` at --ds-world-size ranks (DeepSpeed's own layout: its zero_to_fp32 reads
+it in the tests) and from there `--to full`, and both checkpoints are uploaded with boto3. Then
+it times, each in its own process (peak RSS and CPU time from wait4), interleaved rounds
+after one that compiles the bytecode (--repeat of the verify rows; --convert-repeat of the
+convert rows, default 1, since gpt2's convert takes minutes a round on moto; without --size
+the convert rows get no compiling round, which costs them a second or two of minutes):
 
-- fsdpkit verify s3://...     (every fragment's crc32 as the bytes stream in)
-- boto3 download_fileobj      (max_concurrency=10, into a sink that keeps nothing)
-- boto3 get_object            (one streamed GET per object, read in 8 MB pieces)
-- fsdpkit convert s3://run s3://out --to full
-- boto3 download + upload     (download_file of the source's objects, max_concurrency=10, then
-                               upload_file of the full output, made locally beforehand)
+- fsdpkit verify s3://.../run  (the fsdpkit checkpoint: every fragment's crc32 as the bytes stream in)
+- boto3 download_fileobj       (max_concurrency=10, into a sink that keeps nothing)
+- boto3 get_object             (one streamed GET per object, read in 8 MB pieces)
+- fsdpkit convert s3://.../ds s3://.../out --to full
+                               (DeepSpeed ZeRO-3 to full safetensors: the model's weights, as an
+                               HF checkpoint holds them; the optimizer state is not converted)
+- boto3 download + upload      (download_file of all the DeepSpeed checkpoint's objects,
+                               max_concurrency=10, then upload_file of the full output, made
+                               locally beforehand)
 
-and prints the ratio of verify to the faster boto3 reader and of convert to boto3's transfers.
+and prints the median time, CPU and peak RSS of each, and the median and spread of the round-by-
+round ratios of verify to the faster boto3 reader and of convert to boto3's transfers.
 `--only convert` times the convert rows alone; `--baseline DIR` (a checkout of another fsdpkit
 commit, e.g. `git worktree add --detach /tmp/base main`) times that checkout's convert in the
 same rounds, as a before/after under the same load:
@@ -46,7 +55,9 @@ sys.path.insert(0, str(ROOT))
 
 from fsdpkit.sizes import format_size, parse_size  # noqa: E402
 
+VERIFY = "fsdpkit verify s3://"
 CONVERT = "fsdpkit convert s3:// s3://"
+TRANSFER_NAME = "boto3 download + upload"
 BASELINE = "fsdpkit convert (--baseline)"
 READERS = {
     "boto3 download_fileobj": r"""
@@ -56,13 +67,13 @@ class Sink:
     def write(self, data): return len(data)
 client, bucket, prefix = boto3.client("s3"), sys.argv[1], sys.argv[2]
 config = TransferConfig(max_concurrency=10)
-for item in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]:
+for item in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]:
     client.download_fileobj(bucket, item["Key"], Sink(), Config=config)
 """,
     "boto3 get_object": r"""
 import sys, boto3
 client, bucket, prefix = boto3.client("s3"), sys.argv[1], sys.argv[2]
-for item in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]:
+for item in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]:
     body = client.get_object(Bucket=bucket, Key=item["Key"])["Body"]
     while body.read(8 << 20):
         pass
@@ -91,29 +102,64 @@ def _start_moto() -> tuple[subprocess.Popen, str]:
 
 
 SETUP = r"""
-import subprocess, sys, tempfile
+import subprocess, sys, torch
 from pathlib import Path
-import boto3, torch
-from safetensors.torch import save_file
+import boto3
+from fsdpkit.checkpoint.format import storage
+from fsdpkit.checkpoint.format.manifest import Manifest
+from fsdpkit.checkpoint.format.placement import Placement, TensorSpec
+from fsdpkit.checkpoint.live.save_protocol import write_rank
+from fsdpkit.flat_layout import ElementRange
+from fsdpkit.models.units import placement_for_model
 
-size, world_size, bucket, prefix, create = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "1"
-client = boto3.client("s3")
-if create:
-    client.create_bucket(Bucket=bucket)
-generator = torch.Generator().manual_seed(0)
-tensors = {f"h.{i}.weight": torch.randn(2048, 2048, generator=generator) for i in range(max(1, size // (16 << 20)))}
-work = sys.argv[6]
-save_file(tensors, f"{work}/model.safetensors", metadata={"format": "pt"})
-del tensors
+model, size, world, ds_world, bucket, create, work, only = sys.argv[1:9]
+world, size, work = int(world), int(size), Path(work)
+if model:
+    placement = placement_for_model(model)
+else:  # --size: fp32 2048x2048 layers with their two AdamW moments, `size` bytes in all
+    placement = Placement.flat([[(f"h.{i}.weight", (2048, 2048))] for i in range(max(1, size // (3 * 16 << 20)))])
+params = [(n, s) for unit in placement.units for n, s in unit]
+table = [TensorSpec(n, "F32", s) for n, s in params]
+table += [TensorSpec(f"optim.{k}.{n}", "F32", s) for k in ("exp_avg", "exp_avg_sq") for n, s in params]
+table += [TensorSpec(f"optim.step.{n}", "F32", ()) for n, _ in params]
+specs = {t.name: t for t in table}
+
+
+class Generated(dict):
+    # each tensor made when first asked for, whole, so memory stays about one tensor
+    def __missing__(self, name):
+        self.clear()
+        spec = specs[name]
+        g = torch.Generator().manual_seed(hash(name) % 2**31)
+        data = torch.full((1,), 1000.0) if name.startswith("optim.step.") else torch.randn(max(spec.numel, 1), generator=g)[: spec.numel]
+        if name.startswith("optim.exp_avg_sq."):
+            data = data.abs_()
+        self[name] = (ElementRange(0, spec.numel), data)
+        return self[name]
+
+
+manifest = Manifest(world, "full", placement, tuple(table), {}, {"step": 1000})
+tmp = storage.begin(work / "sharded", 1000)
+for rank in range(world):
+    write_rank(tmp, manifest, rank, Generated())
+storage.commit(tmp, work / "sharded", 1000, manifest)
 fsdpkit = [sys.executable, "-m", "fsdpkit_cli", "convert"]
-subprocess.run([*fsdpkit, f"{work}/model.safetensors", f"{work}/sharded", "--to", "sharded", "--world-size", world_size], check=True)
-Path(work, "model.safetensors").unlink()
-subprocess.run([*fsdpkit, f"{work}/sharded", f"{work}/full", "--to", "full"], check=True, stdout=subprocess.DEVNULL)
-total = 0
-for path in sorted(Path(work, "sharded").iterdir()):
-    client.upload_file(str(path), bucket, f"{prefix}/{path.name}")
-    total += path.stat().st_size
-print(total)
+quiet = dict(check=True, stdout=subprocess.DEVNULL)
+if only != "verify":
+    subprocess.run([*fsdpkit, f"{work}/sharded", f"{work}/ds", "--to", "deepspeed", "--stage", "3", "--world-size", ds_world], **quiet)
+    subprocess.run([*fsdpkit, f"{work}/ds", f"{work}/full", "--to", "full"], **quiet)
+client = boto3.client("s3")
+if create == "1":
+    client.create_bucket(Bucket=bucket)
+for local, prefix in (("sharded", "bench/run"), ("ds", "bench/ds")):
+    total = 0
+    if only and only != {"sharded": "verify", "ds": "convert"}[local]:
+        print(0, 0)
+        continue
+    for path in sorted(p for p in (work / local).rglob("*") if p.is_file()):
+        client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(work / local).as_posix()}")
+        total += path.stat().st_size
+    print(total, sum(1 for p in (work / local).rglob("*") if p.is_file()))
 """
 
 TRANSFER = r"""
@@ -124,9 +170,9 @@ client, bucket, prefix, full = boto3.client("s3"), sys.argv[1], sys.argv[2], Pat
 config = TransferConfig(max_concurrency=10)
 with tempfile.TemporaryDirectory() as work:
     for item in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]:
-        client.download_file(bucket, item["Key"], f"{work}/{Path(item['Key']).name}", Config=config)
-for path in sorted(full.iterdir()):
-    client.upload_file(str(path), bucket, f"bench/out-boto3/{path.name}", Config=config)
+        client.download_file(bucket, item["Key"], f"{work}/{item['Key'].replace('/', '_')}", Config=config)
+for path in sorted(p for p in full.rglob("*") if p.is_file()):
+    client.upload_file(str(path), bucket, f"bench/out-boto3/{path.relative_to(full).as_posix()}", Config=config)
 """
 
 
@@ -151,10 +197,20 @@ def _compiled_env(work: str) -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="256MB", help="checkpoint bytes (default 256MB)")
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--model", default="gpt2", help="model whose layer shapes the checkpoint has, with AdamW moments (default gpt2: 124M, 1.5 GB)"
+    )
+    parser.add_argument("--size", help="a quick run instead: 2048x2048 fp32 layers with their AdamW moments, this many bytes in all")
+    parser.add_argument("--world-size", type=int, default=8, help="rank files of the fsdpkit checkpoint verify reads")
+    parser.add_argument("--ds-world-size", type=int, default=2, help="ranks of the DeepSpeed ZeRO-3 checkpoint convert reads")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of the verify rows")
+    parser.add_argument(
+        "--convert-repeat", type=int, default=1, help="rounds of the convert rows (default 1: gpt2's take minutes a round on moto)"
+    )
     parser.add_argument("--bucket", default="fsdpkit-bench")
+    parser.add_argument(
+        "--no-compile-round", action="store_true", help="skip the uncounted first round (a long run: its bytecode compiling is noise)"
+    )
     parser.add_argument("--only", choices=("verify", "convert"), help="time these rows alone")
     parser.add_argument("--baseline", type=Path, help="another fsdpkit checkout whose convert is timed in the same rounds")
     args = parser.parse_args()
@@ -176,36 +232,33 @@ def _run(args: argparse.Namespace) -> None:
     """The setup runs in a process of its own, so this one stays small: a child's peak RSS
     counts the memory it shared with this process before it started its program."""
     server_is_local = "127.0.0.1" in os.environ["AWS_ENDPOINT_URL"]
-    prefix, url = "bench/run", f"s3://{args.bucket}/bench"
+    url = f"s3://{args.bucket}/bench"
+    model = "" if args.size else args.model
     with tempfile.TemporaryDirectory() as work:
-        setup = [
-            sys.executable,
-            "-c",
-            SETUP,
-            str(parse_size(args.size)),
-            str(args.world_size),
-            args.bucket,
-            prefix,
-            str(int(server_is_local)),
-        ]
-        total = int(subprocess.run([*setup, work], check=True, capture_output=True, text=True).stdout.split()[-1])
+        setup = [sys.executable, "-c", SETUP, model, str(parse_size(args.size or "0")), str(args.world_size), str(args.ds_world_size)]
+        print(f"setting up {args.model if model else args.size} + AdamW moments in {args.bucket} ...", file=sys.stderr, flush=True)
+        found = subprocess.run(
+            [*setup, args.bucket, str(int(server_is_local)), work, args.only or ""], check=True, capture_output=True, text=True
+        )
+        sizes = [tuple(int(v) for v in line.split()) for line in found.stdout.strip().splitlines()[-2:]]
         commands: dict[str, list[str]] = {}
         if args.only != "convert":
-            commands |= {"fsdpkit verify s3://": [sys.executable, "-m", "fsdpkit_cli", "verify", f"{url}/run"]}
-            commands |= {name: [sys.executable, "-c", code, args.bucket, prefix] for name, code in READERS.items()}
+            commands |= {VERIFY: [sys.executable, "-m", "fsdpkit_cli", "verify", f"{url}/run"]}
+            commands |= {name: [sys.executable, "-c", code, args.bucket, "bench/run"] for name, code in READERS.items()}
         env = _compiled_env(work)
         envs = {}
         if args.only != "verify":
-            convert = [sys.executable, "-m", "fsdpkit_cli", "convert", f"{url}/run", f"{url}/out-fsdpkit", "--to", "full", "--overwrite"]
+            convert = [sys.executable, "-m", "fsdpkit_cli", "convert", f"{url}/ds", f"{url}/out-fsdpkit", "--to", "full", "--overwrite"]
             commands |= {CONVERT: convert}
             if args.baseline is not None:
-                commands |= {BASELINE: [*convert[:-2], f"{url}/out-baseline", "--to", "full", "--overwrite"]}
+                commands |= {BASELINE: [*convert[:-4], f"{url}/out-baseline", "--to", "full", "--overwrite"]}
                 envs[BASELINE] = _checkout_env(args.baseline.resolve(), work, env)
-            commands |= {"boto3 download + upload": [sys.executable, "-c", TRANSFER, args.bucket, prefix, f"{work}/full"]}
+            commands |= {TRANSFER_NAME: [sys.executable, "-c", TRANSFER, args.bucket, "bench/ds", f"{work}/full"]}
         for name in commands:  # a round that compiles the bytecode, not counted
-            if not name.startswith("boto3"):
+            long_convert = name in (CONVERT, BASELINE) and not args.size  # gpt2's: minutes a run on moto
+            if not name.startswith("boto3") and not long_convert and not args.no_compile_round:
                 _timed(commands[name], envs.get(name, env))
-        _report(args, commands, envs, env, total, server_is_local)
+        _report(args, commands, envs, env, sizes, server_is_local)
 
 
 def _checkout_env(checkout: Path, work: str, env: dict[str, str]) -> dict[str, str]:
@@ -217,34 +270,54 @@ def _checkout_env(checkout: Path, work: str, env: dict[str, str]) -> dict[str, s
 
 
 def _report(
-    args: argparse.Namespace, commands: dict[str, list[str]], envs: dict[str, dict[str, str]], env: dict[str, str], total: int, local: bool
+    args: argparse.Namespace,
+    commands: dict[str, list[str]],
+    envs: dict[str, dict[str, str]],
+    env: dict[str, str],
+    sizes: list[tuple[int, int]],
+    local: bool,
 ) -> None:
     runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
     load = os.getloadavg()[0]
-    for _ in range(args.repeat):  # interleaved, so a slow moment of the machine falls on every reader alike
+    rounds = {name: args.convert_repeat if name in (CONVERT, BASELINE, TRANSFER_NAME) else args.repeat for name in commands}
+    for round_number in range(max(rounds.values())):  # interleaved, so a slow moment of the machine falls on every reader alike
         for name, command in commands.items():
+            if round_number >= rounds[name]:
+                continue
             runs[name].append(_timed(command, envs.get(name, env)))
+            seconds, rss, _ = runs[name][-1]
+            print(f"round {round_number + 1}: {name} {seconds:.2f} s, peak RSS {format_size(rss)}", file=sys.stderr, flush=True)
     where = "moto's server, this machine" if local else os.environ["AWS_ENDPOINT_URL"]
-    print(f"{format_size(total)} in {args.world_size} rank files on {where}; median of {args.repeat}")
+    (sharded, sharded_files), (ds, ds_files) = sizes
+    what = f"{args.model} + AdamW" if not args.size else f"{args.size} of 2048x2048 fp32 layers + AdamW"
+    print(f"{what} on {where}; median of {args.repeat} interleaved rounds of verify, {args.convert_repeat} of convert")
+    if args.only != "convert":
+        print(f"verify reads fsdpkit's format: {format_size(sharded)} in {sharded_files} files, {args.world_size} rank files")
+    if args.only != "verify":
+        print(f"convert reads DeepSpeed ZeRO-3: {format_size(ds)} in {ds_files} files, {args.ds_world_size} ranks, to full (the weights)")
     print(f"load average (1 min) {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} CPUs")
     medians = {name: statistics.median(t for t, _, _ in found) for name, found in runs.items()}
     for name, found in runs.items():
         seconds, cpu = medians[name], statistics.median(c for _, _, c in found)
+        total = sharded if name == VERIFY or name in READERS else ds
         rss = format_size(max(r for _, r, _ in found))
-        print(f"{name:30} {seconds:7.2f} s  {total / seconds / 1e6:8.1f} MB/s  CPU {cpu:5.2f} s  peak RSS {rss}")
-    if "fsdpkit verify s3://" in runs:
+        print(f"{name:30} {seconds:7.2f} s  {total / seconds / 1e6:8.1f} MB/s of the source  CPU {cpu:5.2f} s  peak RSS {rss}")
+    if VERIFY in runs:
         fastest = min(READERS, key=lambda name: medians[name])
-        _ratio("verify / the faster boto3 reader", runs["fsdpkit verify s3://"], runs[fastest])
+        _ratio(f"verify / the faster boto3 reader ({fastest})", runs[VERIFY], runs[fastest])
     for name in (CONVERT, BASELINE):
         if name in runs:
-            _ratio(f"{name.removeprefix('fsdpkit ')} / boto3 download + upload", runs[name], runs["boto3 download + upload"])
+            _ratio(f"{name.removeprefix('fsdpkit ')} / boto3 download + upload", runs[name], runs[TRANSFER_NAME])
 
 
 def _ratio(what: str, runs: list[tuple[float, int, float]], against: list[tuple[float, int, float]]) -> None:
-    """The ratio of the medians, and its spread round by round."""
+    """The median of the round-by-round ratios and their spread, and the ratio of the medians."""
     rounds = [a / b for (a, _, _), (b, _, _) in zip(runs, against, strict=True)]
-    median = statistics.median(t for t, _, _ in runs) / statistics.median(t for t, _, _ in against)
-    print(f"{what}: {median:.2f}x (round by round {min(rounds):.2f}x to {max(rounds):.2f}x)")
+    of_medians = statistics.median(t for t, _, _ in runs) / statistics.median(t for t, _, _ in against)
+    print(
+        f"{what}: {statistics.median(rounds):.2f}x, median of the rounds' ratios (spread {min(rounds):.2f}x to"
+        f" {max(rounds):.2f}x; ratio of the medians {of_medians:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

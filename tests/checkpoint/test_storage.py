@@ -211,3 +211,26 @@ def test_a_long_write_waits_for_its_parts_and_stays_whole(s3_bucket, s3_endpoint
         for first in range(0, len(data), 1 << 20):
             stream.write(data[first : first + (1 << 20)])
     assert s3_client(s3_endpoint).get_object(Bucket=s3_bucket, Key="p/obj")["Body"].read() == data
+
+
+def test_runs_read_in_file_order_share_their_gets_and_runs_apart_fetch_only_themselves(s3_bucket, s3_endpoint, monkeypatch):
+    """The byte engine's runs of one object (a ZeRO-3 rank file's partitions, tensor by tensor):
+    runs that each start where the last ended continue one longer GET instead of a GET each,
+    and runs with gaps between them fetch their own bytes and no more; boto3 wrote the bytes."""
+    from fsdpkit.checkpoint.storage.handle import open_handle
+
+    data, run = os.urandom(6 << 20), 64 << 10
+    s3_client(s3_endpoint).put_object(Bucket=s3_bucket, Key="runs/rank-0.pt", Body=data)
+    for stride in (run, 2 * run):  # back to back, then with a gap after each run
+        with FaultProxy(s3_endpoint, fraction=0.0) as proxy:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+            handle, _ = open_handle(open_storage(f"s3://{s3_bucket}/runs"), "rank-0.pt")
+            asked = proxy.requests
+            got = [handle.window(offset, run, offset + run) for offset in range(0, len(data), stride)]
+            handle.close()
+            gets = proxy.requests - asked
+        assert got == [data[offset : offset + run] for offset in range(0, len(data), stride)]
+        if stride == run:
+            assert gets <= 2, gets  # 96 runs: the first GET, then one to the object's end
+        else:
+            assert gets == len(got) and proxy.got_bytes == len(got) * run, (gets, proxy.got_bytes)

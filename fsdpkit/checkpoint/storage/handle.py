@@ -8,7 +8,12 @@ headers that detection, opening and reading each parse are fetched once.
 The byte engine reads tensor bytes through `window` instead: one streamed GET per run of bytes
 it reads (the face's `read_blocks`: requests in offset order, a few blocks read ahead, bounded
 memory) that ends where the read ends, so each byte is fetched once whatever order the runs are
-read in; a run the kept blocks hold whole (a small file's) is served from them, no GET."""
+read in; a run the kept blocks hold whole (a small file's) is served from them, no GET. A run
+that starts where the last GET ended (a ZeRO-3 rank file's partitions read tensor by tensor, in
+file order) continues it: its GET asks for twice the last one's bytes (CONTINUED_MIN_BYTES at least), up to CONTINUED_BYTES
+more than the run needs, so a file read front to back in many runs takes a few GETs, not one
+per run (each a round trip on a real store, and a copy of the whole object on moto's server);
+what a stream has not handed over when it is closed is never read."""
 
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ from .face import Storage
 BLOCK_BYTES = 256 << 10
 KEPT_BLOCKS = 16  # at most 4 MiB held per object
 STREAM_BLOCK_BYTES = 1 << 20  # a block of a window's stream
+CONTINUED_BYTES = 64 << 20  # at most this much past a run's end is asked for by a GET that continues the last one
+CONTINUED_MIN_BYTES = 8 << 20  # and at least this much from where it starts
 
 
 class BlockCache:
@@ -52,7 +59,7 @@ class ObjectHandle:
         self._blocks = blocks if blocks is not None else BlockCache()
         self._stream: Iterator[tuple[int, memoryview]] | None = None  # the GET windows are read from
         self._held, self._held_start, self._streamed = bytearray(), 0, 0  # bytes [held_start, streamed) of it
-        self._stream_end = 0  # where the stream's GET ends
+        self._stream_start = self._stream_end = 0  # where the stream's GET starts and ends
 
     def pread(self, count: int, offset: int) -> bytes:
         """Bytes [offset, offset + count), fewer only where the object ends."""
@@ -73,8 +80,9 @@ class ObjectHandle:
         if kept is not None:
             return kept
         if self._stream is None or not self._held_start <= offset <= self._streamed or offset >= self._stream_end:
+            self._stream_end = self._get_end(offset, until)
             self.close()
-            self._stream_end = min(max(until, offset + 1), self.size)
+            self._stream_start = offset
             self._stream = self.storage.read_blocks(self.name, [(offset, self._stream_end)], block_bytes=STREAM_BLOCK_BYTES)
             self._held_start = self._streamed = offset
         end = min(offset + length, self._stream_end)
@@ -85,6 +93,15 @@ class ObjectHandle:
         del self._held[: offset - self._held_start]  # windows move forward: what is before this one is done
         self._held_start = offset
         return bytes(self._held[: end - offset])
+
+    def _get_end(self, offset: int, until: int) -> int:
+        """Where a new GET from `offset` for a run that ends at `until` ends: further on when the
+        run continues the last GET (see the module's docstring)."""
+        end = max(until, offset + 1)
+        if self._stream is not None and offset == self._stream_end:
+            extra = max(2 * (self._stream_end - self._stream_start), CONTINUED_MIN_BYTES)
+            end = max(end, min(offset + extra, end + CONTINUED_BYTES))
+        return min(end, self.size)
 
     def _kept(self, start: int, end: int) -> bytes | None:
         """Bytes [start, end) when the kept blocks hold them all, else None."""
