@@ -21,6 +21,7 @@ more run per round through the CLI in a process that times them; `--json` prints
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from dcp_interop import FSDPKIT, check_free, measure_rss, run, uncache
@@ -128,22 +130,44 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def rounds(work: Path, megatron: Path, repeat: int) -> tuple[dict[str, list[dict]], list[dict[str, float]]]:
-    commands = {
-        "fsdpkit convert --to full": [FSDPKIT, "convert", str(megatron), str(work / "hf-out"), "--to", "full"],
-        "cp -r": ["/bin/cp", "-r", str(megatron), str(work / "copy")],
-    }
+BASELINE = "baseline convert --to full"
+
+
+def rounds(work: Path, megatron: Path, repeat: int, baseline: str | None) -> tuple[dict[str, list[dict]], list[dict[str, float]]]:
+    convert = [FSDPKIT, "convert", str(megatron), str(work / "hf-out"), "--to", "full"]
+    commands = {"fsdpkit convert --to full": convert, "cp -r": ["/bin/cp", "-r", str(megatron), str(work / "copy")]}
+    if baseline is not None:
+        commands[BASELINE] = convert
     results: dict[str, list[dict]] = {name: [] for name in commands}
     names = list(commands)
     phases: list[dict[str, float]] = []
     for round_ in range(repeat):
-        for name in names[round_ % 2 :] + names[: round_ % 2]:
+        turn = round_ % len(names)
+        for name in names[turn:] + names[:turn]:
             uncache(megatron)
-            results[name].append(measure_rss(commands[name]))
+            with _pythonpath(baseline if name == BASELINE else None):
+                results[name].append(measure_rss(commands[name]))
             for leftover in ("hf-out", "copy"):
                 shutil.rmtree(work / leftover, ignore_errors=True)
         phases.append(phases_of_convert(megatron, work / "hf-out"))
     return results, phases
+
+
+@contextlib.contextmanager
+def _pythonpath(path: str | None) -> Iterator[None]:
+    """PYTHONPATH set to `path` ('' : unset, the installed fsdpkit) while the block runs; nothing when None."""
+    if path is None:
+        yield
+        return
+    old = os.environ.pop("PYTHONPATH", None)
+    if path:
+        os.environ["PYTHONPATH"] = path
+    try:
+        yield
+    finally:
+        os.environ.pop("PYTHONPATH", None)
+        if old is not None:
+            os.environ["PYTHONPATH"] = old
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--baseline", metavar="PYTHONPATH", help="also time convert with this PYTHONPATH (another checkout) in the same rounds"
+    )
     parser.add_argument("--work", type=Path, default=None, help="Scratch directory (default: a temporary one, removed).")
     parser.add_argument("--write-llama", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--phases-of", type=Path, nargs=2, default=None, help=argparse.SUPPRESS)
@@ -174,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         uncache(work / "hf")
         setup = measure_rss([FSDPKIT, "convert", str(work / "hf"), str(work / "megatron"), "--to", "megatron"])
         shutil.rmtree(work / "hf")
-        results, phases = rounds(work, work / "megatron", args.repeat)
+        results, phases = rounds(work, work / "megatron", args.repeat, args.baseline)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratios = [c["seconds"] / p["seconds"] for c, p in zip(results["fsdpkit convert --to full"], results["cp -r"], strict=True)]
+    before = [c["seconds"] / p["seconds"] for c, p in zip(results.get(BASELINE, []), results["cp -r"], strict=False)]
     document = {
         "checkpoint_bytes": size,
         "to_megatron": setup,
@@ -186,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, runs in results.items()
         },
         "convert_over_cp": summary(ratios),
+        **({"baseline_over_cp": summary(before)} if before else {}),
         "convert_phases": {phase: summary([found[phase] for found in phases]) for phase in PHASES},
     }
     if args.json:
@@ -197,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:28} {s['median']:7.2f} s [{s['min']:.2f}, {s['max']:.2f}]  peak RSS {found['peak_rss'] / 1e6:5.0f} MB")
         r = document["convert_over_cp"]
         print(f"convert / cp -r per round: {r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]")
+        if before:
+            b = document["baseline_over_cp"]
+            print(f"baseline convert / cp -r per round: {b['median']:.2f}x [{b['min']:.2f}, {b['max']:.2f}]")
         found = document["convert_phases"]
         print(
             "phases of convert (one more run per round):",
