@@ -354,7 +354,7 @@ def test_an_interrupt_held_back_during_torchs_import_does_not_come_again_in_the_
         "import atexit, os, signal, sys, time, types\n"
         "from fsdpkit_cli import entry\n"
         "torch_spec = types.SimpleNamespace(_initializing=True)\n"
-        "def run():\n"
+        "def run(early=None):\n"
         "    sys.modules['torch'] = types.SimpleNamespace(__spec__=torch_spec)  # torch being imported\n"
         "    os.kill(os.getpid(), signal.SIGINT)  # held back: the timer looks again shortly after\n"
         "    time.sleep(0.005)\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,8 +137,15 @@ def test_workers_killed_at_ten_moments_of_save_uploads_leave_no_upload_open_and_
     those of the uninterrupted local run."""
     full, local = small_reference
     url, client = f"s3://{s3_bucket}/runs/r", s3_client(s3_endpoint)
-    scratch = tmp_path / "tmpdir"
-    scratch.mkdir()
+    # TMPDIR of the run, short: the launcher's sockets live there (AF_UNIX paths end at 108 bytes)
+    scratch = Path(tempfile.mkdtemp(prefix="fsdpkit-kills-"))
+    try:
+        _kill_at_ten_moments(full, local, url, client, scratch, tmp_path, s3_endpoint, s3_bucket)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _kill_at_ten_moments(full, local, url, client, scratch: Path, tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
     command = [FSDPKIT, "train", *COMMON, *SMALL, "--save-dir", url, "--max-restarts", "10", "--quiet", "--json"]
     stop, largest = threading.Event(), [0]
     watcher = threading.Thread(target=_watch_largest_file, args=(scratch, stop, largest))
@@ -180,7 +188,10 @@ def _wait_for_the_hold(proxy: FaultProxy, run: subprocess.Popen) -> None:
     deadline = time.monotonic() + 300
     while not proxy.held.wait(1.0):
         if run.poll() is not None:
-            raise AssertionError(f"the run ended (exit {run.returncode}) before the armed write: {run.stderr.read().decode()[-2000:]}")
+            said = [
+                line for line in run.stderr.read().decode().splitlines() if not line.startswith((" ", "Traceback", "FileNotFoundError"))
+            ]
+            raise AssertionError(f"the run ended (exit {run.returncode}) before the armed write: {said[-20:]}")
         assert time.monotonic() < deadline, "no save reached the moment to kill it"
 
 
