@@ -199,7 +199,7 @@ def test_a_save_that_waits_for_the_previous_async_save_says_how_long_it_stalled(
         (line,) = lines
         waited = float(line.split("stalled training ")[1].split(" s")[0])
         assert line == f"save of step 2 stalled training {waited:.2f} s: the async save of step 1 was still being written"
-        assert 0.25 <= waited <= saver.stall_seconds
+        assert 0.25 <= waited <= saver.stall_seconds + 0.005  # the line rounds to hundredths
         assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000001", "step-00000002"]
         for step, state in expected.items():
             with CheckpointReader(tmp_path / f"step-{step:08d}", validate_all=False) as reader:
