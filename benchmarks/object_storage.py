@@ -87,7 +87,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _start_moto() -> tuple[subprocess.Popen, str]:
+def start_moto() -> tuple[subprocess.Popen, str]:
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -216,7 +216,7 @@ def main() -> None:
     args = parser.parse_args()
     server = None
     if not os.environ.get("AWS_ENDPOINT_URL"):
-        server, endpoint = _start_moto()
+        server, endpoint = start_moto()
         os.environ.update(
             AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1"
         )

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from object_storage import start_moto  # noqa: E402  (moto's server in a process of its own)
 
 from fsdpkit.sizes import parse_size  # noqa: E402
 
@@ -52,22 +53,6 @@ subprocess.run([*command, "--world-size", "2"], check=True, stdout=subprocess.DE
 for path in sorted((work / "run").iterdir()):
     client.upload_file(str(path), bucket, f"bench-spread/run/{path.name}")
 """
-
-
-def _start_moto() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    for _ in range(100):
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return server, f"http://127.0.0.1:{port}"
-        time.sleep(0.1)
-    server.kill()
-    raise SystemExit("moto's server did not start")
 
 
 def _timed(command: list[str]) -> tuple[float, int]:
@@ -113,7 +98,7 @@ def main() -> None:
     args.size = parse_size(args.size)
     server = None
     if not os.environ.get("AWS_ENDPOINT_URL"):
-        server, endpoint = _start_moto()
+        server, endpoint = start_moto()
         keys = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
         os.environ.update(AWS_ENDPOINT_URL=endpoint, **keys)
     try:
