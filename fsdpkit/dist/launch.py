@@ -44,6 +44,10 @@ STOP_ENV = "FSDPKIT_STOP"  # "1": a SIGTERM reached the launcher; workers stop a
 INTERRUPTED_ENV = "FSDPKIT_INTERRUPTED"  # "1": the console script got a SIGINT (one that was swallowed too)
 LOG_DIR_PREFIX = "fsdpkit-launch-"  # the workers' error files, removed when the launch ends
 SHUTDOWN_SECONDS = 5  # a worker the agent stops (after a failure, or on SIGINT) is killed after this
+SOCKET_PATH_MAX = 107  # bytes of an AF_UNIX socket's path: sun_path's 108, less a NUL
+SOCKET_NAME = "/listener-12345678"  # multiprocessing's socket in its directory (8 random letters)
+SOCKET_DIR_NAME = "/pymp-12345678"  # multiprocessing's directory for its sockets, made under TMPDIR
+SHORT_TEMP_DIR = "/tmp"
 
 
 def under_torchrun() -> bool:
@@ -182,6 +186,7 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
     single_node = options.nnodes == 1 and not options.endpoint
     endpoint = (_local_endpoint(options.rdzv_backend) if single_node else options.endpoint) or ""
     try:
+        _socket_dir_that_fits()
         preload_fork_server(worker_fn)
         with _stop_signals(), _prompt_stops(), sigint_blocked_in_new_workers():
             if os.environ.get(INTERRUPTED_ENV) == "1":  # an interrupt some code before here swallowed
@@ -204,6 +209,32 @@ def launch(worker_fn: Callable[..., Any], *args: Any, options: LaunchOptions) ->
             f"the rendezvous at {endpoint} did not complete within --timeout {options.timeout:g} s "
             f"({options.nnodes} nodes expected): {detail}"
         ) from None
+
+
+def _socket_dir_that_fits() -> None:
+    """multiprocessing's directory for its sockets (the fork server's listener among them), made
+    once per process under TMPDIR: under a TMPDIR too long for an AF_UNIX path, made under
+    SHORT_TEMP_DIR instead, as newer Pythons do; where that fails too, a UsageError saying what to set."""
+    from multiprocessing import util
+
+    tmpdir, saved = tempfile.gettempdir(), tempfile.tempdir
+    fits = SOCKET_PATH_MAX - len(SOCKET_DIR_NAME + SOCKET_NAME)  # the longest TMPDIR that works
+    if len(os.fsencode(tmpdir)) > fits:
+        tempfile.tempdir = SHORT_TEMP_DIR  # for multiprocessing's first use only
+    try:
+        socket_path = util.get_temp_dir() + SOCKET_NAME
+    except OSError as error:
+        raise UsageError(
+            f"TMPDIR {tmpdir} is too long for the launcher's AF_UNIX socket and {SHORT_TEMP_DIR} is not usable "
+            f"({error.strerror}): set TMPDIR to a directory of at most {fits} bytes"
+        ) from None
+    finally:
+        tempfile.tempdir = saved
+    if len(os.fsencode(socket_path)) > SOCKET_PATH_MAX:
+        raise UsageError(
+            f"the launcher's AF_UNIX socket {socket_path} would be {len(os.fsencode(socket_path))} bytes, "
+            f"more than {SOCKET_PATH_MAX}: set TMPDIR to a directory of at most {fits} bytes"
+        )
 
 
 def _launch_config(options: LaunchOptions, endpoint: str, log_dir: str) -> Any:

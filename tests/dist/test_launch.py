@@ -5,7 +5,10 @@ behind there (torch's default is a torchelastic_* directory per launch)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -50,3 +53,18 @@ def test_a_launch_keeps_its_workers_files_under_tmpdir_and_leaves_none_there(mon
         run_distributed(_fail, 2)
     # multiprocessing's own pymp-* directory, where this launch started its fork server, goes when this process exits
     assert sorted(path.name for path in tmp_path.iterdir() if not path.name.startswith("pymp-")) == []
+
+
+def test_a_run_under_a_tmpdir_too_long_for_a_socket_path_trains(tmp_path):
+    """AF_UNIX paths end at 108 bytes: under a longer TMPDIR the launcher's fork server still
+    finds a place for its socket, and `fsdpkit train` (its smallest run) ends as under /tmp."""
+    long_tmpdir = tmp_path / ("t" * max(1, 120 - len(str(tmp_path))))
+    long_tmpdir.mkdir()
+    assert len(str(long_tmpdir)) > 108
+    args = ["--model", "gpt-tiny", "--seq-len", "16", "--global-batch-size", "4", "--nproc-per-node", "2", "--steps", "1", "--json"]
+    fsdpkit = str(Path(sys.executable).with_name("fsdpkit"))
+    done = subprocess.run(
+        [fsdpkit, "train", *args], capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(long_tmpdir)}
+    )
+    assert (done.returncode, "Traceback" in done.stderr) == (0, False), done.stderr[-2000:]
+    assert json.loads(done.stdout)["optimizer_steps"] == 1
