@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import errno
 import importlib
 import inspect
 import os
@@ -19,7 +18,6 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import rich.console
 import typer
 from typer.core import TyperCommand, TyperGroup
 
@@ -81,20 +79,16 @@ def stdout_reader_gone() -> bool:
     return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
-def _broken_pipe(console: rich.console.Console) -> None:
-    raise BrokenPipeError(errno.EPIPE, "stdout's reader is gone")
-
-
-# rich answers a broken pipe with exit 1 (help is printed by rich): leave it to output_may_be_cut_short
-rich.console.Console.on_broken_pipe = _broken_pipe  # type: ignore[method-assign]
-
-
 @contextlib.contextmanager
 def output_may_be_cut_short() -> Iterator[None]:
     """A reader of stdout gone (`| head`) ends the command with exit 0 and nothing on stderr, as
     `ls | head` does: what is left to print goes nowhere. Any other broken pipe is an error."""
     try:
         yield
+    except SystemExit as error:  # rich's answer to a broken pipe while it prints help: stdout made /dev/null, exit 1
+        if error.code != 1 or not isinstance(error.__context__, BrokenPipeError):
+            raise
+        raise typer.Exit(0) from None
     except BrokenPipeError:
         if not stdout_reader_gone():
             raise

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,12 +36,17 @@ def test_every_warning_is_one_line_and_quiet_keeps_only_warnings():
     assert _stderr(quiet=True) == warnings
 
 
-def test_output_whose_reader_stops_early_is_a_success_with_nothing_on_stderr():
-    """`fsdpkit train --help | head -3` exits 0 quietly, as `ls | head` does: through a real pipe
-    whose reader closes it at once (the first write fails) or after three lines, as head does."""
+def test_output_whose_reader_stops_early_is_a_success_with_nothing_on_stderr(tmp_path):
+    """`fsdpkit train --help | head -3` and `fsdpkit inspect ... | head -1` exit 0 quietly, as
+    `ls | head` does: through a real pipe whose reader closes it at once (the first write fails)
+    or after some lines, as head does; help is printed by rich, a command's output is not."""
+    from safetensors.numpy import save_file
+
+    save_file({f"layer{i}.weight": np.zeros((4, 4), np.float32) for i in range(200)}, str(tmp_path / "model.safetensors"))
     fsdpkit = str(Path(sys.executable).with_name("fsdpkit"))
     runs = []
-    for args, lines_read in ((["train", "--help"], 0), (["train", "--help"], 3), (["convert", "--help"], 0), (["--help"], 3)):
+    cases = [(["train", "--help"], 0), (["train", "--help"], 3), (["convert", "--help"], 0), (["--help"], 3)]
+    for args, lines_read in [*cases, (["inspect", str(tmp_path)], 0), (["inspect", str(tmp_path)], 1)]:
         read_end, write_end = os.pipe()
         runs.append((args, lines_read, read_end, subprocess.Popen([fsdpkit, *args], stdout=write_end, stderr=subprocess.PIPE)))
         os.close(write_end)
@@ -53,6 +59,13 @@ def test_output_whose_reader_stops_early_is_a_success_with_nothing_on_stderr():
                 head = [reader.readline() for _ in range(lines_read)]
         _, stderr = process.communicate(timeout=60)
         assert (process.returncode, stderr.decode()) == (0, ""), (args, head)
+
+
+def test_the_command_group_does_without_rich():
+    """rich is imported only to print help: loading the group that runs every command does not import it."""
+    check = "import sys, fsdpkit_cli.group; print(sorted(m for m in sys.modules if m.split('.')[0] == 'rich'))"
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "[]\n", "")
 
 
 def test_byte_progress_in_a_log_is_a_plain_line_with_the_share_done(monkeypatch, capsys):
