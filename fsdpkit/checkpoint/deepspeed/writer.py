@@ -11,6 +11,8 @@ each rank: parameters empty, buffers whole, the rank's fragment of each frozen p
 No torch or DeepSpeed: every file is a torch zip (`torchfile.archive`; 4 GiB or more would need
 zip64, which is refused) whose data.pkl is pickled by name (`writer_records`), and every
 partition's bytes are copied from the sources' byte ranges, cast where the output's dtype differs.
+Each storage's CRC-32 is computed as its bytes go out and written after them, in the record's
+data descriptor and the central directory, so a file is written front to back (a stream).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ...flat_layout import ElementRange
 from ..core import workers
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.names import numel
-from ..torchfile.archive import MAX_RECORD_BYTES, torch_zip_parts
+from ..torchfile.archive import DATA_DESCRIPTOR, MAX_RECORD_BYTES, data_descriptor, torch_zip_parts
 from ..torchfile.pickler import Ordered, Raw, dumps
 from ..torchfile.rawout import ByteOutput, RawOutput
 from . import writer_records as records
@@ -124,14 +126,17 @@ def write_torch_zip(out: ByteOutput, prefix: str, data_pkl: bytes, storages: lis
     total = len(data_pkl) + sum(s.nbytes for s in storages) + 4096 * (len(storages) + 8)
     if total > MAX_RECORD_BYTES:
         raise UsageError(f"{out.path}: a rank file of about {total} bytes (4 GiB or more) needs zip64, which fsdpkit does not write")
-    parts = torch_zip_parts(prefix, data_pkl, [s.nbytes for s in storages])
+    sizes = [s.nbytes for s in storages]
+    parts, crcs = torch_zip_parts(prefix, data_pkl, sizes, [0] * len(sizes)), list[int]()
     for key, storage in enumerate(storages):
-        out.write(parts[key])
+        out.write(parts[0] if key == 0 else data_descriptor(crcs[-1], sizes[key - 1]) + parts[key][DATA_DESCRIPTOR.size :])
         start = out.position
+        out.start_crc()
         storage.fill(out)
+        crcs.append(out.crc())
         if out.position - start != storage.nbytes:
             raise AssertionError(f"{out.path}: storage {key} took {out.position - start} bytes, not {storage.nbytes}")
-    out.write(parts[-1])
+    out.write(torch_zip_parts(prefix, data_pkl, sizes, crcs)[-1])
 
 
 def _check(run: DsRun) -> None:
@@ -270,24 +275,32 @@ class DsFile:
     data_pkl: bytes
     storages: list[Storage]
 
+    def parts(self, crcs: list[int] | None = None) -> list[tuple[int, bytes]]:
+        """(offset, bytes) of each part of the file around its storages' data, with the storages'
+        CRC-32s `crcs` (None: zeros, for the layout)."""
+        sizes = [s.nbytes for s in self.storages]
+        parts = torch_zip_parts(self.name.removesuffix(".pt"), self.data_pkl, sizes, crcs or [0] * len(sizes))
+        placed, position = [], 0
+        for part, size in zip(parts, [*sizes, 0], strict=True):
+            placed.append((position, part))
+            position += len(part) + size
+        return placed
+
     @property
     def nbytes(self) -> int:
-        parts = torch_zip_parts(self.name.removesuffix(".pt"), self.data_pkl, [s.nbytes for s in self.storages])
-        return sum(len(part) for part in parts) + sum(s.nbytes for s in self.storages)
+        offset, last = self.parts()[-1]
+        return offset + len(last)
 
     def write(self, out: ByteOutput) -> None:
         write_torch_zip(out, self.name.removesuffix(".pt"), self.data_pkl, self.storages)
 
+    def data_spans(self) -> list[tuple[int, int]]:
+        """[begin, end) of each storage's data in the file."""
+        return [(offset + len(part), offset + len(part) + s.nbytes) for (offset, part), s in zip(self.parts(), self.storages, strict=False)]
+
     def storage_spans(self, step: int) -> tuple[tuple[int, int, int], ...]:
         """(first, last, step) of each storage's data in the file: where a part of it may start."""
-        parts = torch_zip_parts(self.name.removesuffix(".pt"), self.data_pkl, [s.nbytes for s in self.storages])
-        spans, position = [], 0
-        for part, storage in zip(parts, self.storages, strict=False):
-            position += len(part)
-            if storage.nbytes:
-                spans.append((position, position + storage.nbytes, step))
-            position += storage.nbytes
-        return tuple(spans)
+        return tuple((begin, end, step) for begin, end in self.data_spans() if end > begin)
 
 
 def deepspeed_files(run: DsRun) -> list[DsFile]:

@@ -55,6 +55,7 @@ class PartResult:
     source_parts: list[list] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     fragments: int = 0
+    record_crcs: list[list[int]] = field(default_factory=list)  # a torch zip's: [begin, end, CRC-32] of its storages' bytes written
 
 
 def staging_path(dst: Path) -> Path:

@@ -1,7 +1,8 @@
 """One output file written from raw byte ranges of source files (no torch, no tensors): large
-pieces without a checksum are copied by the kernel (`files.copy_range`); small ones, and those
-with a crc32 (read through the byte engine, which checks them), gather into one `writev` of at
-most `BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
+pieces without a checksum are copied by the kernel (`files.copy_range`); small ones, those
+with a crc32 (read through the byte engine, which checks them), and all bytes whose CRC-32 the
+file records (`start_crc` .. `crc`: a zip record's data) gather into one `writev` of at most
+`BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Protocol
 from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
 from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.crc import crc32
 from ..core.files import IOV_MAX, Descriptor, close, copy_range, create, open_regular, read_exactly, write_views
 
 BUFFER_BYTES = 8 * 1024 * 1024
@@ -36,6 +38,14 @@ class ByteOutput(Protocol):
 
     def copy_via_engine(self, source: SourceTensor, wanted: ElementRange, dtype: str) -> None: ...
 
+    def start_crc(self) -> None:
+        """Keep the CRC-32 of the bytes appended from here on."""
+        ...
+
+    def crc(self) -> int:
+        """The CRC-32 of the bytes appended since `start_crc` (as far as this output holds them)."""
+        ...
+
 
 class RawOutput:
     def __init__(self, path: Path, engine: ByteEngine, progress: Callable[[int], None] | None = None):
@@ -45,6 +55,7 @@ class RawOutput:
         self._pending: list[bytes | bytearray | memoryview] = []  # written by one writev
         self._pending_bytes = 0
         self._sources: dict[Path, Descriptor] = {}
+        self._crc: int | None = None  # None: not kept
 
     def __enter__(self) -> RawOutput:
         return self
@@ -60,7 +71,18 @@ class RawOutput:
             if kind is not None:
                 self.path.unlink(missing_ok=True)
 
+    def start_crc(self) -> None:
+        self._crc = 0
+
+    def crc(self) -> int:
+        value, self._crc = self._crc, None
+        if value is None:
+            raise AssertionError(f"{self.path}: crc() without start_crc()")
+        return value
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._crc is not None:
+            self._crc = crc32(data, self._crc)
         self._pending.append(data)
         self._pending_bytes += len(data)
         self.position += len(data)
@@ -95,8 +117,9 @@ class RawOutput:
         fd = self._sources.get(path)
         if fd is None:
             fd = self._sources[path] = open_regular(path)[0]
-        if nbytes < KERNEL_COPY_BYTES:
-            self.write(read_exactly(fd, nbytes, offset, path))
+        if nbytes < KERNEL_COPY_BYTES or self._crc is not None:  # a CRC-32 kept: the bytes pass through here
+            for at in range(offset, offset + nbytes, BUFFER_BYTES):
+                self.write(read_exactly(fd, min(BUFFER_BYTES, offset + nbytes - at), at, path))
             return
         self._flush()
         copy_range(fd, offset, nbytes, self._fd, self.position, path)
