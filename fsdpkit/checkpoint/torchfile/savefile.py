@@ -175,8 +175,7 @@ class SaveFile:
         return len(checks), [problem for _, problem in checks if problem is not None]
 
     def unrecorded_crcs(self) -> int:
-        """The storages with bytes whose CRC-32 the zip records as 0 (torch.save with crc32 off,
-        or fsdpkit's writer, which writes the records before the data): not checked."""
+        """The storages with bytes whose CRC-32 the zip records as 0 (torch.save with crc32 off): not checked."""
         return sum(1 for entry in self.storages.values() if entry.crc32 == 0 and entry.nbytes > 0)
 
     def crc_checks(self, begin: int, end: int) -> list[tuple[int, str | None]]:
