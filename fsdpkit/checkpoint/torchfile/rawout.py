@@ -1,8 +1,8 @@
 """One output file written from raw byte ranges of source files (no torch, no tensors): large
-pieces without a checksum are copied by the kernel (`files.copy_range`); small ones, those
-with a crc32 (read through the byte engine, which checks them), and all bytes whose CRC-32 the
-file records (`start_crc` .. `crc`: a zip record's data) gather into one `writev` of at most
-`BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
+pieces without a checksum are copied by the kernel (`files.copy_range`), and where the file
+records their CRC-32 (`start_crc` .. `crc`: a zip record's data) summed from the source after;
+small ones, and those with a crc32 (read through the byte engine, which checks them), gather
+into one `writev` of at most `BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.crc import crc32
-from ..core.files import IOV_MAX, Descriptor, close, copy_range, create, open_regular, read_exactly, write_views
+from ..core.files import IOV_MAX, Descriptor, close, copy_range, create, open_regular, pread_into, read_exactly, write_views
 
 BUFFER_BYTES = 8 * 1024 * 1024
 KERNEL_COPY_BYTES = 64 * 1024  # byte ranges at least this large are copied by the kernel
@@ -56,6 +56,7 @@ class RawOutput:
         self._pending_bytes = 0
         self._sources: dict[Path, Descriptor] = {}
         self._crc: int | None = None  # None: not kept
+        self._crc_buffer: bytearray | None = None
 
     def __enter__(self) -> RawOutput:
         return self
@@ -117,13 +118,18 @@ class RawOutput:
         fd = self._sources.get(path)
         if fd is None:
             fd = self._sources[path] = open_regular(path)[0]
-        if nbytes < KERNEL_COPY_BYTES or self._crc is not None:  # a CRC-32 kept: the bytes pass through here
-            for at in range(offset, offset + nbytes, BUFFER_BYTES):
-                self.write(read_exactly(fd, min(BUFFER_BYTES, offset + nbytes - at), at, path))
+        if nbytes < KERNEL_COPY_BYTES:
+            self.write(read_exactly(fd, nbytes, offset, path))
             return
         self._flush()
         copy_range(fd, offset, nbytes, self._fd, self.position, path)
         self.position += nbytes
+        if self._crc is not None:  # the bytes copied, summed from the source (now in the page cache)
+            self._crc_buffer = self._crc_buffer or bytearray(BUFFER_BYTES)
+            for at in range(offset, offset + nbytes, BUFFER_BYTES):
+                view = memoryview(self._crc_buffer)[: min(BUFFER_BYTES, offset + nbytes - at)]
+                pread_into(fd, at, view, path)
+                self._crc = crc32(view, self._crc)
 
     def _flush(self) -> None:
         write_views(self._fd, self._pending, self.path, self.position - self._pending_bytes)  # explicit offsets throughout
