@@ -398,19 +398,24 @@ def test_dcp_to_deepspeed_carries_tensors_and_settings(tmp_path: Path) -> None:
 
 def test_every_storage_record_carries_its_crc32(tmp_path: Path) -> None:
     """Python's zipfile finds every record's CRC-32 right in each written file (storages too, one
-    large enough to be copied whole: 76.8 KB), torch.load reads the weights back, verify checks
-    every storage against it and finds a flipped byte in one."""
+    large enough for the kernel to copy from a source without checksums: 76.8 KB of safetensors),
+    torch.load reads the weights back, verify checks every storage against it and finds a flipped
+    byte in one."""
     import json
     import struct
     import zipfile
 
+    from safetensors.torch import save_file
+
     g = torch.Generator().manual_seed(5)
     model = {"big.weight": torch.randn(300, 64, generator=g), "small.weight": torch.randn(7, 5, generator=g)}
     optim = {f"optim.{m}.{n}": torch.rand(t.shape, generator=g) for n, t in model.items() for m in ("exp_avg", "exp_avg_sq")}
-    run = save_checkpoint(tmp_path / "run", 2, {**model, **optim}, world_size=1)
+    (tmp_path / "full").mkdir()
+    save_file({**model, **optim}, tmp_path / "full" / "model.safetensors")
     out = tmp_path / "ds"
-    to_deepspeed(run, out, stage=2, world_size=2)
-    files = sorted((out / "global_step2").glob("*.pt"))
+    to_deepspeed(tmp_path / "full", out, stage=2, world_size=2)
+    tag = out / (out / "latest").read_text()
+    files = sorted(tag.glob("*.pt"))
     storages = 0
     for path in files:
         with zipfile.ZipFile(path) as archive:
@@ -418,7 +423,7 @@ def test_every_storage_record_carries_its_crc32(tmp_path: Path) -> None:
             data = [info for info in archive.infolist() if "/data/" in info.filename and info.file_size]
             assert data and all(info.CRC for info in data), path
             storages += len(data)
-    loaded = torch.load(out / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    loaded = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert all(torch.equal(loaded[n], t) for n, t in model.items())
     report = json.loads(run_cli("verify", out, "--json").stdout)
     assert f"{storages} storages against the zip's CRC-32" in report["checked"] and report["not_checked"] == [], report

@@ -1,12 +1,14 @@
 """One output file written from raw byte ranges of source files (no torch, no tensors): large
 pieces without a checksum are copied by the kernel (`files.copy_range`), and where the file
-records their CRC-32 (`start_crc` .. `crc`: a zip record's data) summed from the source after;
-small ones, and those with a crc32 (read through the byte engine, which checks them), gather
-into one `writev` of at most `BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
+records their CRC-32 (`start_crc` .. `crc`: a zip record's data) summed after from the source,
+mapped (an object's bytes: read into one reused buffer); small ones, and those with a crc32
+(read through the byte engine, which checks them), gather into one `writev` of at most
+`BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -124,7 +126,12 @@ class RawOutput:
         self._flush()
         copy_range(fd, offset, nbytes, self._fd, self.position, path)
         self.position += nbytes
-        if self._crc is not None:  # the bytes copied, summed from the source (now in the page cache)
+        if self._crc is not None and isinstance(fd, int):  # the bytes copied, summed where the source maps them
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY
+            with mmap.mmap(fd, offset + nbytes - start, prot=mmap.PROT_READ, offset=start) as mapped, memoryview(mapped) as view:
+                with view[offset - start :] as copied:
+                    self._crc = crc32(copied, self._crc)
+        elif self._crc is not None:  # the bytes copied, summed from the source (now in the page cache)
             self._crc_buffer = self._crc_buffer or bytearray(BUFFER_BYTES)
             for at in range(offset, offset + nbytes, BUFFER_BYTES):
                 view = memoryview(self._crc_buffer)[: min(BUFFER_BYTES, offset + nbytes - at)]
