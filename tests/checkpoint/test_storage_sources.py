@@ -229,6 +229,28 @@ def test_large_unchecked_pieces_of_a_bucket_source_stream_through_the_face(s3_bu
     assert all(torch.equal(loaded[name], tensor) for name, tensor in tensors.items()), sorted(loaded)
 
 
+def test_deepspeed_output_from_a_bucket_source_carries_the_crc32_of_bytes_read_through_the_face(s3_bucket, s3_endpoint, tmp_path):
+    """Safetensors (no checksums) of a 76.8 KB weight and its Adam moments in a bucket: `--to
+    deepspeed` sums the bytes that came through the face as a local source's mapped ones, the
+    same files, each passing Python's zipfile check of every CRC-32."""
+    import zipfile
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(7)
+    tensors = {name: torch.randn(300, 64, generator=g) for name in ("w", "optim.exp_avg.w", "optim.exp_avg_sq.w")}
+    (tmp_path / "full").mkdir()
+    save_file(tensors, tmp_path / "full" / "model.safetensors")
+    s3_client(s3_endpoint).upload_file(str(tmp_path / "full" / "model.safetensors"), s3_bucket, "src/st/model.safetensors")
+    flags = ("--to", "deepspeed", "--stage", "2", "--world-size", "1")
+    assert run_cli("convert", f"s3://{s3_bucket}/src/st", tmp_path / "bucket", *flags).exit_code == 0
+    assert run_cli("convert", tmp_path / "full", tmp_path / "disk", *flags).exit_code == 0
+    assert _files(tmp_path / "bucket") == _files(tmp_path / "disk")
+    for path in sorted((tmp_path / "bucket").rglob("*.pt")):
+        with zipfile.ZipFile(path) as archive:
+            assert archive.testzip() is None, path
+
+
 def test_a_transformers_model_in_a_bucket_converts_to_megatron_by_its_config_json(s3_bucket, s3_endpoint, tmp_path):
     """GPT-2 as transformers saves it (config.json beside model.safetensors) in a bucket: `--to
     megatron` reads the model's shape from the bucket's config.json, as from the local copy's,
