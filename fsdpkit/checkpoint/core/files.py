@@ -25,6 +25,7 @@ from typing import cast
 from ...errors import DataCheckError
 from ..storage.handle import ObjectHandle
 from ..storage.stored_path import StoredPath
+from .crc import crc32
 
 Descriptor = int | ObjectHandle  # a file descriptor, or an object of a storage read through the face
 
@@ -182,6 +183,21 @@ def write_file(path: Path, views: list) -> None:
         path.unlink(missing_ok=True)
         raise
     os.close(fd)
+
+
+def crc32_of_range(source: Descriptor, offset: int, count: int, crc: int, path: Path) -> int:
+    """`crc` continued over bytes [offset, offset + count) of `source`: a local file's mapped (no
+    copy: right after `copy_range`, they are in the page cache), an object's read in blocks."""
+    if not isinstance(source, int):
+        for at in range(offset, offset + count, 8 << 20):
+            crc = crc32(read_exactly(source, min(8 << 20, offset + count - at), at, path), crc)
+        return crc
+    if count == 0:
+        return crc
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(source, offset + count - start, access=mmap.ACCESS_READ, offset=start) as mapped, memoryview(mapped) as view:
+        with view[offset - start :] as wanted:
+            return crc32(wanted, crc)
 
 
 def copy_range(source: Descriptor, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:

@@ -1,14 +1,13 @@
 """One output file written from raw byte ranges of source files (no torch, no tensors): large
 pieces without a checksum are copied by the kernel (`files.copy_range`), and where the file
-records their CRC-32 (`start_crc` .. `crc`: a zip record's data) summed after from the source,
-mapped (an object's bytes: read into one reused buffer); small ones, and those with a crc32
-(read through the byte engine, which checks them), gather into one `writev` of at most
-`BUFFER_BYTES`, so memory stays a few MB whatever the checkpoint's size.
+records their CRC-32 (`start_crc` .. `crc`: a zip record's data) summed after from the source
+(`files.crc32_of_range`: mapped); small ones, and those with a crc32 (read through the byte
+engine, which checks them), gather into one `writev` of at most `BUFFER_BYTES`, so memory stays
+a few MB whatever the checkpoint's size.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,7 @@ from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.crc import crc32
-from ..core.files import IOV_MAX, Descriptor, close, copy_range, create, open_regular, pread_into, read_exactly, write_views
+from ..core.files import IOV_MAX, Descriptor, close, copy_range, crc32_of_range, create, open_regular, read_exactly, write_views
 
 BUFFER_BYTES = 8 * 1024 * 1024
 KERNEL_COPY_BYTES = 64 * 1024  # byte ranges at least this large are copied by the kernel
@@ -58,7 +57,6 @@ class RawOutput:
         self._pending_bytes = 0
         self._sources: dict[Path, Descriptor] = {}
         self._crc: int | None = None  # None: not kept
-        self._crc_buffer: bytearray | None = None
 
     def __enter__(self) -> RawOutput:
         return self
@@ -126,17 +124,8 @@ class RawOutput:
         self._flush()
         copy_range(fd, offset, nbytes, self._fd, self.position, path)
         self.position += nbytes
-        if self._crc is not None and isinstance(fd, int):  # the bytes copied, summed where the source maps them
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            with mmap.mmap(fd, offset + nbytes - start, prot=mmap.PROT_READ, offset=start) as mapped, memoryview(mapped) as view:
-                with view[offset - start :] as copied:
-                    self._crc = crc32(copied, self._crc)
-        elif self._crc is not None:  # the bytes copied, summed from the source (now in the page cache)
-            self._crc_buffer = self._crc_buffer or bytearray(BUFFER_BYTES)
-            for at in range(offset, offset + nbytes, BUFFER_BYTES):
-                view = memoryview(self._crc_buffer)[: min(BUFFER_BYTES, offset + nbytes - at)]
-                pread_into(fd, at, view, path)
-                self._crc = crc32(view, self._crc)
+        if self._crc is not None:  # the bytes copied, summed from the source
+            self._crc = crc32_of_range(fd, offset, nbytes, self._crc, path)
 
     def _flush(self) -> None:
         write_views(self._fd, self._pending, self.path, self.position - self._pending_bytes)  # explicit offsets throughout
