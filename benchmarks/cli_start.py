@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=11)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--baseline", metavar="PYTHONPATH", help="also time the commands with this PYTHONPATH ('': unset) in the same rounds")
+    parser.add_argument(
+        "--baseline", metavar="PYTHONPATH", help="also time the commands with this PYTHONPATH ('': unset) in the same rounds"
+    )
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="cli-start-"))
     # bytecode cached, as an installed package's is: with PYTHONDONTWRITEBYTECODE set every run would compile fsdpkit again
@@ -102,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {' '.join(f'{load:.2f}' for load in document['load_average'])}; {args.repeat} rounds")
     for name, found in document["commands"].items():
         line = f"fsdpkit {name:8}" + "".join(
-            f"  {checkout} {s['median']:.3f} s [{s['min']:.3f}, {s['max']:.3f}]" for checkout, s in found.items() if checkout != "this_over_baseline"
+            f"  {checkout} {s['median']:.3f} s [{s['min']:.3f}, {s['max']:.3f}]"
+            for checkout, s in found.items()
+            if checkout != "this_over_baseline"
         )
         if "this_over_baseline" in found:
             r = found["this_over_baseline"]
