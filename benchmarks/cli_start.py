@@ -1,14 +1,15 @@
 """Start-up time of `fsdpkit` commands: wall time of each command as its own process, on a tiny
 DCP checkpoint (so the time is Python's start, the CLI's imports and parsing, and little work),
-side by side with another checkout's in the same rounds, alternating.
+side by side with another checkout's in the same rounds, alternating. Each run's CPU time (user +
+system) is reported beside its wall time: on a loaded machine it moves less than the wall time.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cli_start.py --repeat 21 --baseline ''
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cli_start.py --repeat 21 --baseline /other/checkout:/other/checkout/.shim
 
 `--baseline PYTHONPATH` times the same commands with that PYTHONPATH ('': unset, the installed
 fsdpkit); this process's PYTHONPATH gives the checkout under test. Reported: median and range of
-each command over `--repeat` rounds, and per round the ratio of this checkout's time to the
-baseline's (median and range); `--json` prints them as one document.
+each command's wall and CPU seconds over `--repeat` rounds, and per round the ratio of this
+checkout's to the baseline's (median and range); `--json` prints them as one document.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -45,27 +47,31 @@ def commands(checkpoint: Path) -> dict[str, list[str]]:
     }
 
 
-def timed(command: list[str], pythonpath: str | None) -> float:
-    """Seconds of one run of `command` with PYTHONPATH `pythonpath` (None: this process's; '': unset)."""
+def timed(command: list[str], pythonpath: str | None) -> tuple[float, float]:
+    """Wall and CPU seconds of one run of `command` with PYTHONPATH `pythonpath` (None: this process's; '': unset)."""
     environment = dict(os.environ)
     if pythonpath is not None:
         environment.pop("PYTHONPATH", None)
         if pythonpath:
             environment["PYTHONPATH"] = pythonpath
-    started = time.perf_counter()
+    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     subprocess.run(command, env=environment, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - started
+    wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
 
 
 def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def rounds(checkpoint: Path, repeat: int, baseline: str | None) -> dict[str, dict[str, list[float]]]:
-    """Per command, the seconds of each round under test ('this') and, with a baseline, its ('baseline')."""
+Runs = dict[str, dict[str, list[tuple[float, float]]]]
+
+
+def rounds(checkpoint: Path, repeat: int, baseline: str | None) -> Runs:
+    """Per command, the (wall, CPU) seconds of each round under test ('this') and, with a baseline, its ('baseline')."""
     checkouts = {"this": None} | ({"baseline": baseline} if baseline is not None else {})
     runs = [(name, checkout) for name in commands(checkpoint) for checkout in checkouts]
-    seconds: dict[str, dict[str, list[float]]] = {name: {checkout: [] for checkout in checkouts} for name in commands(checkpoint)}
+    seconds: Runs = {name: {checkout: [] for checkout in checkouts} for name in commands(checkpoint)}
     for name, checkout in runs:  # each once, unmeasured: bytecode cached, files in the page cache
         timed(commands(checkpoint)[name], checkouts[checkout])
     for round_ in range(repeat):
@@ -73,6 +79,18 @@ def rounds(checkpoint: Path, repeat: int, baseline: str | None) -> dict[str, dic
         for name, checkout in runs[turn:] + runs[:turn]:
             seconds[name][checkout].append(timed(commands(checkpoint)[name], checkouts[checkout]))
     return seconds
+
+
+def figures(seconds: Runs) -> dict:
+    """Per command, wall and CPU: each checkout's median and range, and the per-round ratio's."""
+    document: dict = {}
+    for name, found in seconds.items():
+        for kind, index in (("wall", 0), ("cpu", 1)):
+            shown = {checkout: summary([run[index] for run in runs]) for checkout, runs in found.items()}
+            if "baseline" in found:
+                shown["this_over_baseline"] = summary([t[index] / b[index] for t, b in zip(found["this"], found["baseline"], strict=True)])
+            document.setdefault(name, {})[kind] = shown
+    return document
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,26 +110,22 @@ def main(argv: list[str] | None = None) -> int:
         seconds = rounds(work / "dcp", args.repeat, args.baseline)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    document: dict = {"load_average": os.getloadavg(), "commands": {}}
-    for name, found in seconds.items():
-        document["commands"][name] = {checkout: summary(values) for checkout, values in found.items()}
-        if "baseline" in found:
-            ratios = [this / before for this, before in zip(found["this"], found["baseline"], strict=True)]
-            document["commands"][name]["this_over_baseline"] = summary(ratios)
+    document = {"load_average": os.getloadavg(), "rounds": args.repeat, "commands": figures(seconds)}
     if args.json:
         print(json.dumps(document, indent=2))
         return 0
     print(f"load average {' '.join(f'{load:.2f}' for load in document['load_average'])}; {args.repeat} rounds")
-    for name, found in document["commands"].items():
-        line = f"fsdpkit {name:8}" + "".join(
-            f"  {checkout} {s['median']:.3f} s [{s['min']:.3f}, {s['max']:.3f}]"
-            for checkout, s in found.items()
-            if checkout != "this_over_baseline"
-        )
-        if "this_over_baseline" in found:
-            r = found["this_over_baseline"]
-            line += f"  this/baseline {r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]"
-        print(line)
+    for name, kinds in document["commands"].items():
+        for kind, found in kinds.items():
+            line = f"fsdpkit {name:8} {kind:4}" + "".join(
+                f"  {checkout} {s['median']:.3f} s [{s['min']:.3f}, {s['max']:.3f}]"
+                for checkout, s in found.items()
+                if checkout != "this_over_baseline"
+            )
+            if "this_over_baseline" in found:
+                r = found["this_over_baseline"]
+                line += f"  this/baseline {r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]"
+            print(line)
     return 0
 
 
