@@ -1,7 +1,8 @@
 """Start-up time of `fsdpkit` commands: wall time of each command as its own process, on a tiny
-DCP checkpoint (so the time is Python's start, the CLI's imports and parsing, and little work),
-side by side with another checkout's in the same rounds, alternating. Each run's CPU time (user +
-system) is reported beside its wall time: on a loaded machine it moves less than the wall time.
+DCP checkpoint, and `convert --to full` of a tiny Megatron one (so the time is Python's start,
+the CLI's imports and parsing, and little work), side by side with another checkout's in the
+same rounds, alternating. Each run's CPU time (user + system) is reported beside its wall time:
+on a loaded machine it moves less than the wall time.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cli_start.py --repeat 21 --baseline ''
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cli_start.py --repeat 21 --baseline /other/checkout:/other/checkout/.shim
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
+MEGATRON = Path(__file__).resolve().parents[1] / "tests/fixtures/megatron/mcore_0_19_torch_dist/checkpoint"
 
 
 def write_dcp(directory: Path) -> None:
@@ -40,9 +42,13 @@ def write_dcp(directory: Path) -> None:
 
 
 def commands(checkpoint: Path) -> dict[str, list[str]]:
+    """The timed commands: `checkpoint` is the tiny DCP one; convert's source is a committed
+    Megatron test fixture (Llama-style, as `megatron_interop.py`'s), its output beside `checkpoint`."""
+    converted = [str(MEGATRON), str(checkpoint.with_name("hf")), "--to", "full", "--overwrite"]
     return {
         "inspect": [FSDPKIT, "inspect", str(checkpoint)],
         "verify": [FSDPKIT, "verify", str(checkpoint)],
+        "convert": [FSDPKIT, "convert", *converted],
         "--help": [FSDPKIT, "--help"],
     }
 
