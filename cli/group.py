@@ -20,7 +20,6 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import rich.console
 import typer
 from typer.core import TyperCommand, TyperGroup
 
@@ -111,12 +110,19 @@ def stdout_reader_gone() -> bool:
     return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
-def _broken_pipe(console: rich.console.Console) -> None:
+def _broken_pipe(console: Any) -> None:
     raise BrokenPipeError(errno.EPIPE, "stdout's reader is gone")
 
 
-# rich answers a broken pipe with exit 1 (help is printed by rich): leave it to output_may_be_cut_short
-rich.console.Console.on_broken_pipe = _broken_pipe  # type: ignore[method-assign]
+class HelpContext(typer.Context):
+    """A command's context whose help, printed by rich (imported for help only: a command's run
+    never needs it), leaves a broken pipe to output_may_be_cut_short (rich would exit 1)."""
+
+    def get_help(self) -> str:
+        import rich.console
+
+        rich.console.Console.on_broken_pipe = _broken_pipe  # type: ignore[method-assign]
+        return super().get_help()
 
 
 @contextlib.contextmanager
@@ -139,6 +145,7 @@ class FsdpkitGroup(TyperGroup):
     (name -> (module defining `command_app`, short help)) and flag-type-free help."""
 
     command_table: dict[str, tuple[str, str]] = {}
+    context_class = HelpContext
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True, **extra: Any) -> Any:
         from typer._click.exceptions import ClickException
@@ -201,6 +208,7 @@ class FsdpkitGroup(TyperGroup):
         else:
             command = super().get_command(ctx, name)
         if command is not None:
+            command.context_class = HelpContext
             prepare_help(command, ctx)
             pass_plain_values(command.get_params(ctx))
         return command
