@@ -3,11 +3,15 @@ dicts (inspect_cmd dispatches here)."""
 
 from __future__ import annotations
 
-from fsdpkit.checkpoint.deepspeed.inspect import DeepSpeedSummary
-from fsdpkit.checkpoint.torchsave.inspect import TorchSaveSummary
+from typing import TYPE_CHECKING
+
 from fsdpkit.sizes import format_size
 
 from .inspect_cmd import item_lines, tensor_lines
+
+if TYPE_CHECKING:
+    from fsdpkit.checkpoint.deepspeed.inspect import DeepSpeedSummary
+    from fsdpkit.checkpoint.torchsave.inspect import TorchSaveSummary
 
 
 def inspect_lines(s: DeepSpeedSummary) -> list[str]:

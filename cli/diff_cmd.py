@@ -45,12 +45,13 @@ def diff_command(
     dtype or shape, or present in one checkpoint only."""
     from fsdpkit.checkpoint.offline.diff import DiffRequest, Tolerance
     from fsdpkit.checkpoint.offline.locations import diff_at
-    from fsdpkit.checkpoint.spread.runner import SpreadTask
 
     chunk = chunk_bytes(chunk_size)
     request = DiffRequest(b, Tolerance(atol, rtol), model_only, (dcp_model_key, dcp_optimizer_key), chunk)
     options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=lambda: True, locations=(a, b))
     if options is not None:
+        from fsdpkit.checkpoint.spread.runner import SpreadTask  # the spread machinery: imported by a spread run only
+
         result = run_spread_command(
             SpreadTask("diff", str(a), request=request, chunk_size=chunk), options, dry_run=dry_run, as_json=as_json, early=ctx.obj
         )

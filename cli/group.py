@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import enum
 import importlib
 import inspect
 import os
@@ -66,6 +67,35 @@ def load_command(module_name: str, name: str) -> Any:
     command = typer.main.get_command(importlib.import_module(module_name).command_app)
     command.name = name
     return command
+
+
+def pass_plain_values(params: list[Any]) -> list[Any]:
+    """`params`, each coercing its value through `PlainValues` where Typer coerces through pydantic."""
+    for param in params:
+        if getattr(param, "_runtime_param", False) is None:  # Typer's own not built yet
+            param._runtime_param = PlainValues()
+    return params
+
+
+class PlainValues:
+    """Typer's coercion of one parameter's value, its pydantic validator built (and pydantic
+    imported, a tenth of a second) only for a value that needs more than passing through as
+    Typer's would: none given, one of the plain type the parameter takes (str, int, float) with no
+    bounds, or the exact spelling of one of its choices (an Enum's); Typer's own for anything else."""
+
+    def coerce(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value is None:
+            return () if param.multiple or param.nargs == -1 else None
+        annotation, info = param.type_descriptor.annotation, param.type_descriptor.parameter_info
+        if info.parser is None and annotation in (str, int, float) and type(value) is annotation and (info.min, info.max) == (None, None):
+            return value
+        if info.parser is None and isinstance(annotation, type) and issubclass(annotation, enum.Enum) and type(value) is str:
+            exact = info.case_sensitive and ctx.token_normalize_func is None
+            for choice in annotation if exact else ():
+                if str(choice.value) == value:
+                    return choice
+        param._runtime_param = None  # Typer's own, built now
+        return param.get_runtime_param().coerce(value, param=param, ctx=ctx)
 
 
 def stdout_reader_gone() -> bool:
@@ -166,7 +196,11 @@ class FsdpkitGroup(TyperGroup):
             command = super().get_command(ctx, name)
         if command is not None:
             prepare_help(command, ctx)
+            pass_plain_values(command.get_params(ctx))
         return command
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return pass_plain_values(super().get_params(ctx))
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         prepare_help(self, ctx)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 
 from fsdpkit.checkpoint.core.request import Keys
 from fsdpkit.checkpoint.core.summary import FullSummary, ShardedSummary, Summary
-from fsdpkit.checkpoint.dcp.inspect import DcpSummary
-from fsdpkit.checkpoint.megatron.inspect import MegatronSummary
 from fsdpkit.checkpoint.offline.formats import DCP, DEEPSPEED, MEGATRON, READ_LABELS, TORCH_SAVE
 from fsdpkit.sizes import format_size
 
 from .checkpoint_options import MODEL_KEY_HELP, OPTIMIZER_KEY_HELP
 from .common import handle_errors, print_json
+
+if TYPE_CHECKING:
+    from fsdpkit.checkpoint.dcp.inspect import DcpSummary
+    from fsdpkit.checkpoint.megatron.inspect import MegatronSummary
 
 command_app = typer.Typer(add_completion=False)
 

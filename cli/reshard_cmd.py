@@ -30,13 +30,14 @@ def reshard(
     from dataclasses import replace
 
     from fsdpkit.checkpoint.core.request import ReshardRequest
-    from fsdpkit.checkpoint.spread.runner import SpreadTask
     from fsdpkit.checkpoint.spread.to_storage import reshard_to
 
     request = ReshardRequest(required_world_size(world_size))  # --world-size is checked before --chunk-size
     request = replace(request, chunk_size=chunk_bytes(chunk_size), overwrite=overwrite, warn=log.warn)
     options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads_from("reshard", src), locations=(src, dst))
     if options is not None:
+        from fsdpkit.checkpoint.spread.runner import SpreadTask  # the spread machinery: imported by a spread run only
+
         ranks, chunk = request.world_size, request.chunk_size
         task = SpreadTask("reshard", str(src), str(dst), world_size=ranks, chunk_size=chunk, overwrite=overwrite, restart=restart)
         result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json, early=ctx.obj)

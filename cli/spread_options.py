@@ -76,10 +76,11 @@ def _torchrun_worker() -> bool:
 
 def spreads_from(command: str, src: Any) -> Callable[[], bool]:
     """Whether `command` (reshard or verify) of `src` spreads under torchrun, asked only there."""
-    from fsdpkit.checkpoint.offline.formats import detect_format
-    from fsdpkit.checkpoint.spread.dispatch import spreads
 
     def spread() -> bool:
+        from fsdpkit.checkpoint.offline.formats import detect_format
+        from fsdpkit.checkpoint.spread.dispatch import spreads
+
         try:
             return spreads(command, detect_format(src).name)
         except FsdpkitError:  # the one-process path says what is wrong with it

@@ -25,10 +25,11 @@ def verify(
 ) -> None:
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
     from fsdpkit.checkpoint.offline.locations import verify_at
-    from fsdpkit.checkpoint.spread.runner import SpreadTask
 
     options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=spreads_from("verify", ckpt), locations=(ckpt,))
     if options is not None:
+        from fsdpkit.checkpoint.spread.runner import SpreadTask  # the spread machinery: imported by a spread run only
+
         report = run_spread_command(
             SpreadTask("verify", str(ckpt), chunk_size=DEFAULT_CHUNK_SIZE), options, dry_run=dry_run, as_json=as_json, early=ctx.obj
         )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
-from importlib import metadata
 from pathlib import Path
 
 from ..errors import UsageError, install_command
@@ -49,6 +48,8 @@ def installed_torch_version() -> str | None:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
                 if [getattr(target, "id", None) for target in node.targets] == ["__version__"]:
                     return str(node.value.value)
+    from importlib import metadata  # a tenth of a second of imports, for a torch without version.py only
+
     try:
         return metadata.version("torch")
     except metadata.PackageNotFoundError:

@@ -1,6 +1,7 @@
 """DCP as a `Format` (core/protocol.py): a torch.distributed.checkpoint directory detected by its
 `.metadata`, opened as a tensor table (FSDP2's and torchtitan's layouts, or the keys given),
-inspected, verified, written in FSDP2's `{"model", "optimizer"}` layout and resharded."""
+inspected, verified, written in FSDP2's `{"model", "optimizer"}` layout and resharded.
+Importing it imports only the table's facts: each method imports what it needs."""
 
 from __future__ import annotations
 
@@ -9,13 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.any_checkpoint import AnyCheckpoint, recorded_data_source, steps_taken
-from ..core.names import SCRATCH_NAME
-from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
-from .metadata import is_dcp_checkpoint
 
 if TYPE_CHECKING:
+    from ..core.any_checkpoint import AnyCheckpoint
+    from ..core.report import VerifyReport, WriteReport
     from .inspect import DcpSummary
 
 
@@ -28,6 +27,8 @@ class DcpFormat:
     reshardable = True
 
     def detect(self, path: Path) -> bool:
+        from .metadata import is_dcp_checkpoint
+
         return is_dcp_checkpoint(path)
 
     def open(self, path: Path, keys: Keys) -> AnyCheckpoint:
@@ -48,6 +49,8 @@ class DcpFormat:
         model (tied names too, as FSDP2's state dict holds them), the optimizer state and its param groups.
         The names and orientation are the model's own: a full export's layout is undone, as `--to sharded`
         undoes it (its transposed weights transposed back in a scratch file beside `dst`, removed after)."""
+        from ..core.any_checkpoint import recorded_data_source
+        from ..core.names import SCRATCH_NAME
         from .export import DcpOutput, sources_to_dcp  # the writer: imported by --to dcp only
 
         output = DcpOutput(request.world_size or 1, request.chunk_size, request.overwrite)
@@ -67,6 +70,7 @@ class DcpFormat:
 
 
 def open_dcp_checkpoint(path: Path, keys: Keys) -> AnyCheckpoint:
+    from ..core.any_checkpoint import AnyCheckpoint, steps_taken
     from .layout import detect_layout, layout_sources
     from .param_groups import plain_value, read_param_groups
     from .table import open_dcp

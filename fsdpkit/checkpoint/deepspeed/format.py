@@ -1,18 +1,18 @@
 """DeepSpeed ZeRO as a `Format` (core/protocol.py): a save directory (its `latest` and tag) or one
 tag's directory, opened as a tensor table with its Adam state, inspected, verified, written for a
-ZeRO stage (`to_deepspeed`) and resharded for another world size."""
+ZeRO stage (`to_deepspeed`) and resharded for another world size.
+Importing it imports only the table's facts: each method imports what it needs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..core.any_checkpoint import AnyCheckpoint, item_readers, steps_taken, with_aliases
-from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
-from .files import is_deepspeed_checkpoint
 
 if TYPE_CHECKING:
+    from ..core.any_checkpoint import AnyCheckpoint
+    from ..core.report import VerifyReport, WriteReport
     from .inspect import DeepSpeedSummary
 
 
@@ -29,9 +29,12 @@ class DeepSpeedFormat:
     reshardable = True
 
     def detect(self, path: Path) -> bool:
+        from .files import is_deepspeed_checkpoint
+
         return is_deepspeed_checkpoint(path)
 
     def open(self, path: Path, keys: Keys) -> AnyCheckpoint:
+        from ..core.any_checkpoint import AnyCheckpoint, item_readers, steps_taken, with_aliases
         from .table import open_deepspeed
 
         checkpoint = open_deepspeed(path)

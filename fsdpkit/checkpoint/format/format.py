@@ -1,17 +1,20 @@
 """fsdpkit's own sharded checkpoints as a `Format` (core/protocol.py): a step directory (its
 manifest) or a run directory (`latest`, or step-* directories), opened as a tensor table with the
-training state, inspected, verified fragment by fragment, written (`to_sharded`) and resharded."""
+training state, inspected, verified fragment by fragment, written (`to_sharded`) and resharded.
+Importing it imports only the table's facts: each method imports what it needs."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..core.any_checkpoint import AnyCheckpoint, item_readers, split_model_optimizer
-from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
-from ..core.summary import ShardedSummary
 from .names import LATEST_NAME, MANIFEST_NAME, parse_step_dir_name
-from .verify import summarize, verify_checkpoint
+
+if TYPE_CHECKING:
+    from ..core.any_checkpoint import AnyCheckpoint
+    from ..core.report import VerifyReport, WriteReport
+    from ..core.summary import ShardedSummary
 
 
 class ShardedFormat:
@@ -36,6 +39,7 @@ class ShardedFormat:
         return any(parse_step_dir_name(child.name) is not None for child in path.iterdir())
 
     def open(self, path: Path, keys: Keys) -> AnyCheckpoint:
+        from ..core.any_checkpoint import AnyCheckpoint, item_readers, split_model_optimizer
         from ..core.export import export_of
         from .reader import open_sharded
 
@@ -55,9 +59,13 @@ class ShardedFormat:
         )
 
     def inspect(self, path: Path, keys: Keys) -> ShardedSummary:
+        from .verify import summarize
+
         return summarize(path)
 
     def verify(self, path: Path, progress: Progress | None) -> VerifyReport:
+        from .verify import verify_checkpoint
+
         return verify_checkpoint(path, progress)
 
     def write(self, opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:

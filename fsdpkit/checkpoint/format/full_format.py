@@ -3,21 +3,21 @@
 tensor table, inspected, verified (headers, sizes, the index: the format has no checksums) and
 written (`to_full`); a full checkpoint has no ranks, so it is never resharded. It lives beside
 fsdpkit's own format because it shares that format's safetensors reader, header parser, writer
-and export layout."""
+and export layout. Importing it imports only the table's facts: each method imports what it needs."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...errors import UsageError
-from ..core.any_checkpoint import AnyCheckpoint, item_readers, split_model_optimizer
-from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
-from ..core.summary import FullSummary
 from .names import MANIFEST_NAME
-from .reader import is_full_checkpoint
-from .to_full import restore_layout, to_full
-from .verify import summarize_full, verify_full
+
+if TYPE_CHECKING:
+    from ..core.any_checkpoint import AnyCheckpoint
+    from ..core.report import VerifyReport, WriteReport
+    from ..core.summary import FullSummary
 
 
 class FullFormat:
@@ -29,10 +29,14 @@ class FullFormat:
     reshardable = False
 
     def detect(self, path: Path) -> bool:
+        from .reader import is_full_checkpoint
+
         return is_full_checkpoint(path) and not (path.is_dir() and (path / MANIFEST_NAME).exists())
 
     def open(self, path: Path, keys: Keys) -> AnyCheckpoint:
+        from ..core.any_checkpoint import AnyCheckpoint, item_readers, split_model_optimizer
         from .reader import has_optimizer_files, open_full
+        from .to_full import restore_layout
 
         full = open_full(path, with_optimizer=path.is_dir() and has_optimizer_files(path))
         model, optimizer = split_model_optimizer(list(full.tensors), full.aliases)
@@ -47,12 +51,18 @@ class FullFormat:
         return opened
 
     def inspect(self, path: Path, keys: Keys) -> FullSummary:
+        from .verify import summarize_full
+
         return summarize_full(path)
 
     def verify(self, path: Path, progress: Progress | None) -> VerifyReport:
+        from .verify import verify_full
+
         return verify_full(path)
 
     def write(self, opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
+        from .to_full import to_full
+
         return to_full(opened, dst, request, progress)
 
     def reshard(self, src: Path, dst: Path, request: ReshardRequest) -> WriteReport:

@@ -14,6 +14,7 @@ from pathlib import Path
 from ...errors import DataCheckError
 from ..core.files import read_regular, source_path
 
+FORMAT = "megatron"  # the format's name (`MegatronFormat.name`)
 BACKEND_CONFIG = "metadata.json"
 COMMON_PT = "common.pt"
 COMMON_STATE_KEY = "common_state"  # 0.19: the common state as a sharded object's bytes item

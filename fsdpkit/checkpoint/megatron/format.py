@@ -1,19 +1,22 @@
 """Megatron-Core `torch_dist` and NeMo 2 checkpoints as a `Format` (core/protocol.py): detected,
 opened as a tensor table under Megatron's own names (with a view under transformers' names for
-`convert` and `diff`), inspected, verified and written (`to_megatron`); never resharded."""
+`convert` and `diff`), inspected, verified and written (`to_megatron`); never resharded.
+Importing it imports only the table's facts: each method imports what it needs."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...errors import UsageError
-from ..core.any_checkpoint import AnyCheckpoint, item_readers
-from ..core.export import ExportLayout, HfExport
 from ..core.files import source_path
-from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
-from .files import is_megatron_checkpoint
-from .inspect import FORMAT, MegatronSummary, summarize_megatron, verify_megatron
+from .files import FORMAT, is_megatron_checkpoint
+
+if TYPE_CHECKING:
+    from ..core.any_checkpoint import AnyCheckpoint
+    from ..core.report import VerifyReport, WriteReport
+    from .inspect import MegatronSummary
 
 
 class MegatronFormat:
@@ -31,9 +34,13 @@ class MegatronFormat:
         return open_megatron_checkpoint(path)
 
     def inspect(self, path: Path, keys: Keys) -> MegatronSummary:
+        from .inspect import summarize_megatron
+
         return summarize_megatron(path)
 
     def verify(self, path: Path, progress: Progress | None) -> VerifyReport:
+        from .inspect import verify_megatron
+
         return verify_megatron(path)
 
     def write(self, opened: AnyCheckpoint, dst: Path, request: ConvertRequest, progress: Progress | None) -> WriteReport:
@@ -48,6 +55,8 @@ class MegatronFormat:
 def open_megatron_checkpoint(path: Path) -> AnyCheckpoint:
     """Megatron's own names; `transformers_view(model)` gives the model under transformers' names,
     shaped by `model` (`hf:DIR`) where the checkpoint records no shape of its own."""
+    from ..core.any_checkpoint import AnyCheckpoint, item_readers
+    from ..core.export import ExportLayout, HfExport
     from .moments import hf_moments, moments_of, optimizer_facts
     from .shape import checked, shape_of_model
     from .table import open_megatron

@@ -17,12 +17,11 @@ from ..core.files import read_blocks, read_regular
 from ..core.report import VerifyReport
 from ..core.summary import FileEntry, OptimizerCounts, Summary, tensor_stats
 from ..dcp.inspect import ChunkChecks, verify_dcp
-from .files import INTEGRITY_NAME, TORCH_DIST, find_files
+from .files import FORMAT, INTEGRITY_NAME, TORCH_DIST, find_files
 from .layers import OPTIMIZER_PREFIX
 from .moments import Moments, moments_of
 from .table import MEGATRON_METADATA_GLOBALS, MegatronCheckpoint, open_megatron
 
-FORMAT = "megatron"
 HASH_BLOCK = 1 << 20
 
 

@@ -3,7 +3,8 @@ reports and `open_checkpoint(...).format` use): FORMATS, one `Format` (core/prot
 format, each implemented in its own package. `detect_format` is the only place that tells a
 format; `convert` is `FORMATS[to].write(open(src))`, and `inspect`, `verify` and `reshard` go
 through the format too. Adding a format is its package and one entry here.
-Reading the table imports no torch: the offline side of every format is pure Python.
+Reading the table imports no torch (the offline side of every format is pure Python), nor any
+format's reader: detecting a format imports what its `detect` needs, opening one its package.
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...errors import DataCheckError, UsageError
-from ..core.any_checkpoint import AnyCheckpoint
 from ..core.files import source_path
-from ..core.protocol import Format
-from ..core.report import WriteReport
 from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest, check_options
 from ..dcp.format import DcpFormat
 from ..deepspeed.format import DeepSpeedFormat
@@ -26,6 +25,11 @@ from ..megatron.format import MegatronFormat
 from ..storage.location import is_url
 from ..torchsave.format import TorchSaveFormat
 from .locations import local_only, source_at
+
+if TYPE_CHECKING:
+    from ..core.any_checkpoint import AnyCheckpoint
+    from ..core.protocol import Format
+    from ..core.report import WriteReport
 
 # In the order messages list them and `detect_format` tries them. A Megatron torch_dist directory
 # is a DCP directory too: Megatron comes before DCP. A DeepSpeed save directory has a `latest` as

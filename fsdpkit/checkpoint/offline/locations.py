@@ -24,15 +24,12 @@ from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Progress, ReshardRequest
 from ..core.summary import Summary
 from ..dcp.format import DcpFormat
-from ..dcp.stored import summarize_stored_dcp, verify_stored_dcp
 from ..format.format import ShardedFormat
-from ..format.stored import summarize_stored, verify_stored
-from ..storage.face import Storage
 from ..storage.location import is_url, open_storage, parse_url
 from ..storage.stored_path import stored_root
-from ..storage.upload import check_destination, publish
 
 if TYPE_CHECKING:
+    from ..storage.face import Storage
     from .diff import DiffRequest
 
 
@@ -54,8 +51,12 @@ def verify_at(location: str | os.PathLike[str], progress: Progress | None = None
     path = source_path(stored_root(*stored)) if stored is not None else Path(location)
     found = detect_format(path)
     if stored is not None and found.name == DcpFormat.name:
+        from ..dcp.stored import verify_stored_dcp
+
         return verify_stored_dcp(*stored)
     if stored is not None and found.name == ShardedFormat.name:
+        from ..format.stored import verify_stored
+
         return verify_stored(*stored, progress)
     return found.verify(path, progress)
 
@@ -68,8 +69,12 @@ def inspect_at(location: str | os.PathLike[str], keys: Keys) -> tuple[str, Summa
     path = source_path(stored_root(*stored)) if stored is not None else Path(location)
     found = detect_format(path)
     if stored is not None and found.name == DcpFormat.name:
+        from ..dcp.stored import summarize_stored_dcp
+
         return found.name, summarize_stored_dcp(*stored, model_key=keys.model, optimizer_key=keys.optimizer)
     if stored is not None and found.name == ShardedFormat.name:
+        from ..format.stored import summarize_stored
+
         return found.name, summarize_stored(*stored)
     return found.name, found.inspect(path, keys)
 
@@ -104,6 +109,8 @@ def diff_at(a: str, request: DiffRequest, progress: Callable[[int, int], None] |
 
 def _published(url: str, overwrite: bool, write: Callable[[Path], WriteReport]) -> WriteReport:
     """What `write` wrote into a local temporary directory, published at `url` through the face."""
+    from ..storage.upload import check_destination, publish
+
     storage = open_storage(url)
     existing = check_destination(storage, overwrite=overwrite)
     with tempfile.TemporaryDirectory(prefix="fsdpkit-out-") as staging:

@@ -1,5 +1,6 @@
 """verl's per-rank `torch.save` files as a `Format` (core/protocol.py): read, inspected and
-verified, never written (`convert` writes them out in the other formats) and never resharded."""
+verified, never written (`convert` writes them out in the other formats) and never resharded.
+Importing it imports only the table's facts: each method imports what it needs."""
 
 from __future__ import annotations
 
@@ -7,13 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import UsageError
-from ..core.any_checkpoint import AnyCheckpoint, item_readers, steps_taken
-from ..core.names import split_optim_tensor_name
-from ..core.report import VerifyReport, WriteReport
 from ..core.request import ConvertRequest, Keys, Options, Progress, ReshardRequest
-from .table import is_torchsave_checkpoint
 
 if TYPE_CHECKING:
+    from ..core.any_checkpoint import AnyCheckpoint
+    from ..core.report import VerifyReport, WriteReport
     from .inspect import TorchSaveSummary
 
 
@@ -26,9 +25,13 @@ class TorchSaveFormat:
     reshardable = False
 
     def detect(self, path: Path) -> bool:
+        from .table import is_torchsave_checkpoint
+
         return is_torchsave_checkpoint(path)
 
     def open(self, path: Path, keys: Keys) -> AnyCheckpoint:
+        from ..core.any_checkpoint import AnyCheckpoint, item_readers, steps_taken
+        from ..core.names import split_optim_tensor_name
         from .table import open_rank_state_dicts
 
         checkpoint = open_rank_state_dicts(path)
