@@ -37,10 +37,10 @@ from ..storage.location import is_url
 from .bucket import BucketStaging, bucket_plan, prepare_bucket, staging_at
 from .dispatch import open_job
 from .hub import Hub, HubClient, RankGone, shared_key
-from .plan import Plan, make_plan
+from .plan import Part, Plan, make_plan
 from .processes import EarlyWorkers, start_workers, stop_workers
 from .progress import SharedCount
-from .staging import PartResult, Staging, fingerprint, prepare, staging_path
+from .staging import PartRecorder, PartResult, Staging, fingerprint, prepare, staging_path
 
 PLAN_FILE = "plan-rank0.json"
 WORKERS_EXIT_SECONDS = 5.0  # after a run that succeeded, a worker still there is killed after this
@@ -306,15 +306,19 @@ def _run_parts(
     figures: RankFigures,
 ):
     """This rank's parts written (or checked) and recorded: (their results, the first failure);
-    a line of `views` (another rank does not see what rank 0 sees) is raised between parts."""
+    a line of `views` (another rank does not see what rank 0 sees) is raised between parts. A
+    local staging area's records are made by a `PartRecorder` while the next part is written."""
     results: list[PartResult] = []
     failure = None
+    recorder = PartRecorder(staging.record) if isinstance(staging, Staging) else None
     count.post()
     count.start()
     try:
         for number, part in enumerate(todo, 1):
             if views.ready():
                 views.check()
+            if recorder is not None and recorder.failure(wait=False) is not None:
+                break  # named below
             try:
                 count.begin_part(plan.label(part))
                 faults.reached(task.command, number)
@@ -322,18 +326,35 @@ def _run_parts(
                     result = job.run_part(part, None, count.add)
                 else:
                     result = staging.write_part(job, part, count.add)
-                    staging.record(result)
-            except (FsdpkitError, OSError, ValueError, AssertionError) as error:
-                kind = type(error).__name__ if isinstance(error, FsdpkitError) else "RunError"
-                failure = (kind, f"rank {figures.rank} on {figures.host}: {plan.label(part)}: {error}")
+                    if recorder is not None:
+                        recorder.add(part, result)
+                    else:
+                        staging.record(result)
+            except RECORDED_ERRORS as error:
+                failure = _part_failure(plan, part, figures, error)
                 break
             results.append(result)
             figures.bytes_read += result.bytes_read
+        unrecorded = recorder.failure(wait=True) if recorder is not None else None
+        if unrecorded is not None and failure is None:
+            failure = _part_failure(plan, unrecorded[0], figures, unrecorded[1])
         views.check()
         count.finished()
     finally:
+        if recorder is not None:
+            recorder.close()
         count.stop()
     return results, failure
+
+
+RECORDED_ERRORS = (FsdpkitError, OSError, ValueError, AssertionError)  # a part's failure, named; anything else propagates
+
+
+def _part_failure(plan: Plan, part: Part, figures: RankFigures, error: BaseException) -> tuple[str, str]:
+    if not isinstance(error, RECORDED_ERRORS):
+        raise error
+    kind = type(error).__name__ if isinstance(error, FsdpkitError) else "RunError"
+    return kind, f"rank {figures.rank} on {figures.host}: {plan.label(part)}: {error}"
 
 
 def _gather_naming_the_stopped(comm: Any, count: SharedCount, value: Any) -> list[Any]:
