@@ -11,9 +11,14 @@ would start from this process's): GPT-2's tensor shapes (n_embd 1280, vocab 5025
 safetensors by numpy (one file per block) and converted by fsdpkit `--to deepspeed --stage 3
 --world-size 4` (DeepSpeed's own layout: `zero_pp_rank_*_mp_rank_00_{model,optim}_states.pt`,
 the fp32 weights in each rank's flat group; DeepSpeed's `zero_to_fp32` reads it, a test checks).
-Then, after one run not counted (the weights into the page cache), `--rounds` times,
-`--nproc-per-node 1` and `2` each run in its own process, their order alternating from round to
-round, each into a new directory removed afterwards.
+Then, after one run of each not counted (the weights into the page cache, fsdpkit's modules
+compiled), `--rounds` times, `--nproc-per-node 1` and `2` each run in its own process, their order
+alternating from round to round, each into a new directory removed afterwards. Every run imports
+fsdpkit from bytecode compiled once into the temporary directory ($PYTHONPYCACHEPREFIX there), as
+an installed fsdpkit does; `--compile-every-run` has every process compile it from source again
+(as with PYTHONDONTWRITEBYTECODE=1 and no __pycache__: about 0.2 s more start in each process).
+`--source-dir DIR` keeps the source in DIR (made there once, used as it is by later runs with the
+same `--layers`).
 
 Reported (medians, and the spread of the per-round ratios of 2 processes to 1): the wall time; the
 slowest rank's own work; each rank's phases from its `--json` marks (on the machine's monotonic
@@ -24,7 +29,9 @@ the peak RSS of each process; and the load average at each round's start. And wh
 machine blurs less: the CPU seconds of the whole command (all its processes), and of its busiest
 rank until its parts were done (each rank's start, opening, planning and work: on two idle cores,
 the two ranks' run side by side, so the ratio of the busiest rank's to one process's is about
-what the wall time's would be there).
+what the wall time's would be there); and the time until the last rank's parts were done, less
+the time that rank's main thread waited for a core (`run_delay_seconds`, Linux's schedstat): what
+a loaded machine adds to it taken out, its waits for the disk (fsync) kept in.
 """
 
 from __future__ import annotations
@@ -97,6 +104,19 @@ def make_source(root: Path, layers: int) -> tuple[Path, int]:
     return source, weight_bytes
 
 
+def weight_bytes_of(layers: int) -> int:
+    """The fp32 weight bytes of the source `make_source` makes."""
+    shapes = [(VOCAB, EMBD), (POSITIONS, EMBD), (EMBD,), (EMBD,), *(s for i in range(layers) for s in block_shapes(i).values())]
+    return 4 * sum(int(numpy.prod(shape)) for shape in shapes)
+
+
+def bytecode_env(env: dict[str, str], cache: Path, *, compile_every_run: bool) -> dict[str, str]:
+    """`env` with fsdpkit imported from bytecode kept in `cache` (or compiled from source each time)."""
+    if compile_every_run:
+        return env | {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(cache / "never-written")}
+    return {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPYCACHEPREFIX": str(cache)}
+
+
 def timed(command: list[str], env: dict[str, str] | None = None) -> dict:
     """One run: its wall time, and per rank its phases (seconds) and peak RSS (MB)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -114,9 +134,14 @@ def timed(command: list[str], env: dict[str, str] | None = None) -> dict:
         if "committed" in marks:
             phases["exit"] = ended - marks["committed"]
         peak_rss_mb = round(rank.get("peak_rss_bytes", 0) / 2**20, 1)  # VmHWM (a baseline's fsdpkit may report none)
-        ranks.append({"phases": phases, "peak_rss_mb": peak_rss_mb, "work": rank["seconds"], "cpu": rank.get("cpu_seconds", 0)})
+        done = marks.get("worked", started) - started - rank.get("run_delay_seconds", 0.0)  # a baseline's may report no delay
+        ranks.append(
+            {"phases": phases, "peak_rss_mb": peak_rss_mb, "work": rank["seconds"], "cpu": rank.get("cpu_seconds", 0), "done": done}
+        )
     slowest = max(rank["cpu"] for rank in ranks)
-    return {"wall": ended - started, "work": max(rank["work"] for rank in ranks), "cpu": cpu, "slowest_rank_cpu": slowest, "ranks": ranks}
+    done = max(rank["done"] for rank in ranks)  # the last rank's parts done, less its waits for a core
+    figures = {"wall": ended - started, "work": max(rank["work"] for rank in ranks), "cpu": cpu, "slowest_rank_cpu": slowest}
+    return figures | {"done_less_core_waits": done, "ranks": ranks}
 
 
 def spread_of(values: list[float]) -> dict:
@@ -128,7 +153,7 @@ def summary(runs: dict[str, list[dict]], loads: list[float], weight_bytes: int) 
     result["load_average_per_round"] = loads
     result["load_average_after"] = [round(load, 2) for load in os.getloadavg()]
     pairs = [("2", "1"), *((("2 baseline", "1 baseline"), ("2", "2 baseline")) if "1 baseline" in runs else ())]
-    for key in ("wall", "work", "cpu", "slowest_rank_cpu"):
+    for key in ("wall", "work", "cpu", "slowest_rank_cpu", "done_less_core_waits"):
         result[f"{key}_seconds"] = {n: [round(run[key], 2) for run in runs[n]] for n in runs}
         for two, one in pairs:
             ratios = [b[key] / a[key] if a[key] else float("nan") for a, b in zip(runs[one], runs[two], strict=True)]
@@ -157,22 +182,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline", metavar="PYTHONPATH", help="also run both with this PYTHONPATH ('' for the installed fsdpkit), in the same rounds"
     )
+    parser.add_argument("--compile-every-run", action="store_true", help="every process compiles fsdpkit from source (no bytecode kept)")
+    parser.add_argument("--source-dir", type=Path, help="keep the source here (made once; later runs with the same --layers use it)")
     parser.add_argument("--make-source-in", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.make_source_in is not None:
         print(make_source(args.make_source_in, args.layers)[1])
         return 0
     with tempfile.TemporaryDirectory(prefix="fsdpkit-spread-", dir=os.environ.get("TMPDIR")) as tmp:
-        made = [sys.executable, __file__, "--layers", str(args.layers), "--make-source-in", tmp]  # apart: this process stays small
-        source, weight_bytes = Path(tmp) / "deepspeed", int(subprocess.run(made, check=True, stdout=subprocess.PIPE, text=True).stdout)
+        where = args.source_dir or Path(tmp)
+        source, weight_bytes = where / "deepspeed", weight_bytes_of(args.layers)
+        if not source.is_dir():
+            where.mkdir(parents=True, exist_ok=True)
+            made = [
+                sys.executable,
+                __file__,
+                "--layers",
+                str(args.layers),
+                "--make-source-in",
+                str(where),
+            ]  # apart: this process stays small
+            subprocess.run(made, check=True, stdout=subprocess.DEVNULL)
         base = [sys.executable, "-m", "fsdpkit_cli", "convert", str(source)]
         flags = ["--to", "full", "--dtype", "bf16", "--max-shard-size", args.max_shard_size]
-        timed([*base, str(Path(tmp) / "warm-up"), *flags, "--nproc-per-node", "1"])  # the weights into the page cache
-        shutil.rmtree(Path(tmp) / "warm-up")
-        variants: dict[str, dict[str, str] | None] = {"1": None, "2": None}
+        env = bytecode_env(dict(os.environ), Path(tmp) / "pycache", compile_every_run=args.compile_every_run)
+        variants: dict[str, dict[str, str]] = {"1": env, "2": env}
         if args.baseline is not None:
-            old = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | ({"PYTHONPATH": args.baseline} if args.baseline else {})
+            old = {k: v for k, v in env.items() if k != "PYTHONPATH"} | ({"PYTHONPATH": args.baseline} if args.baseline else {})
             variants |= {"1 baseline": old, "2 baseline": old}
+        for name in variants:  # the weights into the page cache, the modules compiled
+            timed([*base, str(Path(tmp) / "warm-up"), *flags, "--nproc-per-node", name[0]], variants[name])
+            shutil.rmtree(Path(tmp) / "warm-up")
         runs: dict[str, list[dict]] = {name: [] for name in variants}
         loads = []
         for round_number in range(args.rounds):
@@ -181,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                 out = Path(tmp) / f"out-{name.replace(' ', '-')}-{round_number}"
                 runs[name].append(timed([*base, str(out), *flags, "--nproc-per-node", name[0]], variants[name]))
                 shutil.rmtree(out)
-    print(json.dumps(summary(runs, loads, weight_bytes), indent=None if args.json else 2))
+    document = summary(runs, loads, weight_bytes) | {"fsdpkit_from": "source, every run" if args.compile_every_run else "bytecode"}
+    print(json.dumps(document, indent=None if args.json else 2))
     return 0
 
 

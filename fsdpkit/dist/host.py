@@ -30,3 +30,13 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def run_delay_seconds() -> float:
+    """How long this process's main thread has been ready to run but waiting for a core (Linux's
+    schedstat; 0.0 where there is none): what a loaded machine adds to its wall time."""
+    try:
+        with open("/proc/self/schedstat", encoding="ascii") as schedstat:
+            return int(schedstat.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0

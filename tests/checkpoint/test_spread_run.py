@@ -169,6 +169,34 @@ def test_a_killed_rank_then_the_same_command_continues(source, tmp_path):
     assert spread["bytes_read"] <= 0.55 * total
 
 
+def test_a_part_whose_fsync_fails_is_named_and_the_parts_recorded_before_it_are_kept(source, tmp_path, monkeypatch):
+    """A part's fsync (made with its record while the next part is written) failing as a full
+    disk's delayed allocation does: one line naming that part's file, nothing committed; the same
+    command again keeps the parts recorded before it and writes the one-process bytes."""
+    from fsdpkit.checkpoint.spread.staging import Staging
+
+    root, _, clean = source
+    dst, record = tmp_path / "out", Staging.record
+    names = sorted(p.name for p in clean.glob("*.safetensors"))
+
+    def record_but_the_third(staging, result):
+        if result.name == names[2]:
+            raise OSError(28, "No space left on device")
+        record(staging, result)
+
+    monkeypatch.setattr(Staging, "record", record_but_the_third)
+    failed = _convert(root / "run", dst, "--nproc-per-node", "1")
+    assert failed.exit_code == 1, failed.output
+    lines = [line for line in failed.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and names[2] in lines[0] and "No space left" in lines[0] and "nothing committed" in lines[0], failed.output
+    assert not dst.exists()
+    monkeypatch.setattr(Staging, "record", record)
+    rerun = _convert(root / "run", dst, "--nproc-per-node", "1")
+    assert rerun.exit_code == 0, rerun.output
+    assert json.loads(rerun.stdout)["spread"]["kept_parts"] >= 2
+    assert _files(dst) == _files(clean)
+
+
 def test_a_rank_that_hangs_is_named_once_the_timeout_passes(source, tmp_path):
     root, _, _ = source
     dst = tmp_path / "out"
@@ -233,7 +261,7 @@ def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_pat
     assert _files(tmp_path / "torchrun") == _files(clean)
     ranks = json.loads(outputs[0][0])["spread"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and not any(r["torch"] for r in ranks)  # node 1's ranks 2, 3 too
-    assert all(0 < r["peak_rss_bytes"] <= 300 * 2**20 and r["cpu_seconds"] > 0 for r in ranks), ranks
+    assert all(0 < r["peak_rss_bytes"] <= 300 * 2**20 and r["cpu_seconds"] > 0 and r["run_delay_seconds"] >= 0 for r in ranks), ranks
     steps = ["begun", "opened", "planned", "working", "worked"]  # each on its node's own clock
     assert [sorted(r["marks"], key=r["marks"].get) for r in ranks] == [[*steps, "gathered", "committed"], *[steps] * 3], ranks
     under_torchrun = json.loads(outputs[2][0])["spread"]["ranks"]

@@ -4,10 +4,11 @@ the launching process of each node is one rank (node 0's is rank 0, which serves
 the node's other ranks are plain Python processes, started all at once, each importing only what
 its work needs (no torch), that join rank 0's hub and run their parts.
 The command line `fsdpkit convert|reshard|verify|diff ... --nproc-per-node N` starts its node's
-workers first thing (`start_early`, before the CLI's own imports): each imports what a run needs,
-in parallel with the launching process's imports, then waits on its stdin for its rank and the
-hub's address, which the launching process writes once it has them (or closes, when the command
-turns out not to be a spread run: the worker leaves having done nothing).
+workers first thing (`start_early`, before the CLI's own imports): each imports what a run needs
+(numpy too, which a cast would otherwise import in the worker's first part), in parallel with the
+launching process's imports, then waits on its stdin for its rank and the hub's address, which
+the launching process writes once it has them (or closes, when the command turns out not to be a
+spread run: the worker leaves having done nothing).
 A worker that fails leaves the line to rank 0 (it got the same one from the last gather) and
 exits with its exit code; on Ctrl-C every worker leaves quietly.
 """
@@ -136,6 +137,8 @@ def stop_workers(processes: dict[int, subprocess.Popen], *, grace: float) -> Non
 
 def early_worker_main() -> None:
     """A worker started early: the run's imports, then its rank and the hub's address from stdin, then its life."""
+    import numpy  # noqa: F401  (the casts' (core/crc imports it at the first cast): now, not in this worker's first part)
+
     from . import dispatch, runner  # noqa: F401  (imported now, while rank 0 imports the CLI)
 
     line = sys.stdin.readline().strip()

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ...dist import faults
-from ...dist.host import peak_rss_bytes
+from ...dist.host import peak_rss_bytes, run_delay_seconds
 from ...dist.launch import LaunchOptions, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ...progress import ByteProgress, stderr_progress
@@ -37,10 +37,10 @@ from ..storage.location import is_url
 from .bucket import BucketStaging, bucket_plan, prepare_bucket, staging_at
 from .dispatch import open_job
 from .hub import Hub, HubClient, RankGone, shared_key
-from .plan import Plan, make_plan
+from .plan import Part, Plan, make_plan
 from .processes import EarlyWorkers, start_workers, stop_workers
 from .progress import SharedCount
-from .staging import PartResult, Staging, fingerprint, prepare, staging_path
+from .staging import PartRecorder, PartResult, Staging, fingerprint, prepare, staging_path
 
 PLAN_FILE = "plan-rank0.json"
 WORKERS_EXIT_SECONDS = 5.0  # after a run that succeeded, a worker still there is killed after this
@@ -82,6 +82,7 @@ class RankFigures:
     peak_rss_bytes: int = 0  # this process's peak resident memory, once its parts were written
     torch: bool = False  # whether this process imported torch
     cpu_seconds: float = 0.0  # this process's (user and system), from its start until its parts were done
+    run_delay_seconds: float = 0.0  # its main thread's waits for a core, from its start until its parts were done
     marks: dict[str, float] = field(default_factory=dict)  # time.monotonic() as each step ended (Marks)
 
 
@@ -271,6 +272,7 @@ def _work_and_commit(
     figures.seconds = marks["worked"] - marks["working"]
     used = resource.getrusage(resource.RUSAGE_SELF)
     figures.peak_rss_bytes, figures.cpu_seconds = peak_rss_bytes(), round(used.ru_utime + used.ru_stime, 3)
+    figures.run_delay_seconds = round(run_delay_seconds(), 3)
     figures.torch = "torch" in sys.modules
     gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
     marks.mark("gathered")
@@ -304,15 +306,19 @@ def _run_parts(
     figures: RankFigures,
 ):
     """This rank's parts written (or checked) and recorded: (their results, the first failure);
-    a line of `views` (another rank does not see what rank 0 sees) is raised between parts."""
+    a line of `views` (another rank does not see what rank 0 sees) is raised between parts. A
+    local staging area's records are made by a `PartRecorder` while the next part is written."""
     results: list[PartResult] = []
     failure = None
+    recorder = PartRecorder(staging.record) if isinstance(staging, Staging) else None
     count.post()
     count.start()
     try:
         for number, part in enumerate(todo, 1):
             if views.ready():
                 views.check()
+            if recorder is not None and recorder.failure(wait=False) is not None:
+                break  # named below
             try:
                 count.begin_part(plan.label(part))
                 faults.reached(task.command, number)
@@ -320,18 +326,35 @@ def _run_parts(
                     result = job.run_part(part, None, count.add)
                 else:
                     result = staging.write_part(job, part, count.add)
-                    staging.record(result)
-            except (FsdpkitError, OSError, ValueError, AssertionError) as error:
-                kind = type(error).__name__ if isinstance(error, FsdpkitError) else "RunError"
-                failure = (kind, f"rank {figures.rank} on {figures.host}: {plan.label(part)}: {error}")
+                    if recorder is not None:
+                        recorder.add(part, result)
+                    else:
+                        staging.record(result)
+            except RECORDED_ERRORS as error:
+                failure = _part_failure(plan, part, figures, error)
                 break
             results.append(result)
             figures.bytes_read += result.bytes_read
+        unrecorded = recorder.failure(wait=True) if recorder is not None else None
+        if unrecorded is not None and failure is None:
+            failure = _part_failure(plan, unrecorded[0], figures, unrecorded[1])
         views.check()
         count.finished()
     finally:
+        if recorder is not None:
+            recorder.close()
         count.stop()
     return results, failure
+
+
+RECORDED_ERRORS = (FsdpkitError, OSError, ValueError, AssertionError)  # a part's failure, named; anything else propagates
+
+
+def _part_failure(plan: Plan, part: Part, figures: RankFigures, error: BaseException) -> tuple[str, str]:
+    if not isinstance(error, RECORDED_ERRORS):
+        raise error
+    kind = type(error).__name__ if isinstance(error, FsdpkitError) else "RunError"
+    return kind, f"rank {figures.rank} on {figures.host}: {plan.label(part)}: {error}"
 
 
 def _gather_naming_the_stopped(comm: Any, count: SharedCount, value: Any) -> list[Any]:

@@ -23,6 +23,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,35 @@ class Staging:
             fsync_dir(parent)
         except OSError as error:
             raise RunError(f"committing {dst} failed: {os_error_line(error, self.path)}") from None
+
+
+class PartRecorder:
+    """The parts a rank wrote, recorded (`record`: a local file fsynced, then its record written)
+    in order by a thread of their own while the rank writes its next part, so that the disk
+    writes one part out while the next is read, cast and checksummed. A part whose record was
+    not yet written when its process died is written again by the next run."""
+
+    def __init__(self, record: Callable[[PartResult], None]):
+        self._record = record
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fsdpkit-record")
+        self._pending: list[tuple[Part, Future]] = []
+
+    def add(self, part: Part, result: PartResult) -> None:
+        self._pending.append((part, self._pool.submit(self._record, result)))
+
+    def failure(self, *, wait: bool) -> tuple[Part, BaseException] | None:
+        """The first part whose record failed, and why: of those recorded so far, or (`wait`)
+        once every part added is recorded."""
+        for part, future in self._pending:
+            if not wait and not future.done():
+                return None
+            error = future.exception()
+            if error is not None:
+                return part, error
+        return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def prepare(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool, needed_bytes: int) -> tuple[Staging, int]:
