@@ -105,8 +105,9 @@ def uncache(directory: Path) -> None:
 
 
 def measure_rss(command: list[str]) -> dict:
-    """Wall time including a final `sync`, and the peak RSS of the command (wait4: the largest
-    of the process and the children it waited for)."""
+    """Wall time including a final `sync` (`sync_seconds` of it), the peak RSS of the command
+    (wait4: the largest of the process and the children it waited for) and its CPU seconds in
+    user space and in the kernel."""
     start = time.perf_counter()
     pid = os.posix_spawn(
         command[0],
@@ -115,10 +116,18 @@ def measure_rss(command: list[str]) -> dict:
         file_actions=[(os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0), (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)],
     )
     _, status, usage = os.wait4(pid, 0)
+    ended = time.perf_counter()
     subprocess.run(["sync"], check=True)
     if os.waitstatus_to_exitcode(status):
         raise SystemExit(f"{' '.join(command[:4])}... failed")
-    return {"seconds": time.perf_counter() - start, "peak_rss": usage.ru_maxrss * 1024}
+    synced = time.perf_counter()
+    return {
+        "seconds": synced - start,
+        "sync_seconds": synced - ended,
+        "peak_rss": usage.ru_maxrss * 1024,
+        "user_seconds": usage.ru_utime,
+        "system_seconds": usage.ru_stime,
+    }
 
 
 def check_free(work: Path, needed: int, what: str) -> None:

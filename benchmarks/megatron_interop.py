@@ -12,10 +12,12 @@ command as its own process, its input first dropped from the page cache (wall ti
 `sync`, peak RSS from `wait4`): `fsdpkit convert MEGATRON OUT --to full` (unstacking the layers
 and splitting QKV and fc1 as it copies), and `cp -r MEGATRON OUT`.
 
-Reported: median and range over `--repeat` rounds, each command's peak RSS, and the ratio of
-convert to `cp -r` per round; then the phases of convert (start: Python, the CLI's imports and
-parsing; open: the checkpoint's metadata; copy; commit: the sync, rename and report), from one
-more run per round through the CLI in a process that times them; `--json` prints them all.
+Reported: median and range over `--repeat` rounds, each command's peak RSS, the final `sync`'s
+share of its time and its CPU seconds (user, system), and the ratio of convert to `cp -r` per
+round; then the phases of convert (start: Python, the CLI's imports and parsing; open: the
+checkpoint's metadata; copy; commit: the sync, rename and report) and the CPU seconds of copy
+and commit, from one more run per round through the CLI in a process that times them; `--json`
+prints them all. `--checkpoint DIR` times an existing `torch_dist` checkpoint instead (no set-up).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -37,6 +40,7 @@ from dcp_interop import FSDPKIT, check_free, measure_rss, run, uncache
 
 HIDDEN, HEADS, GROUPS, FFN, VOCAB = 2048, 16, 8, 5632, 32000
 PHASES = ("start", "open", "copy", "commit")
+CPU_PHASES = ("copy", "commit")  # their CPU seconds in user space and in the kernel are reported too
 
 
 def write_llama(directory: Path, layers: int) -> int:
@@ -92,14 +96,15 @@ def phase_child(megatron: Path, out: Path) -> None:
     from fsdpkit.checkpoint.offline import formats
 
     marks: dict[str, float] = {}
+    cpu: dict[str, resource.struct_rusage] = {}
 
     def marked(before: str, after: str, function):
         def run(*args, **kwargs):
-            marks[before] = time.time()
+            marks[before], cpu[before] = time.time(), resource.getrusage(resource.RUSAGE_SELF)
             try:
                 return function(*args, **kwargs)
             finally:
-                marks[after] = time.time()
+                marks[after], cpu[after] = time.time(), resource.getrusage(resource.RUSAGE_SELF)
 
         return run
 
@@ -108,9 +113,12 @@ def phase_child(megatron: Path, out: Path) -> None:
     sys.argv = ["fsdpkit", "convert", str(megatron), str(out), "--to", "full"]
     with contextlib.redirect_stdout(sys.stderr), contextlib.suppress(SystemExit):
         app.main()
-    ended = time.time()
+    ended, cpu["ended"] = time.time(), resource.getrusage(resource.RUSAGE_SELF)
     phases = {"start": marks["open"] - spawned, "open": marks["opened"] - marks["open"]}
     phases |= {"copy": marks["commit"] - marks["opened"], "commit": ended - marks["commit"]}
+    for phase, (first, last) in zip(CPU_PHASES, [("opened", "commit"), ("commit", "ended")], strict=True):
+        phases[f"{phase} user"] = cpu[last].ru_utime - cpu[first].ru_utime
+        phases[f"{phase} system"] = cpu[last].ru_stime - cpu[first].ru_stime
     print(json.dumps(phases))
 
 
@@ -170,6 +178,19 @@ def _pythonpath(path: str | None) -> Iterator[None]:
             os.environ["PYTHONPATH"] = old
 
 
+def write_checkpoint(work: Path, layers: int) -> tuple[Path, int, dict]:
+    """The Llama-shaped checkpoint converted to `torch_dist` under `work`; its safetensors
+    bytes, and the time and peak RSS of `--to megatron`."""
+    check_free(work, 4_500_000_000 * max(layers, 1) // 8, "the set-up and outputs")
+    # written by a child: this process stays small, so its children's peak RSS is their own
+    run([sys.executable, __file__, "--write-llama", str(work / "hf"), "--layers", str(layers)])
+    size = sum(path.stat().st_size for path in (work / "hf").iterdir())
+    uncache(work / "hf")
+    setup = measure_rss([FSDPKIT, "convert", str(work / "hf"), str(work / "megatron"), "--to", "megatron"])
+    shutil.rmtree(work / "hf")
+    return work / "megatron", size, setup
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
@@ -179,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline", metavar="PYTHONPATH", help="also time convert with this PYTHONPATH (another checkout) in the same rounds"
     )
     parser.add_argument("--work", type=Path, default=None, help="Scratch directory (default: a temporary one, removed).")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="time this torch_dist checkpoint (kept) instead of writing one")
     parser.add_argument("--write-llama", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--phases-of", type=Path, nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -194,47 +216,61 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     os.environ["PYTHONPYCACHEPREFIX"] = str(work / "bytecode")
     try:
-        check_free(work, 4_500_000_000 * max(args.layers, 1) // 8, "the set-up and outputs")
-        # written by a child: this process stays small, so its children's peak RSS is their own
-        run([sys.executable, __file__, "--write-llama", str(work / "hf"), "--layers", str(args.layers)])
-        size = sum(path.stat().st_size for path in (work / "hf").iterdir())
-        uncache(work / "hf")
-        setup = measure_rss([FSDPKIT, "convert", str(work / "hf"), str(work / "megatron"), "--to", "megatron"])
-        shutil.rmtree(work / "hf")
-        results, phases = rounds(work, work / "megatron", args.repeat, args.baseline)
+        megatron, size, setup = args.checkpoint, 0, None
+        if megatron is None:
+            megatron, size, setup = write_checkpoint(work, args.layers)
+        else:  # a convert untimed: the timed ones find fsdpkit's bytecode cached, as after the set-up
+            run([FSDPKIT, "convert", str(megatron), str(work / "hf-out"), "--to", "full"])
+            shutil.rmtree(work / "hf-out")
+        results, phases = rounds(work, megatron, args.repeat, args.baseline)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratios = [c["seconds"] / p["seconds"] for c, p in zip(results["fsdpkit convert --to full"], results["cp -r"], strict=True)]
     before = [c["seconds"] / p["seconds"] for c, p in zip(results.get(BASELINE, []), results["cp -r"], strict=False)]
     document = {
-        "checkpoint_bytes": size,
+        "checkpoint_bytes": size or sum(path.stat().st_size for path in megatron.rglob("*") if path.is_file()),
         "to_megatron": setup,
         "commands": {
-            name: {"seconds": summary([r["seconds"] for r in runs]), "peak_rss": max(r["peak_rss"] for r in runs)}
+            name: {
+                "peak_rss": max(r["peak_rss"] for r in runs),
+                **{key: summary([r[key] for r in runs]) for key in ("seconds", "sync_seconds", "user_seconds", "system_seconds")},
+            }
             for name, runs in results.items()
         },
         "convert_over_cp": summary(ratios),
         **({"baseline_over_cp": summary(before)} if before else {}),
-        "convert_phases": {phase: summary([found[phase] for found in phases]) for phase in PHASES},
+        "convert_phases": {phase: summary([found[phase] for found in phases]) for phase in phases[0]},
     }
     if args.json:
         print(json.dumps(document, indent=2))
     else:
-        print(f"checkpoint {size / 1e9:.2f} GB; --to megatron {setup['seconds']:.2f} s, peak RSS {setup['peak_rss'] / 1e6:.0f} MB")
+        print(f"checkpoint {document['checkpoint_bytes'] / 1e9:.2f} GB", end="")
+        print(f"; --to megatron {setup['seconds']:.2f} s, peak RSS {setup['peak_rss'] / 1e6:.0f} MB" if setup else " (given)")
         for name, found in document["commands"].items():
             s = found["seconds"]
-            print(f"{name:28} {s['median']:7.2f} s [{s['min']:.2f}, {s['max']:.2f}]  peak RSS {found['peak_rss'] / 1e6:5.0f} MB")
+            print(
+                f"{name:28} {s['median']:7.2f} s [{s['min']:.2f}, {s['max']:.2f}]  peak RSS {found['peak_rss'] / 1e6:5.0f} MB;"
+                f" of it the final sync {_median_range(found['sync_seconds'])} s; CPU: user {_median_range(found['user_seconds'])} s,"
+                f" system {_median_range(found['system_seconds'])} s"
+            )
         r = document["convert_over_cp"]
         print(f"convert / cp -r per round: {r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]")
         if before:
             b = document["baseline_over_cp"]
             print(f"baseline convert / cp -r per round: {b['median']:.2f}x [{b['min']:.2f}, {b['max']:.2f}]")
         found = document["convert_phases"]
+        print("phases of convert (one more run per round):", ", ".join(f"{p} {_median_range(found[p])} s" for p in PHASES))
         print(
-            "phases of convert (one more run per round):",
-            ", ".join(f"{p} {found[p]['median']:.2f} s [{found[p]['min']:.2f}, {found[p]['max']:.2f}]" for p in PHASES),
+            "their CPU:",
+            ", ".join(
+                f"{p}: user {_median_range(found[f'{p} user'])} s, system {_median_range(found[f'{p} system'])} s" for p in CPU_PHASES
+            ),
         )
     return 0
+
+
+def _median_range(found: dict) -> str:
+    return f"{found['median']:.2f} [{found['min']:.2f}, {found['max']:.2f}]"
 
 
 if __name__ == "__main__":

@@ -461,3 +461,38 @@ def test_write_behind_leaves_kernel_copies_to_the_final_sync(tmp_path, monkeypat
     assert sum(end - start for start, end in advised) >= len(written) - (1 << 20)
     loaded = load_file(path)
     assert loaded["a"].numpy().tobytes() == sent and loaded["b"].numpy().tobytes() == written
+
+
+@pytest.mark.parametrize("fails_after", [None, 0, 2])
+def test_send_splices_in_steps_and_copies_the_rest_where_splice_fails(tmp_path, monkeypatch, fails_after):
+    """`send` splices through its pipe (a small one here, so a range takes several steps); where
+    splice fails, at once or part way through, the kernel copy goes on from the last byte
+    spliced. The file safetensors reads holds the source's bytes at every offset."""
+    from fsdpkit.checkpoint.format import writer as writer_module
+    from fsdpkit.checkpoint.format.writer import StreamingWriter
+
+    monkeypatch.setattr(writer_module, "PIPE_BYTES", 4096)
+    real_splice, calls = os.splice, []
+
+    def splice(*args, **kwargs):
+        calls.append(args)
+        if fails_after is not None and len(calls) > fails_after:
+            raise OSError(errno.EINVAL, "no splice here")
+        return real_splice(*args, **kwargs)
+
+    monkeypatch.setattr(os, "splice", splice)
+    sent = os.urandom(50_000)
+    (tmp_path / "src.bin").write_bytes(b"x" * 777 + sent)
+    entries = [("a", "U8", (3,)), ("b", "U8", (len(sent),)), ("c", "U8", (5,))]
+    with StreamingWriter(tmp_path / "out.safetensors", entries, sync=False) as out:
+        out.write(b"abc")
+        source = os.open(tmp_path / "src.bin", os.O_RDONLY)
+        try:
+            out.send(source, 777, len(sent))
+        finally:
+            os.close(source)
+        out.write(b"defgh")
+    loaded = load_file(tmp_path / "out.safetensors")
+    assert loaded["b"].numpy().tobytes() == sent
+    assert loaded["a"].numpy().tobytes() == b"abc" and loaded["c"].numpy().tobytes() == b"defgh"
+    assert len(calls) > (4 if fails_after is None else fails_after)

@@ -34,6 +34,7 @@ WRITE_BEHIND_BYTES = 32 * 1024 * 1024
 BUFFER_BYTES = 1024 * 1024
 DIRECT_BUFFER_BYTES = 8 * 1024 * 1024  # a multiple of any filesystem's O_DIRECT alignment
 DIRECT_MIN_BYTES = 2 * DIRECT_BUFFER_BYTES  # smaller files gain nothing from bypassing the cache
+PIPE_BYTES = 1024 * 1024  # the pipe `send` splices through (Linux's default pipe-max-size)
 
 
 def _set_direct(fd: int, on: bool) -> bool:
@@ -47,6 +48,17 @@ def _set_direct(fd: int, on: bool) -> bool:
     except OSError:
         return False
     return True
+
+
+def _pipe() -> tuple[int, int, int]:
+    """A pipe (read end, write end, size) of PIPE_BYTES, or of the system's default size where
+    it allows no larger one."""
+    read_end, write_end = os.pipe()
+    try:
+        size = fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (OSError, AttributeError):
+        size = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ) if hasattr(fcntl, "F_GETPIPE_SZ") else 64 * 1024
+    return read_end, write_end, size
 
 
 class CacheMode(Enum):
@@ -70,6 +82,7 @@ class _FileWriter:
         self.write_seconds = self.fsync_seconds = 0.0
         self.direct_bytes = 0  # written with O_DIRECT, past the page cache
         self._fd = create(self.path)
+        self._pipe: tuple[int, int, int] | None = None  # (read end, write end, size) of the pipe `send` splices through
         if cache is CacheMode.WRITE_BEHIND and not hasattr(os, "posix_fadvise"):
             cache = CacheMode.CACHED
         if cache is CacheMode.DIRECT and not (size >= DIRECT_MIN_BYTES and _set_direct(self._fd, True)):
@@ -96,18 +109,50 @@ class _FileWriter:
         self._buffered += view.nbytes
 
     def send(self, source: Descriptor, offset: int, count: int) -> None:
-        """Append bytes [offset, offset + count) of the open file `source`, copied by the kernel
-        (copy_file_range: they never pass through this process). A DIRECT file goes on cached."""
+        """Append bytes [offset, offset + count) of the open file `source`, copied by the kernel:
+        they never pass through this process. They are spliced through a 1 MiB pipe of this
+        writer's (copy_file_range splices through a 64 KiB one, which costs the kernel's copy
+        more: docs/megatron.md); copy_range copies what cannot be spliced (an object, no
+        splice(2)). A DIRECT file goes on cached."""
         if self._written + self._buffered + count > self.size:
             raise ValueError(f"{self.path}: writing past the {self.size} bytes the header announced")
         self._end_direct()
         self._flush()
         started = time.perf_counter()
-        copy_range(source, offset, count, self._fd, self._written, self.path)
+        spliced = self._splice(source, offset, count)
+        copy_range(source, offset + spliced, count - spliced, self._fd, self._written + spliced, self.path)
         self._written += count
         os.lseek(self._fd, self._written, os.SEEK_SET)  # copy_range writes at offsets; write() goes on from here
         self.write_seconds += time.perf_counter() - started
         self._flushed = self._written  # kernel copies are left to the final sync (CacheMode.WRITE_BEHIND)
+
+    def _splice(self, source: Descriptor, offset: int, count: int) -> int:
+        """Bytes [offset, offset + count) of file `source` spliced to the end of the written
+        bytes, as many as splice(2) takes (0 where it is missing, for an object, or from the first
+        error on); how many."""
+        if not isinstance(source, int) or count == 0 or not hasattr(os, "splice"):
+            return 0
+        if self._pipe is None:
+            self._pipe = _pipe()
+        read_end, write_end, size = self._pipe
+        done = 0
+        try:
+            while done < count:
+                moved = os.splice(source, write_end, min(size, count - done), offset_src=offset + done)
+                if moved == 0:  # the source ends early: copy_range says so
+                    return done
+                while moved:
+                    put = os.splice(read_end, self._fd, moved, offset_dst=self._written + done)
+                    done, moved = done + put, moved - put
+        except OSError:  # what is left in the pipe goes with it; copy_range copies from `done` on
+            self._close_pipe()
+        return done
+
+    def _close_pipe(self) -> None:
+        if self._pipe is not None:
+            pipe, self._pipe = self._pipe, None
+            os.close(pipe[0])
+            os.close(pipe[1])
 
     def _stage(self, view: memoryview) -> None:
         """Direct mode: every byte goes through the staging buffer, which is written whole, so
@@ -190,6 +235,7 @@ class _FileWriter:
         self.path.unlink(missing_ok=True)
 
     def _release(self) -> None:
+        self._close_pipe()
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
