@@ -180,9 +180,11 @@ for path in sorted(p for p in full.rglob("*") if p.is_file()):
 
 
 def _timed(command: list[str], env: dict[str, str]) -> tuple[float, int, float]:
-    """(seconds, peak RSS bytes, CPU seconds) of one process."""
+    """(seconds, peak RSS bytes, CPU seconds) of one process, run in the environment's scratch
+    directory: `python -m` puts its working directory first on the path, which would run the
+    fsdpkit found there instead of the checkout PYTHONPATH names."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env, cwd=env["PYTHONPYCACHEPREFIX"])
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - start
     if status != 0:
@@ -190,12 +192,11 @@ def _timed(command: list[str], env: dict[str, str]) -> tuple[float, int, float]:
     return seconds, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
 
 
-def _compiled_env(work: str) -> dict[str, str]:
-    """The environment of the timed commands: bytecode cached under `work` (an installed package
+def _compiled_env() -> dict[str, str]:
+    """The environment of the timed commands, with their bytecode cached (an installed package
     has its bytecode compiled, as boto3's is; with PYTHONDONTWRITEBYTECODE set, fsdpkit's own
-    modules alone would be compiled again in every run)."""
-    env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
-    return {**env, "PYTHONPYCACHEPREFIX": f"{work}/bytecode"}
+    modules alone would be compiled again in every run): see `_checkout_env`."""
+    return {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
 
 
 def main() -> None:
@@ -250,14 +251,14 @@ def _run(args: argparse.Namespace, log: Path | None) -> None:
         if args.only != "convert":
             commands |= {VERIFY: [sys.executable, "-m", "fsdpkit_cli", "verify", f"{url}/run"]}
             commands |= {name: [sys.executable, "-c", code, args.bucket, "bench/run"] for name, code in READERS.items()}
-        env = _compiled_env(work)
+        env = _checkout_env(ROOT, work, _compiled_env(), "this")
         envs = {}
         if args.only != "verify":
             convert = [sys.executable, "-m", "fsdpkit_cli", "convert", f"{url}/ds", f"{url}/out-fsdpkit", "--to", "full", "--overwrite"]
             commands |= {CONVERT: convert}
             if args.baseline is not None:
                 commands |= {BASELINE: [*convert[:-4], f"{url}/out-baseline", "--to", "full", "--overwrite"]}
-                envs[BASELINE] = _checkout_env(args.baseline.resolve(), work, env)
+                envs[BASELINE] = _checkout_env(args.baseline.resolve(), work, env, "baseline")
             commands |= {TRANSFER_NAME: [sys.executable, "-c", TRANSFER, args.bucket, "bench/ds", f"{work}/full"]}
         for name in commands:  # a round that compiles the bytecode, not counted
             long_convert = name in (CONVERT, BASELINE) and not args.size  # gpt2's: minutes a run on moto
@@ -266,12 +267,14 @@ def _run(args: argparse.Namespace, log: Path | None) -> None:
         _report(args, commands, envs, env, sizes, GetCounter(log, args.bucket))
 
 
-def _checkout_env(checkout: Path, work: str, env: dict[str, str]) -> dict[str, str]:
-    """The environment that runs `checkout`'s fsdpkit and CLI (its `cli/` as `fsdpkit_cli`)."""
-    shim = Path(work, "baseline-shim")
+def _checkout_env(checkout: Path, work: str, env: dict[str, str], label: str) -> dict[str, str]:
+    """The environment that runs `checkout`'s fsdpkit and CLI (its `cli/` as `fsdpkit_cli`),
+    its bytecode cached in a directory of its own (where its commands run, `_timed`)."""
+    shim = Path(work, f"{label}-shim")
     shim.mkdir()
     (shim / "fsdpkit_cli").symlink_to(checkout / "cli")
-    return {**env, "PYTHONPATH": f"{checkout}{os.pathsep}{shim}", "PYTHONPYCACHEPREFIX": f"{work}/bytecode-baseline"}
+    Path(work, f"bytecode-{label}").mkdir()
+    return {**env, "PYTHONPATH": f"{checkout}{os.pathsep}{shim}", "PYTHONPYCACHEPREFIX": f"{work}/bytecode-{label}"}
 
 
 class GetCounter:

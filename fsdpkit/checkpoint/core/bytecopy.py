@@ -352,7 +352,10 @@ class ByteEngine:
         order, as runs (`merged_runs`), and held until the next batch, so a reader that wants
         them in another order than the files' (the full output's) takes a few GETs per file, not
         one per tensor. One larger than READ_AHEAD_BYTES is a batch of its own, read as it comes.
-        Local files are mapped as they are read, in any order."""
+        Local files are mapped as they are read, in any order: all of `wanted` is one batch."""
+        if not self._in_objects(wanted):
+            yield from range(len(wanted))
+            return
         start = 0
         while start < len(wanted):
             end, total = start + 1, _source_bytes(wanted[start])
@@ -363,6 +366,14 @@ class ByteEngine:
             yield from range(start, end)
             start = end
         self._files.read_ahead({})
+
+    def _in_objects(self, wanted: Sequence[tuple[SourceTensor, ElementRange]]) -> bool:
+        """Whether the source's files are objects of a storage, as its first piece's file is (a
+        checkpoint's files are all local, or all in one storage)."""
+        for tensor, elements in wanted:
+            for piece in tensor.pieces_in(elements)[:1]:
+                return not isinstance(self._files.fd(self._file_of(piece)), int)
+        return False
 
     def _runs(self, wanted: Sequence[tuple[SourceTensor, ElementRange]]) -> dict[int, list[tuple[int, int]]]:
         """The byte runs of the source files (by number) that hold elements `wanted`."""
