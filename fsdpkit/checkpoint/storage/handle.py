@@ -118,6 +118,8 @@ class ObjectHandle:
             data, at = bytearray(end - start), start
             while at < end:
                 window = self.window(at, min(end - at, STREAM_BLOCK_BYTES), end)
+                if not window:
+                    raise DataCheckError(f"{self.storage.where(self.name)}: object ends at byte {at}, before byte {end} (truncated)")
                 data[at - start : at - start + len(window)] = window
                 at += len(window)
             fetched.append((start, data))
