@@ -87,10 +87,13 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
+def start_moto(log: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """moto's server on a free port of 127.0.0.1; its request log (one line a request) into `log` where given."""
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL if log is None else log.open("ab"),
     )
     for _ in range(100):
         with socket.socket() as probe:
@@ -177,9 +180,11 @@ for path in sorted(p for p in full.rglob("*") if p.is_file()):
 
 
 def _timed(command: list[str], env: dict[str, str]) -> tuple[float, int, float]:
-    """(seconds, peak RSS bytes, CPU seconds) of one process."""
+    """(seconds, peak RSS bytes, CPU seconds) of one process, run in the environment's scratch
+    directory: `python -m` puts its working directory first on the path, which would run the
+    fsdpkit found there instead of the checkout PYTHONPATH names."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env, cwd=env["PYTHONPYCACHEPREFIX"])
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - start
     if status != 0:
@@ -187,12 +192,11 @@ def _timed(command: list[str], env: dict[str, str]) -> tuple[float, int, float]:
     return seconds, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
 
 
-def _compiled_env(work: str) -> dict[str, str]:
-    """The environment of the timed commands: bytecode cached under `work` (an installed package
+def _compiled_env() -> dict[str, str]:
+    """The environment of the timed commands, with their bytecode cached (an installed package
     has its bytecode compiled, as boto3's is; with PYTHONDONTWRITEBYTECODE set, fsdpkit's own
-    modules alone would be compiled again in every run)."""
-    env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
-    return {**env, "PYTHONPYCACHEPREFIX": f"{work}/bytecode"}
+    modules alone would be compiled again in every run): see `_checkout_env`."""
+    return {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
 
 
 def main() -> None:
@@ -214,21 +218,23 @@ def main() -> None:
     parser.add_argument("--only", choices=("verify", "convert"), help="time these rows alone")
     parser.add_argument("--baseline", type=Path, help="another fsdpkit checkout whose convert is timed in the same rounds")
     args = parser.parse_args()
-    server = None
-    if not os.environ.get("AWS_ENDPOINT_URL"):
-        server, endpoint = start_moto()
-        os.environ.update(
-            AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1"
-        )
-    try:
-        _run(args)
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait()
+    server, log = None, None
+    with tempfile.TemporaryDirectory() as logs:
+        if not os.environ.get("AWS_ENDPOINT_URL"):
+            log = Path(logs, "moto.log")
+            server, endpoint = start_moto(log)
+            os.environ.update(
+                AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1"
+            )
+        try:
+            _run(args, log)
+        finally:
+            if server is not None:
+                server.kill()
+                server.wait()
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(args: argparse.Namespace, log: Path | None) -> None:
     """The setup runs in a process of its own, so this one stays small: a child's peak RSS
     counts the memory it shared with this process before it started its program."""
     server_is_local = "127.0.0.1" in os.environ["AWS_ENDPOINT_URL"]
@@ -245,28 +251,63 @@ def _run(args: argparse.Namespace) -> None:
         if args.only != "convert":
             commands |= {VERIFY: [sys.executable, "-m", "fsdpkit_cli", "verify", f"{url}/run"]}
             commands |= {name: [sys.executable, "-c", code, args.bucket, "bench/run"] for name, code in READERS.items()}
-        env = _compiled_env(work)
+        env = _checkout_env(ROOT, work, _compiled_env(), "this")
         envs = {}
         if args.only != "verify":
             convert = [sys.executable, "-m", "fsdpkit_cli", "convert", f"{url}/ds", f"{url}/out-fsdpkit", "--to", "full", "--overwrite"]
             commands |= {CONVERT: convert}
             if args.baseline is not None:
                 commands |= {BASELINE: [*convert[:-4], f"{url}/out-baseline", "--to", "full", "--overwrite"]}
-                envs[BASELINE] = _checkout_env(args.baseline.resolve(), work, env)
+                envs[BASELINE] = _checkout_env(args.baseline.resolve(), work, env, "baseline")
             commands |= {TRANSFER_NAME: [sys.executable, "-c", TRANSFER, args.bucket, "bench/ds", f"{work}/full"]}
         for name in commands:  # a round that compiles the bytecode, not counted
             long_convert = name in (CONVERT, BASELINE) and not args.size  # gpt2's: minutes a run on moto
             if not name.startswith("boto3") and not long_convert and not args.no_compile_round:
                 _timed(commands[name], envs.get(name, env))
-        _report(args, commands, envs, env, sizes, server_is_local)
+        _report(args, commands, envs, env, sizes, GetCounter(log, args.bucket))
 
 
-def _checkout_env(checkout: Path, work: str, env: dict[str, str]) -> dict[str, str]:
-    """The environment that runs `checkout`'s fsdpkit and CLI (its `cli/` as `fsdpkit_cli`)."""
-    shim = Path(work, "baseline-shim")
+def _checkout_env(checkout: Path, work: str, env: dict[str, str], label: str) -> dict[str, str]:
+    """The environment that runs `checkout`'s fsdpkit and CLI (its `cli/` as `fsdpkit_cli`),
+    its bytecode cached in a directory of its own (where its commands run, `_timed`)."""
+    shim = Path(work, f"{label}-shim")
     shim.mkdir()
     (shim / "fsdpkit_cli").symlink_to(checkout / "cli")
-    return {**env, "PYTHONPATH": f"{checkout}{os.pathsep}{shim}", "PYTHONPYCACHEPREFIX": f"{work}/bytecode-baseline"}
+    Path(work, f"bytecode-{label}").mkdir()
+    return {**env, "PYTHONPATH": f"{checkout}{os.pathsep}{shim}", "PYTHONPYCACHEPREFIX": f"{work}/bytecode-{label}"}
+
+
+class GetCounter:
+    """GETs of the convert's source objects (bench/ds/...) that moto's request log shows
+    between `start()` and `stop()`, by object: how many ranged GETs each command issued."""
+
+    def __init__(self, log: Path | None, bucket: str):
+        self.log, self.prefix, self.at = log, f"GET /{bucket}/bench/ds/", 0  # a 206's line is colored: no quote before it
+        self.counts: dict[str, list[dict[str, int]]] = {}
+
+    def start(self) -> None:
+        self.at = self.log.stat().st_size if self.log is not None else 0
+
+    def stop(self, name: str) -> None:
+        if self.log is None:
+            return
+        with self.log.open("rb") as lines:
+            lines.seek(self.at)
+            found: dict[str, int] = {}
+            for line in lines.read().decode(errors="replace").splitlines():
+                if self.prefix in line:
+                    key = line.split(self.prefix, 1)[1].split(" ", 1)[0].split("?", 1)[0]
+                    found[key] = found.get(key, 0) + 1
+        self.counts.setdefault(name, []).append(found)
+
+    def line(self, name: str) -> str | None:
+        """The median count per round: all GETs of the source, and those of its busiest object."""
+        rounds = self.counts.get(name)
+        if not rounds:
+            return None
+        total = statistics.median(sum(found.values()) for found in rounds)
+        most = statistics.median(max(found.values(), default=0) for found in rounds)
+        return f"{name:30} GETs of the source's objects: {total:.0f} in all, {most:.0f} of the busiest object (median of the rounds)"
 
 
 def _report(
@@ -275,7 +316,7 @@ def _report(
     envs: dict[str, dict[str, str]],
     env: dict[str, str],
     sizes: list[tuple[int, int]],
-    local: bool,
+    gets: GetCounter,
 ) -> None:
     runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
     load = os.getloadavg()[0]
@@ -284,10 +325,12 @@ def _report(
         for name, command in commands.items():
             if round_number >= rounds[name]:
                 continue
+            gets.start()
             runs[name].append(_timed(command, envs.get(name, env)))
+            gets.stop(name)
             seconds, rss, _ = runs[name][-1]
             print(f"round {round_number + 1}: {name} {seconds:.2f} s, peak RSS {format_size(rss)}", file=sys.stderr, flush=True)
-    where = "moto's server, this machine" if local else os.environ["AWS_ENDPOINT_URL"]
+    where = "moto's server, this machine" if gets.log is not None else os.environ["AWS_ENDPOINT_URL"]
     (sharded, sharded_files), (ds, ds_files) = sizes
     what = f"{args.model} + AdamW" if not args.size else f"{args.size} of 2048x2048 fp32 layers + AdamW"
     print(f"{what} on {where}; median of {args.repeat} interleaved rounds of verify, {args.convert_repeat} of convert")
@@ -302,6 +345,10 @@ def _report(
         total = sharded if name == VERIFY or name in READERS else ds
         rss = format_size(max(r for _, r, _ in found))
         print(f"{name:30} {seconds:7.2f} s  {total / seconds / 1e6:8.1f} MB/s of the source  CPU {cpu:5.2f} s  peak RSS {rss}")
+    for name in (CONVERT, BASELINE, TRANSFER_NAME):
+        counted = gets.line(name)
+        if counted is not None:
+            print(counted)
     if VERIFY in runs:
         fastest = min(READERS, key=lambda name: medians[name])
         _ratio(f"verify / the faster boto3 reader ({fastest})", runs[VERIFY], runs[fastest])

@@ -7,7 +7,7 @@ requests whose path holds it (or one of them). `arm(passing)` instead holds the 
 would fail after the next `passing` of them, until `release()` drops them: a moment of an
 upload to kill its client at, again and again. The request is read whole first, so a fault other than `cut`
 never reaches the server; which requests fail comes from a seeded generator, so a run is
-repeatable; the kinds take turns. `faults` counts what was injected."""
+repeatable; the kinds take turns. `faults` counts what was injected, `gets` the GETs answered per object."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import http.client
 import random
 import socket
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -50,6 +51,7 @@ class FaultProxy:
         self.faults: dict[str, int] = dict.fromkeys(kinds, 0)
         self.requests = 0
         self.got_bytes = 0  # bytes of the answers to GETs the server gave
+        self.gets: Counter[str] = Counter()  # GETs the server answered, by path (bucket/key)
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -148,6 +150,7 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 if self.command == "GET":
                     with proxy._lock:
                         proxy.got_bytes += len(payload)
+                        proxy.gets[urlsplit(self.path).path] += 1
                 self.send_response(answer.status, answer.reason)
                 for key, value in answer.getheaders():
                     if key.lower() not in HOP_BY_HOP and key.lower() != "content-length":

@@ -31,6 +31,8 @@ DEFAULT_CHUNK_SIZE = 512 * 1024  # bytes per block: read, checksummed and handed
 KERNEL_COPY_BYTES = 256 << 10  # fragments at least this large are copied by the kernel
 WHOLE_FILE_BYTES = 8 * 1024 * 1024  # a rank file up to this size is one writev; larger ones are written in such steps
 PROGRESS_BYTES = 8 * 1024 * 1024  # progress is reported in steps of this
+READ_AHEAD_BYTES = 64 << 20  # source bytes of a batch `read_ahead` fetches in file order
+RUN_GAP_BYTES = 4 << 10  # runs of one file this close are fetched as one, the gap too (a ZeRO-3 partition's padding)
 
 
 class SourcePiece(NamedTuple):
@@ -66,6 +68,22 @@ class SourceTensor:
 
     def pieces_in(self, wanted: ElementRange) -> list[SourcePiece]:
         return [p for p in self.pieces if p.range.start < wanted.end and wanted.start < p.range.end]
+
+
+def _source_bytes(wanted: tuple[SourceTensor, ElementRange]) -> int:
+    return wanted[1].size * dtype_info(wanted[0].dtype).itemsize
+
+
+def merged_runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte spans [start, end) sorted and merged into runs where they meet, overlap or are at
+    most RUN_GAP_BYTES apart (a ZeRO-3 partition's padding)."""
+    runs: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if runs and start <= runs[-1][1] + RUN_GAP_BYTES:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], end))
+        else:
+            runs.append((start, end))
+    return runs
 
 
 class _Piece:
@@ -326,6 +344,47 @@ class ByteEngine:
             position = part.end
         if position < wanted.end:
             self.copy(tensor, ElementRange(position, wanted.end), out_dtype, sink)
+
+    def read_ahead(self, wanted: Sequence[tuple[SourceTensor, ElementRange]]) -> Iterator[int]:
+        """The indices of `wanted` (tensors and element ranges, in the order they will be read),
+        a batch of consecutive ones of at most READ_AHEAD_BYTES of the source at a time: before a
+        batch's are handed on, its bytes held in objects (a bucket's) are fetched in file-offset
+        order, as runs (`merged_runs`), and held until the next batch, so a reader that wants
+        them in another order than the files' (the full output's) takes a few GETs per file, not
+        one per tensor. One larger than READ_AHEAD_BYTES is a batch of its own, read as it comes.
+        Local files are mapped as they are read, in any order: all of `wanted` is one batch."""
+        if not self._in_objects(wanted):
+            yield from range(len(wanted))
+            return
+        start = 0
+        while start < len(wanted):
+            end, total = start + 1, _source_bytes(wanted[start])
+            while end < len(wanted) and total + _source_bytes(wanted[end]) <= READ_AHEAD_BYTES:
+                total += _source_bytes(wanted[end])
+                end += 1
+            self._files.read_ahead(self._runs(wanted[start:end]) if total <= READ_AHEAD_BYTES else {})
+            yield from range(start, end)
+            start = end
+        self._files.read_ahead({})
+
+    def _in_objects(self, wanted: Sequence[tuple[SourceTensor, ElementRange]]) -> bool:
+        """Whether the source's files are objects of a storage, as its first piece's file is (a
+        checkpoint's files are all local, or all in one storage)."""
+        for tensor, elements in wanted:
+            for piece in tensor.pieces_in(elements)[:1]:
+                return not isinstance(self._files.fd(self._file_of(piece)), int)
+        return False
+
+    def _runs(self, wanted: Sequence[tuple[SourceTensor, ElementRange]]) -> dict[int, list[tuple[int, int]]]:
+        """The byte runs of the source files (by number) that hold elements `wanted`."""
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for tensor, elements in wanted:
+            itemsize = dtype_info(tensor.dtype).itemsize
+            for piece in tensor.pieces_in(elements):
+                part = piece.range.intersect(elements)
+                start = piece.offset + (part.start - piece.range.start) * itemsize
+                spans.setdefault(self._file_of(piece), []).append((start, start + part.size * itemsize))
+        return {number: merged_runs(found) for number, found in spans.items()}
 
     def checked_blocks(self, tensor: SourceTensor, wanted: ElementRange, out_dtype: str, block_bytes: int) -> Iterator[memoryview]:
         """Elements `wanted` of `tensor`, cast to `out_dtype`, in blocks of at most `block_bytes`

@@ -346,6 +346,17 @@ class MappedFiles:
             self._windows.move_to_end(key)
         return block * WINDOW_BYTES, view
 
+    def read_ahead(self, runs: dict[int, list[tuple[int, int]]]) -> None:
+        """Fetch byte runs [start, end) (sorted, disjoint) of the objects among files `runs` names
+        (by number), dropping the runs fetched before; a local file's are mapped when read."""
+        for fd in self._fds.values():
+            if not isinstance(fd, int):
+                fd.drop_ahead()
+        for number, spans in runs.items():
+            fd = self.fd(number)
+            if not isinstance(fd, int):
+                fd.read_ahead(spans)
+
     def release(self, number: int, start: int, view: memoryview) -> None:
         """Forget the window at `start` (a reader has passed it), unless it has been replaced."""
         key = (number, start // WINDOW_BYTES)

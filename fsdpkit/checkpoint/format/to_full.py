@@ -158,12 +158,13 @@ def _full_files(outputs, layout: ExportLayout, *, cast_to: str | None, max_shard
 
 def _write_full_file(path: Path, group, by_name: dict[str, tuple[SourceTensor, bool]], copier: ByteEngine, metadata: dict) -> None:
     with StreamingWriter(path, group, metadata=metadata, cache=CacheMode.WRITE_BEHIND, sync=False) as writer:  # staged_output syncs
-        for name, info in writer.order:
-            source, flip = by_name[name]
+        tensors = [(by_name[name], info.dtype) for name, info in writer.order]
+        for index in copier.read_ahead([(source, ElementRange(0, source.numel)) for (source, _), _ in tensors]):
+            (source, flip), dtype = tensors[index]
             if flip:
-                writer.write(transposed_bytes(copier, source, info.dtype))
+                writer.write(transposed_bytes(copier, source, dtype))
             else:
-                copier.copy_or_send(source, ElementRange(0, source.numel), info.dtype, writer.write, writer.send)
+                copier.copy_or_send(source, ElementRange(0, source.numel), dtype, writer.write, writer.send)
 
 
 def _write_hf_files(directory: Path, export: HfExport, weight_dtype: str | None, warnings: list[str]) -> list[str]:

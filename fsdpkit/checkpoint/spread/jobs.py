@@ -148,17 +148,24 @@ class FullJob:
         name = self.files[part.file].name
         engine = ByteEngine(chunk_size=self.request.chunk_size, progress=progress)
         sink.write(memoryview(header)[part.begin : min(part.end, len(header))])
+        wanted = []  # (source, its elements in the part, output dtype, transposed)
         for tensor, info in order:
             lo, hi = max(part.begin, len(header) + info.begin), min(part.end, len(header) + info.end)
-            if lo >= hi:
-                continue
-            source, flip = self.output.by_name[tensor]
-            itemsize = dtype_info(info.dtype).itemsize
-            first, last = (lo - len(header) - info.begin) // itemsize, (hi - len(header) - info.begin) // itemsize
+            if lo < hi:
+                source, flip = self.output.by_name[tensor]
+                itemsize = dtype_info(info.dtype).itemsize
+                first, last = (lo - len(header) - info.begin) // itemsize, (hi - len(header) - info.begin) // itemsize
+                wanted.append((source, ElementRange(first, last), info.dtype, flip))
+        reads = [(source, ElementRange(0, source.numel) if flip else elements) for source, elements, _, flip in wanted]
+        for index in engine.read_ahead(reads):
+            source, elements, dtype, flip = wanted[index]
             if flip:
-                sink.write(memoryview(transposed_bytes(engine, source, info.dtype)).cast("B")[first * itemsize : last * itemsize])
+                itemsize = dtype_info(dtype).itemsize
+                sink.write(
+                    memoryview(transposed_bytes(engine, source, dtype)).cast("B")[elements.start * itemsize : elements.end * itemsize]
+                )
             else:
-                engine.copy(source, ElementRange(first, last), info.dtype, sink.write)
+                engine.copy(source, elements, dtype, sink.write)
         parts = engine.finish_parts()
         return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, engine.bytes_read, parts_json(parts))
 

@@ -13,13 +13,20 @@ that starts where the last GET ended (a ZeRO-3 rank file's partitions read tenso
 file order) continues it: its GET asks for twice the last one's bytes (CONTINUED_MIN_BYTES at least), up to CONTINUED_BYTES
 more than the run needs, so a file read front to back in many runs takes a few GETs, not one
 per run (each a round trip on a real store, and a copy of the whole object on moto's server);
-what a stream has not handed over when it is closed is never read."""
+what a stream has not handed over when it is closed is never read.
+
+A reader that knows which bytes it will want next, in another order than the file's (the full
+output's tensors in name order from ZeRO-3 partitions in module order), fetches them first with
+`read_ahead`: runs of bytes in offset order through the same stream, held in memory until the
+next `read_ahead` or `drop_ahead`; `window` and `pread` serve reads inside them."""
 
 from __future__ import annotations
 
 import threading
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterator
+from operator import itemgetter
 
 from ...errors import DataCheckError
 from .face import Storage
@@ -60,28 +67,36 @@ class ObjectHandle:
         self._stream: Iterator[tuple[int, memoryview]] | None = None  # the GET windows are read from
         self._held, self._held_start, self._streamed = bytearray(), 0, 0  # bytes [held_start, streamed) of it
         self._stream_start = self._stream_end = 0  # where the stream's GET starts and ends
+        self._ahead: list[tuple[int, bytearray]] = []  # (offset, bytes) of the runs read ahead, in offset order
 
     def pread(self, count: int, offset: int) -> bytes:
         """Bytes [offset, offset + count), fewer only where the object ends."""
         end = min(offset + count, self.size)
         if end <= offset:
             return b""
+        ahead = self._read_ahead(offset, end)
+        if ahead is not None:
+            return bytes(ahead[: end - offset])
         if end - offset > BLOCK_BYTES:
             return self.storage.read(self.name, offset, end)
         first, last = offset // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
         data = b"".join(self._block(index) for index in range(first, last + 1))
         return data[offset - first * BLOCK_BYTES : end - first * BLOCK_BYTES]
 
-    def window(self, offset: int, length: int, until: int) -> bytes:
+    def window(self, offset: int, length: int, until: int) -> bytes | memoryview:
         """Bytes [offset, offset + length) of a read that ends at `until` (fewer where the GET
-        ends): from the kept blocks when they hold it, from the stream the windows before it came
-        from when it continues them, else from a new streamed GET from `offset` to `until`."""
+        or a run read ahead ends): from the runs read ahead or the kept blocks when they hold it,
+        from the stream the windows before it came from when it continues them, else from a new
+        streamed GET from `offset` to `until`."""
+        ahead = self._read_ahead(offset, offset + 1)
+        if ahead is not None:
+            return ahead[: min(length, until - offset)]
         kept = self._kept(offset, min(offset + length, until, self.size))
         if kept is not None:
             return kept
         if self._stream is None or not self._held_start <= offset <= self._streamed or offset >= self._stream_end:
             self._stream_end = self._get_end(offset, until)
-            self.close()
+            self._end_stream()
             self._stream_start = offset
             self._stream = self.storage.read_blocks(self.name, [(offset, self._stream_end)], block_bytes=STREAM_BLOCK_BYTES)
             self._held_start = self._streamed = offset
@@ -93,6 +108,35 @@ class ObjectHandle:
         del self._held[: offset - self._held_start]  # windows move forward: what is before this one is done
         self._held_start = offset
         return bytes(self._held[: end - offset])
+
+    def read_ahead(self, runs: list[tuple[int, int]]) -> None:
+        """Fetch byte runs [start, end) (sorted, disjoint) into memory, dropping those of the last
+        call: the stream continues from one run to the next where it can (see the docstrings)."""
+        self._ahead = []
+        fetched = []
+        for start, end in runs:
+            data, at = bytearray(end - start), start
+            while at < end:
+                window = self.window(at, min(end - at, STREAM_BLOCK_BYTES), end)
+                if not window:
+                    raise DataCheckError(f"{self.storage.where(self.name)}: object ends at byte {at}, before byte {end} (truncated)")
+                data[at - start : at - start + len(window)] = window
+                at += len(window)
+            fetched.append((start, data))
+        self._ahead = fetched
+
+    def drop_ahead(self) -> None:
+        self._ahead = []
+
+    def _read_ahead(self, start: int, end: int) -> memoryview | None:
+        """Bytes [start, run's end) of the run read ahead that holds bytes [start, end), else None."""
+        index = bisect_right(self._ahead, start, key=itemgetter(0)) - 1
+        if index < 0:
+            return None
+        offset, data = self._ahead[index]
+        if end > offset + len(data):
+            return None
+        return memoryview(data)[start - offset :]
 
     def _get_end(self, offset: int, until: int) -> int:
         """Where a new GET from `offset` for a run that ends at `until` ends: further on when the
@@ -115,7 +159,11 @@ class ObjectHandle:
         return b"".join(found)[start - first * BLOCK_BYTES : end - first * BLOCK_BYTES]
 
     def close(self) -> None:
-        """End the stream of windows (its GET and read-ahead)."""
+        """End the stream of windows (its GET and read-ahead) and drop the runs read ahead."""
+        self._end_stream()
+        self._ahead = []
+
+    def _end_stream(self) -> None:
         stream, self._stream = self._stream, None
         end = getattr(stream, "close", None)  # a generator's: its finally stops the GETs in flight
         if end is not None:
