@@ -111,9 +111,31 @@ def save_checkpoint(
     Megatron-LM save root: the checkpoint goes to `iter_{iteration:07d}/` beside
     `latest_checkpointed_iteration.txt`. Returns Megatron's logits [batch, seq, vocab] of the saved
     weights on `tokens` [batch, seq] when given."""
-    job = {"kind": "save", "directory": directory, "shape": asdict(model_shape), "tokens": tokens, "seed": seed}
-    job.update(iteration=iteration, backend=backend, layout=layout, integrity=integrity)
+    job = _save_job(directory, model_shape, tokens, seed=seed, iteration=iteration, backend=backend, layout=layout, integrity=integrity)
     return _launch(job, parallel)
+
+
+def save_checkpoints(
+    checkpoints: list[tuple[str, MegatronShape, torch.Tensor, int]], *, parallel: Parallel = Parallel()
+) -> list[torch.Tensor]:
+    """`save_checkpoint` of each (directory, shape, tokens, seed), all in one launch (one start-up of
+    Megatron); Megatron's logits of each."""
+    entries = [_save_job(directory, model_shape, tokens, seed=seed) for directory, model_shape, tokens, seed in checkpoints]
+    return _launch({"kind": "save_many", "entries": entries}, parallel)
+
+
+def save_then_load_logits(
+    directory: str, model_shape: MegatronShape, tokens: torch.Tensor, *, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`save_checkpoint` then `load_logits` of it, in one launch (one start-up of Megatron): the
+    saved model's logits and those of the model built from another seed that loaded the checkpoint."""
+    job = _save_job(directory, model_shape, tokens, seed=seed, kind="save_then_load")
+    return _launch(job, Parallel())
+
+
+def _save_job(directory: str, model_shape: MegatronShape, tokens: torch.Tensor | None, *, seed: int, **options: Any) -> dict:
+    options = {"kind": "save", "iteration": None, "backend": "torch_dist", "layout": "megatron_lm", "integrity": False, **options}
+    return {"directory": directory, "shape": asdict(model_shape), "tokens": tokens, "seed": seed, **options}
 
 
 def train_and_save(
@@ -414,10 +436,27 @@ def _job_forward(job: dict, parallel: Parallel) -> torch.Tensor | None:
 
 
 def _job_save(job: dict, parallel: Parallel) -> torch.Tensor | None:
+    _init_parallel(parallel)
+    return _save(job, parallel)
+
+
+def _job_save_many(job: dict, parallel: Parallel) -> list[torch.Tensor | None] | None:
+    _init_parallel(parallel)
+    found = [_save(entry, parallel) for entry in job["entries"]]
+    return found if found[0] is not None else None  # the logits' rank alone writes the result
+
+
+def _job_save_then_load(job: dict, parallel: Parallel) -> tuple[torch.Tensor, torch.Tensor] | None:
+    _init_parallel(parallel)
+    saved = _save(job, parallel)
+    loaded = _load_and_forward({**job, "seed": 12345, "prefix": ""}, parallel)  # another seed: every weight from the checkpoint
+    return (saved, loaded) if saved is not None else None  # the logits' rank alone writes the result
+
+
+def _save(job: dict, parallel: Parallel) -> torch.Tensor | None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    _init_parallel(parallel)
     s = MegatronShape(**job["shape"])
     model = _build_model(s, parallel, job["seed"])
     logits = _forward(model, job["tokens"]) if job["tokens"] is not None else None
@@ -686,6 +725,8 @@ def _job_common(job: dict, parallel: Parallel) -> dict[str, Any]:
 _JOBS = {
     "train": _job_train,
     "save": _job_save,
+    "save_many": _job_save_many,
+    "save_then_load": _job_save_then_load,
     "forward": _job_forward,
     "load": _job_load,
     "load_many": _job_load_many,
