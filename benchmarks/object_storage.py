@@ -21,12 +21,13 @@ the convert rows get no compiling round, which costs them a second or two of min
 - fsdpkit convert s3://.../ds s3://.../out --to full
                                (DeepSpeed ZeRO-3 to full safetensors: the model's weights, as an
                                HF checkpoint holds them; the optimizer state is not converted)
-- boto3 download + upload      (download_file of all the DeepSpeed checkpoint's objects,
+- boto3 download_file + upload (download_file of all the DeepSpeed checkpoint's objects,
                                max_concurrency=10, then upload_file of the full output, made
                                locally beforehand)
+- boto3 get_object + upload    (the same, each object downloaded by one streamed GET)
 
 and prints the median time, CPU and peak RSS of each, and the median and spread of the round-by-
-round ratios of verify to the faster boto3 reader and of convert to boto3's transfers.
+round ratios of verify to the faster boto3 reader and of convert to the faster boto3 transfer.
 `--only convert` times the convert rows alone; `--baseline DIR` (a checkout of another fsdpkit
 commit, e.g. `git worktree add --detach /tmp/base main`) times that checkout's convert in the
 same rounds, as a before/after under the same load:
@@ -57,7 +58,7 @@ from fsdpkit.sizes import format_size, parse_size  # noqa: E402
 
 VERIFY = "fsdpkit verify s3://"
 CONVERT = "fsdpkit convert s3:// s3://"
-TRANSFER_NAME = "boto3 download + upload"
+TRANSFERS = {"boto3 download_file + upload": "download_file", "boto3 get_object + upload": "get_object"}
 BASELINE = "fsdpkit convert (--baseline)"
 READERS = {
     "boto3 download_fileobj": r"""
@@ -166,14 +167,19 @@ for local, prefix in (("sharded", "bench/run"), ("ds", "bench/ds")):
 """
 
 TRANSFER = r"""
-import sys, tempfile, boto3
+import shutil, sys, tempfile, boto3
 from pathlib import Path
 from boto3.s3.transfer import TransferConfig
-client, bucket, prefix, full = boto3.client("s3"), sys.argv[1], sys.argv[2], Path(sys.argv[3])
+client, bucket, prefix, full, how = boto3.client("s3"), sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
 config = TransferConfig(max_concurrency=10)
 with tempfile.TemporaryDirectory() as work:
     for item in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]:
-        client.download_file(bucket, item["Key"], f"{work}/{item['Key'].replace('/', '_')}", Config=config)
+        local = f"{work}/{item['Key'].replace('/', '_')}"
+        if how == "download_file":
+            client.download_file(bucket, item["Key"], local, Config=config)
+        else:
+            with open(local, "wb") as out:
+                shutil.copyfileobj(client.get_object(Bucket=bucket, Key=item["Key"])["Body"], out, 8 << 20)
 for path in sorted(p for p in full.rglob("*") if p.is_file()):
     client.upload_file(str(path), bucket, f"bench/out-boto3/{path.relative_to(full).as_posix()}", Config=config)
 """
@@ -259,7 +265,8 @@ def _run(args: argparse.Namespace, log: Path | None) -> None:
             if args.baseline is not None:
                 commands |= {BASELINE: [*convert[:-4], f"{url}/out-baseline", "--to", "full", "--overwrite"]}
                 envs[BASELINE] = _checkout_env(args.baseline.resolve(), work, env, "baseline")
-            commands |= {TRANSFER_NAME: [sys.executable, "-c", TRANSFER, args.bucket, "bench/ds", f"{work}/full"]}
+            transfer = [sys.executable, "-c", TRANSFER, args.bucket, "bench/ds", f"{work}/full"]
+            commands |= {name: [*transfer, how] for name, how in TRANSFERS.items()}
         for name in commands:  # a round that compiles the bytecode, not counted
             long_convert = name in (CONVERT, BASELINE) and not args.size  # gpt2's: minutes a run on moto
             if not name.startswith("boto3") and not long_convert and not args.no_compile_round:
@@ -320,7 +327,7 @@ def _report(
 ) -> None:
     runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
     load = os.getloadavg()[0]
-    rounds = {name: args.convert_repeat if name in (CONVERT, BASELINE, TRANSFER_NAME) else args.repeat for name in commands}
+    rounds = {name: args.convert_repeat if name in (CONVERT, BASELINE, *TRANSFERS) else args.repeat for name in commands}
     for round_number in range(max(rounds.values())):  # interleaved, so a slow moment of the machine falls on every reader alike
         for name, command in commands.items():
             if round_number >= rounds[name]:
@@ -345,16 +352,18 @@ def _report(
         total = sharded if name == VERIFY or name in READERS else ds
         rss = format_size(max(r for _, r, _ in found))
         print(f"{name:30} {seconds:7.2f} s  {total / seconds / 1e6:8.1f} MB/s of the source  CPU {cpu:5.2f} s  peak RSS {rss}")
-    for name in (CONVERT, BASELINE, TRANSFER_NAME):
+    for name in (CONVERT, BASELINE, *TRANSFERS):
         counted = gets.line(name)
         if counted is not None:
             print(counted)
     if VERIFY in runs:
         fastest = min(READERS, key=lambda name: medians[name])
         _ratio(f"verify / the faster boto3 reader ({fastest})", runs[VERIFY], runs[fastest])
-    for name in (CONVERT, BASELINE):
-        if name in runs:
-            _ratio(f"{name.removeprefix('fsdpkit ')} / boto3 download + upload", runs[name], runs[TRANSFER_NAME])
+    if CONVERT in runs:
+        transfer = min(TRANSFERS, key=lambda name: medians[name])
+        for name in (CONVERT, BASELINE):
+            if name in runs:
+                _ratio(f"{name.removeprefix('fsdpkit ')} / the faster boto3 transfer ({transfer})", runs[name], runs[transfer])
 
 
 def _ratio(what: str, runs: list[tuple[float, int, float]], against: list[tuple[float, int, float]]) -> None:

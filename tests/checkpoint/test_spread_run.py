@@ -200,7 +200,7 @@ def test_a_part_whose_fsync_fails_is_named_and_the_parts_recorded_before_it_are_
 def test_a_rank_that_hangs_is_named_once_the_timeout_passes(source, tmp_path):
     root, _, _ = source
     dst = tmp_path / "out"
-    hung = _convert(root / "run", dst, "--nproc-per-node", "2", "--timeout", "3", env={FAULT_ENV: "stop:1:2:convert"})
+    hung = _convert(root / "run", dst, "--nproc-per-node", "2", "--timeout", "6", env={FAULT_ENV: "stop:1:2:convert"})
     assert hung.exit_code == 1, hung.output
     line = [line for line in hung.output.splitlines() if line.startswith("error:")]
     assert len(line) == 1 and "rank 1 stopped while writing " in line[0] and "nothing committed" in line[0], hung.output

@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import random
 import socket
+import sys
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,7 +55,7 @@ class FaultProxy:
         self.gets: Counter[str] = Counter()  # GETs the server answered, by path (bucket/key)
         self._random = random.Random(seed)
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server = _QuietServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -94,6 +95,15 @@ class FaultProxy:
             kind = self.kinds[sum(self.faults.values()) % len(self.kinds)]  # each kind in turn
             self.faults[kind] += 1
             return kind
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """A client that hangs up on an answer (as one does after a failed upload) is no error of the
+    server's: socketserver would print its traceback into the captured output of the command under test."""
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
