@@ -1,14 +1,22 @@
-"""A CPU-bound conversion spread over 2 processes against 1, on this machine, side by side:
-DeepSpeed ZeRO-3 (fp32 weights and Adam) of a gpt2-large-sized model -> Hugging Face bf16 in
-files of `--max-shard-size` (every weight read, cast to bf16 and checksummed):
+"""A CPU-bound conversion spread over 2 processes against 1, on this machine, side by side. Two
+workloads: `--workload hf-bf16` (the default), DeepSpeed ZeRO-3 (fp32 weights and Adam) of a
+gpt2-large-sized model -> Hugging Face bf16 in files of `--max-shard-size` (every weight read,
+cast to bf16 and checksummed); `--workload sharded64`, the model's full fp32 safetensors (one file
+per block, weights only) -> fsdpkit's sharded format at `--world-size 64` (every weight read and
+checksummed, written as 64 ranks' fragments, each fragment checksummed):
 
     .venv/bin/python benchmarks/spread_speedup.py                   # gpt2-large: 36 layers, 3.1 GB fp32, 5 rounds
     .venv/bin/python benchmarks/spread_speedup.py --layers 6 --rounds 3 --json
+    .venv/bin/python benchmarks/spread_speedup.py --workload sharded64
+
+Every round's outputs of 2 processes are compared byte for byte with 1 process's, file by file
+(`outputs_differing_from_1_process` lists what differs: empty when they are identical).
 
 The source is made once in a temporary directory, by a process of its own (a child's peak RSS
 would start from this process's): GPT-2's tensor shapes (n_embd 1280, vocab 50257,
 1024 positions, `--layers` blocks) with random fp32 weights and Adam's two moments, written as full
-safetensors by numpy (one file per block) and converted by fsdpkit `--to deepspeed --stage 3
+safetensors by numpy (one file per block; sharded64's source, without the moments) and, for
+hf-bf16, converted by fsdpkit `--to deepspeed --stage 3
 --world-size 4` (DeepSpeed's own layout: `zero_pp_rank_*_mp_rank_00_{model,optim}_states.pt`,
 the fp32 weights in each rank's flat group; DeepSpeed's `zero_to_fp32` reads it, a test checks).
 Then, after one run of each not counted (the weights into the page cache, fsdpkit's modules
@@ -37,6 +45,7 @@ a loaded machine adds to it taken out, its waits for the disk (fsync) kept in.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import resource
@@ -47,6 +56,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy
 
@@ -54,6 +64,17 @@ EMBD, VOCAB, POSITIONS = 1280, 50257, 1024
 SOURCE_RANKS = "4"  # the DeepSpeed run's: each optimizer file under 4 GiB (fsdpkit writes no zip64)
 PHASES = (("start", None, "begun"), ("open", "begun", "opened"), ("plan", "opened", "planned"), ("work", "working", "worked"))
 PHASES += (("wait", "worked", "gathered"), ("commit", "gathered", "committed"))
+
+
+class Workload(NamedTuple):
+    source: str  # the source's directory name
+    flags: tuple[str, ...]  # convert's, after SRC DST; {max_shard_size} filled in
+
+
+WORKLOADS = {
+    "hf-bf16": Workload("deepspeed", ("--to", "full", "--dtype", "bf16", "--max-shard-size", "{max_shard_size}")),
+    "sharded64": Workload("hf-fp32", ("--to", "sharded", "--world-size", "64")),
+}
 
 
 def block_shapes(index: int) -> dict[str, tuple[int, ...]]:
@@ -64,42 +85,42 @@ def block_shapes(index: int) -> dict[str, tuple[int, ...]]:
     return shapes | {h + "mlp.c_fc.bias": (4 * EMBD,), h + "mlp.c_proj.weight": (4 * EMBD, EMBD), h + "mlp.c_proj.bias": (EMBD,)}
 
 
-def make_source(root: Path, layers: int) -> tuple[Path, int]:
-    """A DeepSpeed ZeRO-3 checkpoint of SOURCE_RANKS ranks of a GPT-2-shaped model; (it, its fp32 weight bytes)."""
+def write_full(directory: Path, layers: int, *, with_moments: bool) -> int:
+    """GPT-2's shapes with random fp32 weights (and Adam's two moments) as full safetensors, one file
+    per block, with model.safetensors.index.json; returns the fp32 weight bytes."""
     from safetensors.numpy import save_file
 
     rng = numpy.random.default_rng(0)
     groups = [{"wte.weight": (VOCAB, EMBD), "wpe.weight": (POSITIONS, EMBD), "ln_f.weight": (EMBD,), "ln_f.bias": (EMBD,)}]
     groups += [block_shapes(index) for index in range(layers)]
-    full, weight_map, weight_bytes = root / "full", {}, 0
-    full.mkdir()
+    weight_map, weight_bytes = {}, 0
+    directory.mkdir()
     for number, shapes in enumerate(groups):
         tensors = {}
         for name, shape in shapes.items():
             weight = rng.standard_normal(shape, dtype=numpy.float32)
-            moment = numpy.abs(weight) * numpy.float32(1e-3)
-            tensors |= {name: weight, f"optim.exp_avg.{name}": moment, f"optim.exp_avg_sq.{name}": moment * moment}
+            tensors[name] = weight
+            if with_moments:
+                moment = numpy.abs(weight) * numpy.float32(1e-3)
+                tensors |= {f"optim.exp_avg.{name}": moment, f"optim.exp_avg_sq.{name}": moment * moment}
             weight_bytes += weight.nbytes
         file = f"part{number:03d}.safetensors"
-        save_file(tensors, full / file)
+        save_file(tensors, directory / file)
         weight_map |= dict.fromkeys(tensors, file)
-    (full / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    source = root / "deepspeed"
-    command = [
-        sys.executable,
-        "-m",
-        "fsdpkit_cli",
-        "convert",
-        str(full),
-        str(source),
-        "--to",
-        "deepspeed",
-        "--stage",
-        "3",
-        "--world-size",
-        SOURCE_RANKS,
-    ]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_bytes
+
+
+def make_source(root: Path, layers: int, workload: str = "hf-bf16") -> tuple[Path, int]:
+    """`workload`'s source in `root`: (it, its fp32 weight bytes). hf-bf16's is a DeepSpeed ZeRO-3
+    checkpoint of SOURCE_RANKS ranks (weights and Adam's moments); sharded64's the full fp32 weights."""
+    source = root / WORKLOADS[workload].source
+    if workload == "sharded64":
+        return source, write_full(source, layers, with_moments=False)
+    full = root / "full"
+    weight_bytes = write_full(full, layers, with_moments=True)
+    command = [sys.executable, "-m", "fsdpkit_cli", "convert", str(full), str(source), "--to", "deepspeed", "--stage", "3"]
+    subprocess.run([*command, "--world-size", SOURCE_RANKS], check=True, stdout=subprocess.DEVNULL)
     shutil.rmtree(full)
     return source, weight_bytes
 
@@ -144,6 +165,16 @@ def timed(command: list[str], env: dict[str, str] | None = None) -> dict:
     return figures | {"done_less_core_waits": done, "ranks": ranks}
 
 
+def tree_differences(one: Path, other: Path) -> list[str]:
+    """The files (relative paths) that are in one tree and not the other, or whose bytes differ."""
+    files = [{path.relative_to(root) for path in root.rglob("*") if path.is_file()} for root in (one, other)]
+    differing = files[0] ^ files[1]
+    for path in files[0] & files[1]:
+        if not filecmp.cmp(one / path, other / path, shallow=False):
+            differing.add(path)
+    return sorted(str(path) for path in differing)
+
+
 def spread_of(values: list[float]) -> dict:
     return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
 
@@ -177,7 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=36, help="GPT-2 blocks: 36 is gpt2-large (774M parameters), 24 gpt2-medium")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--max-shard-size", default="200MB")
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="hf-bf16",
+        help="hf-bf16: DeepSpeed ZeRO-3 -> full bf16; sharded64: full fp32 -> sharded W=64",
+    )
+    parser.add_argument("--max-shard-size", default="200MB", help="hf-bf16's output files")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--baseline", metavar="PYTHONPATH", help="also run both with this PYTHONPATH ('' for the installed fsdpkit), in the same rounds"
@@ -187,11 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--make-source-in", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.make_source_in is not None:
-        print(make_source(args.make_source_in, args.layers)[1])
+        print(make_source(args.make_source_in, args.layers, args.workload)[1])
         return 0
     with tempfile.TemporaryDirectory(prefix="fsdpkit-spread-", dir=os.environ.get("TMPDIR")) as tmp:
         where = args.source_dir or Path(tmp)
-        source, weight_bytes = where / "deepspeed", weight_bytes_of(args.layers)
+        workload = WORKLOADS[args.workload]
+        source, weight_bytes = where / workload.source, weight_bytes_of(args.layers)
         if not source.is_dir():
             where.mkdir(parents=True, exist_ok=True)
             made = [
@@ -199,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
                 __file__,
                 "--layers",
                 str(args.layers),
+                "--workload",
+                args.workload,
                 "--make-source-in",
                 str(where),
             ]  # apart: this process stays small
             subprocess.run(made, check=True, stdout=subprocess.DEVNULL)
         base = [sys.executable, "-m", "fsdpkit_cli", "convert", str(source)]
-        flags = ["--to", "full", "--dtype", "bf16", "--max-shard-size", args.max_shard_size]
+        flags = [flag.format(max_shard_size=args.max_shard_size) for flag in workload.flags]
         env = bytecode_env(dict(os.environ), Path(tmp) / "pycache", compile_every_run=args.compile_every_run)
         variants: dict[str, dict[str, str]] = {"1": env, "2": env}
         if args.baseline is not None:
@@ -214,14 +254,17 @@ def main(argv: list[str] | None = None) -> int:
             timed([*base, str(Path(tmp) / "warm-up"), *flags, "--nproc-per-node", name[0]], variants[name])
             shutil.rmtree(Path(tmp) / "warm-up")
         runs: dict[str, list[dict]] = {name: [] for name in variants}
-        loads = []
+        loads, differing = [], []
         for round_number in range(args.rounds):
             loads.append(round(os.getloadavg()[0], 2))
+            outs = {name: Path(tmp) / f"out-{name.replace(' ', '-')}-{round_number}" for name in variants}
             for name in list(variants) if round_number % 2 == 0 else list(variants)[::-1]:
-                out = Path(tmp) / f"out-{name.replace(' ', '-')}-{round_number}"
-                runs[name].append(timed([*base, str(out), *flags, "--nproc-per-node", name[0]], variants[name]))
+                runs[name].append(timed([*base, str(outs[name]), *flags, "--nproc-per-node", name[0]], variants[name]))
+            differing += [f"round {round_number}, {name}: {path}" for name in variants for path in tree_differences(outs["1"], outs[name])]
+            for out in outs.values():
                 shutil.rmtree(out)
-    document = summary(runs, loads, weight_bytes) | {"fsdpkit_from": "source, every run" if args.compile_every_run else "bytecode"}
+    document = summary(runs, loads, weight_bytes) | {"workload": args.workload, "outputs_differing_from_1_process": differing}
+    document["fsdpkit_from"] = "source, every run" if args.compile_every_run else "bytecode"
     print(json.dumps(document, indent=None if args.json else 2))
     return 0
 
