@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spread_speedup import make_source  # noqa: E402
+from spread_speedup import make_source, weight_bytes_of  # noqa: E402
 
 FLAGS = ["--to", "full", "--dtype", "bf16", "--max-shard-size", "128MB", "--json"]
 
@@ -102,6 +102,12 @@ def _port() -> int:
         return probe.getsockname()[1]
 
 
+def layers_for(gib: float) -> int:
+    """The number of GPT-2-large blocks whose fp32 weights come nearest `gib` GiB (at least one)."""
+    per_block = weight_bytes_of(1) - weight_bytes_of(0)
+    return max(1, round((gib * 2**30 - weight_bytes_of(0)) / per_block))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0)
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = os.dup(1)
         os.dup2(2, 1)  # making the source prints its own report: to stderr
         try:
-            source = make_source(Path(tmp), args.gib)
+            source, _ = make_source(Path(tmp), layers_for(args.gib))
         finally:
             os.dup2(saved, 1)
             os.close(saved)
