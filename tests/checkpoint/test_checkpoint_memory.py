@@ -4,6 +4,7 @@ the default --chunk-size, and these commands never import torch (which alone cos
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -82,3 +83,29 @@ def test_convert_and_reshard_stay_under_300_mb(big):
     piece = ElementRange(10_000_000, 10_100_000)
     assert torch.equal(reader.read_range("mid.weight", piece), flat[piece.start : piece.end])
     assert torch.equal(reader.read_tensor("ids"), tensors["ids"])
+
+
+def test_deepspeed_output_sums_a_large_storage_without_holding_it(big, tmp_path):
+    """`--to deepspeed` sums the CRC-32 of a 256 MiB storage the kernel copied from the source's
+    page cache a window at a time: peak RSS stays far below the storage (pages mapped count as
+    resident), and zipfile finds every CRC-32 right."""
+    import zipfile
+
+    from safetensors.torch import save_file
+
+    _, tensors = big
+    source = tmp_path / "src"
+    source.mkdir()
+    save_file({"big.weight": tensors["big.weight"], "small.bias": tensors["small.bias"]}, source / "model.safetensors")
+    moments = {f"optim.{kind}.small.bias": tensors["small.bias"].abs() for kind in ("exp_avg", "exp_avg_sq")}
+    save_file(moments, source / "optim.safetensors")  # only small.bias trains: big.weight is a frozen parameter, stored whole
+    index = {"metadata": {}, "weight_map": {"big.weight": "model.safetensors", "small.bias": "model.safetensors"}}
+    index["weight_map"] |= dict.fromkeys(moments, "optim.safetensors")
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    peak = _peak_rss("convert", source, tmp_path / "ds", "--to", "deepspeed", "--stage", "3", "--world-size", "1")
+    assert peak < 128 * 2**20, f"{peak / 2**20:.0f} MiB"
+    files = sorted((tmp_path / "ds").glob("*/*.pt"))
+    assert max(path.stat().st_size for path in files) > 256 * 2**20
+    for path in files:
+        with zipfile.ZipFile(path) as archive:
+            assert archive.testzip() is None, path

@@ -27,6 +27,7 @@ from ..storage.handle import ObjectHandle
 from ..storage.stored_path import StoredPath
 from .crc import crc32
 
+CRC_BLOCK_BYTES = 8 << 20  # bytes `crc32_of_range` maps or reads at a time
 Descriptor = int | ObjectHandle  # a file descriptor, or an object of a storage read through the face
 
 WINDOW_BYTES = 512 << 10  # a mapping covers two such blocks, so any block of at most one fits in one mapping
@@ -186,18 +187,19 @@ def write_file(path: Path, views: list) -> None:
 
 
 def crc32_of_range(source: Descriptor, offset: int, count: int, crc: int, path: Path) -> int:
-    """`crc` continued over bytes [offset, offset + count) of `source`: a local file's mapped (no
-    copy: right after `copy_range`, they are in the page cache), an object's read in blocks."""
-    if not isinstance(source, int):
-        for at in range(offset, offset + count, 8 << 20):
-            crc = crc32(read_exactly(source, min(8 << 20, offset + count - at), at, path), crc)
-        return crc
-    if count == 0:
-        return crc
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with mmap.mmap(source, offset + count - start, access=mmap.ACCESS_READ, offset=start) as mapped, memoryview(mapped) as view:
-        with view[offset - start :] as wanted:
-            return crc32(wanted, crc)
+    """`crc` continued over bytes [offset, offset + count) of `source`, CRC_BLOCK_BYTES at a time: a
+    local file's mapped (no copy: right after `copy_range`, they are in the page cache; a mapping
+    at a time, since the pages mapped count in the process's resident memory), an object's read."""
+    for at in range(offset, offset + count, CRC_BLOCK_BYTES):
+        size = min(CRC_BLOCK_BYTES, offset + count - at)
+        if not isinstance(source, int):
+            crc = crc32(read_exactly(source, size, at, path), crc)
+            continue
+        start = at - at % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(source, at + size - start, access=mmap.ACCESS_READ, offset=start) as mapped, memoryview(mapped) as view:
+            with view[at - start :] as wanted:
+                crc = crc32(wanted, crc)
+    return crc
 
 
 def copy_range(source: Descriptor, offset: int, count: int, fd: int, out_offset: int, path: Path) -> None:
