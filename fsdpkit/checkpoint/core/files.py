@@ -110,6 +110,13 @@ def _pread(fd: Descriptor, count: int, offset: int) -> bytes:
     return os.pread(fd, count, offset) if isinstance(fd, int) else fd.pread(count, offset)
 
 
+def prefetch(fd: Descriptor, offsets: list[int], nbytes: int) -> None:
+    """An object's bytes [offset, offset + nbytes) at each of `offsets`, about to be read in
+    small reads, fetched at once (`ObjectHandle.prefetch`); nothing for a local file."""
+    if not isinstance(fd, int):
+        fd.prefetch(offsets, nbytes)
+
+
 def read_exactly(fd: Descriptor, count: int, offset: int, path: str | Path) -> bytes:
     """Bytes [offset, offset + count) of `fd`; a file that ends before is a DataCheckError."""
     data = _pread(fd, count, offset)

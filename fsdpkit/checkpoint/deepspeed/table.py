@@ -22,7 +22,7 @@ from ...errors import DataCheckError
 from ..core.bytecopy import SourceTensor
 from ..core.names import optim_tensor_name
 from ..torchfile import unpickler as u
-from ..torchfile.savefile import SaveFile, TensorRange
+from ..torchfile.savefile import SaveFile, TensorRange, open_each
 from . import partition as f
 from .files import DeepSpeedFiles, resolve
 from .unpickler import DeepSpeedRecord, loads
@@ -92,13 +92,15 @@ def open_deepspeed(path: str | os.PathLike[str]) -> DeepSpeedCheckpoint:
 
 
 def _build(files: DeepSpeedFiles, opened: list[SaveFile]) -> DeepSpeedCheckpoint:
-    for number, path in enumerate((*files.optim_files, *files.model_files)):
+    def open_rank_file(number: int, path: Path) -> SaveFile:
         rank_file = SaveFile(path, loads)
-        opened.append(rank_file)
         if number > len(files.optim_files) and isinstance(rank_file.state, dict):
             # Rank 0's model states file is read whole; of the others' (ZeRO-3: one each, with a
             # record per parameter) only these, kept as each is opened, not N copies.
             rank_file.state = {key: value for key, value in rank_file.state.items() if key in EVERY_RANK_MODEL_KEYS}
+        return rank_file
+
+    open_each((*files.optim_files, *files.model_files), open_rank_file, opened)
     optims, models = opened[: len(files.optim_files)], opened[len(files.optim_files) :]
     head = models[0]
     version = str(head.state.get("ds_version", "unknown")) if isinstance(head.state, dict) else "unknown"

@@ -33,6 +33,7 @@ from ..offline.formats import open_checkpoint
 from ..offline.locations import source_at
 from ..storage.location import is_url, open_storage
 from .plan import OutputFile, Part
+from .scattered import Wanted, fill_and_send, segments_of, spool_fits
 from .staging import PartResult
 from .writes import PartSink, StreamSink
 
@@ -146,19 +147,25 @@ class FullJob:
         """Bytes [part.begin, part.end) of file `part.file`, in offset order, into `sink`."""
         header, order = self.layouts[part.file]
         name = self.files[part.file].name
-        engine = ByteEngine(chunk_size=self.request.chunk_size, progress=progress)
-        sink.write(memoryview(header)[part.begin : min(part.end, len(header))])
-        wanted = []  # (source, its elements in the part, output dtype, transposed)
+        head = memoryview(header)[part.begin : min(part.end, len(header))]
+        wanted, flips = [], []  # (source, its elements in the part, output dtype, where they go); transposed
         for tensor, info in order:
             lo, hi = max(part.begin, len(header) + info.begin), min(part.end, len(header) + info.end)
             if lo < hi:
                 source, flip = self.output.by_name[tensor]
                 itemsize = dtype_info(info.dtype).itemsize
                 first, last = (lo - len(header) - info.begin) // itemsize, (hi - len(header) - info.begin) // itemsize
-                wanted.append((source, ElementRange(first, last), info.dtype, flip))
-        reads = [(source, ElementRange(0, source.numel) if flip else elements) for source, elements, _, flip in wanted]
+                wanted.append(Wanted(source, ElementRange(first, last), info.dtype, lo))
+                flips.append(flip)
+        segments = None if any(flips) else segments_of(wanted, part.begin)
+        if segments and spool_fits(part.end - part.begin):  # objects in a bucket: each read once, in its own order
+            bytes_read = fill_and_send(segments, bytes(head), part.end - part.begin, sink.write, progress)
+            return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, bytes_read, [])
+        engine = ByteEngine(chunk_size=self.request.chunk_size, progress=progress)
+        sink.write(head)
+        reads = [(w.tensor, ElementRange(0, w.tensor.numel) if flip else w.elements) for w, flip in zip(wanted, flips, strict=True)]
         for index in engine.read_ahead(reads):
-            source, elements, dtype, flip = wanted[index]
+            (source, elements, dtype, _), flip = wanted[index], flips[index]
             if flip:
                 itemsize = dtype_info(dtype).itemsize
                 sink.write(

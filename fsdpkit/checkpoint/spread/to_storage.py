@@ -5,7 +5,9 @@ process: to an object-store URL, with bounded local disk and memory.
 `write_planned_file` writes one planned output file whole into a storage, local directory or
 bucket. A file whose bytes the job produces in offset order (full safetensors, DCP, DeepSpeed,
 Megatron's DCP file: the job's `write_part`) is one write stream (a multipart upload, parts
-uploaded while the next bytes are read), with no local copy. fsdpkit's rank files carry their
+uploaded while the next bytes are read), with no local copy, except for a full output read from
+a bucket whose objects hold its tensors in another order: that is filled from one pass over each
+object into a local spool of the file, sent as its bytes arrive (`scattered`). fsdpkit's rank files carry their
 fragments' crc32s in the header, written after the data, so each is written into a local spool
 file first, uploaded, and removed at once: local disk holds one rank file, never the checkpoint.
 

@@ -12,7 +12,8 @@ import io
 import math
 import struct
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,15 @@ from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..core.bytecopy import SourcePiece, SourceTensor
 from ..core.crc import crc32
-from ..core.files import Descriptor, close, open_regular, read_exactly, read_some
+from ..core.files import Descriptor, close, open_regular, prefetch, read_exactly, read_some
 from ..core.names import numel
 from ..core.report import VerifyReport
 from .unpickler import TensorRecord
 
 ZIP_MAGIC = b"PK\x03\x04"
 LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header: 30 bytes
+OPENS_IN_FLIGHT = 8  # files `open_each` opens at once
+LOCAL_HEADER_READ_BYTES = 4096  # a local header with its name and extra field, fetched ahead in an object
 
 
 class Window(io.RawIOBase):
@@ -74,9 +77,26 @@ def read_record(fd: Descriptor, path: str | Path, start: int, length: int, info:
     return read_exactly(fd, info.file_size, start + record_start(fd, path, start, length, info, where), path)
 
 
+def open_each(paths: Sequence[Path], open_one: Callable[[int, Path], SaveFile], opened: list[SaveFile]) -> None:
+    """`open_one(number, path)` of each of `paths` appended to `opened` in order, OPENS_IN_FLIGHT at
+    once (an object's headers are requests that wait on the network). Where one fails, those
+    that opened are in `opened` (the caller closes them) and the first failure is raised."""
+    with ThreadPoolExecutor(min(OPENS_IN_FLIGHT, max(1, len(paths))), thread_name_prefix="fsdpkit-open") as pool:
+        futures = [pool.submit(open_one, number, path) for number, path in enumerate(paths)]
+    failure: BaseException | None = None
+    for future in futures:
+        try:
+            opened.append(future.result())
+        except BaseException as error:
+            failure = failure or error
+    if failure is not None:
+        raise failure
+
+
 def torch_save_pickle(fd: Descriptor, path: str | Path, start: int, length: int, where: str) -> tuple[zipfile.ZipFile, str, bytes]:
     """(the zip, its records' prefix, its data.pkl) of the `torch.save` archive at byte `start`, not big-endian."""
     archive = zipfile.ZipFile(Window(fd, start, length))
+    prefetch(fd, [start + info.header_offset for info in archive.infolist()], LOCAL_HEADER_READ_BYTES)
     names = archive.namelist()
     pickles = [name for name in names if name.endswith("/data.pkl") and name.count("/") == 1]
     if len(pickles) != 1:

@@ -1,0 +1,216 @@
+"""Bytes [begin, end) of an output file filled in one pass over source objects in a bucket, for
+sources that hold the output's bytes in another order than the file's (a full output's tensors
+in name order, from ZeRO-3 partitions in module order), where reading in the output's order
+would fetch each object in many ranged GETs.
+
+Each source object is read once, front to back: the runs of it that the output wants (runs
+closer than GAP_BYTES joined), one streamed GET per run, FILES_IN_FLIGHT objects at once, each
+source piece's bytes written (cast where asked) where the output wants them, into a local spool
+file. The caller's thread sends the spool's bytes into the sink in order, each TILE_BYTES as soon
+as all of its bytes are there. Memory holds a few blocks of each stream and one tile; local disk
+holds the part while it is filled, so the spool is used only where TMPDIR has room for it
+(`spool_fits`). Each piece with a checksum is checked when its last byte has passed."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from operator import attrgetter
+from pathlib import Path
+from typing import NamedTuple
+
+from ...dtypes import dtype_info
+from ...errors import DataCheckError
+from ...flat_layout import ElementRange
+from ..core.bytecopy import SourceTensor
+from ..core.crc import cast_into, crc32, mismatch
+from ..core.files import read_exactly, write_views
+from ..storage.stored_path import StoredPath
+
+TILE_BYTES = 8 << 20  # output bytes sent to the sink as one, once all are there
+FILES_IN_FLIGHT = 4  # source objects streamed at once
+STREAM_BLOCK_BYTES = 1 << 20
+GAP_BYTES = 1 << 20  # wanted runs of one object this close are fetched by one GET, the gap dropped
+SPOOL_MARGIN_BYTES = 256 << 20  # room TMPDIR keeps beside the spool
+SPOOL = Path("spool")  # in messages: the spool file has no name
+
+
+class Segment(NamedTuple):
+    """A source piece and where its elements go."""
+
+    source: StoredPath
+    start: int  # bytes [start, end) of the source object
+    end: int
+    out_at: int  # where its first element goes, from the part's first byte
+    cast: tuple[str, str] | None  # (source dtype, output dtype) where they differ
+    crc32: int | None
+    label: str
+
+
+class Wanted(NamedTuple):
+    tensor: SourceTensor
+    elements: ElementRange
+    dtype: str  # the output's
+    at: int  # the byte of the output file where element `elements.start` goes
+
+
+def segments_of(wanted: Sequence[Wanted], begin: int) -> list[Segment] | None:
+    """Where each source piece of `wanted` goes in a part that starts at byte `begin` of its file;
+    None unless every piece is an object's and is wanted whole (its checksum checked in one pass)."""
+    found: list[Segment] = []
+    for tensor, elements, dtype, at in wanted:
+        out_size = dtype_info(dtype).itemsize
+        for piece in tensor.pieces_in(elements):
+            if not isinstance(piece.path, StoredPath) or not (elements.start <= piece.range.start and piece.range.end <= elements.end):
+                return None
+            if piece.nbytes:
+                out_at = at - begin + (piece.range.start - elements.start) * out_size
+                cast = None if dtype == tensor.dtype else (tensor.dtype, dtype)
+                found.append(Segment(piece.path, piece.offset, piece.offset + piece.nbytes, out_at, cast, piece.crc32, piece.label))
+    return found
+
+
+def spool_fits(nbytes: int) -> bool:
+    return shutil.disk_usage(tempfile.gettempdir()).free >= nbytes + SPOOL_MARGIN_BYTES
+
+
+def joined_runs(segments: Sequence[Segment]) -> list[tuple[int, int]]:
+    """The byte runs of one object that `segments` (sorted by start) need, joined where closer than GAP_BYTES."""
+    runs: list[tuple[int, int]] = []
+    for segment in segments:
+        if runs and segment.start <= runs[-1][1] + GAP_BYTES:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], segment.end))
+        else:
+            runs.append((segment.start, segment.end))
+    return runs
+
+
+class _Tiles:
+    """How many bytes of each tile of the part are in the spool, and the source bytes read."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.filled = [0] * -(-size // TILE_BYTES)
+        self.bytes_read = 0
+        self.changed = threading.Condition()
+
+    def need(self, tile: int) -> int:
+        return min(TILE_BYTES, self.size - tile * TILE_BYTES)
+
+    def add(self, at: int, nbytes: int, read: int) -> None:
+        with self.changed:
+            while nbytes:
+                tile = at // TILE_BYTES
+                count = min(nbytes, (tile + 1) * TILE_BYTES - at)
+                self.filled[tile] += count
+                at, nbytes = at + count, nbytes - count
+            self.bytes_read += read
+            self.changed.notify_all()
+
+
+class _Filling:
+    """A segment being filled: source bytes done, their crc32, the bytes of a split element."""
+
+    __slots__ = ("segment", "done", "crc", "carry")
+
+    def __init__(self, segment: Segment):
+        self.segment, self.done, self.crc, self.carry = segment, 0, 0, b""
+
+
+def fill_and_send(segments: Sequence[Segment], head: bytes, size: int, write: Callable[[bytes], None], progress) -> int:
+    """The part (`size` bytes: `head`, then the bytes `segments` place) into `write`, in order;
+    the source bytes read. `progress` (or None) gets source bytes as they are read."""
+    tiles = _Tiles(size)
+    by_source: dict[StoredPath, list[Segment]] = {}
+    for segment in segments:
+        by_source.setdefault(segment.source, []).append(segment)
+    stop = threading.Event()
+    with tempfile.TemporaryFile(prefix="fsdpkit-spool-") as spool:
+        fd = spool.fileno()
+        write_views(fd, [head], SPOOL, 0)
+        tiles.add(0, len(head), 0)
+        with ThreadPoolExecutor(FILES_IN_FLIGHT, thread_name_prefix="fsdpkit-fill") as pool:
+            fills = [pool.submit(_fill_from, sorted(found, key=attrgetter("start")), fd, tiles, stop) for found in by_source.values()]
+            for future in fills:
+                future.add_done_callback(lambda _: _notify(tiles))
+            try:
+                _send(fd, tiles, fills, write, progress)
+            finally:
+                stop.set()
+    return tiles.bytes_read
+
+
+def _notify(tiles: _Tiles) -> None:
+    with tiles.changed:
+        tiles.changed.notify_all()
+
+
+def _send(fd: int, tiles: _Tiles, fills: list[Future], write: Callable[[bytes], None], progress) -> None:
+    reported = 0
+    for tile in range(len(tiles.filled)):
+        need = tiles.need(tile)
+        with tiles.changed:
+            while tiles.filled[tile] < need:
+                failed = next((f for f in fills if f.done() and f.exception() is not None), None)
+                if failed is not None:
+                    failed.result()
+                if all(f.done() for f in fills):
+                    raise AssertionError(f"output bytes [{tile * TILE_BYTES}, {tile * TILE_BYTES + need}) not all filled")
+                tiles.changed.wait(1.0)
+            read = tiles.bytes_read
+        if progress is not None and read > reported:
+            progress(read - reported)
+            reported = read
+        write(read_exactly(fd, need, tile * TILE_BYTES, SPOOL))
+    if tiles.filled and tiles.filled[-1] > tiles.need(len(tiles.filled) - 1):
+        raise AssertionError(f"output tile {len(tiles.filled) - 1} filled twice")
+
+
+def _fill_from(segments: list[Segment], fd: int, tiles: _Tiles, stop: threading.Event) -> None:
+    """The segments of one source object (sorted by start) filled from its runs, streamed in order."""
+    source = segments[0].source
+    size = source.stat().st_size
+    last = max(segments, key=attrgetter("end"))
+    if last.end > size:
+        raise DataCheckError(f"{source}: file ends before {last.label} does (truncated)")
+    active: list[_Filling] = []
+    following = 0
+    blocks = source.storage.read_blocks(source.key, joined_runs(segments), block_bytes=STREAM_BLOCK_BYTES)
+    with contextlib.closing(blocks):
+        for offset, block in blocks:
+            if stop.is_set():
+                return
+            end = offset + len(block)
+            while following < len(segments) and segments[following].start < end:
+                active.append(_Filling(segments[following]))
+                following += 1
+            for filling in active:
+                lo, hi = max(filling.segment.start, offset), min(filling.segment.end, end)
+                if lo < hi:
+                    _put(filling, block[lo - offset : hi - offset], fd, tiles)
+            active = [filling for filling in active if filling.segment.end > end]
+
+
+def _put(filling: _Filling, data: memoryview, fd: int, tiles: _Tiles) -> None:
+    """Source bytes `data` of a segment, next after those done, into the spool (cast where asked)."""
+    segment = filling.segment
+    if segment.crc32 is not None:
+        filling.crc = crc32(data, filling.crc)
+    if segment.cast is None:
+        at, out = segment.out_at + filling.done, data
+    else:
+        in_size, out_size = dtype_info(segment.cast[0]).itemsize, dtype_info(segment.cast[1]).itemsize
+        joined = memoryview(filling.carry + bytes(data)) if filling.carry else data
+        whole = len(joined) // in_size * in_size
+        at = segment.out_at + (filling.done - len(filling.carry)) // in_size * out_size
+        out = cast_into(joined[:whole], *segment.cast, bytearray(whole // in_size * out_size))
+        filling.carry = bytes(joined[whole:])
+    write_views(fd, [out], SPOOL, at)
+    filling.done += len(data)
+    tiles.add(at, len(out), len(data))
+    if filling.done == segment.end - segment.start and segment.crc32 is not None and filling.crc != segment.crc32:
+        raise DataCheckError(f"{segment.source}: {mismatch(segment.label, segment.crc32, filling.crc)}")
