@@ -50,6 +50,12 @@ class Segment(NamedTuple):
     crc32: int | None
     label: str
 
+    @property
+    def out_bytes(self) -> int:
+        if self.cast is None:
+            return self.end - self.start
+        return (self.end - self.start) // dtype_info(self.cast[0]).itemsize * dtype_info(self.cast[1]).itemsize
+
 
 class Wanted(NamedTuple):
     tensor: SourceTensor
@@ -124,6 +130,9 @@ class _Filling:
 def fill_and_send(segments: Sequence[Segment], head: bytes, size: int, write: Callable[[bytes], None], progress) -> int:
     """The part (`size` bytes: `head`, then the bytes `segments` place) into `write`, in order;
     the source bytes read. `progress` (or None) gets source bytes as they are read."""
+    placed = len(head) + sum(segment.out_bytes for segment in segments)
+    if placed != size:
+        raise ValueError(f"the head and the segments place {placed} bytes of a part of {size}")
     tiles = _Tiles(size)
     by_source: dict[StoredPath, list[Segment]] = {}
     for segment in segments:
@@ -166,8 +175,8 @@ def _send(fd: int, tiles: _Tiles, fills: list[Future], write: Callable[[bytes], 
             progress(read - reported)
             reported = read
         write(read_exactly(fd, need, tile * TILE_BYTES, SPOOL))
-    if tiles.filled and tiles.filled[-1] > tiles.need(len(tiles.filled) - 1):
-        raise AssertionError(f"output tile {len(tiles.filled) - 1} filled twice")
+    if progress is not None and tiles.bytes_read > reported:
+        progress(tiles.bytes_read - reported)
 
 
 def _fill_from(segments: list[Segment], fd: int, tiles: _Tiles, stop: threading.Event) -> None:
