@@ -9,8 +9,12 @@ checksummed, written as 64 ranks' fragments, each fragment checksummed):
     .venv/bin/python benchmarks/spread_speedup.py --layers 6 --rounds 3 --json
     .venv/bin/python benchmarks/spread_speedup.py --workload sharded64
 
-Every round's outputs of 2 processes are compared byte for byte with 1 process's, file by file
-(`outputs_differing_from_1_process` lists what differs: empty when they are identical).
+Every run's output is compared byte for byte, file by file, with that of the first run of 1
+process (the warm-up's, kept as the reference) and removed right after
+(`outputs_differing_from_1_process` lists what differs: empty when they are identical): a round
+leaves no output in the page cache for the next run to reclaim (keeping a round's 4 outputs of
+1.5 GB beside the 9.3 GB source, with `--baseline`, made the round's last run 1.5-2x slower,
+whichever it was).
 
 The source is made once in a temporary directory, by a process of its own (a child's peak RSS
 would start from this process's): GPT-2's tensor shapes (n_embd 1280, vocab 50257,
@@ -250,18 +254,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline is not None:
             old = {k: v for k, v in env.items() if k != "PYTHONPATH"} | ({"PYTHONPATH": args.baseline} if args.baseline else {})
             variants |= {"1 baseline": old, "2 baseline": old}
-        for name in variants:  # the weights into the page cache, the modules compiled
-            timed([*base, str(Path(tmp) / "warm-up"), *flags, "--nproc-per-node", name[0]], variants[name])
-            shutil.rmtree(Path(tmp) / "warm-up")
+        reference = Path(tmp) / "reference"
+        for name in variants:  # the weights into the page cache, the modules compiled; 1 process's output the reference
+            out = reference if name == "1" else Path(tmp) / "warm-up"
+            timed([*base, str(out), *flags, "--nproc-per-node", name[0]], variants[name])
+            if out != reference:
+                shutil.rmtree(out)
         runs: dict[str, list[dict]] = {name: [] for name in variants}
         loads, differing = [], []
         for round_number in range(args.rounds):
             loads.append(round(os.getloadavg()[0], 2))
-            outs = {name: Path(tmp) / f"out-{name.replace(' ', '-')}-{round_number}" for name in variants}
             for name in list(variants) if round_number % 2 == 0 else list(variants)[::-1]:
-                runs[name].append(timed([*base, str(outs[name]), *flags, "--nproc-per-node", name[0]], variants[name]))
-            differing += [f"round {round_number}, {name}: {path}" for name in variants for path in tree_differences(outs["1"], outs[name])]
-            for out in outs.values():
+                out = Path(tmp) / f"out-{name.replace(' ', '-')}-{round_number}"
+                runs[name].append(timed([*base, str(out), *flags, "--nproc-per-node", name[0]], variants[name]))
+                differing += [f"round {round_number}, {name}: {path}" for path in tree_differences(reference, out)]
                 shutil.rmtree(out)
     document = summary(runs, loads, weight_bytes) | {"workload": args.workload, "outputs_differing_from_1_process": differing}
     document["fsdpkit_from"] = "source, every run" if args.compile_every_run else "bytecode"

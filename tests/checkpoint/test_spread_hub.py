@@ -147,3 +147,17 @@ def test_a_failed_gather_names_only_the_rank_that_left():
 
     with pytest.raises(RunError, match=r"^rank 3 stopped while writing model-00007.safetensors \(it died"):
         _gather_naming_the_stopped(Comm(), Count(), None)
+
+
+def test_a_workers_connection_sends_its_small_messages_without_delay():
+    """Nagle's algorithm off on a worker's side: its join follows the handshake's last message
+    at once (not after the hub's delayed ACK)."""
+    import socket
+
+    hub = Hub(2, 30.0, task="task")
+    client = HubClient(hub.address, hub.key, 1, 2)
+    with socket.fromfd(client.conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    assert client.task == "task"
+    client.close()
+    hub.close()

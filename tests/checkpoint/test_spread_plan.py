@@ -97,3 +97,12 @@ def test_the_plan_survives_its_json_and_is_the_same_every_time():
     assert make_plan(files, 64) == plan
     with pytest.raises(ValueError, match="world size"):
         make_plan(files, 0)
+
+
+def test_the_formats_whose_verify_spreads_are_those_with_a_verify_job():
+    """dispatch names them without importing the verify jobs (a run imports only the job it runs)."""
+    from fsdpkit.checkpoint.offline.formats import SHARDED
+    from fsdpkit.checkpoint.spread.dispatch import spreads
+    from fsdpkit.checkpoint.spread.verify_jobs import VERIFY_JOBS
+
+    assert {name for name in (*VERIFY_JOBS, SHARDED, "nothing") if spreads("verify", name)} == {*VERIFY_JOBS, SHARDED}

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...dist import faults
 from ...dist.host import peak_rss_bytes, run_delay_seconds
@@ -32,7 +32,6 @@ from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ...progress import ByteProgress, stderr_progress
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
-from ..offline.diff import DiffRequest
 from ..storage.location import is_url
 from .bucket import BucketStaging, bucket_plan, prepare_bucket, staging_at
 from .dispatch import open_job
@@ -41,6 +40,9 @@ from .plan import Part, Plan, make_plan
 from .processes import EarlyWorkers, start_workers, stop_workers
 from .progress import SharedCount
 from .staging import PartRecorder, PartResult, Staging, fingerprint, prepare, staging_path
+
+if TYPE_CHECKING:
+    from ..offline.diff import DiffRequest
 
 PLAN_FILE = "plan-rank0.json"
 WORKERS_EXIT_SECONDS = 5.0  # after a run that succeeded, a worker still there is killed after this

@@ -1,13 +1,18 @@
 """One part of an output file written in place (no torch): bytes [begin, end) of a file that
 several processes may write at once, each its own range, front to back through a 1 MiB buffer
 (a block of DIRECT_BYTES or more is written as it comes, uncopied), with the crc32 of what it
-wrote. The file is created by whichever part comes first and never truncated (a part written
+wrote. Every WRITE_BEHIND_BYTES written, a thread of the part's starts the writeback of those
+bytes (and drops their pages once written), as the one-process writer does in its own thread:
+the disk writes the part while it is cast, so that the fsync that records it finds little left
+to write (the rank's last part's fsync is in its wall time), and the writeback's system time
+is not spent by the thread that casts. The file is created by whichever part comes first and never truncated (a part written
 again after a crash overwrites its own range). `StreamSink` takes the same bytes, front to back,
 into a storage's write stream (an object, no local file)."""
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..core.crc import crc32
@@ -15,6 +20,7 @@ from ..storage.face import WriteStream
 
 BUFFER_BYTES = 1 << 20
 DIRECT_BYTES = 1 << 17
+WRITE_BEHIND_BYTES = 16 << 20
 
 
 class PartSink:
@@ -24,6 +30,8 @@ class PartSink:
         self._buffer = bytearray(BUFFER_BYTES)
         self._buffered = 0
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._behind_from = begin  # the bytes before this have had their writeback started
+        self._behind: ThreadPoolExecutor | None = None  # the thread that starts it, made for a part that needs it
 
     def write(self, data) -> None:
         view = data if isinstance(data, memoryview) and data.format == "B" else memoryview(data).cast("B")
@@ -49,6 +57,11 @@ class PartSink:
         while view.nbytes:
             count = os.pwrite(self._fd, view, self.at)
             view, self.at = view[count:], self.at + count
+        if self.at - self._behind_from >= WRITE_BEHIND_BYTES and hasattr(os, "posix_fadvise"):
+            if self._behind is None:
+                self._behind = ThreadPoolExecutor(1, thread_name_prefix="fsdpkit-write-behind")
+            self._behind.submit(_write_behind, self._fd, self._behind_from, self.at - self._behind_from)
+            self._behind_from = self.at
 
     def __enter__(self) -> PartSink:
         return self
@@ -60,7 +73,18 @@ class PartSink:
                 if self.at != self.end:
                     raise ValueError(f"{self.path}: part ends at byte {self.at}, expected {self.end}")
         finally:
+            if self._behind is not None:
+                self._behind.shutdown(wait=True)  # before its descriptor closes
             os.close(self._fd)
+
+
+def _write_behind(fd: int, offset: int, count: int) -> None:
+    """Start the writeback of bytes [offset, offset + count) of `fd`, and drop those of its pages
+    already written (advice: the fsync that records the part makes it durable either way)."""
+    try:
+        os.posix_fadvise(fd, offset, count, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
 
 
 class StreamSink:

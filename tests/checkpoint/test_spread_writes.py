@@ -1,0 +1,41 @@
+"""A part of an output file written in place (spread's PartSink): the bytes and crc32 of what two
+parts wrote, against the data itself and zlib's crc32, with the writeback started behind the
+writes (made small here) covering each part's bytes once, in order, and only its own."""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+from fsdpkit.checkpoint.spread import writes
+from fsdpkit.checkpoint.spread.writes import PartSink
+
+
+def test_two_parts_written_with_write_behind_give_the_bytes_and_their_crc32(tmp_path, monkeypatch):
+    monkeypatch.setattr(writes, "WRITE_BEHIND_BYTES", 64 << 10)
+    advised: list[tuple[int, int]] = []
+    fadvise = os.posix_fadvise
+
+    def recorded(fd, offset, count, advice):
+        assert advice == os.POSIX_FADV_DONTNEED
+        advised.append((offset, offset + count))
+        fadvise(fd, offset, count, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recorded)
+    rng = random.Random(0)
+    data = rng.randbytes(3 << 20)
+    cut = 1_234_567  # not a page boundary
+    path = tmp_path / "out.bin"
+    for begin, end in ((cut, len(data)), (0, cut)):  # the second part first, as another rank may
+        with PartSink(path, begin, end) as sink:
+            at = begin
+            while at < end:
+                size = min(end - at, rng.choice([3, 100, 5000, writes.DIRECT_BYTES, 300_000, 1 << 20]))
+                sink.write(memoryview(data)[at : at + size])
+                at += size
+        assert sink.crc == zlib.crc32(data[begin:end]), (begin, end)
+        behind = [span for span in advised if begin <= span[0] < end]
+        assert behind and all(b[0] == a[1] for a, b in zip(behind, behind[1:], strict=False)), behind
+        assert behind[0][0] == begin and behind[-1][1] <= end
+    assert path.read_bytes() == data
