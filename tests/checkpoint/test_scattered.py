@@ -84,10 +84,11 @@ def test_an_output_is_filled_out_of_order_from_each_object_read_once(tmp_path, m
 
 
 def test_a_piece_that_fails_its_checksum_or_an_object_cut_short_is_an_error(tmp_path):
-    _, sources = _sources(tmp_path, corrupt="c")
-    wanted, size = _wanted(sources, ORDER)
-    with pytest.raises(DataCheckError, match=r"rank\d.*checksum mismatch in .*'c'"):
-        scattered.fill_and_send(scattered.segments_of(wanted, 0), HEAD, size, lambda data: None, None)
+    for corrupt in "ce":  # e: the last piece of each object, its bytes the last the part waits for
+        _, sources = _sources(tmp_path, corrupt=corrupt)
+        wanted, size = _wanted(sources, ORDER)
+        with pytest.raises(DataCheckError, match=rf"rank\d.*checksum mismatch in .*'{corrupt}'"):
+            scattered.fill_and_send(scattered.segments_of(wanted, 0), HEAD, size, lambda data: None, None)
     _, sources = _sources(tmp_path)
     wanted, size = _wanted(sources, ORDER)
     segments = scattered.segments_of(wanted, 0)

@@ -150,6 +150,8 @@ def fill_and_send(segments: Sequence[Segment], head: bytes, size: int, write: Ca
                 _send(fd, tiles, fills, write, progress)
             finally:
                 stop.set()
+        for future in fills:  # a failure after a thread's last bytes were placed
+            future.result()
     return tiles.bytes_read
 
 
@@ -218,8 +220,8 @@ def _put(filling: _Filling, data: memoryview, fd: int, tiles: _Tiles) -> None:
         at = segment.out_at + (filling.done - len(filling.carry)) // in_size * out_size
         out = cast_into(joined[:whole], *segment.cast, bytearray(whole // in_size * out_size))
         filling.carry = bytes(joined[whole:])
-    write_views(fd, [out], SPOOL, at)
     filling.done += len(data)
-    tiles.add(at, len(out), len(data))
     if filling.done == segment.end - segment.start and segment.crc32 is not None and filling.crc != segment.crc32:
         raise DataCheckError(f"{segment.source}: {mismatch(segment.label, segment.crc32, filling.crc)}")
+    write_views(fd, [out], SPOOL, at)
+    tiles.add(at, len(out), len(data))
