@@ -7,6 +7,7 @@ and an object shorter than its pieces, fail naming the file."""
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import pytest
@@ -104,3 +105,28 @@ def test_a_piece_wanted_in_part_or_in_a_local_file_is_left_to_the_byte_engine(tm
     assert scattered.segments_of(part, 0) is None
     local = SourceTensor("a", (4,), "F32", (SourcePiece(ElementRange(0, 4), tmp_path / "rank0", 64, 16, None, "a"),))
     assert scattered.segments_of([scattered.Wanted(local, ElementRange(0, 4), "F32", 0)], 0) is None
+
+
+def test_a_failure_reads_no_object_whose_turn_had_not_come(tmp_path, monkeypatch):
+    """8 objects of one tensor each, 4 streamed at once: the first fails at once, the others
+    that started with it are slow; the 4 whose turn had not come are never asked for."""
+    data = {f"o{i}": torch.arange(64, dtype=torch.float32) + i for i in range(8)}
+    for name, t in data.items():
+        (tmp_path / name).write_bytes(t.numpy().tobytes())
+    root = stored_root(LocalStorage(tmp_path), {name: 256 for name in data})
+    pieces = [SourcePiece(ElementRange(64 * i, 64 * i + 64), root / f"o{i}", 0, 256, None, "t") for i in range(8)]
+    wanted = [scattered.Wanted(SourceTensor("t", (512,), "F32", tuple(pieces)), ElementRange(0, 512), "F32", 0)]
+    asked: list[str] = []
+    original = LocalStorage.read_blocks
+
+    def failing_or_slow(self, name, ranges, **kwargs):
+        asked.append(name)
+        if name == "o0":
+            raise DataCheckError(f"{self.where(name)}: cannot read")
+        time.sleep(0.5)
+        yield from original(self, name, ranges, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "read_blocks", failing_or_slow)
+    with pytest.raises(DataCheckError, match="o0: cannot read"):
+        scattered.fill_and_send(scattered.segments_of(wanted, 0), b"", 2048, lambda data: None, None)
+    assert "o0" in asked and not {"o4", "o5", "o6", "o7"} & set(asked), asked

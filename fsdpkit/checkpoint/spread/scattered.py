@@ -182,7 +182,18 @@ def _send(fd: int, tiles: _Tiles, fills: list[Future], write: Callable[[bytes], 
 
 
 def _fill_from(segments: list[Segment], fd: int, tiles: _Tiles, stop: threading.Event) -> None:
-    """The segments of one source object (sorted by start) filled from its runs, streamed in order."""
+    """The segments of one source object (sorted by start) filled from its runs, streamed in
+    order; a failure stops every other object's (those yet to start read nothing)."""
+    if stop.is_set():
+        return
+    try:
+        _stream_into(segments, fd, tiles, stop)
+    except BaseException:
+        stop.set()
+        raise
+
+
+def _stream_into(segments: list[Segment], fd: int, tiles: _Tiles, stop: threading.Event) -> None:
     source = segments[0].source
     size = source.stat().st_size
     last = max(segments, key=attrgetter("end"))
