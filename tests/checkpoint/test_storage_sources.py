@@ -317,3 +317,42 @@ def test_a_zero3_source_in_a_bucket_is_read_in_file_order(dst, cast, s3_bucket, 
     loaded = load_file(str(tmp_path / "local" / "model.safetensors"))
     cast_to = torch.bfloat16 if cast else torch.float32
     assert sorted(loaded) == sorted(weights) and all(torch.equal(loaded[n], t.to(cast_to)) for n, t in weights.items())
+
+
+def test_torch_save_files_opened_at_once_from_a_store_fetch_each_header_block_about_once(tmp_path, monkeypatch):
+    """8 `torch.save` files of 20 tensors, each tensor's zip header in a block of its own, opened
+    8 at once (`open_each`, as DeepSpeed's rank files are) through the blocks their handles
+    share: what each fetches ahead is read before the others' push it out, so they take about
+    the reads that opening them one at a time takes (not ~1.8x), and hold what torch loads."""
+    from fsdpkit.checkpoint.storage import handle
+    from fsdpkit.checkpoint.storage.local import LocalStorage
+    from fsdpkit.checkpoint.storage.stored_path import stored_root
+    from fsdpkit.checkpoint.torchfile import savefile
+    from fsdpkit.checkpoint.torchfile import unpickler as u
+
+    monkeypatch.setattr(handle, "BLOCK_BYTES", 8192)  # small files, the same count of blocks
+    monkeypatch.setattr(savefile, "LOCAL_HEADER_READ_BYTES", 512)
+    for f in range(8):
+        torch.save({f"t{i}": torch.full((2100,), float(f * 100 + i)) for i in range(20)}, tmp_path / f"f{f}.pt")
+    reads: list[str] = []
+    original = LocalStorage.read
+    monkeypatch.setattr(LocalStorage, "read", lambda self, name, *a, **k: reads.append(name) or original(self, name, *a, **k))
+
+    def opened_reads(at_once: int) -> int:
+        monkeypatch.setattr(savefile, "OPENS_IN_FLIGHT", at_once)
+        reads.clear()
+        root = stored_root(LocalStorage(tmp_path), {p.name: p.stat().st_size for p in tmp_path.iterdir()})
+        opened: list[savefile.SaveFile] = []
+        loads = lambda raw, where: u.restricted_loads(raw, allowed=u.TENSOR_GLOBALS, where=where, storages=True)  # noqa: E731
+        savefile.open_each([root / f"f{f}.pt" for f in range(8)], lambda _, path: savefile.SaveFile(path, loads), opened)
+        for f, saved in enumerate(opened):
+            expected, data = torch.load(tmp_path / f"f{f}.pt"), (tmp_path / f"f{f}.pt").read_bytes()
+            found = {name: saved.tensor_range(record, name) for name, record in saved.state.items()}
+            assert {name: data[r.offset : r.offset + 4 * r.numel] for name, r in found.items()} == {
+                name: t.numpy().tobytes() for name, t in expected.items()
+            }
+            saved.close()
+        return len(reads)
+
+    one_at_a_time, at_once = opened_reads(1), opened_reads(8)
+    assert at_once <= one_at_a_time * 1.25, (at_once, one_at_a_time)

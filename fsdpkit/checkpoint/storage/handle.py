@@ -41,24 +41,36 @@ PREFETCH_GETS = 8  # blocks `prefetch` fetches at once
 
 
 class BlockCache:
-    """Blocks of objects by (name, index), the `limit` used last kept."""
+    """Blocks of objects by (name, index), the `limit` used last kept; of them, those fetched
+    ahead (`reserve`) and not yet read at most half, whichever handles fetched them, so that
+    handles fetching ahead at once do not push out each other's blocks before they are read."""
 
     def __init__(self, limit: int = KEPT_BLOCKS):
         self.limit, self._lock = limit, threading.Lock()
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._unread: set[tuple[str, int]] = set()
 
     def get(self, key: tuple[str, int]) -> bytes | None:
         with self._lock:
             block = self._blocks.get(key)
             if block is not None:
                 self._blocks.move_to_end(key)
+                self._unread.discard(key)
             return block
 
     def put(self, key: tuple[str, int], block: bytes) -> None:
         with self._lock:
             self._blocks[key] = block
             if len(self._blocks) > self.limit:
-                self._blocks.popitem(last=False)
+                self._unread.discard(self._blocks.popitem(last=False)[0])
+
+    def reserve(self, keys: list[tuple[str, int]]) -> bool:
+        """Whether `keys` may be fetched ahead (then counted as unread until got or pushed out)."""
+        with self._lock:
+            if len(self._unread) + len(keys) > self.limit // 2:
+                return False
+            self._unread.update(keys)
+            return True
 
 
 class ObjectHandle:
@@ -88,11 +100,12 @@ class ObjectHandle:
     def prefetch(self, offsets: list[int], nbytes: int) -> None:
         """Keep the blocks that hold bytes [offset, offset + nbytes) of each of `offsets` (a zip's
         local headers), fetched at once, PREFETCH_GETS requests in flight, so that the small
-        reads that follow take no request each; at most half the kept blocks are fetched so."""
+        reads that follow take no request each; nothing where the kept blocks have no room for
+        them beside those other handles fetched ahead (`BlockCache.reserve`)."""
         last = self.size - 1
         wanted = {index for offset in offsets for index in (offset // BLOCK_BYTES, min(offset + nbytes, last) // BLOCK_BYTES)}
         missing = [index for index in sorted(wanted) if self._blocks.get((self.name, index)) is None]
-        if len(missing) < 2 or len(missing) > self._blocks.limit // 2:
+        if len(missing) < 2 or not self._blocks.reserve([(self.name, index) for index in missing]):
             return
         with ThreadPoolExecutor(min(PREFETCH_GETS, len(missing)), thread_name_prefix="fsdpkit-prefetch") as pool:
             for _ in pool.map(self._block, missing):
