@@ -356,3 +356,36 @@ def test_torch_save_files_opened_at_once_from_a_store_fetch_each_header_block_ab
 
     one_at_a_time, at_once = opened_reads(1), opened_reads(8)
     assert at_once <= one_at_a_time * 1.25, (at_once, one_at_a_time)
+
+
+def test_a_torch_save_zip_whose_records_point_past_its_end_is_named_as_on_disk(tmp_path):
+    """A `torch.save` zip whose central directory puts its tensors' records past the end of the
+    file: read from a store, the one-line error that reading it from disk gives (no request for
+    bytes past the object's end first)."""
+    import io
+    import struct
+
+    from fsdpkit.checkpoint.storage.local import LocalStorage
+    from fsdpkit.checkpoint.storage.stored_path import stored_root
+    from fsdpkit.checkpoint.torchfile import savefile
+    from fsdpkit.checkpoint.torchfile import unpickler as u
+    from fsdpkit.errors import DataCheckError
+
+    saved = io.BytesIO()
+    torch.save({f"t{i}": torch.ones(100_000) for i in range(3)}, saved)
+    data, at, moved = bytearray(saved.getvalue()), 0, 0
+    while (at := data.find(b"PK\x01\x02", at + 1)) >= 0:  # each central directory entry
+        name = bytes(data[at + 46 : at + 46 + struct.unpack_from("<H", data, at + 28)[0]])
+        if b"/data/" in name:
+            struct.pack_into("<L", data, at + 42, 0x7FFFFFF0 - moved * 300_000)  # its local header's offset
+            moved += 1
+    assert moved == 3
+    (tmp_path / "f.pt").write_bytes(data)
+    stored = stored_root(LocalStorage(tmp_path), {"f.pt": len(data)}) / "f.pt"
+    loads = lambda raw, where: u.restricted_loads(raw, allowed=u.TENSOR_GLOBALS, where=where, storages=True)  # noqa: E731
+    messages = []
+    for path in (tmp_path / "f.pt", stored):
+        with pytest.raises(DataCheckError) as error:
+            savefile.SaveFile(path, loads)
+        messages.append(str(error.value))
+    assert messages[1] == messages[0] and "truncated" in messages[0] and "\n" not in messages[0], messages

@@ -103,7 +103,8 @@ class ObjectHandle:
         reads that follow take no request each; nothing where the kept blocks have no room for
         them beside those other handles fetched ahead (`BlockCache.reserve`)."""
         last = self.size - 1
-        wanted = {index for offset in offsets for index in (offset // BLOCK_BYTES, min(offset + nbytes, last) // BLOCK_BYTES)}
+        inside = [offset for offset in offsets if 0 <= offset <= last]  # a corrupt zip's others are its reader's to name
+        wanted = {index for offset in inside for index in (offset // BLOCK_BYTES, min(offset + nbytes, last) // BLOCK_BYTES)}
         missing = [index for index in sorted(wanted) if self._blocks.get((self.name, index)) is None]
         if len(missing) < 2 or not self._blocks.reserve([(self.name, index) for index in missing]):
             return
