@@ -389,3 +389,30 @@ def test_a_torch_save_zip_whose_records_point_past_its_end_is_named_as_on_disk(t
             savefile.SaveFile(path, loads)
         messages.append(str(error.value))
     assert messages[1] == messages[0] and "truncated" in messages[0] and "\n" not in messages[0], messages
+
+
+def test_files_opened_at_once_stop_at_the_first_failure_and_hand_back_every_one_opened(monkeypatch):
+    """20 files opened 8 at once, the first failing once all 8 started, the others slow: the failure is
+    raised, the 12 whose turn had not come are never opened, and every one opened is handed back
+    to be closed."""
+    import time
+
+    from fsdpkit.checkpoint.torchfile import savefile
+    from fsdpkit.errors import DataCheckError
+
+    started: list[int] = []
+    first = threading.Barrier(8)
+
+    def open_one(number, path):
+        started.append(number)
+        if number < 8:
+            first.wait(timeout=30)
+        if number == 0:
+            raise DataCheckError(f"{path}: not a readable torch.save zip")
+        time.sleep(0.3)
+        return number
+
+    opened: list = []
+    with pytest.raises(DataCheckError, match="rank0: not a readable"):
+        savefile.open_each([Path(f"rank{n}") for n in range(20)], open_one, opened)
+    assert sorted(started) == list(range(8)) and opened == list(range(1, 8)), (started, opened)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import struct
+import threading
 import zipfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -80,13 +81,26 @@ def read_record(fd: Descriptor, path: str | Path, start: int, length: int, info:
 def open_each(paths: Sequence[Path], open_one: Callable[[int, Path], SaveFile], opened: list[SaveFile]) -> None:
     """`open_one(number, path)` of each of `paths` appended to `opened` in order, OPENS_IN_FLIGHT at
     once (an object's headers are requests that wait on the network). Where one fails, those
-    that opened are in `opened` (the caller closes them) and the first failure is raised."""
+    that opened are in `opened` (the caller closes them), those not yet started are not opened,
+    and the first failure is raised."""
+    failed = threading.Event()
+
+    def open_unless_failed(number: int, path: Path) -> SaveFile | None:
+        if failed.is_set():
+            return None
+        try:
+            return open_one(number, path)
+        except BaseException:
+            failed.set()
+            raise
+
     with ThreadPoolExecutor(min(OPENS_IN_FLIGHT, max(1, len(paths))), thread_name_prefix="fsdpkit-open") as pool:
-        futures = [pool.submit(open_one, number, path) for number, path in enumerate(paths)]
+        futures = [pool.submit(open_unless_failed, number, path) for number, path in enumerate(paths)]
     failure: BaseException | None = None
     for future in futures:
         try:
-            opened.append(future.result())
+            if (saved := future.result()) is not None:
+                opened.append(saved)
         except BaseException as error:
             failure = failure or error
     if failure is not None:
