@@ -130,3 +130,19 @@ def test_a_failure_reads_no_object_whose_turn_had_not_come(tmp_path, monkeypatch
     with pytest.raises(DataCheckError, match="o0: cannot read"):
         scattered.fill_and_send(scattered.segments_of(wanted, 0), b"", 2048, lambda data: None, None)
     assert "o0" in asked and not {"o4", "o5", "o6", "o7"} & set(asked), asked
+
+
+def test_a_spool_goes_only_on_a_disk_with_room(tmp_path, monkeypatch):
+    """Never on a filesystem in memory (its spool would be memory the bound does not count), nor
+    where the disk has no room for it; the filesystem is the longest mount point holding the path."""
+    import tempfile
+
+    mounts = "/dev/vda / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\ntmpfs /tmp tmpfs rw 0 0\n/dev/vdb /tmp/my\\040disk ext4 rw 0 0\n"
+    assert scattered.filesystem_of("/dev/shm/spool", mounts) == "tmpfs"
+    assert scattered.filesystem_of("/tmp", mounts) == "tmpfs"
+    assert scattered.filesystem_of("/tmpdir/spool", mounts) == "ext4"
+    assert scattered.filesystem_of("/tmp/my disk/spool", mounts) == "ext4"
+    monkeypatch.setattr(tempfile, "tempdir", "/dev/shm")  # tmpfs on Linux
+    assert not scattered.spool_fits(1)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert not scattered.spool_fits(1 << 60)

@@ -8,12 +8,13 @@ closer than GAP_BYTES joined), one streamed GET per run, FILES_IN_FLIGHT objects
 source piece's bytes written (cast where asked) where the output wants them, into a local spool
 file. The caller's thread sends the spool's bytes into the sink in order, each TILE_BYTES as soon
 as all of its bytes are there. Memory holds a few blocks of each stream and one tile; local disk
-holds the part while it is filled, so the spool is used only where TMPDIR has room for it
-(`spool_fits`). Each piece with a checksum is checked when its last byte has passed."""
+holds the part while it is filled, so the spool is used only where TMPDIR is on a disk (not
+tmpfs) with room for it (`spool_fits`). Each piece with a checksum is checked when its last byte has passed."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import threading
@@ -36,6 +37,7 @@ FILES_IN_FLIGHT = 4  # source objects streamed at once
 STREAM_BLOCK_BYTES = 1 << 20
 GAP_BYTES = 1 << 20  # wanted runs of one object this close are fetched by one GET, the gap dropped
 SPOOL_MARGIN_BYTES = 256 << 20  # room TMPDIR keeps beside the spool
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 SPOOL = Path("spool")  # in messages: the spool file has no name
 
 
@@ -81,7 +83,30 @@ def segments_of(wanted: Sequence[Wanted], begin: int) -> list[Segment] | None:
 
 
 def spool_fits(nbytes: int) -> bool:
-    return shutil.disk_usage(tempfile.gettempdir()).free >= nbytes + SPOOL_MARGIN_BYTES
+    """Whether TMPDIR has room for a spool of `nbytes` on a disk: not on a filesystem in memory,
+    whose spool would be memory the bound does not count."""
+    directory = tempfile.gettempdir()
+    try:
+        mounts = Path("/proc/self/mounts").read_text()
+    except OSError:
+        mounts = ""
+    in_memory = filesystem_of(os.path.realpath(directory), mounts) in MEMORY_FILESYSTEMS
+    return not in_memory and shutil.disk_usage(directory).free >= nbytes + SPOOL_MARGIN_BYTES
+
+
+def filesystem_of(directory: str, mounts: str) -> str:
+    """The type of the filesystem holding `directory` (an absolute real path), from the lines of
+    /proc/self/mounts; "" where none is listed. Mount points with spaces are written octal-escaped."""
+    found, longest = "", -1
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = directory == point or directory.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= longest:
+            found, longest = fields[2], len(point)
+    return found
 
 
 def joined_runs(segments: Sequence[Segment]) -> list[tuple[int, int]]:
