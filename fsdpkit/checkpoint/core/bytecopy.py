@@ -74,12 +74,12 @@ def _source_bytes(wanted: tuple[SourceTensor, ElementRange]) -> int:
     return wanted[1].size * dtype_info(wanted[0].dtype).itemsize
 
 
-def merged_runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def merged_runs(spans: list[tuple[int, int]], gap: int = RUN_GAP_BYTES) -> list[tuple[int, int]]:
     """Byte spans [start, end) sorted and merged into runs where they meet, overlap or are at
-    most RUN_GAP_BYTES apart (a ZeRO-3 partition's padding)."""
+    most `gap` bytes apart (by default a ZeRO-3 partition's padding)."""
     runs: list[tuple[int, int]] = []
     for start, end in sorted(spans):
-        if runs and start <= runs[-1][1] + RUN_GAP_BYTES:
+        if runs and start <= runs[-1][1] + gap:
             runs[-1] = (runs[-1][0], max(runs[-1][1], end))
         else:
             runs.append((start, end))

@@ -27,7 +27,7 @@ from typing import NamedTuple
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
-from ..core.bytecopy import SourceTensor
+from ..core.bytecopy import SourceTensor, merged_runs
 from ..core.crc import cast_into, crc32, mismatch
 from ..core.files import read_exactly, write_views
 from ..storage.stored_path import StoredPath
@@ -107,17 +107,6 @@ def filesystem_of(directory: str, mounts: str) -> str:
         if inside and len(point) >= longest:
             found, longest = fields[2], len(point)
     return found
-
-
-def joined_runs(segments: Sequence[Segment]) -> list[tuple[int, int]]:
-    """The byte runs of one object that `segments` (sorted by start) need, joined where closer than GAP_BYTES."""
-    runs: list[tuple[int, int]] = []
-    for segment in segments:
-        if runs and segment.start <= runs[-1][1] + GAP_BYTES:
-            runs[-1] = (runs[-1][0], max(runs[-1][1], segment.end))
-        else:
-            runs.append((segment.start, segment.end))
-    return runs
 
 
 class _Tiles:
@@ -226,7 +215,9 @@ def _stream_into(segments: list[Segment], fd: int, tiles: _Tiles, stop: threadin
         raise DataCheckError(f"{source}: file ends before {last.label} does (truncated)")
     active: list[_Filling] = []
     following = 0
-    blocks = source.storage.read_blocks(source.key, joined_runs(segments), block_bytes=STREAM_BLOCK_BYTES)
+    blocks = source.storage.read_blocks(
+        source.key, merged_runs([(segment.start, segment.end) for segment in segments], GAP_BYTES), block_bytes=STREAM_BLOCK_BYTES
+    )
     with contextlib.closing(blocks):
         for offset, block in blocks:
             if stop.is_set():

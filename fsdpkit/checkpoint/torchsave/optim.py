@@ -14,7 +14,7 @@ from typing import Any
 from ..core.bytecopy import SourceTensor
 from ..core.names import optim_tensor_name
 from ..torchfile import unpickler as u
-from ..torchfile.savefile import SaveFile
+from ..torchfile.savefile import SaveFile, open_each
 from .tensors import FSDP1, FSDP2, sharding_of, source_tensor
 from .unpickler import DTensorRecord, loads
 
@@ -43,7 +43,7 @@ def open_optimizer(directory: Path, world_size: int, model_state: dict[str, Any]
     opened: list[SaveFile] = []
     found = OptimizerState(not_read="not opened")
     try:
-        opened.extend(SaveFile(path, loads) for path in paths)
+        open_each(paths, lambda _, path: SaveFile(path, loads), opened)
         found = _read(opened, [name for name, record in model_state.items() if isinstance(record, DTensorRecord)], model)
     finally:
         if found.not_read:  # kept open only when read

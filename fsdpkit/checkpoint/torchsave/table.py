@@ -17,7 +17,7 @@ from ...errors import DataCheckError
 from ..core.bytecopy import SourceTensor
 from ..core.files import source_path
 from ..torchfile import unpickler as u
-from ..torchfile.savefile import SaveFile
+from ..torchfile.savefile import SaveFile, open_each
 from .optim import OptimizerState, open_optimizer
 from .tensors import sharding_of, source_tensor
 from .unpickler import extra_state_loads, loads
@@ -74,7 +74,7 @@ def open_rank_state_dicts(path: str | os.PathLike[str]) -> RankStateDicts:
         )
     checkpoint = RankStateDicts(directory, world_size)
     try:
-        checkpoint.opened.extend(SaveFile(files[rank][1], loads) for rank in range(world_size))
+        open_each([files[rank][1] for rank in range(world_size)], lambda _, path: SaveFile(path, loads), checkpoint.opened)
         states = [_state(f) for f in checkpoint.opened]
         checkpoint.model = _tensors(checkpoint.opened, states)
         checkpoint.sharding = sharding_of(states[0].values())
