@@ -160,12 +160,17 @@ def timed(command: list[str], env: dict[str, str] | None = None) -> dict:
             phases["exit"] = ended - marks["committed"]
         peak_rss_mb = round(rank.get("peak_rss_bytes", 0) / 2**20, 1)  # VmHWM (a baseline's fsdpkit may report none)
         done = marks.get("worked", started) - started - rank.get("run_delay_seconds", 0.0)  # a baseline's may report no delay
+        helpers = rank.get("cpu_seconds", 0) - rank.get(
+            "main_thread_cpu_seconds", rank.get("cpu_seconds", 0)
+        )  # a baseline's may report none
         ranks.append(
             {"phases": phases, "peak_rss_mb": peak_rss_mb, "work": rank["seconds"], "cpu": rank.get("cpu_seconds", 0), "done": done}
+            | {"helper_cpu": helpers}
         )
     slowest = max(rank["cpu"] for rank in ranks)
     done = max(rank["done"] for rank in ranks)  # the last rank's parts done, less its waits for a core
     figures = {"wall": ended - started, "work": max(rank["work"] for rank in ranks), "cpu": cpu, "slowest_rank_cpu": slowest}
+    figures["helper_cpu"] = sum(rank["helper_cpu"] for rank in ranks)
     return figures | {"done_less_core_waits": done, "ranks": ranks}
 
 
@@ -188,7 +193,7 @@ def summary(runs: dict[str, list[dict]], loads: list[float], weight_bytes: int) 
     result["load_average_per_round"] = loads
     result["load_average_after"] = [round(load, 2) for load in os.getloadavg()]
     pairs = [("2", "1"), *((("2 baseline", "1 baseline"), ("2", "2 baseline")) if "1 baseline" in runs else ())]
-    for key in ("wall", "work", "cpu", "slowest_rank_cpu", "done_less_core_waits"):
+    for key in ("wall", "work", "cpu", "slowest_rank_cpu", "done_less_core_waits", "helper_cpu"):
         result[f"{key}_seconds"] = {n: [round(run[key], 2) for run in runs[n]] for n in runs}
         for two, one in pairs:
             ratios = [b[key] / a[key] if a[key] else float("nan") for a, b in zip(runs[one], runs[two], strict=True)]
@@ -225,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--compile-every-run", action="store_true", help="every process compiles fsdpkit from source (no bytecode kept)")
     parser.add_argument("--source-dir", type=Path, help="keep the source here (made once; later runs with the same --layers use it)")
+    parser.add_argument(
+        "--output-dir", type=Path, help="write the outputs here (say /dev/shm: no disk, no writeback) rather than beside the source"
+    )
     parser.add_argument("--make-source-in", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.make_source_in is not None:
@@ -254,25 +262,38 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline is not None:
             old = {k: v for k, v in env.items() if k != "PYTHONPATH"} | ({"PYTHONPATH": args.baseline} if args.baseline else {})
             variants |= {"1 baseline": old, "2 baseline": old}
-        reference = Path(tmp) / "reference"
-        for name in variants:  # the weights into the page cache, the modules compiled; 1 process's output the reference
-            out = reference if name == "1" else Path(tmp) / "warm-up"
-            timed([*base, str(out), *flags, "--nproc-per-node", name[0]], variants[name])
-            if out != reference:
-                shutil.rmtree(out)
-        runs: dict[str, list[dict]] = {name: [] for name in variants}
-        loads, differing = [], []
-        for round_number in range(args.rounds):
-            loads.append(round(os.getloadavg()[0], 2))
-            for name in list(variants) if round_number % 2 == 0 else list(variants)[::-1]:
-                out = Path(tmp) / f"out-{name.replace(' ', '-')}-{round_number}"
-                runs[name].append(timed([*base, str(out), *flags, "--nproc-per-node", name[0]], variants[name]))
-                differing += [f"round {round_number}, {name}: {path}" for path in tree_differences(reference, out)]
-                shutil.rmtree(out)
+        outputs = Path(tempfile.mkdtemp(prefix="fsdpkit-spread-out-", dir=args.output_dir)) if args.output_dir else Path(tmp)
+        try:
+            runs, loads, differing = run_rounds(args, base, flags, variants, outputs)
+        finally:
+            if outputs != Path(tmp):
+                shutil.rmtree(outputs, ignore_errors=True)
     document = summary(runs, loads, weight_bytes) | {"workload": args.workload, "outputs_differing_from_1_process": differing}
     document["fsdpkit_from"] = "source, every run" if args.compile_every_run else "bytecode"
+    document["outputs_in"] = str(args.output_dir or "the source's temporary directory")
     print(json.dumps(document, indent=None if args.json else 2))
     return 0
+
+
+def run_rounds(args: argparse.Namespace, base: list[str], flags: list[str], variants: dict[str, dict[str, str]], tmp: Path):
+    """The warm-up, then `args.rounds` rounds of every variant, outputs in `tmp`: (runs, load per round, differences)."""
+    reference = Path(tmp) / "reference"
+    for name in variants:  # the weights into the page cache, the modules compiled; 1 process's output the reference
+        out = reference if name == "1" else Path(tmp) / "warm-up"
+        timed([*base, str(out), *flags, "--nproc-per-node", name[0]], variants[name])
+        if out != reference:
+            shutil.rmtree(out)
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    loads, differing = [], []
+    for round_number in range(args.rounds):
+        loads.append(round(os.getloadavg()[0], 2))
+        for name in list(variants) if round_number % 2 == 0 else list(variants)[::-1]:
+            out = Path(tmp) / f"out-{name.replace(' ', '-')}-{round_number}"
+            runs[name].append(timed([*base, str(out), *flags, "--nproc-per-node", name[0]], variants[name]))
+            differing += [f"round {round_number}, {name}: {path}" for path in tree_differences(reference, out)]
+            shutil.rmtree(out)
+    shutil.rmtree(reference)
+    return runs, loads, differing
 
 
 if __name__ == "__main__":

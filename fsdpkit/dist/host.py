@@ -1,5 +1,5 @@
 """What this machine has: memory available to new allocations (for checks before launch); this
-process's peak resident memory."""
+process's peak resident memory, its main thread's CPU time and waits for a core."""
 
 from __future__ import annotations
 
@@ -30,6 +30,16 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def thread_cpu_seconds() -> float:
+    """The CPU time (user and system) of the calling thread alone (Linux); 0.0 where there is no
+    per-thread count."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    if who is None:
+        return 0.0
+    used = resource.getrusage(who)
+    return used.ru_utime + used.ru_stime
 
 
 def run_delay_seconds() -> float:

@@ -262,6 +262,7 @@ def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_pat
     ranks = json.loads(outputs[0][0])["spread"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and not any(r["torch"] for r in ranks)  # node 1's ranks 2, 3 too
     assert all(0 < r["peak_rss_bytes"] <= 300 * 2**20 and r["cpu_seconds"] > 0 and r["run_delay_seconds"] >= 0 for r in ranks), ranks
+    assert all(0 < r["main_thread_cpu_seconds"] <= r["cpu_seconds"] + 0.01 for r in ranks), ranks  # both rounded to ms
     steps = ["begun", "opened", "planned", "working", "worked"]  # each on its node's own clock
     assert [sorted(r["marks"], key=r["marks"].get) for r in ranks] == [[*steps, "gathered", "committed"], *[steps] * 3], ranks
     under_torchrun = json.loads(outputs[2][0])["spread"]["ranks"]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...dist import faults
-from ...dist.host import peak_rss_bytes, run_delay_seconds
+from ...dist.host import peak_rss_bytes, run_delay_seconds, thread_cpu_seconds
 from ...dist.launch import LaunchOptions, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ...progress import ByteProgress, stderr_progress
@@ -84,6 +84,7 @@ class RankFigures:
     peak_rss_bytes: int = 0  # this process's peak resident memory, once its parts were written
     torch: bool = False  # whether this process imported torch
     cpu_seconds: float = 0.0  # this process's (user and system), from its start until its parts were done
+    main_thread_cpu_seconds: float = 0.0  # of it, the main thread's (the rest: its threads that write back and record parts, the hub's)
     run_delay_seconds: float = 0.0  # its main thread's waits for a core, from its start until its parts were done
     marks: dict[str, float] = field(default_factory=dict)  # time.monotonic() as each step ended (Marks)
 
@@ -274,7 +275,7 @@ def _work_and_commit(
     figures.seconds = marks["worked"] - marks["working"]
     used = resource.getrusage(resource.RUSAGE_SELF)
     figures.peak_rss_bytes, figures.cpu_seconds = peak_rss_bytes(), round(used.ru_utime + used.ru_stime, 3)
-    figures.run_delay_seconds = round(run_delay_seconds(), 3)
+    figures.run_delay_seconds, figures.main_thread_cpu_seconds = round(run_delay_seconds(), 3), round(thread_cpu_seconds(), 3)
     figures.torch = "torch" in sys.modules
     gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
     marks.mark("gathered")
