@@ -49,6 +49,23 @@ def test_every_rank_gets_every_value_and_the_posts_reach_rank_0():
     hub.close()
 
 
+def test_the_workers_learn_whether_rank_0_hands_them_the_job_and_an_answer_that_does_not_pickle_fails_at_once():
+    hub = Hub(2, 30.0, task="task", hands_job=True)
+    out: dict = {}
+    told: dict = {}
+
+    def body(client: HubClient):
+        told["hands_job"] = client.hands_job
+        return client.broadcast(None)
+
+    thread = _worker(hub, 1, body, out)
+    hub.broadcast(lambda: None)  # rank 0 goes on; its value cannot be sent to the worker
+    thread.join(10)
+    assert told == {"hands_job": True}
+    assert isinstance(out.get(1), RunError) and "rank 0 could not send its answer" in str(out[1]), out
+    hub.close()
+
+
 def test_a_rank_still_posting_its_progress_is_waited_for_past_the_timeout():
     hub = Hub(2, 0.5, task=None)
     out: dict = {}

@@ -112,9 +112,11 @@ def test_deepspeed_and_dcp_sources_give_the_one_process_bytes(source, tmp_path):
     for name, flags, nproc in cases:
         one = run_cli("convert", tmp_path / name, tmp_path / f"{name}-1", "--to", "full", *flags)
         assert one.exit_code == 0, one.output
-        spread = run_cli("convert", tmp_path / name, tmp_path / f"{name}-n", "--to", "full", *flags, "--nproc-per-node", nproc)
+        spread = run_cli("convert", tmp_path / name, tmp_path / f"{name}-n", "--to", "full", *flags, "--nproc-per-node", nproc, "--json")
         assert spread.exit_code == 0, spread.output
         assert _files(tmp_path / f"{name}-n") == _files(tmp_path / f"{name}-1"), name
+        opened = [rank["opened_source"] for rank in json.loads(spread.stdout)["spread"]["ranks"]]
+        assert opened == [True] + [name == "dcp"] * (int(nproc) - 1), (name, opened)  # DeepSpeed's tensors are handed by rank 0
     loaded = _loaded(tmp_path / "dcp-n")
     assert all(torch.equal(loaded[n], t) for n, t in tensors.items() if not n.startswith("optim."))
 

@@ -13,6 +13,7 @@ from ...errors import UsageError
 from ..core.request import ConvertRequest, check_count
 from ..offline.formats import DCP, DEEPSPEED, FORMATS, FULL, MEGATRON, SHARDED, convert_target, detect_format
 from ..offline.locations import source_at
+from ..storage.location import is_url
 
 if TYPE_CHECKING:
     from ..offline.diff import DiffRequest
@@ -58,6 +59,17 @@ def open_job(
     check_count("world_size", world_size)
     assert world_size is not None
     return job_class(RESHARD_JOBS[found.name])(src, world_size, chunk_size)
+
+
+def handed_job_class(command: str, src: str, request: ConvertRequest | DiffRequest | None) -> str | None:
+    """The job class ("module:class") of a spread command whose rank 0 hands what it opened to the
+    other ranks of its node (they open nothing: `taken`), None when each rank opens the source."""
+    if command != "convert" or is_url(src):
+        return None
+    assert isinstance(request, ConvertRequest)
+    found = detect_format(source_at(src))
+    where = CONVERT_JOBS[convert_target(found, request).name]
+    return where if found.name in getattr(job_class(where), "handed_from", ()) else None
 
 
 def spreads(command: str, format_name: str) -> bool:

@@ -5,7 +5,7 @@ it listens on a free local port with a key made for the run; across nodes on --m
 every interface, with a key every node derives from the run (`shared_key`). Each worker asks
 and waits for the answer:
 
-    ("join", rank, world_size) -> ("ok", task) or ("error", line)
+    ("join", rank, world_size) -> ("ok", (task, hands_job)) or ("error", line)
     ("gather", value)        -> ("ok", [every rank's value]), ("gone", (line, rank)) or ("error", line)
     ("set", key, value) | ("get", key) | ("check", keys)   -> ("ok", result)
     ("failed", reason)       no answer: why this worker is about to exit
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import secrets
 import signal
 import socket
@@ -78,12 +79,22 @@ class KeyStore:
 
 class Hub:
     """Rank 0's side: `address` and `key` are what a worker needs to join (`listen`: where, by
-    default a free port on loopback; `key`: by default one made for the run); `task` is sent to each."""
+    default a free port on loopback; `key`: by default one made for the run); `task` is sent to
+    each, and `hands_job`: whether rank 0 hands the workers what it opened (every rank on its node)."""
 
     rank = 0
 
-    def __init__(self, world_size: int, timeout: float, task: Any, *, listen: tuple[str, int] = LOCAL, key: bytes | None = None):
-        self.world_size, self.timeout, self.task = world_size, timeout, task
+    def __init__(
+        self,
+        world_size: int,
+        timeout: float,
+        task: Any,
+        *,
+        listen: tuple[str, int] = LOCAL,
+        key: bytes | None = None,
+        hands_job: bool = False,
+    ):
+        self.world_size, self.timeout, self.task, self.hands_job = world_size, timeout, task, hands_job
         self.key = key or secrets.token_bytes(32)
         try:
             self.listener = Listener(listen, authkey=self.key)
@@ -144,7 +155,7 @@ class Hub:
                 continue
             problem = self._join_problem(rank, world_size)
             try:
-                conn.send(("error", problem) if problem else ("ok", self.task))
+                conn.send(("error", problem) if problem else ("ok", (self.task, self.hands_job)))
             except OSError:
                 continue
             if problem is None:
@@ -179,7 +190,7 @@ class Hub:
                         answer = ("error", str(error))
                 else:
                     answer = ("ok", getattr(self.store, message[0])(*message[1:]))
-                conn.send(answer)
+                _send(conn, answer, rank)
         except (EOFError, OSError):
             self._leave(rank, "")
 
@@ -244,6 +255,14 @@ class Hub:
         return f"exited with code {code}"
 
 
+def _send(conn: Connection, answer: tuple[str, Any], rank: int) -> None:
+    """`answer` to rank `rank`; one that does not pickle becomes its error line (else the rank would wait until --timeout)."""
+    try:
+        conn.send(answer)
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        conn.send(("error", f"rank {rank}: rank 0 could not send its answer ({type(error).__name__}: {error})"))
+
+
 class HubClient:
     """A worker's side: the same collectives and store as rank 0's, each one question and its answer."""
 
@@ -251,7 +270,7 @@ class HubClient:
         self.rank, self.world_size = rank, world_size
         self.conn = _connect(address, key, rank, timeout)
         self._lock = threading.Lock()
-        self.task = self.ask("join", rank, world_size)
+        self.task, self.hands_job = self.ask("join", rank, world_size)
         self.store = _RemoteStore(self)
 
     def close(self) -> None:

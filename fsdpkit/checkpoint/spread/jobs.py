@@ -9,10 +9,12 @@ derives the same files; the runner checks that every rank derived the same ones.
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 from ...dtypes import dtype_info
 from ...errors import UsageError
@@ -27,15 +29,18 @@ from ..format.names import rank_file_name
 from ..format.placement import ShardLayout, TensorSpec
 from ..format.reader import ShardedCheckpoint, open_sharded
 from ..format.storage import resolve_checkpoint
-from ..format.to_full import full_output, transposed_bytes
+from ..format.to_full import FullOutput, full_output, transposed_bytes
 from ..format.verify import check_files
-from ..offline.formats import open_checkpoint
+from ..offline.formats import DEEPSPEED, FULL, TORCH_SAVE, open_checkpoint
 from ..offline.locations import source_at
 from ..storage.location import is_url, open_storage
 from .plan import OutputFile, Part
 from .scattered import Wanted, fill_and_send, segments_of, spool_fits
 from .staging import PartResult
 from .writes import PartSink, StreamSink
+
+if TYPE_CHECKING:
+    from ..core.any_checkpoint import AnyCheckpoint
 
 Progress = Callable[[int], None] | None
 
@@ -111,30 +116,56 @@ def safetensors_file(name: str, header: bytes, order, *, whole: set[str], splitt
     return OutputFile(name, size, tuple(cuts), "" if splittable else SINGLE_FILE)
 
 
+class HandedFull(NamedTuple):
+    """What a `FullJob` needs to write parts, as rank 0 opened it (plain data, no open file)."""
+
+    src: str
+    request: ConvertRequest
+    opened_from: str
+    output: FullOutput
+
+
 class FullJob:
     """`convert --to full` from any format: one safetensors file per output file, cut by byte
     range into parts when there are several files (any element boundary of a tensor that is
-    not transposed; a transposed one is read whole by the rank whose part starts it)."""
+    not transposed; a transposed one is read whole by the rank whose part starts it). Rank 0
+    opens the source and hands what the other ranks of its node need (`hand_on`, `taken`)."""
 
     command = "convert"
+    handed_from = (DEEPSPEED, TORCH_SAVE, FULL)  # formats whose tensors are plain data (`hand_on`)
 
-    def __init__(self, src: str, request: ConvertRequest):
+    def __init__(self, src: str, request: ConvertRequest, handed: HandedFull | None = None):
         self.stack = ExitStack()
-        self.opened = self.stack.enter_context(open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key))
-        self.src, self.request = src, request
-        self.output = full_output(self.opened, request)
+        self.opened: AnyCheckpoint | None = None
+        if handed is None:
+            self.opened = self.stack.enter_context(open_checkpoint(src, model_key=request.model_key, optimizer_key=request.optimizer_key))
+            handed = HandedFull(src, request, str(self.opened.opened_from), full_output(self.opened, request))
+        self.taken_from_rank_0 = self.opened is None
+        self.src, self.request, self.opened_from, self.output = handed
         self.layouts = [layout_header(entries, metadata) for _, entries, metadata in self.output.files]
         many = len(self.layouts) > 1
         named = zip(self.output.files, self.layouts, strict=True)
         whole = {name for name, (_, flip) in self.output.by_name.items() if flip}
         self.files = [safetensors_file(name, header, order, whole=whole, splittable=many) for (name, _, _), (header, order) in named]
 
+    def hand_on(self) -> bytes | None:
+        """What the other ranks of this node take instead of opening the source, pickled; None for
+        a source in a bucket, or one whose tensors refer to its opened files (`SourceTensor.plain`)."""
+        if is_url(self.src) or not all(type(source).plain for source, _ in self.output.by_name.values()):
+            return None
+        return pickle.dumps(HandedFull(self.src, self.request, self.opened_from, self.output), protocol=pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def taken(cls, handed: bytes) -> FullJob:
+        state = pickle.loads(handed)
+        return cls(state.src, state.request, state)
+
     @property
     def source_bytes(self) -> int:
         return self.output.source_bytes
 
     def facts(self) -> dict:
-        return convert_facts(self.request, self.opened.opened_from, self.file_sizes())
+        return convert_facts(self.request, self.opened_from, self.file_sizes())
 
     def file_sizes(self) -> list[tuple[str, int]]:
         return [(f.name, f.nbytes) for f in self.files]
@@ -178,6 +209,7 @@ class FullJob:
 
     def commit(self, directory: Path, results: list[PartResult], dst: str) -> WriteReport:
         check_parts(part_reads(results))
+        assert self.opened is not None, "the commit is rank 0's, which opened the source"
         written = self.output.report(self.output.commit_files(directory), src=self.opened.path, dst=Path(dst))
         details = {"from": self.opened.format, **self.opened.facts, **written.details}
         return replace(written, dst=dst if is_url(dst) else written.dst, details=details)  # a URL is no Path

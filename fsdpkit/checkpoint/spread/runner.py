@@ -34,7 +34,7 @@ from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
 from ..storage.location import is_url
 from .bucket import BucketStaging, bucket_plan, prepare_bucket, staging_at
-from .dispatch import open_job
+from .dispatch import handed_job_class, job_class, open_job
 from .hub import Hub, HubClient, RankGone, shared_key
 from .plan import Part, Plan, make_plan
 from .processes import EarlyWorkers, start_workers, stop_workers
@@ -83,6 +83,7 @@ class RankFigures:
     seconds: float = 0.0
     peak_rss_bytes: int = 0  # this process's peak resident memory, once its parts were written
     torch: bool = False  # whether this process imported torch
+    opened_source: bool = True  # False: it took what rank 0 opened (a rank of rank 0's node)
     cpu_seconds: float = 0.0  # this process's (user and system), from its start until its parts were done
     main_thread_cpu_seconds: float = 0.0  # of it, the main thread's (the rest: its threads that write back and record parts, the hub's)
     run_delay_seconds: float = 0.0  # its main thread's waits for a core, from its start until its parts were done
@@ -126,15 +127,17 @@ def open_task_job(task: SpreadTask):
     return open_job(task.command, task.src, request=task.request, world_size=task.world_size, chunk_size=task.chunk_size)
 
 
-def _lead(task: SpreadTask, world_size: int, marks: Marks) -> tuple[dict, Any]:
-    """Rank 0's first step: the header every rank gets (or the error every rank raises)."""
+def _lead(task: SpreadTask, comm: Any, marks: Marks) -> tuple[dict, Any]:
+    """Rank 0's first step: the header every rank gets (or the error every rank raises), with
+    what it opened for the ranks of its node to take (`handed`), where the job allows it."""
     job = None
     try:
         job = open_task_job(task)
         marks.mark("opened")
-        plan = task_plan(task, job, world_size)
+        plan = task_plan(task, job, comm.world_size)
         digest = fingerprint(job.facts())
         header: dict[str, Any] = {"error": None, "plan": plan.to_json(), "digest": digest, "staging": None, "token": None, "kept": []}
+        header["handed"] = job.hand_on() if getattr(comm, "hands_job", False) and hasattr(job, "hand_on") else None
         if task.writes:
             staging = _prepare(task, job, digest, plan)
             staging.write_state(PLAN_FILE, json.dumps(plan.to_json()))
@@ -193,21 +196,26 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
     """This rank's part of the run (see the module docstring); rank 0 returns the result. The
     other ranks open the source while rank 0 plans; on one node rank 0 starts on its parts while
     they do, and learns what they saw (`Views`) between its parts."""
-    header, job, problem, marks = None, None, None, Marks()
+    header, job, problem, marks, takes = None, None, None, Marks(), None
     marks.mark("begun")
     try:
         if comm.rank == 0:
-            header, job = _lead(task, comm.world_size, marks)
+            header, job = _lead(task, comm, marks)
         else:
-            job = open_task_job(task)
-            marks.mark("opened")
+            takes = handed_job_class(task.command, task.src, task.request) if getattr(comm, "hands_job", False) else None
+            if takes is None:
+                job = open_task_job(task)
+                marks.mark("opened")
     except FsdpkitError as error:
         problem = f"rank {comm.rank} on {socket.gethostname()}: {error}"
     header = comm.broadcast(header)
-    marks.setdefault("planned", time.monotonic())
     try:
         if header["error"] is not None:
             _raise(*header["error"])
+        if takes is not None and problem is None:
+            job, problem = _taken_or_opened(task, takes, header.get("handed"), comm.rank)
+            marks.mark("opened")
+        marks.setdefault("planned", time.monotonic())
         try:
             problem = problem or (view_problem(task, job, header, comm.rank) if job is not None else None)
         except FsdpkitError as error:
@@ -219,6 +227,14 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
     finally:
         if job is not None:
             job.close()
+
+
+def _taken_or_opened(task: SpreadTask, where: str, handed: Any, rank: int) -> tuple[Any, str | None]:
+    """The job of class `where` that rank 0 handed, or (when it handed none) opened here; or this rank's line."""
+    try:
+        return (job_class(where).taken(handed) if handed is not None else open_task_job(task)), None
+    except FsdpkitError as error:
+        return None, f"rank {rank} on {socket.gethostname()}: {error}"
 
 
 class Views:
@@ -269,6 +285,7 @@ def _work_and_commit(
     total = job.source_bytes * left // max(1, plan.total_bytes)  # the count is of source bytes read
     count = SharedCount(comm.store, rank=comm.rank, world_size=comm.world_size, key="fsdpkit-spread", show=show, total=total)
     figures = RankFigures(comm.rank, socket.gethostname(), len(mine), len(mine) - len(todo), sum(p.nbytes for p in mine), marks=marks)
+    figures.opened_source = not getattr(job, "taken_from_rank_0", False)
     marks.mark("working")
     results, failure = _run_parts(task, job, plan, todo, staging, count, views, figures)
     marks.mark("worked")
@@ -513,7 +530,7 @@ def _rank_0_hub(task: SpreadTask, options: LaunchOptions, first: int) -> tuple[H
     interface, reached at --master-addr, with a key every node derives from the run's arguments
     (and $FSDPKIT_SPREAD_KEY): a node given another command is refused."""
     if options.nnodes == 1:
-        hub = Hub(options.world_size, task.timeout, task)
+        hub = Hub(options.world_size, task.timeout, task, hands_job=True)
         return hub, hub.address, hub.key
     host, _, port = (options.endpoint or "").rpartition(":")
     key = shared_key(host, port, str(options.world_size), repr(task))
