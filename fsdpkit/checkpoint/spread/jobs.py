@@ -31,7 +31,7 @@ from ..format.reader import ShardedCheckpoint, open_sharded
 from ..format.storage import resolve_checkpoint
 from ..format.to_full import FullOutput, full_output, transposed_bytes
 from ..format.verify import check_files
-from ..offline.formats import DEEPSPEED, FULL, TORCH_SAVE, open_checkpoint
+from ..offline.formats import DEEPSPEED, open_checkpoint
 from ..offline.locations import source_at
 from ..storage.location import is_url, open_storage
 from .plan import OutputFile, Part
@@ -132,7 +132,7 @@ class FullJob:
     opens the source and hands what the other ranks of its node need (`hand_on`, `taken`)."""
 
     command = "convert"
-    handed_from = (DEEPSPEED, TORCH_SAVE, FULL)  # formats whose tensors are plain data (`hand_on`)
+    handed_from = (DEEPSPEED,)  # formats whose tensors are plain data (`hand_on`)
 
     def __init__(self, src: str, request: ConvertRequest, handed: HandedFull | None = None):
         self.stack = ExitStack()
