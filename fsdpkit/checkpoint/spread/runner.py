@@ -1,7 +1,8 @@
 """The spread run: one plan, every rank its share, rank 0's commit (docs/distributed-conversion.md).
 
     rank 0   opens the source, plans, prepares the staging area (a token in it) -> broadcast
-    every    opens the source, checks it derives the same output and sees the token -> all_gather
+    every    opens the source (or, on rank 0's node, takes what rank 0 opened where the job allows it),
+             checks it derives the same output and sees the token -> all_gather
     every    writes (or checks) its parts, records each one, skips those recorded before
     every    -> all_gather of failures, checksums, figures; any failure: all stop, nothing committed
     rank 0   checks every source checksum read in parts, writes the manifest/index, renames to DST
@@ -194,8 +195,9 @@ def _seen_token(location: str) -> str | None:
 
 def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> SpreadResult | None:
     """This rank's part of the run (see the module docstring); rank 0 returns the result. The
-    other ranks open the source while rank 0 plans; on one node rank 0 starts on its parts while
-    they do, and learns what they saw (`Views`) between its parts."""
+    other ranks open the source while rank 0 plans (or, where rank 0 hands the job to its node's
+    ranks, take it from the broadcast); on one node rank 0 starts on its parts while they do,
+    and learns what they saw (`Views`) between its parts."""
     header, job, problem, marks, takes = None, None, None, Marks(), None
     marks.mark("begun")
     try:
