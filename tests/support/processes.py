@@ -1,7 +1,10 @@
-"""The processes of a running `fsdpkit train`, found through /proc."""
+"""The processes of a running `fsdpkit train`, found through /proc; a run killed as a whole."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from pathlib import Path
 
 
@@ -30,3 +33,29 @@ def _command_line(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def kill_run(group: int) -> None:
+    """SIGKILL every live process of process group `group` (a run started in a session of its own)
+    but multiprocessing's resource tracker: once the last of the others is gone it removes the
+    named semaphores they left (torch elastic's queues and events, in /dev/shm) and exits. Killed
+    with the rest, it would leave them there."""
+    while members := [pid for pid in _live_members(group) if "resource_tracker" not in _command_line(pid)]:
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _live_members(group: int) -> list[int]:
+    """The processes of process group `group` that are not zombies (a killed one not yet reaped)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[2]) == group:
+            found.append(int(entry.name))
+    return found

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.checkpoint_files import make_manifest, sample_tensors, save_checkpoint
+from support.processes import kill_run
 from test_faults import assert_bitwise_equal, finish, start, stopped_worker, weights
 
 from fsdpkit.checkpoint.format.lock import process_identity
@@ -274,7 +275,7 @@ def test_a_lost_node_recovers_from_its_buddies_copies_bitwise(tmp_path):
     _wait_for_listener(port, node0)  # node 0 hosts the rendezvous, which must outlive node 1
     node1 = _node(tmp_path, 1, port, fault="stop:3:7")
     stopped_worker(node1)
-    os.killpg(node1.pid, signal.SIGKILL)
+    kill_run(node1.pid)
     node1.wait()
     for store in Path(DEFAULT_ROOT).glob(f"{STORE_PREFIX}*-node1-{node1.pid}"):
         shutil.rmtree(store)  # its memory is gone with it

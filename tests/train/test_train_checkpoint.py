@@ -5,8 +5,6 @@ corrupt checkpoints (exit 3 before any weight is used), and crashes while saving
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from fsdpkit_cli.app import app
+from support.processes import kill_run
 from typer.testing import CliRunner
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
@@ -203,7 +202,7 @@ def test_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
         while time.time() < deadline and (not (run_dir / "latest").exists() or (run_dir / "latest").read_text() == start_latest):
             time.sleep(0.05)
         time.sleep(delay)
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_run(process.pid)
         process.wait()
         verified = runner.invoke(app, ["verify", str(run_dir), "--json"])
         assert verified.exit_code == 0, verified.output

@@ -23,7 +23,7 @@ import torch
 from fsdpkit_cli.app import app
 from support.fault_proxy import FaultProxy
 from support.object_store import s3_client
-from support.processes import workers
+from support.processes import kill_run, workers
 from typer.testing import CliRunner
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
@@ -80,7 +80,7 @@ def test_a_save_killed_mid_upload_leaves_no_checkpoint_and_the_resume_from_the_b
         try:
             assert proxy.held.wait(120), "the save of step 4 never started"
         finally:
-            os.killpg(run.pid, signal.SIGKILL)
+            kill_run(run.pid)
             run.wait()
     listed = keys(s3_endpoint, s3_bucket, "runs/k")
     assert [name for name in listed if name.endswith("manifest.json")] == ["step-00000002/manifest.json"]
@@ -170,7 +170,7 @@ def _kill_at_ten_moments(full, local, url, client, scratch: Path, tmp_path: Path
             out, err = run.communicate(timeout=300)
         finally:
             if run.poll() is None:
-                os.killpg(run.pid, signal.SIGKILL)
+                kill_run(run.pid)
                 run.wait()
             stop.set()
             watcher.join()
