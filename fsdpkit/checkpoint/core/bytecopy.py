@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from operator import itemgetter
 from pathlib import Path
-from typing import ClassVar, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
@@ -51,10 +51,8 @@ class SourcePiece(NamedTuple):
 @dataclass(frozen=True)
 class SourceTensor:
     """A tensor and where its elements lie. `pieces_in(wanted)` gives, in order, the pieces that
-    meet a range; subclasses compute them on demand (sharded checkpoints). `plain`: it is data
-    alone (no reference to an opened checkpoint), so another process can take it pickled."""
+    meet a range; subclasses compute them on demand (sharded checkpoints)."""
 
-    plain: ClassVar[bool] = True
     name: str
     shape: tuple[int, ...]
     dtype: str

@@ -227,8 +227,6 @@ class DcpCheckpoint:
 class DcpSource(SourceTensor):
     """A DCP tensor; its pieces are located when first asked for."""
 
-    plain = False
-
     _pieces: Callable[[], tuple[SourcePiece, ...]]  # set through object.__setattr__: SourceTensor is frozen
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: str, checkpoint: DcpCheckpoint, tensor: DcpTensor):

@@ -251,8 +251,6 @@ class ShardedCheckpoint:
 class _Source(SourceTensor):
     """A tensor of a sharded checkpoint; its pieces are found when a range is asked for."""
 
-    plain = False
-
     _checkpoint: ShardedCheckpoint  # set through object.__setattr__: SourceTensor is frozen
     _index: int
 

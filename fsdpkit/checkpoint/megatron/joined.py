@@ -17,8 +17,6 @@ Part = tuple[SourceTensor, ElementRange]
 class JoinedSource(SourceTensor):
     """`parts` in order make the tensor's flat elements; their pieces are clipped and shifted."""
 
-    plain = False
-
     parts: tuple[Part, ...]  # set through object.__setattr__: SourceTensor is frozen
     starts: tuple[int, ...]
 

@@ -99,8 +99,6 @@ class ColumnBlocks(SourceTensor):
     """A 2-D tensor whose column blocks are the tensor-parallel ranks' slices, each a flat
     range of some source (a row-parallel layer's weight); pieces computed per row asked for."""
 
-    plain = False
-
     parts: tuple[Part, ...]  # set through object.__setattr__: SourceTensor is frozen
 
     def __init__(self, name: str, shape: tuple[int, ...], parts: list[Part]):

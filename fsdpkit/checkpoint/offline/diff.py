@@ -31,8 +31,6 @@ HINT_SAMPLE = 200  # names looked at to find a prefix
 class TransposedSource(SourceTensor):
     """A 2-D weight stored transposed, in the model's orientation; `stored` is what the file holds."""
 
-    plain = False
-
     stored: SourceTensor  # set through object.__setattr__: SourceTensor is frozen
 
     def __init__(self, name: str, stored: SourceTensor):

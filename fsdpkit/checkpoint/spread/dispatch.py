@@ -16,6 +16,7 @@ from ..offline.locations import source_at
 from ..storage.location import is_url
 
 if TYPE_CHECKING:
+    from ..core.protocol import Format
     from ..offline.diff import DiffRequest
 
 CONVERT_JOBS: dict[str, str] = {  # the job class, as "module of this package:class"
@@ -47,8 +48,7 @@ def open_job(
     found = detect_format(source_at(src))
     if command == "convert":
         assert isinstance(request, ConvertRequest)
-        target = convert_target(found, request)  # every format fsdpkit writes spreads
-        return job_class(CONVERT_JOBS[target.name])(src, request)
+        return job_class(_convert_job(found, request))(src, request)
     if command == "verify":
         if found.name == SHARDED:
             return job_class("jobs:VerifyJob")(src, chunk_size)
@@ -68,8 +68,13 @@ def handed_job_class(command: str, src: str, request: ConvertRequest | DiffReque
         return None
     assert isinstance(request, ConvertRequest)
     found = detect_format(source_at(src))
-    where = CONVERT_JOBS[convert_target(found, request).name]
+    where = _convert_job(found, request)
     return where if found.name in getattr(job_class(where), "handed_from", ()) else None
+
+
+def _convert_job(found: Format, request: ConvertRequest) -> str:
+    """The job class ("module:class") of `convert` from a checkpoint of format `found`: every format fsdpkit writes spreads."""
+    return CONVERT_JOBS[convert_target(found, request).name]
 
 
 def spreads(command: str, format_name: str) -> bool:

@@ -132,7 +132,7 @@ class FullJob:
     opens the source and hands what the other ranks of its node need (`hand_on`, `taken`)."""
 
     command = "convert"
-    handed_from = (DEEPSPEED,)  # formats whose tensors are plain data (`hand_on`)
+    handed_from = (DEEPSPEED,)  # formats whose tensors are plain data, no reference to an opened file (`hand_on`)
 
     def __init__(self, src: str, request: ConvertRequest, handed: HandedFull | None = None):
         self.stack = ExitStack()
@@ -150,8 +150,8 @@ class FullJob:
 
     def hand_on(self) -> bytes | None:
         """What the other ranks of this node take instead of opening the source, pickled; None for
-        a source in a bucket, or one whose tensors refer to its opened files (`SourceTensor.plain`)."""
-        if is_url(self.src) or not all(type(source).plain for source, _ in self.output.by_name.values()):
+        a source in a bucket, or of a format not in `handed_from` (its tensors refer to its opened files)."""
+        if is_url(self.src) or self.opened is None or self.opened.format not in self.handed_from:
             return None
         return pickle.dumps(HandedFull(self.src, self.request, self.opened_from, self.output), protocol=pickle.HIGHEST_PROTOCOL)
 
