@@ -51,6 +51,13 @@ def _sources(tmp_path, *, corrupt: str | None = None):
     return tensors, sources
 
 
+@pytest.fixture
+def spool(tmp_path):
+    """A spool file's descriptor."""
+    with open(tmp_path / "spool", "w+b") as file:
+        yield file.fileno()
+
+
 def _wanted(sources, order):
     wanted, at = [], len(HEAD)
     for name, dtype in order:
@@ -63,7 +70,7 @@ def _wanted(sources, order):
 ORDER = [("e", "BF16"), ("c", "F32"), ("a", "BF16"), ("d", "F32"), ("b", "BF16")]
 
 
-def test_an_output_is_filled_out_of_order_from_each_object_read_once(tmp_path, monkeypatch):
+def test_an_output_is_filled_out_of_order_from_each_object_read_once(tmp_path, spool, monkeypatch):
     monkeypatch.setattr(scattered, "STREAM_BLOCK_BYTES", 1001)  # blocks split elements
     monkeypatch.setattr(scattered, "TILE_BYTES", 4096)
     tensors, sources = _sources(tmp_path)
@@ -77,26 +84,26 @@ def test_an_output_is_filled_out_of_order_from_each_object_read_once(tmp_path, m
 
     monkeypatch.setattr(LocalStorage, "read_blocks", counted)
     out = bytearray()
-    read = scattered.fill_and_send(scattered.segments_of(wanted, 0), HEAD, size, out.extend, None)
+    read = scattered.fill_and_send(spool, scattered.segments_of(wanted, 0), HEAD, size, out.extend, None)
     expected = HEAD + b"".join(tensors[name].to(CAST[dtype]).view(torch.uint8).numpy().tobytes() for name, dtype in ORDER)
     assert bytes(out) == expected
     assert read == sum(t.numel() * 4 for t in tensors.values())
     assert sorted(name for name, _ in reads) == ["rank0", "rank1"] and all(len(ranges) == 1 for _, ranges in reads), reads
 
 
-def test_a_piece_that_fails_its_checksum_or_an_object_cut_short_is_an_error(tmp_path):
+def test_a_piece_that_fails_its_checksum_or_an_object_cut_short_is_an_error(tmp_path, spool):
     for corrupt in "ce":  # e: the last piece of each object, its bytes the last the part waits for
         _, sources = _sources(tmp_path, corrupt=corrupt)
         wanted, size = _wanted(sources, ORDER)
         with pytest.raises(DataCheckError, match=rf"rank\d.*checksum mismatch in .*'{corrupt}'"):
-            scattered.fill_and_send(scattered.segments_of(wanted, 0), HEAD, size, lambda data: None, None)
+            scattered.fill_and_send(spool, scattered.segments_of(wanted, 0), HEAD, size, lambda data: None, None)
     _, sources = _sources(tmp_path)
     wanted, size = _wanted(sources, ORDER)
     segments = scattered.segments_of(wanted, 0)
     with open(tmp_path / "rank1", "r+b") as cut:
         cut.truncate(1000)
     with pytest.raises(DataCheckError, match="rank1.*truncated"):
-        scattered.fill_and_send(segments, HEAD, size, lambda data: None, None)
+        scattered.fill_and_send(spool, segments, HEAD, size, lambda data: None, None)
 
 
 def test_a_piece_wanted_in_part_or_in_a_local_file_is_left_to_the_byte_engine(tmp_path):
@@ -107,7 +114,7 @@ def test_a_piece_wanted_in_part_or_in_a_local_file_is_left_to_the_byte_engine(tm
     assert scattered.segments_of([scattered.Wanted(local, ElementRange(0, 4), "F32", 0)], 0) is None
 
 
-def test_a_failure_reads_no_object_whose_turn_had_not_come(tmp_path, monkeypatch):
+def test_a_failure_reads_no_object_whose_turn_had_not_come(tmp_path, spool, monkeypatch):
     """8 objects of one tensor each, 4 streamed at once: the first fails at once, the others
     that started with it are slow; the 4 whose turn had not come are never asked for."""
     data = {f"o{i}": torch.arange(64, dtype=torch.float32) + i for i in range(8)}
@@ -128,13 +135,17 @@ def test_a_failure_reads_no_object_whose_turn_had_not_come(tmp_path, monkeypatch
 
     monkeypatch.setattr(LocalStorage, "read_blocks", failing_or_slow)
     with pytest.raises(DataCheckError, match="o0: cannot read"):
-        scattered.fill_and_send(scattered.segments_of(wanted, 0), b"", 2048, lambda data: None, None)
+        scattered.fill_and_send(spool, scattered.segments_of(wanted, 0), b"", 2048, lambda data: None, None)
     assert "o0" in asked and not {"o4", "o5", "o6", "o7"} & set(asked), asked
 
 
-def test_a_spool_goes_only_on_a_disk_with_room(tmp_path, monkeypatch):
+def test_a_spool_goes_only_on_a_disk_with_room_it_reserves(tmp_path, monkeypatch):
     """Never on a filesystem in memory (its spool would be memory the bound does not count), nor
-    where the disk has no room for it; the filesystem is the longest mount point holding the path."""
+    where the disk has no room for it; the filesystem is the longest mount point holding the path.
+    A spool's room is reserved as it is made, so that ranks of one node that each found room do
+    not run out of it midway; where the reservation fails, there is no spool."""
+    import errno
+    import os
     import tempfile
 
     mounts = "/dev/vda / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\ntmpfs /tmp tmpfs rw 0 0\n/dev/vdb /tmp/my\\040disk ext4 rw 0 0\n"
@@ -143,6 +154,19 @@ def test_a_spool_goes_only_on_a_disk_with_room(tmp_path, monkeypatch):
     assert scattered.filesystem_of("/tmpdir/spool", mounts) == "ext4"
     assert scattered.filesystem_of("/tmp/my disk/spool", mounts) == "ext4"
     monkeypatch.setattr(tempfile, "tempdir", "/dev/shm")  # tmpfs on Linux
-    assert not scattered.spool_fits(1)
+    assert scattered.reserved_spool(1) is None
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert not scattered.spool_fits(1 << 60)
+    assert scattered.reserved_spool(1 << 60) is None
+    if scattered.filesystem_of(os.path.realpath(tmp_path), open("/proc/self/mounts").read()) in scattered.MEMORY_FILESYSTEMS:
+        pytest.fail(f"{tmp_path} is in memory: this test needs pytest's tmp_path on a disk")
+    spool = scattered.reserved_spool(3 << 20)
+    assert spool is not None
+    with spool:
+        assert os.fstat(spool.fileno()).st_blocks * 512 >= 3 << 20  # reserved, not merely sized
+        assert not list(tmp_path.iterdir())  # a file without a name: nothing is left behind
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    assert scattered.reserved_spool(3 << 20) is None

@@ -117,6 +117,34 @@ def test_a_killed_rank_commits_nothing_in_the_bucket_and_the_rerun_continues(sou
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
 
 
+def test_a_part_whose_spool_finds_no_room_reads_the_bucket_in_the_output_order(source, tmp_path, monkeypatch):
+    """A full output's part from ZeRO-3 objects is filled in a spool in TMPDIR, its room reserved
+    first; where the reservation fails (another rank of the node took the room since it was
+    looked at), the part is read from the bucket in the output's order instead: the same files."""
+    import errno
+    import tempfile
+
+    local, url, _ = source
+    flags = ("--to", "full", "--with-optimizer", "--max-shard-size", SHARD)
+    one = run_cli("convert", local, tmp_path / "one", *flags)
+    assert one.exit_code == 0, one.output
+    scratch = tmp_path / "tmpdir"  # on a disk, as pytest's tmp_path is: a spool goes there
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    asked: list[int] = []
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        asked.append(length)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    spread = run_cli("convert", url, tmp_path / "spread", *flags, "--nproc-per-node", "1")
+    assert spread.exit_code == 0, spread.output
+    assert len(asked) > 1, asked  # each part asked for its spool's room
+    assert _files(tmp_path / "spread") == _files(tmp_path / "one")
+    assert list(scratch.iterdir()) == []
+
+
 def test_reshard_verify_and_diff_of_fsdpkit_checkpoints_in_a_bucket(s3_bucket, s3_endpoint, tmp_path):
     """reshard bucket -> bucket gives the one-process local bytes; verify and diff of URLs spread
     over 2 processes say what the one-process commands say of the local copies."""

@@ -35,7 +35,7 @@ from ..offline.formats import DEEPSPEED, open_checkpoint
 from ..offline.locations import source_at
 from ..storage.location import is_url, open_storage
 from .plan import OutputFile, Part
-from .scattered import Wanted, fill_and_send, segments_of, spool_fits
+from .scattered import Wanted, fill_and_send, reserved_spool, segments_of
 from .staging import PartResult
 from .writes import PartSink, StreamSink
 
@@ -189,8 +189,10 @@ class FullJob:
                 wanted.append(Wanted(source, ElementRange(first, last), info.dtype, lo))
                 flips.append(flip)
         segments = None if any(flips) else segments_of(wanted, part.begin)
-        if segments and spool_fits(part.end - part.begin):  # objects in a bucket: each read once, in its own order
-            bytes_read = fill_and_send(segments, bytes(head), part.end - part.begin, sink.write, progress)
+        spool = reserved_spool(part.end - part.begin) if segments else None
+        if segments and spool is not None:  # objects in a bucket: each read once, in its own order
+            with spool:
+                bytes_read = fill_and_send(spool.fileno(), segments, bytes(head), part.end - part.begin, sink.write, progress)
             return PartResult(part.file, part.index, name, part.begin, part.end, sink.crc, bytes_read, [])
         engine = ByteEngine(chunk_size=self.request.chunk_size, progress=progress)
         sink.write(head)

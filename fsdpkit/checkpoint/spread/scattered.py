@@ -9,7 +9,8 @@ source piece's bytes written (cast where asked) where the output wants them, int
 file. The caller's thread sends the spool's bytes into the sink in order, each TILE_BYTES as soon
 as all of its bytes are there. Memory holds a few blocks of each stream and one tile; local disk
 holds the part while it is filled, so the spool is used only where TMPDIR is on a disk (not
-tmpfs) with room for it (`spool_fits`). Each piece with a checksum is checked when its last byte has passed."""
+tmpfs) with room for it, reserved before it is filled (`reserved_spool`). Each piece with a
+checksum is checked when its last byte has passed."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from operator import attrgetter
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
@@ -82,16 +83,28 @@ def segments_of(wanted: Sequence[Wanted], begin: int) -> list[Segment] | None:
     return found
 
 
-def spool_fits(nbytes: int) -> bool:
-    """Whether TMPDIR has room for a spool of `nbytes` on a disk: not on a filesystem in memory,
-    whose spool would be memory the bound does not count."""
+def reserved_spool(nbytes: int) -> BinaryIO | None:
+    """A temporary file in TMPDIR with `nbytes` of its disk reserved (posix_fallocate: the ranks
+    of one node reserve theirs each, so none runs out of room midway), where TMPDIR is on a disk
+    (not a filesystem in memory, whose spool would be memory the bound does not count) with room
+    for it and SPOOL_MARGIN_BYTES beside; None where not."""
     directory = tempfile.gettempdir()
     try:
         mounts = Path("/proc/self/mounts").read_text()
     except OSError:
         mounts = ""
-    in_memory = filesystem_of(os.path.realpath(directory), mounts) in MEMORY_FILESYSTEMS
-    return not in_memory and shutil.disk_usage(directory).free >= nbytes + SPOOL_MARGIN_BYTES
+    if filesystem_of(os.path.realpath(directory), mounts) in MEMORY_FILESYSTEMS:
+        return None
+    if shutil.disk_usage(directory).free < nbytes + SPOOL_MARGIN_BYTES:
+        return None
+    spool = tempfile.TemporaryFile(prefix="fsdpkit-spool-")
+    if hasattr(os, "posix_fallocate") and nbytes:
+        try:
+            os.posix_fallocate(spool.fileno(), 0, nbytes)
+        except OSError:  # the room went to another process since it was looked at
+            spool.close()
+            return None
+    return spool
 
 
 def filesystem_of(directory: str, mounts: str) -> str:
@@ -141,9 +154,10 @@ class _Filling:
         self.segment, self.done, self.crc, self.carry = segment, 0, 0, b""
 
 
-def fill_and_send(segments: Sequence[Segment], head: bytes, size: int, write: Callable[[bytes], None], progress) -> int:
-    """The part (`size` bytes: `head`, then the bytes `segments` place) into `write`, in order;
-    the source bytes read. `progress` (or None) gets source bytes as they are read."""
+def fill_and_send(spool: int, segments: Sequence[Segment], head: bytes, size: int, write: Callable[[bytes], None], progress) -> int:
+    """The part (`size` bytes: `head`, then the bytes `segments` place) into `write`, in order,
+    filled in the file open at `spool` (a `reserved_spool`'s); the source bytes read. `progress`
+    (or None) gets source bytes as they are read."""
     placed = len(head) + sum(segment.out_bytes for segment in segments)
     if placed != size:
         raise ValueError(f"the head and the segments place {placed} bytes of a part of {size}")
@@ -152,20 +166,18 @@ def fill_and_send(segments: Sequence[Segment], head: bytes, size: int, write: Ca
     for segment in segments:
         by_source.setdefault(segment.source, []).append(segment)
     stop = threading.Event()
-    with tempfile.TemporaryFile(prefix="fsdpkit-spool-") as spool:
-        fd = spool.fileno()
-        write_views(fd, [head], SPOOL, 0)
-        tiles.add(0, len(head), 0)
-        with ThreadPoolExecutor(FILES_IN_FLIGHT, thread_name_prefix="fsdpkit-fill") as pool:
-            fills = [pool.submit(_fill_from, sorted(found, key=attrgetter("start")), fd, tiles, stop) for found in by_source.values()]
-            for future in fills:
-                future.add_done_callback(lambda _: _notify(tiles))
-            try:
-                _send(fd, tiles, fills, write, progress)
-            finally:
-                stop.set()
-        for future in fills:  # a failure after a thread's last bytes were placed
-            future.result()
+    write_views(spool, [head], SPOOL, 0)
+    tiles.add(0, len(head), 0)
+    with ThreadPoolExecutor(FILES_IN_FLIGHT, thread_name_prefix="fsdpkit-fill") as pool:
+        fills = [pool.submit(_fill_from, sorted(found, key=attrgetter("start")), spool, tiles, stop) for found in by_source.values()]
+        for future in fills:
+            future.add_done_callback(lambda _: _notify(tiles))
+        try:
+            _send(spool, tiles, fills, write, progress)
+        finally:
+            stop.set()
+    for future in fills:  # a failure after a thread's last bytes were placed
+        future.result()
     return tiles.bytes_read
 
 
