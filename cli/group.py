@@ -72,9 +72,18 @@ def load_command(module_name: str, name: str) -> Any:
 def pass_plain_values(params: list[Any]) -> list[Any]:
     """`params`, each coercing its value through `PlainValues` where Typer coerces through pydantic."""
     for param in params:
-        if getattr(param, "_runtime_param", False) is None:  # Typer's own not built yet
+        if getattr(param, "_runtime_param", False) is None and laid_out_as_known(param):  # Typer's own not built yet
             param._runtime_param = PlainValues()
     return params
+
+
+def laid_out_as_known(param: Any) -> bool:
+    """Whether `param` has the parts of a Typer parameter that `PlainValues` uses: they are Typer's
+    private layout, which another Typer may change (its own coercion then serves)."""
+    descriptor = getattr(param, "type_descriptor", None)
+    info = getattr(descriptor, "parameter_info", None)
+    known = all(hasattr(info, name) for name in ("parser", "min", "max", "case_sensitive"))
+    return known and hasattr(descriptor, "annotation") and callable(getattr(param, "get_runtime_param", None))
 
 
 class PlainValues:

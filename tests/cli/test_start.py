@@ -66,3 +66,28 @@ def test_a_plain_command_imports_only_what_it_runs(command, dcp_checkpoint):
     never = NEVER + (("rich",) if command != "--help" else ())
     assert not [name for name in imported if any(name == n or name.startswith(n + ".") for n in never)], done.stderr
     assert {name for name in imported if name.startswith(OTHER_FORMATS)} <= TABLE_AND_DETECTION
+
+
+def test_every_option_is_coerced_plainly_and_a_parameter_of_another_layout_by_its_own():
+    """Every parameter of every command is laid out as `PlainValues` expects of Typer's (a Typer
+    that changed that layout would get its own coercion back, pydantic imported at every start:
+    this fails first; every command test coerces through it); a parameter without that layout
+    keeps its own coercion."""
+    from fsdpkit_cli.app import COMMANDS
+    from fsdpkit_cli.group import PlainValues, laid_out_as_known, load_command, pass_plain_values
+
+    seen = 0
+    for name, (module, _) in COMMANDS.items():
+        command = load_command(module, name)
+        for one in [*getattr(command, "commands", {}).values(), command]:  # a group's, and the group
+            for param in pass_plain_values(one.get_params(one.context_class(one))):
+                if hasattr(param, "_runtime_param"):  # Typer's, not click's --help
+                    assert laid_out_as_known(param) and isinstance(param._runtime_param, PlainValues), (name, param.name)
+                    seen += 1
+    assert seen > 50, seen
+
+    class OtherLayout:
+        _runtime_param = None
+
+    other = OtherLayout()
+    assert pass_plain_values([other]) == [other] and other._runtime_param is None
