@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import RunError, UsageError
-from ...paths import file_in_the_way, unwritable_parent
+from ...paths import file_in_the_way, nearest_existing, unwritable_parent
 from ..core.names import TMP_PREFIX
 from ..core.staging import check_destination, check_free_space, fsync_dir, os_error_line, read_only_line, sync_files
-from .plan import Part
+from .plan import Part, Plan
 
 STATE_DIR = ".fsdpkit-spread"
 PLAN_NAME = "plan.json"
@@ -187,9 +187,20 @@ class PartRecorder:
         self._pool.shutdown(wait=True)
 
 
-def prepare(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool, needed_bytes: int) -> tuple[Staging, int]:
-    """Rank 0: the staging area of DST for the conversion `digest`, made or found again
-    (`restart`: made anew), with a new token; and how many parts it already holds."""
+def kept_parts(plan: Plan, records: dict[tuple[int, int], PartResult]) -> dict[tuple[int, int], PartResult]:
+    """The recorded parts that `plan` keeps: those of its parts recorded with the same file and
+    byte range (a file cut otherwise, for another number of ranks, is written again)."""
+    kept = {}
+    for part in plan.parts:
+        found = records.get((part.file, part.index))
+        if found is not None and (found.name, found.begin, found.end) == (plan.files[part.file].name, part.begin, part.end):
+            kept[(part.file, part.index)] = found
+    return kept
+
+
+def check_staging(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool, needed_bytes: int) -> Staging:
+    """Every check `prepare` makes before it writes (DST, its parent, a staging area of another
+    conversion, free space), writing nothing: the staging area of DST (there or not)."""
     check_destination(dst, src=src, overwrite=overwrite)
     staging = Staging(staging_path(dst))
     parent = staging.path.parent
@@ -197,10 +208,9 @@ def prepare(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool
         raise UsageError(f"destination {dst} cannot be created: {blocker} is a file, not a directory; nothing written")
     if (unwritable := unwritable_parent(parent)) is not None:
         raise UsageError(read_only_line(Path(unwritable)))
-    plan_file = staging.state / PLAN_NAME
     if staging.path.exists() and not restart:
         try:
-            found = json.loads(plan_file.read_text()).get("fingerprint")
+            found = json.loads((staging.state / PLAN_NAME).read_text()).get("fingerprint")
         except (OSError, ValueError, AttributeError):
             found = None
         if found != digest:
@@ -208,12 +218,31 @@ def prepare(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool
                 f"{staging.path} holds the partial output of another conversion (other source or options): "
                 "pass --restart to discard it, or remove it"
             )
+    try:  # the output files are written in place: what the staging area holds already counts
+        check_free_space(Path(nearest_existing(parent)), max(0, needed_bytes - staged_bytes(staging.path)))
+    except OSError as error:
+        raise RunError(f"cannot write to {parent}: {os_error_line(error, parent)}") from None
+    return staging
+
+
+def staged_bytes(directory: Path) -> int:
+    """The bytes the files directly in `directory` take on its disk (0 when it is not there)."""
+    try:
+        return sum(entry.stat().st_blocks * 512 for entry in os.scandir(directory) if entry.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
+
+
+def prepare(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool, needed_bytes: int) -> tuple[Staging, int]:
+    """Rank 0: the staging area of DST for the conversion `digest`, made or found again
+    (`restart`: made anew), with a new token; and how many parts it already holds."""
+    staging = check_staging(dst, src=src, digest=digest, overwrite=overwrite, restart=restart, needed_bytes=needed_bytes)
+    parent = staging.path.parent
     try:
         if restart and staging.path.exists():
             shutil.rmtree(staging.path)
         (staging.state / DONE_DIR).mkdir(parents=True, exist_ok=True)
         kept = len(staging.records())
-        check_free_space(parent, needed_bytes)
         (staging.state / PLAN_NAME).write_text(json.dumps({"fingerprint": digest}) + "\n")
         (staging.state / TOKEN_NAME).write_text(uuid.uuid4().hex + "\n")
     except OSError as error:
