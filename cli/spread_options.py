@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
+from fsdpkit import log
 from fsdpkit.dist.launch import LaunchOptions, under_torchrun
 from fsdpkit.errors import FsdpkitError
 from fsdpkit.settings import Section, settings_of
@@ -49,14 +50,22 @@ Restart = Annotated[
 
 
 def launch_options(
-    ctx: typer.Context, settings: dict[str, Any], *, dry_run: bool, restart: bool, spreads: Callable[[], bool], locations: tuple[str, ...]
+    ctx: typer.Context,
+    settings: dict[str, Any],
+    *,
+    dry_run: bool,
+    restart: bool,
+    spreads: Callable[[], bool],
+    locations: tuple[str, ...],
+    writes_to: str | None = None,
 ) -> LaunchOptions | None:
     """The launch of a spread run, or None when nothing asks for one (no launch flag, no
-    --dry-run or --restart, and not a command that `spreads` started by torchrun as its
-    workers): then the command runs as it always did. A URL among `locations` that fsdpkit
-    cannot use is one line here, before any worker starts."""
+    --dry-run or --restart, not a command that `spreads` started by torchrun as its workers,
+    and no staging area of an interrupted spread run beside the local DST `writes_to`): then
+    the command runs as it always did. A URL among `locations` that fsdpkit cannot use is one
+    line here, before any worker starts."""
     given = given_values((LAUNCH,), ctx, settings).get("launch", {})
-    if not given and not dry_run and not restart and not (_torchrun_worker() and spreads()):
+    if not given and not dry_run and not restart and not (_torchrun_worker() and spreads()) and not _resumes(writes_to, spreads):
         return None
     from fsdpkit.checkpoint.offline.locations import check_urls
 
@@ -65,6 +74,25 @@ def launch_options(
     if options.nproc_per_node is None and options.nnodes == 1 and not under_torchrun():
         options = LAUNCH.from_values({**given, "nproc_per_node": 1}, where="")
     return options
+
+
+def _resumes(dst: str | None, spreads: Callable[[], bool]) -> bool:
+    """Whether a plain convert or reshard to `dst` runs as `--nproc-per-node 1` because an
+    interrupted spread run left its staging area beside DST: the same conversion's finished parts
+    are kept (not written again, not left behind), another conversion's area is refused as a
+    spread run refuses it. Said in a note."""
+    if dst is None or under_torchrun():
+        return False
+    from fsdpkit.checkpoint.spread.staging import resumable_beside
+
+    found = resumable_beside(dst)
+    if found is None or not spreads():
+        return False
+    log.note(
+        f"{found} holds the partial output of an interrupted spread run to {dst}: "
+        "running as --nproc-per-node 1, which continues it (--restart discards it)"
+    )
+    return True
 
 
 def _torchrun_worker() -> bool:

@@ -32,6 +32,7 @@ from ...errors import RunError, UsageError
 from ...paths import file_in_the_way, nearest_existing, unwritable_parent
 from ..core.names import TMP_PREFIX
 from ..core.staging import check_destination, check_free_space, fsync_dir, os_error_line, read_only_line, sync_files
+from ..storage.location import is_url
 from .plan import Part, Plan
 
 STATE_DIR = ".fsdpkit-spread"
@@ -61,6 +62,14 @@ class PartResult:
 
 def staging_path(dst: Path) -> Path:
     return dst.absolute().parent / f"{TMP_PREFIX}{dst.name}-resumable"
+
+
+def resumable_beside(dst: str) -> Path | None:
+    """The staging area an interrupted spread run left beside a local `dst`; None when there is none."""
+    if is_url(dst):
+        return None
+    path = staging_path(Path(dst))
+    return path if path.exists() or path.is_symlink() else None
 
 
 def fingerprint(facts: dict) -> str:
