@@ -57,15 +57,15 @@ def launch_options(
     restart: bool,
     spreads: Callable[[], bool],
     locations: tuple[str, ...],
-    writes_to: str | None = None,
+    dst: str | None = None,
 ) -> LaunchOptions | None:
     """The launch of a spread run, or None when nothing asks for one (no launch flag, no
     --dry-run or --restart, not a command that `spreads` started by torchrun as its workers,
-    and no staging area of an interrupted spread run beside the local DST `writes_to`): then
+    and no staging area of an interrupted spread run beside `dst`, the local DST of a convert or reshard): then
     the command runs as it always did. A URL among `locations` that fsdpkit cannot use is one
     line here, before any worker starts."""
     given = given_values((LAUNCH,), ctx, settings).get("launch", {})
-    if not given and not dry_run and not restart and not (_torchrun_worker() and spreads()) and not _resumes(writes_to, spreads):
+    if not given and not dry_run and not restart and not (_torchrun_worker() and spreads()) and not _resumes(dst, spreads):
         return None
     from fsdpkit.checkpoint.offline.locations import check_urls
 
@@ -103,7 +103,7 @@ def _torchrun_worker() -> bool:
 
 
 def spreads_from(command: str, src: Any) -> Callable[[], bool]:
-    """Whether `command` (reshard or verify) of `src` spreads under torchrun, asked only there."""
+    """Whether `command` (reshard or verify) of `src` spreads (under torchrun, or beside a staging area), asked only there."""
 
     def spread() -> bool:
         from fsdpkit.checkpoint.offline.formats import detect_format
@@ -117,11 +117,15 @@ def spreads_from(command: str, src: Any) -> Callable[[], bool]:
     return spread
 
 
-def spread_target(to: str) -> bool:
-    """Whether `convert --to to` spreads under torchrun."""
-    from fsdpkit.checkpoint.spread.dispatch import SPREAD_TARGETS
+def spread_target(to: str) -> Callable[[], bool]:
+    """Whether `convert --to to` spreads (under torchrun, or beside a staging area), asked only there."""
 
-    return to in SPREAD_TARGETS
+    def spread() -> bool:
+        from fsdpkit.checkpoint.spread.dispatch import SPREAD_TARGETS
+
+        return to in SPREAD_TARGETS
+
+    return spread
 
 
 def spread_command(name: str, body: Callable[..., Any]) -> typer.Typer:
