@@ -203,10 +203,21 @@ def _error_lines(result) -> list[str]:
     return [line for line in result.output.splitlines() if line.startswith("error:")]
 
 
-def test_a_dry_run_refuses_what_the_run_refuses_and_writes_nothing(source, tmp_path):
-    """An existing DST and a staging area of another conversion: the dry run's line and exit code
-    are the run's, and it leaves both as they were."""
+def test_a_dry_run_refuses_what_the_run_refuses_and_writes_nothing(source, tmp_path, monkeypatch):
+    """An existing DST, a staging area of another conversion, a disk without room: the dry run's
+    line and exit code are the run's, and it leaves what is there as it was."""
+    from collections import namedtuple
+
+    from fsdpkit.checkpoint.core import staging as core_staging
+
     root, _, clean = source
+    usage = namedtuple("usage", "total used free")
+    with monkeypatch.context() as patched:
+        patched.setattr(core_staging.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 100, 100))
+        dry = _convert(root / "run", tmp_path / "full", "--nproc-per-node", "2", "--dry-run")
+        real = _convert(root / "run", tmp_path / "full", "--nproc-per-node", "1")
+    assert dry.exit_code == real.exit_code == 1 and _error_lines(dry) == _error_lines(real), (dry.output, real.output)
+    assert "not enough disk space" in _error_lines(dry)[0] and not list(tmp_path.iterdir())
     other = tmp_path / "y"
     staging_path(other).mkdir()
     (staging_path(other) / "model.safetensors").write_bytes(b"partial")
