@@ -7,9 +7,11 @@ between runs, so that the same command run again after a crash finds it and cont
       .fsdpkit-spread/token                    what every rank must read to know it sees this path
       .fsdpkit-spread/done/00001-00000.json    one record per part written, fsynced and checksummed
 
-A part with a record whose file is there is kept by a later run; the rest is redone. A staging
-area of another conversion (another source, other options) is refused unless `--restart`,
-which discards it. The commit removes `.fsdpkit-spread`, syncs the files and renames the area to
+A part with a record whose file is there is kept by a later run whose plan has that part (the
+same file, the same byte range: `kept_parts`); the rest is redone. A staging area of another
+conversion (another source, other options) is refused unless `--restart`, which discards it.
+`check_staging` makes every check `prepare` makes before it writes, for `--dry-run`. The commit
+removes `.fsdpkit-spread`, syncs the files and renames the area to
 DST (DST's old contents, with --overwrite, go aside first and away after); until then DST is
 untouched.
 """
