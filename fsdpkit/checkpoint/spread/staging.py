@@ -11,9 +11,8 @@ A part with a record whose file is there is kept by a later run whose plan has t
 same file, the same byte range: `kept_parts`); the rest is redone. A staging area of another
 conversion (another source, other options) is refused unless `--restart`, which discards it.
 `check_staging` makes every check `prepare` makes before it writes, for `--dry-run`. The commit
-removes `.fsdpkit-spread`, syncs the files and renames the area to
-DST (DST's old contents, with --overwrite, go aside first and away after); until then DST is
-untouched.
+removes `.fsdpkit-spread`, syncs the files and renames the area to DST (DST's old contents, with
+--overwrite, go aside first and away after); until then DST is untouched.
 """
 
 from __future__ import annotations
