@@ -64,7 +64,7 @@ def convert(
         chunk_size=chunk_bytes(chunk_size),
         overwrite=overwrite,
     )
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=lambda: spread_target(to), locations=(src, dst))
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spread_target(to), locations=(src, dst), dst=dst)
     if options is not None:
         task = spread_task(src, dst, request, restart=restart)
         result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json, early=ctx.obj)

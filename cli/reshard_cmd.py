@@ -34,7 +34,9 @@ def reshard(
 
     request = ReshardRequest(required_world_size(world_size))  # --world-size is checked before --chunk-size
     request = replace(request, chunk_size=chunk_bytes(chunk_size), overwrite=overwrite, warn=log.warn)
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads_from("reshard", src), locations=(src, dst))
+    options = launch_options(
+        ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads_from("reshard", src), locations=(src, dst), dst=dst
+    )
     if options is not None:
         from fsdpkit.checkpoint.spread.runner import SpreadTask  # the spread machinery: imported by a spread run only
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
+from fsdpkit import log
 from fsdpkit.dist.launch import LaunchOptions, under_torchrun
 from fsdpkit.errors import FsdpkitError
 from fsdpkit.settings import Section, settings_of
@@ -49,14 +50,22 @@ Restart = Annotated[
 
 
 def launch_options(
-    ctx: typer.Context, settings: dict[str, Any], *, dry_run: bool, restart: bool, spreads: Callable[[], bool], locations: tuple[str, ...]
+    ctx: typer.Context,
+    settings: dict[str, Any],
+    *,
+    dry_run: bool,
+    restart: bool,
+    spreads: Callable[[], bool],
+    locations: tuple[str, ...],
+    dst: str | None = None,
 ) -> LaunchOptions | None:
     """The launch of a spread run, or None when nothing asks for one (no launch flag, no
-    --dry-run or --restart, and not a command that `spreads` started by torchrun as its
-    workers): then the command runs as it always did. A URL among `locations` that fsdpkit
-    cannot use is one line here, before any worker starts."""
+    --dry-run or --restart, not a command that `spreads` started by torchrun as its workers,
+    and no staging area of an interrupted spread run beside `dst`, the local DST of a convert or reshard): then
+    the command runs as it always did. A URL among `locations` that fsdpkit cannot use is one
+    line here, before any worker starts."""
     given = given_values((LAUNCH,), ctx, settings).get("launch", {})
-    if not given and not dry_run and not restart and not (_torchrun_worker() and spreads()):
+    if not given and not dry_run and not restart and not (_torchrun_worker() and spreads()) and not _resumes(dst, spreads):
         return None
     from fsdpkit.checkpoint.offline.locations import check_urls
 
@@ -67,6 +76,25 @@ def launch_options(
     return options
 
 
+def _resumes(dst: str | None, spreads: Callable[[], bool]) -> bool:
+    """Whether a plain convert or reshard to `dst` runs as `--nproc-per-node 1` because an
+    interrupted spread run left its staging area beside DST: the same conversion's finished parts
+    are kept (not written again, not left behind), another conversion's area is refused as a
+    spread run refuses it. Said in a note."""
+    if dst is None or under_torchrun():
+        return False
+    from fsdpkit.checkpoint.spread.staging import resumable_beside
+
+    found = resumable_beside(dst)
+    if found is None or not spreads():
+        return False
+    log.note(
+        f"{found} holds the partial output of an interrupted spread run to {dst}: "
+        "running as --nproc-per-node 1, which continues it (--restart discards it)"
+    )
+    return True
+
+
 def _torchrun_worker() -> bool:
     """A worker torchrun started, whose process group is not already running (the command may
     be run by code inside another run's worker: it then runs as it always did)."""
@@ -75,7 +103,7 @@ def _torchrun_worker() -> bool:
 
 
 def spreads_from(command: str, src: Any) -> Callable[[], bool]:
-    """Whether `command` (reshard or verify) of `src` spreads under torchrun, asked only there."""
+    """Whether `command` (reshard or verify) of `src` spreads (under torchrun, or beside a staging area), asked only there."""
 
     def spread() -> bool:
         from fsdpkit.checkpoint.offline.formats import detect_format
@@ -89,11 +117,15 @@ def spreads_from(command: str, src: Any) -> Callable[[], bool]:
     return spread
 
 
-def spread_target(to: str) -> bool:
-    """Whether `convert --to to` spreads under torchrun."""
-    from fsdpkit.checkpoint.spread.dispatch import SPREAD_TARGETS
+def spread_target(to: str) -> Callable[[], bool]:
+    """Whether `convert --to to` spreads (under torchrun, or beside a staging area), asked only there."""
 
-    return to in SPREAD_TARGETS
+    def spread() -> bool:
+        from fsdpkit.checkpoint.spread.dispatch import SPREAD_TARGETS
+
+        return to in SPREAD_TARGETS
+
+    return spread
 
 
 def spread_command(name: str, body: Callable[..., Any]) -> typer.Typer:

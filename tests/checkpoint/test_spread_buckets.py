@@ -110,9 +110,13 @@ def test_a_killed_rank_commits_nothing_in_the_bucket_and_the_rerun_continues(sou
     assert any(name.startswith(".fsdpkit-spread/done/") for name in left)
     other = run_cli("convert", url, dst, "--to", "full", "--nproc-per-node", "2")
     assert other.exit_code == 2 and "--restart" in other.output, other.output
+    dry_other = run_cli("convert", url, dst, "--to", "full", "--nproc-per-node", "2", "--dry-run")
+    assert dry_other.exit_code == 2 and dry_other.output.splitlines()[-1] == other.output.splitlines()[-1], dry_other.output
+    planned = run_cli("convert", url, dst, *flags, "--nproc-per-node", "2", "--dry-run", "--json")
+    assert planned.exit_code == 0 and _objects(s3_endpoint, s3_bucket, "out") == left  # the dry runs wrote nothing
     rerun = run_cli("convert", url, dst, *flags, "--nproc-per-node", "2", "--json")
     assert rerun.exit_code == 0, rerun.output
-    assert json.loads(rerun.stdout)["spread"]["kept_parts"] >= 2
+    assert json.loads(rerun.stdout)["spread"]["kept_parts"] == json.loads(planned.stdout)["kept_parts"] >= 2
     assert _objects(s3_endpoint, s3_bucket, "out") == _files(tmp_path / "one")
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
 

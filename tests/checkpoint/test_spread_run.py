@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.checkpoint_files import run_cli, save_checkpoint
+from support.checkpoint_files import run_cli, save_checkpoint, tree_snapshot
 
 from fsdpkit.checkpoint.spread.staging import staging_path
 from fsdpkit.dist.faults import FAULT_ENV
@@ -197,6 +197,120 @@ def test_a_part_whose_fsync_fails_is_named_and_the_parts_recorded_before_it_are_
     assert rerun.exit_code == 0, rerun.output
     assert json.loads(rerun.stdout)["spread"]["kept_parts"] >= 2
     assert _files(dst) == _files(clean)
+
+
+def _error_lines(result) -> list[str]:
+    return [line for line in result.output.splitlines() if line.startswith("error:")]
+
+
+def test_a_dry_run_refuses_what_the_run_refuses_and_writes_nothing(source, tmp_path, monkeypatch):
+    """An existing DST, a staging area of another conversion, a disk without room: the dry run's
+    line and exit code are the run's, and it leaves what is there as it was."""
+    from collections import namedtuple
+
+    from fsdpkit.checkpoint.core import staging as core_staging
+
+    root, _, clean = source
+    usage = namedtuple("usage", "total used free")
+    with monkeypatch.context() as patched:
+        patched.setattr(core_staging.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 100, 100))
+        dry = _convert(root / "run", tmp_path / "full", "--nproc-per-node", "2", "--dry-run")
+        real = _convert(root / "run", tmp_path / "full", "--nproc-per-node", "1")
+    assert dry.exit_code == real.exit_code == 1 and _error_lines(dry) == _error_lines(real), (dry.output, real.output)
+    assert "not enough disk space" in _error_lines(dry)[0] and not list(tmp_path.iterdir())
+    other = tmp_path / "y"
+    staging_path(other).mkdir()
+    (staging_path(other) / "model.safetensors").write_bytes(b"partial")
+    before = tree_snapshot(clean), tree_snapshot(staging_path(other))
+    for dst, says in ((clean, "already exists; pass --overwrite"), (other, "holds the partial output of another conversion")):
+        dry = _convert(root / "run", dst, "--nproc-per-node", "2", "--dry-run")
+        real = _convert(root / "run", dst, "--nproc-per-node", "1")
+        assert dry.exit_code == real.exit_code == 2, (dry.output, real.output)
+        assert len(_error_lines(dry)) == 1 and says in _error_lines(dry)[0] and _error_lines(dry) == _error_lines(real), dry.output
+    assert (tree_snapshot(clean), tree_snapshot(staging_path(other))) == before and not other.exists()
+
+
+def _records(staging: Path) -> list[dict]:
+    """The parts an interrupted run recorded as written, read from its staging area."""
+    done = [json.loads(p.read_text()) for p in sorted((staging / ".fsdpkit-spread" / "done").glob("*.json"))]
+    return [record for record in done if (staging / record["name"]).is_file()]
+
+
+def test_a_dry_run_says_what_the_rerun_keeps_and_a_plain_command_continues_it(source, tmp_path, monkeypatch):
+    """After an interrupted spread run: the dry run says which finished parts the rerun keeps (the
+    records in the staging area; the count the rerun reports), with --restart what it would
+    discard, and writes nothing; the plain command (no launch flag) continues the staging area
+    (a note says so) instead of leaving it beside DST. Another conversion's staging area is refused
+    by the plain command as by a spread run, and --restart discards it."""
+    from fsdpkit.checkpoint.spread.staging import Staging
+
+    root, _, clean = source
+    dst, record = tmp_path / "out", Staging.record
+    names = sorted(p.name for p in clean.glob("*.safetensors"))
+
+    def record_but_the_third(staging, result):
+        if result.name == names[2]:
+            raise OSError(28, "No space left on device")
+        record(staging, result)
+
+    monkeypatch.setattr(Staging, "record", record_but_the_third)
+    assert _convert(root / "run", dst, "--nproc-per-node", "1").exit_code == 1
+    monkeypatch.setattr(Staging, "record", record)
+    staging = staging_path(dst)
+    records, before = _records(staging), tree_snapshot(staging)
+    kept_bytes = sum(r["end"] - r["begin"] for r in records)
+    assert len(records) >= 2
+    dry = json.loads(_convert(root / "run", dst, "--nproc-per-node", "1", "--dry-run").stdout)
+    assert (dry["staging"], dry["kept_parts"], dry["kept_bytes"], dry["discarded_parts"]) == (str(staging), len(records), kept_bytes, 0)
+    text = run_cli("convert", root / "run", dst, "--to", "full", "--max-shard-size", SHARD, "--with-optimizer", "--dry-run")
+    assert f"kept: {len(records)} of " in text.stdout, text.stdout
+    restart = json.loads(_convert(root / "run", dst, "--nproc-per-node", "1", "--dry-run", "--restart").stdout)
+    assert (restart["kept_parts"], restart["discarded_parts"], restart["discarded_bytes"]) == (0, len(records), kept_bytes)
+    assert tree_snapshot(staging) == before and not dst.exists()  # the dry runs wrote nothing
+    plain = _convert(root / "run", dst)
+    assert plain.exit_code == 0 and f"{staging} holds the partial output of an interrupted spread run" in plain.output, plain.output
+    assert json.loads(plain.stdout)["spread"]["kept_parts"] == len(records)
+    assert _files(dst) == _files(clean) and not staging.exists()
+    other = tmp_path / "y"
+    staging_path(other).mkdir()
+    refused = _convert(root / "run", other)
+    assert refused.exit_code == 2 and "another conversion" in refused.output and staging_path(other).exists(), refused.output
+    restarted = _convert(root / "run", other, "--restart")
+    assert restarted.exit_code == 0 and _files(other) == _files(clean) and not staging_path(other).exists(), restarted.output
+
+
+def test_a_rerun_with_another_process_count_keeps_only_the_parts_cut_the_same_way():
+    """Records of a run of 2 processes, read by a run of 3: the whole files are kept; the file cut
+    into other byte ranges is written again (its records name other ranges under the same indices)."""
+    from fsdpkit.checkpoint.spread.plan import OutputFile, make_plan
+    from fsdpkit.checkpoint.spread.staging import PartResult, kept_parts
+
+    files = [OutputFile("a", 100), OutputFile("b", 4000, cuts=((0, 4000, 10),)), OutputFile("c", 300)]
+    two, three = make_plan(files, 2), make_plan(files, 3)
+    assert len(two.parts_of_file(1)) > 1 and two.parts_of_file(1) != three.parts_of_file(1)
+    records = {(p.file, p.index): PartResult(p.file, p.index, files[p.file].name, p.begin, p.end) for p in two.parts}
+    assert set(kept_parts(three, records)) == {(0, 0), (2, 0)}
+    assert set(kept_parts(two, records)) == set(records)
+
+
+def test_a_node_that_never_joins_is_named_with_what_is_kept(source, tmp_path):
+    """Node 0 of 2 alone: once --timeout passes, its one line names the rank that never joined,
+    what the staging area keeps and that the same command continues it."""
+    import socket
+
+    root, _, _ = source
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dst = tmp_path / "y"
+    nodes = ("--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port)
+    alone = run_cli("convert", root / "run", dst, "--to", "full", *nodes, "--timeout", "1")
+    assert alone.exit_code == 1, alone.output
+    lines = _error_lines(alone)
+    assert len(lines) == 1 and "rank 1 did not answer" in lines[0] and "nothing committed" in lines[0], alone.output
+    kept = len(_records(staging_path(dst)))
+    assert f"{kept} of 1 parts are kept in {staging_path(dst)}: run the same command again to continue" in lines[0], lines
+    assert not dst.exists()
 
 
 def test_a_rank_that_hangs_is_named_once_the_timeout_passes(source, tmp_path):

@@ -130,18 +130,25 @@ class BucketStaging:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
 
-def prepare_bucket(url: str, *, digest: str, overwrite: bool, restart: bool) -> BucketStaging:
-    """Rank 0: the staging objects of the conversion `digest` at `url`, found again (`restart`:
-    discarded), with a new token; an old checkpoint there (with --overwrite) loses its commit
-    object before anything is written."""
+def check_bucket(url: str, *, digest: str, overwrite: bool, restart: bool) -> tuple[BucketStaging, dict[str, int]]:
+    """Every check `prepare_bucket` makes before it writes, writing nothing: the staging objects
+    at `url` and the objects already there."""
     staging = BucketStaging(url)
     existing = check_destination(staging.storage, overwrite=overwrite)
-    state = [name for name in existing if name.startswith(f"{STATE_DIR}/")]
     found = staging.read_state(PLAN_NAME) if f"{STATE_DIR}/{PLAN_NAME}" in existing else None
     if found is not None and not restart and json.loads(found).get("fingerprint") != digest:
         raise UsageError(
             f"{staging.where} holds the partial output of another conversion (other source or options): pass --restart to discard it"
         )
+    return staging, existing
+
+
+def prepare_bucket(url: str, *, digest: str, overwrite: bool, restart: bool) -> BucketStaging:
+    """Rank 0: the staging objects of the conversion `digest` at `url`, found again (`restart`:
+    discarded), with a new token; an old checkpoint there (with --overwrite) loses its commit
+    object before anything is written."""
+    staging, existing = check_bucket(url, digest=digest, overwrite=overwrite, restart=restart)
+    state = [name for name in existing if name.startswith(f"{STATE_DIR}/")]
     staging.storage.put(WRITING_MARKER, b"")
     staging.storage.delete([name for name in COMMIT_NAMES if name in existing] + (state if restart else []))
     staging.write_state(PLAN_NAME, json.dumps({"fingerprint": digest}) + "\n")

@@ -34,13 +34,13 @@ from ...progress import ByteProgress, stderr_progress
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
 from ..storage.location import is_url
-from .bucket import BucketStaging, bucket_plan, prepare_bucket, staging_at
+from .bucket import BucketStaging, bucket_plan, check_bucket, prepare_bucket, staging_at
 from .dispatch import handed_job_class, job_class, open_job
 from .hub import Hub, HubClient, RankGone, shared_key
 from .plan import Part, Plan, make_plan
 from .processes import EarlyWorkers, start_workers, stop_workers
 from .progress import SharedCount
-from .staging import PartRecorder, PartResult, Staging, fingerprint, prepare, staging_path
+from .staging import PartRecorder, PartResult, Staging, check_staging, fingerprint, kept_parts, prepare, staging_path
 
 if TYPE_CHECKING:
     from ..offline.diff import DiffRequest
@@ -142,7 +142,7 @@ def _lead(task: SpreadTask, comm: Any, marks: Marks) -> tuple[dict, Any]:
         if task.writes:
             staging = _prepare(task, job, digest, plan)
             staging.write_state(PLAN_FILE, json.dumps(plan.to_json()))
-            kept = [asdict(result) for result in staging.records().values()]  # read before any rank records a part
+            kept = [asdict(result) for result in kept_parts(plan, staging.records()).values()]  # read before any rank records a part
             header.update(staging=task.dst if task.to_bucket else staging.where, token=staging.token(), kept=kept)
         marks.mark("planned")
         return header, job
@@ -163,9 +163,20 @@ def _prepare(task: SpreadTask, job: Any, digest: str, plan: Plan) -> Staging | B
     assert task.dst is not None
     if task.to_bucket:
         return prepare_bucket(task.dst, digest=digest, overwrite=task.overwrite, restart=task.restart)
+    return prepare(Path(task.dst), **_local_staging(task, job, digest, plan))[0]
+
+
+def checked_staging(task: SpreadTask, job: Any, digest: str, plan: Plan) -> Staging | BucketStaging:
+    """Every check `_prepare` makes, writing nothing (`--dry-run`): the staging area of DST, there or not."""
+    assert task.dst is not None
+    if task.to_bucket:
+        return check_bucket(task.dst, digest=digest, overwrite=task.overwrite, restart=task.restart)[0]
+    return check_staging(Path(task.dst), **_local_staging(task, job, digest, plan))
+
+
+def _local_staging(task: SpreadTask, job: Any, digest: str, plan: Plan) -> dict[str, Any]:
     src = Path(getattr(getattr(job, "opened", None), "opened_from", task.src))
-    needed = plan.total_bytes
-    return prepare(Path(task.dst), src=src, digest=digest, overwrite=task.overwrite, restart=task.restart, needed_bytes=needed)[0]
+    return {"src": src, "digest": digest, "overwrite": task.overwrite, "restart": task.restart, "needed_bytes": plan.total_bytes}
 
 
 def _raise(kind: str, message: str) -> None:
@@ -446,20 +457,20 @@ def spread_worker(task: SpreadTask) -> SpreadResult | None:
 
 
 def failed_part_line(task: SpreadTask, line: str) -> str:
-    """A launch's failure line, with the part the failed rank was writing and what is kept."""
-    found = re.search(r"worker rank (\d+)", line)
-    if not task.writes or task.dst is None or found is None or "run the same command again" in line:
+    """A launch's failure line, with what this run's staging area keeps (a rerun continues from
+    it) and, where a worker rank failed, the part it was writing."""
+    if not task.writes or task.dst is None or "run the same command again" in line:
         return line
     staging = staging_at(task.dst if task.to_bucket else str(staging_path(Path(task.dst))))
     try:
         plan = Plan.from_json(json.loads(staging.read_state(PLAN_FILE) or ""))
-        kept = staging.records()
+        kept = kept_parts(plan, staging.records())
     except (FsdpkitError, ValueError, KeyError):
         return line
     finally:
         staging.close()
-    rank = int(found.group(1))
-    left = [part for part in plan.parts_of(rank) if (part.file, part.index) not in kept]
+    found = re.search(r"worker rank (\d+)", line)
+    left = [part for part in plan.parts_of(int(found.group(1))) if (part.file, part.index) not in kept] if found else []
     where = f" while writing {plan.label(left[0])}" if left and "while writing" not in line else ""
     nothing = "" if "nothing committed" in line else "; nothing committed"
     return (

@@ -7,11 +7,12 @@ between runs, so that the same command run again after a crash finds it and cont
       .fsdpkit-spread/token                    what every rank must read to know it sees this path
       .fsdpkit-spread/done/00001-00000.json    one record per part written, fsynced and checksummed
 
-A part with a record whose file is there is kept by a later run; the rest is redone. A staging
-area of another conversion (another source, other options) is refused unless `--restart`,
-which discards it. The commit removes `.fsdpkit-spread`, syncs the files and renames the area to
-DST (DST's old contents, with --overwrite, go aside first and away after); until then DST is
-untouched.
+A part with a record whose file is there is kept by a later run whose plan has that part (the
+same file, the same byte range: `kept_parts`); the rest is redone. A staging area of another
+conversion (another source, other options) is refused unless `--restart`, which discards it.
+`check_staging` makes every check `prepare` makes before it writes, for `--dry-run`. The commit
+removes `.fsdpkit-spread`, syncs the files and renames the area to DST (DST's old contents, with
+--overwrite, go aside first and away after); until then DST is untouched.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import RunError, UsageError
-from ...paths import file_in_the_way, unwritable_parent
+from ...paths import file_in_the_way, nearest_existing, unwritable_parent
 from ..core.names import TMP_PREFIX
 from ..core.staging import check_destination, check_free_space, fsync_dir, os_error_line, read_only_line, sync_files
-from .plan import Part
+from ..storage.location import is_url
+from .plan import Part, Plan
 
 STATE_DIR = ".fsdpkit-spread"
 PLAN_NAME = "plan.json"
@@ -61,6 +63,14 @@ class PartResult:
 
 def staging_path(dst: Path) -> Path:
     return dst.absolute().parent / f"{TMP_PREFIX}{dst.name}-resumable"
+
+
+def resumable_beside(dst: str) -> Path | None:
+    """The staging area an interrupted spread run left beside a local `dst`; None when there is none."""
+    if is_url(dst):
+        return None
+    path = staging_path(Path(dst))
+    return path if path.exists() or path.is_symlink() else None
 
 
 def fingerprint(facts: dict) -> str:
@@ -187,9 +197,20 @@ class PartRecorder:
         self._pool.shutdown(wait=True)
 
 
-def prepare(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool, needed_bytes: int) -> tuple[Staging, int]:
-    """Rank 0: the staging area of DST for the conversion `digest`, made or found again
-    (`restart`: made anew), with a new token; and how many parts it already holds."""
+def kept_parts(plan: Plan, records: dict[tuple[int, int], PartResult]) -> dict[tuple[int, int], PartResult]:
+    """The recorded parts that `plan` keeps: those of its parts recorded with the same file and
+    byte range (a file cut otherwise, for another number of ranks, is written again)."""
+    kept = {}
+    for part in plan.parts:
+        found = records.get((part.file, part.index))
+        if found is not None and (found.name, found.begin, found.end) == (plan.files[part.file].name, part.begin, part.end):
+            kept[(part.file, part.index)] = found
+    return kept
+
+
+def check_staging(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool, needed_bytes: int) -> Staging:
+    """Every check `prepare` makes before it writes (DST, its parent, a staging area of another
+    conversion, free space), writing nothing: the staging area of DST (there or not)."""
     check_destination(dst, src=src, overwrite=overwrite)
     staging = Staging(staging_path(dst))
     parent = staging.path.parent
@@ -197,10 +218,9 @@ def prepare(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool
         raise UsageError(f"destination {dst} cannot be created: {blocker} is a file, not a directory; nothing written")
     if (unwritable := unwritable_parent(parent)) is not None:
         raise UsageError(read_only_line(Path(unwritable)))
-    plan_file = staging.state / PLAN_NAME
     if staging.path.exists() and not restart:
         try:
-            found = json.loads(plan_file.read_text()).get("fingerprint")
+            found = json.loads((staging.state / PLAN_NAME).read_text()).get("fingerprint")
         except (OSError, ValueError, AttributeError):
             found = None
         if found != digest:
@@ -208,12 +228,31 @@ def prepare(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool
                 f"{staging.path} holds the partial output of another conversion (other source or options): "
                 "pass --restart to discard it, or remove it"
             )
+    try:  # the output files are written in place: what the staging area holds already counts
+        check_free_space(Path(nearest_existing(parent)), max(0, needed_bytes - staged_bytes(staging.path)))
+    except OSError as error:
+        raise RunError(f"cannot write to {parent}: {os_error_line(error, parent)}") from None
+    return staging
+
+
+def staged_bytes(directory: Path) -> int:
+    """The bytes the files directly in `directory` take on its disk (0 when it is not there)."""
+    try:
+        return sum(entry.stat().st_blocks * 512 for entry in os.scandir(directory) if entry.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
+
+
+def prepare(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool, needed_bytes: int) -> tuple[Staging, int]:
+    """Rank 0: the staging area of DST for the conversion `digest`, made or found again
+    (`restart`: made anew), with a new token; and how many parts it already holds."""
+    staging = check_staging(dst, src=src, digest=digest, overwrite=overwrite, restart=restart, needed_bytes=needed_bytes)
+    parent = staging.path.parent
     try:
         if restart and staging.path.exists():
             shutil.rmtree(staging.path)
         (staging.state / DONE_DIR).mkdir(parents=True, exist_ok=True)
         kept = len(staging.records())
-        check_free_space(parent, needed_bytes)
         (staging.state / PLAN_NAME).write_text(json.dumps({"fingerprint": digest}) + "\n")
         (staging.state / TOKEN_NAME).write_text(uuid.uuid4().hex + "\n")
     except OSError as error:
