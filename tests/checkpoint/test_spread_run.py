@@ -313,6 +313,30 @@ def test_a_rank_killed_on_the_second_node_stops_both_nodes_and_commits_nothing(s
     assert not dst.exists() and staging_path(dst).exists()
 
 
+def test_a_node_rank_given_twice_is_named_even_when_the_run_is_quick(tmp_path):
+    """Two commands given --node-rank 1, then node 0's, of a run over as soon as
+    one of them joined: the other still hears that its rank joined twice, in one line (not that
+    rank 0 did not answer: rank 0 answers joins a while after its run)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    save_checkpoint(tmp_path / "run", 1, {"w": torch.arange(8, dtype=torch.float32)}, world_size=2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    flags = ["--nproc-per-node", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "5"]
+    verify = [sys.executable, "-m", "fsdpkit_cli", "verify", str(tmp_path / "run"), *flags, "--node-rank"]
+    twins = [subprocess.Popen([*verify, "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    time.sleep(0.5)  # both trying to join when node 0's rank 0 begins to listen
+    started = [subprocess.Popen([*verify, "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), *twins]
+    outputs = [process.communicate(timeout=60) for process in started]
+    assert started[0].returncode == 0 and sorted(process.returncode for process in started[1:]) == [0, 1], outputs
+    twice = next(err for process, (_, err) in zip(started, outputs, strict=True) if process.returncode == 1)
+    assert twice == "error: rank 1 joined twice or is outside 1..1: give each node its own --node-rank\n", outputs
+
+
 def test_a_node_that_does_not_see_the_same_paths_is_named(tmp_path):
     """What each rank checks before writing: its listing of SRC matches rank 0's, and it reads
     the token rank 0 wrote into DST's staging area (on a node without the shared filesystem it
