@@ -39,6 +39,7 @@ from .worker_entry import WorkerEntry, preload_fork_server
 
 MAX_PROCESSES_PER_NODE = 64
 RDZV_BACKENDS = ("c10d", "static")
+MAX_PORT = 65535
 DEFAULT_TIMEOUT_SECONDS = 300.0
 STOP_ENV = "FSDPKIT_STOP"  # "1": a SIGTERM reached the launcher; workers stop after their step
 INTERRUPTED_ENV = "FSDPKIT_INTERRUPTED"  # "1": the console script got a SIGINT (one that was swallowed too)
@@ -127,6 +128,8 @@ class LaunchOptions:
             raise UsageError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
         if self.rdzv_backend not in RDZV_BACKENDS:
             raise UsageError(f"unknown --rdzv-backend {self.rdzv_backend!r}: use one of {', '.join(RDZV_BACKENDS)} (no etcd)")
+        if self.master_port is not None and not 0 < self.master_port <= MAX_PORT:
+            raise UsageError(f"--master-port {self.master_port} is outside 1..{MAX_PORT}")
         if self.rdzv_endpoint and (self.master_addr or self.master_port):
             raise UsageError("--rdzv-endpoint and --master-addr/--master-port name the same thing: give one of them")
         if self.standalone and (self.nnodes > 1 or self.endpoint):
@@ -140,6 +143,8 @@ class LaunchOptions:
             host, _, port = self.endpoint.rpartition(":")
             if not host or not port.isdigit():
                 raise UsageError(f"--rdzv-endpoint {self.endpoint!r} must be HOST:PORT")
+            if not 0 < int(port) <= MAX_PORT:
+                raise UsageError(f"--rdzv-endpoint {self.endpoint!r}: port {port} is outside 1..{MAX_PORT}")
 
     @property
     def endpoint(self) -> str | None:

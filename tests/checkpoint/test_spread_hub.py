@@ -5,6 +5,7 @@ timeout passes, and one whose process exited is named with how it exited."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -95,12 +96,14 @@ def test_a_rank_whose_process_exited_is_named():
     hub.processes[2] = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     out: dict = {}
     _worker(hub, 1, lambda client: client.all_gather("one"), out)
-    with pytest.raises(RunError, match=r"^worker rank 2 exited with code 3$"):
+    with pytest.raises(RunError, match=r"^worker rank 2 exited with code 3 before it joined$"):
         hub.all_gather("zero")
     deadline = time.monotonic() + 10
     while 1 not in out and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert isinstance(out[1], RunError) and "worker rank 2 exited with code 3" in str(out[1])  # the worker's gather fails too
+    assert isinstance(out[1], RunError) and "worker rank 2 exited with code 3 before it joined" in str(
+        out[1]
+    )  # the worker's gather fails too
     hub.close()
 
 
@@ -178,3 +181,71 @@ def test_a_workers_connection_sends_its_small_messages_without_delay():
     assert client.task == "task"
     client.close()
     hub.close()
+
+
+def test_ranks_that_connect_all_at_once_all_join():
+    """Sixteen ranks connecting in the same instant all join (a listener's queue of one drops most
+    of them: their handshakes then wait on connections the hub never took)."""
+    hub = Hub(17, 5.0, task="task")
+    start = threading.Barrier(16)
+    out: dict = {}
+
+    def join(rank: int) -> None:
+        start.wait()
+        try:
+            out[rank] = HubClient(hub.address, hub.key, rank, 17, timeout=5).all_gather(rank)
+        except RunError as error:
+            out[rank] = error
+
+    threads = [threading.Thread(target=join, args=(rank,), daemon=True) for rank in range(1, 17)]
+    for thread in threads:
+        thread.start()
+    assert hub.all_gather(0) == list(range(17))
+    for thread in threads:
+        thread.join(10)
+    assert out == {rank: list(range(17)) for rank in range(1, 17)}
+    hub.close()
+
+
+def test_a_peer_that_connects_and_says_nothing_keeps_no_rank_out_and_is_cut_off_at_the_timeout():
+    import socket
+
+    hub = Hub(2, 1.0, task="task")
+    silent = [socket.create_connection(hub.address) for _ in range(3)]
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.setdefault(1, HubClient(hub.address, hub.key, 1, 2, timeout=5).all_gather(1)), daemon=True)
+    thread.start()
+    assert hub.all_gather(0) == [0, 1]
+    thread.join(10)
+    assert out == {1: [0, 1]}
+    for peer in silent:
+        peer.settimeout(10)
+        while peer.recv(4096):  # the hub's challenge, then the end of the connection once its timeout passed
+            pass
+        peer.close()
+    hub.close()
+
+
+def test_a_rank_whose_handshake_does_not_finish_fails_within_its_timeout():
+    """A rank 0 that takes the connection and never answers (the kernel's queue takes it; no one
+    accepts it): the rank fails with its own line once its timeout passes, not never."""
+    import socket
+
+    from fsdpkit.checkpoint.spread.hub import JoinUnfinished
+
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        out: dict = {}
+
+        def join() -> None:
+            try:
+                HubClient(mute.getsockname(), b"k" * 32, 1, 2, timeout=1)
+            except RunError as error:
+                out[1] = error
+
+        thread = threading.Thread(target=join, daemon=True)
+        thread.start()
+        thread.join(10)
+    assert isinstance(out.get(1), JoinUnfinished), out
+    assert re.fullmatch(
+        r"rank 1: rank 0 at 127\.0\.0\.1:\d+ took the connection but did not finish the handshake within --timeout 1 s", str(out[1])
+    )

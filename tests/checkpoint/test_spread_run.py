@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -426,6 +427,30 @@ def test_a_rank_killed_on_the_second_node_stops_both_nodes_and_commits_nothing(s
     assert not dst.exists() and staging_path(dst).exists()
 
 
+def test_a_node_rank_given_twice_is_named_even_when_the_run_is_quick(tmp_path):
+    """Two commands given --node-rank 1, then node 0's, of a run over as soon as
+    one of them joined: the other still hears that its rank joined twice, in one line (not that
+    rank 0 did not answer: rank 0 answers joins a while after its run)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    save_checkpoint(tmp_path / "run", 1, {"w": torch.arange(8, dtype=torch.float32)}, world_size=2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    flags = ["--nproc-per-node", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "5"]
+    verify = [sys.executable, "-m", "fsdpkit_cli", "verify", str(tmp_path / "run"), *flags, "--node-rank"]
+    twins = [subprocess.Popen([*verify, "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    time.sleep(0.5)  # both trying to join when node 0's rank 0 begins to listen
+    started = [subprocess.Popen([*verify, "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), *twins]
+    outputs = [process.communicate(timeout=60) for process in started]
+    assert started[0].returncode == 0 and sorted(process.returncode for process in started[1:]) == [0, 1], outputs
+    twice = next(err for process, (_, err) in zip(started, outputs, strict=True) if process.returncode == 1)
+    assert twice == "error: rank 1 joined twice or is outside 1..1: give each node its own --node-rank\n", outputs
+
+
 def test_a_node_that_does_not_see_the_same_paths_is_named(tmp_path):
     """What each rank checks before writing: its listing of SRC matches rank 0's, and it reads
     the token rank 0 wrote into DST's staging area (on a node without the shared filesystem it
@@ -490,3 +515,50 @@ def test_the_workers_started_early_join_as_this_nodes_ranks(monkeypatch):
     assert sorted(processes) == [7, 8] and set(processes.values()) == started and early.processes == {}
     assert sorted(joined) == [("join", 7, 9), ("join", 8, 9)]
     assert [process.returncode for process in processes.values()] == [1, 1]  # the hub's refusal: a RunError
+
+
+def test_a_worker_outlives_neither_its_launching_process_nor_its_handshake():
+    """Two workers whose rank 0 took their connections and never answers: with a timeout of 60 s,
+    each exits with its own line once the process that started them is killed (none is left
+    orphaned); with a timeout of 1 s, each says its handshake did not finish and exits 1."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    launcher = (
+        "import socket, sys, time\n"
+        "from fsdpkit.checkpoint.spread.processes import start_workers\n"
+        "mute = socket.create_server(('127.0.0.1', 0))\n"  # listens, never accepts
+        "processes = start_workers(mute.getsockname(), b'k' * 32, range(1, 3), 3, float(sys.argv[1]))\n"
+        "print(*(p.pid for p in processes.values()), flush=True)\n"
+        "print(*(p.wait(20) for p in processes.values()), flush=True)\n"
+    )
+    started = subprocess.Popen([sys.executable, "-c", launcher, "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert started.stdout is not None and started.stderr is not None
+    workers = [int(pid) for pid in started.stdout.readline().split()]
+    os.kill(started.pid, signal.SIGKILL)
+    started.wait()
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in workers), workers
+    lines = sorted(started.stderr.read().splitlines())  # the workers' stderr: the launcher's, inherited
+    assert lines == [f"error: rank {rank}: the process that started it (pid {started.pid}) has gone; it stops" for rank in (1, 2)]
+
+    timed_out = subprocess.run([sys.executable, "-c", launcher, "1"], capture_output=True, text=True, timeout=30)
+    assert timed_out.stdout.splitlines()[1] == "1 1", timed_out
+    lines = sorted(re.sub(r":\d+ ", ":PORT ", line) for line in timed_out.stderr.splitlines())
+    assert lines == [
+        f"error: rank {rank}: rank 0 at 127.0.0.1:PORT took the connection but did not finish the handshake within --timeout 1 s"
+        for rank in (1, 2)
+    ]
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

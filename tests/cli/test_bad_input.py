@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from fsdpkit.checkpoint.format.lock import RunLock
 
 TRAIN = ("train", "--steps", "2")
+NODES = ("--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1")  # a spread run on two nodes
 CASES = [
     # train: flags, files, checkpoints, the run directory's lock
     (TRAIN + ("--steps", "0"), 2, "--steps must be >= 1, got 0"),
@@ -48,6 +49,8 @@ CASES = [
     (TRAIN + ("--keep-last", "2"), 2, "need --save-dir"),
     (TRAIN + ("--global-batch-size", "3"), 2, "--global-batch-size 3 is not divisible by world size 2"),
     (TRAIN + ("--nproc-per-node", "65"), 2, "--nproc-per-node 65 is more than this launcher allows"),
+    (TRAIN + ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "99999"), 2, "--master-port 99999 is outside 1..65535"),
+    (TRAIN + ("--nnodes", "2", "--rdzv-endpoint", "node0:0"), 2, "--rdzv-endpoint 'node0:0': port 0 is outside 1..65535"),
     (TRAIN + ("--config", "missing.toml"), 2, "cannot read config file 'missing.toml'"),
     (TRAIN + ("--config", "notes.txt"), 2, "config file 'notes.txt' is not valid TOML"),
     (TRAIN + ("--bogus",), 2, "no such option: --bogus"),
@@ -71,8 +74,10 @@ CASES = [
     (("convert", "good", "out", "--to", "full", "--dcp-model-key", "m"), 2, "--dcp-model-key does not apply to --to full"),
     (("convert", "good", "out", "--to", "deepspeed"), 2, "--to deepspeed from a sharded checkpoint needs --stage"),
     (("convert", "good", "out", "--to", "full", "--max-shard-size", "0"), 2, "--max-shard-size must be >= 1, got 0"),
+    (("convert", "good", "out", "--to", "full", *NODES, "--master-port", "99999"), 2, "--master-port 99999 is outside 1..65535"),
     # reshard
     (("reshard", "good", "out"), 2, "--world-size is required"),
+    (("reshard", "good", "out", "--world-size", "2", *NODES, "--master-port", "-1"), 2, "--master-port -1 is outside 1..65535"),
     (("reshard", "good", "out", "--world-size", "0"), 2, "--world-size must be >= 1, got 0"),
     (("reshard", "missing", "out", "--world-size", "2"), 2, "missing: does not exist"),
     (("reshard", "corrupt", "out", "--world-size", "3"), 3, "rank-00001-of-00002.safetensors"),
@@ -84,7 +89,9 @@ CASES = [
     (("inspect", "empty"), 2, "empty: not a checkpoint fsdpkit reads (fsdpkit, Megatron, DCP, DeepSpeed, verl, full safetensors)"),
     (("verify", "missing"), 2, "missing: does not exist"),
     (("verify", "corrupt"), 3, "rank-00001-of-00002.safetensors"),
+    (("verify", "good", *NODES, "--master-port", "65536"), 2, "--master-port 65536 is outside 1..65535"),
     (("verify", "good", "--bogus"), 2, "no such option: --bogus"),
+    (("diff", "good", "good", *NODES, "--master-port", "0"), 2, "--master-port 0 is outside 1..65535"),
     # plan
     (("plan", "--world-size", "2"), 2, "missing option '--model'"),
     (("plan", "--model", "gpt2", "--world-size", "0"), 2, "world size must be >= 1, got 0"),
@@ -96,6 +103,7 @@ CASES = [
     (("bench", "allgather", "--max-bytes", "1000T", "--backend", "gloo"), 2, "--max-bytes 1099511627776000"),
     (("bench", "allgather", "--timeout", "0.5"), 2, "--timeout must be at least 1 second, got 0.5"),
     (("bench", "allgather", "--max-restarts", "-2"), 2, "--max-restarts must be >= 0, got -2"),
+    (("bench", "allgather", "--master-port", "70000"), 2, "--master-port 70000 is outside 1..65535"),
     # report
     (("report",), 2, "missing argument 'FILE'"),
     (("report", "notes.txt"), 2, "line 1 is not a metrics record"),

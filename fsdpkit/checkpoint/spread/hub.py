@@ -2,8 +2,9 @@
 node 0) serves the other ranks over a socket (multiprocessing.connection, with a key): the
 gathers and broadcasts of small objects, and the store the progress count posts to. On one node
 it listens on a free local port with a key made for the run; across nodes on --master-port of
-every interface, with a key every node derives from the run (`shared_key`). Each worker asks
-and waits for the answer:
+every interface, with a key every node derives from the run (`shared_key`). A worker joins
+through `handshake` (each side gives up on the other once the timeout passes), then asks and
+waits for the answer:
 
     ("join", rank, world_size) -> ("ok", (task, hands_job)) or ("error", line)
     ("gather", value)        -> ("ok", [every rank's value]), ("gone", (line, rank)) or ("error", line)
@@ -28,10 +29,11 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
 
 from ...errors import RunError
+from . import handshake
 
 POLL_SECONDS = 0.05
 CONNECT_RETRY_SECONDS = 0.2  # a worker whose rank 0 is not listening yet tries again after this
@@ -52,6 +54,11 @@ class RankGone(RunError):
     def __init__(self, message: str, rank: int):
         super().__init__(message)
         self.rank = rank
+
+
+class JoinUnfinished(RunError):
+    """A rank whose connection rank 0 took but whose handshake or join did not finish within the
+    timeout: something only this rank saw, so it says so itself."""
 
 
 class KeyStore:
@@ -97,10 +104,10 @@ class Hub:
         self.world_size, self.timeout, self.task, self.hands_job = world_size, timeout, task, hands_job
         self.key = key or secrets.token_bytes(32)
         try:
-            self.listener = Listener(listen, authkey=self.key)
+            self.listener = handshake.listen(listen, world_size)
         except OSError as error:
             raise RunError(f"rank 0 cannot listen on {listen[0] or '*'}:{listen[1]} for the other ranks: {error}") from None
-        self.address: tuple[str, int] = self.listener.address  # type: ignore[assignment]
+        self.address: tuple[str, int] = self.listener.getsockname()
         self._joined: set[int] = set()
         self._refused: list[str] = []  # peers that came without this run's key
         self._heard = [time.monotonic()] * world_size  # when each rank was last heard from
@@ -129,6 +136,10 @@ class Hub:
 
     def close(self) -> None:
         self._closed = True
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (closing alone does not, on Linux)
+        except OSError:
+            pass
         self.listener.close()
 
     def wait_until_left(self, seconds: float) -> None:
@@ -141,25 +152,35 @@ class Hub:
                 self._changed.wait(POLL_SECONDS)
 
     def _accept(self) -> None:
-        while True:
+        """Each connection's handshake in a thread of its own: one that stalls holds up no other."""
+        while not self._closed:
             try:
-                conn = self.listener.accept()
-                _, rank, world_size = conn.recv()
-            except AuthenticationError:  # another run's key (another command line, or another $FSDPKIT_SPREAD_KEY)
-                peer = self.listener.last_accepted
-                self._refused.append(peer[0] if isinstance(peer, tuple) else str(peer))
+                sock, peer = self.listener.accept()
+            except OSError:  # the listener closed, or a connection that left before it was accepted
                 continue
-            except (OSError, EOFError, ValueError):  # the listener closed, or a connection that left
-                if self._closed:
-                    return
-                continue
-            problem = self._join_problem(rank, world_size)
-            try:
-                conn.send(("error", problem) if problem else ("ok", (self.task, self.hands_job)))
-            except OSError:
-                continue
+            threading.Thread(target=self._join, args=(sock, peer[0]), daemon=True).start()
+
+    def _join(self, sock: socket.socket, host: str) -> None:
+        try:
+            conn, (_, rank, world_size) = handshake.greet(sock, self.key, time.monotonic() + self.timeout)
+        except AuthenticationError:  # another run's key (another command line, or another $FSDPKIT_SPREAD_KEY)
+            self._refused.append(host)
+            return
+        except (OSError, EOFError, ValueError, TypeError, handshake.Unfinished):  # it left, said nothing, or said something else
+            return
+        problem = self._join_problem(rank, world_size)
+        try:
+            conn.send(("error", problem) if problem else ("ok", (self.task, self.hands_job)))
+        except OSError:  # it left before it heard: it may join again
             if problem is None:
-                threading.Thread(target=self._serve, args=(conn, rank), daemon=True).start()
+                with self._changed:
+                    self._joined.discard(rank)
+            conn.close()
+            return
+        if problem is None:
+            self._serve(conn, rank)
+        else:
+            conn.close()
 
     def _join_problem(self, rank: int, world_size: int) -> str | None:
         with self._changed:
@@ -229,7 +250,8 @@ class Hub:
                     refused = (
                         f" (refused connections from {', '.join(sorted(set(self._refused)))} with another key)" if self._refused else ""
                     )
-                    raise RankGone(f"rank {silent[0]} did not answer within --timeout {self.timeout:g} s{refused}", silent[0])
+                    answer = "answer" if silent[0] in self._joined else "join"
+                    raise RankGone(f"rank {silent[0]} did not {answer} within --timeout {self.timeout:g} s{refused}", silent[0])
                 self._changed.wait(POLL_SECONDS)
             return [values[rank] for rank in range(self.world_size)]
 
@@ -250,9 +272,10 @@ class Hub:
                 code = None
         if code is None:
             return "closed its connection" if process is not None else "closed its connection (it exited, or its node went away)"
+        before = "" if rank in self._joined else " before it joined"
         if code < 0:
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"exited with code {code}"
+            return f"was killed by {signal.Signals(-code).name}{before}"
+        return f"exited with code {code}{before}"
 
 
 def _send(conn: Connection, answer: tuple[str, Any], rank: int) -> None:
@@ -268,9 +291,12 @@ class HubClient:
 
     def __init__(self, address: tuple[str, int], key: bytes, rank: int, world_size: int, timeout: float = 300.0):
         self.rank, self.world_size = rank, world_size
-        self.conn = _connect(address, key, rank, timeout)
+        self.conn, (kind, value) = _join(address, key, rank, world_size, timeout)
+        if kind == "error":
+            self.conn.close()
+            raise RunError(value)
         self._lock = threading.Lock()
-        self.task, self.hands_job = self.ask("join", rank, world_size)
+        self.task, self.hands_job = value
         self.store = _RemoteStore(self)
 
     def close(self) -> None:
@@ -302,32 +328,27 @@ class HubClient:
         return value
 
 
-def _connect(address: tuple[str, int], key: bytes, rank: int, timeout: float) -> Connection:
-    """A connection to rank 0's hub, tried again until `timeout` while it does not listen yet
-    (another node's rank 0 may start later)."""
+def _join(address: tuple[str, int], key: bytes, rank: int, world_size: int, timeout: float) -> tuple[Connection, tuple[str, Any]]:
+    """A connection to rank 0's hub and its answer to this rank's join, within `timeout`: tried
+    again while it does not listen yet (another node's rank 0 may start later)."""
     where = f"{address[0]}:{address[1]}"
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return _without_delay(Client(address, authkey=key))
+            return handshake.connect(address, key, ("join", rank, world_size), deadline)
         except AuthenticationError:
             raise RunError(
                 f"rank {rank}: rank 0 at {where} refused this node's key: every node must run the same command "
                 "(and the same $FSDPKIT_SPREAD_KEY where set)"
             ) from None
+        except handshake.Unfinished:
+            raise JoinUnfinished(
+                f"rank {rank}: rank 0 at {where} took the connection but did not finish the handshake within --timeout {timeout:g} s"
+            ) from None
         except (OSError, EOFError) as error:
             if time.monotonic() > deadline:
                 raise RunError(f"rank {rank}: rank 0 did not answer at {where} within --timeout {timeout:g} s ({error})") from None
             time.sleep(CONNECT_RETRY_SECONDS)
-
-
-def _without_delay(conn: Connection) -> Connection:
-    """`conn` with Nagle's algorithm off: the handshake's last message and the join that follows it
-    would otherwise be two small writes in a row, the second held until the first is acknowledged
-    (a delayed ACK: 40 ms on Linux, each worker's join)."""
-    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as duplicate:  # the same socket, another descriptor
-        duplicate.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return conn
 
 
 class _RemoteStore:

@@ -10,7 +10,9 @@ launching process's imports, then waits on its stdin for its rank and the hub's 
 the launching process writes once it has them (or closes, when the command turns out not to be a
 spread run: the worker leaves having done nothing).
 A worker that fails leaves the line to rank 0 (it got the same one from the last gather) and
-exits with its exit code; on Ctrl-C every worker leaves quietly.
+exits with its exit code, but for a handshake with rank 0 that did not finish, which only it
+saw; on Ctrl-C every worker leaves quietly. A worker whose launching process has gone (killed)
+exits within PARENT_POLL_SECONDS: none outlives it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from ...dist.interrupts import INTERRUPTED_EXIT_CODE
@@ -27,6 +30,8 @@ from ...errors import FsdpkitError
 
 HUB_ENV = "FSDPKIT_SPREAD_HUB"  # HOST:PORT:KEY (hex) of rank 0's hub
 TIMEOUT_ENV = "FSDPKIT_SPREAD_TIMEOUT"  # --timeout: how long a worker tries to reach rank 0
+PARENT_ENV = "FSDPKIT_SPREAD_PARENT"  # the pid of the process that started the worker
+PARENT_POLL_SECONDS = 0.5
 WORKER_CODE = "from fsdpkit.checkpoint.spread.processes import worker_main; worker_main()"
 EARLY_CODE = (  # Ctrl-C during the imports: the worker leaves quietly, as later
     f"import os, signal; signal.signal(signal.SIGINT, lambda *_: os._exit({INTERRUPTED_EXIT_CODE})); "
@@ -103,7 +108,7 @@ def start_workers(
 
 def _worker_env(local_rank: int, run: dict[str, str] | None = None) -> dict[str, str]:
     threads = os.environ.get("OMP_NUM_THREADS", "1")
-    return {**os.environ, "LOCAL_RANK": str(local_rank), "OMP_NUM_THREADS": threads, **(run or {})}
+    return {**os.environ, "LOCAL_RANK": str(local_rank), "OMP_NUM_THREADS": threads, PARENT_ENV: str(os.getpid()), **(run or {})}
 
 
 def _hand(process: subprocess.Popen, line: str) -> None:
@@ -151,12 +156,17 @@ def early_worker_main() -> None:
 def worker_main() -> None:
     """A worker's whole life: join the hub, run this rank's share of the task it sends, exit."""
     signal.signal(signal.SIGINT, lambda *_: os._exit(INTERRUPTED_EXIT_CODE))
-    from .hub import HubClient
+    from .hub import HubClient, JoinUnfinished
 
     host, port, key = os.environ.pop(HUB_ENV).rsplit(":", 2)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    parent = int(os.environ.pop(PARENT_ENV))
+    threading.Thread(target=_exit_when_gone, args=(parent, rank), daemon=True).start()
     try:
         client = HubClient((host, int(port)), bytes.fromhex(key), rank, world_size, float(os.environ[TIMEOUT_ENV]))
+    except JoinUnfinished as error:  # only this rank saw it
+        sys.stderr.write(f"error: {error}\n")
+        os._exit(error.exit_code)
     except FsdpkitError as error:  # rank 0 never answered, or refused: the node's first rank says so
         os._exit(error.exit_code)
     from .runner import run_ranks
@@ -171,3 +181,11 @@ def worker_main() -> None:
         raise
     sys.stderr.flush()
     os._exit(0)  # its parts written and reported: no interpreter teardown for rank 0 to wait for
+
+
+def _exit_when_gone(parent: int, rank: int) -> None:
+    """Exit once the process `parent` that started this worker has gone (this worker then has another parent)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_SECONDS)
+    sys.stderr.write(f"error: rank {rank}: the process that started it (pid {parent}) has gone; it stops\n")
+    os._exit(1)

@@ -36,7 +36,7 @@ from ..core.request import ConvertRequest
 from ..storage.location import is_url
 from .bucket import BucketStaging, bucket_plan, check_bucket, prepare_bucket, staging_at
 from .dispatch import handed_job_class, job_class, open_job
-from .hub import Hub, HubClient, RankGone, shared_key
+from .hub import CONNECT_RETRY_SECONDS, Hub, HubClient, RankGone, shared_key
 from .plan import Part, Plan, make_plan
 from .processes import EarlyWorkers, start_workers, stop_workers
 from .progress import SharedCount
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 PLAN_FILE = "plan-rank0.json"
 WORKERS_EXIT_SECONDS = 5.0  # after a run that succeeded, a worker still there is killed after this
+LATE_JOIN_SECONDS = 2 * CONNECT_RETRY_SECONDS  # across nodes, rank 0 answers joins this long after its run
 
 
 @dataclass(frozen=True)
@@ -532,6 +533,8 @@ def run_on_nodes(task: SpreadTask, options: LaunchOptions, early: EarlyWorkers |
         close()
         if hub is not None:
             hub.wait_until_left(grace)
+            if options.nnodes > 1:  # a rank given twice, still trying to join, hears it was (rather than that no one listens)
+                time.sleep(LATE_JOIN_SECONDS)
         stop_workers(processes, grace=grace)
         for connection in connected:
             connection.close()
