@@ -308,7 +308,7 @@ def test_a_node_that_never_joins_is_named_with_what_is_kept(source, tmp_path):
     alone = run_cli("convert", root / "run", dst, "--to", "full", *nodes, "--timeout", "1")
     assert alone.exit_code == 1, alone.output
     lines = _error_lines(alone)
-    assert len(lines) == 1 and "rank 1 did not answer" in lines[0] and "nothing committed" in lines[0], alone.output
+    assert len(lines) == 1 and "rank 1 did not join within --timeout 1 s" in lines[0] and "nothing committed" in lines[0], alone.output
     kept = len(_records(staging_path(dst)))
     assert f"{kept} of 1 parts are kept in {staging_path(dst)}: run the same command again to continue" in lines[0], lines
     assert not dst.exists()
