@@ -147,10 +147,14 @@ def spread_lines(result: Any) -> list[str]:
     return [line, *(f"note: {note}" for note in plan.notes)]
 
 
-def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_json: bool, early: Any = None) -> Any:
+def run_spread_command(
+    task: Any, options: LaunchOptions, *, dry_run: bool, as_json: bool, early: Any = None, one_process: Callable[[], Any] | None = None
+) -> Any:
     """Run `task` spread (or print its plan with --dry-run); what convert and reshard print, or
     verify's report, on rank 0; None on the other ranks, and after a dry run. `early`: the
-    workers the command line started (`fsdpkit.checkpoint.spread.processes.start_early`)."""
+    workers the command line started (`fsdpkit.checkpoint.spread.processes.start_early`).
+    `one_process`: the one-process command, which torchrun's rank 0 runs alone where the job is
+    done in one process only (the other ranks leave at once)."""
     from fsdpkit.checkpoint.spread.dryrun import dry_run as plan_only
     from fsdpkit.checkpoint.spread.runner import as_json as figures
     from fsdpkit.checkpoint.spread.runner import open_task_job, run_spread
@@ -177,6 +181,8 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
         try:
             result = run_spread(task, options, early=early)
         except FsdpkitError as error:
+            if under_torchrun() and one_process is not None and _one_process_only(error):
+                return _on_rank_0_alone(error, one_process)
             if under_torchrun() and os.environ.get("RANK") != "0":  # the same line comes from rank 0
                 raise typer.Exit(error.exit_code) from None
             raise
@@ -191,3 +197,17 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
         result.report.extra["spread"] = figures(result)
         return result.report
     return dataclasses.replace(result.report, details={**result.report.details, "spread": figures(result)})
+
+
+def _one_process_only(error: FsdpkitError) -> bool:
+    from fsdpkit.checkpoint.spread.jobs import OneProcessOnly
+
+    return isinstance(error, OneProcessOnly)
+
+
+def _on_rank_0_alone(error: Any, one_process: Callable[[], Any]) -> Any:
+    """Under torchrun, a job done in one process only: rank 0 runs `one_process`, the other ranks have nothing to do."""
+    if os.environ.get("RANK") != "0":
+        return None
+    typer.echo(f"note: {error.why}: rank 0 runs it alone", err=True)
+    return one_process()

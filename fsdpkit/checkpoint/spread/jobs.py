@@ -46,7 +46,14 @@ Progress = Callable[[int], None] | None
 
 
 class OneProcessOnly(UsageError):
-    """A conversion that only the one-process writer does (it needs a local scratch file)."""
+    """A conversion that only the one-process writer does (it needs a local scratch file), `why`;
+    under torchrun rank 0 runs it so (cli/spread_options.py), elsewhere the line says to."""
+
+    ADVICE = ": leave out the launch flags"
+
+    def __init__(self, why: str):
+        super().__init__(f"{why}{self.ADVICE}")
+        self.why = why
 
 
 SINGLE_FILE = "a single-file safetensors output is written by one process (--max-shard-size cuts it into files)"

@@ -150,7 +150,11 @@ def _lead(task: SpreadTask, comm: Any, marks: Marks) -> tuple[dict, Any]:
     except FsdpkitError as error:
         if job is not None:
             job.close()
-        kind = "UsageError" if isinstance(error, UsageError) else type(error).__name__  # OneProcessOnly is one
+        from .jobs import OneProcessOnly  # a job module: on this error path only
+
+        if isinstance(error, OneProcessOnly):  # every rank raises it again: under torchrun rank 0 then runs it alone
+            return {"error": ("OneProcessOnly", error.why)}, None
+        kind = "UsageError" if isinstance(error, UsageError) else type(error).__name__
         return {"error": (kind, str(error))}, None
 
 
@@ -181,6 +185,10 @@ def _local_staging(task: SpreadTask, job: Any, digest: str, plan: Plan) -> dict[
 
 
 def _raise(kind: str, message: str) -> None:
+    if kind == "OneProcessOnly":
+        from .jobs import OneProcessOnly
+
+        raise OneProcessOnly(message)
     raise {"UsageError": UsageError, "DataCheckError": DataCheckError}.get(kind, RunError)(message)
 
 
