@@ -24,10 +24,15 @@ from .common import FsdpkitCommand, handle_errors
 from .settings_options import given_values, setting_parameters, with_parameters
 
 LAUNCH_KEYS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "timeout")
+NPROC_HELP = "Processes on this node: a number, gpu, cpu or auto (default 1 on each node, as torchrun's)."  # train's is one per GPU
 LAUNCH = Section(
     "launch",
     "Spread over processes and nodes",
-    tuple(s for s in settings_of(LaunchOptions) if s.key in LAUNCH_KEYS),
+    tuple(
+        dataclasses.replace(s, help=NPROC_HELP) if s.key == "nproc_per_node" else s
+        for s in settings_of(LaunchOptions)
+        if s.key in LAUNCH_KEYS
+    ),
     LaunchOptions,
     lambda options: {key: getattr(options, key) for key in LAUNCH_KEYS},
 )
@@ -71,7 +76,7 @@ def launch_options(
 
     check_urls(*locations)
     options = LAUNCH.from_values(given, where="")
-    if options.nproc_per_node is None and options.nnodes == 1 and not under_torchrun():
+    if options.nproc_per_node is None and not under_torchrun():  # one process on each node, as torchrun's default
         options = LAUNCH.from_values({**given, "nproc_per_node": 1}, where="")
     return options
 

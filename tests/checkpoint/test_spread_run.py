@@ -342,6 +342,17 @@ def test_bad_input_is_one_line_and_writes_nothing(source, tmp_path, no_launch):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+def test_without_nproc_per_node_each_node_runs_one_process(source):
+    """torchrun's default, on one node and on several alike, as the help says (train's differs)."""
+    root, _, _ = source
+    nodes = {"1": (), "2": ("--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "29500")}
+    for nnodes, flags in nodes.items():
+        planned = run_cli("verify", root / "run", "--nnodes", nnodes, *flags, "--dry-run", "--json")
+        assert planned.exit_code == 0 and json.loads(planned.stdout)["world_size"] == int(nnodes), planned.output
+    shown = run_cli("verify", "--help")
+    assert "default 1 on each node, as torchrun's" in " ".join(shown.output.replace("│", " ").split()), shown.output
+
+
 def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_path):
     """Two nodes of two processes each (fsdpkit's --nnodes, --node-rank, --master-addr,
     --master-port: rank 0's hub over TCP, no torch in any rank, each node's worker started before
