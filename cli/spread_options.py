@@ -188,7 +188,7 @@ def run_spread_command(
         except FsdpkitError as error:
             if under_torchrun() and one_process is not None and _one_process_only(error):
                 return _on_rank_0_alone(error, one_process)
-            if under_torchrun() and os.environ.get("RANK") != "0":  # the same line comes from rank 0
+            if under_torchrun() and os.environ.get("RANK") != "0" and not _said_by_every_rank(error):  # the same line comes from rank 0
                 raise typer.Exit(error.exit_code) from None
             raise
     if result is None:
@@ -216,3 +216,10 @@ def _on_rank_0_alone(error: Any, one_process: Callable[[], Any]) -> Any:
         return None
     typer.echo(f"note: {error.why}: rank 0 runs it alone", err=True)
     return one_process()
+
+
+def _said_by_every_rank(error: FsdpkitError) -> bool:
+    """torchrun's agent died: no rank 0 line stands for the others (no agent stops them)."""
+    from fsdpkit.checkpoint.spread.torchrun_group import StoreGone
+
+    return isinstance(error, StoreGone)
