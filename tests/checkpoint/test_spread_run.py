@@ -397,6 +397,30 @@ def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_pat
     assert all(r["torch"] and r["peak_rss_bytes"] > 0 for r in under_torchrun), under_torchrun
 
 
+def test_nodes_that_spell_the_master_address_differently_join_one_run(source):
+    """Node 0 given --master-addr localhost, node 1 127.0.0.1 (the same host), and no
+    --nproc-per-node: one run of 2 ranks, whose verify is the one-process verify's."""
+    import socket
+    import subprocess
+    import sys
+
+    root, _, _ = source
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nodes = [
+        [sys.executable, "-m", "fsdpkit_cli", "verify", str(root / "run"), "--nnodes", "2", "--node-rank", str(rank)]
+        + ["--master-addr", address, "--master-port", str(port), "--timeout", "30"]
+        for rank, address in ((0, "localhost"), (1, "127.0.0.1"))
+    ]
+    started = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in nodes]
+    outputs = [process.communicate(timeout=120) for process in started]
+    assert [process.returncode for process in started] == [0, 0], outputs
+    one = run_cli("verify", root / "run")
+    assert one.exit_code == 0 and outputs[0][0] == one.stdout and outputs[1][0] == "", (one.output, outputs)
+    assert "spread over 2 ranks" in outputs[0][1], outputs
+
+
 def test_a_rank_killed_on_the_second_node_stops_both_nodes_and_commits_nothing(source, tmp_path):
     """Rank 3, a worker on node 1, SIGKILLed as it starts its 2nd part: its connection to rank 0
     closes; both nodes' commands stop with one line naming rank 3 (not the ranks still at work)

@@ -528,12 +528,14 @@ def _rank_0_hub(task: SpreadTask, options: LaunchOptions, first: int) -> tuple[H
     """Node 0's hub (None on the other nodes), where this node's ranks reach it, and its key. On
     one node: a free local port, a key made for the run. Across nodes: --master-port of every
     interface, reached at --master-addr, with a key every node derives from the run's arguments
-    (and $FSDPKIT_SPREAD_KEY): a node given another command is refused."""
+    (and $FSDPKIT_SPREAD_KEY): a node given another command is refused. The address is not in
+    the key: a node reaches the hub there whatever its spelling (localhost, 127.0.0.1, a name),
+    and a hub of another run cannot listen on the same port of that host."""
     if options.nnodes == 1:
         hub = Hub(options.world_size, task.timeout, task, hands_job=True)
         return hub, hub.address, hub.key
     host, _, port = (options.endpoint or "").rpartition(":")
-    key = shared_key(host, port, str(options.world_size), repr(task))
+    key = shared_key(port, str(options.world_size), repr(task))
     if first != 0:
         return None, (host, int(port)), key
     hub = Hub(options.world_size, task.timeout, task, listen=("", int(port)), key=key)
