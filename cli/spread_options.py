@@ -18,7 +18,7 @@ from fsdpkit import log
 from fsdpkit.dist.launch import LaunchOptions, under_torchrun
 from fsdpkit.errors import FsdpkitError
 from fsdpkit.settings import Section, settings_of
-from fsdpkit.sizes import format_size
+from fsdpkit.sizes import count, format_size
 
 from .common import FsdpkitCommand, handle_errors
 from .settings_options import given_values, setting_parameters, with_parameters
@@ -144,9 +144,10 @@ def spread_command(name: str, body: Callable[..., Any]) -> typer.Typer:
 def spread_lines(result: Any) -> list[str]:
     """How the work was shared: one line, and the notes of the plan."""
     plan = result.plan
-    kept = f", {result.kept_parts} parts kept from an earlier run" if result.kept_parts else ""
+    kept = f", {count(result.kept_parts, 'part')} kept from an earlier run" if result.kept_parts else ""
+    share = format_size(max(plan.rank_bytes()))
     line = (
-        f"spread over {plan.world_size} ranks: largest share {format_size(max(plan.rank_bytes()))} = {plan.imbalance:.3f}x the mean, "
+        f"spread over {count(plan.world_size, 'rank')}: largest share {share} = {plan.imbalance:.3f}x the mean, "
         f"{format_size(result.bytes_read)} read{kept}"
     )
     return [line, *(f"note: {note}" for note in plan.notes)]

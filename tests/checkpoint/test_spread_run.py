@@ -100,6 +100,13 @@ def test_a_file_larger_than_a_fair_share_is_cut_across_ranks(source, tmp_path):
     assert _files(tmp_path / "out") == _files(tmp_path / "plain")
     single = run_cli("convert", root / "run", tmp_path / "one", "--to", "full", "--nproc-per-node", "2", "--dry-run")
     assert single.exit_code == 0 and "cannot be split" in single.stdout and "model.safetensors" in single.stdout
+    assert single.stdout.startswith("plan: 1 file, ") and "over 2 ranks" in single.stdout and "rank 0: 1 part, " in single.stdout
+    assert "(--max-shard-size cuts it into files)" in single.stdout
+    given = run_cli(
+        "convert", root / "run", tmp_path / "one", "--to", "full", "--max-shard-size", "5GB", "--nproc-per-node", "2", "--dry-run"
+    )
+    assert given.exit_code == 0 and "cannot be split" in given.stdout and "(--max-shard-size cuts it" not in given.stdout, given.output
+    assert "it all fits in the --max-shard-size given: a smaller one cuts it into files" in given.stdout, given.output
 
 
 def test_deepspeed_and_dcp_sources_give_the_one_process_bytes(source, tmp_path):
@@ -349,6 +356,8 @@ def test_without_nproc_per_node_each_node_runs_one_process(source):
     for nnodes, flags in nodes.items():
         planned = run_cli("verify", root / "run", "--nnodes", nnodes, *flags, "--dry-run", "--json")
         assert planned.exit_code == 0 and json.loads(planned.stdout)["world_size"] == int(nnodes), planned.output
+    ran = run_cli("verify", root / "run", "--nnodes", "1")
+    assert ran.exit_code == 0 and "spread over 1 rank: " in ran.output, ran.output
     shown = run_cli("verify", "--help")
     assert "default 1 on each node, as torchrun's" in " ".join(shown.output.replace("│", " ").split()), shown.output
 

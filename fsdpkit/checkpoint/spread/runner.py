@@ -31,6 +31,7 @@ from ...dist.host import peak_rss_bytes, run_delay_seconds, thread_cpu_seconds
 from ...dist.launch import LaunchOptions, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ...progress import ByteProgress, stderr_progress
+from ...sizes import count as count_of
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
 from ..storage.location import is_url
@@ -323,7 +324,7 @@ def _work_and_commit(
     marks.mark("gathered")
     failures = [f for f, _, _ in gathered if f is not None]
     if failures:
-        more = f" (+{len(failures) - 1} more ranks failed)" if len(failures) > 1 else ""
+        more = f" (+{count_of(len(failures) - 1, 'more rank')} failed)" if len(failures) > 1 else ""
         _raise(failures[0][0], failures[0][1] + more + _kept_note(staging))
     if comm.rank != 0:
         return None
