@@ -113,7 +113,7 @@ class DryRun:
         if staged.restart:
             if not staged.exists:
                 return [f"--restart: nothing to discard ({staged.where} is not there)"]
-            done = f"{staged.discarded_parts} finished parts, {format_size(staged.discarded_bytes)}"
+            done = f"{count_of(staged.discarded_parts, 'finished part')}, {format_size(staged.discarded_bytes)}"
             return [f"--restart discards {staged.where} ({done}): every part is written again"]
         return [
             f"kept: {len(staged.kept)} of {len(self.plan.parts)} parts ({format_size(self.kept_bytes)}) finished in {staged.where} "
