@@ -3,6 +3,7 @@ which of them apply is the library's table of formats (fsdpkit/checkpoint/offlin
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import typer
@@ -49,8 +50,6 @@ def convert(
     **settings: Any,
 ) -> None:
     """Convert a checkpoint of any format fsdpkit reads to fsdpkit's sharded one, full safetensors, torch DCP or DeepSpeed ZeRO."""
-    from fsdpkit.checkpoint.spread.to_storage import convert_to
-
     request = ConvertRequest(
         to=to,
         world_size=world_size,
@@ -64,18 +63,25 @@ def convert(
         chunk_size=chunk_bytes(chunk_size),
         overwrite=overwrite,
     )
+    one_process = functools.partial(convert_in_one_process, src, dst, request)
     options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spread_target(to), locations=(src, dst), dst=dst)
     if options is not None:
         task = spread_task(src, dst, request, restart=restart)
-        result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json, early=ctx.obj)
+        result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json, early=ctx.obj, one_process=one_process)
         if result is None:
             return
     else:
-        with byte_progress("convert") as progress:
-            result = convert_to(src, dst, request, progress)
+        result = one_process()
     for line in result.warnings:
         log.warn(line)
     print_written(result, as_json)
+
+
+def convert_in_one_process(src: str, dst: str, request: ConvertRequest) -> Any:
+    from fsdpkit.checkpoint.spread.to_storage import convert_to
+
+    with byte_progress("convert") as progress:
+        return convert_to(src, dst, request, progress)
 
 
 def spread_task(src: str, dst: str, request: ConvertRequest, *, restart: bool) -> Any:

@@ -18,16 +18,21 @@ from fsdpkit import log
 from fsdpkit.dist.launch import LaunchOptions, under_torchrun
 from fsdpkit.errors import FsdpkitError
 from fsdpkit.settings import Section, settings_of
-from fsdpkit.sizes import format_size
+from fsdpkit.sizes import count, format_size
 
 from .common import FsdpkitCommand, handle_errors
 from .settings_options import given_values, setting_parameters, with_parameters
 
 LAUNCH_KEYS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "timeout")
+NPROC_HELP = "Processes on this node: a number, gpu, cpu or auto (default 1 on each node, as torchrun's)."  # train's is one per GPU
 LAUNCH = Section(
     "launch",
     "Spread over processes and nodes",
-    tuple(s for s in settings_of(LaunchOptions) if s.key in LAUNCH_KEYS),
+    tuple(
+        dataclasses.replace(s, help=NPROC_HELP) if s.key == "nproc_per_node" else s
+        for s in settings_of(LaunchOptions)
+        if s.key in LAUNCH_KEYS
+    ),
     LaunchOptions,
     lambda options: {key: getattr(options, key) for key in LAUNCH_KEYS},
 )
@@ -71,7 +76,7 @@ def launch_options(
 
     check_urls(*locations)
     options = LAUNCH.from_values(given, where="")
-    if options.nproc_per_node is None and options.nnodes == 1 and not under_torchrun():
+    if options.nproc_per_node is None and not under_torchrun():  # one process on each node, as torchrun's default
         options = LAUNCH.from_values({**given, "nproc_per_node": 1}, where="")
     return options
 
@@ -139,18 +144,23 @@ def spread_command(name: str, body: Callable[..., Any]) -> typer.Typer:
 def spread_lines(result: Any) -> list[str]:
     """How the work was shared: one line, and the notes of the plan."""
     plan = result.plan
-    kept = f", {result.kept_parts} parts kept from an earlier run" if result.kept_parts else ""
+    kept = f", {count(result.kept_parts, 'part')} kept from an earlier run" if result.kept_parts else ""
+    share = format_size(max(plan.rank_bytes()))
     line = (
-        f"spread over {plan.world_size} ranks: largest share {format_size(max(plan.rank_bytes()))} = {plan.imbalance:.3f}x the mean, "
+        f"spread over {count(plan.world_size, 'rank')}: largest share {share} = {plan.imbalance:.3f}x the mean, "
         f"{format_size(result.bytes_read)} read{kept}"
     )
     return [line, *(f"note: {note}" for note in plan.notes)]
 
 
-def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_json: bool, early: Any = None) -> Any:
+def run_spread_command(
+    task: Any, options: LaunchOptions, *, dry_run: bool, as_json: bool, early: Any = None, one_process: Callable[[], Any] | None = None
+) -> Any:
     """Run `task` spread (or print its plan with --dry-run); what convert and reshard print, or
     verify's report, on rank 0; None on the other ranks, and after a dry run. `early`: the
-    workers the command line started (`fsdpkit.checkpoint.spread.processes.start_early`)."""
+    workers the command line started (`fsdpkit.checkpoint.spread.processes.start_early`).
+    `one_process`: the one-process command, which torchrun's rank 0 runs alone where the job is
+    done in one process only (the other ranks leave at once)."""
     from fsdpkit.checkpoint.spread.dryrun import dry_run as plan_only
     from fsdpkit.checkpoint.spread.runner import as_json as figures
     from fsdpkit.checkpoint.spread.runner import open_task_job, run_spread
@@ -177,7 +187,9 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
         try:
             result = run_spread(task, options, early=early)
         except FsdpkitError as error:
-            if under_torchrun() and os.environ.get("RANK") != "0":  # the same line comes from rank 0
+            if under_torchrun() and one_process is not None and _one_process_only(error):
+                return _on_rank_0_alone(error, one_process)
+            if under_torchrun() and os.environ.get("RANK") != "0" and not _said_by_every_rank(error):  # the same line comes from rank 0
                 raise typer.Exit(error.exit_code) from None
             raise
     if result is None:
@@ -191,3 +203,24 @@ def run_spread_command(task: Any, options: LaunchOptions, *, dry_run: bool, as_j
         result.report.extra["spread"] = figures(result)
         return result.report
     return dataclasses.replace(result.report, details={**result.report.details, "spread": figures(result)})
+
+
+def _one_process_only(error: FsdpkitError) -> bool:
+    from fsdpkit.checkpoint.spread.jobs import OneProcessOnly
+
+    return isinstance(error, OneProcessOnly)
+
+
+def _on_rank_0_alone(error: Any, one_process: Callable[[], Any]) -> Any:
+    """Under torchrun, a job done in one process only: rank 0 runs `one_process`, the other ranks have nothing to do."""
+    if os.environ.get("RANK") != "0":
+        return None
+    typer.echo(f"note: {error.why}: rank 0 runs it alone", err=True)
+    return one_process()
+
+
+def _said_by_every_rank(error: FsdpkitError) -> bool:
+    """torchrun's agent died: no rank 0 line stands for the others (no agent stops them)."""
+    from fsdpkit.checkpoint.spread.torchrun_group import StoreGone
+
+    return isinstance(error, StoreGone)

@@ -197,6 +197,23 @@ def test_a_transformers_export_in_its_own_layout(tmp_path):
         lines = [line for line in refused.output.splitlines() if line.strip()]
         assert refused.exit_code == 2 and len(lines) == 1 and "in one process" in lines[0], refused.output
         assert not (tmp_path / to).exists() and not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+    _under_torchrun_rank_0_converts_it_alone(tmp_path)
+
+
+def _under_torchrun_rank_0_converts_it_alone(tmp_path: Path) -> None:
+    """The same `--to sharded` of the export under torchrun, no launch flag: rank 0 writes the
+    one-process bytes, the other rank leaves, torchrun exits 0."""
+    import subprocess
+    import sys
+
+    flags = ["--to", "sharded", "--world-size", "2"]
+    one = run_cli("convert", tmp_path / "hf", tmp_path / "one", *flags)
+    assert one.exit_code == 0, one.output
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fsdpkit_cli"]
+    run = subprocess.run([*torchrun, "convert", str(tmp_path / "hf"), str(tmp_path / "torchrun"), *flags], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"wrote {tmp_path / 'torchrun'}: 2 files") and "rank 0 runs it alone" in run.stderr, run
+    assert _files(tmp_path / "torchrun") == _files(tmp_path / "one")
 
 
 def test_to_dcp_under_torchrun_and_on_two_nodes_of_two_is_the_one_process_bytes(sources, tmp_path):

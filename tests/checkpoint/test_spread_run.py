@@ -100,6 +100,13 @@ def test_a_file_larger_than_a_fair_share_is_cut_across_ranks(source, tmp_path):
     assert _files(tmp_path / "out") == _files(tmp_path / "plain")
     single = run_cli("convert", root / "run", tmp_path / "one", "--to", "full", "--nproc-per-node", "2", "--dry-run")
     assert single.exit_code == 0 and "cannot be split" in single.stdout and "model.safetensors" in single.stdout
+    assert single.stdout.startswith("plan: 1 file, ") and "over 2 ranks" in single.stdout and "rank 0: 1 part, " in single.stdout
+    assert "(--max-shard-size cuts it into files)" in single.stdout
+    given = run_cli(
+        "convert", root / "run", tmp_path / "one", "--to", "full", "--max-shard-size", "5GB", "--nproc-per-node", "2", "--dry-run"
+    )
+    assert given.exit_code == 0 and "cannot be split" in given.stdout and "(--max-shard-size cuts it" not in given.stdout, given.output
+    assert "it all fits in the --max-shard-size given: a smaller one cuts it into files" in given.stdout, given.output
 
 
 def test_deepspeed_and_dcp_sources_give_the_one_process_bytes(source, tmp_path):
@@ -342,6 +349,19 @@ def test_bad_input_is_one_line_and_writes_nothing(source, tmp_path, no_launch):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+def test_without_nproc_per_node_each_node_runs_one_process(source):
+    """torchrun's default, on one node and on several alike, as the help says (train's differs)."""
+    root, _, _ = source
+    nodes = {"1": (), "2": ("--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "29500")}
+    for nnodes, flags in nodes.items():
+        planned = run_cli("verify", root / "run", "--nnodes", nnodes, *flags, "--dry-run", "--json")
+        assert planned.exit_code == 0 and json.loads(planned.stdout)["world_size"] == int(nnodes), planned.output
+    ran = run_cli("verify", root / "run", "--nnodes", "1")
+    assert ran.exit_code == 0 and "spread over 1 rank: " in ran.output, ran.output
+    shown = run_cli("verify", "--help")
+    assert "default 1 on each node, as torchrun's" in " ".join(shown.output.replace("│", " ").split()), shown.output
+
+
 def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_path):
     """Two nodes of two processes each (fsdpkit's --nnodes, --node-rank, --master-addr,
     --master-port: rank 0's hub over TCP, no torch in any rank, each node's worker started before
@@ -384,6 +404,30 @@ def test_two_nodes_on_loopback_and_torchrun_write_the_same_bytes(source, tmp_pat
     assert [sorted(r["marks"], key=r["marks"].get) for r in ranks] == [[*steps, "gathered", "committed"], *[steps] * 3], ranks
     under_torchrun = json.loads(outputs[2][0])["spread"]["ranks"]
     assert all(r["torch"] and r["peak_rss_bytes"] > 0 for r in under_torchrun), under_torchrun
+
+
+def test_nodes_that_spell_the_master_address_differently_join_one_run(source):
+    """Node 0 given --master-addr localhost, node 1 127.0.0.1 (the same host), and no
+    --nproc-per-node: one run of 2 ranks, whose verify is the one-process verify's."""
+    import socket
+    import subprocess
+    import sys
+
+    root, _, _ = source
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nodes = [
+        [sys.executable, "-m", "fsdpkit_cli", "verify", str(root / "run"), "--nnodes", "2", "--node-rank", str(rank)]
+        + ["--master-addr", address, "--master-port", str(port), "--timeout", "30"]
+        for rank, address in ((0, "localhost"), (1, "127.0.0.1"))
+    ]
+    started = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in nodes]
+    outputs = [process.communicate(timeout=120) for process in started]
+    assert [process.returncode for process in started] == [0, 0], outputs
+    one = run_cli("verify", root / "run")
+    assert one.exit_code == 0 and outputs[0][0] == one.stdout and outputs[1][0] == "", (one.output, outputs)
+    assert "spread over 2 ranks" in outputs[0][1], outputs
 
 
 def test_a_rank_killed_on_the_second_node_stops_both_nodes_and_commits_nothing(source, tmp_path):

@@ -76,7 +76,7 @@ class DcpJob:
         if opened.restore_layout is not None:
             raise OneProcessOnly(
                 f"{src}: a full export in its own names and orientation is converted --to dcp in one process "
-                "(its transposed weights are transposed back into one scratch file): leave out the launch flags"
+                "(its transposed weights are transposed back into one scratch file)"
             )
         data_source = recorded_data_source(opened)
         tensors, items = dcp_entries(opened.stored(), aliases=opened.aliases, groups=opened.groups, data_source=data_source)

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...sizes import count as count_of
 from ...sizes import format_size
 from ..core.files import close, open_regular, pread_into
 from ..storage.location import is_url, open_storage
@@ -91,13 +92,13 @@ class DryRun:
         plan = self.plan
         shares = plan.rank_bytes()
         out = [
-            f"plan: {len(plan.files)} files, {format_size(plan.total_bytes)} over {plan.world_size} ranks; "
+            f"plan: {count_of(len(plan.files), 'file')}, {format_size(plan.total_bytes)} over {count_of(plan.world_size, 'rank')}; "
             f"largest share {format_size(max(shares))} = {plan.imbalance:.3f}x the mean"
         ]
         for rank in range(plan.world_size):
             parts = plan.parts_of(rank)
             names = ", ".join(plan.label(p) for p in parts[:3]) + (f", ... (+{len(parts) - 3})" if len(parts) > 3 else "")
-            out.append(f"  rank {rank}: {len(parts)} parts, {format_size(shares[rank])}: {names or '(nothing)'}")
+            out.append(f"  rank {rank}: {count_of(len(parts), 'part')}, {format_size(shares[rank])}: {names or '(nothing)'}")
         out += [f"  note: {note}" for note in plan.notes]
         out += self._staged_lines()
         rate = f"{format_size(int(self.read_bytes_per_second))}/s"
@@ -112,7 +113,7 @@ class DryRun:
         if staged.restart:
             if not staged.exists:
                 return [f"--restart: nothing to discard ({staged.where} is not there)"]
-            done = f"{staged.discarded_parts} finished parts, {format_size(staged.discarded_bytes)}"
+            done = f"{count_of(staged.discarded_parts, 'finished part')}, {format_size(staged.discarded_bytes)}"
             return [f"--restart discards {staged.where} ({done}): every part is written again"]
         return [
             f"kept: {len(staged.kept)} of {len(self.plan.parts)} parts ({format_size(self.kept_bytes)}) finished in {staged.where} "

@@ -46,10 +46,20 @@ Progress = Callable[[int], None] | None
 
 
 class OneProcessOnly(UsageError):
-    """A conversion that only the one-process writer does (it needs a local scratch file)."""
+    """A conversion that only the one-process writer does (it needs a local scratch file), `why`;
+    under torchrun rank 0 runs it so (cli/spread_options.py), elsewhere the line says to."""
+
+    ADVICE = ": leave out the launch flags"
+
+    def __init__(self, why: str):
+        super().__init__(f"{why}{self.ADVICE}")
+        self.why = why
 
 
-SINGLE_FILE = "a single-file safetensors output is written by one process (--max-shard-size cuts it into files)"
+def single_file_note(max_shard_size: int | None) -> str:
+    """Why a single-file safetensors output is not cut, and what would cut it into files."""
+    cut = "--max-shard-size cuts it" if max_shard_size is None else "it all fits in the --max-shard-size given: a smaller one cuts it"
+    return f"a single-file safetensors output is written by one process ({cut} into files)"
 
 
 def source_listing(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
@@ -104,16 +114,17 @@ class CheckedReads:
         return parts_json(self.engine.finish_parts())
 
 
-def safetensors_file(name: str, header: bytes, order, *, whole: set[str], splittable: bool) -> OutputFile:
+def safetensors_file(name: str, header: bytes, order, *, whole: set[str], why_whole: str) -> OutputFile:
     """An output safetensors file of `header` and tensors `order` ((name, TensorInfo) in data
-    order): cut at any element boundary when `splittable`, but inside no tensor of `whole`."""
+    order): cut at any element boundary unless `why_whole` says why not, but inside no tensor of `whole`."""
+    splittable = not why_whole
     cuts = []
     for tensor, info in order:
         begin, end = len(header) + info.begin, len(header) + info.end
         if end > begin and splittable:
             cuts.append((begin, end, end - begin if tensor in whole else dtype_info(info.dtype).itemsize))
     size = len(header) + sum(info.nbytes for _, info in order)
-    return OutputFile(name, size, tuple(cuts), "" if splittable else SINGLE_FILE)
+    return OutputFile(name, size, tuple(cuts), why_whole)
 
 
 class HandedFull(NamedTuple):
@@ -143,10 +154,10 @@ class FullJob:
         self.taken_from_rank_0 = self.opened is None
         self.src, self.request, self.opened_from, self.output = handed
         self.layouts = [layout_header(entries, metadata) for _, entries, metadata in self.output.files]
-        many = len(self.layouts) > 1
+        why_whole = "" if len(self.layouts) > 1 else single_file_note(self.request.max_shard_size)
         named = zip(self.output.files, self.layouts, strict=True)
         whole = {name for name, (_, flip) in self.output.by_name.items() if flip}
-        self.files = [safetensors_file(name, header, order, whole=whole, splittable=many) for (name, _, _), (header, order) in named]
+        self.files = [safetensors_file(name, header, order, whole=whole, why_whole=why_whole) for (name, _, _), (header, order) in named]
 
     def hand_on(self) -> bytes | None:
         """What the other ranks of this node take instead of opening the source, pickled; None for

@@ -31,6 +31,7 @@ from ...dist.host import peak_rss_bytes, run_delay_seconds, thread_cpu_seconds
 from ...dist.launch import LaunchOptions, under_torchrun
 from ...errors import DataCheckError, FsdpkitError, RunError, UsageError
 from ...progress import ByteProgress, stderr_progress
+from ...sizes import count as count_of
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE
 from ..core.request import ConvertRequest
 from ..storage.location import is_url
@@ -41,6 +42,7 @@ from .plan import Part, Plan, make_plan
 from .processes import EarlyWorkers, start_workers, stop_workers
 from .progress import SharedCount
 from .staging import PartRecorder, PartResult, Staging, check_staging, fingerprint, kept_parts, prepare, staging_path
+from .torchrun_group import Group, StoreGone
 
 if TYPE_CHECKING:
     from ..offline.diff import DiffRequest
@@ -150,7 +152,11 @@ def _lead(task: SpreadTask, comm: Any, marks: Marks) -> tuple[dict, Any]:
     except FsdpkitError as error:
         if job is not None:
             job.close()
-        kind = "UsageError" if isinstance(error, UsageError) else type(error).__name__  # OneProcessOnly is one
+        from .jobs import OneProcessOnly  # a job module: on this error path only
+
+        if isinstance(error, OneProcessOnly):  # every rank raises it again: under torchrun rank 0 then runs it alone
+            return {"error": ("OneProcessOnly", error.why)}, None
+        kind = "UsageError" if isinstance(error, UsageError) else type(error).__name__
         return {"error": (kind, str(error))}, None
 
 
@@ -181,6 +187,10 @@ def _local_staging(task: SpreadTask, job: Any, digest: str, plan: Plan) -> dict[
 
 
 def _raise(kind: str, message: str) -> None:
+    if kind == "OneProcessOnly":
+        from .jobs import OneProcessOnly
+
+        raise OneProcessOnly(message)
     raise {"UsageError": UsageError, "DataCheckError": DataCheckError}.get(kind, RunError)(message)
 
 
@@ -276,6 +286,8 @@ def _with_staging(
     staging = staging_at(header["staging"]) if header["staging"] else None
     try:
         return _work_and_commit(task, job, header, comm, show, views, staging, marks)
+    except StoreGone as error:
+        raise StoreGone(f"{error}{_kept_note(staging)}") from None
     finally:
         if staging is not None:
             staging.close()
@@ -312,10 +324,8 @@ def _work_and_commit(
     marks.mark("gathered")
     failures = [f for f, _, _ in gathered if f is not None]
     if failures:
-        kept_note = ""
-        if staging is not None:
-            kept_note = f"; nothing committed; the parts finished are kept in {staging.where}: run the same command again to continue"
-        _raise(failures[0][0], failures[0][1] + (f" (+{len(failures) - 1} more ranks failed)" if len(failures) > 1 else "") + kept_note)
+        more = f" (+{count_of(len(failures) - 1, 'more rank')} failed)" if len(failures) > 1 else ""
+        _raise(failures[0][0], failures[0][1] + more + _kept_note(staging))
     if comm.rank != 0:
         return None
     done = [*kept.values(), *(r for _, rs, _ in gathered for r in rs)]
@@ -327,6 +337,12 @@ def _work_and_commit(
         report = staging.commit_job(job, done, task.dst, overwrite=task.overwrite)
     ranks[0].marks = {**marks, "committed": time.monotonic()}
     return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), staging.where if staging else None)
+
+
+def _kept_note(staging: Staging | BucketStaging | None) -> str:
+    if staging is None:
+        return ""
+    return f"; nothing committed; the parts finished are kept in {staging.where}: run the same command again to continue"
 
 
 def _run_parts(
@@ -409,43 +425,12 @@ def _gather_naming_the_stopped(comm: Any, count: SharedCount, value: Any) -> lis
         raise RunError(f"{named} (it died, or did not answer within the timeout); nothing committed") from None
 
 
-class Group:
-    """The coordination of a run in a gloo process group (initialized by the caller)."""
-
-    def __init__(self, timeout: float):
-        import datetime
-        import os
-
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=timeout)
-        )
-
-    def broadcast(self, value: Any) -> Any:
-        box = [value]
-        self._call(self.dist.broadcast_object_list, box, src=0)
-        return box[0]
-
-    def all_gather(self, value: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        self._call(self.dist.all_gather_object, out, value)
-        return out
-
-    def _call(self, collective: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            collective(*args, **kwargs)
-        except RuntimeError as error:  # a peer died or timed out: gloo says which connection, not which rank
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise RunError(f"rank {self.rank}: another rank stopped answering ({reason})") from None
-
-
 def spread_worker(task: SpreadTask) -> SpreadResult | None:
     """A worker's run: the process group from the launcher's (or torchrun's) environment."""
     import datetime
+    import os
 
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # else each call to a store that died warns with a C++ backtrace
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=task.timeout))
@@ -544,12 +529,14 @@ def _rank_0_hub(task: SpreadTask, options: LaunchOptions, first: int) -> tuple[H
     """Node 0's hub (None on the other nodes), where this node's ranks reach it, and its key. On
     one node: a free local port, a key made for the run. Across nodes: --master-port of every
     interface, reached at --master-addr, with a key every node derives from the run's arguments
-    (and $FSDPKIT_SPREAD_KEY): a node given another command is refused."""
+    (and $FSDPKIT_SPREAD_KEY): a node given another command is refused. The address is not in
+    the key: a node reaches the hub there whatever its spelling (localhost, 127.0.0.1, a name),
+    and a hub of another run cannot listen on the same port of that host."""
     if options.nnodes == 1:
         hub = Hub(options.world_size, task.timeout, task, hands_job=True)
         return hub, hub.address, hub.key
     host, _, port = (options.endpoint or "").rpartition(":")
-    key = shared_key(host, port, str(options.world_size), repr(task))
+    key = shared_key(port, str(options.world_size), repr(task))
     if first != 0:
         return None, (host, int(port)), key
     hub = Hub(options.world_size, task.timeout, task, listen=("", int(port)), key=key)

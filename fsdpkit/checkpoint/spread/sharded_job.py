@@ -35,7 +35,7 @@ class ShardedJob:
             if restores_layout(source, description):
                 raise OneProcessOnly(
                     f"{src}: a full export in its own names and orientation is converted --to sharded in one process "
-                    "(its transposed weights are transposed back into one scratch file): leave out the launch flags"
+                    "(its transposed weights are transposed back into one scratch file)"
                 )
             self.output = sharded_output(source, request, description, None)
         except BaseException:
