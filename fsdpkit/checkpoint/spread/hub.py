@@ -109,6 +109,7 @@ class Hub:
             raise RunError(f"rank 0 cannot listen on {listen[0] or '*'}:{listen[1]} for the other ranks: {error}") from None
         self.address: tuple[str, int] = self.listener.getsockname()
         self._joined: set[int] = set()
+        self._started = time.monotonic()
         self._refused: list[str] = []  # peers that came without this run's key
         self._heard = [time.monotonic()] * world_size  # when each rank was last heard from
         self.store = KeyStore(heard=lambda: self._hear(0))
@@ -143,13 +144,17 @@ class Hub:
         self.listener.close()
 
     def wait_until_left(self, seconds: float) -> None:
-        """Wait up to `seconds` for every other rank to close its connection (or its process to exit)."""
+        """Wait up to `seconds` for every other rank to close its connection (or its process to
+        exit); a rank of another node that has not joined, only until its --timeout to join is out."""
         deadline = time.monotonic() + seconds
         with self._changed:
-            while time.monotonic() < deadline and any(
-                rank not in self._left and self._exit_code(rank) is None for rank in range(1, self.world_size)
-            ):
+            while time.monotonic() < deadline and any(self._may_still_hear(rank) for rank in range(1, self.world_size)):
                 self._changed.wait(POLL_SECONDS)
+
+    def _may_still_hear(self, rank: int) -> bool:
+        if rank in self._left or self._exit_code(rank) is not None:
+            return False
+        return rank in self._joined or rank in self.processes or time.monotonic() < self._started + self.timeout
 
     def _accept(self) -> None:
         """Each connection's handshake in a thread of its own: one that stalls holds up no other."""
