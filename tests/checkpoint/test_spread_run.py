@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -183,28 +184,37 @@ def test_a_part_whose_fsync_fails_is_named_and_the_parts_recorded_before_it_are_
     """A part's fsync (made with its record while the next part is written) failing as a full
     disk's delayed allocation does: one line naming that part's file, nothing committed; the same
     command again keeps the parts recorded before it and writes the one-process bytes."""
-    from fsdpkit.checkpoint.spread.staging import Staging
-
     root, _, clean = source
-    dst, record = tmp_path / "out", Staging.record
-    names = sorted(p.name for p in clean.glob("*.safetensors"))
-
-    def record_but_the_third(staging, result):
-        if result.name == names[2]:
-            raise OSError(28, "No space left on device")
-        record(staging, result)
-
-    monkeypatch.setattr(Staging, "record", record_but_the_third)
-    failed = _convert(root / "run", dst, "--nproc-per-node", "1")
+    dst = tmp_path / "out"
+    failed, third = _interrupted_at_the_third_file(source, dst, monkeypatch)
     assert failed.exit_code == 1, failed.output
     lines = [line for line in failed.output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and names[2] in lines[0] and "No space left" in lines[0] and "nothing committed" in lines[0], failed.output
+    assert len(lines) == 1 and third in lines[0] and "No space left" in lines[0] and "nothing committed" in lines[0], failed.output
     assert not dst.exists()
-    monkeypatch.setattr(Staging, "record", record)
     rerun = _convert(root / "run", dst, "--nproc-per-node", "1")
     assert rerun.exit_code == 0, rerun.output
     assert json.loads(rerun.stdout)["spread"]["kept_parts"] >= 2
     assert _files(dst) == _files(clean)
+
+
+def _interrupted_at_the_third_file(source, dst: Path, monkeypatch) -> tuple[Any, str]:
+    """A one-process spread convert to `dst` whose third output file's record fails as a full
+    disk's delayed allocation does (its fsync): (the result, that file's name)."""
+    from fsdpkit.checkpoint.spread.staging import Staging
+
+    root, _, clean = source
+    record, third = Staging.record, sorted(p.name for p in clean.glob("*.safetensors"))[2]
+
+    def record_but_the_third(staging, result):
+        if result.name == third:
+            raise OSError(28, "No space left on device")
+        record(staging, result)
+
+    monkeypatch.setattr(Staging, "record", record_but_the_third)
+    try:
+        return _convert(root / "run", dst, "--nproc-per-node", "1"), third
+    finally:
+        monkeypatch.setattr(Staging, "record", record)
 
 
 def _error_lines(result) -> list[str]:
@@ -250,20 +260,9 @@ def test_a_dry_run_says_what_the_rerun_keeps_and_a_plain_command_continues_it(so
     discard, and writes nothing; the plain command (no launch flag) continues the staging area
     (a note says so) instead of leaving it beside DST. Another conversion's staging area is refused
     by the plain command as by a spread run, and --restart discards it."""
-    from fsdpkit.checkpoint.spread.staging import Staging
-
     root, _, clean = source
-    dst, record = tmp_path / "out", Staging.record
-    names = sorted(p.name for p in clean.glob("*.safetensors"))
-
-    def record_but_the_third(staging, result):
-        if result.name == names[2]:
-            raise OSError(28, "No space left on device")
-        record(staging, result)
-
-    monkeypatch.setattr(Staging, "record", record_but_the_third)
-    assert _convert(root / "run", dst, "--nproc-per-node", "1").exit_code == 1
-    monkeypatch.setattr(Staging, "record", record)
+    dst = tmp_path / "out"
+    assert _interrupted_at_the_third_file(source, dst, monkeypatch)[0].exit_code == 1
     staging = staging_path(dst)
     records, before = _records(staging), tree_snapshot(staging)
     kept_bytes = sum(r["end"] - r["begin"] for r in records)
