@@ -159,39 +159,29 @@ def run_spread_command(
     """Run `task` spread (or print its plan with --dry-run); what convert and reshard print, or
     verify's report, on rank 0; None on the other ranks, and after a dry run. `early`: the
     workers the command line started (`fsdpkit.checkpoint.spread.processes.start_early`).
-    `one_process`: the one-process command, which torchrun's rank 0 runs alone where the job is
-    done in one process only (the other ranks leave at once)."""
-    from fsdpkit.checkpoint.spread.dryrun import dry_run as plan_only
+    `one_process`: the one-process command, which runs where the job is done in one process only
+    and the run has one process, or runs under torchrun (rank 0 runs it alone, the other ranks
+    leave at once); with more processes of fsdpkit's own launch that is one line and exit 2."""
     from fsdpkit.checkpoint.spread.runner import as_json as figures
-    from fsdpkit.checkpoint.spread.runner import open_task_job, run_spread
+    from fsdpkit.checkpoint.spread.runner import run_spread
     from fsdpkit.progress import byte_progress
-
-    from .common import print_json
 
     task = dataclasses.replace(task, timeout=options.timeout)
     if dry_run:
-        if under_torchrun() and os.environ.get("RANK") != "0":
-            return None
-        job = open_task_job(task)
-        try:
-            world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else options.world_size
-            planned = plan_only(job, task, world_size)
-        finally:
-            job.close()
-        print_json(planned.to_json()) if as_json else typer.echo("\n".join(planned.lines()))
+        _print_plan(task, options, as_json=as_json, one_process=one_process)
         return None
-    if options.nnodes == 1 and options.nproc_per_node == 1 and not under_torchrun():
-        with byte_progress(task.command) as progress:  # workers show their own bar, on rank 0
-            result = run_spread(task, options, progress)
-    else:
-        try:
+    try:
+        if options.nnodes == 1 and options.nproc_per_node == 1 and not under_torchrun():
+            with byte_progress(task.command) as progress:  # workers show their own bar, on rank 0
+                result = run_spread(task, options, progress)
+        else:
             result = run_spread(task, options, early=early)
-        except FsdpkitError as error:
-            if under_torchrun() and one_process is not None and _one_process_only(error):
-                return _on_rank_0_alone(error, one_process)
-            if under_torchrun() and os.environ.get("RANK") != "0" and not _said_by_every_rank(error):  # the same line comes from rank 0
-                raise typer.Exit(error.exit_code) from None
-            raise
+    except FsdpkitError as error:
+        if one_process is not None and _one_process_only(error) and _runs_alone(options):
+            return _alone(error, one_process)
+        if under_torchrun() and os.environ.get("RANK") != "0" and not _said_by_every_rank(error):  # the same line comes from rank 0
+            raise typer.Exit(error.exit_code) from None
+        raise
     if result is None:
         return None
     if not as_json:
@@ -205,17 +195,53 @@ def run_spread_command(
     return dataclasses.replace(result.report, details={**result.report.details, "spread": figures(result)})
 
 
+def _print_plan(task: Any, options: LaunchOptions, *, as_json: bool, one_process: Callable[[], Any] | None) -> None:
+    """--dry-run: the plan, on rank 0 (or what runs a job done in one process only)."""
+    from fsdpkit.checkpoint.spread.dryrun import dry_run as plan_only
+    from fsdpkit.checkpoint.spread.runner import open_task_job
+
+    from .common import print_json
+
+    if under_torchrun() and os.environ.get("RANK") != "0":
+        return
+    try:
+        job = open_task_job(task)
+    except FsdpkitError as error:
+        if one_process is None or not _one_process_only(error) or not _runs_alone(options):
+            raise
+        why = f"{error.why}{_who_runs_it()}"
+        print_json({"dry_run": True, "one_process": why}) if as_json else typer.echo(f"dry run: {why}; nothing to plan, nothing written")
+        return
+    try:
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else options.world_size
+        planned = plan_only(job, task, world_size)
+    finally:
+        job.close()
+    print_json(planned.to_json()) if as_json else typer.echo("\n".join(planned.lines()))
+
+
 def _one_process_only(error: FsdpkitError) -> bool:
     from fsdpkit.checkpoint.spread.jobs import OneProcessOnly
 
     return isinstance(error, OneProcessOnly)
 
 
-def _on_rank_0_alone(error: Any, one_process: Callable[[], Any]) -> Any:
-    """Under torchrun, a job done in one process only: rank 0 runs `one_process`, the other ranks have nothing to do."""
-    if os.environ.get("RANK") != "0":
+def _runs_alone(options: LaunchOptions) -> bool:
+    """Whether a job done in one process only runs as this command asks: under torchrun (on rank 0
+    alone), or as one process in all."""
+    return under_torchrun() or options.world_size == 1
+
+
+def _who_runs_it() -> str:
+    return ": rank 0 runs it alone" if under_torchrun() else ""
+
+
+def _alone(error: Any, one_process: Callable[[], Any]) -> Any:
+    """A job done in one process only: this process runs `one_process` (under torchrun, rank 0:
+    the other ranks have nothing to do)."""
+    if under_torchrun() and os.environ.get("RANK") != "0":
         return None
-    typer.echo(f"note: {error.why}: rank 0 runs it alone", err=True)
+    typer.echo(f"note: {error.why}{_who_runs_it()}", err=True)
     return one_process()
 
 

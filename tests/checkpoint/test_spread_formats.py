@@ -175,7 +175,8 @@ def test_a_transformers_export_in_its_own_layout(tmp_path):
     dcp of the run writes the tied weight twice from one checksummed piece; diff, which reads the
     export back transposed, spreads to the one-process output; --to sharded and --to dcp of the
     export, which would transpose it back into one scratch file, are one line and exit 2 with a
-    launch flag, nothing written."""
+    launch flag of more than one process, nothing written; its plain --dry-run says it runs in one
+    process, and --nproc-per-node 1 writes the one-process bytes."""
     import torch.distributed.checkpoint as dcp
 
     from fsdpkit.models.source import resolve
@@ -197,7 +198,13 @@ def test_a_transformers_export_in_its_own_layout(tmp_path):
         lines = [line for line in refused.output.splitlines() if line.strip()]
         assert refused.exit_code == 2 and len(lines) == 1 and "in one process" in lines[0], refused.output
         assert not (tmp_path / to).exists() and not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+        planned = run_cli("convert", tmp_path / "hf", tmp_path / to, "--to", to, *flags, "--dry-run")
+        assert planned.exit_code == 0 and planned.stdout.startswith("dry run: ") and "in one process" in planned.stdout, planned.output
+        assert planned.stdout.rstrip().endswith("nothing written") and not (tmp_path / to).exists()
     _under_torchrun_rank_0_converts_it_alone(tmp_path)
+    alone = run_cli("convert", tmp_path / "hf", tmp_path / "alone", "--to", "sharded", "--world-size", "2", "--nproc-per-node", "1")
+    assert alone.exit_code == 0 and "in one process" in alone.stderr, alone.output
+    assert _files(tmp_path / "alone") == _files(tmp_path / "one")
 
 
 def _under_torchrun_rank_0_converts_it_alone(tmp_path: Path) -> None:

@@ -46,8 +46,9 @@ Progress = Callable[[int], None] | None
 
 
 class OneProcessOnly(UsageError):
-    """A conversion that only the one-process writer does (it needs a local scratch file), `why`;
-    under torchrun rank 0 runs it so (cli/spread_options.py), elsewhere the line says to."""
+    """A conversion that only the one-process writer does (it needs a local scratch file), `why`:
+    a command of one process in all, or under torchrun, runs it so (torchrun's rank 0 alone);
+    with more processes of fsdpkit's own launch the line says to leave out the launch flags."""
 
     ADVICE = ": leave out the launch flags"
 
