@@ -107,9 +107,9 @@ def test_a_rank_whose_process_exited_is_named():
     hub.close()
 
 
-def test_across_nodes_a_rank_with_another_key_or_rank_is_refused_and_named():
+def test_across_nodes_a_rank_with_another_key_or_rank_is_refused_and_named(capsys, caplog):
     """Across nodes the key is derived from the run: a node started with another command gets
-    another key and is refused (both sides say so); a rank given twice is refused at join."""
+    another key and is refused (both sides say so, rank 0 at once); a rank given twice is refused at join."""
     import socket
 
     with socket.socket() as probe:
@@ -119,6 +119,11 @@ def test_across_nodes_a_rank_with_another_key_or_rank_is_refused_and_named():
     address = ("127.0.0.1", port)
     with pytest.raises(RunError, match=r"^rank 1: rank 0 at 127.0.0.1:\d+ refused this node's key: every node must run the same command"):
         HubClient(address, shared_key("127.0.0.1", str(port), "3", "convert A C"), 1, 3, timeout=5)
+    said, deadline = "", time.monotonic() + 10  # the hub's thread says it as it refuses; the refused rank may hear first
+    while "refused a connection" not in said and time.monotonic() < deadline:  # on stderr once the CLI set up fsdpkit's log
+        said += capsys.readouterr().err + caplog.text
+        time.sleep(0.05)
+    assert "rank 0 refused a connection from 127.0.0.1 with another key: every node must run the same command" in said
     joined = HubClient(address, shared_key("127.0.0.1", str(port), "3", "convert A B"), 1, 3, timeout=5)
     assert joined.task == "task"
     with pytest.raises(RunError, match=r"^rank 1 joined twice or is outside 1..2: give each node its own --node-rank$"):

@@ -32,6 +32,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ... import log
 from ...errors import RunError
 from . import handshake
 
@@ -169,6 +170,11 @@ class Hub:
         try:
             conn, (_, rank, world_size) = handshake.greet(sock, self.key, time.monotonic() + self.timeout)
         except AuthenticationError:  # another run's key (another command line, or another $FSDPKIT_SPREAD_KEY)
+            if host not in self._refused:
+                log.warn(
+                    f"rank 0 refused a connection from {host} with another key: every node must run the same command "
+                    f"(and the same ${KEY_ENV} where set); waiting up to --timeout {self.timeout:g} s for the ranks not joined"
+                )
             self._refused.append(host)
             return
         except (OSError, EOFError, ValueError, TypeError, handshake.Unfinished):  # it left, said nothing, or said something else
