@@ -151,11 +151,11 @@ class Staging:
         """The staging area becomes DST (see the module docstring)."""
         parent = dst.absolute().parent
         try:
+            if (dst.exists() or dst.is_symlink()) and not overwrite:  # the records stay: a rerun with --overwrite continues
+                raise UsageError(f"destination {dst} appeared while the conversion ran; pass --overwrite to replace it")
             shutil.rmtree(self.state)
             sync_files(self.path, [entry.name for entry in os.scandir(self.path) if entry.is_file()])
             if dst.exists() or dst.is_symlink():
-                if not overwrite:
-                    raise UsageError(f"destination {dst} appeared while the conversion ran; pass --overwrite to replace it")
                 old = parent / f"{TMP_PREFIX}old-{dst.name}-{uuid.uuid4().hex[:8]}"
                 os.rename(dst, old)
                 os.rename(self.path, dst)
