@@ -79,6 +79,10 @@ def test_full_output_is_the_same_bytes_from_1_2_and_4_processes(source, tmp_path
         spread = json.loads(result.stdout)["spread"]
         assert spread["world_size"] == nproc and len(spread["ranks"]) == nproc
         assert spread["largest_share_vs_mean"] <= 1.1
+        ranks, written = spread["ranks"], sum(p.stat().st_size for p in (tmp_path / f"n{nproc}").glob("*.safetensors"))
+        assert [r["rank"] for r in ranks] == list(range(nproc)) and all(r["share_bytes"] == r["bytes_planned"] > 0 for r in ranks)
+        assert sum(r["share_bytes"] for r in ranks) == written and max(r["share_bytes"] for r in ranks) * nproc <= 1.1 * written
+        assert sum(r["parts"] for r in ranks) >= len(list(clean.glob("*.safetensors"))) and not any(r["kept"] for r in ranks), ranks
     loaded = _loaded(tmp_path / "n4")  # the oracle: the tensors the test wrote, read by safetensors
     assert set(loaded) == set(tensors)
     assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
@@ -86,6 +90,9 @@ def test_full_output_is_the_same_bytes_from_1_2_and_4_processes(source, tmp_path
 
 
 def test_a_file_larger_than_a_fair_share_is_cut_across_ranks(source, tmp_path):
+    """Files cut over 4 ranks, the run killed: a dry run of 2 ranks, which cut them otherwise,
+    keeps only the records of its own parts; the rerun of 4 keeps every record and gives the
+    one-process bytes. A single-file output is not cut, and the plan says why."""
     root, tensors, _ = source
     args = ("convert", root / "run", tmp_path / "out", "--to", "full", "--max-shard-size", "400KB", "--json")
     plain = run_cli(*args[:2], tmp_path / "plain", *args[3:])
@@ -96,8 +103,15 @@ def test_a_file_larger_than_a_fair_share_is_cut_across_ranks(source, tmp_path):
     assert sum(len(r["parts"]) for r in planned["ranks"]) > len(json.loads(plain.stdout)["files"]) - 1  # more parts than files
     assert planned["largest_share_vs_mean"] <= 1.1 and planned["predicted_seconds"] >= 0
     assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
+    killed = _with_env({FAULT_ENV: "kill:1:2:convert"}, [*args, "--nproc-per-node", "4"])
+    assert killed.exit_code == 1 and not (tmp_path / "out").exists(), killed.output
+    records = {(r["name"], r["begin"], r["end"]) for r in _records(staging_path(tmp_path / "out"))}
+    two = json.loads(run_cli(*args, "--nproc-per-node", "2", "--dry-run").stdout)
+    labels = {label for rank in two["ranks"] for label in rank["parts"]}
+    assert two["kept_parts"] == sum(f"{name} bytes [{begin}, {end})" in labels for name, begin, end in records) < len(records)
     result = run_cli(*args, "--nproc-per-node", "4")
     assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["spread"]["kept_parts"] == len(records) > 0
     assert _files(tmp_path / "out") == _files(tmp_path / "plain")
     single = run_cli("convert", root / "run", tmp_path / "one", "--to", "full", "--nproc-per-node", "2", "--dry-run")
     assert single.exit_code == 0 and "cannot be split" in single.stdout and "model.safetensors" in single.stdout
@@ -172,11 +186,13 @@ def test_a_killed_rank_then_the_same_command_continues(source, tmp_path):
     line = [line for line in killed.output.splitlines() if line.startswith("error:")]
     assert len(line) == 1 and "rank 1" in line[0] and "while writing " in line[0] and "nothing committed" in line[0], killed.output
     assert not dst.exists()
+    recorded = len(_records(staging_path(dst)))
     rerun = _convert(root / "run", dst, "--nproc-per-node", "2")
     assert rerun.exit_code == 0, rerun.output
     assert _files(dst) == _files(clean)
     spread = json.loads(rerun.stdout)["spread"]
-    assert spread["kept_parts"] >= parts // 4
+    assert f"{recorded} of {sum(r['parts'] for r in spread['ranks'])} parts are kept in {staging_path(dst)}" in line[0], line
+    assert spread["kept_parts"] == recorded >= parts // 4 and sum(r["kept"] for r in spread["ranks"]) == recorded
     assert spread["bytes_read"] <= 0.55 * total
 
 
@@ -257,9 +273,15 @@ def _records(staging: Path) -> list[dict]:
 def test_a_dry_run_says_what_the_rerun_keeps_and_a_plain_command_continues_it(source, tmp_path, monkeypatch):
     """After an interrupted spread run: the dry run says which finished parts the rerun keeps (the
     records in the staging area; the count the rerun reports), with --restart what it would
-    discard, and writes nothing; the plain command (no launch flag) continues the staging area
-    (a note says so) instead of leaving it beside DST. Another conversion's staging area is refused
-    by the plain command as by a spread run, and --restart discards it."""
+    discard, and writes nothing; the disk needs room only for what the staging area does not hold
+    yet; the same DST given other options is another conversion (refused). The plain command (no
+    launch flag) continues the staging area (a note says so) instead of leaving it beside DST.
+    Another conversion's staging area is refused by the plain command as by a spread run, and
+    --restart discards it."""
+    from collections import namedtuple
+
+    from fsdpkit.checkpoint.core import staging as core_staging
+
     root, _, clean = source
     dst = tmp_path / "out"
     assert _interrupted_at_the_third_file(source, dst, monkeypatch)[0].exit_code == 1
@@ -267,8 +289,17 @@ def test_a_dry_run_says_what_the_rerun_keeps_and_a_plain_command_continues_it(so
     records, before = _records(staging), tree_snapshot(staging)
     kept_bytes = sum(r["end"] - r["begin"] for r in records)
     assert len(records) >= 2
-    dry = json.loads(_convert(root / "run", dst, "--nproc-per-node", "1", "--dry-run").stdout)
+    output = sum(p.stat().st_size for p in clean.glob("*.safetensors"))
+    staged = sum(p.stat().st_size for p in staging.iterdir() if p.is_file())
+    room = namedtuple("usage", "total used free")(10**12, 0, int(output * 1.01 - staged / 2))  # room for the rest, not for all
+    with monkeypatch.context() as patched:
+        patched.setattr(core_staging.shutil, "disk_usage", lambda path: room)
+        dry = _convert(root / "run", dst, "--nproc-per-node", "1", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    dry = json.loads(dry.stdout)
     assert (dry["staging"], dry["kept_parts"], dry["kept_bytes"], dry["discarded_parts"]) == (str(staging), len(records), kept_bytes, 0)
+    other_options = _convert(root / "run", dst, "--dtype", "bf16", "--nproc-per-node", "2", "--dry-run")
+    assert other_options.exit_code == 2 and "holds the partial output of another conversion" in other_options.output, other_options.output
     text = run_cli("convert", root / "run", dst, "--to", "full", "--max-shard-size", SHARD, "--with-optimizer", "--dry-run")
     assert f"kept: {len(records)} of " in text.stdout, text.stdout
     restart = json.loads(_convert(root / "run", dst, "--nproc-per-node", "1", "--dry-run", "--restart").stdout)

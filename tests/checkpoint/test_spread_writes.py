@@ -1,12 +1,15 @@
 """A part of an output file written in place (spread's PartSink): the bytes and crc32 of what two
 parts wrote, against the data itself and zlib's crc32, with the writeback started behind the
-writes (made small here) covering each part's bytes once, in order, and only its own."""
+writes (made small here) covering each part's bytes once, in order, and only its own; a part
+given more bytes than its range, or fewer, is refused and writes nothing outside its range."""
 
 from __future__ import annotations
 
 import os
 import random
 import zlib
+
+import pytest
 
 from fsdpkit.checkpoint.spread import writes
 from fsdpkit.checkpoint.spread.writes import PartSink
@@ -39,3 +42,14 @@ def test_two_parts_written_with_write_behind_give_the_bytes_and_their_crc32(tmp_
         assert behind and all(b[0] == a[1] for a, b in zip(behind, behind[1:], strict=False)), behind
         assert behind[0][0] == begin and behind[-1][1] <= end
     assert path.read_bytes() == data
+
+
+def test_a_part_given_more_or_fewer_bytes_than_its_range_is_refused(tmp_path):
+    path = tmp_path / "out.bin"
+    path.write_bytes(bytes(30))
+    with pytest.raises(ValueError, match=r"writing past byte 20, the end of this part"), PartSink(path, 10, 20) as sink:
+        sink.write(b"a" * 6)
+        sink.write(b"b" * 5)  # one byte past the end
+    with pytest.raises(ValueError, match=r"part ends at byte 19, expected 20"), PartSink(path, 10, 20) as sink:
+        sink.write(b"c" * 9)
+    assert path.read_bytes() == bytes(10) + b"c" * 9 + bytes(11)  # nothing past the range, nor before it
