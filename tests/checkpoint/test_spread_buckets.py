@@ -175,9 +175,10 @@ def test_reshard_verify_and_diff_of_fsdpkit_checkpoints_in_a_bucket(s3_bucket, s
 
 def test_the_staging_record_in_the_bucket_is_kept_refused_or_discarded(s3_bucket, s3_endpoint):
     """prepare_bucket against the server, the objects listed by boto3: the same conversion finds
-    its records again, another is refused unless --restart (which drops them), a whole
-    checkpoint needs --overwrite and then loses its commit object first, and what a run leaves
-    is what a one-process write to the URL replaces without --overwrite."""
+    its records again (those whose object is there and long enough), another is refused unless
+    --restart (which drops them), a whole checkpoint needs --overwrite and then loses its commit
+    object first, what a run leaves is what a one-process write to the URL replaces without
+    --overwrite, and a commit object written there during the run is not replaced without it."""
     from fsdpkit.checkpoint.spread.bucket import prepare_bucket
     from fsdpkit.checkpoint.storage.upload import check_destination
     from fsdpkit.errors import UsageError
@@ -190,13 +191,22 @@ def test_the_staging_record_in_the_bucket_is_kept_refused_or_discarded(s3_bucket
     staging = prepare_bucket(url, digest="one", overwrite=True, restart=False)
     assert "manifest.json" not in _objects(s3_endpoint, s3_bucket, "out")  # no reader takes old and new for one checkpoint
     staging.write_state("done/00000-00000.json", json.dumps({"file": 0, "index": 0, "name": "a.safetensors", "begin": 0, "end": 10}))
+    staging.write_state("done/00000-00001.json", json.dumps({"file": 0, "index": 1, "name": "a.safetensors", "begin": 0, "end": 11}))
+    staging.write_state("done/00001-00000.json", json.dumps({"file": 1, "index": 0, "name": "b.safetensors", "begin": 0, "end": 5}))
     check_destination(staging.storage, overwrite=False)  # an interrupted write: replaced without --overwrite
-    assert list(prepare_bucket(url, digest="one", overwrite=False, restart=False).records()) == [(0, 0)]
+    found = prepare_bucket(url, digest="one", overwrite=False, restart=False).records()
+    assert list(found) == [(0, 0)]  # not the record longer than its object, nor the one without an object
     with pytest.raises(UsageError, match="--restart"):
         prepare_bucket(url, digest="two", overwrite=False, restart=False)
-    assert prepare_bucket(url, digest="two", overwrite=False, restart=True).records() == {}
+    restarted = prepare_bucket(url, digest="two", overwrite=False, restart=True)
+    assert restarted.records() == {}
     names = set(_objects(s3_endpoint, s3_bucket, "out"))
     assert names == {"a.safetensors", ".fsdpkit-writing", ".fsdpkit-spread/plan.json", ".fsdpkit-spread/token"}
+    client.put_object(Bucket=s3_bucket, Key="out/manifest.json", Body=b"theirs")  # a checkpoint written there meanwhile
+    with pytest.raises(UsageError, match="manifest.json appeared while the conversion ran; pass --overwrite"):
+        restarted.commit_job(None, [], url, overwrite=False)
+    left = _objects(s3_endpoint, s3_bucket, "out")
+    assert set(left) == {*names, "manifest.json"} and left["manifest.json"] == b"theirs"
 
 
 def _without_spread(stdout: str) -> dict:

@@ -525,10 +525,11 @@ def test_a_node_rank_given_twice_is_named_even_when_the_run_is_quick(tmp_path):
     assert twice == "error: rank 1 joined twice or is outside 1..1: give each node its own --node-rank\n", outputs
 
 
-def test_a_node_that_does_not_see_the_same_paths_is_named(tmp_path):
+def test_a_node_that_does_not_see_the_same_paths_is_named(source, tmp_path, monkeypatch):
     """What each rank checks before writing: its listing of SRC matches rank 0's, and it reads
     the token rank 0 wrote into DST's staging area (on a node without the shared filesystem it
-    cannot)."""
+    cannot); a run whose rank does not read it stops with that line before any part is written."""
+    from fsdpkit.checkpoint.spread import runner
     from fsdpkit.checkpoint.spread.runner import SpreadTask, view_problem
     from fsdpkit.checkpoint.spread.staging import STATE_DIR, TOKEN_NAME, fingerprint
 
@@ -546,6 +547,11 @@ def test_a_node_that_does_not_see_the_same_paths_is_named(tmp_path):
     assert elsewhere is not None and "rank 3" in elsewhere and "every node must see the same DST" in elsewhere
     other_source = view_problem(task, Job(), {**header, "digest": "0" * 32}, 2)
     assert other_source is not None and "rank 2" in other_source and "sees SRC differently" in other_source
+    monkeypatch.setattr(runner, "_seen_token", lambda location: None)  # as on a node that does not share DST's filesystem
+    blind = _convert(source[0] / "run", tmp_path / "blind", "--nproc-per-node", "1")
+    assert blind.exit_code == 1 and len(_error_lines(blind)) == 1, blind.output
+    assert "rank 0 on " in blind.output and "every node must see the same DST" in blind.output, blind.output
+    assert not (tmp_path / "blind").exists() and _records(staging_path(tmp_path / "blind")) == []
 
 
 def test_which_command_lines_start_their_workers_first(monkeypatch):
