@@ -106,6 +106,7 @@ def test_a_file_larger_than_a_fair_share_is_cut_across_ranks(source, tmp_path):
     killed = _with_env({FAULT_ENV: "kill:1:2:convert"}, [*args, "--nproc-per-node", "4"])
     assert killed.exit_code == 1 and not (tmp_path / "out").exists(), killed.output
     records = {(r["name"], r["begin"], r["end"]) for r in _records(staging_path(tmp_path / "out"))}
+    assert f"; {len(records)} of " in killed.output, killed.output  # counted once the 3 other ranks had stopped
     two = json.loads(run_cli(*args, "--nproc-per-node", "2", "--dry-run").stdout)
     labels = {label for rank in two["ranks"] for label in rank["parts"]}
     assert two["kept_parts"] == sum(f"{name} bytes [{begin}, {end})" in labels for name, begin, end in records) < len(records)

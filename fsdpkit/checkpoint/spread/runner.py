@@ -504,25 +504,26 @@ def run_on_nodes(task: SpreadTask, options: LaunchOptions, early: EarlyWorkers |
     processes: dict = {}
     grace = 0.5 if options.nnodes == 1 else WORKERS_EXIT_SECONDS  # on failure: other nodes' ranks get the line
     try:
-        processes = start_workers(address, key, range(first + 1, first + per_node), world_size, task.timeout, early)
-        if hub is not None:
-            hub.processes.update(processes)
-        else:
-            connected.append(HubClient(address, key, first, world_size, task.timeout))
-        result = run_ranks(connected[0].task, connected[0], show)
-        grace = WORKERS_EXIT_SECONDS
-        return result
-    except RunError as error:
+        try:
+            processes = start_workers(address, key, range(first + 1, first + per_node), world_size, task.timeout, early)
+            if hub is not None:
+                hub.processes.update(processes)
+            else:
+                connected.append(HubClient(address, key, first, world_size, task.timeout))
+            result = run_ranks(connected[0].task, connected[0], show)
+            grace = WORKERS_EXIT_SECONDS
+            return result
+        finally:
+            close()
+            if hub is not None:
+                hub.wait_until_left(grace)
+                if options.nnodes > 1:  # a rank given twice, still trying to join, hears it was (rather than that no one listens)
+                    time.sleep(LATE_JOIN_SECONDS)
+            stop_workers(processes, grace=grace)
+            for connection in connected:
+                connection.close()
+    except RunError as error:  # the parts kept counted once this node's other ranks have stopped
         raise RunError(failed_part_line(task, str(error))) from None
-    finally:
-        close()
-        if hub is not None:
-            hub.wait_until_left(grace)
-            if options.nnodes > 1:  # a rank given twice, still trying to join, hears it was (rather than that no one listens)
-                time.sleep(LATE_JOIN_SECONDS)
-        stop_workers(processes, grace=grace)
-        for connection in connected:
-            connection.close()
 
 
 def _rank_0_hub(task: SpreadTask, options: LaunchOptions, first: int) -> tuple[Hub | None, tuple[str, int], bytes]:
