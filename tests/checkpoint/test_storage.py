@@ -26,14 +26,17 @@ def storage(request, tmp_path):
 
 def test_ranged_reads_multipart_write_list_delete(storage):
     data = os.urandom(2 * PART_BYTES + 12345)  # three parts on an object store
+    buffer = bytearray(3 << 20)  # refilled before each write, as a reader's block is
     with storage.write("step/rank-0.bin") as stream:
-        for first in range(0, len(data), 3 << 20):
-            stream.write(memoryview(data)[first : first + (3 << 20)])
+        for first in range(0, len(data), len(buffer)):
+            piece = data[first : first + len(buffer)]
+            buffer[: len(piece)] = piece
+            stream.write(memoryview(buffer)[: len(piece)])
     storage.put("step/small", b"abc")
     assert storage.list() == {"step/rank-0.bin": len(data), "step/small": 3}
     assert storage.list("step") == storage.list() and storage.list("ste") == {}
     assert storage.size("step/rank-0.bin") == len(data) and storage.size("nothing") is None
-    assert storage.read("step/rank-0.bin", 5, 105) == data[5:105]
+    assert storage.read("step/rank-0.bin") == data and storage.read("step/rank-0.bin", 5, 105) == data[5:105]
     ranges = [(7, 20), (1000, 1000 + 3 * READ_BLOCK_BYTES // 2), (len(data) - 10, len(data))]
     blocks = [(offset, bytes(block)) for offset, block in storage.read_blocks("step/rank-0.bin", ranges)]
     assert [offset for offset, _ in blocks] == sorted(offset for offset, _ in blocks)
@@ -52,6 +55,45 @@ def test_a_failed_write_leaves_nothing(storage):
         stream.write(os.urandom(PART_BYTES + 1))  # one part uploaded on an object store
         raise KeyError("interrupted")
     assert storage.list() == {}
+
+
+def test_publish_commits_last_and_a_failed_one_over_a_checkpoint_leaves_no_commit_object(tmp_path):
+    """`publish` of a directory: the commit object is the last object completed. Published again
+    over it (--overwrite) and failing midway: neither the old nor the new manifest is left, only
+    the marker, so no reader takes the mix of old and new objects for a checkpoint and the rerun
+    needs no --overwrite."""
+    import contextlib
+
+    from fsdpkit.checkpoint.storage.local import LocalStorage
+    from fsdpkit.checkpoint.storage.upload import WRITING_MARKER, check_destination, publish
+
+    completed: list[str] = []
+
+    class Recorded(LocalStorage):
+        failing = ""
+
+        @contextlib.contextmanager
+        def write(self, name):
+            with super().write(name) as stream:
+                if name == self.failing:
+                    raise RunError(f"{name}: write failed")
+                yield stream
+            completed.append(name)
+
+    names = ["manifest.json", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+    for step in (1, 2):
+        for name in names:
+            (tmp_path / f"src{step}" / name).parent.mkdir(exist_ok=True)
+            (tmp_path / f"src{step}" / name).write_bytes(f"{name} of step {step}".encode())
+    destination = Recorded(tmp_path / "dst")
+    publish(tmp_path / "src1", destination, check_destination(destination, overwrite=False))
+    assert completed[0] == WRITING_MARKER and sorted(completed[1:]) == names and completed[-1] == "manifest.json", completed
+    assert destination.read("manifest.json") == b"manifest.json of step 1" and WRITING_MARKER not in destination.list()
+    destination.failing = names[-1]
+    with pytest.raises(RunError, match="write failed"):
+        publish(tmp_path / "src2", destination, check_destination(destination, overwrite=True))
+    assert "manifest.json" not in destination.list() and WRITING_MARKER in destination.list(), destination.list()
+    check_destination(destination, overwrite=False)  # an interrupted write: no --overwrite needed
 
 
 def test_conditional_create_makes_one_writer(storage):
