@@ -162,6 +162,9 @@ CASES = {
         "naming rule outside": Case(
             lambda run: _manifest_edit(run, lambda d: d.update(files="../evil-{rank}")), "file naming rule '../evil-{rank}' is not"
         ),
+        "another format": Case(
+            lambda run: _manifest_edit(run, lambda d: d.update(format="other")), "format is 'other', expected 'fsdpkit-checkpoint'"
+        ),
         "edited plan": Case(_move_param, "the layout the manifest gives"),
         "dtype edited": Case(_table_dtype, "the layout the manifest gives"),
         "world size edited": Case(
@@ -233,6 +236,18 @@ def test_a_directory_that_is_no_checkpoint_is_bad_input(tmp_path):
     installed = subprocess.run([fsdpkit, "inspect", empty], capture_output=True, text=True, timeout=120)
     assert installed.returncode == 2 and installed.stderr.strip() == f"error: {empty}: {NOT_A_CHECKPOINT}", installed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt"]
+
+
+def test_a_step_directory_holding_a_model_safetensors_is_fsdpkits_and_refused(pristines, tmp_path):
+    """The manifest makes a directory fsdpkit's checkpoint, whatever else it holds: a
+    model.safetensors beside it is a file the manifest does not account for, not a full
+    checkpoint to read instead."""
+    step = _step(_copy(pristines[2], tmp_path))
+    shutil.copy(step / RANK1, step / "model.safetensors")
+    for command in (("verify", step), ("convert", step, tmp_path / "out", "--to", "dcp")):
+        result = run_cli(*command)
+        assert result.exit_code == 3 and "does not account for: ['model.safetensors']" in result.stderr, (command, result.output)
+    assert not (tmp_path / "out").exists()
 
 
 def test_reshard_of_a_format_without_ranks_says_what_to_do(ckpt, tmp_path):

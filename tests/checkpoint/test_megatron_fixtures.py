@@ -89,3 +89,18 @@ def test_verify_checks_the_sha256_that_integrity_json_lists(tmp_path):
     zarr = checkpoint_of("mcore_0_15_zarr")  # no data checked: the same report from rank 0
     one, spread = run_cli("verify", zarr), run_cli("verify", zarr, "--nproc-per-node", "2")
     assert one.exit_code == spread.exit_code == 0 and spread.stdout == one.stdout, spread.output
+
+
+def test_a_metadata_json_of_another_backend_is_named_not_read_as_dcp(tmp_path):
+    """A torch_dist directory is a DCP directory too: one whose metadata.json names a backend
+    fsdpkit does not read is still Megatron's, and every command names that file (exit 3)."""
+    import shutil
+
+    checkpoint = shutil.copytree(checkpoint_of("mcore_0_19_torch_dist"), tmp_path / "ckpt")
+    (checkpoint / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr3", "sharded_backend_version": 1}))
+    for command in (["inspect"], ["verify"], ["convert", "--to", "full"]):
+        out = [tmp_path / "out"] if command[0] == "convert" else []
+        done = run_cli(command[0], checkpoint, *out, *command[1:])
+        expected = f"error: {checkpoint}/metadata.json: sharded_backend 'zarr3', fsdpkit reads torch_dist and zarr"
+        assert done.exit_code == 3 and done.stderr.strip() == expected, (command, done.output)
+    assert not (tmp_path / "out").exists()
