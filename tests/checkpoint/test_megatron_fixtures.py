@@ -1,7 +1,8 @@
 """Checkpoints that megatron-core itself wrote (committed under tests/fixtures/megatron/, with
 Megatron's own `load_plain_tensors` of each and its forward's logits): fsdpkit opens every
 generation there without Megatron, each unstacked layer equals Megatron's stacked tensor's row,
-and transformers' logits of `convert --to full` are within 1e-5 of Megatron's forward."""
+transformers' logits of `convert --to full` are within 1e-5 of Megatron's forward, and `convert
+--to megatron` of those transformers files stores Megatron's own tensors again."""
 
 import json
 from pathlib import Path
@@ -58,6 +59,17 @@ def test_hf_conversion_gives_megatrons_logits(name, tmp_path):
     with torch.no_grad():
         logits = hf(expected["oracle.tokens"]).logits
     assert (logits - expected["oracle.logits"]).abs().max().item() < TOLERANCE
+    # and back: `--to megatron` of those files stores Megatron's own tensors (torch's DCP reader)
+    import torch.distributed.checkpoint as dcp
+
+    done = run_cli("convert", tmp_path / "hf", tmp_path / "back", "--to", "megatron")
+    assert done.exit_code == 0, done.output
+    stored = {key.removeprefix("module."): whole for key, whole in expected.items() if not key.startswith("oracle.")}
+    reader = dcp.FileSystemReader(str(tmp_path / "back"))
+    assert sorted(key for key, item in reader.read_metadata().state_dict_metadata.items() if hasattr(item, "size")) == sorted(stored)
+    loaded = {key: torch.empty_like(whole) for key, whole in stored.items()}
+    dcp.load(loaded, storage_reader=reader, no_dist=True)
+    assert [key for key, whole in stored.items() if not torch.equal(loaded[key], whole)] == []
 
 
 KIT_TARGETS = [".metadata", "common.pt", "shard"]
