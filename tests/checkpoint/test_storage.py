@@ -258,7 +258,8 @@ def test_a_long_write_waits_for_its_parts_and_stays_whole(s3_bucket, s3_endpoint
 def test_runs_read_in_file_order_share_their_gets_and_runs_apart_fetch_only_themselves(s3_bucket, s3_endpoint, monkeypatch):
     """The byte engine's runs of one object (a ZeRO-3 rank file's partitions, tensor by tensor):
     runs that each start where the last ended continue one longer GET instead of a GET each,
-    and runs with gaps between them fetch their own bytes and no more; boto3 wrote the bytes."""
+    and runs with gaps between them fetch their own bytes and no more; a `pread` larger than the
+    kept blocks is one GET of its own bytes, not the blocks around them; boto3 wrote the bytes."""
     from fsdpkit.checkpoint.storage.handle import open_handle
 
     data, run = os.urandom(6 << 20), 64 << 10
@@ -276,3 +277,9 @@ def test_runs_read_in_file_order_share_their_gets_and_runs_apart_fetch_only_them
             assert gets <= 2, gets  # 96 runs: the first GET, then one to the object's end
         else:
             assert gets == len(got) and proxy.got_bytes == len(got) * run, (gets, proxy.got_bytes)
+    with FaultProxy(s3_endpoint, fraction=0.0) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        handle, _ = open_handle(open_storage(f"s3://{s3_bucket}/runs"), "rank-0.pt")
+        asked = proxy.requests
+        assert handle.pread(1 << 20, 12345) == data[12345 : 12345 + (1 << 20)]
+        assert (proxy.requests - asked, proxy.got_bytes) == (1, 1 << 20)
