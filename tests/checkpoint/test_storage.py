@@ -209,7 +209,7 @@ def test_azure_with_an_account_needs_a_secret(monkeypatch, tmp_path):
     with pytest.raises(UsageError, match="no Azure credentials found: set AZURE_STORAGE_ACCOUNT_KEY"):
         open_storage("az://container/run")
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "a2V5")
-    assert parse_url("az://container/run/x").prefix == "run/x"
+    assert parse_url("az://container/run/x").prefix == parse_url("az://container/run/x/").prefix == "run/x"  # a directory's slash
     assert open_storage("az://container/run").where("a/b") == "az://container/run/a/b"
 
 
