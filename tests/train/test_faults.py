@@ -369,6 +369,24 @@ def test_an_interrupt_held_back_during_torchs_import_does_not_come_again_in_the_
     assert (result.returncode, result.stderr) == (130, "error: interrupted\n")
 
 
+def test_an_interrupt_that_python_wrapped_in_another_error_is_one_line_and_exit_130():
+    """Ctrl-C while an import defines a dataclass: Python 3.11 wraps the KeyboardInterrupt raised
+    in a field's `__set_name__` in a RuntimeError, which must end as every interrupt does."""
+    code = (
+        "import os, signal, sys, types\n"
+        "from fsdpkit_cli import entry\n"
+        "class Field:\n"
+        "    def __set_name__(self, owner, name):\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "def run(early=None):\n"
+        "    type('LogsDest', (), {'filtered_stdout': Field()})\n"
+        "sys.modules['fsdpkit_cli.app'] = types.SimpleNamespace(main=run)  # the command line, without Typer\n"
+        "entry.main()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (130, "error: interrupted\n")
+
+
 def test_sigint_at_any_moment_is_one_line_and_exit_130(tmp_path):
     """SIGINT while the CLI imports, parses, validates, starts the workers, trains or saves: one
     line and exit 130, no process left (an interrupt that code below torch's imports swallowed
