@@ -188,3 +188,24 @@ def test_torch_save_chunk_views(tmp_path):
             assert torch.equal(loaded["a"], base[2:6])
         else:
             assert result.exit_code == 3 and "'a'" in result.output and "not contiguous" in result.output, result.output
+
+
+def test_param_groups_in_index_order_whatever_the_metadata_order(tmp_path):
+    """DCP's planner hands bytes items to ranks to even out their files, so `.metadata` may list
+    group 10's settings before group 2's: the groups come back in index order all the same."""
+    import io
+
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from fsdpkit.checkpoint.dcp.param_groups import read_param_groups
+
+    groups = [{"lr": 0.1 * (i + 1), "betas": (0.9, 0.99 - i / 100), "params": [f"layers.{i}.weight"]} for i in range(11)]
+    flat, _ = flatten_state_dict({"optimizer": {"param_groups": groups}})
+    saved = {}
+    for key, value in flat.items():
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        saved[key] = buffer.getvalue()
+    got = read_param_groups(sorted(saved, reverse=True), saved.__getitem__, optimizer_key="optimizer")
+    expected = [{"settings": {"lr": g["lr"], "betas": list(g["betas"])}, "params": g["params"]} for g in groups]
+    assert got == expected

@@ -4,7 +4,8 @@ weights and Adam moments equal to the source's and the next losses equal to an u
 torch AdamW continuing from the same state.
 
 One launch of 3 ranks loads stages 1, 2 and 3 one after the other (3 ranks: the flat group of
-stages 1 and 2 and every parameter of stage 3 end in padding), a stage-2 checkpoint of 2 ranks
+stages 1 and 2, 74 elements, ends in padding to 78, a multiple of 2 * 3 and not only of 3, and
+every parameter of stage 3 ends in padding), a stage-2 checkpoint of 2 ranks
 that `reshard --world-size 3` laid out again, and DeepSpeed's own way to the same: its
 `ds_to_universal` of the 2-rank checkpoint, loaded with `load_universal` (both must give the
 reference's weights, moments and next losses). A second launch (FSDP2, 2 ranks) checks that
@@ -46,7 +47,7 @@ LABELS = (*(str(stage) for stage in STAGES), RESHARDED, UNIVERSAL)
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 4))
 
 
 def _batch(step: int) -> torch.Tensor:
