@@ -2,7 +2,7 @@
 CPU for each layout, saved with DeepSpeed's own `engine.save_checkpoint`, all in one launch.
 
 Layouts: (name, ZeRO stage, precision). The model has an odd vocabulary and hidden size (so
-every stage pads), a frozen parameter (the final norm), two parameter groups (no weight decay
+every stage pads), a frozen parameter (the final norm, its values all different), two parameter groups (no weight decay
 on norms) and a buffer-free Llama; `tied` adds tied embeddings.
 """
 
@@ -39,7 +39,10 @@ def _model(tied: bool):  # type: ignore[no-untyped-def]
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(tied))
-    model.model.norm.weight.requires_grad_(False)
+    frozen = model.model.norm.weight
+    with torch.no_grad():  # not all ones: a ZeRO-3 fragment read from the wrong rank would look right
+        frozen.copy_(torch.linspace(0.5, 1.5, frozen.numel()))
+    frozen.requires_grad_(False)
     return model
 
 
