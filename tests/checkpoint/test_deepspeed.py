@@ -254,16 +254,22 @@ def test_convert_dcp_loads_in_fsdp2(saved, fsdp2, flatten):
     assert found["param_groups"] == settings
 
 
-@pytest.mark.parametrize(("layout", "stage"), [("z1_fp32", 1), ("z2_tied", 2)])
+@pytest.mark.parametrize(("layout", "stage"), [("z1_fp32", 1), ("z2_tied", 2), ("z3_bf16", 3)])
 def test_deepspeed_to_sharded_to_deepspeed_is_bitwise(saved, tmp_path, layout, stage):
     """DeepSpeed -> fsdpkit (3 ranks) -> DeepSpeed (2 ranks, the same stage): every tensor of
     every file equal to DeepSpeed's own (torch.load of both), frozen and tied ones included,
-    a tied name sharing its storage as in DeepSpeed's file."""
-    config = tmp_path / "llama"
-    deepspeed_worker.llama_config(tied=layout == "z2_tied").save_pretrained(config)
-    args = ("--to", "sharded", "--world-size", "3", "--model", f"hf:{config}")
-    assert run_cli("convert", saved / layout, tmp_path / "sh", *args).exit_code == 0
-    result = run_cli("convert", tmp_path / "sh", tmp_path / "ds", "--to", "deepspeed", "--stage", str(stage), "--world-size", "2")
+    a tied name sharing its storage as in DeepSpeed's file. The bf16 ZeRO-3 one goes through
+    `reshard` to 3 ranks and back (the sharded format keeps no bf16 run), its frozen parameter's
+    fragments each rank's own."""
+    if stage == 3:
+        assert run_cli("reshard", saved / layout, tmp_path / "at-3", "--world-size", "3").exit_code == 0
+        result = run_cli("reshard", tmp_path / "at-3", tmp_path / "ds", "--world-size", "2")
+    else:
+        config = tmp_path / "llama"
+        deepspeed_worker.llama_config(tied=layout == "z2_tied").save_pretrained(config)
+        args = ("--to", "sharded", "--world-size", "3", "--model", f"hf:{config}")
+        assert run_cli("convert", saved / layout, tmp_path / "sh", *args).exit_code == 0
+        result = run_cli("convert", tmp_path / "sh", tmp_path / "ds", "--to", "deepspeed", "--stage", str(stage), "--world-size", "2")
     assert result.exit_code == 0, result.output
     original = sorted(p.name for p in (saved / layout / "global_step3").iterdir())
     assert sorted(p.name for p in (tmp_path / "ds" / "global_step3").iterdir()) == original
@@ -273,8 +279,8 @@ def test_deepspeed_to_sharded_to_deepspeed_is_bitwise(saved, tmp_path, layout, s
         assert set(found) == set(expected), name
         for path, tensor in expected.items():
             assert found[path].dtype == tensor.dtype and torch.equal(found[path], tensor), (name, path)
-    module = torch.load(tmp_path / "ds" / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     if layout == "z2_tied":
+        module = torch.load(tmp_path / "ds" / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
         assert module["lm_head.weight"].data_ptr() == module["model.embed_tokens.weight"].data_ptr()
 
 
@@ -452,6 +458,11 @@ def test_open_checkpoint_reads_what_zero_to_fp32_gives(saved):
             assert checkpoint.get_item("ds_version") == "0.19.8" and checkpoint.get_item("global_steps") == 3
             groups = checkpoint.get_item("optimizer.param_groups")
             assert [(g["lr"], g["weight_decay"]) for g in groups] == [(1e-2, 0.1), (1e-2, 0.0)], layout  # the worker's AdamW groups
+            optim = torch.load(next((saved / layout / "global_step3").glob("*rank_0_*optim_states.pt")), weights_only=False)
+            state = optim["optimizer_state_dict"]
+            base = state["base_optimizer_state"] if "base_optimizer_state" in state else state["optimizer_state_dict"]
+            plain = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
+            assert groups == plain, layout
 
 
 def test_train_resumes_and_starts_from_a_deepspeed_checkpoint(saved, tmp_path):
