@@ -449,3 +449,17 @@ def test_open_checkpoint_reads_what_torch_loads(saved, tmp_path):
             if name != "fsdp1":
                 assert checkpoint.get_item("train_state.note") == reference["train_state"]["note"] == "pickled"
                 assert checkpoint.get_item("optimizer.param_groups.0.lr") == reference["optimizer"]["param_groups"][0]["lr"]
+
+
+def test_chunks_listed_in_any_order(saved, tmp_path):
+    """torch's loader looks each chunk up, so `.metadata` may list a tensor's chunks in any
+    order: reshard of a copy listing them last rank first writes what torch loads as the original."""
+    root, _ = saved
+    original, copy = root / "llama-torch_save", tmp_path / "reversed"
+    shutil.copytree(original, copy)
+    _rewrite_metadata(copy, lambda m: [item.chunks.reverse() for item in m.state_dict_metadata.values() if hasattr(item, "chunks")])
+    result = run_cli("reshard", copy, tmp_path / "r3", "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    expected, found = _torch_reference(original, tmp_path), _torch_reference(tmp_path / "r3", tmp_path)
+    assert set(found["model"]) == set(expected["model"])
+    assert all(torch.equal(found["model"][name], tensor) for name, tensor in expected["model"].items())
