@@ -192,6 +192,8 @@ def test_diff_across_formats(saved, tmp_path):
     name = "model.norm.weight"
     weights[name] = weights[name] + 1e-3
     weights["lm_head.weight"] = weights["lm_head.weight"].double()
+    embed = "model.embed_tokens.weight"  # small values: 1% off each is far under 1e-2 absolute
+    original, weights[embed] = weights[embed].double(), weights[embed] * 1.01
     changed = tmp_path / "changed"
     changed.mkdir()
     from safetensors.torch import save_file
@@ -204,6 +206,14 @@ def test_diff_across_formats(saved, tmp_path):
     assert rows["lm_head.weight"]["status"] == "dtype"
     loose = run_cli("diff", dcp_a, changed, "--model-only", "--atol", "2e-3", "--json")
     assert json.loads(loose.stdout)["tensors"] and {r["name"]: r for r in json.loads(loose.stdout)["tensors"]}[name]["status"] == "close"
+    scaled = weights[embed].double()
+    delta = (scaled - original).abs()
+    rel = float(torch.where(delta == 0, 0.0, delta / scaled.abs()).max())
+    assert float(delta.max()) < rel / 2  # so --rtol rel / 2 without the scale would pass it
+    for rtol, status in ((rel / 2, "different"), (rel * 2, "close")):
+        strict = run_cli("diff", dcp_a, changed, "--model-only", "--rtol", str(rtol), "--json")
+        rows = {r["name"]: r for r in json.loads(strict.stdout)["tensors"]}
+        assert rows[embed]["status"] == status and rows[embed]["max_rel"] == pytest.approx(rel, rel=1e-9), (rtol, rows[embed])
 
 
 def _rewrite_metadata(directory: Path, change) -> None:
