@@ -190,7 +190,7 @@ def test_torch_save_chunk_views(tmp_path):
             assert result.exit_code == 3 and "'a'" in result.output and "not contiguous" in result.output, result.output
 
 
-def test_param_groups_in_index_order_whatever_the_metadata_order(tmp_path):
+def test_param_groups_in_index_order_whatever_the_metadata_order():
     """DCP's planner hands bytes items to ranks to even out their files, so `.metadata` may list
     group 10's settings before group 2's: the groups come back in index order all the same."""
     import io
@@ -209,3 +209,34 @@ def test_param_groups_in_index_order_whatever_the_metadata_order(tmp_path):
     got = read_param_groups(sorted(saved, reverse=True), saved.__getitem__, optimizer_key="optimizer")
     expected = [{"settings": {"lr": g["lr"], "betas": list(g["betas"])}, "params": g["params"]} for g in groups]
     assert got == expected
+
+
+def test_flattened_param_groups_are_torchs_groups():
+    """`flatten_optimizer_state_dict=True` stores each parameter's settings under its fqn: the
+    parameters with the same settings come back as one group, as torch's nested form holds them."""
+    import io
+
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from fsdpkit.checkpoint.dcp.param_groups import read_param_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    weights, biases = [model[0].weight, model[1].weight], [model[0].bias, model[1].bias]
+    optimizer = torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}], lr=0.01)
+    model(torch.randn(4, 2)).sum().backward()
+    optimizer.step()
+    flat, _ = flatten_state_dict(
+        {"optimizer": get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))}
+    )
+    saved = {}
+    for key in (k for k in flat if ".param_groups." in k):
+        buffer = io.BytesIO()
+        torch.save(flat[key], buffer)
+        saved[key] = buffer.getvalue()
+    nested = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    expected = [
+        {"settings": {k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"}, "params": g["params"]}
+        for g in nested
+    ]
+    assert read_param_groups(list(saved), saved.__getitem__, optimizer_key="optimizer") == expected
