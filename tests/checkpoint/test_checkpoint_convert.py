@@ -105,6 +105,12 @@ def test_dtype_cast_on_the_way_out(sharded, tmp_path):
     expected = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in _model_tensors(tensors).items()}
     _assert_full_equal(tmp_path / "bf16", expected)
     assert run_cli("convert", runs[4], tmp_path / "x", "--to", "full", "--dtype", "int8").exit_code == 2
+    assert run_cli("convert", runs[4], tmp_path / "f32", "--to", "full").exit_code == 0
+    result = run_cli("convert", tmp_path / "f32", tmp_path / "sh", "--to", "sharded", "--world-size", 3, "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    reader = CheckpointReader(tmp_path / "sh")
+    for name, tensor in expected.items():
+        assert torch.equal(reader.read_tensor(name), tensor), name
 
 
 def test_full_to_sharded_to_full_round_trip(sharded, tmp_path):
