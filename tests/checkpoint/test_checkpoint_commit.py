@@ -43,6 +43,7 @@ def test_keep_last_and_latest(tmp_path):
         save_checkpoint(run, step, _tensors(step), world_size=2, units=SAMPLE_UNITS, keep_last=2)
         assert (run / "latest").read_text().strip() == f"step-{step:08d}"
     assert sorted(p.name for p in run.iterdir()) == ["latest", "step-00000003", "step-00000004"]
+    assert storage.newest_of_run(run, run_id="test-run") == run / "step-00000004"  # where a restarted attempt goes on from
     _assert_loads_step(run, 4)
     _assert_loads_step(run / "step-00000003", 3)
 
@@ -83,9 +84,10 @@ def test_tmp_directories_are_never_checkpoints(tmp_path):
     write_ranks(tmp, make_manifest(_tensors(5), world_size=2, units=SAMPLE_UNITS), _tensors(5))
     with pytest.raises(DataCheckError, match="not an fsdpkit checkpoint"):
         resolve_checkpoint(run)
-    save_checkpoint(run, 1, _tensors(1), world_size=2, units=SAMPLE_UNITS)
-    (run / "latest").unlink()  # crash before the first `latest`: the newest complete step is taken
-    _assert_loads_step(run, 1)
+    for step in (1, 2):
+        save_checkpoint(run, step, _tensors(step), world_size=2, units=SAMPLE_UNITS)
+    (run / "latest").unlink()  # a crash (or a copy) lost `latest`: the newest complete step is taken
+    _assert_loads_step(run, 2)
 
 
 def test_commit_refuses_missing_rank_file(tmp_path):
