@@ -60,8 +60,9 @@ def save_worker(directory: str) -> str:
 
 def async_saves(model, optimizer, run_dir: str) -> bool:
     """Step 2 as it is, then step 3 with every weight + 1: each save's weights change at once
-    after save() returns (the snapshot must not see that). True when both saves used the host
-    buffers the Checkpointer allocated when it was made."""
+    after save() returns (the snapshot must not see that), and step 3's save is asked for with
+    step 2's maybe still in flight (save() must wait for it before reusing the buffers). True
+    when both saves used the host buffers the Checkpointer allocated when it was made."""
     saver = fsdpkit.Checkpointer(model, optimizer, async_save=True)
     shards = [param.tensor for unit in describe(model).units for param in unit.params]
     pointers = [{dtype: buffer.data_ptr() for dtype, buffer in saver.host_buffers.buffers.items()}]
@@ -70,8 +71,8 @@ def async_saves(model, optimizer, run_dir: str) -> bool:
         with torch.no_grad():
             for shard in shards:
                 shard.add_(1.0)
-        saver.wait()
         pointers.append({dtype: buffer.data_ptr() for dtype, buffer in saver.host_buffers.buffers.items()})
+    saver.wait()
     return bool(pointers[0]) and pointers[0] == pointers[1] == pointers[2] and saver.timings.saves == 2 and saver.stall_seconds > 0
 
 
