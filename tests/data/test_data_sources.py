@@ -305,6 +305,17 @@ def test_an_interrupted_run_resumed_equals_the_uninterrupted_one_bitwise(uninter
     assert inspect.exit_code == 0 and shown in inspect.stdout, inspect.output
 
 
+def test_a_resume_on_other_documents_is_exit_3_naming_the_data_position(uninterrupted, tmp_path):
+    """A resumed run checks the checkpoint's data position against where its own data puts the
+    step: other documents are refused, not trained on from another place in another stream."""
+    directory, _ = uninterrupted("corpus.jsonl")
+    write_jsonl(tmp_path / "other.jsonl", corpus(seed=9))
+    args = ["train", "--resume", str(directory / "step-00000002"), "--data", str(tmp_path / "other.jsonl"), "--json"]
+    result = runner.invoke(app, [*args, "--save-dir", str(tmp_path / "resumed")])
+    assert result.exit_code == 3 and "the checkpoint's data position (epoch 0, window 8, " in result.output, result.output
+    assert "the data changed since it was saved" in result.output
+
+
 def test_a_run_streaming_a_gigabyte_peaks_within_200_mb_of_one_on_kilobytes_in_memory(sources, uninterrupted):
     """The workers' peak RSS (the summary's peak_memory_bytes on CPU: each worker's own VmHWM, the
     largest of the ranks) streaming 1 GB of text, against the same run on the jsonl test corpus of
