@@ -46,6 +46,9 @@ def test_keep_last_and_latest(tmp_path):
     assert storage.newest_of_run(run, run_id="test-run") == run / "step-00000004"  # where a restarted attempt goes on from
     _assert_loads_step(run, 4)
     _assert_loads_step(run / "step-00000003", 3)
+    # a run resumed from an older step saves it again: `latest` names it, and keep-last keeps it
+    save_checkpoint(run, 2, _tensors(2), world_size=2, units=SAMPLE_UNITS, keep_last=2)
+    _assert_loads_step(run, 2)
 
 
 def test_crash_before_commit_leaves_previous(tmp_path):
@@ -109,6 +112,20 @@ def test_resaving_a_step_replaces_it(tmp_path):
     reader = CheckpointReader(run)
     assert reader.manifest.shard_factor == 4 and reader.training_state["again"] is True
     assert sorted(p.name for p in run.iterdir()) == ["latest", "step-00000001", "step-00000002"]
+
+
+def test_a_crash_while_resaving_the_latest_step_leaves_latest_at_the_newest_other(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    for step in (1, 2, 3):
+        save_checkpoint(run, step, _tensors(step), world_size=2, units=SAMPLE_UNITS)
+
+    def crash(source, target):
+        raise OSError(f"killed before renaming {source}")
+
+    monkeypatch.setattr(storage.os, "rename", crash)
+    with pytest.raises(OSError, match="killed before renaming"):
+        save_checkpoint(run, 3, _tensors(7), world_size=2, units=SAMPLE_UNITS)
+    _assert_loads_step(run, 2)
 
 
 SAVER = textwrap.dedent("""
