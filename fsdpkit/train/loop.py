@@ -141,7 +141,7 @@ class Trainer:
         if self.restarted and self.rank == 0:
             self.checkpoints.remove_unfinished()  # a save the failure cut short
         self.snapshots = open_writer(context.snapshot_dir, config, self.model, self.optimizer)
-        self.source_of_state = self._start_from(own, weights, context)
+        self.source_of_state = self._start_with_own_settings(own, weights, context)
         self.start_step = self.step  # where this attempt starts
         self.restored_at = time.time()
 
@@ -156,6 +156,15 @@ class Trainer:
 
     def restart(self) -> Restart:
         return Restart(self.source_of_state.value, self.started_at, self.joined_at, self.restored_at)
+
+    def _start_with_own_settings(self, own: str | Path | None, weights: str | None, context: RunContext) -> Source:
+        """`_start_from`, then this run's optimizer settings again: a load gives the saved run's,
+        and a flag given on resume (--weight-decay, --betas...) wins over them."""
+        built = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
+        source = self._start_from(own, weights, context)
+        for group, settings in zip(self.optimizer.param_groups, built, strict=True):
+            group.update(settings)
+        return source
 
     def _start_from(self, own: str | Path | None, weights: str | None, context: RunContext) -> Source:
         """Restore this attempt's state: a restarted attempt from the newest of its snapshots

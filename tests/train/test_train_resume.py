@@ -111,10 +111,24 @@ def test_a_resume_saves_as_the_run_did_unless_told_otherwise(run, tmp_path):
     assert warnings == [f"warning: --save-every 4 replaces 3 saved in {step_dir}"]
     unsaved, warnings = _print_config("--resume", str(root / "run"))
     assert warnings == [] and unsaved["checkpoint"]["save_every"] == 0 and "keep_last" not in unsaved["checkpoint"]
-    # the run goes on in its own directory (a copy): saved at 9 and 12, only the newest two kept
+    # the run goes on in its own directory (a copy): saved at 9 and 12, only the newest two kept;
+    # with the optimizer's settings its flags give, not the saved ones its checkpoint loaded
     shutil.copytree(root / "run", tmp_path / "run")
-    train("--resume", str(tmp_path / "run"), "--steps", "12", "--save-dir", str(tmp_path / "run"))
+    train(
+        "--resume",
+        str(tmp_path / "run"),
+        "--steps",
+        "12",
+        "--save-dir",
+        str(tmp_path / "run"),
+        "--weight-decay",
+        "0.2",
+        "--betas",
+        "0.7,0.8",
+    )
     assert [step for step, _ in complete_steps(tmp_path / "run")] == [9, 12]
+    groups = load_manifest(tmp_path / "run" / "step-00000012").training_state["optimizer"]["groups"]
+    assert [(g["settings"]["weight_decay"], g["settings"]["betas"]) for g in groups] == [(0.2, [0.7, 0.8]), (0.0, [0.7, 0.8])]
 
 
 def test_a_checkpoint_of_another_model_names_the_model_it_was_saved_from(run):
