@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from fsdpkit.checkpoint.format import storage
 from fsdpkit.checkpoint.format.manifest import save_manifest
 from fsdpkit.checkpoint.format.storage import resolve_checkpoint
 from fsdpkit.checkpoint.format.verify import verify_checkpoint
+from fsdpkit.checkpoint.live.save_protocol import SaveJob, check_agreement
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.errors import DataCheckError, RunError
 
@@ -197,3 +199,29 @@ def test_run_lock_names_its_holder_and_takes_over_stale_ones(tmp_path):
     with pytest.raises(UsageError, match="pid .* on elsewhere"):  # only its own host can tell it is gone
         RunLock.acquire(run)
     assert json.loads((run / ".lock").read_text())["run"] == "remote"
+
+
+class _TwoRanks:
+    """The all-reduce of check_agreement between this rank's values and another rank's."""
+
+    def __init__(self, other: list[int]) -> None:
+        self.other, self.sent = other, []
+
+    def min_over_ranks(self, values, device, *, label):
+        self.sent = values
+        return [min(mine, theirs) for mine, theirs in zip(values, self.other, strict=True)]
+
+
+def test_ranks_that_would_save_different_tensors_write_nothing(tmp_path):
+    def job(tensors: dict) -> SaveJob:
+        manifest = make_manifest(tensors, world_size=2, units=SAMPLE_UNITS)
+        return SaveJob(0, tmp_path, 3, manifest, None, None, torch.device("cpu"), datetime.now(UTC))
+
+    same, other = job(_tensors(1)), job(_tensors(1) | {"optim.exp_avg.wte.weight": torch.zeros(17, 8)})  # the same placement
+    ranks = _TwoRanks([1, 2**63 - 1, 2**63 - 1])  # a minimum that changes nothing: what this rank sends
+    check_agreement(same, ranks, visible=True, where=tmp_path)
+    check_agreement(same, _TwoRanks(ranks.sent), visible=True, where=tmp_path)
+    with pytest.raises(RunError, match="ranks disagree on what to save at step 3"):
+        check_agreement(other, _TwoRanks(ranks.sent), visible=True, where=tmp_path)
+    with pytest.raises(RunError, match="is not visible to every rank"):
+        check_agreement(same, _TwoRanks([0, *ranks.sent[1:]]), visible=True, where=tmp_path)
