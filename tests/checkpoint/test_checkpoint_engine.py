@@ -62,7 +62,8 @@ def async_saves(model, optimizer, run_dir: str) -> bool:
     """Step 2 as it is, then step 3 with every weight + 1: each save's weights change at once
     after save() returns (the snapshot must not see that), and step 3's save is asked for with
     step 2's maybe still in flight (save() must wait for it before reusing the buffers). True
-    when both saves used the host buffers the Checkpointer allocated when it was made."""
+    when both saves used the host buffers the Checkpointer allocated when it was made, and a
+    third, whose write fails in the background, is the error of the next wait()."""
     saver = fsdpkit.Checkpointer(model, optimizer, async_save=True)
     shards = [param.tensor for unit in describe(model).units for param in unit.params]
     pointers = [{dtype: buffer.data_ptr() for dtype, buffer in saver.host_buffers.buffers.items()}]
@@ -73,7 +74,19 @@ def async_saves(model, optimizer, run_dir: str) -> bool:
                 shard.add_(1.0)
         pointers.append({dtype: buffer.data_ptr() for dtype, buffer in saver.host_buffers.buffers.items()})
     saver.wait()
-    return bool(pointers[0]) and pointers[0] == pointers[1] == pointers[2] and saver.timings.saves == 2 and saver.stall_seconds > 0
+    reused = bool(pointers[0]) and pointers[0] == pointers[1] == pointers[2] and saver.timings.saves == 2 and saver.stall_seconds > 0
+    # the disk fills while step 4 is written in the background: wait() raises it on every rank
+    original = os.write
+    if dist.get_rank() == dist.get_world_size() - 1:
+        os.write = lambda fd, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    try:
+        saver.save(run_dir, step=4)
+        saver.wait()
+        return False
+    except RunError as error:
+        return reused and str(error).startswith("checkpoint step 4 not saved, previous checkpoint kept: ")
+    finally:
+        os.write = original
 
 
 def load_worker(directory: str) -> dict:
@@ -124,6 +137,7 @@ def test_save_at_one_world_size_load_strictly_at_another(tmp_path, save_world, l
     # save(..., step=S) records S: a resumed run continues from it, inspect shows it
     assert {result["resumed_step"] for result in results.values()} == {2}
     assert [summarize(Path(tmp_path) / "async" / f"step-0000000{s}").step for s in (2, 3)] == [2, 3]
+    assert sorted(p.name for p in (Path(tmp_path) / "async").iterdir()) == ["latest", "step-00000002", "step-00000003"]
     for name, tensor in ref_weights.items():
         assert ((results[0]["weights"][name] - tensor).norm() / tensor.norm()).item() < 1e-5, name
     assert not any(name.startswith("branch.") for name in ref_state)
