@@ -218,6 +218,12 @@ def test_a_stream_reads_only_its_ranks_shards_and_a_stream_started_from_a_positi
     again = RankStream(documents, ByteTokenizer(), EOT, length=16, rank=1, world_size=2, start=StreamPosition.from_json(middle.to_json()))
     resumed, resumed_end = again.next_rows(windows)
     assert np.array_equal(resumed, continued) and resumed_end == end
+    # a cut at a document's end: a stream started there goes on with the next document
+    boundary = RankStream(documents, ByteTokenizer(), EOT, length=16, rank=1, world_size=2)
+    cut = next(at for _ in range(windows) if (at := boundary.next_rows(1)[1]).token == 0)
+    after, _ = boundary.next_rows(windows)
+    again = RankStream(documents, ByteTokenizer(), EOT, length=16, rank=1, world_size=2, start=StreamPosition.from_json(cut.to_json()))
+    assert np.array_equal(again.next_rows(windows)[0], after)
     with pytest.raises(UsageError, match="fewer than the 8 ranks"):
         RankStream(documents, ByteTokenizer(), EOT, length=16, rank=0, world_size=8)
 
