@@ -73,23 +73,17 @@ class Interrupts:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _became(error: BaseException | None, kind: type[BaseException]) -> bool:
-    """Whether `error` is what an exception of `kind` became on its way up: Python 3.11 wraps one
-    raised in a class's `__set_name__` (a dataclass's fields, defined as a module is imported) in
-    a RuntimeError."""
+def _interrupted(error: BaseException | None) -> bool:
+    """Whether `error` is a KeyboardInterrupt or what one became on its way up: Python 3.11 wraps
+    one raised in a class's `__set_name__` (a dataclass's fields, defined as a module is
+    imported) in a RuntimeError."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, kind):
+        if isinstance(error, KeyboardInterrupt):
             return True
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return False
-
-
-def _exit_interrupted(interrupts: Interrupts) -> None:
-    interrupts.stop()
-    sys.stderr.write("error: interrupted\n")
-    sys.exit(130)
 
 
 def main() -> None:
@@ -106,12 +100,12 @@ def main() -> None:
         from .app import main as run
 
         run(early)
-    except Exception as error:
-        if not _became(error, KeyboardInterrupt):
+    except BaseException as error:
+        if not _interrupted(error):
             raise
-        _exit_interrupted(interrupts)
-    except KeyboardInterrupt:
-        _exit_interrupted(interrupts)
+        interrupts.stop()
+        sys.stderr.write("error: interrupted\n")
+        sys.exit(130)
     finally:
         interrupts.finishing = True  # before any call: a handler may run at each one
         interrupts.stop()  # nor during the wait for the launch's helpers

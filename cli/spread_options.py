@@ -177,7 +177,7 @@ def run_spread_command(
         else:
             result = run_spread(task, options, early=early)
     except FsdpkitError as error:
-        if one_process is not None and _one_process_only(error) and _runs_alone(options):
+        if one_process is not None and _runs_in_one_process(error, options):
             return _alone(error, one_process)
         if under_torchrun() and os.environ.get("RANK") != "0" and not _said_by_every_rank(error):  # the same line comes from rank 0
             raise typer.Exit(error.exit_code) from None
@@ -207,7 +207,7 @@ def _print_plan(task: Any, options: LaunchOptions, *, as_json: bool, one_process
     try:
         job = open_task_job(task)
     except FsdpkitError as error:
-        if one_process is None or not _one_process_only(error) or not _runs_alone(options):
+        if one_process is None or not _runs_in_one_process(error, options):
             raise
         why = f"{error.why}{_who_runs_it()}"
         print_json({"dry_run": True, "one_process": why}) if as_json else typer.echo(f"dry run: {why}; nothing to plan, nothing written")
@@ -220,16 +220,12 @@ def _print_plan(task: Any, options: LaunchOptions, *, as_json: bool, one_process
     print_json(planned.to_json()) if as_json else typer.echo("\n".join(planned.lines()))
 
 
-def _one_process_only(error: FsdpkitError) -> bool:
+def _runs_in_one_process(error: FsdpkitError, options: LaunchOptions) -> bool:
+    """Whether `error` says the job is done in one process only, and this command runs it so:
+    under torchrun (on rank 0 alone), or as one process in all."""
     from fsdpkit.checkpoint.spread.jobs import OneProcessOnly
 
-    return isinstance(error, OneProcessOnly)
-
-
-def _runs_alone(options: LaunchOptions) -> bool:
-    """Whether a job done in one process only runs as this command asks: under torchrun (on rank 0
-    alone), or as one process in all."""
-    return under_torchrun() or options.world_size == 1
+    return isinstance(error, OneProcessOnly) and (under_torchrun() or options.world_size == 1)
 
 
 def _who_runs_it() -> str:

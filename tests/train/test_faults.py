@@ -350,9 +350,7 @@ def test_an_interrupt_held_back_during_torchs_import_does_not_come_again_in_the_
     raised at once. The timer then fires during the exit (here an exit made slow on purpose): it
     must neither raise a second KeyboardInterrupt (a traceback) nor, once Python has put SIGALRM's
     default action back, kill the process (exit 142)."""
-    code = (
-        "import atexit, os, signal, sys, time, types\n"
-        "from fsdpkit_cli import entry\n"
+    result = _entry_running(
         "torch_spec = types.SimpleNamespace(_initializing=True)\n"
         "def run(early=None):\n"
         "    sys.modules['torch'] = types.SimpleNamespace(__spec__=torch_spec)  # torch being imported\n"
@@ -361,30 +359,35 @@ def test_an_interrupt_held_back_during_torchs_import_does_not_come_again_in_the_
         "    torch_spec._initializing = False\n"
         "    os.kill(os.getpid(), signal.SIGINT)  # raised at once\n"
         "    time.sleep(5)\n"
-        "sys.modules['fsdpkit_cli.app'] = types.SimpleNamespace(main=run)  # the command line, without Typer\n"
         "atexit.register(time.sleep, 1.0)  # the timer fires meanwhile\n"
-        "entry.main()\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stderr) == (130, "error: interrupted\n")
 
 
 def test_an_interrupt_that_python_wrapped_in_another_error_is_one_line_and_exit_130():
     """Ctrl-C while an import defines a dataclass: Python 3.11 wraps the KeyboardInterrupt raised
     in a field's `__set_name__` in a RuntimeError, which must end as every interrupt does."""
-    code = (
-        "import os, signal, sys, types\n"
-        "from fsdpkit_cli import entry\n"
+    result = _entry_running(
         "class Field:\n"
         "    def __set_name__(self, owner, name):\n"
         "        os.kill(os.getpid(), signal.SIGINT)\n"
         "def run(early=None):\n"
         "    type('LogsDest', (), {'filtered_stdout': Field()})\n"
-        "sys.modules['fsdpkit_cli.app'] = types.SimpleNamespace(main=run)  # the command line, without Typer\n"
+    )
+    assert (result.returncode, result.stderr) == (130, "error: interrupted\n")
+
+
+def _entry_running(setup: str) -> subprocess.CompletedProcess:
+    """The console script's `entry.main()` in a fresh interpreter, its command line replaced by the
+    `run` that `setup` (Python source) defines, without Typer."""
+    code = (
+        "import atexit, os, signal, sys, time, types\n"
+        "from fsdpkit_cli import entry\n"
+        f"{setup}"
+        "sys.modules['fsdpkit_cli.app'] = types.SimpleNamespace(main=run)\n"
         "entry.main()\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert (result.returncode, result.stderr) == (130, "error: interrupted\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
 def test_sigint_at_any_moment_is_one_line_and_exit_130(tmp_path):
