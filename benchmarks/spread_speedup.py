@@ -65,7 +65,7 @@ from typing import NamedTuple
 import numpy
 
 EMBD, VOCAB, POSITIONS = 1280, 50257, 1024
-SOURCE_RANKS = "4"  # the DeepSpeed run's: each optimizer file under 4 GiB (fsdpkit writes no zip64)
+SOURCE_RANKS = "4"  # the DeepSpeed run's ranks
 PHASES = (("start", None, "begun"), ("open", "begun", "opened"), ("plan", "opened", "planned"), ("work", "working", "worked"))
 PHASES += (("wait", "worked", "gathered"), ("commit", "gathered", "committed"))
 

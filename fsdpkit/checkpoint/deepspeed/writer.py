@@ -8,8 +8,8 @@ the storage of the name it is tied to; stage 2 also lists the frozen parameters 
 fragments (the same storages), stage 1 none, as DeepSpeed does. Stage 3's model states file of
 each rank: parameters empty, buffers whole, the rank's fragment of each frozen parameter.
 
-No torch or DeepSpeed: every file is a torch zip (`torchfile.archive`; 4 GiB or more would need
-zip64, which is refused) whose data.pkl is pickled by name (`writer_records`), and every
+No torch or DeepSpeed: every file is a torch zip (`torchfile.archive`; zip64 where a storage or
+an offset reaches 4 GiB) whose data.pkl is pickled by name (`writer_records`), and every
 partition's bytes are copied from the sources' byte ranges, cast where the output's dtype differs.
 Each storage's CRC-32 is computed as its bytes go out and written after them, in the record's
 data descriptor and the central directory, so a file is written front to back (a stream).
@@ -29,7 +29,7 @@ from ...flat_layout import ElementRange
 from ..core import workers
 from ..core.bytecopy import ByteEngine, SourceTensor
 from ..core.names import numel
-from ..torchfile.archive import DATA_DESCRIPTOR, MAX_RECORD_BYTES, data_descriptor, torch_zip_parts
+from ..torchfile.archive import data_descriptor, torch_zip_parts
 from ..torchfile.pickler import Ordered, Raw, dumps
 from ..torchfile.rawout import ByteOutput, RawOutput
 from . import writer_records as records
@@ -123,13 +123,14 @@ def segment_storage(sources: dict[str, SourceTensor], segments: tuple[Segment, .
 
 def write_torch_zip(out: ByteOutput, prefix: str, data_pkl: bytes, storages: list[Storage]) -> None:
     """`data_pkl` and `storages` as a `torch.save` zip: the whole of `out`, written from its start."""
-    total = len(data_pkl) + sum(s.nbytes for s in storages) + 4096 * (len(storages) + 8)
-    if total > MAX_RECORD_BYTES:
-        raise UsageError(f"{out.path}: a rank file of about {total} bytes (4 GiB or more) needs zip64, which fsdpkit does not write")
     sizes = [s.nbytes for s in storages]
     parts, crcs = torch_zip_parts(prefix, data_pkl, sizes, [0] * len(sizes)), list[int]()
     for key, storage in enumerate(storages):
-        out.write(parts[0] if key == 0 else data_descriptor(crcs[-1], sizes[key - 1]) + parts[key][DATA_DESCRIPTOR.size :])
+        if key == 0:
+            out.write(parts[0])
+        else:  # the layout's descriptor (CRC-32 0) replaced by the one of the storage just written
+            descriptor = data_descriptor(crcs[-1], sizes[key - 1])
+            out.write(descriptor + parts[key][len(descriptor) :])
         start = out.position
         out.start_crc()
         storage.fill(out)
