@@ -70,7 +70,19 @@ def _train_and_save(root: str) -> dict:
         with torch.no_grad():
             logits[name] = source.logits(model, PROBE).float()
     logits["fsdp1"] = _fsdp1_train_and_save(root)
+    _save_fewer_rows_than_ranks(root)
     return logits
+
+
+def _save_fewer_rows_than_ranks(root: str) -> None:
+    """DTensors sharded by rows over 2 ranks, one with a single row (rank 1's shard is empty)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = {"one_row": torch.arange(5.0).reshape(1, 5), "three_rows": torch.arange(12.0).reshape(3, 4) - 5}
+    dcp.save({name: distribute_tensor(t, mesh, [Shard(0)]) for name, t in full.items()}, checkpoint_id=f"{root}/one-row")
 
 
 def _fsdp1_train_and_save(root: str):
@@ -173,6 +185,22 @@ def test_convert_to_full_matches_torch_and_transformers(saved, tmp_path):
     reference = _torch_reference(root / "llama-torch_save", tmp_path)["model"]
     weights = load_file(plain / "model.safetensors")
     assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in weights)
+
+
+def test_a_tensor_with_fewer_rows_than_ranks(saved, tmp_path):
+    """torch lists an empty chunk for the rank that holds no row of a 1-row tensor: convert and
+    reshard read the tensor from its one stored chunk, as torch's own loading does."""
+    root, _ = saved
+    reference = _torch_reference(root / "one-row", tmp_path)
+    assert reference["one_row"].shape == (1, 5)
+    result = run_cli("convert", root / "one-row", tmp_path / "full", "--to", "full")
+    assert result.exit_code == 0, result.output
+    weights = load_file(tmp_path / "full" / "model.safetensors")
+    assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in weights)
+    result = run_cli("reshard", root / "one-row", tmp_path / "r3", "--world-size", "3")
+    assert result.exit_code == 0, result.output
+    resharded = _torch_reference(tmp_path / "r3", tmp_path)
+    assert resharded.keys() == reference.keys() and all(torch.equal(resharded[k], reference[k]) for k in reference)
 
 
 def test_diff_across_formats(saved, tmp_path):
