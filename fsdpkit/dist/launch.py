@@ -138,7 +138,7 @@ class LaunchOptions:
                 "--rdzv-endpoint and --master-addr/--master-port"
             )
         if self.nnodes > 1 and not self.endpoint:
-            raise UsageError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT that every node can reach")
+            raise UsageError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (or --master-addr HOST) that every node can reach")
         if self.endpoint:
             host, _, port = self.endpoint.rpartition(":")
             if not host or not port.isdigit():

@@ -123,7 +123,10 @@ def test_worker_failure_exits_1_with_rank_and_reason():
             "error: --max-bytes 1099511627776000 (1000.0 TiB) needs about 4000.0 TiB of host memory for 2 processes, more than",
         ),
         (["allgather", "-c", "-1"], "error: --check must be >= 0, got -1"),
-        (["allgather", "--nnodes", "2"], "error: --nnodes 2 needs --rdzv-endpoint HOST:PORT that every node can reach"),
+        (
+            ["allgather", "--nnodes", "2"],
+            "error: --nnodes 2 needs --rdzv-endpoint HOST:PORT (or --master-addr HOST) that every node can reach",
+        ),
         (["allgather", "--standalone", "--rdzv-endpoint", "h:1"], "error: --standalone runs on one node with a local rendezvous"),
         (["allgather", "--bogus"], "error: no such option: --bogus (see 'fsdpkit bench allgather --help')"),
         (["allgather", "-n", "x"], "error: invalid value for '--iters' / '-n'"),
