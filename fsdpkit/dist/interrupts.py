@@ -34,10 +34,13 @@ def sigint_blocked_in_new_workers() -> Iterator[None]:
     forking it would leave a worker nobody knows of, which fails noisily once this process is
     gone (the semaphores it is handed are removed with it). For the same reason, on the way
     out, a worker still alive is killed: the launcher does not stop one it was still starting
-    when interrupted."""
-    from multiprocessing import popen_forkserver
+    when interrupted. The launcher's semaphores (the elastic agent's queues and event) are
+    made with the handlers deferred too: one interrupted between its creation in /dev/shm and
+    its registration with multiprocessing's resource tracker would stay there for good."""
+    from multiprocessing import popen_forkserver, synchronize
 
     start = popen_forkserver.Popen._launch  # type: ignore[attr-defined]  # the one place a worker is started
+    make_semaphore = synchronize.SemLock.__init__
     started: list[Any] = []
 
     def start_quietly(self: Any, process_obj: Any) -> Any:
@@ -47,11 +50,17 @@ def sigint_blocked_in_new_workers() -> Iterator[None]:
             finally:
                 started.append(self)
 
+    def make_semaphore_quietly(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _handlers_deferred((signal.SIGINT, signal.SIGTERM)):
+            make_semaphore(self, *args, **kwargs)
+
     popen_forkserver.Popen._launch = start_quietly  # type: ignore[attr-defined]
+    synchronize.SemLock.__init__ = make_semaphore_quietly  # type: ignore[method-assign]
     try:
         yield
     finally:
         popen_forkserver.Popen._launch = start  # type: ignore[attr-defined]
+        synchronize.SemLock.__init__ = make_semaphore  # type: ignore[method-assign]
         for child in started:
             if getattr(child, "pid", None) is not None and child.poll() is None:
                 child.kill()

@@ -1,10 +1,12 @@
-"""The processes of a running `fsdpkit train`, found through /proc; a run killed as a whole."""
+"""The processes of a running `fsdpkit train`, found through /proc; a run killed as a whole; the
+named semaphores a run left in /dev/shm."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 
@@ -58,4 +60,35 @@ def _live_members(group: int) -> list[int]:
             continue
         if fields[0] != "Z" and int(fields[2]) == group:
             found.append(int(entry.name))
+    return found
+
+
+SHM = Path("/dev/shm")
+SETTLE_SECONDS = 2.0  # a resource tracker removes what its processes left once the last one is gone
+
+
+def semaphores() -> set[str]:
+    """multiprocessing's named semaphores now in /dev/shm."""
+    return {path.name for path in SHM.glob("sem.mp-*")} if SHM.is_dir() else set()
+
+
+def leaked_semaphores(before: set[str]) -> list[str]:
+    """The named semaphores made since `before` that no live process maps, still there after
+    SETTLE_SECONDS: left for good (one that another test's run uses is mapped by its processes)."""
+    unmapped = semaphores() - before - _mapped_semaphores()
+    if unmapped:
+        time.sleep(SETTLE_SECONDS)
+        unmapped &= semaphores() - _mapped_semaphores()
+    return sorted(unmapped)
+
+
+def _mapped_semaphores() -> set[str]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                maps = (entry / "maps").read_text()
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            found.update(line.rsplit("/", 1)[1].split()[0] for line in maps.splitlines() if "/dev/shm/sem.mp-" in line)
     return found

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.processes import children, workers
+from support.processes import children, leaked_semaphores, semaphores, workers
 
 from fsdpkit.checkpoint.live.tensors import CheckpointReader
 from fsdpkit.train.attempts import History
@@ -436,7 +436,9 @@ def _begun(pid: int, stage: str) -> bool:
 
 def test_sigint_pressed_three_times_at_any_moment_is_one_line_and_exit_130(tmp_path):
     """A burst of Ctrl-C while torch is imported, as the import ends, as the workers start: one
-    line and exit 130 every time, never a traceback or a death by the retry timer's SIGALRM (142)."""
+    line and exit 130 every time, never a traceback or a death by the retry timer's SIGALRM (142),
+    and no named semaphore left in /dev/shm (one the launcher was making as an interrupt came)."""
+    before = semaphores()
     runs = [(stage, offset, start(tmp_path / f"{stage}-{offset}", "--steps", "100000")) for stage, offset in SIGINT_BURSTS]
     moments: dict[int, list[float]] = {}  # run -> when its SIGINTs are due
     deadline = time.monotonic() + 240
@@ -459,3 +461,4 @@ def test_sigint_pressed_three_times_at_any_moment_is_one_line_and_exit_130(tmp_p
         if (run.exit_code, lines) != (130, ["error: interrupted"]) or left_in_session(process.pid):
             failures.append((stage, offset, run.exit_code, run.stderr[-2000:]))
     assert failures == []
+    assert leaked_semaphores(before) == []
