@@ -555,6 +555,35 @@ def test_a_node_that_does_not_see_the_same_paths_is_named(source, tmp_path, monk
     assert not (tmp_path / "blind").exists() and _records(staging_path(tmp_path / "blind")) == []
 
 
+def test_a_node_where_src_does_not_exist_is_named_and_nothing_is_committed(source, tmp_path):
+    """Two nodes on loopback given SRC as a relative path, each started in another directory: node
+    1 finds no SRC where it runs. Both nodes stop with that rank's own line (its host, SRC, why),
+    nothing is committed, and what rank 0 finished meanwhile is kept for the rerun."""
+    import socket
+    import subprocess
+    import sys
+
+    root = source[0]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    command = [sys.executable, "-m", "fsdpkit_cli", "convert", "run", str(tmp_path / "out"), "--to", "full", "--nnodes", "2"]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "60"]
+    started = [
+        subprocess.Popen([*command, "--node-rank", str(rank)], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank, cwd in ((0, root), (1, elsewhere))
+    ]
+    outputs = [process.communicate(timeout=120) for process in started]
+    assert started[0].returncode not in (0, None) and started[1].returncode not in (0, None), outputs
+    for out, err in outputs:
+        lines = err.strip().splitlines()
+        assert out == "" and len(lines) == 1 and lines[0].startswith(f"error: rank 1 on {socket.gethostname()}: run: does not exist"), err
+        assert "nothing committed" in lines[0] and "run the same command again to continue" in lines[0], err
+    assert not (tmp_path / "out").exists() and staging_path(tmp_path / "out").is_dir()
+
+
 def test_which_command_lines_start_their_workers_first(monkeypatch):
     from fsdpkit.checkpoint.spread.processes import early_nproc
 
