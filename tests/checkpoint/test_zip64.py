@@ -1,6 +1,6 @@
 """torch zips of any size: a storage of 4 GiB or more, a record that starts 4 GiB or more into
 the archive, and a central directory past 4 GiB are written as zip64, and torch.load and Python's
-zipfile (which checks every CRC-32) read them. The real sizes are sparse files (the data's holes
+zipfile read them (zipfile checks the CRC-32 of the record past 4 GiB). The real sizes are sparse files (the data's holes
 read as zeros, a few bytes set at each end of the big storage); the writers' own paths (one
 process, and the spread's parts with the CRC-32s written at the commit) are tried with the zip64
 threshold lowered, so that small checkpoints take them, and checked by DeepSpeed's own reader."""
@@ -27,15 +27,13 @@ ENDS = 64  # float32 elements set at each end of the big storage
 
 
 def _crc_of_zeros(count: int) -> int:
-    """The CRC-32 of `count` zero bytes, built up by doubling (no 4 GiB read)."""
-    crc, run, block = 0, zlib.crc32(bytes(1 << 20)), 1 << 20
-    while count:
-        if count & block:
-            crc, count = crc32_combine(crc, run, block), count - block
-        elif count < block:
-            crc, count = crc32_combine(crc, zlib.crc32(bytes(count)), count), 0
-            break
-        run, block = crc32_combine(run, run, block), block * 2
+    """The CRC-32 of `count` zero bytes, from that of 1 MiB doubled (no 4 GiB read)."""
+    crc = zlib.crc32(bytes(count % (1 << 20)))
+    blocks, run, size = count >> 20, zlib.crc32(bytes(1 << 20)), 1 << 20
+    while blocks:
+        if blocks & 1:
+            crc = crc32_combine(crc, run, size)
+        run, size, blocks = crc32_combine(run, run, size), size * 2, blocks >> 1
     return crc
 
 

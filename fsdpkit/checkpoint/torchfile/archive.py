@@ -78,8 +78,13 @@ def local_header(name: bytes, crc: int, size: int, position: int, flags: int = 0
     bare = position + _LOCAL.size + len(name) + len(zip64)
     pad = (-(bare + 4)) % ALIGNMENT
     extra = zip64 + struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
-    version, field = (ZIP64_VERSION, IN_ZIP64) if zip64 else (0, size)
+    version, field = ZIP64_VERSION if zip64 else 0, _field(size)
     return _LOCAL.pack(0x04034B50, version, flags, 0, 0, 0, crc, field, field, len(name), len(extra)) + name + extra
+
+
+def _field(value: int) -> int:
+    """What a 4-byte size or offset field holds for `value`: it, or IN_ZIP64 (the value is in a zip64 record)."""
+    return IN_ZIP64 if value >= ZIP32_LIMIT else value
 
 
 def data_descriptor(crc: int, size: int) -> bytes:
@@ -133,10 +138,10 @@ def central_header(name: bytes, crc: int, size: int, offset: int, flags: int = 0
     zip64 = struct.pack("<QQ", size, size) if size >= ZIP32_LIMIT else b""
     zip64 += struct.pack("<Q", offset) if offset >= ZIP32_LIMIT else b""
     extra = struct.pack("<HH", ZIP64_EXTRA_ID, len(zip64)) + zip64 if zip64 else b""
-    version = ZIP64_VERSION if zip64 else 0
-    field = IN_ZIP64 if size >= ZIP32_LIMIT else size
-    at = IN_ZIP64 if offset >= ZIP32_LIMIT else offset
-    header = _CENTRAL.pack(0x02014B50, version, version, flags, 0, 0, 0, crc, field, field, len(name), len(extra), 0, 0, 0, 0, at)
+    version, field = ZIP64_VERSION if zip64 else 0, _field(size)
+    header = _CENTRAL.pack(
+        0x02014B50, version, version, flags, 0, 0, 0, crc, field, field, len(name), len(extra), 0, 0, 0, 0, _field(offset)
+    )
     return header + name + extra
 
 
@@ -152,5 +157,4 @@ def end_records(count: int, central_size: int, central_offset: int) -> bytes:
     )
     locator = ZIP64_LOCATOR.pack(0x07064B50, 0, at, 1)
     records = RECORDS_IN_ZIP64 if count >= ZIP32_RECORDS else count
-    fields = (IN_ZIP64 if value >= ZIP32_LIMIT else value for value in (central_size, central_offset))
-    return zip64 + locator + END_RECORD.pack(0x06054B50, 0, 0, records, records, *fields, 0)
+    return zip64 + locator + END_RECORD.pack(0x06054B50, 0, 0, records, records, _field(central_size), _field(central_offset), 0)
