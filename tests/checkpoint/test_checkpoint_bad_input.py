@@ -348,6 +348,28 @@ def test_usage_errors(ckpt, tmp_path, args, code, message):
     _no_leftovers(tmp_path, ["src"])
 
 
+@pytest.mark.parametrize("command", [("reshard", "--world-size", "3"), ("convert", "--to", "full")])
+def test_a_destination_that_appears_while_a_command_runs_is_left_as_it_is(ckpt, tmp_path, monkeypatch, command):
+    """Another process makes DST after the command checked it (a second command with the same
+    DST, say): without --overwrite the command stops with one line and DST keeps what it holds."""
+    from fsdpkit.checkpoint.core import staging
+
+    dst = tmp_path / "out"
+    synced = staging.sync_files
+
+    def sync_and_someone_makes_dst(directory, names):
+        synced(directory, names)
+        dst.mkdir(exist_ok=True)
+        (dst / "mine.txt").write_text("keep me")
+
+    monkeypatch.setattr(staging, "sync_files", sync_and_someone_makes_dst)
+    result = run_cli(command[0], ckpt, dst, *command[1:])
+    assert result.exit_code == 2, result.output
+    assert f"destination {dst} appeared while the conversion ran; pass --overwrite" in result.stderr and result.stderr.count("\n") == 1
+    assert [p.name for p in dst.iterdir()] == ["mine.txt"] and (dst / "mine.txt").read_text() == "keep me"
+    _no_leftovers(tmp_path, ["src", "out"])
+
+
 def test_existing_destination_needs_overwrite(ckpt, tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()

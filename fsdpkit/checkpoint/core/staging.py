@@ -137,6 +137,8 @@ def staged_output(dst: str | Path, *, src: str | Path, overwrite: bool, needed_b
     try:
         yield tmp
         sync_files(tmp, [entry.name for entry in os.scandir(tmp) if entry.is_file()])
+        if (dst.exists() or dst.is_symlink()) and not overwrite:
+            raise UsageError(f"destination {dst} appeared while the conversion ran; pass --overwrite to replace it; nothing written")
         if dst.exists() or dst.is_symlink():  # what DST held goes aside, then away once DST is the output
             old = parent / f"{TMP_PREFIX}old-{dst.name}-{token}"
             os.rename(dst, old)
