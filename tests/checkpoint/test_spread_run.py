@@ -318,6 +318,56 @@ def test_a_dry_run_says_what_the_rerun_keeps_and_a_plain_command_continues_it(so
     assert restarted.exit_code == 0 and _files(other) == _files(clean) and not staging_path(other).exists(), restarted.output
 
 
+def _locked_elsewhere(path: Path) -> bool:
+    """Whether another open file description holds an flock on directory `path`."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_a_second_command_on_the_same_dst_is_refused_while_the_first_runs(source, tmp_path, monkeypatch):
+    """A run holds its staging area from its start to its commit; while it does, the same
+    command, with --restart, its dry run and the plain command are refused with one line, and
+    what the staging area holds stays; once it has gone, the same command continues."""
+    import fcntl
+
+    from fsdpkit.checkpoint.spread.staging import Staging
+
+    root, _, clean = source
+    dst = tmp_path / "out"
+    assert _interrupted_at_the_third_file(source, dst, monkeypatch)[0].exit_code == 1
+    staging = staging_path(dst)
+    before = tree_snapshot(staging)
+    fd = os.open(staging, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for flags in (("--nproc-per-node", "2"), ("--nproc-per-node", "2", "--restart"), ("--nproc-per-node", "1", "--dry-run"), ()):
+            refused = _convert(root / "run", dst, *flags)
+            assert refused.exit_code == 2, refused.output
+            line = f"error: destination {dst} is being written by another fsdpkit command (it holds {staging}): wait for it to finish"
+            assert _error_lines(refused) == [f"{line}; nothing written"], refused.output
+        assert tree_snapshot(staging) == before and not dst.exists()
+    finally:
+        os.close(fd)
+    record, seen = Staging.record, []
+
+    def record_and_look(self, result):
+        seen.append(_locked_elsewhere(staging))
+        record(self, result)
+
+    monkeypatch.setattr(Staging, "record", record_and_look)
+    rerun = _convert(root / "run", dst, "--nproc-per-node", "1")
+    assert rerun.exit_code == 0 and json.loads(rerun.stdout)["spread"]["kept_parts"] >= 2, rerun.output
+    assert seen and all(seen) and _files(dst) == _files(clean)
+
+
 def test_a_rerun_with_another_process_count_keeps_only_the_parts_cut_the_same_way():
     """Records of a run of 2 processes, read by a run of 3: the whole files are kept; the file cut
     into other byte ranges is written again (its records name other ranges under the same indices)."""

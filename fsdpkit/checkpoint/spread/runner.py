@@ -22,6 +22,7 @@ import resource
 import socket
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,9 +132,10 @@ def open_task_job(task: SpreadTask):
     return open_job(task.command, task.src, request=task.request, world_size=task.world_size, chunk_size=task.chunk_size)
 
 
-def _lead(task: SpreadTask, comm: Any, marks: Marks) -> tuple[dict, Any]:
+def _lead(task: SpreadTask, comm: Any, marks: Marks, held: ExitStack) -> tuple[dict, Any]:
     """Rank 0's first step: the header every rank gets (or the error every rank raises), with
-    what it opened for the ranks of its node to take (`handed`), where the job allows it."""
+    what it opened for the ranks of its node to take (`handed`), where the job allows it; the
+    staging area's lock is held until `held` closes."""
     job = None
     try:
         job = open_task_job(task)
@@ -143,7 +145,7 @@ def _lead(task: SpreadTask, comm: Any, marks: Marks) -> tuple[dict, Any]:
         header: dict[str, Any] = {"error": None, "plan": plan.to_json(), "digest": digest, "staging": None, "token": None, "kept": []}
         header["handed"] = job.hand_on() if getattr(comm, "hands_job", False) and hasattr(job, "hand_on") else None
         if task.writes:
-            staging = _prepare(task, job, digest, plan)
+            staging = _prepare(task, job, digest, plan, held)
             staging.write_state(PLAN_FILE, json.dumps(plan.to_json()))
             kept = [asdict(result) for result in kept_parts(plan, staging.records()).values()]  # read before any rank records a part
             header.update(staging=task.dst if task.to_bucket else staging.where, token=staging.token(), kept=kept)
@@ -165,12 +167,12 @@ def task_plan(task: SpreadTask, job: Any, world_size: int) -> Plan:
     return bucket_plan(job.files, world_size) if task.to_bucket else make_plan(job.files, world_size)
 
 
-def _prepare(task: SpreadTask, job: Any, digest: str, plan: Plan) -> Staging | BucketStaging:
-    """Rank 0: the staging area of DST, made or found again."""
+def _prepare(task: SpreadTask, job: Any, digest: str, plan: Plan, held: ExitStack) -> Staging | BucketStaging:
+    """Rank 0: the staging area of DST, made or found again (a local one locked until `held` closes)."""
     assert task.dst is not None
     if task.to_bucket:
         return prepare_bucket(task.dst, digest=digest, overwrite=task.overwrite, restart=task.restart)
-    return prepare(Path(task.dst), **_local_staging(task, job, digest, plan))[0]
+    return prepare(Path(task.dst), held=held, **_local_staging(task, job, digest, plan))[0]
 
 
 def checked_staging(task: SpreadTask, job: Any, digest: str, plan: Plan) -> Staging | BucketStaging:
@@ -220,11 +222,11 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
     other ranks open the source while rank 0 plans (or, where rank 0 hands the job to its node's
     ranks, take it from the broadcast); on one node rank 0 starts on its parts while they do,
     and learns what they saw (`Views`) between its parts."""
-    header, job, problem, marks, takes = None, None, None, Marks(), None
+    header, job, problem, marks, takes, held = None, None, None, Marks(), None, ExitStack()
     marks.mark("begun")
     try:
         if comm.rank == 0:
-            header, job = _lead(task, comm, marks)
+            header, job = _lead(task, comm, marks, held)
         else:
             takes = handed_job_class(task.command, task.src, task.request) if getattr(comm, "hands_job", False) else None
             if takes is None:
@@ -251,6 +253,7 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
     finally:
         if job is not None:
             job.close()
+        held.close()
 
 
 def _taken_or_opened(task: SpreadTask, where: str, handed: Any, rank: int) -> tuple[Any, str | None]:

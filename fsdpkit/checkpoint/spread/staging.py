@@ -17,13 +17,15 @@ removes `.fsdpkit-spread`, syncs the files and renames the area to DST (DST's ol
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -218,6 +220,9 @@ def check_staging(dst: Path, *, src: Path, digest: str, overwrite: bool, restart
         raise UsageError(f"destination {dst} cannot be created: {blocker} is a file, not a directory; nothing written")
     if (unwritable := unwritable_parent(parent)) is not None:
         raise UsageError(read_only_line(Path(unwritable)))
+    if staging.path.exists():
+        with held_by_this_process(staging.path, dst):
+            pass
     if staging.path.exists() and not restart:
         try:
             found = json.loads((staging.state / PLAN_NAME).read_text()).get("fingerprint")
@@ -243,14 +248,40 @@ def staged_bytes(directory: Path) -> int:
         return 0
 
 
-def prepare(dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool, needed_bytes: int) -> tuple[Staging, int]:
+@contextlib.contextmanager
+def held_by_this_process(path: Path, dst: Path) -> Iterator[None]:
+    """The staging area `path` of `dst` locked by this process while the block runs (a
+    UsageError when another process holds it); where the filesystem has no locks, unlocked."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(
+                f"destination {dst} is being written by another fsdpkit command (it holds {path}): wait for it to finish; nothing written"
+            ) from None
+        except OSError as error:
+            if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def prepare(
+    dst: Path, *, src: Path, digest: str, overwrite: bool, restart: bool, needed_bytes: int, held: contextlib.ExitStack
+) -> tuple[Staging, int]:
     """Rank 0: the staging area of DST for the conversion `digest`, made or found again
-    (`restart`: made anew), with a new token; and how many parts it already holds."""
+    (`restart`: emptied), with a new token, locked by this process until `held` closes; and how
+    many parts it already holds."""
     staging = check_staging(dst, src=src, digest=digest, overwrite=overwrite, restart=restart, needed_bytes=needed_bytes)
     parent = staging.path.parent
     try:
-        if restart and staging.path.exists():
-            shutil.rmtree(staging.path)
+        staging.path.mkdir(parents=True, exist_ok=True)
+        held.enter_context(held_by_this_process(staging.path, dst))
+        if restart:
+            for entry in os.scandir(staging.path):
+                shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
         (staging.state / DONE_DIR).mkdir(parents=True, exist_ok=True)
         kept = len(staging.records())
         (staging.state / PLAN_NAME).write_text(json.dumps({"fingerprint": digest}) + "\n")
