@@ -34,10 +34,10 @@ from typing import Any
 
 from ..errors import DataCheckError, RunError, UsageError
 from ..settings import setting
+from . import MAX_PROCESSES_PER_NODE
 from .interrupts import sigint_blocked_in_new_workers
 from .worker_entry import WorkerEntry, preload_fork_server
 
-MAX_PROCESSES_PER_NODE = 64
 RDZV_BACKENDS = ("c10d", "static")
 MAX_PORT = 65535
 DEFAULT_TIMEOUT_SECONDS = 300.0

@@ -642,6 +642,8 @@ def test_which_command_lines_start_their_workers_first(monkeypatch):
     assert early_nproc(["verify", "a", "--nproc_per_node=2", "--json"]) == 2
     assert early_nproc(["convert", "a", "b", "--nproc-per-node", "1"]) is None  # runs in this process
     assert early_nproc(["convert", "a", "b", "--nproc-per-node", "cpu"]) is None
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "64"]) == 64
+    assert early_nproc(["convert", "a", "b", "--nproc-per-node", "65"]) is None  # more than a launch allows: refused, none started
     assert early_nproc(["convert", "a", "b", "--nproc-per-node", "2", "--dry-run"]) is None
     assert early_nproc(["convert", "a", "b", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1"]) == 2  # this node's
     assert early_nproc(["train", "--nproc-per-node", "2"]) is None

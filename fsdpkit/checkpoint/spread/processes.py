@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 
+from ...dist import MAX_PROCESSES_PER_NODE
 from ...dist.interrupts import INTERRUPTED_EXIT_CODE
 from ...errors import FsdpkitError
 
@@ -60,7 +61,8 @@ class EarlyWorkers:
 
 def early_nproc(argv: list[str]) -> int | None:
     """N of `convert|reshard|verify|diff ... --nproc-per-node N` (on this node) outside torchrun
-    (None for anything else: the workers then start as the run begins)."""
+    (None for anything else, and for more than a launch allows, which the run then refuses: the
+    workers start as the run begins)."""
     if not argv or argv[0] not in SPREAD_COMMANDS or "TORCHELASTIC_RUN_ID" in os.environ:
         return None
     flags = [arg.split("=", 1)[0].replace("_", "-") for arg in argv]
@@ -68,7 +70,7 @@ def early_nproc(argv: list[str]) -> int | None:
         return None
     at = flags.index("--nproc-per-node")
     value = argv[at].split("=", 1)[1] if "=" in argv[at] else (argv[at + 1] if at + 1 < len(argv) else "")
-    return int(value) if value.isdigit() and int(value) > 1 else None
+    return int(value) if value.isdigit() and 1 < int(value) <= MAX_PROCESSES_PER_NODE else None
 
 
 def start_early(argv: list[str]) -> EarlyWorkers | None:
