@@ -331,6 +331,8 @@ def _no_leftovers(directory, allowed):
         (("reshard", "{src}", "{tmp}/out"), 2, "--world-size is required"),
         (("convert", "{src}", "{tmp}/out", "--to", "full", "--chunk-size", "12Q"), 2, "unknown size unit"),
         (("convert", "{tmp}/nothing", "{tmp}/out", "--to", "full"), 2, "does not exist"),
+        (("convert", "{src}", "{tmp}/" + "d" * 238, "--to", "full"), 2, "is 238 bytes long: at most 237"),
+        (("reshard", "{src}", "{tmp}/" + "d" * 256, "--world-size", "2", "--nproc-per-node", "2"), 2, "is 256 bytes long: at most 237"),
         (
             ("convert", "{src}", "{tmp}/out", "--to", "sharded", "--world-size", "2"),
             2,

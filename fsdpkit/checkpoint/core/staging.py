@@ -75,9 +75,26 @@ def os_error_line(error: OSError, where: Path | str) -> str:
     return f"{error.filename or where}: {error.strerror or error} ({name})"
 
 
+NAME_MAX = 255  # bytes of one file name (Linux, macOS)
+SIBLING_NAME_EXTRA = len(f"{TMP_PREFIX}old--12345678")  # the longest name written beside DST adds this to DST's
+
+
+def check_destination_name(dst: Path) -> None:
+    """A UsageError when the temporary names written beside `dst` (`.tmp-old-DST-12345678`, a
+    spread run's `.tmp-DST-resumable`) would be longer than a file name can be."""
+    length = len(os.fsencode(dst.name))
+    if length + SIBLING_NAME_EXTRA > NAME_MAX:
+        raise UsageError(
+            f"destination name {dst.name[:40]}... is {length} bytes long: at most {NAME_MAX - SIBLING_NAME_EXTRA} "
+            f"(a file name holds {NAME_MAX}, and the temporary names written beside it add {SIBLING_NAME_EXTRA}); nothing written"
+        )
+
+
 def check_destination(dst: Path, *, src: Path, overwrite: bool) -> None:
-    """A local `dst` that may be written: outside the source `src` (a checkpoint in a storage is
-    outside every local directory), and absent or a directory `overwrite` may replace."""
+    """A local `dst` that may be written: a name short enough, outside the source `src` (a
+    checkpoint in a storage is outside every local directory), and absent or a directory
+    `overwrite` may replace."""
+    check_destination_name(dst)
     # a directory, or a single file (a full checkpoint's .safetensors or index); no local path starts with a NUL
     src_root = os.path.realpath(src) if not isinstance(src, StoredPath) else "\0"
     dst_real = os.path.realpath(dst)

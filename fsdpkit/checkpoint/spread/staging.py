@@ -34,7 +34,7 @@ from typing import Any
 from ...errors import RunError, UsageError
 from ...paths import file_in_the_way, nearest_existing, unwritable_parent
 from ..core.names import TMP_PREFIX
-from ..core.staging import check_destination, check_free_space, fsync_dir, os_error_line, read_only_line, sync_files
+from ..core.staging import check_destination, check_destination_name, check_free_space, fsync_dir, os_error_line, read_only_line, sync_files
 from ..storage.location import is_url
 from .plan import Part, Plan
 
@@ -64,6 +64,7 @@ class PartResult:
 
 
 def staging_path(dst: Path) -> Path:
+    check_destination_name(dst)
     return dst.absolute().parent / f"{TMP_PREFIX}{dst.name}-resumable"
 
 
