@@ -50,6 +50,24 @@ def test_every_rank_gets_every_value_and_the_posts_reach_rank_0():
     hub.close()
 
 
+def test_rank_0_shows_the_sum_of_every_ranks_count():
+    """Rank 1's count, posted to rank 0's store, and rank 0's own: the bar rank 0 shows, against
+    the run's total, ends at their sum."""
+    from fsdpkit.checkpoint.spread.hub import KeyStore
+    from fsdpkit.checkpoint.spread.progress import SharedCount
+
+    store, shown = KeyStore(), []
+    lead = SharedCount(store, rank=0, world_size=2, key="count", show=lambda done, total: shown.append((done, total)), total=1000)
+    worker = SharedCount(store, rank=1, world_size=2, key="count", show=None, total=1000)
+    lead.start()
+    worker.add(700)
+    worker.stop()
+    lead.add(300)
+    lead.stop()
+    assert shown[0] == (0, 1000) and {total for _, total in shown} == {1000}, shown
+    assert sum(done for done, _ in shown) == 1000, shown
+
+
 def test_the_workers_learn_whether_rank_0_hands_them_the_job_and_an_answer_that_does_not_pickle_fails_at_once():
     hub = Hub(2, 30.0, task="task", hands_job=True)
     out: dict = {}

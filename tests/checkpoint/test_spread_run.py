@@ -83,6 +83,7 @@ def test_full_output_is_the_same_bytes_from_1_2_and_4_processes(source, tmp_path
         assert [r["rank"] for r in ranks] == list(range(nproc)) and all(r["share_bytes"] == r["bytes_planned"] > 0 for r in ranks)
         assert sum(r["share_bytes"] for r in ranks) == written and max(r["share_bytes"] for r in ranks) * nproc <= 1.1 * written
         assert sum(r["parts"] for r in ranks) >= len(list(clean.glob("*.safetensors"))) and not any(r["kept"] for r in ranks), ranks
+        assert spread["bytes_read"] == sum(r["bytes_read"] for r in ranks) and all(r["bytes_read"] > 0 for r in ranks), spread
     loaded = _loaded(tmp_path / "n4")  # the oracle: the tensors the test wrote, read by safetensors
     assert set(loaded) == set(tensors)
     assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
@@ -162,6 +163,29 @@ def test_reshard_and_verify_spread_over_two_processes(source, tmp_path):
     victim.write_bytes(bytes(data))
     broken = run_cli("verify", tmp_path / "out", "--nproc-per-node", "2")
     assert broken.exit_code == 3 and "rank-00002-of-00003.safetensors" in broken.output and "checksum mismatch" in broken.output
+
+
+def test_a_corrupt_tensor_read_in_parts_by_two_ranks_is_not_committed(tmp_path):
+    """A byte flipped in the middle of a tensor whose output file is cut between two ranks: no
+    rank reads the whole tensor, so rank 0's commit checks the checksums of its parts combined;
+    one line naming the source file, exit 3, and DST is not there."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {"big": torch.randn(96, 128, generator=g), **{f"small.{i}": torch.randn(32, 64, generator=g) for i in range(3)}}
+    step = save_checkpoint(tmp_path / "run", 1, tensors, world_size=1)
+    rank_file = step / "rank-00000-of-00001.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    big = tensors["big"].numpy().tobytes()
+    data[data.find(big) + len(big) // 2] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    args = ("convert", step, tmp_path / "out", "--to", "full", "--max-shard-size", "20KB", "--nproc-per-node", "2")
+    planned = json.loads(run_cli(*args, "--dry-run", "--json").stdout)
+    owners = {rank["rank"] for rank in planned["ranks"] for label in rank["parts"] if label.startswith("model-00001-of-00003.safetensors")}
+    assert owners == {0, 1}, planned  # the file of "big" (48 KiB of about 72), cut between both ranks
+    corrupt = run_cli(*args)
+    lines = [line for line in corrupt.output.splitlines() if line.strip()]
+    assert corrupt.exit_code == 3 and len(lines) == 1, corrupt.output
+    assert lines[0].startswith(f"error: {rank_file}: checksum mismatch in ") and "tensor 'big'" in lines[0], corrupt.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_rank_that_fails_stops_every_rank_and_commits_nothing(source, tmp_path):
@@ -366,6 +390,42 @@ def test_a_second_command_on_the_same_dst_is_refused_while_the_first_runs(source
     rerun = _convert(root / "run", dst, "--nproc-per-node", "1")
     assert rerun.exit_code == 0 and json.loads(rerun.stdout)["spread"]["kept_parts"] >= 2, rerun.output
     assert seen and all(seen) and _files(dst) == _files(clean)
+
+
+def test_a_rerun_counts_its_progress_against_the_source_bytes_it_reads(source, tmp_path, monkeypatch):
+    """After an interrupted run the bar's total is, within 1 %, the source bytes the rerun reads
+    (not those of the parts it keeps), and its count is every byte it reads."""
+    from fsdpkit import progress
+
+    root, _, _ = source
+    dst = tmp_path / "out"
+    assert _interrupted_at_the_third_file(source, dst, monkeypatch)[0].exit_code == 1
+    shown: list[tuple[int, int]] = []
+    monkeypatch.setattr(progress, "stderr_progress", lambda desc: (lambda done, total: shown.append((done, total)), lambda: None))
+    rerun = _convert(root / "run", dst, "--nproc-per-node", "1")
+    assert rerun.exit_code == 0, rerun.output
+    spread = json.loads(rerun.stdout)["spread"]
+    read = spread["bytes_read"]
+    totals = {total for _, total in shown}
+    assert len(totals) == 1 and shown[0][0] == 0, shown[:3]
+    assert spread["kept_parts"] >= 2 and totals.pop() == pytest.approx(read, rel=0.01)
+    assert sum(done for done, _ in shown) == read
+
+
+def test_the_dry_run_predicts_the_time_of_the_bytes_left_to_read(source, tmp_path, monkeypatch):
+    """After an interrupted run, at a read rate fixed at 1000 bytes a second: the dry run predicts
+    the time to read what the rerun writes (the parts kept are not read again); with --restart,
+    everything."""
+    from fsdpkit.checkpoint.spread import dryrun
+
+    root, _, _ = source
+    dst = tmp_path / "out"
+    assert _interrupted_at_the_third_file(source, dst, monkeypatch)[0].exit_code == 1
+    monkeypatch.setattr(dryrun, "read_bandwidth", lambda src: (1000.0, "a rate fixed by the test"))
+    resumed = json.loads(_convert(root / "run", dst, "--nproc-per-node", "1", "--dry-run").stdout)
+    restart = json.loads(_convert(root / "run", dst, "--nproc-per-node", "1", "--dry-run", "--restart").stdout)
+    assert resumed["kept_bytes"] > 0 and resumed["predicted_seconds"] == pytest.approx((resumed["bytes"] - resumed["kept_bytes"]) / 1000)
+    assert restart["predicted_seconds"] == pytest.approx(restart["bytes"] / 1000) and restart["bytes"] == resumed["bytes"]
 
 
 def test_a_rerun_with_another_process_count_keeps_only_the_parts_cut_the_same_way():
@@ -603,6 +663,26 @@ def test_a_node_that_does_not_see_the_same_paths_is_named(source, tmp_path, monk
     assert blind.exit_code == 1 and len(_error_lines(blind)) == 1, blind.output
     assert "rank 0 on " in blind.output and "every node must see the same DST" in blind.output, blind.output
     assert not (tmp_path / "blind").exists() and _records(staging_path(tmp_path / "blind")) == []
+
+
+def test_a_node_that_sees_a_staging_area_of_another_run_at_dst_is_named(tmp_path):
+    """A node whose DST is not rank 0's but holds a staging area of the same name, left there by
+    another run: it reads a token, not the one rank 0 wrote, and is named."""
+    from fsdpkit.checkpoint.spread.runner import SpreadTask, view_problem
+    from fsdpkit.checkpoint.spread.staging import STATE_DIR, TOKEN_NAME, fingerprint
+
+    class Job:
+        def facts(self):
+            return {"source": [["rank-00000-of-00001.safetensors", 100, 1]]}
+
+    staging = tmp_path / ".tmp-out-resumable"
+    (staging / STATE_DIR).mkdir(parents=True)
+    (staging / STATE_DIR / TOKEN_NAME).write_text("token-of-another-run\n")
+    task = SpreadTask("convert", "SRC", str(tmp_path / "out"))
+    header = {"digest": fingerprint(Job().facts()), "staging": str(staging), "token": "token-of-rank-0"}
+    stale = view_problem(task, Job(), header, 1)
+    assert stale is not None and "rank 1" in stale and "every node must see the same DST" in stale, stale
+    assert view_problem(task, Job(), {**header, "token": "token-of-another-run"}, 1) is None
 
 
 def test_a_node_where_src_does_not_exist_is_named_and_nothing_is_committed(source, tmp_path):

@@ -85,3 +85,31 @@ def test_the_commit_leaves_a_dst_that_appeared_meanwhile_and_keeps_the_parts(tmp
     staging.commit(dst, overwrite=True)
     assert [p.name for p in dst.iterdir()] == ["model.safetensors"] and (dst / "model.safetensors").read_bytes() == data
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_the_commit_makes_the_output_durable_before_it_renames_it_to_dst(tmp_path, monkeypatch):
+    """Every output file and the staging area are fsynced before the rename to DST, and DST's
+    parent after it: a crash never leaves a DST whose files the disk did not get."""
+    files = {"model-00001-of-00002.safetensors": os.urandom(300), "model-00002-of-00002.safetensors": os.urandom(100)}
+    staging = _staging(tmp_path, {**files, "model.safetensors.index.json": b"{}"})
+    events: list[tuple] = []
+    fsync, rename = os.fsync, os.rename
+
+    def noted_fsync(fd: int) -> None:
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    def noted_rename(src, dst) -> None:
+        events.append(("rename", Path(src), Path(dst)))
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", noted_fsync)
+    monkeypatch.setattr(os, "rename", noted_rename)
+    dst = tmp_path / "out"
+    staging.commit(dst, overwrite=False)
+    renamed = events.index(("rename", staging.path, dst))
+    synced = {event[1] for event in events[:renamed] if event[0] == "fsync"}
+    expected = {(staging.path / name).resolve() for name in [*files, "model.safetensors.index.json"]} | {staging.path.resolve()}
+    assert synced == expected, events
+    assert events[renamed + 1 :] == [("fsync", tmp_path.resolve())], events
+    assert sorted(p.name for p in dst.iterdir()) == sorted([*files, "model.safetensors.index.json"])
