@@ -392,16 +392,25 @@ def test_a_second_command_on_the_same_dst_is_refused_while_the_first_runs(source
     assert seen and all(seen) and _files(dst) == _files(clean)
 
 
+def _recorded_bar(monkeypatch) -> list[tuple[int, int]]:
+    """Every (bytes done, total) shown on rank 0's bar from now on, whichever way the run makes
+    it (the command line's, for one process; the launching rank's, for several)."""
+    from fsdpkit import progress
+    from fsdpkit.checkpoint.spread import runner
+
+    shown: list[tuple[int, int]] = []
+    for module in (progress, runner):
+        monkeypatch.setattr(module, "stderr_progress", lambda desc: (lambda done, total: shown.append((done, total)), lambda: None))
+    return shown
+
+
 def test_a_rerun_counts_its_progress_against_the_source_bytes_it_reads(source, tmp_path, monkeypatch):
     """After an interrupted run the bar's total is, within 1 %, the source bytes the rerun reads
     (not those of the parts it keeps), and its count is every byte it reads."""
-    from fsdpkit import progress
-
     root, _, _ = source
     dst = tmp_path / "out"
     assert _interrupted_at_the_third_file(source, dst, monkeypatch)[0].exit_code == 1
-    shown: list[tuple[int, int]] = []
-    monkeypatch.setattr(progress, "stderr_progress", lambda desc: (lambda done, total: shown.append((done, total)), lambda: None))
+    shown = _recorded_bar(monkeypatch)
     rerun = _convert(root / "run", dst, "--nproc-per-node", "1")
     assert rerun.exit_code == 0, rerun.output
     spread = json.loads(rerun.stdout)["spread"]
@@ -410,6 +419,17 @@ def test_a_rerun_counts_its_progress_against_the_source_bytes_it_reads(source, t
     assert len(totals) == 1 and shown[0][0] == 0, shown[:3]
     assert spread["kept_parts"] >= 2 and totals.pop() == pytest.approx(read, rel=0.01)
     assert sum(done for done, _ in shown) == read
+
+
+def test_rank_0s_bar_ends_at_every_ranks_bytes_read(source, tmp_path, monkeypatch):
+    """Two processes: the bar rank 0 shows counts rank 1's bytes too, up to the last of them,
+    however early rank 0's own parts are done."""
+    root, _, _ = source
+    shown = _recorded_bar(monkeypatch)
+    result = _convert(root / "run", tmp_path / "out", "--nproc-per-node", "2")
+    assert result.exit_code == 0, result.output
+    ranks = json.loads(result.stdout)["spread"]["ranks"]
+    assert all(rank["bytes_read"] > 0 for rank in ranks) and sum(done for done, _ in shown) == sum(rank["bytes_read"] for rank in ranks)
 
 
 def test_the_dry_run_predicts_the_time_of_the_bytes_left_to_read(source, tmp_path, monkeypatch):

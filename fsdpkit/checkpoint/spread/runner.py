@@ -316,14 +316,17 @@ def _work_and_commit(
     figures = RankFigures(comm.rank, socket.gethostname(), len(mine), len(mine) - len(todo), sum(p.nbytes for p in mine), marks=marks)
     figures.opened_source = not getattr(job, "taken_from_rank_0", False)
     marks.mark("working")
-    results, failure = _run_parts(task, job, plan, todo, staging, count, views, figures)
-    marks.mark("worked")
-    figures.seconds = marks["worked"] - marks["working"]
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    figures.peak_rss_bytes, figures.cpu_seconds = peak_rss_bytes(), round(used.ru_utime + used.ru_stime, 3)
-    figures.run_delay_seconds, figures.main_thread_cpu_seconds = round(run_delay_seconds(), 3), round(thread_cpu_seconds(), 3)
-    figures.torch = "torch" in sys.modules
-    gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
+    try:
+        results, failure = _run_parts(task, job, plan, todo, staging, count, views, figures)
+        marks.mark("worked")
+        figures.seconds = marks["worked"] - marks["working"]
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        figures.peak_rss_bytes, figures.cpu_seconds = peak_rss_bytes(), round(used.ru_utime + used.ru_stime, 3)
+        figures.run_delay_seconds, figures.main_thread_cpu_seconds = round(run_delay_seconds(), 3), round(thread_cpu_seconds(), 3)
+        figures.torch = "torch" in sys.modules
+        gathered = _gather_naming_the_stopped(comm, count, (failure, results, figures))
+    finally:
+        count.stop()  # rank 0's bar counts the other ranks' bytes until they have all reported
     marks.mark("gathered")
     failures = [f for f, _, _ in gathered if f is not None]
     if failures:
@@ -396,7 +399,7 @@ def _run_parts(
     finally:
         if recorder is not None:
             recorder.close()
-        count.stop()
+        count.post()
     return results, failure
 
 
