@@ -185,6 +185,33 @@ def test_bad_inputs(saved, tmp_path):
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.parametrize("layout", ["z1_fp32", "z3_bf16"])
+def test_a_damaged_storage_stops_convert_and_reshard_in_one_process_or_two(saved, tmp_path, layout):
+    """One byte flipped in the middle of every storage of rank 1's optimizer file (DeepSpeed's
+    own): what reads it (convert --to full, --to dcp, reshard, in one process and spread over
+    two) stops with the zip's CRC-32 line naming the file, exit 3, and writes no DST."""
+    copy = _copy(saved, layout, tmp_path)
+    rank1 = next((copy / "global_step3").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    raw = bytearray(rank1.read_bytes())
+    for info in zipfile.ZipFile(rank1).infolist():
+        if "/data/" in info.filename and info.file_size > 64:
+            name_length, extra_length = (
+                int.from_bytes(raw[info.header_offset + at : info.header_offset + at + 2], "little") for at in (26, 28)
+            )
+            raw[info.header_offset + 30 + name_length + extra_length + info.file_size // 2] ^= 0xFF
+    rank1.write_bytes(bytes(raw))
+    commands = [
+        ["convert", copy, tmp_path / "full", "--to", "full", "--with-optimizer"],
+        ["convert", copy, tmp_path / "spread", "--to", "full", "--with-optimizer", "--max-shard-size", "300KB", "--nproc-per-node", "2"],
+        ["convert", copy, tmp_path / "dcp", "--to", "dcp", "--world-size", "2"],
+        ["reshard", copy, tmp_path / "reshard", "--world-size", "1"],
+    ]
+    for command in commands:
+        result = run_cli(*command)
+        assert result.exit_code == 3 and f"{rank1}: storage " in result.output and "(damaged)" in result.output, result.output
+        assert not Path(command[2]).exists()
+
+
 def test_malicious_pickle_runs_nothing(saved, tmp_path):
     copy = _copy(saved, "z1_fp32", tmp_path)
     model = copy / "global_step3" / "mp_rank_00_model_states.pt"

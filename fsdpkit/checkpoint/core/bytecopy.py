@@ -23,7 +23,7 @@ from typing import NamedTuple, Protocol
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
-from .crc import PartRead, cast_into, check_parts, crc32, crc32_combine, mismatch
+from .crc import PartRead, StorageSpan, cast_into, check_parts, crc32, crc32_combine, mismatch
 from .files import IOV_MAX, WINDOW_BYTES, Descriptor, MappedFiles, WriteQueue, pread_into, write_file, write_views
 from .names import numel
 
@@ -42,6 +42,7 @@ class SourcePiece(NamedTuple):
     nbytes: int  # bytes of the whole piece
     crc32: int | None  # of the whole piece's bytes; None when the source has no checksum
     key: str  # the tensor it belongs to (for messages)
+    storage: StorageSpan | None = None  # the zip record holding it with other tensors' pieces, checked whole (`check_parts`)
 
     @property
     def label(self) -> str:
@@ -324,8 +325,8 @@ class ByteEngine:
         sink: Callable[[memoryview], None],
         send: Callable[[Descriptor, int, int], None],
     ) -> None:
-        """As `copy`, except that each source piece with no checksum (nothing to check on the way)
-        holding at least KERNEL_COPY_BYTES of `wanted`, uncast, is never mapped: `send(fd, offset,
+        """As `copy`, except that each source piece with no checksum (nothing to check on the way,
+        neither its own nor its storage's) holding at least KERNEL_COPY_BYTES of `wanted`, uncast, is never mapped: `send(fd, offset,
         count)` has the kernel copy its bytes (an object in a bucket streams them through the face)."""
         if out_dtype != tensor.dtype:
             self.copy(tensor, wanted, out_dtype, sink)
@@ -333,7 +334,7 @@ class ByteEngine:
         itemsize, position = dtype_info(tensor.dtype).itemsize, wanted.start
         for piece in tensor.pieces_in(wanted):
             part = piece.range.intersect(wanted)
-            if piece.crc32 is not None or part.size * itemsize < KERNEL_COPY_BYTES:
+            if piece.crc32 is not None or piece.storage is not None or part.size * itemsize < KERNEL_COPY_BYTES:
                 continue
             if part.start > position:
                 self.copy(tensor, ElementRange(position, part.start), out_dtype, sink)
@@ -402,7 +403,8 @@ class ByteEngine:
     def read_into(self, tensor: SourceTensor, wanted: ElementRange, out: memoryview) -> None:
         """Random access (loading): the bytes of elements `wanted` of `tensor` into `out`. A piece
         with a checksum is read whole, and its crc32 checked, the first time any part of it is
-        wanted; later reads of it take only the bytes wanted."""
+        wanted (one in a storage, its crc32 kept for the storage's check: `finish_parts`); later
+        reads of it take only the bytes wanted."""
         itemsize = dtype_info(tensor.dtype).itemsize
         if out.nbytes != wanted.size * itemsize:
             raise ValueError(f"{tensor.name}: {out.nbytes} bytes of room for {wanted.size} elements of {tensor.dtype}")
@@ -410,7 +412,7 @@ class ByteEngine:
         for piece in tensor.pieces_in(wanted):
             part = piece.range.intersect(wanted)
             file = self._file_of(piece)
-            if piece.crc32 is None or (file, piece.offset) in self._verified:
+            if (piece.crc32 is None and piece.storage is None) or (file, piece.offset) in self._verified:
                 start = piece.offset + (part.start - piece.range.start) * itemsize
                 pread_into(self._files.fd(file), start, out[part.start * itemsize - base : part.end * itemsize - base], piece.path)
                 continue
@@ -424,8 +426,11 @@ class ByteEngine:
                 del view
             if reading.window is not None:
                 self._files.release(file, reading.window_start, reading.window)
-            if crc != piece.crc32:
+            if piece.crc32 is not None and crc != piece.crc32:
                 raise DataCheckError(f"{piece.path}: {mismatch(piece.label, piece.crc32, crc)}")
+            if piece.storage is not None:
+                reading.done, reading.running = piece.nbytes, crc
+                self._parts.append(self._storage_part(reading))
             self._verified.add((file, piece.offset))
 
     def _file_of(self, piece: SourcePiece) -> int:
@@ -471,6 +476,8 @@ class ByteEngine:
         if piece.window is not None and piece.offset + piece.nbytes >= piece.window_end:
             self._files.release(piece.file, piece.window_start, piece.window)  # nothing after the piece in it either
         piece.window = None
+        if piece.source.storage is not None:
+            self._parts.append(self._storage_part(piece))
         if piece.begin:
             self._parts.append(self._part(piece))
         elif piece.source.crc32 is not None and piece.running != piece.source.crc32:
@@ -488,11 +495,22 @@ class ByteEngine:
     def finish_parts(self) -> list[PartRead]:
         """Close the files; the source pieces read only in part (see the module docstring)."""
         self.close()
-        return self._parts + [self._part(piece) for cursor in [*self._cursors, *self._named.values()] for piece in cursor.pieces.values()]
+        unfinished = [piece for cursor in [*self._cursors, *self._named.values()] for piece in cursor.pieces.values()]
+        stored = [self._storage_part(piece) for piece in unfinished if piece.source.storage is not None]
+        return self._parts + [self._part(piece) for piece in unfinished] + stored
 
     def _part(self, piece: _Piece) -> PartRead:
         path = self._files.paths[piece.file]
         return PartRead(path, piece.offset, piece.nbytes, piece.source.crc32, piece.source.label, piece.begin, piece.done, piece.running)
+
+    def _storage_part(self, piece: _Piece) -> PartRead:
+        """The bytes of its storage that `piece` read, and their crc32."""
+        storage = piece.source.storage
+        assert storage is not None
+        at = piece.offset - storage.offset
+        path = self._files.paths[piece.file]
+        label = f"storage {storage.key!r}"
+        return PartRead(path, storage.offset, storage.nbytes, storage.crc32, label, at + piece.begin, at + piece.done, piece.running, True)
 
     def close(self) -> None:
         """Wait for every queued write (raising the first that failed), close the files."""

@@ -1,7 +1,8 @@
 """crc32 (zlib's, computed by zlib-ng: tens of GB/s where the zlib a Python links may manage
 one) and casts between float dtypes of raw little-endian bytes (`cast_into`; numpy, imported on
 first cast only), rounding as docs/checkpoint-format.md's "Full checkpoints" says, BF16 from F32
-bits like c10's `round_to_nearest_even` (NaN -> 0x7FC0). No I/O.
+bits like c10's `round_to_nearest_even` (NaN -> 0x7FC0). No I/O, but for the few bytes of
+padding between the tensors of a storage (`check_parts`), read to check the storage's CRC-32.
 """
 
 from __future__ import annotations
@@ -14,9 +15,20 @@ from zlib_ng.zlib_ng import crc32, crc32_combine
 from ...dtypes import dtype_info
 from ...errors import DataCheckError
 
-__all__ = ["PartRead", "cast_into", "check_parts", "crc32", "crc32_combine", "mismatch"]
+__all__ = ["PartRead", "StorageSpan", "cast_into", "check_parts", "crc32", "crc32_combine", "mismatch"]
 
 CAST_BLOCK = 1 << 20  # elements per block
+STORAGE_GAP_BYTES = 1 << 20  # bytes of a storage between the tensors read that are read to check it (padding)
+
+
+class StorageSpan(NamedTuple):
+    """The data of a zip record (a torch.save storage) that holds the pieces of one or more
+    tensors: `nbytes` at `offset` of its file, and the CRC-32 the zip records for them."""
+
+    key: str
+    offset: int
+    nbytes: int
+    crc32: int
 
 
 class PartRead(NamedTuple):
@@ -31,14 +43,20 @@ class PartRead(NamedTuple):
     begin: int
     end: int
     running: int
+    storage: bool = False  # bytes [begin, end) of a storage (`StorageSpan`) that holds several tensors' pieces
 
 
 def check_parts(parts: list[PartRead]) -> None:
     """The parts of each source piece, read by one engine or several, must cover it from its
-    first byte to its last, and their crc32s, combined, equal its stored one."""
+    first byte to its last, and their crc32s, combined, equal its stored one. A storage's parts
+    (`storage`) are checked against its CRC-32 where they cover it (the padding between them, up
+    to STORAGE_GAP_BYTES each, read here); one read only in part is not checked."""
     by_piece: dict[tuple[Path, int], list[PartRead]] = {}
+    by_storage: dict[tuple[Path, int], list[PartRead]] = {}
     for part in parts:
-        by_piece.setdefault((part.path, part.offset), []).append(part)
+        (by_storage if part.storage else by_piece).setdefault((part.path, part.offset), []).append(part)
+    for reads in by_storage.values():
+        _check_storage(sorted(reads, key=lambda part: (part.begin, part.end)))
     for pieces in by_piece.values():
         pieces.sort(key=lambda part: part.begin)
         crc, done = 0, 0
@@ -51,6 +69,52 @@ def check_parts(parts: list[PartRead]) -> None:
             raise AssertionError(f"{piece.label}: read only up to byte {done}")
         if piece.crc32 is not None and crc != piece.crc32:
             raise DataCheckError(f"{piece.path}: {mismatch(piece.label, piece.crc32, crc)}")
+
+
+def _check_storage(reads: list[PartRead]) -> None:
+    """`reads` (sorted) of one storage: their crc32s and those of the gaps between them, combined,
+    against the storage's CRC-32, where they cover it whole (but gaps of padding)."""
+    first = reads[0]
+    crc, done = 0, 0
+    gaps: list[tuple[int, int, int]] = []  # (its place in `pieces`, the gap's [start, end)), read below
+    pieces: list[tuple[int, int, int]] = []  # (begin, end, crc32) in order; a gap's crc32 filled in below
+    for read in reads:
+        if read.end <= done:
+            continue  # the same bytes read again (a tied weight)
+        if read.begin < done:
+            return  # overlapping reads of different extents: no whole crc32 to combine
+        if read.begin - done > STORAGE_GAP_BYTES:
+            return  # not read whole here
+        if read.begin > done:
+            gaps.append((len(pieces), done, read.begin))
+            pieces.append((done, read.begin, 0))
+        pieces.append((read.begin, read.end, read.running))
+        done = read.end
+    if first.nbytes - done > STORAGE_GAP_BYTES:
+        return
+    if first.nbytes > done:
+        gaps.append((len(pieces), done, first.nbytes))
+        pieces.append((done, first.nbytes, 0))
+    found = _gap_crcs(first.path, first.offset, [(start, end) for _, start, end in gaps])
+    for (index, start, end), gap_crc in zip(gaps, found, strict=True):
+        pieces[index] = (start, end, gap_crc)
+    for begin, end, piece_crc in pieces:
+        crc = crc32_combine(crc, piece_crc, end - begin) if begin else piece_crc
+    if crc != first.crc32:
+        raise DataCheckError(f"{first.path}: {first.label}: CRC-32 {crc:08x}, the zip says {first.crc32:08x} (damaged)")
+
+
+def _gap_crcs(path: Path, offset: int, gaps: list[tuple[int, int]]) -> list[int]:
+    """The crc32 of each gap [start, end) of the storage at `offset` of `path`."""
+    if not gaps:
+        return []
+    from .files import close, open_regular, read_exactly
+
+    fd, _ = open_regular(path)
+    try:
+        return [crc32(read_exactly(fd, end - start, offset + start, path)) for start, end in gaps]
+    finally:
+        close(fd)
 
 
 def mismatch(label: str, stored: int, found: int) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 from ...dtypes import dtype_info
 from ...flat_layout import ElementRange
 from ..core.bytecopy import DEFAULT_CHUNK_SIZE, ByteEngine, SourceTensor
+from ..core.crc import check_parts
 from ..core.names import numel
 from ..torchfile.archive import archive_parts
 from ..torchfile.pickler import Global, NewObject, Pairs, Raw, Reduce, dumps, pickled_int, pickled_text
@@ -165,6 +166,7 @@ def write_dcp(
                     out.write(head)
                     out.copy(record.chunk.tensor.source, record.chunk.wanted)
                     out.write(tail)
+        check_parts(copier.finish_parts())
     finally:
         copier.close()
     with open(directory / METADATA_NAME, "wb") as f:

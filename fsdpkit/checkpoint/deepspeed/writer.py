@@ -28,6 +28,7 @@ from ...errors import UsageError
 from ...flat_layout import ElementRange
 from ..core import workers
 from ..core.bytecopy import ByteEngine, SourceTensor
+from ..core.crc import PartRead, check_parts
 from ..core.names import numel
 from ..torchfile.archive import data_descriptor, torch_zip_parts
 from ..torchfile.pickler import Ordered, Raw, dumps
@@ -328,16 +329,18 @@ def write_deepspeed(directory: Path, run: DsRun, progress: Callable[[int], None]
     tag = directory / run.tag
     tag.mkdir()
 
-    def write(share: range, report: Callable[[int], None] | None) -> None:
+    def write(share: range, report: Callable[[int], None] | None) -> list[PartRead]:
         engine = ByteEngine()
         try:
             for file in files[share.start : share.stop]:
                 with RawOutput(tag / file.name, engine, report) as out:
                     file.write(out)
+            return engine.finish_parts()
         finally:
             engine.close()
 
     sizes = [sum(s.nbytes for s in file.storages) for file in files]
-    workers.in_processes(workers.even_shares(sizes, workers.process_count(len(files), split_at=SPLIT_FILES)), write, progress)
+    shares = workers.even_shares(sizes, workers.process_count(len(files), split_at=SPLIT_FILES))
+    check_parts([part for parts in workers.in_processes(shares, write, progress) for part in parts])
     (directory / "latest").write_text(run.tag)
     return ["latest", *(f"{run.tag}/{file.name}" for file in files)]

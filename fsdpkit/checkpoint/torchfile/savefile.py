@@ -23,7 +23,7 @@ from ...dtypes import dtype_info
 from ...errors import DataCheckError
 from ...flat_layout import ElementRange
 from ..core.bytecopy import SourcePiece, SourceTensor
-from ..core.crc import crc32
+from ..core.crc import StorageSpan, crc32
 from ..core.files import Descriptor, close, open_regular, prefetch, read_exactly, read_some
 from ..core.names import numel
 from ..core.report import VerifyReport
@@ -154,11 +154,13 @@ class TensorRange:
     offset: int  # absolute byte offset of element 0
     numel: int
     dtype: str
+    storage: StorageSpan | None = None  # the zip record it lies in, with its CRC-32 (None: not a zip's, or none recorded)
 
     def piece(self, name: str, first: int, count: int, dest: int) -> SourcePiece:
         """Its elements [first, first + count), placed at [dest, dest + count) of tensor `name`."""
         itemsize = dtype_info(self.dtype).itemsize
-        return SourcePiece(ElementRange(dest, dest + count), self.path, self.offset + first * itemsize, count * itemsize, None, name)
+        offset = self.offset + first * itemsize
+        return SourcePiece(ElementRange(dest, dest + count), self.path, offset, count * itemsize, None, name, self.storage)
 
 
 class SaveFile:
@@ -201,7 +203,9 @@ class SaveFile:
         if entry is None:
             raise DataCheckError(f"{where}: storage {record.storage.key!r} is missing from the zip")
         dtype, skip, _ = tensor_bytes(record, entry.nbytes, where)
-        return TensorRange(self.path, entry.offset + skip, numel(record.shape), dtype)
+        checked = entry.crc32 != 0 or entry.nbytes == 0  # 0: torch.save wrote none
+        storage = StorageSpan(record.storage.key, entry.offset, entry.nbytes, entry.crc32) if checked else None
+        return TensorRange(self.path, entry.offset + skip, numel(record.shape), dtype, storage)
 
     def crc_problems(self) -> tuple[int, list[str]]:
         """(storages checked against the zip's CRC-32, one line per mismatch)."""
