@@ -185,7 +185,40 @@ def test_a_corrupt_tensor_read_in_parts_by_two_ranks_is_not_committed(tmp_path):
     lines = [line for line in corrupt.output.splitlines() if line.strip()]
     assert corrupt.exit_code == 3 and len(lines) == 1, corrupt.output
     assert lines[0].startswith(f"error: {rank_file}: checksum mismatch in ") and "tensor 'big'" in lines[0], corrupt.output
+    assert f"; nothing committed; repair {step} (`fsdpkit verify {step}` names what is damaged), then run " in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupt_source_is_to_be_repaired_before_the_rerun_which_then_needs_restart(source, tmp_path):
+    """A byte flipped in a tensor of a source rank file: the line says to repair SRC (verify names
+    what is damaged) and then to run again with --restart, which is what works: the rerun of the
+    damaged source fails alike, the repaired source (its file rewritten) is another conversion,
+    and --restart then writes the one-process bytes."""
+    import struct
+
+    root, _, clean = source
+    src, dst = tmp_path / "run", tmp_path / "out"
+    shutil.copytree(root / "run", src)
+    victim = next((src / "step-00000005").glob("rank-00002-*.safetensors"))
+    data = bytearray(victim.read_bytes())
+    header = 8 + struct.unpack("<Q", data[:8])[0]
+    at = header + (len(data) - header) // 2
+    data[at] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    advice = (
+        f"; nothing committed; repair {src} (`fsdpkit verify {src}` names what is damaged), then run the same command again "
+        f"with --restart (a repaired source counts as another conversion: the parts finished in {staging_path(dst)} are written again)"
+    )
+    for _ in range(2):
+        corrupt = _convert(src, dst, "--nproc-per-node", "1")
+        assert corrupt.exit_code == 3 and len(_error_lines(corrupt)) == 1, corrupt.output
+        assert "checksum mismatch" in corrupt.output and _error_lines(corrupt)[0].endswith(advice), corrupt.output
+    data[at] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    same = _convert(src, dst, "--nproc-per-node", "1")
+    assert same.exit_code == 2 and "holds the partial output of another conversion" in same.output, same.output
+    restarted = _convert(src, dst, "--nproc-per-node", "1", "--restart")
+    assert restarted.exit_code == 0 and _files(dst) == _files(clean), restarted.output
 
 
 def test_a_rank_that_fails_stops_every_rank_and_commits_nothing(source, tmp_path):

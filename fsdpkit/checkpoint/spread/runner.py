@@ -331,7 +331,8 @@ def _work_and_commit(
     failures = [f for f, _, _ in gathered if f is not None]
     if failures:
         more = f" (+{count_of(len(failures) - 1, 'more rank')} failed)" if len(failures) > 1 else ""
-        _raise(failures[0][0], failures[0][1] + more + _kept_note(staging))
+        kind = failures[0][0]
+        _raise(kind, failures[0][1] + more + _kept_note(staging, damaged=task.src if kind == "DataCheckError" else None))
     if comm.rank != 0:
         return None
     done = [*kept.values(), *(r for _, rs, _ in gathered for r in rs)]
@@ -340,14 +341,26 @@ def _work_and_commit(
         report = job.report(done)
     else:
         assert task.dst is not None
-        report = staging.commit_job(job, done, task.dst, overwrite=task.overwrite)
+        try:
+            report = staging.commit_job(job, done, task.dst, overwrite=task.overwrite)
+        except DataCheckError as error:  # a source checksum of pieces read in parts
+            raise DataCheckError(f"{error}{_kept_note(staging, damaged=task.src)}") from None
     ranks[0].marks = {**marks, "committed": time.monotonic()}
     return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), staging.where if staging else None)
 
 
-def _kept_note(staging: Staging | BucketStaging | None) -> str:
+def _kept_note(staging: Staging | BucketStaging | None, damaged: str | None = None) -> str:
+    """What the staging area keeps and what continues it; after a check of the source `damaged`
+    failed, that it must be repaired first (a repaired source's files have new modification
+    times: another conversion, which --restart begins again)."""
     if staging is None:
         return ""
+    if damaged is not None:
+        return (
+            f"; nothing committed; repair {damaged} (`fsdpkit verify {damaged}` names what is damaged), then run the same "
+            f"command again with --restart (a repaired source counts as another conversion: the parts finished in {staging.where} "
+            "are written again)"
+        )
     return f"; nothing committed; the parts finished are kept in {staging.where}: run the same command again to continue"
 
 
