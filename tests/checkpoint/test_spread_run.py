@@ -375,6 +375,20 @@ def test_a_dry_run_says_what_the_rerun_keeps_and_a_plain_command_continues_it(so
     assert restarted.exit_code == 0 and _files(other) == _files(clean) and not staging_path(other).exists(), restarted.output
 
 
+def test_the_plain_command_given_other_options_says_only_that_the_staging_area_is_another_conversions(source, tmp_path, monkeypatch):
+    """After an interrupted spread run, the plain command with another --dtype: one line, the
+    refusal, and no note that it continues the staging area; the area stays as it was."""
+    root, _, _ = source
+    dst = tmp_path / "out"
+    assert _interrupted_at_the_third_file(source, dst, monkeypatch)[0].exit_code == 1
+    before = tree_snapshot(staging_path(dst))
+    other = _convert(root / "run", dst, "--dtype", "bf16")
+    lines = [line for line in other.output.splitlines() if line.strip()]
+    assert other.exit_code == 2 and len(lines) == 1, other.output
+    assert lines[0].startswith(f"error: {staging_path(dst)} holds the partial output of another conversion"), other.output
+    assert tree_snapshot(staging_path(dst)) == before and not dst.exists()
+
+
 def _locked_elsewhere(path: Path) -> bool:
     """Whether another open file description holds an flock on directory `path`."""
     import fcntl

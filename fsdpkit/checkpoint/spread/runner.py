@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ... import log
 from ...dist import faults
 from ...dist.host import peak_rss_bytes, run_delay_seconds, thread_cpu_seconds
 from ...dist.launch import LaunchOptions, under_torchrun
@@ -66,6 +67,7 @@ class SpreadTask:
     overwrite: bool = False
     restart: bool = False
     timeout: float = 300.0
+    resumes: bool = field(default=False, repr=False)  # a command without launch flags, spread to continue DST's staging area
 
     @property
     def writes(self) -> bool:
@@ -146,6 +148,11 @@ def _lead(task: SpreadTask, comm: Any, marks: Marks, held: ExitStack) -> tuple[d
         header["handed"] = job.hand_on() if getattr(comm, "hands_job", False) and hasattr(job, "hand_on") else None
         if task.writes:
             staging = _prepare(task, job, digest, plan, held)
+            if task.resumes:  # said once the staging area is found to be this conversion's
+                log.note(
+                    f"{staging.where} holds the partial output of an interrupted spread run to {task.dst}: "
+                    "running as --nproc-per-node 1, which continues it (--restart discards it)"
+                )
             staging.write_state(PLAN_FILE, json.dumps(plan.to_json()))
             kept = [asdict(result) for result in kept_parts(plan, staging.records()).values()]  # read before any rank records a part
             header.update(staging=task.dst if task.to_bucket else staging.where, token=staging.token(), kept=kept)
