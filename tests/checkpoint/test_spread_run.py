@@ -641,7 +641,8 @@ def test_nodes_that_spell_the_master_address_differently_join_one_run(source):
 def test_a_rank_killed_on_the_second_node_stops_both_nodes_and_commits_nothing(source, tmp_path):
     """Rank 3, a worker on node 1, SIGKILLed as it starts its 2nd part: its connection to rank 0
     closes; both nodes' commands stop with one line naming rank 3 (not the ranks still at work)
-    and the part, and DST is not there."""
+    and the part, and DST is not there. Node 0 counts the parts the staging area keeps (every
+    record there); node 1, which cannot know when every rank has stopped, says where they are."""
     import socket
     import subprocess
     import sys
@@ -672,11 +673,52 @@ def test_a_rank_killed_on_the_second_node_stops_both_nodes_and_commits_nothing(s
     started = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in nodes]
     outputs = [process.communicate(timeout=120) for process in started]
     assert [process.returncode for process in started] == [1, 1], outputs
+    lines = []
     for _, err in outputs:
-        lines = [line for line in err.splitlines() if line.startswith("error:")]
-        assert len(lines) == 1 and lines[0].startswith("error: rank 3 stopped while writing model-"), err
-        assert "nothing committed" in lines[0] and "rank 1" not in lines[0] and "rank 2" not in lines[0], err
+        found = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(found) == 1 and found[0].startswith("error: rank 3 stopped while writing model-"), err
+        assert "nothing committed" in found[0] and "rank 1" not in found[0] and "rank 2" not in found[0], err
+        lines += found
     assert not dst.exists() and staging_path(dst).exists()
+    kept = f"; {len(_records(staging_path(dst)))} of "
+    assert kept in lines[0] and re.search(r"; \d+ of \d+ parts", lines[1]) is None, (kept, lines)
+    assert lines[1].endswith(
+        f"; the parts finished are kept in {staging_path(dst)}: run the same command again to continue (--restart starts over)"
+    )
+
+
+def test_a_node_refused_for_running_another_command_claims_no_parts_kept(source, tmp_path):
+    """Node 1 started with another --max-shard-size once node 0 has planned its run: rank 0
+    refuses its key, and node 1's one line says so and nothing of the parts node 0's staging
+    area keeps (they are of a conversion node 1 is not running); node 0 names the rank that never
+    joined once its --timeout passes."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    root, _, _ = source
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dst = tmp_path / "out"
+    command = [sys.executable, "-m", "fsdpkit_cli", "convert", str(root / "run"), str(dst), "--to", "full", "--nnodes", "2"]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "4", "--node-rank"]
+    node0 = subprocess.Popen([*command, "0", "--max-shard-size", SHARD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    planned = staging_path(dst) / ".fsdpkit-spread" / "plan-rank0.json"
+    deadline = time.monotonic() + 60
+    while not planned.exists() and node0.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    node1 = subprocess.run([*command, "1", "--max-shard-size", "100KB"], capture_output=True, text=True, timeout=60)
+    _, err0 = node0.communicate(timeout=60)
+    assert node1.returncode == 1 and node1.stdout == "", node1
+    assert re.fullmatch(
+        r"error: rank 1: rank 0 at 127\.0\.0\.1:\d+ refused this node's key: every node must run the same command[^\n]*\n", node1.stderr
+    )
+    assert "kept" not in node1.stderr and "continue" not in node1.stderr, node1.stderr
+    lines = [line for line in err0.splitlines() if line.startswith("error:")]
+    assert node0.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: rank 1 did not join within --timeout 4 s"), err0
+    assert f"; {len(_records(staging_path(dst)))} of " in lines[0], lines
 
 
 def test_a_node_rank_given_twice_is_named_even_when_the_run_is_quick(tmp_path):

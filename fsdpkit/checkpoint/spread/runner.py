@@ -468,9 +468,10 @@ def spread_worker(task: SpreadTask) -> SpreadResult | None:
         dist.destroy_process_group()
 
 
-def failed_part_line(task: SpreadTask, line: str) -> str:
+def failed_part_line(task: SpreadTask, line: str, *, counted: bool = True) -> str:
     """A launch's failure line, with what this run's staging area keeps (a rerun continues from
-    it) and, where a worker rank failed, the part it was writing."""
+    it; `counted`: how many parts, which only rank 0 counts once every rank has stopped) and,
+    where a worker rank failed, the part it was writing."""
     if not task.writes or task.dst is None or "run the same command again" in line:
         return line
     staging = staging_at(task.dst if task.to_bucket else str(staging_path(Path(task.dst))))
@@ -485,10 +486,8 @@ def failed_part_line(task: SpreadTask, line: str) -> str:
     left = [part for part in plan.parts_of(int(found.group(1))) if (part.file, part.index) not in kept] if found else []
     where = f" while writing {plan.label(left[0])}" if left and "while writing" not in line else ""
     nothing = "" if "nothing committed" in line else "; nothing committed"
-    return (
-        f"{line}{where}{nothing}; {len(kept)} of {len(plan.parts)} parts are kept in {staging.where}: "
-        "run the same command again to continue (--restart starts over)"
-    )
+    kept_here = f"{len(kept)} of {len(plan.parts)} parts are kept" if counted else "the parts finished are kept"
+    return f"{line}{where}{nothing}; {kept_here} in {staging.where}: run the same command again to continue (--restart starts over)"
 
 
 def as_json(result: SpreadResult) -> dict:
@@ -526,7 +525,7 @@ def run_on_nodes(task: SpreadTask, options: LaunchOptions, early: EarlyWorkers |
     first = options.node_rank * per_node
     hub, address, key = _rank_0_hub(task, options, first)
     show, close = stderr_progress(task.command) if hub is not None else (None, lambda: None)
-    connected: list[Hub | HubClient] = [hub] if hub is not None else []
+    connected: list[Hub | HubClient] = [hub] if hub is not None else []  # once this node's first rank joined the run
     processes: dict = {}
     grace = 0.5 if options.nnodes == 1 else WORKERS_EXIT_SECONDS  # on failure: other nodes' ranks get the line
     try:
@@ -548,8 +547,10 @@ def run_on_nodes(task: SpreadTask, options: LaunchOptions, early: EarlyWorkers |
             stop_workers(processes, grace=grace)
             for connection in connected:
                 connection.close()
-    except RunError as error:  # the parts kept counted once this node's other ranks have stopped
-        raise RunError(failed_part_line(task, str(error))) from None
+    except RunError as error:  # the parts kept counted by rank 0 once every rank has stopped; the other nodes say where they are
+        if not connected:  # refused, or no rank 0 answered: this node has no part in the run rank 0 keeps
+            raise
+        raise RunError(failed_part_line(task, str(error), counted=hub is not None)) from None
 
 
 def _rank_0_hub(task: SpreadTask, options: LaunchOptions, first: int) -> tuple[Hub | None, tuple[str, int], bytes]:
