@@ -15,7 +15,7 @@ from fsdpkit.progress import byte_progress
 from fsdpkit.sizes import parse_size
 
 from .checkpoint_options import CHUNK_HELP, MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, cast_name, chunk_bytes, print_written
-from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command, spread_target
+from .spread_options import DryRun, Restart, run_spread_command, spread_command, spread_target, writing_launch_options
 
 
 def convert(
@@ -64,9 +64,11 @@ def convert(
         overwrite=overwrite,
     )
     one_process = functools.partial(convert_in_one_process, src, dst, request)
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spread_target(to), locations=(src, dst), dst=dst)
+    options, resumes = writing_launch_options(
+        ctx, settings, dry_run=dry_run, restart=restart, spreads=spread_target(to), locations=(src, dst), dst=dst
+    )
     if options is not None:
-        task = spread_task(src, dst, request, restart=restart)
+        task = spread_task(src, dst, request, restart=restart, resumes=resumes)
         result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json, early=ctx.obj, one_process=one_process)
         if result is None:
             return
@@ -84,11 +86,12 @@ def convert_in_one_process(src: str, dst: str, request: ConvertRequest) -> Any:
         return convert_to(src, dst, request, progress)
 
 
-def spread_task(src: str, dst: str, request: ConvertRequest, *, restart: bool) -> Any:
+def spread_task(src: str, dst: str, request: ConvertRequest, *, restart: bool, resumes: bool = False) -> Any:
     """The spread run of `convert` (its machinery imported only when a convert is spread)."""
     from fsdpkit.checkpoint.spread.runner import SpreadTask
 
-    return SpreadTask("convert", str(src), str(dst), request, chunk_size=request.chunk_size, overwrite=request.overwrite, restart=restart)
+    chunk_size, overwrite = request.chunk_size, request.overwrite
+    return SpreadTask("convert", str(src), str(dst), request, chunk_size=chunk_size, overwrite=overwrite, restart=restart, resumes=resumes)
 
 
 command_app = spread_command("convert", convert)

@@ -11,7 +11,7 @@ from fsdpkit.checkpoint.offline.formats import RESHARD_LABELS
 from fsdpkit.progress import byte_progress
 
 from .checkpoint_options import CHUNK_HELP, chunk_bytes, print_written, required_world_size
-from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command, spreads_from
+from .spread_options import DryRun, Restart, run_spread_command, spread_command, spreads_from, writing_launch_options
 
 
 def reshard(
@@ -34,14 +34,16 @@ def reshard(
 
     request = ReshardRequest(required_world_size(world_size))  # --world-size is checked before --chunk-size
     request = replace(request, chunk_size=chunk_bytes(chunk_size), overwrite=overwrite, warn=log.warn)
-    options = launch_options(
+    options, resumes = writing_launch_options(
         ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads_from("reshard", src), locations=(src, dst), dst=dst
     )
     if options is not None:
         from fsdpkit.checkpoint.spread.runner import SpreadTask  # the spread machinery: imported by a spread run only
 
         ranks, chunk = request.world_size, request.chunk_size
-        task = SpreadTask("reshard", str(src), str(dst), world_size=ranks, chunk_size=chunk, overwrite=overwrite, restart=restart)
+        task = SpreadTask(
+            "reshard", str(src), str(dst), world_size=ranks, chunk_size=chunk, overwrite=overwrite, restart=restart, resumes=resumes
+        )
         result = run_spread_command(task, options, dry_run=dry_run, as_json=as_json, early=ctx.obj)
         if result is None:
             return

@@ -14,7 +14,6 @@ from typing import Annotated, Any
 
 import typer
 
-from fsdpkit import log
 from fsdpkit.dist.launch import LaunchOptions, under_torchrun
 from fsdpkit.errors import FsdpkitError
 from fsdpkit.settings import Section, settings_of
@@ -62,42 +61,51 @@ def launch_options(
     restart: bool,
     spreads: Callable[[], bool],
     locations: tuple[str, ...],
-    dst: str | None = None,
 ) -> LaunchOptions | None:
     """The launch of a spread run, or None when nothing asks for one (no launch flag, no
-    --dry-run or --restart, not a command that `spreads` started by torchrun as its workers,
-    and no staging area of an interrupted spread run beside `dst`, the local DST of a convert or reshard): then
-    the command runs as it always did. A URL among `locations` that fsdpkit cannot use is one
-    line here, before any worker starts."""
+    --dry-run or --restart, not a command that `spreads` started by torchrun as its workers):
+    then the command runs as it always did. A URL among `locations` that fsdpkit cannot use is
+    one line here, before any worker starts."""
+    return writing_launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads, locations=locations)[0]
+
+
+def writing_launch_options(
+    ctx: typer.Context,
+    settings: dict[str, Any],
+    *,
+    dry_run: bool,
+    restart: bool,
+    spreads: Callable[[], bool],
+    locations: tuple[str, ...],
+    dst: str | None = None,
+) -> tuple[LaunchOptions | None, bool]:
+    """`launch_options` of a convert or reshard to `dst`, which also runs spread when nothing
+    else asks for it but an interrupted spread run left its staging area beside a local DST;
+    and whether that is why (`SpreadTask.resumes`)."""
     given = given_values((LAUNCH,), ctx, settings).get("launch", {})
-    if not given and not dry_run and not restart and not (_torchrun_worker() and spreads()) and not _resumes(dst, spreads):
-        return None
+    plain = not given and not dry_run and not restart and not (_torchrun_worker() and spreads())
+    resumes = plain and _resumes(dst, spreads)
+    if plain and not resumes:
+        return None, False
     from fsdpkit.checkpoint.offline.locations import check_urls
 
     check_urls(*locations)
     options = LAUNCH.from_values(given, where="")
     if options.nproc_per_node is None and not under_torchrun():  # one process on each node, as torchrun's default
         options = LAUNCH.from_values({**given, "nproc_per_node": 1}, where="")
-    return options
+    return options, resumes
 
 
 def _resumes(dst: str | None, spreads: Callable[[], bool]) -> bool:
     """Whether a plain convert or reshard to `dst` runs as `--nproc-per-node 1` because an
     interrupted spread run left its staging area beside DST: the same conversion's finished parts
     are kept (not written again, not left behind), another conversion's area is refused as a
-    spread run refuses it. Said in a note."""
+    spread run refuses it. Rank 0 says so in a note once it has found the area this conversion's."""
     if dst is None or under_torchrun():
         return False
     from fsdpkit.checkpoint.spread.staging import resumable_beside
 
-    found = resumable_beside(dst)
-    if found is None or not spreads():
-        return False
-    log.note(
-        f"{found} holds the partial output of an interrupted spread run to {dst}: "
-        "running as --nproc-per-node 1, which continues it (--restart discards it)"
-    )
-    return True
+    return resumable_beside(dst) is not None and spreads()
 
 
 def _torchrun_worker() -> bool:

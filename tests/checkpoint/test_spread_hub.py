@@ -125,6 +125,23 @@ def test_a_rank_whose_process_exited_is_named():
     hub.close()
 
 
+def test_once_a_gather_fails_every_gather_names_the_same_rank_not_a_worker_that_exited_because_of_it():
+    """Rank 2 never joins: rank 1's gather fails first, naming it, and rank 1's process exits as a
+    worker's does; rank 0's gather, of a later round, still names rank 2 (not rank 1's exit)."""
+    hub = Hub(3, 0.5, task=None)
+    client = HubClient(hub.address, hub.key, 1, 3)
+    hub.broadcast("plan")
+    with pytest.raises(RunError, match=r"^rank 2 did not join within --timeout 0.5 s$"):
+        client.broadcast(None)
+    client.close()
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    exited.wait()
+    hub.processes[1] = exited
+    with pytest.raises(RunError, match=r"^rank 2 did not join within --timeout 0.5 s$"):
+        hub.all_gather("views")
+    hub.close()
+
+
 def test_across_nodes_a_rank_with_another_key_or_rank_is_refused_and_named(capsys, caplog):
     """Across nodes the key is derived from the run: a node started with another command gets
     another key and is refused (both sides say so, rank 0 at once); a rank given twice is refused at join."""

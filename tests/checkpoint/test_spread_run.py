@@ -185,7 +185,40 @@ def test_a_corrupt_tensor_read_in_parts_by_two_ranks_is_not_committed(tmp_path):
     lines = [line for line in corrupt.output.splitlines() if line.strip()]
     assert corrupt.exit_code == 3 and len(lines) == 1, corrupt.output
     assert lines[0].startswith(f"error: {rank_file}: checksum mismatch in ") and "tensor 'big'" in lines[0], corrupt.output
+    assert f"; nothing committed; repair {step} (`fsdpkit verify {step}` names what is damaged), then run " in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupt_source_is_to_be_repaired_before_the_rerun_which_then_needs_restart(source, tmp_path):
+    """A byte flipped in a tensor of a source rank file: the line says to repair SRC (verify names
+    what is damaged) and then to run again with --restart, which is what works: the rerun of the
+    damaged source fails alike, the repaired source (its file rewritten) is another conversion,
+    and --restart then writes the one-process bytes."""
+    import struct
+
+    root, _, clean = source
+    src, dst = tmp_path / "run", tmp_path / "out"
+    shutil.copytree(root / "run", src)
+    victim = next((src / "step-00000005").glob("rank-00002-*.safetensors"))
+    data = bytearray(victim.read_bytes())
+    header = 8 + struct.unpack("<Q", data[:8])[0]
+    at = header + (len(data) - header) // 2
+    data[at] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    advice = (
+        f"; nothing committed; repair {src} (`fsdpkit verify {src}` names what is damaged), then run the same command again "
+        f"with --restart (a repaired source counts as another conversion: the parts finished in {staging_path(dst)} are written again)"
+    )
+    for _ in range(2):
+        corrupt = _convert(src, dst, "--nproc-per-node", "1")
+        assert corrupt.exit_code == 3 and len(_error_lines(corrupt)) == 1, corrupt.output
+        assert "checksum mismatch" in corrupt.output and _error_lines(corrupt)[0].endswith(advice), corrupt.output
+    data[at] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    same = _convert(src, dst, "--nproc-per-node", "1")
+    assert same.exit_code == 2 and "holds the partial output of another conversion" in same.output, same.output
+    restarted = _convert(src, dst, "--nproc-per-node", "1", "--restart")
+    assert restarted.exit_code == 0 and _files(dst) == _files(clean), restarted.output
 
 
 def test_a_rank_that_fails_stops_every_rank_and_commits_nothing(source, tmp_path):
@@ -342,6 +375,20 @@ def test_a_dry_run_says_what_the_rerun_keeps_and_a_plain_command_continues_it(so
     assert restarted.exit_code == 0 and _files(other) == _files(clean) and not staging_path(other).exists(), restarted.output
 
 
+def test_the_plain_command_given_other_options_says_only_that_the_staging_area_is_another_conversions(source, tmp_path, monkeypatch):
+    """After an interrupted spread run, the plain command with another --dtype: one line, the
+    refusal, and no note that it continues the staging area; the area stays as it was."""
+    root, _, _ = source
+    dst = tmp_path / "out"
+    assert _interrupted_at_the_third_file(source, dst, monkeypatch)[0].exit_code == 1
+    before = tree_snapshot(staging_path(dst))
+    other = _convert(root / "run", dst, "--dtype", "bf16")
+    lines = [line for line in other.output.splitlines() if line.strip()]
+    assert other.exit_code == 2 and len(lines) == 1, other.output
+    assert lines[0].startswith(f"error: {staging_path(dst)} holds the partial output of another conversion"), other.output
+    assert tree_snapshot(staging_path(dst)) == before and not dst.exists()
+
+
 def _locked_elsewhere(path: Path) -> bool:
     """Whether another open file description holds an flock on directory `path`."""
     import fcntl
@@ -463,8 +510,9 @@ def test_a_rerun_with_another_process_count_keeps_only_the_parts_cut_the_same_wa
 
 
 def test_a_node_that_never_joins_is_named_with_what_is_kept(source, tmp_path):
-    """Node 0 of 2 alone: once --timeout passes, its one line names the rank that never joined,
-    what the staging area keeps and that the same command continues it."""
+    """Node 0 of 2 alone, with a worker: once --timeout passes, its one line names the first rank
+    that never joined (not its own worker, whose wait for that rank fails at the same moment and
+    which then exits), what the staging area keeps and that the same command continues it."""
     import socket
 
     root, _, _ = source
@@ -472,13 +520,13 @@ def test_a_node_that_never_joins_is_named_with_what_is_kept(source, tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     dst = tmp_path / "y"
-    nodes = ("--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port)
-    alone = run_cli("convert", root / "run", dst, "--to", "full", *nodes, "--timeout", "1")
+    nodes = ("--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port)
+    alone = run_cli("convert", root / "run", dst, "--to", "full", "--max-shard-size", SHARD, *nodes, "--timeout", "2")
     assert alone.exit_code == 1, alone.output
     lines = _error_lines(alone)
-    assert len(lines) == 1 and "rank 1 did not join within --timeout 1 s" in lines[0] and "nothing committed" in lines[0], alone.output
+    assert len(lines) == 1 and lines[0].startswith("error: rank 2 did not join within --timeout 2 s; nothing committed; "), alone.output
     kept = len(_records(staging_path(dst)))
-    assert f"{kept} of 1 parts are kept in {staging_path(dst)}: run the same command again to continue" in lines[0], lines
+    assert re.search(rf"; {kept} of \d+ parts are kept in {re.escape(str(staging_path(dst)))}: run the same command again", lines[0]), lines
     assert not dst.exists()
 
 
@@ -594,7 +642,8 @@ def test_nodes_that_spell_the_master_address_differently_join_one_run(source):
 def test_a_rank_killed_on_the_second_node_stops_both_nodes_and_commits_nothing(source, tmp_path):
     """Rank 3, a worker on node 1, SIGKILLed as it starts its 2nd part: its connection to rank 0
     closes; both nodes' commands stop with one line naming rank 3 (not the ranks still at work)
-    and the part, and DST is not there."""
+    and the part, and DST is not there. Node 0 counts the parts the staging area keeps (every
+    record there); node 1, which cannot know when every rank has stopped, says where they are."""
     import socket
     import subprocess
     import sys
@@ -625,11 +674,52 @@ def test_a_rank_killed_on_the_second_node_stops_both_nodes_and_commits_nothing(s
     started = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in nodes]
     outputs = [process.communicate(timeout=120) for process in started]
     assert [process.returncode for process in started] == [1, 1], outputs
+    lines = []
     for _, err in outputs:
-        lines = [line for line in err.splitlines() if line.startswith("error:")]
-        assert len(lines) == 1 and lines[0].startswith("error: rank 3 stopped while writing model-"), err
-        assert "nothing committed" in lines[0] and "rank 1" not in lines[0] and "rank 2" not in lines[0], err
+        found = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(found) == 1 and found[0].startswith("error: rank 3 stopped while writing model-"), err
+        assert "nothing committed" in found[0] and "rank 1" not in found[0] and "rank 2" not in found[0], err
+        lines += found
     assert not dst.exists() and staging_path(dst).exists()
+    kept = f"; {len(_records(staging_path(dst)))} of "
+    assert kept in lines[0] and re.search(r"; \d+ of \d+ parts", lines[1]) is None, (kept, lines)
+    assert lines[1].endswith(
+        f"; the parts finished are kept in {staging_path(dst)}: run the same command again to continue (--restart starts over)"
+    )
+
+
+def test_a_node_refused_for_running_another_command_claims_no_parts_kept(source, tmp_path):
+    """Node 1 started with another --max-shard-size once node 0 has planned its run: rank 0
+    refuses its key, and node 1's one line says so and nothing of the parts node 0's staging
+    area keeps (they are of a conversion node 1 is not running); node 0 names the rank that never
+    joined once its --timeout passes."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    root, _, _ = source
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dst = tmp_path / "out"
+    command = [sys.executable, "-m", "fsdpkit_cli", "convert", str(root / "run"), str(dst), "--to", "full", "--nnodes", "2"]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "4", "--node-rank"]
+    node0 = subprocess.Popen([*command, "0", "--max-shard-size", SHARD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    planned = staging_path(dst) / ".fsdpkit-spread" / "plan-rank0.json"
+    deadline = time.monotonic() + 60
+    while not planned.exists() and node0.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    node1 = subprocess.run([*command, "1", "--max-shard-size", "100KB"], capture_output=True, text=True, timeout=60)
+    _, err0 = node0.communicate(timeout=60)
+    assert node1.returncode == 1 and node1.stdout == "", node1
+    assert re.fullmatch(
+        r"error: rank 1: rank 0 at 127\.0\.0\.1:\d+ refused this node's key: every node must run the same command[^\n]*\n", node1.stderr
+    )
+    assert "kept" not in node1.stderr and "continue" not in node1.stderr, node1.stderr
+    lines = [line for line in err0.splitlines() if line.startswith("error:")]
+    assert node0.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: rank 1 did not join within --timeout 4 s"), err0
+    assert f"; {len(_records(staging_path(dst)))} of " in lines[0], lines
 
 
 def test_a_node_rank_given_twice_is_named_even_when_the_run_is_quick(tmp_path):

@@ -14,7 +14,8 @@ waits for the answer:
 A gather fails, naming the rank, when a rank that has not given its value has exited or closed
 its connection (a process that dies, on any node, closes it), or has not been heard from (a
 gather, a post of its progress) for the timeout: a rank still at work posts its count every
-half second. A worker whose rank 0 has gone fails its own.
+half second. Every gather then fails with that first line (a worker whose gather failed exits:
+it is not named in its place). A worker whose rank 0 has gone fails its own.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class Hub:
         self._rounds: list[dict[int, Any]] = []
         self._next = [0] * world_size  # the round each rank's next gather joins
         self._left: dict[int, str] = {}  # rank -> why it no longer answers
+        self._failed: tuple[str, int] | None = None  # the first gather's failure: every gather's then (a rank it fails exits)
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -252,19 +254,25 @@ class Hub:
         with self._changed:
             values = self._rounds[number]
             while len(values) < self.world_size:
-                missing = [rank for rank in range(self.world_size) if rank not in values]
-                gone = [rank for rank in missing if rank in self._left or self._exit_code(rank) is not None]
-                if gone:
-                    raise RankGone(f"worker rank {gone[0]} {self._how_it_left(gone[0])}", gone[0])
-                silent = [rank for rank in missing if time.monotonic() - self._heard[rank] > self.timeout]
-                if silent:
-                    refused = (
-                        f" (refused connections from {', '.join(sorted(set(self._refused)))} with another key)" if self._refused else ""
-                    )
-                    answer = "answer" if silent[0] in self._joined else "join"
-                    raise RankGone(f"rank {silent[0]} did not {answer} within --timeout {self.timeout:g} s{refused}", silent[0])
+                if self._failed is None:
+                    self._failed = self._failure([rank for rank in range(self.world_size) if rank not in values])
+                if self._failed is not None:
+                    raise RankGone(*self._failed)
                 self._changed.wait(POLL_SECONDS)
             return [values[rank] for rank in range(self.world_size)]
+
+    def _failure(self, missing: list[int]) -> tuple[str, int] | None:
+        """Why a gather that waits for `missing` fails now (their first rank that left, or went
+        silent), or None while it may still complete."""
+        gone = [rank for rank in missing if rank in self._left or self._exit_code(rank) is not None]
+        if gone:
+            return f"worker rank {gone[0]} {self._how_it_left(gone[0])}", gone[0]
+        silent = [rank for rank in missing if time.monotonic() - self._heard[rank] > self.timeout]
+        if silent:
+            refused = f" (refused connections from {', '.join(sorted(set(self._refused)))} with another key)" if self._refused else ""
+            answer = "answer" if silent[0] in self._joined else "join"
+            return f"rank {silent[0]} did not {answer} within --timeout {self.timeout:g} s{refused}", silent[0]
+        return None
 
     def _exit_code(self, rank: int) -> int | None:
         process = self.processes.get(rank)

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ... import log
 from ...dist import faults
 from ...dist.host import peak_rss_bytes, run_delay_seconds, thread_cpu_seconds
 from ...dist.launch import LaunchOptions, under_torchrun
@@ -66,6 +67,7 @@ class SpreadTask:
     overwrite: bool = False
     restart: bool = False
     timeout: float = 300.0
+    resumes: bool = field(default=False, repr=False)  # a command without launch flags, spread to continue DST's staging area
 
     @property
     def writes(self) -> bool:
@@ -146,6 +148,11 @@ def _lead(task: SpreadTask, comm: Any, marks: Marks, held: ExitStack) -> tuple[d
         header["handed"] = job.hand_on() if getattr(comm, "hands_job", False) and hasattr(job, "hand_on") else None
         if task.writes:
             staging = _prepare(task, job, digest, plan, held)
+            if task.resumes:  # said once the staging area is found to be this conversion's
+                log.note(
+                    f"{staging.where} holds the partial output of an interrupted spread run to {task.dst}: "
+                    "running as --nproc-per-node 1, which continues it (--restart discards it)"
+                )
             staging.write_state(PLAN_FILE, json.dumps(plan.to_json()))
             kept = [asdict(result) for result in kept_parts(plan, staging.records()).values()]  # read before any rank records a part
             header.update(staging=task.dst if task.to_bucket else staging.where, token=staging.token(), kept=kept)
@@ -331,7 +338,8 @@ def _work_and_commit(
     failures = [f for f, _, _ in gathered if f is not None]
     if failures:
         more = f" (+{count_of(len(failures) - 1, 'more rank')} failed)" if len(failures) > 1 else ""
-        _raise(failures[0][0], failures[0][1] + more + _kept_note(staging))
+        kind = failures[0][0]
+        _raise(kind, failures[0][1] + more + _kept_note(staging, damaged=task.src if kind == "DataCheckError" else None))
     if comm.rank != 0:
         return None
     done = [*kept.values(), *(r for _, rs, _ in gathered for r in rs)]
@@ -340,14 +348,26 @@ def _work_and_commit(
         report = job.report(done)
     else:
         assert task.dst is not None
-        report = staging.commit_job(job, done, task.dst, overwrite=task.overwrite)
+        try:
+            report = staging.commit_job(job, done, task.dst, overwrite=task.overwrite)
+        except DataCheckError as error:  # a source checksum of pieces read in parts
+            raise DataCheckError(f"{error}{_kept_note(staging, damaged=task.src)}") from None
     ranks[0].marks = {**marks, "committed": time.monotonic()}
     return SpreadResult(report, plan, ranks, len(kept), sum(f.bytes_read for f in ranks), staging.where if staging else None)
 
 
-def _kept_note(staging: Staging | BucketStaging | None) -> str:
+def _kept_note(staging: Staging | BucketStaging | None, damaged: str | None = None) -> str:
+    """What the staging area keeps and what continues it; after a check of the source `damaged`
+    failed, that it must be repaired first (a repaired source's files have new modification
+    times: another conversion, which --restart begins again)."""
     if staging is None:
         return ""
+    if damaged is not None:
+        return (
+            f"; nothing committed; repair {damaged} (`fsdpkit verify {damaged}` names what is damaged), then run the same "
+            f"command again with --restart (a repaired source counts as another conversion: the parts finished in {staging.where} "
+            "are written again)"
+        )
     return f"; nothing committed; the parts finished are kept in {staging.where}: run the same command again to continue"
 
 
@@ -448,9 +468,10 @@ def spread_worker(task: SpreadTask) -> SpreadResult | None:
         dist.destroy_process_group()
 
 
-def failed_part_line(task: SpreadTask, line: str) -> str:
+def failed_part_line(task: SpreadTask, line: str, *, counted: bool = True) -> str:
     """A launch's failure line, with what this run's staging area keeps (a rerun continues from
-    it) and, where a worker rank failed, the part it was writing."""
+    it; `counted`: how many parts, which only rank 0 counts once every rank has stopped) and,
+    where a worker rank failed, the part it was writing."""
     if not task.writes or task.dst is None or "run the same command again" in line:
         return line
     staging = staging_at(task.dst if task.to_bucket else str(staging_path(Path(task.dst))))
@@ -465,10 +486,8 @@ def failed_part_line(task: SpreadTask, line: str) -> str:
     left = [part for part in plan.parts_of(int(found.group(1))) if (part.file, part.index) not in kept] if found else []
     where = f" while writing {plan.label(left[0])}" if left and "while writing" not in line else ""
     nothing = "" if "nothing committed" in line else "; nothing committed"
-    return (
-        f"{line}{where}{nothing}; {len(kept)} of {len(plan.parts)} parts are kept in {staging.where}: "
-        "run the same command again to continue (--restart starts over)"
-    )
+    kept_here = f"{len(kept)} of {len(plan.parts)} parts are kept" if counted else "the parts finished are kept"
+    return f"{line}{where}{nothing}; {kept_here} in {staging.where}: run the same command again to continue (--restart starts over)"
 
 
 def as_json(result: SpreadResult) -> dict:
@@ -506,7 +525,7 @@ def run_on_nodes(task: SpreadTask, options: LaunchOptions, early: EarlyWorkers |
     first = options.node_rank * per_node
     hub, address, key = _rank_0_hub(task, options, first)
     show, close = stderr_progress(task.command) if hub is not None else (None, lambda: None)
-    connected: list[Hub | HubClient] = [hub] if hub is not None else []
+    connected: list[Hub | HubClient] = [hub] if hub is not None else []  # once this node's first rank joined the run
     processes: dict = {}
     grace = 0.5 if options.nnodes == 1 else WORKERS_EXIT_SECONDS  # on failure: other nodes' ranks get the line
     try:
@@ -528,8 +547,10 @@ def run_on_nodes(task: SpreadTask, options: LaunchOptions, early: EarlyWorkers |
             stop_workers(processes, grace=grace)
             for connection in connected:
                 connection.close()
-    except RunError as error:  # the parts kept counted once this node's other ranks have stopped
-        raise RunError(failed_part_line(task, str(error))) from None
+    except RunError as error:  # the parts kept counted by rank 0 once every rank has stopped; the other nodes say where they are
+        if not connected:  # refused, or no rank 0 answered: this node has no part in the run rank 0 keeps
+            raise
+        raise RunError(failed_part_line(task, str(error), counted=hub is not None)) from None
 
 
 def _rank_0_hub(task: SpreadTask, options: LaunchOptions, first: int) -> tuple[Hub | None, tuple[str, int], bytes]:
