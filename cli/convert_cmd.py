@@ -15,7 +15,7 @@ from fsdpkit.progress import byte_progress
 from fsdpkit.sizes import parse_size
 
 from .checkpoint_options import CHUNK_HELP, MODEL_KEY_HELP, OPTIMIZER_KEY_HELP, cast_name, chunk_bytes, print_written
-from .spread_options import DryRun, Restart, run_spread_command, spread_command, spread_target, writing_launch_options
+from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command, spread_target
 
 
 def convert(
@@ -64,7 +64,7 @@ def convert(
         overwrite=overwrite,
     )
     one_process = functools.partial(convert_in_one_process, src, dst, request)
-    options, resumes = writing_launch_options(
+    options, resumes = launch_options(
         ctx, settings, dry_run=dry_run, restart=restart, spreads=spread_target(to), locations=(src, dst), dst=dst
     )
     if options is not None:

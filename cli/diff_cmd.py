@@ -48,7 +48,7 @@ def diff_command(
 
     chunk = chunk_bytes(chunk_size)
     request = DiffRequest(b, Tolerance(atol, rtol), model_only, (dcp_model_key, dcp_optimizer_key), chunk)
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=lambda: True, locations=(a, b))
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=lambda: True, locations=(a, b))[0]
     if options is not None:
         from fsdpkit.checkpoint.spread.runner import SpreadTask  # the spread machinery: imported by a spread run only
 

@@ -11,7 +11,7 @@ from fsdpkit.checkpoint.offline.formats import RESHARD_LABELS
 from fsdpkit.progress import byte_progress
 
 from .checkpoint_options import CHUNK_HELP, chunk_bytes, print_written, required_world_size
-from .spread_options import DryRun, Restart, run_spread_command, spread_command, spreads_from, writing_launch_options
+from .spread_options import DryRun, Restart, launch_options, run_spread_command, spread_command, spreads_from
 
 
 def reshard(
@@ -34,7 +34,7 @@ def reshard(
 
     request = ReshardRequest(required_world_size(world_size))  # --world-size is checked before --chunk-size
     request = replace(request, chunk_size=chunk_bytes(chunk_size), overwrite=overwrite, warn=log.warn)
-    options, resumes = writing_launch_options(
+    options, resumes = launch_options(
         ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads_from("reshard", src), locations=(src, dst), dst=dst
     )
     if options is not None:

@@ -61,27 +61,14 @@ def launch_options(
     restart: bool,
     spreads: Callable[[], bool],
     locations: tuple[str, ...],
-) -> LaunchOptions | None:
-    """The launch of a spread run, or None when nothing asks for one (no launch flag, no
-    --dry-run or --restart, not a command that `spreads` started by torchrun as its workers):
-    then the command runs as it always did. A URL among `locations` that fsdpkit cannot use is
-    one line here, before any worker starts."""
-    return writing_launch_options(ctx, settings, dry_run=dry_run, restart=restart, spreads=spreads, locations=locations)[0]
-
-
-def writing_launch_options(
-    ctx: typer.Context,
-    settings: dict[str, Any],
-    *,
-    dry_run: bool,
-    restart: bool,
-    spreads: Callable[[], bool],
-    locations: tuple[str, ...],
     dst: str | None = None,
 ) -> tuple[LaunchOptions | None, bool]:
-    """`launch_options` of a convert or reshard to `dst`, which also runs spread when nothing
-    else asks for it but an interrupted spread run left its staging area beside a local DST;
-    and whether that is why (`SpreadTask.resumes`)."""
+    """The launch of a spread run, or None when nothing asks for one (no launch flag, no
+    --dry-run or --restart, not a command that `spreads` started by torchrun as its workers):
+    then the command runs as it always did; but a convert or reshard to `dst` runs spread when an
+    interrupted spread run left its staging area beside a local DST. And whether that is why
+    (`SpreadTask.resumes`). A URL among `locations` that fsdpkit cannot use is one line here,
+    before any worker starts."""
     given = given_values((LAUNCH,), ctx, settings).get("launch", {})
     plain = not given and not dry_run and not restart and not (_torchrun_worker() and spreads())
     resumes = plain and _resumes(dst, spreads)

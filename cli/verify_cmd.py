@@ -26,7 +26,7 @@ def verify(
     """Check every checksum, file size, header, fragment coverage and path; exit 3 when anything is wrong."""
     from fsdpkit.checkpoint.offline.locations import verify_at
 
-    options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=spreads_from("verify", ckpt), locations=(ckpt,))
+    options = launch_options(ctx, settings, dry_run=dry_run, restart=False, spreads=spreads_from("verify", ckpt), locations=(ckpt,))[0]
     if options is not None:
         from fsdpkit.checkpoint.spread.runner import SpreadTask  # the spread machinery: imported by a spread run only
 
