@@ -746,27 +746,37 @@ def test_a_node_rank_given_twice_is_named_even_when_the_run_is_quick(tmp_path):
     assert twice == "error: rank 1 joined twice or is outside 1..1: give each node its own --node-rank\n", outputs
 
 
+class _Job:
+    """What `view_problem` asks of a job: the facts its fingerprint is made of."""
+
+    def facts(self):
+        return {"source": [["rank-00000-of-00001.safetensors", 100, 1]]}
+
+
+def _staging_area_holding(tmp_path: Path, token: str) -> tuple[Any, dict]:
+    """A convert to tmp_path/out whose staging area holds `token`, and rank 0's header (its token: token-of-rank-0)."""
+    from fsdpkit.checkpoint.spread.runner import SpreadTask
+    from fsdpkit.checkpoint.spread.staging import STATE_DIR, TOKEN_NAME, fingerprint
+
+    staging = tmp_path / ".tmp-out-resumable"
+    (staging / STATE_DIR).mkdir(parents=True)
+    (staging / STATE_DIR / TOKEN_NAME).write_text(f"{token}\n")
+    header = {"digest": fingerprint(_Job().facts()), "staging": str(staging), "token": "token-of-rank-0"}
+    return SpreadTask("convert", "SRC", str(tmp_path / "out")), header
+
+
 def test_a_node_that_does_not_see_the_same_paths_is_named(source, tmp_path, monkeypatch):
     """What each rank checks before writing: its listing of SRC matches rank 0's, and it reads
     the token rank 0 wrote into DST's staging area (on a node without the shared filesystem it
     cannot); a run whose rank does not read it stops with that line before any part is written."""
     from fsdpkit.checkpoint.spread import runner
-    from fsdpkit.checkpoint.spread.runner import SpreadTask, view_problem
-    from fsdpkit.checkpoint.spread.staging import STATE_DIR, TOKEN_NAME, fingerprint
+    from fsdpkit.checkpoint.spread.runner import view_problem
 
-    class Job:
-        def facts(self):
-            return {"source": [["rank-00000-of-00001.safetensors", 100, 1]]}
-
-    staging = tmp_path / ".tmp-out-resumable"
-    (staging / STATE_DIR).mkdir(parents=True)
-    (staging / STATE_DIR / TOKEN_NAME).write_text("token-of-rank-0\n")
-    task = SpreadTask("convert", "SRC", str(tmp_path / "out"))
-    header = {"digest": fingerprint(Job().facts()), "staging": str(staging), "token": "token-of-rank-0"}
-    assert view_problem(task, Job(), header, 3) is None
-    elsewhere = view_problem(task, Job(), {**header, "staging": str(tmp_path / "not-on-this-node")}, 3)
+    task, header = _staging_area_holding(tmp_path, "token-of-rank-0")
+    assert view_problem(task, _Job(), header, 3) is None
+    elsewhere = view_problem(task, _Job(), {**header, "staging": str(tmp_path / "not-on-this-node")}, 3)
     assert elsewhere is not None and "rank 3" in elsewhere and "every node must see the same DST" in elsewhere
-    other_source = view_problem(task, Job(), {**header, "digest": "0" * 32}, 2)
+    other_source = view_problem(task, _Job(), {**header, "digest": "0" * 32}, 2)
     assert other_source is not None and "rank 2" in other_source and "sees SRC differently" in other_source
     monkeypatch.setattr(runner, "_seen_token", lambda location: None)  # as on a node that does not share DST's filesystem
     blind = _convert(source[0] / "run", tmp_path / "blind", "--nproc-per-node", "1")
@@ -778,21 +788,12 @@ def test_a_node_that_does_not_see_the_same_paths_is_named(source, tmp_path, monk
 def test_a_node_that_sees_a_staging_area_of_another_run_at_dst_is_named(tmp_path):
     """A node whose DST is not rank 0's but holds a staging area of the same name, left there by
     another run: it reads a token, not the one rank 0 wrote, and is named."""
-    from fsdpkit.checkpoint.spread.runner import SpreadTask, view_problem
-    from fsdpkit.checkpoint.spread.staging import STATE_DIR, TOKEN_NAME, fingerprint
+    from fsdpkit.checkpoint.spread.runner import view_problem
 
-    class Job:
-        def facts(self):
-            return {"source": [["rank-00000-of-00001.safetensors", 100, 1]]}
-
-    staging = tmp_path / ".tmp-out-resumable"
-    (staging / STATE_DIR).mkdir(parents=True)
-    (staging / STATE_DIR / TOKEN_NAME).write_text("token-of-another-run\n")
-    task = SpreadTask("convert", "SRC", str(tmp_path / "out"))
-    header = {"digest": fingerprint(Job().facts()), "staging": str(staging), "token": "token-of-rank-0"}
-    stale = view_problem(task, Job(), header, 1)
+    task, header = _staging_area_holding(tmp_path, "token-of-another-run")
+    stale = view_problem(task, _Job(), header, 1)
     assert stale is not None and "rank 1" in stale and "every node must see the same DST" in stale, stale
-    assert view_problem(task, Job(), {**header, "token": "token-of-another-run"}, 1) is None
+    assert view_problem(task, _Job(), {**header, "token": "token-of-another-run"}, 1) is None
 
 
 def test_a_node_where_src_does_not_exist_is_named_and_nothing_is_committed(source, tmp_path):

@@ -75,31 +75,25 @@ def _check_storage(reads: list[PartRead]) -> None:
     """`reads` (sorted) of one storage: their crc32s and those of the gaps between them, combined,
     against the storage's CRC-32, where they cover it whole (but gaps of padding)."""
     first = reads[0]
-    crc, done = 0, 0
-    gaps: list[tuple[int, int, int]] = []  # (its place in `pieces`, the gap's [start, end)), read below
-    pieces: list[tuple[int, int, int]] = []  # (begin, end, crc32) in order; a gap's crc32 filled in below
+    covered: list[tuple[int, int, int | None]] = []  # [begin, end) in order and its crc32 (None: padding, read below)
+    done = 0
     for read in reads:
         if read.end <= done:
             continue  # the same bytes read again (a tied weight)
-        if read.begin < done:
-            return  # overlapping reads of different extents: no whole crc32 to combine
-        if read.begin - done > STORAGE_GAP_BYTES:
-            return  # not read whole here
+        if read.begin < done or read.begin - done > STORAGE_GAP_BYTES:
+            return  # overlapping reads of different extents, or not read whole here: nothing to combine
         if read.begin > done:
-            gaps.append((len(pieces), done, read.begin))
-            pieces.append((done, read.begin, 0))
-        pieces.append((read.begin, read.end, read.running))
+            covered.append((done, read.begin, None))
+        covered.append((read.begin, read.end, read.running))
         done = read.end
     if first.nbytes - done > STORAGE_GAP_BYTES:
         return
     if first.nbytes > done:
-        gaps.append((len(pieces), done, first.nbytes))
-        pieces.append((done, first.nbytes, 0))
-    found = _gap_crcs(first.path, first.offset, [(start, end) for _, start, end in gaps])
-    for (index, start, end), gap_crc in zip(gaps, found, strict=True):
-        pieces[index] = (start, end, gap_crc)
-    for begin, end, piece_crc in pieces:
-        crc = crc32_combine(crc, piece_crc, end - begin) if begin else piece_crc
+        covered.append((done, first.nbytes, None))
+    padding = iter(_gap_crcs(first.path, first.offset, [(begin, end) for begin, end, found in covered if found is None]))
+    crc = 0
+    for begin, end, found in covered:
+        crc = crc32_combine(crc, next(padding) if found is None else found, end - begin)
     if crc != first.crc32:
         raise DataCheckError(f"{first.path}: {first.label}: CRC-32 {crc:08x}, the zip says {first.crc32:08x} (damaged)")
 
