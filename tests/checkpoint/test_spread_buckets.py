@@ -6,6 +6,7 @@ checkpoint on a local disk, and the format's own reader reads them (safetensors,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -121,6 +122,54 @@ def test_a_killed_rank_commits_nothing_in_the_bucket_and_the_rerun_continues(sou
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
 
 
+def test_a_second_command_on_the_same_bucket_dst_is_refused_while_the_first_writes(source, s3_bucket, s3_endpoint, tmp_path, monkeypatch):
+    """The writer's lease on s3://BUCKET/out held here, as a running command holds it, with the
+    object it wrote so far: every command that would write there (one process, spread over 2,
+    with --overwrite or --restart, a dry run) is refused with one line and exit 2, and the
+    objects stay as they are; once the first stops, the same command writes there what it
+    writes to a local directory, and holds the lease at every file rank 0 records."""
+    import socket
+
+    from fsdpkit.checkpoint.spread.bucket import BucketStaging
+    from fsdpkit.checkpoint.storage.lease import WriterLease, refuse_if_held
+    from fsdpkit.checkpoint.storage.location import open_storage
+    from fsdpkit.errors import UsageError
+
+    local, url, _ = source
+    dst, flags = f"s3://{s3_bucket}/out", ("--to", "full", "--max-shard-size", SHARD)
+    one = run_cli("convert", local, tmp_path / "one", *flags)
+    assert one.exit_code == 0, one.output
+    first = WriterLease.take(open_storage(dst))
+    s3_client(s3_endpoint).put_object(Bucket=s3_bucket, Key="out/model-00001-of-00002.safetensors", Body=b"written so far")
+    before = _objects(s3_endpoint, s3_bucket, "out")
+    line = (
+        f"error: destination {dst} is being written by another fsdpkit command (pid {os.getpid()} on {socket.gethostname()} "
+        f"holds {dst}/.fsdpkit-writing): wait for it to finish; nothing written"
+    )
+    spread = ("--nproc-per-node", "2")
+    for extra in ((), ("--overwrite",), spread, (*spread, "--restart"), (*spread, "--dry-run")):
+        refused = run_cli("convert", url, dst, *flags, *extra)
+        assert refused.exit_code == 2 and refused.output.strip().splitlines() == [line], (extra, refused.output)
+        assert _objects(s3_endpoint, s3_bucket, "out") == before
+    first.release(interrupted=True)
+    held_at: list[bool] = []
+    record = BucketStaging.record
+
+    def recorded(staging, result):
+        try:
+            refuse_if_held(open_storage(dst))
+            held_at.append(False)
+        except UsageError:
+            held_at.append(True)
+        record(staging, result)
+
+    monkeypatch.setattr(BucketStaging, "record", recorded)
+    done = run_cli("convert", url, dst, *flags, *spread)
+    assert done.exit_code == 0, done.output
+    assert held_at and all(held_at), held_at
+    assert _objects(s3_endpoint, s3_bucket, "out") == _files(tmp_path / "one")
+
+
 def test_a_part_whose_spool_finds_no_room_reads_the_bucket_in_the_output_order(source, tmp_path, monkeypatch):
     """A full output's part from ZeRO-3 objects is filled in a spool in TMPDIR, its room reserved
     first; where the reservation fails (another rank of the node took the room since it was
@@ -179,7 +228,6 @@ def test_the_staging_record_in_the_bucket_is_kept_refused_or_discarded(s3_bucket
     --restart (which drops them), a whole checkpoint needs --overwrite and then loses its commit
     object first, what a run leaves is what a one-process write to the URL replaces without
     --overwrite, and a commit object written there during the run is not replaced without it."""
-    from fsdpkit.checkpoint.spread.bucket import prepare_bucket
     from fsdpkit.checkpoint.storage.upload import check_destination
     from fsdpkit.errors import UsageError
 
@@ -187,18 +235,18 @@ def test_the_staging_record_in_the_bucket_is_kept_refused_or_discarded(s3_bucket
     client.put_object(Bucket=s3_bucket, Key="out/manifest.json", Body=b"{}")
     client.put_object(Bucket=s3_bucket, Key="out/a.safetensors", Body=b"x" * 10)
     with pytest.raises(UsageError, match="--overwrite"):
-        prepare_bucket(url, digest="one", overwrite=False, restart=False)
-    staging = prepare_bucket(url, digest="one", overwrite=True, restart=False)
+        _prepared(url, digest="one", overwrite=False, restart=False)
+    staging = _prepared(url, digest="one", overwrite=True, restart=False)
     assert "manifest.json" not in _objects(s3_endpoint, s3_bucket, "out")  # no reader takes old and new for one checkpoint
     staging.write_state("done/00000-00000.json", json.dumps({"file": 0, "index": 0, "name": "a.safetensors", "begin": 0, "end": 10}))
     staging.write_state("done/00000-00001.json", json.dumps({"file": 0, "index": 1, "name": "a.safetensors", "begin": 0, "end": 11}))
     staging.write_state("done/00001-00000.json", json.dumps({"file": 1, "index": 0, "name": "b.safetensors", "begin": 0, "end": 5}))
     check_destination(staging.storage, overwrite=False)  # an interrupted write: replaced without --overwrite
-    found = prepare_bucket(url, digest="one", overwrite=False, restart=False).records()
+    found = _prepared(url, digest="one", overwrite=False, restart=False).records()
     assert list(found) == [(0, 0)]  # not the record longer than its object, nor the one without an object
     with pytest.raises(UsageError, match="--restart"):
-        prepare_bucket(url, digest="two", overwrite=False, restart=False)
-    restarted = prepare_bucket(url, digest="two", overwrite=False, restart=True)
+        _prepared(url, digest="two", overwrite=False, restart=False)
+    restarted = _prepared(url, digest="two", overwrite=False, restart=True)
     assert restarted.records() == {}
     names = set(_objects(s3_endpoint, s3_bucket, "out"))
     assert names == {"a.safetensors", ".fsdpkit-writing", ".fsdpkit-spread/plan.json", ".fsdpkit-spread/token"}
@@ -207,6 +255,14 @@ def test_the_staging_record_in_the_bucket_is_kept_refused_or_discarded(s3_bucket
         restarted.commit_job(None, [], url, overwrite=False)
     left = _objects(s3_endpoint, s3_bucket, "out")
     assert set(left) == {*names, "manifest.json"} and left["manifest.json"] == b"theirs"
+
+
+def _prepared(url: str, **options):
+    """Rank 0's staging objects at `url`, its lease given up as a run that stopped gives it up."""
+    from fsdpkit.checkpoint.spread.bucket import prepare_bucket
+
+    with contextlib.ExitStack() as held:
+        return prepare_bucket(url, held=held, **options)
 
 
 def _without_spread(stdout: str) -> dict:

@@ -80,6 +80,11 @@ def test_publish_commits_last_and_a_failed_one_over_a_checkpoint_leaves_no_commi
                 yield stream
             completed.append(name)
 
+        def create_exclusive(self, name, data):
+            made = super().create_exclusive(name, data)
+            completed.extend([name] if made else [])
+            return made
+
     names = ["manifest.json", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
     for step in (1, 2):
         for name in names:

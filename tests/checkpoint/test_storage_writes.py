@@ -72,6 +72,81 @@ def test_the_lock_of_a_run_in_a_bucket_is_one_conditional_create(s3_bucket, s3_e
         assert second.run_id == "run-b" and b'"run": "run-b"' in _objects(s3_endpoint, s3_bucket, "runs/locked")[".lock"]
 
 
+def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_takes_a_gone_ones(s3_bucket, s3_endpoint, tmp_path):
+    """The marker of a write under way is the writer's lease, against the server: made once
+    (a second take, a check of the destination and a publish are refused naming the holder,
+    nothing written), rewritten at each beat, emptied by a writer that stopped (then taken at
+    once); a holder on another host is refused while its marker changes and taken over once it
+    stops changing; a killed holder on this host is taken over at once."""
+    import json
+    import socket
+    import threading
+
+    from fsdpkit.checkpoint.storage.lease import WRITING_MARKER, WriterLease
+    from fsdpkit.checkpoint.storage.location import open_storage
+    from fsdpkit.checkpoint.storage.upload import check_destination, publish
+    from fsdpkit.errors import UsageError
+
+    url = f"s3://{s3_bucket}/out"
+    storage = open_storage(url)
+    held = (
+        f"destination {url} is being written by another fsdpkit command \\(pid {os.getpid()} on {socket.gethostname()} "
+        f"holds {url}/{WRITING_MARKER}\\): wait for it to finish; nothing written"
+    )
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "manifest.json").write_bytes(b"{}")
+    first = WriterLease.take(storage, beat_seconds=0.05)
+    marker = _objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER]
+    for refused in (
+        lambda: WriterLease.take(storage),
+        lambda: check_destination(storage, overwrite=True),
+        lambda: publish(tmp_path / "new", storage, {}),
+    ):
+        with pytest.raises(UsageError, match=held):
+            refused()
+    beats = json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["beat"]
+    assert beats > json.loads(marker)["beat"] and list(_objects(s3_endpoint, s3_bucket, "out")) == [WRITING_MARKER]
+    first.release(interrupted=True)
+    assert _objects(s3_endpoint, s3_bucket, "out") == {WRITING_MARKER: b""}  # what a stopped write leaves: no holder
+    WriterLease.take(storage).release(interrupted=False)
+    assert _objects(s3_endpoint, s3_bucket, "out") == {}
+
+    elsewhere = {"host": "another-node", "pid": 1, "started": "1", "lease": "theirs", "beat_seconds": 0.2, "beat": 0}
+    beating = threading.Event()
+
+    def beat() -> None:  # the holder on another host, alive: its marker changes at each beat
+        while not beating.wait(0.05):
+            elsewhere["beat"] += 1
+            storage.put(WRITING_MARKER, json.dumps(elsewhere).encode())
+
+    storage.put(WRITING_MARKER, json.dumps(elsewhere).encode())
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        with pytest.raises(UsageError, match=f"pid 1 on another-node holds {url}/{WRITING_MARKER}"):
+            WriterLease.take(storage)
+    finally:
+        beating.set()
+        thread.join()
+    with WriterLease.take(storage) as taken:  # its beats stopped for 3 of them: gone
+        assert json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["lease"] == taken.holder["lease"]
+
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        from fsdpkit.holder import process_identity
+
+        here = {**process_identity(), "pid": killed.pid, "lease": "killed", "beat_seconds": 60.0, "beat": 0}
+        here["started"] = Path(f"/proc/{killed.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19].decode()
+        storage.put(WRITING_MARKER, json.dumps(here).encode())
+        with pytest.raises(UsageError, match=f"pid {killed.pid} on "):
+            WriterLease.take(storage)
+    finally:
+        killed.kill()
+        killed.wait()
+    WriterLease.take(storage).release(interrupted=False)  # its process is gone: taken at once
+    assert _objects(s3_endpoint, s3_bucket, "out") == {}
+
+
 def _bytes_under(directory: Path) -> int:
     return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
 

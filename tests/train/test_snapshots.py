@@ -24,7 +24,6 @@ from support.checkpoint_files import make_manifest, sample_tensors, save_checkpo
 from support.processes import kill_run
 from test_faults import assert_bitwise_equal, finish, start, stopped_worker, weights
 
-from fsdpkit.checkpoint.format.lock import process_identity
 from fsdpkit.checkpoint.format.names import rank_file_name
 from fsdpkit.checkpoint.format.writer import CacheMode
 from fsdpkit.checkpoint.live.save_protocol import write_rank
@@ -32,6 +31,7 @@ from fsdpkit.checkpoint.memory.choice import Choice, Source, Transfer, choose
 from fsdpkit.checkpoint.memory.recovery import verified_files
 from fsdpkit.checkpoint.memory.store import DEFAULT_ROOT, HEADER_SUFFIX, OWNER_NAME, STORE_PREFIX, SnapshotStore, reclaim_stale, room_line
 from fsdpkit.flat_layout import ElementRange
+from fsdpkit.holder import process_identity
 from fsdpkit.train.config import TrainConfig
 from fsdpkit.train.snapshots import needed_bytes, wanted
 

@@ -20,52 +20,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
+from ...holder import holder_alive, process_identity, run_id_of
 from ..core.files import read_regular
 from ..storage.face import Storage
 from ..storage.location import is_url, open_storage
 
 LOCK_NAME = ".lock"
-
-
-def _start_time(pid: int) -> str | None:
-    """The kernel's start time of process `pid` (clock ticks since boot), where /proc has it."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return None
-
-
-def process_identity() -> dict:
-    """host, pid and start time of this process: what a lock records."""
-    pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "started": _start_time(pid) or f"t{time.time():.0f}"}
-
-
-def run_id_of(identity: dict) -> str:
-    return f"{identity['host']}-{identity['pid']}-{identity['started']}"
-
-
-def holder_alive(holder: dict) -> bool:
-    """Whether the holder of a lock on this host is still the process that took it."""
-    pid = holder.get("pid")
-    if type(pid) is not int or pid <= 0:
-        return True  # cannot tell: treat as held
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, someone else's
-    started = _start_time(pid)
-    return started is None or started == holder.get("started")
 
 
 def _describe(holder: dict | None) -> str:

@@ -21,9 +21,9 @@ from ...dist.comm import Collectives, new_group
 from ...engine.model_hooks import hooks_of
 from ...engine.view import ShardedModelView, describe
 from ...errors import DataCheckError
+from ...holder import process_identity, run_id_of
 from ..core.export import EXPORT_STATE_KEY
 from ..core.files import source_path
-from ..format.lock import process_identity, run_id_of
 from ..format.manifest import Manifest, check_compatible
 from ..format.placement import Placement, TensorSpec
 from ..format.reader import is_full_checkpoint

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DataCheckError
+from ...holder import holder_alive, process_identity
 from ...sizes import format_size
 from ..core.crc import crc32
 from ..core.files import read_blocks, read_regular
-from ..format.lock import holder_alive, process_identity
 from ..format.manifest import load_manifest
 from ..format.names import MANIFEST_NAME, parse_step_dir_name, rank_file_name, step_dir_name
 

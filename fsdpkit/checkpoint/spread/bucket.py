@@ -2,7 +2,7 @@
 bucket itself, no shared filesystem.
 
     s3://bucket/DST/
-      .fsdpkit-writing                          the marker of a write under way (`storage.upload`)
+      .fsdpkit-writing                          the marker of a write under way, rank 0's lease (`storage.lease`)
       model-00001-of-00004.safetensors ...      the output files, each uploaded by the rank that wrote it
       .fsdpkit-spread/plan.json                 what is being written (its fingerprint)
       .fsdpkit-spread/token                     what every rank must read to know it sees this bucket
@@ -21,6 +21,7 @@ written by rank 0 and uploaded with the commit."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -32,8 +33,9 @@ from typing import Any
 
 from ...errors import FsdpkitError, UsageError
 from ..storage.face import Storage
+from ..storage.lease import WriterLease
 from ..storage.location import is_url, open_storage
-from ..storage.upload import COMMIT_NAMES, WRITING_MARKER, check_destination, publish
+from ..storage.upload import COMMIT_NAMES, check_destination, publish
 from .plan import OutputFile, Part, Plan, make_plan
 from .staging import DONE_DIR, PLAN_NAME, STATE_DIR, TOKEN_NAME, PartResult, Staging
 from .to_storage import write_planned_file
@@ -55,6 +57,7 @@ class BucketStaging:
 
     url: str
     storage: Storage = field(init=False)
+    lease: WriterLease | None = field(default=None, init=False)  # rank 0's, from `prepare_bucket` to the commit
     _scratch: Path | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -122,7 +125,7 @@ class BucketStaging:
             raise UsageError(f"{self.storage.where(found[0])} appeared while the conversion ran; pass --overwrite to replace it")
         report = job.commit(self.path, done, dst)
         data = {f.name for f in job.files if f.name not in COMMIT_NAMES}
-        publish(self.path, self.storage, {name: size for name, size in listed.items() if name not in data})
+        publish(self.path, self.storage, {name: size for name, size in listed.items() if name not in data}, lease=self.lease)
         return replace(report, dst=dst) if not isinstance(report, dict) else report
 
     def close(self) -> None:
@@ -143,13 +146,14 @@ def check_bucket(url: str, *, digest: str, overwrite: bool, restart: bool) -> tu
     return staging, existing
 
 
-def prepare_bucket(url: str, *, digest: str, overwrite: bool, restart: bool) -> BucketStaging:
+def prepare_bucket(url: str, *, digest: str, overwrite: bool, restart: bool, held: contextlib.ExitStack) -> BucketStaging:
     """Rank 0: the staging objects of the conversion `digest` at `url`, found again (`restart`:
-    discarded), with a new token; an old checkpoint there (with --overwrite) loses its commit
-    object before anything is written."""
+    discarded), with a new token, under the writer's lease, held until the commit or until `held`
+    closes; an old checkpoint there (with --overwrite) loses its commit object before anything
+    is written."""
     staging, existing = check_bucket(url, digest=digest, overwrite=overwrite, restart=restart)
     state = [name for name in existing if name.startswith(f"{STATE_DIR}/")]
-    staging.storage.put(WRITING_MARKER, b"")
+    staging.lease = held.enter_context(WriterLease.take(staging.storage))
     staging.storage.delete([name for name in COMMIT_NAMES if name in existing] + (state if restart else []))
     staging.write_state(PLAN_NAME, json.dumps({"fingerprint": digest}) + "\n")
     staging.write_state(TOKEN_NAME, uuid.uuid4().hex + "\n")

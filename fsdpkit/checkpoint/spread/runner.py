@@ -134,11 +134,12 @@ def open_task_job(task: SpreadTask):
     return open_job(task.command, task.src, request=task.request, world_size=task.world_size, chunk_size=task.chunk_size)
 
 
-def _lead(task: SpreadTask, comm: Any, marks: Marks, held: ExitStack) -> tuple[dict, Any]:
+def _lead(task: SpreadTask, comm: Any, marks: Marks, held: ExitStack) -> tuple[dict, Any, Staging | BucketStaging | None]:
     """Rank 0's first step: the header every rank gets (or the error every rank raises), with
     what it opened for the ranks of its node to take (`handed`), where the job allows it; the
-    staging area's lock is held until `held` closes."""
-    job = None
+    job; and the staging area it prepared, whose lock (a bucket's lease) is held until the
+    commit or until `held` closes."""
+    job, staging = None, None
     try:
         job = open_task_job(task)
         marks.mark("opened")
@@ -157,16 +158,16 @@ def _lead(task: SpreadTask, comm: Any, marks: Marks, held: ExitStack) -> tuple[d
             kept = [asdict(result) for result in kept_parts(plan, staging.records()).values()]  # read before any rank records a part
             header.update(staging=task.dst if task.to_bucket else staging.where, token=staging.token(), kept=kept)
         marks.mark("planned")
-        return header, job
+        return header, job, staging
     except FsdpkitError as error:
         if job is not None:
             job.close()
         from .jobs import OneProcessOnly  # a job module: on this error path only
 
         if isinstance(error, OneProcessOnly):  # every rank raises it again: under torchrun rank 0 then runs it alone
-            return {"error": ("OneProcessOnly", error.why)}, None
+            return {"error": ("OneProcessOnly", error.why)}, None, None
         kind = "UsageError" if isinstance(error, UsageError) else type(error).__name__
-        return {"error": (kind, str(error))}, None
+        return {"error": (kind, str(error))}, None, None
 
 
 def task_plan(task: SpreadTask, job: Any, world_size: int) -> Plan:
@@ -175,10 +176,11 @@ def task_plan(task: SpreadTask, job: Any, world_size: int) -> Plan:
 
 
 def _prepare(task: SpreadTask, job: Any, digest: str, plan: Plan, held: ExitStack) -> Staging | BucketStaging:
-    """Rank 0: the staging area of DST, made or found again (a local one locked until `held` closes)."""
+    """Rank 0: the staging area of DST, made or found again, locked (a bucket's: leased) until the
+    commit or until `held` closes."""
     assert task.dst is not None
     if task.to_bucket:
-        return prepare_bucket(task.dst, digest=digest, overwrite=task.overwrite, restart=task.restart)
+        return prepare_bucket(task.dst, digest=digest, overwrite=task.overwrite, restart=task.restart, held=held)
     return prepare(Path(task.dst), held=held, **_local_staging(task, job, digest, plan))[0]
 
 
@@ -229,11 +231,11 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
     other ranks open the source while rank 0 plans (or, where rank 0 hands the job to its node's
     ranks, take it from the broadcast); on one node rank 0 starts on its parts while they do,
     and learns what they saw (`Views`) between its parts."""
-    header, job, problem, marks, takes, held = None, None, None, Marks(), None, ExitStack()
+    header, job, problem, marks, takes, held, prepared = None, None, None, Marks(), None, ExitStack(), None
     marks.mark("begun")
     try:
         if comm.rank == 0:
-            header, job = _lead(task, comm, marks, held)
+            header, job, prepared = _lead(task, comm, marks, held)
         else:
             takes = handed_job_class(task.command, task.src, task.request) if getattr(comm, "hands_job", False) else None
             if takes is None:
@@ -256,7 +258,7 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
         views = Views(comm, problem)
         if views.ready() or job is None:
             views.check()
-        return _with_staging(task, job, header, comm, show, views, marks)
+        return _with_staging(task, job, header, comm, show, views, marks, prepared)
     finally:
         if job is not None:
             job.close()
@@ -290,10 +292,18 @@ class Views:
 
 
 def _with_staging(
-    task: SpreadTask, job: Any, header: dict, comm: Any, show: ByteProgress | None, views: Views, marks: Marks
+    task: SpreadTask,
+    job: Any,
+    header: dict,
+    comm: Any,
+    show: ByteProgress | None,
+    views: Views,
+    marks: Marks,
+    prepared: Staging | BucketStaging | None,
 ) -> SpreadResult | None:
-    """`_work_and_commit` with the staging area rank 0 named (a bucket's: this rank's scratch removed after)."""
-    staging = staging_at(header["staging"]) if header["staging"] else None
+    """`_work_and_commit` with the staging area rank 0 named (rank 0's own, `prepared`, with its
+    lease; a bucket's: this rank's scratch removed after)."""
+    staging = prepared or (staging_at(header["staging"]) if header["staging"] else None)
     try:
         return _work_and_commit(task, job, header, comm, show, views, staging, marks)
     except StoreGone as error:

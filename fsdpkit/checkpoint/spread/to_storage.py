@@ -14,7 +14,7 @@ file first, uploaded, and removed at once: local disk holds one rank file, never
 `convert_to` and `reshard_to` write a URL destination so: the planned files one after another,
 then the commit-time files the job writes (manifest, DCP's `.metadata`, DeepSpeed's `latest`,
 indexes, Megatron's common files; a few small files in a temporary directory), the commit object
-last and alone, in `storage.upload.publishing`'s frame (WRITING_MARKER, the old commit object
+last and alone, in `storage.upload.publishing`'s frame (the writer's lease, the old commit object
 deleted first, what was written removed on a failure). Where the commit object is a planned file
 (a full checkpoint's one `model.safetensors`), its upload is held open until the job's checks
 have passed and every other object is up. What the jobs leave to one process (a full export in

@@ -9,9 +9,10 @@ of old and new objects for a checkpoint; objects of the old checkpoint the new o
 replace are removed last. A failed upload aborts its multipart uploads, removes what it
 uploaded and commits nothing.
 
-WRITING_MARKER is written before anything else and removed after the commit: a destination that
-holds it and no commit object is what an interrupted write (a killed process) left, which no
-reader takes for a checkpoint and a rerun replaces without --overwrite."""
+WRITING_MARKER, the writer's lease (`storage.lease`: one writer at a time), is made before
+anything else and removed after the commit: a destination that holds it and no commit object is
+what an interrupted write (a killed process) left, which no reader takes for a checkpoint and a
+rerun replaces without --overwrite."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from ...errors import UsageError
 from .face import READ_BLOCK_BYTES, Storage, WriteStream
+from .lease import WRITING_MARKER, WriterLease, refuse_if_held
 from .local import LocalStorage
 
 UPLOADS_IN_FLIGHT = 2  # files uploaded at once, each PARTS_IN_FLIGHT parts of PART_BYTES: 128 MiB held at most
@@ -33,13 +35,14 @@ COMMIT_NAMES = (
     "model.safetensors.index.json",
     "model.safetensors",
 )  # the first of these the output holds is its commit object
-WRITING_MARKER = ".fsdpkit-writing"  # present while a publish is under way
 
 
 def check_destination(storage: Storage, *, overwrite: bool) -> dict[str, int]:
     """The objects already under the destination (name -> size); a UsageError when there are any
-    and `overwrite` is not given."""
+    and `overwrite` is not given, or when another writer holds the destination's lease."""
     existing = storage.list()
+    if WRITING_MARKER in existing:
+        refuse_if_held(storage)
     if existing and not overwrite and not interrupted(existing):
         raise UsageError(f"destination {storage.root} already holds {len(existing)} objects; pass --overwrite to replace them")
     return existing
@@ -57,37 +60,47 @@ def commit_object(names: Iterable[str]) -> str | None:
 
 
 @contextlib.contextmanager
-def publishing(storage: Storage, existing: dict[str, int]) -> Iterator[list[str]]:
-    """The frame of a write to `storage` over `existing` objects: WRITING_MARKER first and the
-    old commit objects deleted; the block writes its objects (the commit object last) and
-    appends each name to the list it is given. A block that fails removes what it wrote; one
-    that ends removes the old checkpoint's objects it did not replace, then the marker."""
+def publishing(storage: Storage, existing: dict[str, int], lease: WriterLease | None = None) -> Iterator[list[str]]:
+    """The frame of a write to `storage` over `existing` objects: the writer's lease taken (or
+    `lease`, taken before) and the old commit objects deleted; the block writes its objects (the
+    commit object last) and appends each name to the list it is given. A block that fails
+    removes what it wrote; one that ends removes the old checkpoint's objects it did not
+    replace, then the lease's marker."""
     old_commits = [name for name in COMMIT_NAMES if name in existing]
     started = datetime.now(UTC)
-    storage.put(WRITING_MARKER, b"")
-    if WRITING_MARKER in existing:  # a write cut short: the uploads it left open go
-        from .stale_uploads import abort_stale_uploads  # its S3 client only when there is one to sweep
-
-        abort_stale_uploads(storage, initiated_before=started)
-    storage.delete(old_commits)
+    lease = lease or WriterLease.take(storage)
     written: list[str] = []
     try:
+        if WRITING_MARKER in existing:  # a write cut short: the uploads it left open go
+            from .stale_uploads import abort_stale_uploads  # its S3 client only when there is one to sweep
+
+            abort_stale_uploads(storage, initiated_before=started)
+        storage.delete(old_commits)
         yield written
     except BaseException:
         with contextlib.suppress(Exception):  # the first failure is the one to report
-            storage.delete(written if existing else [*written, WRITING_MARKER])  # over an old checkpoint, the marker says what is left
+            storage.delete(written)
+        with contextlib.suppress(Exception):
+            lease.release(interrupted=bool(existing))  # over an old checkpoint, the marker says what is left
         raise
     storage.delete(sorted(set(existing) - set(written) - set(old_commits) - {WRITING_MARKER}))
-    storage.delete([WRITING_MARKER])
+    lease.release(interrupted=False)
 
 
-def publish(directory: Path, storage: Storage, existing: dict[str, int], progress: Callable[[int], None] | None = None) -> list[str]:
-    """Upload the files under `directory` to `storage`, the commit object last; the names written."""
+def publish(
+    directory: Path,
+    storage: Storage,
+    existing: dict[str, int],
+    progress: Callable[[int], None] | None = None,
+    lease: WriterLease | None = None,
+) -> list[str]:
+    """Upload the files under `directory` to `storage`, the commit object last (under `lease`,
+    taken before, or its own); the names written."""
     source = LocalStorage(directory)
     names = sorted(source.list())
     commit = commit_object(names)
     data = [name for name in names if name != commit]
-    with publishing(storage, existing) as written:
+    with publishing(storage, existing, lease) as written:
         written += data  # removed again on a failure, as the ones uploaded are
         with ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="fsdpkit-upload") as pool:
             for _ in pool.map(lambda name: upload_file(source, storage, name, progress), data):

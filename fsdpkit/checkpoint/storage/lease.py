@@ -1,0 +1,120 @@
+"""One writer per destination in a storage: the marker of a write under way, WRITING_MARKER, is
+also the writer's lease. It is made with the storage's conditional create (`If-None-Match: *`
+in an object store) and names its holder (host, pid, start time); the holder rewrites it every
+`beat_seconds` while it writes.
+
+A second writer that finds the marker is refused while its holder lives: on this host, while
+that process runs; from another host, while the marker keeps changing (it is watched for
+MISSED_BEATS of the holder's beats). A marker whose holder is gone, a killed writer's or one a
+writer left emptied when it stopped (what an interrupted write leaves, which the next write
+replaces), is taken over: deleted, then made again. That is a check, then a delete: two writers
+taking over the same stale marker in the same instant may both proceed, as with the run lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+import uuid
+
+from ...errors import FsdpkitError, UsageError
+from ...holder import holder_alive, process_identity
+from .face import Storage
+
+WRITING_MARKER = ".fsdpkit-writing"  # present while a write is under way, or after one was cut short
+BEAT_SECONDS = 5.0  # the holder rewrites the marker this often
+MISSED_BEATS = 3  # a marker from another host unchanged for this many of its beats is a gone holder's
+LONGEST_BEAT_SECONDS = 60.0  # a marker's own beat is trusted up to this
+
+
+class WriterLease:
+    """The lease this process holds on a storage's destination (`take`), until `release`."""
+
+    def __init__(self, storage: Storage, holder: dict):
+        self.storage, self.holder = storage, holder
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._beat, name="fsdpkit-lease", daemon=True)
+        self._beats.start()
+
+    @classmethod
+    def take(cls, storage: Storage, *, beat_seconds: float = BEAT_SECONDS) -> WriterLease:
+        """The lease on `storage`; a UsageError naming the holder while another writer holds it."""
+        holder = {**process_identity(), "lease": uuid.uuid4().hex, "beat_seconds": beat_seconds, "beat": 0}
+        for _ in range(3):
+            if storage.create_exclusive(WRITING_MARKER, _encoded(holder)):
+                return cls(storage, holder)
+            found = _read(storage)
+            if found is not None and _holder_lives(storage, found):
+                raise UsageError(held_line(storage, found))
+            storage.delete([WRITING_MARKER])
+        raise UsageError(f"could not take {storage.where(WRITING_MARKER)}: other fsdpkit commands keep taking it; nothing written")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.holder["beat_seconds"]):
+            self.holder["beat"] += 1
+            with contextlib.suppress(FsdpkitError, OSError):  # a missed beat is retried at the next
+                self.storage.put(WRITING_MARKER, _encoded(self.holder))
+
+    def release(self, *, interrupted: bool) -> None:
+        """Stop holding the lease: the marker removed, or, where the write is `interrupted`
+        (what it wrote stays for the next write to replace or continue), left emptied."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._beats.join()
+        if interrupted:
+            self.storage.put(WRITING_MARKER, b"")
+        else:
+            self.storage.delete([WRITING_MARKER])
+
+    def __enter__(self) -> WriterLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release(interrupted=True)
+
+
+def refuse_if_held(storage: Storage) -> None:
+    """A UsageError naming the holder while another writer holds `storage`'s lease; else nothing."""
+    found = _read(storage)
+    if found is not None and _holder_lives(storage, found):
+        raise UsageError(held_line(storage, found))
+
+
+def held_line(storage: Storage, holder: dict) -> str:
+    return (
+        f"destination {storage.root} is being written by another fsdpkit command (pid {holder.get('pid')} on "
+        f"{holder.get('host')} holds {storage.where(WRITING_MARKER)}): wait for it to finish; nothing written"
+    )
+
+
+def _encoded(holder: dict) -> bytes:
+    return json.dumps(holder).encode() + b"\n"
+
+
+def _read(storage: Storage) -> dict | None:
+    """The holder the marker names; None when there is no marker, or it names no holder."""
+    try:
+        document = json.loads(storage.read(WRITING_MARKER)[:4096].decode("utf-8") or "null")
+    except (FsdpkitError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return document if isinstance(document, dict) and "lease" in document else None
+
+
+def _holder_lives(storage: Storage, found: dict) -> bool:
+    """Whether the holder `found` is still writing: its process runs (this host), or its marker
+    changes within MISSED_BEATS of its beats (another host)."""
+    if found.get("host") == socket.gethostname():
+        return holder_alive(found)
+    beat = found.get("beat_seconds")
+    beat = min(float(beat), LONGEST_BEAT_SECONDS) if isinstance(beat, (int, float)) and beat > 0 else BEAT_SECONDS
+    deadline = time.monotonic() + MISSED_BEATS * beat
+    while time.monotonic() < deadline:
+        time.sleep(min(beat / 4, 1.0))
+        now = _read(storage)
+        if now != found:  # a beat, or another writer's marker: a live holder; none: released
+            return now is not None
+    return False
