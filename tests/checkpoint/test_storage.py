@@ -101,6 +101,26 @@ def test_publish_commits_last_and_a_failed_one_over_a_checkpoint_leaves_no_commi
     check_destination(destination, overwrite=False)  # an interrupted write: no --overwrite needed
 
 
+def test_a_lease_given_up_on_a_failure_reports_that_failure_not_its_own(tmp_path):
+    """A block under the writer's lease that fails where the store fails too: the block's error
+    is the one raised (the marker could not be emptied); on a working store the marker is left
+    empty, what the next writer takes at once."""
+    from fsdpkit.checkpoint.storage.lease import WRITING_MARKER, WriterLease
+    from fsdpkit.checkpoint.storage.local import LocalStorage
+
+    class Failing(LocalStorage):
+        def put(self, name, data):
+            raise RunError(f"{name}: the store is gone")
+
+    for storage in (Failing(tmp_path / "gone"), LocalStorage(tmp_path / "up")):
+        with pytest.raises(ValueError, match="the conversion failed"), WriterLease.take(storage, beat_seconds=60):
+            raise ValueError("the conversion failed")
+    assert f'"pid": {os.getpid()}'.encode() in Failing(tmp_path / "gone").read(WRITING_MARKER)  # as taken: its holder's exit frees it
+    assert LocalStorage(tmp_path / "up").read(WRITING_MARKER) == b""
+    WriterLease.take(LocalStorage(tmp_path / "up")).release(interrupted=False)
+    assert LocalStorage(tmp_path / "up").list() == {}
+
+
 def test_conditional_create_makes_one_writer(storage):
     assert storage.create_exclusive("lock", b"first")
     assert not storage.create_exclusive("lock", b"second")

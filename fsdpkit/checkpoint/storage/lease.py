@@ -74,7 +74,8 @@ class WriterLease:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release(interrupted=True)
+        with contextlib.suppress(FsdpkitError, OSError):  # the failure that ended the block is the one to report
+            self.release(interrupted=True)
 
 
 def refuse_if_held(storage: Storage) -> None:
