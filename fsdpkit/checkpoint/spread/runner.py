@@ -258,7 +258,14 @@ def run_ranks(task: SpreadTask, comm: Any, show: ByteProgress | None = None) -> 
         views = Views(comm, problem)
         if views.ready() or job is None:
             views.check()
-        return _with_staging(task, job, header, comm, show, views, marks, prepared)
+        staging = prepared or (staging_at(header["staging"]) if header["staging"] else None)  # rank 0's own holds the lease
+        try:
+            return _work_and_commit(task, job, header, comm, show, views, staging, marks)
+        except StoreGone as error:
+            raise StoreGone(f"{error}{_kept_note(staging)}") from None
+        finally:
+            if staging is not None:
+                staging.close()  # a bucket's: this rank's scratch
     finally:
         if job is not None:
             job.close()
@@ -289,28 +296,6 @@ class Views:
         problems = [line for line in self.values() if line]
         if problems:
             raise RunError(problems[0])
-
-
-def _with_staging(
-    task: SpreadTask,
-    job: Any,
-    header: dict,
-    comm: Any,
-    show: ByteProgress | None,
-    views: Views,
-    marks: Marks,
-    prepared: Staging | BucketStaging | None,
-) -> SpreadResult | None:
-    """`_work_and_commit` with the staging area rank 0 named (rank 0's own, `prepared`, with its
-    lease; a bucket's: this rank's scratch removed after)."""
-    staging = prepared or (staging_at(header["staging"]) if header["staging"] else None)
-    try:
-        return _work_and_commit(task, job, header, comm, show, views, staging, marks)
-    except StoreGone as error:
-        raise StoreGone(f"{error}{_kept_note(staging)}") from None
-    finally:
-        if staging is not None:
-            staging.close()
 
 
 def _work_and_commit(
