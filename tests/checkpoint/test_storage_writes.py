@@ -214,7 +214,9 @@ def test_output_to_a_bucket_streams_with_bounded_local_disk(s3_bucket, s3_endpoi
 def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_endpoint, tmp_path, monkeypatch):
     """`convert --to full` to a bucket whose every part upload fails (the multipart upload itself
     is created): exit 1 naming the object, no object left (the marker removed too), no multipart
-    upload left open, nothing in TMPDIR."""
+    upload left open, nothing in TMPDIR. A Ctrl-C that lands as an upload completes (a data
+    file's, the commit object's) leaves no object either, and the command runs again without
+    --overwrite."""
     import torch
 
     import fsdpkit.checkpoint.storage.objects as objects
@@ -235,6 +237,23 @@ def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_e
     assert _objects(s3_endpoint, s3_bucket, "out") == {}
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
     assert list(scratch.iterdir()) == []
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    upload = objects.ObjectStorage.write
+    for cut in ("model-00001-of-00003.safetensors", "model.safetensors.index.json"):
+
+        @contextlib.contextmanager
+        def interrupted(self, name, cut=cut):  # Ctrl-C as the upload of `cut` completes (what waits longest)
+            with upload(self, name) as stream:
+                yield stream
+            if name == cut:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(objects.ObjectStorage, "write", interrupted)
+        result = run_cli("convert", str(run), url, "--to", "full", "--max-shard-size", "1MB")
+        assert result.exit_code == 130 and _objects(s3_endpoint, s3_bucket, "out") == {}, (cut, result.output)
+    monkeypatch.setattr(objects.ObjectStorage, "write", upload)
+    assert run_cli("convert", str(run), url, "--to", "full", "--max-shard-size", "1MB").exit_code == 0
 
 
 def test_reshard_of_dcp_and_deepspeed_and_megatron_output_to_a_bucket_are_the_local_bytes(s3_bucket, s3_endpoint, tmp_path):
