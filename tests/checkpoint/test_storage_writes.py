@@ -146,10 +146,12 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
         storage.put(WRITING_MARKER, json.dumps(here).encode())
         with pytest.raises(UsageError, match=f"pid {killed.pid} on "):
             WriterLease.take(storage)
+        killed.kill()
+        os.waitid(os.P_PID, killed.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped by its parent (a zombie)
+        WriterLease.take(storage).release(interrupted=False)  # its process is gone: taken at once
     finally:
         killed.kill()
         killed.wait()
-    WriterLease.take(storage).release(interrupted=False)  # its process is gone: taken at once
     assert _objects(s3_endpoint, s3_bucket, "out") == {}
 
 
