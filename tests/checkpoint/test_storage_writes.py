@@ -20,6 +20,7 @@ from support.fault_proxy import FaultProxy
 from support.object_store import s3_client
 
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
+UNFINISHED = "no checkpoint yet: .fsdpkit-writing says an fsdpkit write is under way here, or was cut short (no commit object)"
 
 
 def _objects(endpoint: str, bucket: str, prefix: str) -> dict[str, bytes]:
@@ -46,8 +47,9 @@ def test_a_reshard_killed_mid_upload_commits_nothing_and_runs_again(s3_bucket, s
             killed.wait()
     left = _objects(s3_endpoint, s3_bucket, "out")
     assert "manifest.json" not in left and left  # something went up, not the commit object
-    result = run_cli("inspect", url)
-    assert result.exit_code != 0 and result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
+    for command in ("inspect", "verify"):  # what a reader is told of a write under way or cut short
+        result = run_cli(command, url)
+        assert result.exit_code == 2 and result.output == f"error: {url}: {UNFINISHED}\n", result.output
     assert run_cli("reshard", str(run), url, "--world-size", "3").exit_code == 0  # no --overwrite needed
     assert run_cli("reshard", str(run), str(tmp_path / "local"), "--world-size", "3").exit_code == 0
     local = {
