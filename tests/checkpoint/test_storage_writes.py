@@ -136,8 +136,13 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
     finally:
         beating.set()
         thread.join()
-    with WriterLease.take(storage) as taken:  # its beats stopped for 3 of them: gone
+    check_destination(storage, overwrite=False)  # as a command does first: its beats stopped for 3 of them, gone
+    reads, read = [], storage.read
+    storage.read = lambda name, *args: reads.append(name) or read(name, *args)  # type: ignore[method-assign]
+    with WriterLease.take(storage) as taken:  # then the command takes it over, without watching it again
         assert json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["lease"] == taken.holder["lease"]
+    storage.read = read  # type: ignore[method-assign]
+    assert reads == [WRITING_MARKER], reads
 
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
