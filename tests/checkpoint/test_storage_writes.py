@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,12 +76,15 @@ def test_the_lock_of_a_run_in_a_bucket_is_one_conditional_create(s3_bucket, s3_e
         assert second.run_id == "run-b" and b'"run": "run-b"' in _objects(s3_endpoint, s3_bucket, "runs/locked")[".lock"]
 
 
-def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_takes_a_gone_ones(s3_bucket, s3_endpoint, tmp_path):
+def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_takes_a_gone_ones(
+    s3_bucket, s3_endpoint, tmp_path, monkeypatch
+):
     """The marker of a write under way is the writer's lease, against the server: made once
     (a second take, a check of the destination and a publish are refused naming the holder,
     nothing written), rewritten at each beat, emptied by a writer that stopped (then taken at
     once); a holder on another host is refused while its marker changes and taken over once it
-    stops changing; a killed holder on this host is taken over at once."""
+    stops changing; a killed holder on this host is taken over at once. A convert written into
+    a local directory first (a full export --to sharded) holds the lease while it does."""
     import json
     import socket
     import threading
@@ -160,6 +164,29 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
         killed.kill()
         killed.wait()
     assert _objects(s3_endpoint, s3_bucket, "out") == {}
+
+    from fsdpkit.checkpoint.offline import formats
+    from fsdpkit.models.source import resolve
+
+    model = resolve("gpt-tiny")
+    weights = {k: v for k, v in model.build(seed=0).state_dict().items() if k != "lm_head.weight"}
+    state = {"step": 1, "export": model.export.to_json()}
+    run = save_checkpoint(tmp_path / "run", 1, weights, world_size=1, aliases={"lm_head.weight": "wte.weight"}, training_state=state)
+    assert run_cli("convert", run, tmp_path / "hf", "--to", "full").exit_code == 0
+    beside, convert_any = [], formats.convert_any
+
+    def converted_locally(*args, **kwargs):  # a second command checks the destination while this one converts
+        try:
+            check_destination(storage, overwrite=True)
+            beside.append("not refused")
+        except UsageError as error:
+            beside.append(str(error))
+        return convert_any(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "convert_any", converted_locally)
+    result = run_cli("convert", tmp_path / "hf", url, "--to", "sharded", "--world-size", "1")
+    assert result.exit_code == 0 and len(beside) == 1 and re.fullmatch(held, beside[0]), (result.output, beside)
+    assert sorted(_objects(s3_endpoint, s3_bucket, "out")) == ["manifest.json", "rank-00000-of-00001.safetensors"]
 
 
 def _bytes_under(directory: Path) -> int:
