@@ -8,19 +8,24 @@ import socket
 import time
 
 
-def _start_time(pid: int) -> str | None:
-    """The kernel's start time of process `pid` (clock ticks since boot), where /proc has it."""
+def _stat(pid: int) -> list[bytes]:
+    """The fields of /proc/PID/stat after the command name (its state first), where /proc has them."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+            return f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
-        return None
+        return []
+
+
+def _start_time(stat: list[bytes]) -> str | None:
+    """The kernel's start time of a process (clock ticks since boot), from its `_stat`."""
+    return stat[19].decode() if len(stat) > 19 else None
 
 
 def process_identity() -> dict:
     """host, pid and start time of this process: what a lock records."""
     pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "started": _start_time(pid) or f"t{time.time():.0f}"}
+    return {"host": socket.gethostname(), "pid": pid, "started": _start_time(_stat(pid)) or f"t{time.time():.0f}"}
 
 
 def run_id_of(identity: dict) -> str:
@@ -38,5 +43,8 @@ def holder_alive(holder: dict) -> bool:
         return False
     except PermissionError:
         pass  # alive, someone else's
-    started = _start_time(pid)
+    stat = _stat(pid)
+    if stat[:1] in ([b"Z"], [b"X"]):
+        return False  # it exited; its parent has not reaped it yet
+    started = _start_time(stat)
     return started is None or started == holder.get("started")

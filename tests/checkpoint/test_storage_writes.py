@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from support.fault_proxy import FaultProxy
 from support.object_store import s3_client
 
 FSDPKIT = str(Path(sys.executable).with_name("fsdpkit"))
+UNFINISHED = "no checkpoint yet: .fsdpkit-writing says an fsdpkit write is under way here, or was cut short (no commit object)"
 
 
 def _objects(endpoint: str, bucket: str, prefix: str) -> dict[str, bytes]:
@@ -45,8 +48,9 @@ def test_a_reshard_killed_mid_upload_commits_nothing_and_runs_again(s3_bucket, s
             killed.wait()
     left = _objects(s3_endpoint, s3_bucket, "out")
     assert "manifest.json" not in left and left  # something went up, not the commit object
-    result = run_cli("inspect", url)
-    assert result.exit_code != 0 and result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
+    for command in ("inspect", "verify"):  # what a reader is told of a write under way or cut short
+        result = run_cli(command, url)
+        assert result.exit_code == 2 and result.output == f"error: {url}: {UNFINISHED}\n", result.output
     assert run_cli("reshard", str(run), url, "--world-size", "3").exit_code == 0  # no --overwrite needed
     assert run_cli("reshard", str(run), str(tmp_path / "local"), "--world-size", "3").exit_code == 0
     local = {
@@ -72,12 +76,15 @@ def test_the_lock_of_a_run_in_a_bucket_is_one_conditional_create(s3_bucket, s3_e
         assert second.run_id == "run-b" and b'"run": "run-b"' in _objects(s3_endpoint, s3_bucket, "runs/locked")[".lock"]
 
 
-def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_takes_a_gone_ones(s3_bucket, s3_endpoint, tmp_path):
+def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_takes_a_gone_ones(
+    s3_bucket, s3_endpoint, tmp_path, monkeypatch
+):
     """The marker of a write under way is the writer's lease, against the server: made once
     (a second take, a check of the destination and a publish are refused naming the holder,
     nothing written), rewritten at each beat, emptied by a writer that stopped (then taken at
     once); a holder on another host is refused while its marker changes and taken over once it
-    stops changing; a killed holder on this host is taken over at once."""
+    stops changing; a killed holder on this host is taken over at once. A convert written into
+    a local directory first (a full export --to sharded) holds the lease while it does."""
     import json
     import socket
     import threading
@@ -104,8 +111,13 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
     ):
         with pytest.raises(UsageError, match=held):
             refused()
-    beats = json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["beat"]
-    assert beats > json.loads(marker)["beat"] and list(_objects(s3_endpoint, s3_bucket, "out")) == [WRITING_MARKER]
+    assert list(_objects(s3_endpoint, s3_bucket, "out")) == [WRITING_MARKER]
+    for _ in range(1000):  # the refusals may all end within one beat: the next, 10 s at most
+        if json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["beat"] > json.loads(marker)["beat"]:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"the holder never rewrote {WRITING_MARKER}")
     first.release(interrupted=True)
     assert _objects(s3_endpoint, s3_bucket, "out") == {WRITING_MARKER: b""}  # what a stopped write leaves: no holder
     WriterLease.take(storage).release(interrupted=False)
@@ -128,8 +140,13 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
     finally:
         beating.set()
         thread.join()
-    with WriterLease.take(storage) as taken:  # its beats stopped for 3 of them: gone
+    check_destination(storage, overwrite=False)  # as a command does first: its beats stopped for 3 of them, gone
+    reads, read = [], storage.read
+    storage.read = lambda name, *args: reads.append(name) or read(name, *args)  # type: ignore[method-assign]
+    with WriterLease.take(storage) as taken:  # then the command takes it over, without watching it again
         assert json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["lease"] == taken.holder["lease"]
+    storage.read = read  # type: ignore[method-assign]
+    assert reads == [WRITING_MARKER], reads
 
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -140,11 +157,36 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
         storage.put(WRITING_MARKER, json.dumps(here).encode())
         with pytest.raises(UsageError, match=f"pid {killed.pid} on "):
             WriterLease.take(storage)
+        killed.kill()
+        os.waitid(os.P_PID, killed.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped by its parent (a zombie)
+        WriterLease.take(storage).release(interrupted=False)  # its process is gone: taken at once
     finally:
         killed.kill()
         killed.wait()
-    WriterLease.take(storage).release(interrupted=False)  # its process is gone: taken at once
     assert _objects(s3_endpoint, s3_bucket, "out") == {}
+
+    from fsdpkit.checkpoint.offline import formats
+    from fsdpkit.models.source import resolve
+
+    model = resolve("gpt-tiny")
+    weights = {k: v for k, v in model.build(seed=0).state_dict().items() if k != "lm_head.weight"}
+    state = {"step": 1, "export": model.export.to_json()}
+    run = save_checkpoint(tmp_path / "run", 1, weights, world_size=1, aliases={"lm_head.weight": "wte.weight"}, training_state=state)
+    assert run_cli("convert", run, tmp_path / "hf", "--to", "full").exit_code == 0
+    beside, convert_any = [], formats.convert_any
+
+    def converted_locally(*args, **kwargs):  # a second command checks the destination while this one converts
+        try:
+            check_destination(storage, overwrite=True)
+            beside.append("not refused")
+        except UsageError as error:
+            beside.append(str(error))
+        return convert_any(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "convert_any", converted_locally)
+    result = run_cli("convert", tmp_path / "hf", url, "--to", "sharded", "--world-size", "1")
+    assert result.exit_code == 0 and len(beside) == 1 and re.fullmatch(held, beside[0]), (result.output, beside)
+    assert sorted(_objects(s3_endpoint, s3_bucket, "out")) == ["manifest.json", "rank-00000-of-00001.safetensors"]
 
 
 def _bytes_under(directory: Path) -> int:
@@ -214,7 +256,9 @@ def test_output_to_a_bucket_streams_with_bounded_local_disk(s3_bucket, s3_endpoi
 def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_endpoint, tmp_path, monkeypatch):
     """`convert --to full` to a bucket whose every part upload fails (the multipart upload itself
     is created): exit 1 naming the object, no object left (the marker removed too), no multipart
-    upload left open, nothing in TMPDIR."""
+    upload left open, nothing in TMPDIR. A Ctrl-C that lands as an upload completes (a data
+    file's, the commit object's) leaves no object either, and the command runs again without
+    --overwrite."""
     import torch
 
     import fsdpkit.checkpoint.storage.objects as objects
@@ -235,6 +279,23 @@ def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_e
     assert _objects(s3_endpoint, s3_bucket, "out") == {}
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
     assert list(scratch.iterdir()) == []
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    upload = objects.ObjectStorage.write
+    for cut in ("model-00001-of-00003.safetensors", "model.safetensors.index.json"):
+
+        @contextlib.contextmanager
+        def interrupted(self, name, cut=cut):  # Ctrl-C as the upload of `cut` completes (what waits longest)
+            with upload(self, name) as stream:
+                yield stream
+            if name == cut:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(objects.ObjectStorage, "write", interrupted)
+        result = run_cli("convert", str(run), url, "--to", "full", "--max-shard-size", "1MB")
+        assert result.exit_code == 130 and _objects(s3_endpoint, s3_bucket, "out") == {}, (cut, result.output)
+    monkeypatch.setattr(objects.ObjectStorage, "write", upload)
+    assert run_cli("convert", str(run), url, "--to", "full", "--max-shard-size", "1MB").exit_code == 0
 
 
 def test_reshard_of_dcp_and_deepspeed_and_megatron_output_to_a_bucket_are_the_local_bytes(s3_bucket, s3_endpoint, tmp_path):

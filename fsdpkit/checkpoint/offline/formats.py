@@ -22,6 +22,7 @@ from ..deepspeed.format import DeepSpeedFormat
 from ..format.format import ShardedFormat
 from ..format.full_format import FullFormat
 from ..megatron.format import MegatronFormat
+from ..storage.lease import WRITING_MARKER
 from ..storage.location import is_url
 from ..torchsave.format import TorchSaveFormat
 from .locations import local_only, source_at
@@ -61,6 +62,9 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
     for found in [*(f for f in FORMATS.values() if f.name != SHARDED), FORMATS[SHARDED]]:
         if found.detect(path):
             return found
+    if (path / WRITING_MARKER).exists():
+        unfinished = f"{WRITING_MARKER} says an fsdpkit write is under way here, or was cut short (no commit object)"
+        raise UsageError(f"{path}: no checkpoint yet: {unfinished}")
     raise UsageError(f"{path}: not a checkpoint fsdpkit reads ({READ_LABELS})")
 
 

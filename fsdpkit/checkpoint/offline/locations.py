@@ -11,6 +11,7 @@ line."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -108,15 +109,23 @@ def diff_at(a: str, request: DiffRequest, progress: Callable[[int, int], None] |
 
 
 def _published(url: str, overwrite: bool, write: Callable[[Path], WriteReport]) -> WriteReport:
-    """What `write` wrote into a local temporary directory, published at `url` through the face."""
+    """What `write` wrote into a local temporary directory, published at `url` through the face,
+    under the writer's lease from before the write: no other command writes `url` meanwhile."""
+    from ..storage.lease import WriterLease
     from ..storage.upload import check_destination, publish
 
     storage = open_storage(url)
     existing = check_destination(storage, overwrite=overwrite)
-    with tempfile.TemporaryDirectory(prefix="fsdpkit-out-") as staging:
-        out = Path(staging) / "out"
-        report = write(out)
-        publish(out, storage, existing)
+    lease = WriterLease.take(storage)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fsdpkit-out-") as staging:
+            out = Path(staging) / "out"
+            report = write(out)
+            publish(out, storage, existing, lease=lease)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the first failure is the one to report
+            lease.release(interrupted=bool(existing))  # as `publishing` does; nothing once it has
+        raise
     return dataclasses.replace(report, dst=url, files=[name.replace(str(out), url) for name in report.files])
 
 

@@ -112,14 +112,13 @@ def _streamed(job: Any, url: str, *, overwrite: bool, progress: Progress | None)
             results = []
             for index, name in enumerate(names):
                 if name != planned_commit:
+                    written.append(name)  # before its upload: one completed as the write is cut short goes too
                     results.append(write_planned_file(job, index, storage, count))
-                    written.append(name)
             if planned_commit is None:
                 return _committed(job, storage, results, url, written)
-            with planned_file(job, names.index(planned_commit), storage, count) as result:
-                report = _committed(job, storage, [*results, result], url, written)
             written.append(planned_commit)
-            return report
+            with planned_file(job, names.index(planned_commit), storage, count) as result:
+                return _committed(job, storage, [*results, result], url, written)
     finally:
         job.close()
 
@@ -135,6 +134,6 @@ def _committed(job: Any, storage: Storage, results: list[PartResult], url: str, 
         names = sorted(small.list())
         commit = commit_object(names)
         for name in [*(name for name in names if name != commit), *([commit] if commit else [])]:
-            upload_file(small, storage, name)
             written.append(name)
+            upload_file(small, storage, name)
     return report

@@ -28,6 +28,7 @@ WRITING_MARKER = ".fsdpkit-writing"  # present while a write is under way, or af
 BEAT_SECONDS = 5.0  # the holder rewrites the marker this often
 MISSED_BEATS = 3  # a marker from another host unchanged for this many of its beats is a gone holder's
 LONGEST_BEAT_SECONDS = 60.0  # a marker's own beat is trusted up to this
+_STOPPED: set[tuple[str, str]] = set()  # (root, marker) this process watched stop changing: not watched again
 
 
 class WriterLease:
@@ -110,6 +111,9 @@ def _holder_lives(storage: Storage, found: dict) -> bool:
     changes within MISSED_BEATS of its beats (another host)."""
     if found.get("host") == socket.gethostname():
         return holder_alive(found)
+    watched = (storage.root, json.dumps(found, sort_keys=True))  # its beat counts up: the same marker has not beaten since
+    if watched in _STOPPED:
+        return False
     beat = found.get("beat_seconds")
     beat = min(float(beat), LONGEST_BEAT_SECONDS) if isinstance(beat, (int, float)) and beat > 0 else BEAT_SECONDS
     deadline = time.monotonic() + MISSED_BEATS * beat
@@ -118,4 +122,5 @@ def _holder_lives(storage: Storage, found: dict) -> bool:
         now = _read(storage)
         if now != found:  # a beat, or another writer's marker: a live holder; none: released
             return now is not None
+    _STOPPED.add(watched)
     return False

@@ -63,8 +63,9 @@ def commit_object(names: Iterable[str]) -> str | None:
 def publishing(storage: Storage, existing: dict[str, int], lease: WriterLease | None = None) -> Iterator[list[str]]:
     """The frame of a write to `storage` over `existing` objects: the writer's lease taken (or
     `lease`, taken before) and the old commit objects deleted; the block writes its objects (the
-    commit object last) and appends each name to the list it is given. A block that fails
-    removes what it wrote; one that ends removes the old checkpoint's objects it did not
+    commit object last) and appends each name to the list it is given before the object's write
+    begins (an interrupt that lands as an upload completes finds its name there). A block that
+    fails removes what it wrote; one that ends removes the old checkpoint's objects it did not
     replace, then the lease's marker."""
     old_commits = [name for name in COMMIT_NAMES if name in existing]
     started = datetime.now(UTC)
@@ -106,8 +107,8 @@ def publish(
             for _ in pool.map(lambda name: upload_file(source, storage, name, progress), data):
                 pass
         if commit is not None:  # streamed too: a full checkpoint's one file is its commit object
-            upload_file(source, storage, commit, progress)
             written.append(commit)
+            upload_file(source, storage, commit, progress)
     return names
 
 
