@@ -126,12 +126,14 @@ def test_a_second_command_on_the_same_bucket_dst_is_refused_while_the_first_writ
     """The writer's lease on s3://BUCKET/out held here, as a running command holds it, with the
     object it wrote so far: every command that would write there (one process, spread over 2,
     with --overwrite or --restart, a dry run) is refused with one line and exit 2, and the
-    objects stay as they are; once the first stops, the same command writes there what it
-    writes to a local directory, and holds the lease at every file rank 0 records."""
+    objects stay as they are; once the first stops (a killed holder on another host: its marker
+    stops changing, watched once), the same command writes there what it writes to a local
+    directory, and holds the lease at every file rank 0 records."""
     import socket
 
     from fsdpkit.checkpoint.spread.bucket import BucketStaging
-    from fsdpkit.checkpoint.storage.lease import WriterLease, refuse_if_held
+    from fsdpkit.checkpoint.storage import lease
+    from fsdpkit.checkpoint.storage.lease import WRITING_MARKER, WriterLease, refuse_if_held
     from fsdpkit.checkpoint.storage.location import open_storage
     from fsdpkit.errors import UsageError
 
@@ -152,6 +154,10 @@ def test_a_second_command_on_the_same_bucket_dst_is_refused_while_the_first_writ
         assert refused.exit_code == 2 and refused.output.strip().splitlines() == [line], (extra, refused.output)
         assert _objects(s3_endpoint, s3_bucket, "out") == before
     first.release(interrupted=True)
+    elsewhere = {"host": "another-node", "pid": 1, "started": "1", "lease": "theirs", "beat_seconds": 0.05, "beat": 7}
+    open_storage(dst).put(WRITING_MARKER, json.dumps(elsewhere).encode())
+    watched, holder_lives = [], lease._holder_lives
+    monkeypatch.setattr(lease, "_holder_lives", lambda storage, found: watched.append(found["lease"]) or holder_lives(storage, found))
     held_at: list[bool] = []
     record = BucketStaging.record
 
@@ -167,6 +173,7 @@ def test_a_second_command_on_the_same_bucket_dst_is_refused_while_the_first_writ
     done = run_cli("convert", url, dst, *flags, *spread)
     assert done.exit_code == 0, done.output
     assert held_at and all(held_at), held_at
+    assert watched.count("theirs") == 1, watched
     assert _objects(s3_endpoint, s3_bucket, "out") == _files(tmp_path / "one")
 
 

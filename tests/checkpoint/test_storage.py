@@ -65,7 +65,7 @@ def test_publish_commits_last_and_a_failed_one_over_a_checkpoint_leaves_no_commi
     import contextlib
 
     from fsdpkit.checkpoint.storage.local import LocalStorage
-    from fsdpkit.checkpoint.storage.upload import WRITING_MARKER, check_destination, publish
+    from fsdpkit.checkpoint.storage.upload import WRITING_MARKER, claim_destination, publish
 
     completed: list[str] = []
 
@@ -91,14 +91,16 @@ def test_publish_commits_last_and_a_failed_one_over_a_checkpoint_leaves_no_commi
             (tmp_path / f"src{step}" / name).parent.mkdir(exist_ok=True)
             (tmp_path / f"src{step}" / name).write_bytes(f"{name} of step {step}".encode())
     destination = Recorded(tmp_path / "dst")
-    publish(tmp_path / "src1", destination, check_destination(destination, overwrite=False))
+    lease, existing = claim_destination(destination, overwrite=False)
+    publish(tmp_path / "src1", destination, existing, lease)
     assert completed[0] == WRITING_MARKER and sorted(completed[1:]) == names and completed[-1] == "manifest.json", completed
     assert destination.read("manifest.json") == b"manifest.json of step 1" and WRITING_MARKER not in destination.list()
     destination.failing = names[-1]
     with pytest.raises(RunError, match="write failed"):
-        publish(tmp_path / "src2", destination, check_destination(destination, overwrite=True))
+        lease, existing = claim_destination(destination, overwrite=True)
+        publish(tmp_path / "src2", destination, existing, lease)
     assert "manifest.json" not in destination.list() and WRITING_MARKER in destination.list(), destination.list()
-    check_destination(destination, overwrite=False)  # an interrupted write: no --overwrite needed
+    claim_destination(destination, overwrite=False)[0].release(interrupted=True)  # an interrupted write: no --overwrite needed
 
 
 def test_a_lease_given_up_on_a_failure_reports_that_failure_not_its_own(tmp_path):

@@ -89,9 +89,10 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
     import socket
     import threading
 
+    from fsdpkit.checkpoint.storage import lease
     from fsdpkit.checkpoint.storage.lease import WRITING_MARKER, WriterLease
     from fsdpkit.checkpoint.storage.location import open_storage
-    from fsdpkit.checkpoint.storage.upload import check_destination, publish
+    from fsdpkit.checkpoint.storage.upload import check_destination, claim_destination
     from fsdpkit.errors import UsageError
 
     url = f"s3://{s3_bucket}/out"
@@ -100,14 +101,12 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
         f"destination {url} is being written by another fsdpkit command \\(pid {os.getpid()} on {socket.gethostname()} "
         f"holds {url}/{WRITING_MARKER}\\): wait for it to finish; nothing written"
     )
-    (tmp_path / "new").mkdir()
-    (tmp_path / "new" / "manifest.json").write_bytes(b"{}")
     first = WriterLease.take(storage, beat_seconds=0.05)
     marker = _objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER]
     for refused in (
         lambda: WriterLease.take(storage),
         lambda: check_destination(storage, overwrite=True),
-        lambda: publish(tmp_path / "new", storage, {}),
+        lambda: claim_destination(storage, overwrite=True),
     ):
         with pytest.raises(UsageError, match=held):
             refused()
@@ -140,13 +139,13 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
     finally:
         beating.set()
         thread.join()
-    check_destination(storage, overwrite=False)  # as a command does first: its beats stopped for 3 of them, gone
-    reads, read = [], storage.read
-    storage.read = lambda name, *args: reads.append(name) or read(name, *args)  # type: ignore[method-assign]
-    with WriterLease.take(storage) as taken:  # then the command takes it over, without watching it again
-        assert json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["lease"] == taken.holder["lease"]
-    storage.read = read  # type: ignore[method-assign]
-    assert reads == [WRITING_MARKER], reads
+    watched, holder_lives = [], lease._holder_lives
+    monkeypatch.setattr(lease, "_holder_lives", lambda storage, found: watched.append(found["lease"]) or holder_lives(storage, found))
+    taken, existing = claim_destination(storage, overwrite=False)  # its beats stopped for 3 of them: gone, watched once
+    assert watched == ["theirs"] and list(existing) == [WRITING_MARKER], (watched, existing)  # what it left: an interrupted write
+    assert json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["lease"] == taken.holder["lease"]
+    taken.release(interrupted=True)
+    monkeypatch.setattr(lease, "_holder_lives", holder_lives)
 
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -111,17 +111,15 @@ def diff_at(a: str, request: DiffRequest, progress: Callable[[int, int], None] |
 def _published(url: str, overwrite: bool, write: Callable[[Path], WriteReport]) -> WriteReport:
     """What `write` wrote into a local temporary directory, published at `url` through the face,
     under the writer's lease from before the write: no other command writes `url` meanwhile."""
-    from ..storage.lease import WriterLease
-    from ..storage.upload import check_destination, publish
+    from ..storage.upload import claim_destination, publish
 
     storage = open_storage(url)
-    existing = check_destination(storage, overwrite=overwrite)
-    lease = WriterLease.take(storage)
+    lease, existing = claim_destination(storage, overwrite=overwrite)
     try:
         with tempfile.TemporaryDirectory(prefix="fsdpkit-out-") as staging:
             out = Path(staging) / "out"
             report = write(out)
-            publish(out, storage, existing, lease=lease)
+            publish(out, storage, existing, lease)
     except BaseException:
         with contextlib.suppress(Exception):  # the first failure is the one to report
             lease.release(interrupted=bool(existing))  # as `publishing` does; nothing once it has

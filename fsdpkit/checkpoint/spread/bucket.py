@@ -35,7 +35,7 @@ from ...errors import FsdpkitError, UsageError
 from ..storage.face import Storage
 from ..storage.lease import WriterLease
 from ..storage.location import is_url, open_storage
-from ..storage.upload import COMMIT_NAMES, check_destination, publish
+from ..storage.upload import COMMIT_NAMES, check_destination, claim_destination, publish
 from .plan import OutputFile, Part, Plan, make_plan
 from .staging import DONE_DIR, PLAN_NAME, STATE_DIR, TOKEN_NAME, PartResult, Staging
 from .to_storage import write_planned_file
@@ -125,7 +125,8 @@ class BucketStaging:
             raise UsageError(f"{self.storage.where(found[0])} appeared while the conversion ran; pass --overwrite to replace it")
         report = job.commit(self.path, done, dst)
         data = {f.name for f in job.files if f.name not in COMMIT_NAMES}
-        publish(self.path, self.storage, {name: size for name, size in listed.items() if name not in data}, lease=self.lease)
+        assert self.lease is not None, "rank 0 commits through the staging it prepared"
+        publish(self.path, self.storage, {name: size for name, size in listed.items() if name not in data}, self.lease)
         return replace(report, dst=dst) if not isinstance(report, dict) else report
 
     def close(self) -> None:
@@ -133,17 +134,20 @@ class BucketStaging:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
 
-def check_bucket(url: str, *, digest: str, overwrite: bool, restart: bool) -> tuple[BucketStaging, dict[str, int]]:
-    """Every check `prepare_bucket` makes before it writes, writing nothing: the staging objects
-    at `url` and the objects already there."""
+def check_bucket(url: str, *, digest: str, overwrite: bool, restart: bool) -> BucketStaging:
+    """Every check `prepare_bucket` makes before it writes, writing nothing: the staging objects at `url`."""
     staging = BucketStaging(url)
-    existing = check_destination(staging.storage, overwrite=overwrite)
+    _check_staged(staging, check_destination(staging.storage, overwrite=overwrite), digest=digest, restart=restart)
+    return staging
+
+
+def _check_staged(staging: BucketStaging, existing: dict[str, int], *, digest: str, restart: bool) -> None:
+    """A UsageError when the staging objects among `existing` are another conversion's (without `restart`)."""
     found = staging.read_state(PLAN_NAME) if f"{STATE_DIR}/{PLAN_NAME}" in existing else None
     if found is not None and not restart and json.loads(found).get("fingerprint") != digest:
         raise UsageError(
             f"{staging.where} holds the partial output of another conversion (other source or options): pass --restart to discard it"
         )
-    return staging, existing
 
 
 def prepare_bucket(url: str, *, digest: str, overwrite: bool, restart: bool, held: contextlib.ExitStack) -> BucketStaging:
@@ -151,9 +155,12 @@ def prepare_bucket(url: str, *, digest: str, overwrite: bool, restart: bool, hel
     discarded), with a new token, under the writer's lease, held until the commit or until `held`
     closes; an old checkpoint there (with --overwrite) loses its commit object before anything
     is written."""
-    staging, existing = check_bucket(url, digest=digest, overwrite=overwrite, restart=restart)
+    staging = BucketStaging(url)
+    staging.lease, existing = claim_destination(
+        staging.storage, overwrite=overwrite, check=lambda existing: _check_staged(staging, existing, digest=digest, restart=restart)
+    )
+    held.enter_context(staging.lease)
     state = [name for name in existing if name.startswith(f"{STATE_DIR}/")]
-    staging.lease = held.enter_context(WriterLease.take(staging.storage))
     staging.storage.delete([name for name in COMMIT_NAMES if name in existing] + (state if restart else []))
     staging.write_state(PLAN_NAME, json.dumps({"fingerprint": digest}) + "\n")
     staging.write_state(TOKEN_NAME, uuid.uuid4().hex + "\n")

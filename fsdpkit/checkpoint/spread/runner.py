@@ -188,7 +188,7 @@ def checked_staging(task: SpreadTask, job: Any, digest: str, plan: Plan) -> Stag
     """Every check `_prepare` makes, writing nothing (`--dry-run`): the staging area of DST, there or not."""
     assert task.dst is not None
     if task.to_bucket:
-        return check_bucket(task.dst, digest=digest, overwrite=task.overwrite, restart=task.restart)[0]
+        return check_bucket(task.dst, digest=digest, overwrite=task.overwrite, restart=task.restart)
     return check_staging(Path(task.dst), **_local_staging(task, job, digest, plan))
 
 

@@ -36,7 +36,7 @@ from ..offline.locations import convert_at, reshard_at, source_at
 from ..storage.face import Storage
 from ..storage.local import LocalStorage
 from ..storage.location import is_url, open_storage
-from ..storage.upload import check_destination, commit_object, copy_into, publishing, upload_file
+from ..storage.upload import claim_destination, commit_object, copy_into, publishing, upload_file
 from .plan import Part
 from .staging import PartResult
 from .writes import StreamSink
@@ -104,11 +104,11 @@ def _streamed(job: Any, url: str, *, overwrite: bool, progress: Progress | None)
     """`job`'s output written at `url` file by file, the commit object last (module docstring)."""
     try:
         storage = open_storage(url)
-        existing = check_destination(storage, overwrite=overwrite)
         count = progress_callback(progress, job.source_bytes)
         names = [file.name for file in job.files]
         planned_commit = commit_object(names)
-        with publishing(storage, existing) as written:
+        lease, existing = claim_destination(storage, overwrite=overwrite)
+        with publishing(storage, existing, lease) as written:
             results = []
             for index, name in enumerate(names):
                 if name != planned_commit:

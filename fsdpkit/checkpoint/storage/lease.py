@@ -28,14 +28,14 @@ WRITING_MARKER = ".fsdpkit-writing"  # present while a write is under way, or af
 BEAT_SECONDS = 5.0  # the holder rewrites the marker this often
 MISSED_BEATS = 3  # a marker from another host unchanged for this many of its beats is a gone holder's
 LONGEST_BEAT_SECONDS = 60.0  # a marker's own beat is trusted up to this
-_STOPPED: set[tuple[str, str]] = set()  # (root, marker) this process watched stop changing: not watched again
 
 
 class WriterLease:
     """The lease this process holds on a storage's destination (`take`), until `release`."""
 
-    def __init__(self, storage: Storage, holder: dict):
+    def __init__(self, storage: Storage, holder: dict, *, found_marker: bool):
         self.storage, self.holder = storage, holder
+        self.found_marker = found_marker  # a marker was there before: a gone holder's, or an interrupted write's
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, name="fsdpkit-lease", daemon=True)
         self._beats.start()
@@ -44,9 +44,9 @@ class WriterLease:
     def take(cls, storage: Storage, *, beat_seconds: float = BEAT_SECONDS) -> WriterLease:
         """The lease on `storage`; a UsageError naming the holder while another writer holds it."""
         holder = {**process_identity(), "lease": uuid.uuid4().hex, "beat_seconds": beat_seconds, "beat": 0}
-        for _ in range(3):
+        for attempt in range(3):
             if storage.create_exclusive(WRITING_MARKER, _encoded(holder)):
-                return cls(storage, holder)
+                return cls(storage, holder, found_marker=attempt > 0)
             found = _read(storage)
             if found is not None and _holder_lives(storage, found):
                 raise UsageError(held_line(storage, found))
@@ -111,9 +111,6 @@ def _holder_lives(storage: Storage, found: dict) -> bool:
     changes within MISSED_BEATS of its beats (another host)."""
     if found.get("host") == socket.gethostname():
         return holder_alive(found)
-    watched = (storage.root, json.dumps(found, sort_keys=True))  # its beat counts up: the same marker has not beaten since
-    if watched in _STOPPED:
-        return False
     beat = found.get("beat_seconds")
     beat = min(float(beat), LONGEST_BEAT_SECONDS) if isinstance(beat, (int, float)) and beat > 0 else BEAT_SECONDS
     deadline = time.monotonic() + MISSED_BEATS * beat
@@ -122,5 +119,4 @@ def _holder_lives(storage: Storage, found: dict) -> bool:
         now = _read(storage)
         if now != found:  # a beat, or another writer's marker: a live holder; none: released
             return now is not None
-    _STOPPED.add(watched)
     return False

@@ -38,14 +38,40 @@ COMMIT_NAMES = (
 
 
 def check_destination(storage: Storage, *, overwrite: bool) -> dict[str, int]:
-    """The objects already under the destination (name -> size); a UsageError when there are any
-    and `overwrite` is not given, or when another writer holds the destination's lease."""
+    """The objects already under the destination (name -> size), writing nothing; a UsageError
+    when another writer holds the destination's lease, or when objects are there and `overwrite`
+    is not given."""
     existing = storage.list()
     if WRITING_MARKER in existing:
         refuse_if_held(storage)
+    _refuse_objects(storage, existing, overwrite=overwrite)
+    return existing
+
+
+def claim_destination(
+    storage: Storage, *, overwrite: bool, check: Callable[[dict[str, int]], None] | None = None
+) -> tuple[WriterLease, dict[str, int]]:
+    """The writer's lease on the destination, then the objects already there (the marker among
+    them only where one was there before); refused as `check_destination` refuses, or as `check`
+    of those objects does, with the destination left as it was found."""
+    lease = WriterLease.take(storage)
+    try:
+        existing = storage.list()
+        if not lease.found_marker:
+            existing.pop(WRITING_MARKER, None)
+        _refuse_objects(storage, existing, overwrite=overwrite)
+        if check is not None:
+            check(existing)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the refusal is the one to report
+            lease.release(interrupted=lease.found_marker)
+        raise
+    return lease, existing
+
+
+def _refuse_objects(storage: Storage, existing: dict[str, int], *, overwrite: bool) -> None:
     if existing and not overwrite and not interrupted(existing):
         raise UsageError(f"destination {storage.root} already holds {len(existing)} objects; pass --overwrite to replace them")
-    return existing
 
 
 def interrupted(existing: dict[str, int]) -> bool:
@@ -60,16 +86,15 @@ def commit_object(names: Iterable[str]) -> str | None:
 
 
 @contextlib.contextmanager
-def publishing(storage: Storage, existing: dict[str, int], lease: WriterLease | None = None) -> Iterator[list[str]]:
-    """The frame of a write to `storage` over `existing` objects: the writer's lease taken (or
-    `lease`, taken before) and the old commit objects deleted; the block writes its objects (the
+def publishing(storage: Storage, existing: dict[str, int], lease: WriterLease) -> Iterator[list[str]]:
+    """The frame of a write to `storage` over `existing` objects under the writer's `lease`
+    (`claim_destination`): the old commit objects deleted; the block writes its objects (the
     commit object last) and appends each name to the list it is given before the object's write
     begins (an interrupt that lands as an upload completes finds its name there). A block that
     fails removes what it wrote; one that ends removes the old checkpoint's objects it did not
     replace, then the lease's marker."""
     old_commits = [name for name in COMMIT_NAMES if name in existing]
     started = datetime.now(UTC)
-    lease = lease or WriterLease.take(storage)
     written: list[str] = []
     try:
         if WRITING_MARKER in existing:  # a write cut short: the uploads it left open go
@@ -89,14 +114,10 @@ def publishing(storage: Storage, existing: dict[str, int], lease: WriterLease | 
 
 
 def publish(
-    directory: Path,
-    storage: Storage,
-    existing: dict[str, int],
-    progress: Callable[[int], None] | None = None,
-    lease: WriterLease | None = None,
+    directory: Path, storage: Storage, existing: dict[str, int], lease: WriterLease, progress: Callable[[int], None] | None = None
 ) -> list[str]:
-    """Upload the files under `directory` to `storage`, the commit object last (under `lease`,
-    taken before, or its own); the names written."""
+    """Upload the files under `directory` to `storage` under the writer's `lease`, the commit
+    object last; the names written."""
     source = LocalStorage(directory)
     names = sorted(source.list())
     commit = commit_object(names)
