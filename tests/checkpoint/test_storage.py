@@ -123,6 +123,64 @@ def test_a_lease_given_up_on_a_failure_reports_that_failure_not_its_own(tmp_path
     assert LocalStorage(tmp_path / "up").list() == {}
 
 
+def test_a_holder_in_another_process_id_namespace_of_this_host_is_not_judged_by_a_pid_here(tmp_path):
+    """Containers on one host may share its name, not its processes: a holder recorded in another
+    process-id namespace is not judged by a pid of this one. The run lock keeps refusing it, as
+    another host's, although no process here has its pid; the writer's lease watches its marker
+    and takes it over once it stops changing, although its pid (this process's) runs here."""
+    import json
+    import subprocess
+    import sys
+
+    from fsdpkit.checkpoint.format.lock import LOCK_NAME, RunLock
+    from fsdpkit.checkpoint.storage.lease import WRITING_MARKER, WriterLease
+    from fsdpkit.checkpoint.storage.local import LocalStorage
+    from fsdpkit.holder import process_identity
+
+    beside = {**process_identity(), "pid_ns": "pid:[1]"}
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / LOCK_NAME).write_text(json.dumps({**beside, "pid": int(gone.stdout), "run": "theirs"}))
+    with pytest.raises(UsageError, match=f"is in use by another run: pid {int(gone.stdout)} on "):
+        RunLock.acquire(tmp_path / "run")
+    storage = LocalStorage(tmp_path / "out")
+    storage.put(WRITING_MARKER, json.dumps({**beside, "lease": "theirs", "beat_seconds": 0.05, "beat": 0}).encode())
+    WriterLease.take(storage).release(interrupted=False)
+    assert storage.list() == {}
+
+
+def test_a_lease_taken_over_while_its_holder_stalled_commits_nothing_and_leaves_the_new_marker(tmp_path):
+    """A holder whose beats stopped long enough for another command to take its lease over, and
+    that then goes on: its beats no longer rewrite the marker, its publish writes no commit
+    object (a RunError), and giving the lease up leaves the new holder's marker as it is."""
+    import json
+    import time
+
+    from fsdpkit.checkpoint.storage.lease import WRITING_MARKER, WriterLease
+    from fsdpkit.checkpoint.storage.local import LocalStorage
+    from fsdpkit.checkpoint.storage.upload import publish
+
+    storage = LocalStorage(tmp_path / "dst")
+    for name, data in (("rank-00000-of-00001.safetensors", b"data"), ("manifest.json", b"{}")):
+        (tmp_path / "new" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "new" / name).write_bytes(data)
+    theirs = json.dumps({"host": "another-node", "pid": 1, "lease": "theirs", "beat_seconds": 0.05, "beat": 0}).encode()
+    beating = WriterLease.take(storage, beat_seconds=0.02)
+    storage.put(WRITING_MARKER, theirs)  # as the command that took it over made it
+    for _ in range(1000):  # its next beat finds the marker another's and stops: 10 s at most
+        if not beating._beats.is_alive():
+            break
+        time.sleep(0.01)
+    assert not beating._beats.is_alive() and storage.read(WRITING_MARKER) == theirs
+    beating.release(interrupted=False)
+    assert storage.read(WRITING_MARKER) == theirs
+    stalled = WriterLease.take(storage, beat_seconds=60)  # theirs, on another host, stopped changing: taken over
+    storage.put(WRITING_MARKER, theirs)
+    with pytest.raises(RunError, match="another fsdpkit command took the destination over while this one was stalled"):
+        publish(tmp_path / "new", storage, {}, stalled)
+    assert storage.list() == {WRITING_MARKER: len(theirs)} and storage.read(WRITING_MARKER) == theirs
+
+
 def test_conditional_create_makes_one_writer(storage):
     assert storage.create_exclusive("lock", b"first")
     assert not storage.create_exclusive("lock", b"second")

@@ -252,6 +252,38 @@ def test_output_to_a_bucket_streams_with_bounded_local_disk(s3_bucket, s3_endpoi
     assert sorted(completed) == sorted(local) and completed[-1] == commit, completed
 
 
+@pytest.mark.parametrize("extra", [("--to", "full"), ("--to", "dcp", "--world-size", "2")], ids=["one-file", "dcp"])
+def test_a_write_whose_lease_another_command_took_over_commits_nothing(s3_bucket, s3_endpoint, tmp_path, monkeypatch, extra):
+    """`convert` into a bucket whose lease another command takes over as the write begins (this
+    one's beats looked stopped): exit 1 in one line, no object of its own left (a full
+    checkpoint's one file, the commit object, held open until then, aborted; DCP's `.metadata`
+    never written), no multipart upload open, and the other command's marker as it made it."""
+    import json
+
+    from fsdpkit.checkpoint.spread import to_storage
+    from fsdpkit.checkpoint.storage.lease import WRITING_MARKER
+
+    run = save_checkpoint(tmp_path / "run", 1, sample_tensors(), world_size=2)
+    url = f"s3://{s3_bucket}/taken-{extra[1]}"
+    theirs = json.dumps({"host": "another-node", "pid": 1, "lease": "theirs", "beat_seconds": 5.0, "beat": 0}).encode()
+    claim = to_storage.claim_destination
+
+    def claimed_then_taken_over(storage, **options):
+        claimed = claim(storage, **options)
+        storage.put(WRITING_MARKER, theirs)
+        return claimed
+
+    monkeypatch.setattr(to_storage, "claim_destination", claimed_then_taken_over)
+    result = run_cli("convert", run, url, *extra)
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines()[-1] == (
+        f"error: {url}/{WRITING_MARKER}: another fsdpkit command took the destination over while this one was stalled "
+        "(its beats stopped for 3 of them); nothing committed"
+    ), result.output
+    assert _objects(s3_endpoint, s3_bucket, f"taken-{extra[1]}") == {WRITING_MARKER: theirs}
+    assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+
+
 def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_endpoint, tmp_path, monkeypatch):
     """`convert --to full` to a bucket whose every part upload fails (the multipart upload itself
     is created): exit 1 naming the object, no object left (the marker removed too), no multipart

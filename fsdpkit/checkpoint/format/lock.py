@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import DataCheckError, UsageError
-from ...holder import holder_alive, process_identity, run_id_of
+from ...holder import holder_alive, process_identity, run_id_of, seen_from_here
 from ..core.files import read_regular
 from ..storage.face import Storage
 from ..storage.location import is_url, open_storage
@@ -61,7 +61,7 @@ class RunLock:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 current = _read(path)
-                if current is None or current.get("host") != identity["host"] or holder_alive(current):
+                if current is None or not seen_from_here(current) or holder_alive(current):
                     raise UsageError(
                         f"{run_dir} is in use by another run: {_describe(current)} holds {path}; wait for it "
                         f"to finish, or remove the lock file if that run is gone"
@@ -122,7 +122,7 @@ def _acquire_stored(storage: Storage, *, warn: Callable[[str], None] | None, run
         current = _read_stored(storage)
         if current is None and storage.size(LOCK_NAME) is None:
             continue  # released in between
-        if current is None or current.get("host") != identity["host"] or holder_alive(current):
+        if current is None or not seen_from_here(current) or holder_alive(current):
             raise UsageError(
                 f"{storage.root} is in use by another run: {_describe(current)} holds {where}; wait for it "
                 f"to finish, or remove that object if that run is gone"

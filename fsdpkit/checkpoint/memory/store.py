@@ -18,13 +18,12 @@ import json
 import os
 import re
 import shutil
-import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DataCheckError
-from ...holder import holder_alive, process_identity
+from ...holder import holder_alive, process_identity, seen_from_here
 from ...sizes import format_size
 from ..core.crc import crc32
 from ..core.files import read_blocks, read_regular
@@ -193,13 +192,12 @@ def reclaim_stale(root: str | Path) -> list[Path]:
     """Remove the stores under `root` whose owner no longer runs on this host; returns them.
     A store of another host, or of an owner that cannot be told dead, is kept."""
     removed: list[Path] = []
-    host = socket.gethostname()
     for path in Path(root).glob(f"{STORE_PREFIX}*/"):  # directories only
         try:
             owner = json.loads((path / OWNER_NAME).read_text())
         except (OSError, ValueError):
             continue  # being created, or not ours to judge
-        if isinstance(owner, dict) and owner.get("host") == host and not holder_alive(owner):
+        if isinstance(owner, dict) and seen_from_here(owner) and not holder_alive(owner):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

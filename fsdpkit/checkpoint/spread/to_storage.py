@@ -34,6 +34,7 @@ from ..core.request import ConvertRequest, Progress, ReshardRequest, progress_ca
 from ..offline.formats import detect_format
 from ..offline.locations import convert_at, reshard_at, source_at
 from ..storage.face import Storage
+from ..storage.lease import WriterLease
 from ..storage.local import LocalStorage
 from ..storage.location import is_url, open_storage
 from ..storage.upload import claim_destination, commit_object, copy_into, publishing, upload_file
@@ -115,17 +116,17 @@ def _streamed(job: Any, url: str, *, overwrite: bool, progress: Progress | None)
                     written.append(name)  # before its upload: one completed as the write is cut short goes too
                     results.append(write_planned_file(job, index, storage, count))
             if planned_commit is None:
-                return _committed(job, storage, results, url, written)
+                return _committed(job, storage, lease, results, url, written)
             written.append(planned_commit)
             with planned_file(job, names.index(planned_commit), storage, count) as result:
-                return _committed(job, storage, [*results, result], url, written)
+                return _committed(job, storage, lease, [*results, result], url, written)
     finally:
         job.close()
 
 
-def _committed(job: Any, storage: Storage, results: list[PartResult], url: str, written: list[str]) -> WriteReport:
+def _committed(job: Any, storage: Storage, lease: WriterLease, results: list[PartResult], url: str, written: list[str]) -> WriteReport:
     """The job's checks and commit-time files (into a small local directory), uploaded, the
-    commit object among them last; the job's report."""
+    commit object among them last, once `lease` is found still this write's; the job's report."""
     with tempfile.TemporaryDirectory(prefix="fsdpkit-commit-") as directory:
         for name in {file.name.rpartition("/")[0] for file in job.files} - {""}:
             (Path(directory) / name).mkdir(parents=True, exist_ok=True)  # a DeepSpeed tag's directory
@@ -134,6 +135,10 @@ def _committed(job: Any, storage: Storage, results: list[PartResult], url: str, 
         names = sorted(small.list())
         commit = commit_object(names)
         for name in [*(name for name in names if name != commit), *([commit] if commit else [])]:
+            if name == commit:
+                lease.check()
             written.append(name)
             upload_file(small, storage, name)
+    if commit is None:  # the commit object is the planned file the caller completes next
+        lease.check()
     return report

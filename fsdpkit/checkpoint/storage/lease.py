@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 import uuid
 
-from ...errors import FsdpkitError, UsageError
-from ...holder import holder_alive, process_identity
+from ...errors import FsdpkitError, RunError, UsageError
+from ...holder import holder_alive, process_identity, seen_from_here
 from .face import Storage
 
 WRITING_MARKER = ".fsdpkit-writing"  # present while a write is under way, or after one was cut short
@@ -36,7 +35,7 @@ class WriterLease:
     def __init__(self, storage: Storage, holder: dict, *, found_marker: bool):
         self.storage, self.holder = storage, holder
         self.found_marker = found_marker  # a marker was there before: a gone holder's, or an interrupted write's
-        self._stop = threading.Event()
+        self._stop, self._lost = threading.Event(), threading.Event()
         self._beats = threading.Thread(target=self._beat, name="fsdpkit-lease", daemon=True)
         self._beats.start()
 
@@ -55,17 +54,50 @@ class WriterLease:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.holder["beat_seconds"]):
-            self.holder["beat"] += 1
-            with contextlib.suppress(FsdpkitError, OSError):  # a missed beat is retried at the next
+            try:
+                if not self._still_ours():  # taken over: the marker is the new holder's to keep
+                    self._lost.set()
+                    return
+                self.holder["beat"] += 1
                 self.storage.put(WRITING_MARKER, _encoded(self.holder))
+            except (FsdpkitError, OSError):  # a missed beat is tried again at the next
+                continue
+
+    def _still_ours(self) -> bool:
+        """Whether the marker still names this lease; a store's error is raised."""
+        try:
+            data = self.storage.read(WRITING_MARKER)
+        except FsdpkitError:
+            if self.storage.size(WRITING_MARKER) is None:
+                return False
+            raise
+        try:
+            found = json.loads(data[:4096].decode("utf-8") or "null")
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return False
+        return isinstance(found, dict) and found.get("lease") == self.holder["lease"]
+
+    def check(self) -> None:
+        """A RunError when another command took the lease over (this one's beats had stopped for
+        MISSED_BEATS of them): what would make the write whole is not written."""
+        if not self._lost.is_set() and not self._still_ours():
+            self._lost.set()
+        if self._lost.is_set():
+            raise RunError(
+                f"{self.storage.where(WRITING_MARKER)}: another fsdpkit command took the destination over while this one "
+                f"was stalled (its beats stopped for {MISSED_BEATS} of them); nothing committed"
+            )
 
     def release(self, *, interrupted: bool) -> None:
         """Stop holding the lease: the marker removed, or, where the write is `interrupted`
-        (what it wrote stays for the next write to replace or continue), left emptied."""
+        (what it wrote stays for the next write to replace or continue), left emptied; a lease
+        taken over leaves the marker to its new holder."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._beats.join()
+        if self._lost.is_set():
+            return
         if interrupted:
             self.storage.put(WRITING_MARKER, b"")
         else:
@@ -109,7 +141,7 @@ def _read(storage: Storage) -> dict | None:
 def _holder_lives(storage: Storage, found: dict) -> bool:
     """Whether the holder `found` is still writing: its process runs (this host), or its marker
     changes within MISSED_BEATS of its beats (another host)."""
-    if found.get("host") == socket.gethostname():
+    if seen_from_here(found):
         return holder_alive(found)
     beat = found.get("beat_seconds")
     beat = min(float(beat), LONGEST_BEAT_SECONDS) if isinstance(beat, (int, float)) and beat > 0 else BEAT_SECONDS

@@ -128,6 +128,7 @@ def publish(
             for _ in pool.map(lambda name: upload_file(source, storage, name, progress), data):
                 pass
         if commit is not None:  # streamed too: a full checkpoint's one file is its commit object
+            lease.check()
             written.append(commit)
             upload_file(source, storage, commit, progress)
     return names
