@@ -174,6 +174,7 @@ def test_a_second_command_on_the_same_bucket_dst_is_refused_while_the_first_writ
     assert done.exit_code == 0, done.output
     assert held_at and all(held_at), held_at
     assert watched.count("theirs") == 1, watched
+    assert f"{dst}/.fsdpkit-writing names pid 1 on another-node: watching it for 0.15 s" in done.output, done.output
     assert _objects(s3_endpoint, s3_bucket, "out") == _files(tmp_path / "one")
 
 

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 
+from ... import log
 from ...errors import FsdpkitError, RunError, UsageError
 from ...holder import holder_alive, process_identity, seen_from_here
 from .face import Storage
@@ -146,6 +147,10 @@ def _holder_lives(storage: Storage, found: dict) -> bool:
     beat = found.get("beat_seconds")
     beat = min(float(beat), LONGEST_BEAT_SECONDS) if isinstance(beat, (int, float)) and beat > 0 else BEAT_SECONDS
     deadline = time.monotonic() + MISSED_BEATS * beat
+    log.note(
+        f"{storage.where(WRITING_MARKER)} names pid {found.get('pid')} on {found.get('host')}: watching it for "
+        f"{MISSED_BEATS * beat:g} s to tell whether that write still runs"
+    )
     while time.monotonic() < deadline:
         time.sleep(min(beat / 4, 1.0))
         now = _read(storage)
