@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ...errors import UsageError
+from ...sizes import count
 from .face import READ_BLOCK_BYTES, Storage, WriteStream
 from .lease import WRITING_MARKER, WriterLease, refuse_if_held
 from .local import LocalStorage
@@ -71,7 +72,7 @@ def claim_destination(
 
 def _refuse_objects(storage: Storage, existing: dict[str, int], *, overwrite: bool) -> None:
     if existing and not overwrite and not interrupted(existing):
-        raise UsageError(f"destination {storage.root} already holds {len(existing)} objects; pass --overwrite to replace them")
+        raise UsageError(f"destination {storage.root} already holds {count(len(existing), 'object')}; pass --overwrite to replace them")
 
 
 def interrupted(existing: dict[str, int]) -> bool:
