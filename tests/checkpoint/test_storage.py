@@ -58,10 +58,12 @@ def test_a_failed_write_leaves_nothing(storage):
 
 
 def test_publish_commits_last_and_a_failed_one_over_a_checkpoint_leaves_no_commit_object(tmp_path):
-    """`publish` of a directory: the commit object is the last object completed. Published again
-    over it (--overwrite) and failing midway: neither the old nor the new manifest is left, only
-    the marker, so no reader takes the mix of old and new objects for a checkpoint and the rerun
-    needs no --overwrite."""
+    """`publish` of a directory: the commit object is the last object completed. A marker beside
+    a whole checkpoint is no interrupted write (--overwrite is needed). Published again over it
+    (--overwrite), the old objects the new checkpoint does not replace are gone. Published again
+    and failing midway: neither the old nor the new manifest is left, nor any object it wrote,
+    only the marker, so no reader takes the mix of old and new objects for a checkpoint and the
+    rerun needs no --overwrite."""
     import contextlib
 
     from fsdpkit.checkpoint.storage.local import LocalStorage
@@ -94,10 +96,20 @@ def test_publish_commits_last_and_a_failed_one_over_a_checkpoint_leaves_no_commi
     publish(tmp_path / "src1", destination, check_destination(destination, overwrite=False))
     assert completed[0] == WRITING_MARKER and sorted(completed[1:]) == names and completed[-1] == "manifest.json", completed
     assert destination.read("manifest.json") == b"manifest.json of step 1" and WRITING_MARKER not in destination.list()
+    destination.put(WRITING_MARKER, b"")  # as a publish killed after its commit object leaves it
+    with pytest.raises(UsageError, match="already holds 4 objects; pass --overwrite"):
+        check_destination(destination, overwrite=False)  # a whole checkpoint beside the marker
+    destination.delete([WRITING_MARKER])
+    (tmp_path / "src2" / names[-1]).rename(tmp_path / "rank-1")  # a checkpoint of one rank file replaces one of two
+    publish(tmp_path / "src2", destination, check_destination(destination, overwrite=True))
+    left = {name: destination.read(name) for name in destination.list()}
+    assert left == {name: (tmp_path / "src2" / name).read_bytes() for name in names[:-1]}, left  # the old rank 1 file gone
+    (tmp_path / "rank-1").rename(tmp_path / "src2" / names[-1])
     destination.failing = names[-1]
     with pytest.raises(RunError, match="write failed"):
         publish(tmp_path / "src2", destination, check_destination(destination, overwrite=True))
-    assert "manifest.json" not in destination.list() and WRITING_MARKER in destination.list(), destination.list()
+    left = {name: destination.read(name) for name in destination.list()}
+    assert left == {WRITING_MARKER: b""}, left  # every name it writes removed, the one it did upload too
     check_destination(destination, overwrite=False)  # an interrupted write: no --overwrite needed
 
 
