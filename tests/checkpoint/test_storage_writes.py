@@ -81,6 +81,7 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
     import json
     import socket
     import threading
+    import time
 
     from fsdpkit.checkpoint.storage.lease import WRITING_MARKER, WriterLease
     from fsdpkit.checkpoint.storage.location import open_storage
@@ -104,6 +105,9 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
     ):
         with pytest.raises(UsageError, match=held):
             refused()
+    waited = time.monotonic() + 30  # the refusals may all come within the first beat
+    while json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["beat"] == 0 and time.monotonic() < waited:
+        time.sleep(0.05)
     beats = json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["beat"]
     assert beats > json.loads(marker)["beat"] and list(_objects(s3_endpoint, s3_bucket, "out")) == [WRITING_MARKER]
     first.release(interrupted=True)
@@ -211,10 +215,20 @@ def test_output_to_a_bucket_streams_with_bounded_local_disk(s3_bucket, s3_endpoi
     assert sorted(completed) == sorted(local) and completed[-1] == commit, completed
 
 
-def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_endpoint, tmp_path, monkeypatch):
-    """`convert --to full` to a bucket whose every part upload fails (the multipart upload itself
-    is created): exit 1 naming the object, no object left (the marker removed too), no multipart
-    upload left open, nothing in TMPDIR."""
+@pytest.mark.parametrize(
+    ("extra", "failing"),
+    [
+        (("--to", "full"), "model.safetensors"),
+        (("--to", "full", "--max-shard-size", "5MB"), "model-00003-of-00003.safetensors"),
+    ],
+    ids=["commit-file", "last-data-file"],
+)
+def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_endpoint, tmp_path, monkeypatch, extra, failing):
+    """`convert` to a bucket whose every part upload of one object fails (the multipart upload
+    itself is created), the full checkpoint's one file (the commit object, held open) or the
+    last of its shards (the others uploaded before it): exit 1 naming the object, no object left
+    (those uploaded before it and the marker removed too), no multipart upload left open,
+    nothing in TMPDIR."""
     import torch
 
     import fsdpkit.checkpoint.storage.objects as objects
@@ -227,11 +241,11 @@ def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_e
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     url = f"s3://{s3_bucket}/out/failed"
-    with FaultProxy(s3_endpoint, fraction=1.0, kinds=("503",), methods=("PUT",), only="out/failed/model.safetensors") as proxy:
+    with FaultProxy(s3_endpoint, fraction=1.0, kinds=("503",), methods=("PUT",), only=f"out/failed/{failing}") as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        result = run_cli("convert", str(run), url, "--to", "full")
+        result = run_cli("convert", str(run), url, *extra)
     assert result.exit_code == 1, result.output
-    assert result.output.startswith(f"error: {url}/model.safetensors: write failed after retries, nothing committed"), result.output
+    assert result.output.startswith(f"error: {url}/{failing}: write failed after retries, nothing committed"), result.output
     assert _objects(s3_endpoint, s3_bucket, "out") == {}
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
     assert list(scratch.iterdir()) == []
