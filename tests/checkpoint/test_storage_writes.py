@@ -77,7 +77,8 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
     (a second take, a check of the destination and a publish are refused naming the holder,
     nothing written), rewritten at each beat, emptied by a writer that stopped (then taken at
     once); a holder on another host is refused while its marker changes and taken over once it
-    stops changing; a killed holder on this host is taken over at once."""
+    stops changing, or once it is removed while it is watched; a killed holder on this host is
+    taken over at once."""
     import json
     import socket
     import threading
@@ -134,6 +135,14 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
         thread.join()
     with WriterLease.take(storage) as taken:  # its beats stopped for 3 of them: gone
         assert json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["lease"] == taken.holder["lease"]
+    storage.put(WRITING_MARKER, json.dumps({**elsewhere, "beat_seconds": 2.0}).encode())
+    released = threading.Timer(0.5, storage.delete, [[WRITING_MARKER]])  # the holder stops while its marker is watched
+    released.start()
+    try:
+        with WriterLease.take(storage) as taken:
+            assert json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["lease"] == taken.holder["lease"]
+    finally:
+        released.join()
 
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
