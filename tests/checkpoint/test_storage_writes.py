@@ -263,9 +263,14 @@ def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_e
 def test_reshard_of_dcp_and_deepspeed_and_megatron_output_to_a_bucket_are_the_local_bytes(s3_bucket, s3_endpoint, tmp_path):
     """The writers the commands stream through for these (DCP's and DeepSpeed's reshard, a tiny
     Llama from transformers `--to megatron`): every object is the file the same command writes
-    to a local directory, and the report is the local one, the URL in place of the path."""
+    to a local directory, and the report is the local one, the URL in place of the path; run
+    again with --overwrite, the objects are the same (the new commit-time files kept). A full
+    export in transformers' layout, converted --to dcp locally and then published, at 2 ranks
+    and again at 1 with --overwrite: the objects are the 1-rank files (rank 1's removed)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdpkit.models.source import resolve
 
     params = sample_tensors()
     save_checkpoint(tmp_path / "run", 1, {**params, **sample_optimizer(params)}, world_size=2)
@@ -289,3 +294,16 @@ def test_reshard_of_dcp_and_deepspeed_and_megatron_output_to_a_bucket_are_the_lo
         assert remote.stdout.replace(url, str(local)) == here.stdout
         files = {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()}
         assert _objects(s3_endpoint, s3_bucket, f"out/{name}") == files, name
+        again = run_cli(*args, url, *extra, "--overwrite")  # over itself: the new objects stay, every one
+        assert again.exit_code == 0 and _objects(s3_endpoint, s3_bucket, f"out/{name}") == files, (name, again.output)
+    source = resolve("gpt-tiny")  # its export in transformers' layout is converted --to dcp locally, then published
+    weights = {k: v for k, v in source.build(seed=0).state_dict().items() if k != "lm_head.weight"}
+    state = {"step": 1, "export": source.export.to_json()}
+    save_checkpoint(tmp_path / "gpt", 1, weights, world_size=1, aliases={"lm_head.weight": "wte.weight"}, training_state=state)
+    assert run_cli("convert", tmp_path / "gpt", tmp_path / "export", "--to", "full").exit_code == 0
+    url, local = f"s3://{s3_bucket}/out/export", tmp_path / "local-export"
+    assert run_cli("convert", tmp_path / "export", url, "--to", "dcp", "--world-size", "2").exit_code == 0
+    assert run_cli("convert", tmp_path / "export", local, "--to", "dcp").exit_code == 0
+    again = run_cli("convert", tmp_path / "export", url, "--to", "dcp", "--overwrite")
+    files = {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()}
+    assert again.exit_code == 0 and _objects(s3_endpoint, s3_bucket, "out/export") == files, again.output  # rank 1's file gone
