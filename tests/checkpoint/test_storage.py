@@ -58,8 +58,9 @@ def test_a_failed_write_leaves_nothing(storage):
 
 
 def test_publish_commits_last_and_a_failed_one_over_a_checkpoint_leaves_no_commit_object(tmp_path):
-    """`publish` of a directory: the commit object is the last object completed. A marker beside
-    a whole checkpoint is no interrupted write (--overwrite is needed). Published again over it
+    """`publish` of a directory: the commit object is the last object completed. Objects without
+    the marker, or the marker beside a whole checkpoint, are no interrupted write (--overwrite is
+    needed). Published again over it
     (--overwrite), the old objects the new checkpoint does not replace are gone. Published again
     and failing midway: neither the old nor the new manifest is left, nor any object it wrote,
     only the marker, so no reader takes the mix of old and new objects for a checkpoint and the
@@ -93,6 +94,11 @@ def test_publish_commits_last_and_a_failed_one_over_a_checkpoint_leaves_no_commi
             (tmp_path / f"src{step}" / name).parent.mkdir(exist_ok=True)
             (tmp_path / f"src{step}" / name).write_bytes(f"{name} of step {step}".encode())
     destination = Recorded(tmp_path / "dst")
+    destination.put("notes.txt", b"not a checkpoint")  # objects with no marker beside them
+    with pytest.raises(UsageError, match="already holds 1 objects; pass --overwrite"):
+        check_destination(destination, overwrite=False)
+    destination.delete(["notes.txt"])
+    completed.clear()
     publish(tmp_path / "src1", destination, check_destination(destination, overwrite=False))
     assert completed[0] == WRITING_MARKER and sorted(completed[1:]) == names and completed[-1] == "manifest.json", completed
     assert destination.read("manifest.json") == b"manifest.json of step 1" and WRITING_MARKER not in destination.list()
