@@ -186,10 +186,14 @@ def test_bad_inputs(saved, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["z1_fp32", "z3_bf16"])
-def test_a_damaged_storage_stops_convert_and_reshard_in_one_process_or_two(saved, tmp_path, layout):
+def test_a_damaged_storage_stops_convert_and_reshard_in_one_process_or_two(saved, tmp_path, layout, s3_bucket, s3_endpoint):
     """One byte flipped in the middle of every storage of rank 1's optimizer file (DeepSpeed's
     own): what reads it (convert --to full, --to dcp, reshard, in one process and spread over
-    two) stops with the zip's CRC-32 line naming the file, exit 3, and writes no DST."""
+    two, and convert --to full into a bucket, whose one model file's upload is held open until
+    the checks pass) stops with the zip's CRC-32 line naming the file, exit 3, and writes no DST
+    (boto3 lists no object)."""
+    from support.object_store import s3_client
+
     copy = _copy(saved, layout, tmp_path)
     rank1 = next((copy / "global_step3").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     raw = bytearray(rank1.read_bytes())
@@ -205,11 +209,13 @@ def test_a_damaged_storage_stops_convert_and_reshard_in_one_process_or_two(saved
         ["convert", copy, tmp_path / "spread", "--to", "full", "--with-optimizer", "--max-shard-size", "300KB", "--nproc-per-node", "2"],
         ["convert", copy, tmp_path / "dcp", "--to", "dcp", "--world-size", "2"],
         ["reshard", copy, tmp_path / "reshard", "--world-size", "1"],
+        ["convert", copy, f"s3://{s3_bucket}/full", "--to", "full", "--with-optimizer"],
     ]
     for command in commands:
         result = run_cli(*command)
         assert result.exit_code == 3 and f"{rank1}: storage " in result.output and "(damaged)" in result.output, result.output
         assert not Path(command[2]).exists()
+    assert s3_client(s3_endpoint).list_objects_v2(Bucket=s3_bucket).get("Contents", []) == []
 
 
 def test_malicious_pickle_runs_nothing(saved, tmp_path):

@@ -58,14 +58,16 @@ def test_a_failed_write_leaves_nothing(storage):
 
 
 def test_publish_commits_last_and_a_failed_one_over_a_checkpoint_leaves_no_commit_object(tmp_path):
-    """`publish` of a directory: the commit object is the last object completed. Published again
-    over it (--overwrite) and failing midway: neither the old nor the new manifest is left, only
-    the marker, so no reader takes the mix of old and new objects for a checkpoint and the rerun
-    needs no --overwrite."""
+    """`publish` of a directory: the commit object is the last object completed. Objects without
+    the marker, or the marker beside a whole checkpoint, are no interrupted write (--overwrite is
+    needed). Published again over it (--overwrite), the old objects the new checkpoint does not
+    replace are gone. Published again and failing midway: neither the old nor the new manifest
+    is left, nor any object it wrote, only the marker, so no reader takes the mix of old and new
+    objects for a checkpoint and the rerun needs no --overwrite."""
     import contextlib
 
     from fsdpkit.checkpoint.storage.local import LocalStorage
-    from fsdpkit.checkpoint.storage.upload import WRITING_MARKER, claim_destination, publish
+    from fsdpkit.checkpoint.storage.upload import WRITING_MARKER, check_destination, claim_destination, publish
 
     completed: list[str] = []
 
@@ -85,22 +87,41 @@ def test_publish_commits_last_and_a_failed_one_over_a_checkpoint_leaves_no_commi
             completed.extend([name] if made else [])
             return made
 
+    def published(source, *, overwrite: bool) -> None:
+        lease, existing = claim_destination(destination, overwrite=overwrite)
+        publish(source, destination, existing, lease)
+
     names = ["manifest.json", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
     for step in (1, 2):
         for name in names:
             (tmp_path / f"src{step}" / name).parent.mkdir(exist_ok=True)
             (tmp_path / f"src{step}" / name).write_bytes(f"{name} of step {step}".encode())
     destination = Recorded(tmp_path / "dst")
-    lease, existing = claim_destination(destination, overwrite=False)
-    publish(tmp_path / "src1", destination, existing, lease)
+    destination.put("notes.txt", b"not a checkpoint")  # objects with no marker beside them
+    for refused in (check_destination, claim_destination):
+        with pytest.raises(UsageError, match="already holds 1 object; pass --overwrite"):
+            refused(destination, overwrite=False)
+    assert destination.list() == {"notes.txt": 16}  # the refused claim gave its lease up, as it found the destination
+    destination.delete(["notes.txt"])
+    completed.clear()
+    published(tmp_path / "src1", overwrite=False)
     assert completed[0] == WRITING_MARKER and sorted(completed[1:]) == names and completed[-1] == "manifest.json", completed
     assert destination.read("manifest.json") == b"manifest.json of step 1" and WRITING_MARKER not in destination.list()
+    destination.put(WRITING_MARKER, b"")  # as a publish killed after its commit object leaves it
+    with pytest.raises(UsageError, match="already holds 4 objects; pass --overwrite"):
+        check_destination(destination, overwrite=False)  # a whole checkpoint beside the marker
+    destination.delete([WRITING_MARKER])
+    (tmp_path / "src2" / names[-1]).rename(tmp_path / "rank-1")  # a checkpoint of one rank file replaces one of two
+    published(tmp_path / "src2", overwrite=True)
+    left = {name: destination.read(name) for name in destination.list()}
+    assert left == {name: (tmp_path / "src2" / name).read_bytes() for name in names[:-1]}, left  # the old rank 1 file gone
+    (tmp_path / "rank-1").rename(tmp_path / "src2" / names[-1])
     destination.failing = names[-1]
     with pytest.raises(RunError, match="write failed"):
-        lease, existing = claim_destination(destination, overwrite=True)
-        publish(tmp_path / "src2", destination, existing, lease)
-    assert "manifest.json" not in destination.list() and WRITING_MARKER in destination.list(), destination.list()
-    claim_destination(destination, overwrite=False)[0].release(interrupted=True)  # an interrupted write: no --overwrite needed
+        published(tmp_path / "src2", overwrite=True)
+    left = {name: destination.read(name) for name in destination.list()}
+    assert left == {WRITING_MARKER: b""}, left  # every name it writes removed, the one it did upload too
+    check_destination(destination, overwrite=False)  # an interrupted write: no --overwrite needed
 
 
 def test_a_lease_given_up_on_a_failure_reports_that_failure_not_its_own(tmp_path):

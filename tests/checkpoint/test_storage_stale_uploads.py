@@ -1,8 +1,8 @@
 """The multipart uploads a killed writer left open, aborted by the next writer: the SigV4
 signature of the requests obstore has no call for equals botocore's (the independent signer);
 a reshard run again into a prefix that holds the marker of a write cut short aborts the
-uploads open under that prefix, and only there (boto3 lists them); an upload initiated after
-the writer began is never aborted. The train side (a save after a killed one) is in
+uploads open under that prefix, and only there (boto3 lists them), page by page; an upload
+initiated after the writer began is never aborted. The train side (a save after a killed one) is in
 tests/train/test_train_object_storage.py."""
 
 from __future__ import annotations
@@ -85,3 +85,45 @@ def test_a_local_directory_is_left_alone(tmp_path):
     with mock.patch("fsdpkit.checkpoint.storage.stale_uploads.S3Requests") as requests:
         assert abort_stale_uploads(open_storage(str(tmp_path)), initiated_before=datetime.now(UTC)) == []
         requests.assert_not_called()
+
+
+def test_the_open_uploads_are_listed_page_by_page(s3_bucket, s3_endpoint):
+    """The server's listing cut into pages of one upload each, as S3 pages it (moto answers in
+    one page): every upload boto3 lists under the prefix is found, once."""
+    import xml.etree.ElementTree as ElementTree
+    from types import SimpleNamespace
+
+    from fsdpkit.checkpoint.storage.credentials import s3_access
+    from fsdpkit.checkpoint.storage.location import parse_url
+    from fsdpkit.checkpoint.storage.stale_uploads import open_uploads
+
+    client = s3_client(s3_endpoint)
+    for key in ("run/a", "run/b", "run/b", "run/c/d"):
+        client.create_multipart_upload(Bucket=s3_bucket, Key=key)
+    listed = {(u["Key"], u["UploadId"]) for u in client.list_multipart_uploads(Bucket=s3_bucket, Prefix="run/")["Uploads"]}
+    namespace = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+
+    def marker(upload: ElementTree.Element) -> tuple[str | None, str | None]:
+        return upload.findtext(f"{namespace}Key"), upload.findtext(f"{namespace}UploadId")
+
+    class OnePerPage(S3Requests):
+        def request(self, method, key, query, *, what):
+            answer = super().request(method, key, {"uploads": "", "prefix": query["prefix"]}, what=what)
+            document = ElementTree.fromstring(answer.body)
+            uploads = sorted(document.iter(f"{namespace}Upload"), key=marker)
+            after = (query.get("key-marker", ""), query.get("upload-id-marker", ""))
+            rest = [upload for upload in uploads if marker(upload) > after]
+            for upload in uploads:
+                document.remove(upload)
+            document.extend(rest[:1])
+            page = {"IsTruncated": "true" if len(rest) > 1 else "false"}
+            if rest:
+                page["NextKeyMarker"], page["NextUploadIdMarker"] = marker(rest[0])
+            for name, text in page.items():
+                found = document.find(f"{namespace}{name}")
+                (ElementTree.SubElement(document, f"{namespace}{name}") if found is None else found).text = text
+            return SimpleNamespace(status=answer.status, body=ElementTree.tostring(document))
+
+    requests = OnePerPage(s3_access(parse_url(f"s3://{s3_bucket}/run")), s3_bucket)
+    found = open_uploads(requests, "run/", where=f"s3://{s3_bucket}/run")
+    assert len(found) == len(listed) == 4 and {(u.key, u.upload_id) for u in found} == listed

@@ -83,8 +83,9 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
     (a second take, a check of the destination and a publish are refused naming the holder,
     nothing written), rewritten at each beat, emptied by a writer that stopped (then taken at
     once); a holder on another host is refused while its marker changes and taken over once it
-    stops changing; a killed holder on this host is taken over at once. A convert written into
-    a local directory first (a full export --to sharded) holds the lease while it does."""
+    stops changing, or once it is removed while it is watched; a killed holder on this host is
+    taken over at once. A convert written into a local directory first (a full export --to
+    sharded) holds the lease while it does."""
     import json
     import socket
     import threading
@@ -146,6 +147,14 @@ def test_the_writers_lease_on_a_bucket_destination_refuses_a_live_holder_and_tak
     assert json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["lease"] == taken.holder["lease"]
     taken.release(interrupted=True)
     monkeypatch.setattr(lease, "_holder_lives", holder_lives)
+    storage.put(WRITING_MARKER, json.dumps({**elsewhere, "beat_seconds": 2.0}).encode())
+    released = threading.Timer(0.5, storage.delete, [[WRITING_MARKER]])  # the holder stops while its marker is watched
+    released.start()
+    try:
+        with WriterLease.take(storage) as taken:
+            assert json.loads(_objects(s3_endpoint, s3_bucket, "out")[WRITING_MARKER])["lease"] == taken.holder["lease"]
+    finally:
+        released.join()
 
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -284,12 +293,21 @@ def test_a_write_whose_lease_another_command_took_over_commits_nothing(s3_bucket
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
 
 
-def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_endpoint, tmp_path, monkeypatch):
-    """`convert --to full` to a bucket whose every part upload fails (the multipart upload itself
-    is created): exit 1 naming the object, no object left (the marker removed too), no multipart
-    upload left open, nothing in TMPDIR. A Ctrl-C that lands as an upload completes (a data
-    file's, the commit object's) leaves no object either, and the command runs again without
-    --overwrite."""
+@pytest.mark.parametrize(
+    ("extra", "failing"),
+    [
+        (("--to", "full"), "model.safetensors"),
+        (("--to", "full", "--max-shard-size", "5MB"), "model-00003-of-00003.safetensors"),
+    ],
+    ids=["commit-file", "last-data-file"],
+)
+def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_endpoint, tmp_path, monkeypatch, extra, failing):
+    """`convert` to a bucket whose every part upload of one object fails (the multipart upload
+    itself is created), the full checkpoint's one file (the commit object, held open) or the
+    last of its shards (the others uploaded before it): exit 1 naming the object, no object left
+    (those uploaded before it and the marker removed too), no multipart upload left open,
+    nothing in TMPDIR. A Ctrl-C that lands as an upload completes (a data file's, the commit
+    object's) leaves no object either, and the command runs again without --overwrite."""
     import torch
 
     import fsdpkit.checkpoint.storage.objects as objects
@@ -301,13 +319,14 @@ def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_e
     scratch = tmp_path / "tmpdir"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    url = f"s3://{s3_bucket}/out/failed"
-    with FaultProxy(s3_endpoint, fraction=1.0, kinds=("503",), methods=("PUT",), only="out/failed/model.safetensors") as proxy:
+    out = f"out-{len(extra)}"  # the cases share the bucket (its name is cut from the test's)
+    url = f"s3://{s3_bucket}/{out}/failed"
+    with FaultProxy(s3_endpoint, fraction=1.0, kinds=("503",), methods=("PUT",), only=f"{out}/failed/{failing}") as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        result = run_cli("convert", str(run), url, "--to", "full")
+        result = run_cli("convert", str(run), url, *extra)
     assert result.exit_code == 1, result.output
-    assert result.output.startswith(f"error: {url}/model.safetensors: write failed after retries, nothing committed"), result.output
-    assert _objects(s3_endpoint, s3_bucket, "out") == {}
+    assert result.output.startswith(f"error: {url}/{failing}: write failed after retries, nothing committed"), result.output
+    assert _objects(s3_endpoint, s3_bucket, out) == {}
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
     assert list(scratch.iterdir()) == []
 
@@ -324,7 +343,7 @@ def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_e
 
         monkeypatch.setattr(objects.ObjectStorage, "write", interrupted)
         result = run_cli("convert", str(run), url, "--to", "full", "--max-shard-size", "1MB")
-        assert result.exit_code == 130 and _objects(s3_endpoint, s3_bucket, "out") == {}, (cut, result.output)
+        assert result.exit_code == 130 and _objects(s3_endpoint, s3_bucket, out) == {}, (cut, result.output)
     monkeypatch.setattr(objects.ObjectStorage, "write", upload)
     assert run_cli("convert", str(run), url, "--to", "full", "--max-shard-size", "1MB").exit_code == 0
 
@@ -332,9 +351,14 @@ def test_a_streamed_upload_that_fails_commits_nothing_and_aborts(s3_bucket, s3_e
 def test_reshard_of_dcp_and_deepspeed_and_megatron_output_to_a_bucket_are_the_local_bytes(s3_bucket, s3_endpoint, tmp_path):
     """The writers the commands stream through for these (DCP's and DeepSpeed's reshard, a tiny
     Llama from transformers `--to megatron`): every object is the file the same command writes
-    to a local directory, and the report is the local one, the URL in place of the path."""
+    to a local directory, and the report is the local one, the URL in place of the path; run
+    again with --overwrite, the objects are the same (the new commit-time files kept). A full
+    export in transformers' layout, converted --to dcp locally and then published, at 2 ranks
+    and again at 1 with --overwrite: the objects are the 1-rank files (rank 1's removed)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdpkit.models.source import resolve
 
     params = sample_tensors()
     save_checkpoint(tmp_path / "run", 1, {**params, **sample_optimizer(params)}, world_size=2)
@@ -358,3 +382,16 @@ def test_reshard_of_dcp_and_deepspeed_and_megatron_output_to_a_bucket_are_the_lo
         assert remote.stdout.replace(url, str(local)) == here.stdout
         files = {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()}
         assert _objects(s3_endpoint, s3_bucket, f"out/{name}") == files, name
+        again = run_cli(*args, url, *extra, "--overwrite")  # over itself: the new objects stay, every one
+        assert again.exit_code == 0 and _objects(s3_endpoint, s3_bucket, f"out/{name}") == files, (name, again.output)
+    source = resolve("gpt-tiny")  # its export in transformers' layout is converted --to dcp locally, then published
+    weights = {k: v for k, v in source.build(seed=0).state_dict().items() if k != "lm_head.weight"}
+    state = {"step": 1, "export": source.export.to_json()}
+    save_checkpoint(tmp_path / "gpt", 1, weights, world_size=1, aliases={"lm_head.weight": "wte.weight"}, training_state=state)
+    assert run_cli("convert", tmp_path / "gpt", tmp_path / "export", "--to", "full").exit_code == 0
+    url, local = f"s3://{s3_bucket}/out/export", tmp_path / "local-export"
+    assert run_cli("convert", tmp_path / "export", url, "--to", "dcp", "--world-size", "2").exit_code == 0
+    assert run_cli("convert", tmp_path / "export", local, "--to", "dcp").exit_code == 0
+    again = run_cli("convert", tmp_path / "export", url, "--to", "dcp", "--overwrite")
+    files = {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()}
+    assert again.exit_code == 0 and _objects(s3_endpoint, s3_bucket, "out/export") == files, again.output  # rank 1's file gone
