@@ -1,14 +1,17 @@
 """One writer per destination in a storage: the marker of a write under way, WRITING_MARKER, is
 also the writer's lease. It is made with the storage's conditional create (`If-None-Match: *`
-in an object store) and names its holder (host, pid, start time); the holder rewrites it every
-`beat_seconds` while it writes.
+in an object store) and names its holder (host, process-id namespace, pid, start time); the
+holder rewrites it every `beat_seconds` while it writes.
 
-A second writer that finds the marker is refused while its holder lives: on this host, while
-that process runs; from another host, while the marker keeps changing (it is watched for
-MISSED_BEATS of the holder's beats). A marker whose holder is gone, a killed writer's or one a
-writer left emptied when it stopped (what an interrupted write leaves, which the next write
-replaces), is taken over: deleted, then made again. That is a check, then a delete: two writers
-taking over the same stale marker in the same instant may both proceed, as with the run lock.
+A second writer that finds the marker is refused while its holder lives: on this host (its name
+and process-id namespace), while that process runs; from elsewhere, while the marker keeps
+changing (it is watched for MISSED_BEATS of the holder's beats). A marker whose holder is gone,
+a killed writer's or one a writer left emptied when it stopped (what an interrupted write
+leaves, which the next write replaces), is taken over: deleted, then made again. That is a
+check, then a delete: two writers taking over the same stale marker in the same instant may
+both proceed, as with the run lock. A holder taken over (its beats had stopped) learns it at its
+next beat or at `check`, which the writes call just before their commit object: it commits
+nothing, and leaves the marker to the new holder.
 """
 
 from __future__ import annotations
