@@ -284,7 +284,8 @@ def test_a_lost_node_recovers_from_its_buddies_copies_bitwise(tmp_path):
     _, again_err = again.communicate(timeout=120)
     assert run.exit_code == 0 and again.returncode == 0, (run.stderr, again_err.decode())
     (recovery,) = run.summary["recoveries"]
-    assert recovery["source"] == "peer" and recovery["step"] in (4, 6), run.summary["recoveries"]
+    # a snapshot step before the stop; on a busy machine one that cannot keep up is skipped, so not always 4 or 6
+    assert recovery["source"] == "peer" and recovery["step"] in (2, 4, 6), run.summary["recoveries"]
     assert run.summary["losses"] == reference.summary["losses"]
     assert_bitwise_equal(weights(run.run_dir), weights(reference.run_dir))
 
