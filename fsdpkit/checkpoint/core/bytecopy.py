@@ -48,6 +48,11 @@ class SourcePiece(NamedTuple):
     def label(self) -> str:
         return f"{self.path.name} tensor {self.key!r} [{self.range.start}, {self.range.end})"
 
+    @property
+    def checked(self) -> bool:
+        """Whether its bytes are checked as they pass: against its own crc32, or its storage's."""
+        return self.crc32 is not None or self.storage is not None
+
 
 @dataclass(frozen=True)
 class SourceTensor:
@@ -334,7 +339,7 @@ class ByteEngine:
         itemsize, position = dtype_info(tensor.dtype).itemsize, wanted.start
         for piece in tensor.pieces_in(wanted):
             part = piece.range.intersect(wanted)
-            if piece.crc32 is not None or piece.storage is not None or part.size * itemsize < KERNEL_COPY_BYTES:
+            if piece.checked or part.size * itemsize < KERNEL_COPY_BYTES:
                 continue
             if part.start > position:
                 self.copy(tensor, ElementRange(position, part.start), out_dtype, sink)
@@ -412,7 +417,7 @@ class ByteEngine:
         for piece in tensor.pieces_in(wanted):
             part = piece.range.intersect(wanted)
             file = self._file_of(piece)
-            if (piece.crc32 is None and piece.storage is None) or (file, piece.offset) in self._verified:
+            if not piece.checked or (file, piece.offset) in self._verified:
                 start = piece.offset + (part.start - piece.range.start) * itemsize
                 pread_into(self._files.fd(file), start, out[part.start * itemsize - base : part.end * itemsize - base], piece.path)
                 continue

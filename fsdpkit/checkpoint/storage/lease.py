@@ -70,16 +70,12 @@ class WriterLease:
     def _still_ours(self) -> bool:
         """Whether the marker still names this lease; a store's error is raised."""
         try:
-            data = self.storage.read(WRITING_MARKER)
+            found = _holder_in(self.storage.read(WRITING_MARKER))
         except FsdpkitError:
             if self.storage.size(WRITING_MARKER) is None:
                 return False
             raise
-        try:
-            found = json.loads(data[:4096].decode("utf-8") or "null")
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            return False
-        return isinstance(found, dict) and found.get("lease") == self.holder["lease"]
+        return found is not None and found.get("lease") == self.holder["lease"]
 
     def check(self) -> None:
         """A RunError when another command took the lease over (this one's beats had stopped for
@@ -136,8 +132,16 @@ def _encoded(holder: dict) -> bytes:
 def _read(storage: Storage) -> dict | None:
     """The holder the marker names; None when there is no marker, or it names no holder."""
     try:
-        document = json.loads(storage.read(WRITING_MARKER)[:4096].decode("utf-8") or "null")
-    except (FsdpkitError, UnicodeDecodeError, ValueError, RecursionError):
+        return _holder_in(storage.read(WRITING_MARKER))
+    except FsdpkitError:
+        return None
+
+
+def _holder_in(marker: bytes) -> dict | None:
+    """The holder a marker's bytes name; None for an emptied or unreadable one."""
+    try:
+        document = json.loads(marker[:4096].decode("utf-8") or "null")
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     return document if isinstance(document, dict) and "lease" in document else None
 

@@ -98,7 +98,7 @@ class RawOutput:
             if part.start != wanted.start + done:
                 raise AssertionError(f"{source.name}: no source piece holds element {wanted.start + done}")
             nbytes = part.size * itemsize
-            if piece.crc32 is not None or piece.storage is not None:
+            if piece.checked:
                 self.copy_via_engine(source, part, source.dtype)
             else:
                 offset = piece.offset + (part.start - piece.range.start) * itemsize
